@@ -1,0 +1,2 @@
+//! Code generation (filled in by the codegen milestone).
+#![forbid(unsafe_code)]

@@ -1,0 +1,67 @@
+//! shardc's frontend: the ONNX textual syntax (what `onnx.printer.to_text` writes) to
+//! `ir::Model`.
+//!
+//! Three stages, as in naga's WGSL frontend: [`parse`](parse::parse_model) turns text into a
+//! syntax tree with spans (pest is used only there), [`lower`](lower::lower) resolves names
+//! and attribute kinds into the IR and copies spans into the graph, and [`diag`] renders
+//! problems as `file:line:col` with the source line and a caret. Library code never prints.
+//!
+//! ```
+//! let text = "<ir_version: 8, opset_import: [\"\" : 17]>\n\
+//!             g (float[2] x) => (float[2] y) { y = Relu (x) }";
+//! let parsed = shardc_frontend::parse(text).expect("valid");
+//! assert_eq!(parsed.model.graph.op_count(), 1);
+//! ```
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod ast;
+pub mod diag;
+pub mod lower;
+pub mod parse;
+
+pub use diag::{Diagnostic, Severity, render};
+
+/// A parsed model with the warnings lowering produced.
+pub struct Parsed {
+    /// The model.
+    pub model: ir::Model,
+    /// Warnings (for example ops kept opaque).
+    pub warnings: Vec<Diagnostic>,
+}
+
+/// Parses and lowers model text. On failure, every error found.
+pub fn parse(source: &str) -> Result<Parsed, Vec<Diagnostic>> {
+    if source.trim().is_empty() {
+        return Err(vec![
+            Diagnostic::error("the input is empty: expected a model (an optional `<…>` header, then a graph)")
+                .with_primary(ir::Span::new(0, source.len()), "nothing here"),
+        ]);
+    }
+    let ast = parse::parse_model(source).map_err(|d| vec![d])?;
+    let lowered = lower::lower(&ast)?;
+    Ok(Parsed { model: lowered.model, warnings: lowered.warnings })
+}
+
+/// Checks that a file's bytes are text, returning it; a binary file (such as a binary `.onnx`
+/// protobuf) gets a diagnostic that says how to convert it.
+pub fn decode(bytes: &[u8]) -> Result<&str, Diagnostic> {
+    let binary_hint = "shardc reads the ONNX text syntax; convert a binary model with \
+        `python -c \"import onnx,sys; print(onnx.printer.to_text(onnx.load(sys.argv[1])))\" model.onnx > model.onnxtxt`";
+    match std::str::from_utf8(bytes) {
+        Ok(s) => {
+            if let Some(pos) = s.find('\0') {
+                return Err(Diagnostic::error("this is a binary file, not ONNX text (it contains a NUL byte)")
+                    .with_primary(ir::Span::new(pos, pos + 1), "NUL byte")
+                    .with_note(binary_hint));
+            }
+            Ok(s)
+        }
+        Err(e) => {
+            let pos = e.valid_up_to();
+            Err(Diagnostic::error("this is not UTF-8 text (a binary file?)")
+                .with_primary(ir::Span::new(pos, pos + 1), "invalid UTF-8 byte")
+                .with_note(binary_hint))
+        }
+    }
+}

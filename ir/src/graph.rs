@@ -1,0 +1,748 @@
+//! The graph: SSA values produced by nodes, petgraph inside.
+//!
+//! Invariants kept by every method here (and checked by [`crate::verify`]):
+//! - each node's ordered inputs are mirrored by one petgraph edge per present input, from the
+//!   producer to the consumer, carrying the slots; a subgraph capture is an edge with
+//!   `dst_slot == CAPTURE`;
+//! - every non-empty output name is unique in the graph and indexed for [`Graph::lookup`];
+//! - graph inputs are [`Op::Input`] nodes, initializers are [`Op::Initializer`] nodes (or
+//!   inputs with a default), values of enclosing graphs are [`Op::OuterRef`] nodes.
+//!
+//! Callers never see petgraph: nodes are named by [`NodeId`], values by [`Value`].
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::fmt;
+
+use petgraph::Direction;
+use petgraph::stable_graph::{NodeIndex, StableDiGraph};
+use petgraph::visit::EdgeRef;
+use serde::{Deserialize, Serialize};
+
+use crate::op::Op;
+use crate::tensor::Tensor;
+use crate::types::{TensorType, Type};
+
+/// A node of a [`Graph`]; stable across removals of other nodes.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(NodeIndex<u32>);
+
+impl NodeId {
+    /// The index, for tables keyed by node.
+    pub fn index(self) -> usize {
+        self.0.index()
+    }
+}
+
+impl fmt::Debug for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "%{}", self.0.index())
+    }
+}
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "%{}", self.0.index())
+    }
+}
+
+impl Serialize for NodeId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u32(self.0.index() as u32)
+    }
+}
+
+/// A tensor-valued wire: output `slot` of `node`. Displays as `%12` or `%12#1`.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct Value {
+    /// The producing node.
+    pub node: NodeId,
+    /// Which of its outputs.
+    pub slot: u16,
+}
+
+impl Value {
+    /// Output `slot` of `node`.
+    pub fn new(node: NodeId, slot: u16) -> Value {
+        Value { node, slot }
+    }
+}
+
+impl fmt::Debug for Value {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl fmt::Display for Value {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.slot == 0 { write!(f, "{}", self.node) } else { write!(f, "{}#{}", self.node, self.slot) }
+    }
+}
+
+/// Edge weight: which output feeds which input.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct Port {
+    src_slot: u16,
+    dst_slot: u16,
+}
+
+/// `dst_slot` of an edge that stands for a value captured by a subgraph.
+const CAPTURE: u16 = u16::MAX;
+
+/// A byte range in the source text a graph was parsed from.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct Span {
+    /// First byte.
+    pub start: u32,
+    /// One past the last byte.
+    pub end: u32,
+}
+
+impl Span {
+    /// A span of bytes `start..end`.
+    pub fn new(start: usize, end: usize) -> Span {
+        Span { start: start as u32, end: end as u32 }
+    }
+
+    /// As a range of byte offsets.
+    pub fn range(self) -> std::ops::Range<usize> {
+        self.start as usize..self.end as usize
+    }
+}
+
+/// One output of a node: its name (empty for an omitted optional output) and its type, when
+/// declared or inferred.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Output {
+    /// The value's name; `""` marks an omitted optional output.
+    pub name: String,
+    /// The type, when known.
+    pub ty: Option<Type>,
+}
+
+impl Output {
+    /// A named output of unknown type.
+    pub fn named(name: impl Into<String>) -> Output {
+        Output { name: name.into(), ty: None }
+    }
+}
+
+/// A node: an op, its ordered inputs and its outputs.
+#[derive(Clone, Debug)]
+pub struct Node {
+    /// The operator.
+    pub op: Op,
+    /// The node's label (`[name]` in the text syntax, ONNX `NodeProto.name`).
+    pub label: Option<String>,
+    /// The order its attributes were written in, when that was not name order (exporters do
+    /// not always sort); the printer keeps it so that text round-trips exactly.
+    pub attr_order: Vec<String>,
+    inputs: Vec<Option<Value>>,
+    outputs: Vec<Output>,
+    captures: Vec<Value>,
+}
+
+impl Node {
+    /// Ordered inputs; `None` is an omitted optional input (`""`).
+    pub fn inputs(&self) -> &[Option<Value>] {
+        &self.inputs
+    }
+
+    /// Input `i`, when present.
+    pub fn input(&self, i: usize) -> Option<Value> {
+        self.inputs.get(i).copied().flatten()
+    }
+
+    /// Ordered outputs.
+    pub fn outputs(&self) -> &[Output] {
+        &self.outputs
+    }
+
+    /// Values of enclosing graphs that this node's subgraphs read.
+    pub fn captures(&self) -> &[Value] {
+        &self.captures
+    }
+
+    /// Number of outputs.
+    pub fn num_outputs(&self) -> usize {
+        self.outputs.len()
+    }
+}
+
+/// A graph output: a value and the type its declaration gives, if any.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GraphOutput {
+    /// The value.
+    pub value: Value,
+    /// The type written in the graph's signature.
+    pub ty: Option<Type>,
+}
+
+/// Error of [`Graph::topo_order`]: these nodes lie on or after a cycle.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Cycle(pub Vec<NodeId>);
+
+/// A typed SSA graph.
+#[derive(Clone, Debug)]
+pub struct Graph {
+    /// The graph's name (`main_graph`).
+    pub name: String,
+    /// The default-domain opset the graph was written for (semantics of a few ops, such as
+    /// Softmax, changed across opsets); 0 when unknown.
+    pub opset: i64,
+    g: StableDiGraph<Node, Port, u32>,
+    inputs: Vec<NodeId>,
+    outputs: Vec<GraphOutput>,
+    initializers: Vec<NodeId>,
+    names: HashMap<String, Value>,
+    spans: HashMap<NodeId, Span>,
+    value_info_order: Vec<String>,
+    value_info_extra: HashMap<String, Option<Type>>,
+}
+
+impl PartialEq for Graph {
+    /// Graphs are equal when they print the same.
+    fn eq(&self, other: &Graph) -> bool {
+        crate::print::graph_to_string(self) == crate::print::graph_to_string(other)
+    }
+}
+
+impl Graph {
+    /// An empty graph.
+    pub fn new(name: impl Into<String>) -> Graph {
+        Graph {
+            name: name.into(),
+            opset: 0,
+            g: StableDiGraph::default(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            initializers: Vec::new(),
+            names: HashMap::new(),
+            spans: HashMap::new(),
+            value_info_order: Vec::new(),
+            value_info_extra: HashMap::new(),
+        }
+    }
+
+    // ---------------------------------------------------------------- building
+
+    /// Adds a graph input of type `ty`.
+    pub fn add_input(&mut self, name: impl Into<String>, ty: Option<Type>) -> Value {
+        let id = self.add_node(Op::Input { default: None }, vec![], vec![Output { name: name.into(), ty }]);
+        self.inputs.push(id);
+        Value::new(id, 0)
+    }
+
+    /// Adds an initializer (a constant parameter) named `name`.
+    pub fn add_initializer(&mut self, name: impl Into<String>, tensor: Tensor) -> Value {
+        let ty = Some(Type::Tensor(tensor.tensor_type()));
+        let id = self.add_node(Op::Initializer(tensor), vec![], vec![Output { name: name.into(), ty }]);
+        self.initializers.push(id);
+        Value::new(id, 0)
+    }
+
+    /// Gives graph input `input` a default value (an initializer of the same name).
+    pub fn set_input_default(&mut self, input: Value, tensor: Tensor) {
+        if let Op::Input { default } = &mut self.g[input.node.0].op {
+            let had = default.is_some();
+            *default = Some(tensor);
+            if !had {
+                self.initializers.push(input.node);
+            }
+        }
+    }
+
+    /// Adds a node; every present input must already exist. Returns its id.
+    pub fn add_node(&mut self, op: Op, inputs: Vec<Option<Value>>, outputs: Vec<Output>) -> NodeId {
+        let id = NodeId(self.g.add_node(Node {
+            op,
+            label: None,
+            attr_order: Vec::new(),
+            inputs: Vec::new(),
+            outputs,
+            captures: Vec::new(),
+        }));
+        for (slot, out) in self.g[id.0].outputs.iter().enumerate() {
+            if !out.name.is_empty() {
+                self.names.entry(out.name.clone()).or_insert(Value::new(id, slot as u16));
+            }
+        }
+        self.set_inputs(id, inputs);
+        id
+    }
+
+    /// Adds a node with a label; see [`Graph::add_node`].
+    pub fn add_labeled_node(
+        &mut self,
+        label: Option<String>,
+        op: Op,
+        inputs: Vec<Option<Value>>,
+        outputs: Vec<Output>,
+    ) -> NodeId {
+        let id = self.add_node(op, inputs, outputs);
+        self.g[id.0].label = label;
+        id
+    }
+
+    /// Adds a node with one output named `name` and returns that value.
+    pub fn add_simple(&mut self, op: Op, inputs: &[Value], name: impl Into<String>) -> Value {
+        let id = self.add_node(op, inputs.iter().map(|v| Some(*v)).collect(), vec![Output::named(name)]);
+        Value::new(id, 0)
+    }
+
+    /// Adds an [`Op::OuterRef`] standing for the enclosing graph's value `name`.
+    pub fn add_outer_ref(&mut self, name: impl Into<String>, ty: Option<Type>) -> Value {
+        let id = self.add_node(Op::OuterRef, vec![], vec![Output { name: name.into(), ty }]);
+        Value::new(id, 0)
+    }
+
+    /// Appends a graph output.
+    pub fn add_output(&mut self, value: Value, ty: Option<Type>) {
+        self.outputs.push(GraphOutput { value, ty });
+    }
+
+    /// Replaces the list of graph outputs.
+    pub fn set_outputs(&mut self, outputs: Vec<GraphOutput>) {
+        self.outputs = outputs;
+    }
+
+    /// Replaces a node's inputs (keeping edges in step).
+    pub fn set_inputs(&mut self, node: NodeId, inputs: Vec<Option<Value>>) {
+        let old: Vec<_> = self
+            .g
+            .edges_directed(node.0, Direction::Incoming)
+            .filter(|e| e.weight().dst_slot != CAPTURE)
+            .map(|e| e.id())
+            .collect();
+        for e in old {
+            self.g.remove_edge(e);
+        }
+        for (i, v) in inputs.iter().enumerate() {
+            if let Some(v) = v {
+                self.g.add_edge(v.node.0, node.0, Port { src_slot: v.slot, dst_slot: i as u16 });
+            }
+        }
+        self.g[node.0].inputs = inputs;
+    }
+
+    /// Sets input `i` of `node` (growing the input list with omitted inputs if needed).
+    pub fn set_input(&mut self, node: NodeId, i: usize, value: Option<Value>) {
+        let mut inputs = self.g[node.0].inputs.clone();
+        if inputs.len() <= i {
+            inputs.resize(i + 1, None);
+        }
+        inputs[i] = value;
+        self.set_inputs(node, inputs);
+    }
+
+    /// Records the outer values a node's subgraphs read.
+    pub fn set_captures(&mut self, node: NodeId, captures: Vec<Value>) {
+        let old: Vec<_> = self
+            .g
+            .edges_directed(node.0, Direction::Incoming)
+            .filter(|e| e.weight().dst_slot == CAPTURE)
+            .map(|e| e.id())
+            .collect();
+        for e in old {
+            self.g.remove_edge(e);
+        }
+        for v in &captures {
+            self.g.add_edge(v.node.0, node.0, Port { src_slot: v.slot, dst_slot: CAPTURE });
+        }
+        self.g[node.0].captures = captures;
+    }
+
+    /// Makes every use of `old` (node inputs, captures and graph outputs) use `new`.
+    pub fn replace_all_uses(&mut self, old: Value, new: Value) {
+        for (user, _) in self.users(old) {
+            let inputs = self.g[user.0].inputs.iter().map(|i| if *i == Some(old) { Some(new) } else { *i }).collect();
+            self.set_inputs(user, inputs);
+            if self.g[user.0].captures.contains(&old) {
+                let caps = self.g[user.0].captures.iter().map(|c| if *c == old { new } else { *c }).collect();
+                self.set_captures(user, caps);
+            }
+        }
+        for o in &mut self.outputs {
+            if o.value == old {
+                o.value = new;
+            }
+        }
+    }
+
+    /// Removes a node. Its outputs must be unused (see [`Graph::users`]); graph outputs and
+    /// inputs referring to it must have been moved first.
+    pub fn remove_node(&mut self, node: NodeId) {
+        debug_assert!(
+            self.g.edges_directed(node.0, Direction::Outgoing).next().is_none(),
+            "removing {node} while it is still used"
+        );
+        if let Some(n) = self.g.remove_node(node.0) {
+            for (slot, out) in n.outputs.iter().enumerate() {
+                if self.names.get(&out.name) == Some(&Value::new(node, slot as u16)) {
+                    self.names.remove(&out.name);
+                }
+            }
+        }
+        self.inputs.retain(|&i| i != node);
+        self.initializers.retain(|&i| i != node);
+        self.spans.remove(&node);
+    }
+
+    /// Replaces a node's op (the caller keeps inputs, outputs and types consistent).
+    pub fn set_op(&mut self, node: NodeId, op: Op) {
+        let was_init = matches!(self.g[node.0].op, Op::Initializer(_));
+        let is_init = matches!(op, Op::Initializer(_));
+        self.g[node.0].op = op;
+        if is_init && !was_init {
+            self.initializers.push(node);
+        } else if was_init && !is_init {
+            self.initializers.retain(|&i| i != node);
+        }
+    }
+
+    /// Records the order a node's attributes were written in (see [`Node::attr_order`]).
+    pub fn set_attr_order(&mut self, node: NodeId, order: Vec<String>) {
+        self.g[node.0].attr_order = order;
+    }
+
+    /// Sets the label of a node.
+    pub fn set_label(&mut self, node: NodeId, label: Option<String>) {
+        self.g[node.0].label = label;
+    }
+
+    /// Sets the type of a value.
+    pub fn set_type(&mut self, value: Value, ty: Option<Type>) {
+        self.g[value.node.0].outputs[value.slot as usize].ty = ty;
+    }
+
+    /// Renames a value. Fails (returning false) when the name is taken.
+    pub fn rename(&mut self, value: Value, name: impl Into<String>) -> bool {
+        let name = name.into();
+        if self.names.contains_key(&name) {
+            return false;
+        }
+        let old = std::mem::replace(&mut self.g[value.node.0].outputs[value.slot as usize].name, name.clone());
+        if self.names.get(&old) == Some(&value) {
+            self.names.remove(&old);
+        }
+        if !name.is_empty() {
+            self.names.insert(name, value);
+        }
+        true
+    }
+
+    /// A name not used in this graph, `base` or `base_N`.
+    pub fn fresh_name(&self, base: &str) -> String {
+        if !self.names.contains_key(base) {
+            return base.to_string();
+        }
+        (1..).map(|i| format!("{base}_{i}")).find(|n| !self.names.contains_key(n)).expect("unbounded")
+    }
+
+    /// Records where a node came from in the source text.
+    pub fn set_span(&mut self, node: NodeId, span: Span) {
+        self.spans.insert(node, span);
+    }
+
+    /// Records that `name` had a `value_info` entry, in text order, so that the printer
+    /// writes value infos in the order they were read.
+    pub fn note_value_info(&mut self, name: String) {
+        self.value_info_order.push(name);
+    }
+
+    /// Records a `value_info` entry for a name that is not an operator's output (a graph input,
+    /// an initializer, an outer value), so it prints back.
+    pub fn set_extra_value_info(&mut self, name: String, ty: Option<Type>) {
+        self.value_info_extra.insert(name, ty);
+    }
+
+    // ---------------------------------------------------------------- reading
+
+    /// The node `id`. Panics when it was removed (a broken invariant of the caller).
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.g[id.0]
+    }
+
+    /// True when `id` names a live node.
+    pub fn contains(&self, id: NodeId) -> bool {
+        self.g.contains_node(id.0)
+    }
+
+    /// All node ids, in creation order (which is the text order for parsed graphs).
+    pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.g.node_indices().map(NodeId)
+    }
+
+    /// Number of nodes, sources (inputs, initializers) included.
+    pub fn node_count(&self) -> usize {
+        self.g.node_count()
+    }
+
+    /// Number of operator nodes: everything except inputs, initializers and outer references.
+    pub fn op_count(&self) -> usize {
+        self.g.node_weights().filter(|n| !matches!(n.op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef)).count()
+    }
+
+    /// Graph input nodes, in order.
+    pub fn inputs(&self) -> &[NodeId] {
+        &self.inputs
+    }
+
+    /// Graph input values, in order.
+    pub fn input_values(&self) -> Vec<Value> {
+        self.inputs.iter().map(|&n| Value::new(n, 0)).collect()
+    }
+
+    /// Graph outputs, in order.
+    pub fn outputs(&self) -> &[GraphOutput] {
+        &self.outputs
+    }
+
+    /// Initializer entries (initializers and inputs with defaults) in print order.
+    pub fn initializers(&self) -> &[NodeId] {
+        &self.initializers
+    }
+
+    /// Names that had `value_info` entries, in the order they were read.
+    pub fn value_info_order(&self) -> &[String] {
+        &self.value_info_order
+    }
+
+    /// The type of a `value_info` entry that names no operator output.
+    pub fn extra_value_info(&self, name: &str) -> Option<&Option<Type>> {
+        self.value_info_extra.get(name)
+    }
+
+    /// The value called `name`, if any.
+    pub fn lookup(&self, name: &str) -> Option<Value> {
+        self.names.get(name).copied()
+    }
+
+    /// The name of a value.
+    pub fn value_name(&self, v: Value) -> &str {
+        &self.g[v.node.0].outputs[v.slot as usize].name
+    }
+
+    /// The type of a value, when known.
+    pub fn value_type(&self, v: Value) -> Option<&Type> {
+        self.g[v.node.0].outputs.get(v.slot as usize)?.ty.as_ref()
+    }
+
+    /// The tensor type of a value, when known and a tensor.
+    pub fn tensor_type(&self, v: Value) -> Option<&TensorType> {
+        self.value_type(v)?.as_tensor()
+    }
+
+    /// The constant behind a value, when it is an initializer (or an input's default).
+    pub fn initializer(&self, v: Value) -> Option<&Tensor> {
+        match &self.g[v.node.0].op {
+            Op::Initializer(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// Where a node came from in the source text.
+    pub fn span(&self, node: NodeId) -> Option<Span> {
+        self.spans.get(&node).copied()
+    }
+
+    /// The nodes that use `value`, with the input index (or `usize::MAX` for a capture).
+    pub fn users(&self, value: Value) -> Vec<(NodeId, usize)> {
+        let mut out: Vec<_> = self
+            .g
+            .edges_directed(value.node.0, Direction::Outgoing)
+            .filter(|e| e.weight().src_slot == value.slot)
+            .map(|e| {
+                let d = e.weight().dst_slot;
+                (NodeId(e.target()), if d == CAPTURE { usize::MAX } else { usize::from(d) })
+            })
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// True when any node or graph output reads `value`.
+    pub fn is_used(&self, value: Value) -> bool {
+        self.outputs.iter().any(|o| o.value == value)
+            || self.g.edges_directed(value.node.0, Direction::Outgoing).any(|e| e.weight().src_slot == value.slot)
+    }
+
+    /// The distinct nodes that read any output of `node`.
+    pub fn successors(&self, node: NodeId) -> Vec<NodeId> {
+        let mut s: Vec<_> = self.g.neighbors_directed(node.0, Direction::Outgoing).map(NodeId).collect();
+        s.sort();
+        s.dedup();
+        s
+    }
+
+    /// The distinct nodes whose outputs `node` reads (captures included).
+    pub fn predecessors(&self, node: NodeId) -> Vec<NodeId> {
+        let mut s: Vec<_> = self.g.neighbors_directed(node.0, Direction::Incoming).map(NodeId).collect();
+        s.sort();
+        s.dedup();
+        s
+    }
+
+    /// A topological order of all nodes; among ready nodes the oldest comes first, so a
+    /// graph parsed from topologically sorted text keeps its text order.
+    pub fn topo_order(&self) -> Result<Vec<NodeId>, Cycle> {
+        let mut indeg: HashMap<NodeIndex<u32>, usize> = HashMap::with_capacity(self.g.node_count());
+        for n in self.g.node_indices() {
+            indeg.insert(n, 0);
+        }
+        for e in self.g.edge_indices() {
+            let (_, t) = self.g.edge_endpoints(e).expect("live edge");
+            *indeg.get_mut(&t).expect("live node") += 1;
+        }
+        let mut heap: BinaryHeap<Reverse<NodeIndex<u32>>> =
+            indeg.iter().filter(|(_, d)| **d == 0).map(|(n, _)| Reverse(*n)).collect();
+        let mut order = Vec::with_capacity(self.g.node_count());
+        while let Some(Reverse(n)) = heap.pop() {
+            order.push(NodeId(n));
+            for e in self.g.edges_directed(n, Direction::Outgoing) {
+                let d = indeg.get_mut(&e.target()).expect("live node");
+                *d -= 1;
+                if *d == 0 {
+                    heap.push(Reverse(e.target()));
+                }
+            }
+        }
+        if order.len() == self.g.node_count() {
+            Ok(order)
+        } else {
+            let mut rest: Vec<_> = indeg.into_iter().filter(|(_, d)| *d > 0).map(|(n, _)| NodeId(n)).collect();
+            rest.sort();
+            Err(Cycle(rest))
+        }
+    }
+
+    /// Operator nodes (no inputs, initializers or outer references) in topological order.
+    pub fn op_nodes(&self) -> Result<Vec<NodeId>, Cycle> {
+        Ok(self
+            .topo_order()?
+            .into_iter()
+            .filter(|&n| !matches!(self.node(n).op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef))
+            .collect())
+    }
+
+    /// A short description of a node for messages: its label, or its first output's name, and
+    /// its op type.
+    pub fn describe(&self, node: NodeId) -> String {
+        let n = self.node(node);
+        let op = n.op.op_type();
+        match (&n.label, n.outputs.first()) {
+            (Some(l), _) => format!("{op} node `{l}`"),
+            (None, Some(o)) if !o.name.is_empty() => format!("{op} node producing `{}`", o.name),
+            _ => format!("{op} node {node}"),
+        }
+    }
+}
+
+/// A function defined in a model (ONNX `FunctionProto`). Its body is a graph whose inputs
+/// are the formal parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Function {
+    /// Domain the function is called by.
+    pub domain: String,
+    /// Overload name, usually empty.
+    pub overload: String,
+    /// Opsets the body uses.
+    pub opset_import: Vec<(String, i64)>,
+    /// Documentation string.
+    pub doc_string: Option<String>,
+    /// Names of the attribute parameters.
+    pub attr_params: Vec<String>,
+    /// Attribute parameters written with a default (the ONNX printer does not print these).
+    pub attr_defaults: Vec<crate::attr::Attribute>,
+    /// The body; its name is the function's name.
+    pub body: Graph,
+}
+
+/// A model: header, main graph, functions.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Model {
+    /// ONNX IR version.
+    pub ir_version: i64,
+    /// `(domain, version)` pairs; `""` is the default domain.
+    pub opset_import: Vec<(String, i64)>,
+    /// Producer name.
+    pub producer_name: Option<String>,
+    /// Producer version.
+    pub producer_version: Option<String>,
+    /// Model domain.
+    pub domain: Option<String>,
+    /// Model version.
+    pub model_version: Option<i64>,
+    /// Documentation string.
+    pub doc_string: Option<String>,
+    /// Metadata key/value pairs.
+    pub metadata_props: Option<Vec<(String, String)>>,
+    /// The main graph.
+    pub graph: Graph,
+    /// Functions defined by the model.
+    pub functions: Vec<Function>,
+}
+
+impl Model {
+    /// A model around `graph` with the default opset `opset`.
+    pub fn new(graph: Graph, opset: i64) -> Model {
+        let mut graph = graph;
+        graph.opset = opset;
+        Model {
+            ir_version: 8,
+            opset_import: vec![(String::new(), opset)],
+            producer_name: Some("shardc".into()),
+            producer_version: None,
+            domain: None,
+            model_version: None,
+            doc_string: None,
+            metadata_props: None,
+            graph,
+            functions: Vec::new(),
+        }
+    }
+
+    /// The imported version of the default ONNX domain (`""` or `ai.onnx`), if any.
+    pub fn default_opset(&self) -> Option<i64> {
+        self.opset_import.iter().find(|(d, _)| d.is_empty() || d == "ai.onnx").map(|(_, v)| *v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op;
+    use crate::types::DType;
+
+    #[test]
+    fn edges_follow_inputs() {
+        let mut g = Graph::new("g");
+        let x = g.add_input("x", Some(TensorType::fixed(DType::Float, &[2]).into()));
+        let y = g.add_simple(Op::Relu(op::Relu::default()), &[x], "y");
+        let z = g.add_simple(Op::Add(op::Add::default()), &[y, x], "z");
+        g.add_output(z, None);
+        assert_eq!(g.users(x), vec![(y.node, 0), (z.node, 1)]);
+        assert_eq!(g.lookup("z"), Some(z));
+        g.replace_all_uses(y, x);
+        assert_eq!(g.node(z.node).inputs(), &[Some(x), Some(x)]);
+        assert!(!g.is_used(y));
+        g.remove_node(y.node);
+        assert_eq!(g.lookup("y"), None);
+        let order = g.topo_order().unwrap();
+        assert_eq!(order, vec![x.node, z.node]);
+        assert_eq!(g.fresh_name("z"), "z_1");
+    }
+
+    #[test]
+    fn cycles_are_reported() {
+        let mut g = Graph::new("g");
+        let x = g.add_input("x", None);
+        let a = g.add_simple(Op::Relu(op::Relu::default()), &[x], "a");
+        let b = g.add_simple(Op::Relu(op::Relu::default()), &[a], "b");
+        g.set_input(a.node, 0, Some(b));
+        let Cycle(nodes) = g.topo_order().unwrap_err();
+        assert_eq!(nodes, vec![a.node, b.node]);
+    }
+}

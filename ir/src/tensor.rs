@@ -1,0 +1,354 @@
+//! Constant tensors: initializers and tensor-valued attributes.
+//!
+//! Storage mirrors ONNX's `TensorProto` fields so that a tensor prints back exactly as it was
+//! written: small integer types and the 16/8-bit float types live in `int32_data` (as raw bit
+//! patterns for the float types), `int64` in `int64_data`, `uint32`/`uint64` in `uint64_data`,
+//! `float`/`complex64` in `float_data`, `double`/`complex128` in `double_data`.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::types::{DType, TensorType, write_quoted};
+
+/// The values of a constant tensor, in the `TensorProto` field that holds them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum TensorData {
+    /// `int32_data`: int8/16/32, uint8/16, bool, and the bit patterns of float16, bfloat16, float8*.
+    Int32(Vec<i32>),
+    /// `int64_data`.
+    Int64(Vec<i64>),
+    /// `uint64_data`: uint32 and uint64.
+    Uint64(Vec<u64>),
+    /// `float_data`: float, and complex64 as (re, im) pairs.
+    Float(Vec<f32>),
+    /// `double_data`: double, and complex128 as (re, im) pairs.
+    Double(Vec<f64>),
+    /// `string_data`.
+    Strings(Vec<String>),
+    /// Data stored outside the model (`["location": "w.bin", "offset": "0", "length": "64"]`);
+    /// the key/value entries are kept as written.
+    External(Vec<(String, String)>),
+}
+
+/// Which `TensorData` variant holds inline values of a dtype.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Storage {
+    /// [`TensorData::Int32`].
+    Int32,
+    /// [`TensorData::Int64`].
+    Int64,
+    /// [`TensorData::Uint64`].
+    Uint64,
+    /// [`TensorData::Float`].
+    Float,
+    /// [`TensorData::Double`].
+    Double,
+    /// [`TensorData::Strings`].
+    Strings,
+}
+
+impl Storage {
+    /// The field ONNX stores inline values of `dtype` in; `None` for packed sub-byte types,
+    /// which the text syntax cannot hold.
+    pub fn of(dtype: DType) -> Option<Storage> {
+        use DType::*;
+        Some(match dtype {
+            Int8 | Int16 | Int32 | Uint8 | Uint16 | Bool | Float16 | Bfloat16 | Float8e4m3fn | Float8e4m3fnuz
+            | Float8e5m2 | Float8e5m2fnuz | Float8e8m0 | Int4 | Uint4 | Float4e2m1 => Storage::Int32,
+            Int64 => Storage::Int64,
+            Uint32 | Uint64 => Storage::Uint64,
+            Float | Complex64 => Storage::Float,
+            Double | Complex128 => Storage::Double,
+            String => Storage::Strings,
+            Int2 | Uint2 => return None,
+        })
+    }
+}
+
+/// A constant tensor.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Tensor {
+    /// Element type.
+    pub dtype: DType,
+    /// Shape; always concrete.
+    pub dims: Vec<i64>,
+    /// The name written on a tensor-valued attribute (`float[2] name {…}`); initializers take
+    /// their name from the graph instead.
+    pub name: Option<String>,
+    /// The values.
+    pub data: TensorData,
+}
+
+impl Tensor {
+    /// A float tensor.
+    pub fn from_f32(dims: Vec<i64>, values: Vec<f32>) -> Tensor {
+        Tensor { dtype: DType::Float, dims, name: None, data: TensorData::Float(values) }
+    }
+
+    /// An int64 tensor.
+    pub fn from_i64(dims: Vec<i64>, values: Vec<i64>) -> Tensor {
+        Tensor { dtype: DType::Int64, dims, name: None, data: TensorData::Int64(values) }
+    }
+
+    /// Number of elements the shape calls for.
+    pub fn numel(&self) -> u64 {
+        self.dims.iter().map(|&d| d.max(0) as u64).product()
+    }
+
+    /// Number of values stored inline (complex values count twice); `None` for external data.
+    pub fn stored_len(&self) -> Option<usize> {
+        Some(match &self.data {
+            TensorData::Int32(v) => v.len(),
+            TensorData::Int64(v) => v.len(),
+            TensorData::Uint64(v) => v.len(),
+            TensorData::Float(v) => v.len(),
+            TensorData::Double(v) => v.len(),
+            TensorData::Strings(v) => v.len(),
+            TensorData::External(_) => return None,
+        })
+    }
+
+    /// Values per element in storage (2 for complex types).
+    pub fn values_per_element(&self) -> u64 {
+        if matches!(self.dtype, DType::Complex64 | DType::Complex128) { 2 } else { 1 }
+    }
+
+    /// True when the data lives in an external file.
+    pub fn is_external(&self) -> bool {
+        matches!(self.data, TensorData::External(_))
+    }
+
+    /// The value type of this tensor.
+    pub fn tensor_type(&self) -> TensorType {
+        TensorType::fixed(self.dtype, &self.dims)
+    }
+
+    /// Size in bytes of the elements (what the tensor costs in device memory).
+    pub fn size_bytes(&self) -> u64 {
+        self.numel() * self.dtype.size_bytes()
+    }
+
+    /// The values as `f64`, decoding float16/bfloat16 bit patterns; `None` for external data,
+    /// strings and complex numbers.
+    pub fn to_f64_vec(&self) -> Option<Vec<f64>> {
+        Some(match &self.data {
+            TensorData::Int32(v) => match self.dtype {
+                DType::Float16 => v.iter().map(|&b| f64::from(f16_to_f32(b as u16))).collect(),
+                DType::Bfloat16 => v.iter().map(|&b| f64::from(bf16_to_f32(b as u16))).collect(),
+                DType::Bool => v.iter().map(|&b| if b != 0 { 1.0 } else { 0.0 }).collect(),
+                d if d.is_float() => return None,
+                _ => v.iter().map(|&x| f64::from(x)).collect(),
+            },
+            TensorData::Int64(v) => v.iter().map(|&x| x as f64).collect(),
+            TensorData::Uint64(v) => v.iter().map(|&x| x as f64).collect(),
+            TensorData::Float(v) if self.dtype == DType::Float => v.iter().map(|&x| f64::from(x)).collect(),
+            TensorData::Double(v) if self.dtype == DType::Double => v.clone(),
+            _ => return None,
+        })
+    }
+
+    /// The values as `i64` (floats truncated toward zero); `None` where [`Tensor::to_f64_vec`]
+    /// gives none.
+    pub fn to_i64_vec(&self) -> Option<Vec<i64>> {
+        match &self.data {
+            TensorData::Int64(v) => Some(v.clone()),
+            TensorData::Int32(v) if self.dtype.is_int() || self.dtype == DType::Bool => {
+                Some(v.iter().map(|&x| i64::from(x)).collect())
+            }
+            TensorData::Uint64(v) => Some(v.iter().map(|&x| x as i64).collect()),
+            _ => self.to_f64_vec().map(|v| v.into_iter().map(|x| x as i64).collect()),
+        }
+    }
+}
+
+/// Decodes an IEEE half-precision bit pattern.
+pub fn f16_to_f32(bits: u16) -> f32 {
+    let sign = u32::from(bits >> 15) << 31;
+    let exp = u32::from((bits >> 10) & 0x1f);
+    let frac = u32::from(bits & 0x3ff);
+    let out = if exp == 0 {
+        if frac == 0 {
+            sign
+        } else {
+            // Subnormal: renormalise.
+            let mut e = 127 - 15 + 1;
+            let mut f = frac;
+            while f & 0x400 == 0 {
+                f <<= 1;
+                e -= 1;
+            }
+            sign | (e << 23) | ((f & 0x3ff) << 13)
+        }
+    } else if exp == 0x1f {
+        sign | 0x7f80_0000 | (frac << 13)
+    } else {
+        sign | ((exp + 127 - 15) << 23) | (frac << 13)
+    };
+    f32::from_bits(out)
+}
+
+/// Decodes a bfloat16 bit pattern.
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
+/// Writes a float the way ONNX's printer does (`std::to_chars` shortest form: the shorter of
+/// fixed and scientific notation, fixed on a tie, at least two exponent digits).
+pub fn write_f32(out: &mut impl fmt::Write, x: f32) -> fmt::Result {
+    if x.is_nan() {
+        return out.write_str(if x.is_sign_negative() { "-nan" } else { "nan" });
+    }
+    if x.is_infinite() {
+        return out.write_str(if x < 0.0 { "-inf" } else { "inf" });
+    }
+    write_shortest(out, &format!("{x:e}"))
+}
+
+/// Writes a double the way ONNX's printer does; see [`write_f32`].
+pub fn write_f64(out: &mut impl fmt::Write, x: f64) -> fmt::Result {
+    if x.is_nan() {
+        return out.write_str(if x.is_sign_negative() { "-nan" } else { "nan" });
+    }
+    if x.is_infinite() {
+        return out.write_str(if x < 0.0 { "-inf" } else { "inf" });
+    }
+    write_shortest(out, &format!("{x:e}"))
+}
+
+/// `sci` is Rust's shortest round-trip scientific form, e.g. `-1.25e-3`.
+fn write_shortest(out: &mut impl fmt::Write, sci: &str) -> fmt::Result {
+    let (neg, rest) = match sci.strip_prefix('-') {
+        Some(r) => (true, r),
+        None => (false, sci),
+    };
+    let (mantissa, exp) = rest.split_once('e').expect("`{:e}` always writes an exponent");
+    let exp: i32 = exp.parse().expect("`{:e}` writes a decimal exponent");
+    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
+    let digits = if digits.chars().all(|c| c == '0') { "0".to_string() } else { digits };
+    let n = digits.len() as i32;
+
+    let mut scientific = String::new();
+    scientific.push_str(&digits[..1]);
+    if n > 1 {
+        scientific.push('.');
+        scientific.push_str(&digits[1..]);
+    }
+    scientific.push('e');
+    scientific.push(if exp < 0 { '-' } else { '+' });
+    scientific.push_str(&format!("{:02}", exp.abs()));
+
+    let fixed = if digits == "0" {
+        "0".to_string()
+    } else if exp >= 0 {
+        if n > exp + 1 {
+            format!("{}.{}", &digits[..(exp + 1) as usize], &digits[(exp + 1) as usize..])
+        } else {
+            format!("{digits}{}", "0".repeat((exp + 1 - n) as usize))
+        }
+    } else {
+        format!("0.{}{digits}", "0".repeat((-exp - 1) as usize))
+    };
+
+    if neg {
+        out.write_char('-')?;
+    }
+    out.write_str(if scientific.len() < fixed.len() { &scientific } else { &fixed })
+}
+
+/// Writes the data part of a tensor (` {1,2,3}` or ` ["location": …]`) exactly as the ONNX
+/// printer does; the leading space is included except for strings (which the printer omits).
+pub fn write_tensor_data(out: &mut impl fmt::Write, data: &TensorData) -> fmt::Result {
+    fn list<T>(
+        out: &mut impl fmt::Write,
+        v: &[T],
+        mut item: impl FnMut(&mut dyn fmt::Write, &T) -> fmt::Result,
+    ) -> fmt::Result {
+        out.write_str(" {")?;
+        for (i, x) in v.iter().enumerate() {
+            if i > 0 {
+                out.write_char(',')?;
+            }
+            let mut s = String::new();
+            item(&mut s, x)?;
+            out.write_str(&s)?;
+        }
+        out.write_char('}')
+    }
+    match data {
+        TensorData::Int32(v) => list(out, v, |o, x| write!(o, "{x}")),
+        TensorData::Int64(v) => list(out, v, |o, x| write!(o, "{x}")),
+        TensorData::Uint64(v) => list(out, v, |o, x| write!(o, "{x}")),
+        TensorData::Float(v) => list(out, v, |o, x| {
+            let mut s = String::new();
+            write_f32(&mut s, *x)?;
+            o.write_str(&s)
+        }),
+        TensorData::Double(v) => list(out, v, |o, x| {
+            let mut s = String::new();
+            write_f64(&mut s, *x)?;
+            o.write_str(&s)
+        }),
+        TensorData::Strings(v) => {
+            let mut sep = "{";
+            for s in v {
+                out.write_str(sep)?;
+                write_quoted(out, s)?;
+                sep = ", ";
+            }
+            if v.is_empty() {
+                out.write_char('{')?;
+            }
+            out.write_char('}')
+        }
+        TensorData::External(entries) => {
+            out.write_char('[')?;
+            for (i, (k, v)) in entries.iter().enumerate() {
+                if i > 0 {
+                    out.write_str(", ")?;
+                }
+                write_quoted(out, k)?;
+                out.write_str(": ")?;
+                write_quoted(out, v)?;
+            }
+            out.write_char(']')
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f(x: f32) -> String {
+        let mut s = String::new();
+        write_f32(&mut s, x).unwrap();
+        s
+    }
+
+    #[test]
+    fn floats_print_like_to_chars() {
+        assert_eq!(f(1.0), "1");
+        assert_eq!(f(1e-5), "1e-05");
+        assert_eq!(f(1.000_000_1e-5), "1.0000001e-05");
+        assert_eq!(f(0.166_666_67), "0.16666667");
+        assert_eq!(f(0.001), "0.001");
+        assert_eq!(f(-3.402_823_5e38), "-3.4028235e+38");
+        assert_eq!(f(100.0), "100");
+        assert_eq!(f(1_000_000.0), "1e+06");
+        assert_eq!(f(123_456.0), "123456");
+        assert_eq!(f(0.0), "0");
+        assert_eq!(f(-0.0), "-0");
+        assert_eq!(f(f32::NEG_INFINITY), "-inf");
+        assert_eq!(f(1e-12), "1e-12");
+        assert_eq!(f(2.5), "2.5");
+    }
+
+    #[test]
+    fn half_floats_decode() {
+        assert_eq!(f16_to_f32(15360), 1.0);
+        assert_eq!(f16_to_f32(0xc000), -2.0);
+        assert_eq!(f16_to_f32(1), 5.960_464_5e-8);
+        assert_eq!(bf16_to_f32(0x3f80), 1.0);
+    }
+}
