@@ -23,7 +23,11 @@
 #![warn(missing_docs)]
 
 pub mod attr;
+pub mod cost;
+pub mod eval;
+pub mod export;
 pub mod graph;
+pub mod infer;
 pub mod op;
 pub mod print;
 pub mod tensor;

@@ -660,3 +660,53 @@ mod tests {
         assert_eq!(comm.class(), OpClass::Comm);
     }
 }
+
+/// Attributes shared by the `Reduce*` ops.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReduceAttrs {
+    /// Axes attribute (older opsets; newer ones take an input).
+    pub axes: Option<Vec<i64>>,
+    /// Keep reduced dims as 1.
+    pub keepdims: bool,
+    /// With no axes, do nothing instead of reducing all.
+    pub noop_with_empty_axes: bool,
+}
+
+impl Op {
+    /// The shared attributes of a `Reduce*` op.
+    pub fn reduce_attrs(&self) -> Option<ReduceAttrs> {
+        macro_rules! arms {
+            ($($v:ident),*) => {
+                match self {
+                    $(Op::$v(a) => Some(ReduceAttrs {
+                        axes: a.axes.clone(),
+                        keepdims: a.keepdims() != 0,
+                        noop_with_empty_axes: a.noop_with_empty_axes() != 0,
+                    }),)*
+                    _ => None,
+                }
+            };
+        }
+        arms!(
+            ReduceL1,
+            ReduceL2,
+            ReduceLogSum,
+            ReduceLogSumExp,
+            ReduceMax,
+            ReduceMean,
+            ReduceMin,
+            ReduceProd,
+            ReduceSum,
+            ReduceSumSquare
+        )
+    }
+
+    /// `(axis, keepdims, select_last_index)` of ArgMax/ArgMin.
+    pub fn arg_attrs(&self) -> Option<(i64, bool, bool)> {
+        match self {
+            Op::ArgMax(a) => Some((a.axis(), a.keepdims() != 0, a.select_last_index() != 0)),
+            Op::ArgMin(a) => Some((a.axis(), a.keepdims() != 0, a.select_last_index() != 0)),
+            _ => None,
+        }
+    }
+}

@@ -1,1 +1,42 @@
-//! passes
+//! shardc's passes.
+//!
+//! A [`Pass`] transforms or checks an `ir::Graph`; the [`PassManager`] runs a pipeline of
+//! them, timing each, verifying between them when asked and keeping text dumps after the
+//! passes named by `--dump-after`. Passes are found by their kebab-case names with
+//! [`create`].
+//!
+//! Passes here: `verify`, `infer-shapes`, `canonicalize`, `rebatch`.
+#![forbid(unsafe_code)]
+
+pub mod canonicalize;
+pub mod infer_shapes;
+pub mod manager;
+pub mod rebatch;
+pub mod verify;
+
+pub use canonicalize::Canonicalize;
+pub use infer_shapes::InferShapes;
+pub use manager::{Changed, Located, Pass, PassCx, PassError, PassManager, Report, Stats};
+pub use rebatch::{Rebatch, RebatchSpec};
+pub use verify::Verify;
+
+/// Options for passes created by name.
+#[derive(Clone, Debug, Default)]
+pub struct PassOptions {
+    /// Input changes for `rebatch`.
+    pub rebatch: RebatchSpec,
+}
+
+/// The names [`create`] knows, in a sensible pipeline order.
+pub const PASS_NAMES: &[&str] = &["verify", "infer-shapes", "canonicalize", "rebatch"];
+
+/// Creates a pass by name.
+pub fn create(name: &str, opts: &PassOptions) -> Option<Box<dyn Pass>> {
+    Some(match name {
+        "rebatch" => Box::new(Rebatch { spec: opts.rebatch.clone() }),
+        "verify" => Box::new(Verify),
+        "infer-shapes" => Box::new(InferShapes::default()),
+        "canonicalize" => Box::new(Canonicalize),
+        _ => return None,
+    })
+}

@@ -1,0 +1,297 @@
+//! FLOP and byte counts of ops, forward and backward, from inferred shapes.
+//!
+//! Conventions: a multiply-add is 2 FLOPs; elementwise ops cost 1 FLOP per output element
+//! (transcendentals [`TRANSCENDENTAL_FLOPS`]); the backward pass of a contraction is split
+//! into the data gradient (w.r.t. activation inputs) and the weight gradient (w.r.t.
+//! initializers), each as many FLOPs as the forward; other ops' backward costs about as much
+//! as their forward. Bytes are what the op reads and writes in the forward pass.
+
+use serde::Serialize;
+
+use crate::graph::{Graph, NodeId, Value};
+use crate::op::{Op, OpClass};
+use crate::types::{DType, TensorType};
+
+/// FLOPs counted for one exp/tanh/erf/sigmoid-like element.
+pub const TRANSCENDENTAL_FLOPS: f64 = 8.0;
+
+/// Work of one op for one training step.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Serialize)]
+pub struct OpCost {
+    /// Forward FLOPs.
+    pub fwd_flops: f64,
+    /// Backward FLOPs for gradients of activation inputs.
+    pub bwd_data_flops: f64,
+    /// Backward FLOPs for gradients of weights.
+    pub bwd_weight_flops: f64,
+    /// Bytes read in the forward pass (inputs, weights included).
+    pub bytes_read: f64,
+    /// Bytes written in the forward pass (outputs).
+    pub bytes_written: f64,
+    /// Bytes of the weights (initializers) this op reads.
+    pub param_bytes: f64,
+}
+
+impl OpCost {
+    /// Forward plus backward FLOPs.
+    pub fn total_flops(&self) -> f64 {
+        self.fwd_flops + self.bwd_data_flops + self.bwd_weight_flops
+    }
+
+    /// Scales every count by `k` (e.g. the fraction of the op a device computes).
+    pub fn scaled(&self, k: f64) -> OpCost {
+        OpCost {
+            fwd_flops: self.fwd_flops * k,
+            bwd_data_flops: self.bwd_data_flops * k,
+            bwd_weight_flops: self.bwd_weight_flops * k,
+            bytes_read: self.bytes_read * k,
+            bytes_written: self.bytes_written * k,
+            param_bytes: self.param_bytes * k,
+        }
+    }
+}
+
+fn numel(t: Option<&TensorType>) -> f64 {
+    t.and_then(TensorType::numel).map_or(0.0, |n| n as f64)
+}
+
+fn bytes(t: Option<&TensorType>) -> f64 {
+    t.and_then(TensorType::size_bytes).map_or(0.0, |n| n as f64)
+}
+
+/// True when `v` is a trainable parameter: a float initializer (or input default).
+pub fn is_param(g: &Graph, v: Value) -> bool {
+    match &g.node(v.node).op {
+        Op::Initializer(t) => t.dtype.is_float(),
+        Op::Input { default: Some(t) } => t.dtype.is_float(),
+        _ => false,
+    }
+}
+
+/// True when gradients flow back into `v`: float values computed from graph inputs or
+/// parameters, excluding graph inputs themselves (no one needs the data gradient of the
+/// input batch).
+fn needs_grad(g: &Graph, v: Value) -> bool {
+    let node = g.node(v.node);
+    if matches!(node.op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef | Op::Constant(_)) {
+        return false;
+    }
+    g.tensor_type(v).is_some_and(|t| t.dtype.is_float())
+}
+
+/// Counts FLOPs and bytes of node `n`. Shapes must have been inferred; unknown shapes count
+/// as zero.
+pub fn node_cost(g: &Graph, n: NodeId) -> OpCost {
+    let node = g.node(n);
+    let input = |i: usize| node.input(i).and_then(|v| g.tensor_type(v));
+    let out = |i: usize| g.tensor_type(Value::new(n, i as u16));
+    let mut c = OpCost::default();
+    for (i, v) in node.inputs().iter().enumerate() {
+        if let Some(v) = v {
+            c.bytes_read += bytes(g.tensor_type(*v));
+            if is_param(g, *v) {
+                c.param_bytes += bytes(input(i));
+            }
+        }
+    }
+    for i in 0..node.num_outputs() {
+        c.bytes_written += bytes(out(i));
+    }
+    let y = numel(out(0));
+    let grad_in = |i: usize| node.input(i).is_some_and(|v| needs_grad(g, v));
+    let param_in = |i: usize| node.input(i).is_some_and(|v| is_param(g, v));
+    // Splits a contraction's backward between data and weight gradients by input.
+    let contraction = |c: &mut OpCost, fwd: f64, inputs: &[usize]| {
+        c.fwd_flops = fwd;
+        for &i in inputs {
+            if param_in(i) {
+                c.bwd_weight_flops += fwd;
+            } else if grad_in(i) {
+                c.bwd_data_flops += fwd;
+            }
+        }
+    };
+    match &node.op {
+        Op::MatMul(_) => {
+            let k = input(0).and_then(|t| t.dims.as_ref()).and_then(|d| d.last()).and_then(|d| d.value()).unwrap_or(0)
+                as f64;
+            contraction(&mut c, 2.0 * y * k, &[0, 1]);
+        }
+        Op::Gemm(gm) => {
+            let k = input(0)
+                .and_then(|t| t.static_dims())
+                .map(|d| if gm.trans_a() != 0 { d[0] } else { d[d.len() - 1] })
+                .unwrap_or(0) as f64;
+            contraction(&mut c, 2.0 * y * k + if node.input(2).is_some() { y } else { 0.0 }, &[0, 1]);
+            if param_in(2) {
+                c.bwd_weight_flops += y;
+            }
+        }
+        Op::Conv(cv) => {
+            // Every output element is a dot product over C/group × kernel.
+            let per =
+                input(1).and_then(|t| t.static_dims()).map(|d| d[1..].iter().product::<i64>()).unwrap_or(0) as f64;
+            contraction(&mut c, 2.0 * y * per + if node.input(2).is_some() { y } else { 0.0 }, &[0, 1]);
+            let _ = cv;
+            if param_in(2) {
+                c.bwd_weight_flops += y;
+            }
+        }
+        Op::ConvTranspose(_) => {
+            let x = numel(input(0));
+            let per =
+                input(1).and_then(|t| t.static_dims()).map(|d| d[1..].iter().product::<i64>()).unwrap_or(0) as f64;
+            contraction(&mut c, 2.0 * x * per, &[0, 1]);
+        }
+        Op::Einsum(_) => {
+            // Upper bound: product of all input sizes' geometric mean is not defined; count
+            // 2 × output × (largest input / output) as the contraction length.
+            let biggest = (0..node.inputs().len()).map(|i| numel(input(i))).fold(0.0, f64::max);
+            let fwd = 2.0 * biggest.max(y);
+            contraction(&mut c, fwd, &(0..node.inputs().len()).collect::<Vec<_>>());
+        }
+        Op::LSTM(_) | Op::GRU(_) | Op::RNN(_) => {
+            let gates = match node.op {
+                Op::LSTM(_) => 4.0,
+                Op::GRU(_) => 3.0,
+                _ => 1.0,
+            };
+            let xd = input(0).and_then(|t| t.static_dims()).unwrap_or_default();
+            let wd = input(1).and_then(|t| t.static_dims()).unwrap_or_default();
+            if xd.len() == 3 && wd.len() == 3 {
+                let (dirs, gh, isz) = (wd[0] as f64, wd[1] as f64, wd[2] as f64);
+                let h = gh / gates;
+                let steps_batch = (xd[0] * xd[1]) as f64;
+                let mm = 2.0 * dirs * steps_batch * gh * (isz + h);
+                let pointwise = dirs * steps_batch * h * (gates * TRANSCENDENTAL_FLOPS + 6.0);
+                c.fwd_flops = mm + pointwise;
+                c.bwd_weight_flops = mm;
+                c.bwd_data_flops = mm + pointwise;
+            }
+        }
+        Op::MaxPool(p) => c.fwd_flops = y * p.kernel_shape.as_ref().map_or(1, |k| k.iter().product::<i64>()) as f64,
+        Op::AveragePool(p) => c.fwd_flops = y * p.kernel_shape.as_ref().map_or(1, |k| k.iter().product::<i64>()) as f64,
+        Op::LpPool(p) => {
+            c.fwd_flops = 2.0 * y * p.kernel_shape.as_ref().map_or(1, |k| k.iter().product::<i64>()) as f64
+        }
+        Op::GlobalAveragePool(_) | Op::GlobalMaxPool(_) | Op::GlobalLpPool(_) => c.fwd_flops = numel(input(0)),
+        Op::BatchNormalization(_)
+        | Op::InstanceNormalization(_)
+        | Op::GroupNormalization(_)
+        | Op::LayerNormalization(_)
+        | Op::MeanVarianceNormalization(_)
+        | Op::LpNormalization(_) => c.fwd_flops = 8.0 * numel(input(0)),
+        Op::LRN(l) => c.fwd_flops = numel(input(0)) * (2.0 * l.size.unwrap_or(1) as f64 + TRANSCENDENTAL_FLOPS),
+        Op::Softmax(_) | Op::LogSoftmax(_) => c.fwd_flops = (3.0 + TRANSCENDENTAL_FLOPS) * y,
+        Op::Exp(_)
+        | Op::Log(_)
+        | Op::Tanh(_)
+        | Op::Sigmoid(_)
+        | Op::Erf(_)
+        | Op::Gelu(_)
+        | Op::Softplus(_)
+        | Op::Mish(_)
+        | Op::Elu(_)
+        | Op::Selu(_)
+        | Op::Celu(_)
+        | Op::Sin(_)
+        | Op::Cos(_)
+        | Op::Tan(_)
+        | Op::Pow(_)
+        | Op::Sqrt(_) => {
+            c.fwd_flops = TRANSCENDENTAL_FLOPS * y;
+        }
+        _ if node.op.class() == OpClass::Reduce => c.fwd_flops = numel(input(0)),
+        Op::Where(_) | Op::Identity(_) | Op::Dropout(_) | Op::Cast(_) | Op::CastLike(_) => {}
+        _ if matches!(node.op.class(), OpClass::Unary | OpClass::Binary | OpClass::Variadic) => {
+            c.fwd_flops = y * node.inputs().len().saturating_sub(1).max(1) as f64;
+        }
+        _ => {}
+    }
+    if c.bwd_data_flops == 0.0 && c.bwd_weight_flops == 0.0 && c.fwd_flops > 0.0 {
+        // Pointwise, pooling, normalization: the backward pass does about the forward's work
+        // when any input carries a gradient.
+        if (0..node.inputs().len()).any(grad_in) {
+            c.bwd_data_flops = c.fwd_flops;
+        }
+        if (0..node.inputs().len()).any(param_in) {
+            c.bwd_weight_flops = c.fwd_flops.min(y);
+        }
+    }
+    c
+}
+
+/// Totals over a graph.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct GraphStats {
+    /// Operator nodes.
+    pub nodes: usize,
+    /// Operator histogram, op type → count, most frequent first (ties by name).
+    pub op_counts: Vec<(String, usize)>,
+    /// Elements of all initializers.
+    pub params: u64,
+    /// Elements of floating-point initializers.
+    pub float_params: u64,
+    /// Bytes of all initializers.
+    pub param_bytes: u64,
+    /// Forward FLOPs of one step.
+    pub forward_flops: f64,
+    /// Backward FLOPs of one step (data plus weight gradients).
+    pub backward_flops: f64,
+    /// Bytes of every operator output in one forward pass (what training keeps for backward,
+    /// at most).
+    pub activation_bytes: u64,
+    /// Operator outputs whose size is unknown (not counted above).
+    pub unknown_shapes: usize,
+}
+
+/// Computes [`GraphStats`]. Shapes should have been inferred.
+pub fn compute_stats(g: &Graph) -> GraphStats {
+    let mut s = GraphStats::default();
+    let mut hist: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
+    for n in g.node_ids() {
+        let node = g.node(n);
+        let tensor = match &node.op {
+            Op::Initializer(t) => Some(t),
+            Op::Input { default: Some(t) } => Some(t),
+            _ => None,
+        };
+        if let Some(t) = tensor {
+            s.params += t.numel();
+            if t.dtype.is_float() {
+                s.float_params += t.numel();
+            }
+            s.param_bytes += t.size_bytes();
+            continue;
+        }
+        if matches!(node.op, Op::Input { .. } | Op::OuterRef) {
+            continue;
+        }
+        s.nodes += 1;
+        let key = if node.op.domain().is_empty() {
+            node.op.op_type().to_string()
+        } else {
+            format!("{}.{}", node.op.domain(), node.op.op_type())
+        };
+        *hist.entry(key).or_insert(0) += 1;
+        let c = node_cost(g, n);
+        s.forward_flops += c.fwd_flops;
+        s.backward_flops += c.bwd_data_flops + c.bwd_weight_flops;
+        for o in 0..node.num_outputs() {
+            match g.tensor_type(Value::new(n, o as u16)).and_then(TensorType::size_bytes) {
+                Some(b) => s.activation_bytes += b,
+                None if !node.outputs()[o].name.is_empty() => s.unknown_shapes += 1,
+                None => {}
+            }
+        }
+    }
+    let mut counts: Vec<(String, usize)> = hist.into_iter().collect();
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    s.op_counts = counts;
+    s
+}
+
+/// Bytes of one element of `dtype`, as f64.
+pub fn elem_bytes(dtype: DType) -> f64 {
+    dtype.size_bytes() as f64
+}

@@ -1,0 +1,301 @@
+//! The CPU reference evaluator: op kernels in plain Rust and an interpreter for whole graphs.
+//!
+//! This is the single-device truth every sharded execution is compared against, and the
+//! constant folder that shape inference and canonicalization use. It favours clarity over
+//! speed: tensors in tests are small.
+
+mod array;
+mod nn;
+mod ops;
+
+use std::collections::HashMap;
+
+pub use array::{Array, Data, f32_to_f16, numel, round_to, strides, wrap_int};
+pub use nn::{Window, conv_transpose_geometry, matmul, resize_sizes, window};
+pub use ops::{broadcast_index, broadcast_shapes, cast, eval_op, reshape_target, slice_axis, slice_params, transpose};
+
+use crate::attr::AttrValue;
+use crate::graph::{Graph, NodeId, Value};
+use crate::op::Op;
+use crate::types::DType;
+
+/// Why evaluation failed.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum EvalError {
+    /// The op, attribute or element type is not implemented by the reference evaluator.
+    #[error("not supported: {0}")]
+    Unsupported(String),
+    /// The inputs break the op's rules.
+    #[error("{0}")]
+    Invalid(String),
+    /// A failure inside a node.
+    #[error("{node}: {source}")]
+    AtNode {
+        /// The node, described.
+        node: String,
+        /// What went wrong.
+        source: Box<EvalError>,
+    },
+    /// A graph input was not supplied.
+    #[error("no value given for graph input `{0}`")]
+    MissingInput(String),
+}
+
+/// Result of evaluation.
+pub type Result<T> = std::result::Result<T, EvalError>;
+
+/// A small deterministic generator (SplitMix64) for seeded weights and inputs.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator from a seed.
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed ^ 0x9e37_79b9_7f4a_7c15)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[lo, hi)`.
+    pub fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * ((self.next_u64() >> 11) as f64 / (1u64 << 53) as f64)
+    }
+}
+
+/// How a weight is used, to draw plausible random values for it.
+fn weight_role(g: &Graph, v: Value) -> &'static str {
+    for (user, idx) in g.users(v) {
+        match (&g.node(user).op, idx) {
+            (Op::BatchNormalization(_), 4) => return "variance",
+            (
+                Op::BatchNormalization(_)
+                | Op::LayerNormalization(_)
+                | Op::InstanceNormalization(_)
+                | Op::GroupNormalization(_),
+                1,
+            ) => {
+                return "scale";
+            }
+            _ => {}
+        }
+    }
+    "weight"
+}
+
+/// Draws values for a tensor whose data is not in the model (external data): floats uniform
+/// in ±1/√fan_in (positive near 1 for normalization scales and variances), integers zero,
+/// bools true. Deterministic in `seed` and the tensor's name.
+pub fn random_tensor(dtype: DType, dims: &[i64], role: &str, seed: u64, name: &str) -> Result<Array> {
+    let shape: Vec<usize> = dims.iter().map(|&d| d.max(0) as usize).collect();
+    let n = numel(&shape);
+    let mut h: u64 = seed;
+    for b in name.bytes() {
+        h = h.rotate_left(5) ^ u64::from(b);
+        h = h.wrapping_mul(0x100_0000_01b3);
+    }
+    let mut rng = Rng::new(h);
+    Ok(match dtype {
+        d if d.is_float() => {
+            let fan_in = if shape.len() > 1 {
+                shape[1..].iter().product::<usize>().max(1)
+            } else {
+                shape.first().copied().unwrap_or(1).max(1)
+            };
+            let (lo, hi) = match role {
+                "variance" | "scale" => (0.5, 1.5),
+                _ => {
+                    let s = 1.0 / (fan_in as f64).sqrt();
+                    (-s, s)
+                }
+            };
+            Array::float(if d == DType::Double { d } else { d }, shape, (0..n).map(|_| rng.uniform(lo, hi)).collect())
+        }
+        DType::Bool => Array::bool(shape, vec![true; n]),
+        d if d.is_int() => Array::int(d, shape, vec![0; n]),
+        d => return Err(EvalError::Unsupported(format!("random values of type {d}"))),
+    })
+}
+
+/// Options of [`run`].
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// Seed for initializers whose data is external (not loaded): with `None` such a model is
+    /// an error; with a seed, values are drawn by [`random_tensor`].
+    pub seed: Option<u64>,
+}
+
+/// Runs a graph on named inputs; returns its outputs in order.
+pub fn run(g: &Graph, inputs: &HashMap<String, Array>, opts: &RunOptions) -> Result<Vec<Array>> {
+    let env = run_env(g, inputs, opts, &|_| None)?;
+    g.outputs()
+        .iter()
+        .map(|o| {
+            env.get(&o.value)
+                .cloned()
+                .ok_or_else(|| EvalError::Invalid(format!("output `{}` was not computed", g.value_name(o.value))))
+        })
+        .collect()
+}
+
+/// Runs a graph and returns every computed value (for checks of intermediate results).
+pub fn run_all(g: &Graph, inputs: &HashMap<String, Array>, opts: &RunOptions) -> Result<HashMap<Value, Array>> {
+    run_env(g, inputs, opts, &|_| None)
+}
+
+fn run_env(
+    g: &Graph,
+    inputs: &HashMap<String, Array>,
+    opts: &RunOptions,
+    outer: &dyn Fn(&str) -> Option<Array>,
+) -> Result<HashMap<Value, Array>> {
+    let order = g.topo_order().map_err(|_| EvalError::Invalid("the graph has a cycle".into()))?;
+    let mut env: HashMap<Value, Array> = HashMap::new();
+    // Free values after their last use to keep memory flat on larger graphs.
+    let mut remaining: HashMap<Value, usize> = HashMap::new();
+    for &n in &order {
+        for v in g.node(n).inputs().iter().flatten() {
+            *remaining.entry(*v).or_insert(0) += 1;
+        }
+    }
+    let keep: std::collections::HashSet<Value> = g.outputs().iter().map(|o| o.value).collect();
+    for &n in &order {
+        let node = g.node(n);
+        let at = |e: EvalError| EvalError::AtNode { node: g.describe(n), source: Box::new(e) };
+        let outs: Vec<Array> = match &node.op {
+            Op::Input { default } => {
+                let name = &node.outputs()[0].name;
+                match (inputs.get(name), default) {
+                    (Some(a), _) => vec![a.clone()],
+                    (None, Some(t)) => vec![Array::from_tensor(t).map_err(at)?],
+                    (None, None) => return Err(EvalError::MissingInput(name.clone())),
+                }
+            }
+            Op::Initializer(t) => {
+                if t.is_external() {
+                    let Some(seed) = opts.seed else {
+                        return Err(at(EvalError::Unsupported(format!(
+                            "initializer `{}` has external data that is not loaded; give a seed to draw random weights",
+                            node.outputs()[0].name
+                        ))));
+                    };
+                    let role = weight_role(g, Value::new(n, 0));
+                    vec![random_tensor(t.dtype, &t.dims, role, seed, &node.outputs()[0].name).map_err(at)?]
+                } else {
+                    vec![Array::from_tensor(t).map_err(at)?]
+                }
+            }
+            Op::OuterRef => {
+                let name = &node.outputs()[0].name;
+                vec![
+                    outer(name)
+                        .ok_or_else(|| at(EvalError::Invalid(format!("outer value `{name}` is not available"))))?,
+                ]
+            }
+            Op::If(i) => {
+                let cond = env
+                    .get(&node.input(0).expect("If has a condition"))
+                    .ok_or_else(|| at(EvalError::Invalid("condition missing".into())))?;
+                let c = cond.to_f64().map_err(at)?.first().copied().unwrap_or(0.0) != 0.0;
+                let branch = if c { &i.then_branch } else { &i.else_branch };
+                let branch = branch.as_ref().ok_or_else(|| at(EvalError::Invalid("If without a branch".into())))?;
+                let lookup = |name: &str| g.lookup(name).and_then(|v| env.get(&v).cloned()).or_else(|| outer(name));
+                let sub_env = run_env(branch, &HashMap::new(), opts, &lookup).map_err(at)?;
+                branch.outputs().iter().map(|o| sub_env[&o.value].clone()).collect()
+            }
+            Op::Loop(l) => {
+                let body = l.body.as_ref().ok_or_else(|| at(EvalError::Invalid("Loop without a body".into())))?;
+                let get = |i: usize| node.input(i).and_then(|v| env.get(&v));
+                let max_trip = get(0).map(|a| a.to_i64().map(|v| v[0])).transpose().map_err(at)?.unwrap_or(i64::MAX);
+                let mut cond = get(1).map(|a| a.to_f64().map(|v| v[0] != 0.0)).transpose().map_err(at)?.unwrap_or(true);
+                let mut carried: Vec<Array> =
+                    (2..node.inputs().len()).map(|i| get(i).cloned().expect("carried value")).collect();
+                let n_carried = carried.len();
+                let mut scans: Vec<Vec<Array>> = vec![Vec::new(); body.outputs().len().saturating_sub(1 + n_carried)];
+                let lookup = |name: &str| g.lookup(name).and_then(|v| env.get(&v).cloned()).or_else(|| outer(name));
+                let mut it = 0i64;
+                while it < max_trip && cond {
+                    let mut feed = HashMap::new();
+                    let names: Vec<String> =
+                        body.inputs().iter().map(|&n| body.node(n).outputs()[0].name.clone()).collect();
+                    if let Some(nm) = names.first() {
+                        feed.insert(nm.clone(), Array::scalar_i64(it));
+                    }
+                    if let Some(nm) = names.get(1) {
+                        feed.insert(nm.clone(), Array::bool(vec![], vec![cond]));
+                    }
+                    for (k, a) in carried.iter().enumerate() {
+                        if let Some(nm) = names.get(2 + k) {
+                            feed.insert(nm.clone(), a.clone());
+                        }
+                    }
+                    let sub = run_env(body, &feed, opts, &lookup).map_err(at)?;
+                    let outs: Vec<Array> = body.outputs().iter().map(|o| sub[&o.value].clone()).collect();
+                    cond = outs[0].to_f64().map_err(at)?.first().copied().unwrap_or(0.0) != 0.0;
+                    carried = outs[1..1 + n_carried].to_vec();
+                    for (k, s) in outs[1 + n_carried..].iter().enumerate() {
+                        scans[k].push(s.clone());
+                    }
+                    it += 1;
+                }
+                let mut result = carried;
+                for s in scans {
+                    if let Some(first) = s.first() {
+                        let mut shape = vec![s.len()];
+                        shape.extend(&first.shape);
+                        let refs: Vec<&Array> = s.iter().collect();
+                        result.push(Array { dtype: first.dtype, shape, data: Array::concat_data(&refs) });
+                    }
+                }
+                result
+            }
+            op => {
+                let ins: Vec<Option<&Array>> = node.inputs().iter().map(|i| i.and_then(|v| env.get(&v))).collect();
+                if node.inputs().iter().zip(&ins).any(|(i, a)| i.is_some() && a.is_none()) {
+                    return Err(at(EvalError::Invalid("an input was not computed".into())));
+                }
+                eval_op(op, &ins, node.num_outputs(), g.opset).map_err(at)?
+            }
+        };
+        for (slot, a) in outs.into_iter().enumerate() {
+            if slot < node.num_outputs() && !node.outputs()[slot].name.is_empty() {
+                env.insert(Value::new(n, slot as u16), a);
+            }
+        }
+        for v in node.inputs().iter().flatten() {
+            if let Some(c) = remaining.get_mut(v) {
+                *c -= 1;
+                if *c == 0 && !keep.contains(v) && !subgraph_reads(g, *v) {
+                    env.remove(v);
+                }
+            }
+        }
+    }
+    Ok(env)
+}
+
+/// True when a subgraph of the graph reads `v` by name (then it must stay available).
+fn subgraph_reads(g: &Graph, v: Value) -> bool {
+    g.users(v).iter().any(|(_, i)| *i == usize::MAX)
+}
+
+/// Evaluates a node whose inputs are all constants, for folding. Returns `None` when the op
+/// cannot be evaluated here (control flow, communication, opaque ops, unsupported cases).
+pub fn fold_node(g: &Graph, n: NodeId, inputs: &[Option<&Array>]) -> Option<Vec<Array>> {
+    let node = g.node(n);
+    if matches!(node.op, Op::If(_) | Op::Loop(_) | Op::Scan(_) | Op::Opaque(_))
+        || node.op.class() == crate::op::OpClass::Comm
+    {
+        return None;
+    }
+    if node.op.attributes().iter().any(|a| matches!(a.value, AttrValue::Graph(_) | AttrValue::Graphs(_))) {
+        return None;
+    }
+    eval_op(&node.op, inputs, node.num_outputs(), g.opset).ok()
+}

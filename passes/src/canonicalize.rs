@@ -1,0 +1,196 @@
+//! `canonicalize`: the normal form later passes expect.
+//!
+//! - `Constant` nodes become initializers;
+//! - `Identity` and inference-mode `Dropout` (mask unused) are bypassed;
+//! - values computable from constants (`Shape → Gather → Concat → Reshape` chains over
+//!   static shapes, arithmetic on constants) are folded into initializers, up to
+//!   [`FOLD_LIMIT`](ir::infer) elements each;
+//! - dead nodes and unused initializers are removed (graph inputs stay: they are the
+//!   interface);
+//! - shapes are inferred again.
+//!
+//! Graph outputs keep their names and types. Precondition: the graph verifies.
+
+use ir::eval::Array;
+use ir::infer::{Mode, infer_shapes};
+use ir::{Graph, NodeId, Op, OpClass, Value};
+
+use crate::manager::{Changed, Located, Pass, PassCx, PassError};
+
+/// The canonicalization pass.
+#[derive(Default)]
+pub struct Canonicalize;
+
+fn is_source(op: &Op) -> bool {
+    matches!(op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef)
+}
+
+/// Replaces every use of output 0 of `n` by `from` and removes `n`, keeping the name of a
+/// graph output. Returns false (and changes nothing) when that is not possible.
+fn bypass(g: &mut Graph, n: NodeId, from: Value) -> bool {
+    let out = Value::new(n, 0);
+    if g.outputs().iter().any(|o| o.value == out) {
+        // The graph output's name must survive: give it to `from`, if `from` is an op's
+        // private value.
+        let from_is_private = !is_source(&g.node(from.node).op)
+            && !g.outputs().iter().any(|o| o.value == from)
+            && g.users(from).len() == 1;
+        if !from_is_private {
+            return false;
+        }
+        let name = g.value_name(out).to_string();
+        let tmp = g.fresh_name(&format!("{name}.bypassed"));
+        g.rename(out, tmp);
+        g.rename(from, name);
+        let ty = g.outputs().iter().find(|o| o.value == out).and_then(|o| o.ty.clone());
+        if g.value_type(from).is_none() {
+            g.set_type(from, ty);
+        }
+    }
+    g.replace_all_uses(out, from);
+    for slot in 0..g.node(n).num_outputs() {
+        if g.is_used(Value::new(n, slot as u16)) {
+            return true;
+        }
+    }
+    g.remove_node(n);
+    true
+}
+
+/// Removes operator nodes none of whose outputs is used, and unused initializers, until
+/// nothing changes. Communication ops are kept (they have effects on other devices).
+pub fn eliminate_dead_code(g: &mut Graph) -> u64 {
+    let mut removed = 0;
+    loop {
+        let Ok(order) = g.topo_order() else { return removed };
+        let mut any = false;
+        for &n in order.iter().rev() {
+            let node = g.node(n);
+            if matches!(node.op, Op::Input { .. } | Op::OuterRef) || node.op.class() == OpClass::Comm {
+                continue;
+            }
+            let used = (0..node.num_outputs()).any(|s| g.is_used(Value::new(n, s as u16)));
+            if !used {
+                g.remove_node(n);
+                removed += 1;
+                any = true;
+            }
+        }
+        if !any {
+            return removed;
+        }
+    }
+}
+
+/// Removes initializers nothing reads (graph inputs stay).
+pub fn eliminate_unused_initializers(g: &mut Graph) -> u64 {
+    let dead: Vec<NodeId> = g
+        .initializers()
+        .iter()
+        .copied()
+        .filter(|&n| matches!(g.node(n).op, Op::Initializer(_)) && !g.is_used(Value::new(n, 0)))
+        .collect();
+    for &n in &dead {
+        g.remove_node(n);
+    }
+    dead.len() as u64
+}
+
+impl Pass for Canonicalize {
+    fn name(&self) -> &'static str {
+        "canonicalize"
+    }
+
+    fn run(&mut self, g: &mut Graph, cx: &mut PassCx<'_>) -> Result<Changed, PassError> {
+        let order =
+            g.topo_order().map_err(|_| PassError::new(self.name(), Located::global("the graph has a cycle")))?;
+
+        // Constants become initializers.
+        for &n in &order {
+            if let Op::Constant(_) = &g.node(n).op {
+                let op = g.node(n).op.clone();
+                match ir::eval::eval_op(&op, &[], 1, g.opset) {
+                    Ok(mut a) => {
+                        g.set_op(n, Op::Initializer(a.remove(0).to_tensor()));
+                        g.set_label(n, None);
+                        cx.stats.add("constants made initializers", 1);
+                    }
+                    Err(e) => cx.warnings.push(Located::at(g, n, format!("cannot evaluate {}: {e}", g.describe(n)))),
+                }
+            }
+        }
+
+        // Identity and inference-mode Dropout.
+        for &n in &order {
+            if !g.contains(n) {
+                continue;
+            }
+            let node = g.node(n);
+            let from = match &node.op {
+                Op::Identity(_) => node.input(0),
+                Op::Dropout(_) => {
+                    let training = node.input(2);
+                    let mask_used = node.num_outputs() > 1 && g.is_used(Value::new(n, 1));
+                    let inference = training.is_none()
+                        || g.initializer(training.expect("checked"))
+                            .and_then(|t| t.to_i64_vec())
+                            .is_some_and(|v| v.iter().all(|&x| x == 0));
+                    if inference && !mask_used { node.input(0) } else { None }
+                }
+                _ => None,
+            };
+            if let Some(from) = from
+                && bypass(g, n, from)
+            {
+                cx.stats.add("identities removed", 1);
+            }
+        }
+
+        // Fold what shape inference could compute.
+        let report = infer_shapes(g, Mode::Check).map_err(|errs| PassError {
+            pass: self.name().into(),
+            errors: errs.into_iter().map(|e| Located { node: e.node, span: e.span, msg: e.msg }).collect(),
+        })?;
+        let order = g.topo_order().expect("still acyclic");
+        for n in order {
+            if !g.contains(n) || is_source(&g.node(n).op) || g.node(n).op.class() == OpClass::Comm {
+                continue;
+            }
+            let k = g.node(n).num_outputs();
+            let outs: Vec<Option<&Array>> = (0..k).map(|s| report.consts.get(&Value::new(n, s as u16))).collect();
+            if outs.iter().any(Option::is_none) || k == 0 {
+                continue;
+            }
+            let arrays: Vec<Array> = outs.into_iter().map(|a| a.expect("checked").clone()).collect();
+            if k == 1 {
+                g.set_inputs(n, vec![]);
+                g.set_captures(n, vec![]);
+                g.set_op(n, Op::Initializer(arrays[0].to_tensor()));
+                g.set_label(n, None);
+            } else {
+                for (slot, a) in arrays.into_iter().enumerate() {
+                    let v = Value::new(n, slot as u16);
+                    if g.value_name(v).is_empty() || !g.is_used(v) {
+                        continue;
+                    }
+                    let name = g.value_name(v).to_string();
+                    let tmp = g.fresh_name(&format!("{name}.folded"));
+                    g.rename(v, tmp);
+                    let init = g.add_initializer(name, a.to_tensor());
+                    g.replace_all_uses(v, init);
+                }
+            }
+            cx.stats.add("nodes folded", 1);
+        }
+
+        let removed = eliminate_dead_code(g);
+        cx.stats.add("dead nodes removed", removed);
+
+        let report = infer_shapes(g, Mode::Check).map_err(|errs| PassError {
+            pass: self.name().into(),
+            errors: errs.into_iter().map(|e| Located { node: e.node, span: e.span, msg: e.msg }).collect(),
+        })?;
+        cx.warnings.extend(report.warnings.into_iter().map(|w| Located { node: w.node, span: w.span, msg: w.msg }));
+        Ok(Changed::Yes)
+    }
+}

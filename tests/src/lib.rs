@@ -1,0 +1,125 @@
+//! Helpers shared by shardc's integration tests: where the test data lives, loading models
+//! and golden input/output files, comparing arrays.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use ir::DType;
+use ir::eval::{Array, Data};
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is inside the repository").to_path_buf()
+}
+
+/// Directories holding `*.onnxtxt` models of a kind (`models` or `golden`): the copy bundled
+/// in `tests/data`, plus `../shared/<kind>` when a checkout has it beside the repository (so
+/// new shared files are tested too). Files with the same name are taken once.
+pub fn data_files(kind: &str) -> Vec<PathBuf> {
+    let mut dirs = vec![repo_root().join("tests/data").join(kind)];
+    if let Ok(extra) = std::env::var("SHARDC_SHARED_DIR") {
+        dirs.push(PathBuf::from(extra).join(kind));
+    }
+    dirs.push(repo_root().join("../shared").join(kind));
+    let mut seen = std::collections::BTreeMap::new();
+    for d in dirs {
+        let Ok(rd) = std::fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "onnxtxt") {
+                let name = p.file_name().expect("file").to_string_lossy().to_string();
+                seen.entry(name).or_insert(p);
+            }
+        }
+    }
+    assert!(!seen.is_empty(), "no {kind} test data found under tests/data/{kind}");
+    seen.into_values().collect()
+}
+
+/// Reads and parses a model file, panicking with rendered diagnostics on failure.
+pub fn load_model(path: &Path) -> ir::Model {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    match frontend::parse(&text) {
+        Ok(p) => p.model,
+        Err(d) => panic!("{}", frontend::render(&d, &path.display().to_string(), &text)),
+    }
+}
+
+/// One tensor of a golden `.io.json` file.
+pub fn array_from_json(v: &serde_json::Value) -> Array {
+    let dtype = match v["dtype"].as_str().expect("dtype") {
+        "float32" => DType::Float,
+        "int64" => DType::Int64,
+        "int32" => DType::Int32,
+        "bool" => DType::Bool,
+        other => panic!("unknown golden dtype {other}"),
+    };
+    let shape: Vec<usize> =
+        v["shape"].as_array().expect("shape").iter().map(|d| d.as_u64().expect("dim") as usize).collect();
+    let data = v["data"].as_array().expect("data");
+    let data = match dtype {
+        DType::Float => Data::F32(data.iter().map(|x| x.as_f64().expect("float") as f32).collect()),
+        DType::Bool => Data::Bool(data.iter().map(|x| x.as_bool().expect("bool")).collect()),
+        _ => Data::I64(data.iter().map(|x| x.as_i64().expect("int")).collect()),
+    };
+    Array { dtype, shape, data }
+}
+
+/// Inputs, expected outputs (in graph order) and tolerances of a golden case.
+pub struct GoldenIo {
+    /// Inputs by name.
+    pub inputs: HashMap<String, Array>,
+    /// Expected outputs by name, in graph order.
+    pub outputs: Vec<(String, Array)>,
+    /// Relative tolerance.
+    pub rtol: f64,
+    /// Absolute tolerance.
+    pub atol: f64,
+}
+
+/// Reads `NAME.io.json` beside `NAME.onnxtxt`.
+pub fn load_io(model_path: &Path) -> GoldenIo {
+    let p = model_path.with_extension("io.json");
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    let v: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+    let inputs =
+        v["inputs"].as_object().expect("inputs").iter().map(|(k, a)| (k.clone(), array_from_json(a))).collect();
+    let outputs =
+        v["outputs"].as_object().expect("outputs").iter().map(|(k, a)| (k.clone(), array_from_json(a))).collect();
+    let rtol = v["tolerance"]["rtol"].as_f64().unwrap_or(1e-4);
+    let atol = v["tolerance"]["atol"].as_f64().unwrap_or(1e-5);
+    GoldenIo { inputs, outputs, rtol, atol }
+}
+
+/// Compares arrays: floats by `|a-e| <= atol + rtol*|e|`, others exactly. On mismatch, says
+/// where.
+pub fn compare(name: &str, actual: &Array, expected: &Array, rtol: f64, atol: f64) -> Result<(), String> {
+    if actual.shape != expected.shape {
+        return Err(format!("{name}: shape {:?}, expected {:?}", actual.shape, expected.shape));
+    }
+    match (&expected.data, expected.dtype) {
+        (Data::F32(e), _) => {
+            let a = actual.to_f64().map_err(|e| format!("{name}: {e}"))?;
+            for (i, (x, y)) in a.iter().zip(e).enumerate() {
+                let y = f64::from(*y);
+                if (x - y).abs() > atol + rtol * y.abs() || x.is_nan() != y.is_nan() {
+                    return Err(format!("{name}[{i}]: {x}, expected {y}"));
+                }
+            }
+            Ok(())
+        }
+        _ => {
+            let a = actual.to_i64().map_err(|e| format!("{name}: {e}"))?;
+            let e = expected.to_i64().map_err(|e| format!("{name}: {e}"))?;
+            if a != e {
+                let i = a.iter().zip(&e).position(|(x, y)| x != y).unwrap_or(0);
+                return Err(format!(
+                    "{name}[{i}]: {}, expected {}",
+                    a.get(i).copied().unwrap_or_default(),
+                    e.get(i).copied().unwrap_or_default()
+                ));
+            }
+            Ok(())
+        }
+    }
+}

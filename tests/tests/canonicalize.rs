@@ -1,0 +1,64 @@
+//! `canonicalize` keeps every model's outputs, their types, and (on golden cases) their values.
+
+use shardc_tests::*;
+
+fn canonicalize(model: &mut ir::Model) -> passes::Report {
+    let mut pm = passes::PassManager::new().with_verify(true);
+    pm.add(passes::InferShapes::default()).add(passes::Canonicalize);
+    pm.run(model).unwrap_or_else(|e| panic!("{e}: {:?}", e.errors))
+}
+
+#[test]
+fn canonicalize_keeps_output_names_and_types() {
+    for path in data_files("models").into_iter().chain(data_files("golden")) {
+        let mut model = load_model(&path);
+        ir::infer::infer_shapes(&mut model.graph, ir::infer::Mode::Check).unwrap();
+        let before: Vec<(String, Option<ir::Type>)> =
+            model.graph.outputs().iter().map(|o| (model.graph.value_name(o.value).to_string(), o.ty.clone())).collect();
+        let n_before = model.graph.op_count();
+        canonicalize(&mut model);
+        let after: Vec<(String, Option<ir::Type>)> =
+            model.graph.outputs().iter().map(|o| (model.graph.value_name(o.value).to_string(), o.ty.clone())).collect();
+        assert_eq!(before, after, "{}", path.display());
+        assert!(model.graph.op_count() <= n_before, "{}", path.display());
+        // Identities stay only where they rename one graph output to another.
+        let g = &model.graph;
+        for n in g.node_ids() {
+            match &g.node(n).op {
+                ir::Op::Constant(_) => panic!("{}: a Constant survived", path.display()),
+                ir::Op::Identity(_) => {
+                    assert!(g.outputs().iter().any(|o| o.value.node == n), "{}: an Identity survived", path.display())
+                }
+                _ => {}
+            }
+        }
+        // The canonical form prints and parses back.
+        let text = ir::print::model_to_string(&model);
+        let again = frontend::parse(&text).unwrap_or_else(|d| panic!("{}", frontend::render(&d, "canon", &text)));
+        assert_eq!(ir::print::model_to_string(&again.model), text);
+    }
+}
+
+#[test]
+fn canonicalize_keeps_golden_values() {
+    for path in data_files("golden") {
+        let mut model = load_model(&path);
+        let io = load_io(&path);
+        let before = ir::eval::run(&model.graph, &io.inputs, &Default::default()).unwrap();
+        canonicalize(&mut model);
+        let after = ir::eval::run(&model.graph, &io.inputs, &Default::default()).unwrap();
+        for (k, (a, b)) in after.iter().zip(&before).enumerate() {
+            compare(&format!("{} output {k}", path.display()), a, b, 0.0, 0.0).unwrap();
+        }
+    }
+}
+
+#[test]
+fn shape_subgraphs_fold_away() {
+    // hf_bert_base builds its attention mask shape with Shape/Gather/Concat/ConstantOfShape.
+    let path = data_files("models").into_iter().find(|p| p.ends_with("hf_bert_base.onnxtxt")).unwrap();
+    let mut model = load_model(&path);
+    let report = canonicalize(&mut model);
+    assert!(report.stats.get("nodes folded") > 0);
+    assert!(!model.graph.node_ids().any(|n| matches!(model.graph.node(n).op, ir::Op::Shape(_))));
+}

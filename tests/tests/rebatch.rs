@@ -1,0 +1,157 @@
+//! Re-batching: batch sizes and sequence lengths baked into real exports are rewritten, and
+//! every shape re-infers consistently.
+
+use passes::rebatch::{RebatchSpec, rebatch};
+use shardc_tests::*;
+
+fn model(name: &str) -> ir::Model {
+    let path =
+        data_files("models").into_iter().find(|p| p.file_name().unwrap() == name).unwrap_or_else(|| panic!("{name}"));
+    load_model(&path)
+}
+
+fn run(name: &str, spec: RebatchSpec) -> ir::Model {
+    let mut m = model(name);
+    match rebatch(&mut m.graph, &spec) {
+        Ok(_) => m,
+        Err(e) => panic!("{name}: {:#?}", e.errors),
+    }
+}
+
+fn out_type(m: &ir::Model, k: usize) -> String {
+    let o = &m.graph.outputs()[k];
+    o.ty.as_ref().map(|t| t.to_string()).unwrap_or_default()
+}
+
+fn all_static(m: &ir::Model) {
+    let g = &m.graph;
+    for n in g.op_nodes().unwrap() {
+        for s in 0..g.node(n).num_outputs() {
+            let v = ir::Value::new(n, s as u16);
+            if g.value_name(v).is_empty() {
+                continue;
+            }
+            assert!(
+                g.tensor_type(v).is_some_and(|t| t.is_static()),
+                "`{}` is {:?}",
+                g.value_name(v),
+                g.tensor_type(v).map(|t| t.to_string())
+            );
+        }
+    }
+}
+
+#[test]
+fn resnet50_batch_1_to_256() {
+    let m = run("tv_resnet50.onnxtxt", RebatchSpec { batch: Some(256), ..Default::default() });
+    assert_eq!(out_type(&m, 0), "float[256,1000]");
+    all_static(&m);
+}
+
+#[test]
+fn gpt2_batch_and_sequence() {
+    let m = run("hf_gpt2_124m.onnxtxt", RebatchSpec { batch: Some(8), ..Default::default() });
+    assert_eq!(out_type(&m, 0), "float[8,128,50257]");
+    all_static(&m);
+    let m = run(
+        "hf_gpt2_124m.onnxtxt",
+        RebatchSpec { batch: None, input_shapes: vec![("input_ids".into(), vec![8, 1024])] },
+    );
+    assert_eq!(out_type(&m, 0), "float[8,1024,50257]");
+    all_static(&m);
+}
+
+#[test]
+fn bert_batch_and_sequence() {
+    let m = run("hf_bert_base.onnxtxt", RebatchSpec { batch: Some(16), ..Default::default() });
+    all_static(&m);
+    let m0 = model("hf_bert_base.onnxtxt");
+    let names: Vec<String> = m0.graph.input_values().iter().map(|&v| m0.graph.value_name(v).to_string()).collect();
+    let spec = RebatchSpec { batch: None, input_shapes: names.iter().map(|n| (n.clone(), vec![4, 256])).collect() };
+    let m = run("hf_bert_base.onnxtxt", spec);
+    all_static(&m);
+    assert!(out_type(&m, 0).starts_with("float[4,256,"), "{}", out_type(&m, 0));
+}
+
+#[test]
+fn every_model_rebatches_to_batch_4() {
+    let mut failures = Vec::new();
+    for path in data_files("models") {
+        let mut m = load_model(&path);
+        if let Err(e) = rebatch(&mut m.graph, &RebatchSpec { batch: Some(4), ..Default::default() }) {
+            failures.push(format!("{}: {:?}", path.display(), e.errors.iter().map(|e| &e.msg).collect::<Vec<_>>()));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Runs a golden network with its inputs repeated along the batch, after rebatching, and
+/// checks that each copy gives the original output.
+#[test]
+fn rebatched_golden_networks_compute_the_same_rows() {
+    for name in ["tiny_gpt.onnxtxt", "tiny_mlp.onnxtxt", "tiny_resnet.onnxtxt", "tiny_lstm_lm.onnxtxt"] {
+        let path = data_files("golden").into_iter().find(|p| p.file_name().unwrap() == name).unwrap();
+        let mut m = load_model(&path);
+        let io = load_io(&path);
+        let reference = ir::eval::run(&m.graph, &io.inputs, &Default::default()).unwrap();
+        rebatch(&mut m.graph, &RebatchSpec { batch: Some(4), ..Default::default() })
+            .unwrap_or_else(|e| panic!("{name}: {:?}", e.errors));
+        // Inputs: the batch axis of each changed input, doubled (2 → 4).
+        let mut inputs = std::collections::HashMap::new();
+        for v in m.graph.input_values() {
+            let nm = m.graph.value_name(v).to_string();
+            let new_shape: Vec<usize> =
+                m.graph.tensor_type(v).unwrap().static_dims().unwrap().iter().map(|&d| d as usize).collect();
+            let a = &io.inputs[&nm];
+            let axis = (0..a.shape.len()).find(|&i| a.shape[i] != new_shape[i]);
+            let arr = match axis {
+                None => a.clone(),
+                Some(ax) => {
+                    let outer: usize = a.shape[..ax].iter().product();
+                    let inner: usize = a.shape[ax..].iter().product();
+                    let mut idx = Vec::new();
+                    for o in 0..outer {
+                        for _rep in 0..2 {
+                            idx.extend(o * inner..(o + 1) * inner);
+                        }
+                    }
+                    a.gather_flat(new_shape.clone(), &idx)
+                }
+            };
+            inputs.insert(nm, arr);
+        }
+        let out = ir::eval::run(&m.graph, &inputs, &Default::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        for (k, (o, r)) in out.iter().zip(&reference).enumerate() {
+            let ax = (0..r.shape.len()).find(|&i| r.shape[i] != o.shape[i]).expect("an output axis grew");
+            let outer: usize = r.shape[..ax].iter().product();
+            let inner: usize = r.shape[ax..].iter().product();
+            let mut idx = Vec::new();
+            for oo in 0..outer {
+                idx.extend(2 * oo * inner..(2 * oo + 1) * inner);
+            }
+            let first_copy = o.gather_flat(r.shape.clone(), &idx);
+            compare(&format!("{name} output {k}"), &first_copy, r, 1e-5, 1e-6).unwrap();
+        }
+    }
+}
+
+#[test]
+fn shorter_sequence_keeps_the_causal_prefix() {
+    // A causal decoder on the first 5 of 8 tokens gives the first 5 positions' logits.
+    let path = data_files("golden").into_iter().find(|p| p.file_name().unwrap() == "tiny_gpt.onnxtxt").unwrap();
+    let mut m = load_model(&path);
+    let io = load_io(&path);
+    let reference = ir::eval::run(&m.graph, &io.inputs, &Default::default()).unwrap();
+    rebatch(&mut m.graph, &RebatchSpec { batch: None, input_shapes: vec![("input_ids".into(), vec![2, 5])] })
+        .unwrap_or_else(|e| panic!("{:?}", e.errors));
+    let ids = &io.inputs["input_ids"];
+    let prefix = ir::eval::slice_axis(ids, 1, 0, 5);
+    let out = ir::eval::run(
+        &m.graph,
+        &std::collections::HashMap::from([("input_ids".to_string(), prefix)]),
+        &Default::default(),
+    )
+    .unwrap();
+    let expected = ir::eval::slice_axis(&reference[0], 1, 0, 5);
+    compare("logits", &out[0], &expected, 1e-4, 1e-5).unwrap();
+}
