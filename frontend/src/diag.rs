@@ -3,10 +3,18 @@
 //!
 //! Library code only builds [`Diagnostic`]s; the CLI decides when to render them.
 
+use std::ops::Range;
+
 use codespan_reporting::diagnostic as cs;
-use codespan_reporting::files::SimpleFile;
+use codespan_reporting::files::{self, Files};
 use codespan_reporting::term::{self, Chars, Config};
 use ir::Span;
+
+/// Lines longer than this are shown as a window around the labelled part.
+const MAX_LINE: usize = 160;
+/// Context kept on each side of a label in a cropped line.
+const CONTEXT: usize = 60;
+const ELLIPSIS: &str = "...";
 
 /// How bad a diagnostic is.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -77,9 +85,10 @@ impl Diagnostic {
 }
 
 /// Renders diagnostics against the source they refer to, one after another, in plain text
-/// (`error: …`, ` --> file:line:col`, the line and carets).
+/// (`error: …`, ` --> file:line:col`, the line and carets). Very long lines (a model's
+/// initializer list is one line) are shown as a window around the label; line and column
+/// numbers are those of the original text.
 pub fn render(diags: &[Diagnostic], file_name: &str, source: &str) -> String {
-    let file = SimpleFile::new(file_name, source);
     let config = Config { chars: Chars::ascii(), ..Config::default() };
     let mut out = String::new();
     for d in diags {
@@ -87,11 +96,14 @@ pub fn render(diags: &[Diagnostic], file_name: &str, source: &str) -> String {
             Severity::Error => cs::Severity::Error,
             Severity::Warning => cs::Severity::Warning,
         };
+        let spans: Vec<Range<usize>> = d.labels.iter().map(|l| clamp(l.span, source)).collect();
+        let file = Cropped::new(file_name, source, &spans);
         let labels = d
             .labels
             .iter()
-            .map(|l| {
-                let range = clamp(l.span, source);
+            .zip(&spans)
+            .map(|(l, r)| {
+                let range = file.map_range(r.clone());
                 let label = if l.primary { cs::Label::primary((), range) } else { cs::Label::secondary((), range) };
                 label.with_message(l.message.clone())
             })
@@ -106,6 +118,138 @@ pub fn render(diags: &[Diagnostic], file_name: &str, source: &str) -> String {
         }
     }
     out
+}
+
+/// A source with long lines cropped around given spans; reports original line and column
+/// numbers.
+struct Cropped<'a> {
+    name: &'a str,
+    original: &'a str,
+    text: String,
+    /// Start of each line in `text`.
+    starts: Vec<usize>,
+    /// Per line: (start in `text`, start in original, cropped window start in original,
+    /// bytes of the leading ellipsis).
+    map: Vec<(usize, usize, usize, usize)>,
+}
+
+impl<'a> Cropped<'a> {
+    fn new(name: &'a str, original: &'a str, spans: &[Range<usize>]) -> Cropped<'a> {
+        let mut text = String::with_capacity(original.len().min(1 << 16));
+        let mut starts = Vec::new();
+        let mut map = Vec::new();
+        let mut pos = 0;
+        for line in original.split_inclusive('\n') {
+            let (line_start, line_end) = (pos, pos + line.len());
+            pos = line_end;
+            let body = line.strip_suffix('\n').unwrap_or(line);
+            starts.push(text.len());
+            if body.len() <= MAX_LINE {
+                map.push((text.len(), line_start, line_start, 0));
+                text.push_str(line);
+                continue;
+            }
+            // A window around the first span on this line, else its beginning.
+            let hit = spans.iter().find(|r| r.start >= line_start && r.start <= line_start + body.len());
+            let (mut a, mut b) = match hit {
+                Some(r) => (
+                    r.start.saturating_sub(CONTEXT).max(line_start),
+                    (r.end.min(line_start + body.len()) + CONTEXT).min(line_start + body.len()),
+                ),
+                None => (line_start, line_start + MAX_LINE),
+            };
+            while !original.is_char_boundary(a) {
+                a -= 1;
+            }
+            while !original.is_char_boundary(b) {
+                b += 1;
+            }
+            let lead = if a > line_start { ELLIPSIS.len() } else { 0 };
+            map.push((text.len(), line_start, a, lead));
+            if lead > 0 {
+                text.push_str(ELLIPSIS);
+            }
+            text.push_str(&original[a..b]);
+            if b < line_start + body.len() {
+                text.push_str(ELLIPSIS);
+            }
+            if line.ends_with('\n') {
+                text.push('\n');
+            }
+        }
+        if starts.is_empty() || original.ends_with('\n') {
+            starts.push(text.len());
+            map.push((text.len(), original.len(), original.len(), 0));
+        }
+        Cropped { name, original, text, starts, map }
+    }
+
+    fn line_of_original(&self, p: usize) -> usize {
+        match self.map.binary_search_by(|m| m.1.cmp(&p)) {
+            Ok(i) => i,
+            Err(i) => i.saturating_sub(1),
+        }
+    }
+
+    /// Maps a byte range of the original text into the cropped text.
+    fn map_range(&self, r: Range<usize>) -> Range<usize> {
+        let f = |p: usize| {
+            let i = self.line_of_original(p);
+            let (cs, _, window, lead) = self.map[i];
+            let line_len = self.starts.get(i + 1).copied().unwrap_or(self.text.len()) - cs;
+            let off = if p < window { 0 } else { lead + (p - window) };
+            cs + off.min(line_len)
+        };
+        let start = f(r.start);
+        start..f(r.end).max(start)
+    }
+
+    /// Maps a byte of the cropped text back to the original.
+    fn unmap(&self, p: usize) -> usize {
+        let i = match self.starts.binary_search(&p) {
+            Ok(i) => i,
+            Err(i) => i.saturating_sub(1),
+        };
+        let (cs, _, window, lead) = self.map[i];
+        window + (p - cs).saturating_sub(lead)
+    }
+}
+
+impl<'a> Files<'a> for Cropped<'a> {
+    type FileId = ();
+    type Name = &'a str;
+    type Source = &'a str;
+
+    fn name(&'a self, _: ()) -> Result<&'a str, files::Error> {
+        Ok(self.name)
+    }
+
+    fn source(&'a self, _: ()) -> Result<&'a str, files::Error> {
+        Ok(&self.text)
+    }
+
+    fn line_index(&'a self, _: (), byte_index: usize) -> Result<usize, files::Error> {
+        Ok(match self.starts.binary_search(&byte_index) {
+            Ok(i) => i,
+            Err(i) => i.saturating_sub(1),
+        })
+    }
+
+    fn line_range(&'a self, _: (), line_index: usize) -> Result<Range<usize>, files::Error> {
+        let start = *self
+            .starts
+            .get(line_index)
+            .ok_or(files::Error::LineTooLarge { given: line_index, max: self.starts.len() })?;
+        let end = self.starts.get(line_index + 1).copied().unwrap_or(self.text.len());
+        Ok(start..end)
+    }
+
+    fn column_number(&'a self, _: (), line_index: usize, byte_index: usize) -> Result<usize, files::Error> {
+        let orig = self.unmap(byte_index);
+        let line_start = self.map.get(line_index).map_or(0, |m| m.1);
+        let orig = orig.clamp(line_start, self.original.len());
+        Ok(self.original[line_start..orig].chars().count() + 1)
+    }
 }
 
 /// Keeps a span inside the source and on character boundaries.

@@ -13,6 +13,7 @@
 //! assert_eq!(parsed.model.graph.op_count(), 1);
 //! ```
 #![forbid(unsafe_code)]
+#![deny(clippy::print_stdout, clippy::print_stderr)]
 #![warn(missing_docs)]
 
 pub mod ast;
@@ -32,9 +33,11 @@ pub struct Parsed {
 
 /// Parses and lowers model text. On failure, every error found.
 pub fn parse(source: &str) -> Result<Parsed, Vec<Diagnostic>> {
-    if source.trim().is_empty() {
+    let without_comments: String =
+        source.lines().map(|l| l.split('#').next().unwrap_or("")).collect::<Vec<_>>().join("\n");
+    if without_comments.trim().is_empty() {
         return Err(vec![
-            Diagnostic::error("the input is empty: expected a model (an optional `<…>` header, then a graph)")
+            Diagnostic::error("the input holds no model: expected an optional `<…>` header, then a graph")
                 .with_primary(ir::Span::new(0, source.len()), "nothing here"),
         ]);
     }

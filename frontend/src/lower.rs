@@ -489,6 +489,9 @@ impl Lowerer {
         graph.opset = self.opset;
         let mut defined: HashMap<String, Span> = HashMap::new();
         let mut captured: Vec<String> = Vec::new();
+        // Names whose definition was rejected (an error was reported): uses of them are not
+        // reported again.
+        let mut failed: std::collections::HashSet<String> = std::collections::HashSet::new();
 
         // Every name this graph defines, so its subgraphs can tell outer references apart.
         let mut scope: Scope = HashSet::new();
@@ -544,6 +547,7 @@ impl Lowerer {
                 continue;
             };
             let Some(t) = &e.info.ty else {
+                failed.insert(e.info.name.node.clone());
                 self.err(
                     Diagnostic::error(format!("initializer `{}` needs a type", e.info.name.node))
                         .with_primary(e.info.name.span, "no type written")
@@ -563,9 +567,14 @@ impl Lowerer {
             if !define(self, &e.info.name) {
                 continue;
             }
-            if let Some(tensor) = self.tensor(t, data, None) {
-                let v = graph.add_initializer(e.info.name.node.clone(), tensor);
-                graph.set_span(v.node, e.span);
+            match self.tensor(t, data, None) {
+                Some(tensor) => {
+                    let v = graph.add_initializer(e.info.name.node.clone(), tensor);
+                    graph.set_span(v.node, e.span);
+                }
+                None => {
+                    failed.insert(e.info.name.node.clone());
+                }
             }
         }
 
@@ -600,6 +609,9 @@ impl Lowerer {
             if let Some(v) = graph.lookup(&name.node) {
                 return Some(v);
             }
+            if failed.contains(&name.node) {
+                return None;
+            }
             if scopes.iter().any(|s| s.contains(&name.node)) {
                 let v = graph.add_outer_ref(name.node.clone(), None);
                 captured.push(name.node.clone());
@@ -607,7 +619,7 @@ impl Lowerer {
             }
             let mut d = Diagnostic::error(format!("undefined value `{}`", name.node))
                 .with_primary(name.span, "not defined in this graph");
-            let hint = suggest(&name.node, scope.iter().map(String::as_str));
+            let hint = suggest(&name.node, scope.iter().map(String::as_str).filter(|c| *c != name.node));
             if let Some(h) = hint {
                 d = d.with_note(format!("did you mean `{h}`?"));
             }

@@ -124,31 +124,48 @@ fn describe_at(source: &str, pos: usize) -> String {
     }
 }
 
+/// Where a string literal starting at `pos` ends, if it does.
+fn string_end(source: &str, pos: usize) -> Option<usize> {
+    let bytes = source.as_bytes();
+    let mut i = pos + 1;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'\\' => i += 2,
+            b'"' => return Some(i + 1),
+            _ => i += 1,
+        }
+    }
+    None
+}
+
 fn syntax_error(source: &str, e: pest::error::Error<Rule>) -> Diagnostic {
-    let pos = match e.location {
+    let mut pos = match e.location {
         InputLocation::Pos(p) => p,
         InputLocation::Span((s, _)) => s,
-    };
-    // Re-run with error detail to learn which literal tokens would have fitted.
-    pest::set_error_detail(true);
-    let detailed = OnnxText::parse(Rule::model, source).err();
-    pest::set_error_detail(false);
-
-    let mut expected: Vec<String> = Vec::new();
-    let mut push = |s: String| {
-        if !expected.contains(&s) {
-            expected.push(s);
-        }
     };
     if let ErrorVariant::CustomError { message } = &e.variant {
         let end = (pos + 1).min(source.len());
         return Diagnostic::error(format!("cannot parse this input: {message}"))
             .with_primary(Span::new(pos, end), "here");
     }
-    if let Some(attempts) = detailed.as_ref().and_then(|d| d.parse_attempts())
-        && attempts.max_position == pos
+    // pest's default position is the furthest *rule* attempt; with error detail it also
+    // tracks literal tokens, which finds the real spot (a missing `)` after the last input).
+    pest::set_error_detail(true);
+    let detailed = OnnxText::parse(Rule::model, source).err();
+    pest::set_error_detail(false);
+    let attempts = detailed.as_ref().and_then(|d| d.parse_attempts());
+    let mut expected: Vec<String> = Vec::new();
+    let mut push = |s: String| {
+        if !expected.contains(&s) {
+            expected.push(s);
+        }
+    };
+    let mut rules: Vec<Rule> = Vec::new();
+    if let Some(a) = &attempts
+        && a.max_position >= pos
     {
-        for t in attempts.expected_tokens() {
+        pos = a.max_position;
+        for t in a.expected_tokens() {
             // `ParsingToken` is not exported; its Display is the token itself.
             let token = t.to_string();
             if matches!(
@@ -158,13 +175,42 @@ fn syntax_error(source: &str, e: pest::error::Error<Rule>) -> Diagnostic {
                 push(format!("`{token}`"));
             }
         }
-    }
-    if let ErrorVariant::ParsingError { positives, .. } = &e.variant {
-        for r in positives {
-            if let Some(n) = rule_name(*r) {
-                push(n.to_string());
-            }
+        for stack in a.call_stacks() {
+            rules.push(stack.deepest.get_rule().copied().unwrap_or(Rule::EOI));
         }
+    } else if let ErrorVariant::ParsingError { positives, .. } = &e.variant {
+        rules.extend(positives.iter().copied());
+    }
+    for r in rules {
+        if let Some(n) = rule_name(r) {
+            push(n.to_string());
+        }
+    }
+    // An unterminated string swallows the rest of the file; say so where it starts.
+    let mut in_string = None;
+    let mut i = 0;
+    let bytes = source.as_bytes();
+    while i < bytes.len() && i <= pos {
+        match bytes[i] {
+            b'#' => {
+                while i < bytes.len() && bytes[i] != b'\n' {
+                    i += 1;
+                }
+            }
+            b'"' => match string_end(source, i) {
+                Some(e) => i = e,
+                None => {
+                    in_string = Some(i);
+                    break;
+                }
+            },
+            _ => i += 1,
+        }
+    }
+    if let Some(start) = in_string {
+        return Diagnostic::error("unterminated string literal")
+            .with_primary(Span::new(start, start + 1), "this string is never closed")
+            .with_note("strings end with an unescaped `\"`; write `\\\"` for a quote inside a string");
     }
     let what = match expected.len() {
         0 => "unexpected input".to_string(),
@@ -390,8 +436,42 @@ fn id_list(p: Pair<'_, Rule>) -> Vec<Option<Spanned<String>>> {
     items
 }
 
+/// The span of a node without the whitespace and comments pest lets it swallow at its end:
+/// it ends at the `)` closing its inputs, or at the `>` of attributes written after them.
+fn node_span(p: &Pair<'_, Rule>) -> Span {
+    let whole = p.as_span();
+    let src = whole.get_input();
+    let last = p.clone().into_inner().last();
+    let end = match last {
+        Some(l) if l.as_rule() == Rule::attr_list => l.as_span().end(),
+        Some(l) => {
+            // Skip whitespace and comments after the inputs, then take the `)`.
+            let bytes = src.as_bytes();
+            let mut i = l.as_span().end();
+            while i < whole.end() {
+                match bytes[i] {
+                    b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c => i += 1,
+                    b'#' => {
+                        while i < whole.end() && bytes[i] != b'\n' {
+                            i += 1;
+                        }
+                    }
+                    b')' => {
+                        i += 1;
+                        break;
+                    }
+                    _ => break,
+                }
+            }
+            i
+        }
+        None => whole.end(),
+    };
+    Span::new(whole.start(), end.max(whole.start()))
+}
+
 fn build_node(p: Pair<'_, Rule>) -> Result<Node, Diagnostic> {
-    let span = span_of(&p);
+    let span = node_span(&p);
     let mut label = None;
     let mut outputs = None;
     let mut inputs = None;

@@ -20,6 +20,9 @@
 //! assert_eq!(shardc_ir::print::graph_to_string(&g), "mlp (float[2,4] x) => ( y) {\n   y = Relu (x)\n}");
 //! ```
 #![forbid(unsafe_code)]
+#![deny(clippy::print_stdout, clippy::print_stderr)]
+// Numeric kernels index several arrays with one loop variable; iterators would obscure them.
+#![allow(clippy::needless_range_loop)]
 #![warn(missing_docs)]
 
 pub mod attr;

@@ -119,13 +119,13 @@ fn verify_into(g: &Graph, errs: &mut Vec<VerifyError>) {
             if o.name.is_empty() {
                 continue;
             }
-            if let Some(prev) = defined.insert(o.name.as_str(), n) {
-                if prev != n || node.outputs().iter().filter(|x| x.name == o.name).count() > 1 {
-                    errs.push(VerifyError {
-                        at: Some(n),
-                        msg: format!("value `{}` is defined twice (also by {})", o.name, g.describe(prev)),
-                    });
-                }
+            if let Some(prev) = defined.insert(o.name.as_str(), n)
+                && (prev != n || node.outputs().iter().filter(|x| x.name == o.name).count() > 1)
+            {
+                errs.push(VerifyError {
+                    at: Some(n),
+                    msg: format!("value `{}` is defined twice (also by {})", o.name, g.describe(prev)),
+                });
             }
         }
     }

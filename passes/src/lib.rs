@@ -7,6 +7,7 @@
 //!
 //! Passes here: `verify`, `infer-shapes`, `canonicalize`, `rebatch`.
 #![forbid(unsafe_code)]
+#![deny(clippy::print_stdout, clippy::print_stderr)]
 
 pub mod canonicalize;
 pub mod infer_shapes;

@@ -994,10 +994,8 @@ fn resolve(
                         continue;
                     }
                     let ia = d.len() + a - out_rank;
-                    if d[ia] != 1 || m.eval(syms, false) == Some(1) {
-                        if d[ia] == old[&v][*a] {
-                            sub.push((ia, m.clone()));
-                        }
+                    if (d[ia] != 1 || m.eval(syms, false) == Some(1)) && d[ia] == old[&v][*a] {
+                        sub.push((ia, m.clone()));
                     }
                 }
                 if !sub.is_empty() {
@@ -1239,7 +1237,7 @@ fn propagate(g: &Graph, n: NodeId, cx: &mut Cx<'_>, consts: &HashMap<Value, Arra
             else {
                 return;
             };
-            if ao.len() >= 1 && bo.len() >= 2 {
+            if !ao.is_empty() && bo.len() >= 2 {
                 cx.unify(g, n, (input(0).expect("A"), ao.len() - 1), (input(1).expect("B"), bo.len() - 2));
             }
             let r = out_old.len();
@@ -1296,9 +1294,9 @@ fn propagate(g: &Graph, n: NodeId, cx: &mut Cx<'_>, consts: &HashMap<Value, Arra
                 m[1] = x[1].clone();
             }
             if !global {
-                for i in 2..m.len() {
+                for (i, mi) in m.iter_mut().enumerate().skip(2) {
                     if x.get(i).is_some_and(Mono::is_tracked) {
-                        m[i] = Mono::Opaque;
+                        *mi = Mono::Opaque;
                     }
                 }
             }
@@ -1392,21 +1390,18 @@ fn propagate(g: &Graph, n: NodeId, cx: &mut Cx<'_>, consts: &HashMap<Value, Arra
         }
         Op::Slice(_) => {
             let (Some(xm), Some(xo)) = (in_m(cx, 0), in_old(cx, 0)) else { return };
-            let m: Vec<Mono> = (0..out_old.len())
-                .map(|i| {
-                    if out_old[i] == xo[i] && xm[i].is_tracked() {
-                        xm[i].clone()
-                    } else if xm[i].is_tracked() {
-                        // Partial slice of a changing axis: the result size is a literal.
-                        Mono::constant(out_old[i])
-                    } else {
-                        Mono::constant(out_old[i])
-                    }
-                })
-                .collect();
-            if (0..out_old.len()).any(|i| xm[i].is_tracked() && out_old[i] == xo[i]) {
-                set(cx, 0, m);
-            } else if tracked_in {
+            // A full slice of a changing axis follows it; a partial one has a literal size.
+            let m: Vec<Mono> =
+                (0..out_old.len())
+                    .map(|i| {
+                        if out_old[i] == xo[i] && xm[i].is_tracked() {
+                            xm[i].clone()
+                        } else {
+                            Mono::constant(out_old[i])
+                        }
+                    })
+                    .collect();
+            if tracked_in {
                 set(cx, 0, m);
             }
         }
@@ -1561,7 +1556,7 @@ fn rewrite_literals(
                 // Opaque: fine when the literal is -1/0/1 (derived from the input).
                 if let Some(s) = &spec
                     && let Some(&lit) = s.get(i)
-                    && !matches!(lit, -1 | 0 | 1)
+                    && !matches!(lit, -1..=1)
                     && !matches!(op, Op::Tile(_))
                 {
                     errors.push(Located::at(g, n, format!("cannot rebatch {}: axis {i} changes in a way that cannot be computed, but its size is the literal {lit}", g.describe(n))));

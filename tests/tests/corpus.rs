@@ -102,3 +102,36 @@ fn shape_inference_from_scratch_finds_every_shape_of_static_models() {
     }
     assert!(failures.is_empty(), "{} problems:\n{}", failures.len(), failures[..failures.len().min(40)].join("\n"));
 }
+
+#[test]
+fn stats_match_the_published_counts() {
+    let mut checked = 0;
+    for path in data_files("models") {
+        let stats_path = path.parent().unwrap().join("stats").join(path.file_name().unwrap()).with_extension("json");
+        let Ok(text) = std::fs::read_to_string(&stats_path) else { continue };
+        let expected: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let mut model = load_model(&path);
+        ir::infer::infer_shapes(&mut model.graph, ir::infer::Mode::Check).unwrap();
+        let s = ir::cost::compute_stats(&model.graph);
+        let name = path.display();
+        assert_eq!(s.params, expected["params"].as_u64().unwrap(), "{name}: params");
+        assert_eq!(s.float_params, expected["float_params"].as_u64().unwrap(), "{name}: float_params");
+        assert_eq!(s.nodes as u64, expected["nodes_top"].as_u64().unwrap(), "{name}: nodes");
+        for (op, count) in expected["op_counts"].as_object().unwrap() {
+            let got = s.op_counts.iter().find(|(k, _)| k == op).map_or(0, |(_, c)| *c);
+            assert_eq!(got as u64, count.as_u64().unwrap(), "{name}: {op} count");
+        }
+        let static_inputs =
+            model.graph.input_values().iter().all(|&v| model.graph.tensor_type(v).is_some_and(|t| t.is_static()));
+        if static_inputs {
+            assert!(
+                s.forward_flops > 0.0 && s.unknown_shapes == 0,
+                "{name}: FLOPs {} with {} unknown shapes",
+                s.forward_flops,
+                s.unknown_shapes
+            );
+        }
+        checked += 1;
+    }
+    assert!(checked >= 18, "only {checked} models have stats");
+}

@@ -115,7 +115,7 @@ pub fn random_tensor(dtype: DType, dims: &[i64], role: &str, seed: u64, name: &s
                     (-s, s)
                 }
             };
-            Array::float(if d == DType::Double { d } else { d }, shape, (0..n).map(|_| rng.uniform(lo, hi)).collect())
+            Array::float(d, shape, (0..n).map(|_| rng.uniform(lo, hi)).collect())
         }
         DType::Bool => Array::bool(shape, vec![true; n]),
         d if d.is_int() => Array::int(d, shape, vec![0; n]),

@@ -69,14 +69,14 @@ pub fn window(
                 out[i] = o;
             }
             "VALID" | "NOTSET" | "" => {
-                if auto_pad == "NOTSET" || auto_pad.is_empty() {
-                    if let Some(p) = pads {
-                        if p.len() != 2 * k || p.iter().any(|&x| x < 0) {
-                            return Err(format!("pads {p:?} do not fit {k} spatial dims"));
-                        }
-                        pb[i] = p[i] as usize;
-                        pe[i] = p[i + k] as usize;
+                if (auto_pad == "NOTSET" || auto_pad.is_empty())
+                    && let Some(p) = pads
+                {
+                    if p.len() != 2 * k || p.iter().any(|&x| x < 0) {
+                        return Err(format!("pads {p:?} do not fit {k} spatial dims"));
                     }
+                    pb[i] = p[i] as usize;
+                    pe[i] = p[i + k] as usize;
                 }
                 let span = input[i] + pb[i] + pe[i];
                 if span < ext {
@@ -561,7 +561,7 @@ fn group_like_norm(
     let n = x.shape[0];
     let c = x.shape[1];
     let sp: usize = x.shape[2..].iter().product();
-    if groups == 0 || c % groups != 0 {
+    if groups == 0 || !c.is_multiple_of(groups) {
         return Err(EvalError::Invalid(format!("{c} channels do not split into {groups} groups")));
     }
     let cpg = c / groups;

@@ -828,7 +828,7 @@ pub fn reshape_target(input: &[usize], spec: &[i64], allowzero: bool) -> Result<
     }
     if let Some(i) = infer {
         let known: usize = out.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, d)| *d).product();
-        if known == 0 || total % known != 0 {
+        if known == 0 || !total.is_multiple_of(known) {
             return Err(EvalError::Invalid(format!("cannot reshape {input:?} to {spec:?}")));
         }
         out[i] = total / known;

@@ -1,0 +1,5 @@
+//! The subcommands.
+
+pub mod common;
+pub mod parse;
+pub mod stats;

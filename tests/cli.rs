@@ -1,0 +1,119 @@
+//! The command line: exit codes, outputs, refusal to overwrite the input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn shardc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("shardc runs")
+}
+
+fn model(name: &str) -> String {
+    format!("tests/data/models/{name}")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).to_string()
+}
+
+#[test]
+fn every_malformed_input_exits_1_with_a_located_error() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/diagnostics");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap().flatten() {
+        let p = e.path();
+        if p.extension().is_none_or(|x| x != "onnxtxt") {
+            continue;
+        }
+        let rel = format!("tests/diagnostics/{}", p.file_name().unwrap().to_string_lossy());
+        let o = shardc(&["parse", &rel]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{rel}: {err}");
+        assert!(err.starts_with("error"), "{rel}: {err}");
+        assert!(err.contains(&format!("{rel}:")), "{rel}: no location in {err}");
+        assert!(!err.contains("panicked"), "{rel}: {err}");
+        assert!(o.stdout.is_empty(), "{rel}: printed a model");
+        n += 1;
+    }
+    assert!(n >= 25);
+}
+
+#[test]
+fn parse_prints_the_model_back_exactly() {
+    let path = model("tv_resnet18.onnxtxt");
+    let o = shardc(&["parse", &path]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let original = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(&path)).unwrap();
+    assert_eq!(String::from_utf8(o.stdout).unwrap().trim_end(), original);
+}
+
+#[test]
+fn output_file_and_refusal_to_overwrite_the_input() {
+    let dir = std::env::temp_dir().join(format!("shardc-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("out.onnxtxt");
+    let o = shardc(&["parse", &model("tv_alexnet.onnxtxt"), "--passes", "canonicalize", "-o", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let again = shardc(&["parse", out.to_str().unwrap()]);
+    assert!(again.status.success(), "{}", stderr(&again));
+    // Writing over the model being read is refused, and the file is untouched.
+    let copy: PathBuf = dir.join("copy.onnxtxt");
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join(model("tv_alexnet.onnxtxt")), &copy).unwrap();
+    let before = std::fs::read(&copy).unwrap();
+    let o = shardc(&["parse", copy.to_str().unwrap(), "--passes", "canonicalize", "-o", copy.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("refusing to overwrite"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(&copy).unwrap(), before);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn json_and_dot() {
+    let o = shardc(&["parse", &model("tv_squeezenet1_1.onnxtxt"), "--emit", "json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["graph"]["nodes"].as_array().unwrap().len(), 83);
+    let o = shardc(&["parse", &model("tv_squeezenet1_1.onnxtxt"), "--emit", "dot"]);
+    assert!(String::from_utf8(o.stdout).unwrap().starts_with("digraph"));
+}
+
+#[test]
+fn passes_dumps_and_unknown_names() {
+    let o = shardc(&[
+        "parse",
+        &model("hf_bert_base.onnxtxt"),
+        "--passes",
+        "infer-shapes,canonicalize",
+        "--dump-after",
+        "canonicalize",
+        "--timings",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("# ---- after canonicalize ----"));
+    assert!(err.contains("canonicalize") && err.contains(" ms"));
+    let o = shardc(&["parse", &model("hf_bert_base.onnxtxt"), "--passes", "fold-everything"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("unknown pass `fold-everything`"));
+}
+
+#[test]
+fn stats_json_and_rebatching() {
+    let o = shardc(&["stats", &model("tv_resnet50.onnxtxt"), "--batch", "256", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["params"], 25_507_944);
+    assert_eq!(v["inputs"][0]["type"], "float[256,3,224,224]");
+    let f = v["forward_flops"].as_f64().unwrap();
+    assert!(f > 256.0 * 8.0e9 && f < 256.0 * 8.5e9, "{f}");
+    let o = shardc(&["stats", &model("hf_gpt2_124m.onnxtxt"), "--input-shape", "input_ids=8x1024", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["outputs"][0]["type"], "float[8,1024,50257]");
+    let o = shardc(&["stats", &model("hf_gpt2_124m.onnxtxt"), "--input-shape", "nope=1x2"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("there is no graph input `nope`"), "{}", stderr(&o));
+}
