@@ -17,6 +17,15 @@ enum Command {
     Parse(cli::parse::ParseArgs),
     /// Node count, op histogram, parameters, FLOPs and activation bytes of one step.
     Stats(cli::stats::StatsArgs),
+    /// Price a named strategy on a cluster: step time, its breakdown, memory per device.
+    Cost(cli::cost::CostArgs),
+    /// Compare strategies along batch, FLOP/s, memory bandwidth, link bandwidth or devices.
+    Sweep(cli::sweep::SweepArgs),
+    /// Print a cluster preset as TOML (a start for your own file), or check a cluster file.
+    Cluster {
+        /// A preset name or a TOML file.
+        cluster: String,
+    },
 }
 
 fn main() {
@@ -29,6 +38,12 @@ fn main() {
     let result = match &cli.command {
         Command::Parse(a) => cli::parse::run(a),
         Command::Stats(a) => cli::stats::run(a),
+        Command::Cost(a) => cli::cost::run(a),
+        Command::Sweep(a) => cli::sweep::run(a),
+        Command::Cluster { cluster } => cli::cost::load_cluster(cluster).and_then(|c| {
+            let text = format!("# {}\n# {}\n{}", c.describe(), c.source, c.to_toml());
+            cli::common::write_output(&text, None, std::path::Path::new(""))
+        }),
     };
     if let Err(e) = result {
         eprint!("{}", e.message);

@@ -117,3 +117,49 @@ fn stats_json_and_rebatching() {
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("there is no graph input `nope`"), "{}", stderr(&o));
 }
+
+#[test]
+fn cost_json_keys_and_strategy_errors() {
+    let o = shardc(&["cost", &model("tv_resnet50.onnxtxt"), "--cluster", "dgx-a100", "--strategy", "data", "--batch", "256", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for k in ["step_time_s", "compute_s", "communication_s", "bubble_s", "input_s", "memory_per_device_bytes", "feasible"] {
+        assert!(v.get(k).is_some(), "missing `{k}`");
+    }
+    assert_eq!(v["memory_per_device_bytes"].as_array().unwrap().len(), 8);
+    assert_eq!(v["feasible"], true);
+    let o = shardc(&["cost", &model("tv_vgg16.onnxtxt"), "--cluster", "pcie-v100x8", "--strategy", "pipeline:4:8", "--batch", "64", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["stages"].as_array().unwrap().len(), 4);
+    assert!(v["bubble_s"].as_f64().unwrap() > 0.0);
+    let o = shardc(&["cost", &model("hf_gpt2_small4.onnxtxt"), "--cluster", "dgx-a100", "--strategy", "spatial"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("does not apply"), "{}", stderr(&o));
+    let o = shardc(&["cost", &model("hf_gpt2_small4.onnxtxt"), "--cluster", "no-such-machine", "--strategy", "data"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("unknown cluster"), "{}", stderr(&o));
+}
+
+#[test]
+fn sweep_table_svg_and_cluster_files() {
+    let dir = std::env::temp_dir().join(format!("shardc-sweep-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let svg = dir.join("s.svg");
+    let o = shardc(&["sweep", &model("tv_alexnet.onnxtxt"), "--cluster", "pcie-v100x8", "--batch", "256", "--axis", "linkbw", "--values", "0.1x,1x,10x", "--strategies", "data,owt", "--svg", svg.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8(o.stdout).unwrap();
+    assert!(text.contains("best"), "{text}");
+    assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
+    // A preset printed as TOML is a valid cluster file.
+    let o = shardc(&["cluster", "dgx-a100"]);
+    assert!(o.status.success());
+    let file = dir.join("c.toml");
+    std::fs::write(&file, &o.stdout).unwrap();
+    let o = shardc(&["cost", &model("tv_alexnet.onnxtxt"), "--cluster", file.to_str().unwrap(), "--strategy", "data", "--devices", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::write(&file, "name = \"broken\"\nnodes = 0\n").unwrap();
+    let o = shardc(&["cluster", file.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -33,6 +33,7 @@ pub mod graph;
 pub mod infer;
 pub mod op;
 pub mod print;
+pub mod shard;
 pub mod tensor;
 pub mod types;
 pub mod verify;

@@ -10,6 +10,7 @@
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
 pub mod canonicalize;
+pub mod cost;
 pub mod infer_shapes;
 pub mod manager;
 pub mod rebatch;

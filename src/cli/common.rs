@@ -59,6 +59,15 @@ impl ShapeArgs {
 /// Loads a model, prints frontend warnings, verifies it, applies `--batch`/`--input-shape`
 /// and infers shapes.
 pub fn load(path: &Path, shapes: &ShapeArgs) -> CliResult<Loaded> {
+    load_with(path, shapes, false)
+}
+
+/// Like [`load`], then canonicalizes (what the cost model and the planner work on).
+pub fn load_canonical(path: &Path, shapes: &ShapeArgs) -> CliResult<Loaded> {
+    load_with(path, shapes, true)
+}
+
+fn load_with(path: &Path, shapes: &ShapeArgs, canonical: bool) -> CliResult<Loaded> {
     let mut loaded = shardc::load_model(path).map_err(|e| CliError::new(e.render()))?;
     if !loaded.warnings.is_empty() {
         eprint!("{}", loaded.source.render(&loaded.warnings));
@@ -70,6 +79,9 @@ pub fn load(path: &Path, shapes: &ShapeArgs) -> CliResult<Loaded> {
         pm.add(passes::Rebatch { spec });
     }
     pm.add(passes::InferShapes::default());
+    if canonical {
+        pm.add(passes::Canonicalize);
+    }
     let report = pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
     warn(&report.warnings, &loaded.source);
     Ok(loaded)

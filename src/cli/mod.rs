@@ -1,5 +1,7 @@
 //! The subcommands.
 
 pub mod common;
+pub mod cost;
 pub mod parse;
 pub mod stats;
+pub mod sweep;

@@ -1,0 +1,390 @@
+//! Cluster descriptions: devices, their links as a hierarchy (inside a node, across nodes),
+//! and the host links that feed input data. A TOML format and built-in presets.
+
+use serde::{Deserialize, Serialize};
+
+use ir::shard::{LinkLevel, Mesh, MeshAxis};
+
+/// Peak FLOP/s of a device per arithmetic precision.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PeakFlops {
+    /// IEEE float32 on the regular cores.
+    pub fp32: f64,
+    /// TF32 tensor cores, where the device has them.
+    #[serde(default)]
+    pub tf32: Option<f64>,
+    /// FP16 / BF16 tensor cores (mixed precision), where the device has them.
+    #[serde(default)]
+    pub fp16: Option<f64>,
+}
+
+/// One accelerator.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Device {
+    /// Marketing name.
+    pub name: String,
+    /// Peak FLOP/s per precision.
+    pub peak_flops: PeakFlops,
+    /// Fraction of peak that large GEMMs and convolutions reach.
+    pub efficiency: f64,
+    /// Memory bandwidth, bytes/s.
+    pub mem_bandwidth: f64,
+    /// Memory capacity, bytes.
+    pub mem_capacity: f64,
+    /// Fraction of the capacity a training job can use (the rest: runtime, fragmentation).
+    #[serde(default = "default_usable")]
+    pub mem_usable: f64,
+    /// Fixed cost of launching one kernel, seconds.
+    pub launch_overhead: f64,
+}
+
+fn default_usable() -> f64 {
+    0.9
+}
+
+/// How the devices of a link level are connected.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Topology {
+    /// A switch (NVSwitch, an IB fabric): every device has its full bandwidth to any peer.
+    Switch,
+    /// A ring of point-to-point links.
+    Ring,
+    /// A PCIe tree: devices under one switch share its uplink.
+    Tree,
+}
+
+/// A link level.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Link {
+    /// Bandwidth per device and direction, bytes/s.
+    pub bandwidth: f64,
+    /// Latency of one message, seconds.
+    pub latency: f64,
+    /// How the devices are connected.
+    pub topology: Topology,
+    /// Devices sharing one upstream link (a PCIe switch); their traffic that leaves the switch
+    /// divides its bandwidth.
+    #[serde(default = "one")]
+    pub shared_by: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// The path from host memory to a device.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HostLink {
+    /// Bandwidth host→device per link, bytes/s.
+    pub bandwidth: f64,
+    /// Latency of one transfer, seconds.
+    pub latency: f64,
+    /// Devices sharing one host link.
+    #[serde(default = "one")]
+    pub shared_by: usize,
+}
+
+/// A machine: `nodes` nodes of `devices_per_node` identical devices.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Cluster {
+    /// Name (a preset's name, or what the file says).
+    pub name: String,
+    /// Where the numbers come from.
+    #[serde(default)]
+    pub source: String,
+    /// Number of nodes.
+    pub nodes: usize,
+    /// Devices in each node.
+    pub devices_per_node: usize,
+    /// The device.
+    pub device: Device,
+    /// Links between devices of one node.
+    pub intra: Link,
+    /// Links between nodes (per NIC); absent for a single node.
+    #[serde(default)]
+    pub inter: Option<Link>,
+    /// NICs per node (traffic of a node's devices shares them).
+    #[serde(default = "one")]
+    pub nics_per_node: usize,
+    /// Host→device links.
+    pub host: HostLink,
+}
+
+/// A cluster file or preset name could not be used.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ClusterError {
+    /// Neither a preset nor a readable file.
+    #[error("unknown cluster `{0}`: not a preset ({1}) and not a readable file")]
+    Unknown(String, String),
+    /// The file is not valid.
+    #[error("cluster file `{0}`: {1}")]
+    Invalid(String, String),
+}
+
+const GB: f64 = 1e9;
+const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+fn a100() -> Device {
+    Device {
+        // NVIDIA A100 datasheet (SXM4 80 GB): FP32 19.5 TFLOPS, TF32 156, FP16/BF16 312 (dense);
+        // HBM2e 2,039 GB/s; 80 GB.
+        name: "A100-SXM4-80GB".into(),
+        peak_flops: PeakFlops { fp32: 19.5e12, tf32: Some(156e12), fp16: Some(312e12) },
+        // Large cuBLAS GEMMs reach 70-80% of tensor-core peak; whole networks less.
+        efficiency: 0.6,
+        mem_bandwidth: 2039.0 * GB,
+        mem_capacity: 80.0 * GB,
+        mem_usable: 0.9,
+        // CUDA kernel launch and framework dispatch, a few microseconds.
+        launch_overhead: 5e-6,
+    }
+}
+
+fn dgx_a100(nodes: usize) -> Cluster {
+    Cluster {
+        name: if nodes == 1 { "dgx-a100".into() } else { format!("a100-cluster-{nodes}") },
+        source: "NVIDIA DGX A100 system architecture whitepaper and A100 datasheet".into(),
+        nodes,
+        devices_per_node: 8,
+        device: a100(),
+        // NVLink 3: 12 links × 25 GB/s per direction = 300 GB/s per GPU per direction, through
+        // six NVSwitches (all-to-all at full bandwidth). NCCL reaches ~230-250 GB/s bus bandwidth.
+        intra: Link { bandwidth: 240.0 * GB, latency: 3e-6, topology: Topology::Switch, shared_by: 1 },
+        // 8 × Mellanox ConnectX-6 HDR 200 Gb/s (25 GB/s) InfiniBand, one per GPU; ~22 GB/s achieved.
+        inter: (nodes > 1).then_some(Link {
+            bandwidth: 22.0 * GB,
+            latency: 5e-6,
+            topology: Topology::Switch,
+            shared_by: 1,
+        }),
+        nics_per_node: 8,
+        // PCIe Gen4 x16: 32 GB/s theoretical, ~25 GB/s achieved host→device; two GPUs per PCIe
+        // switch in DGX A100.
+        host: HostLink { bandwidth: 25.0 * GB, latency: 10e-6, shared_by: 2 },
+    }
+}
+
+fn dgx_h100() -> Cluster {
+    Cluster {
+        name: "dgx-h100".into(),
+        source: "NVIDIA DGX H100 user guide and H100 SXM5 datasheet".into(),
+        nodes: 1,
+        devices_per_node: 8,
+        device: Device {
+            // H100 SXM5: FP32 67 TFLOPS, TF32 495, FP16/BF16 989 (dense); HBM3 3.35 TB/s; 80 GB.
+            name: "H100-SXM5-80GB".into(),
+            peak_flops: PeakFlops { fp32: 67e12, tf32: Some(495e12), fp16: Some(989e12) },
+            efficiency: 0.55,
+            mem_bandwidth: 3350.0 * GB,
+            mem_capacity: 80.0 * GB,
+            mem_usable: 0.9,
+            launch_overhead: 4e-6,
+        },
+        // NVLink 4: 18 links, 900 GB/s bidirectional = 450 GB/s per direction, NVSwitch gen 3;
+        // NCCL reaches ~360 GB/s bus bandwidth.
+        intra: Link { bandwidth: 360.0 * GB, latency: 2.5e-6, topology: Topology::Switch, shared_by: 1 },
+        inter: None,
+        // 8 × ConnectX-7 NDR 400 Gb/s for multi-node; unused in one node.
+        nics_per_node: 8,
+        // PCIe Gen5 x16: 64 GB/s theoretical, ~50 GB/s achieved.
+        host: HostLink { bandwidth: 50.0 * GB, latency: 8e-6, shared_by: 2 },
+    }
+}
+
+fn pcie_v100x8() -> Cluster {
+    Cluster {
+        name: "pcie-v100x8".into(),
+        source: "NVIDIA V100 PCIe datasheet; 8-GPU PCIe Gen3 servers (2 GPUs per PLX switch, no NVLink)".into(),
+        nodes: 1,
+        devices_per_node: 8,
+        device: Device {
+            // V100 PCIe 32 GB: FP32 14 TFLOPS, FP16 tensor 112 TFLOPS; HBM2 900 GB/s.
+            name: "V100-PCIe-32GB".into(),
+            peak_flops: PeakFlops { fp32: 14e12, tf32: None, fp16: Some(112e12) },
+            efficiency: 0.65,
+            mem_bandwidth: 900.0 * GB,
+            mem_capacity: 32.0 * GB,
+            mem_usable: 0.9,
+            launch_overhead: 6e-6,
+        },
+        // GPU↔GPU over PCIe Gen3 x16 (15.75 GB/s theoretical, ~11 GB/s achieved); pairs of GPUs
+        // share a PLX switch uplink to the CPU root complex, which rings across switches cross.
+        intra: Link { bandwidth: 11.0 * GB, latency: 10e-6, topology: Topology::Tree, shared_by: 2 },
+        inter: None,
+        nics_per_node: 1,
+        // Host→GPU over the same PCIe Gen3 switches: ~11 GB/s per link, shared by two GPUs.
+        host: HostLink { bandwidth: 11.0 * GB, latency: 10e-6, shared_by: 2 },
+    }
+}
+
+/// The runtime's simulated accelerators on this machine: wgpu on Mesa's lavapipe (software
+/// Vulkan on the CPU), collectives through host staging buffers. See `local_wgpu_preset` for
+/// how the numbers were measured.
+fn local_wgpu() -> Cluster {
+    crate::cost::calibration::local_wgpu_preset()
+}
+
+/// Names of the built-in presets (`a100-cluster-N` takes any N ≥ 2).
+pub const PRESETS: &[&str] = &["dgx-a100", "dgx-h100", "pcie-v100x8", "a100-cluster-N", "local-wgpu"];
+
+impl Cluster {
+    /// A built-in preset.
+    pub fn preset(name: &str) -> Option<Cluster> {
+        Some(match name {
+            "dgx-a100" => dgx_a100(1),
+            "dgx-h100" => dgx_h100(),
+            "pcie-v100x8" => pcie_v100x8(),
+            "local-wgpu" => local_wgpu(),
+            _ => {
+                let n: usize = name.strip_prefix("a100-cluster-")?.parse().ok()?;
+                if n == 0 {
+                    return None;
+                }
+                dgx_a100(n)
+            }
+        })
+    }
+
+    /// A preset name or a TOML file.
+    pub fn load(spec: &str) -> Result<Cluster, ClusterError> {
+        if let Some(c) = Cluster::preset(spec) {
+            return Ok(c);
+        }
+        let text = std::fs::read_to_string(spec).map_err(|_| ClusterError::Unknown(spec.into(), PRESETS.join(", ")))?;
+        Cluster::from_toml(&text).map_err(|e| ClusterError::Invalid(spec.into(), e))
+    }
+
+    /// Parses the TOML format (see the README): top-level `name`, `nodes`,
+    /// `devices_per_node`, and tables `[device]`, `[device.peak_flops]`, `[intra]`,
+    /// `[inter]`, `[host]`.
+    pub fn from_toml(text: &str) -> Result<Cluster, String> {
+        let c: Cluster = toml::from_str(text).map_err(|e| e.to_string())?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The description as TOML.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("clusters serialize")
+    }
+
+    /// Checks that every number is positive and the structure is complete.
+    pub fn validate(&self) -> Result<(), String> {
+        let pos = |name: &str, v: f64| {
+            if v > 0.0 && v.is_finite() { Ok(()) } else { Err(format!("`{name}` must be a positive number, got {v}")) }
+        };
+        if self.nodes == 0 || self.devices_per_node == 0 {
+            return Err("`nodes` and `devices_per_node` must be at least 1".into());
+        }
+        pos("device.peak_flops.fp32", self.device.peak_flops.fp32)?;
+        pos("device.efficiency", self.device.efficiency)?;
+        if self.device.efficiency > 1.0 {
+            return Err("`device.efficiency` is a fraction of peak and must be at most 1".into());
+        }
+        pos("device.mem_bandwidth", self.device.mem_bandwidth)?;
+        pos("device.mem_capacity", self.device.mem_capacity)?;
+        pos("intra.bandwidth", self.intra.bandwidth)?;
+        pos("host.bandwidth", self.host.bandwidth)?;
+        if self.device.launch_overhead < 0.0 || self.intra.latency < 0.0 || self.host.latency < 0.0 {
+            return Err("latencies and overheads cannot be negative".into());
+        }
+        if self.nodes > 1 && self.inter.is_none() {
+            return Err("a cluster of several nodes needs an `[inter]` link".into());
+        }
+        if let Some(l) = &self.inter {
+            pos("inter.bandwidth", l.bandwidth)?;
+        }
+        Ok(())
+    }
+
+    /// Total devices.
+    pub fn devices(&self) -> usize {
+        self.nodes * self.devices_per_node
+    }
+
+    /// The link of a level (the intra link when there is no inter link).
+    pub fn link(&self, level: LinkLevel) -> &Link {
+        match level {
+            LinkLevel::Intra => &self.intra,
+            LinkLevel::Inter => self.inter.as_ref().unwrap_or(&self.intra),
+        }
+    }
+
+    /// The natural mesh for `n` devices: one intra-node axis when they fit in a node, else
+    /// `[nodes, devices per node]`. Errors when `n` does not fit the machine's shape.
+    pub fn mesh(&self, n: usize) -> Result<Mesh, String> {
+        if n == 0 {
+            return Err("the device count must be at least 1".into());
+        }
+        if n > self.devices() {
+            return Err(format!("{} has {} devices; {n} asked", self.name, self.devices()));
+        }
+        if n <= self.devices_per_node {
+            return Ok(Mesh::line(n, LinkLevel::Intra));
+        }
+        if !n.is_multiple_of(self.devices_per_node) {
+            return Err(format!("{n} devices do not fill whole nodes of {}", self.devices_per_node));
+        }
+        Ok(Mesh {
+            axes: vec![
+                MeshAxis { name: "nodes".into(), size: n / self.devices_per_node, level: LinkLevel::Inter },
+                MeshAxis { name: "gpus".into(), size: self.devices_per_node, level: LinkLevel::Intra },
+            ],
+        })
+    }
+
+    /// Human-readable summary.
+    pub fn describe(&self) -> String {
+        format!(
+            "{}: {} node(s) × {} {} ({:.0} GiB, {:.1} TFLOP/s fp32), intra {:.0} GB/s{}",
+            self.name,
+            self.nodes,
+            self.devices_per_node,
+            self.device.name,
+            self.device.mem_capacity / GIB,
+            self.device.peak_flops.fp32 / 1e12,
+            self.intra.bandwidth / GB,
+            self.inter.as_ref().map_or(String::new(), |l| format!(", inter {:.0} GB/s", l.bandwidth / GB))
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_validate_and_round_trip_through_toml() {
+        for name in ["dgx-a100", "dgx-h100", "pcie-v100x8", "a100-cluster-8", "local-wgpu"] {
+            let c = Cluster::preset(name).unwrap();
+            c.validate().unwrap();
+            let back = Cluster::from_toml(&c.to_toml()).unwrap();
+            assert_eq!(back, c, "{name}");
+        }
+        assert!(Cluster::preset("a100-cluster-0").is_none());
+        assert_eq!(Cluster::preset("a100-cluster-8").unwrap().devices(), 64);
+    }
+
+    #[test]
+    fn meshes_follow_the_hierarchy() {
+        let c = Cluster::preset("a100-cluster-8").unwrap();
+        let m = c.mesh(64).unwrap();
+        assert_eq!(
+            m.axes.iter().map(|a| (a.size, a.level)).collect::<Vec<_>>(),
+            vec![(8, LinkLevel::Inter), (8, LinkLevel::Intra)]
+        );
+        assert_eq!(c.mesh(8).unwrap().axes.len(), 1);
+        assert!(c.mesh(12).is_err());
+        assert!(c.mesh(128).is_err());
+    }
+
+    #[test]
+    fn bad_files_say_what_is_wrong() {
+        let mut c = Cluster::preset("dgx-a100").unwrap();
+        c.device.efficiency = 1.5;
+        let e = Cluster::from_toml(&c.to_toml()).unwrap_err();
+        assert!(e.contains("efficiency"), "{e}");
+        assert!(Cluster::from_toml("name = 3").is_err());
+    }
+}

@@ -1,0 +1,213 @@
+//! Formula tests: each expected number is worked out by hand in the comment above it, on a
+//! toy cluster with round constants (peak 1 TFLOP/s at efficiency 1, 100 GB/s memory,
+//! 10 GB/s links, no latencies or launch costs).
+
+use ir::shard::LinkLevel;
+use ir::{DType, Graph, Model, Op, Tensor, TensorType, op};
+
+use super::cluster::{Cluster, Device, HostLink, Link, PeakFlops, Topology};
+use super::model::{Assignment, CostModel, InputPath, Optimizer, Options};
+use super::pipeline::Schedule;
+
+fn toy() -> Cluster {
+    Cluster {
+        name: "toy".into(),
+        source: "round numbers for hand calculations".into(),
+        nodes: 1,
+        devices_per_node: 8,
+        device: Device {
+            name: "toy".into(),
+            peak_flops: PeakFlops { fp32: 1e12, tf32: None, fp16: None },
+            efficiency: 1.0,
+            mem_bandwidth: 1e11,
+            mem_capacity: 1e9,
+            mem_usable: 1.0,
+            launch_overhead: 0.0,
+        },
+        intra: Link { bandwidth: 1e10, latency: 0.0, topology: Topology::Switch, shared_by: 1 },
+        inter: None,
+        nics_per_node: 1,
+        host: HostLink { bandwidth: 1e10, latency: 0.0, shared_by: 2 },
+    }
+}
+
+fn opts() -> Options {
+    Options { overlap_grad_sync: false, optimizer: Optimizer::Adam, ..Options::default() }
+}
+
+/// X [64, 1024] (input) · W [1024, 4096] (parameter) = Y [64, 4096].
+fn gemm_graph() -> Graph {
+    let mut g = Graph::new("gemm");
+    let x = g.add_input("x", Some(TensorType::fixed(DType::Float, &[64, 1024]).into()));
+    let w = g.add_initializer(
+        "w",
+        Tensor { dtype: DType::Float, dims: vec![1024, 4096], name: None, data: ir::TensorData::External(vec![]) },
+    );
+    let y = g.add_simple(Op::MatMul(op::MatMul::default()), &[x, w], "y");
+    g.add_output(y, None);
+    let mut m = Model::new(g, 17);
+    ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+    m.graph
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * b.abs().max(1e-12)
+}
+
+#[test]
+fn data_parallel_gemm_by_hand() {
+    let g = gemm_graph();
+    let c = toy();
+    let cm = CostModel::new(&g, &c, c.mesh(8).unwrap(), opts());
+    let mm = cm.order()[0];
+    // MatMul dims: m (0), n (1), k (2). Data parallel splits m.
+    let asg = Assignment { strategies: [(mm, vec![Some(0)])].into_iter().collect() };
+    let t = cm.op_time(mm, &[Some(0)]);
+    // Forward: 2·64·1024·4096 = 536,870,912 FLOPs, /8 = 67,108,864 → 67.1 µs of compute;
+    // bytes: (x 262,144 + y 1,048,576)/8 + w 16,777,216 (replicated) = 16,941,056 → 169.41 µs.
+    assert!(close(t.fwd, 16_941_056.0 / 1e11), "{}", t.fwd);
+    // Backward: only the weight gradient (x is a graph input): 67,108,864 FLOPs, bytes twice
+    // the forward's → 338.82 µs.
+    assert!(close(t.bwd, 2.0 * 16_941_056.0 / 1e11), "{}", t.bwd);
+    let b = cm.evaluate(&asg);
+    // Gradient all-reduce of w (16,777,216 B) over 8: 2·7/8·16,777,216/1e10 = 2.936 ms.
+    let sync = 2.0 * 7.0 / 8.0 * 16_777_216.0 / 1e10;
+    assert!(close(b.gradient_sync_s, sync));
+    assert!(close(b.exposed_gradient_sync_s, sync));
+    // Adam update: 4,194,304 local parameters × 28 B / 1e11 = 1.1744 ms.
+    let update = 4_194_304.0 * 28.0 / 1e11;
+    assert!(close(b.update_s, update));
+    // Input: each device pulls 262,144/8 = 32,768 B, two per host link: 32,768·2/1e10 with
+    // preloading hidden entirely.
+    assert!(close(b.input_transfer_s, 32_768.0 * 2.0 / 1e10));
+    assert_eq!(b.input_s, 0.0);
+    assert!(close(b.step_time_s, t.fwd + t.bwd + sync + update));
+    // Memory: weights 16 MiB, gradients 16 MiB, Adam 8 B × 4,194,304 = 32 MiB, activations
+    // y/8 = 131,072 B, workspace the same.
+    assert!(close(b.memory.weights, 16_777_216.0));
+    assert!(close(b.memory.gradients, 16_777_216.0));
+    assert!(close(b.memory.optimizer, 33_554_432.0));
+    assert!(close(b.memory.activations, 131_072.0));
+    assert!(close(b.memory.total(), 16_777_216.0 * 4.0 + 2.0 * 131_072.0));
+}
+
+#[test]
+fn column_parallel_gemm_needs_no_gradient_sync() {
+    let g = gemm_graph();
+    let c = toy();
+    let cm = CostModel::new(&g, &c, c.mesh(8).unwrap(), Options { optimizer: Optimizer::Sgd, ..opts() });
+    let mm = cm.order()[0];
+    // Split n (output features): w is stored split, x replicated.
+    let b = cm.evaluate(&Assignment { strategies: [(mm, vec![Some(1)])].into_iter().collect() });
+    assert_eq!(b.gradient_sync_s, 0.0);
+    // Weights per device: 16,777,216/8 = 2,097,152 B; SGD state 4 B × 524,288.
+    assert!(close(b.memory.weights, 2_097_152.0));
+    assert!(close(b.memory.optimizer, 2_097_152.0));
+    // SGD update: 524,288 × 20 B / 1e11.
+    assert!(close(b.update_s, 524_288.0 * 20.0 / 1e11));
+    // Every device needs the whole input: 262,144·2/1e10 (two devices per host link).
+    assert!(close(b.input_transfer_s, 262_144.0 * 2.0 / 1e10));
+}
+
+#[test]
+fn row_parallel_gemm_all_reduces_its_output() {
+    // Y = X·W then Z = Y + Y (to consume Y replicated).
+    let mut g = gemm_graph();
+    let y = g.lookup("y").unwrap();
+    let out0 = g.outputs()[0].value;
+    let z = g.add_simple(Op::Add(op::Add::default()), &[y, y], "z");
+    g.set_outputs(vec![ir::GraphOutput { value: z, ty: None }]);
+    let _ = out0;
+    ir::infer::infer_shapes(&mut g, ir::infer::Mode::Reset).unwrap();
+    let c = toy();
+    let cm = CostModel::new(&g, &c, c.mesh(8).unwrap(), opts());
+    let (mm, add) = (cm.order()[0], cm.order()[1]);
+    // Split k: y is a partial sum; the Add (replicated) needs it whole: all-reduce of
+    // 1,048,576 B: 2·7/8·1,048,576/1e10 = 183.5 µs, forward only (the gradient of a sum is
+    // the same everywhere). Add consumes y twice: two all-reduces.
+    let b = cm.evaluate(&Assignment { strategies: [(mm, vec![Some(2)]), (add, vec![None])].into_iter().collect() });
+    let ar = 2.0 * 7.0 / 8.0 * 1_048_576.0 / 1e10;
+    assert!(close(b.communication_by_kind["all_reduce"], 2.0 * ar), "{:?}", b.communication_by_kind);
+}
+
+#[test]
+fn halo_exchange_of_a_split_convolution() {
+    // Conv 3×3, stride 1, pad 1 on X [1, 8, 64, 64], split H over 4 devices: each device
+    // needs one row from each neighbour. A row of its input block is 8 channels × 64 × 4 B =
+    // 2,048 B; forward and backward each send one row: 2 × 2,048/1e10.
+    let mut g = Graph::new("conv");
+    let x = g.add_input("x", Some(TensorType::fixed(DType::Float, &[1, 8, 64, 64]).into()));
+    let w = g.add_initializer(
+        "w",
+        Tensor { dtype: DType::Float, dims: vec![8, 8, 3, 3], name: None, data: ir::TensorData::External(vec![]) },
+    );
+    let y = g.add_simple(Op::Conv(op::Conv { pads: Some(vec![1, 1, 1, 1]), ..Default::default() }), &[x, w], "y");
+    g.add_output(y, None);
+    ir::infer::infer_shapes(&mut g, ir::infer::Mode::Check).unwrap();
+    let c = toy();
+    let cm = CostModel::new(&g, &c, c.mesh(4).unwrap(), opts());
+    let conv = cm.order()[0];
+    let sp = cm.space(conv);
+    let h = sp.dims.iter().position(|d| d.name == "s0").unwrap();
+    assert_eq!(sp.dims[h].kind, ir::shard::DimKind::Spatial { halo: (1, 1), stride: 1 });
+    let t = cm.op_time(conv, &[Some(h)]);
+    assert!(close(t.halo, 2.0 * 2048.0 / 1e10), "{}", t.halo);
+}
+
+#[test]
+fn staged_input_goes_through_device_zero() {
+    let g = gemm_graph();
+    let c = toy();
+    let o = Options { input_path: InputPath::Staged, preload: false, ..opts() };
+    let cm = CostModel::new(&g, &c, c.mesh(8).unwrap(), o);
+    let mm = cm.order()[0];
+    let b = cm.evaluate(&Assignment { strategies: [(mm, vec![Some(0)])].into_iter().collect() });
+    // Host → device 0: 262,144/1e10; then 7 sends of 32,768 B over device links.
+    let want = 262_144.0 / 1e10 + 7.0 * 32_768.0 / 1e10;
+    assert!(close(b.input_transfer_s, want), "{}", b.input_transfer_s);
+    assert!(close(b.input_s, want));
+}
+
+#[test]
+fn overlapped_gradient_sync_hides_behind_backward() {
+    let g = gemm_graph();
+    let c = toy();
+    let o = Options { overlap_grad_sync: true, overlap_slowdown: 1.0, ..opts() };
+    let cm = CostModel::new(&g, &c, c.mesh(8).unwrap(), o);
+    let mm = cm.order()[0];
+    let b = cm.evaluate(&Assignment { strategies: [(mm, vec![Some(0)])].into_iter().collect() });
+    // The only gradient is ready when the only backward ends: nothing to hide behind.
+    assert!(close(b.exposed_gradient_sync_s, b.gradient_sync_s));
+    // Compression halves the bytes.
+    let cm2 = CostModel::new(&g, &c, c.mesh(8).unwrap(), Options { grad_compression: 0.5, ..opts() });
+    let b2 = cm2.evaluate(&Assignment { strategies: [(mm, vec![Some(0)])].into_iter().collect() });
+    assert!(close(b2.gradient_sync_s, b.gradient_sync_s / 2.0));
+}
+
+#[test]
+fn pipeline_schedules() {
+    // Two stages, forward 1 and 2, backward 2 and 4, four micro-batches.
+    let (f, b) = ([1.0, 2.0], [2.0, 4.0]);
+    // GPipe: (4 + 2 − 1)(max f + max b) = 5 · 6 = 30; 1F1B: 5 · max(f + b) = 5 · 6 = 30.
+    assert_eq!(Schedule::GPipe.makespan(&f, &b, 4), 30.0);
+    assert_eq!(Schedule::OneFOneB.makespan(&f, &b, 4), 30.0);
+    // Unbalanced the other way: f = [3, 1], b = [1, 3]: GPipe 5 · (3 + 3) = 30, 1F1B 5 · 4 = 20.
+    assert_eq!(Schedule::GPipe.makespan(&[3.0, 1.0], &[1.0, 3.0], 4), 30.0);
+    assert_eq!(Schedule::OneFOneB.makespan(&[3.0, 1.0], &[1.0, 3.0], 4), 20.0);
+    // Bubble fraction (S−1)/(M+S−1): with S = 4, M = 12: 3/15 of the makespan.
+    let mk = Schedule::OneFOneB.makespan(&[1.0; 4], &[1.0; 4], 12);
+    let slot = mk / 15.0;
+    assert!(close(3.0 * slot / mk, 3.0 / 15.0));
+    // Activation memory: GPipe keeps M micro-batches in every stage, 1F1B min(M, S − s).
+    assert_eq!(Schedule::GPipe.in_flight(0, 4, 8), 8);
+    assert_eq!(Schedule::OneFOneB.in_flight(0, 4, 8), 4);
+    assert_eq!(Schedule::OneFOneB.in_flight(3, 4, 8), 1);
+}
+
+#[test]
+fn meshes_span_nodes_with_the_inter_link() {
+    let c = Cluster::preset("a100-cluster-2").unwrap();
+    let m = c.mesh(16).unwrap();
+    assert_eq!(m.axes[0].level, LinkLevel::Inter);
+    assert_eq!(c.link(LinkLevel::Inter).bandwidth, 22e9);
+}

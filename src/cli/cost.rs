@@ -1,0 +1,255 @@
+//! `shardc cost`: price a named strategy on a cluster, with its breakdown.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use passes::cost::{self, Cluster, InputPath, Named, Optimizer, Options, Precision};
+use serde_json::json;
+
+use super::common::*;
+
+/// Options of the cost model, shared by `cost`, `sweep` and `plan`.
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// Arithmetic precision: fp32, tf32, or fp16/bf16 (mixed precision).
+    #[arg(long, default_value = "fp32")]
+    pub precision: String,
+    /// Optimizer: sgd (momentum) or adam.
+    #[arg(long, default_value = "adam")]
+    pub optimizer: String,
+    /// Do not overlap gradient synchronisation with the backward pass.
+    #[arg(long = "no-overlap")]
+    pub no_overlap: bool,
+    /// How input batches reach the devices: scatter (from host memory to each device) or
+    /// staged (through device 0).
+    #[arg(long = "input-path", default_value = "scatter")]
+    pub input_path: String,
+    /// Do not preload the next batch while this one computes.
+    #[arg(long = "no-preload")]
+    pub no_preload: bool,
+    /// Factor on gradient bytes communicated (0.5 for fp16 compression).
+    #[arg(long = "grad-compression", default_value_t = 1.0)]
+    pub grad_compression: f64,
+}
+
+impl ModelArgs {
+    pub fn options(&self) -> CliResult<Options> {
+        let precision = Precision::parse(&self.precision).ok_or_else(|| {
+            CliError::msg(format!("--precision: `{}` is not fp32, tf32, fp16 or bf16", self.precision))
+        })?;
+        let optimizer = match self.optimizer.as_str() {
+            "sgd" => Optimizer::Sgd,
+            "adam" => Optimizer::Adam,
+            o => return Err(CliError::msg(format!("--optimizer: `{o}` is not sgd or adam"))),
+        };
+        let input_path = match self.input_path.as_str() {
+            "scatter" => InputPath::Scatter,
+            "staged" => InputPath::Staged,
+            o => return Err(CliError::msg(format!("--input-path: `{o}` is not scatter or staged"))),
+        };
+        if !(self.grad_compression > 0.0 && self.grad_compression <= 1.0) {
+            return Err(CliError::msg("--grad-compression must be in (0, 1]"));
+        }
+        Ok(Options {
+            precision,
+            optimizer,
+            overlap_grad_sync: !self.no_overlap,
+            input_path,
+            preload: !self.no_preload,
+            grad_compression: self.grad_compression,
+            ..Options::default()
+        })
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct CostArgs {
+    /// The model (ONNX textual syntax).
+    pub model: PathBuf,
+    /// A preset (dgx-a100, dgx-h100, pcie-v100x8, a100-cluster-N, local-wgpu) or a TOML file.
+    #[arg(long)]
+    pub cluster: String,
+    /// data, model, spatial, hybrid:DxS, owt, pipeline:S:M[:gpipe|:1f1b].
+    #[arg(long)]
+    pub strategy: String,
+    /// Devices to use (default: all of the cluster).
+    #[arg(long)]
+    pub devices: Option<usize>,
+    /// Print one JSON document.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub shapes: ShapeArgs,
+    #[command(flatten)]
+    pub model_args: ModelArgs,
+}
+
+pub fn load_cluster(spec: &str) -> CliResult<Cluster> {
+    Cluster::load(spec).map_err(CliError::msg)
+}
+
+pub fn run(args: &CostArgs) -> CliResult {
+    let loaded = load_canonical(&args.model, &args.shapes)?;
+    let cluster = load_cluster(&args.cluster)?;
+    let devices = args.devices.unwrap_or(cluster.devices());
+    let named = Named::parse(&args.strategy).map_err(CliError::msg)?;
+    let opts = args.model_args.options()?;
+    let g = &loaded.model.graph;
+    let priced = cost::price(g, &cluster, devices, &named, &opts).map_err(|e| {
+        CliError::msg(format!("strategy `{}` does not apply to `{}`: {e}", args.strategy, args.model.display()))
+    })?;
+    let b = &priced.breakdown;
+    let batch = cost::pipeline::graph_batch(g);
+    if args.json {
+        let mut doc = serde_json::to_value(b).expect("breakdown serializes");
+        let obj = doc.as_object_mut().expect("object");
+        obj.insert("model".into(), json!(args.model.display().to_string()));
+        obj.insert("cluster".into(), json!(cluster.name));
+        obj.insert("strategy".into(), json!(args.strategy));
+        obj.insert("devices".into(), json!(devices));
+        obj.insert("batch".into(), json!(batch));
+        obj.insert("mesh".into(), serde_json::to_value(&priced.mesh).expect("mesh"));
+        obj.insert("options".into(), serde_json::to_value(&opts).expect("options"));
+        if let Some(p) = &priced.pipeline {
+            obj.insert("stages".into(), serde_json::to_value(&p.stages).expect("stages"));
+            obj.insert("micro_batches".into(), json!(p.micro_batches));
+            obj.insert("schedule".into(), json!(p.schedule.name()));
+            obj.insert("imbalance".into(), json!(p.imbalance));
+        }
+        return write_output(&serde_json::to_string_pretty(&doc).expect("JSON"), None, &args.model);
+    }
+    let mut t = String::new();
+    t.push_str(&format!(
+        "model        {} (batch {})\n",
+        args.model.display(),
+        batch.map_or("?".into(), |b| b.to_string())
+    ));
+    t.push_str(&format!("cluster      {}\n", cluster.describe()));
+    t.push_str(&format!("strategy     {} on {devices} devices, mesh {}\n", args.strategy, mesh_string(&priced.mesh)));
+    t.push_str(&report_text(b));
+    if let Some(p) = &priced.pipeline {
+        t.push_str(&format!(
+            "\npipeline     {} stages, {} micro-batches, {} schedule, imbalance {:.3}\n",
+            p.stages.len(),
+            p.micro_batches,
+            p.schedule.name(),
+            p.imbalance
+        ));
+        t.push_str("  stage  devices      ops   time/µb     memory     first .. last\n");
+        for (i, s) in p.stages.iter().enumerate() {
+            t.push_str(&format!(
+                "  {i:>5}  {:<10} {:>5}  {:>8}  {:>10}     {} .. {}\n",
+                format!("{}-{}", s.devices[0], s.devices[s.devices.len() - 1]),
+                s.op_count,
+                secs(s.time_s),
+                bytes(s.memory_bytes as f64),
+                s.first_op,
+                s.last_op
+            ));
+        }
+    } else {
+        let mut ops: Vec<_> = b.ops.iter().collect();
+        ops.sort_by(|a, b| (b.compute_s + b.communication_s).total_cmp(&(a.compute_s + a.communication_s)));
+        t.push_str("\nslowest ops      compute     comm   strategy\n");
+        for r in ops.iter().take(8) {
+            t.push_str(&format!(
+                "  {:<28} {:>8} {:>8}   {}\n",
+                truncate(&r.name, 28),
+                secs(r.compute_s),
+                secs(r.communication_s),
+                r.strategy
+            ));
+        }
+    }
+    write_output(&t, None, &args.model)
+}
+
+pub fn mesh_string(m: &ir::shard::Mesh) -> String {
+    let parts: Vec<String> = m
+        .axes
+        .iter()
+        .map(|a| {
+            format!(
+                "{}={} ({})",
+                a.name,
+                a.size,
+                if a.level == ir::shard::LinkLevel::Intra { "intra" } else { "inter" }
+            )
+        })
+        .collect();
+    format!("[{}]", parts.join(", "))
+}
+
+pub fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        format!("…{}", s.chars().rev().take(n - 1).collect::<Vec<_>>().into_iter().rev().collect::<String>())
+    }
+}
+
+/// Seconds with a sensible unit.
+pub fn secs(x: f64) -> String {
+    if x == 0.0 {
+        "0".into()
+    } else if x >= 1.0 {
+        format!("{x:.3} s")
+    } else if x >= 1e-3 {
+        format!("{:.3} ms", x * 1e3)
+    } else {
+        format!("{:.1} µs", x * 1e6)
+    }
+}
+
+/// The breakdown as text.
+pub fn report_text(b: &cost::Breakdown) -> String {
+    let mut t = String::new();
+    t.push_str(&format!(
+        "step time    {}{}\n",
+        secs(b.step_time_s),
+        if b.feasible { "" } else { "  (does not fit in memory)" }
+    ));
+    t.push_str(&format!(
+        "  forward    {}\n  backward   {}\n  update     {}\n",
+        secs(b.forward_s),
+        secs(b.backward_s),
+        secs(b.update_s)
+    ));
+    t.push_str(&format!(
+        "  gradient sync {} exposed of {}\n",
+        secs(b.exposed_gradient_sync_s),
+        secs(b.gradient_sync_s)
+    ));
+    if b.bubble_s > 0.0 {
+        t.push_str(&format!("  bubble     {}\n", secs(b.bubble_s)));
+    }
+    t.push_str(&format!(
+        "  input      {} exposed of {} ({} per step)\n",
+        secs(b.input_s),
+        secs(b.input_transfer_s),
+        bytes(b.input_bytes)
+    ));
+    t.push_str(&format!(
+        "compute      {}\ncommunication {} (before overlap)\n",
+        secs(b.compute_s),
+        secs(b.communication_s)
+    ));
+    for (k, v) in &b.communication_by_kind {
+        t.push_str(&format!("  {k:<14} {}\n", secs(*v)));
+    }
+    let m = &b.memory;
+    t.push_str(&format!(
+        "memory/device {} of {} usable: weights {}, gradients {}, optimizer {}, activations {}, workspace {}\n",
+        bytes(m.total()),
+        bytes(b.memory_capacity_bytes as f64),
+        bytes(m.weights),
+        bytes(m.gradients),
+        bytes(m.optimizer),
+        bytes(m.activations),
+        bytes(m.workspace)
+    ));
+    if let Some(r) = &b.infeasible_reason {
+        t.push_str(&format!("infeasible   {r}\n"));
+    }
+    t
+}
