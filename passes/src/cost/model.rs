@@ -448,6 +448,8 @@ impl<'a> CostModel<'a> {
         // Gradient sharding of each parameter, accumulated over its consumers.
         let mut param_grad: HashMap<Value, Sharding> = HashMap::new();
         let mut param_last_use: HashMap<Value, usize> = HashMap::new();
+        let mut materialized: std::collections::HashSet<(Value, Sharding)> = std::collections::HashSet::new();
+        let mut grads_sent: std::collections::HashSet<(Value, Sharding)> = std::collections::HashSet::new();
         for (pos, &n) in self.order.iter().enumerate() {
             let node = g.node(n);
             let s = self.strategy_of(asg, n);
@@ -463,10 +465,13 @@ impl<'a> CostModel<'a> {
                     continue; // shape literals, indices from the host: free
                 }
                 let bytes = self.value_bytes(*v);
-                let steps = reshard(&src, need, bytes, mesh, self.cluster);
-                fwd_comm += add_steps(&steps, 1.0, &mut comm_kind);
-                for st in &steps {
-                    workspace = workspace.max(st.bytes);
+                // A tensor is materialized in a sharding once, however many ops read it there.
+                if src != *need && materialized.insert((*v, need.clone())) {
+                    let steps = reshard(&src, need, bytes, mesh, self.cluster);
+                    fwd_comm += add_steps(&steps, 1.0, &mut comm_kind);
+                    for st in &steps {
+                        workspace = workspace.max(st.bytes);
+                    }
                 }
                 if !needs_grad(*v) {
                     continue;
@@ -487,7 +492,8 @@ impl<'a> CostModel<'a> {
                         }
                     }
                     param_last_use.entry(*v).or_insert(pos);
-                } else {
+                } else if grads_sent.insert((*v, grad.clone())) {
+                    // Gradients of one sharding from several readers are summed locally first.
                     let target: Sharding =
                         src.iter().map(|x| if *x == AxisShard::Partial { AxisShard::Replicate } else { *x }).collect();
                     let steps = reshard(&grad, &target, bytes, mesh, self.cluster);
