@@ -19,6 +19,9 @@ enum Command {
     Stats(cli::stats::StatsArgs),
     /// Price a named strategy on a cluster: step time, its breakdown, memory per device.
     Cost(cli::cost::CostArgs),
+    /// Search for the best sharding plan on a cluster: per-op strategies, layouts,
+    /// collectives, predicted step time and memory.
+    Plan(cli::plan::PlanArgs),
     /// Compare strategies along batch, FLOP/s, memory bandwidth, link bandwidth or devices.
     Sweep(cli::sweep::SweepArgs),
     /// Print a cluster preset as TOML (a start for your own file), or check a cluster file.
@@ -40,6 +43,7 @@ fn main() {
         Command::Stats(a) => cli::stats::run(a),
         Command::Cost(a) => cli::cost::run(a),
         Command::Sweep(a) => cli::sweep::run(a),
+        Command::Plan(a) => cli::plan::run(a),
         Command::Cluster { cluster } => cli::cost::load_cluster(cluster).and_then(|c| {
             let text = format!("# {}\n# {}\n{}", c.describe(), c.source, c.to_toml());
             cli::common::write_output(&text, None, std::path::Path::new(""))

@@ -120,15 +120,37 @@ fn stats_json_and_rebatching() {
 
 #[test]
 fn cost_json_keys_and_strategy_errors() {
-    let o = shardc(&["cost", &model("tv_resnet50.onnxtxt"), "--cluster", "dgx-a100", "--strategy", "data", "--batch", "256", "--json"]);
+    let o = shardc(&[
+        "cost",
+        &model("tv_resnet50.onnxtxt"),
+        "--cluster",
+        "dgx-a100",
+        "--strategy",
+        "data",
+        "--batch",
+        "256",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    for k in ["step_time_s", "compute_s", "communication_s", "bubble_s", "input_s", "memory_per_device_bytes", "feasible"] {
+    for k in
+        ["step_time_s", "compute_s", "communication_s", "bubble_s", "input_s", "memory_per_device_bytes", "feasible"]
+    {
         assert!(v.get(k).is_some(), "missing `{k}`");
     }
     assert_eq!(v["memory_per_device_bytes"].as_array().unwrap().len(), 8);
     assert_eq!(v["feasible"], true);
-    let o = shardc(&["cost", &model("tv_vgg16.onnxtxt"), "--cluster", "pcie-v100x8", "--strategy", "pipeline:4:8", "--batch", "64", "--json"]);
+    let o = shardc(&[
+        "cost",
+        &model("tv_vgg16.onnxtxt"),
+        "--cluster",
+        "pcie-v100x8",
+        "--strategy",
+        "pipeline:4:8",
+        "--batch",
+        "64",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["stages"].as_array().unwrap().len(), 4);
@@ -146,7 +168,22 @@ fn sweep_table_svg_and_cluster_files() {
     let dir = std::env::temp_dir().join(format!("shardc-sweep-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let svg = dir.join("s.svg");
-    let o = shardc(&["sweep", &model("tv_alexnet.onnxtxt"), "--cluster", "pcie-v100x8", "--batch", "256", "--axis", "linkbw", "--values", "0.1x,1x,10x", "--strategies", "data,owt", "--svg", svg.to_str().unwrap()]);
+    let o = shardc(&[
+        "sweep",
+        &model("tv_alexnet.onnxtxt"),
+        "--cluster",
+        "pcie-v100x8",
+        "--batch",
+        "256",
+        "--axis",
+        "linkbw",
+        "--values",
+        "0.1x,1x,10x",
+        "--strategies",
+        "data,owt",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let text = String::from_utf8(o.stdout).unwrap();
     assert!(text.contains("best"), "{text}");
@@ -156,7 +193,16 @@ fn sweep_table_svg_and_cluster_files() {
     assert!(o.status.success());
     let file = dir.join("c.toml");
     std::fs::write(&file, &o.stdout).unwrap();
-    let o = shardc(&["cost", &model("tv_alexnet.onnxtxt"), "--cluster", file.to_str().unwrap(), "--strategy", "data", "--devices", "4"]);
+    let o = shardc(&[
+        "cost",
+        &model("tv_alexnet.onnxtxt"),
+        "--cluster",
+        file.to_str().unwrap(),
+        "--strategy",
+        "data",
+        "--devices",
+        "4",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     std::fs::write(&file, "name = \"broken\"\nnodes = 0\n").unwrap();
     let o = shardc(&["cluster", file.to_str().unwrap()]);

@@ -13,6 +13,9 @@ use ir::{AttrKind, AttrValue, Attribute, Graph, Model, Op, Output, Span, Tensor,
 use crate::ast::{self, Data, LiteralKind, Single, Spanned};
 use crate::diag::Diagnostic;
 
+/// String attributes with this prefix are compiler annotations (see `ir::Node::annotations`).
+const ANNOTATION_PREFIX: &str = "shardc_";
+
 /// The result of lowering: the model and any warnings.
 pub struct Lowered {
     /// The model.
@@ -594,9 +597,13 @@ impl Lowerer {
                 }
             }
             let mut node_caps = Vec::new();
-            let op = self.node_op(n, &inner_scopes, &mut node_caps);
+            let (op, annotations) = self.node_op(n, &inner_scopes, &mut node_caps);
             let id = graph.add_labeled_node(n.label.as_ref().map(|l| l.node.clone()), op, vec![], outputs);
-            let written: Vec<String> = n.attrs.iter().map(|a| a.name.node.clone()).collect();
+            for (k, v) in annotations {
+                graph.set_annotation(id, k, v);
+            }
+            let written: Vec<String> =
+                n.attrs.iter().map(|a| a.name.node.clone()).filter(|a| !a.starts_with(ANNOTATION_PREFIX)).collect();
             if !written.is_sorted() {
                 graph.set_attr_order(id, written);
             }
@@ -668,8 +675,10 @@ impl Lowerer {
         (graph, captured)
     }
 
-    fn node_op(&mut self, n: &ast::Node, scopes: &[&Scope], captured: &mut Vec<String>) -> Op {
+    /// The op of a node, and its compiler annotations (string attributes named `shardc_*`).
+    fn node_op(&mut self, n: &ast::Node, scopes: &[&Scope], captured: &mut Vec<String>) -> (Op, Vec<(String, String)>) {
         let mut attrs = Vec::new();
+        let mut annotations = Vec::new();
         let mut seen: HashMap<&str, Span> = HashMap::new();
         for a in &n.attrs {
             if let Some(prev) = seen.insert(a.name.node.as_str(), a.name.span) {
@@ -681,9 +690,18 @@ impl Lowerer {
                 continue;
             }
             if let Some(attr) = self.attribute(a, scopes, captured) {
-                attrs.push(attr);
+                match attr.value {
+                    AttrValue::String(v) if attr.name.starts_with(ANNOTATION_PREFIX) => {
+                        annotations.push((attr.name, v))
+                    }
+                    _ => attrs.push(attr),
+                }
             }
         }
+        (self.node_op_from(n, attrs), annotations)
+    }
+
+    fn node_op_from(&mut self, n: &ast::Node, attrs: Vec<Attribute>) -> Op {
         let opaque = |attrs: Vec<Attribute>| {
             Op::Opaque(ir::Opaque {
                 domain: n.domain.clone(),

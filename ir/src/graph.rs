@@ -138,6 +138,10 @@ pub struct Node {
     /// The order its attributes were written in, when that was not name order (exporters do
     /// not always sort); the printer keeps it so that text round-trips exactly.
     pub attr_order: Vec<String>,
+    /// Compiler annotations: string attributes named `shardc_*` (a sharding plan's per-op
+    /// strategy and tensor layouts). They are not part of the op; they print after its
+    /// attributes and parse back into this list.
+    pub annotations: Vec<(String, String)>,
     inputs: Vec<Option<Value>>,
     outputs: Vec<Output>,
     captures: Vec<Value>,
@@ -259,6 +263,7 @@ impl Graph {
             op,
             label: None,
             attr_order: Vec::new(),
+            annotations: Vec::new(),
             inputs: Vec::new(),
             outputs,
             captures: Vec::new(),
@@ -404,6 +409,24 @@ impl Graph {
     /// Records the order a node's attributes were written in (see [`Node::attr_order`]).
     pub fn set_attr_order(&mut self, node: NodeId, order: Vec<String>) {
         self.g[node.0].attr_order = order;
+    }
+
+    /// Sets (or replaces) the annotation `key` of a node; keys should start with `shardc_`.
+    pub fn set_annotation(&mut self, node: NodeId, key: impl Into<String>, value: impl Into<String>) {
+        let key = key.into();
+        let value = value.into();
+        let anns = &mut self.g[node.0].annotations;
+        match anns.iter_mut().find(|(k, _)| *k == key) {
+            Some(slot) => slot.1 = value,
+            None => anns.push((key, value)),
+        }
+    }
+
+    /// Removes every annotation of every node.
+    pub fn clear_annotations(&mut self) {
+        for n in self.g.node_weights_mut() {
+            n.annotations.clear();
+        }
     }
 
     /// Sets the label of a node.

@@ -292,6 +292,7 @@ impl Printer {
             let pos = |name: &str| node.attr_order.iter().position(|a| a == name).unwrap_or(usize::MAX);
             attrs.sort_by_key(|a| pos(&a.name));
         }
+        attrs.extend(node.annotations.iter().map(|(k, v)| Attribute::new(k.clone(), AttrValue::String(v.clone()))));
         let has_subgraph = attrs.iter().any(|a| a.value.has_subgraph());
         if !has_subgraph && !attrs.is_empty() {
             self.attrs(&attrs);

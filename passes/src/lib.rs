@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
+pub mod autoshard;
 pub mod canonicalize;
 pub mod cost;
 pub mod infer_shapes;

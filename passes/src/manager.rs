@@ -83,6 +83,9 @@ pub struct PassCx<'a> {
     pub warnings: &'a mut Vec<Located>,
     /// Counters.
     pub stats: &'a mut Stats,
+    /// The model's `metadata_props` (a pass may record model-level facts there, such as
+    /// the device mesh of a sharding plan).
+    pub metadata: &'a mut Option<Vec<(String, String)>>,
 }
 
 /// A transformation or check of a graph.
@@ -166,7 +169,11 @@ impl PassManager {
         for pass in &mut self.passes {
             let name = pass.name();
             let start = Instant::now();
-            let mut cx = PassCx { warnings: &mut report.warnings, stats: &mut report.stats };
+            let mut cx = PassCx {
+                warnings: &mut report.warnings,
+                stats: &mut report.stats,
+                metadata: &mut model.metadata_props,
+            };
             let changed = pass.run(&mut model.graph, &mut cx).map_err(|mut e| {
                 if e.pass.is_empty() {
                     e.pass = name.to_string();

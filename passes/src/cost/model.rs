@@ -11,7 +11,11 @@
 //! reduce-scatter), optionally overlapped with the backward pass in buckets; the optimizer
 //! update; and the host→device input path.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
+use std::rc::Rc;
+
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use serde::Serialize;
 
@@ -163,6 +167,35 @@ pub struct OpRow {
     pub memory_bytes: f64,
 }
 
+/// When in the step a communication happens.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Forward pass: an input resharded for its consumer, a halo, statistics.
+    Forward,
+    /// Backward pass: an activation gradient brought back to its producer's layout.
+    Backward,
+    /// Gradient synchronisation of a parameter before the update.
+    Gradient,
+}
+
+/// One communication of a step: a tensor (or its gradient) moved from one layout to another.
+#[derive(Clone, Debug)]
+pub struct CommEvent {
+    /// When.
+    pub phase: Phase,
+    /// The tensor (for a halo or statistics, the op's first output).
+    pub value: Value,
+    /// The op it is for (the consumer, or the op whose halo/statistics it is).
+    pub op: Option<NodeId>,
+    /// Layout before.
+    pub from: Sharding,
+    /// Layout after.
+    pub to: Sharding,
+    /// The collectives, in order.
+    pub steps: Vec<Step>,
+}
+
 /// The price of a step.
 #[derive(Clone, Debug, Serialize)]
 pub struct Breakdown {
@@ -205,6 +238,23 @@ pub struct Breakdown {
     pub infeasible_reason: Option<String>,
     /// Per-op lines (topological order).
     pub ops: Vec<OpRow>,
+    /// Every communication, in step order (forward, backward, gradient synchronisation).
+    #[serde(skip)]
+    pub events: Vec<CommEvent>,
+}
+
+/// A resharding: from, to, bytes (as bits).
+type ReshardKey = (Sharding, Sharding, u64);
+
+/// A gradient bucket being filled: bytes, bandwidth seconds, latency seconds, ready time.
+type OpenBucket = (f64, f64, f64, f64);
+
+/// An op under one strategy: its time and the layouts it needs and makes.
+struct OpEval {
+    strategy: OpStrategy,
+    time: OpTime,
+    ins: Vec<Option<Sharding>>,
+    outs: Vec<Sharding>,
 }
 
 /// Prices assignments of one graph on one mesh.
@@ -221,6 +271,8 @@ pub struct CostModel<'a> {
     spaces: HashMap<NodeId, IterSpace>,
     costs: HashMap<NodeId, OpCost>,
     batch: BatchDims,
+    op_memo: RefCell<FxHashMap<(NodeId, OpStrategy), Rc<OpEval>>>,
+    reshard_memo: RefCell<FxHashMap<ReshardKey, Rc<[Step]>>>,
 }
 
 /// Ops that only reinterpret memory (no kernel).
@@ -264,7 +316,18 @@ impl<'a> CostModel<'a> {
             spaces.insert(n, sp);
             costs.insert(n, node_cost(g, n));
         }
-        CostModel { g, cluster, mesh, opts, order, spaces, costs, batch }
+        CostModel {
+            g,
+            cluster,
+            mesh,
+            opts,
+            order,
+            spaces,
+            costs,
+            batch,
+            op_memo: RefCell::default(),
+            reshard_memo: RefCell::default(),
+        }
     }
 
     /// Operator nodes in topological order.
@@ -375,6 +438,26 @@ impl<'a> CostModel<'a> {
         OpTime { fwd, bwd, halo, stats }
     }
 
+    fn op_eval(&self, n: NodeId, s: &[Option<usize>]) -> Rc<OpEval> {
+        if let Some(e) = self.op_memo.borrow().get(&(n, s.to_vec())) {
+            return e.clone();
+        }
+        let (ins, outs) = strategy_shardings(&self.spaces[&n], s);
+        let e = Rc::new(OpEval { strategy: s.to_vec(), time: self.op_time(n, s), ins, outs });
+        self.op_memo.borrow_mut().insert((n, s.to_vec()), e.clone());
+        e
+    }
+
+    fn reshard_memo(&self, from: &Sharding, to: &Sharding, bytes: f64) -> Rc<[Step]> {
+        let key = (from.clone(), to.clone(), bytes.to_bits());
+        if let Some(st) = self.reshard_memo.borrow().get(&key) {
+            return st.clone();
+        }
+        let st: Rc<[Step]> = reshard(from, to, bytes, &self.mesh, self.cluster).into();
+        self.reshard_memo.borrow_mut().insert(key, st.clone());
+        st
+    }
+
     /// The strategy of `n` in an assignment (replicated when absent).
     pub fn strategy_of<'s>(&self, asg: &'s Assignment, n: NodeId) -> std::borrow::Cow<'s, [Option<usize>]> {
         match asg.strategies.get(&n) {
@@ -385,50 +468,54 @@ impl<'a> CostModel<'a> {
 
     /// Prices a whole assignment.
     pub fn evaluate(&self, asg: &Assignment) -> Breakdown {
+        self.evaluate_with(asg, true)
+    }
+
+    /// Prices an assignment without the per-op rows and the communication events (for
+    /// searches that price many plans): every other field is as [`CostModel::evaluate`]'s.
+    pub fn price(&self, asg: &Assignment) -> Breakdown {
+        self.evaluate_with(asg, false)
+    }
+
+    fn evaluate_with(&self, asg: &Assignment, detail: bool) -> Breakdown {
         let g = self.g;
         let mesh = &self.mesh;
         let axes = mesh.axes.len();
         let pf = self.precision_factor();
-        let mut comm_kind: BTreeMap<String, f64> = BTreeMap::new();
-        let add_steps = |steps: &[Step], scale: f64, comm_kind: &mut BTreeMap<String, f64>| -> f64 {
+        let mut comm_kind: BTreeMap<&'static str, f64> = BTreeMap::new();
+        let add_steps = |steps: &[Step], comm_kind: &mut BTreeMap<&'static str, f64>| -> f64 {
             let mut t = 0.0;
             for s in steps {
-                *comm_kind.entry(s.kind.name().to_string()).or_insert(0.0) += s.time * scale;
-                t += s.time * scale;
+                *comm_kind.entry(s.kind.name()).or_insert(0.0) += s.time;
+                t += s.time;
             }
             t
         };
+        let replicated: Sharding = vec![AxisShard::Replicate; axes];
 
         // Shardings: op outputs from their strategies; parameters, constants and graph inputs
         // as their first consumer needs them.
-        let mut out_sh: HashMap<Value, Sharding> = HashMap::new();
-        let mut in_sh: HashMap<(NodeId, usize), Sharding> = HashMap::new();
-        for &n in &self.order {
-            let s = self.strategy_of(asg, n);
-            let (ins, outs) = strategy_shardings(&self.spaces[&n], &s);
-            for (j, sh) in ins.into_iter().enumerate() {
-                if let Some(sh) = sh {
-                    in_sh.insert((n, j), sh);
-                }
-            }
-            for (slot, sh) in outs.into_iter().enumerate() {
+        let evals: Vec<Rc<OpEval>> = self.order.iter().map(|&n| self.op_eval(n, &self.strategy_of(asg, n))).collect();
+        let mut out_sh: FxHashMap<Value, &Sharding> = FxHashMap::default();
+        out_sh.reserve(self.order.len());
+        for (&n, e) in self.order.iter().zip(&evals) {
+            for (slot, sh) in e.outs.iter().enumerate() {
                 out_sh.insert(Value::new(n, slot as u16), sh);
             }
         }
-        let mut storage: HashMap<Value, Sharding> = HashMap::new();
-        for &n in &self.order {
+        let mut storage: BTreeMap<Value, Sharding> = BTreeMap::new();
+        for (&n, e) in self.order.iter().zip(&evals) {
             for (j, v) in g.node(n).inputs().iter().enumerate() {
                 if let Some(v) = v
                     && !out_sh.contains_key(v)
                     && !storage.contains_key(v)
                 {
-                    storage.insert(*v, in_sh.get(&(n, j)).cloned().unwrap_or_else(|| vec![AxisShard::Replicate; axes]));
+                    storage.insert(*v, e.ins.get(j).cloned().flatten().unwrap_or_else(|| replicated.clone()));
                 }
             }
         }
-        let have = |v: Value| -> Sharding {
-            out_sh.get(&v).or_else(|| storage.get(&v)).cloned().unwrap_or_else(|| vec![AxisShard::Replicate; axes])
-        };
+        let have =
+            |v: Value| -> &Sharding { out_sh.get(&v).copied().or_else(|| storage.get(&v)).unwrap_or(&replicated) };
 
         let needs_grad = |v: Value| -> bool {
             let node = g.node(v.node);
@@ -439,38 +526,50 @@ impl<'a> CostModel<'a> {
                 || ir::cost::is_param(g, v)
         };
 
-        let mut rows = Vec::with_capacity(self.order.len());
+        let mut rows = Vec::with_capacity(if detail { self.order.len() } else { 0 });
         let (mut fwd_total, mut compute_total) = (0.0, 0.0);
-        let mut bwd_items: Vec<(NodeId, f64)> = Vec::new();
+        let mut bwd_items: Vec<(NodeId, f64)> = Vec::with_capacity(self.order.len());
         let mut comm_total = 0.0;
         let mut workspace: f64 = 0.0;
         let mut activations = 0.0;
         // Gradient sharding of each parameter, accumulated over its consumers.
-        let mut param_grad: HashMap<Value, Sharding> = HashMap::new();
-        let mut param_last_use: HashMap<Value, usize> = HashMap::new();
-        let mut materialized: std::collections::HashSet<(Value, Sharding)> = std::collections::HashSet::new();
-        let mut grads_sent: std::collections::HashSet<(Value, Sharding)> = std::collections::HashSet::new();
-        for (pos, &n) in self.order.iter().enumerate() {
+        let mut param_grad: BTreeMap<Value, Sharding> = BTreeMap::new();
+        let mut param_last_use: FxHashMap<Value, usize> = FxHashMap::default();
+        let mut materialized: FxHashSet<(Value, &Sharding)> = FxHashSet::default();
+        let mut grads_sent: FxHashSet<(Value, Sharding)> = FxHashSet::default();
+        let mut events: Vec<CommEvent> = Vec::new();
+        let mut bwd_events: Vec<CommEvent> = Vec::new();
+        for (pos, (&n, e)) in self.order.iter().zip(&evals).enumerate() {
             let node = g.node(n);
-            let s = self.strategy_of(asg, n);
-            let t = self.op_time(n, &s);
+            let s = &e.strategy;
+            let t = e.time;
             let mut fwd_comm = 0.0;
             let mut bwd_comm = 0.0;
             for (j, v) in node.inputs().iter().enumerate() {
                 let Some(v) = v else { continue };
-                let Some(need) = in_sh.get(&(n, j)) else { continue };
+                let Some(Some(need)) = e.ins.get(j) else { continue };
                 let src = have(*v);
-                let is_float = g.tensor_type(*v).is_some_and(|t| t.dtype.is_float());
-                if !is_float && !out_sh.contains_key(v) {
+                let produced = out_sh.contains_key(v);
+                if !produced && !g.tensor_type(*v).is_some_and(|t| t.dtype.is_float()) {
                     continue; // shape literals, indices from the host: free
                 }
                 let bytes = self.value_bytes(*v);
                 // A tensor is materialized in a sharding once, however many ops read it there.
-                if src != *need && materialized.insert((*v, need.clone())) {
-                    let steps = reshard(&src, need, bytes, mesh, self.cluster);
-                    fwd_comm += add_steps(&steps, 1.0, &mut comm_kind);
-                    for st in &steps {
+                if src != need && materialized.insert((*v, need)) {
+                    let steps = self.reshard_memo(src, need, bytes);
+                    fwd_comm += add_steps(&steps, &mut comm_kind);
+                    for st in steps.iter() {
                         workspace = workspace.max(st.bytes);
+                    }
+                    if detail && !steps.is_empty() {
+                        events.push(CommEvent {
+                            phase: Phase::Forward,
+                            value: *v,
+                            op: Some(n),
+                            from: src.clone(),
+                            to: need.clone(),
+                            steps: steps.to_vec(),
+                        });
                     }
                 }
                 if !needs_grad(*v) {
@@ -492,17 +591,43 @@ impl<'a> CostModel<'a> {
                         }
                     }
                     param_last_use.entry(*v).or_insert(pos);
-                } else if grads_sent.insert((*v, grad.clone())) {
+                } else if !grads_sent.contains(&(*v, grad.clone())) {
                     // Gradients of one sharding from several readers are summed locally first.
                     let target: Sharding =
                         src.iter().map(|x| if *x == AxisShard::Partial { AxisShard::Replicate } else { *x }).collect();
-                    let steps = reshard(&grad, &target, bytes, mesh, self.cluster);
-                    bwd_comm += add_steps(&steps, 1.0, &mut comm_kind);
+                    let steps = self.reshard_memo(&grad, &target, bytes);
+                    bwd_comm += add_steps(&steps, &mut comm_kind);
+                    if detail && !steps.is_empty() {
+                        bwd_events.push(CommEvent {
+                            phase: Phase::Backward,
+                            value: *v,
+                            op: Some(n),
+                            from: grad.clone(),
+                            to: target,
+                            steps: steps.to_vec(),
+                        });
+                    }
+                    grads_sent.insert((*v, grad));
                 }
             }
-            *comm_kind.entry(CommKind::Halo.name().into()).or_insert(0.0) += t.halo;
+            *comm_kind.entry(CommKind::Halo.name()).or_insert(0.0) += t.halo;
             if t.stats > 0.0 {
-                *comm_kind.entry(CommKind::AllReduce.name().into()).or_insert(0.0) += t.stats;
+                *comm_kind.entry(CommKind::AllReduce.name()).or_insert(0.0) += t.stats;
+            }
+            for (kind, time) in [(CommKind::Halo, t.halo), (CommKind::AllReduce, t.stats)] {
+                if detail && time > 0.0 {
+                    let out = Value::new(n, 0);
+                    let sh = have(out).clone();
+                    let axes_used: Vec<usize> = (0..axes).filter(|&a| s[a].is_some()).collect();
+                    events.push(CommEvent {
+                        phase: Phase::Forward,
+                        value: out,
+                        op: Some(n),
+                        from: sh.clone(),
+                        to: sh,
+                        steps: vec![Step { kind, axes: axes_used, bytes: 0.0, time }],
+                    });
+                }
             }
             fwd_total += t.fwd + fwd_comm + (t.halo + t.stats) / 2.0;
             compute_total += t.fwd + t.bwd;
@@ -517,27 +642,40 @@ impl<'a> CostModel<'a> {
                     if g.value_name(v).is_empty() {
                         continue;
                     }
-                    let b = self.value_bytes(v) / split_factor(&have(v), mesh);
+                    let b = self.value_bytes(v) / split_factor(have(v), mesh);
                     kept += b;
                     workspace = workspace.max(b);
                 }
             }
             activations += kept;
-            rows.push(OpRow {
-                name: node
-                    .label
-                    .clone()
-                    .unwrap_or_else(|| node.outputs().first().map(|o| o.name.clone()).unwrap_or_default()),
-                op: node.op.op_type().to_string(),
-                strategy: self.describe_strategy(n, &s),
-                compute_s: t.fwd + t.bwd,
-                communication_s: op_comm,
-                memory_bytes: kept,
-            });
+            if detail {
+                rows.push(OpRow {
+                    name: node
+                        .label
+                        .clone()
+                        .unwrap_or_else(|| node.outputs().first().map(|o| o.name.clone()).unwrap_or_default()),
+                    op: node.op.op_type().to_string(),
+                    strategy: self.describe_strategy(n, s),
+                    compute_s: t.fwd + t.bwd,
+                    communication_s: op_comm,
+                    memory_bytes: kept,
+                });
+            }
         }
 
-        // Gradient synchronisation of parameters.
-        let mut grad_events: Vec<(usize, f64, f64)> = Vec::new(); // (consumer position, bytes, seconds)
+        // Gradient synchronisation of parameters. Gradients are synchronised in buckets (as
+        // DDP does): gradients with the same collectives share one bucket until it holds
+        // `bucket_bytes`, so the latency terms are paid per bucket, the bandwidth terms per
+        // byte.
+        struct GradEvent {
+            pos: usize,
+            bytes: f64,
+            bandwidth: f64,
+            latency: f64,
+            sig: Vec<(CommKind, Vec<usize>)>,
+        }
+        let mut grad_events: Vec<GradEvent> = Vec::new();
+        let mut sync_events: Vec<CommEvent> = Vec::new();
         let mut weights = 0.0;
         let mut param_elems_local = 0.0;
         let mut n_params = 0usize;
@@ -547,11 +685,32 @@ impl<'a> CostModel<'a> {
                 st.iter().map(|x| if *x == AxisShard::Partial { AxisShard::Replicate } else { *x }).collect();
             let bytes = self.value_bytes(*v) * self.opts.grad_compression;
             let steps = reshard(grad, &target, bytes, mesh, self.cluster);
-            let t: f64 = steps.iter().map(|s| s.time).sum();
-            for s in &steps {
-                *comm_kind.entry(s.kind.name().to_string()).or_insert(0.0) += s.time;
+            if steps.is_empty() {
+                continue;
             }
-            grad_events.push((param_last_use[v], bytes, t));
+            let t: f64 = steps.iter().map(|s| s.time).sum();
+            let latency: f64 =
+                reshard(grad, &target, f64::MIN_POSITIVE, mesh, self.cluster).iter().map(|s| s.time).sum();
+            for s in &steps {
+                *comm_kind.entry(s.kind.name()).or_insert(0.0) += s.time * (1.0 - latency / t.max(1e-300));
+            }
+            grad_events.push(GradEvent {
+                pos: param_last_use[v],
+                bytes,
+                bandwidth: t - latency,
+                latency,
+                sig: steps.iter().map(|s| (s.kind, s.axes.clone())).collect(),
+            });
+            if detail {
+                sync_events.push(CommEvent {
+                    phase: Phase::Gradient,
+                    value: *v,
+                    op: None,
+                    from: grad.clone(),
+                    to: target,
+                    steps,
+                });
+            }
         }
         for (v, st) in &storage {
             if ir::cost::is_param(g, *v) {
@@ -561,11 +720,15 @@ impl<'a> CostModel<'a> {
                 n_params += 1;
             }
         }
-        let grad_sync: f64 = grad_events.iter().map(|e| e.2).sum();
 
         // Backward timeline with bucketed, overlapped gradient synchronisation.
-        let mut bwd_total = 0.0;
-        let mut exposed = grad_sync;
+        let bwd_total;
+        bwd_events.reverse();
+        events.extend(bwd_events);
+        sync_events.sort_by_key(|e| e.value);
+        events.extend(sync_events);
+        let grad_sync;
+        let mut exposed;
         {
             // Completion time (from the start of backward) of each op's backward.
             let mut done_at: HashMap<NodeId, f64> = HashMap::new();
@@ -574,24 +737,39 @@ impl<'a> CostModel<'a> {
                 t += dt;
                 done_at.insert(n, t);
             }
-            bwd_total = t.max(bwd_total);
-            if self.opts.overlap_grad_sync && !grad_events.is_empty() {
-                // Gradients are ready when the earliest consumer's backward finishes; fill
-                // buckets in readiness order.
-                let mut ready: Vec<(f64, f64, f64)> =
-                    grad_events.iter().map(|&(pos, b, dt)| (done_at[&self.order[pos]], b, dt)).collect();
-                ready.sort_by(|a, b| a.0.total_cmp(&b.0));
+            bwd_total = t;
+            // Gradients are ready when the earliest consumer's backward finishes; buckets
+            // fill in readiness order and leave when full (or at the end).
+            let mut ready: Vec<(f64, usize)> =
+                grad_events.iter().enumerate().map(|(i, e)| (done_at[&self.order[e.pos]], i)).collect();
+            ready.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            let mut open: BTreeMap<&[(CommKind, Vec<usize>)], OpenBucket> = BTreeMap::new();
+            let mut buckets: Vec<(f64, f64, &str)> = Vec::new(); // (ready, seconds, kind)
+            for &(r, i) in &ready {
+                let e = &grad_events[i];
+                let b = open.entry(&e.sig).or_insert((0.0, 0.0, 0.0, 0.0));
+                b.0 += e.bytes;
+                b.1 += e.bandwidth;
+                b.2 = b.2.max(e.latency);
+                b.3 = r;
+                if b.0 >= self.opts.bucket_bytes {
+                    let (_, bw, lat, r) = open.remove(e.sig.as_slice()).expect("open bucket");
+                    buckets.push((r, bw + lat, e.sig[0].0.name()));
+                    *comm_kind.entry(e.sig[0].0.name()).or_insert(0.0) += lat;
+                }
+            }
+            for (sig, (_, bw, lat, r)) in open {
+                buckets.push((r, bw + lat, sig[0].0.name()));
+                *comm_kind.entry(sig[0].0.name()).or_insert(0.0) += lat;
+            }
+            buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+            grad_sync = buckets.iter().map(|b| b.1).sum::<f64>();
+            exposed = grad_sync;
+            if self.opts.overlap_grad_sync && !buckets.is_empty() {
                 let mut comm_free: f64 = 0.0;
-                let (mut bucket_bytes, mut bucket_time) = (0.0, 0.0);
-                for (i, &(r, b, dt)) in ready.iter().enumerate() {
-                    bucket_bytes += b;
-                    bucket_time += dt;
-                    if bucket_bytes >= self.opts.bucket_bytes || i + 1 == ready.len() {
-                        // A bucket leaves when its last gradient is ready.
-                        comm_free = comm_free.max(r) + bucket_time;
-                        bucket_bytes = 0.0;
-                        bucket_time = 0.0;
-                    }
+                for &(r, dt, _) in &buckets {
+                    // A bucket leaves when its last gradient is ready and the link is free.
+                    comm_free = comm_free.max(r) + dt;
                 }
                 // Compute beside communication runs slower; what does not fit behind the
                 // backward pass is exposed.
@@ -633,7 +811,11 @@ impl<'a> CostModel<'a> {
             backward_s: bwd_total,
             update_s: update,
             communication_s: comm_total,
-            communication_by_kind: comm_kind.into_iter().filter(|(_, v)| *v > 0.0).collect(),
+            communication_by_kind: comm_kind
+                .into_iter()
+                .filter(|(_, v)| *v > 0.0)
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
             gradient_sync_s: grad_sync,
             exposed_gradient_sync_s: exposed,
             bubble_s: 0.0,
@@ -646,11 +828,12 @@ impl<'a> CostModel<'a> {
             feasible,
             infeasible_reason,
             ops: rows,
+            events,
         }
     }
 
     /// Host→device input time (before overlap) and bytes per step.
-    fn input_time(&self, storage: &HashMap<Value, Sharding>, mesh: &Mesh) -> (f64, f64) {
+    fn input_time(&self, storage: &BTreeMap<Value, Sharding>, mesh: &Mesh) -> (f64, f64) {
         let host = &self.cluster.host;
         let mut full = 0.0;
         let mut local = 0.0;

@@ -315,6 +315,7 @@ pub fn price_pipeline(
             )
         }),
         ops: Vec::new(),
+        events: Vec::new(),
     };
     Ok(PipelineReport { stages: reports, micro_batches: micro, schedule, breakdown, imbalance })
 }

@@ -1,0 +1,750 @@
+//! Extraction: choosing one strategy per op from the e-graph's space.
+//!
+//! Each e-class is counted once: the objective is priced per op and per (tensor, consumer),
+//! never per path, so shared subgraphs are not counted twice (egg's tree extractor would).
+//!
+//! - Small spaces are enumerated: every combination priced by the full cost model. Exact.
+//! - Otherwise a PaSE-style dynamic program runs over the topological order. Its state is the
+//!   layout of every *live* tensor (produced, not yet consumed by all its readers); the cost
+//!   of a step is the op's own time (compute, halo, statistics, the gradient synchronisation
+//!   and update of the parameters it owns, its share of the input transfer) plus
+//!   `λ · memory`, plus the resharding of each live input from the layout in the state to
+//!   the layout the strategy needs, forward and backward. When there are more states than
+//!   the beam keeps, the cheapest are kept and the result is no longer guaranteed optimal.
+//! - Memory is a hard constraint: λ is raised until the plan fits, then narrowed by
+//!   bisection to the cheapest λ that fits.
+//! - What the dynamic program cannot see (fan-out reshards shared by several readers,
+//!   overlap of gradient synchronisation with the backward pass, the input preloaded behind
+//!   the step) is settled by the full cost model: every plan is re-priced, and a local search
+//!   with the full model improves the best one while the time budget lasts.
+
+use std::time::Instant;
+
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+
+use crate::cost::collective::reshard_time;
+use crate::cost::model::{InputPath, Optimizer, Precision};
+use crate::cost::{Breakdown, CostModel};
+use ir::shard::AxisShard;
+
+use super::problem::{LayoutId, Origin, Problem, ValueId};
+
+/// How the plan was found and what is known of its optimality.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ExtractStats {
+    /// `exhaustive`, `dynamic-programming` or `dynamic-programming+beam`.
+    pub method: String,
+    /// Provably optimal for the cost model over the explored space.
+    pub exact: bool,
+    /// Combinations the explored space holds (log10).
+    pub log10_combinations: f64,
+    /// Plans priced with the full cost model.
+    pub evaluations: usize,
+    /// Dynamic-program runs (one per λ and gradient weight tried).
+    pub dp_runs: usize,
+    /// Most states the dynamic program held after one op.
+    pub dp_max_states: usize,
+    /// The beam dropped states.
+    pub dp_pruned: bool,
+    /// λ of the chosen dynamic-program plan (seconds per byte of memory).
+    pub lambda: f64,
+    /// Local-search moves that improved the plan.
+    pub local_moves: usize,
+    /// Seconds in the dynamic program.
+    pub dp_time_s: f64,
+    /// Seconds in local search.
+    pub local_search_time_s: f64,
+    /// Seconds.
+    pub time_s: f64,
+}
+
+/// Search knobs for one mesh.
+#[derive(Clone, Debug)]
+pub(crate) struct Knobs {
+    /// Enumerate when the space has at most this many combinations.
+    pub exhaustive_limit: f64,
+    /// Dynamic-program states kept per op.
+    pub beam: usize,
+    /// Run the local search.
+    pub local_search: bool,
+    /// Stop starting new work after this instant.
+    pub deadline: Instant,
+}
+
+/// One op's step of the dynamic program.
+struct Step {
+    cands: Vec<u32>,
+    time: Vec<f64>,
+    mem: Vec<f64>,
+    /// Live inputs: position in the live vector, its layout count, `[cand][have]` costs.
+    edges: Vec<(usize, usize, Vec<f64>)>,
+    /// Positions of the live vector that stay live after this op.
+    keep: Vec<usize>,
+    /// Per candidate: the layout index of each tensor that becomes live.
+    enter: Vec<Vec<u8>>,
+}
+
+/// The decomposed objective.
+pub(crate) struct Proxy {
+    steps: Vec<Step>,
+}
+
+/// Cost model constants the proxy needs.
+struct Consts {
+    grad_weight: f64,
+    opt_bytes_per_elem: f64,
+    update_bytes_per_elem: f64,
+    elem_bytes: f64,
+    input_per_byte: f64,
+}
+
+fn consts(cm: &CostModel<'_>, grad_weight: f64) -> Consts {
+    let o = &cm.opts;
+    let pf = if o.precision == Precision::Fp16 { 0.5 } else { 1.0 };
+    let fp16 = o.precision == Precision::Fp16;
+    let p = cm.mesh.devices();
+    let host = &cm.cluster.host;
+    let input_per_byte = if o.preload {
+        0.0
+    } else {
+        match o.input_path {
+            InputPath::Scatter => host.shared_by.min(p) as f64 / host.bandwidth,
+            InputPath::Staged => {
+                let (_, beta) = crate::cost::collective::alpha_beta(cm.cluster, ir::shard::LinkLevel::Intra, p);
+                (p as f64 - 1.0) / beta
+            }
+        }
+    };
+    Consts {
+        grad_weight,
+        opt_bytes_per_elem: match o.optimizer {
+            Optimizer::Sgd => 4.0,
+            Optimizer::Adam => 8.0,
+        } + if fp16 { 4.0 } else { 0.0 },
+        update_bytes_per_elem: match o.optimizer {
+            Optimizer::Sgd => 20.0,
+            Optimizer::Adam => 28.0,
+        } + if fp16 { 8.0 } else { 0.0 },
+        elem_bytes: 4.0 * pf,
+        input_per_byte,
+    }
+}
+
+/// Memoized resharding times, by layout.
+struct Reshards<'a, 'g> {
+    cm: &'a CostModel<'g>,
+    memo: FxHashMap<(LayoutId, LayoutId, u64), f64>,
+}
+
+impl Reshards<'_, '_> {
+    fn time(&mut self, p: &Problem, from: LayoutId, to: LayoutId, bytes: f64) -> f64 {
+        if from == to || bytes <= 0.0 {
+            return 0.0;
+        }
+        *self.memo.entry((from, to, bytes.to_bits())).or_insert_with(|| {
+            reshard_time(&p.layouts[from as usize], &p.layouts[to as usize], bytes, &self.cm.mesh, self.cm.cluster)
+        })
+    }
+
+    /// The bandwidth part of a resharding (gradient synchronisation is bucketed, so its
+    /// latency terms are shared by many tensors).
+    fn bandwidth_time(&mut self, p: &Problem, from: LayoutId, to: LayoutId, bytes: f64) -> f64 {
+        (self.time(p, from, to, bytes) - self.time(p, from, to, f64::MIN_POSITIVE)).max(0.0)
+    }
+}
+
+impl Proxy {
+    /// Tables of the decomposed objective over the candidates `cands` (per op).
+    pub fn new(cm: &CostModel<'_>, p: &Problem, cands: &[Vec<u32>], grad_weight: f64) -> Proxy {
+        let k = consts(cm, grad_weight);
+        let mut rs = Reshards { cm, memo: FxHashMap::default() };
+        let n = p.ops.len();
+        // When each tensor is live: from its producer (or first reader, for a source read by
+        // several ops) to its last reader.
+        let mut enters_at: Vec<Option<usize>> = vec![None; p.values.len()];
+        let mut last_use: Vec<usize> = vec![0; p.values.len()];
+        for (v, info) in p.values.iter().enumerate() {
+            let Some(&(first, _)) = info.consumers.first() else { continue };
+            let last = info.consumers.last().map_or(first, |c| c.0);
+            last_use[v] = last;
+            match info.origin {
+                Origin::Op { op, .. } => enters_at[v] = Some(op),
+                Origin::Source { .. } => {
+                    if info.float && last > first {
+                        enters_at[v] = Some(first);
+                    }
+                }
+            }
+        }
+        // Layouts each live tensor can have.
+        let mut layouts: Vec<Vec<LayoutId>> = vec![Vec::new(); p.values.len()];
+        for (v, info) in p.values.iter().enumerate() {
+            let Some(at) = enters_at[v] else { continue };
+            let mut set: Vec<LayoutId> = Vec::new();
+            match info.origin {
+                Origin::Op { op, slot } => {
+                    for &c in &cands[op] {
+                        set.push(p.ops[op].makes[c as usize][slot]);
+                    }
+                }
+                Origin::Source { .. } => {
+                    let j = info.consumers[0].1;
+                    for &c in &cands[at] {
+                        if let Some(l) = p.ops[at].needs[c as usize][j] {
+                            set.push(l);
+                        }
+                    }
+                }
+            }
+            set.sort_unstable();
+            set.dedup();
+            assert!(set.len() <= 256, "more than 256 layouts for one tensor");
+            layouts[v] = set;
+        }
+        let mut steps = Vec::with_capacity(n);
+        let mut live: Vec<ValueId> = Vec::new();
+        for (t, cs) in cands.iter().enumerate().take(n) {
+            let op = &p.ops[t];
+            let mut time = Vec::with_capacity(cs.len());
+            let mut mem = Vec::with_capacity(cs.len());
+            // Inputs grouped by tensor (an op may read one tensor twice).
+            let mut by_value: Vec<(ValueId, Vec<usize>)> = Vec::new();
+            for (j, v) in op.inputs.iter().enumerate() {
+                if let Some(v) = v {
+                    match by_value.iter_mut().find(|(x, _)| x == v) {
+                        Some((_, js)) => js.push(j),
+                        None => by_value.push((*v, vec![j])),
+                    }
+                }
+            }
+            for &c in cs {
+                let c = c as usize;
+                let mut tm = op.time[c];
+                let mut mm = 0.0;
+                if op.keeps_outputs {
+                    for (slot, &v) in op.outputs.iter().enumerate() {
+                        let vi = &p.values[v as usize];
+                        if vi.named {
+                            mm += vi.bytes / p.split_factor(cm, op.makes[c][slot]);
+                        }
+                    }
+                }
+                // Sources this op reads first own their storage here.
+                for (v, js) in &by_value {
+                    let vi = &p.values[*v as usize];
+                    let Origin::Source { param, data_input } = vi.origin else { continue };
+                    if !vi.float || vi.consumers[0].0 != t {
+                        continue;
+                    }
+                    let Some(store) = op.needs[c][js[0]] else { continue };
+                    let local = vi.bytes / p.split_factor(cm, store);
+                    if param {
+                        let elems = local / k.elem_bytes;
+                        mm += 2.0 * local + elems * k.opt_bytes_per_elem;
+                        tm += elems * k.update_bytes_per_elem / cm.cluster.device.mem_bandwidth;
+                        let mut grad = op.grads[c][js[0]].unwrap_or(store);
+                        if js.len() > 1 {
+                            // Partial along every axis any of the reads makes it partial.
+                            let mut sh = p.layouts[grad as usize].clone();
+                            for &j in &js[1..] {
+                                if let Some(g) = op.grads[c][j] {
+                                    for (a, x) in p.layouts[g as usize].iter().enumerate() {
+                                        if *x == AxisShard::Partial {
+                                            sh[a] = AxisShard::Partial;
+                                        }
+                                    }
+                                }
+                            }
+                            grad = p.layout_ids.get(&sh).copied().unwrap_or(grad);
+                        }
+                        tm += k.grad_weight
+                            * rs.bandwidth_time(
+                                p,
+                                grad,
+                                p.settled[store as usize],
+                                vi.bytes * cm.opts.grad_compression,
+                            );
+                    }
+                    if data_input {
+                        tm += local * k.input_per_byte;
+                    }
+                    // A second read in another layout.
+                    let mut seen = vec![store];
+                    for &j in &js[1..] {
+                        if let Some(l) = op.needs[c][j]
+                            && !seen.contains(&l)
+                        {
+                            seen.push(l);
+                            tm += rs.time(p, store, l, vi.bytes);
+                        }
+                    }
+                }
+                time.push(tm);
+                mem.push(mm);
+            }
+            // Live inputs.
+            let mut edges = Vec::new();
+            for (v, js) in &by_value {
+                let Some(pos) = live.iter().position(|x| x == v) else { continue };
+                let vi = &p.values[*v as usize];
+                let lay = &layouts[*v as usize];
+                let kv = lay.len();
+                let mut mat = vec![0.0; cs.len() * kv];
+                for (ci, &c) in cs.iter().enumerate() {
+                    let c = c as usize;
+                    for (h, &have) in lay.iter().enumerate() {
+                        let mut cost = 0.0;
+                        let mut needs: Vec<LayoutId> = Vec::new();
+                        let mut grads: Vec<LayoutId> = Vec::new();
+                        for &j in js {
+                            let Some(l) = op.needs[c][j] else { continue };
+                            if l != have && !needs.contains(&l) {
+                                needs.push(l);
+                                cost += rs.time(p, have, l, vi.bytes);
+                            }
+                            if vi.needs_grad {
+                                let g = op.grads[c][j].unwrap_or(l);
+                                if !grads.contains(&g) {
+                                    let w = if matches!(vi.origin, Origin::Source { param: true, .. }) {
+                                        k.grad_weight
+                                    } else {
+                                        1.0
+                                    };
+                                    cost += w * rs.time(p, g, p.settled[have as usize], vi.bytes);
+                                    grads.push(g);
+                                }
+                            }
+                        }
+                        mat[ci * kv + h] = cost;
+                    }
+                }
+                edges.push((pos, kv, mat));
+            }
+            // The live vector after this op.
+            let keep: Vec<usize> = (0..live.len()).filter(|&i| last_use[live[i] as usize] > t).collect();
+            let mut entering: Vec<ValueId> = Vec::new();
+            for &v in &op.outputs {
+                if enters_at[v as usize] == Some(t) && last_use[v as usize] > t {
+                    entering.push(v);
+                }
+            }
+            for (v, _) in &by_value {
+                if matches!(p.values[*v as usize].origin, Origin::Source { .. })
+                    && enters_at[*v as usize] == Some(t)
+                    && last_use[*v as usize] > t
+                {
+                    entering.push(*v);
+                }
+            }
+            let enter: Vec<Vec<u8>> = cs
+                .iter()
+                .map(|&c| {
+                    entering
+                        .iter()
+                        .map(|&v| {
+                            let l = match p.values[v as usize].origin {
+                                Origin::Op { slot, .. } => op.makes[c as usize][slot],
+                                Origin::Source { .. } => {
+                                    op.needs[c as usize][p.values[v as usize].consumers[0].1].expect("a read input")
+                                }
+                            };
+                            layouts[v as usize].binary_search(&l).expect("a candidate layout") as u8
+                        })
+                        .collect()
+                })
+                .collect();
+            live = keep.iter().map(|&i| live[i]).chain(entering.iter().copied()).collect();
+            steps.push(Step { cands: cs.clone(), time, mem, edges, keep, enter });
+        }
+        Proxy { steps }
+    }
+
+    /// The proxy cost of a full choice (per op, a strategy index), for tests and ranking.
+    #[cfg(test)]
+    pub fn cost_of(&self, choice: &[u32], lambda: f64) -> f64 {
+        let mut live: Vec<u8> = Vec::new();
+        let mut total = 0.0;
+        for (st, &c) in self.steps.iter().zip(choice) {
+            let ci = st.cands.iter().position(|&x| x == c).expect("a candidate");
+            total += st.time[ci] + lambda * st.mem[ci];
+            for (pos, kv, mat) in &st.edges {
+                total += mat[ci * kv + live[*pos] as usize];
+            }
+            live = st.keep.iter().map(|&i| live[i]).chain(st.enter[ci].iter().copied()).collect();
+        }
+        total
+    }
+}
+
+/// A dynamic-program result.
+pub(crate) struct DpPlan {
+    pub choice: Vec<u32>,
+    pub pruned: bool,
+    pub max_states: usize,
+}
+
+/// A state key: the layout indices of the live tensors.
+trait StateKey: Eq + std::hash::Hash {
+    fn from_bytes(b: &[u8]) -> Self;
+}
+
+impl StateKey for u128 {
+    fn from_bytes(b: &[u8]) -> u128 {
+        b.iter().enumerate().fold(0u128, |x, (i, &v)| x | (v as u128) << (8 * i))
+    }
+}
+
+impl StateKey for Box<[u8]> {
+    fn from_bytes(b: &[u8]) -> Box<[u8]> {
+        b.into()
+    }
+}
+
+/// The states after one op: flat keys (`width` bytes each), costs, back-pointers.
+struct Layer {
+    keys: Vec<u8>,
+    costs: Vec<f64>,
+    back: Vec<(u32, u16)>,
+}
+
+fn advance<K: StateKey>(st: &Step, prev: &Layer, width: usize, unary: &[f64]) -> Layer {
+    let mut index: FxHashMap<K, u32> = FxHashMap::default();
+    let mut next = Layer { keys: Vec::new(), costs: Vec::new(), back: Vec::new() };
+    let mut buf: Vec<u8> = Vec::new();
+    for (si, &base) in prev.costs.iter().enumerate() {
+        let key = &prev.keys[si * width..(si + 1) * width];
+        buf.clear();
+        buf.extend(st.keep.iter().map(|&i| key[i]));
+        let kept = buf.len();
+        for ci in 0..st.cands.len() {
+            let mut c = base + unary[ci];
+            for (pos, kv, mat) in &st.edges {
+                c += mat[ci * kv + key[*pos] as usize];
+            }
+            buf.truncate(kept);
+            buf.extend_from_slice(&st.enter[ci]);
+            match index.entry(K::from_bytes(&buf)) {
+                std::collections::hash_map::Entry::Occupied(e) => {
+                    let i = *e.get() as usize;
+                    if c < next.costs[i] {
+                        next.costs[i] = c;
+                        next.back[i] = (si as u32, ci as u16);
+                    }
+                }
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(next.costs.len() as u32);
+                    next.keys.extend_from_slice(&buf);
+                    next.costs.push(c);
+                    next.back.push((si as u32, ci as u16));
+                }
+            }
+        }
+    }
+    next
+}
+
+/// Runs the dynamic program for one λ. `None` when the deadline passed.
+pub(crate) fn dp(proxy: &Proxy, lambda: f64, beam: usize, deadline: Option<Instant>) -> Option<DpPlan> {
+    let mut layer = Layer { keys: Vec::new(), costs: vec![0.0], back: Vec::new() };
+    let mut width = 0usize;
+    let mut back: Vec<Vec<(u32, u16)>> = Vec::with_capacity(proxy.steps.len());
+    let mut pruned = false;
+    let mut max_states = 1;
+    for (t, st) in proxy.steps.iter().enumerate() {
+        if t % 64 == 0 && deadline.is_some_and(|d| Instant::now() > d) {
+            return None;
+        }
+        let new_width = st.keep.len() + st.enter.first().map_or(0, Vec::len);
+        let unary: Vec<f64> = st.time.iter().zip(&st.mem).map(|(t, m)| t + lambda * m).collect();
+        let mut next = if new_width <= 16 {
+            advance::<u128>(st, &layer, width, &unary)
+        } else {
+            advance::<Box<[u8]>>(st, &layer, width, &unary)
+        };
+        max_states = max_states.max(next.costs.len());
+        if next.costs.len() > beam {
+            pruned = true;
+            let mut order: Vec<usize> = (0..next.costs.len()).collect();
+            order.sort_by(|&a, &b| next.costs[a].total_cmp(&next.costs[b]).then(a.cmp(&b)));
+            order.truncate(beam);
+            order.sort_unstable();
+            let mut kept = Layer {
+                keys: Vec::with_capacity(beam * new_width),
+                costs: Vec::with_capacity(beam),
+                back: Vec::with_capacity(beam),
+            };
+            for i in order {
+                kept.keys.extend_from_slice(&next.keys[i * new_width..(i + 1) * new_width]);
+                kept.costs.push(next.costs[i]);
+                kept.back.push(next.back[i]);
+            }
+            next = kept;
+        }
+        back.push(std::mem::take(&mut next.back));
+        layer = next;
+        width = new_width;
+    }
+    // The cheapest final state, then back through the steps.
+    let mut best = 0usize;
+    for i in 1..layer.costs.len() {
+        if layer.costs[i] < layer.costs[best] {
+            best = i;
+        }
+    }
+    let mut choice = vec![0u32; proxy.steps.len()];
+    let mut s = best;
+    for t in (0..proxy.steps.len()).rev() {
+        let (parent, ci) = back[t][s];
+        choice[t] = proxy.steps[t].cands[ci as usize];
+        s = parent as usize;
+    }
+    Some(DpPlan { choice, pruned, max_states })
+}
+
+/// True when `a` is a better plan than `b`: feasible beats infeasible; then faster; between
+/// infeasible plans, smaller.
+pub(crate) fn better(a: &Breakdown, b: &Breakdown) -> bool {
+    match (a.feasible, b.feasible) {
+        (true, false) => true,
+        (false, true) => false,
+        (true, true) => a.step_time_s < b.step_time_s * (1.0 - 1e-12),
+        (false, false) => a.memory.total() < b.memory.total() * (1.0 - 1e-12),
+    }
+}
+
+/// A priced plan: per op a strategy index.
+#[derive(Clone)]
+pub(crate) struct Priced {
+    pub choice: Vec<u32>,
+    pub breakdown: Breakdown,
+}
+
+pub(crate) struct Extracted {
+    pub best: Priced,
+    pub stats: ExtractStats,
+}
+
+fn price(cm: &CostModel<'_>, p: &Problem, choice: &[u32], evals: &mut usize) -> Priced {
+    *evals += 1;
+    Priced { choice: choice.to_vec(), breakdown: cm.price(&p.assignment(choice)) }
+}
+
+fn keep_better(best: &mut Option<Priced>, cand: Priced) {
+    if best.as_ref().is_none_or(|b| better(&cand.breakdown, &b.breakdown)) {
+        *best = Some(cand);
+    }
+}
+
+/// Chooses the plan from the space: enumeration when small, else the dynamic program with
+/// the memory constraint, then local search. `seeds` are always priced too.
+pub(crate) fn extract(
+    cm: &CostModel<'_>,
+    p: &Problem,
+    cands: &[Vec<u32>],
+    seeds: &[Vec<u32>],
+    knobs: &Knobs,
+) -> Extracted {
+    let start = Instant::now();
+    let mut stats = ExtractStats {
+        log10_combinations: cands.iter().map(|c| (c.len().max(1) as f64).log10()).sum(),
+        ..Default::default()
+    };
+    let mut evals = 0usize;
+    let mut best: Option<Priced> = None;
+    for s in seeds {
+        keep_better(&mut best, price(cm, p, s, &mut evals));
+    }
+    if stats.log10_combinations <= knobs.exhaustive_limit.log10() {
+        stats.method = "exhaustive".into();
+        let mut choice: Vec<u32> = cands.iter().map(|c| c[0]).collect();
+        let mut idx = vec![0usize; cands.len()];
+        let mut complete = true;
+        loop {
+            keep_better(&mut best, price(cm, p, &choice, &mut evals));
+            // Next combination (mixed radix).
+            let mut t = 0;
+            while t < cands.len() {
+                idx[t] += 1;
+                if idx[t] < cands[t].len() {
+                    choice[t] = cands[t][idx[t]];
+                    break;
+                }
+                idx[t] = 0;
+                choice[t] = cands[t][0];
+                t += 1;
+            }
+            if t == cands.len() {
+                break;
+            }
+            if evals.is_multiple_of(256) && Instant::now() > knobs.deadline {
+                complete = false;
+                break;
+            }
+        }
+        stats.exact = complete;
+        stats.evaluations = evals;
+        stats.time_s = start.elapsed().as_secs_f64();
+        return Extracted { best: best.expect("at least one plan"), stats };
+    }
+
+    stats.method = "dynamic-programming".into();
+    let o = &cm.opts;
+    let w0 = if o.overlap_grad_sync { (o.overlap_slowdown - 1.0).clamp(0.0, 1.0) } else { 1.0 };
+    let mut weights = vec![w0];
+    if w0 < 1.0 {
+        weights.push(1.0);
+    }
+    let mut best_lambda = 0.0;
+    'weights: for &w in &weights {
+        let proxy = Proxy::new(cm, p, cands, w);
+        let mut run = |lambda: f64, stats: &mut ExtractStats| -> Option<Priced> {
+            let t0 = Instant::now();
+            let plan = dp(&proxy, lambda, knobs.beam, Some(knobs.deadline))?;
+            stats.dp_time_s += t0.elapsed().as_secs_f64();
+            stats.dp_runs += 1;
+            stats.dp_pruned |= plan.pruned;
+            stats.dp_max_states = stats.dp_max_states.max(plan.max_states);
+            Some(price(cm, p, &plan.choice, &mut evals))
+        };
+        let Some(first) = run(0.0, &mut stats) else { break };
+        let fits = first.breakdown.feasible;
+        let scale = first.breakdown.step_time_s / first.breakdown.memory.total().max(1.0);
+        let step0 = first.breakdown.step_time_s;
+        if best.as_ref().is_none_or(|b| better(&first.breakdown, &b.breakdown)) {
+            best_lambda = 0.0;
+        }
+        keep_better(&mut best, first);
+        if !fits {
+            // Raise λ until the plan fits (or memory stops falling).
+            let mut lo = 0.0;
+            let mut hi = None;
+            let mut lambda = scale;
+            let mut last_mem = f64::INFINITY;
+            for _ in 0..24 {
+                let Some(pl) = run(lambda, &mut stats) else { break 'weights };
+                let m = pl.breakdown.memory.total();
+                let ok = pl.breakdown.feasible;
+                if best.as_ref().is_none_or(|b| better(&pl.breakdown, &b.breakdown)) {
+                    best_lambda = lambda;
+                }
+                keep_better(&mut best, pl);
+                if ok {
+                    hi = Some(lambda);
+                    break;
+                }
+                if m >= last_mem * 0.999 && lambda > scale * 1e6 {
+                    break;
+                }
+                last_mem = m;
+                lo = lambda;
+                lambda *= 4.0;
+            }
+            // Narrow to the cheapest λ that fits.
+            if let Some(mut hi) = hi {
+                for _ in 0..6 {
+                    let mid = if lo == 0.0 { hi / 4.0 } else { (lo * hi).sqrt() };
+                    let Some(pl) = run(mid, &mut stats) else { break 'weights };
+                    if pl.breakdown.feasible {
+                        hi = mid;
+                    } else {
+                        lo = mid;
+                    }
+                    if best.as_ref().is_none_or(|b| better(&pl.breakdown, &b.breakdown)) {
+                        best_lambda = mid;
+                    }
+                    keep_better(&mut best, pl);
+                }
+            }
+        }
+        // A second gradient weight only when synchronisation was exposed.
+        let b = &best.as_ref().expect("a plan").breakdown;
+        if b.exposed_gradient_sync_s <= 0.05 * step0 {
+            break;
+        }
+    }
+    stats.lambda = best_lambda;
+    if stats.dp_pruned {
+        stats.method = "dynamic-programming+beam".into();
+    }
+    let mut best = best.expect("at least one plan");
+    if knobs.local_search {
+        let t0 = Instant::now();
+        let proxy = Proxy::new(cm, p, cands, w0);
+        stats.local_moves = local_search(cm, p, &proxy, cands, &mut best, knobs, &mut evals);
+        stats.local_search_time_s = t0.elapsed().as_secs_f64();
+    }
+    stats.evaluations = evals;
+    stats.time_s = start.elapsed().as_secs_f64();
+    Extracted { best, stats }
+}
+
+/// Improves a plan one op at a time with the full cost model: for each op, the alternatives
+/// the proxy ranks best given its neighbours are priced, and a better one is kept. Sweeps
+/// until nothing improves or the deadline passes. Returns the number of moves made.
+fn local_search(
+    cm: &CostModel<'_>,
+    p: &Problem,
+    proxy: &Proxy,
+    cands: &[Vec<u32>],
+    best: &mut Priced,
+    knobs: &Knobs,
+    evals: &mut usize,
+) -> usize {
+    const TRIES: usize = 2;
+    let mut moves = 0;
+    for _sweep in 0..3 {
+        let mut improved = false;
+        let live_layouts = live_layouts(proxy, &best.choice);
+        for t in 0..cands.len() {
+            if Instant::now() > knobs.deadline {
+                return moves;
+            }
+            if cands[t].len() < 2 {
+                continue;
+            }
+            let st = &proxy.steps[t];
+            let state = &live_layouts[t];
+            let mut ranked: Vec<(f64, u32)> = st
+                .cands
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| **c != best.choice[t])
+                .map(|(ci, &c)| {
+                    let mut cost = st.time[ci];
+                    for (pos, kv, mat) in &st.edges {
+                        cost += mat[ci * kv + state[*pos] as usize];
+                    }
+                    (cost, c)
+                })
+                .collect();
+            ranked.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            for &(_, c) in ranked.iter().take(TRIES) {
+                let mut choice = best.choice.clone();
+                choice[t] = c;
+                let cand = price(cm, p, &choice, evals);
+                if better(&cand.breakdown, &best.breakdown) {
+                    *best = cand;
+                    moves += 1;
+                    improved = true;
+                }
+            }
+        }
+        if !improved {
+            break;
+        }
+    }
+    moves
+}
+
+/// The live-layout vector before each op under a choice.
+fn live_layouts(proxy: &Proxy, choice: &[u32]) -> Vec<Vec<u8>> {
+    let mut out = Vec::with_capacity(choice.len());
+    let mut live: Vec<u8> = Vec::new();
+    for (st, &c) in proxy.steps.iter().zip(choice) {
+        out.push(live.clone());
+        let ci = st.cands.iter().position(|&x| x == c).unwrap_or(0);
+        live = st.keep.iter().map(|&i| live[i]).chain(st.enter[ci].iter().copied()).collect();
+    }
+    out
+}

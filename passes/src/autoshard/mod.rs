@@ -1,0 +1,298 @@
+//! Autoshard: the search for the per-op strategies and per-tensor layouts that minimise the
+//! cost model's step time on a cluster, under its per-device memory.
+//!
+//! For each candidate mesh ([`meshes::candidates`]):
+//! 1. the problem's tables are built: every admissible strategy of every op
+//!    ([`problem`]);
+//! 2. an e-graph (egg) is seeded with the named plans and grown by sharding rewrites within
+//!    node and time limits ([`space`]);
+//! 3. a plan is extracted from it, DAG-aware: enumeration when small, a dynamic program over
+//!    the topological order with λ-weighted memory otherwise, then local search with the full
+//!    cost model ([`extract`]).
+//!
+//! The best plan over the meshes wins (fitting plans first, then the fastest). The named
+//! plans, data parallel among them, are always candidates, so the result is never worse than
+//! them in the model. The search is deterministic.
+
+pub mod extract;
+pub mod meshes;
+pub mod plan;
+mod problem;
+pub mod space;
+#[cfg(test)]
+mod tests;
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ir::Graph;
+use ir::shard::Mesh;
+use serde::Serialize;
+
+use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Named, Options};
+pub use extract::ExtractStats;
+pub use plan::Plan;
+pub use space::EgraphStats;
+
+use problem::Problem;
+
+/// Search knobs.
+#[derive(Clone, Debug)]
+pub struct SearchOptions {
+    /// Wall-clock budget for the whole search; when it runs out the best plan so far is
+    /// returned (and the limit is reported).
+    pub time_limit: Duration,
+    /// E-nodes per mesh.
+    pub node_limit: usize,
+    /// Strategies one op may have in the e-graph.
+    pub per_op_strategies: usize,
+    /// Enumerate every combination when the space has at most this many.
+    pub exhaustive_limit: f64,
+    /// Dynamic-program states kept per op.
+    pub beam: usize,
+    /// Improve the extracted plan with local search.
+    pub local_search: bool,
+    /// Meshes to try (default: [`meshes::candidates`]).
+    pub meshes: Option<Vec<Mesh>>,
+    /// Worker threads (meshes are searched in parallel).
+    pub threads: usize,
+}
+
+impl Default for SearchOptions {
+    fn default() -> Self {
+        SearchOptions {
+            time_limit: Duration::from_secs(60),
+            node_limit: 400_000,
+            per_op_strategies: 32,
+            exhaustive_limit: 4096.0,
+            beam: 1024,
+            local_search: true,
+            meshes: None,
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }
+    }
+}
+
+/// The search on one mesh.
+#[derive(Clone, Debug, Serialize)]
+pub struct MeshSearch {
+    /// The mesh, as `nodes=8:inter × gpus=8:intra`.
+    pub mesh: String,
+    /// The best plan's step time on it, seconds.
+    pub step_time_s: f64,
+    /// It fits.
+    pub feasible: bool,
+    /// Its memory per device, bytes.
+    pub memory_per_device_bytes: u64,
+    /// The e-graph.
+    pub egraph: EgraphStats,
+    /// The extraction.
+    pub extraction: ExtractStats,
+    /// Seconds.
+    pub time_s: f64,
+}
+
+/// A search result.
+pub struct SearchResult {
+    /// The chosen mesh.
+    pub mesh: Mesh,
+    /// Per op, its strategy.
+    pub assignment: Assignment,
+    /// The chosen plan's price.
+    pub breakdown: Breakdown,
+    /// Which named plan it is, when it is exactly one (`data`, `owt`…).
+    pub same_as: Option<String>,
+    /// Pure data parallelism on the cluster's natural mesh (`None`: not applicable).
+    pub data_parallel: Option<Breakdown>,
+    /// Per mesh tried.
+    pub meshes: Vec<MeshSearch>,
+    /// Seconds.
+    pub search_time_s: f64,
+    /// The time limit cut the search short.
+    pub time_limit_hit: bool,
+}
+
+/// Describes a mesh as `nodes=8:inter × gpus=8:intra`.
+pub fn mesh_string(m: &Mesh) -> String {
+    m.axes
+        .iter()
+        .map(|a| {
+            format!(
+                "{}={}:{}",
+                a.name,
+                a.size,
+                match a.level {
+                    ir::shard::LinkLevel::Intra => "intra",
+                    ir::shard::LinkLevel::Inter => "inter",
+                }
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" × ")
+}
+
+/// Named plans used as seeds and baselines.
+const SEEDS: &[(&str, Named)] =
+    &[("data", Named::Data), ("model", Named::Model), ("owt", Named::Owt), ("spatial", Named::Spatial)];
+
+struct MeshOutcome {
+    mesh: Mesh,
+    assignment: Assignment,
+    breakdown: Breakdown,
+    same_as: Option<String>,
+    summary: MeshSearch,
+}
+
+fn search_mesh(
+    g: &Graph,
+    cluster: &Cluster,
+    mesh: Mesh,
+    opts: &Options,
+    so: &SearchOptions,
+    deadline: Instant,
+) -> MeshOutcome {
+    let start = Instant::now();
+    let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
+    let problem = Arc::new(Problem::new(&cm));
+    let mut seeds: Vec<(String, Vec<u32>)> = vec![("replicated".into(), vec![0; problem.ops.len()])];
+    for (name, named) in SEEDS {
+        if let Ok(asg) = crate::cost::strategy::assign(&cm, named) {
+            seeds.push(((*name).into(), problem.indices_of(&asg)));
+        }
+    }
+    let seed_choices: Vec<Vec<u32>> = seeds.iter().map(|s| s.1.clone()).collect();
+    let remaining = deadline.saturating_duration_since(Instant::now());
+    let limits = space::Limits {
+        nodes: so.node_limit,
+        time: remaining.mul_f64(0.3),
+        iterations: mesh.axes.len() + 2,
+        per_op: so.per_op_strategies,
+    };
+    let space = space::explore(problem.clone(), &seed_choices, &limits);
+    let knobs = extract::Knobs {
+        exhaustive_limit: so.exhaustive_limit,
+        beam: so.beam,
+        local_search: so.local_search,
+        deadline,
+    };
+    let ex = extract::extract(&cm, &problem, &space.candidates, &seed_choices, &knobs);
+    let same_as = seeds.iter().find(|(_, c)| *c == ex.best.choice).map(|(n, _)| n.clone());
+    let assignment = problem.assignment(&ex.best.choice);
+    // The full breakdown (per-op rows, communication events) of the winner.
+    let breakdown = cm.evaluate(&assignment);
+    let summary = MeshSearch {
+        mesh: mesh_string(&mesh),
+        step_time_s: breakdown.step_time_s,
+        feasible: breakdown.feasible,
+        memory_per_device_bytes: breakdown.memory.total() as u64,
+        egraph: space.stats,
+        extraction: ex.stats,
+        time_s: start.elapsed().as_secs_f64(),
+    };
+    MeshOutcome { assignment, mesh, breakdown, same_as, summary }
+}
+
+/// Searches for the best plan of `g` (shapes inferred) on `devices` devices of `cluster`.
+pub fn search(
+    g: &Graph,
+    cluster: &Cluster,
+    devices: usize,
+    opts: &Options,
+    so: &SearchOptions,
+) -> Result<SearchResult, String> {
+    let start = Instant::now();
+    let deadline = start + so.time_limit;
+    let meshes = match &so.meshes {
+        Some(m) if !m.is_empty() => m.clone(),
+        _ => meshes::candidates(cluster, devices)?,
+    };
+    for m in &meshes {
+        if m.devices() != devices {
+            return Err(format!("mesh {} has {} devices, not {devices}", mesh_string(m), m.devices()));
+        }
+    }
+    if g.op_nodes().map_err(|_| "the graph has a cycle".to_string())?.is_empty() {
+        return Err("the graph has no ops to place".into());
+    }
+    // Meshes in parallel, results in mesh order.
+    let threads = so.threads.clamp(1, meshes.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut outcomes: Vec<Option<MeshOutcome>> = (0..meshes.len()).map(|_| None).collect();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        if i >= meshes.len() {
+                            break;
+                        }
+                        done.push((i, search_mesh(g, cluster, meshes[i].clone(), opts, so, deadline)));
+                    }
+                    done
+                })
+            })
+            .collect();
+        for h in handles {
+            for (i, o) in h.join().expect("a search thread panicked") {
+                outcomes[i] = Some(o);
+            }
+        }
+    });
+    let outcomes: Vec<MeshOutcome> = outcomes.into_iter().map(|o| o.expect("every mesh searched")).collect();
+    let summaries: Vec<MeshSearch> = outcomes.iter().map(|o| o.summary.clone()).collect();
+    let mut best: Option<MeshOutcome> = None;
+    for o in outcomes {
+        if best.as_ref().is_none_or(|b| extract::better(&o.breakdown, &b.breakdown)) {
+            best = Some(o);
+        }
+    }
+    let best = best.expect("at least one mesh");
+    let data_parallel = crate::cost::price(g, cluster, devices, &Named::Data, opts).ok().map(|p| p.breakdown);
+    let time_limit_hit = Instant::now() > deadline;
+    Ok(SearchResult {
+        mesh: best.mesh,
+        assignment: best.assignment,
+        breakdown: best.breakdown,
+        same_as: best.same_as,
+        data_parallel,
+        meshes: summaries,
+        search_time_s: start.elapsed().as_secs_f64(),
+        time_limit_hit,
+    })
+}
+
+/// The search as a pass: plans the graph (shapes inferred) and writes the plan onto it as
+/// annotations (see [`plan::annotate`]); the result is kept for the caller in `result`.
+pub struct Autoshard {
+    /// The machine.
+    pub cluster: Cluster,
+    /// Devices to use.
+    pub devices: usize,
+    /// Cost-model options.
+    pub options: Options,
+    /// Search knobs.
+    pub search: SearchOptions,
+    /// The last result.
+    pub result: Rc<RefCell<Option<SearchResult>>>,
+}
+
+impl crate::Pass for Autoshard {
+    fn name(&self) -> &'static str {
+        "autoshard"
+    }
+
+    fn run(&mut self, g: &mut Graph, cx: &mut crate::PassCx<'_>) -> Result<crate::Changed, crate::PassError> {
+        let r = search(g, &self.cluster, self.devices, &self.options, &self.search)
+            .map_err(|e| crate::PassError::new("autoshard", crate::Located::global(e)))?;
+        plan::annotate_graph(g, &r.mesh, &r.assignment);
+        plan::set_mesh_metadata(cx.metadata, &r.mesh);
+        cx.stats.add("autoshard.egraph_nodes", r.meshes.iter().map(|m| m.egraph.nodes as u64).sum());
+        cx.stats.add("autoshard.meshes", r.meshes.len() as u64);
+        *self.result.borrow_mut() = Some(r);
+        Ok(crate::Changed::Yes)
+    }
+}

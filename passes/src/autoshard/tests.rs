@@ -1,0 +1,250 @@
+//! Rule tests for the e-graph, and the decomposed objective against the cost model.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use egg::Id;
+use ir::shard::{LinkLevel, Mesh, parse_sharding};
+
+use super::extract::{Proxy, dp};
+use super::problem::Problem;
+use super::space::{Limits, ShardNode, grow_with};
+use crate::cost::{Cluster, CostModel, Options};
+
+fn graph(text: &str) -> ir::Graph {
+    let mut m = frontend::parse(text).unwrap_or_else(|d| panic!("{}", frontend::render(&d, "t", text))).model;
+    ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+    m.graph
+}
+
+const MATMUL: &str = r#"<
+   ir_version: 8,
+   opset_import: ["" : 17]
+>
+mm (float[8,16] x) => (float[8,32] y)
+   <float[16,32] w = ["location": "w.bin", "offset": "0", "length": "2048"]>
+{
+   y = MatMul (x, w)
+}"#;
+
+const CONV: &str = r#"<
+   ir_version: 8,
+   opset_import: ["" : 17]
+>
+conv (float[2,4,16,16] x) => (float[2,8,16,16] y)
+   <float[8,4,3,3] w = ["location": "w.bin", "offset": "0", "length": "1152"]>
+{
+   y = Conv <kernel_shape: ints = [3, 3], pads: ints = [1, 1, 1, 1]> (x, w)
+}"#;
+
+const CHAIN: &str = r#"<
+   ir_version: 8,
+   opset_import: ["" : 17]
+>
+chain (float[8,16] x) => (float[8,16] z)
+   <float[16,64] w1 = ["location": "w.bin", "offset": "0", "length": "4096"], float[64,16] w2 = ["location": "w.bin", "offset": "0", "length": "4096"]>
+{
+   h = MatMul (x, w1)
+   r = Relu (h)
+   z = MatMul (r, w2)
+}"#;
+
+fn limits() -> Limits {
+    Limits { nodes: 100_000, time: Duration::from_secs(10), iterations: 10, per_op: 1000 }
+}
+
+struct Fixture {
+    g: ir::Graph,
+    cluster: Cluster,
+    mesh: Mesh,
+}
+
+impl Fixture {
+    fn new(text: &str, devices: usize) -> Fixture {
+        Fixture {
+            g: graph(text),
+            cluster: Cluster::preset("dgx-a100").unwrap(),
+            mesh: Mesh::line(devices, LinkLevel::Intra),
+        }
+    }
+
+    fn cm(&self) -> CostModel<'_> {
+        CostModel::new(&self.g, &self.cluster, self.mesh.clone(), Options::default())
+    }
+}
+
+/// The class of (tensor named `name`, layout `layout`), if the e-graph has it.
+fn class_of(
+    eg: &egg::EGraph<ShardNode, super::space::Tables>,
+    p: &Problem,
+    g: &ir::Graph,
+    name: &str,
+    layout: &str,
+) -> Option<Id> {
+    let v = p.value_ids[&g.lookup(name).unwrap()];
+    let l = *p.layout_ids.get(&parse_sharding(layout).unwrap())?;
+    eg.classes().find(|c| c.data == (v, l)).map(|c| c.id)
+}
+
+/// The strategies (as dim names) of the `compute` nodes in a class.
+fn computes(
+    eg: &egg::EGraph<ShardNode, super::space::Tables>,
+    p: &Problem,
+    cm: &CostModel<'_>,
+    class: Id,
+) -> Vec<(Vec<Option<String>>, Vec<Id>)> {
+    eg[class]
+        .nodes
+        .iter()
+        .filter_map(|n| match n {
+            ShardNode::Compute { op, strategy, children, .. } => {
+                let info = &p.ops[*op as usize];
+                let sp = cm.space(info.node);
+                let s = &info.strategies[*strategy as usize];
+                Some((
+                    s.iter().map(|d| d.map(|i| sp.dims[i].name.clone())).collect(),
+                    children.iter().map(|c| eg.find(*c)).collect(),
+                ))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn split_in_features_makes_partial_sums_from_split_operands() {
+    let f = Fixture::new(MATMUL, 4);
+    let cm = f.cm();
+    let p = Arc::new(Problem::new(&cm));
+    let runner = grow_with(p.clone(), &[vec![0]], &limits(), &["split-in-features"]);
+    let eg = &runner.egraph;
+    let y = class_of(eg, &p, &f.g, "y", "[P]").expect("a class for y as partial sums");
+    let x = class_of(eg, &p, &f.g, "x", "[S(1)]").expect("x split along its columns");
+    let w = class_of(eg, &p, &f.g, "w", "[S(0)]").expect("w split along its rows");
+    let got = computes(eg, &p, &cm, y);
+    assert_eq!(got, vec![(vec![Some("k".to_string())], vec![eg.find(x), eg.find(w)])]);
+    // Only that rule ran: no batch split.
+    assert!(class_of(eg, &p, &f.g, "y", "[S(0)]").is_none());
+}
+
+#[test]
+fn split_batch_and_out_features_and_unsplit() {
+    let f = Fixture::new(MATMUL, 4);
+    let cm = f.cm();
+    let p = Arc::new(Problem::new(&cm));
+    let runner = grow_with(p.clone(), &[vec![0]], &limits(), &["split-batch", "split-out-features"]);
+    let eg = &runner.egraph;
+    let rows = class_of(eg, &p, &f.g, "y", "[S(0)]").expect("batch split");
+    assert_eq!(computes(eg, &p, &cm, rows)[0].0, vec![Some("m".to_string())]);
+    let x_rows = class_of(eg, &p, &f.g, "x", "[S(0)]").unwrap();
+    let w_whole = class_of(eg, &p, &f.g, "w", "[R]").unwrap();
+    assert_eq!(computes(eg, &p, &cm, rows)[0].1, vec![eg.find(x_rows), eg.find(w_whole)]);
+    let cols = class_of(eg, &p, &f.g, "y", "[S(1)]").expect("column split");
+    assert_eq!(computes(eg, &p, &cm, cols)[0].0, vec![Some("n".to_string())]);
+    // From a batch-split seed, `unsplit` brings back the replicated strategy.
+    let m = p.ops[0].index[&vec![Some(0)]];
+    let runner = grow_with(p.clone(), &[vec![m]], &limits(), &["unsplit"]);
+    let eg = &runner.egraph;
+    let whole = class_of(eg, &p, &f.g, "y", "[R]").expect("unsplit");
+    assert_eq!(computes(eg, &p, &cm, whole)[0].0, vec![None]);
+}
+
+#[test]
+fn split_spatial_splits_a_convolution_with_halo() {
+    let f = Fixture::new(CONV, 4);
+    let cm = f.cm();
+    let p = Arc::new(Problem::new(&cm));
+    let runner = grow_with(p.clone(), &[vec![0]], &limits(), &["split-spatial"]);
+    let eg = &runner.egraph;
+    let y = class_of(eg, &p, &f.g, "y", "[S(2)]").expect("split along H");
+    let (s, children) = computes(eg, &p, &cm, y).remove(0);
+    assert_eq!(s, vec![Some("s0".to_string())]);
+    let x = class_of(eg, &p, &f.g, "x", "[S(2)]").unwrap();
+    assert_eq!(children[0], eg.find(x));
+    // The split costs a halo exchange.
+    let n = p.ops[0].node;
+    let i = cm.space(n).dims.iter().position(|d| d.name == "s0").unwrap();
+    assert!(cm.op_time(n, &[Some(i)]).halo > 0.0);
+}
+
+#[test]
+fn reshard_connects_every_layout_to_what_the_producer_makes() {
+    let f = Fixture::new(CHAIN, 4);
+    let cm = f.cm();
+    let p = Arc::new(Problem::new(&cm));
+    let runner = grow_with(p.clone(), &[vec![0; 3]], &limits(), super::space::RULES);
+    let eg = &runner.egraph;
+    let h = p.value_ids[&f.g.lookup("h").unwrap()];
+    let layouts: Vec<u32> = eg.classes().filter(|c| c.data.0 == h).map(|c| c.data.1).collect();
+    assert!(layouts.len() >= 3, "h has several layouts: {layouts:?}");
+    let produced: Vec<u32> = eg
+        .classes()
+        .filter(|c| c.data.0 == h && c.nodes.iter().any(|n| matches!(n, ShardNode::Compute { .. })))
+        .map(|c| c.data.1)
+        .collect();
+    for c in eg.classes().filter(|c| c.data.0 == h) {
+        let from: Vec<u32> = c
+            .nodes
+            .iter()
+            .filter_map(|n| match n {
+                ShardNode::Reshard { child, .. } => Some(eg[child[0]].data.1),
+                _ => None,
+            })
+            .collect();
+        for &l in &produced {
+            if l != c.data.1 {
+                assert!(from.contains(&l), "layout {} of h has no reshard from {l}", c.data.1);
+            }
+        }
+    }
+    assert!(matches!(runner.stop_reason, Some(egg::StopReason::Saturated)));
+}
+
+#[test]
+fn hitting_the_node_limit_is_reported_and_the_plan_is_still_valid() {
+    let f = Fixture::new(CHAIN, 8);
+    let so = super::SearchOptions { node_limit: 40, ..Default::default() };
+    let r = super::search(&f.g, &f.cluster, 8, &Options::default(), &so).unwrap();
+    assert!(r.meshes.iter().any(|m| m.egraph.stop_reason == "node limit"), "{:?}", r.meshes[0].egraph);
+    let dp = r.data_parallel.as_ref().unwrap();
+    assert!(r.breakdown.step_time_s <= dp.step_time_s);
+}
+
+#[test]
+fn the_proxy_prices_a_chain_like_the_cost_model() {
+    // No overlap, no preload, no latencies: the cost model's step time is a sum the proxy
+    // reproduces exactly for every assignment (up to a constant: the update launches).
+    let mut f = Fixture::new(CHAIN, 4);
+    f.cluster.intra.latency = 0.0;
+    f.cluster.host.latency = 0.0;
+    f.cluster.device.launch_overhead = 0.0;
+    let opts = Options { overlap_grad_sync: false, preload: false, ..Options::default() };
+    let cm = CostModel::new(&f.g, &f.cluster, f.mesh.clone(), opts);
+    let p = Problem::new(&cm);
+    let cands: Vec<Vec<u32>> = p.ops.iter().map(|o| (0..o.strategies.len() as u32).collect()).collect();
+    let proxy = Proxy::new(&cm, &p, &cands, 1.0);
+    let mut n = 0;
+    let mut choice = vec![0u32; 3];
+    for a in 0..cands[0].len() as u32 {
+        for b in 0..cands[1].len() as u32 {
+            for c in 0..cands[2].len() as u32 {
+                choice.copy_from_slice(&[a, b, c]);
+                let truth = cm.price(&p.assignment(&choice)).step_time_s;
+                let est = proxy.cost_of(&choice, 0.0);
+                assert!((truth - est).abs() <= 1e-9 * truth, "{choice:?}: {est} vs {truth}");
+                n += 1;
+            }
+        }
+    }
+    assert!(n > 20);
+    // And the dynamic program finds the cheapest.
+    let best = dp(&proxy, 0.0, 1 << 20, None).unwrap();
+    let best_cost = proxy.cost_of(&best.choice, 0.0);
+    for a in 0..cands[0].len() as u32 {
+        for b in 0..cands[1].len() as u32 {
+            for c in 0..cands[2].len() as u32 {
+                assert!(proxy.cost_of(&[a, b, c], 0.0) >= best_cost - 1e-15);
+            }
+        }
+    }
+}

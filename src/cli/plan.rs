@@ -1,0 +1,214 @@
+//! `shardc plan`: search for the best sharding plan of a model on a cluster.
+
+use std::cell::RefCell;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use passes::autoshard::{self, Autoshard, Plan, SearchOptions, plan::ModelInfo};
+use sha2::Digest;
+
+use super::common::*;
+use super::cost::{ModelArgs, load_cluster, secs};
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PlanEmit {
+    /// The model in the ONNX textual syntax, each op annotated with its strategy and
+    /// layouts (`shardc_*` attributes; parses back).
+    Text,
+}
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// The model (ONNX textual syntax).
+    pub model: PathBuf,
+    /// A preset (dgx-a100, dgx-h100, pcie-v100x8, a100-cluster-N, local-wgpu) or a TOML file.
+    #[arg(long)]
+    pub cluster: String,
+    /// Devices to use (default: all of the cluster).
+    #[arg(long)]
+    pub devices: Option<usize>,
+    /// Write the plan (JSON) here.
+    #[arg(short = 'o', long = "output", value_name = "PLAN.json")]
+    pub output: Option<PathBuf>,
+    /// Print the plan (JSON) on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Print a per-layer table with data parallelism beside it.
+    #[arg(long)]
+    pub report: bool,
+    /// Print the annotated model instead of a summary.
+    #[arg(long, value_enum)]
+    pub emit: Option<PlanEmit>,
+    /// Search budget in seconds; the best plan found so far is returned when it runs out.
+    #[arg(long = "time-limit", value_name = "SECS", default_value_t = 60.0)]
+    pub time_limit: f64,
+    /// E-graph node limit per mesh.
+    #[arg(long = "node-limit", value_name = "N")]
+    pub node_limit: Option<usize>,
+    /// Print the model to stderr after these passes (comma-separated: verify, rebatch,
+    /// infer-shapes, canonicalize, autoshard, or `all`).
+    #[arg(long = "dump-after", value_delimiter = ',', value_name = "PASS")]
+    pub dump_after: Vec<String>,
+    #[command(flatten)]
+    pub shapes: ShapeArgs,
+    #[command(flatten)]
+    pub model_args: ModelArgs,
+}
+
+const PLAN_PASSES: &[&str] = &["verify", "rebatch", "infer-shapes", "canonicalize", "autoshard"];
+
+pub fn run(args: &PlanArgs) -> CliResult {
+    if !(args.time_limit > 0.0 && args.time_limit.is_finite()) {
+        return Err(CliError::msg("--time-limit must be a positive number of seconds"));
+    }
+    for d in &args.dump_after {
+        if d != "all" && !PLAN_PASSES.contains(&d.as_str()) {
+            return Err(CliError::msg(format!(
+                "--dump-after: unknown pass `{d}`; plan runs {}",
+                PLAN_PASSES.join(", ")
+            )));
+        }
+    }
+    let cluster = load_cluster(&args.cluster)?;
+    let devices = args.devices.unwrap_or(cluster.devices());
+    cluster.mesh(devices).map_err(CliError::msg)?;
+    let opts = args.model_args.options()?;
+    let bytes = std::fs::read(&args.model)
+        .map_err(|e| CliError::msg(format!("cannot read `{}`: {e}", args.model.display())))?;
+    let (mut loaded, warnings) = shardc::load_and_check(&args.model).map_err(CliError::new)?;
+    eprint!("{warnings}");
+    let spec = args.shapes.spec()?;
+    let mut search = SearchOptions { time_limit: Duration::from_secs_f64(args.time_limit), ..Default::default() };
+    if let Some(n) = args.node_limit {
+        search.node_limit = n;
+    }
+    let result = Rc::new(RefCell::new(None));
+    let mut pm = passes::PassManager::new().with_dump_after(args.dump_after.clone());
+    pm.add(passes::Verify);
+    if !spec.is_empty() {
+        pm.add(passes::Rebatch { spec });
+    }
+    pm.add(passes::InferShapes::default());
+    pm.add(passes::Canonicalize);
+    pm.add(Autoshard { cluster: cluster.clone(), devices, options: opts.clone(), search, result: result.clone() });
+    let report = pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
+    warn(&report.warnings, &loaded.source);
+    for (pass, text) in &report.dumps {
+        eprintln!("# ---- after {pass} ----");
+        eprintln!("{text}");
+    }
+    let r = result.borrow_mut().take().expect("autoshard ran");
+    let g = &loaded.model.graph;
+    let info = ModelInfo {
+        path: args.model.display().to_string(),
+        sha256: format!("{:x}", sha2::Sha256::digest(&bytes)),
+        graph: g.name.clone(),
+        batch: passes::cost::pipeline::graph_batch(g),
+        input_shapes: g
+            .input_values()
+            .into_iter()
+            .filter(|v| matches!(g.node(v.node).op, ir::Op::Input { default: None }))
+            .filter_map(|v| Some((g.value_name(v).to_string(), g.tensor_type(v)?.static_dims()?)))
+            .collect(),
+    };
+    let plan = Plan::new(g, &cluster, devices, &opts, info, &r);
+    let json = serde_json::to_string_pretty(&plan).expect("plan serializes");
+    if let Some(out) = &args.output {
+        write_output(&json, Some(out), &args.model)?;
+    }
+    if args.json {
+        return write_output(&json, None, &args.model);
+    }
+    if args.emit == Some(PlanEmit::Text) {
+        return write_output(&ir::print::model_to_string(&loaded.model), None, &args.model);
+    }
+    let mut t = summary(args, &cluster.describe(), devices, &plan, &r);
+    if args.report {
+        t.push('\n');
+        t.push_str(&autoshard::plan::report(&r.breakdown, r.data_parallel.as_ref()));
+    }
+    write_output(&t, None, &args.model)
+}
+
+fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &autoshard::SearchResult) -> String {
+    let mut t = String::new();
+    let b = &r.breakdown;
+    t.push_str(&format!(
+        "model        {} (batch {})\n",
+        args.model.display(),
+        plan.model.batch.map_or("?".into(), |b| b.to_string())
+    ));
+    t.push_str(&format!("cluster      {cluster}\n"));
+    t.push_str(&format!("devices      {devices}, mesh {}\n", autoshard::mesh_string(&r.mesh)));
+    t.push_str(&format!(
+        "plan         {}\n",
+        match &r.same_as {
+            Some(n) => format!("the `{n}` plan"),
+            None => "per-layer strategies (see --report)".into(),
+        }
+    ));
+    t.push_str(&format!(
+        "step time    {}{}\n",
+        secs(b.step_time_s),
+        if b.feasible { String::new() } else { "  (does not fit)".into() }
+    ));
+    match (&r.data_parallel, plan.speedup_over_data_parallel) {
+        (Some(d), Some(s)) => {
+            t.push_str(&format!("data parallel {}  → speedup {s:.2}×\n", secs(d.step_time_s)));
+        }
+        (Some(d), None) => t.push_str(&format!(
+            "data parallel {}{}\n",
+            secs(d.step_time_s),
+            if d.feasible { "" } else { "  (does not fit)" }
+        )),
+        (None, _) => t.push_str("data parallel  does not apply (no batch dim)\n"),
+    }
+    t.push_str(&format!(
+        "memory       {} per device of {} usable\n",
+        bytes(b.memory.total()),
+        bytes(b.memory_capacity_bytes as f64)
+    ));
+    if let Some(reason) = &b.infeasible_reason {
+        t.push_str(&format!("             {reason}\n"));
+    }
+    t.push_str(&format!(
+        "compute      {}   communication {}   exposed grad sync {}\n",
+        secs(b.compute_s),
+        secs(b.communication_s),
+        secs(b.exposed_gradient_sync_s)
+    ));
+    t.push_str(&format!(
+        "search       {:.2} s{}\n",
+        r.search_time_s,
+        if r.time_limit_hit { " (time limit hit; best plan so far)" } else { "" }
+    ));
+    for m in &r.meshes {
+        t.push_str(&format!(
+            "  mesh {:<34} {:>12}{}  e-graph {} classes / {} nodes ({}), {} of {} strategies, {}{}\n",
+            m.mesh,
+            secs(m.step_time_s),
+            if m.feasible { "" } else { " (no fit)" },
+            m.egraph.classes,
+            m.egraph.nodes,
+            m.egraph.stop_reason,
+            m.egraph.strategies,
+            m.egraph.admissible_strategies,
+            m.extraction.method,
+            if m.extraction.exact { ", exact" } else { "" }
+        ));
+    }
+    // Strategy histogram per op type.
+    let mut hist: std::collections::BTreeMap<(String, String), usize> = Default::default();
+    for o in &plan.ops {
+        if o.compute_s > 0.0 {
+            *hist.entry((o.op.clone(), o.strategy.clone())).or_insert(0) += 1;
+        }
+    }
+    t.push_str("strategies\n");
+    for ((op, s), n) in hist {
+        t.push_str(&format!("  {op:<22} {n:>5} × {s}\n"));
+    }
+    t
+}

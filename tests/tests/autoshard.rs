@@ -1,0 +1,606 @@
+//! The search (`autoshard`): optimality against brute force on small graphs, the papers'
+//! findings on real models, every shared model planning, determinism, the plan document and
+//! annotations.
+
+use ir::shard::{DimKind, LinkLevel, Mesh, MeshAxis, strategy_valid};
+use passes::autoshard::{self, SearchOptions, SearchResult};
+use passes::cost::{Assignment, Breakdown, Cluster, CostModel, Options};
+use shardc_tests::*;
+
+/// A model prepared as the CLI does (re-batched, shapes inferred, canonicalized).
+fn prepare(mut m: ir::Model, spec: passes::RebatchSpec) -> ir::Model {
+    let mut pm = passes::PassManager::new();
+    pm.add(passes::Verify);
+    if !spec.is_empty() {
+        pm.add(passes::Rebatch { spec });
+    }
+    pm.add(passes::InferShapes::default()).add(passes::Canonicalize);
+    pm.run(&mut m).unwrap_or_else(|e| panic!("{e}"));
+    m
+}
+
+fn shared(name: &str, spec: passes::RebatchSpec) -> ir::Model {
+    let path =
+        data_files("models").into_iter().find(|p| p.file_name().unwrap() == name).unwrap_or_else(|| panic!("{name}"));
+    prepare(load_model(&path), spec)
+}
+
+fn from_text(text: &str) -> ir::Model {
+    let parsed = frontend::parse(text).unwrap_or_else(|d| panic!("{}", frontend::render(&d, "test", text)));
+    prepare(parsed.model, Default::default())
+}
+
+fn batch(b: i64) -> passes::RebatchSpec {
+    passes::RebatchSpec { batch: Some(b), ..Default::default() }
+}
+
+/// A cluster with round numbers and real latencies.
+fn toy(latency: f64) -> Cluster {
+    let mut c = Cluster::preset("dgx-a100").unwrap();
+    c.name = "toy".into();
+    c.device.peak_flops.fp32 = 1e12;
+    c.device.efficiency = 1.0;
+    c.device.mem_bandwidth = 1e11;
+    c.device.launch_overhead = latency;
+    c.intra.bandwidth = 1e10;
+    c.intra.latency = latency;
+    c.host.latency = latency;
+    c
+}
+
+fn line(n: usize) -> Mesh {
+    Mesh::line(n, LinkLevel::Intra)
+}
+
+fn grid(a: usize, b: usize) -> Mesh {
+    Mesh {
+        axes: vec![
+            MeshAxis { name: "x".into(), size: a, level: LinkLevel::Intra },
+            MeshAxis { name: "y".into(), size: b, level: LinkLevel::Intra },
+        ],
+    }
+}
+
+/// Every admissible strategy of every op, enumerated independently of the search.
+fn all_strategies(cm: &CostModel<'_>) -> Vec<Vec<Vec<Option<usize>>>> {
+    let k = cm.mesh.axes.len();
+    cm.order()
+        .iter()
+        .map(|&n| {
+            let sp = cm.space(n);
+            let dims: Vec<Option<usize>> = std::iter::once(None)
+                .chain((0..sp.dims.len()).filter(|&i| sp.dims[i].kind != DimKind::Fixed).map(Some))
+                .collect();
+            let mut out = Vec::new();
+            let mut idx = vec![0usize; k];
+            loop {
+                let s: Vec<Option<usize>> = idx.iter().map(|&i| dims[i]).collect();
+                if s.iter().all(Option::is_none) || strategy_valid(sp, &s, &cm.mesh, cm.g, n) {
+                    out.push(s);
+                }
+                let mut a = 0;
+                while a < k {
+                    idx[a] += 1;
+                    if idx[a] < dims.len() {
+                        break;
+                    }
+                    idx[a] = 0;
+                    a += 1;
+                }
+                if a == k {
+                    break;
+                }
+            }
+            out
+        })
+        .collect()
+}
+
+fn better(a: &Breakdown, b: &Breakdown) -> bool {
+    match (a.feasible, b.feasible) {
+        (true, false) => true,
+        (false, true) => false,
+        (true, true) => a.step_time_s < b.step_time_s,
+        (false, false) => a.memory.total() < b.memory.total(),
+    }
+}
+
+/// The best plan by enumerating every assignment. Panics past `limit` assignments.
+fn brute_force(g: &ir::Graph, cluster: &Cluster, mesh: &Mesh, opts: &Options, limit: usize) -> (Breakdown, usize) {
+    let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
+    let all = all_strategies(&cm);
+    let total: usize = all.iter().map(Vec::len).product();
+    assert!(total <= limit, "{total} assignments");
+    let order = cm.order().to_vec();
+    let mut idx = vec![0usize; all.len()];
+    let mut best: Option<Breakdown> = None;
+    loop {
+        let asg =
+            Assignment { strategies: order.iter().enumerate().map(|(t, &n)| (n, all[t][idx[t]].clone())).collect() };
+        let b = cm.price(&asg);
+        if best.as_ref().is_none_or(|x| better(&b, x)) {
+            best = Some(b);
+        }
+        let mut t = 0;
+        while t < idx.len() {
+            idx[t] += 1;
+            if idx[t] < all[t].len() {
+                break;
+            }
+            idx[t] = 0;
+            t += 1;
+        }
+        if t == idx.len() {
+            break;
+        }
+    }
+    (best.unwrap(), total)
+}
+
+fn search_on(g: &ir::Graph, cluster: &Cluster, mesh: &Mesh, opts: &Options, so: SearchOptions) -> SearchResult {
+    let so = SearchOptions { meshes: Some(vec![mesh.clone()]), threads: 1, ..so };
+    autoshard::search(g, cluster, mesh.devices(), opts, &so).unwrap()
+}
+
+/// A random small graph over `[B, S, H]` activations: projections with weights, element-wise
+/// ops, residual adds (fan-out), softmax and layer norm (statistics), transposes and
+/// reductions (partial sums).
+fn random_graph(seed: u64, ops: usize) -> String {
+    let mut rng = ir::eval::Rng::new(seed);
+    let mut pick = |n: usize| (rng.next_u64() % n as u64) as usize;
+    let (b, s) = (8, 8);
+    let widths = [16usize, 32];
+    let mut inits: Vec<String> = Vec::new();
+    let mut lines: Vec<String> = Vec::new();
+    // Live values: (name, dims).
+    let mut vals: Vec<(String, Vec<usize>)> = vec![("x".into(), vec![b, s, 16])];
+    for i in 0..ops {
+        let cur = vals[vals.len() - 1 - pick(vals.len().min(2))].clone();
+        let name = format!("v{i}");
+        let dims = cur.1.clone();
+        let h = *dims.last().unwrap();
+        let kind = pick(8);
+        let (line, out): (String, Vec<usize>) = match kind {
+            0 | 1 if dims.len() == 3 => {
+                let w = widths[pick(2)];
+                inits.push(format!(
+                    "float[{h},{w}] w{i} = [\"location\": \"x.bin\", \"offset\": \"0\", \"length\": \"{}\"]",
+                    h * w * 4
+                ));
+                (format!("{name} = MatMul ({}, w{i})", cur.0), vec![dims[0], dims[1], w])
+            }
+            2 => (format!("{name} = Relu ({})", cur.0), dims.clone()),
+            3 => {
+                let other = vals.iter().rev().find(|v| v.1 == dims && v.0 != cur.0).cloned();
+                match other {
+                    Some(o) => (format!("{name} = Add ({}, {})", cur.0, o.0), dims.clone()),
+                    None => (format!("{name} = Tanh ({})", cur.0), dims.clone()),
+                }
+            }
+            4 => (format!("{name} = Softmax <axis: int = -1> ({})", cur.0), dims.clone()),
+            5 if dims.len() == 3 => {
+                inits.push(format!(
+                    "float[{h}] g{i} = [\"location\": \"x.bin\", \"offset\": \"0\", \"length\": \"{}\"]",
+                    h * 4
+                ));
+                (format!("{name} = LayerNormalization <axis: int = -1> ({}, g{i})", cur.0), dims.clone())
+            }
+            6 if dims.len() == 3 => {
+                (format!("{name} = Transpose <perm: ints = [0, 2, 1]> ({})", cur.0), vec![dims[0], dims[2], dims[1]])
+            }
+            _ => (format!("{name} = Sigmoid ({})", cur.0), dims.clone()),
+        };
+        lines.push(format!("   {line}"));
+        vals.push((name, out));
+    }
+    let (last, ldims) = vals.last().unwrap().clone();
+    let d: Vec<String> = ldims.iter().map(|x| x.to_string()).collect();
+    let init_text = if inits.is_empty() { String::new() } else { format!("\n   <{}>", inits.join(", ")) };
+    format!(
+        "<\n   ir_version: 8,\n   opset_import: [\"\" : 17]\n>\nrandom (float[{b},{s},16] x) => (float[{}] {last}){init_text}\n{{\n{}\n}}",
+        d.join(","),
+        lines.join("\n")
+    )
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * b.abs()
+}
+
+#[test]
+fn the_search_finds_the_brute_force_optimum_on_small_graphs() {
+    // Default cost options (overlapped, bucketed gradient synchronisation, preloaded input),
+    // real latencies, the dynamic program and local search forced (no enumeration).
+    let cluster = toy(5e-6);
+    let opts = Options::default();
+    let mut checked = 0;
+    for seed in 0..40u64 {
+        let m = from_text(&random_graph(seed, 4 + (seed % 4) as usize));
+        for mesh in [line(8), grid(2, 4)] {
+            let cm = CostModel::new(&m.graph, &cluster, mesh.clone(), opts.clone());
+            let total: usize = all_strategies(&cm).iter().map(Vec::len).product();
+            if total > 60_000 {
+                continue;
+            }
+            let (best, _) = brute_force(&m.graph, &cluster, &mesh, &opts, 60_000);
+            let so = SearchOptions { exhaustive_limit: 0.0, ..Default::default() };
+            let r = search_on(&m.graph, &cluster, &mesh, &opts, so);
+            assert_eq!(r.breakdown.feasible, best.feasible);
+            assert!(
+                close(r.breakdown.step_time_s, best.step_time_s),
+                "seed {seed}, mesh {}: search {} vs optimum {}\n{}",
+                autoshard::mesh_string(&mesh),
+                r.breakdown.step_time_s,
+                best.step_time_s,
+                random_graph(seed, 4 + (seed % 4) as usize)
+            );
+            checked += 1;
+        }
+    }
+    eprintln!("checked {checked}");
+    assert!(checked >= 30, "only {checked} cases were small enough");
+}
+
+#[test]
+fn the_dynamic_program_alone_is_exact_where_the_objective_decomposes() {
+    // No overlap, no preload, zero latencies: the step time is a sum over ops and edges, which
+    // is what the dynamic program minimises; without the beam dropping states its plan is the
+    // optimum (no enumeration, no local search to help it).
+    let cluster = toy(0.0);
+    let opts = Options { overlap_grad_sync: false, preload: false, ..Options::default() };
+    let mut checked = 0;
+    for seed in 100..130u64 {
+        let m = from_text(&random_graph(seed, 3 + (seed % 5) as usize));
+        for mesh in [line(8), grid(2, 4)] {
+            let cm = CostModel::new(&m.graph, &cluster, mesh.clone(), opts.clone());
+            let total: usize = all_strategies(&cm).iter().map(Vec::len).product();
+            if total > 60_000 {
+                continue;
+            }
+            let (best, _) = brute_force(&m.graph, &cluster, &mesh, &opts, 60_000);
+            let so = SearchOptions { exhaustive_limit: 0.0, local_search: false, ..Default::default() };
+            let r = search_on(&m.graph, &cluster, &mesh, &opts, so);
+            assert!(!r.meshes[0].extraction.dp_pruned);
+            assert!(
+                close(r.breakdown.step_time_s, best.step_time_s),
+                "seed {seed}, mesh {}: dynamic program {} vs optimum {}\n{}",
+                autoshard::mesh_string(&mesh),
+                r.breakdown.step_time_s,
+                best.step_time_s,
+                random_graph(seed, 3 + (seed % 5) as usize)
+            );
+            checked += 1;
+        }
+    }
+    eprintln!("checked {checked}");
+    assert!(checked >= 20, "only {checked} cases were small enough");
+}
+
+/// Sub-graphs of real models, written out: a transformer MLP, attention scores, a conv block.
+const REAL_SUBGRAPHS: &[&str] = &[
+    // GPT-2 MLP: c_fc, GELU (tanh form), c_proj, residual.
+    r#"<
+   ir_version: 8,
+   opset_import: ["" : 17]
+>
+mlp (float[8,16,32] x) => (float[8,16,32] y)
+   <float[32,128] w1 = ["location": "x.bin", "offset": "0", "length": "16384"], float[128] b1 = ["location": "x.bin", "offset": "0", "length": "512"], float[128,32] w2 = ["location": "x.bin", "offset": "0", "length": "16384"], float[32] b2 = ["location": "x.bin", "offset": "0", "length": "128"]>
+{
+   h = MatMul (x, w1)
+   hb = Add (h, b1)
+   t = Tanh (hb)
+   g = Mul (hb, t)
+   o = MatMul (g, w2)
+   ob = Add (o, b2)
+   y = Add (x, ob)
+}"#,
+    // Attention core: scores, scale, softmax, context.
+    r#"<
+   ir_version: 8,
+   opset_import: ["" : 17]
+>
+attn (float[8,4,16,8] q, float[8,4,8,16] k, float[8,4,16,8] v) => (float[8,4,16,8] y)
+   <float s = {0.35}>
+{
+   sc = MatMul (q, k)
+   ss = Mul (sc, s)
+   p = Softmax <axis: int = -1> (ss)
+   y = MatMul (p, v)
+}"#,
+    // ResNet basic block stem: conv, batch norm, relu, max pool.
+    r#"<
+   ir_version: 8,
+   opset_import: ["" : 17]
+>
+conv (float[8,4,16,16] x) => (float[8,8,8,8] y)
+   <float[8,4,3,3] w = ["location": "x.bin", "offset": "0", "length": "1152"], float[8] sc = ["location": "x.bin", "offset": "0", "length": "32"], float[8] bi = ["location": "x.bin", "offset": "0", "length": "32"], float[8] mn = ["location": "x.bin", "offset": "0", "length": "32"], float[8] vr = ["location": "x.bin", "offset": "0", "length": "32"]>
+{
+   c = Conv <kernel_shape: ints = [3, 3], pads: ints = [1, 1, 1, 1]> (x, w)
+   b = BatchNormalization (c, sc, bi, mn, vr)
+   r = Relu (b)
+   y = MaxPool <kernel_shape: ints = [2, 2], strides: ints = [2, 2]> (r)
+}"#,
+];
+
+#[test]
+fn the_search_finds_the_brute_force_optimum_on_real_subgraphs() {
+    let cluster = toy(5e-6);
+    let opts = Options::default();
+    for text in REAL_SUBGRAPHS {
+        let m = from_text(text);
+        for mesh in [line(8), grid(2, 4), line(4)] {
+            let cm = CostModel::new(&m.graph, &cluster, mesh.clone(), opts.clone());
+            let total: usize = all_strategies(&cm).iter().map(Vec::len).product();
+            if total > 200_000 {
+                continue;
+            }
+            let (best, _) = brute_force(&m.graph, &cluster, &mesh, &opts, 200_000);
+            for so in [SearchOptions::default(), SearchOptions { exhaustive_limit: 0.0, ..Default::default() }] {
+                let r = search_on(&m.graph, &cluster, &mesh, &opts, so);
+                assert!(
+                    close(r.breakdown.step_time_s, best.step_time_s),
+                    "{}: {} vs optimum {} on {}",
+                    m.graph.name,
+                    r.breakdown.step_time_s,
+                    best.step_time_s,
+                    autoshard::mesh_string(&mesh)
+                );
+            }
+        }
+    }
+}
+
+/// The strategy of every op whose label or first output name contains `pat`, described.
+fn strategies_of(g: &ir::Graph, r: &SearchResult, cluster: &Cluster, pat: &str) -> Vec<(String, Vec<Option<String>>)> {
+    let cm = CostModel::new(g, cluster, r.mesh.clone(), Options::default());
+    cm.order()
+        .iter()
+        .filter(|&&n| autoshard::plan::op_name(g, n) == pat)
+        .map(|&n| {
+            let s = cm.strategy_of(&r.assignment, n);
+            let sp = cm.space(n);
+            (autoshard::plan::op_name(g, n), s.iter().map(|d| d.map(|i| sp.dims[i].name.clone())).collect())
+        })
+        .collect()
+}
+
+/// Per op of type `op`: the roles of the dims it splits (one per mesh axis, `None` if not
+/// split).
+fn roles_of(g: &ir::Graph, r: &SearchResult, cluster: &Cluster, op: &str) -> Vec<Vec<Option<ir::shard::DimRole>>> {
+    let cm = CostModel::new(g, cluster, r.mesh.clone(), Options::default());
+    cm.order()
+        .iter()
+        .filter(|&&n| g.node(n).op.op_type() == op)
+        .map(|&n| {
+            let s = cm.strategy_of(&r.assignment, n);
+            s.iter().map(|d| d.map(|i| cm.space(n).dims[i].role)).collect()
+        })
+        .collect()
+}
+
+fn plan(g: &ir::Graph, cluster: &Cluster, devices: usize, opts: &Options) -> SearchResult {
+    autoshard::search(g, cluster, devices, opts, &SearchOptions::default()).unwrap()
+}
+
+#[test]
+fn finding_a_convolutions_data_parallel_fully_connected_layers_model_parallel() {
+    // PaSE and "one weird trick" on 8 PCIe V100s at batch 256. PaSE's cost model does not
+    // overlap gradient synchronisation with the backward pass; neither does this test.
+    use ir::shard::DimRole;
+    let cluster = Cluster::preset("pcie-v100x8").unwrap();
+    let opts = Options { overlap_grad_sync: false, ..Options::default() };
+    for name in ["tv_alexnet.onnxtxt", "tv_vgg16.onnxtxt"] {
+        let m = shared(name, batch(256));
+        let r = plan(&m.graph, &cluster, 8, &opts);
+        let dp = r.data_parallel.as_ref().unwrap();
+        let speedup = dp.step_time_s / r.breakdown.step_time_s;
+        assert!(speedup >= 1.3, "{name}: {speedup:.2}× over data parallel");
+        for roles in roles_of(&m.graph, &r, &cluster, "Conv") {
+            assert!(roles.iter().all(|x| *x == Some(DimRole::Batch)), "{name}: a convolution splits {roles:?}");
+        }
+        for roles in roles_of(&m.graph, &r, &cluster, "Gemm") {
+            assert!(
+                roles.iter().any(|x| matches!(x, Some(DimRole::OutFeature | DimRole::InFeature))),
+                "{name}: a fully connected layer splits {roles:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn finding_b_megatron_tensor_parallelism_for_a_wide_gpt_block() {
+    let text = shardc::synthetic::Gpt { layers: 2, hidden: 4096, heads: 32, batch: 8, seq: 1024 }.to_text();
+    let m = from_text(&text);
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let r = plan(&m.graph, &cluster, 8, &Options::default());
+    let axes = r.mesh.axes.len();
+    let split_on = |pat: &str, dim: &str| -> Vec<usize> {
+        (0..axes)
+            .filter(|&a| {
+                let s = strategies_of(&m.graph, &r, &cluster, pat);
+                !s.is_empty() && s.iter().all(|(_, x)| x[a].as_deref() == Some(dim))
+            })
+            .collect()
+    };
+    for l in 0..2 {
+        let p = |x: &str| format!("h{l}/{x}");
+        // MLP: fc1 column-parallel, fc2 row-parallel on the same axis.
+        let col = split_on(&p("fc1"), "n");
+        let row = split_on(&p("fc2"), "k");
+        assert!(col.iter().any(|a| row.contains(a)), "layer {l}: fc1 {col:?} / fc2 {row:?}");
+        // Attention: Q, K, V column-parallel (by heads), the scores per head, the output
+        // projection row-parallel, on one axis.
+        let q = split_on(&p("q_proj"), "n");
+        let k = split_on(&p("k_proj"), "n");
+        let v = split_on(&p("v_proj"), "n");
+        let o = split_on(&p("out_proj"), "k");
+        assert!(
+            q.iter().any(|a| k.contains(a) && v.contains(a) && o.contains(a)),
+            "layer {l}: q {q:?} k {k:?} v {v:?} out {o:?}"
+        );
+    }
+    let dp = r.data_parallel.as_ref().unwrap();
+    assert!(r.breakdown.step_time_s <= dp.step_time_s);
+}
+
+#[test]
+fn finding_c_resnet50_stays_within_two_percent_of_data_parallel() {
+    let m = shared("tv_resnet50.onnxtxt", batch(256));
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let r = plan(&m.graph, &cluster, 8, &Options::default());
+    let dp = r.data_parallel.as_ref().unwrap().step_time_s;
+    let t = r.breakdown.step_time_s;
+    assert!(t <= dp, "never worse than data parallel: {t} vs {dp}");
+    assert!((dp - t) / dp <= 0.02, "{t} vs data parallel {dp}");
+}
+
+#[test]
+fn finding_d_one_huge_3d_sample_is_split_spatially_and_fits() {
+    use ir::shard::DimRole;
+    let spec = passes::RebatchSpec {
+        batch: None,
+        input_shapes: vec![passes::rebatch::parse_input_shape("input=1x3x128x1024x1024").unwrap()],
+    };
+    let m = shared("tv_r3d_18.onnxtxt", spec);
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let r = plan(&m.graph, &cluster, 8, &Options::default());
+    let dp = r.data_parallel.as_ref().unwrap();
+    assert!(!dp.feasible, "one sample cannot be split by batch");
+    assert!(r.breakdown.feasible, "{:?}", r.breakdown.infeasible_reason);
+    let convs = roles_of(&m.graph, &r, &cluster, "Conv");
+    let spatial = convs.iter().filter(|roles| roles.contains(&Some(DimRole::Spatial))).count();
+    assert!(spatial * 2 > convs.len(), "{spatial} of {} convolutions split spatially", convs.len());
+}
+
+/// Shapes for a model's symbolic input dims: 8 for the leading (batch) dim, 64 for others.
+fn concrete(m: &ir::Model) -> passes::RebatchSpec {
+    let g = &m.graph;
+    let mut spec = passes::RebatchSpec::default();
+    for v in g.input_values() {
+        if !matches!(g.node(v.node).op, ir::Op::Input { default: None }) {
+            continue;
+        }
+        let Some(t) = g.tensor_type(v) else { continue };
+        if t.is_static() {
+            continue;
+        }
+        let Some(dims) = &t.dims else { continue };
+        let s: Vec<String> = dims
+            .iter()
+            .enumerate()
+            .map(|(i, d)| match d {
+                ir::Dim::Fixed(x) => x.to_string(),
+                _ if i == 0 => "8".into(),
+                _ => "64".into(),
+            })
+            .collect();
+        spec.input_shapes
+            .push(passes::rebatch::parse_input_shape(&format!("{}={}", g.value_name(v), s.join("x"))).unwrap());
+    }
+    spec
+}
+
+#[test]
+fn every_shared_model_plans_on_8_and_64_devices() {
+    for path in data_files("models") {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let raw = load_model(&path);
+        let spec = concrete(&raw);
+        let m = prepare(raw, spec);
+        for (cluster, devices) in [("dgx-a100", 8), ("a100-cluster-8", 64)] {
+            let c = Cluster::preset(cluster).unwrap();
+            let so = SearchOptions { time_limit: std::time::Duration::from_secs(30), ..Default::default() };
+            let r = autoshard::search(&m.graph, &c, devices, &Options::default(), &so)
+                .unwrap_or_else(|e| panic!("{name} on {devices}: {e}"));
+            assert_eq!(r.mesh.devices(), devices);
+            assert!(r.breakdown.step_time_s.is_finite() && r.breakdown.step_time_s > 0.0, "{name}");
+            if let Some(dp) = r.data_parallel.as_ref().filter(|d| d.feasible) {
+                assert!(r.breakdown.feasible, "{name}: data parallel fits but the plan does not");
+                assert!(r.breakdown.step_time_s <= dp.step_time_s * (1.0 + 1e-12), "{name}: worse than data parallel");
+            }
+            // Every op has a strategy that fits its iteration space.
+            let cm = CostModel::new(&m.graph, &c, r.mesh.clone(), Options::default());
+            for &n in cm.order() {
+                let s = cm.strategy_of(&r.assignment, n);
+                assert!(
+                    s.iter().all(Option::is_none) || strategy_valid(cm.space(n), &s, &r.mesh, &m.graph, n),
+                    "{name}: {}",
+                    m.graph.describe(n)
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_search_is_deterministic_and_the_plan_document_round_trips() {
+    let m = shared("hf_gpt2_small4.onnxtxt", Default::default());
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let opts = Options::default();
+    let info = autoshard::plan::ModelInfo { path: "gpt2".into(), ..Default::default() };
+    let mut docs = Vec::new();
+    for threads in [1, 2] {
+        let so = SearchOptions { threads, ..Default::default() };
+        let r = autoshard::search(&m.graph, &cluster, 8, &opts, &so).unwrap();
+        let mut p = autoshard::Plan::new(&m.graph, &cluster, 8, &opts, info.clone(), &r);
+        // Timings differ from run to run; everything else must not.
+        p.search_time_s = 0.0;
+        p.search.time_s = 0.0;
+        for ms in p.search.meshes.as_array_mut().unwrap() {
+            ms["time_s"] = 0.into();
+            for part in ["egraph", "extraction"] {
+                for key in ["time_s", "dp_time_s", "local_search_time_s"] {
+                    if ms[part].get(key).is_some() {
+                        ms[part][key] = 0.into();
+                    }
+                }
+            }
+        }
+        docs.push(serde_json::to_string_pretty(&p).unwrap());
+    }
+    if docs[0] != docs[1] {
+        std::fs::write("/tmp/doc0.json", &docs[0]).unwrap();
+        std::fs::write("/tmp/doc1.json", &docs[1]).unwrap();
+        panic!("the plans differ");
+    }
+    let back = autoshard::Plan::from_json(&docs[0]).unwrap();
+    let again = serde_json::to_string_pretty(&back).unwrap();
+    if again != docs[0] {
+        std::fs::write("/tmp/doc0.json", &docs[0]).unwrap();
+        std::fs::write("/tmp/doc1.json", &again).unwrap();
+        panic!("the plan does not round-trip");
+    }
+    // The plan's strategies re-price to its step time.
+    let asg = back.assignment(&m.graph).unwrap();
+    let cm = CostModel::new(&m.graph, &cluster, back.mesh().unwrap(), opts.clone());
+    assert!(close(cm.evaluate(&asg).step_time_s, back.step_time_s));
+    // Bad documents are refused with a reason.
+    assert!(autoshard::Plan::from_json("{}").unwrap_err().contains("format"));
+    let v2 = docs[0].replacen("\"version\": 1", "\"version\": 2", 1);
+    assert!(autoshard::Plan::from_json(&v2).unwrap_err().contains("version 2"));
+}
+
+#[test]
+fn annotations_print_and_parse_back_to_the_same_plan() {
+    let mut m = shared("tv_resnet18.onnxtxt", batch(16));
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let r = plan(&m.graph, &cluster, 8, &Options::default());
+    autoshard::plan::annotate(&mut m, &r.mesh, &r.assignment);
+    let text = ir::print::model_to_string(&m);
+    assert!(text.contains("shardc_strategy: string = "), "annotations are printed");
+    let mut parsed = frontend::parse(&text).unwrap_or_else(|d| panic!("{}", frontend::render(&d, "annotated", &text)));
+    assert!(parsed.warnings.is_empty(), "annotations are not unknown attributes");
+    ir::infer::infer_shapes(&mut parsed.model.graph, ir::infer::Mode::Check).unwrap();
+    let (mesh, asg) = autoshard::plan::read_annotations(&parsed.model).unwrap();
+    assert_eq!(mesh, r.mesh);
+    let g = &parsed.model.graph;
+    let order = g.op_nodes().unwrap();
+    let orig = m.graph.op_nodes().unwrap();
+    for (a, b) in order.iter().zip(&orig) {
+        let x = asg.strategies.get(a).cloned().unwrap_or_default();
+        let y = r.assignment.strategies.get(b).cloned().unwrap_or_else(|| vec![None; mesh.axes.len()]);
+        assert_eq!(x, y, "{}", g.describe(*a));
+    }
+    // Printing again gives the same text.
+    assert_eq!(ir::print::model_to_string(&parsed.model), text);
+}
