@@ -209,3 +209,93 @@ fn sweep_table_svg_and_cluster_files() {
     assert_eq!(o.status.code(), Some(1));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn plan_json_report_annotations_and_dumps() {
+    let dir = std::env::temp_dir().join(format!("shardc-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("plan.json");
+    let m = model("tv_resnet18.onnxtxt");
+    let o = shardc(&["plan", &m, "--cluster", "dgx-a100", "--batch", "64", "--json", "-o", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for k in ["step_time_s", "data_parallel_step_time_s", "feasible", "memory_per_device_bytes", "search_time_s"] {
+        assert!(v.get(k).is_some(), "missing `{k}`");
+    }
+    assert_eq!(v["format"], "shardc-plan");
+    assert_eq!(v["version"], 1);
+    assert_eq!(v["model"]["sha256"].as_str().unwrap().len(), 64);
+    assert!(v["step_time_s"].as_f64().unwrap() <= v["data_parallel_step_time_s"].as_f64().unwrap());
+    assert!(v["ops"].as_array().unwrap().len() > 40);
+    assert!(!v["search"]["meshes"].as_array().unwrap().is_empty());
+    // -o wrote the same document.
+    assert_eq!(std::fs::read(&out).unwrap(), o.stdout.strip_suffix(b"\n").unwrap_or(&o.stdout));
+    // The same command gives the same plan (up to timings).
+    let strip = |mut v: serde_json::Value| {
+        v["search_time_s"] = 0.into();
+        v["search"] = serde_json::Value::Null;
+        v
+    };
+    let o2 = shardc(&["plan", &m, "--cluster", "dgx-a100", "--batch", "64", "--json"]);
+    assert_eq!(strip(serde_json::from_slice(&o2.stdout).unwrap()), strip(v));
+
+    // --report: a per-layer table with data parallel beside it.
+    let o = shardc(&["plan", &m, "--cluster", "dgx-a100", "--batch", "64", "--report"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("data parallel") && text.contains("/conv1/Conv"), "{text}");
+
+    // --emit text: the annotated model parses back.
+    let o = shardc(&["plan", &m, "--cluster", "dgx-a100", "--batch", "64", "--emit", "text"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let annotated = dir.join("annotated.onnxtxt");
+    std::fs::write(&annotated, &o.stdout).unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("shardc_strategy: string = ") && text.contains("\"shardc_mesh\""));
+    let o = shardc(&["parse", annotated.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), text);
+
+    // --dump-after autoshard prints the annotated model to stderr.
+    let o = shardc(&["plan", &m, "--cluster", "dgx-a100", "--batch", "64", "--dump-after", "autoshard"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("# ---- after autoshard ----") && stderr(&o).contains("shardc_strategy"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn plan_errors_and_refusals() {
+    let m = model("tv_resnet18.onnxtxt");
+    let cases: &[(&[&str], &str)] = &[
+        (&["--cluster", "dgx-a100", "--devices", "9"], "has 8 devices"),
+        (&["--cluster", "a100-cluster-4", "--devices", "12"], "do not fill whole nodes"),
+        (&["--cluster", "nowhere"], "unknown cluster"),
+        (&["--cluster", "dgx-a100", "--time-limit", "0"], "--time-limit"),
+        (&["--cluster", "dgx-a100", "--dump-after", "nonsense"], "unknown pass"),
+        (&["--cluster", "dgx-a100", "-o", "tests/data/models/tv_resnet18.onnxtxt"], "refusing to overwrite"),
+    ];
+    for (args, want) in cases {
+        let mut all = vec!["plan", m.as_str()];
+        all.extend_from_slice(args);
+        let o = shardc(&all);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(want), "{args:?}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+    }
+    // The model survived the refused -o.
+    assert!(std::fs::read_to_string(&m).unwrap().contains("Conv"));
+    // A model that fits nowhere says so and gives the smallest plan's memory.
+    let o = shardc(&[
+        "plan",
+        &model("hf_gpt2_small4.onnxtxt"),
+        "--cluster",
+        "pcie-v100x8",
+        "--input-shape",
+        "input_ids=512x1024",
+        "--time-limit",
+        "20",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("no plan fits; the smallest found needs"), "{text}");
+}

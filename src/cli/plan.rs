@@ -101,6 +101,17 @@ pub fn run(args: &PlanArgs) -> CliResult {
     }
     let r = result.borrow_mut().take().expect("autoshard ran");
     let g = &loaded.model.graph;
+    for v in g.input_values() {
+        if matches!(g.node(v.node).op, ir::Op::Input { default: None })
+            && let Some(t) = g.tensor_type(v)
+            && !t.is_static()
+        {
+            eprintln!(
+                "warning: input `{}` is {t}: ops whose shapes are not known run replicated; give --batch or --input-shape to plan for a size",
+                g.value_name(v)
+            );
+        }
+    }
     let info = ModelInfo {
         path: args.model.display().to_string(),
         sha256: format!("{:x}", sha2::Sha256::digest(&bytes)),
@@ -171,7 +182,7 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
         bytes(b.memory_capacity_bytes as f64)
     ));
     if let Some(reason) = &b.infeasible_reason {
-        t.push_str(&format!("             {reason}\n"));
+        t.push_str(&format!("             no plan fits; the smallest found {reason}\n"));
     }
     t.push_str(&format!(
         "compute      {}   communication {}   exposed grad sync {}\n",

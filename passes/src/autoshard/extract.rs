@@ -68,6 +68,8 @@ pub(crate) struct Knobs {
     pub beam: usize,
     /// Run the local search.
     pub local_search: bool,
+    /// Most time the local search may take.
+    pub local_search_budget: std::time::Duration,
     /// Stop starting new work after this instant.
     pub deadline: Instant,
 }
@@ -81,6 +83,8 @@ struct Step {
     edges: Vec<(usize, usize, Vec<f64>)>,
     /// Positions of the live vector that stay live after this op.
     keep: Vec<usize>,
+    /// The tensors that become live after this op.
+    entering: Vec<ValueId>,
     /// Per candidate: the layout index of each tensor that becomes live.
     enter: Vec<Vec<u8>>,
 }
@@ -88,6 +92,8 @@ struct Step {
 /// The decomposed objective.
 pub(crate) struct Proxy {
     steps: Vec<Step>,
+    /// Per tensor: the (step, edge) pairs that read it from the live vector.
+    readers: Vec<Vec<(usize, usize)>>,
 }
 
 /// Cost model constants the proxy needs.
@@ -203,6 +209,7 @@ impl Proxy {
             layouts[v] = set;
         }
         let mut steps = Vec::with_capacity(n);
+        let mut readers: Vec<Vec<(usize, usize)>> = vec![Vec::new(); p.values.len()];
         let mut live: Vec<ValueId> = Vec::new();
         for (t, cs) in cands.iter().enumerate().take(n) {
             let op = &p.ops[t];
@@ -319,6 +326,7 @@ impl Proxy {
                         mat[ci * kv + h] = cost;
                     }
                 }
+                readers[*v as usize].push((t, edges.len()));
                 edges.push((pos, kv, mat));
             }
             // The live vector after this op.
@@ -355,9 +363,9 @@ impl Proxy {
                 })
                 .collect();
             live = keep.iter().map(|&i| live[i]).chain(entering.iter().copied()).collect();
-            steps.push(Step { cands: cs.clone(), time, mem, edges, keep, enter });
+            steps.push(Step { cands: cs.clone(), time, mem, edges, keep, entering, enter });
         }
-        Proxy { steps }
+        Proxy { steps, readers }
     }
 
     /// The proxy cost of a full choice (per op, a strategy index), for tests and ranking.
@@ -671,7 +679,12 @@ pub(crate) fn extract(
     if knobs.local_search {
         let t0 = Instant::now();
         let proxy = Proxy::new(cm, p, cands, w0);
-        stats.local_moves = local_search(cm, p, &proxy, cands, &mut best, knobs, &mut evals);
+        let deadline = knobs.deadline.min(t0 + knobs.local_search_budget);
+        stats.local_moves = local_search(cm, p, &proxy, best_lambda, &mut best, deadline, &mut evals);
+        // Then alternatives the proxy does not favour, within a fixed amount of work (so the
+        // result does not depend on the machine's speed).
+        let budget = (LOCAL_SEARCH_WORK / p.ops.len().max(1)).max(64);
+        stats.local_moves += wide_search(cm, p, &proxy, &mut best, deadline, budget, &mut evals);
         stats.local_search_time_s = t0.elapsed().as_secs_f64();
     }
     stats.evaluations = evals;
@@ -679,32 +692,116 @@ pub(crate) fn extract(
     Extracted { best, stats }
 }
 
-/// Improves a plan one op at a time with the full cost model: for each op, the alternatives
-/// the proxy ranks best given its neighbours are priced, and a better one is kept. Sweeps
-/// until nothing improves or the deadline passes. Returns the number of moves made.
+/// Improves a plan one op at a time with the full cost model. For each op, the proxy's
+/// change in cost of every alternative strategy is computed exactly (its own cost, its input
+/// reshardings, and its readers' reshardings); alternatives the proxy finds no worse (within
+/// a small tolerance, for what it cannot see) are priced with the full model, best first,
+/// and a better plan is kept. Sweeps until nothing improves or the budget runs out. Returns
+/// the number of moves made.
 fn local_search(
     cm: &CostModel<'_>,
     p: &Problem,
     proxy: &Proxy,
-    cands: &[Vec<u32>],
+    lambda: f64,
     best: &mut Priced,
-    knobs: &Knobs,
+    deadline: Instant,
+    evals: &mut usize,
+) -> usize {
+    const TRIES: usize = 2;
+    let n = proxy.steps.len();
+    let mut moves = 0;
+    let index_of = |t: usize, c: u32| proxy.steps[t].cands.iter().position(|&x| x == c).unwrap_or(0);
+    for _sweep in 0..3 {
+        let mut improved = false;
+        let mut ci: Vec<usize> = (0..n).map(|t| index_of(t, best.choice[t])).collect();
+        let mut states = live_layouts(proxy, &best.choice);
+        for t in 0..n {
+            let st = &proxy.steps[t];
+            if st.cands.len() < 2 {
+                continue;
+            }
+            if Instant::now() > deadline {
+                return moves;
+            }
+            let cur = ci[t];
+            let state = &states[t];
+            let unary = |c: usize| st.time[c] + lambda * st.mem[c];
+            let tol = 1e-3 * (unary(cur).abs() + 1e-9);
+            let mut ranked: Vec<(f64, usize)> = Vec::new();
+            for alt in 0..st.cands.len() {
+                if alt == cur {
+                    continue;
+                }
+                let mut delta = unary(alt) - unary(cur);
+                for (pos, kv, mat) in &st.edges {
+                    let h = state[*pos] as usize;
+                    delta += mat[alt * kv + h] - mat[cur * kv + h];
+                }
+                for (k, &v) in st.entering.iter().enumerate() {
+                    let (h0, h1) = (st.enter[cur][k] as usize, st.enter[alt][k] as usize);
+                    if h0 == h1 {
+                        continue;
+                    }
+                    for &(u, e) in &proxy.readers[v as usize] {
+                        let (_, kv, mat) = &proxy.steps[u].edges[e];
+                        delta += mat[ci[u] * kv + h1] - mat[ci[u] * kv + h0];
+                    }
+                }
+                if delta <= tol {
+                    ranked.push((delta, alt));
+                }
+            }
+            ranked.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            for &(_, alt) in ranked.iter().take(TRIES) {
+                let mut choice = best.choice.clone();
+                choice[t] = st.cands[alt];
+                let cand = price(cm, p, &choice, evals);
+                if better(&cand.breakdown, &best.breakdown) {
+                    *best = cand;
+                    ci[t] = alt;
+                    states = live_layouts(proxy, &best.choice);
+                    moves += 1;
+                    improved = true;
+                    break;
+                }
+            }
+        }
+        if !improved {
+            break;
+        }
+    }
+    moves
+}
+
+/// Plans × ops the unguided local search may price (about 1 s of evaluation on one core).
+const LOCAL_SEARCH_WORK: usize = 2_000_000;
+
+/// Local search without the proxy's guidance: for each op, its two alternatives cheapest on
+/// their own (with their input reshardings) are priced with the full model. At most `budget`
+/// plans are priced. Returns the number of moves made.
+fn wide_search(
+    cm: &CostModel<'_>,
+    p: &Problem,
+    proxy: &Proxy,
+    best: &mut Priced,
+    deadline: Instant,
+    budget: usize,
     evals: &mut usize,
 ) -> usize {
     const TRIES: usize = 2;
     let mut moves = 0;
+    let mut spent = 0;
     for _sweep in 0..3 {
         let mut improved = false;
-        let live_layouts = live_layouts(proxy, &best.choice);
-        for t in 0..cands.len() {
-            if Instant::now() > knobs.deadline {
-                return moves;
-            }
-            if cands[t].len() < 2 {
+        let states = live_layouts(proxy, &best.choice);
+        for (t, st) in proxy.steps.iter().enumerate() {
+            if st.cands.len() < 2 {
                 continue;
             }
-            let st = &proxy.steps[t];
-            let state = &live_layouts[t];
+            if spent >= budget || Instant::now() > deadline {
+                return moves;
+            }
+            let state = &states[t];
             let mut ranked: Vec<(f64, u32)> = st
                 .cands
                 .iter()
@@ -723,6 +820,7 @@ fn local_search(
                 let mut choice = best.choice.clone();
                 choice[t] = c;
                 let cand = price(cm, p, &choice, evals);
+                spent += 1;
                 if better(&cand.breakdown, &best.breakdown) {
                     *best = cand;
                     moves += 1;

@@ -175,6 +175,7 @@ fn search_mesh(
         exhaustive_limit: so.exhaustive_limit,
         beam: so.beam,
         local_search: so.local_search,
+        local_search_budget: so.time_limit.mul_f64(0.2).max(Duration::from_secs(2)),
         deadline,
     };
     let ex = extract::extract(&cm, &problem, &space.candidates, &seed_choices, &knobs);
