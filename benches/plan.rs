@@ -3,12 +3,13 @@
 //! stop reason per mesh.
 //!
 //! Run with `cargo bench --bench plan`. Each case is searched several times; the median, min
-//! and max wall-clock times are printed. Targets (issue: autoshard): ResNet-50 on 64 devices
-//! under 1 s, the PyTorch nn.Transformer on 64 under 5 s, a 6,000-node graph under 30 s.
+//! and max wall-clock times are printed. Targets: ResNet-50 on 64 devices under 1 s, the
+//! PyTorch nn.Transformer on 64 under 5 s, a 6,000-node graph under 30 s, GPT-2 (with the
+//! pipeline search) on 64 and 512 devices under 10 s.
 
 use std::time::{Duration, Instant};
 
-use shardc::passes::autoshard::{self, SearchOptions};
+use shardc::passes::autoshard::{self, PipelineMode, SearchOptions};
 use shardc::passes::cost::{Cluster, Options};
 
 fn prepare(text: &str, batch: Option<i64>) -> shardc::ir::Model {
@@ -23,19 +24,30 @@ fn prepare(text: &str, batch: Option<i64>) -> shardc::ir::Model {
 }
 
 fn case(name: &str, m: &shardc::ir::Model, cluster: &str, devices: usize, runs: usize) {
+    case_with(name, m, cluster, devices, runs, PipelineMode::Auto);
+}
+
+fn case_with(name: &str, m: &shardc::ir::Model, cluster: &str, devices: usize, runs: usize, pipeline: PipelineMode) {
     let c = Cluster::load(cluster).expect("preset");
     let mut times: Vec<Duration> = Vec::new();
     let mut last = None;
     for _ in 0..runs {
         let t = Instant::now();
-        let r =
-            autoshard::search(&m.graph, &c, devices, &Options::default(), &SearchOptions::default()).expect("search");
+        let so = SearchOptions { pipeline, ..Default::default() };
+        let r = autoshard::search(&m.graph, &c, devices, &Options::default(), &so).expect("search");
         times.push(t.elapsed());
         last = Some(r);
     }
     times.sort();
     let r = last.expect("a run");
     let dp = r.data_parallel.as_ref().filter(|d| d.feasible).map(|d| d.step_time_s);
+    let pipe = match (&r.pipeline, &r.pipeline_considered) {
+        (Some(p), _) => {
+            format!("pipelined: {} stages × {} micro-batches ({})", p.stages.len(), p.micro_batches, p.schedule.name())
+        }
+        (None, Some(pc)) => format!("not pipelined (best pipeline {:.3} ms)", pc.best_step_time_s * 1e3),
+        (None, None) => "not pipelined".into(),
+    };
     let s = |d: Duration| d.as_secs_f64();
     println!(
         "{name:<28} {cluster:>15} {devices:>4} dev  median {:>7.3} s  min {:>7.3} s  max {:>7.3} s ({runs} runs)   step {:.3} ms  data parallel {}  speedup {}",
@@ -46,6 +58,7 @@ fn case(name: &str, m: &shardc::ir::Model, cluster: &str, devices: usize, runs: 
         dp.map_or("-".into(), |d| format!("{:.3} ms", d * 1e3)),
         dp.map_or("-".into(), |d| format!("{:.2}×", d / r.breakdown.step_time_s)),
     );
+    println!("    {pipe}; {:?}", pipeline);
     for ms in &r.meshes {
         println!(
             "    mesh {:<46} e-graph {:>6} classes {:>7} nodes, {} iterations, {:<32} {:>5}/{:<5} strategies; {} ({} DP states max{}), {} plans priced",
@@ -82,4 +95,22 @@ fn main() {
     }
     let chain = prepare(&shardc::synthetic::chain(6000), None);
     case("synthetic chain, 6000 ops", &chain, "a100-cluster-8", 64, 3);
+    println!("\nintra-operator search alone (--pipeline off)");
+    case_with("tv_resnet50 (batch 256)", &resnet, "a100-cluster-8", 64, 5, PipelineMode::Off);
+    case_with("pt_nn_transformer", &transformer, "a100-cluster-8", 64, 3, PipelineMode::Off);
+    case_with("synthetic chain, 6000 ops", &chain, "a100-cluster-8", 64, 3, PipelineMode::Off);
+    println!("\npipelines that are needed: GPT-2 at batch 64 × 1024 tokens on 16 GB V100s");
+    let spec = shardc::passes::RebatchSpec {
+        batch: Some(64),
+        input_shapes: vec![shardc::passes::rebatch::parse_input_shape("input_ids=64x1024").expect("shape")],
+    };
+    let mut big = shardc::frontend::parse(&model("hf_gpt2_124m")).expect("parses").model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Rebatch { spec })
+        .add(shardc::passes::InferShapes::default())
+        .add(shardc::passes::Canonicalize);
+    pm.run(&mut big).expect("passes run");
+    case("hf_gpt2_124m 64×1024", &big, "dgx1-v100", 8, 3);
+    case("hf_gpt2_124m 64×1024", &big, "a100-cluster-8", 64, 3);
+    case("hf_gpt2_124m 64×1024", &big, "a100-cluster-64", 512, 3);
 }

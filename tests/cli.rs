@@ -273,6 +273,8 @@ fn plan_errors_and_refusals() {
         (&["--cluster", "dgx-a100", "--time-limit", "0"], "--time-limit"),
         (&["--cluster", "dgx-a100", "--dump-after", "nonsense"], "unknown pass"),
         (&["--cluster", "dgx-a100", "-o", "tests/data/models/tv_resnet18.onnxtxt"], "refusing to overwrite"),
+        (&["--cluster", "dgx-a100", "--pipeline", "3"], "do not divide"),
+        (&["--cluster", "dgx-a100", "--pipeline", "many"], "--pipeline"),
     ];
     for (args, want) in cases {
         let mut all = vec!["plan", m.as_str()];
@@ -292,10 +294,53 @@ fn plan_errors_and_refusals() {
         "pcie-v100x8",
         "--input-shape",
         "input_ids=512x1024",
-        "--time-limit",
-        "20",
+        "--pipeline",
+        "off",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("no plan fits; the smallest found needs"), "{text}");
+}
+
+#[test]
+fn plan_pipelines_with_a_stage_table_and_a_timeline() {
+    let dir = std::env::temp_dir().join(format!("shardc-pipe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let svg = dir.join("schedule.svg");
+    let o = shardc(&[
+        "plan",
+        &model("hf_gpt2_small4.onnxtxt"),
+        "--cluster",
+        "dgx-a100",
+        "--batch",
+        "32",
+        "--pipeline",
+        "4",
+        "--report",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("4 pipeline stages"), "{text}");
+    assert!(text.contains("pipeline: 4 stages") && text.contains("recompute"), "{text}");
+    let drawing = std::fs::read_to_string(&svg).unwrap();
+    assert!(drawing.starts_with("<svg") && drawing.matches("stage ").count() >= 4);
+    let o = shardc(&[
+        "plan",
+        &model("hf_gpt2_small4.onnxtxt"),
+        "--cluster",
+        "dgx-a100",
+        "--batch",
+        "32",
+        "--pipeline",
+        "4",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["stages"].as_array().unwrap().len(), 4);
+    assert!(v["micro_batches"].as_u64().unwrap() >= 4);
+    assert!(v["schedule"].is_string());
+    assert!(v["pipeline"]["reason"].as_str().unwrap().starts_with("requested"));
+    std::fs::remove_dir_all(&dir).ok();
 }

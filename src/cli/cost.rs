@@ -66,7 +66,7 @@ impl ModelArgs {
 pub struct CostArgs {
     /// The model (ONNX textual syntax).
     pub model: PathBuf,
-    /// A preset (dgx-a100, dgx-h100, pcie-v100x8, a100-cluster-N, local-wgpu) or a TOML file.
+    /// A preset (dgx-a100, dgx-h100, dgx1-v100, pcie-v100x8, a100-cluster-N, local-wgpu) or a TOML file.
     #[arg(long)]
     pub cluster: String,
     /// data, model, spatial, hybrid:DxS, owt, pipeline:S:M[:gpipe|:1f1b].

@@ -23,7 +23,7 @@ pub enum PlanEmit {
 pub struct PlanArgs {
     /// The model (ONNX textual syntax).
     pub model: PathBuf,
-    /// A preset (dgx-a100, dgx-h100, pcie-v100x8, a100-cluster-N, local-wgpu) or a TOML file.
+    /// A preset (dgx-a100, dgx-h100, dgx1-v100, pcie-v100x8, a100-cluster-N, local-wgpu) or a TOML file.
     #[arg(long)]
     pub cluster: String,
     /// Devices to use (default: all of the cluster).
@@ -47,6 +47,13 @@ pub struct PlanArgs {
     /// E-graph node limit per mesh.
     #[arg(long = "node-limit", value_name = "N")]
     pub node_limit: Option<usize>,
+    /// Pipeline parallelism: off, auto (when it is faster or the only way to fit) or a
+    /// stage count.
+    #[arg(long, default_value = "auto", value_name = "off|auto|S")]
+    pub pipeline: String,
+    /// Draw the pipeline schedule (devices × time) as an SVG timeline.
+    #[arg(long, value_name = "FILE")]
+    pub svg: Option<PathBuf>,
     /// Print the model to stderr after these passes (comma-separated: verify, rebatch,
     /// infer-shapes, canonicalize, autoshard, or `all`).
     #[arg(long = "dump-after", value_delimiter = ',', value_name = "PASS")]
@@ -80,7 +87,9 @@ pub fn run(args: &PlanArgs) -> CliResult {
     let (mut loaded, warnings) = shardc::load_and_check(&args.model).map_err(CliError::new)?;
     eprint!("{warnings}");
     let spec = args.shapes.spec()?;
-    let mut search = SearchOptions { time_limit: Duration::from_secs_f64(args.time_limit), ..Default::default() };
+    let pipeline = autoshard::PipelineMode::parse(&args.pipeline).map_err(CliError::msg)?;
+    let mut search =
+        SearchOptions { time_limit: Duration::from_secs_f64(args.time_limit), pipeline, ..Default::default() };
     if let Some(n) = args.node_limit {
         search.node_limit = n;
     }
@@ -129,6 +138,9 @@ pub fn run(args: &PlanArgs) -> CliResult {
     if let Some(out) = &args.output {
         write_output(&json, Some(out), &args.model)?;
     }
+    if let Some(svg) = &args.svg {
+        write_output(&autoshard::plan::timeline_svg(&plan), Some(svg), &args.model)?;
+    }
     if args.json {
         return write_output(&json, None, &args.model);
     }
@@ -138,6 +150,10 @@ pub fn run(args: &PlanArgs) -> CliResult {
     let mut t = summary(args, &cluster.describe(), devices, &plan, &r);
     if args.report {
         t.push('\n');
+        if plan.stages.len() > 1 {
+            t.push_str(&autoshard::plan::stage_report(&plan));
+            t.push('\n');
+        }
         t.push_str(&autoshard::plan::report(&r.breakdown, r.data_parallel.as_ref()));
     }
     write_output(&t, None, &args.model)
@@ -155,11 +171,30 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
     t.push_str(&format!("devices      {devices}, mesh {}\n", autoshard::mesh_string(&r.mesh)));
     t.push_str(&format!(
         "plan         {}\n",
-        match &r.same_as {
-            Some(n) => format!("the `{n}` plan"),
-            None => "per-layer strategies (see --report)".into(),
+        match (&r.pipeline, &r.same_as) {
+            (Some(p), _) => format!(
+                "{} pipeline stages × {} micro-batches ({}), each stage sharded (see --report)",
+                p.stages.len(),
+                p.micro_batches,
+                p.schedule.name()
+            ),
+            (None, Some(n)) => format!("the `{n}` plan"),
+            (None, None) => "per-layer strategies (see --report)".into(),
         }
     ));
+    if let Some(p) = &plan.pipeline {
+        t.push_str(&format!("why          {}\n", p.reason));
+        t.push_str(&format!("balance      slowest / fastest stage {:.3}\n", p.imbalance));
+        if let Some(b) = &p.blocker {
+            t.push_str(&format!("             {b}\n"));
+        }
+    } else if let Some(pc) = &r.pipeline_considered {
+        t.push_str(&format!(
+            "pipelining   best pipeline {} (not faster; {} configurations priced)\n",
+            secs(pc.best_step_time_s),
+            pc.tried.len()
+        ));
+    }
     t.push_str(&format!(
         "step time    {}{}\n",
         secs(b.step_time_s),
@@ -167,14 +202,28 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
     ));
     match (&r.data_parallel, plan.speedup_over_data_parallel) {
         (Some(d), Some(s)) => {
-            t.push_str(&format!("data parallel {}  → speedup {s:.2}×\n", secs(d.step_time_s)));
+            t.push_str(&format!(
+                "data parallel {}, {} per device  → speedup {s:.2}×, memory ÷{:.2}\n",
+                secs(d.step_time_s),
+                bytes(d.memory.total()),
+                d.memory.total() / b.memory.total().max(1.0)
+            ));
         }
         (Some(d), None) => t.push_str(&format!(
-            "data parallel {}{}\n",
+            "data parallel {}, {} per device{}\n",
             secs(d.step_time_s),
+            bytes(d.memory.total()),
             if d.feasible { "" } else { "  (does not fit)" }
         )),
         (None, _) => t.push_str("data parallel  does not apply (no batch dim)\n"),
+    }
+    if r.single_device_memory_bytes > b.memory_capacity_bytes as f64 {
+        t.push_str(&format!(
+            "constraint   memory: one device would need {} ({} usable){}\n",
+            bytes(r.single_device_memory_bytes),
+            bytes(b.memory_capacity_bytes as f64),
+            if b.feasible { "; the plan spreads it to fit" } else { "" }
+        ));
     }
     t.push_str(&format!(
         "memory       {} per device of {} usable\n",

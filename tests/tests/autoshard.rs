@@ -3,7 +3,7 @@
 //! annotations.
 
 use ir::shard::{DimKind, LinkLevel, Mesh, MeshAxis, strategy_valid};
-use passes::autoshard::{self, SearchOptions, SearchResult};
+use passes::autoshard::{self, PipelineMode, SearchOptions, SearchResult};
 use passes::cost::{Assignment, Breakdown, Cluster, CostModel, Options};
 use shardc_tests::*;
 
@@ -138,7 +138,7 @@ fn brute_force(g: &ir::Graph, cluster: &Cluster, mesh: &Mesh, opts: &Options, li
 }
 
 fn search_on(g: &ir::Graph, cluster: &Cluster, mesh: &Mesh, opts: &Options, so: SearchOptions) -> SearchResult {
-    let so = SearchOptions { meshes: Some(vec![mesh.clone()]), threads: 1, ..so };
+    let so = SearchOptions { meshes: Some(vec![mesh.clone()]), threads: 1, pipeline: PipelineMode::Off, ..so };
     autoshard::search(g, cluster, mesh.devices(), opts, &so).unwrap()
 }
 
@@ -512,21 +512,27 @@ fn every_shared_model_plans_on_8_and_64_devices() {
             let so = SearchOptions { time_limit: std::time::Duration::from_secs(30), ..Default::default() };
             let r = autoshard::search(&m.graph, &c, devices, &Options::default(), &so)
                 .unwrap_or_else(|e| panic!("{name} on {devices}: {e}"));
-            assert_eq!(r.mesh.devices(), devices);
+            let (meshes, stage_of) = autoshard::plan::stage_meshes(&r);
+            assert_eq!(meshes.iter().map(Mesh::devices).sum::<usize>(), devices, "{name}");
             assert!(r.breakdown.step_time_s.is_finite() && r.breakdown.step_time_s > 0.0, "{name}");
             if let Some(dp) = r.data_parallel.as_ref().filter(|d| d.feasible) {
                 assert!(r.breakdown.feasible, "{name}: data parallel fits but the plan does not");
                 assert!(r.breakdown.step_time_s <= dp.step_time_s * (1.0 + 1e-12), "{name}: worse than data parallel");
             }
-            // Every op has a strategy that fits its iteration space.
-            let cm = CostModel::new(&m.graph, &c, r.mesh.clone(), Options::default());
-            for &n in cm.order() {
-                let s = cm.strategy_of(&r.assignment, n);
-                assert!(
-                    s.iter().all(Option::is_none) || strategy_valid(cm.space(n), &s, &r.mesh, &m.graph, n),
-                    "{name}: {}",
-                    m.graph.describe(n)
-                );
+            // Every op has a strategy that fits its iteration space on its stage's mesh.
+            for (stage, mesh) in meshes.iter().enumerate() {
+                let cm = CostModel::new(&m.graph, &c, mesh.clone(), Options::default());
+                for &n in cm.order() {
+                    if stage_of.get(&n).copied().unwrap_or(0) != stage {
+                        continue;
+                    }
+                    let s = cm.strategy_of(&r.assignment, n);
+                    assert!(
+                        s.iter().all(Option::is_none) || strategy_valid(cm.space(n), &s, mesh, &m.graph, n),
+                        "{name}: {}",
+                        m.graph.describe(n)
+                    );
+                }
             }
         }
     }
@@ -585,13 +591,14 @@ fn annotations_print_and_parse_back_to_the_same_plan() {
     let mut m = shared("tv_resnet18.onnxtxt", batch(16));
     let cluster = Cluster::preset("dgx-a100").unwrap();
     let r = plan(&m.graph, &cluster, 8, &Options::default());
-    autoshard::plan::annotate(&mut m, &r.mesh, &r.assignment);
+    autoshard::plan::annotate(&mut m, &r);
     let text = ir::print::model_to_string(&m);
     assert!(text.contains("shardc_strategy: string = "), "annotations are printed");
     let mut parsed = frontend::parse(&text).unwrap_or_else(|d| panic!("{}", frontend::render(&d, "annotated", &text)));
     assert!(parsed.warnings.is_empty(), "annotations are not unknown attributes");
     ir::infer::infer_shapes(&mut parsed.model.graph, ir::infer::Mode::Check).unwrap();
-    let (mesh, asg) = autoshard::plan::read_annotations(&parsed.model).unwrap();
+    let back = autoshard::plan::read_annotations(&parsed.model).unwrap();
+    let (mesh, asg) = (back.meshes[0].clone(), back.assignment);
     assert_eq!(mesh, r.mesh);
     let g = &parsed.model.graph;
     let order = g.op_nodes().unwrap();

@@ -606,16 +606,18 @@ pub(crate) fn extract(
     let mut best_lambda = 0.0;
     'weights: for &w in &weights {
         let proxy = Proxy::new(cm, p, cands, w);
-        let mut run = |lambda: f64, stats: &mut ExtractStats| -> Option<Priced> {
+        // λ is explored with a narrower beam; the chosen λ is then re-run at full width.
+        let mut run_with = |lambda: f64, beam: usize, stats: &mut ExtractStats| -> Option<Priced> {
             let t0 = Instant::now();
-            let plan = dp(&proxy, lambda, knobs.beam, Some(knobs.deadline))?;
+            let plan = dp(&proxy, lambda, beam, Some(knobs.deadline))?;
             stats.dp_time_s += t0.elapsed().as_secs_f64();
             stats.dp_runs += 1;
             stats.dp_pruned |= plan.pruned;
             stats.dp_max_states = stats.dp_max_states.max(plan.max_states);
             Some(price(cm, p, &plan.choice, &mut evals))
         };
-        let Some(first) = run(0.0, &mut stats) else { break };
+        let narrow = (knobs.beam / 4).max(16);
+        let Some(first) = run_with(0.0, knobs.beam, &mut stats) else { break };
         let fits = first.breakdown.feasible;
         let scale = first.breakdown.step_time_s / first.breakdown.memory.total().max(1.0);
         let step0 = first.breakdown.step_time_s;
@@ -629,8 +631,9 @@ pub(crate) fn extract(
             let mut hi = None;
             let mut lambda = scale;
             let mut last_mem = f64::INFINITY;
-            for _ in 0..24 {
-                let Some(pl) = run(lambda, &mut stats) else { break 'weights };
+            let mut stalls = 0;
+            for _ in 0..12 {
+                let Some(pl) = run_with(lambda, narrow, &mut stats) else { break 'weights };
                 let m = pl.breakdown.memory.total();
                 let ok = pl.breakdown.feasible;
                 if best.as_ref().is_none_or(|b| better(&pl.breakdown, &b.breakdown)) {
@@ -641,18 +644,20 @@ pub(crate) fn extract(
                     hi = Some(lambda);
                     break;
                 }
-                if m >= last_mem * 0.999 && lambda > scale * 1e6 {
+                // Memory that no longer falls will not reach the capacity.
+                stalls = if m >= last_mem * 0.99 { stalls + 1 } else { 0 };
+                if stalls >= 2 {
                     break;
                 }
-                last_mem = m;
+                last_mem = last_mem.min(m);
                 lo = lambda;
-                lambda *= 4.0;
+                lambda *= 8.0;
             }
             // Narrow to the cheapest λ that fits.
             if let Some(mut hi) = hi {
                 for _ in 0..6 {
                     let mid = if lo == 0.0 { hi / 4.0 } else { (lo * hi).sqrt() };
-                    let Some(pl) = run(mid, &mut stats) else { break 'weights };
+                    let Some(pl) = run_with(mid, narrow, &mut stats) else { break 'weights };
                     if pl.breakdown.feasible {
                         hi = mid;
                     } else {
@@ -663,6 +668,11 @@ pub(crate) fn extract(
                     }
                     keep_better(&mut best, pl);
                 }
+            }
+            if best_lambda > 0.0
+                && let Some(pl) = run_with(best_lambda, knobs.beam, &mut stats)
+            {
+                keep_better(&mut best, pl);
             }
         }
         // A second gradient weight only when synchronisation was exposed.

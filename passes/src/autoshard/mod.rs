@@ -16,6 +16,7 @@
 
 pub mod extract;
 pub mod meshes;
+pub mod pipeline;
 pub mod plan;
 mod problem;
 pub mod space;
@@ -33,6 +34,7 @@ use serde::Serialize;
 
 use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Named, Options};
 pub use extract::ExtractStats;
+pub use pipeline::PipelineMode;
 pub use plan::Plan;
 pub use space::EgraphStats;
 
@@ -58,6 +60,8 @@ pub struct SearchOptions {
     pub meshes: Option<Vec<Mesh>>,
     /// Worker threads (meshes are searched in parallel).
     pub threads: usize,
+    /// Pipelining: off, auto (when it is faster or the only way to fit) or a stage count.
+    pub pipeline: PipelineMode,
 }
 
 impl Default for SearchOptions {
@@ -71,6 +75,7 @@ impl Default for SearchOptions {
             local_search: true,
             meshes: None,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            pipeline: PipelineMode::Auto,
         }
     }
 }
@@ -112,6 +117,24 @@ pub struct SearchResult {
     pub search_time_s: f64,
     /// The time limit cut the search short.
     pub time_limit_hit: bool,
+    /// The pipeline, when the plan pipelines (then `mesh` is the first stage's and
+    /// `assignment` holds every stage's strategies on its own mesh).
+    pub pipeline: Option<pipeline::PipelinePlan>,
+    /// What the pipeline search found, whether or not it was chosen.
+    pub pipeline_considered: Option<PipelineSummary>,
+    /// Memory the whole step would need on one device, bytes (what makes a model "not fit").
+    pub single_device_memory_bytes: f64,
+}
+
+/// The pipeline search's outcome, for the report.
+#[derive(Clone, Debug, Serialize)]
+pub struct PipelineSummary {
+    /// The best pipeline's step time, seconds.
+    pub best_step_time_s: f64,
+    /// Configurations priced.
+    pub tried: Vec<pipeline::Tried>,
+    /// Seconds.
+    pub search_time_s: f64,
 }
 
 /// Describes a mesh as `nodes=8:inter × gpus=8:intra`.
@@ -205,6 +228,60 @@ pub fn search(
 ) -> Result<SearchResult, String> {
     let start = Instant::now();
     let deadline = start + so.time_limit;
+    if let PipelineMode::Stages(s) = so.pipeline
+        && !devices.is_multiple_of(s)
+    {
+        return Err(format!("--pipeline {s}: {s} stages do not divide {devices} devices"));
+    }
+    // The intra-operator search and the pipeline search are independent: run them side by side.
+    let (intra, pipe) = std::thread::scope(|sc| {
+        let pipe = sc.spawn(|| pipeline::search_pipeline(g, cluster, devices, opts, so, so.pipeline, deadline));
+        let intra = search_intra(g, cluster, devices, opts, so);
+        (intra, pipe.join().expect("the pipeline search panicked"))
+    });
+    let mut r = intra?;
+    let pipe = pipe?;
+    let take = match (so.pipeline, &pipe) {
+        (PipelineMode::Stages(s), None) => {
+            return Err(format!("no {s}-stage pipeline fits in device memory"));
+        }
+        (PipelineMode::Stages(_), Some(_)) => true,
+        (_, Some(p)) => extract::better(&p.breakdown, &r.breakdown),
+        (_, None) => false,
+    };
+    if let Some(mut p) = pipe {
+        p.requested = matches!(so.pipeline, PipelineMode::Stages(_));
+        r.pipeline_considered = Some(PipelineSummary {
+            best_step_time_s: p.breakdown.step_time_s,
+            tried: p.tried.clone(),
+            search_time_s: p.search_time_s,
+        });
+        if take {
+            r.mesh = p.stages[0].sub_mesh.clone();
+            r.assignment = Assignment::default();
+            for st in &p.stages {
+                r.assignment.strategies.extend(st.assignment.strategies.iter().map(|(k, v)| (*k, v.clone())));
+            }
+            r.breakdown = p.breakdown.clone();
+            r.same_as = None;
+            r.pipeline = Some(p);
+        }
+    }
+    r.search_time_s = start.elapsed().as_secs_f64();
+    r.time_limit_hit = Instant::now() > deadline;
+    Ok(r)
+}
+
+/// The intra-operator search alone (no pipelining).
+pub fn search_intra(
+    g: &Graph,
+    cluster: &Cluster,
+    devices: usize,
+    opts: &Options,
+    so: &SearchOptions,
+) -> Result<SearchResult, String> {
+    let start = Instant::now();
+    let deadline = start + so.time_limit;
     let meshes = match &so.meshes {
         Some(m) if !m.is_empty() => m.clone(),
         _ => meshes::candidates(cluster, devices)?,
@@ -263,6 +340,12 @@ pub fn search(
         meshes: summaries,
         search_time_s: start.elapsed().as_secs_f64(),
         time_limit_hit,
+        pipeline: None,
+        pipeline_considered: None,
+        single_device_memory_bytes: {
+            let one = CostModel::new(g, cluster, Mesh::line(1, ir::shard::LinkLevel::Intra), opts.clone());
+            one.price(&Assignment::default()).memory.total()
+        },
     })
 }
 
@@ -289,8 +372,9 @@ impl crate::Pass for Autoshard {
     fn run(&mut self, g: &mut Graph, cx: &mut crate::PassCx<'_>) -> Result<crate::Changed, crate::PassError> {
         let r = search(g, &self.cluster, self.devices, &self.options, &self.search)
             .map_err(|e| crate::PassError::new("autoshard", crate::Located::global(e)))?;
-        plan::annotate_graph(g, &r.mesh, &r.assignment);
-        plan::set_mesh_metadata(cx.metadata, &r.mesh);
+        let (meshes, stage_of) = plan::stage_meshes(&r);
+        plan::annotate_graph(g, &meshes, &stage_of, &r.assignment);
+        plan::set_mesh_metadata(cx.metadata, &meshes);
         cx.stats.add("autoshard.egraph_nodes", r.meshes.iter().map(|m| m.egraph.nodes as u64).sum());
         cx.stats.add("autoshard.meshes", r.meshes.len() as u64);
         *self.result.borrow_mut() = Some(r);

@@ -3,7 +3,7 @@
 //!
 //! The JSON schema (`format: "shardc-plan"`, `version: 1`) is documented in the README.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use ir::shard::{LinkLevel, Mesh, MeshAxis, Sharding, parse_sharding, sharding_to_string, strategy_shardings};
 use ir::{Graph, NodeId, Op, Value};
@@ -70,6 +70,44 @@ pub struct PlanOp {
     pub communication_s: f64,
     /// Activation bytes it keeps per device.
     pub memory_bytes: f64,
+    /// The pipeline stage it runs in (0 when the plan does not pipeline).
+    pub stage: usize,
+}
+
+/// One pipeline stage (a plan that does not pipeline has one, with every device and op).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanStage {
+    /// Global device ids.
+    pub devices: Vec<usize>,
+    /// The stage's mesh.
+    pub mesh: Vec<PlanAxis>,
+    /// Its ops (first output names), in order.
+    pub ops: Vec<String>,
+    /// Forward time per micro-batch (with its sends), seconds.
+    pub forward_s: f64,
+    /// Backward time per micro-batch (with recomputation and sends), seconds.
+    pub backward_s: f64,
+    /// `forward_s + backward_s`.
+    pub time_s: f64,
+    /// Memory per device, bytes.
+    pub memory_bytes: u64,
+    /// Recomputes its activations in the backward pass.
+    pub recompute: bool,
+    /// Bytes per device sent to the next stage per micro-batch.
+    pub send_bytes: f64,
+}
+
+/// How the pipeline was chosen.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanPipeline {
+    /// Slowest over fastest stage time.
+    pub imbalance: f64,
+    /// What keeps the stages from balancing within 10%, when they do not.
+    pub blocker: Option<String>,
+    /// What drove the choice (memory or speed).
+    pub reason: String,
+    /// Configurations priced: stages, micro-batches, schedule, devices per stage, step time.
+    pub tried: serde_json::Value,
 }
 
 /// One tensor's layout.
@@ -167,8 +205,14 @@ pub struct Plan {
     pub collectives: Vec<PlanCollective>,
     /// Search statistics.
     pub search: PlanSearch,
-    /// Pipeline stages, when the plan pipelines (null otherwise).
-    pub pipeline: Option<serde_json::Value>,
+    /// Pipeline stages (one when the plan does not pipeline).
+    pub stages: Vec<PlanStage>,
+    /// Micro-batches per step (1 without pipelining).
+    pub micro_batches: usize,
+    /// Pipeline schedule (`1f1b`, `gpipe`), or null.
+    pub schedule: Option<String>,
+    /// How the pipeline was chosen, when the plan pipelines (null otherwise).
+    pub pipeline: Option<PlanPipeline>,
 }
 
 fn level_name(l: LinkLevel) -> &'static str {
@@ -198,22 +242,71 @@ impl Plan {
         model: ModelInfo,
         r: &SearchResult,
     ) -> Plan {
-        let cm = CostModel::new(g, cluster, r.mesh.clone(), opts.clone());
         let b = &r.breakdown;
         let dp = r.data_parallel.as_ref().filter(|d| d.feasible).map(|d| d.step_time_s);
-        let (ops, tensors) = layouts(&cm, &r.assignment, b);
+        let axes = |m: &Mesh| -> Vec<PlanAxis> {
+            m.axes
+                .iter()
+                .map(|a| PlanAxis { name: a.name.clone(), size: a.size, level: level_name(a.level).into() })
+                .collect()
+        };
+        // The mesh of each op: its stage's.
+        let mut stage_of: HashMap<NodeId, usize> = HashMap::new();
+        let stage_meshes: Vec<Mesh> = match &r.pipeline {
+            Some(p) => {
+                for (i, st) in p.stages.iter().enumerate() {
+                    for &n in &st.nodes {
+                        stage_of.insert(n, i);
+                    }
+                }
+                p.stages.iter().map(|s| s.sub_mesh.clone()).collect()
+            }
+            None => vec![r.mesh.clone()],
+        };
+        let cms: Vec<CostModel<'_>> =
+            stage_meshes.iter().map(|m| CostModel::new(g, cluster, m.clone(), opts.clone())).collect();
+        let (ops, tensors) = layouts(&cms, &stage_of, &r.assignment, b);
+        let stages = match &r.pipeline {
+            Some(p) => p
+                .stages
+                .iter()
+                .map(|s| PlanStage {
+                    devices: s.devices.clone(),
+                    mesh: axes(&s.sub_mesh),
+                    ops: s.ops.clone(),
+                    forward_s: s.forward_s,
+                    backward_s: s.backward_s,
+                    time_s: s.time_s,
+                    memory_bytes: s.memory_bytes,
+                    recompute: s.recompute,
+                    send_bytes: s.send_bytes,
+                })
+                .collect(),
+            None => vec![PlanStage {
+                devices: (0..devices).collect(),
+                mesh: axes(&r.mesh),
+                ops: ops.iter().filter_map(|o| o.outputs.first().cloned()).collect(),
+                forward_s: b.forward_s,
+                backward_s: b.backward_s,
+                time_s: b.forward_s + b.backward_s,
+                memory_bytes: b.memory_per_device_bytes.iter().copied().max().unwrap_or(0),
+                recompute: false,
+                send_bytes: 0.0,
+            }],
+        };
+        let pipeline = r.pipeline.as_ref().map(|p| PlanPipeline {
+            imbalance: p.imbalance,
+            blocker: p.blocker.clone(),
+            reason: pipeline_reason(r, p),
+            tried: serde_json::to_value(&p.tried).expect("configurations serialize"),
+        });
         Plan {
             format: FORMAT.into(),
             version: VERSION,
             model,
             cluster: cluster.name.clone(),
             devices,
-            mesh: r
-                .mesh
-                .axes
-                .iter()
-                .map(|a| PlanAxis { name: a.name.clone(), size: a.size, level: level_name(a.level).into() })
-                .collect(),
+            mesh: axes(&r.mesh),
             options: serde_json::to_value(opts).expect("options serialize"),
             step_time_s: b.step_time_s,
             data_parallel_step_time_s: dp,
@@ -226,32 +319,28 @@ impl Plan {
             breakdown: breakdown_json(b),
             ops,
             tensors,
-            collectives: collectives(g, &r.mesh, b),
+            collectives: collectives(g, &stage_meshes, &stage_of, b),
             search: PlanSearch {
                 meshes: serde_json::to_value::<&[MeshSearch]>(&r.meshes).expect("stats serialize"),
                 same_as: r.same_as.clone(),
                 time_limit_hit: r.time_limit_hit,
                 time_s: r.search_time_s,
             },
-            pipeline: None,
+            micro_batches: r.pipeline.as_ref().map_or(1, |p| p.micro_batches),
+            schedule: r.pipeline.as_ref().map(|p| p.schedule.name().to_string()),
+            stages,
+            pipeline,
         }
     }
 
-    /// The plan's mesh.
+    /// The plan's mesh (the first stage's, when it pipelines).
     pub fn mesh(&self) -> Result<Mesh, String> {
-        let axes = self
-            .mesh
-            .iter()
-            .map(|a| {
-                let level = match a.level.as_str() {
-                    "intra" => LinkLevel::Intra,
-                    "inter" => LinkLevel::Inter,
-                    l => return Err(format!("mesh axis `{}`: unknown level `{l}`", a.name)),
-                };
-                Ok(MeshAxis { name: a.name.clone(), size: a.size, level })
-            })
-            .collect::<Result<Vec<_>, String>>()?;
-        Ok(Mesh { axes })
+        mesh_of(&self.mesh)
+    }
+
+    /// Each stage's mesh.
+    pub fn stage_meshes(&self) -> Result<Vec<Mesh>, String> {
+        self.stages.iter().map(|s| mesh_of(&s.mesh)).collect()
     }
 
     /// Reads a plan document, checking its format and version.
@@ -273,7 +362,7 @@ impl Plan {
     /// The plan's strategies as an assignment of `g`'s ops, matching ops by their first
     /// output's name. Errors name ops the plan does not cover or whose strategy does not fit.
     pub fn assignment(&self, g: &Graph) -> Result<Assignment, String> {
-        let mesh = self.mesh()?;
+        let meshes: Vec<Mesh> = self.stages.iter().map(|s| mesh_of(&s.mesh)).collect::<Result<Vec<_>, String>>()?;
         let by_output: BTreeMap<&str, &PlanOp> =
             self.ops.iter().filter_map(|o| Some((o.outputs.first()?.as_str(), o))).collect();
         let mut asg = Assignment::default();
@@ -282,11 +371,27 @@ impl Plan {
             let Some(op) = by_output.get(key) else {
                 return Err(format!("the plan has no strategy for {}", g.describe(n)));
             };
-            check_strategy(g, n, &op.split, &mesh)?;
+            let mesh = meshes.get(op.stage).ok_or_else(|| format!("{}: no stage {}", g.describe(n), op.stage))?;
+            check_strategy(g, n, &op.split, mesh)?;
             asg.strategies.insert(n, op.split.clone());
         }
         Ok(asg)
     }
+}
+
+fn mesh_of(axes: &[PlanAxis]) -> Result<Mesh, String> {
+    let axes = axes
+        .iter()
+        .map(|a| {
+            let level = match a.level.as_str() {
+                "intra" => LinkLevel::Intra,
+                "inter" => LinkLevel::Inter,
+                l => return Err(format!("mesh axis `{}`: unknown level `{l}`", a.name)),
+            };
+            Ok(MeshAxis { name: a.name.clone(), size: a.size, level })
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    Ok(Mesh { axes })
 }
 
 fn check_strategy(g: &Graph, n: NodeId, split: &[Option<usize>], mesh: &Mesh) -> Result<(), String> {
@@ -311,14 +416,18 @@ fn breakdown_json(b: &Breakdown) -> serde_json::Value {
     v
 }
 
-fn layouts(cm: &CostModel<'_>, asg: &Assignment, b: &Breakdown) -> (Vec<PlanOp>, Vec<PlanTensor>) {
-    let g = cm.g;
-    let mesh = &cm.mesh;
+fn layouts(
+    cms: &[CostModel<'_>],
+    stage_of: &HashMap<NodeId, usize>,
+    asg: &Assignment,
+    b: &Breakdown,
+) -> (Vec<PlanOp>, Vec<PlanTensor>) {
+    let g = cms[0].g;
     let mut ops = Vec::new();
     let mut tensors: Vec<PlanTensor> = Vec::new();
     let mut seen: std::collections::HashSet<Value> = std::collections::HashSet::new();
     let shape = |v: Value| g.tensor_type(v).and_then(|t| t.static_dims()).unwrap_or_default();
-    let mut tensor = |v: Value, kind: &str, l: &Sharding, tensors: &mut Vec<PlanTensor>| {
+    let mut tensor = |v: Value, kind: &str, l: &Sharding, mesh: &Mesh, tensors: &mut Vec<PlanTensor>| {
         if seen.insert(v) && !g.value_name(v).is_empty() {
             let s = shape(v);
             tensors.push(PlanTensor {
@@ -330,7 +439,9 @@ fn layouts(cm: &CostModel<'_>, asg: &Assignment, b: &Breakdown) -> (Vec<PlanOp>,
             });
         }
     };
-    for (i, &n) in cm.order().iter().enumerate() {
+    for (i, &n) in cms[0].order().iter().enumerate() {
+        let stage = stage_of.get(&n).copied().unwrap_or(0);
+        let cm = &cms[stage.min(cms.len() - 1)];
         let node = g.node(n);
         let s = cm.strategy_of(asg, n);
         let sp = cm.space(n);
@@ -343,33 +454,70 @@ fn layouts(cm: &CostModel<'_>, asg: &Assignment, b: &Breakdown) -> (Vec<PlanOp>,
                 Op::Input { .. } | Op::Initializer(_) | Op::OuterRef => "constant",
                 _ => continue,
             };
-            tensor(*v, kind, l, &mut tensors);
+            tensor(*v, kind, l, &cm.mesh, &mut tensors);
         }
         for (slot, l) in outs.iter().enumerate() {
             let kind = if is_host(&node.op) { "constant" } else { "activation" };
-            tensor(Value::new(n, slot as u16), kind, l, &mut tensors);
+            tensor(Value::new(n, slot as u16), kind, l, &cm.mesh, &mut tensors);
         }
-        let row = &b.ops[i];
+        let row = b.ops.get(i);
         ops.push(PlanOp {
             name: op_name(g, n),
             op: node.op.op_type().to_string(),
             outputs: node.outputs().iter().map(|o| o.name.clone()).collect(),
             split: s.to_vec(),
             split_names: s.iter().map(|x| x.map(|d| sp.dims[d].name.clone())).collect(),
-            strategy: row.strategy.clone(),
+            strategy: cm.describe_strategy(n, &s),
             inputs: ins.iter().map(|l| l.as_ref().map(|l| sharding_to_string(l))).collect(),
             output_layouts: outs.iter().map(|l| sharding_to_string(l)).collect(),
-            compute_s: row.compute_s,
-            communication_s: row.communication_s,
-            memory_bytes: row.memory_bytes,
+            compute_s: row.map_or(0.0, |r| r.compute_s),
+            communication_s: row.map_or(0.0, |r| r.communication_s),
+            memory_bytes: row.map_or(0.0, |r| r.memory_bytes),
+            stage,
         });
     }
     (ops, tensors)
 }
 
-fn collectives(g: &Graph, mesh: &Mesh, b: &Breakdown) -> Vec<PlanCollective> {
+/// Why the plan pipelines: memory (nothing else fits) or speed.
+fn pipeline_reason(r: &SearchResult, p: &super::pipeline::PipelinePlan) -> String {
+    let intra = r.meshes.iter().filter(|m| m.feasible).map(|m| m.step_time_s).fold(f64::INFINITY, f64::min);
+    let smallest = r.meshes.iter().map(|m| m.memory_per_device_bytes).min().unwrap_or(0);
+    let gib = |x: f64| x / 1073741824.0;
+    if p.requested {
+        format!(
+            "requested: {} stages (--pipeline); {:.3} ms per step against {:.3} ms without pipelining",
+            p.stages.len(),
+            p.breakdown.step_time_s * 1e3,
+            intra * 1e3
+        )
+    } else if !intra.is_finite() {
+        format!(
+            "memory: without pipelining the smallest plan needs {:.2} GiB per device, {:.2} GiB usable; {} stages with {} micro-batches ({}{}) need {:.2} GiB",
+            gib(smallest as f64),
+            gib(p.breakdown.memory_capacity_bytes as f64),
+            p.stages.len(),
+            p.micro_batches,
+            p.schedule.name(),
+            if p.stages.iter().any(|s| s.recompute) { ", recomputing activations" } else { "" },
+            gib(p.stages.iter().map(|s| s.memory_bytes).max().unwrap_or(0) as f64)
+        )
+    } else {
+        format!(
+            "speed: {:.3} ms per step pipelined against {:.3} ms for the best plan without pipelining",
+            p.breakdown.step_time_s * 1e3,
+            intra * 1e3
+        )
+    }
+}
+
+fn collectives(g: &Graph, meshes: &[Mesh], stage_of: &HashMap<NodeId, usize>, b: &Breakdown) -> Vec<PlanCollective> {
     let mut out = Vec::new();
     for e in &b.events {
+        if !g.contains(e.value.node) {
+            continue;
+        }
+        let mesh = &meshes[e.op.and_then(|o| stage_of.get(&o).copied()).unwrap_or(0).min(meshes.len() - 1)];
         for st in &e.steps {
             out.push(PlanCollective {
                 phase: match e.phase {
@@ -380,10 +528,14 @@ fn collectives(g: &Graph, mesh: &Mesh, b: &Breakdown) -> Vec<PlanCollective> {
                 .into(),
                 kind: st.kind.name().into(),
                 tensor: value_name(g, e.value),
-                op: e.op.map(|n| op_name(g, n)),
+                op: e.op.filter(|o| g.contains(*o)).map(|n| op_name(g, n)),
                 from: sharding_to_string(&e.from),
                 to: sharding_to_string(&e.to),
-                axes: st.axes.iter().map(|&a| mesh.axes[a].name.clone()).collect(),
+                axes: st
+                    .axes
+                    .iter()
+                    .map(|&a| mesh.axes.get(a).map_or(format!("axis{a}"), |x| x.name.clone()))
+                    .collect(),
                 bytes: st.bytes,
                 time_s: st.time,
             });
@@ -427,26 +579,44 @@ pub fn parse_mesh_annotation(s: &str) -> Result<Mesh, String> {
     Ok(Mesh { axes })
 }
 
-/// Writes the plan onto the graph: per op its strategy (`d0@nodes, n@gpus` or `replicated`,
-/// by iteration-dim index), input and output layouts; the mesh goes in the model's
-/// `metadata_props`.
-pub fn annotate(model: &mut ir::Model, mesh: &Mesh, asg: &Assignment) {
-    annotate_graph(&mut model.graph, mesh, asg);
-    set_mesh_metadata(&mut model.metadata_props, mesh);
+/// The op's pipeline stage, when the plan pipelines.
+pub const ANN_STAGE: &str = "shardc_stage";
+
+/// Writes the plan onto the graph: per op its strategy (`d0@nodes, 2@gpus` or `replicated`,
+/// by iteration-dim index), input and output layouts, and its pipeline stage when there are
+/// several; the meshes (one per stage, ` | `-separated) go in the model's `metadata_props`.
+pub fn annotate(model: &mut ir::Model, r: &SearchResult) {
+    let (meshes, stage_of) = stage_meshes(r);
+    annotate_graph(&mut model.graph, &meshes, &stage_of, &r.assignment);
+    set_mesh_metadata(&mut model.metadata_props, &meshes);
 }
 
-/// Records the mesh in a model's `metadata_props`.
-pub fn set_mesh_metadata(props: &mut Option<Vec<(String, String)>>, mesh: &Mesh) {
+/// Each stage's mesh and each op's stage (one stage when the plan does not pipeline).
+pub fn stage_meshes(r: &SearchResult) -> (Vec<Mesh>, HashMap<NodeId, usize>) {
+    match &r.pipeline {
+        Some(p) => (
+            p.stages.iter().map(|s| s.sub_mesh.clone()).collect(),
+            p.stages.iter().enumerate().flat_map(|(i, s)| s.nodes.iter().map(move |&n| (n, i))).collect(),
+        ),
+        None => (vec![r.mesh.clone()], HashMap::new()),
+    }
+}
+
+/// Records the meshes in a model's `metadata_props`.
+pub fn set_mesh_metadata(props: &mut Option<Vec<(String, String)>>, meshes: &[Mesh]) {
     let props = props.get_or_insert_with(Vec::new);
     props.retain(|(k, _)| k != ANN_MESH);
-    props.push((ANN_MESH.into(), mesh_annotation(mesh)));
+    let text: Vec<String> = meshes.iter().map(mesh_annotation).collect();
+    props.push((ANN_MESH.into(), text.join(" | ")));
 }
 
 /// Writes per-op annotations (see [`annotate`]).
-pub fn annotate_graph(g: &mut Graph, mesh: &Mesh, asg: &Assignment) {
+pub fn annotate_graph(g: &mut Graph, meshes: &[Mesh], stage_of: &HashMap<NodeId, usize>, asg: &Assignment) {
     g.clear_annotations();
     let order = g.op_nodes().unwrap_or_default();
     for n in order {
+        let stage = stage_of.get(&n).copied().unwrap_or(0);
+        let mesh = &meshes[stage.min(meshes.len() - 1)];
         let s = asg.strategies.get(&n).cloned().unwrap_or_else(|| vec![None; mesh.axes.len()]);
         let sp = ir::shard::iter_space(g, n);
         let (ins, outs) = strategy_shardings(&sp, &s);
@@ -459,12 +629,25 @@ pub fn annotate_graph(g: &mut Graph, mesh: &Mesh, asg: &Assignment) {
         g.set_annotation(n, ANN_STRATEGY, strat);
         g.set_annotation(n, ANN_INPUTS, ins.join("; "));
         g.set_annotation(n, ANN_OUTPUTS, outs.join("; "));
+        if meshes.len() > 1 {
+            g.set_annotation(n, ANN_STAGE, stage.to_string());
+        }
     }
 }
 
-/// Reads annotations written by [`annotate`] back: the mesh and the assignment. Errors say
+/// A plan read back from annotations.
+pub struct Annotated {
+    /// One mesh per stage.
+    pub meshes: Vec<Mesh>,
+    /// Each op's stage (absent: 0).
+    pub stages: HashMap<NodeId, usize>,
+    /// Each op's strategy on its stage's mesh.
+    pub assignment: Assignment,
+}
+
+/// Reads annotations written by [`annotate`] back (the graph's shapes inferred). Errors say
 /// which op's annotation is missing or malformed.
-pub fn read_annotations(model: &ir::Model) -> Result<(Mesh, Assignment), String> {
+pub fn read_annotations(model: &ir::Model) -> Result<Annotated, String> {
     let g = &model.graph;
     let mesh_text = model
         .metadata_props
@@ -473,16 +656,19 @@ pub fn read_annotations(model: &ir::Model) -> Result<(Mesh, Assignment), String>
         .find(|(k, _)| k == ANN_MESH)
         .map(|(_, v)| v.clone())
         .ok_or_else(|| format!("the model has no `{ANN_MESH}` in its metadata_props"))?;
-    let mesh = parse_mesh_annotation(&mesh_text)?;
+    let meshes: Vec<Mesh> = mesh_text.split(" | ").map(parse_mesh_annotation).collect::<Result<_, _>>()?;
     let mut asg = Assignment::default();
+    let mut stages = HashMap::new();
     for n in g.op_nodes().map_err(|_| "the graph has a cycle".to_string())? {
         let node = g.node(n);
-        let text = node
-            .annotations
-            .iter()
-            .find(|(k, _)| k == ANN_STRATEGY)
-            .map(|(_, v)| v.as_str())
-            .ok_or_else(|| format!("{} has no `{ANN_STRATEGY}` annotation", g.describe(n)))?;
+        let ann = |key: &str| node.annotations.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str());
+        let text = ann(ANN_STRATEGY).ok_or_else(|| format!("{} has no `{ANN_STRATEGY}` annotation", g.describe(n)))?;
+        let stage: usize = match ann(ANN_STAGE) {
+            Some(x) => x.parse().map_err(|_| format!("{}: `{ANN_STAGE}` is not a number", g.describe(n)))?,
+            None => 0,
+        };
+        let mesh = meshes.get(stage).ok_or_else(|| format!("{}: no stage {stage} in `{ANN_MESH}`", g.describe(n)))?;
+        stages.insert(n, stage);
         let mut s = vec![None; mesh.axes.len()];
         if text != "replicated" {
             for part in text.split(',') {
@@ -499,9 +685,9 @@ pub fn read_annotations(model: &ir::Model) -> Result<(Mesh, Assignment), String>
                 s[a] = Some(d);
             }
         }
-        check_strategy(g, n, &s, &mesh)?;
+        check_strategy(g, n, &s, mesh)?;
         // Layout annotations, when present, must agree with the strategy.
-        if let Some((_, outs)) = node.annotations.iter().find(|(k, _)| k == ANN_OUTPUTS) {
+        if let Some(outs) = ann(ANN_OUTPUTS) {
             let sp = ir::shard::iter_space(g, n);
             let (_, want) = strategy_shardings(&sp, &s);
             let got: Vec<Option<Sharding>> = outs.split(';').map(parse_sharding).collect();
@@ -511,7 +697,7 @@ pub fn read_annotations(model: &ir::Model) -> Result<(Mesh, Assignment), String>
         }
         asg.strategies.insert(n, s);
     }
-    Ok((mesh, asg))
+    Ok(Annotated { meshes, stages, assignment: asg })
 }
 
 /// A per-layer table: strategy, compute, communication, memory; data parallel beside it.
@@ -573,4 +759,172 @@ pub fn report(plan: &Breakdown, dp: Option<&Breakdown>) -> String {
         dm
     ));
     t
+}
+
+/// A per-stage table of a pipelined plan.
+pub fn stage_report(plan: &Plan) -> String {
+    let mut t = String::new();
+    t.push_str(&format!(
+        "pipeline: {} stages, {} micro-batches, {}\n",
+        plan.stages.len(),
+        plan.micro_batches,
+        plan.schedule.as_deref().unwrap_or("-")
+    ));
+    t.push_str(&format!(
+        "{:>5} {:>9} {:<28} {:>6} {:>11} {:>11} {:>11} {:>10} {:>9}   {}\n",
+        "stage",
+        "devices",
+        "mesh",
+        "ops",
+        "fwd µs/µb",
+        "bwd µs/µb",
+        "total µs",
+        "mem MiB",
+        "recompute",
+        "first .. last op"
+    ));
+    for (i, s) in plan.stages.iter().enumerate() {
+        let mesh: Vec<String> = s.mesh.iter().map(|a| format!("{}={}", a.name, a.size)).collect();
+        let first = s.ops.first().cloned().unwrap_or_default();
+        let last = s.ops.last().cloned().unwrap_or_default();
+        t.push_str(&format!(
+            "{:>5} {:>9} {:<28} {:>6} {:>11.1} {:>11.1} {:>11.1} {:>10.1} {:>9}   {first} .. {last}\n",
+            i,
+            format!("{}-{}", s.devices.first().unwrap_or(&0), s.devices.last().unwrap_or(&0)),
+            mesh.join(" × "),
+            s.ops.len(),
+            s.forward_s * 1e6,
+            s.backward_s * 1e6,
+            s.time_s * 1e6,
+            s.memory_bytes as f64 / 1048576.0,
+            if s.recompute { "yes" } else { "no" },
+        ));
+    }
+    t
+}
+
+/// The pipeline schedule as an SVG timeline: one row per stage, forward (light) and backward
+/// (dark) blocks per micro-batch, idle time (bubbles) left blank, gradient synchronisation
+/// and update at the end.
+pub fn timeline_svg(plan: &Plan) -> String {
+    let s = plan.stages.len();
+    let m = plan.micro_batches.max(1);
+    let f: Vec<f64> = plan.stages.iter().map(|x| x.forward_s).collect();
+    let b: Vec<f64> = plan.stages.iter().map(|x| x.backward_s).collect();
+    // Simulate the schedule: each stage runs its ops in schedule order, each op starts when its
+    // stage is free and its dependency (previous stage's forward, next stage's backward) ends.
+    let mut fwd_end = vec![vec![0.0f64; m]; s];
+    let mut bwd_end = vec![vec![0.0f64; m]; s];
+    let mut blocks: Vec<(usize, usize, bool, f64, f64)> = Vec::new(); // stage, micro, backward, start, end
+    let order: Vec<Vec<(bool, usize)>> = (0..s)
+        .map(|st| {
+            let mut ops = Vec::new();
+            if plan.schedule.as_deref() == Some("gpipe") || s == 1 {
+                ops.extend((0..m).map(|i| (false, i)));
+                ops.extend((0..m).rev().map(|i| (true, i)));
+            } else {
+                // 1F1B: warm-up forwards, then alternate, then drain backwards.
+                let warm = (s - st).min(m);
+                ops.extend((0..warm).map(|i| (false, i)));
+                let (mut nf, mut nb) = (warm, 0);
+                while nb < m {
+                    ops.push((true, nb));
+                    nb += 1;
+                    if nf < m {
+                        ops.push((false, nf));
+                        nf += 1;
+                    }
+                }
+            }
+            ops
+        })
+        .collect();
+    let mut pos = vec![0usize; s];
+    let mut free = vec![0.0f64; s];
+    let total_ops = s * m * 2;
+    let mut done = 0;
+    let mut guard = 0;
+    while done < total_ops && guard < total_ops * (s + 2) {
+        guard += 1;
+        for st in 0..s {
+            let Some(&(back, i)) = order[st].get(pos[st]) else { continue };
+            let ready = if !back {
+                if st == 0 { Some(0.0) } else { (fwd_end[st - 1][i] > 0.0).then_some(fwd_end[st - 1][i]) }
+            } else if st + 1 == s {
+                (fwd_end[st][i] > 0.0).then_some(fwd_end[st][i])
+            } else {
+                (bwd_end[st + 1][i] > 0.0).then_some(bwd_end[st + 1][i])
+            };
+            let Some(ready) = ready else { continue };
+            let start = ready.max(free[st]);
+            let end = start + if back { b[st] } else { f[st] };
+            if back {
+                bwd_end[st][i] = end;
+            } else {
+                fwd_end[st][i] = end;
+            }
+            free[st] = end;
+            blocks.push((st, i, back, start, end));
+            pos[st] += 1;
+            done += 1;
+        }
+    }
+    let span = free.iter().copied().fold(0.0, f64::max).max(1e-12);
+    let (w, row, left, top) = (1000.0, 36.0, 110.0, 40.0);
+    let x = |t: f64| left + t / span * w;
+    let mut out = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" font-size=\"12\">\n",
+        left + w + 20.0,
+        top + row * s as f64 + 50.0
+    );
+    out.push_str(&format!(
+        "<text x=\"{left}\" y=\"20\" font-size=\"14\">{} stages × {} micro-batches ({}), {:.3} ms per step before synchronisation; white = idle (bubble)</text>\n",
+        s,
+        m,
+        plan.schedule.as_deref().unwrap_or("no pipeline"),
+        span * 1e3
+    ));
+    for (st, stage) in plan.stages.iter().enumerate() {
+        let y = top + row * st as f64;
+        let devs = format!("{}-{}", stage.devices.first().unwrap_or(&0), stage.devices.last().unwrap_or(&0));
+        out.push_str(&format!("<text x=\"4\" y=\"{:.1}\">stage {st} (dev {devs})</text>\n", y + row * 0.6));
+        out.push_str(&format!(
+            "<rect x=\"{left}\" y=\"{y:.1}\" width=\"{w}\" height=\"{:.1}\" fill=\"white\" stroke=\"#999\"/>\n",
+            row - 6.0
+        ));
+    }
+    for &(st, i, back, a, e) in &blocks {
+        let y = top + row * st as f64;
+        let fill = if back { "#2f6db5" } else { "#9cc3ef" };
+        out.push_str(&format!(
+            "<rect x=\"{:.2}\" y=\"{y:.1}\" width=\"{:.2}\" height=\"{:.1}\" fill=\"{fill}\" stroke=\"white\" stroke-width=\"0.5\"><title>stage {st} micro-batch {i} {}: {:.1}–{:.1} µs</title></rect>\n",
+            x(a),
+            (x(e) - x(a)).max(0.5),
+            row - 6.0,
+            if back { "backward" } else { "forward" },
+            a * 1e6,
+            e * 1e6
+        ));
+        if x(e) - x(a) > 14.0 {
+            out.push_str(&format!(
+                "<text x=\"{:.2}\" y=\"{:.1}\" fill=\"{}\" font-size=\"10\">{i}</text>\n",
+                x(a) + 2.0,
+                y + row * 0.55,
+                if back { "white" } else { "black" }
+            ));
+        }
+    }
+    let y = top + row * s as f64 + 20.0;
+    out.push_str(&format!("<rect x=\"{left}\" y=\"{y}\" width=\"14\" height=\"10\" fill=\"#9cc3ef\"/><text x=\"{}\" y=\"{}\">forward</text>\n", left + 18.0, y + 10.0));
+    out.push_str(&format!("<rect x=\"{}\" y=\"{y}\" width=\"14\" height=\"10\" fill=\"#2f6db5\"/><text x=\"{}\" y=\"{}\">backward (with recomputation)</text>\n", left + 90.0, left + 108.0, y + 10.0));
+    out.push_str(&format!(
+        "<text x=\"{}\" y=\"{}\">0</text><text x=\"{}\" y=\"{}\" text-anchor=\"end\">{:.3} ms</text>\n",
+        left,
+        y + 28.0,
+        left + w,
+        y + 28.0,
+        span * 1e3
+    ));
+    out.push_str("</svg>\n");
+    out
 }

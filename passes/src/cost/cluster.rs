@@ -128,13 +128,13 @@ const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 fn a100() -> Device {
     Device {
         // NVIDIA A100 datasheet (SXM4 80 GB): FP32 19.5 TFLOPS, TF32 156, FP16/BF16 312 (dense);
-        // HBM2e 2,039 GB/s; 80 GB.
+        // HBM2e 2,039 GB/s; 80 GB (binary: nvidia-smi reports 81,920 MiB).
         name: "A100-SXM4-80GB".into(),
         peak_flops: PeakFlops { fp32: 19.5e12, tf32: Some(156e12), fp16: Some(312e12) },
         // Large cuBLAS GEMMs reach 70-80% of tensor-core peak; whole networks less.
         efficiency: 0.6,
         mem_bandwidth: 2039.0 * GB,
-        mem_capacity: 80.0 * GB,
+        mem_capacity: 80.0 * GIB,
         mem_usable: 0.9,
         // CUDA kernel launch and framework dispatch, a few microseconds.
         launch_overhead: 5e-6,
@@ -177,7 +177,7 @@ fn dgx_h100() -> Cluster {
             peak_flops: PeakFlops { fp32: 67e12, tf32: Some(495e12), fp16: Some(989e12) },
             efficiency: 0.55,
             mem_bandwidth: 3350.0 * GB,
-            mem_capacity: 80.0 * GB,
+            mem_capacity: 80.0 * GIB,
             mem_usable: 0.9,
             launch_overhead: 4e-6,
         },
@@ -204,7 +204,7 @@ fn pcie_v100x8() -> Cluster {
             peak_flops: PeakFlops { fp32: 14e12, tf32: None, fp16: Some(112e12) },
             efficiency: 0.65,
             mem_bandwidth: 900.0 * GB,
-            mem_capacity: 32.0 * GB,
+            mem_capacity: 32.0 * GIB,
             mem_usable: 0.9,
             launch_overhead: 6e-6,
         },
@@ -218,6 +218,32 @@ fn pcie_v100x8() -> Cluster {
     }
 }
 
+fn dgx1_v100() -> Cluster {
+    Cluster {
+        name: "dgx1-v100".into(),
+        source: "NVIDIA DGX-1 (Volta) system architecture whitepaper and V100 SXM2 datasheet".into(),
+        nodes: 1,
+        devices_per_node: 8,
+        device: Device {
+            // V100 SXM2 16 GB: FP32 15.7 TFLOPS, FP16 tensor 125 TFLOPS; HBM2 900 GB/s.
+            name: "V100-SXM2-16GB".into(),
+            peak_flops: PeakFlops { fp32: 15.7e12, tf32: None, fp16: Some(125e12) },
+            efficiency: 0.65,
+            mem_bandwidth: 900.0 * GB,
+            mem_capacity: 16.0 * GIB,
+            mem_usable: 0.9,
+            launch_overhead: 6e-6,
+        },
+        // NVLink 2 hybrid cube-mesh: 6 links × 25 GB/s per GPU; NCCL rings reach ~130 GB/s bus
+        // bandwidth over all 8 GPUs.
+        intra: Link { bandwidth: 130.0 * GB, latency: 5e-6, topology: Topology::Switch, shared_by: 1 },
+        inter: None,
+        nics_per_node: 4,
+        // PCIe Gen3 x16 to the host through PLX switches shared by two GPUs, ~11 GB/s.
+        host: HostLink { bandwidth: 11.0 * GB, latency: 10e-6, shared_by: 2 },
+    }
+}
+
 /// The runtime's simulated accelerators on this machine: wgpu on Mesa's lavapipe (software
 /// Vulkan on the CPU), collectives through host staging buffers. See `local_wgpu_preset` for
 /// how the numbers were measured.
@@ -226,7 +252,7 @@ fn local_wgpu() -> Cluster {
 }
 
 /// Names of the built-in presets (`a100-cluster-N` takes any N ≥ 2).
-pub const PRESETS: &[&str] = &["dgx-a100", "dgx-h100", "pcie-v100x8", "a100-cluster-N", "local-wgpu"];
+pub const PRESETS: &[&str] = &["dgx-a100", "dgx-h100", "dgx1-v100", "pcie-v100x8", "a100-cluster-N", "local-wgpu"];
 
 impl Cluster {
     /// A built-in preset.
@@ -235,6 +261,7 @@ impl Cluster {
             "dgx-a100" => dgx_a100(1),
             "dgx-h100" => dgx_h100(),
             "pcie-v100x8" => pcie_v100x8(),
+            "dgx1-v100" => dgx1_v100(),
             "local-wgpu" => local_wgpu(),
             _ => {
                 let n: usize = name.strip_prefix("a100-cluster-")?.parse().ok()?;
@@ -356,7 +383,7 @@ mod tests {
 
     #[test]
     fn presets_validate_and_round_trip_through_toml() {
-        for name in ["dgx-a100", "dgx-h100", "pcie-v100x8", "a100-cluster-8", "local-wgpu"] {
+        for name in ["dgx-a100", "dgx-h100", "dgx1-v100", "pcie-v100x8", "a100-cluster-8", "local-wgpu"] {
             let c = Cluster::preset(name).unwrap();
             c.validate().unwrap();
             let back = Cluster::from_toml(&c.to_toml()).unwrap();

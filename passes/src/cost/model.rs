@@ -165,6 +165,18 @@ pub struct OpRow {
     pub communication_s: f64,
     /// Activation bytes it keeps per device.
     pub memory_bytes: f64,
+    /// Forward time with its forward communication, seconds.
+    pub forward_s: f64,
+    /// Backward time with its backward communication, seconds.
+    pub backward_s: f64,
+    /// Bytes per device of the parameters it reads first: weights, gradients and optimizer
+    /// state.
+    pub param_memory_bytes: f64,
+    /// Synchronisation of the gradients of the parameters whose last reader (in backward, the
+    /// first to finish) it is, before bucketing, seconds.
+    pub grad_sync_s: f64,
+    /// Optimizer update of the parameters it reads first, seconds.
+    pub update_s: f64,
 }
 
 /// When in the step a communication happens.
@@ -534,7 +546,7 @@ impl<'a> CostModel<'a> {
         let mut activations = 0.0;
         // Gradient sharding of each parameter, accumulated over its consumers.
         let mut param_grad: BTreeMap<Value, Sharding> = BTreeMap::new();
-        let mut param_last_use: FxHashMap<Value, usize> = FxHashMap::default();
+        let mut param_first_use: FxHashMap<Value, usize> = FxHashMap::default();
         let mut materialized: FxHashSet<(Value, &Sharding)> = FxHashSet::default();
         let mut grads_sent: FxHashSet<(Value, Sharding)> = FxHashSet::default();
         let mut events: Vec<CommEvent> = Vec::new();
@@ -590,7 +602,8 @@ impl<'a> CostModel<'a> {
                             e[a] = AxisShard::Partial;
                         }
                     }
-                    param_last_use.entry(*v).or_insert(pos);
+                    // Its gradient is complete when its first reader's backward finishes.
+                    param_first_use.entry(*v).or_insert(pos);
                 } else if !grads_sent.contains(&(*v, grad.clone())) {
                     // Gradients of one sharding from several readers are summed locally first.
                     let target: Sharding =
@@ -659,6 +672,11 @@ impl<'a> CostModel<'a> {
                     compute_s: t.fwd + t.bwd,
                     communication_s: op_comm,
                     memory_bytes: kept,
+                    forward_s: t.fwd + fwd_comm + (t.halo + t.stats) / 2.0,
+                    backward_s: t.bwd + bwd_comm + (t.halo + t.stats) / 2.0,
+                    param_memory_bytes: 0.0,
+                    grad_sync_s: 0.0,
+                    update_s: 0.0,
                 });
             }
         }
@@ -694,8 +712,11 @@ impl<'a> CostModel<'a> {
             for s in &steps {
                 *comm_kind.entry(s.kind.name()).or_insert(0.0) += s.time * (1.0 - latency / t.max(1e-300));
             }
+            if detail {
+                rows[param_first_use[v]].grad_sync_s += t;
+            }
             grad_events.push(GradEvent {
-                pos: param_last_use[v],
+                pos: param_first_use[v],
                 bytes,
                 bandwidth: t - latency,
                 latency,
@@ -712,12 +733,25 @@ impl<'a> CostModel<'a> {
                 });
             }
         }
+        let opt_bytes_per_elem = match self.opts.optimizer {
+            Optimizer::Sgd => 4.0,
+            Optimizer::Adam => 8.0,
+        } + if self.opts.precision == Precision::Fp16 { 4.0 } else { 0.0 };
+        let update_bytes_per_elem = match self.opts.optimizer {
+            Optimizer::Sgd => 20.0,
+            Optimizer::Adam => 28.0,
+        } + if self.opts.precision == Precision::Fp16 { 8.0 } else { 0.0 };
         for (v, st) in &storage {
             if ir::cost::is_param(g, *v) {
                 let local = self.value_bytes(*v) / split_factor(st, mesh);
                 weights += local;
                 param_elems_local += local / (4.0 * pf);
                 n_params += 1;
+                if detail && let Some(&first) = param_first_use.get(v) {
+                    let elems = local / (4.0 * pf);
+                    rows[first].param_memory_bytes += 2.0 * local + elems * opt_bytes_per_elem;
+                    rows[first].update_s += elems * update_bytes_per_elem / self.cluster.device.mem_bandwidth;
+                }
             }
         }
 

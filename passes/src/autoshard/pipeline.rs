@@ -1,0 +1,1019 @@
+//! Pipeline search: cut the topological order into S contiguous stages, each on its own
+//! sub-mesh and sharded by the intra-op search, with M micro-batches under a GPipe or 1F1B
+//! schedule and optional activation recomputation per stage.
+//!
+//! How it works (BaPipe's balanced partition, Alpa's inter-/intra-operator split):
+//! 1. For each sub-mesh size d a stage may have, the intra-op search (the e-graph and its
+//!    extraction) plans the whole graph at a micro-batch size on d devices. That plan prices
+//!    every op on d devices: forward and backward time with its own communication, kept
+//!    activations, parameter memory, gradient synchronisation, update; and every tensor that
+//!    would cross a cut, in its layout there. For other micro-batch sizes the same strategies
+//!    are re-priced on the re-batched graph.
+//! 2. A dynamic program over cut positions × stage sizes (device offsets keep stages inside
+//!    node boundaries) minimises the slowest stage's time per micro-batch, `f + b` plus the
+//!    point-to-point sends to its neighbours, under per-device memory: parameters, activations
+//!    of the micro-batches in flight (GPipe keeps M, 1F1B `min(M, S − s)`), workspace. A stage
+//!    that does not fit may recompute: it keeps only its input per micro-batch and pays its
+//!    forward again in the backward pass. A second pass keeps that bottleneck and raises the
+//!    fastest stage (balance).
+//! 3. Every (S, M, schedule) is priced as a whole step: makespan `(M + S − 1)` slots, gradient
+//!    synchronisation not hidden behind later stages' backward, the update, the input.
+//!
+//! The exactness of step 2 for a given table is tested against brute force over all cuts.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use ir::shard::{LinkLevel, Mesh, OpStrategy, strategy_valid};
+use ir::{Graph, NodeId, Value};
+use serde::Serialize;
+
+use crate::cost::collective::{alpha_beta, p2p};
+use crate::cost::model::{CommEvent, Memory, OpRow, Phase};
+use crate::cost::pipeline::{Schedule, graph_batch};
+use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Options};
+use crate::rebatch::{RebatchSpec, rebatch};
+
+use super::{SearchOptions, mesh_string};
+
+/// Whether and how to pipeline.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum PipelineMode {
+    /// Never.
+    Off,
+    /// When it is faster (or the only way to fit).
+    Auto,
+    /// With exactly this many stages.
+    Stages(usize),
+}
+
+impl PipelineMode {
+    /// Parses `off`, `auto` or a stage count.
+    pub fn parse(s: &str) -> Result<PipelineMode, String> {
+        match s {
+            "off" => Ok(PipelineMode::Off),
+            "auto" => Ok(PipelineMode::Auto),
+            n => match n.parse::<usize>() {
+                Ok(k) if k >= 1 => Ok(if k == 1 { PipelineMode::Off } else { PipelineMode::Stages(k) }),
+                _ => Err(format!("--pipeline: `{s}` is not off, auto or a stage count")),
+            },
+        }
+    }
+}
+
+/// One stage of a pipeline plan.
+#[derive(Clone, Debug, Serialize)]
+pub struct StagePlan {
+    /// Global device ids.
+    pub devices: Vec<usize>,
+    /// The stage's own mesh.
+    pub mesh: String,
+    #[serde(skip)]
+    /// The stage's mesh.
+    pub sub_mesh: Mesh,
+    /// Its ops (first output names), in order.
+    pub ops: Vec<String>,
+    #[serde(skip)]
+    /// Its ops.
+    pub nodes: Vec<NodeId>,
+    /// First op.
+    pub first_op: String,
+    /// Last op.
+    pub last_op: String,
+    /// Forward time per micro-batch (with the send to the next stage), seconds.
+    pub forward_s: f64,
+    /// Backward time per micro-batch (with recomputation and the send back), seconds.
+    pub backward_s: f64,
+    /// `forward_s + backward_s`.
+    pub time_s: f64,
+    /// Recomputes its activations in the backward pass.
+    pub recompute: bool,
+    /// Memory per device, bytes.
+    pub memory_bytes: u64,
+    /// Bytes per device sent to the next stage per micro-batch.
+    pub send_bytes: f64,
+    /// Gradient synchronisation inside the stage, seconds.
+    pub grad_sync_s: f64,
+    #[serde(skip)]
+    /// Strategies of its ops on its mesh.
+    pub assignment: Assignment,
+    #[serde(skip)]
+    /// Per-op rows (at the micro-batch size).
+    pub rows: Vec<OpRow>,
+    #[serde(skip)]
+    /// Communication inside the stage.
+    pub events: Vec<CommEvent>,
+}
+
+/// A configuration the search priced.
+#[derive(Clone, Debug, Serialize)]
+pub struct Tried {
+    /// Stages.
+    pub stages: usize,
+    /// Micro-batches.
+    pub micro_batches: usize,
+    /// Schedule.
+    pub schedule: &'static str,
+    /// Devices per stage.
+    pub stage_devices: Vec<usize>,
+    /// Step time, seconds (infinite when nothing fits).
+    pub step_time_s: f64,
+    /// It fits.
+    pub feasible: bool,
+}
+
+/// A pipeline plan.
+#[derive(Clone, Debug)]
+pub struct PipelinePlan {
+    /// The stages, in order.
+    pub stages: Vec<StagePlan>,
+    /// Micro-batches.
+    pub micro_batches: usize,
+    /// Schedule.
+    pub schedule: Schedule,
+    /// The step's price.
+    pub breakdown: Breakdown,
+    /// Slowest over fastest stage time.
+    pub imbalance: f64,
+    /// When the stages are not balanced within 10%: what prevents it.
+    pub blocker: Option<String>,
+    /// Configurations priced (best of each).
+    pub tried: Vec<Tried>,
+    /// Seconds.
+    pub search_time_s: f64,
+    /// The stage count was requested (`--pipeline S`), not chosen.
+    pub requested: bool,
+}
+
+/// What one op costs on a sub-mesh at one micro-batch size.
+struct Table {
+    fwd: Vec<f64>,
+    bwd: Vec<f64>,
+    act: Vec<f64>,
+    param: Vec<f64>,
+    sync: Vec<f64>,
+    update: Vec<f64>,
+    /// Bytes per device crossing the cut before op `j` (`j` in `0..=n`).
+    cross: Vec<f64>,
+    /// The tensors crossing each cut.
+    crossing: Vec<Vec<Value>>,
+    workspace: f64,
+    input_transfer: f64,
+    strategies: Vec<OpStrategy>,
+    rows: Vec<OpRow>,
+    events: Vec<CommEvent>,
+}
+
+/// A table grouped into units (runs of consecutive ops), with prefix sums for O(1) stage
+/// prices.
+pub struct Units {
+    /// Forward time, prefix sums (`len = units + 1`).
+    pub fwd: Vec<f64>,
+    /// Backward time, prefix sums.
+    pub bwd: Vec<f64>,
+    /// Kept activation bytes per micro-batch, prefix sums.
+    pub act: Vec<f64>,
+    /// Parameter bytes (weights, gradients, optimizer state), prefix sums.
+    pub param: Vec<f64>,
+    /// Bytes per device crossing the cut before unit `j` (`j` in `0..=units`).
+    pub cross: Vec<f64>,
+    /// Workspace per device.
+    pub workspace: f64,
+}
+
+impl Units {
+    /// Units of a per-op table: op `bounds[u]..bounds[u + 1]` is unit `u`.
+    fn new(t: &Table, bounds: &[usize]) -> Units {
+        let pre = |v: &[f64]| {
+            let mut out = vec![0.0; bounds.len()];
+            for u in 0..bounds.len() - 1 {
+                out[u + 1] = out[u] + v[bounds[u]..bounds[u + 1]].iter().sum::<f64>();
+            }
+            out
+        };
+        Units {
+            fwd: pre(&t.fwd),
+            bwd: pre(&t.bwd),
+            act: pre(&t.act),
+            param: pre(&t.param),
+            cross: bounds.iter().map(|&b| t.cross[b]).collect(),
+            workspace: t.workspace,
+        }
+    }
+
+    /// Units from per-unit values (one op each), for tests and other tools.
+    pub fn from_parts(fwd: &[f64], bwd: &[f64], act: &[f64], param: &[f64], cross: &[f64], workspace: f64) -> Units {
+        let pre = |v: &[f64]| {
+            let mut out = vec![0.0; v.len() + 1];
+            for (i, x) in v.iter().enumerate() {
+                out[i + 1] = out[i] + x;
+            }
+            out
+        };
+        Units { fwd: pre(fwd), bwd: pre(bwd), act: pre(act), param: pre(param), cross: cross.to_vec(), workspace }
+    }
+
+    fn len(&self) -> usize {
+        self.fwd.len() - 1
+    }
+}
+
+/// The stage-partition problem of one configuration: everything the dynamic program reads.
+pub struct PartitionInput<'a> {
+    /// Per allowed stage size: the units priced on a sub-mesh of that size.
+    pub tables: Vec<&'a Units>,
+    /// The allowed stage sizes (devices), parallel to `tables`.
+    pub sizes: Vec<usize>,
+    /// Devices in all (the stages' sizes sum to it).
+    pub devices: usize,
+    /// Stages.
+    pub stages: usize,
+    /// Micro-batches.
+    pub micro: usize,
+    /// Schedule.
+    pub schedule: Schedule,
+    /// Usable memory per device.
+    pub capacity: f64,
+    /// Point-to-point (α, β) from one device (the last of a stage) to another (the first of
+    /// the next).
+    pub link: &'a dyn Fn(usize, usize) -> (f64, f64),
+    /// A stage of `size` devices may start at device `offset`.
+    pub aligned: &'a dyn Fn(usize, usize) -> bool,
+    /// Allow recomputation.
+    pub recompute: bool,
+}
+
+/// One stage of a partition.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Cut {
+    /// First unit.
+    pub start: usize,
+    /// One past the last unit.
+    pub end: usize,
+    /// Index of its size in [`PartitionInput::sizes`].
+    pub size: usize,
+    /// Its first device.
+    pub offset: usize,
+}
+
+/// Forward and backward time per micro-batch of stage `s` over units `a..b` on sizes[k]
+/// devices from device `offset`, and whether it recomputes; `None` when it does not fit.
+pub fn stage_cost(
+    p: &PartitionInput<'_>,
+    k: usize,
+    s: usize,
+    a: usize,
+    b: usize,
+    offset: usize,
+) -> Option<(f64, f64, bool)> {
+    let t = p.tables[k];
+    let d = p.sizes[k];
+    let n = t.len();
+    let send_next = if b < n && t.cross[b] > 0.0 {
+        let (al, be) = (p.link)(offset + d - 1, offset + d);
+        p2p(t.cross[b], al, be)
+    } else {
+        0.0
+    };
+    let send_prev = if a > 0 && t.cross[a] > 0.0 && offset > 0 {
+        let (al, be) = (p.link)(offset, offset - 1);
+        p2p(t.cross[a], al, be)
+    } else {
+        0.0
+    };
+    let fwd = t.fwd[b] - t.fwd[a];
+    let f = fwd + send_next;
+    let bw = t.bwd[b] - t.bwd[a] + send_prev;
+    let flight = p.schedule.in_flight(s, p.stages, p.micro) as f64;
+    let params = t.param[b] - t.param[a];
+    let act = t.act[b] - t.act[a];
+    if params + act * flight + t.workspace <= p.capacity {
+        return Some((f, bw, false));
+    }
+    let input = if a > 0 { t.cross[a] } else { 0.0 };
+    if p.recompute && params + input * flight + act + t.workspace <= p.capacity {
+        return Some((f, bw + fwd, true));
+    }
+    None
+}
+
+/// The partition into `stages` contiguous runs of units with sizes summing to the devices that
+/// minimises the slowest stage's time per micro-batch (then, among those, maximises the
+/// fastest), or `None` when none fits. Exact: dynamic programming over every cut position,
+/// stage size and device offset.
+pub fn partition(p: &PartitionInput<'_>) -> Option<Vec<Cut>> {
+    let n = p.tables.first()?.len();
+    let st = p.stages;
+    if st == 0 || st > n {
+        return None;
+    }
+    let g = p.sizes.iter().copied().fold(0, gcd).max(1);
+    let offs = p.devices / g + 1; // offsets in units of g
+    let idx = |s: usize, j: usize, o: usize| (s * (n + 1) + j) * offs + o;
+    let cost =
+        |k: usize, s: usize, a: usize, b: usize, off: usize| stage_cost(p, k, s, a, b, off).map(|(f, b, _)| f + b);
+    let inf = f64::INFINITY;
+    let run = |cap: Option<f64>| -> (Vec<f64>, Vec<(u32, u32)>) {
+        // With `cap`: maximise the fastest stage subject to every stage ≤ cap; else minimise
+        // the slowest.
+        let worst = if cap.is_some() { -inf } else { inf };
+        let mut val = vec![worst; st * (n + 1) * offs];
+        let mut from = vec![(u32::MAX, u32::MAX); st * (n + 1) * offs];
+        for s in 0..st {
+            for j in (s + 1)..=n {
+                for (k, &d) in p.sizes.iter().enumerate() {
+                    for o_start in 0..offs {
+                        let off = o_start * g;
+                        if off + d > p.devices || !(p.aligned)(off, d) {
+                            continue;
+                        }
+                        if s == 0 && off != 0 {
+                            continue;
+                        }
+                        let o_end = (off + d) / g;
+                        let lo = if s == 0 { 0 } else { s };
+                        let hi = if s == 0 { 1 } else { j };
+                        for i in lo..hi {
+                            let prev = if s == 0 {
+                                if cap.is_some() { inf } else { -inf }
+                            } else {
+                                val[idx(s - 1, i, o_start)]
+                            };
+                            if s > 0 && prev == worst {
+                                continue;
+                            }
+                            let Some(c) = cost(k, s, i, j, off) else { continue };
+                            let v = match cap {
+                                Some(cap) => {
+                                    if c > cap {
+                                        continue;
+                                    }
+                                    prev.min(c)
+                                }
+                                None => prev.max(c),
+                            };
+                            let slot = idx(s, j, o_end);
+                            let better = match cap {
+                                Some(_) => v > val[slot],
+                                None => v < val[slot],
+                            };
+                            if better {
+                                val[slot] = v;
+                                from[slot] = (i as u32, k as u32);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        (val, from)
+    };
+    let last = idx(st - 1, n, p.devices / g);
+    let (val, _) = run(None);
+    let bottleneck = val[last];
+    if !bottleneck.is_finite() {
+        return None;
+    }
+    let (val2, from) = run(Some(bottleneck * (1.0 + 1e-9)));
+    if val2[last] == -inf {
+        return None;
+    }
+    let mut cuts = Vec::with_capacity(st);
+    let (mut j, mut o) = (n, p.devices / g);
+    for s in (0..st).rev() {
+        let (i, k) = from[idx(s, j, o)];
+        if i == u32::MAX {
+            return None;
+        }
+        let d = p.sizes[k as usize];
+        let off = o * g - d;
+        cuts.push(Cut { start: i as usize, end: j, size: k as usize, offset: off });
+        j = i as usize;
+        o = off / g;
+    }
+    cuts.reverse();
+    Some(cuts)
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// Largest divisor of `b` that is at most `x` (at least 1).
+fn divisor_at_most(b: i64, x: i64) -> i64 {
+    (1..=x.max(1).min(b)).rev().find(|d| b % d == 0).unwrap_or(1)
+}
+
+/// Drops split axes (last first) until a strategy is admissible on the re-batched graph.
+fn repair(cm: &CostModel<'_>, n: NodeId, s: &[Option<usize>]) -> OpStrategy {
+    let mut s = s.to_vec();
+    let sp = cm.space(n);
+    if s.iter().all(Option::is_none)
+        || (s.iter().all(|d| d.is_none_or(|i| i < sp.dims.len())) && strategy_valid(sp, &s, &cm.mesh, cm.g, n))
+    {
+        return s;
+    }
+    for a in (0..s.len()).rev() {
+        s[a] = None;
+        if s.iter().all(Option::is_none)
+            || (s.iter().all(|d| d.is_none_or(|i| i < sp.dims.len())) && strategy_valid(sp, &s, &cm.mesh, cm.g, n))
+        {
+            return s;
+        }
+    }
+    s
+}
+
+/// Builds the table of one sub-mesh at one micro-batch size from a reference plan.
+fn table(gm: &Graph, cluster: &Cluster, mesh: &Mesh, opts: &Options, reference: &HashMap<String, OpStrategy>) -> Table {
+    let cm = CostModel::new(gm, cluster, mesh.clone(), opts.clone());
+    let order = cm.order().to_vec();
+    let mut asg = Assignment::default();
+    let mut strategies = Vec::with_capacity(order.len());
+    for &n in &order {
+        let key = gm.node(n).outputs().first().map(|o| o.name.as_str()).unwrap_or("");
+        let s = reference.get(key).cloned().unwrap_or_else(|| vec![None; mesh.axes.len()]);
+        let s = if s.len() == mesh.axes.len() { repair(&cm, n, &s) } else { vec![None; mesh.axes.len()] };
+        strategies.push(s.clone());
+        asg.strategies.insert(n, s);
+    }
+    let b = cm.evaluate(&asg);
+    let n = order.len();
+    let pos: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &x)| (x, i)).collect();
+    let mut cross = vec![0.0; n + 1];
+    let mut crossing: Vec<Vec<Value>> = vec![Vec::new(); n + 1];
+    for (i, &op) in order.iter().enumerate() {
+        let (_, outs) = ir::shard::strategy_shardings(cm.space(op), &strategies[i]);
+        for (slot, layout) in outs.iter().enumerate() {
+            let v = Value::new(op, slot as u16);
+            let last = gm.users(v).iter().filter_map(|(u, _)| pos.get(u)).copied().max();
+            if let Some(last) = last
+                && last > i
+            {
+                let split: f64 = layout
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, x)| matches!(x, ir::shard::AxisShard::Split(_)))
+                    .map(|(a, _)| mesh.axes[a].size as f64)
+                    .product();
+                let bytes = cm.value_bytes(v) / split;
+                for j in (i + 1)..=last {
+                    cross[j] += bytes;
+                    crossing[j].push(v);
+                }
+            }
+        }
+    }
+    Table {
+        fwd: b.ops.iter().map(|r| r.forward_s).collect(),
+        bwd: b.ops.iter().map(|r| r.backward_s).collect(),
+        act: b.ops.iter().map(|r| r.memory_bytes).collect(),
+        param: b.ops.iter().map(|r| r.param_memory_bytes).collect(),
+        sync: b.ops.iter().map(|r| r.grad_sync_s).collect(),
+        update: b.ops.iter().map(|r| r.update_s).collect(),
+        cross,
+        crossing,
+        workspace: b.memory.workspace,
+        input_transfer: b.input_transfer_s,
+        strategies,
+        rows: b.ops.clone(),
+        events: b.events.clone(),
+    }
+}
+
+/// Sizes a stage's sub-mesh may have: `cluster.mesh(d)` must exist.
+fn valid_size(cluster: &Cluster, d: usize) -> bool {
+    d >= 1 && cluster.mesh(d).is_ok()
+}
+
+/// A stage of `d` devices may start at device `offset` without straddling a node.
+fn aligned(cluster: &Cluster, offset: usize, d: usize) -> bool {
+    let dpn = cluster.devices_per_node;
+    if d <= dpn { offset % dpn + d <= dpn && dpn.is_multiple_of(d) } else { offset.is_multiple_of(dpn) }
+}
+
+/// The link between the last device of one stage and the first of the next.
+fn link_between(cluster: &Cluster, last: usize, next: usize) -> (f64, f64) {
+    let dpn = cluster.devices_per_node;
+    let level = if last / dpn == next / dpn { LinkLevel::Intra } else { LinkLevel::Inter };
+    alpha_beta(cluster, level, 2)
+}
+
+/// Searches pipelines of `g` on `devices` devices. `None` when the model cannot be
+/// pipelined (no batch dim, or too few ops), with the reason.
+pub fn search_pipeline(
+    g: &Graph,
+    cluster: &Cluster,
+    devices: usize,
+    opts: &Options,
+    so: &SearchOptions,
+    mode: PipelineMode,
+    deadline: Instant,
+) -> Result<Option<PipelinePlan>, String> {
+    let start = Instant::now();
+    let stage_counts: Vec<usize> = match mode {
+        PipelineMode::Off => return Ok(None),
+        PipelineMode::Stages(s) => {
+            if !devices.is_multiple_of(s) {
+                return Err(format!("--pipeline {s}: {s} stages do not divide {devices} devices"));
+            }
+            vec![s]
+        }
+        PipelineMode::Auto => (2..=devices.min(16)).filter(|s| devices.is_multiple_of(*s)).collect(),
+    };
+    let Some(batch) = graph_batch(g) else {
+        return match mode {
+            PipelineMode::Stages(_) => {
+                Err("--pipeline: the model has no input with a batch dim to split into micro-batches".into())
+            }
+            _ => Ok(None),
+        };
+    };
+    let n_ops = g.op_nodes().map_err(|_| "the graph has a cycle".to_string())?.len();
+    let stage_counts: Vec<usize> = stage_counts.into_iter().filter(|&s| s <= n_ops).collect();
+    if stage_counts.is_empty() {
+        return match mode {
+            PipelineMode::Stages(s) => Err(format!("--pipeline {s}: the model has only {n_ops} ops")),
+            _ => Ok(None),
+        };
+    }
+    // Configurations: stage count, micro-batch count, stage sizes.
+    let mut configs: Vec<(usize, usize)> = Vec::new(); // (stages, micro)
+    for &s in &stage_counts {
+        let mut ms: Vec<usize> = [1usize, 2, 4, 8].iter().map(|k| k * s).filter(|&m| batch % m as i64 == 0).collect();
+        if ms.is_empty() && batch >= 1 {
+            ms.push(batch as usize);
+        }
+        for m in ms {
+            configs.push((s, m));
+        }
+    }
+    // Sub-mesh sizes, and the reference plan of each (at the micro-batch size of its most
+    // natural configuration).
+    let mut sizes: Vec<usize> = Vec::new();
+    for &s in &stage_counts {
+        let d = devices / s;
+        for x in [d, d / 2, d * 2] {
+            // A stage never has every device (the others would have none).
+            if x >= 1 && x < devices && valid_size(cluster, x) && !sizes.contains(&x) {
+                sizes.push(x);
+            }
+        }
+    }
+    sizes.sort_unstable();
+    let mut graphs: HashMap<i64, Graph> = HashMap::new();
+    let mut micro_graph = |mb: i64| -> Option<Graph> {
+        if let Some(x) = graphs.get(&mb) {
+            return Some(x.clone());
+        }
+        let mut gm = g.clone();
+        if mb != batch {
+            rebatch(&mut gm, &RebatchSpec { batch: Some(mb), ..Default::default() }).ok()?;
+        }
+        graphs.insert(mb, gm.clone());
+        Some(gm)
+    };
+    let inner = SearchOptions {
+        meshes: None,
+        pipeline: PipelineMode::Off,
+        threads: 1,
+        beam: so.beam.min(256),
+        per_op_strategies: so.per_op_strategies.min(24),
+        local_search: false,
+        exhaustive_limit: so.exhaustive_limit,
+        node_limit: so.node_limit.min(150_000),
+        time_limit: deadline.saturating_duration_since(Instant::now()).min(Duration::from_secs(20)),
+    };
+    let mut reference: HashMap<usize, HashMap<String, OpStrategy>> = HashMap::new();
+    let mut meshes: HashMap<usize, Mesh> = HashMap::new();
+    let jobs: Vec<(usize, Graph, Mesh)> = sizes
+        .iter()
+        .filter_map(|&d| {
+            let mesh = cluster.mesh(d).ok()?;
+            let mb = divisor_at_most(batch, (batch / (2 * (devices / d)) as i64).max(1));
+            Some((d, micro_graph(mb)?, mesh))
+        })
+        .collect();
+    let results: Vec<(usize, Mesh, HashMap<String, OpStrategy>)> = std::thread::scope(|sc| {
+        let handles: Vec<_> = jobs
+            .chunks(jobs.len().div_ceil(so.threads.max(1)).max(1))
+            .map(|chunk| {
+                let inner = inner.clone();
+                sc.spawn(move || {
+                    chunk
+                        .iter()
+                        .filter_map(|(d, gm, mesh)| {
+                            let so = SearchOptions { meshes: Some(vec![mesh.clone()]), ..inner.clone() };
+                            // A stage holds about 1/S of the model: plan the whole graph on d
+                            // devices with S times the memory, and check each stage's own
+                            // memory in the partition.
+                            let mut roomy = cluster.clone();
+                            roomy.device.mem_capacity *= (devices / d) as f64;
+                            let r = super::search_intra(gm, &roomy, *d, opts, &so).ok()?;
+                            let map: HashMap<String, OpStrategy> = r
+                                .assignment
+                                .strategies
+                                .iter()
+                                .filter_map(|(n, s)| Some((gm.node(*n).outputs().first()?.name.clone(), s.clone())))
+                                .collect();
+                            Some((*d, mesh.clone(), map))
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().expect("a pipeline search thread panicked")).collect()
+    });
+    for (d, mesh, map) in results {
+        reference.insert(d, map);
+        meshes.insert(d, mesh);
+    }
+
+    let capacity = cluster.device.mem_capacity * cluster.device.mem_usable;
+    let mut tables: HashMap<(usize, i64), Table> = HashMap::new();
+    let mut best: Option<PipelinePlan> = None;
+    let mut tried: Vec<Tried> = Vec::new();
+    let link = |a: usize, b: usize| link_between(cluster, a.min(b), a.max(b));
+    let align = |off: usize, d: usize| aligned(cluster, off, d);
+    let consider = |plan: Option<PipelinePlan>,
+                    s: usize,
+                    m: usize,
+                    schedule: Schedule,
+                    shape: Vec<usize>,
+                    best: &mut Option<PipelinePlan>,
+                    tried: &mut Vec<Tried>| {
+        let (step, feasible) = plan.as_ref().map_or((f64::INFINITY, false), |p| (p.breakdown.step_time_s, true));
+        tried.push(Tried {
+            stages: s,
+            micro_batches: m,
+            schedule: schedule.name(),
+            stage_devices: shape,
+            step_time_s: step,
+            feasible,
+        });
+        if let Some(p) = plan
+            && best.as_ref().is_none_or(|b| p.breakdown.step_time_s < b.breakdown.step_time_s)
+        {
+            *best = Some(p);
+        }
+    };
+    for &s in &stage_counts {
+        let d0 = devices / s;
+        if !reference.contains_key(&d0) {
+            continue;
+        }
+        let mut best_m: Option<(f64, usize)> = None;
+        for &(_, m) in configs.iter().filter(|c| c.0 == s) {
+            if Instant::now() > deadline {
+                break;
+            }
+            let mb = batch / m as i64;
+            let Some(gm) = micro_graph(mb) else { continue };
+            tables.entry((d0, mb)).or_insert_with(|| table(&gm, cluster, &meshes[&d0], opts, &reference[&d0]));
+            let t = &tables[&(d0, mb)];
+            let bounds = unit_bounds(t, FINE_UNITS);
+            let units = Units::new(t, &bounds);
+            for schedule in [Schedule::OneFOneB, Schedule::GPipe] {
+                let input = PartitionInput {
+                    tables: vec![&units],
+                    sizes: vec![d0],
+                    devices,
+                    stages: s,
+                    micro: m,
+                    schedule,
+                    capacity,
+                    link: &link,
+                    aligned: &align,
+                    recompute: true,
+                };
+                let plan = partition(&input).and_then(|cuts| {
+                    price_cuts(
+                        &gm,
+                        g,
+                        cluster,
+                        opts,
+                        &tables,
+                        &[d0],
+                        &cuts,
+                        &bounds,
+                        mb,
+                        s,
+                        m,
+                        schedule,
+                        capacity,
+                        &meshes,
+                    )
+                });
+                if let Some(p) = &plan
+                    && best_m.is_none_or(|(t, _)| p.breakdown.step_time_s < t)
+                {
+                    best_m = Some((p.breakdown.step_time_s, m));
+                }
+                consider(plan, s, m, schedule, vec![d0; s], &mut best, &mut tried);
+            }
+        }
+        // Stages of different sizes (half and double the even share), at the best micro-batch
+        // count, on coarser units.
+        let Some((_, m)) = best_m else { continue };
+        let mb = batch / m as i64;
+        let sizes: Vec<usize> = [d0 / 2, d0, d0 * 2]
+            .into_iter()
+            .filter(|&d| d >= 1 && d <= devices && reference.contains_key(&d))
+            .collect();
+        if sizes.len() < 2 || Instant::now() > deadline {
+            continue;
+        }
+        let Some(gm) = micro_graph(mb) else { continue };
+        for &d in &sizes {
+            tables.entry((d, mb)).or_insert_with(|| table(&gm, cluster, &meshes[&d], opts, &reference[&d]));
+        }
+        let bounds = unit_bounds(&tables[&(d0, mb)], COARSE_UNITS);
+        let units: Vec<Units> = sizes.iter().map(|d| Units::new(&tables[&(*d, mb)], &bounds)).collect();
+        for schedule in [Schedule::OneFOneB, Schedule::GPipe] {
+            let input = PartitionInput {
+                tables: units.iter().collect(),
+                sizes: sizes.clone(),
+                devices,
+                stages: s,
+                micro: m,
+                schedule,
+                capacity,
+                link: &link,
+                aligned: &align,
+                recompute: true,
+            };
+            let Some(cuts) = partition(&input) else { continue };
+            let shape: Vec<usize> = cuts.iter().map(|c| sizes[c.size]).collect();
+            if shape.iter().all(|&d| d == d0) {
+                continue; // the uniform case, already priced on finer units
+            }
+            let plan = price_cuts(
+                &gm, g, cluster, opts, &tables, &sizes, &cuts, &bounds, mb, s, m, schedule, capacity, &meshes,
+            );
+            consider(plan, s, m, schedule, shape, &mut best, &mut tried);
+        }
+    }
+    let best = best.map(|p| (p.breakdown.step_time_s, true, p));
+    Ok(best.map(|(_, _, mut p)| {
+        p.tried = tried;
+        p.search_time_s = start.elapsed().as_secs_f64();
+        p
+    }))
+}
+
+/// Units the uniform dynamic program works on (ops are grouped beyond this).
+const FINE_UNITS: usize = 512;
+/// Units the dynamic program over stage sizes works on.
+const COARSE_UNITS: usize = 96;
+
+/// Unit boundaries: every op its own unit when there are at most `max` ops, else runs of
+/// consecutive ops of about equal time.
+fn unit_bounds(t: &Table, max: usize) -> Vec<usize> {
+    let n = t.fwd.len();
+    if n <= max {
+        return (0..=n).collect();
+    }
+    let time: Vec<f64> = (0..n).map(|i| t.fwd[i] + t.bwd[i]).collect();
+    let total: f64 = time.iter().sum();
+    let target = total / max as f64;
+    let mut bounds = vec![0];
+    let mut acc = 0.0;
+    for (i, x) in time.iter().enumerate() {
+        acc += x;
+        if acc >= target && i + 1 < n && bounds.len() < max {
+            bounds.push(i + 1);
+            acc = 0.0;
+        }
+    }
+    bounds.push(n);
+    bounds
+}
+
+/// Prices a partition (stages of units `cuts`, sizes `sizes[cut.size]`) as a whole step.
+#[allow(clippy::too_many_arguments)]
+fn price_cuts(
+    gm: &Graph,
+    g: &Graph,
+    cluster: &Cluster,
+    opts: &Options,
+    tables: &HashMap<(usize, i64), Table>,
+    sizes: &[usize],
+    cuts: &[Cut],
+    bounds: &[usize],
+    mb: i64,
+    s: usize,
+    m: usize,
+    schedule: Schedule,
+    capacity: f64,
+    meshes: &HashMap<usize, Mesh>,
+) -> Option<PipelinePlan> {
+    let order = g.op_nodes().ok()?;
+    let names: HashMap<String, NodeId> =
+        order.iter().filter_map(|&n| Some((g.node(n).outputs().first()?.name.clone(), n))).collect();
+    let gm_order = gm.op_nodes().ok()?;
+    let devices: usize = cuts.iter().map(|c| sizes[c.size]).sum();
+    let link = |a: usize, b: usize| link_between(cluster, a.min(b), a.max(b));
+    let align = |_: usize, _: usize| true;
+    let mut stages = Vec::with_capacity(s);
+    let (mut fwd, mut bwd) = (Vec::with_capacity(s), Vec::with_capacity(s));
+    let mut mem_per_device = Vec::new();
+    let mut worst = Memory::default();
+    let mut worst_total = 0.0;
+    let (mut syncs, mut updates) = (Vec::new(), Vec::new());
+    let mut p2p_total = 0.0;
+    let mut rows_all = Vec::new();
+    let mut events = Vec::new();
+    let mut op_cuts = Vec::with_capacity(s);
+    for (st, cut) in cuts.iter().enumerate() {
+        let d = sizes[cut.size];
+        let t = &tables[&(d, mb)];
+        let (a, b) = (bounds[cut.start], bounds[cut.end]);
+        op_cuts.push((a, b));
+        let all: Vec<usize> = (0..=t.fwd.len()).collect();
+        let units = Units::new(t, &all);
+        let input = PartitionInput {
+            tables: vec![&units],
+            sizes: vec![d],
+            devices,
+            stages: s,
+            micro: m,
+            schedule,
+            capacity,
+            link: &link,
+            aligned: &align,
+            recompute: true,
+        };
+        let (f, bw, rc) = stage_cost(&input, 0, st, a, b, cut.offset)?;
+        let flight = schedule.in_flight(st, s, m) as f64;
+        let params = units.param[b] - units.param[a];
+        let act_one = units.act[b] - units.act[a];
+        let act = if rc { (if a > 0 { t.cross[a] } else { 0.0 }) * flight + act_one } else { act_one * flight };
+        let mem = Memory { weights: params, gradients: 0.0, optimizer: 0.0, activations: act, workspace: t.workspace };
+        let total = mem.total();
+        if total > worst_total {
+            worst_total = total;
+            worst = mem;
+        }
+        let send = if b < t.fwd.len() { t.cross[b] } else { 0.0 };
+        if send > 0.0 {
+            let (al, be) = link(cut.offset + d - 1, cut.offset + d);
+            p2p_total += 2.0 * p2p(send, al, be) * m as f64;
+            for v in &t.crossing[b] {
+                events.push(CommEvent {
+                    phase: Phase::Forward,
+                    value: *v,
+                    op: None,
+                    from: vec![],
+                    to: vec![],
+                    steps: vec![crate::cost::collective::Step {
+                        kind: crate::cost::collective::CommKind::P2p,
+                        axes: vec![],
+                        bytes: send,
+                        time: p2p(send, al, be),
+                    }],
+                });
+            }
+        }
+        let mut asg = Assignment::default();
+        let mut nodes = Vec::with_capacity(b - a);
+        for (k, &n) in gm_order[a..b].iter().enumerate() {
+            if let Some(&orig) = gm.node(n).outputs().first().and_then(|o| names.get(o.name.as_str())) {
+                asg.strategies.insert(orig, t.strategies[a + k].clone());
+                nodes.push(orig);
+            }
+        }
+        let in_stage: std::collections::HashSet<NodeId> = gm_order[a..b].iter().copied().collect();
+        events.extend(t.events.iter().filter(|e| e.op.is_some_and(|o| in_stage.contains(&o))).cloned());
+        rows_all.extend(t.rows[a..b].iter().cloned());
+        let sync: f64 = t.sync[a..b].iter().sum();
+        syncs.push(sync);
+        updates.push(t.update[a..b].iter().sum::<f64>());
+        fwd.push(f);
+        bwd.push(bw);
+        mem_per_device.extend(std::iter::repeat_n(total as u64, d));
+        let name = |n: NodeId| super::plan::op_name(gm, n);
+        stages.push(StagePlan {
+            devices: (cut.offset..cut.offset + d).collect(),
+            mesh: mesh_string(&meshes[&d]),
+            sub_mesh: meshes[&d].clone(),
+            ops: gm_order[a..b]
+                .iter()
+                .map(|&n| gm.node(n).outputs().first().map(|o| o.name.clone()).unwrap_or_default())
+                .collect(),
+            nodes,
+            first_op: name(gm_order[a]),
+            last_op: name(gm_order[b - 1]),
+            forward_s: f,
+            backward_s: bw,
+            time_s: f + bw,
+            recompute: rc,
+            memory_bytes: total as u64,
+            send_bytes: send,
+            grad_sync_s: sync,
+            assignment: asg,
+            rows: t.rows[a..b].to_vec(),
+            events: Vec::new(),
+        });
+    }
+    let makespan = schedule.makespan(&fwd, &bwd, m);
+    let slot_b = bwd.iter().copied().fold(0.0, f64::max);
+    // Stage s finishes its last backward about s slots before stage 0; its synchronisation
+    // hides behind that (when overlap is on), the rest is exposed.
+    let exposed = syncs
+        .iter()
+        .enumerate()
+        .map(|(st, &x)| if opts.overlap_grad_sync { (x - st as f64 * slot_b).max(0.0) } else { x })
+        .fold(0.0, f64::max);
+    let update = updates.iter().copied().fold(0.0, f64::max);
+    let before_input = makespan + exposed + update;
+    let input_transfer = tables[&(sizes[cuts[0].size], mb)].input_transfer * m as f64;
+    let input = if opts.preload { (input_transfer - before_input).max(0.0) } else { input_transfer };
+    let times: Vec<f64> = fwd.iter().zip(&bwd).map(|(f, b)| f + b).collect();
+    let tmax = times.iter().copied().fold(0.0, f64::max);
+    let tmin = times.iter().copied().fold(f64::INFINITY, f64::min);
+    let imbalance = tmax / tmin.max(1e-30);
+    let reference = &tables[&(sizes[cuts[0].size], mb)];
+    let blocker = (imbalance > 1.10).then(|| blocker(gm, reference, &op_cuts, &times, s));
+    let feasible = worst_total <= capacity;
+    let slots = (m + s - 1) as f64;
+    let mut by_kind = std::collections::BTreeMap::new();
+    by_kind.insert("p2p".to_string(), p2p_total);
+    let breakdown = Breakdown {
+        step_time_s: before_input + input,
+        compute_s: m as f64 * tmax,
+        forward_s: m as f64 * fwd.iter().copied().fold(0.0, f64::max),
+        backward_s: m as f64 * slot_b,
+        update_s: update,
+        communication_s: p2p_total + syncs.iter().sum::<f64>(),
+        communication_by_kind: by_kind,
+        gradient_sync_s: syncs.iter().sum(),
+        exposed_gradient_sync_s: exposed,
+        bubble_s: makespan / slots * (s - 1) as f64,
+        input_s: input,
+        input_transfer_s: input_transfer,
+        input_bytes: 0.0,
+        memory_per_device_bytes: mem_per_device,
+        memory: worst,
+        memory_capacity_bytes: capacity as u64,
+        feasible,
+        infeasible_reason: (!feasible).then(|| "a pipeline stage does not fit".into()),
+        ops: rows_all,
+        events,
+    };
+    Some(PipelinePlan {
+        stages,
+        micro_batches: m,
+        schedule,
+        breakdown,
+        imbalance,
+        blocker,
+        tried: Vec::new(),
+        search_time_s: 0.0,
+        requested: false,
+    })
+}
+
+/// Why stages are not balanced: the heaviest single op, when it alone is more than a fair
+/// share; else the op the fastest stage would have to take from a neighbour, when that would
+/// make it the slowest; else memory (recomputation) or the tensors crossing the cuts.
+fn blocker(g: &Graph, t: &Table, cuts: &[(usize, usize)], times: &[f64], s: usize) -> String {
+    let total: f64 = times.iter().sum();
+    let share = total / s as f64;
+    let op_time = |i: usize| t.fwd[i] + t.bwd[i];
+    let order = g.op_nodes().unwrap_or_default();
+    let name = |i: usize| order.get(i).map(|&n| super::plan::op_name(g, n)).unwrap_or_default();
+    let (heavy, ht) = (0..t.fwd.len()).map(|i| (i, op_time(i))).fold((0, 0.0), |a, b| if b.1 > a.1 { b } else { a });
+    if ht > 0.5 * share {
+        return format!(
+            "op `{}` alone takes {:.1}% of a fair stage share ({:.3} ms of {:.3} ms per micro-batch); cuts between ops cannot balance finer",
+            name(heavy),
+            100.0 * ht / share,
+            ht * 1e3,
+            share * 1e3
+        );
+    }
+    let slowest = times.iter().copied().fold(0.0, f64::max);
+    let fastest = (0..times.len()).fold(0, |a, b| if times[b] < times[a] { b } else { a });
+    let (a, b) = cuts[fastest];
+    let mut neighbours = Vec::new();
+    if fastest + 1 < cuts.len() && b < t.fwd.len() {
+        neighbours.push(b);
+    }
+    if fastest > 0 && a > 0 {
+        neighbours.push(a - 1);
+    }
+    if let Some(&i) = neighbours.iter().min_by(|&&x, &&y| op_time(x).total_cmp(&op_time(y)))
+        && times[fastest] + op_time(i) > slowest
+    {
+        return format!(
+            "the fastest stage {fastest} ({:.3} ms) cannot take op `{}` ({:.3} ms) from its neighbour without becoming slower than the slowest ({:.3} ms): the ops are too coarse to balance finer",
+            times[fastest] * 1e3,
+            name(i),
+            op_time(i) * 1e3,
+            slowest * 1e3
+        );
+    }
+    format!(
+        "stage {fastest} cannot grow: moving a boundary would exceed memory or add a costly transfer of the tensors crossing the cut"
+    )
+}
