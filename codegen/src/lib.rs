@@ -1,3 +1,26 @@
-//! Code generation (filled in by the codegen milestone).
+//! Code generation: a plan becomes one program per device, and the runtime runs them.
+//!
+//! - [`lower`](lower::lower) turns a graph and a [`Placement`] (per-op strategies on stage
+//!   meshes) into a [`Program`]: per device, a graph on local shapes with explicit
+//!   communication ops (`AllReduce`, `AllGather`, `ReduceScatter`, `AllToAll`, `Send`/`Recv`,
+//!   `HaloExchange`, in the `shardc` domain), printable in the ONNX textual syntax.
+//! - [`check`](check::check) proves a program consistent before it runs: shapes, matching
+//!   collectives, paired sends, no deadlock.
+//! - [`runtime`] runs a program with one thread per simulated device, on the CPU reference
+//!   kernels or on WGSL compute shaders through wgpu (one instance per device), with
+//!   collectives through host staging buffers.
+//!
+//! wgpu is used only in `runtime::gpu`.
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout, clippy::print_stderr)]
+
+pub mod check;
+pub mod layout;
+pub mod lower;
+pub mod program;
+pub mod runtime;
+
+pub use check::check;
+pub use lower::{LowerError, lower};
+pub use program::{DeviceProgram, Feed, GlobalValue, Placement, Program, StagePlacement};
+pub use runtime::{Backend, RunOptions, RunReport, RuntimeError, run};

@@ -1458,7 +1458,10 @@ pub fn infer_op(
             let ax = norm_axis(h.axis.unwrap_or(0), d.len())?;
             let w = h.widths.clone().unwrap_or_default();
             let mut out = d.clone();
-            out[ax] = d[ax].value().map_or(Dim::Unknown, |v| Dim::Fixed(v + w.iter().sum::<i64>()));
+            // `widths` = [from_prev, from_next, to_prev, to_next]: the output grows by what
+            // comes in.
+            let grow: i64 = w.iter().take(2).sum();
+            out[ax] = d[ax].value().map_or(Dim::Unknown, |v| Dim::Fixed(v + grow));
             Ok(vec![with(dt, Some(out))])
         }
         Op::Recv(r) => Ok(vec![Some(TensorType::fixed(

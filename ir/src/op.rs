@@ -621,8 +621,9 @@ define_ops! {
     Send = "Send" in "shardc", Comm { peer: int, tag: int = 0 };
     /// Receives a tensor of type `dtype` and `shape` from device `peer`.
     Recv = "Recv" in "shardc", Comm { dtype: int = 1, peer: int, shape: ints, tag: int = 0 };
-    /// Extends X along `axis` with `widths` = [before, after] elements from the neighbours
-    /// in `group` (zeros at the ends of the group).
+    /// Extends X along `axis` with rows from its neighbours in `group`: `widths` =
+    /// `[from_prev, from_next, to_prev, to_next]` (rows received from the previous and next
+    /// member, rows sent to them). The ends of the group receive nothing from outside.
     HaloExchange = "HaloExchange" in "shardc", Comm { axis: int, group: ints, widths: ints };
 }
 

@@ -637,8 +637,20 @@ pub fn iter_space(g: &Graph, n: NodeId) -> IterSpace {
         }
         Op::Reshape(_) | Op::Flatten(_) | Op::Squeeze(_) | Op::Unsqueeze(_) => {
             let x = dims(g, input(0));
-            let sd: Vec<IterDim> = out.iter().enumerate().map(|(i, &s)| par(format!("d{i}"), s)).collect();
             let xm = reshape_map(&x, &out);
+            // An output dim no input dim follows cannot be split: its pieces would need the
+            // whole input.
+            let sd: Vec<IterDim> = out
+                .iter()
+                .enumerate()
+                .map(|(i, &s)| {
+                    let mut d = par(format!("d{i}"), s);
+                    if !xm.contains(&Some(i)) {
+                        d.kind = DimKind::Fixed;
+                    }
+                    d
+                })
+                .collect();
             let mut inputs = vec![Some(xm)];
             for i in node.inputs().iter().skip(1) {
                 inputs.push(i.map(|v| vec![None; rank(g, v)]));

@@ -1,0 +1,323 @@
+//! The checker: proves a lowered program consistent before it runs.
+//!
+//! - Every device's graph verifies and its shapes infer.
+//! - Feeds and results have the local shapes their layouts imply.
+//! - The members of each collective group meet the same collectives, in the same order, on the
+//!   same shapes; halo widths agree between neighbours.
+//! - Every `Send` has its `Recv` (same tag, the receiver expects the sent shape) and the other
+//!   way round.
+//! - The program cannot deadlock: a simulation in which collectives complete when every
+//!   member has reached them, receives when their send has been issued, and sends never
+//!   block, runs every device to its end.
+
+use std::collections::{BTreeMap, HashMap};
+
+use ir::attr::AttrValue;
+use ir::{Graph, NodeId, Op, OpClass, TensorType, Value};
+
+use crate::layout::local_shape;
+use crate::program::Program;
+
+/// One communication op of a device, as the checker sees it.
+#[derive(Clone, Debug, PartialEq)]
+enum Event {
+    /// A collective: kind, group, attributes that must agree, input shape.
+    Collective { kind: String, group: Vec<i64>, key: String, shape: Vec<i64> },
+    /// A send to `peer`.
+    Send { peer: i64, tag: i64, shape: Vec<i64> },
+    /// A receive from `peer`.
+    Recv { peer: i64, tag: i64, shape: Vec<i64> },
+}
+
+/// Per group, per member: its collectives as (kind, attributes, shape).
+type Sequences = BTreeMap<Vec<i64>, BTreeMap<usize, Vec<CollectiveSig>>>;
+type CollectiveSig = (String, String, Vec<i64>);
+
+fn ints(op: &Op, name: &str) -> Vec<i64> {
+    op.attributes()
+        .into_iter()
+        .find(|a| a.name == name)
+        .and_then(|a| if let AttrValue::Ints(v) = a.value { Some(v) } else { None })
+        .unwrap_or_default()
+}
+
+fn int(op: &Op, name: &str) -> i64 {
+    op.attributes()
+        .into_iter()
+        .find(|a| a.name == name)
+        .and_then(|a| if let AttrValue::Int(v) = a.value { Some(v) } else { None })
+        .unwrap_or(0)
+}
+
+fn shape_of(g: &Graph, v: Option<Value>) -> Vec<i64> {
+    v.and_then(|v| g.tensor_type(v)).and_then(TensorType::static_dims).unwrap_or_default()
+}
+
+fn events(g: &Graph) -> Vec<(NodeId, Event)> {
+    let mut out = Vec::new();
+    for n in g.op_nodes().unwrap_or_default() {
+        let node = g.node(n);
+        if node.op.class() != OpClass::Comm {
+            continue;
+        }
+        let op = &node.op;
+        let e = match op {
+            Op::Send(_) => {
+                Event::Send { peer: int(op, "peer"), tag: int(op, "tag"), shape: shape_of(g, node.input(0)) }
+            }
+            Op::Recv(_) => Event::Recv { peer: int(op, "peer"), tag: int(op, "tag"), shape: ints(op, "shape") },
+            _ => {
+                // Attributes every member must agree on (halo widths differ by position and are
+                // checked separately).
+                let key: Vec<String> = op
+                    .attributes()
+                    .into_iter()
+                    .filter(|a| a.name != "group" && a.name != "widths")
+                    .map(|a| format!("{}={:?}", a.name, a.value))
+                    .collect();
+                let mut shape = shape_of(g, node.input(0));
+                // Halo exchanges move blocks of different lengths along their axis.
+                if let Op::HaloExchange(_) = op
+                    && let Some(x) = shape.get_mut(int(op, "axis") as usize)
+                {
+                    *x = -1;
+                }
+                Event::Collective {
+                    kind: op.op_type().to_string(),
+                    group: ints(op, "group"),
+                    key: key.join(","),
+                    shape,
+                }
+            }
+        };
+        out.push((n, e));
+    }
+    out
+}
+
+/// Checks a program; the errors say what is inconsistent, and where.
+pub fn check(p: &Program) -> Result<(), Vec<String>> {
+    let mut errors = Vec::new();
+    let n_dev = p.devices.len();
+    let mut per_device: Vec<Vec<(NodeId, Event)>> = Vec::with_capacity(n_dev);
+    for (i, d) in p.devices.iter().enumerate() {
+        if d.device != i {
+            errors.push(format!("device program {i} says it is device {}", d.device));
+        }
+        if let Err(e) = ir::verify(&d.graph) {
+            for x in e.0.iter().take(5) {
+                errors.push(format!("device {i}: {}", x.msg));
+            }
+        }
+        let mesh = &p.meshes[d.stage];
+        for f in &d.feeds {
+            let Some(global) = p.inputs.iter().find(|x| x.name == f.global) else {
+                errors.push(format!("device {i}: feed `{}` names no global input `{}`", f.local, f.global));
+                continue;
+            };
+            let want = local_shape(&micro_shape(p, &global.shape, global.batch_axis), &f.layout, mesh);
+            let got = d.graph.lookup(&f.local).map(|v| shape_of(&d.graph, Some(v)));
+            if got.map(|g| g.iter().map(|&x| x as usize).collect::<Vec<_>>()) != Some(want.clone()) {
+                errors.push(format!("device {i}: input `{}` should be {want:?} for its layout", f.local));
+            }
+        }
+        for r in &d.results {
+            let Some(global) = p.outputs.iter().find(|x| x.name == r.global) else {
+                errors.push(format!("device {i}: result `{}` names no global output", r.local));
+                continue;
+            };
+            let want = local_shape(&micro_shape(p, &global.shape, global.batch_axis), &r.layout, mesh);
+            let got = d.graph.lookup(&r.local).map(|v| shape_of(&d.graph, Some(v)));
+            if got.map(|g| g.iter().map(|&x| x as usize).collect::<Vec<_>>()) != Some(want.clone()) {
+                errors.push(format!("device {i}: output `{}` should be {want:?} for its layout", r.local));
+            }
+        }
+        let ev = events(&d.graph);
+        for (_, e) in &ev {
+            if let Event::Collective { kind, group, .. } = e {
+                if !group.contains(&(i as i64)) {
+                    errors.push(format!("device {i}: a {kind} over {group:?} does not include it"));
+                }
+                if group.iter().any(|&x| x < 0 || x as usize >= n_dev) {
+                    errors.push(format!("device {i}: a {kind} names a device outside the program: {group:?}"));
+                }
+            }
+        }
+        per_device.push(ev);
+    }
+    // Collective sequences per group agree.
+    let mut seqs: Sequences = BTreeMap::new();
+    for (i, ev) in per_device.iter().enumerate() {
+        for (_, e) in ev {
+            if let Event::Collective { kind, group, key, shape } = e {
+                seqs.entry(group.clone()).or_default().entry(i).or_default().push((
+                    kind.clone(),
+                    key.clone(),
+                    shape.clone(),
+                ));
+            }
+        }
+    }
+    for (group, by_dev) in &seqs {
+        let mut reference: Option<(usize, &Vec<CollectiveSig>)> = None;
+        for &m in group {
+            let list = by_dev.get(&(m as usize));
+            match (reference, list) {
+                (_, None) => errors.push(format!("device {m} never joins the collectives of group {group:?}")),
+                (None, Some(l)) => reference = Some((m as usize, l)),
+                (Some((r, want)), Some(l)) => {
+                    if l.len() != want.len() {
+                        errors.push(format!(
+                            "group {group:?}: device {m} meets {} collectives, device {r} {}",
+                            l.len(),
+                            want.len()
+                        ));
+                    } else if let Some(k) = (0..l.len()).find(|&k| l[k] != want[k]) {
+                        errors.push(format!(
+                            "group {group:?}: collective {k} is {:?} on device {m} but {:?} on device {r}",
+                            l[k], want[k]
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    // Halo widths agree between neighbours.
+    let mut halos: HashMap<Vec<i64>, HashMap<usize, Vec<Vec<i64>>>> = HashMap::new();
+    for (i, d) in p.devices.iter().enumerate() {
+        for (n, e) in &per_device[i] {
+            if let Event::Collective { kind, group, .. } = e
+                && kind == "HaloExchange"
+            {
+                halos
+                    .entry(group.clone())
+                    .or_default()
+                    .entry(i)
+                    .or_default()
+                    .push(ints(&d.graph.node(*n).op, "widths"));
+            }
+        }
+    }
+    for (group, by_dev) in &halos {
+        for w in 0..group.len().saturating_sub(1) {
+            let (a, b) = (group[w] as usize, group[w + 1] as usize);
+            let (Some(la), Some(lb)) = (by_dev.get(&a), by_dev.get(&b)) else { continue };
+            for (k, (x, y)) in la.iter().zip(lb).enumerate() {
+                if x.len() == 4 && y.len() == 4 && (x[3] != y[0] || y[2] != x[1]) {
+                    errors.push(format!(
+                        "halo {k} of group {group:?}: device {a} sends {} / receives {} but device {b} expects {} / sends {}",
+                        x[3], x[1], y[0], y[2]
+                    ));
+                }
+            }
+        }
+    }
+    // Sends and receives pair up.
+    let mut sends: HashMap<(i64, i64, i64), Vec<i64>> = HashMap::new();
+    let mut recvs: HashMap<(i64, i64, i64), Vec<i64>> = HashMap::new();
+    for (i, ev) in per_device.iter().enumerate() {
+        for (_, e) in ev {
+            match e {
+                Event::Send { peer, tag, shape } => {
+                    sends.insert((i as i64, *peer, *tag), shape.clone());
+                }
+                Event::Recv { peer, tag, shape } => {
+                    recvs.insert((*peer, i as i64, *tag), shape.clone());
+                }
+                _ => {}
+            }
+        }
+    }
+    for (k, s) in &sends {
+        match recvs.get(k) {
+            None => errors.push(format!("device {} sends tag {} to device {}, which never receives it", k.0, k.2, k.1)),
+            Some(r) if r != s => {
+                errors.push(format!("tag {} from device {} to {}: sent {s:?}, received {r:?}", k.2, k.0, k.1))
+            }
+            _ => {}
+        }
+    }
+    for k in recvs.keys() {
+        if !sends.contains_key(k) {
+            errors.push(format!("device {} waits for tag {} from device {}, which never sends it", k.1, k.2, k.0));
+        }
+    }
+    if errors.is_empty()
+        && let Err(e) = simulate(&per_device)
+    {
+        errors.push(e);
+    }
+    if errors.is_empty() { Ok(()) } else { Err(errors) }
+}
+
+fn micro_shape(p: &Program, shape: &[usize], batch_axis: Option<usize>) -> Vec<usize> {
+    let mut s = shape.to_vec();
+    if let Some(a) = batch_axis
+        && p.micro_batches > 1
+        && let Some(x) = s.get_mut(a)
+    {
+        *x /= p.micro_batches;
+    }
+    s
+}
+
+/// Runs the communication schedule: `Err` names the devices stuck and what they wait for.
+fn simulate(per_device: &[Vec<(NodeId, Event)>]) -> Result<(), String> {
+    let n = per_device.len();
+    let mut pos = vec![0usize; n];
+    let mut sent: std::collections::HashSet<(usize, i64, i64)> = Default::default();
+    // How many collectives each device has completed per group.
+    let mut done: Vec<HashMap<Vec<i64>, usize>> = vec![HashMap::new(); n];
+    loop {
+        let mut progress = false;
+        for i in 0..n {
+            while let Some((_, e)) = per_device[i].get(pos[i]) {
+                match e {
+                    Event::Send { peer, tag, .. } => {
+                        sent.insert((i, *peer, *tag));
+                        pos[i] += 1;
+                        progress = true;
+                    }
+                    Event::Recv { peer, tag, .. } => {
+                        if sent.contains(&(*peer as usize, i as i64, *tag)) {
+                            pos[i] += 1;
+                            progress = true;
+                        } else {
+                            break;
+                        }
+                    }
+                    Event::Collective { group, .. } => {
+                        let k = done[i].get(group).copied().unwrap_or(0);
+                        // Every member at its k-th collective of this group.
+                        let ready = group.iter().all(|&m| {
+                            let m = m as usize;
+                            m < n && done[m].get(group).copied().unwrap_or(0) == k && {
+                                matches!(per_device[m].get(pos[m]), Some((_, Event::Collective { group: g2, .. })) if g2 == group)
+                            }
+                        });
+                        if ready {
+                            for &m in group {
+                                let m = m as usize;
+                                *done[m].entry(group.clone()).or_insert(0) += 1;
+                                pos[m] += 1;
+                            }
+                            progress = true;
+                        } else {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        if (0..n).all(|i| pos[i] >= per_device[i].len()) {
+            return Ok(());
+        }
+        if !progress {
+            let stuck: Vec<String> = (0..n)
+                .filter(|&i| pos[i] < per_device[i].len())
+                .map(|i| format!("device {i} at {:?}", per_device[i][pos[i]].1))
+                .collect();
+            return Err(format!("the program deadlocks: {}", stuck.join("; ")));
+        }
+    }
+}

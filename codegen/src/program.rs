@@ -1,0 +1,187 @@
+//! A lowered program: one graph per device with explicit communication, and how the host
+//! feeds its inputs and collects its outputs.
+
+use std::collections::HashMap;
+
+use ir::shard::{Mesh, OpStrategy, Sharding, sharding_to_string};
+use ir::{DType, Graph, Model, NodeId};
+use serde::Serialize;
+
+/// Where each op runs and how: the input of lowering.
+#[derive(Clone, Debug)]
+pub struct Placement {
+    /// The pipeline stages (one when the plan does not pipeline).
+    pub stages: Vec<StagePlacement>,
+    /// Per op, its strategy on its stage's mesh (absent: replicated).
+    pub strategies: HashMap<NodeId, OpStrategy>,
+    /// Per op, its stage (absent: 0).
+    pub stage_of: HashMap<NodeId, usize>,
+    /// Micro-batches per step (1 without pipelining).
+    pub micro_batches: usize,
+}
+
+/// One stage: its mesh and the global ids of its devices, in mesh order.
+#[derive(Clone, Debug)]
+pub struct StagePlacement {
+    /// The stage's mesh.
+    pub mesh: Mesh,
+    /// Global device ids, one per mesh position (row-major over the axes).
+    pub devices: Vec<usize>,
+}
+
+impl Placement {
+    /// Every op replicated on one device.
+    pub fn single() -> Placement {
+        Placement {
+            stages: vec![StagePlacement { mesh: Mesh::line(1, ir::shard::LinkLevel::Intra), devices: vec![0] }],
+            strategies: HashMap::new(),
+            stage_of: HashMap::new(),
+            micro_batches: 1,
+        }
+    }
+
+    /// All devices.
+    pub fn device_count(&self) -> usize {
+        self.stages.iter().map(|s| s.devices.len()).sum()
+    }
+}
+
+/// A global graph input or output.
+#[derive(Clone, Debug, Serialize)]
+pub struct GlobalValue {
+    /// Its name.
+    pub name: String,
+    /// Shape of the whole step (all micro-batches).
+    pub shape: Vec<usize>,
+    /// Element type.
+    #[serde(serialize_with = "dtype_name")]
+    pub dtype: DType,
+    /// The dim that is split into micro-batches (none: every micro-batch sees it whole).
+    pub batch_axis: Option<usize>,
+}
+
+fn dtype_name<S: serde::Serializer>(d: &DType, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(d.name())
+}
+
+/// How a device gets one of its graph inputs: a piece of a global input.
+#[derive(Clone, Debug, Serialize)]
+pub struct Feed {
+    /// The local input's name.
+    pub local: String,
+    /// The global input.
+    pub global: String,
+    /// The piece, as a layout on the device's stage mesh.
+    #[serde(serialize_with = "layout_text")]
+    pub layout: Sharding,
+}
+
+/// Which piece of a global output a device's graph output is.
+#[derive(Clone, Debug, Serialize)]
+pub struct Result_ {
+    /// The local output's name.
+    pub local: String,
+    /// The global output.
+    pub global: String,
+    /// The piece, as a layout on the device's stage mesh.
+    #[serde(serialize_with = "layout_text")]
+    pub layout: Sharding,
+}
+
+fn layout_text<S: serde::Serializer>(l: &Sharding, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&sharding_to_string(l))
+}
+
+/// One device's program.
+#[derive(Clone, Debug)]
+pub struct DeviceProgram {
+    /// Global device id.
+    pub device: usize,
+    /// Its pipeline stage.
+    pub stage: usize,
+    /// Its rank in the stage's mesh.
+    pub rank: usize,
+    /// The local graph: local shapes, communication ops in the `shardc` domain.
+    pub graph: Graph,
+    /// Its inputs.
+    pub feeds: Vec<Feed>,
+    /// Its pieces of the global outputs.
+    pub results: Vec<Result_>,
+}
+
+impl DeviceProgram {
+    /// The program as a model in the ONNX textual syntax (parses back with the frontend).
+    pub fn to_model(&self) -> Model {
+        let opset = self.graph.opset;
+        let mut m = Model::new(self.graph.clone(), opset);
+        m.opset_import.push((ir::op::SHARDC_DOMAIN.to_string(), 1));
+        m.metadata_props = Some(vec![
+            ("shardc_device".into(), self.device.to_string()),
+            ("shardc_stage".into(), self.stage.to_string()),
+        ]);
+        m
+    }
+}
+
+/// A lowered program for every device.
+#[derive(Clone, Debug)]
+pub struct Program {
+    /// Per device, by global id.
+    pub devices: Vec<DeviceProgram>,
+    /// The stages' meshes.
+    pub meshes: Vec<Mesh>,
+    /// Global device ids per stage.
+    pub stage_devices: Vec<Vec<usize>>,
+    /// Micro-batches per step.
+    pub micro_batches: usize,
+    /// Global inputs.
+    pub inputs: Vec<GlobalValue>,
+    /// Global outputs.
+    pub outputs: Vec<GlobalValue>,
+    /// Ops that run replicated instead of their planned strategy, and why.
+    pub fallbacks: Vec<String>,
+}
+
+impl Program {
+    /// The mesh and rank of a device.
+    pub fn mesh_of(&self, device: usize) -> (&Mesh, usize) {
+        let d = &self.devices[device];
+        (&self.meshes[d.stage], d.rank)
+    }
+
+    /// A summary for `--emit json`: per device its feeds, results and op counts.
+    pub fn summary_json(&self) -> serde_json::Value {
+        let devices: Vec<serde_json::Value> = self
+            .devices
+            .iter()
+            .map(|d| {
+                let mut comm: std::collections::BTreeMap<String, usize> = Default::default();
+                let mut ops = 0usize;
+                for n in d.graph.op_nodes().unwrap_or_default() {
+                    let op = &d.graph.node(n).op;
+                    if op.class() == ir::OpClass::Comm {
+                        *comm.entry(op.op_type().to_string()).or_insert(0) += 1;
+                    } else {
+                        ops += 1;
+                    }
+                }
+                serde_json::json!({
+                    "device": d.device,
+                    "stage": d.stage,
+                    "rank": d.rank,
+                    "ops": ops,
+                    "communication": comm,
+                    "feeds": d.feeds,
+                    "results": d.results,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "micro_batches": self.micro_batches,
+            "inputs": self.inputs,
+            "outputs": self.outputs,
+            "fallbacks": self.fallbacks,
+            "devices": devices,
+        })
+    }
+}

@@ -1,0 +1,38 @@
+//! The CPU executor: the reference kernels of `ir::eval`, one op at a time.
+
+use ir::eval::{Array, eval_op};
+use ir::{Graph, NodeId};
+
+use super::Executor;
+
+/// Runs ops with the CPU reference kernels.
+#[derive(Default)]
+pub struct CpuExecutor;
+
+impl CpuExecutor {
+    /// A CPU executor.
+    pub fn new() -> CpuExecutor {
+        CpuExecutor
+    }
+}
+
+impl Executor for CpuExecutor {
+    type Tensor = Array;
+
+    fn name(&self) -> String {
+        "cpu (reference kernels)".into()
+    }
+
+    fn upload(&mut self, a: &Array) -> Result<Array, String> {
+        Ok(a.clone())
+    }
+
+    fn download(&mut self, t: &Array) -> Result<Array, String> {
+        Ok(t.clone())
+    }
+
+    fn run(&mut self, g: &Graph, n: NodeId, inputs: &[Option<&Array>]) -> Result<(Vec<Array>, bool), String> {
+        let node = g.node(n);
+        eval_op(&node.op, inputs, node.num_outputs(), g.opset).map(|o| (o, false)).map_err(|e| e.to_string())
+    }
+}

@@ -1,0 +1,418 @@
+//! The runtime: runs a lowered program, one thread per simulated device.
+//!
+//! Each device thread owns its executor — the CPU reference kernels, or its own
+//! `wgpu::Instance`, device and queue — and runs its graph in order. Communication ops stop at
+//! the host: the tensor is read back, exchanged through the [`hub`]'s mailboxes by ring
+//! collectives, halo exchanges or point-to-point messages, and uploaded again. Inputs are
+//! scattered from host memory straight to each device (its piece only); a pipeline's
+//! micro-batches stream through the stages, each stage sending its boundary tensors on as
+//! soon as they are ready, and the next micro-batch's inputs are uploaded while the current
+//! one computes (the executors queue work asynchronously).
+
+pub mod cpu;
+pub mod gpu;
+pub(crate) mod hub;
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use ir::attr::AttrValue;
+use ir::eval::Array;
+use ir::{Graph, NodeId, Op, OpClass, Value};
+use serde::Serialize;
+
+use crate::layout::{assemble, concat, piece, split_even};
+use crate::program::{DeviceProgram, Program};
+
+/// Which executor runs the devices.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// The CPU reference kernels.
+    Cpu,
+    /// WGSL compute shaders through wgpu, one instance per device.
+    Wgpu,
+}
+
+/// Why a run failed.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum RuntimeError {
+    /// No wgpu adapter (install a Vulkan driver, e.g. Mesa's lavapipe).
+    #[error("no GPU adapter: {0}")]
+    NoAdapter(String),
+    /// A device failed.
+    #[error("device {device}: {message}")]
+    Device {
+        /// Which.
+        device: usize,
+        /// What happened.
+        message: String,
+    },
+    /// The inputs do not fit the program.
+    #[error("{0}")]
+    Input(String),
+}
+
+/// One device's account of a run.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DeviceReport {
+    /// Global id.
+    pub device: usize,
+    /// The adapter it ran on.
+    pub adapter: String,
+    /// Wall time of its thread, seconds.
+    pub wall_s: f64,
+    /// Time in compute ops, seconds.
+    pub compute_s: f64,
+    /// Time in communication, seconds.
+    pub communication_s: f64,
+    /// Compute time per op type, seconds.
+    pub by_op: BTreeMap<String, f64>,
+    /// Communication time per kind, seconds.
+    pub by_collective: BTreeMap<String, f64>,
+    /// Ops the executor ran on the host (no kernel for them), by type.
+    pub host_ops: BTreeMap<String, usize>,
+}
+
+/// The result of a run.
+#[derive(Clone, Debug)]
+pub struct RunReport {
+    /// Global outputs, in graph order.
+    pub outputs: Vec<(String, Array)>,
+    /// Per device.
+    pub devices: Vec<DeviceReport>,
+    /// Wall time of the whole run, seconds.
+    pub wall_s: f64,
+}
+
+/// A device-side tensor store.
+pub trait Executor {
+    /// A tensor on the device.
+    type Tensor: Clone;
+    /// Describes the device (adapter name).
+    fn name(&self) -> String;
+    /// Copies a host array to the device.
+    fn upload(&mut self, a: &Array) -> Result<Self::Tensor, String>;
+    /// Copies a device tensor to the host.
+    fn download(&mut self, t: &Self::Tensor) -> Result<Array, String>;
+    /// Runs one (non-communication) op. Returns its outputs and whether it ran on the host.
+    fn run(
+        &mut self,
+        g: &Graph,
+        n: NodeId,
+        inputs: &[Option<&Self::Tensor>],
+    ) -> Result<(Vec<Self::Tensor>, bool), String>;
+    /// Waits until queued work is done (for timing).
+    fn sync(&mut self) {}
+}
+
+/// Options of a run.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// The executor.
+    pub backend: Backend,
+    /// Longest a device waits for another before the run is declared stuck.
+    pub timeout: Duration,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions { backend: Backend::Wgpu, timeout: Duration::from_secs(300) }
+    }
+}
+
+/// Per device, per micro-batch, its feeds: local input name → array.
+type Feeds = Vec<Vec<HashMap<String, Array>>>;
+
+fn scatter(p: &Program, inputs: &HashMap<String, Array>) -> Result<Feeds, RuntimeError> {
+    let m = p.micro_batches.max(1);
+    // Each global input split into micro-batches.
+    let mut micro: HashMap<&str, Vec<Array>> = HashMap::new();
+    for gi in &p.inputs {
+        let a = inputs.get(&gi.name).ok_or_else(|| RuntimeError::Input(format!("no value for input `{}`", gi.name)))?;
+        if a.shape != gi.shape {
+            return Err(RuntimeError::Input(format!(
+                "input `{}` has shape {:?}, the program expects {:?}",
+                gi.name, a.shape, gi.shape
+            )));
+        }
+        let parts = match gi.batch_axis {
+            Some(ax) if m > 1 => split_even(a, ax, m),
+            _ => vec![a.clone(); m],
+        };
+        micro.insert(&gi.name, parts);
+    }
+    Ok(p.devices
+        .iter()
+        .map(|d| {
+            let (mesh, rank) = p.mesh_of(d.device);
+            let coords = mesh.coords(rank);
+            (0..m)
+                .map(|k| {
+                    d.feeds
+                        .iter()
+                        .map(|f| (f.local.clone(), piece(&micro[f.global.as_str()][k], &f.layout, mesh, &coords)))
+                        .collect()
+                })
+                .collect()
+        })
+        .collect())
+}
+
+/// Runs a program on `inputs` (global graph inputs by name).
+pub fn run(p: &Program, inputs: &HashMap<String, Array>, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
+    let feeds = scatter(p, inputs)?;
+    let hub = hub::Hub::new(opts.timeout);
+    let start = Instant::now();
+    let results: Vec<Result<DeviceOutcome, RuntimeError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = p
+            .devices
+            .iter()
+            .zip(feeds)
+            .map(|(d, f)| {
+                let hub = &hub;
+                let backend = opts.backend;
+                s.spawn(move || {
+                    let r = match backend {
+                        Backend::Cpu => drive(&mut cpu::CpuExecutor::new(), d, f, p.micro_batches, hub),
+                        Backend::Wgpu => match gpu::GpuExecutor::new() {
+                            Ok(mut e) => drive(&mut e, d, f, p.micro_batches, hub),
+                            Err(e) => Err(RuntimeError::NoAdapter(e)),
+                        },
+                    };
+                    if let Err(e) = &r {
+                        hub.fail(e.to_string());
+                    }
+                    r
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(RuntimeError::Input("a device thread panicked".into()))))
+            .collect()
+    });
+    let wall_s = start.elapsed().as_secs_f64();
+    // Report the first real failure (others may only say they were stopped).
+    let mut per_device = Vec::new();
+    let mut first_err: Option<RuntimeError> = None;
+    for r in results {
+        match r {
+            Ok(x) => per_device.push(x),
+            Err(e) => {
+                let stopped = matches!(&e, RuntimeError::Device { message, .. } if message.starts_with("stopped:"));
+                if first_err.is_none()
+                    || (!stopped
+                        && matches!(&first_err, Some(RuntimeError::Device { message, .. }) if message.starts_with("stopped:")))
+                {
+                    first_err = Some(e);
+                }
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    // Assemble the outputs.
+    let m = p.micro_batches.max(1);
+    let mut outputs = Vec::new();
+    for go in &p.outputs {
+        let mut micro_parts = Vec::with_capacity(m);
+        for k in 0..m {
+            // The devices holding pieces of this output, in stage-mesh order.
+            let mut holders: Vec<(usize, &Array, &ir::shard::Sharding, usize)> = Vec::new();
+            for (dev, (outs, _)) in per_device.iter().enumerate() {
+                let dp = &p.devices[dev];
+                for r in dp.results.iter().filter(|r| r.global == go.name) {
+                    if let Some((_, a)) = outs[k].iter().find(|(n, _)| *n == r.local) {
+                        holders.push((dp.rank, a, &r.layout, dp.stage));
+                    }
+                }
+            }
+            let Some(&(_, _, layout, stage)) = holders.first() else {
+                return Err(RuntimeError::Input(format!("no device produced output `{}`", go.name)));
+            };
+            let mesh = &p.meshes[stage];
+            holders.sort_by_key(|h| h.0);
+            let pieces: Vec<Array> = holders.iter().map(|h| h.1.clone()).collect();
+            let mut shape = go.shape.clone();
+            if let Some(ax) = go.batch_axis
+                && m > 1
+            {
+                shape[ax] /= m;
+            }
+            micro_parts.push(assemble(&pieces, layout, mesh, &shape));
+        }
+        let whole = match go.batch_axis {
+            Some(ax) if m > 1 => concat(&micro_parts, ax),
+            _ => micro_parts.pop().expect("one micro-batch"),
+        };
+        let whole = Array { dtype: go.dtype, ..whole };
+        outputs.push((go.name.clone(), whole));
+    }
+    Ok(RunReport { outputs, devices: per_device.into_iter().map(|x| x.1).collect(), wall_s })
+}
+
+fn attr_int(op: &Op, name: &str) -> i64 {
+    op.attributes()
+        .into_iter()
+        .find(|a| a.name == name)
+        .and_then(|a| if let AttrValue::Int(v) = a.value { Some(v) } else { None })
+        .unwrap_or(0)
+}
+
+fn attr_ints(op: &Op, name: &str) -> Vec<i64> {
+    op.attributes()
+        .into_iter()
+        .find(|a| a.name == name)
+        .and_then(|a| if let AttrValue::Ints(v) = a.value { Some(v) } else { None })
+        .unwrap_or_default()
+}
+
+fn attr_str(op: &Op, name: &str, default: &str) -> String {
+    op.attributes()
+        .into_iter()
+        .find(|a| a.name == name)
+        .and_then(|a| if let AttrValue::String(v) = a.value { Some(v) } else { None })
+        .unwrap_or_else(|| default.to_string())
+}
+
+/// Per micro-batch, a device's results; and its report.
+type DeviceOutcome = (Vec<Vec<(String, Array)>>, DeviceReport);
+
+/// Runs one device's program for every micro-batch. Returns, per micro-batch, its results.
+fn drive<E: Executor>(
+    e: &mut E,
+    d: &DeviceProgram,
+    feeds: Vec<HashMap<String, Array>>,
+    micro: usize,
+    hub: &hub::Hub,
+) -> Result<DeviceOutcome, RuntimeError> {
+    let err = |message: String| RuntimeError::Device { device: d.device, message };
+    let g = &d.graph;
+    let order = g.topo_order().map_err(|_| err("the graph has a cycle".into()))?;
+    let mut port = hub.port(d.device);
+    let mut report = DeviceReport { device: d.device, adapter: e.name(), ..Default::default() };
+    let start = Instant::now();
+    // Parameters and constants are uploaded once.
+    let mut fixed: HashMap<Value, E::Tensor> = HashMap::new();
+    for &n in &order {
+        if let Op::Initializer(t) | Op::Input { default: Some(t) } = &g.node(n).op {
+            let a = Array::from_tensor(t)
+                .map_err(|x| err(format!("initializer `{}`: {x}", g.value_name(Value::new(n, 0)))))?;
+            fixed.insert(Value::new(n, 0), e.upload(&a).map_err(err)?);
+        }
+    }
+    let mut outs_all = Vec::with_capacity(micro);
+    // Uploads of the next micro-batch are queued before this one's compute.
+    let mut queued: Option<HashMap<String, E::Tensor>> = None;
+    for (k, feed) in feeds.iter().enumerate() {
+        let mut env: HashMap<Value, E::Tensor> = fixed.clone();
+        let inputs = match queued.take() {
+            Some(q) => q,
+            None => upload_feed(e, feed).map_err(err)?,
+        };
+        if let Some(next) = feeds.get(k + 1) {
+            queued = Some(upload_feed(e, next).map_err(err)?);
+        }
+        for &n in &order {
+            let node = g.node(n);
+            match &node.op {
+                Op::Input { default: None } => {
+                    let name = g.value_name(Value::new(n, 0));
+                    let t = inputs.get(name).ok_or_else(|| err(format!("no feed for `{name}`")))?;
+                    env.insert(Value::new(n, 0), t.clone());
+                }
+                Op::Initializer(_) | Op::Input { .. } => {}
+                op if op.class() == OpClass::Comm => {
+                    let t0 = Instant::now();
+                    let x = match node.input(0) {
+                        Some(v) => Some(
+                            e.download(env.get(&v).ok_or_else(|| err("a comm input was not computed".into()))?)
+                                .map_err(err)?,
+                        ),
+                        None => None,
+                    };
+                    let group = attr_ints(op, "group");
+                    let r = match op {
+                        Op::AllReduce(_) => {
+                            Some(port.all_reduce(&group, x.as_ref().expect("input"), &attr_str(op, "op", "sum")))
+                        }
+                        Op::AllGather(_) => {
+                            Some(port.all_gather(&group, x.as_ref().expect("input"), attr_int(op, "axis") as usize))
+                        }
+                        Op::ReduceScatter(_) => Some(port.reduce_scatter(
+                            &group,
+                            x.as_ref().expect("input"),
+                            attr_int(op, "axis") as usize,
+                            &attr_str(op, "op", "sum"),
+                        )),
+                        Op::AllToAll(_) => Some(port.all_to_all(
+                            &group,
+                            x.as_ref().expect("input"),
+                            attr_int(op, "split_axis") as usize,
+                            attr_int(op, "concat_axis") as usize,
+                        )),
+                        Op::HaloExchange(_) => Some(port.halo(
+                            &group,
+                            x.as_ref().expect("input"),
+                            attr_int(op, "axis") as usize,
+                            &attr_ints(op, "widths"),
+                        )),
+                        Op::Send(_) => {
+                            port.send(
+                                attr_int(op, "peer") as usize,
+                                attr_int(op, "tag"),
+                                k,
+                                x.as_ref().expect("input"),
+                            );
+                            None
+                        }
+                        Op::Recv(_) => Some(port.recv(attr_int(op, "peer") as usize, attr_int(op, "tag"), k)),
+                        other => return Err(err(format!("unknown communication op {}", other.op_type()))),
+                    };
+                    if let Some(r) = r {
+                        let a = r.map_err(err)?;
+                        env.insert(Value::new(n, 0), e.upload(&a).map_err(err)?);
+                    }
+                    *report.by_collective.entry(op.op_type().to_string()).or_insert(0.0) += t0.elapsed().as_secs_f64();
+                }
+                op => {
+                    let ins: Vec<Option<&E::Tensor>> =
+                        node.inputs().iter().map(|i| i.and_then(|v| env.get(&v))).collect();
+                    if node.inputs().iter().zip(&ins).any(|(i, t)| i.is_some() && t.is_none()) {
+                        return Err(err(format!("{}: an input was not computed", g.describe(n))));
+                    }
+                    let t0 = Instant::now();
+                    let (outs, host) = e.run(g, n, &ins).map_err(|m| err(format!("{}: {m}", g.describe(n))))?;
+                    e.sync();
+                    *report.by_op.entry(op.op_type().to_string()).or_insert(0.0) += t0.elapsed().as_secs_f64();
+                    if host {
+                        *report.host_ops.entry(op.op_type().to_string()).or_insert(0) += 1;
+                    }
+                    for (slot, t) in outs.into_iter().enumerate() {
+                        if slot < node.num_outputs() && !node.outputs()[slot].name.is_empty() {
+                            env.insert(Value::new(n, slot as u16), t);
+                        }
+                    }
+                }
+            }
+        }
+        let mut outs = Vec::new();
+        for r in &d.results {
+            let v = g.lookup(&r.local).ok_or_else(|| err(format!("no value `{}`", r.local)))?;
+            let t = env.get(&v).ok_or_else(|| err(format!("output `{}` was not computed", r.local)))?;
+            outs.push((r.local.clone(), e.download(t).map_err(err)?));
+        }
+        outs_all.push(outs);
+    }
+    report.wall_s = start.elapsed().as_secs_f64();
+    report.compute_s = report.by_op.values().sum();
+    report.communication_s = report.by_collective.values().sum();
+    Ok((outs_all, report))
+}
+
+fn upload_feed<E: Executor>(e: &mut E, feed: &HashMap<String, Array>) -> Result<HashMap<String, E::Tensor>, String> {
+    let mut keys: Vec<&String> = feed.keys().collect();
+    keys.sort();
+    keys.into_iter().map(|k| Ok((k.clone(), e.upload(&feed[k])?))).collect()
+}

