@@ -23,6 +23,8 @@ pub use frontend;
 pub use ir;
 pub use passes;
 
+pub mod calibrate;
+pub mod exec;
 pub mod synthetic;
 
 /// A model file's text, kept to render diagnostics.

@@ -22,6 +22,12 @@ enum Command {
     /// Search for the best sharding plan on a cluster: per-op strategies, layouts,
     /// collectives, predicted step time and memory.
     Plan(cli::plan::PlanArgs),
+    /// A plan's per-device programs with explicit communication (text, JSON or DOT).
+    Lower(cli::lower::LowerArgs),
+    /// Compile a model to a plan (or take one), run it on simulated devices, check it.
+    Run(cli::run::RunArgs),
+    /// Measure the simulated devices (GEMM, memory, dispatch, copies) and print a cluster file.
+    Calibrate(cli::calibrate::CalibrateArgs),
     /// Compare strategies along batch, FLOP/s, memory bandwidth, link bandwidth or devices.
     Sweep(cli::sweep::SweepArgs),
     /// Print a cluster preset as TOML (a start for your own file), or check a cluster file.
@@ -44,6 +50,9 @@ fn main() {
         Command::Cost(a) => cli::cost::run(a),
         Command::Sweep(a) => cli::sweep::run(a),
         Command::Plan(a) => cli::plan::run(a),
+        Command::Lower(a) => cli::lower::run(a),
+        Command::Run(a) => cli::run::run(a),
+        Command::Calibrate(a) => cli::calibrate::run(a),
         Command::Cluster { cluster } => cli::cost::load_cluster(cluster).and_then(|c| {
             let text = format!("# {}\n# {}\n{}", c.describe(), c.source, c.to_toml());
             cli::common::write_output(&text, None, std::path::Path::new(""))

@@ -276,12 +276,26 @@ impl Local<'_> {
                     x
                 }
             }
+            Op::Initializer(t) | Op::Input { default: Some(t) } if t.is_external() => {
+                // Shape only: the device's piece keeps a reference to the data it comes from.
+                let dims = dims_of(g, v)?;
+                let local = local_shape(&dims, need, self.mesh);
+                let mut entries = match &t.data {
+                    ir::TensorData::External(e) => e.iter().filter(|(k, _)| k == "location").cloned().collect(),
+                    _ => Vec::new(),
+                };
+                entries
+                    .push(("shardc_piece".to_string(), format!("{} at {:?}", sharding_to_string(need), self.coords)));
+                let tensor = ir::Tensor {
+                    dtype: t.dtype,
+                    dims: local.iter().map(|&x| x as i64).collect(),
+                    name: None,
+                    data: ir::TensorData::External(entries),
+                };
+                let local_name = self.fresh(&name);
+                self.lg.add_initializer(local_name, tensor)
+            }
             Op::Initializer(t) | Op::Input { default: Some(t) } => {
-                if t.is_external() {
-                    return Err(LowerError::Graph(format!(
-                        "initializer `{name}` has external data that is not loaded; load or seed the weights first"
-                    )));
-                }
                 let a = Array::from_tensor(t).map_err(|e| LowerError::Graph(format!("`{name}`: {e}")))?;
                 let p = piece(&a, need, self.mesh, &self.coords);
                 self.init(&name, &p)

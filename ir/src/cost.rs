@@ -28,8 +28,12 @@ pub struct OpCost {
     pub bytes_read: f64,
     /// Bytes written in the forward pass (outputs).
     pub bytes_written: f64,
-    /// Bytes of the weights (initializers) this op reads.
+    /// Bytes of the weights (initializers) this op reads, counted once per read (a
+    /// recurrent op reads its recurrent weights every time step; a gather reads the rows it
+    /// gathers).
     pub param_bytes: f64,
+    /// Kernel launches of the forward pass: 1, or per time step for recurrent ops.
+    pub launches: f64,
 }
 
 impl OpCost {
@@ -47,6 +51,7 @@ impl OpCost {
             bytes_read: self.bytes_read * k,
             bytes_written: self.bytes_written * k,
             param_bytes: self.param_bytes * k,
+            launches: self.launches,
         }
     }
 }
@@ -79,18 +84,43 @@ fn needs_grad(g: &Graph, v: Value) -> bool {
     g.tensor_type(v).is_some_and(|t| t.dtype.is_float())
 }
 
+/// How many times the forward pass of node `n` reads input `i`, as a multiple of its size:
+/// 1 for most ops; the fraction of the table a gather reads (its output's size, at most the
+/// table); the time steps for the recurrent weights of LSTM, GRU and RNN (kernels that are
+/// not persistent read them every step).
+pub fn read_factor(g: &Graph, n: NodeId, i: usize) -> f64 {
+    let node = g.node(n);
+    let size = |v: Option<Value>| v.and_then(|v| g.tensor_type(v)).and_then(TensorType::numel).map(|x| x as f64);
+    match (&node.op, i) {
+        (Op::Gather(_) | Op::GatherElements(_) | Op::GatherND(_), 0) => {
+            match (size(node.input(0)), size(Some(Value::new(n, 0)))) {
+                (Some(table), Some(out)) if table > 0.0 => (out / table).min(1.0),
+                _ => 1.0,
+            }
+        }
+        (Op::LSTM(_) | Op::GRU(_) | Op::RNN(_), 2) => node
+            .input(0)
+            .and_then(|v| g.tensor_type(v))
+            .and_then(TensorType::static_dims)
+            .and_then(|d| d.first().copied())
+            .map_or(1.0, |s| s.max(1) as f64),
+        _ => 1.0,
+    }
+}
+
 /// Counts FLOPs and bytes of node `n`. Shapes must have been inferred; unknown shapes count
 /// as zero.
 pub fn node_cost(g: &Graph, n: NodeId) -> OpCost {
     let node = g.node(n);
     let input = |i: usize| node.input(i).and_then(|v| g.tensor_type(v));
     let out = |i: usize| g.tensor_type(Value::new(n, i as u16));
-    let mut c = OpCost::default();
+    let mut c = OpCost { launches: 1.0, ..OpCost::default() };
     for (i, v) in node.inputs().iter().enumerate() {
         if let Some(v) = v {
-            c.bytes_read += bytes(g.tensor_type(*v));
+            let read = bytes(g.tensor_type(*v)) * read_factor(g, n, i);
+            c.bytes_read += read;
             if is_param(g, *v) {
-                c.param_bytes += bytes(input(i));
+                c.param_bytes += read;
             }
         }
     }
@@ -167,6 +197,8 @@ pub fn node_cost(g: &Graph, n: NodeId) -> OpCost {
                 c.fwd_flops = mm + pointwise;
                 c.bwd_weight_flops = mm;
                 c.bwd_data_flops = mm + pointwise;
+                // Per step and direction: the recurrent GEMM and the gate kernel.
+                c.launches = 2.0 * dirs * xd[0] as f64;
             }
         }
         Op::MaxPool(p) => c.fwd_flops = y * p.kernel_shape.as_ref().map_or(1, |k| k.iter().product::<i64>()) as f64,

@@ -1,8 +1,11 @@
 //! The subcommands.
 
+pub mod calibrate;
 pub mod common;
 pub mod cost;
+pub mod lower;
 pub mod parse;
 pub mod plan;
+pub mod run;
 pub mod stats;
 pub mod sweep;

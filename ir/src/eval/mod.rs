@@ -89,6 +89,15 @@ fn weight_role(g: &Graph, v: Value) -> &'static str {
     "weight"
 }
 
+/// The values the evaluator draws for the external initializer `v` of `g` (see
+/// [`random_tensor`]; the role comes from how the weight is used).
+pub fn seeded_initializer(g: &Graph, v: Value, seed: u64) -> Result<Array> {
+    let Op::Initializer(t) = &g.node(v.node).op else {
+        return Err(EvalError::Invalid(format!("`{}` is not an initializer", g.value_name(v))));
+    };
+    random_tensor(t.dtype, &t.dims, weight_role(g, v), seed, g.value_name(v))
+}
+
 /// Draws values for a tensor whose data is not in the model (external data): floats uniform
 /// in ±1/√fan_in (positive near 1 for normalization scales and variances), integers zero,
 /// bools true. Deterministic in `seed` and the tensor's name.

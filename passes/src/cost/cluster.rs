@@ -36,6 +36,10 @@ pub struct Device {
     pub mem_usable: f64,
     /// Fixed cost of launching one kernel, seconds.
     pub launch_overhead: f64,
+    /// The devices are simulated on one host and share its cores and memory: the FLOP/s and
+    /// memory bandwidth above are the host's, divided among the devices a plan uses.
+    #[serde(default)]
+    pub shared_host: bool,
 }
 
 fn default_usable() -> f64 {
@@ -138,6 +142,7 @@ fn a100() -> Device {
         mem_usable: 0.9,
         // CUDA kernel launch and framework dispatch, a few microseconds.
         launch_overhead: 5e-6,
+        shared_host: false,
     }
 }
 
@@ -180,6 +185,7 @@ fn dgx_h100() -> Cluster {
             mem_capacity: 80.0 * GIB,
             mem_usable: 0.9,
             launch_overhead: 4e-6,
+            shared_host: false,
         },
         // NVLink 4: 18 links, 900 GB/s bidirectional = 450 GB/s per direction, NVSwitch gen 3;
         // NCCL reaches ~360 GB/s bus bandwidth.
@@ -207,6 +213,7 @@ fn pcie_v100x8() -> Cluster {
             mem_capacity: 32.0 * GIB,
             mem_usable: 0.9,
             launch_overhead: 6e-6,
+            shared_host: false,
         },
         // GPU↔GPU over PCIe Gen3 x16 (15.75 GB/s theoretical, ~11 GB/s achieved); pairs of GPUs
         // share a PLX switch uplink to the CPU root complex, which rings across switches cross.
@@ -233,6 +240,7 @@ fn dgx1_v100() -> Cluster {
             mem_capacity: 16.0 * GIB,
             mem_usable: 0.9,
             launch_overhead: 6e-6,
+            shared_host: false,
         },
         // NVLink 2 hybrid cube-mesh: 6 links × 25 GB/s per GPU; NCCL rings reach ~130 GB/s bus
         // bandwidth over all 8 GPUs.

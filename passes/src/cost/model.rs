@@ -371,17 +371,29 @@ impl<'a> CostModel<'a> {
 
     fn peak(&self) -> f64 {
         let p = &self.cluster.device.peak_flops;
-        match self.opts.precision {
+        let peak = match self.opts.precision {
             Precision::Fp32 => p.fp32,
             Precision::Tf32 => p.tf32.unwrap_or(p.fp32),
             Precision::Fp16 => p.fp16.unwrap_or(p.fp32),
-        }
+        };
+        peak / self.host_share()
+    }
+
+    /// How many devices share one device's compute and memory bandwidth: the mesh's size on
+    /// a cluster of devices simulated on one host, else 1.
+    fn host_share(&self) -> f64 {
+        if self.cluster.device.shared_host { self.mesh.devices().max(1) as f64 } else { 1.0 }
+    }
+
+    /// Memory bandwidth of one device, bytes/s.
+    fn mem_bandwidth(&self) -> f64 {
+        self.cluster.device.mem_bandwidth / self.host_share()
     }
 
     /// Roofline time of `flops` and `bytes` on one device.
     pub fn roofline(&self, flops: f64, bytes: f64) -> f64 {
         let d = &self.cluster.device;
-        (flops / (self.peak() * d.efficiency)).max(bytes / d.mem_bandwidth)
+        (flops / (self.peak() * d.efficiency)).max(bytes / self.mem_bandwidth())
     }
 
     /// The number of devices sharing an op's work under a strategy.
@@ -406,12 +418,12 @@ impl<'a> CostModel<'a> {
             if let (Some(v), Some(s)) = (node.input(j), s)
                 && ir::cost::is_param(self.g, v)
             {
-                param_local += self.value_bytes(v) / split_factor(s, &self.mesh);
+                param_local += self.value_bytes(v) * ir::cost::read_factor(self.g, n, j) / split_factor(s, &self.mesh);
             }
         }
         let act_bytes = (c.bytes_read - c.param_bytes + c.bytes_written) * pf / f;
         let bytes = act_bytes + param_local;
-        let launch = self.cluster.device.launch_overhead;
+        let launch = self.cluster.device.launch_overhead * c.launches.max(1.0);
         let fwd = self.roofline(c.fwd_flops / f, bytes) + launch;
         let bwd_flops = (c.bwd_data_flops + c.bwd_weight_flops) / f;
         let bwd = if bwd_flops > 0.0 { self.roofline(bwd_flops, 2.0 * bytes) + 2.0 * launch } else { 0.0 };
@@ -750,7 +762,7 @@ impl<'a> CostModel<'a> {
                 if detail && let Some(&first) = param_first_use.get(v) {
                     let elems = local / (4.0 * pf);
                     rows[first].param_memory_bytes += 2.0 * local + elems * opt_bytes_per_elem;
-                    rows[first].update_s += elems * update_bytes_per_elem / self.cluster.device.mem_bandwidth;
+                    rows[first].update_s += elems * update_bytes_per_elem / self.mem_bandwidth();
                 }
             }
         }
@@ -818,7 +830,7 @@ impl<'a> CostModel<'a> {
             Optimizer::Sgd => 20.0,
             Optimizer::Adam => 28.0,
         } + if self.opts.precision == Precision::Fp16 { 8.0 } else { 0.0 };
-        let update = param_elems_local * per_param_traffic / self.cluster.device.mem_bandwidth
+        let update = param_elems_local * per_param_traffic / self.mem_bandwidth()
             + self.cluster.device.launch_overhead * (n_params as f64 / 10.0).ceil();
 
         // Host→device input.

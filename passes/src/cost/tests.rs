@@ -23,6 +23,7 @@ fn toy() -> Cluster {
             mem_capacity: 1e9,
             mem_usable: 1.0,
             launch_overhead: 0.0,
+            shared_host: false,
         },
         intra: Link { bandwidth: 1e10, latency: 0.0, topology: Topology::Switch, shared_by: 1 },
         inter: None,

@@ -252,24 +252,150 @@ pub fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<u32> {
     st
 }
 
-/// Source of an element-wise kernel over `n_in` inputs of elems `ins`, writing `out`.
-pub fn elementwise_src(ins: &[Elem], out: Elem, expr: &str) -> String {
+/// Bakes the parameters of one launch into a kernel's source: every `P[k]` with a literal
+/// `k ≥ 1` becomes the literal `params[k]` (the driver then divides by constants). `P[0]`,
+/// the invocation count, stays a read so the binding stays in use. Each distinct shape then
+/// compiles its own pipeline, once per executor.
+pub fn specialize(src: &str, params: &[u32]) -> String {
+    let b = src.as_bytes();
+    let mut out = String::with_capacity(src.len());
+    let mut i = 0;
+    let mut last = 0;
+    while i + 2 < b.len() {
+        if b[i] == b'P' && b[i + 1] == b'[' && (i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_')) {
+            let mut j = i + 2;
+            while j < b.len() && b[j].is_ascii_digit() {
+                j += 1;
+            }
+            if j > i + 2 && j < b.len() && b[j] == b']' {
+                let k: usize = src[i + 2..j].parse().unwrap_or(0);
+                if k >= 1 && k < params.len() {
+                    out.push_str(&src[last..i]);
+                    out.push_str(&format!("{}u", params[k]));
+                    i = j + 1;
+                    last = i;
+                    continue;
+                }
+            }
+        }
+        i += 1;
+    }
+    out.push_str(&src[last..]);
+    out
+}
+
+/// Merges adjacent dims of an index space that every operand walks contiguously
+/// (`stride[d] == stride[d+1] · shape[d+1]` for all operands, or `keep[d]` false for none),
+/// dropping size-1 dims. Returns the merged shape and per-operand strides.
+pub fn merge_dims(shape: &[usize], strides: &[Vec<u32>], keep: &[bool]) -> (Vec<usize>, Vec<Vec<u32>>) {
+    let mut ms: Vec<usize> = Vec::new();
+    let mut mst: Vec<Vec<u32>> = vec![Vec::new(); strides.len()];
+    let mut last_kept = false;
+    for d in 0..shape.len() {
+        if shape[d] == 1 && !keep[d] {
+            continue;
+        }
+        let mergeable = !ms.is_empty()
+            && !keep[d]
+            && !last_kept
+            && strides.iter().enumerate().all(|(k, st)| mst[k].last().copied() == Some(st[d] * shape[d] as u32));
+        if mergeable {
+            *ms.last_mut().expect("a dim") *= shape[d];
+            for (k, st) in strides.iter().enumerate() {
+                *mst[k].last_mut().expect("a dim") = st[d];
+            }
+        } else {
+            ms.push(shape[d]);
+            for (k, st) in strides.iter().enumerate() {
+                mst[k].push(st[d]);
+            }
+        }
+        last_kept = keep[d];
+    }
+    (ms, mst)
+}
+
+/// WGSL that splits the flat index `i` into the coordinates of `shape` with literal sizes
+/// (divisions by constants compile to multiplications) and sums `o{k} += c · strides[k][d]`
+/// for each operand `k`; `coord(d, c)` may replace a coordinate expression (for tables).
+pub fn unrolled_offsets(shape: &[usize], strides: &[Vec<u32>], coord: &dyn Fn(usize, &str) -> String) -> String {
+    let mut b = String::from("    var rem = i;\n");
+    for k in 0..strides.len() {
+        b.push_str(&format!("    var o{k} = 0u;\n"));
+    }
+    for d in (0..shape.len()).rev() {
+        let c = format!("c{d}");
+        if d == 0 {
+            b.push_str(&format!("    let {c} = rem;\n"));
+        } else {
+            b.push_str(&format!("    let {c} = rem % {}u; rem = rem / {}u;\n", shape[d], shape[d]));
+        }
+        let ce = coord(d, &c);
+        for (k, st) in strides.iter().enumerate() {
+            match st[d] {
+                0 => {}
+                1 => b.push_str(&format!("    o{k} = o{k} + {ce};\n")),
+                v => b.push_str(&format!("    o{k} = o{k} + {ce} * {v}u;\n")),
+            }
+        }
+    }
+    b
+}
+
+/// How an element-wise kernel reads one input.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// The input has the output's shape: element `i`.
+    Flat,
+    /// One element, broadcast.
+    Scalar,
+    /// Broadcast through per-dim strides in `P`.
+    Strided,
+}
+
+impl Access {
+    /// How an input of `shape` is read for an output of `out`.
+    pub fn of(shape: &[usize], out: &[usize]) -> Access {
+        if shape == out {
+            Access::Flat
+        } else if shape.iter().product::<usize>() == 1 {
+            Access::Scalar
+        } else {
+            Access::Strided
+        }
+    }
+}
+
+/// Source of an element-wise kernel over inputs of elems `ins` read as `access`, writing
+/// `out`; strided inputs walk `strides[k]` over the output `shape`, baked into the source.
+/// `P = [count]`.
+pub fn elementwise_src(
+    ins: &[Elem],
+    access: &[Access],
+    shape: &[usize],
+    strides: &[Vec<u32>],
+    out: Elem,
+    expr: &str,
+) -> String {
     let names = ["A", "B", "C"];
     let vars = ["a", "b", "c"];
     let mut bindings: Vec<Binding<'_>> = ins.iter().enumerate().map(|(k, e)| (names[k], *e, false)).collect();
     bindings.push(("Y", out, true));
     let n = ins.len();
-    let mut body = String::from("    let r = P[1];\n    var rem = i;\n");
-    for k in 0..n {
-        body.push_str(&format!("    var o{k} = 0u;\n"));
+    let strided: Vec<usize> = (0..n).filter(|&k| access[k] == Access::Strided).collect();
+    let mut body = String::new();
+    if !strided.is_empty() {
+        let st: Vec<Vec<u32>> = strided.iter().map(|&k| strides[k].clone()).collect();
+        let (ms, mst) = merge_dims(shape, &st, &vec![false; shape.len()]);
+        body.push_str(&unrolled_offsets(&ms, &mst, &|_, c| c.to_string()));
     }
-    body.push_str("    for (var t = 0u; t < r; t = t + 1u) {\n        let d = r - 1u - t;\n        let dim = P[2u + d];\n        let c = rem % dim;\n        rem = rem / dim;\n");
     for k in 0..n {
-        body.push_str(&format!("        o{k} = o{k} + c * P[2u + {}u * r + d];\n", k + 1));
-    }
-    body.push_str("    }\n");
-    for k in 0..n {
-        body.push_str(&format!("    let {} = {}[o{k}];\n", vars[k], names[k]));
+        let index = match access[k] {
+            Access::Flat => "i".to_string(),
+            Access::Scalar => "0u".to_string(),
+            Access::Strided => format!("o{}", strided.iter().position(|&j| j == k).expect("strided")),
+        };
+        body.push_str(&format!("    let {} = {}[{index}];\n", vars[k], names[k]));
     }
     body.push_str(&format!("    Y[i] = {expr};\n"));
     source(&bindings, MATH_FNS, &body)
@@ -291,12 +417,10 @@ fn elementwise(
     let out = e.output(shape.clone(), dtype);
     let count = out.numel();
     let elems: Vec<Elem> = ins.iter().map(|t| t.elem()).collect();
-    let src = elementwise_src(&elems, out.elem(), expr);
-    let mut params = vec![count as u32, shape.len() as u32];
-    params.extend(shape.iter().map(|&x| x as u32));
-    for t in ins {
-        params.extend(broadcast_strides(&t.shape, &shape));
-    }
+    let access: Vec<Access> = ins.iter().map(|t| Access::of(&t.shape, &shape)).collect();
+    let strides: Vec<Vec<u32>> = ins.iter().map(|t| broadcast_strides(&t.shape, &shape)).collect();
+    let src = elementwise_src(&elems, &access, &shape, &strides, out.elem(), expr);
+    let params = vec![count as u32];
     let mut bufs: Vec<&wgpu::Buffer> = ins.iter().map(|t| t.buf.as_ref()).collect();
     bufs.push(out.buf.as_ref());
     e.launch(&src, &bufs, &params, GpuExecutor::groups(count))?;
@@ -467,3 +591,16 @@ pub fn dims(g: &Graph, v: Value) -> Option<Vec<usize>> {
 }
 
 pub(crate) use {attr_f as float_attr, attr_i as int_attr, attr_is as ints_attr, attr_s as str_attr};
+
+#[cfg(test)]
+mod specialize_tests {
+    #[test]
+    fn literal_parameter_reads_become_constants() {
+        let src = "if (i >= P[0]) { return; } let a = P[1] + P[12]; let b = P[2u + d]; let c = TMP[1]; let d = P[40];";
+        let p: Vec<u32> = (0..20).map(|k| 100 + k).collect();
+        assert_eq!(
+            super::specialize(src, &p),
+            "if (i >= P[0]) { return; } let a = 101u + 112u; let b = P[2u + d]; let c = TMP[1]; let d = P[40];"
+        );
+    }
+}

@@ -3,7 +3,7 @@
 
 use ir::{DType, Graph, NodeId, Op, Value};
 
-use super::kernels::{Binding, MATH_FNS, dims, float_attr, int_attr, ints_attr, source, str_attr, strides};
+use super::kernels::{Binding, MATH_FNS, dims, float_attr, int_attr, ints_attr, source, specialize, str_attr, strides};
 use super::{Elem, GpuExecutor, GpuTensor};
 
 fn norm_axis(a: i64, r: usize) -> usize {
@@ -304,6 +304,82 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     )
 }
 
+/// Register-tiled GEMM: each invocation computes a 4×4 block of `Y` with no workgroup memory
+/// (barriers are costly on CPU-backed drivers such as lavapipe); an 8×8 workgroup covers a
+/// 32×32 tile. Parameters as [`gemm_src`].
+pub fn gemm_rt_src(with_c: bool) -> String {
+    let c_binding = if with_c { "@group(0) @binding(2) var<storage, read> C: array<f32>;\n" } else { "" };
+    let (yb, pb) = if with_c { (3, 4) } else { (2, 3) };
+    let c_term = if with_c { "v = v + bitcast<f32>(P[30]) * C[P[28] + cb + row * P[7] + col * P[8]];" } else { "" };
+    format!(
+        "@group(0) @binding(0) var<storage, read> A: array<f32>;
+@group(0) @binding(1) var<storage, read> B: array<f32>;
+{c_binding}@group(0) @binding({yb}) var<storage, read_write> Y: array<f32>;
+@group(0) @binding({pb}) var<storage, read> P: array<u32>;
+@compute @workgroup_size(8, 8)
+fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {{
+    let M = P[0];
+    let N = P[1];
+    let K = P[2];
+    let row0 = wid.y * 32u + lid.y * 4u;
+    let col0 = wid.x * 32u + lid.x * 4u;
+    if (row0 >= M || col0 >= N) {{ return; }}
+    var rem = wid.z;
+    var ab = 0u;
+    var bb = 0u;
+    var cb = 0u;
+    let nb = P[9];
+    for (var t = 0u; t < nb; t = t + 1u) {{
+        let d = nb - 1u - t;
+        let dim = P[10u + d];
+        let c = rem % dim;
+        rem = rem / dim;
+        ab = ab + c * P[14u + d];
+        bb = bb + c * P[18u + d];
+        cb = cb + c * P[22u + d];
+    }}
+    let abase = P[26] + ab;
+    let bbase = P[27] + bb;
+    let ars = P[3]; let acs = P[4]; let brs = P[5]; let bcs = P[6];
+    let r0 = abase + min(row0, M - 1u) * ars;
+    let r1 = abase + min(row0 + 1u, M - 1u) * ars;
+    let r2 = abase + min(row0 + 2u, M - 1u) * ars;
+    let r3 = abase + min(row0 + 3u, M - 1u) * ars;
+    let c0 = bbase + min(col0, N - 1u) * bcs;
+    let c1 = bbase + min(col0 + 1u, N - 1u) * bcs;
+    let c2 = bbase + min(col0 + 2u, N - 1u) * bcs;
+    let c3 = bbase + min(col0 + 3u, N - 1u) * bcs;
+    var acc0 = vec4<f32>(0.0);
+    var acc1 = vec4<f32>(0.0);
+    var acc2 = vec4<f32>(0.0);
+    var acc3 = vec4<f32>(0.0);
+    for (var k = 0u; k < K; k = k + 1u) {{
+        let ka = k * acs;
+        let kb = k * brs;
+        let bv = vec4<f32>(B[c0 + kb], B[c1 + kb], B[c2 + kb], B[c3 + kb]);
+        acc0 = acc0 + A[r0 + ka] * bv;
+        acc1 = acc1 + A[r1 + ka] * bv;
+        acc2 = acc2 + A[r2 + ka] * bv;
+        acc3 = acc3 + A[r3 + ka] * bv;
+    }}
+    let alpha = bitcast<f32>(P[29]);
+    var accs = array<vec4<f32>, 4>(acc0, acc1, acc2, acc3);
+    for (var r = 0u; r < 4u; r = r + 1u) {{
+        let row = row0 + r;
+        if (row >= M) {{ break; }}
+        for (var q = 0u; q < 4u; q = q + 1u) {{
+            let col = col0 + q;
+            if (col >= N) {{ break; }}
+            var v = alpha * accs[r][q];
+            {c_term}
+            Y[wid.z * M * N + row * N + col] = v;
+        }}
+    }}
+}}
+"
+    )
+}
+
 /// A GEMM launch description.
 pub struct Gemm<'a> {
     pub a: &'a GpuTensor,
@@ -355,7 +431,7 @@ pub fn gemm(e: &mut GpuExecutor, g: &Gemm<'_>, out_shape: Vec<usize>) -> Result<
     p.extend(pad4(&g.c_bst, 0));
     p.extend([g.bases.0 as u32, g.bases.1 as u32, g.bases.2 as u32, g.alpha.to_bits(), g.beta.to_bits()]);
     let nbatch: usize = g.batch.iter().product::<usize>().max(1);
-    let groups = [g.n.div_ceil(16) as u32, g.m.div_ceil(16) as u32, nbatch as u32];
+    let groups = [g.n.div_ceil(32) as u32, g.m.div_ceil(32) as u32, nbatch as u32];
     if g.m == 0 || g.n == 0 {
         return Ok(out);
     }
@@ -363,8 +439,8 @@ pub fn gemm(e: &mut GpuExecutor, g: &Gemm<'_>, out_shape: Vec<usize>) -> Result<
         return Err("empty reduction".into());
     }
     match g.c {
-        Some(c) => e.launch(&gemm_src(true), &[&g.a.buf, &g.b.buf, &c.buf, &out.buf], &p, groups)?,
-        None => e.launch(&gemm_src(false), &[&g.a.buf, &g.b.buf, &out.buf], &p, groups)?,
+        Some(c) => e.launch(&gemm_rt_src(true), &[&g.a.buf, &g.b.buf, &c.buf, &out.buf], &p, groups)?,
+        None => e.launch(&gemm_rt_src(false), &[&g.a.buf, &g.b.buf, &out.buf], &p, groups)?,
     }
     Ok(out)
 }
@@ -412,6 +488,113 @@ pub fn conv_src(bias: bool) -> String {
     );
     source(&b, "", &body)
 }
+
+/// im2col for a grouped N-d convolution (as 3-d): `COL[(b, k, p)]` with `b = n·G + g`,
+/// or, `wide`, `COL[(g, k, n, p)]` (one GEMM per group over all images, for small outputs),
+/// `k = (c, kd, kh, kw)` within the group, `p = (od, oh, ow)`; zero outside the input. One
+/// invocation per row `(b, k)` walks the output positions (no divisions in the inner loop).
+/// `P = [rows, C, G, D, H, W, OD, OH, OW, KD, KH, KW, SD, SH, SW, DD, DH, DW, PD, PH, PW]`.
+pub fn im2col_src(wide: bool) -> String {
+    let out = if wide { "((g * kk + k) * (P[0] / (G * kk)) + n) * npos" } else { "i * npos" };
+    let body = format!(
+        "    let C = P[1]; let G = P[2];
+    let D = P[3]; let H = P[4]; let W = P[5];
+    let OD = P[6]; let OH = P[7]; let OW = P[8];
+    let KD = P[9]; let KH = P[10]; let KW = P[11];
+    let cg = C / G;
+    let npos = OD * OH * OW;
+    let kk = cg * KD * KH * KW;
+    let k = i % kk; let b = i / kk;
+    let kw = k % KW; let kh = (k / KW) % KH; let kd = (k / (KW * KH)) % KD; let c = k / (KW * KH * KD);
+    let n = b / G; let g = b % G;
+    let plane = ((n * C + g * cg + c) * D) * H * W;
+    var out = {out};
+    for (var od = 0u; od < OD; od = od + 1u) {{
+        let id = i32(od * P[12] + kd * P[15]) - i32(P[18]);
+        let din = id >= 0 && id < i32(D);
+        for (var oh = 0u; oh < OH; oh = oh + 1u) {{
+            let ih = i32(oh * P[13] + kh * P[16]) - i32(P[19]);
+            let hin = din && ih >= 0 && ih < i32(H);
+            let rowbase = plane + (u32(max(id, 0)) * H + u32(max(ih, 0))) * W;
+            var iw = i32(kw * P[17]) - i32(P[20]);
+            for (var ow = 0u; ow < OW; ow = ow + 1u) {{
+                var v = 0.0;
+                if (hin && iw >= 0 && iw < i32(W)) {{ v = X[rowbase + u32(iw)]; }}
+                COL[out] = v;
+                out = out + 1u;
+                iw = iw + i32(P[14]);
+            }}
+        }}
+    }}"
+    );
+    source(&[("X", Elem::F32, false), ("COL", Elem::F32, true)], "", &body)
+}
+
+/// Largest im2col scratch buffer (elements) the GEMM path of a convolution may allocate;
+/// larger convolutions use the direct kernel.
+const IM2COL_MAX_ELEMS: usize = 1 << 25;
+
+/// Convolution as im2col + one batched GEMM over `(n, g)`: `Y[n, g·Mg + m, p] =
+/// Σ_k W[g·Mg + m, k] · COL[n·G + g, k, p] (+ bias[g·Mg + m])`. `p` is the parameter vector
+/// of [`conv_src`]. Returns `None` (direct kernel) for tiny reductions or when the column
+/// buffer would be too large.
+fn conv_im2col(
+    e: &mut GpuExecutor,
+    x: &GpuTensor,
+    w: &GpuTensor,
+    bias: Option<&GpuTensor>,
+    p: &[u32],
+    oshape: &[usize],
+) -> Result<Option<GpuTensor>, String> {
+    let [_, n, c, m, g] = [p[0], p[1], p[2], p[3], p[4]].map(|v| v as usize);
+    let npos = (p[8] * p[9] * p[10]) as usize;
+    let kvol = (p[11] * p[12] * p[13]) as usize;
+    let (cg, mg) = (c / g, m / g);
+    let kk = cg * kvol;
+    let rows = n * g * kk;
+    if kk < 16 || mg < 4 || npos == 0 || rows * npos > IM2COL_MAX_ELEMS {
+        return Ok(None);
+    }
+    let col = e.output(vec![rows, npos], DType::Float);
+    // [rows, C, G, D, H, W, OD, OH, OW, KD, KH, KW, SD, SH, SW, DD, DH, DW, PD, PH, PW]
+    let mut q: Vec<u32> = vec![rows as u32, c as u32, g as u32];
+    q.extend_from_slice(&p[5..]);
+    // Few output positions per image make thin GEMMs; then one GEMM per group spans all
+    // images (`wide`) and a permutation puts the images back in front.
+    let wide = n > 1 && npos < WIDE_BELOW;
+    e.launch(&specialize(&im2col_src(wide), &q), &[&x.buf, &col.buf], &q, GpuExecutor::groups(rows))?;
+    let (cols, b_bst) = if wide { (n * npos, vec![0, kk * n * npos]) } else { (npos, vec![g * kk * npos, kk * npos]) };
+    let spec = Gemm {
+        a: w,
+        b: &col,
+        c: bias,
+        m: mg,
+        n: cols,
+        k: kk,
+        a_st: (kk, 1),
+        b_st: (cols, 1),
+        c_st: (1, 0),
+        batch: vec![if wide { 1 } else { n }, g],
+        a_bst: vec![0, mg * kk],
+        b_bst,
+        c_bst: vec![0, mg],
+        bases: (0, 0, 0),
+        alpha: 1.0,
+        beta: 1.0,
+    };
+    if !wide {
+        return Ok(Some(gemm(e, &spec, oshape.to_vec())?));
+    }
+    // `T[g, m, n, p]` → `Y[n, g, m, p]`.
+    let t = gemm(e, &spec, vec![g, mg, n, npos])?;
+    let axes = [Axis::Same(npos), Axis::Same(mg * n * npos), Axis::Same(n * npos), Axis::Same(1)];
+    let mut y = remap(e, &t, vec![n, g, mg, npos], &axes, 0.0)?;
+    y.shape = oshape.to_vec();
+    Ok(Some(y))
+}
+
+/// Output positions per image below which a convolution's GEMM spans all images.
+const WIDE_BELOW: usize = 64;
 
 /// Transposed convolution, gathering for each output. Weights `[C, M/G, k…]`.
 /// `P` as [`conv_src`].
@@ -506,32 +689,51 @@ pub fn pool_src(kind: &str) -> String {
 }
 
 /// Data movement by per-dim index tables: `Y[i] = X[Σ_d in(c_d)·stride_d]` where `in(c)` is
-/// `c` or a table entry (-1: out of bounds, the pad value). `P = [count, rank, out_shape[r],
-/// in_strides[r], table_offsets[r] (0xffffffff: none), pad_bits, tables…]`.
-pub fn remap_src(e: Elem) -> String {
-    let pad = if e == Elem::F32 { "bitcast<f32>(P[2u + 3u * r])" } else { "bitcast<i32>(P[2u + 3u * r])" };
-    let body = format!(
-        "    let r = P[1];
-    var rem = i;
-    var off = 0u;
-    var valid = true;
-    for (var t = 0u; t < r; t = t + 1u) {{
-        let d = r - 1u - t;
-        let dim = P[2u + d];
-        let c = rem % dim;
-        rem = rem / dim;
-        var ic = c;
-        let tab = P[2u + 2u * r + d];
-        if (tab != 0xffffffffu) {{
-            let v = bitcast<i32>(P[tab + c]);
-            if (v < 0) {{ valid = false; }}
-            ic = u32(max(v, 0));
-        }}
-        off = off + ic * P[2u + r + d];
-    }}
-    Y[i] = select({pad}, X[off], valid);"
-    );
-    source(&[("X", e, false), ("Y", e, true)], "", &body)
+/// `c` or a table entry (-1: out of bounds, the pad value). The output shape, strides, table
+/// offsets (`None`: no table) and pad bits are baked into the source; `P = [count, tables…]`.
+pub fn remap_src(e: Elem, shape: &[usize], strides: &[u32], tables: &[Option<u32>], pad_bits: u32) -> String {
+    let keep: Vec<bool> = tables.iter().map(Option::is_some).collect();
+    // Merge only dims without tables; keep table dims (and their offsets) in place.
+    let (ms, mst, mtab) = {
+        let mut ms = Vec::new();
+        let mut mst = Vec::new();
+        let mut mtab: Vec<Option<u32>> = Vec::new();
+        for d in 0..shape.len() {
+            let merge = !keep[d]
+                && !ms.is_empty()
+                && mtab.last() == Some(&None)
+                && mst.last().copied() == Some(strides[d] * shape[d] as u32);
+            if shape[d] == 1 && !keep[d] {
+                continue;
+            }
+            if merge {
+                *ms.last_mut().expect("a dim") *= shape[d];
+                *mst.last_mut().expect("a dim") = strides[d];
+            } else {
+                ms.push(shape[d]);
+                mst.push(strides[d]);
+                mtab.push(tables[d]);
+            }
+        }
+        (ms, mst, mtab)
+    };
+    let mut body = String::from("    var valid = true;\n");
+    let coord = |d: usize, c: &str| -> String {
+        match mtab[d] {
+            None => c.to_string(),
+            Some(off) => format!("tab(&valid, {off}u + {c})"),
+        }
+    };
+    body.push_str(&super::kernels::unrolled_offsets(&ms, &[mst], &coord));
+    let pad = if e == Elem::F32 { format!("bitcast<f32>({pad_bits}u)") } else { format!("bitcast<i32>({pad_bits}u)") };
+    body.push_str(&format!("    Y[i] = select({pad}, X[o0], valid);"));
+    let fns = "fn tab(valid: ptr<function, bool>, at: u32) -> u32 {
+    let v = bitcast<i32>(P[at]);
+    if (v < 0) { *valid = false; }
+    return u32(max(v, 0));
+}
+";
+    source(&[("X", e, false), ("Y", e, true)], fns, &body)
 }
 
 /// How each output dim of a remap reads its input.
@@ -551,31 +753,28 @@ pub fn remap(
     pad: f64,
 ) -> Result<GpuTensor, String> {
     let out = e.output(oshape.clone(), x.dtype);
-    let r = oshape.len();
-    let mut p: Vec<u32> = vec![out.numel() as u32, r as u32];
-    p.extend(oshape.iter().map(|&d| d as u32));
-    p.extend(axes.iter().map(|a| match a {
-        Axis::Same(s) | Axis::Table(_, s) => *s as u32,
-    }));
-    let mut tables: Vec<u32> = Vec::new();
-    let base = 2 + 3 * r + 1;
-    let mut offs = Vec::with_capacity(r);
+    let mut p: Vec<u32> = vec![out.numel() as u32];
+    let mut strides = Vec::with_capacity(axes.len());
+    let mut offs = Vec::with_capacity(axes.len());
     for a in axes {
         match a {
-            Axis::Same(_) => offs.push(u32::MAX),
-            Axis::Table(t, _) => {
-                offs.push((base + tables.len()) as u32);
-                tables.extend(t.iter().map(|&v| (v.clamp(-1, i32::MAX as i64) as i32) as u32));
+            Axis::Same(st) => {
+                strides.push(*st as u32);
+                offs.push(None);
+            }
+            Axis::Table(t, st) => {
+                strides.push(*st as u32);
+                offs.push(Some(p.len() as u32));
+                p.extend(t.iter().map(|&v| (v.clamp(-1, i32::MAX as i64) as i32) as u32));
             }
         }
     }
-    p.extend(offs);
-    p.push(if x.elem() == Elem::F32 { (pad as f32).to_bits() } else { (pad as i32) as u32 });
-    p.extend(tables);
+    let pad_bits = if x.elem() == Elem::F32 { (pad as f32).to_bits() } else { (pad as i32) as u32 };
     if out.numel() == 0 {
         return Ok(out);
     }
-    e.launch(&remap_src(x.elem()), &[&x.buf, &out.buf], &p, GpuExecutor::groups(out.numel()))?;
+    let src = remap_src(x.elem(), &oshape, &strides, &offs, pad_bits);
+    e.launch(&src, &[&x.buf, &out.buf], &p, GpuExecutor::groups(out.numel()))?;
     Ok(out)
 }
 
@@ -920,8 +1119,15 @@ pub fn run_nn(
             };
             let a_full: Vec<usize> = ab.iter().copied().chain([m, k]).collect();
             let b_full: Vec<usize> = bb.iter().copied().chain([k, nn]).collect();
-            let a_bst = bst(ab, &a_full);
+            let mut a_bst = bst(ab, &a_full);
             let b_bst = bst(bb, &b_full);
+            let mut m = m;
+            if bb.iter().all(|&d| d == 1) {
+                // A shared B: A's batch folds into its rows (one GEMM, not many thin ones).
+                m *= batch.iter().product::<usize>();
+                batch.iter_mut().for_each(|d| *d = 1);
+                a_bst.iter_mut().for_each(|s| *s = 0);
+            }
             let spec = Gemm {
                 a: x,
                 b: w,
@@ -998,7 +1204,6 @@ pub fn run_nn(
                 ints_attr(op, "dilations").map_or(vec![1; k], |v| v.iter().map(|&s| s as usize).collect());
             let group = int_attr(op, "group", 1) as usize;
             let bias = inp(2);
-            let out = e.output(oshape.clone(), odt);
             let osp: Vec<usize> = oshape[2..].to_vec();
             let pads: Vec<usize> = if matches!(op, Op::Conv(_)) {
                 let kshape: Vec<i64> = kernel.iter().map(|&v| v as i64).collect();
@@ -1028,10 +1233,17 @@ pub fn run_nn(
             let st3 = to3(&strides_, 1);
             let d3 = to3(&dil, 1);
             let p3 = to3(&pads, 0);
-            let mut p: Vec<u32> = vec![out.numel() as u32, n as u32, c as u32, m as u32, group as u32];
+            let count: usize = oshape.iter().product();
+            let mut p: Vec<u32> = vec![count as u32, n as u32, c as u32, m as u32, group as u32];
             for v in [s3, o3, k3, st3, d3, p3] {
                 p.extend(v.iter().map(|&x| x as u32));
             }
+            if matches!(op, Op::Conv(_))
+                && let Some(y) = conv_im2col(e, x, w, bias, &p, &oshape)?
+            {
+                return Ok(Some(vec![y]));
+            }
+            let out = e.output(oshape.clone(), odt);
             let src =
                 if matches!(op, Op::Conv(_)) { conv_src(bias.is_some()) } else { conv_transpose_src(bias.is_some()) };
             let mut bufs: Vec<&wgpu::Buffer> = vec![&x.buf, &w.buf];
@@ -1039,7 +1251,7 @@ pub fn run_nn(
                 bufs.push(&b.buf);
             }
             bufs.push(&out.buf);
-            e.launch(&src, &bufs, &p, GpuExecutor::groups(out.numel()))?;
+            e.launch(&specialize(&src, &p), &bufs, &p, GpuExecutor::groups(out.numel()))?;
             Ok(Some(vec![out]))
         }
         Op::MaxPool(_) | Op::AveragePool(_) | Op::LpPool(_) => {
@@ -1083,7 +1295,7 @@ pub fn run_nn(
                 Op::LpPool(_) => "lp",
                 _ => "avg",
             };
-            e.launch(&pool_src(kind), &[&x.buf, &out.buf], &p, GpuExecutor::groups(out.numel()))?;
+            e.launch(&specialize(&pool_src(kind), &p), &[&x.buf, &out.buf], &p, GpuExecutor::groups(out.numel()))?;
             Ok(Some(vec![out]))
         }
         Op::Transpose(_) => {

@@ -1,0 +1,185 @@
+//! Measures the constants of the cost model's device and link on the runtime's own
+//! executors (`shardc calibrate`): GEMM FLOP/s of the runtime's GEMM kernel, bytes/s of a
+//! memory-bound elementwise kernel, the fixed cost of one dispatch, and the bandwidth and
+//! latency of moving a tensor from one device to another through the host (what the
+//! runtime's collectives do).
+
+use std::time::Instant;
+
+use codegen::runtime::Executor;
+use ir::eval::Array;
+use ir::{Graph, NodeId};
+use passes::cost::Cluster;
+use passes::cost::calibration::{Calibration, local_cluster};
+
+/// One measurement: what was timed and its median.
+#[derive(Clone, Debug)]
+pub struct Sample {
+    /// What was timed.
+    pub what: String,
+    /// Median seconds per repetition.
+    pub median_s: f64,
+    /// Repetitions.
+    pub reps: usize,
+}
+
+/// The result of a calibration.
+#[derive(Clone, Debug)]
+pub struct Measured {
+    /// The adapter (or `cpu`).
+    pub adapter: String,
+    /// The constants.
+    pub calibration: Calibration,
+    /// The raw timings.
+    pub samples: Vec<Sample>,
+}
+
+/// How long to measure.
+#[derive(Copy, Clone, Debug)]
+pub struct Effort {
+    /// GEMM side (n×n·n×n).
+    pub gemm_n: usize,
+    /// Elements of the bandwidth tensors.
+    pub stream_elems: usize,
+    /// Repetitions of each measurement (the median is kept).
+    pub reps: usize,
+}
+
+impl Default for Effort {
+    fn default() -> Self {
+        Effort { gemm_n: 512, stream_elems: 1 << 22, reps: 7 }
+    }
+}
+
+/// A one-op model, shape-checked, and its op node.
+pub fn one_op(signature: &str, body: &str) -> Result<(ir::Model, NodeId), String> {
+    let text = format!("<\n ir_version: 8,\n opset_import: [\"\" : 17]\n>\nk {signature}\n{{\n {body}\n}}\n");
+    let mut m = frontend::parse(&text).map_err(|d| frontend::render(&d, "calibration", &text))?.model;
+    ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check)
+        .map_err(|e| e.iter().map(|x| x.to_string()).collect::<Vec<_>>().join("; "))?;
+    let n = *m.graph.op_nodes().map_err(|_| "cycle".to_string())?.first().ok_or("no op")?;
+    Ok((m, n))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Median seconds of running node `n` of `g` (with a sync) on `e`, after one warm-up run.
+pub fn time_node<E: Executor>(e: &mut E, g: &Graph, n: NodeId, inputs: &[Array], reps: usize) -> Result<f64, String> {
+    let ts: Vec<E::Tensor> = inputs.iter().map(|a| e.upload(a)).collect::<Result<_, _>>()?;
+    let refs: Vec<Option<&E::Tensor>> = ts.iter().map(Some).collect();
+    let (warm, _) = e.run(g, n, &refs)?;
+    e.sync();
+    drop(warm);
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        let (o, _) = e.run(g, n, &refs)?;
+        e.sync();
+        times.push(t.elapsed().as_secs_f64());
+        drop(o);
+    }
+    Ok(median(times))
+}
+
+fn filled(shape: Vec<usize>) -> Array {
+    let n: usize = shape.iter().product();
+    Array::f32(shape, (0..n).map(|i| ((i % 13) as f32 - 6.0) * 0.05).collect())
+}
+
+/// Median seconds of moving `a` from one device to another through the host: a download
+/// on `src` and an upload on `dst` (what the runtime's collectives do per message).
+fn time_copy<E: Executor>(src: &mut E, dst: &mut E, a: &Array, reps: usize) -> Result<f64, String> {
+    let t = src.upload(a)?;
+    src.sync();
+    let mut times = Vec::with_capacity(reps);
+    for r in 0..=reps.max(1) {
+        let t0 = Instant::now();
+        let host = src.download(&t)?;
+        let back = dst.upload(&host)?;
+        // Reading one element back forces the upload to finish.
+        let one = dst.download(&back)?;
+        std::hint::black_box(one);
+        if r > 0 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(median(times))
+}
+
+/// Measures the constants on two executors made by `make` (the second is the receiving
+/// device of the copy measurement).
+pub fn measure<E: Executor>(mut make: impl FnMut() -> Result<E, String>, effort: Effort) -> Result<Measured, String> {
+    let mut e = make()?;
+    let mut samples = Vec::new();
+    let reps = effort.reps.max(1);
+    // GEMM.
+    let n = effort.gemm_n.max(16);
+    let (m, node) = one_op(&format!("(float[{n},{n}] a, float[{n},{n}] b) => (y)"), "y = MatMul (a, b)")?;
+    let t_gemm = time_node(&mut e, &m.graph, node, &[filled(vec![n, n]), filled(vec![n, n])], reps)?;
+    samples.push(Sample { what: format!("MatMul {n}×{n}·{n}×{n}"), median_s: t_gemm, reps });
+    // A convolution (3×3, 64 → 64 channels): its rate against the GEMM's is the efficiency
+    // that convolutions and small GEMMs reach.
+    let b = (n / 64).max(1);
+    let (m, node) = one_op(
+        &format!("(float[{b},64,16,16] x, float[64,64,3,3] w) => (y)"),
+        "y = Conv <pads: ints = [1, 1, 1, 1]> (x, w)",
+    )?;
+    let t_conv = time_node(&mut e, &m.graph, node, &[filled(vec![b, 64, 16, 16]), filled(vec![64, 64, 3, 3])], reps)?;
+    samples.push(Sample { what: format!("Conv 3×3 {b}×64×16×16 → 64"), median_s: t_conv, reps });
+    // One tiny dispatch: the fixed cost of an op.
+    let (m, node) = one_op("(float[4] x) => (y)", "y = Relu (x)")?;
+    let t_launch = time_node(&mut e, &m.graph, node, &[filled(vec![4])], reps * 4)?;
+    samples.push(Sample { what: "Relu of 4 floats (one dispatch)".into(), median_s: t_launch, reps: reps * 4 });
+    // A memory-bound kernel: read two tensors, write one.
+    let s = effort.stream_elems.max(1024);
+    let (m, node) = one_op(&format!("(float[{s}] a, float[{s}] b) => (y)"), "y = Add (a, b)")?;
+    let t_add = time_node(&mut e, &m.graph, node, &[filled(vec![s]), filled(vec![s])], reps)?;
+    samples.push(Sample { what: format!("Add of {s} floats"), median_s: t_add, reps });
+    // Device → host → device.
+    let mut f = make()?;
+    // Small enough to be all latency, large enough not to be served from the host copy that
+    // executors keep of tiny tensors.
+    let small = 16384;
+    let t_small = time_copy(&mut e, &mut f, &filled(vec![small]), reps * 2)?;
+    samples.push(Sample { what: format!("copy of {small} floats between devices"), median_s: t_small, reps: reps * 2 });
+    let t_big = time_copy(&mut e, &mut f, &filled(vec![s]), reps)?;
+    samples.push(Sample { what: format!("copy of {s} floats between devices"), median_s: t_big, reps });
+    let flops = 2.0 * (n as f64).powi(3);
+    let launch = t_launch;
+    let gemm_flops = flops / (t_gemm - launch).max(t_gemm * 0.5);
+    let conv_flops = 2.0 * (b * 64 * 256 * 64 * 9) as f64 / (t_conv - launch).max(t_conv * 0.5);
+    let calibration = Calibration {
+        gemm_flops,
+        efficiency: (conv_flops / gemm_flops).clamp(0.05, 1.0),
+        mem_bandwidth: 12.0 * s as f64 / (t_add - launch).max(t_add * 0.5),
+        launch,
+        copy_bandwidth: 4.0 * (s - small.min(s)) as f64 / (t_big - t_small).max(t_big * 0.5),
+        copy_latency: t_small,
+    };
+    Ok(Measured { adapter: e.name(), calibration, samples })
+}
+
+/// A cluster of `devices` simulated accelerators with the measured constants, as a TOML
+/// cluster file with the measurements in comments.
+pub fn cluster_toml(m: &Measured, devices: usize) -> (Cluster, String) {
+    let c = local_cluster(&m.calibration, "local-calibrated", &format!("shardc calibrate on {}", m.adapter), devices);
+    let mut t = String::from("# Measured by `shardc calibrate` (medians):\n");
+    for s in &m.samples {
+        t.push_str(&format!("#   {:<40} {:>12.3} ms  ({} runs)\n", s.what, s.median_s * 1e3, s.reps));
+    }
+    let k = &m.calibration;
+    t.push_str(&format!(
+        "# GEMM {:.2} GFLOP/s (convolutions at {:.0}%), memory {:.2} GB/s, dispatch {:.1} µs, copies {:.2} GB/s + {:.1} µs\n\n",
+        k.gemm_flops / 1e9,
+        k.efficiency * 100.0,
+        k.mem_bandwidth / 1e9,
+        k.launch * 1e6,
+        k.copy_bandwidth / 1e9,
+        k.copy_latency * 1e6
+    ));
+    t.push_str(&c.to_toml());
+    (c, t)
+}

@@ -1,0 +1,115 @@
+//! `shardc lower`: a plan's per-device programs, with explicit communication.
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+use passes::autoshard::Plan;
+
+use super::common::*;
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LowerEmit {
+    /// Each device's graph in the ONNX textual syntax (communication ops in the `shardc`
+    /// domain; parses back).
+    Text,
+    /// A summary: per device its feeds, results, op and communication counts.
+    Json,
+    /// Each device's graph for Graphviz.
+    Dot,
+}
+
+#[derive(Args, Debug)]
+pub struct LowerArgs {
+    /// The plan (from `shardc plan -o`).
+    pub plan: PathBuf,
+    /// The model (default: the path the plan records).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Only this device.
+    #[arg(long)]
+    pub device: Option<usize>,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "text")]
+    pub emit: LowerEmit,
+    /// Write here: a file for one device or JSON, a directory (one file per device) otherwise.
+    #[arg(short = 'o', long = "output", value_name = "OUT")]
+    pub output: Option<PathBuf>,
+}
+
+pub fn run(args: &LowerArgs) -> CliResult {
+    let text = std::fs::read_to_string(&args.plan)
+        .map_err(|e| CliError::msg(format!("cannot read `{}`: {e}", args.plan.display())))?;
+    let plan = Plan::from_json(&text).map_err(|e| CliError::msg(format!("`{}`: {e}", args.plan.display())))?;
+    let model_path = args.model.clone().unwrap_or_else(|| PathBuf::from(&plan.model.path));
+    let shapes = ShapeArgs {
+        batch: None,
+        input_shape: plan
+            .model
+            .input_shapes
+            .iter()
+            .map(|(k, v)| format!("{k}={}", v.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")))
+            .collect(),
+    };
+    let loaded = load_canonical(&model_path, &shapes)?;
+    let program = shardc::exec::program_for_plan(&loaded.model.graph, &plan)
+        .map_err(|e| CliError::msg(format!("the plan does not lower: {e}")))?;
+    if let Err(errs) = codegen::check(&program) {
+        let mut m = String::from("error: the lowered program is inconsistent:\n");
+        for e in errs.iter().take(10) {
+            m.push_str(&format!("  {e}\n"));
+        }
+        return Err(CliError::new(m));
+    }
+    if let Some(k) = args.device
+        && k >= program.devices.len()
+    {
+        return Err(CliError::msg(format!("--device {k}: the plan has {} devices", program.devices.len())));
+    }
+    let devices: Vec<&codegen::DeviceProgram> =
+        program.devices.iter().filter(|d| args.device.is_none_or(|k| k == d.device)).collect();
+    for f in &program.fallbacks {
+        eprintln!("note: runs replicated instead of as planned: {f}");
+    }
+    match args.emit {
+        LowerEmit::Json => {
+            let doc = serde_json::to_string_pretty(&program.summary_json()).expect("JSON");
+            write_output(&doc, args.output.as_ref(), &model_path)
+        }
+        LowerEmit::Text | LowerEmit::Dot => {
+            let render = |d: &codegen::DeviceProgram| -> String {
+                match args.emit {
+                    LowerEmit::Dot => ir::export::graph_dot(&d.graph),
+                    _ => ir::print::model_to_string(&d.to_model()),
+                }
+            };
+            let ext = if args.emit == LowerEmit::Dot { "dot" } else { "onnxtxt" };
+            match (&args.output, devices.len()) {
+                (Some(out), 1) => write_output(&render(devices[0]), Some(out), &model_path),
+                (Some(dir), _) => {
+                    std::fs::create_dir_all(dir)
+                        .map_err(|e| CliError::msg(format!("cannot create `{}`: {e}", dir.display())))?;
+                    for d in devices {
+                        write_output(&render(d), Some(&dir.join(format!("device{}.{ext}", d.device))), &model_path)?;
+                    }
+                    Ok(())
+                }
+                (None, _) => {
+                    let mut t = String::new();
+                    for d in devices {
+                        if args.device.is_none() {
+                            t.push_str(&format!(
+                                "# ---- device {} (stage {}, rank {}) ----\n",
+                                d.device, d.stage, d.rank
+                            ));
+                        }
+                        t.push_str(&render(d));
+                        if !t.ends_with('\n') {
+                            t.push('\n');
+                        }
+                    }
+                    write_output(&t, None, &model_path)
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,316 @@
+//! `shardc run`: compile a model to a plan (or take one), lower it and run it on simulated
+//! devices; with `--check`, compare every output with the single-device reference.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use codegen::{Backend, RunOptions};
+use passes::autoshard::{self, PipelineMode, Plan, SearchOptions};
+use shardc::exec;
+
+use super::common::*;
+use super::cost::{ModelArgs, load_cluster, secs};
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The model (ONNX textual syntax).
+    pub model: PathBuf,
+    /// Run this plan (from `shardc plan -o`).
+    #[arg(long, value_name = "PLAN.json", conflicts_with = "strategy")]
+    pub plan: Option<PathBuf>,
+    /// Run a named strategy (data, model, spatial, hybrid:DxS, owt) instead of a searched plan.
+    #[arg(long)]
+    pub strategy: Option<String>,
+    /// The cluster to plan for (default: local-wgpu, the simulated devices themselves).
+    #[arg(long, default_value = "local-wgpu")]
+    pub cluster: String,
+    /// Simulated devices (default: 4).
+    #[arg(long, default_value_t = 4)]
+    pub devices: usize,
+    /// Pipeline parallelism when searching a plan: off, auto or a stage count.
+    #[arg(long, default_value = "auto")]
+    pub pipeline: String,
+    /// Executor: wgpu (default; falls back to cpu with a warning when no adapter opens) or
+    /// cpu (the reference kernels).
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// Seed for weights whose external data is absent and for random inputs.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Inputs in the golden `.io.json` format (default: seeded random values).
+    #[arg(long, value_name = "IO.json")]
+    pub inputs: Option<PathBuf>,
+    /// Write the inputs and outputs in the golden `.io.json` format.
+    #[arg(long = "save-outputs", value_name = "OUT.json")]
+    pub save_outputs: Option<PathBuf>,
+    /// Compare every output with the single-device CPU reference; exit 1 over tolerance.
+    #[arg(long)]
+    pub check: bool,
+    /// Relative tolerance of `--check`.
+    #[arg(long, default_value_t = 1e-4)]
+    pub rtol: f64,
+    /// Absolute tolerance of `--check`.
+    #[arg(long, default_value_t = 1e-5)]
+    pub atol: f64,
+    /// Forward steps to run; timings are of the last (the first also compiles kernels).
+    #[arg(long, default_value_t = 1)]
+    pub steps: usize,
+    /// Print one JSON document.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub shapes: ShapeArgs,
+    #[command(flatten)]
+    pub model_args: ModelArgs,
+}
+
+fn backend(args: &RunArgs) -> CliResult<(Backend, Option<String>)> {
+    match args.backend.as_deref() {
+        Some("cpu") => Ok((Backend::Cpu, None)),
+        Some("wgpu") => Ok((Backend::Wgpu, None)),
+        Some(other) => Err(CliError::msg(format!("--backend: `{other}` is not wgpu or cpu"))),
+        None => match codegen::runtime::gpu::open() {
+            Ok(_) => Ok((Backend::Wgpu, None)),
+            Err(e) => Ok((Backend::Cpu, Some(format!("no GPU adapter ({e}); running on the CPU executor")))),
+        },
+    }
+}
+
+pub fn run(args: &RunArgs) -> CliResult {
+    if args.devices == 0 {
+        return Err(CliError::msg("--devices must be at least 1"));
+    }
+    let mut loaded = load_canonical(&args.model, &args.shapes)?;
+    let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
+    let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
+    let g = &loaded.model.graph;
+    let mut notes: Vec<String> = Vec::new();
+    if weights.seeded > 0 {
+        notes.push(format!(
+            "weights: {} tensors have external data that is not there; drawn from --seed {} (the reference uses the same values)",
+            weights.seeded, args.seed
+        ));
+    }
+    if weights.loaded > 0 {
+        notes.push(format!("weights: {} tensors read from external data files", weights.loaded));
+    }
+    let opts = args.model_args.options()?;
+    // The plan.
+    // The cost model's forward-pass prediction (cluster name, seconds), when there is one.
+    let mut predicted: Option<(String, f64)> = None;
+    let (program, plan_desc) = if let Some(path) = &args.plan {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| CliError::msg(format!("cannot read `{}`: {e}", path.display())))?;
+        let plan = Plan::from_json(&text).map_err(|e| CliError::msg(format!("`{}`: {e}", path.display())))?;
+        if let Ok(bytes) = std::fs::read(&args.model) {
+            use sha2::Digest;
+            let sha = format!("{:x}", sha2::Sha256::digest(&bytes));
+            if !plan.model.sha256.is_empty() && plan.model.sha256 != sha {
+                notes.push(format!("warning: `{}` was made for a different file (sha256 differs)", path.display()));
+            }
+        }
+        let p = exec::program_for_plan(g, &plan).map_err(|e| CliError::msg(format!("the plan does not lower: {e}")))?;
+        if plan.stages.len() <= 1
+            && let Some(f) = plan.breakdown.get("forward_s").and_then(|v| v.as_f64())
+        {
+            predicted = Some((plan.cluster.clone(), f));
+        }
+        (p, format!("plan {} ({} devices)", path.display(), plan.devices))
+    } else {
+        let cluster = load_cluster(&args.cluster)?;
+        if let Some(s) = &args.strategy {
+            let r = exec::named_result(g, &cluster, args.devices, s, &opts).map_err(CliError::msg)?;
+            let p = exec::program_for_search(g, &r, args.devices).map_err(CliError::msg)?;
+            predicted = Some((cluster.name.clone(), r.breakdown.forward_s));
+            (p, format!("strategy `{s}` on {} devices of {}", args.devices, cluster.name))
+        } else {
+            let pipeline = PipelineMode::parse(&args.pipeline).map_err(CliError::msg)?;
+            let so = SearchOptions { pipeline, time_limit: Duration::from_secs(60), ..Default::default() };
+            let r = autoshard::search(g, &cluster, args.devices, &opts, &so).map_err(CliError::msg)?;
+            let what = match &r.pipeline {
+                Some(p) => format!("{} stages × {} micro-batches", p.stages.len(), p.micro_batches),
+                None => r.same_as.clone().map_or("per-layer strategies".into(), |s| format!("the `{s}` plan")),
+            };
+            let p = exec::program_for_search(g, &r, args.devices).map_err(CliError::msg)?;
+            if r.pipeline.is_none() {
+                predicted = Some((cluster.name.clone(), r.breakdown.forward_s));
+            }
+            (
+                p,
+                format!(
+                    "searched plan on {} devices of {} ({what}, mesh {})",
+                    args.devices,
+                    cluster.name,
+                    autoshard::mesh_string(&r.mesh)
+                ),
+            )
+        }
+    };
+    if let Err(errs) = codegen::check(&program) {
+        let mut m = String::from("error: the lowered program is inconsistent:\n");
+        for e in errs.iter().take(10) {
+            m.push_str(&format!("  {e}\n"));
+        }
+        return Err(CliError::new(m));
+    }
+    for f in &program.fallbacks {
+        notes.push(format!("runs replicated instead of as planned: {f}"));
+    }
+    let io_json: Option<serde_json::Value> = match &args.inputs {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).map_err(|e| CliError::msg(format!("cannot read `{}`: {e}", p.display())))?;
+            Some(
+                serde_json::from_str(&text)
+                    .map_err(|e| CliError::msg(format!("`{}` is not JSON: {e}", p.display())))?,
+            )
+        }
+        None => None,
+    };
+    let inputs = exec::inputs_for(g, io_json.as_ref(), args.seed).map_err(CliError::msg)?;
+    let (be, warn_be) = backend(args)?;
+    if let Some(w) = warn_be {
+        notes.push(format!("warning: {w}"));
+    }
+    if args.steps == 0 {
+        return Err(CliError::msg("--steps must be at least 1"));
+    }
+    let report = codegen::run(&program, &inputs, &RunOptions { backend: be, steps: args.steps, ..Default::default() })
+        .map_err(|e| CliError::msg(format!("the run failed: {e}")))?;
+    // Check against the reference.
+    let mut checks: Vec<(String, f64, f64, bool)> = Vec::new();
+    if args.check {
+        let reference = ir::eval::run(g, &inputs, &Default::default())
+            .map_err(|e| CliError::msg(format!("the reference run failed: {e}")))?;
+        for ((name, got), want) in report.outputs.iter().zip(&reference) {
+            let (a, r, ok) = exec::compare(got, want, args.rtol, args.atol);
+            checks.push((name.clone(), a, r, ok));
+        }
+    }
+    if let Some(out) = &args.save_outputs {
+        let ins: serde_json::Map<String, serde_json::Value> = g
+            .input_values()
+            .iter()
+            .filter_map(|v| {
+                let n = g.value_name(*v).to_string();
+                inputs.get(&n).map(|a| (n, exec::array_to_json(a)))
+            })
+            .collect();
+        let outs: serde_json::Map<String, serde_json::Value> =
+            report.outputs.iter().map(|(n, a)| (n.clone(), exec::array_to_json(a))).collect();
+        let doc =
+            serde_json::json!({"inputs": ins, "outputs": outs, "tolerance": {"rtol": args.rtol, "atol": args.atol}});
+        write_output(&serde_json::to_string(&doc).expect("JSON"), Some(out), &args.model)?;
+    }
+    let failed = checks.iter().any(|c| !c.3);
+    if args.json {
+        let doc = serde_json::json!({
+            "model": args.model.display().to_string(),
+            "plan": plan_desc,
+            "backend": format!("{be:?}").to_lowercase(),
+            "devices": report.devices,
+            "wall_s": report.wall_s,
+            "steps": args.steps,
+            "step_s": report.step_s(),
+            "predicted": predicted.as_ref().map(|(c, f)| serde_json::json!({"cluster": c, "forward_s": f, "error": (f - report.step_s()) / report.step_s()})),
+            "micro_batches": program.micro_batches,
+            "notes": notes,
+            "check": checks.iter().map(|(n, a, r, ok)| serde_json::json!({"output": n, "max_abs_error": a, "max_rel_error": r, "ok": ok})).collect::<Vec<_>>(),
+        });
+        write_output(&serde_json::to_string_pretty(&doc).expect("JSON"), None, &args.model)?;
+    } else {
+        let mut t = String::new();
+        t.push_str(&format!("model        {}\n", args.model.display()));
+        t.push_str(&format!("plan         {plan_desc}\n"));
+        for n in &notes {
+            t.push_str(&format!("note         {n}\n"));
+        }
+        t.push_str(&format!(
+            "ran          {} devices, {} micro-batch{}, {} backend, {:.3} s wall\n",
+            report.devices.len(),
+            program.micro_batches,
+            if program.micro_batches == 1 { "" } else { "es" },
+            format!("{be:?}").to_lowercase(),
+            report.wall_s
+        ));
+        t.push_str(&format!(
+            "step         {} (slowest device{}){}\n",
+            secs(report.step_s()),
+            if args.steps > 1 { format!(", step {} of {}", args.steps, args.steps) } else { String::new() },
+            if args.steps == 1 && be == Backend::Wgpu {
+                "; the first step also compiles kernels: --steps 2 times a warm one"
+            } else {
+                ""
+            }
+        ));
+        if let Some((c, f)) = &predicted {
+            t.push_str(&format!(
+                "predicted    {} forward on {c} ({:+.0}% vs measured){}\n",
+                secs(*f),
+                (f - report.step_s()) / report.step_s() * 100.0,
+                if c.starts_with("local") {
+                    ""
+                } else {
+                    "; calibrate with `shardc calibrate` for a like-for-like figure"
+                }
+            ));
+        }
+        t.push_str("  device  adapter                               wall      compute   communication   host ops\n");
+        for d in &report.devices {
+            let adapter: String = d.adapter.chars().take(36).collect();
+            t.push_str(&format!(
+                "  {:>6}  {:<36} {:>9} {:>11} {:>13}   {}\n",
+                d.device,
+                adapter,
+                secs(d.wall_s),
+                secs(d.compute_s),
+                secs(d.communication_s),
+                d.host_ops.values().sum::<usize>()
+            ));
+        }
+        let mut by_op: HashMap<&str, f64> = HashMap::new();
+        let mut by_comm: HashMap<&str, f64> = HashMap::new();
+        for d in &report.devices {
+            for (k, v) in &d.by_op {
+                *by_op.entry(k).or_insert(0.0) += v;
+            }
+            for (k, v) in &d.by_collective {
+                *by_comm.entry(k).or_insert(0.0) += v;
+            }
+        }
+        let mut ops: Vec<_> = by_op.into_iter().collect();
+        ops.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
+        t.push_str("time per op kind (all devices)\n");
+        for (k, v) in ops.iter().take(12) {
+            t.push_str(&format!("  {k:<24} {:>10}\n", secs(*v)));
+        }
+        if !by_comm.is_empty() {
+            let mut c: Vec<_> = by_comm.into_iter().collect();
+            c.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
+            t.push_str("time per collective (all devices)\n");
+            for (k, v) in c {
+                t.push_str(&format!("  {k:<24} {:>10}\n", secs(v)));
+            }
+        }
+        if args.check {
+            t.push_str(&format!(
+                "check        against the single-device CPU reference (rtol {}, atol {})\n",
+                args.rtol, args.atol
+            ));
+            for (n, a, r, ok) in &checks {
+                t.push_str(&format!(
+                    "  {:<32} max abs error {a:.3e}  max rel error {r:.3e}  {}\n",
+                    n,
+                    if *ok { "ok" } else { "FAILED" }
+                ));
+            }
+        }
+        write_output(&t, None, &args.model)?;
+    }
+    if failed {
+        return Err(CliError::new("error: outputs differ from the reference beyond the tolerance"));
+    }
+    Ok(())
+}
