@@ -177,3 +177,39 @@ fn attr_group(attrs: &str) -> usize {
         .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
         .unwrap_or(1)
 }
+
+/// Pipelined plans (two stages exchanging micro-batches by Send/Recv, data parallel within a
+/// stage) on wgpu devices give the reference's outputs.
+#[test]
+fn pipelined_plans_run_on_wgpu_devices_and_match_the_reference() {
+    use passes::autoshard::{PipelineMode, SearchOptions};
+    if !gpu_available() {
+        return;
+    }
+    let c = passes::cost::Cluster::preset("local-wgpu").unwrap();
+    let mut ran = 0;
+    for name in ["tiny_resnet.onnxtxt", "tiny_gpt.onnxtxt", "tiny_lstm_lm.onnxtxt"] {
+        let Some(path) = data_files("golden").into_iter().find(|p| p.file_name().unwrap().to_string_lossy() == name)
+        else {
+            continue;
+        };
+        let m = prepared(&path);
+        let g = &m.graph;
+        let io = load_io(&path);
+        let reference = ir::eval::run(g, &io.inputs, &Default::default()).unwrap();
+        for devices in [2, 4] {
+            let so = SearchOptions { pipeline: PipelineMode::Stages(2), ..Default::default() };
+            let r = passes::autoshard::search(g, &c, devices, &Default::default(), &so).unwrap();
+            assert!(r.pipeline.is_some(), "{name}: no pipeline on {devices}");
+            let prog = shardc::exec::program_for_search(g, &r, devices).unwrap();
+            codegen::check(&prog).unwrap_or_else(|e| panic!("{name}: {e:?}"));
+            let out = codegen::run(&prog, &io.inputs, &RunOptions { backend: Backend::Wgpu, ..Default::default() })
+                .unwrap_or_else(|e| panic!("{name} on {devices}: {e}"));
+            for ((o, got), want) in out.outputs.iter().zip(&reference) {
+                compare(o, got, want, 1e-4, 1e-5).unwrap_or_else(|e| panic!("{name} pipelined on {devices}: {e}"));
+            }
+            ran += 1;
+        }
+    }
+    assert!(ran >= 6, "{ran}");
+}

@@ -427,6 +427,18 @@ fn elementwise(
     Ok(out)
 }
 
+/// `Where` over the bindings A (condition), B (x), C (y).
+const WHERE_EXPR: &str = "select(c, b, a != 0)";
+
+/// `Clip` of `a` (elem `e`) to `[lo, hi]`.
+fn clip_expr(e: Elem, lo: f64, hi: f64) -> String {
+    if e == Elem::F32 {
+        format!("min(max(a, {}), {})", f32_lit(lo), f32_lit(hi))
+    } else {
+        format!("min(max(a, {}), {})", lo.max(i32::MIN as f64) as i32, hi.min(i32::MAX as f64) as i32)
+    }
+}
+
 /// A cast between element types as an expression on `a`.
 fn cast_expr(from: DType, to: DType) -> String {
     match (Elem::of(from), Elem::of(to), to == DType::Bool) {
@@ -509,17 +521,13 @@ pub fn run(
             if let Some(t) = inp(2) {
                 hi = e.floats(t)?.first().copied().unwrap_or(hi);
             }
-            let expr = if x.elem() == Elem::F32 {
-                format!("min(max(a, {}), {})", f32_lit(lo), f32_lit(hi))
-            } else {
-                format!("min(max(a, {}), {})", lo.max(i32::MIN as f64) as i32, hi.min(i32::MAX as f64) as i32)
-            };
+            let expr = clip_expr(x.elem(), lo, hi);
             return Ok(Some(vec![elementwise(e, &[x], oshape, odt, &expr)?]));
         }
         Op::Where(_) => {
             let (Some(c), Some(a), Some(b)) = (inp(0), inp(1), inp(2)) else { return Ok(None) };
             // Bindings are A (cond), B (x), C (y): select(y, x, cond).
-            let out = elementwise(e, &[c, a, b], oshape, odt, "select(c, b, a != 0)")?;
+            let out = elementwise(e, &[c, a, b], oshape, odt, WHERE_EXPR)?;
             return Ok(Some(vec![out]));
         }
         Op::Add(_)
@@ -602,5 +610,165 @@ mod specialize_tests {
             super::specialize(src, &p),
             "if (i >= P[0]) { return; } let a = 101u + 112u; let b = P[2u + d]; let c = TMP[1]; let d = P[40];"
         );
+    }
+}
+
+/// Every kernel source the runtime can generate, compiled and validated by naga (no GPU
+/// needed): element-wise kernels for every op type with every element type and broadcast,
+/// and every fixed kernel with its variants and specialised parameters.
+#[cfg(test)]
+mod naga_validation {
+    use super::super::kernels_nn::*;
+    use super::*;
+
+    fn validate(what: &str, src: &str) {
+        let module = naga::front::wgsl::parse_str(src)
+            .unwrap_or_else(|e| panic!("{what}: WGSL does not parse: {}\n{src}", e.emit_to_string(src)));
+        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::default())
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{what}: WGSL does not validate: {}\n{src}", e.emit_to_string(src)));
+    }
+
+    const ELEMS: [Elem; 2] = [Elem::F32, Elem::I32];
+
+    /// Output `[2, 3, 4]` with inputs read flat, as a scalar, and broadcast from `[3, 1]`.
+    fn accesses() -> Vec<(Access, Vec<u32>)> {
+        let shape = [2, 3, 4];
+        vec![
+            (Access::Flat, broadcast_strides(&shape, &shape)),
+            (Access::Scalar, broadcast_strides(&[1], &shape)),
+            (Access::Strided, broadcast_strides(&[3, 1], &shape)),
+        ]
+    }
+
+    fn ops() -> Vec<Op> {
+        let mut v: Vec<Op> =
+            Op::known_op_types().iter().filter_map(|(d, t)| Op::from_parts(d, t, Vec::new()).ok()).collect();
+        let int = |name: &str, i: i64| ir::Attribute { name: name.into(), value: ir::AttrValue::Int(i) };
+        v.push(Op::from_parts("", "Mod", vec![int("fmod", 1)]).expect("Mod"));
+        v.push(Op::from_parts("", "IsInf", vec![int("detect_negative", 0)]).expect("IsInf"));
+        v
+    }
+
+    #[test]
+    fn every_elementwise_kernel_validates() {
+        let shape = [2, 3, 4];
+        let mut n = 0;
+        for op in ops() {
+            for e in ELEMS {
+                if let Some(expr) = unary_expr(&op, e) {
+                    let out = if matches!(op, Op::IsNaN(_) | Op::IsInf(_)) { Elem::I32 } else { e };
+                    for (acc, st) in accesses() {
+                        validate(&format!("{op:?} {e:?}"), &elementwise_src(&[e], &[acc], &shape, &[st], out, &expr));
+                        n += 1;
+                    }
+                }
+                if let Some(expr) = binary_expr(&op, e) {
+                    let cmp = matches!(
+                        op,
+                        Op::Equal(_) | Op::Less(_) | Op::LessOrEqual(_) | Op::Greater(_) | Op::GreaterOrEqual(_)
+                    );
+                    let out = if cmp { Elem::I32 } else { e };
+                    for (a, sa) in accesses() {
+                        for (b, sb) in accesses() {
+                            let src = elementwise_src(&[e, e], &[a, b], &shape, &[sa.clone(), sb], out, &expr);
+                            validate(&format!("{op:?} {e:?} {a:?}·{b:?}"), &src);
+                            n += 1;
+                        }
+                    }
+                }
+            }
+        }
+        for from in [ir::DType::Float, ir::DType::Int64, ir::DType::Int32, ir::DType::Bool] {
+            for to in [ir::DType::Float, ir::DType::Int64, ir::DType::Int32, ir::DType::Bool] {
+                let (fe, te) = (Elem::of(from), Elem::of(to));
+                let src = elementwise_src(&[fe], &[Access::Flat], &shape, &[vec![]], te, &cast_expr(from, to));
+                validate(&format!("Cast {from:?}→{to:?}"), &src);
+                n += 1;
+            }
+        }
+        for e in ELEMS {
+            validate("Clip", &elementwise_src(&[e], &[Access::Flat], &shape, &[vec![]], e, &clip_expr(e, -1.5, 6.0)));
+            let (acc, st): (Vec<Access>, Vec<Vec<u32>>) = accesses().into_iter().unzip();
+            validate("Where", &elementwise_src(&[Elem::I32, e, e], &acc, &shape, &st, e, WHERE_EXPR));
+            n += 2;
+        }
+        assert!(n > 300, "{n} element-wise kernels");
+    }
+
+    #[test]
+    fn every_fixed_kernel_validates() {
+        let reds = [
+            Red::Sum,
+            Red::Mean,
+            Red::Max,
+            Red::Min,
+            Red::Prod,
+            Red::L1,
+            Red::L2,
+            Red::SumSquare,
+            Red::LogSum,
+            Red::LogSumExp,
+            Red::ArgMax,
+            Red::ArgMin,
+        ];
+        for red in reds {
+            for xe in ELEMS {
+                let ye = if matches!(red, Red::ArgMax | Red::ArgMin) { Elem::I32 } else { xe };
+                validate(&format!("reduce {red:?} {xe:?}"), &reduce_src(red, xe, ye));
+            }
+        }
+        for kind in ["", "log", "hard"] {
+            validate(&format!("softmax {kind}"), &softmax_src(kind));
+        }
+        for (bias, stats) in [(false, false), (true, false), (false, true), (true, true)] {
+            validate("layernorm", &layernorm_src(bias, stats));
+        }
+        validate("batchnorm", &batchnorm_src());
+        validate("instancenorm", &instancenorm_src());
+        for c in [false, true] {
+            validate("gemm", &gemm_src(c));
+            validate("gemm_rt", &gemm_rt_src(c));
+            validate("conv", &conv_src(c));
+            validate("conv_transpose", &conv_transpose_src(c));
+        }
+        for kind in ["max", "avg", "lp"] {
+            validate(&format!("pool {kind}"), &pool_src(kind));
+        }
+        for wide in [false, true] {
+            validate("im2col", &im2col_src(wide));
+        }
+        for e in ELEMS {
+            validate("gather", &gather_src(e));
+            validate("place", &place_src(e));
+            // A transpose, and a pad/slice through a table with an out-of-range pad value.
+            validate("remap", &remap_src(e, &[4, 3, 2], &[1, 8, 4], &[None, None, None], 0));
+            validate("remap table", &remap_src(e, &[5, 3], &[3, 1], &[Some(1), None], (-1i32) as u32));
+        }
+        validate("lstm", &lstm_step_src());
+        validate("gru gates", &gru_gates_src());
+        validate("gru state", &gru_state_src());
+        validate("rnn", &rnn_step_src());
+    }
+
+    #[test]
+    fn specialised_kernels_validate() {
+        // Conv / ConvTranspose / im2col / pooling with their parameters baked in, as launched.
+        let mut p: Vec<u32> = vec![2 * 8 * 5 * 5, 2, 4, 8, 2];
+        for v in [[1, 5, 5], [1, 5, 5], [1, 3, 3], [1, 1, 1], [1, 1, 1], [0, 1, 1]] {
+            p.extend(v);
+        }
+        validate("conv specialised", &specialize(&conv_src(true), &p));
+        validate("conv_transpose specialised", &specialize(&conv_transpose_src(false), &p));
+        let mut q: Vec<u32> = vec![2 * 2 * 18, 4, 2];
+        q.extend_from_slice(&p[5..]);
+        validate("im2col specialised", &specialize(&im2col_src(true), &q));
+        // [count, NC, C, D, H, W, OD, OH, OW, KD, KH, KW, SD, SH, SW, DD, DH, DW, PD, PH, PW,
+        //  PED, PEH, PEW, count_include_pad, p]
+        let pool: Vec<u32> =
+            vec![2 * 4 * 4 * 4, 8, 4, 1, 8, 8, 1, 4, 4, 1, 3, 3, 1, 2, 2, 1, 1, 1, 0, 1, 1, 0, 0, 0, 1, 2];
+        for kind in ["max", "avg", "lp"] {
+            validate("pool specialised", &specialize(&pool_src(kind), &pool));
+        }
     }
 }
