@@ -344,3 +344,256 @@ fn plan_pipelines_with_a_stage_table_and_a_timeline() {
     assert!(v["pipeline"]["reason"].as_str().unwrap().starts_with("requested"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+fn golden(name: &str) -> String {
+    format!("tests/data/golden/{name}")
+}
+
+fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("shardc-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).to_string()
+}
+
+/// Largest |a - b| over the outputs of two `.io.json` documents.
+fn max_output_diff(a: &serde_json::Value, b: &serde_json::Value) -> f64 {
+    let mut worst = 0.0f64;
+    let outs = a["outputs"].as_object().expect("outputs");
+    assert!(!outs.is_empty());
+    for (name, x) in outs {
+        let y = &b["outputs"][name];
+        let (xs, ys) = (x["data"].as_array().expect("data"), y["data"].as_array().expect("the same output"));
+        assert_eq!(xs.len(), ys.len(), "{name}");
+        for (p, q) in xs.iter().zip(ys) {
+            worst = worst.max((p.as_f64().unwrap() - q.as_f64().unwrap()).abs());
+        }
+    }
+    worst
+}
+
+#[test]
+fn run_checks_saves_and_replays_outputs() {
+    let dir = tmpdir("run");
+    let saved = dir.join("out.io.json");
+    let io = golden("tiny_resnet.io.json");
+    let o = shardc(&[
+        "run",
+        &golden("tiny_resnet.onnxtxt"),
+        "--strategy",
+        "data",
+        "--devices",
+        "2",
+        "--backend",
+        "cpu",
+        "--inputs",
+        &io,
+        "--check",
+        "--save-outputs",
+        saved.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    for want in ["strategy `data` on 2 devices", "ran          2 devices", "time per op kind", "Conv", "check", " ok"] {
+        assert!(text.contains(want), "`{want}` missing:\n{text}");
+    }
+    // The outputs written are onnxruntime's (the golden file's), within its tolerance.
+    let got: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
+    let want: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(&io)).unwrap())
+            .unwrap();
+    assert!(max_output_diff(&got, &want) < 1e-3, "{}", max_output_diff(&got, &want));
+    // Replaying the saved inputs under another plan gives the same outputs.
+    let again = dir.join("again.io.json");
+    let o = shardc(&[
+        "run",
+        &golden("tiny_resnet.onnxtxt"),
+        "--strategy",
+        "model",
+        "--devices",
+        "4",
+        "--backend",
+        "cpu",
+        "--inputs",
+        saved.to_str().unwrap(),
+        "--save-outputs",
+        again.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let second: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&again).unwrap()).unwrap();
+    assert!(max_output_diff(&got, &second) < 1e-4);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn run_json_and_plans_from_files() {
+    let dir = tmpdir("runplan");
+    let plan = dir.join("plan.json");
+    let o = shardc(&[
+        "plan",
+        &golden("tiny_gpt.onnxtxt"),
+        "--cluster",
+        "local-wgpu",
+        "--devices",
+        "4",
+        "--pipeline",
+        "2",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = shardc(&[
+        "run",
+        &golden("tiny_gpt.onnxtxt"),
+        "--plan",
+        plan.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--check",
+        "--steps",
+        "2",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["devices"].as_array().unwrap().len(), 4);
+    assert_eq!(v["micro_batches"].as_u64(), Some(2));
+    assert_eq!(v["steps"].as_u64(), Some(2));
+    assert_eq!(v["backend"].as_str(), Some("cpu"));
+    let checks = v["check"].as_array().unwrap();
+    assert!(!checks.is_empty() && checks.iter().all(|c| c["ok"].as_bool() == Some(true)), "{}", v["check"]);
+    // The searched plan, printed as text, with the cost model's prediction.
+    let o = shardc(&["run", &golden("tiny_mlp.onnxtxt"), "--devices", "2", "--backend", "cpu"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("searched plan on 2 devices"), "{}", stdout(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn run_errors_exit_1_and_never_overwrite_inputs() {
+    let dir = tmpdir("runerr");
+    let io = dir.join("in.io.json");
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join(golden("tiny_mlp.io.json")), &io).unwrap();
+    let before = std::fs::read(&io).unwrap();
+    let m = golden("tiny_mlp.onnxtxt");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--backend", "tpu"], "--backend"),
+        (vec!["--steps", "0"], "--steps"),
+        (vec!["--devices", "0"], "--devices"),
+        (vec!["--strategy", "diagonal"], "diagonal"),
+        (vec!["--plan", "no/such/plan.json"], "no/such/plan.json"),
+        (vec!["--inputs", io.to_str().unwrap(), "--save-outputs", io.to_str().unwrap()], "refusing to overwrite"),
+        (vec!["--pipeline", "lots"], "lots"),
+        (vec!["--cluster", "no-such-cluster"], "no-such-cluster"),
+    ];
+    for (extra, want) in cases {
+        let mut args = vec!["run", m.as_str(), "--backend", "cpu"];
+        if extra[0] == "--backend" {
+            args.truncate(2);
+        }
+        args.extend(extra.iter().copied());
+        let o = shardc(&args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(want), "{args:?}: `{want}` not in\n{}", stderr(&o));
+    }
+    assert_eq!(std::fs::read(&io).unwrap(), before, "the inputs file was changed");
+    // Inputs of the wrong shape are named.
+    let bad = dir.join("bad.io.json");
+    std::fs::write(&bad, r#"{"inputs": {"x": {"dtype": "float32", "shape": [1, 1], "data": [0.0]}}}"#).unwrap();
+    let o = shardc(&["run", &m, "--backend", "cpu", "--inputs", bad.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn lower_prints_programs_that_parse_back() {
+    let dir = tmpdir("lower");
+    let plan = dir.join("plan.json");
+    let o = shardc(&[
+        "plan",
+        &golden("tiny_gpt.onnxtxt"),
+        "--cluster",
+        "local-wgpu",
+        "--devices",
+        "2",
+        "--pipeline",
+        "2",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let p = plan.to_str().unwrap();
+    let o = shardc(&["lower", p]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("---- device 0") && text.contains("---- device 1"), "{text}");
+    assert!(text.contains("shardc.Send") && text.contains("shardc.Recv"), "{text}");
+    // One device to a file: it parses back, and prints back identically.
+    let one = dir.join("d1.onnxtxt");
+    let o = shardc(&["lower", p, "--device", "1", "-o", one.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = shardc(&["parse", one.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o) == std::fs::read_to_string(&one).unwrap(),
+        "the lowered program does not print back identically"
+    );
+    // All devices to a directory.
+    let out = dir.join("all");
+    let o = shardc(&["lower", p, "-o", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out.join("device0.onnxtxt").exists() && out.join("device1.onnxtxt").exists());
+    // JSON summary and DOT.
+    let o = shardc(&["lower", p, "--emit", "json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["devices"].as_array().unwrap().len(), 2, "{v}");
+    let o = shardc(&["lower", p, "--device", "0", "--emit", "dot"]);
+    assert!(stdout(&o).starts_with("digraph"), "{}", stdout(&o));
+    // Errors: a device that is not there, a file that is not a plan, overwriting the plan.
+    let o = shardc(&["lower", p, "--device", "9"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--device 9"), "{}", stderr(&o));
+    let o = shardc(&["lower", &golden("tiny_gpt.onnxtxt")]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let before = std::fs::read(&plan).unwrap();
+    let o = shardc(&["lower", p, "--device", "0", "-o", p]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("refusing to overwrite"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(&plan).unwrap(), before);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn calibrate_writes_a_cluster_file_the_planner_loads() {
+    let dir = tmpdir("calib");
+    let toml = dir.join("local.toml");
+    let o = shardc(&["calibrate", "--quick", "--backend", "cpu", "--devices", "4", "-o", toml.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&toml).unwrap();
+    assert!(text.contains("# Measured by `shardc calibrate`") && text.contains("MatMul"), "{text}");
+    assert!(text.contains("devices_per_node = 4") && text.contains("shared_host = true"), "{text}");
+    let o = shardc(&[
+        "cost",
+        &golden("tiny_gpt.onnxtxt"),
+        "--cluster",
+        toml.to_str().unwrap(),
+        "--strategy",
+        "data",
+        "--devices",
+        "4",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v.to_string().contains("local-calibrated"), "{v}");
+    let o = shardc(&["calibrate", "--quick", "--backend", "cpu", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v.is_object(), "{v}");
+    let o = shardc(&["calibrate", "--backend", "tpu"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}

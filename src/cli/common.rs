@@ -120,7 +120,9 @@ pub fn write_output(text: &str, out: Option<&PathBuf>, model: &Path) -> CliResul
                     model.display()
                 )));
             }
-            std::fs::write(p, text).map_err(|e| CliError::msg(format!("cannot write `{}`: {e}", p.display())))
+            // Text ends with a newline, as on stdout.
+            let body = if text.is_empty() || text.ends_with('\n') { text.to_string() } else { format!("{text}\n") };
+            std::fs::write(p, body).map_err(|e| CliError::msg(format!("cannot write `{}`: {e}", p.display())))
         }
         None => {
             let mut stdout = std::io::stdout().lock();
@@ -137,7 +139,8 @@ pub fn write_output(text: &str, out: Option<&PathBuf>, model: &Path) -> CliResul
     }
 }
 
-fn same_file(a: &Path, b: &Path) -> bool {
+/// Whether two paths name the same existing file.
+pub fn same_file(a: &Path, b: &Path) -> bool {
     match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
         (Ok(x), Ok(y)) => x == y,
         _ => false,

@@ -37,6 +37,14 @@ pub struct LowerArgs {
 }
 
 pub fn run(args: &LowerArgs) -> CliResult {
+    if let Some(out) = &args.output
+        && same_file(out, &args.plan)
+    {
+        return Err(CliError::msg(format!(
+            "refusing to overwrite the plan `{}`; choose another output path",
+            args.plan.display()
+        )));
+    }
     let text = std::fs::read_to_string(&args.plan)
         .map_err(|e| CliError::msg(format!("cannot read `{}`: {e}", args.plan.display())))?;
     let plan = Plan::from_json(&text).map_err(|e| CliError::msg(format!("`{}`: {e}", args.plan.display())))?;

@@ -82,6 +82,21 @@ pub fn run(args: &RunArgs) -> CliResult {
     if args.devices == 0 {
         return Err(CliError::msg("--devices must be at least 1"));
     }
+    if args.steps == 0 {
+        return Err(CliError::msg("--steps must be at least 1"));
+    }
+    if let Some(out) = &args.save_outputs {
+        for (flag, p) in [("--inputs", &args.inputs), ("--plan", &args.plan)] {
+            if let Some(p) = p
+                && super::common::same_file(out, p)
+            {
+                return Err(CliError::msg(format!(
+                    "refusing to overwrite `{}` (given as {flag}) with --save-outputs; choose another path",
+                    p.display()
+                )));
+            }
+        }
+    }
     let mut loaded = load_canonical(&args.model, &args.shapes)?;
     let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
     let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
@@ -174,9 +189,6 @@ pub fn run(args: &RunArgs) -> CliResult {
     if let Some(w) = warn_be {
         notes.push(format!("warning: {w}"));
     }
-    if args.steps == 0 {
-        return Err(CliError::msg("--steps must be at least 1"));
-    }
     let report = codegen::run(&program, &inputs, &RunOptions { backend: be, steps: args.steps, ..Default::default() })
         .map_err(|e| CliError::msg(format!("the run failed: {e}")))?;
     // Check against the reference.
@@ -214,7 +226,10 @@ pub fn run(args: &RunArgs) -> CliResult {
             "wall_s": report.wall_s,
             "steps": args.steps,
             "step_s": report.step_s(),
-            "predicted": predicted.as_ref().map(|(c, f)| serde_json::json!({"cluster": c, "forward_s": f, "error": (f - report.step_s()) / report.step_s()})),
+            "predicted": predicted.as_ref().map(|(c, f)| {
+                let error = (c.starts_with("local") && be == Backend::Wgpu).then(|| (f - report.step_s()) / report.step_s());
+                serde_json::json!({"cluster": c, "forward_s": f, "error": error})
+            }),
             "micro_batches": program.micro_batches,
             "notes": notes,
             "check": checks.iter().map(|(n, a, r, ok)| serde_json::json!({"output": n, "max_abs_error": a, "max_rel_error": r, "ok": ok})).collect::<Vec<_>>(),
@@ -246,16 +261,26 @@ pub fn run(args: &RunArgs) -> CliResult {
             }
         ));
         if let Some((c, f)) = &predicted {
-            t.push_str(&format!(
-                "predicted    {} forward on {c} ({:+.0}% vs measured){}\n",
-                secs(*f),
-                (f - report.step_s()) / report.step_s() * 100.0,
-                if c.starts_with("local") {
-                    ""
-                } else {
-                    "; calibrate with `shardc calibrate` for a like-for-like figure"
-                }
-            ));
+            // The local clusters model the wgpu devices; against the CPU executor, or for
+            // another cluster, the prediction is not a like-for-like figure.
+            let like_for_like = c.starts_with("local") && be == Backend::Wgpu;
+            if like_for_like {
+                t.push_str(&format!(
+                    "predicted    {} forward on {c} ({:+.0}% vs measured)\n",
+                    secs(*f),
+                    (f - report.step_s()) / report.step_s() * 100.0
+                ));
+            } else {
+                t.push_str(&format!(
+                    "predicted    {} forward on {c} (not comparable with this run: {})\n",
+                    secs(*f),
+                    if be == Backend::Wgpu {
+                        "calibrate the local devices with `shardc calibrate`"
+                    } else {
+                        "the cpu backend"
+                    }
+                ));
+            }
         }
         t.push_str("  device  adapter                               wall      compute   communication   host ops\n");
         for d in &report.devices {
