@@ -184,6 +184,7 @@ fn prediction_vs_measurement() {
     type Case<'a> = (&'a str, String, Vec<(&'a str, &'a [i64])>, &'a str, usize);
     let cases: Vec<Case<'_>> = vec![
         ("resnet18 8×3×64×64", model("tv_resnet18.onnxtxt"), vec![("input", &[8, 3, 64, 64])], "data", 1),
+        ("resnet18 8×3×64×64", model("tv_resnet18.onnxtxt"), vec![("input", &[8, 3, 64, 64])], "data", 2),
         ("resnet18 8×3×64×64", model("tv_resnet18.onnxtxt"), vec![("input", &[8, 3, 64, 64])], "data", 4),
         ("resnet18 8×3×64×64", model("tv_resnet18.onnxtxt"), vec![("input", &[8, 3, 64, 64])], "model", 2),
         ("resnet18 8×3×64×64", model("tv_resnet18.onnxtxt"), vec![("input", &[8, 3, 64, 64])], "spatial", 2),

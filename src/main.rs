@@ -43,6 +43,12 @@ fn main() {
         eprintln!("internal error: shardc panicked: {info}");
         eprintln!("this is a bug in shardc; please report it with the command and input that caused it");
     }));
+    // Mesa's Vulkan loader complains on every instance when XDG_RUNTIME_DIR is unset (as in
+    // containers and CI); any writable directory quiets it.
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        // SAFETY: the process is single-threaded here; nothing reads the environment concurrently.
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
+    }
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Parse(a) => cli::parse::run(a),
