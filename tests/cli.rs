@@ -349,6 +349,27 @@ fn golden(name: &str) -> String {
     format!("tests/data/golden/{name}")
 }
 
+/// `shardc plan` of the golden tiny GPT in two pipeline stages on `devices` local devices,
+/// written to `dir/plan.json`.
+fn two_stage_plan(dir: &Path, devices: usize) -> PathBuf {
+    let plan = dir.join("plan.json");
+    let n = devices.to_string();
+    let o = shardc(&[
+        "plan",
+        &golden("tiny_gpt.onnxtxt"),
+        "--cluster",
+        "local-wgpu",
+        "--devices",
+        &n,
+        "--pipeline",
+        "2",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    plan
+}
+
 fn tmpdir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("shardc-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
@@ -431,20 +452,7 @@ fn run_checks_saves_and_replays_outputs() {
 #[test]
 fn run_json_and_plans_from_files() {
     let dir = tmpdir("runplan");
-    let plan = dir.join("plan.json");
-    let o = shardc(&[
-        "plan",
-        &golden("tiny_gpt.onnxtxt"),
-        "--cluster",
-        "local-wgpu",
-        "--devices",
-        "4",
-        "--pipeline",
-        "2",
-        "-o",
-        plan.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let plan = two_stage_plan(&dir, 4);
     let o = shardc(&[
         "run",
         &golden("tiny_gpt.onnxtxt"),
@@ -511,20 +519,7 @@ fn run_errors_exit_1_and_never_overwrite_inputs() {
 #[test]
 fn lower_prints_programs_that_parse_back() {
     let dir = tmpdir("lower");
-    let plan = dir.join("plan.json");
-    let o = shardc(&[
-        "plan",
-        &golden("tiny_gpt.onnxtxt"),
-        "--cluster",
-        "local-wgpu",
-        "--devices",
-        "2",
-        "--pipeline",
-        "2",
-        "-o",
-        plan.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let plan = two_stage_plan(&dir, 2);
     let p = plan.to_str().unwrap();
     let o = shardc(&["lower", p]);
     assert!(o.status.success(), "{}", stderr(&o));
