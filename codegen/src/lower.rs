@@ -793,31 +793,17 @@ fn window_params(node: &ir::Node, g: &Graph) -> Option<WindowParams> {
                 false,
             )
         }
-        Op::MaxPool(p) => (
-            p.kernel_shape.clone()?,
-            p.strides.clone(),
-            p.dilations.clone(),
-            p.pads.clone(),
-            p.auto_pad().to_string(),
-            p.ceil_mode() != 0,
-        ),
-        Op::AveragePool(p) => (
-            p.kernel_shape.clone()?,
-            p.strides.clone(),
-            p.dilations.clone(),
-            p.pads.clone(),
-            p.auto_pad().to_string(),
-            p.ceil_mode() != 0,
-        ),
-        Op::LpPool(p) => (
-            p.kernel_shape.clone()?,
-            p.strides.clone(),
-            p.dilations.clone(),
-            p.pads.clone(),
-            p.auto_pad().to_string(),
-            p.ceil_mode() != 0,
-        ),
-        _ => return None,
+        op => {
+            let a = op.pool_attrs()?;
+            (
+                a.kernel_shape?.to_vec(),
+                a.strides.map(<[i64]>::to_vec),
+                a.dilations.map(<[i64]>::to_vec),
+                a.pads.map(<[i64]>::to_vec),
+                a.auto_pad.to_string(),
+                a.ceil_mode,
+            )
+        }
     };
     let w = ir::eval::window(&spatial, &kernel, strides.as_deref(), dil.as_deref(), pads.as_deref(), &auto_pad, ceil)
         .ok()?;

@@ -876,19 +876,10 @@ pub fn infer_op(
             if xd.len() < 3 {
                 return Err(format!("pooling needs rank ≥ 3, got [{}]", join(xd)));
             }
-            let (kernel, strides, dil, pads, ap, ceil) = match op {
-                Op::MaxPool(p) => {
-                    (&p.kernel_shape, &p.strides, &p.dilations, &p.pads, p.auto_pad(), p.ceil_mode() != 0)
-                }
-                Op::AveragePool(p) => {
-                    (&p.kernel_shape, &p.strides, &p.dilations, &p.pads, p.auto_pad(), p.ceil_mode() != 0)
-                }
-                Op::LpPool(p) => (&p.kernel_shape, &p.strides, &p.dilations, &p.pads, p.auto_pad(), p.ceil_mode() != 0),
-                _ => unreachable!(),
-            };
-            let kernel = kernel.as_ref().ok_or("pooling needs kernel_shape")?;
-            check_window_attrs(xd.len() - 2, strides.as_deref(), dil.as_deref(), pads.as_deref())?;
-            let sp = window_dims(&xd[2..], kernel, strides.as_deref(), dil.as_deref(), pads.as_deref(), ap, ceil)?;
+            let a = op.pool_attrs().expect("a pooling op");
+            let kernel = a.kernel_shape.ok_or("pooling needs kernel_shape")?;
+            check_window_attrs(xd.len() - 2, a.strides, a.dilations, a.pads)?;
+            let sp = window_dims(&xd[2..], kernel, a.strides, a.dilations, a.pads, a.auto_pad, a.ceil_mode)?;
             let mut out = vec![xd[0].clone(), xd[1].clone()];
             out.extend(sp);
             let mut res = vec![with(dt, Some(out.clone()))];

@@ -673,7 +673,44 @@ pub struct ReduceAttrs {
     pub noop_with_empty_axes: bool,
 }
 
+/// Window attributes shared by `MaxPool`, `AveragePool` and `LpPool`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolAttrs<'a> {
+    /// Kernel shape (required by ONNX; `None` when a file leaves it out).
+    pub kernel_shape: Option<&'a [i64]>,
+    /// Strides per spatial dim.
+    pub strides: Option<&'a [i64]>,
+    /// Dilations per spatial dim.
+    pub dilations: Option<&'a [i64]>,
+    /// Begin and end pads per spatial dim.
+    pub pads: Option<&'a [i64]>,
+    /// `NOTSET`, `VALID`, `SAME_UPPER` or `SAME_LOWER`.
+    pub auto_pad: &'a str,
+    /// Round output sizes up.
+    pub ceil_mode: bool,
+}
+
 impl Op {
+    /// The shared window attributes of a pooling op with a kernel.
+    pub fn pool_attrs(&self) -> Option<PoolAttrs<'_>> {
+        macro_rules! arms {
+            ($($v:ident),*) => {
+                match self {
+                    $(Op::$v(p) => Some(PoolAttrs {
+                        kernel_shape: p.kernel_shape.as_deref(),
+                        strides: p.strides.as_deref(),
+                        dilations: p.dilations.as_deref(),
+                        pads: p.pads.as_deref(),
+                        auto_pad: p.auto_pad(),
+                        ceil_mode: p.ceil_mode() != 0,
+                    }),)*
+                    _ => None,
+                }
+            };
+        }
+        arms!(MaxPool, AveragePool, LpPool)
+    }
+
     /// The shared attributes of a `Reduce*` op.
     pub fn reduce_attrs(&self) -> Option<ReduceAttrs> {
         macro_rules! arms {

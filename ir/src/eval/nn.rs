@@ -1246,53 +1246,18 @@ pub(crate) fn eval_nn(op: &Op, inputs: &[Option<&Array>], n_out: usize) -> Resul
         }
         Op::Conv(c) => one(conv(c, inputs)?),
         Op::ConvTranspose(c) => one(conv_transpose(c, inputs)?),
-        Op::MaxPool(p) => {
+        Op::MaxPool(_) | Op::AveragePool(_) | Op::LpPool(_) => {
             let x = req(inputs, 0, name)?;
+            let a = op.pool_attrs().expect("a pooling op");
             let kernel =
-                p.kernel_shape.clone().ok_or_else(|| EvalError::Invalid("MaxPool without kernel_shape".into()))?;
-            pool(
-                x,
-                PoolKind::Max,
-                &kernel,
-                p.strides.as_deref(),
-                p.dilations.as_deref(),
-                p.pads.as_deref(),
-                p.auto_pad(),
-                p.ceil_mode() != 0,
-                n_out > 1,
-            )
-        }
-        Op::AveragePool(p) => {
-            let x = req(inputs, 0, name)?;
-            let kernel =
-                p.kernel_shape.clone().ok_or_else(|| EvalError::Invalid("AveragePool without kernel_shape".into()))?;
-            pool(
-                x,
-                PoolKind::Avg { include_pad: p.count_include_pad() != 0 },
-                &kernel,
-                p.strides.as_deref(),
-                p.dilations.as_deref(),
-                p.pads.as_deref(),
-                p.auto_pad(),
-                p.ceil_mode() != 0,
-                false,
-            )
-        }
-        Op::LpPool(p) => {
-            let x = req(inputs, 0, name)?;
-            let kernel =
-                p.kernel_shape.clone().ok_or_else(|| EvalError::Invalid("LpPool without kernel_shape".into()))?;
-            pool(
-                x,
-                PoolKind::Lp(p.p()),
-                &kernel,
-                p.strides.as_deref(),
-                p.dilations.as_deref(),
-                p.pads.as_deref(),
-                p.auto_pad(),
-                p.ceil_mode() != 0,
-                false,
-            )
+                a.kernel_shape.ok_or_else(|| EvalError::Invalid(format!("{} without kernel_shape", op.op_type())))?;
+            let (kind, indices) = match op {
+                Op::MaxPool(_) => (PoolKind::Max, n_out > 1),
+                Op::AveragePool(p) => (PoolKind::Avg { include_pad: p.count_include_pad() != 0 }, false),
+                Op::LpPool(p) => (PoolKind::Lp(p.p()), false),
+                _ => unreachable!("matched above"),
+            };
+            pool(x, kind, kernel, a.strides, a.dilations, a.pads, a.auto_pad, a.ceil_mode, indices)
         }
         Op::GlobalAveragePool(_) => one(global_pool(req(inputs, 0, name)?, PoolKind::Avg { include_pad: false })?),
         Op::GlobalMaxPool(_) => one(global_pool(req(inputs, 0, name)?, PoolKind::Max)?),
