@@ -226,6 +226,7 @@ pub fn named_result(
         meshes: Vec::new(),
         search_time_s: 0.0,
         time_limit_hit: false,
+        budget_cut: Vec::new(),
         pipeline: None,
         pipeline_considered: None,
         single_device_memory_bytes: 0.0,

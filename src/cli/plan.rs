@@ -64,11 +64,18 @@ pub struct PlanArgs {
     pub model_args: ModelArgs,
 }
 
+/// The largest `--time-limit` accepted, seconds (a year).
+const MAX_TIME_LIMIT: f64 = 365.0 * 86400.0;
+
 const PLAN_PASSES: &[&str] = &["verify", "rebatch", "infer-shapes", "canonicalize", "autoshard"];
 
 pub fn run(args: &PlanArgs) -> CliResult {
-    if !(args.time_limit > 0.0 && args.time_limit.is_finite()) {
-        return Err(CliError::msg("--time-limit must be a positive number of seconds"));
+    // The limit is a safety net: at most a year, so it always fits a `Duration`.
+    if !(args.time_limit > 0.0 && args.time_limit.is_finite() && args.time_limit <= MAX_TIME_LIMIT) {
+        return Err(CliError::msg(format!(
+            "--time-limit must be a positive number of seconds, at most {MAX_TIME_LIMIT:e} (got {})",
+            args.time_limit
+        )));
     }
     for d in &args.dump_after {
         if d != "all" && !PLAN_PASSES.contains(&d.as_str()) {
@@ -242,7 +249,11 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
     t.push_str(&format!(
         "search       {:.2} s{}\n",
         r.search_time_s,
-        if r.time_limit_hit { " (time limit hit; best plan so far)" } else { "" }
+        if r.time_limit_hit {
+            format!(" (the --time-limit safety net fired and cut: {}; best plan so far)", r.budget_cut.join(", "))
+        } else {
+            String::new()
+        }
     ));
     for m in &r.meshes {
         t.push_str(&format!(

@@ -549,19 +549,9 @@ fn the_search_is_deterministic_and_the_plan_document_round_trips() {
         let so = SearchOptions { threads, ..Default::default() };
         let r = autoshard::search(&m.graph, &cluster, 8, &opts, &so).unwrap();
         let mut p = autoshard::Plan::new(&m.graph, &cluster, 8, &opts, info.clone(), &r);
-        // Timings differ from run to run; everything else must not.
-        p.search_time_s = 0.0;
-        p.search.time_s = 0.0;
-        for ms in p.search.meshes.as_array_mut().unwrap() {
-            ms["time_s"] = 0.into();
-            for part in ["egraph", "extraction"] {
-                for key in ["time_s", "dp_time_s", "local_search_time_s"] {
-                    if ms[part].get(key).is_some() {
-                        ms[part][key] = 0.into();
-                    }
-                }
-            }
-        }
+        // Timings differ from run to run (and live only under `timings`); nothing else may.
+        assert!(p.timings.search_s > 0.0);
+        p.timings = Default::default();
         docs.push(serde_json::to_string_pretty(&p).unwrap());
     }
     if docs[0] != docs[1] {
@@ -582,8 +572,8 @@ fn the_search_is_deterministic_and_the_plan_document_round_trips() {
     assert!(close(cm.evaluate(&asg).step_time_s, back.step_time_s));
     // Bad documents are refused with a reason.
     assert!(autoshard::Plan::from_json("{}").unwrap_err().contains("format"));
-    let v2 = docs[0].replacen("\"version\": 1", "\"version\": 2", 1);
-    assert!(autoshard::Plan::from_json(&v2).unwrap_err().contains("version 2"));
+    let v1 = docs[0].replacen("\"version\": 2", "\"version\": 1", 1);
+    assert!(autoshard::Plan::from_json(&v1).unwrap_err().contains("version 1"));
 }
 
 #[test]
@@ -610,4 +600,56 @@ fn annotations_print_and_parse_back_to_the_same_plan() {
     }
     // Printing again gives the same text.
     assert_eq!(ir::print::model_to_string(&parsed.model), text);
+}
+
+/// The plan document without its timings, for comparing runs.
+fn plan_without_timings(m: &ir::Model, r: &SearchResult, cluster: &Cluster, devices: usize) -> String {
+    let info = autoshard::plan::ModelInfo { path: "model".into(), ..Default::default() };
+    let mut p = autoshard::Plan::new(&m.graph, cluster, devices, &Options::default(), info, r);
+    p.timings = Default::default();
+    serde_json::to_string_pretty(&p).unwrap()
+}
+
+#[test]
+fn the_plan_depends_on_work_budgets_not_on_the_clock() {
+    // GPT-2's search runs the dynamic program, local search and the pipeline search: every
+    // budgeted phase.
+    let m = shared("hf_gpt2_small4.onnxtxt", batch(8));
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let search = |so: &SearchOptions| autoshard::search(&m.graph, &cluster, 8, &Options::default(), so).unwrap();
+    let base = search(&SearchOptions::default());
+    assert!(!base.time_limit_hit && base.budget_cut.is_empty(), "{:?}", base.budget_cut);
+    let reference = plan_without_timings(&m, &base, &cluster, 8);
+    // A machine 20× slower (the clock runs 20× faster) with a limit it stays within, and a
+    // machine whose cores are busy: the same plan.
+    let slow = search(&SearchOptions {
+        clock_scale: 20.0,
+        time_limit: std::time::Duration::from_secs(3600),
+        ..Default::default()
+    });
+    assert!(!slow.time_limit_hit);
+    assert_eq!(plan_without_timings(&m, &slow, &cluster, 8), reference, "a slower clock changed the plan");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let loaded = std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| {
+                let mut x = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                }
+            });
+        }
+        let r = search(&SearchOptions::default());
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        r
+    });
+    assert_eq!(plan_without_timings(&m, &loaded, &cluster, 8), reference, "load changed the plan");
+    // When the safety net fires it says so and names the budgets it cut; the plan is still
+    // a valid plan (never worse than data parallel: the seeds are priced first).
+    let cut = search(&SearchOptions { clock_scale: 1e9, ..Default::default() });
+    assert!(cut.time_limit_hit);
+    assert!(!cut.budget_cut.is_empty());
+    let info = autoshard::plan::ModelInfo { path: "model".into(), ..Default::default() };
+    let p = autoshard::Plan::new(&m.graph, &cluster, 8, &Options::default(), info, &cut);
+    assert!(p.search.time_limit_hit && p.search.budget_cut == cut.budget_cut);
 }

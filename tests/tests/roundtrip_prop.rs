@@ -121,7 +121,8 @@ fn node_spec() -> impl Strategy<Value = NodeSpec> {
         prop::option::of(name()),
         float(),
         prop::collection::vec(-3i64..4, 0..4),
-        prop::collection::vec(("[a-z][a-z_]{0,5}", attr_value()), 0..3),
+        // Attribute names are unique within a node (a repeated one is rightly a parse error).
+        prop::collection::btree_map("[a-z][a-z_]{0,5}", attr_value(), 0..3).prop_map(|m| m.into_iter().collect()),
         prop::option::of(tensor_type()),
     )
         .prop_map(|(kind, picks, label, alpha, perm, attrs, ty)| NodeSpec {
@@ -203,7 +204,7 @@ fn build(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, .. ProptestConfig::default() })]
+    #![proptest_config(shardc_tests::proptest_config(256))]
 
     #[test]
     fn random_graphs_print_and_parse_back(

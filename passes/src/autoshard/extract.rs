@@ -51,27 +51,32 @@ pub struct ExtractStats {
     pub lambda: f64,
     /// Local-search moves that improved the plan.
     pub local_moves: usize,
-    /// Seconds in the dynamic program.
+    /// Local-search work done, in op-evaluations (plans priced × ops).
+    pub local_search_work: usize,
+    /// Seconds in the dynamic program (reported under the plan's `timings`).
+    #[serde(skip)]
     pub dp_time_s: f64,
-    /// Seconds in local search.
+    /// Seconds in local search (reported under the plan's `timings`).
+    #[serde(skip)]
     pub local_search_time_s: f64,
-    /// Seconds.
+    /// Seconds (reported under the plan's `timings`).
+    #[serde(skip)]
     pub time_s: f64,
 }
 
 /// Search knobs for one mesh.
 #[derive(Clone, Debug)]
-pub(crate) struct Knobs {
+pub(crate) struct Knobs<'a> {
     /// Enumerate when the space has at most this many combinations.
     pub exhaustive_limit: f64,
     /// Dynamic-program states kept per op.
     pub beam: usize,
     /// Run the local search.
     pub local_search: bool,
-    /// Most time the local search may take.
-    pub local_search_budget: std::time::Duration,
-    /// Stop starting new work after this instant.
-    pub deadline: Instant,
+    /// Work the local search may do, in op-evaluations (plans priced × ops).
+    pub local_search_work: usize,
+    /// The wall-clock safety net.
+    pub net: &'a super::SafetyNet,
 }
 
 /// One op's step of the dynamic program.
@@ -452,15 +457,15 @@ fn advance<K: StateKey>(st: &Step, prev: &Layer, width: usize, unary: &[f64]) ->
     next
 }
 
-/// Runs the dynamic program for one λ. `None` when the deadline passed.
-pub(crate) fn dp(proxy: &Proxy, lambda: f64, beam: usize, deadline: Option<Instant>) -> Option<DpPlan> {
+/// Runs the dynamic program for one λ. `None` when the safety net fired.
+pub(crate) fn dp(proxy: &Proxy, lambda: f64, beam: usize, net: Option<&super::SafetyNet>) -> Option<DpPlan> {
     let mut layer = Layer { keys: Vec::new(), costs: vec![0.0], back: Vec::new() };
     let mut width = 0usize;
     let mut back: Vec<Vec<(u32, u16)>> = Vec::with_capacity(proxy.steps.len());
     let mut pruned = false;
     let mut max_states = 1;
     for (t, st) in proxy.steps.iter().enumerate() {
-        if t % 64 == 0 && deadline.is_some_and(|d| Instant::now() > d) {
+        if t % 64 == 0 && net.is_some_and(|n| n.expired("dp")) {
             return None;
         }
         let new_width = st.keep.len() + st.enter.first().map_or(0, Vec::len);
@@ -585,7 +590,7 @@ pub(crate) fn extract(
             if t == cands.len() {
                 break;
             }
-            if evals.is_multiple_of(256) && Instant::now() > knobs.deadline {
+            if evals.is_multiple_of(256) && knobs.net.expired("exhaustive") {
                 complete = false;
                 break;
             }
@@ -609,7 +614,7 @@ pub(crate) fn extract(
         // λ is explored with a narrower beam; the chosen λ is then re-run at full width.
         let mut run_with = |lambda: f64, beam: usize, stats: &mut ExtractStats| -> Option<Priced> {
             let t0 = Instant::now();
-            let plan = dp(&proxy, lambda, beam, Some(knobs.deadline))?;
+            let plan = dp(&proxy, lambda, beam, Some(knobs.net))?;
             stats.dp_time_s += t0.elapsed().as_secs_f64();
             stats.dp_runs += 1;
             stats.dp_pruned |= plan.pruned;
@@ -689,17 +694,29 @@ pub(crate) fn extract(
     if knobs.local_search {
         let t0 = Instant::now();
         let proxy = Proxy::new(cm, p, cands, w0);
-        let deadline = knobs.deadline.min(t0 + knobs.local_search_budget);
-        stats.local_moves = local_search(cm, p, &proxy, best_lambda, &mut best, deadline, &mut evals);
-        // Then alternatives the proxy does not favour, within a fixed amount of work (so the
-        // result does not depend on the machine's speed).
-        let budget = (LOCAL_SEARCH_WORK / p.ops.len().max(1)).max(64);
-        stats.local_moves += wide_search(cm, p, &proxy, &mut best, deadline, budget, &mut evals);
+        // Guided moves get the configured work, then alternatives the proxy does not favour a
+        // quarter of it; both count plans priced, so the result does not depend on the
+        // machine's speed.
+        let ops = p.ops.len().max(1);
+        let guided = (knobs.local_search_work / ops).max(64);
+        let before = evals;
+        let limit = Limit { net: knobs.net, plans: guided };
+        stats.local_moves = local_search(cm, p, &proxy, best_lambda, &mut best, limit, &mut evals);
+        let limit = Limit { net: knobs.net, plans: (knobs.local_search_work / 4 / ops).max(64) };
+        stats.local_moves += wide_search(cm, p, &proxy, &mut best, limit, &mut evals);
+        stats.local_search_work = (evals - before) * ops;
         stats.local_search_time_s = t0.elapsed().as_secs_f64();
     }
     stats.evaluations = evals;
     stats.time_s = start.elapsed().as_secs_f64();
     Extracted { best, stats }
+}
+
+/// How much a local search may do: plans it may price, and the safety net.
+#[derive(Clone, Copy)]
+struct Limit<'a> {
+    net: &'a super::SafetyNet,
+    plans: usize,
 }
 
 /// Improves a plan one op at a time with the full cost model. For each op, the proxy's
@@ -714,11 +731,12 @@ fn local_search(
     proxy: &Proxy,
     lambda: f64,
     best: &mut Priced,
-    deadline: Instant,
+    limit: Limit<'_>,
     evals: &mut usize,
 ) -> usize {
     const TRIES: usize = 2;
     let n = proxy.steps.len();
+    let start = *evals;
     let mut moves = 0;
     let index_of = |t: usize, c: u32| proxy.steps[t].cands.iter().position(|&x| x == c).unwrap_or(0);
     for _sweep in 0..3 {
@@ -730,7 +748,7 @@ fn local_search(
             if st.cands.len() < 2 {
                 continue;
             }
-            if Instant::now() > deadline {
+            if *evals - start >= limit.plans || limit.net.expired("local-search") {
                 return moves;
             }
             let cur = ci[t];
@@ -783,19 +801,15 @@ fn local_search(
     moves
 }
 
-/// Plans × ops the unguided local search may price (about 1 s of evaluation on one core).
-const LOCAL_SEARCH_WORK: usize = 2_000_000;
-
 /// Local search without the proxy's guidance: for each op, its two alternatives cheapest on
-/// their own (with their input reshardings) are priced with the full model. At most `budget`
+/// their own (with their input reshardings) are priced with the full model. At most `limit.plans`
 /// plans are priced. Returns the number of moves made.
 fn wide_search(
     cm: &CostModel<'_>,
     p: &Problem,
     proxy: &Proxy,
     best: &mut Priced,
-    deadline: Instant,
-    budget: usize,
+    limit: Limit<'_>,
     evals: &mut usize,
 ) -> usize {
     const TRIES: usize = 2;
@@ -808,7 +822,7 @@ fn wide_search(
             if st.cands.len() < 2 {
                 continue;
             }
-            if spent >= budget || Instant::now() > deadline {
+            if spent >= limit.plans || limit.net.expired("local-search") {
                 return moves;
             }
             let state = &states[t];

@@ -14,6 +14,7 @@
 //! plans, data parallel among them, are always candidates, so the result is never worse than
 //! them in the model. The search is deterministic.
 
+pub mod budget;
 pub mod extract;
 pub mod meshes;
 pub mod pipeline;
@@ -28,6 +29,8 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub use budget::SafetyNet;
+
 use ir::Graph;
 use ir::shard::Mesh;
 use serde::Serialize;
@@ -40,11 +43,12 @@ pub use space::EgraphStats;
 
 use problem::Problem;
 
-/// Search knobs.
+/// Search knobs. The search is bounded by work (the budgets below), so its result does not
+/// depend on the machine's speed or load; `time_limit` is only a safety net.
 #[derive(Clone, Debug)]
 pub struct SearchOptions {
-    /// Wall-clock budget for the whole search; when it runs out the best plan so far is
-    /// returned (and the limit is reported).
+    /// Wall-clock safety net for the whole search; when it fires, the running phase stops,
+    /// the best plan so far is returned and the plan names the budgets that were cut.
     pub time_limit: Duration,
     /// E-nodes per mesh.
     pub node_limit: usize,
@@ -56,13 +60,22 @@ pub struct SearchOptions {
     pub beam: usize,
     /// Improve the extracted plan with local search.
     pub local_search: bool,
+    /// Work the local search may do per mesh, in op-evaluations (plans priced × ops).
+    pub local_search_work: usize,
     /// Meshes to try (default: [`meshes::candidates`]).
     pub meshes: Option<Vec<Mesh>>,
     /// Worker threads (meshes are searched in parallel).
     pub threads: usize,
     /// Pipelining: off, auto (when it is faster or the only way to fit) or a stage count.
     pub pipeline: PipelineMode,
+    /// Multiplies the safety net's clock (tests simulate a slower machine with it).
+    #[doc(hidden)]
+    pub clock_scale: f64,
 }
+
+/// Default local-search work per mesh: about 4 s of plan pricing on one core of the
+/// development machine for the largest shared models; small models finish well before it.
+pub const DEFAULT_LOCAL_SEARCH_WORK: usize = 8_000_000;
 
 impl Default for SearchOptions {
     fn default() -> Self {
@@ -73,9 +86,11 @@ impl Default for SearchOptions {
             exhaustive_limit: 4096.0,
             beam: 1024,
             local_search: true,
+            local_search_work: DEFAULT_LOCAL_SEARCH_WORK,
             meshes: None,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             pipeline: PipelineMode::Auto,
+            clock_scale: 1.0,
         }
     }
 }
@@ -95,7 +110,8 @@ pub struct MeshSearch {
     pub egraph: EgraphStats,
     /// The extraction.
     pub extraction: ExtractStats,
-    /// Seconds.
+    /// Seconds (reported under the plan's `timings`, never beside the results).
+    #[serde(skip)]
     pub time_s: f64,
 }
 
@@ -115,8 +131,10 @@ pub struct SearchResult {
     pub meshes: Vec<MeshSearch>,
     /// Seconds.
     pub search_time_s: f64,
-    /// The time limit cut the search short.
+    /// The time limit (the safety net) cut the search short.
     pub time_limit_hit: bool,
+    /// The budgets the safety net cut (`egraph`, `dp`, `local-search`, `pipeline` …).
+    pub budget_cut: Vec<String>,
     /// The pipeline, when the plan pipelines (then `mesh` is the first stage's and
     /// `assignment` holds every stage's strategies on its own mesh).
     pub pipeline: Option<pipeline::PipelinePlan>,
@@ -174,7 +192,7 @@ fn search_mesh(
     mesh: Mesh,
     opts: &Options,
     so: &SearchOptions,
-    deadline: Instant,
+    net: &SafetyNet,
 ) -> MeshOutcome {
     let start = Instant::now();
     let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
@@ -186,20 +204,22 @@ fn search_mesh(
         }
     }
     let seed_choices: Vec<Vec<u32>> = seeds.iter().map(|s| s.1.clone()).collect();
-    let remaining = deadline.saturating_duration_since(Instant::now());
     let limits = space::Limits {
         nodes: so.node_limit,
-        time: remaining.mul_f64(0.3),
+        time: net.remaining(),
         iterations: mesh.axes.len() + 2,
         per_op: so.per_op_strategies,
     };
     let space = space::explore(problem.clone(), &seed_choices, &limits);
+    if space.stats.stop_reason == "time limit" {
+        net.record("egraph");
+    }
     let knobs = extract::Knobs {
         exhaustive_limit: so.exhaustive_limit,
         beam: so.beam,
         local_search: so.local_search,
-        local_search_budget: so.time_limit.mul_f64(0.2).max(Duration::from_secs(2)),
-        deadline,
+        local_search_work: so.local_search_work,
+        net,
     };
     let ex = extract::extract(&cm, &problem, &space.candidates, &seed_choices, &knobs);
     let same_as = seeds.iter().find(|(_, c)| *c == ex.best.choice).map(|(n, _)| n.clone());
@@ -227,7 +247,7 @@ pub fn search(
     so: &SearchOptions,
 ) -> Result<SearchResult, String> {
     let start = Instant::now();
-    let deadline = start + so.time_limit;
+    let net = SafetyNet::new(so.time_limit, so.clock_scale);
     if let PipelineMode::Stages(s) = so.pipeline
         && !devices.is_multiple_of(s)
     {
@@ -235,8 +255,8 @@ pub fn search(
     }
     // The intra-operator search and the pipeline search are independent: run them side by side.
     let (intra, pipe) = std::thread::scope(|sc| {
-        let pipe = sc.spawn(|| pipeline::search_pipeline(g, cluster, devices, opts, so, so.pipeline, deadline));
-        let intra = search_intra(g, cluster, devices, opts, so);
+        let pipe = sc.spawn(|| pipeline::search_pipeline(g, cluster, devices, opts, so, so.pipeline, &net));
+        let intra = search_intra_with(g, cluster, devices, opts, so, &net);
         (intra, pipe.join().expect("the pipeline search panicked"))
     });
     let mut r = intra?;
@@ -268,7 +288,8 @@ pub fn search(
         }
     }
     r.search_time_s = start.elapsed().as_secs_f64();
-    r.time_limit_hit = Instant::now() > deadline;
+    r.time_limit_hit = net.fired();
+    r.budget_cut = net.cut();
     Ok(r)
 }
 
@@ -280,8 +301,20 @@ pub fn search_intra(
     opts: &Options,
     so: &SearchOptions,
 ) -> Result<SearchResult, String> {
+    let net = SafetyNet::new(so.time_limit, so.clock_scale);
+    search_intra_with(g, cluster, devices, opts, so, &net)
+}
+
+/// [`search_intra`] under a safety net shared with other parts of a search.
+pub(crate) fn search_intra_with(
+    g: &Graph,
+    cluster: &Cluster,
+    devices: usize,
+    opts: &Options,
+    so: &SearchOptions,
+    net: &SafetyNet,
+) -> Result<SearchResult, String> {
     let start = Instant::now();
-    let deadline = start + so.time_limit;
     let meshes = match &so.meshes {
         Some(m) if !m.is_empty() => m.clone(),
         _ => meshes::candidates(cluster, devices)?,
@@ -308,7 +341,7 @@ pub fn search_intra(
                         if i >= meshes.len() {
                             break;
                         }
-                        done.push((i, search_mesh(g, cluster, meshes[i].clone(), opts, so, deadline)));
+                        done.push((i, search_mesh(g, cluster, meshes[i].clone(), opts, so, net)));
                     }
                     done
                 })
@@ -330,7 +363,6 @@ pub fn search_intra(
     }
     let best = best.expect("at least one mesh");
     let data_parallel = crate::cost::price(g, cluster, devices, &Named::Data, opts).ok().map(|p| p.breakdown);
-    let time_limit_hit = Instant::now() > deadline;
     Ok(SearchResult {
         mesh: best.mesh,
         assignment: best.assignment,
@@ -339,7 +371,8 @@ pub fn search_intra(
         data_parallel,
         meshes: summaries,
         search_time_s: start.elapsed().as_secs_f64(),
-        time_limit_hit,
+        time_limit_hit: net.fired(),
+        budget_cut: net.cut(),
         pipeline: None,
         pipeline_considered: None,
         single_device_memory_bytes: {

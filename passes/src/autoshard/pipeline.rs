@@ -22,7 +22,7 @@
 //! The exactness of step 2 for a given table is tested against brute force over all cuts.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use ir::shard::{LinkLevel, Mesh, OpStrategy, strategy_valid};
 use ir::{Graph, NodeId, Value};
@@ -508,7 +508,7 @@ pub fn search_pipeline(
     opts: &Options,
     so: &SearchOptions,
     mode: PipelineMode,
-    deadline: Instant,
+    net: &super::SafetyNet,
 ) -> Result<Option<PipelinePlan>, String> {
     let start = Instant::now();
     let stage_counts: Vec<usize> = match mode {
@@ -580,9 +580,11 @@ pub fn search_pipeline(
         beam: so.beam.min(256),
         per_op_strategies: so.per_op_strategies.min(24),
         local_search: false,
+        local_search_work: 0,
         exhaustive_limit: so.exhaustive_limit,
         node_limit: so.node_limit.min(150_000),
-        time_limit: deadline.saturating_duration_since(Instant::now()).min(Duration::from_secs(20)),
+        time_limit: so.time_limit,
+        clock_scale: so.clock_scale,
     };
     let mut reference: HashMap<usize, HashMap<String, OpStrategy>> = HashMap::new();
     let mut meshes: HashMap<usize, Mesh> = HashMap::new();
@@ -609,7 +611,7 @@ pub fn search_pipeline(
                             // memory in the partition.
                             let mut roomy = cluster.clone();
                             roomy.device.mem_capacity *= (devices / d) as f64;
-                            let r = super::search_intra(gm, &roomy, *d, opts, &so).ok()?;
+                            let r = super::search_intra_with(gm, &roomy, *d, opts, &so, net).ok()?;
                             let map: HashMap<String, OpStrategy> = r
                                 .assignment
                                 .strategies
@@ -664,7 +666,7 @@ pub fn search_pipeline(
         }
         let mut best_m: Option<(f64, usize)> = None;
         for &(_, m) in configs.iter().filter(|c| c.0 == s) {
-            if Instant::now() > deadline {
+            if net.expired("pipeline") {
                 break;
             }
             let mb = batch / m as i64;
@@ -720,7 +722,7 @@ pub fn search_pipeline(
             .into_iter()
             .filter(|&d| d >= 1 && d <= devices && reference.contains_key(&d))
             .collect();
-        if sizes.len() < 2 || Instant::now() > deadline {
+        if sizes.len() < 2 || net.expired("pipeline") {
             continue;
         }
         let Some(gm) = micro_graph(mb) else { continue };

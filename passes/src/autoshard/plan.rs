@@ -16,7 +16,7 @@ use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Options};
 /// The plan format's name.
 pub const FORMAT: &str = "shardc-plan";
 /// The plan format's version.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 /// Where the model came from.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -155,10 +155,63 @@ pub struct PlanSearch {
     pub meshes: serde_json::Value,
     /// The chosen plan equals this named plan (`data`, `owt`…), if it does.
     pub same_as: Option<String>,
-    /// The time limit cut the search short.
+    /// The wall-clock safety net cut the search short.
     pub time_limit_hit: bool,
-    /// Seconds.
-    pub time_s: f64,
+    /// The work budgets the safety net cut (`egraph`, `dp`, `local-search`, `pipeline` …),
+    /// empty when the search ran to its budgets.
+    #[serde(default)]
+    pub budget_cut: Vec<String>,
+}
+
+/// Where the search's time went. Everything that depends on the machine's speed lives here,
+/// so two runs of the same command give the same plan document outside this object.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PlanTimings {
+    /// The whole search, seconds.
+    pub search_s: f64,
+    /// Per mesh tried, in the order of `search.meshes`.
+    pub meshes: Vec<MeshTimings>,
+    /// The pipeline search, seconds (null when it did not run).
+    pub pipeline_search_s: Option<f64>,
+}
+
+/// Where one mesh's search spent its time, seconds.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MeshTimings {
+    /// The mesh.
+    pub mesh: String,
+    /// Everything on this mesh.
+    pub total_s: f64,
+    /// Growing the e-graph.
+    pub egraph_s: f64,
+    /// The extraction (dynamic program and local search included).
+    pub extraction_s: f64,
+    /// The dynamic program.
+    pub dp_s: f64,
+    /// The local search.
+    pub local_search_s: f64,
+}
+
+impl PlanTimings {
+    /// The timings of a search result.
+    pub fn of(r: &SearchResult) -> PlanTimings {
+        PlanTimings {
+            search_s: r.search_time_s,
+            meshes: r
+                .meshes
+                .iter()
+                .map(|m| MeshTimings {
+                    mesh: m.mesh.clone(),
+                    total_s: m.time_s,
+                    egraph_s: m.egraph.time_s,
+                    extraction_s: m.extraction.time_s,
+                    dp_s: m.extraction.dp_time_s,
+                    local_search_s: m.extraction.local_search_time_s,
+                })
+                .collect(),
+            pipeline_search_s: r.pipeline_considered.as_ref().map(|p| p.search_time_s),
+        }
+    }
 }
 
 /// A sharding plan.
@@ -193,8 +246,6 @@ pub struct Plan {
     pub memory_per_device_bytes: u64,
     /// Usable memory per device, bytes.
     pub memory_capacity_bytes: u64,
-    /// Seconds the search took.
-    pub search_time_s: f64,
     /// The step's breakdown (the `shardc cost --json` keys).
     pub breakdown: serde_json::Value,
     /// Per op (topological order).
@@ -213,6 +264,9 @@ pub struct Plan {
     pub schedule: Option<String>,
     /// How the pipeline was chosen, when the plan pipelines (null otherwise).
     pub pipeline: Option<PlanPipeline>,
+    /// Where the search's time went (the only part that differs between runs).
+    #[serde(default)]
+    pub timings: PlanTimings,
 }
 
 fn level_name(l: LinkLevel) -> &'static str {
@@ -315,7 +369,6 @@ impl Plan {
             infeasible_reason: b.infeasible_reason.clone(),
             memory_per_device_bytes: b.memory_per_device_bytes.iter().copied().max().unwrap_or(0),
             memory_capacity_bytes: b.memory_capacity_bytes,
-            search_time_s: r.search_time_s,
             breakdown: breakdown_json(b),
             ops,
             tensors,
@@ -324,12 +377,13 @@ impl Plan {
                 meshes: serde_json::to_value::<&[MeshSearch]>(&r.meshes).expect("stats serialize"),
                 same_as: r.same_as.clone(),
                 time_limit_hit: r.time_limit_hit,
-                time_s: r.search_time_s,
+                budget_cut: r.budget_cut.clone(),
             },
             micro_batches: r.pipeline.as_ref().map_or(1, |p| p.micro_batches),
             schedule: r.pipeline.as_ref().map(|p| p.schedule.name().to_string()),
             stages,
             pipeline,
+            timings: PlanTimings::of(r),
         }
     }
 

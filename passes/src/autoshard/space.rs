@@ -425,7 +425,8 @@ pub struct EgraphStats {
     pub strategies: usize,
     /// Admissible strategies, summed over ops (what an unbounded space would hold).
     pub admissible_strategies: usize,
-    /// Seconds.
+    /// Seconds (reported under the plan's `timings`).
+    #[serde(skip)]
     pub time_s: f64,
 }
 
