@@ -9,7 +9,8 @@
 use serde::Serialize;
 
 use crate::graph::{Graph, NodeId, Value};
-use crate::op::{Op, OpClass};
+use crate::op::Op;
+use crate::ops::Backward;
 use crate::types::{DType, TensorType};
 
 /// FLOPs counted for one exp/tanh/erf/sigmoid-like element.
@@ -112,7 +113,6 @@ pub fn read_factor(g: &Graph, n: NodeId, i: usize) -> f64 {
 /// as zero.
 pub fn node_cost(g: &Graph, n: NodeId) -> OpCost {
     let node = g.node(n);
-    let input = |i: usize| node.input(i).and_then(|v| g.tensor_type(v));
     let out = |i: usize| g.tensor_type(Value::new(n, i as u16));
     let mut c = OpCost { launches: 1.0, ..OpCost::default() };
     for (i, v) in node.inputs().iter().enumerate() {
@@ -130,115 +130,29 @@ pub fn node_cost(g: &Graph, n: NodeId) -> OpCost {
     let y = numel(out(0));
     let grad_in = |i: usize| node.input(i).is_some_and(|v| needs_grad(g, v));
     let param_in = |i: usize| node.input(i).is_some_and(|v| is_param(g, v));
-    // Splits a contraction's backward between data and weight gradients by input.
-    let contraction = |c: &mut OpCost, fwd: f64, inputs: &[usize]| {
-        c.fwd_flops = fwd;
-        for &i in inputs {
-            if param_in(i) {
-                c.bwd_weight_flops += fwd;
-            } else if grad_in(i) {
-                c.bwd_data_flops += fwd;
+    let cx = crate::ops::NodeCx { g, n };
+    let Some(w) = node.op.rules().work(&cx) else { return c };
+    c.fwd_flops = w.fwd_flops;
+    c.launches = w.launches;
+    match w.backward {
+        // A contraction's backward splits between data and weight gradients by input.
+        Backward::Contraction { inputs, bias } => {
+            for i in inputs {
+                if param_in(i) {
+                    c.bwd_weight_flops += w.fwd_flops;
+                } else if grad_in(i) {
+                    c.bwd_data_flops += w.fwd_flops;
+                }
             }
-        }
-    };
-    match &node.op {
-        Op::MatMul(_) => {
-            let k = input(0).and_then(|t| t.dims.as_ref()).and_then(|d| d.last()).and_then(|d| d.value()).unwrap_or(0)
-                as f64;
-            contraction(&mut c, 2.0 * y * k, &[0, 1]);
-        }
-        Op::Gemm(gm) => {
-            let k = input(0)
-                .and_then(|t| t.static_dims())
-                .map(|d| if gm.trans_a() != 0 { d[0] } else { d[d.len() - 1] })
-                .unwrap_or(0) as f64;
-            contraction(&mut c, 2.0 * y * k + if node.input(2).is_some() { y } else { 0.0 }, &[0, 1]);
-            if param_in(2) {
+            if bias.is_some_and(param_in) {
                 c.bwd_weight_flops += y;
             }
         }
-        Op::Conv(cv) => {
-            // Every output element is a dot product over C/group × kernel.
-            let per =
-                input(1).and_then(|t| t.static_dims()).map(|d| d[1..].iter().product::<i64>()).unwrap_or(0) as f64;
-            contraction(&mut c, 2.0 * y * per + if node.input(2).is_some() { y } else { 0.0 }, &[0, 1]);
-            let _ = cv;
-            if param_in(2) {
-                c.bwd_weight_flops += y;
-            }
+        Backward::Recurrent { matmul, pointwise } => {
+            c.bwd_weight_flops = matmul;
+            c.bwd_data_flops = matmul + pointwise;
         }
-        Op::ConvTranspose(_) => {
-            let x = numel(input(0));
-            let per =
-                input(1).and_then(|t| t.static_dims()).map(|d| d[1..].iter().product::<i64>()).unwrap_or(0) as f64;
-            contraction(&mut c, 2.0 * x * per, &[0, 1]);
-        }
-        Op::Einsum(_) => {
-            // Upper bound: product of all input sizes' geometric mean is not defined; count
-            // 2 × output × (largest input / output) as the contraction length.
-            let biggest = (0..node.inputs().len()).map(|i| numel(input(i))).fold(0.0, f64::max);
-            let fwd = 2.0 * biggest.max(y);
-            contraction(&mut c, fwd, &(0..node.inputs().len()).collect::<Vec<_>>());
-        }
-        Op::LSTM(_) | Op::GRU(_) | Op::RNN(_) => {
-            let gates = match node.op {
-                Op::LSTM(_) => 4.0,
-                Op::GRU(_) => 3.0,
-                _ => 1.0,
-            };
-            let xd = input(0).and_then(|t| t.static_dims()).unwrap_or_default();
-            let wd = input(1).and_then(|t| t.static_dims()).unwrap_or_default();
-            if xd.len() == 3 && wd.len() == 3 {
-                let (dirs, gh, isz) = (wd[0] as f64, wd[1] as f64, wd[2] as f64);
-                let h = gh / gates;
-                let steps_batch = (xd[0] * xd[1]) as f64;
-                let mm = 2.0 * dirs * steps_batch * gh * (isz + h);
-                let pointwise = dirs * steps_batch * h * (gates * TRANSCENDENTAL_FLOPS + 6.0);
-                c.fwd_flops = mm + pointwise;
-                c.bwd_weight_flops = mm;
-                c.bwd_data_flops = mm + pointwise;
-                // Per step and direction: the recurrent GEMM and the gate kernel.
-                c.launches = 2.0 * dirs * xd[0] as f64;
-            }
-        }
-        Op::MaxPool(p) => c.fwd_flops = y * p.kernel_shape.as_ref().map_or(1, |k| k.iter().product::<i64>()) as f64,
-        Op::AveragePool(p) => c.fwd_flops = y * p.kernel_shape.as_ref().map_or(1, |k| k.iter().product::<i64>()) as f64,
-        Op::LpPool(p) => {
-            c.fwd_flops = 2.0 * y * p.kernel_shape.as_ref().map_or(1, |k| k.iter().product::<i64>()) as f64
-        }
-        Op::GlobalAveragePool(_) | Op::GlobalMaxPool(_) | Op::GlobalLpPool(_) => c.fwd_flops = numel(input(0)),
-        Op::BatchNormalization(_)
-        | Op::InstanceNormalization(_)
-        | Op::GroupNormalization(_)
-        | Op::LayerNormalization(_)
-        | Op::MeanVarianceNormalization(_)
-        | Op::LpNormalization(_) => c.fwd_flops = 8.0 * numel(input(0)),
-        Op::LRN(l) => c.fwd_flops = numel(input(0)) * (2.0 * l.size.unwrap_or(1) as f64 + TRANSCENDENTAL_FLOPS),
-        Op::Softmax(_) | Op::LogSoftmax(_) => c.fwd_flops = (3.0 + TRANSCENDENTAL_FLOPS) * y,
-        Op::Exp(_)
-        | Op::Log(_)
-        | Op::Tanh(_)
-        | Op::Sigmoid(_)
-        | Op::Erf(_)
-        | Op::Gelu(_)
-        | Op::Softplus(_)
-        | Op::Mish(_)
-        | Op::Elu(_)
-        | Op::Selu(_)
-        | Op::Celu(_)
-        | Op::Sin(_)
-        | Op::Cos(_)
-        | Op::Tan(_)
-        | Op::Pow(_)
-        | Op::Sqrt(_) => {
-            c.fwd_flops = TRANSCENDENTAL_FLOPS * y;
-        }
-        _ if node.op.class() == OpClass::Reduce => c.fwd_flops = numel(input(0)),
-        Op::Where(_) | Op::Identity(_) | Op::Dropout(_) | Op::Cast(_) | Op::CastLike(_) => {}
-        _ if matches!(node.op.class(), OpClass::Unary | OpClass::Binary | OpClass::Variadic) => {
-            c.fwd_flops = y * node.inputs().len().saturating_sub(1).max(1) as f64;
-        }
-        _ => {}
+        Backward::LikeForward => {}
     }
     if c.bwd_data_flops == 0.0 && c.bwd_weight_flops == 0.0 && c.fwd_flops > 0.0 {
         // Pointwise, pooling, normalization: the backward pass does about the forward's work

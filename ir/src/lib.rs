@@ -32,6 +32,7 @@ pub mod export;
 pub mod graph;
 pub mod infer;
 pub mod op;
+pub mod ops;
 pub mod print;
 pub mod shard;
 pub mod tensor;

@@ -99,7 +99,7 @@ macro_rules! domain_of {
 }
 
 macro_rules! define_ops {
-    ($(
+    ($d:tt $(
         $(#[$doc:meta])*
         $name:ident = $onnx:literal $(in $domain:literal)?, $class:ident {
             $($field:ident $(($fname:literal))? : $kind:ident $(= $def:expr)?),* $(,)?
@@ -247,6 +247,26 @@ macro_rules! define_ops {
             pub fn known_op_types() -> &'static [(&'static str, &'static str)] {
                 &[$( (domain_of!($($domain)?), $onnx), )*]
             }
+
+            /// The op's rules: arity, shape inference, iteration space, work, evaluation,
+            /// dim flow (see [`crate::ops`]). The one dispatch over every op.
+            pub fn rules(&self) -> &dyn crate::ops::OpRules {
+                match self {
+                    Op::Input { .. } | Op::Initializer(_) | Op::OuterRef => &crate::ops::SourceRules,
+                    $( Op::$name(x) => x, )*
+                    Op::Opaque(o) => o,
+                }
+            }
+        }
+
+        /// Calls `$m!(Name, ...)` with the variant name of every op of [`Op`] (sources and
+        /// `Opaque` excluded), so that another crate can build its own exhaustive dispatch
+        /// (e.g. codegen's kernels) without a catch-all arm.
+        #[macro_export]
+        macro_rules! for_all_ops {
+            ($d m:ident) => {
+                $d m!($($name),*);
+            };
         }
     };
 }
@@ -290,6 +310,7 @@ pub enum OpError {
 }
 
 define_ops! {
+    $
     // ---- elementwise unary: one input X, output Y with X's shape ----
     /// `|x|`. Typing: Y has X's type.
     Abs = "Abs", Unary {};

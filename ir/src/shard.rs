@@ -11,7 +11,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::graph::{Graph, NodeId, Value};
-use crate::op::{Op, OpClass};
+use crate::ops::NodeCx;
 use crate::types::TensorType;
 
 /// Which level of the machine's link hierarchy a mesh axis spans.
@@ -224,12 +224,12 @@ pub struct IterSpace {
 
 impl IterSpace {
     /// A space with no splittable dims: the op runs whole on each device.
-    pub fn whole(g: &Graph, n: NodeId) -> IterSpace {
-        let node = g.node(n);
+    pub fn whole(cx: &NodeCx<'_>) -> IterSpace {
+        let node = cx.g.node(cx.n);
         IterSpace {
             dims: Vec::new(),
-            inputs: node.inputs().iter().map(|i| i.map(|v| vec![None; rank(g, v)])).collect(),
-            outputs: (0..node.num_outputs()).map(|s| vec![None; rank(g, Value::new(n, s as u16))]).collect(),
+            inputs: node.inputs().iter().map(|i| i.map(|v| vec![None; cx.rank(v)])).collect(),
+            outputs: (0..node.num_outputs()).map(|s| vec![None; cx.rank(cx.output(s))]).collect(),
         }
     }
 }
@@ -237,23 +237,21 @@ impl IterSpace {
 /// Per mesh axis, the iteration dim split over it (`None`: not split, computed redundantly).
 pub type OpStrategy = Vec<Option<usize>>;
 
-fn rank(g: &Graph, v: Value) -> usize {
-    g.tensor_type(v).and_then(TensorType::rank).unwrap_or(0)
-}
-
 fn dims(g: &Graph, v: Option<Value>) -> Vec<i64> {
     v.and_then(|v| g.tensor_type(v)).and_then(TensorType::static_dims).unwrap_or_default()
 }
 
-fn par(name: impl Into<String>, size: i64) -> IterDim {
+/// A parallel iteration dim with no particular meaning.
+pub fn par(name: impl Into<String>, size: i64) -> IterDim {
     IterDim { name: name.into(), size, kind: DimKind::Parallel, role: DimRole::Other }
 }
 
-/// Elementwise-like: iteration dims are the output's; inputs map where sizes agree
-/// (right-aligned numpy broadcasting).
-fn pointwise(g: &Graph, n: NodeId, fixed: &[usize], stat: &[usize], stat_values: i64) -> IterSpace {
-    let node = g.node(n);
-    let out = dims(g, Some(Value::new(n, 0)));
+/// Element-wise-like spaces: the iteration dims are the output's; inputs map where sizes
+/// agree (right-aligned numpy broadcasting). `fixed` dims cannot split, `stat` dims are
+/// statistics of `stat_values` values each.
+pub fn pointwise(cx: &NodeCx<'_>, fixed: &[usize], stat: &[usize], stat_values: i64) -> IterSpace {
+    let node = cx.g.node(cx.n);
+    let out = cx.out_dims(0);
     let r = out.len();
     let mut space_dims: Vec<IterDim> = out.iter().enumerate().map(|(i, &s)| par(format!("d{i}"), s)).collect();
     for &f in fixed {
@@ -268,7 +266,7 @@ fn pointwise(g: &Graph, n: NodeId, fixed: &[usize], stat: &[usize], stat_values:
     }
     let map = |v: Option<Value>| -> Option<Vec<Option<usize>>> {
         let v = v?;
-        let d = dims(g, Some(v));
+        let d = cx.dims(Some(v));
         if d.len() > r {
             return Some(vec![None; d.len()]);
         }
@@ -285,537 +283,21 @@ fn pointwise(g: &Graph, n: NodeId, fixed: &[usize], stat: &[usize], stat_values:
     let inputs = node.inputs().iter().map(|i| map(*i)).collect();
     let outputs = (0..node.num_outputs())
         .map(|s| {
-            let d = dims(g, Some(Value::new(n, s as u16)));
+            let d = cx.out_dims(s);
             if d.len() == r { (0..r).map(|i| (out[i] != 1).then_some(i)).collect() } else { vec![None; d.len()] }
         })
         .collect();
     IterSpace { dims: space_dims, inputs, outputs }
 }
 
-fn norm_axis(a: i64, r: usize) -> usize {
-    (if a < 0 { a + r as i64 } else { a }).clamp(0, r.max(1) as i64 - 1) as usize
-}
-
-/// The iteration space of node `n`; shapes must be inferred and static (otherwise the op is
-/// treated as whole).
+/// The iteration space of node `n` (see [`crate::ops::OpRules::space`]); shapes must be
+/// inferred and static, otherwise the op is treated as whole, as is an op without a rule.
 pub fn iter_space(g: &Graph, n: NodeId) -> IterSpace {
-    let node = g.node(n);
-    let out_static = (0..node.num_outputs()).all(|s| {
-        g.tensor_type(Value::new(n, s as u16)).is_some_and(TensorType::is_static) || node.outputs()[s].name.is_empty()
-    });
-    let in_static = node.inputs().iter().flatten().all(|&v| g.tensor_type(v).is_some_and(TensorType::is_static));
-    if !out_static || !in_static || node.num_outputs() == 0 {
-        return IterSpace::whole(g, n);
+    let cx = NodeCx { g, n };
+    if !crate::ops::static_node(g, n) {
+        return IterSpace::whole(&cx);
     }
-    let input = |i: usize| node.input(i);
-    let out = dims(g, Some(Value::new(n, 0)));
-    let r = out.len();
-    match &node.op {
-        Op::Input { .. }
-        | Op::Initializer(_)
-        | Op::OuterRef
-        | Op::Constant(_)
-        | Op::Shape(_)
-        | Op::Size(_)
-        | Op::ConstantOfShape(_)
-        | Op::Range(_)
-        | Op::NonZero(_) => IterSpace::whole(g, n),
-        Op::Softmax(_) | Op::LogSoftmax(_) => {
-            let legacy = g.opset > 0 && g.opset < 13;
-            let axis = match &node.op {
-                Op::Softmax(s) => s.axis,
-                Op::LogSoftmax(s) => s.axis,
-                _ => None,
-            };
-            let a = norm_axis(axis.unwrap_or(if legacy { 1 } else { -1 }), r);
-            let stat: Vec<usize> = if legacy { (a..r).collect() } else { vec![a] };
-            pointwise(g, n, &[], &stat, 2)
-        }
-        Op::Hardmax(s) => pointwise(g, n, &[norm_axis(s.axis.unwrap_or(-1), r)], &[], 0),
-        Op::LayerNormalization(l) => {
-            let a = norm_axis(l.axis(), r);
-            let mut sp = pointwise(g, n, &[], &(a..r).collect::<Vec<_>>(), 2);
-            // Mean and InvStdDev outputs keep dims before the axis.
-            for s in 1..node.num_outputs() {
-                sp.outputs[s] = (0..r).map(|i| (i < a && out[i] != 1).then_some(i)).collect();
-            }
-            // Scale and bias cover the normalized dims.
-            for k in 1..3 {
-                if let Some(Some(m)) = sp.inputs.get_mut(k) {
-                    m.iter_mut().for_each(|x| *x = None);
-                }
-            }
-            sp
-        }
-        Op::BatchNormalization(_) | Op::InstanceNormalization(_) | Op::GroupNormalization(_) => {
-            let stat: Vec<usize> = (2..r).collect();
-            let fixed: Vec<usize> = if matches!(node.op, Op::GroupNormalization(_)) { vec![1] } else { vec![] };
-            let mut sp = pointwise(g, n, &fixed, &stat, 2);
-            // Per-channel parameters follow the channel dim.
-            for k in 1..node.inputs().len() {
-                if let Some(Some(m)) = sp.inputs.get_mut(k) {
-                    *m = vec![(r > 1).then_some(1)];
-                }
-            }
-            for s in 1..node.num_outputs() {
-                sp.outputs[s] = vec![(r > 1).then_some(1)];
-            }
-            if let Some(d) = sp.dims.get_mut(1) {
-                d.role = DimRole::Other;
-            }
-            sp
-        }
-        Op::LRN(_) => pointwise(g, n, &[1], &[], 0),
-        Op::LpNormalization(l) => pointwise(g, n, &[], &[norm_axis(l.axis(), r)], 1),
-        Op::MeanVarianceNormalization(m) => {
-            let axes: Vec<usize> = m.axes.clone().unwrap_or(vec![0, 2, 3]).iter().map(|&a| norm_axis(a, r)).collect();
-            pointwise(g, n, &[], &axes, 2)
-        }
-        Op::Trilu(_) => pointwise(g, n, &[r.saturating_sub(2), r.saturating_sub(1)], &[], 0),
-        Op::CumSum(_) => pointwise(g, n, &(0..r).collect::<Vec<_>>(), &[], 0),
-        _ if matches!(node.op.class(), OpClass::Unary | OpClass::Binary | OpClass::Variadic)
-            || matches!(node.op, Op::Where(_)) =>
-        {
-            pointwise(g, n, &[], &[], 0)
-        }
-        Op::MatMul(_) => {
-            let (a, b) = (dims(g, input(0)), dims(g, input(1)));
-            if a.len() < 2 || b.len() < 2 {
-                return IterSpace::whole(g, n);
-            }
-            let batch = r - 2;
-            let mut sd: Vec<IterDim> = (0..batch).map(|i| par(format!("b{i}"), out[i])).collect();
-            sd.push(par("m", out[batch]));
-            sd.push(IterDim {
-                name: "n".into(),
-                size: out[batch + 1],
-                kind: DimKind::Parallel,
-                role: DimRole::OutFeature,
-            });
-            sd.push(IterDim {
-                name: "k".into(),
-                size: a[a.len() - 1],
-                kind: DimKind::Reduction,
-                role: DimRole::InFeature,
-            });
-            let (m, nn, k) = (batch, batch + 1, batch + 2);
-            let map_batch = |d: &[i64]| -> Vec<Option<usize>> {
-                let nb = d.len() - 2;
-                (0..nb)
-                    .map(|t| {
-                        let i = t + batch - nb;
-                        (d[t] == out[i] && d[t] != 1).then_some(i)
-                    })
-                    .collect()
-            };
-            let mut am = map_batch(&a);
-            am.extend([Some(m), Some(k)]);
-            let mut bm = map_batch(&b);
-            bm.extend([Some(k), Some(nn)]);
-            let om: Vec<Option<usize>> = (0..r).map(|i| (out[i] != 1 || i >= batch).then_some(i)).collect();
-            IterSpace { dims: sd, inputs: vec![Some(am), Some(bm)], outputs: vec![om] }
-        }
-        Op::Gemm(gm) => {
-            let a = dims(g, input(0));
-            if a.len() != 2 || r != 2 {
-                return IterSpace::whole(g, n);
-            }
-            let k_size = if gm.trans_a() != 0 { a[0] } else { a[1] };
-            let sd = vec![
-                par("m", out[0]),
-                IterDim { name: "n".into(), size: out[1], kind: DimKind::Parallel, role: DimRole::OutFeature },
-                IterDim { name: "k".into(), size: k_size, kind: DimKind::Reduction, role: DimRole::InFeature },
-            ];
-            let am = if gm.trans_a() != 0 { vec![Some(2), Some(0)] } else { vec![Some(0), Some(2)] };
-            let bm = if gm.trans_b() != 0 { vec![Some(1), Some(2)] } else { vec![Some(2), Some(1)] };
-            let cm = input(2).map(|_| {
-                let c = dims(g, input(2));
-                c.iter()
-                    .enumerate()
-                    .map(|(t, &sz)| {
-                        let i = t + 2 - c.len();
-                        (sz == out[i] && sz != 1).then_some(i)
-                    })
-                    .collect()
-            });
-            IterSpace { dims: sd, inputs: vec![Some(am), Some(bm), cm], outputs: vec![vec![Some(0), Some(1)]] }
-        }
-        Op::Conv(c) => {
-            let (x, w) = (dims(g, input(0)), dims(g, input(1)));
-            if x.len() < 3 || w.len() != x.len() {
-                return IterSpace::whole(g, n);
-            }
-            let k = x.len() - 2;
-            let group = c.group();
-            let kernel: Vec<i64> = c.kernel_shape.clone().unwrap_or_else(|| w[2..].to_vec());
-            let strides = c.strides.clone().unwrap_or(vec![1; k]);
-            let dil = c.dilations.clone().unwrap_or(vec![1; k]);
-            let mut sd = vec![par("n", out[0])];
-            let depthwise = group > 1 && group == x[1] && w[0] == group;
-            if group == 1 {
-                sd.push(IterDim { name: "m".into(), size: out[1], kind: DimKind::Parallel, role: DimRole::OutFeature });
-                sd.push(IterDim { name: "c".into(), size: x[1], kind: DimKind::Reduction, role: DimRole::InFeature });
-            } else if depthwise {
-                sd.push(IterDim { name: "g".into(), size: out[1], kind: DimKind::Parallel, role: DimRole::Other });
-            } else {
-                sd.push(IterDim { name: "m".into(), size: out[1], kind: DimKind::Fixed, role: DimRole::Other });
-            }
-            let sp0 = sd.len();
-            for i in 0..k {
-                let ext = dil.get(i).copied().unwrap_or(1) * (kernel.get(i).copied().unwrap_or(1) - 1);
-                let st = strides.get(i).copied().unwrap_or(1);
-                // Output block [o0, o1) reads input [o0*st - pb, (o1-1)*st - pb + ext]:
-                // beyond the block's own input rows it needs ext - (st - 1) more rows, split
-                // around it by the padding.
-                let pb = c.pads.as_ref().map_or(ext / 2, |p| p.get(i).copied().unwrap_or(0));
-                let before = pb.min(ext);
-                let after = (ext - before - (st - 1)).max(0);
-                sd.push(IterDim {
-                    name: format!("s{i}"),
-                    size: out[2 + i],
-                    kind: DimKind::Spatial { halo: (before, after), stride: st },
-                    role: DimRole::Spatial,
-                });
-            }
-            let mut xm = vec![
-                Some(0),
-                if group == 1 {
-                    Some(2)
-                } else if depthwise {
-                    Some(1)
-                } else {
-                    None
-                },
-            ];
-            xm.extend((0..k).map(|i| Some(sp0 + i)));
-            let mut wm =
-                vec![if group == 1 || depthwise { Some(1) } else { None }, if group == 1 { Some(2) } else { None }];
-            wm.extend(std::iter::repeat_n(None, k));
-            let bm = input(2).map(|_| vec![if group == 1 || depthwise { Some(1) } else { None }]);
-            let mut om = vec![Some(0), if group == 1 || depthwise { Some(1) } else { None }];
-            om.extend((0..k).map(|i| Some(sp0 + i)));
-            IterSpace { dims: sd, inputs: vec![Some(xm), Some(wm), bm], outputs: vec![om] }
-        }
-        Op::ConvTranspose(c) => {
-            let (x, w) = (dims(g, input(0)), dims(g, input(1)));
-            if x.len() < 3 || c.group() != 1 {
-                return IterSpace::whole(g, n);
-            }
-            let k = x.len() - 2;
-            let mut sd = vec![
-                par("n", out[0]),
-                IterDim { name: "m".into(), size: out[1], kind: DimKind::Parallel, role: DimRole::OutFeature },
-                IterDim { name: "c".into(), size: x[1], kind: DimKind::Reduction, role: DimRole::InFeature },
-            ];
-            sd.extend((0..k).map(|i| IterDim {
-                name: format!("s{i}"),
-                size: out[2 + i],
-                kind: DimKind::Fixed,
-                role: DimRole::Spatial,
-            }));
-            let mut xm = vec![Some(0), Some(2)];
-            xm.extend(std::iter::repeat_n(None, k));
-            let mut wm = vec![Some(2), Some(1)];
-            wm.extend(std::iter::repeat_n(None, w.len() - 2));
-            let mut om = vec![Some(0), Some(1)];
-            om.extend(std::iter::repeat_n(None, k));
-            IterSpace { dims: sd, inputs: vec![Some(xm), Some(wm), input(2).map(|_| vec![Some(1)])], outputs: vec![om] }
-        }
-        Op::MaxPool(_) | Op::AveragePool(_) | Op::LpPool(_) => {
-            let x = dims(g, input(0));
-            if x.len() < 3 {
-                return IterSpace::whole(g, n);
-            }
-            let k = x.len() - 2;
-            let (kernel, strides, pads, dil) = match &node.op {
-                Op::MaxPool(p) => (p.kernel_shape.clone(), p.strides.clone(), p.pads.clone(), p.dilations.clone()),
-                Op::AveragePool(p) => (p.kernel_shape.clone(), p.strides.clone(), p.pads.clone(), p.dilations.clone()),
-                Op::LpPool(p) => (p.kernel_shape.clone(), p.strides.clone(), p.pads.clone(), p.dilations.clone()),
-                _ => unreachable!(),
-            };
-            let kernel = kernel.unwrap_or(vec![1; k]);
-            let strides = strides.unwrap_or(vec![1; k]);
-            let dil = dil.unwrap_or(vec![1; k]);
-            let mut sd = vec![par("n", out[0]), par("c", out[1])];
-            for i in 0..k {
-                let ext = dil.get(i).copied().unwrap_or(1) * (kernel.get(i).copied().unwrap_or(1) - 1);
-                let st = strides.get(i).copied().unwrap_or(1);
-                let pb = pads.as_ref().map_or(0, |p| p.get(i).copied().unwrap_or(0));
-                let before = pb.min(ext);
-                let after = (ext - before - (st - 1)).max(0);
-                sd.push(IterDim {
-                    name: format!("s{i}"),
-                    size: out[2 + i],
-                    kind: DimKind::Spatial { halo: (before, after), stride: st },
-                    role: DimRole::Spatial,
-                });
-            }
-            let m: Vec<Option<usize>> = (0..x.len()).map(Some).collect();
-            IterSpace { dims: sd, inputs: vec![Some(m.clone())], outputs: vec![m; node.num_outputs()] }
-        }
-        Op::GlobalAveragePool(_) | Op::GlobalMaxPool(_) | Op::GlobalLpPool(_) => {
-            let x = dims(g, input(0));
-            let kind = if matches!(node.op, Op::GlobalAveragePool(_)) { DimKind::Reduction } else { DimKind::Fixed };
-            let mut sd = vec![par("n", out[0]), par("c", out[1])];
-            sd.extend((2..x.len()).map(|i| IterDim {
-                name: format!("s{}", i - 2),
-                size: x[i],
-                kind: kind.clone(),
-                role: DimRole::Spatial,
-            }));
-            let xm: Vec<Option<usize>> = (0..x.len()).map(Some).collect();
-            let mut om = vec![Some(0), Some(1)];
-            om.extend(std::iter::repeat_n(None, x.len().saturating_sub(2)));
-            IterSpace { dims: sd, inputs: vec![Some(xm)], outputs: vec![om] }
-        }
-        _ if node.op.class() == OpClass::Reduce => {
-            let x = dims(g, input(0));
-            let (axes, keep, sum_like): (Vec<usize>, bool, bool) = match node.op.reduce_attrs() {
-                Some(ra) => {
-                    let ax = match g.initializer(input(1).unwrap_or(Value::new(n, 0))).and_then(|t| t.to_i64_vec()) {
-                        Some(v) if input(1).is_some() => v,
-                        _ => ra.axes.unwrap_or_default(),
-                    };
-                    let ax: Vec<usize> = if ax.is_empty() {
-                        (0..x.len()).collect()
-                    } else {
-                        ax.iter().map(|&a| norm_axis(a, x.len())).collect()
-                    };
-                    (ax, ra.keepdims, matches!(node.op, Op::ReduceSum(_) | Op::ReduceMean(_)))
-                }
-                None => {
-                    let (a, keep, _) = node.op.arg_attrs().unwrap_or((0, true, false));
-                    (vec![norm_axis(a, x.len())], keep, false)
-                }
-            };
-            let sd: Vec<IterDim> = x
-                .iter()
-                .enumerate()
-                .map(|(i, &s)| {
-                    let kind = if !axes.contains(&i) {
-                        DimKind::Parallel
-                    } else if sum_like {
-                        DimKind::Reduction
-                    } else {
-                        DimKind::Fixed
-                    };
-                    IterDim { name: format!("d{i}"), size: s, kind, role: DimRole::Other }
-                })
-                .collect();
-            let xm: Vec<Option<usize>> = (0..x.len()).map(Some).collect();
-            let om: Vec<Option<usize>> = if keep {
-                (0..x.len()).map(|i| (!axes.contains(&i)).then_some(i)).collect()
-            } else {
-                (0..x.len()).filter(|i| !axes.contains(i)).map(Some).collect()
-            };
-            IterSpace {
-                dims: sd,
-                inputs: node
-                    .inputs()
-                    .iter()
-                    .enumerate()
-                    .map(|(j, i)| i.map(|v| if j == 0 { xm.clone() } else { vec![None; rank(g, v)] }))
-                    .collect(),
-                outputs: vec![om],
-            }
-        }
-        Op::Transpose(t) => {
-            let perm: Vec<usize> =
-                t.perm.clone().map_or((0..r).rev().collect(), |p| p.iter().map(|&x| x as usize).collect());
-            let sd: Vec<IterDim> = out.iter().enumerate().map(|(i, &s)| par(format!("d{i}"), s)).collect();
-            let mut xm = vec![None; r];
-            for (j, &p) in perm.iter().enumerate() {
-                if p < r && out[j] != 1 {
-                    xm[p] = Some(j);
-                }
-            }
-            IterSpace {
-                dims: sd,
-                inputs: vec![Some(xm)],
-                outputs: vec![(0..r).map(|i| (out[i] != 1).then_some(i)).collect()],
-            }
-        }
-        Op::Reshape(_) | Op::Flatten(_) | Op::Squeeze(_) | Op::Unsqueeze(_) => {
-            let x = dims(g, input(0));
-            let xm = reshape_map(&x, &out);
-            // An output dim no input dim follows cannot be split: its pieces would need the
-            // whole input.
-            let sd: Vec<IterDim> = out
-                .iter()
-                .enumerate()
-                .map(|(i, &s)| {
-                    let mut d = par(format!("d{i}"), s);
-                    if !xm.contains(&Some(i)) {
-                        d.kind = DimKind::Fixed;
-                    }
-                    d
-                })
-                .collect();
-            let mut inputs = vec![Some(xm)];
-            for i in node.inputs().iter().skip(1) {
-                inputs.push(i.map(|v| vec![None; rank(g, v)]));
-            }
-            let om: Vec<Option<usize>> = (0..r).map(|i| (out[i] != 1).then_some(i)).collect();
-            IterSpace { dims: sd, inputs, outputs: vec![om] }
-        }
-        Op::Concat(cc) => {
-            let a = norm_axis(cc.axis.unwrap_or(0), r);
-            let mut sp = pointwise(g, n, &[a], &[], 0);
-            for m in sp.inputs.iter_mut().flatten() {
-                if a < m.len() {
-                    m[a] = None;
-                }
-            }
-            for (i, v) in node.inputs().iter().enumerate() {
-                // Inputs match the output off the axis even where sizes are 1 on it.
-                if let (Some(v), Some(Some(m))) = (v, sp.inputs.get_mut(i)) {
-                    let d = dims(g, Some(*v));
-                    for t in 0..d.len().min(r) {
-                        if t != a && d[t] == out[t] && out[t] != 1 {
-                            m[t] = Some(t);
-                        }
-                    }
-                }
-            }
-            sp
-        }
-        Op::Split(s) => {
-            let x = dims(g, input(0));
-            let a = norm_axis(s.axis(), x.len());
-            let sd: Vec<IterDim> = x
-                .iter()
-                .enumerate()
-                .map(|(i, &sz)| IterDim {
-                    name: format!("d{i}"),
-                    size: sz,
-                    kind: if i == a { DimKind::Fixed } else { DimKind::Parallel },
-                    role: DimRole::Other,
-                })
-                .collect();
-            let xm: Vec<Option<usize>> = (0..x.len()).map(|i| (i != a && x[i] != 1).then_some(i)).collect();
-            let mut inputs = vec![Some(xm.clone())];
-            for i in node.inputs().iter().skip(1) {
-                inputs.push(i.map(|v| vec![None; rank(g, v)]));
-            }
-            IterSpace { dims: sd, inputs, outputs: vec![xm; node.num_outputs()] }
-        }
-        Op::Slice(_) | Op::Pad(_) | Op::Tile(_) | Op::Resize(_) | Op::Upsample(_) | Op::Expand(_) => {
-            // Dims the op leaves alone map straight through; the others are fixed.
-            let x = dims(g, input(0));
-            let sd: Vec<IterDim> = out
-                .iter()
-                .enumerate()
-                .map(|(i, &sz)| {
-                    let t = (i + x.len()).checked_sub(r);
-                    let same = t.is_some_and(|t| x[t] == sz);
-                    IterDim {
-                        name: format!("d{i}"),
-                        size: sz,
-                        kind: if same { DimKind::Parallel } else { DimKind::Fixed },
-                        role: DimRole::Other,
-                    }
-                })
-                .collect();
-            let xm: Vec<Option<usize>> = (0..x.len())
-                .map(|t| {
-                    let i = t + r - x.len().min(r);
-                    (i < r && x[t] == out[i] && x[t] != 1).then_some(i)
-                })
-                .collect();
-            let mut inputs = vec![Some(xm)];
-            for i in node.inputs().iter().skip(1) {
-                inputs.push(i.map(|v| vec![None; rank(g, v)]));
-            }
-            IterSpace {
-                dims: sd,
-                inputs,
-                outputs: vec![(0..r).map(|i| (out[i] != 1 && sd_parallel(&out, &x, i, r)).then_some(i)).collect()],
-            }
-        }
-        Op::Gather(gt) => {
-            let (d, idx) = (dims(g, input(0)), dims(g, input(1)));
-            if d.is_empty() {
-                return IterSpace::whole(g, n);
-            }
-            let a = norm_axis(gt.axis(), d.len());
-            if a != 0 {
-                return IterSpace::whole(g, n);
-            }
-            // Dims: the indices' dims, the table rows (vocab: split leaves partial sums of a
-            // masked gather), then the table's remaining dims.
-            let mut sd: Vec<IterDim> = idx.iter().enumerate().map(|(i, &s)| par(format!("i{i}"), s)).collect();
-            let vocab = sd.len();
-            sd.push(IterDim { name: "v".into(), size: d[0], kind: DimKind::Reduction, role: DimRole::Vocab });
-            let rest0 = sd.len();
-            sd.extend(d[1..].iter().enumerate().map(|(i, &s)| IterDim {
-                name: format!("e{i}"),
-                size: s,
-                kind: DimKind::Parallel,
-                role: DimRole::Other,
-            }));
-            let mut dm = vec![Some(vocab)];
-            dm.extend((0..d.len() - 1).map(|i| Some(rest0 + i)));
-            let im: Vec<Option<usize>> = (0..idx.len()).map(|i| (idx[i] != 1).then_some(i)).collect();
-            let mut om: Vec<Option<usize>> = (0..idx.len()).map(|i| (idx[i] != 1).then_some(i)).collect();
-            om.extend((0..d.len() - 1).map(|i| Some(rest0 + i)));
-            IterSpace { dims: sd, inputs: vec![Some(dm), Some(im)], outputs: vec![om] }
-        }
-        Op::LSTM(_) | Op::GRU(_) | Op::RNN(_) => {
-            let x = dims(g, input(0));
-            let layout = match &node.op {
-                Op::LSTM(l) => l.layout(),
-                Op::GRU(l) => l.layout(),
-                Op::RNN(l) => l.layout(),
-                _ => 0,
-            };
-            if x.len() != 3 {
-                return IterSpace::whole(g, n);
-            }
-            let (bx, sx) = if layout == 0 { (1, 0) } else { (0, 1) };
-            let sd = vec![
-                IterDim { name: "b".into(), size: x[bx], kind: DimKind::Parallel, role: DimRole::Other },
-                IterDim { name: "t".into(), size: x[sx], kind: DimKind::Fixed, role: DimRole::Other },
-            ];
-            let mut xm = vec![None; 3];
-            xm[bx] = Some(0);
-            xm[sx] = Some(1);
-            let inputs = node
-                .inputs()
-                .iter()
-                .enumerate()
-                .map(|(i, v)| {
-                    v.map(|v| {
-                        let rk = rank(g, v);
-                        match i {
-                            0 => xm.clone(),
-                            5 | 6 => (0..rk).map(|t| (t == if layout == 0 { 1 } else { 0 }).then_some(0)).collect(),
-                            _ => vec![None; rk],
-                        }
-                    })
-                })
-                .collect();
-            let outputs = (0..node.num_outputs())
-                .map(|s| {
-                    let rk = rank(g, Value::new(n, s as u16));
-                    if s == 0 {
-                        if layout == 0 {
-                            vec![Some(1), None, Some(0), None]
-                        } else {
-                            vec![Some(0), Some(1), None, None]
-                        }
-                    } else {
-                        (0..rk).map(|t| (t == if layout == 0 { 1 } else { 0 }).then_some(0)).collect()
-                    }
-                })
-                .collect();
-            IterSpace { dims: sd, inputs, outputs }
-        }
-        _ => IterSpace::whole(g, n),
-    }
-}
-
-fn sd_parallel(out: &[i64], x: &[i64], i: usize, r: usize) -> bool {
-    (i + x.len()).checked_sub(r).is_some_and(|t| x[t] == out[i])
+    g.node(n).op.rules().space(&cx).unwrap_or_else(|| IterSpace::whole(&cx))
 }
 
 /// Maps input dims of a reshape onto output dims: within each group of dims whose products

@@ -10,7 +10,8 @@ use std::fmt;
 
 use crate::attr::AttrValue;
 use crate::graph::{Graph, NodeId};
-use crate::op::{Op, OpClass};
+use crate::op::Op;
+use crate::ops::TypeRule;
 use crate::types::{DType, Type};
 
 /// One verifier finding.
@@ -33,71 +34,11 @@ impl fmt::Display for VerifyError {
 #[error("{} verifier error(s); first: {}", .0.len(), .0.first().map(|e| e.msg.as_str()).unwrap_or(""))]
 pub struct VerifyErrors(pub Vec<VerifyError>);
 
-/// Admissible input and output counts of an op: `(min_in, max_in, min_out, max_out)`.
+/// Admissible input and output counts of an op: `(min_in, max_in, min_out, max_out)` (see
+/// [`crate::ops::OpRules::arity`]).
 pub fn arity(op: &Op) -> (usize, usize, usize, usize) {
-    const MANY: usize = usize::MAX;
-    match op {
-        Op::Input { .. } | Op::Initializer(_) | Op::OuterRef => (0, 0, 1, 1),
-        Op::Cast(_) => (1, 1, 1, 1),
-        Op::CastLike(_) => (2, 2, 1, 1),
-        Op::Clip(_) => (1, 3, 1, 1),
-        Op::Dropout(_) => (1, 3, 1, 2),
-        Op::PRelu(_) => (2, 2, 1, 1),
-        Op::Where(_) => (3, 3, 1, 1),
-        _ if op.class() == OpClass::Unary => (1, 1, 1, 1),
-        _ if op.class() == OpClass::Binary => (2, 2, 1, 1),
-        _ if op.class() == OpClass::Variadic => (1, MANY, 1, 1),
-        Op::MatMul(_) => (2, 2, 1, 1),
-        Op::Gemm(_) => (2, 3, 1, 1),
-        Op::Einsum(_) => (1, MANY, 1, 1),
-        Op::Conv(_) => (2, 3, 1, 1),
-        Op::ConvTranspose(_) => (2, 3, 1, 1),
-        Op::MaxPool(_) => (1, 1, 1, 2),
-        Op::AveragePool(_) | Op::LpPool(_) => (1, 1, 1, 1),
-        Op::GlobalAveragePool(_) | Op::GlobalMaxPool(_) | Op::GlobalLpPool(_) => (1, 1, 1, 1),
-        Op::BatchNormalization(_) => (5, 5, 1, 3),
-        Op::InstanceNormalization(_) => (3, 3, 1, 1),
-        Op::LayerNormalization(_) => (2, 3, 1, 3),
-        Op::GroupNormalization(_) => (3, 3, 1, 1),
-        Op::LRN(_) | Op::LpNormalization(_) | Op::MeanVarianceNormalization(_) => (1, 1, 1, 1),
-        Op::Softmax(_) | Op::LogSoftmax(_) | Op::Hardmax(_) => (1, 1, 1, 1),
-        Op::ArgMax(_) | Op::ArgMin(_) => (1, 1, 1, 1),
-        _ if op.class() == OpClass::Reduce => (1, 2, 1, 1),
-        Op::Reshape(_) => (2, 2, 1, 1),
-        Op::Flatten(_) | Op::Transpose(_) => (1, 1, 1, 1),
-        Op::Squeeze(_) | Op::Unsqueeze(_) => (1, 2, 1, 1),
-        Op::Concat(_) => (1, MANY, 1, 1),
-        Op::Split(_) => (1, 2, 1, MANY),
-        Op::Slice(_) => (1, 5, 1, 1),
-        Op::Gather(_) | Op::GatherElements(_) | Op::GatherND(_) => (2, 2, 1, 1),
-        Op::ScatterND(_) | Op::ScatterElements(_) => (3, 3, 1, 1),
-        Op::Expand(_) | Op::Tile(_) => (2, 2, 1, 1),
-        Op::Pad(_) => (1, 4, 1, 1),
-        Op::Resize(_) => (1, 4, 1, 1),
-        Op::Upsample(_) => (1, 2, 1, 1),
-        Op::DepthToSpace(_) | Op::SpaceToDepth(_) => (1, 1, 1, 1),
-        Op::Shape(_) | Op::Size(_) => (1, 1, 1, 1),
-        Op::Constant(_) => (0, 0, 1, 1),
-        Op::ConstantOfShape(_) => (1, 1, 1, 1),
-        Op::Range(_) => (3, 3, 1, 1),
-        Op::Trilu(_) => (1, 2, 1, 1),
-        Op::TopK(_) => (1, 2, 2, 2),
-        Op::NonZero(_) => (1, 1, 1, 1),
-        Op::OneHot(_) => (3, 3, 1, 1),
-        Op::CumSum(_) => (2, 2, 1, 1),
-        Op::EyeLike(_) => (1, 1, 1, 1),
-        Op::LSTM(_) => (3, 8, 0, 3),
-        Op::GRU(_) | Op::RNN(_) => (3, 6, 0, 2),
-        Op::If(_) => (1, 1, 1, MANY),
-        Op::Loop(_) => (2, MANY, 1, MANY),
-        Op::Scan(_) => (1, MANY, 1, MANY),
-        Op::Send(_) => (1, 1, 0, 0),
-        Op::Recv(_) => (0, 0, 1, 1),
-        Op::AllReduce(_) | Op::AllGather(_) | Op::ReduceScatter(_) | Op::AllToAll(_) | Op::HaloExchange(_) => {
-            (1, 1, 1, 1)
-        }
-        _ => (0, MANY, 0, MANY),
-    }
+    let a = op.arity();
+    (a.min_in, a.max_in, a.min_out, a.max_out)
 }
 
 fn count(n: usize) -> String {
@@ -233,28 +174,13 @@ fn dtype_of(g: &Graph, n: NodeId, i: usize) -> Option<DType> {
 
 fn check_types(g: &Graph, n: NodeId, errs: &mut Vec<VerifyError>) {
     let node = g.node(n);
-    let same: &[usize] = match &node.op {
-        Op::Add(_)
-        | Op::Sub(_)
-        | Op::Mul(_)
-        | Op::Div(_)
-        | Op::Mod(_)
-        | Op::Equal(_)
-        | Op::Less(_)
-        | Op::Greater(_)
-        | Op::LessOrEqual(_)
-        | Op::GreaterOrEqual(_)
-        | Op::MatMul(_)
-        | Op::PRelu(_) => &[0, 1],
-        Op::Gemm(_) => &[0, 1, 2],
-        Op::Conv(_) | Op::ConvTranspose(_) => &[0, 1, 2],
-        Op::Where(_) => &[1, 2],
-        Op::Max(_) | Op::Min(_) | Op::Sum(_) | Op::Mean(_) | Op::Concat(_) => {
-            let k: Vec<usize> = (0..node.inputs().len()).collect();
-            return check_same(g, n, &k, errs);
-        }
-        Op::And(_) | Op::Or(_) | Op::Xor(_) | Op::Not(_) => {
-            for i in 0..node.inputs().len() {
+    let all: Vec<usize> = (0..node.inputs().len()).collect();
+    match node.op.rules().type_rule() {
+        TypeRule::Free => {}
+        TypeRule::Same(idx) => check_same(g, n, &idx, errs),
+        TypeRule::AllSame => check_same(g, n, &all, errs),
+        TypeRule::AllBool => {
+            for i in all {
                 if let Some(d) = dtype_of(g, n, i)
                     && d != DType::Bool
                 {
@@ -264,16 +190,18 @@ fn check_types(g: &Graph, n: NodeId, errs: &mut Vec<VerifyError>) {
                     });
                 }
             }
-            return;
         }
-        _ => return,
-    };
-    check_same(g, n, same, errs);
-    if let Op::Where(_) = node.op
-        && let Some(d) = dtype_of(g, n, 0)
-        && d != DType::Bool
-    {
-        errs.push(VerifyError { at: Some(n), msg: format!("Where needs a bool condition, got {d}") });
+        TypeRule::BoolAndSame(idx) => {
+            check_same(g, n, &idx, errs);
+            if let Some(d) = dtype_of(g, n, 0)
+                && d != DType::Bool
+            {
+                errs.push(VerifyError {
+                    at: Some(n),
+                    msg: format!("{} needs a bool condition, got {d}", node.op.op_type()),
+                });
+            }
+        }
     }
 }
 

@@ -25,6 +25,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use ir::eval::Array;
 use ir::infer::{Mode, infer_shapes};
+use ir::ops::{FlowCx, Mono};
 use ir::{Dim, Graph, NodeId, Op, OpClass, Tensor, TensorData, TensorType, Type, Value};
 
 use crate::manager::{Changed, Located, Pass, PassCx, PassError};
@@ -93,293 +94,6 @@ pub struct RebatchReport {
     pub constants_regenerated: usize,
     /// Things worth telling the user.
     pub notes: Vec<Located>,
-}
-
-// ---------------------------------------------------------------- monomials
-
-/// An axis size as `coef × Π sym^exp`, or untracked-and-changing (`Opaque`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Mono {
-    Known { coef: i64, pows: BTreeMap<usize, u32> },
-    Opaque,
-}
-
-impl Mono {
-    fn constant(v: i64) -> Mono {
-        Mono::Known { coef: v, pows: BTreeMap::new() }
-    }
-
-    fn sym(s: usize) -> Mono {
-        Mono::Known { coef: 1, pows: BTreeMap::from([(s, 1)]) }
-    }
-
-    fn is_tracked(&self) -> bool {
-        match self {
-            Mono::Known { pows, .. } => !pows.is_empty(),
-            Mono::Opaque => true,
-        }
-    }
-
-    fn mul(&self, o: &Mono) -> Mono {
-        match (self, o) {
-            (Mono::Known { coef: a, pows: p }, Mono::Known { coef: b, pows: q }) => {
-                let mut pows = p.clone();
-                for (k, e) in q {
-                    *pows.entry(*k).or_insert(0) += e;
-                }
-                Mono::Known { coef: a.saturating_mul(*b), pows }
-            }
-            _ => Mono::Opaque,
-        }
-    }
-
-    fn eval(&self, syms: &[(i64, i64)], new: bool) -> Option<i64> {
-        match self {
-            Mono::Known { coef, pows } => {
-                let mut v = *coef;
-                for (s, e) in pows {
-                    let base = if new { syms[*s].1 } else { syms[*s].0 };
-                    v = v.checked_mul(base.checked_pow(*e)?)?;
-                }
-                Some(v)
-            }
-            Mono::Opaque => None,
-        }
-    }
-}
-
-struct Cx<'a> {
-    syms: &'a [(i64, i64)],
-    old: HashMap<Value, Vec<i64>>,
-    monos: HashMap<Value, Vec<Mono>>,
-    reqs: Vec<(Value, usize, Mono)>,
-    errors: Vec<Located>,
-}
-
-fn err(g: &Graph, n: NodeId, msg: String) -> Located {
-    Located::at(g, n, format!("cannot rebatch {}: {msg}", g.describe(n)))
-}
-
-fn consts_i64(consts: &HashMap<Value, Array>, v: Option<Value>) -> Option<Vec<i64>> {
-    consts.get(&v?).and_then(|a| a.to_i64().ok())
-}
-
-impl Cx<'_> {
-    fn old_dims(&self, v: Value) -> Option<&Vec<i64>> {
-        self.old.get(&v)
-    }
-
-    fn input_monos(&self, g: &Graph, v: Value) -> Option<Vec<Mono>> {
-        if let Some(m) = self.monos.get(&v) {
-            return Some(m.clone());
-        }
-        let _ = g;
-        self.old_dims(v).map(|d| d.iter().map(|&x| Mono::constant(x)).collect())
-    }
-
-    /// Unifies aligned axes of `inputs` (right-aligned, numpy broadcasting) into `out_old`.
-    fn broadcast(&mut self, g: &Graph, n: NodeId, inputs: &[Value], out_old: &[i64]) -> Vec<Mono> {
-        let r = out_old.len();
-        let mut out = Vec::with_capacity(r);
-        for (i, &ov) in out_old.iter().enumerate() {
-            let mut tracked: Option<Mono> = None;
-            let mut constants: Vec<(Value, usize)> = Vec::new();
-            for &v in inputs {
-                let (Some(dims), Some(monos)) = (self.old_dims(v).cloned(), self.input_monos(g, v)) else { continue };
-                if dims.len() + i < r {
-                    continue;
-                }
-                let a = dims.len() + i - r;
-                if dims[a] != ov {
-                    continue; // broadcasting from 1
-                }
-                let m = &monos[a];
-                if m.is_tracked() {
-                    match &tracked {
-                        None => tracked = Some(m.clone()),
-                        Some(t) if t == m => {}
-                        Some(t) => {
-                            if ov != 1 {
-                                self.errors.push(err(
-                                    g,
-                                    n,
-                                    format!("axis {i} combines two different changed dims ({t:?} and {m:?})"),
-                                ));
-                            }
-                        }
-                    }
-                } else {
-                    constants.push((v, a));
-                }
-            }
-            match tracked {
-                Some(t) => {
-                    if ov != 1 {
-                        for (v, a) in constants {
-                            self.reqs.push((v, a, t.clone()));
-                        }
-                    }
-                    out.push(t);
-                }
-                None => out.push(Mono::constant(ov)),
-            }
-        }
-        out
-    }
-
-    /// Unifies two specific axes that must be equal (a matmul's contraction axis).
-    fn unify(&mut self, g: &Graph, n: NodeId, a: (Value, usize), b: (Value, usize)) {
-        let (Some(ma), Some(mb)) = (self.input_monos(g, a.0), self.input_monos(g, b.0)) else { return };
-        let (x, y) = (&ma[a.1], &mb[b.1]);
-        match (x.is_tracked(), y.is_tracked()) {
-            (true, false) => self.reqs.push((b.0, b.1, x.clone())),
-            (false, true) => self.reqs.push((a.0, a.1, y.clone())),
-            (true, true) if x != y => {
-                self.errors.push(err(g, n, "the contracted axes follow different changed dims".into()))
-            }
-            _ => {}
-        }
-    }
-}
-
-/// Factors a reshape: monomials of the output dims from the input's, aligning old sizes.
-///
-/// Dims of old size 1 are set aside; the rest are grouped so that products agree. Changed
-/// dims of old size > 1 are split among their group's output dims (preferring a dim of equal
-/// old size); changed dims of old size 1 (a batch of 1) go to a size-1 output dim just before
-/// the group they preceded, or multiply that group's first dim when there is none.
-fn factor_reshape(in_old: &[i64], in_m: &[Mono], out_old: &[i64], syms: &[(i64, i64)]) -> Result<Vec<Mono>, String> {
-    let mut out: Vec<Mono> = out_old.iter().map(|&v| Mono::constant(v)).collect();
-    let ins: Vec<usize> = (0..in_old.len()).filter(|&i| in_old[i] != 1).collect();
-    let outs: Vec<usize> = (0..out_old.len()).filter(|&j| out_old[j] != 1).collect();
-    // Groups of (input dims, output dims) with equal products.
-    let mut groups: Vec<(Vec<usize>, Vec<usize>)> = Vec::new();
-    let (mut i, mut j) = (0, 0);
-    while i < ins.len() || j < outs.len() {
-        let (mut gi, mut go) = (Vec::new(), Vec::new());
-        let (mut pi, mut pj) = (1i64, 1i64);
-        if i < ins.len() {
-            pi = in_old[ins[i]];
-            gi.push(ins[i]);
-            i += 1;
-        }
-        if j < outs.len() {
-            pj = out_old[outs[j]];
-            go.push(outs[j]);
-            j += 1;
-        }
-        while pi != pj {
-            if pi < pj && i < ins.len() {
-                pi *= in_old[ins[i]];
-                gi.push(ins[i]);
-                i += 1;
-            } else if pj < pi && j < outs.len() {
-                pj *= out_old[outs[j]];
-                go.push(outs[j]);
-                j += 1;
-            } else {
-                return Err(format!("old shapes {in_old:?} and {out_old:?} do not factor"));
-            }
-        }
-        groups.push((gi, go));
-    }
-    let split_unit = |m: &Mono| -> (Mono, Vec<(usize, u32)>) {
-        // Separates factors whose old size is 1 (they cannot be located by size).
-        match m {
-            Mono::Known { coef, pows } => {
-                let mut keep = BTreeMap::new();
-                let mut unit = Vec::new();
-                for (&s, &e) in pows {
-                    if syms[s].0 == 1 {
-                        unit.push((s, e));
-                    } else {
-                        keep.insert(s, e);
-                    }
-                }
-                (Mono::Known { coef: *coef, pows: keep }, unit)
-            }
-            Mono::Opaque => (Mono::Opaque, Vec::new()),
-        }
-    };
-    // Size-1 factors, anchored to the group they precede (groups.len() = after the last).
-    let mut anchored: Vec<(usize, Vec<(usize, u32)>)> = Vec::new();
-    for (k, &d) in in_old.iter().enumerate() {
-        if d == 1 && in_m[k].is_tracked() {
-            let anchor = groups.iter().position(|(gi, _)| gi.first().is_some_and(|&f| f > k)).unwrap_or(groups.len());
-            let (rest, unit) = split_unit(&in_m[k]);
-            if rest.is_tracked() {
-                return Err("a size-1 axis carries a changed dim that is not of size 1".into());
-            }
-            anchored.push((anchor, unit));
-        }
-    }
-    for (gidx, (gi, go)) in groups.iter().enumerate() {
-        let mono = gi.iter().fold(Mono::constant(1), |acc, &k| acc.mul(&in_m[k]));
-        let (mono, unit) = split_unit(&mono);
-        if !unit.is_empty() {
-            anchored.push((gidx, unit));
-        }
-        if go.len() == 1 {
-            out[go[0]] = mono;
-            continue;
-        }
-        let Mono::Known { pows, .. } = &mono else {
-            if gi.iter().any(|&k| in_m[k].is_tracked()) {
-                return Err("a changing dim is split in a way that cannot be followed".into());
-            }
-            continue;
-        };
-        if pows.is_empty() {
-            continue;
-        }
-        let group: Vec<i64> = go.iter().map(|&o| out_old[o]).collect();
-        let mut rest = group.clone();
-        let mut assigned = vec![false; go.len()];
-        for (&s, &e) in pows {
-            let old = syms[s].0.pow(e);
-            let pick = (0..group.len())
-                .find(|&k| !assigned[k] && rest[k] == old)
-                .or_else(|| (0..group.len()).find(|&k| rest[k] % old == 0))
-                .ok_or_else(|| format!("cannot tell which of {group:?} carries a changed dim of size {old}"))?;
-            assigned[pick] = true;
-            rest[pick] /= old;
-            let cur = std::mem::replace(&mut out[go[pick]], Mono::Opaque);
-            let Mono::Known { pows: mut p, .. } = cur else { unreachable!("fresh constants") };
-            *p.entry(s).or_insert(0) += e;
-            out[go[pick]] = Mono::Known { coef: rest[pick], pows: p };
-        }
-    }
-    // Place size-1 factors on size-1 output dims before their anchor group.
-    let mut used = vec![false; out_old.len()];
-    for (anchor, unit) in anchored {
-        let lo = if anchor == 0 { 0 } else { groups[anchor - 1].1.last().map_or(0, |&l| l + 1) };
-        let hi = groups.get(anchor).and_then(|(_, go)| go.first().copied()).unwrap_or(out_old.len());
-        let slot = (lo..hi).find(|&k| out_old[k] == 1 && !used[k] && !out[k].is_tracked());
-        let factor = unit.iter().fold(Mono::constant(1), |acc, &(s, e)| {
-            let mut m = acc;
-            for _ in 0..e {
-                m = m.mul(&Mono::sym(s));
-            }
-            m
-        });
-        match slot {
-            Some(k) => {
-                used[k] = true;
-                out[k] = factor;
-            }
-            None => {
-                let target = groups
-                    .get(anchor)
-                    .and_then(|(_, go)| go.first().copied())
-                    .or_else(|| (0..out_old.len()).rev().find(|&k| out_old[k] != 1));
-                match target {
-                    Some(t) => out[t] = out[t].mul(&factor),
-                    None => return Err("a changed dim of size 1 has no place in the output".into()),
-                }
-            }
-        }
-    }
-    Ok(out)
 }
 
 /// The value of element `k` of a 1-D shape-like value, when a literal supplies it:
@@ -712,38 +426,39 @@ fn feeds_recurrent_state(g: &Graph, v: Value) -> bool {
     false
 }
 
-/// Changes input dims and rewrites what depends on them; see the module docs.
-pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassError> {
-    let fail = |errors: Vec<Located>| PassError { pass: NAME.into(), errors };
-    let mut report = RebatchReport::default();
-    infer_shapes(g, Mode::Check)
-        .map_err(|e| fail(e.into_iter().map(|e| Located { node: e.node, span: e.span, msg: e.msg }).collect()))?;
+fn consts_i64(consts: &HashMap<Value, Array>, v: Option<Value>) -> Option<Vec<i64>> {
+    consts.get(&v?).and_then(|a| a.to_i64().ok())
+}
 
-    // The inputs to change.
+/// Monomials per value.
+type Monos = HashMap<Value, Vec<Mono>>;
+
+/// An input to change: its value, old dims and new dims.
+type Change = (Value, Vec<Dim>, Vec<Dim>);
+
+/// The graph inputs `spec` changes, with their old and new dims.
+fn changed_inputs(g: &Graph, spec: &RebatchSpec) -> Result<Vec<Change>, Located> {
     let real_inputs: Vec<Value> =
         g.input_values().into_iter().filter(|v| matches!(g.node(v.node).op, Op::Input { default: None })).collect();
     let names: Vec<String> = real_inputs.iter().map(|&v| g.value_name(v).to_string()).collect();
-    let mut new_dims: Vec<(Value, Vec<Dim>, Vec<Dim>)> = Vec::new(); // (input, old dims, new dims)
+    let mut new_dims: Vec<Change> = Vec::new();
     for (name, dims) in &spec.input_shapes {
         let Some(&v) = real_inputs.iter().find(|&&v| g.value_name(v) == name) else {
-            return Err(fail(vec![Located::global(format!(
-                "there is no graph input `{name}`; inputs are: {}",
-                names.join(", ")
-            ))]));
+            return Err(Located::global(format!("there is no graph input `{name}`; inputs are: {}", names.join(", "))));
         };
         let old = g.tensor_type(v).and_then(|t| t.dims.clone()).unwrap_or_default();
         if old.len() != dims.len() {
-            return Err(fail(vec![Located::at(
+            return Err(Located::at(
                 g,
                 v.node,
                 format!("input `{name}` has rank {}, but the new shape {dims:?} has rank {}", old.len(), dims.len()),
-            )]));
+            ));
         }
         new_dims.push((v, old, dims.iter().map(|&d| Dim::Fixed(d)).collect()));
     }
     if let Some(b) = spec.batch {
         if b <= 0 {
-            return Err(fail(vec![Located::global(format!("the batch size must be positive, got {b}"))]));
+            return Err(Located::global(format!("the batch size must be positive, got {b}")));
         }
         // The batch is dim 0 of the first input and of the inputs that share its size there;
         // recurrent state inputs (batch on axis 1) and inputs the analysis reaches later are
@@ -764,11 +479,15 @@ pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassE
             new_dims.push((v, old, nd));
         }
     }
+    Ok(new_dims)
+}
 
-    // Symbols: changed fixed dims, keyed by (old, new); symbolic dims are substituted.
+/// Symbols for the changed fixed dims, keyed by (old, new), and the inputs' monomials;
+/// symbolic dims are substituted, not tracked.
+fn symbols(new_dims: &[Change]) -> (Vec<(i64, i64)>, Monos) {
     let mut syms: Vec<(i64, i64)> = Vec::new();
     let mut input_monos: HashMap<Value, Vec<Mono>> = HashMap::new();
-    for (v, old, new) in &new_dims {
+    for (v, old, new) in new_dims {
         let mut monos = Vec::new();
         for (o, n) in old.iter().zip(new) {
             let Some(nv) = n.value() else {
@@ -789,11 +508,131 @@ pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassE
         }
         input_monos.insert(*v, monos);
     }
+    (syms, input_monos)
+}
 
+/// What one flow over the graph found.
+struct Flow {
+    monos: HashMap<Value, Vec<Mono>>,
+    reqs: Vec<(Value, usize, Mono)>,
+    errors: Vec<Located>,
+}
+
+/// Flows changed dims through the graph in `order` with each op's rule
+/// ([`ir::ops::OpRules::flow`]); `overrides` pin axes already made to follow a changed dim.
+fn flow(
+    g: &Graph,
+    order: &[NodeId],
+    syms: &[(i64, i64)],
+    old: &HashMap<Value, Vec<i64>>,
+    consts: &HashMap<Value, Array>,
+    input_monos: &HashMap<Value, Vec<Mono>>,
+    overrides: &HashMap<Value, Vec<(usize, Mono)>>,
+) -> Flow {
+    let mut monos = input_monos.clone();
+    let mut reqs = Vec::new();
+    let mut errors: Vec<(NodeId, String)> = Vec::new();
+    for &n in order {
+        // Symbolic old shapes were computed dynamically by the export; re-inference updates them.
+        if old.contains_key(&Value::new(n, 0)) {
+            let mut cx = FlowCx {
+                g,
+                n,
+                syms,
+                old,
+                consts,
+                monos: &mut monos,
+                reqs: &mut reqs,
+                errors: &mut errors,
+                missing_rule: false,
+            };
+            g.node(n).op.rules().flow(&mut cx);
+        }
+        for s in 0..g.node(n).num_outputs() {
+            let v = Value::new(n, s as u16);
+            let Some(ov) = overrides.get(&v) else { continue };
+            let old_d = old.get(&v);
+            let rank = old_d.map_or(0, Vec::len);
+            let mut m = monos
+                .get(&v)
+                .cloned()
+                .unwrap_or_else(|| old_d.map(|d| d.iter().map(|&x| Mono::constant(x)).collect()).unwrap_or_default());
+            m.resize(rank, Mono::Opaque);
+            for (a, mono) in ov {
+                if *a < m.len() {
+                    m[*a] = mono.clone();
+                }
+            }
+            monos.insert(v, m);
+        }
+    }
+    let errors = errors
+        .into_iter()
+        .map(|(n, msg)| Located::at(g, n, format!("cannot rebatch {}: {msg}", g.describe(n))))
+        .collect();
+    Flow { monos, reqs, errors }
+}
+
+/// Rewrites the shape operands, gives the inputs their new types, infers shapes afresh and
+/// checks every tracked axis has the size its monomial predicts.
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    g: &mut Graph,
+    order: &[NodeId],
+    monos: &HashMap<Value, Vec<Mono>>,
+    old: &HashMap<Value, Vec<i64>>,
+    syms: &[(i64, i64)],
+    consts: &HashMap<Value, Array>,
+    new_dims: &[Change],
+    report: &mut RebatchReport,
+) -> Result<(), Vec<Located>> {
+    report.literals_rewritten += rewrite_literals(g, order, monos, old, syms, consts)?;
+    for (v, _, new) in new_dims {
+        let dtype = g.tensor_type(*v).map_or(ir::DType::Float, |t| t.dtype);
+        g.set_type(*v, Some(Type::Tensor(TensorType::new(dtype, new.clone()))));
+    }
+    let inferred = infer_shapes(g, Mode::Reset).map_err(|e| {
+        e.into_iter()
+            .map(|e| Located { node: e.node, span: e.span, msg: format!("after changing the inputs: {}", e.msg) })
+            .collect::<Vec<_>>()
+    })?;
+    report.notes.extend(inferred.warnings.into_iter().map(|w| Located { node: w.node, span: w.span, msg: w.msg }));
+    let mut errors = Vec::new();
+    for (v, ms) in monos {
+        if !g.contains(v.node) {
+            continue;
+        }
+        let Some(dims) = g.tensor_type(*v).and_then(|t| t.dims.clone()) else { continue };
+        for (a, m) in ms.iter().enumerate() {
+            if let (Some(want), Some(got)) = (m.eval(syms, true), dims.get(a).and_then(Dim::value))
+                && want != got
+            {
+                errors.push(Located::at(
+                    g,
+                    v.node,
+                    format!("after rebatching, `{}` has size {got} on axis {a} where {want} was expected; a constant in its computation still carries the old size", g.value_name(*v)),
+                ));
+                break;
+            }
+        }
+    }
+    errors.truncate(5);
+    if errors.is_empty() { Ok(()) } else { Err(errors) }
+}
+
+/// Changes the graph's inputs as `spec` says and rewrites every constant that carries a
+/// changed dim (see the module documentation).
+pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassError> {
+    let fail = |errors: Vec<Located>| PassError { pass: NAME.into(), errors };
+    let located = |e: Vec<ir::infer::ShapeError>| {
+        e.into_iter().map(|e| Located { node: e.node, span: e.span, msg: e.msg }).collect()
+    };
+    let mut report = RebatchReport::default();
+    infer_shapes(g, Mode::Check).map_err(|e| fail(located(e)))?;
+    let mut new_dims = changed_inputs(g, spec).map_err(|e| fail(vec![e]))?;
+    let (syms, mut input_monos) = symbols(&new_dims);
     // Old shapes and folded constants, from the model as it was.
-    let consts = infer_shapes(g, Mode::Check)
-        .map_err(|e| fail(e.into_iter().map(|e| Located { node: e.node, span: e.span, msg: e.msg }).collect()))?
-        .consts;
+    let consts = infer_shapes(g, Mode::Check).map_err(|e| fail(located(e)))?.consts;
     let mut old: HashMap<Value, Vec<i64>> = HashMap::new();
     for n in g.node_ids() {
         for s in 0..g.node(n).num_outputs() {
@@ -807,87 +646,20 @@ pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassE
     // graph inputs found to carry the batch).
     let mut overrides: HashMap<Value, Vec<(usize, Mono)>> = HashMap::new();
     for _round in 0..8 {
-        let mut cx =
-            Cx { syms: &syms, old: old.clone(), monos: input_monos.clone(), reqs: Vec::new(), errors: Vec::new() };
         let order = g.topo_order().map_err(|_| fail(vec![Located::global("the graph has a cycle")]))?;
-        for &n in &order {
-            propagate(g, n, &mut cx, &consts);
-            for s in 0..g.node(n).num_outputs() {
-                let v = Value::new(n, s as u16);
-                if let Some(ov) = overrides.get(&v) {
-                    let rank = cx.old_dims(v).map_or(0, Vec::len);
-                    let mut m = cx.monos.get(&v).cloned().unwrap_or_else(|| {
-                        cx.old_dims(v).map(|d| d.iter().map(|&x| Mono::constant(x)).collect()).unwrap_or_default()
-                    });
-                    m.resize(rank, Mono::Opaque);
-                    for (a, mono) in ov {
-                        if *a < m.len() {
-                            m[*a] = mono.clone();
-                        }
-                    }
-                    cx.monos.insert(v, m);
-                }
-            }
-        }
-        if !cx.errors.is_empty() {
-            return Err(fail(cx.errors));
+        let mut fl = flow(g, &order, &syms, &old, &consts, &input_monos, &overrides);
+        if !fl.errors.is_empty() {
+            return Err(fail(fl.errors));
         }
         // Requirements already met by an override are not new.
-        cx.reqs.retain(|(v, a, _)| !overrides.get(v).is_some_and(|o| o.iter().any(|(x, _)| x == a)));
-        if cx.reqs.is_empty() {
-            // Rewrite shape operands, then re-infer with the new inputs.
-            let monos = cx.monos;
-            report.literals_rewritten += rewrite_literals(g, &order, &monos, &old, &syms, &consts).map_err(fail)?;
-            for (v, _, new) in &new_dims {
-                let dtype = g.tensor_type(*v).map_or(ir::DType::Float, |t| t.dtype);
-                g.set_type(*v, Some(Type::Tensor(TensorType::new(dtype, new.clone()))));
-            }
-            let inferred = infer_shapes(g, Mode::Reset).map_err(|e| {
-                fail(
-                    e.into_iter()
-                        .map(|e| Located {
-                            node: e.node,
-                            span: e.span,
-                            msg: format!("after changing the inputs: {}", e.msg),
-                        })
-                        .collect(),
-                )
-            })?;
-            report.notes.extend(inferred.warnings.into_iter().map(|w| Located {
-                node: w.node,
-                span: w.span,
-                msg: w.msg,
-            }));
-            // Check: every tracked axis has the size its monomial predicts.
-            let mut errors = Vec::new();
-            for (v, ms) in &monos {
-                if !g.contains(v.node) {
-                    continue;
-                }
-                let Some(dims) = g.tensor_type(*v).and_then(|t| t.dims.clone()) else { continue };
-                for (a, m) in ms.iter().enumerate() {
-                    if let (Some(want), Some(got)) = (m.eval(&syms, true), dims.get(a).and_then(Dim::value))
-                        && want != got
-                    {
-                        errors.push(Located::at(
-                            g,
-                            v.node,
-                            format!("after rebatching, `{}` has size {got} on axis {a} where {want} was expected; a constant in its computation still carries the old size", g.value_name(*v)),
-                        ));
-                        break;
-                    }
-                }
-            }
-            if !errors.is_empty() {
-                errors.truncate(5);
-                return Err(fail(errors));
-            }
+        fl.reqs.retain(|(v, a, _)| !overrides.get(v).is_some_and(|o| o.iter().any(|(x, _)| x == a)));
+        if fl.reqs.is_empty() {
+            finish(g, &order, &fl.monos, &old, &syms, &consts, &new_dims, &mut report).map_err(fail)?;
             return Ok(report);
         }
         // Resolve requirements: make constant axes follow a changed dim.
-        let reqs = std::mem::take(&mut cx.reqs);
         let mut by_value: BTreeMap<Value, Vec<(usize, Mono)>> = BTreeMap::new();
-        for (v, a, m) in reqs {
+        for (v, a, m) in fl.reqs {
             let e = by_value.entry(v).or_default();
             if !e.iter().any(|(x, _)| *x == a) {
                 e.push((a, m));
@@ -1176,350 +948,6 @@ fn resolve(
     }
 }
 
-/// Monomials of node `n`'s outputs.
-fn propagate(g: &Graph, n: NodeId, cx: &mut Cx<'_>, consts: &HashMap<Value, Array>) {
-    let node = g.node(n);
-    let out0 = Value::new(n, 0);
-    let Some(out_old) = cx.old_dims(out0).cloned() else {
-        // Symbolic old shape: the export computed it dynamically; re-inference updates it.
-        return;
-    };
-    let tracked_in =
-        node.inputs().iter().flatten().any(|v| cx.monos.get(v).is_some_and(|m| m.iter().any(Mono::is_tracked)));
-    let ins: Vec<Value> = node.inputs().iter().flatten().copied().collect();
-    let input = |i: usize| node.input(i);
-    let set = |cx: &mut Cx<'_>, slot: usize, m: Vec<Mono>| {
-        cx.monos.insert(Value::new(n, slot as u16), m);
-    };
-    let in_m = |cx: &Cx<'_>, i: usize| input(i).and_then(|v| cx.input_monos(g, v));
-    let in_old = |cx: &Cx<'_>, i: usize| input(i).and_then(|v| cx.old_dims(v).cloned());
-    match &node.op {
-        Op::Input { .. } | Op::Initializer(_) | Op::OuterRef | Op::Constant(_) => {}
-        _ if matches!(node.op.class(), OpClass::Unary | OpClass::Binary | OpClass::Variadic)
-            || matches!(node.op, Op::Where(_)) =>
-        {
-            let m = cx.broadcast(g, n, &ins, &out_old);
-            for s in 0..node.num_outputs() {
-                set(cx, s, m.clone());
-            }
-        }
-        Op::Softmax(_)
-        | Op::LogSoftmax(_)
-        | Op::Hardmax(_)
-        | Op::LRN(_)
-        | Op::LpNormalization(_)
-        | Op::Trilu(_)
-        | Op::CumSum(_)
-        | Op::MeanVarianceNormalization(_)
-        | Op::InstanceNormalization(_)
-        | Op::GroupNormalization(_)
-        | Op::ScatterND(_)
-        | Op::ScatterElements(_) => {
-            if let Some(m) = in_m(cx, 0) {
-                set(cx, 0, m);
-            }
-        }
-        Op::BatchNormalization(_) | Op::LayerNormalization(_) => {
-            let m = cx.broadcast(g, n, &ins[..1.min(ins.len())], &out_old);
-            set(cx, 0, m.clone());
-            if let Op::LayerNormalization(l) = &node.op {
-                let r = m.len() as i64;
-                let a = if l.axis() < 0 { l.axis() + r } else { l.axis() } as usize;
-                let stat: Vec<Mono> =
-                    (0..m.len()).map(|i| if i < a { m[i].clone() } else { Mono::constant(1) }).collect();
-                for s in 1..node.num_outputs() {
-                    set(cx, s, stat.clone());
-                }
-            }
-        }
-        Op::MatMul(_) => {
-            let (Some(a), Some(b), Some(ao), Some(bo)) = (in_m(cx, 0), in_m(cx, 1), in_old(cx, 0), in_old(cx, 1))
-            else {
-                return;
-            };
-            if !ao.is_empty() && bo.len() >= 2 {
-                cx.unify(g, n, (input(0).expect("A"), ao.len() - 1), (input(1).expect("B"), bo.len() - 2));
-            }
-            let r = out_old.len();
-            let mut m = vec![Mono::Opaque; r];
-            // Batch dims broadcast; M from A, N from B.
-            let batch = r.saturating_sub(2);
-            if ao.len() >= 2 && bo.len() >= 2 {
-                let ab: Vec<Value> = vec![input(0).expect("A"), input(1).expect("B")];
-                let _ = ab;
-                for i in 0..batch {
-                    let pick = |mm: &[Mono], oo: &[i64]| -> Option<Mono> {
-                        let off = batch.checked_sub(oo.len() - 2)?;
-                        (i >= off && oo[i - off] == out_old[i]).then(|| mm[i - off].clone())
-                    };
-                    m[i] = match (pick(&a, &ao), pick(&b, &bo)) {
-                        (Some(x), _) if x.is_tracked() => x,
-                        (_, Some(y)) if y.is_tracked() => y,
-                        _ => Mono::constant(out_old[i]),
-                    };
-                }
-                m[r - 2] = a[ao.len() - 2].clone();
-                m[r - 1] = b[bo.len() - 1].clone();
-            } else if ao.len() == 1 && r >= 1 {
-                m = (0..r).map(|i| if i + 2 <= bo.len() { b[i].clone() } else { b[bo.len() - 1].clone() }).collect();
-                m.truncate(r);
-            } else if bo.len() == 1 && r >= 1 {
-                m = a[..r].to_vec();
-            }
-            set(cx, 0, m);
-        }
-        Op::Gemm(gm) => {
-            let (Some(a), Some(b)) = (in_m(cx, 0), in_m(cx, 1)) else { return };
-            if a.len() != 2 || b.len() != 2 {
-                return;
-            }
-            let (mi, ka) = if gm.trans_a() != 0 { (1, 0) } else { (0, 1) };
-            let (kb, ni) = if gm.trans_b() != 0 { (1, 0) } else { (0, 1) };
-            cx.unify(g, n, (input(0).expect("A"), ka), (input(1).expect("B"), kb));
-            set(cx, 0, vec![a[mi].clone(), b[ni].clone()]);
-        }
-        Op::Conv(_)
-        | Op::ConvTranspose(_)
-        | Op::MaxPool(_)
-        | Op::AveragePool(_)
-        | Op::LpPool(_)
-        | Op::GlobalAveragePool(_)
-        | Op::GlobalMaxPool(_)
-        | Op::GlobalLpPool(_) => {
-            let Some(x) = in_m(cx, 0) else { return };
-            let mut m: Vec<Mono> = out_old.iter().map(|&v| Mono::constant(v)).collect();
-            m[0] = x[0].clone();
-            let global = matches!(node.op, Op::GlobalAveragePool(_) | Op::GlobalMaxPool(_) | Op::GlobalLpPool(_));
-            if matches!(node.op, Op::MaxPool(_) | Op::AveragePool(_) | Op::LpPool(_)) || global {
-                m[1] = x[1].clone();
-            }
-            if !global {
-                for (i, mi) in m.iter_mut().enumerate().skip(2) {
-                    if x.get(i).is_some_and(Mono::is_tracked) {
-                        *mi = Mono::Opaque;
-                    }
-                }
-            }
-            for s in 0..node.num_outputs() {
-                set(cx, s, m.clone());
-            }
-        }
-        Op::Reshape(_) => {
-            let (Some(xm), Some(xo)) = (in_m(cx, 0), in_old(cx, 0)) else { return };
-            if !xm.iter().any(Mono::is_tracked) {
-                return;
-            }
-            match factor_reshape(&xo, &xm, &out_old, cx.syms) {
-                Ok(m) => set(cx, 0, m),
-                Err(e) => cx.errors.push(err(g, n, e)),
-            }
-        }
-        Op::Flatten(f) => {
-            let Some(xm) = in_m(cx, 0) else { return };
-            let r = xm.len() as i64;
-            let a = (if f.axis() < 0 { f.axis() + r } else { f.axis() }).clamp(0, r) as usize;
-            let left = xm[..a].iter().fold(Mono::constant(1), |acc, m| acc.mul(m));
-            let right = xm[a..].iter().fold(Mono::constant(1), |acc, m| acc.mul(m));
-            set(cx, 0, vec![left, right]);
-        }
-        Op::Transpose(t) => {
-            let Some(xm) = in_m(cx, 0) else { return };
-            let perm: Vec<usize> =
-                t.perm.clone().map_or((0..xm.len()).rev().collect(), |p| p.iter().map(|&x| x as usize).collect());
-            set(cx, 0, perm.iter().map(|&p| xm[p].clone()).collect());
-        }
-        Op::Squeeze(_) | Op::Unsqueeze(_) => {
-            let (Some(xm), Some(xo)) = (in_m(cx, 0), in_old(cx, 0)) else { return };
-            // Keep non-1 axes in order; size-1 axes: tracked ones kept by position.
-            let removed: Vec<usize>;
-            if let Op::Squeeze(s) = &node.op {
-                let axes = consts_i64(consts, input(1)).or_else(|| s.axes.clone());
-                removed = match axes {
-                    Some(ax) => ax.iter().map(|&a| (if a < 0 { a + xm.len() as i64 } else { a }) as usize).collect(),
-                    None => (0..xo.len()).filter(|&i| xo[i] == 1).collect(),
-                };
-                for &r in &removed {
-                    if xm.get(r).is_some_and(Mono::is_tracked) {
-                        cx.errors.push(err(g, n, format!("it squeezes away axis {r}, which changes size")));
-                        return;
-                    }
-                }
-                set(
-                    cx,
-                    0,
-                    xm.iter().enumerate().filter(|(i, _)| !removed.contains(i)).map(|(_, m)| m.clone()).collect(),
-                );
-            } else {
-                let axes = consts_i64(consts, input(1))
-                    .or_else(|| if let Op::Unsqueeze(u) = &node.op { u.axes.clone() } else { None });
-                let Some(axes) = axes else { return };
-                let r = out_old.len() as i64;
-                let mut ax: Vec<usize> = axes.iter().map(|&a| (if a < 0 { a + r } else { a }) as usize).collect();
-                ax.sort();
-                let mut m = xm.clone();
-                for a in ax {
-                    m.insert(a.min(m.len()), Mono::constant(1));
-                }
-                set(cx, 0, m);
-            }
-        }
-        Op::Concat(c) => {
-            let r = out_old.len() as i64;
-            let a = c.axis.map(|x| (if x < 0 { x + r } else { x }) as usize).unwrap_or(0);
-            let mut m = cx.broadcast(g, n, &ins, &out_old);
-            let parts: Vec<Mono> =
-                ins.iter().filter_map(|&v| cx.input_monos(g, v).and_then(|mm| mm.get(a).cloned())).collect();
-            m[a] = if parts.iter().any(Mono::is_tracked) { Mono::Opaque } else { Mono::constant(out_old[a]) };
-            set(cx, 0, m);
-        }
-        Op::Split(s) => {
-            let Some(xm) = in_m(cx, 0) else { return };
-            let r = xm.len() as i64;
-            let a = (if s.axis() < 0 { s.axis() + r } else { s.axis() }) as usize;
-            if xm.get(a).is_some_and(Mono::is_tracked) {
-                cx.errors.push(err(g, n, format!("it splits axis {a}, which changes size, into fixed parts")));
-                return;
-            }
-            for k in 0..node.num_outputs() {
-                let mut m = xm.clone();
-                if let Some(d) = cx.old_dims(Value::new(n, k as u16)) {
-                    m[a] = Mono::constant(d[a]);
-                }
-                set(cx, k, m);
-            }
-        }
-        Op::Slice(_) => {
-            let (Some(xm), Some(xo)) = (in_m(cx, 0), in_old(cx, 0)) else { return };
-            // A full slice of a changing axis follows it; a partial one has a literal size.
-            let m: Vec<Mono> =
-                (0..out_old.len())
-                    .map(|i| {
-                        if out_old[i] == xo[i] && xm[i].is_tracked() {
-                            xm[i].clone()
-                        } else {
-                            Mono::constant(out_old[i])
-                        }
-                    })
-                    .collect();
-            if tracked_in {
-                set(cx, 0, m);
-            }
-        }
-        Op::Gather(gt) => {
-            let (Some(dm), Some(im)) = (in_m(cx, 0), in_m(cx, 1)) else { return };
-            let r = dm.len() as i64;
-            let a = (if gt.axis() < 0 { gt.axis() + r } else { gt.axis() }) as usize;
-            let mut m = dm[..a].to_vec();
-            m.extend(im);
-            m.extend(dm[a + 1..].iter().cloned());
-            set(cx, 0, m);
-        }
-        Op::GatherElements(_) => {
-            if let Some(im) = in_m(cx, 1) {
-                set(cx, 0, im);
-            }
-        }
-        Op::Expand(_) => {
-            let (Some(xm), Some(xo)) = (in_m(cx, 0), in_old(cx, 0)) else { return };
-            let r = out_old.len();
-            let m: Vec<Mono> = (0..r)
-                .map(|i| {
-                    let k = (i + xo.len()).checked_sub(r);
-                    match k {
-                        Some(k) if xo[k] == out_old[i] => xm[k].clone(),
-                        _ => Mono::constant(out_old[i]),
-                    }
-                })
-                .collect();
-            set(cx, 0, m);
-        }
-        Op::Tile(_) => {
-            if let Some(xm) = in_m(cx, 0)
-                && xm.iter().any(Mono::is_tracked)
-            {
-                let reps = consts_i64(consts, input(1)).unwrap_or_default();
-                set(
-                    cx,
-                    0,
-                    xm.iter().enumerate().map(|(i, m)| m.mul(&Mono::constant(*reps.get(i).unwrap_or(&1)))).collect(),
-                );
-            }
-        }
-        _ if node.op.class() == OpClass::Reduce => {
-            let Some(xm) = in_m(cx, 0) else { return };
-            let keep_rank = out_old.len() == xm.len();
-            let mut m = Vec::new();
-            let xo = in_old(cx, 0).unwrap_or_default();
-            if keep_rank {
-                for i in 0..xm.len() {
-                    m.push(if out_old[i] == xo[i] { xm[i].clone() } else { Mono::constant(out_old[i]) });
-                }
-            } else {
-                // Match kept axes in order by old size.
-                let mut j = 0;
-                for i in 0..xm.len() {
-                    if j < out_old.len() && xo[i] == out_old[j] && m.len() < out_old.len() {
-                        // Ambiguous when a reduced axis equals a kept one; prefer keeping.
-                        m.push(xm[i].clone());
-                        j += 1;
-                    }
-                }
-                if m.len() != out_old.len() {
-                    m = out_old.iter().map(|&v| Mono::constant(v)).collect();
-                }
-            }
-            set(cx, 0, m);
-        }
-        Op::LSTM(_) | Op::GRU(_) | Op::RNN(_) => {
-            let Some(xm) = in_m(cx, 0) else { return };
-            let layout = match &node.op {
-                Op::LSTM(l) => l.layout(),
-                Op::GRU(l) => l.layout(),
-                Op::RNN(l) => l.layout(),
-                _ => 0,
-            };
-            let (seq, batch) =
-                if layout == 0 { (xm[0].clone(), xm[1].clone()) } else { (xm[1].clone(), xm[0].clone()) };
-            for s in 0..node.num_outputs() {
-                let Some(d) = cx.old_dims(Value::new(n, s as u16)).cloned() else { continue };
-                let m: Vec<Mono> = if s == 0 {
-                    if layout == 0 {
-                        vec![seq.clone(), Mono::constant(d[1]), batch.clone(), Mono::constant(d[3])]
-                    } else {
-                        vec![batch.clone(), seq.clone(), Mono::constant(d[2]), Mono::constant(d[3])]
-                    }
-                } else if layout == 0 {
-                    vec![Mono::constant(d[0]), batch.clone(), Mono::constant(d[2])]
-                } else {
-                    vec![batch.clone(), Mono::constant(d[1]), Mono::constant(d[2])]
-                };
-                set(cx, s, m);
-            }
-            // Initial states carry the batch too.
-            for slot in [5usize, 6] {
-                if let (Some(v), Some(d)) = (input(slot), in_old(cx, slot))
-                    && batch.is_tracked()
-                {
-                    let a = if layout == 0 { 1 } else { 0 };
-                    let hm = cx.input_monos(g, v).unwrap_or_default();
-                    if !hm.get(a).is_some_and(Mono::is_tracked) && d.get(a).is_some() {
-                        cx.reqs.push((v, a, batch.clone()));
-                    }
-                }
-            }
-        }
-        Op::Shape(_) | Op::Size(_) | Op::NonZero(_) | Op::ConstantOfShape(_) | Op::Range(_) => {}
-        _ => {
-            if tracked_in {
-                for s in 0..node.num_outputs() {
-                    let rank = cx.old_dims(Value::new(n, s as u16)).map_or(0, Vec::len);
-                    set(cx, s, vec![Mono::Opaque; rank]);
-                }
-            }
-        }
-    }
-}
-
 /// Writes the new sizes of tracked axes into the literal shape operands that produce them.
 fn rewrite_literals(
     g: &mut Graph,
@@ -1624,21 +1052,6 @@ fn rewrite_literals(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn reshape_factoring_follows_a_size_one_batch() {
-        let syms = [(1, 8), (128, 1024)];
-        let b = Mono::sym(0);
-        let s = Mono::sym(1);
-        let x = vec![b.clone(), s.clone(), Mono::constant(768)];
-        let out = factor_reshape(&[1, 128, 768], &x, &[1, 128, 12, 64], &syms).unwrap();
-        assert_eq!(out, vec![b.clone(), s.clone(), Mono::constant(12), Mono::constant(64)]);
-        // Merging batch and sequence, then splitting them again.
-        let merged = factor_reshape(&[1, 128, 768], &x, &[128, 768], &syms).unwrap();
-        assert_eq!(merged[0], b.mul(&s));
-        let split = factor_reshape(&[128, 768], &merged, &[1, 128, 768], &syms).unwrap();
-        assert_eq!(split, x);
-    }
 
     #[test]
     fn constants_regenerate_along_an_axis() {

@@ -5,14 +5,16 @@
 //! speed: tensors in tests are small.
 
 mod array;
-mod nn;
-mod ops;
 
 use std::collections::HashMap;
 
+pub use crate::ops::contraction::matmul;
+pub use crate::ops::conv::{Window, conv_transpose_geometry, window};
+pub use crate::ops::elementwise::{cast, where_};
+pub use crate::ops::resize::resize_sizes;
+pub use crate::ops::shape::{reshape_target, slice_axis, slice_params, transpose};
+pub use crate::ops::util::{broadcast_index, broadcast_shapes};
 pub use array::{Array, Data, f32_to_f16, numel, round_to, strides, wrap_int};
-pub use nn::{Window, conv_transpose_geometry, matmul, resize_sizes, window};
-pub use ops::{broadcast_index, broadcast_shapes, cast, eval_op, reshape_target, slice_axis, slice_params, transpose};
 
 use crate::attr::AttrValue;
 use crate::graph::{Graph, NodeId, Value};
@@ -43,6 +45,18 @@ pub enum EvalError {
 
 /// Result of evaluation.
 pub type Result<T> = std::result::Result<T, EvalError>;
+
+impl From<String> for EvalError {
+    /// A rule broken by the inputs (a shape that does not broadcast, an axis out of range).
+    fn from(msg: String) -> EvalError {
+        EvalError::Invalid(msg)
+    }
+}
+
+/// Evaluates one op on its inputs (see [`crate::ops::OpRules::eval`]).
+pub fn eval_op(op: &Op, inputs: &[Option<&Array>], n_out: usize, opset: i64) -> Result<Vec<Array>> {
+    op.rules().eval(&crate::ops::EvalCx { inputs, n_out, opset, name: op.op_type() })
+}
 
 /// A small deterministic generator (SplitMix64) for seeded weights and inputs.
 #[derive(Clone, Debug)]

@@ -1,0 +1,470 @@
+//! Contractions: `MatMul` (batched, broadcast, 1-D operands promoted), `Gemm` and `Einsum`.
+//!
+//! Their iteration spaces are PaSE's: batch dims, rows `m`, columns `n` (output features) and
+//! the summed `k` (input features) — splitting `k` leaves partial sums. Their backward pass
+//! computes a data gradient and a weight gradient, each as many FLOPs as the forward.
+
+use std::collections::HashMap;
+
+use super::util::{bcast_shapes, broadcast_index, broadcast_shapes, join};
+use super::{Arity, Arrays, Backward, EvalCx, FlowCx, InferCx, MANY, NodeCx, OpRules, TypeRule, Types, Work};
+use crate::eval::{Array, Data, EvalError, numel, strides, transpose};
+use crate::op;
+use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par};
+use crate::types::Dim;
+
+type Result<T> = std::result::Result<T, EvalError>;
+
+fn contraction(fwd: f64, inputs: Vec<usize>, bias: Option<usize>) -> Option<Work> {
+    Some(Work { fwd_flops: fwd, backward: Backward::Contraction { inputs, bias }, launches: 1.0 })
+}
+
+fn out_feature(name: &str, size: i64) -> IterDim {
+    IterDim { name: name.into(), size, kind: DimKind::Parallel, role: DimRole::OutFeature }
+}
+
+fn in_feature(name: &str, size: i64) -> IterDim {
+    IterDim { name: name.into(), size, kind: DimKind::Reduction, role: DimRole::InFeature }
+}
+
+impl OpRules for op::MatMul {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn type_rule(&self) -> TypeRule {
+        TypeRule::Same(vec![0, 1])
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let (Some(a), Some(b)) = (cx.dims(0), cx.dims(1)) else { return cx.one(None) };
+        let (mut a, mut b) = (a.clone(), b.clone());
+        let (a1, b1) = (a.len() == 1, b.len() == 1);
+        if a1 {
+            a.insert(0, Dim::Fixed(1));
+        }
+        if b1 {
+            b.push(Dim::Fixed(1));
+        }
+        if a.len() < 2 || b.len() < 2 {
+            return Err("MatMul needs inputs of rank ≥ 1".into());
+        }
+        let (ka, kb) = (&a[a.len() - 1], &b[b.len() - 2]);
+        if let (Some(p), Some(q)) = (ka.value(), kb.value())
+            && p != q
+        {
+            return Err(format!("inner dims differ: [{}] x [{}]", join(&a), join(&b)));
+        }
+        let mut out = bcast_shapes(&a[..a.len() - 2], &b[..b.len() - 2])?;
+        if !a1 {
+            out.push(a[a.len() - 2].clone());
+        }
+        if !b1 {
+            out.push(b[b.len() - 1].clone());
+        }
+        cx.one(Some(out))
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        let (a, b, out) = (cx.in_dims(0), cx.in_dims(1), cx.out_dims(0));
+        if a.len() < 2 || b.len() < 2 {
+            return Some(IterSpace::whole(cx));
+        }
+        let r = out.len();
+        let batch = r - 2;
+        let mut sd: Vec<IterDim> = (0..batch).map(|i| par(format!("b{i}"), out[i])).collect();
+        sd.push(par("m", out[batch]));
+        sd.push(out_feature("n", out[batch + 1]));
+        sd.push(in_feature("k", a[a.len() - 1]));
+        let (m, nn, k) = (batch, batch + 1, batch + 2);
+        let map_batch = |d: &[i64]| -> Vec<Option<usize>> {
+            let nb = d.len() - 2;
+            (0..nb)
+                .map(|t| {
+                    let i = t + batch - nb;
+                    (d[t] == out[i] && d[t] != 1).then_some(i)
+                })
+                .collect()
+        };
+        let mut am = map_batch(&a);
+        am.extend([Some(m), Some(k)]);
+        let mut bm = map_batch(&b);
+        bm.extend([Some(k), Some(nn)]);
+        let om: Vec<Option<usize>> = (0..r).map(|i| (out[i] != 1 || i >= batch).then_some(i)).collect();
+        Some(IterSpace { dims: sd, inputs: vec![Some(am), Some(bm)], outputs: vec![om] })
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        let k = cx.ty(cx.input(0)).and_then(|t| t.dims.as_ref()).and_then(|d| d.last()).and_then(Dim::value);
+        contraction(2.0 * cx.out_numel(0) * k.unwrap_or(0) as f64, vec![0, 1], None)
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![matmul(cx.req(0)?, cx.req(1)?)?])
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        let (a, b, ao, bo) = (cx.in_m(0)?, cx.in_m(1)?, cx.in_old(0)?, cx.in_old(1)?);
+        let (ia, ib) = (cx.input(0)?, cx.input(1)?);
+        if !ao.is_empty() && bo.len() >= 2 {
+            cx.unify((ia, ao.len() - 1), (ib, bo.len() - 2));
+        }
+        let out_old = cx.out_old();
+        let r = out_old.len();
+        let mut m = vec![super::Mono::Opaque; r];
+        // Batch dims broadcast; M from A, N from B.
+        let batch = r.saturating_sub(2);
+        if ao.len() >= 2 && bo.len() >= 2 {
+            for i in 0..batch {
+                let pick = |mm: &[super::Mono], oo: &[i64]| -> Option<super::Mono> {
+                    let off = batch.checked_sub(oo.len() - 2)?;
+                    (i >= off && oo[i - off] == out_old[i]).then(|| mm[i - off].clone())
+                };
+                m[i] = match (pick(&a, &ao), pick(&b, &bo)) {
+                    (Some(x), _) if x.is_tracked() => x,
+                    (_, Some(y)) if y.is_tracked() => y,
+                    _ => super::Mono::constant(out_old[i]),
+                };
+            }
+            m[r - 2] = a[ao.len() - 2].clone();
+            m[r - 1] = b[bo.len() - 1].clone();
+        } else if ao.len() == 1 && r >= 1 {
+            m = (0..r).map(|i| if i + 2 <= bo.len() { b[i].clone() } else { b[bo.len() - 1].clone() }).collect();
+            m.truncate(r);
+        } else if bo.len() == 1 && r >= 1 {
+            m = a[..r].to_vec();
+        }
+        cx.set(0, m);
+        Some(())
+    }
+}
+
+impl OpRules for op::Gemm {
+    fn arity(&self) -> Arity {
+        Arity::new(2, 3, 1, 1)
+    }
+
+    fn type_rule(&self) -> TypeRule {
+        TypeRule::Same(vec![0, 1, 2])
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let (Some(a), Some(b)) = (cx.dims(0), cx.dims(1)) else { return cx.one(None) };
+        if a.len() != 2 || b.len() != 2 {
+            return Err(format!("Gemm needs 2-D inputs, got [{}] and [{}]", join(a), join(b)));
+        }
+        let (m, ka) = if self.trans_a() != 0 { (&a[1], &a[0]) } else { (&a[0], &a[1]) };
+        let (kb, nn) = if self.trans_b() != 0 { (&b[1], &b[0]) } else { (&b[0], &b[1]) };
+        if let (Some(p), Some(q)) = (ka.value(), kb.value())
+            && p != q
+        {
+            return Err(format!("inner dims differ: A is [{}], B is [{}]", join(a), join(b)));
+        }
+        let out = vec![m.clone(), nn.clone()];
+        if let Some(c) = cx.dims(2) {
+            bcast_shapes(&out, c).map_err(|e| format!("C does not broadcast to the result: {e}"))?;
+        }
+        cx.one(Some(out))
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        let (a, out) = (cx.in_dims(0), cx.out_dims(0));
+        if a.len() != 2 || out.len() != 2 {
+            return Some(IterSpace::whole(cx));
+        }
+        let k_size = if self.trans_a() != 0 { a[0] } else { a[1] };
+        let sd = vec![par("m", out[0]), out_feature("n", out[1]), in_feature("k", k_size)];
+        let am = if self.trans_a() != 0 { vec![Some(2), Some(0)] } else { vec![Some(0), Some(2)] };
+        let bm = if self.trans_b() != 0 { vec![Some(1), Some(2)] } else { vec![Some(2), Some(1)] };
+        let cm = cx.input(2).map(|_| {
+            let c = cx.in_dims(2);
+            c.iter()
+                .enumerate()
+                .map(|(t, &sz)| {
+                    let i = t + 2 - c.len();
+                    (sz == out[i] && sz != 1).then_some(i)
+                })
+                .collect()
+        });
+        Some(IterSpace { dims: sd, inputs: vec![Some(am), Some(bm), cm], outputs: vec![vec![Some(0), Some(1)]] })
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        let y = cx.out_numel(0);
+        let k = cx
+            .ty(cx.input(0))
+            .and_then(|t| t.static_dims())
+            .map(|d| if self.trans_a() != 0 { d[0] } else { d[d.len() - 1] })
+            .unwrap_or(0) as f64;
+        let bias = cx.input(2).is_some();
+        contraction(2.0 * y * k + if bias { y } else { 0.0 }, vec![0, 1], bias.then_some(2))
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![gemm(self, cx)?])
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        let (a, b) = (cx.in_m(0)?, cx.in_m(1)?);
+        if a.len() != 2 || b.len() != 2 {
+            return Some(());
+        }
+        let (mi, ka) = if self.trans_a() != 0 { (1, 0) } else { (0, 1) };
+        let (kb, ni) = if self.trans_b() != 0 { (1, 0) } else { (0, 1) };
+        let (ia, ib) = (cx.input(0)?, cx.input(1)?);
+        cx.unify((ia, ka), (ib, kb));
+        cx.set(0, vec![a[mi].clone(), b[ni].clone()]);
+        Some(())
+    }
+}
+
+impl OpRules for op::Einsum {
+    fn arity(&self) -> Arity {
+        Arity::new(1, MANY, 1, 1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let eq: String = self.equation.clone().unwrap_or_default().chars().filter(|c| !c.is_whitespace()).collect();
+        let Some((lhs, rhs)) = eq.split_once("->") else { return cx.one(None) };
+        if eq.contains("...") {
+            return cx.one(None);
+        }
+        let mut size: HashMap<char, Dim> = HashMap::new();
+        for (term, t) in lhs.split(',').zip(cx.ins) {
+            if let Some(d) = t.and_then(|t| t.dims.as_ref()) {
+                for (c, dim) in term.chars().zip(d) {
+                    let e = size.entry(c).or_insert(dim.clone());
+                    if *e == Dim::Fixed(1) {
+                        *e = dim.clone();
+                    }
+                }
+            }
+        }
+        cx.one(Some(rhs.chars().map(|c| size.get(&c).cloned().unwrap_or(Dim::Unknown)).collect()))
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    /// An upper bound: 2 × the larger of the output and the largest input.
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        let biggest = (0..cx.n_in()).map(|i| cx.in_numel(i)).fold(0.0, f64::max);
+        contraction(2.0 * biggest.max(cx.out_numel(0)), (0..cx.n_in()).collect(), None)
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![einsum(self.equation.as_deref().unwrap_or(""), &cx.all())?])
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.opaque_outputs();
+        Some(())
+    }
+}
+
+/// Numpy matmul of float arrays, with 1-D promotion and batch broadcasting.
+pub fn matmul(a: &Array, b: &Array) -> Result<Array> {
+    if a.dtype != b.dtype {
+        return Err(EvalError::Invalid(format!("MatMul of {} and {}", a.dtype, b.dtype)));
+    }
+    let (mut ash, mut bsh) = (a.shape.clone(), b.shape.clone());
+    let (a1, b1) = (ash.len() == 1, bsh.len() == 1);
+    if a1 {
+        ash.insert(0, 1);
+    }
+    if b1 {
+        bsh.push(1);
+    }
+    if ash.len() < 2 || bsh.len() < 2 {
+        return Err(EvalError::Invalid("MatMul of scalars".into()));
+    }
+    let (m, k) = (ash[ash.len() - 2], ash[ash.len() - 1]);
+    let (k2, n) = (bsh[bsh.len() - 2], bsh[bsh.len() - 1]);
+    if k != k2 {
+        return Err(EvalError::Invalid(format!("MatMul of {:?} and {:?}: inner dims differ", a.shape, b.shape)));
+    }
+    let abatch = &ash[..ash.len() - 2];
+    let bbatch = &bsh[..bsh.len() - 2];
+    let batch = broadcast_shapes(abatch, bbatch)?;
+    let ia = broadcast_index(&batch, abatch);
+    let ib = broadcast_index(&batch, bbatch);
+    let nb = numel(&batch);
+    let mut out_shape = batch.clone();
+    if !a1 {
+        out_shape.push(m);
+    }
+    if !b1 {
+        out_shape.push(n);
+    }
+    match (&a.data, &b.data) {
+        (Data::F32(x), Data::F32(y)) => {
+            let mut out = vec![0f32; nb * m * n];
+            for bi in 0..nb {
+                let (ao, bo, oo) = (ia[bi] * m * k, ib[bi] * k * n, bi * m * n);
+                for i in 0..m {
+                    let orow = &mut out[oo + i * n..oo + (i + 1) * n];
+                    for p in 0..k {
+                        let av = x[ao + i * k + p];
+                        if av == 0.0 {
+                            continue;
+                        }
+                        let brow = &y[bo + p * n..bo + (p + 1) * n];
+                        for (o, &bv) in orow.iter_mut().zip(brow) {
+                            *o += av * bv;
+                        }
+                    }
+                }
+            }
+            Ok(Array { dtype: a.dtype, shape: out_shape, data: Data::F32(out) })
+        }
+        _ => {
+            let (x, y) = (a.to_f64()?, b.to_f64()?);
+            let mut out = vec![0f64; nb * m * n];
+            for bi in 0..nb {
+                let (ao, bo, oo) = (ia[bi] * m * k, ib[bi] * k * n, bi * m * n);
+                for i in 0..m {
+                    for p in 0..k {
+                        let av = x[ao + i * k + p];
+                        for j in 0..n {
+                            out[oo + i * n + j] += av * y[bo + p * n + j];
+                        }
+                    }
+                }
+            }
+            match a.data {
+                Data::I64(_) => Ok(Array::int(a.dtype, out_shape, out.iter().map(|&v| v as i64).collect())),
+                _ => Ok(Array::float(a.dtype, out_shape, out)),
+            }
+        }
+    }
+}
+
+fn gemm(g: &op::Gemm, cx: &EvalCx<'_>) -> Result<Array> {
+    let mut a = cx.req(0)?.clone();
+    let mut b = cx.req(1)?.clone();
+    if a.rank() != 2 || b.rank() != 2 {
+        return Err(EvalError::Invalid(format!("Gemm needs 2-D inputs, got {:?} and {:?}", a.shape, b.shape)));
+    }
+    if g.trans_a() != 0 {
+        a = transpose(&a, &[1, 0]);
+    }
+    if g.trans_b() != 0 {
+        b = transpose(&b, &[1, 0]);
+    }
+    let y = matmul(&a, &b)?;
+    let alpha = g.alpha();
+    let beta = g.beta();
+    let mut v = y.to_f32()?;
+    if alpha != 1.0 {
+        v.iter_mut().for_each(|x| *x *= alpha);
+    }
+    if let Some(c) = cx.opt(2) {
+        let cv = c.to_f32()?;
+        let idx = broadcast_index(&y.shape, &c.shape);
+        if broadcast_shapes(&y.shape, &c.shape)? != y.shape {
+            return Err(EvalError::Invalid(format!("Gemm C {:?} does not broadcast to {:?}", c.shape, y.shape)));
+        }
+        for (o, &i) in v.iter_mut().zip(&idx) {
+            *o += beta * cv[i];
+        }
+    }
+    Ok(Array { dtype: y.dtype, shape: y.shape, data: Data::F32(v) })
+}
+
+fn einsum(equation: &str, inputs: &[&Array]) -> Result<Array> {
+    let eq: String = equation.chars().filter(|c| !c.is_whitespace()).collect();
+    let (lhs, rhs) = match eq.split_once("->") {
+        Some((l, r)) => (l.to_string(), Some(r.to_string())),
+        None => (eq.clone(), None),
+    };
+    let terms: Vec<&str> = lhs.split(',').collect();
+    if terms.len() != inputs.len() {
+        return Err(EvalError::Invalid(format!(
+            "Einsum `{equation}` has {} terms for {} inputs",
+            terms.len(),
+            inputs.len()
+        )));
+    }
+    // Expand `...` into upper-case placeholder letters.
+    let ell_rank = terms
+        .iter()
+        .zip(inputs)
+        .filter(|(t, _)| t.contains("..."))
+        .map(|(t, a)| a.rank() + 3 - t.len())
+        .max()
+        .unwrap_or(0);
+    let ell: String = (0..ell_rank).map(|i| (b'A' + i as u8) as char).collect();
+    let expand = |t: &str, rank: usize| -> String {
+        if let Some(pos) = t.find("...") {
+            let k = rank + 3 - t.len();
+            format!("{}{}{}", &t[..pos], &ell[ell_rank - k..], &t[pos + 3..])
+        } else {
+            t.to_string()
+        }
+    };
+    let terms: Vec<String> = terms.iter().zip(inputs).map(|(t, a)| expand(t, a.rank())).collect();
+    let out_term = match rhs {
+        Some(r) => expand(&r, ell_rank + r.len().saturating_sub(3)).replace("...", &ell),
+        None => {
+            let mut counts = std::collections::BTreeMap::new();
+            for t in &terms {
+                for c in t.chars() {
+                    *counts.entry(c).or_insert(0) += 1;
+                }
+            }
+            let mut s: String = ell.clone();
+            s.extend(counts.iter().filter(|(c, n)| **n == 1 && c.is_ascii_lowercase()).map(|(c, _)| *c));
+            s
+        }
+    };
+    let mut size = std::collections::BTreeMap::new();
+    for (t, a) in terms.iter().zip(inputs) {
+        if t.len() != a.rank() {
+            return Err(EvalError::Invalid(format!("Einsum term `{t}` does not fit rank {}", a.rank())));
+        }
+        for (c, &d) in t.chars().zip(&a.shape) {
+            let e = size.entry(c).or_insert(d);
+            if *e == 1 {
+                *e = d;
+            } else if d != 1 && *e != d {
+                return Err(EvalError::Invalid(format!("Einsum index `{c}` has sizes {e} and {d}")));
+            }
+        }
+    }
+    let letters: Vec<char> = size.keys().copied().collect();
+    let dims: Vec<usize> = letters.iter().map(|c| size[c]).collect();
+    let pos = |c: char| letters.iter().position(|&l| l == c).expect("letter collected");
+    let vals: Vec<Vec<f64>> = inputs.iter().map(|a| a.to_f64()).collect::<Result<_>>()?;
+    let in_maps: Vec<Vec<(usize, usize)>> = terms
+        .iter()
+        .zip(inputs)
+        .map(|(t, a)| {
+            let st = strides(&a.shape);
+            t.chars().enumerate().map(|(i, c)| (pos(c), if a.shape[i] == 1 { 0 } else { st[i] })).collect()
+        })
+        .collect();
+    let out_shape: Vec<usize> = out_term.chars().map(|c| size[&c]).collect();
+    let ost = strides(&out_shape);
+    let out_map: Vec<(usize, usize)> = out_term.chars().enumerate().map(|(i, c)| (pos(c), ost[i])).collect();
+    let mut out = vec![0.0; numel(&out_shape)];
+    let total = numel(&dims);
+    let mut counter = vec![0usize; dims.len()];
+    for _ in 0..total {
+        let mut prod = 1.0;
+        for (v, m) in vals.iter().zip(&in_maps) {
+            let off: usize = m.iter().map(|&(l, s)| counter[l] * s).sum();
+            prod *= v[off];
+        }
+        let o: usize = out_map.iter().map(|&(l, s)| counter[l] * s).sum();
+        out[o] += prod;
+        for d in (0..dims.len()).rev() {
+            counter[d] += 1;
+            if counter[d] < dims[d] {
+                break;
+            }
+            counter[d] = 0;
+        }
+    }
+    Ok(Array::float(inputs[0].dtype, out_shape, out))
+}

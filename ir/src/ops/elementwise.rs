@@ -1,0 +1,800 @@
+//! Element-wise ops: unary maths and activations, binary arithmetic, comparisons and logic
+//! with numpy broadcasting, `Where`, `Cast`/`CastLike`, `Clip`, `Dropout`, and the variadic
+//! `Max`/`Min`/`Sum`/`Mean`.
+//!
+//! Every op here has the output's dims as its iteration space (inputs map where they are not
+//! broadcast), a FLOP per output element (transcendentals count
+//! [`TRANSCENDENTAL_FLOPS`]), and passes changed dims straight through.
+
+use super::util::{bcast_all, bcast_shapes, broadcast_index, broadcast_shapes};
+use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, MANY, NodeCx, OpRules, TypeRule, Types, Work};
+use crate::cost::TRANSCENDENTAL_FLOPS;
+use crate::eval::{Array, Data, EvalError, numel, round_to, wrap_int};
+use crate::op;
+use crate::shard::{IterSpace, pointwise};
+use crate::types::{DType, TensorType};
+
+type Result<T> = std::result::Result<T, EvalError>;
+
+const T: f64 = TRANSCENDENTAL_FLOPS;
+
+fn unsupported(what: &str, dtype: DType) -> EvalError {
+    EvalError::Unsupported(format!("{what} on {dtype}"))
+}
+
+/// Applies `f` to every element of a float array, computing in f64 (and rounding to the
+/// array's element type).
+pub fn map_float(x: &Array, what: &str, f: impl Fn(f64) -> f64) -> Result<Array> {
+    let data = match &x.data {
+        Data::F32(v) => Data::F32(v.iter().map(|&a| round_to(x.dtype, f(f64::from(a)) as f32)).collect()),
+        Data::F64(v) => Data::F64(v.iter().map(|&a| f(a)).collect()),
+        _ => return Err(unsupported(what, x.dtype)),
+    };
+    Ok(Array { dtype: x.dtype, shape: x.shape.clone(), data })
+}
+
+/// Applies `f` to every element of an integer array (wrapping to its element type).
+fn map_int(x: &Array, f: impl Fn(i64) -> i64) -> Option<Array> {
+    let Data::I64(v) = &x.data else { return None };
+    let out = v.iter().map(|&a| wrap_int(x.dtype, f(a))).collect();
+    Some(Array { dtype: x.dtype, shape: x.shape.clone(), data: Data::I64(out) })
+}
+
+/// The rules every element-wise op shares: the output's dims are the iteration space, and
+/// changed dims broadcast through.
+macro_rules! pointwise_rules {
+    () => {
+        fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+            Some(pointwise(cx, &[], &[], 0))
+        }
+
+        fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+            cx.broadcast_all();
+            Some(())
+        }
+    };
+}
+
+/// Unary ops on floats (and, where an `int` rule is given, integers): one line each,
+/// `Name[flops per element] int |i| rule, |self, v| rule`.
+macro_rules! unary {
+    ($($name:ident [$flops:expr] $(int |$i:ident| $int:expr,)? |$s:ident, $v:ident| $body:expr;)*) => {$(
+        impl OpRules for op::$name {
+            fn arity(&self) -> Arity {
+                Arity::fixed(1)
+            }
+
+            fn infer(&self, cx: &InferCx<'_>) -> Types {
+                cx.same()
+            }
+
+            fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+                Work::flops($flops * cx.out_numel(0))
+            }
+
+            fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+                let $s = self;
+                let x = cx.req(0)?;
+                $(if let Some(a) = map_int(x, |$i| $int) {
+                    return Ok(vec![a]);
+                })?
+                Ok(vec![map_float(x, cx.name, |$v| $body)?])
+            }
+
+            pointwise_rules!();
+        }
+    )*};
+}
+
+unary! {
+    Abs[1.0] int |a| a.wrapping_abs(), |_s, v| v.abs();
+    Neg[1.0] int |a| a.wrapping_neg(), |_s, v| -v;
+    Sign[1.0] int |a| a.signum(), |_s, v| if v > 0.0 { 1.0 } else if v < 0.0 { -1.0 } else { 0.0 };
+    Relu[1.0] int |a| a.max(0), |_s, v| if v > 0.0 { v } else { 0.0 };
+    Acos[1.0] |_s, v| v.acos();
+    Acosh[1.0] |_s, v| v.acosh();
+    Asin[1.0] |_s, v| v.asin();
+    Asinh[1.0] |_s, v| v.asinh();
+    Atan[1.0] |_s, v| v.atan();
+    Atanh[1.0] |_s, v| v.atanh();
+    Ceil[1.0] |_s, v| v.ceil();
+    Floor[1.0] |_s, v| v.floor();
+    Round[1.0] |_s, v| round_half_even(v);
+    Cos[T] |_s, v| v.cos();
+    Cosh[1.0] |_s, v| v.cosh();
+    Sin[T] |_s, v| v.sin();
+    Sinh[1.0] |_s, v| v.sinh();
+    Tan[T] |_s, v| v.tan();
+    Tanh[T] |_s, v| v.tanh();
+    Exp[T] |_s, v| v.exp();
+    Log[T] |_s, v| v.ln();
+    Sqrt[T] |_s, v| v.sqrt();
+    Reciprocal[1.0] |_s, v| 1.0 / v;
+    Sigmoid[T] |_s, v| 1.0 / (1.0 + (-v).exp());
+    Softplus[T] |_s, v| v.exp().ln_1p();
+    Softsign[1.0] |_s, v| v / (1.0 + v.abs());
+    Erf[T] |_s, v| erf64(v);
+    Mish[T] |_s, v| v * v.exp().ln_1p().tanh();
+    HardSwish[1.0] |_s, v| v * (v / 6.0 + 0.5).clamp(0.0, 1.0);
+    HardSigmoid[1.0] |s, v| (f64::from(s.alpha()) * v + f64::from(s.beta())).clamp(0.0, 1.0);
+    LeakyRelu[1.0] |s, v| if v >= 0.0 { v } else { f64::from(s.alpha()) * v };
+    Elu[T] |s, v| if v >= 0.0 { v } else { f64::from(s.alpha()) * (v.exp() - 1.0) };
+    Celu[T] |s, v| {
+        let al = f64::from(s.alpha());
+        v.max(0.0) + (al * ((v / al).exp() - 1.0)).min(0.0)
+    };
+    Selu[T] |s, v| {
+        let (al, ga) = (f64::from(s.alpha()), f64::from(s.gamma()));
+        if v > 0.0 { ga * v } else { ga * (al * v.exp() - al) }
+    };
+    ThresholdedRelu[1.0] |s, v| if v > f64::from(s.alpha()) { v } else { 0.0 };
+    Shrink[1.0] |s, v| {
+        let (b, l) = (f64::from(s.bias()), f64::from(s.lambd()));
+        if v < -l { v + b } else if v > l { v - b } else { 0.0 }
+    };
+    Gelu[T] |s, v| if s.approximate() == "tanh" { gelu_tanh(v) } else { 0.5 * v * (1.0 + erf64(v / std::f64::consts::SQRT_2)) };
+}
+
+/// Unary ops whose output is bool or whose input is not float: `Name[flops] (output dtype
+/// rule) |self, x| evaluation`.
+macro_rules! unary_other {
+    ($($name:ident: $rule:expr, $out:expr, |$s:ident, $x:ident| $eval:expr;)*) => {$(
+        impl OpRules for op::$name {
+            fn arity(&self) -> Arity {
+                Arity::fixed(1)
+            }
+
+            fn type_rule(&self) -> TypeRule {
+                $rule
+            }
+
+            fn infer(&self, cx: &InferCx<'_>) -> Types {
+                let out: Option<DType> = $out;
+                Ok(vec![cx.with(out.or(cx.dtype()), cx.dims(0).cloned())])
+            }
+
+            fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+                Work::flops(cx.out_numel(0))
+            }
+
+            fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+                let $s = self;
+                let $x = cx.req(0)?;
+                Ok(vec![$eval?])
+            }
+
+            pointwise_rules!();
+        }
+    )*};
+}
+
+unary_other! {
+    IsNaN: TypeRule::Free, Some(DType::Bool), |_s, x| x.to_f64().map(|v| Array::bool(x.shape.clone(), v.iter().map(|a| a.is_nan()).collect()));
+    IsInf: TypeRule::Free, Some(DType::Bool), |s, x| {
+        let (neg, pos) = (s.detect_negative() != 0, s.detect_positive() != 0);
+        x.to_f64().map(|v| {
+            Array::bool(x.shape.clone(), v.iter().map(|&a| a.is_infinite() && ((a > 0.0 && pos) || (a < 0.0 && neg))).collect())
+        })
+    };
+    Not: TypeRule::AllBool, None, |_s, x| match &x.data {
+        Data::Bool(v) => Ok(Array::bool(x.shape.clone(), v.iter().map(|b| !b).collect())),
+        _ => Err(unsupported("Not", x.dtype)),
+    };
+    BitwiseNot: TypeRule::Free, None, |_s, x| match &x.data {
+        Data::I64(v) => Ok(Array::int(x.dtype, x.shape.clone(), v.iter().map(|a| !a).collect())),
+        _ => Err(unsupported("BitwiseNot", x.dtype)),
+    };
+}
+
+impl OpRules for op::Identity {
+    fn arity(&self) -> Arity {
+        Arity::fixed(1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    fn work(&self, _cx: &NodeCx<'_>) -> Option<Work> {
+        Work::none()
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![cx.req(0)?.clone()])
+    }
+
+    pointwise_rules!();
+}
+
+impl OpRules for op::Dropout {
+    fn arity(&self) -> Arity {
+        Arity::new(1, 3, 1, 2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let mut out = vec![cx.input(0).cloned()];
+        if cx.n_out > 1 {
+            out.push(cx.with(Some(DType::Bool), cx.dims(0).cloned()));
+        }
+        Ok(out)
+    }
+
+    fn work(&self, _cx: &NodeCx<'_>) -> Option<Work> {
+        Work::none()
+    }
+
+    /// Inference mode: the identity, with a mask of ones.
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let x = cx.req(0)?;
+        let mut out = vec![x.clone()];
+        if cx.n_out > 1 {
+            out.push(Array::bool(x.shape.clone(), vec![true; x.numel()]));
+        }
+        Ok(out)
+    }
+
+    pointwise_rules!();
+}
+
+impl OpRules for op::Cast {
+    fn arity(&self) -> Arity {
+        Arity::fixed(1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let to = self.to.and_then(DType::from_code).ok_or("Cast needs a valid `to`")?;
+        Ok(vec![Some(TensorType { dtype: to, dims: cx.dims(0).cloned() })])
+    }
+
+    fn work(&self, _cx: &NodeCx<'_>) -> Option<Work> {
+        Work::none()
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let to =
+            self.to.and_then(DType::from_code).ok_or_else(|| EvalError::Invalid("Cast without a valid `to`".into()))?;
+        Ok(vec![cast(cx.req(0)?, to)?])
+    }
+
+    pointwise_rules!();
+}
+
+impl OpRules for op::CastLike {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        Ok(vec![cx.with(cx.input(1).map(|t| t.dtype), cx.dims(0).cloned())])
+    }
+
+    fn work(&self, _cx: &NodeCx<'_>) -> Option<Work> {
+        Work::none()
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![cast(cx.req(0)?, cx.req(1)?.dtype)?])
+    }
+
+    pointwise_rules!();
+}
+
+impl OpRules for op::Clip {
+    fn arity(&self) -> Arity {
+        Arity::new(1, 3, 1, 1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(cx.out_numel(0) * cx.n_in().saturating_sub(1).max(1) as f64)
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let x = cx.req(0)?;
+        let lo = match cx.opt(1) {
+            Some(a) => Some(a.to_f64()?[0]),
+            None => self.min.map(f64::from),
+        };
+        let hi = match cx.opt(2) {
+            Some(a) => Some(a.to_f64()?[0]),
+            None => self.max.map(f64::from),
+        };
+        let f = move |v: f64| {
+            let v = match lo {
+                Some(l) if v < l => l,
+                _ => v,
+            };
+            match hi {
+                Some(h) if v > h => h,
+                _ => v,
+            }
+        };
+        match &x.data {
+            Data::I64(v) => {
+                Ok(vec![Array::int(x.dtype, x.shape.clone(), v.iter().map(|&a| f(a as f64) as i64).collect())])
+            }
+            _ => Ok(vec![map_float(x, cx.name, f)?]),
+        }
+    }
+
+    pointwise_rules!();
+}
+
+/// Binary ops with numpy broadcasting: `Name: element-type rule, bool output?, |self, a, b|
+/// evaluation`.
+macro_rules! binary {
+    ($($name:ident: $rule:expr, $pred:expr, |$s:ident, $a:ident, $b:ident| $eval:expr;)*) => {$(
+        impl OpRules for op::$name {
+            fn arity(&self) -> Arity {
+                Arity::fixed(2)
+            }
+
+            fn type_rule(&self) -> TypeRule {
+                $rule
+            }
+
+            fn infer(&self, cx: &InferCx<'_>) -> Types {
+                let dims = match (cx.dims(0), cx.dims(1)) {
+                    (Some(a), Some(b)) => Some(bcast_shapes(a, b)?),
+                    _ => None,
+                };
+                if $pred {
+                    Ok(vec![Some(TensorType { dtype: DType::Bool, dims })])
+                } else {
+                    cx.one(dims)
+                }
+            }
+
+            fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+                let per = if matches!(stringify!($name), "Pow") { T } else { 1.0 };
+                Work::flops(per * cx.out_numel(0))
+            }
+
+            fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+                let $s = self;
+                let ($a, $b) = (cx.req(0)?, cx.req(1)?);
+                Ok(vec![$eval?])
+            }
+
+            pointwise_rules!();
+        }
+    )*};
+}
+
+const SAME: fn() -> TypeRule = || TypeRule::Same(vec![0, 1]);
+
+binary! {
+    Add: SAME(), false, |_s, a, b| binary(Bin::Add, a, b);
+    Sub: SAME(), false, |_s, a, b| binary(Bin::Sub, a, b);
+    Mul: SAME(), false, |_s, a, b| binary(Bin::Mul, a, b);
+    Div: SAME(), false, |_s, a, b| binary(Bin::Div, a, b);
+    Pow: TypeRule::Free, false, |_s, a, b| binary(Bin::Pow, a, b);
+    Mod: SAME(), false, |s, a, b| binary(Bin::Mod(s.fmod() != 0), a, b);
+    PRelu: SAME(), false, |_s, a, b| binary(Bin::PRelu, a, b);
+    BitwiseAnd: TypeRule::Free, false, |_s, a, b| binary(Bin::BitAnd, a, b);
+    BitwiseOr: TypeRule::Free, false, |_s, a, b| binary(Bin::BitOr, a, b);
+    BitwiseXor: TypeRule::Free, false, |_s, a, b| binary(Bin::BitXor, a, b);
+    BitShift: TypeRule::Free, false, |s, a, b| {
+        binary(if s.direction.as_deref() == Some("LEFT") { Bin::ShiftL } else { Bin::ShiftR }, a, b)
+    };
+    Equal: SAME(), true, |_s, a, b| compare(Cmp::Eq, a, b);
+    Less: SAME(), true, |_s, a, b| compare(Cmp::Lt, a, b);
+    LessOrEqual: SAME(), true, |_s, a, b| compare(Cmp::Le, a, b);
+    Greater: SAME(), true, |_s, a, b| compare(Cmp::Gt, a, b);
+    GreaterOrEqual: SAME(), true, |_s, a, b| compare(Cmp::Ge, a, b);
+    And: TypeRule::AllBool, true, |_s, a, b| logical(a, b, |p, q| p && q);
+    Or: TypeRule::AllBool, true, |_s, a, b| logical(a, b, |p, q| p || q);
+    Xor: TypeRule::AllBool, true, |_s, a, b| logical(a, b, |p, q| p ^ q);
+}
+
+/// Variadic ops: the broadcast of every input, folded with a binary rule.
+macro_rules! variadic {
+    ($($name:ident: $bin:expr, $mean:expr;)*) => {$(
+        impl OpRules for op::$name {
+            fn arity(&self) -> Arity {
+                Arity::new(1, MANY, 1, 1)
+            }
+
+            fn type_rule(&self) -> TypeRule {
+                TypeRule::AllSame
+            }
+
+            fn infer(&self, cx: &InferCx<'_>) -> Types {
+                cx.one(bcast_all(cx.ins.iter().map(|t| t.and_then(|t| t.dims.as_ref())))?)
+            }
+
+            fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+                Work::flops(cx.out_numel(0) * cx.n_in().saturating_sub(1).max(1) as f64)
+            }
+
+            fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+                let all = cx.all();
+                let mut acc = all.first().copied().cloned().ok_or_else(|| EvalError::Invalid(format!("{} without inputs", cx.name)))?;
+                for a in &all[1..] {
+                    acc = binary($bin, &acc, a)?;
+                }
+                if $mean {
+                    let n = Array::float(acc.dtype, vec![], vec![all.len() as f64]);
+                    acc = binary(Bin::Div, &acc, &cast(&n, acc.dtype)?)?;
+                }
+                Ok(vec![acc])
+            }
+
+            pointwise_rules!();
+        }
+    )*};
+}
+
+variadic! {
+    Max: Bin::Max, false;
+    Min: Bin::Min, false;
+    Sum: Bin::Add, false;
+    Mean: Bin::Add, true;
+}
+
+impl OpRules for op::Where {
+    fn arity(&self) -> Arity {
+        Arity::fixed(3)
+    }
+
+    fn type_rule(&self) -> TypeRule {
+        TypeRule::BoolAndSame(vec![1, 2])
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let dims = bcast_all(cx.ins.iter().map(|t| t.and_then(|t| t.dims.as_ref())))?;
+        Ok(vec![cx.with(cx.input(1).map(|t| t.dtype), dims)])
+    }
+
+    fn work(&self, _cx: &NodeCx<'_>) -> Option<Work> {
+        Work::none()
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![where_(cx.req(0)?, cx.req(1)?, cx.req(2)?)?])
+    }
+
+    pointwise_rules!();
+}
+
+/// The error function, to double precision.
+pub fn erf64(x: f64) -> f64 {
+    // Abramowitz–Stegun 7.1.26 is too coarse for 1e-4; use a series / continued fraction.
+    if x.abs() < 2.5 {
+        // Maclaurin series.
+        let mut sum = x;
+        let mut term = x;
+        let x2 = x * x;
+        let mut n = 0.0;
+        loop {
+            n += 1.0;
+            term *= -x2 / n;
+            let add = term / (2.0 * n + 1.0);
+            sum += add;
+            if add.abs() < 1e-17 * sum.abs().max(1e-300) {
+                break;
+            }
+            if n > 200.0 {
+                break;
+            }
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    } else {
+        // Continued fraction for erfc.
+        let ax = x.abs();
+        let mut f = 0.0;
+        for k in (1..60).rev() {
+            f = (k as f64 / 2.0) / (ax + f);
+        }
+        let erfc = (-ax * ax).exp() / (std::f64::consts::PI.sqrt() * (ax + f));
+        (1.0 - erfc).copysign(x)
+    }
+}
+
+fn gelu_tanh(x: f64) -> f64 {
+    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
+}
+
+fn round_half_even(x: f64) -> f64 {
+    let r = x.round();
+    if (x - x.trunc()).abs() == 0.5 { 2.0 * (x / 2.0).round() } else { r }
+}
+
+/// Converts an array to another element type, as Cast does.
+pub fn cast(x: &Array, to: DType) -> Result<Array> {
+    if to == x.dtype {
+        return Ok(x.clone());
+    }
+    let n = x.numel();
+    let shape = x.shape.clone();
+    Ok(match to {
+        DType::Float | DType::Float16 | DType::Bfloat16 | DType::Double => match &x.data {
+            Data::Str(v) => {
+                Array::float(to, shape, v.iter().map(|s| s.trim().parse::<f64>().unwrap_or(f64::NAN)).collect())
+            }
+            Data::F32(v) if to != DType::Double => {
+                Array { dtype: to, shape, data: Data::F32(v.iter().map(|&a| round_to(to, a)).collect()) }
+            }
+            _ => Array::float(to, shape, x.to_f64()?),
+        },
+        DType::Bool => match &x.data {
+            Data::Str(v) => Array::bool(shape, v.iter().map(|s| !s.is_empty()).collect()),
+            _ => Array::bool(shape, x.to_f64()?.iter().map(|&a| a != 0.0).collect()),
+        },
+        DType::String => {
+            let v: Vec<String> = match &x.data {
+                Data::F32(v) => v.iter().map(|a| a.to_string()).collect(),
+                Data::F64(v) => v.iter().map(|a| a.to_string()).collect(),
+                Data::I64(v) => v.iter().map(|a| a.to_string()).collect(),
+                Data::Bool(v) => v.iter().map(|a| if *a { "1".into() } else { "0".into() }).collect(),
+                Data::Str(v) => v.clone(),
+            };
+            Array { dtype: to, shape, data: Data::Str(v) }
+        }
+        d if d.is_int() => {
+            let v: Vec<i64> = match &x.data {
+                Data::I64(v) => v.clone(),
+                Data::Bool(v) => v.iter().map(|&b| i64::from(b)).collect(),
+                Data::Str(v) => v.iter().map(|s| s.trim().parse::<i64>().unwrap_or(0)).collect(),
+                _ => x
+                    .to_f64()?
+                    .iter()
+                    .map(|&a| if a.is_nan() { 0 } else { a.trunc().clamp(i64::MIN as f64, i64::MAX as f64) as i64 })
+                    .collect(),
+            };
+            debug_assert_eq!(v.len(), n);
+            Array::int(d, shape, v)
+        }
+        d => return Err(EvalError::Unsupported(format!("Cast to {d}"))),
+    })
+}
+
+#[derive(Copy, Clone, PartialEq)]
+enum Bin {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+    Mod(bool),
+    Max,
+    Min,
+    PRelu,
+    BitAnd,
+    BitOr,
+    BitXor,
+    ShiftL,
+    ShiftR,
+}
+
+#[derive(Copy, Clone, PartialEq)]
+enum Cmp {
+    Eq,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+fn zip_map<A: Copy, B: Copy, C>(
+    a: &[A],
+    ash: &[usize],
+    b: &[B],
+    bsh: &[usize],
+    f: impl Fn(A, B) -> C,
+) -> Result<(Vec<usize>, Vec<C>)> {
+    let shape = broadcast_shapes(ash, bsh)?;
+    if ash == bsh {
+        return Ok((shape, a.iter().zip(b).map(|(&x, &y)| f(x, y)).collect()));
+    }
+    let ia = broadcast_index(&shape, ash);
+    let ib = broadcast_index(&shape, bsh);
+    Ok((shape, ia.iter().zip(&ib).map(|(&i, &j)| f(a[i], b[j])).collect()))
+}
+
+fn float_bin(k: Bin, x: f64, y: f64) -> f64 {
+    match k {
+        Bin::Add => x + y,
+        Bin::Sub => x - y,
+        Bin::Mul => x * y,
+        Bin::Div => x / y,
+        Bin::Pow => x.powf(y),
+        Bin::Mod(true) => x % y,
+        Bin::Mod(false) => {
+            let r = x % y;
+            if r != 0.0 && (r < 0.0) != (y < 0.0) { r + y } else { r }
+        }
+        Bin::Max => {
+            if x.is_nan() || y.is_nan() {
+                f64::NAN
+            } else {
+                x.max(y)
+            }
+        }
+        Bin::Min => {
+            if x.is_nan() || y.is_nan() {
+                f64::NAN
+            } else {
+                x.min(y)
+            }
+        }
+        Bin::PRelu => {
+            if x < 0.0 {
+                x * y
+            } else {
+                x
+            }
+        }
+        _ => f64::NAN,
+    }
+}
+
+fn f32_bin(k: Bin, x: f32, y: f32) -> f32 {
+    match k {
+        Bin::Add => x + y,
+        Bin::Sub => x - y,
+        Bin::Mul => x * y,
+        Bin::Div => x / y,
+        Bin::Pow => {
+            if y == 2.0 {
+                x * x
+            } else {
+                f64::from(x).powf(f64::from(y)) as f32
+            }
+        }
+        Bin::PRelu => {
+            if x < 0.0 {
+                x * y
+            } else {
+                x
+            }
+        }
+        _ => float_bin(k, f64::from(x), f64::from(y)) as f32,
+    }
+}
+
+fn int_bin(k: Bin, x: i64, y: i64) -> Result<i64> {
+    Ok(match k {
+        Bin::Add => x.wrapping_add(y),
+        Bin::Sub => x.wrapping_sub(y),
+        Bin::Mul => x.wrapping_mul(y),
+        Bin::Div => {
+            if y == 0 {
+                return Err(EvalError::Invalid("integer division by zero".into()));
+            }
+            x.wrapping_div(y)
+        }
+        Bin::Pow => {
+            if y < 0 {
+                0
+            } else {
+                x.wrapping_pow(y.min(u32::MAX as i64) as u32)
+            }
+        }
+        Bin::Mod(fmod) => {
+            if y == 0 {
+                return Err(EvalError::Invalid("integer modulo by zero".into()));
+            }
+            let r = x.wrapping_rem(y);
+            if !fmod && r != 0 && (r < 0) != (y < 0) { r + y } else { r }
+        }
+        Bin::Max => x.max(y),
+        Bin::Min => x.min(y),
+        Bin::PRelu => {
+            if x < 0 {
+                x.wrapping_mul(y)
+            } else {
+                x
+            }
+        }
+        Bin::BitAnd => x & y,
+        Bin::BitOr => x | y,
+        Bin::BitXor => x ^ y,
+        Bin::ShiftL => {
+            if y >= 64 {
+                0
+            } else {
+                ((x as u64) << y) as i64
+            }
+        }
+        Bin::ShiftR => {
+            if y >= 64 {
+                0
+            } else {
+                ((x as u64) >> y) as i64
+            }
+        }
+    })
+}
+
+fn binary(k: Bin, a: &Array, b: &Array) -> Result<Array> {
+    let (shape, data) = match (&a.data, &b.data) {
+        (Data::F32(x), Data::F32(y)) => {
+            let (s, v) = zip_map(x, &a.shape, y, &b.shape, |p, q| f32_bin(k, p, q))?;
+            (s, Data::F32(v.into_iter().map(|r| round_to(a.dtype, r)).collect()))
+        }
+        (Data::F64(x), Data::F64(y)) => {
+            let (s, v) = zip_map(x, &a.shape, y, &b.shape, |p, q| float_bin(k, p, q))?;
+            (s, Data::F64(v))
+        }
+        (Data::F32(x), _) if k == Bin::Pow => {
+            let y = b.to_f32()?;
+            let (s, v) = zip_map(x, &a.shape, &y, &b.shape, |p, q| f32_bin(k, p, q))?;
+            (s, Data::F32(v))
+        }
+        (Data::F64(x), _) if k == Bin::Pow => {
+            let y = b.to_f64()?;
+            let (s, v) = zip_map(x, &a.shape, &y, &b.shape, |p, q| float_bin(k, p, q))?;
+            (s, Data::F64(v))
+        }
+        (Data::I64(x), Data::I64(y)) => {
+            let (s, v) = zip_map(x, &a.shape, y, &b.shape, |p, q| int_bin(k, p, q))?;
+            (s, Data::I64(v.into_iter().map(|r| r.map(|r| wrap_int(a.dtype, r))).collect::<Result<_>>()?))
+        }
+        (Data::I64(x), _) if k == Bin::Pow => {
+            let y = b.to_f64()?;
+            let (s, v) = zip_map(x, &a.shape, &y, &b.shape, |p, q| (p as f64).powf(q) as i64)?;
+            (s, Data::I64(v.into_iter().map(|r| wrap_int(a.dtype, r)).collect()))
+        }
+        _ => {
+            return Err(EvalError::Invalid(format!("element types {} and {} do not match", a.dtype, b.dtype)));
+        }
+    };
+    Ok(Array { dtype: a.dtype, shape, data })
+}
+
+fn compare(k: Cmp, a: &Array, b: &Array) -> Result<Array> {
+    fn f<T: PartialOrd>(k: Cmp, x: T, y: T) -> bool {
+        match k {
+            Cmp::Eq => x == y,
+            Cmp::Lt => x < y,
+            Cmp::Le => x <= y,
+            Cmp::Gt => x > y,
+            Cmp::Ge => x >= y,
+        }
+    }
+    let (shape, v) = match (&a.data, &b.data) {
+        (Data::F32(x), Data::F32(y)) => zip_map(x, &a.shape, y, &b.shape, |p, q| f(k, p, q))?,
+        (Data::I64(x), Data::I64(y)) => zip_map(x, &a.shape, y, &b.shape, |p, q| f(k, p, q))?,
+        (Data::Bool(x), Data::Bool(y)) => zip_map(x, &a.shape, y, &b.shape, |p, q| f(k, p, q))?,
+        (Data::Str(x), Data::Str(y)) if k == Cmp::Eq => {
+            let shape = broadcast_shapes(&a.shape, &b.shape)?;
+            let ia = broadcast_index(&shape, &a.shape);
+            let ib = broadcast_index(&shape, &b.shape);
+            let v = ia.iter().zip(&ib).map(|(&i, &j)| x[i] == y[j]).collect();
+            (shape, v)
+        }
+        _ => {
+            let (x, y) = (a.to_f64()?, b.to_f64()?);
+            zip_map(&x, &a.shape, &y, &b.shape, |p, q| f(k, p, q))?
+        }
+    };
+    Ok(Array::bool(shape, v))
+}
+
+fn logical(a: &Array, b: &Array, f: impl Fn(bool, bool) -> bool) -> Result<Array> {
+    let (Data::Bool(x), Data::Bool(y)) = (&a.data, &b.data) else {
+        return Err(unsupported("a logical op", a.dtype));
+    };
+    let (shape, v) = zip_map(x, &a.shape, y, &b.shape, f)?;
+    Ok(Array::bool(shape, v))
+}
+
+/// `cond ? x : y` with broadcasting.
+pub fn where_(c: &Array, x: &Array, y: &Array) -> Result<Array> {
+    let Data::Bool(cv) = &c.data else { return Err(unsupported("Where condition", c.dtype)) };
+    let shape = broadcast_shapes(&broadcast_shapes(&c.shape, &x.shape)?, &y.shape)?;
+    let ic = broadcast_index(&shape, &c.shape);
+    let ix = broadcast_index(&shape, &x.shape);
+    let iy = broadcast_index(&shape, &y.shape);
+    // Gather from the concatenation of x and y.
+    let both = Array { dtype: x.dtype, shape: vec![x.numel() + y.numel()], data: Array::concat_data(&[x, y]) };
+    if x.dtype != y.dtype {
+        return Err(EvalError::Invalid(format!("Where branches are {} and {}", x.dtype, y.dtype)));
+    }
+    let idx: Vec<usize> = (0..numel(&shape)).map(|k| if cv[ic[k]] { ix[k] } else { x.numel() + iy[k] }).collect();
+    Ok(both.gather_flat(shape, &idx))
+}

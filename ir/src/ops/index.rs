@@ -1,0 +1,575 @@
+//! Indexing: `Gather` (embeddings), `GatherElements`, `GatherND`, `ScatterND`,
+//! `ScatterElements`, and the ops that select or count: `TopK`, `OneHot`, `NonZero`,
+//! `CumSum`, `Trilu`.
+//!
+//! `Gather` along axis 0 splits by the indices' dims, the table's other dims, or the table's
+//! rows (vocabulary parallelism: each device gathers the rows it holds, leaving partial
+//! sums); the others run whole or keep their indexed dims whole.
+
+use super::shape::no_work_whole;
+use super::util::norm_axis;
+use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
+use crate::eval::{Array, Data, EvalError, cast, numel, strides};
+use crate::op;
+use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par, pointwise};
+use crate::types::{DType, Dim, TensorType};
+
+type Result<T> = std::result::Result<T, EvalError>;
+
+impl OpRules for op::Gather {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let (Some(d), Some(i)) = (cx.dims(0), cx.dims(1)) else { return cx.one(None) };
+        let a = norm_axis(self.axis(), d.len())?;
+        let mut out = d[..a].to_vec();
+        out.extend(i.iter().cloned());
+        out.extend(d[a + 1..].iter().cloned());
+        cx.one(Some(out))
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        let (d, idx) = (cx.in_dims(0), cx.in_dims(1));
+        if d.is_empty() || norm_axis(self.axis(), d.len()) != Ok(0) {
+            return Some(IterSpace::whole(cx));
+        }
+        // Dims: the indices' dims, the table rows (vocab: a split leaves partial sums of a
+        // masked gather), then the table's remaining dims.
+        let mut sd: Vec<IterDim> = idx.iter().enumerate().map(|(i, &s)| par(format!("i{i}"), s)).collect();
+        let vocab = sd.len();
+        sd.push(IterDim { name: "v".into(), size: d[0], kind: DimKind::Reduction, role: DimRole::Vocab });
+        let rest0 = sd.len();
+        sd.extend(d[1..].iter().enumerate().map(|(i, &s)| IterDim {
+            name: format!("e{i}"),
+            size: s,
+            kind: DimKind::Parallel,
+            role: DimRole::Other,
+        }));
+        let mut dm = vec![Some(vocab)];
+        dm.extend((0..d.len() - 1).map(|i| Some(rest0 + i)));
+        let im: Vec<Option<usize>> = (0..idx.len()).map(|i| (idx[i] != 1).then_some(i)).collect();
+        let mut om: Vec<Option<usize>> = (0..idx.len()).map(|i| (idx[i] != 1).then_some(i)).collect();
+        om.extend((0..d.len() - 1).map(|i| Some(rest0 + i)));
+        Some(IterSpace { dims: sd, inputs: vec![Some(dm), Some(im)], outputs: vec![om] })
+    }
+
+    fn work(&self, _cx: &NodeCx<'_>) -> Option<Work> {
+        Work::none()
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![gather(cx.req(0)?, cx.req(1)?, self.axis())?])
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        let (dm, im) = (cx.in_m(0)?, cx.in_m(1)?);
+        let r = dm.len() as i64;
+        let a = (if self.axis() < 0 { self.axis() + r } else { self.axis() }) as usize;
+        let mut m = dm[..a].to_vec();
+        m.extend(im);
+        m.extend(dm[a + 1..].iter().cloned());
+        cx.set(0, m);
+        Some(())
+    }
+}
+
+impl OpRules for op::GatherElements {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.one(cx.dims(1).cloned())
+    }
+
+    no_work_whole!();
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![gather_elements(cx.req(0)?, cx.req(1)?, self.axis())?])
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        let im = cx.in_m(1)?;
+        cx.set(0, im);
+        Some(())
+    }
+}
+
+impl OpRules for op::GatherND {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let (Some(d), Some(i)) = (cx.dims(0), cx.dims(1)) else { return cx.one(None) };
+        let Some(k) = i.last().and_then(Dim::value) else { return cx.one(None) };
+        let b = self.batch_dims() as usize;
+        let mut out = i[..i.len() - 1].to_vec();
+        out.extend(d.iter().skip(b + k as usize).cloned());
+        cx.one(Some(out))
+    }
+
+    no_work_whole!();
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![gather_nd(cx.req(0)?, cx.req(1)?, self.batch_dims() as usize)?])
+    }
+}
+
+impl OpRules for op::ScatterND {
+    fn arity(&self) -> Arity {
+        Arity::fixed(3)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    no_work_whole!();
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![scatter_nd(cx.req(0)?, cx.req(1)?, cx.req(2)?, self.reduction())?])
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.same_as_input();
+        Some(())
+    }
+}
+
+impl OpRules for op::ScatterElements {
+    fn arity(&self) -> Arity {
+        Arity::fixed(3)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    no_work_whole!();
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![scatter_elements(cx.req(0)?, cx.req(1)?, cx.req(2)?, self.axis(), self.reduction())?])
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.same_as_input();
+        Some(())
+    }
+}
+
+impl OpRules for op::TopK {
+    fn arity(&self) -> Arity {
+        Arity::new(1, 2, 2, 2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let Some(d) = cx.dims(0) else {
+            return Ok(vec![cx.with(cx.dtype(), None), Some(TensorType::unranked(DType::Int64))]);
+        };
+        let a = norm_axis(self.axis(), d.len())?;
+        let k = if cx.ins.len() > 1 { cx.ints(1).map(|v| v[0]) } else { self.k };
+        let mut out = d.clone();
+        out[a] = k.map_or(Dim::Unknown, Dim::Fixed);
+        Ok(vec![cx.with(cx.dtype(), Some(out.clone())), Some(TensorType::new(DType::Int64, out))])
+    }
+
+    no_work_whole!();
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let k = match cx.opt(1) {
+            Some(a) => a.to_i64()?[0],
+            None => self.k.unwrap_or(1),
+        };
+        topk(cx.req(0)?, k.max(0) as usize, self.axis(), self.largest() != 0)
+    }
+}
+
+impl OpRules for op::OneHot {
+    fn arity(&self) -> Arity {
+        Arity::fixed(3)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let dtype = cx.input(2).map(|t| t.dtype);
+        let Some(d) = cx.dims(0) else { return Ok(vec![cx.with(dtype, None)]) };
+        let depth = cx.konst(1).and_then(|a| a.to_f64().ok()).map(|v| Dim::Fixed(v[0] as i64)).unwrap_or(Dim::Unknown);
+        let a = norm_axis(self.axis(), d.len() + 1)?;
+        let mut out = d.clone();
+        out.insert(a, depth);
+        Ok(vec![cx.with(dtype, Some(out))])
+    }
+
+    no_work_whole!();
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![one_hot(cx.req(0)?, cx.req(1)?, cx.req(2)?, self.axis())?])
+    }
+}
+
+impl OpRules for op::NonZero {
+    fn arity(&self) -> Arity {
+        Arity::fixed(1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let rank = cx.dims(0).map_or(Dim::Unknown, |d| Dim::Fixed(d.len() as i64));
+        Ok(vec![Some(TensorType::new(DType::Int64, vec![rank, Dim::Unknown]))])
+    }
+
+    no_work_whole!();
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![nonzero(cx.req(0)?)?])
+    }
+
+    fn flow(&self, _cx: &mut FlowCx<'_>) -> Option<()> {
+        Some(())
+    }
+}
+
+impl OpRules for op::CumSum {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        let r = cx.out_dims(0).len();
+        Some(pointwise(cx, &(0..r).collect::<Vec<_>>(), &[], 0))
+    }
+
+    fn work(&self, _cx: &NodeCx<'_>) -> Option<Work> {
+        Work::none()
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![cumsum(cx.req(0)?, cx.req(1)?, self.exclusive() != 0, self.reverse() != 0)?])
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.same_as_input();
+        Some(())
+    }
+}
+
+impl OpRules for op::Trilu {
+    fn arity(&self) -> Arity {
+        Arity::new(1, 2, 1, 1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        let r = cx.out_dims(0).len();
+        Some(pointwise(cx, &[r.saturating_sub(2), r.saturating_sub(1)], &[], 0))
+    }
+
+    fn work(&self, _cx: &NodeCx<'_>) -> Option<Work> {
+        Work::none()
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let k = match cx.opt(1) {
+            Some(a) => a.to_i64()?[0],
+            None => 0,
+        };
+        Ok(vec![trilu(cx.req(0)?, k, self.upper() != 0)?])
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.same_as_input();
+        Some(())
+    }
+}
+
+fn gather(x: &Array, indices: &Array, ax: i64) -> Result<Array> {
+    let ax = norm_axis(ax, x.rank())?;
+    let idx = indices.to_i64()?;
+    let n = x.shape[ax] as i64;
+    let outer: usize = x.shape[..ax].iter().product();
+    let inner: usize = x.shape[ax + 1..].iter().product();
+    let mut flat = Vec::with_capacity(outer * idx.len() * inner);
+    for o in 0..outer {
+        for &i in &idx {
+            let j = if i < 0 { i + n } else { i };
+            if j < 0 || j >= n {
+                return Err(EvalError::Invalid(format!("Gather index {i} out of range for size {n}")));
+            }
+            let base = (o * n as usize + j as usize) * inner;
+            flat.extend(base..base + inner);
+        }
+    }
+    let mut shape = x.shape[..ax].to_vec();
+    shape.extend(&indices.shape);
+    shape.extend(&x.shape[ax + 1..]);
+    Ok(x.gather_flat(shape, &flat))
+}
+
+fn gather_elements(x: &Array, indices: &Array, ax: i64) -> Result<Array> {
+    let ax = norm_axis(ax, x.rank())?;
+    let idx = indices.to_i64()?;
+    let istr = strides(&indices.shape);
+    let xstr = strides(&x.shape);
+    let mut flat = Vec::with_capacity(idx.len());
+    for (k, &i) in idx.iter().enumerate() {
+        let mut off = 0;
+        for d in 0..x.rank() {
+            let c = (k / istr[d]) % indices.shape[d];
+            let c = if d == ax {
+                let n = x.shape[ax] as i64;
+                let j = if i < 0 { i + n } else { i };
+                if j < 0 || j >= n {
+                    return Err(EvalError::Invalid(format!("GatherElements index {i} out of range")));
+                }
+                j as usize
+            } else {
+                c
+            };
+            off += c * xstr[d];
+        }
+        flat.push(off);
+    }
+    Ok(x.gather_flat(indices.shape.clone(), &flat))
+}
+
+fn gather_nd(x: &Array, indices: &Array, batch: usize) -> Result<Array> {
+    let idx = indices.to_i64()?;
+    let k = *indices.shape.last().ok_or_else(|| EvalError::Invalid("GatherND indices of rank 0".into()))?;
+    let xstr = strides(&x.shape);
+    let batch_n: usize = x.shape[..batch].iter().product();
+    let slice: usize = x.shape[batch + k..].iter().product();
+    let tuples = idx.len() / k.max(1);
+    let per_batch = tuples / batch_n.max(1);
+    let mut flat = Vec::with_capacity(tuples * slice);
+    for t in 0..tuples {
+        let b = t / per_batch.max(1);
+        let mut off = if batch > 0 { b * xstr[batch - 1] } else { 0 };
+        for j in 0..k {
+            let d = batch + j;
+            let n = x.shape[d] as i64;
+            let i = idx[t * k + j];
+            let i = if i < 0 { i + n } else { i };
+            if i < 0 || i >= n {
+                return Err(EvalError::Invalid("GatherND index out of range".into()));
+            }
+            off += i as usize * xstr[d];
+        }
+        flat.extend(off..off + slice);
+    }
+    let mut shape = indices.shape[..indices.rank() - 1].to_vec();
+    shape.extend(&x.shape[batch + k..]);
+    Ok(x.gather_flat(shape, &flat))
+}
+
+fn scatter_values(data: &Array, updates: &Array, targets: &[usize], reduction: &str) -> Result<Array> {
+    let mut out = data.clone();
+    match (&mut out.data, &updates.data) {
+        (Data::F32(o), Data::F32(u)) => {
+            for (k, &t) in targets.iter().enumerate() {
+                o[t] = match reduction {
+                    "add" => o[t] + u[k],
+                    "mul" => o[t] * u[k],
+                    "max" => o[t].max(u[k]),
+                    "min" => o[t].min(u[k]),
+                    _ => u[k],
+                };
+            }
+        }
+        (Data::I64(o), Data::I64(u)) => {
+            for (k, &t) in targets.iter().enumerate() {
+                o[t] = match reduction {
+                    "add" => o[t] + u[k],
+                    "mul" => o[t] * u[k],
+                    "max" => o[t].max(u[k]),
+                    "min" => o[t].min(u[k]),
+                    _ => u[k],
+                };
+            }
+        }
+        (Data::Bool(o), Data::Bool(u)) => {
+            for (k, &t) in targets.iter().enumerate() {
+                o[t] = u[k];
+            }
+        }
+        _ => return Err(EvalError::Unsupported(format!("scatter on {}", data.dtype))),
+    }
+    Ok(out)
+}
+
+fn scatter_nd(data: &Array, indices: &Array, updates: &Array, reduction: &str) -> Result<Array> {
+    let idx = indices.to_i64()?;
+    let k = *indices.shape.last().unwrap_or(&0);
+    let dstr = strides(&data.shape);
+    let slice: usize = data.shape[k..].iter().product();
+    let mut targets = Vec::with_capacity(updates.numel());
+    for t in 0..idx.len() / k.max(1) {
+        let mut off = 0;
+        for j in 0..k {
+            let n = data.shape[j] as i64;
+            let i = idx[t * k + j];
+            let i = if i < 0 { i + n } else { i };
+            if i < 0 || i >= n {
+                return Err(EvalError::Invalid("ScatterND index out of range".into()));
+            }
+            off += i as usize * dstr[j];
+        }
+        targets.extend(off..off + slice);
+    }
+    scatter_values(data, updates, &targets, reduction)
+}
+
+fn scatter_elements(data: &Array, indices: &Array, updates: &Array, ax: i64, reduction: &str) -> Result<Array> {
+    let ax = norm_axis(ax, data.rank())?;
+    let idx = indices.to_i64()?;
+    let istr = strides(&indices.shape);
+    let dstr = strides(&data.shape);
+    let mut targets = Vec::with_capacity(idx.len());
+    for (k, &i) in idx.iter().enumerate() {
+        let mut off = 0;
+        for d in 0..data.rank() {
+            let mut c = (k / istr[d]) % indices.shape[d];
+            if d == ax {
+                let n = data.shape[ax] as i64;
+                let j = if i < 0 { i + n } else { i };
+                if j < 0 || j >= n {
+                    return Err(EvalError::Invalid("ScatterElements index out of range".into()));
+                }
+                c = j as usize;
+            }
+            off += c * dstr[d];
+        }
+        targets.push(off);
+    }
+    scatter_values(data, updates, &targets, reduction)
+}
+
+fn topk(x: &Array, k: usize, ax: i64, largest: bool) -> Result<Vec<Array>> {
+    let ax = norm_axis(ax, x.rank())?;
+    let v = x.to_f64()?;
+    let outer: usize = x.shape[..ax].iter().product();
+    let n = x.shape[ax];
+    let inner: usize = x.shape[ax + 1..].iter().product();
+    if k > n {
+        return Err(EvalError::Invalid(format!("TopK k = {k} exceeds the axis size {n}")));
+    }
+    let mut flat = Vec::with_capacity(outer * k * inner);
+    let mut ids = vec![0i64; outer * k * inner];
+    for o in 0..outer {
+        for i in 0..inner {
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by(|&a, &b| {
+                let (va, vb) = (v[(o * n + a) * inner + i], v[(o * n + b) * inner + i]);
+                let c = if largest { vb.partial_cmp(&va) } else { va.partial_cmp(&vb) };
+                c.unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b))
+            });
+            for (j, &src) in order.iter().take(k).enumerate() {
+                ids[(o * k + j) * inner + i] = src as i64;
+            }
+        }
+    }
+    for o in 0..outer {
+        for j in 0..k {
+            for i in 0..inner {
+                flat.push((o * n + ids[(o * k + j) * inner + i] as usize) * inner + i);
+            }
+        }
+    }
+    let mut shape = x.shape.clone();
+    shape[ax] = k;
+    Ok(vec![x.gather_flat(shape.clone(), &flat), Array::i64(shape, ids)])
+}
+
+fn one_hot(indices: &Array, depth: &Array, values: &Array, ax: i64) -> Result<Array> {
+    let depth = depth.to_f64()?[0] as i64;
+    let rank = indices.rank() + 1;
+    let ax = norm_axis(ax, rank)?;
+    let idx = indices.to_i64()?;
+    let outer: usize = indices.shape[..ax].iter().product();
+    let inner: usize = indices.shape[ax..].iter().product();
+    let mut shape = indices.shape.clone();
+    shape.insert(ax, depth.max(0) as usize);
+    let both = values;
+    let mut sel = Vec::with_capacity(numel(&shape));
+    for o in 0..outer {
+        for d in 0..depth {
+            for i in 0..inner {
+                let mut t = idx[o * inner + i];
+                if t < 0 {
+                    t += depth;
+                }
+                sel.push(if t == d { 1 } else { 0 });
+            }
+        }
+    }
+    Ok(both.gather_flat(shape, &sel))
+}
+
+fn cumsum(x: &Array, ax: &Array, exclusive: bool, reverse: bool) -> Result<Array> {
+    let ax = norm_axis(ax.to_i64()?[0], x.rank())?;
+    let v = x.to_f64()?;
+    let outer: usize = x.shape[..ax].iter().product();
+    let n = x.shape[ax];
+    let inner: usize = x.shape[ax + 1..].iter().product();
+    let mut out = vec![0.0; v.len()];
+    for o in 0..outer {
+        for i in 0..inner {
+            let mut acc = 0.0;
+            for jj in 0..n {
+                let j = if reverse { n - 1 - jj } else { jj };
+                let at = (o * n + j) * inner + i;
+                if exclusive {
+                    out[at] = acc;
+                    acc += v[at];
+                } else {
+                    acc += v[at];
+                    out[at] = acc;
+                }
+            }
+        }
+    }
+    match x.data {
+        Data::I64(_) => Ok(Array::int(x.dtype, x.shape.clone(), out.iter().map(|&a| a as i64).collect())),
+        _ => Ok(Array::float(x.dtype, x.shape.clone(), out)),
+    }
+}
+
+fn nonzero(x: &Array) -> Result<Array> {
+    let v = x.to_f64()?;
+    let str_ = strides(&x.shape);
+    let hits: Vec<usize> = (0..v.len()).filter(|&i| v[i] != 0.0).collect();
+    let r = x.rank();
+    let mut out = vec![0i64; r * hits.len()];
+    for (k, &f) in hits.iter().enumerate() {
+        for d in 0..r {
+            out[d * hits.len() + k] = ((f / str_[d]) % x.shape[d]) as i64;
+        }
+    }
+    Ok(Array::i64(vec![r, hits.len()], out))
+}
+
+fn trilu(x: &Array, k: i64, upper: bool) -> Result<Array> {
+    let r = x.rank();
+    if r < 2 {
+        return Err(EvalError::Invalid("Trilu needs rank ≥ 2".into()));
+    }
+    let (h, w) = (x.shape[r - 2], x.shape[r - 1]);
+    let zero = cast(&Array::f32(vec![1], vec![0.0]), x.dtype)?;
+    let both = Array { dtype: x.dtype, shape: vec![], data: Array::concat_data(&[x, &zero]) };
+    let idx: Vec<usize> = (0..x.numel())
+        .map(|f| {
+            let i = ((f / w) % h) as i64;
+            let j = (f % w) as i64;
+            let keep = if upper { j - i >= k } else { j - i <= k };
+            if keep { f } else { x.numel() }
+        })
+        .collect();
+    Ok(both.gather_flat(x.shape.clone(), &idx))
+}

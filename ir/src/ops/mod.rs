@@ -1,0 +1,415 @@
+//! What shardc knows about each op, one family per module.
+//!
+//! Every op of [`Op`] implements [`OpRules`] in the module of its family, next to the other
+//! ops of that family: its arity and element-type rules (the verifier), shape inference, its
+//! iteration space (how it can be split over devices), its work (FLOPs and how the backward
+//! pass splits), its reference evaluation, and how changed dims flow through it (rebatching).
+//! The engines — [`crate::verify`], [`crate::infer`], [`crate::shard`], [`crate::cost`],
+//! [`crate::eval`] and the rebatch pass — walk graphs and call these rules through the one
+//! generated dispatch, [`Op::rules`].
+//!
+//! A facet an op does not provide is reported by its default (`None`, or an "unsupported"
+//! evaluation error); the completeness test over every known op type (`tests/tests/ops.rs`)
+//! fails when a facet is missing.
+//!
+//! | module | ops |
+//! |---|---|
+//! | [`elementwise`] | unary and binary maths, comparisons, logic, `Where`, `Cast`, `Clip`, `Dropout`, variadic `Max`/`Min`/`Sum`/`Mean` |
+//! | [`contraction`] | `MatMul`, `Gemm`, `Einsum` |
+//! | [`conv`] | `Conv`, `ConvTranspose` and the window geometry shared with pooling |
+//! | [`pool`] | max, average and Lp pooling, global pooling |
+//! | [`norm`] | batch, instance, layer, group, Lp and mean-variance normalization, LRN |
+//! | [`softmax`] | `Softmax`, `LogSoftmax`, `Hardmax` |
+//! | [`reduce`] | `Reduce*`, `ArgMax`, `ArgMin` |
+//! | [`shape`] | reshapes, transposes, concat/split/slice, pad, expand/tile, constants, ranges |
+//! | [`index`] | gathers and scatters, `OneHot`, `TopK`, `NonZero`, `CumSum`, `Trilu` |
+//! | [`resize`] | `Resize`, `Upsample`, `DepthToSpace`, `SpaceToDepth` |
+//! | [`recurrent`] | `LSTM`, `GRU`, `RNN` |
+//! | [`control`] | `If`, `Loop`, `Scan` |
+//! | [`comm`] | the `shardc` communication ops that lowering inserts |
+
+pub mod comm;
+pub mod contraction;
+pub mod control;
+pub mod conv;
+pub mod elementwise;
+pub mod flow;
+pub mod index;
+pub mod norm;
+pub mod pool;
+pub mod recurrent;
+pub mod reduce;
+pub mod resize;
+pub mod shape;
+pub mod softmax;
+pub mod util;
+
+use crate::eval::{Array, EvalError};
+use crate::graph::{Graph, NodeId, Value};
+use crate::op::Op;
+use crate::shard::IterSpace;
+use crate::types::{DType, Dim, TensorType};
+
+pub use flow::{FlowCx, Mono};
+pub use util::{bcast_shapes, broadcast_index, broadcast_shapes, norm_axis};
+
+/// Any number of inputs or outputs.
+pub const MANY: usize = usize::MAX;
+
+/// What shape inference returns: per output, its type when known.
+pub type Types = Result<Vec<Option<TensorType>>, String>;
+
+/// What evaluation returns: the output arrays.
+pub type Arrays = Result<Vec<Array>, EvalError>;
+
+/// Admissible input and output counts of an op.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Arity {
+    /// Fewest inputs.
+    pub min_in: usize,
+    /// Most inputs ([`MANY`]: no limit).
+    pub max_in: usize,
+    /// Fewest outputs.
+    pub min_out: usize,
+    /// Most outputs ([`MANY`]: no limit).
+    pub max_out: usize,
+}
+
+impl Arity {
+    /// `min_in..=max_in` inputs, `min_out..=max_out` outputs.
+    pub const fn new(min_in: usize, max_in: usize, min_out: usize, max_out: usize) -> Arity {
+        Arity { min_in, max_in, min_out, max_out }
+    }
+
+    /// Exactly `ins` inputs and one output.
+    pub const fn fixed(ins: usize) -> Arity {
+        Arity::new(ins, ins, 1, 1)
+    }
+}
+
+/// Element types the verifier checks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TypeRule {
+    /// No constraint beyond shape inference's.
+    Free,
+    /// These inputs share one element type (an index past the inputs is ignored).
+    Same(Vec<usize>),
+    /// Every input shares one element type.
+    AllSame,
+    /// Every input is bool.
+    AllBool,
+    /// Input 0 is bool, and these inputs share one element type.
+    BoolAndSame(Vec<usize>),
+}
+
+/// What shape inference knows about a node's inputs.
+pub struct InferCx<'a> {
+    /// Input types (`None`: omitted or unknown).
+    pub ins: &'a [Option<&'a TensorType>],
+    /// Input values known as constants.
+    pub consts: &'a [Option<&'a Array>],
+    /// Input values known as symbolic shape vectors.
+    pub syms: &'a [Option<&'a Vec<Dim>>],
+    /// The node's output count.
+    pub n_out: usize,
+    /// The model's default-domain opset.
+    pub opset: i64,
+}
+
+impl<'a> InferCx<'a> {
+    /// Input `i`'s type.
+    pub fn input(&self, i: usize) -> Option<&'a TensorType> {
+        self.ins.get(i).copied().flatten()
+    }
+
+    /// Input `i`'s dims, when its rank is known.
+    pub fn dims(&self, i: usize) -> Option<&'a Vec<Dim>> {
+        self.input(i).and_then(|t| t.dims.as_ref())
+    }
+
+    /// Input 0's element type.
+    pub fn dtype(&self) -> Option<DType> {
+        self.input(0).map(|t| t.dtype)
+    }
+
+    /// Input `i` is given (present, typed or constant).
+    pub fn has(&self, i: usize) -> bool {
+        self.input(i).is_some() || self.konst(i).is_some()
+    }
+
+    /// Input `i`'s constant value.
+    pub fn konst(&self, i: usize) -> Option<&'a Array> {
+        self.consts.get(i).copied().flatten()
+    }
+
+    /// Input `i`'s constant value as integers.
+    pub fn ints(&self, i: usize) -> Option<Vec<i64>> {
+        self.konst(i).and_then(|a| a.to_i64().ok())
+    }
+
+    /// Input `i` as a shape: constant values or symbolic dims.
+    pub fn shape_operand(&self, i: usize) -> Option<Vec<Dim>> {
+        if let Some(a) = self.konst(i) {
+            return a.to_i64().ok().map(|v| v.into_iter().map(Dim::Fixed).collect());
+        }
+        self.syms.get(i).copied().flatten().cloned()
+    }
+
+    /// A type of element type `dtype` (when known) and `dims`.
+    pub fn with(&self, dtype: Option<DType>, dims: Option<Vec<Dim>>) -> Option<TensorType> {
+        dtype.map(|d| TensorType { dtype: d, dims })
+    }
+
+    /// One output of input 0's element type and `dims`.
+    pub fn one(&self, dims: Option<Vec<Dim>>) -> Result<Vec<Option<TensorType>>, String> {
+        Ok(vec![self.with(self.dtype(), dims)])
+    }
+
+    /// One output of input 0's type.
+    pub fn same(&self) -> Result<Vec<Option<TensorType>>, String> {
+        Ok(vec![self.input(0).cloned()])
+    }
+}
+
+/// A node in a graph whose shapes are inferred, for the rules that read the graph.
+#[derive(Copy, Clone)]
+pub struct NodeCx<'a> {
+    /// The graph.
+    pub g: &'a Graph,
+    /// The node.
+    pub n: NodeId,
+}
+
+impl<'a> NodeCx<'a> {
+    /// Input `i`.
+    pub fn input(&self, i: usize) -> Option<Value> {
+        self.g.node(self.n).input(i)
+    }
+
+    /// Number of input slots (omitted ones included).
+    pub fn n_in(&self) -> usize {
+        self.g.node(self.n).inputs().len()
+    }
+
+    /// Number of outputs.
+    pub fn n_out(&self) -> usize {
+        self.g.node(self.n).num_outputs()
+    }
+
+    /// Output `s`.
+    pub fn output(&self, s: usize) -> Value {
+        Value::new(self.n, s as u16)
+    }
+
+    /// A value's type.
+    pub fn ty(&self, v: Option<Value>) -> Option<&'a TensorType> {
+        v.and_then(|v| self.g.tensor_type(v))
+    }
+
+    /// A value's static dims (empty when unknown or absent).
+    pub fn dims(&self, v: Option<Value>) -> Vec<i64> {
+        self.ty(v).and_then(TensorType::static_dims).unwrap_or_default()
+    }
+
+    /// Input `i`'s static dims (empty when unknown or omitted).
+    pub fn in_dims(&self, i: usize) -> Vec<i64> {
+        self.dims(self.input(i))
+    }
+
+    /// Output `s`'s static dims.
+    pub fn out_dims(&self, s: usize) -> Vec<i64> {
+        self.dims(Some(self.output(s)))
+    }
+
+    /// A value's rank (0 when unknown).
+    pub fn rank(&self, v: Value) -> usize {
+        self.g.tensor_type(v).and_then(TensorType::rank).unwrap_or(0)
+    }
+
+    /// Input `i`'s element count (0 when unknown).
+    pub fn in_numel(&self, i: usize) -> f64 {
+        self.ty(self.input(i)).and_then(TensorType::numel).map_or(0.0, |n| n as f64)
+    }
+
+    /// Output `s`'s element count (0 when unknown).
+    pub fn out_numel(&self, s: usize) -> f64 {
+        self.ty(Some(self.output(s))).and_then(TensorType::numel).map_or(0.0, |n| n as f64)
+    }
+
+    /// Input `i`'s value when it is an initializer holding integers (axes, shapes).
+    pub fn const_ints(&self, i: usize) -> Option<Vec<i64>> {
+        self.input(i).and_then(|v| self.g.initializer(v)).and_then(|t| t.to_i64_vec())
+    }
+
+    /// The graph's opset.
+    pub fn opset(&self) -> i64 {
+        self.g.opset
+    }
+}
+
+/// Evaluation of one node on arrays.
+pub struct EvalCx<'a> {
+    /// Input values (`None`: omitted).
+    pub inputs: &'a [Option<&'a Array>],
+    /// The node's output count.
+    pub n_out: usize,
+    /// The model's default-domain opset.
+    pub opset: i64,
+    /// The op type, for messages.
+    pub name: &'a str,
+}
+
+impl<'a> EvalCx<'a> {
+    /// Input `i`, which must be given.
+    pub fn req(&self, i: usize) -> Result<&'a Array, EvalError> {
+        self.opt(i).ok_or_else(|| EvalError::Invalid(format!("{}: input {i} is missing", self.name)))
+    }
+
+    /// Input `i`, when given.
+    pub fn opt(&self, i: usize) -> Option<&'a Array> {
+        self.inputs.get(i).copied().flatten()
+    }
+
+    /// Every given input, in order.
+    pub fn all(&self) -> Vec<&'a Array> {
+        self.inputs.iter().flatten().copied().collect()
+    }
+}
+
+/// How an op's backward pass splits, for the cost model.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Backward {
+    /// A contraction: the backward computes, per listed input, a gradient costing as much as
+    /// the forward (data gradient for activations, weight gradient for parameters); the
+    /// optional bias input's gradient is a reduction of the output's size.
+    Contraction {
+        /// Inputs whose gradient is a contraction.
+        inputs: Vec<usize>,
+        /// The bias input, if any.
+        bias: Option<usize>,
+    },
+    /// About the forward's work for the activations' gradient, and at most the output's size
+    /// for any parameter's (pointwise, pooling, normalization).
+    LikeForward,
+    /// A recurrent layer: weight gradients cost the recurrent and input GEMMs (`matmul`), data
+    /// gradients those and the gates' pointwise work again.
+    Recurrent {
+        /// The GEMM FLOPs of the forward pass.
+        matmul: f64,
+        /// The pointwise FLOPs of the forward pass.
+        pointwise: f64,
+    },
+}
+
+/// The forward work of one op.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Work {
+    /// Forward FLOPs.
+    pub fwd_flops: f64,
+    /// How the backward pass splits.
+    pub backward: Backward,
+    /// Kernel launches of the forward pass (recurrent layers launch per time step).
+    pub launches: f64,
+}
+
+impl Work {
+    /// Pointwise-like work of `flops`.
+    pub fn flops(flops: f64) -> Option<Work> {
+        Some(Work { fwd_flops: flops, backward: Backward::LikeForward, launches: 1.0 })
+    }
+
+    /// No arithmetic (data movement, views, constants).
+    pub fn none() -> Option<Work> {
+        Work::flops(0.0)
+    }
+}
+
+/// The rules of an op. See the module documentation.
+pub trait OpRules {
+    /// Admissible input and output counts.
+    fn arity(&self) -> Arity;
+
+    /// Element types the verifier checks.
+    fn type_rule(&self) -> TypeRule {
+        TypeRule::Free
+    }
+
+    /// Output types from input types and known input values. `Ok` with `None` entries where
+    /// an output cannot be known yet; `Err` when the inputs break the op's rules.
+    fn infer(&self, cx: &InferCx<'_>) -> Result<Vec<Option<TensorType>>, String>;
+
+    /// The iteration space (called with static shapes). `None`: the op has no rule.
+    fn space(&self, _cx: &NodeCx<'_>) -> Option<IterSpace> {
+        None
+    }
+
+    /// The forward work. `None`: the op has no rule.
+    fn work(&self, _cx: &NodeCx<'_>) -> Option<Work> {
+        None
+    }
+
+    /// Reference evaluation.
+    fn eval(&self, cx: &EvalCx<'_>) -> Result<Vec<Array>, EvalError> {
+        Err(EvalError::Unsupported(format!("evaluating {}", cx.name)))
+    }
+
+    /// How changed dims flow from the inputs to the outputs (rebatching); the return value
+    /// only serves early returns. Without a rule (the default) every output dim changes in a
+    /// way that cannot be followed when an input's does, and the context records it.
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.no_rule();
+        None
+    }
+}
+
+/// Graph inputs, initializers and outer-scope captures: values, not computations.
+pub struct SourceRules;
+
+impl OpRules for SourceRules {
+    fn arity(&self) -> Arity {
+        Arity::fixed(0)
+    }
+
+    fn infer(&self, _cx: &InferCx<'_>) -> Result<Vec<Option<TensorType>>, String> {
+        Ok(vec![None])
+    }
+
+    fn flow(&self, _cx: &mut FlowCx<'_>) -> Option<()> {
+        Some(())
+    }
+}
+
+impl OpRules for crate::op::Opaque {
+    fn arity(&self) -> Arity {
+        Arity::new(0, MANY, 0, MANY)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Result<Vec<Option<TensorType>>, String> {
+        Ok(vec![None; cx.n_out])
+    }
+
+    fn eval(&self, _cx: &EvalCx<'_>) -> Result<Vec<Array>, EvalError> {
+        Err(EvalError::Unsupported(format!(
+            "evaluating {}{}",
+            if self.domain.is_empty() { String::new() } else { format!("{}.", self.domain) },
+            self.op_type
+        )))
+    }
+}
+
+/// The iteration space of node `n` when its shapes are static (else `None`).
+pub(crate) fn static_node(g: &Graph, n: NodeId) -> bool {
+    let node = g.node(n);
+    let out_static = (0..node.num_outputs()).all(|s| {
+        g.tensor_type(Value::new(n, s as u16)).is_some_and(TensorType::is_static) || node.outputs()[s].name.is_empty()
+    });
+    let in_static = node.inputs().iter().flatten().all(|&v| g.tensor_type(v).is_some_and(TensorType::is_static));
+    out_static && in_static && node.num_outputs() > 0
+}
+
+impl Op {
+    /// The number of input and output slots an op admits.
+    pub fn arity(&self) -> Arity {
+        self.rules().arity()
+    }
+}

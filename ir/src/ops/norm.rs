@@ -1,0 +1,496 @@
+//! Normalizations: batch, instance, layer and group normalization, LRN, Lp normalization and
+//! mean-variance normalization.
+//!
+//! Their iteration space is the input's dims; the dims statistics are computed over are
+//! `Statistic` dims (splitting one needs a small all-reduce of the statistics), LRN's window
+//! over channels and group normalization's channels stay whole.
+
+use super::util::{broadcast_index, broadcast_shapes, norm_axes, norm_axis};
+use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, Types, Work};
+use crate::eval::{Array, EvalError, strides};
+use crate::op;
+use crate::shard::{DimRole, IterSpace, pointwise};
+use crate::types::{DType, Dim, TensorType};
+
+type Result<T> = std::result::Result<T, EvalError>;
+
+/// Normalization work: 8 FLOPs per input element.
+fn norm_work(cx: &NodeCx<'_>) -> Option<Work> {
+    Work::flops(8.0 * cx.in_numel(0))
+}
+
+/// Batch-like normalizations (statistics over the spatial dims, parameters per channel).
+fn per_channel_space(cx: &NodeCx<'_>, fixed_channels: bool) -> IterSpace {
+    let r = cx.out_dims(0).len();
+    let stat: Vec<usize> = (2..r).collect();
+    let fixed: Vec<usize> = if fixed_channels { vec![1] } else { vec![] };
+    let mut sp = pointwise(cx, &fixed, &stat, 2);
+    // Per-channel parameters follow the channel dim.
+    for k in 1..cx.n_in() {
+        if let Some(Some(m)) = sp.inputs.get_mut(k) {
+            *m = vec![(r > 1).then_some(1)];
+        }
+    }
+    for s in 1..cx.n_out() {
+        sp.outputs[s] = vec![(r > 1).then_some(1)];
+    }
+    if let Some(d) = sp.dims.get_mut(1) {
+        d.role = DimRole::Other;
+    }
+    sp
+}
+
+impl OpRules for op::BatchNormalization {
+    fn arity(&self) -> Arity {
+        Arity::new(5, 5, 1, 3)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let c = cx.dims(0).and_then(|d| d.get(1).cloned()).unwrap_or(Dim::Unknown);
+        let mut out = vec![cx.input(0).cloned()];
+        for _ in 1..cx.n_out {
+            out.push(cx.with(cx.dtype(), Some(vec![c.clone()])));
+        }
+        Ok(out)
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(per_channel_space(cx, false))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        norm_work(cx)
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        batch_norm(self, cx, cx.n_out)
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        let ins = cx.inputs();
+        let out_old = cx.out_old();
+        let m = cx.broadcast(&ins[..1.min(ins.len())], &out_old);
+        cx.set(0, m);
+        Some(())
+    }
+}
+
+impl OpRules for op::InstanceNormalization {
+    fn arity(&self) -> Arity {
+        Arity::fixed(3)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(per_channel_space(cx, false))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        norm_work(cx)
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let x = cx.req(0)?;
+        let c = x.shape[1];
+        let s = channel_params(cx.req(1)?, c, "scale")?;
+        let b = channel_params(cx.req(2)?, c, "bias")?;
+        Ok(vec![group_like_norm(x, c, &s, &b, f64::from(self.epsilon()), false)?])
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.same_as_input();
+        Some(())
+    }
+}
+
+impl OpRules for op::GroupNormalization {
+    fn arity(&self) -> Arity {
+        Arity::fixed(3)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(per_channel_space(cx, true))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        norm_work(cx)
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let x = cx.req(0)?;
+        let groups = self.num_groups.unwrap_or(1) as usize;
+        let s = cx.req(1)?.to_f64()?;
+        let b = cx.req(2)?.to_f64()?;
+        let per_group = s.len() == groups && groups != x.shape[1];
+        Ok(vec![group_like_norm(x, groups, &s, &b, f64::from(self.epsilon()), per_group)?])
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.same_as_input();
+        Some(())
+    }
+}
+
+impl OpRules for op::LayerNormalization {
+    fn arity(&self) -> Arity {
+        Arity::new(2, 3, 1, 3)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let mut out = vec![cx.input(0).cloned()];
+        if cx.n_out > 1 {
+            let stat = cx
+                .dims(0)
+                .map(|d| -> std::result::Result<Vec<Dim>, String> {
+                    let a = norm_axis(self.axis(), d.len())?;
+                    Ok((0..d.len()).map(|i| if i < a { d[i].clone() } else { Dim::Fixed(1) }).collect())
+                })
+                .transpose()?;
+            for _ in 1..cx.n_out {
+                out.push(Some(TensorType { dtype: DType::Float, dims: stat.clone() }));
+            }
+        }
+        Ok(out)
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        let out = cx.out_dims(0);
+        let r = out.len();
+        let Ok(a) = norm_axis(self.axis(), r) else { return Some(IterSpace::whole(cx)) };
+        let mut sp = pointwise(cx, &[], &(a..r).collect::<Vec<_>>(), 2);
+        // Mean and InvStdDev outputs keep dims before the axis.
+        for s in 1..cx.n_out() {
+            sp.outputs[s] = (0..r).map(|i| (i < a && out[i] != 1).then_some(i)).collect();
+        }
+        // Scale and bias cover the normalized dims.
+        for k in 1..3 {
+            if let Some(Some(m)) = sp.inputs.get_mut(k) {
+                m.iter_mut().for_each(|x| *x = None);
+            }
+        }
+        Some(sp)
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        norm_work(cx)
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        layer_norm(self, cx, cx.n_out)
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        let ins = cx.inputs();
+        let out_old = cx.out_old();
+        let m = cx.broadcast(&ins[..1.min(ins.len())], &out_old);
+        cx.set(0, m.clone());
+        let r = m.len() as i64;
+        let a = if self.axis() < 0 { self.axis() + r } else { self.axis() } as usize;
+        let stat: Vec<Mono> = (0..m.len()).map(|i| if i < a { m[i].clone() } else { Mono::constant(1) }).collect();
+        for s in 1..cx.n_out() {
+            cx.set(s, stat.clone());
+        }
+        Some(())
+    }
+}
+
+impl OpRules for op::LRN {
+    fn arity(&self) -> Arity {
+        Arity::fixed(1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(pointwise(cx, &[1], &[], 0))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(cx.in_numel(0) * (2.0 * self.size.unwrap_or(1) as f64 + crate::cost::TRANSCENDENTAL_FLOPS))
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![lrn(self, cx.req(0)?)?])
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.same_as_input();
+        Some(())
+    }
+}
+
+impl OpRules for op::LpNormalization {
+    fn arity(&self) -> Arity {
+        Arity::fixed(1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        let r = cx.out_dims(0).len();
+        let Ok(a) = norm_axis(self.axis(), r) else { return Some(IterSpace::whole(cx)) };
+        Some(pointwise(cx, &[], &[a], 1))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        norm_work(cx)
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let x = cx.req(0)?;
+        let a = norm_axis(self.axis(), x.rank())?;
+        let v = x.to_f64()?;
+        let outer: usize = x.shape[..a].iter().product();
+        let n = x.shape[a];
+        let inner: usize = x.shape[a + 1..].iter().product();
+        let mut out = v.clone();
+        for o in 0..outer {
+            for i in 0..inner {
+                let norm: f64 = if self.p() == 1 {
+                    (0..n).map(|j| v[(o * n + j) * inner + i].abs()).sum()
+                } else {
+                    (0..n).map(|j| v[(o * n + j) * inner + i].powi(2)).sum::<f64>().sqrt()
+                };
+                for j in 0..n {
+                    out[(o * n + j) * inner + i] = if norm == 0.0 { 0.0 } else { v[(o * n + j) * inner + i] / norm };
+                }
+            }
+        }
+        Ok(vec![Array::float(x.dtype, x.shape.clone(), out)])
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.same_as_input();
+        Some(())
+    }
+}
+
+impl OpRules for op::MeanVarianceNormalization {
+    fn arity(&self) -> Arity {
+        Arity::fixed(1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        let r = cx.out_dims(0).len();
+        let Ok(axes) = norm_axes(&self.axes.clone().unwrap_or(vec![0, 2, 3]), r) else {
+            return Some(IterSpace::whole(cx));
+        };
+        Some(pointwise(cx, &[], &axes, 2))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        norm_work(cx)
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let x = cx.req(0)?;
+        let axes = norm_axes(&self.axes.clone().unwrap_or_else(|| vec![0, 2, 3]), x.rank())?;
+        let v = x.to_f64()?;
+        let st = strides(&x.shape);
+        let key = |f: usize| -> usize {
+            (0..x.rank()).filter(|d| !axes.contains(d)).map(|d| ((f / st[d]) % x.shape[d]) * st[d]).sum()
+        };
+        let mut sum = std::collections::HashMap::new();
+        let mut sq = std::collections::HashMap::new();
+        let count: usize = axes.iter().map(|&a| x.shape[a]).product();
+        for (f, &a) in v.iter().enumerate() {
+            *sum.entry(key(f)).or_insert(0.0) += a;
+            *sq.entry(key(f)).or_insert(0.0) += a * a;
+        }
+        let out: Vec<f64> = v
+            .iter()
+            .enumerate()
+            .map(|(f, &a)| {
+                let k = key(f);
+                let m = sum[&k] / count as f64;
+                let var = sq[&k] / count as f64 - m * m;
+                (a - m) / (var.max(0.0).sqrt() + 1e-9)
+            })
+            .collect();
+        Ok(vec![Array::float(x.dtype, x.shape.clone(), out)])
+    }
+
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.same_as_input();
+        Some(())
+    }
+}
+
+fn channel_params(a: &Array, c: usize, what: &str) -> Result<Vec<f64>> {
+    let v = a.to_f64()?;
+    if v.len() != c {
+        return Err(EvalError::Invalid(format!("{what} has {} values for {c} channels", v.len())));
+    }
+    Ok(v)
+}
+
+fn batch_norm(b: &op::BatchNormalization, cx: &EvalCx<'_>, n_out: usize) -> Result<Vec<Array>> {
+    let x = cx.req(0)?;
+    let c = *x.shape.get(1).unwrap_or(&1);
+    let scale = channel_params(cx.req(1)?, c, "scale")?;
+    let bias = channel_params(cx.req(2)?, c, "bias")?;
+    let mut mean = channel_params(cx.req(3)?, c, "mean")?;
+    let mut var = channel_params(cx.req(4)?, c, "var")?;
+    let eps = f64::from(b.epsilon());
+    let v = x.to_f64()?;
+    let n = x.shape[0];
+    let sp: usize = x.shape[2..].iter().product();
+    let training = b.training_mode() != 0;
+    let (running_mean, running_var) = (mean.clone(), var.clone());
+    if training {
+        for ci in 0..c {
+            let mut s = 0.0;
+            for ni in 0..n {
+                s += v[(ni * c + ci) * sp..(ni * c + ci + 1) * sp].iter().sum::<f64>();
+            }
+            let m = s / (n * sp) as f64;
+            let mut q = 0.0;
+            for ni in 0..n {
+                q += v[(ni * c + ci) * sp..(ni * c + ci + 1) * sp].iter().map(|a| (a - m) * (a - m)).sum::<f64>();
+            }
+            mean[ci] = m;
+            var[ci] = q / (n * sp) as f64;
+        }
+    }
+    let mut out = vec![0.0; v.len()];
+    for ni in 0..n {
+        for ci in 0..c {
+            let k = scale[ci] / (var[ci] + eps).sqrt();
+            for s in 0..sp {
+                let i = (ni * c + ci) * sp + s;
+                out[i] = (v[i] - mean[ci]) * k + bias[ci];
+            }
+        }
+    }
+    let mut res = vec![Array::float(x.dtype, x.shape.clone(), out)];
+    if training && n_out > 1 {
+        let mo = f64::from(b.momentum());
+        let rm: Vec<f64> = (0..c).map(|i| running_mean[i] * mo + mean[i] * (1.0 - mo)).collect();
+        let rv: Vec<f64> = (0..c).map(|i| running_var[i] * mo + var[i] * (1.0 - mo)).collect();
+        res.push(Array::float(x.dtype, vec![c], rm));
+        res.push(Array::float(x.dtype, vec![c], rv));
+    }
+    Ok(res)
+}
+
+fn layer_norm(l: &op::LayerNormalization, cx: &EvalCx<'_>, n_out: usize) -> Result<Vec<Array>> {
+    let x = cx.req(0)?;
+    let a = norm_axis(l.axis(), x.rank())?;
+    let outer: usize = x.shape[..a].iter().product();
+    let inner: usize = x.shape[a..].iter().product();
+    let v = x.to_f64()?;
+    let norm_shape = &x.shape[a..];
+    let expand = |arr: &Array| -> Result<Vec<f64>> {
+        let vals = arr.to_f64()?;
+        let out = broadcast_shapes(norm_shape, &arr.shape)?;
+        if out != norm_shape {
+            return Err(EvalError::Invalid(format!(
+                "LayerNormalization parameter {:?} does not fit {norm_shape:?}",
+                arr.shape
+            )));
+        }
+        Ok(broadcast_index(norm_shape, &arr.shape).iter().map(|&i| vals[i]).collect())
+    };
+    let scale = expand(cx.req(1)?)?;
+    let bias = match cx.opt(2) {
+        Some(b) => expand(b)?,
+        None => vec![0.0; inner],
+    };
+    let eps = f64::from(l.epsilon());
+    let mut out = vec![0.0; v.len()];
+    let mut means = Vec::with_capacity(outer);
+    let mut inv = Vec::with_capacity(outer);
+    for o in 0..outer {
+        let row = &v[o * inner..(o + 1) * inner];
+        let m = row.iter().sum::<f64>() / inner as f64;
+        let var = row.iter().map(|a| (a - m) * (a - m)).sum::<f64>() / inner as f64;
+        let r = 1.0 / (var + eps).sqrt();
+        for j in 0..inner {
+            out[o * inner + j] = (row[j] - m) * r * scale[j] + bias[j];
+        }
+        means.push(m);
+        inv.push(r);
+    }
+    let mut res = vec![Array::float(x.dtype, x.shape.clone(), out)];
+    let stat_shape: Vec<usize> = (0..x.rank()).map(|d| if d < a { x.shape[d] } else { 1 }).collect();
+    if n_out > 1 {
+        res.push(Array::float(DType::Float, stat_shape.clone(), means));
+    }
+    if n_out > 2 {
+        res.push(Array::float(DType::Float, stat_shape, inv));
+    }
+    Ok(res)
+}
+
+fn group_like_norm(
+    x: &Array,
+    groups: usize,
+    scale: &[f64],
+    bias: &[f64],
+    eps: f64,
+    per_group_params: bool,
+) -> Result<Array> {
+    let n = x.shape[0];
+    let c = x.shape[1];
+    let sp: usize = x.shape[2..].iter().product();
+    if groups == 0 || !c.is_multiple_of(groups) {
+        return Err(EvalError::Invalid(format!("{c} channels do not split into {groups} groups")));
+    }
+    let cpg = c / groups;
+    let v = x.to_f64()?;
+    let mut out = vec![0.0; v.len()];
+    for ni in 0..n {
+        for gi in 0..groups {
+            let start = (ni * c + gi * cpg) * sp;
+            let len = cpg * sp;
+            let seg = &v[start..start + len];
+            let m = seg.iter().sum::<f64>() / len as f64;
+            let var = seg.iter().map(|a| (a - m) * (a - m)).sum::<f64>() / len as f64;
+            let r = 1.0 / (var + eps).sqrt();
+            for k in 0..len {
+                let ch = gi * cpg + k / sp;
+                let pi = if per_group_params { gi } else { ch };
+                out[start + k] = (seg[k] - m) * r * scale[pi] + bias[pi];
+            }
+        }
+    }
+    Ok(Array::float(x.dtype, x.shape.clone(), out))
+}
+
+fn lrn(l: &op::LRN, x: &Array) -> Result<Array> {
+    let size = l.size.unwrap_or(1).max(1) as usize;
+    let (alpha, beta, bias) = (f64::from(l.alpha()), f64::from(l.beta()), f64::from(l.bias()));
+    let v = x.to_f64()?;
+    let (n, c) = (x.shape[0], x.shape[1]);
+    let sp: usize = x.shape[2..].iter().product();
+    let lo = (size - 1) / 2;
+    let hi = size - 1 - lo;
+    let mut out = vec![0.0; v.len()];
+    for ni in 0..n {
+        for ci in 0..c {
+            for s in 0..sp {
+                let a = ci.saturating_sub(lo);
+                let b = (ci + hi).min(c - 1);
+                let sq: f64 = (a..=b).map(|k| v[(ni * c + k) * sp + s].powi(2)).sum();
+                let i = (ni * c + ci) * sp + s;
+                out[i] = v[i] / (bias + alpha / size as f64 * sq).powf(beta);
+            }
+        }
+    }
+    Ok(Array::float(x.dtype, x.shape.clone(), out))
+}
