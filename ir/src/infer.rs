@@ -374,6 +374,61 @@ impl Infer {
                     }
                 }
             }
+            Op::Scan(sc) => {
+                if let Some(body) = &mut sc.body {
+                    let m = sc.num_scan_inputs.unwrap_or(0).max(0) as usize;
+                    let n_state = ins.len().saturating_sub(m);
+                    let attr = |v: &Option<Vec<i64>>, k: usize| v.as_ref().and_then(|v| v.get(k).copied()).unwrap_or(0);
+                    let mut seq = Dim::Unknown;
+                    let names: Vec<(Value, usize)> =
+                        body.inputs().iter().enumerate().map(|(k, &b)| (Value::new(b, 0), k)).collect();
+                    for (v, k) in names {
+                        let t = ins.get(k).cloned().flatten().map(|t| {
+                            if k < n_state {
+                                return t;
+                            }
+                            // A scan input loses its scan axis inside the body.
+                            let dims = t.dims.map(|mut d| {
+                                let r = d.len() as i64;
+                                let a = attr(&sc.scan_input_axes, k - n_state);
+                                let a = if a < 0 { a + r } else { a };
+                                if (0..r).contains(&a) {
+                                    let dim = d.remove(a as usize);
+                                    if k == n_state {
+                                        seq = dim;
+                                    }
+                                }
+                                d
+                            });
+                            TensorType { dtype: t.dtype, dims }
+                        });
+                        if body.value_type(v).is_none() {
+                            body.set_type(v, t.map(Type::Tensor));
+                        }
+                    }
+                    self.graph(body, mode, &outer);
+                    for (k, o) in body.outputs().iter().enumerate() {
+                        let t = o.ty.as_ref().and_then(Type::as_tensor).cloned();
+                        if k >= out_types.len() {
+                            break;
+                        }
+                        out_types[k] = if k < n_state {
+                            t
+                        } else {
+                            t.map(|t| {
+                                let dims = t.dims.map(|mut d| {
+                                    let r = d.len() as i64 + 1;
+                                    let a = attr(&sc.scan_output_axes, k - n_state);
+                                    let a = (if a < 0 { a + r } else { a }).clamp(0, r - 1) as usize;
+                                    d.insert(a, seq.clone());
+                                    d
+                                });
+                                TensorType { dtype: t.dtype, dims }
+                            })
+                        };
+                    }
+                }
+            }
             _ => {}
         }
         g.set_op(n, op);

@@ -141,3 +141,5 @@ pub fn compare(name: &str, actual: &Array, expected: &Array, rtol: f64, atol: f6
         }
     }
 }
+
+pub mod samples;

@@ -278,6 +278,18 @@ fn run_env(
                 }
                 result
             }
+            Op::Scan(sc) => {
+                let ins: Vec<&Array> = node
+                    .inputs()
+                    .iter()
+                    .map(|i| {
+                        i.and_then(|v| env.get(&v))
+                            .ok_or_else(|| at(EvalError::Invalid("a Scan input is missing".into())))
+                    })
+                    .collect::<Result<_>>()?;
+                let lookup = |name: &str| g.lookup(name).and_then(|v| env.get(&v).cloned()).or_else(|| outer(name));
+                scan(sc, &ins, opts, &lookup).map_err(at)?
+            }
             op => {
                 let ins: Vec<Option<&Array>> = node.inputs().iter().map(|i| i.and_then(|v| env.get(&v))).collect();
                 if node.inputs().iter().zip(&ins).any(|(i, a)| i.is_some() && a.is_none()) {
@@ -301,6 +313,73 @@ fn run_env(
         }
     }
     Ok(env)
+}
+
+/// Runs a `Scan`: the body once per slice of the scan inputs along their axes (reversed where
+/// a direction says so), carrying the state values; scan outputs are stacked along their
+/// axes.
+fn scan(
+    sc: &crate::op::Scan,
+    ins: &[&Array],
+    opts: &RunOptions,
+    outer: &dyn Fn(&str) -> Option<Array>,
+) -> Result<Vec<Array>> {
+    let body = sc.body.as_ref().ok_or_else(|| EvalError::Invalid("Scan without a body".into()))?;
+    let m = sc.num_scan_inputs.unwrap_or(0).max(0) as usize;
+    if m > ins.len() {
+        return Err(EvalError::Invalid(format!("Scan has {} inputs for {m} scan inputs", ins.len())));
+    }
+    let n_state = ins.len() - m;
+    let attr = |v: &Option<Vec<i64>>, k: usize| v.as_ref().and_then(|v| v.get(k).copied()).unwrap_or(0);
+    let in_axes: Vec<usize> = (0..m)
+        .map(|k| crate::ops::norm_axis(attr(&sc.scan_input_axes, k), ins[n_state + k].rank()))
+        .collect::<std::result::Result<_, String>>()?;
+    let len = match m {
+        0 => 0,
+        _ => ins[n_state].shape[in_axes[0]],
+    };
+    let names: Vec<String> = body.inputs().iter().map(|&n| body.node(n).outputs()[0].name.clone()).collect();
+    let mut state: Vec<Array> = ins[..n_state].iter().map(|a| (*a).clone()).collect();
+    let n_scan_out = body.outputs().len().saturating_sub(n_state);
+    let mut outs: Vec<Vec<Array>> = vec![Vec::new(); n_scan_out];
+    for step in 0..len {
+        let mut feed = HashMap::new();
+        for (k, a) in state.iter().enumerate() {
+            feed.insert(names.get(k).cloned().unwrap_or_default(), a.clone());
+        }
+        for k in 0..m {
+            let x = ins[n_state + k];
+            let t = if attr(&sc.scan_input_directions, k) != 0 { len - 1 - step } else { step };
+            let mut shape = x.shape.clone();
+            shape.remove(in_axes[k]);
+            let slice = slice_axis(x, in_axes[k], t, 1).reshaped(shape);
+            feed.insert(names.get(n_state + k).cloned().unwrap_or_default(), slice);
+        }
+        let env = run_env(body, &feed, opts, outer)?;
+        let res: Vec<Array> = body.outputs().iter().map(|o| env[&o.value].clone()).collect();
+        state = res[..n_state].to_vec();
+        for (k, a) in res[n_state..].iter().enumerate() {
+            outs[k].push(a.clone());
+        }
+    }
+    let mut result = state;
+    for (k, mut parts) in outs.into_iter().enumerate() {
+        if attr(&sc.scan_output_directions, k) != 0 {
+            parts.reverse();
+        }
+        let Some(first) = parts.first() else { continue };
+        let axis = crate::ops::norm_axis(attr(&sc.scan_output_axes, k), first.rank() + 1)?;
+        let mut shape = first.shape.clone();
+        shape.insert(0, parts.len());
+        let refs: Vec<&Array> = parts.iter().collect();
+        let stacked = Array { dtype: first.dtype, shape, data: Array::concat_data(&refs) };
+        // Stacked along axis 0; move it into place.
+        let r = stacked.rank();
+        let mut perm: Vec<usize> = (1..r).collect();
+        perm.insert(axis, 0);
+        result.push(if axis == 0 { stacked } else { transpose(&stacked, &perm) });
+    }
+    Ok(result)
 }
 
 /// True when a subgraph of the graph reads `v` by name (then it must stay available).

@@ -154,7 +154,7 @@ impl Reshards<'_, '_> {
             return 0.0;
         }
         *self.memo.entry((from, to, bytes.to_bits())).or_insert_with(|| {
-            reshard_time(&p.layouts[from as usize], &p.layouts[to as usize], bytes, &self.cm.mesh, self.cm.cluster)
+            reshard_time(&p.layouts[from.ix()], &p.layouts[to.ix()], bytes, &self.cm.mesh, self.cm.cluster)
         })
     }
 
@@ -236,7 +236,7 @@ impl Proxy {
                 let mut mm = 0.0;
                 if op.keeps_outputs {
                     for (slot, &v) in op.outputs.iter().enumerate() {
-                        let vi = &p.values[v as usize];
+                        let vi = &p.values[v.ix()];
                         if vi.named {
                             mm += vi.bytes / p.split_factor(cm, op.makes[c][slot]);
                         }
@@ -244,7 +244,7 @@ impl Proxy {
                 }
                 // Sources this op reads first own their storage here.
                 for (v, js) in &by_value {
-                    let vi = &p.values[*v as usize];
+                    let vi = &p.values[v.ix()];
                     let Origin::Source { param, data_input } = vi.origin else { continue };
                     if !vi.float || vi.consumers[0].0 != t {
                         continue;
@@ -258,10 +258,10 @@ impl Proxy {
                         let mut grad = op.grads[c][js[0]].unwrap_or(store);
                         if js.len() > 1 {
                             // Partial along every axis any of the reads makes it partial.
-                            let mut sh = p.layouts[grad as usize].clone();
+                            let mut sh = p.layouts[grad.ix()].clone();
                             for &j in &js[1..] {
                                 if let Some(g) = op.grads[c][j] {
-                                    for (a, x) in p.layouts[g as usize].iter().enumerate() {
+                                    for (a, x) in p.layouts[g.ix()].iter().enumerate() {
                                         if *x == AxisShard::Partial {
                                             sh[a] = AxisShard::Partial;
                                         }
@@ -271,12 +271,7 @@ impl Proxy {
                             grad = p.layout_ids.get(&sh).copied().unwrap_or(grad);
                         }
                         tm += k.grad_weight
-                            * rs.bandwidth_time(
-                                p,
-                                grad,
-                                p.settled[store as usize],
-                                vi.bytes * cm.opts.grad_compression,
-                            );
+                            * rs.bandwidth_time(p, grad, p.settled[store.ix()], vi.bytes * cm.opts.grad_compression);
                     }
                     if data_input {
                         tm += local * k.input_per_byte;
@@ -299,8 +294,8 @@ impl Proxy {
             let mut edges = Vec::new();
             for (v, js) in &by_value {
                 let Some(pos) = live.iter().position(|x| x == v) else { continue };
-                let vi = &p.values[*v as usize];
-                let lay = &layouts[*v as usize];
+                let vi = &p.values[v.ix()];
+                let lay = &layouts[v.ix()];
                 let kv = lay.len();
                 let mut mat = vec![0.0; cs.len() * kv];
                 for (ci, &c) in cs.iter().enumerate() {
@@ -323,7 +318,7 @@ impl Proxy {
                                     } else {
                                         1.0
                                     };
-                                    cost += w * rs.time(p, g, p.settled[have as usize], vi.bytes);
+                                    cost += w * rs.time(p, g, p.settled[have.ix()], vi.bytes);
                                     grads.push(g);
                                 }
                             }
@@ -331,21 +326,21 @@ impl Proxy {
                         mat[ci * kv + h] = cost;
                     }
                 }
-                readers[*v as usize].push((t, edges.len()));
+                readers[v.ix()].push((t, edges.len()));
                 edges.push((pos, kv, mat));
             }
             // The live vector after this op.
-            let keep: Vec<usize> = (0..live.len()).filter(|&i| last_use[live[i] as usize] > t).collect();
+            let keep: Vec<usize> = (0..live.len()).filter(|&i| last_use[live[i].ix()] > t).collect();
             let mut entering: Vec<ValueId> = Vec::new();
             for &v in &op.outputs {
-                if enters_at[v as usize] == Some(t) && last_use[v as usize] > t {
+                if enters_at[v.ix()] == Some(t) && last_use[v.ix()] > t {
                     entering.push(v);
                 }
             }
             for (v, _) in &by_value {
-                if matches!(p.values[*v as usize].origin, Origin::Source { .. })
-                    && enters_at[*v as usize] == Some(t)
-                    && last_use[*v as usize] > t
+                if matches!(p.values[v.ix()].origin, Origin::Source { .. })
+                    && enters_at[v.ix()] == Some(t)
+                    && last_use[v.ix()] > t
                 {
                     entering.push(*v);
                 }
@@ -356,13 +351,13 @@ impl Proxy {
                     entering
                         .iter()
                         .map(|&v| {
-                            let l = match p.values[v as usize].origin {
+                            let l = match p.values[v.ix()].origin {
                                 Origin::Op { slot, .. } => op.makes[c as usize][slot],
                                 Origin::Source { .. } => {
-                                    op.needs[c as usize][p.values[v as usize].consumers[0].1].expect("a read input")
+                                    op.needs[c as usize][p.values[v.ix()].consumers[0].1].expect("a read input")
                                 }
                             };
-                            layouts[v as usize].binary_search(&l).expect("a candidate layout") as u8
+                            layouts[v.ix()].binary_search(&l).expect("a candidate layout") as u8
                         })
                         .collect()
                 })
@@ -770,7 +765,7 @@ fn local_search(
                     if h0 == h1 {
                         continue;
                     }
-                    for &(u, e) in &proxy.readers[v as usize] {
+                    for &(u, e) in &proxy.readers[v.ix()] {
                         let (_, kv, mat) = &proxy.steps[u].edges[e];
                         delta += mat[ci[u] * kv + h1] - mat[ci[u] * kv + h0];
                     }

@@ -12,9 +12,26 @@ use crate::cost::CostModel;
 use crate::cost::model::{is_host, is_view};
 
 /// A tensor's index in [`Problem::values`].
-pub(crate) type ValueId = u32;
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ValueId(pub u32);
+
 /// A layout's index in [`Problem::layouts`].
-pub(crate) type LayoutId = u32;
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LayoutId(pub u32);
+
+impl ValueId {
+    /// As an index.
+    pub fn ix(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl LayoutId {
+    /// As an index.
+    pub fn ix(self) -> usize {
+        self.0 as usize
+    }
+}
 
 /// Where a tensor comes from.
 #[derive(Clone, Debug, PartialEq)]
@@ -128,7 +145,7 @@ impl Problem {
                             },
                         };
                         let id = p.value(cm, *v, origin);
-                        p.values[id as usize].consumers.push((i, j));
+                        p.values[id.ix()].consumers.push((i, j));
                         Some(id)
                     }
                     _ => None,
@@ -148,7 +165,7 @@ impl Problem {
                     need.iter()
                         .map(|l| {
                             l.map(|l| {
-                                let g: Sharding = p.layouts[l as usize]
+                                let g: Sharding = p.layouts[l.ix()]
                                     .iter()
                                     .zip(&s)
                                     .map(|(x, a)| {
@@ -182,7 +199,7 @@ impl Problem {
             && !matches!(producer, Op::Input { default: None } | Op::OuterRef | Op::Constant(_))
             && !is_host(producer)
             || ir::cost::is_param(g, v);
-        let id = self.values.len() as ValueId;
+        let id = ValueId(self.values.len() as u32);
         self.values.push(ValueInfo {
             origin,
             bytes: cm.value_bytes(v),
@@ -200,21 +217,21 @@ impl Problem {
         if let Some(&id) = self.layout_ids.get(&s) {
             return id;
         }
-        let id = self.layouts.len() as LayoutId;
+        let id = LayoutId(self.layouts.len() as u32);
         self.layouts.push(s.clone());
         self.layout_ids.insert(s.clone(), id);
         self.settled.push(id);
         if s.contains(&AxisShard::Partial) {
             let settled = s.iter().map(|x| if *x == AxisShard::Partial { AxisShard::Replicate } else { *x }).collect();
             let sid = self.layout(settled);
-            self.settled[id as usize] = sid;
+            self.settled[id.ix()] = sid;
         }
         id
     }
 
     /// The number of devices a layout divides a tensor over.
     pub fn split_factor(&self, cm: &CostModel<'_>, l: LayoutId) -> f64 {
-        self.layouts[l as usize]
+        self.layouts[l.ix()]
             .iter()
             .enumerate()
             .filter(|(_, x)| matches!(x, AxisShard::Split(_)))

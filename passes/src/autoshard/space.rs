@@ -34,17 +34,17 @@ pub enum ShardNode {
     /// A graph input, parameter or constant, stored in the layout.
     Source {
         /// The tensor.
-        value: u32,
+        value: ValueId,
         /// Its layout.
-        layout: u32,
+        layout: LayoutId,
     },
     /// Output of op `op` (a position in topological order) under its strategy `strategy`,
     /// from its inputs' classes.
     Compute {
         /// The tensor.
-        value: u32,
+        value: ValueId,
         /// Its layout.
-        layout: u32,
+        layout: LayoutId,
         /// The op.
         op: u32,
         /// The strategy's index in the op's table.
@@ -55,9 +55,9 @@ pub enum ShardNode {
     /// The child class's tensor moved into another layout.
     Reshard {
         /// The tensor.
-        value: u32,
+        value: ValueId,
         /// The layout it is moved into.
-        layout: u32,
+        layout: LayoutId,
         /// The class it is moved from.
         child: [Id; 1],
     },
@@ -65,7 +65,7 @@ pub enum ShardNode {
 
 impl ShardNode {
     /// The (tensor, layout) key of the class this node belongs to.
-    pub fn key(&self) -> (u32, u32) {
+    pub fn key(&self) -> (ValueId, LayoutId) {
         match self {
             ShardNode::Source { value, layout }
             | ShardNode::Compute { value, layout, .. }
@@ -79,9 +79,9 @@ impl Language for ShardNode {
 
     fn discriminant(&self) -> Self::Discriminant {
         match self {
-            ShardNode::Source { value, layout } => (0, *value, *layout, 0, 0),
-            ShardNode::Compute { value, layout, op, strategy, .. } => (1, *value, *layout, *op, *strategy),
-            ShardNode::Reshard { value, layout, .. } => (2, *value, *layout, 0, 0),
+            ShardNode::Source { value, layout } => (0, value.0, layout.0, 0, 0),
+            ShardNode::Compute { value, layout, op, strategy, .. } => (1, value.0, layout.0, *op, *strategy),
+            ShardNode::Reshard { value, layout, .. } => (2, value.0, layout.0, 0, 0),
         }
     }
 
@@ -109,11 +109,11 @@ impl Language for ShardNode {
 impl fmt::Display for ShardNode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ShardNode::Source { value, layout } => write!(f, "source v{value} l{layout}"),
+            ShardNode::Source { value, layout } => write!(f, "source v{} l{}", value.0, layout.0),
             ShardNode::Compute { value, layout, op, strategy, .. } => {
-                write!(f, "compute v{value} l{layout} op{op} s{strategy}")
+                write!(f, "compute v{} l{} op{op} s{strategy}", value.0, layout.0)
             }
-            ShardNode::Reshard { value, layout, .. } => write!(f, "reshard v{value} l{layout}"),
+            ShardNode::Reshard { value, layout, .. } => write!(f, "reshard v{} l{}", value.0, layout.0),
         }
     }
 }
@@ -139,7 +139,7 @@ pub struct Tables {
 }
 
 impl Analysis<ShardNode> for Tables {
-    type Data = (u32, u32);
+    type Data = (ValueId, LayoutId);
 
     fn make(_egraph: &mut EGraph<ShardNode, Self>, enode: &ShardNode, _id: Id) -> Self::Data {
         enode.key()
@@ -164,7 +164,7 @@ fn add(eg: &mut Graph, node: ShardNode) -> Id {
         }
         None => {
             eg.analysis.class_of.insert(key, id);
-            eg.analysis.layouts[key.0 as usize].insert(key.1);
+            eg.analysis.layouts[key.0.ix()].insert(key.1);
             id
         }
     }
@@ -177,10 +177,10 @@ fn class(eg: &mut Graph, v: ValueId, l: LayoutId) -> Id {
         return eg.find(c);
     }
     let p = eg.analysis.problem.clone();
-    match p.values[v as usize].origin {
+    match p.values[v.ix()].origin {
         Origin::Source { .. } => add(eg, ShardNode::Source { value: v, layout: l }),
         Origin::Op { .. } => {
-            let from: Vec<LayoutId> = eg.analysis.produced[v as usize].iter().copied().collect();
+            let from: Vec<LayoutId> = eg.analysis.produced[v.ix()].iter().copied().collect();
             let mut id = None;
             for f in from {
                 id = Some(reshard(eg, v, f, l));
@@ -218,7 +218,7 @@ fn add_strategy(eg: &mut Graph, op: usize, s: u32, force: bool) -> Option<Id> {
         let id =
             add(eg, ShardNode::Compute { value: v, layout: l, op: op as u32, strategy: s, children: children.clone() });
         first.get_or_insert(id);
-        eg.analysis.produced[v as usize].insert(l);
+        eg.analysis.produced[v.ix()].insert(l);
     }
     first
 }
@@ -323,7 +323,7 @@ impl Searcher<ShardNode, Tables> for ReshardRule {
     fn search_eclass_with_limit(&self, eg: &Graph, eclass: Id, limit: usize) -> Option<SearchMatches<'_, ShardNode>> {
         (limit > 0).then(|| SearchMatches { eclass, substs: vec![Subst::default()], ast: None }).filter(|_| {
             let (v, l) = eg[eclass].data;
-            eg.analysis.produced[v as usize].iter().any(|&f| f != l && !eg.analysis.reshards.contains(&(v, f, l)))
+            eg.analysis.produced[v.ix()].iter().any(|&f| f != l && !eg.analysis.reshards.contains(&(v, f, l)))
         })
     }
 
@@ -331,8 +331,8 @@ impl Searcher<ShardNode, Tables> for ReshardRule {
         eg.classes()
             .filter(|c| {
                 let (v, l) = c.data;
-                matches!(eg.analysis.problem.values[v as usize].origin, Origin::Op { .. })
-                    && eg.analysis.produced[v as usize]
+                matches!(eg.analysis.problem.values[v.ix()].origin, Origin::Op { .. })
+                    && eg.analysis.produced[v.ix()]
                         .iter()
                         .any(|&f| f != l && !eg.analysis.reshards.contains(&(v, f, l)))
             })
@@ -352,9 +352,9 @@ impl Applier<ShardNode, Tables> for ReshardRule {
 
     fn apply_matches(&self, eg: &mut Graph, matches: &[SearchMatches<ShardNode>], _rule: Symbol) -> Vec<Id> {
         let mut added = Vec::new();
-        let keys: Vec<(u32, u32)> = matches.iter().map(|m| eg[m.eclass].data).collect();
+        let keys: Vec<(ValueId, LayoutId)> = matches.iter().map(|m| eg[m.eclass].data).collect();
         for (v, l) in keys {
-            let from: Vec<LayoutId> = eg.analysis.produced[v as usize].iter().copied().collect();
+            let from: Vec<LayoutId> = eg.analysis.produced[v.ix()].iter().copied().collect();
             for f in from {
                 if f != l && !eg.analysis.reshards.contains(&(v, f, l)) {
                     if eg.total_size() >= eg.analysis.node_limit {

@@ -175,25 +175,25 @@ fn reshard_connects_every_layout_to_what_the_producer_makes() {
     let runner = grow_with(p.clone(), &[vec![0; 3]], &limits(), super::space::RULES);
     let eg = &runner.egraph;
     let h = p.value_ids[&f.g.lookup("h").unwrap()];
-    let layouts: Vec<u32> = eg.classes().filter(|c| c.data.0 == h).map(|c| c.data.1).collect();
+    let layouts: Vec<u32> = eg.classes().filter(|c| c.data.0 == h).map(|c| c.data.1.0).collect();
     assert!(layouts.len() >= 3, "h has several layouts: {layouts:?}");
     let produced: Vec<u32> = eg
         .classes()
         .filter(|c| c.data.0 == h && c.nodes.iter().any(|n| matches!(n, ShardNode::Compute { .. })))
-        .map(|c| c.data.1)
+        .map(|c| c.data.1.0)
         .collect();
     for c in eg.classes().filter(|c| c.data.0 == h) {
         let from: Vec<u32> = c
             .nodes
             .iter()
             .filter_map(|n| match n {
-                ShardNode::Reshard { child, .. } => Some(eg[child[0]].data.1),
+                ShardNode::Reshard { child, .. } => Some(eg[child[0]].data.1.0),
                 _ => None,
             })
             .collect();
         for &l in &produced {
-            if l != c.data.1 {
-                assert!(from.contains(&l), "layout {} of h has no reshard from {l}", c.data.1);
+            if l != c.data.1.0 {
+                assert!(from.contains(&l), "layout {} of h has no reshard from {l}", c.data.1.0);
             }
         }
     }

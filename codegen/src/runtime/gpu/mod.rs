@@ -1,14 +1,29 @@
 //! The wgpu executor: each simulated accelerator has its own `wgpu::Instance`, adapter,
 //! device and queue (so devices run in parallel on a software rasterizer too), and runs every
-//! op as a WGSL compute shader generated for it ([`kernels`]).
+//! op as WGSL compute shaders generated for it.
+//!
+//! Generating the shaders is a pure step ([`compile`]): the op, its inputs' shapes and types
+//! become a [`compile::Compiled`] program of launches, one file per kernel family
+//! ([`elementwise`], [`reduce`], [`norm`], [`gemm`], [`conv`], [`movement`], [`recurrent`],
+//! sharing [`wgsl`]). The executor only allocates buffers and launches.
 //!
 //! Tensors live in storage buffers: floating-point types as `f32`, integers and booleans as
 //! `i32` (64-bit integers are narrowed; host copies of small tensors keep their exact values
 //! for ops that read shapes and indices). An op without a kernel runs on the host with the
-//! reference kernels, and the run report counts it.
+//! reference kernels ([`compile::HOST_ONLY`] lists those that always do), and the run report
+//! counts it.
 
-pub mod kernels;
-pub mod kernels_nn;
+pub mod compile;
+pub mod conv;
+pub mod elementwise;
+pub mod gemm;
+pub mod movement;
+pub mod norm;
+pub mod recurrent;
+pub mod reduce;
+pub mod wgsl;
+
+use compile::{Buf, CompileCx, Step, TensorDesc};
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -208,29 +223,6 @@ impl GpuExecutor {
         Ok(())
     }
 
-    /// Zero-fills a tensor.
-    pub fn queue_zero(&mut self, t: &GpuTensor) -> Result<(), String> {
-        let enc = self.encoder.get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
-        enc.clear_buffer(&t.buf, 0, None);
-        Ok(())
-    }
-
-    /// Copies `n` elements of `src` from element `offset` to the start of `dst`.
-    pub fn copy_range(&mut self, src: &GpuTensor, offset: usize, dst: &GpuTensor, n: usize) -> Result<(), String> {
-        if n == 0 {
-            return Ok(());
-        }
-        let enc = self.encoder.get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
-        enc.copy_buffer_to_buffer(&src.buf, (offset * 4) as u64, &dst.buf, 0, (n * 4) as u64);
-        Ok(())
-    }
-
-    /// Workgroups for `threads` invocations of the 64-wide 1-D kernels.
-    pub fn groups(threads: usize) -> [u32; 3] {
-        let g = threads.div_ceil(64).max(1) as u64;
-        if g <= 65535 { [g as u32, 1, 1] } else { [65535, g.div_ceil(65535) as u32, 1] }
-    }
-
     /// Submits what is encoded.
     pub fn flush(&mut self) {
         if let Some(enc) = self.encoder.take() {
@@ -288,6 +280,95 @@ impl GpuExecutor {
             dtype: t.dtype,
             host: t.host.as_ref().map(|h| Arc::new((**h).clone().reshaped(shape))),
         }
+    }
+
+    /// Compiles node `n` for its inputs and runs it; `None` when it has no kernel.
+    fn run_kernel(
+        &mut self,
+        g: &Graph,
+        n: NodeId,
+        inputs: &[Option<&GpuTensor>],
+    ) -> Result<Option<Vec<GpuTensor>>, String> {
+        let node = g.node(n);
+        // The values the compiler needs, read back when there is no host copy.
+        let mut values: HashMap<usize, Array> = HashMap::new();
+        for &k in compile::value_inputs(&node.op) {
+            if let Some(Some(t)) = inputs.get(k)
+                && t.host.is_none()
+            {
+                values.insert(k, self.download(t)?);
+            }
+        }
+        let ins: Vec<Option<TensorDesc<'_>>> = inputs
+            .iter()
+            .enumerate()
+            .map(|(k, t)| {
+                t.map(|t| TensorDesc {
+                    shape: t.shape.clone(),
+                    dtype: t.dtype,
+                    value: t.host.as_deref().or_else(|| values.get(&k)),
+                })
+            })
+            .collect();
+        let outs = (0..node.num_outputs())
+            .map(|s| {
+                let v = ir::Value::new(n, s as u16);
+                let t = g.tensor_type(v)?.static_dims()?;
+                (!node.outputs()[s].name.is_empty()).then(|| {
+                    (t.into_iter().map(|d| d.max(0) as usize).collect(), g.tensor_type(v).expect("typed").dtype)
+                })
+            })
+            .collect();
+        let cx = CompileCx { ins, outs, opset: g.opset };
+        if cx.out0().is_none() && node.num_outputs() > 0 && !node.outputs()[0].name.is_empty() {
+            return Ok(None);
+        }
+        let Some(program) = compile::compile(&node.op, &cx)? else { return Ok(None) };
+        self.execute(&program, inputs).map(Some)
+    }
+
+    /// Allocates a compiled program's outputs and scratch buffers and encodes its steps.
+    pub fn execute(&mut self, p: &compile::Compiled, inputs: &[Option<&GpuTensor>]) -> Result<Vec<GpuTensor>, String> {
+        let input = |k: usize| inputs.get(k).copied().flatten().ok_or_else(|| format!("input {k} is missing"));
+        let mut outs = Vec::with_capacity(p.outputs.len());
+        for o in &p.outputs {
+            outs.push(match o.view_of {
+                Some(k) => GpuExecutor::view(input(k)?, o.shape.clone()),
+                None => self.output(o.shape.clone(), o.dtype),
+            });
+        }
+        let temps: Vec<GpuTensor> = p.temps.iter().map(|(s, d)| self.output(s.clone(), *d)).collect();
+        let buf = |b: Buf| -> Result<Arc<wgpu::Buffer>, String> {
+            Ok(match b {
+                Buf::In(k) => input(k)?.buf.clone(),
+                Buf::Out(k) => outs.get(k).ok_or("no such output")?.buf.clone(),
+                Buf::Tmp(k) => temps.get(k).ok_or("no such scratch buffer")?.buf.clone(),
+            })
+        };
+        for step in &p.steps {
+            match step {
+                Step::Launch(l) => {
+                    let bufs: Vec<Arc<wgpu::Buffer>> = l.bufs.iter().map(|&b| buf(b)).collect::<Result<_, _>>()?;
+                    let refs: Vec<&wgpu::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
+                    self.launch(&l.src, &refs, &l.params, l.groups)?;
+                }
+                Step::Zero(b) => {
+                    let b = buf(*b)?;
+                    let enc =
+                        self.encoder.get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
+                    enc.clear_buffer(&b, 0, None);
+                }
+                Step::Copy { src, offset, dst, n } => {
+                    if *n > 0 {
+                        let (s, d) = (buf(*src)?, buf(*dst)?);
+                        let enc =
+                            self.encoder.get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
+                        enc.copy_buffer_to_buffer(&s, (offset * 4) as u64, &d, 0, (n * 4) as u64);
+                    }
+                }
+            }
+        }
+        Ok(outs)
     }
 
     fn host_fallback(&mut self, g: &Graph, n: NodeId, inputs: &[Option<&GpuTensor>]) -> Result<Vec<GpuTensor>, String> {
@@ -369,7 +450,7 @@ impl Executor for GpuExecutor {
     }
 
     fn run(&mut self, g: &Graph, n: NodeId, inputs: &[Option<&GpuTensor>]) -> Result<(Vec<GpuTensor>, bool), String> {
-        match kernels::run(self, g, n, inputs)? {
+        match self.run_kernel(g, n, inputs)? {
             Some(outs) => Ok((outs, false)),
             None => Ok((self.host_fallback(g, n, inputs)?, true)),
         }

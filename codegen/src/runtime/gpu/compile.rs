@@ -1,0 +1,323 @@
+//! The pure half of the GPU backend: an op, its inputs' shapes and element types (and the
+//! values of the few inputs a kernel needs on the host) become a [`Compiled`] program —
+//! WGSL sources, buffer bindings, parameters, workgroup counts — with no device in sight.
+//! The executor ([`super::GpuExecutor`]) then only allocates and launches.
+//!
+//! Every op of the IR implements [`Kernel`] in the file of its kernel family; the dispatch
+//! ([`compile`]) is generated from the IR's op list, so a new op does not compile until it
+//! says how it runs. Ops that run on the host say so by returning `Ok(None)` and are listed,
+//! with the reason, in [`HOST_ONLY`]; the completeness test checks the two agree.
+
+use ir::eval::Array;
+use ir::{DType, Op};
+
+use super::Elem;
+
+/// A tensor an op reads, as the compiler sees it.
+#[derive(Clone, Debug)]
+pub struct TensorDesc<'a> {
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Logical element type.
+    pub dtype: DType,
+    /// The values, for the inputs the kernel asked for ([`Kernel::value_inputs`]) and for
+    /// small tensors the executor holds on the host anyway.
+    pub value: Option<&'a Array>,
+}
+
+impl TensorDesc<'_> {
+    /// Elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Element storage.
+    pub fn elem(&self) -> Elem {
+        Elem::of(self.dtype)
+    }
+
+    /// The values as integers, when known.
+    pub fn ints(&self) -> Option<Vec<i64>> {
+        self.value.and_then(|a| a.to_i64().ok())
+    }
+
+    /// The values as floats, when known.
+    pub fn floats(&self) -> Option<Vec<f64>> {
+        self.value.and_then(|a| a.to_f64().ok())
+    }
+}
+
+/// What [`compile`] sees of a node.
+#[derive(Clone, Debug)]
+pub struct CompileCx<'a> {
+    /// Per input slot: the tensor, or `None` for an omitted input.
+    pub ins: Vec<Option<TensorDesc<'a>>>,
+    /// Per output slot: its shape and element type, or `None` for an omitted output.
+    pub outs: Vec<Option<(Vec<usize>, DType)>>,
+    /// The model's default-domain opset.
+    pub opset: i64,
+}
+
+impl<'a> CompileCx<'a> {
+    /// Input `k`, when given.
+    pub fn input(&self, k: usize) -> Option<&TensorDesc<'a>> {
+        self.ins.get(k).and_then(Option::as_ref)
+    }
+
+    /// Output 0's shape and type.
+    pub fn out0(&self) -> Option<&(Vec<usize>, DType)> {
+        self.outs.first().and_then(Option::as_ref)
+    }
+
+    /// Some output after the first is wanted.
+    pub fn extra_outputs(&self) -> bool {
+        self.outs.iter().skip(1).any(Option::is_some)
+    }
+}
+
+/// A buffer a step touches.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Buf {
+    /// Input slot `k`.
+    In(usize),
+    /// Output slot `k`.
+    Out(usize),
+    /// Scratch buffer `k` of [`Compiled::temps`].
+    Tmp(usize),
+}
+
+/// One compute dispatch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Launch {
+    /// The WGSL source (bindings in order, then `P: array<u32>`).
+    pub src: String,
+    /// The buffers bound, in binding order.
+    pub bufs: Vec<Buf>,
+    /// The parameters (`P`).
+    pub params: Vec<u32>,
+    /// Workgroups.
+    pub groups: [u32; 3],
+}
+
+/// One step of a compiled op.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    /// A dispatch.
+    Launch(Launch),
+    /// Zero-fills a buffer.
+    Zero(Buf),
+    /// Copies `n` elements from `src` at element `offset` to the start of `dst`.
+    Copy {
+        /// Source.
+        src: Buf,
+        /// First element read.
+        offset: usize,
+        /// Destination.
+        dst: Buf,
+        /// Elements.
+        n: usize,
+    },
+}
+
+/// How an output is produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutSpec {
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Logical element type.
+    pub dtype: DType,
+    /// The output is input `k`'s buffer seen with another shape (no copy, no kernel).
+    pub view_of: Option<usize>,
+}
+
+/// A compiled op: the buffers it needs and the steps that fill its outputs.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Compiled {
+    /// Per output slot.
+    pub outputs: Vec<OutSpec>,
+    /// Scratch buffers: shape and type.
+    pub temps: Vec<(Vec<usize>, DType)>,
+    /// In order.
+    pub steps: Vec<Step>,
+}
+
+impl Compiled {
+    /// A program with `outputs` allocated fresh.
+    pub fn new(outputs: Vec<(Vec<usize>, DType)>) -> Compiled {
+        Compiled {
+            outputs: outputs.into_iter().map(|(shape, dtype)| OutSpec { shape, dtype, view_of: None }).collect(),
+            ..Compiled::default()
+        }
+    }
+
+    /// One new output of the shape and type the graph gives output 0.
+    pub fn like_out0(cx: &CompileCx<'_>) -> Option<Compiled> {
+        let (shape, dtype) = cx.out0()?.clone();
+        Some(Compiled::new(vec![(shape, dtype)]))
+    }
+
+    /// Output 0 as a view of input 0 with output 0's shape.
+    pub fn view(cx: &CompileCx<'_>) -> Option<Compiled> {
+        let (shape, dtype) = cx.out0()?.clone();
+        Some(Compiled { outputs: vec![OutSpec { shape, dtype, view_of: Some(0) }], ..Compiled::default() })
+    }
+
+    /// Adds a scratch buffer.
+    pub fn temp(&mut self, shape: Vec<usize>, dtype: DType) -> Buf {
+        self.temps.push((shape, dtype));
+        Buf::Tmp(self.temps.len() - 1)
+    }
+
+    /// Adds a dispatch of `src` over `bufs` with `params`, `groups` workgroups.
+    pub fn launch(&mut self, src: String, bufs: Vec<Buf>, params: Vec<u32>, groups: [u32; 3]) {
+        self.steps.push(Step::Launch(Launch { src, bufs, params, groups }));
+    }
+
+    /// Every dispatch, in order.
+    pub fn launches(&self) -> impl Iterator<Item = &Launch> {
+        self.steps.iter().filter_map(|s| if let Step::Launch(l) = s { Some(l) } else { None })
+    }
+}
+
+/// Workgroups for `threads` invocations of the 64-wide 1-D kernels.
+pub fn groups(threads: usize) -> [u32; 3] {
+    let g = threads.div_ceil(64).max(1) as u64;
+    if g <= 65535 { [g as u32, 1, 1] } else { [65535, g.div_ceil(65535) as u32, 1] }
+}
+
+/// The result of compiling an op: `Ok(None)` when it runs on the host.
+pub type CompileResult = Result<Option<Compiled>, String>;
+
+/// How an op runs on a GPU.
+pub trait Kernel {
+    /// The program for the op on these inputs, or `Ok(None)` to run it on the host (always
+    /// for ops in [`HOST_ONLY`]; for others only for element types or attributes the kernels
+    /// do not cover).
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult;
+
+    /// Inputs whose values the compiler needs on the host (shape operands, bounds, flags).
+    fn value_inputs(&self) -> &'static [usize] {
+        &[]
+    }
+}
+
+/// Ops that always run on the host, and why. Everything else has a kernel for float inputs.
+pub const HOST_ONLY: &[(&str, &str)] = &[
+    ("Shape", "a shape is host metadata"),
+    ("Size", "a shape is host metadata"),
+    ("Constant", "folded to an initializer before it runs"),
+    ("ConstantOfShape", "its output shape is a runtime value; filled once on the host"),
+    ("Range", "its length is a runtime value"),
+    ("NonZero", "its output size depends on the data"),
+    ("TopK", "a sort; k is small and the op is rare in training graphs"),
+    ("Einsum", "a general contraction, run by the reference evaluator"),
+    ("GatherElements", "index-dependent scatter of reads, rare in training graphs"),
+    ("GatherND", "index-dependent, rare in training graphs"),
+    ("ScatterND", "a scatter with possible collisions (WGSL has no float atomics)"),
+    ("ScatterElements", "a scatter with possible collisions (WGSL has no float atomics)"),
+    ("OneHot", "index-dependent, small"),
+    ("CumSum", "a scan, rare in training graphs"),
+    ("Trilu", "mask construction, usually folded"),
+    ("EyeLike", "constant construction"),
+    ("DepthToSpace", "block permutation, rare in training graphs"),
+    ("SpaceToDepth", "block permutation, rare in training graphs"),
+    ("LRN", "a legacy normalization (AlexNet-era)"),
+    ("LpNormalization", "rare; the reference kernel runs it"),
+    ("MeanVarianceNormalization", "rare; the reference kernel runs it"),
+    ("GroupNormalization", "grouped statistics; the reference kernel runs it"),
+    ("GlobalLpPool", "rare; the reference kernel runs it"),
+    ("BitShift", "64-bit integer arithmetic (devices hold i32)"),
+    ("BitwiseAnd", "64-bit integer arithmetic (devices hold i32)"),
+    ("BitwiseOr", "64-bit integer arithmetic (devices hold i32)"),
+    ("BitwiseXor", "64-bit integer arithmetic (devices hold i32)"),
+    ("BitwiseNot", "64-bit integer arithmetic (devices hold i32)"),
+    ("If", "control flow: the subgraph runs on the host"),
+    ("Loop", "control flow: the subgraph runs on the host"),
+    ("Scan", "control flow: the subgraph runs on the host"),
+    ("AllReduce", "communication: the runtime moves it through the host"),
+    ("AllGather", "communication: the runtime moves it through the host"),
+    ("ReduceScatter", "communication: the runtime moves it through the host"),
+    ("AllToAll", "communication: the runtime moves it through the host"),
+    ("HaloExchange", "communication: the runtime moves it through the host"),
+    ("Send", "communication: the runtime moves it through the host"),
+    ("Recv", "communication: the runtime moves it through the host"),
+];
+
+/// Whether an op type is in [`HOST_ONLY`].
+pub fn host_only(op_type: &str) -> bool {
+    HOST_ONLY.iter().any(|(t, _)| *t == op_type)
+}
+
+/// Ops that run on the host: one line each.
+macro_rules! host_kernels {
+    ($($name:ident),* $(,)?) => {$(
+        impl Kernel for ir::op::$name {
+            fn compile(&self, _cx: &CompileCx<'_>) -> CompileResult {
+                Ok(None)
+            }
+        }
+    )*};
+}
+
+host_kernels!(
+    Shape,
+    Size,
+    Constant,
+    ConstantOfShape,
+    Range,
+    NonZero,
+    TopK,
+    Einsum,
+    GatherElements,
+    GatherND,
+    ScatterND,
+    ScatterElements,
+    OneHot,
+    CumSum,
+    Trilu,
+    EyeLike,
+    DepthToSpace,
+    SpaceToDepth,
+    LRN,
+    LpNormalization,
+    MeanVarianceNormalization,
+    GroupNormalization,
+    GlobalLpPool,
+    BitShift,
+    BitwiseAnd,
+    BitwiseOr,
+    BitwiseXor,
+    BitwiseNot,
+    If,
+    Loop,
+    Scan,
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+    HaloExchange,
+    Send,
+    Recv,
+);
+
+macro_rules! dispatch {
+    ($($name:ident),*) => {
+        /// Compiles `op` (see [`Kernel::compile`]); sources and opaque ops run on the host.
+        pub fn compile(op: &Op, cx: &CompileCx<'_>) -> CompileResult {
+            match op {
+                $( Op::$name(x) => Kernel::compile(x, cx), )*
+                Op::Input { .. } | Op::Initializer(_) | Op::OuterRef | Op::Opaque(_) => Ok(None),
+            }
+        }
+
+        /// The inputs whose values compiling `op` needs (see [`Kernel::value_inputs`]).
+        pub fn value_inputs(op: &Op) -> &'static [usize] {
+            match op {
+                $( Op::$name(x) => Kernel::value_inputs(x), )*
+                Op::Input { .. } | Op::Initializer(_) | Op::OuterRef | Op::Opaque(_) => &[],
+            }
+        }
+    };
+}
+
+ir::for_all_ops!(dispatch);

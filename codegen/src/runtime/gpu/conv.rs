@@ -1,0 +1,428 @@
+//! Convolution and pooling kernels: N-d (N ≤ 3) convolution as im2col + one GEMM (the
+//! columns of all images in one GEMM per group when each image has few output positions),
+//! or direct; transposed convolution gathering per output; max, average and Lp pooling.
+
+use ir::DType;
+use ir::op::{self, Op};
+
+use super::Elem;
+use super::compile::{Buf, CompileCx, CompileResult, Compiled, Kernel, groups};
+use super::gemm::{GemmSpec, gemm};
+use super::wgsl::{Axis, Binding, remap, source, specialize, to3};
+
+/// The conv parameter vector: `[count, N, C, M, G, D, H, W, OD, OH, OW, KD, KH, KW, SD, SH,
+/// SW, DD, DH, DW, PD, PH, PW]`.
+#[allow(clippy::too_many_arguments)]
+fn conv_params(
+    x: &[usize],
+    oshape: &[usize],
+    kernel: &[usize],
+    strides: &[usize],
+    dil: &[usize],
+    pads: &[usize],
+    group: usize,
+) -> Vec<u32> {
+    let count: usize = oshape.iter().product();
+    let mut p: Vec<u32> = vec![count as u32, x[0] as u32, x[1] as u32, oshape[1] as u32, group as u32];
+    for v in [to3(&x[2..], 1), to3(&oshape[2..], 1), to3(kernel, 1), to3(strides, 1), to3(dil, 1), to3(pads, 0)] {
+        p.extend(v.iter().map(|&x| x as u32));
+    }
+    p
+}
+
+fn usizes(v: &Option<Vec<i64>>, k: usize) -> Vec<usize> {
+    v.as_ref().map_or(vec![1; k], |v| v.iter().map(|&s| s as usize).collect())
+}
+
+impl Kernel for op::Conv {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        let (Some(x), Some(w)) = (cx.input(0), cx.input(1)) else { return Ok(None) };
+        let r = x.shape.len();
+        if x.elem() != Elem::F32 || !(3..=5).contains(&r) {
+            return Ok(None);
+        }
+        let k = r - 2;
+        let kernel: Vec<usize> = w.shape[2..].to_vec();
+        let (strides, dil) = (usizes(&self.strides, k), usizes(&self.dilations, k));
+        let kshape: Vec<i64> = kernel.iter().map(|&v| v as i64).collect();
+        let (ks, kd): (Vec<i64>, Vec<i64>) =
+            (strides.iter().map(|&v| v as i64).collect(), dil.iter().map(|&v| v as i64).collect());
+        let win = ir::eval::window(
+            &x.shape[2..],
+            &kshape,
+            Some(&ks),
+            Some(&kd),
+            self.pads.as_deref(),
+            self.auto_pad(),
+            false,
+        )?;
+        let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+        let oshape = c.outputs[0].shape.clone();
+        let p = conv_params(&x.shape, &oshape, &kernel, &strides, &dil, &win.pad_begin, self.group() as usize);
+        let bias = cx.input(2).map(|_| Buf::In(2));
+        if conv_im2col(&mut c, bias, &p, &oshape)? {
+            return Ok(Some(c));
+        }
+        let mut bufs = vec![Buf::In(0), Buf::In(1)];
+        bufs.extend(bias);
+        bufs.push(Buf::Out(0));
+        let count = p[0] as usize;
+        if count > 0 {
+            c.launch(specialize(&conv_src(bias.is_some()), &p), bufs, p, groups(count));
+        }
+        Ok(Some(c))
+    }
+}
+
+impl Kernel for op::ConvTranspose {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        let (Some(x), Some(w)) = (cx.input(0), cx.input(1)) else { return Ok(None) };
+        let r = x.shape.len();
+        if x.elem() != Elem::F32 || !(3..=5).contains(&r) {
+            return Ok(None);
+        }
+        let k = r - 2;
+        let kernel: Vec<usize> = w.shape[2..].to_vec();
+        let (strides, dil) = (usizes(&self.strides, k), usizes(&self.dilations, k));
+        // The leading pads as the reference computes them.
+        let (_, pads) = ir::eval::conv_transpose_geometry(self, &x.shape[2..], &kernel)?;
+        let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+        let oshape = c.outputs[0].shape.clone();
+        let p = conv_params(&x.shape, &oshape, &kernel, &strides, &dil, &pads, self.group() as usize);
+        let bias = cx.input(2).map(|_| Buf::In(2));
+        let mut bufs = vec![Buf::In(0), Buf::In(1)];
+        bufs.extend(bias);
+        bufs.push(Buf::Out(0));
+        let count = p[0] as usize;
+        if count > 0 {
+            c.launch(specialize(&conv_transpose_src(bias.is_some()), &p), bufs, p, groups(count));
+        }
+        Ok(Some(c))
+    }
+}
+
+/// Largest im2col scratch buffer (elements) the GEMM path of a convolution may allocate;
+/// larger convolutions use the direct kernel.
+const IM2COL_MAX_ELEMS: usize = 1 << 25;
+
+/// Output positions per image below which a convolution's GEMM spans all images.
+const WIDE_BELOW: usize = 64;
+
+/// Convolution as im2col + one batched GEMM over `(n, g)`: `Y[n, g·Mg + m, p] =
+/// Σ_k W[g·Mg + m, k] · COL[n·G + g, k, p] (+ bias[g·Mg + m])`. `p` is the parameter vector
+/// of [`conv_src`]. Adds nothing and returns false (direct kernel) for tiny reductions or
+/// when the column buffer would be too large.
+fn conv_im2col(c: &mut Compiled, bias: Option<Buf>, p: &[u32], oshape: &[usize]) -> Result<bool, String> {
+    let [_, n, ch, m, g] = [p[0], p[1], p[2], p[3], p[4]].map(|v| v as usize);
+    let npos = (p[8] * p[9] * p[10]) as usize;
+    let kvol = (p[11] * p[12] * p[13]) as usize;
+    let (cg, mg) = (ch / g, m / g);
+    let kk = cg * kvol;
+    let rows = n * g * kk;
+    if kk < 16 || mg < 4 || npos == 0 || rows * npos > IM2COL_MAX_ELEMS {
+        return Ok(false);
+    }
+    let col = c.temp(vec![rows, npos], DType::Float);
+    // [rows, C, G, D, H, W, OD, OH, OW, KD, KH, KW, SD, SH, SW, DD, DH, DW, PD, PH, PW]
+    let mut q: Vec<u32> = vec![rows as u32, ch as u32, g as u32];
+    q.extend_from_slice(&p[5..]);
+    // Few output positions per image make thin GEMMs; then one GEMM per group spans all
+    // images (`wide`) and a permutation puts the images back in front.
+    let wide = n > 1 && npos < WIDE_BELOW;
+    c.launch(specialize(&im2col_src(wide), &q), vec![Buf::In(0), col], q, groups(rows));
+    let (cols, b_bst) = if wide { (n * npos, vec![0, kk * n * npos]) } else { (npos, vec![g * kk * npos, kk * npos]) };
+    let spec = GemmSpec {
+        a: Buf::In(1),
+        b: col,
+        c: bias,
+        m: mg,
+        n: cols,
+        k: kk,
+        a_st: (kk, 1),
+        b_st: (cols, 1),
+        c_st: (1, 0),
+        batch: vec![if wide { 1 } else { n }, g],
+        a_bst: vec![0, mg * kk],
+        b_bst,
+        c_bst: vec![0, mg],
+        bases: (0, 0, 0),
+        alpha: 1.0,
+        beta: 1.0,
+    };
+    if !wide {
+        gemm(c, &spec, Buf::Out(0))?;
+        return Ok(true);
+    }
+    // `T[g, m, n, p]` → `Y[n, g, m, p]`.
+    let t = c.temp(vec![g, mg, n, npos], DType::Float);
+    gemm(c, &spec, t)?;
+    let axes = [Axis::Same(npos), Axis::Same(mg * n * npos), Axis::Same(n * npos), Axis::Same(1)];
+    let _ = oshape;
+    remap(c, t, Elem::F32, Buf::Out(0), &[n, g, mg, npos], &axes, 0.0);
+    Ok(true)
+}
+
+/// Windowed pools: `Name: kind`.
+macro_rules! pool_kernels {
+    ($($name:ident: $kind:literal;)*) => {$(
+        impl Kernel for op::$name {
+            fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+                let Some(x) = cx.input(0) else { return Ok(None) };
+                if x.elem() != Elem::F32 || !(3..=5).contains(&x.shape.len()) || cx.extra_outputs() {
+                    return Ok(None);
+                }
+                let op = Op::$name(self.clone());
+                let a = op.pool_attrs().expect("a pooling op");
+                let Some(kernel) = a.kernel_shape else { return Ok(None) };
+                let spatial: Vec<usize> = x.shape[2..].to_vec();
+                let w = ir::eval::window(&spatial, kernel, a.strides, a.dilations, a.pads, a.auto_pad, a.ceil_mode)?;
+                let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+                let count: usize = c.outputs[0].shape.iter().product();
+                let nc = x.shape[0] * x.shape[1];
+                // [count, NC, C, D, H, W, OD, OH, OW, KD, KH, KW, SD, SH, SW, DD, DH, DW, PD, PH,
+                //  PW, PED, PEH, PEW, count_include_pad, p]
+                let mut p: Vec<u32> = vec![count as u32, nc as u32, x.shape[1] as u32];
+                for v in [
+                    to3(&spatial, 1),
+                    to3(&w.out, 1),
+                    to3(&w.kernel, 1),
+                    to3(&w.strides, 1),
+                    to3(&w.dilations, 1),
+                    to3(&w.pad_begin, 0),
+                    to3(&w.pad_end, 0),
+                ] {
+                    p.extend(v.iter().map(|&x| x as u32));
+                }
+                let (include_pad, lp) = match &op {
+                    Op::AveragePool(ap) => (ap.count_include_pad(), 2),
+                    Op::LpPool(lp) => (0, lp.p()),
+                    _ => (0, 2),
+                };
+                p.push(include_pad as u32);
+                p.push(lp as u32);
+                if count > 0 {
+                    c.launch(specialize(&pool_src($kind), &p), vec![Buf::In(0), Buf::Out(0)], p, groups(count));
+                }
+                Ok(Some(c))
+            }
+        }
+    )*};
+}
+
+pool_kernels! {
+    MaxPool: "max";
+    AveragePool: "avg";
+    LpPool: "lp";
+}
+
+/// Direct N-d convolution (N ≤ 3, as 3-d). One invocation per output element.
+/// `P = [count, N, C, M, G, D, H, W, OD, OH, OW, KD, KH, KW, SD, SH, SW, DD, DH, DW, PD, PH, PW]`.
+pub fn conv_src(bias: bool) -> String {
+    let mut b: Vec<Binding<'_>> = vec![("X", Elem::F32, false), ("Wt", Elem::F32, false)];
+    if bias {
+        b.push(("Bs", Elem::F32, false));
+    }
+    b.push(("Y", Elem::F32, true));
+    let init = if bias { "Bs[m]" } else { "0.0" };
+    let body = format!(
+        "    let C = P[2]; let M = P[3]; let G = P[4];
+    let D = P[5]; let H = P[6]; let W = P[7];
+    let OD = P[8]; let OH = P[9]; let OW = P[10];
+    let KD = P[11]; let KH = P[12]; let KW = P[13];
+    var rem = i;
+    let ow = rem % OW; rem = rem / OW;
+    let oh = rem % OH; rem = rem / OH;
+    let od = rem % OD; rem = rem / OD;
+    let m = rem % M; let n = rem / M;
+    let cg = C / G;
+    let c0 = (m / (M / G)) * cg;
+    var acc = {init};
+    for (var c = 0u; c < cg; c = c + 1u) {{
+        for (var kd = 0u; kd < KD; kd = kd + 1u) {{
+            let id = i32(od * P[14] + kd * P[17]) - i32(P[20]);
+            if (id < 0 || id >= i32(D)) {{ continue; }}
+            for (var kh = 0u; kh < KH; kh = kh + 1u) {{
+                let ih = i32(oh * P[15] + kh * P[18]) - i32(P[21]);
+                if (ih < 0 || ih >= i32(H)) {{ continue; }}
+                for (var kw = 0u; kw < KW; kw = kw + 1u) {{
+                    let iw = i32(ow * P[16] + kw * P[19]) - i32(P[22]);
+                    if (iw < 0 || iw >= i32(W)) {{ continue; }}
+                    let xo = (((n * C + c0 + c) * D + u32(id)) * H + u32(ih)) * W + u32(iw);
+                    let wo = (((m * cg + c) * KD + kd) * KH + kh) * KW + kw;
+                    acc = acc + X[xo] * Wt[wo];
+                }}
+            }}
+        }}
+    }}
+    Y[i] = acc;"
+    );
+    source(&b, "", &body)
+}
+
+/// im2col for a grouped N-d convolution (as 3-d): `COL[(b, k, p)]` with `b = n·G + g`,
+/// or, `wide`, `COL[(g, k, n, p)]` (one GEMM per group over all images, for small outputs),
+/// `k = (c, kd, kh, kw)` within the group, `p = (od, oh, ow)`; zero outside the input. One
+/// invocation per row `(b, k)` walks the output positions (no divisions in the inner loop).
+/// `P = [rows, C, G, D, H, W, OD, OH, OW, KD, KH, KW, SD, SH, SW, DD, DH, DW, PD, PH, PW]`.
+pub fn im2col_src(wide: bool) -> String {
+    let out = if wide { "((g * kk + k) * (P[0] / (G * kk)) + n) * npos" } else { "i * npos" };
+    let body = format!(
+        "    let C = P[1]; let G = P[2];
+    let D = P[3]; let H = P[4]; let W = P[5];
+    let OD = P[6]; let OH = P[7]; let OW = P[8];
+    let KD = P[9]; let KH = P[10]; let KW = P[11];
+    let cg = C / G;
+    let npos = OD * OH * OW;
+    let kk = cg * KD * KH * KW;
+    let k = i % kk; let b = i / kk;
+    let kw = k % KW; let kh = (k / KW) % KH; let kd = (k / (KW * KH)) % KD; let c = k / (KW * KH * KD);
+    let n = b / G; let g = b % G;
+    let plane = ((n * C + g * cg + c) * D) * H * W;
+    var out = {out};
+    for (var od = 0u; od < OD; od = od + 1u) {{
+        let id = i32(od * P[12] + kd * P[15]) - i32(P[18]);
+        let din = id >= 0 && id < i32(D);
+        for (var oh = 0u; oh < OH; oh = oh + 1u) {{
+            let ih = i32(oh * P[13] + kh * P[16]) - i32(P[19]);
+            let hin = din && ih >= 0 && ih < i32(H);
+            let rowbase = plane + (u32(max(id, 0)) * H + u32(max(ih, 0))) * W;
+            var iw = i32(kw * P[17]) - i32(P[20]);
+            for (var ow = 0u; ow < OW; ow = ow + 1u) {{
+                var v = 0.0;
+                if (hin && iw >= 0 && iw < i32(W)) {{ v = X[rowbase + u32(iw)]; }}
+                COL[out] = v;
+                out = out + 1u;
+                iw = iw + i32(P[14]);
+            }}
+        }}
+    }}"
+    );
+    source(&[("X", Elem::F32, false), ("COL", Elem::F32, true)], "", &body)
+}
+
+/// Transposed convolution, gathering for each output. Weights `[C, M/G, k…]`.
+/// `P` as [`conv_src`].
+pub fn conv_transpose_src(bias: bool) -> String {
+    let mut b: Vec<Binding<'_>> = vec![("X", Elem::F32, false), ("Wt", Elem::F32, false)];
+    if bias {
+        b.push(("Bs", Elem::F32, false));
+    }
+    b.push(("Y", Elem::F32, true));
+    let init = if bias { "Bs[m]" } else { "0.0" };
+    let body = format!(
+        "    let C = P[2]; let M = P[3]; let G = P[4];
+    let D = P[5]; let H = P[6]; let W = P[7];
+    let OD = P[8]; let OH = P[9]; let OW = P[10];
+    let KD = P[11]; let KH = P[12]; let KW = P[13];
+    var rem = i;
+    let ow = rem % OW; rem = rem / OW;
+    let oh = rem % OH; rem = rem / OH;
+    let od = rem % OD; rem = rem / OD;
+    let m = rem % M; let n = rem / M;
+    let mg = M / G;
+    let cg = C / G;
+    let g = m / mg;
+    var acc = {init};
+    for (var c = g * cg; c < (g + 1u) * cg; c = c + 1u) {{
+        for (var kd = 0u; kd < KD; kd = kd + 1u) {{
+            let td = i32(od) + i32(P[20]) - i32(kd * P[17]);
+            if (td < 0 || td % i32(P[14]) != 0) {{ continue; }}
+            let id = td / i32(P[14]);
+            if (id >= i32(D)) {{ continue; }}
+            for (var kh = 0u; kh < KH; kh = kh + 1u) {{
+                let th = i32(oh) + i32(P[21]) - i32(kh * P[18]);
+                if (th < 0 || th % i32(P[15]) != 0) {{ continue; }}
+                let ih = th / i32(P[15]);
+                if (ih >= i32(H)) {{ continue; }}
+                for (var kw = 0u; kw < KW; kw = kw + 1u) {{
+                    let tw = i32(ow) + i32(P[22]) - i32(kw * P[19]);
+                    if (tw < 0 || tw % i32(P[16]) != 0) {{ continue; }}
+                    let iw = tw / i32(P[16]);
+                    if (iw >= i32(W)) {{ continue; }}
+                    let xo = (((n * C + c) * D + u32(id)) * H + u32(ih)) * W + u32(iw);
+                    let wo = (((c * mg + (m - g * mg)) * KD + kd) * KH + kh) * KW + kw;
+                    acc = acc + X[xo] * Wt[wo];
+                }}
+            }}
+        }}
+    }}
+    Y[i] = acc;"
+    );
+    source(&b, "", &body)
+}
+
+/// Pooling: `kind` is `max`, `avg` or `lp`. `P = [count, N·C, C, D, H, W, OD, OH, OW, KD, KH,
+/// KW, SD, SH, SW, DD, DH, DW, PD, PH, PW, PED, PEH, PEW, count_include_pad, p]`.
+pub fn pool_src(kind: &str) -> String {
+    let (init, step, fin) = match kind {
+        "max" => ("bitcast<f32>(0xff800000u)", "acc = max(acc, v);", "acc"),
+        "lp" => ("0.0", "acc = acc + pow(abs(v), f32(P[25]));", "pow(acc, 1.0 / f32(P[25]))"),
+        _ => ("0.0", "acc = acc + v;", "acc / f32(select(cnt_valid, cnt_all, P[24] != 0u))"),
+    };
+    let body = format!(
+        "    let D = P[3]; let H = P[4]; let W = P[5];
+    let OD = P[6]; let OH = P[7]; let OW = P[8];
+    var rem = i;
+    let ow = rem % OW; rem = rem / OW;
+    let oh = rem % OH; rem = rem / OH;
+    let od = rem % OD; rem = rem / OD;
+    let nc = rem;
+    var acc = {init};
+    var cnt_valid = 0u;
+    var cnt_all = 0u;
+    for (var kd = 0u; kd < P[9]; kd = kd + 1u) {{
+        let id = i32(od * P[12] + kd * P[15]) - i32(P[18]);
+        if (id >= i32(D) + i32(P[21])) {{ continue; }}
+        for (var kh = 0u; kh < P[10]; kh = kh + 1u) {{
+            let ih = i32(oh * P[13] + kh * P[16]) - i32(P[19]);
+            if (ih >= i32(H) + i32(P[22])) {{ continue; }}
+            for (var kw = 0u; kw < P[11]; kw = kw + 1u) {{
+                let iw = i32(ow * P[14] + kw * P[17]) - i32(P[20]);
+                if (iw >= i32(W) + i32(P[23])) {{ continue; }}
+                cnt_all = cnt_all + 1u;
+                if (id < 0 || ih < 0 || iw < 0 || id >= i32(D) || ih >= i32(H) || iw >= i32(W)) {{ continue; }}
+                cnt_valid = cnt_valid + 1u;
+                let v = X[((nc * D + u32(id)) * H + u32(ih)) * W + u32(iw)];
+                {step}
+            }}
+        }}
+    }}
+    Y[i] = {fin};"
+    );
+    source(&[("X", Elem::F32, false), ("Y", Elem::F32, true)], "", &body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::gpu::wgsl::validate;
+
+    #[test]
+    fn convolution_and_pooling_kernels_validate() {
+        for c in [false, true] {
+            validate("conv", &conv_src(c));
+            validate("conv_transpose", &conv_transpose_src(c));
+        }
+        for kind in ["max", "avg", "lp"] {
+            validate(&format!("pool {kind}"), &pool_src(kind));
+        }
+        for wide in [false, true] {
+            validate("im2col", &im2col_src(wide));
+        }
+        // With their parameters baked in, as launched.
+        let mut p: Vec<u32> = vec![2 * 8 * 5 * 5, 2, 4, 8, 2];
+        for v in [[1, 5, 5], [1, 5, 5], [1, 3, 3], [1, 1, 1], [1, 1, 1], [0, 1, 1]] {
+            p.extend(v);
+        }
+        validate("conv specialised", &specialize(&conv_src(true), &p));
+        validate("conv_transpose specialised", &specialize(&conv_transpose_src(false), &p));
+        let mut q: Vec<u32> = vec![2 * 2 * 18, 4, 2];
+        q.extend_from_slice(&p[5..]);
+        validate("im2col specialised", &specialize(&im2col_src(true), &q));
+        let pool: Vec<u32> =
+            vec![2 * 4 * 4 * 4, 8, 4, 1, 8, 8, 1, 4, 4, 1, 3, 3, 1, 2, 2, 1, 1, 1, 0, 1, 1, 0, 0, 0, 1, 2];
+        for kind in ["max", "avg", "lp"] {
+            validate("pool specialised", &specialize(&pool_src(kind), &pool));
+        }
+    }
+}

@@ -1,0 +1,354 @@
+//! GEMM: a register-tiled kernel (4×4 blocks per invocation, no workgroup memory — barriers
+//! are costly on CPU-backed drivers) for `MatMul` (batched, broadcast, 1-d operands
+//! promoted, a shared B folded into rows), `Gemm`, and the projections inside convolutions
+//! and recurrent layers. A tiled variant with workgroup memory is kept for devices where it
+//! is faster.
+
+use ir::op;
+
+use super::Elem;
+use super::compile::{Buf, CompileCx, CompileResult, Compiled, Kernel};
+use super::wgsl::{broadcast_strides, strides};
+
+/// A GEMM launch: `Y[b, m, n] = alpha · Σ_k A[..] · B[..] (+ beta · C[..])` with per-operand
+/// row/column strides, batch dims with per-operand batch strides, and base offsets.
+pub struct GemmSpec {
+    /// A, B and the optional C.
+    pub a: Buf,
+    /// B.
+    pub b: Buf,
+    /// C (broadcast through `c_st`, `c_bst`).
+    pub c: Option<Buf>,
+    /// Rows.
+    pub m: usize,
+    /// Columns.
+    pub n: usize,
+    /// Reduction length.
+    pub k: usize,
+    /// (row stride, col stride) of A.
+    pub a_st: (usize, usize),
+    /// Of B.
+    pub b_st: (usize, usize),
+    /// Of C.
+    pub c_st: (usize, usize),
+    /// Batch dims (at most 4).
+    pub batch: Vec<usize>,
+    /// A's batch strides.
+    pub a_bst: Vec<usize>,
+    /// B's batch strides.
+    pub b_bst: Vec<usize>,
+    /// C's batch strides.
+    pub c_bst: Vec<usize>,
+    /// Base offsets of A, B, C.
+    pub bases: (usize, usize, usize),
+    /// Scale of the product.
+    pub alpha: f32,
+    /// Scale of C.
+    pub beta: f32,
+}
+
+/// Adds a GEMM writing `out` (dense `[batch…, m, n]`).
+pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
+    if g.batch.len() > 4 {
+        return Err("more than 4 batch dims".into());
+    }
+    if g.m == 0 || g.n == 0 {
+        return Ok(());
+    }
+    if g.k == 0 {
+        return Err("empty reduction".into());
+    }
+    let pad4 = |v: &[usize], fill: u32| -> Vec<u32> {
+        let mut o: Vec<u32> = v.iter().map(|&x| x as u32).collect();
+        o.resize(4, fill);
+        o
+    };
+    let mut p: Vec<u32> = vec![
+        g.m as u32,
+        g.n as u32,
+        g.k as u32,
+        g.a_st.0 as u32,
+        g.a_st.1 as u32,
+        g.b_st.0 as u32,
+        g.b_st.1 as u32,
+        g.c_st.0 as u32,
+        g.c_st.1 as u32,
+        g.batch.len() as u32,
+    ];
+    p.extend(pad4(&g.batch, 1));
+    p.extend(pad4(&g.a_bst, 0));
+    p.extend(pad4(&g.b_bst, 0));
+    p.extend(pad4(&g.c_bst, 0));
+    p.extend([g.bases.0 as u32, g.bases.1 as u32, g.bases.2 as u32, g.alpha.to_bits(), g.beta.to_bits()]);
+    let nbatch: usize = g.batch.iter().product::<usize>().max(1);
+    let groups = [g.n.div_ceil(32) as u32, g.m.div_ceil(32) as u32, nbatch as u32];
+    match g.c {
+        Some(cb) => c.launch(gemm_rt_src(true), vec![g.a, g.b, cb, out], p, groups),
+        None => c.launch(gemm_rt_src(false), vec![g.a, g.b, out], p, groups),
+    }
+    Ok(())
+}
+
+impl Kernel for op::MatMul {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        let (Some(x), Some(w)) = (cx.input(0), cx.input(1)) else { return Ok(None) };
+        if x.elem() != Elem::F32 || w.elem() != Elem::F32 {
+            return Ok(None);
+        }
+        // 1-d operands become matrices.
+        let ash: Vec<usize> = if x.shape.len() == 1 { vec![1, x.shape[0]] } else { x.shape.clone() };
+        let bsh: Vec<usize> = if w.shape.len() == 1 { vec![w.shape[0], 1] } else { w.shape.clone() };
+        let (m, k) = (ash[ash.len() - 2], ash[ash.len() - 1]);
+        let nn = bsh[bsh.len() - 1];
+        let ab = &ash[..ash.len() - 2];
+        let bb = &bsh[..bsh.len() - 2];
+        let nb = ab.len().max(bb.len());
+        if nb > 4 {
+            return Ok(None);
+        }
+        let mut batch = vec![1usize; nb];
+        for (d, slot) in batch.iter_mut().enumerate() {
+            let a = ab.len().checked_sub(nb - d).map_or(1, |i| ab[i]);
+            let b = bb.len().checked_sub(nb - d).map_or(1, |i| bb[i]);
+            *slot = a.max(b);
+        }
+        // Batch strides of each operand (0 where it broadcasts).
+        let bst = |b: &[usize], full: &[usize]| -> Vec<usize> {
+            let st = strides(full);
+            (0..nb)
+                .map(|d| match b.len().checked_sub(nb - d) {
+                    Some(i) if b[i] != 1 => st[i],
+                    _ => 0,
+                })
+                .collect()
+        };
+        let a_full: Vec<usize> = ab.iter().copied().chain([m, k]).collect();
+        let b_full: Vec<usize> = bb.iter().copied().chain([k, nn]).collect();
+        let mut a_bst = bst(ab, &a_full);
+        let b_bst = bst(bb, &b_full);
+        let mut m = m;
+        if bb.iter().all(|&d| d == 1) {
+            // A shared B: A's batch folds into its rows (one GEMM, not many thin ones).
+            m *= batch.iter().product::<usize>();
+            batch.iter_mut().for_each(|d| *d = 1);
+            a_bst.iter_mut().for_each(|s| *s = 0);
+        }
+        let spec = GemmSpec {
+            a: Buf::In(0),
+            b: Buf::In(1),
+            c: None,
+            m,
+            n: nn,
+            k,
+            a_st: (k, 1),
+            b_st: (nn, 1),
+            c_st: (0, 0),
+            batch,
+            a_bst,
+            b_bst,
+            c_bst: vec![0; nb],
+            bases: (0, 0, 0),
+            alpha: 1.0,
+            beta: 0.0,
+        };
+        let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+        gemm(&mut c, &spec, Buf::Out(0))?;
+        Ok(Some(c))
+    }
+}
+
+impl Kernel for op::Gemm {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        let (Some(x), Some(w)) = (cx.input(0), cx.input(1)) else { return Ok(None) };
+        if x.elem() != Elem::F32 || w.elem() != Elem::F32 || x.shape.len() != 2 || w.shape.len() != 2 {
+            return Ok(None);
+        }
+        let (ta, tb) = (self.trans_a() != 0, self.trans_b() != 0);
+        let (m, k) = if ta { (x.shape[1], x.shape[0]) } else { (x.shape[0], x.shape[1]) };
+        let nn = if tb { w.shape[0] } else { w.shape[1] };
+        let c_st = match cx.input(2) {
+            Some(c) => {
+                let st = broadcast_strides(&c.shape, &[m, nn]);
+                (st[0] as usize, st[1] as usize)
+            }
+            None => (0, 0),
+        };
+        let spec = GemmSpec {
+            a: Buf::In(0),
+            b: Buf::In(1),
+            c: cx.input(2).map(|_| Buf::In(2)),
+            m,
+            n: nn,
+            k,
+            a_st: if ta { (1, x.shape[1]) } else { (x.shape[1], 1) },
+            b_st: if tb { (1, w.shape[1]) } else { (w.shape[1], 1) },
+            c_st,
+            batch: vec![],
+            a_bst: vec![],
+            b_bst: vec![],
+            c_bst: vec![],
+            bases: (0, 0, 0),
+            alpha: self.alpha(),
+            beta: self.beta(),
+        };
+        let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+        gemm(&mut c, &spec, Buf::Out(0))?;
+        Ok(Some(c))
+    }
+}
+
+/// Tiled GEMM: `Y[b, m, n] = alpha · Σ_k A[a_off(b) + m·ars + k·acs] · B[b_off(b) + k·brs + n·bcs]
+/// (+ beta · C[c_off(b) + m·crs + n·ccs])`. 16×16 tiles in workgroup memory; one workgroup
+/// per output tile and batch entry. `P = [M, N, K, ars, acs, brs, bcs, crs, ccs, nb,
+/// batch dims[4], a batch strides[4], b batch strides[4], c batch strides[4], a_base, b_base,
+/// c_base, alpha_bits, beta_bits]`.
+pub fn gemm_src(with_c: bool) -> String {
+    let c_binding = if with_c { "@group(0) @binding(2) var<storage, read> C: array<f32>;\n" } else { "" };
+    let (yb, pb) = if with_c { (3, 4) } else { (2, 3) };
+    let c_term = if with_c {
+        "        let coff = P[28] + cb + row * P[7] + col * P[8];\n        v = v + bitcast<f32>(P[30]) * C[coff];\n"
+    } else {
+        ""
+    };
+    format!(
+        "@group(0) @binding(0) var<storage, read> A: array<f32>;
+@group(0) @binding(1) var<storage, read> B: array<f32>;
+{c_binding}@group(0) @binding({yb}) var<storage, read_write> Y: array<f32>;
+@group(0) @binding({pb}) var<storage, read> P: array<u32>;
+var<workgroup> TA: array<f32, 256>;
+var<workgroup> TB: array<f32, 256>;
+@compute @workgroup_size(16, 16)
+fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {{
+    let M = P[0];
+    let N = P[1];
+    let K = P[2];
+    let row = wid.y * 16u + lid.y;
+    let col = wid.x * 16u + lid.x;
+    // Batch offsets.
+    var rem = wid.z;
+    var ab = 0u;
+    var bb = 0u;
+    var cb = 0u;
+    let nb = P[9];
+    for (var t = 0u; t < nb; t = t + 1u) {{
+        let d = nb - 1u - t;
+        let dim = P[10u + d];
+        let c = rem % dim;
+        rem = rem / dim;
+        ab = ab + c * P[14u + d];
+        bb = bb + c * P[18u + d];
+        cb = cb + c * P[22u + d];
+    }}
+    var acc = 0.0;
+    let tiles = (K + 15u) / 16u;
+    for (var t = 0u; t < tiles; t = t + 1u) {{
+        let ka = t * 16u + lid.x;
+        let kb = t * 16u + lid.y;
+        let va = A[P[26] + ab + min(row, M - 1u) * P[3] + min(ka, K - 1u) * P[4]];
+        let vb = B[P[27] + bb + min(kb, K - 1u) * P[5] + min(col, N - 1u) * P[6]];
+        TA[lid.y * 16u + lid.x] = select(0.0, va, row < M && ka < K);
+        TB[lid.y * 16u + lid.x] = select(0.0, vb, kb < K && col < N);
+        workgroupBarrier();
+        for (var k = 0u; k < 16u; k = k + 1u) {{
+            acc = acc + TA[lid.y * 16u + k] * TB[k * 16u + lid.x];
+        }}
+        workgroupBarrier();
+    }}
+    if (row < M && col < N) {{
+        var v = bitcast<f32>(P[29]) * acc;
+{c_term}        Y[wid.z * M * N + row * N + col] = v;
+    }}
+}}
+"
+    )
+}
+
+/// Register-tiled GEMM: each invocation computes a 4×4 block of `Y` with no workgroup memory
+/// (barriers are costly on CPU-backed drivers such as lavapipe); an 8×8 workgroup covers a
+/// 32×32 tile. Parameters as [`gemm_src`].
+pub fn gemm_rt_src(with_c: bool) -> String {
+    let c_binding = if with_c { "@group(0) @binding(2) var<storage, read> C: array<f32>;\n" } else { "" };
+    let (yb, pb) = if with_c { (3, 4) } else { (2, 3) };
+    let c_term = if with_c { "v = v + bitcast<f32>(P[30]) * C[P[28] + cb + row * P[7] + col * P[8]];" } else { "" };
+    format!(
+        "@group(0) @binding(0) var<storage, read> A: array<f32>;
+@group(0) @binding(1) var<storage, read> B: array<f32>;
+{c_binding}@group(0) @binding({yb}) var<storage, read_write> Y: array<f32>;
+@group(0) @binding({pb}) var<storage, read> P: array<u32>;
+@compute @workgroup_size(8, 8)
+fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {{
+    let M = P[0];
+    let N = P[1];
+    let K = P[2];
+    let row0 = wid.y * 32u + lid.y * 4u;
+    let col0 = wid.x * 32u + lid.x * 4u;
+    if (row0 >= M || col0 >= N) {{ return; }}
+    var rem = wid.z;
+    var ab = 0u;
+    var bb = 0u;
+    var cb = 0u;
+    let nb = P[9];
+    for (var t = 0u; t < nb; t = t + 1u) {{
+        let d = nb - 1u - t;
+        let dim = P[10u + d];
+        let c = rem % dim;
+        rem = rem / dim;
+        ab = ab + c * P[14u + d];
+        bb = bb + c * P[18u + d];
+        cb = cb + c * P[22u + d];
+    }}
+    let abase = P[26] + ab;
+    let bbase = P[27] + bb;
+    let ars = P[3]; let acs = P[4]; let brs = P[5]; let bcs = P[6];
+    let r0 = abase + min(row0, M - 1u) * ars;
+    let r1 = abase + min(row0 + 1u, M - 1u) * ars;
+    let r2 = abase + min(row0 + 2u, M - 1u) * ars;
+    let r3 = abase + min(row0 + 3u, M - 1u) * ars;
+    let c0 = bbase + min(col0, N - 1u) * bcs;
+    let c1 = bbase + min(col0 + 1u, N - 1u) * bcs;
+    let c2 = bbase + min(col0 + 2u, N - 1u) * bcs;
+    let c3 = bbase + min(col0 + 3u, N - 1u) * bcs;
+    var acc0 = vec4<f32>(0.0);
+    var acc1 = vec4<f32>(0.0);
+    var acc2 = vec4<f32>(0.0);
+    var acc3 = vec4<f32>(0.0);
+    for (var k = 0u; k < K; k = k + 1u) {{
+        let ka = k * acs;
+        let kb = k * brs;
+        let bv = vec4<f32>(B[c0 + kb], B[c1 + kb], B[c2 + kb], B[c3 + kb]);
+        acc0 = acc0 + A[r0 + ka] * bv;
+        acc1 = acc1 + A[r1 + ka] * bv;
+        acc2 = acc2 + A[r2 + ka] * bv;
+        acc3 = acc3 + A[r3 + ka] * bv;
+    }}
+    let alpha = bitcast<f32>(P[29]);
+    var accs = array<vec4<f32>, 4>(acc0, acc1, acc2, acc3);
+    for (var r = 0u; r < 4u; r = r + 1u) {{
+        let row = row0 + r;
+        if (row >= M) {{ break; }}
+        for (var q = 0u; q < 4u; q = q + 1u) {{
+            let col = col0 + q;
+            if (col >= N) {{ break; }}
+            var v = alpha * accs[r][q];
+            {c_term}
+            Y[wid.z * M * N + row * N + col] = v;
+        }}
+    }}
+}}
+"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::gpu::wgsl::validate;
+
+    #[test]
+    fn gemm_kernels_validate() {
+        for c in [false, true] {
+            validate("gemm", &gemm_src(c));
+            validate("gemm_rt", &gemm_rt_src(c));
+        }
+    }
+}

@@ -1,0 +1,172 @@
+//! Normalization kernels: layer normalization over contiguous rows (with its mean and
+//! inverse standard deviation outputs), inference batch normalization per channel, and
+//! instance normalization per (sample, channel) row.
+
+use ir::DType;
+use ir::op;
+use ir::ops::norm_axis;
+
+use super::Elem;
+use super::compile::{Buf, CompileCx, CompileResult, Compiled, Kernel, OutSpec, groups};
+use super::wgsl::{Binding, source};
+
+impl Kernel for op::LayerNormalization {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        let (Some(x), Some(s)) = (cx.input(0), cx.input(1)) else { return Ok(None) };
+        if x.elem() != Elem::F32 {
+            return Ok(None);
+        }
+        let r = x.shape.len();
+        let a = norm_axis(self.axis(), r)?;
+        let len: usize = x.shape[a..].iter().product();
+        let rows = x.numel() / len.max(1);
+        let bias = cx.input(2);
+        let stats = cx.extra_outputs();
+        let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+        let mut stat_shape: Vec<usize> = x.shape[..a].to_vec();
+        stat_shape.extend(std::iter::repeat_n(1, r - a));
+        let eps = self.epsilon().to_bits();
+        let p = vec![rows as u32, len as u32, s.numel() as u32, bias.map_or(1, |b| b.numel()) as u32, eps];
+        let mut bufs = vec![Buf::In(0), Buf::In(1)];
+        if bias.is_some() {
+            bufs.push(Buf::In(2));
+        }
+        bufs.push(Buf::Out(0));
+        if stats {
+            for _ in 0..2 {
+                c.outputs.push(OutSpec { shape: stat_shape.clone(), dtype: DType::Float, view_of: None });
+            }
+            c.outputs.truncate(cx.outs.len());
+            // Both statistics are written; an omitted one lands in scratch.
+            let mean = if c.outputs.len() > 1 { Buf::Out(1) } else { c.temp(stat_shape.clone(), DType::Float) };
+            let inv = if c.outputs.len() > 2 { Buf::Out(2) } else { c.temp(stat_shape, DType::Float) };
+            bufs.extend([mean, inv]);
+        }
+        if rows > 0 {
+            c.launch(layernorm_src(bias.is_some(), stats), bufs, p, groups(rows));
+        }
+        Ok(Some(c))
+    }
+}
+
+impl Kernel for op::BatchNormalization {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        let (Some(x), true) = (cx.input(0), (1..5).all(|k| cx.input(k).is_some())) else { return Ok(None) };
+        if self.training_mode() != 0 || cx.extra_outputs() || x.elem() != Elem::F32 {
+            return Ok(None);
+        }
+        let r = x.shape.len();
+        let ch = if r > 1 { x.shape[1] } else { 1 };
+        let inner: usize = x.shape.get(2..).map_or(1, |d| d.iter().product());
+        let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+        let p = vec![x.numel() as u32, ch as u32, inner as u32, self.epsilon().to_bits()];
+        let bufs = vec![Buf::In(0), Buf::In(1), Buf::In(2), Buf::In(3), Buf::In(4), Buf::Out(0)];
+        if x.numel() > 0 {
+            c.launch(batchnorm_src(), bufs, p, groups(x.numel()));
+        }
+        Ok(Some(c))
+    }
+}
+
+impl Kernel for op::InstanceNormalization {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        let (Some(x), Some(_), Some(_)) = (cx.input(0), cx.input(1), cx.input(2)) else { return Ok(None) };
+        if x.elem() != Elem::F32 || x.shape.len() < 2 {
+            return Ok(None);
+        }
+        let ch = x.shape[1];
+        let len: usize = x.shape[2..].iter().product();
+        let rows = x.numel() / len.max(1);
+        let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+        let p = vec![rows as u32, len as u32, ch as u32, self.epsilon().to_bits()];
+        if rows > 0 {
+            c.launch(instancenorm_src(), vec![Buf::In(0), Buf::In(1), Buf::In(2), Buf::Out(0)], p, groups(rows));
+        }
+        Ok(Some(c))
+    }
+}
+
+/// Layer norm over contiguous rows of `len`: `P = [rows, len, scale_len, bias_len, eps_bits]`.
+pub fn layernorm_src(with_bias: bool, stats: bool) -> String {
+    let mut b: Vec<Binding<'_>> = vec![("X", Elem::F32, false), ("S", Elem::F32, false)];
+    if with_bias {
+        b.push(("B", Elem::F32, false));
+    }
+    b.push(("Y", Elem::F32, true));
+    if stats {
+        b.push(("MEAN", Elem::F32, true));
+        b.push(("INV", Elem::F32, true));
+    }
+    let bias = if with_bias { "+ B[k % P[3]]" } else { "" };
+    let st = if stats { "    MEAN[i] = mean;\n    INV[i] = inv;\n" } else { "" };
+    let body = format!(
+        "    let len = P[1];
+    let base = i * len;
+    var mean = 0.0;
+    for (var k = 0u; k < len; k = k + 1u) {{ mean = mean + X[base + k]; }}
+    mean = mean / f32(len);
+    var var_ = 0.0;
+    for (var k = 0u; k < len; k = k + 1u) {{ let d = X[base + k] - mean; var_ = var_ + d * d; }}
+    var_ = var_ / f32(len);
+    let inv = 1.0 / sqrt(var_ + bitcast<f32>(P[4]));
+    for (var k = 0u; k < len; k = k + 1u) {{
+        Y[base + k] = (X[base + k] - mean) * inv * S[k % P[2]] {bias};
+    }}
+{st}"
+    );
+    source(&b, "", &body)
+}
+
+/// Per-channel affine normalization (inference batch norm):
+/// `P = [count, channels, inner, eps_bits]`.
+pub fn batchnorm_src() -> String {
+    let body = "    let c = (i / P[2]) % P[1];
+    Y[i] = (X[i] - M[c]) / sqrt(V[c] + bitcast<f32>(P[3])) * S[c] + B[c];";
+    source(
+        &[
+            ("X", Elem::F32, false),
+            ("S", Elem::F32, false),
+            ("B", Elem::F32, false),
+            ("M", Elem::F32, false),
+            ("V", Elem::F32, false),
+            ("Y", Elem::F32, true),
+        ],
+        "",
+        body,
+    )
+}
+
+/// Instance norm over contiguous rows (one per sample and channel):
+/// `P = [rows, len, channels, eps_bits]`.
+pub fn instancenorm_src() -> String {
+    let body = "    let len = P[1];
+    let base = i * len;
+    let c = i % P[2];
+    var mean = 0.0;
+    for (var k = 0u; k < len; k = k + 1u) { mean = mean + X[base + k]; }
+    mean = mean / f32(len);
+    var v = 0.0;
+    for (var k = 0u; k < len; k = k + 1u) { let d = X[base + k] - mean; v = v + d * d; }
+    let inv = 1.0 / sqrt(v / f32(len) + bitcast<f32>(P[3]));
+    for (var k = 0u; k < len; k = k + 1u) { Y[base + k] = (X[base + k] - mean) * inv * S[c] + B[c]; }";
+    source(
+        &[("X", Elem::F32, false), ("S", Elem::F32, false), ("B", Elem::F32, false), ("Y", Elem::F32, true)],
+        "",
+        body,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::gpu::wgsl::validate;
+
+    #[test]
+    fn normalization_kernels_validate() {
+        for (bias, stats) in [(false, false), (true, false), (false, true), (true, true)] {
+            validate("layernorm", &layernorm_src(bias, stats));
+        }
+        validate("batchnorm", &batchnorm_src());
+        validate("instancenorm", &instancenorm_src());
+    }
+}

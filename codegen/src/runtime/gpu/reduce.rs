@@ -1,0 +1,305 @@
+//! Reductions (`Reduce*`, `ArgMax`/`ArgMin`, global average and max pooling) — one
+//! invocation per output element looping over the reduced sub-box — and the softmax family
+//! over rows.
+
+use ir::op;
+use ir::ops::norm_axis;
+
+use super::Elem;
+use super::compile::{Buf, CompileCx, CompileResult, Compiled, Kernel, TensorDesc, groups};
+use super::wgsl::{MATH_FNS, source};
+
+/// Adds a reduction of input 0 over `axes` into output 0.
+fn reduce(cx: &CompileCx<'_>, x: &TensorDesc<'_>, axes: &[usize], red: Red, last: bool) -> CompileResult {
+    let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+    let ye = Elem::of(c.outputs[0].dtype);
+    if matches!(red, Red::L2 | Red::LogSum | Red::LogSumExp | Red::Mean) && x.elem() != Elem::F32 {
+        return Ok(None);
+    }
+    let count: usize = c.outputs[0].shape.iter().product();
+    let r = x.shape.len();
+    let mut params = vec![count as u32, r as u32];
+    params.extend(x.shape.iter().map(|&d| d as u32));
+    params.extend((0..r).map(|d| axes.contains(&d) as u32));
+    params.push(last as u32);
+    if count > 0 {
+        c.launch(reduce_src(red, x.elem(), ye), vec![Buf::In(0), Buf::Out(0)], params, groups(count));
+    }
+    Ok(Some(c))
+}
+
+/// `Reduce*`: `Name: kind`. The axes come from the attribute or the second input.
+macro_rules! reduce_kernels {
+    ($($name:ident: $red:expr;)*) => {$(
+        impl Kernel for op::$name {
+            fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+                let Some(x) = cx.input(0) else { return Ok(None) };
+                let r = x.shape.len();
+                let list = match cx.input(1) {
+                    Some(t) => Some(t.ints().ok_or("reduction axes unknown")?),
+                    None => self.axes.clone(),
+                };
+                let axes: Vec<usize> = match list {
+                    Some(l) if !l.is_empty() => l.iter().map(|&a| norm_axis(a, r)).collect::<Result<_, _>>()?,
+                    _ if self.noop_with_empty_axes() != 0 => return Ok(Compiled::view(cx)),
+                    _ => (0..r).collect(),
+                };
+                reduce(cx, x, &axes, $red, false)
+            }
+
+            fn value_inputs(&self) -> &'static [usize] {
+                &[1]
+            }
+        }
+    )*};
+}
+
+reduce_kernels! {
+    ReduceSum: Red::Sum;
+    ReduceMean: Red::Mean;
+    ReduceMax: Red::Max;
+    ReduceMin: Red::Min;
+    ReduceProd: Red::Prod;
+    ReduceL1: Red::L1;
+    ReduceL2: Red::L2;
+    ReduceSumSquare: Red::SumSquare;
+    ReduceLogSum: Red::LogSum;
+    ReduceLogSumExp: Red::LogSumExp;
+}
+
+/// `ArgMax`/`ArgMin`: `Name: kind`.
+macro_rules! arg_kernels {
+    ($($name:ident: $red:expr;)*) => {$(
+        impl Kernel for op::$name {
+            fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+                let Some(x) = cx.input(0) else { return Ok(None) };
+                let a = norm_axis(self.axis(), x.shape.len())?;
+                reduce(cx, x, &[a], $red, self.select_last_index() != 0)
+            }
+        }
+    )*};
+}
+
+arg_kernels! {
+    ArgMax: Red::ArgMax;
+    ArgMin: Red::ArgMin;
+}
+
+/// Global pools reduce every spatial dim: `Name: kind`.
+macro_rules! global_kernels {
+    ($($name:ident: $red:expr;)*) => {$(
+        impl Kernel for op::$name {
+            fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+                let Some(x) = cx.input(0) else { return Ok(None) };
+                reduce(cx, x, &(2..x.shape.len()).collect::<Vec<_>>(), $red, false)
+            }
+        }
+    )*};
+}
+
+global_kernels! {
+    GlobalAveragePool: Red::Mean;
+    GlobalMaxPool: Red::Max;
+}
+
+/// Softmax-family rows: `Name: kind`.
+macro_rules! softmax_kernels {
+    ($($name:ident: $kind:literal;)*) => {$(
+        impl Kernel for op::$name {
+            fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+                let Some(x) = cx.input(0) else { return Ok(None) };
+                if x.elem() != Elem::F32 {
+                    return Ok(None);
+                }
+                let r = x.shape.len();
+                let legacy = cx.opset < 13;
+                let a = norm_axis(self.axis.unwrap_or(if legacy { 1 } else { -1 }), r)?;
+                let (len, inner) =
+                    if legacy { (x.shape[a..].iter().product::<usize>(), 1) } else { (x.shape[a], x.shape[a + 1..].iter().product()) };
+                let rows = x.numel() / len.max(1);
+                let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+                if rows > 0 {
+                    c.launch(softmax_src($kind), vec![Buf::In(0), Buf::Out(0)], vec![rows as u32, len as u32, inner as u32], groups(rows));
+                }
+                Ok(Some(c))
+            }
+        }
+    )*};
+}
+
+softmax_kernels! {
+    Softmax: "soft";
+    LogSoftmax: "log";
+    Hardmax: "hard";
+}
+
+/// Reduction kinds.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Red {
+    /// Σ
+    Sum,
+    /// mean
+    Mean,
+    /// max
+    Max,
+    /// min
+    Min,
+    /// Π
+    Prod,
+    /// Σ|x|
+    L1,
+    /// √Σx²
+    L2,
+    /// Σx²
+    SumSquare,
+    /// log Σ
+    LogSum,
+    /// log Σ exp
+    LogSumExp,
+    /// index of the max
+    ArgMax,
+    /// index of the min
+    ArgMin,
+}
+
+/// Source of a reduction kernel: one invocation per output element, looping over the reduced
+/// sub-box. `P = [count, rank, in_shape[r], reduced[r] (0/1), last_index]`.
+pub fn reduce_src(red: Red, xe: Elem, ye: Elem) -> String {
+    let t = xe.wgsl();
+    let (init, step, fin) = match red {
+        Red::Sum | Red::Mean => (format!("{t}(0)"), "acc = acc + v;".to_string(), "acc".to_string()),
+        Red::Max | Red::ArgMax => (
+            if xe == Elem::F32 { "bitcast<f32>(0xff800000u)".into() } else { "-2147483647 - 1".into() },
+            "acc = max(acc, v);".into(),
+            "acc".into(),
+        ),
+        Red::Min | Red::ArgMin => (
+            if xe == Elem::F32 { "bitcast<f32>(0x7f800000u)".into() } else { "2147483647".into() },
+            "acc = min(acc, v);".into(),
+            "acc".into(),
+        ),
+        Red::Prod => (format!("{t}(1)"), "acc = acc * v;".into(), "acc".into()),
+        Red::L1 => (format!("{t}(0)"), "acc = acc + abs(v);".into(), "acc".into()),
+        Red::L2 => ("0.0".into(), "acc = acc + f32(v) * f32(v);".into(), "sqrt(acc)".into()),
+        Red::SumSquare => (format!("{t}(0)"), "acc = acc + v * v;".into(), "acc".into()),
+        Red::LogSum => ("0.0".into(), "acc = acc + f32(v);".into(), "log(acc)".into()),
+        Red::LogSumExp => ("0.0".into(), "acc = acc + exp(f32(v) - m);".into(), "m + log(acc)".into()),
+    };
+    let arg = matches!(red, Red::ArgMax | Red::ArgMin);
+    let cmp = if red == Red::ArgMax { ">" } else { "<" };
+    let mut body = String::from(
+        "    let r = P[1];
+    // Base offset of this output element, and the reduced extent.
+    var rem = i;
+    var base = 0u;
+    var stride = 1u;
+    var total = 1u;
+    for (var t = 0u; t < r; t = t + 1u) {
+        let d = r - 1u - t;
+        let dim = P[2u + d];
+        if (P[2u + r + d] == 0u) {
+            let c = rem % dim;
+            rem = rem / dim;
+            base = base + c * stride;
+        } else {
+            total = total * dim;
+        }
+        stride = stride * dim;
+    }
+",
+    );
+    // Offset of the j-th element of the reduced sub-box.
+    let offset = "        var jr = j;
+        var off = base;
+        var st = 1u;
+        for (var t = 0u; t < r; t = t + 1u) {
+            let d = r - 1u - t;
+            let dim = P[2u + d];
+            if (P[2u + r + d] != 0u) {
+                off = off + (jr % dim) * st;
+                jr = jr / dim;
+            }
+            st = st * dim;
+        }
+";
+    if red == Red::LogSumExp {
+        body.push_str(&format!("    var m = bitcast<f32>(0xff800000u);\n    for (var j = 0u; j < total; j = j + 1u) {{\n{offset}        m = max(m, f32(X[off]));\n    }}\n"));
+    }
+    body.push_str(&format!("    var acc = {init};\n"));
+    if arg {
+        body.push_str(&format!(
+            "    var best = 0u;\n    for (var j = 0u; j < total; j = j + 1u) {{\n{offset}        let v = X[off];\n        if (j == 0u || v {cmp} acc || (P[2u + 2u * r] != 0u && v == acc)) {{ acc = v; best = j; }}\n    }}\n    Y[i] = i32(best);\n"
+        ));
+    } else {
+        body.push_str(&format!(
+            "    for (var j = 0u; j < total; j = j + 1u) {{\n{offset}        let v = X[off];\n        {step}\n    }}\n"
+        ));
+        let mean = if red == Red::Mean { format!(" / {t}(total)") } else { String::new() };
+        let conv = if ye == Elem::F32 { format!("f32({fin}{mean})") } else { format!("i32({fin}{mean})") };
+        body.push_str(&format!("    Y[i] = {conv};\n"));
+    }
+    source(&[("X", xe, false), ("Y", ye, true)], MATH_FNS, &body)
+}
+
+/// Source of a row kernel over `axis_len` elements `inner` apart: softmax, log-softmax,
+/// hardmax. `P = [rows, axis_len, inner]`.
+pub fn softmax_src(kind: &str) -> String {
+    let write = match kind {
+        "log" => "Y[idx] = (X[idx] - m) - log(s);",
+        "hard" => "Y[idx] = select(0.0, 1.0, k == arg);",
+        _ => "Y[idx] = exp(X[idx] - m) / s;",
+    };
+    let body = format!(
+        "    let len = P[1];
+    let inner = P[2];
+    let base = (i / inner) * len * inner + i % inner;
+    var m = bitcast<f32>(0xff800000u);
+    var arg = 0u;
+    for (var k = 0u; k < len; k = k + 1u) {{
+        let v = X[base + k * inner];
+        if (v > m) {{ m = v; arg = k; }}
+    }}
+    var s = 0.0;
+    for (var k = 0u; k < len; k = k + 1u) {{
+        s = s + exp(X[base + k * inner] - m);
+    }}
+    for (var k = 0u; k < len; k = k + 1u) {{
+        let idx = base + k * inner;
+        {write}
+    }}"
+    );
+    source(&[("X", Elem::F32, false), ("Y", Elem::F32, true)], "", &body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::gpu::wgsl::validate;
+
+    #[test]
+    fn reduction_and_softmax_kernels_validate() {
+        let reds = [
+            Red::Sum,
+            Red::Mean,
+            Red::Max,
+            Red::Min,
+            Red::Prod,
+            Red::L1,
+            Red::L2,
+            Red::SumSquare,
+            Red::LogSum,
+            Red::LogSumExp,
+            Red::ArgMax,
+            Red::ArgMin,
+        ];
+        for red in reds {
+            for xe in [Elem::F32, Elem::I32] {
+                let ye = if matches!(red, Red::ArgMax | Red::ArgMin) { Elem::I32 } else { xe };
+                validate(&format!("reduce {red:?} {xe:?}"), &reduce_src(red, xe, ye));
+            }
+        }
+        for kind in ["soft", "log", "hard"] {
+            validate(&format!("softmax {kind}"), &softmax_src(kind));
+        }
+    }
+}

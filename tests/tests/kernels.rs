@@ -1,0 +1,107 @@
+//! Snapshots of what the GPU compiler makes of every golden model: per node, its launches
+//! (source hash, parameters, workgroups, bindings) or `host`. A change in the generated
+//! kernels shows up as a diff here; after an intended change, re-bless with
+//! `BLESS=1 cargo test -p shardc-tests --test kernels`.
+
+use std::collections::HashMap;
+use std::fmt::Write;
+
+use codegen::runtime::gpu::compile::{self, CompileCx, Step, TensorDesc};
+use ir::eval::Array;
+use ir::{Graph, Value};
+use shardc_tests::*;
+
+/// FNV-1a of a kernel source, to name it compactly.
+fn hash(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}
+
+fn snapshot(g: &Graph, consts: &HashMap<Value, Array>) -> String {
+    let mut out = String::new();
+    for n in g.op_nodes().unwrap() {
+        let node = g.node(n);
+        let desc = |v: Value| -> Option<TensorDesc<'_>> {
+            let t = g.tensor_type(v)?;
+            Some(TensorDesc {
+                shape: t.static_dims()?.iter().map(|&d| d as usize).collect(),
+                dtype: t.dtype,
+                value: consts.get(&v),
+            })
+        };
+        let cx = CompileCx {
+            ins: node.inputs().iter().map(|i| i.and_then(desc)).collect(),
+            outs: (0..node.num_outputs())
+                .map(|s| {
+                    let v = Value::new(n, s as u16);
+                    let t = g.tensor_type(v)?;
+                    (!node.outputs()[s].name.is_empty())
+                        .then(|| (t.static_dims().unwrap().iter().map(|&d| d as usize).collect(), t.dtype))
+                })
+                .collect(),
+            opset: g.opset,
+        };
+        let _ = write!(out, "{}:", g.describe(n));
+        match compile::compile(&node.op, &cx) {
+            Ok(None) => out.push_str(" host\n"),
+            Err(e) => {
+                let _ = writeln!(out, " error: {e}");
+            }
+            Ok(Some(c)) => {
+                out.push('\n');
+                for t in &c.temps {
+                    let _ = writeln!(out, "  temp {:?} {}", t.0, t.1);
+                }
+                for o in &c.outputs {
+                    let _ = writeln!(
+                        out,
+                        "  out {:?} {}{}",
+                        o.shape,
+                        o.dtype,
+                        o.view_of.map_or(String::new(), |k| format!(" = view of input {k}"))
+                    );
+                }
+                for s in &c.steps {
+                    let _ = match s {
+                        Step::Launch(l) => writeln!(
+                            out,
+                            "  launch {:016x} groups {:?} bufs {:?} params {:?}",
+                            hash(&l.src),
+                            l.groups,
+                            l.bufs,
+                            &l.params[..l.params.len().min(12)]
+                        ),
+                        Step::Zero(b) => writeln!(out, "  zero {b:?}"),
+                        Step::Copy { src, offset, dst, n } => writeln!(out, "  copy {src:?}+{offset} → {dst:?} ×{n}"),
+                    };
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn compiled_kernels_of_the_golden_models_match_their_snapshots() {
+    let dir = repo_root().join("tests/snapshots/kernels");
+    let bless = std::env::var_os("BLESS").is_some();
+    let mut diffs = Vec::new();
+    for path in data_files("golden") {
+        let mut m = load_model(&path);
+        let consts = ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap().consts;
+        let got = snapshot(&m.graph, &consts);
+        let file = dir.join(path.file_stem().unwrap()).with_extension("txt");
+        if bless {
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(&file, &got).unwrap();
+            continue;
+        }
+        match std::fs::read_to_string(&file) {
+            Ok(want) if want == got => {}
+            Ok(_) => diffs.push(format!("{} differs (BLESS=1 to re-bless)", file.display())),
+            // A golden case from ../shared without a committed snapshot is not compared.
+            Err(_) if !path.starts_with(repo_root().join("tests/data")) => {}
+            Err(e) => diffs.push(format!("{}: {e} (BLESS=1 to write it)", file.display())),
+        }
+    }
+    assert!(diffs.is_empty(), "{}", diffs.join("\n"));
+}

@@ -1,0 +1,246 @@
+//! Completeness of every op type the IR knows, on one sample graph each
+//! (`shardc_tests::samples`): shape inference types its outputs; it has an iteration space
+//! rule, a work rule and an evaluator; and it either compiles to GPU kernels (every source
+//! validated by naga, and, with an adapter, run and compared with the reference) or is in
+//! the commented `HOST_ONLY` list — never both, never neither.
+
+use std::collections::{BTreeSet, HashMap};
+
+use codegen::runtime::Executor;
+use codegen::runtime::gpu::compile::{self, CompileCx, TensorDesc};
+use ir::eval::Array;
+use ir::ops::NodeCx;
+use ir::{Graph, NodeId, Op, Value};
+use shardc_tests::samples::{Sample, samples};
+use shardc_tests::*;
+
+/// Ops whose evaluation needs more than one device: the runtime executes them.
+const RUNTIME_EVAL: &[&str] = &["Send", "Recv"];
+
+/// Ops without a reference evaluator yet, and why.
+const NO_EVAL: &[(&str, &str)] = &[];
+
+fn parse(s: &Sample) -> ir::Model {
+    let mut m =
+        frontend::parse(&s.text).unwrap_or_else(|d| panic!("{}: {}", s.op, frontend::render(&d, s.op, &s.text))).model;
+    ir::verify(&m.graph).unwrap_or_else(|e| panic!("{}: {e}", s.op));
+    ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap_or_else(|e| panic!("{}: {e:?}", s.op));
+    m
+}
+
+/// Graph inputs drawn in [0.1, 0.9] (every sample's inputs are floats).
+fn inputs(g: &Graph, seed: u64) -> HashMap<String, Array> {
+    let mut rng = ir::eval::Rng::new(seed);
+    g.input_values()
+        .into_iter()
+        .filter(|v| matches!(g.node(v.node).op, Op::Input { default: None }))
+        .map(|v| {
+            let t = g.tensor_type(v).expect("typed input");
+            let shape: Vec<usize> = t.static_dims().expect("static").iter().map(|&d| d as usize).collect();
+            let n = shape.iter().product();
+            (g.value_name(v).to_string(), Array::float(t.dtype, shape, (0..n).map(|_| rng.uniform(0.1, 0.9)).collect()))
+        })
+        .collect()
+}
+
+/// The nodes of the sample's op type (in the top-level graph).
+fn sampled(g: &Graph, op: &str) -> Vec<NodeId> {
+    g.node_ids().filter(|&n| g.node(n).op.op_type() == op).collect()
+}
+
+/// The compile context of node `n` from its graph's types and constant values.
+fn compile_cx<'a>(g: &Graph, n: NodeId, consts: &'a HashMap<Value, Array>) -> CompileCx<'a> {
+    let node = g.node(n);
+    let desc = |v: Value| -> Option<TensorDesc<'a>> {
+        let t = g.tensor_type(v)?;
+        Some(TensorDesc {
+            shape: t.static_dims()?.iter().map(|&d| d as usize).collect(),
+            dtype: t.dtype,
+            value: consts.get(&v),
+        })
+    };
+    CompileCx {
+        ins: node.inputs().iter().map(|i| i.and_then(desc)).collect(),
+        outs: (0..node.num_outputs())
+            .map(|s| {
+                let v = Value::new(n, s as u16);
+                let t = g.tensor_type(v)?;
+                (!node.outputs()[s].name.is_empty())
+                    .then(|| (t.static_dims().unwrap().iter().map(|&d| d as usize).collect(), t.dtype))
+            })
+            .collect(),
+        opset: g.opset,
+    }
+}
+
+fn validate(what: &str, src: &str) {
+    let module = naga::front::wgsl::parse_str(src)
+        .unwrap_or_else(|e| panic!("{what}: WGSL does not parse: {}\n{src}", e.emit_to_string(src)));
+    naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::default())
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{what}: WGSL does not validate: {}\n{src}", e.emit_to_string(src)));
+}
+
+#[test]
+fn every_op_type_has_a_sample() {
+    let have: BTreeSet<&str> = samples().iter().map(|s| s.op).collect();
+    let missing: Vec<&str> = Op::known_op_types().iter().map(|(_, t)| *t).filter(|t| !have.contains(t)).collect();
+    assert!(missing.is_empty(), "ops without a sample in tests/src/samples.rs: {missing:?}");
+}
+
+/// Every op type has inference, an iteration space, a work rule, an evaluator, and a GPU
+/// kernel or a place in `HOST_ONLY`.
+#[test]
+fn every_op_has_every_facet() {
+    let mut problems = Vec::new();
+    for s in samples() {
+        let m = parse(&s);
+        let g = &m.graph;
+        let nodes = sampled(g, s.op);
+        assert!(!nodes.is_empty(), "{}: the sample has no {} node", s.op, s.op);
+        let consts = ir::infer::infer_shapes(&mut g.clone(), ir::infer::Mode::Check).unwrap().consts;
+        for n in nodes {
+            let node = g.node(n);
+            let rules = node.op.rules();
+            let cx = NodeCx { g, n };
+            for slot in 0..node.num_outputs() {
+                if !node.outputs()[slot].name.is_empty() && g.tensor_type(Value::new(n, slot as u16)).is_none() {
+                    problems.push(format!("{}: inference leaves output {slot} untyped", s.op));
+                }
+            }
+            if rules.space(&cx).is_none() {
+                problems.push(format!("{}: no iteration space rule", s.op));
+            }
+            if rules.work(&cx).is_none() {
+                problems.push(format!("{}: no work rule", s.op));
+            }
+            // The evaluator: the whole sample runs.
+            let r = ir::eval::run(g, &inputs(g, 1), &Default::default());
+            match (r, RUNTIME_EVAL.contains(&s.op), NO_EVAL.iter().any(|(t, _)| *t == s.op)) {
+                (Ok(_), false, false) => {}
+                (Err(e), false, false) => problems.push(format!("{}: evaluation fails: {e}", s.op)),
+                (Ok(_), _, true) => problems.push(format!("{}: evaluates now; take it off NO_EVAL", s.op)),
+                (_, true, _) | (Err(_), _, true) => {}
+            }
+            let compiled = compile::compile(&node.op, &compile_cx(g, n, &consts));
+            let host_only = compile::host_only(s.op);
+            match (compiled, host_only) {
+                (Ok(Some(c)), false) => {
+                    for l in c.launches() {
+                        validate(s.op, &l.src);
+                    }
+                }
+                (Ok(Some(_)), true) => problems.push(format!("{}: has a kernel; take it off HOST_ONLY", s.op)),
+                (Ok(None), false) => problems.push(format!("{}: no GPU kernel and not in HOST_ONLY", s.op)),
+                (Ok(None), true) => {}
+                (Err(e), _) => problems.push(format!("{}: compiling fails: {e}", s.op)),
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{} missing facet(s):\n{}", problems.len(), problems.join("\n"));
+}
+
+/// Every `HOST_ONLY` entry names an op the IR knows and gives a reason.
+#[test]
+fn host_only_entries_are_known_ops_with_reasons() {
+    for (op, why) in compile::HOST_ONLY {
+        assert!(Op::known_op_types().iter().any(|(_, t)| t == op), "HOST_ONLY names `{op}`, which is not an op");
+        assert!(why.len() > 10, "HOST_ONLY entry `{op}` needs a reason");
+    }
+}
+
+/// Ops whose WGSL built-ins Vulkan specifies with a looser error bound (inverse and
+/// hyperbolic trigonometry: up to thousands of ULP, inherited from `atan2` and `exp`), and
+/// the relative tolerance they get.
+const LOOSE: &[(&str, f64)] = &[
+    ("Acos", 1e-3),
+    ("Asin", 1e-3),
+    ("Atan", 1e-3),
+    ("Acosh", 1e-3),
+    ("Asinh", 1e-3),
+    ("Atanh", 1e-3),
+    ("Sinh", 1e-3),
+    ("Cosh", 1e-3),
+    ("Tan", 1e-3),
+];
+
+/// Runs a graph node by node on an executor; returns every named value.
+fn run_on<E: Executor>(e: &mut E, g: &Graph, feeds: &HashMap<String, Array>) -> HashMap<String, Array> {
+    let mut env: HashMap<Value, E::Tensor> = HashMap::new();
+    let mut out = HashMap::new();
+    for n in g.topo_order().unwrap() {
+        let node = g.node(n);
+        let v0 = Value::new(n, 0);
+        let tensors: Vec<E::Tensor> = match &node.op {
+            Op::Input { .. } => vec![e.upload(&feeds[g.value_name(v0)]).unwrap()],
+            Op::Initializer(t) => vec![e.upload(&Array::from_tensor(t).unwrap()).unwrap()],
+            _ => {
+                let ins: Vec<Option<&E::Tensor>> = node.inputs().iter().map(|i| i.and_then(|v| env.get(&v))).collect();
+                e.run(g, n, &ins).unwrap_or_else(|err| panic!("{}: {err}", g.describe(n))).0
+            }
+        };
+        for (s, t) in tensors.into_iter().enumerate() {
+            let v = Value::new(n, s as u16);
+            if !node.outputs()[s].name.is_empty() {
+                out.insert(g.value_name(v).to_string(), e.download(&t).unwrap());
+            }
+            env.insert(v, t);
+        }
+    }
+    out
+}
+
+/// Every sample whose ops have kernels runs on one wgpu device and matches the reference.
+#[test]
+fn every_kernel_matches_the_reference_on_its_sample() {
+    match codegen::runtime::gpu::open() {
+        Ok(_) => {}
+        Err(e) if std::env::var_os("SHARDC_REQUIRE_GPU").is_none() => {
+            eprintln!("skipping: no GPU adapter ({e})");
+            return;
+        }
+        Err(e) => panic!("SHARDC_REQUIRE_GPU is set but no adapter opens: {e}"),
+    }
+    let mut gpu = codegen::runtime::gpu::GpuExecutor::new().unwrap();
+    let mut ran = 0;
+    let mut failures = Vec::new();
+    for s in samples() {
+        if compile::host_only(s.op) || RUNTIME_EVAL.contains(&s.op) || NO_EVAL.iter().any(|(t, _)| *t == s.op) {
+            continue;
+        }
+        let m = parse(&s);
+        let feeds = inputs(&m.graph, 2);
+        let want = ir::eval::run_all(&m.graph, &feeds, &Default::default()).unwrap();
+        let got = run_on(&mut gpu, &m.graph, &feeds);
+        for (v, a) in want {
+            let name = m.graph.value_name(v);
+            let rtol = LOOSE.iter().find(|(t, _)| *t == s.op).map_or(1e-4, |l| l.1);
+            if let Some(b) = got.get(name)
+                && let Err(e) = compare(&format!("{} `{name}`", s.op), b, &a, rtol, 1e-5)
+            {
+                failures.push(e);
+            }
+        }
+        ran += 1;
+    }
+    eprintln!("{ran} samples ran on the GPU");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// `Scan` carries its state across the slices and stacks its scan outputs.
+#[test]
+fn scan_accumulates_over_its_slices() {
+    let s = samples().into_iter().find(|s| s.op == "Scan").unwrap();
+    let m = parse(&s);
+    let feeds = inputs(&m.graph, 3);
+    let out = ir::eval::run(&m.graph, &feeds, &Default::default()).unwrap();
+    let (x, init) = (feeds["x"].to_f64().unwrap(), feeds["init"].to_f64().unwrap());
+    let (last, ys) = (out[0].to_f64().unwrap(), out[1].to_f64().unwrap());
+    assert_eq!(out[1].shape, vec![2, 3, 4]);
+    for i in 0..12 {
+        let first = init[i] + x[i];
+        assert!((ys[i] - first).abs() < 1e-6);
+        assert!((last[i] - (first + x[12 + i])).abs() < 1e-6);
+        assert!((ys[12 + i] - last[i]).abs() < 1e-6);
+    }
+}
