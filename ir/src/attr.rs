@@ -147,6 +147,23 @@ pub enum AttrValue {
 }
 
 impl AttrValue {
+    /// The same value, floats compared bit for bit and subgraphs structurally.
+    pub fn same(&self, other: &AttrValue) -> bool {
+        let floats =
+            |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        match (self, other) {
+            (AttrValue::Float(a), AttrValue::Float(b)) => a.to_bits() == b.to_bits(),
+            (AttrValue::Floats(a), AttrValue::Floats(b)) => floats(a, b),
+            (AttrValue::Tensor(a), AttrValue::Tensor(b)) => a.same(b),
+            (AttrValue::Tensors(a), AttrValue::Tensors(b)) => {
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.same(y))
+            }
+            (AttrValue::Graph(a), AttrValue::Graph(b)) => a == b,
+            (AttrValue::Graphs(a), AttrValue::Graphs(b)) => a == b,
+            (a, b) => a == b,
+        }
+    }
+
     /// The kind of this value.
     pub fn kind(&self) -> AttrKind {
         match self {

@@ -206,13 +206,106 @@ pub struct Graph {
 }
 
 impl PartialEq for Graph {
-    /// Graphs are equal when they print the same.
+    /// Graphs are equal when their structure is (see [`Graph::difference`]).
     fn eq(&self, other: &Graph) -> bool {
-        crate::print::graph_to_string(self) == crate::print::graph_to_string(other)
+        self.difference(other).is_none()
     }
 }
 
 impl Graph {
+    /// The first structural difference from `other`, or `None`: name, opset, nodes in order
+    /// (op, attributes, label, annotations, inputs and captures by name, outputs with their
+    /// types), graph inputs, outputs and initializers in order. Floats compare bit for bit;
+    /// source spans and the order value_info was written in (presentation) do not count.
+    pub fn difference(&self, other: &Graph) -> Option<String> {
+        let names =
+            |g: &Graph, vs: &[Value]| -> Vec<String> { vs.iter().map(|&v| g.value_name(v).to_string()).collect() };
+        let opt_names = |g: &Graph, vs: &[Option<Value>]| -> Vec<Option<String>> {
+            vs.iter().map(|v| v.map(|v| g.value_name(v).to_string())).collect()
+        };
+        let node_diff = |a: &Node, b: &Node| -> Option<String> {
+            let (aa, ba) = (a.op.attributes(), b.op.attributes());
+            let same_op = match (&a.op, &b.op) {
+                (Op::Initializer(x), Op::Initializer(y)) => x.same(y),
+                (Op::Input { default: x }, Op::Input { default: y }) => match (x, y) {
+                    (Some(x), Some(y)) => x.same(y),
+                    (x, y) => x.is_none() && y.is_none(),
+                },
+                (x, y) => {
+                    x.op_type() == y.op_type()
+                        && x.domain() == y.domain()
+                        && aa.len() == ba.len()
+                        && aa.iter().zip(&ba).all(|(p, q)| p.name == q.name && p.value.same(&q.value))
+                }
+            };
+            let types = |g: &Graph, n: &Node| -> Vec<Option<Type>> {
+                n.outputs.iter().map(|o| g.lookup(&o.name).and_then(|v| g.declared(v))).collect()
+            };
+            if !same_op {
+                Some("op or attributes".into())
+            } else if a.label != b.label {
+                Some("label".into())
+            } else if a.attr_order != b.attr_order {
+                Some("attribute order".into())
+            } else if a.annotations != b.annotations {
+                Some("annotations".into())
+            } else if opt_names(self, &a.inputs) != opt_names(other, &b.inputs) {
+                Some("inputs".into())
+            } else if names(self, &a.captures) != names(other, &b.captures) {
+                Some("captures".into())
+            } else if a.outputs.iter().map(|o| &o.name).ne(b.outputs.iter().map(|o| &o.name)) {
+                Some("output names".into())
+            } else if types(self, a) != types(other, b) {
+                Some(format!("output types ({:?} vs {:?})", types(self, a), types(other, b)))
+            } else {
+                None
+            }
+        };
+        let ids = |g: &Graph, v: &[NodeId]| -> Vec<String> {
+            v.iter().map(|&n| g.value_name(Value::new(n, 0)).to_string()).collect()
+        };
+        if self.name != other.name || self.opset != other.opset {
+            return Some(format!("name or opset: {}/{} vs {}/{}", self.name, self.opset, other.name, other.opset));
+        }
+        if self.node_count() != other.node_count() {
+            return Some(format!("{} nodes vs {}", self.node_count(), other.node_count()));
+        }
+        for (a, b) in self.node_ids().zip(other.node_ids()) {
+            if let Some(what) = node_diff(self.node(a), other.node(b)) {
+                return Some(format!("{}: {what} differ from {}", self.describe(a), other.describe(b)));
+            }
+        }
+        if ids(self, &self.inputs) != ids(other, &other.inputs) {
+            return Some("graph inputs".into());
+        }
+        if ids(self, &self.initializers) != ids(other, &other.initializers) {
+            return Some("initializers".into());
+        }
+        let outs = |g: &Graph| -> Vec<(String, Option<Type>)> {
+            g.outputs.iter().map(|o| (g.value_name(o.value).to_string(), g.declared(o.value))).collect()
+        };
+        if outs(self) != outs(other) {
+            return Some("graph outputs".into());
+        }
+        None
+    }
+
+    /// The type written for a value: its graph-output signature's, else its own (the text
+    /// syntax writes the type of a graph output in the signature only).
+    fn declared(&self, v: Value) -> Option<Type> {
+        self.outputs
+            .iter()
+            .find(|o| o.value == v && o.ty.is_some())
+            .and_then(|o| o.ty.clone())
+            .or_else(|| self.value_type(v).cloned())
+    }
+
+    /// A name for an op node: its label, or its first output's name.
+    pub fn op_name(&self, n: NodeId) -> String {
+        let node = self.node(n);
+        node.label.clone().unwrap_or_else(|| node.outputs().first().map(|o| o.name.clone()).unwrap_or_default())
+    }
+
     /// An empty graph.
     pub fn new(name: impl Into<String>) -> Graph {
         Graph {

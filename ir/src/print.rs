@@ -147,7 +147,13 @@ impl Printer {
                 self.out.push_str(", ");
             }
             let name = g.value_name(o.value).to_string();
-            self.value_info(o.ty.as_ref(), &name);
+            // An operator output's own type stands in for an untyped output signature (the
+            // value_info below skips graph outputs).
+            let own = match g.node(o.value.node).op {
+                Op::Input { .. } | Op::Initializer(_) | Op::OuterRef => None,
+                _ => g.value_type(o.value),
+            };
+            self.value_info(o.ty.as_ref().or(own), &name);
         }
         self.out.push_str(") ");
 

@@ -31,6 +31,21 @@ pub enum TensorData {
     External(Vec<(String, String)>),
 }
 
+impl TensorData {
+    /// The same values, floats compared bit for bit.
+    pub fn same(&self, other: &TensorData) -> bool {
+        match (self, other) {
+            (TensorData::Float(a), TensorData::Float(b)) => {
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+            }
+            (TensorData::Double(a), TensorData::Double(b)) => {
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+            }
+            (a, b) => a == b,
+        }
+    }
+}
+
 /// Which `TensorData` variant holds inline values of a dtype.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Storage {
@@ -81,6 +96,12 @@ pub struct Tensor {
 }
 
 impl Tensor {
+    /// The same tensor: type, shape, name and values, floats compared bit for bit (NaN is the
+    /// same NaN; -0 is not 0), as a round trip must preserve them.
+    pub fn same(&self, other: &Tensor) -> bool {
+        self.dtype == other.dtype && self.dims == other.dims && self.name == other.name && self.data.same(&other.data)
+    }
+
     /// A float tensor.
     pub fn from_f32(dims: Vec<i64>, values: Vec<f32>) -> Tensor {
         Tensor { dtype: DType::Float, dims, name: None, data: TensorData::Float(values) }

@@ -33,7 +33,10 @@ pub fn run(args: &CalibrateArgs) -> CliResult {
     }
     let effort = if args.quick { Effort { gemm_n: 256, stream_elems: 1 << 18, reps: 3 } } else { Effort::default() };
     let measured = match args.backend.as_str() {
+        #[cfg(feature = "gpu")]
         "wgpu" => calibrate::measure(codegen::runtime::gpu::GpuExecutor::new, effort),
+        #[cfg(not(feature = "gpu"))]
+        "wgpu" => return Err(CliError::msg("--backend wgpu: this shardc was built without the `gpu` feature")),
         "cpu" => calibrate::measure(|| Ok(codegen::runtime::cpu::CpuExecutor::new()), effort),
         other => return Err(CliError::msg(format!("--backend: `{other}` is not wgpu or cpu"))),
     }

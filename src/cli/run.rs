@@ -71,7 +71,7 @@ fn backend(args: &RunArgs) -> CliResult<(Backend, Option<String>)> {
         Some("cpu") => Ok((Backend::Cpu, None)),
         Some("wgpu") => Ok((Backend::Wgpu, None)),
         Some(other) => Err(CliError::msg(format!("--backend: `{other}` is not wgpu or cpu"))),
-        None => match codegen::runtime::gpu::open() {
+        None => match codegen::runtime::gpu_adapter() {
             Ok(_) => Ok((Backend::Wgpu, None)),
             Err(e) => Ok((Backend::Cpu, Some(format!("no GPU adapter ({e}); running on the CPU executor")))),
         },

@@ -355,11 +355,11 @@ fn strategies_of(g: &ir::Graph, r: &SearchResult, cluster: &Cluster, pat: &str) 
     let cm = CostModel::new(g, cluster, r.mesh.clone(), Options::default());
     cm.order()
         .iter()
-        .filter(|&&n| autoshard::plan::op_name(g, n) == pat)
+        .filter(|&&n| g.op_name(n) == pat)
         .map(|&n| {
             let s = cm.strategy_of(&r.assignment, n);
             let sp = cm.space(n);
-            (autoshard::plan::op_name(g, n), s.iter().map(|d| d.map(|i| sp.dims[i].name.clone())).collect())
+            (g.op_name(n), s.iter().map(|d| d.map(|i| sp.dims[i].name.clone())).collect())
         })
         .collect()
 }

@@ -201,7 +201,7 @@ fn stages_balance_or_the_report_names_the_layer_that_prevents_it() {
                 // The reason names an op of the model.
                 let op = why.split('`').nth(1).unwrap_or_else(|| panic!("{why}"));
                 assert!(
-                    m.graph.op_nodes().unwrap().iter().any(|&n| autoshard::plan::op_name(&m.graph, n) == op),
+                    m.graph.op_nodes().unwrap().iter().any(|&n| m.graph.op_name(n) == op),
                     "{name}: `{op}` is not an op"
                 );
             } else {

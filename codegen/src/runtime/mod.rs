@@ -24,6 +24,19 @@ use serde::Serialize;
 use crate::layout::{assemble, concat, piece, split_even};
 use crate::program::{DeviceProgram, Program};
 
+/// Opens a GPU adapter and names it; an error when none opens or this build has no `gpu`
+/// feature.
+pub fn gpu_adapter() -> Result<String, String> {
+    #[cfg(feature = "gpu")]
+    {
+        gpu::open().map(|(_, _, name)| name)
+    }
+    #[cfg(not(feature = "gpu"))]
+    {
+        Err("this shardc was built without the `gpu` feature".into())
+    }
+}
+
 /// Which executor runs the devices.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Backend {
@@ -188,10 +201,15 @@ pub fn run(p: &Program, inputs: &HashMap<String, Array>, opts: &RunOptions) -> R
                 s.spawn(move || {
                     let r = match backend {
                         Backend::Cpu => drive(&mut cpu::CpuExecutor::new(), d, f, p.micro_batches, steps, hub),
+                        #[cfg(feature = "gpu")]
                         Backend::Wgpu => match gpu::GpuExecutor::new() {
                             Ok(mut e) => drive(&mut e, d, f, p.micro_batches, steps, hub),
                             Err(e) => Err(RuntimeError::NoAdapter(e)),
                         },
+                        #[cfg(not(feature = "gpu"))]
+                        Backend::Wgpu => {
+                            Err(RuntimeError::NoAdapter("this shardc was built without the `gpu` feature".into()))
+                        }
                     };
                     if let Err(e) = &r {
                         hub.fail(e.to_string());

@@ -30,7 +30,8 @@ use serde::Serialize;
 
 use crate::cost::collective::{alpha_beta, p2p};
 use crate::cost::model::{CommEvent, Memory, OpRow, Phase};
-use crate::cost::pipeline::{Schedule, graph_batch};
+use crate::cost::pipeline::graph_batch;
+use crate::cost::strategy::Schedule;
 use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Options};
 use crate::rebatch::{RebatchSpec, rebatch};
 
@@ -893,7 +894,7 @@ fn price_cuts(
         fwd.push(f);
         bwd.push(bw);
         mem_per_device.extend(std::iter::repeat_n(total as u64, d));
-        let name = |n: NodeId| super::plan::op_name(gm, n);
+        let name = |n: NodeId| gm.op_name(n);
         stages.push(StagePlan {
             devices: (cut.offset..cut.offset + d).collect(),
             mesh: mesh_string(&meshes[&d]),
@@ -983,7 +984,7 @@ fn blocker(g: &Graph, t: &Table, cuts: &[(usize, usize)], times: &[f64], s: usiz
     let share = total / s as f64;
     let op_time = |i: usize| t.fwd[i] + t.bwd[i];
     let order = g.op_nodes().unwrap_or_default();
-    let name = |i: usize| order.get(i).map(|&n| super::plan::op_name(g, n)).unwrap_or_default();
+    let name = |i: usize| order.get(i).map(|&n| g.op_name(n)).unwrap_or_default();
     let (heavy, ht) = (0..t.fwd.len()).map(|i| (i, op_time(i))).fold((0, 0.0), |a, b| if b.1 > a.1 { b } else { a });
     if ht > 0.5 * share {
         return format!(

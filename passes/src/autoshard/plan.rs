@@ -276,12 +276,6 @@ fn level_name(l: LinkLevel) -> &'static str {
     }
 }
 
-/// A name for an op: its label, or its first output's name.
-pub fn op_name(g: &Graph, n: NodeId) -> String {
-    let node = g.node(n);
-    node.label.clone().unwrap_or_else(|| node.outputs().first().map(|o| o.name.clone()).unwrap_or_default())
-}
-
 fn value_name(g: &Graph, v: Value) -> String {
     g.value_name(v).to_string()
 }
@@ -516,7 +510,7 @@ fn layouts(
         }
         let row = b.ops.get(i);
         ops.push(PlanOp {
-            name: op_name(g, n),
+            name: g.op_name(n),
             op: node.op.op_type().to_string(),
             outputs: node.outputs().iter().map(|o| o.name.clone()).collect(),
             split: s.to_vec(),
@@ -582,7 +576,7 @@ fn collectives(g: &Graph, meshes: &[Mesh], stage_of: &HashMap<NodeId, usize>, b:
                 .into(),
                 kind: st.kind.name().into(),
                 tensor: value_name(g, e.value),
-                op: e.op.filter(|o| g.contains(*o)).map(|n| op_name(g, n)),
+                op: e.op.filter(|o| g.contains(*o)).map(|n| g.op_name(n)),
                 from: sharding_to_string(&e.from),
                 to: sharding_to_string(&e.to),
                 axes: st

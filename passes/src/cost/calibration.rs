@@ -9,11 +9,6 @@
 
 use super::cluster::{Cluster, Device, HostLink, Link, PeakFlops, Topology};
 
-/// The preset, from a calibration run on the development machine (2 cores, lavapipe).
-pub fn local_wgpu_preset() -> Cluster {
-    local_cluster(&CALIBRATED, "local-wgpu", "shardc calibrate on the development machine (Mesa lavapipe, 2 cores)", 8)
-}
-
 /// A cluster of `devices` simulated accelerators with measured constants `c`.
 pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) -> Cluster {
     Cluster {

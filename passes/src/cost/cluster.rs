@@ -253,10 +253,12 @@ fn dgx1_v100() -> Cluster {
 }
 
 /// The runtime's simulated accelerators on this machine: wgpu on Mesa's lavapipe (software
-/// Vulkan on the CPU), collectives through host staging buffers. See `local_wgpu_preset` for
-/// how the numbers were measured.
+/// Vulkan on the CPU), collectives through host staging buffers; the constants are a
+/// calibration run on the development machine (2 cores, lavapipe; see
+/// [`crate::cost::calibration`] for how they were measured).
 fn local_wgpu() -> Cluster {
-    crate::cost::calibration::local_wgpu_preset()
+    use crate::cost::calibration::{CALIBRATED, local_cluster};
+    local_cluster(&CALIBRATED, "local-wgpu", "shardc calibrate on the development machine (Mesa lavapipe, 2 cores)", 8)
 }
 
 /// Names of the built-in presets (`a100-cluster-N` takes any N ≥ 2).

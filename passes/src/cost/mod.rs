@@ -17,8 +17,9 @@ pub mod strategy;
 
 pub use cluster::{Cluster, ClusterError};
 pub use model::{Assignment, Breakdown, CostModel, InputPath, Optimizer, Options, Precision};
-pub use pipeline::{PipelineReport, Schedule};
+pub use pipeline::PipelineReport;
 pub use strategy::Named;
+pub use strategy::Schedule;
 
 use ir::Graph;
 use ir::shard::Mesh;

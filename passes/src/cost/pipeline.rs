@@ -21,19 +21,8 @@ use ir::{Graph, NodeId, Op, TensorType, Value};
 use super::cluster::Cluster;
 use super::collective::{alpha_beta, multi_axis_all_reduce, p2p};
 use super::model::{Breakdown, CostModel, Memory, Optimizer, Options, Precision};
-use super::strategy::{Named, assign};
+use super::strategy::{Named, Schedule, assign};
 use crate::rebatch::{RebatchSpec, rebatch};
-
-/// A pipeline schedule.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
-pub enum Schedule {
-    /// All micro-batch forwards, then all backwards.
-    #[serde(rename = "gpipe")]
-    GPipe,
-    /// One forward, one backward, in steady state.
-    #[serde(rename = "1f1b")]
-    OneFOneB,
-}
 
 impl Schedule {
     /// The schedule's name.

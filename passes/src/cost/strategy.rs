@@ -15,6 +15,17 @@ use ir::{NodeId, Op, Value};
 
 use super::model::{Assignment, CostModel};
 
+/// A pipeline schedule.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum Schedule {
+    /// All micro-batch forwards, then all backwards.
+    #[serde(rename = "gpipe")]
+    GPipe,
+    /// One forward, one backward, in steady state.
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+}
+
 /// A parsed strategy name.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Named {
@@ -29,7 +40,7 @@ pub enum Named {
     /// Data-parallel convolutions, model-parallel fully connected layers.
     Owt,
     /// Pipeline: stages, micro-batches, schedule.
-    Pipeline(usize, usize, super::pipeline::Schedule),
+    Pipeline(usize, usize, Schedule),
 }
 
 impl Named {
@@ -58,8 +69,8 @@ impl Named {
                     return Err(format!("`{s}`: stages and micro-batches must be at least 1"));
                 }
                 let sched = match rest {
-                    [] | ["1f1b"] => super::pipeline::Schedule::OneFOneB,
-                    ["gpipe"] => super::pipeline::Schedule::GPipe,
+                    [] | ["1f1b"] => Schedule::OneFOneB,
+                    ["gpipe"] => Schedule::GPipe,
                     _ => return Err(format!("`{s}`: the schedule is gpipe or 1f1b")),
                 };
                 Named::Pipeline(st, m, sched)

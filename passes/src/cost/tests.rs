@@ -7,7 +7,7 @@ use ir::{DType, Graph, Model, Op, Tensor, TensorType, op};
 
 use super::cluster::{Cluster, Device, HostLink, Link, PeakFlops, Topology};
 use super::model::{Assignment, CostModel, InputPath, Optimizer, Options};
-use super::pipeline::Schedule;
+use super::strategy::Schedule;
 
 fn toy() -> Cluster {
     Cluster {

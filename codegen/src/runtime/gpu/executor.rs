@@ -1,0 +1,417 @@
+//! The device side: one wgpu instance, device and queue per simulated accelerator; compiled
+//! programs ([`super::compile`]) are allocated and launched here.
+
+use super::Elem;
+use super::compile::{self, Buf, CompileCx, Step, TensorDesc};
+use ir::DType;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ir::eval::{Array, Data, eval_op};
+use ir::{Graph, NodeId};
+
+use crate::runtime::Executor;
+
+/// A tensor on a device.
+#[derive(Clone, Debug)]
+pub struct GpuTensor {
+    /// The storage buffer (shared by views: reshapes do not copy).
+    pub buf: Arc<wgpu::Buffer>,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Logical element type.
+    pub dtype: DType,
+    /// Exact host copy, for small tensors uploaded from the host (shapes, indices, scalars).
+    pub host: Option<Arc<Array>>,
+}
+
+impl GpuTensor {
+    /// Elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Element storage.
+    pub fn elem(&self) -> Elem {
+        Elem::of(self.dtype)
+    }
+}
+
+/// Host copies are kept for tensors at most this large.
+const HOST_COPY_LIMIT: usize = 4096;
+
+/// A wgpu device with its queue and pipeline cache.
+pub struct GpuExecutor {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    adapter: String,
+    pipelines: HashMap<String, Arc<wgpu::ComputePipeline>>,
+    encoder: Option<wgpu::CommandEncoder>,
+    /// Dispatches encoded since the last submit.
+    pending: usize,
+}
+
+/// Opens the first adapter of a fresh instance (Vulkan, or any backend wgpu was built with).
+pub fn open() -> Result<(wgpu::Device, wgpu::Queue, String), String> {
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+    desc.backends = wgpu::Backends::all();
+    let instance = wgpu::Instance::new(desc);
+    let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+        power_preference: wgpu::PowerPreference::HighPerformance,
+        force_fallback_adapter: false,
+        compatible_surface: None,
+        apply_limit_buckets: false,
+    }))
+    .map_err(|e| {
+        format!("{e} (install a Vulkan driver such as Mesa's lavapipe: apt-get install mesa-vulkan-drivers)")
+    })?;
+    let info = adapter.get_info();
+    let mut limits = wgpu::Limits::default();
+    let have = adapter.limits();
+    limits.max_storage_buffers_per_shader_stage = have.max_storage_buffers_per_shader_stage.min(16);
+    limits.max_storage_buffer_binding_size = have.max_storage_buffer_binding_size;
+    limits.max_buffer_size = have.max_buffer_size;
+    limits.max_compute_workgroup_storage_size = have.max_compute_workgroup_storage_size;
+    let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+        label: Some("shardc device"),
+        required_features: wgpu::Features::empty(),
+        required_limits: limits,
+        experimental_features: Default::default(),
+        memory_hints: wgpu::MemoryHints::Performance,
+        trace: Default::default(),
+    }))
+    .map_err(|e| format!("cannot open {}: {e}", info.name))?;
+    Ok((device, queue, format!("{} ({:?}, {})", info.name, info.backend, info.driver)))
+}
+
+impl GpuExecutor {
+    /// Opens a device on a fresh instance.
+    pub fn new() -> Result<GpuExecutor, String> {
+        let (device, queue, adapter) = open()?;
+        Ok(GpuExecutor { device, queue, adapter, pipelines: HashMap::new(), encoder: None, pending: 0 })
+    }
+
+    fn pipeline(&mut self, src: &str) -> Result<Arc<wgpu::ComputePipeline>, String> {
+        if let Some(p) = self.pipelines.get(src) {
+            return Ok(p.clone());
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: None,
+            source: wgpu::ShaderSource::Wgsl(src.into()),
+        });
+        let p = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: None,
+            layout: None,
+            module: &module,
+            entry_point: Some("main"),
+            compilation_options: Default::default(),
+            cache: None,
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(format!("shader rejected: {e}\n{src}"));
+        }
+        let p = Arc::new(p);
+        self.pipelines.insert(src.to_string(), p.clone());
+        Ok(p)
+    }
+
+    /// A new storage buffer for `n` elements.
+    pub fn alloc(&self, n: usize) -> Arc<wgpu::Buffer> {
+        Arc::new(self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size: (n.max(1) * 4) as u64,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        }))
+    }
+
+    /// An output tensor.
+    pub fn output(&self, shape: Vec<usize>, dtype: DType) -> GpuTensor {
+        let n = shape.iter().product();
+        GpuTensor { buf: self.alloc(n), shape, dtype, host: None }
+    }
+
+    /// Encodes one dispatch of `src` with `bufs` bound in order and `params` after them;
+    /// `threads` invocations of 64-wide workgroups (or `groups` explicitly).
+    pub fn launch(
+        &mut self,
+        src: &str,
+        bufs: &[&wgpu::Buffer],
+        params: &[u32],
+        groups: [u32; 3],
+    ) -> Result<(), String> {
+        let pipeline = self.pipeline(src)?;
+        let pbuf = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size: (params.len().max(1) * 4) as u64,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        if !params.is_empty() {
+            self.queue.write_buffer(&pbuf, 0, bytemuck::cast_slice(params));
+        }
+        let layout = pipeline.get_bind_group_layout(0);
+        let mut entries: Vec<wgpu::BindGroupEntry<'_>> = bufs
+            .iter()
+            .enumerate()
+            .map(|(i, b)| wgpu::BindGroupEntry { binding: i as u32, resource: b.as_entire_binding() })
+            .collect();
+        entries.push(wgpu::BindGroupEntry { binding: bufs.len() as u32, resource: pbuf.as_entire_binding() });
+        let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &layout,
+            entries: &entries,
+        });
+        let enc = self.encoder.get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            pass.set_pipeline(&pipeline);
+            pass.set_bind_group(0, &bind, &[]);
+            pass.dispatch_workgroups(groups[0].max(1), groups[1].max(1), groups[2].max(1));
+        }
+        self.pending += 1;
+        if self.pending >= 64 {
+            self.flush();
+        }
+        Ok(())
+    }
+
+    /// Submits what is encoded.
+    pub fn flush(&mut self) {
+        if let Some(enc) = self.encoder.take() {
+            self.queue.submit([enc.finish()]);
+        }
+        self.pending = 0;
+    }
+
+    fn read(&mut self, buf: &wgpu::Buffer, n: usize) -> Result<Vec<u8>, String> {
+        let size = (n.max(1) * 4) as u64;
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let enc = self.encoder.get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
+        enc.copy_buffer_to_buffer(buf, 0, &staging, 0, size);
+        self.flush();
+        let slice = staging.slice(..);
+        let (tx, rx) = std::sync::mpsc::channel();
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        self.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| format!("device lost: {e}"))?;
+        rx.recv().map_err(|e| e.to_string())?.map_err(|e| format!("read-back failed: {e}"))?;
+        let bytes = slice.get_mapped_range().map_err(|e| format!("{e:?}"))?.to_vec();
+        staging.unmap();
+        Ok(bytes[..n * 4].to_vec())
+    }
+
+    /// The values of a tensor as i64 (host copy if any, else read back).
+    pub fn ints(&mut self, t: &GpuTensor) -> Result<Vec<i64>, String> {
+        if let Some(h) = &t.host {
+            return h.to_i64().map_err(|e| e.to_string());
+        }
+        let a = self.download(t)?;
+        a.to_i64().map_err(|e| e.to_string())
+    }
+
+    /// The values of a tensor as f64.
+    pub fn floats(&mut self, t: &GpuTensor) -> Result<Vec<f64>, String> {
+        if let Some(h) = &t.host {
+            return h.to_f64().map_err(|e| e.to_string());
+        }
+        let a = self.download(t)?;
+        a.to_f64().map_err(|e| e.to_string())
+    }
+
+    /// A view of `t` with another shape (no copy).
+    pub fn view(t: &GpuTensor, shape: Vec<usize>) -> GpuTensor {
+        GpuTensor {
+            buf: t.buf.clone(),
+            shape: shape.clone(),
+            dtype: t.dtype,
+            host: t.host.as_ref().map(|h| Arc::new((**h).clone().reshaped(shape))),
+        }
+    }
+
+    /// Compiles node `n` for its inputs and runs it; `None` when it has no kernel.
+    fn run_kernel(
+        &mut self,
+        g: &Graph,
+        n: NodeId,
+        inputs: &[Option<&GpuTensor>],
+    ) -> Result<Option<Vec<GpuTensor>>, String> {
+        let node = g.node(n);
+        // The values the compiler needs, read back when there is no host copy.
+        let mut values: HashMap<usize, Array> = HashMap::new();
+        for &k in compile::value_inputs(&node.op) {
+            if let Some(Some(t)) = inputs.get(k)
+                && t.host.is_none()
+            {
+                values.insert(k, self.download(t)?);
+            }
+        }
+        let ins: Vec<Option<TensorDesc<'_>>> = inputs
+            .iter()
+            .enumerate()
+            .map(|(k, t)| {
+                t.map(|t| TensorDesc {
+                    shape: t.shape.clone(),
+                    dtype: t.dtype,
+                    value: t.host.as_deref().or_else(|| values.get(&k)),
+                })
+            })
+            .collect();
+        let outs = (0..node.num_outputs())
+            .map(|s| {
+                let v = ir::Value::new(n, s as u16);
+                let t = g.tensor_type(v)?.static_dims()?;
+                (!node.outputs()[s].name.is_empty()).then(|| {
+                    (t.into_iter().map(|d| d.max(0) as usize).collect(), g.tensor_type(v).expect("typed").dtype)
+                })
+            })
+            .collect();
+        let cx = CompileCx { ins, outs, opset: g.opset };
+        if cx.out0().is_none() && node.num_outputs() > 0 && !node.outputs()[0].name.is_empty() {
+            return Ok(None);
+        }
+        let Some(program) = compile::compile(&node.op, &cx)? else { return Ok(None) };
+        self.execute(&program, inputs).map(Some)
+    }
+
+    /// Allocates a compiled program's outputs and scratch buffers and encodes its steps.
+    pub fn execute(&mut self, p: &compile::Compiled, inputs: &[Option<&GpuTensor>]) -> Result<Vec<GpuTensor>, String> {
+        let input = |k: usize| inputs.get(k).copied().flatten().ok_or_else(|| format!("input {k} is missing"));
+        let mut outs = Vec::with_capacity(p.outputs.len());
+        for o in &p.outputs {
+            outs.push(match o.view_of {
+                Some(k) => GpuExecutor::view(input(k)?, o.shape.clone()),
+                None => self.output(o.shape.clone(), o.dtype),
+            });
+        }
+        let temps: Vec<GpuTensor> = p.temps.iter().map(|(s, d)| self.output(s.clone(), *d)).collect();
+        let buf = |b: Buf| -> Result<Arc<wgpu::Buffer>, String> {
+            Ok(match b {
+                Buf::In(k) => input(k)?.buf.clone(),
+                Buf::Out(k) => outs.get(k).ok_or("no such output")?.buf.clone(),
+                Buf::Tmp(k) => temps.get(k).ok_or("no such scratch buffer")?.buf.clone(),
+            })
+        };
+        for step in &p.steps {
+            match step {
+                Step::Launch(l) => {
+                    let bufs: Vec<Arc<wgpu::Buffer>> = l.bufs.iter().map(|&b| buf(b)).collect::<Result<_, _>>()?;
+                    let refs: Vec<&wgpu::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
+                    self.launch(&l.src, &refs, &l.params, l.groups)?;
+                }
+                Step::Zero(b) => {
+                    let b = buf(*b)?;
+                    let enc =
+                        self.encoder.get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
+                    enc.clear_buffer(&b, 0, None);
+                }
+                Step::Copy { src, offset, dst, n } => {
+                    if *n > 0 {
+                        let (s, d) = (buf(*src)?, buf(*dst)?);
+                        let enc =
+                            self.encoder.get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
+                        enc.copy_buffer_to_buffer(&s, (offset * 4) as u64, &d, 0, (n * 4) as u64);
+                    }
+                }
+            }
+        }
+        Ok(outs)
+    }
+
+    fn host_fallback(&mut self, g: &Graph, n: NodeId, inputs: &[Option<&GpuTensor>]) -> Result<Vec<GpuTensor>, String> {
+        let node = g.node(n);
+        let arrays: Vec<Option<Array>> =
+            inputs.iter().map(|t| t.map(|t| self.download(t)).transpose()).collect::<Result<_, _>>()?;
+        let refs: Vec<Option<&Array>> = arrays.iter().map(Option::as_ref).collect();
+        let outs = eval_op(&node.op, &refs, node.num_outputs(), g.opset).map_err(|e| e.to_string())?;
+        outs.iter().map(|a| self.upload(a)).collect()
+    }
+}
+
+fn to_device_bytes(a: &Array) -> Result<Vec<u8>, String> {
+    Ok(match &a.data {
+        Data::F32(v) => bytemuck::cast_slice(v).to_vec(),
+        Data::F64(v) => {
+            let f: Vec<f32> = v.iter().map(|&x| x as f32).collect();
+            bytemuck::cast_slice(&f).to_vec()
+        }
+        Data::I64(v) => {
+            let i: Vec<i32> = v.iter().map(|&x| x.clamp(i32::MIN as i64, i32::MAX as i64) as i32).collect();
+            bytemuck::cast_slice(&i).to_vec()
+        }
+        Data::Bool(v) => {
+            let i: Vec<i32> = v.iter().map(|&x| x as i32).collect();
+            bytemuck::cast_slice(&i).to_vec()
+        }
+        Data::Str(_) => return Err("string tensors do not go to a device".into()),
+    })
+}
+
+impl Executor for GpuExecutor {
+    type Tensor = GpuTensor;
+
+    fn name(&self) -> String {
+        self.adapter.clone()
+    }
+
+    fn upload(&mut self, a: &Array) -> Result<GpuTensor, String> {
+        let bytes = to_device_bytes(a)?;
+        let buf = self.alloc(a.numel());
+        if !bytes.is_empty() {
+            self.queue.write_buffer(&buf, 0, &bytes);
+        }
+        let host = (a.numel() <= HOST_COPY_LIMIT || !a.dtype.is_float()).then(|| Arc::new(a.clone()));
+        Ok(GpuTensor { buf, shape: a.shape.clone(), dtype: a.dtype, host })
+    }
+
+    fn download(&mut self, t: &GpuTensor) -> Result<Array, String> {
+        if let Some(h) = &t.host {
+            return Ok((**h).clone());
+        }
+        let n = t.numel();
+        let bytes = self.read(&t.buf, n)?;
+        Ok(match t.elem() {
+            Elem::F32 => {
+                let v: Vec<f32> = bytemuck::cast_slice(&bytes).to_vec();
+                let v: Vec<f32> = if matches!(t.dtype, DType::Float16 | DType::Bfloat16) {
+                    v.into_iter().map(|x| ir::eval::round_to(t.dtype, x)).collect()
+                } else {
+                    v
+                };
+                match t.dtype {
+                    DType::Double => {
+                        Array::float(DType::Double, t.shape.clone(), v.into_iter().map(f64::from).collect())
+                    }
+                    d => Array { dtype: d, shape: t.shape.clone(), data: Data::F32(v) },
+                }
+            }
+            Elem::I32 => {
+                let v: Vec<i32> = bytemuck::cast_slice(&bytes).to_vec();
+                if t.dtype == DType::Bool {
+                    Array::bool(t.shape.clone(), v.into_iter().map(|x| x != 0).collect())
+                } else {
+                    Array::int(t.dtype, t.shape.clone(), v.into_iter().map(i64::from).collect())
+                }
+            }
+        })
+    }
+
+    fn run(&mut self, g: &Graph, n: NodeId, inputs: &[Option<&GpuTensor>]) -> Result<(Vec<GpuTensor>, bool), String> {
+        match self.run_kernel(g, n, inputs)? {
+            Some(outs) => Ok((outs, false)),
+            None => Ok((self.host_fallback(g, n, inputs)?, true)),
+        }
+    }
+
+    fn sync(&mut self) {
+        self.flush();
+        let _ = self.device.poll(wgpu::PollType::wait_indefinitely());
+    }
+}
