@@ -6,7 +6,6 @@ use std::path::Path;
 
 use codegen::{Placement, Program, StagePlacement};
 use ir::eval::Array;
-use ir::shard::{Mesh, MeshAxis, OpStrategy};
 use ir::{DType, Graph, Model, NodeId, Op, TensorData, Value};
 use passes::autoshard::{Plan, SearchResult};
 
@@ -85,115 +84,43 @@ pub fn materialize(model: &mut Model, dir: &Path, seed: u64) -> Result<Weights, 
     Ok(w)
 }
 
-fn mesh_of(axes: &[passes::autoshard::plan::PlanAxis]) -> Result<Mesh, String> {
-    axes.iter()
-        .map(|a| {
-            let level = match a.level.as_str() {
-                "intra" => ir::shard::LinkLevel::Intra,
-                "inter" => ir::shard::LinkLevel::Inter,
-                l => return Err(format!("mesh axis `{}`: unknown level `{l}`", a.name)),
-            };
-            Ok(MeshAxis { name: a.name.clone(), size: a.size, level })
-        })
-        .collect::<Result<Vec<_>, String>>()
-        .map(|axes| Mesh { axes })
-}
-
-/// The dim along which `full` and `micro` shapes differ by `m` (the micro-batch axis).
-fn batch_axis(full: &[usize], micro: &[usize], m: usize) -> Option<usize> {
-    (0..full.len().min(micro.len())).find(|&d| full[d] != micro[d] && micro[d] * m == full[d])
-}
-
-/// Re-batches a copy of `g` (batch `batch`) to micro-batches of `batch / m`.
-fn micro_graph(g: &Graph, m: usize) -> Result<Graph, String> {
-    if m <= 1 {
-        return Ok(g.clone());
-    }
-    let batch =
-        passes::cost::pipeline::graph_batch(g).ok_or("the model has no batch dim to split into micro-batches")?;
-    if batch % m as i64 != 0 {
-        return Err(format!("{m} micro-batches do not divide the batch of {batch}"));
-    }
-    let mut gm = g.clone();
-    passes::rebatch::rebatch(&mut gm, &passes::RebatchSpec { batch: Some(batch / m as i64), ..Default::default() })
-        .map_err(|e| {
-            format!("cannot re-batch to micro-batches: {}", e.errors.first().map(|x| x.msg.clone()).unwrap_or_default())
-        })?;
-    Ok(gm)
-}
-
-/// Lowers `g` (full batch, shapes inferred, weights inline) under per-op strategies keyed by
-/// first output name, with stages and micro-batches.
-fn lower_named(
-    g: &Graph,
-    meshes: Vec<Mesh>,
-    devices: Vec<Vec<usize>>,
-    by_name: &HashMap<String, (OpStrategy, usize)>,
-    micro: usize,
-) -> Result<Program, String> {
-    let gm = micro_graph(g, micro)?;
-    let mut strategies = HashMap::new();
-    let mut stage_of = HashMap::new();
-    for n in gm.op_nodes().map_err(|_| "the graph has a cycle".to_string())? {
-        let key = gm.node(n).outputs().first().map(|o| o.name.as_str()).unwrap_or("");
-        if let Some((s, st)) = by_name.get(key) {
-            strategies.insert(n, s.clone());
-            stage_of.insert(n, *st);
-        }
-    }
-    let placement = Placement {
-        stages: meshes.into_iter().zip(devices).map(|(mesh, devices)| StagePlacement { mesh, devices }).collect(),
-        strategies,
-        stage_of,
-        micro_batches: micro.max(1),
-    };
-    let mut p = codegen::lower(&gm, &placement).map_err(|e| e.to_string())?;
-    // Micro-batch axes of the inputs and outputs.
-    for io in p.inputs.iter_mut().chain(p.outputs.iter_mut()) {
-        let v = g.lookup(&io.name).ok_or_else(|| format!("`{}` is not in the model", io.name))?;
-        let full: Vec<usize> = g
-            .tensor_type(v)
-            .and_then(|t| t.static_dims())
-            .ok_or_else(|| format!("`{}` has no static shape", io.name))?
-            .into_iter()
-            .map(|d| d as usize)
-            .collect();
-        io.batch_axis = batch_axis(&full, &io.shape, micro);
-        io.shape = full;
-    }
-    Ok(p)
-}
-
 /// The program of a plan document for `g` (the model the plan was made for, full batch,
-/// shapes inferred, weights inline).
+/// shapes inferred, weights inline): the one crossing from a plan to a program. The plan's
+/// ops are matched to `g`'s by [`Plan::stage_assignment`]; codegen lowers the full-batch
+/// graph and cuts it into the plan's micro-batches itself.
 pub fn program_for_plan(g: &Graph, plan: &Plan) -> Result<Program, String> {
-    let mut by_name = HashMap::new();
-    for o in &plan.ops {
-        if let Some(first) = o.outputs.first() {
-            by_name.insert(first.clone(), (o.split.clone(), o.stage));
-        }
-    }
-    let meshes = plan.stages.iter().map(|s| mesh_of(&s.mesh)).collect::<Result<Vec<_>, _>>()?;
-    let devices = plan.stages.iter().map(|s| s.devices.clone()).collect();
-    lower_named(g, meshes, devices, &by_name, plan.micro_batches)
+    let (asg, stage_of) = plan.stage_assignment(g)?;
+    let meshes = plan.stage_meshes()?;
+    let placement = Placement {
+        stages: meshes
+            .into_iter()
+            .zip(&plan.stages)
+            .map(|(mesh, s)| StagePlacement { mesh, devices: s.devices.clone() })
+            .collect(),
+        strategies: asg.strategies,
+        stage_of,
+        micro_batches: plan.micro_batches.max(1),
+        policy: plan.policy,
+    };
+    codegen::lower(g, &placement).map_err(|e| e.to_string())
 }
 
-/// The program of a search result for `g`.
+/// The program of a search result for `g` (the graph the search ran on: its strategies are
+/// keyed by `g`'s nodes).
 pub fn program_for_search(g: &Graph, r: &SearchResult, devices: usize) -> Result<Program, String> {
     let (meshes, stage_of) = passes::autoshard::plan::stage_meshes(r);
-    let mut by_name = HashMap::new();
-    for n in g.op_nodes().map_err(|_| "the graph has a cycle".to_string())? {
-        let Some(first) = g.node(n).outputs().first() else { continue };
-        let st = stage_of.get(&n).copied().unwrap_or(0);
-        let s = r.assignment.strategies.get(&n).cloned().unwrap_or_else(|| vec![None; meshes[st].axes.len()]);
-        by_name.insert(first.name.clone(), (s, st));
-    }
     let device_lists: Vec<Vec<usize>> = match &r.pipeline {
         Some(p) => p.stages.iter().map(|s| s.devices.clone()).collect(),
         None => vec![(0..devices).collect()],
     };
-    let micro = r.pipeline.as_ref().map_or(1, |p| p.micro_batches);
-    lower_named(g, meshes, device_lists, &by_name, micro)
+    let placement = Placement {
+        stages: meshes.into_iter().zip(device_lists).map(|(mesh, devices)| StagePlacement { mesh, devices }).collect(),
+        strategies: r.assignment.strategies.clone(),
+        stage_of: stage_of.into_iter().collect::<HashMap<NodeId, usize>>(),
+        micro_batches: r.pipeline.as_ref().map_or(1, |p| p.micro_batches),
+        policy: r.breakdown.policy,
+    };
+    codegen::lower(g, &placement).map_err(|e| e.to_string())
 }
 
 /// A named strategy (`data`, `model`, `spatial`, `hybrid:DxS`, `owt`) priced on `devices`

@@ -1,10 +1,11 @@
 //! A lowered program: one graph per device with explicit communication, and how the host
 //! feeds its inputs and collects its outputs.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
+use ir::reshard::StepKind;
 use ir::shard::{Mesh, OpStrategy, Sharding, sharding_to_string};
-use ir::{DType, Graph, Model, NodeId};
+use ir::{DType, Graph, Model, NodeId, Value};
 use serde::Serialize;
 
 /// Where each op runs and how: the input of lowering.
@@ -18,6 +19,8 @@ pub struct Placement {
     pub stage_of: HashMap<NodeId, usize>,
     /// Micro-batches per step (1 without pipelining).
     pub micro_batches: usize,
+    /// The algebra's machine-dependent choices, as the plan priced them.
+    pub policy: ir::reshard::Policy,
 }
 
 /// One stage: its mesh and the global ids of its devices, in mesh order.
@@ -37,6 +40,7 @@ impl Placement {
             strategies: HashMap::new(),
             stage_of: HashMap::new(),
             micro_batches: 1,
+            policy: ir::reshard::Policy::default(),
         }
     }
 
@@ -110,6 +114,57 @@ pub struct DeviceProgram {
 }
 
 impl DeviceProgram {
+    /// Per kind (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `halo`), the
+    /// bytes this device sends running its program once: `(p−1)/p` of the operand of a
+    /// collective over `p` devices (twice that for an all-reduce; the output for an
+    /// all-gather), the rows a halo exchange sends its neighbours. The measure the plan's
+    /// `bytes_moved` uses, so the two can be compared.
+    pub fn bytes_moved(&self) -> BTreeMap<String, f64> {
+        use ir::op::Op;
+        let g = &self.graph;
+        let mut out: BTreeMap<String, f64> = BTreeMap::new();
+        let bytes =
+            |v: Option<Value>| v.and_then(|v| g.tensor_type(v)).and_then(|t| t.size_bytes()).unwrap_or(0) as f64;
+        for n in g.op_nodes().unwrap_or_default() {
+            let node = g.node(n);
+            let group = |gr: &Option<Vec<i64>>| gr.as_ref().map_or(1, Vec::len);
+            let (kind, moved) = match &node.op {
+                Op::AllReduce(a) => (
+                    StepKind::AllReduce,
+                    ir::reshard::moved(&StepKind::AllReduce, group(&a.group), bytes(node.input(0))),
+                ),
+                Op::AllGather(a) => {
+                    let k = StepKind::AllGather { dim: 0 };
+                    let m = ir::reshard::moved(&k, group(&a.group), bytes(Some(Value::new(n, 0))));
+                    (k, m)
+                }
+                Op::ReduceScatter(a) => {
+                    let k = StepKind::ReduceScatter { dim: 0 };
+                    let m = ir::reshard::moved(&k, group(&a.group), bytes(node.input(0)));
+                    (k, m)
+                }
+                Op::AllToAll(a) => {
+                    let k = StepKind::AllToAll { split: 0, concat: 0 };
+                    let m = ir::reshard::moved(&k, group(&a.group), bytes(node.input(0)));
+                    (k, m)
+                }
+                Op::HaloExchange(h) => {
+                    let x =
+                        node.input(0).and_then(|v| g.tensor_type(v)).and_then(|t| t.static_dims()).unwrap_or_default();
+                    let axis = h.axis.unwrap_or(0).max(0) as usize;
+                    let slab = bytes(node.input(0)) / x.get(axis).copied().unwrap_or(1).max(1) as f64;
+                    let w = h.widths.clone().unwrap_or_default();
+                    let rows = w.get(2).copied().unwrap_or(0) + w.get(3).copied().unwrap_or(0);
+                    *out.entry("halo".into()).or_insert(0.0) += slab * rows as f64;
+                    continue;
+                }
+                _ => continue,
+            };
+            *out.entry(kind.name().into()).or_insert(0.0) += moved;
+        }
+        out
+    }
+
     /// The program as a model in the ONNX textual syntax (parses back with the frontend).
     pub fn to_model(&self) -> Model {
         let opset = self.graph.opset;
@@ -149,7 +204,26 @@ impl Program {
         (&self.meshes[d.stage], d.rank)
     }
 
-    /// A summary for `--emit json`: per device its feeds, results and op counts.
+    /// Per phase and kind, the bytes the busiest device sends in one step (all micro-batches):
+    /// the measure of the plan's `bytes_moved_per_device`. The programs are forward passes,
+    /// so every byte is `forward`.
+    pub fn bytes_moved_per_device(&self) -> BTreeMap<String, BTreeMap<String, f64>> {
+        let mut kinds: BTreeMap<String, f64> = BTreeMap::new();
+        for d in &self.devices {
+            for (k, b) in d.bytes_moved() {
+                let e = kinds.entry(k).or_insert(0.0);
+                *e = e.max(b * self.micro_batches as f64);
+            }
+        }
+        let mut out = BTreeMap::new();
+        if !kinds.is_empty() {
+            out.insert("forward".to_string(), kinds);
+        }
+        out
+    }
+
+    /// A summary for `--emit json`: per device its feeds, results, op counts and the bytes it
+    /// sends.
     pub fn summary_json(&self) -> serde_json::Value {
         let devices: Vec<serde_json::Value> = self
             .devices
@@ -171,6 +245,7 @@ impl Program {
                     "rank": d.rank,
                     "ops": ops,
                     "communication": comm,
+                    "bytes_moved": d.bytes_moved().into_iter().map(|(k, b)| (k, b * self.micro_batches as f64)).collect::<BTreeMap<_, _>>(),
                     "feeds": d.feeds,
                     "results": d.results,
                 })
@@ -181,6 +256,7 @@ impl Program {
             "inputs": self.inputs,
             "outputs": self.outputs,
             "fallbacks": self.fallbacks,
+            "bytes_moved_per_device": self.bytes_moved_per_device(),
             "devices": devices,
         })
     }

@@ -34,6 +34,7 @@ pub mod infer;
 pub mod op;
 pub mod ops;
 pub mod print;
+pub mod reshard;
 pub mod shard;
 pub mod tensor;
 pub mod types;

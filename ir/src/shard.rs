@@ -415,7 +415,8 @@ pub fn strategy_valid(space: &IterSpace, strategy: &[Option<usize>], mesh: &Mesh
             return false;
         }
     }
-    true
+    // Only splits the lowering can express (the cost model prices the same mode).
+    crate::ops::split::split_mode(g, n, space, strategy, mesh).is_ok()
 }
 
 #[cfg(test)]

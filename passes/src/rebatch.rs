@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use ir::eval::Array;
 use ir::infer::{Mode, infer_shapes};
-use ir::ops::{FlowCx, Mono};
+use ir::ops::Mono;
 use ir::{Dim, Graph, NodeId, Op, OpClass, Tensor, TensorData, TensorType, Type, Value};
 
 use crate::manager::{Changed, Located, Pass, PassCx, PassError};
@@ -403,28 +403,7 @@ fn regenerate_square(t: &Tensor, ax: (usize, usize), new: i64) -> Result<Tensor,
     .to_tensor())
 }
 
-/// True when `v` reaches an initial-state input of a recurrent op through data movement only.
-fn feeds_recurrent_state(g: &Graph, v: Value) -> bool {
-    let mut stack = vec![v];
-    let mut seen = std::collections::HashSet::new();
-    while let Some(x) = stack.pop() {
-        if !seen.insert(x) {
-            continue;
-        }
-        for (user, slot) in g.users(x) {
-            match &g.node(user).op {
-                Op::LSTM(_) | Op::GRU(_) | Op::RNN(_) if slot >= 5 => return true,
-                Op::Slice(_) | Op::Squeeze(_) | Op::Unsqueeze(_) | Op::Identity(_) | Op::Cast(_) | Op::Gather(_)
-                    if slot == 0 =>
-                {
-                    stack.extend((0..g.node(user).num_outputs()).map(|s| Value::new(user, s as u16)));
-                }
-                _ => {}
-            }
-        }
-    }
-    false
-}
+use ir::ops::recurrent::feeds_recurrent_state;
 
 fn consts_i64(consts: &HashMap<Value, Array>, v: Option<Value>) -> Option<Vec<i64>> {
     consts.get(&v?).and_then(|a| a.to_i64().ok())
@@ -511,68 +490,6 @@ fn symbols(new_dims: &[Change]) -> (Vec<(i64, i64)>, Monos) {
     (syms, input_monos)
 }
 
-/// What one flow over the graph found.
-struct Flow {
-    monos: HashMap<Value, Vec<Mono>>,
-    reqs: Vec<(Value, usize, Mono)>,
-    errors: Vec<Located>,
-}
-
-/// Flows changed dims through the graph in `order` with each op's rule
-/// ([`ir::ops::OpRules::flow`]); `overrides` pin axes already made to follow a changed dim.
-fn flow(
-    g: &Graph,
-    order: &[NodeId],
-    syms: &[(i64, i64)],
-    old: &HashMap<Value, Vec<i64>>,
-    consts: &HashMap<Value, Array>,
-    input_monos: &HashMap<Value, Vec<Mono>>,
-    overrides: &HashMap<Value, Vec<(usize, Mono)>>,
-) -> Flow {
-    let mut monos = input_monos.clone();
-    let mut reqs = Vec::new();
-    let mut errors: Vec<(NodeId, String)> = Vec::new();
-    for &n in order {
-        // Symbolic old shapes were computed dynamically by the export; re-inference updates them.
-        if old.contains_key(&Value::new(n, 0)) {
-            let mut cx = FlowCx {
-                g,
-                n,
-                syms,
-                old,
-                consts,
-                monos: &mut monos,
-                reqs: &mut reqs,
-                errors: &mut errors,
-                missing_rule: false,
-            };
-            g.node(n).op.rules().flow(&mut cx);
-        }
-        for s in 0..g.node(n).num_outputs() {
-            let v = Value::new(n, s as u16);
-            let Some(ov) = overrides.get(&v) else { continue };
-            let old_d = old.get(&v);
-            let rank = old_d.map_or(0, Vec::len);
-            let mut m = monos
-                .get(&v)
-                .cloned()
-                .unwrap_or_else(|| old_d.map(|d| d.iter().map(|&x| Mono::constant(x)).collect()).unwrap_or_default());
-            m.resize(rank, Mono::Opaque);
-            for (a, mono) in ov {
-                if *a < m.len() {
-                    m[*a] = mono.clone();
-                }
-            }
-            monos.insert(v, m);
-        }
-    }
-    let errors = errors
-        .into_iter()
-        .map(|(n, msg)| Located::at(g, n, format!("cannot rebatch {}: {msg}", g.describe(n))))
-        .collect();
-    Flow { monos, reqs, errors }
-}
-
 /// Rewrites the shape operands, gives the inputs their new types, infers shapes afresh and
 /// checks every tracked axis has the size its monomial predicts.
 #[allow(clippy::too_many_arguments)]
@@ -647,9 +564,14 @@ pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassE
     let mut overrides: HashMap<Value, Vec<(usize, Mono)>> = HashMap::new();
     for _round in 0..8 {
         let order = g.topo_order().map_err(|_| fail(vec![Located::global("the graph has a cycle")]))?;
-        let mut fl = flow(g, &order, &syms, &old, &consts, &input_monos, &overrides);
+        let mut fl = ir::ops::flow::flow_graph(g, &order, &syms, &old, &consts, &input_monos, &overrides);
         if !fl.errors.is_empty() {
-            return Err(fail(fl.errors));
+            let errors = fl
+                .errors
+                .iter()
+                .map(|(n, msg)| Located::at(g, *n, format!("cannot rebatch {}: {msg}", g.describe(*n))))
+                .collect();
+            return Err(fail(errors));
         }
         // Requirements already met by an override are not new.
         fl.reqs.retain(|(v, a, _)| !overrides.get(v).is_some_and(|o| o.iter().any(|(x, _)| x == a)));

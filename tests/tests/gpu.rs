@@ -88,6 +88,7 @@ fn sharded_plans_run_on_wgpu_devices_and_match_the_reference() {
                 strategies: asg.strategies,
                 stage_of: Default::default(),
                 micro_batches: 1,
+                policy: cm.policy,
             };
             let prog = codegen::lower(g, &pl).unwrap_or_else(|e| panic!("{name} {strategy}: {e}"));
             codegen::check(&prog).unwrap_or_else(|e| panic!("{name} {strategy}: {e:?}"));

@@ -27,6 +27,7 @@ fn placement_for(g: &ir::Graph, devices: usize, named: &Named) -> Option<Placeme
         strategies: asg.strategies,
         stage_of: HashMap::new(),
         micro_batches: 1,
+        policy: cm.policy,
     })
 }
 
@@ -98,6 +99,7 @@ fn random_placement(g: &ir::Graph, mesh: &ir::shard::Mesh, seed: u64) -> Placeme
         strategies,
         stage_of: HashMap::new(),
         micro_batches: 1,
+        policy: Default::default(),
     }
 }
 

@@ -6,7 +6,7 @@
 
 use super::shape::no_work_whole;
 use super::util::norm_axis;
-use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Types, Work};
+use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
 use crate::eval::EvalError;
 use crate::op;
 use crate::shard::IterSpace;
@@ -53,6 +53,10 @@ impl OpRules for op::AllReduce {
 
     no_work_whole!();
 
+    fn sharded(&self) -> Sharded {
+        Sharded::Whole
+    }
+
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         single_device(cx, &self.group)
     }
@@ -69,6 +73,10 @@ impl OpRules for op::AllGather {
     }
 
     no_work_whole!();
+
+    fn sharded(&self) -> Sharded {
+        Sharded::Whole
+    }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         single_device(cx, &self.group)
@@ -88,6 +96,10 @@ impl OpRules for op::ReduceScatter {
     }
 
     no_work_whole!();
+
+    fn sharded(&self) -> Sharded {
+        Sharded::Whole
+    }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         single_device(cx, &self.group)
@@ -112,6 +124,10 @@ impl OpRules for op::AllToAll {
 
     no_work_whole!();
 
+    fn sharded(&self) -> Sharded {
+        Sharded::Whole
+    }
+
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         single_device(cx, &self.group)
     }
@@ -131,6 +147,10 @@ impl OpRules for op::HaloExchange {
 
     no_work_whole!();
 
+    fn sharded(&self) -> Sharded {
+        Sharded::Whole
+    }
+
     /// On one device nothing comes in (the ends of a group receive nothing from outside).
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         single_device(cx, &self.group)
@@ -147,6 +167,10 @@ impl OpRules for op::Send {
     }
 
     no_work_whole!();
+
+    fn sharded(&self) -> Sharded {
+        Sharded::Whole
+    }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         Err(EvalError::Unsupported(format!(
@@ -170,6 +194,10 @@ impl OpRules for op::Recv {
     }
 
     no_work_whole!();
+
+    fn sharded(&self) -> Sharded {
+        Sharded::Whole
+    }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         Err(EvalError::Unsupported(format!(

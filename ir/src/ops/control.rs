@@ -5,7 +5,7 @@
 //! need the subgraphs. They run whole on every device.
 
 use super::shape::no_work_whole;
-use super::{Arity, InferCx, MANY, NodeCx, OpRules, Types, Work};
+use super::{Arity, InferCx, MANY, NodeCx, OpRules, Sharded, Types, Work};
 use crate::op;
 use crate::shard::IterSpace;
 
@@ -22,6 +22,10 @@ macro_rules! control {
             }
 
             no_work_whole!();
+
+            fn sharded(&self) -> Sharded {
+                Sharded::Whole
+            }
         }
     )*};
 }

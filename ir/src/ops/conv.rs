@@ -7,7 +7,7 @@
 //! depthwise ones split them as one dim `g`.
 
 use super::util::join;
-use super::{Arity, Arrays, Backward, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, TypeRule, Types, Work};
+use super::{Arity, Arrays, Backward, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, Sharded, TypeRule, Types, Work};
 use crate::eval::{Array, Data, EvalError};
 use crate::op;
 use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par};
@@ -108,6 +108,10 @@ fn conv_window(c: &op::Conv, x: &[i64], w: &[i64]) -> Option<Window> {
 }
 
 impl OpRules for op::Conv {
+    fn sharded(&self) -> Sharded {
+        Sharded::Window
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 1)
     }

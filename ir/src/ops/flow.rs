@@ -272,6 +272,163 @@ impl FlowCx<'_> {
     }
 }
 
+/// Flows changed dims through `order` (a topological order of `g`) with each op's rule:
+/// returns the monomials of every value visited, the requirements on constants, and the
+/// errors by node. `input_monos` seeds the changed inputs; `overrides` pin axes already made
+/// to follow a changed dim.
+pub fn flow_graph(
+    g: &Graph,
+    order: &[NodeId],
+    syms: &[(i64, i64)],
+    old: &HashMap<Value, Vec<i64>>,
+    consts: &HashMap<Value, Array>,
+    input_monos: &HashMap<Value, Vec<Mono>>,
+    overrides: &HashMap<Value, Vec<(usize, Mono)>>,
+) -> Flow {
+    let mut monos = input_monos.clone();
+    let mut reqs = Vec::new();
+    let mut errors: Vec<(NodeId, String)> = Vec::new();
+    for &n in order {
+        // Symbolic old shapes were computed dynamically by the export; re-inference updates them.
+        if old.contains_key(&Value::new(n, 0)) {
+            let mut cx = FlowCx {
+                g,
+                n,
+                syms,
+                old,
+                consts,
+                monos: &mut monos,
+                reqs: &mut reqs,
+                errors: &mut errors,
+                missing_rule: false,
+            };
+            g.node(n).op.rules().flow(&mut cx);
+        }
+        for s in 0..g.node(n).num_outputs() {
+            let v = Value::new(n, s as u16);
+            let Some(ov) = overrides.get(&v) else { continue };
+            let old_d = old.get(&v);
+            let rank = old_d.map_or(0, Vec::len);
+            let mut m = monos
+                .get(&v)
+                .cloned()
+                .unwrap_or_else(|| old_d.map(|d| d.iter().map(|&x| Mono::constant(x)).collect()).unwrap_or_default());
+            m.resize(rank, Mono::Opaque);
+            for (a, mono) in ov {
+                if *a < m.len() {
+                    m[*a] = mono.clone();
+                }
+            }
+            monos.insert(v, m);
+        }
+    }
+    Flow { monos, reqs, errors }
+}
+
+/// What a flow over a graph found.
+pub struct Flow {
+    /// Monomials of the values that change.
+    pub monos: HashMap<Value, Vec<Mono>>,
+    /// Requirements: axis `.1` of constant value `.0` must follow the monomial `.2`.
+    pub reqs: Vec<(Value, usize, Mono)>,
+    /// Why the flow cannot go on, per node.
+    pub errors: Vec<(NodeId, String)>,
+}
+
+/// Per value (with a static shape), per dim: does it carry the batch? The batch is dim 0 of
+/// the graph inputs that share the first input's dim 0; it is followed through every op's
+/// flow rule (merged dims such as `batch × sequence` carry it too). Shapes must be inferred.
+pub fn batch_dims(g: &Graph) -> HashMap<Value, Vec<bool>> {
+    let mut old: HashMap<Value, Vec<i64>> = HashMap::new();
+    for n in g.node_ids() {
+        for s in 0..g.node(n).num_outputs() {
+            let v = Value::new(n, s as u16);
+            if let Some(d) = g.tensor_type(v).and_then(crate::types::TensorType::static_dims) {
+                old.insert(v, d);
+            }
+        }
+    }
+    let inputs: Vec<Value> = g
+        .input_values()
+        .into_iter()
+        .filter(|v| matches!(g.node(v.node).op, crate::op::Op::Input { default: None }))
+        .collect();
+    let Some(b) = inputs.iter().find_map(|v| old.get(v).and_then(|d| d.first().copied())) else {
+        return old.into_iter().map(|(v, d)| (v, vec![false; d.len()])).collect();
+    };
+    let syms = [(b, 2 * b.max(1))];
+    // Seeds: dim 0 of the inputs that share the first input's size there, except recurrent
+    // initial states (their batch is found from the requirements the recurrent op states).
+    let mut seeds: HashMap<Value, Vec<Mono>> = HashMap::new();
+    for &v in &inputs {
+        if let Some(d) = old.get(&v)
+            && d.first() == Some(&b)
+            && !super::recurrent::feeds_recurrent_state(g, v)
+        {
+            let mut m: Vec<Mono> = d.iter().map(|&x| Mono::constant(x)).collect();
+            m[0] = Mono::sym(0);
+            seeds.insert(v, m);
+        }
+    }
+    let consts =
+        crate::infer::infer_shapes(&mut g.clone(), crate::infer::Mode::Check).map(|r| r.consts).unwrap_or_default();
+    let order = g.topo_order().unwrap_or_default();
+    let mut fl = flow_graph(g, &order, &syms, &old, &consts, &seeds, &HashMap::new());
+    // Requirements on values computed from graph inputs by slicing, casting or renaming
+    // (a recurrent op's initial state, cut per layer from one input): that input's axis
+    // carries the batch too.
+    for _round in 0..4 {
+        let mut grew = false;
+        for (v, a, m) in std::mem::take(&mut fl.reqs) {
+            let Some(x) = trace_to_input(g, v, a, &old) else { continue };
+            let d = &old[&x];
+            let e = seeds.entry(x).or_insert_with(|| d.iter().map(|&s| Mono::constant(s)).collect());
+            if a < e.len() && !e[a].is_tracked() {
+                e[a] = m;
+                grew = true;
+            }
+        }
+        if !grew {
+            break;
+        }
+        fl = flow_graph(g, &order, &syms, &old, &consts, &seeds, &HashMap::new());
+    }
+    old.into_iter()
+        .map(|(v, d)| {
+            let flags = match fl.monos.get(&v) {
+                Some(m) => (0..d.len())
+                    .map(|i| matches!(m.get(i), Some(Mono::Known { pows, .. }) if pows.contains_key(&0)))
+                    .collect(),
+                None => vec![false; d.len()],
+            };
+            (v, flags)
+        })
+        .collect()
+}
+
+/// The graph input (and its axis) that axis `a` of `v` comes from unchanged through ops
+/// that keep the axis (slices along other axes, casts, identities).
+fn trace_to_input(g: &Graph, v: Value, a: usize, old: &HashMap<Value, Vec<i64>>) -> Option<Value> {
+    use crate::op::Op;
+    let mut v = v;
+    for _ in 0..16 {
+        let node = g.node(v.node);
+        match &node.op {
+            Op::Input { default: None } => return Some(v),
+            Op::Slice(_) | Op::Identity(_) | Op::Cast(_) => {
+                let x = node.input(0)?;
+                let (dv, dx) = (old.get(&v)?, old.get(&x)?);
+                if dv.len() != dx.len() || dv.get(a) != dx.get(a) {
+                    return None;
+                }
+                v = x;
+            }
+            _ => return None,
+        }
+    }
+    None
+}
+
 /// Factors a reshape: monomials of the output dims from the input's, aligning old sizes.
 ///
 /// Dims of old size 1 are set aside; the rest are grouped so that products agree. Changed

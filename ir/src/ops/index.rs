@@ -8,7 +8,7 @@
 
 use super::shape::no_work_whole;
 use super::util::norm_axis;
-use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
+use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
 use crate::eval::{Array, Data, EvalError, cast, numel, strides};
 use crate::op;
 use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par, pointwise};
@@ -17,6 +17,10 @@ use crate::types::{DType, Dim, TensorType};
 type Result<T> = std::result::Result<T, EvalError>;
 
 impl OpRules for op::Gather {
+    fn sharded(&self) -> Sharded {
+        Sharded::VocabGather
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }

@@ -42,6 +42,7 @@ pub mod reduce;
 pub mod resize;
 pub mod shape;
 pub mod softmax;
+pub mod split;
 pub mod util;
 
 use crate::eval::{Array, EvalError};
@@ -324,6 +325,31 @@ impl Work {
     }
 }
 
+/// How an op computes on pieces when some of its iteration dims are split (what lowering
+/// must add around it).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Sharded {
+    /// Each device computes its piece from its inputs' pieces; a split reduction dim leaves
+    /// partial sums. Statistic and spatial dims may not split.
+    Local,
+    /// As `Local`, and its statistic dims split freely (they use stored statistics, as
+    /// inference batch normalization does).
+    StoredStatistics,
+    /// Split spatial dims need rows from the neighbours (halo exchange).
+    Window,
+    /// Split statistic dims need the row maximum and sum all-reduced (softmax, log-softmax).
+    Softmax {
+        /// Log-softmax.
+        log: bool,
+    },
+    /// Split normalized dims need the mean and variance all-reduced.
+    LayerNorm,
+    /// A split vocabulary: each device gathers the rows it holds, results are partial sums.
+    VocabGather,
+    /// Runs whole on every device (control flow, communication).
+    Whole,
+}
+
 /// The rules of an op. See the module documentation.
 pub trait OpRules {
     /// Admissible input and output counts.
@@ -346,6 +372,11 @@ pub trait OpRules {
     /// The forward work. `None`: the op has no rule.
     fn work(&self, _cx: &NodeCx<'_>) -> Option<Work> {
         None
+    }
+
+    /// How the op computes on pieces when its dims split.
+    fn sharded(&self) -> Sharded {
+        Sharded::Local
     }
 
     /// Reference evaluation.

@@ -6,7 +6,7 @@
 //! over channels and group normalization's channels stay whole.
 
 use super::util::{broadcast_index, broadcast_shapes, norm_axes, norm_axis};
-use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, Types, Work};
+use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, Sharded, Types, Work};
 use crate::eval::{Array, EvalError, strides};
 use crate::op;
 use crate::shard::{DimRole, IterSpace, pointwise};
@@ -41,6 +41,11 @@ fn per_channel_space(cx: &NodeCx<'_>, fixed_channels: bool) -> IterSpace {
 }
 
 impl OpRules for op::BatchNormalization {
+    /// Inference mode normalizes with the stored running statistics.
+    fn sharded(&self) -> Sharded {
+        if self.training_mode() == 0 { Sharded::StoredStatistics } else { Sharded::Local }
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(5, 5, 1, 3)
     }
@@ -139,6 +144,10 @@ impl OpRules for op::GroupNormalization {
 }
 
 impl OpRules for op::LayerNormalization {
+    fn sharded(&self) -> Sharded {
+        Sharded::LayerNorm
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 3)
     }

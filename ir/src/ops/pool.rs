@@ -6,7 +6,7 @@
 
 use super::conv::{f32s, spatial_dims, to3, window, window_dims, window_flow};
 use super::util::join;
-use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
+use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
 use crate::eval::{Array, EvalError};
 use crate::op::{self, Op};
 use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par};
@@ -20,6 +20,10 @@ macro_rules! windowed {
         impl OpRules for op::$name {
             fn arity(&self) -> Arity {
                 Arity::new(1, 1, 1, $outs)
+            }
+
+            fn sharded(&self) -> Sharded {
+                Sharded::Window
             }
 
             fn infer(&self, cx: &InferCx<'_>) -> Types {

@@ -391,3 +391,28 @@ fn recurrent(r: &Rnn<'_>, cx: &EvalCx<'_>, n_out: usize) -> Result<Vec<Array>> {
     out.truncate(n_out.max(1));
     Ok(out)
 }
+
+/// True when graph input `v` reaches the initial state of a recurrent op (through slices,
+/// squeezes, casts, gathers): its batch dim is axis 1 (or 0 in layout 1), not its first.
+pub fn feeds_recurrent_state(g: &crate::Graph, v: crate::Value) -> bool {
+    use crate::Op;
+    let mut stack = vec![v];
+    let mut seen = std::collections::HashSet::new();
+    while let Some(x) = stack.pop() {
+        if !seen.insert(x) {
+            continue;
+        }
+        for (user, slot) in g.users(x) {
+            match &g.node(user).op {
+                Op::LSTM(_) | Op::GRU(_) | Op::RNN(_) if slot >= 5 => return true,
+                Op::Slice(_) | Op::Squeeze(_) | Op::Unsqueeze(_) | Op::Identity(_) | Op::Cast(_) | Op::Gather(_)
+                    if slot == 0 =>
+                {
+                    stack.extend((0..g.node(user).num_outputs()).map(|s| crate::Value::new(user, s as u16)));
+                }
+                _ => {}
+            }
+        }
+    }
+    false
+}

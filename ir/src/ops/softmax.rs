@@ -5,7 +5,7 @@
 //! all-reduced); Hardmax's axis stays whole.
 
 use super::util::norm_axis;
-use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
+use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
 use crate::cost::TRANSCENDENTAL_FLOPS;
 use crate::eval::{Array, EvalError};
 use crate::op;
@@ -34,6 +34,14 @@ macro_rules! softmax {
 
             fn infer(&self, cx: &InferCx<'_>) -> Types {
                 cx.same()
+            }
+
+            fn sharded(&self) -> Sharded {
+                match $kind {
+                    Kind::Softmax => Sharded::Softmax { log: false },
+                    Kind::LogSoftmax => Sharded::Softmax { log: true },
+                    Kind::Hardmax => Sharded::Local,
+                }
             }
 
             fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {

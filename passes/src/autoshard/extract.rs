@@ -23,7 +23,6 @@ use std::time::Instant;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use crate::cost::collective::reshard_time;
 use crate::cost::model::{InputPath, Optimizer, Precision};
 use crate::cost::{Breakdown, CostModel};
 use ir::shard::AxisShard;
@@ -142,26 +141,34 @@ fn consts(cm: &CostModel<'_>, grad_weight: f64) -> Consts {
     }
 }
 
-/// Memoized resharding times, by layout.
+/// Memoized resharding times, by value and layouts (the cost model's algebra).
 struct Reshards<'a, 'g> {
     cm: &'a CostModel<'g>,
-    memo: FxHashMap<(LayoutId, LayoutId, u64), f64>,
+    memo: FxHashMap<(ValueId, LayoutId, LayoutId, u64), (f64, f64)>,
 }
 
 impl Reshards<'_, '_> {
-    fn time(&mut self, p: &Problem, from: LayoutId, to: LayoutId, bytes: f64) -> f64 {
-        if from == to || bytes <= 0.0 {
-            return 0.0;
+    /// (seconds, latency seconds) of resharding value `v` from `from` to `to`, its bytes
+    /// scaled by `scale`.
+    fn price(&mut self, p: &Problem, v: ValueId, from: LayoutId, to: LayoutId, scale: f64) -> (f64, f64) {
+        if from == to {
+            return (0.0, 0.0);
         }
-        *self.memo.entry((from, to, bytes.to_bits())).or_insert_with(|| {
-            reshard_time(&p.layouts[from.ix()], &p.layouts[to.ix()], bytes, &self.cm.mesh, self.cm.cluster)
+        *self.memo.entry((v, from, to, scale.to_bits())).or_insert_with(|| {
+            let steps = self.cm.reshard(p.values[v.ix()].value, &p.layouts[from.ix()], &p.layouts[to.ix()], scale);
+            (crate::cost::collective::total(&steps), steps.iter().map(|s| s.latency).sum())
         })
+    }
+
+    fn time(&mut self, p: &Problem, v: ValueId, from: LayoutId, to: LayoutId) -> f64 {
+        self.price(p, v, from, to, 1.0).0
     }
 
     /// The bandwidth part of a resharding (gradient synchronisation is bucketed, so its
     /// latency terms are shared by many tensors).
-    fn bandwidth_time(&mut self, p: &Problem, from: LayoutId, to: LayoutId, bytes: f64) -> f64 {
-        (self.time(p, from, to, bytes) - self.time(p, from, to, f64::MIN_POSITIVE)).max(0.0)
+    fn bandwidth_time(&mut self, p: &Problem, v: ValueId, from: LayoutId, to: LayoutId, scale: f64) -> f64 {
+        let (t, l) = self.price(p, v, from, to, scale);
+        (t - l).max(0.0)
     }
 }
 
@@ -215,6 +222,7 @@ impl Proxy {
         }
         let mut steps = Vec::with_capacity(n);
         let mut readers: Vec<Vec<(usize, usize)>> = vec![Vec::new(); p.values.len()];
+        let outputs: rustc_hash::FxHashSet<ir::Value> = cm.g.outputs().iter().map(|o| o.value).collect();
         let mut live: Vec<ValueId> = Vec::new();
         for (t, cs) in cands.iter().enumerate().take(n) {
             let op = &p.ops[t];
@@ -234,6 +242,17 @@ impl Proxy {
                 let c = c as usize;
                 let mut tm = op.time[c];
                 let mut mm = 0.0;
+                // Graph outputs brought to the layout the host reads (as the cost model does;
+                // exact when no later op already materialized that layout).
+                for (slot, &v) in op.outputs.iter().enumerate() {
+                    let vi = &p.values[v.ix()];
+                    if outputs.contains(&vi.value) {
+                        let from = &p.layouts[op.makes[c][slot].ix()];
+                        let to =
+                            ir::reshard::output_layout(from, cm.batch().get(&vi.value).map_or(&[][..], Vec::as_slice));
+                        tm += crate::cost::collective::total(&cm.reshard(vi.value, from, &to, 1.0));
+                    }
+                }
                 if op.keeps_outputs {
                     for (slot, &v) in op.outputs.iter().enumerate() {
                         let vi = &p.values[v.ix()];
@@ -271,7 +290,7 @@ impl Proxy {
                             grad = p.layout_ids.get(&sh).copied().unwrap_or(grad);
                         }
                         tm += k.grad_weight
-                            * rs.bandwidth_time(p, grad, p.settled[store.ix()], vi.bytes * cm.opts.grad_compression);
+                            * rs.bandwidth_time(p, *v, grad, p.settled[store.ix()], cm.opts.grad_compression);
                     }
                     if data_input {
                         tm += local * k.input_per_byte;
@@ -283,7 +302,7 @@ impl Proxy {
                             && !seen.contains(&l)
                         {
                             seen.push(l);
-                            tm += rs.time(p, store, l, vi.bytes);
+                            tm += rs.time(p, *v, store, l);
                         }
                     }
                 }
@@ -308,7 +327,7 @@ impl Proxy {
                             let Some(l) = op.needs[c][j] else { continue };
                             if l != have && !needs.contains(&l) {
                                 needs.push(l);
-                                cost += rs.time(p, have, l, vi.bytes);
+                                cost += rs.time(p, *v, have, l);
                             }
                             if vi.needs_grad {
                                 let g = op.grads[c][j].unwrap_or(l);
@@ -318,7 +337,7 @@ impl Proxy {
                                     } else {
                                         1.0
                                     };
-                                    cost += w * rs.time(p, g, p.settled[have.ix()], vi.bytes);
+                                    cost += w * rs.time(p, *v, g, p.settled[have.ix()]);
                                     grads.push(g);
                                 }
                             }

@@ -871,7 +871,11 @@ fn price_cuts(
                     steps: vec![crate::cost::collective::Step {
                         kind: crate::cost::collective::CommKind::P2p,
                         axes: vec![],
+                        group: 2,
                         bytes: send,
+                        moved: send,
+                        moved_by_device: None,
+                        latency: al,
                         time: p2p(send, al, be),
                     }],
                 });
@@ -962,6 +966,9 @@ fn price_cuts(
         infeasible_reason: (!feasible).then(|| "a pipeline stage does not fit".into()),
         ops: rows_all,
         events,
+        // Stages have their own meshes; per-device bytes are reported for one mesh only.
+        bytes_moved_per_device: Default::default(),
+        policy: Default::default(),
     };
     Some(PipelinePlan {
         stages,

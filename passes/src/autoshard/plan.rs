@@ -10,7 +10,7 @@ use ir::{Graph, NodeId, Op, Value};
 use serde::{Deserialize, Serialize};
 
 use super::{MeshSearch, SearchResult};
-use crate::cost::model::{Phase, is_host};
+use crate::cost::model::is_host;
 use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Options};
 
 /// The plan format's name.
@@ -142,8 +142,16 @@ pub struct PlanCollective {
     pub to: String,
     /// Mesh axes it runs over.
     pub axes: Vec<String>,
-    /// Bytes per device.
+    /// Bytes per device of the tensor the step operates on: the input of an all-reduce,
+    /// reduce-scatter or all-to-all, the output of an all-gather, the slab of a halo.
     pub bytes: f64,
+    /// Devices in its group.
+    #[serde(default)]
+    pub group_size: usize,
+    /// Bytes each device sends: `(p−1)/p · bytes`, twice that for an all-reduce, the slab
+    /// for a halo exchange (its busiest member's).
+    #[serde(default)]
+    pub bytes_moved: f64,
     /// Seconds.
     pub time_s: f64,
 }
@@ -254,6 +262,10 @@ pub struct Plan {
     pub tensors: Vec<PlanTensor>,
     /// Inserted communication, in step order.
     pub collectives: Vec<PlanCollective>,
+    /// Per phase and kind, the bytes the busiest device sends (`{phase: {kind: bytes}}`);
+    /// the lowered program moves the same (`shardc lower --emit json`).
+    #[serde(default)]
+    pub bytes_moved_per_device: BTreeMap<String, BTreeMap<String, f64>>,
     /// Search statistics.
     pub search: PlanSearch,
     /// Pipeline stages (one when the plan does not pipeline).
@@ -264,6 +276,10 @@ pub struct Plan {
     pub schedule: Option<String>,
     /// How the pipeline was chosen, when the plan pipelines (null otherwise).
     pub pipeline: Option<PlanPipeline>,
+    /// The resharding algebra's machine-dependent choices the plan was priced with (the
+    /// lowering follows them).
+    #[serde(default)]
+    pub policy: ir::reshard::Policy,
     /// Where the search's time went (the only part that differs between runs).
     #[serde(default)]
     pub timings: PlanTimings,
@@ -367,6 +383,7 @@ impl Plan {
             ops,
             tensors,
             collectives: collectives(g, &stage_meshes, &stage_of, b),
+            bytes_moved_per_device: b.bytes_moved_per_device.clone(),
             search: PlanSearch {
                 meshes: serde_json::to_value::<&[MeshSearch]>(&r.meshes).expect("stats serialize"),
                 same_as: r.same_as.clone(),
@@ -377,6 +394,7 @@ impl Plan {
             schedule: r.pipeline.as_ref().map(|p| p.schedule.name().to_string()),
             stages,
             pipeline,
+            policy: r.breakdown.policy,
             timings: PlanTimings::of(r),
         }
     }
@@ -410,10 +428,17 @@ impl Plan {
     /// The plan's strategies as an assignment of `g`'s ops, matching ops by their first
     /// output's name. Errors name ops the plan does not cover or whose strategy does not fit.
     pub fn assignment(&self, g: &Graph) -> Result<Assignment, String> {
+        self.stage_assignment(g).map(|(a, _)| a)
+    }
+
+    /// [`Plan::assignment`] with each op's pipeline stage: the one step from the plan's names
+    /// to a graph's nodes.
+    pub fn stage_assignment(&self, g: &Graph) -> Result<(Assignment, HashMap<NodeId, usize>), String> {
         let meshes: Vec<Mesh> = self.stages.iter().map(|s| mesh_of(&s.mesh)).collect::<Result<Vec<_>, String>>()?;
         let by_output: BTreeMap<&str, &PlanOp> =
             self.ops.iter().filter_map(|o| Some((o.outputs.first()?.as_str(), o))).collect();
         let mut asg = Assignment::default();
+        let mut stage_of = HashMap::new();
         for n in g.op_nodes().map_err(|_| "the graph has a cycle".to_string())? {
             let key = g.node(n).outputs().first().map(|o| o.name.as_str()).unwrap_or("");
             let Some(op) = by_output.get(key) else {
@@ -422,8 +447,9 @@ impl Plan {
             let mesh = meshes.get(op.stage).ok_or_else(|| format!("{}: no stage {}", g.describe(n), op.stage))?;
             check_strategy(g, n, &op.split, mesh)?;
             asg.strategies.insert(n, op.split.clone());
+            stage_of.insert(n, op.stage);
         }
-        Ok(asg)
+        Ok((asg, stage_of))
     }
 }
 
@@ -568,12 +594,7 @@ fn collectives(g: &Graph, meshes: &[Mesh], stage_of: &HashMap<NodeId, usize>, b:
         let mesh = &meshes[e.op.and_then(|o| stage_of.get(&o).copied()).unwrap_or(0).min(meshes.len() - 1)];
         for st in &e.steps {
             out.push(PlanCollective {
-                phase: match e.phase {
-                    Phase::Forward => "forward",
-                    Phase::Backward => "backward",
-                    Phase::Gradient => "gradient",
-                }
-                .into(),
+                phase: e.phase.name().into(),
                 kind: st.kind.name().into(),
                 tensor: value_name(g, e.value),
                 op: e.op.filter(|o| g.contains(*o)).map(|n| g.op_name(n)),
@@ -585,6 +606,8 @@ fn collectives(g: &Graph, meshes: &[Mesh], stage_of: &HashMap<NodeId, usize>, b:
                     .map(|&a| mesh.axes.get(a).map_or(format!("axis{a}"), |x| x.name.clone()))
                     .collect(),
                 bytes: st.bytes,
+                group_size: st.group,
+                bytes_moved: st.moved,
                 time_s: st.time,
             });
         }

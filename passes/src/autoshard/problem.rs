@@ -45,6 +45,8 @@ pub(crate) enum Origin {
 /// One tensor.
 #[derive(Clone, Debug)]
 pub(crate) struct ValueInfo {
+    /// The graph value.
+    pub value: Value,
     pub origin: Origin,
     /// Bytes in the training precision.
     pub bytes: f64,
@@ -201,6 +203,7 @@ impl Problem {
             || ir::cost::is_param(g, v);
         let id = ValueId(self.values.len() as u32);
         self.values.push(ValueInfo {
+            value: v,
             origin,
             bytes: cm.value_bytes(v),
             float,

@@ -13,12 +13,15 @@
 //! | broadcast of n bytes (pipelined) | `⌈log₂ p⌉α + n/β` |
 //! | point-to-point of n bytes | `α + n/β` |
 //!
-//! A hierarchical all-reduce over intra-node and inter-node axes (reduce-scatter inside the
-//! node, all-reduce across nodes on the shards, all-gather inside the node) is used when it is
-//! cheaper than reducing along each axis in turn.
+//! The steps themselves come from the one resharding algebra ([`ir::reshard`]), which the
+//! lowering emits too; this module prices them. An all-reduce over a group is one ring at the
+//! group's slowest link; on meshes with intra- and inter-node axes the algebra can run it as
+//! reduce-scatter inside the nodes, all-reduce across them, all-gather inside them — the cost
+//! model picks the cheaper ([`choose_policy`]) and the plan records the choice.
 
 use serde::Serialize;
 
+use ir::reshard::{CommStep, Policy, StepKind};
 use ir::shard::{AxisShard, LinkLevel, Mesh};
 
 use super::cluster::{Cluster, Link, Topology};
@@ -137,154 +140,113 @@ pub fn p2p(n: f64, alpha: f64, beta: f64) -> f64 {
     alpha + n / beta
 }
 
-/// One collective of a resharding.
+/// One priced communication step.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Step {
     /// What it is.
     pub kind: CommKind,
-    /// Mesh axes it runs over.
+    /// Mesh axes of its group.
     pub axes: Vec<usize>,
-    /// Bytes per device it moves (its buffer).
+    /// Devices in its group (for a halo exchange: along its axis).
+    pub group: usize,
+    /// Bytes per device of the tensor it operates on (see [`ir::reshard::CommStep::bytes`]).
     pub bytes: f64,
+    /// Bytes each device sends (the busiest member's, for a halo exchange).
+    pub moved: f64,
+    /// Per device of the mesh, what it sends, when devices differ (the ends of a halo
+    /// exchange send to one neighbour only).
+    #[serde(skip)]
+    pub moved_by_device: Option<Vec<f64>>,
+    /// The latency (α) part of `time`, seconds.
+    pub latency: f64,
     /// Seconds.
     pub time: f64,
 }
 
-/// All-reduce of `n` bytes per device over several mesh axes at once: the cheaper of reducing
-/// along each axis in turn and the hierarchical scheme (reduce-scatter over the intra-node
-/// axes, all-reduce of the shards over the others, all-gather back).
-pub fn multi_axis_all_reduce(n: f64, axes: &[usize], mesh: &Mesh, cluster: &Cluster) -> f64 {
-    let ab = |a: usize| alpha_beta(cluster, mesh.axes[a].level, mesh.axes[a].size);
-    let sequential: f64 = axes
-        .iter()
-        .map(|&a| {
-            let (al, be) = ab(a);
-            all_reduce(n, mesh.axes[a].size, al, be)
+impl CommKind {
+    /// The kind of a step of the resharding algebra; `None` for local steps.
+    pub fn of(kind: &StepKind) -> Option<CommKind> {
+        Some(match kind {
+            StepKind::AllReduce => CommKind::AllReduce,
+            StepKind::ReduceScatter { .. } => CommKind::ReduceScatter,
+            StepKind::AllGather { .. } => CommKind::AllGather,
+            StepKind::AllToAll { .. } => CommKind::AllToAll,
+            StepKind::Slice | StepKind::Zero => return None,
         })
-        .sum();
-    let intra: Vec<usize> = axes.iter().copied().filter(|&a| mesh.axes[a].level == LinkLevel::Intra).collect();
-    let inter: Vec<usize> = axes.iter().copied().filter(|&a| mesh.axes[a].level == LinkLevel::Inter).collect();
-    if intra.is_empty() || inter.is_empty() {
-        return sequential;
     }
-    let q: usize = intra.iter().map(|&a| mesh.axes[a].size).product();
-    let mut t = 0.0;
-    let mut piece = n;
-    for &a in &intra {
-        let (al, be) = ab(a);
-        t += reduce_scatter(piece, mesh.axes[a].size, al, be);
-        piece /= mesh.axes[a].size as f64;
-    }
-    for &a in &inter {
-        let (al, be) = ab(a);
-        t += all_reduce(n / q as f64, mesh.axes[a].size, al, be);
-    }
-    for &a in intra.iter().rev() {
-        let (al, be) = ab(a);
-        piece *= mesh.axes[a].size as f64;
-        t += all_gather(piece, mesh.axes[a].size, al, be);
-    }
-    t.min(sequential)
 }
 
-/// The collectives that turn sharding `from` of a tensor of `bytes` (logical size) into
-/// `to`, and their costs. Reductions run first (on the smallest pieces), gathers last.
-pub fn reshard(from: &[AxisShard], to: &[AxisShard], bytes: f64, mesh: &Mesh, cluster: &Cluster) -> Vec<Step> {
-    let mut steps = Vec::new();
-    if from == to || bytes <= 0.0 {
-        return steps;
-    }
-    let mut cur: Vec<AxisShard> = from.to_vec();
-    let piece = |s: &[AxisShard]| {
-        bytes
-            / s.iter()
-                .enumerate()
-                .filter(|(_, x)| matches!(x, AxisShard::Split(_)))
-                .map(|(a, _)| mesh.axes[a].size as f64)
-                .product::<f64>()
+/// The price of one step of the algebra, its bytes scaled by `scale` (gradient compression);
+/// `None` for a local step. A group spanning nodes runs at the inter-node link's (α, β).
+pub fn price(step: &CommStep, scale: f64, mesh: &Mesh, cluster: &Cluster) -> Option<Step> {
+    let kind = CommKind::of(&step.kind)?;
+    let p = step.group_size(mesh);
+    let bytes = step.bytes * scale;
+    let (alpha, beta) = alpha_beta(cluster, step.level(mesh), p);
+    let (time, latency) = match kind {
+        CommKind::AllReduce => (all_reduce(bytes, p, alpha, beta), all_reduce(f64::MIN_POSITIVE, p, alpha, beta)),
+        _ => (all_gather(bytes, p, alpha, beta), all_gather(f64::MIN_POSITIVE, p, alpha, beta)),
     };
-    let ab = |a: usize| alpha_beta(cluster, mesh.axes[a].level, mesh.axes[a].size);
-
-    // 1. Pending sums to replicated: one (hierarchical) all-reduce.
-    let ar: Vec<usize> =
-        (0..cur.len()).filter(|&a| cur[a] == AxisShard::Partial && to[a] == AxisShard::Replicate).collect();
-    if !ar.is_empty() {
-        let n = piece(&cur);
-        steps.push(Step {
-            kind: CommKind::AllReduce,
-            axes: ar.clone(),
-            bytes: n,
-            time: multi_axis_all_reduce(n, &ar, mesh, cluster),
-        });
-        for a in ar {
-            cur[a] = AxisShard::Replicate;
-        }
-    }
-    // 2. Pending sums to split: reduce-scatter.
-    for a in 0..cur.len() {
-        if cur[a] == AxisShard::Partial {
-            if let AxisShard::Split(_) = to[a] {
-                let n = piece(&cur);
-                let (al, be) = ab(a);
-                steps.push(Step {
-                    kind: CommKind::ReduceScatter,
-                    axes: vec![a],
-                    bytes: n,
-                    time: reduce_scatter(n, mesh.axes[a].size, al, be),
-                });
-                cur[a] = to[a];
-            } else if to[a] == AxisShard::Partial {
-                // stays partial
-            }
-        }
-    }
-    // 3. Split along another dim: all-to-all.
-    for a in 0..cur.len() {
-        if let (AxisShard::Split(d), AxisShard::Split(e)) = (cur[a], to[a])
-            && d != e
-        {
-            let n = piece(&cur);
-            let (al, be) = ab(a);
-            steps.push(Step {
-                kind: CommKind::AllToAll,
-                axes: vec![a],
-                bytes: n,
-                time: all_to_all(n, mesh.axes[a].size, al, be),
-            });
-            cur[a] = to[a];
-        }
-    }
-    // 4. Split to replicated: all-gather (inner axes first, so outer gathers move fewer bytes
-    //    over slower links is not guaranteed; take the cheaper order).
-    let ag: Vec<usize> =
-        (0..cur.len()).filter(|&a| matches!(cur[a], AxisShard::Split(_)) && to[a] == AxisShard::Replicate).collect();
-    if !ag.is_empty() {
-        let order_cost = |order: &[usize]| -> (f64, Vec<Step>) {
-            let mut c = cur.clone();
-            let mut total = 0.0;
-            let mut out = Vec::new();
-            for &a in order {
-                c[a] = AxisShard::Replicate;
-                let n = piece(&c);
-                let (al, be) = ab(a);
-                let t = all_gather(n, mesh.axes[a].size, al, be);
-                total += t;
-                out.push(Step { kind: CommKind::AllGather, axes: vec![a], bytes: n, time: t });
-            }
-            (total, out)
-        };
-        let fwd = order_cost(&ag);
-        let rev: Vec<usize> = ag.iter().rev().copied().collect();
-        let back = order_cost(&rev);
-        let (_, best) = if back.0 < fwd.0 { back } else { fwd };
-        steps.extend(best);
-    }
-    steps
+    Some(Step {
+        kind,
+        axes: step.axes.clone(),
+        group: p,
+        bytes,
+        moved: ir::reshard::moved(&step.kind, p, bytes),
+        moved_by_device: None,
+        latency,
+        time,
+    })
 }
 
-/// Total time of a resharding.
-pub fn reshard_time(from: &[AxisShard], to: &[AxisShard], bytes: f64, mesh: &Mesh, cluster: &Cluster) -> f64 {
-    reshard(from, to, bytes, mesh, cluster).iter().map(|s| s.time).sum()
+/// The priced communication steps of a resharding (see [`ir::reshard::reshard`]).
+#[allow(clippy::too_many_arguments)]
+pub fn reshard(
+    dims: &[i64],
+    elem_bytes: f64,
+    from: &[AxisShard],
+    to: &[AxisShard],
+    scale: f64,
+    mesh: &Mesh,
+    cluster: &Cluster,
+    policy: Policy,
+) -> Vec<Step> {
+    ir::reshard::reshard(dims, elem_bytes, from, to, mesh, policy)
+        .iter()
+        .filter_map(|s| price(s, scale, mesh, cluster))
+        .collect()
+}
+
+/// An all-reduce of `bytes` per device over mesh axes `axes`, as the algebra runs it under
+/// `policy` (for sums of many tensors, priced as one flat buffer).
+pub fn all_reduce_over(bytes: f64, axes: &[usize], mesh: &Mesh, cluster: &Cluster, policy: Policy) -> Vec<Step> {
+    if bytes <= 0.0 || axes.is_empty() {
+        return Vec::new();
+    }
+    // A flat buffer of 4-byte words that every group size divides.
+    let q: i64 = mesh.axes.iter().map(|a| a.size as i64).product::<i64>().max(1);
+    let words = ((bytes / 4.0).ceil() as i64 + q - 1) / q * q;
+    let from: Vec<AxisShard> = (0..mesh.axes.len())
+        .map(|a| if axes.contains(&a) { AxisShard::Partial } else { AxisShard::Replicate })
+        .collect();
+    let to = vec![AxisShard::Replicate; mesh.axes.len()];
+    reshard(&[words], 4.0, &from, &to, bytes / (words as f64 * 4.0), mesh, cluster, policy)
+}
+
+/// Total seconds of priced steps.
+pub fn total(steps: &[Step]) -> f64 {
+    steps.iter().map(|s| s.time).sum()
+}
+
+/// The algebra's choices for a mesh, made by pricing: an all-reduce over all axes of a
+/// 25 MB buffer (a gradient bucket) as one ring and over the link hierarchy; the cheaper
+/// wins. Only meshes with both intra- and inter-node axes have a choice.
+pub fn choose_policy(mesh: &Mesh, cluster: &Cluster) -> Policy {
+    let axes: Vec<usize> = (0..mesh.axes.len()).collect();
+    let flat = total(&all_reduce_over(25e6, &axes, mesh, cluster, Policy::default()));
+    let hier = Policy { hierarchical_all_reduce: true };
+    let tree = total(&all_reduce_over(25e6, &axes, mesh, cluster, hier));
+    if tree < flat { hier } else { Policy::default() }
 }
 
 #[cfg(test)]
@@ -324,14 +286,21 @@ mod tests {
     fn hierarchical_all_reduce_beats_flat_over_slow_links() {
         let c = Cluster::preset("a100-cluster-8").unwrap();
         let mesh = c.mesh(64).unwrap();
-        let t = multi_axis_all_reduce(N, &[0, 1], &mesh, &c);
+        let hier = Policy { hierarchical_all_reduce: true };
+        let t = total(&all_reduce_over(N, &[0, 1], &mesh, &c, hier));
         // By hand: intra RS of 1e8 over 8 at 240 GB/s: 7·3e-6 + 7/8·1e8/2.4e11 = 3.8458e-4;
-        // inter AR of 1.25e7 over 8 at 22 GB/s: 14·5e-6 + 14/8·1.25e7/2.2e10 = 1.0643e-3;
-        // intra AG back: 3.8458e-4. Total 1.8335e-3.
+        // inter AR of 1.25e7 over 8 at 22 GB/s shared by 8 groups over 8 NICs: 14·5e-6 +
+        // 14/8·1.25e7/2.2e10 = 1.0643e-3; intra AG back: 3.8458e-4. Total 1.8335e-3.
         let by_hand = (7.0 * 3e-6 + 7.0 / 8.0 * 1e8 / 240e9) * 2.0 + (14.0 * 5e-6 + 14.0 / 8.0 * 1.25e7 / 22e9);
         assert!((t - by_hand).abs() < 1e-9, "{t} vs {by_hand}");
-        let flat = all_reduce(N, 8, 5e-6, 22e9) + all_reduce(N, 8, 3e-6, 240e9);
+        // One ring over all 64 devices runs at the inter-node link: 2·63·5e-6 + 2·63/64·1e8/2.2e10.
+        let flat = total(&all_reduce_over(N, &[0, 1], &mesh, &c, Policy::default()));
+        assert!((flat - all_reduce(N, 64, 5e-6, 22e9)).abs() < 1e-9, "{flat}");
         assert!(t < flat);
+        assert_eq!(choose_policy(&mesh, &c), hier);
+        // One level: nothing to choose.
+        let one = Cluster::preset("dgx-a100").unwrap();
+        assert_eq!(choose_policy(&one.mesh(8).unwrap(), &one), Policy::default());
     }
 
     #[test]
@@ -339,16 +308,21 @@ mod tests {
         let c = Cluster::preset("dgx-a100").unwrap();
         let mesh = Mesh { axes: vec![MeshAxis { name: "gpus".into(), size: 8, level: LinkLevel::Intra }] };
         use AxisShard::*;
-        let kinds =
-            |f: &[AxisShard], t: &[AxisShard]| reshard(f, t, N, &mesh, &c).iter().map(|s| s.kind).collect::<Vec<_>>();
+        let dims = [N as i64 / 4 / 8, 8];
+        let steps = |f: &[AxisShard], t: &[AxisShard]| reshard(&dims, 4.0, f, t, 1.0, &mesh, &c, Policy::default());
+        let kinds = |f: &[AxisShard], t: &[AxisShard]| steps(f, t).iter().map(|s| s.kind).collect::<Vec<_>>();
         assert_eq!(kinds(&[Replicate], &[Split(0)]), vec![]);
         assert_eq!(kinds(&[Split(0)], &[Replicate]), vec![CommKind::AllGather]);
         assert_eq!(kinds(&[Partial], &[Replicate]), vec![CommKind::AllReduce]);
         assert_eq!(kinds(&[Partial], &[Split(1)]), vec![CommKind::ReduceScatter]);
         assert_eq!(kinds(&[Split(0)], &[Split(1)]), vec![CommKind::AllToAll]);
         // An all-gather of a tensor split 8 ways moves 7/8 of it: 7·3e-6 + 7/8·1e8/2.4e11.
-        let t = reshard_time(&[Split(0)], &[Replicate], N, &mesh, &c);
-        assert!((t - (21e-6 + 0.875 * 1e8 / 240e9)).abs() < 1e-12);
+        let ag = steps(&[Split(0)], &[Replicate]);
+        assert!((total(&ag) - (21e-6 + 0.875 * 1e8 / 240e9)).abs() < 1e-12);
+        assert!((ag[0].moved - 0.875 * N).abs() < 1e-3);
+        assert!((ag[0].latency - 21e-6).abs() < 1e-15);
+        // An all-reduce sends twice that.
+        assert!((steps(&[Partial], &[Replicate])[0].moved - 1.75 * N).abs() < 1e-3);
     }
 
     #[test]

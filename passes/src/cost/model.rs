@@ -20,12 +20,14 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
 
 use ir::cost::{OpCost, node_cost};
+use ir::ops::split::{SplitMode, split_mode};
+use ir::reshard::{CommStep, Policy, StepKind};
 use ir::shard::{AxisShard, DimKind, IterSpace, Mesh, OpStrategy, Sharding, iter_space, strategy_shardings};
 use ir::{Graph, NodeId, Op, OpClass, TensorType, Value};
 
 use super::batch::{BatchDims, batch_dims};
 use super::cluster::Cluster;
-use super::collective::{CommKind, Step, all_reduce, alpha_beta, p2p, reshard};
+use super::collective::{CommKind, Step, alpha_beta, choose_policy, p2p, price};
 
 /// Arithmetic precision of training.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
@@ -82,6 +84,8 @@ pub struct Options {
     pub overlap_grad_sync: bool,
     /// Bucket size for overlapped gradient synchronisation, bytes.
     pub bucket_bytes: f64,
+    /// Size of the first bucket, bytes (DDP: 1 MB, so synchronisation starts early).
+    pub first_bucket_bytes: f64,
     /// Slowdown of backward compute while gradient synchronisation runs beside it (the
     /// collectives take SMs and memory bandwidth; Galvatron measures 1.1–1.3).
     pub overlap_slowdown: f64,
@@ -100,6 +104,7 @@ impl Default for Options {
             optimizer: Optimizer::Adam,
             overlap_grad_sync: true,
             bucket_bytes: 25e6,
+            first_bucket_bytes: 1e6,
             overlap_slowdown: 1.2,
             grad_compression: 1.0,
             input_path: InputPath::Scatter,
@@ -126,6 +131,15 @@ pub struct OpTime {
     pub halo: f64,
     /// Statistics all-reduces, forward + backward.
     pub stats: f64,
+    /// The forward part of `halo + stats`.
+    pub comm_fwd: f64,
+}
+
+impl OpTime {
+    /// The backward part of `halo + stats`.
+    pub fn comm_bwd(&self) -> f64 {
+        self.halo + self.stats - self.comm_fwd
+    }
 }
 
 /// Memory per device, bytes.
@@ -180,7 +194,7 @@ pub struct OpRow {
 }
 
 /// When in the step a communication happens.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Phase {
     /// Forward pass: an input resharded for its consumer, a halo, statistics.
@@ -189,6 +203,17 @@ pub enum Phase {
     Backward,
     /// Gradient synchronisation of a parameter before the update.
     Gradient,
+}
+
+impl Phase {
+    /// `forward`, `backward` or `gradient`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Gradient => "gradient",
+        }
+    }
 }
 
 /// One communication of a step: a tensor (or its gradient) moved from one layout to another.
@@ -253,10 +278,15 @@ pub struct Breakdown {
     /// Every communication, in step order (forward, backward, gradient synchronisation).
     #[serde(skip)]
     pub events: Vec<CommEvent>,
+    /// Per phase and kind, the bytes the busiest device sends (filled by
+    /// [`CostModel::evaluate`], empty from [`CostModel::price`]).
+    pub bytes_moved_per_device: BTreeMap<String, BTreeMap<String, f64>>,
+    /// The resharding algebra's choices this price assumes.
+    pub policy: Policy,
 }
 
-/// A resharding: from, to, bytes (as bits).
-type ReshardKey = (Sharding, Sharding, u64);
+/// A resharding: the value, from, to, the byte scale (as bits).
+type ReshardKey = (Value, Sharding, Sharding, u64);
 
 /// A gradient bucket being filled: bytes, bandwidth seconds, latency seconds, ready time.
 type OpenBucket = (f64, f64, f64, f64);
@@ -267,6 +297,8 @@ struct OpEval {
     time: OpTime,
     ins: Vec<Option<Sharding>>,
     outs: Vec<Sharding>,
+    /// Halo exchanges and statistics all-reduces, forward then backward.
+    comm: Vec<(Phase, Step)>,
 }
 
 /// Prices assignments of one graph on one mesh.
@@ -279,12 +311,113 @@ pub struct CostModel<'a> {
     pub mesh: Mesh,
     /// Options.
     pub opts: Options,
+    /// The resharding algebra's choices on this mesh (chosen by pricing).
+    pub policy: Policy,
     order: Vec<NodeId>,
     spaces: HashMap<NodeId, IterSpace>,
     costs: HashMap<NodeId, OpCost>,
     batch: BatchDims,
     op_memo: RefCell<FxHashMap<(NodeId, OpStrategy), Rc<OpEval>>>,
     reshard_memo: RefCell<FxHashMap<ReshardKey, Rc<[Step]>>>,
+}
+
+/// What one evaluation accumulates: communication by kind, events, rows, the largest buffer.
+struct Walk {
+    detail: bool,
+    comm_kind: BTreeMap<&'static str, f64>,
+    events: Vec<CommEvent>,
+    bwd_events: Vec<CommEvent>,
+    sync_events: Vec<CommEvent>,
+    rows: Vec<OpRow>,
+    workspace: f64,
+}
+
+impl Walk {
+    fn new(detail: bool, ops: usize) -> Walk {
+        Walk {
+            detail,
+            comm_kind: BTreeMap::new(),
+            events: Vec::new(),
+            bwd_events: Vec::new(),
+            sync_events: Vec::new(),
+            rows: Vec::with_capacity(if detail { ops } else { 0 }),
+            workspace: 0.0,
+        }
+    }
+
+    /// Adds steps to the totals (and to the events in detail); their seconds.
+    fn record(
+        &mut self,
+        phase: Phase,
+        value: Value,
+        op: Option<NodeId>,
+        from: &Sharding,
+        to: &Sharding,
+        steps: &[Step],
+    ) -> f64 {
+        let mut t = 0.0;
+        for s in steps {
+            *self.comm_kind.entry(s.kind.name()).or_insert(0.0) += s.time;
+            t += s.time;
+            self.workspace = self.workspace.max(s.bytes);
+        }
+        if self.detail && !steps.is_empty() {
+            let e = CommEvent { phase, value, op, from: from.clone(), to: to.clone(), steps: steps.to_vec() };
+            if phase == Phase::Backward { self.bwd_events.push(e) } else { self.events.push(e) }
+        }
+        t
+    }
+}
+
+/// Edge bookkeeping of one evaluation.
+#[derive(Default)]
+struct Edges<'e> {
+    /// (value, layout) pairs already materialized.
+    materialized: FxHashSet<(Value, &'e Sharding)>,
+    /// (value, gradient layout) pairs whose gradient was already sent back.
+    grads_sent: FxHashSet<(Value, Sharding)>,
+    /// Per parameter, the layout of its accumulated gradient.
+    param_grad: BTreeMap<Value, Sharding>,
+    /// Per parameter, the position of its first reader.
+    param_first_use: FxHashMap<Value, usize>,
+}
+
+/// One parameter's gradient synchronisation, before bucketing.
+struct GradEvent {
+    pos: usize,
+    bytes: f64,
+    bandwidth: f64,
+    latency: f64,
+    sig: Vec<(CommKind, Vec<usize>)>,
+}
+
+/// Parameters stored per device.
+#[derive(Default)]
+struct Params {
+    bytes: f64,
+    elems: f64,
+    count: usize,
+}
+
+/// Per phase and kind, the bytes the busiest device sends (`{phase: {kind: bytes}}`).
+pub fn bytes_moved_per_device(events: &[CommEvent], mesh: &Mesh) -> BTreeMap<String, BTreeMap<String, f64>> {
+    let devices = mesh.devices();
+    let mut per: BTreeMap<(Phase, CommKind), Vec<f64>> = BTreeMap::new();
+    for e in events {
+        for s in &e.steps {
+            let v = per.entry((e.phase, s.kind)).or_insert_with(|| vec![0.0; devices]);
+            for (d, x) in v.iter_mut().enumerate() {
+                *x += s.moved_by_device.as_ref().and_then(|by| by.get(d).copied()).unwrap_or(s.moved);
+            }
+        }
+    }
+    let mut out: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
+    for ((phase, kind), v) in per {
+        out.entry(phase.name().to_string())
+            .or_default()
+            .insert(kind.name().to_string(), v.iter().copied().fold(0.0, f64::max));
+    }
+    out
 }
 
 /// Ops that only reinterpret memory (no kernel).
@@ -328,11 +461,13 @@ impl<'a> CostModel<'a> {
             spaces.insert(n, sp);
             costs.insert(n, node_cost(g, n));
         }
+        let policy = choose_policy(&mesh, cluster);
         CostModel {
             g,
             cluster,
             mesh,
             opts,
+            policy,
             order,
             spaces,
             costs,
@@ -403,15 +538,18 @@ impl<'a> CostModel<'a> {
 
     /// Compute, halo and statistics time of `n` under `strategy`.
     pub fn op_time(&self, n: NodeId, strategy: &[Option<usize>]) -> OpTime {
+        self.op_eval(n, strategy).time
+    }
+
+    /// Forward and backward compute of `n` under `strategy`: the roofline of its local share.
+    fn compute_time(&self, n: NodeId, strategy: &[Option<usize>], ins: &[Option<Sharding>]) -> (f64, f64) {
         let node = self.g.node(n);
         if is_view(&node.op) || is_host(&node.op) {
-            return OpTime::default();
+            return (0.0, 0.0);
         }
         let c = &self.costs[&n];
-        let sp = &self.spaces[&n];
         let f = self.strategy_factor(strategy);
         let pf = self.precision_factor();
-        let (ins, _) = strategy_shardings(sp, strategy);
         // Local bytes: activations divide by the op's split, weights by their own split.
         let mut param_local = 0.0;
         for (j, s) in ins.iter().enumerate() {
@@ -427,39 +565,85 @@ impl<'a> CostModel<'a> {
         let fwd = self.roofline(c.fwd_flops / f, bytes) + launch;
         let bwd_flops = (c.bwd_data_flops + c.bwd_weight_flops) / f;
         let bwd = if bwd_flops > 0.0 { self.roofline(bwd_flops, 2.0 * bytes) + 2.0 * launch } else { 0.0 };
-        let mut halo = 0.0;
-        let mut stats = 0.0;
-        for (a, s) in strategy.iter().enumerate() {
-            let Some(i) = s else { continue };
-            let p = self.mesh.axes[a].size;
-            let (alpha, beta) = alpha_beta(self.cluster, self.mesh.axes[a].level, p);
-            match &sp.dims[*i].kind {
-                DimKind::Spatial { halo: (before, after), .. } => {
-                    // The main input's slab along the split dim, per element of that dim.
-                    if let (Some(x), Some(Some(map))) = (node.input(0), sp.inputs.first())
-                        && let Some(t) = map.iter().position(|m| *m == Some(*i))
-                    {
-                        let dims = self.g.tensor_type(x).and_then(TensorType::static_dims).unwrap_or_default();
-                        let extent = dims.get(t).copied().unwrap_or(1).max(1) as f64;
-                        let local = self.value_bytes(x) / f;
-                        let slab = local / (extent / p as f64);
-                        let edge = (*before).max(*after) as f64 * slab;
-                        if edge > 0.0 {
-                            // Forward halo of the input, backward halo of its gradient.
-                            halo += 2.0 * p2p(edge, alpha, beta);
-                        }
-                    }
-                }
-                DimKind::Statistic { values } => {
-                    let out = self.value_bytes(Value::new(n, 0)) / f;
-                    let extent = sp.dims[*i].size.max(1) as f64 / p as f64;
-                    let n_stats = out / extent * *values as f64;
-                    stats += 2.0 * all_reduce(n_stats, p, alpha, beta);
-                }
-                _ => {}
+        (fwd, bwd)
+    }
+
+    /// The halo exchanges and statistics all-reduces `n` runs under `strategy`, forward then
+    /// backward: exactly what the lowering emits for its [`SplitMode`].
+    fn op_comm(&self, n: NodeId, strategy: &[Option<usize>], ins: &[Option<Sharding>]) -> Vec<(Phase, Step)> {
+        let node = self.g.node(n);
+        let Ok(mode) = split_mode(self.g, n, &self.spaces[&n], strategy, &self.mesh) else { return Vec::new() };
+        let Some(x) = node.input(0) else { return Vec::new() };
+        let (dims, eb) = self.value_shape(x);
+        let layout = ins.first().cloned().flatten().unwrap_or_else(|| vec![AxisShard::Replicate; self.mesh.axes.len()]);
+        let local = ir::reshard::local_dims(&dims, &layout, &self.mesh);
+        let mut out = Vec::new();
+        match &mode {
+            SplitMode::Halo(splits) => {
+                let steps = self.halo_steps(splits, &local, eb);
+                out.extend(steps.iter().cloned().map(|s| (Phase::Forward, s)));
+                out.extend(steps.into_iter().map(|s| (Phase::Backward, s)));
             }
+            SplitMode::Softmax { .. } | SplitMode::LayerNorm { .. } => {
+                let stat: Vec<usize> = match &mode {
+                    SplitMode::Softmax { axes, .. } => axes.clone(),
+                    SplitMode::LayerNorm { axis } => (*axis..local.len()).collect(),
+                    _ => unreachable!(),
+                };
+                let axes: Vec<usize> =
+                    (0..strategy.len()).filter(|&a| strategy[a].is_some_and(|i| stat.contains(&i))).collect();
+                let elems: i64 = local.iter().enumerate().filter(|(d, _)| !stat.contains(d)).map(|(_, &e)| e).product();
+                let ar = CommStep { kind: StepKind::AllReduce, axes, bytes: elems as f64 * eb, to: layout };
+                let Some(step) = price(&ar, 1.0, &self.mesh, self.cluster) else { return out };
+                let (f, b) = mode.stat_all_reduces();
+                out.extend(std::iter::repeat_n((Phase::Forward, step.clone()), f));
+                out.extend(std::iter::repeat_n((Phase::Backward, step), b));
+            }
+            SplitMode::Direct | SplitMode::VocabGather => {}
         }
-        OpTime { fwd, bwd, halo, stats }
+        out
+    }
+
+    /// One halo step per split spatial dim, as the lowering exchanges them in turn: every
+    /// device sends its neighbours the rows their windows read (a slab of the tensor as it is
+    /// after the earlier exchanges); the step takes as long as its busiest device.
+    fn halo_steps(&self, splits: &[ir::ops::split::SpatialSplit], local: &[i64], eb: f64) -> Vec<Step> {
+        let devices = self.mesh.devices();
+        let coords: Vec<Vec<usize>> = (0..devices).map(|d| self.mesh.coords(d)).collect();
+        let mut cur: Vec<Vec<i64>> = vec![local.to_vec(); devices];
+        let mut steps = Vec::new();
+        for h in splits {
+            let (alpha, beta) = alpha_beta(self.cluster, self.mesh.axes[h.axis].level, 2);
+            let mut by_device = vec![0.0; devices];
+            for d in 0..devices {
+                let hw = &h.halos[coords[d][h.axis]];
+                let slab: f64 = cur[d]
+                    .iter()
+                    .enumerate()
+                    .filter(|&(j, _)| j != h.tensor_dim)
+                    .map(|(_, &e)| e as f64)
+                    .product::<f64>()
+                    * eb;
+                by_device[d] = (hw.to_prev + hw.to_next) as f64 * slab;
+                let t = &mut cur[d][h.tensor_dim];
+                *t += (hw.from_prev + hw.from_next) as i64 - (hw.trim_start + hw.trim_end) as i64;
+            }
+            let moved = by_device.iter().copied().fold(0.0, f64::max);
+            if moved <= 0.0 {
+                continue;
+            }
+            steps.push(Step {
+                kind: CommKind::Halo,
+                axes: vec![h.axis],
+                group: self.mesh.axes[h.axis].size,
+                bytes: moved,
+                moved,
+                moved_by_device: Some(by_device),
+                latency: alpha,
+                time: p2p(moved, alpha, beta),
+            });
+        }
+        steps
     }
 
     fn op_eval(&self, n: NodeId, s: &[Option<usize>]) -> Rc<OpEval> {
@@ -467,17 +651,46 @@ impl<'a> CostModel<'a> {
             return e.clone();
         }
         let (ins, outs) = strategy_shardings(&self.spaces[&n], s);
-        let e = Rc::new(OpEval { strategy: s.to_vec(), time: self.op_time(n, s), ins, outs });
+        let (fwd, bwd) = self.compute_time(n, s, &ins);
+        let comm = self.op_comm(n, s, &ins);
+        let mut time = OpTime { fwd, bwd, ..OpTime::default() };
+        for (phase, st) in &comm {
+            match st.kind {
+                CommKind::Halo => time.halo += st.time,
+                _ => time.stats += st.time,
+            }
+            if *phase == Phase::Forward {
+                time.comm_fwd += st.time;
+            }
+        }
+        let e = Rc::new(OpEval { strategy: s.to_vec(), time, ins, outs, comm });
         self.op_memo.borrow_mut().insert((n, s.to_vec()), e.clone());
         e
     }
 
-    fn reshard_memo(&self, from: &Sharding, to: &Sharding, bytes: f64) -> Rc<[Step]> {
-        let key = (from.clone(), to.clone(), bytes.to_bits());
+    /// The global dims of a value and the bytes of one element in training precision (a
+    /// value without a static shape counts as a flat buffer).
+    fn value_shape(&self, v: Value) -> (Vec<i64>, f64) {
+        let Some(t) = self.g.tensor_type(v) else { return (vec![0], 1.0) };
+        let eb = t.dtype.size_bytes() as f64 * if t.dtype.is_float() { self.precision_factor() } else { 1.0 };
+        match t.static_dims() {
+            Some(d) => (d, eb),
+            None => (vec![(self.value_bytes(v) / eb.max(1e-30)).round() as i64], eb),
+        }
+    }
+
+    /// The priced steps that reshard `v` from `from` to `to`, bytes scaled by `scale`.
+    pub fn reshard(&self, v: Value, from: &Sharding, to: &Sharding, scale: f64) -> Rc<[Step]> {
+        if from == to {
+            return Rc::from(Vec::new());
+        }
+        let key = (v, from.clone(), to.clone(), scale.to_bits());
         if let Some(st) = self.reshard_memo.borrow().get(&key) {
             return st.clone();
         }
-        let st: Rc<[Step]> = reshard(from, to, bytes, &self.mesh, self.cluster).into();
+        let (dims, eb) = self.value_shape(v);
+        let st: Rc<[Step]> =
+            super::collective::reshard(&dims, eb, from, to, scale, &self.mesh, self.cluster, self.policy).into();
         self.reshard_memo.borrow_mut().insert(key, st.clone());
         st
     }
@@ -504,161 +717,30 @@ impl<'a> CostModel<'a> {
     fn evaluate_with(&self, asg: &Assignment, detail: bool) -> Breakdown {
         let g = self.g;
         let mesh = &self.mesh;
-        let axes = mesh.axes.len();
-        let pf = self.precision_factor();
-        let mut comm_kind: BTreeMap<&'static str, f64> = BTreeMap::new();
-        let add_steps = |steps: &[Step], comm_kind: &mut BTreeMap<&'static str, f64>| -> f64 {
-            let mut t = 0.0;
-            for s in steps {
-                *comm_kind.entry(s.kind.name()).or_insert(0.0) += s.time;
-                t += s.time;
-            }
-            t
-        };
-        let replicated: Sharding = vec![AxisShard::Replicate; axes];
-
-        // Shardings: op outputs from their strategies; parameters, constants and graph inputs
-        // as their first consumer needs them.
         let evals: Vec<Rc<OpEval>> = self.order.iter().map(|&n| self.op_eval(n, &self.strategy_of(asg, n))).collect();
-        let mut out_sh: FxHashMap<Value, &Sharding> = FxHashMap::default();
-        out_sh.reserve(self.order.len());
-        for (&n, e) in self.order.iter().zip(&evals) {
-            for (slot, sh) in e.outs.iter().enumerate() {
-                out_sh.insert(Value::new(n, slot as u16), sh);
-            }
-        }
-        let mut storage: BTreeMap<Value, Sharding> = BTreeMap::new();
-        for (&n, e) in self.order.iter().zip(&evals) {
-            for (j, v) in g.node(n).inputs().iter().enumerate() {
-                if let Some(v) = v
-                    && !out_sh.contains_key(v)
-                    && !storage.contains_key(v)
-                {
-                    storage.insert(*v, e.ins.get(j).cloned().flatten().unwrap_or_else(|| replicated.clone()));
-                }
-            }
-        }
+        let (out_sh, storage) = self.layouts(&evals);
+        let replicated: Sharding = vec![AxisShard::Replicate; mesh.axes.len()];
         let have =
             |v: Value| -> &Sharding { out_sh.get(&v).copied().or_else(|| storage.get(&v)).unwrap_or(&replicated) };
 
-        let needs_grad = |v: Value| -> bool {
-            let node = g.node(v.node);
-            let float = g.tensor_type(v).is_some_and(|t| t.dtype.is_float());
-            float
-                && !matches!(node.op, Op::Input { default: None } | Op::OuterRef | Op::Constant(_))
-                && !is_host(&node.op)
-                || ir::cost::is_param(g, v)
-        };
-
-        let mut rows = Vec::with_capacity(if detail { self.order.len() } else { 0 });
-        let (mut fwd_total, mut compute_total) = (0.0, 0.0);
+        let mut w = Walk::new(detail, self.order.len());
+        let mut edges = Edges::default();
+        let (mut fwd_total, mut compute_total, mut comm_total, mut activations) = (0.0, 0.0, 0.0, 0.0);
         let mut bwd_items: Vec<(NodeId, f64)> = Vec::with_capacity(self.order.len());
-        let mut comm_total = 0.0;
-        let mut workspace: f64 = 0.0;
-        let mut activations = 0.0;
-        // Gradient sharding of each parameter, accumulated over its consumers.
-        let mut param_grad: BTreeMap<Value, Sharding> = BTreeMap::new();
-        let mut param_first_use: FxHashMap<Value, usize> = FxHashMap::default();
-        let mut materialized: FxHashSet<(Value, &Sharding)> = FxHashSet::default();
-        let mut grads_sent: FxHashSet<(Value, Sharding)> = FxHashSet::default();
-        let mut events: Vec<CommEvent> = Vec::new();
-        let mut bwd_events: Vec<CommEvent> = Vec::new();
         for (pos, (&n, e)) in self.order.iter().zip(&evals).enumerate() {
             let node = g.node(n);
-            let s = &e.strategy;
             let t = e.time;
-            let mut fwd_comm = 0.0;
-            let mut bwd_comm = 0.0;
-            for (j, v) in node.inputs().iter().enumerate() {
-                let Some(v) = v else { continue };
-                let Some(Some(need)) = e.ins.get(j) else { continue };
-                let src = have(*v);
-                let produced = out_sh.contains_key(v);
-                if !produced && !g.tensor_type(*v).is_some_and(|t| t.dtype.is_float()) {
-                    continue; // shape literals, indices from the host: free
-                }
-                let bytes = self.value_bytes(*v);
-                // A tensor is materialized in a sharding once, however many ops read it there.
-                if src != need && materialized.insert((*v, need)) {
-                    let steps = self.reshard_memo(src, need, bytes);
-                    fwd_comm += add_steps(&steps, &mut comm_kind);
-                    for st in steps.iter() {
-                        workspace = workspace.max(st.bytes);
-                    }
-                    if detail && !steps.is_empty() {
-                        events.push(CommEvent {
-                            phase: Phase::Forward,
-                            value: *v,
-                            op: Some(n),
-                            from: src.clone(),
-                            to: need.clone(),
-                            steps: steps.to_vec(),
-                        });
-                    }
-                }
-                if !needs_grad(*v) {
-                    continue;
-                }
-                // The gradient comes back partial along axes this op splits while the input
-                // is replicated on them.
-                let grad: Sharding =
-                    (0..axes)
-                        .map(|a| {
-                            if need[a] == AxisShard::Replicate && s[a].is_some() { AxisShard::Partial } else { need[a] }
-                        })
-                        .collect();
-                if ir::cost::is_param(g, *v) {
-                    let e = param_grad.entry(*v).or_insert_with(|| src.clone());
-                    for a in 0..axes {
-                        if grad[a] == AxisShard::Partial {
-                            e[a] = AxisShard::Partial;
-                        }
-                    }
-                    // Its gradient is complete when its first reader's backward finishes.
-                    param_first_use.entry(*v).or_insert(pos);
-                } else if !grads_sent.contains(&(*v, grad.clone())) {
-                    // Gradients of one sharding from several readers are summed locally first.
-                    let target: Sharding =
-                        src.iter().map(|x| if *x == AxisShard::Partial { AxisShard::Replicate } else { *x }).collect();
-                    let steps = self.reshard_memo(&grad, &target, bytes);
-                    bwd_comm += add_steps(&steps, &mut comm_kind);
-                    if detail && !steps.is_empty() {
-                        bwd_events.push(CommEvent {
-                            phase: Phase::Backward,
-                            value: *v,
-                            op: Some(n),
-                            from: grad.clone(),
-                            to: target,
-                            steps: steps.to_vec(),
-                        });
-                    }
-                    grads_sent.insert((*v, grad));
-                }
+            let (fwd_comm, bwd_comm) =
+                self.op_edges(&mut w, &mut edges, pos, n, e, &have, &|v| out_sh.contains_key(&v));
+            for (phase, st) in &e.comm {
+                let out = Value::new(n, 0);
+                w.record(*phase, out, Some(n), have(out), have(out), std::slice::from_ref(st));
             }
-            *comm_kind.entry(CommKind::Halo.name()).or_insert(0.0) += t.halo;
-            if t.stats > 0.0 {
-                *comm_kind.entry(CommKind::AllReduce.name()).or_insert(0.0) += t.stats;
-            }
-            for (kind, time) in [(CommKind::Halo, t.halo), (CommKind::AllReduce, t.stats)] {
-                if detail && time > 0.0 {
-                    let out = Value::new(n, 0);
-                    let sh = have(out).clone();
-                    let axes_used: Vec<usize> = (0..axes).filter(|&a| s[a].is_some()).collect();
-                    events.push(CommEvent {
-                        phase: Phase::Forward,
-                        value: out,
-                        op: Some(n),
-                        from: sh.clone(),
-                        to: sh,
-                        steps: vec![Step { kind, axes: axes_used, bytes: 0.0, time }],
-                    });
-                }
-            }
-            fwd_total += t.fwd + fwd_comm + (t.halo + t.stats) / 2.0;
+            fwd_total += t.fwd + fwd_comm + t.comm_fwd;
             compute_total += t.fwd + t.bwd;
             let op_comm = fwd_comm + bwd_comm + t.halo + t.stats;
             comm_total += op_comm;
-            bwd_items.push((n, t.bwd + bwd_comm + (t.halo + t.stats) / 2.0));
+            bwd_items.push((n, t.bwd + bwd_comm + t.comm_bwd()));
             // Activations kept for backward: outputs of ops that compute something.
             let mut kept = 0.0;
             if !is_view(&node.op) && !is_host(&node.op) {
@@ -669,187 +751,67 @@ impl<'a> CostModel<'a> {
                     }
                     let b = self.value_bytes(v) / split_factor(have(v), mesh);
                     kept += b;
-                    workspace = workspace.max(b);
+                    w.workspace = w.workspace.max(b);
                 }
             }
             activations += kept;
             if detail {
-                rows.push(OpRow {
+                w.rows.push(OpRow {
                     name: node
                         .label
                         .clone()
                         .unwrap_or_else(|| node.outputs().first().map(|o| o.name.clone()).unwrap_or_default()),
                     op: node.op.op_type().to_string(),
-                    strategy: self.describe_strategy(n, s),
+                    strategy: self.describe_strategy(n, &e.strategy),
                     compute_s: t.fwd + t.bwd,
                     communication_s: op_comm,
                     memory_bytes: kept,
-                    forward_s: t.fwd + fwd_comm + (t.halo + t.stats) / 2.0,
-                    backward_s: t.bwd + bwd_comm + (t.halo + t.stats) / 2.0,
+                    forward_s: t.fwd + fwd_comm + t.comm_fwd,
+                    backward_s: t.bwd + bwd_comm + t.comm_bwd(),
                     param_memory_bytes: 0.0,
                     grad_sync_s: 0.0,
                     update_s: 0.0,
                 });
             }
         }
+        // Graph outputs end reduced and cut only along their batch dims (what a loss or the
+        // host reads); the collectives that make them so are part of the forward pass.
+        let out_comm = self.output_comm(&mut w, &edges, &have);
+        fwd_total += out_comm;
+        comm_total += out_comm;
 
-        // Gradient synchronisation of parameters. Gradients are synchronised in buckets (as
-        // DDP does): gradients with the same collectives share one bucket until it holds
-        // `bucket_bytes`, so the latency terms are paid per bucket, the bandwidth terms per
-        // byte.
-        struct GradEvent {
-            pos: usize,
-            bytes: f64,
-            bandwidth: f64,
-            latency: f64,
-            sig: Vec<(CommKind, Vec<usize>)>,
-        }
-        let mut grad_events: Vec<GradEvent> = Vec::new();
-        let mut sync_events: Vec<CommEvent> = Vec::new();
-        let mut weights = 0.0;
-        let mut param_elems_local = 0.0;
-        let mut n_params = 0usize;
-        for (v, grad) in &param_grad {
-            let st = storage.get(v).cloned().unwrap_or_else(|| vec![AxisShard::Replicate; axes]);
-            let target: Sharding =
-                st.iter().map(|x| if *x == AxisShard::Partial { AxisShard::Replicate } else { *x }).collect();
-            let bytes = self.value_bytes(*v) * self.opts.grad_compression;
-            let steps = reshard(grad, &target, bytes, mesh, self.cluster);
-            if steps.is_empty() {
-                continue;
-            }
-            let t: f64 = steps.iter().map(|s| s.time).sum();
-            let latency: f64 =
-                reshard(grad, &target, f64::MIN_POSITIVE, mesh, self.cluster).iter().map(|s| s.time).sum();
-            for s in &steps {
-                *comm_kind.entry(s.kind.name()).or_insert(0.0) += s.time * (1.0 - latency / t.max(1e-300));
-            }
-            if detail {
-                rows[param_first_use[v]].grad_sync_s += t;
-            }
-            grad_events.push(GradEvent {
-                pos: param_first_use[v],
-                bytes,
-                bandwidth: t - latency,
-                latency,
-                sig: steps.iter().map(|s| (s.kind, s.axes.clone())).collect(),
-            });
-            if detail {
-                sync_events.push(CommEvent {
-                    phase: Phase::Gradient,
-                    value: *v,
-                    op: None,
-                    from: grad.clone(),
-                    to: target,
-                    steps,
-                });
-            }
-        }
-        let opt_bytes_per_elem = match self.opts.optimizer {
-            Optimizer::Sgd => 4.0,
-            Optimizer::Adam => 8.0,
-        } + if self.opts.precision == Precision::Fp16 { 4.0 } else { 0.0 };
-        let update_bytes_per_elem = match self.opts.optimizer {
-            Optimizer::Sgd => 20.0,
-            Optimizer::Adam => 28.0,
-        } + if self.opts.precision == Precision::Fp16 { 8.0 } else { 0.0 };
-        for (v, st) in &storage {
-            if ir::cost::is_param(g, *v) {
-                let local = self.value_bytes(*v) / split_factor(st, mesh);
-                weights += local;
-                param_elems_local += local / (4.0 * pf);
-                n_params += 1;
-                if detail && let Some(&first) = param_first_use.get(v) {
-                    let elems = local / (4.0 * pf);
-                    rows[first].param_memory_bytes += 2.0 * local + elems * opt_bytes_per_elem;
-                    rows[first].update_s += elems * update_bytes_per_elem / self.mem_bandwidth();
-                }
-            }
-        }
-
-        // Backward timeline with bucketed, overlapped gradient synchronisation.
-        let bwd_total;
-        bwd_events.reverse();
-        events.extend(bwd_events);
+        let grads = self.gradient_sync(&mut w, &edges, &storage);
+        let params = self.parameters(&mut w, &edges, &storage);
+        w.bwd_events.reverse();
+        let mut events = std::mem::take(&mut w.events);
+        events.append(&mut w.bwd_events);
+        let mut sync_events = std::mem::take(&mut w.sync_events);
         sync_events.sort_by_key(|e| e.value);
         events.extend(sync_events);
-        let grad_sync;
-        let mut exposed;
-        {
-            // Completion time (from the start of backward) of each op's backward.
-            let mut done_at: HashMap<NodeId, f64> = HashMap::new();
-            let mut t = 0.0;
-            for &(n, dt) in bwd_items.iter().rev() {
-                t += dt;
-                done_at.insert(n, t);
-            }
-            bwd_total = t;
-            // Gradients are ready when the earliest consumer's backward finishes; buckets
-            // fill in readiness order and leave when full (or at the end).
-            let mut ready: Vec<(f64, usize)> =
-                grad_events.iter().enumerate().map(|(i, e)| (done_at[&self.order[e.pos]], i)).collect();
-            ready.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-            let mut open: BTreeMap<&[(CommKind, Vec<usize>)], OpenBucket> = BTreeMap::new();
-            let mut buckets: Vec<(f64, f64, &str)> = Vec::new(); // (ready, seconds, kind)
-            for &(r, i) in &ready {
-                let e = &grad_events[i];
-                let b = open.entry(&e.sig).or_insert((0.0, 0.0, 0.0, 0.0));
-                b.0 += e.bytes;
-                b.1 += e.bandwidth;
-                b.2 = b.2.max(e.latency);
-                b.3 = r;
-                if b.0 >= self.opts.bucket_bytes {
-                    let (_, bw, lat, r) = open.remove(e.sig.as_slice()).expect("open bucket");
-                    buckets.push((r, bw + lat, e.sig[0].0.name()));
-                    *comm_kind.entry(e.sig[0].0.name()).or_insert(0.0) += lat;
-                }
-            }
-            for (sig, (_, bw, lat, r)) in open {
-                buckets.push((r, bw + lat, sig[0].0.name()));
-                *comm_kind.entry(sig[0].0.name()).or_insert(0.0) += lat;
-            }
-            buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
-            grad_sync = buckets.iter().map(|b| b.1).sum::<f64>();
-            exposed = grad_sync;
-            if self.opts.overlap_grad_sync && !buckets.is_empty() {
-                let mut comm_free: f64 = 0.0;
-                for &(r, dt, _) in &buckets {
-                    // A bucket leaves when its last gradient is ready and the link is free.
-                    comm_free = comm_free.max(r) + dt;
-                }
-                // Compute beside communication runs slower; what does not fit behind the
-                // backward pass is exposed.
-                let overlapped = grad_sync.min(bwd_total);
-                exposed = (comm_free - bwd_total).max(0.0) + overlapped * (self.opts.overlap_slowdown - 1.0);
-            }
-        }
+        let (bwd_total, grad_sync, exposed) = self.backward_timeline(&mut w, &bwd_items, &grads);
         comm_total += grad_sync;
 
         // Optimizer update: memory-bound traffic over the local parameters.
-        let per_param_traffic = match self.opts.optimizer {
-            Optimizer::Sgd => 20.0,
-            Optimizer::Adam => 28.0,
-        } + if self.opts.precision == Precision::Fp16 { 8.0 } else { 0.0 };
-        let update = param_elems_local * per_param_traffic / self.mem_bandwidth()
-            + self.cluster.device.launch_overhead * (n_params as f64 / 10.0).ceil();
+        let update = params.elems * self.update_bytes_per_elem() / self.mem_bandwidth()
+            + self.cluster.device.launch_overhead * (params.count as f64 / 10.0).ceil();
 
         // Host→device input.
         let (input_transfer, input_bytes) = self.input_time(&storage, mesh);
         let before_input = fwd_total + bwd_total + exposed + update;
         let input_exposed = if self.opts.preload { (input_transfer - before_input).max(0.0) } else { input_transfer };
 
-        let gradients = weights;
-        let optimizer = param_elems_local
-            * match self.opts.optimizer {
-                Optimizer::Sgd => 4.0,
-                Optimizer::Adam => 8.0,
-            }
-            + if self.opts.precision == Precision::Fp16 { param_elems_local * 4.0 } else { 0.0 };
-        let memory = Memory { weights, gradients, optimizer, activations, workspace };
+        let memory = Memory {
+            weights: params.bytes,
+            gradients: params.bytes,
+            optimizer: params.elems * self.optimizer_bytes_per_elem(),
+            activations,
+            workspace: w.workspace,
+        };
         let capacity = self.cluster.device.mem_capacity * self.cluster.device.mem_usable;
         let total = memory.total();
         let feasible = total <= capacity;
         let infeasible_reason = (!feasible).then(|| overflow_reason(&memory, capacity));
+        let bytes_moved_per_device = if detail { bytes_moved_per_device(&events, mesh) } else { BTreeMap::new() };
         Breakdown {
             step_time_s: before_input + input_exposed,
             compute_s: compute_total,
@@ -857,7 +819,8 @@ impl<'a> CostModel<'a> {
             backward_s: bwd_total,
             update_s: update,
             communication_s: comm_total,
-            communication_by_kind: comm_kind
+            communication_by_kind: w
+                .comm_kind
                 .into_iter()
                 .filter(|(_, v)| *v > 0.0)
                 .map(|(k, v)| (k.to_string(), v))
@@ -873,9 +836,261 @@ impl<'a> CostModel<'a> {
             memory_capacity_bytes: capacity as u64,
             feasible,
             infeasible_reason,
-            ops: rows,
+            ops: w.rows,
             events,
+            bytes_moved_per_device,
+            policy: self.policy,
         }
+    }
+
+    /// Layouts: op outputs from their strategies; parameters, constants and graph inputs as
+    /// their first reader needs them (see [`ir::reshard::held_once`]).
+    fn layouts<'e>(&self, evals: &'e [Rc<OpEval>]) -> (FxHashMap<Value, &'e Sharding>, BTreeMap<Value, Sharding>) {
+        let g = self.g;
+        let replicated: Sharding = vec![AxisShard::Replicate; self.mesh.axes.len()];
+        let mut out_sh: FxHashMap<Value, &Sharding> = FxHashMap::default();
+        out_sh.reserve(self.order.len());
+        for (&n, e) in self.order.iter().zip(evals) {
+            for (slot, sh) in e.outs.iter().enumerate() {
+                out_sh.insert(Value::new(n, slot as u16), sh);
+            }
+        }
+        let mut storage: BTreeMap<Value, Sharding> = BTreeMap::new();
+        for (&n, e) in self.order.iter().zip(evals) {
+            for (j, v) in g.node(n).inputs().iter().enumerate() {
+                if let Some(v) = v
+                    && !out_sh.contains_key(v)
+                    && !storage.contains_key(v)
+                {
+                    storage.insert(*v, e.ins.get(j).cloned().flatten().unwrap_or_else(|| replicated.clone()));
+                }
+            }
+        }
+        (out_sh, storage)
+    }
+
+    /// Gradients flow back into `v`.
+    fn needs_grad(&self, v: Value) -> bool {
+        let g = self.g;
+        let node = g.node(v.node);
+        let float = g.tensor_type(v).is_some_and(|t| t.dtype.is_float());
+        float && !matches!(node.op, Op::Input { default: None } | Op::OuterRef | Op::Constant(_)) && !is_host(&node.op)
+            || ir::cost::is_param(g, v)
+    }
+
+    /// The reshardings on the inputs of op `n` (position `pos`): forward, each input brought
+    /// to the layout the op needs (once per layout); backward, the input's gradient — partial
+    /// along axes the op splits while the input is replicated on them — brought back to the
+    /// layout it was held in. Parameters' gradients are collected for synchronisation.
+    #[allow(clippy::too_many_arguments)]
+    fn op_edges<'e>(
+        &self,
+        w: &mut Walk,
+        edges: &mut Edges<'e>,
+        pos: usize,
+        n: NodeId,
+        e: &'e OpEval,
+        have: &dyn Fn(Value) -> &'e Sharding,
+        produced: &dyn Fn(Value) -> bool,
+    ) -> (f64, f64) {
+        let g = self.g;
+        let axes = self.mesh.axes.len();
+        let s = &e.strategy;
+        let (mut fwd, mut bwd) = (0.0, 0.0);
+        for (j, v) in g.node(n).inputs().iter().enumerate() {
+            let Some(v) = v else { continue };
+            let Some(Some(need)) = e.ins.get(j) else { continue };
+            if !ir::reshard::held_once(g, *v) && !produced(*v) {
+                continue; // integer inputs and constants: the host provides every layout
+            }
+            let src = have(*v);
+            // A tensor is materialized in a layout once, however many ops read it there.
+            if src != need && edges.materialized.insert((*v, need)) {
+                let steps = self.reshard(*v, src, need, 1.0);
+                fwd += w.record(Phase::Forward, *v, Some(n), src, need, &steps);
+            }
+            if !self.needs_grad(*v) {
+                continue;
+            }
+            let grad: Sharding = (0..axes)
+                .map(|a| if need[a] == AxisShard::Replicate && s[a].is_some() { AxisShard::Partial } else { need[a] })
+                .collect();
+            if ir::cost::is_param(g, *v) {
+                let acc = edges.param_grad.entry(*v).or_insert_with(|| src.clone());
+                for a in 0..axes {
+                    if grad[a] == AxisShard::Partial {
+                        acc[a] = AxisShard::Partial;
+                    }
+                }
+                // Its gradient is complete when its first reader's backward finishes.
+                edges.param_first_use.entry(*v).or_insert(pos);
+            } else if !edges.grads_sent.contains(&(*v, grad.clone())) {
+                // Gradients of one layout from several readers are summed locally first.
+                let target: Sharding =
+                    src.iter().map(|x| if *x == AxisShard::Partial { AxisShard::Replicate } else { *x }).collect();
+                let steps = self.reshard(*v, &grad, &target, 1.0);
+                bwd += w.record(Phase::Backward, *v, Some(n), &grad, &target, &steps);
+                edges.grads_sent.insert((*v, grad));
+            }
+        }
+        (fwd, bwd)
+    }
+
+    /// The collectives that bring every graph output to [`ir::reshard::output_layout`].
+    fn output_comm<'e>(&self, w: &mut Walk, edges: &Edges<'e>, have: &dyn Fn(Value) -> &'e Sharding) -> f64 {
+        let mut t = 0.0;
+        let mut done: FxHashSet<Value> = FxHashSet::default();
+        for o in self.g.outputs() {
+            let v = o.value;
+            if !done.insert(v) || !ir::reshard::held_once(self.g, v) {
+                continue;
+            }
+            let from = have(v);
+            let to = ir::reshard::output_layout(from, self.batch.get(&v).map_or(&[][..], Vec::as_slice));
+            if edges.materialized.contains(&(v, &to)) {
+                continue; // a reader already made it
+            }
+            let steps = self.reshard(v, from, &to, 1.0);
+            t += w.record(Phase::Forward, v, None, from, &to, &steps);
+        }
+        t
+    }
+
+    /// Per parameter, the synchronisation of its gradient: from the layout its readers leave
+    /// it in to its storage layout, partial sums reduced.
+    fn gradient_sync(&self, w: &mut Walk, edges: &Edges<'_>, storage: &BTreeMap<Value, Sharding>) -> Vec<GradEvent> {
+        let axes = self.mesh.axes.len();
+        let mut out = Vec::new();
+        for (v, grad) in &edges.param_grad {
+            let st = storage.get(v).cloned().unwrap_or_else(|| vec![AxisShard::Replicate; axes]);
+            let target: Sharding =
+                st.iter().map(|x| if *x == AxisShard::Partial { AxisShard::Replicate } else { *x }).collect();
+            let steps = self.reshard(*v, grad, &target, self.opts.grad_compression);
+            if steps.is_empty() {
+                continue;
+            }
+            let t = super::collective::total(&steps);
+            let latency: f64 = steps.iter().map(|s| s.latency).sum();
+            // Bandwidth terms are paid per tensor; latency terms per bucket (below).
+            for s in steps.iter() {
+                *w.comm_kind.entry(s.kind.name()).or_insert(0.0) += s.time - s.latency;
+            }
+            if w.detail {
+                w.rows[edges.param_first_use[v]].grad_sync_s += t;
+                w.sync_events.push(CommEvent {
+                    phase: Phase::Gradient,
+                    value: *v,
+                    op: None,
+                    from: grad.clone(),
+                    to: target,
+                    steps: steps.to_vec(),
+                });
+            }
+            out.push(GradEvent {
+                pos: edges.param_first_use[v],
+                bytes: self.value_bytes(*v) * self.opts.grad_compression,
+                bandwidth: t - latency,
+                latency,
+                sig: steps.iter().map(|s| (s.kind, s.axes.clone())).collect(),
+            });
+        }
+        out
+    }
+
+    /// Optimizer state bytes per parameter element.
+    fn optimizer_bytes_per_elem(&self) -> f64 {
+        (match self.opts.optimizer {
+            Optimizer::Sgd => 4.0,
+            Optimizer::Adam => 8.0,
+        }) + if self.opts.precision == Precision::Fp16 { 4.0 } else { 0.0 }
+    }
+
+    /// Memory traffic of the update per parameter element.
+    fn update_bytes_per_elem(&self) -> f64 {
+        (match self.opts.optimizer {
+            Optimizer::Sgd => 20.0,
+            Optimizer::Adam => 28.0,
+        }) + if self.opts.precision == Precision::Fp16 { 8.0 } else { 0.0 }
+    }
+
+    /// The parameters each device stores, and their rows' memory and update time.
+    fn parameters(&self, w: &mut Walk, edges: &Edges<'_>, storage: &BTreeMap<Value, Sharding>) -> Params {
+        let pf = self.precision_factor();
+        let mut p = Params::default();
+        for (v, st) in storage {
+            if !ir::cost::is_param(self.g, *v) {
+                continue;
+            }
+            let local = self.value_bytes(*v) / split_factor(st, &self.mesh);
+            let elems = local / (4.0 * pf);
+            p.bytes += local;
+            p.elems += elems;
+            p.count += 1;
+            if w.detail
+                && let Some(&first) = edges.param_first_use.get(v)
+            {
+                w.rows[first].param_memory_bytes += 2.0 * local + elems * self.optimizer_bytes_per_elem();
+                w.rows[first].update_s += elems * self.update_bytes_per_elem() / self.mem_bandwidth();
+            }
+        }
+        p
+    }
+
+    /// The backward pass with gradient synchronisation in buckets, as DDP does: gradients
+    /// with the same collectives share a bucket, in readiness order, until it holds
+    /// `bucket_bytes` (the first bucket `first_bucket_bytes`); latency terms are paid per
+    /// bucket. Overlapped, a bucket leaves when its last gradient is ready and the link is
+    /// free; what outlasts the backward pass is exposed, and compute beside communication
+    /// runs `overlap_slowdown` times slower. Returns (backward, synchronisation, exposed).
+    fn backward_timeline(&self, w: &mut Walk, bwd_items: &[(NodeId, f64)], grads: &[GradEvent]) -> (f64, f64, f64) {
+        let mut done_at: FxHashMap<NodeId, f64> = FxHashMap::default();
+        let mut bwd_total = 0.0;
+        for &(n, dt) in bwd_items.iter().rev() {
+            bwd_total += dt;
+            done_at.insert(n, bwd_total);
+        }
+        let mut ready: Vec<(f64, usize)> =
+            grads.iter().enumerate().map(|(i, e)| (done_at[&self.order[e.pos]], i)).collect();
+        ready.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let mut open: BTreeMap<&[(CommKind, Vec<usize>)], OpenBucket> = BTreeMap::new();
+        let mut buckets: Vec<(f64, f64, &str)> = Vec::new(); // (ready, seconds, kind)
+        for &(r, i) in &ready {
+            let e = &grads[i];
+            let b = open.entry(&e.sig).or_insert((0.0, 0.0, 0.0, 0.0));
+            b.0 += e.bytes;
+            b.1 += e.bandwidth;
+            b.2 = b.2.max(e.latency);
+            b.3 = r;
+            let cap = if buckets.is_empty() {
+                self.opts.first_bucket_bytes.min(self.opts.bucket_bytes)
+            } else {
+                self.opts.bucket_bytes
+            };
+            if b.0 >= cap {
+                let (_, bw, lat, r) = open.remove(e.sig.as_slice()).expect("open bucket");
+                buckets.push((r, bw + lat, e.sig[0].0.name()));
+                *w.comm_kind.entry(e.sig[0].0.name()).or_insert(0.0) += lat;
+            }
+        }
+        for (sig, (_, bw, lat, r)) in open {
+            buckets.push((r, bw + lat, sig[0].0.name()));
+            *w.comm_kind.entry(sig[0].0.name()).or_insert(0.0) += lat;
+        }
+        buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let grad_sync = buckets.iter().map(|b| b.1).sum::<f64>();
+        let mut exposed = grad_sync;
+        if self.opts.overlap_grad_sync && !buckets.is_empty() {
+            let mut comm_free: f64 = 0.0;
+            for &(r, dt, _) in &buckets {
+                comm_free = comm_free.max(r) + dt;
+            }
+            let tail = (comm_free - bwd_total).max(0.0);
+            let overlapped = (grad_sync - tail).max(0.0);
+            exposed = tail + overlapped * (self.opts.overlap_slowdown - 1.0).max(0.0);
+            debug_assert!(tail <= grad_sync * (1.0 + 1e-9) + 1e-15, "tail {tail} > total {grad_sync}");
+            exposed = exposed.min(grad_sync);
+        }
+        (bwd_total, grad_sync, exposed)
     }
 
     /// Host→device input time (before overlap) and bytes per step.

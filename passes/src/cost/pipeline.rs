@@ -19,7 +19,7 @@ use ir::shard::LinkLevel;
 use ir::{Graph, NodeId, Op, TensorType, Value};
 
 use super::cluster::Cluster;
-use super::collective::{alpha_beta, multi_axis_all_reduce, p2p};
+use super::collective::{all_reduce_over, alpha_beta, p2p, total};
 use super::model::{Breakdown, CostModel, Memory, Optimizer, Options, Precision};
 use super::strategy::{Named, Schedule, assign};
 use crate::rebatch::{RebatchSpec, rebatch};
@@ -165,8 +165,6 @@ pub fn price_pipeline(
     } + if opts.precision == Precision::Fp16 { 4.0 } else { 0.0 };
     let mut units: Vec<Unit> = Vec::with_capacity(order.len());
     for (pos, &n) in order.iter().enumerate() {
-        let s = cm.strategy_of(&asg, n);
-        let t = cm.op_time(n, &s);
         let row = &priced.ops[pos];
         let mut pbytes = 0.0;
         for v in gm.node(n).inputs().iter().flatten() {
@@ -174,16 +172,17 @@ pub fn price_pipeline(
                 pbytes += cm.value_bytes(*v);
             }
         }
-        let sync = multi_axis_all_reduce(
+        let sync = total(&all_reduce_over(
             pbytes * opts.grad_compression,
             &(0..stage_mesh.axes.len()).collect::<Vec<_>>(),
             &stage_mesh,
             cluster,
-        );
+            cm.policy,
+        ));
         let elems = pbytes / (4.0 * pf);
         units.push(Unit {
-            fwd: t.fwd + (t.halo + t.stats) / 2.0 + row.communication_s / 2.0,
-            bwd: t.bwd + (t.halo + t.stats) / 2.0 + row.communication_s / 2.0,
+            fwd: row.forward_s,
+            bwd: row.backward_s,
             act_bytes: row.memory_bytes,
             // weights + gradients + optimizer state
             param_bytes: 2.0 * pbytes + elems * opt_bytes,
@@ -305,6 +304,8 @@ pub fn price_pipeline(
         }),
         ops: Vec::new(),
         events: Vec::new(),
+        bytes_moved_per_device: Default::default(),
+        policy: cm.policy,
     };
     Ok(PipelineReport { stages: reports, micro_batches: micro, schedule, breakdown, imbalance })
 }

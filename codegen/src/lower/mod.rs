@@ -1,0 +1,405 @@
+//! Lowering: from a graph and a placement to one graph per device on local shapes, with every
+//! resharding written out as communication.
+//!
+//! Per device, ops are emitted in the global topological order, so every device meets the
+//! collectives of a group in the same order. For each op:
+//! - its inputs are brought to the layouts its strategy needs: graph inputs and parameters
+//!   arrive as the device's piece; a tensor computed in another layout is resharded by the
+//!   steps of the one resharding algebra ([`ir::reshard`], the steps the cost model prices);
+//!   a tensor from another pipeline stage arrives by `Recv`;
+//! - the op runs on its local shapes, in the way its split demands ([`ir::ops::split::split_mode`], the mode the cost model prices):
+//!   [`direct`] (shape literals made local, a split reduction's bias kept once, means
+//!   rescaled), [`halo`] (a split window exchanges rows with its neighbours and pads only at
+//!   the tensor's borders), [`stats`] (softmax and layer norm over a split dim all-reduce
+//!   their statistics), [`vocab`] (an embedding split by rows gathers the rows it holds, as
+//!   partial sums);
+//! - an op whose strategy this lowering cannot express runs replicated instead (its inputs
+//!   gathered, its outputs resharded back to the planned layouts) and is reported;
+//! - graph outputs are delivered reduced, cut only along their batch dims
+//!   ([`ir::reshard::output_layout`]), as the plan prices them.
+//!
+//! Micro-batches: with `m` micro-batches every device's program computes one micro-batch;
+//! dims that carry the batch ([`ir::ops::flow::batch_dims`]) are divided by `m`.
+
+mod direct;
+mod halo;
+mod local;
+mod stats;
+mod vocab;
+
+use std::collections::HashMap;
+
+use ir::ops::split::{SplitMode, split_mode};
+use ir::shard::{AxisShard, IterSpace, Mesh, Sharding, iter_space, strategy_shardings};
+use ir::{Graph, NodeId, Op, Value};
+
+use crate::program::{DeviceProgram, GlobalValue, Placement, Program, Result_};
+use local::{Local, Shared};
+
+/// What went wrong.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum LowerErrorKind {
+    /// The graph is not ready (shapes not static, weights unreadable, a cycle).
+    Graph,
+    /// The placement does not fit the graph.
+    Placement,
+    /// A device's local program does not type.
+    LocalShapes,
+}
+
+/// A lowering failure, with the device and node it concerns when there is one.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{}{}{message}", .device.map(|d| format!("device {d}: ")).unwrap_or_default(), .node.as_ref().map(|n| format!("{n}: ")).unwrap_or_default())]
+pub struct LowerError {
+    /// The device whose program failed.
+    pub device: Option<usize>,
+    /// The node of the global graph, described.
+    pub node: Option<String>,
+    /// What kind of failure.
+    pub kind: LowerErrorKind,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl LowerError {
+    fn global(kind: LowerErrorKind, message: impl Into<String>) -> LowerError {
+        LowerError { device: None, node: None, kind, message: message.into() }
+    }
+}
+
+fn describe(sp: &IterSpace, s: &[Option<usize>], mesh: &Mesh) -> String {
+    let parts: Vec<String> = s
+        .iter()
+        .enumerate()
+        .filter_map(|(a, d)| d.map(|i| format!("{}→{}", sp.dims[i].name, mesh.axes[a].name)))
+        .collect();
+    if parts.is_empty() { "replicated".into() } else { parts.join(", ") }
+}
+
+/// Emits node `n` on device `l`.
+fn lower_op(l: &mut Local<'_>, n: NodeId) -> Result<(), LowerError> {
+    let g = l.g;
+    let node = g.node(n);
+    let axes = l.mesh.axes.len();
+    let mut s = l.sh.placement.strategies.get(&n).cloned().unwrap_or_else(|| vec![None; axes]);
+    if s.len() != axes {
+        return Err(l.err(
+            Some(n),
+            LowerErrorKind::Placement,
+            format!("the strategy has {} axes, the mesh {axes}", s.len()),
+        ));
+    }
+    let sp = iter_space(g, n);
+    if s.iter().flatten().any(|&i| i >= sp.dims.len()) {
+        return Err(l.err(
+            Some(n),
+            LowerErrorKind::Placement,
+            "the strategy names an iteration dim the op does not have",
+        ));
+    }
+    let planned = s.clone();
+    let (_, planned_outs) = strategy_shardings(&sp, &planned);
+    let m = match split_mode(g, n, &sp, &s, l.mesh) {
+        Ok(m) => m,
+        Err(why) => {
+            // A placement from outside the search (a plan file, a user) may ask for a split
+            // no rule expresses: the op runs replicated and the fallback is reported.
+            let msg = format!("{} ({}): {why}", g.describe(n), describe(&sp, &planned, l.mesh));
+            if !l.fallbacks.contains(&msg) {
+                l.fallbacks.push(msg);
+            }
+            s = vec![None; axes];
+            SplitMode::Direct
+        }
+    };
+    let (ins, outs) = strategy_shardings(&sp, &s);
+    let replicated: Sharding = vec![AxisShard::Replicate; axes];
+    let mut local_in: Vec<Option<Value>> = Vec::with_capacity(node.inputs().len());
+    for (j, v) in node.inputs().iter().enumerate() {
+        match v {
+            None => local_in.push(None),
+            Some(v) => {
+                let need = ins.get(j).cloned().flatten().unwrap_or_else(|| replicated.clone());
+                local_in.push(Some(l.get(*v, &need)?));
+            }
+        }
+    }
+    let out_names: Vec<String> =
+        node.outputs().iter().map(|o| if o.name.is_empty() { String::new() } else { l.fresh(&o.name) }).collect();
+    let outs_local: Vec<Value> = match m {
+        SplitMode::Direct => direct::emit(l, n, &sp, &s, local_in, &out_names)?,
+        SplitMode::Halo(splits) => halo::emit(l, n, &sp, &s, &splits, local_in, &out_names)?,
+        SplitMode::Softmax { log, axes: stat } => {
+            let x = local_in[0].ok_or_else(|| l.err(Some(n), LowerErrorKind::Graph, "softmax without an input"))?;
+            vec![stats::softmax(l, n, &s, x, log, &stat, &out_names[0])?]
+        }
+        SplitMode::LayerNorm { axis } => vec![stats::layer_norm(l, n, &sp, &s, &local_in, axis, &out_names[0])?],
+        SplitMode::VocabGather => vec![vocab::emit(l, n, &sp, &s, &local_in, &out_names[0])?],
+    };
+    // Record outputs; a replicated fallback is resharded back to the planned layouts.
+    for (slot, x) in outs_local.into_iter().enumerate() {
+        let v = Value::new(n, slot as u16);
+        if node.outputs()[slot].name.is_empty() {
+            continue;
+        }
+        let (got, want) = (outs[slot].clone(), planned_outs[slot].clone());
+        l.have.insert((v, got.clone()), x);
+        if got != want {
+            let y = l.reshard(v, x, &got, &want)?;
+            l.have.insert((v, want.clone()), y);
+        }
+        l.produced.insert(v, want);
+    }
+    Ok(())
+}
+
+/// Per op output: its stage, and the tag of its pipeline messages.
+type StageMaps = (HashMap<Value, usize>, HashMap<Value, i64>);
+
+/// Stage and message tag of every op output; checks that stages only read earlier ones.
+fn stages(
+    g: &Graph,
+    order: &[NodeId],
+    placement: &Placement,
+) -> Result<StageMaps, LowerError> {
+    let mut stage_of_value: HashMap<Value, usize> = HashMap::new();
+    let mut value_tag: HashMap<Value, i64> = HashMap::new();
+    for &n in order {
+        let st = placement.stage_of.get(&n).copied().unwrap_or(0);
+        if st >= placement.stages.len() {
+            return Err(LowerError {
+                device: None,
+                node: Some(g.describe(n)),
+                kind: LowerErrorKind::Placement,
+                message: format!("in stage {st}, of {}", placement.stages.len()),
+            });
+        }
+        for s in 0..g.node(n).num_outputs() {
+            let v = Value::new(n, s as u16);
+            stage_of_value.insert(v, st);
+            value_tag.insert(v, value_tag.len() as i64);
+        }
+    }
+    for &n in order {
+        let st = placement.stage_of.get(&n).copied().unwrap_or(0);
+        if g.node(n).inputs().iter().flatten().any(|v| stage_of_value.get(v).is_some_and(|&ps| ps > st)) {
+            return Err(LowerError {
+                device: None,
+                node: Some(g.describe(n)),
+                kind: LowerErrorKind::Placement,
+                message: "reads from a later stage".into(),
+            });
+        }
+    }
+    for (i, s) in placement.stages.iter().enumerate() {
+        if s.mesh.devices() != s.devices.len() {
+            return Err(LowerError::global(
+                LowerErrorKind::Placement,
+                format!("stage {i}: the mesh has {} devices, {} given", s.mesh.devices(), s.devices.len()),
+            ));
+        }
+    }
+    Ok((stage_of_value, value_tag))
+}
+
+/// Lowers `g` (full batch, shapes static and inferred) under `placement`.
+pub fn lower(g: &Graph, placement: &Placement) -> Result<Program, LowerError> {
+    let order = g.op_nodes().map_err(|_| LowerError::global(LowerErrorKind::Graph, "the graph has a cycle"))?;
+    if placement.stages.is_empty() {
+        return Err(LowerError::global(LowerErrorKind::Placement, "no stages"));
+    }
+    let (stage_of_value, value_tag) = stages(g, &order, placement)?;
+    let batch = ir::ops::flow::batch_dims(g);
+    let m = placement.micro_batches.max(1);
+    let sh = Shared { g, placement, stage_of_value, value_tag, batch };
+    let total = placement.device_count();
+    let mut programs: Vec<Option<DeviceProgram>> = vec![None; total];
+    let mut fallbacks: Vec<String> = Vec::new();
+    for (si, stage) in placement.stages.iter().enumerate() {
+        for (rank, &device) in stage.devices.iter().enumerate() {
+            if device >= total {
+                return Err(LowerError::global(LowerErrorKind::Placement, format!("device {device} of {total}")));
+            }
+            let p = lower_device(&sh, &order, si, rank)?;
+            for f in &p.1 {
+                if !fallbacks.contains(f) {
+                    fallbacks.push(f.clone());
+                }
+            }
+            programs[device] = Some(p.0);
+        }
+    }
+    let devices: Vec<DeviceProgram> = programs
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            p.ok_or_else(|| LowerError::global(LowerErrorKind::Placement, format!("device {i} is in no stage")))
+        })
+        .collect::<Result<_, _>>()?;
+    let io = |v: Value| -> Result<GlobalValue, LowerError> {
+        let shape = g.tensor_type(v).and_then(ir::TensorType::static_dims).ok_or_else(|| {
+            LowerError::global(LowerErrorKind::Graph, format!("`{}` has no static shape", g.value_name(v)))
+        })?;
+        let flags = sh.batch.get(&v).cloned().unwrap_or_default();
+        Ok(GlobalValue {
+            name: g.value_name(v).to_string(),
+            shape: shape.into_iter().map(|d| d.max(0) as usize).collect(),
+            dtype: g.tensor_type(v).map_or(ir::DType::Float, |t| t.dtype),
+            batch_axis: if m > 1 { flags.iter().position(|&b| b) } else { None },
+        })
+    };
+    let inputs = g
+        .input_values()
+        .into_iter()
+        .filter(|v| matches!(g.node(v.node).op, Op::Input { default: None }))
+        .map(io)
+        .collect::<Result<Vec<_>, _>>()?;
+    let outputs = g.outputs().iter().map(|o| io(o.value)).collect::<Result<Vec<_>, _>>()?;
+    Ok(Program {
+        devices,
+        meshes: placement.stages.iter().map(|s| s.mesh.clone()).collect(),
+        stage_devices: placement.stages.iter().map(|s| s.devices.clone()).collect(),
+        micro_batches: m,
+        inputs,
+        outputs,
+        fallbacks,
+    })
+}
+
+/// One device's program, and the ops it ran replicated instead of as planned.
+fn lower_device(
+    sh: &Shared<'_>,
+    order: &[NodeId],
+    si: usize,
+    rank: usize,
+) -> Result<(DeviceProgram, Vec<String>), LowerError> {
+    let g = sh.g;
+    let placement = sh.placement;
+    let mut l = Local::new(sh, si, rank);
+    let stage_of = |n: NodeId| placement.stage_of.get(&n).copied().unwrap_or(0);
+    for &n in order.iter().filter(|&&n| stage_of(n) == si) {
+        lower_op(&mut l, n)?;
+    }
+    // Sends of values later stages read.
+    let stage = &placement.stages[si];
+    let mut sent: Vec<(Value, usize)> = Vec::new();
+    for &n in order.iter().filter(|&&n| stage_of(n) > si) {
+        for v in g.node(n).inputs().iter().flatten() {
+            if sh.stage_of_value.get(v) == Some(&si) {
+                for (j, &dst) in placement.stages[stage_of(n)].devices.iter().enumerate() {
+                    if j % stage.devices.len() == rank && !sent.contains(&(*v, dst)) {
+                        sent.push((*v, dst));
+                    }
+                }
+            }
+        }
+    }
+    for (v, dst) in sent {
+        let replicated: Sharding = vec![AxisShard::Replicate; stage.mesh.axes.len()];
+        let x = l.get(v, &replicated)?;
+        let send = ir::op::Send { peer: Some(dst as i64), tag: Some(sh.value_tag[&v]) };
+        l.emit(Op::Send(send), vec![Some(x)], &[]);
+    }
+    // Graph outputs computed in this stage, delivered reduced and cut only along the batch.
+    let mut results = Vec::new();
+    for out in g.outputs() {
+        let v = out.value;
+        let in_stage = match g.node(v.node).op {
+            Op::Input { .. } | Op::Initializer(_) => si == 0,
+            _ => sh.stage_of_value.get(&v) == Some(&si),
+        };
+        if !in_stage {
+            continue;
+        }
+        let produced = l.produced.get(&v).cloned().unwrap_or_else(|| vec![AxisShard::Replicate; stage.mesh.axes.len()]);
+        let layout = ir::reshard::output_layout(&produced, sh.batch.get(&v).map_or(&[][..], Vec::as_slice));
+        let x = l.get(v, &layout)?;
+        l.lg.add_output(x, None);
+        results.push(Result_ { local: l.lg.value_name(x).to_string(), global: g.value_name(v).to_string(), layout });
+    }
+    ir::infer::infer_shapes(&mut l.lg, ir::infer::Mode::Check).map_err(|e| LowerError {
+        device: Some(l.device),
+        node: None,
+        kind: LowerErrorKind::LocalShapes,
+        message: format!(
+            "local shapes do not infer: {}{}",
+            e.first().map(|x| x.msg.clone()).unwrap_or_default(),
+            if std::env::var_os("SHARDC_DEBUG_LOWER").is_some() {
+                format!("\n{}", ir::print::model_to_string(&ir::Model::new(l.lg.clone(), g.opset)))
+            } else {
+                String::new()
+            }
+        ),
+    })?;
+    let program = DeviceProgram { device: l.device, stage: si, rank, graph: l.lg, feeds: l.feeds, results };
+    Ok((program, l.fallbacks))
+}
+
+/// A program that reshards one float tensor of global shape `dims` from layout `from` to
+/// `to` on `mesh`, with the steps the algebra gives ([`ir::reshard::reshard`]) — what the
+/// lowering emits between ops. Its input `x` is fed in `from` with each partial-sum axis
+/// made of unequal summands (coordinate 0 holds twice the value, the others share −1 of
+/// it), so a wrong reduction shows; its output is `x` in `to`.
+pub fn reshard_program(
+    dims: &[usize],
+    from: &Sharding,
+    to: &Sharding,
+    mesh: &Mesh,
+    policy: ir::reshard::Policy,
+) -> Result<Program, LowerError> {
+    let mut g = Graph::new("reshard");
+    let shape: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
+    let x = g.add_input("x", Some(ir::Type::Tensor(ir::TensorType::fixed(ir::DType::Float, &shape))));
+    g.add_output(x, None);
+    let placement = Placement {
+        stages: vec![crate::program::StagePlacement { mesh: mesh.clone(), devices: (0..mesh.devices()).collect() }],
+        strategies: HashMap::new(),
+        stage_of: HashMap::new(),
+        micro_batches: 1,
+        policy,
+    };
+    let sh = Shared {
+        g: &g,
+        placement: &placement,
+        stage_of_value: HashMap::new(),
+        value_tag: HashMap::new(),
+        batch: HashMap::new(),
+    };
+    let fed: Sharding = from.iter().map(|s| if *s == AxisShard::Partial { AxisShard::Replicate } else { *s }).collect();
+    let mut devices = Vec::new();
+    for rank in 0..mesh.devices() {
+        let mut l = Local::new(&sh, 0, rank);
+        let mut xl = l.get(x, &fed)?;
+        let mut w = 1.0;
+        for (a, s) in from.iter().enumerate() {
+            if *s == AxisShard::Partial && mesh.axes[a].size > 1 {
+                let p = mesh.axes[a].size as f64;
+                w *= if l.coords[a] == 0 { 2.0 } else { -1.0 / (p - 1.0) };
+            }
+        }
+        if w != 1.0 {
+            let k = l.scalar("w", ir::DType::Float, w);
+            xl = l.op1(Op::Mul(ir::op::Mul::default()), &[xl, k], "x_partial");
+        }
+        let y = l.reshard(x, xl, from, to)?;
+        l.lg.add_output(y, None);
+        let results = vec![Result_ { local: l.lg.value_name(y).to_string(), global: "x".into(), layout: to.clone() }];
+        ir::infer::infer_shapes(&mut l.lg, ir::infer::Mode::Check).map_err(|e| LowerError {
+            device: Some(l.device),
+            node: None,
+            kind: LowerErrorKind::LocalShapes,
+            message: format!("local shapes do not infer: {}", e.first().map(|x| x.msg.clone()).unwrap_or_default()),
+        })?;
+        devices.push(DeviceProgram { device: rank, stage: 0, rank, graph: l.lg, feeds: l.feeds, results });
+    }
+    let gv = GlobalValue { name: "x".into(), shape: dims.to_vec(), dtype: ir::DType::Float, batch_axis: None };
+    Ok(Program {
+        devices,
+        meshes: vec![mesh.clone()],
+        stage_devices: vec![(0..mesh.devices()).collect()],
+        micro_batches: 1,
+        inputs: vec![gv.clone()],
+        outputs: vec![gv],
+        fallbacks: Vec::new(),
+    })
+}

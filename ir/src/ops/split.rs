@@ -1,0 +1,186 @@
+//! How an op runs under a strategy: what the lowering emits around it and what the cost
+//! model prices for it — one decision for both.
+//!
+//! [`split_mode`] reads the op's [`Sharded`] rule and the split iteration dims and returns
+//! the [`SplitMode`], or why the split cannot be expressed (the search then never proposes
+//! it: [`crate::shard::strategy_valid`] rejects it).
+
+use crate::graph::{Graph, Node, NodeId};
+use crate::op::Op;
+use crate::reshard::Halo;
+use crate::shard::{DimKind, DimRole, IterSpace, Mesh};
+use crate::types::TensorType;
+
+use super::Sharded;
+use super::conv::Window;
+
+/// One spatial dim of a windowed op split over a mesh axis.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpatialSplit {
+    /// The input tensor dim (2.. for NCHW).
+    pub tensor_dim: usize,
+    /// The mesh axis.
+    pub axis: usize,
+    /// The spatial index (`tensor_dim − 2`).
+    pub spatial: usize,
+    /// The halo of each member along the axis, by coordinate.
+    pub halos: Vec<Halo>,
+}
+
+/// How an op computes its piece.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SplitMode {
+    /// From its inputs' pieces (shape literals made local; a split reduction leaves partial
+    /// sums, its bias kept once, means rescaled).
+    Direct,
+    /// A split window: rows exchanged with the neighbours first.
+    Halo(Vec<SpatialSplit>),
+    /// Softmax over split dims: the row maximum and the row sum are all-reduced (forward);
+    /// the row sum of `dy·y` (backward).
+    Softmax {
+        /// Log-softmax.
+        log: bool,
+        /// The statistic iteration dims.
+        axes: Vec<usize>,
+    },
+    /// Layer normalization over split dims: the sum and the sum of squares are all-reduced
+    /// (forward); two row sums (backward).
+    LayerNorm {
+        /// The first normalized dim.
+        axis: usize,
+    },
+    /// An embedding split by rows: each device gathers the rows it holds, as partial sums.
+    VocabGather,
+}
+
+impl SplitMode {
+    /// All-reduces of statistics, forward and backward, for the statistic modes.
+    pub fn stat_all_reduces(&self) -> (usize, usize) {
+        match self {
+            SplitMode::Softmax { .. } => (2, 1),
+            SplitMode::LayerNorm { .. } => (2, 2),
+            _ => (0, 0),
+        }
+    }
+}
+
+/// The input of an op that holds a shape literal (Reshape/Expand shape, Resize sizes).
+pub fn shape_input(node: &Node) -> Option<usize> {
+    match node.op {
+        Op::Reshape(_) | Op::Expand(_) => Some(1),
+        Op::Resize(_) if node.input(3).is_some() => Some(3),
+        _ => None,
+    }
+}
+
+/// The window of a convolution or pooling node: the input's spatial extents, the geometry
+/// and `ceil_mode`.
+pub fn window_of(g: &Graph, n: NodeId) -> Option<(Vec<usize>, Window, bool)> {
+    let node = g.node(n);
+    let x = g.tensor_type(node.input(0)?)?.static_dims()?;
+    let spatial: Vec<usize> = x.get(2..)?.iter().map(|&d| d.max(0) as usize).collect();
+    let (kernel, strides, dil, pads, auto_pad, ceil) = match &node.op {
+        Op::Conv(c) => {
+            let w = g.tensor_type(node.input(1)?).and_then(TensorType::static_dims)?;
+            (
+                c.kernel_shape.clone().unwrap_or_else(|| w[2..].to_vec()),
+                c.strides.clone(),
+                c.dilations.clone(),
+                c.pads.clone(),
+                c.auto_pad().to_string(),
+                false,
+            )
+        }
+        op => {
+            let a = op.pool_attrs()?;
+            (
+                a.kernel_shape?.to_vec(),
+                a.strides.map(<[i64]>::to_vec),
+                a.dilations.map(<[i64]>::to_vec),
+                a.pads.map(<[i64]>::to_vec),
+                a.auto_pad.to_string(),
+                a.ceil_mode,
+            )
+        }
+    };
+    let w =
+        super::conv::window(&spatial, &kernel, strides.as_deref(), dil.as_deref(), pads.as_deref(), &auto_pad, ceil)
+            .ok()?;
+    Some((spatial, w, ceil))
+}
+
+/// The halos of a windowed op under strategy `s`, per split spatial dim.
+fn spatial_splits(
+    g: &Graph,
+    n: NodeId,
+    sp: &IterSpace,
+    s: &[Option<usize>],
+    mesh: &Mesh,
+) -> Result<Vec<SpatialSplit>, String> {
+    let node = g.node(n);
+    let (spatial, w, ceil) = window_of(g, n).ok_or("window geometry unknown")?;
+    if ceil && matches!(&node.op, Op::AveragePool(p) if p.count_include_pad() != 0) {
+        return Err("ceil_mode with count_include_pad".into());
+    }
+    let xmap = sp.inputs.first().and_then(Option::as_ref).ok_or("no input map")?;
+    let mut out = Vec::new();
+    for (a, d) in s.iter().enumerate() {
+        let Some(i) = d else { continue };
+        let DimKind::Spatial { .. } = sp.dims[*i].kind else { continue };
+        let t = xmap.iter().position(|m| *m == Some(*i)).ok_or("split spatial dim not in the input")?;
+        let k = t.checked_sub(2).ok_or("a spatial dim before the channels")?;
+        let span = (w.kernel[k] - 1) * w.dilations[k] + 1;
+        let p = mesh.axes[a].size;
+        let halos = (0..p)
+            .map(|c| crate::reshard::halo(spatial[k], w.out[k], p, c, w.strides[k], span, w.pad_begin[k]))
+            .collect::<Result<Vec<_>, _>>()?;
+        out.push(SpatialSplit { tensor_dim: t, axis: a, spatial: k, halos });
+    }
+    Ok(out)
+}
+
+/// How node `n` computes under strategy `s` on `mesh`, or why it cannot run split so.
+pub fn split_mode(g: &Graph, n: NodeId, sp: &IterSpace, s: &[Option<usize>], mesh: &Mesh) -> Result<SplitMode, String> {
+    let node = g.node(n);
+    let split: Vec<usize> = s.iter().flatten().copied().collect();
+    if split.is_empty() {
+        return Ok(SplitMode::Direct);
+    }
+    let has = |f: &dyn Fn(&DimKind) -> bool| split.iter().any(|&i| sp.dims.get(i).is_some_and(|d| f(&d.kind)));
+    let sharded = node.op.rules().sharded();
+    if sharded == Sharded::Whole {
+        return Err("control flow and communication ops run whole".into());
+    }
+    if has(&|k| matches!(k, DimKind::Spatial { .. })) {
+        return match sharded {
+            Sharded::Window => spatial_splits(g, n, sp, s, mesh).map(SplitMode::Halo),
+            _ => Err("this op's window cannot split".into()),
+        };
+    }
+    if has(&|k| matches!(k, DimKind::Statistic { .. })) {
+        let stats_wanted = node.outputs().get(1..).is_some_and(|o| o.iter().any(|o| !o.name.is_empty()));
+        return match sharded {
+            Sharded::Softmax { log } => Ok(SplitMode::Softmax {
+                log,
+                axes: (0..sp.dims.len()).filter(|&i| matches!(sp.dims[i].kind, DimKind::Statistic { .. })).collect(),
+            }),
+            Sharded::LayerNorm if !stats_wanted => {
+                let Op::LayerNormalization(l) = &node.op else { return Err("not a layer normalization".into()) };
+                let r = sp.dims.len() as i64;
+                let a = l.axis();
+                Ok(SplitMode::LayerNorm { axis: (if a < 0 { a + r } else { a }) as usize })
+            }
+            Sharded::StoredStatistics if !stats_wanted => Ok(SplitMode::Direct),
+            _ => Err("its statistics cannot split".into()),
+        };
+    }
+    if sharded == Sharded::VocabGather && split.iter().any(|&i| sp.dims[i].role == DimRole::Vocab) {
+        return Ok(SplitMode::VocabGather);
+    }
+    if let Some(j) = shape_input(node)
+        && node.input(j).is_some_and(|v| !matches!(g.node(v.node).op, Op::Initializer(_) | Op::Constant(_)))
+    {
+        return Err("its shape input is not a constant".into());
+    }
+    Ok(SplitMode::Direct)
+}

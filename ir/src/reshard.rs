@@ -1,0 +1,549 @@
+//! The resharding algebra: the steps that turn one layout of a tensor into another, for the
+//! cost model to price and the lowering to emit — the same steps, so a plan's priced
+//! communication is its program's communication.
+//!
+//! A layout gives, per mesh axis, `R`, `S(d)` or `P` ([`crate::shard::AxisShard`]). When
+//! several axes split one tensor dim, the axes nest in mesh order: the first (outer) axis
+//! cuts the dim into blocks, the next cuts each block, and so on, so the device at
+//! coordinates `c` holds block `((c[a₁]·p₂ + c[a₂])·p₃ + …)`. [`reshard`] returns, for any pair
+//! of layouts, nested splits included, a correct sequence of [`CommStep`]s on device groups:
+//!
+//! 1. local slices that only refine a dim's split (an axis free in the source taking the
+//!    next inner cut of the target) — first, so the collectives after them move less;
+//! 2. pending sums: a reduce-scatter when the summing axes become the next inner cuts of one
+//!    dim, else an all-reduce over all of them (as reduce-scatter / all-reduce / all-gather
+//!    over the link hierarchy when the [`Policy`] says so);
+//! 3. an all-to-all for an axis that moves from the innermost cut of one dim to the next
+//!    inner cut of another;
+//! 4. all-gathers of the cuts a dim must lose (one collective over the group of those axes,
+//!    groups over slower links first, on the smaller data);
+//! 5. the remaining local slices, and zeroing for partial sums made from a whole value.
+//!
+//! The gradient of a resharding flows through the same function: the backward pass reshards
+//! a gradient from its consumer's layout (where a replicated input of a split op becomes a
+//! partial sum) back to its producer's.
+
+use serde::{Deserialize, Serialize};
+
+use crate::shard::{AxisShard, LinkLevel, Mesh, Sharding};
+
+/// What a step does.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepKind {
+    /// Sums the partial values of the group; every member gets the sum.
+    AllReduce,
+    /// Sums the partial values of the group and keeps this member's part of dim `dim`.
+    ReduceScatter {
+        /// The tensor dim cut.
+        dim: usize,
+    },
+    /// Concatenates the members' pieces along dim `dim`, in group order.
+    AllGather {
+        /// The tensor dim joined.
+        dim: usize,
+    },
+    /// Cuts dim `split` into one part per member, sends part `j` to member `j`, and joins
+    /// what arrives along dim `concat`.
+    AllToAll {
+        /// The dim cut and sent.
+        split: usize,
+        /// The dim the received parts are joined along.
+        concat: usize,
+    },
+    /// Takes this device's piece of the dims the step's axes newly split (no communication).
+    Slice,
+    /// Partial sums from a whole value: the devices off coordinate 0 of the step's axes hold
+    /// zeros (no communication).
+    Zero,
+}
+
+impl StepKind {
+    /// The `snake_case` kind used in reports (`all_reduce`, `slice` …).
+    pub fn name(&self) -> &'static str {
+        match self {
+            StepKind::AllReduce => "all_reduce",
+            StepKind::ReduceScatter { .. } => "reduce_scatter",
+            StepKind::AllGather { .. } => "all_gather",
+            StepKind::AllToAll { .. } => "all_to_all",
+            StepKind::Slice => "slice",
+            StepKind::Zero => "zero",
+        }
+    }
+
+    /// The step moves data between devices.
+    pub fn communicates(&self) -> bool {
+        !matches!(self, StepKind::Slice | StepKind::Zero)
+    }
+}
+
+/// One step of a resharding.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CommStep {
+    /// What it does.
+    pub kind: StepKind,
+    /// The mesh axes of its group (ascending), or the axes a local step slices or zeroes.
+    pub axes: Vec<usize>,
+    /// Bytes per device of the tensor it operates on: the input of an all-reduce,
+    /// reduce-scatter or all-to-all, the output of an all-gather; 0 for local steps.
+    pub bytes: f64,
+    /// The layout after the step (intermediate steps of a hierarchical all-reduce keep the
+    /// layout before it).
+    pub to: Sharding,
+}
+
+impl CommStep {
+    /// Devices in its group.
+    pub fn group_size(&self, mesh: &Mesh) -> usize {
+        self.axes.iter().map(|&a| mesh.axes[a].size).product()
+    }
+
+    /// Bytes each device sends: `(p−1)/p · bytes`, twice that for an all-reduce (ring
+    /// algorithms); 0 for local steps.
+    pub fn bytes_moved(&self, mesh: &Mesh) -> f64 {
+        moved(&self.kind, self.group_size(mesh), self.bytes)
+    }
+
+    /// The link level its group spans: the slowest of its axes.
+    pub fn level(&self, mesh: &Mesh) -> LinkLevel {
+        if self.axes.iter().any(|&a| mesh.axes[a].level == LinkLevel::Inter) {
+            LinkLevel::Inter
+        } else {
+            LinkLevel::Intra
+        }
+    }
+}
+
+/// Bytes each device sends in a step of `kind` over a group of `p` on `bytes` (see
+/// [`CommStep::bytes`]).
+pub fn moved(kind: &StepKind, p: usize, bytes: f64) -> f64 {
+    if p <= 1 || !kind.communicates() {
+        return 0.0;
+    }
+    let f = (p - 1) as f64 / p as f64;
+    match kind {
+        StepKind::AllReduce => 2.0 * f * bytes,
+        _ => f * bytes,
+    }
+}
+
+/// Choices the algebra leaves to the machine: they are made once per mesh (by the cost
+/// model) and recorded in the plan, so pricing and lowering agree.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Policy {
+    /// An all-reduce whose group spans nodes runs as reduce-scatter inside the nodes,
+    /// all-reduce of the shards across them, all-gather inside them (else: one ring).
+    pub hierarchical_all_reduce: bool,
+}
+
+/// For each tensor dim, the mesh axes that split it, outer (lower axis index) first.
+pub fn split_axes(layout: &[AxisShard], rank: usize) -> Vec<Vec<usize>> {
+    let mut out = vec![Vec::new(); rank];
+    for (a, s) in layout.iter().enumerate() {
+        if let AxisShard::Split(d) = s
+            && (*d as usize) < rank
+        {
+            out[*d as usize].push(a);
+        }
+    }
+    out
+}
+
+/// Bytes per device of a tensor of `total` bytes under `layout`.
+pub fn local_bytes(total: f64, layout: &[AxisShard], mesh: &Mesh) -> f64 {
+    let f: f64 = layout
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| matches!(s, AxisShard::Split(_)))
+        .map(|(a, _)| mesh.axes[a].size as f64)
+        .product();
+    total / f
+}
+
+/// Dims of the local piece of a tensor of `dims` under `layout`.
+pub fn local_dims(dims: &[i64], layout: &[AxisShard], mesh: &Mesh) -> Vec<i64> {
+    crate::shard::local_dims(dims, layout, mesh)
+}
+
+/// A value devices hold in one layout, getting any other by resharding (priced and emitted):
+/// every computed value, and float graph inputs and parameters (fed, or stored with their
+/// optimizer state, in the layout their first reader needs). Integer inputs and constants
+/// (token ids, indices, shape literals) are instead provided by the host in every layout a
+/// reader needs, at no communication.
+pub fn held_once(g: &crate::Graph, v: crate::Value) -> bool {
+    use crate::Op;
+    match &g.node(v.node).op {
+        Op::Input { default: Some(t) } | Op::Initializer(t) => t.dtype.is_float(),
+        Op::Input { default: None } => g.tensor_type(v).is_some_and(|t| t.dtype.is_float()),
+        _ => true,
+    }
+}
+
+/// Work state of [`reshard`].
+struct Cx<'a> {
+    dims: &'a [i64],
+    total: f64,
+    mesh: &'a Mesh,
+    cur: Sharding,
+    steps: Vec<CommStep>,
+}
+
+impl Cx<'_> {
+    fn local(&self) -> f64 {
+        local_bytes(self.total, &self.cur, self.mesh)
+    }
+
+    fn push(&mut self, kind: StepKind, axes: Vec<usize>, bytes: f64) {
+        self.steps.push(CommStep { kind, axes, bytes, to: self.cur.clone() });
+    }
+
+    /// Local slices that extend a dim's split with axes free (`R`) now, in nesting order.
+    fn refine(&mut self, to: &[AxisShard]) {
+        let rank = self.dims.len();
+        let mut sliced = Vec::new();
+        for d in 0..rank {
+            let (c, t) = (split_axes(&self.cur, rank)[d].clone(), split_axes(to, rank)[d].clone());
+            if !t.starts_with(&c) {
+                continue;
+            }
+            for &b in &t[c.len()..] {
+                if self.cur[b] != AxisShard::Replicate {
+                    break;
+                }
+                self.cur[b] = AxisShard::Split(d as u8);
+                sliced.push(b);
+            }
+        }
+        if !sliced.is_empty() {
+            sliced.sort_unstable();
+            self.push(StepKind::Slice, sliced, 0.0);
+        }
+    }
+
+    /// Pending sums the target does not keep: reduce-scatters where the summing axes are the
+    /// target's next inner cuts of a dim, one all-reduce over the rest.
+    fn reduce(&mut self, to: &[AxisShard], policy: Policy) {
+        let rank = self.dims.len();
+        let pending: Vec<usize> =
+            (0..self.cur.len()).filter(|&a| self.cur[a] == AxisShard::Partial && to[a] != AxisShard::Partial).collect();
+        if pending.is_empty() {
+            return;
+        }
+        let mut rest = Vec::new();
+        for d in 0..rank {
+            let group: Vec<usize> = pending.iter().copied().filter(|&a| to[a] == AxisShard::Split(d as u8)).collect();
+            if group.is_empty() {
+                continue;
+            }
+            let c = split_axes(&self.cur, rank)[d].clone();
+            let t = split_axes(to, rank)[d].clone();
+            let mut want = c.clone();
+            want.extend(&group);
+            let parts: i64 = group.iter().map(|&a| self.mesh.axes[a].size as i64).product();
+            let local_d = local_dims(self.dims, &self.cur, self.mesh)[d];
+            if t.starts_with(&want) && local_d % parts == 0 {
+                let bytes = self.local();
+                for &a in &group {
+                    self.cur[a] = AxisShard::Split(d as u8);
+                }
+                self.push(StepKind::ReduceScatter { dim: d }, group, bytes);
+            } else {
+                rest.extend(group);
+            }
+        }
+        rest.extend(pending.iter().copied().filter(|&a| !matches!(to[a], AxisShard::Split(_))));
+        rest.sort_unstable();
+        rest.dedup();
+        if rest.is_empty() {
+            return;
+        }
+        self.all_reduce(rest, policy);
+    }
+
+    /// An all-reduce over `axes`: one ring, or reduce-scatter / all-reduce / all-gather over
+    /// the link hierarchy.
+    fn all_reduce(&mut self, axes: Vec<usize>, policy: Policy) {
+        let bytes = self.local();
+        let intra: Vec<usize> = axes.iter().copied().filter(|&a| self.mesh.axes[a].level == LinkLevel::Intra).collect();
+        let inter: Vec<usize> = axes.iter().copied().filter(|&a| self.mesh.axes[a].level == LinkLevel::Inter).collect();
+        let q: i64 = intra.iter().map(|&a| self.mesh.axes[a].size as i64).product();
+        let local = local_dims(self.dims, &self.cur, self.mesh);
+        // The hierarchy cuts the largest local dim the intra-node group divides.
+        let cut = (0..local.len()).filter(|&d| local[d] % q.max(1) == 0).max_by_key(|&d| (local[d], usize::MAX - d));
+        match (policy.hierarchical_all_reduce && !intra.is_empty() && !inter.is_empty(), cut) {
+            (true, Some(h)) => {
+                self.push(StepKind::ReduceScatter { dim: h }, intra.clone(), bytes);
+                self.push(StepKind::AllReduce, inter.clone(), bytes / q as f64);
+                for &a in &axes {
+                    self.cur[a] = AxisShard::Replicate;
+                }
+                self.push(StepKind::AllGather { dim: h }, intra, bytes);
+            }
+            _ => {
+                for &a in &axes {
+                    self.cur[a] = AxisShard::Replicate;
+                }
+                self.push(StepKind::AllReduce, axes, bytes);
+            }
+        }
+    }
+
+    /// All-to-alls for axes that move from the innermost cut of one dim to the next inner
+    /// cut of another in the target.
+    fn exchange(&mut self, to: &[AxisShard]) {
+        let rank = self.dims.len();
+        for a in 0..self.cur.len() {
+            let (AxisShard::Split(d), AxisShard::Split(e)) = (self.cur[a], to[a]) else { continue };
+            if d == e {
+                continue;
+            }
+            let (d, e) = (d as usize, e as usize);
+            let split = split_axes(&self.cur, rank);
+            let mut grown = split[e].clone();
+            grown.push(a);
+            let p = self.mesh.axes[a].size as i64;
+            let local_e = local_dims(self.dims, &self.cur, self.mesh)[e];
+            if split[d].last() == Some(&a) && split_axes(to, rank)[e].starts_with(&grown) && local_e % p == 0 {
+                let bytes = self.local();
+                self.cur[a] = AxisShard::Split(e as u8);
+                self.push(StepKind::AllToAll { split: e, concat: d }, vec![a], bytes);
+            }
+        }
+    }
+
+    /// All-gathers of the cuts each dim must lose: over the group of those axes, groups that
+    /// span nodes first (while the data is smaller).
+    fn gather(&mut self, to: &[AxisShard]) {
+        let rank = self.dims.len();
+        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
+        let (cur_d, to_d) = (split_axes(&self.cur, rank), split_axes(to, rank));
+        for d in 0..rank {
+            let common = cur_d[d].iter().zip(&to_d[d]).take_while(|(x, y)| x == y).count();
+            if common < cur_d[d].len() {
+                groups.push((d, cur_d[d][common..].to_vec()));
+            }
+        }
+        let inter = |g: &[usize]| g.iter().any(|&a| self.mesh.axes[a].level == LinkLevel::Inter);
+        groups.sort_by_key(|(d, g)| (!inter(g), *d));
+        for (d, g) in groups {
+            for &a in &g {
+                self.cur[a] = AxisShard::Replicate;
+            }
+            let bytes = self.local();
+            self.push(StepKind::AllGather { dim: d }, g, bytes);
+        }
+    }
+
+    /// Partial sums the target wants on axes where the value is whole.
+    fn zero(&mut self, to: &[AxisShard]) {
+        let axes: Vec<usize> =
+            (0..self.cur.len()).filter(|&a| to[a] == AxisShard::Partial && self.cur[a] != AxisShard::Partial).collect();
+        if !axes.is_empty() {
+            for &a in &axes {
+                self.cur[a] = AxisShard::Partial;
+            }
+            self.push(StepKind::Zero, axes, 0.0);
+        }
+    }
+}
+
+/// The steps that turn layout `from` of a tensor of global `dims` (of `elem_bytes` bytes per
+/// element) into layout `to` on `mesh` (see the module documentation). Empty when the
+/// layouts are equal.
+pub fn reshard(
+    dims: &[i64],
+    elem_bytes: f64,
+    from: &[AxisShard],
+    to: &[AxisShard],
+    mesh: &Mesh,
+    policy: Policy,
+) -> Vec<CommStep> {
+    if from == to {
+        return Vec::new();
+    }
+    let total = dims.iter().map(|&d| d.max(0) as f64).product::<f64>() * elem_bytes;
+    let mut cx = Cx { dims, total, mesh, cur: from.to_vec(), steps: Vec::new() };
+    cx.refine(to);
+    cx.reduce(to, policy);
+    cx.exchange(to);
+    cx.gather(to);
+    cx.refine(to);
+    cx.zero(to);
+    debug_assert_eq!(cx.cur, to, "resharding {from:?} → {to:?} ended in {:?}", cx.cur);
+    cx.steps
+}
+
+/// What one device exchanges for one spatially split dim of a windowed op (rows along the
+/// dim), and how its window is then adjusted.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Halo {
+    /// Rows received from the previous member.
+    pub from_prev: usize,
+    /// Rows received from the next member.
+    pub from_next: usize,
+    /// Rows sent to the previous member.
+    pub to_prev: usize,
+    /// Rows sent to the next member.
+    pub to_next: usize,
+    /// Rows of its own block it does not need, at the start.
+    pub trim_start: usize,
+    /// Rows of its own block it does not need, at the end.
+    pub trim_end: usize,
+    /// Padding its window needs before (the tensor's border).
+    pub pad_before: usize,
+    /// Padding its window needs after.
+    pub pad_after: usize,
+}
+
+/// The halo of member `c` of `p` for a windowed op over a dim of input extent `input` and
+/// output extent `output` (both split evenly `p` ways), with `stride`, effective kernel
+/// extent `span` (`(k − 1)·dilation + 1`) and leading padding `pad_begin`. An error when
+/// the split is uneven or a halo would reach past a neighbour's block.
+pub fn halo(
+    input: usize,
+    output: usize,
+    p: usize,
+    c: usize,
+    stride: usize,
+    span: usize,
+    pad_begin: usize,
+) -> Result<Halo, String> {
+    if p == 0 || !output.is_multiple_of(p) || !input.is_multiple_of(p) {
+        return Err("uneven spatial split".into());
+    }
+    let (ol, b) = (output / p, input / p);
+    let pb = pad_begin as i64;
+    // Input rows member `c`'s outputs read, clipped to the tensor.
+    let geom = |c: usize| -> (i64, i64, i64, i64) {
+        let need_start = (c * ol * stride) as i64 - pb;
+        let need_end = ((c * ol + ol - 1) * stride + span) as i64 - pb;
+        (need_start, need_end, need_start.max(0), need_end.min(input as i64))
+    };
+    let (need_start, need_end, ns, ne) = geom(c);
+    let (bs, be) = ((c * b) as i64, (c * b + b) as i64);
+    let to_prev = if c > 0 { (geom(c - 1).3 - ((c - 1) * b + b) as i64).max(0) as usize } else { 0 };
+    let to_next = if c + 1 < p { (((c + 1) * b) as i64 - geom(c + 1).2).max(0) as usize } else { 0 };
+    let h = Halo {
+        from_prev: (bs - ns).max(0) as usize,
+        from_next: (ne - be).max(0) as usize,
+        to_prev,
+        to_next,
+        trim_start: (ns - bs).max(0) as usize,
+        trim_end: (be - ne).max(0) as usize,
+        pad_before: (ns - need_start) as usize,
+        pad_after: (need_end - ne) as usize,
+    };
+    if [h.from_prev, h.from_next, h.to_prev, h.to_next].iter().any(|&w| w > b) {
+        return Err(format!("halo wider than a neighbour's block ({b})"));
+    }
+    Ok(h)
+}
+
+/// The layout a graph output is delivered in from `layout`: pending sums reduced, and only
+/// cuts of the batch dims (`batch[d]`) kept — what a loss or the host reads.
+pub fn output_layout(layout: &[AxisShard], batch: &[bool]) -> Sharding {
+    layout
+        .iter()
+        .map(|s| match s {
+            AxisShard::Split(d) if batch.get(*d as usize).copied().unwrap_or(false) => *s,
+            _ => AxisShard::Replicate,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shard::MeshAxis;
+    use AxisShard::*;
+
+    fn mesh(sizes: &[(usize, LinkLevel)]) -> Mesh {
+        Mesh {
+            axes: sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &(size, level))| MeshAxis { name: format!("m{i}"), size, level })
+                .collect(),
+        }
+    }
+
+    fn kinds(steps: &[CommStep]) -> Vec<(&'static str, Vec<usize>)> {
+        steps.iter().map(|s| (s.kind.name(), s.axes.clone())).collect()
+    }
+
+    #[test]
+    fn one_axis_collectives() {
+        let m = mesh(&[(8, LinkLevel::Intra)]);
+        let d = [64, 32];
+        assert_eq!(
+            kinds(&reshard(&d, 4.0, &[Replicate], &[Split(0)], &m, Policy::default())),
+            vec![("slice", vec![0])]
+        );
+        assert_eq!(
+            kinds(&reshard(&d, 4.0, &[Split(0)], &[Replicate], &m, Policy::default())),
+            vec![("all_gather", vec![0])]
+        );
+        assert_eq!(
+            kinds(&reshard(&d, 4.0, &[Partial], &[Replicate], &m, Policy::default())),
+            vec![("all_reduce", vec![0])]
+        );
+        assert_eq!(
+            kinds(&reshard(&d, 4.0, &[Partial], &[Split(1)], &m, Policy::default())),
+            vec![("reduce_scatter", vec![0])]
+        );
+        assert_eq!(
+            kinds(&reshard(&d, 4.0, &[Split(0)], &[Split(1)], &m, Policy::default())),
+            vec![("all_to_all", vec![0])]
+        );
+        assert_eq!(kinds(&reshard(&d, 4.0, &[Replicate], &[Partial], &m, Policy::default())), vec![("zero", vec![0])]);
+        // An all-gather to the whole 64×32×4 bytes moves 7/8 of it.
+        let s = reshard(&d, 4.0, &[Split(0)], &[Replicate], &m, Policy::default());
+        assert_eq!(s[0].bytes, 8192.0);
+        assert_eq!(s[0].bytes_moved(&m), 8192.0 * 7.0 / 8.0);
+    }
+
+    #[test]
+    fn nested_splits_gather_only_the_cuts_they_lose() {
+        let m = mesh(&[(2, LinkLevel::Intra), (4, LinkLevel::Intra)]);
+        let d = [64, 8];
+        // Losing the inner cut: one all-gather over the inner axis, on pieces of 1/8.
+        let s = reshard(&d, 4.0, &[Split(0), Split(0)], &[Split(0), Replicate], &m, Policy::default());
+        assert_eq!(kinds(&s), vec![("all_gather", vec![1])]);
+        assert_eq!(s[0].bytes, 2048.0 / 2.0);
+        // Losing the outer cut: both cuts go (one gather over both axes), then the inner axis
+        // cuts again.
+        let s = reshard(&d, 4.0, &[Split(0), Split(0)], &[Replicate, Split(0)], &m, Policy::default());
+        assert_eq!(kinds(&s), vec![("all_gather", vec![0, 1]), ("slice", vec![1])]);
+        // A slice on a free axis first makes the gather smaller.
+        let s = reshard(&d, 4.0, &[Split(0), Replicate], &[Replicate, Split(1)], &m, Policy::default());
+        assert_eq!(kinds(&s), vec![("slice", vec![1]), ("all_gather", vec![0])]);
+        assert_eq!(s[1].bytes, 2048.0 / 4.0);
+    }
+
+    #[test]
+    fn pending_sums_reduce_scatter_only_onto_the_next_inner_cut() {
+        let m = mesh(&[(2, LinkLevel::Intra), (4, LinkLevel::Intra)]);
+        let d = [64, 8];
+        let s = reshard(&d, 4.0, &[Split(0), Partial], &[Split(0), Split(0)], &m, Policy::default());
+        assert_eq!(kinds(&s), vec![("reduce_scatter", vec![1])]);
+        // Onto an outer cut it cannot: all-reduce, then slice.
+        let s = reshard(&d, 4.0, &[Partial, Split(0)], &[Split(0), Split(0)], &m, Policy::default());
+        assert_eq!(kinds(&s)[0], ("all_reduce", vec![0]));
+        // Two pending axes of one level: one all-reduce over both (one ring of 8).
+        let s = reshard(&d, 4.0, &[Partial, Partial], &[Replicate, Replicate], &m, Policy::default());
+        assert_eq!(kinds(&s), vec![("all_reduce", vec![0, 1])]);
+        assert_eq!(s[0].group_size(&m), 8);
+    }
+
+    #[test]
+    fn hierarchical_all_reduce_spans_the_levels() {
+        let m = mesh(&[(4, LinkLevel::Inter), (8, LinkLevel::Intra)]);
+        let d = [64, 16];
+        let p = Policy { hierarchical_all_reduce: true };
+        let s = reshard(&d, 4.0, &[Partial, Partial], &[Replicate, Replicate], &m, p);
+        assert_eq!(kinds(&s), vec![("reduce_scatter", vec![1]), ("all_reduce", vec![0]), ("all_gather", vec![1])]);
+        assert_eq!(s[1].bytes, 4096.0 / 8.0);
+        let s = reshard(&d, 4.0, &[Partial, Partial], &[Replicate, Replicate], &m, Policy::default());
+        assert_eq!(kinds(&s), vec![("all_reduce", vec![0, 1])]);
+    }
+}

@@ -1,0 +1,112 @@
+//! Plan = program: for every bundled real model (batch 8), the searched plan on 8 devices of
+//! `dgx-a100` and on 64 of `a100-cluster-8` is lowered to per-device programs, and the bytes
+//! each device sends per phase and kind as the plan prices them (`bytes_moved_per_device`)
+//! equal what the lowered program's communication ops move. No op of a searched plan may fall
+//! back to running replicated, and no graph output may be left as partial sums.
+
+use std::collections::BTreeMap;
+
+use passes::autoshard::{self, PipelineMode, SearchOptions};
+use passes::cost::{Cluster, Options};
+use shardc_tests::*;
+
+/// Inputs whose non-batch dims the export leaves symbolic get a concrete shape.
+fn fixed_shapes(name: &str) -> Vec<(String, Vec<i64>)> {
+    match name {
+        "ppocrv5_rec" => vec![("x".into(), vec![8, 3, 48, 320])],
+        _ => Vec::new(),
+    }
+}
+
+fn prepared(path: &std::path::Path) -> ir::Model {
+    let name = path.file_stem().unwrap().to_string_lossy().to_string();
+    let mut m = load_model(path);
+    let spec = passes::RebatchSpec { batch: Some(8), input_shapes: fixed_shapes(&name).into_iter().collect() };
+    let mut pm = passes::PassManager::new();
+    pm.add(passes::Verify).add(passes::Rebatch { spec }).add(passes::InferShapes::default()).add(passes::Canonicalize);
+    pm.run(&mut m).unwrap_or_else(|e| panic!("{name}: {e}"));
+    m
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * a.abs().max(b.abs()) + 1e-3
+}
+
+/// Checks one model on one cluster; the description of each disagreement.
+fn check(name: &str, g: &ir::Graph, cluster: &str, devices: usize) -> Vec<String> {
+    let c = Cluster::preset(cluster).unwrap();
+    let so = SearchOptions { pipeline: PipelineMode::Off, ..Default::default() };
+    let r = autoshard::search(g, &c, devices, &Options::default(), &so).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let plan = autoshard::Plan::new(g, &c, devices, &Options::default(), Default::default(), &r);
+    let prog = shardc::exec::program_for_search(g, &r, devices).unwrap_or_else(|e| panic!("{name} on {cluster}: {e}"));
+    let mut bad = Vec::new();
+    if !prog.fallbacks.is_empty() {
+        bad.push(format!("{name} on {cluster}: ops fell back to replicated: {:?}", prog.fallbacks));
+    }
+    for res in prog.devices.iter().flat_map(|d| &d.results) {
+        if res.layout.contains(&ir::shard::AxisShard::Partial) {
+            bad.push(format!("{name} on {cluster}: output `{}` left as partial sums", res.global));
+        }
+    }
+    let priced = &plan.bytes_moved_per_device;
+    let lowered = prog.bytes_moved_per_device();
+    let empty = BTreeMap::new();
+    let fwd_p = priced.get("forward").unwrap_or(&empty);
+    let fwd_l = lowered.get("forward").unwrap_or(&empty);
+    let kinds: std::collections::BTreeSet<&String> = fwd_p.keys().chain(fwd_l.keys()).collect();
+    for kind in kinds {
+        let (a, b) = (fwd_p.get(kind).copied().unwrap_or(0.0), fwd_l.get(kind).copied().unwrap_or(0.0));
+        if !close(a, b) {
+            bad.push(format!("{name} on {cluster}: forward {kind}: plan {a:.0} B, program {b:.0} B per device"));
+        }
+    }
+    // Every collective entry carries its group and bytes moved, consistent with its kind.
+    for col in &plan.collectives {
+        let p = col.group_size as f64;
+        let want = match col.kind.as_str() {
+            "all_reduce" => 2.0 * (p - 1.0) / p * col.bytes,
+            "halo" | "p2p" => col.bytes,
+            _ => (p - 1.0) / p * col.bytes,
+        };
+        if col.group_size == 0 || !close(col.bytes_moved, want) {
+            bad.push(format!("{name} on {cluster}: collective {col:?} has inconsistent bytes_moved"));
+        }
+    }
+    bad
+}
+
+#[test]
+fn plans_move_the_bytes_their_programs_move() {
+    let dir = repo_root().join("tests/data/models");
+    let mut models: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "onnxtxt"))
+        .collect();
+    models.sort();
+    assert!(models.len() >= 15, "{} models", models.len());
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).min(4);
+    let chunks: Vec<Vec<std::path::PathBuf>> =
+        (0..threads).map(|t| models.iter().skip(t).step_by(threads).cloned().collect()).collect();
+    let bad: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = chunks
+            .iter()
+            .map(|chunk| {
+                s.spawn(move || {
+                    let mut bad = Vec::new();
+                    for path in chunk {
+                        let name = path.file_stem().unwrap().to_string_lossy().to_string();
+                        let m = prepared(path);
+                        for (cluster, devices) in [("dgx-a100", 8), ("a100-cluster-8", 64)] {
+                            bad.extend(check(&name, &m.graph, cluster, devices));
+                        }
+                    }
+                    bad
+                })
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
