@@ -123,7 +123,7 @@ pub fn program_for_search(g: &Graph, r: &SearchResult, devices: usize) -> Result
     codegen::lower(g, &placement).map_err(|e| e.to_string())
 }
 
-/// A named strategy (`data`, `model`, `spatial`, `hybrid:DxS`, `owt`) priced on `devices`
+/// A named strategy (`data`, `model`, `megatron`, `spatial`, `hybrid:dp:D,tp:T`, `spatial-hybrid:DxS`, `owt`) priced on `devices`
 /// devices of `cluster`, as a search result that [`program_for_search`] lowers. Pipelines
 /// go through a plan instead.
 pub fn named_result(
@@ -150,6 +150,7 @@ pub fn named_result(
         assignment: asg,
         same_as: Some(strategy.to_string()),
         data_parallel: None,
+        data_parallel_unavailable: None,
         meshes: Vec::new(),
         search_time_s: 0.0,
         time_limit_hit: false,

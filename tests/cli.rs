@@ -202,6 +202,8 @@ fn sweep_table_svg_and_cluster_files() {
         "data",
         "--devices",
         "4",
+        "--batch",
+        "4",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     std::fs::write(&file, "name = \"broken\"\nnodes = 0\n").unwrap();
@@ -579,6 +581,8 @@ fn calibrate_writes_a_cluster_file_the_planner_loads() {
         "data",
         "--devices",
         "4",
+        "--batch",
+        "4",
         "--json",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -591,4 +595,43 @@ fn calibrate_writes_a_cluster_file_the_planner_loads() {
     let o = shardc(&["calibrate", "--backend", "tpu"]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn rebatching_never_changes_a_parameter() {
+    // Every bundled model at batch 1, 3 and 8: the float parameters are the same ones, or the
+    // command refuses with an error naming the parameter the export baked the batch into.
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/models");
+    let mut models: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "onnxtxt"))
+        .collect();
+    models.sort();
+    let float_params = |o: &Output| -> u64 {
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("stats JSON");
+        v["float_params"].as_u64().expect("float_params")
+    };
+    let (mut same, mut refused) = (0, 0);
+    for p in &models {
+        let rel = format!("tests/data/models/{}", p.file_name().unwrap().to_string_lossy());
+        let base = shardc(&["stats", &rel, "--json"]);
+        assert_eq!(base.status.code(), Some(0), "{rel}: {}", stderr(&base));
+        let want = float_params(&base);
+        for b in ["1", "3", "8"] {
+            let o = shardc(&["stats", &rel, "--batch", b, "--json"]);
+            if o.status.code() == Some(0) {
+                assert_eq!(float_params(&o), want, "{rel} --batch {b} changed the parameters");
+                same += 1;
+            } else {
+                let err = stderr(&o);
+                assert_eq!(o.status.code(), Some(1), "{rel} --batch {b}: {err}");
+                assert!(err.contains("cannot rebatch: parameter `"), "{rel} --batch {b}: {err}");
+                assert!(!err.contains("panicked"), "{rel}: {err}");
+                refused += 1;
+            }
+        }
+    }
+    assert!(same >= 3 * (models.len() - 2), "{same} kept, {refused} refused");
 }

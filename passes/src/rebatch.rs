@@ -94,6 +94,8 @@ pub struct RebatchReport {
     pub constants_regenerated: usize,
     /// Things worth telling the user.
     pub notes: Vec<Located>,
+    /// Symbols that stand for the batch (a parameter may never follow them).
+    batch_syms: Vec<usize>,
 }
 
 /// The value of element `k` of a 1-D shape-like value, when a literal supplies it:
@@ -548,6 +550,17 @@ pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassE
     infer_shapes(g, Mode::Check).map_err(|e| fail(located(e)))?;
     let mut new_dims = changed_inputs(g, spec).map_err(|e| fail(vec![e]))?;
     let (syms, mut input_monos) = symbols(&new_dims);
+    // The batch's symbol: dim 0 of the inputs `--batch` changed.
+    if let Some(b) = spec.batch {
+        for (_, old_d, _) in &new_dims {
+            if let Some(ov) = old_d.first().and_then(Dim::value)
+                && let Some(i) = syms.iter().position(|&p| p == (ov, b))
+                && !report.batch_syms.contains(&i)
+            {
+                report.batch_syms.push(i);
+            }
+        }
+    }
     // Old shapes and folded constants, from the model as it was.
     let consts = infer_shapes(g, Mode::Check).map_err(|e| fail(located(e)))?.consts;
     let mut old: HashMap<Value, Vec<i64>> = HashMap::new();
@@ -644,6 +657,25 @@ fn resolve(
     };
     let op = g.node(n).op.clone();
     match &op {
+        Op::Initializer(t0)
+            if t0.dtype.is_float() && axes.iter().any(|(_, m)| report.batch_syms.iter().any(|&b| m.uses(b))) =>
+        {
+            // A parameter: rebatching must never change the network it defines.
+            let readers: Vec<String> = g.users(v).into_iter().map(|(u, _)| g.describe(u)).take(2).collect();
+            let want: Vec<String> =
+                axes.iter().map(|(a, m)| format!("axis {a} → {}", m.eval(syms, true).unwrap_or(-1))).collect();
+            Err(Located::at(
+                g,
+                n,
+                format!(
+                    "cannot rebatch: parameter `{}` {:?} (read by {}) would have to change ({}): following the batch through this export leads into a parameter (a batch traced into reshapes, often a batch of 1, cannot be told apart from the features) — re-export with a dynamic batch axis (torch.onnx.export(..., dynamic_axes=...)) or keep the exported batch",
+                    g.value_name(v),
+                    t0.dims,
+                    if readers.is_empty() { "no op".to_string() } else { readers.join(", ") },
+                    want.join(", ")
+                ),
+            ))
+        }
         Op::Initializer(_) | Op::Constant(_) => {
             let mut t = tensor_of(g, v).ok_or_else(|| Located::at(g, n, "not a constant"))?;
 

@@ -69,7 +69,7 @@ pub struct CostArgs {
     /// A preset (dgx-a100, dgx-h100, dgx1-v100, pcie-v100x8, a100-cluster-N, local-wgpu) or a TOML file.
     #[arg(long)]
     pub cluster: String,
-    /// data, model, spatial, hybrid:DxS, owt, pipeline:S:M[:gpipe|:1f1b].
+    /// data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, pipeline:S:M[:gpipe|:1f1b].
     #[arg(long)]
     pub strategy: String,
     /// Devices to use (default: all of the cluster).

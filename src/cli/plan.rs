@@ -222,7 +222,10 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
             bytes(d.memory.total()),
             if d.feasible { "" } else { "  (does not fit)" }
         )),
-        (None, _) => t.push_str("data parallel  does not apply (no batch dim)\n"),
+        (None, _) => t.push_str(&format!(
+            "data parallel: n/a ({})\n",
+            r.data_parallel_unavailable.as_deref().unwrap_or("it does not apply to this model")
+        )),
     }
     if r.single_device_memory_bytes > b.memory_capacity_bytes as f64 {
         t.push_str(&format!(

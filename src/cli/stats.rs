@@ -63,9 +63,9 @@ pub fn run(args: &StatsArgs) -> CliResult {
     }
     t.push_str(&format!("nodes            {}\n", s.nodes));
     t.push_str(&format!(
-        "params           {} ({} float), {}\n",
-        thousands(s.params),
+        "params           {} float ({} with integer constants), {}\n",
         thousands(s.float_params),
+        thousands(s.params),
         bytes(s.param_bytes as f64)
     ));
     t.push_str(&format!("forward FLOPs    {}FLOP\n", si(s.forward_flops)));

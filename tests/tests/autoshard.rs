@@ -40,6 +40,10 @@ fn toy(latency: f64) -> Cluster {
     c.name = "toy".into();
     c.device.peak_flops.fp32 = 1e12;
     c.device.efficiency = 1.0;
+    // Flat efficiency (no tile quantization): the toy's 16-wide GEMMs would otherwise all run
+    // at 1/8 of peak.
+    c.device.gemm_tile = 1;
+    c.device.gemm_k_overhead = 0.0;
     c.device.mem_bandwidth = 1e11;
     c.device.launch_overhead = latency;
     c.intra.bandwidth = 1e10;
@@ -413,6 +417,14 @@ fn finding_b_megatron_tensor_parallelism_for_a_wide_gpt_block() {
     let m = from_text(&text);
     let cluster = Cluster::preset("dgx-a100").unwrap();
     let r = plan(&m.graph, &cluster, 8, &Options::default());
+    if std::env::var_os("SHARDC_DEBUG_TEST").is_some() {
+        let cm = CostModel::new(&m.graph, &cluster, r.mesh.clone(), Options::default());
+        for &n in cm.order() {
+            let s = cm.strategy_of(&r.assignment, n);
+            eprintln!("{} {} {}", m.graph.op_name(n), m.graph.node(n).op.op_type(), cm.describe_strategy(n, &s));
+        }
+        eprintln!("same_as {:?} mesh {:?} step {}", r.same_as, r.mesh, r.breakdown.step_time_s);
+    }
     let axes = r.mesh.axes.len();
     let split_on = |pat: &str, dim: &str| -> Vec<usize> {
         (0..axes)
@@ -428,15 +440,20 @@ fn finding_b_megatron_tensor_parallelism_for_a_wide_gpt_block() {
         let col = split_on(&p("fc1"), "n");
         let row = split_on(&p("fc2"), "k");
         assert!(col.iter().any(|a| row.contains(a)), "layer {l}: fc1 {col:?} / fc2 {row:?}");
-        // Attention: Q, K, V column-parallel (by heads), the scores per head, the output
-        // projection row-parallel, on one axis.
+        // Attention: Q, K, V column-parallel (by heads), the scores per head, and the output
+        // projection split on the same axis — row-parallel (Megatron: an all-reduce after
+        // it), or column-parallel with the residual stream kept split along the hidden dim
+        // (the layer norms all-reduce their statistics; the collectives around the block are
+        // all-gathers and a reduce-scatter instead of all-reduces, as in Megatron's sequence
+        // parallelism) — whichever the cost model prices lower.
         let q = split_on(&p("q_proj"), "n");
         let k = split_on(&p("k_proj"), "n");
         let v = split_on(&p("v_proj"), "n");
-        let o = split_on(&p("out_proj"), "k");
+        let heads = split_on(&p("scores"), "b1");
+        let o: Vec<usize> = split_on(&p("out_proj"), "k").into_iter().chain(split_on(&p("out_proj"), "n")).collect();
         assert!(
-            q.iter().any(|a| k.contains(a) && v.contains(a) && o.contains(a)),
-            "layer {l}: q {q:?} k {k:?} v {v:?} out {o:?}"
+            q.iter().any(|a| k.contains(a) && v.contains(a) && heads.contains(a) && o.contains(a)),
+            "layer {l}: q {q:?} k {k:?} v {v:?} heads {heads:?} out {o:?}"
         );
     }
     let dp = r.data_parallel.as_ref().unwrap();
@@ -464,8 +481,8 @@ fn finding_d_one_huge_3d_sample_is_split_spatially_and_fits() {
     let m = shared("tv_r3d_18.onnxtxt", spec);
     let cluster = Cluster::preset("dgx-a100").unwrap();
     let r = plan(&m.graph, &cluster, 8, &Options::default());
-    let dp = r.data_parallel.as_ref().unwrap();
-    assert!(!dp.feasible, "one sample cannot be split by batch");
+    assert!(r.data_parallel.is_none(), "one sample cannot be split by batch");
+    assert!(r.data_parallel_unavailable.as_deref().unwrap().contains("the batch (1)"));
     assert!(r.breakdown.feasible, "{:?}", r.breakdown.infeasible_reason);
     let convs = roles_of(&m.graph, &r, &cluster, "Conv");
     let spatial = convs.iter().filter(|roles| roles.contains(&Some(DimRole::Spatial))).count();

@@ -78,7 +78,8 @@ fn sharded_plans_run_on_wgpu_devices_and_match_the_reference() {
         let g = &m.graph;
         let io = load_io(&path);
         let reference = ir::eval::run(g, &io.inputs, &Default::default()).unwrap();
-        for (strategy, devices) in [("data", 2), ("model", 2), ("spatial", 2), ("hybrid:2x2", 4), ("model", 4)] {
+        for (strategy, devices) in [("data", 2), ("model", 2), ("spatial", 2), ("spatial-hybrid:2x2", 4), ("model", 4)]
+        {
             let named = Named::parse(strategy).unwrap();
             let Ok(mesh) = named.mesh(&c, devices) else { continue };
             let cm = CostModel::new(g, &c, mesh.clone(), Options::default());

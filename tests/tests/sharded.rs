@@ -52,9 +52,18 @@ fn named_strategies_run_sharded_on_the_cpu_executor_and_match_the_reference() {
         let g = &m.graph;
         let inputs = load_io(&path).inputs;
         let reference = ir::eval::run(g, &inputs, &Default::default()).unwrap();
-        for (named, devices) in
-            [("data", 2), ("model", 2), ("model", 4), ("spatial", 2), ("hybrid:2x2", 4), ("owt", 2), ("data", 8)]
-        {
+        for (named, devices) in [
+            ("data", 2),
+            ("model", 2),
+            ("model", 4),
+            ("spatial", 2),
+            ("megatron", 2),
+            ("megatron", 4),
+            ("hybrid:dp:2,tp:2", 4),
+            ("spatial-hybrid:2x2", 4),
+            ("owt", 2),
+            ("data", 8),
+        ] {
             let Some(pl) = placement_for(g, devices, &Named::parse(named).unwrap()) else { continue };
             let prog =
                 codegen::lower(g, &pl).unwrap_or_else(|e| panic!("{}: {named} on {devices}: {e}", path.display()));

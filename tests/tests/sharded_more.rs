@@ -93,8 +93,10 @@ fn pipelined_plans_run_and_match_the_reference() {
 #[test]
 fn reduced_shared_models_run_sharded_and_match_the_reference() {
     type Case<'a> = (&'a str, Vec<(&'a str, &'a [i64])>, &'a [(&'a str, usize)]);
-    let cnn: &[(&str, usize)] = &[("data", 2), ("model", 4), ("spatial", 2), ("hybrid:2x2", 4), ("owt", 8)];
-    let seq: &[(&str, usize)] = &[("data", 2), ("model", 2), ("model", 4), ("hybrid:2x4", 8)];
+    let cnn: &[(&str, usize)] =
+        &[("data", 2), ("model", 4), ("megatron", 4), ("spatial", 2), ("spatial-hybrid:2x2", 4), ("owt", 8)];
+    let seq: &[(&str, usize)] =
+        &[("data", 2), ("model", 2), ("model", 4), ("megatron", 4), ("hybrid:dp:2,tp:4", 8), ("hybrid:dp:2,tp:2", 4)];
     let cases: Vec<Case<'_>> = vec![
         ("tv_resnet18", vec![("input", &[4, 3, 32, 32])], cnn),
         ("tv_squeezenet1_1", vec![("input", &[4, 3, 48, 48])], cnn),

@@ -157,11 +157,7 @@ fn lower_op(l: &mut Local<'_>, n: NodeId) -> Result<(), LowerError> {
 type StageMaps = (HashMap<Value, usize>, HashMap<Value, i64>);
 
 /// Stage and message tag of every op output; checks that stages only read earlier ones.
-fn stages(
-    g: &Graph,
-    order: &[NodeId],
-    placement: &Placement,
-) -> Result<StageMaps, LowerError> {
+fn stages(g: &Graph, order: &[NodeId], placement: &Placement) -> Result<StageMaps, LowerError> {
     let mut stage_of_value: HashMap<Value, usize> = HashMap::new();
     let mut value_tag: HashMap<Value, i64> = HashMap::new();
     for &n in order {

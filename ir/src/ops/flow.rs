@@ -38,6 +38,11 @@ impl Mono {
         Mono::Known { coef: 1, pows: BTreeMap::from([(s, 1)]) }
     }
 
+    /// The size depends on symbol `s`.
+    pub fn uses(&self, s: usize) -> bool {
+        matches!(self, Mono::Known { pows, .. } if pows.contains_key(&s))
+    }
+
     /// The axis changes size.
     pub fn is_tracked(&self) -> bool {
         match self {

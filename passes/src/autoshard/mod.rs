@@ -127,6 +127,9 @@ pub struct SearchResult {
     pub same_as: Option<String>,
     /// Pure data parallelism on the cluster's natural mesh (`None`: not applicable).
     pub data_parallel: Option<Breakdown>,
+    /// Why data parallelism does not apply, when it does not (no batch dim, a batch the
+    /// devices do not divide).
+    pub data_parallel_unavailable: Option<String>,
     /// Per mesh tried.
     pub meshes: Vec<MeshSearch>,
     /// Seconds.
@@ -175,8 +178,15 @@ pub fn mesh_string(m: &Mesh) -> String {
 }
 
 /// Named plans used as seeds and baselines.
-const SEEDS: &[(&str, Named)] =
-    &[("data", Named::Data), ("model", Named::Model), ("owt", Named::Owt), ("spatial", Named::Spatial)];
+const SEEDS: &[(&str, Named)] = &[
+    ("data", Named::Data),
+    ("model", Named::Model),
+    ("megatron", Named::Megatron),
+    ("hybrid", Named::Hybrid { dp: 0, tp: 0 }),
+    ("owt", Named::Owt),
+    ("spatial", Named::Spatial),
+    ("spatial-hybrid", Named::SpatialHybrid(0, 0)),
+];
 
 struct MeshOutcome {
     mesh: Mesh,
@@ -362,13 +372,17 @@ pub(crate) fn search_intra_with(
         }
     }
     let best = best.expect("at least one mesh");
-    let data_parallel = crate::cost::price(g, cluster, devices, &Named::Data, opts).ok().map(|p| p.breakdown);
+    let (data_parallel, data_parallel_unavailable) = match crate::cost::price(g, cluster, devices, &Named::Data, opts) {
+        Ok(p) => (Some(p.breakdown), None),
+        Err(e) => (None, Some(e.to_string())),
+    };
     Ok(SearchResult {
         mesh: best.mesh,
         assignment: best.assignment,
         breakdown: best.breakdown,
         same_as: best.same_as,
         data_parallel,
+        data_parallel_unavailable,
         meshes: summaries,
         search_time_s: start.elapsed().as_secs_f64(),
         time_limit_hit: net.fired(),

@@ -25,6 +25,9 @@ pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) 
             mem_usable: 0.9,
             launch_overhead: c.launch,
             shared_host: true,
+            // The runtime's GEMM kernel computes 4×4 blocks per invocation in 16×16 workgroups.
+            gemm_tile: 16,
+            gemm_k_overhead: 4.0,
         },
         intra: Link { bandwidth: c.copy_bandwidth, latency: c.copy_latency, topology: Topology::Switch, shared_by: 1 },
         inter: None,

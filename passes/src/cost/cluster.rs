@@ -40,10 +40,40 @@ pub struct Device {
     /// memory bandwidth above are the host's, divided among the devices a plan uses.
     #[serde(default)]
     pub shared_host: bool,
+    /// Output tile of the GEMM kernels (rows = columns): a GEMM computes whole tiles, so an
+    /// `M × N` output reaches `M/(⌈M/T⌉T) · N/(⌈N/T⌉T)` of `efficiency` (tile quantization:
+    /// skinny or small shards waste the padded part of their last tiles).
+    #[serde(default = "default_tile")]
+    pub gemm_tile: usize,
+    /// The fixed work of a tile (loading, epilogue) as extra reduction length: a GEMM with
+    /// reduction `K` reaches `K/(K + gemm_k_overhead)` of `efficiency` (a reduction split
+    /// over many devices leaves short, overhead-bound loops).
+    #[serde(default = "default_k_overhead")]
+    pub gemm_k_overhead: f64,
 }
 
 fn default_usable() -> f64 {
     0.9
+}
+
+fn default_tile() -> usize {
+    128
+}
+
+fn default_k_overhead() -> f64 {
+    32.0
+}
+
+impl Device {
+    /// The fraction of peak a GEMM (or convolution as a GEMM) with an `m × n` output and
+    /// reduction length `k` reaches: `efficiency` × tile quantization on `m` and `n` × the
+    /// reduction-loop overhead (see [`Device::gemm_tile`], [`Device::gemm_k_overhead`]).
+    pub fn gemm_efficiency(&self, m: f64, n: f64, k: f64) -> f64 {
+        let t = self.gemm_tile.max(1) as f64;
+        let q = |x: f64| if x <= 0.0 { 1.0 } else { x / ((x / t).ceil() * t) };
+        let kf = if k <= 0.0 { 1.0 } else { k / (k + self.gemm_k_overhead.max(0.0)) };
+        self.efficiency * q(m) * q(n) * kf
+    }
 }
 
 /// How the devices of a link level are connected.
@@ -143,6 +173,10 @@ fn a100() -> Device {
         // CUDA kernel launch and framework dispatch, a few microseconds.
         launch_overhead: 5e-6,
         shared_host: false,
+        // cuBLAS SGEMM/HGEMM tiles of 128×128 on large problems; ~32 of K per tile in
+        // prologue/epilogue.
+        gemm_tile: 128,
+        gemm_k_overhead: 32.0,
     }
 }
 
@@ -186,6 +220,8 @@ fn dgx_h100() -> Cluster {
             mem_usable: 0.9,
             launch_overhead: 4e-6,
             shared_host: false,
+            gemm_tile: 128,
+            gemm_k_overhead: 32.0,
         },
         // NVLink 4: 18 links, 900 GB/s bidirectional = 450 GB/s per direction, NVSwitch gen 3;
         // NCCL reaches ~360 GB/s bus bandwidth.
@@ -214,6 +250,8 @@ fn pcie_v100x8() -> Cluster {
             mem_usable: 0.9,
             launch_overhead: 6e-6,
             shared_host: false,
+            gemm_tile: 128,
+            gemm_k_overhead: 32.0,
         },
         // GPU↔GPU over PCIe Gen3 x16 (15.75 GB/s theoretical, ~11 GB/s achieved); pairs of GPUs
         // share a PLX switch uplink to the CPU root complex, which rings across switches cross.
@@ -241,6 +279,8 @@ fn dgx1_v100() -> Cluster {
             mem_usable: 0.9,
             launch_overhead: 6e-6,
             shared_host: false,
+            gemm_tile: 128,
+            gemm_k_overhead: 32.0,
         },
         // NVLink 2 hybrid cube-mesh: 6 links × 25 GB/s per GPU; NCCL rings reach ~130 GB/s bus
         // bandwidth over all 8 GPUs.

@@ -4,7 +4,7 @@
 //! Analytical and explainable: every formula is in [`collective`] (α–β communication),
 //! [`model`] (roofline compute, resharding, gradient synchronisation, memory, input path) and
 //! [`pipeline`] (stages, schedules, bubbles); every constant is in the [`Cluster`] description.
-//! [`strategy`] turns named strategies (`data`, `model`, `spatial`, `hybrid:DxS`, `owt`,
+//! [`strategy`] turns named strategies (`data`, `model`, `spatial`, `megatron`, `hybrid:dp:D,tp:T`, `spatial-hybrid:DxS`, `owt`,
 //! `pipeline:S:M`) into per-op assignments so they can be compared.
 
 pub mod batch;

@@ -525,10 +525,55 @@ impl<'a> CostModel<'a> {
         self.cluster.device.mem_bandwidth / self.host_share()
     }
 
-    /// Roofline time of `flops` and `bytes` on one device.
+    /// Roofline time of `flops` and `bytes` on one device, at the device's GEMM efficiency.
     pub fn roofline(&self, flops: f64, bytes: f64) -> f64 {
-        let d = &self.cluster.device;
-        (flops / (self.peak() * d.efficiency)).max(bytes / self.mem_bandwidth())
+        self.roofline_at(flops, bytes, self.cluster.device.efficiency)
+    }
+
+    /// Roofline time at efficiency `eff`.
+    fn roofline_at(&self, flops: f64, bytes: f64, eff: f64) -> f64 {
+        (flops / (self.peak() * eff.max(1e-6))).max(bytes / self.mem_bandwidth())
+    }
+
+    /// The local GEMM problem (`m × n` output, reduction `k`) of a contraction or
+    /// convolution under layouts `ins`/`outs`, for its shape-dependent efficiency.
+    fn gemm_shape(&self, n: NodeId, ins: &[Option<Sharding>], outs: &[Sharding]) -> Option<(f64, f64, f64)> {
+        let g = self.g;
+        let node = g.node(n);
+        let local = |v: Value, l: Option<&Sharding>| -> Option<Vec<f64>> {
+            let d = g.tensor_type(v)?.static_dims()?;
+            let d = match l {
+                Some(l) => ir::reshard::local_dims(&d, l, &self.mesh),
+                None => d,
+            };
+            Some(d.into_iter().map(|x| x as f64).collect())
+        };
+        let a = local(node.input(0)?, ins.first().and_then(Option::as_ref))?;
+        let y = local(Value::new(n, 0), outs.first())?;
+        let last2 = |d: &[f64]| (d.len().checked_sub(2).map_or(1.0, |i| d[i]), d.last().copied().unwrap_or(1.0));
+        match &node.op {
+            Op::MatMul(_) => {
+                let (m, nn) = if y.len() >= 2 { last2(&y) } else { (1.0, y.last().copied().unwrap_or(1.0)) };
+                Some((m, nn, a.last().copied().unwrap_or(1.0)))
+            }
+            Op::Gemm(gm) => {
+                let k = if gm.trans_a() != 0 { a.first().copied() } else { a.get(1).copied() };
+                Some((y.first().copied().unwrap_or(1.0), y.get(1).copied().unwrap_or(1.0), k.unwrap_or(1.0)))
+            }
+            Op::Conv(_) | Op::ConvTranspose(_) => {
+                let w = local(node.input(1)?, ins.get(1).and_then(Option::as_ref))?;
+                let m = y.first().copied().unwrap_or(1.0) * y.iter().skip(2).product::<f64>();
+                let (nn, k) = match &node.op {
+                    Op::Conv(_) => (w.first().copied().unwrap_or(1.0), w.iter().skip(1).product::<f64>()),
+                    _ => (
+                        w.get(1).copied().unwrap_or(1.0),
+                        w.first().copied().unwrap_or(1.0) * w.iter().skip(2).product::<f64>(),
+                    ),
+                };
+                Some((m, nn, k))
+            }
+            _ => None,
+        }
     }
 
     /// The number of devices sharing an op's work under a strategy.
@@ -542,7 +587,13 @@ impl<'a> CostModel<'a> {
     }
 
     /// Forward and backward compute of `n` under `strategy`: the roofline of its local share.
-    fn compute_time(&self, n: NodeId, strategy: &[Option<usize>], ins: &[Option<Sharding>]) -> (f64, f64) {
+    fn compute_time(
+        &self,
+        n: NodeId,
+        strategy: &[Option<usize>],
+        ins: &[Option<Sharding>],
+        outs: &[Sharding],
+    ) -> (f64, f64) {
         let node = self.g.node(n);
         if is_view(&node.op) || is_host(&node.op) {
             return (0.0, 0.0);
@@ -562,9 +613,13 @@ impl<'a> CostModel<'a> {
         let act_bytes = (c.bytes_read - c.param_bytes + c.bytes_written) * pf / f;
         let bytes = act_bytes + param_local;
         let launch = self.cluster.device.launch_overhead * c.launches.max(1.0);
-        let fwd = self.roofline(c.fwd_flops / f, bytes) + launch;
+        // GEMMs and convolutions reach less of peak when small or skinny (the backward GEMMs
+        // have the same three extents, permuted).
+        let d = &self.cluster.device;
+        let eff = self.gemm_shape(n, ins, outs).map_or(d.efficiency, |(m, nn, k)| d.gemm_efficiency(m, nn, k));
+        let fwd = self.roofline_at(c.fwd_flops / f, bytes, eff) + launch;
         let bwd_flops = (c.bwd_data_flops + c.bwd_weight_flops) / f;
-        let bwd = if bwd_flops > 0.0 { self.roofline(bwd_flops, 2.0 * bytes) + 2.0 * launch } else { 0.0 };
+        let bwd = if bwd_flops > 0.0 { self.roofline_at(bwd_flops, 2.0 * bytes, eff) + 2.0 * launch } else { 0.0 };
         (fwd, bwd)
     }
 
@@ -651,7 +706,7 @@ impl<'a> CostModel<'a> {
             return e.clone();
         }
         let (ins, outs) = strategy_shardings(&self.spaces[&n], s);
-        let (fwd, bwd) = self.compute_time(n, s, &ins);
+        let (fwd, bwd) = self.compute_time(n, s, &ins, &outs);
         let comm = self.op_comm(n, s, &ins);
         let mut time = OpTime { fwd, bwd, ..OpTime::default() };
         for (phase, st) in &comm {

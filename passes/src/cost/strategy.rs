@@ -5,7 +5,18 @@
 //!   devices; other ops follow the layout of their input (Castelló et al.'s model parallelism).
 //! - `spatial`: convolutions and pooling split their spatial dims, with halo exchange
 //!   (Dryden et al.); other ops follow.
-//! - `hybrid:DxS`: a `D × S` mesh, batch over the first axis and spatial over the second.
+//! - `megatron` (alias `tensor`): Megatron-LM tensor parallelism over all devices — a
+//!   weighted GEMM whose activation arrives split along its input features runs row-parallel
+//!   (split reduction, partial sums all-reduced after it), any other column-parallel (split
+//!   output features): MLPs become column→row pairs, attention splits by heads where the
+//!   heads are separate tensors in the graph (the Q/K/V projections column-parallel, the
+//!   per-head matmuls and softmax follow, the output projection row-parallel); embeddings
+//!   split by vocabulary rows; the output head column-parallel (by vocabulary), its softmax
+//!   over the split vocabulary with all-reduced statistics.
+//! - `hybrid:dp:D,tp:T`: a `D × T` mesh, data parallel over the first axis and Megatron over
+//!   the second (inside a node where it fits).
+//! - `spatial-hybrid:DxS`: a `D × S` mesh, batch over the first axis and spatial over the
+//!   second (Dryden et al.'s sample × spatial).
 //! - `owt`: convolutions data parallel, fully connected layers model parallel (Krizhevsky's
 //!   "one weird trick").
 //! - `pipeline:S:M[:gpipe|:1f1b]`: S balanced stages, M micro-batches (see `pipeline`).
@@ -31,12 +42,21 @@ pub enum Schedule {
 pub enum Named {
     /// Data parallel.
     Data,
-    /// Tensor (model) parallel.
+    /// Output-feature model parallelism (Castelló et al.).
     Model,
+    /// Megatron tensor parallelism.
+    Megatron,
     /// Spatial parallel.
     Spatial,
+    /// Data × Megatron on a `dp × tp` mesh.
+    Hybrid {
+        /// Data-parallel ways.
+        dp: usize,
+        /// Tensor-parallel ways.
+        tp: usize,
+    },
     /// Sample × spatial on a `D × S` mesh.
-    Hybrid(usize, usize),
+    SpatialHybrid(usize, usize),
     /// Data-parallel convolutions, model-parallel fully connected layers.
     Owt,
     /// Pipeline: stages, micro-batches, schedule.
@@ -52,15 +72,40 @@ impl Named {
             ["model"] => Named::Model,
             ["spatial"] => Named::Spatial,
             ["owt"] => Named::Owt,
-            ["hybrid", ds] => {
-                let (d, sp) =
-                    ds.split_once(['x', 'X']).ok_or_else(|| format!("`{s}`: write hybrid:DxS, e.g. hybrid:2x4"))?;
+            ["megatron"] | ["tensor"] => Named::Megatron,
+            ["spatial-hybrid", ds] => {
+                let (d, sp) = ds
+                    .split_once(['x', 'X'])
+                    .ok_or_else(|| format!("`{s}`: write spatial-hybrid:DxS, e.g. spatial-hybrid:2x4"))?;
                 let d = d.parse().map_err(|_| format!("`{s}`: D must be a number"))?;
                 let sp = sp.parse().map_err(|_| format!("`{s}`: S must be a number"))?;
                 if d == 0 || sp == 0 {
                     return Err(format!("`{s}`: D and S must be at least 1"));
                 }
-                Named::Hybrid(d, sp)
+                Named::SpatialHybrid(d, sp)
+            }
+            ["hybrid", ..] => {
+                let rest = &s["hybrid:".len().min(s.len())..];
+                let mut dp = None;
+                let mut tp = None;
+                for part in rest.split(',') {
+                    let (k, v) = part.split_once(':').unwrap_or((part, ""));
+                    let n: usize = v.trim().parse().map_err(|_| {
+                        format!("`{s}`: write hybrid:dp:D,tp:T (data × tensor), e.g. hybrid:dp:2,tp:4; data × spatial is spatial-hybrid:DxS")
+                    })?;
+                    match k.trim() {
+                        "dp" => dp = Some(n),
+                        "tp" => tp = Some(n),
+                        other => return Err(format!("`{s}`: unknown part `{other}`; write hybrid:dp:D,tp:T")),
+                    }
+                }
+                let (Some(dp), Some(tp)) = (dp, tp) else {
+                    return Err(format!("`{s}`: write hybrid:dp:D,tp:T, e.g. hybrid:dp:2,tp:4"));
+                };
+                if dp == 0 || tp == 0 {
+                    return Err(format!("`{s}`: D and T must be at least 1"));
+                }
+                Named::Hybrid { dp, tp }
             }
             ["pipeline", st, m, rest @ ..] => {
                 let st: usize = st.parse().map_err(|_| format!("`{s}`: the stage count must be a number"))?;
@@ -77,7 +122,7 @@ impl Named {
             }
             _ => {
                 return Err(format!(
-                    "unknown strategy `{s}`; strategies are data, model, spatial, hybrid:DxS, owt, pipeline:S:M[:gpipe|:1f1b]"
+                    "unknown strategy `{s}`; strategies are data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, pipeline:S:M[:gpipe|:1f1b]"
                 ));
             }
         })
@@ -85,27 +130,30 @@ impl Named {
 
     /// The mesh the strategy runs on, for `devices` devices of `cluster`.
     pub fn mesh(&self, cluster: &super::cluster::Cluster, devices: usize) -> Result<Mesh, String> {
-        match self {
-            Named::Hybrid(d, s) => {
-                if d * s != devices {
-                    return Err(format!("hybrid:{d}x{s} needs {} devices, {devices} given", d * s));
-                }
-                cluster.mesh(devices)?;
-                let dpn = cluster.devices_per_node;
-                let (l0, l1) = if devices <= dpn {
-                    (LinkLevel::Intra, LinkLevel::Intra)
-                } else if *s <= dpn && dpn.is_multiple_of(*s) {
-                    (LinkLevel::Inter, LinkLevel::Intra)
-                } else {
-                    (LinkLevel::Inter, LinkLevel::Inter)
-                };
-                Ok(Mesh {
-                    axes: vec![
-                        MeshAxis { name: "samples".into(), size: *d, level: l0 },
-                        MeshAxis { name: "space".into(), size: *s, level: l1 },
-                    ],
-                })
+        let two = |(d, s): (usize, usize), what: String, names: (&str, &str)| -> Result<Mesh, String> {
+            if d * s != devices {
+                return Err(format!("{what} needs {} devices, {devices} given", d * s));
             }
+            cluster.mesh(devices)?;
+            let dpn = cluster.devices_per_node;
+            // The second axis stays inside a node when it fits.
+            let (l0, l1) = if devices <= dpn {
+                (LinkLevel::Intra, LinkLevel::Intra)
+            } else if s <= dpn && dpn.is_multiple_of(s) {
+                (LinkLevel::Inter, LinkLevel::Intra)
+            } else {
+                (LinkLevel::Inter, LinkLevel::Inter)
+            };
+            Ok(Mesh {
+                axes: vec![
+                    MeshAxis { name: names.0.into(), size: d, level: l0 },
+                    MeshAxis { name: names.1.into(), size: s, level: l1 },
+                ],
+            })
+        };
+        match self {
+            Named::SpatialHybrid(d, s) => two((*d, *s), format!("spatial-hybrid:{d}x{s}"), ("samples", "space")),
+            Named::Hybrid { dp, tp } => two((*dp, *tp), format!("hybrid:dp:{dp},tp:{tp}"), ("data", "tensor")),
             _ => cluster.mesh(devices),
         }
     }
@@ -199,12 +247,20 @@ fn follow(cm: &CostModel<'_>, asg: &Assignment, n: NodeId) -> Vec<Option<usize>>
     if strategy_valid(sp, &s, &cm.mesh, g, n) { s } else { vec![None; k] }
 }
 
-/// Builds the assignment of a named (non-pipeline) strategy, or says why it does not apply.
-pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
-    let k = cm.mesh.axes.len();
-    let all_axes: Vec<usize> = (0..k).collect();
-    let mut asg = Assignment::default();
-    let order: Vec<NodeId> = cm.order().to_vec();
+/// The batch size of the graph's data inputs (the first dim the batch analysis marks), if
+/// it has one.
+fn batch_size(cm: &CostModel<'_>) -> Option<i64> {
+    let g = cm.g;
+    g.input_values().into_iter().filter(|v| matches!(g.node(v.node).op, Op::Input { default: None })).find_map(|v| {
+        let flags = cm.batch().get(&v)?;
+        let dims = g.tensor_type(v)?.static_dims()?;
+        flags.iter().position(|&b| b).map(|i| dims[i])
+    })
+}
+
+/// Why a named strategy does not apply to the graph on the cost model's mesh, if it does not.
+fn applies(cm: &CostModel<'_>, named: &Named) -> Result<(), String> {
+    let order = cm.order();
     let has_batch = order.iter().any(|&n| dim_with(cm, n, DimRole::Batch).is_some());
     let has_spatial = order.iter().any(|&n| {
         dim_with(cm, n, DimRole::Spatial).is_some()
@@ -212,34 +268,103 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
     });
     let weighted: Vec<NodeId> = order.iter().copied().filter(|&n| is_weighted(cm, n)).collect();
     let is_fc = |n: NodeId| matches!(cm.g.node(n).op, Op::Gemm(_) | Op::MatMul(_));
-    match named {
-        Named::Data if !has_batch => return Err("data: no op has a dim that carries the batch".into()),
-        Named::Model if weighted.is_empty() => return Err("model: the model has no layer with weights to split".into()),
-        Named::Spatial | Named::Hybrid(..) if !has_spatial => {
+    let name = match named {
+        Named::Data => "data",
+        Named::Model => "model",
+        Named::Megatron => "megatron",
+        Named::Hybrid { .. } => "hybrid",
+        Named::Spatial => "spatial",
+        Named::SpatialHybrid(..) => "spatial-hybrid",
+        Named::Owt => "owt",
+        Named::Pipeline(..) => return Err("pipeline strategies are priced by the pipeline model".into()),
+    };
+    if matches!(named, Named::Hybrid { .. } | Named::SpatialHybrid(..)) && cm.mesh.axes.len() < 2 {
+        return Err(format!("{name}: needs a mesh of two axes"));
+    }
+    if matches!(named, Named::Data | Named::Hybrid { .. } | Named::SpatialHybrid(..)) {
+        if !has_batch {
+            return Err(format!("{name}: no op has a dim that carries the batch"));
+        }
+        // Data parallelism over the batch axis's devices needs a batch they divide.
+        let ways = match named {
+            Named::Data => cm.mesh.devices(),
+            _ => cm.mesh.axes[0].size,
+        };
+        if let Some(b) = batch_size(cm)
+            && b % ways as i64 != 0
+        {
+            let divisors: Vec<String> =
+                (2..ways).rev().filter(|d| b % *d as i64 == 0).take(3).map(|d| d.to_string()).collect();
             return Err(format!(
-                "{}: the model has no convolution or pooling with spatial dims to split",
-                if matches!(named, Named::Spatial) { "spatial" } else { "hybrid" }
+                "{name}: the batch ({b}) does not divide over {ways} devices; use a batch that {ways} divides{}",
+                if divisors.is_empty() {
+                    String::new()
+                } else {
+                    format!(", or {} data-parallel devices", divisors.join(", "))
+                }
             ));
         }
-        Named::Owt if !weighted.iter().any(|&n| is_fc(n)) || !weighted.iter().any(|&n| !is_fc(n)) => {
-            return Err(
-                "owt: needs both convolutions (data parallel) and fully connected layers (model parallel)".into()
-            );
-        }
-        Named::Pipeline(..) => return Err("pipeline strategies are priced by the pipeline model".into()),
-        _ => {}
     }
+    match named {
+        Named::Model | Named::Megatron | Named::Hybrid { .. } if weighted.is_empty() => {
+            Err(format!("{name}: the model has no layer with weights to split"))
+        }
+        Named::Spatial | Named::SpatialHybrid(..) if !has_spatial => {
+            Err(format!("{name}: the model has no convolution or pooling with spatial dims to split"))
+        }
+        Named::Owt if !weighted.iter().any(|&n| is_fc(n)) || !weighted.iter().any(|&n| !is_fc(n)) => {
+            Err("owt: needs both convolutions (data parallel) and fully connected layers (model parallel)".into())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Megatron's split of op `n` over `axes`: embeddings by vocabulary rows; a weighted GEMM
+/// row-parallel when its activation arrives split along its input features over `axes`
+/// (from a column-parallel GEMM before it), else column-parallel; `None` for other ops.
+fn megatron(cm: &CostModel<'_>, asg: &Assignment, n: NodeId, axes: &[usize]) -> Option<Vec<Option<usize>>> {
+    let g = cm.g;
+    let node = g.node(n);
+    let pick = |role: DimRole| dim_with(cm, n, role).and_then(|i| split_over_axes(cm, n, i, axes));
+    if matches!(node.op, Op::Gather(_)) && node.input(0).is_some_and(|v| is_param_like(g, v)) {
+        return pick(DimRole::Vocab);
+    }
+    if !is_weighted(cm, n) {
+        return None;
+    }
+    // The activation's layout: split along its last dim over all of `axes`?
+    let x = node.input(0)?;
+    let arrives_split = asg.strategies.get(&x.node).is_some_and(|ps| {
+        let (_, outs) = strategy_shardings(cm.space(x.node), ps);
+        let rank = g.tensor_type(x).and_then(|t| t.rank()).unwrap_or(0);
+        let have = &outs[x.slot as usize];
+        rank > 0 && axes.iter().all(|&a| have.get(a) == Some(&AxisShard::Split((rank - 1) as u8)))
+    });
+    if arrives_split && let Some(s) = pick(DimRole::InFeature) {
+        return Some(s);
+    }
+    // Column-parallel; where the devices do not divide the output features (a 50257-word
+    // vocabulary on 8 devices: Megatron would pad it, a compiler may not change the model),
+    // row-parallel on a replicated input (each device slices its rows locally).
+    pick(DimRole::OutFeature).or_else(|| pick(DimRole::InFeature))
+}
+
+/// Builds the assignment of a named (non-pipeline) strategy, or says why it does not apply.
+pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
+    applies(cm, named)?;
+    let k = cm.mesh.axes.len();
+    let all_axes: Vec<usize> = (0..k).collect();
+    let mut asg = Assignment::default();
+    let order: Vec<NodeId> = cm.order().to_vec();
+    let is_fc = |n: NodeId| matches!(cm.g.node(n).op, Op::Gemm(_) | Op::MatMul(_));
+    let windowed =
+        |n: NodeId| matches!(cm.g.node(n).op, Op::Conv(_) | Op::MaxPool(_) | Op::AveragePool(_) | Op::LpPool(_));
     for &n in &order {
         let pick = |role: DimRole, axes: &[usize]| dim_with(cm, n, role).and_then(|i| split_over_axes(cm, n, i, axes));
         let s: Option<Vec<Option<usize>>> = match named {
             Named::Data => pick(DimRole::Batch, &all_axes),
-            Named::Model => {
-                if is_weighted(cm, n) {
-                    pick(DimRole::OutFeature, &all_axes)
-                } else {
-                    None
-                }
-            }
+            Named::Model => is_weighted(cm, n).then(|| pick(DimRole::OutFeature, &all_axes)).flatten(),
+            Named::Megatron => megatron(cm, &asg, n, &all_axes),
             Named::Owt => {
                 if is_weighted(cm, n) && is_fc(n) {
                     pick(DimRole::OutFeature, &all_axes)
@@ -249,14 +374,30 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
                     None
                 }
             }
-            Named::Spatial => {
-                if matches!(cm.g.node(n).op, Op::Conv(_) | Op::MaxPool(_) | Op::AveragePool(_) | Op::LpPool(_)) {
-                    spatial_split(cm, n, &all_axes)
-                } else {
-                    None
+            Named::Spatial => windowed(n).then(|| spatial_split(cm, n, &all_axes)).flatten(),
+            Named::Hybrid { .. } => {
+                // Batch over axis 0, Megatron over axis 1, the rest following the input.
+                let mut s = follow(cm, &asg, n);
+                if let Some(b) = dim_with(cm, n, DimRole::Batch) {
+                    let mut t = s.clone();
+                    t[0] = Some(b);
+                    if t[1] == Some(b) {
+                        t[1] = None;
+                    }
+                    if strategy_valid(cm.space(n), &t, &cm.mesh, cm.g, n) {
+                        s = t;
+                    }
                 }
+                if let Some(m) = megatron(cm, &asg, n, &[1]) {
+                    let mut t = s.clone();
+                    t[1] = m[1];
+                    if strategy_valid(cm.space(n), &t, &cm.mesh, cm.g, n) {
+                        s = t;
+                    }
+                }
+                Some(s)
             }
-            Named::Hybrid(..) => {
+            Named::SpatialHybrid(..) => {
                 let mut s = vec![None; k];
                 if let Some(b) = dim_with(cm, n, DimRole::Batch) {
                     s[0] = Some(b);
@@ -264,19 +405,19 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
                         s[0] = None;
                     }
                 }
-                if matches!(cm.g.node(n).op, Op::Conv(_) | Op::MaxPool(_) | Op::AveragePool(_) | Op::LpPool(_))
+                if windowed(n)
                     && let Some(sp) = spatial_split(cm, n, &[1])
                 {
                     s[1] = sp[1];
                 }
                 (s.iter().any(Option::is_some)).then_some(s)
             }
-            Named::Pipeline(..) => unreachable!(),
+            Named::Pipeline(..) => unreachable!("refused by `applies`"),
         };
         let s = match s {
             Some(s) => {
-                // Hybrid: fill the batch axis by following where the rule left it open.
-                if let Named::Hybrid(..) = named
+                // Spatial hybrid: fill the second axis by following where the rule left it open.
+                if let Named::SpatialHybrid(..) = named
                     && s[1].is_none()
                 {
                     let f = follow(cm, &asg, n);

@@ -24,6 +24,9 @@ fn toy() -> Cluster {
             mem_usable: 1.0,
             launch_overhead: 0.0,
             shared_host: false,
+            // No tile quantization or reduction overhead: efficiency is flat.
+            gemm_tile: 1,
+            gemm_k_overhead: 0.0,
         },
         intra: Link { bandwidth: 1e10, latency: 0.0, topology: Topology::Switch, shared_by: 1 },
         inter: None,
@@ -214,4 +217,16 @@ fn meshes_span_nodes_with_the_inter_link() {
     let m = c.mesh(16).unwrap();
     assert_eq!(m.axes[0].level, LinkLevel::Inter);
     assert_eq!(c.link(LinkLevel::Inter).bandwidth, 22e9);
+}
+
+#[test]
+fn skinny_and_short_gemms_reach_less_of_peak() {
+    let d = Cluster::preset("dgx-a100").unwrap().device;
+    // A large square GEMM: 0.6 × 1 × 1 × 4096/(4096+32) = 0.59535.
+    assert!(close(d.gemm_efficiency(4096.0, 4096.0, 4096.0), 0.6 * 4096.0 / 4128.0));
+    // GPT-2's fused QKV projection column-split 8 ways: n = 2304/8 = 288 fills 288/384 of
+    // three 128-wide tiles; k = 768: 0.6 × 0.75 × 768/800 = 0.432.
+    assert!(close(d.gemm_efficiency(1024.0, 288.0, 768.0), 0.432));
+    // Its reduction split 8 ways instead: k = 96 → 96/128 of the loop is useful: 0.6 × 0.75.
+    assert!(close(d.gemm_efficiency(1024.0, 2304.0, 96.0), 0.45));
 }
