@@ -26,6 +26,7 @@ pub use passes;
 pub mod calibrate;
 pub mod exec;
 pub mod synthetic;
+pub mod train;
 
 /// A model file's text, kept to render diagnostics.
 #[derive(Clone, Debug)]

@@ -514,6 +514,16 @@ define_ops! {
     /// One-hot of the argmax along `axis`. Typing: Y has X's type.
     Hardmax = "Hardmax", Window { axis: int };
 
+    // ---- losses ----
+    /// Softmax cross-entropy of scores [N, C, d1..] against int labels [N, d1..] (class dim
+    /// 1), optional class weights [C]; `reduction` mean (weighted mean), sum or none; labels
+    /// equal to `ignore_index` count for nothing. Typing: loss is rank 0 (or [N, d1..] for
+    /// none); optional log_prob has the scores' type.
+    SoftmaxCrossEntropyLoss = "SoftmaxCrossEntropyLoss", Other { ignore_index: int, reduction: string = "mean" };
+    /// Negative log-likelihood of log-probabilities [N, C, d1..] at int targets [N, d1..].
+    /// Typing: as SoftmaxCrossEntropyLoss's loss.
+    NegativeLogLikelihoodLoss = "NegativeLogLikelihoodLoss", Other { ignore_index: int, reduction: string = "mean" };
+
     // ---- reductions: axes as attribute or (newer opsets) as second input ----
     /// Sum of absolute values. Typing: X's dims with the reduced axes removed or kept as 1.
     ReduceL1 = "ReduceL1", Reduce { axes: ints, keepdims: int = 1, noop_with_empty_axes: int = 0 };
@@ -626,6 +636,53 @@ define_ops! {
     Loop = "Loop", Control { body: graph };
     /// Runs `body` over slices of the scan inputs.
     Scan = "Scan", Control { body: graph, num_scan_inputs: int, scan_input_axes: ints, scan_input_directions: ints, scan_output_axes: ints, scan_output_directions: ints };
+
+    // ---- gradients and optimizer updates (inserted by autodiff; the `shardc` domain) ----
+    /// The gradient of an element-wise op `op` (its ONNX type, with its `alpha`, `beta`,
+    /// `gamma`, `approximate` attributes): inputs X, Y (the forward output) and dY; dX =
+    /// dY · op'(X). Typing: dY's type.
+    ElementwiseGrad = "ElementwiseGrad" in "shardc", Unary { alpha: float, approximate: string, beta: float, gamma: float, op: string };
+    /// The gradient of Conv with respect to its input: dY [N, M, O..], W [M, C/g, k..] →
+    /// dX [N, C, I..] of `input_shape`; explicit `pads` (begin then end).
+    ConvGradInput = "ConvGradInput" in "shardc", Contraction { dilations: ints, group: int = 1, input_shape: ints, kernel_shape: ints, pads: ints, strides: ints };
+    /// The gradient of Conv with respect to its weight: X [N, C, I..], dY [N, M, O..] →
+    /// dW [M, C/g, k..]; explicit `pads`.
+    ConvGradWeight = "ConvGradWeight" in "shardc", Contraction { dilations: ints, group: int = 1, kernel_shape: ints, pads: ints, strides: ints };
+    /// The gradient of MaxPool: X, dY → dX; each output's gradient goes to the first
+    /// maximum of its window. Explicit `pads`.
+    MaxPoolGrad = "MaxPoolGrad" in "shardc", Window { dilations: ints, kernel_shape: ints, pads: ints, strides: ints };
+    /// The gradient of AveragePool: dY → dX of `input_shape`, each output's gradient
+    /// shared by its window's elements (counted as the forward counted them). Explicit
+    /// `pads`; `ceil_mode` as the forward's.
+    AveragePoolGrad = "AveragePoolGrad" in "shardc", Window { ceil_mode: int = 0, count_include_pad: int = 0, dilations: ints, input_shape: ints, kernel_shape: ints, pads: ints, strides: ints };
+    /// The gradient of BatchNormalization: X, scale, mean, var, dY → dX, dscale, dbias; in
+    /// training mode the batch statistics (and their dependence on X) replace mean and var.
+    BatchNormGrad = "BatchNormGrad" in "shardc", Window { epsilon: float = 1e-5, training_mode: int = 0 };
+    /// The gradient of LayerNormalization over dims `axis..`: X, scale, dY → dX, dscale,
+    /// dbias.
+    LayerNormGrad = "LayerNormGrad" in "shardc", Window { axis: int = -1, epsilon: float = 1e-5 };
+    /// The gradient of Softmax (or LogSoftmax when `log` = 1) over `axes`: Y, dY → dX.
+    SoftmaxGrad = "SoftmaxGrad" in "shardc", Window { axes: ints, log: int = 0 };
+    /// The gradient of SoftmaxCrossEntropyLoss: dLoss, scores, labels[, weights] → dScores.
+    SoftmaxCrossEntropyLossGrad = "SoftmaxCrossEntropyLossGrad" in "shardc", Other { ignore_index: int, reduction: string = "mean" };
+    /// The gradient of NegativeLogLikelihoodLoss: dLoss, input, target[, weights] → dInput.
+    NegativeLogLikelihoodLossGrad = "NegativeLogLikelihoodLossGrad" in "shardc", Other { ignore_index: int, reduction: string = "mean" };
+    /// The gradient of Gather with respect to its data: indices, dY → dData of `shape`,
+    /// rows that several indices pick summed.
+    GatherGrad = "GatherGrad" in "shardc", Shape { axis: int = 0, shape: ints };
+    /// The gradient of Slice: dY, starts, ends[, axes, steps] → dX of `shape` (zeros off the
+    /// slice).
+    SliceGrad = "SliceGrad" in "shardc", Shape { shape: ints };
+    /// The gradient of a recurrent layer (`cell` LSTM, GRU or RNN, with its attributes):
+    /// X, W, R, B, sequence_lens, initial_h, initial_c, P, dY, dY_h, dY_c → dX, dW, dR, dB,
+    /// dinitial_h, dinitial_c, dP (back-propagation through time, the forward recomputed).
+    RecurrentGrad = "RecurrentGrad" in "shardc", Recurrent { activation_alpha: floats, activation_beta: floats, activations: strings, cell: string, clip: float, direction: string = "forward", hidden_size: int, input_forget: int = 0, layout: int = 0, linear_before_reset: int = 0 };
+    /// One momentum-SGD step as torch.optim.SGD: P, G, buffer, step (int64, from 1) → P',
+    /// buffer'.
+    SgdUpdate = "SgdUpdate" in "shardc", Other { dampening: float = 0.0, lr: float, momentum: float = 0.0, nesterov: int = 0, weight_decay: float = 0.0 };
+    /// One Adam (AdamW when `decoupled` = 1) step as torch.optim: P, G, m, v, step (int64,
+    /// from 1) → P', m', v'.
+    AdamUpdate = "AdamUpdate" in "shardc", Other { beta1: float = 0.9, beta2: float = 0.999, decoupled: int = 0, epsilon: float = 1e-8, lr: float, weight_decay: float = 0.0 };
 
     // ---- communication between devices (inserted by lowering; the `shardc` domain) ----
     /// Sums (or reduces) X across the devices of `group`. Typing: Y has X's type.

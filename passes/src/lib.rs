@@ -5,18 +5,21 @@
 //! passes named by `--dump-after`. Passes are found by their kebab-case names with
 //! [`create`].
 //!
-//! Passes here: `verify`, `infer-shapes`, `canonicalize`, `rebatch`.
+//! Passes here: `verify`, `infer-shapes`, `canonicalize`, `rebatch`, `autodiff`.
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
+pub mod autodiff;
 pub mod autoshard;
 pub mod canonicalize;
 pub mod cost;
 pub mod infer_shapes;
 pub mod manager;
 pub mod rebatch;
+pub mod train;
 pub mod verify;
 
+pub use autodiff::Autodiff;
 pub use canonicalize::Canonicalize;
 pub use infer_shapes::InferShapes;
 pub use manager::{Changed, Located, Pass, PassCx, PassError, PassManager, Report, Stats};
@@ -28,10 +31,12 @@ pub use verify::Verify;
 pub struct PassOptions {
     /// Input changes for `rebatch`.
     pub rebatch: RebatchSpec,
+    /// Loss and optimizer for `autodiff`.
+    pub autodiff: Autodiff,
 }
 
 /// The names [`create`] knows, in a sensible pipeline order.
-pub const PASS_NAMES: &[&str] = &["verify", "infer-shapes", "canonicalize", "rebatch"];
+pub const PASS_NAMES: &[&str] = &["verify", "infer-shapes", "canonicalize", "rebatch", "autodiff"];
 
 /// Creates a pass by name.
 pub fn create(name: &str, opts: &PassOptions) -> Option<Box<dyn Pass>> {
@@ -40,6 +45,7 @@ pub fn create(name: &str, opts: &PassOptions) -> Option<Box<dyn Pass>> {
         "verify" => Box::new(Verify),
         "infer-shapes" => Box::new(InferShapes::default()),
         "canonicalize" => Box::new(Canonicalize),
+        "autodiff" => Box::new(opts.autodiff.clone()),
         _ => return None,
     })
 }

@@ -47,7 +47,7 @@ pub fn run(args: &ParseArgs) -> CliResult {
     let (mut loaded, warnings) = shardc::load_and_check(&args.model).map_err(CliError::new)?;
     eprint!("{warnings}");
     let spec = args.shapes.spec()?;
-    let opts = passes::PassOptions { rebatch: spec.clone() };
+    let opts = passes::PassOptions { rebatch: spec.clone(), ..Default::default() };
     for d in &args.dump_after {
         if d != "all" && !passes::PASS_NAMES.contains(&d.as_str()) {
             return Err(CliError::msg(format!(

@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 
+use super::grad::GradCx;
 use super::util::{bcast_shapes, broadcast_index, broadcast_shapes, join};
 use super::{Arity, Arrays, Backward, EvalCx, FlowCx, InferCx, MANY, NodeCx, OpRules, TypeRule, Types, Work};
 use crate::eval::{Array, Data, EvalError, numel, strides, transpose};
@@ -97,6 +98,10 @@ impl OpRules for op::MatMul {
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
         let k = cx.ty(cx.input(0)).and_then(|t| t.dims.as_ref()).and_then(|d| d.last()).and_then(Dim::value);
         contraction(2.0 * cx.out_numel(0) * k.unwrap_or(0) as f64, vec![0, 1], None)
+    }
+
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(matmul_grad(cx))
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
@@ -198,6 +203,10 @@ impl OpRules for op::Gemm {
             .unwrap_or(0) as f64;
         let bias = cx.input(2).is_some();
         contraction(2.0 * y * k + if bias { y } else { 0.0 }, vec![0, 1], bias.then_some(2))
+    }
+
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(gemm_grad(self, cx))
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
@@ -353,23 +362,38 @@ fn gemm(g: &op::Gemm, cx: &EvalCx<'_>) -> Result<Array> {
         b = transpose(&b, &[1, 0]);
     }
     let y = matmul(&a, &b)?;
-    let alpha = g.alpha();
-    let beta = g.beta();
-    let mut v = y.to_f32()?;
-    if alpha != 1.0 {
-        v.iter_mut().for_each(|x| *x *= alpha);
+    let (alpha, beta) = (f64::from(g.alpha()), f64::from(g.beta()));
+    if let Data::F32(_) = y.data {
+        // float32 as the kernels compute it.
+        let (alpha, beta) = (alpha as f32, beta as f32);
+        let mut v = y.to_f32()?;
+        if alpha != 1.0 {
+            v.iter_mut().for_each(|x| *x *= alpha);
+        }
+        if let Some(c) = cx.opt(2) {
+            let cv = c.to_f32()?;
+            let idx = broadcast_index(&y.shape, &c.shape);
+            if broadcast_shapes(&y.shape, &c.shape)? != y.shape {
+                return Err(EvalError::Invalid(format!("Gemm C {:?} does not broadcast to {:?}", c.shape, y.shape)));
+            }
+            for (o, &i) in v.iter_mut().zip(&idx) {
+                *o += beta * cv[i];
+            }
+        }
+        return Ok(Array { dtype: y.dtype, shape: y.shape, data: Data::F32(v) });
     }
+    let mut v = y.to_f64()?;
+    v.iter_mut().for_each(|x| *x *= alpha);
     if let Some(c) = cx.opt(2) {
-        let cv = c.to_f32()?;
-        let idx = broadcast_index(&y.shape, &c.shape);
+        let cv = c.to_f64()?;
         if broadcast_shapes(&y.shape, &c.shape)? != y.shape {
             return Err(EvalError::Invalid(format!("Gemm C {:?} does not broadcast to {:?}", c.shape, y.shape)));
         }
-        for (o, &i) in v.iter_mut().zip(&idx) {
+        for (o, &i) in v.iter_mut().zip(&broadcast_index(&y.shape, &c.shape)) {
             *o += beta * cv[i];
         }
     }
-    Ok(Array { dtype: y.dtype, shape: y.shape, data: Data::F32(v) })
+    Ok(Array::float(y.dtype, y.shape, v))
 }
 
 fn einsum(equation: &str, inputs: &[&Array]) -> Result<Array> {
@@ -467,4 +491,73 @@ fn einsum(equation: &str, inputs: &[&Array]) -> Result<Array> {
         }
     }
     Ok(Array::float(inputs[0].dtype, out_shape, out))
+}
+
+/// The last two dims swapped.
+fn swap_last(rank: usize) -> Vec<i64> {
+    let mut p: Vec<i64> = (0..rank as i64).collect();
+    p.swap(rank - 2, rank - 1);
+    p
+}
+
+/// MatMul: `dA = dY·Bᵀ`, `dB = Aᵀ·dY`, summed over broadcast batch dims; 1-D operands are
+/// promoted as the forward promotes them.
+fn matmul_grad(cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    let (a, b) = (cx.x(0)?, cx.x(1)?);
+    let (ad, bd) = (cx.dims(a)?, cx.dims(b)?);
+    let a2d = if ad.len() == 1 { vec![1, ad[0]] } else { ad.clone() };
+    let b2d = if bd.len() == 1 { vec![bd[0], 1] } else { bd.clone() };
+    let batch = bcast_shapes(
+        &a2d[..a2d.len() - 2].iter().map(|&d| Dim::Fixed(d)).collect::<Vec<_>>(),
+        &b2d[..b2d.len() - 2].iter().map(|&d| Dim::Fixed(d)).collect::<Vec<_>>(),
+    )?;
+    let mut y2d: Vec<i64> = batch.iter().map(|d| d.value().unwrap_or(1)).collect();
+    y2d.push(a2d[a2d.len() - 2]);
+    y2d.push(b2d[b2d.len() - 1]);
+    let dy2 = cx.reshape(dy, &y2d)?;
+    if cx.want(0) {
+        let b2 = cx.reshape(b, &b2d)?;
+        let bt = cx.transpose(b2, &swap_last(b2d.len()))?;
+        let da = cx.add1(crate::op::Op::MatMul(op::MatMul::default()), &[dy2, bt])?;
+        let da = cx.sum_to(da, &a2d)?;
+        let da = cx.reshape(da, &ad)?;
+        cx.set(0, da);
+    }
+    if cx.want(1) {
+        let a2 = cx.reshape(a, &a2d)?;
+        let at = cx.transpose(a2, &swap_last(a2d.len()))?;
+        let db = cx.add1(crate::op::Op::MatMul(op::MatMul::default()), &[at, dy2])?;
+        let db = cx.sum_to(db, &b2d)?;
+        let db = cx.reshape(db, &bd)?;
+        cx.set(1, db);
+    }
+    Ok(())
+}
+
+/// Gemm `Y = α·A'B' + β·C`: the gradients as Gemms with the transposes arranged so no
+/// transpose op is needed.
+fn gemm_grad(gm: &op::Gemm, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    use crate::op::Op;
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    let (a, b) = (cx.x(0)?, cx.x(1)?);
+    let (ta, tb, alpha) = (gm.trans_a(), gm.trans_b(), gm.alpha());
+    let gemm = |t_a: i64, t_b: i64| {
+        Op::Gemm(op::Gemm { alpha: Some(alpha), beta: None, trans_a: Some(t_a), trans_b: Some(t_b) })
+    };
+    if cx.want(0) {
+        // A' = dY·B'ᵀ (transA = 0), A = (A')ᵀ = B'·dYᵀ (transA = 1).
+        let da = if ta == 0 { cx.add1(gemm(0, 1 - tb), &[dy, b])? } else { cx.add1(gemm(tb, 1), &[b, dy])? };
+        cx.set(0, da);
+    }
+    if cx.want(1) {
+        // B' = A'ᵀ·dY (transB = 0), B = (B')ᵀ = dYᵀ·A' (transB = 1).
+        let db = if tb == 0 { cx.add1(gemm(1 - ta, 0), &[a, dy])? } else { cx.add1(gemm(1, ta), &[dy, a])? };
+        cx.set(1, db);
+    }
+    if cx.want(2) {
+        let d = cx.scale(dy, f64::from(gm.beta()))?;
+        cx.set_broadcast(2, d)?;
+    }
+    Ok(())
 }

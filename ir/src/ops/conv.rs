@@ -6,10 +6,12 @@
 //! of input rows from each neighbour; grouped convolutions keep their channels whole,
 //! depthwise ones split them as one dim `g`.
 
+use super::grad::GradCx;
 use super::util::join;
 use super::{Arity, Arrays, Backward, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, Sharded, TypeRule, Types, Work};
-use crate::eval::{Array, Data, EvalError};
-use crate::op;
+use crate::eval::{Array, EvalError};
+use crate::graph::Value;
+use crate::op::{self, Op};
 use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par};
 use crate::types::Dim;
 
@@ -108,6 +110,10 @@ fn conv_window(c: &op::Conv, x: &[i64], w: &[i64]) -> Option<Window> {
 }
 
 impl OpRules for op::Conv {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(conv_grad(self, cx))
+    }
+
     fn sharded(&self) -> Sharded {
         Sharded::Window
     }
@@ -223,6 +229,10 @@ impl OpRules for op::Conv {
 }
 
 impl OpRules for op::ConvTranspose {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(conv_transpose_grad(self, cx))
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 1)
     }
@@ -393,13 +403,6 @@ pub fn window(
     Ok(Window { out, pad_begin: pb, pad_end: pe, kernel, strides, dilations })
 }
 
-pub(crate) fn f32s<'a>(a: &'a Array, what: &str) -> Result<&'a [f32]> {
-    match &a.data {
-        Data::F32(v) => Ok(v),
-        _ => Err(EvalError::Unsupported(format!("{what} on {}", a.dtype))),
-    }
-}
-
 /// Expands spatial dims to 3 (leading 1s) so one loop nest serves 1-D, 2-D and 3-D.
 pub(crate) fn to3(v: &[usize], fill: usize) -> [usize; 3] {
     let mut o = [fill; 3];
@@ -417,7 +420,7 @@ fn conv(c: &op::Conv, cx: &EvalCx<'_>) -> Result<Array> {
     if x.rank() < 3 || x.rank() > 5 || w.rank() != x.rank() {
         return Err(EvalError::Unsupported(format!("Conv of rank {} with weight rank {}", x.rank(), w.rank())));
     }
-    let (xs, ws) = (f32s(x, "Conv")?, f32s(w, "Conv")?);
+    let (xs, ws) = (x.to_f64()?, w.to_f64()?);
     let (n, cin) = (x.shape[0], x.shape[1]);
     let m = w.shape[0];
     let g = c.group() as usize;
@@ -445,11 +448,11 @@ fn conv(c: &op::Conv, cx: &EvalCx<'_>) -> Result<Array> {
     let [dd, dh, dw] = to3(&win.dilations, 1);
     let [pd, ph, pw] = to3(&win.pad_begin, 0);
     let (cg, mg) = (cin / g, m / g);
-    let bias: Vec<f32> = match b {
-        Some(b) => f32s(b, "Conv bias")?.to_vec(),
+    let bias: Vec<f64> = match b {
+        Some(b) => b.to_f64()?,
         None => vec![0.0; m],
     };
-    let mut out = vec![0f32; n * m * od * oh * ow];
+    let mut out = vec![0f64; n * m * od * oh * ow];
     let in_sp = id * ih * iw;
     let k_sp = kd * kh * kw;
     for ni in 0..n {
@@ -493,7 +496,7 @@ fn conv(c: &op::Conv, cx: &EvalCx<'_>) -> Result<Array> {
     }
     let mut shape = vec![n, m];
     shape.extend(&win.out);
-    Ok(Array::f32(shape, out))
+    Ok(Array::float(x.dtype, shape, out))
 }
 
 /// Output spatial sizes and begin pads of a ConvTranspose.
@@ -556,7 +559,7 @@ fn conv_transpose(c: &op::ConvTranspose, cx: &EvalCx<'_>) -> Result<Array> {
     if x.rank() < 3 || x.rank() > 5 || w.rank() != x.rank() {
         return Err(EvalError::Unsupported(format!("ConvTranspose of rank {}", x.rank())));
     }
-    let (xs, ws) = (f32s(x, "ConvTranspose")?, f32s(w, "ConvTranspose")?);
+    let (xs, ws) = (x.to_f64()?, w.to_f64()?);
     let (n, cin) = (x.shape[0], x.shape[1]);
     let g = c.group() as usize;
     let mg = w.shape[1];
@@ -575,9 +578,9 @@ fn conv_transpose(c: &op::ConvTranspose, cx: &EvalCx<'_>) -> Result<Array> {
     let [sd, sh, sw] = to3(&st, 1);
     let [dd, dh, dw] = to3(&dl, 1);
     let [pd, ph, pw] = to3(&pb, 0);
-    let mut out = vec![0f32; n * m * od * oh * ow];
+    let mut out = vec![0f64; n * m * od * oh * ow];
     if let Some(b) = cx.opt(2) {
-        let b = f32s(b, "ConvTranspose bias")?;
+        let b = b.to_f64()?;
         for ni in 0..n {
             for mi in 0..m {
                 let base = (ni * m + mi) * od * oh * ow;
@@ -623,5 +626,280 @@ fn conv_transpose(c: &op::ConvTranspose, cx: &EvalCx<'_>) -> Result<Array> {
     }
     let mut shape = vec![n, m];
     shape.extend(out_sp);
-    Ok(Array::f32(shape, out))
+    Ok(Array::float(x.dtype, shape, out))
+}
+
+// ---- gradients ----
+
+/// The bias gradient of a convolution: dY summed over the batch and spatial dims.
+fn bias_grad(cx: &mut GradCx<'_>, dy: Value) -> std::result::Result<(), String> {
+    if cx.want(2) {
+        let r = cx.dims(dy)?.len();
+        let mut axes = vec![0i64];
+        axes.extend(2..r as i64);
+        let d = cx.reduce_sum(dy, &axes, false)?;
+        cx.set(2, d);
+    }
+    Ok(())
+}
+
+fn conv_grad(c: &op::Conv, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    let (x, w) = (cx.x(0)?, cx.x(1)?);
+    let (xd, wd) = (cx.dims(x)?, cx.dims(w)?);
+    let win = conv_window(c, &xd, &wd).ok_or("the window geometry does not fit")?;
+    let pads: Vec<i64> = win.pad_begin.iter().chain(&win.pad_end).map(|&p| p as i64).collect();
+    let kernel: Vec<i64> = win.kernel.iter().map(|&k| k as i64).collect();
+    let strides: Vec<i64> = win.strides.iter().map(|&k| k as i64).collect();
+    let dil: Vec<i64> = win.dilations.iter().map(|&k| k as i64).collect();
+    if cx.want(0) {
+        let op = Op::ConvGradInput(op::ConvGradInput {
+            dilations: Some(dil.clone()),
+            group: c.group,
+            input_shape: Some(xd.clone()),
+            kernel_shape: Some(kernel.clone()),
+            pads: Some(pads.clone()),
+            strides: Some(strides.clone()),
+        });
+        let d = cx.add1(op, &[dy, w])?;
+        cx.set(0, d);
+    }
+    if cx.want(1) {
+        let op = Op::ConvGradWeight(op::ConvGradWeight {
+            dilations: Some(dil),
+            group: c.group,
+            kernel_shape: Some(kernel),
+            pads: Some(pads),
+            strides: Some(strides),
+        });
+        let d = cx.add1(op, &[x, dy])?;
+        cx.set(1, d);
+    }
+    bias_grad(cx, dy)
+}
+
+/// ConvTranspose's adjoint is a Conv with the same weights; its weight gradient is Conv's
+/// with the roles of input and output swapped.
+fn conv_transpose_grad(c: &op::ConvTranspose, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    let (x, w) = (cx.x(0)?, cx.x(1)?);
+    let (xd, wd) = (cx.dims(x)?, cx.dims(w)?);
+    let k = xd.len() - 2;
+    let input: Vec<usize> = xd[2..].iter().map(|&d| d as usize).collect();
+    let kernel: Vec<usize> = wd[2..].iter().map(|&d| d as usize).collect();
+    let (out, pb) = conv_transpose_geometry(c, &input, &kernel)?;
+    let strides = c.strides.clone().unwrap_or_else(|| vec![1; k]);
+    let dil = c.dilations.clone().unwrap_or_else(|| vec![1; k]);
+    let outpad = c.output_padding.clone().unwrap_or_else(|| vec![0; k]);
+    let mut pads: Vec<i64> = pb.iter().map(|&p| p as i64).collect();
+    for i in 0..k {
+        let full = strides[i] * (input[i] as i64 - 1) + outpad[i] + (kernel[i] as i64 - 1) * dil[i] + 1;
+        pads.push(full - pb[i] as i64 - out[i] as i64);
+    }
+    if pads.iter().any(|&p| p < 0) {
+        return Err("a ConvTranspose cropped by output_shape beyond its padding".into());
+    }
+    let kernel: Vec<i64> = kernel.iter().map(|&d| d as i64).collect();
+    if cx.want(0) {
+        let conv = Op::Conv(op::Conv {
+            dilations: Some(dil.clone()),
+            group: c.group,
+            kernel_shape: Some(kernel.clone()),
+            pads: Some(pads.clone()),
+            strides: Some(strides.clone()),
+            auto_pad: None,
+        });
+        let d = cx.add1(conv, &[dy, w])?;
+        cx.set(0, d);
+    }
+    if cx.want(1) {
+        let op = Op::ConvGradWeight(op::ConvGradWeight {
+            dilations: Some(dil),
+            group: c.group,
+            kernel_shape: Some(kernel),
+            pads: Some(pads),
+            strides: Some(strides),
+        });
+        let d = cx.add1(op, &[dy, x])?;
+        cx.set(1, d);
+    }
+    bias_grad(cx, dy)
+}
+
+/// The geometry a gradient op carries: per spatial dim (kernel, stride, dilation, begin pad).
+struct Geo {
+    k: [usize; 3],
+    s: [usize; 3],
+    d: [usize; 3],
+    p: [usize; 3],
+}
+
+fn geo(
+    kernel: &Option<Vec<i64>>,
+    strides: &Option<Vec<i64>>,
+    dil: &Option<Vec<i64>>,
+    pads: &Option<Vec<i64>>,
+    sp: usize,
+) -> Result<Geo> {
+    let get = |v: &Option<Vec<i64>>, n: usize, d: i64, what: &str| -> Result<Vec<usize>> {
+        let v = v.clone().unwrap_or_else(|| vec![d; n]);
+        if v.len() < n || v.iter().any(|&x| x < 0) {
+            return Err(EvalError::Invalid(format!("{what} {v:?} does not fit {sp} spatial dims")));
+        }
+        Ok(v.iter().take(n).map(|&x| x as usize).collect())
+    };
+    let kv = kernel.clone().ok_or_else(|| EvalError::Invalid("a gradient op without kernel_shape".into()))?;
+    if kv.len() != sp {
+        return Err(EvalError::Invalid("kernel_shape does not fit the spatial dims".into()));
+    }
+    Ok(Geo {
+        k: to3(&get(kernel, sp, 1, "kernel_shape")?, 1),
+        s: to3(&get(strides, sp, 1, "strides")?, 1),
+        d: to3(&get(dil, sp, 1, "dilations")?, 1),
+        p: to3(&get(pads, sp, 0, "pads")?, 0),
+    })
+}
+
+/// Calls `f(out_spatial_index, in_spatial_index, kernel_index)` for every output position
+/// and kernel tap whose input lies inside the tensor.
+fn taps(g: &Geo, inp: [usize; 3], out: [usize; 3], mut f: impl FnMut(usize, usize, usize)) {
+    for z in 0..out[0] {
+        for y in 0..out[1] {
+            for x in 0..out[2] {
+                let o = (z * out[1] + y) * out[2] + x;
+                for a in 0..g.k[0] {
+                    let iz = (z * g.s[0] + a * g.d[0]) as isize - g.p[0] as isize;
+                    if iz < 0 || iz >= inp[0] as isize {
+                        continue;
+                    }
+                    for b in 0..g.k[1] {
+                        let iy = (y * g.s[1] + b * g.d[1]) as isize - g.p[1] as isize;
+                        if iy < 0 || iy >= inp[1] as isize {
+                            continue;
+                        }
+                        for c in 0..g.k[2] {
+                            let ix = (x * g.s[2] + c * g.d[2]) as isize - g.p[2] as isize;
+                            if ix < 0 || ix >= inp[2] as isize {
+                                continue;
+                            }
+                            let i = (iz as usize * inp[1] + iy as usize) * inp[2] + ix as usize;
+                            f(o, i, (a * g.k[1] + b) * g.k[2] + c);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl OpRules for op::ConvGradInput {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let shape = self.input_shape.as_ref().ok_or("ConvGradInput needs `input_shape`")?;
+        cx.one(Some(shape.iter().map(|&d| Dim::Fixed(d)).collect()))
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        let k: f64 = cx.in_dims(1).iter().skip(1).product::<i64>() as f64;
+        Work::flops(2.0 * cx.in_numel(0) * k)
+    }
+
+    /// `dX[n, c, i] = Σ dY[n, m, o]·W[m, c mod C/g, k]` over the taps with `i = o·s + k·d − p`.
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (dy, w) = (cx.req(0)?, cx.req(1)?);
+        let xs: Vec<usize> = self.input_shape.clone().unwrap_or_default().iter().map(|&d| d.max(0) as usize).collect();
+        if xs.len() < 3 || xs.len() > 5 || dy.rank() != xs.len() || w.rank() != xs.len() {
+            return Err(EvalError::Invalid("ConvGradInput operands do not fit".into()));
+        }
+        let sp = xs.len() - 2;
+        let g = geo(&self.kernel_shape, &self.strides, &self.dilations, &self.pads, sp)?;
+        let (n, c, m) = (xs[0], xs[1], dy.shape[1]);
+        let grp = self.group().max(1) as usize;
+        let (cg, mg) = (c / grp, m / grp);
+        let inp = to3(&xs[2..], 1);
+        let out = to3(&dy.shape[2..], 1);
+        let (isz, osz) = (inp.iter().product::<usize>(), out.iter().product::<usize>());
+        let ksz = g.k.iter().product::<usize>();
+        let (dv, wv) = (dy.to_f64()?, w.to_f64()?);
+        let mut dx = vec![0.0; n * c * isz];
+        for ni in 0..n {
+            for mi in 0..m {
+                let gi = mi / mg.max(1);
+                let ob = (ni * m + mi) * osz;
+                for ci in 0..cg {
+                    let xb = (ni * c + gi * cg + ci) * isz;
+                    let wb = (mi * cg + ci) * ksz;
+                    taps(&g, inp, out, |o, i, k| dx[xb + i] += dv[ob + o] * wv[wb + k]);
+                }
+            }
+        }
+        Ok(vec![Array::float(dy.dtype, xs, dx)])
+    }
+}
+
+impl OpRules for op::ConvGradWeight {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let (Some(xd), Some(yd)) = (cx.dims(0), cx.dims(1)) else { return cx.one(None) };
+        let k = self.kernel_shape.as_ref().ok_or("ConvGradWeight needs `kernel_shape`")?;
+        let cg = match xd.get(1).and_then(Dim::value) {
+            Some(c) => Dim::Fixed(c / self.group().max(1)),
+            None => Dim::Unknown,
+        };
+        let mut out = vec![yd.get(1).cloned().unwrap_or(Dim::Unknown), cg];
+        out.extend(k.iter().map(|&d| Dim::Fixed(d)));
+        cx.one(Some(out))
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        let k: f64 = cx.out_dims(0).iter().skip(1).product::<i64>() as f64;
+        Work::flops(2.0 * cx.in_numel(1) * k)
+    }
+
+    /// `dW[m, c, k] = Σ dY[n, m, o]·X[n, g·C/g + c, o·s + k·d − p]`.
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (x, dy) = (cx.req(0)?, cx.req(1)?);
+        if x.rank() < 3 || x.rank() > 5 || dy.rank() != x.rank() {
+            return Err(EvalError::Invalid("ConvGradWeight operands do not fit".into()));
+        }
+        let sp = x.rank() - 2;
+        let g = geo(&self.kernel_shape, &self.strides, &self.dilations, &self.pads, sp)?;
+        let (n, c, m) = (x.shape[0], x.shape[1], dy.shape[1]);
+        let grp = self.group().max(1) as usize;
+        let (cg, mg) = (c / grp, m / grp);
+        let inp = to3(&x.shape[2..], 1);
+        let out = to3(&dy.shape[2..], 1);
+        let (isz, osz) = (inp.iter().product::<usize>(), out.iter().product::<usize>());
+        let ksz = g.k.iter().product::<usize>();
+        let (xv, dv) = (x.to_f64()?, dy.to_f64()?);
+        let mut dw = vec![0.0; m * cg * ksz];
+        for ni in 0..n {
+            for mi in 0..m {
+                let gi = mi / mg.max(1);
+                let ob = (ni * m + mi) * osz;
+                for ci in 0..cg {
+                    let xb = (ni * c + gi * cg + ci) * isz;
+                    let wb = (mi * cg + ci) * ksz;
+                    taps(&g, inp, out, |o, i, k| dw[wb + k] += dv[ob + o] * xv[xb + i]);
+                }
+            }
+        }
+        let mut shape = vec![m, cg];
+        shape.extend(self.kernel_shape.clone().unwrap_or_default().iter().map(|&d| d as usize));
+        Ok(vec![Array::float(dy.dtype, shape, dw)])
+    }
 }

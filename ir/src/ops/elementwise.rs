@@ -6,11 +6,13 @@
 //! broadcast), a FLOP per output element (transcendentals count
 //! [`TRANSCENDENTAL_FLOPS`]), and passes changed dims straight through.
 
+use super::grad::GradCx;
 use super::util::{bcast_all, bcast_shapes, broadcast_index, broadcast_shapes};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, MANY, NodeCx, OpRules, TypeRule, Types, Work};
 use crate::cost::TRANSCENDENTAL_FLOPS;
 use crate::eval::{Array, Data, EvalError, numel, round_to, wrap_int};
 use crate::op;
+use crate::op::Op;
 use crate::shard::{IterSpace, pointwise};
 use crate::types::{DType, TensorType};
 
@@ -51,6 +53,10 @@ macro_rules! pointwise_rules {
         fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
             cx.broadcast_all();
             Some(())
+        }
+
+        fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+            pointwise_grad(cx)
         }
     };
 }
@@ -797,4 +803,363 @@ pub fn where_(c: &Array, x: &Array, y: &Array) -> Result<Array> {
     }
     let idx: Vec<usize> = (0..numel(&shape)).map(|k| if cv[ic[k]] { ix[k] } else { x.numel() + iy[k] }).collect();
     Ok(both.gather_flat(shape, &idx))
+}
+
+// ---- gradients ----
+
+/// The attributes an element-wise op's derivative needs, read from the op: `alpha`
+/// (`lambd` for Shrink), `beta` (`bias`), `gamma`, `approximate`.
+fn derivative_attrs(op: &Op) -> op::ElementwiseGrad {
+    let mut g = op::ElementwiseGrad { op: Some(op.op_type().to_string()), ..Default::default() };
+    for a in op.attributes() {
+        match (a.name.as_str(), &a.value) {
+            ("alpha" | "lambd", crate::attr::AttrValue::Float(v)) => g.alpha = Some(*v),
+            ("beta" | "bias", crate::attr::AttrValue::Float(v)) => g.beta = Some(*v),
+            ("gamma", crate::attr::AttrValue::Float(v)) => g.gamma = Some(*v),
+            ("approximate", crate::attr::AttrValue::String(v)) => g.approximate = Some(v.clone()),
+            _ => {}
+        }
+    }
+    g
+}
+
+/// `op'(x)` for an element-wise op with output `y` (both in f64); `None` when the op has
+/// no derivative here. The ONNX attribute defaults apply where `g` leaves one unset.
+pub fn derivative(g: &op::ElementwiseGrad, x: f64, y: f64) -> Option<f64> {
+    let name = g.op.as_deref().unwrap_or("");
+    let alpha = |d: f32| f64::from(g.alpha.unwrap_or(d));
+    let sig = |v: f64| 1.0 / (1.0 + (-v).exp());
+    let sqrt_2_pi = (2.0 / std::f64::consts::PI).sqrt();
+    Some(match name {
+        "Relu" => f64::from(u8::from(x > 0.0)),
+        "LeakyRelu" => {
+            if x > 0.0 {
+                1.0
+            } else {
+                alpha(0.01)
+            }
+        }
+        "Elu" => {
+            if x > 0.0 {
+                1.0
+            } else {
+                y + alpha(1.0)
+            }
+        }
+        "Celu" => {
+            if x > 0.0 {
+                1.0
+            } else {
+                (x / alpha(1.0)).exp()
+            }
+        }
+        "Selu" => {
+            let (a, ga) = (alpha(1.673_263_2), f64::from(g.gamma.unwrap_or(1.050_701)));
+            if x > 0.0 { ga } else { ga * a * x.exp() }
+        }
+        "ThresholdedRelu" => f64::from(u8::from(x > alpha(1.0))),
+        "Shrink" => f64::from(u8::from(x.abs() > alpha(0.5))),
+        "Sigmoid" => y * (1.0 - y),
+        "HardSigmoid" => {
+            let v = alpha(0.2) * x + f64::from(g.beta.unwrap_or(0.5));
+            if v > 0.0 && v < 1.0 { alpha(0.2) } else { 0.0 }
+        }
+        "HardSwish" => {
+            if x < -3.0 {
+                0.0
+            } else if x > 3.0 {
+                1.0
+            } else {
+                x / 3.0 + 0.5
+            }
+        }
+        "Tanh" => 1.0 - y * y,
+        "Exp" => y,
+        "Log" => 1.0 / x,
+        "Sqrt" => 0.5 / y,
+        "Reciprocal" => -y * y,
+        "Neg" => -1.0,
+        "Abs" => x.signum() * f64::from(u8::from(x != 0.0)),
+        "Erf" => 2.0 / std::f64::consts::PI.sqrt() * (-x * x).exp(),
+        "Softplus" => sig(x),
+        "Softsign" => 1.0 / ((1.0 + x.abs()) * (1.0 + x.abs())),
+        "Sin" => x.cos(),
+        "Cos" => -x.sin(),
+        "Tan" => 1.0 + y * y,
+        "Sinh" => x.cosh(),
+        "Cosh" => x.sinh(),
+        "Asin" => 1.0 / (1.0 - x * x).sqrt(),
+        "Acos" => -1.0 / (1.0 - x * x).sqrt(),
+        "Atan" => 1.0 / (1.0 + x * x),
+        "Asinh" => 1.0 / (x * x + 1.0).sqrt(),
+        "Acosh" => 1.0 / (x * x - 1.0).sqrt(),
+        "Atanh" => 1.0 / (1.0 - x * x),
+        "Mish" => {
+            let sp = x.exp().ln_1p();
+            let t = sp.tanh();
+            t + x * (1.0 - t * t) * sig(x)
+        }
+        "Gelu" => {
+            if g.approximate.as_deref() == Some("tanh") {
+                let u = sqrt_2_pi * (x + 0.044_715 * x * x * x);
+                let t = u.tanh();
+                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * sqrt_2_pi * (1.0 + 3.0 * 0.044_715 * x * x)
+            } else {
+                0.5 * (1.0 + erf64(x / std::f64::consts::SQRT_2))
+                    + x * (-x * x / 2.0).exp() / (2.0 * std::f64::consts::PI).sqrt()
+            }
+        }
+        _ => return None,
+    })
+}
+
+/// Ops whose derivative is zero almost everywhere: no gradient flows through them.
+const FLAT: &[&str] = &["Floor", "Ceil", "Round", "Sign"];
+
+/// The gradient rules of the element-wise ops.
+fn pointwise_grad(cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+    let op = cx.op().clone();
+    let name = op.op_type().to_string();
+    let r = match &op {
+        Op::Add(_) | Op::Sub(_) | Op::Mul(_) | Op::Div(_) | Op::Pow(_) | Op::PRelu(_) => binary_grad(cx, &op),
+        Op::Sum(_) | Op::Mean(_) | Op::Max(_) | Op::Min(_) => variadic_grad(cx, &op),
+        Op::Where(_) => where_grad(cx),
+        Op::Identity(_) | Op::Dropout(_) => dropout_grad(cx, &op),
+        Op::Cast(_) => (|| {
+            let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+            let x = cx.x(0)?;
+            if !cx.dtype(x).is_float() {
+                return Ok(());
+            }
+            let d = cx.cast(dy, cx.dtype(x))?;
+            cx.set(0, d);
+            Ok(())
+        })(),
+        Op::Clip(c) => clip_grad(cx, c),
+        _ if FLAT.contains(&name.as_str()) => Ok(()),
+        _ => {
+            let g = derivative_attrs(&op);
+            derivative(&g, 0.5, 0.5)?;
+            (|| {
+                let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+                let (x, y) = (cx.x(0)?, cx.y(0));
+                let d = cx.add1(Op::ElementwiseGrad(g), &[x, y, dy])?;
+                cx.set(0, d);
+                Ok(())
+            })()
+        }
+    };
+    Some(r)
+}
+
+fn binary_grad(cx: &mut GradCx<'_>, op: &Op) -> std::result::Result<(), String> {
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    let (a, b, y) = (cx.x(0)?, cx.x(1)?, cx.y(0));
+    let (da, db) = match op {
+        Op::Add(_) => (Some(dy), Some(dy)),
+        Op::Sub(_) => (Some(dy), if cx.want(1) { Some(cx.neg(dy)?) } else { None }),
+        Op::Mul(_) => {
+            (if cx.want(0) { Some(cx.mul(dy, b)?) } else { None }, if cx.want(1) { Some(cx.mul(dy, a)?) } else { None })
+        }
+        Op::Div(_) => {
+            let da = if cx.want(0) { Some(cx.div(dy, b)?) } else { None };
+            // d(a/b)/db = −y/b.
+            let db = if cx.want(1) {
+                let t = cx.div(y, b)?;
+                let t = cx.mul(dy, t)?;
+                Some(cx.neg(t)?)
+            } else {
+                None
+            };
+            (da, db)
+        }
+        Op::Pow(_) => {
+            // d/da = b·a^(b−1); d/db = y·ln a.
+            let da = if cx.want(0) {
+                let one = cx.scalar(cx.dtype(b), 1.0);
+                let bm1 = cx.sub(b, one)?;
+                let p = cx.add1(Op::Pow(op::Pow::default()), &[a, bm1])?;
+                let p = cx.cast(p, cx.dtype(a))?;
+                let bb = cx.cast(b, cx.dtype(a))?;
+                let t = cx.mul(p, bb)?;
+                Some(cx.mul(dy, t)?)
+            } else {
+                None
+            };
+            let db = if cx.want(1) {
+                let ln = cx.add1(Op::Log(op::Log::default()), &[a])?;
+                let t = cx.mul(y, ln)?;
+                let t = cx.mul(dy, t)?;
+                Some(cx.cast(t, cx.dtype(b))?)
+            } else {
+                None
+            };
+            (da, db)
+        }
+        Op::PRelu(_) => {
+            // y = a > 0 ? a : slope·a.
+            let zero = cx.scalar(cx.dtype(a), 0.0);
+            let pos = cx.add1(Op::Greater(op::Greater::default()), &[a, zero])?;
+            let da = if cx.want(0) {
+                let t = cx.mul(dy, b)?;
+                Some(cx.where_(pos, dy, t)?)
+            } else {
+                None
+            };
+            let db = if cx.want(1) {
+                let t = cx.mul(dy, a)?;
+                let z = cx.scalar(cx.dtype(a), 0.0);
+                Some(cx.where_(pos, z, t)?)
+            } else {
+                None
+            };
+            (da, db)
+        }
+        _ => return Err(format!("no gradient rule for {}", op.op_type())),
+    };
+    if let Some(d) = da {
+        cx.set_broadcast(0, d)?;
+    }
+    if let Some(d) = db {
+        cx.set_broadcast(1, d)?;
+    }
+    Ok(())
+}
+
+fn variadic_grad(cx: &mut GradCx<'_>, op: &Op) -> std::result::Result<(), String> {
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    let y = cx.y(0);
+    let k = cx.g.node(cx.n).inputs().len();
+    for i in 0..k {
+        if !cx.want(i) {
+            continue;
+        }
+        let xi = cx.x(i)?;
+        let d = match op {
+            Op::Sum(_) => dy,
+            Op::Mean(_) => cx.scale(dy, 1.0 / k as f64)?,
+            _ => {
+                // Max/Min: the gradient goes where the input attains the result.
+                let eq = cx.add1(Op::Equal(op::Equal::default()), &[xi, y])?;
+                let z = cx.scalar(cx.dtype(dy), 0.0);
+                cx.where_(eq, dy, z)?
+            }
+        };
+        cx.set_broadcast(i, d)?;
+    }
+    Ok(())
+}
+
+fn where_grad(cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    let c = cx.x(0)?;
+    let z = cx.scalar(cx.dtype(dy), 0.0);
+    if cx.want(1) {
+        let d = cx.where_(c, dy, z)?;
+        cx.set_broadcast(1, d)?;
+    }
+    if cx.want(2) {
+        let d = cx.where_(c, z, dy)?;
+        cx.set_broadcast(2, d)?;
+    }
+    Ok(())
+}
+
+/// Identity, and Dropout: the identity in inference; in training mode (the
+/// `training_mode` input true) the gradient is masked and scaled as the forward was.
+fn dropout_grad(cx: &mut GradCx<'_>, op: &Op) -> std::result::Result<(), String> {
+    let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+    let training = matches!(op, Op::Dropout(_))
+        && cx
+            .x_opt(2)
+            .and_then(|v| cx.g.initializer(v))
+            .and_then(|t| Array::from_tensor(t).ok())
+            .and_then(|a| a.to_f64().ok())
+            .is_some_and(|v| v.first().is_some_and(|&x| x != 0.0));
+    if !training {
+        cx.set(0, dy);
+        return Ok(());
+    }
+    let ratio = cx
+        .x_opt(1)
+        .and_then(|v| cx.g.initializer(v))
+        .and_then(|t| Array::from_tensor(t).ok())
+        .and_then(|a| a.to_f64().ok())
+        .and_then(|v| v.first().copied())
+        .unwrap_or(0.5);
+    if cx.g.node(cx.n).num_outputs() < 2 || cx.g.value_name(cx.y(1)).is_empty() {
+        return Err("Dropout in training mode needs its mask output to be differentiated".into());
+    }
+    let mask = cx.cast(cx.y(1), cx.dtype(dy))?;
+    let t = cx.mul(dy, mask)?;
+    let d = cx.scale(t, 1.0 / (1.0 - ratio))?;
+    cx.set(0, d);
+    Ok(())
+}
+
+fn clip_grad(cx: &mut GradCx<'_>, c: &op::Clip) -> std::result::Result<(), String> {
+    let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+    let x = cx.x(0)?;
+    let dt = cx.dtype(x);
+    let lo = match cx.x_opt(1) {
+        Some(v) => Some(v),
+        None => c.min.map(|m| cx.scalar(dt, f64::from(m))),
+    };
+    let hi = match cx.x_opt(2) {
+        Some(v) => Some(v),
+        None => c.max.map(|m| cx.scalar(dt, f64::from(m))),
+    };
+    let mut d = dy;
+    let z = cx.scalar(dt, 0.0);
+    if let Some(lo) = lo {
+        let ok = cx.add1(Op::GreaterOrEqual(op::GreaterOrEqual::default()), &[x, lo])?;
+        d = cx.where_(ok, d, z)?;
+    }
+    if let Some(hi) = hi {
+        let ok = cx.add1(Op::LessOrEqual(op::LessOrEqual::default()), &[x, hi])?;
+        d = cx.where_(ok, d, z)?;
+    }
+    cx.set(0, d);
+    Ok(())
+}
+
+impl OpRules for op::ElementwiseGrad {
+    fn arity(&self) -> Arity {
+        Arity::fixed(3)
+    }
+
+    fn type_rule(&self) -> TypeRule {
+        TypeRule::Same(vec![0, 1, 2])
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        if derivative(self, 0.5, 0.5).is_none() {
+            return Err(format!("ElementwiseGrad: no derivative of `{}`", self.op.as_deref().unwrap_or("?")));
+        }
+        Ok(vec![cx.input(2).cloned()])
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(pointwise(cx, &[], &[], 0))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(T * cx.out_numel(0))
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (x, y, dy) = (cx.req(0)?, cx.req(1)?, cx.req(2)?);
+        let (xv, yv, dv) = (x.to_f64()?, y.to_f64()?, dy.to_f64()?);
+        if xv.len() != dv.len() || yv.len() != dv.len() {
+            return Err(EvalError::Invalid("ElementwiseGrad: operand sizes differ".into()));
+        }
+        let mut out = Vec::with_capacity(dv.len());
+        for i in 0..dv.len() {
+            let d = derivative(self, xv[i], yv[i]).ok_or_else(|| {
+                EvalError::Unsupported(format!("the derivative of {}", self.op.as_deref().unwrap_or("?")))
+            })?;
+            out.push(dv[i] * d);
+        }
+        Ok(vec![Array::float(dy.dtype, dy.shape.clone(), out)])
+    }
 }

@@ -6,17 +6,22 @@
 //! rows (vocabulary parallelism: each device gathers the rows it holds, leaving partial
 //! sums); the others run whole or keep their indexed dims whole.
 
+use super::grad::GradCx;
 use super::shape::no_work_whole;
 use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
 use crate::eval::{Array, Data, EvalError, cast, numel, strides};
-use crate::op;
+use crate::op::{self, Op};
 use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par, pointwise};
 use crate::types::{DType, Dim, TensorType};
 
 type Result<T> = std::result::Result<T, EvalError>;
 
 impl OpRules for op::Gather {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(gather_grad(self, cx))
+    }
+
     fn sharded(&self) -> Sharded {
         Sharded::VocabGather
     }
@@ -576,4 +581,69 @@ fn trilu(x: &Array, k: i64, upper: bool) -> Result<Array> {
         })
         .collect();
     Ok(both.gather_flat(x.shape.clone(), &idx))
+}
+
+/// Gather: dY's rows scattered back to the rows the indices picked, summed where several
+/// picked the same (GatherGrad).
+fn gather_grad(gt: &op::Gather, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+    let data = cx.x(0)?;
+    let shape = cx.dims(data)?;
+    let axis = norm_axis(gt.axis(), shape.len())? as i64;
+    let idx = cx.x(1)?;
+    let d = cx.add1(Op::GatherGrad(op::GatherGrad { axis: Some(axis), shape: Some(shape) }), &[idx, dy])?;
+    cx.set(0, d);
+    Ok(())
+}
+
+impl OpRules for op::GatherGrad {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let shape = self.shape.as_ref().ok_or("GatherGrad needs `shape`")?;
+        Ok(vec![cx.with(cx.input(1).map(|t| t.dtype), Some(shape.iter().map(|&d| Dim::Fixed(d)).collect()))])
+    }
+
+    /// Rows are owned: the table's dims are the space, each row summing the dY rows whose
+    /// index picks it (a split of the rows needs no communication).
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(cx.in_numel(1))
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (idx, dy) = (cx.req(0)?, cx.req(1)?);
+        let shape: Vec<usize> = self
+            .shape
+            .as_ref()
+            .ok_or_else(|| EvalError::Invalid("GatherGrad without shape".into()))?
+            .iter()
+            .map(|&d| d.max(0) as usize)
+            .collect();
+        let a = norm_axis(self.axis(), shape.len())?;
+        let outer: usize = shape[..a].iter().product();
+        let rows = shape[a];
+        let inner: usize = shape[a + 1..].iter().product();
+        let iv = idx.to_i64()?;
+        let dv = dy.to_f64()?;
+        let k = iv.len();
+        let mut out = vec![0.0; numel(&shape)];
+        for o in 0..outer {
+            for (j, &r) in iv.iter().enumerate() {
+                let r = if r < 0 { r + rows as i64 } else { r };
+                if r < 0 || r as usize >= rows {
+                    return Err(EvalError::Invalid(format!("GatherGrad: index {r} outside 0..{rows}")));
+                }
+                for i in 0..inner {
+                    out[(o * rows + r as usize) * inner + i] += dv[(o * k + j) * inner + i];
+                }
+            }
+        }
+        Ok(vec![Array::float(dy.dtype, shape, out)])
+    }
 }

@@ -34,8 +34,11 @@ pub mod control;
 pub mod conv;
 pub mod elementwise;
 pub mod flow;
+pub mod grad;
 pub mod index;
+pub mod loss;
 pub mod norm;
+pub mod optim;
 pub mod pool;
 pub mod recurrent;
 pub mod reduce;
@@ -382,6 +385,13 @@ pub trait OpRules {
     /// Reference evaluation.
     fn eval(&self, cx: &EvalCx<'_>) -> Result<Vec<Array>, EvalError> {
         Err(EvalError::Unsupported(format!("evaluating {}", cx.name)))
+    }
+
+    /// The gradient rule: adds to the training graph the ops that compute the gradients of
+    /// the inputs the context asks for from the gradients of the outputs (see
+    /// [`grad::GradCx`]). `None`: the op has no rule.
+    fn grad(&self, _cx: &mut grad::GradCx<'_>) -> Option<Result<(), String>> {
+        None
     }
 
     /// How changed dims flow from the inputs to the outputs (rebatching); the return value

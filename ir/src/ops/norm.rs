@@ -5,10 +5,12 @@
 //! `Statistic` dims (splitting one needs a small all-reduce of the statistics), LRN's window
 //! over channels and group normalization's channels stay whole.
 
+use super::grad::GradCx;
 use super::util::{broadcast_index, broadcast_shapes, norm_axes, norm_axis};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, Sharded, Types, Work};
 use crate::eval::{Array, EvalError, strides};
-use crate::op;
+use crate::graph::Value;
+use crate::op::{self, Op};
 use crate::shard::{DimRole, IterSpace, pointwise};
 use crate::types::{DType, Dim, TensorType};
 
@@ -41,6 +43,10 @@ fn per_channel_space(cx: &NodeCx<'_>, fixed_channels: bool) -> IterSpace {
 }
 
 impl OpRules for op::BatchNormalization {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(batch_norm_grad(self, cx))
+    }
+
     /// Inference mode normalizes with the stored running statistics.
     fn sharded(&self) -> Sharded {
         if self.training_mode() == 0 { Sharded::StoredStatistics } else { Sharded::Local }
@@ -144,6 +150,10 @@ impl OpRules for op::GroupNormalization {
 }
 
 impl OpRules for op::LayerNormalization {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(layer_norm_grad(self, cx))
+    }
+
     fn sharded(&self) -> Sharded {
         Sharded::LayerNorm
     }
@@ -502,4 +512,177 @@ fn lrn(l: &op::LRN, x: &Array) -> Result<Array> {
         }
     }
     Ok(Array::float(x.dtype, x.shape.clone(), out))
+}
+
+// ---- gradients ----
+
+fn batch_norm_grad(b: &op::BatchNormalization, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    if cx.dy(1).is_some() || cx.dy(2).is_some() {
+        return Err("a gradient through the running statistics is not supported".into());
+    }
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    let ins: Vec<Option<Value>> = vec![Some(cx.x(0)?), Some(cx.x(1)?), Some(cx.x(3)?), Some(cx.x(4)?), Some(dy)];
+    let op = Op::BatchNormGrad(op::BatchNormGrad { epsilon: b.epsilon, training_mode: Some(b.training_mode()) });
+    let d = cx.add(op, &ins, 3)?;
+    cx.set(0, d[0]);
+    cx.set(1, d[1]);
+    cx.set(2, d[2]);
+    Ok(())
+}
+
+fn layer_norm_grad(l: &op::LayerNormalization, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    if cx.dy(1).is_some() || cx.dy(2).is_some() {
+        return Err("a gradient through the mean or inverse deviation outputs is not supported".into());
+    }
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    let x = cx.x(0)?;
+    let r = cx.dims(x)?.len();
+    let axis = norm_axis(l.axis(), r)? as i64;
+    let op = Op::LayerNormGrad(op::LayerNormGrad { axis: Some(axis), epsilon: l.epsilon });
+    let d = cx.add(op, &[Some(x), Some(cx.x(1)?), Some(dy)], 3)?;
+    cx.set(0, d[0]);
+    for (i, dv) in [(1, d[1]), (2, d[2])] {
+        if cx.want(i) {
+            let target = cx.dims(cx.x(i)?)?;
+            let t = cx.sum_to(dv, &target)?;
+            cx.set(i, t);
+        }
+    }
+    Ok(())
+}
+
+impl OpRules for op::BatchNormGrad {
+    fn arity(&self) -> Arity {
+        Arity::new(5, 5, 3, 3)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let c = cx.dims(0).and_then(|d| d.get(1).cloned()).unwrap_or(Dim::Unknown);
+        let ch = cx.with(cx.dtype(), Some(vec![c]));
+        Ok(vec![cx.input(0).cloned(), ch.clone(), ch])
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(10.0 * cx.in_numel(0))
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let x = cx.req(0)?;
+        let c = *x.shape.get(1).unwrap_or(&1);
+        let scale = channel_params(cx.req(1)?, c, "scale")?;
+        let mut mean = channel_params(cx.req(2)?, c, "mean")?;
+        let mut var = channel_params(cx.req(3)?, c, "var")?;
+        let dy = cx.req(4)?;
+        let (v, g) = (x.to_f64()?, dy.to_f64()?);
+        let (n, sp) = (x.shape[0], x.shape[2..].iter().product::<usize>());
+        let count = (n * sp) as f64;
+        let eps = f64::from(self.epsilon());
+        let training = self.training_mode() != 0;
+        let mut dx = vec![0.0; v.len()];
+        let (mut ds, mut db) = (vec![0.0; c], vec![0.0; c]);
+        for ci in 0..c {
+            let idx = |ni: usize, s: usize| (ni * c + ci) * sp + s;
+            if training {
+                let m = (0..n).flat_map(|ni| (0..sp).map(move |s| (ni, s))).map(|(ni, s)| v[idx(ni, s)]).sum::<f64>()
+                    / count;
+                let q = (0..n)
+                    .flat_map(|ni| (0..sp).map(move |s| (ni, s)))
+                    .map(|(ni, s)| (v[idx(ni, s)] - m).powi(2))
+                    .sum::<f64>()
+                    / count;
+                mean[ci] = m;
+                var[ci] = q;
+            }
+            let r = 1.0 / (var[ci] + eps).sqrt();
+            for ni in 0..n {
+                for s in 0..sp {
+                    let i = idx(ni, s);
+                    db[ci] += g[i];
+                    ds[ci] += g[i] * (v[i] - mean[ci]) * r;
+                }
+            }
+            for ni in 0..n {
+                for s in 0..sp {
+                    let i = idx(ni, s);
+                    dx[i] = if training {
+                        let xh = (v[i] - mean[ci]) * r;
+                        scale[ci] * r / count * (count * g[i] - db[ci] - xh * ds[ci])
+                    } else {
+                        g[i] * scale[ci] * r
+                    };
+                }
+            }
+        }
+        Ok(vec![
+            Array::float(dy.dtype, x.shape.clone(), dx),
+            Array::float(dy.dtype, vec![c], ds),
+            Array::float(dy.dtype, vec![c], db),
+        ])
+    }
+}
+
+impl OpRules for op::LayerNormGrad {
+    fn arity(&self) -> Arity {
+        Arity::new(3, 3, 3, 3)
+    }
+
+    /// dX like X; dScale and dBias over the normalized dims.
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let Some(d) = cx.dims(0) else { return Ok(vec![cx.input(0).cloned(), None, None]) };
+        let a = norm_axis(self.axis(), d.len())?;
+        let p = cx.with(cx.dtype(), Some(d[a..].to_vec()));
+        Ok(vec![cx.input(0).cloned(), p.clone(), p])
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(10.0 * cx.in_numel(0))
+    }
+
+    /// Per row: `x̂ = (x − μ)·r`, `g = dY·scale`; `dX = r·(g − mean(g) − x̂·mean(g·x̂))`;
+    /// dScale and dBias sum `dY·x̂` and `dY` over the rows.
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (x, sc, dy) = (cx.req(0)?, cx.req(1)?, cx.req(2)?);
+        let a = norm_axis(self.axis(), x.rank())?;
+        let norm_shape = x.shape[a..].to_vec();
+        let outer: usize = x.shape[..a].iter().product();
+        let inner: usize = norm_shape.iter().product();
+        let sv = sc.to_f64()?;
+        if broadcast_shapes(&norm_shape, &sc.shape)? != norm_shape {
+            return Err(EvalError::Invalid("LayerNormGrad scale does not fit".into()));
+        }
+        let scale: Vec<f64> = broadcast_index(&norm_shape, &sc.shape).iter().map(|&i| sv[i]).collect();
+        let (v, g) = (x.to_f64()?, dy.to_f64()?);
+        let eps = f64::from(self.epsilon());
+        let mut dx = vec![0.0; v.len()];
+        let (mut ds, mut db) = (vec![0.0; inner], vec![0.0; inner]);
+        for o in 0..outer {
+            let row = &v[o * inner..(o + 1) * inner];
+            let grow = &g[o * inner..(o + 1) * inner];
+            let m = row.iter().sum::<f64>() / inner as f64;
+            let var = row.iter().map(|a| (a - m) * (a - m)).sum::<f64>() / inner as f64;
+            let r = 1.0 / (var + eps).sqrt();
+            let xh: Vec<f64> = row.iter().map(|&a| (a - m) * r).collect();
+            let gs: Vec<f64> = (0..inner).map(|j| grow[j] * scale[j]).collect();
+            let mg = gs.iter().sum::<f64>() / inner as f64;
+            let mgx = (0..inner).map(|j| gs[j] * xh[j]).sum::<f64>() / inner as f64;
+            for j in 0..inner {
+                dx[o * inner + j] = r * (gs[j] - mg - xh[j] * mgx);
+                ds[j] += grow[j] * xh[j];
+                db[j] += grow[j];
+            }
+        }
+        Ok(vec![
+            Array::float(dy.dtype, x.shape.clone(), dx),
+            Array::float(dy.dtype, norm_shape.clone(), ds),
+            Array::float(dy.dtype, norm_shape, db),
+        ])
+    }
 }

@@ -4,7 +4,8 @@
 //! Windowed pools split batch, channels and spatial dims (with halos); global average pooling
 //! sums over its spatial dims (a split leaves partial sums), global max and Lp keep them whole.
 
-use super::conv::{f32s, spatial_dims, to3, window, window_dims, window_flow};
+use super::conv::{spatial_dims, to3, window, window_dims, window_flow};
+use super::grad::GradCx;
 use super::util::join;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
 use crate::eval::{Array, EvalError};
@@ -77,6 +78,10 @@ macro_rules! windowed {
             fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
                 window_flow(cx, true, false)
             }
+
+            fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+                pool_grad(&Op::$name(self.clone()), cx)
+            }
         }
     )*};
 }
@@ -136,6 +141,10 @@ macro_rules! global {
             fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
                 window_flow(cx, true, true)
             }
+
+            fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+                global_grad(&Op::$name(self.clone()), cx)
+            }
         }
     )*};
 }
@@ -168,7 +177,7 @@ fn pool(
     if x.rank() < 3 || x.rank() > 5 {
         return Err(EvalError::Unsupported(format!("pooling of rank {}", x.rank())));
     }
-    let xs = f32s(x, "pooling")?;
+    let xs = x.to_f64()?;
     let win =
         window(&x.shape[2..], kernel, strides, dilations, pads, auto_pad, ceil_mode).map_err(EvalError::Invalid)?;
     let (n, c) = (x.shape[0], x.shape[1]);
@@ -186,7 +195,7 @@ fn pool(
         for z in 0..od {
             for y in 0..oh {
                 for xx in 0..ow {
-                    let mut best = f32::NEG_INFINITY;
+                    let mut best = f64::NEG_INFINITY;
                     let mut best_i = 0usize;
                     let mut sum = 0f64;
                     let mut count = 0usize;
@@ -225,8 +234,8 @@ fn pool(
                                             best_i = base + off;
                                         }
                                     }
-                                    PoolKind::Avg { .. } => sum += f64::from(v),
-                                    PoolKind::Lp(p) => sum += f64::from(v.abs()).powi(p as i32),
+                                    PoolKind::Avg { .. } => sum += v,
+                                    PoolKind::Lp(p) => sum += v.abs().powi(p as i32),
                                 }
                             }
                         }
@@ -235,9 +244,9 @@ fn pool(
                         PoolKind::Max => best,
                         PoolKind::Avg { include_pad } => {
                             let d = if include_pad { padded_count } else { count };
-                            (sum / d.max(1) as f64) as f32
+                            sum / d.max(1) as f64
                         }
-                        PoolKind::Lp(p) => sum.powf(1.0 / p as f64) as f32,
+                        PoolKind::Lp(p) => sum.powf(1.0 / p as f64),
                     });
                     if want_indices {
                         idx.push(best_i as i64);
@@ -248,7 +257,7 @@ fn pool(
     }
     let mut shape = vec![n, c];
     shape.extend(&win.out);
-    let mut res = vec![Array::f32(shape.clone(), out)];
+    let mut res = vec![Array::float(x.dtype, shape.clone(), out)];
     if want_indices {
         res.push(Array::i64(shape, idx));
     }
@@ -258,4 +267,254 @@ fn pool(
 fn global_pool(x: &Array, kind: PoolKind) -> Result<Array> {
     let kernel: Vec<i64> = x.shape[2..].iter().map(|&d| d as i64).collect();
     Ok(pool(x, kind, &kernel, None, None, None, "NOTSET", false, false)?.remove(0))
+}
+
+// ---- gradients ----
+
+/// MaxPool and AveragePool: MaxPoolGrad / AveragePoolGrad with the window's pads made
+/// explicit; LpPool has no rule.
+fn pool_grad(op: &Op, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+    if matches!(op, Op::LpPool(_)) {
+        return None;
+    }
+    Some((|| {
+        if cx.dy(1).is_some() {
+            return Err("a gradient through MaxPool's indices".into());
+        }
+        let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+        let x = cx.x(0)?;
+        let xd = cx.dims(x)?;
+        let a = op.pool_attrs().ok_or("not a pooling op")?;
+        let kernel = a.kernel_shape.ok_or("pooling without kernel_shape")?;
+        let spatial: Vec<usize> = xd[2..].iter().map(|&d| d as usize).collect();
+        let win = window(&spatial, kernel, a.strides, a.dilations, a.pads, a.auto_pad, a.ceil_mode)?;
+        let pads: Vec<i64> = win.pad_begin.iter().chain(&win.pad_end).map(|&p| p as i64).collect();
+        let strides: Vec<i64> = win.strides.iter().map(|&v| v as i64).collect();
+        let dil: Vec<i64> = win.dilations.iter().map(|&v| v as i64).collect();
+        let d = match op {
+            Op::MaxPool(_) => cx.add1(
+                Op::MaxPoolGrad(op::MaxPoolGrad {
+                    dilations: Some(dil),
+                    kernel_shape: Some(kernel.to_vec()),
+                    pads: Some(pads),
+                    strides: Some(strides),
+                }),
+                &[x, dy],
+            )?,
+            Op::AveragePool(p) => cx.add1(
+                Op::AveragePoolGrad(op::AveragePoolGrad {
+                    ceil_mode: Some(i64::from(a.ceil_mode)),
+                    count_include_pad: Some(p.count_include_pad()),
+                    dilations: Some(dil),
+                    input_shape: Some(xd.clone()),
+                    kernel_shape: Some(kernel.to_vec()),
+                    pads: Some(pads),
+                    strides: Some(strides),
+                }),
+                &[dy],
+            )?,
+            _ => return Err("no gradient rule".into()),
+        };
+        cx.set(0, d);
+        Ok(())
+    })())
+}
+
+/// Global average pooling spreads dY evenly; global max pooling sends it to the maxima;
+/// GlobalLpPool has no rule.
+fn global_grad(op: &Op, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+    if matches!(op, Op::GlobalLpPool(_)) {
+        return None;
+    }
+    Some((|| {
+        let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+        let x = cx.x(0)?;
+        let xd = cx.dims(x)?;
+        let e = cx.expand(dy, &xd)?;
+        let d = match op {
+            Op::GlobalAveragePool(_) => cx.scale(e, 1.0 / xd[2..].iter().product::<i64>().max(1) as f64)?,
+            _ => {
+                let y = cx.y(0);
+                let eq = cx.add1(Op::Equal(op::Equal::default()), &[x, y])?;
+                let z = cx.scalar(cx.dtype(dy), 0.0);
+                cx.where_(eq, e, z)?
+            }
+        };
+        cx.set(0, d);
+        Ok(())
+    })())
+}
+
+/// The pooling geometry a gradient op carries, padded to 3-D.
+struct PoolGeo {
+    k: [usize; 3],
+    s: [usize; 3],
+    d: [usize; 3],
+    pb: [usize; 3],
+    pe: [usize; 3],
+}
+
+fn pool_geo(
+    kernel: &Option<Vec<i64>>,
+    strides: &Option<Vec<i64>>,
+    dil: &Option<Vec<i64>>,
+    pads: &Option<Vec<i64>>,
+    sp: usize,
+) -> Result<PoolGeo> {
+    let kv: Vec<usize> = kernel
+        .clone()
+        .ok_or_else(|| EvalError::Invalid("a pooling gradient without kernel_shape".into()))?
+        .iter()
+        .map(|&v| v.max(1) as usize)
+        .collect();
+    if kv.len() != sp {
+        return Err(EvalError::Invalid("kernel_shape does not fit the spatial dims".into()));
+    }
+    let get = |v: &Option<Vec<i64>>, n: usize, d: i64| -> Vec<usize> {
+        v.clone().unwrap_or_else(|| vec![d; n]).iter().map(|&x| x.max(0) as usize).collect()
+    };
+    let p = get(pads, 2 * sp, 0);
+    if p.len() != 2 * sp {
+        return Err(EvalError::Invalid("pads do not fit the spatial dims".into()));
+    }
+    Ok(PoolGeo {
+        k: to3(&kv, 1),
+        s: to3(&get(strides, sp, 1), 1),
+        d: to3(&get(dil, sp, 1), 1),
+        pb: to3(&p[..sp], 0),
+        pe: to3(&p[sp..], 0),
+    })
+}
+
+/// For each output position of every plane: the in-bounds inputs of its window, and how
+/// many window taps fall inside the padded extent.
+fn pool_windows(g: &PoolGeo, inp: [usize; 3], out: [usize; 3], mut f: impl FnMut(usize, &[usize], usize)) {
+    let mut idx = Vec::new();
+    for z in 0..out[0] {
+        for y in 0..out[1] {
+            for x in 0..out[2] {
+                idx.clear();
+                let mut padded = 0;
+                for a in 0..g.k[0] {
+                    let iz = (z * g.s[0] + a * g.d[0]) as isize - g.pb[0] as isize;
+                    for b in 0..g.k[1] {
+                        let iy = (y * g.s[1] + b * g.d[1]) as isize - g.pb[1] as isize;
+                        for c in 0..g.k[2] {
+                            let ix = (x * g.s[2] + c * g.d[2]) as isize - g.pb[2] as isize;
+                            let in_pad = iz < (inp[0] + g.pe[0]) as isize
+                                && iy < (inp[1] + g.pe[1]) as isize
+                                && ix < (inp[2] + g.pe[2]) as isize;
+                            if in_pad {
+                                padded += 1;
+                            }
+                            if iz < 0
+                                || iy < 0
+                                || ix < 0
+                                || iz >= inp[0] as isize
+                                || iy >= inp[1] as isize
+                                || ix >= inp[2] as isize
+                            {
+                                continue;
+                            }
+                            idx.push((iz as usize * inp[1] + iy as usize) * inp[2] + ix as usize);
+                        }
+                    }
+                }
+                f((z * out[1] + y) * out[2] + x, &idx, padded);
+            }
+        }
+    }
+}
+
+impl OpRules for op::MaxPoolGrad {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        let k = self.kernel_shape.as_ref().map_or(1, |k| k.iter().product::<i64>()) as f64;
+        Work::flops(cx.in_numel(1) * k)
+    }
+
+    /// Each output's gradient goes to the first maximum of its window.
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (x, dy) = (cx.req(0)?, cx.req(1)?);
+        if x.rank() < 3 || x.rank() > 5 || dy.rank() != x.rank() {
+            return Err(EvalError::Invalid("MaxPoolGrad operands do not fit".into()));
+        }
+        let g = pool_geo(&self.kernel_shape, &self.strides, &self.dilations, &self.pads, x.rank() - 2)?;
+        let (inp, out) = (to3(&x.shape[2..], 1), to3(&dy.shape[2..], 1));
+        let (isz, osz) = (inp.iter().product::<usize>(), out.iter().product::<usize>());
+        let (xv, dv) = (x.to_f64()?, dy.to_f64()?);
+        let mut dx = vec![0.0; xv.len()];
+        for plane in 0..x.shape[0] * x.shape[1] {
+            let (xb, ob) = (plane * isz, plane * osz);
+            pool_windows(&g, inp, out, |o, idx, _| {
+                let mut best: Option<usize> = None;
+                for &i in idx {
+                    if best.is_none_or(|b| xv[xb + i] > xv[xb + b]) {
+                        best = Some(i);
+                    }
+                }
+                if let Some(b) = best {
+                    dx[xb + b] += dv[ob + o];
+                }
+            });
+        }
+        Ok(vec![Array::float(dy.dtype, x.shape.clone(), dx)])
+    }
+}
+
+impl OpRules for op::AveragePoolGrad {
+    fn arity(&self) -> Arity {
+        Arity::fixed(1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let shape = self.input_shape.as_ref().ok_or("AveragePoolGrad needs `input_shape`")?;
+        cx.one(Some(shape.iter().map(|&d| Dim::Fixed(d)).collect()))
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        let k = self.kernel_shape.as_ref().map_or(1, |k| k.iter().product::<i64>()) as f64;
+        Work::flops(cx.in_numel(0) * k)
+    }
+
+    /// Each output's gradient shared by the elements of its window, divided as the forward
+    /// divided (the in-bounds count, or the taps inside the padded extent).
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let dy = cx.req(0)?;
+        let xs: Vec<usize> = self.input_shape.clone().unwrap_or_default().iter().map(|&d| d.max(0) as usize).collect();
+        if xs.len() < 3 || xs.len() > 5 || dy.rank() != xs.len() {
+            return Err(EvalError::Invalid("AveragePoolGrad operands do not fit".into()));
+        }
+        let g = pool_geo(&self.kernel_shape, &self.strides, &self.dilations, &self.pads, xs.len() - 2)?;
+        let (inp, out) = (to3(&xs[2..], 1), to3(&dy.shape[2..], 1));
+        let (isz, osz) = (inp.iter().product::<usize>(), out.iter().product::<usize>());
+        let dv = dy.to_f64()?;
+        let include_pad = self.count_include_pad() != 0;
+        let mut dx = vec![0.0; xs[0] * xs[1] * isz];
+        for plane in 0..xs[0] * xs[1] {
+            let (xb, ob) = (plane * isz, plane * osz);
+            pool_windows(&g, inp, out, |o, idx, padded| {
+                let div = if include_pad { padded } else { idx.len() }.max(1) as f64;
+                for &i in idx {
+                    dx[xb + i] += dv[ob + o] / div;
+                }
+            });
+        }
+        Ok(vec![Array::float(dy.dtype, xs, dx)])
+    }
 }

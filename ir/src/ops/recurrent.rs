@@ -4,11 +4,13 @@
 //! Their iteration space is the batch (parallel) and the time steps (a recurrence: whole).
 //! Their kernels run once per time step, and re-read the recurrent weights each step.
 
+use super::grad::GradCx;
 use super::util::join;
 use super::{Arity, Arrays, Backward, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, Types, Work};
 use crate::cost::TRANSCENDENTAL_FLOPS;
 use crate::eval::{Array, EvalError, transpose};
-use crate::op;
+use crate::graph::Value;
+use crate::op::{self, Op};
 use crate::shard::{DimKind, DimRole, IterDim, IterSpace};
 use crate::types::Dim;
 
@@ -171,6 +173,24 @@ macro_rules! recurrent {
 
             fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
                 recurrent_flow(cx, self.layout())
+            }
+
+            fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+                let $s = self;
+                let (lbr, forget) = ($lbr, $forget);
+                let g = op::RecurrentGrad {
+                    activation_alpha: self.activation_alpha.clone(),
+                    activation_beta: self.activation_beta.clone(),
+                    activations: self.activations.clone(),
+                    cell: Some($kind.to_string()),
+                    clip: self.clip,
+                    direction: self.direction.clone(),
+                    hidden_size: self.hidden_size,
+                    input_forget: Some(i64::from(forget)),
+                    layout: self.layout,
+                    linear_before_reset: Some(i64::from(lbr)),
+                };
+                Some(recurrent_grad_rule(g, cx))
             }
         }
     )*};
@@ -415,4 +435,542 @@ pub fn feeds_recurrent_state(g: &crate::Graph, v: crate::Value) -> bool {
         }
     }
     false
+}
+
+// ---- gradients: back-propagation through time ----
+
+/// An activation's derivative with respect to its input.
+fn activation_d(name: &str, alpha: Option<f64>, beta: Option<f64>) -> Result<Box<dyn Fn(f64) -> f64>> {
+    Ok(match name.to_ascii_lowercase().as_str() {
+        "sigmoid" => Box::new(|x: f64| {
+            let s = 1.0 / (1.0 + (-x).exp());
+            s * (1.0 - s)
+        }),
+        "tanh" => Box::new(|x: f64| 1.0 - x.tanh().powi(2)),
+        "relu" => Box::new(|x: f64| f64::from(u8::from(x > 0.0))),
+        "affine" => {
+            let a = alpha.unwrap_or(1.0);
+            Box::new(move |_| a)
+        }
+        "leakyrelu" => {
+            let a = alpha.unwrap_or(0.01);
+            Box::new(move |x| if x > 0.0 { 1.0 } else { a })
+        }
+        "thresholdedrelu" => {
+            let a = alpha.unwrap_or(1.0);
+            Box::new(move |x| f64::from(u8::from(x > a)))
+        }
+        "scaledtanh" => {
+            let (a, b) = (alpha.unwrap_or(1.0), beta.unwrap_or(1.0));
+            Box::new(move |x| a * b * (1.0 - (b * x).tanh().powi(2)))
+        }
+        "hardsigmoid" => {
+            let (a, b) = (alpha.unwrap_or(0.2), beta.unwrap_or(0.5));
+            Box::new(move |x| if a * x + b > 0.0 && a * x + b < 1.0 { a } else { 0.0 })
+        }
+        "elu" => {
+            let a = alpha.unwrap_or(1.0);
+            Box::new(move |x| if x >= 0.0 { 1.0 } else { a * x.exp() })
+        }
+        "softsign" => Box::new(|x: f64| 1.0 / (1.0 + x.abs()).powi(2)),
+        "softplus" => Box::new(|x: f64| 1.0 / (1.0 + (-x).exp())),
+        other => return Err(EvalError::Unsupported(format!("the derivative of recurrent activation `{other}`"))),
+    })
+}
+
+/// The rule: one RecurrentGrad node from the forward inputs and the outputs' gradients.
+fn recurrent_grad_rule(g: op::RecurrentGrad, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let mut ins: Vec<Option<Value>> = (0..8).map(|i| cx.x_opt(i)).collect();
+    for s in 0..3 {
+        ins.push(cx.dy(s));
+    }
+    let d = cx.add(Op::RecurrentGrad(g), &ins, 7)?;
+    for (i, k) in [(0, 0), (1, 1), (2, 2), (3, 3), (5, 4), (6, 5), (7, 6)] {
+        if cx.x_opt(i).is_some() {
+            cx.set(i, d[k]);
+        }
+    }
+    Ok(())
+}
+
+/// What one time step of one sequence keeps for its backward step.
+struct Tape {
+    t: usize,
+    h_prev: Vec<f64>,
+    c_prev: Vec<f64>,
+    /// Gate pre-activations (after clipping) in the op's gate order.
+    pre: Vec<f64>,
+    /// Whether each pre-activation was inside the clip range.
+    live: Vec<bool>,
+    /// Gate outputs in gate order (LSTM: i, o, f, c; GRU: z, r, h̃; RNN: h).
+    gate: Vec<f64>,
+    /// GRU: R_h·h + Rb_h (linear before reset) or r∘h (otherwise).
+    extra: Vec<f64>,
+    c_new: Vec<f64>,
+}
+
+/// The inputs and attributes one RecurrentGrad evaluation works on.
+struct Bptt<'a> {
+    kind: &'a str,
+    g: usize,
+    h: usize,
+    isz: usize,
+    seq: usize,
+    batch: usize,
+    x: Vec<f64>,
+    w: Vec<f64>,
+    r: Vec<f64>,
+    bias: Vec<f64>,
+    lens: Vec<usize>,
+    h0: Option<Vec<f64>>,
+    c0: Option<Vec<f64>>,
+    peep: Option<Vec<f64>>,
+    clip: Option<f64>,
+    lbr: bool,
+    input_forget: bool,
+}
+
+#[allow(clippy::type_complexity)]
+fn activations_of(
+    o: &op::RecurrentGrad,
+    kind: &str,
+    dirs: usize,
+) -> Result<Vec<Vec<(Box<dyn Fn(f64) -> f64>, Box<dyn Fn(f64) -> f64>)>>> {
+    let per_dir = match kind {
+        "LSTM" => 3,
+        "GRU" => 2,
+        _ => 1,
+    };
+    let defaults: &[&str] = match kind {
+        "LSTM" => &["Sigmoid", "Tanh", "Tanh"],
+        "GRU" => &["Sigmoid", "Tanh"],
+        _ => &["Tanh"],
+    };
+    let names = o.activations.clone().unwrap_or_default();
+    let (alphas, betas) =
+        (o.activation_alpha.clone().unwrap_or_default(), o.activation_beta.clone().unwrap_or_default());
+    let mut ai = 0;
+    let mut out = Vec::new();
+    for d in 0..dirs {
+        let mut set = Vec::new();
+        for k in 0..per_dir {
+            let name = names.get(d * per_dir + k).map(String::as_str).unwrap_or(defaults[k]);
+            let needs = matches!(
+                name.to_ascii_lowercase().as_str(),
+                "affine" | "leakyrelu" | "thresholdedrelu" | "scaledtanh" | "hardsigmoid" | "elu"
+            );
+            let (a, b) = if needs {
+                let v = (alphas.get(ai).map(|&v| f64::from(v)), betas.get(ai).map(|&v| f64::from(v)));
+                ai += 1;
+                v
+            } else {
+                (None, None)
+            };
+            set.push((activation(name, a, b)?, activation_d(name, a, b)?));
+        }
+        out.push(set);
+    }
+    Ok(out)
+}
+
+impl Bptt<'_> {
+    fn clip(&self, v: f64) -> (f64, bool) {
+        match self.clip {
+            Some(c) if v.abs() > c => (v.clamp(-c, c), false),
+            _ => (v, true),
+        }
+    }
+
+    /// The forward pass of sequence `b` in direction `d`, step by step (time order of the
+    /// direction), and the final (h, c).
+    #[allow(clippy::type_complexity)]
+    fn forward(
+        &self,
+        d: usize,
+        b: usize,
+        act: &[(Box<dyn Fn(f64) -> f64>, Box<dyn Fn(f64) -> f64>)],
+        reverse: bool,
+    ) -> Vec<Tape> {
+        let (g, h, isz) = (self.g, self.h, self.isz);
+        let wd = &self.w[d * g * h * isz..(d + 1) * g * h * isz];
+        let rd = &self.r[d * g * h * h..(d + 1) * g * h * h];
+        let wb = &self.bias[d * 2 * g * h..d * 2 * g * h + g * h];
+        let rb = &self.bias[d * 2 * g * h + g * h..(d + 1) * 2 * g * h];
+        let mut hs = self
+            .h0
+            .as_ref()
+            .map_or(vec![0.0; h], |v| v[(d * self.batch + b) * h..(d * self.batch + b + 1) * h].to_vec());
+        let mut cs = self
+            .c0
+            .as_ref()
+            .map_or(vec![0.0; h], |v| v[(d * self.batch + b) * h..(d * self.batch + b + 1) * h].to_vec());
+        let len = self.lens[b].min(self.seq);
+        let mut tape = Vec::with_capacity(len);
+        for step in 0..len {
+            let t = if reverse { len - 1 - step } else { step };
+            let xt = &self.x[(t * self.batch + b) * isz..(t * self.batch + b + 1) * isz];
+            let gx: Vec<f64> = (0..g * h)
+                .map(|j| wb[j] + wd[j * isz..(j + 1) * isz].iter().zip(xt).map(|(a, c)| a * c).sum::<f64>())
+                .collect();
+            let gh: Vec<f64> = (0..g * h)
+                .map(|j| rb[j] + rd[j * h..(j + 1) * h].iter().zip(&hs).map(|(a, c)| a * c).sum::<f64>())
+                .collect();
+            let mut pre = vec![0.0; g * h];
+            let mut live = vec![true; g * h];
+            let mut gate = vec![0.0; g * h];
+            let mut extra = vec![0.0; h];
+            let mut hn = vec![0.0; h];
+            let mut cn = cs.clone();
+            match self.kind {
+                "LSTM" => {
+                    let p = self.peep.as_ref().map(|p| &p[d * 3 * h..(d + 1) * 3 * h]);
+                    for k in 0..h {
+                        let (ai, li) = self.clip(gx[k] + gh[k] + p.map_or(0.0, |p| p[k] * cs[k]));
+                        let (af, lf) =
+                            self.clip(gx[2 * h + k] + gh[2 * h + k] + p.map_or(0.0, |p| p[2 * h + k] * cs[k]));
+                        let (ac, lc) = self.clip(gx[3 * h + k] + gh[3 * h + k]);
+                        let i = (act[0].0)(ai);
+                        let f = if self.input_forget { 1.0 - i } else { (act[0].0)(af) };
+                        let c = (act[1].0)(ac);
+                        cn[k] = f * cs[k] + i * c;
+                        let (ao, lo) = self.clip(gx[h + k] + gh[h + k] + p.map_or(0.0, |p| p[h + k] * cn[k]));
+                        let o = (act[0].0)(ao);
+                        hn[k] = o * (act[2].0)(cn[k]);
+                        for (j, v, l, gv) in
+                            [(k, ai, li, i), (h + k, ao, lo, o), (2 * h + k, af, lf, f), (3 * h + k, ac, lc, c)]
+                        {
+                            pre[j] = v;
+                            live[j] = l;
+                            gate[j] = gv;
+                        }
+                    }
+                }
+                "GRU" => {
+                    for k in 0..2 * h {
+                        let (a, l) = self.clip(gx[k] + gh[k]);
+                        pre[k] = a;
+                        live[k] = l;
+                        gate[k] = (act[0].0)(a);
+                    }
+                    for k in 0..h {
+                        let hh = if self.lbr {
+                            extra[k] = gh[2 * h + k];
+                            gx[2 * h + k] + gate[h + k] * gh[2 * h + k]
+                        } else {
+                            extra[k] = gate[h + k] * hs[k];
+                            0.0
+                        };
+                        pre[2 * h + k] = hh;
+                    }
+                    if !self.lbr {
+                        for k in 0..h {
+                            let rh: f64 = (0..h).map(|q| rd[(2 * h + k) * h + q] * extra[q]).sum();
+                            pre[2 * h + k] = gx[2 * h + k] + rh + rb[2 * h + k];
+                        }
+                    }
+                    for k in 0..h {
+                        let (a, l) = self.clip(pre[2 * h + k]);
+                        pre[2 * h + k] = a;
+                        live[2 * h + k] = l;
+                        gate[2 * h + k] = (act[1].0)(a);
+                        hn[k] = (1.0 - gate[k]) * gate[2 * h + k] + gate[k] * hs[k];
+                    }
+                }
+                _ => {
+                    for k in 0..h {
+                        let (a, l) = self.clip(gx[k] + gh[k]);
+                        pre[k] = a;
+                        live[k] = l;
+                        gate[k] = (act[0].0)(a);
+                        hn[k] = gate[k];
+                    }
+                }
+            }
+            tape.push(Tape { t, h_prev: hs.clone(), c_prev: cs.clone(), pre, live, gate, extra, c_new: cn.clone() });
+            hs = hn;
+            cs = cn;
+        }
+        tape
+    }
+}
+
+/// The gradients of a recurrent layer: dX, dW, dR, dB, dinitial_h, dinitial_c, dP.
+fn recurrent_grad(o: &op::RecurrentGrad, cx: &EvalCx<'_>) -> Result<Vec<Array>> {
+    let kind = o.cell.as_deref().unwrap_or("LSTM");
+    let gates = match kind {
+        "LSTM" => 4,
+        "GRU" => 3,
+        "RNN" => 1,
+        other => return Err(EvalError::Invalid(format!("RecurrentGrad of cell `{other}`"))),
+    };
+    let layout = o.layout();
+    let mut x = cx.req(0)?.clone();
+    if layout == 1 {
+        x = transpose(&x, &[1, 0, 2]);
+    }
+    let (seq, batch, isz) = (x.shape[0], x.shape[1], x.shape[2]);
+    let dirs = if o.direction() == "bidirectional" { 2 } else { 1 };
+    let h = o.hidden_size.unwrap_or(0) as usize;
+    let state = |i: usize| -> Result<Option<Vec<f64>>> {
+        cx.opt(i).map(|a| if layout == 1 { transpose(a, &[1, 0, 2]).to_f64() } else { a.to_f64() }).transpose()
+    };
+    let bp = Bptt {
+        kind,
+        g: gates,
+        h,
+        isz,
+        seq,
+        batch,
+
+        x: x.to_f64()?,
+        w: cx.req(1)?.to_f64()?,
+        r: cx.req(2)?.to_f64()?,
+        bias: cx.opt(3).map(|b| b.to_f64()).transpose()?.unwrap_or_else(|| vec![0.0; dirs * 2 * gates * h]),
+        lens: match cx.opt(4) {
+            Some(l) => l.to_i64()?.iter().map(|&v| v.max(0) as usize).collect(),
+            None => vec![seq; batch],
+        },
+        h0: state(5)?,
+        c0: if kind == "LSTM" { state(6)? } else { None },
+        peep: if kind == "LSTM" { cx.opt(7).map(|a| a.to_f64()).transpose()? } else { None },
+        clip: o.clip.map(f64::from),
+        lbr: o.linear_before_reset() != 0,
+        input_forget: o.input_forget() != 0,
+    };
+    if bp.w.len() != dirs * gates * h * isz || bp.r.len() != dirs * gates * h * h {
+        return Err(EvalError::Invalid("RecurrentGrad weights do not fit".into()));
+    }
+    let acts = activations_of(o, kind, dirs)?;
+    // Output gradients, as [seq, dirs, batch, h] and [dirs, batch, h].
+    let dy = match cx.opt(8) {
+        Some(a) => Some(if layout == 1 { transpose(a, &[1, 2, 0, 3]) } else { a.clone() }.to_f64()?),
+        None => None,
+    };
+    let dyh =
+        cx.opt(9).map(|a| if layout == 1 { transpose(a, &[1, 0, 2]).to_f64() } else { a.to_f64() }).transpose()?;
+    let dyc =
+        cx.opt(10).map(|a| if layout == 1 { transpose(a, &[1, 0, 2]).to_f64() } else { a.to_f64() }).transpose()?;
+    let (g, hh) = (gates, h);
+    let mut dx = vec![0.0; seq * batch * isz];
+    let mut dw = vec![0.0; bp.w.len()];
+    let mut dr = vec![0.0; bp.r.len()];
+    let mut db = vec![0.0; dirs * 2 * g * hh];
+    let mut dh0 = vec![0.0; dirs * batch * hh];
+    let mut dc0 = vec![0.0; dirs * batch * hh];
+    let mut dp = vec![0.0; dirs * 3 * hh];
+    for d in 0..dirs {
+        let reverse = o.direction() == "reverse" || d == 1;
+        let act = &acts[d];
+        let wd = &bp.w[d * g * hh * isz..(d + 1) * g * hh * isz];
+        let rd = &bp.r[d * g * hh * hh..(d + 1) * g * hh * hh];
+        let p = bp.peep.as_ref().map(|p| p[d * 3 * hh..(d + 1) * 3 * hh].to_vec());
+        for b in 0..batch {
+            let tape = bp.forward(d, b, act, reverse);
+            let idx = (d * batch + b) * hh;
+            let mut dh: Vec<f64> = dyh.as_ref().map_or(vec![0.0; hh], |v| v[idx..idx + hh].to_vec());
+            let mut dc: Vec<f64> = dyc.as_ref().map_or(vec![0.0; hh], |v| v[idx..idx + hh].to_vec());
+            for st in tape.iter().rev() {
+                if let Some(dy) = &dy {
+                    let yo = ((st.t * dirs + d) * batch + b) * hh;
+                    for k in 0..hh {
+                        dh[k] += dy[yo + k];
+                    }
+                }
+                // Gradients of the gate pre-activations (gate order), and of the state.
+                let mut da = vec![0.0; g * hh];
+                let mut dh_prev = vec![0.0; hh];
+                let mut dc_prev = vec![0.0; hh];
+                match kind {
+                    "LSTM" => {
+                        for k in 0..hh {
+                            let (i, o_, f, c) = (st.gate[k], st.gate[hh + k], st.gate[2 * hh + k], st.gate[3 * hh + k]);
+                            let cn = st.c_new[k];
+                            let hc = (act[2].0)(cn);
+                            let dao = dh[k] * hc * (act[0].1)(st.pre[hh + k]) * f64::from(u8::from(st.live[hh + k]));
+                            let dcn = dc[k] + dh[k] * o_ * (act[2].1)(cn) + dao * p.as_ref().map_or(0.0, |p| p[hh + k]);
+                            let mut di = dcn * c;
+                            let dcc = dcn * i;
+                            let dfg = dcn * st.c_prev[k];
+                            let daf = if bp.input_forget {
+                                di -= dfg;
+                                0.0
+                            } else {
+                                dfg * (act[0].1)(st.pre[2 * hh + k]) * f64::from(u8::from(st.live[2 * hh + k]))
+                            };
+                            let dai = di * (act[0].1)(st.pre[k]) * f64::from(u8::from(st.live[k]));
+                            let dac = dcc * (act[1].1)(st.pre[3 * hh + k]) * f64::from(u8::from(st.live[3 * hh + k]));
+                            dc_prev[k] = dcn * f + p.as_ref().map_or(0.0, |p| dai * p[k] + daf * p[2 * hh + k]);
+                            if p.is_some() {
+                                dp[d * 3 * hh + k] += dai * st.c_prev[k];
+                                dp[d * 3 * hh + hh + k] += dao * cn;
+                                dp[d * 3 * hh + 2 * hh + k] += daf * st.c_prev[k];
+                            }
+                            da[k] = dai;
+                            da[hh + k] = dao;
+                            da[2 * hh + k] = daf;
+                            da[3 * hh + k] = dac;
+                        }
+                    }
+                    "GRU" => {
+                        let mut dextra = vec![0.0; hh];
+                        for k in 0..hh {
+                            let (z, ht) = (st.gate[k], st.gate[2 * hh + k]);
+                            let dz = dh[k] * (st.h_prev[k] - ht);
+                            let dhh = dh[k]
+                                * (1.0 - z)
+                                * (act[1].1)(st.pre[2 * hh + k])
+                                * f64::from(u8::from(st.live[2 * hh + k]));
+                            dh_prev[k] += dh[k] * z;
+                            da[k] = dz * (act[0].1)(st.pre[k]) * f64::from(u8::from(st.live[k]));
+                            da[2 * hh + k] = dhh;
+                        }
+                        if bp.lbr {
+                            // hh = gx_h + r·(R_h·h + Rb_h).
+                            for k in 0..hh {
+                                let dr_ = da[2 * hh + k] * st.extra[k];
+                                da[hh + k] = dr_ * (act[0].1)(st.pre[hh + k]) * f64::from(u8::from(st.live[hh + k]));
+                                dextra[k] = da[2 * hh + k] * st.gate[hh + k];
+                            }
+                        } else {
+                            // hh = gx_h + R_h·(r∘h) + Rb_h.
+                            let mut drh = vec![0.0; hh];
+                            for k in 0..hh {
+                                for q in 0..hh {
+                                    drh[q] += rd[(2 * hh + k) * hh + q] * da[2 * hh + k];
+                                }
+                            }
+                            for q in 0..hh {
+                                let dr_ = drh[q] * st.h_prev[q];
+                                da[hh + q] = dr_ * (act[0].1)(st.pre[hh + q]) * f64::from(u8::from(st.live[hh + q]));
+                                dh_prev[q] += drh[q] * st.gate[hh + q];
+                            }
+                        }
+                        // Weight gradients of the candidate's recurrent part.
+                        for k in 0..hh {
+                            let rb_at = d * 2 * g * hh + g * hh + 2 * hh + k;
+                            if bp.lbr {
+                                db[rb_at] += dextra[k];
+                                for q in 0..hh {
+                                    dr[d * g * hh * hh + (2 * hh + k) * hh + q] += dextra[k] * st.h_prev[q];
+                                    dh_prev[q] += rd[(2 * hh + k) * hh + q] * dextra[k];
+                                }
+                            } else {
+                                db[rb_at] += da[2 * hh + k];
+                                for q in 0..hh {
+                                    dr[d * g * hh * hh + (2 * hh + k) * hh + q] += da[2 * hh + k] * st.extra[q];
+                                }
+                            }
+                        }
+                    }
+                    _ => {
+                        for k in 0..hh {
+                            da[k] = dh[k] * (act[0].1)(st.pre[k]) * f64::from(u8::from(st.live[k]));
+                        }
+                    }
+                }
+                // Input and recurrent GEMMs (for GRU's candidate, only the input part and,
+                // with linear_before_reset, nothing more: its recurrent part is done above).
+                let xo = (st.t * batch + b) * isz;
+                for j in 0..g * hh {
+                    let a = da[j];
+                    if a == 0.0 {
+                        continue;
+                    }
+                    db[d * 2 * g * hh + j] += a;
+                    for q in 0..isz {
+                        dw[d * g * hh * isz + j * isz + q] += a * bp.x[xo + q];
+                        dx[xo + q] += a * wd[j * isz + q];
+                    }
+                    let candidate = kind == "GRU" && j >= 2 * hh;
+                    if !candidate {
+                        db[d * 2 * g * hh + g * hh + j] += a;
+                        for q in 0..hh {
+                            dr[d * g * hh * hh + j * hh + q] += a * st.h_prev[q];
+                            dh_prev[q] += a * rd[j * hh + q];
+                        }
+                    }
+                }
+                dh = dh_prev;
+                if kind == "LSTM" {
+                    dc = dc_prev;
+                }
+            }
+            dh0[idx..idx + hh].copy_from_slice(&dh);
+            if kind == "LSTM" {
+                dc0[idx..idx + hh].copy_from_slice(&dc);
+            }
+        }
+    }
+    let dt = cx.req(0)?.dtype;
+    let mut dxa = Array::float(dt, vec![seq, batch, isz], dx);
+    let mut dh0a = Array::float(dt, vec![dirs, batch, hh], dh0);
+    let mut dc0a = Array::float(dt, vec![dirs, batch, hh], dc0);
+    if layout == 1 {
+        dxa = transpose(&dxa, &[1, 0, 2]);
+        dh0a = transpose(&dh0a, &[1, 0, 2]);
+        dc0a = transpose(&dc0a, &[1, 0, 2]);
+    }
+    Ok(vec![
+        dxa,
+        Array::float(dt, cx.req(1)?.shape.clone(), dw),
+        Array::float(dt, cx.req(2)?.shape.clone(), dr),
+        Array::float(dt, vec![dirs, 2 * g * hh], db),
+        dh0a,
+        dc0a,
+        Array::float(dt, vec![dirs, 3 * hh], dp),
+    ])
+}
+
+impl OpRules for op::RecurrentGrad {
+    fn arity(&self) -> Arity {
+        Arity::new(3, 11, 7, 7)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let dt = cx.dtype();
+        let wd = cx.dims(1).cloned();
+        let dirs = Dim::Fixed(if self.direction() == "bidirectional" { 2 } else { 1 });
+        let gates: i64 = match self.cell.as_deref() {
+            Some("LSTM") | None => 4,
+            Some("GRU") => 3,
+            _ => 1,
+        };
+        let h = self.hidden_size.unwrap_or(0);
+        let batch =
+            cx.dims(0).and_then(|d| d.get(if self.layout() == 0 { 1 } else { 0 }).cloned()).unwrap_or(Dim::Unknown);
+        let st = if self.layout() == 0 {
+            vec![dirs.clone(), batch, Dim::Fixed(h)]
+        } else {
+            vec![batch, dirs.clone(), Dim::Fixed(h)]
+        };
+        Ok(vec![
+            cx.input(0).cloned(),
+            cx.with(dt, wd),
+            cx.input(2).cloned(),
+            cx.with(dt, Some(vec![dirs.clone(), Dim::Fixed(2 * gates * h)])),
+            cx.with(dt, Some(st.clone())),
+            cx.with(dt, Some(st)),
+            cx.with(dt, Some(vec![dirs, Dim::Fixed(3 * h)])),
+        ])
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        let xd = cx.in_dims(0);
+        let wd = cx.in_dims(1);
+        if xd.len() != 3 || wd.len() != 3 {
+            return Work::none();
+        }
+        let (dirs, gh, isz) = (wd[0] as f64, wd[1] as f64, wd[2] as f64);
+        let h = self.hidden_size.unwrap_or(1) as f64;
+        // Forward recomputed, then the data and weight GEMMs.
+        Work::flops(3.0 * 2.0 * dirs * (xd[0] * xd[1]) as f64 * gh * (isz + h))
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        recurrent_grad(self, cx)
+    }
 }

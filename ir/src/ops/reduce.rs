@@ -5,6 +5,7 @@
 //! Kept dims are parallel; reduced dims of a sum or mean are reductions (a split leaves
 //! partial sums), those of the others stay whole.
 
+use super::grad::GradCx;
 use super::util::{norm_axes, norm_axis};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, Types, Work};
 use crate::eval::{Array, Data, EvalError, numel, strides};
@@ -142,6 +143,12 @@ macro_rules! reductions {
 
             fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
                 reduce_flow(cx)
+            }
+
+            fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+                let axes = self.axes.clone();
+                let (keep, noop) = (self.keepdims() != 0, self.noop_with_empty_axes() != 0);
+                Some(reduce_grad(cx, $kind, axes, keep, noop))
             }
         }
     )*};
@@ -322,4 +329,78 @@ fn arg_extreme(x: &Array, ax: i64, keepdims: bool, last: bool, max: bool) -> Res
         shape.remove(ax);
     }
     Ok(Array::i64(shape, out))
+}
+
+/// The gradient of a reduction: dY with the reduced axes restored (as 1s) and broadcast
+/// back, times the derivative of the reduction at each element.
+fn reduce_grad(
+    cx: &mut GradCx<'_>,
+    kind: Red,
+    attr_axes: Option<Vec<i64>>,
+    keep: bool,
+    noop: bool,
+) -> std::result::Result<(), String> {
+    use crate::op::Op;
+    let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+    let x = cx.x(0)?;
+    let xd = cx.dims(x)?;
+    let axes = match cx.x_opt(1) {
+        Some(v) => cx.const_ints(Some(v)).ok_or("a reduction over computed axes")?,
+        None => attr_axes.unwrap_or_default(),
+    };
+    if axes.is_empty() && noop {
+        cx.set(0, dy);
+        return Ok(());
+    }
+    let axes = if axes.is_empty() { (0..xd.len()).collect() } else { norm_axes(&axes, xd.len())? };
+    let kept: Vec<i64> = xd.iter().enumerate().map(|(i, &d)| if axes.contains(&i) { 1 } else { d }).collect();
+    let dyk = cx.reshape(dy, &kept)?;
+    let y = cx.y(0);
+    let yk = if keep { y } else { cx.reshape(y, &kept)? };
+    let count: i64 = axes.iter().map(|&a| xd[a]).product();
+    let d = match kind {
+        Red::Sum => cx.expand(dyk, &xd)?,
+        Red::Mean => {
+            let e = cx.expand(dyk, &xd)?;
+            cx.scale(e, 1.0 / count.max(1) as f64)?
+        }
+        Red::Max | Red::Min => {
+            // To the elements equal to the extremum.
+            let eq = cx.add1(Op::Equal(op::Equal::default()), &[x, yk])?;
+            let e = cx.expand(dyk, &xd)?;
+            let z = cx.scalar(cx.dtype(dy), 0.0);
+            cx.where_(eq, e, z)?
+        }
+        Red::LogSumExp => {
+            // exp(x − y).
+            let t = cx.sub(x, yk)?;
+            let t = cx.add1(Op::Exp(op::Exp::default()), &[t])?;
+            cx.mul(t, dyk)?
+        }
+        Red::SumSquare => {
+            let t = cx.scale(x, 2.0)?;
+            cx.mul(t, dyk)?
+        }
+        Red::L2 => {
+            let t = cx.div(x, yk)?;
+            cx.mul(t, dyk)?
+        }
+        Red::L1 => {
+            let t = cx.add1(Op::Sign(op::Sign::default()), &[x])?;
+            cx.mul(t, dyk)?
+        }
+        Red::LogSum => {
+            // 1 / Σx.
+            let s = cx.add1(Op::Exp(op::Exp::default()), &[yk])?;
+            let t = cx.div(dyk, s)?;
+            cx.expand(t, &xd)?
+        }
+        Red::Prod => {
+            let t = cx.div(yk, x)?;
+            cx.mul(t, dyk)?
+        }
+    };
+    let d = cx.expand(d, &xd)?;
+    cx.set(0, d);
+    Ok(())
 }

@@ -6,10 +6,12 @@
 //! ops that leave some dims alone split along those; the rest run whole.
 
 use super::flow::factor_reshape;
+use super::grad::GradCx;
 use super::util::{bcast_shapes, join, norm_axes, norm_axis, prod, prod_dim, prod_div};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, MANY, Mono, NodeCx, OpRules, TypeRule, Types, Work};
 use crate::eval::{Array, Data, EvalError, broadcast_index, broadcast_shapes, cast, numel, strides};
-use crate::op;
+use crate::graph::Value;
+use crate::op::{self, Op};
 use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par, pointwise, reshape_map};
 use crate::types::{DType, Dim, TensorType};
 
@@ -88,6 +90,10 @@ pub(crate) fn passthrough_space(cx: &NodeCx<'_>) -> IterSpace {
 }
 
 impl OpRules for op::Reshape {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(reshape_grad(cx))
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }
@@ -161,6 +167,10 @@ impl OpRules for op::Reshape {
 }
 
 impl OpRules for op::Flatten {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(reshape_grad(cx))
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(1)
     }
@@ -216,6 +226,10 @@ fn axes_operand(cx: &EvalCx<'_>, attr: &Option<Vec<i64>>) -> Result<Option<Vec<i
 }
 
 impl OpRules for op::Squeeze {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(reshape_grad(cx))
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(1, 2, 1, 1)
     }
@@ -284,6 +298,10 @@ impl OpRules for op::Squeeze {
 }
 
 impl OpRules for op::Unsqueeze {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(reshape_grad(cx))
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(1, 2, 1, 1)
     }
@@ -337,6 +355,10 @@ impl OpRules for op::Unsqueeze {
 }
 
 impl OpRules for op::Transpose {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(transpose_grad(self, cx))
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(1)
     }
@@ -397,6 +419,10 @@ impl OpRules for op::Transpose {
 }
 
 impl OpRules for op::Concat {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(concat_grad(self, cx))
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(1, MANY, 1, 1)
     }
@@ -487,6 +513,10 @@ impl OpRules for op::Concat {
 }
 
 impl OpRules for op::Split {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(split_grad(self, cx))
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(1, 2, 1, MANY)
     }
@@ -573,6 +603,10 @@ impl OpRules for op::Split {
 }
 
 impl OpRules for op::Slice {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(slice_grad(self, cx))
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(1, 5, 1, 1)
     }
@@ -640,6 +674,10 @@ impl OpRules for op::Slice {
 }
 
 impl OpRules for op::Pad {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(pad_grad(self, cx))
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(1, 4, 1, 1)
     }
@@ -680,6 +718,13 @@ impl OpRules for op::Pad {
 }
 
 impl OpRules for op::Expand {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+            cx.set_broadcast(0, dy)
+        })())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }
@@ -717,6 +762,10 @@ impl OpRules for op::Expand {
 }
 
 impl OpRules for op::Tile {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(tile_grad(cx))
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }
@@ -1236,5 +1285,214 @@ fn range(start: &Array, limit: &Array, delta: &Array) -> Result<Array> {
             let n = ((l - s) / d).ceil().max(0.0) as usize;
             Ok(Array::float(start.dtype, vec![n], (0..n).map(|i| s + i as f64 * d).collect()))
         }
+    }
+}
+
+// ---- gradients ----
+
+/// Reshape, Flatten, Squeeze, Unsqueeze: the gradient is dY reshaped to X's shape.
+fn reshape_grad(cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+    let x = cx.x(0)?;
+    let d = cx.dims(x)?;
+    let r = cx.reshape(dy, &d)?;
+    cx.set(0, r);
+    Ok(())
+}
+
+fn transpose_grad(t: &op::Transpose, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+    let r = cx.dims(cx.x(0)?)?.len();
+    let perm: Vec<i64> = t.perm.clone().unwrap_or_else(|| (0..r as i64).rev().collect());
+    let mut inv = vec![0i64; r];
+    for (i, &p) in perm.iter().enumerate() {
+        inv[norm_axis(p, r)?] = i as i64;
+    }
+    let d = cx.transpose(dy, &inv)?;
+    cx.set(0, d);
+    Ok(())
+}
+
+/// Concat: each input's part of dY, by a Split with the inputs' sizes.
+fn concat_grad(c: &op::Concat, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    let k = cx.g.node(cx.n).inputs().len();
+    let yd = cx.dims(dy)?;
+    let a = norm_axis(c.axis.unwrap_or(0), yd.len())?;
+    let mut sizes = Vec::with_capacity(k);
+    for i in 0..k {
+        sizes.push(cx.dims(cx.x(i)?)?[a]);
+    }
+    let parts = split_values(cx, dy, a, &sizes)?;
+    for (i, p) in parts.into_iter().enumerate() {
+        cx.set(i, p);
+    }
+    Ok(())
+}
+
+/// `x` split along `axis` into parts of `sizes` (the Split form of the graph's opset).
+pub fn split_values(
+    cx: &mut GradCx<'_>,
+    x: Value,
+    axis: usize,
+    sizes: &[i64],
+) -> std::result::Result<Vec<Value>, String> {
+    if sizes.len() == 1 {
+        return Ok(vec![x]);
+    }
+    let axis = Some(axis as i64);
+    if cx.g.opset >= 13 {
+        let s = cx.ints(sizes);
+        cx.add(Op::Split(op::Split { axis, ..Default::default() }), &[Some(x), Some(s)], sizes.len())
+    } else {
+        cx.add(
+            Op::Split(op::Split { axis, split: Some(sizes.to_vec()), ..Default::default() }),
+            &[Some(x)],
+            sizes.len(),
+        )
+    }
+}
+
+/// Split: the outputs' gradients (zeros where none flows) concatenated.
+fn split_grad(sp: &op::Split, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    if !cx.want(0) {
+        return Ok(());
+    }
+    let n = cx.g.node(cx.n).num_outputs();
+    let mut parts = Vec::with_capacity(n);
+    for s in 0..n {
+        parts.push(cx.dy_or_zeros(s)?);
+    }
+    let r = cx.dims(cx.x(0)?)?.len();
+    let a = norm_axis(sp.axis(), r)? as i64;
+    let d = if parts.len() == 1 { parts[0] } else { cx.add1(Op::Concat(op::Concat { axis: Some(a) }), &parts)? };
+    cx.set(0, d);
+    Ok(())
+}
+
+/// Slice: dY placed where the slice took it, zeros elsewhere (SliceGrad).
+fn slice_grad(sl: &op::Slice, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+    let x = cx.x(0)?;
+    let shape = cx.dims(x)?;
+    let mut ins = vec![Some(dy)];
+    if cx.x_opt(1).is_some() {
+        for i in 1..5 {
+            ins.push(cx.x_opt(i));
+        }
+    } else {
+        let starts = sl.starts.clone().ok_or("Slice without starts")?;
+        let ends = sl.ends.clone().ok_or("Slice without ends")?;
+        ins.push(Some(cx.ints(&starts)));
+        ins.push(Some(cx.ints(&ends)));
+        ins.push(sl.axes.as_ref().map(|a| cx.ints(a)));
+    }
+    while ins.last() == Some(&None) {
+        ins.pop();
+    }
+    let d = cx.add(Op::SliceGrad(op::SliceGrad { shape: Some(shape) }), &ins, 1)?[0];
+    cx.set(0, d);
+    Ok(())
+}
+
+/// Pad (constant mode): the gradient is dY with the padding sliced off.
+fn pad_grad(p: &op::Pad, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+    if p.mode() != "constant" {
+        return Err(format!("the gradient of Pad in `{}` mode is not supported", p.mode()));
+    }
+    let x = cx.x(0)?;
+    let xd = cx.dims(x)?;
+    let r = xd.len();
+    let pads = match cx.x_opt(1) {
+        Some(v) => cx.const_ints(Some(v)).ok_or("Pad with computed pads")?,
+        None => p.pads.clone().ok_or("Pad without pads")?,
+    };
+    let axes: Vec<usize> = match cx.x_opt(3) {
+        Some(v) => norm_axes(&cx.const_ints(Some(v)).ok_or("Pad with computed axes")?, r)?,
+        None => (0..r).collect(),
+    };
+    let k = axes.len();
+    let starts: Vec<i64> = (0..k).map(|i| pads[i]).collect();
+    let ends: Vec<i64> = axes.iter().enumerate().map(|(i, &a)| pads[i] + xd[a]).collect();
+    let axv: Vec<i64> = axes.iter().map(|&a| a as i64).collect();
+    let (s, e, a) = (cx.ints(&starts), cx.ints(&ends), cx.ints(&axv));
+    let d = cx.add1(Op::Slice(op::Slice::default()), &[dy, s, e, a])?;
+    cx.set(0, d);
+    Ok(())
+}
+
+/// Tile: dY viewed as `[r0, d0, r1, d1, …]` and summed over the repeats.
+fn tile_grad(cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+    let xd = cx.dims(cx.x(0)?)?;
+    let yd = cx.dims(dy)?;
+    let mut view = Vec::with_capacity(2 * xd.len());
+    for (i, &d) in xd.iter().enumerate() {
+        view.push(yd[i] / d.max(1));
+        view.push(d);
+    }
+    let v = cx.reshape(dy, &view)?;
+    let axes: Vec<i64> = (0..xd.len() as i64).map(|i| 2 * i).collect();
+    let s = cx.reduce_sum(v, &axes, false)?;
+    let s = cx.reshape(s, &xd)?;
+    cx.set(0, s);
+    Ok(())
+}
+
+impl OpRules for op::SliceGrad {
+    fn arity(&self) -> Arity {
+        Arity::new(3, 5, 1, 1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let shape = self.shape.as_ref().ok_or("SliceGrad needs `shape`")?;
+        cx.one(Some(shape.iter().map(|&d| Dim::Fixed(d)).collect()))
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(cx.out_numel(0))
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let dy = cx.req(0)?;
+        let shape: Vec<usize> = self
+            .shape
+            .as_ref()
+            .ok_or_else(|| EvalError::Invalid("SliceGrad without shape".into()))?
+            .iter()
+            .map(|&d| d.max(0) as usize)
+            .collect();
+        let rank = shape.len();
+        let starts = cx.req(1)?.to_i64()?;
+        let ends = cx.req(2)?.to_i64()?;
+        let axes: Vec<usize> = match cx.opt(3) {
+            Some(a) => a.to_i64()?.iter().map(|&v| norm_axis(v, rank)).collect::<std::result::Result<_, String>>()?,
+            None => (0..starts.len()).collect(),
+        };
+        let steps = cx.opt(4).map(|a| a.to_i64()).transpose()?.unwrap_or_else(|| vec![1; starts.len()]);
+        let mut start = vec![0i64; rank];
+        let mut step = vec![1i64; rank];
+        for (k, &ax) in axes.iter().enumerate() {
+            let (s0, st, _) = slice_params(shape[ax] as i64, starts[k], ends[k], steps[k]);
+            start[ax] = s0;
+            step[ax] = st;
+        }
+        let dv = dy.to_f64()?;
+        let (xs, ys) = (strides(&shape), strides(&dy.shape));
+        let mut out = vec![0.0; numel(&shape)];
+        for (i, &v) in dv.iter().enumerate() {
+            let mut off = 0i64;
+            for d in 0..rank {
+                let c = (i / ys[d]) % dy.shape[d].max(1);
+                off += (start[d] + c as i64 * step[d]) * xs[d] as i64;
+            }
+            out[off as usize] += v;
+        }
+        Ok(vec![Array::float(dy.dtype, shape, out)])
     }
 }

@@ -4,11 +4,12 @@
 //! The normalized axis is a `Statistic` dim (a split needs the row maximum and sum
 //! all-reduced); Hardmax's axis stays whole.
 
+use super::grad::GradCx;
 use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
 use crate::cost::TRANSCENDENTAL_FLOPS;
 use crate::eval::{Array, EvalError};
-use crate::op;
+use crate::op::{self, Op};
 use crate::shard::{IterSpace, pointwise};
 
 /// What the op computes from a row.
@@ -68,6 +69,13 @@ macro_rules! softmax {
                 cx.same_as_input();
                 Some(())
             }
+
+            fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+                match $kind {
+                    Kind::Hardmax => Some(Ok(())),
+                    k => Some(softmax_grad(cx, self.axis, k == Kind::LogSoftmax)),
+                }
+            }
         }
     )*};
 }
@@ -107,4 +115,80 @@ fn softmax_like(kind: Kind, attr: Option<i64>, x: &Array, opset: i64) -> Result<
         }
     }
     Ok(Array::float(x.dtype, x.shape.clone(), out))
+}
+
+/// The normalized axes of a softmax over a rank-`r` tensor.
+fn stat_axes(attr: Option<i64>, opset: i64, r: usize) -> Result<Vec<usize>, String> {
+    let (legacy, a) = axis(attr, opset);
+    let a = norm_axis(a, r)?;
+    Ok(if legacy { (a..r).collect() } else { vec![a] })
+}
+
+fn softmax_grad(cx: &mut GradCx<'_>, attr: Option<i64>, log: bool) -> std::result::Result<(), String> {
+    let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+    let y = cx.y(0);
+    let r = cx.dims(y)?.len();
+    let axes: Vec<i64> = stat_axes(attr, cx.g.opset, r)?.into_iter().map(|a| a as i64).collect();
+    let d = cx.add1(Op::SoftmaxGrad(op::SoftmaxGrad { axes: Some(axes), log: Some(i64::from(log)) }), &[y, dy])?;
+    cx.set(0, d);
+    Ok(())
+}
+
+impl OpRules for op::SoftmaxGrad {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        Ok(vec![cx.input(1).cloned()])
+    }
+
+    fn sharded(&self) -> Sharded {
+        Sharded::Local
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        let r = cx.out_dims(0).len();
+        let axes: Vec<usize> =
+            self.axes.clone().unwrap_or_default().iter().filter_map(|&a| norm_axis(a, r).ok()).collect();
+        Some(pointwise(cx, &axes, &[], 0))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(4.0 * cx.out_numel(0))
+    }
+
+    /// Softmax: `dX = Y·(dY − Σ dY·Y)`; log-softmax: `dX = dY − exp(Y)·Σ dY`, sums over the
+    /// normalized axes.
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (y, dy) = (cx.req(0)?, cx.req(1)?);
+        let r = y.rank();
+        let axes: Vec<usize> = self
+            .axes
+            .clone()
+            .unwrap_or_else(|| vec![-1])
+            .iter()
+            .map(|&a| norm_axis(a, r))
+            .collect::<Result<_, String>>()?;
+        let (lo, hi) = (*axes.iter().min().unwrap_or(&0), *axes.iter().max().unwrap_or(&0));
+        if hi + 1 - lo != axes.len() {
+            return Err(EvalError::Unsupported("SoftmaxGrad over non-adjacent axes".into()));
+        }
+        let outer: usize = y.shape[..lo].iter().product();
+        let n: usize = y.shape[lo..=hi].iter().product();
+        let inner: usize = y.shape[hi + 1..].iter().product();
+        let (yv, dv) = (y.to_f64()?, dy.to_f64()?);
+        let log = self.log() != 0;
+        let mut out = vec![0.0; yv.len()];
+        for o in 0..outer {
+            for i in 0..inner {
+                let at = |j: usize| (o * n + j) * inner + i;
+                let s: f64 = (0..n).map(|j| if log { dv[at(j)] } else { dv[at(j)] * yv[at(j)] }).sum();
+                for j in 0..n {
+                    out[at(j)] = if log { dv[at(j)] - yv[at(j)].exp() * s } else { yv[at(j)] * (dv[at(j)] - s) };
+                }
+            }
+        }
+        Ok(vec![Array::float(dy.dtype, dy.shape.clone(), out)])
+    }
 }

@@ -101,6 +101,247 @@ impl Kernel for op::ConvTranspose {
     }
 }
 
+fn vals(v: &Option<Vec<i64>>, k: usize, d: i64) -> Vec<usize> {
+    v.clone().unwrap_or_else(|| vec![d; k]).iter().map(|&x| x.max(0) as usize).collect()
+}
+
+impl Kernel for op::ConvGradInput {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        let (Some(dy), Some(_)) = (cx.input(0), cx.input(1)) else { return Ok(None) };
+        let r = dy.shape.len();
+        if dy.elem() != Elem::F32 || !(3..=5).contains(&r) {
+            return Ok(None);
+        }
+        let k = r - 2;
+        let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+        let xshape = c.outputs[0].shape.clone();
+        let pads = vals(&self.pads, 2 * k, 0);
+        let p = conv_params(
+            &dy.shape,
+            &xshape,
+            &vals(&self.kernel_shape, k, 1),
+            &vals(&self.strides, k, 1),
+            &vals(&self.dilations, k, 1),
+            &pads[..k],
+            self.group().max(1) as usize,
+        );
+        // dX is dY's transposed convolution with the same weights.
+        if p[0] > 0 {
+            c.launch(
+                specialize(&conv_transpose_src(false), &p),
+                vec![Buf::In(0), Buf::In(1), Buf::Out(0)],
+                p.clone(),
+                groups(p[0] as usize),
+            );
+        }
+        Ok(Some(c))
+    }
+}
+
+impl Kernel for op::ConvGradWeight {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        let (Some(x), Some(dy)) = (cx.input(0), cx.input(1)) else { return Ok(None) };
+        let r = x.shape.len();
+        if x.elem() != Elem::F32 || !(3..=5).contains(&r) {
+            return Ok(None);
+        }
+        let k = r - 2;
+        let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+        let pads = vals(&self.pads, 2 * k, 0);
+        let mut p = conv_params(
+            &x.shape,
+            &dy.shape,
+            &vals(&self.kernel_shape, k, 1),
+            &vals(&self.strides, k, 1),
+            &vals(&self.dilations, k, 1),
+            &pads[..k],
+            self.group().max(1) as usize,
+        );
+        let count: usize = c.outputs[0].shape.iter().product();
+        p[0] = count as u32;
+        if count > 0 {
+            c.launch(
+                specialize(&conv_grad_weight_src(), &p),
+                vec![Buf::In(0), Buf::In(1), Buf::Out(0)],
+                p,
+                groups(count),
+            );
+        }
+        Ok(Some(c))
+    }
+}
+
+/// The weight gradient of a convolution, one invocation per weight: `dW[m, c, k] =
+/// Σ_{n, o} dY[n, m, o]·X[n, g·C/G + c, o·s + k·d − p]`. `P` as [`conv_src`]'s with the
+/// weight count first.
+pub fn conv_grad_weight_src() -> String {
+    let body = "    let N = P[1]; let C = P[2]; let M = P[3]; let G = P[4];
+    let D = P[5]; let H = P[6]; let W = P[7];
+    let OD = P[8]; let OH = P[9]; let OW = P[10];
+    let KD = P[11]; let KH = P[12]; let KW = P[13];
+    let cg = C / G;
+    var rem = i;
+    let kw = rem % KW; rem = rem / KW;
+    let kh = rem % KH; rem = rem / KH;
+    let kd = rem % KD; rem = rem / KD;
+    let c = rem % cg; let m = rem / cg;
+    let ch = (m / (M / G)) * cg + c;
+    var acc = 0.0;
+    for (var n = 0u; n < N; n = n + 1u) {
+        for (var od = 0u; od < OD; od = od + 1u) {
+            let id = i32(od * P[14] + kd * P[17]) - i32(P[20]);
+            if (id < 0 || id >= i32(D)) { continue; }
+            for (var oh = 0u; oh < OH; oh = oh + 1u) {
+                let ih = i32(oh * P[15] + kh * P[18]) - i32(P[21]);
+                if (ih < 0 || ih >= i32(H)) { continue; }
+                for (var ow = 0u; ow < OW; ow = ow + 1u) {
+                    let iw = i32(ow * P[16] + kw * P[19]) - i32(P[22]);
+                    if (iw < 0 || iw >= i32(W)) { continue; }
+                    let xo = (((n * C + ch) * D + u32(id)) * H + u32(ih)) * W + u32(iw);
+                    let yo = (((n * M + m) * OD + od) * OH + oh) * OW + ow;
+                    acc = acc + DY[yo] * X[xo];
+                }
+            }
+        }
+    }
+    Y[i] = acc;";
+    source(&[("X", Elem::F32, false), ("DY", Elem::F32, false), ("Y", Elem::F32, true)], "", body)
+}
+
+/// A pool's kernel shape, strides, dilations and pads, as its attributes hold them.
+type PoolGeometry<'a> = (&'a Option<Vec<i64>>, &'a Option<Vec<i64>>, &'a Option<Vec<i64>>, &'a Option<Vec<i64>>);
+
+/// The pooling-gradient parameters: [`conv_params`] over X and dY (one group, as many
+/// "filters" as channels), then the end pads.
+fn pool_grad_params(x: &[usize], dy: &[usize], o: PoolGeometry<'_>) -> Vec<u32> {
+    let k = x.len() - 2;
+    let pads = vals(o.3, 2 * k, 0);
+    let mut p = conv_params(x, dy, &vals(o.0, k, 1), &vals(o.1, k, 1), &vals(o.2, k, 1), &pads[..k], 1);
+    p[0] = x.iter().product::<usize>() as u32;
+    p.extend(to3(&pads[k..], 0).iter().map(|&v| v as u32));
+    p
+}
+
+impl Kernel for op::MaxPoolGrad {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        let (Some(x), Some(dy)) = (cx.input(0), cx.input(1)) else { return Ok(None) };
+        if x.elem() != Elem::F32 || !(3..=5).contains(&x.shape.len()) {
+            return Ok(None);
+        }
+        let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+        let p = pool_grad_params(&x.shape, &dy.shape, (&self.kernel_shape, &self.strides, &self.dilations, &self.pads));
+        if p[0] > 0 {
+            c.launch(
+                specialize(&pool_grad_src(true), &p),
+                vec![Buf::In(0), Buf::In(1), Buf::Out(0)],
+                p.clone(),
+                groups(p[0] as usize),
+            );
+        }
+        Ok(Some(c))
+    }
+}
+
+impl Kernel for op::AveragePoolGrad {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        let Some(dy) = cx.input(0) else { return Ok(None) };
+        if dy.elem() != Elem::F32 || !(3..=5).contains(&dy.shape.len()) {
+            return Ok(None);
+        }
+        let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+        let xshape = c.outputs[0].shape.clone();
+        let mut p =
+            pool_grad_params(&xshape, &dy.shape, (&self.kernel_shape, &self.strides, &self.dilations, &self.pads));
+        p.push(u32::from(self.count_include_pad() != 0));
+        if p[0] > 0 {
+            c.launch(
+                specialize(&pool_grad_src(false), &p),
+                vec![Buf::In(0), Buf::Out(0)],
+                p.clone(),
+                groups(p[0] as usize),
+            );
+        }
+        Ok(Some(c))
+    }
+}
+
+/// Pooling gradients, one invocation per input element: the windows that cover it (those
+/// whose taps land on it); max: the window's first maximum is this element; average: its
+/// share of the window. `P` as [`pool_grad_params`] (+ count_include_pad for average).
+pub fn pool_grad_src(max: bool) -> String {
+    let window = if max {
+        "                    // The first maximum of window (od, oh, ow).
+                    var best = bitcast<f32>(0xff800000u);
+                    var at = -1;
+                    for (var a = 0u; a < KD; a = a + 1u) {
+                        let zd = i32(od * P[14] + a * P[17]) - i32(P[20]);
+                        if (zd < 0 || zd >= i32(D)) { continue; }
+                        for (var b = 0u; b < KH; b = b + 1u) {
+                            let zh = i32(oh * P[15] + b * P[18]) - i32(P[21]);
+                            if (zh < 0 || zh >= i32(H)) { continue; }
+                            for (var e = 0u; e < KW; e = e + 1u) {
+                                let zw = i32(ow * P[16] + e * P[19]) - i32(P[22]);
+                                if (zw < 0 || zw >= i32(W)) { continue; }
+                                let v = X[plane * D * H * W + (u32(zd) * H + u32(zh)) * W + u32(zw)];
+                                if (at < 0 || v > best) { best = v; at = i32((u32(zd) * H + u32(zh)) * W + u32(zw)); }
+                            }
+                        }
+                    }
+                    if (at == i32(pos)) { acc = acc + DY[yo]; }"
+    } else {
+        "                    // The window's divisor, as the forward counted it.
+                    var div = 1.0;
+                    for (var q = 0u; q < 3u; q = q + 1u) {
+                        let o = select(select(ow, oh, q == 1u), od, q == 0u);
+                        let ext = select(select(W, H, q == 1u), D, q == 0u);
+                        var cnt = 0u;
+                        for (var a = 0u; a < P[11u + q]; a = a + 1u) {
+                            let z = i32(o * P[14u + q] + a * P[17u + q]) - i32(P[20u + q]);
+                            let inside = z >= 0 && z < i32(ext);
+                            let padded = z < i32(ext + P[23u + q]);
+                            if ((P[26] == 1u && padded) || inside) { cnt = cnt + 1u; }
+                        }
+                        div = div * f32(cnt);
+                    }
+                    acc = acc + DY[yo] / max(div, 1.0);"
+    };
+    let body = format!(
+        "    let D = P[5]; let H = P[6]; let W = P[7];
+    let OD = P[8]; let OH = P[9]; let OW = P[10];
+    let KD = P[11]; let KH = P[12]; let KW = P[13];
+    let pos = i % (D * H * W);
+    let plane = i / (D * H * W);
+    let iw = pos % W; let ih = (pos / W) % H; let id = pos / (W * H);
+    var acc = 0.0;
+    for (var kd = 0u; kd < KD; kd = kd + 1u) {{
+        let td = i32(id) + i32(P[20]) - i32(kd * P[17]);
+        if (td < 0 || td % i32(P[14]) != 0 || td / i32(P[14]) >= i32(OD)) {{ continue; }}
+        let od = u32(td / i32(P[14]));
+        for (var kh = 0u; kh < KH; kh = kh + 1u) {{
+            let th = i32(ih) + i32(P[21]) - i32(kh * P[18]);
+            if (th < 0 || th % i32(P[15]) != 0 || th / i32(P[15]) >= i32(OH)) {{ continue; }}
+            let oh = u32(th / i32(P[15]));
+            for (var kw = 0u; kw < KW; kw = kw + 1u) {{
+                let tw = i32(iw) + i32(P[22]) - i32(kw * P[19]);
+                if (tw < 0 || tw % i32(P[16]) != 0 || tw / i32(P[16]) >= i32(OW)) {{ continue; }}
+                let ow = u32(tw / i32(P[16]));
+                let yo = plane * OD * OH * OW + (od * OH + oh) * OW + ow;
+                {{
+{window}
+                }}
+            }}
+        }}
+    }}
+    DX[i] = acc;"
+    );
+    let mut b: Vec<Binding<'_>> = Vec::new();
+    if max {
+        b.push(("X", Elem::F32, false));
+    }
+    b.extend([("DY", Elem::F32, false), ("DX", Elem::F32, true)]);
+    source(&b, "", &body)
+}
+
 /// Largest im2col scratch buffer (elements) the GEMM path of a convolution may allocate;
 /// larger convolutions use the direct kernel.
 const IM2COL_MAX_ELEMS: usize = 1 << 25;
@@ -408,6 +649,10 @@ mod tests {
         }
         for wide in [false, true] {
             validate("im2col", &im2col_src(wide));
+        }
+        validate("conv grad weight", &conv_grad_weight_src());
+        for max in [false, true] {
+            validate("pool grad", &pool_grad_src(max));
         }
         // With their parameters baked in, as launched.
         let mut p: Vec<u32> = vec![2 * 8 * 5 * 5, 2, 4, 8, 2];

@@ -324,6 +324,81 @@ impl Kernel for op::Where {
     }
 }
 
+/// The derivative of an element-wise op times dY over the bindings `a` (X), `b` (Y) and `c`
+/// (dY), as [`ir::ops::elementwise::derivative`] computes it; `None` for an op without one.
+pub fn derivative_expr(g: &op::ElementwiseGrad) -> Option<String> {
+    let al = |d: f32| f32_lit(f64::from(g.alpha.unwrap_or(d)));
+    let be = |d: f32| f32_lit(f64::from(g.beta.unwrap_or(d)));
+    Some(match g.op.as_deref()? {
+        "Relu" => "select(0.0, c, a > 0.0)".into(),
+        "LeakyRelu" => format!("select({} * c, c, a > 0.0)", al(0.01)),
+        "Elu" => format!("select(c * (b + {}), c, a > 0.0)", al(1.0)),
+        "Celu" => format!("select(c * exp(a / {}), c, a > 0.0)", al(1.0)),
+        "Selu" => {
+            let ga = f32_lit(f64::from(g.gamma.unwrap_or(1.050_701)));
+            format!("select(c * {ga} * {} * exp(a), c * {ga}, a > 0.0)", al(1.673_263_2))
+        }
+        "ThresholdedRelu" => format!("select(0.0, c, a > {})", al(1.0)),
+        "Shrink" => format!("select(0.0, c, abs(a) > {})", al(0.5)),
+        "Sigmoid" => "c * b * (1.0 - b)".into(),
+        "HardSigmoid" => {
+            let v = format!("({} * a + {})", al(0.2), be(0.5));
+            format!("select(0.0, c * {}, {v} > 0.0 && {v} < 1.0)", al(0.2))
+        }
+        "HardSwish" => "select(select(c * (a / 3.0 + 0.5), c, a > 3.0), 0.0, a < -3.0)".into(),
+        "Tanh" => "c * (1.0 - b * b)".into(),
+        "Exp" => "c * b".into(),
+        "Log" => "c / a".into(),
+        "Sqrt" => "c * 0.5 / b".into(),
+        "Reciprocal" => "-c * b * b".into(),
+        "Neg" => "-c".into(),
+        "Abs" => "c * sign(a)".into(),
+        "Erf" => "c * 1.1283791670955126 * exp(-a * a)".into(),
+        "Softplus" => "c * sigmoid_(a)".into(),
+        "Softsign" => "c / ((1.0 + abs(a)) * (1.0 + abs(a)))".into(),
+        "Sin" => "c * cos(a)".into(),
+        "Cos" => "-c * sin(a)".into(),
+        "Tan" => "c * (1.0 + b * b)".into(),
+        "Sinh" => "c * cosh(a)".into(),
+        "Cosh" => "c * sinh(a)".into(),
+        "Asin" => "c / sqrt(1.0 - a * a)".into(),
+        "Acos" => "-c / sqrt(1.0 - a * a)".into(),
+        "Atan" => "c / (1.0 + a * a)".into(),
+        "Asinh" => "c / sqrt(a * a + 1.0)".into(),
+        "Acosh" => "c / sqrt(a * a - 1.0)".into(),
+        "Atanh" => "c / (1.0 - a * a)".into(),
+        "Mish" => {
+            "c * (tanh_(softplus_(a)) + a * (1.0 - tanh_(softplus_(a)) * tanh_(softplus_(a))) * sigmoid_(a))".into()
+        }
+        "Gelu" => {
+            if g.approximate.as_deref() == Some("tanh") {
+                "c * (0.5 * (1.0 + tanh_(0.7978845608028654 * (a + 0.044715 * a * a * a))) + 0.5 * a * (1.0 - tanh_(0.7978845608028654 * (a + 0.044715 * a * a * a)) * tanh_(0.7978845608028654 * (a + 0.044715 * a * a * a))) * 0.7978845608028654 * (1.0 + 0.134145 * a * a))".into()
+            } else {
+                "c * (0.5 * (1.0 + erf_(a * 0.7071067811865476)) + a * exp(-0.5 * a * a) * 0.3989422804014327)".into()
+            }
+        }
+        _ => return None,
+    })
+}
+
+impl Kernel for op::ElementwiseGrad {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        let (Some(x), Some(y), Some(dy)) = (cx.input(0), cx.input(1), cx.input(2)) else { return Ok(None) };
+        if [x, y, dy].iter().any(|t| t.elem() != Elem::F32) {
+            return Ok(None);
+        }
+        let (Some(expr), Some(mut c)) = (derivative_expr(self), Compiled::like_out0(cx)) else { return Ok(None) };
+        let shape = c.outputs[0].shape.clone();
+        let ins = [
+            (Buf::In(0), &x.shape[..], Elem::F32),
+            (Buf::In(1), &y.shape[..], Elem::F32),
+            (Buf::In(2), &dy.shape[..], Elem::F32),
+        ];
+        elementwise(&mut c, &ins, (Buf::Out(0), Elem::F32), &shape, &expr);
+        Ok(Some(c))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use ir::{DType, Op};

@@ -45,7 +45,7 @@ pub struct GpuExecutor {
     device: wgpu::Device,
     queue: wgpu::Queue,
     adapter: String,
-    pipelines: HashMap<String, Arc<wgpu::ComputePipeline>>,
+    pipelines: HashMap<String, (Arc<wgpu::ComputePipeline>, Arc<wgpu::BindGroupLayout>)>,
     encoder: Option<wgpu::CommandEncoder>,
     /// Dispatches encoded since the last submit.
     pending: usize,
@@ -91,7 +91,23 @@ impl GpuExecutor {
         Ok(GpuExecutor { device, queue, adapter, pipelines: HashMap::new(), encoder: None, pending: 0 })
     }
 
-    fn pipeline(&mut self, src: &str) -> Result<Arc<wgpu::ComputePipeline>, String> {
+    /// The storage bindings a kernel declares, in binding order: `true` where written.
+    /// The layout is built from these rather than from what the shader happens to use,
+    /// so a kernel that leaves an operand unread still binds in the order launched.
+    fn declared_bindings(src: &str) -> Vec<bool> {
+        let mut out: Vec<(u32, bool)> = Vec::new();
+        for line in src.lines() {
+            let Some(at) = line.find("@binding(") else { continue };
+            let rest = &line[at + 9..];
+            let Some(close) = rest.find(')') else { continue };
+            let Ok(b) = rest[..close].trim().parse::<u32>() else { continue };
+            out.push((b, line.contains("read_write")));
+        }
+        out.sort();
+        out.into_iter().map(|(_, w)| w).collect()
+    }
+
+    fn pipeline(&mut self, src: &str) -> Result<(Arc<wgpu::ComputePipeline>, Arc<wgpu::BindGroupLayout>), String> {
         if let Some(p) = self.pipelines.get(src) {
             return Ok(p.clone());
         }
@@ -100,9 +116,30 @@ impl GpuExecutor {
             label: None,
             source: wgpu::ShaderSource::Wgsl(src.into()),
         });
+        let entries: Vec<wgpu::BindGroupLayoutEntry> = Self::declared_bindings(src)
+            .into_iter()
+            .enumerate()
+            .map(|(i, written)| wgpu::BindGroupLayoutEntry {
+                binding: i as u32,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Storage { read_only: !written },
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            })
+            .collect();
+        let bgl =
+            self.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor { label: None, entries: &entries });
+        let pl = self.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: None,
+            bind_group_layouts: &[Some(&bgl)],
+            immediate_size: 0,
+        });
         let p = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
             label: None,
-            layout: None,
+            layout: Some(&pl),
             module: &module,
             entry_point: Some("main"),
             compilation_options: Default::default(),
@@ -111,7 +148,7 @@ impl GpuExecutor {
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(format!("shader rejected: {e}\n{src}"));
         }
-        let p = Arc::new(p);
+        let p = (Arc::new(p), Arc::new(bgl));
         self.pipelines.insert(src.to_string(), p.clone());
         Ok(p)
     }
@@ -141,7 +178,7 @@ impl GpuExecutor {
         params: &[u32],
         groups: [u32; 3],
     ) -> Result<(), String> {
-        let pipeline = self.pipeline(src)?;
+        let (pipeline, layout) = self.pipeline(src)?;
         let pbuf = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: None,
             size: (params.len().max(1) * 4) as u64,
@@ -151,7 +188,6 @@ impl GpuExecutor {
         if !params.is_empty() {
             self.queue.write_buffer(&pbuf, 0, bytemuck::cast_slice(params));
         }
-        let layout = pipeline.get_bind_group_layout(0);
         let mut entries: Vec<wgpu::BindGroupEntry<'_>> = bufs
             .iter()
             .enumerate()

@@ -326,6 +326,122 @@ impl Kernel for op::Gather {
     }
 }
 
+impl Kernel for op::GatherGrad {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        let (Some(idx), Some(dy)) = (cx.input(0), cx.input(1)) else { return Ok(None) };
+        if idx.elem() != Elem::I32 || dy.elem() != Elem::F32 {
+            return Ok(None);
+        }
+        let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+        let shape = c.outputs[0].shape.clone();
+        let a = norm_axis(self.axis(), shape.len())?;
+        let inner: usize = shape[a + 1..].iter().product();
+        let count: usize = shape.iter().product();
+        let p = vec![count as u32, idx.numel() as u32, shape[a] as u32, inner as u32];
+        if count > 0 {
+            c.launch(gather_grad_src(), vec![Buf::In(0), Buf::In(1), Buf::Out(0)], p, groups(count));
+        }
+        Ok(Some(c))
+    }
+}
+
+/// The gradient of a gather, owner-computes (no float atomics): each row element sums the
+/// dY elements whose index picks its row. `P = [count, idx_count, axis_len, inner]`.
+pub fn gather_grad_src() -> String {
+    let body = "    let ic = P[1]; let al = P[2]; let inner = P[3];
+    let within = i % inner;
+    let rest = i / inner;
+    let r = rest % al;
+    let o = rest / al;
+    var acc = 0.0;
+    for (var j = 0u; j < ic; j = j + 1u) {
+        var idx = I[j];
+        if (idx < 0) { idx = idx + i32(al); }
+        if (u32(idx) == r) { acc = acc + DY[(o * ic + j) * inner + within]; }
+    }
+    Y[i] = acc;";
+    source(&[("I", Elem::I32, false), ("DY", Elem::F32, false), ("Y", Elem::F32, true)], "", body)
+}
+
+impl Kernel for op::SliceGrad {
+    fn value_inputs(&self) -> &'static [usize] {
+        &[1, 2, 3, 4]
+    }
+
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        let Some(dy) = cx.input(0) else { return Ok(None) };
+        let (Some(starts), Some(ends)) = (cx.input(1).and_then(|t| t.ints()), cx.input(2).and_then(|t| t.ints()))
+        else {
+            return Ok(None);
+        };
+        let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+        let shape = c.outputs[0].shape.clone();
+        let r = shape.len();
+        let axes: Vec<usize> = match cx.input(3) {
+            Some(t) => match t.ints() {
+                Some(a) => a.iter().map(|&v| norm_axis(v, r)).collect::<Result<_, _>>()?,
+                None => return Ok(None),
+            },
+            None => (0..starts.len()).collect(),
+        };
+        let steps = match cx.input(4) {
+            Some(t) => match t.ints() {
+                Some(s) => s,
+                None => return Ok(None),
+            },
+            None => vec![1; starts.len()],
+        };
+        // Per output dim: the first index the slice took, its step, how many it took, and
+        // dY's stride along it.
+        let mut start = vec![0i64; r];
+        let mut step = vec![1i64; r];
+        for (k, &a) in axes.iter().enumerate() {
+            let (s0, st, _) = ir::ops::shape::slice_params(shape[a] as i64, starts[k], ends[k], steps[k]);
+            start[a] = s0;
+            step[a] = st;
+        }
+        let ds = strides(&dy.shape);
+        let count: usize = shape.iter().product();
+        let mut p = vec![count as u32, r as u32];
+        for d in 0..r {
+            p.extend([
+                shape[d] as u32,
+                start[d] as i32 as u32,
+                step[d] as i32 as u32,
+                dy.shape[d] as u32,
+                ds[d] as u32,
+            ]);
+        }
+        if count > 0 {
+            c.launch(slice_grad_src(), vec![Buf::In(0), Buf::Out(0)], p, groups(count));
+        }
+        Ok(Some(c))
+    }
+}
+
+/// The gradient of a slice: each element reads dY where the slice took it, else 0.
+/// `P = [count, rank, per dim (size, start, step, taken, dY stride)]`.
+pub fn slice_grad_src() -> String {
+    let body = "    let r = P[1];
+    var rem = i;
+    var off = 0u;
+    var hit = true;
+    for (var t = 0u; t < r; t = t + 1u) {
+        let d = r - 1u - t;
+        let b = 2u + 5u * d;
+        let c = i32(rem % P[b]);
+        rem = rem / P[b];
+        let k = c - bitcast<i32>(P[b + 1u]);
+        let st = bitcast<i32>(P[b + 2u]);
+        if (k % st != 0) { hit = false; }
+        let q = k / st;
+        if (q < 0 || q >= i32(P[b + 3u])) { hit = false; }
+        off = off + u32(max(q, 0)) * P[b + 4u];
+    }
+    Y[i] = select(0.0, DY[off], hit);";
+    source(&[("DY", Elem::F32, false), ("Y", Elem::F32, true)], "", body)
+}
+
 /// Gather along an axis: `P = [count, idx_count, axis_len, inner]`.
 pub fn gather_src(e: Elem) -> String {
     let body = "    let ic = P[1]; let al = P[2]; let inner = P[3];
@@ -350,5 +466,7 @@ mod tests {
         for e in [Elem::F32, Elem::I32] {
             validate("gather", &gather_src(e));
         }
+        validate("gather grad", &gather_grad_src());
+        validate("slice grad", &slice_grad_src());
     }
 }

@@ -133,6 +133,45 @@ softmax_kernels! {
     Hardmax: "hard";
 }
 
+impl Kernel for op::SoftmaxGrad {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        let (Some(y), Some(_)) = (cx.input(0), cx.input(1)) else { return Ok(None) };
+        if y.elem() != Elem::F32 {
+            return Ok(None);
+        }
+        let r = y.shape.len();
+        let axes: Vec<usize> =
+            self.axes.clone().unwrap_or_else(|| vec![-1]).iter().map(|&a| norm_axis(a, r)).collect::<Result<_, _>>()?;
+        let (lo, hi) = (*axes.iter().min().unwrap_or(&0), *axes.iter().max().unwrap_or(&0));
+        if hi + 1 - lo != axes.len() {
+            return Ok(None);
+        }
+        let n: usize = y.shape[lo..=hi].iter().product();
+        let inner: usize = y.shape[hi + 1..].iter().product();
+        let rows = y.numel() / n.max(1);
+        let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+        if rows > 0 {
+            let p = vec![rows as u32, n as u32, inner as u32];
+            c.launch(softmax_grad_src(self.log() != 0), vec![Buf::In(0), Buf::In(1), Buf::Out(0)], p, groups(rows));
+        }
+        Ok(Some(c))
+    }
+}
+
+/// The gradient of softmax rows (`dX = Y·(dY − Σ dY·Y)`) or log-softmax rows
+/// (`dX = dY − exp(Y)·Σ dY`). `P = [rows, len, inner]`.
+pub fn softmax_grad_src(log: bool) -> String {
+    let (term, out) = if log { ("DY[o]", "DY[o] - exp(Y[o]) * s") } else { ("DY[o] * Y[o]", "Y[o] * (DY[o] - s)") };
+    let body = format!(
+        "    let n = P[1]; let inner = P[2];
+    let base = (i / inner) * n * inner + i % inner;
+    var s = 0.0;
+    for (var k = 0u; k < n; k = k + 1u) {{ let o = base + k * inner; s = s + {term}; }}
+    for (var k = 0u; k < n; k = k + 1u) {{ let o = base + k * inner; DX[o] = {out}; }}"
+    );
+    source(&[("Y", Elem::F32, false), ("DY", Elem::F32, false), ("DX", Elem::F32, true)], "", &body)
+}
+
 /// Reduction kinds.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Red {
@@ -300,6 +339,9 @@ mod tests {
         }
         for kind in ["soft", "log", "hard"] {
             validate(&format!("softmax {kind}"), &softmax_src(kind));
+        }
+        for log in [false, true] {
+            validate("softmax grad", &softmax_grad_src(log));
         }
     }
 }

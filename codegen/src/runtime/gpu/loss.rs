@@ -1,0 +1,215 @@
+//! Loss kernels: softmax cross-entropy and negative log-likelihood over `[N, C, d..]` scores
+//! with int labels (class dim 1), forward and gradient. Per sample: the log-sum-exp (for the
+//! softmax), its weight (0 when ignored) and its term; one invocation sums the terms and the
+//! weights for the `mean` and `sum` reductions.
+
+use ir::{DType, op};
+
+use super::Elem;
+use super::compile::{Buf, CompileCx, CompileResult, Compiled, Kernel, OutSpec, groups};
+use super::wgsl::{Binding, source};
+
+/// The loss attributes a kernel needs: `(reduction code, ignore flag, ignore index)`;
+/// reductions: 0 none, 1 sum, 2 mean.
+fn reduction(r: &str, ignore: Option<i64>) -> Option<[u32; 3]> {
+    let code = match r {
+        "none" => 0,
+        "sum" => 1,
+        "mean" => 2,
+        _ => return None,
+    };
+    Some([code, u32::from(ignore.is_some()), ignore.unwrap_or(0) as i32 as u32])
+}
+
+/// Per sample `s = n·D + j` of scores `X` with labels `L`: `WS[s]` (its weight), `LSE[s]`
+/// (log-sum-exp over the classes, when `softmax`), `T[s]` (its loss term) and, when
+/// `log_prob`, the log-probabilities. `P = [S, C, D, reduction, ignore?, ignore]`.
+pub fn samples_src(softmax: bool, weights: bool, log_prob: bool) -> String {
+    let mut b: Vec<Binding<'_>> = vec![("X", Elem::F32, false), ("L", Elem::I32, false)];
+    if weights {
+        b.push(("Wt", Elem::F32, false));
+    }
+    b.extend([("WS", Elem::F32, true), ("LSE", Elem::F32, true), ("T", Elem::F32, true)]);
+    if log_prob {
+        b.push(("LP", Elem::F32, true));
+    }
+    let lse = if softmax {
+        "    var mx = bitcast<f32>(0xff800000u);
+    for (var c = 0u; c < C; c = c + 1u) { mx = max(mx, X[(n * C + c) * D + j]); }
+    var se = 0.0;
+    for (var c = 0u; c < C; c = c + 1u) { se = se + exp(X[(n * C + c) * D + j] - mx); }
+    let lse = mx + log(se);"
+    } else {
+        "    let lse = 0.0;"
+    };
+    let w = if weights { "Wt[u32(lab)]" } else { "1.0" };
+    let lp = if log_prob {
+        "    for (var c = 0u; c < C; c = c + 1u) { LP[(n * C + c) * D + j] = X[(n * C + c) * D + j] - lse; }\n"
+    } else {
+        ""
+    };
+    let body = format!(
+        "    let C = P[1]; let D = P[2];
+    let n = i / D; let j = i % D;
+{lse}
+    LSE[i] = lse;
+{lp}    let lab = L[i];
+    if ((P[4] == 1u && lab == bitcast<i32>(P[5])) || lab < 0 || u32(lab) >= C) {{
+        WS[i] = 0.0;
+        T[i] = 0.0;
+        return;
+    }}
+    let w = {w};
+    WS[i] = w;
+    T[i] = -w * (X[(n * C + u32(lab)) * D + j] - lse);"
+    );
+    source(&b, "", &body)
+}
+
+/// One invocation: `Y[0]` = Σ T (sum) or Σ T / Σ WS (mean); or, for none, `Y[s] = T[s]` per
+/// sample. `P = [count, S, reduction]`.
+pub fn reduce_src() -> String {
+    let body = "    if (P[2] == 0u) { Y[i] = T[i]; return; }
+    var t = 0.0;
+    var w = 0.0;
+    for (var s = 0u; s < P[1]; s = s + 1u) { t = t + T[s]; w = w + WS[s]; }
+    Y[0] = select(t, t / w, P[2] == 2u);";
+    source(&[("T", Elem::F32, false), ("WS", Elem::F32, false), ("Y", Elem::F32, true)], "", body)
+}
+
+/// The gradient per score element `e = (n·C + c)·D + j`: `f = dL·WS[s]` (over Σ WS for mean),
+/// `dX = f·(softmax − onehot)` or `−f·onehot`. `P = [count, C, D, S, reduction]`.
+pub fn grad_src(softmax: bool) -> String {
+    let b: Vec<Binding<'_>> = vec![
+        ("DL", Elem::F32, false),
+        ("X", Elem::F32, false),
+        ("L", Elem::I32, false),
+        ("WS", Elem::F32, false),
+        ("LSE", Elem::F32, false),
+        ("DX", Elem::F32, true),
+    ];
+    let d = if softmax { "f * (exp(X[i] - LSE[s]) - hot)" } else { "-f * hot" };
+    let body = format!(
+        "    let C = P[1]; let D = P[2];
+    let j = i % D; let c = (i / D) % C; let n = i / (D * C);
+    let s = n * D + j;
+    var scale = DL[0];
+    if (P[4] == 0u) {{ scale = DL[s]; }}
+    if (P[4] == 2u) {{
+        var w = 0.0;
+        for (var k = 0u; k < P[3]; k = k + 1u) {{ w = w + WS[k]; }}
+        scale = scale / w;
+    }}
+    let f = scale * WS[s];
+    let hot = select(0.0, 1.0, WS[s] != 0.0 && L[s] == i32(c));
+    DX[i] = {d};"
+    );
+    source(&b, "", &body)
+}
+
+/// `(S, C, D)` of scores of this shape.
+fn dims(shape: &[usize]) -> Option<(usize, usize, usize)> {
+    (shape.len() >= 2).then(|| {
+        let d: usize = shape[2..].iter().product();
+        (shape[0] * d, shape[1], d)
+    })
+}
+
+fn forward(cx: &CompileCx<'_>, softmax: bool, red: Option<[u32; 3]>) -> CompileResult {
+    let (Some(x), Some(l), Some(red)) = (cx.input(0), cx.input(1), red) else { return Ok(None) };
+    let Some((s, cl, d)) = dims(&x.shape) else { return Ok(None) };
+    if x.elem() != Elem::F32 || l.elem() != Elem::I32 {
+        return Ok(None);
+    }
+    let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+    let weights = cx.input(2).is_some();
+    let log_prob = softmax && cx.outs.len() > 1 && cx.outs[1].is_some();
+    if log_prob {
+        c.outputs.push(OutSpec { shape: x.shape.clone(), dtype: x.dtype, view_of: None });
+    }
+    let ws = c.temp(vec![s], DType::Float);
+    let lse = c.temp(vec![s], DType::Float);
+    let t = c.temp(vec![s], DType::Float);
+    let mut bufs = vec![Buf::In(0), Buf::In(1)];
+    if weights {
+        bufs.push(Buf::In(2));
+    }
+    bufs.extend([ws, lse, t]);
+    if log_prob {
+        bufs.push(Buf::Out(1));
+    }
+    if s > 0 {
+        let p = vec![s as u32, cl as u32, d as u32, red[0], red[1], red[2]];
+        c.launch(samples_src(softmax, weights, log_prob), bufs, p, groups(s));
+    }
+    let count = if red[0] == 0 { s } else { 1 };
+    c.launch(reduce_src(), vec![t, ws, Buf::Out(0)], vec![count as u32, s as u32, red[0]], groups(count));
+    Ok(Some(c))
+}
+
+fn backward(cx: &CompileCx<'_>, softmax: bool, red: Option<[u32; 3]>) -> CompileResult {
+    let (Some(_), Some(x), Some(l), Some(red)) = (cx.input(0), cx.input(1), cx.input(2), red) else { return Ok(None) };
+    let Some((s, cl, d)) = dims(&x.shape) else { return Ok(None) };
+    if x.elem() != Elem::F32 || l.elem() != Elem::I32 {
+        return Ok(None);
+    }
+    let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
+    let weights = cx.input(3).is_some();
+    let ws = c.temp(vec![s], DType::Float);
+    let lse = c.temp(vec![s], DType::Float);
+    let t = c.temp(vec![s], DType::Float);
+    let mut bufs = vec![Buf::In(1), Buf::In(2)];
+    if weights {
+        bufs.push(Buf::In(3));
+    }
+    bufs.extend([ws, lse, t]);
+    if s > 0 {
+        let p = vec![s as u32, cl as u32, d as u32, red[0], red[1], red[2]];
+        c.launch(samples_src(softmax, weights, false), bufs, p, groups(s));
+        let n = x.numel();
+        let p = vec![n as u32, cl as u32, d as u32, s as u32, red[0]];
+        c.launch(grad_src(softmax), vec![Buf::In(0), Buf::In(1), Buf::In(2), ws, lse, Buf::Out(0)], p, groups(n));
+    }
+    Ok(Some(c))
+}
+
+impl Kernel for op::SoftmaxCrossEntropyLoss {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        forward(cx, true, reduction(self.reduction(), self.ignore_index))
+    }
+}
+
+impl Kernel for op::NegativeLogLikelihoodLoss {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        forward(cx, false, reduction(self.reduction(), self.ignore_index))
+    }
+}
+
+impl Kernel for op::SoftmaxCrossEntropyLossGrad {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        backward(cx, true, reduction(self.reduction(), self.ignore_index))
+    }
+}
+
+impl Kernel for op::NegativeLogLikelihoodLossGrad {
+    fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
+        backward(cx, false, reduction(self.reduction(), self.ignore_index))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::gpu::wgsl::validate;
+
+    #[test]
+    fn loss_kernels_validate() {
+        for softmax in [false, true] {
+            for weights in [false, true] {
+                validate("loss samples", &samples_src(softmax, weights, softmax));
+            }
+            validate("loss grad", &grad_src(softmax));
+        }
+        validate("loss reduce", &reduce_src());
+    }
+}

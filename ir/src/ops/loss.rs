@@ -1,0 +1,290 @@
+//! Losses: `SoftmaxCrossEntropyLoss` and `NegativeLogLikelihoodLoss` (ONNX), and their
+//! gradients (the `shardc` domain).
+//!
+//! Scores or log-probabilities are `[N, C, d1..]` with the class dim 1; labels `[N, d1..]`
+//! are int class ids; optional weights `[C]`. `reduction` is `mean` (divided by the sum of
+//! the weights of the counted labels), `sum` or `none`; labels equal to `ignore_index` count
+//! for nothing. The iteration space splits the samples (the batch): a split mean leaves
+//! partial sums of the per-sample terms, divided by the global count.
+
+use super::grad::GradCx;
+use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Types, Work};
+use crate::eval::{Array, EvalError};
+use crate::op::{self, Op};
+use crate::shard::IterSpace;
+use crate::types::{DType, Dim, TensorType};
+
+type Result<T> = std::result::Result<T, EvalError>;
+
+/// A loss's attributes.
+#[derive(Copy, Clone)]
+struct Red<'a> {
+    reduction: &'a str,
+    ignore: Option<i64>,
+}
+
+/// `[N, C, d..]` → (N, C, D = Πd).
+fn layout(shape: &[usize]) -> Result<(usize, usize, usize)> {
+    if shape.len() < 2 {
+        return Err(EvalError::Invalid(format!("loss scores of rank {} (need ≥ 2)", shape.len())));
+    }
+    Ok((shape[0], shape[1], shape[2..].iter().product()))
+}
+
+/// Per sample (n, d): its class, its weight (0 when ignored).
+fn targets(labels: &Array, weights: Option<&Array>, r: Red<'_>, c: usize) -> Result<(Vec<usize>, Vec<f64>)> {
+    let l = labels.to_i64()?;
+    let w = weights.map(Array::to_f64).transpose()?;
+    let mut cls = Vec::with_capacity(l.len());
+    let mut wt = Vec::with_capacity(l.len());
+    for &k in &l {
+        if Some(k) == r.ignore {
+            cls.push(0);
+            wt.push(0.0);
+            continue;
+        }
+        if k < 0 || k as usize >= c {
+            return Err(EvalError::Invalid(format!("label {k} outside 0..{c}")));
+        }
+        cls.push(k as usize);
+        wt.push(w.as_ref().map_or(1.0, |w| w[k as usize]));
+    }
+    Ok((cls, wt))
+}
+
+/// The reduced loss from per-sample terms (already weighted).
+fn reduce(terms: Vec<f64>, wt: &[f64], r: Red<'_>, dtype: DType, sample_shape: Vec<usize>) -> Array {
+    match r.reduction {
+        "none" => Array::float(dtype, sample_shape, terms),
+        "sum" => Array::float(dtype, vec![], vec![terms.iter().sum()]),
+        _ => {
+            let total: f64 = wt.iter().sum();
+            Array::float(dtype, vec![], vec![terms.iter().sum::<f64>() / total])
+        }
+    }
+}
+
+/// Per-sample scale of the gradient: `dloss` (per sample for none), over the total weight
+/// for mean.
+fn dscale(dloss: &Array, wt: &[f64], r: Red<'_>) -> Result<Vec<f64>> {
+    let d = dloss.to_f64()?;
+    Ok(match r.reduction {
+        "none" => d,
+        "sum" => vec![d[0]; wt.len()],
+        _ => vec![d[0] / wt.iter().sum::<f64>(); wt.len()],
+    })
+}
+
+fn log_softmax(x: &[f64], n: usize, c: usize, dd: usize) -> Vec<f64> {
+    let mut out = vec![0.0; x.len()];
+    for i in 0..n {
+        for j in 0..dd {
+            let at = |k: usize| (i * c + k) * dd + j;
+            let m = (0..c).map(|k| x[at(k)]).fold(f64::NEG_INFINITY, f64::max);
+            let s: f64 = (0..c).map(|k| (x[at(k)] - m).exp()).sum();
+            let lse = m + s.ln();
+            for k in 0..c {
+                out[at(k)] = x[at(k)] - lse;
+            }
+        }
+    }
+    out
+}
+
+fn loss_infer(cx: &InferCx<'_>, reduction: &str, log_prob: bool) -> Types {
+    let dt = cx.dtype();
+    let loss_dims = match reduction {
+        "none" => cx.dims(1).cloned(),
+        "mean" | "sum" => Some(Vec::<Dim>::new()),
+        r => return Err(format!("unknown reduction `{r}`")),
+    };
+    let mut out = vec![cx.with(dt, loss_dims)];
+    if log_prob && cx.n_out > 1 {
+        out.push(cx.input(0).cloned());
+    }
+    Ok(out)
+}
+
+/// Samples split, like a batch: the scores' dims 0 and 2.. follow the labels'.
+fn loss_space(cx: &NodeCx<'_>) -> Option<IterSpace> {
+    Some(IterSpace::whole(cx))
+}
+
+impl OpRules for op::SoftmaxCrossEntropyLoss {
+    fn arity(&self) -> Arity {
+        Arity::new(2, 3, 1, 2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        loss_infer(cx, self.reduction(), true)
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        loss_space(cx)
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(4.0 * cx.in_numel(0))
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let x = cx.req(0)?;
+        let (n, c, dd) = layout(&x.shape)?;
+        let r = Red { reduction: self.reduction(), ignore: self.ignore_index };
+        let (cls, wt) = targets(cx.req(1)?, cx.opt(2), r, c)?;
+        let lp = log_softmax(&x.to_f64()?, n, c, dd);
+        let terms: Vec<f64> = (0..n * dd)
+            .map(|s| if wt[s] == 0.0 { 0.0 } else { -wt[s] * lp[((s / dd) * c + cls[s]) * dd + s % dd] })
+            .collect();
+        let mut sample = vec![n];
+        sample.extend(&x.shape[2..]);
+        let mut out = vec![reduce(terms, &wt, r, x.dtype, sample)];
+        if cx.n_out > 1 {
+            out.push(Array::float(x.dtype, x.shape.clone(), lp));
+        }
+        Ok(out)
+    }
+
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(loss_grad(
+            cx,
+            Op::SoftmaxCrossEntropyLossGrad(op::SoftmaxCrossEntropyLossGrad {
+                ignore_index: self.ignore_index,
+                reduction: self.reduction.clone(),
+            }),
+        ))
+    }
+}
+
+impl OpRules for op::NegativeLogLikelihoodLoss {
+    fn arity(&self) -> Arity {
+        Arity::new(2, 3, 1, 1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        loss_infer(cx, self.reduction(), false)
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        loss_space(cx)
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(cx.in_numel(1))
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let x = cx.req(0)?;
+        let (n, c, dd) = layout(&x.shape)?;
+        let r = Red { reduction: self.reduction(), ignore: self.ignore_index };
+        let (cls, wt) = targets(cx.req(1)?, cx.opt(2), r, c)?;
+        let xv = x.to_f64()?;
+        let terms: Vec<f64> = (0..n * dd)
+            .map(|s| if wt[s] == 0.0 { 0.0 } else { -wt[s] * xv[((s / dd) * c + cls[s]) * dd + s % dd] })
+            .collect();
+        let mut sample = vec![n];
+        sample.extend(&x.shape[2..]);
+        Ok(vec![reduce(terms, &wt, r, x.dtype, sample)])
+    }
+
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(loss_grad(
+            cx,
+            Op::NegativeLogLikelihoodLossGrad(op::NegativeLogLikelihoodLossGrad {
+                ignore_index: self.ignore_index,
+                reduction: self.reduction.clone(),
+            }),
+        ))
+    }
+}
+
+/// Both losses: dScores from dLoss, the scores and the labels (and weights).
+fn loss_grad(cx: &mut GradCx<'_>, grad_op: Op) -> std::result::Result<(), String> {
+    if cx.dy(1).is_some() {
+        return Err("a gradient through the log_prob output is not supported".into());
+    }
+    let (Some(dl), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+    let mut ins = vec![Some(dl), Some(cx.x(0)?), Some(cx.x(1)?)];
+    if let Some(w) = cx.x_opt(2) {
+        ins.push(Some(w));
+    }
+    let d = cx.add(grad_op, &ins, 1)?[0];
+    cx.set(0, d);
+    Ok(())
+}
+
+/// The gradients' evaluation: dScores `[N, C, d..]`.
+fn loss_grad_eval(cx: &EvalCx<'_>, r: Red<'_>, softmax: bool) -> Arrays {
+    let (dl, x) = (cx.req(0)?, cx.req(1)?);
+    let (n, c, dd) = layout(&x.shape)?;
+    let (cls, wt) = targets(cx.req(2)?, cx.opt(3), r, c)?;
+    let sc = dscale(dl, &wt, r)?;
+    let mut out = if softmax {
+        log_softmax(&x.to_f64()?, n, c, dd).into_iter().map(f64::exp).collect()
+    } else {
+        vec![0.0; x.numel()]
+    };
+    for s in 0..n * dd {
+        let (i, j) = (s / dd, s % dd);
+        let f = sc[s] * wt[s];
+        for k in 0..c {
+            let at = (i * c + k) * dd + j;
+            let hot = if k == cls[s] && wt[s] != 0.0 { 1.0 } else { 0.0 };
+            out[at] = if softmax { f * (out[at] - hot) } else { -f * hot };
+        }
+    }
+    Ok(vec![Array::float(x.dtype, x.shape.clone(), out)])
+}
+
+fn loss_grad_infer(cx: &InferCx<'_>) -> Types {
+    Ok(vec![cx.input(1).cloned()])
+}
+
+impl OpRules for op::SoftmaxCrossEntropyLossGrad {
+    fn arity(&self) -> Arity {
+        Arity::new(3, 4, 1, 1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        loss_grad_infer(cx)
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        loss_space(cx)
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(5.0 * cx.in_numel(1))
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        loss_grad_eval(cx, Red { reduction: self.reduction(), ignore: self.ignore_index }, true)
+    }
+}
+
+impl OpRules for op::NegativeLogLikelihoodLossGrad {
+    fn arity(&self) -> Arity {
+        Arity::new(3, 4, 1, 1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        loss_grad_infer(cx)
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        loss_space(cx)
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(cx.in_numel(1))
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        loss_grad_eval(cx, Red { reduction: self.reduction(), ignore: self.ignore_index }, false)
+    }
+}
+
+/// Checks labels are integers (for the verifier's sake).
+pub fn is_label_type(t: &TensorType) -> bool {
+    matches!(t.dtype, DType::Int64 | DType::Int32)
+}
