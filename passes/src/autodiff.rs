@@ -289,6 +289,33 @@ pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<T
     if info.trainable.is_empty() {
         return Err(err("no float initializer reaches the loss: nothing to train"));
     }
+    // Running statistics: a training-mode BatchNormalization's running mean and variance
+    // outputs become the next values of the initializers it read them from.
+    for &n in &order {
+        let Op::BatchNormalization(b) = &g.node(n).op else { continue };
+        if b.training_mode() == 0 {
+            continue;
+        }
+        for (input, slot) in [(3usize, 1u16), (4, 2)] {
+            let Some(src) = g.node(n).input(input) else { continue };
+            if g.initializer(src).is_none() || g.node(n).outputs().len() <= slot as usize {
+                continue;
+            }
+            let out = Value::new(n, slot);
+            if g.value_name(out).is_empty() {
+                let name = g.fresh_name(&format!("{}__batch", g.value_name(src)));
+                g.rename(out, name);
+                infer_node(g, n).map_err(err)?;
+            }
+            let sname = g.value_name(src).to_string();
+            if info.state.contains_key(&sname) || next.iter().any(|(s, _)| *s == sname) {
+                continue;
+            }
+            let v = add_named(g, Op::Identity(op::Identity::default()), &[Some(out)], &[format!("{sname}__next")])
+                .map_err(err)?[0];
+            next.push((sname, v));
+        }
+    }
     next.push((STEP.to_string(), next_step));
     for (s, v) in next {
         info.state.insert(s, g.value_name(v).to_string());

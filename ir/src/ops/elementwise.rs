@@ -936,6 +936,25 @@ fn pointwise_grad(cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>
             Ok(())
         })(),
         Op::Clip(c) => clip_grad(cx, c),
+        Op::Mod(m) => (|| {
+            // y = a − b·q with q = (a − y)/b constant almost everywhere (trunc for fmod,
+            // floor otherwise): dA = dY, dB = −dY·q.
+            let Some(dy) = cx.dy(0) else { return Ok(()) };
+            if !cx.dtype(dy).is_float() || m.fmod() == 0 && !cx.dtype(cx.x(0)?).is_float() {
+                return Ok(());
+            }
+            let (a, b, y) = (cx.x(0)?, cx.x(1)?, cx.y(0));
+            cx.set_broadcast(0, dy)?;
+            if cx.want(1) {
+                let r = cx.sub(a, y)?;
+                let q = cx.div(r, b)?;
+                let q = cx.add1(Op::Round(op::Round::default()), &[q])?;
+                let d = cx.mul(dy, q)?;
+                let d = cx.neg(d)?;
+                cx.set_broadcast(1, d)?;
+            }
+            Ok(())
+        })(),
         _ if FLAT.contains(&name.as_str()) => Ok(()),
         _ => {
             let g = derivative_attrs(&op);
@@ -1030,19 +1049,37 @@ fn variadic_grad(cx: &mut GradCx<'_>, op: &Op) -> std::result::Result<(), String
     let Some(dy) = cx.dy(0) else { return Ok(()) };
     let y = cx.y(0);
     let k = cx.g.node(cx.n).inputs().len();
+    // Max/Min: the gradient goes where an input attains the result, split evenly among
+    // the inputs that tie (as torch splits it).
+    let minmax = !matches!(op, Op::Sum(_) | Op::Mean(_));
+    let mut share = dy;
+    let mut eqs = Vec::new();
+    if minmax {
+        let mut count: Option<crate::Value> = None;
+        for i in 0..k {
+            let xi = cx.x(i)?;
+            let eq = cx.add1(Op::Equal(op::Equal::default()), &[xi, y])?;
+            let c = cx.cast(eq, cx.dtype(dy))?;
+            count = Some(match count {
+                Some(s) => cx.add2(s, c)?,
+                None => c,
+            });
+            eqs.push(eq);
+        }
+        if k > 1 {
+            share = cx.div(dy, count.expect("k ≥ 1"))?;
+        }
+    }
     for i in 0..k {
         if !cx.want(i) {
             continue;
         }
-        let xi = cx.x(i)?;
         let d = match op {
             Op::Sum(_) => dy,
             Op::Mean(_) => cx.scale(dy, 1.0 / k as f64)?,
             _ => {
-                // Max/Min: the gradient goes where the input attains the result.
-                let eq = cx.add1(Op::Equal(op::Equal::default()), &[xi, y])?;
                 let z = cx.scalar(cx.dtype(dy), 0.0);
-                cx.where_(eq, dy, z)?
+                cx.where_(eqs[i], share, z)?
             }
         };
         cx.set_broadcast(i, d)?;

@@ -85,6 +85,19 @@ impl OpRules for op::Gather {
 }
 
 impl OpRules for op::GatherElements {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        // Scatter-add of dY into zeros of the data's shape at the gathered positions.
+        Some((|| {
+            let Some(dy) = cx.dy(0) else { return Ok(()) };
+            let (x, idx) = (cx.x(0)?, cx.x(1)?);
+            let z = cx.zeros_like(x)?;
+            let op = Op::ScatterElements(op::ScatterElements { axis: self.axis, reduction: Some("add".into()) });
+            let d = cx.add1(op, &[z, idx, dy])?;
+            cx.set(0, d);
+            Ok(())
+        })())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }
@@ -107,6 +120,20 @@ impl OpRules for op::GatherElements {
 }
 
 impl OpRules for op::GatherND {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        if self.batch_dims() != 0 {
+            return Some(Err("the gradient of GatherND with batch_dims is not supported".into()));
+        }
+        Some((|| {
+            let Some(dy) = cx.dy(0) else { return Ok(()) };
+            let (x, idx) = (cx.x(0)?, cx.x(1)?);
+            let z = cx.zeros_like(x)?;
+            let d = cx.add1(Op::ScatterND(op::ScatterND { reduction: Some("add".into()) }), &[z, idx, dy])?;
+            cx.set(0, d);
+            Ok(())
+        })())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }
@@ -128,6 +155,27 @@ impl OpRules for op::GatherND {
 }
 
 impl OpRules for op::ScatterND {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        if self.reduction() != "none" {
+            return None;
+        }
+        // The data keeps dY where nothing was written; the updates read dY where they went.
+        Some((|| {
+            let Some(dy) = cx.dy(0) else { return Ok(()) };
+            let (idx, u) = (cx.x(1)?, cx.x(2)?);
+            if cx.want(0) {
+                let z = cx.zeros_like(u)?;
+                let d = cx.add1(Op::ScatterND(op::ScatterND::default()), &[dy, idx, z])?;
+                cx.set(0, d);
+            }
+            if cx.want(2) {
+                let d = cx.add1(Op::GatherND(op::GatherND::default()), &[dy, idx])?;
+                cx.set(2, d);
+            }
+            Ok(())
+        })())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(3)
     }
@@ -149,6 +197,27 @@ impl OpRules for op::ScatterND {
 }
 
 impl OpRules for op::ScatterElements {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        if self.reduction() != "none" {
+            return None;
+        }
+        Some((|| {
+            let Some(dy) = cx.dy(0) else { return Ok(()) };
+            let (idx, u) = (cx.x(1)?, cx.x(2)?);
+            if cx.want(0) {
+                let z = cx.zeros_like(u)?;
+                let op = Op::ScatterElements(op::ScatterElements { axis: self.axis, reduction: None });
+                let d = cx.add1(op, &[dy, idx, z])?;
+                cx.set(0, d);
+            }
+            if cx.want(2) {
+                let d = cx.add1(Op::GatherElements(op::GatherElements { axis: self.axis }), &[dy, idx])?;
+                cx.set(2, d);
+            }
+            Ok(())
+        })())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(3)
     }
@@ -170,6 +239,20 @@ impl OpRules for op::ScatterElements {
 }
 
 impl OpRules for op::TopK {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        // The values' gradient scattered back to where they were taken from.
+        Some((|| {
+            let Some(dy) = cx.dy(0) else { return Ok(()) };
+            let x = cx.x(0)?;
+            let z = cx.zeros_like(x)?;
+            let idx = cx.y(1);
+            let op = Op::ScatterElements(op::ScatterElements { axis: self.axis, reduction: Some("add".into()) });
+            let d = cx.add1(op, &[z, idx, dy])?;
+            cx.set(0, d);
+            Ok(())
+        })())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(1, 2, 2, 2)
     }
@@ -240,6 +323,18 @@ impl OpRules for op::NonZero {
 }
 
 impl OpRules for op::CumSum {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        // A running sum's gradient is the running sum the other way.
+        Some((|| {
+            let Some(dy) = cx.dy(0) else { return Ok(()) };
+            let axis = cx.x(1)?;
+            let op = Op::CumSum(op::CumSum { exclusive: self.exclusive, reverse: Some(1 - self.reverse()) });
+            let d = cx.add1(op, &[dy, axis])?;
+            cx.set(0, d);
+            Ok(())
+        })())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }
@@ -268,6 +363,17 @@ impl OpRules for op::CumSum {
 }
 
 impl OpRules for op::Trilu {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        // A mask: the gradient is masked the same way.
+        Some((|| {
+            let Some(dy) = cx.dy(0) else { return Ok(()) };
+            let ins: Vec<Option<crate::Value>> = vec![Some(dy), cx.x_opt(1)];
+            let d = cx.add(Op::Trilu(self.clone()), &ins, 1)?[0];
+            cx.set(0, d);
+            Ok(())
+        })())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(1, 2, 1, 1)
     }
@@ -382,6 +488,17 @@ fn scatter_values(data: &Array, updates: &Array, targets: &[usize], reduction: &
     let mut out = data.clone();
     match (&mut out.data, &updates.data) {
         (Data::F32(o), Data::F32(u)) => {
+            for (k, &t) in targets.iter().enumerate() {
+                o[t] = match reduction {
+                    "add" => o[t] + u[k],
+                    "mul" => o[t] * u[k],
+                    "max" => o[t].max(u[k]),
+                    "min" => o[t].min(u[k]),
+                    _ => u[k],
+                };
+            }
+        }
+        (Data::F64(o), Data::F64(u)) => {
             for (k, &t) in targets.iter().enumerate() {
                 o[t] = match reduction {
                     "add" => o[t] + u[k],

@@ -172,8 +172,10 @@ impl OpRules for op::LayerNormalization {
                     Ok((0..d.len()).map(|i| if i < a { d[i].clone() } else { Dim::Fixed(1) }).collect())
                 })
                 .transpose()?;
+            // The statistics are of the stash type (float unless it says otherwise).
+            let dtype = DType::from_code(self.stash_type()).filter(|d| d.is_float()).unwrap_or(DType::Float);
             for _ in 1..cx.n_out {
-                out.push(Some(TensorType { dtype: DType::Float, dims: stat.clone() }));
+                out.push(Some(TensorType { dtype, dims: stat.clone() }));
             }
         }
         Ok(out)
@@ -447,11 +449,12 @@ fn layer_norm(l: &op::LayerNormalization, cx: &EvalCx<'_>, n_out: usize) -> Resu
     }
     let mut res = vec![Array::float(x.dtype, x.shape.clone(), out)];
     let stat_shape: Vec<usize> = (0..x.rank()).map(|d| if d < a { x.shape[d] } else { 1 }).collect();
+    let stash = DType::from_code(l.stash_type()).filter(|d| d.is_float()).unwrap_or(DType::Float);
     if n_out > 1 {
-        res.push(Array::float(DType::Float, stat_shape.clone(), means));
+        res.push(Array::float(stash, stat_shape.clone(), means));
     }
     if n_out > 2 {
-        res.push(Array::float(DType::Float, stat_shape, inv));
+        res.push(Array::float(stash, stat_shape, inv));
     }
     Ok(res)
 }
@@ -531,23 +534,55 @@ fn batch_norm_grad(b: &op::BatchNormalization, cx: &mut GradCx<'_>) -> std::resu
 }
 
 fn layer_norm_grad(l: &op::LayerNormalization, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
-    if cx.dy(1).is_some() || cx.dy(2).is_some() {
-        return Err("a gradient through the mean or inverse deviation outputs is not supported".into());
-    }
-    let Some(dy) = cx.dy(0) else { return Ok(()) };
     let x = cx.x(0)?;
-    let r = cx.dims(x)?.len();
+    let dims = cx.dims(x)?;
+    let r = dims.len();
     let axis = norm_axis(l.axis(), r)? as i64;
-    let op = Op::LayerNormGrad(op::LayerNormGrad { axis: Some(axis), epsilon: l.epsilon });
-    let d = cx.add(op, &[Some(x), Some(cx.x(1)?), Some(dy)], 3)?;
-    cx.set(0, d[0]);
-    for (i, dv) in [(1, d[1]), (2, d[2])] {
-        if cx.want(i) {
-            let target = cx.dims(cx.x(i)?)?;
-            let t = cx.sum_to(dv, &target)?;
-            cx.set(i, t);
+    let mut dx = None;
+    if let Some(dy) = cx.dy(0) {
+        let op = Op::LayerNormGrad(op::LayerNormGrad { axis: Some(axis), epsilon: l.epsilon });
+        let d = cx.add(op, &[Some(x), Some(cx.x(1)?), Some(dy)], 3)?;
+        dx = Some(d[0]);
+        for (i, dv) in [(1, d[1]), (2, d[2])] {
+            if cx.want(i) {
+                let target = cx.dims(cx.x(i)?)?;
+                let t = cx.sum_to(dv, &target)?;
+                cx.set(i, t);
+            }
         }
     }
+    // Through the statistics outputs: d mean/dx = 1/N; d invstd/dx = −invstd³·(x − mean)/N.
+    if cx.dy(1).is_some() || cx.dy(2).is_some() {
+        let axes: Vec<i64> = (axis..r as i64).collect();
+        let n: i64 = dims[axis as usize..].iter().product();
+        let mut extra = None;
+        if let Some(dm) = cx.dy(1) {
+            let e = cx.scale(dm, 1.0 / n as f64)?;
+            extra = Some(cx.expand(e, &dims)?);
+        }
+        if let Some(dr) = cx.dy(2) {
+            let s = cx.reduce_sum(x, &axes, true)?;
+            let mean = cx.scale(s, 1.0 / n as f64)?;
+            let xc = cx.sub(x, mean)?;
+            let inv = cx.y(2);
+            let i2 = cx.mul(inv, inv)?;
+            let i3 = cx.mul(i2, inv)?;
+            let k = cx.mul(dr, i3)?;
+            let k = cx.scale(k, -1.0 / n as f64)?;
+            let e = cx.mul(k, xc)?;
+            extra = Some(match extra {
+                Some(a) => cx.add2(a, e)?,
+                None => e,
+            });
+        }
+        let e = extra.expect("one of the two");
+        dx = Some(match dx {
+            Some(a) => cx.add2(a, e)?,
+            None => e,
+        });
+    }
+    let Some(dx) = dx else { return Ok(()) };
+    cx.set(0, dx);
     Ok(())
 }
 

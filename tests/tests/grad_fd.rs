@@ -1,0 +1,490 @@
+//! Every gradient rule against central finite differences in float64.
+//!
+//! Each op's sample (`shardc_tests::samples`) is turned into a float64 graph whose float
+//! inputs become parameters (initializers drawn in `[0.1, 0.9]`), with the loss
+//! `Σ_outputs ReduceSum(y · r)` for a random `r` per float output. The autodiff pass builds
+//! the training graph; the reference evaluator runs it; each parameter's gradient is
+//! compared with `(L(p + h) − L(p − h)) / 2h` at sampled elements. Ops without a rule must
+//! be exactly those listed in [`NO_RULE`]. A second test draws random shapes and attributes
+//! for the ops whose rules have the most geometry (convolutions, pools, contractions,
+//! normalizations, gathers, slices, recurrences).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use ir::eval::{Array, Rng};
+use ir::{DType, Graph, GraphOutput, Op, TensorType, Value, op};
+use passes::autodiff::{LossSpec, OptimizerSpec, autodiff};
+use passes::train::Trainer;
+use shardc_tests::samples::samples;
+
+/// Ops whose samples have a float path to an output but no gradient rule, and why.
+const NO_RULE: &[(&str, &str)] = &[
+    ("AllGather", "communication: inserted by the lowering, after autodiff"),
+    ("AllReduce", "communication: inserted by the lowering, after autodiff"),
+    ("AllToAll", "communication: inserted by the lowering, after autodiff"),
+    ("HaloExchange", "communication: inserted by the lowering, after autodiff"),
+    ("ReduceScatter", "communication: inserted by the lowering, after autodiff"),
+    ("AveragePoolGrad", "a gradient op: training needs no second derivatives"),
+    ("BatchNormGrad", "a gradient op: training needs no second derivatives"),
+    ("ConvGradInput", "a gradient op: training needs no second derivatives"),
+    ("ConvGradWeight", "a gradient op: training needs no second derivatives"),
+    ("ElementwiseGrad", "a gradient op: training needs no second derivatives"),
+    ("GatherGrad", "a gradient op: training needs no second derivatives"),
+    ("LayerNormGrad", "a gradient op: training needs no second derivatives"),
+    ("MaxPoolGrad", "a gradient op: training needs no second derivatives"),
+    ("NegativeLogLikelihoodLossGrad", "a gradient op: training needs no second derivatives"),
+    ("RecurrentGrad", "a gradient op: training needs no second derivatives"),
+    ("SliceGrad", "a gradient op: training needs no second derivatives"),
+    ("SoftmaxCrossEntropyLossGrad", "a gradient op: training needs no second derivatives"),
+    ("SoftmaxGrad", "a gradient op: training needs no second derivatives"),
+    ("DepthToSpace", "block permutation, not in the models trained so far"),
+    ("SpaceToDepth", "block permutation, not in the models trained so far"),
+    ("Einsum", "general contraction: not yet"),
+    ("GlobalLpPool", "rare normalizing pool: not yet"),
+    ("LpPool", "rare normalizing pool: not yet"),
+    ("LpNormalization", "rare normalization: not yet"),
+    ("LRN", "a legacy normalization: not yet"),
+    ("MeanVarianceNormalization", "rare normalization: not yet"),
+    ("GroupNormalization", "grouped statistics: not yet"),
+    ("InstanceNormalization", "per-instance statistics: not yet"),
+    ("OneHot", "its float operand is a pair of constants in practice"),
+    ("Resize", "interpolation weights: not yet"),
+    ("Upsample", "interpolation weights: not yet"),
+    ("Loop", "control flow: subgraphs are not differentiated"),
+    ("Scan", "control flow: subgraphs are not differentiated"),
+];
+
+/// Ops with a rule that refuses some attributes (the sample uses one of them), and which.
+const PARTIAL: &[(&str, &str)] = &[("Pad", "reflect and edge modes (constant mode has a rule)")];
+
+/// Ops whose samples are skipped here, and why.
+const SKIP: &[(&str, &str)] = &[
+    ("Send", "communication: run by the runtime"),
+    ("Recv", "communication: run by the runtime"),
+    ("SgdUpdate", "an optimizer step, checked against torch by the golden training cases"),
+    ("AdamUpdate", "an optimizer step, checked against torch by the golden training cases"),
+];
+
+/// The outcome for one model.
+enum Outcome {
+    /// Gradients checked: how many elements.
+    Checked(usize),
+    /// No parameter reaches the loss through a float path.
+    NothingToCheck,
+    /// Autodiff reported a missing rule for this op type.
+    NoRule(String),
+}
+
+/// `text` with float32 types made float64 (LayerNormalization's statistics included).
+fn to_f64(text: &str) -> String {
+    text.replace("float[", "double[")
+        .replace("float ", "double ")
+        .replace("LayerNormalization <", "LayerNormalization <stash_type: int = 11, ")
+}
+
+fn draw(rng: &mut Rng, dtype: DType, dims: &[usize]) -> Array {
+    let n = dims.iter().product();
+    Array::float(dtype, dims.to_vec(), (0..n).map(|_| rng.uniform(0.1, 0.9)).collect())
+}
+
+/// Makes every float graph input an initializer, appends `Σ ReduceSum(y · r)` and the
+/// training graph; returns it with the values for the `r` inputs.
+fn training_graph(mut g: Graph, seed: u64) -> Result<Option<(Graph, HashMap<String, Array>)>, String> {
+    ir::infer::infer_shapes(&mut g, ir::infer::Mode::Check).map_err(|e| format!("{e:?}"))?;
+    let mut rng = Rng::new(seed);
+    for v in g.input_values() {
+        if !matches!(g.node(v.node).op, Op::Input { default: None }) {
+            continue;
+        }
+        let t = g.tensor_type(v).ok_or("untyped input")?.clone();
+        if !t.dtype.is_float() {
+            continue;
+        }
+        let dims: Vec<usize> = t.static_dims().ok_or("dynamic input")?.iter().map(|&d| d as usize).collect();
+        let name = g.value_name(v).to_string();
+        g.rename(v, format!("{name}__was_input"));
+        let p = g.add_initializer(name, draw(&mut rng, t.dtype, &dims).to_tensor());
+        g.replace_all_uses(v, p);
+        g.remove_node(v.node);
+    }
+    let mut terms = Vec::new();
+    let mut feeds = HashMap::new();
+    let outs: Vec<Value> = g.outputs().iter().map(|o| o.value).collect();
+    for (k, y) in outs.into_iter().enumerate() {
+        let Some(t) = g.tensor_type(y).cloned() else { continue };
+        if !t.dtype.is_float() {
+            continue;
+        }
+        let dims: Vec<i64> = t.static_dims().ok_or("dynamic output")?.to_vec();
+        let rname = format!("fd__r{k}");
+        let r = g.add_input(rname.clone(), Some(ir::Type::Tensor(TensorType::fixed(t.dtype, &dims))));
+        feeds.insert(rname, draw(&mut rng, t.dtype, &dims.iter().map(|&d| d as usize).collect::<Vec<_>>()));
+        let m = g.add_simple(Op::Mul(op::Mul::default()), &[y, r], format!("fd__m{k}"));
+        let s = g.add_simple(
+            Op::ReduceSum(op::ReduceSum { keepdims: Some(0), ..Default::default() }),
+            &[m],
+            format!("fd__s{k}"),
+        );
+        terms.push(s);
+    }
+    if terms.is_empty() {
+        return Ok(None);
+    }
+    let loss = if terms.len() == 1 { terms[0] } else { g.add_simple(Op::Sum(op::Sum::default()), &terms, "fd__loss") };
+    g.set_outputs(vec![GraphOutput { value: loss, ty: None }]);
+    ir::infer::infer_shapes(&mut g, ir::infer::Mode::Check).map_err(|e| format!("{e:?}"))?;
+    match autodiff(&mut g, &LossSpec::Model, &OptimizerSpec::sgd(0.0, 0.0)) {
+        Ok(_) => Ok(Some((g, feeds))),
+        Err(e) if e.iter().any(|l| l.msg.contains("nothing to train")) => Ok(None),
+        Err(e) => Err(e.into_iter().map(|l| l.msg).collect::<Vec<_>>().join("; ")),
+    }
+}
+
+/// Compares the gradients of `g` with central differences at up to `per_param` elements of
+/// each parameter.
+fn check(g: Graph, seed: u64, per_param: usize) -> Result<Outcome, String> {
+    let (g, feeds) = match training_graph(g, seed) {
+        Ok(Some(x)) => x,
+        Ok(None) => return Ok(Outcome::NothingToCheck),
+        Err(e) if e.contains("has no gradient rule") => return Ok(Outcome::NoRule(e)),
+        Err(e) => return Err(e),
+    };
+    let mut tr = Trainer::new(g)?;
+    let grads = tr.step(&feeds)?.gradients;
+    let mut rng = Rng::new(seed ^ 0x5eed);
+    let mut n = 0;
+    for (p, grad) in &grads {
+        let x = tr.get(p).ok_or("no parameter")?;
+        let xs = x.to_f64().map_err(|e| e.to_string())?;
+        let gs = grad.to_f64().map_err(|e| e.to_string())?;
+        if gs.len() != xs.len() {
+            return Err(format!("gradient of {p} has {} elements, the parameter {}", gs.len(), xs.len()));
+        }
+        let picks: BTreeSet<usize> = if xs.len() <= per_param {
+            (0..xs.len()).collect()
+        } else {
+            (0..per_param).map(|_| (rng.uniform(0.0, 1.0) * xs.len() as f64) as usize % xs.len()).collect()
+        };
+        for i in picks {
+            let h = 1e-6 * xs[i].abs().max(1.0);
+            let at = |d: f64| {
+                let mut v = xs.clone();
+                v[i] += d;
+                Array::float(x.dtype, x.shape.clone(), v)
+            };
+            tr.set(p, &at(h))?;
+            let lp = tr.loss(&feeds)?;
+            tr.set(p, &at(-h))?;
+            let lm = tr.loss(&feeds)?;
+            tr.set(p, &x)?;
+            let fd = (lp - lm) / (2.0 * h);
+            if (fd - gs[i]).abs() > 1e-5 + 1e-4 * fd.abs() {
+                return Err(format!("d loss / d {p}[{i}]: autodiff {}, finite differences {fd}", gs[i]));
+            }
+            n += 1;
+        }
+    }
+    Ok(Outcome::Checked(n))
+}
+
+fn parse(text: &str) -> Result<Graph, String> {
+    let m = frontend::parse(text).map_err(|d| frontend::render(&d, "sample", text))?.model;
+    Ok(m.graph)
+}
+
+#[test]
+fn every_gradient_rule_matches_finite_differences() {
+    let skip: BTreeSet<&str> = SKIP.iter().map(|s| s.0).collect();
+    let partial: BTreeSet<&str> = PARTIAL.iter().map(|s| s.0).collect();
+    let mut failures = Vec::new();
+    let mut no_rule = BTreeSet::new();
+    let mut checked: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut nothing = Vec::new();
+    for (k, s) in samples().iter().enumerate() {
+        if skip.contains(s.op) {
+            continue;
+        }
+        let r = parse(&to_f64(&s.text)).and_then(|g| check(g, 1000 + k as u64, 12));
+        match r {
+            Ok(Outcome::Checked(n)) => {
+                checked.insert(s.op, n);
+            }
+            Ok(Outcome::NothingToCheck) => nothing.push(s.op),
+            Ok(Outcome::NoRule(e)) => {
+                if !e.contains(&format!("{}", s.op)) {
+                    failures.push(format!("{}: a rule is missing on the way: {e}", s.op));
+                }
+                no_rule.insert(s.op);
+            }
+            Err(e) if partial.contains(s.op) && e.contains("is not supported") => {}
+            Err(e) => failures.push(format!("{}: {e}", s.op)),
+        }
+    }
+    let expected: BTreeSet<&str> = NO_RULE.iter().map(|s| s.0).collect();
+    let total: usize = checked.values().sum();
+    eprintln!(
+        "{} ops checked ({} elements); without a float path to the loss: {}",
+        checked.len(),
+        total,
+        nothing.join(", ")
+    );
+    if no_rule != expected {
+        failures.push(format!(
+            "ops without a gradient rule {:?}, NO_RULE lists {:?}",
+            no_rule.difference(&expected).collect::<Vec<_>>(),
+            expected.difference(&no_rule).collect::<Vec<_>>()
+        ));
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// A model in ONNX text over float64 inputs.
+fn model(inputs: &str, outputs: &str, inits: &str, body: &str) -> String {
+    let inits = if inits.is_empty() { String::new() } else { format!("\n<{inits}>") };
+    format!("<\n   ir_version: 8,\n   opset_import: [\"\" : 18]\n>\nm ({inputs}) => ({outputs}){inits}\n{{\n{body}\n}}")
+}
+
+fn list(v: &[usize]) -> String {
+    v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ")
+}
+
+/// One random model: an op with drawn shapes and attributes.
+fn random_case(rng: &mut Rng, kind: usize) -> (String, String) {
+    let mut pick = |n: usize| (rng.next_u64() % n as u64) as usize;
+    match kind {
+        // Conv: 1-3 spatial dims, strides, pads, dilations, groups.
+        0 => {
+            let k = 1 + pick(3);
+            let g = 1 + pick(2);
+            let (c, m) = (g * (1 + pick(2)), g * (1 + pick(2)));
+            let n = 1 + pick(2);
+            let ks: Vec<usize> = (0..k).map(|_| 1 + pick(3)).collect();
+            let st: Vec<usize> = (0..k).map(|_| 1 + pick(2)).collect();
+            let di: Vec<usize> = (0..k).map(|_| 1 + pick(2)).collect();
+            let pads: Vec<usize> = (0..2 * k).map(|_| pick(2)).collect();
+            let sp: Vec<usize> =
+                (0..k).map(|i| (ks[i] - 1) * di[i] + 1 + pick(4) + if k == 3 { 0 } else { 1 }).collect();
+            let xs = [vec![n, c], sp].concat();
+            let ws = [vec![m, c / g], ks.clone()].concat();
+            let text = model(
+                &format!("double[{}] x, double[{}] w, double[{m}] b", list(&xs), list(&ws)),
+                "y",
+                "",
+                &format!(
+                    "   y = Conv <group: int = {g}, strides: ints = [{}], dilations: ints = [{}], pads: ints = [{}]> (x, w, b)",
+                    list(&st),
+                    list(&di),
+                    list(&pads)
+                ),
+            );
+            (format!("Conv k{k} g{g} x{xs:?} w{ws:?} s{st:?} d{di:?} p{pads:?}"), text)
+        }
+        // ConvTranspose.
+        1 => {
+            let k = 1 + pick(2);
+            let g = 1 + pick(2);
+            let (c, m) = (g * (1 + pick(2)), g * (1 + pick(2)));
+            let ks: Vec<usize> = (0..k).map(|_| 1 + pick(3)).collect();
+            let st: Vec<usize> = (0..k).map(|_| 1 + pick(2)).collect();
+            let pads: Vec<usize> = (0..2 * k).map(|i| pick(ks[i % k].min(2))).collect();
+            let sp: Vec<usize> = (0..k).map(|_| 2 + pick(3)).collect();
+            let xs = [vec![1 + pick(2), c], sp].concat();
+            let ws = [vec![c, m / g], ks].concat();
+            let text = model(
+                &format!("double[{}] x, double[{}] w", list(&xs), list(&ws)),
+                "y",
+                "",
+                &format!(
+                    "   y = ConvTranspose <group: int = {g}, strides: ints = [{}], pads: ints = [{}]> (x, w)",
+                    list(&st),
+                    list(&pads)
+                ),
+            );
+            (format!("ConvTranspose g{g} x{xs:?} w{ws:?} s{st:?} p{pads:?}"), text)
+        }
+        // Pools.
+        2 => {
+            let k = 1 + pick(2);
+            let ks: Vec<usize> = (0..k).map(|_| 1 + pick(3)).collect();
+            let st: Vec<usize> = (0..k).map(|_| 1 + pick(2)).collect();
+            let pads: Vec<usize> = (0..2 * k).map(|i| pick(ks[i % k].div_ceil(2))).collect();
+            let sp: Vec<usize> = (0..k).map(|i| ks[i] + pick(4)).collect();
+            let xs = [vec![1 + pick(2), 1 + pick(3)], sp].concat();
+            let (op, extra) = match pick(3) {
+                0 => ("MaxPool", String::new()),
+                1 => ("AveragePool", ", count_include_pad: int = 0".to_string()),
+                _ => ("AveragePool", ", count_include_pad: int = 1".to_string()),
+            };
+            let text = model(
+                &format!("double[{}] x", list(&xs)),
+                "y",
+                "",
+                &format!(
+                    "   y = {op} <kernel_shape: ints = [{}], strides: ints = [{}], pads: ints = [{}]{extra}> (x)",
+                    list(&ks),
+                    list(&st),
+                    list(&pads)
+                ),
+            );
+            (format!("{op}{extra} x{xs:?} k{ks:?} s{st:?} p{pads:?}"), text)
+        }
+        // MatMul, batched with broadcasting.
+        3 => {
+            let (m, k, n) = (1 + pick(4), 1 + pick(4), 1 + pick(4));
+            let b = 1 + pick(3);
+            let a = match pick(3) {
+                0 => vec![m, k],
+                1 => vec![b, m, k],
+                _ => vec![2, 1, m, k],
+            };
+            let bs = match pick(3) {
+                0 => vec![k, n],
+                1 => vec![b, k, n],
+                _ => vec![k],
+            };
+            let text =
+                model(&format!("double[{}] a, double[{}] b", list(&a), list(&bs)), "y", "", "   y = MatMul (a, b)");
+            (format!("MatMul {a:?} {bs:?}"), text)
+        }
+        // Gemm with transposes, alpha, beta and a broadcast C.
+        4 => {
+            let (m, k, n) = (1 + pick(4), 1 + pick(4), 1 + pick(4));
+            let (ta, tb) = (pick(2), pick(2));
+            let a = if ta == 1 { [k, m] } else { [m, k] };
+            let b = if tb == 1 { [n, k] } else { [k, n] };
+            let c = match pick(3) {
+                0 => vec![n],
+                1 => vec![m, 1],
+                _ => vec![m, n],
+            };
+            let text = model(
+                &format!("double[{}] a, double[{}] b, double[{}] c", list(&a), list(&b), list(&c)),
+                "y",
+                "",
+                &format!(
+                    "   y = Gemm <transA: int = {ta}, transB: int = {tb}, alpha: float = 0.7, beta: float = 1.3> (a, b, c)"
+                ),
+            );
+            (format!("Gemm tA{ta} tB{tb} {a:?} {b:?} {c:?}"), text)
+        }
+        // Softmax / LogSoftmax / LayerNormalization over a random axis.
+        5 => {
+            let r = 1 + pick(3);
+            let xs: Vec<usize> = (0..r).map(|_| 1 + pick(4)).collect();
+            let axis = pick(r) as i64 - if pick(2) == 0 { r as i64 } else { 0 };
+            let (op, ins, inputs) = match pick(3) {
+                0 => ("Softmax", "x", format!("double[{}] x", list(&xs))),
+                1 => ("LogSoftmax", "x", format!("double[{}] x", list(&xs))),
+                _ => {
+                    let a = if axis < 0 { axis + r as i64 } else { axis } as usize;
+                    let s = list(&xs[a..]);
+                    ("LayerNormalization", "x, s, b", format!("double[{}] x, double[{s}] s, double[{s}] b", list(&xs)))
+                }
+            };
+            let text = model(&inputs, "y", "", &format!("   y = {op} <axis: int = {axis}> ({ins})"));
+            (format!("{op} {xs:?} axis {axis}"), text)
+        }
+        // BatchNormalization, training mode (batch statistics) or inference.
+        6 => {
+            let c = 1 + pick(3);
+            let xs = [vec![1 + pick(3), c], (0..pick(3)).map(|_| 1 + pick(3)).collect()].concat();
+            let train = pick(2);
+            // The running statistics are state the step updates, not differentiated.
+            let outs = "y";
+            let text = model(
+                &format!("double[{}] x, double[{c}] s, double[{c}] b", list(&xs)),
+                outs,
+                &format!(
+                    "double[{c}] m = {{{}}}, double[{c}] v = {{{}}}",
+                    vec!["0.2"; c].join(", "),
+                    vec!["1.5"; c].join(", ")
+                ),
+                &format!(
+                    "   {outs} = BatchNormalization <training_mode: int = {train}, momentum: float = 0.8> (x, s, b, m, v)"
+                ),
+            );
+            (format!("BatchNormalization train {train} {xs:?}"), text)
+        }
+        // Gather on a random axis with repeated indices (embedding-style scatter-add).
+        7 => {
+            let r = 1 + pick(3);
+            let xs: Vec<usize> = (0..r).map(|_| 2 + pick(3)).collect();
+            let axis = pick(r);
+            let n = 1 + pick(5);
+            let idx: Vec<String> = (0..n)
+                .map(|_| (pick(xs[axis]) as i64 - if pick(3) == 0 { xs[axis] as i64 } else { 0 }).to_string())
+                .collect();
+            let text = model(
+                &format!("double[{}] x", list(&xs)),
+                "y",
+                &format!("int64[{n}] i = {{{}}}", idx.join(", ")),
+                &format!("   y = Gather <axis: int = {axis}> (x, i)"),
+            );
+            (format!("Gather {xs:?} axis {axis} idx {idx:?}"), text)
+        }
+        // Slice with steps (negative included).
+        8 => {
+            let xs = [3 + pick(4), 2 + pick(4)];
+            let neg = pick(2) == 1;
+            let (st, en, step) = if neg {
+                (xs[0] as i64 - 1, -(xs[0] as i64) - 1, -(1 + pick(2) as i64))
+            } else {
+                (pick(2) as i64, xs[0] as i64, 1 + pick(2) as i64)
+            };
+            let text = model(
+                &format!("double[{}] x", list(&xs)),
+                "y",
+                &format!(
+                    "int64[2] s = {{{st}, 0}}, int64[2] e = {{{en}, {}}}, int64[2] a = {{0, 1}}, int64[2] p = {{{step}, 1}}",
+                    xs[1] as i64 - 1
+                ),
+                "   y = Slice (x, s, e, a, p)",
+            );
+            (format!("Slice {xs:?} {st}:{en}:{step}"), text)
+        }
+        // Recurrent layers, both directions.
+        _ => {
+            let (t, b, i, h) = (1 + pick(3), 1 + pick(2), 1 + pick(3), 1 + pick(3));
+            let dirs = ["forward", "reverse", "bidirectional"];
+            let dir = dirs[pick(3)];
+            let d = if dir == "bidirectional" { 2 } else { 1 };
+            let (op, gates, outs) = match pick(3) {
+                0 => ("LSTM", 4, "y, yh, yc"),
+                1 => ("GRU", 3, "y, yh"),
+                _ => ("RNN", 1, "y, yh"),
+            };
+            let text = model(
+                &format!(
+                    "double[{t},{b},{i}] x, double[{d},{},{i}] w, double[{d},{},{h}] r, double[{d},{}] bias, double[{d},{b},{h}] h0",
+                    gates * h,
+                    gates * h,
+                    2 * gates * h
+                ),
+                outs,
+                "",
+                &format!(
+                    "   {outs} = {op} <hidden_size: int = {h}, direction: string = \"{dir}\"> (x, w, r, bias, , h0)"
+                ),
+            );
+            (format!("{op} {dir} t{t} b{b} i{i} h{h}"), text)
+        }
+    }
+}
+
+#[test]
+fn gradients_match_finite_differences_over_random_shapes_and_attributes() {
+    let mut rng = Rng::new(20261123);
+    let mut failures = Vec::new();
+    let mut counts = [0usize; 10];
+    for case in 0..120 {
+        let kind = case % 10;
+        let (what, text) = random_case(&mut rng, kind);
+        match parse(&text).and_then(|g| check(g, case as u64, 6)) {
+            Ok(Outcome::Checked(_)) => counts[kind] += 1,
+            Ok(Outcome::NothingToCheck) => failures.push(format!("{what}: nothing to check")),
+            Ok(Outcome::NoRule(e)) | Err(e) => failures.push(format!("{what}: {e}")),
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert!(counts.iter().all(|&c| c == 12), "{counts:?}");
+}
