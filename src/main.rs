@@ -26,6 +26,9 @@ enum Command {
     Lower(cli::lower::LowerArgs),
     /// Compile a model to a plan (or take one), run it on simulated devices, check it.
     Run(cli::run::RunArgs),
+    /// Train a model: the training graph (forward, loss, backward, optimizer update) run for
+    /// some steps with weights and optimizer state resident on the devices, checked.
+    Train(cli::train::TrainArgs),
     /// Measure the simulated devices (GEMM, memory, dispatch, copies) and print a cluster file.
     Calibrate(cli::calibrate::CalibrateArgs),
     /// Compare strategies along batch, FLOP/s, memory bandwidth, link bandwidth or devices.
@@ -58,6 +61,7 @@ fn main() {
         Command::Plan(a) => cli::plan::run(a),
         Command::Lower(a) => cli::lower::run(a),
         Command::Run(a) => cli::run::run(a),
+        Command::Train(a) => cli::train::run(a),
         Command::Calibrate(a) => cli::calibrate::run(a),
         Command::Cluster { cluster } => cli::cost::load_cluster(cluster).and_then(|c| {
             let text = format!("# {}\n# {}\n{}", c.describe(), c.source, c.to_toml());

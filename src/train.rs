@@ -108,6 +108,11 @@ impl TrainCase {
 /// The training graph of `m` (shapes inferred, verified): forward, loss, backward, update.
 pub fn training_model(m: &ir::Model, loss: &LossSpec, opt: &OptimizerSpec) -> Result<(ir::Model, TrainInfo), String> {
     let mut t = m.clone();
+    // A training graph already (`shardc parse --passes autodiff` output): trained as it is.
+    if let Some(info) = TrainInfo::of(&t.graph) {
+        ir::infer::infer_shapes(&mut t.graph, ir::infer::Mode::Check).map_err(|e| format!("{e:?}"))?;
+        return Ok((t, info));
+    }
     let mut pm = passes::PassManager::new();
     pm.add(passes::Verify).add(passes::InferShapes::default());
     pm.run(&mut t).map_err(|e| e.to_string())?;
@@ -138,4 +143,46 @@ pub fn within(name: &str, actual: &Array, expected: &Array, tol: (f64, f64)) -> 
         }
     }
     Ok(())
+}
+
+/// Inputs for training `g` drawn from `seed`: the model's inputs as `shardc run` draws them,
+/// and class labels within the classes the loss scores (float targets in `[0, 1)`).
+pub fn seeded_inputs(g: &ir::Graph, info: &TrainInfo, seed: u64) -> Result<HashMap<String, Array>, String> {
+    let mut out = crate::exec::inputs_for(g, None, seed)?;
+    for name in &info.labels {
+        let v = g.lookup(name).ok_or_else(|| format!("no input `{name}`"))?;
+        let t = g.tensor_type(v).ok_or_else(|| format!("input `{name}` has no type"))?;
+        let dims: Vec<usize> = t
+            .static_dims()
+            .ok_or_else(|| format!("`{name}` has no static shape"))?
+            .iter()
+            .map(|&d| d as usize)
+            .collect();
+        let n: usize = dims.iter().product();
+        let mut rng = ir::eval::Rng::new(seed ^ 0x1abe1);
+        let a = if t.dtype.is_float() {
+            Array::float(t.dtype, dims, (0..n).map(|_| rng.uniform(0.0, 1.0)).collect())
+        } else {
+            // The classes: the last dim of the scores the loss reads (through its reshape).
+            let classes = g
+                .node_ids()
+                .find_map(|m| match &g.node(m).op {
+                    ir::Op::SoftmaxCrossEntropyLoss(_) | ir::Op::NegativeLogLikelihoodLoss(_) => g
+                        .node(m)
+                        .input(0)
+                        .and_then(|s| g.tensor_type(s))
+                        .and_then(|t| t.static_dims())
+                        .and_then(|d| d.last().copied()),
+                    _ => None,
+                })
+                .ok_or("no classification loss reads the labels")?;
+            Array::int(
+                t.dtype,
+                dims,
+                (0..n).map(|_| ((rng.uniform(0.0, 1.0) * classes as f64) as i64).min(classes - 1)).collect(),
+            )
+        };
+        out.insert(name.clone(), a);
+    }
+    Ok(out)
 }

@@ -635,3 +635,29 @@ fn rebatching_never_changes_a_parameter() {
     }
     assert!(same >= 3 * (models.len() - 2), "{same} kept, {refused} refused");
 }
+
+/// `shardc parse --passes autodiff` prints the training graph; it parses back to the same
+/// text, and `shardc train` trains it as it is, matching training the model itself.
+#[test]
+fn the_training_graph_prints_parses_back_and_trains() {
+    let dir = std::env::temp_dir().join(format!("shardc-autodiff-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let m = "tests/data/golden-train/mlp_xent.onnxtxt";
+    let o = shardc(&["parse", m, "--passes", "autodiff"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(text.contains("fc1.weight__grad") && text.contains("SgdUpdate"), "{text}");
+    let p = dir.join("train.onnxtxt");
+    std::fs::write(&p, &text).unwrap();
+    let o2 = shardc(&["parse", p.to_str().unwrap()]);
+    assert!(o2.status.success(), "{}", stderr(&o2));
+    assert_eq!(String::from_utf8_lossy(&o2.stdout), text);
+    let losses = |model: &str| -> Vec<f64> {
+        let o = shardc(&["train", model, "--steps", "3", "--backend", "cpu", "--lr", "0.01", "--json"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        doc["losses"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+    };
+    assert_eq!(losses(p.to_str().unwrap()), losses(m));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -246,7 +246,9 @@ pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<T
         .initializers()
         .iter()
         .map(|&n| Value::new(n, 0))
-        .filter(|&v| g.initializer(v).is_some_and(|t| t.dtype.is_float()))
+        // Single-element initializers are the exporter's constants (scales, epsilons, mask
+        // fill values, exponents), not parameters: they are not trained.
+        .filter(|&v| g.initializer(v).is_some_and(|t| t.dtype.is_float() && t.dims.iter().product::<i64>() >= 2))
         .collect();
     let grads = backward(g, &order, loss_v, &candidates)?;
     // Trainable: the candidates that received a gradient.

@@ -9,3 +9,4 @@ pub mod plan;
 pub mod run;
 pub mod stats;
 pub mod sweep;
+pub mod train;

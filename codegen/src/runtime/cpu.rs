@@ -31,6 +31,18 @@ impl Executor for CpuExecutor {
         Ok(t.clone())
     }
 
+    fn storage(&self, t: &Array) -> (usize, u64) {
+        // Each array owns its elements: the element buffer identifies it.
+        let id = match &t.data {
+            ir::eval::Data::F32(v) => v.as_ptr() as usize,
+            ir::eval::Data::F64(v) => v.as_ptr() as usize,
+            ir::eval::Data::I64(v) => v.as_ptr() as usize,
+            ir::eval::Data::Bool(v) => v.as_ptr() as usize,
+            ir::eval::Data::Str(v) => v.as_ptr() as usize,
+        };
+        (id, t.numel() as u64 * t.dtype.size_bytes().max(1))
+    }
+
     fn run(&mut self, g: &Graph, n: NodeId, inputs: &[Option<&Array>]) -> Result<(Vec<Array>, bool), String> {
         let node = g.node(n);
         eval_op(&node.op, inputs, node.num_outputs(), g.opset).map(|o| (o, false)).map_err(|e| e.to_string())

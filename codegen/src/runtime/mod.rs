@@ -87,13 +87,27 @@ pub struct DeviceReport {
     pub by_collective: BTreeMap<String, f64>,
     /// Ops the executor ran on the host (no kernel for them), by type.
     pub host_ops: BTreeMap<String, usize>,
+    /// Wall time of every step, seconds.
+    pub step_wall_s: Vec<f64>,
+    /// Compute time of the last step per training phase (`forward`, `backward`, `update`;
+    /// only `forward` for an inference graph), seconds.
+    pub by_phase: BTreeMap<String, f64>,
+    /// The most bytes of tensors live on the device at once (parameters, optimizer state,
+    /// activations kept for the backward pass, gradients), measured at op boundaries;
+    /// kernels' scratch buffers are not counted.
+    pub memory_allocated_bytes: u64,
 }
 
 /// The result of a run.
 #[derive(Clone, Debug)]
 pub struct RunReport {
-    /// Global outputs, in graph order.
+    /// Global outputs of the last step, in graph order.
     pub outputs: Vec<(String, Array)>,
+    /// Per step, the outputs named in [`RunOptions::every_step`] (all of them for the first
+    /// step when [`RunOptions::keep_first`]).
+    pub per_step: Vec<Vec<(String, Array)>>,
+    /// After the last step, the carried state (see [`RunOptions::carry`]) by name.
+    pub state: Vec<(String, Array)>,
     /// Per device.
     pub devices: Vec<DeviceReport>,
     /// Wall time of the whole run (device start-up, parameter uploads, every step), seconds.
@@ -126,6 +140,9 @@ pub trait Executor {
     ) -> Result<(Vec<Self::Tensor>, bool), String>;
     /// Waits until queued work is done (for timing).
     fn sync(&mut self) {}
+    /// The storage a tensor occupies: an identity shared by views of one allocation, and
+    /// its bytes.
+    fn storage(&self, t: &Self::Tensor) -> (usize, u64);
 }
 
 /// Options of a run.
@@ -135,14 +152,34 @@ pub struct RunOptions {
     pub backend: Backend,
     /// Longest a device waits for another before the run is declared stuck.
     pub timeout: Duration,
-    /// Forward steps to run on the same devices (at least 1); the report times the last,
-    /// after the earlier ones have compiled the kernels.
+    /// Steps to run on the same devices (at least 1); the report times the last, after
+    /// the earlier ones have compiled the kernels.
     pub steps: usize,
+    /// State carried from one step to the next: `(initializer, output)` by global name —
+    /// after each step the initializer takes the output's value, on the device, in place
+    /// (a training graph's parameters, optimizer state and step counter).
+    pub carry: Vec<(String, String)>,
+    /// Outputs downloaded after every step (a training step's loss); the others only after
+    /// the last.
+    pub every_step: Vec<String>,
+    /// Also download every output after the first step (a training step's gradients).
+    pub keep_first: bool,
+    /// Steps whose carried state is applied (`None`: every step); a later step runs on the
+    /// state as it then is (the loss after the last update).
+    pub updates: Option<usize>,
 }
 
 impl Default for RunOptions {
     fn default() -> Self {
-        RunOptions { backend: Backend::Wgpu, timeout: Duration::from_secs(300), steps: 1 }
+        RunOptions {
+            backend: Backend::Wgpu,
+            timeout: Duration::from_secs(300),
+            steps: 1,
+            carry: Vec::new(),
+            every_step: Vec::new(),
+            keep_first: false,
+            updates: None,
+        }
     }
 }
 
@@ -197,20 +234,27 @@ pub fn run(p: &Program, inputs: &HashMap<String, Array>, opts: &RunOptions) -> R
             .map(|(d, f)| {
                 let hub = &hub;
                 let backend = opts.backend;
-                let steps = opts.steps;
                 s.spawn(move || {
-                    let r = match backend {
-                        Backend::Cpu => drive(&mut cpu::CpuExecutor::new(), d, f, p.micro_batches, steps, hub),
+                    // A device that panics fails the run (its peers are told) instead of
+                    // leaving them waiting.
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match backend {
+                        Backend::Cpu => drive(&mut cpu::CpuExecutor::new(), d, f, p, opts, hub),
                         #[cfg(feature = "gpu")]
                         Backend::Wgpu => match gpu::GpuExecutor::new() {
-                            Ok(mut e) => drive(&mut e, d, f, p.micro_batches, steps, hub),
+                            Ok(mut e) => drive(&mut e, d, f, p, opts, hub),
                             Err(e) => Err(RuntimeError::NoAdapter(e)),
                         },
                         #[cfg(not(feature = "gpu"))]
                         Backend::Wgpu => {
                             Err(RuntimeError::NoAdapter("this shardc was built without the `gpu` feature".into()))
                         }
-                    };
+                    }))
+                    .unwrap_or_else(|_| {
+                        Err(RuntimeError::Device {
+                            device: d.device,
+                            message: "internal error: the device panicked".into(),
+                        })
+                    });
                     if let Err(e) = &r {
                         hub.fail(e.to_string());
                     }
@@ -244,23 +288,73 @@ pub fn run(p: &Program, inputs: &HashMap<String, Array>, opts: &RunOptions) -> R
     if let Some(e) = first_err {
         return Err(e);
     }
-    // Assemble the outputs.
-    let m = p.micro_batches.max(1);
+    // Assemble the outputs: those of the last step, and per step those kept.
+    let steps = per_device.first().map_or(0, |x| x.0.len());
+    let mut per_step = Vec::with_capacity(steps);
     let mut outputs = Vec::new();
-    for go in &p.outputs {
+    for step in 0..steps {
+        let outs: Vec<&Vec<Vec<(String, Array)>>> = per_device.iter().map(|x| &x.0[step]).collect();
+        let all = step + 1 == steps || (step == 0 && opts.keep_first);
+        let got = assemble_outputs(p, &p.outputs, p.micro_batches.max(1), &outs, all)?;
+        if step + 1 == steps {
+            outputs = got.clone();
+        }
+        let keep_all = step == 0 && opts.keep_first;
+        per_step.push(got.into_iter().filter(|(n, _)| keep_all || opts.every_step.contains(n)).collect());
+    }
+    // The carried state, assembled in the layout of the output it takes its value from.
+    let mut state = Vec::new();
+    for (init, next) in &opts.carry {
+        let Some(go) = p.outputs.iter().find(|o| &o.name == next) else {
+            return Err(RuntimeError::Input(format!("carried state `{init}`: no output `{next}`")));
+        };
+        let outs: Vec<Vec<Vec<(String, Array)>>> = per_device
+            .iter()
+            .enumerate()
+            .map(|(dev, x)| {
+                let dp = &p.devices[dev];
+                vec![
+                    dp.results
+                        .iter()
+                        .filter(|r| &r.global == next)
+                        .filter_map(|r| x.2.iter().find(|(n, _)| n == init).map(|(_, a)| (r.local.clone(), a.clone())))
+                        .collect(),
+                ]
+            })
+            .collect();
+        let refs: Vec<&Vec<Vec<(String, Array)>>> = outs.iter().collect();
+        let mut got = assemble_outputs(p, std::slice::from_ref(go), 1, &refs, true)?;
+        state.push((init.clone(), got.pop().expect("one output").1));
+    }
+    Ok(RunReport { outputs, per_step, state, devices: per_device.into_iter().map(|x| x.1).collect(), wall_s })
+}
+
+/// The global outputs of one step from each device's results (per micro-batch).
+fn assemble_outputs(
+    p: &Program,
+    gos: &[crate::program::GlobalValue],
+    m: usize,
+    per_device: &[&Vec<Vec<(String, Array)>>],
+    require: bool,
+) -> Result<Vec<(String, Array)>, RuntimeError> {
+    let mut outputs = Vec::new();
+    for go in gos {
         let mut micro_parts = Vec::with_capacity(m);
         for k in 0..m {
             // The devices holding pieces of this output, in stage-mesh order.
             let mut holders: Vec<(usize, &Array, &ir::shard::Sharding, usize)> = Vec::new();
-            for (dev, (outs, _)) in per_device.iter().enumerate() {
+            for (dev, outs) in per_device.iter().enumerate() {
                 let dp = &p.devices[dev];
                 for r in dp.results.iter().filter(|r| r.global == go.name) {
-                    if let Some((_, a)) = outs[k].iter().find(|(n, _)| *n == r.local) {
+                    if let Some((_, a)) = outs.get(k).and_then(|o| o.iter().find(|(n, _)| *n == r.local)) {
                         holders.push((dp.rank, a, &r.layout, dp.stage));
                     }
                 }
             }
             let Some(&(_, _, layout, stage)) = holders.first() else {
+                if k == 0 && !require {
+                    break;
+                }
                 return Err(RuntimeError::Input(format!("no device produced output `{}`", go.name)));
             };
             let mesh = &p.meshes[stage];
@@ -274,6 +368,9 @@ pub fn run(p: &Program, inputs: &HashMap<String, Array>, opts: &RunOptions) -> R
             }
             micro_parts.push(assemble(&pieces, layout, mesh, &shape));
         }
+        if micro_parts.is_empty() {
+            continue;
+        }
         let whole = match go.batch_axis {
             Some(ax) if m > 1 => concat(&micro_parts, ax),
             _ => micro_parts.pop().expect("one micro-batch"),
@@ -281,7 +378,7 @@ pub fn run(p: &Program, inputs: &HashMap<String, Array>, opts: &RunOptions) -> R
         let whole = Array { dtype: go.dtype, ..whole };
         outputs.push((go.name.clone(), whole));
     }
-    Ok(RunReport { outputs, devices: per_device.into_iter().map(|x| x.1).collect(), wall_s })
+    Ok(outputs)
 }
 
 fn attr_int(op: &Op, name: &str) -> i64 {
@@ -308,49 +405,142 @@ fn attr_str(op: &Op, name: &str, default: &str) -> String {
         .unwrap_or_else(|| default.to_string())
 }
 
-/// Per micro-batch, a device's results; and its report.
-type DeviceOutcome = (Vec<Vec<(String, Array)>>, DeviceReport);
+/// Per step, per micro-batch, a device's results; its report; and its carried state after
+/// the last step (by the initializer's global name).
+type DeviceOutcome = (Vec<Vec<Vec<(String, Array)>>>, DeviceReport, Vec<(String, Array)>);
 
-/// Runs one device's program for every micro-batch. Returns, per micro-batch, its results.
+/// The training phase of each op of a device graph: `update` for optimizer ops, `backward`
+/// for ops downstream of a gradient (the loss's seed, a gradient op, a received gradient),
+/// `forward` for the rest.
+fn phases(g: &Graph, order: &[NodeId]) -> HashMap<NodeId, &'static str> {
+    let mut out = HashMap::new();
+    let mut grad: std::collections::HashSet<NodeId> = std::collections::HashSet::new();
+    for &n in order {
+        let node = g.node(n);
+        let seeded = matches!(node.op, Op::Initializer(_)) && g.value_name(Value::new(n, 0)).ends_with("__seed");
+        let is_grad = node.op.op_type().ends_with("Grad")
+            || node.outputs().iter().any(|o| o.name.contains("__d") || o.name.ends_with("__grad"));
+        let downstream = node.inputs().iter().flatten().any(|v| grad.contains(&v.node));
+        if matches!(node.op, Op::SgdUpdate(_) | Op::AdamUpdate(_)) {
+            out.insert(n, "update");
+        } else if seeded || is_grad || downstream {
+            grad.insert(n);
+            out.insert(n, "backward");
+        } else {
+            out.insert(n, "forward");
+        }
+    }
+    out
+}
+
+/// Live device storage, counted once per allocation.
+struct Live {
+    by_storage: HashMap<usize, (u64, usize)>,
+    bytes: u64,
+    peak: u64,
+}
+
+impl Live {
+    fn add(&mut self, (id, b): (usize, u64)) {
+        let e = self.by_storage.entry(id).or_insert((b, 0));
+        if e.1 == 0 {
+            self.bytes += b;
+        }
+        e.1 += 1;
+        self.peak = self.peak.max(self.bytes);
+    }
+
+    fn remove(&mut self, (id, _): (usize, u64)) {
+        if let Some(e) = self.by_storage.get_mut(&id) {
+            e.1 -= 1;
+            if e.1 == 0 {
+                self.bytes -= e.0;
+                self.by_storage.remove(&id);
+            }
+        }
+    }
+}
+
+/// Runs one device's program for every step and micro-batch.
 fn drive<E: Executor>(
     e: &mut E,
     d: &DeviceProgram,
     feeds: Vec<HashMap<String, Array>>,
-    micro: usize,
-    steps: usize,
+    p: &Program,
+    opts: &RunOptions,
     hub: &hub::Hub,
 ) -> Result<DeviceOutcome, RuntimeError> {
     let err = |message: String| RuntimeError::Device { device: d.device, message };
     let g = &d.graph;
+    let steps = opts.steps.max(1);
     let order = g.topo_order().map_err(|_| err("the graph has a cycle".into()))?;
+    let phase = phases(g, &order);
     let mut port = hub.port(d.device);
     let mut report = DeviceReport { device: d.device, adapter: e.name(), ..Default::default() };
     let start = Instant::now();
+    // The carried state on this device: (initializer value, the value that replaces it).
+    let mut carries: Vec<(String, Value, Value)> = Vec::new();
+    for (init, next) in &opts.carry {
+        let Some(r) = d.results.iter().find(|r| &r.global == next) else { continue };
+        let (Some(iv), Some(nv)) = (g.lookup(init), g.lookup(&r.local)) else {
+            return Err(err(format!("carried state `{init}` is not held where `{next}` is computed")));
+        };
+        if !matches!(g.node(iv.node).op, Op::Initializer(_)) {
+            return Err(err(format!("carried state `{init}` is not an initializer on this device")));
+        }
+        carries.push((init.clone(), iv, nv));
+    }
+    if !carries.is_empty() && p.micro_batches > 1 {
+        return Err(err(
+            "training steps over several micro-batches (gradient accumulation) are not supported yet".into()
+        ));
+    }
+    // Values kept to the end of a micro-batch: results and carried values.
+    let mut keep: std::collections::HashSet<Value> = carries.iter().map(|c| c.2).collect();
+    for r in &d.results {
+        if let Some(v) = g.lookup(&r.local) {
+            keep.insert(v);
+        }
+    }
+    // The last op (position in `order`) reading each value.
+    let mut last_use: HashMap<Value, usize> = HashMap::new();
+    for (i, &n) in order.iter().enumerate() {
+        for v in g.node(n).inputs().iter().flatten() {
+            last_use.insert(*v, i);
+        }
+    }
     // Parameters and constants are uploaded once.
+    let mut live = Live { by_storage: HashMap::new(), bytes: 0, peak: 0 };
     let mut fixed: HashMap<Value, E::Tensor> = HashMap::new();
     for &n in &order {
         if let Op::Initializer(t) | Op::Input { default: Some(t) } = &g.node(n).op {
             let a = Array::from_tensor(t)
                 .map_err(|x| err(format!("initializer `{}`: {x}", g.value_name(Value::new(n, 0)))))?;
-            fixed.insert(Value::new(n, 0), e.upload(&a).map_err(err)?);
+            let t = e.upload(&a).map_err(err)?;
+            live.add(e.storage(&t));
+            fixed.insert(Value::new(n, 0), t);
         }
     }
     let setup_s = start.elapsed().as_secs_f64();
-    let mut outs_all = Vec::with_capacity(micro);
+    let mut outs_steps = Vec::with_capacity(steps);
     let mut step_start = Instant::now();
-    for step in 0..steps.max(1) {
-        if step + 1 == steps.max(1) {
+    for step in 0..steps {
+        let last = step + 1 == steps;
+        if last {
             // Only the last step is reported: earlier ones warm the kernel caches.
             report.by_op.clear();
             report.by_collective.clear();
             report.host_ops.clear();
-            outs_all.clear();
-            step_start = Instant::now();
+            report.by_phase.clear();
         }
+        step_start = Instant::now();
+        let fetch_all = last || (step == 0 && opts.keep_first);
+        let mut outs_micro = Vec::with_capacity(feeds.len());
+        let mut next_state: Vec<(Value, E::Tensor)> = Vec::new();
         // Uploads of the next micro-batch are queued before this one's compute.
         let mut queued: Option<HashMap<String, E::Tensor>> = None;
         for (k, feed) in feeds.iter().enumerate() {
-            let mut env: HashMap<Value, E::Tensor> = fixed.clone();
+            let mut env: HashMap<Value, E::Tensor> = HashMap::new();
             let inputs = match queued.take() {
                 Some(q) => q,
                 None => upload_feed(e, feed).map_err(err)?,
@@ -358,21 +548,26 @@ fn drive<E: Executor>(
             if let Some(next) = feeds.get(k + 1) {
                 queued = Some(upload_feed(e, next).map_err(err)?);
             }
-            for &n in &order {
+            for (i, &n) in order.iter().enumerate() {
                 let node = g.node(n);
+                let mut produced: Vec<(Value, E::Tensor)> = Vec::new();
                 match &node.op {
                     Op::Input { default: None } => {
                         let name = g.value_name(Value::new(n, 0));
                         let t = inputs.get(name).ok_or_else(|| err(format!("no feed for `{name}`")))?;
-                        env.insert(Value::new(n, 0), t.clone());
+                        produced.push((Value::new(n, 0), t.clone()));
                     }
                     Op::Initializer(_) | Op::Input { .. } => {}
                     op if op.class() == OpClass::Comm => {
                         let t0 = Instant::now();
                         let x = match node.input(0) {
                             Some(v) => Some(
-                                e.download(env.get(&v).ok_or_else(|| err("a comm input was not computed".into()))?)
-                                    .map_err(err)?,
+                                e.download(
+                                    env.get(&v)
+                                        .or_else(|| fixed.get(&v))
+                                        .ok_or_else(|| err("a comm input was not computed".into()))?,
+                                )
+                                .map_err(err)?,
                             ),
                             None => None,
                         };
@@ -416,46 +611,100 @@ fn drive<E: Executor>(
                         };
                         if let Some(r) = r {
                             let a = r.map_err(err)?;
-                            env.insert(Value::new(n, 0), e.upload(&a).map_err(err)?);
+                            produced.push((Value::new(n, 0), e.upload(&a).map_err(err)?));
                         }
                         *report.by_collective.entry(op.op_type().to_string()).or_insert(0.0) +=
                             t0.elapsed().as_secs_f64();
                     }
                     op => {
-                        let ins: Vec<Option<&E::Tensor>> =
-                            node.inputs().iter().map(|i| i.and_then(|v| env.get(&v))).collect();
+                        let ins: Vec<Option<&E::Tensor>> = node
+                            .inputs()
+                            .iter()
+                            .map(|i| i.and_then(|v| env.get(&v).or_else(|| fixed.get(&v))))
+                            .collect();
                         if node.inputs().iter().zip(&ins).any(|(i, t)| i.is_some() && t.is_none()) {
                             return Err(err(format!("{}: an input was not computed", g.describe(n))));
                         }
                         let t0 = Instant::now();
                         let (outs, host) = e.run(g, n, &ins).map_err(|m| err(format!("{}: {m}", g.describe(n))))?;
                         e.sync();
-                        *report.by_op.entry(op.op_type().to_string()).or_insert(0.0) += t0.elapsed().as_secs_f64();
+                        let dt = t0.elapsed().as_secs_f64();
+                        *report.by_op.entry(op.op_type().to_string()).or_insert(0.0) += dt;
+                        *report
+                            .by_phase
+                            .entry(phase.get(&n).copied().unwrap_or("forward").to_string())
+                            .or_insert(0.0) += dt;
                         if host {
                             *report.host_ops.entry(op.op_type().to_string()).or_insert(0) += 1;
                         }
                         for (slot, t) in outs.into_iter().enumerate() {
                             if slot < node.num_outputs() && !node.outputs()[slot].name.is_empty() {
-                                env.insert(Value::new(n, slot as u16), t);
+                                produced.push((Value::new(n, slot as u16), t));
                             }
                         }
+                    }
+                }
+                for (v, t) in produced {
+                    live.add(e.storage(&t));
+                    if let Some(old) = env.insert(v, t) {
+                        live.remove(e.storage(&old));
+                    }
+                }
+                // Values no later op reads are freed.
+                for v in node.inputs().iter().flatten() {
+                    if last_use.get(v) == Some(&i)
+                        && !keep.contains(v)
+                        && let Some(t) = env.remove(v)
+                    {
+                        live.remove(e.storage(&t));
                     }
                 }
             }
             let mut outs = Vec::new();
             for r in &d.results {
+                if !fetch_all && !opts.every_step.contains(&r.global) {
+                    continue;
+                }
                 let v = g.lookup(&r.local).ok_or_else(|| err(format!("no value `{}`", r.local)))?;
-                let t = env.get(&v).ok_or_else(|| err(format!("output `{}` was not computed", r.local)))?;
+                let t = env
+                    .get(&v)
+                    .or_else(|| fixed.get(&v))
+                    .ok_or_else(|| err(format!("output `{}` was not computed", r.local)))?;
                 outs.push((r.local.clone(), e.download(t).map_err(err)?));
             }
-            outs_all.push(outs);
+            outs_micro.push(outs);
+            for (_, iv, nv) in &carries {
+                let t = env.get(nv).ok_or_else(|| err(format!("`{}` was not computed", g.value_name(*nv))))?;
+                next_state.push((*iv, t.clone()));
+            }
+            for (_, t) in env.drain() {
+                live.remove(e.storage(&t));
+            }
         }
+        // The state takes its next values, on the device.
+        if opts.updates.is_some_and(|u| step >= u) {
+            next_state.clear();
+        }
+        for (iv, t) in next_state {
+            live.add(e.storage(&t));
+            if let Some(old) = fixed.insert(iv, t) {
+                live.remove(e.storage(&old));
+            }
+        }
+        e.sync();
+        report.step_wall_s.push(step_start.elapsed().as_secs_f64());
+        outs_steps.push(outs_micro);
     }
     report.wall_s = step_start.elapsed().as_secs_f64();
     report.setup_s = setup_s;
     report.compute_s = report.by_op.values().sum();
     report.communication_s = report.by_collective.values().sum();
-    Ok((outs_all, report))
+    report.memory_allocated_bytes = live.peak;
+    let mut state = Vec::new();
+    for (name, iv, _) in &carries {
+        state.push((name.clone(), e.download(&fixed[iv]).map_err(err)?));
+    }
+    Ok((outs_steps, report, state))
 }
 
 fn upload_feed<E: Executor>(e: &mut E, feed: &HashMap<String, Array>) -> Result<HashMap<String, E::Tensor>, String> {

@@ -407,6 +407,10 @@ impl Executor for GpuExecutor {
         Ok(GpuTensor { buf, shape: a.shape.clone(), dtype: a.dtype, host })
     }
 
+    fn storage(&self, t: &GpuTensor) -> (usize, u64) {
+        (Arc::as_ptr(&t.buf) as usize, t.buf.size())
+    }
+
     fn download(&mut self, t: &GpuTensor) -> Result<Array, String> {
         if let Some(h) = &t.host {
             return Ok((**h).clone());

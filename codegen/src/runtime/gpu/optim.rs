@@ -90,6 +90,9 @@ pub fn adam_src(o: &op::AdamUpdate) -> String {
     let lit = |x: f32| f32_lit(f64::from(x));
     let (lr, b1, b2, eps, wd) =
         (lit(o.lr.unwrap_or(1e-3)), lit(o.beta1()), lit(o.beta2()), lit(o.epsilon()), lit(o.weight_decay()));
+    // 1 − βᵗ = −expm1(t·ln β), by its series where it is small: `1.0 − pow(β, t)` in float32
+    // loses most digits of 1 − 0.999ᵗ in the first steps, which Adam's update then divides by.
+    let (lb1, lb2) = (f32_lit(f64::from(o.beta1()).ln()), f32_lit(f64::from(o.beta2()).ln()));
     let decay = if o.decoupled() != 0 {
         format!("    p = p * (1.0 - {lr} * {wd});\n")
     } else {
@@ -99,8 +102,8 @@ pub fn adam_src(o: &op::AdamUpdate) -> String {
         "    var p = Pa[i];
     var g = G[i];
 {decay}    let t = f32(T[0]);
-    let bc1 = 1.0 - pow({b1}, t);
-    let bc2 = 1.0 - pow({b2}, t);
+    let bc1 = one_minus_exp(t * {lb1});
+    let bc2 = one_minus_exp(t * {lb2});
     let m = M[i] + (1.0 - {b1}) * (g - M[i]);
     let v = V[i] * {b2} + (1.0 - {b2}) * g * g;
     let denom = sqrt(v) / sqrt(bc2) + {eps};
@@ -108,7 +111,14 @@ pub fn adam_src(o: &op::AdamUpdate) -> String {
     Mn[i] = m;
     Vn[i] = v;"
     );
-    source(&b, "", &body)
+    let helper = "fn one_minus_exp(x: f32) -> f32 {
+    if (x > -0.1) {
+        return -(x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0))))));
+    }
+    return 1.0 - exp(x);
+}
+";
+    source(&b, helper, &body)
 }
 
 #[cfg(test)]

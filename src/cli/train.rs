@@ -1,0 +1,428 @@
+//! `shardc train`: build the training graph (forward, loss, backward, optimizer update),
+//! lower it and run training steps with the weights and optimizer state resident on the
+//! devices; check against a golden training case (`--data`) or the reference trainer.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+
+use clap::Args;
+use codegen::{Backend, RunOptions};
+use ir::eval::Array;
+use passes::autodiff::{LossSpec, OptimizerSpec};
+use passes::train::Trainer;
+use shardc::exec;
+use shardc::train::{TrainCase, close, training_model, within};
+
+use super::common::*;
+use super::cost::{load_cluster, secs};
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// The model (ONNX textual or binary).
+    pub model: PathBuf,
+    /// Executor: wgpu (default; cpu with a warning when no adapter opens) or cpu.
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// A golden training case (`*.train.json`): inputs, and the expected loss, gradients,
+    /// parameters and loss trajectory to check against.
+    #[arg(long, value_name = "CASE.train.json")]
+    pub data: Option<PathBuf>,
+    /// Seed for weights whose external data is absent, and for inputs and labels.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Append a loss: softmax-cross-entropy[:OUTPUT] | mse[:OUTPUT] | mean[:OUTPUT].
+    #[arg(long)]
+    pub loss: Option<String>,
+    /// Train this output (a rank-0 float) as the loss.
+    #[arg(long = "loss-output", conflicts_with = "loss")]
+    pub loss_output: Option<String>,
+    /// sgd, adam or adamw (with --data and no hyper-parameters: the case's).
+    #[arg(long)]
+    pub optimizer: Option<String>,
+    /// Learning rate.
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// SGD momentum.
+    #[arg(long)]
+    pub momentum: Option<f64>,
+    /// Weight decay (AdamW: decoupled).
+    #[arg(long = "weight-decay")]
+    pub weight_decay: Option<f64>,
+    /// Training steps.
+    #[arg(long, default_value_t = 10)]
+    pub steps: usize,
+    /// Devices (one program per device; the default 1 trains on one device).
+    #[arg(long, default_value_t = 1)]
+    pub devices: usize,
+    /// The strategy on several devices (data, megatron, ...).
+    #[arg(long, default_value = "data")]
+    pub strategy: String,
+    /// The cluster the prediction is for.
+    #[arg(long, default_value = "local-wgpu")]
+    pub cluster: String,
+    /// Write `{"losses", "gradients" (step 1), "parameters" (after the last step)}`.
+    #[arg(long = "save-state", value_name = "OUT.json")]
+    pub save_state: Option<PathBuf>,
+    /// Also compare every step with the reference trainer (CPU, one device).
+    #[arg(long)]
+    pub check: bool,
+    /// Relative tolerance of the checks (default: the case's, else 1e-4).
+    #[arg(long)]
+    pub rtol: Option<f64>,
+    /// Absolute tolerance of the checks (default: the case's, else 1e-5).
+    #[arg(long)]
+    pub atol: Option<f64>,
+    /// Print one JSON document.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub shapes: ShapeArgs,
+}
+
+fn backend(name: Option<&str>) -> CliResult<(Backend, Option<String>)> {
+    match name {
+        Some("cpu") => Ok((Backend::Cpu, None)),
+        Some("wgpu") => Ok((Backend::Wgpu, None)),
+        Some(other) => Err(CliError::msg(format!("--backend: `{other}` is not wgpu or cpu"))),
+        None => match codegen::runtime::gpu_adapter() {
+            Ok(_) => Ok((Backend::Wgpu, None)),
+            Err(e) => Ok((Backend::Cpu, Some(format!("no GPU adapter ({e}); training on the CPU executor")))),
+        },
+    }
+}
+
+/// The optimizer from the flags, or from the case.
+fn optimizer(args: &TrainArgs, case: Option<&TrainCase>) -> CliResult<OptimizerSpec> {
+    let explicit = args.lr.is_some() || args.momentum.is_some() || args.weight_decay.is_some();
+    let kind = args.optimizer.as_deref();
+    if let (Some(c), false) = (case, explicit) {
+        let k = kind.unwrap_or("sgd");
+        if let Some(o) = c.optimizer(k) {
+            return Ok(o.clone());
+        }
+    }
+    let lr = args.lr;
+    Ok(match kind.unwrap_or("sgd") {
+        "sgd" => OptimizerSpec::Sgd {
+            lr: lr.unwrap_or(0.01),
+            momentum: args.momentum.unwrap_or(0.0),
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: args.weight_decay.unwrap_or(0.0),
+        },
+        k @ ("adam" | "adamw") => {
+            if args.momentum.is_some() {
+                return Err(CliError::msg("--momentum is for sgd; Adam's betas are 0.9 and 0.999"));
+            }
+            OptimizerSpec::Adam {
+                lr: lr.unwrap_or(1e-3),
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: args.weight_decay.unwrap_or(if k == "adamw" { 1e-2 } else { 0.0 }),
+                decoupled: k == "adamw",
+            }
+        }
+        other => return Err(CliError::msg(format!("--optimizer: `{other}` is not sgd, adam or adamw"))),
+    })
+}
+
+/// One line of the check.
+struct Check {
+    what: String,
+    ok: bool,
+    detail: String,
+}
+
+fn check_all(what: &str, got: &BTreeMap<String, Array>, want: &BTreeMap<String, Array>, tol: (f64, f64)) -> Check {
+    let mut detail = format!("{} tensors", want.len());
+    let mut ok = true;
+    for (name, w) in want {
+        let r = match got.get(name) {
+            Some(g) => within(name, g, w, tol),
+            None => Err(format!("{name}: not computed")),
+        };
+        if let Err(e) = r {
+            ok = false;
+            detail = e;
+            break;
+        }
+    }
+    Check { what: what.into(), ok, detail }
+}
+
+fn check_losses(what: &str, got: &[f64], want: &[f64], tol: (f64, f64)) -> Check {
+    let n = got.len().min(want.len());
+    let bad = (0..n).find(|&i| !close(got[i], want[i], tol));
+    Check {
+        what: what.into(),
+        ok: bad.is_none() && n > 0,
+        detail: match bad {
+            Some(i) => format!("step {i}: {}, expected {}", got[i], want[i]),
+            None => format!("{n} losses"),
+        },
+    }
+}
+
+pub fn run(args: &TrainArgs) -> CliResult {
+    if args.steps == 0 {
+        return Err(CliError::msg("--steps must be at least 1"));
+    }
+    if args.devices == 0 {
+        return Err(CliError::msg("--devices must be at least 1"));
+    }
+    if let Some(out) = &args.save_state {
+        for p in [Some(&args.model), args.data.as_ref()].into_iter().flatten() {
+            if same_file(out, p) {
+                return Err(CliError::msg(format!(
+                    "refusing to overwrite `{}` with --save-state; choose another path",
+                    p.display()
+                )));
+            }
+        }
+    }
+    let case = match &args.data {
+        Some(p) => Some(TrainCase::load(p).map_err(CliError::msg)?),
+        None => None,
+    };
+    // Not canonicalized: folding would rename or transform parameters, and the trained
+    // tensors must stay the model's own.
+    let mut loaded = load(&args.model, &args.shapes)?;
+    let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
+    let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
+    let mut notes: Vec<String> = Vec::new();
+    if weights.seeded > 0 {
+        notes.push(format!(
+            "weights: {} tensors have external data that is not there; drawn from --seed {}",
+            weights.seeded, args.seed
+        ));
+    }
+    let loss = match (&args.loss, &args.loss_output) {
+        (Some(l), _) => LossSpec::parse(l).map_err(|e| CliError::msg(format!("--loss: {e}")))?,
+        (None, Some(o)) => LossSpec::Output(o.clone()),
+        (None, None) => LossSpec::Model,
+    };
+    let opt = optimizer(args, case.as_ref())?;
+    let (tm, info) = training_model(&loaded.model, &loss, &opt).map_err(CliError::msg)?;
+    let g = &tm.graph;
+    // Inputs: the case's, or drawn from the seed (class labels within the classes).
+    let inputs: HashMap<String, Array> = match &case {
+        Some(c) => {
+            let mut ins = c.inputs.clone();
+            for v in g.input_values() {
+                let n = g.value_name(v);
+                if matches!(g.node(v.node).op, ir::Op::Input { default: None }) && !ins.contains_key(n) {
+                    return Err(CliError::msg(format!("the case has no value for input `{n}`")));
+                }
+            }
+            ins.retain(|k, _| g.lookup(k).is_some());
+            ins
+        }
+        None => shardc::train::seeded_inputs(g, &info, args.seed).map_err(CliError::msg)?,
+    };
+    // The program: the training graph lowered for the strategy.
+    let cluster = load_cluster(&args.cluster)?;
+    // The cost model prices the optimizer that runs.
+    let opts = passes::cost::Options {
+        optimizer: match opt {
+            OptimizerSpec::Sgd { .. } => passes::cost::Optimizer::Sgd,
+            OptimizerSpec::Adam { .. } => passes::cost::Optimizer::Adam,
+        },
+        ..Default::default()
+    };
+    let r = exec::named_result(g, &cluster, args.devices, &args.strategy, &opts).map_err(CliError::msg)?;
+    let program = exec::program_for_search(g, &r, args.devices).map_err(CliError::msg)?;
+    if let Err(errs) = codegen::check(&program) {
+        let mut m = String::from("error: the lowered program is inconsistent:\n");
+        for e in errs.iter().take(10) {
+            m.push_str(&format!("  {e}\n"));
+        }
+        return Err(CliError::new(m));
+    }
+    for f in &program.fallbacks {
+        notes.push(format!("runs replicated instead of as planned: {f}"));
+    }
+    // The cost model's training step for the forward model under the same strategy.
+    let predicted = exec::named_result(&loaded.model.graph, &cluster, args.devices, &args.strategy, &opts)
+        .ok()
+        .map(|f| (f.breakdown.step_time_s, f.breakdown.memory_per_device_bytes.iter().copied().max().unwrap_or(0)));
+    let (be, warn) = backend(args.backend.as_deref())?;
+    if let Some(w) = warn {
+        notes.push(format!("warning: {w}"));
+    }
+    // N steps, then one more forward for the loss after the last update.
+    let run_opts = RunOptions {
+        backend: be,
+        steps: args.steps + 1,
+        carry: info.state.iter().map(|(s, n)| (s.clone(), n.clone())).collect(),
+        every_step: vec![info.loss.clone()],
+        keep_first: true,
+        updates: Some(args.steps),
+        ..Default::default()
+    };
+    let report =
+        codegen::run(&program, &inputs, &run_opts).map_err(|e| CliError::msg(format!("training failed: {e}")))?;
+    let losses: Vec<f64> = report
+        .per_step
+        .iter()
+        .map(|s| s.iter().find(|(n, _)| *n == info.loss).and_then(|(_, a)| a.to_f64().ok()).map_or(f64::NAN, |v| v[0]))
+        .collect();
+    let first: HashMap<&str, &Array> =
+        report.per_step.first().map(|s| s.iter().map(|(n, a)| (n.as_str(), a)).collect()).unwrap_or_default();
+    let gradients: BTreeMap<String, Array> = info
+        .gradients
+        .iter()
+        .filter_map(|(p, gname)| first.get(gname.as_str()).map(|a| (p.clone(), (*a).clone())))
+        .collect();
+    let state: HashMap<&str, &Array> = report.state.iter().map(|(n, a)| (n.as_str(), a)).collect();
+    let parameters: BTreeMap<String, Array> =
+        info.trainable.iter().filter_map(|p| state.get(p.as_str()).map(|a| (p.clone(), (*a).clone()))).collect();
+    // Checks.
+    let tol = (
+        args.rtol.or(case.as_ref().map(|c| c.tolerance.0)).unwrap_or(1e-4),
+        args.atol.or(case.as_ref().map(|c| c.tolerance.1)).unwrap_or(1e-5),
+    );
+    let mut checks: Vec<Check> = Vec::new();
+    if let Some(c) = &case {
+        checks.push(check_losses("loss (torch)", &losses[..1], &[c.loss], tol));
+        checks.push(check_all("gradients (torch)", &gradients, &c.gradients, tol));
+        if args.steps == 1
+            && let Some((_, after)) = c.steps.iter().find(|(o, _)| *o == opt)
+        {
+            checks.push(check_all("parameters after one step (torch)", &parameters, after, tol));
+        }
+        let kind = match opt {
+            OptimizerSpec::Sgd { .. } => "sgd",
+            OptimizerSpec::Adam { .. } => "adam",
+        };
+        if c.optimizer(kind) == Some(&opt)
+            && let Some(want) = c.losses_over_steps.get(kind)
+        {
+            checks.push(check_losses("loss trajectory (torch)", &losses, want, tol));
+        }
+    }
+    if args.check {
+        let mut tr = Trainer::new(g.clone()).map_err(CliError::msg)?;
+        let mut want = Vec::new();
+        for _ in 0..args.steps {
+            want.push(tr.step(&inputs).map_err(CliError::msg)?.loss);
+        }
+        want.push(tr.loss(&inputs).map_err(CliError::msg)?);
+        checks.push(check_losses("losses (reference)", &losses, &want, tol));
+        let ref_params: BTreeMap<String, Array> =
+            info.trainable.iter().filter_map(|p| tr.get(p).map(|a| (p.clone(), a))).collect();
+        checks.push(check_all("parameters (reference)", &parameters, &ref_params, tol));
+    }
+    if let Some(out) = &args.save_state {
+        let tensors = |m: &BTreeMap<String, Array>| -> serde_json::Map<String, serde_json::Value> {
+            m.iter().map(|(k, a)| (k.clone(), exec::array_to_json(a))).collect()
+        };
+        let doc = serde_json::json!({
+            "losses": losses,
+            "gradients": tensors(&gradients),
+            "parameters": tensors(&parameters),
+        });
+        write_output(&serde_json::to_string(&doc).expect("JSON"), Some(out), &args.model)?;
+    }
+    // Step time: the slowest device, median over the timed steps (the first compiles kernels).
+    let per_step: Vec<f64> = (0..args.steps)
+        .map(|i| report.devices.iter().filter_map(|d| d.step_wall_s.get(i).copied()).fold(0.0, f64::max))
+        .collect();
+    let mut warm: Vec<f64> = if per_step.len() > 1 { per_step[1..].to_vec() } else { per_step.clone() };
+    warm.sort_by(f64::total_cmp);
+    let step_s = warm.get(warm.len() / 2).copied().unwrap_or(0.0);
+    let memory = report.devices.iter().map(|d| d.memory_allocated_bytes).max().unwrap_or(0);
+    let plan_desc = format!(
+        "{} on {} device{} of {}",
+        args.strategy,
+        args.devices,
+        if args.devices == 1 { "" } else { "s" },
+        cluster.name
+    );
+    let failed = checks.iter().any(|c| !c.ok);
+    if args.json {
+        let like = cluster.name.starts_with("local") && be == Backend::Wgpu;
+        let doc = serde_json::json!({
+            "model": args.model.display().to_string(),
+            "plan": plan_desc,
+            "backend": format!("{be:?}").to_lowercase(),
+            "optimizer": opt,
+            "trainable": info.trainable.len(),
+            "losses": losses,
+            "step_s": step_s,
+            "step_times_s": per_step,
+            "devices": report.devices.iter().map(|d| serde_json::json!({
+                "device": d.device,
+                "adapter": d.adapter,
+                "wall_s": d.step_wall_s.get(args.steps.saturating_sub(1)).copied().unwrap_or(0.0),
+                "compute_s": d.compute_s,
+                "communication_s": d.communication_s,
+                "phases_s": d.by_phase,
+                "memory_allocated_bytes": d.memory_allocated_bytes,
+                "host_ops": d.host_ops,
+            })).collect::<Vec<_>>(),
+            "memory_predicted_bytes": predicted.map(|p| p.1),
+            "predicted": predicted.map(|(t, _)| serde_json::json!({
+                "cluster": cluster.name,
+                "step_s": t,
+                "error": like.then(|| (t - step_s) / step_s),
+            })),
+            "check": checks.iter().map(|c| serde_json::json!({"what": c.what, "ok": c.ok, "detail": c.detail})).collect::<Vec<_>>(),
+            "notes": notes,
+        });
+        write_output(&serde_json::to_string_pretty(&doc).expect("JSON"), None, &args.model)?;
+    } else {
+        let mut t = String::new();
+        t.push_str(&format!("model        {}\n", args.model.display()));
+        t.push_str(&format!("plan         {plan_desc}\n"));
+        t.push_str(&format!(
+            "training     {} trainable tensors, loss `{}`, {}\n",
+            info.trainable.len(),
+            info.loss,
+            serde_json::to_string(&opt).expect("JSON")
+        ));
+        for n in &notes {
+            t.push_str(&format!("note         {n}\n"));
+        }
+        t.push_str("  step        loss       time    forward   backward     update\n");
+        for (i, l) in losses.iter().enumerate() {
+            if i < args.steps {
+                let ph = |k: &str| {
+                    if i + 1 == args.steps {
+                        secs(report.devices.iter().filter_map(|d| d.by_phase.get(k)).fold(0.0, |a: f64, &b| a.max(b)))
+                    } else {
+                        String::new()
+                    }
+                };
+                t.push_str(&format!(
+                    "  {:>4}  {:>10.6} {:>10} {:>10} {:>10} {:>10}\n",
+                    i + 1,
+                    l,
+                    secs(per_step[i]),
+                    ph("forward"),
+                    ph("backward"),
+                    ph("update")
+                ));
+            } else {
+                t.push_str(&format!("  after {:>10.6}\n", l));
+            }
+        }
+        t.push_str(&format!("step         {} (median of the warm steps, slowest device)\n", secs(step_s)));
+        t.push_str(&format!("memory       {:.1} MB allocated (peak, largest device)", memory as f64 / 1e6));
+        if let Some((_, m)) = predicted {
+            t.push_str(&format!("; {:.1} MB predicted on {}", m as f64 / 1e6, cluster.name));
+        }
+        t.push('\n');
+        if let Some((p, _)) = predicted {
+            t.push_str(&format!("predicted    {} per step on {}\n", secs(p), cluster.name));
+        }
+        for c in &checks {
+            t.push_str(&format!("check        {:<36} {}  {}\n", c.what, if c.ok { "ok" } else { "FAILED" }, c.detail));
+        }
+        write_output(&t, None, &args.model)?;
+    }
+    if failed {
+        return Err(CliError::new("error: training differs from the expected values beyond the tolerance\n"));
+    }
+    Ok(())
+}

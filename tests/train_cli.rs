@@ -1,0 +1,153 @@
+//! `shardc train` against torch and as a trainer: every golden training case on the CPU
+//! executor and one wgpu device, and the loss falling on two real models.
+
+use std::path::PathBuf;
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn cases() -> Vec<PathBuf> {
+    let mut seen = std::collections::BTreeMap::new();
+    for d in [repo_root().join("tests/data/golden-train"), repo_root().join("../shared/golden-train")] {
+        let Ok(rd) = std::fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "onnxtxt") {
+                seen.entry(p.file_name().unwrap().to_string_lossy().to_string()).or_insert(p);
+            }
+        }
+    }
+    assert!(seen.len() >= 8, "golden training cases missing");
+    seen.into_values().collect()
+}
+
+/// Whether the wgpu backend is tested: an adapter opens (required when SHARDC_REQUIRE_GPU
+/// is set), probed by the command itself.
+fn gpu_available() -> bool {
+    let probe = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args(["train", "tests/data/golden-train/mlp_mse.onnxtxt", "--steps", "1", "--backend", "wgpu", "--json"])
+        .current_dir(repo_root())
+        .env("XDG_RUNTIME_DIR", std::env::temp_dir())
+        .output()
+        .expect("shardc runs");
+    if probe.status.success() {
+        return true;
+    }
+    let err = String::from_utf8_lossy(&probe.stderr).to_string();
+    if std::env::var_os("SHARDC_REQUIRE_GPU").is_some() {
+        panic!("SHARDC_REQUIRE_GPU is set but training on wgpu fails: {err}");
+    }
+    eprintln!("skipping the wgpu backend: {err}");
+    false
+}
+
+/// Runs `shardc train ARGS --json`; the document, or the error output.
+fn shardc_train(args: &[&str]) -> Result<serde_json::Value, String> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .arg("train")
+        .args(args)
+        .arg("--json")
+        .current_dir(repo_root())
+        .env("XDG_RUNTIME_DIR", std::env::temp_dir())
+        .output()
+        .map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let doc: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|_| format!("exit {:?}: {}{}", out.status.code(), text, String::from_utf8_lossy(&out.stderr)))?;
+    if !out.status.success() {
+        let failed: Vec<String> = doc["check"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|c| c["ok"] != true)
+            .map(|c| format!("{}: {}", c["what"], c["detail"]))
+            .collect();
+        return Err(failed.join("; "));
+    }
+    Ok(doc)
+}
+
+/// `shardc train --data` on every golden case, on the CPU executor and one wgpu device, with
+/// SGD and Adam: one step (loss, gradients, parameters after it) and nine (the loss
+/// trajectory of 10 values), every check the command makes against torch passing.
+#[test]
+fn shardc_train_matches_torch_on_cpu_and_wgpu() {
+    let mut backends = vec!["cpu"];
+    if gpu_available() {
+        backends.push("wgpu");
+    }
+    let mut failures = Vec::new();
+    let mut checks = 0;
+    for path in cases() {
+        let data = path.with_extension("train.json");
+        for be in &backends {
+            for opt in ["sgd", "adam"] {
+                for steps in ["1", "9"] {
+                    let args = [
+                        path.to_str().unwrap(),
+                        "--data",
+                        data.to_str().unwrap(),
+                        "--backend",
+                        be,
+                        "--optimizer",
+                        opt,
+                        "--steps",
+                        steps,
+                    ];
+                    match shardc_train(&args) {
+                        Ok(doc) => {
+                            let n = doc["check"].as_array().map_or(0, Vec::len);
+                            if n < 3 {
+                                failures.push(format!("{} {be} {opt} {steps}: only {n} checks", path.display()));
+                            }
+                            checks += n;
+                        }
+                        Err(e) => failures.push(format!("{} {be} {opt} {steps}: {e}", path.display())),
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("{checks} checks passed on {backends:?}");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The loss falls over 20 SGD steps on one wgpu device (the CPU executor without an
+/// adapter): a reduced ResNet-18 (32×32 images) and GPT-2 with four layers (32 tokens).
+#[test]
+fn loss_decreases_over_twenty_sgd_steps() {
+    let be = if gpu_available() { "wgpu" } else { "cpu" };
+    let models = repo_root().join("tests/data/models");
+    for (model, shape, lr) in
+        [("tv_resnet18.onnxtxt", "input=2x3x32x32", "0.01"), ("hf_gpt2_small4.onnxtxt", "input_ids=1x32", "0.05")]
+    {
+        let path = models.join(model);
+        let doc = shardc_train(&[
+            path.to_str().unwrap(),
+            "--input-shape",
+            shape,
+            "--loss",
+            "softmax-cross-entropy",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            lr,
+            "--steps",
+            "20",
+            "--backend",
+            be,
+        ])
+        .unwrap_or_else(|e| panic!("{model}: {e}"));
+        let losses: Vec<f64> =
+            doc["losses"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect();
+        assert_eq!(losses.len(), 21, "{model}: {losses:?}");
+        assert!(losses.iter().all(|l| l.is_finite()), "{model}: {losses:?}");
+        let (first, last) = (losses[0], losses[20]);
+        assert!(last < 0.9 * first, "{model}: the loss went from {first} to {last}: {losses:?}");
+        // Falling on the whole, not by one lucky step.
+        let falls = losses.windows(2).filter(|w| w[1] < w[0]).count();
+        assert!(falls >= 14, "{model}: only {falls} of 20 steps lowered the loss: {losses:?}");
+        eprintln!("{model} on {be}: loss {first:.4} → {last:.4}, step {:.3} s", doc["step_s"].as_f64().unwrap());
+    }
+}
