@@ -389,7 +389,8 @@ fn random_case(rng: &mut Rng, kind: usize) -> (String, String) {
         }
         // BatchNormalization, training mode (batch statistics) or inference.
         6 => {
-            let c = 1 + pick(3);
+            // At least two channels: single-element initializers are constants, not trained.
+            let c = 2 + pick(2);
             let xs = [vec![1 + pick(3), c], (0..pick(3)).map(|_| 1 + pick(3)).collect()].concat();
             let train = pick(2);
             // The running statistics are state the step updates, not differentiated.
