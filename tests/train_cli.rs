@@ -1,26 +1,7 @@
 //! `shardc train` against torch and as a trainer: every golden training case on the CPU
 //! executor and one wgpu device, and the loss falling on two real models.
 
-use std::path::PathBuf;
-
-fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn cases() -> Vec<PathBuf> {
-    let mut seen = std::collections::BTreeMap::new();
-    for d in [repo_root().join("tests/data/golden-train"), repo_root().join("../shared/golden-train")] {
-        let Ok(rd) = std::fs::read_dir(&d) else { continue };
-        for e in rd.flatten() {
-            let p = e.path();
-            if p.extension().is_some_and(|x| x == "onnxtxt") {
-                seen.entry(p.file_name().unwrap().to_string_lossy().to_string()).or_insert(p);
-            }
-        }
-    }
-    assert!(seen.len() >= 8, "golden training cases missing");
-    seen.into_values().collect()
-}
+use shardc_tests::{golden_train_cases, repo_root};
 
 /// Whether the wgpu backend is tested: an adapter opens (required when SHARDC_REQUIRE_GPU
 /// is set), probed by the command itself.
@@ -79,7 +60,7 @@ fn shardc_train_matches_torch_on_cpu_and_wgpu() {
     }
     let mut failures = Vec::new();
     let mut checks = 0;
-    for path in cases() {
+    for path in golden_train_cases() {
         let data = path.with_extension("train.json");
         for be in &backends {
             for opt in ["sgd", "adam"] {

@@ -3,27 +3,10 @@
 //! SGD and one Adam step, and the 10-step loss trajectories of both — on the reference
 //! evaluator.
 
-use std::path::PathBuf;
-
 use passes::autodiff::LossSpec;
 use passes::train::Trainer;
 use shardc::train::{TrainCase, close, training_model, within};
 use shardc_tests::*;
-
-fn cases() -> Vec<PathBuf> {
-    let mut seen = std::collections::BTreeMap::new();
-    for d in [repo_root().join("tests/data/golden-train"), repo_root().join("../shared/golden-train")] {
-        let Ok(rd) = std::fs::read_dir(&d) else { continue };
-        for e in rd.flatten() {
-            let p = e.path();
-            if p.extension().is_some_and(|x| x == "onnxtxt") {
-                seen.entry(p.file_name().unwrap().to_string_lossy().to_string()).or_insert(p);
-            }
-        }
-    }
-    assert!(seen.len() >= 8, "golden training cases missing");
-    seen.into_values().collect()
-}
 
 /// Checks one case on the reference evaluator; the first disagreement.
 fn check(path: &std::path::Path, counts: &mut [usize; 3]) -> Result<(), String> {
@@ -77,8 +60,8 @@ fn check(path: &std::path::Path, counts: &mut [usize; 3]) -> Result<(), String> 
 fn golden_training_cases_match_torch_on_the_reference() {
     let mut failures = Vec::new();
     let mut counts = [0usize; 3];
-    let n = cases().len();
-    for p in cases() {
+    let n = golden_train_cases().len();
+    for p in golden_train_cases() {
         if let Err(e) = check(&p, &mut counts) {
             failures.push(format!("{}: {e}", p.file_stem().unwrap().to_string_lossy()));
         }

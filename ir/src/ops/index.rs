@@ -486,40 +486,24 @@ fn gather_nd(x: &Array, indices: &Array, batch: usize) -> Result<Array> {
 
 fn scatter_values(data: &Array, updates: &Array, targets: &[usize], reduction: &str) -> Result<Array> {
     let mut out = data.clone();
+    // One reduction for every numeric storage (`max`/`min` are each type's own).
+    macro_rules! reduce_into {
+        ($o:expr, $u:expr) => {
+            for (k, &t) in targets.iter().enumerate() {
+                $o[t] = match reduction {
+                    "add" => $o[t] + $u[k],
+                    "mul" => $o[t] * $u[k],
+                    "max" => $o[t].max($u[k]),
+                    "min" => $o[t].min($u[k]),
+                    _ => $u[k],
+                };
+            }
+        };
+    }
     match (&mut out.data, &updates.data) {
-        (Data::F32(o), Data::F32(u)) => {
-            for (k, &t) in targets.iter().enumerate() {
-                o[t] = match reduction {
-                    "add" => o[t] + u[k],
-                    "mul" => o[t] * u[k],
-                    "max" => o[t].max(u[k]),
-                    "min" => o[t].min(u[k]),
-                    _ => u[k],
-                };
-            }
-        }
-        (Data::F64(o), Data::F64(u)) => {
-            for (k, &t) in targets.iter().enumerate() {
-                o[t] = match reduction {
-                    "add" => o[t] + u[k],
-                    "mul" => o[t] * u[k],
-                    "max" => o[t].max(u[k]),
-                    "min" => o[t].min(u[k]),
-                    _ => u[k],
-                };
-            }
-        }
-        (Data::I64(o), Data::I64(u)) => {
-            for (k, &t) in targets.iter().enumerate() {
-                o[t] = match reduction {
-                    "add" => o[t] + u[k],
-                    "mul" => o[t] * u[k],
-                    "max" => o[t].max(u[k]),
-                    "min" => o[t].min(u[k]),
-                    _ => u[k],
-                };
-            }
-        }
+        (Data::F32(o), Data::F32(u)) => reduce_into!(o, u),
+        (Data::F64(o), Data::F64(u)) => reduce_into!(o, u),
+        (Data::I64(o), Data::I64(u)) => reduce_into!(o, u),
         (Data::Bool(o), Data::Bool(u)) => {
             for (k, &t) in targets.iter().enumerate() {
                 o[t] = u[k];

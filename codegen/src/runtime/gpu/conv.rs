@@ -456,17 +456,17 @@ pool_kernels! {
     LpPool: "lp";
 }
 
-/// Direct N-d convolution (N ≤ 3, as 3-d). One invocation per output element.
-/// `P = [count, N, C, M, G, D, H, W, OD, OH, OW, KD, KH, KW, SD, SH, SW, DD, DH, DW, PD, PH, PW]`.
-pub fn conv_src(bias: bool) -> String {
+/// What a direct and a transposed convolution share: the bindings (X, Wt, the bias, Y),
+/// the accumulator's start, and the decode of output element `i` into `n, m, od, oh, ow`
+/// with the geometry read from `P` (laid out as [`conv_src`] says).
+fn conv_prelude(bias: bool) -> (Vec<Binding<'static>>, &'static str, &'static str) {
     let mut b: Vec<Binding<'_>> = vec![("X", Elem::F32, false), ("Wt", Elem::F32, false)];
     if bias {
         b.push(("Bs", Elem::F32, false));
     }
     b.push(("Y", Elem::F32, true));
     let init = if bias { "Bs[m]" } else { "0.0" };
-    let body = format!(
-        "    let C = P[2]; let M = P[3]; let G = P[4];
+    let decode = "    let C = P[2]; let M = P[3]; let G = P[4];
     let D = P[5]; let H = P[6]; let W = P[7];
     let OD = P[8]; let OH = P[9]; let OW = P[10];
     let KD = P[11]; let KH = P[12]; let KW = P[13];
@@ -475,7 +475,16 @@ pub fn conv_src(bias: bool) -> String {
     let oh = rem % OH; rem = rem / OH;
     let od = rem % OD; rem = rem / OD;
     let m = rem % M; let n = rem / M;
-    let cg = C / G;
+";
+    (b, init, decode)
+}
+
+/// Direct N-d convolution (N ≤ 3, as 3-d). One invocation per output element.
+/// `P = [count, N, C, M, G, D, H, W, OD, OH, OW, KD, KH, KW, SD, SH, SW, DD, DH, DW, PD, PH, PW]`.
+pub fn conv_src(bias: bool) -> String {
+    let (b, init, decode) = conv_prelude(bias);
+    let body = format!(
+        "{decode}    let cg = C / G;
     let c0 = (m / (M / G)) * cg;
     var acc = {init};
     for (var c = 0u; c < cg; c = c + 1u) {{
@@ -544,23 +553,9 @@ pub fn im2col_src(wide: bool) -> String {
 /// Transposed convolution, gathering for each output. Weights `[C, M/G, k…]`.
 /// `P` as [`conv_src`].
 pub fn conv_transpose_src(bias: bool) -> String {
-    let mut b: Vec<Binding<'_>> = vec![("X", Elem::F32, false), ("Wt", Elem::F32, false)];
-    if bias {
-        b.push(("Bs", Elem::F32, false));
-    }
-    b.push(("Y", Elem::F32, true));
-    let init = if bias { "Bs[m]" } else { "0.0" };
+    let (b, init, decode) = conv_prelude(bias);
     let body = format!(
-        "    let C = P[2]; let M = P[3]; let G = P[4];
-    let D = P[5]; let H = P[6]; let W = P[7];
-    let OD = P[8]; let OH = P[9]; let OW = P[10];
-    let KD = P[11]; let KH = P[12]; let KW = P[13];
-    var rem = i;
-    let ow = rem % OW; rem = rem / OW;
-    let oh = rem % OH; rem = rem / OH;
-    let od = rem % OD; rem = rem / OD;
-    let m = rem % M; let n = rem / M;
-    let mg = M / G;
+        "{decode}    let mg = M / G;
     let cg = C / G;
     let g = m / mg;
     var acc = {init};
