@@ -186,3 +186,106 @@ pub fn seeded_inputs(g: &ir::Graph, info: &TrainInfo, seed: u64) -> Result<HashM
     }
     Ok(out)
 }
+
+/// Named tensors.
+pub type Tensors = BTreeMap<String, Array>;
+
+/// The results of `steps` training steps run by a lowered program.
+pub struct TrainRun {
+    /// The loss before each step and after the last (`steps + 1` values).
+    pub losses: Vec<f64>,
+    /// Per trainable parameter, its gradient in step 1 (gathered from the shards).
+    pub gradients: BTreeMap<String, Array>,
+    /// Per trainable parameter, its value after the last step (gathered from the shards).
+    pub parameters: BTreeMap<String, Array>,
+    /// The runtime's report (per device times, memory, the last step's outputs).
+    pub report: codegen::RunReport,
+}
+
+/// Runs `steps` training steps of `program` (the training graph of `info`, lowered), with
+/// parameters and optimizer state resident on the devices, then one more forward for the
+/// loss after the last update.
+pub fn run_steps(
+    program: &codegen::Program,
+    info: &TrainInfo,
+    inputs: &HashMap<String, Array>,
+    backend: codegen::Backend,
+    steps: usize,
+) -> Result<TrainRun, String> {
+    let run_opts = codegen::RunOptions {
+        backend,
+        steps: steps + 1,
+        carry: info.state.iter().map(|(s, n)| (s.clone(), n.clone())).collect(),
+        every_step: vec![info.loss.clone()],
+        keep_first: true,
+        updates: Some(steps),
+        ..Default::default()
+    };
+    let report = codegen::run(program, inputs, &run_opts).map_err(|e| format!("training failed: {e}"))?;
+    let losses: Vec<f64> = report
+        .per_step
+        .iter()
+        .map(|s| s.iter().find(|(n, _)| *n == info.loss).and_then(|(_, a)| a.to_f64().ok()).map_or(f64::NAN, |v| v[0]))
+        .collect();
+    let first: HashMap<&str, &Array> =
+        report.per_step.first().map(|s| s.iter().map(|(n, a)| (n.as_str(), a)).collect()).unwrap_or_default();
+    let gradients: BTreeMap<String, Array> = info
+        .gradients
+        .iter()
+        .filter_map(|(p, gname)| first.get(gname.as_str()).map(|a| (p.clone(), (*a).clone())))
+        .collect();
+    let state: HashMap<&str, &Array> = report.state.iter().map(|(n, a)| (n.as_str(), a)).collect();
+    let parameters: BTreeMap<String, Array> =
+        info.trainable.iter().filter_map(|p| state.get(p.as_str()).map(|a| (p.clone(), (*a).clone()))).collect();
+    Ok(TrainRun { losses, gradients, parameters, report })
+}
+
+/// The same steps on the reference trainer (CPU, one device, float64 evaluation of the
+/// training graph): losses (`steps + 1`), step 1's gradients, the parameters after.
+pub fn reference_steps(
+    g: &ir::Graph,
+    inputs: &HashMap<String, Array>,
+    steps: usize,
+) -> Result<(Vec<f64>, Tensors, Tensors), String> {
+    let mut tr = passes::train::Trainer::new(g.clone())?;
+    let mut losses = Vec::new();
+    let mut gradients = BTreeMap::new();
+    for i in 0..steps {
+        let out = tr.step(inputs)?;
+        losses.push(out.loss);
+        if i == 0 {
+            gradients = out.gradients;
+        }
+    }
+    losses.push(tr.loss(inputs)?);
+    let params = tr.info.trainable.clone();
+    let parameters = params.iter().filter_map(|p| tr.get(p).map(|a| (p.clone(), a))).collect();
+    Ok((losses, gradients, parameters))
+}
+
+/// The largest `|a − e| / (atol + rtol·|e|)` over the elements of every tensor of `want`
+/// (≤ 1: within tolerance), with the tensor it is in; a missing tensor or a shape mismatch
+/// is infinite.
+pub fn worst(got: &BTreeMap<String, Array>, want: &BTreeMap<String, Array>, tol: (f64, f64)) -> (f64, String) {
+    let mut out = (0.0, String::new());
+    for (name, w) in want {
+        let r = match got.get(name) {
+            Some(g) if g.shape == w.shape => match (g.to_f64(), w.to_f64()) {
+                (Ok(a), Ok(e)) => a
+                    .iter()
+                    .zip(&e)
+                    .map(|(x, y)| {
+                        let d = (x - y).abs() / (tol.1 + tol.0 * y.abs());
+                        if d.is_nan() { f64::INFINITY } else { d }
+                    })
+                    .fold(0.0, f64::max),
+                _ => f64::INFINITY,
+            },
+            _ => f64::INFINITY,
+        };
+        if r > out.0 || out.1.is_empty() {
+            out = (r.max(out.0), if r >= out.0 { name.clone() } else { out.1 });
+        }
+    }
+    out
+}

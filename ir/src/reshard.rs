@@ -179,6 +179,42 @@ pub fn held_once(g: &crate::Graph, v: crate::Value) -> bool {
     }
 }
 
+/// The carried state of a training graph: per graph output named `X__next` where `X` is a
+/// float initializer, `(that output, X)`. After each step the output replaces `X` in place, so
+/// it is delivered in the layout `X` is held in ([`delivered_layout`]) — no gather of sharded
+/// parameters or optimizer state between steps.
+pub fn carried_state(g: &crate::Graph) -> Vec<(crate::Value, crate::Value)> {
+    let mut out = Vec::new();
+    for o in g.outputs() {
+        let Some(x) = g.value_name(o.value).strip_suffix("__next") else { continue };
+        if let Some(s) = g.lookup(x)
+            && matches!(&g.node(s.node).op, crate::Op::Initializer(t) if t.dtype.is_float())
+            && !out.iter().any(|&(v, _)| v == o.value)
+        {
+            out.push((o.value, s));
+        }
+    }
+    out
+}
+
+/// The layout graph output `v`, held in `from`, is delivered in: carried state in the layout
+/// its state is held in (`held`, when the state is read at all), any other output per
+/// [`output_layout`].
+pub fn delivered_layout(
+    carried: &[(crate::Value, crate::Value)],
+    v: crate::Value,
+    from: &[AxisShard],
+    batch: &[bool],
+    held: impl Fn(crate::Value) -> Option<Sharding>,
+) -> Sharding {
+    carried
+        .iter()
+        .find(|(n, _)| *n == v)
+        .and_then(|&(_, s)| held(s))
+        .map(|l| l.iter().map(|x| if *x == AxisShard::Partial { AxisShard::Replicate } else { *x }).collect())
+        .unwrap_or_else(|| output_layout(from, batch))
+}
+
 /// Work state of [`reshard`].
 struct Cx<'a> {
     dims: &'a [i64],

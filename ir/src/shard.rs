@@ -234,6 +234,38 @@ impl IterSpace {
     }
 }
 
+impl IterSpace {
+    /// A gradient op split along the batch only: one iteration dim `n`, dim 0 of the inputs
+    /// in `batched` and of the outputs in `per_sample`. The other outputs (a weight's
+    /// gradient) sum over the batch, so `n` is then a reduction dim (partial sums under a
+    /// split); the other inputs are read whole. Whole when the batch is 1 or the inputs
+    /// disagree on it.
+    pub fn batch(cx: &NodeCx<'_>, batched: &[usize], per_sample: &[usize]) -> IterSpace {
+        let node = cx.g.node(cx.n);
+        let sizes: Vec<i64> = batched.iter().filter_map(|&i| cx.in_dims(i).first().copied()).collect();
+        let per_sample_ok =
+            per_sample.iter().filter(|&&s| s < node.num_outputs()).all(|&s| cx.out_dims(s).first() == sizes.first());
+        let Some(&b) = sizes.first() else { return IterSpace::whole(cx) };
+        if b <= 1 || sizes.len() != batched.len() || sizes.iter().any(|&x| x != b) || !per_sample_ok {
+            return IterSpace::whole(cx);
+        }
+        let reduces = (0..node.num_outputs()).any(|s| !per_sample.contains(&s));
+        let kind = if reduces { DimKind::Reduction } else { DimKind::Parallel };
+        let lead =
+            |rank: usize, on: bool| -> Vec<Option<usize>> { (0..rank).map(|t| (on && t == 0).then_some(0)).collect() };
+        IterSpace {
+            dims: vec![IterDim { name: "n".into(), size: b, kind, role: DimRole::Other }],
+            inputs: node
+                .inputs()
+                .iter()
+                .enumerate()
+                .map(|(j, i)| i.map(|v| lead(cx.rank(v), batched.contains(&j))))
+                .collect(),
+            outputs: (0..node.num_outputs()).map(|s| lead(cx.rank(cx.output(s)), per_sample.contains(&s))).collect(),
+        }
+    }
+}
+
 /// Per mesh axis, the iteration dim split over it (`None`: not split, computed redundantly).
 pub type OpStrategy = Vec<Option<usize>>;
 

@@ -6,10 +6,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use clap::Args;
-use codegen::{Backend, RunOptions};
+use codegen::Backend;
 use ir::eval::Array;
 use passes::autodiff::{LossSpec, OptimizerSpec};
-use passes::train::Trainer;
 use shardc::exec;
 use shardc::train::{TrainCase, close, training_model, within};
 
@@ -72,6 +71,9 @@ pub struct TrainArgs {
     /// Absolute tolerance of the checks (default: the case's, else 1e-5).
     #[arg(long)]
     pub atol: Option<f64>,
+    /// Also write each device's lowered training program (ONNX text) into this directory.
+    #[arg(long = "emit-program", value_name = "DIR")]
+    pub emit_program: Option<PathBuf>,
     /// Print one JSON document.
     #[arg(long)]
     pub json: bool,
@@ -242,6 +244,13 @@ pub fn run(args: &TrainArgs) -> CliResult {
     for f in &program.fallbacks {
         notes.push(format!("runs replicated instead of as planned: {f}"));
     }
+    if let Some(dir) = &args.emit_program {
+        std::fs::create_dir_all(dir).map_err(|e| CliError::msg(format!("cannot create `{}`: {e}", dir.display())))?;
+        for d in &program.devices {
+            let text = ir::print::model_to_string(&d.to_model());
+            write_output(&text, Some(&dir.join(format!("device{}.onnxtxt", d.device))), &args.model)?;
+        }
+    }
     // The cost model's training step for the forward model under the same strategy.
     let predicted = exec::named_result(&loaded.model.graph, &cluster, args.devices, &args.strategy, &opts)
         .ok()
@@ -250,33 +259,8 @@ pub fn run(args: &TrainArgs) -> CliResult {
     if let Some(w) = warn {
         notes.push(format!("warning: {w}"));
     }
-    // N steps, then one more forward for the loss after the last update.
-    let run_opts = RunOptions {
-        backend: be,
-        steps: args.steps + 1,
-        carry: info.state.iter().map(|(s, n)| (s.clone(), n.clone())).collect(),
-        every_step: vec![info.loss.clone()],
-        keep_first: true,
-        updates: Some(args.steps),
-        ..Default::default()
-    };
-    let report =
-        codegen::run(&program, &inputs, &run_opts).map_err(|e| CliError::msg(format!("training failed: {e}")))?;
-    let losses: Vec<f64> = report
-        .per_step
-        .iter()
-        .map(|s| s.iter().find(|(n, _)| *n == info.loss).and_then(|(_, a)| a.to_f64().ok()).map_or(f64::NAN, |v| v[0]))
-        .collect();
-    let first: HashMap<&str, &Array> =
-        report.per_step.first().map(|s| s.iter().map(|(n, a)| (n.as_str(), a)).collect()).unwrap_or_default();
-    let gradients: BTreeMap<String, Array> = info
-        .gradients
-        .iter()
-        .filter_map(|(p, gname)| first.get(gname.as_str()).map(|a| (p.clone(), (*a).clone())))
-        .collect();
-    let state: HashMap<&str, &Array> = report.state.iter().map(|(n, a)| (n.as_str(), a)).collect();
-    let parameters: BTreeMap<String, Array> =
-        info.trainable.iter().filter_map(|p| state.get(p.as_str()).map(|a| (p.clone(), (*a).clone()))).collect();
+    let run = shardc::train::run_steps(&program, &info, &inputs, be, args.steps).map_err(CliError::msg)?;
+    let (losses, gradients, parameters, report) = (run.losses, run.gradients, run.parameters, run.report);
     // Checks.
     let tol = (
         args.rtol.or(case.as_ref().map(|c| c.tolerance.0)).unwrap_or(1e-4),
@@ -302,15 +286,10 @@ pub fn run(args: &TrainArgs) -> CliResult {
         }
     }
     if args.check {
-        let mut tr = Trainer::new(g.clone()).map_err(CliError::msg)?;
-        let mut want = Vec::new();
-        for _ in 0..args.steps {
-            want.push(tr.step(&inputs).map_err(CliError::msg)?.loss);
-        }
-        want.push(tr.loss(&inputs).map_err(CliError::msg)?);
+        let (want, want_grads, ref_params) =
+            shardc::train::reference_steps(g, &inputs, args.steps).map_err(CliError::msg)?;
         checks.push(check_losses("losses (reference)", &losses, &want, tol));
-        let ref_params: BTreeMap<String, Array> =
-            info.trainable.iter().filter_map(|p| tr.get(p).map(|a| (p.clone(), a))).collect();
+        checks.push(check_all("gradients (reference)", &gradients, &want_grads, tol));
         checks.push(check_all("parameters (reference)", &parameters, &ref_params, tol));
     }
     if let Some(out) = &args.save_state {

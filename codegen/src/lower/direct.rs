@@ -51,6 +51,10 @@ pub(super) fn emit(
             ins[j] = Some(c);
         }
     }
+    // Gradient ops that bake their output's shape in an attribute.
+    if let Some(attr) = ir::ops::split::output_shape_attr(&mut op) {
+        *attr = Some(l.local_dims(out0, &outs[0])?.iter().map(|&x| x as i64).collect());
+    }
     // Squeeze without axes squeezes what is 1 globally (a split can make other dims 1).
     if let Op::Squeeze(sq) = &mut op
         && sq.axes.is_none()

@@ -135,6 +135,8 @@ fn lower_op(l: &mut Local<'_>, n: NodeId) -> Result<(), LowerError> {
         }
         SplitMode::LayerNorm { axis } => vec![stats::layer_norm(l, n, &sp, &s, &local_in, axis, &out_names[0])?],
         SplitMode::VocabGather => vec![vocab::emit(l, n, &sp, &s, &local_in, &out_names[0])?],
+        SplitMode::Loss => stats::mean_loss(l, n, &s, local_in, &out_names)?,
+        SplitMode::BatchNorm { stat, grad } => stats::batch_norm(l, n, &s, &local_in, &stat, grad, &out_names)?,
     };
     // Record outputs; a replicated fallback is resharded back to the planned layouts.
     for (slot, x) in outs_local.into_iter().enumerate() {
@@ -298,6 +300,7 @@ fn lower_device(
     }
     // Graph outputs computed in this stage, delivered reduced and cut only along the batch.
     let mut results = Vec::new();
+    let carried = ir::reshard::carried_state(g);
     for out in g.outputs() {
         let v = out.value;
         let in_stage = match g.node(v.node).op {
@@ -308,7 +311,8 @@ fn lower_device(
             continue;
         }
         let produced = l.produced.get(&v).cloned().unwrap_or_else(|| vec![AxisShard::Replicate; stage.mesh.axes.len()]);
-        let layout = ir::reshard::output_layout(&produced, sh.batch.get(&v).map_or(&[][..], Vec::as_slice));
+        let batch = sh.batch.get(&v).map_or(&[][..], Vec::as_slice);
+        let layout = ir::reshard::delivered_layout(&carried, v, &produced, batch, |s| l.produced.get(&s).cloned());
         let x = l.get(v, &layout)?;
         l.lg.add_output(x, None);
         results.push(Result_ { local: l.lg.value_name(x).to_string(), global: g.value_name(v).to_string(), layout });

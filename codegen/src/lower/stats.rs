@@ -134,3 +134,165 @@ pub(super) fn layer_norm(
     }
     Ok(cur)
 }
+
+/// Training-mode batch normalization (`grad`: its gradient, `BatchNormGrad`) over statistic
+/// dims `stat`, some of them split: the per-channel sums are all-reduced over the devices
+/// that split them, so every device normalizes with the statistics of the whole batch
+/// (synchronized batch norm), as one device would. One local value per output slot (an
+/// unnamed output is not computed; its slot holds the input).
+pub(super) fn batch_norm(
+    l: &mut Local<'_>,
+    n: NodeId,
+    s: &[Option<usize>],
+    ins: &[Option<Value>],
+    stat: &[usize],
+    grad: bool,
+    outs: &[String],
+) -> Result<Vec<Value>, LowerError> {
+    let g = l.g;
+    let node = g.node(n);
+    let (eps, momentum) = match &node.op {
+        Op::BatchNormalization(b) => (b.epsilon(), b.momentum()),
+        Op::BatchNormGrad(b) => (b.epsilon(), 0.0),
+        _ => return Err(l.err(Some(n), LowerErrorKind::Graph, "not a batch normalization")),
+    };
+    // Both take five inputs: (x, scale, bias, mean, var) and (x, scale, mean, var, dy).
+    let missing = (0..5).find(|&k| ins.get(k).copied().flatten().is_none());
+    if let Some(k) = missing {
+        return Err(l.err(Some(n), LowerErrorKind::Graph, format!("no input {k}")));
+    }
+    let input = |k: usize| -> Result<Value, LowerError> { Ok(ins[k].expect("checked above")) };
+    let xv = node.input(0).ok_or_else(|| l.err(Some(n), LowerErrorKind::Graph, "no input"))?;
+    let dims = l.micro_dims(xv)?;
+    let count: usize = stat.iter().map(|&d| dims[d]).product();
+    let group = l.group(&axes_splitting(s, stat));
+    let base = g.value_name(Value::new(n, 0)).to_string();
+    let dtype = l.dtype(xv);
+    let x = input(0)?;
+    // Per-channel vectors as [1, C, 1, ...] (C: this device's channels) and back.
+    let mut bshape = vec![1i64; dims.len()];
+    bshape[1] = -1;
+    let to_b = l.const_i64(&format!("{base}__bshape"), &bshape);
+    let to_c = l.const_i64(&format!("{base}__cshape"), &[-1]);
+    let reshape = |l: &mut Local<'_>, v: Value, shape: Value, name: &str| {
+        l.op1(Op::Reshape(o::Reshape::default()), &[v, shape], name)
+    };
+    let inv_n = l.scalar(&format!("{base}__invn"), dtype, 1.0 / count as f64);
+    let mul = |l: &mut Local<'_>, a: Value, b: Value, name: &str| l.op1(Op::Mul(o::Mul::default()), &[a, b], name);
+    let s1 = reduce(l, true, x, stat, &format!("{base}__s1"));
+    let s1g = all_reduce(l, s1, &group, false, &format!("{base}__gs1"));
+    let mean = mul(l, s1g, inv_n, &format!("{base}__mean"));
+    let d = l.op1(Op::Sub(o::Sub::default()), &[x, mean], &format!("{base}__centered"));
+    let d2 = mul(l, d, d, &format!("{base}__sq"));
+    let s2 = reduce(l, true, d2, stat, &format!("{base}__s2"));
+    let s2g = all_reduce(l, s2, &group, false, &format!("{base}__gs2"));
+    let var = mul(l, s2g, inv_n, &format!("{base}__var"));
+    let e = l.scalar(&format!("{base}__eps"), dtype, eps as f64);
+    let ve = l.op1(Op::Add(o::Add::default()), &[var, e], &format!("{base}__vareps"));
+    let sd = l.op1(Op::Sqrt(o::Sqrt::default()), &[ve], &format!("{base}__std"));
+    let xhat = l.op1(Op::Div(o::Div::default()), &[d, sd], &format!("{base}__xhat"));
+    let scale = input(1)?;
+    let scale_b = reshape(l, scale, to_b, &format!("{base}__scale"));
+    let name = |k: usize| outs.get(k).filter(|o| !o.is_empty()).cloned();
+    let mut res = vec![x; outs.len()];
+    if !grad {
+        let bias = input(2)?;
+        let bias_b = reshape(l, bias, to_b, &format!("{base}__bias"));
+        let ys = mul(l, xhat, scale_b, &format!("{base}__scaled"));
+        if let Some(o) = name(0) {
+            res[0] = l.op_named(Op::Add(o::Add::default()), &[ys, bias_b], &o);
+        }
+        // Running statistics: `running·momentum + batch·(1 − momentum)`.
+        let keep = l.scalar(&format!("{base}__momentum"), dtype, momentum as f64);
+        let take = l.scalar(&format!("{base}__1_momentum"), dtype, 1.0 - momentum as f64);
+        for (slot, (k, batch)) in [(1, (3, mean)), (2, (4, var))] {
+            let Some(o) = name(slot) else { continue };
+            let running = input(k)?;
+            let bc = reshape(l, batch, to_c, &format!("{base}__batch{slot}"));
+            let a = mul(l, running, keep, &format!("{base}__kept{slot}"));
+            let b = mul(l, bc, take, &format!("{base}__taken{slot}"));
+            res[slot] = l.op_named(Op::Add(o::Add::default()), &[a, b], &o);
+        }
+    } else {
+        // dx = scale/σ · (dy − Σdy/N − x̂·Σ(dy·x̂)/N); dscale = Σ(dy·x̂); dbias = Σdy.
+        let dy = input(4)?;
+        let sb = reduce(l, true, dy, stat, &format!("{base}__sdy"));
+        let db = all_reduce(l, sb, &group, false, &format!("{base}__gsdy"));
+        let dyx = mul(l, dy, xhat, &format!("{base}__dyxhat"));
+        let ss = reduce(l, true, dyx, stat, &format!("{base}__sdyx"));
+        let ds = all_reduce(l, ss, &group, false, &format!("{base}__gsdyx"));
+        if let Some(o) = name(0) {
+            let mdb = mul(l, db, inv_n, &format!("{base}__mdy"));
+            let mds = mul(l, ds, inv_n, &format!("{base}__mdyx"));
+            let t = mul(l, xhat, mds, &format!("{base}__xmdyx"));
+            let u = l.op1(Op::Sub(o::Sub::default()), &[dy, mdb], &format!("{base}__dyc"));
+            let v = l.op1(Op::Sub(o::Sub::default()), &[u, t], &format!("{base}__dyct"));
+            let k = l.op1(Op::Div(o::Div::default()), &[scale_b, sd], &format!("{base}__k"));
+            res[0] = l.op_named(Op::Mul(o::Mul::default()), &[v, k], &o);
+        }
+        for (slot, sum) in [(1, ds), (2, db)] {
+            if let Some(o) = name(slot) {
+                res[slot] = l.op_named(Op::Reshape(o::Reshape::default()), &[sum, to_c], &o);
+            }
+        }
+    }
+    Ok(res)
+}
+
+/// A loss averaged over split samples, or its gradient: the op with `reduction = "sum"` on
+/// the device's samples, divided by the count of the samples not ignored, all-reduced over
+/// the devices that split them. The loss comes out as partial sums of the mean (its layout),
+/// the gradient as the device's rows of the whole batch's gradient.
+pub(super) fn mean_loss(
+    l: &mut Local<'_>,
+    n: NodeId,
+    s: &[Option<usize>],
+    ins: Vec<Option<Value>>,
+    outs: &[String],
+) -> Result<Vec<Value>, LowerError> {
+    let g = l.g;
+    let node = g.node(n);
+    let mut op = node.op.clone();
+    let (ignore, labels_at) = match &mut op {
+        Op::SoftmaxCrossEntropyLoss(o) => (o.reduction.replace("sum".into()).map(|_| o.ignore_index), 1),
+        Op::NegativeLogLikelihoodLoss(o) => (o.reduction.replace("sum".into()).map(|_| o.ignore_index), 1),
+        Op::SoftmaxCrossEntropyLossGrad(o) => (o.reduction.replace("sum".into()).map(|_| o.ignore_index), 2),
+        Op::NegativeLogLikelihoodLossGrad(o) => (o.reduction.replace("sum".into()).map(|_| o.ignore_index), 2),
+        _ => return Err(l.err(Some(n), LowerErrorKind::Graph, "not a loss")),
+    };
+    // `reduction` was unset (the default, mean) or mean.
+    let ignore = ignore.flatten();
+    let base = g.value_name(Value::new(n, 0)).to_string();
+    let out0 = Value::new(n, 0);
+    let dtype = l.dtype(out0);
+    let labels_v = node.input(labels_at).ok_or_else(|| l.err(Some(n), LowerErrorKind::Graph, "no labels"))?;
+    let labels = ins[labels_at].ok_or_else(|| l.err(Some(n), LowerErrorKind::Graph, "no labels"))?;
+    let count = match ignore {
+        // Every sample counts: the count is the labels' global size.
+        None => l.scalar(&format!("{base}__count"), dtype, l.micro_dims(labels_v)?.iter().product::<usize>() as f64),
+        Some(ix) => {
+            let k = l.scalar(&format!("{base}__ignore"), l.dtype(labels_v), ix as f64);
+            let eq = l.op1(Op::Equal(o::Equal::default()), &[labels, k], &format!("{base}__ignored"));
+            let keep = l.op1(Op::Not(o::Not::default()), &[eq], &format!("{base}__counts"));
+            let f = l.op1(
+                Op::Cast(o::Cast { saturate: None, to: Some(dtype.code()) }),
+                &[keep],
+                &format!("{base}__countf"),
+            );
+            let local = l.op1(
+                Op::ReduceSum(o::ReduceSum { axes: None, keepdims: Some(0), noop_with_empty_axes: None }),
+                &[f],
+                &format!("{base}__nlocal"),
+            );
+            let axes: Vec<usize> = s.iter().enumerate().filter_map(|(a, d)| d.map(|_| a)).collect();
+            let group = l.group(&axes);
+            all_reduce(l, local, &group, false, &format!("{base}__count"))
+        }
+    };
+    let mut names: Vec<String> = outs.to_vec();
+    let sum_name = l.fresh(&format!("{base}__sum"));
+    names[0] = sum_name;
+    let mut res = l.emit(op, ins, &names);
+    res[0] = l.op_named(Op::Div(o::Div::default()), &[res[0], count], &outs[0]);
+    Ok(res)
+}

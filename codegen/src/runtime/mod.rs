@@ -488,6 +488,13 @@ fn drive<E: Executor>(
         if !matches!(g.node(iv.node).op, Op::Initializer(_)) {
             return Err(err(format!("carried state `{init}` is not an initializer on this device")));
         }
+        let (held, next_dims) = (g.tensor_type(iv).map(|t| &t.dims), g.tensor_type(nv).map(|t| &t.dims));
+        if held != next_dims {
+            return Err(err(format!(
+                "carried state `{init}` is held as {held:?} but `{next}` is delivered as {next_dims:?}: \
+                 the program does not deliver the next state in the layout the state is held in"
+            )));
+        }
         carries.push((init.clone(), iv, nv));
     }
     if !carries.is_empty() && p.micro_batches > 1 {

@@ -803,7 +803,7 @@ impl OpRules for op::ConvGradInput {
     }
 
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        Some(IterSpace::whole(cx))
+        Some(IterSpace::batch(cx, &[0], &[0]))
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
@@ -862,7 +862,7 @@ impl OpRules for op::ConvGradWeight {
     }
 
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        Some(IterSpace::whole(cx))
+        Some(IterSpace::batch(cx, &[0, 1], &[]))
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {

@@ -710,7 +710,13 @@ impl OpRules for op::GatherGrad {
     /// Rows are owned: the table's dims are the space, each row summing the dY rows whose
     /// index picks it (a split of the rows needs no communication).
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        Some(IterSpace::whole(cx))
+        // Along axis 0, dY's leading dims are the indices': the batch of the lookups splits,
+        // each device scattering its rows' gradients (partial sums of the table's).
+        if self.axis() == 0 && !cx.in_dims(0).is_empty() {
+            Some(IterSpace::batch(cx, &[0, 1], &[]))
+        } else {
+            Some(IterSpace::whole(cx))
+        }
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {

@@ -8,7 +8,7 @@
 //! partial sums of the per-sample terms, divided by the global count.
 
 use super::grad::GradCx;
-use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Types, Work};
+use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
 use crate::eval::{Array, EvalError};
 use crate::op::{self, Op};
 use crate::shard::IterSpace;
@@ -106,8 +106,23 @@ fn loss_infer(cx: &InferCx<'_>, reduction: &str, log_prob: bool) -> Types {
 }
 
 /// Samples split, like a batch: the scores' dims 0 and 2.. follow the labels'.
-fn loss_space(cx: &NodeCx<'_>) -> Option<IterSpace> {
-    Some(IterSpace::whole(cx))
+/// The samples split (the batch, dim 0 of the scores and labels): a summed or averaged loss
+/// becomes partial sums, a per-sample loss and the scores' gradient split with them.
+/// Weighted losses run whole.
+fn loss_space(cx: &NodeCx<'_>, reduction: &str, grad: bool) -> Option<IterSpace> {
+    let none = reduction == "none";
+    Some(match (grad, cx.g.node(cx.n).inputs().len()) {
+        (false, 2) if none => IterSpace::batch(cx, &[0, 1], &[0, 1]),
+        (false, 2) => IterSpace::batch(cx, &[0, 1], &[1]),
+        (true, 3) if none => IterSpace::batch(cx, &[0, 1, 2], &[0]),
+        (true, 3) => IterSpace::batch(cx, &[1, 2], &[0]),
+        _ => IterSpace::whole(cx),
+    })
+}
+
+/// A mean over split samples needs the count of the samples that count, all-reduced.
+fn loss_sharded(reduction: &str) -> Sharded {
+    if reduction == "mean" { Sharded::Loss } else { Sharded::Local }
 }
 
 impl OpRules for op::SoftmaxCrossEntropyLoss {
@@ -120,7 +135,11 @@ impl OpRules for op::SoftmaxCrossEntropyLoss {
     }
 
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        loss_space(cx)
+        loss_space(cx, self.reduction(), false)
+    }
+
+    fn sharded(&self) -> Sharded {
+        loss_sharded(self.reduction())
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
@@ -166,7 +185,11 @@ impl OpRules for op::NegativeLogLikelihoodLoss {
     }
 
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        loss_space(cx)
+        loss_space(cx, self.reduction(), false)
+    }
+
+    fn sharded(&self) -> Sharded {
+        loss_sharded(self.reduction())
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
@@ -250,7 +273,11 @@ impl OpRules for op::SoftmaxCrossEntropyLossGrad {
     }
 
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        loss_space(cx)
+        loss_space(cx, self.reduction(), true)
+    }
+
+    fn sharded(&self) -> Sharded {
+        loss_sharded(self.reduction())
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
@@ -272,7 +299,11 @@ impl OpRules for op::NegativeLogLikelihoodLossGrad {
     }
 
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        loss_space(cx)
+        loss_space(cx, self.reduction(), true)
+    }
+
+    fn sharded(&self) -> Sharded {
+        loss_sharded(self.reduction())
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {

@@ -347,6 +347,12 @@ pub enum Sharded {
     },
     /// Split normalized dims need the mean and variance all-reduced.
     LayerNorm,
+    /// Training-mode batch normalization (and its gradient): split statistic dims (the batch,
+    /// spatial dims) need the per-channel sums all-reduced (synchronized batch norm).
+    BatchNorm,
+    /// A loss averaged over split samples (and its gradient): each device sums its samples'
+    /// terms and divides by the all-reduced count of the samples that count.
+    Loss,
     /// A split vocabulary: each device gathers the rows it holds, results are partial sums.
     VocabGather,
     /// Runs whole on every device (control flow, communication).

@@ -11,7 +11,7 @@ use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, Shard
 use crate::eval::{Array, EvalError, strides};
 use crate::graph::Value;
 use crate::op::{self, Op};
-use crate::shard::{DimRole, IterSpace, pointwise};
+use crate::shard::{DimKind, DimRole, IterSpace, pointwise};
 use crate::types::{DType, Dim, TensorType};
 
 type Result<T> = std::result::Result<T, EvalError>;
@@ -47,9 +47,10 @@ impl OpRules for op::BatchNormalization {
         Some(batch_norm_grad(self, cx))
     }
 
-    /// Inference mode normalizes with the stored running statistics.
+    /// Inference mode normalizes with the stored running statistics; training mode computes
+    /// them over the batch and spatial dims (synchronized across a split).
     fn sharded(&self) -> Sharded {
-        if self.training_mode() == 0 { Sharded::StoredStatistics } else { Sharded::Local }
+        if self.training_mode() == 0 { Sharded::StoredStatistics } else { Sharded::BatchNorm }
     }
 
     fn arity(&self) -> Arity {
@@ -66,7 +67,13 @@ impl OpRules for op::BatchNormalization {
     }
 
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        Some(per_channel_space(cx, false))
+        let mut sp = per_channel_space(cx, false);
+        if self.training_mode() != 0
+            && let Some(d) = sp.dims.first_mut()
+        {
+            d.kind = DimKind::Statistic { values: 2 };
+        }
+        Some(sp)
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
@@ -597,8 +604,26 @@ impl OpRules for op::BatchNormGrad {
         Ok(vec![cx.input(0).cloned(), ch.clone(), ch])
     }
 
+    /// Its iteration space is the input's: `dx` follows it, the per-channel gradients the
+    /// channel dim; the batch and spatial dims are summed over (inference mode: a split leaves
+    /// partial sums) or statistic dims (training mode: synchronized).
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        Some(IterSpace::whole(cx))
+        let mut sp = per_channel_space(cx, false);
+        let r = cx.out_dims(0).len();
+        let full: Vec<Option<usize>> = (0..r).map(|i| (cx.out_dims(0)[i] != 1).then_some(i)).collect();
+        if let Some(m) = sp.inputs.get_mut(4) {
+            *m = Some(full);
+        }
+        for (i, d) in sp.dims.iter_mut().enumerate() {
+            if i != 1 {
+                d.kind = if self.training_mode() != 0 { DimKind::Statistic { values: 2 } } else { DimKind::Reduction };
+            }
+        }
+        Some(sp)
+    }
+
+    fn sharded(&self) -> Sharded {
+        if self.training_mode() != 0 { Sharded::BatchNorm } else { Sharded::Local }
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
@@ -674,7 +699,14 @@ impl OpRules for op::LayerNormGrad {
     }
 
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        Some(IterSpace::whole(cx))
+        // The batch (dim 0) splits when it is not normalized over.
+        let r = cx.in_dims(0).len() as i64;
+        let a = self.axis();
+        if (if a < 0 { a + r } else { a }) >= 1 {
+            Some(IterSpace::batch(cx, &[0, 2], &[0]))
+        } else {
+            Some(IterSpace::whole(cx))
+        }
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {

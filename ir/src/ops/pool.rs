@@ -436,7 +436,7 @@ impl OpRules for op::MaxPoolGrad {
     }
 
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        Some(IterSpace::whole(cx))
+        Some(IterSpace::batch(cx, &[0, 1], &[0]))
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
@@ -484,7 +484,7 @@ impl OpRules for op::AveragePoolGrad {
     }
 
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        Some(IterSpace::whole(cx))
+        Some(IterSpace::batch(cx, &[0], &[0]))
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {

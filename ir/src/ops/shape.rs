@@ -1456,7 +1456,13 @@ impl OpRules for op::SliceGrad {
     }
 
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        Some(IterSpace::whole(cx))
+        // The batch (dim 0) splits when the slice does not cut it.
+        let r = cx.in_dims(0).len() as i64;
+        let cuts_batch = match cx.g.node(cx.n).input(3) {
+            Some(_) => cx.const_ints(3).is_none_or(|a| a.iter().any(|&x| x == 0 || x + r == 0)),
+            None => true,
+        };
+        if cuts_batch { Some(IterSpace::whole(cx)) } else { Some(IterSpace::batch(cx, &[0], &[0])) }
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {

@@ -51,6 +51,18 @@ pub enum SplitMode {
     },
     /// An embedding split by rows: each device gathers the rows it holds, as partial sums.
     VocabGather,
+    /// Training-mode batch normalization over split statistic dims: the per-channel sum and
+    /// sum of squares are all-reduced (forward); the gradient recomputes them and all-reduces
+    /// the two sums of `dy` and `dy·x̂` too.
+    BatchNorm {
+        /// The statistic iteration dims (the batch and spatial dims).
+        stat: Vec<usize>,
+        /// The gradient op (`BatchNormGrad`).
+        grad: bool,
+    },
+    /// A mean loss over split samples (or its gradient): the local sum of the terms over the
+    /// all-reduced count of the samples not ignored (partial sums of the mean).
+    Loss,
 }
 
 impl SplitMode {
@@ -59,6 +71,9 @@ impl SplitMode {
         match self {
             SplitMode::Softmax { .. } => (2, 1),
             SplitMode::LayerNorm { .. } => (2, 2),
+            SplitMode::BatchNorm { grad: false, .. } => (2, 4),
+            SplitMode::BatchNorm { grad: true, .. } => (4, 0),
+            SplitMode::Loss => (1, 1),
             _ => (0, 0),
         }
     }
@@ -69,6 +84,18 @@ pub fn shape_input(node: &Node) -> Option<usize> {
     match node.op {
         Op::Reshape(_) | Op::Expand(_) => Some(1),
         Op::Resize(_) if node.input(3).is_some() => Some(3),
+        _ => None,
+    }
+}
+
+/// The attribute in which an op bakes its output's shape (a gradient op's `input_shape` or
+/// `shape`), which lowering sets to the shape of the device's piece.
+pub fn output_shape_attr(op: &mut Op) -> Option<&mut Option<Vec<i64>>> {
+    match op {
+        Op::ConvGradInput(o) => Some(&mut o.input_shape),
+        Op::AveragePoolGrad(o) => Some(&mut o.input_shape),
+        Op::SliceGrad(o) => Some(&mut o.shape),
+        Op::GatherGrad(o) => Some(&mut o.shape),
         _ => None,
     }
 }
@@ -171,8 +198,15 @@ pub fn split_mode(g: &Graph, n: NodeId, sp: &IterSpace, s: &[Option<usize>], mes
                 Ok(SplitMode::LayerNorm { axis: (if a < 0 { a + r } else { a }) as usize })
             }
             Sharded::StoredStatistics if !stats_wanted => Ok(SplitMode::Direct),
+            Sharded::BatchNorm => Ok(SplitMode::BatchNorm {
+                stat: (0..sp.dims.len()).filter(|&i| matches!(sp.dims[i].kind, DimKind::Statistic { .. })).collect(),
+                grad: matches!(node.op, Op::BatchNormGrad(_)),
+            }),
             _ => Err("its statistics cannot split".into()),
         };
+    }
+    if sharded == Sharded::Loss {
+        return Ok(SplitMode::Loss);
     }
     if sharded == Sharded::VocabGather && split.iter().any(|&i| sp.dims[i].role == DimRole::Vocab) {
         return Ok(SplitMode::VocabGather);

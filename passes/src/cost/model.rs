@@ -639,9 +639,9 @@ impl<'a> CostModel<'a> {
                 out.extend(steps.iter().cloned().map(|s| (Phase::Forward, s)));
                 out.extend(steps.into_iter().map(|s| (Phase::Backward, s)));
             }
-            SplitMode::Softmax { .. } | SplitMode::LayerNorm { .. } => {
+            SplitMode::Softmax { .. } | SplitMode::LayerNorm { .. } | SplitMode::BatchNorm { .. } => {
                 let stat: Vec<usize> = match &mode {
-                    SplitMode::Softmax { axes, .. } => axes.clone(),
+                    SplitMode::Softmax { axes, .. } | SplitMode::BatchNorm { stat: axes, .. } => axes.clone(),
                     SplitMode::LayerNorm { axis } => (*axis..local.len()).collect(),
                     _ => unreachable!(),
                 };
@@ -653,6 +653,16 @@ impl<'a> CostModel<'a> {
                 let (f, b) = mode.stat_all_reduces();
                 out.extend(std::iter::repeat_n((Phase::Forward, step.clone()), f));
                 out.extend(std::iter::repeat_n((Phase::Backward, step), b));
+            }
+            SplitMode::Loss => {
+                // The count of the samples that count: one scalar all-reduce.
+                let axes: Vec<usize> = (0..strategy.len()).filter(|&a| strategy[a].is_some()).collect();
+                let ar = CommStep { kind: StepKind::AllReduce, axes, bytes: eb, to: layout };
+                if let Some(step) = price(&ar, 1.0, &self.mesh, self.cluster) {
+                    let (f, b) = mode.stat_all_reduces();
+                    out.extend(std::iter::repeat_n((Phase::Forward, step.clone()), f));
+                    out.extend(std::iter::repeat_n((Phase::Backward, step), b));
+                }
             }
             SplitMode::Direct | SplitMode::VocabGather => {}
         }
@@ -831,7 +841,7 @@ impl<'a> CostModel<'a> {
         }
         // Graph outputs end reduced and cut only along their batch dims (what a loss or the
         // host reads); the collectives that make them so are part of the forward pass.
-        let out_comm = self.output_comm(&mut w, &edges, &have);
+        let out_comm = self.output_comm(&mut w, &edges, &have, &storage);
         fwd_total += out_comm;
         comm_total += out_comm;
 
@@ -991,9 +1001,16 @@ impl<'a> CostModel<'a> {
         (fwd, bwd)
     }
 
-    /// The collectives that bring every graph output to [`ir::reshard::output_layout`].
-    fn output_comm<'e>(&self, w: &mut Walk, edges: &Edges<'e>, have: &dyn Fn(Value) -> &'e Sharding) -> f64 {
+    /// The collectives that bring every graph output to [`ir::reshard::delivered_layout`].
+    fn output_comm<'e>(
+        &self,
+        w: &mut Walk,
+        edges: &Edges<'e>,
+        have: &dyn Fn(Value) -> &'e Sharding,
+        storage: &BTreeMap<Value, Sharding>,
+    ) -> f64 {
         let mut t = 0.0;
+        let carried = ir::reshard::carried_state(self.g);
         let mut done: FxHashSet<Value> = FxHashSet::default();
         for o in self.g.outputs() {
             let v = o.value;
@@ -1001,7 +1018,8 @@ impl<'a> CostModel<'a> {
                 continue;
             }
             let from = have(v);
-            let to = ir::reshard::output_layout(from, self.batch.get(&v).map_or(&[][..], Vec::as_slice));
+            let batch = self.batch.get(&v).map_or(&[][..], Vec::as_slice);
+            let to = ir::reshard::delivered_layout(&carried, v, from, batch, |s| storage.get(&s).cloned());
             if edges.materialized.contains(&(v, &to)) {
                 continue; // a reader already made it
             }

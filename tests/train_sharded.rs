@@ -1,0 +1,130 @@
+//! Sharded training equals single-device training: every golden training case under every
+//! named strategy that applies, on 2 and 4 devices, runs 3 SGD-with-momentum steps on the
+//! CPU executor with parameters and optimizer state resident on the devices; the losses,
+//! step 1's gradients and the parameters after are compared with the same steps on one
+//! device (the same f32 kernels) and with the float64 reference trainer. Data parallelism
+//! must run the backward pass split too (no activation gathered), and no op may fall back
+//! to replicated.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use shardc::codegen::Backend;
+use shardc::ir::eval::Array;
+use shardc::passes::autodiff::{LossSpec, OptimizerSpec, TrainInfo};
+use shardc::train::{TrainCase, TrainRun, run_steps, training_model, worst};
+use shardc_tests::golden_train_cases;
+
+const STEPS: usize = 3;
+
+struct Case {
+    name: String,
+    graph: shardc::ir::Graph,
+    info: TrainInfo,
+    inputs: HashMap<String, Array>,
+}
+
+fn load(path: &Path) -> Case {
+    let loaded = shardc::load_model(path).expect("model loads");
+    let case = TrainCase::load(&path.with_extension("train.json")).expect("case loads");
+    let opt = case.optimizer("sgd").cloned().unwrap_or(OptimizerSpec::Sgd {
+        lr: 0.05,
+        momentum: 0.9,
+        dampening: 0.0,
+        nesterov: false,
+        weight_decay: 0.0,
+    });
+    let (tm, info) = training_model(&loaded.model, &LossSpec::Model, &opt).expect("training graph");
+    let mut inputs = case.inputs.clone();
+    inputs.retain(|k, _| tm.graph.lookup(k).is_some());
+    Case { name: path.file_stem().unwrap().to_string_lossy().to_string(), graph: tm.graph, info, inputs }
+}
+
+/// The program of `strategy` on `devices` (None when the strategy does not apply).
+fn program(c: &Case, strategy: &str, devices: usize) -> Option<shardc::codegen::Program> {
+    let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
+    let r = shardc::exec::named_result(&c.graph, &cluster, devices, strategy, &Default::default()).ok()?;
+    let p = shardc::exec::program_for_search(&c.graph, &r, devices)
+        .unwrap_or_else(|e| panic!("{} {strategy} ×{devices}: does not lower: {e}", c.name));
+    shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{} {strategy} ×{devices}: inconsistent: {e:?}", c.name));
+    Some(p)
+}
+
+fn run(c: &Case, p: &shardc::codegen::Program) -> TrainRun {
+    run_steps(p, &c.info, &c.inputs, Backend::Cpu, STEPS).unwrap_or_else(|e| panic!("{}: {e}", c.name))
+}
+
+fn losses_map(l: &[f64]) -> BTreeMap<String, Array> {
+    l.iter()
+        .enumerate()
+        .map(|(i, &x)| (format!("loss{i}"), Array::float(shardc::ir::DType::Double, vec![], vec![x])))
+        .collect()
+}
+
+/// The worst error ratio (≤ 1 within `tol`) of `got` against `want`, over losses, gradients
+/// and parameters, with where it is.
+fn compare(got: &TrainRun, want: &TrainRun, tol: (f64, f64)) -> (f64, String) {
+    let parts = [
+        ("losses", worst(&losses_map(&got.losses), &losses_map(&want.losses), tol)),
+        ("gradients", worst(&got.gradients, &want.gradients, tol)),
+        ("parameters", worst(&got.parameters, &want.parameters, tol)),
+    ];
+    parts
+        .into_iter()
+        .map(|(k, (r, n))| (r, format!("{k} {n}")))
+        .fold((0.0, String::new()), |a, b| if b.0 > a.0 { b } else { a })
+}
+
+#[test]
+fn sharded_training_equals_single_device() {
+    let strategies = ["data", "model", "megatron", "owt", "spatial", "hybrid:dp:2,tp:2", "spatial-hybrid:2x2"];
+    let mut ran = 0;
+    let mut report = String::new();
+    for path in golden_train_cases() {
+        let c = load(&path);
+        let single = run(&c, &program(&c, "data", 1).expect("one device"));
+        // The single-device run against the float64 reference trainer.
+        let (rl, rg, rp) = shardc::train::reference_steps(&c.graph, &c.inputs, STEPS).expect("reference");
+        let reference = TrainRun { losses: rl, gradients: rg, parameters: rp, report: single.report.clone() };
+        let (r, at) = compare(&single, &reference, (1e-4, 1e-5));
+        assert!(r <= 1.0, "{}: one device vs the reference: {r:.2}× the tolerance at {at}", c.name);
+        for s in strategies {
+            for devices in [2, 4] {
+                if s.contains(':') && devices != 4 {
+                    continue;
+                }
+                let Some(p) = program(&c, s, devices) else { continue };
+                assert!(p.fallbacks.is_empty(), "{} {s} ×{devices}: runs replicated: {:?}", c.name, p.fallbacks);
+                let got = run(&c, &p);
+                // Data parallelism reorders only the batch sums; the rest also splits
+                // contractions and statistics.
+                let tol = if s == "data" { (1e-5, 1e-6) } else { (1e-4, 1e-5) };
+                let (r, at) = compare(&got, &single, tol);
+                report.push_str(&format!("{} {s} ×{devices}: {r:.3} of the tolerance ({at})\n", c.name));
+                assert!(r <= 1.0, "{} {s} ×{devices}: {r:.2}× the tolerance at {at}", c.name);
+                ran += 1;
+            }
+        }
+    }
+    eprint!("{report}");
+    assert!(ran >= 40, "only {ran} sharded runs");
+}
+
+/// Data parallelism runs the backward pass on each device's samples: no activation or
+/// gradient is gathered, parameters' gradients are all-reduced (each once), batch
+/// normalization synchronizes its statistics.
+#[test]
+fn data_parallel_backward_runs_split() {
+    for name in ["mlp_xent", "cnn_small", "embedding_lm", "resnet_block_train"] {
+        let path = shardc_tests::repo_root().join(format!("tests/data/golden-train/{name}.onnxtxt"));
+        let c = load(&path);
+        let p = program(&c, "data", 2).expect("data applies");
+        for d in &p.devices {
+            let ops: Vec<String> = d.graph.node_ids().map(|n| d.graph.node(n).op.op_type().to_string()).collect();
+            let gathers = ops.iter().filter(|o| *o == "AllGather").count();
+            assert_eq!(gathers, 0, "{name}: device {} gathers {gathers} tensors", d.device);
+            let reduces = ops.iter().filter(|o| *o == "AllReduce").count();
+            assert!(reduces >= c.info.trainable.len() / 2, "{name}: only {reduces} all-reduces");
+        }
+    }
+}
