@@ -132,3 +132,59 @@ fn loss_decreases_over_twenty_sgd_steps() {
         eprintln!("{model} on {be}: loss {first:.4} → {last:.4}, step {:.3} s", doc["step_s"].as_f64().unwrap());
     }
 }
+
+/// `shardc train --data --devices 2` on every golden case: data parallel (tensor parallel
+/// where the batch does not split), nine SGD steps on wgpu (the CPU executor without an
+/// adapter), the loss, every gradient and the 10-loss trajectory checked against torch and
+/// every step against the reference trainer (`--check`).
+#[test]
+fn sharded_training_matches_torch_on_two_devices() {
+    let be = if gpu_available() { "wgpu" } else { "cpu" };
+    let mut failures = Vec::new();
+    for path in golden_train_cases() {
+        let data = path.with_extension("train.json");
+        let run = |strategy: &str| {
+            shardc_train(&[
+                path.to_str().unwrap(),
+                "--data",
+                data.to_str().unwrap(),
+                "--backend",
+                be,
+                "--optimizer",
+                "sgd",
+                "--steps",
+                "9",
+                "--devices",
+                "2",
+                "--strategy",
+                strategy,
+                "--check",
+            ])
+        };
+        let r = match run("data") {
+            Err(e) if e.contains("does not apply") => run("megatron"),
+            r => r,
+        };
+        match r {
+            Ok(doc) => {
+                let whats: Vec<&str> =
+                    doc["check"].as_array().into_iter().flatten().filter_map(|c| c["what"].as_str()).collect();
+                for want in ["gradients (torch)", "loss trajectory (torch)", "parameters (reference)"] {
+                    if !whats.contains(&want) {
+                        failures.push(format!("{}: no `{want}` check: {whats:?}", path.display()));
+                    }
+                }
+                if doc["notes"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|n| n.as_str().is_some_and(|n| n.contains("replicated")))
+                {
+                    failures.push(format!("{}: runs replicated: {}", path.display(), doc["notes"]));
+                }
+            }
+            Err(e) => failures.push(format!("{}: {e}", path.display())),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
