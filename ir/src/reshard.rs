@@ -179,8 +179,8 @@ pub fn held_once(g: &crate::Graph, v: crate::Value) -> bool {
     }
 }
 
-/// The carried state of a training graph: per graph output named `X__next` where `X` is a
-/// float initializer, `(that output, X)`. After each step the output replaces `X` in place, so
+/// The carried state of a training graph: per graph output named `X__next` where `X` is an
+/// initializer, `(that output, X)`. After each step the output replaces `X` in place, so
 /// it is delivered in the layout `X` is held in ([`delivered_layout`]) — no gather of sharded
 /// parameters or optimizer state between steps.
 pub fn carried_state(g: &crate::Graph) -> Vec<(crate::Value, crate::Value)> {
@@ -188,7 +188,7 @@ pub fn carried_state(g: &crate::Graph) -> Vec<(crate::Value, crate::Value)> {
     for o in g.outputs() {
         let Some(x) = g.value_name(o.value).strip_suffix("__next") else { continue };
         if let Some(s) = g.lookup(x)
-            && matches!(&g.node(s.node).op, crate::Op::Initializer(t) if t.dtype.is_float())
+            && matches!(&g.node(s.node).op, crate::Op::Initializer(_))
             && !out.iter().any(|&(v, _)| v == o.value)
         {
             out.push((o.value, s));

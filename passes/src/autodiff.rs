@@ -202,9 +202,10 @@ impl TrainInfo {
             } else if let Some(p) = name.strip_suffix("__grad").filter(|p| inits.contains(p)) {
                 info.trainable.push(p.to_string());
                 info.gradients.insert(p.to_string(), name.to_string());
-            } else if let Some(s) = name.strip_suffix("__next").filter(|s| inits.contains(s)) {
-                info.state.insert(s.to_string(), name.to_string());
             }
+        }
+        for (next, s) in ir::reshard::carried_state(g) {
+            info.state.insert(g.value_name(s).to_string(), g.value_name(next).to_string());
         }
         (!info.state.is_empty()).then_some(info)
     }

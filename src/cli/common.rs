@@ -189,3 +189,16 @@ pub fn bytes(x: f64) -> String {
     }
     if u == 0 { format!("{v:.0} {}", units[u]) } else { format!("{v:.2} {}", units[u]) }
 }
+
+/// The lowered program's consistency check ([`codegen::check`]), its first ten findings as
+/// the error.
+pub fn check_program(program: &codegen::Program) -> CliResult {
+    if let Err(errs) = codegen::check(program) {
+        let mut m = String::from("error: the lowered program is inconsistent:\n");
+        for e in errs.iter().take(10) {
+            m.push_str(&format!("  {e}\n"));
+        }
+        return Err(CliError::new(m));
+    }
+    Ok(())
+}

@@ -61,13 +61,7 @@ pub fn run(args: &LowerArgs) -> CliResult {
     let loaded = load_canonical(&model_path, &shapes)?;
     let program = shardc::exec::program_for_plan(&loaded.model.graph, &plan)
         .map_err(|e| CliError::msg(format!("the plan does not lower: {e}")))?;
-    if let Err(errs) = codegen::check(&program) {
-        let mut m = String::from("error: the lowered program is inconsistent:\n");
-        for e in errs.iter().take(10) {
-            m.push_str(&format!("  {e}\n"));
-        }
-        return Err(CliError::new(m));
-    }
+    check_program(&program)?;
     if let Some(k) = args.device
         && k >= program.devices.len()
     {

@@ -163,13 +163,7 @@ pub fn run(args: &RunArgs) -> CliResult {
             )
         }
     };
-    if let Err(errs) = codegen::check(&program) {
-        let mut m = String::from("error: the lowered program is inconsistent:\n");
-        for e in errs.iter().take(10) {
-            m.push_str(&format!("  {e}\n"));
-        }
-        return Err(CliError::new(m));
-    }
+    check_program(&program)?;
     for f in &program.fallbacks {
         notes.push(format!("runs replicated instead of as planned: {f}"));
     }

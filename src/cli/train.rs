@@ -234,13 +234,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
     };
     let r = exec::named_result(g, &cluster, args.devices, &args.strategy, &opts).map_err(CliError::msg)?;
     let program = exec::program_for_search(g, &r, args.devices).map_err(CliError::msg)?;
-    if let Err(errs) = codegen::check(&program) {
-        let mut m = String::from("error: the lowered program is inconsistent:\n");
-        for e in errs.iter().take(10) {
-            m.push_str(&format!("  {e}\n"));
-        }
-        return Err(CliError::new(m));
-    }
+    check_program(&program)?;
     for f in &program.fallbacks {
         notes.push(format!("runs replicated instead of as planned: {f}"));
     }
