@@ -389,6 +389,18 @@ pub fn run(args: &TrainArgs) -> CliResult {
         if let Some((p, _)) = predicted {
             t.push_str(&format!("predicted    {} per step on {}\n", secs(p), cluster.name));
         }
+        // Ops the devices left to the host (no kernel for them, or, on lavapipe, loops longer
+        // than it runs), per op kind over all devices.
+        let mut host: std::collections::BTreeMap<&str, usize> = Default::default();
+        for d in &report.devices {
+            for (k, v) in &d.host_ops {
+                *host.entry(k.as_str()).or_insert(0) += v;
+            }
+        }
+        if !host.is_empty() {
+            let list: Vec<String> = host.iter().map(|(k, v)| format!("{k} ×{v}")).collect();
+            t.push_str(&format!("host ops     {}\n", list.join(", ")));
+        }
         for c in &checks {
             t.push_str(&format!("check        {:<36} {}  {}\n", c.what, if c.ok { "ok" } else { "FAILED" }, c.detail));
         }

@@ -16,32 +16,37 @@ fn hash(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
 }
 
+/// What the GPU compiler makes of node `n`.
+fn compiled(g: &Graph, n: ir::NodeId, consts: &HashMap<Value, Array>) -> Result<Option<compile::Compiled>, String> {
+    let node = g.node(n);
+    let desc = |v: Value| -> Option<TensorDesc<'_>> {
+        let t = g.tensor_type(v)?;
+        Some(TensorDesc {
+            shape: t.static_dims()?.iter().map(|&d| d as usize).collect(),
+            dtype: t.dtype,
+            value: consts.get(&v),
+        })
+    };
+    let cx = CompileCx {
+        ins: node.inputs().iter().map(|i| i.and_then(desc)).collect(),
+        outs: (0..node.num_outputs())
+            .map(|s| {
+                let v = Value::new(n, s as u16);
+                let t = g.tensor_type(v)?;
+                (!node.outputs()[s].name.is_empty())
+                    .then(|| (t.static_dims().unwrap().iter().map(|&d| d as usize).collect(), t.dtype))
+            })
+            .collect(),
+        opset: g.opset,
+    };
+    compile::compile(&node.op, &cx)
+}
+
 fn snapshot(g: &Graph, consts: &HashMap<Value, Array>) -> String {
     let mut out = String::new();
     for n in g.op_nodes().unwrap() {
-        let node = g.node(n);
-        let desc = |v: Value| -> Option<TensorDesc<'_>> {
-            let t = g.tensor_type(v)?;
-            Some(TensorDesc {
-                shape: t.static_dims()?.iter().map(|&d| d as usize).collect(),
-                dtype: t.dtype,
-                value: consts.get(&v),
-            })
-        };
-        let cx = CompileCx {
-            ins: node.inputs().iter().map(|i| i.and_then(desc)).collect(),
-            outs: (0..node.num_outputs())
-                .map(|s| {
-                    let v = Value::new(n, s as u16);
-                    let t = g.tensor_type(v)?;
-                    (!node.outputs()[s].name.is_empty())
-                        .then(|| (t.static_dims().unwrap().iter().map(|&d| d as usize).collect(), t.dtype))
-                })
-                .collect(),
-            opset: g.opset,
-        };
         let _ = write!(out, "{}:", g.describe(n));
-        match compile::compile(&node.op, &cx) {
+        match compiled(g, n, consts) {
             Ok(None) => out.push_str(" host\n"),
             Err(e) => {
                 let _ = writeln!(out, " error: {e}");
@@ -64,11 +69,16 @@ fn snapshot(g: &Graph, consts: &HashMap<Value, Array>) -> String {
                     let _ = match s {
                         Step::Launch(l) => writeln!(
                             out,
-                            "  launch {:016x} groups {:?} bufs {:?} params {:?}",
+                            "  launch {:016x} groups {:?} bufs {:?} params {:?}{}",
                             hash(&l.src),
                             l.groups,
                             l.bufs,
-                            &l.params[..l.params.len().min(12)]
+                            &l.params[..l.params.len().min(12)],
+                            match l.trips {
+                                0 => String::new(),
+                                compile::UNKNOWN_TRIPS => " trips unknown".to_string(),
+                                t => format!(" trips {t}"),
+                            }
                         ),
                         Step::Zero(b) => writeln!(out, "  zero {b:?}"),
                         Step::Copy { src, offset, dst, n } => writeln!(out, "  copy {src:?}+{offset} → {dst:?} ×{n}"),
@@ -104,4 +114,40 @@ fn compiled_kernels_of_the_golden_models_match_their_snapshots() {
         }
     }
     assert!(diffs.is_empty(), "{}", diffs.join("\n"));
+}
+
+/// Every kernel with loops bounds them (so an adapter that cuts long loops short, as lavapipe
+/// does, runs the op on the host instead of returning wrong values): over the golden models
+/// and the training graphs of the golden training cases (every gradient and optimizer kernel).
+#[test]
+fn every_launched_kernel_bounds_its_loops() {
+    use passes::autodiff::LossSpec;
+    use shardc::train::{TrainCase, training_model};
+    let mut graphs: Vec<(String, ir::Model)> =
+        data_files("golden").iter().map(|p| (p.display().to_string(), load_model(p))).collect();
+    for path in golden_train_cases() {
+        let case = TrainCase::load(&path.with_extension("train.json")).unwrap();
+        let m = load_model(&path);
+        for kind in ["sgd", "adam"] {
+            let opt = case.optimizer(kind).unwrap_or_else(|| panic!("{}: no {kind}", path.display()));
+            let (t, _) = training_model(&m, &LossSpec::Model, opt).unwrap();
+            graphs.push((format!("{} ({kind} training graph)", path.display()), t));
+        }
+    }
+    let (mut launches, mut unknown) = (0, Vec::new());
+    for (name, mut m) in graphs {
+        let consts = ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap().consts;
+        for n in m.graph.op_nodes().unwrap() {
+            if let Ok(Some(c)) = compiled(&m.graph, n, &consts) {
+                for l in c.launches() {
+                    launches += 1;
+                    if l.trips == compile::UNKNOWN_TRIPS {
+                        unknown.push(format!("{name}: {}", m.graph.describe(n)));
+                    }
+                }
+            }
+        }
+    }
+    assert!(launches > 500, "only {launches} launches compiled");
+    assert!(unknown.is_empty(), "kernels with loops of unknown length:\n{}", unknown.join("\n"));
 }

@@ -97,6 +97,32 @@ pub struct Launch {
     pub params: Vec<u32>,
     /// Workgroups.
     pub groups: [u32; 3],
+    /// At most this many loop iterations in one invocation, summed over its loops (a nested
+    /// loop's count multiplied by its parents'); [`UNKNOWN_TRIPS`] when the kernel does not
+    /// say. Adapters that stop long loops (lavapipe ends every shader after
+    /// [`LAVAPIPE_LOOP_LIMIT`] iterations, silently) run an op on the host instead of a
+    /// kernel that would be cut short.
+    pub trips: u64,
+}
+
+/// The trip count of a launch whose kernel has loops but did not bound them.
+pub const UNKNOWN_TRIPS: u64 = u64::MAX;
+
+/// Loop iterations after which Mesa's llvmpipe/lavapipe ends a shader invocation
+/// (`LP_MAX_TGSI_LOOP_ITERATIONS`, shared by every loop of the shader): a kernel that needs
+/// more returns wrong values without an error.
+pub const LAVAPIPE_LOOP_LIMIT: u64 = 65535;
+
+/// The loop iterations of loops nested with these trip counts, outermost first:
+/// `a + a·b + a·b·c + …` (each level's iterations, all counted).
+pub fn nested(extents: &[usize]) -> u64 {
+    let mut total = 0u64;
+    let mut prod = 1u64;
+    for &e in extents {
+        prod = prod.saturating_mul(e as u64);
+        total = total.saturating_add(prod);
+    }
+    total
 }
 
 /// One step of a compiled op.
@@ -168,9 +194,22 @@ impl Compiled {
         Buf::Tmp(self.temps.len() - 1)
     }
 
-    /// Adds a dispatch of `src` over `bufs` with `params`, `groups` workgroups.
+    /// Adds a dispatch of `src` over `bufs` with `params`, `groups` workgroups; a kernel with
+    /// loops added this way has [`UNKNOWN_TRIPS`] (use [`Compiled::launch_loop`]).
     pub fn launch(&mut self, src: String, bufs: Vec<Buf>, params: Vec<u32>, groups: [u32; 3]) {
-        self.steps.push(Step::Launch(Launch { src, bufs, params, groups }));
+        let trips =
+            if src.contains("for (") || src.contains("loop {") || src.contains("while (") { UNKNOWN_TRIPS } else { 0 };
+        self.steps.push(Step::Launch(Launch { src, bufs, params, groups, trips }));
+    }
+
+    /// Adds a dispatch whose invocations run at most `trips` loop iterations in all.
+    pub fn launch_loop(&mut self, src: String, bufs: Vec<Buf>, params: Vec<u32>, groups: [u32; 3], trips: u64) {
+        self.steps.push(Step::Launch(Launch { src, bufs, params, groups, trips }));
+    }
+
+    /// The most loop iterations any invocation of any dispatch runs.
+    pub fn max_trips(&self) -> u64 {
+        self.launches().map(|l| l.trips).max().unwrap_or(0)
     }
 
     /// Every dispatch, in order.

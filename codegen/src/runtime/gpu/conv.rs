@@ -6,7 +6,7 @@ use ir::DType;
 use ir::op::{self, Op};
 
 use super::Elem;
-use super::compile::{Buf, CompileCx, CompileResult, Compiled, Kernel, groups};
+use super::compile::{Buf, CompileCx, CompileResult, Compiled, Kernel, groups, nested};
 use super::gemm::{GemmSpec, gemm};
 use super::wgsl::{Axis, Binding, remap, source, specialize, to3};
 
@@ -68,7 +68,8 @@ impl Kernel for op::Conv {
         bufs.push(Buf::Out(0));
         let count = p[0] as usize;
         if count > 0 {
-            c.launch(specialize(&conv_src(bias.is_some()), &p), bufs, p, groups(count));
+            let trips = conv_trips(&p);
+            c.launch_loop(specialize(&conv_src(bias.is_some()), &p), bufs, p, groups(count), trips);
         }
         Ok(Some(c))
     }
@@ -95,10 +96,26 @@ impl Kernel for op::ConvTranspose {
         bufs.push(Buf::Out(0));
         let count = p[0] as usize;
         if count > 0 {
-            c.launch(specialize(&conv_transpose_src(bias.is_some()), &p), bufs, p, groups(count));
+            let trips = conv_trips(&p);
+            c.launch_loop(specialize(&conv_transpose_src(bias.is_some()), &p), bufs, p, groups(count), trips);
         }
         Ok(Some(c))
     }
+}
+
+/// Loop iterations of a (transposed) convolution invocation: the group's input channels,
+/// then each kernel dim. `p` as [`conv_src`]'s.
+fn conv_trips(p: &[u32]) -> u64 {
+    nested(&[p[2] / p[4].max(1), p[11], p[12], p[13]].map(|v| v as usize))
+}
+
+/// Loop iterations of a pooling-gradient invocation: the kernel taps, and for each the
+/// window's own walk (max: every tap; average: the three divisor loops).
+fn pool_grad_trips(p: &[u32], max: bool) -> u64 {
+    let k = [p[11], p[12], p[13]].map(|v| v as usize);
+    let taps = k.iter().product::<usize>() as u64;
+    let window = if max { nested(&k) } else { 3 + k.iter().sum::<usize>() as u64 };
+    nested(&k).saturating_add(taps.saturating_mul(window))
 }
 
 fn vals(v: &Option<Vec<i64>>, k: usize, d: i64) -> Vec<usize> {
@@ -127,11 +144,12 @@ impl Kernel for op::ConvGradInput {
         );
         // dX is dY's transposed convolution with the same weights.
         if p[0] > 0 {
-            c.launch(
+            c.launch_loop(
                 specialize(&conv_transpose_src(false), &p),
                 vec![Buf::In(0), Buf::In(1), Buf::Out(0)],
                 p.clone(),
                 groups(p[0] as usize),
+                conv_trips(&p),
             );
         }
         Ok(Some(c))
@@ -160,11 +178,14 @@ impl Kernel for op::ConvGradWeight {
         let count: usize = c.outputs[0].shape.iter().product();
         p[0] = count as u32;
         if count > 0 {
-            c.launch(
+            // Every weight walks all images and output positions.
+            let trips = nested(&[p[1], p[8], p[9], p[10]].map(|v| v as usize));
+            c.launch_loop(
                 specialize(&conv_grad_weight_src(), &p),
                 vec![Buf::In(0), Buf::In(1), Buf::Out(0)],
                 p,
                 groups(count),
+                trips,
             );
         }
         Ok(Some(c))
@@ -231,11 +252,12 @@ impl Kernel for op::MaxPoolGrad {
         let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
         let p = pool_grad_params(&x.shape, &dy.shape, (&self.kernel_shape, &self.strides, &self.dilations, &self.pads));
         if p[0] > 0 {
-            c.launch(
+            c.launch_loop(
                 specialize(&pool_grad_src(true), &p),
                 vec![Buf::In(0), Buf::In(1), Buf::Out(0)],
                 p.clone(),
                 groups(p[0] as usize),
+                pool_grad_trips(&p, true),
             );
         }
         Ok(Some(c))
@@ -254,11 +276,12 @@ impl Kernel for op::AveragePoolGrad {
             pool_grad_params(&xshape, &dy.shape, (&self.kernel_shape, &self.strides, &self.dilations, &self.pads));
         p.push(u32::from(self.count_include_pad() != 0));
         if p[0] > 0 {
-            c.launch(
+            c.launch_loop(
                 specialize(&pool_grad_src(false), &p),
                 vec![Buf::In(0), Buf::Out(0)],
                 p.clone(),
                 groups(p[0] as usize),
+                pool_grad_trips(&p, false),
             );
         }
         Ok(Some(c))
@@ -370,7 +393,8 @@ fn conv_im2col(c: &mut Compiled, bias: Option<Buf>, p: &[u32], oshape: &[usize])
     // Few output positions per image make thin GEMMs; then one GEMM per group spans all
     // images (`wide`) and a permutation puts the images back in front.
     let wide = n > 1 && npos < WIDE_BELOW;
-    c.launch(specialize(&im2col_src(wide), &q), vec![Buf::In(0), col], q, groups(rows));
+    let trips = nested(&[q[6], q[7], q[8]].map(|v| v as usize));
+    c.launch_loop(specialize(&im2col_src(wide), &q), vec![Buf::In(0), col], q, groups(rows), trips);
     let (cols, b_bst) = if wide { (n * npos, vec![0, kk * n * npos]) } else { (npos, vec![g * kk * npos, kk * npos]) };
     let spec = GemmSpec {
         a: Buf::In(1),
@@ -442,7 +466,8 @@ macro_rules! pool_kernels {
                 p.push(include_pad as u32);
                 p.push(lp as u32);
                 if count > 0 {
-                    c.launch(specialize(&pool_src($kind), &p), vec![Buf::In(0), Buf::Out(0)], p, groups(count));
+                    let trips = nested(&[p[9], p[10], p[11]].map(|v| v as usize));
+                    c.launch_loop(specialize(&pool_src($kind), &p), vec![Buf::In(0), Buf::Out(0)], p, groups(count), trips);
                 }
                 Ok(Some(c))
             }

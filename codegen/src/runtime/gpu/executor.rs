@@ -45,6 +45,9 @@ pub struct GpuExecutor {
     device: wgpu::Device,
     queue: wgpu::Queue,
     adapter: String,
+    /// Loop iterations an invocation may run before the adapter cuts it short
+    /// ([`compile::LAVAPIPE_LOOP_LIMIT`] on llvmpipe; `None`: unbounded).
+    loop_limit: Option<u64>,
     pipelines: HashMap<String, (Arc<wgpu::ComputePipeline>, Arc<wgpu::BindGroupLayout>)>,
     encoder: Option<wgpu::CommandEncoder>,
     /// Dispatches encoded since the last submit.
@@ -88,7 +91,8 @@ impl GpuExecutor {
     /// Opens a device on a fresh instance.
     pub fn new() -> Result<GpuExecutor, String> {
         let (device, queue, adapter) = open()?;
-        Ok(GpuExecutor { device, queue, adapter, pipelines: HashMap::new(), encoder: None, pending: 0 })
+        let loop_limit = adapter.contains("llvmpipe").then_some(compile::LAVAPIPE_LOOP_LIMIT);
+        Ok(GpuExecutor { device, queue, adapter, loop_limit, pipelines: HashMap::new(), encoder: None, pending: 0 })
     }
 
     /// The storage bindings a kernel declares, in binding order: `true` where written.
@@ -314,6 +318,10 @@ impl GpuExecutor {
             return Ok(None);
         }
         let Some(program) = compile::compile(&node.op, &cx)? else { return Ok(None) };
+        // A kernel the adapter would stop early (its loops too long): the host computes it.
+        if self.loop_limit.is_some_and(|limit| program.max_trips() >= limit) {
+            return Ok(None);
+        }
         self.execute(&program, inputs).map(Some)
     }
 

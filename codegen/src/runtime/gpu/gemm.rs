@@ -82,9 +82,11 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
     p.extend([g.bases.0 as u32, g.bases.1 as u32, g.bases.2 as u32, g.alpha.to_bits(), g.beta.to_bits()]);
     let nbatch: usize = g.batch.iter().product::<usize>().max(1);
     let groups = [g.n.div_ceil(32) as u32, g.m.div_ceil(32) as u32, nbatch as u32];
+    // The batch decode, the reduction, the 4×4 write-back.
+    let trips = (g.batch.len() + g.k + 4 + 16) as u64;
     match g.c {
-        Some(cb) => c.launch(gemm_rt_src(true), vec![g.a, g.b, cb, out], p, groups),
-        None => c.launch(gemm_rt_src(false), vec![g.a, g.b, out], p, groups),
+        Some(cb) => c.launch_loop(gemm_rt_src(true), vec![g.a, g.b, cb, out], p, groups, trips),
+        None => c.launch_loop(gemm_rt_src(false), vec![g.a, g.b, out], p, groups, trips),
     }
     Ok(())
 }

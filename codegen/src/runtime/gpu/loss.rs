@@ -140,10 +140,13 @@ fn forward(cx: &CompileCx<'_>, softmax: bool, red: Option<[u32; 3]>) -> CompileR
     }
     if s > 0 {
         let p = vec![s as u32, cl as u32, d as u32, red[0], red[1], red[2]];
-        c.launch(samples_src(softmax, weights, log_prob), bufs, p, groups(s));
+        // Max and sum over the classes, and the log-probabilities.
+        let trips = (cl * (2 + usize::from(log_prob))) as u64;
+        c.launch_loop(samples_src(softmax, weights, log_prob), bufs, p, groups(s), trips);
     }
     let count = if red[0] == 0 { s } else { 1 };
-    c.launch(reduce_src(), vec![t, ws, Buf::Out(0)], vec![count as u32, s as u32, red[0]], groups(count));
+    let trips = if red[0] == 0 { 0 } else { s as u64 };
+    c.launch_loop(reduce_src(), vec![t, ws, Buf::Out(0)], vec![count as u32, s as u32, red[0]], groups(count), trips);
     Ok(Some(c))
 }
 
@@ -165,10 +168,13 @@ fn backward(cx: &CompileCx<'_>, softmax: bool, red: Option<[u32; 3]>) -> Compile
     bufs.extend([ws, lse, t]);
     if s > 0 {
         let p = vec![s as u32, cl as u32, d as u32, red[0], red[1], red[2]];
-        c.launch(samples_src(softmax, weights, false), bufs, p, groups(s));
+        c.launch_loop(samples_src(softmax, weights, false), bufs, p, groups(s), 2 * cl as u64);
         let n = x.numel();
         let p = vec![n as u32, cl as u32, d as u32, s as u32, red[0]];
-        c.launch(grad_src(softmax), vec![Buf::In(0), Buf::In(1), Buf::In(2), ws, lse, Buf::Out(0)], p, groups(n));
+        // The mean's divisor: every invocation sums the samples' weights.
+        let trips = if red[0] == 2 { s as u64 } else { 0 };
+        let bufs = vec![Buf::In(0), Buf::In(1), Buf::In(2), ws, lse, Buf::Out(0)];
+        c.launch_loop(grad_src(softmax), bufs, p, groups(n), trips);
     }
     Ok(Some(c))
 }

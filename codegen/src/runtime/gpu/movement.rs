@@ -339,7 +339,9 @@ impl Kernel for op::GatherGrad {
         let count: usize = shape.iter().product();
         let p = vec![count as u32, idx.numel() as u32, shape[a] as u32, inner as u32];
         if count > 0 {
-            c.launch(gather_grad_src(), vec![Buf::In(0), Buf::In(1), Buf::Out(0)], p, groups(count));
+            // Every element walks all indices.
+            let trips = idx.numel() as u64;
+            c.launch_loop(gather_grad_src(), vec![Buf::In(0), Buf::In(1), Buf::Out(0)], p, groups(count), trips);
         }
         Ok(Some(c))
     }
@@ -413,7 +415,7 @@ impl Kernel for op::SliceGrad {
             ]);
         }
         if count > 0 {
-            c.launch(slice_grad_src(), vec![Buf::In(0), Buf::Out(0)], p, groups(count));
+            c.launch_loop(slice_grad_src(), vec![Buf::In(0), Buf::Out(0)], p, groups(count), r as u64);
         }
         Ok(Some(c))
     }

@@ -7,7 +7,7 @@ use ir::op;
 use ir::ops::norm_axis;
 
 use super::Elem;
-use super::compile::{Buf, CompileCx, CompileResult, Compiled, Kernel, OutSpec, groups};
+use super::compile::{Buf, CompileCx, CompileResult, Compiled, Kernel, OutSpec, groups, nested};
 use super::wgsl::{Binding, source};
 
 impl Kernel for op::LayerNormalization {
@@ -43,7 +43,8 @@ impl Kernel for op::LayerNormalization {
             bufs.extend([mean, inv]);
         }
         if rows > 0 {
-            c.launch(layernorm_src(bias.is_some(), stats), bufs, p, groups(rows));
+            // Mean, variance, normalize: three walks of the row.
+            c.launch_loop(layernorm_src(bias.is_some(), stats), bufs, p, groups(rows), 3 * len as u64);
         }
         Ok(Some(c))
     }
@@ -80,7 +81,8 @@ impl Kernel for op::InstanceNormalization {
         let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
         let p = vec![rows as u32, len as u32, ch as u32, self.epsilon().to_bits()];
         if rows > 0 {
-            c.launch(instancenorm_src(), vec![Buf::In(0), Buf::In(1), Buf::In(2), Buf::Out(0)], p, groups(rows));
+            let bufs = vec![Buf::In(0), Buf::In(1), Buf::In(2), Buf::Out(0)];
+            c.launch_loop(instancenorm_src(), bufs, p, groups(rows), 3 * len as u64);
         }
         Ok(Some(c))
     }
@@ -124,7 +126,10 @@ impl Kernel for op::BatchNormGrad {
         ];
         let bufs = vec![Buf::In(0), Buf::In(2), Buf::In(3), Buf::In(4), ds, db, mean, inv];
         if ch > 0 {
-            c.launch(batchnorm_grad_stats_src(), bufs, p.clone(), groups(ch));
+            // Per channel: mean, variance and the two parameter sums, each over every image
+            // and position.
+            let trips = 3 * nested(&[x.shape[0], inner]);
+            c.launch_loop(batchnorm_grad_stats_src(), bufs, p.clone(), groups(ch), trips);
         }
         let n = x.numel();
         let mut p2 = p;
@@ -226,16 +231,18 @@ impl Kernel for op::LayerNormGrad {
         let inv = c.temp(vec![rows], DType::Float);
         let p = vec![rows as u32, len as u32, s.numel() as u32, self.epsilon().to_bits()];
         if rows > 0 {
-            c.launch(
+            c.launch_loop(
                 layernorm_grad_src(),
                 vec![Buf::In(0), Buf::In(1), Buf::In(2), mean, inv, Buf::Out(0)],
                 p.clone(),
                 groups(rows),
+                4 * len as u64,
             );
             let mut p2 = p;
             p2[0] = len as u32;
             p2.push(rows as u32);
-            c.launch(layernorm_grad_params_src(), vec![Buf::In(0), Buf::In(2), mean, inv, ds, db], p2, groups(len));
+            let bufs = vec![Buf::In(0), Buf::In(2), mean, inv, ds, db];
+            c.launch_loop(layernorm_grad_params_src(), bufs, p2, groups(len), rows as u64);
         }
         Ok(Some(c))
     }

@@ -6,7 +6,7 @@ use ir::DType;
 use ir::op;
 
 use super::Elem;
-use super::compile::{Buf, CompileCx, CompileResult, Compiled, Kernel, OutSpec, Step, groups};
+use super::compile::{Buf, CompileCx, CompileResult, Compiled, Kernel, OutSpec, Step, groups, nested};
 use super::gemm::{GemmSpec, gemm};
 use super::wgsl::{MATH_FNS, place, source};
 
@@ -103,17 +103,24 @@ fn compile_recurrent(cx: &CompileCx<'_>, cell: Cell) -> CompileResult {
                 cell.linear_before_reset as u32,
             ];
             let grid = groups(b * h);
+            // Each invocation: per gate, a row of the recurrent weights.
+            let trips = nested(&[4, h]);
             match gates {
                 4 => {
                     let (c_prev, c_next) = (cp.expect("cell"), cn.expect("cell"));
                     let bufs = vec![xw, Buf::In(2), bias, hp, c_prev, hn, c_next, y];
-                    c.launch(lstm_step_src(), bufs, p[..7].to_vec(), grid);
+                    c.launch_loop(lstm_step_src(), bufs, p[..7].to_vec(), grid, trips);
                 }
                 3 => {
-                    c.launch(gru_gates_src(), vec![xw, Buf::In(2), bias, hp, zg, rg], p.clone(), grid);
-                    c.launch(gru_state_src(), vec![xw, Buf::In(2), bias, hp, zg, rg, hn, y], p, grid);
+                    let bufs = vec![xw, Buf::In(2), bias, hp, zg, rg];
+                    c.launch_loop(gru_gates_src(), bufs, p.clone(), grid, trips);
+                    let bufs = vec![xw, Buf::In(2), bias, hp, zg, rg, hn, y];
+                    c.launch_loop(gru_state_src(), bufs, p, grid, trips);
                 }
-                _ => c.launch(rnn_step_src(), vec![xw, Buf::In(2), bias, hp, hn, y], p[..7].to_vec(), grid),
+                _ => {
+                    let bufs = vec![xw, Buf::In(2), bias, hp, hn, y];
+                    c.launch_loop(rnn_step_src(), bufs, p[..7].to_vec(), grid, trips);
+                }
             }
             std::mem::swap(&mut hp, &mut hn);
             if let (Some(a), Some(n)) = (cp.as_mut(), cn.as_mut()) {
@@ -258,17 +265,23 @@ impl Kernel for op::RecurrentGrad {
         ];
         if seq * dirs * b > 0 {
             let bufs = vec![Buf::In(0), Buf::In(1), Buf::In(2), bias, init, dy, dfin, da, ra, ops, dinit, tape, scr];
-            c.launch(bptt_src(), bufs, p.clone(), groups(dirs * b));
+            // One invocation runs the whole sequence, forward (recomputed) then backward:
+            // per step, the gate rows over the input and hidden sizes and the H×H products.
+            let (hh, per_step) = (h as u64, (gh * (2 + isz + h) + h * gh) as u64);
+            let trips = (seq as u64).saturating_mul(per_step + 3 * hh * hh + 20 * hh + 2) + 3 * hh;
+            c.launch_loop(bptt_src(), bufs, p.clone(), groups(dirs * b), trips);
             let with = |n: usize| {
                 let mut q = p.clone();
                 q[0] = n as u32;
                 q
             };
             let (nx, nw, nr, nb) = (seq * b * isz, dirs * gh * isz, dirs * gh * h, dirs * 2 * gh);
-            c.launch(recurrent_weight_grad_src(0), vec![da, Buf::In(1), Buf::Out(0)], with(nx), groups(nx));
-            c.launch(recurrent_weight_grad_src(1), vec![da, Buf::In(0), Buf::Out(1)], with(nw), groups(nw));
-            c.launch(recurrent_weight_grad_src(2), vec![ra, ops, Buf::Out(2)], with(nr), groups(nr));
-            c.launch(recurrent_weight_grad_src(3), vec![da, ra, Buf::Out(3)], with(nb), groups(nb));
+            // Over directions and gate rows (dX), or over steps and the batch (the weights).
+            let t = nested(&[dirs, gh]).max(nested(&[seq, b]));
+            c.launch_loop(recurrent_weight_grad_src(0), vec![da, Buf::In(1), Buf::Out(0)], with(nx), groups(nx), t);
+            c.launch_loop(recurrent_weight_grad_src(1), vec![da, Buf::In(0), Buf::Out(1)], with(nw), groups(nw), t);
+            c.launch_loop(recurrent_weight_grad_src(2), vec![ra, ops, Buf::Out(2)], with(nr), groups(nr), t);
+            c.launch_loop(recurrent_weight_grad_src(3), vec![da, ra, Buf::Out(3)], with(nb), groups(nb), t);
             c.steps.push(Step::Copy { src: dinit, offset: 0, dst: Buf::Out(4), n: dbh });
             c.steps.push(Step::Copy { src: dinit, offset: dbh, dst: Buf::Out(5), n: dbh });
         } else {

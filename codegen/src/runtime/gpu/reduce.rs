@@ -6,7 +6,7 @@ use ir::op;
 use ir::ops::norm_axis;
 
 use super::Elem;
-use super::compile::{Buf, CompileCx, CompileResult, Compiled, Kernel, TensorDesc, groups};
+use super::compile::{Buf, CompileCx, CompileResult, Compiled, Kernel, TensorDesc, groups, nested};
 use super::wgsl::{MATH_FNS, source};
 
 /// Adds a reduction of input 0 over `axes` into output 0.
@@ -23,7 +23,12 @@ fn reduce(cx: &CompileCx<'_>, x: &TensorDesc<'_>, axes: &[usize], red: Red, last
     params.extend((0..r).map(|d| axes.contains(&d) as u32));
     params.push(last as u32);
     if count > 0 {
-        c.launch(reduce_src(red, x.elem(), ye), vec![Buf::In(0), Buf::Out(0)], params, groups(count));
+        // The base decode, then per reduced element its offset decode (twice for
+        // log-sum-exp: the maximum first).
+        let total: usize = axes.iter().map(|&a| x.shape[a]).product();
+        let walks = if red == Red::LogSumExp { 2 } else { 1 };
+        let trips = r as u64 + walks * nested(&[total, r]);
+        c.launch_loop(reduce_src(red, x.elem(), ye), vec![Buf::In(0), Buf::Out(0)], params, groups(count), trips);
     }
     Ok(Some(c))
 }
@@ -119,7 +124,8 @@ macro_rules! softmax_kernels {
                 let rows = x.numel() / len.max(1);
                 let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
                 if rows > 0 {
-                    c.launch(softmax_src($kind), vec![Buf::In(0), Buf::Out(0)], vec![rows as u32, len as u32, inner as u32], groups(rows));
+                    let p = vec![rows as u32, len as u32, inner as u32];
+                    c.launch_loop(softmax_src($kind), vec![Buf::In(0), Buf::Out(0)], p, groups(rows), 3 * len as u64);
                 }
                 Ok(Some(c))
             }
@@ -152,7 +158,8 @@ impl Kernel for op::SoftmaxGrad {
         let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
         if rows > 0 {
             let p = vec![rows as u32, n as u32, inner as u32];
-            c.launch(softmax_grad_src(self.log() != 0), vec![Buf::In(0), Buf::In(1), Buf::Out(0)], p, groups(rows));
+            let bufs = vec![Buf::In(0), Buf::In(1), Buf::Out(0)];
+            c.launch_loop(softmax_grad_src(self.log() != 0), bufs, p, groups(rows), 2 * n as u64);
         }
         Ok(Some(c))
     }
