@@ -18,6 +18,30 @@ use ir::{Graph, NodeId, Op, OpClass, TensorType, Value};
 use crate::layout::local_shape;
 use crate::program::Program;
 
+/// One finding of the checker: what is inconsistent, on which device and at which of its
+/// nodes (when one is at fault).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckError {
+    /// The device whose program is at fault.
+    pub device: Option<usize>,
+    /// The node of that device's graph at fault.
+    pub node: Option<NodeId>,
+    /// What is wrong (naming the devices involved).
+    pub message: String,
+}
+
+impl CheckError {
+    fn new(device: impl Into<Option<usize>>, node: impl Into<Option<NodeId>>, message: String) -> CheckError {
+        CheckError { device: device.into(), node: node.into(), message }
+    }
+}
+
+impl std::fmt::Display for CheckError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
 /// One communication op of a device, as the checker sees it.
 #[derive(Clone, Debug, PartialEq)]
 enum Event {
@@ -29,9 +53,12 @@ enum Event {
     Recv { peer: i64, tag: i64, shape: Vec<i64> },
 }
 
-/// Per group, per member: its collectives as (kind, attributes, shape).
-type Sequences = BTreeMap<Vec<i64>, BTreeMap<usize, Vec<CollectiveSig>>>;
+/// Per group, per member: its collectives as (kind, attributes, shape), and their nodes.
+type Sequences = BTreeMap<Vec<i64>, BTreeMap<usize, (Vec<CollectiveSig>, Vec<NodeId>)>>;
 type CollectiveSig = (String, String, Vec<i64>);
+
+/// A halo exchange's widths and its node.
+type Halo = (Vec<i64>, NodeId);
 
 fn ints(op: &Op, name: &str) -> Vec<i64> {
     op.attributes()
@@ -96,50 +123,65 @@ fn events(g: &Graph) -> Vec<(NodeId, Event)> {
 }
 
 /// Checks a program; the errors say what is inconsistent, and where.
-pub fn check(p: &Program) -> Result<(), Vec<String>> {
+pub fn check(p: &Program) -> Result<(), Vec<CheckError>> {
     let mut errors = Vec::new();
     let n_dev = p.devices.len();
     let mut per_device: Vec<Vec<(NodeId, Event)>> = Vec::with_capacity(n_dev);
     for (i, d) in p.devices.iter().enumerate() {
         if d.device != i {
-            errors.push(format!("device program {i} says it is device {}", d.device));
+            errors.push(CheckError::new(i, None, format!("device program {i} says it is device {}", d.device)));
         }
         if let Err(e) = ir::verify(&d.graph) {
             for x in e.0.iter().take(5) {
-                errors.push(format!("device {i}: {}", x.msg));
+                errors.push(CheckError::new(i, x.at, format!("device {i}: {}", x.msg)));
             }
         }
         let mesh = &p.meshes[d.stage];
         for f in &d.feeds {
             let Some(global) = p.inputs.iter().find(|x| x.name == f.global) else {
-                errors.push(format!("device {i}: feed `{}` names no global input `{}`", f.local, f.global));
+                let msg = format!("device {i}: feed `{}` names no global input `{}`", f.local, f.global);
+                errors.push(CheckError::new(i, None, msg));
                 continue;
             };
             let want = local_shape(&micro_shape(p, &global.shape, global.batch_axis), &f.layout, mesh);
             let got = d.graph.lookup(&f.local).map(|v| shape_of(&d.graph, Some(v)));
             if got.map(|g| g.iter().map(|&x| x as usize).collect::<Vec<_>>()) != Some(want.clone()) {
-                errors.push(format!("device {i}: input `{}` should be {want:?} for its layout", f.local));
+                errors.push(CheckError::new(
+                    i,
+                    None,
+                    format!("device {i}: input `{}` should be {want:?} for its layout", f.local),
+                ));
             }
         }
         for r in &d.results {
             let Some(global) = p.outputs.iter().find(|x| x.name == r.global) else {
-                errors.push(format!("device {i}: result `{}` names no global output", r.local));
+                errors.push(CheckError::new(
+                    i,
+                    None,
+                    format!("device {i}: result `{}` names no global output", r.local),
+                ));
                 continue;
             };
             let want = local_shape(&micro_shape(p, &global.shape, global.batch_axis), &r.layout, mesh);
             let got = d.graph.lookup(&r.local).map(|v| shape_of(&d.graph, Some(v)));
             if got.map(|g| g.iter().map(|&x| x as usize).collect::<Vec<_>>()) != Some(want.clone()) {
-                errors.push(format!("device {i}: output `{}` should be {want:?} for its layout", r.local));
+                let msg = format!("device {i}: output `{}` should be {want:?} for its layout", r.local);
+                errors.push(CheckError::new(i, None, msg));
             }
         }
         let ev = events(&d.graph);
-        for (_, e) in &ev {
+        for (n, e) in &ev {
             if let Event::Collective { kind, group, .. } = e {
                 if !group.contains(&(i as i64)) {
-                    errors.push(format!("device {i}: a {kind} over {group:?} does not include it"));
+                    errors.push(CheckError::new(
+                        i,
+                        *n,
+                        format!("device {i}: a {kind} over {group:?} does not include it"),
+                    ));
                 }
                 if group.iter().any(|&x| x < 0 || x as usize >= n_dev) {
-                    errors.push(format!("device {i}: a {kind} names a device outside the program: {group:?}"));
+                    let msg = format!("device {i}: a {kind} names a device outside the program: {group:?}");
+                    errors.push(CheckError::new(i, *n, msg));
                 }
             }
         }
@@ -148,13 +190,11 @@ pub fn check(p: &Program) -> Result<(), Vec<String>> {
     // Collective sequences per group agree.
     let mut seqs: Sequences = BTreeMap::new();
     for (i, ev) in per_device.iter().enumerate() {
-        for (_, e) in ev {
+        for (n, e) in ev {
             if let Event::Collective { kind, group, key, shape } = e {
-                seqs.entry(group.clone()).or_default().entry(i).or_default().push((
-                    kind.clone(),
-                    key.clone(),
-                    shape.clone(),
-                ));
+                let (sigs, nodes) = seqs.entry(group.clone()).or_default().entry(i).or_default();
+                sigs.push((kind.clone(), key.clone(), shape.clone()));
+                nodes.push(*n);
             }
         }
     }
@@ -162,28 +202,35 @@ pub fn check(p: &Program) -> Result<(), Vec<String>> {
         let mut reference: Option<(usize, &Vec<CollectiveSig>)> = None;
         for &m in group {
             let list = by_dev.get(&(m as usize));
+            let at = (m >= 0).then_some(m as usize);
             match (reference, list) {
-                (_, None) => errors.push(format!("device {m} never joins the collectives of group {group:?}")),
-                (None, Some(l)) => reference = Some((m as usize, l)),
-                (Some((r, want)), Some(l)) => {
+                (_, None) => errors.push(CheckError::new(
+                    at,
+                    None,
+                    format!("device {m} never joins the collectives of group {group:?}"),
+                )),
+                (None, Some((l, _))) => reference = Some((m as usize, l)),
+                (Some((r, want)), Some((l, nodes))) => {
                     if l.len() != want.len() {
-                        errors.push(format!(
+                        let msg = format!(
                             "group {group:?}: device {m} meets {} collectives, device {r} {}",
                             l.len(),
                             want.len()
-                        ));
+                        );
+                        errors.push(CheckError::new(at, nodes.get(want.len()).copied(), msg));
                     } else if let Some(k) = (0..l.len()).find(|&k| l[k] != want[k]) {
-                        errors.push(format!(
+                        let msg = format!(
                             "group {group:?}: collective {k} is {:?} on device {m} but {:?} on device {r}",
                             l[k], want[k]
-                        ));
+                        );
+                        errors.push(CheckError::new(at, nodes[k], msg));
                     }
                 }
             }
         }
     }
     // Halo widths agree between neighbours.
-    let mut halos: HashMap<Vec<i64>, HashMap<usize, Vec<Vec<i64>>>> = HashMap::new();
+    let mut halos: HashMap<Vec<i64>, HashMap<usize, Vec<Halo>>> = HashMap::new();
     for (i, d) in p.devices.iter().enumerate() {
         for (n, e) in &per_device[i] {
             if let Event::Collective { kind, group, .. } = e
@@ -194,7 +241,7 @@ pub fn check(p: &Program) -> Result<(), Vec<String>> {
                     .or_default()
                     .entry(i)
                     .or_default()
-                    .push(ints(&d.graph.node(*n).op, "widths"));
+                    .push((ints(&d.graph.node(*n).op, "widths"), *n));
             }
         }
     }
@@ -202,50 +249,57 @@ pub fn check(p: &Program) -> Result<(), Vec<String>> {
         for w in 0..group.len().saturating_sub(1) {
             let (a, b) = (group[w] as usize, group[w + 1] as usize);
             let (Some(la), Some(lb)) = (by_dev.get(&a), by_dev.get(&b)) else { continue };
-            for (k, (x, y)) in la.iter().zip(lb).enumerate() {
+            for (k, ((x, _), (y, at))) in la.iter().zip(lb).enumerate() {
                 if x.len() == 4 && y.len() == 4 && (x[3] != y[0] || y[2] != x[1]) {
-                    errors.push(format!(
+                    let msg = format!(
                         "halo {k} of group {group:?}: device {a} sends {} / receives {} but device {b} expects {} / sends {}",
                         x[3], x[1], y[0], y[2]
-                    ));
+                    );
+                    errors.push(CheckError::new(b, *at, msg));
                 }
             }
         }
     }
     // Sends and receives pair up.
-    let mut sends: HashMap<(i64, i64, i64), Vec<i64>> = HashMap::new();
-    let mut recvs: HashMap<(i64, i64, i64), Vec<i64>> = HashMap::new();
+    let mut sends: HashMap<(i64, i64, i64), (Vec<i64>, NodeId)> = HashMap::new();
+    let mut recvs: HashMap<(i64, i64, i64), (Vec<i64>, NodeId)> = HashMap::new();
     for (i, ev) in per_device.iter().enumerate() {
-        for (_, e) in ev {
+        for (n, e) in ev {
             match e {
                 Event::Send { peer, tag, shape } => {
-                    sends.insert((i as i64, *peer, *tag), shape.clone());
+                    sends.insert((i as i64, *peer, *tag), (shape.clone(), *n));
                 }
                 Event::Recv { peer, tag, shape } => {
-                    recvs.insert((*peer, i as i64, *tag), shape.clone());
+                    recvs.insert((*peer, i as i64, *tag), (shape.clone(), *n));
                 }
                 _ => {}
             }
         }
     }
-    for (k, s) in &sends {
+    let dev = |d: i64| usize::try_from(d).ok();
+    for (k, (s, at)) in &sends {
         match recvs.get(k) {
-            None => errors.push(format!("device {} sends tag {} to device {}, which never receives it", k.0, k.2, k.1)),
-            Some(r) if r != s => {
-                errors.push(format!("tag {} from device {} to {}: sent {s:?}, received {r:?}", k.2, k.0, k.1))
+            None => {
+                let msg = format!("device {} sends tag {} to device {}, which never receives it", k.0, k.2, k.1);
+                errors.push(CheckError::new(dev(k.0), *at, msg));
+            }
+            Some((r, rat)) if r != s => {
+                let msg = format!("tag {} from device {} to {}: sent {s:?}, received {r:?}", k.2, k.0, k.1);
+                errors.push(CheckError::new(dev(k.1), *rat, msg));
             }
             _ => {}
         }
     }
-    for k in recvs.keys() {
+    for (k, (_, at)) in &recvs {
         if !sends.contains_key(k) {
-            errors.push(format!("device {} waits for tag {} from device {}, which never sends it", k.1, k.2, k.0));
+            let msg = format!("device {} waits for tag {} from device {}, which never sends it", k.1, k.2, k.0);
+            errors.push(CheckError::new(dev(k.1), *at, msg));
         }
     }
     if errors.is_empty()
         && let Err(e) = simulate(&per_device)
     {
-        errors.push(e);
+        errors.push(CheckError::new(None, None, e));
     }
     if errors.is_empty() { Ok(()) } else { Err(errors) }
 }

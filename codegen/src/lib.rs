@@ -20,7 +20,7 @@ pub mod lower;
 pub mod program;
 pub mod runtime;
 
-pub use check::check;
+pub use check::{CheckError, check};
 pub use lower::{LowerError, lower};
 pub use program::{DeviceProgram, Feed, GlobalValue, Placement, Program, StagePlacement};
 pub use runtime::{Backend, RunOptions, RunReport, RuntimeError, run};

@@ -35,7 +35,7 @@ fn program(bodies: &[&str]) -> Program {
 fn errors(bodies: &[&str]) -> String {
     match check(&program(bodies)) {
         Ok(()) => panic!("the checker accepted an inconsistent program: {bodies:#?}"),
-        Err(e) => e.join("\n"),
+        Err(e) => e.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"),
     }
 }
 
