@@ -601,7 +601,9 @@ pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassE
             }
         }
         for (v, axes) in by_value {
-            resolve(g, v, &axes, &syms, &old, &consts, &mut report, &mut overrides).map_err(|e| fail(vec![e]))?;
+            let mut r =
+                Resolver { syms: &syms, old: &old, consts: &consts, report: &mut report, overrides: &mut overrides };
+            r.resolve(g, v, &axes).map_err(|e| fail(vec![e]))?;
         }
         // Graph inputs reached: they change too.
         for (v, axes) in &overrides {
@@ -632,273 +634,302 @@ pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassE
     Err(fail(vec![Located::global("rebatching did not settle after 8 rounds of rewriting constants")]))
 }
 
-#[allow(clippy::too_many_arguments)]
-/// Makes the given axes of value `v` (a constant, or computed from constants) follow changed
-/// dims.
-fn resolve(
-    g: &mut Graph,
-    v: Value,
-    axes: &[(usize, Mono)],
-    syms: &[(i64, i64)],
-    old: &HashMap<Value, Vec<i64>>,
-    consts: &HashMap<Value, Array>,
-    report: &mut RebatchReport,
-    overrides: &mut HashMap<Value, Vec<(usize, Mono)>>,
-) -> Result<(), Located> {
-    let n = v.node;
-    overrides.entry(v).or_default().extend(axes.iter().cloned());
-    if let Op::Input { default: None } = g.node(n).op {
-        // Another graph input carries the changed dim: it changes with the others.
-        return Ok(());
-    }
-    let span = g.span(n);
-    let new_of = |m: &Mono| {
-        m.eval(syms, true).ok_or_else(|| Located { node: Some(n), span, msg: "cannot compute a new size".into() })
-    };
-    let op = g.node(n).op.clone();
-    match &op {
-        Op::Initializer(t0)
-            if t0.dtype.is_float() && axes.iter().any(|(_, m)| report.batch_syms.iter().any(|&b| m.uses(b))) =>
-        {
-            // A parameter: rebatching must never change the network it defines.
-            let readers: Vec<String> = g.users(v).into_iter().map(|(u, _)| g.describe(u)).take(2).collect();
-            let want: Vec<String> =
-                axes.iter().map(|(a, m)| format!("axis {a} → {}", m.eval(syms, true).unwrap_or(-1))).collect();
-            Err(Located::at(
+/// What resolving constant axes reads and records: the symbol values, the old dims, the
+/// folded constants, the report and, per value, the axes made to follow.
+struct Resolver<'a> {
+    syms: &'a [(i64, i64)],
+    old: &'a HashMap<Value, Vec<i64>>,
+    consts: &'a HashMap<Value, Array>,
+    report: &'a mut RebatchReport,
+    overrides: &'a mut HashMap<Value, Vec<(usize, Mono)>>,
+}
+
+impl Resolver<'_> {
+    /// Makes the given axes of value `v` (a constant, or computed from constants) follow changed
+    /// dims.
+    fn resolve(&mut self, g: &mut Graph, v: Value, axes: &[(usize, Mono)]) -> Result<(), Located> {
+        let n = v.node;
+        self.overrides.entry(v).or_default().extend(axes.iter().cloned());
+        if let Op::Input { default: None } = g.node(n).op {
+            // Another graph input carries the changed dim: it changes with the others.
+            return Ok(());
+        }
+        let op = g.node(n).op.clone();
+        match &op {
+            Op::Initializer(t0)
+                if t0.dtype.is_float()
+                    && axes.iter().any(|(_, m)| self.report.batch_syms.iter().any(|&b| m.uses(b))) =>
+            {
+                Err(self.parameter(g, v, &t0.dims, axes))
+            }
+            Op::Initializer(_) | Op::Constant(_) => self.regenerate(g, v, axes),
+            _ if matches!(op.class(), OpClass::Unary | OpClass::Binary | OpClass::Variadic)
+                || matches!(op, Op::Where(_) | Op::Cast(_) | Op::Not(_)) =>
+            {
+                self.elementwise(g, v, axes)
+            }
+            Op::Unsqueeze(_)
+            | Op::Squeeze(_)
+            | Op::Transpose(_)
+            | Op::Reshape(_)
+            | Op::Expand(_)
+            | Op::Slice(_)
+            | Op::Gather(_)
+            | Op::Range(_)
+            | Op::ConstantOfShape(_) => self.shape_op(g, v, &op, axes),
+            _ => Err(Located::at(
                 g,
                 n,
                 format!(
-                    "cannot rebatch: parameter `{}` {:?} (read by {}) would have to change ({}): following the batch through this export leads into a parameter (a batch traced into reshapes, often a batch of 1, cannot be told apart from the features) — re-export with a dynamic batch axis (torch.onnx.export(..., dynamic_axes=...)) or keep the exported batch",
-                    g.value_name(v),
-                    t0.dims,
-                    if readers.is_empty() { "no op".to_string() } else { readers.join(", ") },
-                    want.join(", ")
+                    "cannot rebatch {}: its output `{}` must follow a changed dim, but it is not computed from constants in a way that can be rewritten",
+                    g.describe(n),
+                    g.value_name(v)
                 ),
-            ))
+            )),
         }
-        Op::Initializer(_) | Op::Constant(_) => {
-            let mut t = tensor_of(g, v).ok_or_else(|| Located::at(g, n, "not a constant"))?;
+    }
 
-            let describe = format!("constant `{}`", g.value_name(v));
-            if axes.len() == 2 && axes[0].1 == axes[1].1 {
-                t = regenerate_square(&t, (axes[0].0.min(axes[1].0), axes[0].0.max(axes[1].0)), new_of(&axes[0].1)?)
+    /// The error for a parameter the batch would change.
+    fn parameter(&self, g: &Graph, v: Value, dims: &[i64], axes: &[(usize, Mono)]) -> Located {
+        let syms = self.syms;
+        // A parameter: rebatching must never change the network it defines.
+        let readers: Vec<String> = g.users(v).into_iter().map(|(u, _)| g.describe(u)).take(2).collect();
+        let want: Vec<String> =
+            axes.iter().map(|(a, m)| format!("axis {a} → {}", m.eval(syms, true).unwrap_or(-1))).collect();
+        Located::at(
+            g,
+            v.node,
+            format!(
+                "cannot rebatch: parameter `{}` {:?} (read by {}) would have to change ({}): following the batch through this export leads into a parameter (a batch traced into reshapes, often a batch of 1, cannot be told apart from the features) — re-export with a dynamic batch axis (torch.onnx.export(..., dynamic_axes=...)) or keep the exported batch",
+                g.value_name(v),
+                dims,
+                if readers.is_empty() { "no op".to_string() } else { readers.join(", ") },
+                want.join(", ")
+            ),
+        )
+    }
+
+    /// Rewrites a constant (or non-parameter initializer) with the new sizes.
+    fn regenerate(&mut self, g: &mut Graph, v: Value, axes: &[(usize, Mono)]) -> Result<(), Located> {
+        let n = v.node;
+        let (syms, span) = (self.syms, g.span(n));
+        let new_of = |m: &Mono| {
+            m.eval(syms, true).ok_or_else(|| Located { node: Some(n), span, msg: "cannot compute a new size".into() })
+        };
+        let mut t = tensor_of(g, v).ok_or_else(|| Located::at(g, n, "not a constant"))?;
+
+        let describe = format!("constant `{}`", g.value_name(v));
+        if axes.len() == 2 && axes[0].1 == axes[1].1 {
+            t = regenerate_square(&t, (axes[0].0.min(axes[1].0), axes[0].0.max(axes[1].0)), new_of(&axes[0].1)?)
+                .map_err(|e| Located::at(g, n, format!("cannot rebatch {describe}: {e}")))?;
+        } else {
+            for (a, m) in axes {
+                t = regenerate(&t, *a, new_of(m)?)
                     .map_err(|e| Located::at(g, n, format!("cannot rebatch {describe}: {e}")))?;
-            } else {
-                for (a, m) in axes {
-                    t = regenerate(&t, *a, new_of(m)?)
-                        .map_err(|e| Located::at(g, n, format!("cannot rebatch {describe}: {e}")))?;
+            }
+        }
+        if t.is_external() {
+            self.report.notes.push(Located::at(
+                g,
+                n,
+                format!("{describe} has external data; only its shape was changed"),
+            ));
+        }
+        t.name = None;
+        // A private copy for the users that need the new size (all of them here).
+        g.set_inputs(n, vec![]);
+        let ty = Type::Tensor(t.tensor_type());
+        g.set_op(n, Op::Initializer(t));
+        g.set_label(n, None);
+        g.set_type(v, Some(ty));
+        self.report.constants_regenerated += 1;
+        Ok(())
+    }
+
+    /// An element-wise op: the inputs that carry an axis (not broadcast into it) follow.
+    fn elementwise(&mut self, g: &mut Graph, v: Value, axes: &[(usize, Mono)]) -> Result<(), Located> {
+        let n = v.node;
+        let syms = self.syms;
+        let out_rank = self.old.get(&v).map_or(0, Vec::len);
+        let inputs: Vec<Value> = g.node(n).inputs().iter().flatten().copied().collect();
+        let mut any = false;
+        for inp in inputs {
+            let Some(d) = self.old.get(&inp) else { continue };
+            let mut sub = Vec::new();
+            for (a, m) in axes {
+                if d.len() + a < out_rank {
+                    continue;
+                }
+                let ia = d.len() + a - out_rank;
+                if (d[ia] != 1 || m.eval(syms, false) == Some(1)) && d[ia] == self.old[&v][*a] {
+                    sub.push((ia, m.clone()));
                 }
             }
-            if t.is_external() {
-                report.notes.push(Located::at(
-                    g,
-                    n,
-                    format!("{describe} has external data; only its shape was changed"),
-                ));
+            if !sub.is_empty() {
+                any = true;
+                self.resolve(g, inp, &sub)?;
             }
-            t.name = None;
-            // A private copy for the users that need the new size (all of them here).
-            g.set_inputs(n, vec![]);
-            let ty = Type::Tensor(t.tensor_type());
-            g.set_op(n, Op::Initializer(t));
-            g.set_label(n, None);
-            g.set_type(v, Some(ty));
-            report.constants_regenerated += 1;
+        }
+        if any {
             Ok(())
+        } else {
+            Err(Located::at(g, n, format!("cannot rebatch {}: no input carries the axis", g.describe(n))))
         }
-        _ if matches!(op.class(), OpClass::Unary | OpClass::Binary | OpClass::Variadic)
-            || matches!(op, Op::Where(_) | Op::Cast(_) | Op::Not(_)) =>
-        {
-            let out_rank = old.get(&v).map_or(0, Vec::len);
-            let inputs: Vec<Value> = g.node(n).inputs().iter().flatten().copied().collect();
-            let mut any = false;
-            for inp in inputs {
-                let Some(d) = old.get(&inp) else { continue };
-                let mut sub = Vec::new();
+    }
+
+    /// A shape op: map the axes to its input's, or rewrite its literal operands.
+    fn shape_op(&mut self, g: &mut Graph, v: Value, op: &Op, axes: &[(usize, Mono)]) -> Result<(), Located> {
+        let n = v.node;
+        let (syms, span) = (self.syms, g.span(n));
+        let new_of = |m: &Mono| {
+            m.eval(syms, true).ok_or_else(|| Located { node: Some(n), span, msg: "cannot compute a new size".into() })
+        };
+        let in_dims = g.node(n).input(0).and_then(|i| self.old.get(&i)).cloned().unwrap_or_default();
+        let out_dims = self.old.get(&v).cloned().unwrap_or_default();
+        match op {
+            Op::Transpose(t) => {
+                let perm: Vec<usize> = t
+                    .perm
+                    .clone()
+                    .map_or((0..out_dims.len()).rev().collect(), |p| p.iter().map(|&x| x as usize).collect());
+                let sub: Vec<(usize, Mono)> = axes.iter().map(|(a, m)| (perm[*a], m.clone())).collect();
+                self.resolve(g, g.node(n).input(0).expect("input"), &sub)
+            }
+            Op::Unsqueeze(_) | Op::Squeeze(_) | Op::Reshape(_) => {
+                // Map axes by dropping/adding size-1 dims in order.
+                let non1_in: Vec<usize> = (0..in_dims.len()).filter(|&i| in_dims[i] != 1).collect();
+                let non1_out: Vec<usize> = (0..out_dims.len()).filter(|&i| out_dims[i] != 1).collect();
+                if non1_in.len() != non1_out.len()
+                    || non1_in.iter().zip(&non1_out).any(|(&i, &o)| in_dims[i] != out_dims[o])
+                {
+                    return Err(Located::at(
+                        g,
+                        n,
+                        format!("cannot rebatch {}: a reshape that regroups a changing axis", g.describe(n)),
+                    ));
+                }
+                let sub: Vec<(usize, Mono)> = axes
+                    .iter()
+                    .filter_map(|(a, m)| non1_out.iter().position(|&o| o == *a).map(|k| (non1_in[k], m.clone())))
+                    .collect();
+                if sub.len() != axes.len() {
+                    return Err(Located::at(
+                        g,
+                        n,
+                        format!("cannot rebatch {}: a size-1 axis would have to grow", g.describe(n)),
+                    ));
+                }
+                self.resolve(g, g.node(n).input(0).expect("input"), &sub)
+            }
+            Op::Gather(gt) => {
+                let data = g.node(n).input(0).expect("data");
+                let idx = g.node(n).input(1).expect("indices");
+                let r = self.old.get(&data).map_or(0, Vec::len);
+                let ax = if gt.axis() < 0 { (gt.axis() + r as i64) as usize } else { gt.axis() as usize };
+                let q = self.old.get(&idx).map_or(0, Vec::len);
+                let (mut to_idx, mut to_data) = (Vec::new(), Vec::new());
                 for (a, m) in axes {
-                    if d.len() + a < out_rank {
-                        continue;
-                    }
-                    let ia = d.len() + a - out_rank;
-                    if (d[ia] != 1 || m.eval(syms, false) == Some(1)) && d[ia] == old[&v][*a] {
-                        sub.push((ia, m.clone()));
+                    if *a < ax {
+                        to_data.push((*a, m.clone()));
+                    } else if *a < ax + q {
+                        to_idx.push((*a - ax, m.clone()));
+                    } else {
+                        to_data.push((*a - q + 1, m.clone()));
                     }
                 }
-                if !sub.is_empty() {
-                    any = true;
-                    resolve(g, inp, &sub, syms, old, consts, report, overrides)?;
+                if !to_idx.is_empty() {
+                    self.resolve(g, idx, &to_idx)?;
                 }
-            }
-            if any {
+                if !to_data.is_empty() {
+                    self.resolve(g, data, &to_data)?;
+                }
                 Ok(())
-            } else {
-                Err(Located::at(g, n, format!("cannot rebatch {}: no input carries the axis", g.describe(n))))
             }
-        }
-        Op::Unsqueeze(_)
-        | Op::Squeeze(_)
-        | Op::Transpose(_)
-        | Op::Reshape(_)
-        | Op::Expand(_)
-        | Op::Slice(_)
-        | Op::Gather(_)
-        | Op::Range(_)
-        | Op::ConstantOfShape(_) => {
-            let in_dims = g.node(n).input(0).and_then(|i| old.get(&i)).cloned().unwrap_or_default();
-            let out_dims = old.get(&v).cloned().unwrap_or_default();
-            match &op {
-                Op::Transpose(t) => {
-                    let perm: Vec<usize> = t
-                        .perm
-                        .clone()
-                        .map_or((0..out_dims.len()).rev().collect(), |p| p.iter().map(|&x| x as usize).collect());
-                    let sub: Vec<(usize, Mono)> = axes.iter().map(|(a, m)| (perm[*a], m.clone())).collect();
-                    resolve(g, g.node(n).input(0).expect("input"), &sub, syms, old, consts, report, overrides)
-                }
-                Op::Unsqueeze(_) | Op::Squeeze(_) | Op::Reshape(_) => {
-                    // Map axes by dropping/adding size-1 dims in order.
-                    let non1_in: Vec<usize> = (0..in_dims.len()).filter(|&i| in_dims[i] != 1).collect();
-                    let non1_out: Vec<usize> = (0..out_dims.len()).filter(|&i| out_dims[i] != 1).collect();
-                    if non1_in.len() != non1_out.len()
-                        || non1_in.iter().zip(&non1_out).any(|(&i, &o)| in_dims[i] != out_dims[o])
+            Op::Slice(_) => {
+                // Grow the slice: end = start + new size (step 1, literal bounds); axes that
+                // are not sliced pass the requirement to the input.
+                let mut through = Vec::new();
+                for (a, m) in axes {
+                    let starts = consts_i64(self.consts, g.node(n).input(1)).unwrap_or_default();
+                    let ax_list = consts_i64(self.consts, g.node(n).input(3))
+                        .unwrap_or_else(|| (0..starts.len() as i64).collect());
+                    let Some(k) = ax_list
+                        .iter()
+                        .position(|&x| (if x < 0 { x + out_dims.len() as i64 } else { x }) as usize == *a)
+                    else {
+                        through.push((*a, m.clone()));
+                        continue;
+                    };
+                    let new_end = starts[k] + new_of(m)?;
+                    if let Some(&dim) = in_dims.get(*a)
+                        && new_end > dim
                     {
                         return Err(Located::at(
                             g,
                             n,
-                            format!("cannot rebatch {}: a reshape that regroups a changing axis", g.describe(n)),
+                            format!(
+                                "cannot rebatch {}: the slice would need {new_end} of the {dim} entries its input has",
+                                g.describe(n)
+                            ),
                         ));
                     }
+                    let count =
+                        rewrite_operand(g, n, 2, &[(k, new_end)], self.old).map_err(|e| Located::at(g, n, e))?;
+                    self.report.literals_rewritten += count;
+                }
+                if !through.is_empty() {
+                    self.resolve(g, g.node(n).input(0).expect("input"), &through)?;
+                }
+                Ok(())
+            }
+            Op::Range(_) => {
+                let start = consts_i64(self.consts, g.node(n).input(0)).and_then(|v| v.first().copied());
+                let delta = consts_i64(self.consts, g.node(n).input(2)).and_then(|v| v.first().copied());
+                let (Some(s), Some(d)) = (start, delta) else {
+                    return Err(Located::at(
+                        g,
+                        n,
+                        format!("cannot rebatch {}: its bounds are not literals", g.describe(n)),
+                    ));
+                };
+                let new_limit = s + d * new_of(&axes[0].1)?;
+                self.report.literals_rewritten +=
+                    rewrite_operand(g, n, 1, &[(0, new_limit)], self.old).map_err(|e| Located::at(g, n, e))?;
+                Ok(())
+            }
+            Op::Expand(_) | Op::ConstantOfShape(_) => {
+                let slot = if matches!(op, Op::Expand(_)) { 1 } else { 0 };
+                if let Op::Expand(_) = op {
+                    // Input axes of the same old size (not broadcast) must follow too.
+                    let x = g.node(n).input(0).expect("input");
+                    let r = out_dims.len();
                     let sub: Vec<(usize, Mono)> = axes
                         .iter()
-                        .filter_map(|(a, m)| non1_out.iter().position(|&o| o == *a).map(|k| (non1_in[k], m.clone())))
+                        .filter_map(|(a, m)| {
+                            let k = (a + in_dims.len()).checked_sub(r)?;
+                            (in_dims[k] == out_dims[*a] && in_dims[k] != 1).then(|| (k, m.clone()))
+                        })
                         .collect();
-                    if sub.len() != axes.len() {
-                        return Err(Located::at(
-                            g,
-                            n,
-                            format!("cannot rebatch {}: a size-1 axis would have to grow", g.describe(n)),
-                        ));
+                    if !sub.is_empty() {
+                        self.resolve(g, x, &sub)?;
                     }
-                    resolve(g, g.node(n).input(0).expect("input"), &sub, syms, old, consts, report, overrides)
                 }
-                Op::Gather(gt) => {
-                    let data = g.node(n).input(0).expect("data");
-                    let idx = g.node(n).input(1).expect("indices");
-                    let r = old.get(&data).map_or(0, Vec::len);
-                    let ax = if gt.axis() < 0 { (gt.axis() + r as i64) as usize } else { gt.axis() as usize };
-                    let q = old.get(&idx).map_or(0, Vec::len);
-                    let (mut to_idx, mut to_data) = (Vec::new(), Vec::new());
-                    for (a, m) in axes {
-                        if *a < ax {
-                            to_data.push((*a, m.clone()));
-                        } else if *a < ax + q {
-                            to_idx.push((*a - ax, m.clone()));
-                        } else {
-                            to_data.push((*a - q + 1, m.clone()));
-                        }
-                    }
-                    if !to_idx.is_empty() {
-                        resolve(g, idx, &to_idx, syms, old, consts, report, overrides)?;
-                    }
-                    if !to_data.is_empty() {
-                        resolve(g, data, &to_data, syms, old, consts, report, overrides)?;
-                    }
-                    Ok(())
-                }
-                Op::Slice(_) => {
-                    // Grow the slice: end = start + new size (step 1, literal bounds); axes that
-                    // are not sliced pass the requirement to the input.
-                    let mut through = Vec::new();
-                    for (a, m) in axes {
-                        let starts = consts_i64(consts, g.node(n).input(1)).unwrap_or_default();
-                        let ax_list = consts_i64(consts, g.node(n).input(3))
-                            .unwrap_or_else(|| (0..starts.len() as i64).collect());
-                        let Some(k) = ax_list
-                            .iter()
-                            .position(|&x| (if x < 0 { x + out_dims.len() as i64 } else { x }) as usize == *a)
-                        else {
-                            through.push((*a, m.clone()));
-                            continue;
-                        };
-                        let new_end = starts[k] + new_of(m)?;
-                        if let Some(&dim) = in_dims.get(*a)
-                            && new_end > dim
-                        {
-                            return Err(Located::at(
-                                g,
-                                n,
-                                format!(
-                                    "cannot rebatch {}: the slice would need {new_end} of the {dim} entries its input has",
-                                    g.describe(n)
-                                ),
-                            ));
-                        }
-                        let count = rewrite_operand(g, n, 2, &[(k, new_end)], old).map_err(|e| Located::at(g, n, e))?;
-                        report.literals_rewritten += count;
-                    }
-                    if !through.is_empty() {
-                        resolve(g, g.node(n).input(0).expect("input"), &through, syms, old, consts, report, overrides)?;
-                    }
-                    Ok(())
-                }
-                Op::Range(_) => {
-                    let start = consts_i64(consts, g.node(n).input(0)).and_then(|v| v.first().copied());
-                    let delta = consts_i64(consts, g.node(n).input(2)).and_then(|v| v.first().copied());
-                    let (Some(s), Some(d)) = (start, delta) else {
-                        return Err(Located::at(
-                            g,
-                            n,
-                            format!("cannot rebatch {}: its bounds are not literals", g.describe(n)),
-                        ));
-                    };
-                    let new_limit = s + d * new_of(&axes[0].1)?;
-                    report.literals_rewritten +=
-                        rewrite_operand(g, n, 1, &[(0, new_limit)], old).map_err(|e| Located::at(g, n, e))?;
-                    Ok(())
-                }
-                Op::Expand(_) | Op::ConstantOfShape(_) => {
-                    let slot = if matches!(op, Op::Expand(_)) { 1 } else { 0 };
-                    if let Op::Expand(_) = op {
-                        // Input axes of the same old size (not broadcast) must follow too.
-                        let x = g.node(n).input(0).expect("input");
-                        let r = out_dims.len();
-                        let sub: Vec<(usize, Mono)> = axes
-                            .iter()
-                            .filter_map(|(a, m)| {
-                                let k = (a + in_dims.len()).checked_sub(r)?;
-                                (in_dims[k] == out_dims[*a] && in_dims[k] != 1).then(|| (k, m.clone()))
-                            })
-                            .collect();
-                        if !sub.is_empty() {
-                            resolve(g, x, &sub, syms, old, consts, report, overrides)?;
-                        }
-                    }
-                    let spec_len = g
-                        .node(n)
-                        .input(slot)
-                        .and_then(|v| old.get(&v))
-                        .and_then(|d| d.first().copied())
-                        .unwrap_or(out_dims.len() as i64) as usize;
-                    let ups: Vec<(usize, i64)> = axes
-                        .iter()
-                        .map(|(a, m)| Ok((*a + spec_len.saturating_sub(out_dims.len()), new_of(m)?)))
-                        .collect::<Result<_, Located>>()?;
-                    report.literals_rewritten +=
-                        rewrite_operand(g, n, slot, &ups, old).map_err(|e| Located::at(g, n, e))?;
-                    Ok(())
-                }
-                _ => unreachable!(),
+                let spec_len = g
+                    .node(n)
+                    .input(slot)
+                    .and_then(|v| self.old.get(&v))
+                    .and_then(|d| d.first().copied())
+                    .unwrap_or(out_dims.len() as i64) as usize;
+                let ups: Vec<(usize, i64)> = axes
+                    .iter()
+                    .map(|(a, m)| Ok((*a + spec_len.saturating_sub(out_dims.len()), new_of(m)?)))
+                    .collect::<Result<_, Located>>()?;
+                self.report.literals_rewritten +=
+                    rewrite_operand(g, n, slot, &ups, self.old).map_err(|e| Located::at(g, n, e))?;
+                Ok(())
             }
+            _ => unreachable!(),
         }
-        _ => Err(Located::at(
-            g,
-            n,
-            format!(
-                "cannot rebatch {}: its output `{}` must follow a changed dim, but it is not computed from constants in a way that can be rewritten",
-                g.describe(n),
-                g.value_name(v)
-            ),
-        )),
     }
 }
 
