@@ -172,29 +172,35 @@ impl Reshards<'_, '_> {
     }
 }
 
+/// When each tensor is live: from its producer (or first reader, for a source read by several
+/// ops) to its last reader — per value, the op it enters at (`None`: never held) and its last
+/// reader.
+fn liveness(p: &Problem) -> (Vec<Option<usize>>, Vec<usize>) {
+    let mut enters_at: Vec<Option<usize>> = vec![None; p.values.len()];
+    let mut last_use: Vec<usize> = vec![0; p.values.len()];
+    for (v, info) in p.values.iter().enumerate() {
+        let Some(&(first, _)) = info.consumers.first() else { continue };
+        let last = info.consumers.last().map_or(first, |c| c.0);
+        last_use[v] = last;
+        match info.origin {
+            Origin::Op { op, .. } => enters_at[v] = Some(op),
+            Origin::Source { .. } => {
+                if info.float && last > first {
+                    enters_at[v] = Some(first);
+                }
+            }
+        }
+    }
+    (enters_at, last_use)
+}
+
 impl Proxy {
     /// Tables of the decomposed objective over the candidates `cands` (per op).
     pub fn new(cm: &CostModel<'_>, p: &Problem, cands: &[Vec<u32>], grad_weight: f64) -> Proxy {
         let k = consts(cm, grad_weight);
         let mut rs = Reshards { cm, memo: FxHashMap::default() };
         let n = p.ops.len();
-        // When each tensor is live: from its producer (or first reader, for a source read by
-        // several ops) to its last reader.
-        let mut enters_at: Vec<Option<usize>> = vec![None; p.values.len()];
-        let mut last_use: Vec<usize> = vec![0; p.values.len()];
-        for (v, info) in p.values.iter().enumerate() {
-            let Some(&(first, _)) = info.consumers.first() else { continue };
-            let last = info.consumers.last().map_or(first, |c| c.0);
-            last_use[v] = last;
-            match info.origin {
-                Origin::Op { op, .. } => enters_at[v] = Some(op),
-                Origin::Source { .. } => {
-                    if info.float && last > first {
-                        enters_at[v] = Some(first);
-                    }
-                }
-            }
-        }
+        let (enters_at, last_use) = liveness(p);
         // Layouts each live tensor can have.
         let mut layouts: Vec<Vec<LayoutId>> = vec![Vec::new(); p.values.len()];
         for (v, info) in p.values.iter().enumerate() {
