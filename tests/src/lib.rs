@@ -160,3 +160,62 @@ pub fn golden_train_cases() -> Vec<PathBuf> {
     assert!(seen.len() >= 8, "golden training cases missing");
     seen.into_values().collect()
 }
+
+/// The GPU compile context of node `n` of `g`: its inputs' and outputs' static shapes and
+/// types, and the constant values the compiler may read.
+pub fn compile_cx<'a>(
+    g: &ir::Graph,
+    n: ir::NodeId,
+    consts: &'a HashMap<ir::Value, Array>,
+) -> codegen::runtime::gpu::compile::CompileCx<'a> {
+    use codegen::runtime::gpu::compile::{CompileCx, TensorDesc};
+    let node = g.node(n);
+    let desc = |v: ir::Value| -> Option<TensorDesc<'a>> {
+        let t = g.tensor_type(v)?;
+        Some(TensorDesc {
+            shape: t.static_dims()?.iter().map(|&d| d as usize).collect(),
+            dtype: t.dtype,
+            value: consts.get(&v),
+        })
+    };
+    CompileCx {
+        ins: node.inputs().iter().map(|i| i.and_then(desc)).collect(),
+        outs: (0..node.num_outputs())
+            .map(|s| {
+                let v = ir::Value::new(n, s as u16);
+                let t = g.tensor_type(v)?;
+                (!node.outputs()[s].name.is_empty())
+                    .then(|| (t.static_dims().unwrap().iter().map(|&d| d as usize).collect(), t.dtype))
+            })
+            .collect(),
+        opset: g.opset,
+    }
+}
+
+/// A program of one stage in which device `k` runs `graphs[k]` (no feeds or results), on a
+/// mesh of one intra-node axis over all of them: what the checker tests hand-write.
+pub fn one_stage_program(graphs: Vec<ir::Graph>) -> codegen::Program {
+    use ir::shard::{LinkLevel, Mesh, MeshAxis};
+    let n = graphs.len();
+    let devices = graphs
+        .into_iter()
+        .enumerate()
+        .map(|(k, graph)| codegen::DeviceProgram {
+            device: k,
+            stage: 0,
+            rank: k,
+            graph,
+            feeds: vec![],
+            results: vec![],
+        })
+        .collect();
+    codegen::Program {
+        devices,
+        meshes: vec![Mesh { axes: vec![MeshAxis { name: "d".into(), size: n, level: LinkLevel::Intra }] }],
+        stage_devices: vec![(0..n).collect()],
+        micro_batches: 1,
+        inputs: vec![],
+        outputs: vec![],
+        fallbacks: vec![],
+    }
+}

@@ -2,14 +2,13 @@
 //! nobody receives, a receive nobody sends, mismatched collective sequences or shapes, halo
 //! widths the neighbours disagree on, and deadlocks; it accepts the consistent variants.
 
-use codegen::{DeviceProgram, Program, check};
-use ir::shard::{LinkLevel, Mesh, MeshAxis};
+use codegen::{Program, check};
+use shardc_tests::one_stage_program;
 
 /// A program of one stage whose device `k` runs the graph written as `bodies[k]` (nodes
 /// of a graph `(float[4,8] x) => ()`).
 fn program(bodies: &[&str]) -> Program {
-    let n = bodies.len();
-    let devices = bodies
+    let graphs = bodies
         .iter()
         .enumerate()
         .map(|(k, body)| {
@@ -18,18 +17,10 @@ fn program(bodies: &[&str]) -> Program {
             );
             let mut m = frontend::parse(&text).unwrap_or_else(|e| panic!("{e:?}\n{text}")).model;
             ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap_or_else(|e| panic!("{e:?}"));
-            DeviceProgram { device: k, stage: 0, rank: k, graph: m.graph, feeds: vec![], results: vec![] }
+            m.graph
         })
         .collect();
-    Program {
-        devices,
-        meshes: vec![Mesh { axes: vec![MeshAxis { name: "d".into(), size: n, level: LinkLevel::Intra }] }],
-        stage_devices: vec![(0..n).collect()],
-        micro_batches: 1,
-        inputs: vec![],
-        outputs: vec![],
-        fallbacks: vec![],
-    }
+    one_stage_program(graphs)
 }
 
 fn errors(bodies: &[&str]) -> String {

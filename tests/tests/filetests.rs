@@ -16,12 +16,11 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use codegen::{DeviceProgram, Placement, Program, StagePlacement};
+use codegen::Program;
 use ir::print::node_to_string;
-use ir::shard::{LinkLevel, Mesh, MeshAxis};
 use libtest_mimic::{Arguments, Failed, Trial};
-use passes::cost::{Cluster, CostModel, Named, Options};
-use shardc_tests::repo_root;
+use passes::cost::{Cluster, CostModel, Options};
+use shardc_tests::{one_stage_program, repo_root};
 
 /// A located error: the 1-based line of the file it points at, if any.
 type Finding = (Option<usize>, String);
@@ -151,11 +150,10 @@ fn run_kind(h: &Header, text: &str) -> Result<Outcome, String> {
             Ok(front(text, 1, Some(spec)).map(|m| printed(&m.graph)))
         }
         "shard" | "lower" => {
-            let m = match front(text, 1, None) {
+            let mut m = match front(text, 1, None) {
                 Ok(m) => m,
                 Err(f) => return fail(f),
             };
-            let mut m = m;
             let mut pm = passes::PassManager::new();
             pm.add(passes::Canonicalize);
             pm.run(&mut m).map_err(|e| e.to_string())?;
@@ -172,29 +170,18 @@ fn run_kind(h: &Header, text: &str) -> Result<Outcome, String> {
                 let p = shardc::exec::program_for_search(g, &r, devices)?;
                 return Ok(Ok(program_listing(&p)?));
             }
-            let named = Named::parse(h.get("strategy")?)?;
-            let mesh = named.mesh(&cluster, devices)?;
-            let cm = CostModel::new(g, &cluster, mesh.clone(), Options::default());
-            let asg = passes::cost::strategy::assign(&cm, &named).map_err(|e| e.to_string())?;
-            if h.kind == "shard" {
-                let mut out = String::new();
-                let axes: Vec<String> = mesh.axes.iter().map(|a| format!("{}={}", a.name, a.size)).collect();
-                out.push_str(&format!("mesh {}\n", axes.join(" ")));
-                for n in g.op_nodes().unwrap_or_default() {
-                    let s = asg.strategies.get(&n).cloned().unwrap_or_default();
-                    out.push_str(&format!("{}: {}\n", g.describe(n), cm.describe_strategy(n, &s)));
-                }
-                return Ok(Ok(out));
+            let r = shardc::exec::named_result(g, &cluster, devices, h.get("strategy")?, &Options::default())?;
+            if h.kind == "lower" {
+                return Ok(Ok(program_listing(&shardc::exec::program_for_search(g, &r, devices)?)?));
             }
-            let pl = Placement {
-                stages: vec![StagePlacement { mesh, devices: (0..devices).collect() }],
-                strategies: asg.strategies,
-                stage_of: HashMap::new(),
-                micro_batches: 1,
-                policy: cm.policy,
-            };
-            let p = codegen::lower(g, &pl).map_err(|e| e.to_string())?;
-            Ok(Ok(program_listing(&p)?))
+            let cm = CostModel::new(g, &cluster, r.mesh.clone(), Options::default());
+            let axes: Vec<String> = r.mesh.axes.iter().map(|a| format!("{}={}", a.name, a.size)).collect();
+            let mut out = format!("mesh {}\n", axes.join(" "));
+            for n in g.op_nodes().unwrap_or_default() {
+                let s = r.assignment.strategies.get(&n).cloned().unwrap_or_default();
+                out.push_str(&format!("{}: {}\n", g.describe(n), cm.describe_strategy(n, &s)));
+            }
+            Ok(Ok(out))
         }
         "check" => Ok(check_sections(text)),
         k => Err(format!("unknown test kind `{k}`")),
@@ -227,21 +214,11 @@ fn check_sections(text: &str) -> Outcome {
     if sections.is_empty() {
         return Err(vec![(None, "a check file needs `# device K` sections".into())]);
     }
-    let mut devices = Vec::new();
-    for (k, (first, body)) in sections.iter().enumerate() {
-        let m = front(body, *first, None)?;
-        devices.push(DeviceProgram { device: k, stage: 0, rank: k, graph: m.graph, feeds: vec![], results: vec![] });
+    let mut graphs = Vec::new();
+    for (first, body) in &sections {
+        graphs.push(front(body, *first, None)?.graph);
     }
-    let n = devices.len();
-    let p = Program {
-        devices,
-        meshes: vec![Mesh { axes: vec![MeshAxis { name: "d".into(), size: n, level: LinkLevel::Intra }] }],
-        stage_devices: vec![(0..n).collect()],
-        micro_batches: 1,
-        inputs: vec![],
-        outputs: vec![],
-        fallbacks: vec![],
-    };
+    let p = one_stage_program(graphs);
     match codegen::check(&p) {
         Ok(()) => Ok(String::from("consistent\n")),
         Err(errs) => Err(errs

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::fmt::Write;
 
-use codegen::runtime::gpu::compile::{self, CompileCx, Step, TensorDesc};
+use codegen::runtime::gpu::compile::{self, Step};
 use ir::eval::Array;
 use ir::{Graph, Value};
 use shardc_tests::*;
@@ -18,28 +18,7 @@ fn hash(s: &str) -> u64 {
 
 /// What the GPU compiler makes of node `n`.
 fn compiled(g: &Graph, n: ir::NodeId, consts: &HashMap<Value, Array>) -> Result<Option<compile::Compiled>, String> {
-    let node = g.node(n);
-    let desc = |v: Value| -> Option<TensorDesc<'_>> {
-        let t = g.tensor_type(v)?;
-        Some(TensorDesc {
-            shape: t.static_dims()?.iter().map(|&d| d as usize).collect(),
-            dtype: t.dtype,
-            value: consts.get(&v),
-        })
-    };
-    let cx = CompileCx {
-        ins: node.inputs().iter().map(|i| i.and_then(desc)).collect(),
-        outs: (0..node.num_outputs())
-            .map(|s| {
-                let v = Value::new(n, s as u16);
-                let t = g.tensor_type(v)?;
-                (!node.outputs()[s].name.is_empty())
-                    .then(|| (t.static_dims().unwrap().iter().map(|&d| d as usize).collect(), t.dtype))
-            })
-            .collect(),
-        opset: g.opset,
-    };
-    compile::compile(&node.op, &cx)
+    compile::compile(&g.node(n).op, &compile_cx(g, n, consts))
 }
 
 fn snapshot(g: &Graph, consts: &HashMap<Value, Array>) -> String {

@@ -7,7 +7,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use codegen::runtime::Executor;
-use codegen::runtime::gpu::compile::{self, CompileCx, TensorDesc};
+use codegen::runtime::gpu::compile;
 use ir::eval::Array;
 use ir::ops::NodeCx;
 use ir::{Graph, NodeId, Op, Value};
@@ -46,31 +46,6 @@ fn inputs(g: &Graph, seed: u64) -> HashMap<String, Array> {
 /// The nodes of the sample's op type (in the top-level graph).
 fn sampled(g: &Graph, op: &str) -> Vec<NodeId> {
     g.node_ids().filter(|&n| g.node(n).op.op_type() == op).collect()
-}
-
-/// The compile context of node `n` from its graph's types and constant values.
-fn compile_cx<'a>(g: &Graph, n: NodeId, consts: &'a HashMap<Value, Array>) -> CompileCx<'a> {
-    let node = g.node(n);
-    let desc = |v: Value| -> Option<TensorDesc<'a>> {
-        let t = g.tensor_type(v)?;
-        Some(TensorDesc {
-            shape: t.static_dims()?.iter().map(|&d| d as usize).collect(),
-            dtype: t.dtype,
-            value: consts.get(&v),
-        })
-    };
-    CompileCx {
-        ins: node.inputs().iter().map(|i| i.and_then(desc)).collect(),
-        outs: (0..node.num_outputs())
-            .map(|s| {
-                let v = Value::new(n, s as u16);
-                let t = g.tensor_type(v)?;
-                (!node.outputs()[s].name.is_empty())
-                    .then(|| (t.static_dims().unwrap().iter().map(|&d| d as usize).collect(), t.dtype))
-            })
-            .collect(),
-        opset: g.opset,
-    }
 }
 
 fn validate(what: &str, src: &str) {
