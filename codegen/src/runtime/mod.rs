@@ -16,7 +16,6 @@ pub(crate) mod hub;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use ir::attr::AttrValue;
 use ir::eval::Array;
 use ir::{Graph, NodeId, Op, OpClass, Value};
 use serde::Serialize;
@@ -381,30 +380,6 @@ fn assemble_outputs(
     Ok(outputs)
 }
 
-fn attr_int(op: &Op, name: &str) -> i64 {
-    op.attributes()
-        .into_iter()
-        .find(|a| a.name == name)
-        .and_then(|a| if let AttrValue::Int(v) = a.value { Some(v) } else { None })
-        .unwrap_or(0)
-}
-
-fn attr_ints(op: &Op, name: &str) -> Vec<i64> {
-    op.attributes()
-        .into_iter()
-        .find(|a| a.name == name)
-        .and_then(|a| if let AttrValue::Ints(v) = a.value { Some(v) } else { None })
-        .unwrap_or_default()
-}
-
-fn attr_str(op: &Op, name: &str, default: &str) -> String {
-    op.attributes()
-        .into_iter()
-        .find(|a| a.name == name)
-        .and_then(|a| if let AttrValue::String(v) = a.value { Some(v) } else { None })
-        .unwrap_or_else(|| default.to_string())
-}
-
 /// Per step, per micro-batch, a device's results; its report; and its carried state after
 /// the last step (by the initializer's global name).
 type DeviceOutcome = (Vec<Vec<Vec<(String, Array)>>>, DeviceReport, Vec<(String, Array)>);
@@ -478,25 +453,7 @@ fn drive<E: Executor>(
     let mut port = hub.port(d.device);
     let mut report = DeviceReport { device: d.device, adapter: e.name(), ..Default::default() };
     let start = Instant::now();
-    // The carried state on this device: (initializer value, the value that replaces it).
-    let mut carries: Vec<(String, Value, Value)> = Vec::new();
-    for (init, next) in &opts.carry {
-        let Some(r) = d.results.iter().find(|r| &r.global == next) else { continue };
-        let (Some(iv), Some(nv)) = (g.lookup(init), g.lookup(&r.local)) else {
-            return Err(err(format!("carried state `{init}` is not held where `{next}` is computed")));
-        };
-        if !matches!(g.node(iv.node).op, Op::Initializer(_)) {
-            return Err(err(format!("carried state `{init}` is not an initializer on this device")));
-        }
-        let (held, next_dims) = (g.tensor_type(iv).map(|t| &t.dims), g.tensor_type(nv).map(|t| &t.dims));
-        if held != next_dims {
-            return Err(err(format!(
-                "carried state `{init}` is held as {held:?} but `{next}` is delivered as {next_dims:?}: \
-                 the program does not deliver the next state in the layout the state is held in"
-            )));
-        }
-        carries.push((init.clone(), iv, nv));
-    }
+    let carries = carried_state(g, d, opts).map_err(err)?;
     if !carries.is_empty() && p.micro_batches > 1 {
         return Err(err(
             "training steps over several micro-batches (gradient accumulation) are not supported yet".into()
@@ -578,46 +535,7 @@ fn drive<E: Executor>(
                             ),
                             None => None,
                         };
-                        let group = attr_ints(op, "group");
-                        let r = match op {
-                            Op::AllReduce(_) => {
-                                Some(port.all_reduce(&group, x.as_ref().expect("input"), &attr_str(op, "op", "sum")))
-                            }
-                            Op::AllGather(_) => {
-                                Some(port.all_gather(&group, x.as_ref().expect("input"), attr_int(op, "axis") as usize))
-                            }
-                            Op::ReduceScatter(_) => Some(port.reduce_scatter(
-                                &group,
-                                x.as_ref().expect("input"),
-                                attr_int(op, "axis") as usize,
-                                &attr_str(op, "op", "sum"),
-                            )),
-                            Op::AllToAll(_) => Some(port.all_to_all(
-                                &group,
-                                x.as_ref().expect("input"),
-                                attr_int(op, "split_axis") as usize,
-                                attr_int(op, "concat_axis") as usize,
-                            )),
-                            Op::HaloExchange(_) => Some(port.halo(
-                                &group,
-                                x.as_ref().expect("input"),
-                                attr_int(op, "axis") as usize,
-                                &attr_ints(op, "widths"),
-                            )),
-                            Op::Send(_) => {
-                                port.send(
-                                    attr_int(op, "peer") as usize,
-                                    attr_int(op, "tag"),
-                                    k,
-                                    x.as_ref().expect("input"),
-                                );
-                                None
-                            }
-                            Op::Recv(_) => Some(port.recv(attr_int(op, "peer") as usize, attr_int(op, "tag"), k)),
-                            other => return Err(err(format!("unknown communication op {}", other.op_type()))),
-                        };
-                        if let Some(r) = r {
-                            let a = r.map_err(err)?;
+                        if let Some(a) = collective(&mut port, op, x.as_ref(), k).map_err(err)? {
                             produced.push((Value::new(n, 0), e.upload(&a).map_err(err)?));
                         }
                         *report.by_collective.entry(op.op_type().to_string()).or_insert(0.0) +=
@@ -712,6 +630,61 @@ fn drive<E: Executor>(
         state.push((name.clone(), e.download(&fixed[iv]).map_err(err)?));
     }
     Ok((outs_steps, report, state))
+}
+
+/// The carried state on one device: (initializer's global name, the initializer's value, the
+/// value that replaces it after a step). A pair whose next value another device computes is
+/// not this device's.
+fn carried_state(g: &Graph, d: &DeviceProgram, opts: &RunOptions) -> Result<Vec<(String, Value, Value)>, String> {
+    let mut carries = Vec::new();
+    for (init, next) in &opts.carry {
+        let Some(r) = d.results.iter().find(|r| &r.global == next) else { continue };
+        let (Some(iv), Some(nv)) = (g.lookup(init), g.lookup(&r.local)) else {
+            return Err(format!("carried state `{init}` is not held where `{next}` is computed"));
+        };
+        if !matches!(g.node(iv.node).op, Op::Initializer(_)) {
+            return Err(format!("carried state `{init}` is not an initializer on this device"));
+        }
+        let (held, next_dims) = (g.tensor_type(iv).map(|t| &t.dims), g.tensor_type(nv).map(|t| &t.dims));
+        if held != next_dims {
+            return Err(format!(
+                "carried state `{init}` is held as {held:?} but `{next}` is delivered as {next_dims:?}: \
+                 the program does not deliver the next state in the layout the state is held in"
+            ));
+        }
+        carries.push((init.clone(), iv, nv));
+    }
+    Ok(carries)
+}
+
+/// Runs one communication op through this device's port: its result (none for `Send`).
+/// `micro` tags point-to-point messages with the micro-batch they belong to.
+fn collective(port: &mut hub::Port<'_>, op: &Op, x: Option<&Array>, micro: usize) -> Result<Option<Array>, String> {
+    let name = op.op_type();
+    let input = || x.ok_or_else(|| format!("{name} has no input"));
+    let list = |g: &Option<Vec<i64>>| g.clone().ok_or_else(|| format!("{name} is missing a list attribute"));
+    let index = |a: Option<i64>, what: &str| {
+        a.and_then(|a| usize::try_from(a).ok()).ok_or_else(|| format!("{name}: `{what}` is missing or negative"))
+    };
+    let r = match op {
+        Op::AllReduce(c) => port.all_reduce(&list(&c.group)?, input()?, c.op()),
+        Op::AllGather(c) => port.all_gather(&list(&c.group)?, input()?, index(c.axis, "axis")?),
+        Op::ReduceScatter(c) => port.reduce_scatter(&list(&c.group)?, input()?, index(c.axis, "axis")?, c.op()),
+        Op::AllToAll(c) => port.all_to_all(
+            &list(&c.group)?,
+            input()?,
+            index(c.split_axis, "split_axis")?,
+            index(c.concat_axis, "concat_axis")?,
+        ),
+        Op::HaloExchange(c) => port.halo(&list(&c.group)?, input()?, index(c.axis, "axis")?, &list(&c.widths)?),
+        Op::Send(c) => {
+            port.send(index(c.peer, "peer")?, c.tag(), micro, input()?);
+            return Ok(None);
+        }
+        Op::Recv(c) => port.recv(index(c.peer, "peer")?, c.tag(), micro),
+        other => return Err(format!("unknown communication op {}", other.op_type())),
+    };
+    r.map(Some)
 }
 
 fn upload_feed<E: Executor>(e: &mut E, feed: &HashMap<String, Array>) -> Result<HashMap<String, E::Tensor>, String> {

@@ -509,6 +509,118 @@ struct Tape {
     c_new: Vec<f64>,
 }
 
+type ActPair = (Box<dyn Fn(f64) -> f64>, Box<dyn Fn(f64) -> f64>);
+
+impl Tape {
+    /// One LSTM step backward from the gradients of its h and c (`dh`, `dc`): the gate
+    /// pre-activation gradients `da` (gate order i, o, f, c), the cell state's gradient into
+    /// the previous step, and, with peepholes `p`, this direction's peephole gradients `dp`.
+    #[allow(clippy::too_many_arguments)]
+    fn lstm_grad(
+        &self,
+        act: &[ActPair],
+        p: Option<&[f64]>,
+        input_forget: bool,
+        (dh, dc): (&[f64], &[f64]),
+        da: &mut [f64],
+        dc_prev: &mut [f64],
+        dp: &mut [f64],
+    ) {
+        let (st, hh) = (self, dh.len());
+        for k in 0..hh {
+            let (i, o_, f, c) = (st.gate[k], st.gate[hh + k], st.gate[2 * hh + k], st.gate[3 * hh + k]);
+            let cn = st.c_new[k];
+            let hc = (act[2].0)(cn);
+            let dao = dh[k] * hc * (act[0].1)(st.pre[hh + k]) * f64::from(u8::from(st.live[hh + k]));
+            let dcn = dc[k] + dh[k] * o_ * (act[2].1)(cn) + dao * p.as_ref().map_or(0.0, |p| p[hh + k]);
+            let mut di = dcn * c;
+            let dcc = dcn * i;
+            let dfg = dcn * st.c_prev[k];
+            let daf = if input_forget {
+                di -= dfg;
+                0.0
+            } else {
+                dfg * (act[0].1)(st.pre[2 * hh + k]) * f64::from(u8::from(st.live[2 * hh + k]))
+            };
+            let dai = di * (act[0].1)(st.pre[k]) * f64::from(u8::from(st.live[k]));
+            let dac = dcc * (act[1].1)(st.pre[3 * hh + k]) * f64::from(u8::from(st.live[3 * hh + k]));
+            dc_prev[k] = dcn * f + p.as_ref().map_or(0.0, |p| dai * p[k] + daf * p[2 * hh + k]);
+            if p.is_some() {
+                dp[k] += dai * st.c_prev[k];
+                dp[hh + k] += dao * cn;
+                dp[2 * hh + k] += daf * st.c_prev[k];
+            }
+            da[k] = dai;
+            da[hh + k] = dao;
+            da[2 * hh + k] = daf;
+            da[3 * hh + k] = dac;
+        }
+    }
+
+    /// One GRU step backward from the gradient of its h: the gate pre-activation gradients
+    /// `da` (z, r, h̃), the part of the previous h's gradient through the gates, and the
+    /// candidate's recurrent weight and bias gradients (this direction's `dr`, and `drb`, the
+    /// candidate's h entries of the recurrent bias).
+    #[allow(clippy::too_many_arguments)]
+    fn gru_grad(
+        &self,
+        act: &[ActPair],
+        rd: &[f64],
+        lbr: bool,
+        dh: &[f64],
+        (da, dh_prev): (&mut [f64], &mut [f64]),
+        dr: &mut [f64],
+        drb: &mut [f64],
+    ) {
+        let (st, hh) = (self, dh.len());
+        let mut dextra = vec![0.0; hh];
+        for k in 0..hh {
+            let (z, ht) = (st.gate[k], st.gate[2 * hh + k]);
+            let dz = dh[k] * (st.h_prev[k] - ht);
+            let dhh = dh[k] * (1.0 - z) * (act[1].1)(st.pre[2 * hh + k]) * f64::from(u8::from(st.live[2 * hh + k]));
+            dh_prev[k] += dh[k] * z;
+            da[k] = dz * (act[0].1)(st.pre[k]) * f64::from(u8::from(st.live[k]));
+            da[2 * hh + k] = dhh;
+        }
+        if lbr {
+            // hh = gx_h + r·(R_h·h + Rb_h).
+            for k in 0..hh {
+                let dr_ = da[2 * hh + k] * st.extra[k];
+                da[hh + k] = dr_ * (act[0].1)(st.pre[hh + k]) * f64::from(u8::from(st.live[hh + k]));
+                dextra[k] = da[2 * hh + k] * st.gate[hh + k];
+            }
+        } else {
+            // hh = gx_h + R_h·(r∘h) + Rb_h.
+            let mut drh = vec![0.0; hh];
+            for k in 0..hh {
+                for q in 0..hh {
+                    drh[q] += rd[(2 * hh + k) * hh + q] * da[2 * hh + k];
+                }
+            }
+            for q in 0..hh {
+                let dr_ = drh[q] * st.h_prev[q];
+                da[hh + q] = dr_ * (act[0].1)(st.pre[hh + q]) * f64::from(u8::from(st.live[hh + q]));
+                dh_prev[q] += drh[q] * st.gate[hh + q];
+            }
+        }
+        // Weight gradients of the candidate's recurrent part.
+        for k in 0..hh {
+            if lbr {
+                drb[k] += dextra[k];
+                for q in 0..hh {
+                    dr[(2 * hh + k) * hh + q] += dextra[k] * st.h_prev[q];
+                    dh_prev[q] += rd[(2 * hh + k) * hh + q] * dextra[k];
+                }
+            } else {
+                drb[k] += da[2 * hh + k];
+                for q in 0..hh {
+                    dr[(2 * hh + k) * hh + q] += da[2 * hh + k] * st.extra[q];
+                }
+            }
+        }
+    }
+}
+
 /// The inputs and attributes one RecurrentGrad evaluation works on.
 struct Bptt<'a> {
     kind: &'a str,
@@ -781,86 +893,19 @@ fn recurrent_grad(o: &op::RecurrentGrad, cx: &EvalCx<'_>) -> Result<Vec<Array>> 
                 let mut dh_prev = vec![0.0; hh];
                 let mut dc_prev = vec![0.0; hh];
                 match kind {
-                    "LSTM" => {
-                        for k in 0..hh {
-                            let (i, o_, f, c) = (st.gate[k], st.gate[hh + k], st.gate[2 * hh + k], st.gate[3 * hh + k]);
-                            let cn = st.c_new[k];
-                            let hc = (act[2].0)(cn);
-                            let dao = dh[k] * hc * (act[0].1)(st.pre[hh + k]) * f64::from(u8::from(st.live[hh + k]));
-                            let dcn = dc[k] + dh[k] * o_ * (act[2].1)(cn) + dao * p.as_ref().map_or(0.0, |p| p[hh + k]);
-                            let mut di = dcn * c;
-                            let dcc = dcn * i;
-                            let dfg = dcn * st.c_prev[k];
-                            let daf = if bp.input_forget {
-                                di -= dfg;
-                                0.0
-                            } else {
-                                dfg * (act[0].1)(st.pre[2 * hh + k]) * f64::from(u8::from(st.live[2 * hh + k]))
-                            };
-                            let dai = di * (act[0].1)(st.pre[k]) * f64::from(u8::from(st.live[k]));
-                            let dac = dcc * (act[1].1)(st.pre[3 * hh + k]) * f64::from(u8::from(st.live[3 * hh + k]));
-                            dc_prev[k] = dcn * f + p.as_ref().map_or(0.0, |p| dai * p[k] + daf * p[2 * hh + k]);
-                            if p.is_some() {
-                                dp[d * 3 * hh + k] += dai * st.c_prev[k];
-                                dp[d * 3 * hh + hh + k] += dao * cn;
-                                dp[d * 3 * hh + 2 * hh + k] += daf * st.c_prev[k];
-                            }
-                            da[k] = dai;
-                            da[hh + k] = dao;
-                            da[2 * hh + k] = daf;
-                            da[3 * hh + k] = dac;
-                        }
-                    }
+                    "LSTM" => st.lstm_grad(
+                        act,
+                        p.as_deref(),
+                        bp.input_forget,
+                        (&dh, &dc),
+                        &mut da,
+                        &mut dc_prev,
+                        &mut dp[d * 3 * hh..(d + 1) * 3 * hh],
+                    ),
                     "GRU" => {
-                        let mut dextra = vec![0.0; hh];
-                        for k in 0..hh {
-                            let (z, ht) = (st.gate[k], st.gate[2 * hh + k]);
-                            let dz = dh[k] * (st.h_prev[k] - ht);
-                            let dhh = dh[k]
-                                * (1.0 - z)
-                                * (act[1].1)(st.pre[2 * hh + k])
-                                * f64::from(u8::from(st.live[2 * hh + k]));
-                            dh_prev[k] += dh[k] * z;
-                            da[k] = dz * (act[0].1)(st.pre[k]) * f64::from(u8::from(st.live[k]));
-                            da[2 * hh + k] = dhh;
-                        }
-                        if bp.lbr {
-                            // hh = gx_h + r·(R_h·h + Rb_h).
-                            for k in 0..hh {
-                                let dr_ = da[2 * hh + k] * st.extra[k];
-                                da[hh + k] = dr_ * (act[0].1)(st.pre[hh + k]) * f64::from(u8::from(st.live[hh + k]));
-                                dextra[k] = da[2 * hh + k] * st.gate[hh + k];
-                            }
-                        } else {
-                            // hh = gx_h + R_h·(r∘h) + Rb_h.
-                            let mut drh = vec![0.0; hh];
-                            for k in 0..hh {
-                                for q in 0..hh {
-                                    drh[q] += rd[(2 * hh + k) * hh + q] * da[2 * hh + k];
-                                }
-                            }
-                            for q in 0..hh {
-                                let dr_ = drh[q] * st.h_prev[q];
-                                da[hh + q] = dr_ * (act[0].1)(st.pre[hh + q]) * f64::from(u8::from(st.live[hh + q]));
-                                dh_prev[q] += drh[q] * st.gate[hh + q];
-                            }
-                        }
-                        // Weight gradients of the candidate's recurrent part.
-                        for k in 0..hh {
-                            let rb_at = d * 2 * g * hh + g * hh + 2 * hh + k;
-                            if bp.lbr {
-                                db[rb_at] += dextra[k];
-                                for q in 0..hh {
-                                    dr[d * g * hh * hh + (2 * hh + k) * hh + q] += dextra[k] * st.h_prev[q];
-                                    dh_prev[q] += rd[(2 * hh + k) * hh + q] * dextra[k];
-                                }
-                            } else {
-                                db[rb_at] += da[2 * hh + k];
-                                for q in 0..hh {
-                                    dr[d * g * hh * hh + (2 * hh + k) * hh + q] += da[2 * hh + k] * st.extra[q];
-                                }
-                            }
-                        }
+                        let rb_at = d * 2 * g * hh + g * hh + 2 * hh;
+                        let dr_d = &mut dr[d * g * hh * hh..(d + 1) * g * hh * hh];
+                        st.gru_grad(act, rd, bp.lbr, &dh, (&mut da, &mut dh_prev), dr_d, &mut db[rb_at..rb_at + hh]);
                     }
                     _ => {
                         for k in 0..hh {

@@ -500,59 +500,45 @@ fn link_between(cluster: &Cluster, last: usize, next: usize) -> (f64, f64) {
     alpha_beta(cluster, level, 2)
 }
 
-/// Searches pipelines of `g` on `devices` devices. `None` when the model cannot be
-/// pipelined (no batch dim, or too few ops), with the reason.
-pub fn search_pipeline(
-    g: &Graph,
+/// The graph at each micro-batch size the search tries, re-batched once per size.
+struct MicroGraphs<'g> {
+    g: &'g Graph,
+    batch: i64,
+    cache: HashMap<i64, Graph>,
+}
+
+impl MicroGraphs<'_> {
+    fn get(&mut self, mb: i64) -> Option<Graph> {
+        if let Some(x) = self.cache.get(&mb) {
+            return Some(x.clone());
+        }
+        let mut gm = self.g.clone();
+        if mb != self.batch {
+            rebatch(&mut gm, &RebatchSpec { batch: Some(mb), ..Default::default() }).ok()?;
+        }
+        self.cache.insert(mb, gm.clone());
+        Some(gm)
+    }
+}
+
+/// A reference plan per sub-mesh size a stage may get (the even share, half and double it),
+/// each searched on the whole graph at the micro-batch size of its most natural configuration;
+/// keyed by device count, strategies keyed by first-output name. Searches run on `so.threads`.
+#[allow(clippy::too_many_arguments)]
+fn reference_plans(
     cluster: &Cluster,
     devices: usize,
     opts: &Options,
     so: &SearchOptions,
-    mode: PipelineMode,
     net: &super::SafetyNet,
-) -> Result<Option<PipelinePlan>, String> {
-    let start = Instant::now();
-    let stage_counts: Vec<usize> = match mode {
-        PipelineMode::Off => return Ok(None),
-        PipelineMode::Stages(s) => {
-            if !devices.is_multiple_of(s) {
-                return Err(format!("--pipeline {s}: {s} stages do not divide {devices} devices"));
-            }
-            vec![s]
-        }
-        PipelineMode::Auto => (2..=devices.min(16)).filter(|s| devices.is_multiple_of(*s)).collect(),
-    };
-    let Some(batch) = graph_batch(g) else {
-        return match mode {
-            PipelineMode::Stages(_) => {
-                Err("--pipeline: the model has no input with a batch dim to split into micro-batches".into())
-            }
-            _ => Ok(None),
-        };
-    };
-    let n_ops = g.op_nodes().map_err(|_| "the graph has a cycle".to_string())?.len();
-    let stage_counts: Vec<usize> = stage_counts.into_iter().filter(|&s| s <= n_ops).collect();
-    if stage_counts.is_empty() {
-        return match mode {
-            PipelineMode::Stages(s) => Err(format!("--pipeline {s}: the model has only {n_ops} ops")),
-            _ => Ok(None),
-        };
-    }
-    // Configurations: stage count, micro-batch count, stage sizes.
-    let mut configs: Vec<(usize, usize)> = Vec::new(); // (stages, micro)
-    for &s in &stage_counts {
-        let mut ms: Vec<usize> = [1usize, 2, 4, 8].iter().map(|k| k * s).filter(|&m| batch % m as i64 == 0).collect();
-        if ms.is_empty() && batch >= 1 {
-            ms.push(batch as usize);
-        }
-        for m in ms {
-            configs.push((s, m));
-        }
-    }
+    stage_counts: &[usize],
+    batch: i64,
+    micro_graph: &mut dyn FnMut(i64) -> Option<Graph>,
+) -> (HashMap<usize, HashMap<String, OpStrategy>>, HashMap<usize, Mesh>) {
     // Sub-mesh sizes, and the reference plan of each (at the micro-batch size of its most
     // natural configuration).
     let mut sizes: Vec<usize> = Vec::new();
-    for &s in &stage_counts {
+    for &s in stage_counts {
         let d = devices / s;
         for x in [d, d / 2, d * 2] {
             // A stage never has every device (the others would have none).
@@ -562,18 +548,6 @@ pub fn search_pipeline(
         }
     }
     sizes.sort_unstable();
-    let mut graphs: HashMap<i64, Graph> = HashMap::new();
-    let mut micro_graph = |mb: i64| -> Option<Graph> {
-        if let Some(x) = graphs.get(&mb) {
-            return Some(x.clone());
-        }
-        let mut gm = g.clone();
-        if mb != batch {
-            rebatch(&mut gm, &RebatchSpec { batch: Some(mb), ..Default::default() }).ok()?;
-        }
-        graphs.insert(mb, gm.clone());
-        Some(gm)
-    };
     let inner = SearchOptions {
         meshes: None,
         pipeline: PipelineMode::Off,
@@ -631,6 +605,62 @@ pub fn search_pipeline(
         reference.insert(d, map);
         meshes.insert(d, mesh);
     }
+
+    (reference, meshes)
+}
+
+/// Searches pipelines of `g` on `devices` devices. `None` when the model cannot be
+/// pipelined (no batch dim, or too few ops), with the reason.
+pub fn search_pipeline(
+    g: &Graph,
+    cluster: &Cluster,
+    devices: usize,
+    opts: &Options,
+    so: &SearchOptions,
+    mode: PipelineMode,
+    net: &super::SafetyNet,
+) -> Result<Option<PipelinePlan>, String> {
+    let start = Instant::now();
+    let stage_counts: Vec<usize> = match mode {
+        PipelineMode::Off => return Ok(None),
+        PipelineMode::Stages(s) => {
+            if !devices.is_multiple_of(s) {
+                return Err(format!("--pipeline {s}: {s} stages do not divide {devices} devices"));
+            }
+            vec![s]
+        }
+        PipelineMode::Auto => (2..=devices.min(16)).filter(|s| devices.is_multiple_of(*s)).collect(),
+    };
+    let Some(batch) = graph_batch(g) else {
+        return match mode {
+            PipelineMode::Stages(_) => {
+                Err("--pipeline: the model has no input with a batch dim to split into micro-batches".into())
+            }
+            _ => Ok(None),
+        };
+    };
+    let n_ops = g.op_nodes().map_err(|_| "the graph has a cycle".to_string())?.len();
+    let stage_counts: Vec<usize> = stage_counts.into_iter().filter(|&s| s <= n_ops).collect();
+    if stage_counts.is_empty() {
+        return match mode {
+            PipelineMode::Stages(s) => Err(format!("--pipeline {s}: the model has only {n_ops} ops")),
+            _ => Ok(None),
+        };
+    }
+    // Configurations: stage count, micro-batch count, stage sizes.
+    let mut configs: Vec<(usize, usize)> = Vec::new(); // (stages, micro)
+    for &s in &stage_counts {
+        let mut ms: Vec<usize> = [1usize, 2, 4, 8].iter().map(|k| k * s).filter(|&m| batch % m as i64 == 0).collect();
+        if ms.is_empty() && batch >= 1 {
+            ms.push(batch as usize);
+        }
+        for m in ms {
+            configs.push((s, m));
+        }
+    }
+    let mut graphs = MicroGraphs { g, batch, cache: HashMap::new() };
+    let mut micro_graph = |mb: i64| graphs.get(mb);
+    let (reference, meshes) = reference_plans(cluster, devices, opts, so, net, &stage_counts, batch, &mut micro_graph);
 
     let capacity = cluster.device.mem_capacity * cluster.device.mem_usable;
     let mut tables: HashMap<(usize, i64), Table> = HashMap::new();
