@@ -123,6 +123,44 @@ pub fn program_for_search(g: &Graph, r: &SearchResult, devices: usize) -> Result
     codegen::lower(g, &placement).map_err(|e| e.to_string())
 }
 
+/// Runs `p`, lowered for one micro-batch of `full` (the same graph re-batched to 1/m of its
+/// batch), as `m` micro-batches of `full`'s batch: inputs whose dim 0 is `m` times the
+/// program's are cut into micro-batches along it; inputs of equal shape go to every
+/// micro-batch. For a training graph the runtime then accumulates gradients over the
+/// micro-batches.
+pub fn as_micro_batches(mut p: Program, full: &Graph, m: usize) -> Result<Program, String> {
+    if m <= 1 {
+        return Ok(p);
+    }
+    for gi in &mut p.inputs {
+        let v = full.lookup(&gi.name).ok_or_else(|| format!("the full-batch graph has no input `{}`", gi.name))?;
+        let dims: Vec<usize> = full
+            .tensor_type(v)
+            .and_then(ir::TensorType::static_dims)
+            .ok_or_else(|| format!("input `{}` has no static shape", gi.name))?
+            .into_iter()
+            .map(|d| d.max(0) as usize)
+            .collect();
+        if dims == gi.shape {
+            continue;
+        }
+        let batch_cut = dims.len() == gi.shape.len()
+            && !dims.is_empty()
+            && dims[0] == gi.shape[0] * m
+            && dims[1..] == gi.shape[1..];
+        if !batch_cut {
+            return Err(format!(
+                "input `{}`: {:?} is not {m} micro-batches of {:?} along dim 0",
+                gi.name, dims, gi.shape
+            ));
+        }
+        gi.shape = dims;
+        gi.batch_axis = Some(0);
+    }
+    p.micro_batches = m;
+    Ok(p)
+}
+
 /// A named strategy (`data`, `model`, `megatron`, `spatial`, `hybrid:dp:D,tp:T`, `spatial-hybrid:DxS`, `owt`) priced on `devices`
 /// devices of `cluster`, as a search result that [`program_for_search`] lowers. Pipelines
 /// go through a plan instead.

@@ -126,6 +126,32 @@ pub fn training_model(m: &ir::Model, loss: &LossSpec, opt: &OptimizerSpec) -> Re
     Ok((t, info))
 }
 
+/// The training graph of one of `m` micro-batches: the model re-batched to 1/m of its batch
+/// (dim 0 of its inputs), then differentiated. Lowered and run with
+/// [`crate::exec::as_micro_batches`], the runtime accumulates the gradients of the `m`
+/// micro-batches and the optimizer steps once on their mean.
+pub fn micro_training_model(
+    model: &ir::Model,
+    loss: &LossSpec,
+    opt: &OptimizerSpec,
+    m: usize,
+) -> Result<ir::Model, String> {
+    let g = &model.graph;
+    let batch = g
+        .input_values()
+        .into_iter()
+        .filter(|v| matches!(g.node(v.node).op, ir::Op::Input { default: None }))
+        .find_map(|v| g.tensor_type(v).and_then(|t| t.static_dims()).and_then(|d| d.first().copied()))
+        .ok_or("--micro-batches: the model has no input with a batch dim")?;
+    if m == 0 || batch % m as i64 != 0 {
+        return Err(format!("--micro-batches {m}: the batch ({batch}) does not divide into {m} micro-batches"));
+    }
+    let mut micro = model.clone();
+    let spec = passes::rebatch::RebatchSpec { batch: Some(batch / m as i64), ..Default::default() };
+    passes::rebatch::rebatch(&mut micro.graph, &spec).map_err(|e| format!("--micro-batches {m}: {e}"))?;
+    Ok(training_model(&micro, loss, opt)?.0)
+}
+
 /// `|a − e| ≤ atol + rtol·|e|` (false for NaN).
 pub fn close(a: f64, e: f64, tol: (f64, f64)) -> bool {
     (a - e).abs() <= tol.1 + tol.0 * e.abs()

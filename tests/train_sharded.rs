@@ -128,3 +128,56 @@ fn data_parallel_backward_runs_split() {
         }
     }
 }
+
+/// Gradient accumulation: with M micro-batches per step every device runs forward and
+/// backward on 1/M of its samples at a time and the optimizer steps once on the mean of the
+/// micro-batches' gradients; that equals the whole-batch step (losses, gradients,
+/// parameters after 3 steps) on one device and under data and megatron parallelism. A model
+/// whose state every micro-batch updates (BatchNorm's running statistics) is refused, and a
+/// batch that does not divide is a clear error.
+#[test]
+fn micro_batch_accumulation_equals_the_whole_batch_step() {
+    let mut ran = 0;
+    let mut refused = 0;
+    let mut report = String::new();
+    for path in golden_train_cases() {
+        let c = load(&path);
+        let single = run(&c, &program(&c, "data", 1).expect("one device"));
+        let loaded = shardc::load_model(&path).expect("model loads");
+        let case = TrainCase::load(&path.with_extension("train.json")).expect("case loads");
+        let opt = case.optimizer("sgd").cloned().expect("the case has an SGD step");
+        for m in [2, 4] {
+            let micro = match shardc::train::micro_training_model(&loaded.model, &LossSpec::Model, &opt, m) {
+                Ok(t) => t,
+                Err(e) => {
+                    assert!(e.contains("does not divide"), "{} ×{m} micro-batches: {e}", c.name);
+                    continue;
+                }
+            };
+            let mc = Case { name: c.name.clone(), graph: micro.graph, info: c.info.clone(), inputs: HashMap::new() };
+            for (s, devices) in [("data", 1), ("data", 2), ("megatron", 2)] {
+                let Some(p) = program(&mc, s, devices) else { continue };
+                let p = shardc::exec::as_micro_batches(p, &c.graph, m).expect("micro-batches");
+                let got = match run_steps(&p, &c.info, &c.inputs, Backend::Cpu, STEPS) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        assert!(
+                            e.contains("updated by every micro-batch"),
+                            "{} {s} ×{devices}, {m} micro: {e}",
+                            c.name
+                        );
+                        refused += 1;
+                        continue;
+                    }
+                };
+                let (r, at) = compare(&got, &single, (1e-4, 1e-5));
+                report.push_str(&format!("{} {s} ×{devices}, {m} micro: {r:.3} of the tolerance ({at})\n", c.name));
+                assert!(r <= 1.0, "{} {s} ×{devices}, {m} micro-batches: {r:.2}× the tolerance at {at}", c.name);
+                ran += 1;
+            }
+        }
+    }
+    eprint!("{report}");
+    assert!(ran >= 12, "only {ran} accumulated runs");
+    assert!(refused >= 1, "no model with per-micro-batch state was refused");
+}

@@ -56,6 +56,10 @@ pub struct TrainArgs {
     /// The strategy on several devices (data, megatron, ...).
     #[arg(long, default_value = "data")]
     pub strategy: String,
+    /// Micro-batches per step: each device runs forward and backward on 1/M of its batch at
+    /// a time and the optimizer steps once on the mean gradient (gradient accumulation).
+    #[arg(long, default_value_t = 1)]
+    pub micro_batches: usize,
     /// The cluster the prediction is for.
     #[arg(long, default_value = "local-wgpu")]
     pub cluster: String,
@@ -173,6 +177,9 @@ pub fn run(args: &TrainArgs) -> CliResult {
     if args.devices == 0 {
         return Err(CliError::msg("--devices must be at least 1"));
     }
+    if args.micro_batches == 0 {
+        return Err(CliError::msg("--micro-batches must be at least 1"));
+    }
     if let Some(out) = &args.save_state {
         for p in [Some(&args.model), args.data.as_ref()].into_iter().flatten() {
             if same_file(out, p) {
@@ -207,6 +214,13 @@ pub fn run(args: &TrainArgs) -> CliResult {
     let opt = optimizer(args, case.as_ref())?;
     let (tm, info) = training_model(&loaded.model, &loss, &opt).map_err(CliError::msg)?;
     let g = &tm.graph;
+    // With micro-batches, the program is the training graph of one micro-batch (the model
+    // re-batched to 1/M of its batch), run M times per step before the update.
+    let micro_tm = match args.micro_batches {
+        1 => None,
+        m => Some(shardc::train::micro_training_model(&loaded.model, &loss, &opt, m).map_err(CliError::msg)?),
+    };
+    let gl = micro_tm.as_ref().map_or(g, |t| &t.graph);
     // Inputs: the case's, or drawn from the seed (class labels within the classes).
     let inputs: HashMap<String, Array> = match &case {
         Some(c) => {
@@ -232,8 +246,9 @@ pub fn run(args: &TrainArgs) -> CliResult {
         },
         ..Default::default()
     };
-    let r = exec::named_result(g, &cluster, args.devices, &args.strategy, &opts).map_err(CliError::msg)?;
-    let program = exec::program_for_search(g, &r, args.devices).map_err(CliError::msg)?;
+    let r = exec::named_result(gl, &cluster, args.devices, &args.strategy, &opts).map_err(CliError::msg)?;
+    let program = exec::program_for_search(gl, &r, args.devices).map_err(CliError::msg)?;
+    let program = exec::as_micro_batches(program, g, args.micro_batches).map_err(CliError::msg)?;
     check_program(&program)?;
     for f in &program.fallbacks {
         notes.push(format!("runs replicated instead of as planned: {f}"));
@@ -306,11 +321,16 @@ pub fn run(args: &TrainArgs) -> CliResult {
     let step_s = warm.get(warm.len() / 2).copied().unwrap_or(0.0);
     let memory = report.devices.iter().map(|d| d.memory_allocated_bytes).max().unwrap_or(0);
     let plan_desc = format!(
-        "{} on {} device{} of {}",
+        "{} on {} device{} of {}{}",
         args.strategy,
         args.devices,
         if args.devices == 1 { "" } else { "s" },
-        cluster.name
+        cluster.name,
+        if args.micro_batches > 1 {
+            format!(", {} micro-batches (gradient accumulation)", args.micro_batches)
+        } else {
+            String::new()
+        }
     );
     let failed = checks.iter().any(|c| !c.ok);
     if args.json {

@@ -294,7 +294,9 @@ pub fn run(p: &Program, inputs: &HashMap<String, Array>, opts: &RunOptions) -> R
     for step in 0..steps {
         let outs: Vec<&Vec<Vec<(String, Array)>>> = per_device.iter().map(|x| &x.0[step]).collect();
         let all = step + 1 == steps || (step == 0 && opts.keep_first);
-        let got = assemble_outputs(p, &p.outputs, p.micro_batches.max(1), &outs, all)?;
+        // Under gradient accumulation a device returns one set of results per step.
+        let parts = if accumulates(p, opts) { 1 } else { p.micro_batches.max(1) };
+        let got = assemble_outputs(p, &p.outputs, parts, &outs, all)?;
         if step + 1 == steps {
             outputs = got.clone();
         }
@@ -437,6 +439,14 @@ impl Live {
 }
 
 /// Runs one device's program for every step and micro-batch.
+///
+/// Gradient accumulation: with carried state and several micro-batches, the optimizer
+/// update and what follows from it run once per step, after every micro-batch. The float
+/// values they read that depend on the step's inputs (the gradients) are the mean over the
+/// micro-batches, summed on the device; values that do not (the step counter) are the last
+/// micro-batch's. The step's float scalar results (the loss) are the mean over the
+/// micro-batches. The mean is the full batch's gradient when the loss is a mean over the
+/// samples and every micro-batch counts the same number of them.
 fn drive<E: Executor>(
     e: &mut E,
     d: &DeviceProgram,
@@ -454,13 +464,19 @@ fn drive<E: Executor>(
     let mut report = DeviceReport { device: d.device, adapter: e.name(), ..Default::default() };
     let start = Instant::now();
     let carries = carried_state(g, d, opts).map_err(err)?;
-    if !carries.is_empty() && p.micro_batches > 1 {
-        return Err(err(
-            "training steps over several micro-batches (gradient accumulation) are not supported yet".into()
-        ));
+    let acc = accumulates(p, opts).then(|| Accumulation::new(g, &order));
+    if let Some(a) = &acc
+        && let Some((name, _, _)) = carries.iter().find(|c| !a.once.contains(&c.2.node) && a.fed.contains(&c.2))
+    {
+        return Err(err(format!(
+            "carried state `{name}` is updated by every micro-batch (as BatchNorm's running statistics are), \
+             so steps over several micro-batches would not equal one step over the whole batch"
+        )));
     }
-    // Values kept to the end of a micro-batch: results and carried values.
+    // Values kept to the end of a micro-batch: results, carried values and, under gradient
+    // accumulation, the values the once-per-step ops read.
     let mut keep: std::collections::HashSet<Value> = carries.iter().map(|c| c.2).collect();
+    keep.extend(acc.iter().flat_map(|a| a.boundary.iter().copied()));
     for r in &d.results {
         if let Some(v) = g.lookup(&r.local) {
             keep.insert(v);
@@ -485,6 +501,7 @@ fn drive<E: Executor>(
             fixed.insert(Value::new(n, 0), t);
         }
     }
+    let mut sums = Summer::default();
     let setup_s = start.elapsed().as_secs_f64();
     let mut outs_steps = Vec::with_capacity(steps);
     let mut step_start = Instant::now();
@@ -499,111 +516,126 @@ fn drive<E: Executor>(
         }
         step_start = Instant::now();
         let fetch_all = last || (step == 0 && opts.keep_first);
+        let wanted = |r: &crate::program::Result_| fetch_all || opts.every_step.contains(&r.global);
         let mut outs_micro = Vec::with_capacity(feeds.len());
         let mut next_state: Vec<(Value, E::Tensor)> = Vec::new();
+        // Accumulated over the micro-batches: sums of the averaged values, the last value of
+        // the others, and the results of each micro-batch.
+        let mut boundary: HashMap<Value, E::Tensor> = HashMap::new();
+        let mut per_micro: Vec<(String, Vec<Array>)> = Vec::new();
         // Uploads of the next micro-batch are queued before this one's compute.
         let mut queued: Option<HashMap<String, E::Tensor>> = None;
+        let mut cx = NodeRun { e: &mut *e, g, port: &mut port, report: &mut report, phase: &phase };
         for (k, feed) in feeds.iter().enumerate() {
             let mut env: HashMap<Value, E::Tensor> = HashMap::new();
             let inputs = match queued.take() {
                 Some(q) => q,
-                None => upload_feed(e, feed).map_err(err)?,
+                None => upload_feed(cx.e, feed).map_err(err)?,
             };
             if let Some(next) = feeds.get(k + 1) {
-                queued = Some(upload_feed(e, next).map_err(err)?);
+                queued = Some(upload_feed(cx.e, next).map_err(err)?);
             }
             for (i, &n) in order.iter().enumerate() {
-                let node = g.node(n);
-                let mut produced: Vec<(Value, E::Tensor)> = Vec::new();
-                match &node.op {
-                    Op::Input { default: None } => {
-                        let name = g.value_name(Value::new(n, 0));
-                        let t = inputs.get(name).ok_or_else(|| err(format!("no feed for `{name}`")))?;
-                        produced.push((Value::new(n, 0), t.clone()));
-                    }
-                    Op::Initializer(_) | Op::Input { .. } => {}
-                    op if op.class() == OpClass::Comm => {
-                        let t0 = Instant::now();
-                        let x = match node.input(0) {
-                            Some(v) => Some(
-                                e.download(
-                                    env.get(&v)
-                                        .or_else(|| fixed.get(&v))
-                                        .ok_or_else(|| err("a comm input was not computed".into()))?,
-                                )
-                                .map_err(err)?,
-                            ),
-                            None => None,
-                        };
-                        if let Some(a) = collective(&mut port, op, x.as_ref(), k).map_err(err)? {
-                            produced.push((Value::new(n, 0), e.upload(&a).map_err(err)?));
-                        }
-                        *report.by_collective.entry(op.op_type().to_string()).or_insert(0.0) +=
-                            t0.elapsed().as_secs_f64();
-                    }
-                    op => {
-                        let ins: Vec<Option<&E::Tensor>> = node
-                            .inputs()
-                            .iter()
-                            .map(|i| i.and_then(|v| env.get(&v).or_else(|| fixed.get(&v))))
-                            .collect();
-                        if node.inputs().iter().zip(&ins).any(|(i, t)| i.is_some() && t.is_none()) {
-                            return Err(err(format!("{}: an input was not computed", g.describe(n))));
-                        }
-                        let t0 = Instant::now();
-                        let (outs, host) = e.run(g, n, &ins).map_err(|m| err(format!("{}: {m}", g.describe(n))))?;
-                        e.sync();
-                        let dt = t0.elapsed().as_secs_f64();
-                        *report.by_op.entry(op.op_type().to_string()).or_insert(0.0) += dt;
-                        *report
-                            .by_phase
-                            .entry(phase.get(&n).copied().unwrap_or("forward").to_string())
-                            .or_insert(0.0) += dt;
-                        if host {
-                            *report.host_ops.entry(op.op_type().to_string()).or_insert(0) += 1;
-                        }
-                        for (slot, t) in outs.into_iter().enumerate() {
-                            if slot < node.num_outputs() && !node.outputs()[slot].name.is_empty() {
-                                produced.push((Value::new(n, slot as u16), t));
-                            }
-                        }
-                    }
+                if acc.as_ref().is_some_and(|a| a.once.contains(&n)) {
+                    continue;
                 }
-                for (v, t) in produced {
-                    live.add(e.storage(&t));
-                    if let Some(old) = env.insert(v, t) {
-                        live.remove(e.storage(&old));
-                    }
-                }
+                let produced = cx.node(n, &env, &fixed, &inputs, k).map_err(err)?;
+                cx.store(produced, &mut env, &mut live);
                 // Values no later op reads are freed.
-                for v in node.inputs().iter().flatten() {
+                for v in g.node(n).inputs().iter().flatten() {
                     if last_use.get(v) == Some(&i)
                         && !keep.contains(v)
                         && let Some(t) = env.remove(v)
                     {
-                        live.remove(e.storage(&t));
+                        live.remove(cx.e.storage(&t));
                     }
                 }
             }
             let mut outs = Vec::new();
-            for r in &d.results {
-                if !fetch_all && !opts.every_step.contains(&r.global) {
-                    continue;
+            match &acc {
+                None => {
+                    for r in d.results.iter().filter(|r| wanted(r)) {
+                        let t = result(g, &r.local, &env, &fixed).map_err(err)?;
+                        outs.push((r.local.clone(), cx.e.download(t).map_err(err)?));
+                    }
+                    for (_, iv, nv) in &carries {
+                        let t = env.get(nv).ok_or_else(|| err(format!("`{}` was not computed", g.value_name(*nv))))?;
+                        next_state.push((*iv, t.clone()));
+                    }
                 }
-                let v = g.lookup(&r.local).ok_or_else(|| err(format!("no value `{}`", r.local)))?;
-                let t = env
-                    .get(&v)
-                    .or_else(|| fixed.get(&v))
-                    .ok_or_else(|| err(format!("output `{}` was not computed", r.local)))?;
-                outs.push((r.local.clone(), e.download(t).map_err(err)?));
+                Some(a) => {
+                    for &v in &a.boundary {
+                        let t = env.get(&v).ok_or_else(|| err(format!("`{}` was not computed", g.value_name(v))))?;
+                        let t = match boundary.remove(&v) {
+                            Some(sum) if a.averaged.contains(&v) => {
+                                let s = sums.add(cx.e, g, v, &sum, t).map_err(err)?;
+                                live.remove(cx.e.storage(&sum));
+                                s
+                            }
+                            Some(old) => {
+                                live.remove(cx.e.storage(&old));
+                                t.clone()
+                            }
+                            None => t.clone(),
+                        };
+                        live.add(cx.e.storage(&t));
+                        boundary.insert(v, t);
+                    }
+                    for r in d.results.iter().filter(|r| wanted(r)) {
+                        let Some(v) = g.lookup(&r.local) else { continue };
+                        if a.per_micro(v) {
+                            let t = result(g, &r.local, &env, &fixed).map_err(err)?;
+                            let x = cx.e.download(t).map_err(err)?;
+                            match per_micro.iter_mut().find(|s| s.0 == r.local) {
+                                Some(s) => s.1.push(x),
+                                None => per_micro.push((r.local.clone(), vec![x])),
+                            }
+                        }
+                    }
+                }
             }
             outs_micro.push(outs);
+            for (_, t) in env.drain() {
+                live.remove(cx.e.storage(&t));
+            }
+        }
+        if let Some(a) = &acc {
+            // The once-per-step ops, on the mean of the micro-batches.
+            let m = feeds.len();
+            let mut env: HashMap<Value, E::Tensor> = HashMap::new();
+            for (v, t) in boundary.drain() {
+                let t = if a.averaged.contains(&v) && m > 1 {
+                    let mean = sums.scale(cx.e, g, v, &t, 1.0 / m as f64).map_err(err)?;
+                    live.remove(cx.e.storage(&t));
+                    live.add(cx.e.storage(&mean));
+                    mean
+                } else {
+                    t
+                };
+                env.insert(v, t);
+            }
+            let no_feed = HashMap::new();
+            for &n in order.iter().filter(|n| a.once.contains(n)) {
+                let produced = cx.node(n, &env, &fixed, &no_feed, m).map_err(err)?;
+                cx.store(produced, &mut env, &mut live);
+            }
+            let mut outs = Vec::new();
+            for r in d.results.iter().filter(|r| wanted(r)) {
+                if let Some((_, xs)) = per_micro.iter().find(|s| s.0 == r.local) {
+                    let fed = g.lookup(&r.local).is_some_and(|v| a.fed.contains(&v));
+                    outs.push((r.local.clone(), if fed { mean(xs).map_err(err)? } else { xs[xs.len() - 1].clone() }));
+                } else {
+                    let t = result(g, &r.local, &env, &fixed).map_err(err)?;
+                    outs.push((r.local.clone(), cx.e.download(t).map_err(err)?));
+                }
+            }
+            outs_micro = vec![outs];
             for (_, iv, nv) in &carries {
                 let t = env.get(nv).ok_or_else(|| err(format!("`{}` was not computed", g.value_name(*nv))))?;
                 next_state.push((*iv, t.clone()));
             }
             for (_, t) in env.drain() {
-                live.remove(e.storage(&t));
+                live.remove(cx.e.storage(&t));
             }
         }
         // The state takes its next values, on the device.
@@ -630,6 +662,234 @@ fn drive<E: Executor>(
         state.push((name.clone(), e.download(&fixed[iv]).map_err(err)?));
     }
     Ok((outs_steps, report, state))
+}
+
+/// The element-wise mean of equally shaped float arrays (a result over the micro-batches).
+fn mean(xs: &[Array]) -> Result<Array, String> {
+    let first = xs.first().ok_or("no micro-batches")?;
+    if !first.dtype.is_float() {
+        return Err(format!("cannot average {:?} results over micro-batches", first.dtype));
+    }
+    let mut sum = vec![0.0; first.shape.iter().product::<usize>()];
+    for x in xs {
+        if x.shape != first.shape {
+            return Err(format!("micro-batch results of shapes {:?} and {:?}", first.shape, x.shape));
+        }
+        for (s, v) in sum.iter_mut().zip(x.to_f64().map_err(|e| e.to_string())?) {
+            *s += v;
+        }
+    }
+    let m = xs.len() as f64;
+    Ok(Array::float(first.dtype, first.shape.clone(), sum.into_iter().map(|s| s / m).collect()))
+}
+
+/// Whether a run accumulates gradients: carried state over several micro-batches.
+fn accumulates(p: &Program, opts: &RunOptions) -> bool {
+    !opts.carry.is_empty() && p.micro_batches > 1
+}
+
+/// The tensor of result `local`: computed this micro-batch, or a parameter.
+fn result<'t, T>(
+    g: &Graph,
+    local: &str,
+    env: &'t HashMap<Value, T>,
+    fixed: &'t HashMap<Value, T>,
+) -> Result<&'t T, String> {
+    let v = g.lookup(local).ok_or_else(|| format!("no value `{local}`"))?;
+    env.get(&v).or_else(|| fixed.get(&v)).ok_or_else(|| format!("output `{local}` was not computed"))
+}
+
+/// Which ops of a training program run once per step under gradient accumulation, and the
+/// values that cross into them.
+struct Accumulation {
+    /// The optimizer updates and every op that reads what they compute.
+    once: std::collections::HashSet<NodeId>,
+    /// Values the once-per-step ops read that the per-micro-batch ops compute.
+    boundary: Vec<Value>,
+    /// Those of them that are floats depending on the step's inputs: averaged.
+    averaged: std::collections::HashSet<Value>,
+    /// Values that depend on the step's inputs.
+    fed: std::collections::HashSet<Value>,
+}
+
+impl Accumulation {
+    fn new(g: &Graph, order: &[NodeId]) -> Accumulation {
+        use std::collections::HashSet;
+        let mut once: HashSet<NodeId> = HashSet::new();
+        let mut fed: HashSet<Value> = HashSet::new();
+        for &n in order {
+            let node = g.node(n);
+            let reads = |set: &dyn Fn(&Value) -> bool| node.inputs().iter().flatten().any(set);
+            if matches!(node.op, Op::SgdUpdate(_) | Op::AdamUpdate(_)) || reads(&|v| once.contains(&v.node)) {
+                once.insert(n);
+            }
+            if matches!(node.op, Op::Input { default: None }) || reads(&|v| fed.contains(v)) {
+                for slot in 0..node.num_outputs() {
+                    fed.insert(Value::new(n, slot as u16));
+                }
+            }
+        }
+        let mut boundary: Vec<Value> = Vec::new();
+        for &n in order.iter().filter(|n| once.contains(n)) {
+            for &v in g.node(n).inputs().iter().flatten() {
+                let computed = !once.contains(&v.node)
+                    && !matches!(g.node(v.node).op, Op::Initializer(_) | Op::Input { default: Some(_) });
+                if computed && !boundary.contains(&v) {
+                    boundary.push(v);
+                }
+            }
+        }
+        let averaged = boundary
+            .iter()
+            .copied()
+            .filter(|v| fed.contains(v) && g.tensor_type(*v).is_some_and(|t| t.dtype.is_float()))
+            .collect();
+        Accumulation { once, boundary, averaged, fed }
+    }
+
+    /// Whether `v` is a result of each micro-batch (not computed once per step, and not
+    /// carried into the once-per-step ops).
+    fn per_micro(&self, v: Value) -> bool {
+        !self.once.contains(&v.node) && !self.boundary.contains(&v)
+    }
+}
+
+/// Runs single ops of one device's program, recording their times.
+struct NodeRun<'a, 'h, E: Executor> {
+    e: &'a mut E,
+    g: &'a Graph,
+    port: &'a mut hub::Port<'h>,
+    report: &'a mut DeviceReport,
+    phase: &'a HashMap<NodeId, &'static str>,
+}
+
+impl<E: Executor> NodeRun<'_, '_, E> {
+    /// Runs op `n` of micro-batch `micro` on the values computed so far (`env`), the
+    /// parameters (`fixed`) and the micro-batch's inputs; its outputs.
+    fn node(
+        &mut self,
+        n: NodeId,
+        env: &HashMap<Value, E::Tensor>,
+        fixed: &HashMap<Value, E::Tensor>,
+        inputs: &HashMap<String, E::Tensor>,
+        micro: usize,
+    ) -> Result<Vec<(Value, E::Tensor)>, String> {
+        let (g, e) = (self.g, &mut *self.e);
+        let node = g.node(n);
+        let mut produced: Vec<(Value, E::Tensor)> = Vec::new();
+        match &node.op {
+            Op::Input { default: None } => {
+                let name = g.value_name(Value::new(n, 0));
+                let t = inputs.get(name).ok_or_else(|| format!("no feed for `{name}`"))?;
+                produced.push((Value::new(n, 0), t.clone()));
+            }
+            Op::Initializer(_) | Op::Input { .. } => {}
+            op if op.class() == OpClass::Comm => {
+                let t0 = Instant::now();
+                let x = match node.input(0) {
+                    Some(v) => {
+                        Some(e.download(env.get(&v).or_else(|| fixed.get(&v)).ok_or("a comm input was not computed")?)?)
+                    }
+                    None => None,
+                };
+                if let Some(a) = collective(self.port, op, x.as_ref(), micro)? {
+                    produced.push((Value::new(n, 0), e.upload(&a)?));
+                }
+                *self.report.by_collective.entry(op.op_type().to_string()).or_insert(0.0) += t0.elapsed().as_secs_f64();
+            }
+            op => {
+                let ins: Vec<Option<&E::Tensor>> =
+                    node.inputs().iter().map(|i| i.and_then(|v| env.get(&v).or_else(|| fixed.get(&v)))).collect();
+                if node.inputs().iter().zip(&ins).any(|(i, t)| i.is_some() && t.is_none()) {
+                    return Err(format!("{}: an input was not computed", g.describe(n)));
+                }
+                let t0 = Instant::now();
+                let (outs, host) = e.run(g, n, &ins).map_err(|m| format!("{}: {m}", g.describe(n)))?;
+                e.sync();
+                let dt = t0.elapsed().as_secs_f64();
+                let report = &mut *self.report;
+                *report.by_op.entry(op.op_type().to_string()).or_insert(0.0) += dt;
+                *report.by_phase.entry(self.phase.get(&n).copied().unwrap_or("forward").to_string()).or_insert(0.0) +=
+                    dt;
+                if host {
+                    *report.host_ops.entry(op.op_type().to_string()).or_insert(0) += 1;
+                }
+                for (slot, t) in outs.into_iter().enumerate() {
+                    if slot < node.num_outputs() && !node.outputs()[slot].name.is_empty() {
+                        produced.push((Value::new(n, slot as u16), t));
+                    }
+                }
+            }
+        }
+        Ok(produced)
+    }
+
+    /// Keeps an op's outputs, counting their storage.
+    fn store(&mut self, produced: Vec<(Value, E::Tensor)>, env: &mut HashMap<Value, E::Tensor>, live: &mut Live) {
+        for (v, t) in produced {
+            live.add(self.e.storage(&t));
+            if let Some(old) = env.insert(v, t) {
+                live.remove(self.e.storage(&old));
+            }
+        }
+    }
+}
+
+/// Sums and scales tensors on the device, through one-op graphs per value type (the
+/// executor's own Add and Mul kernels).
+#[derive(Default)]
+struct Summer {
+    graphs: HashMap<(ir::DType, Vec<i64>), (Graph, NodeId, NodeId)>,
+}
+
+impl Summer {
+    fn graph(&mut self, g: &Graph, v: Value) -> Result<&(Graph, NodeId, NodeId), String> {
+        let t = g.tensor_type(v).ok_or_else(|| format!("`{}` has no type", g.value_name(v)))?;
+        let dims = t.static_dims().ok_or_else(|| format!("`{}` has no static shape", g.value_name(v)))?;
+        let key = (t.dtype, dims.clone());
+        if !self.graphs.contains_key(&key) {
+            let mut s = Graph::new("accumulate");
+            let ty = Some(ir::Type::Tensor(ir::TensorType::fixed(t.dtype, &dims)));
+            let a = s.add_input("a", ty.clone());
+            let b = s.add_input("b", ty.clone());
+            let k = s.add_input("k", Some(ir::Type::Tensor(ir::TensorType::scalar(t.dtype))));
+            let out = |name: &str| vec![ir::Output { name: name.into(), ty: ty.clone() }];
+            let add = s.add_node(Op::Add(Default::default()), vec![Some(a), Some(b)], out("sum"));
+            let mul = s.add_node(Op::Mul(Default::default()), vec![Some(a), Some(k)], out("scaled"));
+            self.graphs.insert(key.clone(), (s, add, mul));
+        }
+        Ok(&self.graphs[&key])
+    }
+
+    /// `a + b` for tensors of `v`'s type.
+    fn add<E: Executor>(
+        &mut self,
+        e: &mut E,
+        g: &Graph,
+        v: Value,
+        a: &E::Tensor,
+        b: &E::Tensor,
+    ) -> Result<E::Tensor, String> {
+        let (s, add, _) = self.graph(g, v)?;
+        let (mut outs, _) = e.run(s, *add, &[Some(a), Some(b)])?;
+        outs.pop().ok_or_else(|| "Add gave no output".into())
+    }
+
+    /// `k · a` for a tensor of `v`'s type.
+    fn scale<E: Executor>(
+        &mut self,
+        e: &mut E,
+        g: &Graph,
+        v: Value,
+        a: &E::Tensor,
+        k: f64,
+    ) -> Result<E::Tensor, String> {
+        let dtype = g.tensor_type(v).map_or(ir::DType::Float, |t| t.dtype);
+        let kt = e.upload(&Array::float(dtype, vec![], vec![k]))?;
+        let (s, _, mul) = self.graph(g, v)?;
+        let (mut outs, _) = e.run(s, *mul, &[Some(a), Some(&kt)])?;
+        outs.pop().ok_or_else(|| "Mul gave no output".into())
+    }
 }
 
 /// The carried state on one device: (initializer's global name, the initializer's value, the
