@@ -188,3 +188,44 @@ fn sharded_training_matches_torch_on_two_devices() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// `--micro-batches` through the command: the golden MLP with 2 micro-batches on 2 devices
+/// passes every check against torch and the reference; a batch that does not divide, a
+/// model whose BatchNorm statistics every micro-batch would update, and 0 are errors with a
+/// message and a non-zero exit, never a panic.
+#[test]
+fn micro_batches_accumulate_or_say_why_not() {
+    let doc = shardc_train(&[
+        "tests/data/golden-train/mlp_xent.onnxtxt",
+        "--data",
+        "tests/data/golden-train/mlp_xent.train.json",
+        "--steps",
+        "3",
+        "--devices",
+        "2",
+        "--micro-batches",
+        "2",
+        "--check",
+        "--backend",
+        "cpu",
+    ])
+    .expect("accumulated training matches");
+    assert!(doc["plan"].as_str().unwrap_or("").contains("2 micro-batches"), "{}", doc["plan"]);
+    assert!(doc["check"].as_array().is_some_and(|c| c.len() >= 5), "{}", doc["check"]);
+    for (model, m, want) in [
+        ("lstm_small_train", "2", "does not divide into 2 micro-batches"),
+        ("resnet_block_train", "2", "updated by every micro-batch"),
+        ("mlp_xent", "0", "--micro-batches must be at least 1"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
+            .args(["train", &format!("tests/data/golden-train/{model}.onnxtxt")])
+            .args(["--data", &format!("tests/data/golden-train/{model}.train.json")])
+            .args(["--steps", "1", "--micro-batches", m, "--backend", "cpu"])
+            .current_dir(repo_root())
+            .output()
+            .expect("shardc runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{model} ×{m}: {err}");
+        assert!(err.contains(want) && !err.contains("panicked"), "{model} ×{m}: {err}");
+    }
+}
