@@ -136,12 +136,7 @@ pub fn micro_training_model(
     opt: &OptimizerSpec,
     m: usize,
 ) -> Result<ir::Model, String> {
-    let g = &model.graph;
-    let batch = g
-        .input_values()
-        .into_iter()
-        .filter(|v| matches!(g.node(v.node).op, ir::Op::Input { default: None }))
-        .find_map(|v| g.tensor_type(v).and_then(|t| t.static_dims()).and_then(|d| d.first().copied()))
+    let batch = passes::cost::pipeline::graph_batch(&model.graph)
         .ok_or("--micro-batches: the model has no input with a batch dim")?;
     if m == 0 || batch % m as i64 != 0 {
         return Err(format!("--micro-batches {m}: the batch ({batch}) does not divide into {m} micro-batches"));

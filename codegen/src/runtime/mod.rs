@@ -836,13 +836,20 @@ impl<E: Executor> NodeRun<'_, '_, E> {
 }
 
 /// Sums and scales tensors on the device, through one-op graphs per value type (the
-/// executor's own Add and Mul kernels).
-#[derive(Default)]
-struct Summer {
+/// executor's own Add and Mul kernels); `T` is the executor's tensor.
+struct Summer<T> {
     graphs: HashMap<(ir::DType, Vec<i64>), (Graph, NodeId, NodeId)>,
+    /// The scale factors uploaded so far, per dtype and factor (its bits).
+    factors: HashMap<(ir::DType, u64), T>,
 }
 
-impl Summer {
+impl<T> Default for Summer<T> {
+    fn default() -> Self {
+        Summer { graphs: HashMap::new(), factors: HashMap::new() }
+    }
+}
+
+impl<T: Clone> Summer<T> {
     fn graph(&mut self, g: &Graph, v: Value) -> Result<&(Graph, NodeId, NodeId), String> {
         let t = g.tensor_type(v).ok_or_else(|| format!("`{}` has no type", g.value_name(v)))?;
         let dims = t.static_dims().ok_or_else(|| format!("`{}` has no static shape", g.value_name(v)))?;
@@ -862,30 +869,23 @@ impl Summer {
     }
 
     /// `a + b` for tensors of `v`'s type.
-    fn add<E: Executor>(
-        &mut self,
-        e: &mut E,
-        g: &Graph,
-        v: Value,
-        a: &E::Tensor,
-        b: &E::Tensor,
-    ) -> Result<E::Tensor, String> {
+    fn add<E: Executor<Tensor = T>>(&mut self, e: &mut E, g: &Graph, v: Value, a: &T, b: &T) -> Result<T, String> {
         let (s, add, _) = self.graph(g, v)?;
         let (mut outs, _) = e.run(s, *add, &[Some(a), Some(b)])?;
         outs.pop().ok_or_else(|| "Add gave no output".into())
     }
 
     /// `k · a` for a tensor of `v`'s type.
-    fn scale<E: Executor>(
-        &mut self,
-        e: &mut E,
-        g: &Graph,
-        v: Value,
-        a: &E::Tensor,
-        k: f64,
-    ) -> Result<E::Tensor, String> {
+    fn scale<E: Executor<Tensor = T>>(&mut self, e: &mut E, g: &Graph, v: Value, a: &T, k: f64) -> Result<T, String> {
         let dtype = g.tensor_type(v).map_or(ir::DType::Float, |t| t.dtype);
-        let kt = e.upload(&Array::float(dtype, vec![], vec![k]))?;
+        let kt = match self.factors.get(&(dtype, k.to_bits())) {
+            Some(t) => t.clone(),
+            None => {
+                let t = e.upload(&Array::float(dtype, vec![], vec![k]))?;
+                self.factors.insert((dtype, k.to_bits()), t.clone());
+                t
+            }
+        };
         let (s, _, mul) = self.graph(g, v)?;
         let (mut outs, _) = e.run(s, *mul, &[Some(a), Some(&kt)])?;
         outs.pop().ok_or_else(|| "Mul gave no output".into())
