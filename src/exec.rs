@@ -301,3 +301,54 @@ pub fn compare(got: &Array, want: &Array, rtol: f64, atol: f64) -> (f64, f64, bo
     }
     (max_abs, max_rel, ok)
 }
+
+/// The training graph's program plan from a plan of its forward model: `forward` is the
+/// forward graph (the model the search or the plan priced), `fwd` its strategies on `mesh`,
+/// `train` the training graph (or one micro-batch of it). Forward ops of `train` are matched
+/// to `forward`'s by their first output's name and keep their strategy; the backward, loss
+/// and update ops get theirs from [`passes::autoshard::training::derive`]. Returns the
+/// result [`program_for_search`] lowers and the number of `train`'s forward ops that took
+/// the plan's strategy.
+pub fn training_result(
+    train: &Graph,
+    forward: &Graph,
+    fwd: &passes::cost::Assignment,
+    mesh: &ir::shard::Mesh,
+    cluster: &passes::cost::Cluster,
+    opts: &passes::cost::Options,
+) -> Result<(SearchResult, usize), String> {
+    use passes::cost::CostModel;
+    let by_name: HashMap<&str, &Vec<Option<usize>>> = fwd
+        .strategies
+        .iter()
+        .filter_map(|(n, s)| Some((forward.node(*n).outputs().first()?.name.as_str(), s)))
+        .filter(|(name, _)| !name.is_empty())
+        .collect();
+    let mut pinned = HashMap::new();
+    for n in train.op_nodes().map_err(|_| "the training graph has a cycle".to_string())? {
+        if let Some(s) = train.node(n).outputs().first().and_then(|o| by_name.get(o.name.as_str())) {
+            pinned.insert(n, (*s).clone());
+        }
+    }
+    let cm = CostModel::new(train, cluster, mesh.clone(), opts.clone());
+    let (assignment, rederived) = passes::autoshard::training::derive(&cm, &pinned);
+    let kept = pinned.len() - rederived.len();
+    Ok((
+        SearchResult {
+            breakdown: cm.evaluate(&assignment),
+            mesh: mesh.clone(),
+            assignment,
+            same_as: None,
+            data_parallel: None,
+            data_parallel_unavailable: None,
+            meshes: Vec::new(),
+            search_time_s: 0.0,
+            time_limit_hit: false,
+            budget_cut: Vec::new(),
+            pipeline: None,
+            pipeline_considered: None,
+            single_device_memory_bytes: 0.0,
+        },
+        kept,
+    ))
+}

@@ -229,3 +229,72 @@ fn micro_batches_accumulate_or_say_why_not() {
         assert!(err.contains(want) && !err.contains("panicked"), "{model} ×{m}: {err}");
     }
 }
+
+/// The plan the search finds, and a saved plan, through the command: the search's plan of
+/// ResNet-18 on 4 devices (the README's main job, at batch 4 and 2 steps on the CPU) and of a
+/// golden case on 4 devices, and a `shardc plan` document of the forward model on 2 devices,
+/// train with every check passing; a plan for other devices, or one that pipelines, is
+/// refused with the reason.
+#[test]
+fn searched_and_saved_plans_train() {
+    let doc = shardc_train(&[
+        "tests/data/models/tv_resnet18.onnxtxt",
+        "--input-shape",
+        "input=4x3x32x32",
+        "--loss",
+        "softmax-cross-entropy",
+        "--devices",
+        "4",
+        "--steps",
+        "2",
+        "--check",
+        "--backend",
+        "cpu",
+    ])
+    .expect("resnet18 trains under the searched plan");
+    assert!(doc["plan"].as_str().unwrap_or("").starts_with("searched plan"), "{}", doc["plan"]);
+    assert_eq!(doc["check"].as_array().map_or(0, Vec::len), 3, "{}", doc["check"]);
+    assert_eq!(doc["devices"].as_array().map_or(0, Vec::len), 4);
+    let case =
+        |m: &str| [format!("tests/data/golden-train/{m}.onnxtxt"), format!("tests/data/golden-train/{m}.train.json")];
+    let [model, data] = case("cnn_small");
+    let doc = shardc_train(&[&model, "--data", &data, "--devices", "4", "--steps", "3", "--check", "--backend", "cpu"])
+        .expect("searched plan trains");
+    assert!(doc["plan"].as_str().unwrap_or("").starts_with("searched plan"), "{}", doc["plan"]);
+    assert!(doc["check"].as_array().is_some_and(|c| c.len() >= 4), "{}", doc["check"]);
+    let dir = std::env::temp_dir().join(format!("shardc-train-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let plan_cmd = |pipeline: &str, out: &std::path::Path| {
+        let st = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
+            .args(["plan", &model, "--cluster", "local-wgpu", "--devices", "2", "--pipeline", pipeline, "-o"])
+            .arg(out)
+            .current_dir(repo_root())
+            .output()
+            .expect("shardc plan runs");
+        assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    };
+    let plan = dir.join("plan.json");
+    plan_cmd("off", &plan);
+    let p = plan.to_string_lossy().to_string();
+    let doc = shardc_train(&[&model, "--data", &data, "--plan", &p, "--steps", "3", "--check", "--backend", "cpu"])
+        .expect("the saved plan trains");
+    assert!(doc["plan"].as_str().unwrap_or("").starts_with("plan "), "{}", doc["plan"]);
+    assert_eq!(doc["devices"].as_array().map_or(0, Vec::len), 2);
+    let piped = dir.join("piped.json");
+    plan_cmd("2", &piped);
+    for (extra, want) in [
+        (vec!["--plan", &p, "--devices", "4"], "is a plan for 2 devices"),
+        (vec!["--plan", piped.to_str().unwrap()], "pipelined training is not supported yet"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
+            .args(["train", &model, "--data", &data, "--steps", "1", "--backend", "cpu"])
+            .args(&extra)
+            .current_dir(repo_root())
+            .output()
+            .expect("shardc runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{extra:?}: {err}");
+        assert!(err.contains(want) && !err.contains("panicked"), "{extra:?}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -19,6 +19,8 @@ const STEPS: usize = 3;
 
 struct Case {
     name: String,
+    /// The forward model (shapes inferred): what plans are made for.
+    forward: shardc::ir::Graph,
     graph: shardc::ir::Graph,
     info: TrainInfo,
     inputs: HashMap<String, Array>,
@@ -37,7 +39,17 @@ fn load(path: &Path) -> Case {
     let (tm, info) = training_model(&loaded.model, &LossSpec::Model, &opt).expect("training graph");
     let mut inputs = case.inputs.clone();
     inputs.retain(|k, _| tm.graph.lookup(k).is_some());
-    Case { name: path.file_stem().unwrap().to_string_lossy().to_string(), graph: tm.graph, info, inputs }
+    let mut forward = loaded.model.clone();
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Verify).add(shardc::passes::InferShapes::default());
+    pm.run(&mut forward).expect("shapes");
+    Case {
+        name: path.file_stem().unwrap().to_string_lossy().to_string(),
+        forward: forward.graph,
+        graph: tm.graph,
+        info,
+        inputs,
+    }
 }
 
 /// The program of `strategy` on `devices` (None when the strategy does not apply).
@@ -110,6 +122,54 @@ fn sharded_training_equals_single_device() {
     assert!(ran >= 40, "only {ran} sharded runs");
 }
 
+/// Plans of the forward model train like one device: the searched plan (2, 4 and 8
+/// devices) and the `data` and `megatron` plans of the forward model, whose backward and
+/// update ops `exec::training_result` derives (the dual of each forward op's strategy,
+/// updates on the parameter's shard).
+#[test]
+fn forward_plans_train_like_one_device() {
+    let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
+    let opts = shardc::passes::cost::Options::default();
+    let so = shardc::passes::autoshard::SearchOptions {
+        pipeline: shardc::passes::autoshard::PipelineMode::Off,
+        ..Default::default()
+    };
+    let mut ran = 0;
+    let mut report = String::new();
+    for path in golden_train_cases() {
+        let c = load(&path);
+        let single = run(&c, &program(&c, "data", 1).expect("one device"));
+        for devices in [2, 4, 8] {
+            let mut plans = vec![(
+                "searched".to_string(),
+                shardc::passes::autoshard::search(&c.forward, &cluster, devices, &opts, &so).expect("search"),
+            )];
+            for s in ["data", "megatron"] {
+                if let Ok(r) = shardc::exec::named_result(&c.forward, &cluster, devices, s, &opts) {
+                    plans.push((s.to_string(), r));
+                }
+            }
+            for (what, r) in plans {
+                let (tr, kept) =
+                    shardc::exec::training_result(&c.graph, &c.forward, &r.assignment, &r.mesh, &cluster, &opts)
+                        .unwrap_or_else(|e| panic!("{} {what} ×{devices}: {e}", c.name));
+                assert_eq!(kept, r.assignment.strategies.len(), "{} {what} ×{devices}: forward ops re-derived", c.name);
+                let p = shardc::exec::program_for_search(&c.graph, &tr, devices)
+                    .unwrap_or_else(|e| panic!("{} {what} ×{devices}: does not lower: {e}", c.name));
+                shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{} {what} ×{devices}: {e:?}", c.name));
+                assert!(p.fallbacks.is_empty(), "{} {what} ×{devices}: runs replicated: {:?}", c.name, p.fallbacks);
+                let got = run(&c, &p);
+                let (r, at) = compare(&got, &single, (1e-4, 1e-5));
+                report.push_str(&format!("{} {what} ×{devices}: {r:.3} of the tolerance ({at})\n", c.name));
+                assert!(r <= 1.0, "{} {what} ×{devices}: {r:.2}× the tolerance at {at}", c.name);
+                ran += 1;
+            }
+        }
+    }
+    eprint!("{report}");
+    assert!(ran >= 40, "only {ran} runs");
+}
+
 /// Data parallelism runs the backward pass on each device's samples: no activation or
 /// gradient is gathered, parameters' gradients are all-reduced (each once), batch
 /// normalization synchronizes its statistics.
@@ -154,7 +214,13 @@ fn micro_batch_accumulation_equals_the_whole_batch_step() {
                     continue;
                 }
             };
-            let mc = Case { name: c.name.clone(), graph: micro.graph, info: c.info.clone(), inputs: HashMap::new() };
+            let mc = Case {
+                name: c.name.clone(),
+                forward: c.forward.clone(),
+                graph: micro.graph,
+                info: c.info.clone(),
+                inputs: HashMap::new(),
+            };
             for (s, devices) in [("data", 1), ("data", 2), ("megatron", 2)] {
                 let Some(p) = program(&mc, s, devices) else { continue };
                 let p = shardc::exec::as_micro_batches(p, &c.graph, m).expect("micro-batches");

@@ -211,6 +211,10 @@ impl TrainInfo {
     }
 }
 
+/// The annotation of a backward op: the first output's name of the forward op it
+/// differentiates.
+pub const GRAD_OF: &str = "shardc_grad_of";
+
 fn err(msg: impl Into<String>) -> Vec<Located> {
     vec![Located::global(msg)]
 }
@@ -529,7 +533,15 @@ fn backward(
             }
             Some(Ok(())) => {}
         }
-        let (dxs, _) = cx.into_grads();
+        let (dxs, added) = cx.into_grads();
+        // Each backward op names the forward op it differentiates, so that a plan of the
+        // forward model can run it on the same devices (autoshard::training).
+        let key = g.node(n).outputs().first().map(|o| o.name.clone()).unwrap_or_default();
+        if !key.is_empty() {
+            for a in added {
+                g.set_annotation(a, GRAD_OF, key.clone());
+            }
+        }
         for (i, dx) in dxs.into_iter().enumerate() {
             if let (Some(dx), Some(x)) = (dx, g.node(n).input(i)) {
                 contrib.entry(x).or_default().push(dx);

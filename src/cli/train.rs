@@ -50,12 +50,20 @@ pub struct TrainArgs {
     /// Training steps.
     #[arg(long, default_value_t = 10)]
     pub steps: usize,
-    /// Devices (one program per device; the default 1 trains on one device).
-    #[arg(long, default_value_t = 1)]
-    pub devices: usize,
-    /// The strategy on several devices (data, megatron, ...).
-    #[arg(long, default_value = "data")]
-    pub strategy: String,
+    /// Devices (one program per device; default: the plan's with --plan, else 1).
+    #[arg(long)]
+    pub devices: Option<usize>,
+    /// A named strategy (data, megatron, spatial, hybrid:dp:D,tp:T, ...) instead of the
+    /// searched plan (`auto`, the default on several devices).
+    #[arg(long, conflicts_with = "plan")]
+    pub strategy: Option<String>,
+    /// Train with this plan (`shardc plan -o PLAN.json`) of the model's forward pass: its
+    /// ops keep their strategies, the backward and update ops follow them.
+    #[arg(long, value_name = "PLAN.json")]
+    pub plan: Option<PathBuf>,
+    /// Safety net of the plan search, seconds.
+    #[arg(long = "time-limit", default_value_t = 60.0)]
+    pub time_limit: f64,
     /// Micro-batches per step: each device runs forward and backward on 1/M of its batch at
     /// a time and the optimizer steps once on the mean gradient (gradient accumulation).
     #[arg(long, default_value_t = 1)]
@@ -133,6 +141,112 @@ fn optimizer(args: &TrainArgs, case: Option<&TrainCase>) -> CliResult<OptimizerS
     })
 }
 
+/// The plan a training run lowers.
+struct Chosen {
+    /// Strategies of the training graph's ops (what is lowered).
+    result: passes::autoshard::SearchResult,
+    devices: usize,
+    /// The cost model's step time and peak memory per device for the forward model's plan.
+    predicted: Option<(f64, u64)>,
+    desc: String,
+    notes: Vec<String>,
+}
+
+fn step_and_memory(b: &passes::cost::Breakdown) -> (f64, u64) {
+    (b.step_time_s, b.memory_per_device_bytes.iter().copied().max().unwrap_or(0))
+}
+
+/// The plan: a named strategy (`--strategy`, or one device), a plan document (`--plan`), or
+/// the search's on the forward model; for the last two the training graph's backward and
+/// update ops follow the forward plan ([`exec::training_result`]).
+fn training_plan(
+    args: &TrainArgs,
+    forward: &ir::Graph,
+    train: &ir::Graph,
+    cluster: &passes::cost::Cluster,
+    opts: &passes::cost::Options,
+) -> CliResult<Chosen> {
+    let mut notes = Vec::new();
+    let named = match (&args.strategy, &args.plan, args.devices.unwrap_or(1)) {
+        (Some(s), _, _) if s != "auto" => Some(s.as_str()),
+        (None, None, 1) => Some("data"),
+        _ => None,
+    };
+    if let Some(s) = named {
+        let devices = args.devices.unwrap_or(1);
+        let result = exec::named_result(train, cluster, devices, s, opts).map_err(CliError::msg)?;
+        let predicted =
+            exec::named_result(forward, cluster, devices, s, opts).ok().map(|f| step_and_memory(&f.breakdown));
+        return Ok(Chosen { result, devices, predicted, desc: s.to_string(), notes });
+    }
+    let (fwd, mesh, devices, predicted, desc) = match &args.plan {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| CliError::msg(format!("cannot read `{}`: {e}", path.display())))?;
+            let plan = passes::autoshard::Plan::from_json(&text)
+                .map_err(|e| CliError::msg(format!("`{}`: {e}", path.display())))?;
+            if plan.stages.len() > 1 {
+                return Err(CliError::msg(format!(
+                    "`{}` pipelines over {} stages; pipelined training is not supported yet: plan with --pipeline off",
+                    path.display(),
+                    plan.stages.len()
+                )));
+            }
+            if let Some(d) = args.devices
+                && d != plan.devices
+            {
+                return Err(CliError::msg(format!(
+                    "--devices {d}: `{}` is a plan for {} devices",
+                    path.display(),
+                    plan.devices
+                )));
+            }
+            if let Ok(bytes) = std::fs::read(&args.model) {
+                use sha2::Digest;
+                let sha = format!("{:x}", sha2::Sha256::digest(&bytes));
+                if !plan.model.sha256.is_empty() && plan.model.sha256 != sha {
+                    notes.push(format!("warning: `{}` was made for a different file (sha256 differs)", path.display()));
+                }
+            }
+            let mesh = plan.stage_meshes().map_err(CliError::msg)?.remove(0);
+            let by_output: HashMap<&str, &Vec<Option<usize>>> =
+                plan.ops.iter().filter_map(|o| Some((o.outputs.first()?.as_str(), &o.split))).collect();
+            let mut fwd = passes::cost::Assignment::default();
+            for n in forward.op_nodes().map_err(|_| CliError::msg("the model has a cycle"))? {
+                if let Some(s) = forward.node(n).outputs().first().and_then(|o| by_output.get(o.name.as_str())) {
+                    fwd.strategies.insert(n, (*s).clone());
+                }
+            }
+            if fwd.strategies.is_empty() {
+                return Err(CliError::msg(format!("`{}` names none of the model's ops", path.display())));
+            }
+            let cm = passes::cost::CostModel::new(forward, cluster, mesh.clone(), opts.clone());
+            let predicted = step_and_memory(&cm.evaluate(&fwd));
+            (fwd, mesh, plan.devices, predicted, format!("plan {}", path.display()))
+        }
+        None => {
+            let devices = args.devices.unwrap_or(1);
+            let so = passes::autoshard::SearchOptions {
+                pipeline: passes::autoshard::PipelineMode::Off,
+                time_limit: std::time::Duration::from_secs_f64(args.time_limit),
+                ..Default::default()
+            };
+            let r = passes::autoshard::search(forward, cluster, devices, opts, &so).map_err(CliError::msg)?;
+            let what = r.same_as.clone().map_or("per-layer strategies".into(), |s| format!("the `{s}` plan"));
+            let desc = format!("searched plan ({what}, mesh {})", passes::autoshard::mesh_string(&r.mesh));
+            (r.assignment, r.mesh, devices, step_and_memory(&r.breakdown), desc)
+        }
+    };
+    let (result, kept) = exec::training_result(train, forward, &fwd, &mesh, cluster, opts).map_err(CliError::msg)?;
+    if kept < fwd.strategies.len() {
+        notes.push(format!(
+            "{kept} of the plan's {} forward ops keep their strategy; the others are chosen like the backward ops",
+            fwd.strategies.len()
+        ));
+    }
+    Ok(Chosen { result, devices, predicted: Some(predicted), desc, notes })
+}
+
 /// One line of the check.
 struct Check {
     what: String,
@@ -174,14 +288,17 @@ pub fn run(args: &TrainArgs) -> CliResult {
     if args.steps == 0 {
         return Err(CliError::msg("--steps must be at least 1"));
     }
-    if args.devices == 0 {
+    if args.devices == Some(0) {
         return Err(CliError::msg("--devices must be at least 1"));
+    }
+    if !(args.time_limit > 0.0 && args.time_limit <= 3.2e7) {
+        return Err(CliError::msg("--time-limit must be a positive number of seconds, at most a year"));
     }
     if args.micro_batches == 0 {
         return Err(CliError::msg("--micro-batches must be at least 1"));
     }
     if let Some(out) = &args.save_state {
-        for p in [Some(&args.model), args.data.as_ref()].into_iter().flatten() {
+        for p in [Some(&args.model), args.data.as_ref(), args.plan.as_ref()].into_iter().flatten() {
             if same_file(out, p) {
                 return Err(CliError::msg(format!(
                     "refusing to overwrite `{}` with --save-state; choose another path",
@@ -246,8 +363,10 @@ pub fn run(args: &TrainArgs) -> CliResult {
         },
         ..Default::default()
     };
-    let r = exec::named_result(gl, &cluster, args.devices, &args.strategy, &opts).map_err(CliError::msg)?;
-    let program = exec::program_for_search(gl, &r, args.devices).map_err(CliError::msg)?;
+    let chosen = training_plan(args, &loaded.model.graph, gl, &cluster, &opts)?;
+    notes.extend(chosen.notes);
+    let devices = chosen.devices;
+    let program = exec::program_for_search(gl, &chosen.result, devices).map_err(CliError::msg)?;
     let program = exec::as_micro_batches(program, g, args.micro_batches).map_err(CliError::msg)?;
     check_program(&program)?;
     for f in &program.fallbacks {
@@ -260,10 +379,8 @@ pub fn run(args: &TrainArgs) -> CliResult {
             write_output(&text, Some(&dir.join(format!("device{}.onnxtxt", d.device))), &args.model)?;
         }
     }
-    // The cost model's training step for the forward model under the same strategy.
-    let predicted = exec::named_result(&loaded.model.graph, &cluster, args.devices, &args.strategy, &opts)
-        .ok()
-        .map(|f| (f.breakdown.step_time_s, f.breakdown.memory_per_device_bytes.iter().copied().max().unwrap_or(0)));
+    // The cost model's training step for the forward model under the same plan.
+    let predicted = chosen.predicted;
     let (be, warn) = backend(args.backend.as_deref())?;
     if let Some(w) = warn {
         notes.push(format!("warning: {w}"));
@@ -322,9 +439,9 @@ pub fn run(args: &TrainArgs) -> CliResult {
     let memory = report.devices.iter().map(|d| d.memory_allocated_bytes).max().unwrap_or(0);
     let plan_desc = format!(
         "{} on {} device{} of {}{}",
-        args.strategy,
-        args.devices,
-        if args.devices == 1 { "" } else { "s" },
+        chosen.desc,
+        devices,
+        if devices == 1 { "" } else { "s" },
         cluster.name,
         if args.micro_batches > 1 {
             format!(", {} micro-batches (gradient accumulation)", args.micro_batches)

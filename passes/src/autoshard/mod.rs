@@ -23,6 +23,7 @@ mod problem;
 pub mod space;
 #[cfg(test)]
 mod tests;
+pub mod training;
 
 use std::cell::RefCell;
 use std::rc::Rc;

@@ -263,7 +263,7 @@ impl Problem {
 
 /// Every admissible strategy of `n`: per mesh axis, no split or one splittable iteration dim.
 /// Ops computed on the host, and ops without splittable dims, only run replicated.
-fn enumerate(cm: &CostModel<'_>, n: NodeId) -> Vec<OpStrategy> {
+pub(crate) fn enumerate(cm: &CostModel<'_>, n: NodeId) -> Vec<OpStrategy> {
     let axes = cm.mesh.axes.len();
     let replicated = vec![None; axes];
     let node = cm.g.node(n);

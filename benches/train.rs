@@ -1,0 +1,108 @@
+//! Training steps on this machine's wgpu adapter (lavapipe without a GPU) against the cost
+//! model's predicted training step (the `local-wgpu` preset) for the same plan: reduced real
+//! models and golden training cases under named strategies and the searched plan, on 1–4
+//! simulated devices, with the mean absolute percentage error.
+//!
+//! Run with `cargo bench --bench train` (`XDG_RUNTIME_DIR` set, a Vulkan driver installed).
+//! The measured step is the median of the warm steps (the first compiles kernels), on the
+//! slowest device.
+
+use shardc::codegen::Backend;
+use shardc::codegen::runtime::gpu::GpuExecutor;
+use shardc::passes::autodiff::{LossSpec, OptimizerSpec};
+use shardc::passes::cost::{Cluster, Options};
+
+const STEPS: usize = 4;
+
+fn prepare(path: &str, shapes: &[(&str, &[i64])]) -> shardc::ir::Model {
+    let mut m = shardc::load_model(std::path::Path::new(path)).expect("model loads").model;
+    let mut pm = shardc::passes::PassManager::new();
+    if !shapes.is_empty() {
+        let spec = shardc::passes::RebatchSpec {
+            batch: None,
+            input_shapes: shapes.iter().map(|(n, s)| (n.to_string(), s.to_vec())).collect(),
+        };
+        pm.add(shardc::passes::Rebatch { spec });
+    }
+    pm.add(shardc::passes::InferShapes::default());
+    pm.run(&mut m).expect("passes run");
+    let dir = std::path::Path::new(path).parent().unwrap_or(std::path::Path::new("."));
+    shardc::exec::materialize(&mut m, dir, 0).expect("weights");
+    m
+}
+
+fn main() {
+    if GpuExecutor::new().is_err() {
+        println!("no wgpu adapter: skipping");
+        return;
+    }
+    let cluster = Cluster::preset("local-wgpu").expect("preset");
+    let root = env!("CARGO_MANIFEST_DIR");
+    let model = |f: &str| format!("{root}/tests/data/models/{f}");
+    let golden = |f: &str| format!("{root}/tests/data/golden-train/{f}");
+    let xent = "softmax-cross-entropy";
+    type Case<'a> = (&'a str, String, Vec<(&'a str, &'a [i64])>, &'a str, &'a str, usize);
+    let r18: &[i64] = &[4, 3, 32, 32];
+    let small: &[i64] = &[4, 3, 64, 64];
+    let ids: &[i64] = &[2, 32];
+    let cases: Vec<Case<'_>> = vec![
+        ("resnet18 4×3×32×32", model("tv_resnet18.onnxtxt"), vec![("input", r18)], xent, "data", 1),
+        ("resnet18 4×3×32×32", model("tv_resnet18.onnxtxt"), vec![("input", r18)], xent, "data", 2),
+        ("resnet18 4×3×32×32", model("tv_resnet18.onnxtxt"), vec![("input", r18)], xent, "data", 4),
+        ("resnet18 4×3×32×32", model("tv_resnet18.onnxtxt"), vec![("input", r18)], xent, "auto", 4),
+        ("squeezenet 4×3×64×64", model("tv_squeezenet1_1.onnxtxt"), vec![("input", small)], xent, "data", 2),
+        ("mobilenet_v2 4×3×64×64", model("tv_mobilenet_v2.onnxtxt"), vec![("input", small)], xent, "data", 2),
+        ("gpt2_small4 2×32", model("hf_gpt2_small4.onnxtxt"), vec![("input_ids", ids)], xent, "data", 2),
+        ("gpt2_small4 2×32", model("hf_gpt2_small4.onnxtxt"), vec![("input_ids", ids)], xent, "megatron", 2),
+        ("gpt2_small4 2×32", model("hf_gpt2_small4.onnxtxt"), vec![("input_ids", ids)], xent, "auto", 4),
+        ("cnn_small (golden)", golden("cnn_small.onnxtxt"), vec![], "", "data", 2),
+        ("tiny_gpt (golden)", golden("tiny_gpt_train.onnxtxt"), vec![], "", "megatron", 2),
+        ("resnet_block (golden)", golden("resnet_block_train.onnxtxt"), vec![], "", "auto", 4),
+    ];
+    let opt = OptimizerSpec::Sgd { lr: 0.01, momentum: 0.9, dampening: 0.0, nesterov: false, weight_decay: 0.0 };
+    let opts = Options { optimizer: shardc::passes::cost::Optimizer::Sgd, ..Default::default() };
+    println!(
+        "training step on local-wgpu: predicted (cost model, the forward model's plan priced as a training step) vs measured (median of {} warm steps, slowest device)",
+        STEPS - 1
+    );
+    let mut errors = Vec::new();
+    for (name, path, shapes, loss, strategy, devices) in &cases {
+        let m = prepare(path, shapes);
+        let loss = if loss.is_empty() { LossSpec::Model } else { LossSpec::parse(loss).expect("loss") };
+        let (tm, info) = shardc::train::training_model(&m, &loss, &opt).expect("training graph");
+        let (r, predicted) = if *strategy == "auto" {
+            let so = shardc::passes::autoshard::SearchOptions {
+                pipeline: shardc::passes::autoshard::PipelineMode::Off,
+                ..Default::default()
+            };
+            let f = shardc::passes::autoshard::search(&m.graph, &cluster, *devices, &opts, &so).expect("search");
+            let (r, _) = shardc::exec::training_result(&tm.graph, &m.graph, &f.assignment, &f.mesh, &cluster, &opts)
+                .expect("derived");
+            (r, f.breakdown.step_time_s)
+        } else {
+            let f = shardc::exec::named_result(&m.graph, &cluster, *devices, strategy, &opts).expect("applies");
+            (
+                shardc::exec::named_result(&tm.graph, &cluster, *devices, strategy, &opts).expect("applies"),
+                f.breakdown.step_time_s,
+            )
+        };
+        let prog = shardc::exec::program_for_search(&tm.graph, &r, *devices).expect("lowers");
+        let inputs = shardc::train::seeded_inputs(&tm.graph, &info, 0).expect("inputs");
+        let run = shardc::train::run_steps(&prog, &info, &inputs, Backend::Wgpu, STEPS).expect("trains");
+        let mut per_step: Vec<f64> = (1..STEPS)
+            .map(|i| run.report.devices.iter().filter_map(|d| d.step_wall_s.get(i).copied()).fold(0.0, f64::max))
+            .collect();
+        per_step.sort_by(f64::total_cmp);
+        let measured = per_step[per_step.len() / 2];
+        let err = (predicted - measured) / measured;
+        errors.push(err.abs());
+        println!(
+            "  {name:<24} {strategy:>8}@{devices}  predicted {:>9.2} ms  measured {:>9.2} ms  error {:>+7.1}%",
+            predicted * 1e3,
+            measured * 1e3,
+            err * 100.0
+        );
+    }
+    let mape = errors.iter().sum::<f64>() / errors.len().max(1) as f64 * 100.0;
+    println!("  mean absolute percentage error over {} cases: {mape:.1}% (target < 15%)", errors.len());
+}
