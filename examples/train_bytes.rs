@@ -1,4 +1,12 @@
-//! Priced vs lowered bytes of training programs (exploration).
+//! Priced vs lowered bytes of training: a forward model's plan (a named strategy, or `auto`
+//! for the searched one) on `local-wgpu`, the bytes per device it prices per phase (forward,
+//! backward, gradient synchronisation), and the bytes per device the training program that
+//! `exec::training_result` derives from it moves (and the named strategy applied to the whole
+//! training graph, for comparison). `DUMP=1` lists device 0's collectives.
+//!
+//! ```sh
+//! cargo run --release --example train_bytes MODEL DEVICES data|megatron|auto [LOSS]
+//! ```
 use shardc::passes;
 use shardc::passes::autodiff::{LossSpec, OptimizerSpec};
 use shardc::passes::cost::{Cluster, CostModel, Options};
@@ -42,7 +50,6 @@ fn main() {
     }
 }
 
-#[allow(dead_code)]
 fn dump(g: &shardc::ir::Graph) {
     for n in g.op_nodes().unwrap() {
         let node = g.node(n);
