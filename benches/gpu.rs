@@ -6,6 +6,9 @@
 //! Run with `cargo bench --bench gpu` (`XDG_RUNTIME_DIR` set, a Vulkan driver installed).
 //! Each figure is the median of several runs in this one process.
 
+mod common;
+use common::prepare;
+
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
@@ -147,22 +150,6 @@ fn kernel_rates() {
     }
 }
 
-fn prepare(path: &str, shapes: &[(&str, &[i64])]) -> shardc::ir::Model {
-    let mut m = shardc::load_model(std::path::Path::new(path)).expect("model loads").model;
-    let mut pm = shardc::passes::PassManager::new();
-    if !shapes.is_empty() {
-        let spec = shardc::passes::RebatchSpec {
-            batch: None,
-            input_shapes: shapes.iter().map(|(n, s)| (n.to_string(), s.to_vec())).collect(),
-        };
-        pm.add(shardc::passes::Rebatch { spec });
-    }
-    pm.add(shardc::passes::InferShapes::default()).add(shardc::passes::Canonicalize);
-    pm.run(&mut m).expect("passes run");
-    shardc::exec::materialize(&mut m, std::path::Path::new("."), 0).expect("weights");
-    m
-}
-
 fn prediction_vs_measurement() {
     if GpuExecutor::new().is_err() {
         println!("no wgpu adapter: skipping the cost model comparison");
@@ -199,7 +186,7 @@ fn prediction_vs_measurement() {
     let mut errors = Vec::new();
     let mut by_op: BTreeMap<String, (f64, f64)> = BTreeMap::new();
     for (name, path, shapes, strategy, devices) in &cases {
-        let m = prepare(path, shapes);
+        let m = prepare(path, shapes, true);
         let g = &m.graph;
         let r = match shardc::exec::named_result(g, &cluster, *devices, strategy, &Options::default()) {
             Ok(r) => r,

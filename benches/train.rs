@@ -7,29 +7,15 @@
 //! The measured step is the median of the warm steps (the first compiles kernels), on the
 //! slowest device.
 
+mod common;
+use common::prepare;
+
 use shardc::codegen::Backend;
 use shardc::codegen::runtime::gpu::GpuExecutor;
 use shardc::passes::autodiff::{LossSpec, OptimizerSpec};
 use shardc::passes::cost::{Cluster, Options};
 
 const STEPS: usize = 4;
-
-fn prepare(path: &str, shapes: &[(&str, &[i64])]) -> shardc::ir::Model {
-    let mut m = shardc::load_model(std::path::Path::new(path)).expect("model loads").model;
-    let mut pm = shardc::passes::PassManager::new();
-    if !shapes.is_empty() {
-        let spec = shardc::passes::RebatchSpec {
-            batch: None,
-            input_shapes: shapes.iter().map(|(n, s)| (n.to_string(), s.to_vec())).collect(),
-        };
-        pm.add(shardc::passes::Rebatch { spec });
-    }
-    pm.add(shardc::passes::InferShapes::default());
-    pm.run(&mut m).expect("passes run");
-    let dir = std::path::Path::new(path).parent().unwrap_or(std::path::Path::new("."));
-    shardc::exec::materialize(&mut m, dir, 0).expect("weights");
-    m
-}
 
 fn main() {
     if GpuExecutor::new().is_err() {
@@ -67,7 +53,7 @@ fn main() {
     );
     let mut errors = Vec::new();
     for (name, path, shapes, loss, strategy, devices) in &cases {
-        let m = prepare(path, shapes);
+        let m = prepare(path, shapes, false);
         let loss = if loss.is_empty() { LossSpec::Model } else { LossSpec::parse(loss).expect("loss") };
         let (tm, info) = shardc::train::training_model(&m, &loss, &opt).expect("training graph");
         let (r, predicted) = if *strategy == "auto" {

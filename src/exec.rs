@@ -182,11 +182,21 @@ pub fn named_result(
     let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
     let asg = passes::cost::strategy::assign(&cm, &named)
         .map_err(|e| format!("strategy `{strategy}` does not apply: {e}"))?;
-    Ok(SearchResult {
-        breakdown: cm.evaluate(&asg),
-        mesh,
-        assignment: asg,
-        same_as: Some(strategy.to_string()),
+    Ok(given_result(&cm, asg, Some(strategy.to_string())))
+}
+
+/// An assignment made without a search, priced on `cm`'s mesh, as the search result
+/// [`program_for_search`] lowers.
+fn given_result(
+    cm: &passes::cost::CostModel<'_>,
+    assignment: passes::cost::Assignment,
+    same_as: Option<String>,
+) -> SearchResult {
+    SearchResult {
+        breakdown: cm.evaluate(&assignment),
+        mesh: cm.mesh.clone(),
+        assignment,
+        same_as,
         data_parallel: None,
         data_parallel_unavailable: None,
         meshes: Vec::new(),
@@ -196,7 +206,7 @@ pub fn named_result(
         pipeline: None,
         pipeline_considered: None,
         single_device_memory_bytes: 0.0,
-    })
+    }
 }
 
 /// Inputs for a run: the golden `.io.json` format (`{"inputs": {name: {dtype, shape,
@@ -333,22 +343,5 @@ pub fn training_result(
     let cm = CostModel::new(train, cluster, mesh.clone(), opts.clone());
     let (assignment, rederived) = passes::autoshard::training::derive(&cm, &pinned);
     let kept = pinned.len() - rederived.len();
-    Ok((
-        SearchResult {
-            breakdown: cm.evaluate(&assignment),
-            mesh: mesh.clone(),
-            assignment,
-            same_as: None,
-            data_parallel: None,
-            data_parallel_unavailable: None,
-            meshes: Vec::new(),
-            search_time_s: 0.0,
-            time_limit_hit: false,
-            budget_cut: Vec::new(),
-            pipeline: None,
-            pipeline_considered: None,
-            single_device_memory_bytes: 0.0,
-        },
-        kept,
-    ))
+    Ok((given_result(&cm, assignment, None), kept))
 }

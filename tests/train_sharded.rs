@@ -56,10 +56,30 @@ fn load(path: &Path) -> Case {
 fn program(c: &Case, strategy: &str, devices: usize) -> Option<shardc::codegen::Program> {
     let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
     let r = shardc::exec::named_result(&c.graph, &cluster, devices, strategy, &Default::default()).ok()?;
-    let p = shardc::exec::program_for_search(&c.graph, &r, devices)
-        .unwrap_or_else(|e| panic!("{} {strategy} ×{devices}: does not lower: {e}", c.name));
-    shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{} {strategy} ×{devices}: inconsistent: {e:?}", c.name));
-    Some(p)
+    Some(lowered(c, &r, devices, strategy))
+}
+
+/// The training graph lowered for `r` (strategies of its ops), checked.
+fn lowered(
+    c: &Case,
+    r: &shardc::passes::autoshard::SearchResult,
+    devices: usize,
+    what: &str,
+) -> shardc::codegen::Program {
+    let p = shardc::exec::program_for_search(&c.graph, r, devices)
+        .unwrap_or_else(|e| panic!("{} {what} ×{devices}: does not lower: {e}", c.name));
+    shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{} {what} ×{devices}: inconsistent: {e:?}", c.name));
+    p
+}
+
+/// Runs `p` (nothing replicated instead of as planned) and asserts that it trains like
+/// `single` within `tol`; the line of the report.
+fn agrees(c: &Case, p: &shardc::codegen::Program, single: &TrainRun, tol: (f64, f64), label: &str) -> String {
+    assert!(p.fallbacks.is_empty(), "{} {label}: runs replicated: {:?}", c.name, p.fallbacks);
+    let got = run(c, p);
+    let (r, at) = compare(&got, single, tol);
+    assert!(r <= 1.0, "{} {label}: {r:.2}× the tolerance at {at}", c.name);
+    format!("{} {label}: {r:.3} of the tolerance ({at})\n", c.name)
 }
 
 fn run(c: &Case, p: &shardc::codegen::Program) -> TrainRun {
@@ -106,14 +126,10 @@ fn sharded_training_equals_single_device() {
                     continue;
                 }
                 let Some(p) = program(&c, s, devices) else { continue };
-                assert!(p.fallbacks.is_empty(), "{} {s} ×{devices}: runs replicated: {:?}", c.name, p.fallbacks);
-                let got = run(&c, &p);
                 // Data parallelism reorders only the batch sums; the rest also splits
                 // contractions and statistics.
                 let tol = if s == "data" { (1e-5, 1e-6) } else { (1e-4, 1e-5) };
-                let (r, at) = compare(&got, &single, tol);
-                report.push_str(&format!("{} {s} ×{devices}: {r:.3} of the tolerance ({at})\n", c.name));
-                assert!(r <= 1.0, "{} {s} ×{devices}: {r:.2}× the tolerance at {at}", c.name);
+                report.push_str(&agrees(&c, &p, &single, tol, &format!("{s} ×{devices}")));
                 ran += 1;
             }
         }
@@ -154,14 +170,8 @@ fn forward_plans_train_like_one_device() {
                     shardc::exec::training_result(&c.graph, &c.forward, &r.assignment, &r.mesh, &cluster, &opts)
                         .unwrap_or_else(|e| panic!("{} {what} ×{devices}: {e}", c.name));
                 assert_eq!(kept, r.assignment.strategies.len(), "{} {what} ×{devices}: forward ops re-derived", c.name);
-                let p = shardc::exec::program_for_search(&c.graph, &tr, devices)
-                    .unwrap_or_else(|e| panic!("{} {what} ×{devices}: does not lower: {e}", c.name));
-                shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{} {what} ×{devices}: {e:?}", c.name));
-                assert!(p.fallbacks.is_empty(), "{} {what} ×{devices}: runs replicated: {:?}", c.name, p.fallbacks);
-                let got = run(&c, &p);
-                let (r, at) = compare(&got, &single, (1e-4, 1e-5));
-                report.push_str(&format!("{} {what} ×{devices}: {r:.3} of the tolerance ({at})\n", c.name));
-                assert!(r <= 1.0, "{} {what} ×{devices}: {r:.2}× the tolerance at {at}", c.name);
+                let p = lowered(&c, &tr, devices, &what);
+                report.push_str(&agrees(&c, &p, &single, (1e-4, 1e-5), &format!("{what} ×{devices}")));
                 ran += 1;
             }
         }

@@ -202,3 +202,20 @@ pub fn check_program(program: &codegen::Program) -> CliResult {
     }
     Ok(())
 }
+
+/// Reads a plan document (`shardc plan -o`).
+pub fn read_plan(path: &Path) -> CliResult<passes::autoshard::Plan> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| CliError::msg(format!("cannot read `{}`: {e}", path.display())))?;
+    passes::autoshard::Plan::from_json(&text).map_err(|e| CliError::msg(format!("`{}`: {e}", path.display())))
+}
+
+/// A warning when the plan at `plan_path` was made for a file other than `model` (their
+/// sha256 differ).
+pub fn plan_model_warning(plan: &passes::autoshard::Plan, plan_path: &Path, model: &Path) -> Option<String> {
+    use sha2::Digest;
+    let bytes = std::fs::read(model).ok()?;
+    let sha = format!("{:x}", sha2::Sha256::digest(&bytes));
+    (!plan.model.sha256.is_empty() && plan.model.sha256 != sha)
+        .then(|| format!("warning: `{}` was made for a different file (sha256 differs)", plan_path.display()))
+}

@@ -3,7 +3,6 @@
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
-use passes::autoshard::Plan;
 
 use super::common::*;
 
@@ -45,9 +44,7 @@ pub fn run(args: &LowerArgs) -> CliResult {
             args.plan.display()
         )));
     }
-    let text = std::fs::read_to_string(&args.plan)
-        .map_err(|e| CliError::msg(format!("cannot read `{}`: {e}", args.plan.display())))?;
-    let plan = Plan::from_json(&text).map_err(|e| CliError::msg(format!("`{}`: {e}", args.plan.display())))?;
+    let plan = read_plan(&args.plan)?;
     let model_path = args.model.clone().unwrap_or_else(|| PathBuf::from(&plan.model.path));
     let shapes = ShapeArgs {
         batch: None,

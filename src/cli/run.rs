@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Args;
 use codegen::{Backend, RunOptions};
-use passes::autoshard::{self, PipelineMode, Plan, SearchOptions};
+use passes::autoshard::{self, PipelineMode, SearchOptions};
 use shardc::exec;
 
 use super::common::*;
@@ -116,16 +116,8 @@ pub fn run(args: &RunArgs) -> CliResult {
     // The cost model's forward-pass prediction (cluster name, seconds), when there is one.
     let mut predicted: Option<(String, f64)> = None;
     let (program, plan_desc) = if let Some(path) = &args.plan {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| CliError::msg(format!("cannot read `{}`: {e}", path.display())))?;
-        let plan = Plan::from_json(&text).map_err(|e| CliError::msg(format!("`{}`: {e}", path.display())))?;
-        if let Ok(bytes) = std::fs::read(&args.model) {
-            use sha2::Digest;
-            let sha = format!("{:x}", sha2::Sha256::digest(&bytes));
-            if !plan.model.sha256.is_empty() && plan.model.sha256 != sha {
-                notes.push(format!("warning: `{}` was made for a different file (sha256 differs)", path.display()));
-            }
-        }
+        let plan = read_plan(path)?;
+        notes.extend(plan_model_warning(&plan, path, &args.model));
         let p = exec::program_for_plan(g, &plan).map_err(|e| CliError::msg(format!("the plan does not lower: {e}")))?;
         if plan.stages.len() <= 1
             && let Some(f) = plan.breakdown.get("forward_s").and_then(|v| v.as_f64())

@@ -181,10 +181,7 @@ fn training_plan(
     }
     let (fwd, mesh, devices, predicted, desc) = match &args.plan {
         Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| CliError::msg(format!("cannot read `{}`: {e}", path.display())))?;
-            let plan = passes::autoshard::Plan::from_json(&text)
-                .map_err(|e| CliError::msg(format!("`{}`: {e}", path.display())))?;
+            let plan = read_plan(path)?;
             if plan.stages.len() > 1 {
                 return Err(CliError::msg(format!(
                     "`{}` pipelines over {} stages; pipelined training is not supported yet: plan with --pipeline off",
@@ -201,13 +198,7 @@ fn training_plan(
                     plan.devices
                 )));
             }
-            if let Ok(bytes) = std::fs::read(&args.model) {
-                use sha2::Digest;
-                let sha = format!("{:x}", sha2::Sha256::digest(&bytes));
-                if !plan.model.sha256.is_empty() && plan.model.sha256 != sha {
-                    notes.push(format!("warning: `{}` was made for a different file (sha256 differs)", path.display()));
-                }
-            }
+            notes.extend(plan_model_warning(&plan, path, &args.model));
             let mesh = plan.stage_meshes().map_err(CliError::msg)?.remove(0);
             let by_output: HashMap<&str, &Vec<Option<usize>>> =
                 plan.ops.iter().filter_map(|o| Some((o.outputs.first()?.as_str(), &o.split))).collect();

@@ -150,7 +150,7 @@ impl Derive<'_, '_> {
     }
 
     /// The cheapest of `n`'s candidates; ties keep the earlier (the replicated one first).
-    fn best(&self, n: NodeId, readers: bool) -> OpStrategy {
+    fn best(&self, n: NodeId, readers: bool) -> (Cost, OpStrategy) {
         let mut best: Option<(Cost, &OpStrategy)> = None;
         for s in &self.cands[&n] {
             let c = self.cost(n, s, readers);
@@ -158,7 +158,7 @@ impl Derive<'_, '_> {
                 best = Some((c, s));
             }
         }
-        best.map(|(_, s)| s.clone()).unwrap_or_else(|| vec![None; self.cm.mesh.axes.len()])
+        best.map(|(c, s)| (c, s.clone())).unwrap_or_else(|| (Cost::default(), vec![None; self.cm.mesh.axes.len()]))
     }
 }
 
@@ -238,7 +238,7 @@ pub fn derive(cm: &CostModel<'_>, pinned: &HashMap<NodeId, OpStrategy>) -> (Assi
             free.push(n);
         }
         d.cands.insert(n, cands);
-        let s = d.best(n, false);
+        let (_, s) = d.best(n, false);
         let (ins, outs) = d.sh(n, &s);
         for (j, v) in node.inputs().iter().enumerate() {
             if let (Some(v), Some(Some(need))) = (v, ins.get(j)) {
@@ -263,8 +263,8 @@ pub fn derive(cm: &CostModel<'_>, pinned: &HashMap<NodeId, OpStrategy>) -> (Assi
         let mut changed = false;
         for &n in free.iter().rev().chain(free.iter()) {
             let cur = d.chosen[&n].clone();
-            let s = d.best(n, true);
-            if s != cur && d.cost(n, &s, true).better(&d.cost(n, &cur, true), d.backward.contains(&n)) {
+            let (c, s) = d.best(n, true);
+            if s != cur && c.better(&d.cost(n, &cur, true), d.backward.contains(&n)) {
                 d.chosen.insert(n, s);
                 changed = true;
             }
