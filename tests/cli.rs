@@ -65,7 +65,7 @@ fn output_file_and_refusal_to_overwrite_the_input() {
     let before = std::fs::read(&copy).unwrap();
     let o = shardc(&["parse", copy.to_str().unwrap(), "--passes", "canonicalize", "-o", copy.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("refusing to overwrite"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("refusing to write"), "{}", stderr(&o));
     assert_eq!(std::fs::read(&copy).unwrap(), before);
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -272,9 +272,8 @@ fn plan_errors_and_refusals() {
         (&["--cluster", "dgx-a100", "--devices", "9"], "has 8 devices"),
         (&["--cluster", "a100-cluster-4", "--devices", "12"], "do not fill whole nodes"),
         (&["--cluster", "nowhere"], "unknown cluster"),
-        (&["--cluster", "dgx-a100", "--time-limit", "0"], "--time-limit"),
         (&["--cluster", "dgx-a100", "--dump-after", "nonsense"], "unknown pass"),
-        (&["--cluster", "dgx-a100", "-o", "tests/data/models/tv_resnet18.onnxtxt"], "refusing to overwrite"),
+        (&["--cluster", "dgx-a100", "-o", "tests/data/models/tv_resnet18.onnxtxt"], "refusing to write"),
         (&["--cluster", "dgx-a100", "--pipeline", "3"], "do not divide"),
         (&["--cluster", "dgx-a100", "--pipeline", "many"], "--pipeline"),
     ];
@@ -285,6 +284,19 @@ fn plan_errors_and_refusals() {
         assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
         assert!(stderr(&o).contains(want), "{args:?}: {}", stderr(&o));
         assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+    }
+    // Numbers out of range are usage errors (exit 2), a safety net of 1e300 s among them.
+    for (args, want) in [
+        (["--time-limit", "0"], "--time-limit"),
+        (["--time-limit", "1e300"], "at most a year"),
+        (["--devices", "-1"], "must be from 1"),
+        (["--node-limit", "0"], "--node-limit"),
+    ] {
+        let mut all = vec!["plan", m.as_str(), "--cluster", "dgx-a100"];
+        all.extend_from_slice(&args);
+        let o = shardc(&all);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(want) && !stderr(&o).contains("-- -1"), "{args:?}: {}", stderr(&o));
     }
     // The model survived the refused -o.
     assert!(std::fs::read_to_string(&m).unwrap().contains("Conv"));
@@ -489,25 +501,30 @@ fn run_errors_exit_1_and_never_overwrite_inputs() {
     std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join(golden("tiny_mlp.io.json")), &io).unwrap();
     let before = std::fs::read(&io).unwrap();
     let m = golden("tiny_mlp.onnxtxt");
-    let cases: Vec<(Vec<&str>, &str)> = vec![
-        (vec!["--backend", "tpu"], "--backend"),
-        (vec!["--steps", "0"], "--steps"),
-        (vec!["--devices", "0"], "--devices"),
-        (vec!["--strategy", "diagonal"], "diagonal"),
-        (vec!["--plan", "no/such/plan.json"], "no/such/plan.json"),
-        (vec!["--inputs", io.to_str().unwrap(), "--save-outputs", io.to_str().unwrap()], "refusing to overwrite"),
-        (vec!["--pipeline", "lots"], "lots"),
-        (vec!["--cluster", "no-such-cluster"], "no-such-cluster"),
+    // Out-of-range numbers are usage errors: the argument parser's exit 2.
+    let cases: Vec<(Vec<&str>, &str, i32)> = vec![
+        (vec!["--backend", "tpu"], "--backend", 1),
+        (vec!["--steps", "0"], "--steps", 2),
+        (vec!["--devices", "0"], "--devices", 2),
+        (vec!["--devices", "-1"], "must be from 1", 2),
+        (vec!["--rtol", "nan"], "--rtol", 2),
+        (vec!["--strategy", "diagonal"], "diagonal", 1),
+        (vec!["--plan", "no/such/plan.json"], "no/such/plan.json", 1),
+        (vec!["--inputs", io.to_str().unwrap(), "--save-outputs", io.to_str().unwrap()], "refusing to write", 1),
+        (vec!["--save-outputs", "no/such/dir/out.json"], "does not exist", 1),
+        (vec!["--pipeline", "lots"], "lots", 1),
+        (vec!["--cluster", "no-such-cluster"], "no-such-cluster", 1),
     ];
-    for (extra, want) in cases {
+    for (extra, want, code) in cases {
         let mut args = vec!["run", m.as_str(), "--backend", "cpu"];
         if extra[0] == "--backend" {
             args.truncate(2);
         }
         args.extend(extra.iter().copied());
         let o = shardc(&args);
-        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
+        assert_eq!(o.status.code(), Some(code), "{args:?}: {}", stderr(&o));
         assert!(stderr(&o).contains(want), "{args:?}: `{want}` not in\n{}", stderr(&o));
+        assert!(!stderr(&o).contains("panicked"), "{args:?}: {}", stderr(&o));
     }
     assert_eq!(std::fs::read(&io).unwrap(), before, "the inputs file was changed");
     // Inputs of the wrong shape are named.
@@ -558,7 +575,7 @@ fn lower_prints_programs_that_parse_back() {
     let before = std::fs::read(&plan).unwrap();
     let o = shardc(&["lower", p, "--device", "0", "-o", p]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("refusing to overwrite"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("refusing to write"), "{}", stderr(&o));
     assert_eq!(std::fs::read(&plan).unwrap(), before);
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -588,6 +605,10 @@ fn calibrate_writes_a_cluster_file_the_planner_loads() {
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(v.to_string().contains("local-calibrated"), "{v}");
+    // Written again: the file is replaced, and that is said.
+    let o = shardc(&["calibrate", "--quick", "--backend", "cpu", "--devices", "4", "-o", toml.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("(replaced the previous file)"), "{}", stderr(&o));
     let o = shardc(&["calibrate", "--quick", "--backend", "cpu", "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -659,5 +680,94 @@ fn the_training_graph_prints_parses_back_and_trains() {
         doc["losses"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
     };
     assert_eq!(losses(p.to_str().unwrap()), losses(m));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue #19's cases, each with the error it now gives: a run too large for the host, sizes
+/// past 64 bits, outputs onto an input through a hard link or a symlink, replacing an
+/// unrelated file, and plans applied to the wrong model or edited into nonsense.
+#[test]
+fn guard_rails_refuse_before_doing() {
+    let dir = tmpdir("guards");
+    let r18 = model("tv_resnet18.onnxtxt");
+    // A run the host cannot hold is refused before anything is allocated.
+    let o = shardc(&["run", &r18, "--input-shape", "input=100000x3x224x224", "--strategy", "data", "--backend", "cpu"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("of host memory") && stderr(&o).contains("reduce --batch"), "{}", stderr(&o));
+    // Sizes that overflow 64 bits: the sum in `stats`, a tensor at shape inference.
+    let o = shardc(&["stats", &r18, "--batch", "1000000000000", "--json"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("activation bytes overflow 64 bits at `"), "{}", stderr(&o));
+    let o = shardc(&["stats", &r18, "--batch", "100000000000000"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("more than 64-bit sizes can count"), "{}", stderr(&o));
+    assert_eq!(stderr(&o).matches("error:").count(), 1, "one error, where it first appears: {}", stderr(&o));
+    // Outputs over an input by another name: a hard link and a symlink.
+    let m = dir.join("m.onnxtxt");
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join(golden("tiny_mlp.onnxtxt")), &m).unwrap();
+    let before = std::fs::read(&m).unwrap();
+    let hard = dir.join("hard.onnxtxt");
+    std::fs::hard_link(&m, &hard).unwrap();
+    let soft = dir.join("soft.onnxtxt");
+    std::os::unix::fs::symlink(&m, &soft).unwrap();
+    for out in [&hard, &soft] {
+        let o = shardc(&["parse", m.to_str().unwrap(), "--passes", "canonicalize", "-o", out.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+        assert!(stderr(&o).contains("refusing to write") && stderr(&o).contains("is the same file"), "{}", stderr(&o));
+    }
+    assert_eq!(std::fs::read(&m).unwrap(), before);
+    // An unrelated file is replaced, and that is said; nothing is left beside it.
+    let plan = dir.join("plan.json");
+    std::fs::write(&plan, "old").unwrap();
+    let p = plan.to_str().unwrap();
+    let o = shardc(&["plan", m.to_str().unwrap(), "--cluster", "local-wgpu", "--devices", "2", "-o", p]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("(replaced the previous file)"), "{}", stderr(&o));
+    let names: Vec<String> =
+        std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    assert!(names.iter().all(|n| !n.contains(".tmp")), "{names:?}");
+    // The plan runs on its model; on another file only with --force, and it must still fit.
+    let run = |model: &str, extra: &[&str]| {
+        let mut a = vec!["run", model, "--plan", p, "--backend", "cpu"];
+        a.extend_from_slice(extra);
+        shardc(&a)
+    };
+    assert!(run(m.to_str().unwrap(), &[]).status.success());
+    let edited = dir.join("edited.onnxtxt");
+    // A re-export: the same graph, other bytes.
+    std::fs::write(&edited, format!("{}\n\n", String::from_utf8_lossy(&before))).unwrap();
+    let o = run(edited.to_str().unwrap(), &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("was made for another file") && stderr(&o).contains("--force"), "{}", stderr(&o));
+    let o = run(edited.to_str().unwrap(), &["--force"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("applied anyway (--force)"), "{}", stdout(&o));
+    let o = run(edited.to_str().unwrap(), &["--force", "--batch", "3"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("the plan does not fit this model"), "{}", stderr(&o));
+    // Edited plans: an op removed, an op's type changed, a device count that is not the mesh's.
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&plan).unwrap()).unwrap();
+    let first_op = doc["ops"][0]["name"].as_str().unwrap().to_string();
+    let mut no_op = doc.clone();
+    no_op["ops"].as_array_mut().unwrap().remove(0);
+    let mut retyped = doc.clone();
+    retyped["ops"][0]["op"] = "Conv".into();
+    let mut devices = doc.clone();
+    devices["devices"] = 3.into();
+    for (edit, want) in [
+        (no_op, "the plan has no strategy for"),
+        (retyped, "is Conv in the plan"),
+        (devices, "malformed plan: device 2 of the plan's 3 is in no stage"),
+    ] {
+        let e = dir.join("edit.json");
+        std::fs::write(&e, edit.to_string()).unwrap();
+        let o = shardc(&["lower", e.to_str().unwrap(), "--model", m.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(1), "{want}: {}", stderr(&o));
+        assert!(stderr(&o).contains(want), "{want} ({first_op}): {}", stderr(&o));
+    }
+    // -o into a directory that is not there fails before the search.
+    let o = shardc(&["plan", &r18, "--cluster", "dgx-a100", "-o", "no/such/dir/plan.json"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("does not exist"), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -17,10 +17,11 @@
 pub mod check;
 pub mod layout;
 pub mod lower;
+pub mod memory;
 pub mod program;
 pub mod runtime;
 
 pub use check::{CheckError, check};
 pub use lower::{LowerError, lower};
 pub use program::{DeviceProgram, Feed, GlobalValue, Placement, Program, StagePlacement};
-pub use runtime::{Backend, RunOptions, RunReport, RuntimeError, run};
+pub use runtime::{AdapterLimits, Backend, RunOptions, RunReport, RuntimeError, run};

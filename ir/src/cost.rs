@@ -191,8 +191,15 @@ pub struct GraphStats {
     pub unknown_shapes: usize,
 }
 
-/// Computes [`GraphStats`]. Shapes should have been inferred.
-pub fn compute_stats(g: &Graph) -> GraphStats {
+/// Computes [`GraphStats`]. Shapes should have been inferred. A count or size that
+/// overflows 64 bits is an error naming the tensor where it does.
+pub fn compute_stats(g: &Graph) -> Result<GraphStats, String> {
+    let add = |total: &mut u64, x: u64, what: &str, v: Value| -> Result<(), String> {
+        *total = total.checked_add(x).ok_or_else(|| {
+            format!("{what} overflow 64 bits at `{}` (the model is too large to count)", g.value_name(v))
+        })?;
+        Ok(())
+    };
     let mut s = GraphStats::default();
     let mut hist: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
     for n in g.node_ids() {
@@ -203,11 +210,12 @@ pub fn compute_stats(g: &Graph) -> GraphStats {
             _ => None,
         };
         if let Some(t) = tensor {
-            s.params += t.numel();
+            let v = Value::new(n, 0);
+            add(&mut s.params, t.numel(), "parameter counts", v)?;
             if t.dtype.is_float() {
-                s.float_params += t.numel();
+                add(&mut s.float_params, t.numel(), "parameter counts", v)?;
             }
-            s.param_bytes += t.size_bytes();
+            add(&mut s.param_bytes, t.size_bytes(), "parameter bytes", v)?;
             continue;
         }
         if matches!(node.op, Op::Input { .. } | Op::OuterRef) {
@@ -225,7 +233,7 @@ pub fn compute_stats(g: &Graph) -> GraphStats {
         s.backward_flops += c.bwd_data_flops + c.bwd_weight_flops;
         for o in 0..node.num_outputs() {
             match g.tensor_type(Value::new(n, o as u16)).and_then(TensorType::size_bytes) {
-                Some(b) => s.activation_bytes += b,
+                Some(b) => add(&mut s.activation_bytes, b, "activation bytes", Value::new(n, o as u16))?,
                 None if !node.outputs()[o].name.is_empty() => s.unknown_shapes += 1,
                 None => {}
             }
@@ -234,7 +242,7 @@ pub fn compute_stats(g: &Graph) -> GraphStats {
     let mut counts: Vec<(String, usize)> = hist.into_iter().collect();
     counts.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     s.op_counts = counts;
-    s
+    Ok(s)
 }
 
 /// Bytes of one element of `dtype`, as f64.

@@ -97,6 +97,22 @@ fn shape_operand(c: Option<&Array>, s: Option<&Vec<Dim>>) -> Option<Vec<Dim>> {
     s.cloned()
 }
 
+/// The error for a value whose size overflows 64 bits: every size and FLOP count is
+/// computed in 64 bits, so such a shape is refused where it first appears.
+fn too_large(g: &Graph, v: Value, t: &TensorType) -> ShapeError {
+    let elems: f64 = t.static_dims().unwrap_or_default().iter().map(|&d| d as f64).product();
+    ShapeError {
+        node: Some(v.node),
+        span: g.span(v.node),
+        msg: format!(
+            "`{}` would be {t}: {elems:.3e} elements ({:.3e} bytes), more than 64-bit sizes can count; \
+             reduce --batch or --input-shape",
+            g.value_name(v),
+            elems * t.dtype.size_bytes() as f64
+        ),
+    }
+}
+
 /// Merges an inferred type into a declared one. Errors on contradictions.
 fn merge(declared: Option<&Type>, inferred: Option<TensorType>) -> Result<Option<Type>, String> {
     let Some(inf) = inferred else { return Ok(declared.cloned()) };
@@ -164,6 +180,10 @@ impl Infer {
                     continue;
                 }
                 Op::Input { default } => {
+                    if let Some(t) = tensor(g.value_type(Value::new(n, 0))).filter(|t| t.too_large()) {
+                        self.errors.push(too_large(g, Value::new(n, 0), t));
+                        continue;
+                    }
                     // Old exports list initializers as inputs too: their values are the model's.
                     if let Some(t) = default
                         && !t.is_external()
@@ -219,6 +239,11 @@ impl Infer {
         let consts: Vec<Option<&Array>> = node.inputs().iter().map(|i| i.and_then(|v| self.consts.get(&v))).collect();
         let syms: Vec<Option<&Vec<Dim>>> = node.inputs().iter().map(|i| i.and_then(|v| self.syms.get(&v))).collect();
         let n_out = node.num_outputs();
+        // A value too large to count is reported where it first appears, not again at
+        // every op downstream.
+        if ins.iter().flatten().any(TensorType::too_large) {
+            return;
+        }
 
         // Subgraphs first: their outputs type If/Loop.
         if matches!(node.op, Op::If(_) | Op::Loop(_) | Op::Scan(_)) {
@@ -240,7 +265,9 @@ impl Infer {
                     let part: Vec<i64> = d[a..b.max(a)].to_vec();
                     Some(vec![Array::i64(vec![part.len()], part)])
                 }
-                (Op::Size(_), Some(d)) => Some(vec![Array::scalar_i64(d.iter().product())]),
+                (Op::Size(_), Some(d)) => {
+                    d.iter().try_fold(1i64, |a, &x| a.checked_mul(x)).map(|n| vec![Array::scalar_i64(n)])
+                }
                 _ => None,
             }
         };
@@ -262,6 +289,10 @@ impl Infer {
                 }
                 for (slot, t) in types.into_iter().enumerate().take(n_out) {
                     let v = Value::new(n, slot as u16);
+                    if let Some(t) = t.as_ref().filter(|t| t.too_large()) {
+                        self.errors.push(too_large(g, v, t));
+                        continue;
+                    }
                     let declared = g.value_type(v).cloned();
                     match merge(declared.as_ref(), t.clone()) {
                         Ok(ty) => g.set_type(v, ty),

@@ -112,9 +112,10 @@ impl Tensor {
         Tensor { dtype: DType::Int64, dims, name: None, data: TensorData::Int64(values) }
     }
 
-    /// Number of elements the shape calls for.
+    /// Number of elements the shape calls for (saturating at `u64::MAX`: a file that claims
+    /// more cannot hold its data, which the frontend reports).
     pub fn numel(&self) -> u64 {
-        self.dims.iter().map(|&d| d.max(0) as u64).product()
+        self.dims.iter().fold(1u64, |acc, &d| acc.saturating_mul(d.max(0) as u64))
     }
 
     /// Number of values stored inline (complex values count twice); `None` for external data.
@@ -147,7 +148,7 @@ impl Tensor {
 
     /// Size in bytes of the elements (what the tensor costs in device memory).
     pub fn size_bytes(&self) -> u64 {
-        self.numel() * self.dtype.size_bytes()
+        self.numel().saturating_mul(self.dtype.size_bytes())
     }
 
     /// The values as `f64`, decoding float16/bfloat16 bit patterns; `None` for external data,

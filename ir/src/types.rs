@@ -260,14 +260,20 @@ impl TensorType {
         self.dims.as_ref()?.iter().map(Dim::value).collect()
     }
 
-    /// Number of elements, when the shape is fully known.
+    /// Number of elements, when the shape is fully known and the count fits in 64 bits
+    /// (shape inference rejects shapes whose size does not: [`TensorType::too_large`]).
     pub fn numel(&self) -> Option<u64> {
-        self.static_dims().map(|d| d.iter().map(|&x| x as u64).product())
+        self.static_dims()?.iter().try_fold(1u64, |acc, &x| acc.checked_mul(x.max(0) as u64))
     }
 
-    /// Size in bytes, when the shape is fully known.
+    /// Size in bytes, when the shape is fully known and the size fits in 64 bits.
     pub fn size_bytes(&self) -> Option<u64> {
-        self.numel().map(|n| n * self.dtype.size_bytes())
+        self.numel()?.checked_mul(self.dtype.size_bytes())
+    }
+
+    /// True when every dim is known but the element count or byte size overflows 64 bits.
+    pub fn too_large(&self) -> bool {
+        self.is_static() && self.size_bytes().is_none()
     }
 
     /// True when every dimension is a known number.

@@ -14,7 +14,7 @@ pub struct CalibrateArgs {
     #[arg(long, default_value = "wgpu")]
     pub backend: String,
     /// Devices in the cluster file.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = parse_devices, allow_negative_numbers = true)]
     pub devices: usize,
     /// Smaller tensors and fewer repetitions (a rough figure in about a second).
     #[arg(long)]
@@ -31,6 +31,7 @@ pub fn run(args: &CalibrateArgs) -> CliResult {
     if args.devices == 0 {
         return Err(CliError::msg("--devices must be at least 1"));
     }
+    guard_outputs(&[("-o", args.output.as_ref())], &[])?;
     let effort = if args.quick { Effort { gemm_n: 256, stream_elems: 1 << 18, reps: 3 } } else { Effort::default() };
     let measured = match args.backend.as_str() {
         #[cfg(feature = "gpu")]

@@ -30,11 +30,87 @@ impl CliError {
 
 pub type CliResult<T = ()> = Result<T, CliError>;
 
+/// Largest device count a command accepts (a mesh of more is not a plan anyone can run).
+pub const MAX_DEVICES: usize = 1 << 20;
+
+/// `--devices`: a whole number from 1 to [`MAX_DEVICES`].
+pub fn parse_devices(s: &str) -> Result<usize, String> {
+    count_in(s, 1, MAX_DEVICES as u64).map(|n| n as usize)
+}
+
+/// A count of at least 1 (steps, micro-batches, node limits), at most 2^32.
+pub fn parse_count(s: &str) -> Result<usize, String> {
+    count_in(s, 1, 1 << 32).map(|n| n as usize)
+}
+
+/// A device index or seed: a whole number from 0.
+pub fn parse_index(s: &str) -> Result<usize, String> {
+    count_in(s, 0, u32::MAX as u64).map(|n| n as usize)
+}
+
+fn count_in(s: &str, lo: u64, hi: u64) -> Result<u64, String> {
+    let n: i128 = s.trim().parse().map_err(|_| format!("`{s}` is not a whole number"))?;
+    if n < lo as i128 || n > hi as i128 {
+        return Err(format!("must be from {lo} to {hi}, got {s}"));
+    }
+    Ok(n as u64)
+}
+
+/// A finite number ≥ 0 (tolerances, weight decay).
+pub fn parse_nonneg(s: &str) -> Result<f64, String> {
+    let x: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if !x.is_finite() || x < 0.0 {
+        return Err(format!("must be a finite number ≥ 0, got {s}"));
+    }
+    Ok(x)
+}
+
+/// A finite number > 0 (learning rates).
+pub fn parse_positive(s: &str) -> Result<f64, String> {
+    let x = parse_nonneg(s)?;
+    if x == 0.0 {
+        return Err(format!("must be greater than 0, got {s}"));
+    }
+    Ok(x)
+}
+
+/// A fraction in [0, 1) (momentum).
+pub fn parse_fraction(s: &str) -> Result<f64, String> {
+    let x = parse_nonneg(s)?;
+    if x >= 1.0 {
+        return Err(format!("must be at least 0 and below 1, got {s}"));
+    }
+    Ok(x)
+}
+
+/// A factor in (0, 1] (gradient compression).
+pub fn parse_factor(s: &str) -> Result<f64, String> {
+    let x = parse_positive(s)?;
+    if x > 1.0 {
+        return Err(format!("must be above 0 and at most 1, got {s}"));
+    }
+    Ok(x)
+}
+
+/// Seconds of a time limit: above 0, at most a year (so it fits a `Duration`).
+pub fn parse_seconds(s: &str) -> Result<f64, String> {
+    let x = parse_positive(s)?;
+    if x > 3.2e7 {
+        return Err(format!("must be at most a year (3.2e7 s), got {s}"));
+    }
+    Ok(x)
+}
+
+/// `--batch`: from 1 to 2^62.
+pub fn parse_batch(s: &str) -> Result<i64, String> {
+    count_in(s, 1, 1 << 62).map(|n| n as i64)
+}
+
 /// Options that change a model's inputs; every command that reads a model takes them.
 #[derive(Args, Clone, Debug, Default)]
 pub struct ShapeArgs {
     /// Global batch size: dim 0 of the inputs (baked constants are rewritten).
-    #[arg(long, value_name = "B")]
+    #[arg(long, value_name = "B", value_parser = parse_batch, allow_negative_numbers = true)]
     pub batch: Option<i64>,
     /// New shape of an input, e.g. input_ids=8x1024 (repeatable).
     #[arg(long = "input-shape", value_name = "NAME=D0xD1x..")]
@@ -42,6 +118,24 @@ pub struct ShapeArgs {
 }
 
 impl ShapeArgs {
+    /// The input shapes a plan was made for (`--input-shape` for each input it records).
+    pub fn of_plan(plan: &passes::autoshard::Plan) -> ShapeArgs {
+        ShapeArgs {
+            batch: None,
+            input_shape: plan
+                .model
+                .input_shapes
+                .iter()
+                .map(|(k, v)| format!("{k}={}", v.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")))
+                .collect(),
+        }
+    }
+
+    /// True when neither `--batch` nor `--input-shape` was given.
+    pub fn is_empty(&self) -> bool {
+        self.batch.is_none() && self.input_shape.is_empty()
+    }
+
     pub fn spec(&self) -> CliResult<passes::RebatchSpec> {
         let mut spec = passes::RebatchSpec { batch: self.batch, input_shapes: Vec::new() };
         for s in &self.input_shape {
@@ -68,7 +162,9 @@ pub fn load_canonical(path: &Path, shapes: &ShapeArgs) -> CliResult<Loaded> {
 }
 
 fn load_with(path: &Path, shapes: &ShapeArgs, canonical: bool) -> CliResult<Loaded> {
+    note_input(path);
     let mut loaded = shardc::load_model(path).map_err(|e| CliError::new(e.render()))?;
+    note_external_data(&loaded.model.graph, path);
     if !loaded.warnings.is_empty() {
         eprint!("{}", loaded.source.render(&loaded.warnings));
     }
@@ -85,6 +181,20 @@ fn load_with(path: &Path, shapes: &ShapeArgs, canonical: bool) -> CliResult<Load
     let report = pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
     warn(&report.warnings, &loaded.source);
     Ok(loaded)
+}
+
+/// Records the external data files `g`'s initializers name (beside the model at `path`)
+/// as inputs.
+pub fn note_external_data(g: &ir::Graph, path: &Path) {
+    let dir = path.parent().unwrap_or(Path::new(""));
+    for n in g.node_ids() {
+        if let ir::Op::Initializer(t) | ir::Op::Input { default: Some(t) } = &g.node(n).op
+            && let ir::TensorData::External(entries) = &t.data
+            && let Some((_, loc)) = entries.iter().find(|(k, _)| k == "location")
+        {
+            note_input(&dir.join(loc));
+        }
+    }
 }
 
 /// Renders a pass failure.
@@ -110,19 +220,84 @@ pub fn warn(items: &[passes::Located], source: &Source) {
     }
 }
 
-/// Writes `text` to `out` (a file) or stdout. Refuses to overwrite the model being read.
+/// Files this command reads (the model, its external data, a plan, inputs, a cluster
+/// file): no output may be written over any of them.
+static INPUTS: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+/// Records `path` as an input of this command ([`write_output`] refuses to write over it).
+pub fn note_input(path: &Path) {
+    if let Ok(mut v) = INPUTS.lock()
+        && !v.iter().any(|p| p == path)
+    {
+        v.push(path.to_path_buf());
+    }
+}
+
+/// The inputs recorded so far.
+fn inputs() -> Vec<PathBuf> {
+    INPUTS.lock().map(|v| v.clone()).unwrap_or_default()
+}
+
+/// Checks output paths before any work: none may be a file this command reads (by file
+/// identity: hard links, symlinks and other spellings of an input are refused), and each
+/// must be writable where it is (its directory exists). `inputs` are recorded as with
+/// [`note_input`].
+pub fn guard_outputs(outputs: &[(&str, Option<&PathBuf>)], inputs_read: &[Option<&Path>]) -> CliResult {
+    for p in inputs_read.iter().flatten() {
+        note_input(p);
+    }
+    for (flag, out) in outputs {
+        let Some(out) = out else { continue };
+        refuse_input(out, Some(flag))?;
+        let dir = match out.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        if !dir.is_dir() {
+            return Err(CliError::msg(format!(
+                "{flag} `{}`: the directory `{}` does not exist",
+                out.display(),
+                dir.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// An error when `out` is one of the inputs.
+fn refuse_input(out: &Path, flag: Option<&str>) -> CliResult {
+    for p in inputs() {
+        if same_file(out, &p) {
+            let via = flag.map(|f| format!(" ({f})")).unwrap_or_default();
+            return Err(CliError::msg(format!(
+                "refusing to write{via} over `{}`, which this command reads{}; choose another output path",
+                p.display(),
+                if out == p { String::new() } else { format!(" (`{}` is the same file)", out.display()) }
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Writes `text` to `out` (a file) or stdout. Refuses to write over the model being read or
+/// any other input of the command (by file identity). The file is written beside its
+/// destination and renamed into place, so an interrupted write never leaves a truncated
+/// file; replacing an existing file is said on stderr.
 pub fn write_output(text: &str, out: Option<&PathBuf>, model: &Path) -> CliResult {
     match out {
         Some(p) => {
-            if same_file(p, model) {
-                return Err(CliError::msg(format!(
-                    "refusing to overwrite the input model `{}`; choose another output path",
-                    model.display()
-                )));
+            if !model.as_os_str().is_empty() {
+                note_input(model);
             }
+            refuse_input(p, None)?;
             // Text ends with a newline, as on stdout.
             let body = if text.is_empty() || text.ends_with('\n') { text.to_string() } else { format!("{text}\n") };
-            std::fs::write(p, body).map_err(|e| CliError::msg(format!("cannot write `{}`: {e}", p.display())))
+            let replaced = write_atomically(p, body.as_bytes())
+                .map_err(|e| CliError::msg(format!("cannot write `{}`: {e}", p.display())))?;
+            if replaced {
+                eprintln!("wrote {} (replaced the previous file)", p.display());
+            }
+            Ok(())
         }
         None => {
             let mut stdout = std::io::stdout().lock();
@@ -139,8 +314,46 @@ pub fn write_output(text: &str, out: Option<&PathBuf>, model: &Path) -> CliResul
     }
 }
 
-/// Whether two paths name the same existing file.
+/// Writes `bytes` to a temporary file beside `path` and renames it over `path` (through a
+/// symlink, its target). Returns whether a file was replaced.
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<bool> {
+    let target = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => std::fs::canonicalize(path)?,
+        _ => path.to_path_buf(),
+    };
+    let existed = match std::fs::metadata(&target) {
+        Ok(m) if m.is_dir() => {
+            return Err(std::io::Error::new(std::io::ErrorKind::IsADirectory, "it is a directory"));
+        }
+        Ok(_) => true,
+        Err(_) => false,
+    };
+    let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = target.with_file_name(format!(".{name}.shardc-{}.tmp", std::process::id()));
+    let written = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &target)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map(|()| existed)
+}
+
+/// Whether two paths name the same existing file: the same device and inode (so hard links
+/// and symlinks count), or the same canonical path where the OS has no inodes.
 pub fn same_file(a: &Path, b: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        match (std::fs::metadata(a), std::fs::metadata(b)) {
+            (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+            _ => false,
+        }
+    }
+    #[cfg(not(unix))]
     match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
         (Ok(x), Ok(y)) => x == y,
         _ => false,
@@ -205,17 +418,111 @@ pub fn check_program(program: &codegen::Program) -> CliResult {
 
 /// Reads a plan document (`shardc plan -o`).
 pub fn read_plan(path: &Path) -> CliResult<passes::autoshard::Plan> {
+    note_input(path);
     let text =
         std::fs::read_to_string(path).map_err(|e| CliError::msg(format!("cannot read `{}`: {e}", path.display())))?;
     passes::autoshard::Plan::from_json(&text).map_err(|e| CliError::msg(format!("`{}`: {e}", path.display())))
 }
 
-/// A warning when the plan at `plan_path` was made for a file other than `model` (their
-/// sha256 differ).
-pub fn plan_model_warning(plan: &passes::autoshard::Plan, plan_path: &Path, model: &Path) -> Option<String> {
+/// Checks that the plan at `plan_path` was made for `model` (their sha256 agree). When it
+/// was made for another file, that is an error, unless `force`: then a note, and the plan
+/// still has to fit the model op by op and tensor by tensor ([`passes::autoshard::Plan::differences`]).
+pub fn check_plan_model(
+    plan: &passes::autoshard::Plan,
+    plan_path: &Path,
+    model: &Path,
+    force: bool,
+) -> CliResult<Option<String>> {
     use sha2::Digest;
-    let bytes = std::fs::read(model).ok()?;
+    let bytes = std::fs::read(model).map_err(|e| CliError::msg(format!("cannot read `{}`: {e}", model.display())))?;
     let sha = format!("{:x}", sha2::Sha256::digest(&bytes));
-    (!plan.model.sha256.is_empty() && plan.model.sha256 != sha)
-        .then(|| format!("warning: `{}` was made for a different file (sha256 differs)", plan_path.display()))
+    if plan.model.sha256 == sha {
+        return Ok(None);
+    }
+    let what = if plan.model.sha256.is_empty() {
+        "records no sha256 of its model".to_string()
+    } else {
+        format!(
+            "was made for another file (`{}`, sha256 {}…; `{}` has {}…)",
+            plan.model.path,
+            &plan.model.sha256[..plan.model.sha256.len().min(12)],
+            model.display(),
+            &sha[..12]
+        )
+    };
+    if force {
+        Ok(Some(format!(
+            "`{}` {what}; applied anyway (--force): its ops match the model's by name and shape",
+            plan_path.display()
+        )))
+    } else {
+        Err(CliError::msg(format!(
+            "`{}` {what}; plan this model again, or pass --force to apply the plan to a re-exported model whose ops all match by name and shape",
+            plan_path.display()
+        )))
+    }
+}
+
+/// The check before a run allocates: the bytes the host and each device will hold
+/// (weights, inputs, activations at the programs' peaks, the single-device reference when
+/// one runs) against what there is (the host's available memory; on a GPU, the largest
+/// buffer the adapter allows). Over it, an error with the numbers and what to reduce.
+pub fn preflight(
+    program: &codegen::Program,
+    global: &ir::Graph,
+    reference: Option<&ir::Graph>,
+    backend: codegen::Backend,
+) -> CliResult {
+    let too_large = || CliError::msg("a tensor of this run is too large to count; reduce --batch or --input-shape");
+    let inputs: u64 = global
+        .input_values()
+        .into_iter()
+        .filter(|v| matches!(global.node(v.node).op, ir::Op::Input { default: None }))
+        .map(|v| global.tensor_type(v).map_or(Some(0), |t| t.size_bytes()))
+        .try_fold(0u64, |a, b| a.checked_add(b?))
+        .ok_or_else(too_large)?;
+    let peaks: Vec<u64> = program.peak_bytes().into_iter().collect::<Option<_>>().ok_or_else(too_large)?;
+    let devices_total = peaks.iter().try_fold(0u64, |a, &b| a.checked_add(b)).ok_or_else(too_large)?;
+    let gpu = match backend {
+        codegen::Backend::Wgpu => codegen::runtime::gpu_limits().ok(),
+        codegen::Backend::Cpu => None,
+    };
+    if let Some(l) = &gpu {
+        for d in &program.devices {
+            let most = d.largest_tensor_bytes().ok_or_else(too_large)?;
+            if most > l.max_buffer_bytes {
+                return Err(CliError::msg(format!(
+                    "device {} would hold a tensor of {}, more than one buffer of {} may ({}); \
+                     reduce --batch or --input-shape, or split the tensor over more --devices",
+                    d.device,
+                    bytes(most as f64),
+                    l.name,
+                    bytes(l.max_buffer_bytes as f64)
+                )));
+            }
+        }
+    }
+    let mut parts: Vec<(String, u64)> = vec![("inputs".into(), inputs)];
+    if gpu.as_ref().is_none_or(|l| l.host_memory) {
+        parts.push((format!("{} device programs at their peak", peaks.len()), devices_total));
+    }
+    if let Some(r) = reference {
+        let keep = std::collections::HashSet::new();
+        parts
+            .push(("the single-device reference".into(), codegen::memory::peak_bytes(r, &keep).ok_or_else(too_large)?));
+    }
+    let need = parts.iter().try_fold(0u64, |a, (_, b)| a.checked_add(*b)).ok_or_else(too_large)?;
+    if let Some(avail) = codegen::runtime::host_memory_available()
+        && need > avail
+    {
+        let list: Vec<String> = parts.iter().map(|(w, b)| format!("{w} {}", bytes(*b as f64))).collect();
+        return Err(CliError::msg(format!(
+            "this run needs about {} of host memory ({}) but {} is available; reduce --batch or --input-shape{}",
+            bytes(need as f64),
+            list.join(", "),
+            bytes(avail as f64),
+            if reference.is_some() { ", or leave out --check" } else { "" }
+        )));
+    }
+    Ok(())
 }

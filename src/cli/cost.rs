@@ -28,7 +28,7 @@ pub struct ModelArgs {
     #[arg(long = "no-preload")]
     pub no_preload: bool,
     /// Factor on gradient bytes communicated (0.5 for fp16 compression).
-    #[arg(long = "grad-compression", default_value_t = 1.0)]
+    #[arg(long = "grad-compression", default_value_t = 1.0, value_parser = parse_factor, allow_negative_numbers = true)]
     pub grad_compression: f64,
 }
 
@@ -73,7 +73,7 @@ pub struct CostArgs {
     #[arg(long)]
     pub strategy: String,
     /// Devices to use (default: all of the cluster).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_devices, allow_negative_numbers = true)]
     pub devices: Option<usize>,
     /// Print one JSON document.
     #[arg(long)]
@@ -85,6 +85,9 @@ pub struct CostArgs {
 }
 
 pub fn load_cluster(spec: &str) -> CliResult<Cluster> {
+    if std::path::Path::new(spec).is_file() {
+        note_input(std::path::Path::new(spec));
+    }
     Cluster::load(spec).map_err(CliError::msg)
 }
 

@@ -25,8 +25,12 @@ pub struct LowerArgs {
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Only this device.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_index, allow_negative_numbers = true)]
     pub device: Option<usize>,
+    /// Apply the plan even though it was made for another file (a re-export): its ops must
+    /// still match the model's by name and shape.
+    #[arg(long)]
+    pub force: bool,
     /// Output format.
     #[arg(long, value_enum, default_value = "text")]
     pub emit: LowerEmit,
@@ -36,26 +40,13 @@ pub struct LowerArgs {
 }
 
 pub fn run(args: &LowerArgs) -> CliResult {
-    if let Some(out) = &args.output
-        && same_file(out, &args.plan)
-    {
-        return Err(CliError::msg(format!(
-            "refusing to overwrite the plan `{}`; choose another output path",
-            args.plan.display()
-        )));
-    }
+    guard_outputs(&[("-o", args.output.as_ref())], &[Some(&args.plan), args.model.as_deref()])?;
     let plan = read_plan(&args.plan)?;
     let model_path = args.model.clone().unwrap_or_else(|| PathBuf::from(&plan.model.path));
-    let shapes = ShapeArgs {
-        batch: None,
-        input_shape: plan
-            .model
-            .input_shapes
-            .iter()
-            .map(|(k, v)| format!("{k}={}", v.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")))
-            .collect(),
-    };
-    let loaded = load_canonical(&model_path, &shapes)?;
+    let loaded = load_canonical(&model_path, &ShapeArgs::of_plan(&plan))?;
+    if let Some(note) = check_plan_model(&plan, &args.plan, &model_path, args.force)? {
+        eprintln!("note: {note}");
+    }
     let program = shardc::exec::program_for_plan(&loaded.model.graph, &plan)
         .map_err(|e| CliError::msg(format!("the plan does not lower: {e}")))?;
     check_program(&program)?;

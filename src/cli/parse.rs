@@ -44,7 +44,9 @@ pub struct ParseArgs {
 }
 
 pub fn run(args: &ParseArgs) -> CliResult {
+    guard_outputs(&[("-o", args.output.as_ref())], &[Some(&args.model)])?;
     let (mut loaded, warnings) = shardc::load_and_check(&args.model).map_err(CliError::new)?;
+    note_external_data(&loaded.model.graph, &args.model);
     eprint!("{warnings}");
     let spec = args.shapes.spec()?;
     let opts = passes::PassOptions { rebatch: spec.clone(), ..Default::default() };

@@ -27,7 +27,7 @@ pub struct PlanArgs {
     #[arg(long)]
     pub cluster: String,
     /// Devices to use (default: all of the cluster).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_devices, allow_negative_numbers = true)]
     pub devices: Option<usize>,
     /// Write the plan (JSON) here.
     #[arg(short = 'o', long = "output", value_name = "PLAN.json")]
@@ -42,10 +42,10 @@ pub struct PlanArgs {
     #[arg(long, value_enum)]
     pub emit: Option<PlanEmit>,
     /// Search budget in seconds; the best plan found so far is returned when it runs out.
-    #[arg(long = "time-limit", value_name = "SECS", default_value_t = 60.0)]
+    #[arg(long = "time-limit", value_name = "SECS", default_value_t = 60.0, value_parser = parse_seconds, allow_negative_numbers = true)]
     pub time_limit: f64,
     /// E-graph node limit per mesh.
-    #[arg(long = "node-limit", value_name = "N")]
+    #[arg(long = "node-limit", value_name = "N", value_parser = parse_count, allow_negative_numbers = true)]
     pub node_limit: Option<usize>,
     /// Pipeline parallelism: off, auto (when it is faster or the only way to fit) or a
     /// stage count.
@@ -85,6 +85,7 @@ pub fn run(args: &PlanArgs) -> CliResult {
             )));
         }
     }
+    guard_outputs(&[("-o", args.output.as_ref()), ("--svg", args.svg.as_ref())], &[Some(&args.model)])?;
     let cluster = load_cluster(&args.cluster)?;
     let devices = args.devices.unwrap_or(cluster.devices());
     cluster.mesh(devices).map_err(CliError::msg)?;
@@ -92,6 +93,7 @@ pub fn run(args: &PlanArgs) -> CliResult {
     let bytes = std::fs::read(&args.model)
         .map_err(|e| CliError::msg(format!("cannot read `{}`: {e}", args.model.display())))?;
     let (mut loaded, warnings) = shardc::load_and_check(&args.model).map_err(CliError::new)?;
+    note_external_data(&loaded.model.graph, &args.model);
     eprint!("{warnings}");
     let spec = args.shapes.spec()?;
     let pipeline = autoshard::PipelineMode::parse(&args.pipeline).map_err(CliError::msg)?;

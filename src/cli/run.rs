@@ -27,7 +27,7 @@ pub struct RunArgs {
     #[arg(long, default_value = "local-wgpu")]
     pub cluster: String,
     /// Simulated devices (default: 4).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = parse_devices, allow_negative_numbers = true)]
     pub devices: usize,
     /// Pipeline parallelism when searching a plan: off, auto or a stage count.
     #[arg(long, default_value = "auto")]
@@ -49,17 +49,21 @@ pub struct RunArgs {
     #[arg(long)]
     pub check: bool,
     /// Relative tolerance of `--check`.
-    #[arg(long, default_value_t = 1e-4)]
+    #[arg(long, default_value_t = 1e-4, value_parser = parse_nonneg, allow_negative_numbers = true)]
     pub rtol: f64,
     /// Absolute tolerance of `--check`.
-    #[arg(long, default_value_t = 1e-5)]
+    #[arg(long, default_value_t = 1e-5, value_parser = parse_nonneg, allow_negative_numbers = true)]
     pub atol: f64,
     /// Forward steps to run; timings are of the last (the first also compiles kernels).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = parse_count, allow_negative_numbers = true)]
     pub steps: usize,
     /// Print one JSON document.
     #[arg(long)]
     pub json: bool,
+    /// Apply `--plan` even though it was made for another file (a re-export): its ops must
+    /// still match the model's by name and shape.
+    #[arg(long, requires = "plan")]
+    pub force: bool,
     #[command(flatten)]
     pub shapes: ShapeArgs,
     #[command(flatten)]
@@ -85,19 +89,17 @@ pub fn run(args: &RunArgs) -> CliResult {
     if args.steps == 0 {
         return Err(CliError::msg("--steps must be at least 1"));
     }
-    if let Some(out) = &args.save_outputs {
-        for (flag, p) in [("--inputs", &args.inputs), ("--plan", &args.plan)] {
-            if let Some(p) = p
-                && super::common::same_file(out, p)
-            {
-                return Err(CliError::msg(format!(
-                    "refusing to overwrite `{}` (given as {flag}) with --save-outputs; choose another path",
-                    p.display()
-                )));
-            }
-        }
-    }
-    let mut loaded = load_canonical(&args.model, &args.shapes)?;
+    guard_outputs(
+        &[("--save-outputs", args.save_outputs.as_ref())],
+        &[Some(&args.model), args.inputs.as_deref(), args.plan.as_deref()],
+    )?;
+    // A plan runs at the input shapes it was made for, unless they are given.
+    let plan_doc = args.plan.as_deref().map(read_plan).transpose()?;
+    let shapes = match &plan_doc {
+        Some(p) if args.shapes.is_empty() => ShapeArgs::of_plan(p),
+        _ => args.shapes.clone(),
+    };
+    let mut loaded = load_canonical(&args.model, &shapes)?;
     let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
     let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
     let g = &loaded.model.graph;
@@ -115,10 +117,9 @@ pub fn run(args: &RunArgs) -> CliResult {
     // The plan.
     // The cost model's forward-pass prediction (cluster name, seconds), when there is one.
     let mut predicted: Option<(String, f64)> = None;
-    let (program, plan_desc) = if let Some(path) = &args.plan {
-        let plan = read_plan(path)?;
-        notes.extend(plan_model_warning(&plan, path, &args.model));
-        let p = exec::program_for_plan(g, &plan).map_err(|e| CliError::msg(format!("the plan does not lower: {e}")))?;
+    let (program, plan_desc) = if let (Some(path), Some(plan)) = (&args.plan, &plan_doc) {
+        notes.extend(check_plan_model(plan, path, &args.model, args.force)?);
+        let p = exec::program_for_plan(g, plan).map_err(|e| CliError::msg(format!("the plan does not lower: {e}")))?;
         if plan.stages.len() <= 1
             && let Some(f) = plan.breakdown.get("forward_s").and_then(|v| v.as_f64())
         {
@@ -170,8 +171,9 @@ pub fn run(args: &RunArgs) -> CliResult {
         }
         None => None,
     };
-    let inputs = exec::inputs_for(g, io_json.as_ref(), args.seed).map_err(CliError::msg)?;
     let (be, warn_be) = backend(args)?;
+    preflight(&program, g, args.check.then_some(g), be)?;
+    let inputs = exec::inputs_for(g, io_json.as_ref(), args.seed).map_err(CliError::msg)?;
     if let Some(w) = warn_be {
         notes.push(format!("warning: {w}"));
     }

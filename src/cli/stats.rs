@@ -21,7 +21,7 @@ pub struct StatsArgs {
 pub fn run(args: &StatsArgs) -> CliResult {
     let loaded = load(&args.model, &args.shapes)?;
     let g = &loaded.model.graph;
-    let s = ir::cost::compute_stats(g);
+    let s = ir::cost::compute_stats(g).map_err(CliError::msg)?;
     let io = |vals: Vec<(String, Option<ir::Type>)>| -> Vec<serde_json::Value> {
         vals.into_iter().map(|(n, t)| json!({ "name": n, "type": t.map(|t| t.to_string()) })).collect()
     };

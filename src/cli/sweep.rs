@@ -37,7 +37,7 @@ pub struct SweepArgs {
     #[arg(long, value_delimiter = ',', required = true)]
     pub strategies: Vec<String>,
     /// Devices (for axes other than `devices`; default: all of the cluster).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_devices, allow_negative_numbers = true)]
     pub devices: Option<usize>,
     /// Draw the sweep as an SVG line chart.
     #[arg(long)]
@@ -90,6 +90,7 @@ fn parse_value(s: &str, base: f64) -> Result<f64, String> {
 }
 
 pub fn run(args: &SweepArgs) -> CliResult {
+    guard_outputs(&[("--svg", args.svg.as_ref())], &[Some(&args.model)])?;
     let loaded = load_canonical(&args.model, &args.shapes)?;
     let base = load_cluster(&args.cluster)?;
     let opts = args.model_args.options()?;

@@ -39,19 +39,19 @@ pub struct TrainArgs {
     #[arg(long)]
     pub optimizer: Option<String>,
     /// Learning rate.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_positive, allow_negative_numbers = true)]
     pub lr: Option<f64>,
     /// SGD momentum.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_fraction, allow_negative_numbers = true)]
     pub momentum: Option<f64>,
     /// Weight decay (AdamW: decoupled).
-    #[arg(long = "weight-decay")]
+    #[arg(long = "weight-decay", value_parser = parse_nonneg, allow_negative_numbers = true)]
     pub weight_decay: Option<f64>,
     /// Training steps.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = parse_count, allow_negative_numbers = true)]
     pub steps: usize,
     /// Devices (one program per device; default: the plan's with --plan, else 1).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_devices, allow_negative_numbers = true)]
     pub devices: Option<usize>,
     /// A named strategy (data, megatron, spatial, hybrid:dp:D,tp:T, ...) instead of the
     /// searched plan (`auto`, the default on several devices).
@@ -62,11 +62,11 @@ pub struct TrainArgs {
     #[arg(long, value_name = "PLAN.json")]
     pub plan: Option<PathBuf>,
     /// Safety net of the plan search, seconds.
-    #[arg(long = "time-limit", default_value_t = 60.0)]
+    #[arg(long = "time-limit", default_value_t = 60.0, value_parser = parse_seconds, allow_negative_numbers = true)]
     pub time_limit: f64,
     /// Micro-batches per step: each device runs forward and backward on 1/M of its batch at
     /// a time and the optimizer steps once on the mean gradient (gradient accumulation).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = parse_count, allow_negative_numbers = true)]
     pub micro_batches: usize,
     /// The cluster the prediction is for.
     #[arg(long, default_value = "local-wgpu")]
@@ -77,11 +77,15 @@ pub struct TrainArgs {
     /// Also compare every step with the reference trainer (CPU, one device).
     #[arg(long)]
     pub check: bool,
+    /// Apply `--plan` even though it was made for another file (a re-export): its ops must
+    /// still match the model's by name and shape.
+    #[arg(long, requires = "plan")]
+    pub force: bool,
     /// Relative tolerance of the checks (default: the case's, else 1e-4).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_nonneg, allow_negative_numbers = true)]
     pub rtol: Option<f64>,
     /// Absolute tolerance of the checks (default: the case's, else 1e-5).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_nonneg, allow_negative_numbers = true)]
     pub atol: Option<f64>,
     /// Also write each device's lowered training program (ONNX text) into this directory.
     #[arg(long = "emit-program", value_name = "DIR")]
@@ -198,7 +202,15 @@ fn training_plan(
                     plan.devices
                 )));
             }
-            notes.extend(plan_model_warning(&plan, path, &args.model));
+            notes.extend(check_plan_model(&plan, path, &args.model, args.force)?);
+            let diffs = plan.differences(forward, true);
+            if !diffs.is_empty() {
+                return Err(CliError::msg(format!(
+                    "`{}`: {}",
+                    path.display(),
+                    passes::autoshard::plan::differences_message(&diffs)
+                )));
+            }
             let mesh = plan.stage_meshes().map_err(CliError::msg)?.remove(0);
             let by_output: HashMap<&str, &Vec<Option<usize>>> =
                 plan.ops.iter().filter_map(|o| Some((o.outputs.first()?.as_str(), &o.split))).collect();
@@ -288,16 +300,10 @@ pub fn run(args: &TrainArgs) -> CliResult {
     if args.micro_batches == 0 {
         return Err(CliError::msg("--micro-batches must be at least 1"));
     }
-    if let Some(out) = &args.save_state {
-        for p in [Some(&args.model), args.data.as_ref(), args.plan.as_ref()].into_iter().flatten() {
-            if same_file(out, p) {
-                return Err(CliError::msg(format!(
-                    "refusing to overwrite `{}` with --save-state; choose another path",
-                    p.display()
-                )));
-            }
-        }
-    }
+    guard_outputs(
+        &[("--save-state", args.save_state.as_ref()), ("--emit-program", args.emit_program.as_ref())],
+        &[Some(&args.model), args.data.as_deref(), args.plan.as_deref()],
+    )?;
     let case = match &args.data {
         Some(p) => Some(TrainCase::load(p).map_err(CliError::msg)?),
         None => None,
@@ -329,21 +335,6 @@ pub fn run(args: &TrainArgs) -> CliResult {
         m => Some(shardc::train::micro_training_model(&loaded.model, &loss, &opt, m).map_err(CliError::msg)?),
     };
     let gl = micro_tm.as_ref().map_or(g, |t| &t.graph);
-    // Inputs: the case's, or drawn from the seed (class labels within the classes).
-    let inputs: HashMap<String, Array> = match &case {
-        Some(c) => {
-            let mut ins = c.inputs.clone();
-            for v in g.input_values() {
-                let n = g.value_name(v);
-                if matches!(g.node(v.node).op, ir::Op::Input { default: None }) && !ins.contains_key(n) {
-                    return Err(CliError::msg(format!("the case has no value for input `{n}`")));
-                }
-            }
-            ins.retain(|k, _| g.lookup(k).is_some());
-            ins
-        }
-        None => shardc::train::seeded_inputs(g, &info, args.seed).map_err(CliError::msg)?,
-    };
     // The program: the training graph lowered for the strategy.
     let cluster = load_cluster(&args.cluster)?;
     // The cost model prices the optimizer that runs.
@@ -376,6 +367,22 @@ pub fn run(args: &TrainArgs) -> CliResult {
     if let Some(w) = warn {
         notes.push(format!("warning: {w}"));
     }
+    preflight(&program, g, args.check.then_some(g), be)?;
+    // Inputs: the case's, or drawn from the seed (class labels within the classes).
+    let inputs: HashMap<String, Array> = match &case {
+        Some(c) => {
+            let mut ins = c.inputs.clone();
+            for v in g.input_values() {
+                let n = g.value_name(v);
+                if matches!(g.node(v.node).op, ir::Op::Input { default: None }) && !ins.contains_key(n) {
+                    return Err(CliError::msg(format!("the case has no value for input `{n}`")));
+                }
+            }
+            ins.retain(|k, _| g.lookup(k).is_some());
+            ins
+        }
+        None => shardc::train::seeded_inputs(g, &info, args.seed).map_err(CliError::msg)?,
+    };
     let run = shardc::train::run_steps(&program, &info, &inputs, be, args.steps).map_err(CliError::msg)?;
     let (losses, gradients, parameters, report) = (run.losses, run.gradients, run.parameters, run.report);
     // Checks.

@@ -112,7 +112,7 @@ fn stats_match_the_published_counts() {
         let expected: serde_json::Value = serde_json::from_str(&text).unwrap();
         let mut model = load_model(&path);
         ir::infer::infer_shapes(&mut model.graph, ir::infer::Mode::Check).unwrap();
-        let s = ir::cost::compute_stats(&model.graph);
+        let s = ir::cost::compute_stats(&model.graph).expect("stats");
         let name = path.display();
         assert_eq!(s.params, expected["params"].as_u64().unwrap(), "{name}: params");
         assert_eq!(s.float_params, expected["float_params"].as_u64().unwrap(), "{name}: float_params");

@@ -36,6 +36,37 @@ pub fn gpu_adapter() -> Result<String, String> {
     }
 }
 
+/// What a GPU adapter can hold, for the check before a run allocates.
+#[derive(Clone, Debug)]
+pub struct AdapterLimits {
+    /// The adapter's name.
+    pub name: String,
+    /// Its memory is the host's (a CPU or integrated adapter, such as lavapipe).
+    pub host_memory: bool,
+    /// The largest buffer one tensor may occupy (buffer size and storage binding size).
+    pub max_buffer_bytes: u64,
+}
+
+/// [`AdapterLimits`] of the adapter [`gpu_adapter`] opens.
+pub fn gpu_limits() -> Result<AdapterLimits, String> {
+    #[cfg(feature = "gpu")]
+    {
+        gpu::limits()
+    }
+    #[cfg(not(feature = "gpu"))]
+    {
+        Err("this shardc was built without the `gpu` feature".into())
+    }
+}
+
+/// Bytes of memory the host can still give (Linux's `MemAvailable`); `None` where unknown.
+pub fn host_memory_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// Which executor runs the devices.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Backend {

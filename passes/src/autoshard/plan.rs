@@ -422,7 +422,53 @@ impl Plan {
             Some(x) => return Err(format!("plan version {x}; this shardc reads version {VERSION}")),
             None => return Err("no `version` key".into()),
         }
-        serde_json::from_value(v).map_err(|e| format!("malformed plan: {e}"))
+        let plan: Plan = serde_json::from_value(v).map_err(|e| format!("malformed plan: {e}"))?;
+        plan.validate().map_err(|e| format!("malformed plan: {e}"))?;
+        Ok(plan)
+    }
+
+    /// Checks what the document says of itself: devices, stages, meshes, micro-batches and
+    /// op stages agree (a hand-edited plan is read only when it still describes a placement).
+    pub fn validate(&self) -> Result<(), String> {
+        const MOST: usize = 1 << 20;
+        if self.devices == 0 || self.devices > MOST {
+            return Err(format!("`devices` is {}; it must be from 1 to {MOST}", self.devices));
+        }
+        if self.micro_batches > MOST {
+            return Err(format!("`micro_batches` is {}; it must be at most {MOST}", self.micro_batches));
+        }
+        if self.stages.is_empty() {
+            return Err("no stages".into());
+        }
+        let mut seen = vec![false; self.devices];
+        for (i, s) in self.stages.iter().enumerate() {
+            let mesh = mesh_of(&s.mesh)?;
+            let size = s.mesh.iter().try_fold(1usize, |a, x| a.checked_mul(x.size));
+            if s.mesh.iter().any(|a| a.size == 0) || size != Some(s.devices.len()) {
+                return Err(format!(
+                    "stage {i}: the mesh {} does not cover its {} devices",
+                    super::mesh_string(&mesh),
+                    s.devices.len()
+                ));
+            }
+            for &d in &s.devices {
+                match seen.get_mut(d) {
+                    None => return Err(format!("stage {i}: device {d} is not below `devices` ({})", self.devices)),
+                    Some(true) => return Err(format!("stage {i}: device {d} is in two places")),
+                    Some(x) => *x = true,
+                }
+            }
+        }
+        if let Some(d) = seen.iter().position(|x| !x) {
+            return Err(format!("device {d} of the plan's {} is in no stage", self.devices));
+        }
+        if self.stages.len() == 1 && self.mesh != self.stages[0].mesh {
+            return Err("the plan's mesh is not its stage's".into());
+        }
+        if let Some(op) = self.ops.iter().find(|o| o.stage >= self.stages.len()) {
+            return Err(format!("op `{}` is in stage {}; the plan has {}", op.name, op.stage, self.stages.len()));
+        }
+        Ok(())
     }
 
     /// The plan's strategies as an assignment of `g`'s ops, matching ops by their first
@@ -434,6 +480,10 @@ impl Plan {
     /// [`Plan::assignment`] with each op's pipeline stage: the one step from the plan's names
     /// to a graph's nodes.
     pub fn stage_assignment(&self, g: &Graph) -> Result<(Assignment, HashMap<NodeId, usize>), String> {
+        let diffs = self.differences(g, false);
+        if !diffs.is_empty() {
+            return Err(differences_message(&diffs));
+        }
         let meshes: Vec<Mesh> = self.stages.iter().map(|s| mesh_of(&s.mesh)).collect::<Result<Vec<_>, String>>()?;
         let by_output: BTreeMap<&str, &PlanOp> =
             self.ops.iter().filter_map(|o| Some((o.outputs.first()?.as_str(), o))).collect();
@@ -451,6 +501,74 @@ impl Plan {
         }
         Ok((asg, stage_of))
     }
+}
+
+impl Plan {
+    /// What differs between this plan and `g`, the graph it is applied to: ops of the plan
+    /// that `g` lacks (unless `partial`: a plan of the forward model applied to its training
+    /// graph), ops whose type differs, tensors whose shape differs. Ops and tensors are
+    /// matched by name (an op by its first output). Empty when the plan fits `g`.
+    pub fn differences(&self, g: &Graph, partial: bool) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut ops: HashMap<&str, NodeId> = HashMap::new();
+        let mut values: HashMap<&str, Value> = HashMap::new();
+        for n in g.node_ids() {
+            let node = g.node(n);
+            for (slot, o) in node.outputs().iter().enumerate() {
+                if !o.name.is_empty() {
+                    values.insert(o.name.as_str(), Value::new(n, slot as u16));
+                }
+            }
+            if !matches!(node.op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef)
+                && let Some(o) = node.outputs().first()
+            {
+                ops.insert(o.name.as_str(), n);
+            }
+        }
+        for op in &self.ops {
+            let Some(key) = op.outputs.first() else {
+                out.push(format!("plan op `{}` has no outputs", op.name));
+                continue;
+            };
+            match ops.get(key.as_str()) {
+                None if !partial => {
+                    out.push(format!("plan op `{}` ({}, output `{key}`) is not in the model", op.name, op.op))
+                }
+                None => {}
+                Some(&n) => {
+                    let ty = g.node(n).op.op_type();
+                    if ty != op.op {
+                        out.push(format!("op with output `{key}` is {} in the plan, {ty} in the model", op.op));
+                    }
+                }
+            }
+        }
+        for t in &self.tensors {
+            if let Some(&v) = values.get(t.name.as_str()) {
+                let have = g.tensor_type(v).and_then(|t| t.static_dims());
+                if have.as_deref() != Some(t.shape.as_slice()) {
+                    let have = have.map_or("an unknown shape".into(), |d| format!("{d:?}"));
+                    out.push(format!("tensor `{}` is {:?} in the plan, {have} in the model", t.name, t.shape));
+                }
+            } else if !partial {
+                out.push(format!("plan tensor `{}` is not in the model", t.name));
+            }
+        }
+        out
+    }
+}
+
+/// The error for a plan that does not fit a graph: the first differences and how many more.
+pub fn differences_message(diffs: &[String]) -> String {
+    let mut m = String::from("the plan does not fit this model:");
+    for d in diffs.iter().take(8) {
+        m.push_str("\n  ");
+        m.push_str(d);
+    }
+    if diffs.len() > 8 {
+        m.push_str(&format!("\n  ... and {} more differences", diffs.len() - 8));
+    }
+    m
 }
 
 fn mesh_of(axes: &[PlanAxis]) -> Result<Mesh, String> {

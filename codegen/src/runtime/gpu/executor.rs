@@ -54,20 +54,35 @@ pub struct GpuExecutor {
     pending: usize,
 }
 
-/// Opens the first adapter of a fresh instance (Vulkan, or any backend wgpu was built with).
-pub fn open() -> Result<(wgpu::Device, wgpu::Queue, String), String> {
+/// The first adapter of a fresh instance (Vulkan, or any backend wgpu was built with).
+fn first_adapter() -> Result<wgpu::Adapter, String> {
     let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
     desc.backends = wgpu::Backends::all();
     let instance = wgpu::Instance::new(desc);
-    let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+    pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
         power_preference: wgpu::PowerPreference::HighPerformance,
         force_fallback_adapter: false,
         compatible_surface: None,
         apply_limit_buckets: false,
     }))
-    .map_err(|e| {
-        format!("{e} (install a Vulkan driver such as Mesa's lavapipe: apt-get install mesa-vulkan-drivers)")
-    })?;
+    .map_err(|e| format!("{e} (install a Vulkan driver such as Mesa's lavapipe: apt-get install mesa-vulkan-drivers)"))
+}
+
+/// What the first adapter can hold ([`crate::runtime::AdapterLimits`]).
+pub fn limits() -> Result<crate::runtime::AdapterLimits, String> {
+    let adapter = first_adapter()?;
+    let info = adapter.get_info();
+    let have = adapter.limits();
+    Ok(crate::runtime::AdapterLimits {
+        name: info.name,
+        host_memory: matches!(info.device_type, wgpu::DeviceType::Cpu | wgpu::DeviceType::IntegratedGpu),
+        max_buffer_bytes: have.max_buffer_size.min(have.max_storage_buffer_binding_size),
+    })
+}
+
+/// Opens the first adapter of a fresh instance (Vulkan, or any backend wgpu was built with).
+pub fn open() -> Result<(wgpu::Device, wgpu::Queue, String), String> {
+    let adapter = first_adapter()?;
     let info = adapter.get_info();
     let mut limits = wgpu::Limits::default();
     let have = adapter.limits();

@@ -28,7 +28,7 @@ pub mod wgsl;
 #[cfg(feature = "gpu")]
 mod executor;
 #[cfg(feature = "gpu")]
-pub use executor::{GpuExecutor, GpuTensor, open};
+pub use executor::{GpuExecutor, GpuTensor, limits, open};
 
 use ir::DType;
 

@@ -1,0 +1,79 @@
+//! What a program will hold in memory, before it runs: the guard that refuses a run the
+//! host or the devices cannot hold, instead of letting an allocation abort the process.
+
+use std::collections::{HashMap, HashSet};
+
+use ir::op::Op;
+use ir::{Graph, Value};
+
+use crate::program::{DeviceProgram, Program};
+
+/// Bytes a graph holds at its peak when run op by op in topological order: every
+/// initializer and input for the whole run, each op's outputs from the op until their last
+/// reader (kept to the end when in `keep` or a graph output). An estimate of what the
+/// runtime allocates: views that share storage are counted as copies, so it errs high.
+/// `None` when a size is unknown or overflows 64 bits.
+pub fn peak_bytes(g: &Graph, keep: &HashSet<Value>) -> Option<u64> {
+    let order = g.topo_order().ok()?;
+    let size = |v: Value| -> Option<u64> { g.tensor_type(v).map_or(Some(0), |t| t.size_bytes()) };
+    let mut last_use: HashMap<Value, usize> = HashMap::new();
+    for (i, &n) in order.iter().enumerate() {
+        for v in g.node(n).inputs().iter().flatten() {
+            last_use.insert(*v, i);
+        }
+    }
+    let outputs: HashSet<Value> = g.outputs().iter().map(|o| o.value).collect();
+    let mut live: u64 = 0;
+    let mut peak: u64 = 0;
+    for (i, &n) in order.iter().enumerate() {
+        let node = g.node(n);
+        for slot in 0..node.num_outputs() {
+            live = live.checked_add(size(Value::new(n, slot as u16))?)?;
+        }
+        peak = peak.max(live);
+        if matches!(node.op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef) {
+            continue;
+        }
+        for v in node.inputs().iter().flatten() {
+            let fixed = matches!(g.node(v.node).op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef);
+            if last_use.get(v) == Some(&i) && !fixed && !keep.contains(v) && !outputs.contains(v) {
+                live = live.saturating_sub(size(*v)?);
+            }
+        }
+        for slot in 0..node.num_outputs() {
+            let v = Value::new(n, slot as u16);
+            if !last_use.contains_key(&v) && !outputs.contains(&v) && !keep.contains(&v) {
+                live = live.saturating_sub(size(v)?);
+            }
+        }
+    }
+    Some(peak)
+}
+
+impl DeviceProgram {
+    /// [`peak_bytes`] of this device's graph, its results kept.
+    pub fn peak_bytes(&self) -> Option<u64> {
+        let keep: HashSet<Value> = self.results.iter().filter_map(|r| self.graph.lookup(&r.local)).collect();
+        peak_bytes(&self.graph, &keep)
+    }
+
+    /// The largest single tensor of this device's graph, bytes (what one buffer must hold).
+    pub fn largest_tensor_bytes(&self) -> Option<u64> {
+        let g = &self.graph;
+        let mut most = 0;
+        for n in g.node_ids() {
+            for slot in 0..g.node(n).num_outputs() {
+                let b = g.tensor_type(Value::new(n, slot as u16)).map_or(Some(0), |t| t.size_bytes())?;
+                most = most.max(b);
+            }
+        }
+        Some(most)
+    }
+}
+
+impl Program {
+    /// Each device's [`DeviceProgram::peak_bytes`].
+    pub fn peak_bytes(&self) -> Vec<Option<u64>> {
+        self.devices.iter().map(DeviceProgram::peak_bytes).collect()
+    }
+}
