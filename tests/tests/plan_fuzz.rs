@@ -168,7 +168,13 @@ fn exercise(g: &ir::Graph, text: &str, inputs: &std::collections::HashMap<String
 
 #[test]
 fn mutated_plans_are_errors_not_panics() {
-    let seed = std::env::var("SHARDC_PROPTEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(19u64);
+    // A fixed seed, another with SHARDC_PROPTEST_SEED=N, a fresh one with `random`.
+    let seed = match std::env::var("SHARDC_PROPTEST_SEED").ok().as_deref() {
+        Some("random") => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64,
+        Some(n) => n.parse().unwrap_or(19),
+        None => 19,
+    };
+    eprintln!("plan_fuzz seed {seed}");
     let mut rng = Rng::new(seed);
     let mut outcomes: std::collections::BTreeMap<&str, usize> = Default::default();
     let mut panics = Vec::new();
