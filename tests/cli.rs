@@ -754,10 +754,14 @@ fn guard_rails_refuse_before_doing() {
     retyped["ops"][0]["op"] = "Conv".into();
     let mut devices = doc.clone();
     devices["devices"] = 3.into();
+    // A sha256 edited into something that is not hex is another file's, not a crash.
+    let mut sha = doc.clone();
+    sha["model"]["sha256"] = "aééééééééééééé".into();
     for (edit, want) in [
         (no_op, "the plan has no strategy for"),
         (retyped, "is Conv in the plan"),
         (devices, "malformed plan: device 2 of the plan's 3 is in no stage"),
+        (sha, "sha256 aééééééééééé…"),
     ] {
         let e = dir.join("edit.json");
         std::fs::write(&e, edit.to_string()).unwrap();

@@ -16,12 +16,9 @@ use crate::program::{DeviceProgram, Program};
 pub fn peak_bytes(g: &Graph, keep: &HashSet<Value>) -> Option<u64> {
     let order = g.topo_order().ok()?;
     let size = |v: Value| -> Option<u64> { g.tensor_type(v).map_or(Some(0), |t| t.size_bytes()) };
-    let mut last_use: HashMap<Value, usize> = HashMap::new();
-    for (i, &n) in order.iter().enumerate() {
-        for v in g.node(n).inputs().iter().flatten() {
-            last_use.insert(*v, i);
-        }
-    }
+    let last_use = last_uses(g, &order);
+    // Weights and inputs stay for the whole run.
+    let fixed = |n: ir::NodeId| matches!(g.node(n).op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef);
     let outputs: HashSet<Value> = g.outputs().iter().map(|o| o.value).collect();
     let mut live: u64 = 0;
     let mut peak: u64 = 0;
@@ -31,12 +28,11 @@ pub fn peak_bytes(g: &Graph, keep: &HashSet<Value>) -> Option<u64> {
             live = live.checked_add(size(Value::new(n, slot as u16))?)?;
         }
         peak = peak.max(live);
-        if matches!(node.op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef) {
+        if fixed(n) {
             continue;
         }
         for v in node.inputs().iter().flatten() {
-            let fixed = matches!(g.node(v.node).op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef);
-            if last_use.get(v) == Some(&i) && !fixed && !keep.contains(v) && !outputs.contains(v) {
+            if last_use.get(v) == Some(&i) && !fixed(v.node) && !keep.contains(v) && !outputs.contains(v) {
                 live = live.saturating_sub(size(*v)?);
             }
         }
@@ -48,6 +44,18 @@ pub fn peak_bytes(g: &Graph, keep: &HashSet<Value>) -> Option<u64> {
         }
     }
     Some(peak)
+}
+
+/// The last op (position in `order`) reading each value: where the runtime frees it, and
+/// where [`peak_bytes`] stops counting it.
+pub(crate) fn last_uses(g: &Graph, order: &[ir::NodeId]) -> HashMap<Value, usize> {
+    let mut last_use = HashMap::new();
+    for (i, &n) in order.iter().enumerate() {
+        for v in g.node(n).inputs().iter().flatten() {
+            last_use.insert(*v, i);
+        }
+    }
+    last_use
 }
 
 impl DeviceProgram {

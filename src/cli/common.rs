@@ -92,11 +92,15 @@ pub fn parse_factor(s: &str) -> Result<f64, String> {
     Ok(x)
 }
 
-/// Seconds of a time limit: above 0, at most a year (so it fits a `Duration`).
+/// The largest time limit accepted, seconds (a year): the search's limit is a safety net,
+/// and this always fits a `Duration`.
+pub const MAX_TIME_LIMIT: f64 = 365.0 * 86400.0;
+
+/// Seconds of a time limit: above 0, at most [`MAX_TIME_LIMIT`].
 pub fn parse_seconds(s: &str) -> Result<f64, String> {
     let x = parse_positive(s)?;
-    if x > 3.2e7 {
-        return Err(format!("must be at most a year (3.2e7 s), got {s}"));
+    if x > MAX_TIME_LIMIT {
+        return Err(format!("must be at most a year ({MAX_TIME_LIMIT:e} s), got {s}"));
     }
     Ok(x)
 }
@@ -445,7 +449,7 @@ pub fn check_plan_model(
         format!(
             "was made for another file (`{}`, sha256 {}…; `{}` has {}…)",
             plan.model.path,
-            &plan.model.sha256[..plan.model.sha256.len().min(12)],
+            plan.model.sha256.chars().take(12).collect::<String>(),
             model.display(),
             &sha[..12]
         )

@@ -64,19 +64,9 @@ pub struct PlanArgs {
     pub model_args: ModelArgs,
 }
 
-/// The largest `--time-limit` accepted, seconds (a year).
-const MAX_TIME_LIMIT: f64 = 365.0 * 86400.0;
-
 const PLAN_PASSES: &[&str] = &["verify", "rebatch", "infer-shapes", "canonicalize", "autoshard"];
 
 pub fn run(args: &PlanArgs) -> CliResult {
-    // The limit is a safety net: at most a year, so it always fits a `Duration`.
-    if !(args.time_limit > 0.0 && args.time_limit.is_finite() && args.time_limit <= MAX_TIME_LIMIT) {
-        return Err(CliError::msg(format!(
-            "--time-limit must be a positive number of seconds, at most {MAX_TIME_LIMIT:e} (got {})",
-            args.time_limit
-        )));
-    }
     for d in &args.dump_after {
         if d != "all" && !PLAN_PASSES.contains(&d.as_str()) {
             return Err(CliError::msg(format!(

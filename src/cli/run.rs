@@ -83,12 +83,6 @@ fn backend(args: &RunArgs) -> CliResult<(Backend, Option<String>)> {
 }
 
 pub fn run(args: &RunArgs) -> CliResult {
-    if args.devices == 0 {
-        return Err(CliError::msg("--devices must be at least 1"));
-    }
-    if args.steps == 0 {
-        return Err(CliError::msg("--steps must be at least 1"));
-    }
     guard_outputs(
         &[("--save-outputs", args.save_outputs.as_ref())],
         &[Some(&args.model), args.inputs.as_deref(), args.plan.as_deref()],

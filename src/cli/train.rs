@@ -288,18 +288,6 @@ fn check_losses(what: &str, got: &[f64], want: &[f64], tol: (f64, f64)) -> Check
 }
 
 pub fn run(args: &TrainArgs) -> CliResult {
-    if args.steps == 0 {
-        return Err(CliError::msg("--steps must be at least 1"));
-    }
-    if args.devices == Some(0) {
-        return Err(CliError::msg("--devices must be at least 1"));
-    }
-    if !(args.time_limit > 0.0 && args.time_limit <= 3.2e7) {
-        return Err(CliError::msg("--time-limit must be a positive number of seconds, at most a year"));
-    }
-    if args.micro_batches == 0 {
-        return Err(CliError::msg("--micro-batches must be at least 1"));
-    }
     guard_outputs(
         &[("--save-state", args.save_state.as_ref()), ("--emit-program", args.emit_program.as_ref())],
         &[Some(&args.model), args.data.as_deref(), args.plan.as_deref()],

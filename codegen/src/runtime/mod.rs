@@ -513,13 +513,7 @@ fn drive<E: Executor>(
             keep.insert(v);
         }
     }
-    // The last op (position in `order`) reading each value.
-    let mut last_use: HashMap<Value, usize> = HashMap::new();
-    for (i, &n) in order.iter().enumerate() {
-        for v in g.node(n).inputs().iter().flatten() {
-            last_use.insert(*v, i);
-        }
-    }
+    let last_use = crate::memory::last_uses(g, &order);
     // Parameters and constants are uploaded once.
     let mut live = Live { by_storage: HashMap::new(), bytes: 0, peak: 0 };
     let mut fixed: HashMap<Value, E::Tensor> = HashMap::new();
