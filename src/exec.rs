@@ -101,6 +101,8 @@ pub fn program_for_plan(g: &Graph, plan: &Plan) -> Result<Program, String> {
         stage_of,
         micro_batches: plan.micro_batches.max(1),
         policy: plan.policy,
+        schedule: plan.schedule.as_deref().and_then(codegen::Schedule::parse).unwrap_or_default(),
+        recompute: plan.stages.iter().map(|s| s.recompute).collect(),
     };
     codegen::lower(g, &placement).map_err(|e| e.to_string())
 }
@@ -119,6 +121,8 @@ pub fn program_for_search(g: &Graph, r: &SearchResult, devices: usize) -> Result
         stage_of: stage_of.into_iter().collect::<HashMap<NodeId, usize>>(),
         micro_batches: r.pipeline.as_ref().map_or(1, |p| p.micro_batches),
         policy: r.breakdown.policy,
+        schedule: r.pipeline.as_ref().and_then(|p| codegen::Schedule::parse(p.schedule.name())).unwrap_or_default(),
+        recompute: r.pipeline.as_ref().map_or(Vec::new(), |p| p.stages.iter().map(|s| s.recompute).collect()),
     };
     codegen::lower(g, &placement).map_err(|e| e.to_string())
 }
@@ -344,4 +348,113 @@ pub fn training_result(
     let (assignment, rederived) = passes::autoshard::training::derive(&cm, &pinned);
     let kept = pinned.len() - rederived.len();
     Ok((given_result(&cm, assignment, None), kept))
+}
+
+/// A pipelined plan of a forward model, as training lowers it.
+#[derive(Clone, Debug)]
+pub struct TrainPipeline {
+    /// Per stage: its mesh, its global devices (in mesh order), whether it recomputes.
+    pub stages: Vec<(ir::shard::Mesh, Vec<usize>, bool)>,
+    /// The stage of each forward op, by its first output's name.
+    pub stage_of: HashMap<String, usize>,
+    /// Micro-batches per step.
+    pub micro_batches: usize,
+    /// The schedule.
+    pub schedule: codegen::Schedule,
+}
+
+impl TrainPipeline {
+    /// The pipeline of a plan document (`None` when it has one stage).
+    pub fn of_plan(plan: &Plan) -> Result<Option<TrainPipeline>, String> {
+        if plan.stages.len() <= 1 {
+            return Ok(None);
+        }
+        let meshes = plan.stage_meshes()?;
+        let schedule = match plan.schedule.as_deref() {
+            None => codegen::Schedule::default(),
+            Some(s) => codegen::Schedule::parse(s).ok_or_else(|| format!("unknown pipeline schedule `{s}`"))?,
+        };
+        Ok(Some(TrainPipeline {
+            stages: meshes.into_iter().zip(&plan.stages).map(|(m, s)| (m, s.devices.clone(), s.recompute)).collect(),
+            stage_of: plan.ops.iter().filter_map(|o| Some((o.outputs.first()?.clone(), o.stage))).collect(),
+            micro_batches: plan.micro_batches.max(1),
+            schedule,
+        }))
+    }
+
+    /// The pipeline of a search result on `g` (`None` when it does not pipeline).
+    pub fn of_search(g: &Graph, r: &SearchResult) -> Option<TrainPipeline> {
+        let p = r.pipeline.as_ref()?;
+        let name = |n: NodeId| g.node(n).outputs().first().map(|o| o.name.clone()).unwrap_or_default();
+        Some(TrainPipeline {
+            stages: p.stages.iter().map(|s| (s.sub_mesh.clone(), s.devices.clone(), s.recompute)).collect(),
+            stage_of: p
+                .stages
+                .iter()
+                .enumerate()
+                .flat_map(|(i, s)| s.nodes.iter().map(move |&n| (name(n), i)))
+                .collect(),
+            micro_batches: p.micro_batches,
+            schedule: codegen::Schedule::parse(p.schedule.name()).unwrap_or_default(),
+        })
+    }
+}
+
+/// The pipelined training program: `train` is the training graph of one micro-batch,
+/// `forward` the forward model the plan priced (`fwd` its strategies, each on its stage's
+/// mesh). Every op of `train` gets a stage ([`passes::autoshard::training::stages`]: a
+/// backward op runs in its forward op's stage) and each stage's ops their strategies on that
+/// stage's mesh ([`passes::autoshard::training::derive_stage`]). The program computes one
+/// micro-batch; [`as_micro_batches`] makes it a step of `micro_batches`. Returns it and the
+/// number of forward ops that kept the plan's strategy.
+pub fn training_pipeline_program(
+    train: &Graph,
+    forward: &Graph,
+    fwd: &passes::cost::Assignment,
+    pipe: &TrainPipeline,
+    cluster: &passes::cost::Cluster,
+    opts: &passes::cost::Options,
+) -> Result<(Program, usize), String> {
+    use passes::cost::CostModel;
+    let by_name: HashMap<&str, &Vec<Option<usize>>> = fwd
+        .strategies
+        .iter()
+        .filter_map(|(n, s)| Some((forward.node(*n).outputs().first()?.name.as_str(), s)))
+        .filter(|(name, _)| !name.is_empty())
+        .collect();
+    let stage_of = passes::autoshard::training::stages(train, &pipe.stage_of)?;
+    let mut strategies = HashMap::new();
+    let mut kept = 0;
+    let mut policy = ir::reshard::Policy::default();
+    for (i, (mesh, _, _)) in pipe.stages.iter().enumerate() {
+        let ops: std::collections::HashSet<NodeId> =
+            stage_of.iter().filter(|(_, s)| **s == i).map(|(n, _)| *n).collect();
+        let pinned: HashMap<NodeId, Vec<Option<usize>>> = ops
+            .iter()
+            .filter_map(|&n| {
+                let s = by_name.get(train.node(n).outputs().first()?.name.as_str())?;
+                Some((n, (*s).clone()))
+            })
+            .collect();
+        let cm = CostModel::new(train, cluster, mesh.clone(), opts.clone());
+        policy = cm.policy;
+        let (asg, rederived) = passes::autoshard::training::derive_stage(&cm, &pinned, &ops);
+        kept += pinned.len() - rederived.len();
+        strategies.extend(asg.strategies);
+    }
+    let placement = Placement {
+        stages: pipe
+            .stages
+            .iter()
+            .map(|(mesh, devices, _)| StagePlacement { mesh: mesh.clone(), devices: devices.clone() })
+            .collect(),
+        strategies,
+        stage_of,
+        micro_batches: 1,
+        policy,
+        schedule: pipe.schedule,
+        recompute: pipe.stages.iter().map(|s| s.2).collect(),
+    };
+    let p = codegen::lower(train, &placement).map_err(|e| e.to_string())?;
+    Ok((p, kept))
 }

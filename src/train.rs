@@ -141,6 +141,23 @@ pub fn micro_training_model(
     if m == 0 || batch % m as i64 != 0 {
         return Err(format!("--micro-batches {m}: the batch ({batch}) does not divide into {m} micro-batches"));
     }
+    // Micro-batches cut dim 0 of the inputs; a recurrent layer in layout 0 reads its
+    // sequence there, so cutting it would shorten the sequence, not the batch.
+    let g = &model.graph;
+    for n in g.op_nodes().map_err(|_| "the model has a cycle".to_string())? {
+        let layout = match &g.node(n).op {
+            ir::Op::LSTM(o) => o.layout(),
+            ir::Op::GRU(o) => o.layout(),
+            ir::Op::RNN(o) => o.layout(),
+            _ => continue,
+        };
+        if layout == 0 {
+            return Err(format!(
+                "--micro-batches {m}: {} reads its sequence along dim 0 (layout 0), where micro-batches cut the inputs",
+                g.describe(n)
+            ));
+        }
+    }
     let mut micro = model.clone();
     let spec = passes::rebatch::RebatchSpec { batch: Some(batch / m as i64), ..Default::default() };
     passes::rebatch::rebatch(&mut micro.graph, &spec).map_err(|e| format!("--micro-batches {m}: {e}"))?;

@@ -234,8 +234,9 @@ fn micro_batches_accumulate_or_say_why_not() {
 /// The plan the search finds, and a saved plan, through the command: the search's plan of
 /// ResNet-18 on 4 devices (the README's main job, at batch 4 and 2 steps on the CPU) and of a
 /// golden case on 4 devices, and a `shardc plan` document of the forward model on 2 devices,
-/// train with every check passing; a plan for other devices, or one that pipelines, is
-/// refused with the reason.
+/// train with every check passing, and so do a pipelined plan document and the search's
+/// pipeline (`--pipeline 2`); a plan for other devices, a pipeline whose micro-batches would
+/// cut a recurrent layer's sequence and a bad `--pipeline` are refused with the reason.
 #[test]
 fn searched_and_saved_plans_train() {
     let doc = shardc_train(&[
@@ -281,20 +282,49 @@ fn searched_and_saved_plans_train() {
         .expect("the saved plan trains");
     assert!(doc["plan"].as_str().unwrap_or("").starts_with("plan "), "{}", doc["plan"]);
     assert_eq!(doc["devices"].as_array().map_or(0, Vec::len), 2);
+    // A pipelined plan trains: its stages, micro-batches and schedule, the backward pass
+    // flowing back through the stages.
     let piped = dir.join("piped.json");
     plan_cmd("2", &piped);
-    for (extra, want) in [
-        (vec!["--plan", &p, "--devices", "4"], "is a plan for 2 devices"),
-        (vec!["--plan", piped.to_str().unwrap()], "pipelined training is not supported yet"),
+    let pp = piped.to_string_lossy().to_string();
+    let doc = shardc_train(&[&model, "--data", &data, "--plan", &pp, "--steps", "3", "--check", "--backend", "cpu"])
+        .expect("the pipelined plan trains");
+    assert!(doc["plan"].as_str().unwrap_or("").contains("2 stages"), "{}", doc["plan"]);
+    assert!(doc["check"].as_array().is_some_and(|c| c.len() >= 4), "{}", doc["check"]);
+    // The search's pipeline (--pipeline S) on another case.
+    let [gpt, gpt_data] = case("tiny_gpt_train");
+    let doc = shardc_train(&[
+        &gpt,
+        "--data",
+        &gpt_data,
+        "--devices",
+        "4",
+        "--pipeline",
+        "2",
+        "--steps",
+        "3",
+        "--check",
+        "--backend",
+        "cpu",
+    ])
+    .expect("the searched pipeline trains");
+    assert!(doc["plan"].as_str().unwrap_or("").contains("2 stages"), "{}", doc["plan"]);
+    assert!(doc["devices"].as_array().is_some_and(|d| d.iter().all(|d| d["activation_peak_bytes"].as_u64() > Some(0))));
+    let [lstm, lstm_data] = case("lstm_small_train");
+    for (m, d, extra, want) in [
+        (&model, &data, vec!["--plan", &p, "--devices", "4"], "is a plan for 2 devices"),
+        (&lstm, &lstm_data, vec!["--devices", "2", "--pipeline", "2"], "reads its sequence along dim 0"),
+        (&model, &data, vec!["--devices", "2", "--pipeline", "two"], "--pipeline"),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
-            .args(["train", &model, "--data", &data, "--steps", "1", "--backend", "cpu"])
+            .args(["train", m, "--data", d, "--steps", "1", "--backend", "cpu"])
             .args(&extra)
             .current_dir(repo_root())
             .output()
             .expect("shardc runs");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{extra:?}: {err}");
+        let code = if want == "--pipeline" { 2 } else { 1 };
+        assert_eq!(out.status.code(), Some(code), "{extra:?}: {err}");
         assert!(err.contains(want) && !err.contains("panicked"), "{extra:?}: {err}");
     }
     let _ = std::fs::remove_dir_all(&dir);

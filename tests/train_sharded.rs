@@ -257,3 +257,126 @@ fn micro_batch_accumulation_equals_the_whole_batch_step() {
     assert!(ran >= 12, "only {ran} accumulated runs");
     assert!(refused >= 1, "no model with per-micro-batch state was refused");
 }
+
+/// Pipelines train with a real backward pass: the forward model's pipelined plan (the
+/// search's, with 2 and 4 stages on 2 and 4 devices, and 2 stages of 2 devices each) runs
+/// every backward op in its forward op's stage, the gradient flowing back stage by stage,
+/// under GPipe and 1F1B, with and without recomputation, gradients accumulated over the
+/// plan's micro-batches; the losses, step 1's gradients and the parameters after 3 steps
+/// equal one device's. The first stage must receive its gradient from the second (a real
+/// backward pass across stages, not a replicated one). A weight tied across stages and a
+/// recurrent layer whose sequence micro-batches would cut are refused with a clear error;
+/// a model whose state every micro-batch updates (BatchNorm's running statistics) too.
+#[test]
+fn pipelined_training_equals_one_device() {
+    use shardc::codegen::Schedule;
+    let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
+    let opts = shardc::passes::cost::Options::default();
+    let mut report = String::new();
+    let (mut ran, mut refused) = (0, 0);
+    let (mut lower_1f1b, mut lower_recompute) = (false, false);
+    let mut peaks: HashMap<(&str, bool), u64> = HashMap::new();
+    for path in golden_train_cases() {
+        let c = load(&path);
+        let single = run(&c, &program(&c, "data", 1).expect("one device"));
+        let loaded = shardc::load_model(&path).expect("model loads");
+        let case = TrainCase::load(&path.with_extension("train.json")).expect("case loads");
+        let opt = case.optimizer("sgd").cloned().expect("the case has an SGD step");
+        // The plan's micro-batches, and 4 over 2 stages (more than the stages: where 1F1B
+        // stashes fewer than GPipe).
+        for (devices, stages, more) in [(2, 2, None), (4, 4, None), (4, 2, None), (2, 2, Some(4))] {
+            let so = shardc::passes::autoshard::SearchOptions {
+                pipeline: shardc::passes::autoshard::PipelineMode::Stages(stages),
+                ..Default::default()
+            };
+            let r = shardc::passes::autoshard::search(&c.forward, &cluster, devices, &opts, &so).expect("search");
+            let Some(mut pipe) = shardc::exec::TrainPipeline::of_search(&c.forward, &r) else {
+                panic!("{}: no {stages}-stage pipeline on {devices} devices", c.name)
+            };
+            pipe.micro_batches = more.unwrap_or(pipe.micro_batches);
+            let m = pipe.micro_batches;
+            let micro = if m == 1 {
+                Ok(training_model(&loaded.model, &LossSpec::Model, &opt).expect("training graph").0)
+            } else {
+                shardc::train::micro_training_model(&loaded.model, &LossSpec::Model, &opt, m)
+            };
+            let micro = match micro {
+                Ok(t) => t,
+                Err(e) if more.is_some() && e.contains("does not divide") => continue,
+                Err(e) => {
+                    assert!(e.contains("reads its sequence"), "{} ×{m} micro-batches: {e}", c.name);
+                    refused += 1;
+                    continue;
+                }
+            };
+            for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+                for recompute in [false, true] {
+                    let mut pipe = pipe.clone();
+                    pipe.schedule = schedule;
+                    pipe.stages.iter_mut().for_each(|s| s.2 = recompute);
+                    let label = format!(
+                        "{stages} stages on {devices}, {m} micro, {}{}",
+                        schedule.name(),
+                        if recompute { ", recompute" } else { "" }
+                    );
+                    let p = match shardc::exec::training_pipeline_program(
+                        &micro.graph,
+                        &c.forward,
+                        &r.assignment,
+                        &pipe,
+                        &cluster,
+                        &opts,
+                    ) {
+                        Ok((p, _)) => p,
+                        Err(e) => {
+                            assert!(e.contains("tied across stages"), "{} {label}: {e}", c.name);
+                            refused += 1;
+                            continue;
+                        }
+                    };
+                    let p = shardc::exec::as_micro_batches(p, &c.graph, m).expect("micro-batches");
+                    shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{} {label}: inconsistent: {e:?}", c.name));
+                    let first = &p.devices[p.stage_devices[0][0]];
+                    let back = first.graph.op_nodes().unwrap().into_iter().any(|n| {
+                        matches!(&first.graph.node(n).op, shardc::ir::Op::Recv(r)
+                            if r.peer.is_some_and(|x| p.devices[x as usize].stage > 0))
+                    });
+                    assert!(back, "{} {label}: the first stage receives no gradient", c.name);
+                    let got = match run_steps(&p, &c.info, &c.inputs, Backend::Cpu, STEPS) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            assert!(e.contains("updated by every micro-batch"), "{} {label}: {e}", c.name);
+                            refused += 1;
+                            continue;
+                        }
+                    };
+                    let (r, at) = compare(&got, &single, (1e-4, 1e-5));
+                    let peak = got.report.devices[first.device].activation_peak_bytes;
+                    report.push_str(&format!(
+                        "{} {label}: {r:.3} of the tolerance ({at}); first stage's activations {peak} B\n",
+                        c.name
+                    ));
+                    assert!(r <= 1.0, "{} {label}: {r:.2}× the tolerance at {at}", c.name);
+                    peaks.insert((schedule.name(), recompute), peak);
+                    ran += 1;
+                }
+            }
+            // The first stage's activation memory: 1F1B stashes fewer micro-batches than
+            // GPipe, and recomputation stashes only what the stage received.
+            if let (Some(g), Some(f), Some(fr)) =
+                (peaks.get(&("gpipe", false)), peaks.get(&("1f1b", false)), peaks.get(&("1f1b", true)))
+            {
+                assert!(f <= g, "{} {stages} stages: 1F1B holds {f} B, above GPipe's {g} B", c.name);
+                assert!(fr <= f, "{} {stages} stages: recomputing holds {fr} B, above {f} B", c.name);
+                lower_1f1b |= f < g;
+                lower_recompute |= fr < f;
+            }
+            peaks.clear();
+        }
+    }
+    eprint!("{report}");
+    assert!(lower_1f1b, "1F1B never held less than GPipe");
+    assert!(lower_recompute, "recomputation never held less");
+    assert!(ran >= 40, "only {ran} pipelined runs");
+    assert!(refused >= 1, "nothing refused");
+}

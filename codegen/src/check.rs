@@ -17,6 +17,7 @@ use ir::{Graph, NodeId, Op, OpClass, TensorType, Value};
 
 use crate::layout::local_shape;
 use crate::program::Program;
+use crate::schedule::{Cut, Part};
 
 /// One finding of the checker: what is inconsistent, on which device and at which of its
 /// nodes (when one is at fault).
@@ -297,7 +298,7 @@ pub fn check(p: &Program) -> Result<(), Vec<CheckError>> {
         }
     }
     if errors.is_empty()
-        && let Err(e) = simulate(&per_device)
+        && let Err(e) = simulate(&scheduled(p, &per_device))
     {
         errors.push(CheckError::new(None, None, e));
     }
@@ -315,25 +316,55 @@ fn micro_shape(p: &Program, shape: &[usize], batch_axis: Option<usize>) -> Vec<u
     s
 }
 
+/// Each device's communication over one step, in the order its schedule runs it
+/// ([`crate::schedule`]): per (part, micro-batch) the events of that part (a recomputed
+/// forward part's collectives again before its backward part), then the once-per-step part;
+/// each event with its micro-batch.
+fn scheduled(p: &Program, per_device: &[Vec<(NodeId, Event)>]) -> Vec<Vec<(NodeId, Event, usize)>> {
+    let m = p.micro_batches.max(1);
+    let mut out = Vec::with_capacity(per_device.len());
+    for (i, ev) in per_device.iter().enumerate() {
+        let g = &p.devices[i].graph;
+        let order = g.op_nodes().unwrap_or_default();
+        // Gradients are accumulated when a training step runs several micro-batches.
+        let trains = order.iter().any(|&n| matches!(g.node(n).op, Op::SgdUpdate(_) | Op::AdamUpdate(_)));
+        let cut = Cut::new(p, i, &order, trains && m > 1);
+        let mut list = Vec::new();
+        for &(part, k) in &cut.items {
+            if part == Part::Backward && cut.recompute {
+                list.extend(
+                    ev.iter()
+                        .filter(|(n, e)| cut.runs_in(*n, Part::Forward) && matches!(e, Event::Collective { .. }))
+                        .map(|(n, e)| (*n, e.clone(), k)),
+                );
+            }
+            list.extend(ev.iter().filter(|(n, _)| cut.runs_in(*n, part)).map(|(n, e)| (*n, e.clone(), k)));
+        }
+        list.extend(ev.iter().filter(|(n, _)| cut.once.contains(n)).map(|(n, e)| (*n, e.clone(), m)));
+        out.push(list);
+    }
+    out
+}
+
 /// Runs the communication schedule: `Err` names the devices stuck and what they wait for.
-fn simulate(per_device: &[Vec<(NodeId, Event)>]) -> Result<(), String> {
+fn simulate(per_device: &[Vec<(NodeId, Event, usize)>]) -> Result<(), String> {
     let n = per_device.len();
     let mut pos = vec![0usize; n];
-    let mut sent: std::collections::HashSet<(usize, i64, i64)> = Default::default();
+    let mut sent: std::collections::HashSet<(usize, i64, i64, usize)> = Default::default();
     // How many collectives each device has completed per group.
     let mut done: Vec<HashMap<Vec<i64>, usize>> = vec![HashMap::new(); n];
     loop {
         let mut progress = false;
         for i in 0..n {
-            while let Some((_, e)) = per_device[i].get(pos[i]) {
+            while let Some((_, e, k)) = per_device[i].get(pos[i]) {
                 match e {
                     Event::Send { peer, tag, .. } => {
-                        sent.insert((i, *peer, *tag));
+                        sent.insert((i, *peer, *tag, *k));
                         pos[i] += 1;
                         progress = true;
                     }
                     Event::Recv { peer, tag, .. } => {
-                        if sent.contains(&(*peer as usize, i as i64, *tag)) {
+                        if sent.contains(&(*peer as usize, i as i64, *tag, *k)) {
                             pos[i] += 1;
                             progress = true;
                         } else {
@@ -346,7 +377,7 @@ fn simulate(per_device: &[Vec<(NodeId, Event)>]) -> Result<(), String> {
                         let ready = group.iter().all(|&m| {
                             let m = m as usize;
                             m < n && done[m].get(group).copied().unwrap_or(0) == k && {
-                                matches!(per_device[m].get(pos[m]), Some((_, Event::Collective { group: g2, .. })) if g2 == group)
+                                matches!(per_device[m].get(pos[m]), Some((_, Event::Collective { group: g2, .. }, _)) if g2 == group)
                             }
                         });
                         if ready {
@@ -369,7 +400,9 @@ fn simulate(per_device: &[Vec<(NodeId, Event)>]) -> Result<(), String> {
         if !progress {
             let stuck: Vec<String> = (0..n)
                 .filter(|&i| pos[i] < per_device[i].len())
-                .map(|i| format!("device {i} at {:?}", per_device[i][pos[i]].1))
+                .map(|i| {
+                    format!("device {i} at {:?} of micro-batch {}", per_device[i][pos[i]].1, per_device[i][pos[i]].2)
+                })
                 .collect();
             return Err(format!("the program deadlocks: {}", stuck.join("; ")));
         }

@@ -20,8 +20,10 @@ pub mod lower;
 pub mod memory;
 pub mod program;
 pub mod runtime;
+pub mod schedule;
 
 pub use check::{CheckError, check};
 pub use lower::{LowerError, lower};
 pub use program::{DeviceProgram, Feed, GlobalValue, Placement, Program, StagePlacement};
 pub use runtime::{AdapterLimits, Backend, RunOptions, RunReport, RuntimeError, run};
+pub use schedule::Schedule;

@@ -21,6 +21,10 @@ pub struct Placement {
     pub micro_batches: usize,
     /// The algebra's machine-dependent choices, as the plan priced them.
     pub policy: ir::reshard::Policy,
+    /// The pipeline schedule of a training step's forward and backward parts.
+    pub schedule: crate::schedule::Schedule,
+    /// Per stage: it recomputes its forward part before the backward part (absent: no).
+    pub recompute: Vec<bool>,
 }
 
 /// One stage: its mesh and the global ids of its devices, in mesh order.
@@ -41,6 +45,8 @@ impl Placement {
             stage_of: HashMap::new(),
             micro_batches: 1,
             policy: ir::reshard::Policy::default(),
+            schedule: Default::default(),
+            recompute: Vec::new(),
         }
     }
 
@@ -195,6 +201,10 @@ pub struct Program {
     pub outputs: Vec<GlobalValue>,
     /// Ops that run replicated instead of their planned strategy, and why.
     pub fallbacks: Vec<String>,
+    /// The pipeline schedule ([`crate::schedule`]).
+    pub schedule: crate::schedule::Schedule,
+    /// Per stage: it recomputes its forward part before the backward part.
+    pub recompute: Vec<bool>,
 }
 
 impl Program {

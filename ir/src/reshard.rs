@@ -197,6 +197,36 @@ pub fn carried_state(g: &crate::Graph) -> Vec<(crate::Value, crate::Value)> {
     out
 }
 
+/// The ops a pipeline stage computes for itself instead of receiving: those computed from
+/// constants alone (initializers, defaulted inputs, other such ops). Carried state counts as
+/// a constant only when its next value is itself computed so (a training step's counter,
+/// which every stage then advances on its own); a parameter does not, since only the stage
+/// that updates it would see the new value. Communication ops never count.
+pub fn computed_everywhere(g: &crate::Graph, order: &[crate::NodeId]) -> std::collections::HashSet<crate::NodeId> {
+    use crate::Op;
+    let carried = carried_state(g);
+    let mut varying: std::collections::HashSet<crate::Value> = Default::default();
+    loop {
+        let mut out: std::collections::HashSet<crate::NodeId> = Default::default();
+        for &n in order {
+            let node = g.node(n);
+            let constant = node.inputs().iter().flatten().all(|v| {
+                out.contains(&v.node)
+                    || (matches!(g.node(v.node).op, Op::Initializer(_) | Op::Input { default: Some(_) })
+                        && !varying.contains(v))
+            });
+            if constant && node.op.class() != crate::OpClass::Comm {
+                out.insert(n);
+            }
+        }
+        let before = varying.len();
+        varying.extend(carried.iter().filter(|(next, _)| !out.contains(&next.node)).map(|&(_, state)| state));
+        if varying.len() == before {
+            return out;
+        }
+    }
+}
+
 /// The layout graph output `v`, held in `from`, is delivered in: carried state in the layout
 /// its state is held in (`held`, when the state is read at all), any other output per
 /// [`output_layout`].

@@ -38,6 +38,11 @@ pub fn parse_devices(s: &str) -> Result<usize, String> {
     count_in(s, 1, MAX_DEVICES as u64).map(|n| n as usize)
 }
 
+/// `--pipeline`: `off`, `auto` or a stage count.
+pub fn parse_pipeline(s: &str) -> Result<String, String> {
+    shardc::passes::autoshard::PipelineMode::parse(s).map(|_| s.to_string())
+}
+
 /// A count of at least 1 (steps, micro-batches, node limits), at most 2^32.
 pub fn parse_count(s: &str) -> Result<usize, String> {
     count_in(s, 1, 1 << 32).map(|n| n as usize)

@@ -49,7 +49,7 @@ pub struct PlanArgs {
     pub node_limit: Option<usize>,
     /// Pipeline parallelism: off, auto (when it is faster or the only way to fit) or a
     /// stage count.
-    #[arg(long, default_value = "auto", value_name = "off|auto|S")]
+    #[arg(long, default_value = "auto", value_name = "off|auto|S", value_parser = parse_pipeline)]
     pub pipeline: String,
     /// Draw the pipeline schedule (devices × time) as an SVG timeline.
     #[arg(long, value_name = "FILE")]

@@ -61,6 +61,10 @@ pub struct TrainArgs {
     /// ops keep their strategies, the backward and update ops follow them.
     #[arg(long, value_name = "PLAN.json")]
     pub plan: Option<PathBuf>,
+    /// Pipeline the searched plan: off (default), auto (when the search finds it faster) or
+    /// a stage count; the stages train with their plan's micro-batches and schedule.
+    #[arg(long, conflicts_with_all = ["plan", "strategy"], value_name = "off|auto|S", value_parser = parse_pipeline)]
+    pub pipeline: Option<String>,
     /// Safety net of the plan search, seconds.
     #[arg(long = "time-limit", default_value_t = 60.0, value_parser = parse_seconds, allow_negative_numbers = true)]
     pub time_limit: f64,
@@ -147,8 +151,9 @@ fn optimizer(args: &TrainArgs, case: Option<&TrainCase>) -> CliResult<OptimizerS
 
 /// The plan a training run lowers.
 struct Chosen {
-    /// Strategies of the training graph's ops (what is lowered).
-    result: passes::autoshard::SearchResult,
+    /// Strategies of the training graph's ops (what is lowered), or a pipelined plan of the
+    /// forward model whose stages the training graph's ops are then given.
+    lowering: Lowering,
     devices: usize,
     /// The cost model's step time and peak memory per device for the forward model's plan.
     predicted: Option<(f64, u64)>,
@@ -181,18 +186,17 @@ fn training_plan(
         let result = exec::named_result(train, cluster, devices, s, opts).map_err(CliError::msg)?;
         let predicted =
             exec::named_result(forward, cluster, devices, s, opts).ok().map(|f| step_and_memory(&f.breakdown));
-        return Ok(Chosen { result, devices, predicted, desc: s.to_string(), notes });
+        return Ok(Chosen {
+            lowering: Lowering::Flat(Box::new(result)),
+            devices,
+            predicted,
+            desc: s.to_string(),
+            notes,
+        });
     }
     let (fwd, mesh, devices, predicted, desc) = match &args.plan {
         Some(path) => {
             let plan = read_plan(path)?;
-            if plan.stages.len() > 1 {
-                return Err(CliError::msg(format!(
-                    "`{}` pipelines over {} stages; pipelined training is not supported yet: plan with --pipeline off",
-                    path.display(),
-                    plan.stages.len()
-                )));
-            }
             if let Some(d) = args.devices
                 && d != plan.devices
             {
@@ -211,6 +215,7 @@ fn training_plan(
                     passes::autoshard::plan::differences_message(&diffs)
                 )));
             }
+            let pipe = exec::TrainPipeline::of_plan(&plan).map_err(CliError::msg)?;
             let mesh = plan.stage_meshes().map_err(CliError::msg)?.remove(0);
             let by_output: HashMap<&str, &Vec<Option<usize>>> =
                 plan.ops.iter().filter_map(|o| Some((o.outputs.first()?.as_str(), &o.split))).collect();
@@ -223,18 +228,58 @@ fn training_plan(
             if fwd.strategies.is_empty() {
                 return Err(CliError::msg(format!("`{}` names none of the model's ops", path.display())));
             }
+            if let Some(pipe) = pipe {
+                let desc = format!(
+                    "plan {} ({} stages × {} micro-batches, {})",
+                    path.display(),
+                    pipe.stages.len(),
+                    pipe.micro_batches,
+                    pipe.schedule.name()
+                );
+                if plan.cluster != cluster.name {
+                    notes.push(format!("the prediction is the plan's, for {}", plan.cluster));
+                }
+                let predicted = Some((plan.step_time_s, plan.memory_per_device_bytes));
+                return Ok(Chosen {
+                    lowering: Lowering::Pipeline(pipe, fwd),
+                    devices: plan.devices,
+                    predicted,
+                    desc,
+                    notes,
+                });
+            }
             let cm = passes::cost::CostModel::new(forward, cluster, mesh.clone(), opts.clone());
             let predicted = step_and_memory(&cm.evaluate(&fwd));
             (fwd, mesh, plan.devices, predicted, format!("plan {}", path.display()))
         }
         None => {
             let devices = args.devices.unwrap_or(1);
+            let pipeline = match &args.pipeline {
+                Some(p) => passes::autoshard::PipelineMode::parse(p).map_err(CliError::msg)?,
+                None => passes::autoshard::PipelineMode::Off,
+            };
             let so = passes::autoshard::SearchOptions {
-                pipeline: passes::autoshard::PipelineMode::Off,
+                pipeline,
                 time_limit: std::time::Duration::from_secs_f64(args.time_limit),
                 ..Default::default()
             };
             let r = passes::autoshard::search(forward, cluster, devices, opts, &so).map_err(CliError::msg)?;
+            if let Some(pipe) = exec::TrainPipeline::of_search(forward, &r) {
+                let desc = format!(
+                    "searched plan ({} stages × {} micro-batches, {})",
+                    pipe.stages.len(),
+                    pipe.micro_batches,
+                    pipe.schedule.name()
+                );
+                let predicted = r.pipeline.as_ref().map(|p| step_and_memory(&p.breakdown));
+                return Ok(Chosen {
+                    lowering: Lowering::Pipeline(pipe, r.assignment),
+                    devices,
+                    predicted,
+                    desc,
+                    notes,
+                });
+            }
             let what = r.same_as.clone().map_or("per-layer strategies".into(), |s| format!("the `{s}` plan"));
             let desc = format!("searched plan ({what}, mesh {})", passes::autoshard::mesh_string(&r.mesh));
             (r.assignment, r.mesh, devices, step_and_memory(&r.breakdown), desc)
@@ -247,7 +292,14 @@ fn training_plan(
             fwd.strategies.len()
         ));
     }
-    Ok(Chosen { result, devices, predicted: Some(predicted), desc, notes })
+    Ok(Chosen { lowering: Lowering::Flat(Box::new(result)), devices, predicted: Some(predicted), desc, notes })
+}
+
+enum Lowering {
+    /// One stage: the training graph's strategies.
+    Flat(Box<passes::autoshard::SearchResult>),
+    /// Pipelined: the forward plan's stages and strategies.
+    Pipeline(exec::TrainPipeline, passes::cost::Assignment),
 }
 
 /// One line of the check.
@@ -336,8 +388,33 @@ pub fn run(args: &TrainArgs) -> CliResult {
     let chosen = training_plan(args, &loaded.model.graph, gl, &cluster, &opts)?;
     notes.extend(chosen.notes);
     let devices = chosen.devices;
-    let program = exec::program_for_search(gl, &chosen.result, devices).map_err(CliError::msg)?;
-    let program = exec::as_micro_batches(program, g, args.micro_batches).map_err(CliError::msg)?;
+    let (program, micro) = match &chosen.lowering {
+        Lowering::Flat(r) => (exec::program_for_search(gl, r, devices).map_err(CliError::msg)?, args.micro_batches),
+        Lowering::Pipeline(pipe, fwd) => {
+            let m = pipe.micro_batches;
+            if args.micro_batches != 1 && args.micro_batches != m {
+                return Err(CliError::msg(format!(
+                    "--micro-batches {}: the pipelined plan runs {m} micro-batches",
+                    args.micro_batches
+                )));
+            }
+            let micro_tm = match m {
+                1 => tm.clone(),
+                m => shardc::train::micro_training_model(&loaded.model, &loss, &opt, m).map_err(CliError::msg)?,
+            };
+            let (p, kept) =
+                exec::training_pipeline_program(&micro_tm.graph, &loaded.model.graph, fwd, pipe, &cluster, &opts)
+                    .map_err(CliError::msg)?;
+            if kept < fwd.strategies.len() {
+                notes.push(format!(
+                    "{kept} of the plan's {} forward ops keep their strategy; the others are chosen like the backward ops",
+                    fwd.strategies.len()
+                ));
+            }
+            (p, m)
+        }
+    };
+    let program = exec::as_micro_batches(program, g, micro).map_err(CliError::msg)?;
     check_program(&program)?;
     for f in &program.fallbacks {
         notes.push(format!("runs replicated instead of as planned: {f}"));
@@ -429,8 +506,8 @@ pub fn run(args: &TrainArgs) -> CliResult {
         devices,
         if devices == 1 { "" } else { "s" },
         cluster.name,
-        if args.micro_batches > 1 {
-            format!(", {} micro-batches (gradient accumulation)", args.micro_batches)
+        if micro > 1 && matches!(chosen.lowering, Lowering::Flat(_)) {
+            format!(", {micro} micro-batches (gradient accumulation)")
         } else {
             String::new()
         }
@@ -455,6 +532,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
                 "communication_s": d.communication_s,
                 "phases_s": d.by_phase,
                 "memory_allocated_bytes": d.memory_allocated_bytes,
+                "activation_peak_bytes": d.activation_peak_bytes,
                 "host_ops": d.host_ops,
             })).collect::<Vec<_>>(),
             "memory_predicted_bytes": predicted.map(|p| p.1),

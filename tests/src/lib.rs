@@ -217,5 +217,7 @@ pub fn one_stage_program(graphs: Vec<ir::Graph>) -> codegen::Program {
         inputs: vec![],
         outputs: vec![],
         fallbacks: vec![],
+        schedule: Default::default(),
+        recompute: vec![],
     }
 }

@@ -90,6 +90,8 @@ fn sharded_plans_run_on_wgpu_devices_and_match_the_reference() {
                 stage_of: Default::default(),
                 micro_batches: 1,
                 policy: cm.policy,
+                schedule: Default::default(),
+                recompute: Vec::new(),
             };
             let prog = codegen::lower(g, &pl).unwrap_or_else(|e| panic!("{name} {strategy}: {e}"));
             codegen::check(&prog).unwrap_or_else(|e| panic!("{name} {strategy}: {e:?}"));

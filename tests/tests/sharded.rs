@@ -28,6 +28,8 @@ fn placement_for(g: &ir::Graph, devices: usize, named: &Named) -> Option<Placeme
         stage_of: HashMap::new(),
         micro_batches: 1,
         policy: cm.policy,
+        schedule: Default::default(),
+        recompute: Vec::new(),
     })
 }
 
@@ -109,6 +111,8 @@ fn random_placement(g: &ir::Graph, mesh: &ir::shard::Mesh, seed: u64) -> Placeme
         stage_of: HashMap::new(),
         micro_batches: 1,
         policy: Default::default(),
+        schedule: Default::default(),
+        recompute: Vec::new(),
     }
 }
 

@@ -46,7 +46,10 @@ pub(super) fn emit(
     if let Some(j) = shape_input(node) {
         let local: Vec<i64> = l.local_dims(out0, &outs[0])?.iter().map(|&x| x as i64).collect();
         let global: Vec<i64> = l.global_dims(out0)?.iter().map(|&x| x as i64).collect();
-        if local != global {
+        // A shape received from another pipeline stage is known only when it arrives:
+        // the literal keeps the local shapes static.
+        let received = ins[j].is_some_and(|v| matches!(l.lg.node(v.node).op, Op::Recv(_)));
+        if local != global || received {
             let c = l.const_i64(&format!("{}__shape", g.value_name(out0)), &local);
             ins[j] = Some(c);
         }

@@ -26,6 +26,8 @@ pub(crate) struct Shared<'a> {
     pub value_tag: HashMap<Value, i64>,
     /// Per value: which dims carry the batch (divided into micro-batches).
     pub batch: HashMap<Value, Vec<bool>>,
+    /// Ops computed from constants alone, which every stage computes for itself.
+    pub everywhere: std::collections::HashSet<NodeId>,
 }
 
 /// One device's lowering state.
@@ -317,7 +319,7 @@ impl<'a> Local<'a> {
             }
             _ => {
                 let producer_stage = self.sh.stage_of_value.get(&v).copied().unwrap_or(0);
-                if producer_stage != self.stage {
+                if producer_stage != self.stage && !self.sh.everywhere.contains(&v.node) {
                     self.receive(v, need)?
                 } else {
                     let from = self.produced.get(&v).cloned().ok_or_else(|| {

@@ -81,7 +81,12 @@ fn lower_op(l: &mut Local<'_>, n: NodeId) -> Result<(), LowerError> {
     let g = l.g;
     let node = g.node(n);
     let axes = l.mesh.axes.len();
-    let mut s = l.sh.placement.strategies.get(&n).cloned().unwrap_or_else(|| vec![None; axes]);
+    // An op computed from constants runs replicated on the stages other than its own.
+    let own = l.sh.placement.stage_of.get(&n).copied().unwrap_or(0) == l.stage;
+    let mut s = match l.sh.placement.strategies.get(&n) {
+        Some(s) if own => s.clone(),
+        _ => vec![None; axes],
+    };
     if s.len() != axes {
         return Err(l.err(
             Some(n),
@@ -155,13 +160,21 @@ fn lower_op(l: &mut Local<'_>, n: NodeId) -> Result<(), LowerError> {
     Ok(())
 }
 
-/// Per op output: its stage, and the tag of its pipeline messages.
-type StageMaps = (HashMap<Value, usize>, HashMap<Value, i64>);
+/// Per op output: its stage and the tag of its pipeline messages; the ops every stage
+/// computes for itself.
+type StageMaps = (HashMap<Value, usize>, HashMap<Value, i64>, std::collections::HashSet<NodeId>);
 
-/// Stage and message tag of every op output; checks that stages only read earlier ones.
+/// Stage and message tag of every op output, and the ops every stage computes itself
+/// instead of receiving them ([`ir::reshard::computed_everywhere`]).
+///
+/// A stage may read any other stage's values: a training step's backward part reads the
+/// gradient from the next stage. The checker simulates the schedule, so a placement whose
+/// stages wait on each other is refused there.
 fn stages(g: &Graph, order: &[NodeId], placement: &Placement) -> Result<StageMaps, LowerError> {
     let mut stage_of_value: HashMap<Value, usize> = HashMap::new();
     let mut value_tag: HashMap<Value, i64> = HashMap::new();
+    let everywhere =
+        if placement.stages.len() > 1 { ir::reshard::computed_everywhere(g, order) } else { Default::default() };
     for &n in order {
         let st = placement.stage_of.get(&n).copied().unwrap_or(0);
         if st >= placement.stages.len() {
@@ -178,17 +191,6 @@ fn stages(g: &Graph, order: &[NodeId], placement: &Placement) -> Result<StageMap
             value_tag.insert(v, value_tag.len() as i64);
         }
     }
-    for &n in order {
-        let st = placement.stage_of.get(&n).copied().unwrap_or(0);
-        if g.node(n).inputs().iter().flatten().any(|v| stage_of_value.get(v).is_some_and(|&ps| ps > st)) {
-            return Err(LowerError {
-                device: None,
-                node: Some(g.describe(n)),
-                kind: LowerErrorKind::Placement,
-                message: "reads from a later stage".into(),
-            });
-        }
-    }
     for (i, s) in placement.stages.iter().enumerate() {
         if s.mesh.devices() != s.devices.len() {
             return Err(LowerError::global(
@@ -197,7 +199,7 @@ fn stages(g: &Graph, order: &[NodeId], placement: &Placement) -> Result<StageMap
             ));
         }
     }
-    Ok((stage_of_value, value_tag))
+    Ok((stage_of_value, value_tag, everywhere))
 }
 
 /// Lowers `g` (full batch, shapes static and inferred) under `placement`.
@@ -206,10 +208,10 @@ pub fn lower(g: &Graph, placement: &Placement) -> Result<Program, LowerError> {
     if placement.stages.is_empty() {
         return Err(LowerError::global(LowerErrorKind::Placement, "no stages"));
     }
-    let (stage_of_value, value_tag) = stages(g, &order, placement)?;
+    let (stage_of_value, value_tag, everywhere) = stages(g, &order, placement)?;
     let batch = ir::ops::flow::batch_dims(g);
     let m = placement.micro_batches.max(1);
-    let sh = Shared { g, placement, stage_of_value, value_tag, batch };
+    let sh = Shared { g, placement, stage_of_value, value_tag, batch, everywhere };
     let total = placement.device_count();
     let mut programs: Vec<Option<DeviceProgram>> = vec![None; total];
     let mut fallbacks: Vec<String> = Vec::new();
@@ -261,6 +263,8 @@ pub fn lower(g: &Graph, placement: &Placement) -> Result<Program, LowerError> {
         inputs,
         outputs,
         fallbacks,
+        schedule: placement.schedule,
+        recompute: placement.recompute.clone(),
     })
 }
 
@@ -275,28 +279,36 @@ fn lower_device(
     let placement = sh.placement;
     let mut l = Local::new(sh, si, rank);
     let stage_of = |n: NodeId| placement.stage_of.get(&n).copied().unwrap_or(0);
-    for &n in order.iter().filter(|&&n| stage_of(n) == si) {
-        lower_op(&mut l, n)?;
-    }
-    // Sends of values later stages read.
     let stage = &placement.stages[si];
-    let mut sent: Vec<(Value, usize)> = Vec::new();
-    for &n in order.iter().filter(|&&n| stage_of(n) > si) {
+    // Per value this stage computes, the devices of other stages that read it, from this
+    // device (a reader at rank j of its stage hears from rank j modulo this stage's size).
+    let mut readers: HashMap<Value, Vec<usize>> = HashMap::new();
+    for &n in order.iter().filter(|&&n| stage_of(n) != si && !sh.everywhere.contains(&n)) {
         for v in g.node(n).inputs().iter().flatten() {
-            if sh.stage_of_value.get(v) == Some(&si) {
+            if sh.stage_of_value.get(v) == Some(&si) && !sh.everywhere.contains(&v.node) {
                 for (j, &dst) in placement.stages[stage_of(n)].devices.iter().enumerate() {
-                    if j % stage.devices.len() == rank && !sent.contains(&(*v, dst)) {
-                        sent.push((*v, dst));
+                    let list = readers.entry(*v).or_default();
+                    if j % stage.devices.len() == rank && !list.contains(&dst) {
+                        list.push(dst);
                     }
                 }
             }
         }
     }
-    for (v, dst) in sent {
-        let replicated: Sharding = vec![AxisShard::Replicate; stage.mesh.axes.len()];
-        let x = l.get(v, &replicated)?;
-        let send = ir::op::Send { peer: Some(dst as i64), tag: Some(sh.value_tag[&v]) };
-        l.emit(Op::Send(send), vec![Some(x)], &[]);
+    for &n in order.iter().filter(|&&n| stage_of(n) == si || sh.everywhere.contains(&n)) {
+        lower_op(&mut l, n)?;
+        // Each value another stage reads is sent as soon as it is computed (a training
+        // step's backward part waits for it in the next stage).
+        for slot in 0..g.node(n).num_outputs() {
+            let v = Value::new(n, slot as u16);
+            let Some(dsts) = readers.get(&v) else { continue };
+            let replicated: Sharding = vec![AxisShard::Replicate; stage.mesh.axes.len()];
+            let x = l.get(v, &replicated)?;
+            for &dst in dsts {
+                let send = ir::op::Send { peer: Some(dst as i64), tag: Some(sh.value_tag[&v]) };
+                l.emit(Op::Send(send), vec![Some(x)], &[]);
+            }
+        }
     }
     // Graph outputs computed in this stage, delivered reduced and cut only along the batch.
     let mut results = Vec::new();
@@ -305,7 +317,7 @@ fn lower_device(
         let v = out.value;
         let in_stage = match g.node(v.node).op {
             Op::Input { .. } | Op::Initializer(_) => si == 0,
-            _ => sh.stage_of_value.get(&v) == Some(&si),
+            _ => sh.stage_of_value.get(&v) == Some(&si) || sh.everywhere.contains(&v.node),
         };
         if !in_stage {
             continue;
@@ -357,6 +369,8 @@ pub fn reshard_program(
         stage_of: HashMap::new(),
         micro_batches: 1,
         policy,
+        schedule: Default::default(),
+        recompute: Vec::new(),
     };
     let sh = Shared {
         g: &g,
@@ -364,6 +378,7 @@ pub fn reshard_program(
         stage_of_value: HashMap::new(),
         value_tag: HashMap::new(),
         batch: HashMap::new(),
+        everywhere: Default::default(),
     };
     let fed: Sharding = from.iter().map(|s| if *s == AxisShard::Partial { AxisShard::Replicate } else { *s }).collect();
     let mut devices = Vec::new();
@@ -401,5 +416,7 @@ pub fn reshard_program(
         inputs: vec![gv.clone()],
         outputs: vec![gv],
         fallbacks: Vec::new(),
+        schedule: Default::default(),
+        recompute: Vec::new(),
     })
 }

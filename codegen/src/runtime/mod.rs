@@ -22,6 +22,7 @@ use serde::Serialize;
 
 use crate::layout::{assemble, concat, piece, split_even};
 use crate::program::{DeviceProgram, Program};
+use crate::schedule::{Cut, Part};
 
 /// Opens a GPU adapter and names it; an error when none opens or this build has no `gpu`
 /// feature.
@@ -126,6 +127,10 @@ pub struct DeviceReport {
     /// activations kept for the backward pass, gradients), measured at op boundaries;
     /// kernels' scratch buffers are not counted.
     pub memory_allocated_bytes: u64,
+    /// The most bytes of one step's micro-batch values live at once beyond what the device
+    /// holds between steps (activations kept for the backward pass, gradients being
+    /// accumulated): what a pipeline schedule and recomputation bound.
+    pub activation_peak_bytes: u64,
 }
 
 /// The result of a run.
@@ -390,6 +395,9 @@ fn assemble_outputs(
                 return Err(RuntimeError::Input(format!("no device produced output `{}`", go.name)));
             };
             let mesh = &p.meshes[stage];
+            // A value every stage computes (a step counter) is taken from the first stage
+            // that delivers it.
+            holders.retain(|h| h.3 == stage);
             holders.sort_by_key(|h| h.0);
             let pieces: Vec<Array> = holders.iter().map(|h| h.1.clone()).collect();
             let mut shape = go.shape.clone();
@@ -446,6 +454,10 @@ struct Live {
     by_storage: HashMap<usize, (u64, usize)>,
     bytes: u64,
     peak: u64,
+    /// What was live when the step's micro-batches began (`u64::MAX` outside them).
+    base: u64,
+    /// The most bytes above `base`.
+    act_peak: u64,
 }
 
 impl Live {
@@ -456,6 +468,7 @@ impl Live {
         }
         e.1 += 1;
         self.peak = self.peak.max(self.bytes);
+        self.act_peak = self.act_peak.max(self.bytes.saturating_sub(self.base));
     }
 
     fn remove(&mut self, (id, _): (usize, u64)) {
@@ -495,7 +508,18 @@ fn drive<E: Executor>(
     let mut report = DeviceReport { device: d.device, adapter: e.name(), ..Default::default() };
     let start = Instant::now();
     let carries = carried_state(g, d, opts).map_err(err)?;
-    let acc = accumulates(p, opts).then(|| Accumulation::new(g, &order));
+    let acc = accumulates(p, opts).then(|| {
+        let mut a = Accumulation::new(g, &order);
+        // Carried state no once-per-step op computes (a pipeline stage's own step counter)
+        // crosses too: its last micro-batch's value.
+        for (_, _, nv) in &carries {
+            if !a.once.contains(&nv.node) && !a.boundary.contains(nv) {
+                a.boundary.push(*nv);
+            }
+        }
+        a
+    });
+    let cut = Cut::new(p, d.device, &order, acc.is_some());
     if let Some(a) = &acc
         && let Some((name, _, _)) = carries.iter().find(|c| !a.once.contains(&c.2.node) && a.fed.contains(&c.2))
     {
@@ -515,7 +539,7 @@ fn drive<E: Executor>(
     }
     let last_use = crate::memory::last_uses(g, &order);
     // Parameters and constants are uploaded once.
-    let mut live = Live { by_storage: HashMap::new(), bytes: 0, peak: 0 };
+    let mut live = Live { by_storage: HashMap::new(), bytes: 0, peak: 0, base: u64::MAX, act_peak: 0 };
     let mut fixed: HashMap<Value, E::Tensor> = HashMap::new();
     for &n in &order {
         if let Op::Initializer(t) | Op::Input { default: Some(t) } = &g.node(n).op {
@@ -548,34 +572,66 @@ fn drive<E: Executor>(
         // the others, and the results of each micro-batch.
         let mut boundary: HashMap<Value, E::Tensor> = HashMap::new();
         let mut per_micro: Vec<(String, Vec<Array>)> = Vec::new();
-        // Uploads of the next micro-batch are queued before this one's compute.
-        let mut queued: Option<HashMap<String, E::Tensor>> = None;
+        // Per micro-batch in flight: its values, and its inputs (uploaded before its first
+        // part runs, the next micro-batch's queued while this one computes).
+        let mut envs: HashMap<usize, HashMap<Value, E::Tensor>> = HashMap::new();
+        let mut uploaded: HashMap<usize, HashMap<String, E::Tensor>> = HashMap::new();
         let mut cx = NodeRun { e: &mut *e, g, port: &mut port, report: &mut report, phase: &phase };
-        for (k, feed) in feeds.iter().enumerate() {
-            let mut env: HashMap<Value, E::Tensor> = HashMap::new();
-            let inputs = match queued.take() {
-                Some(q) => q,
-                None => upload_feed(cx.e, feed).map_err(err)?,
-            };
-            if let Some(next) = feeds.get(k + 1) {
-                queued = Some(upload_feed(cx.e, next).map_err(err)?);
-            }
-            for (i, &n) in order.iter().enumerate() {
-                if acc.as_ref().is_some_and(|a| a.once.contains(&n)) {
-                    continue;
+        live.base = live.bytes;
+        for &(part, k) in &cut.items {
+            for j in [k, k + 1] {
+                if (j == k || part != Part::Backward)
+                    && !uploaded.contains_key(&j)
+                    && let Some(feed) = feeds.get(j)
+                {
+                    let t = upload_feed(cx.e, feed).map_err(err)?;
+                    uploaded.insert(j, t);
                 }
-                let produced = cx.node(n, &env, &fixed, &inputs, k).map_err(err)?;
-                cx.store(produced, &mut env, &mut live);
-                // Values no later op reads are freed.
-                for v in g.node(n).inputs().iter().flatten() {
-                    if last_use.get(v) == Some(&i)
-                        && !keep.contains(v)
-                        && let Some(t) = env.remove(v)
-                    {
+            }
+            let inputs = &uploaded[&k];
+            let mut env = envs.remove(&k).unwrap_or_default();
+            // Under recomputation the forward part runs again (without its messages).
+            let rerun = part == Part::Backward && cut.recompute;
+            let passes: &[(Part, bool)] =
+                if rerun { &[(Part::Forward, true), (part, false)] } else { &[(part, false)] };
+            for &(pass, again) in passes {
+                for (i, &n) in order.iter().enumerate() {
+                    if !cut.runs_in(n, pass) {
+                        continue;
+                    }
+                    // A recomputed part sends and receives nothing again.
+                    if !(again && matches!(g.node(n).op, Op::Send(_) | Op::Recv(_))) {
+                        let produced = cx.node(n, &env, &fixed, inputs, k).map_err(err)?;
+                        cx.store(produced, &mut env, &mut live);
+                    }
+                    // Values no later op reads are freed (under recomputation not what the
+                    // forward part received: it runs again from them).
+                    for v in g.node(n).inputs().iter().flatten() {
+                        if last_use.get(v) == Some(&i)
+                            && !keep.contains(v)
+                            && !(cut.recompute && pass == Part::Forward && crate::schedule::stashed(g, *v))
+                            && let Some(t) = env.remove(v)
+                        {
+                            live.remove(cx.e.storage(&t));
+                        }
+                    }
+                }
+            }
+            if part == Part::Forward && cut.recompute {
+                // Only what was received is stashed; the rest is computed again.
+                let dropped: Vec<Value> =
+                    env.keys().copied().filter(|v| !keep.contains(v) && !crate::schedule::stashed(g, *v)).collect();
+                for v in dropped {
+                    if let Some(t) = env.remove(&v) {
                         live.remove(cx.e.storage(&t));
                     }
                 }
             }
+            if !Cut::finishes(part) {
+                envs.insert(k, env);
+                continue;
+            }
+            uploaded.remove(&k);
             let mut outs = Vec::new();
             match &acc {
                 None => {
@@ -624,6 +680,7 @@ fn drive<E: Executor>(
                 live.remove(cx.e.storage(&t));
             }
         }
+        live.base = u64::MAX;
         if let Some(a) = &acc {
             // The once-per-step ops, on the mean of the micro-batches.
             let m = feeds.len();
@@ -682,6 +739,7 @@ fn drive<E: Executor>(
     report.compute_s = report.by_op.values().sum();
     report.communication_s = report.by_collective.values().sum();
     report.memory_allocated_bytes = live.peak;
+    report.activation_peak_bytes = live.act_peak;
     let mut state = Vec::new();
     for (name, iv, _) in &carries {
         state.push((name.clone(), e.download(&fixed[iv]).map_err(err)?));
@@ -733,22 +791,21 @@ struct Accumulation {
     boundary: Vec<Value>,
     /// Those of them that are floats depending on the step's inputs: averaged.
     averaged: std::collections::HashSet<Value>,
-    /// Values that depend on the step's inputs.
+    /// Values that depend on the step's inputs (on this device: its feeds and what it
+    /// receives from other stages).
     fed: std::collections::HashSet<Value>,
 }
 
 impl Accumulation {
     fn new(g: &Graph, order: &[NodeId]) -> Accumulation {
         use std::collections::HashSet;
-        let mut once: HashSet<NodeId> = HashSet::new();
+        let once = crate::schedule::once_ops(g, order);
         let mut fed: HashSet<Value> = HashSet::new();
         for &n in order {
             let node = g.node(n);
-            let reads = |set: &dyn Fn(&Value) -> bool| node.inputs().iter().flatten().any(set);
-            if matches!(node.op, Op::SgdUpdate(_) | Op::AdamUpdate(_)) || reads(&|v| once.contains(&v.node)) {
-                once.insert(n);
-            }
-            if matches!(node.op, Op::Input { default: None }) || reads(&|v| fed.contains(v)) {
+            // A micro-batch's inputs, and what another stage sends of it.
+            let varies = matches!(node.op, Op::Input { default: None } | Op::Recv(_));
+            if varies || node.inputs().iter().flatten().any(|v| fed.contains(v)) {
                 for slot in 0..node.num_outputs() {
                     fed.insert(Value::new(n, slot as u16));
                 }

@@ -16,13 +16,18 @@
 //!   the least compute plus resharding on the edges around them — first greedily in
 //!   topological order, then op by op against their inputs' and readers' layouts.
 //!
+//! Pipelines ([`stages`]): a backward op runs in its forward op's stage, so the gradient flows
+//! back through the stages the activations came forward through; an optimizer update runs
+//! where its gradient is, the loss where its input is; each stage's ops are then derived on
+//! that stage's mesh ([`derive_stage`]).
+//!
 //! Resharding is priced by the cost model's algebra, the one the lowering emits; a value read
 //! in a layout it was already brought to (by a forward op) costs nothing more.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use ir::shard::{OpStrategy, Sharding, strategy_shardings, strategy_valid};
-use ir::{NodeId, Op, Value};
+use ir::{Graph, NodeId, Op, Value};
 
 use crate::cost::{Assignment, CostModel};
 
@@ -168,6 +173,24 @@ impl Derive<'_, '_> {
 /// assignment and the pinned ops whose strategy was not admissible here (chosen like the
 /// others instead).
 pub fn derive(cm: &CostModel<'_>, pinned: &HashMap<NodeId, OpStrategy>) -> (Assignment, Vec<NodeId>) {
+    derive_in(cm, pinned, None)
+}
+
+/// [`derive`] for the ops of one pipeline stage (`ops`), on that stage's mesh (`cm`'s):
+/// values from other stages arrive whole, in any layout their readers want.
+pub fn derive_stage(
+    cm: &CostModel<'_>,
+    pinned: &HashMap<NodeId, OpStrategy>,
+    ops: &HashSet<NodeId>,
+) -> (Assignment, Vec<NodeId>) {
+    derive_in(cm, pinned, Some(ops))
+}
+
+fn derive_in(
+    cm: &CostModel<'_>,
+    pinned: &HashMap<NodeId, OpStrategy>,
+    only: Option<&HashSet<NodeId>>,
+) -> (Assignment, Vec<NodeId>) {
     let g = cm.g;
     let k = cm.mesh.axes.len();
     let mut d = Derive {
@@ -189,6 +212,9 @@ pub fn derive(cm: &CostModel<'_>, pinned: &HashMap<NodeId, OpStrategy>) -> (Assi
     let mut unpinned = Vec::new();
     let mut free: Vec<NodeId> = Vec::new();
     for &n in cm.order() {
+        if only.is_some_and(|o| !o.contains(&n)) {
+            continue;
+        }
         let sp = cm.space(n);
         let node = g.node(n);
         let fixed = pinned.get(&n).filter(|s| s.len() == k && strategy_valid(sp, s, &cm.mesh, g, n));
@@ -276,4 +302,71 @@ pub fn derive(cm: &CostModel<'_>, pinned: &HashMap<NodeId, OpStrategy>) -> (Assi
     let mut asg = Assignment::default();
     asg.strategies.extend(d.chosen);
     (asg, unpinned)
+}
+
+/// The pipeline stage of every op of training graph `g` from the stages of the forward
+/// model's ops (`forward`, by first output name):
+/// - a forward op keeps its stage;
+/// - a backward op (annotated [`crate::autodiff::GRAD_OF`]) runs in its forward op's stage;
+/// - another op downstream of a gradient (a sum of gradients, an optimizer update) runs in
+///   the earliest stage it reads from, where the gradient is headed; any other (the loss)
+///   in the latest, where its inputs are complete;
+/// - ops on constants alone ([`ir::reshard::computed_everywhere`]: the step counter) run in
+///   every stage (the lowering computes them there) and are listed in stage 0.
+///
+/// Each parameter (and every other carried state) must be read in one stage only: a weight
+/// tied across stages would be updated in one and stay stale in the other, so it is an error.
+pub fn stages(g: &Graph, forward: &HashMap<String, usize>) -> Result<HashMap<NodeId, usize>, String> {
+    let order = g.op_nodes().map_err(|_| "the training graph has a cycle".to_string())?;
+    let constant = ir::reshard::computed_everywhere(g, &order);
+    let first = |n: NodeId| g.node(n).outputs().first().map(|o| o.name.clone()).unwrap_or_default();
+    let mut stage: HashMap<NodeId, usize> = HashMap::new();
+    let mut by_name: HashMap<String, usize> = HashMap::new();
+    let mut backward: HashSet<NodeId> = HashSet::new();
+    for &n in &order {
+        let node = g.node(n);
+        let grad_of = node.annotations.iter().find(|(k, _)| k == crate::autodiff::GRAD_OF).map(|(_, f)| f.clone());
+        let inputs: Vec<NodeId> = node
+            .inputs()
+            .iter()
+            .flatten()
+            .map(|v| v.node)
+            .filter(|p| stage.contains_key(p) && !constant.contains(p))
+            .collect();
+        let downstream = inputs.iter().any(|p| backward.contains(p));
+        if grad_of.is_some() || downstream {
+            backward.insert(n);
+        }
+        let s = if constant.contains(&n) {
+            0
+        } else if let Some(&s) = forward.get(&first(n)) {
+            s
+        } else if let Some(s) = grad_of.as_ref().and_then(|f| forward.get(f).or_else(|| by_name.get(f))) {
+            *s
+        } else if downstream {
+            inputs.iter().map(|p| stage[p]).min().unwrap_or(0)
+        } else {
+            inputs.iter().map(|p| stage[p]).max().unwrap_or(0)
+        };
+        stage.insert(n, s);
+        by_name.insert(first(n), s);
+    }
+    for (_, state) in ir::reshard::carried_state(g) {
+        let mut readers: Vec<usize> = g
+            .users(state)
+            .into_iter()
+            .filter(|(r, _)| !constant.contains(r))
+            .filter_map(|(r, _)| stage.get(&r).copied())
+            .collect();
+        readers.sort_unstable();
+        readers.dedup();
+        if readers.len() > 1 {
+            return Err(format!(
+                "`{}` is read in pipeline stages {readers:?} (a weight tied across stages); pipelined training \
+                 needs each parameter in one stage: plan with fewer stages or without --pipeline",
+                g.value_name(state)
+            ));
+        }
+    }
+    Ok(stage)
 }
