@@ -94,15 +94,26 @@ fn shardc_train_matches_torch_on_cpu_and_wgpu() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// The loss falls over 20 SGD steps on one wgpu device (the CPU executor without an
-/// adapter): a reduced ResNet-18 (32×32 images) and GPT-2 with four layers (32 tokens).
+/// The loss falls over 20 SGD steps on wgpu (the CPU executor without an adapter): a
+/// reduced ResNet-18 (32×32 images) and GPT-2 with four layers (32 tokens) on one device,
+/// and ResNet-18 (16×16 images, batch 4) under the searched plan on 4 devices, whose report
+/// gives each device's allocated memory beside the plan's predicted peak
+/// (`SHARDC_FULL_TRAIN=1` adds GPT-2 on 4 devices).
 #[test]
 fn loss_decreases_over_twenty_sgd_steps() {
     let be = if gpu_available() { "wgpu" } else { "cpu" };
     let models = repo_root().join("tests/data/models");
-    for (model, shape, lr) in
-        [("tv_resnet18.onnxtxt", "input=2x3x32x32", "0.01"), ("hf_gpt2_small4.onnxtxt", "input_ids=1x32", "0.05")]
-    {
+    // One device, and the searched plan on 4 (GPT-2 on 4 devices takes minutes on lavapipe:
+    // with SHARDC_FULL_TRAIN=1).
+    let mut cases = vec![
+        ("tv_resnet18.onnxtxt", "input=2x3x32x32", "0.01", "1"),
+        ("hf_gpt2_small4.onnxtxt", "input_ids=1x32", "0.05", "1"),
+        ("tv_resnet18.onnxtxt", "input=4x3x16x16", "0.05", "4"),
+    ];
+    if std::env::var_os("SHARDC_FULL_TRAIN").is_some() {
+        cases.push(("hf_gpt2_small4.onnxtxt", "input_ids=4x8", "0.05", "4"));
+    }
+    for (model, shape, lr, devices) in cases {
         let path = models.join(model);
         let doc = shardc_train(&[
             path.to_str().unwrap(),
@@ -116,10 +127,18 @@ fn loss_decreases_over_twenty_sgd_steps() {
             lr,
             "--steps",
             "20",
+            "--devices",
+            devices,
             "--backend",
             be,
         ])
         .unwrap_or_else(|e| panic!("{model}: {e}"));
+        if devices != "1" {
+            assert!(doc["plan"].as_str().unwrap_or("").starts_with("searched plan"), "{}", doc["plan"]);
+            let mem = doc["devices"].as_array().map_or(0, |d| d.len());
+            assert_eq!(mem, 4, "{model}: {}", doc["devices"]);
+            assert!(doc["memory_predicted_bytes"].as_u64().is_some(), "{model}: no predicted memory");
+        }
         let losses: Vec<f64> =
             doc["losses"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect();
         assert_eq!(losses.len(), 21, "{model}: {losses:?}");
@@ -129,7 +148,10 @@ fn loss_decreases_over_twenty_sgd_steps() {
         // Falling on the whole, not by one lucky step.
         let falls = losses.windows(2).filter(|w| w[1] < w[0]).count();
         assert!(falls >= 14, "{model}: only {falls} of 20 steps lowered the loss: {losses:?}");
-        eprintln!("{model} on {be}: loss {first:.4} → {last:.4}, step {:.3} s", doc["step_s"].as_f64().unwrap());
+        eprintln!(
+            "{model} on {devices} × {be}: loss {first:.4} → {last:.4}, step {:.3} s",
+            doc["step_s"].as_f64().unwrap()
+        );
     }
 }
 

@@ -323,12 +323,20 @@ fn micro_shape(p: &Program, shape: &[usize], batch_axis: Option<usize>) -> Vec<u
 fn scheduled(p: &Program, per_device: &[Vec<(NodeId, Event)>]) -> Vec<Vec<(NodeId, Event, usize)>> {
     let m = p.micro_batches.max(1);
     let mut out = Vec::with_capacity(per_device.len());
+    // Gradients are accumulated when a training step (a program with optimizer updates) runs
+    // several micro-batches or stages.
+    let trains = p.devices.iter().any(|d| {
+        d.graph
+            .op_nodes()
+            .unwrap_or_default()
+            .iter()
+            .any(|&n| matches!(d.graph.node(n).op, Op::SgdUpdate(_) | Op::AdamUpdate(_)))
+    });
+    let accumulate = crate::schedule::accumulates(p, trains);
     for (i, ev) in per_device.iter().enumerate() {
         let g = &p.devices[i].graph;
         let order = g.op_nodes().unwrap_or_default();
-        // Gradients are accumulated when a training step runs several micro-batches.
-        let trains = order.iter().any(|&n| matches!(g.node(n).op, Op::SgdUpdate(_) | Op::AdamUpdate(_)));
-        let cut = Cut::new(p, i, &order, trains && m > 1);
+        let cut = Cut::new(p, i, &order, accumulate);
         let mut list = Vec::new();
         for &(part, k) in &cut.items {
             if part == Part::Backward && cut.recompute {

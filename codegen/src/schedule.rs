@@ -3,8 +3,9 @@
 //! schedule that could deadlock is refused before it runs.
 //!
 //! A device's program is cut in three:
-//! - the **once-per-step** ops: under gradient accumulation, the optimizer updates and every
-//!   op that reads what they compute, run once after every micro-batch;
+//! - the **once-per-step** ops: under gradient accumulation, the optimizer updates, every op
+//!   that reads what they compute and the receive of a tied weight's new value from the stage
+//!   that updates it, run once after every micro-batch;
 //! - the **backward** part: every op downstream of a tensor received from a later pipeline
 //!   stage (the gradient flowing back). It reads the forward part's values of the same
 //!   micro-batch (the activation stash);
@@ -93,19 +94,51 @@ pub enum Part {
     Whole,
 }
 
-/// The optimizer updates and every op that reads what they compute: run once per step under
-/// gradient accumulation.
-pub fn once_ops(g: &Graph, order: &[NodeId]) -> HashSet<NodeId> {
-    let mut once: HashSet<NodeId> = HashSet::new();
-    for &n in order {
-        let node = g.node(n);
-        if matches!(node.op, Op::SgdUpdate(_) | Op::AdamUpdate(_))
-            || node.inputs().iter().flatten().any(|v| once.contains(&v.node))
-        {
-            once.insert(n);
+/// Whether a run accumulates gradients over micro-batches: a training step (`trains`: state
+/// is carried between steps) over several micro-batches or several pipeline stages (whose
+/// updates, and a tied weight's new value sent to another stage, wait for every backward
+/// part).
+pub fn accumulates(p: &Program, trains: bool) -> bool {
+    trains && (p.micro_batches > 1 || p.stage_devices.len() > 1)
+}
+
+/// The ops run once per step under gradient accumulation, per device of `p`: the optimizer
+/// updates, every op that reads what they compute, and a receive of what another device
+/// sends from its once-per-step ops (the new value of a weight two stages hold).
+pub fn once_ops(p: &Program) -> Vec<HashSet<NodeId>> {
+    let orders: Vec<Vec<NodeId>> = p.devices.iter().map(|d| d.graph.op_nodes().unwrap_or_default()).collect();
+    // (sender, receiver, tag) of the sends made once per step.
+    let mut sent: HashSet<(usize, i64, i64)> = HashSet::new();
+    loop {
+        let mut out = Vec::with_capacity(p.devices.len());
+        for (i, d) in p.devices.iter().enumerate() {
+            let g = &d.graph;
+            let mut once: HashSet<NodeId> = HashSet::new();
+            for &n in &orders[i] {
+                let node = g.node(n);
+                let seed = match &node.op {
+                    Op::SgdUpdate(_) | Op::AdamUpdate(_) => true,
+                    Op::Recv(r) => sent.contains(&(r.peer.unwrap_or(-1) as usize, i as i64, r.tag())),
+                    _ => false,
+                };
+                if seed || node.inputs().iter().flatten().any(|v| once.contains(&v.node)) {
+                    once.insert(n);
+                }
+            }
+            out.push(once);
+        }
+        let before = sent.len();
+        for (i, d) in p.devices.iter().enumerate() {
+            for &n in &out[i] {
+                if let Op::Send(s) = &d.graph.node(n).op {
+                    sent.insert((i, s.peer.unwrap_or(-1), s.tag()));
+                }
+            }
+        }
+        if sent.len() == before {
+            return out;
         }
     }
-    once
 }
 
 /// One device's program cut for its schedule.
@@ -127,7 +160,7 @@ impl Cut {
     pub fn new(p: &Program, device: usize, order: &[NodeId], accumulate: bool) -> Cut {
         let d = &p.devices[device];
         let g = &d.graph;
-        let once = if accumulate { once_ops(g, order) } else { HashSet::new() };
+        let once = if accumulate { once_ops(p).swap_remove(device) } else { HashSet::new() };
         let stage_of_device = |peer: i64| usize::try_from(peer).ok().and_then(|x| p.devices.get(x)).map(|x| x.stage);
         let mut backward: HashSet<NodeId> = HashSet::new();
         for &n in order.iter().filter(|n| !once.contains(n)) {

@@ -28,6 +28,9 @@ pub(crate) struct Shared<'a> {
     pub batch: HashMap<Value, Vec<bool>>,
     /// Ops computed from constants alone, which every stage computes for itself.
     pub everywhere: std::collections::HashSet<NodeId>,
+    /// Carried state's next values delivered to other stages than their own, which hold the
+    /// state too (a tied weight): those stages.
+    pub deliver: HashMap<Value, Vec<usize>>,
 }
 
 /// One device's lowering state.

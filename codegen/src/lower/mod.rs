@@ -211,7 +211,20 @@ pub fn lower(g: &Graph, placement: &Placement) -> Result<Program, LowerError> {
     let (stage_of_value, value_tag, everywhere) = stages(g, &order, placement)?;
     let batch = ir::ops::flow::batch_dims(g);
     let m = placement.micro_batches.max(1);
-    let sh = Shared { g, placement, stage_of_value, value_tag, batch, everywhere };
+    // A weight held in several stages (tied): its new value goes from the stage that updates
+    // it to the others, which carry it too.
+    let mut deliver: HashMap<Value, Vec<usize>> = HashMap::new();
+    for (next, state) in ir::reshard::carried_state(g) {
+        let Some(&own) = stage_of_value.get(&next) else { continue };
+        for (r, _) in g.users(state) {
+            let st = placement.stage_of.get(&r).copied().unwrap_or(0);
+            let list = deliver.entry(next).or_default();
+            if st != own && !everywhere.contains(&r) && !everywhere.contains(&next.node) && !list.contains(&st) {
+                list.push(st);
+            }
+        }
+    }
+    let sh = Shared { g, placement, stage_of_value, value_tag, batch, everywhere, deliver };
     let total = placement.device_count();
     let mut programs: Vec<Option<DeviceProgram>> = vec![None; total];
     let mut fallbacks: Vec<String> = Vec::new();
@@ -295,6 +308,18 @@ fn lower_device(
             }
         }
     }
+    for (v, sts) in &sh.deliver {
+        if sh.stage_of_value.get(v) == Some(&si) {
+            for &st in sts {
+                for (j, &dst) in placement.stages[st].devices.iter().enumerate() {
+                    let list = readers.entry(*v).or_default();
+                    if j % stage.devices.len() == rank && !list.contains(&dst) {
+                        list.push(dst);
+                    }
+                }
+            }
+        }
+    }
     for &n in order.iter().filter(|&&n| stage_of(n) == si || sh.everywhere.contains(&n)) {
         lower_op(&mut l, n)?;
         // Each value another stage reads is sent as soon as it is computed (a training
@@ -317,7 +342,11 @@ fn lower_device(
         let v = out.value;
         let in_stage = match g.node(v.node).op {
             Op::Input { .. } | Op::Initializer(_) => si == 0,
-            _ => sh.stage_of_value.get(&v) == Some(&si) || sh.everywhere.contains(&v.node),
+            _ => {
+                sh.stage_of_value.get(&v) == Some(&si)
+                    || sh.everywhere.contains(&v.node)
+                    || sh.deliver.get(&v).is_some_and(|s| s.contains(&si))
+            }
         };
         if !in_stage {
             continue;
@@ -379,6 +408,7 @@ pub fn reshard_program(
         value_tag: HashMap::new(),
         batch: HashMap::new(),
         everywhere: Default::default(),
+        deliver: HashMap::new(),
     };
     let fed: Sharding = from.iter().map(|s| if *s == AxisShard::Partial { AxisShard::Replicate } else { *s }).collect();
     let mut devices = Vec::new();

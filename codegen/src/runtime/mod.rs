@@ -508,8 +508,9 @@ fn drive<E: Executor>(
     let mut report = DeviceReport { device: d.device, adapter: e.name(), ..Default::default() };
     let start = Instant::now();
     let carries = carried_state(g, d, opts).map_err(err)?;
+    let cut = Cut::new(p, d.device, &order, accumulates(p, opts));
     let acc = accumulates(p, opts).then(|| {
-        let mut a = Accumulation::new(g, &order);
+        let mut a = Accumulation::new(g, &order, cut.once.clone());
         // Carried state no once-per-step op computes (a pipeline stage's own step counter)
         // crosses too: its last micro-batch's value.
         for (_, _, nv) in &carries {
@@ -519,7 +520,6 @@ fn drive<E: Executor>(
         }
         a
     });
-    let cut = Cut::new(p, d.device, &order, acc.is_some());
     if let Some(a) = &acc
         && let Some((name, _, _)) = carries.iter().find(|c| !a.once.contains(&c.2.node) && a.fed.contains(&c.2))
     {
@@ -766,9 +766,10 @@ fn mean(xs: &[Array]) -> Result<Array, String> {
     Ok(Array::float(first.dtype, first.shape.clone(), sum.into_iter().map(|s| s / m).collect()))
 }
 
-/// Whether a run accumulates gradients: carried state over several micro-batches.
+/// Whether a run accumulates gradients ([`crate::schedule::accumulates`]; it trains when it
+/// carries state).
 fn accumulates(p: &Program, opts: &RunOptions) -> bool {
-    !opts.carry.is_empty() && p.micro_batches > 1
+    crate::schedule::accumulates(p, !opts.carry.is_empty())
 }
 
 /// The tensor of result `local`: computed this micro-batch, or a parameter.
@@ -797,9 +798,8 @@ struct Accumulation {
 }
 
 impl Accumulation {
-    fn new(g: &Graph, order: &[NodeId]) -> Accumulation {
+    fn new(g: &Graph, order: &[NodeId], once: std::collections::HashSet<NodeId>) -> Accumulation {
         use std::collections::HashSet;
-        let once = crate::schedule::once_ops(g, order);
         let mut fed: HashSet<Value> = HashSet::new();
         for &n in order {
             let node = g.node(n);

@@ -314,8 +314,8 @@ fn derive_in(
 /// - ops on constants alone ([`ir::reshard::computed_everywhere`]: the step counter) run in
 ///   every stage (the lowering computes them there) and are listed in stage 0.
 ///
-/// Each parameter (and every other carried state) must be read in one stage only: a weight
-/// tied across stages would be updated in one and stay stale in the other, so it is an error.
+/// A weight read in several stages (tied embeddings) has its gradient summed and its update
+/// run in the earliest; the lowering sends its new value to the others.
 pub fn stages(g: &Graph, forward: &HashMap<String, usize>) -> Result<HashMap<NodeId, usize>, String> {
     let order = g.op_nodes().map_err(|_| "the training graph has a cycle".to_string())?;
     let constant = ir::reshard::computed_everywhere(g, &order);
@@ -350,23 +350,6 @@ pub fn stages(g: &Graph, forward: &HashMap<String, usize>) -> Result<HashMap<Nod
         };
         stage.insert(n, s);
         by_name.insert(first(n), s);
-    }
-    for (_, state) in ir::reshard::carried_state(g) {
-        let mut readers: Vec<usize> = g
-            .users(state)
-            .into_iter()
-            .filter(|(r, _)| !constant.contains(r))
-            .filter_map(|(r, _)| stage.get(&r).copied())
-            .collect();
-        readers.sort_unstable();
-        readers.dedup();
-        if readers.len() > 1 {
-            return Err(format!(
-                "`{}` is read in pipeline stages {readers:?} (a weight tied across stages); pipelined training \
-                 needs each parameter in one stage: plan with fewer stages or without --pipeline",
-                g.value_name(state)
-            ));
-        }
     }
     Ok(stage)
 }
