@@ -227,16 +227,31 @@ pub fn computed_everywhere(g: &crate::Graph, order: &[crate::NodeId]) -> std::co
     }
 }
 
-/// The layout graph output `v`, held in `from`, is delivered in: carried state in the layout
-/// its state is held in (`held`, when the state is read at all), any other output per
-/// [`output_layout`].
+/// Whether `v` is a training graph's gradient output: `X__grad` where `X` is an
+/// initializer (the autodiff pass's naming).
+pub fn is_gradient_output(g: &crate::Graph, v: crate::Value) -> bool {
+    g.value_name(v)
+        .strip_suffix("__grad")
+        .and_then(|x| g.lookup(x))
+        .is_some_and(|x| matches!(g.node(x.node).op, crate::Op::Initializer(_)))
+}
+
+/// The layout graph output `v` of `g`, held in `from`, is delivered in: carried state in the
+/// layout its state is held in (`held`, when the state is read at all); a gradient output
+/// ([`is_gradient_output`]) as it is (its pieces, partial sums included, are assembled on
+/// the host when they are asked for: a training step moves no bytes for them); any other
+/// output per [`output_layout`].
 pub fn delivered_layout(
+    g: &crate::Graph,
     carried: &[(crate::Value, crate::Value)],
     v: crate::Value,
     from: &[AxisShard],
     batch: &[bool],
     held: impl Fn(crate::Value) -> Option<Sharding>,
 ) -> Sharding {
+    if is_gradient_output(g, v) {
+        return from.to_vec();
+    }
     carried
         .iter()
         .find(|(n, _)| *n == v)

@@ -353,7 +353,7 @@ fn lower_device(
         }
         let produced = l.produced.get(&v).cloned().unwrap_or_else(|| vec![AxisShard::Replicate; stage.mesh.axes.len()]);
         let batch = sh.batch.get(&v).map_or(&[][..], Vec::as_slice);
-        let layout = ir::reshard::delivered_layout(&carried, v, &produced, batch, |s| l.produced.get(&s).cloned());
+        let layout = ir::reshard::delivered_layout(g, &carried, v, &produced, batch, |s| l.produced.get(&s).cloned());
         let x = l.get(v, &layout)?;
         l.lg.add_output(x, None);
         results.push(Result_ { local: l.lg.value_name(x).to_string(), global: g.value_name(v).to_string(), layout });

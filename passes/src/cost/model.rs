@@ -1019,7 +1019,7 @@ impl<'a> CostModel<'a> {
             }
             let from = have(v);
             let batch = self.batch.get(&v).map_or(&[][..], Vec::as_slice);
-            let to = ir::reshard::delivered_layout(&carried, v, from, batch, |s| storage.get(&s).cloned());
+            let to = ir::reshard::delivered_layout(self.g, &carried, v, from, batch, |s| storage.get(&s).cloned());
             if edges.materialized.contains(&(v, &to)) {
                 continue; // a reader already made it
             }
