@@ -44,6 +44,9 @@ fn main() {
         ("cnn_small (golden)", golden("cnn_small.onnxtxt"), vec![], "", "data", 2),
         ("tiny_gpt (golden)", golden("tiny_gpt_train.onnxtxt"), vec![], "", "megatron", 2),
         ("resnet_block (golden)", golden("resnet_block_train.onnxtxt"), vec![], "", "auto", 4),
+        ("cnn_small (golden)", golden("cnn_small.onnxtxt"), vec![], "", "pipe:2", 2),
+        ("tiny_gpt (golden)", golden("tiny_gpt_train.onnxtxt"), vec![], "", "pipe:2", 2),
+        ("gpt2_small4 2×32", model("hf_gpt2_small4.onnxtxt"), vec![("input_ids", ids)], xent, "pipe:2", 4),
     ];
     let opt = OptimizerSpec::Sgd { lr: 0.01, momentum: 0.9, dampening: 0.0, nesterov: false, weight_decay: 0.0 };
     let opts = Options { optimizer: shardc::passes::cost::Optimizer::Sgd, ..Default::default() };
@@ -56,6 +59,24 @@ fn main() {
         let m = prepare(path, shapes, false);
         let loss = if loss.is_empty() { LossSpec::Model } else { LossSpec::parse(loss).expect("loss") };
         let (tm, info) = shardc::train::training_model(&m, &loss, &opt).expect("training graph");
+        if let Some(stages) = strategy.strip_prefix("pipe:") {
+            // The search's pipeline with this many stages, trained with its micro-batches.
+            let so = shardc::passes::autoshard::SearchOptions {
+                pipeline: shardc::passes::autoshard::PipelineMode::Stages(stages.parse().expect("stages")),
+                ..Default::default()
+            };
+            let f = shardc::passes::autoshard::search(&m.graph, &cluster, *devices, &opts, &so).expect("search");
+            let pipe = shardc::exec::TrainPipeline::of_search(&m.graph, &f).expect("a pipeline");
+            let micro = shardc::train::micro_training_model(&m, &loss, &opt, pipe.micro_batches).expect("micro");
+            let (prog, _) =
+                shardc::exec::training_pipeline_program(&micro.graph, &m.graph, &f.assignment, &pipe, &cluster, &opts)
+                    .expect("lowers");
+            let prog = shardc::exec::as_micro_batches(prog, &tm.graph, pipe.micro_batches).expect("micro-batches");
+            let predicted = f.pipeline.as_ref().map_or(f.breakdown.step_time_s, |p| p.breakdown.step_time_s);
+            let label = format!("{strategy}×{}", pipe.micro_batches);
+            report(&mut errors, name, &label, *devices, predicted, measure(&prog, &tm.graph, &info));
+            continue;
+        }
         let (r, predicted) = if *strategy == "auto" {
             let so = shardc::passes::autoshard::SearchOptions {
                 pipeline: shardc::passes::autoshard::PipelineMode::Off,
@@ -73,22 +94,31 @@ fn main() {
             )
         };
         let prog = shardc::exec::program_for_search(&tm.graph, &r, *devices).expect("lowers");
-        let inputs = shardc::train::seeded_inputs(&tm.graph, &info, 0).expect("inputs");
-        let run = shardc::train::run_steps(&prog, &info, &inputs, Backend::Wgpu, STEPS).expect("trains");
-        let mut per_step: Vec<f64> = (1..STEPS)
-            .map(|i| run.report.devices.iter().filter_map(|d| d.step_wall_s.get(i).copied()).fold(0.0, f64::max))
-            .collect();
-        per_step.sort_by(f64::total_cmp);
-        let measured = per_step[per_step.len() / 2];
-        let err = (predicted - measured) / measured;
-        errors.push(err.abs());
-        println!(
-            "  {name:<24} {strategy:>8}@{devices}  predicted {:>9.2} ms  measured {:>9.2} ms  error {:>+7.1}%",
-            predicted * 1e3,
-            measured * 1e3,
-            err * 100.0
-        );
+        report(&mut errors, name, strategy, *devices, predicted, measure(&prog, &tm.graph, &info));
     }
     let mape = errors.iter().sum::<f64>() / errors.len().max(1) as f64 * 100.0;
     println!("  mean absolute percentage error over {} cases: {mape:.1}% (target < 15%)", errors.len());
+}
+
+/// The measured step: the median of the warm steps, on the slowest device.
+fn measure(prog: &shardc::codegen::Program, g: &shardc::ir::Graph, info: &shardc::passes::autodiff::TrainInfo) -> f64 {
+    let inputs = shardc::train::seeded_inputs(g, info, 0).expect("inputs");
+    let run = shardc::train::run_steps(prog, info, &inputs, Backend::Wgpu, STEPS).expect("trains");
+    let mut per_step: Vec<f64> = (1..STEPS)
+        .map(|i| run.report.devices.iter().filter_map(|d| d.step_wall_s.get(i).copied()).fold(0.0, f64::max))
+        .collect();
+    per_step.sort_by(f64::total_cmp);
+    per_step[per_step.len() / 2]
+}
+
+/// Prints one case's row and records its error.
+fn report(errors: &mut Vec<f64>, name: &str, strategy: &str, devices: usize, predicted: f64, measured: f64) {
+    let err = (predicted - measured) / measured;
+    errors.push(err.abs());
+    println!(
+        "  {name:<24} {strategy:>8}@{devices}  predicted {:>9.2} ms  measured {:>9.2} ms  error {:>+7.1}%",
+        predicted * 1e3,
+        measured * 1e3,
+        err * 100.0
+    );
 }
