@@ -316,6 +316,19 @@ pub fn compare(got: &Array, want: &Array, rtol: f64, atol: f64) -> (f64, f64, bo
     (max_abs, max_rel, ok)
 }
 
+/// The strategies of `fwd` (an assignment of `forward`'s ops) by each op's first output name:
+/// how a training graph's forward ops find their plan.
+fn strategies_by_name<'a>(
+    forward: &'a Graph,
+    fwd: &'a passes::cost::Assignment,
+) -> HashMap<&'a str, &'a Vec<Option<usize>>> {
+    fwd.strategies
+        .iter()
+        .filter_map(|(n, s)| Some((forward.node(*n).outputs().first()?.name.as_str(), s)))
+        .filter(|(name, _)| !name.is_empty())
+        .collect()
+}
+
 /// The training graph's program plan from a plan of its forward model: `forward` is the
 /// forward graph (the model the search or the plan priced), `fwd` its strategies on `mesh`,
 /// `train` the training graph (or one micro-batch of it). Forward ops of `train` are matched
@@ -332,12 +345,7 @@ pub fn training_result(
     opts: &passes::cost::Options,
 ) -> Result<(SearchResult, usize), String> {
     use passes::cost::CostModel;
-    let by_name: HashMap<&str, &Vec<Option<usize>>> = fwd
-        .strategies
-        .iter()
-        .filter_map(|(n, s)| Some((forward.node(*n).outputs().first()?.name.as_str(), s)))
-        .filter(|(name, _)| !name.is_empty())
-        .collect();
+    let by_name = strategies_by_name(forward, fwd);
     let mut pinned = HashMap::new();
     for n in train.op_nodes().map_err(|_| "the training graph has a cycle".to_string())? {
         if let Some(s) = train.node(n).outputs().first().and_then(|o| by_name.get(o.name.as_str())) {
@@ -416,12 +424,7 @@ pub fn training_pipeline_program(
     opts: &passes::cost::Options,
 ) -> Result<(Program, usize), String> {
     use passes::cost::CostModel;
-    let by_name: HashMap<&str, &Vec<Option<usize>>> = fwd
-        .strategies
-        .iter()
-        .filter_map(|(n, s)| Some((forward.node(*n).outputs().first()?.name.as_str(), s)))
-        .filter(|(name, _)| !name.is_empty())
-        .collect();
+    let by_name = strategies_by_name(forward, fwd);
     let stage_of = passes::autoshard::training::stages(train, &pipe.stage_of)?;
     let mut strategies = HashMap::new();
     let mut kept = 0;

@@ -199,6 +199,16 @@ fn data_parallel_backward_runs_split() {
     }
 }
 
+/// A case, its run on one device, its model and its SGD step's optimizer.
+fn with_single(path: &Path) -> (Case, TrainRun, shardc::ir::Model, OptimizerSpec) {
+    let c = load(path);
+    let single = run(&c, &program(&c, "data", 1).expect("one device"));
+    let loaded = shardc::load_model(path).expect("model loads").model;
+    let case = TrainCase::load(&path.with_extension("train.json")).expect("case loads");
+    let opt = case.optimizer("sgd").cloned().expect("the case has an SGD step");
+    (c, single, loaded, opt)
+}
+
 /// Gradient accumulation: with M micro-batches per step every device runs forward and
 /// backward on 1/M of its samples at a time and the optimizer steps once on the mean of the
 /// micro-batches' gradients; that equals the whole-batch step (losses, gradients,
@@ -211,13 +221,9 @@ fn micro_batch_accumulation_equals_the_whole_batch_step() {
     let mut refused = 0;
     let mut report = String::new();
     for path in golden_train_cases() {
-        let c = load(&path);
-        let single = run(&c, &program(&c, "data", 1).expect("one device"));
-        let loaded = shardc::load_model(&path).expect("model loads");
-        let case = TrainCase::load(&path.with_extension("train.json")).expect("case loads");
-        let opt = case.optimizer("sgd").cloned().expect("the case has an SGD step");
+        let (c, single, loaded, opt) = with_single(&path);
         for m in [2, 4] {
-            let micro = match shardc::train::micro_training_model(&loaded.model, &LossSpec::Model, &opt, m) {
+            let micro = match shardc::train::micro_training_model(&loaded, &LossSpec::Model, &opt, m) {
                 Ok(t) => t,
                 Err(e) => {
                     assert!(e.contains("does not divide"), "{} ×{m} micro-batches: {e}", c.name);
@@ -278,11 +284,7 @@ fn pipelined_training_equals_one_device() {
     let (mut lower_1f1b, mut lower_recompute) = (false, false);
     let mut peaks: HashMap<(&str, bool), u64> = HashMap::new();
     for path in golden_train_cases() {
-        let c = load(&path);
-        let single = run(&c, &program(&c, "data", 1).expect("one device"));
-        let loaded = shardc::load_model(&path).expect("model loads");
-        let case = TrainCase::load(&path.with_extension("train.json")).expect("case loads");
-        let opt = case.optimizer("sgd").cloned().expect("the case has an SGD step");
+        let (c, single, loaded, opt) = with_single(&path);
         // The plan's micro-batches, and 4 over 2 stages (more than the stages: where 1F1B
         // stashes fewer than GPipe).
         for (devices, stages, more) in [(2, 2, None), (4, 4, None), (4, 2, None), (2, 2, Some(4))] {
@@ -297,9 +299,9 @@ fn pipelined_training_equals_one_device() {
             pipe.micro_batches = more.unwrap_or(pipe.micro_batches);
             let m = pipe.micro_batches;
             let micro = if m == 1 {
-                Ok(training_model(&loaded.model, &LossSpec::Model, &opt).expect("training graph").0)
+                Ok(training_model(&loaded, &LossSpec::Model, &opt).expect("training graph").0)
             } else {
-                shardc::train::micro_training_model(&loaded.model, &LossSpec::Model, &opt, m)
+                shardc::train::micro_training_model(&loaded, &LossSpec::Model, &opt, m)
             };
             let micro = match micro {
                 Ok(t) => t,
