@@ -18,42 +18,47 @@ pub struct Weights {
     pub seeded: usize,
 }
 
-fn read_external(entries: &[(String, String)], dtype: DType, dims: &[i64], dir: &Path) -> Option<Array> {
+/// An external-data tensor read from its file beside the model: `Ok(None)` when the file is
+/// not there. Only the tensor's bytes are read (`offset`, then `length` or the tensor's size),
+/// so a model whose weights file is larger than memory loads what it needs.
+fn read_external(
+    entries: &[(String, String)],
+    dtype: DType,
+    dims: &[i64],
+    dir: &Path,
+) -> Result<Option<Array>, String> {
+    use std::io::{Read, Seek, SeekFrom};
     let get = |k: &str| entries.iter().find(|(a, _)| a == k).map(|(_, v)| v.as_str());
-    let path = dir.join(get("location")?);
-    let bytes = std::fs::read(path).ok()?;
-    let offset: usize = get("offset").unwrap_or("0").parse().ok()?;
-    let shape: Vec<usize> = dims.iter().map(|&d| d.max(0) as usize).collect();
-    let n: usize = shape.iter().product();
-    let width = match dtype {
-        DType::Float | DType::Int32 => 4,
-        DType::Int64 | DType::Double => 8,
-        DType::Bool | DType::Uint8 | DType::Int8 => 1,
-        _ => return None,
+    let location = get("location").ok_or("no `location` entry")?;
+    let path = dir.join(location);
+    let mut file = match std::fs::File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("cannot read `{}`: {e}", path.display())),
     };
-    let raw = bytes.get(offset..offset + n * width)?;
-    Some(match dtype {
-        DType::Float => {
-            Array::f32(shape, raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
-        }
-        DType::Double => Array::float(
-            DType::Double,
-            shape,
-            raw.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect(),
-        ),
-        DType::Int64 => {
-            Array::i64(shape, raw.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
-        }
-        DType::Int32 => Array::int(
-            DType::Int32,
-            shape,
-            raw.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64).collect(),
-        ),
-        DType::Bool => Array::bool(shape, raw.iter().map(|&b| b != 0).collect()),
-        DType::Uint8 => Array::int(DType::Uint8, shape, raw.iter().map(|&b| b as i64).collect()),
-        DType::Int8 => Array::int(DType::Int8, shape, raw.iter().map(|&b| b as i8 as i64).collect()),
-        _ => return None,
-    })
+    let number = |k: &str| -> Result<Option<u64>, String> {
+        get(k).map(|v| v.parse::<u64>().map_err(|_| format!("`{k}` is `{v}`, not a byte count"))).transpose()
+    };
+    let offset = number("offset")?.unwrap_or(0);
+    let n = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d.max(0) as u64)).ok_or("the tensor is too large")?;
+    let want = n.checked_mul(u64::from(dtype.bits() / 8)).ok_or("the tensor is too large")?;
+    let length = number("length")?.unwrap_or(want);
+    if length != want {
+        return Err(format!("`length` is {length} bytes; a {dtype}{dims:?} tensor needs {want}"));
+    }
+    let size = file.metadata().map_err(|e| e.to_string())?.len();
+    if offset.checked_add(length).is_none_or(|end| end > size) {
+        return Err(format!(
+            "bytes {offset}..{} are past the end of `{}` ({size} bytes)",
+            offset + length,
+            path.display()
+        ));
+    }
+    let mut raw = vec![0u8; usize::try_from(length).map_err(|_| "the tensor is too large")?];
+    file.seek(SeekFrom::Start(offset)).and_then(|_| file.read_exact(&mut raw)).map_err(|e| e.to_string())?;
+    let data = frontend::onnx::raw_tensor_data(&raw, dtype)?;
+    let t = ir::Tensor { dtype, dims: dims.to_vec(), name: None, data };
+    Array::from_tensor(&t).map(Some).map_err(|e| e.to_string())
 }
 
 /// Makes every weight of `model` inline: external data is read from the files beside the
@@ -67,7 +72,10 @@ pub fn materialize(model: &mut Model, dir: &Path, seed: u64) -> Result<Weights, 
         let Op::Initializer(t) = &g.node(n).op else { continue };
         let TensorData::External(entries) = &t.data else { continue };
         let name = g.value_name(Value::new(n, 0)).to_string();
-        let a = match read_external(entries, t.dtype, &t.dims, dir) {
+        let name_for_error = name.clone();
+        let a = match read_external(entries, t.dtype, &t.dims, dir)
+            .map_err(|e| format!("external data of `{name_for_error}`: {e}"))?
+        {
             Some(a) => {
                 w.loaded += 1;
                 a
@@ -460,4 +468,52 @@ pub fn training_pipeline_program(
     };
     let p = codegen::lower(train, &placement).map_err(|e| e.to_string())?;
     Ok((p, kept))
+}
+
+/// Prepares `m` to run on these input values, as `shardc run --inputs` does: verifies it,
+/// types each graph input as its value is, binds the inputs whose values shape inference asks
+/// for (shape parameters given at run time: `Reshape`'s shape, `Slice`'s starts, `TopK`'s K …)
+/// as constants, infers shapes and canonicalizes. Returns the names of the inputs bound; the
+/// program no longer reads them.
+pub fn prepare_with_values(m: &mut Model, inputs: &HashMap<String, Array>) -> Result<Vec<String>, String> {
+    let flat = |e: passes::PassError| e.errors.iter().map(|l| l.msg.clone()).collect::<Vec<_>>().join("; ");
+    let mut pm = passes::PassManager::new();
+    pm.add(passes::Verify);
+    pm.run(m).map_err(flat)?;
+    let g = &mut m.graph;
+    for v in g.input_values() {
+        let name = g.value_name(v).to_string();
+        let Some(a) = inputs.get(&name) else { continue };
+        if let Some(t) = g.tensor_type(v)
+            && t.dtype != a.dtype
+        {
+            return Err(format!("input `{name}` is {}, but its value is {}", t.dtype, a.dtype));
+        }
+        let dims: Vec<i64> = a.shape.iter().map(|&d| d as i64).collect();
+        g.set_type(v, Some(ir::Type::Tensor(ir::TensorType::fixed(a.dtype, &dims))));
+    }
+    let mut bound = Vec::new();
+    loop {
+        let report = ir::infer::infer_shapes(g, ir::infer::Mode::Reset)
+            .map_err(|e| e.iter().map(|e| e.msg.clone()).collect::<Vec<_>>().join("; "))?;
+        let mut any = false;
+        for v in report.params {
+            if !matches!(g.node(v.node).op, Op::Input { .. }) {
+                continue;
+            }
+            let name = g.value_name(v).to_string();
+            if let Some(a) = inputs.get(&name) {
+                g.bind_input(v, a.to_tensor());
+                bound.push(name);
+                any = true;
+            }
+        }
+        if !any {
+            break;
+        }
+    }
+    let mut pm = passes::PassManager::new();
+    pm.add(passes::InferShapes::default()).add(passes::Canonicalize);
+    pm.run(m).map_err(flat)?;
+    Ok(bound)
 }

@@ -28,19 +28,36 @@ pub mod exec;
 pub mod synthetic;
 pub mod train;
 
-/// A model file's text, kept to render diagnostics.
+/// A model file's text, kept to render diagnostics; for a binary model, the field paths its
+/// spans stand for.
 #[derive(Clone, Debug)]
 pub struct Source {
     /// The name shown in diagnostics (the path as given).
     pub name: String,
-    /// The text (lossily decoded when the file is not UTF-8).
+    /// The text (lossily decoded when the file is not UTF-8); empty for a binary model.
     pub text: String,
+    /// For a binary `.onnx` model: what its spans point at.
+    pub locations: Option<std::sync::Arc<frontend::onnx::Locations>>,
 }
 
 impl Source {
-    /// Renders diagnostics against this source.
+    /// A text source.
+    pub fn text(name: impl Into<String>, text: impl Into<String>) -> Source {
+        Source { name: name.into(), text: text.into(), locations: None }
+    }
+
+    /// Renders diagnostics against this source: with `file:line:col` and the line for text,
+    /// with the field path for a binary model.
     pub fn render(&self, diags: &[frontend::Diagnostic]) -> String {
-        frontend::render(diags, &self.name, &self.text)
+        match &self.locations {
+            Some(l) => frontend::diag::render_binary(diags, &self.name, l),
+            None => frontend::render(diags, &self.name, &self.text),
+        }
+    }
+
+    /// True for a binary model.
+    pub fn is_binary(&self) -> bool {
+        self.locations.is_some()
     }
 
     /// Renders pass findings (errors or warnings) against this source: with `file:line:col`
@@ -92,18 +109,31 @@ impl LoadError {
     }
 }
 
-/// Reads and parses a model file.
+/// Reads and parses a model file: the ONNX text syntax or binary ONNX (`ModelProto`), told
+/// apart by content, not by extension.
 pub fn load_model(path: &Path) -> Result<Loaded, LoadError> {
     let name = path.display().to_string();
     let bytes = std::fs::read(path).map_err(|e| LoadError::Io(format!("cannot read `{name}`: {e}")))?;
+    if frontend::onnx::is_binary(&bytes) {
+        return match frontend::parse_binary(&bytes) {
+            Ok((p, locations)) => {
+                let source = Source { name, text: String::new(), locations: Some(std::sync::Arc::new(locations)) };
+                Ok(Loaded { model: p.model, warnings: p.warnings, source })
+            }
+            Err((diags, locations)) => Err(LoadError::Invalid(
+                diags,
+                Source { name, text: String::new(), locations: Some(std::sync::Arc::new(locations)) },
+            )),
+        };
+    }
     let text = match frontend::decode(&bytes) {
         Ok(t) => t.to_string(),
         Err(d) => {
             let lossy = String::from_utf8_lossy(&bytes).replace('\0', "\u{FFFD}");
-            return Err(LoadError::Invalid(vec![d], Source { name, text: lossy }));
+            return Err(LoadError::Invalid(vec![d], Source::text(name, lossy)));
         }
     };
-    let source = Source { name, text };
+    let source = Source::text(name, text);
     match frontend::parse(&source.text) {
         Ok(p) => Ok(Loaded { model: p.model, warnings: p.warnings, source }),
         Err(diags) => Err(LoadError::Invalid(diags, source)),

@@ -25,7 +25,7 @@ fn every_malformed_input_exits_1_with_a_located_error() {
     let mut n = 0;
     for e in std::fs::read_dir(&dir).unwrap().flatten() {
         let p = e.path();
-        if p.extension().is_none_or(|x| x != "onnxtxt") {
+        if p.extension().is_none_or(|x| x != "onnxtxt" && x != "onnx") {
             continue;
         }
         let rel = format!("tests/diagnostics/{}", p.file_name().unwrap().to_string_lossy());
@@ -561,6 +561,13 @@ fn lower_prints_programs_that_parse_back() {
     let o = shardc(&["lower", p, "-o", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(out.join("device0.onnxtxt").exists() && out.join("device1.onnxtxt").exists());
+    // As binary ONNX: one file per device, which reads back to the same text.
+    let bin = dir.join("bin");
+    let o = shardc(&["lower", p, "--emit", "onnx", "-o", bin.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = shardc(&["parse", bin.join("device1.onnx").to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o), std::fs::read_to_string(&one).unwrap(), "device 1 as .onnx reads back differently");
     // JSON summary and DOT.
     let o = shardc(&["lower", p, "--emit", "json"]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -775,4 +782,66 @@ fn guard_rails_refuse_before_doing() {
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("does not exist"), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Reads a command's JSON output without what varies between files and runs: the model's
+/// path and hash, and measured times.
+fn comparable(o: &Output) -> serde_json::Value {
+    let mut v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    fn strip(v: &mut serde_json::Value) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for k in ["model", "path", "sha256", "timings"] {
+                    m.remove(k);
+                }
+                m.values_mut().for_each(strip);
+            }
+            serde_json::Value::Array(a) => a.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    strip(&mut v);
+    v
+}
+
+/// Binary `.onnx` (written by the onnx package) is read by every command, detected by content:
+/// `parse` converts it to the same text, `stats`, `cost` and `plan` give the same results as
+/// for the text file, and `-o NAME.onnx` writes binary that reads back the same.
+#[test]
+fn binary_models_work_in_every_command() {
+    for name in ["tv_alexnet", "tv_resnet18", "hf_gpt2_small4", "pt_lstm_lm", "magika_standard_v3_3"] {
+        let text = model(&format!("{name}.onnxtxt"));
+        let bin = format!("tests/data/onnx/{name}.onnx");
+        let a = shardc(&["parse", &text]);
+        let b = shardc(&["parse", &bin]);
+        assert!(b.status.success(), "{name}: {}", stderr(&b));
+        assert_eq!(a.stdout, b.stdout, "{name}: parse --emit text differs");
+        for args in [
+            vec!["stats", "--json", "--batch", "4"],
+            vec!["cost", "--json", "--cluster", "dgx-a100", "--devices", "8", "--strategy", "data", "--batch", "8"],
+        ] {
+            let mut ta = args.clone();
+            ta.insert(1, &text);
+            let mut tb = args.clone();
+            tb.insert(1, &bin);
+            let (oa, ob) = (shardc(&ta), shardc(&tb));
+            assert!(oa.status.success() && ob.status.success(), "{name} {args:?}: {} {}", stderr(&oa), stderr(&ob));
+            assert_eq!(comparable(&oa), comparable(&ob), "{name}: `{}` differs", args[0]);
+        }
+    }
+    // A plan of the binary equals the plan of the text (outside timings and the file's hash).
+    let plan = |m: &str| shardc(&["plan", m, "--cluster", "dgx-a100", "--devices", "4", "--batch", "8", "--json"]);
+    let (pa, pb) = (plan(&model("tv_resnet18.onnxtxt")), plan("tests/data/onnx/tv_resnet18.onnx"));
+    assert!(pa.status.success() && pb.status.success(), "{} {}", stderr(&pa), stderr(&pb));
+    assert_eq!(comparable(&pa), comparable(&pb), "plan differs");
+    // parse -o x.onnx writes binary; --emit text converts back.
+    let dir = tmpdir("binary");
+    let out = dir.join("alexnet.onnx");
+    let o = shardc(&["parse", &model("tv_alexnet.onnxtxt"), "-o", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let written = std::fs::read(&out).unwrap();
+    assert_eq!(written.first(), Some(&0x08), "a ModelProto starts with ir_version");
+    let back = shardc(&["parse", out.to_str().unwrap(), "--emit", "text"]);
+    assert_eq!(back.stdout, shardc(&["parse", &model("tv_alexnet.onnxtxt")]).stdout);
+    let _ = std::fs::remove_dir_all(&dir);
 }

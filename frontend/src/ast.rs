@@ -82,13 +82,16 @@ pub enum Data {
     Inline(Vec<Literal>, Span),
     /// `["location": "…", …]`.
     External(Vec<(String, String)>, Span),
+    /// Values already decoded (from a binary model): the index into the values handed to
+    /// [`lower_with`](crate::lower::lower_with).
+    Decoded(usize, Span),
 }
 
 impl Data {
     /// Where the data was written.
     pub fn span(&self) -> Span {
         match self {
-            Data::Inline(_, s) | Data::External(_, s) => *s,
+            Data::Inline(_, s) | Data::External(_, s) | Data::Decoded(_, s) => *s,
         }
     }
 }

@@ -276,3 +276,31 @@ pub fn line_col(source: &str, offset: usize) -> (usize, usize) {
     let col = before.rfind('\n').map_or(offset, |nl| offset - nl - 1) + 1;
     (line, col)
 }
+
+/// Renders diagnostics about a binary model, where a span is a field path ([`Locations`]):
+/// `error: …`, then ` --> file: graph.node[3] (Conv `conv1`): label` for each label.
+///
+/// [`Locations`]: crate::onnx::Locations
+pub fn render_binary(diags: &[Diagnostic], file_name: &str, locations: &crate::onnx::Locations) -> String {
+    let mut out = String::new();
+    for d in diags {
+        out.push_str(if d.is_error() { "error: " } else { "warning: " });
+        out.push_str(&d.message);
+        out.push('\n');
+        for l in &d.labels {
+            let path = locations.path(l.span).unwrap_or("(unknown field)");
+            let arrow = if l.primary { "-->" } else { "..." };
+            out.push_str(&format!("  {arrow} {file_name}: {path}"));
+            if !l.message.is_empty() {
+                out.push_str(": ");
+                out.push_str(&l.message);
+            }
+            out.push('\n');
+        }
+        for n in &d.notes {
+            out.push_str(&format!("  = note: {n}\n"));
+        }
+        out.push('\n');
+    }
+    out
+}

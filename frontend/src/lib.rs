@@ -19,6 +19,7 @@
 pub mod ast;
 pub mod diag;
 pub mod lower;
+pub mod onnx;
 pub mod parse;
 
 pub use diag::{Diagnostic, Severity, render};
@@ -46,11 +47,27 @@ pub fn parse(source: &str) -> Result<Parsed, Vec<Diagnostic>> {
     Ok(Parsed { model: lowered.model, warnings: lowered.warnings })
 }
 
+/// Reads a binary ONNX model (`ModelProto`). On failure, every problem found, with the field
+/// paths the diagnostics' spans index ([`diag::render_binary`] renders them); on success, the
+/// same paths for later diagnostics about the graph (a node's span is its path).
+pub fn parse_binary(bytes: &[u8]) -> Result<(Parsed, onnx::Locations), (Vec<Diagnostic>, onnx::Locations)> {
+    let read = onnx::read(bytes)?;
+    let warnings = read.warnings;
+    match lower::lower_with(&read.ast, read.values) {
+        Ok(l) => {
+            let mut all = warnings;
+            all.extend(l.warnings);
+            Ok((Parsed { model: l.model, warnings: all }, read.locations))
+        }
+        Err(e) => Err((e, read.locations)),
+    }
+}
+
 /// Checks that a file's bytes are text, returning it; a binary file (such as a binary `.onnx`
 /// protobuf) gets a diagnostic that says how to convert it.
 pub fn decode(bytes: &[u8]) -> Result<&str, Diagnostic> {
-    let binary_hint = "shardc reads the ONNX text syntax; convert a binary model with \
-        `python -c \"import onnx,sys; print(onnx.printer.to_text(onnx.load(sys.argv[1])))\" model.onnx > model.onnxtxt`";
+    let binary_hint = "shardc reads the ONNX text syntax and binary ONNX (a protobuf ModelProto, which starts \
+        with a field tag); this file starts like text but holds bytes text cannot";
     match std::str::from_utf8(bytes) {
         Ok(s) => {
             if let Some(pos) = s.find('\0') {

@@ -26,7 +26,14 @@ pub struct Lowered {
 
 /// Lowers a parsed file.
 pub fn lower(m: &ast::Model) -> Result<Lowered, Vec<Diagnostic>> {
-    let mut cx = Lowerer { errors: Vec::new(), warnings: Vec::new(), opset: 0 };
+    lower_with(m, Vec::new())
+}
+
+/// Lowers a syntax tree whose tensors may refer to decoded `values` ([`Data::Decoded`]), as
+/// the binary reader builds it; each value is moved into the tensor that refers to it.
+pub fn lower_with(m: &ast::Model, values: Vec<TensorData>) -> Result<Lowered, Vec<Diagnostic>> {
+    let decoded = values.into_iter().map(Some).collect();
+    let mut cx = Lowerer { errors: Vec::new(), warnings: Vec::new(), opset: 0, decoded };
     let mut model = Model {
         ir_version: 0,
         opset_import: Vec::new(),
@@ -58,6 +65,8 @@ struct Lowerer {
     errors: Vec<Diagnostic>,
     warnings: Vec<Diagnostic>,
     opset: i64,
+    /// Decoded tensor values not yet taken ([`Data::Decoded`]).
+    decoded: Vec<Option<TensorData>>,
 }
 
 /// Names a graph defines, for resolving references from its subgraphs.
@@ -234,6 +243,13 @@ impl Lowerer {
         let dtype = tt.dtype;
         let tdata = match data {
             Data::External(entries, _) => TensorData::External(entries.clone()),
+            Data::Decoded(i, span) => match self.decoded.get_mut(*i).and_then(Option::take) {
+                Some(d) => d,
+                None => {
+                    self.err(Diagnostic::error("tensor data used twice").with_primary(*span, "already used"));
+                    return None;
+                }
+            },
             Data::Inline(lits, span) => {
                 let Some(storage) = Storage::of(dtype) else {
                     self.err(
@@ -284,7 +300,7 @@ impl Lowerer {
             }
         };
         let t = Tensor { dtype, dims, name, data: tdata };
-        if let (Some(len), Data::Inline(_, span)) = (t.stored_len(), data) {
+        if let (Some(len), Data::Inline(_, span) | Data::Decoded(_, span)) = (t.stored_len(), data) {
             let want = t.numel() * t.values_per_element();
             if len as u64 != want {
                 self.err(

@@ -487,6 +487,20 @@ impl Graph {
         self.spans.remove(&node);
     }
 
+    /// Turns graph input `input` into an initializer holding `tensor` (a value known before
+    /// the graph runs, such as a shape given at run time): it leaves the graph's inputs.
+    pub fn bind_input(&mut self, input: Value, tensor: Tensor) {
+        if !matches!(self.g[input.node.0].op, Op::Input { .. }) {
+            return;
+        }
+        let ty = Some(Type::Tensor(tensor.tensor_type()));
+        self.inputs.retain(|&i| i != input.node);
+        self.initializers.retain(|&i| i != input.node);
+        self.g[input.node.0].op = Op::Initializer(tensor);
+        self.g[input.node.0].outputs[0].ty = ty;
+        self.initializers.push(input.node);
+    }
+
     /// Replaces a node's op (the caller keeps inputs, outputs and types consistent).
     pub fn set_op(&mut self, node: NodeId, op: Op) {
         let was_init = matches!(self.g[node.0].op, Op::Initializer(_));

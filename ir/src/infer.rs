@@ -43,6 +43,9 @@ pub struct InferReport {
     /// Declared types (value_info, output signatures) that contradict what the ops produce;
     /// the inferred type replaces them. Exporters sometimes write stale declarations.
     pub warnings: Vec<ShapeError>,
+    /// Values whose constant value an op's inference asked for and did not have (shape
+    /// parameters computed at run time, or given as graph inputs), in the order asked.
+    pub params: Vec<Value>,
 }
 
 /// How declared types are treated.
@@ -63,6 +66,7 @@ const FOLD_LIMIT: usize = 1 << 16;
 /// Infers all types of `g` (and its subgraphs).
 pub fn infer_shapes(g: &mut Graph, mode: Mode) -> Result<InferReport, Vec<ShapeError>> {
     let mut cx = Infer {
+        params: Vec::new(),
         consts: HashMap::new(),
         syms: HashMap::new(),
         errors: Vec::new(),
@@ -71,13 +75,14 @@ pub fn infer_shapes(g: &mut Graph, mode: Mode) -> Result<InferReport, Vec<ShapeE
     };
     cx.graph(g, mode, &HashMap::new());
     if cx.errors.is_empty() {
-        Ok(InferReport { consts: cx.consts, unknown: cx.unknown, warnings: cx.warnings })
+        Ok(InferReport { consts: cx.consts, unknown: cx.unknown, warnings: cx.warnings, params: cx.params })
     } else {
         Err(cx.errors)
     }
 }
 
 struct Infer {
+    params: Vec<Value>,
     consts: HashMap<Value, Array>,
     syms: HashMap<Value, Vec<Dim>>,
     errors: Vec<ShapeError>,
@@ -278,7 +283,16 @@ impl Infer {
                 .collect()),
             None => {
                 let ins_ref: Vec<Option<&TensorType>> = ins.iter().map(Option::as_ref).collect();
-                infer_op(&node.op, &ins_ref, &consts, &syms, n_out, g.opset)
+                let (r, missing) = infer_op_asking(&node.op, &ins_ref, &consts, &syms, n_out, g.opset);
+                for (i, v) in node.inputs().iter().enumerate().take(64) {
+                    if missing & (1 << i) != 0
+                        && let Some(v) = v
+                        && !self.params.contains(v)
+                    {
+                        self.params.push(*v);
+                    }
+                }
+                r
             }
         };
         let sym_out = if folded.is_none() { symbolic_value(&node.op, &ins, &consts, &syms) } else { None };
@@ -606,7 +620,22 @@ pub fn infer_op(
     n_out: usize,
     opset: i64,
 ) -> Result<Vec<Option<TensorType>>, String> {
-    op.rules().infer(&crate::ops::InferCx { ins, consts, syms, n_out, opset })
+    infer_op_asking(op, ins, consts, syms, n_out, opset).0
+}
+
+/// [`infer_op`], and the input slots whose constant values it asked for and did not have
+/// (bit `i` for slot `i`).
+pub fn infer_op_asking(
+    op: &Op,
+    ins: &[Option<&TensorType>],
+    consts: &[Option<&Array>],
+    syms: &[Option<&Vec<Dim>>],
+    n_out: usize,
+    opset: i64,
+) -> (Result<Vec<Option<TensorType>>, String>, u64) {
+    let cx = crate::ops::InferCx { ins, consts, syms, n_out, opset, missing: std::cell::Cell::new(0) };
+    let r = op.rules().infer(&cx);
+    (r, cx.missing.get())
 }
 
 /// True when any attribute of the op holds a subgraph.

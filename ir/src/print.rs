@@ -40,6 +40,79 @@ pub fn type_to_string(t: &Type) -> String {
     t.to_string()
 }
 
+/// The order nodes are printed (and written to a binary model) in: topological, text order
+/// among independent nodes when the text was sorted.
+pub fn print_order(g: &Graph) -> Vec<NodeId> {
+    g.topo_order().unwrap_or_else(|_| g.node_ids().collect())
+}
+
+/// A node's attributes as printed (and written to a binary model): in the order they were
+/// written when that was not by name, else by name; then the compiler annotations.
+pub fn node_attributes(g: &Graph, n: NodeId) -> Vec<Attribute> {
+    let node = g.node(n);
+    let mut attrs = node.op.attributes();
+    if !node.attr_order.is_empty() {
+        let pos = |name: &str| node.attr_order.iter().position(|a| a == name).unwrap_or(usize::MAX);
+        attrs.sort_by_key(|a| pos(&a.name));
+    }
+    attrs.extend(node.annotations.iter().map(|(k, v)| Attribute::new(k.clone(), AttrValue::String(v.clone()))));
+    attrs
+}
+
+/// The graph's value infos as printed (and written to a binary model): first the names that
+/// had entries, in text order; then every other typed operator output, in node order. Graph
+/// outputs are left out (their type is in the signature).
+pub fn value_infos(g: &Graph) -> Vec<(Option<&Type>, &str)> {
+    let order = print_order(g);
+    let outputs: HashSet<Value> = g.outputs().iter().map(|o| o.value).collect();
+    let is_op = |n: NodeId| !matches!(g.node(n).op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef);
+    let mut vi: Vec<(Option<&Type>, &str)> = Vec::new();
+    let mut printed: HashSet<&str> = HashSet::new();
+    for name in g.value_info_order() {
+        if !printed.insert(name.as_str()) {
+            continue;
+        }
+        match g.lookup(name) {
+            Some(v) if is_op(v.node) => {
+                if let Some(t) = g.value_type(v)
+                    && !outputs.contains(&v)
+                {
+                    vi.push((Some(t), name));
+                }
+            }
+            _ => {
+                if let Some(t) = g.extra_value_info(name) {
+                    vi.push((t.as_ref(), name));
+                }
+            }
+        }
+    }
+    for &n in &order {
+        if !is_op(n) {
+            continue;
+        }
+        for (slot, o) in g.node(n).outputs().iter().enumerate() {
+            if o.ty.is_some()
+                && !o.name.is_empty()
+                && !outputs.contains(&Value::new(n, slot as u16))
+                && printed.insert(o.name.as_str())
+            {
+                vi.push((o.ty.as_ref(), &o.name));
+            }
+        }
+    }
+    vi
+}
+
+/// The type a graph output is printed (and written) with: its own, else its producer's.
+pub fn output_type<'g>(g: &'g Graph, o: &'g crate::graph::GraphOutput) -> Option<&'g Type> {
+    let own = match g.node(o.value.node).op {
+        Op::Input { .. } | Op::Initializer(_) | Op::OuterRef => None,
+        _ => g.value_type(o.value),
+    };
+    o.ty.as_ref().or(own)
+}
+
 struct Printer {
     out: String,
     indent: usize,
@@ -149,54 +222,12 @@ impl Printer {
             let name = g.value_name(o.value).to_string();
             // An operator output's own type stands in for an untyped output signature (the
             // value_info below skips graph outputs).
-            let own = match g.node(o.value.node).op {
-                Op::Input { .. } | Op::Initializer(_) | Op::OuterRef => None,
-                _ => g.value_type(o.value),
-            };
-            self.value_info(o.ty.as_ref().or(own), &name);
+            self.value_info(output_type(g, o), &name);
         }
         self.out.push_str(") ");
 
-        let order = g.topo_order().unwrap_or_else(|_| g.node_ids().collect());
-        let outputs: HashSet<Value> = g.outputs().iter().map(|o| o.value).collect();
-        let is_op = |n: NodeId| !matches!(g.node(n).op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef);
-        // Value infos: first the names that had entries, in text order; then every other typed
-        // operator output, in node order.
-        let mut vi: Vec<(Option<&Type>, &str)> = Vec::new();
-        let mut printed: HashSet<&str> = HashSet::new();
-        for name in g.value_info_order() {
-            if !printed.insert(name.as_str()) {
-                continue;
-            }
-            match g.lookup(name) {
-                Some(v) if is_op(v.node) => {
-                    if let Some(t) = g.value_type(v)
-                        && !outputs.contains(&v)
-                    {
-                        vi.push((Some(t), name));
-                    }
-                }
-                _ => {
-                    if let Some(t) = g.extra_value_info(name) {
-                        vi.push((t.as_ref(), name));
-                    }
-                }
-            }
-        }
-        for &n in &order {
-            if !is_op(n) {
-                continue;
-            }
-            for (slot, o) in g.node(n).outputs().iter().enumerate() {
-                if o.ty.is_some()
-                    && !o.name.is_empty()
-                    && !outputs.contains(&Value::new(n, slot as u16))
-                    && printed.insert(o.name.as_str())
-                {
-                    vi.push((o.ty.as_ref(), &o.name));
-                }
-            }
-        }
+        let order = print_order(g);
+        let vi = value_infos(g);
         if !g.initializers().is_empty() || !vi.is_empty() {
             self.out.push('\n');
             self.pad(self.indent);
@@ -293,12 +324,7 @@ impl Printer {
             self.out.push(':');
             self.out.push_str(&o.overload);
         }
-        let mut attrs = node.op.attributes();
-        if !node.attr_order.is_empty() {
-            let pos = |name: &str| node.attr_order.iter().position(|a| a == name).unwrap_or(usize::MAX);
-            attrs.sort_by_key(|a| pos(&a.name));
-        }
-        attrs.extend(node.annotations.iter().map(|(k, v)| Attribute::new(k.clone(), AttrValue::String(v.clone()))));
+        let attrs = node_attributes(g, n);
         let has_subgraph = attrs.iter().any(|a| a.value.has_subgraph());
         if !has_subgraph && !attrs.is_empty() {
             self.attrs(&attrs);
@@ -437,7 +463,7 @@ impl Printer {
             self.id(&name);
         }
         self.out.push_str(")\n");
-        let order = f.body.topo_order().unwrap_or_else(|_| f.body.node_ids().collect());
+        let order = print_order(&f.body);
         self.out.push_str("{\n");
         for n in order {
             if matches!(f.body.node(n).op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef) {

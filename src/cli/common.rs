@@ -293,15 +293,21 @@ fn refuse_input(out: &Path, flag: Option<&str>) -> CliResult {
 /// destination and renamed into place, so an interrupted write never leaves a truncated
 /// file; replacing an existing file is said on stderr.
 pub fn write_output(text: &str, out: Option<&PathBuf>, model: &Path) -> CliResult {
+    // Text ends with a newline, as on stdout.
+    let body = if text.is_empty() || text.ends_with('\n') { text.to_string() } else { format!("{text}\n") };
+    write_output_bytes(body.as_bytes(), out, model)
+}
+
+/// Writes bytes (a binary model, or text that already ends as it should) to `out` or stdout,
+/// as [`write_output`] does.
+pub fn write_output_bytes(bytes: &[u8], out: Option<&PathBuf>, model: &Path) -> CliResult {
     match out {
         Some(p) => {
             if !model.as_os_str().is_empty() {
                 note_input(model);
             }
             refuse_input(p, None)?;
-            // Text ends with a newline, as on stdout.
-            let body = if text.is_empty() || text.ends_with('\n') { text.to_string() } else { format!("{text}\n") };
-            let replaced = write_atomically(p, body.as_bytes())
+            let replaced = write_atomically(p, bytes)
                 .map_err(|e| CliError::msg(format!("cannot write `{}`: {e}", p.display())))?;
             if replaced {
                 eprintln!("wrote {} (replaced the previous file)", p.display());
@@ -310,10 +316,7 @@ pub fn write_output(text: &str, out: Option<&PathBuf>, model: &Path) -> CliResul
         }
         None => {
             let mut stdout = std::io::stdout().lock();
-            let r = stdout
-                .write_all(text.as_bytes())
-                .and_then(|_| if text.ends_with('\n') { Ok(()) } else { stdout.write_all(b"\n") });
-            match r {
+            match stdout.write_all(bytes) {
                 Ok(()) => Ok(()),
                 // A closed pipe (`| head`) is not an error of ours.
                 Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),

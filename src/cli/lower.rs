@@ -15,6 +15,9 @@ pub enum LowerEmit {
     Json,
     /// Each device's graph for Graphviz.
     Dot,
+    /// Each device's graph as binary ONNX (`-o DIR` writes `deviceK.onnx`; the default for
+    /// `-o NAME.onnx` with one device).
+    Onnx,
 }
 
 #[derive(Args, Debug)]
@@ -31,9 +34,9 @@ pub struct LowerArgs {
     /// still match the model's by name and shape.
     #[arg(long)]
     pub force: bool,
-    /// Output format.
-    #[arg(long, value_enum, default_value = "text")]
-    pub emit: LowerEmit,
+    /// Output format [default: onnx for `-o NAME.onnx`, else text].
+    #[arg(long, value_enum)]
+    pub emit: Option<LowerEmit>,
     /// Write here: a file for one device or JSON, a directory (one file per device) otherwise.
     #[arg(short = 'o', long = "output", value_name = "OUT")]
     pub output: Option<PathBuf>,
@@ -60,19 +63,46 @@ pub fn run(args: &LowerArgs) -> CliResult {
     for f in &program.fallbacks {
         eprintln!("note: runs replicated instead of as planned: {f}");
     }
-    match args.emit {
+    let emit = args.emit.unwrap_or_else(|| {
+        if args.output.as_ref().is_some_and(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx"))) {
+            LowerEmit::Onnx
+        } else {
+            LowerEmit::Text
+        }
+    });
+    if emit == LowerEmit::Onnx {
+        let bytes = |d: &codegen::DeviceProgram| shardc::frontend::onnx::to_bytes(&d.to_model());
+        return match (&args.output, devices.len()) {
+            (Some(out), 1) if out.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx")) => {
+                write_output_bytes(&bytes(devices[0]), Some(out), &model_path)
+            }
+            (Some(dir), _) => {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| CliError::msg(format!("cannot create `{}`: {e}", dir.display())))?;
+                for d in devices {
+                    write_output_bytes(&bytes(d), Some(&dir.join(format!("device{}.onnx", d.device))), &model_path)?;
+                }
+                Ok(())
+            }
+            (None, _) => {
+                Err(CliError::msg("--emit onnx writes binary files: give -o DIR (or -o NAME.onnx with --device K)"))
+            }
+        };
+    }
+    match emit {
+        LowerEmit::Onnx => unreachable!("written above"),
         LowerEmit::Json => {
             let doc = serde_json::to_string_pretty(&program.summary_json()).expect("JSON");
             write_output(&doc, args.output.as_ref(), &model_path)
         }
         LowerEmit::Text | LowerEmit::Dot => {
             let render = |d: &codegen::DeviceProgram| -> String {
-                match args.emit {
+                match emit {
                     LowerEmit::Dot => ir::export::graph_dot(&d.graph),
                     _ => ir::print::model_to_string(&d.to_model()),
                 }
             };
-            let ext = if args.emit == LowerEmit::Dot { "dot" } else { "onnxtxt" };
+            let ext = if emit == LowerEmit::Dot { "dot" } else { "onnxtxt" };
             match (&args.output, devices.len()) {
                 (Some(out), 1) => write_output(&render(devices[0]), Some(out), &model_path),
                 (Some(dir), _) => {

@@ -14,15 +14,29 @@ pub enum Emit {
     Json,
     /// A Graphviz graph.
     Dot,
+    /// Binary ONNX (`ModelProto`), what `onnx.load` reads; the default for `-o NAME.onnx`.
+    Onnx,
+}
+
+/// What to write: `--emit` when given, else binary ONNX for an output file named `*.onnx`,
+/// else text.
+pub fn emit_for(emit: Option<Emit>, output: Option<&PathBuf>) -> Emit {
+    emit.unwrap_or_else(|| {
+        if output.is_some_and(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx"))) {
+            Emit::Onnx
+        } else {
+            Emit::Text
+        }
+    })
 }
 
 #[derive(Args, Debug)]
 pub struct ParseArgs {
-    /// The model (ONNX textual syntax).
+    /// The model (ONNX textual syntax or binary .onnx).
     pub model: PathBuf,
-    /// Output format.
-    #[arg(long, value_enum, default_value = "text")]
-    pub emit: Emit,
+    /// Output format [default: onnx for `-o NAME.onnx`, else text].
+    #[arg(long, value_enum)]
+    pub emit: Option<Emit>,
     /// Write the output here instead of stdout.
     #[arg(short = 'o', long = "output", value_name = "OUT")]
     pub output: Option<PathBuf>,
@@ -92,7 +106,14 @@ pub fn run(args: &ParseArgs) -> CliResult {
             eprintln!("{k}: {v}");
         }
     }
-    let text = match args.emit {
+    let text = match emit_for(args.emit, args.output.as_ref()) {
+        Emit::Onnx => {
+            if args.output.is_none() && std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+                return Err(CliError::msg("--emit onnx writes binary; give -o FILE.onnx or redirect stdout to a file"));
+            }
+            let bytes = shardc::frontend::onnx::to_bytes(&loaded.model);
+            return write_output_bytes(&bytes, args.output.as_ref(), &args.model);
+        }
         Emit::Text => ir::print::model_to_string(&loaded.model),
         Emit::Json => {
             serde_json::to_string_pretty(&ir::export::model_json(&loaded.model)).expect("JSON values serialize")

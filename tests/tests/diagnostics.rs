@@ -1,5 +1,5 @@
 //! Malformed inputs: each gives a rendered diagnostic with file:line:col, the source line and
-//! a caret. The expected text is in `tests/diagnostics/NAME.stderr`; run with `BLESS=1` to
+//! a caret (for binary `.onnx` inputs, the field path inside the protobuf). The expected text is in `tests/diagnostics/NAME.stderr`; run with `BLESS=1` to
 //! rewrite the expectations after an intended change.
 
 use std::path::Path;
@@ -14,7 +14,7 @@ fn malformed_inputs_render_as_expected() {
         .unwrap()
         .flatten()
         .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "onnxtxt"))
+        .filter(|p| p.extension().is_some_and(|x| x == "onnxtxt" || x == "onnx"))
         .collect();
     cases.sort();
     assert!(cases.len() >= 25, "only {} diagnostic cases", cases.len());

@@ -94,3 +94,64 @@ fn random_mutations_never_panic() {
 fn n_iter() -> usize {
     std::env::var("SHARDC_FUZZ_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(6000)
 }
+
+/// Binary mutations of binary `.onnx` models (bytes flipped, dropped, duplicated, varints
+/// changed): the protobuf reader and everything after it answer with a result or an error.
+fn exercise_binary(bytes: &[u8]) {
+    let Ok((parsed, _)) = frontend::parse_binary(bytes) else { return };
+    let mut model = parsed.model;
+    let _ = ir::print::model_to_string(&model);
+    let _ = frontend::onnx::to_bytes(&model);
+    if ir::verify(&model.graph).is_err() {
+        return;
+    }
+    let mut pm = passes::PassManager::new();
+    pm.add(passes::InferShapes::default()).add(passes::Canonicalize);
+    let _ = pm.run(&mut model);
+}
+
+fn mutate_binary(bytes: &[u8], rng: &mut Rng) -> Vec<u8> {
+    let mut t = bytes.to_vec();
+    let n = 1 + (rng.next_u64() % 3) as usize;
+    for _ in 0..n {
+        if t.is_empty() {
+            break;
+        }
+        let at = (rng.next_u64() % t.len() as u64) as usize;
+        match rng.next_u64() % 5 {
+            0 => t[at] ^= 1 << (rng.next_u64() % 8),
+            1 => t[at] = (rng.next_u64() & 0xff) as u8,
+            2 => {
+                let len = ((rng.next_u64() % 8) as usize).min(t.len() - at);
+                t.drain(at..at + len);
+            }
+            3 => t.truncate(at),
+            _ => {
+                // A large varint where a small one was: counts, dims, lengths.
+                t.splice(at..at, [0xff, 0xff, 0xff, 0xff, 0x0f]);
+            }
+        }
+    }
+    t
+}
+
+#[test]
+fn random_binary_mutations_never_panic() {
+    let dir = repo_root().join("tests/data/onnx");
+    let sources: Vec<Vec<u8>> =
+        ["tiny_mlp.onnx", "conv2d_basic.onnx", "lstm_small.onnx", "tv_alexnet.onnx", "shape_ops.onnx"]
+            .iter()
+            .map(|n| std::fs::read(dir.join(n)).unwrap_or_else(|e| panic!("{n}: {e}")))
+            .collect();
+    let mut rng = Rng::new(20261124);
+    for i in 0..n_iter() / 2 {
+        let input = mutate_binary(&sources[i % sources.len()], &mut rng);
+        let t0 = Instant::now();
+        if catch_unwind(AssertUnwindSafe(|| exercise_binary(&input))).is_err() {
+            let path = std::env::temp_dir().join(format!("shardc-fuzz-{i}.onnx"));
+            std::fs::write(&path, &input).unwrap();
+            panic!("binary mutation {i} panicked; input saved to {}", path.display());
+        }
+        assert!(t0.elapsed().as_secs() < 20, "binary mutation {i} took {:?}", t0.elapsed());
+    }
+}

@@ -118,6 +118,10 @@ pub struct InferCx<'a> {
     pub n_out: usize,
     /// The model's default-domain opset.
     pub opset: i64,
+    /// Input slots (bit `i` for slot `i` < 64) whose constant value inference asked for and did
+    /// not have: values (shape parameters such as `Reshape`'s shape or `Slice`'s starts) that
+    /// would make the outputs' shapes known.
+    pub missing: std::cell::Cell<u64>,
 }
 
 impl<'a> InferCx<'a> {
@@ -143,7 +147,11 @@ impl<'a> InferCx<'a> {
 
     /// Input `i`'s constant value.
     pub fn konst(&self, i: usize) -> Option<&'a Array> {
-        self.consts.get(i).copied().flatten()
+        let k = self.consts.get(i).copied().flatten();
+        if k.is_none() && i < 64 && self.ins.get(i).is_some_and(Option::is_some) {
+            self.missing.set(self.missing.get() | (1 << i));
+        }
+        k
     }
 
     /// Input `i`'s constant value as integers.
