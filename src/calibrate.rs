@@ -70,13 +70,13 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub fn time_node<E: Executor>(e: &mut E, g: &Graph, n: NodeId, inputs: &[Array], reps: usize) -> Result<f64, String> {
     let ts: Vec<E::Tensor> = inputs.iter().map(|a| e.upload(a)).collect::<Result<_, _>>()?;
     let refs: Vec<Option<&E::Tensor>> = ts.iter().map(Some).collect();
-    let (warm, _) = e.run(g, n, &refs)?;
+    let (warm, _) = e.run(g, n, &refs, &[])?;
     e.sync();
     drop(warm);
     let mut times = Vec::with_capacity(reps);
     for _ in 0..reps.max(1) {
         let t = Instant::now();
-        let (o, _) = e.run(g, n, &refs)?;
+        let (o, _) = e.run(g, n, &refs, &[])?;
         e.sync();
         times.push(t.elapsed().as_secs_f64());
         drop(o);

@@ -494,10 +494,24 @@ pub fn prepare_with_values(m: &mut Model, inputs: &HashMap<String, Array>) -> Re
     }
     let mut bound = Vec::new();
     loop {
-        let report = ir::infer::infer_shapes(g, ir::infer::Mode::Reset)
+        let report = ir::infer::infer_shapes(g, ir::infer::Mode::Check)
             .map_err(|e| e.iter().map(|e| e.msg.clone()).collect::<Vec<_>>().join("; "))?;
         let mut any = false;
-        for v in report.params {
+        // The graph inputs each asked-for value is computed from.
+        let mut sources: Vec<Value> = Vec::new();
+        let mut stack: Vec<Value> = report.params.clone();
+        let mut seen = std::collections::HashSet::new();
+        while let Some(v) = stack.pop() {
+            if !seen.insert(v) {
+                continue;
+            }
+            let node = g.node(v.node);
+            if matches!(node.op, Op::Input { .. }) {
+                sources.push(v);
+            }
+            stack.extend(node.inputs().iter().flatten().chain(node.captures()).copied());
+        }
+        for v in sources {
             if !matches!(g.node(v.node).op, Op::Input { .. }) {
                 continue;
             }

@@ -51,7 +51,7 @@ pub fn peak_bytes(g: &Graph, keep: &HashSet<Value>) -> Option<u64> {
 pub(crate) fn last_uses(g: &Graph, order: &[ir::NodeId]) -> HashMap<Value, usize> {
     let mut last_use = HashMap::new();
     for (i, &n) in order.iter().enumerate() {
-        for v in g.node(n).inputs().iter().flatten() {
+        for v in g.node(n).inputs().iter().flatten().chain(g.node(n).captures()) {
             last_use.insert(*v, i);
         }
     }

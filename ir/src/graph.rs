@@ -562,6 +562,28 @@ impl Graph {
         true
     }
 
+    /// Renames the values this graph's subgraphs read from enclosing graphs (its `OuterRef`s,
+    /// and theirs in nested subgraphs) by `map`: when the enclosing value is known by another
+    /// name (a device's local copy of a value). Returns whether anything changed.
+    pub fn rename_outer_refs(&mut self, map: &HashMap<String, String>) -> bool {
+        let mut changed = false;
+        for n in self.node_ids().collect::<Vec<_>>() {
+            if matches!(self.g[n.0].op, Op::OuterRef) {
+                let old = self.g[n.0].outputs[0].name.clone();
+                if let Some(new) = map.get(&old) {
+                    changed |= self.rename(Value::new(n, 0), new.clone());
+                }
+            } else if self.g[n.0].op.has_subgraphs() {
+                let mut op = self.g[n.0].op.clone();
+                if op.rename_outer_refs(map) {
+                    self.g[n.0].op = op;
+                    changed = true;
+                }
+            }
+        }
+        changed
+    }
+
     /// A name not used in this graph, `base` or `base_N`.
     pub fn fresh_name(&self, base: &str) -> String {
         if !self.names.contains_key(base) {

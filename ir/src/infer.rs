@@ -218,7 +218,7 @@ impl Infer {
         for o in outs {
             let inferred = g.value_type(o.value).and_then(Type::as_tensor).cloned();
             let ty = if mode == Mode::Reset {
-                inferred.map(Type::Tensor).or(o.ty.clone())
+                inferred.clone().map(Type::Tensor).or(o.ty.clone())
             } else {
                 match merge(o.ty.as_ref(), inferred.clone()) {
                     Ok(t) => t,
@@ -228,10 +228,20 @@ impl Infer {
                             span: g.span(o.value.node),
                             msg: format!("graph output `{}` is {e}; using the inferred type", g.value_name(o.value)),
                         });
-                        inferred.map(Type::Tensor)
+                        inferred.clone().map(Type::Tensor)
                     }
                 }
             };
+            // A declaration more precise than inference (a loop's stacked length, a shape
+            // computed at run time) types the operator output too.
+            if mode == Mode::Check
+                && !matches!(g.node(o.value.node).op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef)
+                && let (Some(Type::Tensor(decl)), Some(inf)) = (&ty, &inferred)
+                && decl.is_static()
+                && !inf.is_static()
+            {
+                g.set_type(o.value, ty.clone());
+            }
             new_outs.push(crate::graph::GraphOutput { value: o.value, ty });
         }
         g.set_outputs(new_outs);
@@ -339,6 +349,34 @@ impl Infer {
         }
     }
 
+    /// Infers a subgraph in a scope of its own: its node ids are its own, so what is known
+    /// about this graph's values does not leak into it by id; the constants it reads from the
+    /// enclosing graph are passed by name.
+    fn subgraph(
+        &mut self,
+        b: &mut Graph,
+        mode: Mode,
+        outer: &HashMap<String, Type>,
+        outer_consts: &HashMap<String, Array>,
+    ) {
+        let consts = std::mem::take(&mut self.consts);
+        let syms = std::mem::take(&mut self.syms);
+        let params = std::mem::take(&mut self.params);
+        let unknown = std::mem::take(&mut self.unknown);
+        for n in b.node_ids().collect::<Vec<_>>() {
+            if matches!(b.node(n).op, Op::OuterRef)
+                && let Some(a) = outer_consts.get(&b.node(n).outputs()[0].name)
+            {
+                self.consts.insert(Value::new(n, 0), a.clone());
+            }
+        }
+        self.graph(b, mode, outer);
+        self.consts = consts;
+        self.syms = syms;
+        self.params = params;
+        self.unknown = unknown;
+    }
+
     fn control(&mut self, g: &mut Graph, n: NodeId, mode: Mode, ins: &[Option<TensorType>]) {
         // Types of every value the subgraphs may read from this graph.
         let mut outer: HashMap<String, Type> = HashMap::new();
@@ -347,13 +385,20 @@ impl Infer {
                 outer.insert(g.value_name(c).to_string(), t.clone());
             }
         }
+        // Values of this graph the subgraphs read, when they are constants.
+        let outer_consts: HashMap<String, Array> = g
+            .node(n)
+            .captures()
+            .iter()
+            .filter_map(|c| self.consts.get(c).map(|a| (g.value_name(*c).to_string(), a.clone())))
+            .collect();
         let mut op = g.node(n).op.clone();
         let mut out_types: Vec<Option<TensorType>> = vec![None; g.node(n).num_outputs()];
         match &mut op {
             Op::If(i) => {
                 let mut branch_types = Vec::new();
                 for b in [&mut i.then_branch, &mut i.else_branch].into_iter().flatten() {
-                    self.graph(b, mode, &outer);
+                    self.subgraph(b, mode, &outer, &outer_consts);
                     branch_types.push(
                         b.outputs()
                             .iter()
@@ -400,7 +445,7 @@ impl Infer {
                             body.set_type(v, t.map(Type::Tensor));
                         }
                     }
-                    self.graph(body, mode, &outer);
+                    self.subgraph(body, mode, &outer, &outer_consts);
                     let n_carried = ins.len().saturating_sub(2);
                     for (k, o) in body.outputs().iter().enumerate().skip(1) {
                         let t = o.ty.as_ref().and_then(Type::as_tensor).cloned();
@@ -416,6 +461,44 @@ impl Infer {
                                 dims: t.dims.map(|d| std::iter::once(Dim::Unknown).chain(d).collect()),
                             })
                         };
+                    }
+                }
+            }
+            Op::Scan(sc) if g.opset > 0 && g.opset < 9 => {
+                // Scan-8: `sequence_lens` first, then inputs with a leading batch dim; the
+                // scan axis is the one after it.
+                if let Some(body) = &mut sc.body {
+                    let ins = ins.get(1..).unwrap_or_default();
+                    let m = sc.num_scan_inputs.unwrap_or(0).max(0) as usize;
+                    let n_state = ins.len().saturating_sub(m);
+                    let (mut batch, mut seq) = (Dim::Unknown, Dim::Unknown);
+                    let names: Vec<Value> = body.inputs().iter().map(|&b| Value::new(b, 0)).collect();
+                    for (k, v) in names.into_iter().enumerate() {
+                        let t = ins.get(k).cloned().flatten().map(|t| {
+                            let drop = if k < n_state { 1 } else { 2 };
+                            let dims = t.dims.map(|d| {
+                                if let Some(b) = d.first() {
+                                    batch = b.clone();
+                                }
+                                if k == n_state
+                                    && let Some(q) = d.get(1)
+                                {
+                                    seq = q.clone();
+                                }
+                                d.into_iter().skip(drop).collect()
+                            });
+                            TensorType { dtype: t.dtype, dims }
+                        });
+                        if body.value_type(v).is_none() {
+                            body.set_type(v, t.map(Type::Tensor));
+                        }
+                    }
+                    self.subgraph(body, mode, &outer, &outer_consts);
+                    for (k, o) in body.outputs().iter().enumerate().take(out_types.len()) {
+                        out_types[k] = o.ty.as_ref().and_then(Type::as_tensor).cloned().map(|t| {
+                            let lead = if k < n_state { vec![batch.clone()] } else { vec![batch.clone(), seq.clone()] };
+                            TensorType { dtype: t.dtype, dims: t.dims.map(|d| lead.into_iter().chain(d).collect()) }
+                        });
                     }
                 }
             }
@@ -451,7 +534,7 @@ impl Infer {
                             body.set_type(v, t.map(Type::Tensor));
                         }
                     }
-                    self.graph(body, mode, &outer);
+                    self.subgraph(body, mode, &outer, &outer_consts);
                     for (k, o) in body.outputs().iter().enumerate() {
                         let t = o.ty.as_ref().and_then(Type::as_tensor).cloned();
                         if k >= out_types.len() {
@@ -477,6 +560,41 @@ impl Infer {
             _ => {}
         }
         g.set_op(n, op);
+        // The values deciding what runs (a condition, a trip count) shape the outputs:
+        // ask for them. With every input and captured value known, the op folds.
+        let node = g.node(n);
+        let deciding: &[usize] = match node.op {
+            Op::If(_) => &[0],
+            Op::Loop(_) => &[0, 1],
+            _ => &[],
+        };
+        for &i in deciding {
+            if let Some(v) = node.input(i)
+                && !self.consts.contains_key(&v)
+                && !self.params.contains(&v)
+            {
+                self.params.push(v);
+            }
+        }
+        let ins_c: Vec<Option<&Array>> = node.inputs().iter().map(|i| i.and_then(|v| self.consts.get(&v))).collect();
+        let caps_c: Vec<Option<&Array>> = node.captures().iter().map(|v| self.consts.get(v)).collect();
+        let all_known = node.inputs().iter().zip(&ins_c).all(|(i, c)| i.is_none() || c.is_some())
+            && caps_c.iter().all(Option::is_some)
+            && ins_c.iter().chain(&caps_c).flatten().map(|a| a.numel()).sum::<usize>() <= FOLD_LIMIT;
+        let folded = if all_known { eval::eval_node(g, n, &ins_c, &caps_c).ok() } else { None };
+        let folded =
+            folded.filter(|outs| outs.len() == out_types.len() && outs.iter().all(|a| a.numel() <= FOLD_LIMIT));
+        if let Some(arrays) = &folded {
+            for (slot, a) in arrays.iter().enumerate() {
+                let dims: Vec<i64> = a.shape.iter().map(|&d| d as i64).collect();
+                out_types[slot] = Some(TensorType::fixed(a.dtype, &dims));
+            }
+        }
+        if let Some(arrays) = folded {
+            for (slot, a) in arrays.into_iter().enumerate() {
+                self.consts.insert(Value::new(n, slot as u16), a);
+            }
+        }
         for (slot, t) in out_types.into_iter().enumerate() {
             let v = Value::new(n, slot as u16);
             let declared = g.value_type(v).cloned();

@@ -362,6 +362,8 @@ define_ops! {
     Log = "Log", Unary {};
     /// `x * tanh(softplus(x))`. Typing: Y has X's type.
     Mish = "Mish", Unary {};
+    /// `x · σ(αx)`.
+    Swish = "Swish", Unary { alpha: float = 1.0 };
     /// `-x`. Typing: Y has X's type.
     Neg = "Neg", Unary {};
     /// Logical not. Typing: X and Y are bool.
@@ -406,6 +408,10 @@ define_ops! {
     /// Inference-mode dropout is the identity; the optional mask output is all true.
     /// Typing: Y has X's type, mask is bool with X's shape.
     Dropout = "Dropout", Unary { ratio: float, seed: int };
+    /// The same bits as another type of the same width.
+    BitCast = "BitCast", Other { to: int };
+    /// `Swish_α(A) · B` (A and B of one shape).
+    SwiGLU = "SwiGLU", Other { alpha: float = 1.0 };
 
     // ---- elementwise binary: A, B broadcast (numpy rules) to C ----
     /// `a + b`. Typing: A and B of one element type; C has their broadcast shape.
@@ -469,6 +475,8 @@ define_ops! {
     Gemm = "Gemm", Contraction { alpha: float = 1.0, beta: float = 1.0, trans_a("transA"): int = 0, trans_b("transB"): int = 0 };
     /// Einstein summation. Typing: given by the equation.
     Einsum = "Einsum", Contraction { equation: string };
+    /// Determinants of square matrices.
+    Det = "Det", Contraction {};
     /// N-d convolution, X [N, C, D1..Dk], W [M, C/group, k1..kk], optional bias B [M].
     /// Typing: Y is [N, M, O1..Ok] with `Oi = floor((Di + pads - dil*(ki-1) - 1)/stride) + 1`.
     Conv = "Conv", Contraction { auto_pad: string = "NOTSET", dilations: ints, group: int = 1, kernel_shape: ints, pads: ints, strides: ints };
@@ -513,6 +521,16 @@ define_ops! {
     LogSoftmax = "LogSoftmax", Window { axis: int };
     /// One-hot of the argmax along `axis`. Typing: Y has X's type.
     Hardmax = "Hardmax", Window { axis: int };
+    /// `x / sqrt(mean(x²) + ε) · scale` over the dims from `axis` on.
+    RMSNormalization = "RMSNormalization", Window { axis: int = -1, epsilon: float = 1e-5, stash_type: int = 1 };
+    /// MaxPool's values back to the positions of its indices, zeros elsewhere.
+    MaxUnpool = "MaxUnpool", Window { kernel_shape: ints, pads: ints, strides: ints };
+
+    // ---- transformer blocks ----
+    /// Scaled dot-product attention: masks, causal and sliding windows, grouped heads, a cache.
+    Attention = "Attention", Other { is_causal: int = 0, kv_num_heads: int, left_window_size: int = -1, q_num_heads: int, qk_matmul_output_mode: int = 0, right_window_size: int = -1, scale: float, softcap: float = 0.0, softmax_precision: int };
+    /// Rotary position embedding of each head's features.
+    RotaryEmbedding = "RotaryEmbedding", Other { interleaved: int = 0, num_heads: int, rotary_embedding_dim: int = 0 };
 
     // ---- losses ----
     /// Softmax cross-entropy of scores [N, C, d1..] against int labels [N, d1..] (class dim
@@ -593,7 +611,7 @@ define_ops! {
     /// Moves depth into spatial blocks. Typing: [N, C/b², H*b, W*b].
     DepthToSpace = "DepthToSpace", Shape { blocksize: int, mode: string = "DCR" };
     /// Moves spatial blocks into depth. Typing: [N, C*b², H/b, W/b].
-    SpaceToDepth = "SpaceToDepth", Shape { blocksize: int };
+    SpaceToDepth = "SpaceToDepth", Shape { blocksize: int, mode: string = "DCR" };
     /// The input's shape as int64 [rank] (or a `start..end` part of it).
     Shape = "Shape", Shape { end: int, start: int = 0 };
     /// The number of elements as an int64 scalar.
@@ -618,6 +636,20 @@ define_ops! {
     CumSum = "CumSum", Shape { exclusive: int = 0, reverse: int = 0 };
     /// Identity matrix shaped like the input, diagonal offset k. Typing: X's shape.
     EyeLike = "EyeLike", Shape { dtype: int, k: int = 0 };
+    /// Running product along an axis.
+    CumProd = "CumProd", Shape { exclusive: int = 0, reverse: int = 0 };
+    /// `ScatterElements` without reduction (its deprecated name).
+    Scatter = "Scatter", Shape { axis: int = 0 };
+    /// The slices along an axis where a condition holds.
+    Compress = "Compress", Shape { axis: int };
+    /// Each batch entry's first `len` time steps reversed.
+    ReverseSequence = "ReverseSequence", Shape { batch_axis: int = 1, time_axis: int = 0 };
+    /// A cache with updates written at per-batch positions.
+    TensorScatter = "TensorScatter", Shape { axis: int = -2, mode: string = "linear" };
+    /// The distinct values (or slices), with indices, inverse indices and counts.
+    Unique = "Unique", Shape { axis: int, sorted: int = 1 };
+    /// Crops or pads axes to a length about their centre.
+    CenterCropPad = "CenterCropPad", Shape { axes: ints };
 
     // ---- recurrent layers: X [seq, batch, input] (layout 0) ----
     /// Long short-term memory. Typing: Y [seq, dirs, batch, hidden], Y_h and Y_c
@@ -769,6 +801,27 @@ pub struct PoolAttrs<'a> {
 }
 
 impl Op {
+    /// True for the ops that hold subgraphs (`If`, `Loop`, `Scan`).
+    pub fn has_subgraphs(&self) -> bool {
+        matches!(self, Op::If(_) | Op::Loop(_) | Op::Scan(_))
+    }
+
+    /// Renames, in this op's subgraphs, the values they read from enclosing graphs (see
+    /// [`Graph::rename_outer_refs`]).
+    pub fn rename_outer_refs(&mut self, map: &std::collections::HashMap<String, String>) -> bool {
+        let graphs: Vec<&mut Box<Graph>> = match self {
+            Op::If(i) => i.then_branch.iter_mut().chain(i.else_branch.iter_mut()).collect(),
+            Op::Loop(l) => l.body.iter_mut().collect(),
+            Op::Scan(s) => s.body.iter_mut().collect(),
+            _ => Vec::new(),
+        };
+        let mut changed = false;
+        for g in graphs {
+            changed |= g.rename_outer_refs(map);
+        }
+        changed
+    }
+
     /// The shared window attributes of a pooling op with a kernel.
     pub fn pool_attrs(&self) -> Option<PoolAttrs<'_>> {
         macro_rules! arms {

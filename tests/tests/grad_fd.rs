@@ -51,6 +51,16 @@ const NO_RULE: &[(&str, &str)] = &[
     ("Resize", "interpolation weights: not yet"),
     ("Upsample", "interpolation weights: not yet"),
     ("Loop", "control flow: subgraphs are not differentiated"),
+    ("Attention", "fused attention: not yet (exports that spell it as MatMul/Softmax/MatMul train)"),
+    ("CenterCropPad", "crop/pad index remap: not yet"),
+    ("Compress", "data-dependent selection: not yet"),
+    ("CumProd", "running product: not yet"),
+    ("Det", "determinant: not yet"),
+    ("MaxUnpool", "index scatter: not yet"),
+    ("ReverseSequence", "per-batch index remap: not yet"),
+    ("Scatter", "deprecated scatter: not yet"),
+    ("TensorScatter", "cache update: not yet"),
+    ("Unique", "data-dependent selection: not yet"),
     ("Scan", "control flow: subgraphs are not differentiated"),
 ];
 

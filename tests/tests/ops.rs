@@ -151,7 +151,8 @@ fn run_on<E: Executor>(e: &mut E, g: &Graph, feeds: &HashMap<String, Array>) -> 
             Op::Initializer(t) => vec![e.upload(&Array::from_tensor(t).unwrap()).unwrap()],
             _ => {
                 let ins: Vec<Option<&E::Tensor>> = node.inputs().iter().map(|i| i.and_then(|v| env.get(&v))).collect();
-                e.run(g, n, &ins).unwrap_or_else(|err| panic!("{}: {err}", g.describe(n))).0
+                let caps: Vec<Option<&E::Tensor>> = node.captures().iter().map(|v| env.get(v)).collect();
+                e.run(g, n, &ins, &caps).unwrap_or_else(|err| panic!("{}: {err}", g.describe(n))).0
             }
         };
         for (s, t) in tensors.into_iter().enumerate() {

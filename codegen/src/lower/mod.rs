@@ -129,6 +129,11 @@ fn lower_op(l: &mut Local<'_>, n: NodeId) -> Result<(), LowerError> {
             }
         }
     }
+    // Values the op's subgraphs read from this graph, replicated: control flow runs whole.
+    let mut local_caps: Vec<Value> = Vec::with_capacity(node.captures().len());
+    for &c in node.captures() {
+        local_caps.push(l.get(c, &replicated)?);
+    }
     let out_names: Vec<String> =
         node.outputs().iter().map(|o| if o.name.is_empty() { String::new() } else { l.fresh(&o.name) }).collect();
     let outs_local: Vec<Value> = match m {
@@ -143,6 +148,24 @@ fn lower_op(l: &mut Local<'_>, n: NodeId) -> Result<(), LowerError> {
         SplitMode::Loss => stats::mean_loss(l, n, &s, local_in, &out_names)?,
         SplitMode::BatchNorm { stat, grad } => stats::batch_norm(l, n, &s, &local_in, &stat, grad, &out_names)?,
     };
+    if !local_caps.is_empty()
+        && let Some(id) = outs_local.first().map(|v| v.node)
+    {
+        // The subgraphs name what they read; the local copies may be named otherwise.
+        let renames: HashMap<String, String> = node
+            .captures()
+            .iter()
+            .zip(&local_caps)
+            .map(|(c, lc)| (g.value_name(*c).to_string(), l.lg.value_name(*lc).to_string()))
+            .filter(|(a, b)| a != b)
+            .collect();
+        if !renames.is_empty() {
+            let mut op = l.lg.node(id).op.clone();
+            op.rename_outer_refs(&renames);
+            l.lg.set_op(id, op);
+        }
+        l.lg.set_captures(id, local_caps);
+    }
     // Record outputs; a replicated fallback is resharded back to the planned layouts.
     for (slot, x) in outs_local.into_iter().enumerate() {
         let v = Value::new(n, slot as u16);

@@ -1,6 +1,6 @@
 //! The CPU executor: the reference kernels of `ir::eval`, one op at a time.
 
-use ir::eval::{Array, eval_op};
+use ir::eval::{Array, eval_node};
 use ir::{Graph, NodeId};
 
 use super::Executor;
@@ -43,8 +43,13 @@ impl Executor for CpuExecutor {
         (id, t.numel() as u64 * t.dtype.size_bytes().max(1))
     }
 
-    fn run(&mut self, g: &Graph, n: NodeId, inputs: &[Option<&Array>]) -> Result<(Vec<Array>, bool), String> {
-        let node = g.node(n);
-        eval_op(&node.op, inputs, node.num_outputs(), g.opset).map(|o| (o, false)).map_err(|e| e.to_string())
+    fn run(
+        &mut self,
+        g: &Graph,
+        n: NodeId,
+        inputs: &[Option<&Array>],
+        captures: &[Option<&Array>],
+    ) -> Result<(Vec<Array>, bool), String> {
+        eval_node(g, n, inputs, captures).map(|o| (o, false)).map_err(|e| e.to_string())
     }
 }

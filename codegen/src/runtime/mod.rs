@@ -166,12 +166,14 @@ pub trait Executor {
     fn upload(&mut self, a: &Array) -> Result<Self::Tensor, String>;
     /// Copies a device tensor to the host.
     fn download(&mut self, t: &Self::Tensor) -> Result<Array, String>;
-    /// Runs one (non-communication) op. Returns its outputs and whether it ran on the host.
+    /// Runs one (non-communication) op on its inputs and the values its subgraphs read
+    /// (`captures`, control flow only). Returns its outputs and whether it ran on the host.
     fn run(
         &mut self,
         g: &Graph,
         n: NodeId,
         inputs: &[Option<&Self::Tensor>],
+        captures: &[Option<&Self::Tensor>],
     ) -> Result<(Vec<Self::Tensor>, bool), String>;
     /// Waits until queued work is done (for timing).
     fn sync(&mut self) {}
@@ -405,6 +407,20 @@ fn assemble_outputs(
                 && m > 1
             {
                 shape[ax] /= m;
+            }
+            for (h, piece) in holders.iter().zip(&pieces) {
+                let c = mesh.coords(h.0);
+                let fits = piece.shape.len() == shape.len()
+                    && (0..shape.len()).all(|d| {
+                        let (a, b) = crate::layout::dim_range(layout, mesh, &c, d, shape[d]);
+                        piece.shape[d] == b - a
+                    });
+                if !fits {
+                    return Err(RuntimeError::Input(format!(
+                        "output `{}` came out as {:?} on device rank {}, but the program declares {:?} (an op computed another shape than inference gave it)",
+                        go.name, piece.shape, h.0, shape
+                    )));
+                }
             }
             micro_parts.push(assemble(&pieces, layout, mesh, &shape));
         }
@@ -885,8 +901,13 @@ impl<E: Executor> NodeRun<'_, '_, E> {
                 if node.inputs().iter().zip(&ins).any(|(i, t)| i.is_some() && t.is_none()) {
                     return Err(format!("{}: an input was not computed", g.describe(n)));
                 }
+                let caps: Vec<Option<&E::Tensor>> =
+                    node.captures().iter().map(|v| env.get(v).or_else(|| fixed.get(v))).collect();
+                if caps.iter().any(Option::is_none) {
+                    return Err(format!("{}: a value its subgraph reads was not computed", g.describe(n)));
+                }
                 let t0 = Instant::now();
-                let (outs, host) = e.run(g, n, &ins).map_err(|m| format!("{}: {m}", g.describe(n)))?;
+                let (outs, host) = e.run(g, n, &ins, &caps).map_err(|m| format!("{}: {m}", g.describe(n)))?;
                 e.sync();
                 let dt = t0.elapsed().as_secs_f64();
                 let report = &mut *self.report;
@@ -953,7 +974,7 @@ impl<T: Clone> Summer<T> {
     /// `a + b` for tensors of `v`'s type.
     fn add<E: Executor<Tensor = T>>(&mut self, e: &mut E, g: &Graph, v: Value, a: &T, b: &T) -> Result<T, String> {
         let (s, add, _) = self.graph(g, v)?;
-        let (mut outs, _) = e.run(s, *add, &[Some(a), Some(b)])?;
+        let (mut outs, _) = e.run(s, *add, &[Some(a), Some(b)], &[])?;
         outs.pop().ok_or_else(|| "Add gave no output".into())
     }
 
@@ -969,7 +990,7 @@ impl<T: Clone> Summer<T> {
             }
         };
         let (s, _, mul) = self.graph(g, v)?;
-        let (mut outs, _) = e.run(s, *mul, &[Some(a), Some(&kt)])?;
+        let (mut outs, _) = e.run(s, *mul, &[Some(a), Some(&kt)], &[])?;
         outs.pop().ok_or_else(|| "Mul gave no output".into())
     }
 }

@@ -53,9 +53,21 @@ impl From<String> for EvalError {
     }
 }
 
-/// Evaluates one op on its inputs (see [`crate::ops::OpRules::eval`]).
+/// Evaluates one op on its inputs (see [`crate::ops::OpRules::eval`]). 16-bit float outputs
+/// are rounded to their type's precision, as a runtime holding them in 16 bits does: the rules
+/// compute in f32.
 pub fn eval_op(op: &Op, inputs: &[Option<&Array>], n_out: usize, opset: i64) -> Result<Vec<Array>> {
-    op.rules().eval(&crate::ops::EvalCx { inputs, n_out, opset, name: op.op_type() })
+    let mut outs = op.rules().eval(&crate::ops::EvalCx { inputs, n_out, opset, name: op.op_type() })?;
+    for a in &mut outs {
+        if matches!(a.dtype, DType::Float16 | DType::Bfloat16)
+            && let Data::F32(v) = &mut a.data
+        {
+            for x in v.iter_mut() {
+                *x = round_to(a.dtype, *x);
+            }
+        }
+    }
+    Ok(outs)
 }
 
 /// A small deterministic generator (SplitMix64) for seeded weights and inputs.
@@ -221,74 +233,13 @@ fn run_env(
                         .ok_or_else(|| at(EvalError::Invalid(format!("outer value `{name}` is not available"))))?,
                 ]
             }
-            Op::If(i) => {
-                let cond = env
-                    .get(&node.input(0).expect("If has a condition"))
-                    .ok_or_else(|| at(EvalError::Invalid("condition missing".into())))?;
-                let c = cond.to_f64().map_err(at)?.first().copied().unwrap_or(0.0) != 0.0;
-                let branch = if c { &i.then_branch } else { &i.else_branch };
-                let branch = branch.as_ref().ok_or_else(|| at(EvalError::Invalid("If without a branch".into())))?;
-                let lookup = |name: &str| g.lookup(name).and_then(|v| env.get(&v).cloned()).or_else(|| outer(name));
-                let sub_env = run_env(branch, &HashMap::new(), opts, &lookup).map_err(at)?;
-                branch.outputs().iter().map(|o| sub_env[&o.value].clone()).collect()
-            }
-            Op::Loop(l) => {
-                let body = l.body.as_ref().ok_or_else(|| at(EvalError::Invalid("Loop without a body".into())))?;
-                let get = |i: usize| node.input(i).and_then(|v| env.get(&v));
-                let max_trip = get(0).map(|a| a.to_i64().map(|v| v[0])).transpose().map_err(at)?.unwrap_or(i64::MAX);
-                let mut cond = get(1).map(|a| a.to_f64().map(|v| v[0] != 0.0)).transpose().map_err(at)?.unwrap_or(true);
-                let mut carried: Vec<Array> =
-                    (2..node.inputs().len()).map(|i| get(i).cloned().expect("carried value")).collect();
-                let n_carried = carried.len();
-                let mut scans: Vec<Vec<Array>> = vec![Vec::new(); body.outputs().len().saturating_sub(1 + n_carried)];
-                let lookup = |name: &str| g.lookup(name).and_then(|v| env.get(&v).cloned()).or_else(|| outer(name));
-                let mut it = 0i64;
-                while it < max_trip && cond {
-                    let mut feed = HashMap::new();
-                    let names: Vec<String> =
-                        body.inputs().iter().map(|&n| body.node(n).outputs()[0].name.clone()).collect();
-                    if let Some(nm) = names.first() {
-                        feed.insert(nm.clone(), Array::scalar_i64(it));
-                    }
-                    if let Some(nm) = names.get(1) {
-                        feed.insert(nm.clone(), Array::bool(vec![], vec![cond]));
-                    }
-                    for (k, a) in carried.iter().enumerate() {
-                        if let Some(nm) = names.get(2 + k) {
-                            feed.insert(nm.clone(), a.clone());
-                        }
-                    }
-                    let sub = run_env(body, &feed, opts, &lookup).map_err(at)?;
-                    let outs: Vec<Array> = body.outputs().iter().map(|o| sub[&o.value].clone()).collect();
-                    cond = outs[0].to_f64().map_err(at)?.first().copied().unwrap_or(0.0) != 0.0;
-                    carried = outs[1..1 + n_carried].to_vec();
-                    for (k, s) in outs[1 + n_carried..].iter().enumerate() {
-                        scans[k].push(s.clone());
-                    }
-                    it += 1;
+            Op::If(_) | Op::Loop(_) | Op::Scan(_) => {
+                let ins: Vec<Option<&Array>> = node.inputs().iter().map(|i| i.and_then(|v| env.get(&v))).collect();
+                if node.inputs().iter().zip(&ins).any(|(i, a)| i.is_some() && a.is_none()) {
+                    return Err(at(EvalError::Invalid("an input was not computed".into())));
                 }
-                let mut result = carried;
-                for s in scans {
-                    if let Some(first) = s.first() {
-                        let mut shape = vec![s.len()];
-                        shape.extend(&first.shape);
-                        let refs: Vec<&Array> = s.iter().collect();
-                        result.push(Array { dtype: first.dtype, shape, data: Array::concat_data(&refs) });
-                    }
-                }
-                result
-            }
-            Op::Scan(sc) => {
-                let ins: Vec<&Array> = node
-                    .inputs()
-                    .iter()
-                    .map(|i| {
-                        i.and_then(|v| env.get(&v))
-                            .ok_or_else(|| at(EvalError::Invalid("a Scan input is missing".into())))
-                    })
-                    .collect::<Result<_>>()?;
                 let lookup = |name: &str| g.lookup(name).and_then(|v| env.get(&v).cloned()).or_else(|| outer(name));
-                scan(sc, &ins, opts, &lookup).map_err(at)?
+                control(&node.op, &ins, g.opset, opts, &lookup).map_err(at)?
             }
             op => {
                 let ins: Vec<Option<&Array>> = node.inputs().iter().map(|i| i.and_then(|v| env.get(&v))).collect();
@@ -313,6 +264,157 @@ fn run_env(
         }
     }
     Ok(env)
+}
+
+/// Evaluates node `n` of `g` on its input values and the values its subgraphs read from `g`
+/// (`captures`, in the order of [`crate::Node::captures`]): what an executor runs for an op on
+/// the host, control flow (`If`, `Loop`, `Scan`) included.
+pub fn eval_node(g: &Graph, n: NodeId, inputs: &[Option<&Array>], captures: &[Option<&Array>]) -> Result<Vec<Array>> {
+    let node = g.node(n);
+    match &node.op {
+        Op::If(_) | Op::Loop(_) | Op::Scan(_) => {
+            let by_name: HashMap<&str, &Array> =
+                node.captures().iter().zip(captures).filter_map(|(v, a)| a.map(|a| (g.value_name(*v), a))).collect();
+            let lookup = |name: &str| by_name.get(name).map(|a| (*a).clone());
+            control(&node.op, inputs, g.opset, &RunOptions::default(), &lookup)
+        }
+        op => eval_op(op, inputs, node.num_outputs(), g.opset),
+    }
+}
+
+/// Runs a control-flow op: `If` takes a branch, `Loop` iterates its body (carried values and
+/// stacked scan outputs), `Scan` runs its body per slice. `outer` finds values of enclosing
+/// graphs by name.
+fn control(
+    op: &Op,
+    ins: &[Option<&Array>],
+    opset: i64,
+    opts: &RunOptions,
+    outer: &dyn Fn(&str) -> Option<Array>,
+) -> Result<Vec<Array>> {
+    let output = |sub: &HashMap<Value, Array>, body: &Graph, o: &crate::graph::GraphOutput| {
+        sub.get(&o.value).cloned().ok_or_else(|| {
+            EvalError::Invalid(format!("subgraph output `{}` was not computed", body.value_name(o.value)))
+        })
+    };
+    match op {
+        Op::If(i) => {
+            let cond = ins.first().copied().flatten().ok_or_else(|| EvalError::Invalid("condition missing".into()))?;
+            let c = cond.to_f64()?.first().copied().unwrap_or(0.0) != 0.0;
+            let branch = if c { &i.then_branch } else { &i.else_branch };
+            let branch = branch.as_ref().ok_or_else(|| EvalError::Invalid("If without a branch".into()))?;
+            let sub_env = run_env(branch, &HashMap::new(), opts, outer)?;
+            branch.outputs().iter().map(|o| output(&sub_env, branch, o)).collect()
+        }
+        Op::Loop(l) => {
+            let body = l.body.as_ref().ok_or_else(|| EvalError::Invalid("Loop without a body".into()))?;
+            let get = |i: usize| ins.get(i).copied().flatten();
+            let max_trip =
+                get(0).map(|a| a.to_i64().map(|v| v.first().copied().unwrap_or(0))).transpose()?.unwrap_or(i64::MAX);
+            let mut cond = get(1)
+                .map(|a| a.to_f64().map(|v| v.first().copied().unwrap_or(0.0) != 0.0))
+                .transpose()?
+                .unwrap_or(true);
+            let mut carried: Vec<Array> = (2..ins.len())
+                .map(|i| get(i).cloned().ok_or_else(|| EvalError::Invalid(format!("Loop input {i} is missing"))))
+                .collect::<Result<_>>()?;
+            let n_carried = carried.len();
+            if body.outputs().len() < 1 + n_carried {
+                return Err(EvalError::Invalid(format!(
+                    "the Loop body has {} outputs for {n_carried} carried values",
+                    body.outputs().len()
+                )));
+            }
+            let mut scans: Vec<Vec<Array>> = vec![Vec::new(); body.outputs().len() - 1 - n_carried];
+            let names: Vec<String> = body.inputs().iter().map(|&n| body.node(n).outputs()[0].name.clone()).collect();
+            let mut it = 0i64;
+            while it < max_trip && cond {
+                let mut feed = HashMap::new();
+                if let Some(nm) = names.first() {
+                    feed.insert(nm.clone(), Array::scalar_i64(it));
+                }
+                if let Some(nm) = names.get(1) {
+                    feed.insert(nm.clone(), Array::bool(vec![], vec![cond]));
+                }
+                for (k, a) in carried.iter().enumerate() {
+                    if let Some(nm) = names.get(2 + k) {
+                        feed.insert(nm.clone(), a.clone());
+                    }
+                }
+                let sub = run_env(body, &feed, opts, outer)?;
+                let outs: Vec<Array> = body.outputs().iter().map(|o| output(&sub, body, o)).collect::<Result<_>>()?;
+                cond = outs[0].to_f64()?.first().copied().unwrap_or(0.0) != 0.0;
+                carried = outs[1..1 + n_carried].to_vec();
+                for (k, s) in outs[1 + n_carried..].iter().enumerate() {
+                    scans[k].push(s.clone());
+                }
+                it += 1;
+            }
+            let mut result = carried;
+            for (k, s) in scans.into_iter().enumerate() {
+                match s.first() {
+                    Some(first) => {
+                        let mut shape = vec![s.len()];
+                        shape.extend(&first.shape);
+                        let refs: Vec<&Array> = s.iter().collect();
+                        result.push(Array { dtype: first.dtype, shape, data: Array::concat_data(&refs) });
+                    }
+                    None => {
+                        // No iteration ran: an empty stack of the body output's declared type.
+                        let o = &body.outputs()[1 + n_carried + k];
+                        let t =
+                            o.ty.as_ref().and_then(crate::types::Type::as_tensor).or_else(|| body.tensor_type(o.value));
+                        let dtype = t.map_or(crate::types::DType::Float, |t| t.dtype);
+                        let mut shape = vec![0];
+                        shape.extend(t.and_then(|t| t.static_dims()).unwrap_or_default().iter().map(|&d| d as usize));
+                        result.push(Array::zeros(dtype, shape)?);
+                    }
+                }
+            }
+            Ok(result)
+        }
+        Op::Scan(sc) if opset > 0 && opset < 9 => {
+            // Scan-8: an optional `sequence_lens` first, and a batch dim leading every other
+            // input and output; the body runs per batch entry.
+            if ins.first().copied().flatten().is_some() {
+                return Err(EvalError::Unsupported("Scan-8 with sequence_lens".into()));
+            }
+            let ins: Vec<&Array> = ins[1..]
+                .iter()
+                .map(|a| a.ok_or_else(|| EvalError::Invalid("a Scan input is missing".into())))
+                .collect::<Result<_>>()?;
+            let batch = ins.first().map_or(0, |a| a.shape.first().copied().unwrap_or(0));
+            let mut per: Vec<Vec<Array>> = Vec::new();
+            for b in 0..batch {
+                let parts: Vec<Array> = ins
+                    .iter()
+                    .map(|a| {
+                        let shape = a.shape[1..].to_vec();
+                        slice_axis(a, 0, b, 1).reshaped(shape)
+                    })
+                    .collect();
+                let refs: Vec<&Array> = parts.iter().collect();
+                per.push(scan(sc, &refs, opts, outer)?);
+            }
+            let n_out = per.first().map_or(0, Vec::len);
+            Ok((0..n_out)
+                .map(|k| {
+                    let parts: Vec<&Array> = per.iter().map(|p| &p[k]).collect();
+                    let mut shape = vec![parts.len()];
+                    shape.extend(&parts[0].shape);
+                    Array { dtype: parts[0].dtype, shape, data: Array::concat_data(&parts) }
+                })
+                .collect())
+        }
+        Op::Scan(sc) => {
+            let ins: Vec<&Array> = ins
+                .iter()
+                .map(|a| a.ok_or_else(|| EvalError::Invalid("a Scan input is missing".into())))
+                .collect::<Result<_>>()?;
+            scan(sc, &ins, opts, outer)
+        }
+        _ => Err(EvalError::Invalid("not a control-flow op".into())),
+    }
 }
 
 /// Runs a `Scan`: the body once per slice of the scan inputs along their axes (reversed where

@@ -233,23 +233,23 @@ impl OpRules for op::Einsum {
     }
 
     fn infer(&self, cx: &InferCx<'_>) -> Types {
-        let eq: String = self.equation.clone().unwrap_or_default().chars().filter(|c| !c.is_whitespace()).collect();
-        let Some((lhs, rhs)) = eq.split_once("->") else { return cx.one(None) };
-        if eq.contains("...") {
-            return cx.one(None);
-        }
+        let dims: Option<Vec<&Vec<Dim>>> = (0..cx.ins.len()).map(|i| cx.dims(i)).collect();
+        let Some(dims) = dims else { return cx.one(None) };
+        let ranks: Vec<usize> = dims.iter().map(|d| d.len()).collect();
+        let (terms, out) = einsum_terms(self.equation.as_deref().unwrap_or(""), &ranks)?;
         let mut size: HashMap<char, Dim> = HashMap::new();
-        for (term, t) in lhs.split(',').zip(cx.ins) {
-            if let Some(d) = t.and_then(|t| t.dims.as_ref()) {
-                for (c, dim) in term.chars().zip(d) {
-                    let e = size.entry(c).or_insert(dim.clone());
-                    if *e == Dim::Fixed(1) {
-                        *e = dim.clone();
-                    }
+        for (term, d) in terms.iter().zip(&dims) {
+            if term.chars().count() != d.len() {
+                return Err(format!("Einsum term `{term}` does not fit rank {}", d.len()));
+            }
+            for (c, dim) in term.chars().zip(d.iter()) {
+                let e = size.entry(c).or_insert(dim.clone());
+                if *e == Dim::Fixed(1) {
+                    *e = dim.clone();
                 }
             }
         }
-        cx.one(Some(rhs.chars().map(|c| size.get(&c).cloned().unwrap_or(Dim::Unknown)).collect()))
+        cx.one(Some(out.chars().map(|c| size.get(&c).cloned().unwrap_or(Dim::Unknown)).collect()))
     }
 
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
@@ -396,40 +396,38 @@ fn gemm(g: &op::Gemm, cx: &EvalCx<'_>) -> Result<Array> {
     Ok(Array::float(y.dtype, y.shape, v))
 }
 
-fn einsum(equation: &str, inputs: &[&Array]) -> Result<Array> {
+/// An Einsum equation with its `...` expanded for inputs of these ranks (into upper-case
+/// placeholder letters), and its output term (the implicit one when there is no `->`: the
+/// letters used once, in order, after the ellipsis).
+fn einsum_terms(equation: &str, ranks: &[usize]) -> std::result::Result<(Vec<String>, String), String> {
     let eq: String = equation.chars().filter(|c| !c.is_whitespace()).collect();
     let (lhs, rhs) = match eq.split_once("->") {
         Some((l, r)) => (l.to_string(), Some(r.to_string())),
         None => (eq.clone(), None),
     };
     let terms: Vec<&str> = lhs.split(',').collect();
-    if terms.len() != inputs.len() {
-        return Err(EvalError::Invalid(format!(
-            "Einsum `{equation}` has {} terms for {} inputs",
-            terms.len(),
-            inputs.len()
-        )));
+    if terms.len() != ranks.len() {
+        return Err(format!("Einsum `{equation}` has {} terms for {} inputs", terms.len(), ranks.len()));
     }
-    // Expand `...` into upper-case placeholder letters.
     let ell_rank = terms
         .iter()
-        .zip(inputs)
+        .zip(ranks)
         .filter(|(t, _)| t.contains("..."))
-        .map(|(t, a)| a.rank() + 3 - t.len())
+        .map(|(t, &r)| (r + 3).saturating_sub(t.len()))
         .max()
         .unwrap_or(0);
     let ell: String = (0..ell_rank).map(|i| (b'A' + i as u8) as char).collect();
     let expand = |t: &str, rank: usize| -> String {
         if let Some(pos) = t.find("...") {
-            let k = rank + 3 - t.len();
+            let k = (rank + 3).saturating_sub(t.len()).min(ell_rank);
             format!("{}{}{}", &t[..pos], &ell[ell_rank - k..], &t[pos + 3..])
         } else {
             t.to_string()
         }
     };
-    let terms: Vec<String> = terms.iter().zip(inputs).map(|(t, a)| expand(t, a.rank())).collect();
+    let terms: Vec<String> = terms.iter().zip(ranks).map(|(t, &r)| expand(t, r)).collect();
     let out_term = match rhs {
-        Some(r) => expand(&r, ell_rank + r.len().saturating_sub(3)).replace("...", &ell),
+        Some(r) => r.replace("...", &ell),
         None => {
             let mut counts = std::collections::BTreeMap::new();
             for t in &terms {
@@ -442,6 +440,12 @@ fn einsum(equation: &str, inputs: &[&Array]) -> Result<Array> {
             s
         }
     };
+    Ok((terms, out_term))
+}
+
+fn einsum(equation: &str, inputs: &[&Array]) -> Result<Array> {
+    let ranks: Vec<usize> = inputs.iter().map(|a| a.rank()).collect();
+    let (terms, out_term) = einsum_terms(equation, &ranks)?;
     let mut size = std::collections::BTreeMap::new();
     for (t, a) in terms.iter().zip(inputs) {
         if t.len() != a.rank() {
@@ -560,4 +564,67 @@ fn gemm_grad(gm: &op::Gemm, cx: &mut GradCx<'_>) -> std::result::Result<(), Stri
         cx.set_broadcast(2, d)?;
     }
     Ok(())
+}
+
+impl OpRules for op::Det {
+    fn arity(&self) -> Arity {
+        Arity::fixed(1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let Some(d) = cx.dims(0) else { return cx.one(None) };
+        if d.len() < 2 {
+            return Err(format!("Det needs square matrices [.., M, M], got rank {}", d.len()));
+        }
+        cx.one(Some(d[..d.len() - 2].to_vec()))
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        let d = cx.in_dims(0);
+        let m = *d.last()? as f64;
+        Work::flops(cx.out_numel(0).max(1.0) * 2.0 / 3.0 * m * m * m)
+    }
+
+    /// By LU decomposition with partial pivoting, per matrix.
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let x = cx.req(0)?;
+        let r = x.rank();
+        if r < 2 || x.shape[r - 1] != x.shape[r - 2] {
+            return Err(EvalError::Invalid(format!("Det needs square matrices, got {:?}", x.shape)));
+        }
+        let m = x.shape[r - 1];
+        let v = x.to_f64()?;
+        let out: Vec<f64> = v
+            .chunks(m * m)
+            .map(|a| {
+                let mut a = a.to_vec();
+                let mut det = 1.0;
+                for c in 0..m {
+                    let p = (c..m).max_by(|&i, &j| a[i * m + c].abs().total_cmp(&a[j * m + c].abs())).unwrap_or(c);
+                    if a[p * m + c] == 0.0 {
+                        return 0.0;
+                    }
+                    if p != c {
+                        for k in 0..m {
+                            a.swap(p * m + k, c * m + k);
+                        }
+                        det = -det;
+                    }
+                    det *= a[c * m + c];
+                    for i in c + 1..m {
+                        let f = a[i * m + c] / a[c * m + c];
+                        for k in c..m {
+                            a[i * m + k] -= f * a[c * m + k];
+                        }
+                    }
+                }
+                det
+            })
+            .collect();
+        Ok(vec![Array::float(x.dtype, x.shape[..r - 2].to_vec(), out)])
+    }
 }

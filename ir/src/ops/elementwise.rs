@@ -121,6 +121,7 @@ unary! {
     Softsign[1.0] |_s, v| v / (1.0 + v.abs());
     Erf[T] |_s, v| erf64(v);
     Mish[T] |_s, v| v * v.exp().ln_1p().tanh();
+    Swish[T] |s, v| v / (1.0 + (-f64::from(s.alpha()) * v).exp());
     HardSwish[1.0] |_s, v| v * (v / 6.0 + 0.5).clamp(0.0, 1.0);
     HardSigmoid[1.0] |s, v| (f64::from(s.alpha()) * v + f64::from(s.beta())).clamp(0.0, 1.0);
     LeakyRelu[1.0] |s, v| if v >= 0.0 { v } else { f64::from(s.alpha()) * v };
@@ -699,21 +700,26 @@ fn int_bin(k: Bin, x: i64, y: i64) -> Result<i64> {
         Bin::BitAnd => x & y,
         Bin::BitOr => x | y,
         Bin::BitXor => x ^ y,
-        Bin::ShiftL => {
-            if y >= 64 {
-                0
-            } else {
-                ((x as u64) << y) as i64
-            }
-        }
-        Bin::ShiftR => {
-            if y >= 64 {
-                0
-            } else {
-                ((x as u64) >> y) as i64
-            }
-        }
+        Bin::ShiftL | Bin::ShiftR => return Err(EvalError::Invalid("shifts need the element type".into())),
     })
+}
+
+/// `x << y` or `x >> y` in `dtype`'s width, as numpy computes it: bits shifted out are lost
+/// (the result wraps to the type), a right shift of a signed value is arithmetic, and a shift
+/// by a negative amount or by the width or more gives 0 (−1 for a right shift of a negative
+/// value), where C and most hardware would mask the amount.
+fn shift(k: Bin, dtype: DType, x: i64, y: i64) -> i64 {
+    let bits = i64::from(dtype.bits());
+    let signed = matches!(dtype, DType::Int8 | DType::Int16 | DType::Int32 | DType::Int64 | DType::Int4 | DType::Int2);
+    if y < 0 || y >= bits {
+        return if k == Bin::ShiftR && signed && x < 0 { -1 } else { 0 };
+    }
+    match k {
+        Bin::ShiftL => wrap_int(dtype, ((x as u64) << y) as i64),
+        _ if signed => x >> y,
+        // Unsigned values are held as their non-negative value (uint64 as its bits).
+        _ => ((x as u64) >> y) as i64,
+    }
 }
 
 fn binary(k: Bin, a: &Array, b: &Array) -> Result<Array> {
@@ -735,6 +741,10 @@ fn binary(k: Bin, a: &Array, b: &Array) -> Result<Array> {
             let y = b.to_f64()?;
             let (s, v) = zip_map(x, &a.shape, &y, &b.shape, |p, q| float_bin(k, p, q))?;
             (s, Data::F64(v))
+        }
+        (Data::I64(x), Data::I64(y)) if matches!(k, Bin::ShiftL | Bin::ShiftR) => {
+            let (s, v) = zip_map(x, &a.shape, y, &b.shape, |p, q| shift(k, a.dtype, p, q))?;
+            (s, Data::I64(v))
         }
         (Data::I64(x), Data::I64(y)) => {
             let (s, v) = zip_map(x, &a.shape, y, &b.shape, |p, q| int_bin(k, p, q))?;
@@ -894,6 +904,11 @@ pub fn derivative(g: &op::ElementwiseGrad, x: f64, y: f64) -> Option<f64> {
         "Asinh" => 1.0 / (x * x + 1.0).sqrt(),
         "Acosh" => 1.0 / (x * x - 1.0).sqrt(),
         "Atanh" => 1.0 / (1.0 - x * x),
+        "Swish" => {
+            // d/dx x·σ(αx) = σ(αx) + αx·σ(αx)(1 − σ(αx)).
+            let sg = sig(alpha(1.0) * x);
+            sg + alpha(1.0) * x * sg * (1.0 - sg)
+        }
         "Mish" => {
             let sp = x.exp().ln_1p();
             let t = sp.tanh();
@@ -924,6 +939,8 @@ fn pointwise_grad(cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>
         Op::Add(_) | Op::Sub(_) | Op::Mul(_) | Op::Div(_) | Op::Pow(_) | Op::PRelu(_) => binary_grad(cx, &op),
         Op::Sum(_) | Op::Mean(_) | Op::Max(_) | Op::Min(_) => variadic_grad(cx, &op),
         Op::Where(_) => where_grad(cx),
+        Op::SwiGLU(sg) => swiglu_grad(cx, sg),
+        Op::BitCast(_) => Ok(()),
         Op::Identity(_) | Op::Dropout(_) => dropout_grad(cx, &op),
         Op::Cast(_) => (|| {
             let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
@@ -1199,4 +1216,139 @@ impl OpRules for op::ElementwiseGrad {
         }
         Ok(vec![Array::float(dy.dtype, dy.shape.clone(), out)])
     }
+}
+
+impl OpRules for op::SwiGLU {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn type_rule(&self) -> TypeRule {
+        TypeRule::AllSame
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        if let (Some(a), Some(b)) = (cx.dims(0), cx.dims(1))
+            && a.len() == b.len()
+            && a.iter().zip(b).any(|(x, y)| x.is_known() && y.is_known() && x != y)
+        {
+            return Err(format!("SwiGLU needs A and B of one shape (no broadcasting), got {a:?} and {b:?}"));
+        }
+        cx.same()
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(T * cx.out_numel(0))
+    }
+
+    /// `Swish_α(A) · B`.
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (a, b) = (cx.req(0)?, cx.req(1)?);
+        if a.shape != b.shape {
+            return Err(EvalError::Invalid(format!("SwiGLU: A {:?} and B {:?} differ", a.shape, b.shape)));
+        }
+        let al = f64::from(self.alpha());
+        let (x, y) = (a.to_f64()?, b.to_f64()?);
+        let out = x.iter().zip(&y).map(|(&p, &q)| p / (1.0 + (-al * p).exp()) * q).collect();
+        Ok(vec![Array::float(a.dtype, a.shape.clone(), out)])
+    }
+
+    pointwise_rules!();
+}
+
+impl OpRules for op::BitCast {
+    fn arity(&self) -> Arity {
+        Arity::fixed(1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let to = self.to.and_then(DType::from_code).ok_or("BitCast needs `to`")?;
+        if let Some(t) = cx.input(0)
+            && t.dtype.bits() != to.bits()
+        {
+            return Err(format!("BitCast from {} ({} bits) to {to} ({} bits)", t.dtype, t.dtype.bits(), to.bits()));
+        }
+        Ok(vec![cx.with(Some(to), cx.dims(0).cloned())])
+    }
+
+    fn work(&self, _cx: &NodeCx<'_>) -> Option<Work> {
+        Work::none()
+    }
+
+    /// The same bits read as another type of the same width.
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let x = cx.req(0)?;
+        let to = self.to.and_then(DType::from_code).ok_or_else(|| EvalError::Invalid("BitCast needs `to`".into()))?;
+        if x.dtype.bits() != to.bits() || to == DType::String || x.dtype == DType::String {
+            return Err(EvalError::Invalid(format!("BitCast from {} to {to}", x.dtype)));
+        }
+        let bytes = bits_of(x)?;
+        let t = crate::tensor::Tensor {
+            dtype: to,
+            dims: x.shape.iter().map(|&d| d as i64).collect(),
+            name: None,
+            data: raw_to_data(&bytes, to)?,
+        };
+        Ok(vec![Array::from_tensor(&t)?])
+    }
+
+    pointwise_rules!();
+}
+
+/// The little-endian bytes of `x` in its own type.
+fn bits_of(x: &Array) -> Result<Vec<u8>> {
+    let w = (x.dtype.bits() / 8) as usize;
+    let t = x.to_tensor();
+    use crate::tensor::TensorData as T;
+    Ok(match (&t.data, x.dtype) {
+        (T::Float(v), _) => v.iter().flat_map(|f| f.to_le_bytes()).collect(),
+        (T::Double(v), _) => v.iter().flat_map(|f| f.to_le_bytes()).collect(),
+        (T::Int64(v), _) => v.iter().flat_map(|f| f.to_le_bytes()).collect(),
+        (T::Uint64(v), _) => v.iter().flat_map(|f| f.to_le_bytes()[..w].to_vec()).collect(),
+        (T::Int32(v), _) => v.iter().flat_map(|f| f.to_le_bytes()[..w].to_vec()).collect(),
+        _ => return Err(EvalError::Unsupported(format!("BitCast of {}", x.dtype))),
+    })
+}
+
+/// Little-endian bytes as the storage of a `dtype` tensor.
+fn raw_to_data(raw: &[u8], dtype: DType) -> Result<crate::tensor::TensorData> {
+    use crate::tensor::{Storage, TensorData as T};
+    let w = (dtype.bits() / 8).max(1) as usize;
+    let chunks = raw.chunks_exact(w);
+    let le = |c: &[u8]| -> u64 { c.iter().rev().fold(0u64, |a, &b| (a << 8) | u64::from(b)) };
+    let signed = |c: &[u8]| -> i64 {
+        let v = le(c);
+        let shift = 64 - 8 * c.len() as u32;
+        ((v << shift) as i64) >> shift
+    };
+    Ok(match Storage::of(dtype) {
+        Some(Storage::Float) => T::Float(chunks.map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+        Some(Storage::Double) => T::Double(chunks.map(|c| f64::from_bits(le(c))).collect()),
+        Some(Storage::Int64) => T::Int64(chunks.map(|c| le(c) as i64).collect()),
+        Some(Storage::Uint64) => T::Uint64(chunks.map(le).collect()),
+        Some(Storage::Int32) => match dtype {
+            DType::Int8 | DType::Int16 | DType::Int32 => T::Int32(chunks.map(|c| signed(c) as i32).collect()),
+            DType::Bool => T::Int32(chunks.map(|c| i32::from(c[0] != 0)).collect()),
+            _ => T::Int32(chunks.map(|c| le(c) as i32).collect()),
+        },
+        _ => return Err(EvalError::Unsupported(format!("BitCast to {dtype}"))),
+    })
+}
+
+/// SwiGLU: dA = dY·B·Swish′(A), dB = dY·Swish(A).
+fn swiglu_grad(cx: &mut GradCx<'_>, sg: &op::SwiGLU) -> std::result::Result<(), String> {
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    let (a, b) = (cx.x(0)?, cx.x(1)?);
+    let sw = cx.add1(Op::Swish(op::Swish { alpha: sg.alpha }), &[a])?;
+    if cx.want(0) {
+        let g = cx.mul(dy, b)?;
+        let d = op::ElementwiseGrad { op: Some("Swish".into()), alpha: sg.alpha, ..Default::default() };
+        let da = cx.add1(Op::ElementwiseGrad(d), &[a, sw, g])?;
+        cx.set(0, da);
+    }
+    if cx.want(1) {
+        let db = cx.mul(dy, sw)?;
+        cx.set(1, db);
+    }
+    Ok(())
 }

@@ -307,6 +307,8 @@ impl OpRules for op::NonZero {
     }
 
     fn infer(&self, cx: &InferCx<'_>) -> Types {
+        // How many elements are non-zero is known only from the data.
+        cx.needs_values(&[0]);
         let rank = cx.dims(0).map_or(Dim::Unknown, |d| Dim::Fixed(d.len() as i64));
         Ok(vec![Some(TensorType::new(DType::Int64, vec![rank, Dim::Unknown]))])
     }
@@ -623,7 +625,13 @@ fn one_hot(indices: &Array, depth: &Array, values: &Array, ax: i64) -> Result<Ar
 }
 
 fn cumsum(x: &Array, ax: &Array, exclusive: bool, reverse: bool) -> Result<Array> {
-    let ax = norm_axis(ax.to_i64()?[0], x.rank())?;
+    cumulative(x, ax, exclusive, reverse, false)
+}
+
+/// A running sum (or product, `prod`) along the axis `ax` holds, optionally exclusive of the
+/// element itself and from the end.
+fn cumulative(x: &Array, ax: &Array, exclusive: bool, reverse: bool, prod: bool) -> Result<Array> {
+    let ax = norm_axis(ax.to_i64()?.first().copied().ok_or_else(|| EvalError::Invalid("no axis".into()))?, x.rank())?;
     let v = x.to_f64()?;
     let outer: usize = x.shape[..ax].iter().product();
     let n = x.shape[ax];
@@ -631,17 +639,13 @@ fn cumsum(x: &Array, ax: &Array, exclusive: bool, reverse: bool) -> Result<Array
     let mut out = vec![0.0; v.len()];
     for o in 0..outer {
         for i in 0..inner {
-            let mut acc = 0.0;
+            let mut acc = if prod { 1.0 } else { 0.0 };
             for jj in 0..n {
                 let j = if reverse { n - 1 - jj } else { jj };
                 let at = (o * n + j) * inner + i;
-                if exclusive {
-                    out[at] = acc;
-                    acc += v[at];
-                } else {
-                    acc += v[at];
-                    out[at] = acc;
-                }
+                let next = if prod { acc * v[at] } else { acc + v[at] };
+                out[at] = if exclusive { acc } else { next };
+                acc = next;
             }
         }
     }
@@ -753,4 +757,289 @@ impl OpRules for op::GatherGrad {
         }
         Ok(vec![Array::float(dy.dtype, shape, out)])
     }
+}
+
+impl OpRules for op::CumProd {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(cx.out_numel(0))
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![cumulative(cx.req(0)?, cx.req(1)?, self.exclusive() != 0, self.reverse() != 0, true)?])
+    }
+}
+
+impl OpRules for op::Scatter {
+    fn arity(&self) -> Arity {
+        Arity::fixed(3)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    no_work_whole!();
+
+    /// The deprecated name of `ScatterElements` without a reduction.
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        Ok(vec![scatter_elements(cx.req(0)?, cx.req(1)?, cx.req(2)?, self.axis(), "none")?])
+    }
+}
+
+impl OpRules for op::Compress {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        // The output's length is the number of true conditions.
+        let Some(c) = cx.ints(1) else {
+            cx.needs_values(&[1]);
+            let rank = match (self.axis, cx.dims(0)) {
+                (None, _) => Some(vec![Dim::Unknown]),
+                (Some(a), Some(d)) => {
+                    let a = norm_axis(a, d.len())?;
+                    let mut d = d.clone();
+                    d[a] = Dim::Unknown;
+                    Some(d)
+                }
+                _ => None,
+            };
+            return cx.one(rank);
+        };
+        let kept = c.iter().filter(|&&v| v != 0).count() as i64;
+        let Some(d) = cx.dims(0) else { return cx.one(None) };
+        match self.axis {
+            None => cx.one(Some(vec![Dim::Fixed(kept)])),
+            Some(a) => {
+                let a = norm_axis(a, d.len())?;
+                let mut d = d.clone();
+                d[a] = Dim::Fixed(kept);
+                cx.one(Some(d))
+            }
+        }
+    }
+
+    no_work_whole!();
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (x, c) = (cx.req(0)?, cx.req(1)?.to_i64()?);
+        let (x, ax) = match self.axis {
+            None => (x.clone().reshaped(vec![x.numel()]), 0),
+            Some(a) => (x.clone(), norm_axis(a, x.rank())?),
+        };
+        let n = x.shape[ax];
+        let keep: Vec<usize> = (0..n.min(c.len())).filter(|&i| c[i] != 0).collect();
+        let outer: usize = x.shape[..ax].iter().product();
+        let inner: usize = x.shape[ax + 1..].iter().product();
+        let mut idx = Vec::with_capacity(outer * keep.len() * inner);
+        for o in 0..outer {
+            for &k in &keep {
+                idx.extend((0..inner).map(|i| (o * n + k) * inner + i));
+            }
+        }
+        let mut shape = x.shape.clone();
+        shape[ax] = keep.len();
+        Ok(vec![x.gather_flat(shape, &idx)])
+    }
+}
+
+impl OpRules for op::ReverseSequence {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    no_work_whole!();
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (x, lens) = (cx.req(0)?, cx.req(1)?.to_i64()?);
+        if x.rank() < 2 {
+            return Err(EvalError::Invalid("ReverseSequence needs rank 2 or more".into()));
+        }
+        let (ba, ta) = (norm_axis(self.batch_axis(), x.rank())?, norm_axis(self.time_axis(), x.rank())?);
+        let st = strides(&x.shape);
+        let mut idx: Vec<usize> = (0..x.numel()).collect();
+        for (flat, slot) in idx.iter_mut().enumerate() {
+            let b = (flat / st[ba]) % x.shape[ba];
+            let t = (flat / st[ta]) % x.shape[ta];
+            let len = lens.get(b).copied().unwrap_or(0).clamp(0, x.shape[ta] as i64) as usize;
+            if t < len {
+                *slot = flat - t * st[ta] + (len - 1 - t) * st[ta];
+            }
+        }
+        Ok(vec![x.gather_flat(x.shape.clone(), &idx)])
+    }
+}
+
+impl OpRules for op::TensorScatter {
+    fn arity(&self) -> Arity {
+        Arity::new(2, 3, 1, 1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    no_work_whole!();
+
+    /// Writes `update` into the cache along `axis` at each batch entry's write index (wrapping
+    /// around the cache's length in `circular` mode).
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (cache, upd) = (cx.req(0)?, cx.req(1)?);
+        let r = cache.rank();
+        let ax = norm_axis(self.axis(), r)?;
+        if upd.rank() != r
+            || (0..r).any(|d| d != ax && upd.shape[d] != cache.shape[d])
+            || upd.shape[ax] > cache.shape[ax]
+        {
+            return Err(EvalError::Invalid(format!(
+                "TensorScatter: update {:?} does not fit cache {:?}",
+                upd.shape, cache.shape
+            )));
+        }
+        let at: Vec<i64> = match cx.opt(2) {
+            Some(w) => w.to_i64()?,
+            None => vec![0; cache.shape.first().copied().unwrap_or(1)],
+        };
+        let circular = self.mode() == "circular";
+        let (cst, ust) = (strides(&cache.shape), strides(&upd.shape));
+        let mut idx: Vec<usize> = (0..cache.numel()).collect();
+        let mut from_update = vec![false; cache.numel()];
+        let n = cache.shape[ax];
+        for u in 0..upd.numel() {
+            let b = if r > 0 { (u / ust[0]) % upd.shape[0] } else { 0 };
+            let t = (u / ust[ax]) % upd.shape[ax];
+            let mut pos = at.get(b).copied().unwrap_or(0) + t as i64;
+            if circular {
+                pos = pos.rem_euclid(n as i64);
+            }
+            if pos < 0 || pos >= n as i64 {
+                return Err(EvalError::Invalid(format!("TensorScatter: write position {pos} outside {n}")));
+            }
+            let target: usize = (0..r)
+                .map(|d| if d == ax { pos as usize * cst[d] } else { ((u / ust[d]) % upd.shape[d]) * cst[d] })
+                .sum();
+            idx[target] = u;
+            from_update[target] = true;
+        }
+        // Gather from the cache, or from the update where written.
+        let both = Array {
+            dtype: cache.dtype,
+            shape: vec![cache.numel() + upd.numel()],
+            data: Array::concat_data(&[cache, upd]),
+        };
+        let flat: Vec<usize> =
+            (0..cache.numel()).map(|i| if from_update[i] { cache.numel() + idx[i] } else { i }).collect();
+        Ok(vec![both.gather_flat(cache.shape.clone(), &flat)])
+    }
+}
+
+impl OpRules for op::Unique {
+    fn arity(&self) -> Arity {
+        Arity::new(1, 1, 1, 4)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        // How many values are distinct is known only from the data.
+        cx.needs_values(&[0]);
+        let y = match (self.axis, cx.dims(0)) {
+            (None, _) => Some(vec![Dim::Unknown]),
+            (Some(a), Some(d)) => {
+                let a = norm_axis(a, d.len())?;
+                let mut d = d.clone();
+                d[a] = Dim::Unknown;
+                Some(d)
+            }
+            _ => None,
+        };
+        let ix = Some(TensorType::new(DType::Int64, vec![Dim::Unknown]));
+        let mut out = vec![cx.with(cx.dtype(), y), ix.clone(), ix.clone(), ix];
+        out.truncate(cx.n_out);
+        Ok(out)
+    }
+
+    no_work_whole!();
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        unique(cx.req(0)?, self.axis, self.sorted() != 0, cx.n_out)
+    }
+}
+
+/// The distinct values (or slices along `axis`) of `x`: sorted, or in order of first
+/// occurrence; with the first occurrence of each, each element's distinct value, and counts.
+fn unique(x: &Array, axis: Option<i64>, sorted: bool, n_out: usize) -> Arrays {
+    let (x, ax) = match axis {
+        None => (x.clone().reshaped(vec![x.numel()]), 0),
+        Some(a) => (x.clone(), norm_axis(a, x.rank())?),
+    };
+    let n = x.shape[ax];
+    let outer: usize = x.shape[..ax].iter().product();
+    let inner: usize = x.shape[ax + 1..].iter().product();
+    let flat_of = |j: usize| -> Vec<usize> {
+        (0..outer).flat_map(|o| (0..inner).map(move |i| (o * n + j) * inner + i)).collect()
+    };
+    // A slice's key: its values, compared as numbers (or strings).
+    let keys: Vec<Vec<KeyVal>> = (0..n)
+        .map(|j| {
+            let idx = flat_of(j);
+            match &x.data {
+                Data::Str(v) => idx.iter().map(|&i| KeyVal::S(v[i].clone())).collect(),
+                _ => {
+                    let f = x.to_f64().unwrap_or_default();
+                    idx.iter().map(|&i| KeyVal::F(f[i])).collect()
+                }
+            }
+        })
+        .collect();
+    let mut first: Vec<usize> = Vec::new();
+    for j in 0..n {
+        if !first.iter().any(|&f| keys[f] == keys[j]) {
+            first.push(j);
+        }
+    }
+    if sorted {
+        first.sort_by(|&a, &b| keys[a].partial_cmp(&keys[b]).unwrap_or(std::cmp::Ordering::Equal));
+    }
+    let inverse: Vec<i64> =
+        (0..n).map(|j| first.iter().position(|&f| keys[f] == keys[j]).unwrap_or(0) as i64).collect();
+    let counts: Vec<i64> =
+        (0..first.len()).map(|u| inverse.iter().filter(|&&v| v as usize == u).count() as i64).collect();
+    let mut idx = Vec::new();
+    for o in 0..outer {
+        for &j in &first {
+            idx.extend((0..inner).map(|i| (o * n + j) * inner + i));
+        }
+    }
+    let mut shape = x.shape.clone();
+    shape[ax] = first.len();
+    let mut outs = vec![
+        x.gather_flat(shape, &idx),
+        Array::i64(vec![first.len()], first.iter().map(|&f| f as i64).collect()),
+        Array::i64(vec![n], inverse),
+        Array::i64(vec![counts.len()], counts),
+    ];
+    outs.truncate(n_out.max(1));
+    Ok(outs)
+}
+
+#[derive(Clone, Debug, PartialEq, PartialOrd)]
+enum KeyVal {
+    F(f64),
+    S(String),
 }

@@ -14,6 +14,7 @@
 //!
 //! | module | ops |
 //! |---|---|
+//! | [`attention`] | `Attention`, `RotaryEmbedding` |
 //! | [`elementwise`] | unary and binary maths, comparisons, logic, `Where`, `Cast`, `Clip`, `Dropout`, variadic `Max`/`Min`/`Sum`/`Mean` |
 //! | [`contraction`] | `MatMul`, `Gemm`, `Einsum` |
 //! | [`conv`] | `Conv`, `ConvTranspose` and the window geometry shared with pooling |
@@ -28,6 +29,7 @@
 //! | [`control`] | `If`, `Loop`, `Scan` |
 //! | [`comm`] | the `shardc` communication ops that lowering inserts |
 
+pub mod attention;
 pub mod comm;
 pub mod contraction;
 pub mod control;
@@ -157,6 +159,18 @@ impl<'a> InferCx<'a> {
     /// Input `i`'s constant value as integers.
     pub fn ints(&self, i: usize) -> Option<Vec<i64>> {
         self.konst(i).and_then(|a| a.to_i64().ok())
+    }
+
+    /// Asks for the values of inputs `slots` that the outputs' shapes depend on (a `Range`'s
+    /// bounds, the data of `NonZero`): when they are not constants, inference reports them
+    /// ([`crate::infer::InferReport::params`]) so a caller that knows them can bind them.
+    pub fn needs_values(&self, slots: &[usize]) -> bool {
+        // Every slot is asked (not only up to the first missing one): each is reported.
+        let mut all = true;
+        for &i in slots {
+            all &= self.konst(i).is_some();
+        }
+        all
     }
 
     /// Input `i` as a shape: constant values or symbolic dims.

@@ -753,3 +753,99 @@ impl OpRules for op::LayerNormGrad {
         ])
     }
 }
+
+impl OpRules for op::RMSNormalization {
+    /// With r = 1/√(mean(x²)+ε) over the normalized dims and g = dY·scale:
+    /// dX = g·r − x·r³·mean(x·g), dScale = Σ dY·x·r over the other dims.
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let Some(dy) = cx.dy(0) else { return Ok(()) };
+            let (x, s) = (cx.x(0)?, cx.x(1)?);
+            let xd = cx.dims(x)?;
+            let a = norm_axis(self.axis(), xd.len())?;
+            let axes: Vec<i64> = (a..xd.len()).map(|i| i as i64).collect();
+            let dt = cx.dtype(x);
+            let mean = |cx: &mut GradCx<'_>, v: Value| -> std::result::Result<Value, String> {
+                let ax = cx.ints(&axes);
+                cx.add1(Op::ReduceMean(op::ReduceMean { keepdims: Some(1), ..Default::default() }), &[v, ax])
+            };
+            let x2 = cx.mul(x, x)?;
+            let m = mean(cx, x2)?;
+            let eps = cx.scalar(dt, f64::from(self.epsilon()));
+            let m = cx.add2(m, eps)?;
+            let rms = cx.add1(Op::Sqrt(op::Sqrt::default()), &[m])?;
+            let r = cx.add1(Op::Reciprocal(op::Reciprocal::default()), &[rms])?;
+            if cx.want(0) {
+                let g = cx.mul(dy, s)?;
+                let t1 = cx.mul(g, r)?;
+                let xg = cx.mul(x, g)?;
+                let mxg = mean(cx, xg)?;
+                let r2 = cx.mul(r, r)?;
+                let r3 = cx.mul(r2, r)?;
+                let t2 = cx.mul(x, r3)?;
+                let t2 = cx.mul(t2, mxg)?;
+                let dx = cx.sub(t1, t2)?;
+                cx.set(0, dx);
+            }
+            if cx.want(1) {
+                let xr = cx.mul(x, r)?;
+                let ds = cx.mul(dy, xr)?;
+                cx.set_broadcast(1, ds)?;
+            }
+            Ok(())
+        })())
+    }
+
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.same()
+    }
+
+    /// Statistics over the normalized dims (which do not split); the scale covers them.
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        let r = cx.out_dims(0).len();
+        let Ok(a) = norm_axis(self.axis(), r) else { return Some(IterSpace::whole(cx)) };
+        let mut sp = pointwise(cx, &[], &(a..r).collect::<Vec<_>>(), 1);
+        if let Some(Some(m)) = sp.inputs.get_mut(1) {
+            m.iter_mut().for_each(|x| *x = None);
+        }
+        Some(sp)
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(4.0 * cx.in_numel(0))
+    }
+
+    /// `x / sqrt(mean(x²) + ε) · scale`, the mean over the dims from `axis` on.
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (x, s) = (cx.req(0)?, cx.req(1)?);
+        let a = norm_axis(self.axis(), x.rank())?;
+        let inner: usize = x.shape[a..].iter().product();
+        let v = x.to_f64()?;
+        let eps = f64::from(self.epsilon());
+        let mut y = vec![0.0; v.len()];
+        for (row_in, row_out) in v.chunks(inner.max(1)).zip(y.chunks_mut(inner.max(1))) {
+            let ms = row_in.iter().map(|t| t * t).sum::<f64>() / inner.max(1) as f64;
+            let inv = 1.0 / (ms + eps).sqrt();
+            for (o, i) in row_out.iter_mut().zip(row_in) {
+                *o = i * inv;
+            }
+        }
+        let shape = broadcast_shapes(&x.shape, &s.shape).map_err(EvalError::Invalid)?;
+        if shape != x.shape {
+            return Err(EvalError::Invalid(format!(
+                "RMSNormalization: scale {:?} does not fit {:?}",
+                s.shape, x.shape
+            )));
+        }
+        let sv = s.to_f64()?;
+        let bi = broadcast_index(&x.shape, &s.shape);
+        for (i, o) in y.iter_mut().enumerate() {
+            *o *= sv[bi[i]];
+        }
+        Ok(vec![Array::float(x.dtype, x.shape.clone(), y)])
+    }
+}

@@ -8,7 +8,7 @@ use super::conv::{spatial_dims, to3, window, window_dims, window_flow};
 use super::grad::GradCx;
 use super::util::join;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
-use crate::eval::{Array, EvalError};
+use crate::eval::{Array, Data, EvalError};
 use crate::op::{self, Op};
 use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par};
 use crate::types::{DType, Dim, TensorType};
@@ -72,7 +72,31 @@ macro_rules! windowed {
                 let kernel = a.kernel_shape.ok_or_else(|| EvalError::Invalid(format!("{} without kernel_shape", cx.name)))?;
                 let ($s, $cx) = (self, cx);
                 let (kind, indices): (PoolKind, bool) = $kind;
-                pool(x, kind, kernel, a.strides, a.dilations, a.pads, a.auto_pad, a.ceil_mode, indices)
+                let mut outs = pool(x, kind, kernel, a.strides, a.dilations, a.pads, a.auto_pad, a.ceil_mode, indices)?;
+                if let (Op::MaxPool(m), Some(ix)) = (&op, outs.get_mut(1))
+                    && m.storage_order() == 1
+                {
+                    // Column-major indices: within each (n, c) plane, the last spatial dim
+                    // varies slowest.
+                    let spatial = &x.shape[2..];
+                    let plane: usize = spatial.iter().product();
+                    if let Data::I64(v) = &mut ix.data {
+                        for i in v.iter_mut() {
+                            let (base, mut off) = ((*i as usize / plane) * plane, *i as usize % plane);
+                            let mut coords = vec![0; spatial.len()];
+                            for d in (0..spatial.len()).rev() {
+                                coords[d] = off % spatial[d];
+                                off /= spatial[d];
+                            }
+                            let mut col = 0;
+                            for d in (0..spatial.len()).rev() {
+                                col = col * spatial[d] + coords[d];
+                            }
+                            *i = (base + col) as i64;
+                        }
+                    }
+                }
+                Ok(outs)
             }
 
             fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
@@ -257,7 +281,12 @@ fn pool(
     }
     let mut shape = vec![n, c];
     shape.extend(&win.out);
-    let mut res = vec![Array::float(x.dtype, shape.clone(), out)];
+    let values = if x.dtype.is_float() {
+        Array::float(x.dtype, shape.clone(), out)
+    } else {
+        Array::int(x.dtype, shape.clone(), out.into_iter().map(|v| v as i64).collect())
+    };
+    let mut res = vec![values];
     if want_indices {
         res.push(Array::i64(shape, idx));
     }
@@ -517,4 +546,90 @@ impl OpRules for op::AveragePoolGrad {
         }
         Ok(vec![Array::float(dy.dtype, xs, dx)])
     }
+}
+
+impl OpRules for op::MaxUnpool {
+    fn arity(&self) -> Arity {
+        Arity::new(2, 3, 1, 1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        if cx.has(2) {
+            if let Some(s) = cx.ints(2) {
+                return cx.one(Some(s.into_iter().map(Dim::Fixed).collect()));
+            }
+            cx.needs_values(&[2]);
+            return cx.one(None);
+        }
+        let Some(d) = cx.dims(0) else { return cx.one(None) };
+        cx.one(Some(unpool_shape(self, d)?))
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    fn work(&self, _cx: &NodeCx<'_>) -> Option<Work> {
+        Work::none()
+    }
+
+    /// Scatters each value to the flat index MaxPool recorded, into zeros of the pooled
+    /// input's shape (then placed at the start of `output_shape` when given).
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (x, ix) = (cx.req(0)?, cx.req(1)?.to_i64()?);
+        let dims: Vec<Dim> = x.shape.iter().map(|&d| Dim::Fixed(d as i64)).collect();
+        let inferred: Vec<usize> = unpool_shape(self, &dims)
+            .map_err(EvalError::Invalid)?
+            .iter()
+            .map(|d| d.value().unwrap_or(0) as usize)
+            .collect();
+        let n: usize = inferred.iter().product();
+        let xv = x.to_f64()?;
+        let mut y = vec![0.0; n];
+        for (k, &i) in ix.iter().enumerate().take(xv.len()) {
+            let i = usize::try_from(i)
+                .ok()
+                .filter(|&i| i < n)
+                .ok_or_else(|| EvalError::Invalid(format!("MaxUnpool index {i} outside {n}")))?;
+            y[i] = xv[k];
+        }
+        let y = Array::float(x.dtype, inferred.clone(), y);
+        let Some(os) = cx.opt(2) else { return Ok(vec![y]) };
+        let shape: Vec<usize> = os.to_i64()?.iter().map(|&d| d.max(0) as usize).collect();
+        if shape.len() != inferred.len() || shape.iter().zip(&inferred).any(|(a, b)| a < b) {
+            return Err(EvalError::Invalid(format!("MaxUnpool output_shape {shape:?} is smaller than {inferred:?}")));
+        }
+        let st = crate::eval::strides(&inferred);
+        let ost = crate::eval::strides(&shape);
+        let mut out = vec![0.0; shape.iter().product()];
+        let yv = y.to_f64()?;
+        for (i, v) in yv.iter().enumerate() {
+            let o: usize = (0..inferred.len()).map(|d| ((i / st[d]) % inferred[d]) * ost[d]).sum();
+            out[o] = *v;
+        }
+        Ok(vec![Array::float(x.dtype, shape, out)])
+    }
+}
+
+/// `(in − 1)·stride − pads + kernel` per spatial dim.
+fn unpool_shape(u: &op::MaxUnpool, d: &[Dim]) -> std::result::Result<Vec<Dim>, String> {
+    let k = u.kernel_shape.as_ref().ok_or("MaxUnpool needs kernel_shape")?;
+    let n = k.len();
+    if d.len() != n + 2 {
+        return Err(format!("MaxUnpool of rank {} with a {n}-d kernel", d.len()));
+    }
+    let strides = u.strides.clone().unwrap_or_else(|| vec![1; n]);
+    let pads = u.pads.clone().unwrap_or_else(|| vec![0; 2 * n]);
+    let mut out = d[..2].to_vec();
+    for i in 0..n {
+        out.push(match d[i + 2] {
+            Dim::Fixed(v) => Dim::Fixed(
+                (v - 1) * strides.get(i).copied().unwrap_or(1)
+                    - (pads.get(i).copied().unwrap_or(0) + pads.get(n + i).copied().unwrap_or(0))
+                    + k[i],
+            ),
+            _ => Dim::Unknown,
+        });
+    }
+    Ok(out)
 }

@@ -294,10 +294,29 @@ fn reduce(x: &Array, axes: &[usize], keepdims: bool, k: Red) -> Result<Array> {
             _ => *a,
         };
     }
-    if is_int {
-        Ok(Array::int(x.dtype, out_shape, acc.iter().map(|&a| a as i64).collect()))
+    if x.dtype == DType::Bool {
+        // An empty max is false, an empty min true (the infinities the reduction starts from).
+        Ok(Array::bool(out_shape, acc.iter().map(|&a| a > 0.5).collect()))
+    } else if is_int {
+        // An empty max or min is the type's least or greatest value.
+        let (lo, hi) = int_range(x.dtype);
+        Ok(Array::int(x.dtype, out_shape, acc.iter().map(|&a| a.clamp(lo as f64, hi as f64) as i64).collect()))
     } else {
         Ok(Array::float(x.dtype, out_shape, acc))
+    }
+}
+
+/// The least and greatest values of an integer type.
+fn int_range(d: DType) -> (i64, i64) {
+    match d {
+        DType::Int8 => (i8::MIN.into(), i8::MAX.into()),
+        DType::Uint8 => (0, u8::MAX.into()),
+        DType::Int16 => (i16::MIN.into(), i16::MAX.into()),
+        DType::Uint16 => (0, u16::MAX.into()),
+        DType::Int32 => (i32::MIN.into(), i32::MAX.into()),
+        DType::Uint32 => (0, u32::MAX.into()),
+        DType::Uint64 => (0, i64::MAX),
+        _ => (i64::MIN, i64::MAX),
     }
 }
 

@@ -4,6 +4,7 @@
 //! Dims a resize leaves alone split; resized dims stay whole.
 
 use super::shape::{no_work_whole, passthrough_space};
+use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Types, Work};
 use crate::eval::{Array, Data, EvalError, transpose};
 use crate::op;
@@ -125,7 +126,7 @@ impl OpRules for op::SpaceToDepth {
     no_work_whole!();
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
-        Ok(vec![space_to_depth(cx.req(0)?, self.blocksize.unwrap_or(1) as usize)?])
+        Ok(vec![space_to_depth(cx.req(0)?, self.blocksize.unwrap_or(1) as usize, self.mode())?])
     }
 }
 
@@ -135,105 +136,161 @@ struct ResizeParams {
     nearest: String,
     cubic_a: f64,
     exclude_outside: bool,
+    antialias: bool,
+    extrapolation: f64,
 }
 
-fn cubic_weights(t: f64, a: f64) -> [f64; 4] {
-    let w = |x: f64| {
-        let x = x.abs();
-        if x <= 1.0 {
-            (a + 2.0) * x.powi(3) - (a + 3.0) * x * x + 1.0
-        } else if x < 2.0 {
-            a * x.powi(3) - 5.0 * a * x * x + 8.0 * a * x - 4.0 * a
-        } else {
-            0.0
+/// The interpolation coefficients of one output position, `ratio` in (0, 1] past the source
+/// pixel on its left, as ONNX defines them (antialiasing widens the kernel by 1/scale when
+/// downsampling).
+fn coeffs(r: &ResizeParams, ratio: f64, scale: f64) -> Vec<f64> {
+    let a = r.cubic_a;
+    match r.mode.as_str() {
+        "nearest" => {
+            if ratio.fract() == 0.0 {
+                return vec![0.0, 1.0];
+            }
+            let right = match r.nearest.as_str() {
+                "round_prefer_ceil" => ratio >= 0.5,
+                "floor" => false,
+                "ceil" => true,
+                _ => ratio > 0.5,
+            };
+            if right { vec![0.0, 1.0] } else { vec![1.0, 0.0] }
         }
-    };
-    [w(1.0 + t), w(t), w(1.0 - t), w(2.0 - t)]
+        "linear" if r.antialias => {
+            let scale = scale.min(1.0);
+            let start = (-1.0 / scale).floor() as i64 + 1;
+            let footprint = 2 - 2 * start;
+            let c: Vec<f64> = (start..start + footprint)
+                .map(|i| (1.0 - ((i as f64 - ratio) * scale).abs()).clamp(0.0, 1.0))
+                .collect();
+            let sum: f64 = c.iter().sum();
+            c.into_iter().map(|x| x / sum).collect()
+        }
+        "linear" => vec![1.0 - ratio, ratio],
+        "cubic" if r.antialias => {
+            let scale = scale.min(1.0);
+            let k = |x: f64| {
+                let x = x.abs();
+                if x <= 1.0 {
+                    (a + 2.0) * x.powi(3) - (a + 3.0) * x * x + 1.0
+                } else if x < 2.0 {
+                    a * x.powi(3) - 5.0 * a * x * x + 8.0 * a * x - 4.0 * a
+                } else {
+                    0.0
+                }
+            };
+            let start = (-2.0 / scale).floor() as i64 + 1;
+            let end = 2 - start;
+            let c: Vec<f64> = (start..end).map(|i| k(scale * (i as f64 - ratio))).collect();
+            let sum: f64 = c.iter().sum();
+            c.into_iter().map(|x| x / sum).collect()
+        }
+        _ => {
+            let t = ratio;
+            vec![
+                ((a * (t + 1.0) - 5.0 * a) * (t + 1.0) + 8.0 * a) * (t + 1.0) - 4.0 * a,
+                ((a + 2.0) * t - (a + 3.0)) * t * t + 1.0,
+                ((a + 2.0) * (1.0 - t) - (a + 3.0)) * (1.0 - t) * (1.0 - t) + 1.0,
+                ((a * ((1.0 - t) + 1.0) - 5.0 * a) * ((1.0 - t) + 1.0) + 8.0 * a) * ((1.0 - t) + 1.0) - 4.0 * a,
+            ]
+        }
+    }
 }
 
+/// Resizes axis `ax` of `v` (shape `shape`) to `out_len`, as ONNX's reference does: the
+/// source coordinate of each output position by the coordinate mode (with the unrounded output
+/// width `scale × n`), the `n` coefficients of the mode around it, edge-clamped neighbours,
+/// `exclude_outside` renormalization, and `tf_crop_and_resize`'s extrapolation outside `roi`.
 fn resize_axis(
     v: &[f64],
     shape: &[usize],
     ax: usize,
     out_len: usize,
     scale: f64,
+    roi: Option<(f64, f64)>,
     r: &ResizeParams,
 ) -> Result<Vec<f64>> {
     let outer: usize = shape[..ax].iter().product();
     let n = shape[ax];
     let inner: usize = shape[ax + 1..].iter().product();
     let mut out = vec![0.0; outer * out_len * inner];
+    let width = scale * n as f64;
     for j in 0..out_len {
+        let y = j as f64;
+        let mut outside = false;
         let x = match r.coord.as_str() {
-            "half_pixel" => (j as f64 + 0.5) / scale - 0.5,
+            "half_pixel" => (y + 0.5) / scale - 0.5,
             "half_pixel_symmetric" => {
-                let adj = out_len as f64 / (scale * n as f64);
+                let adj = out_len as f64 / width;
                 let center = n as f64 / 2.0;
-                let offset = center * (1.0 - adj);
-                offset + (j as f64 + 0.5) / scale - 0.5
+                center * (1.0 - adj) + (y + 0.5) / scale - 0.5
             }
             "pytorch_half_pixel" => {
-                if out_len > 1 {
-                    (j as f64 + 0.5) / scale - 0.5
+                if width == 1.0 {
+                    -0.5
                 } else {
-                    0.0
+                    (y + 0.5) / scale - 0.5
                 }
             }
             "align_corners" => {
-                if out_len > 1 {
-                    j as f64 * (n as f64 - 1.0) / (out_len as f64 - 1.0)
-                } else {
+                if width == 1.0 {
                     0.0
+                } else {
+                    y * (n as f64 - 1.0) / (width - 1.0)
                 }
             }
-            "asymmetric" => j as f64 / scale,
+            "asymmetric" => y / scale,
+            "tf_crop_and_resize" => {
+                let (r0, r1) = roi.ok_or_else(|| EvalError::Invalid("tf_crop_and_resize needs roi".into()))?;
+                let x = if width == 1.0 {
+                    (r1 - r0) * (n as f64 - 1.0) / 2.0
+                } else {
+                    y * (r1 - r0) * (n as f64 - 1.0) / (width - 1.0)
+                } + r0 * (n as f64 - 1.0);
+                outside = x < 0.0 || x > n as f64 - 1.0;
+                x
+            }
             other => return Err(EvalError::Unsupported(format!("Resize coordinate_transformation_mode `{other}`"))),
         };
-        // (source index, weight) pairs.
-        let taps: Vec<(usize, f64)> = match r.mode.as_str() {
-            "nearest" => {
-                let i = match r.nearest.as_str() {
-                    "round_prefer_ceil" => (x + 0.5).floor(),
-                    "floor" => x.floor(),
-                    "ceil" => x.ceil(),
-                    _ => {
-                        if x.fract() == 0.5 {
-                            x.floor()
-                        } else {
-                            x.round()
-                        }
-                    }
-                };
-                vec![(i.clamp(0.0, n as f64 - 1.0) as usize, 1.0)]
-            }
-            "linear" => {
-                let xc = x.clamp(0.0, n as f64 - 1.0);
-                let i0 = xc.floor() as usize;
-                let i1 = (i0 + 1).min(n - 1);
-                let t = xc - i0 as f64;
-                vec![(i0, 1.0 - t), (i1, t)]
-            }
-            "cubic" => {
-                let i0 = x.floor();
-                let t = x - i0;
-                let w = cubic_weights(t, r.cubic_a);
-                let mut taps = Vec::new();
-                let mut wsum = 0.0;
-                for (k, wk) in w.iter().enumerate() {
-                    let idx = i0 as i64 - 1 + k as i64;
-                    if r.exclude_outside && (idx < 0 || idx >= n as i64) {
-                        continue;
-                    }
-                    wsum += wk;
-                    taps.push((idx.clamp(0, n as i64 - 1) as usize, *wk));
+        if outside {
+            for o in 0..outer {
+                for i in 0..inner {
+                    out[(o * out_len + j) * inner + i] = r.extrapolation;
                 }
-                if r.exclude_outside && wsum != 0.0 {
-                    taps.iter_mut().for_each(|t| t.1 /= wsum);
-                }
-                taps
             }
-            other => return Err(EvalError::Unsupported(format!("Resize mode `{other}`"))),
+            continue;
+        }
+        let xi = x.floor();
+        let ratio = if x == xi { 1.0 } else { x - xi };
+        let mut c = coeffs(r, ratio, scale);
+        let k = c.len() as i64;
+        // The k neighbours nearest x (ties to the smaller index), in edge-padded coordinates.
+        let pad = (k + 1) / 2;
+        let xp = x + pad as f64;
+        let p = xp.floor() as i64;
+        let frac = xp - p as f64;
+        let offset = if k % 2 == 0 {
+            if frac == 0.0 { -(k / 2) } else { -(k / 2) + 1 }
+        } else {
+            let base = -((k - 1) / 2);
+            if frac <= 0.5 { base } else { base + 1 }
         };
+        let first = p + offset - pad;
+        let idx: Vec<i64> = (0..k).map(|t| first + t).collect();
+        if r.exclude_outside {
+            for (t, &i) in idx.iter().enumerate() {
+                if i < 0 || i >= n as i64 {
+                    c[t] = 0.0;
+                }
+            }
+            let sum: f64 = c.iter().sum();
+            let sum = if sum == 0.0 { 1.0 } else { sum };
+            c.iter_mut().for_each(|w| *w /= sum);
+        }
+        let taps: Vec<(usize, f64)> =
+            idx.iter().zip(&c).map(|(&i, &w)| (i.clamp(0, n as i64 - 1) as usize, w)).collect();
         for o in 0..outer {
             for i in 0..inner {
                 out[(o * out_len + j) * inner + i] = taps.iter().map(|&(s, w)| w * v[(o * n + s) * inner + i]).sum();
@@ -306,14 +363,48 @@ fn resize(r: &op::Resize, cx: &EvalCx<'_>) -> Result<Array> {
         nearest: r.nearest_mode().to_string(),
         cubic_a: f64::from(r.cubic_coeff_a()),
         exclude_outside: r.exclude_outside() != 0,
+        antialias: r.antialias() != 0 && r.mode() != "nearest",
+        extrapolation: f64::from(r.extrapolation_value()),
     };
+    // roi: per resized axis its start, then its end (axes as the `axes` attribute lists).
+    let rank = x.shape.len();
+    let roi_in =
+        if cx.inputs.len() > 2 { cx.opt(1).map(|a| a.to_f64()).transpose()?.filter(|v| !v.is_empty()) } else { None };
+    let mut roi: Vec<(f64, f64)> = vec![(0.0, 1.0); rank];
+    if let Some(rv) = &roi_in {
+        let axes: Vec<usize> = match &r.axes {
+            Some(a) => a.iter().map(|&v| norm_axis(v, rank)).collect::<std::result::Result<_, _>>()?,
+            None => (0..rank).collect(),
+        };
+        if rv.len() != 2 * axes.len() {
+            return Err(EvalError::Invalid(format!("Resize roi has {} values for {} axes", rv.len(), axes.len())));
+        }
+        for (k, &a) in axes.iter().enumerate() {
+            roi[a] = (rv[k], rv[axes.len() + k]);
+        }
+    }
+    let crop = params.coord == "tf_crop_and_resize";
     let mut v = x.to_f64()?;
     let mut shape = x.shape.clone();
     for ax in 0..shape.len() {
-        if out_shape[ax] != shape[ax] || sc[ax] != 1.0 {
-            v = resize_axis(&v, &shape, ax, out_shape[ax], sc[ax], &params)?;
+        let identity = out_shape[ax] == shape[ax] && sc[ax] == 1.0 && (!crop || roi[ax] == (0.0, 1.0));
+        if !identity {
+            v = resize_axis(&v, &shape, ax, out_shape[ax], sc[ax], crop.then_some(roi[ax]), &params)?;
             shape[ax] = out_shape[ax];
         }
+    }
+    if !x.dtype.is_float() {
+        // Integer images round and saturate, as the reference casts.
+        let (lo, hi) = match x.dtype {
+            DType::Uint8 => (0.0, 255.0),
+            DType::Int8 => (-128.0, 127.0),
+            _ => (f64::MIN, f64::MAX),
+        };
+        return Ok(Array::int(
+            x.dtype,
+            shape,
+            v.into_iter().map(|f| f.round_ties_even().clamp(lo, hi) as i64).collect(),
+        ));
     }
     Ok(Array::float(x.dtype, shape, v))
 }
@@ -337,6 +428,9 @@ fn upsample(u: &op::Upsample, cx: &EvalCx<'_>) -> Result<Array> {
 }
 
 fn depth_to_space(x: &Array, b: usize, mode: &str) -> Result<Array> {
+    if x.rank() != 4 || b == 0 {
+        return Err(EvalError::Invalid("DepthToSpace needs rank 4 and a blocksize".into()));
+    }
     let (n, c, h, w) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
     let cc = c / (b * b);
     let tmp = if mode == "CRD" {
@@ -347,8 +441,14 @@ fn depth_to_space(x: &Array, b: usize, mode: &str) -> Result<Array> {
     Ok(tmp.reshaped(vec![n, cc, h * b, w * b]))
 }
 
-fn space_to_depth(x: &Array, b: usize) -> Result<Array> {
+fn space_to_depth(x: &Array, b: usize, mode: &str) -> Result<Array> {
+    if x.rank() != 4 || b == 0 {
+        return Err(EvalError::Invalid("SpaceToDepth needs rank 4 and a blocksize".into()));
+    }
     let (n, c, h, w) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
-    let tmp = transpose(&x.clone().reshaped(vec![n, c, h / b, b, w / b, b]), &[0, 3, 5, 1, 2, 4]);
+    // DCR puts the block offsets before the channel, CRD after it (the inverses of
+    // DepthToSpace's modes).
+    let perm: &[usize] = if mode == "CRD" { &[0, 1, 3, 5, 2, 4] } else { &[0, 3, 5, 1, 2, 4] };
+    let tmp = transpose(&x.clone().reshaped(vec![n, c, h / b, b, w / b, b]), perm);
     Ok(tmp.reshaped(vec![n, c * b * b, h / b, w / b]))
 }

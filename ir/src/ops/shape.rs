@@ -919,6 +919,8 @@ impl OpRules for op::Range {
     }
 
     fn infer(&self, cx: &InferCx<'_>) -> Types {
+        // The length is a function of the three values (folding computes it when known).
+        cx.needs_values(&[0, 1, 2]);
         cx.one(Some(vec![Dim::Unknown]))
     }
 
@@ -1505,5 +1507,67 @@ impl OpRules for op::SliceGrad {
             out[off as usize] += v;
         }
         Ok(vec![Array::float(dy.dtype, shape, out)])
+    }
+}
+
+impl OpRules for op::CenterCropPad {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let (Some(d), Some(sh)) = (cx.dims(0), cx.ints(1)) else {
+            cx.needs_values(&[1]);
+            return cx.one(cx.dims(0).map(|d| vec![Dim::Unknown; d.len()]));
+        };
+        let axes = center_axes(self, d.len())?;
+        let mut out = d.clone();
+        for (&a, &s) in axes.iter().zip(&sh) {
+            out[a] = Dim::Fixed(s);
+        }
+        cx.one(Some(out))
+    }
+
+    no_work_whole!();
+
+    /// Crops or pads each listed axis to the given length about its centre (the extra
+    /// element of an odd difference at the end).
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (x, sh) = (cx.req(0)?, cx.req(1)?.to_i64()?);
+        let axes = center_axes(self, x.rank())?;
+        let mut shape = x.shape.clone();
+        // Per axis: (start in the input, start in the output, length copied).
+        let mut copy: Vec<(usize, usize, usize)> = x.shape.iter().map(|&n| (0, 0, n)).collect();
+        for (&a, &s) in axes.iter().zip(&sh) {
+            let (n, s) = (x.shape[a], s.max(0) as usize);
+            shape[a] = s;
+            copy[a] = if s <= n { ((n - s) / 2, 0, s) } else { (0, (s - n) / 2, n) };
+        }
+        let xv = x.to_f64()?;
+        let (ist, ost) = (strides(&x.shape), strides(&shape));
+        let mut out = vec![0.0; numel(&shape)];
+        let region: Vec<usize> = copy.iter().map(|c| c.2).collect();
+        let rst = strides(&region);
+        for i in 0..numel(&region) {
+            let (mut src, mut dst) = (0, 0);
+            for d in 0..region.len() {
+                let k = (i / rst[d]) % region[d];
+                src += (copy[d].0 + k) * ist[d];
+                dst += (copy[d].1 + k) * ost[d];
+            }
+            out[dst] = xv[src];
+        }
+        Ok(vec![if x.dtype.is_float() {
+            Array::float(x.dtype, shape, out)
+        } else {
+            Array::int(x.dtype, shape, out.into_iter().map(|v| v as i64).collect())
+        }])
+    }
+}
+
+fn center_axes(c: &op::CenterCropPad, rank: usize) -> std::result::Result<Vec<usize>, String> {
+    match &c.axes {
+        Some(a) => norm_axes(a, rank),
+        None => Ok((0..rank).collect()),
     }
 }

@@ -88,6 +88,7 @@ unary_kernels! {
     };
     HardSwish: |_s, a, f| float(f, format!("{a} * clamp({a} / 6.0 + 0.5, 0.0, 1.0)"));
     Mish: |_s, a, f| float(f, format!("{a} * tanh_(softplus_({a}))"));
+    Swish: |s, a, f| float(f, format!("{a} * sigmoid_({} * {a})", f32_lit(f64::from(s.alpha()))));
     Shrink: |s, a, f| {
         let (b, l) = (f32_lit(f64::from(s.bias())), f32_lit(f64::from(s.lambd())));
         float(f, format!("select(select(0.0, {a} - {b}, {a} > {l}), {a} + {b}, {a} < -{l})"))
@@ -367,6 +368,10 @@ pub fn derivative_expr(g: &op::ElementwiseGrad) -> Option<String> {
         "Asinh" => "c / sqrt(a * a + 1.0)".into(),
         "Acosh" => "c / sqrt(a * a - 1.0)".into(),
         "Atanh" => "c / (1.0 - a * a)".into(),
+        "Swish" => {
+            let s = format!("sigmoid_({} * a)", al(1.0));
+            format!("c * ({s} + {} * a * {s} * (1.0 - {s}))", al(1.0))
+        }
         "Mish" => {
             "c * (tanh_(softplus_(a)) + a * (1.0 - tanh_(softplus_(a)) * tanh_(softplus_(a))) * sigmoid_(a))".into()
         }

@@ -7,7 +7,7 @@ use ir::DType;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use ir::eval::{Array, Data, eval_op};
+use ir::eval::{Array, Data, eval_node};
 use ir::{Graph, NodeId};
 
 use crate::runtime::Executor;
@@ -384,12 +384,21 @@ impl GpuExecutor {
         Ok(outs)
     }
 
-    fn host_fallback(&mut self, g: &Graph, n: NodeId, inputs: &[Option<&GpuTensor>]) -> Result<Vec<GpuTensor>, String> {
-        let node = g.node(n);
-        let arrays: Vec<Option<Array>> =
-            inputs.iter().map(|t| t.map(|t| self.download(t)).transpose()).collect::<Result<_, _>>()?;
+    fn host_fallback(
+        &mut self,
+        g: &Graph,
+        n: NodeId,
+        inputs: &[Option<&GpuTensor>],
+        captures: &[Option<&GpuTensor>],
+    ) -> Result<Vec<GpuTensor>, String> {
+        let mut get = |ts: &[Option<&GpuTensor>]| -> Result<Vec<Option<Array>>, String> {
+            ts.iter().map(|t| t.map(|t| self.download(t)).transpose()).collect()
+        };
+        let arrays = get(inputs)?;
+        let caps = get(captures)?;
         let refs: Vec<Option<&Array>> = arrays.iter().map(Option::as_ref).collect();
-        let outs = eval_op(&node.op, &refs, node.num_outputs(), g.opset).map_err(|e| e.to_string())?;
+        let cap_refs: Vec<Option<&Array>> = caps.iter().map(Option::as_ref).collect();
+        let outs = eval_node(g, n, &refs, &cap_refs).map_err(|e| e.to_string())?;
         outs.iter().map(|a| self.upload(a)).collect()
     }
 }
@@ -409,7 +418,8 @@ fn to_device_bytes(a: &Array) -> Result<Vec<u8>, String> {
             let i: Vec<i32> = v.iter().map(|&x| x as i32).collect();
             bytemuck::cast_slice(&i).to_vec()
         }
-        Data::Str(_) => return Err("string tensors do not go to a device".into()),
+        // Strings stay on the host (the tensor's host copy); ops on them run there.
+        Data::Str(_) => Vec::new(),
     })
 }
 
@@ -426,7 +436,8 @@ impl Executor for GpuExecutor {
         if !bytes.is_empty() {
             self.queue.write_buffer(&buf, 0, &bytes);
         }
-        let host = (a.numel() <= HOST_COPY_LIMIT || !a.dtype.is_float()).then(|| Arc::new(a.clone()));
+        let host = (a.numel() <= HOST_COPY_LIMIT || !a.dtype.is_float() || a.dtype == DType::String)
+            .then(|| Arc::new(a.clone()));
         Ok(GpuTensor { buf, shape: a.shape.clone(), dtype: a.dtype, host })
     }
 
@@ -442,7 +453,7 @@ impl Executor for GpuExecutor {
         let bytes = self.read(&t.buf, n)?;
         Ok(match t.elem() {
             Elem::F32 => {
-                let v: Vec<f32> = bytemuck::cast_slice(&bytes).to_vec();
+                let v: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
                 let v: Vec<f32> = if matches!(t.dtype, DType::Float16 | DType::Bfloat16) {
                     v.into_iter().map(|x| ir::eval::round_to(t.dtype, x)).collect()
                 } else {
@@ -456,7 +467,7 @@ impl Executor for GpuExecutor {
                 }
             }
             Elem::I32 => {
-                let v: Vec<i32> = bytemuck::cast_slice(&bytes).to_vec();
+                let v: Vec<i32> = bytes.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
                 if t.dtype == DType::Bool {
                     Array::bool(t.shape.clone(), v.into_iter().map(|x| x != 0).collect())
                 } else {
@@ -466,11 +477,24 @@ impl Executor for GpuExecutor {
         })
     }
 
-    fn run(&mut self, g: &Graph, n: NodeId, inputs: &[Option<&GpuTensor>]) -> Result<(Vec<GpuTensor>, bool), String> {
-        match self.run_kernel(g, n, inputs)? {
-            Some(outs) => Ok((outs, false)),
-            None => Ok((self.host_fallback(g, n, inputs)?, true)),
+    fn run(
+        &mut self,
+        g: &Graph,
+        n: NodeId,
+        inputs: &[Option<&GpuTensor>],
+        captures: &[Option<&GpuTensor>],
+    ) -> Result<(Vec<GpuTensor>, bool), String> {
+        // Strings live on the host: ops reading or making them run there.
+        let strings = inputs.iter().flatten().any(|t| t.dtype == DType::String)
+            || (0..g.node(n).num_outputs())
+                .any(|s| g.tensor_type(ir::Value::new(n, s as u16)).is_some_and(|t| t.dtype == DType::String));
+        if !g.node(n).op.has_subgraphs()
+            && !strings
+            && let Some(outs) = self.run_kernel(g, n, inputs)?
+        {
+            return Ok((outs, false));
         }
+        Ok((self.host_fallback(g, n, inputs, captures)?, true))
     }
 
     fn sync(&mut self) {
