@@ -532,6 +532,58 @@ define_ops! {
     /// Rotary position embedding of each head's features.
     RotaryEmbedding = "RotaryEmbedding", Other { interleaved: int = 0, num_heads: int, rotary_embedding_dim: int = 0 };
 
+    // ---- quantized arithmetic ----
+    /// `saturate(round(x / scale) + zero_point)`.
+    QuantizeLinear = "QuantizeLinear", Other { axis: int = 1, block_size: int = 0, output_dtype: int = 0, precision: int = 0, saturate: int = 1 };
+    /// `(x − zero_point) · scale`.
+    DequantizeLinear = "DequantizeLinear", Other { axis: int = 1, block_size: int = 0, output_dtype: int = 0 };
+    /// uint8 quantization with the scale and zero point of the data's range.
+    DynamicQuantizeLinear = "DynamicQuantizeLinear", Other {};
+    /// Integer matrix product with zero points, to int32.
+    MatMulInteger = "MatMulInteger", Contraction {};
+    /// Quantized matrix product, requantized.
+    QLinearMatMul = "QLinearMatMul", Contraction {};
+    /// Integer convolution with zero points, to int32.
+    ConvInteger = "ConvInteger", Contraction { auto_pad: string = "NOTSET", dilations: ints, group: int = 1, kernel_shape: ints, pads: ints, strides: ints };
+    /// Quantized convolution, requantized.
+    QLinearConv = "QLinearConv", Contraction { auto_pad: string = "NOTSET", dilations: ints, group: int = 1, kernel_shape: ints, pads: ints, strides: ints };
+
+    // ---- signal processing ----
+    /// Discrete Fourier transform along an axis (complex as a trailing dim of 2).
+    DFT = "DFT", Other { axis: int, inverse: int = 0, onesided: int = 0 };
+    /// Short-time Fourier transform of a signal.
+    STFT = "STFT", Other { onesided: int = 1 };
+    /// A Hann window.
+    HannWindow = "HannWindow", Other { output_datatype: int = 1, periodic: int = 1 };
+    /// A Hamming window.
+    HammingWindow = "HammingWindow", Other { output_datatype: int = 1, periodic: int = 1 };
+    /// A Blackman window.
+    BlackmanWindow = "BlackmanWindow", Other { output_datatype: int = 1, periodic: int = 1 };
+    /// Mel filter bank weights for DFT bins.
+    MelWeightMatrix = "MelWeightMatrix", Other { output_datatype: int = 1 };
+
+    // ---- sampling images ----
+    /// Samples an image at a grid of normalized positions.
+    GridSample = "GridSample", Other { align_corners: int = 0, mode: string = "linear", padding_mode: string = "zeros" };
+    /// The sampling grid of affine transforms.
+    AffineGrid = "AffineGrid", Other { align_corners: int = 0 };
+    /// Sums column blocks back into an image (the inverse of im2col).
+    Col2Im = "Col2Im", Other { dilations: ints, pads: ints, strides: ints };
+    /// Pools regions of interest by bilinear sampling.
+    RoiAlign = "RoiAlign", Other { coordinate_transformation_mode: string = "half_pixel", mode: string = "avg", output_height: int = 1, output_width: int = 1, sampling_ratio: int = 0, spatial_scale: float = 1.0 };
+    /// Boxes kept after suppressing overlaps, per batch and class.
+    NonMaxSuppression = "NonMaxSuppression", Other { center_point_box: int = 0 };
+
+    // ---- strings ----
+    /// Element-wise concatenation of strings.
+    StringConcat = "StringConcat", Other {};
+    /// Splits strings into padded pieces and counts them.
+    StringSplit = "StringSplit", Other { delimiter: string, maxsplit: int };
+    /// Removes stop words and changes case.
+    StringNormalizer = "StringNormalizer", Other { case_change_action: string = "NONE", is_case_sensitive: int = 0, locale: string, stopwords: strings };
+    /// Whether each string fully matches a regular expression.
+    RegexFullMatch = "RegexFullMatch", Other { pattern: string };
+
     // ---- losses ----
     /// Softmax cross-entropy of scores [N, C, d1..] against int labels [N, d1..] (class dim
     /// 1), optional class weights [C]; `reduction` mean (weighted mean), sum or none; labels

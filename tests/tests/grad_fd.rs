@@ -61,6 +61,13 @@ const NO_RULE: &[(&str, &str)] = &[
     ("Scatter", "deprecated scatter: not yet"),
     ("TensorScatter", "cache update: not yet"),
     ("Unique", "data-dependent selection: not yet"),
+    ("AffineGrid", "grid construction: not yet"),
+    ("Col2Im", "block scatter-add (its adjoint is im2col): not yet"),
+    ("DFT", "Fourier transform: not yet"),
+    ("STFT", "Fourier transform: not yet"),
+    ("DynamicQuantizeLinear", "quantization: a step function of its input"),
+    ("GridSample", "data-dependent sampling: not yet"),
+    ("RoiAlign", "data-dependent sampling: not yet"),
     ("Scan", "control flow: subgraphs are not differentiated"),
 ];
 

@@ -334,11 +334,16 @@ impl Reader {
             return Err(format!("{dtype} tensors (packed 2-bit values) are not supported"));
         };
         let packed = matches!(dtype, DType::Int4 | DType::Uint4 | DType::Float4e2m1);
+        let numel = t.dims.iter().try_fold(1usize, |a, &d| a.checked_mul(usize::try_from(d).ok()?)).unwrap_or(0);
         if let Some(raw) = &t.raw_data {
             if packed {
-                return Err(format!("{dtype} tensors stored as packed raw_data are not supported"));
+                return Ok(unpack4(raw.iter().map(|&b| i32::from(b)), dtype, numel));
             }
             return raw_values(raw, dtype, storage);
+        }
+        if packed {
+            // Two 4-bit values to a byte (the low nibble first), a byte to each int32_data entry.
+            return Ok(unpack4(t.int32_data.iter().copied(), dtype, numel));
         }
         let fields = [
             ("float_data", !t.float_data.is_empty()),
@@ -647,6 +652,20 @@ fn infer_attr_type(a: &proto::AttributeProto) -> proto::attribute_proto::Attribu
     } else {
         T::Undefined
     }
+}
+
+/// 4-bit values packed two to a byte (the first in the low nibble), one per element, signed
+/// for int4.
+fn unpack4(bytes: impl Iterator<Item = i32>, dtype: DType, numel: usize) -> TensorData {
+    let mut out = Vec::with_capacity(numel);
+    for b in bytes {
+        for nib in [b & 0xf, (b >> 4) & 0xf] {
+            if out.len() < numel {
+                out.push(if dtype == DType::Int4 && nib >= 8 { nib - 16 } else { nib });
+            }
+        }
+    }
+    TensorData::Int32(out)
 }
 
 /// A float as a literal that parses back to the same `f32` (Rust prints the shortest such).

@@ -39,31 +39,7 @@ impl OpRules for op::MatMul {
 
     fn infer(&self, cx: &InferCx<'_>) -> Types {
         let (Some(a), Some(b)) = (cx.dims(0), cx.dims(1)) else { return cx.one(None) };
-        let (mut a, mut b) = (a.clone(), b.clone());
-        let (a1, b1) = (a.len() == 1, b.len() == 1);
-        if a1 {
-            a.insert(0, Dim::Fixed(1));
-        }
-        if b1 {
-            b.push(Dim::Fixed(1));
-        }
-        if a.len() < 2 || b.len() < 2 {
-            return Err("MatMul needs inputs of rank ≥ 1".into());
-        }
-        let (ka, kb) = (&a[a.len() - 1], &b[b.len() - 2]);
-        if let (Some(p), Some(q)) = (ka.value(), kb.value())
-            && p != q
-        {
-            return Err(format!("inner dims differ: [{}] x [{}]", join(&a), join(&b)));
-        }
-        let mut out = bcast_shapes(&a[..a.len() - 2], &b[..b.len() - 2])?;
-        if !a1 {
-            out.push(a[a.len() - 2].clone());
-        }
-        if !b1 {
-            out.push(b[b.len() - 1].clone());
-        }
-        cx.one(Some(out))
+        cx.one(Some(matmul_dims(a, b)?))
     }
 
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
@@ -627,4 +603,33 @@ impl OpRules for op::Det {
             .collect();
         Ok(vec![Array::float(x.dtype, x.shape[..r - 2].to_vec(), out)])
     }
+}
+
+/// The output dims of `A × B` (numpy matmul: vectors promoted, batch dims broadcast).
+pub(crate) fn matmul_dims(a: &[Dim], b: &[Dim]) -> std::result::Result<Vec<Dim>, String> {
+    let (mut a, mut b) = (a.to_vec(), b.to_vec());
+    let (a1, b1) = (a.len() == 1, b.len() == 1);
+    if a1 {
+        a.insert(0, Dim::Fixed(1));
+    }
+    if b1 {
+        b.push(Dim::Fixed(1));
+    }
+    if a.len() < 2 || b.len() < 2 {
+        return Err("MatMul needs inputs of rank ≥ 1".into());
+    }
+    let (ka, kb) = (&a[a.len() - 1], &b[b.len() - 2]);
+    if let (Some(p), Some(q)) = (ka.value(), kb.value())
+        && p != q
+    {
+        return Err(format!("inner dims differ: [{}] x [{}]", join(&a), join(&b)));
+    }
+    let mut out = bcast_shapes(&a[..a.len() - 2], &b[..b.len() - 2])?;
+    if !a1 {
+        out.push(a[a.len() - 2].clone());
+    }
+    if !b1 {
+        out.push(b[b.len() - 1].clone());
+    }
+    Ok(out)
 }

@@ -1043,3 +1043,85 @@ enum KeyVal {
     F(f64),
     S(String),
 }
+
+impl OpRules for op::NonMaxSuppression {
+    fn arity(&self) -> Arity {
+        Arity::new(2, 5, 1, 1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        // How many boxes survive is known only from the data.
+        cx.needs_values(&[0, 1]);
+        Ok(vec![Some(TensorType::new(DType::Int64, vec![Dim::Unknown, Dim::Fixed(3)]))])
+    }
+
+    no_work_whole!();
+
+    /// Per batch and class: boxes by descending score (above the threshold), each kept unless
+    /// it overlaps a kept one by more than the IoU threshold, up to the maximum per class.
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (boxes, scores) = (cx.req(0)?, cx.req(1)?);
+        if boxes.rank() != 3
+            || boxes.shape[2] != 4
+            || scores.rank() != 3
+            || scores.shape[0] != boxes.shape[0]
+            || scores.shape[2] != boxes.shape[1]
+        {
+            return Err(EvalError::Invalid(format!(
+                "NonMaxSuppression of boxes {:?} and scores {:?}",
+                boxes.shape, scores.shape
+            )));
+        }
+        let first = |i: usize| -> Result<Option<f64>> {
+            Ok(match cx.opt(i) {
+                Some(a) if a.numel() > 0 => a.to_f64()?.first().copied(),
+                _ => None,
+            })
+        };
+        let max_out = first(2)?.map_or(0, |v| v.max(0.0) as usize);
+        let iou = first(3)?.unwrap_or(0.0);
+        let score_min = first(4)?;
+        let center = self.center_point_box() != 0;
+        let (bv, sv) = (boxes.to_f64()?, scores.to_f64()?);
+        let (nb, nc, n) = (boxes.shape[0], scores.shape[1], boxes.shape[1]);
+        let corners = |b: usize, i: usize| -> [f64; 4] {
+            let v = &bv[(b * n + i) * 4..][..4];
+            if center {
+                [v[1] - v[3] / 2.0, v[0] - v[2] / 2.0, v[1] + v[3] / 2.0, v[0] + v[2] / 2.0]
+            } else {
+                [v[0].min(v[2]), v[1].min(v[3]), v[0].max(v[2]), v[1].max(v[3])]
+            }
+        };
+        let overlaps = |a: [f64; 4], b: [f64; 4]| -> bool {
+            let (y0, x0) = (a[0].max(b[0]), a[1].max(b[1]));
+            let (y1, x1) = (a[2].min(b[2]), a[3].min(b[3]));
+            if x1 <= x0 || y1 <= y0 {
+                return false;
+            }
+            let inter = (x1 - x0) * (y1 - y0);
+            let (aa, ab) = ((a[2] - a[0]) * (a[3] - a[1]), (b[2] - b[0]) * (b[3] - b[1]));
+            let union = aa + ab - inter;
+            inter > 0.0 && aa > 0.0 && ab > 0.0 && union > 0.0 && inter / union > iou
+        };
+        let mut out: Vec<i64> = Vec::new();
+        for b in 0..nb {
+            for c in 0..nc {
+                let sc = &sv[(b * nc + c) * n..][..n];
+                let mut cand: Vec<usize> = (0..n).filter(|&i| score_min.is_none_or(|m| sc[i] > m)).collect();
+                // Highest score first; among equal scores, the lower index.
+                cand.sort_by(|&i, &j| sc[j].total_cmp(&sc[i]).then(i.cmp(&j)));
+                let mut kept: Vec<usize> = Vec::new();
+                for i in cand {
+                    if kept.len() >= max_out {
+                        break;
+                    }
+                    if kept.iter().all(|&k| !overlaps(corners(b, i), corners(b, k))) {
+                        kept.push(i);
+                        out.extend([b as i64, c as i64, i as i64]);
+                    }
+                }
+            }
+        }
+        Ok(vec![Array::i64(vec![out.len() / 3, 3], out)])
+    }
+}

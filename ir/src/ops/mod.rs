@@ -26,6 +26,10 @@
 //! | [`index`] | gathers and scatters, `OneHot`, `TopK`, `NonZero`, `CumSum`, `Trilu` |
 //! | [`resize`] | `Resize`, `Upsample`, `DepthToSpace`, `SpaceToDepth` |
 //! | [`recurrent`] | `LSTM`, `GRU`, `RNN` |
+//! | [`quant`] | `QuantizeLinear`, `DequantizeLinear`, `DynamicQuantizeLinear`, integer and quantized contractions |
+//! | [`signal`] | `DFT`, `STFT`, windows, `MelWeightMatrix` |
+//! | [`image`] | `GridSample`, `AffineGrid`, `Col2Im`, `RoiAlign` |
+//! | [`string`] | `StringConcat`, `StringSplit`, `StringNormalizer`, `RegexFullMatch` |
 //! | [`control`] | `If`, `Loop`, `Scan` |
 //! | [`comm`] | the `shardc` communication ops that lowering inserts |
 
@@ -37,17 +41,21 @@ pub mod conv;
 pub mod elementwise;
 pub mod flow;
 pub mod grad;
+pub mod image;
 pub mod index;
 pub mod loss;
 pub mod norm;
 pub mod optim;
 pub mod pool;
+pub mod quant;
 pub mod recurrent;
 pub mod reduce;
 pub mod resize;
 pub mod shape;
+pub mod signal;
 pub mod softmax;
 pub mod split;
+pub mod string;
 pub mod util;
 
 use crate::eval::{Array, EvalError};

@@ -1,0 +1,344 @@
+//! Signal processing: `DFT`, `STFT`, the `HannWindow`, `HammingWindow` and `BlackmanWindow`
+//! generators, and `MelWeightMatrix`.
+//!
+//! Complex values are a trailing dim of 2 (real, imaginary); a trailing dim of 1 is a real
+//! signal. They run whole on one device, evaluated by the reference kernels (a direct DFT).
+
+use super::shape::no_work_whole;
+use super::util::norm_axis;
+use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Types, Work};
+use crate::eval::{Array, EvalError, strides};
+use crate::op;
+use crate::shard::IterSpace;
+use crate::types::{DType, Dim, TensorType};
+
+type Result<T> = std::result::Result<T, EvalError>;
+
+/// The DFT's axis: the `axis` input (opset 20) or attribute, normalized for `rank`.
+fn dft_axis(d: &op::DFT, axis_input: Option<i64>, rank: usize, opset: i64) -> std::result::Result<usize, String> {
+    let a = axis_input.or(d.axis).unwrap_or(if opset >= 20 { -2 } else { 1 });
+    norm_axis(a, rank)
+}
+
+impl OpRules for op::DFT {
+    fn arity(&self) -> Arity {
+        Arity::new(1, 3, 1, 1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let Some(d) = cx.dims(0) else { return cx.one(None) };
+        if cx.has(2) && !cx.needs_values(&[2]) {
+            return cx.one(Some(vec![Dim::Unknown; d.len()]));
+        }
+        let axis_in = cx.ints(2).and_then(|v| v.first().copied());
+        let a = dft_axis(self, axis_in, d.len(), cx.opset)?;
+        let (inverse, onesided) = (self.inverse() != 0, self.onesided() != 0);
+        let n = if cx.has(1) {
+            if !cx.needs_values(&[1]) {
+                return cx.one(Some(vec![Dim::Unknown; d.len()]));
+            }
+            cx.ints(1).and_then(|v| v.first().copied()).map(Dim::Fixed).unwrap_or(Dim::Unknown)
+        } else if inverse && onesided {
+            d[a].value().map_or(Dim::Unknown, |v| Dim::Fixed(2 * (v - 1)))
+        } else {
+            d[a].clone()
+        };
+        let mut out = d.clone();
+        out[a] = match (&n, inverse, onesided) {
+            (Dim::Fixed(v), false, true) => Dim::Fixed(v / 2 + 1),
+            _ => n,
+        };
+        let last = out.len() - 1;
+        out[last] = Dim::Fixed(if inverse && onesided { 1 } else { 2 });
+        cx.one(Some(out))
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        let d = cx.in_dims(0);
+        let n = d.iter().copied().max().unwrap_or(1) as f64;
+        Work::flops(8.0 * cx.out_numel(0) * n)
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let x = cx.req(0)?;
+        let axis_in = cx.opt(2).map(|a| a.to_i64()).transpose()?.and_then(|v| v.first().copied());
+        let a = dft_axis(self, axis_in, x.rank(), cx.opset)?;
+        let n = cx.opt(1).map(|n| n.to_i64()).transpose()?.and_then(|v| v.first().copied());
+        Ok(vec![dft(x, a, n, self.inverse() != 0, self.onesided() != 0)?])
+    }
+}
+
+/// The (inverse) DFT of `x` along `axis` (x's last dim: 1 real, 2 complex), of length `n`
+/// (the input cut or zero-padded to it), one-sided forward (the first n/2+1 bins) or from a
+/// one-sided spectrum back to a real signal (inverse).
+fn dft(x: &Array, axis: usize, n: Option<i64>, inverse: bool, onesided: bool) -> Result<Array> {
+    let r = x.rank();
+    if r < 2 || axis == r - 1 || !(x.shape[r - 1] == 1 || x.shape[r - 1] == 2) {
+        return Err(EvalError::Invalid(format!("DFT input {:?} needs a last dim of 1 or 2 and another axis", x.shape)));
+    }
+    let len = x.shape[axis];
+    let n = match n {
+        Some(v) if v > 0 => v as usize,
+        Some(v) => return Err(EvalError::Invalid(format!("DFT length {v}"))),
+        None if inverse && onesided => 2 * len.saturating_sub(1),
+        None => len,
+    };
+    let v = x.to_f64()?;
+    let complex = x.shape[r - 1] == 2;
+    let st = strides(&x.shape);
+    let out_len = if !inverse && onesided { n / 2 + 1 } else { n };
+    let out_c = if inverse && onesided { 1 } else { 2 };
+    let mut shape = x.shape.clone();
+    shape[axis] = out_len;
+    shape[r - 1] = out_c;
+    let ost = strides(&shape);
+    let mut out = vec![0.0; shape.iter().product()];
+    // Every line along the axis: the other coordinates, the last one 0.
+    let mut others: Vec<usize> = shape.clone();
+    others[axis] = 1;
+    others[r - 1] = 1;
+    let lines: usize = others.iter().product();
+    let ls = strides(&others);
+    let sign = if inverse { 1.0 } else { -1.0 };
+    for l in 0..lines {
+        let coord: Vec<usize> = (0..r).map(|d| (l / ls[d]) % others[d]).collect();
+        let base: usize = coord.iter().zip(&st).map(|(c, s)| c * s).sum();
+        let obase: usize = coord.iter().zip(&ost).map(|(c, s)| c * s).sum();
+        // The input line, complex, cut or padded to n (one-sided inverse: rebuilt by symmetry).
+        let get = |k: usize| -> (f64, f64) {
+            if k >= len {
+                return (0.0, 0.0);
+            }
+            let o = base + k * st[axis];
+            (v[o], if complex { v[o + 1] } else { 0.0 })
+        };
+        let line: Vec<(f64, f64)> = if inverse && onesided {
+            (0..n)
+                .map(|k| {
+                    if k <= n / 2 {
+                        let (re, im) = get(k);
+                        // Bins 0 and n/2 of a real signal are real.
+                        if k == 0 || (n % 2 == 0 && k == n / 2) { (re, 0.0) } else { (re, im) }
+                    } else {
+                        let (re, im) = get(n - k);
+                        (re, -im)
+                    }
+                })
+                .collect()
+        } else {
+            (0..n).map(get).collect()
+        };
+        for k in 0..out_len {
+            let (mut re, mut im) = (0.0, 0.0);
+            for (t, &(a, b)) in line.iter().enumerate() {
+                let ang = sign * 2.0 * std::f64::consts::PI * ((k * t) % n) as f64 / n as f64;
+                let (c, s) = (ang.cos(), ang.sin());
+                re += a * c - b * s;
+                im += a * s + b * c;
+            }
+            if inverse {
+                re /= n as f64;
+                im /= n as f64;
+            }
+            let o = obase + k * ost[axis];
+            out[o] = re;
+            if out_c == 2 {
+                out[o + 1] = im;
+            }
+        }
+    }
+    Ok(Array::float(x.dtype, shape, out))
+}
+
+impl OpRules for op::STFT {
+    fn arity(&self) -> Arity {
+        Arity::new(2, 4, 1, 1)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let Some(d) = cx.dims(0) else { return cx.one(None) };
+        if d.len() != 3 {
+            return Err(format!("STFT needs a signal [batch, length, 1 or 2], got rank {}", d.len()));
+        }
+        let step = cx.ints(1).and_then(|v| v.first().copied());
+        cx.needs_values(&[1]);
+        let frame = if cx.has(3) {
+            cx.needs_values(&[3]);
+            cx.ints(3).and_then(|v| v.first().copied())
+        } else {
+            cx.dims(2).and_then(|w| w.first().and_then(Dim::value))
+        };
+        let (Some(step), Some(frame), Some(len)) = (step, frame, d[1].value()) else {
+            return cx.one(Some(vec![d[0].clone(), Dim::Unknown, Dim::Unknown, Dim::Fixed(2)]));
+        };
+        if step <= 0 || frame <= 0 || frame > len {
+            return Err(format!("STFT frame {frame} and step {step} do not fit a signal of {len}"));
+        }
+        let frames = 1 + (len - frame) / step;
+        let bins = if self.onesided() != 0 { frame / 2 + 1 } else { frame };
+        cx.one(Some(vec![d[0].clone(), Dim::Fixed(frames), Dim::Fixed(bins), Dim::Fixed(2)]))
+    }
+
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        let bins = cx.out_dims(0).get(2).copied().unwrap_or(1) as f64;
+        Work::flops(8.0 * cx.out_numel(0) * bins)
+    }
+
+    /// Frames of `frame_length` every `frame_step`, weighted by the window, each
+    /// transformed (one-sided unless `onesided = 0`).
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let x = cx.req(0)?;
+        if x.rank() != 3 {
+            return Err(EvalError::Invalid("STFT needs a signal [batch, length, 1 or 2]".into()));
+        }
+        let step = cx.req(1)?.to_i64()?.first().copied().unwrap_or(0);
+        let window = cx.opt(2).map(|w| w.to_f64()).transpose()?;
+        let frame = match cx.opt(3) {
+            Some(f) => f.to_i64()?.first().copied().unwrap_or(0),
+            None => window.as_ref().map_or(x.shape[1] as i64, |w| w.len() as i64),
+        };
+        let (b, len, c) = (x.shape[0], x.shape[1] as i64, x.shape[2]);
+        if step <= 0 || frame <= 0 || frame > len {
+            return Err(EvalError::Invalid(format!("STFT frame {frame} and step {step} for a signal of {len}")));
+        }
+        let (frames, frame) = ((1 + (len - frame) / step) as usize, frame as usize);
+        let w = window.unwrap_or_else(|| vec![1.0; frame]);
+        let v = x.to_f64()?;
+        // [b, frames, frame, c] weighted frames, then a DFT along the frame axis.
+        let mut fr = vec![0.0; b * frames * frame * c];
+        for bi in 0..b {
+            for f in 0..frames {
+                for t in 0..frame {
+                    for k in 0..c {
+                        let src = (bi * len as usize + f * step as usize + t) * c + k;
+                        fr[((bi * frames + f) * frame + t) * c + k] = v[src] * w.get(t).copied().unwrap_or(0.0);
+                    }
+                }
+            }
+        }
+        let framed = Array::float(DType::Double, vec![b, frames, frame, c], fr);
+        let y = dft(&framed, 2, Some(frame as i64), false, self.onesided() != 0)?;
+        Ok(vec![Array::float(x.dtype, y.shape.clone(), y.to_f64()?)])
+    }
+}
+
+/// The window's length (its `size` input) and the output type.
+fn window_infer(cx: &InferCx<'_>, output_datatype: i64) -> Types {
+    let dtype =
+        DType::from_code(output_datatype).ok_or_else(|| format!("unknown output_datatype {output_datatype}"))?;
+    cx.needs_values(&[0]);
+    let n = cx.ints(0).and_then(|v| v.first().copied()).map_or(Dim::Unknown, Dim::Fixed);
+    Ok(vec![Some(TensorType::new(dtype, vec![n]))])
+}
+
+fn window(cx: &EvalCx<'_>, output_datatype: i64, periodic: bool, f: impl Fn(f64, f64) -> f64) -> Arrays {
+    let n = cx.req(0)?.to_i64()?.first().copied().unwrap_or(0).max(0) as usize;
+    let dtype = DType::from_code(output_datatype)
+        .ok_or_else(|| EvalError::Invalid(format!("unknown output_datatype {output_datatype}")))?;
+    let denom = if periodic { n as f64 } else { n as f64 - 1.0 };
+    let v: Vec<f64> = (0..n).map(|i| f(i as f64, denom)).collect();
+    Ok(vec![if dtype.is_float() {
+        Array::float(dtype, vec![n], v)
+    } else {
+        Array::int(dtype, vec![n], v.into_iter().map(|x| x as i64).collect())
+    }])
+}
+
+macro_rules! windows {
+    ($($name:ident: |$i:ident, $n:ident| $f:expr;)*) => {$(
+        impl OpRules for op::$name {
+            fn arity(&self) -> Arity {
+                Arity::fixed(1)
+            }
+
+            fn infer(&self, cx: &InferCx<'_>) -> Types {
+                window_infer(cx, self.output_datatype())
+            }
+
+            no_work_whole!();
+
+            fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+                window(cx, self.output_datatype(), self.periodic() != 0, |$i, $n| $f)
+            }
+        }
+    )*};
+}
+
+windows! {
+    HannWindow: |i, n| (std::f64::consts::PI * i / n).sin().powi(2);
+    HammingWindow: |i, n| 25.0 / 46.0 - (1.0 - 25.0 / 46.0) * (2.0 * std::f64::consts::PI * i / n).cos();
+    BlackmanWindow: |i, n| 0.42 - 0.5 * (2.0 * std::f64::consts::PI * i / n).cos() + 0.08 * (4.0 * std::f64::consts::PI * i / n).cos();
+}
+
+impl OpRules for op::MelWeightMatrix {
+    fn arity(&self) -> Arity {
+        Arity::fixed(5)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let dtype = DType::from_code(self.output_datatype()).ok_or("unknown output_datatype")?;
+        cx.needs_values(&[0, 1]);
+        let mel = cx.ints(0).and_then(|v| v.first().copied()).map_or(Dim::Unknown, Dim::Fixed);
+        let bins = cx.ints(1).and_then(|v| v.first().copied()).map_or(Dim::Unknown, |n| Dim::Fixed(n / 2 + 1));
+        Ok(vec![Some(TensorType::new(dtype, vec![bins, mel]))])
+    }
+
+    no_work_whole!();
+
+    /// Triangular filters evenly spaced on the mel scale between the edge frequencies,
+    /// mapped to DFT bins, as ONNX's reference computes them.
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let scalar = |i: usize| -> Result<f64> { Ok(cx.req(i)?.to_f64()?.first().copied().unwrap_or(0.0)) };
+        let (mel, dft_len, rate) = (scalar(0)? as i64, scalar(1)? as i64, scalar(2)? as i64);
+        let (lo, hi) = (scalar(3)?, scalar(4)?);
+        if mel <= 0 || dft_len <= 0 || rate <= 0 {
+            return Err(EvalError::Invalid(format!("MelWeightMatrix of {mel} bins, length {dft_len}, rate {rate}")));
+        }
+        let bins = (dft_len / 2 + 1) as usize;
+        let to_mel = |f: f64| 2595.0 * (f / 700.0).ln_1p() / std::f64::consts::LN_10;
+        let (lm, hm) = (to_mel(lo), to_mel(hi));
+        let step = (hm - lm) / (mel + 2) as f64;
+        let points: Vec<i64> = (0..mel + 2)
+            .map(|k| {
+                let m = k as f64 * step + lm;
+                let hz = 700.0 * (m / 2595.0 * std::f64::consts::LN_10).exp_m1();
+                (((dft_len + 1) as f64 * hz) / rate as f64).floor() as i64
+            })
+            .collect();
+        let mel = mel as usize;
+        let mut out = vec![0.0; bins * mel];
+        let mut set = |j: i64, i: usize, v: f64| -> Result<()> {
+            let j = usize::try_from(j)
+                .ok()
+                .filter(|&j| j < bins)
+                .ok_or_else(|| EvalError::Invalid(format!("mel filter bin {j} outside {bins}")))?;
+            out[j * mel + i] = v;
+            Ok(())
+        };
+        for i in 0..mel {
+            let (l, c, h) = (points[i], points[i + 1], points[i + 2]);
+            if c == l {
+                set(c, i, 1.0)?;
+            } else {
+                for j in l..=c {
+                    set(j, i, (j - l) as f64 / (c - l) as f64)?;
+                }
+            }
+            if h > c {
+                for j in c..h {
+                    set(j, i, (h - j) as f64 / (h - c) as f64)?;
+                }
+            }
+        }
+        let dtype = DType::from_code(self.output_datatype()).unwrap_or(DType::Float);
+        Ok(vec![Array::float(dtype, vec![bins, mel], out)])
+    }
+}
