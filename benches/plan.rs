@@ -16,7 +16,7 @@ fn prepare(text: &str, batch: Option<i64>) -> shardc::ir::Model {
     let mut m = shardc::frontend::parse(text).expect("parses").model;
     let mut pm = shardc::passes::PassManager::new();
     if batch.is_some() {
-        pm.add(shardc::passes::Rebatch { spec: shardc::passes::RebatchSpec { batch, input_shapes: vec![] } });
+        pm.add(shardc::passes::Rebatch { spec: shardc::passes::RebatchSpec { batch, ..Default::default() } });
     }
     pm.add(shardc::passes::InferShapes::default()).add(shardc::passes::Canonicalize);
     pm.run(&mut m).expect("passes run");
@@ -103,6 +103,7 @@ fn main() {
     let spec = shardc::passes::RebatchSpec {
         batch: Some(64),
         input_shapes: vec![shardc::passes::rebatch::parse_input_shape("input_ids=64x1024").expect("shape")],
+        ..Default::default()
     };
     let mut big = shardc::frontend::parse(&model("hf_gpt2_124m")).expect("parses").model;
     let mut pm = shardc::passes::PassManager::new();

@@ -10,6 +10,7 @@ pub fn prepare(path: &str, shapes: &[(&str, &[i64])], canonical: bool) -> shardc
         let spec = shardc::passes::RebatchSpec {
             batch: None,
             input_shapes: shapes.iter().map(|(n, s)| (n.to_string(), s.to_vec())).collect(),
+            ..Default::default()
         };
         pm.add(shardc::passes::Rebatch { spec });
     }

@@ -396,8 +396,20 @@ impl Infer {
         let mut out_types: Vec<Option<TensorType>> = vec![None; g.node(n).num_outputs()];
         match &mut op {
             Op::If(i) => {
+                // A known condition decides the branch: its types are the If's.
+                let cond = g
+                    .node(n)
+                    .input(0)
+                    .and_then(|v| self.consts.get(&v))
+                    .and_then(|a| a.to_f64().ok())
+                    .and_then(|v| v.first().copied());
                 let mut branch_types = Vec::new();
-                for b in [&mut i.then_branch, &mut i.else_branch].into_iter().flatten() {
+                let branches: Vec<&mut Box<Graph>> = match cond {
+                    Some(c) if c != 0.0 => i.then_branch.iter_mut().collect(),
+                    Some(_) => i.else_branch.iter_mut().collect(),
+                    None => [&mut i.then_branch, &mut i.else_branch].into_iter().flatten().collect(),
+                };
+                for b in branches {
                     self.subgraph(b, mode, &outer, &outer_consts);
                     branch_types.push(
                         b.outputs()

@@ -24,7 +24,7 @@ pub use canonicalize::Canonicalize;
 pub use infer_shapes::InferShapes;
 pub use manager::{Changed, Located, Pass, PassCx, PassError, PassManager, Report, Stats};
 pub use rebatch::{Rebatch, RebatchSpec};
-pub use verify::Verify;
+pub use verify::{RequireStatic, Verify};
 
 /// Options for passes created by name.
 #[derive(Clone, Debug, Default)]

@@ -39,13 +39,28 @@ pub struct RebatchSpec {
     pub batch: Option<i64>,
     /// Full new shapes of named inputs (take precedence over `batch`).
     pub input_shapes: Vec<(String, Vec<i64>)>,
+    /// Values for symbolic dims by name (`--dim batch=8`), in every input that has them.
+    pub dims: Vec<(String, i64)>,
 }
 
 impl RebatchSpec {
     /// True when nothing is asked.
     pub fn is_empty(&self) -> bool {
-        self.batch.is_none() && self.input_shapes.is_empty()
+        self.batch.is_none() && self.input_shapes.is_empty() && self.dims.is_empty()
     }
+}
+
+/// Parses `NAME=VALUE` (as `--dim` takes it).
+pub fn parse_dim(s: &str) -> Result<(String, i64), String> {
+    let (name, v) = s.rsplit_once('=').ok_or_else(|| format!("`{s}`: expected NAME=VALUE, e.g. batch=8"))?;
+    if name.is_empty() {
+        return Err(format!("`{s}`: the dim's name is empty"));
+    }
+    let v: i64 = v.trim().parse().map_err(|_| format!("`{s}`: `{v}` is not a whole number"))?;
+    if v <= 0 {
+        return Err(format!("`{s}`: a dim must be positive"));
+    }
+    Ok((name.to_string(), v))
 }
 
 /// Parses `NAME=D0xD1x…` (as `--input-shape` takes it).
@@ -458,6 +473,54 @@ fn changed_inputs(g: &Graph, spec: &RebatchSpec) -> Result<Vec<Change>, Located>
             let mut nd = old.clone();
             nd[0] = Dim::Fixed(b);
             new_dims.push((v, old, nd));
+        }
+    }
+    // Symbolic dims bound by name, in every input that has them.
+    if !spec.dims.is_empty() {
+        let bind = |d: &Dim| match d {
+            Dim::Sym(s) => spec.dims.iter().find(|(n, _)| n == s).map_or_else(|| d.clone(), |(_, v)| Dim::Fixed(*v)),
+            _ => d.clone(),
+        };
+        for (name, _) in &spec.dims {
+            let used = real_inputs.iter().any(|&v| {
+                g.tensor_type(v).and_then(|t| t.dims.as_ref()).is_some_and(|d| d.contains(&Dim::Sym(name.clone())))
+            });
+            if !used {
+                let mut have: Vec<String> = Vec::new();
+                for &v in &real_inputs {
+                    for d in g.tensor_type(v).and_then(|t| t.dims.clone()).unwrap_or_default() {
+                        if let Dim::Sym(s) = d
+                            && !have.contains(&s)
+                        {
+                            have.push(s);
+                        }
+                    }
+                }
+                return Err(Located::global(format!(
+                    "--dim {name}: no input has a dim named `{name}`; {}",
+                    if have.is_empty() {
+                        "the inputs have no symbolic dims".to_string()
+                    } else {
+                        format!("they have {}", have.join(", "))
+                    }
+                )));
+            }
+        }
+        for &v in &real_inputs {
+            let old = g.tensor_type(v).and_then(|t| t.dims.clone()).unwrap_or_default();
+            match new_dims.iter_mut().find(|(x, _, _)| *x == v) {
+                Some((_, _, nd)) => {
+                    for d in nd.iter_mut() {
+                        *d = bind(d);
+                    }
+                }
+                None => {
+                    let nd: Vec<Dim> = old.iter().map(bind).collect();
+                    if nd != old {
+                        new_dims.push((v, old, nd));
+                    }
+                }
+            }
         }
     }
     Ok(new_dims)

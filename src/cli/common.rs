@@ -124,6 +124,9 @@ pub struct ShapeArgs {
     /// New shape of an input, e.g. input_ids=8x1024 (repeatable).
     #[arg(long = "input-shape", value_name = "NAME=D0xD1x..")]
     pub input_shape: Vec<String>,
+    /// Value of a symbolic dim of the inputs, e.g. batch=8 (repeatable).
+    #[arg(long = "dim", value_name = "NAME=VALUE")]
+    pub dim: Vec<String>,
 }
 
 impl ShapeArgs {
@@ -131,6 +134,7 @@ impl ShapeArgs {
     pub fn of_plan(plan: &passes::autoshard::Plan) -> ShapeArgs {
         ShapeArgs {
             batch: None,
+            dim: Vec::new(),
             input_shape: plan
                 .model
                 .input_shapes
@@ -140,15 +144,18 @@ impl ShapeArgs {
         }
     }
 
-    /// True when neither `--batch` nor `--input-shape` was given.
+    /// True when none of `--batch`, `--input-shape` and `--dim` was given.
     pub fn is_empty(&self) -> bool {
-        self.batch.is_none() && self.input_shape.is_empty()
+        self.batch.is_none() && self.input_shape.is_empty() && self.dim.is_empty()
     }
 
     pub fn spec(&self) -> CliResult<passes::RebatchSpec> {
-        let mut spec = passes::RebatchSpec { batch: self.batch, input_shapes: Vec::new() };
+        let mut spec = passes::RebatchSpec { batch: self.batch, ..Default::default() };
         for s in &self.input_shape {
             spec.input_shapes.push(passes::rebatch::parse_input_shape(s).map_err(CliError::msg)?);
+        }
+        for s in &self.dim {
+            spec.dims.push(passes::rebatch::parse_dim(s).map_err(|e| CliError::msg(format!("--dim {e}")))?);
         }
         if let Some(b) = self.batch
             && b <= 0
@@ -159,18 +166,25 @@ impl ShapeArgs {
     }
 }
 
-/// Loads a model, prints frontend warnings, verifies it, applies `--batch`/`--input-shape`
-/// and infers shapes.
+/// Loads a model, prints frontend warnings, verifies it, applies `--batch`/`--input-shape`/
+/// `--dim` and infers shapes.
 pub fn load(path: &Path, shapes: &ShapeArgs) -> CliResult<Loaded> {
-    load_with(path, shapes, false)
+    load_with(path, shapes, false, false)
 }
 
-/// Like [`load`], then canonicalizes (what the cost model and the planner work on).
+/// Like [`load`], and refuses what cannot be computed ([`passes::RequireStatic`]: unsupported
+/// ops, unknown dims, shapes that depend on the data), for commands that train.
+pub fn load_computable(path: &Path, shapes: &ShapeArgs) -> CliResult<Loaded> {
+    load_with(path, shapes, false, true)
+}
+
+/// Like [`load`], then canonicalizes (what the cost model and the planner work on) and
+/// refuses what cannot be computed.
 pub fn load_canonical(path: &Path, shapes: &ShapeArgs) -> CliResult<Loaded> {
-    load_with(path, shapes, true)
+    load_with(path, shapes, true, true)
 }
 
-fn load_with(path: &Path, shapes: &ShapeArgs, canonical: bool) -> CliResult<Loaded> {
+fn load_with(path: &Path, shapes: &ShapeArgs, canonical: bool, computable: bool) -> CliResult<Loaded> {
     note_input(path);
     let mut loaded = shardc::load_model(path).map_err(|e| CliError::new(e.render()))?;
     note_external_data(&loaded.model.graph, path);
@@ -186,6 +200,9 @@ fn load_with(path: &Path, shapes: &ShapeArgs, canonical: bool) -> CliResult<Load
     pm.add(passes::InferShapes::default());
     if canonical {
         pm.add(passes::Canonicalize);
+    }
+    if computable {
+        pm.add(passes::RequireStatic);
     }
     let report = pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
     warn(&report.warnings, &loaded.source);

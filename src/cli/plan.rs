@@ -100,6 +100,7 @@ pub fn run(args: &PlanArgs) -> CliResult {
     }
     pm.add(passes::InferShapes::default());
     pm.add(passes::Canonicalize);
+    pm.add(passes::RequireStatic);
     pm.add(Autoshard { cluster: cluster.clone(), devices, options: opts.clone(), search, result: result.clone() });
     let report = pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
     warn(&report.warnings, &loaded.source);
@@ -109,17 +110,6 @@ pub fn run(args: &PlanArgs) -> CliResult {
     }
     let r = result.borrow_mut().take().expect("autoshard ran");
     let g = &loaded.model.graph;
-    for v in g.input_values() {
-        if matches!(g.node(v.node).op, ir::Op::Input { default: None })
-            && let Some(t) = g.tensor_type(v)
-            && !t.is_static()
-        {
-            eprintln!(
-                "warning: input `{}` is {t}: ops whose shapes are not known run replicated; give --batch or --input-shape to plan for a size",
-                g.value_name(v)
-            );
-        }
-    }
     let info = ModelInfo {
         path: args.model.display().to_string(),
         sha256: format!("{:x}", sha2::Sha256::digest(&bytes)),

@@ -350,7 +350,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
     };
     // Not canonicalized: folding would rename or transform parameters, and the trained
     // tensors must stay the model's own.
-    let mut loaded = load(&args.model, &args.shapes)?;
+    let mut loaded = load_computable(&args.model, &args.shapes)?;
     let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
     let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
     let mut notes: Vec<String> = Vec::new();

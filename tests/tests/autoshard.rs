@@ -477,6 +477,7 @@ fn finding_d_one_huge_3d_sample_is_split_spatially_and_fits() {
     let spec = passes::RebatchSpec {
         batch: None,
         input_shapes: vec![passes::rebatch::parse_input_shape("input=1x3x128x1024x1024").unwrap()],
+        ..Default::default()
     };
     let m = shared("tv_r3d_18.onnxtxt", spec);
     let cluster = Cluster::preset("dgx-a100").unwrap();

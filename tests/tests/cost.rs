@@ -58,7 +58,9 @@ fn every_model_prices_under_every_strategy_that_applies() {
                     )
                 })
                 .collect();
-            pm.add(passes::Rebatch { spec: passes::RebatchSpec { batch: None, input_shapes: shapes } });
+            pm.add(passes::Rebatch {
+                spec: passes::RebatchSpec { batch: None, input_shapes: shapes, ..Default::default() },
+            });
         } else {
             pm.add(passes::Rebatch { spec: batch(8) });
         }
@@ -148,7 +150,11 @@ fn owt_beats_data_parallel_on_pcie_for_vgg_and_alexnet() {
 /// split spatially (Dryden et al.'s motivation).
 #[test]
 fn huge_video_sample_needs_spatial_parallelism() {
-    let spec = passes::RebatchSpec { batch: None, input_shapes: vec![("input".into(), vec![1, 3, 128, 1024, 1024])] };
+    let spec = passes::RebatchSpec {
+        batch: None,
+        input_shapes: vec![("input".into(), vec![1, 3, 128, 1024, 1024])],
+        ..Default::default()
+    };
     let g = prepared("tv_r3d_18.onnxtxt", spec);
     // One sample cannot be split by batch: data parallelism is refused, never priced
     // replicated under its name; replicated (one device's work) does not fit.

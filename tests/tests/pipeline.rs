@@ -221,6 +221,7 @@ fn a_model_that_does_not_fit_gets_a_feasible_plan_and_the_reason() {
     let spec = passes::RebatchSpec {
         batch: Some(64),
         input_shapes: vec![passes::rebatch::parse_input_shape("input_ids=64x1024").unwrap()],
+        ..Default::default()
     };
     let m = shared("hf_gpt2_124m.onnxtxt", spec);
     let c = Cluster::preset("dgx1-v100").unwrap();

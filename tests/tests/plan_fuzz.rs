@@ -17,7 +17,7 @@ fn model(name: &str, batch: i64) -> ir::Model {
     let mut m = load_model(&repo_root().join("tests/data/golden").join(name));
     let mut pm = passes::PassManager::new();
     pm.add(passes::Verify)
-        .add(passes::Rebatch { spec: passes::RebatchSpec { batch: Some(batch), input_shapes: Vec::new() } })
+        .add(passes::Rebatch { spec: passes::RebatchSpec { batch: Some(batch), ..Default::default() } })
         .add(passes::InferShapes::default())
         .add(passes::Canonicalize);
     pm.run(&mut m).unwrap_or_else(|e| panic!("{name}: {e}"));

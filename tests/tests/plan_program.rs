@@ -24,7 +24,11 @@ fn prepared(path: &std::path::Path) -> ir::Model {
     let name = path.file_stem().unwrap().to_string_lossy().to_string();
     let run = |batch: Option<i64>| {
         let mut m = load_model(path);
-        let spec = passes::RebatchSpec { batch, input_shapes: fixed_shapes(&name).into_iter().collect() };
+        let spec = passes::RebatchSpec {
+            batch,
+            input_shapes: fixed_shapes(&name).into_iter().collect(),
+            ..Default::default()
+        };
         let mut pm = passes::PassManager::new();
         pm.add(passes::Verify)
             .add(passes::Rebatch { spec })

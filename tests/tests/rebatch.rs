@@ -55,7 +55,7 @@ fn gpt2_batch_and_sequence() {
     all_static(&m);
     let m = run(
         "hf_gpt2_124m.onnxtxt",
-        RebatchSpec { batch: None, input_shapes: vec![("input_ids".into(), vec![8, 1024])] },
+        RebatchSpec { batch: None, input_shapes: vec![("input_ids".into(), vec![8, 1024])], ..Default::default() },
     );
     assert_eq!(out_type(&m, 0), "float[8,1024,50257]");
     all_static(&m);
@@ -67,7 +67,11 @@ fn bert_batch_and_sequence() {
     all_static(&m);
     let m0 = model("hf_bert_base.onnxtxt");
     let names: Vec<String> = m0.graph.input_values().iter().map(|&v| m0.graph.value_name(v).to_string()).collect();
-    let spec = RebatchSpec { batch: None, input_shapes: names.iter().map(|n| (n.clone(), vec![4, 256])).collect() };
+    let spec = RebatchSpec {
+        batch: None,
+        input_shapes: names.iter().map(|n| (n.clone(), vec![4, 256])).collect(),
+        ..Default::default()
+    };
     let m = run("hf_bert_base.onnxtxt", spec);
     all_static(&m);
     assert!(out_type(&m, 0).starts_with("float[4,256,"), "{}", out_type(&m, 0));
@@ -160,8 +164,11 @@ fn shorter_sequence_keeps_the_causal_prefix() {
     let mut m = load_model(&path);
     let io = load_io(&path);
     let reference = ir::eval::run(&m.graph, &io.inputs, &Default::default()).unwrap();
-    rebatch(&mut m.graph, &RebatchSpec { batch: None, input_shapes: vec![("input_ids".into(), vec![2, 5])] })
-        .unwrap_or_else(|e| panic!("{:?}", e.errors));
+    rebatch(
+        &mut m.graph,
+        &RebatchSpec { batch: None, input_shapes: vec![("input_ids".into(), vec![2, 5])], ..Default::default() },
+    )
+    .unwrap_or_else(|e| panic!("{:?}", e.errors));
     let ids = &io.inputs["input_ids"];
     let prefix = ir::eval::slice_axis(ids, 1, 0, 5);
     let out = ir::eval::run(

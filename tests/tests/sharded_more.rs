@@ -19,6 +19,7 @@ fn prepared(path: &std::path::Path, shapes: &[(&str, &[i64])]) -> ir::Model {
         let spec = passes::RebatchSpec {
             batch: None,
             input_shapes: shapes.iter().map(|(n, s)| (n.to_string(), s.to_vec())).collect(),
+            ..Default::default()
         };
         pm.add(passes::Rebatch { spec });
     }

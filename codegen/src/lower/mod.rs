@@ -231,6 +231,10 @@ pub fn lower(g: &Graph, placement: &Placement) -> Result<Program, LowerError> {
     if placement.stages.is_empty() {
         return Err(LowerError::global(LowerErrorKind::Placement, "no stages"));
     }
+    // An op outside the op table cannot run: say which, where.
+    if let Some(l) = unsupported_op(g) {
+        return Err(LowerError { device: None, node: l.0, kind: LowerErrorKind::Graph, message: l.1 });
+    }
     let (stage_of_value, value_tag, everywhere) = stages(g, &order, placement)?;
     let batch = ir::ops::flow::batch_dims(g);
     let m = placement.micro_batches.max(1);
@@ -472,4 +476,35 @@ pub fn reshard_program(
         schedule: Default::default(),
         recompute: Vec::new(),
     })
+}
+
+/// The first op of `g` (or of its subgraphs) outside shardc's op table: the node's
+/// description and the message.
+fn unsupported_op(g: &Graph) -> Option<(Option<String>, String)> {
+    for n in g.node_ids() {
+        let op = &g.node(n).op;
+        if let Op::Opaque(o) = op {
+            let domain = if o.domain.is_empty() { "ai.onnx" } else { o.domain.as_str() };
+            return Some((
+                Some(g.describe(n)),
+                format!("unsupported op `{}` (domain `{domain}`): shardc cannot compute it", o.op_type),
+            ));
+        }
+        for a in op.attributes() {
+            let subs: Vec<&Graph> = match &a.value {
+                ir::AttrValue::Graph(sg) => vec![sg.as_ref()],
+                ir::AttrValue::Graphs(gs) => gs.iter().collect(),
+                _ => Vec::new(),
+            };
+            for sg in subs {
+                if let Some((node, msg)) = unsupported_op(sg) {
+                    return Some((
+                        Some(g.describe(n)),
+                        format!("{msg} (in {} of its subgraph)", node.unwrap_or_default()),
+                    ));
+                }
+            }
+        }
+    }
+    None
 }

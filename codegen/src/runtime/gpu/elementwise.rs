@@ -247,7 +247,9 @@ binary_kernels! {
     Mod: |s, f| Some(match (s.fmod() != 0, f) {
         (true, true) => "fmod_(a, b)".into(),
         (true, false) => "a % b".into(),
-        (false, true) => "a - b * floor(a / b)".into(),
+        // The remainder with the divisor's sign (as numpy's mod: an infinite divisor keeps a
+        // finite dividend, where a − b·floor(a/b) would give NaN).
+        (false, true) => "select(fmod_(a, b), fmod_(a, b) + b, fmod_(a, b) != 0.0 && ((fmod_(a, b) < 0.0) != (b < 0.0)))".into(),
         (false, false) => "imod_(a, b)".into(),
     });
     PRelu: |_s, f| float(f, "select(a * b, a, a >= 0.0)".into());

@@ -16,6 +16,10 @@ fn reduce(cx: &CompileCx<'_>, x: &TensorDesc<'_>, axes: &[usize], red: Red, last
     if matches!(red, Red::L2 | Red::LogSum | Red::LogSumExp | Red::Mean) && x.elem() != Elem::F32 {
         return Ok(None);
     }
+    // Booleans reduce on the host: an empty max is false there, not the least i32.
+    if x.dtype == ir::DType::Bool {
+        return Ok(None);
+    }
     let count: usize = c.outputs[0].shape.iter().product();
     let r = x.shape.len();
     let mut params = vec![count as u32, r as u32];

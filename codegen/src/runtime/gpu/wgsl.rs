@@ -44,7 +44,10 @@ fn sigmoid_(x: f32) -> f32 {
     return e / (1.0 + e);
 }
 fn softplus_(x: f32) -> f32 {
-    return max(x, 0.0) + log(1.0 + exp(-abs(x)));
+    // log(1 + e) loses e's digits when e is small: there its series e − e²/2 + e³/3.
+    let e = exp(-abs(x));
+    let l = select(log(1.0 + e), e * (1.0 - e * (0.5 - e / 3.0)), e < 1.0e-3);
+    return max(x, 0.0) + l;
 }
 fn pow_(a: f32, b: f32) -> f32 {
     if (b == 0.0) { return 1.0; }
@@ -72,7 +75,9 @@ fn imod_(a: i32, b: i32) -> i32 {
     return select(r, r + b, r != 0 && ((r < 0) != (b < 0)));
 }
 fn fmod_(a: f32, b: f32) -> f32 {
-    return a - b * trunc(a / b);
+    // |a| < |b| (an infinite divisor included): a itself, where b·0 would be NaN.
+    let q = trunc(a / b);
+    return select(a - b * q, a, q == 0.0);
 }
 "#;
 
