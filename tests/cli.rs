@@ -852,16 +852,20 @@ fn binary_models_work_in_every_command() {
 #[test]
 fn symbolic_dims_and_unsupported_ops_are_refused_with_the_fix() {
     let dir = tmpdir("symbolic");
-    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(model("tv_resnet50_dynbatch.onnxtxt")))
-        .unwrap()
-        .replacen("float[batch,3,224,224] input", "float[batch,3,height,width] input", 1);
+    let text =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(model("tv_resnet50_dynbatch.onnxtxt")))
+            .unwrap()
+            .replacen("float[batch,3,224,224] input", "float[batch,3,height,width] input", 1);
     let sym = dir.join("r50sym.onnxtxt");
     std::fs::write(&sym, text).unwrap();
     let p = sym.to_str().unwrap();
     let o = shardc(&["stats", p]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
-    assert!(out.contains("forward FLOPs    unknown") && out.contains("--dim batch=N --dim height=N --dim width=N"), "{out}");
+    assert!(
+        out.contains("forward FLOPs    unknown") && out.contains("--dim batch=N --dim height=N --dim width=N"),
+        "{out}"
+    );
     assert!(!out.contains("0.000 FLOP"), "{out}");
     let o = shardc(&["stats", p, "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -874,10 +878,27 @@ fn symbolic_dims_and_unsupported_ops_are_refused_with_the_fix() {
         let o = shardc(&args);
         assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
         let e = stderr(&o);
-        assert!(e.contains("whose size is not known") && e.contains("--dim batch=N --dim height=N --dim width=N"), "{args:?}: {e}");
+        assert!(
+            e.contains("whose size is not known") && e.contains("--dim batch=N --dim height=N --dim width=N"),
+            "{args:?}: {e}"
+        );
         assert!(o.stdout.is_empty() && !e.contains("step time"), "{args:?} printed a step time");
     }
-    let o = shardc(&["cost", p, "--cluster", "dgx-a100", "--strategy", "data", "--dim", "batch=64", "--dim", "height=224", "--dim", "width=224", "--json"]);
+    let o = shardc(&[
+        "cost",
+        p,
+        "--cluster",
+        "dgx-a100",
+        "--strategy",
+        "data",
+        "--dim",
+        "batch=64",
+        "--dim",
+        "height=224",
+        "--dim",
+        "width=224",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["batch"], 64, "{v}");
@@ -896,11 +917,17 @@ fn symbolic_dims_and_unsupported_ops_are_refused_with_the_fix() {
     let u = unknown.to_str().unwrap();
     let o = shardc(&["parse", u]);
     assert!(o.status.success() && stdout(&o).contains("com.example.Frobnicate"), "{}", stderr(&o));
-    for args in [vec!["cost", u, "--cluster", "dgx-a100", "--strategy", "data", "--devices", "2"], vec!["run", u, "--backend", "cpu", "--devices", "1"]] {
+    for args in [
+        vec!["cost", u, "--cluster", "dgx-a100", "--strategy", "data", "--devices", "2"],
+        vec!["run", u, "--backend", "cpu", "--devices", "1"],
+    ] {
         let o = shardc(&args);
         assert_eq!(o.status.code(), Some(1), "{args:?}");
         let e = stderr(&o);
-        assert!(e.contains("unsupported op `Frobnicate` (domain `com.example`)") && e.contains("mystery"), "{args:?}: {e}");
+        assert!(
+            e.contains("unsupported op `Frobnicate` (domain `com.example`)") && e.contains("mystery"),
+            "{args:?}: {e}"
+        );
         assert!(e.contains(":3:"), "{args:?}: no location in {e}");
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -518,7 +518,7 @@ impl Lowerer {
             scope.insert(e.info.name.node.clone());
         }
         for n in &g.nodes {
-            for o in n.outputs.iter().flatten() {
+            for o in n.outputs.iter().flatten().filter(|o| !o.node.is_empty()) {
                 scope.insert(o.node.clone());
             }
         }
@@ -605,11 +605,12 @@ impl Lowerer {
             let mut outputs = Vec::new();
             for o in &n.outputs {
                 match o {
-                    Some(name) => {
+                    // `""` is an omitted optional output, as an omitted one is.
+                    Some(name) if !name.node.is_empty() => {
                         define(self, name);
                         outputs.push(Output::named(name.node.clone()));
                     }
-                    None => outputs.push(Output::named("")),
+                    _ => outputs.push(Output::named("")),
                 }
             }
             let mut node_caps = Vec::new();

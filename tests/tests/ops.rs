@@ -220,3 +220,80 @@ fn scan_accumulates_over_its_slices() {
         assert!((ys[12 + i] - last[i]).abs() < 1e-6);
     }
 }
+
+/// Every op's evaluation (and shape inference) answers degenerate operands — scalars, empty
+/// tensors, a single element, in every input slot and element type the sample uses — with a
+/// result or an error, never a panic.
+#[test]
+fn degenerate_operands_never_panic() {
+    use ir::eval::Data;
+    let mut panics = Vec::new();
+    for s in samples() {
+        let m = parse(&s);
+        let g = &m.graph;
+        // Every value of the sample (run_all frees values after their last use).
+        let feeds = inputs(g, 1);
+        let mut values: HashMap<Value, Array> = HashMap::new();
+        for n in g.topo_order().unwrap() {
+            let node = g.node(n);
+            let outs: Vec<Array> = match &node.op {
+                Op::Input { .. } => feeds.get(g.value_name(Value::new(n, 0))).cloned().into_iter().collect(),
+                Op::Initializer(t) => Array::from_tensor(t).into_iter().collect(),
+                _ => {
+                    let ins: Vec<Option<&Array>> =
+                        node.inputs().iter().map(|i| i.and_then(|v| values.get(&v))).collect();
+                    let caps: Vec<Option<&Array>> = node.captures().iter().map(|v| values.get(v)).collect();
+                    ir::eval::eval_node(g, n, &ins, &caps).unwrap_or_default()
+                }
+            };
+            for (k, a) in outs.into_iter().enumerate() {
+                values.insert(Value::new(n, k as u16), a);
+            }
+        }
+        for n in sampled(g, s.op) {
+            let node = g.node(n);
+            let given: Vec<Option<Array>> =
+                node.inputs().iter().map(|i| i.and_then(|v| values.get(&v).cloned())).collect();
+            for slot in 0..given.len() {
+                let Some(a) = &given[slot] else { continue };
+                for shape in [vec![], vec![0], vec![1], vec![0, 3]] {
+                    let k: usize = shape.iter().product();
+                    let data = match &a.data {
+                        Data::F32(_) => Data::F32(vec![1.0; k]),
+                        Data::F64(_) => Data::F64(vec![1.0; k]),
+                        Data::I64(_) => Data::I64(vec![1; k]),
+                        Data::Bool(_) => Data::Bool(vec![true; k]),
+                        Data::Str(_) => Data::Str(vec!["a".into(); k]),
+                    };
+                    let mut ins = given.clone();
+                    ins[slot] = Some(Array { dtype: a.dtype, shape: shape.clone(), data });
+                    let refs: Vec<Option<&Array>> = ins.iter().map(Option::as_ref).collect();
+                    let types: Vec<Option<ir::TensorType>> = ins
+                        .iter()
+                        .map(|a| {
+                            a.as_ref().map(|a| {
+                                ir::TensorType::fixed(a.dtype, &a.shape.iter().map(|&d| d as i64).collect::<Vec<_>>())
+                            })
+                        })
+                        .collect();
+                    let trefs: Vec<Option<&ir::TensorType>> = types.iter().map(Option::as_ref).collect();
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        let _ = ir::infer::infer_op(
+                            &node.op,
+                            &trefs,
+                            &refs,
+                            &vec![None; refs.len()],
+                            node.num_outputs(),
+                            g.opset,
+                        );
+                        let _ = ir::eval::eval_node(g, n, &refs, &[]);
+                    }));
+                    if r.is_err() {
+                        panics.push(format!("{}: input {slot} of shape {shape:?}", s.op));
+                    }
+                }
+            }
+        }
+    }
+    assert!(panics.is_empty(), "{} panics on degenerate operands:\n{}", panics.len(), panics.join("\n"));
+}

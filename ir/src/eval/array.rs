@@ -254,6 +254,22 @@ impl Array {
         })
     }
 
+    /// The first value as f64 (a scalar operand); an error when the array is empty.
+    pub fn first_f64(&self) -> Result<f64, EvalError> {
+        self.to_f64()?
+            .first()
+            .copied()
+            .ok_or_else(|| EvalError::Invalid("expected a value, got an empty tensor".into()))
+    }
+
+    /// The first value as i64 (a scalar operand); an error when the array is empty.
+    pub fn first_i64(&self) -> Result<i64, EvalError> {
+        self.to_i64()?
+            .first()
+            .copied()
+            .ok_or_else(|| EvalError::Invalid("expected a value, got an empty tensor".into()))
+    }
+
     /// Values as f32.
     pub fn to_f32(&self) -> Result<Vec<f32>, EvalError> {
         Ok(match &self.data {

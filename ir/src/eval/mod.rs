@@ -19,7 +19,7 @@ pub use array::{Array, Data, f32_to_f16, numel, round_to, strides, wrap_int};
 use crate::attr::AttrValue;
 use crate::graph::{Graph, NodeId, Value};
 use crate::op::Op;
-use crate::types::DType;
+use crate::types::{DType, TensorType};
 
 /// Why evaluation failed.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -57,6 +57,17 @@ impl From<String> for EvalError {
 /// are rounded to their type's precision, as a runtime holding them in 16 bits does: the rules
 /// compute in f32.
 pub fn eval_op(op: &Op, inputs: &[Option<&Array>], n_out: usize, opset: i64) -> Result<Vec<Array>> {
+    // The operands first meet the op's shape rule (constant folding evaluates before
+    // inference has checked anything, and the kernels trust the shapes).
+    let types: Vec<Option<TensorType>> = inputs
+        .iter()
+        .map(|a| a.map(|a| TensorType::fixed(a.dtype, &a.shape.iter().map(|&d| d as i64).collect::<Vec<_>>())))
+        .collect();
+    let trefs: Vec<Option<&TensorType>> = types.iter().map(Option::as_ref).collect();
+    let no_syms: Vec<Option<&Vec<crate::types::Dim>>> = vec![None; inputs.len()];
+    if let Err(e) = crate::infer::infer_op(op, &trefs, inputs, &no_syms, n_out, opset) {
+        return Err(EvalError::Invalid(format!("{}: {e}", op.op_type())));
+    }
     let mut outs = op.rules().eval(&crate::ops::EvalCx { inputs, n_out, opset, name: op.op_type() })?;
     for a in &mut outs {
         if matches!(a.dtype, DType::Float16 | DType::Bfloat16)
@@ -433,9 +444,15 @@ fn scan(
     }
     let n_state = ins.len() - m;
     let attr = |v: &Option<Vec<i64>>, k: usize| v.as_ref().and_then(|v| v.get(k).copied()).unwrap_or(0);
+    if ins[n_state..].iter().any(|a| a.rank() == 0) {
+        return Err(EvalError::Invalid("a Scan input to scan over is a scalar".into()));
+    }
     let in_axes: Vec<usize> = (0..m)
         .map(|k| crate::ops::norm_axis(attr(&sc.scan_input_axes, k), ins[n_state + k].rank()))
         .collect::<std::result::Result<_, String>>()?;
+    if (1..m).any(|k| ins[n_state + k].shape[in_axes[k]] != ins[n_state].shape[in_axes[0]]) {
+        return Err(EvalError::Invalid("the Scan inputs differ in length along their scan axes".into()));
+    }
     let len = match m {
         0 => 0,
         _ => ins[n_state].shape[in_axes[0]],

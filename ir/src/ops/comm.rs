@@ -33,6 +33,9 @@ fn single_device(cx: &EvalCx<'_>, group: &Option<Vec<i64>>) -> Arrays {
 /// `X`'s dims with dim `axis` changed by `f` (unknown stays unknown).
 fn with_axis(cx: &InferCx<'_>, axis: Option<i64>, f: impl Fn(i64) -> Result<i64, String>) -> Types {
     let Some(d) = cx.dims(0) else { return cx.one(None) };
+    if d.is_empty() {
+        return Err("a collective along an axis needs a tensor of rank 1 or more".into());
+    }
     let ax = norm_axis(axis.unwrap_or(0), d.len())?;
     let mut out = d.clone();
     out[ax] = match d[ax].value() {

@@ -452,6 +452,9 @@ fn conv(c: &op::Conv, cx: &EvalCx<'_>) -> Result<Array> {
         Some(b) => b.to_f64()?,
         None => vec![0.0; m],
     };
+    if bias.len() != m {
+        return Err(EvalError::Invalid(format!("Conv: {} biases for {m} output channels", bias.len())));
+    }
     let mut out = vec![0f64; n * m * od * oh * ow];
     let in_sp = id * ih * iw;
     let k_sp = kd * kh * kw;

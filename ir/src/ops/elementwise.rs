@@ -302,11 +302,11 @@ impl OpRules for op::Clip {
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         let x = cx.req(0)?;
         let lo = match cx.opt(1) {
-            Some(a) => Some(a.to_f64()?[0]),
+            Some(a) => Some(a.first_f64()?),
             None => self.min.map(f64::from),
         };
         let hi = match cx.opt(2) {
-            Some(a) => Some(a.to_f64()?[0]),
+            Some(a) => Some(a.first_f64()?),
             None => self.max.map(f64::from),
         };
         let f = move |v: f64| {

@@ -32,6 +32,9 @@ impl OpRules for op::Gather {
 
     fn infer(&self, cx: &InferCx<'_>) -> Types {
         let (Some(d), Some(i)) = (cx.dims(0), cx.dims(1)) else { return cx.one(None) };
+        if d.is_empty() {
+            return Err("Gather needs data of rank 1 or more".into());
+        }
         let a = norm_axis(self.axis(), d.len())?;
         let mut out = d[..a].to_vec();
         out.extend(i.iter().cloned());
@@ -262,7 +265,7 @@ impl OpRules for op::TopK {
             return Ok(vec![cx.with(cx.dtype(), None), Some(TensorType::unranked(DType::Int64))]);
         };
         let a = norm_axis(self.axis(), d.len())?;
-        let k = if cx.ins.len() > 1 { cx.ints(1).map(|v| v[0]) } else { self.k };
+        let k = if cx.ins.len() > 1 { cx.ints(1).and_then(|v| v.first().copied()) } else { self.k };
         let mut out = d.clone();
         out[a] = k.map_or(Dim::Unknown, Dim::Fixed);
         Ok(vec![cx.with(cx.dtype(), Some(out.clone())), Some(TensorType::new(DType::Int64, out))])
@@ -272,7 +275,7 @@ impl OpRules for op::TopK {
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         let k = match cx.opt(1) {
-            Some(a) => a.to_i64()?[0],
+            Some(a) => a.first_i64()?,
             None => self.k.unwrap_or(1),
         };
         topk(cx.req(0)?, k.max(0) as usize, self.axis(), self.largest() != 0)
@@ -287,7 +290,11 @@ impl OpRules for op::OneHot {
     fn infer(&self, cx: &InferCx<'_>) -> Types {
         let dtype = cx.input(2).map(|t| t.dtype);
         let Some(d) = cx.dims(0) else { return Ok(vec![cx.with(dtype, None)]) };
-        let depth = cx.konst(1).and_then(|a| a.to_f64().ok()).map(|v| Dim::Fixed(v[0] as i64)).unwrap_or(Dim::Unknown);
+        let depth = cx
+            .konst(1)
+            .and_then(|a| a.to_f64().ok())
+            .and_then(|v| v.first().copied())
+            .map_or(Dim::Unknown, |d| Dim::Fixed(d as i64));
         let a = norm_axis(self.axis(), d.len() + 1)?;
         let mut out = d.clone();
         out.insert(a, depth);
@@ -395,7 +402,7 @@ impl OpRules for op::Trilu {
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         let k = match cx.opt(1) {
-            Some(a) => a.to_i64()?[0],
+            Some(a) => a.first_i64()?,
             None => 0,
         };
         Ok(vec![trilu(cx.req(0)?, k, self.upper() != 0)?])
@@ -431,6 +438,9 @@ fn gather(x: &Array, indices: &Array, ax: i64) -> Result<Array> {
 }
 
 fn gather_elements(x: &Array, indices: &Array, ax: i64) -> Result<Array> {
+    if indices.rank() != x.rank() {
+        return Err(EvalError::Invalid(format!("GatherElements indices {:?} for data {:?}", indices.shape, x.shape)));
+    }
     let ax = norm_axis(ax, x.rank())?;
     let idx = indices.to_i64()?;
     let istr = strides(&indices.shape);
@@ -460,6 +470,12 @@ fn gather_elements(x: &Array, indices: &Array, ax: i64) -> Result<Array> {
 fn gather_nd(x: &Array, indices: &Array, batch: usize) -> Result<Array> {
     let idx = indices.to_i64()?;
     let k = *indices.shape.last().ok_or_else(|| EvalError::Invalid("GatherND indices of rank 0".into()))?;
+    if batch + k > x.rank() || batch > indices.rank().saturating_sub(1) {
+        return Err(EvalError::Invalid(format!(
+            "GatherND indices {:?} (batch dims {batch}) for data {:?}",
+            indices.shape, x.shape
+        )));
+    }
     let xstr = strides(&x.shape);
     let batch_n: usize = x.shape[..batch].iter().product();
     let slice: usize = x.shape[batch + k..].iter().product();
@@ -487,6 +503,15 @@ fn gather_nd(x: &Array, indices: &Array, batch: usize) -> Result<Array> {
 }
 
 fn scatter_values(data: &Array, updates: &Array, targets: &[usize], reduction: &str) -> Result<Array> {
+    if updates.numel() != targets.len() || data.dtype != updates.dtype {
+        return Err(EvalError::Invalid(format!(
+            "{} {} updates for {} positions of {} data",
+            updates.numel(),
+            updates.dtype,
+            targets.len(),
+            data.dtype
+        )));
+    }
     let mut out = data.clone();
     // One reduction for every numeric storage (`max`/`min` are each type's own).
     macro_rules! reduce_into {
@@ -519,6 +544,9 @@ fn scatter_values(data: &Array, updates: &Array, targets: &[usize], reduction: &
 fn scatter_nd(data: &Array, indices: &Array, updates: &Array, reduction: &str) -> Result<Array> {
     let idx = indices.to_i64()?;
     let k = *indices.shape.last().unwrap_or(&0);
+    if indices.rank() == 0 || k > data.rank() {
+        return Err(EvalError::Invalid(format!("ScatterND indices {:?} for data {:?}", indices.shape, data.shape)));
+    }
     let dstr = strides(&data.shape);
     let slice: usize = data.shape[k..].iter().product();
     let mut targets = Vec::with_capacity(updates.numel());
@@ -540,6 +568,12 @@ fn scatter_nd(data: &Array, indices: &Array, updates: &Array, reduction: &str) -
 
 fn scatter_elements(data: &Array, indices: &Array, updates: &Array, ax: i64, reduction: &str) -> Result<Array> {
     let ax = norm_axis(ax, data.rank())?;
+    if indices.rank() != data.rank() || indices.shape != updates.shape {
+        return Err(EvalError::Invalid(format!(
+            "ScatterElements indices {:?} and updates {:?} for data {:?}",
+            indices.shape, updates.shape, data.shape
+        )));
+    }
     let idx = indices.to_i64()?;
     let istr = strides(&indices.shape);
     let dstr = strides(&data.shape);
@@ -600,7 +634,10 @@ fn topk(x: &Array, k: usize, ax: i64, largest: bool) -> Result<Vec<Array>> {
 }
 
 fn one_hot(indices: &Array, depth: &Array, values: &Array, ax: i64) -> Result<Array> {
-    let depth = depth.to_f64()?[0] as i64;
+    let depth = depth.first_f64()? as i64;
+    if values.numel() != 2 {
+        return Err(EvalError::Invalid(format!("OneHot values need [off, on], got {} values", values.numel())));
+    }
     let rank = indices.rank() + 1;
     let ax = norm_axis(ax, rank)?;
     let idx = indices.to_i64()?;
@@ -743,6 +780,9 @@ impl OpRules for op::GatherGrad {
         let iv = idx.to_i64()?;
         let dv = dy.to_f64()?;
         let k = iv.len();
+        if dv.len() != outer * k * inner {
+            return Err(EvalError::Invalid(format!("GatherGrad: {} gradients for {k} indices", dv.len())));
+        }
         let mut out = vec![0.0; numel(&shape)];
         for o in 0..outer {
             for (j, &r) in iv.iter().enumerate() {

@@ -35,6 +35,9 @@ fn layout(shape: &[usize]) -> Result<(usize, usize, usize)> {
 fn targets(labels: &Array, weights: Option<&Array>, r: Red<'_>, c: usize) -> Result<(Vec<usize>, Vec<f64>)> {
     let l = labels.to_i64()?;
     let w = weights.map(Array::to_f64).transpose()?;
+    if w.as_ref().is_some_and(|w| w.len() != c) {
+        return Err(EvalError::Invalid(format!("{} class weights for {c} classes", w.map_or(0, |w| w.len()))));
+    }
     let mut cls = Vec::with_capacity(l.len());
     let mut wt = Vec::with_capacity(l.len());
     for &k in &l {
@@ -50,6 +53,11 @@ fn targets(labels: &Array, weights: Option<&Array>, r: Red<'_>, c: usize) -> Res
         wt.push(w.as_ref().map_or(1.0, |w| w[k as usize]));
     }
     Ok((cls, wt))
+}
+
+/// One label per sample.
+fn samples_fit(labels: usize, samples: usize) -> Result<()> {
+    if labels == samples { Ok(()) } else { Err(EvalError::Invalid(format!("{labels} labels for {samples} samples"))) }
 }
 
 /// The reduced loss from per-sample terms (already weighted).
@@ -68,6 +76,10 @@ fn reduce(terms: Vec<f64>, wt: &[f64], r: Red<'_>, dtype: DType, sample_shape: V
 /// for mean.
 fn dscale(dloss: &Array, wt: &[f64], r: Red<'_>) -> Result<Vec<f64>> {
     let d = dloss.to_f64()?;
+    let want = if r.reduction == "none" { wt.len() } else { 1 };
+    if d.len() != want {
+        return Err(EvalError::Invalid(format!("{} loss gradients for {want} losses", d.len())));
+    }
     Ok(match r.reduction {
         "none" => d,
         "sum" => vec![d[0]; wt.len()],
@@ -151,6 +163,7 @@ impl OpRules for op::SoftmaxCrossEntropyLoss {
         let (n, c, dd) = layout(&x.shape)?;
         let r = Red { reduction: self.reduction(), ignore: self.ignore_index };
         let (cls, wt) = targets(cx.req(1)?, cx.opt(2), r, c)?;
+        samples_fit(cls.len(), n * dd)?;
         let lp = log_softmax(&x.to_f64()?, n, c, dd);
         let terms: Vec<f64> = (0..n * dd)
             .map(|s| if wt[s] == 0.0 { 0.0 } else { -wt[s] * lp[((s / dd) * c + cls[s]) * dd + s % dd] })
@@ -201,6 +214,7 @@ impl OpRules for op::NegativeLogLikelihoodLoss {
         let (n, c, dd) = layout(&x.shape)?;
         let r = Red { reduction: self.reduction(), ignore: self.ignore_index };
         let (cls, wt) = targets(cx.req(1)?, cx.opt(2), r, c)?;
+        samples_fit(cls.len(), n * dd)?;
         let xv = x.to_f64()?;
         let terms: Vec<f64> = (0..n * dd)
             .map(|s| if wt[s] == 0.0 { 0.0 } else { -wt[s] * xv[((s / dd) * c + cls[s]) * dd + s % dd] })
@@ -241,6 +255,7 @@ fn loss_grad_eval(cx: &EvalCx<'_>, r: Red<'_>, softmax: bool) -> Arrays {
     let (dl, x) = (cx.req(0)?, cx.req(1)?);
     let (n, c, dd) = layout(&x.shape)?;
     let (cls, wt) = targets(cx.req(2)?, cx.opt(3), r, c)?;
+    samples_fit(cls.len(), n * dd)?;
     let sc = dscale(dl, &wt, r)?;
     let mut out = if softmax {
         log_softmax(&x.to_f64()?, n, c, dd).into_iter().map(f64::exp).collect()

@@ -112,7 +112,7 @@ impl OpRules for op::InstanceNormalization {
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         let x = cx.req(0)?;
-        let c = x.shape[1];
+        let c = *x.shape.get(1).ok_or_else(|| EvalError::Invalid(format!("{} needs X [N, C, …]", cx.name)))?;
         let s = channel_params(cx.req(1)?, c, "scale")?;
         let b = channel_params(cx.req(2)?, c, "bias")?;
         Ok(vec![group_like_norm(x, c, &s, &b, f64::from(self.epsilon()), false)?])
@@ -474,11 +474,22 @@ fn group_like_norm(
     eps: f64,
     per_group_params: bool,
 ) -> Result<Array> {
+    if x.rank() < 2 {
+        return Err(EvalError::Invalid(format!("normalization of rank {}: needs [N, C, …]", x.rank())));
+    }
     let n = x.shape[0];
     let c = x.shape[1];
     let sp: usize = x.shape[2..].iter().product();
     if groups == 0 || !c.is_multiple_of(groups) {
         return Err(EvalError::Invalid(format!("{c} channels do not split into {groups} groups")));
+    }
+    let params = if per_group_params { groups } else { c };
+    if scale.len() < params || bias.len() < params {
+        return Err(EvalError::Invalid(format!(
+            "{} scales and {} biases for {params} channels or groups",
+            scale.len(),
+            bias.len()
+        )));
     }
     let cpg = c / groups;
     let v = x.to_f64()?;
@@ -504,6 +515,9 @@ fn group_like_norm(
 fn lrn(l: &op::LRN, x: &Array) -> Result<Array> {
     let size = l.size.unwrap_or(1).max(1) as usize;
     let (alpha, beta, bias) = (f64::from(l.alpha()), f64::from(l.beta()), f64::from(l.bias()));
+    if x.rank() < 2 {
+        return Err(EvalError::Invalid(format!("LRN of rank {}: needs [N, C, …]", x.rank())));
+    }
     let v = x.to_f64()?;
     let (n, c) = (x.shape[0], x.shape[1]);
     let sp: usize = x.shape[2..].iter().product();
@@ -637,6 +651,9 @@ impl OpRules for op::BatchNormGrad {
         let mut mean = channel_params(cx.req(2)?, c, "mean")?;
         let mut var = channel_params(cx.req(3)?, c, "var")?;
         let dy = cx.req(4)?;
+        if dy.shape != x.shape || x.rank() < 2 {
+            return Err(EvalError::Invalid(format!("BatchNormGrad: dy {:?} for x {:?}", dy.shape, x.shape)));
+        }
         let (v, g) = (x.to_f64()?, dy.to_f64()?);
         let (n, sp) = (x.shape[0], x.shape[2..].iter().product::<usize>());
         let count = (n * sp) as f64;
@@ -717,6 +734,9 @@ impl OpRules for op::LayerNormGrad {
     /// dScale and dBias sum `dY·x̂` and `dY` over the rows.
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         let (x, sc, dy) = (cx.req(0)?, cx.req(1)?, cx.req(2)?);
+        if dy.shape != x.shape {
+            return Err(EvalError::Invalid(format!("LayerNormGrad: dy {:?} for x {:?}", dy.shape, x.shape)));
+        }
         let a = norm_axis(self.axis(), x.rank())?;
         let norm_shape = x.shape[a..].to_vec();
         let outer: usize = x.shape[..a].iter().product();

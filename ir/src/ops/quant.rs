@@ -187,12 +187,15 @@ fn shifted(x: &Array, zero: Option<&Array>, axis: usize) -> Result<Array> {
     let mut v = x.to_f64()?;
     if let Some(z) = zero {
         let zs = z.to_f64()?;
+        if zs.is_empty() {
+            return Err(EvalError::Invalid("an empty zero point".into()));
+        }
         if zs.len() == 1 {
             v.iter_mut().for_each(|a| *a -= zs[0]);
         } else if x.rank() > axis {
             let st = crate::eval::strides(&x.shape);
             for (i, a) in v.iter_mut().enumerate() {
-                *a -= zs[(i / st[axis]) % x.shape[axis] % zs.len()];
+                *a -= zs[(i / st[axis]) % x.shape[axis].max(1) % zs.len()];
             }
         }
     }
@@ -256,6 +259,9 @@ impl OpRules for op::QLinearMatMul {
         let c = matmul(&an, &bn)?;
         let out_dtype = cx.opt(7).map_or(a.dtype, |z| z.dtype);
         let (sa, sb, sy) = (cx.req(1)?.to_f64()?, cx.req(4)?.to_f64()?, cx.req(6)?.to_f64()?);
+        if sa.is_empty() || sb.is_empty() || sy.is_empty() {
+            return Err(EvalError::Invalid("QLinearMatMul: an empty scale".into()));
+        }
         let zy = cx.opt(7).map(|z| z.to_f64()).transpose()?.and_then(|v| v.first().copied()).unwrap_or(0.0);
         // Per-column scales of B (and of the output) apply along the last dim.
         let n = *c.shape.last().unwrap_or(&1);
@@ -392,6 +398,9 @@ impl OpRules for op::QLinearConv {
             .transpose()?;
         let y = conv_eval(&conv_attrs!(self), &xs, &ws, b.as_ref(), cx.opset)?;
         let (sx, sw, sy) = (cx.req(1)?.to_f64()?, cx.req(4)?.to_f64()?, cx.req(6)?.to_f64()?);
+        if sx.is_empty() || sw.is_empty() || sy.is_empty() {
+            return Err(EvalError::Invalid("QLinearConv: an empty scale".into()));
+        }
         let zy = cx.opt(7).map(|z| z.to_f64()).transpose()?.and_then(|v| v.first().copied()).unwrap_or(0.0);
         let out_dtype = cx.opt(7).map_or(x.dtype, |z| z.dtype);
         let m = y.shape.get(1).copied().unwrap_or(1);

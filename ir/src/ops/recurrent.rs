@@ -237,6 +237,35 @@ fn activation(name: &str, alpha: Option<f64>, beta: Option<f64>) -> Result<Box<d
     })
 }
 
+/// The optional operands of a recurrent layer fit its geometry: bias `[dirs, 2·g·h]`, one
+/// length per batch entry (at most the sequence), initial states `[dirs, batch, h]`, peepholes
+/// `[dirs, 3h]`.
+#[allow(clippy::too_many_arguments)]
+fn check_operands(
+    what: &str,
+    dirs: usize,
+    g: usize,
+    h: usize,
+    batch: usize,
+    bias: &[f64],
+    lens: &[usize],
+    h0: Option<&[f64]>,
+    c0: Option<&[f64]>,
+    peep: Option<&[f64]>,
+) -> Result<()> {
+    let bad = bias.len() != dirs * 2 * g * h
+        || lens.len() != batch
+        || h0.is_some_and(|v| v.len() != dirs * batch * h)
+        || c0.is_some_and(|v| v.len() != dirs * batch * h)
+        || peep.is_some_and(|v| v.len() != dirs * 3 * h);
+    if bad {
+        return Err(EvalError::Invalid(format!(
+            "{what}: bias, sequence lengths, initial states or peepholes do not fit {dirs} direction(s), batch {batch}, hidden size {h}"
+        )));
+    }
+    Ok(())
+}
+
 struct Rnn<'a> {
     kind: &'a str,
     gates: usize,
@@ -253,6 +282,9 @@ struct Rnn<'a> {
 
 fn recurrent(r: &Rnn<'_>, cx: &EvalCx<'_>, n_out: usize) -> Result<Vec<Array>> {
     let what = r.kind;
+    if cx.req(0)?.rank() != 3 {
+        return Err(EvalError::Invalid(format!("{what} needs X of rank 3, got {:?}", cx.req(0)?.shape)));
+    }
     let mut x = cx.req(0)?.clone();
     if r.layout == 1 {
         x = transpose(&x, &[1, 0, 2]);
@@ -275,6 +307,7 @@ fn recurrent(r: &Rnn<'_>, cx: &EvalCx<'_>, n_out: usize) -> Result<Vec<Array>> {
     let h0 = cx.opt(5).map(|a| a.to_f64()).transpose()?;
     let c0 = if r.kind == "LSTM" { cx.opt(6).map(|a| a.to_f64()).transpose()? } else { None };
     let peep = if r.kind == "LSTM" { cx.opt(7).map(|a| a.to_f64()).transpose()? } else { None };
+    check_operands(what, dirs, g, h, batch, &bias, &lens, h0.as_deref(), c0.as_deref(), peep.as_deref())?;
     // Activations: f, g, h for LSTM; f, g for GRU; f for RNN; per direction.
     let per_dir = match r.kind {
         "LSTM" => 3,
@@ -816,6 +849,9 @@ fn recurrent_grad(o: &op::RecurrentGrad, cx: &EvalCx<'_>) -> Result<Vec<Array>> 
         other => return Err(EvalError::Invalid(format!("RecurrentGrad of cell `{other}`"))),
     };
     let layout = o.layout();
+    if cx.req(0)?.rank() != 3 {
+        return Err(EvalError::Invalid(format!("RecurrentGrad needs X of rank 3, got {:?}", cx.req(0)?.shape)));
+    }
     let mut x = cx.req(0)?.clone();
     if layout == 1 {
         x = transpose(&x, &[1, 0, 2]);
@@ -851,6 +887,25 @@ fn recurrent_grad(o: &op::RecurrentGrad, cx: &EvalCx<'_>) -> Result<Vec<Array>> 
     };
     if bp.w.len() != dirs * gates * h * isz || bp.r.len() != dirs * gates * h * h {
         return Err(EvalError::Invalid("RecurrentGrad weights do not fit".into()));
+    }
+    check_operands(
+        "RecurrentGrad",
+        dirs,
+        gates,
+        h,
+        batch,
+        &bp.bias,
+        &bp.lens,
+        bp.h0.as_deref(),
+        bp.c0.as_deref(),
+        bp.peep.as_deref(),
+    )?;
+    let out_len = |i: usize| cx.opt(i).map(|a| a.numel());
+    if out_len(8).is_some_and(|n| n != seq * dirs * batch * h)
+        || out_len(9).is_some_and(|n| n != dirs * batch * h)
+        || out_len(10).is_some_and(|n| n != dirs * batch * h)
+    {
+        return Err(EvalError::Invalid("RecurrentGrad: output gradients of other shapes than the outputs".into()));
     }
     let acts = activations_of(o, kind, dirs)?;
     // Output gradients, as [seq, dirs, batch, h] and [dirs, batch, h].

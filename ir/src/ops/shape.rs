@@ -953,6 +953,9 @@ impl OpRules for op::EyeLike {
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         let x = cx.req(0)?;
+        if x.rank() != 2 {
+            return Err(EvalError::Invalid(format!("EyeLike needs a matrix, got {:?}", x.shape)));
+        }
         let dtype = self.dtype.and_then(DType::from_code).unwrap_or(x.dtype);
         let (h, w) = (x.shape[0], x.shape.get(1).copied().unwrap_or(1));
         let k = self.k();
@@ -1280,7 +1283,7 @@ fn constant(c: &op::Constant) -> Result<Array> {
 fn range(start: &Array, limit: &Array, delta: &Array) -> Result<Array> {
     match start.data {
         Data::I64(_) => {
-            let (s, l, d) = (start.to_i64()?[0], limit.to_i64()?[0], delta.to_i64()?[0]);
+            let (s, l, d) = (start.first_i64()?, limit.first_i64()?, delta.first_i64()?);
             if d == 0 {
                 return Err(EvalError::Invalid("Range delta 0".into()));
             }
@@ -1288,7 +1291,7 @@ fn range(start: &Array, limit: &Array, delta: &Array) -> Result<Array> {
             Ok(Array::int(start.dtype, vec![n], (0..n as i64).map(|i| s + i * d).collect()))
         }
         _ => {
-            let (s, l, d) = (start.to_f64()?[0], limit.to_f64()?[0], delta.to_f64()?[0]);
+            let (s, l, d) = (start.first_f64()?, limit.first_f64()?, delta.first_f64()?);
             let n = ((l - s) / d).ceil().max(0.0) as usize;
             Ok(Array::float(start.dtype, vec![n], (0..n).map(|i| s + i as f64 * d).collect()))
         }
@@ -1488,6 +1491,17 @@ impl OpRules for op::SliceGrad {
             None => (0..starts.len()).collect(),
         };
         let steps = cx.opt(4).map(|a| a.to_i64()).transpose()?.unwrap_or_else(|| vec![1; starts.len()]);
+        if ends.len() != starts.len() || axes.len() != starts.len() || steps.len() != starts.len() || dy.rank() != rank
+        {
+            return Err(EvalError::Invalid(format!(
+                "SliceGrad: {} starts, {} ends, {} axes, {} steps; dy of rank {} for rank {rank}",
+                starts.len(),
+                ends.len(),
+                axes.len(),
+                steps.len(),
+                dy.rank()
+            )));
+        }
         let mut start = vec![0i64; rank];
         let mut step = vec![1i64; rank];
         for (k, &ax) in axes.iter().enumerate() {

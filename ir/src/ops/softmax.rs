@@ -103,8 +103,9 @@ fn softmax_like(kind: Kind, attr: Option<i64>, x: &Array, opset: i64) -> Result<
             let at = |j: usize| (o * n + j) * inner + i;
             let mx = (0..n).map(|j| v[at(j)]).fold(f64::NEG_INFINITY, f64::max);
             if kind == Kind::Hardmax {
-                let best = (0..n).find(|&j| v[at(j)] == mx).unwrap_or(0);
-                out[at(best)] = 1.0;
+                if let Some(best) = (0..n).find(|&j| v[at(j)] == mx) {
+                    out[at(best)] = 1.0;
+                }
                 continue;
             }
             let sum: f64 = (0..n).map(|j| (v[at(j)] - mx).exp()).sum();
@@ -162,6 +163,9 @@ impl OpRules for op::SoftmaxGrad {
     /// normalized axes.
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         let (y, dy) = (cx.req(0)?, cx.req(1)?);
+        if dy.shape != y.shape {
+            return Err(EvalError::Invalid(format!("SoftmaxGrad: dy {:?} for y {:?}", dy.shape, y.shape)));
+        }
         let r = y.rank();
         let axes: Vec<usize> = self
             .axes

@@ -336,7 +336,24 @@ pub(crate) fn search_intra_with(
         }
     }
     if g.op_nodes().map_err(|_| "the graph has a cycle".to_string())?.is_empty() {
-        return Err("the graph has no ops to place".into());
+        // Nothing computes (the outputs are inputs or constants): every device holds them.
+        let cm = crate::cost::CostModel::new(g, cluster, meshes[0].clone(), opts.clone());
+        let assignment = Assignment::default();
+        return Ok(SearchResult {
+            breakdown: cm.evaluate(&assignment),
+            mesh: meshes[0].clone(),
+            assignment,
+            same_as: Some("nothing to compute".into()),
+            data_parallel: None,
+            data_parallel_unavailable: Some("the model computes nothing: its outputs are inputs or constants".into()),
+            meshes: Vec::new(),
+            search_time_s: start.elapsed().as_secs_f64(),
+            time_limit_hit: false,
+            budget_cut: Vec::new(),
+            pipeline: None,
+            pipeline_considered: None,
+            single_device_memory_bytes: 0.0,
+        });
     }
     // Meshes in parallel, results in mesh order.
     let threads = so.threads.clamp(1, meshes.len());
