@@ -221,9 +221,13 @@ fn given_result(
     }
 }
 
-/// Inputs for a run: the golden `.io.json` format (`{"inputs": {name: {dtype, shape,
-/// data}}}`), or values drawn from `seed`.
-pub fn inputs_for(g: &Graph, io: Option<&serde_json::Value>, seed: u64) -> Result<HashMap<String, Array>, String> {
+/// Inputs for a run: the `given` values (from [`given_inputs`]; every graph input must be
+/// there, in the shape the graph expects), or values drawn from `seed`.
+pub fn inputs_for(
+    g: &Graph,
+    given: Option<&HashMap<String, Array>>,
+    seed: u64,
+) -> Result<HashMap<String, Array>, String> {
     let mut out = HashMap::new();
     for v in g.input_values() {
         if !matches!(g.node(v.node).op, Op::Input { default: None }) {
@@ -234,16 +238,59 @@ pub fn inputs_for(g: &Graph, io: Option<&serde_json::Value>, seed: u64) -> Resul
         let dims = t
             .static_dims()
             .ok_or_else(|| format!("input `{name}` has symbolic dims; give --batch or --input-shape"))?;
-        let a = match io.and_then(|j| j.get("inputs")).and_then(|j| j.get(&name)) {
-            Some(j) => array_from_json(j).map_err(|e| format!("input `{name}`: {e}"))?,
-            None if io.is_some() => return Err(format!("the inputs file has no `{name}`")),
+        let a = match given.map(|m| m.get(&name)) {
+            Some(Some(a)) => a.clone(),
+            Some(None) => return Err(format!("the inputs file has no `{name}`")),
             None => ir::eval::random_tensor(t.dtype, &dims, "input", seed, &name).map_err(|e| e.to_string())?,
         };
         let want: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
         if a.shape != want {
             return Err(format!("input `{name}` has shape {:?}, the model expects {want:?}", a.shape));
         }
+        if a.dtype != t.dtype {
+            return Err(format!("input `{name}` is {}, the model expects {}", a.dtype, t.dtype));
+        }
         out.insert(name, a);
+    }
+    Ok(out)
+}
+
+/// The given inputs of a run, by graph input name: the golden `.io.json` format
+/// (`{"inputs": {name: {dtype, shape, data}}}`), or a directory of ONNX test data
+/// (`input_K.pb` for the K-th graph input, as the ONNX test suite lays them out).
+pub fn given_inputs(g: &Graph, path: &Path) -> Result<HashMap<String, Array>, String> {
+    let names: Vec<String> = g
+        .input_values()
+        .into_iter()
+        .filter(|v| matches!(g.node(v.node).op, Op::Input { default: None }))
+        .map(|v| g.value_name(v).to_string())
+        .collect();
+    let mut out = HashMap::new();
+    if path.is_dir() {
+        for (k, name) in names.iter().enumerate() {
+            let f = path.join(format!("input_{k}.pb"));
+            if !f.exists() {
+                continue;
+            }
+            let bytes = std::fs::read(&f).map_err(|e| format!("cannot read `{}`: {e}", f.display()))?;
+            let t = frontend::onnx::read_tensor(&bytes).map_err(|e| format!("`{}`: {e}", f.display()))?;
+            out.insert(name.clone(), Array::from_tensor(&t).map_err(|e| format!("`{}`: {e}", f.display()))?);
+        }
+        return Ok(out);
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
+    let io: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("`{}` is not JSON: {e}", path.display()))?;
+    let ins =
+        io.get("inputs").and_then(|v| v.as_object()).ok_or_else(|| format!("`{}` has no `inputs`", path.display()))?;
+    for (name, v) in ins {
+        if !names.contains(name) {
+            return Err(format!(
+                "the inputs file has `{name}`, which is not a graph input; inputs are: {}",
+                names.join(", ")
+            ));
+        }
+        out.insert(name.clone(), array_from_json(v).map_err(|e| format!("input `{name}`: {e}"))?);
     }
     Ok(out)
 }

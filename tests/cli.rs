@@ -932,3 +932,90 @@ fn symbolic_dims_and_unsupported_ops_are_refused_with_the_fix() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A model whose shapes are symbolic and whose branch depends on an input (as Silero VAD's
+/// sample rate picks its network) runs at the shapes of the given inputs: the branch the
+/// value takes is inlined, the other (which does not fit these shapes) is not checked.
+/// Inputs come as `.io.json` or as a directory of `input_K.pb` tensors.
+#[test]
+fn run_takes_shapes_and_branches_from_the_given_inputs() {
+    let dir = tmpdir("given");
+    let m = dir.join("rate.onnxtxt");
+    std::fs::write(
+        &m,
+        r#"<ir_version: 8, opset_import: ["" : 17]>
+select_rate (float[N, L] x, int64 sr) => (float[N, K] y) {
+  rate = Constant <value = int64 {16000}> ()
+  wide = Equal (sr, rate)
+  y = If (wide) <
+    then_branch = wide_branch () => (float[N, 4] t) {
+      s16 = Constant <value = int64[3] {1, 4, 128}> ()
+      r16 = Reshape (x, s16)
+      a16 = Constant <value = int64[1] {2}> ()
+      t = ReduceSum <keepdims = 0> (r16, a16)
+    },
+    else_branch = narrow_branch () => (float[N, 2] e) {
+      s8 = Constant <value = int64[3] {1, 2, 128}> ()
+      r8 = Reshape (x, s8)
+      a8 = Constant <value = int64[1] {2}> ()
+      e = ReduceSum <keepdims = 0> (r8, a8)
+    }
+  >
+}
+"#,
+    )
+    .unwrap();
+    let mp = m.to_str().unwrap();
+    // Without values the sizes are unknown, and the refusal says so.
+    let o = shardc(&["run", mp, "--backend", "cpu"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--dim N=N --dim L=N"), "{}", stderr(&o));
+    let xs = |n: usize| (0..n).map(|i| ((i * 7) % 13) as f32 * 0.25 - 1.0).collect::<Vec<f32>>();
+    let sums = |x: &[f32], parts: usize| -> Vec<f64> {
+        x.chunks(x.len() / parts).map(|c| c.iter().map(|&v| v as f64).sum()).collect()
+    };
+    // 16 kHz from JSON: the `then` branch, four sums of 128.
+    let x16 = xs(512);
+    let io = dir.join("16k.io.json");
+    let doc = serde_json::json!({"inputs": {
+        "x": {"dtype": "float32", "shape": [1, 512], "data": x16},
+        "sr": {"dtype": "int64", "shape": [], "data": [16000]},
+    }});
+    std::fs::write(&io, doc.to_string()).unwrap();
+    // 8 kHz from ONNX test data: the `else` branch, two sums of 128.
+    let x8 = xs(256);
+    let pb = dir.join("8k");
+    std::fs::create_dir_all(&pb).unwrap();
+    let t = ir::Tensor::from_f32(vec![1, 256], x8.clone());
+    std::fs::write(pb.join("input_0.pb"), frontend::onnx::tensor_to_bytes(&t, Some("x"))).unwrap();
+    let sr = ir::Tensor::from_i64(vec![], vec![8000]);
+    std::fs::write(pb.join("input_1.pb"), frontend::onnx::tensor_to_bytes(&sr, Some("sr"))).unwrap();
+    for (inputs, want) in [(io, sums(&x16, 4)), (pb, sums(&x8, 2))] {
+        let out = dir.join("out.io.json");
+        std::fs::remove_file(&out).ok();
+        let o = shardc(&[
+            "run",
+            mp,
+            "--backend",
+            "cpu",
+            "--devices",
+            "2",
+            "--check",
+            "--inputs",
+            inputs.to_str().unwrap(),
+            "--save-outputs",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{inputs:?}: {}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        let y = &v["outputs"]["y"];
+        assert_eq!(y["shape"], serde_json::json!([1, want.len()]), "{inputs:?}");
+        let got: Vec<f64> = y["data"].as_array().unwrap().iter().map(|d| d.as_f64().unwrap()).collect();
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() < 1e-4, "{inputs:?}: {got:?} vs {want:?}");
+        }
+        // The branch was inlined: its ops ran on the devices, not one `If` on the host.
+        assert!(!stdout(&o).contains(" If "), "{inputs:?}: {}", stdout(&o));
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -12,9 +12,14 @@
 //! let parsed = shardc_frontend::parse(text).expect("valid");
 //! assert_eq!(parsed.model.graph.op_count(), 1);
 //! ```
+
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 #![warn(missing_docs)]
+
+// pest is used without its `std` feature (its per-rule stack probe cost a tenth of the parse;
+// `parse::check_nesting` bounds the recursion instead); the parser it generates names `alloc`.
+extern crate alloc;
 
 pub mod ast;
 pub mod diag;

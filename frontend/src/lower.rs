@@ -506,7 +506,7 @@ impl Lowerer {
     fn graph(&mut self, g: &ast::Graph, scopes: &[&Scope]) -> (Graph, Vec<String>) {
         let mut graph = Graph::new(g.name.node.clone());
         graph.opset = self.opset;
-        let mut defined: HashMap<String, Span> = HashMap::new();
+        let mut defined: HashMap<String, Span, foldhash::fast::RandomState> = HashMap::default();
         let mut captured: Vec<String> = Vec::new();
         // Names whose definition was rejected (an error was reported): uses of them are not
         // reported again.

@@ -67,6 +67,8 @@ fn check_nesting(source: &str) -> Result<(), Diagnostic> {
                         .with_note("real models nest a few levels; this input is probably damaged"));
                 }
             }
+            // `=>` (a graph's signature arrow) closes nothing.
+            b'>' if i > 0 && bytes[i - 1] == b'=' => {}
             b')' | b']' | b'}' | b'>' => depth = depth.saturating_sub(1),
             _ => {}
         }
@@ -278,7 +280,12 @@ fn build_header(p: Pair<'_, Rule>) -> Result<Vec<HeaderItem>, Diagnostic> {
 
 fn unescape(p: Pair<'_, Rule>) -> String {
     debug_assert_eq!(p.as_rule(), Rule::string_lit);
-    let inner = p.into_inner().next().map(|i| i.as_str()).unwrap_or("");
+    // The literal without its quotes (both one byte), read without walking the pairs.
+    let s = p.as_str();
+    let inner = s.get(1..s.len().saturating_sub(1)).unwrap_or("");
+    if !inner.contains('\\') {
+        return inner.to_string();
+    }
     let mut out = String::with_capacity(inner.len());
     let mut chars = inner.chars();
     while let Some(c) = chars.next() {

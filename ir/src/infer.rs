@@ -404,19 +404,57 @@ impl Infer {
                     .and_then(|a| a.to_f64().ok())
                     .and_then(|v| v.first().copied());
                 let mut branch_types = Vec::new();
-                let branches: Vec<&mut Box<Graph>> = match cond {
-                    Some(c) if c != 0.0 => i.then_branch.iter_mut().collect(),
-                    Some(_) => i.else_branch.iter_mut().collect(),
-                    None => [&mut i.then_branch, &mut i.else_branch].into_iter().flatten().collect(),
+                let branches: Vec<(&str, &mut Box<Graph>)> = match cond {
+                    Some(c) if c != 0.0 => i.then_branch.iter_mut().map(|b| ("then", b)).collect(),
+                    Some(_) => i.else_branch.iter_mut().map(|b| ("else", b)).collect(),
+                    None => {
+                        // The branch depends on a value: a given input of it is a parameter
+                        // of the shapes, as a Reshape's shape is.
+                        if let Some(c) = g.node(n).input(0)
+                            && !self.params.contains(&c)
+                        {
+                            self.params.push(c);
+                        }
+                        [("then", &mut i.then_branch), ("else", &mut i.else_branch)]
+                            .into_iter()
+                            .filter_map(|(k, b)| b.as_mut().map(|b| (k, b)))
+                            .collect()
+                    }
                 };
-                for b in branches {
+                let both = branches.len() > 1;
+                let mut failed: Vec<(&str, Vec<ShapeError>)> = Vec::new();
+                for (which, b) in branches {
+                    let before = self.errors.len();
                     self.subgraph(b, mode, &outer, &outer_consts);
+                    if both && self.errors.len() > before {
+                        // A branch that does not check at these shapes cannot be the one
+                        // taken (onnxruntime checks only the branch it runs): the other
+                        // branch's types are the If's; running it here fails, clearly.
+                        failed.push((which, self.errors.split_off(before)));
+                        continue;
+                    }
                     branch_types.push(
                         b.outputs()
                             .iter()
                             .map(|o| o.ty.as_ref().and_then(Type::as_tensor).cloned())
                             .collect::<Vec<_>>(),
                     );
+                }
+                if branch_types.is_empty() {
+                    // Neither branch checks: both errors stand.
+                    self.errors.extend(failed.into_iter().flat_map(|(_, e)| e));
+                } else {
+                    for (which, errors) in failed {
+                        let first = errors.first().map(|e| e.msg.clone()).unwrap_or_default();
+                        self.warnings.push(ShapeError {
+                            node: Some(n),
+                            span: g.span(n),
+                            msg: format!(
+                                "{}: the {which} branch does not check at these shapes ({first}); it is assumed not taken",
+                                g.describe(n)
+                            ),
+                        });
+                    }
                 }
                 if let Some(first) = branch_types.first() {
                     for (k, t) in first.iter().enumerate().take(out_types.len()) {

@@ -1,6 +1,8 @@
 //! `canonicalize`: the normal form later passes expect.
 //!
 //! - `Constant` nodes become initializers;
+//! - an `If` whose condition is known is replaced by the nodes of the branch it takes (its
+//!   nested control flow too, when that becomes known);
 //! - `Identity` and inference-mode `Dropout` (mask unused) are bypassed;
 //! - values computable from constants (`Shape → Gather → Concat → Reshape` chains over
 //!   static shapes, arithmetic on constants) are folded into initializers, up to
@@ -11,9 +13,11 @@
 //!
 //! Graph outputs keep their names and types. Precondition: the graph verifies.
 
+use std::collections::HashMap;
+
 use ir::eval::Array;
 use ir::infer::{Mode, infer_shapes};
-use ir::{Graph, NodeId, Op, OpClass, Value};
+use ir::{Graph, NodeId, Op, OpClass, Output, Value};
 
 use crate::manager::{Changed, Located, Pass, PassCx, PassError};
 
@@ -55,6 +59,136 @@ fn bypass(g: &mut Graph, n: NodeId, from: Value) -> bool {
     }
     g.remove_node(n);
     true
+}
+
+/// Replaces the `If` node `n` by the nodes of its `then` (or `else`) branch: the branch's
+/// references to this graph become the values they name, its initializers and ops are added
+/// under fresh names (nested subgraphs follow the renaming), and each output of `n` becomes
+/// an `Identity` of the branch's output under the same name. Returns false (and changes
+/// nothing) when the branch is absent or refers to a value `n` does not capture.
+pub fn inline_if(g: &mut Graph, n: NodeId, then: bool) -> bool {
+    let Op::If(i) = &g.node(n).op else { return false };
+    let Some(b) = (if then { i.then_branch.clone() } else { i.else_branch.clone() }) else { return false };
+    let Ok(order) = b.topo_order() else { return false };
+    let captured: HashMap<String, Value> =
+        g.node(n).captures().iter().map(|&c| (g.value_name(c).to_string(), c)).collect();
+    if order
+        .iter()
+        .any(|&m| matches!(b.node(m).op, Op::OuterRef) && !captured.contains_key(b.value_name(Value::new(m, 0))))
+        || b.outputs().len() < g.node(n).num_outputs()
+    {
+        return false;
+    }
+    let span = g.span(n);
+    let mut map: HashMap<Value, Value> = HashMap::new();
+    let mut renamed: HashMap<String, String> = HashMap::new();
+    for &m in &order {
+        let node = b.node(m);
+        match &node.op {
+            Op::OuterRef => {
+                let v = Value::new(m, 0);
+                map.insert(v, captured[b.value_name(v)]);
+            }
+            Op::Initializer(t) => {
+                let v = Value::new(m, 0);
+                let name = g.fresh_name(b.value_name(v));
+                if name != b.value_name(v) {
+                    renamed.insert(b.value_name(v).to_string(), name.clone());
+                }
+                let w = g.add_initializer(name, t.clone());
+                g.set_type(w, b.value_type(v).cloned());
+                map.insert(v, w);
+            }
+            op => {
+                let mut op = op.clone();
+                let outputs: Vec<Output> = node
+                    .outputs()
+                    .iter()
+                    .map(|o| {
+                        if o.name.is_empty() {
+                            return o.clone();
+                        }
+                        let name = g.fresh_name(&o.name);
+                        if name != o.name {
+                            renamed.insert(o.name.clone(), name.clone());
+                        }
+                        Output { name, ty: o.ty.clone() }
+                    })
+                    .collect();
+                if op.has_subgraphs() && !renamed.is_empty() {
+                    op.rename_outer_refs(&renamed);
+                }
+                let inputs = node.inputs().iter().map(|v| v.map(|v| map[&v])).collect();
+                let captures: Vec<Value> = node.captures().iter().map(|v| map[v]).collect();
+                let k = node.outputs().len();
+                let id = g.add_labeled_node(node.label.clone(), op, inputs, outputs);
+                if !captures.is_empty() {
+                    g.set_captures(id, captures);
+                }
+                if let Some(sp) = b.span(m).or(span) {
+                    g.set_span(id, sp);
+                }
+                for slot in 0..k as u16 {
+                    map.insert(Value::new(m, slot), Value::new(id, slot));
+                }
+            }
+        }
+    }
+    for (k, o) in b.outputs().iter().enumerate().take(g.node(n).num_outputs()) {
+        let out = Value::new(n, k as u16);
+        let name = g.value_name(out).to_string();
+        let ty = g.value_type(out).cloned();
+        if name.is_empty() {
+            continue;
+        }
+        let tmp = g.fresh_name(&format!("{name}.inlined"));
+        g.rename(out, tmp);
+        let id = g.add_node(Op::Identity(Default::default()), vec![Some(map[&o.value])], vec![Output { name, ty }]);
+        if let Some(sp) = span {
+            g.set_span(id, sp);
+        }
+        g.replace_all_uses(out, Value::new(id, 0));
+    }
+    g.set_inputs(n, vec![]);
+    g.set_captures(n, vec![]);
+    for slot in 0..g.node(n).num_outputs() {
+        if g.is_used(Value::new(n, slot as u16)) {
+            return true;
+        }
+    }
+    g.remove_node(n);
+    true
+}
+
+/// Inlines every `If` whose condition shape inference can compute, until none is left.
+/// Returns how many were inlined.
+fn inline_known_ifs(g: &mut Graph) -> Result<u64, Vec<ir::infer::ShapeError>> {
+    let mut inlined = 0;
+    loop {
+        if !g.node_ids().any(|n| matches!(g.node(n).op, Op::If(_))) {
+            return Ok(inlined);
+        }
+        let report = infer_shapes(g, Mode::Check)?;
+        let known: Vec<(NodeId, bool)> = g
+            .node_ids()
+            .filter(|&n| matches!(g.node(n).op, Op::If(_)))
+            .filter_map(|n| {
+                let c = report.consts.get(&g.node(n).input(0)?)?;
+                let c = c.to_f64().ok()?.first().copied()?;
+                Some((n, c != 0.0))
+            })
+            .collect();
+        let mut any = false;
+        for (n, then) in known {
+            if inline_if(g, n, then) {
+                inlined += 1;
+                any = true;
+            }
+        }
+        if !any {
+            return Ok(inlined);
+        }
+    }
 }
 
 /// Removes operator nodes none of whose outputs is used, and unused initializers, until
@@ -104,6 +238,14 @@ impl Pass for Canonicalize {
     fn run(&mut self, g: &mut Graph, cx: &mut PassCx<'_>) -> Result<Changed, PassError> {
         let order =
             g.topo_order().map_err(|_| PassError::new(self.name(), Located::global("the graph has a cycle")))?;
+
+        // Control flow whose condition is known.
+        let inlined = inline_known_ifs(g).map_err(|errs| PassError {
+            pass: self.name().into(),
+            errors: errs.into_iter().map(|e| Located { node: e.node, span: e.span, msg: e.msg }).collect(),
+        })?;
+        cx.stats.add("if nodes inlined", inlined);
+        let order = if inlined > 0 { g.topo_order().expect("inlining keeps the graph acyclic") } else { order };
 
         // Constants become initializers.
         for &n in &order {

@@ -36,7 +36,7 @@ pub struct PassOptions {
 }
 
 /// The names [`create`] knows, in a sensible pipeline order.
-pub const PASS_NAMES: &[&str] = &["verify", "infer-shapes", "canonicalize", "rebatch", "autodiff"];
+pub const PASS_NAMES: &[&str] = &["verify", "infer-shapes", "canonicalize", "require-static", "rebatch", "autodiff"];
 
 /// Creates a pass by name.
 pub fn create(name: &str, opts: &PassOptions) -> Option<Box<dyn Pass>> {
@@ -45,6 +45,7 @@ pub fn create(name: &str, opts: &PassOptions) -> Option<Box<dyn Pass>> {
         "verify" => Box::new(Verify),
         "infer-shapes" => Box::new(InferShapes::default()),
         "canonicalize" => Box::new(Canonicalize),
+        "require-static" => Box::new(RequireStatic),
         "autodiff" => Box::new(opts.autodiff.clone()),
         _ => return None,
     })

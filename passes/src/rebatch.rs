@@ -113,24 +113,51 @@ pub struct RebatchReport {
     batch_syms: Vec<usize>,
 }
 
-/// The value of element `k` of a 1-D shape-like value, when a literal supplies it:
-/// `(initializer value, index)`. Follows Concat/Cast/Identity/Unsqueeze/Squeeze/Reshape of
-/// 1-element pieces. `None`: the element is computed (from `Shape`), nothing to rewrite.
-fn literal_source(g: &Graph, v: Value, k: usize, old: &HashMap<Value, Vec<i64>>) -> Option<(Value, usize)> {
+/// The literal that supplies element `k` of a 1-D shape-like value: `(initializer value,
+/// index, multiplier)`, the element being the literal's entry times the multiplier. Follows
+/// Concat/Cast/Identity/Unsqueeze/Squeeze/Reshape of 1-element pieces, and products of a
+/// literal with values that fold to constants (`1 × (H/7 · W/7)`: a batch of 1 baked into a
+/// window count computed from the spatial shape, whose factor does not change). `None`: the
+/// element is computed (from `Shape`), nothing to rewrite.
+fn literal_source(
+    g: &Graph,
+    v: Value,
+    k: usize,
+    old: &HashMap<Value, Vec<i64>>,
+    consts: &HashMap<Value, Array>,
+) -> Option<(Value, usize, i64)> {
     match &g.node(v.node).op {
-        Op::Initializer(_) | Op::Input { default: Some(_) } => Some((v, k)),
-        Op::Constant(_) => Some((v, k)),
+        Op::Initializer(_) | Op::Input { default: Some(_) } => Some((v, k, 1)),
+        Op::Constant(_) => Some((v, k, 1)),
         Op::Identity(_) | Op::Cast(_) | Op::Unsqueeze(_) | Op::Squeeze(_) | Op::Reshape(_) => {
-            literal_source(g, g.node(v.node).input(0)?, k, old)
+            literal_source(g, g.node(v.node).input(0)?, k, old, consts)
         }
         Op::Concat(_) => {
             let mut off = 0usize;
             for inp in g.node(v.node).inputs().iter().flatten() {
                 let len = old.get(inp).map_or(1, |d| d.iter().product::<i64>().max(0) as usize);
                 if k < off + len {
-                    return literal_source(g, *inp, k - off, old);
+                    return literal_source(g, *inp, k - off, old, consts);
                 }
                 off += len;
+            }
+            None
+        }
+        Op::Mul(_) => {
+            let (a, b) = (g.node(v.node).input(0)?, g.node(v.node).input(1)?);
+            let element = |x: Value| -> Option<(usize, i64)> {
+                let vals = consts.get(&x)?.to_i64().ok()?;
+                let i = if vals.len() == 1 { 0 } else { k };
+                Some((i, *vals.get(i)?))
+            };
+            for (x, y) in [(a, b), (b, a)] {
+                let (Some((kx, _)), Some((_, f))) = (element(x), element(y)) else { continue };
+                if f == 0 {
+                    continue;
+                }
+                if let Some((lit, idx, m)) = literal_source(g, x, kx, old, consts) {
+                    return Some((lit, idx, m * f));
+                }
             }
             None
         }
@@ -194,14 +221,19 @@ fn rewrite_operand(
     slot: usize,
     updates: &[(usize, i64)],
     old: &HashMap<Value, Vec<i64>>,
+    consts: &HashMap<Value, Array>,
 ) -> Result<usize, String> {
     let Some(current) = g.node(user).input(slot) else { return Ok(0) };
     // Group the updates by the literal that supplies each element.
     let mut by_lit: BTreeMap<Value, Vec<(usize, i64)>> = BTreeMap::new();
     let mut computed: Vec<(usize, i64)> = Vec::new();
     for &(k, new) in updates {
-        match literal_source(g, current, k, old) {
-            Some((lit, idx)) => by_lit.entry(lit).or_default().push((idx, new)),
+        match literal_source(g, current, k, old, consts) {
+            Some((lit, idx, 1)) => by_lit.entry(lit).or_default().push((idx, new)),
+            Some((lit, idx, m)) if new % m == 0 => by_lit.entry(lit).or_default().push((idx, new / m)),
+            Some((_, _, m)) => {
+                return Err(format!("element {k} must become {new}, a literal times {m} that does not divide it"));
+            }
             None => computed.push((k, new)),
         }
     }
@@ -664,8 +696,14 @@ pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassE
             }
         }
         for (v, axes) in by_value {
-            let mut r =
-                Resolver { syms: &syms, old: &old, consts: &consts, report: &mut report, overrides: &mut overrides };
+            let mut r = Resolver {
+                syms: &syms,
+                old: &old,
+                consts: &consts,
+                monos: &fl.monos,
+                report: &mut report,
+                overrides: &mut overrides,
+            };
             r.resolve(g, v, &axes).map_err(|e| fail(vec![e]))?;
         }
         // Graph inputs reached: they change too.
@@ -698,11 +736,13 @@ pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassE
 }
 
 /// What resolving constant axes reads and records: the symbol values, the old dims, the
-/// folded constants, the report and, per value, the axes made to follow.
+/// folded constants, the monomials the flow found, the report and, per value, the axes made
+/// to follow.
 struct Resolver<'a> {
     syms: &'a [(i64, i64)],
     old: &'a HashMap<Value, Vec<i64>>,
     consts: &'a HashMap<Value, Array>,
+    monos: &'a HashMap<Value, Vec<Mono>>,
     report: &'a mut RebatchReport,
     overrides: &'a mut HashMap<Value, Vec<(usize, Mono)>>,
 }
@@ -740,6 +780,8 @@ impl Resolver<'_> {
             | Op::Gather(_)
             | Op::Range(_)
             | Op::ConstantOfShape(_) => self.shape_op(g, v, &op, axes),
+            Op::Concat(c) => self.concat(g, v, c.axis.unwrap_or(0), axes),
+            Op::MatMul(_) | Op::Gemm(_) => self.contraction(g, v, &op, axes),
             _ => Err(Located::at(
                 g,
                 n,
@@ -840,6 +882,90 @@ impl Resolver<'_> {
         }
     }
 
+    /// A concatenation: off the concat axis every input follows; along it, the parts follow
+    /// in proportion to their old sizes (`[3,16] ++ [3,16]` as `[6·b,16]` is `[3·b] ++ [3·b]`:
+    /// the halves of a split whose sizes carried the batch).
+    fn concat(&mut self, g: &mut Graph, v: Value, axis: i64, axes: &[(usize, Mono)]) -> Result<(), Located> {
+        let n = v.node;
+        let out_old = self.old.get(&v).cloned().unwrap_or_default();
+        let r = out_old.len() as i64;
+        let ax = (if axis < 0 { axis + r } else { axis }) as usize;
+        let inputs: Vec<Value> = g.node(n).inputs().iter().flatten().copied().collect();
+        for inp in inputs {
+            let Some(d) = self.old.get(&inp).cloned() else { continue };
+            let mut sub = Vec::new();
+            for (a, m) in axes {
+                if *a != ax {
+                    sub.push((*a, m.clone()));
+                    continue;
+                }
+                let part = match m {
+                    Mono::Known { coef, pows } if (coef * d[ax]) % out_old[ax] == 0 => {
+                        Mono::Known { coef: coef * d[ax] / out_old[ax], pows: pows.clone() }
+                    }
+                    _ => {
+                        return Err(Located::at(
+                            g,
+                            n,
+                            format!(
+                                "cannot rebatch {}: its axis {ax} must follow a changed dim, and its parts cannot be divided in proportion",
+                                g.describe(n)
+                            ),
+                        ));
+                    }
+                };
+                if d[ax] > 0 {
+                    sub.push((*a, part));
+                }
+            }
+            if !sub.is_empty() {
+                self.resolve(g, inp, &sub)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A matrix product: its row axis follows the left operand's, its column axis the
+    /// right's, its batch axes whichever operand has them at that size.
+    fn contraction(&mut self, g: &mut Graph, v: Value, op: &Op, axes: &[(usize, Mono)]) -> Result<(), Located> {
+        let n = v.node;
+        let out_rank = self.old.get(&v).map_or(0, Vec::len);
+        let (a, b) = (g.node(n).input(0).expect("A"), g.node(n).input(1).expect("B"));
+        let (ra, rb) = (self.old.get(&a).map_or(0, Vec::len), self.old.get(&b).map_or(0, Vec::len));
+        let (mut to_a, mut to_b) = (Vec::new(), Vec::new());
+        for (ax, m) in axes {
+            match op {
+                Op::Gemm(gm) => {
+                    if *ax == 0 {
+                        to_a.push((usize::from(gm.trans_a() != 0), m.clone()));
+                    } else {
+                        to_b.push((usize::from(gm.trans_b() == 0), m.clone()));
+                    }
+                }
+                _ if ra >= 2 && *ax == out_rank - 2 => to_a.push((ra - 2, m.clone())),
+                _ if rb >= 2 && *ax == out_rank - 1 => to_b.push((rb - 1, m.clone())),
+                _ if ra == 1 && *ax == out_rank - 1 => to_b.push((rb - 1, m.clone())),
+                _ if rb == 1 && *ax == out_rank - 1 => to_a.push((ra - 2, m.clone())),
+                _ => {
+                    // A batch axis: the operands that have it at the output's size.
+                    let want = self.old[&v][*ax];
+                    for (x, rx, to) in [(a, ra, &mut to_a), (b, rb, &mut to_b)] {
+                        if rx >= 2 && out_rank - ax <= rx && self.old[&x][rx - (out_rank - ax)] == want {
+                            to.push((rx - (out_rank - ax), m.clone()));
+                        }
+                    }
+                }
+            }
+        }
+        if !to_a.is_empty() {
+            self.resolve(g, a, &to_a)?;
+        }
+        if !to_b.is_empty() {
+            self.resolve(g, b, &to_b)?;
+        }
+        Ok(())
+    }
+
     /// A shape op: map the axes to its input's, or rewrite its literal operands.
     fn shape_op(&mut self, g: &mut Graph, v: Value, op: &Op, axes: &[(usize, Mono)]) -> Result<(), Located> {
         let n = v.node;
@@ -909,10 +1035,60 @@ impl Resolver<'_> {
                 Ok(())
             }
             Op::Slice(_) => {
-                // Grow the slice: end = start + new size (step 1, literal bounds); axes that
-                // are not sliced pass the requirement to the input.
+                // A slice of an axis that itself follows a changed dim, in proportion to it
+                // (`[0:3]` and `[3:6]` of `6·b` rows are the halves `[0:3·b]`, `[3·b:6·b]`):
+                // both bounds scale. Otherwise grow the slice of a constant: end = start + new
+                // size (step 1, literal bounds). Axes that are not sliced pass the
+                // requirement to the input.
+                let input = g.node(n).input(0).expect("input");
+                let in_m = self.monos.get(&input).cloned();
                 let mut through = Vec::new();
                 for (a, m) in axes {
+                    if let Some(im) = in_m.as_ref().and_then(|im| im.get(*a)).filter(|im| im.is_tracked())
+                        && let (Some(new_in), Some(new_out)) = (im.eval(syms, true), m.eval(syms, true))
+                        && let (Some(&d_in), Some(&d_out)) = (in_dims.get(*a), out_dims.get(*a))
+                        && d_in > 0
+                        && new_out * d_in == new_in * d_out
+                    {
+                        let starts = consts_i64(self.consts, g.node(n).input(1)).unwrap_or_default();
+                        let ends = consts_i64(self.consts, g.node(n).input(2)).unwrap_or_default();
+                        let ax_list = consts_i64(self.consts, g.node(n).input(3))
+                            .unwrap_or_else(|| (0..starts.len() as i64).collect());
+                        let steps = consts_i64(self.consts, g.node(n).input(4)).unwrap_or_default();
+                        let r = in_dims.len() as i64;
+                        let Some(k) = ax_list.iter().position(|&x| (if x < 0 { x + r } else { x }) as usize == *a)
+                        else {
+                            through.push((*a, m.clone()));
+                            continue;
+                        };
+                        let scale = |x: i64| -> Option<i64> {
+                            let x = if x < 0 { x + d_in } else { x }.clamp(0, d_in);
+                            ((x * new_in) % d_in == 0).then(|| x * new_in / d_in)
+                        };
+                        let (Some(s0), Some(e0)) = (scale(starts[k]), scale(ends[k])) else {
+                            return Err(Located::at(
+                                g,
+                                n,
+                                format!(
+                                    "cannot rebatch {}: its bounds do not divide the axis in proportion",
+                                    g.describe(n)
+                                ),
+                            ));
+                        };
+                        if steps.get(k).is_some_and(|&st| st != 1) {
+                            return Err(Located::at(
+                                g,
+                                n,
+                                format!("cannot rebatch {}: a strided slice of a changing axis", g.describe(n)),
+                            ));
+                        }
+                        let mut count = rewrite_operand(g, n, 1, &[(k, s0)], self.old, self.consts)
+                            .map_err(|e| Located::at(g, n, e))?;
+                        count += rewrite_operand(g, n, 2, &[(k, e0)], self.old, self.consts)
+                            .map_err(|e| Located::at(g, n, e))?;
+                        self.report.literals_rewritten += count;
+                        continue;
+                    }
                     let starts = consts_i64(self.consts, g.node(n).input(1)).unwrap_or_default();
                     let ax_list = consts_i64(self.consts, g.node(n).input(3))
                         .unwrap_or_else(|| (0..starts.len() as i64).collect());
@@ -936,8 +1112,8 @@ impl Resolver<'_> {
                             ),
                         ));
                     }
-                    let count =
-                        rewrite_operand(g, n, 2, &[(k, new_end)], self.old).map_err(|e| Located::at(g, n, e))?;
+                    let count = rewrite_operand(g, n, 2, &[(k, new_end)], self.old, self.consts)
+                        .map_err(|e| Located::at(g, n, e))?;
                     self.report.literals_rewritten += count;
                 }
                 if !through.is_empty() {
@@ -956,8 +1132,8 @@ impl Resolver<'_> {
                     ));
                 };
                 let new_limit = s + d * new_of(&axes[0].1)?;
-                self.report.literals_rewritten +=
-                    rewrite_operand(g, n, 1, &[(0, new_limit)], self.old).map_err(|e| Located::at(g, n, e))?;
+                self.report.literals_rewritten += rewrite_operand(g, n, 1, &[(0, new_limit)], self.old, self.consts)
+                    .map_err(|e| Located::at(g, n, e))?;
                 Ok(())
             }
             Op::Expand(_) | Op::ConstantOfShape(_) => {
@@ -988,7 +1164,7 @@ impl Resolver<'_> {
                     .map(|(a, m)| Ok((*a + spec_len.saturating_sub(out_dims.len()), new_of(m)?)))
                     .collect::<Result<_, Located>>()?;
                 self.report.literals_rewritten +=
-                    rewrite_operand(g, n, slot, &ups, self.old).map_err(|e| Located::at(g, n, e))?;
+                    rewrite_operand(g, n, slot, &ups, self.old, self.consts).map_err(|e| Located::at(g, n, e))?;
                 Ok(())
             }
             _ => unreachable!(),
@@ -1083,7 +1259,7 @@ fn rewrite_literals(
         if ups.is_empty() {
             continue;
         }
-        match rewrite_operand(g, n, slot, &ups, old) {
+        match rewrite_operand(g, n, slot, &ups, old, consts) {
             Ok(c) => count += c,
             Err(e) => errors.push(Located::at(g, n, format!("cannot rebatch {}: {e}", g.describe(n)))),
         }

@@ -184,6 +184,31 @@ pub fn load_canonical(path: &Path, shapes: &ShapeArgs) -> CliResult<Loaded> {
     load_with(path, shapes, true, true)
 }
 
+/// Loads the model at `path` to run on the input values at `inputs` ([`exec::given_inputs`]):
+/// its inputs take the values' shapes, inputs that shape inference needs as constants are bound
+/// ([`exec::prepare_with_values`]), then it is canonicalized and refused if it cannot be
+/// computed.
+pub fn load_with_values(
+    path: &Path,
+    inputs: &Path,
+) -> CliResult<(Loaded, std::collections::HashMap<String, ir::eval::Array>)> {
+    note_input(path);
+    note_input(inputs);
+    let mut loaded = shardc::load_model(path).map_err(|e| CliError::new(e.render()))?;
+    note_external_data(&loaded.model.graph, path);
+    if !loaded.warnings.is_empty() {
+        eprint!("{}", loaded.source.render(&loaded.warnings));
+    }
+    let given = shardc::exec::given_inputs(&loaded.model.graph, inputs).map_err(CliError::msg)?;
+    shardc::exec::prepare_with_values(&mut loaded.model, &given)
+        .map_err(|e| CliError::msg(format!("the model does not take these inputs: {e}")))?;
+    let mut pm = passes::PassManager::new();
+    pm.add(passes::RequireStatic);
+    let report = pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
+    warn(&report.warnings, &loaded.source);
+    Ok((loaded, given))
+}
+
 fn load_with(path: &Path, shapes: &ShapeArgs, canonical: bool, computable: bool) -> CliResult<Loaded> {
     note_input(path);
     let mut loaded = shardc::load_model(path).map_err(|e| CliError::new(e.render()))?;

@@ -39,8 +39,11 @@ pub struct RunArgs {
     /// Seed for weights whose external data is absent and for random inputs.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Inputs in the golden `.io.json` format (default: seeded random values).
-    #[arg(long, value_name = "IO.json")]
+    /// Inputs: a file in the golden `.io.json` format, or a directory of ONNX test data
+    /// (`input_0.pb`, `input_1.pb` … in graph input order). Without --batch, --input-shape,
+    /// --dim or --plan, the model runs at the shapes of these values (default: seeded random
+    /// values at the declared shapes).
+    #[arg(long, value_name = "IO.json|DIR")]
     pub inputs: Option<PathBuf>,
     /// Write the inputs and outputs in the golden `.io.json` format.
     #[arg(long = "save-outputs", value_name = "OUT.json")]
@@ -93,7 +96,20 @@ pub fn run(args: &RunArgs) -> CliResult {
         Some(p) if args.shapes.is_empty() => ShapeArgs::of_plan(p),
         _ => args.shapes.clone(),
     };
-    let mut loaded = load_canonical(&args.model, &shapes)?;
+    // Given inputs type the graph's inputs (and bind its shape parameters) unless the
+    // shapes come from flags or the plan.
+    let (mut loaded, given) = match &args.inputs {
+        Some(p) if plan_doc.is_none() && shapes.is_empty() => {
+            let (l, given) = load_with_values(&args.model, p)?;
+            (l, Some(given))
+        }
+        Some(p) => {
+            let l = load_canonical(&args.model, &shapes)?;
+            let given = exec::given_inputs(&l.model.graph, p).map_err(CliError::msg)?;
+            (l, Some(given))
+        }
+        None => (load_canonical(&args.model, &shapes)?, None),
+    };
     let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
     let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
     let g = &loaded.model.graph;
@@ -154,20 +170,9 @@ pub fn run(args: &RunArgs) -> CliResult {
     for f in &program.fallbacks {
         notes.push(format!("runs replicated instead of as planned: {f}"));
     }
-    let io_json: Option<serde_json::Value> = match &args.inputs {
-        Some(p) => {
-            let text =
-                std::fs::read_to_string(p).map_err(|e| CliError::msg(format!("cannot read `{}`: {e}", p.display())))?;
-            Some(
-                serde_json::from_str(&text)
-                    .map_err(|e| CliError::msg(format!("`{}` is not JSON: {e}", p.display())))?,
-            )
-        }
-        None => None,
-    };
     let (be, warn_be) = backend(args)?;
     preflight(&program, g, args.check.then_some(g), be)?;
-    let inputs = exec::inputs_for(g, io_json.as_ref(), args.seed).map_err(CliError::msg)?;
+    let inputs = exec::inputs_for(g, given.as_ref(), args.seed).map_err(CliError::msg)?;
     if let Some(w) = warn_be {
         notes.push(format!("warning: {w}"));
     }

@@ -16,6 +16,7 @@ pub fn repo_root() -> PathBuf {
 /// in `tests/data`, plus `../shared/<kind>` when a checkout has it beside the repository (so
 /// new shared files are tested too). Files with the same name are taken once.
 pub fn data_files(kind: &str) -> Vec<PathBuf> {
+    // Model files (`.onnxtxt`, or binary `.onnx`), by name, the repository's first.
     let mut dirs = vec![repo_root().join("tests/data").join(kind)];
     if let Ok(extra) = std::env::var("SHARDC_SHARED_DIR") {
         dirs.push(PathBuf::from(extra).join(kind));
@@ -26,7 +27,7 @@ pub fn data_files(kind: &str) -> Vec<PathBuf> {
         let Ok(rd) = std::fs::read_dir(&d) else { continue };
         for e in rd.flatten() {
             let p = e.path();
-            if p.extension().is_some_and(|x| x == "onnxtxt") {
+            if p.extension().is_some_and(|x| x == "onnxtxt" || x == "onnx") {
                 let name = p.file_name().expect("file").to_string_lossy().to_string();
                 seen.entry(name).or_insert(p);
             }
@@ -56,7 +57,14 @@ pub fn proptest_config(cases: u32) -> proptest::test_runner::Config {
 
 /// Reads and parses a model file, panicking with rendered diagnostics on failure.
 pub fn load_model(path: &Path) -> ir::Model {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    if frontend::onnx::is_binary(&bytes) {
+        return match frontend::parse_binary(&bytes) {
+            Ok((p, _)) => p.model,
+            Err((d, _)) => panic!("{}: {d:?}", path.display()),
+        };
+    }
+    let text = String::from_utf8(bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     match frontend::parse(&text) {
         Ok(p) => p.model,
         Err(d) => panic!("{}", frontend::render(&d, &path.display().to_string(), &text)),

@@ -1,8 +1,8 @@
-//! File tests for the middle of the pipeline: `tests/filetests/{verify,rebatch,shard,lower,check}/
+//! File tests for the middle of the pipeline: `tests/filetests/{verify,canonicalize,rebatch,shard,lower,check}/
 //! *.onnxtxt`. Each file is a model (for `check`, one graph per device) whose comments say what
 //! to do and what must come out:
 //!
-//! - `# test: KIND key=value…` (first directive): `verify`; `rebatch batch=B`; `shard
+//! - `# test: KIND key=value…` (first directive): `verify`; `canonicalize`; `rebatch batch=B`; `shard
 //!   devices=N strategy=S [cluster=C]`; `lower devices=N (strategy=S | pipeline=K)
 //!   [cluster=C]`; `check` (sections opened by `# device K` lines, one graph each).
 //! - `# check: TEXT`: a later line of the output contains TEXT; `# nextln: TEXT`: the line after
@@ -145,6 +145,16 @@ fn run_kind(h: &Header, text: &str) -> Result<Outcome, String> {
     let fail = |f: Vec<Finding>| Ok(Err(f));
     match h.kind.as_str() {
         "verify" => Ok(front(text, 1, None).map(|m| printed(&m.graph))),
+        "canonicalize" => {
+            let mut m = match front(text, 1, None) {
+                Ok(m) => m,
+                Err(f) => return fail(f),
+            };
+            let mut pm = passes::PassManager::new();
+            pm.add(passes::Canonicalize);
+            pm.run(&mut m).map_err(|e| e.to_string())?;
+            Ok(Ok(printed(&m.graph)))
+        }
         "rebatch" => {
             let spec = passes::RebatchSpec { batch: Some(h.num("batch")? as i64), ..Default::default() };
             Ok(front(text, 1, Some(spec)).map(|m| printed(&m.graph)))
@@ -370,7 +380,7 @@ fn run_file(path: &Path) -> Result<(), String> {
 fn files() -> Vec<PathBuf> {
     let root = repo_root().join("tests/filetests");
     let mut out = Vec::new();
-    for kind in ["verify", "rebatch", "shard", "lower", "check"] {
+    for kind in ["verify", "canonicalize", "rebatch", "shard", "lower", "check"] {
         let Ok(rd) = std::fs::read_dir(root.join(kind)) else { continue };
         let mut v: Vec<PathBuf> =
             rd.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "onnxtxt")).collect();

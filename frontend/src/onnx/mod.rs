@@ -7,4 +7,4 @@ mod read;
 mod write;
 
 pub use read::{Locations, Read, is_binary, raw_tensor_data, read, read_tensor};
-pub use write::to_bytes;
+pub use write::{tensor_to_bytes, to_bytes};

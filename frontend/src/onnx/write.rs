@@ -14,6 +14,12 @@ pub fn to_bytes(m: &Model) -> Vec<u8> {
     model(m).encode_to_vec()
 }
 
+/// A tensor as a serialized `TensorProto` (the `input_K.pb` files of the ONNX test data),
+/// named `name` when given; [`crate::onnx::read_tensor`] reads it back.
+pub fn tensor_to_bytes(t: &Tensor, name: Option<&str>) -> Vec<u8> {
+    tensor(t, name).encode_to_vec()
+}
+
 fn opsets(list: &[(String, i64)]) -> Vec<proto::OperatorSetIdProto> {
     list.iter().map(|(d, v)| proto::OperatorSetIdProto { domain: Some(d.clone()), version: Some(*v) }).collect()
 }

@@ -7,7 +7,7 @@
 
 use super::grad::GradCx;
 use super::shape::no_work_whole;
-use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Types, Work};
+use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
 use crate::eval::{Array, EvalError};
 use crate::op::{self, Op};
 use crate::shard::IterSpace;
@@ -33,6 +33,11 @@ fn dim_add(a: &Dim, b: &Dim) -> Dim {
 }
 
 impl OpRules for op::Attention {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(3, 7, 1, 4)
     }
@@ -314,6 +319,11 @@ fn attention(op: &op::Attention, cx: &EvalCx<'_>) -> Arrays {
 }
 
 impl OpRules for op::RotaryEmbedding {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     /// A rotation's transpose is the rotation by the opposite angle: dX is dY rotated with
     /// the sine negated (the caches and positions get no gradient).
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {

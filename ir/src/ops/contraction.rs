@@ -543,6 +543,11 @@ fn gemm_grad(gm: &op::Gemm, cx: &mut GradCx<'_>) -> std::result::Result<(), Stri
 }
 
 impl OpRules for op::Det {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(1)
     }

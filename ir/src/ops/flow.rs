@@ -195,6 +195,17 @@ impl FlowCx<'_> {
     /// output dims `out_old`; a constant axis that meets a changing one is required to follow
     /// it.
     pub fn broadcast(&mut self, inputs: &[Value], out_old: &[i64]) -> Vec<Mono> {
+        self.align(inputs, out_old, false)
+    }
+
+    /// Like [`FlowCx::broadcast`], for inputs whose axes must be equal (no broadcasting):
+    /// a size-1 constant axis meeting a changing one must follow it too (the class token
+    /// `Expand`ed to a batch of 1, concatenated with the patches).
+    pub fn equal_axes(&mut self, inputs: &[Value], out_old: &[i64]) -> Vec<Mono> {
+        self.align(inputs, out_old, true)
+    }
+
+    fn align(&mut self, inputs: &[Value], out_old: &[i64], strict: bool) -> Vec<Mono> {
         let r = out_old.len();
         let mut out = Vec::with_capacity(r);
         for (i, &ov) in out_old.iter().enumerate() {
@@ -227,7 +238,7 @@ impl FlowCx<'_> {
             }
             match tracked {
                 Some(t) => {
-                    if ov != 1 {
+                    if ov != 1 || strict {
                         for (v, a) in constants {
                             self.reqs.push((v, a, t.clone()));
                         }
@@ -238,6 +249,36 @@ impl FlowCx<'_> {
             }
         }
         out
+    }
+
+    /// Each output axis follows the same-numbered axis of input `from` when their old sizes
+    /// agree (the batch of a per-sample op, the axes a pad or resize leaves alone); other axes
+    /// keep their old size, and a changing axis whose size the op changes cannot be followed.
+    /// Re-inference after rebatching checks every claim.
+    pub fn positional(&mut self, from: usize) {
+        let (Some(in_m), Some(in_old)) = (self.in_m(from), self.in_old(from)) else { return };
+        for s in 0..self.n_out() {
+            let Some(out_old) = self.out_old_at(s) else { continue };
+            let m = out_old
+                .iter()
+                .enumerate()
+                .map(|(a, &o)| match in_old.get(a) {
+                    Some(&i) if i == o => in_m[a].clone(),
+                    Some(_) if in_m[a].is_tracked() => Mono::Opaque,
+                    _ => Mono::constant(o),
+                })
+                .collect();
+            self.set(s, m);
+        }
+    }
+
+    /// The outputs keep their old sizes: they depend on input values, not input dims.
+    pub fn constant_outputs(&mut self) {
+        for s in 0..self.n_out() {
+            if let Some(d) = self.out_old_at(s) {
+                self.set(s, d.iter().map(|&x| Mono::constant(x)).collect());
+            }
+        }
     }
 
     /// Every output is the broadcast of every input (element-wise ops).
@@ -293,6 +334,7 @@ pub fn flow_graph(
     let mut monos = input_monos.clone();
     let mut reqs = Vec::new();
     let mut errors: Vec<(NodeId, String)> = Vec::new();
+    let mut missing = Vec::new();
     for &n in order {
         // Symbolic old shapes were computed dynamically by the export; re-inference updates them.
         if old.contains_key(&Value::new(n, 0)) {
@@ -308,6 +350,9 @@ pub fn flow_graph(
                 missing_rule: false,
             };
             g.node(n).op.rules().flow(&mut cx);
+            if cx.missing_rule {
+                missing.push(n);
+            }
         }
         for s in 0..g.node(n).num_outputs() {
             let v = Value::new(n, s as u16);
@@ -327,7 +372,7 @@ pub fn flow_graph(
             monos.insert(v, m);
         }
     }
-    Flow { monos, reqs, errors }
+    Flow { monos, reqs, errors, missing }
 }
 
 /// What a flow over a graph found.
@@ -338,6 +383,8 @@ pub struct Flow {
     pub reqs: Vec<(Value, usize, Mono)>,
     /// Why the flow cannot go on, per node.
     pub errors: Vec<(NodeId, String)>,
+    /// Nodes a changed dim reached whose op has no rule (their outputs became opaque).
+    pub missing: Vec<NodeId>,
 }
 
 /// Per value (with a static shape), per dim: does it carry the batch? The batch is dim 0 of
@@ -434,12 +481,16 @@ fn trace_to_input(g: &Graph, v: Value, a: usize, old: &HashMap<Value, Vec<i64>>)
     None
 }
 
+/// Size-1 changed dims as `(symbol, exponent)`.
+type UnitFactors = Vec<(usize, u32)>;
+
 /// Factors a reshape: monomials of the output dims from the input's, aligning old sizes.
 ///
 /// Dims of old size 1 are set aside; the rest are grouped so that products agree. Changed
 /// dims of old size > 1 are split among their group's output dims (preferring a dim of equal
 /// old size); changed dims of old size 1 (a batch of 1) go to a size-1 output dim just before
-/// the group they preceded, or multiply that group's first dim when there is none.
+/// the group they preceded, or multiply that group's first dim when there is none — or the
+/// previous group's last dim when the next is the innermost output axis (the features).
 pub fn factor_reshape(
     in_old: &[i64],
     in_m: &[Mono],
@@ -499,7 +550,9 @@ pub fn factor_reshape(
         }
     };
     // Size-1 factors, anchored to the group they precede (groups.len() = after the last).
-    let mut anchored: Vec<(usize, Vec<(usize, u32)>)> = Vec::new();
+    // Each also says whether it may sit after its group instead (a factor of a merged group:
+    // `[S·B,E] → [S,1,E]` has its place after `S`).
+    let mut anchored: Vec<(usize, UnitFactors, bool)> = Vec::new();
     for (k, &d) in in_old.iter().enumerate() {
         if d == 1 && in_m[k].is_tracked() {
             let anchor = groups.iter().position(|(gi, _)| gi.first().is_some_and(|&f| f > k)).unwrap_or(groups.len());
@@ -507,14 +560,14 @@ pub fn factor_reshape(
             if rest.is_tracked() {
                 return Err("a size-1 axis carries a changed dim that is not of size 1".into());
             }
-            anchored.push((anchor, unit));
+            anchored.push((anchor, unit, false));
         }
     }
     for (gidx, (gi, go)) in groups.iter().enumerate() {
         let mono = gi.iter().fold(Mono::constant(1), |acc, &k| acc.mul(&in_m[k]));
         let (mono, unit) = split_unit(&mono);
         if !unit.is_empty() {
-            anchored.push((gidx, unit));
+            anchored.push((gidx, unit, true));
         }
         if go.len() == 1 {
             out[go[0]] = mono;
@@ -548,10 +601,16 @@ pub fn factor_reshape(
     }
     // Place size-1 factors on size-1 output dims before their anchor group.
     let mut used = vec![false; out_old.len()];
-    for (anchor, unit) in anchored {
+    for (anchor, unit, either_side) in anchored {
         let lo = if anchor == 0 { 0 } else { groups[anchor - 1].1.last().map_or(0, |&l| l + 1) };
         let hi = groups.get(anchor).and_then(|(_, go)| go.first().copied()).unwrap_or(out_old.len());
-        let slot = (lo..hi).find(|&k| out_old[k] == 1 && !used[k] && !out[k].is_tracked());
+        let free = |k: &usize| out_old[*k] == 1 && !used[*k] && !out[*k].is_tracked();
+        let mut slot = (lo..hi).find(free);
+        if slot.is_none() && either_side {
+            let lo = groups[anchor].1.last().map_or(hi, |&l| l + 1);
+            let hi = groups.get(anchor + 1).and_then(|(_, go)| go.first().copied()).unwrap_or(out_old.len());
+            slot = (lo..hi).find(free);
+        }
         let factor = unit.iter().fold(Mono::constant(1), |acc, &(s, e)| {
             let mut m = acc;
             for _ in 0..e {
@@ -565,10 +624,17 @@ pub fn factor_reshape(
                 out[k] = factor;
             }
             None => {
-                let target = groups
-                    .get(anchor)
-                    .and_then(|(_, go)| go.first().copied())
-                    .or_else(|| (0..out_old.len()).rev().find(|&k| out_old[k] != 1));
+                // Merged into a neighbouring group: the one it preceded, unless that is the
+                // innermost output axis (features: a `[S,1,E] → [S·1,E]` before a Gemm) and a
+                // group precedes it (then `S·B`, as reshapes of sequence-first layouts mean).
+                let innermost = (0..out_old.len()).rev().find(|&k| out_old[k] != 1);
+                let after = groups.get(anchor).and_then(|(_, go)| go.first().copied());
+                let before = anchor.checked_sub(1).and_then(|a| groups[a].1.last().copied());
+                let target = match (after, before) {
+                    (Some(a), Some(b)) if Some(a) == innermost => Some(b),
+                    (Some(a), _) => Some(a),
+                    (None, _) => innermost,
+                };
                 match target {
                     Some(t) => out[t] = out[t].mul(&factor),
                     None => return Err("a changed dim of size 1 has no place in the output".into()),
@@ -596,5 +662,15 @@ mod tests {
         assert_eq!(merged[0], b.mul(&s));
         let split = factor_reshape(&[128, 768], &merged, &[1, 128, 768], &syms).unwrap();
         assert_eq!(split, x);
+        // Sequence-first: `[S,1,E] → [S·1,E]` merges the batch into the sequence, not the
+        // features; `[S,1,H·D] → [S,1·H,D]` into the heads.
+        let seq_first = vec![s.clone(), b.clone(), Mono::constant(768)];
+        let rows = factor_reshape(&[128, 1, 768], &seq_first, &[128, 768], &syms).unwrap();
+        assert_eq!(rows, vec![s.mul(&b), Mono::constant(768)]);
+        let heads = factor_reshape(&[128, 1, 768], &seq_first, &[128, 12, 64], &syms).unwrap();
+        assert_eq!(heads, vec![s.clone(), b.mul(&Mono::constant(12)), Mono::constant(64)]);
+        // … and splitting the rows again puts the batch back after the sequence.
+        let back = factor_reshape(&[128, 768], &rows, &[128, 1, 768], &syms).unwrap();
+        assert_eq!(back, seq_first);
     }
 }

@@ -2,13 +2,18 @@
 //! im2col) and `RoiAlign`. They run whole on one device, evaluated by the reference kernels.
 
 use super::shape::no_work_whole;
-use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Types, Work};
+use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
 use crate::eval::{Array, EvalError, strides};
 use crate::op;
 use crate::shard::IterSpace;
 use crate::types::Dim;
 
 impl OpRules for op::GridSample {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }
@@ -191,6 +196,11 @@ fn grid_sample(op: &op::GridSample, x: &Array, grid: &Array) -> Arrays {
 }
 
 impl OpRules for op::AffineGrid {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }
@@ -252,6 +262,11 @@ impl OpRules for op::AffineGrid {
 }
 
 impl OpRules for op::Col2Im {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(3)
     }
@@ -333,6 +348,12 @@ impl OpRules for op::Col2Im {
 }
 
 impl OpRules for op::RoiAlign {
+    /// One output per region of interest: axis 0 follows the `rois` input's.
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(1);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(3)
     }

@@ -6,6 +6,7 @@
 //! rows (vocabulary parallelism: each device gathers the rows it holds, leaving partial
 //! sums); the others run whole or keep their indexed dims whole.
 
+use super::flow::Mono;
 use super::grad::GradCx;
 use super::shape::no_work_whole;
 use super::util::norm_axis;
@@ -123,6 +124,17 @@ impl OpRules for op::GatherElements {
 }
 
 impl OpRules for op::GatherND {
+    /// `indices[..-1] ++ data[batch_dims + k..]`: the index rows (and the batch dims they
+    /// share with the data) and the data's trailing axes.
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        let (dm, im, iold) = (cx.in_m(0)?, cx.in_m(1)?, cx.in_old(1)?);
+        let k = *iold.last()? as usize;
+        let mut m = im[..im.len() - 1].to_vec();
+        m.extend(dm.iter().skip(self.batch_dims() as usize + k).cloned());
+        cx.set(0, m);
+        Some(())
+    }
+
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         if self.batch_dims() != 0 {
             return Some(Err("the gradient of GatherND with batch_dims is not supported".into()));
@@ -242,6 +254,11 @@ impl OpRules for op::ScatterElements {
 }
 
 impl OpRules for op::TopK {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         // The values' gradient scattered back to where they were taken from.
         Some((|| {
@@ -283,6 +300,16 @@ impl OpRules for op::TopK {
 }
 
 impl OpRules for op::OneHot {
+    /// The indices' axes, with the depth inserted at `axis`.
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        let mut m = cx.in_m(0)?;
+        let out = cx.out_old();
+        let a = norm_axis(self.axis(), m.len() + 1).ok()?;
+        m.insert(a, Mono::constant(*out.get(a)?));
+        cx.set(0, m);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(3)
     }
@@ -800,6 +827,11 @@ impl OpRules for op::GatherGrad {
 }
 
 impl OpRules for op::CumProd {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }
@@ -822,6 +854,11 @@ impl OpRules for op::CumProd {
 }
 
 impl OpRules for op::Scatter {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(3)
     }
@@ -897,6 +934,11 @@ impl OpRules for op::Compress {
 }
 
 impl OpRules for op::ReverseSequence {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }
@@ -928,6 +970,11 @@ impl OpRules for op::ReverseSequence {
 }
 
 impl OpRules for op::TensorScatter {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 1)
     }

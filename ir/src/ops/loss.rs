@@ -8,7 +8,7 @@
 //! partial sums of the per-sample terms, divided by the global count.
 
 use super::grad::GradCx;
-use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
+use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
 use crate::eval::{Array, EvalError};
 use crate::op::{self, Op};
 use crate::shard::IterSpace;
@@ -138,6 +138,11 @@ fn loss_sharded(reduction: &str) -> Sharded {
 }
 
 impl OpRules for op::SoftmaxCrossEntropyLoss {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 2)
     }
@@ -189,6 +194,11 @@ impl OpRules for op::SoftmaxCrossEntropyLoss {
 }
 
 impl OpRules for op::NegativeLogLikelihoodLoss {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 1)
     }

@@ -775,6 +775,11 @@ impl OpRules for op::LayerNormGrad {
 }
 
 impl OpRules for op::RMSNormalization {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     /// With r = 1/√(mean(x²)+ε) over the normalized dims and g = dY·scale:
     /// dX = g·r − x·r³·mean(x·g), dScale = Σ dY·x·r over the other dims.
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {

@@ -549,6 +549,11 @@ impl OpRules for op::AveragePoolGrad {
 }
 
 impl OpRules for op::MaxUnpool {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 1)
     }

@@ -11,7 +11,7 @@ use std::cell::Cell;
 use super::contraction::matmul_dims;
 use super::shape::no_work_whole;
 use super::util::norm_axis;
-use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Types, Work};
+use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
 use crate::eval::{Array, EvalError, matmul};
 use crate::op;
 use crate::shard::IterSpace;
@@ -79,6 +79,11 @@ fn quantized(dtype: DType, shape: Vec<usize>, v: impl Iterator<Item = f64>) -> R
 }
 
 impl OpRules for op::QuantizeLinear {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 1)
     }
@@ -120,6 +125,11 @@ impl OpRules for op::QuantizeLinear {
 }
 
 impl OpRules for op::DequantizeLinear {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 1)
     }
@@ -149,6 +159,11 @@ impl OpRules for op::DequantizeLinear {
 }
 
 impl OpRules for op::DynamicQuantizeLinear {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(1, 1, 3, 3)
     }
@@ -203,6 +218,11 @@ fn shifted(x: &Array, zero: Option<&Array>, axis: usize) -> Result<Array> {
 }
 
 impl OpRules for op::MatMulInteger {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(2, 4, 1, 1)
     }
@@ -232,6 +252,11 @@ impl OpRules for op::MatMulInteger {
 }
 
 impl OpRules for op::QLinearMatMul {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(8)
     }
@@ -343,6 +368,11 @@ fn conv_work(cx: &NodeCx<'_>, w: usize) -> Option<Work> {
 }
 
 impl OpRules for op::ConvInteger {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(2, 4, 1, 1)
     }
@@ -369,6 +399,11 @@ impl OpRules for op::ConvInteger {
 }
 
 impl OpRules for op::QLinearConv {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(8, 9, 1, 1)
     }

@@ -5,7 +5,7 @@
 
 use super::shape::{no_work_whole, passthrough_space};
 use super::util::norm_axis;
-use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Types, Work};
+use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
 use crate::eval::{Array, Data, EvalError, transpose};
 use crate::op;
 use crate::shard::IterSpace;
@@ -15,6 +15,11 @@ use crate::types::Dim;
 type Result<T> = std::result::Result<T, EvalError>;
 
 impl OpRules for op::Resize {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(1, 4, 1, 1)
     }
@@ -52,6 +57,11 @@ impl OpRules for op::Resize {
 }
 
 impl OpRules for op::Upsample {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(1, 2, 1, 1)
     }
@@ -89,6 +99,11 @@ fn block_dims(d: &[Dim], b: i64, to_space: bool) -> Vec<Dim> {
 }
 
 impl OpRules for op::DepthToSpace {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(1)
     }
@@ -110,6 +125,11 @@ impl OpRules for op::DepthToSpace {
 }
 
 impl OpRules for op::SpaceToDepth {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(1)
     }

@@ -504,7 +504,7 @@ impl OpRules for op::Concat {
         let r = out_old.len() as i64;
         let a = self.axis.map(|x| (if x < 0 { x + r } else { x }) as usize).unwrap_or(0);
         let ins = cx.inputs();
-        let mut m = cx.broadcast(&ins, &out_old);
+        let mut m = cx.equal_axes(&ins, &out_old);
         let parts: Vec<Mono> = ins.iter().filter_map(|&v| cx.monos_of(v).and_then(|mm| mm.get(a).cloned())).collect();
         m[a] = if parts.iter().any(Mono::is_tracked) { Mono::Opaque } else { Mono::constant(out_old[a]) };
         cx.set(0, m);
@@ -674,6 +674,11 @@ impl OpRules for op::Slice {
 }
 
 impl OpRules for op::Pad {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         Some(pad_grad(self, cx))
     }
@@ -936,6 +941,11 @@ impl OpRules for op::Range {
 }
 
 impl OpRules for op::EyeLike {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn grad(&self, _cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         // The output depends on the input's shape only: no gradient flows.
         Some(Ok(()))
@@ -1525,6 +1535,11 @@ impl OpRules for op::SliceGrad {
 }
 
 impl OpRules for op::CenterCropPad {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }

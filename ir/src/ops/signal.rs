@@ -6,7 +6,7 @@
 
 use super::shape::no_work_whole;
 use super::util::norm_axis;
-use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Types, Work};
+use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
 use crate::eval::{Array, EvalError, strides};
 use crate::op;
 use crate::shard::IterSpace;
@@ -21,6 +21,11 @@ fn dft_axis(d: &op::DFT, axis_input: Option<i64>, rank: usize, opset: i64) -> st
 }
 
 impl OpRules for op::DFT {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(1, 3, 1, 1)
     }
@@ -155,6 +160,11 @@ fn dft(x: &Array, axis: usize, n: Option<i64>, inverse: bool, onesided: bool) ->
 }
 
 impl OpRules for op::STFT {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(2, 4, 1, 1)
     }
@@ -268,6 +278,11 @@ macro_rules! windows {
             fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
                 window(cx, self.output_datatype(), self.periodic() != 0, |$i, $n| $f)
             }
+
+            fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+                cx.constant_outputs();
+                Some(())
+            }
         }
     )*};
 }
@@ -279,6 +294,11 @@ windows! {
 }
 
 impl OpRules for op::MelWeightMatrix {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.constant_outputs();
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(5)
     }

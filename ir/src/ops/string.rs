@@ -3,7 +3,7 @@
 
 use super::shape::no_work_whole;
 use super::util::{bcast_shapes, broadcast_index, broadcast_shapes};
-use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Types, Work};
+use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
 use crate::eval::{Array, Data, EvalError};
 use crate::op;
 use crate::shard::IterSpace;
@@ -23,6 +23,11 @@ fn string_array(shape: Vec<usize>, v: Vec<String>) -> Array {
 }
 
 impl OpRules for op::StringConcat {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.broadcast_all();
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }
@@ -48,6 +53,11 @@ impl OpRules for op::StringConcat {
 }
 
 impl OpRules for op::StringSplit {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(1, 1, 2, 2)
     }
@@ -109,6 +119,11 @@ impl OpRules for op::StringSplit {
 }
 
 impl OpRules for op::StringNormalizer {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(1)
     }
@@ -179,6 +194,11 @@ impl OpRules for op::StringNormalizer {
 }
 
 impl OpRules for op::RegexFullMatch {
+    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+        cx.positional(0);
+        Some(())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(1)
     }
