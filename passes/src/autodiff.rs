@@ -226,7 +226,7 @@ pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<T
     }
     let infer = |g: &mut Graph| {
         ir::infer::infer_shapes(g, ir::infer::Mode::Check)
-            .map_err(|e| e.into_iter().map(|e| Located { node: e.node, span: e.span, msg: e.msg }).collect::<Vec<_>>())
+            .map_err(|e| e.into_iter().map(Located::from).collect::<Vec<_>>())
     };
     infer(g)?;
     let mut labels = Vec::new();

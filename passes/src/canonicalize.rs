@@ -240,10 +240,7 @@ impl Pass for Canonicalize {
             g.topo_order().map_err(|_| PassError::new(self.name(), Located::global("the graph has a cycle")))?;
 
         // Control flow whose condition is known.
-        let inlined = inline_known_ifs(g).map_err(|errs| PassError {
-            pass: self.name().into(),
-            errors: errs.into_iter().map(|e| Located { node: e.node, span: e.span, msg: e.msg }).collect(),
-        })?;
+        let inlined = inline_known_ifs(g).map_err(|errs| PassError::shapes(self.name(), errs))?;
         cx.stats.add("if nodes inlined", inlined);
         let order = if inlined > 0 { g.topo_order().expect("inlining keeps the graph acyclic") } else { order };
 
@@ -289,10 +286,7 @@ impl Pass for Canonicalize {
         }
 
         // Fold what shape inference could compute.
-        let report = infer_shapes(g, Mode::Check).map_err(|errs| PassError {
-            pass: self.name().into(),
-            errors: errs.into_iter().map(|e| Located { node: e.node, span: e.span, msg: e.msg }).collect(),
-        })?;
+        let report = infer_shapes(g, Mode::Check).map_err(|errs| PassError::shapes(self.name(), errs))?;
         let order = g.topo_order().expect("still acyclic");
         for n in order {
             if !g.contains(n) || is_source(&g.node(n).op) || g.node(n).op.class() == OpClass::Comm {
@@ -328,11 +322,8 @@ impl Pass for Canonicalize {
         let removed = eliminate_dead_code(g);
         cx.stats.add("dead nodes removed", removed);
 
-        let report = infer_shapes(g, Mode::Check).map_err(|errs| PassError {
-            pass: self.name().into(),
-            errors: errs.into_iter().map(|e| Located { node: e.node, span: e.span, msg: e.msg }).collect(),
-        })?;
-        cx.warnings.extend(report.warnings.into_iter().map(|w| Located { node: w.node, span: w.span, msg: w.msg }));
+        let report = infer_shapes(g, Mode::Check).map_err(|errs| PassError::shapes(self.name(), errs))?;
+        cx.warnings.extend(report.warnings.into_iter().map(Located::from));
         Ok(Changed::Yes)
     }
 }

@@ -23,18 +23,11 @@ impl Pass for InferShapes {
         let mode = if self.reset { Mode::Reset } else { Mode::Check };
         match infer_shapes(g, mode) {
             Ok(report) => {
-                cx.warnings.extend(report.warnings.into_iter().map(|w| Located {
-                    node: w.node,
-                    span: w.span,
-                    msg: w.msg,
-                }));
+                cx.warnings.extend(report.warnings.into_iter().map(Located::from));
                 cx.stats.add("ops with unknown output types", report.unknown.len() as u64);
                 Ok(Changed::Yes)
             }
-            Err(errs) => Err(PassError {
-                pass: self.name().into(),
-                errors: errs.into_iter().map(|e| Located { node: e.node, span: e.span, msg: e.msg }).collect(),
-            }),
+            Err(errs) => Err(PassError::shapes(self.name(), errs)),
         }
     }
 }

@@ -52,6 +52,17 @@ impl PassError {
     pub fn new(pass: &str, err: Located) -> PassError {
         PassError { pass: pass.to_string(), errors: vec![err] }
     }
+
+    /// Shape inference's errors, as `pass`'s.
+    pub fn shapes(pass: &str, errs: Vec<ir::infer::ShapeError>) -> PassError {
+        PassError { pass: pass.to_string(), errors: errs.into_iter().map(Located::from).collect() }
+    }
+}
+
+impl From<ir::infer::ShapeError> for Located {
+    fn from(e: ir::infer::ShapeError) -> Located {
+        Located { node: e.node, span: e.span, msg: e.msg }
+    }
 }
 
 /// Counters passes may bump (nodes removed, constants folded, …), reported by name.

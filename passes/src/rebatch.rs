@@ -610,7 +610,7 @@ fn finish(
             .map(|e| Located { node: e.node, span: e.span, msg: format!("after changing the inputs: {}", e.msg) })
             .collect::<Vec<_>>()
     })?;
-    report.notes.extend(inferred.warnings.into_iter().map(|w| Located { node: w.node, span: w.span, msg: w.msg }));
+    report.notes.extend(inferred.warnings.into_iter().map(Located::from));
     let mut errors = Vec::new();
     for (v, ms) in monos {
         if !g.contains(v.node) {
@@ -638,9 +638,7 @@ fn finish(
 /// changed dim (see the module documentation).
 pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassError> {
     let fail = |errors: Vec<Located>| PassError { pass: NAME.into(), errors };
-    let located = |e: Vec<ir::infer::ShapeError>| {
-        e.into_iter().map(|e| Located { node: e.node, span: e.span, msg: e.msg }).collect()
-    };
+    let located = |e: Vec<ir::infer::ShapeError>| e.into_iter().map(Located::from).collect();
     let mut report = RebatchReport::default();
     infer_shapes(g, Mode::Check).map_err(|e| fail(located(e)))?;
     let mut new_dims = changed_inputs(g, spec).map_err(|e| fail(vec![e]))?;

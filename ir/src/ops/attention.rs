@@ -5,6 +5,7 @@
 //! Both run whole on one device (their pieces would need the heads or the sequence kept
 //! together; an exported model's attention as separate MatMul/Softmax ops splits by heads).
 
+use super::flow::flow_positional;
 use super::grad::GradCx;
 use super::shape::no_work_whole;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
@@ -33,10 +34,7 @@ fn dim_add(a: &Dim, b: &Dim) -> Dim {
 }
 
 impl OpRules for op::Attention {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(3, 7, 1, 4)
@@ -319,10 +317,7 @@ fn attention(op: &op::Attention, cx: &EvalCx<'_>) -> Arrays {
 }
 
 impl OpRules for op::RotaryEmbedding {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     /// A rotation's transpose is the rotation by the opposite angle: dX is dY rotated with
     /// the sine negated (the caches and positions get no gradient).

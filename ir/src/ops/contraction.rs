@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 
+use super::flow::flow_positional;
 use super::grad::GradCx;
 use super::util::{bcast_shapes, broadcast_index, broadcast_shapes, join};
 use super::{Arity, Arrays, Backward, EvalCx, FlowCx, InferCx, MANY, NodeCx, OpRules, TypeRule, Types, Work};
@@ -543,10 +544,7 @@ fn gemm_grad(gm: &op::Gemm, cx: &mut GradCx<'_>) -> std::result::Result<(), Stri
 }
 
 impl OpRules for op::Det {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::fixed(1)

@@ -318,6 +318,18 @@ impl FlowCx<'_> {
     }
 }
 
+/// The flow rule of an op whose output axes follow input `$i`'s by position
+/// ([`FlowCx::positional`]): per-sample ops, and ops that leave some axes alone.
+macro_rules! flow_positional {
+    ($i:expr) => {
+        fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
+            cx.positional($i);
+            Some(())
+        }
+    };
+}
+pub(crate) use flow_positional;
+
 /// Flows changed dims through `order` (a topological order of `g`) with each op's rule:
 /// returns the monomials of every value visited, the requirements on constants, and the
 /// errors by node. `input_monos` seeds the changed inputs; `overrides` pin axes already made

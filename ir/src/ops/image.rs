@@ -1,6 +1,7 @@
 //! Sampling images at computed positions: `GridSample`, `AffineGrid`, `Col2Im` (the inverse of
 //! im2col) and `RoiAlign`. They run whole on one device, evaluated by the reference kernels.
 
+use super::flow::flow_positional;
 use super::shape::no_work_whole;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
 use crate::eval::{Array, EvalError, strides};
@@ -9,10 +10,7 @@ use crate::shard::IterSpace;
 use crate::types::Dim;
 
 impl OpRules for op::GridSample {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::fixed(2)
@@ -196,10 +194,7 @@ fn grid_sample(op: &op::GridSample, x: &Array, grid: &Array) -> Arrays {
 }
 
 impl OpRules for op::AffineGrid {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::fixed(2)
@@ -262,10 +257,7 @@ impl OpRules for op::AffineGrid {
 }
 
 impl OpRules for op::Col2Im {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::fixed(3)
@@ -348,11 +340,8 @@ impl OpRules for op::Col2Im {
 }
 
 impl OpRules for op::RoiAlign {
-    /// One output per region of interest: axis 0 follows the `rois` input's.
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(1);
-        Some(())
-    }
+    // One output per region of interest: axis 0 follows the `rois` input's.
+    flow_positional!(1);
 
     fn arity(&self) -> Arity {
         Arity::fixed(3)

@@ -6,7 +6,7 @@
 //! rows (vocabulary parallelism: each device gathers the rows it holds, leaving partial
 //! sums); the others run whole or keep their indexed dims whole.
 
-use super::flow::Mono;
+use super::flow::{Mono, flow_positional};
 use super::grad::GradCx;
 use super::shape::no_work_whole;
 use super::util::norm_axis;
@@ -254,10 +254,7 @@ impl OpRules for op::ScatterElements {
 }
 
 impl OpRules for op::TopK {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         // The values' gradient scattered back to where they were taken from.
@@ -827,10 +824,7 @@ impl OpRules for op::GatherGrad {
 }
 
 impl OpRules for op::CumProd {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::fixed(2)
@@ -854,10 +848,7 @@ impl OpRules for op::CumProd {
 }
 
 impl OpRules for op::Scatter {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::fixed(3)
@@ -934,10 +925,7 @@ impl OpRules for op::Compress {
 }
 
 impl OpRules for op::ReverseSequence {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::fixed(2)
@@ -970,10 +958,7 @@ impl OpRules for op::ReverseSequence {
 }
 
 impl OpRules for op::TensorScatter {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 1)

@@ -7,6 +7,7 @@
 //! for nothing. The iteration space splits the samples (the batch): a split mean leaves
 //! partial sums of the per-sample terms, divided by the global count.
 
+use super::flow::flow_positional;
 use super::grad::GradCx;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
 use crate::eval::{Array, EvalError};
@@ -138,10 +139,7 @@ fn loss_sharded(reduction: &str) -> Sharded {
 }
 
 impl OpRules for op::SoftmaxCrossEntropyLoss {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 2)
@@ -194,10 +192,7 @@ impl OpRules for op::SoftmaxCrossEntropyLoss {
 }
 
 impl OpRules for op::NegativeLogLikelihoodLoss {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 1)

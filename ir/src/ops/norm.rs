@@ -5,6 +5,7 @@
 //! `Statistic` dims (splitting one needs a small all-reduce of the statistics), LRN's window
 //! over channels and group normalization's channels stay whole.
 
+use super::flow::flow_positional;
 use super::grad::GradCx;
 use super::util::{broadcast_index, broadcast_shapes, norm_axes, norm_axis};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, Sharded, Types, Work};
@@ -775,10 +776,7 @@ impl OpRules for op::LayerNormGrad {
 }
 
 impl OpRules for op::RMSNormalization {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     /// With r = 1/√(mean(x²)+ε) over the normalized dims and g = dY·scale:
     /// dX = g·r − x·r³·mean(x·g), dScale = Σ dY·x·r over the other dims.

@@ -5,6 +5,7 @@
 //! sums over its spatial dims (a split leaves partial sums), global max and Lp keep them whole.
 
 use super::conv::{spatial_dims, to3, window, window_dims, window_flow};
+use super::flow::flow_positional;
 use super::grad::GradCx;
 use super::util::join;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
@@ -549,10 +550,7 @@ impl OpRules for op::AveragePoolGrad {
 }
 
 impl OpRules for op::MaxUnpool {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 1)

@@ -9,6 +9,7 @@
 use std::cell::Cell;
 
 use super::contraction::matmul_dims;
+use super::flow::flow_positional;
 use super::shape::no_work_whole;
 use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
@@ -79,10 +80,7 @@ fn quantized(dtype: DType, shape: Vec<usize>, v: impl Iterator<Item = f64>) -> R
 }
 
 impl OpRules for op::QuantizeLinear {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 1)
@@ -125,10 +123,7 @@ impl OpRules for op::QuantizeLinear {
 }
 
 impl OpRules for op::DequantizeLinear {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 1)
@@ -159,10 +154,7 @@ impl OpRules for op::DequantizeLinear {
 }
 
 impl OpRules for op::DynamicQuantizeLinear {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(1, 1, 3, 3)
@@ -218,10 +210,7 @@ fn shifted(x: &Array, zero: Option<&Array>, axis: usize) -> Result<Array> {
 }
 
 impl OpRules for op::MatMulInteger {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(2, 4, 1, 1)
@@ -252,10 +241,7 @@ impl OpRules for op::MatMulInteger {
 }
 
 impl OpRules for op::QLinearMatMul {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::fixed(8)
@@ -368,10 +354,7 @@ fn conv_work(cx: &NodeCx<'_>, w: usize) -> Option<Work> {
 }
 
 impl OpRules for op::ConvInteger {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(2, 4, 1, 1)
@@ -399,10 +382,7 @@ impl OpRules for op::ConvInteger {
 }
 
 impl OpRules for op::QLinearConv {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(8, 9, 1, 1)

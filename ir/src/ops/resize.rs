@@ -3,6 +3,7 @@
 //!
 //! Dims a resize leaves alone split; resized dims stay whole.
 
+use super::flow::flow_positional;
 use super::shape::{no_work_whole, passthrough_space};
 use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
@@ -15,10 +16,7 @@ use crate::types::Dim;
 type Result<T> = std::result::Result<T, EvalError>;
 
 impl OpRules for op::Resize {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(1, 4, 1, 1)
@@ -57,10 +55,7 @@ impl OpRules for op::Resize {
 }
 
 impl OpRules for op::Upsample {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(1, 2, 1, 1)
@@ -99,10 +94,7 @@ fn block_dims(d: &[Dim], b: i64, to_space: bool) -> Vec<Dim> {
 }
 
 impl OpRules for op::DepthToSpace {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::fixed(1)
@@ -125,10 +117,7 @@ impl OpRules for op::DepthToSpace {
 }
 
 impl OpRules for op::SpaceToDepth {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::fixed(1)

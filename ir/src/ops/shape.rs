@@ -5,7 +5,7 @@
 //! Reshapes map input dims onto output dims group by group ([`crate::shard::reshape_map`]);
 //! ops that leave some dims alone split along those; the rest run whole.
 
-use super::flow::factor_reshape;
+use super::flow::{factor_reshape, flow_positional};
 use super::grad::GradCx;
 use super::util::{bcast_shapes, join, norm_axes, norm_axis, prod, prod_dim, prod_div};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, MANY, Mono, NodeCx, OpRules, TypeRule, Types, Work};
@@ -674,10 +674,7 @@ impl OpRules for op::Slice {
 }
 
 impl OpRules for op::Pad {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         Some(pad_grad(self, cx))
@@ -941,10 +938,7 @@ impl OpRules for op::Range {
 }
 
 impl OpRules for op::EyeLike {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn grad(&self, _cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         // The output depends on the input's shape only: no gradient flows.
@@ -1535,10 +1529,7 @@ impl OpRules for op::SliceGrad {
 }
 
 impl OpRules for op::CenterCropPad {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::fixed(2)

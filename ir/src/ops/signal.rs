@@ -4,6 +4,7 @@
 //! Complex values are a trailing dim of 2 (real, imaginary); a trailing dim of 1 is a real
 //! signal. They run whole on one device, evaluated by the reference kernels (a direct DFT).
 
+use super::flow::flow_positional;
 use super::shape::no_work_whole;
 use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
@@ -21,10 +22,7 @@ fn dft_axis(d: &op::DFT, axis_input: Option<i64>, rank: usize, opset: i64) -> st
 }
 
 impl OpRules for op::DFT {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(1, 3, 1, 1)
@@ -160,10 +158,7 @@ fn dft(x: &Array, axis: usize, n: Option<i64>, inverse: bool, onesided: bool) ->
 }
 
 impl OpRules for op::STFT {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(2, 4, 1, 1)

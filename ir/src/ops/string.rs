@@ -1,6 +1,7 @@
 //! String tensors: `StringConcat`, `StringSplit`, `StringNormalizer`, `RegexFullMatch`. They
 //! run on the host (a device holds numbers), evaluated by the reference kernels.
 
+use super::flow::flow_positional;
 use super::shape::no_work_whole;
 use super::util::{bcast_shapes, broadcast_index, broadcast_shapes};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
@@ -53,10 +54,7 @@ impl OpRules for op::StringConcat {
 }
 
 impl OpRules for op::StringSplit {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::new(1, 1, 2, 2)
@@ -119,10 +117,7 @@ impl OpRules for op::StringSplit {
 }
 
 impl OpRules for op::StringNormalizer {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::fixed(1)
@@ -194,10 +189,7 @@ impl OpRules for op::StringNormalizer {
 }
 
 impl OpRules for op::RegexFullMatch {
-    fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.positional(0);
-        Some(())
-    }
+    flow_positional!(0);
 
     fn arity(&self) -> Arity {
         Arity::fixed(1)
