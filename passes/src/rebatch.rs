@@ -1040,30 +1040,29 @@ impl Resolver<'_> {
                 // requirement to the input.
                 let input = g.node(n).input(0).expect("input");
                 let in_m = self.monos.get(&input).cloned();
+                let starts = consts_i64(self.consts, g.node(n).input(1)).unwrap_or_default();
+                let ends = consts_i64(self.consts, g.node(n).input(2)).unwrap_or_default();
+                let ax_list =
+                    consts_i64(self.consts, g.node(n).input(3)).unwrap_or_else(|| (0..starts.len() as i64).collect());
+                let steps = consts_i64(self.consts, g.node(n).input(4)).unwrap_or_default();
+                let r = in_dims.len() as i64;
                 let mut through = Vec::new();
                 for (a, m) in axes {
+                    let Some(k) = ax_list.iter().position(|&x| (if x < 0 { x + r } else { x }) as usize == *a) else {
+                        through.push((*a, m.clone()));
+                        continue;
+                    };
                     if let Some(im) = in_m.as_ref().and_then(|im| im.get(*a)).filter(|im| im.is_tracked())
                         && let (Some(new_in), Some(new_out)) = (im.eval(syms, true), m.eval(syms, true))
                         && let (Some(&d_in), Some(&d_out)) = (in_dims.get(*a), out_dims.get(*a))
                         && d_in > 0
                         && new_out * d_in == new_in * d_out
                     {
-                        let starts = consts_i64(self.consts, g.node(n).input(1)).unwrap_or_default();
-                        let ends = consts_i64(self.consts, g.node(n).input(2)).unwrap_or_default();
-                        let ax_list = consts_i64(self.consts, g.node(n).input(3))
-                            .unwrap_or_else(|| (0..starts.len() as i64).collect());
-                        let steps = consts_i64(self.consts, g.node(n).input(4)).unwrap_or_default();
-                        let r = in_dims.len() as i64;
-                        let Some(k) = ax_list.iter().position(|&x| (if x < 0 { x + r } else { x }) as usize == *a)
-                        else {
-                            through.push((*a, m.clone()));
-                            continue;
-                        };
                         let scale = |x: i64| -> Option<i64> {
                             let x = if x < 0 { x + d_in } else { x }.clamp(0, d_in);
                             ((x * new_in) % d_in == 0).then(|| x * new_in / d_in)
                         };
-                        let (Some(s0), Some(e0)) = (scale(starts[k]), scale(ends[k])) else {
+                        let (Some(s0), Some(e0)) = (scale(starts[k]), ends.get(k).and_then(|&e| scale(e))) else {
                             return Err(Located::at(
                                 g,
                                 n,
@@ -1087,16 +1086,6 @@ impl Resolver<'_> {
                         self.report.literals_rewritten += count;
                         continue;
                     }
-                    let starts = consts_i64(self.consts, g.node(n).input(1)).unwrap_or_default();
-                    let ax_list = consts_i64(self.consts, g.node(n).input(3))
-                        .unwrap_or_else(|| (0..starts.len() as i64).collect());
-                    let Some(k) = ax_list
-                        .iter()
-                        .position(|&x| (if x < 0 { x + out_dims.len() as i64 } else { x }) as usize == *a)
-                    else {
-                        through.push((*a, m.clone()));
-                        continue;
-                    };
                     let new_end = starts[k] + new_of(m)?;
                     if let Some(&dim) = in_dims.get(*a)
                         && new_end > dim
@@ -1115,7 +1104,7 @@ impl Resolver<'_> {
                     self.report.literals_rewritten += count;
                 }
                 if !through.is_empty() {
-                    self.resolve(g, g.node(n).input(0).expect("input"), &through)?;
+                    self.resolve(g, input, &through)?;
                 }
                 Ok(())
             }

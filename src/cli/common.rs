@@ -192,13 +192,8 @@ pub fn load_with_values(
     path: &Path,
     inputs: &Path,
 ) -> CliResult<(Loaded, std::collections::HashMap<String, ir::eval::Array>)> {
-    note_input(path);
+    let mut loaded = read_model(path)?;
     note_input(inputs);
-    let mut loaded = shardc::load_model(path).map_err(|e| CliError::new(e.render()))?;
-    note_external_data(&loaded.model.graph, path);
-    if !loaded.warnings.is_empty() {
-        eprint!("{}", loaded.source.render(&loaded.warnings));
-    }
     let given = shardc::exec::given_inputs(&loaded.model.graph, inputs).map_err(CliError::msg)?;
     shardc::exec::prepare_with_values(&mut loaded.model, &given)
         .map_err(|e| CliError::msg(format!("the model does not take these inputs: {e}")))?;
@@ -209,13 +204,20 @@ pub fn load_with_values(
     Ok((loaded, given))
 }
 
-fn load_with(path: &Path, shapes: &ShapeArgs, canonical: bool, computable: bool) -> CliResult<Loaded> {
+/// Reads the model at `path` (recording it and its external data as inputs) and prints the
+/// frontend's warnings.
+fn read_model(path: &Path) -> CliResult<Loaded> {
     note_input(path);
-    let mut loaded = shardc::load_model(path).map_err(|e| CliError::new(e.render()))?;
+    let loaded = shardc::load_model(path).map_err(|e| CliError::new(e.render()))?;
     note_external_data(&loaded.model.graph, path);
     if !loaded.warnings.is_empty() {
         eprint!("{}", loaded.source.render(&loaded.warnings));
     }
+    Ok(loaded)
+}
+
+fn load_with(path: &Path, shapes: &ShapeArgs, canonical: bool, computable: bool) -> CliResult<Loaded> {
+    let mut loaded = read_model(path)?;
     let spec = shapes.spec()?;
     let mut pm = passes::PassManager::new();
     pm.add(passes::Verify);

@@ -45,9 +45,7 @@ fn gru_matches_onnxruntime_in_every_configuration() {
     assert_eq!(cases.len(), 12);
     let gpu = codegen::runtime::gpu::open().is_ok();
     for path in cases {
-        let (parsed, _) =
-            frontend::parse_binary(&std::fs::read(&path).unwrap()).unwrap_or_else(|(d, _)| panic!("{d:?}"));
-        let mut m = parsed.model;
+        let mut m = load_model(&path);
         let io = load_io(&path);
         let reference = ir::eval::run(&m.graph, &io.inputs, &Default::default()).unwrap();
         for ((name, want), got) in io.outputs.iter().zip(&reference) {

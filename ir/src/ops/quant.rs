@@ -209,6 +209,12 @@ fn shifted(x: &Array, zero: Option<&Array>, axis: usize) -> Result<Array> {
     Ok(Array::float(DType::Double, x.shape.clone(), v))
 }
 
+/// A quantized matrix product's work: a multiply-add per output element per contracted term.
+fn matmul_work(cx: &NodeCx<'_>) -> Option<Work> {
+    let k = *cx.in_dims(0).last()? as f64;
+    Work::flops(2.0 * k * cx.out_numel(0))
+}
+
 impl OpRules for op::MatMulInteger {
     flow_positional!(0);
 
@@ -226,8 +232,7 @@ impl OpRules for op::MatMulInteger {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        let k = *cx.in_dims(0).last()? as f64;
-        Work::flops(2.0 * k * cx.out_numel(0))
+        matmul_work(cx)
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
@@ -258,8 +263,7 @@ impl OpRules for op::QLinearMatMul {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        let k = *cx.in_dims(0).last()? as f64;
-        Work::flops(2.0 * k * cx.out_numel(0))
+        matmul_work(cx)
     }
 
     /// `saturate(round((a − za)(b − zb) · sa·sb/sy) + zy)`.
