@@ -1,7 +1,10 @@
 //! Training steps on this machine's wgpu adapter (lavapipe without a GPU) against the cost
 //! model's predicted training step (the `local-wgpu` preset) for the same plan: reduced real
 //! models and golden training cases under named strategies and the searched plan, on 1–4
-//! simulated devices, with the mean absolute percentage error.
+//! simulated devices, with the mean absolute percentage error of two predictions side by
+//! side: the forward model's plan priced as a training step (what the search compares), and
+//! the training program that runs priced op by op (what `shardc train` predicts; pipelines
+//! have only the first).
 //!
 //! Run with `cargo bench --bench train` (`XDG_RUNTIME_DIR` set, a Vulkan driver installed).
 //! The measured step is the median of the warm steps (the first compiles kernels), on the
@@ -51,10 +54,10 @@ fn main() {
     let opt = OptimizerSpec::Sgd { lr: 0.01, momentum: 0.9, dampening: 0.0, nesterov: false, weight_decay: 0.0 };
     let opts = Options { optimizer: shardc::passes::cost::Optimizer::Sgd, ..Default::default() };
     println!(
-        "training step on local-wgpu: predicted (cost model, the forward model's plan priced as a training step) vs measured (median of {} warm steps, slowest device)",
+        "training step on local-wgpu: predicted from the forward plan (plan) and from the training program (program) vs measured (median of {} warm steps, slowest device)",
         STEPS - 1
     );
-    let mut errors = Vec::new();
+    let mut errors = Errors::default();
     for (name, path, shapes, loss, strategy, devices) in &cases {
         let m = prepare(path, shapes, false);
         let loss = if loss.is_empty() { LossSpec::Model } else { LossSpec::parse(loss).expect("loss") };
@@ -74,7 +77,7 @@ fn main() {
             let prog = shardc::exec::as_micro_batches(prog, &tm.graph, pipe.micro_batches).expect("micro-batches");
             let predicted = f.pipeline.as_ref().map_or(f.breakdown.step_time_s, |p| p.breakdown.step_time_s);
             let label = format!("{strategy}×{}", pipe.micro_batches);
-            report(&mut errors, name, &label, *devices, predicted, measure(&prog, &tm.graph, &info));
+            report(&mut errors, name, &label, *devices, (predicted, None), measure(&prog, &tm.graph, &info));
             continue;
         }
         let (r, predicted) = if *strategy == "auto" {
@@ -94,10 +97,27 @@ fn main() {
             )
         };
         let prog = shardc::exec::program_for_search(&tm.graph, &r, *devices).expect("lowers");
-        report(&mut errors, name, strategy, *devices, predicted, measure(&prog, &tm.graph, &info));
+        let program = Some(r.breakdown.step_time_s);
+        report(&mut errors, name, strategy, *devices, (predicted, program), measure(&prog, &tm.graph, &info));
     }
-    let mape = errors.iter().sum::<f64>() / errors.len().max(1) as f64 * 100.0;
-    println!("  mean absolute percentage error over {} cases: {mape:.1}% (target < 15%)", errors.len());
+    let mape = |e: &[f64]| e.iter().sum::<f64>() / e.len().max(1) as f64 * 100.0;
+    println!(
+        "  mean absolute percentage error (target < 15%): plan {:.1}% over {} cases; program {:.1}% over {} cases; plan on those {} cases {:.1}%",
+        mape(&errors.plan),
+        errors.plan.len(),
+        mape(&errors.program),
+        errors.program.len(),
+        errors.program.len(),
+        mape(&errors.plan_where_program)
+    );
+}
+
+/// Absolute relative errors of each prediction.
+#[derive(Default)]
+struct Errors {
+    plan: Vec<f64>,
+    program: Vec<f64>,
+    plan_where_program: Vec<f64>,
 }
 
 /// The measured step: the median of the warm steps, on the slowest device.
@@ -112,13 +132,23 @@ fn measure(prog: &shardc::codegen::Program, g: &shardc::ir::Graph, info: &shardc
 }
 
 /// Prints one case's row and records its error.
-fn report(errors: &mut Vec<f64>, name: &str, strategy: &str, devices: usize, predicted: f64, measured: f64) {
-    let err = (predicted - measured) / measured;
-    errors.push(err.abs());
+fn report(errors: &mut Errors, name: &str, strategy: &str, devices: usize, pred: (f64, Option<f64>), measured: f64) {
+    let (plan, program) = pred;
+    let err = (plan - measured) / measured;
+    errors.plan.push(err.abs());
+    let prog = program.map(|p| (p - measured) / measured);
+    if let Some(e) = prog {
+        errors.program.push(e.abs());
+        errors.plan_where_program.push(err.abs());
+    }
     println!(
-        "  {name:<24} {strategy:>8}@{devices}  predicted {:>9.2} ms  measured {:>9.2} ms  error {:>+7.1}%",
-        predicted * 1e3,
+        "  {name:<24} {strategy:>8}@{devices}  measured {:>9.2} ms  plan {:>9.2} ms ({:>+7.1}%)  program {}",
         measured * 1e3,
-        err * 100.0
+        plan * 1e3,
+        err * 100.0,
+        match (program, prog) {
+            (Some(p), Some(e)) => format!("{:>9.2} ms ({:>+7.1}%)", p * 1e3, e * 100.0),
+            _ => "        -".to_string(),
+        }
     );
 }

@@ -39,8 +39,9 @@ fn main() {
     let named = shardc::exec::named_result(&tm.graph, &c, devices, strategy, &o)
         .ok()
         .and_then(|r| shardc::exec::program_for_search(&tm.graph, &r, devices).ok());
-    println!("priced  {priced:?}");
-    println!("derived {:?}", prog.bytes_moved_per_device());
+    println!("forward plan priced   {priced:?}");
+    println!("training step priced  {:?}", tr.breakdown.bytes_moved_per_device);
+    println!("training step lowered {:?}", prog.bytes_moved_per_device());
     if let Some(n) = named {
         println!("named   {:?}", n.bytes_moved_per_device());
     }

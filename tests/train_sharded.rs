@@ -52,11 +52,14 @@ fn load(path: &Path) -> Case {
     }
 }
 
-/// The program of `strategy` on `devices` (None when the strategy does not apply).
+/// The program of `strategy` on `devices` (None when the strategy does not apply), its
+/// priced bytes checked against what it moves.
 fn program(c: &Case, strategy: &str, devices: usize) -> Option<shardc::codegen::Program> {
     let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
     let r = shardc::exec::named_result(&c.graph, &cluster, devices, strategy, &Default::default()).ok()?;
-    Some(lowered(c, &r, devices, strategy))
+    let p = lowered(c, &r, devices, strategy);
+    priced_as_lowered(c, &r, &p, &format!("{strategy} ×{devices}"));
+    Some(p)
 }
 
 /// The training graph lowered for `r` (strategies of its ops), checked.
@@ -70,6 +73,25 @@ fn lowered(
         .unwrap_or_else(|e| panic!("{} {what} ×{devices}: does not lower: {e}", c.name));
     shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{} {what} ×{devices}: inconsistent: {e:?}", c.name));
     p
+}
+
+/// Plan = program for a training step: the bytes each device sends per phase (forward,
+/// backward, gradient synchronisation) and kind, as the cost model prices the training
+/// graph under `r`, equal what the lowered program's communication ops move, tagged with
+/// the phase of the op they serve.
+fn priced_as_lowered(c: &Case, r: &shardc::passes::autoshard::SearchResult, p: &shardc::codegen::Program, label: &str) {
+    let priced = &r.breakdown.bytes_moved_per_device;
+    let moved = p.bytes_moved_per_device();
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()) + 1e-3;
+    let phases: std::collections::BTreeSet<&String> = priced.keys().chain(moved.keys()).collect();
+    for phase in phases {
+        let (a, b) = (priced.get(phase).cloned().unwrap_or_default(), moved.get(phase).cloned().unwrap_or_default());
+        let kinds: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+        for k in kinds {
+            let (x, y) = (a.get(k).copied().unwrap_or(0.0), b.get(k).copied().unwrap_or(0.0));
+            assert!(close(x, y), "{} {label}: {phase} {k}: priced {x} bytes per device, the program moves {y}", c.name);
+        }
+    }
 }
 
 /// Runs `p` (nothing replicated instead of as planned) and asserts that it trains like
@@ -171,6 +193,7 @@ fn forward_plans_train_like_one_device() {
                         .unwrap_or_else(|e| panic!("{} {what} ×{devices}: {e}", c.name));
                 assert_eq!(kept, r.assignment.strategies.len(), "{} {what} ×{devices}: forward ops re-derived", c.name);
                 let p = lowered(&c, &tr, devices, &what);
+                priced_as_lowered(&c, &tr, &p, &format!("{what} ×{devices}"));
                 report.push_str(&agrees(&c, &p, &single, (1e-4, 1e-5), &format!("{what} ×{devices}")));
                 ran += 1;
             }

@@ -126,13 +126,28 @@ impl DeviceProgram {
     /// all-gather), the rows a halo exchange sends its neighbours. The measure the plan's
     /// `bytes_moved` uses, so the two can be compared.
     pub fn bytes_moved(&self) -> BTreeMap<String, f64> {
+        let mut out: BTreeMap<String, f64> = BTreeMap::new();
+        for kinds in self.bytes_moved_by_phase().into_values() {
+            for (k, b) in kinds {
+                *out.entry(k).or_insert(0.0) += b;
+            }
+        }
+        out
+    }
+
+    /// [`DeviceProgram::bytes_moved`] per phase of the step: the phase the lowering tagged
+    /// each communication op with ([`ir::reshard::PHASE`]; `forward` when untagged, as in a
+    /// forward model's program).
+    pub fn bytes_moved_by_phase(&self) -> BTreeMap<String, BTreeMap<String, f64>> {
         use ir::op::Op;
         let g = &self.graph;
-        let mut out: BTreeMap<String, f64> = BTreeMap::new();
+        let mut all: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
         let bytes =
             |v: Option<Value>| v.and_then(|v| g.tensor_type(v)).and_then(|t| t.size_bytes()).unwrap_or(0) as f64;
         for n in g.op_nodes().unwrap_or_default() {
             let node = g.node(n);
+            let phase = node.annotations.iter().find(|(k, _)| k == ir::reshard::PHASE).map_or("forward", |(_, p)| p);
+            let out = all.entry(phase.to_string()).or_default();
             let group = |gr: &Option<Vec<i64>>| gr.as_ref().map_or(1, Vec::len);
             let (kind, moved) = match &node.op {
                 Op::AllReduce(a) => (
@@ -168,7 +183,8 @@ impl DeviceProgram {
             };
             *out.entry(kind.name().into()).or_insert(0.0) += moved;
         }
-        out
+        all.retain(|_, k| !k.is_empty());
+        all
     }
 
     /// The program as a model in the ONNX textual syntax (parses back with the frontend).
@@ -215,19 +231,19 @@ impl Program {
     }
 
     /// Per phase and kind, the bytes the busiest device sends in one step (all micro-batches):
-    /// the measure of the plan's `bytes_moved_per_device`. The programs are forward passes,
-    /// so every byte is `forward`.
+    /// the measure of the plan's `bytes_moved_per_device`. A forward model's program moves
+    /// every byte in `forward`; a training graph's is split by the phase of the op each
+    /// communication serves ([`DeviceProgram::bytes_moved_by_phase`]).
     pub fn bytes_moved_per_device(&self) -> BTreeMap<String, BTreeMap<String, f64>> {
-        let mut kinds: BTreeMap<String, f64> = BTreeMap::new();
+        let mut out: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
         for d in &self.devices {
-            for (k, b) in d.bytes_moved() {
-                let e = kinds.entry(k).or_insert(0.0);
-                *e = e.max(b * self.micro_batches as f64);
+            for (phase, kinds) in d.bytes_moved_by_phase() {
+                let o = out.entry(phase).or_default();
+                for (k, b) in kinds {
+                    let e = o.entry(k).or_insert(0.0);
+                    *e = e.max(b * self.micro_batches as f64);
+                }
             }
-        }
-        let mut out = BTreeMap::new();
-        if !kinds.is_empty() {
-            out.insert("forward".to_string(), kinds);
         }
         out
     }

@@ -628,3 +628,94 @@ mod tests {
         assert_eq!(kinds(&s), vec![("all_reduce", vec![0, 1])]);
     }
 }
+
+/// The annotation of a backward op in a training graph: the first output's name of the
+/// forward op it differentiates (written by the autodiff pass).
+pub const GRAD_OF: &str = "shardc_grad_of";
+
+/// The annotation the lowering puts on each communication op: the [`Phase`] of the step it
+/// serves.
+pub const PHASE: &str = "shardc_phase";
+
+/// The part of a training step a computation or communication belongs to.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Forward pass: an input resharded for its consumer, a halo, statistics.
+    Forward,
+    /// Backward pass: an activation gradient brought back to its producer's layout.
+    Backward,
+    /// Gradient synchronisation of a parameter before the update (and, in a training
+    /// graph, the update itself).
+    Gradient,
+}
+
+impl Phase {
+    /// `forward`, `backward` or `gradient`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Gradient => "gradient",
+        }
+    }
+
+    /// Parses [`Phase::name`].
+    pub fn parse(s: &str) -> Option<Phase> {
+        Some(match s {
+            "forward" => Phase::Forward,
+            "backward" => Phase::Backward,
+            "gradient" => Phase::Gradient,
+            _ => return None,
+        })
+    }
+}
+
+/// The phase of every op of a training graph (`None` when `g` is not one: no carried
+/// state): an optimizer update is [`Phase::Gradient`] (what brings its gradient to the
+/// parameter's layout is gradient synchronisation); an op annotated [`GRAD_OF`], or one
+/// reading a backward op's output (the sum of gradients of a value read several times), is
+/// [`Phase::Backward`], unless it is unannotated and only gradient-phase ops read it (it
+/// hands a finished gradient to its update); an op reading an update's output is
+/// [`Phase::Gradient`] too; every other op is [`Phase::Forward`]. The cost model prices a training
+/// graph's communication under these phases and the lowering tags its communication with
+/// them, so the two can be compared phase by phase.
+pub fn step_phases(
+    g: &crate::Graph,
+    order: &[crate::NodeId],
+) -> Option<std::collections::HashMap<crate::NodeId, Phase>> {
+    use crate::Op;
+    if carried_state(g).is_empty() {
+        return None;
+    }
+    let mut out = std::collections::HashMap::with_capacity(order.len());
+    for &n in order {
+        let node = g.node(n);
+        let p = if matches!(node.op, Op::SgdUpdate(_) | Op::AdamUpdate(_)) {
+            Phase::Gradient
+        } else if node.annotations.iter().any(|(k, _)| k == GRAD_OF)
+            || node.inputs().iter().flatten().any(|v| out.get(&v.node) == Some(&Phase::Backward))
+        {
+            Phase::Backward
+        } else if node.inputs().iter().flatten().any(|v| out.get(&v.node) == Some(&Phase::Gradient)) {
+            Phase::Gradient
+        } else {
+            Phase::Forward
+        };
+        out.insert(n, p);
+    }
+    // What hands a finished gradient to its update (the sum of a weight's gradients, the
+    // identity naming it `X__grad`) is gradient synchronisation's part: an unannotated
+    // backward op read only by gradient-phase ops.
+    for &n in order.iter().rev() {
+        let node = g.node(n);
+        if out[&n] != Phase::Backward || node.annotations.iter().any(|(k, _)| k == GRAD_OF) {
+            continue;
+        }
+        let mut readers = (0..node.num_outputs()).flat_map(|s| g.users(crate::Value::new(n, s as u16))).peekable();
+        if readers.peek().is_some() && readers.all(|(r, _)| out.get(&r) == Some(&Phase::Gradient)) {
+            out.insert(n, Phase::Gradient);
+        }
+    }
+    Some(out)
+}

@@ -211,9 +211,7 @@ impl TrainInfo {
     }
 }
 
-/// The annotation of a backward op: the first output's name of the forward op it
-/// differentiates.
-pub const GRAD_OF: &str = "shardc_grad_of";
+pub use ir::reshard::GRAD_OF;
 
 fn err(msg: impl Into<String>) -> Vec<Located> {
     vec![Located::global(msg)]

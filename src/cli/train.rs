@@ -155,7 +155,8 @@ struct Chosen {
     /// forward model whose stages the training graph's ops are then given.
     lowering: Lowering,
     devices: usize,
-    /// The cost model's step time and peak memory per device for the forward model's plan.
+    /// The cost model's step time and peak memory per device: the training program's price
+    /// for a flat plan, the pipelined plan's for a pipeline.
     predicted: Option<(f64, u64)>,
     desc: String,
     notes: Vec<String>,
@@ -184,8 +185,8 @@ fn training_plan(
     if let Some(s) = named {
         let devices = args.devices.unwrap_or(1);
         let result = exec::named_result(train, cluster, devices, s, opts).map_err(CliError::msg)?;
-        let predicted =
-            exec::named_result(forward, cluster, devices, s, opts).ok().map(|f| step_and_memory(&f.breakdown));
+        // The training program priced as it runs (each op of the step once, in its phase).
+        let predicted = Some(step_and_memory(&result.breakdown));
         return Ok(Chosen {
             lowering: Lowering::Flat(Box::new(result)),
             devices,
@@ -286,6 +287,17 @@ fn training_plan(
         }
     };
     let (result, kept) = exec::training_result(train, forward, &fwd, &mesh, cluster, opts).map_err(CliError::msg)?;
+    // The prediction is the derived training program's price (what runs); the forward
+    // plan's own estimate of the step is said beside it.
+    let program = step_and_memory(&result.breakdown);
+    notes.push(format!(
+        "the plan prices the step at {} ({:.1} MB per device) from the forward model; the training program derived from it at {} ({:.1} MB)",
+        secs(predicted.0),
+        predicted.1 as f64 / 1e6,
+        secs(program.0),
+        program.1 as f64 / 1e6
+    ));
+    let predicted = program;
     if kept < fwd.strategies.len() {
         notes.push(format!(
             "{kept} of the plan's {} forward ops keep their strategy; the others are chosen like the backward ops",

@@ -31,6 +31,9 @@ pub(crate) struct Shared<'a> {
     /// Carried state's next values delivered to other stages than their own, which hold the
     /// state too (a tied weight): those stages.
     pub deliver: HashMap<Value, Vec<usize>>,
+    /// A training graph's op phases ([`ir::reshard::step_phases`]), which tag the
+    /// communication each op's lowering emits.
+    pub phases: Option<HashMap<NodeId, ir::reshard::Phase>>,
 }
 
 /// One device's lowering state.
@@ -50,6 +53,9 @@ pub(crate) struct Local<'a> {
     pub feeds: Vec<Feed>,
     names: HashMap<String, usize>,
     pub fallbacks: Vec<String>,
+    /// The phase of the op being lowered (a training graph's), put on the communication
+    /// it emits ([`ir::reshard::PHASE`]).
+    pub phase: Option<ir::reshard::Phase>,
 }
 
 impl<'a> Local<'a> {
@@ -71,6 +77,7 @@ impl<'a> Local<'a> {
             feeds: Vec::new(),
             names: HashMap::new(),
             fallbacks: Vec::new(),
+            phase: None,
         }
     }
 
@@ -89,7 +96,11 @@ impl<'a> Local<'a> {
     /// Adds `op` with `inputs` and outputs named `outs` (empty: omitted).
     pub fn emit(&mut self, op: Op, inputs: Vec<Option<Value>>, outs: &[String]) -> Vec<Value> {
         let outputs: Vec<Output> = outs.iter().map(|n| Output::named(n.clone())).collect();
+        let comm = op.class() == ir::OpClass::Comm;
         let id = self.lg.add_node(op, inputs, outputs);
+        if comm && let Some(p) = self.phase {
+            self.lg.set_annotation(id, ir::reshard::PHASE, p.name());
+        }
         (0..outs.len()).map(|s| Value::new(id, s as u16)).collect()
     }
 

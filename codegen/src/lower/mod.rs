@@ -251,7 +251,8 @@ pub fn lower(g: &Graph, placement: &Placement) -> Result<Program, LowerError> {
             }
         }
     }
-    let sh = Shared { g, placement, stage_of_value, value_tag, batch, everywhere, deliver };
+    let phases = ir::reshard::step_phases(g, &order);
+    let sh = Shared { g, placement, stage_of_value, value_tag, batch, everywhere, deliver, phases };
     let total = placement.device_count();
     let mut programs: Vec<Option<DeviceProgram>> = vec![None; total];
     let mut fallbacks: Vec<String> = Vec::new();
@@ -347,7 +348,9 @@ fn lower_device(
             }
         }
     }
+    let phase_of = |n: NodeId| sh.phases.as_ref().and_then(|p| p.get(&n).copied());
     for &n in order.iter().filter(|&&n| stage_of(n) == si || sh.everywhere.contains(&n)) {
+        l.phase = phase_of(n);
         lower_op(&mut l, n)?;
         // Each value another stage reads is sent as soon as it is computed (a training
         // step's backward part waits for it in the next stage).
@@ -381,6 +384,7 @@ fn lower_device(
         let produced = l.produced.get(&v).cloned().unwrap_or_else(|| vec![AxisShard::Replicate; stage.mesh.axes.len()]);
         let batch = sh.batch.get(&v).map_or(&[][..], Vec::as_slice);
         let layout = ir::reshard::delivered_layout(g, &carried, v, &produced, batch, |s| l.produced.get(&s).cloned());
+        l.phase = phase_of(v.node);
         let x = l.get(v, &layout)?;
         l.lg.add_output(x, None);
         results.push(Result_ { local: l.lg.value_name(x).to_string(), global: g.value_name(v).to_string(), layout });
@@ -436,6 +440,7 @@ pub fn reshard_program(
         batch: HashMap::new(),
         everywhere: Default::default(),
         deliver: HashMap::new(),
+        phases: None,
     };
     let fed: Sharding = from.iter().map(|s| if *s == AxisShard::Partial { AxisShard::Replicate } else { *s }).collect();
     let mut devices = Vec::new();

@@ -193,28 +193,7 @@ pub struct OpRow {
     pub update_s: f64,
 }
 
-/// When in the step a communication happens.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Phase {
-    /// Forward pass: an input resharded for its consumer, a halo, statistics.
-    Forward,
-    /// Backward pass: an activation gradient brought back to its producer's layout.
-    Backward,
-    /// Gradient synchronisation of a parameter before the update.
-    Gradient,
-}
-
-impl Phase {
-    /// `forward`, `backward` or `gradient`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Phase::Forward => "forward",
-            Phase::Backward => "backward",
-            Phase::Gradient => "gradient",
-        }
-    }
-}
+pub use ir::reshard::Phase;
 
 /// One communication of a step: a tensor (or its gradient) moved from one layout to another.
 #[derive(Clone, Debug)]
@@ -317,6 +296,9 @@ pub struct CostModel<'a> {
     spaces: HashMap<NodeId, IterSpace>,
     costs: HashMap<NodeId, OpCost>,
     batch: BatchDims,
+    /// A training graph's op phases ([`ir::reshard::step_phases`]): the graph is priced as
+    /// it runs, each op once in its phase, with no backward pass or update added.
+    phases: Option<HashMap<NodeId, Phase>>,
     op_memo: RefCell<FxHashMap<(NodeId, OpStrategy), Rc<OpEval>>>,
     reshard_memo: RefCell<FxHashMap<ReshardKey, Rc<[Step]>>>,
 }
@@ -462,6 +444,7 @@ impl<'a> CostModel<'a> {
             costs.insert(n, node_cost(g, n));
         }
         let policy = choose_policy(&mesh, cluster);
+        let phases = ir::reshard::step_phases(g, &order);
         CostModel {
             g,
             cluster,
@@ -472,6 +455,7 @@ impl<'a> CostModel<'a> {
             spaces,
             costs,
             batch,
+            phases,
             op_memo: RefCell::default(),
             reshard_memo: RefCell::default(),
         }
@@ -490,6 +474,17 @@ impl<'a> CostModel<'a> {
     /// The batch analysis.
     pub fn batch(&self) -> &BatchDims {
         &self.batch
+    }
+
+    /// Whether the graph is a training step (priced as it runs: each op once, in its
+    /// phase) rather than a forward model (priced with its backward pass and update).
+    pub fn is_training_graph(&self) -> bool {
+        self.phases.is_some()
+    }
+
+    /// The phase op `n` runs in: its training-graph phase, else forward.
+    pub fn phase(&self, n: NodeId) -> Phase {
+        self.phases.as_ref().and_then(|p| p.get(&n).copied()).unwrap_or(Phase::Forward)
     }
 
     /// Bytes per element factor of float tensors in the training precision.
@@ -716,15 +711,21 @@ impl<'a> CostModel<'a> {
             return e.clone();
         }
         let (ins, outs) = strategy_shardings(&self.spaces[&n], s);
-        let (fwd, bwd) = self.compute_time(n, s, &ins, &outs);
-        let comm = self.op_comm(n, s, &ins);
+        let (fwd, mut bwd) = self.compute_time(n, s, &ins, &outs);
+        let mut comm = self.op_comm(n, s, &ins);
+        if self.phases.is_some() {
+            // A training graph's op runs once: its own work and communication, in its phase.
+            bwd = 0.0;
+            let phase = self.phase(n);
+            comm = comm.into_iter().filter(|(p, _)| *p == Phase::Forward).map(|(_, st)| (phase, st)).collect();
+        }
         let mut time = OpTime { fwd, bwd, ..OpTime::default() };
         for (phase, st) in &comm {
             match st.kind {
                 CommKind::Halo => time.halo += st.time,
                 _ => time.stats += st.time,
             }
-            if *phase == Phase::Forward {
+            if *phase != Phase::Backward || self.phases.is_some() {
                 time.comm_fwd += st.time;
             }
         }
@@ -780,6 +781,9 @@ impl<'a> CostModel<'a> {
     }
 
     fn evaluate_with(&self, asg: &Assignment, detail: bool) -> Breakdown {
+        if self.phases.is_some() {
+            return self.evaluate_training(asg, detail);
+        }
         let g = self.g;
         let mesh = &self.mesh;
         let evals: Vec<Rc<OpEval>> = self.order.iter().map(|&n| self.op_eval(n, &self.strategy_of(asg, n))).collect();
@@ -841,7 +845,7 @@ impl<'a> CostModel<'a> {
         }
         // Graph outputs end reduced and cut only along their batch dims (what a loss or the
         // host reads); the collectives that make them so are part of the forward pass.
-        let out_comm = self.output_comm(&mut w, &edges, &have, &storage);
+        let out_comm: f64 = self.output_comm(&mut w, &edges, &have, &storage).iter().sum();
         fwd_total += out_comm;
         comm_total += out_comm;
 
@@ -908,6 +912,147 @@ impl<'a> CostModel<'a> {
         }
     }
 
+    /// Prices a training graph as it runs: each op once, in its phase
+    /// ([`ir::reshard::step_phases`]); the collectives its layouts need, tagged with the phase
+    /// of the op that reads them (what the lowering emits, tagged the same); no backward pass
+    /// or optimizer update added, since the graph has them. Gradient synchronisation is the
+    /// resharding of the gradients into the updates, exposed whole (the runtime runs it where
+    /// the update reads it). Memory by liveness over the op order: initializers (parameters,
+    /// optimizer state) for the whole step, every other value from its op to its last reader
+    /// (graph outputs to the end); the peak is what the step needs.
+    fn evaluate_training(&self, asg: &Assignment, detail: bool) -> Breakdown {
+        let g = self.g;
+        let mesh = &self.mesh;
+        let evals: Vec<Rc<OpEval>> = self.order.iter().map(|&n| self.op_eval(n, &self.strategy_of(asg, n))).collect();
+        let (out_sh, storage) = self.layouts(&evals);
+        let replicated: Sharding = vec![AxisShard::Replicate; mesh.axes.len()];
+        let have =
+            |v: Value| -> &Sharding { out_sh.get(&v).copied().or_else(|| storage.get(&v)).unwrap_or(&replicated) };
+        let local = |v: Value| self.value_bytes(v) / split_factor(have(v), mesh);
+        let mut last_use: FxHashMap<Value, usize> = FxHashMap::default();
+        for (pos, &n) in self.order.iter().enumerate() {
+            for v in g.node(n).inputs().iter().flatten().chain(g.node(n).captures()) {
+                last_use.insert(*v, pos);
+            }
+        }
+        let outputs: FxHashSet<Value> = g.outputs().iter().map(|o| o.value).collect();
+        let fixed = |v: Value| matches!(g.node(v.node).op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef);
+
+        let mut w = Walk::new(detail, self.order.len());
+        let mut edges = Edges::default();
+        // Per phase (forward, backward, gradient): compute and communication seconds.
+        let (mut compute, mut comm) = ([0.0f64; 3], [0.0f64; 3]);
+        let (mut live, mut peak) = (0.0f64, 0.0f64);
+        for (pos, (&n, e)) in self.order.iter().zip(&evals).enumerate() {
+            let node = g.node(n);
+            let phase = self.phase(n);
+            let (edge_comm, _) = self.op_edges(&mut w, &mut edges, pos, n, e, &have, &|v| out_sh.contains_key(&v));
+            for (p, st) in &e.comm {
+                let out = Value::new(n, 0);
+                w.record(*p, out, Some(n), have(out), have(out), std::slice::from_ref(st));
+            }
+            let op_comm = edge_comm + e.time.comm_fwd;
+            compute[phase as usize] += e.time.fwd;
+            comm[phase as usize] += op_comm;
+            let mut made = 0.0;
+            for slot in 0..node.num_outputs() {
+                let v = Value::new(n, slot as u16);
+                if !g.value_name(v).is_empty() {
+                    made += local(v);
+                }
+            }
+            w.workspace = w.workspace.max(made);
+            live += made;
+            peak = peak.max(live);
+            for v in node.inputs().iter().flatten() {
+                if last_use.get(v) == Some(&pos) && !fixed(*v) && !outputs.contains(v) {
+                    live -= local(*v);
+                }
+            }
+            for slot in 0..node.num_outputs() {
+                let v = Value::new(n, slot as u16);
+                if !g.value_name(v).is_empty() && !last_use.contains_key(&v) && !outputs.contains(&v) {
+                    live -= local(v);
+                }
+            }
+            if detail {
+                w.rows.push(OpRow {
+                    name: node
+                        .label
+                        .clone()
+                        .unwrap_or_else(|| node.outputs().first().map(|o| o.name.clone()).unwrap_or_default()),
+                    op: node.op.op_type().to_string(),
+                    strategy: self.describe_strategy(n, &e.strategy),
+                    compute_s: e.time.fwd,
+                    communication_s: op_comm,
+                    memory_bytes: made,
+                    forward_s: if phase == Phase::Forward { e.time.fwd + op_comm } else { 0.0 },
+                    backward_s: if phase == Phase::Backward { e.time.fwd + op_comm } else { 0.0 },
+                    param_memory_bytes: 0.0,
+                    grad_sync_s: if phase == Phase::Gradient { op_comm } else { 0.0 },
+                    update_s: if phase == Phase::Gradient { e.time.fwd } else { 0.0 },
+                });
+            }
+        }
+        let out_comm = self.output_comm(&mut w, &edges, &have, &storage);
+        for (c, o) in comm.iter_mut().zip(out_comm) {
+            *c += o;
+        }
+        w.events.append(&mut w.bwd_events);
+
+        // Held for the whole step: parameters (trainable initializers), the optimizer's and
+        // the normalizations' state, and the graph's inputs.
+        let trainable: FxHashSet<&str> =
+            g.outputs().iter().filter_map(|o| g.value_name(o.value).strip_suffix("__grad")).collect();
+        let (mut weights, mut state, mut inputs) = (0.0, 0.0, 0.0);
+        for v in storage.keys().copied().filter(|&v| fixed(v)) {
+            match g.node(v.node).op {
+                Op::Initializer(_) if trainable.contains(g.value_name(v)) => weights += local(v),
+                Op::Initializer(_) => state += local(v),
+                _ => inputs += local(v),
+            }
+        }
+        let (input_transfer, input_bytes) = self.input_time(&storage, mesh);
+        let [fwd, bwd, grad] = [0, 1, 2].map(|p| compute[p] + comm[p]);
+        let before_input = fwd + bwd + grad;
+        let input_exposed = if self.opts.preload { (input_transfer - before_input).max(0.0) } else { input_transfer };
+        let memory =
+            Memory { weights, gradients: 0.0, optimizer: state, activations: peak + inputs, workspace: w.workspace };
+        let capacity = self.cluster.device.mem_capacity * self.cluster.device.mem_usable;
+        let total = memory.total();
+        let feasible = total <= capacity;
+        let bytes_moved_per_device = if detail { bytes_moved_per_device(&w.events, mesh) } else { BTreeMap::new() };
+        Breakdown {
+            step_time_s: before_input + input_exposed,
+            compute_s: compute[0] + compute[1],
+            forward_s: fwd,
+            backward_s: bwd,
+            update_s: compute[2],
+            communication_s: comm.iter().sum(),
+            communication_by_kind: w
+                .comm_kind
+                .into_iter()
+                .filter(|(_, v)| *v > 0.0)
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
+            gradient_sync_s: comm[2],
+            exposed_gradient_sync_s: comm[2],
+            bubble_s: 0.0,
+            input_s: input_exposed,
+            input_transfer_s: input_transfer,
+            input_bytes,
+            memory_per_device_bytes: vec![total as u64; mesh.devices()],
+            infeasible_reason: (!feasible).then(|| overflow_reason(&memory, capacity)),
+            memory,
+            memory_capacity_bytes: capacity as u64,
+            feasible,
+            ops: w.rows,
+            events: w.events,
+            bytes_moved_per_device,
+            policy: self.policy,
+        }
+    }
+
     /// Layouts: op outputs from their strategies; parameters, constants and graph inputs as
     /// their first reader needs them (see [`ir::reshard::held_once`]).
     fn layouts<'e>(&self, evals: &'e [Rc<OpEval>]) -> (FxHashMap<Value, &'e Sharding>, BTreeMap<Value, Sharding>) {
@@ -936,6 +1081,9 @@ impl<'a> CostModel<'a> {
 
     /// Gradients flow back into `v`.
     fn needs_grad(&self, v: Value) -> bool {
+        if self.phases.is_some() {
+            return false; // a training graph computes its gradients itself
+        }
         let g = self.g;
         let node = g.node(v.node);
         let float = g.tensor_type(v).is_some_and(|t| t.dtype.is_float());
@@ -972,7 +1120,7 @@ impl<'a> CostModel<'a> {
             // A tensor is materialized in a layout once, however many ops read it there.
             if src != need && edges.materialized.insert((*v, need)) {
                 let steps = self.reshard(*v, src, need, 1.0);
-                fwd += w.record(Phase::Forward, *v, Some(n), src, need, &steps);
+                fwd += w.record(self.phase(n), *v, Some(n), src, need, &steps);
             }
             if !self.needs_grad(*v) {
                 continue;
@@ -1008,8 +1156,8 @@ impl<'a> CostModel<'a> {
         edges: &Edges<'e>,
         have: &dyn Fn(Value) -> &'e Sharding,
         storage: &BTreeMap<Value, Sharding>,
-    ) -> f64 {
-        let mut t = 0.0;
+    ) -> [f64; 3] {
+        let mut t = [0.0; 3];
         let carried = ir::reshard::carried_state(self.g);
         let mut done: FxHashSet<Value> = FxHashSet::default();
         for o in self.g.outputs() {
@@ -1024,7 +1172,8 @@ impl<'a> CostModel<'a> {
                 continue; // a reader already made it
             }
             let steps = self.reshard(v, from, &to, 1.0);
-            t += w.record(Phase::Forward, v, None, from, &to, &steps);
+            let phase = self.phase(v.node);
+            t[phase as usize] += w.record(phase, v, None, from, &to, &steps);
         }
         t
     }
