@@ -410,3 +410,67 @@ fn pipelined_training_equals_one_device() {
     assert!(tied >= 1, "no pipeline held a weight in two stages");
     assert!(refused >= 1, "nothing refused");
 }
+
+/// A bundled real model re-shaped to `shapes`, its weights materialized (drawn from seed 0
+/// where the external data is not there), trained with softmax cross-entropy on seeded
+/// labels.
+fn reduced(file: &str, shapes: &[(&str, &[i64])]) -> Case {
+    let path = shardc_tests::repo_root().join("tests/data/models").join(file);
+    let mut m = shardc::load_model(&path).expect("model loads").model;
+    let spec = shardc::passes::RebatchSpec {
+        batch: None,
+        input_shapes: shapes.iter().map(|(n, s)| (n.to_string(), s.to_vec())).collect(),
+        ..Default::default()
+    };
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Verify).add(shardc::passes::Rebatch { spec }).add(shardc::passes::InferShapes::default());
+    pm.run(&mut m).unwrap_or_else(|e| panic!("{file}: {e}"));
+    shardc::exec::materialize(&mut m, path.parent().unwrap(), 0).expect("weights");
+    let opt = OptimizerSpec::Sgd { lr: 0.01, momentum: 0.9, dampening: 0.0, nesterov: false, weight_decay: 0.0 };
+    let (tm, info) =
+        training_model(&m, &LossSpec::SoftmaxCrossEntropy(None), &opt).unwrap_or_else(|e| panic!("{file}: {e}"));
+    let inputs = shardc::train::seeded_inputs(&tm.graph, &info, 0).expect("inputs");
+    Case { name: file.to_string(), forward: m.graph, graph: tm.graph, info, inputs }
+}
+
+/// Reduced real models train sharded like one device, priced as they run: ResNet-18 and
+/// MobileNet-v2 at 2×3×32×32, GPT-2 (4 layers) at 2×8 tokens and the LSTM language model
+/// at 2×8 tokens, under data and megatron parallelism applied to the training graph and
+/// the searched forward plan's derived training program, on 2 and 4 devices: losses,
+/// gradients and parameters after the steps equal one device's, and the bytes the cost model
+/// prices per phase equal what the program moves.
+#[test]
+fn reduced_real_models_train_like_one_device() {
+    let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
+    let opts = shardc::passes::cost::Options::default();
+    let so = shardc::passes::autoshard::SearchOptions {
+        pipeline: shardc::passes::autoshard::PipelineMode::Off,
+        ..Default::default()
+    };
+    let image: &[i64] = &[2, 3, 32, 32];
+    let ids: &[i64] = &[2, 8];
+    let state: &[i64] = &[2, 2, 650];
+    type Shapes<'a> = Vec<(&'a str, &'a [i64])>;
+    let cases: Vec<(&str, Shapes<'_>, &[&str])> = vec![
+        ("tv_resnet18.onnxtxt", vec![("input", image)], &["data", "megatron"]),
+        ("tv_mobilenet_v2.onnxtxt", vec![("input", image)], &["data"]),
+        ("hf_gpt2_small4.onnxtxt", vec![("input_ids", ids)], &["data", "megatron"]),
+        ("pt_lstm_lm.onnxtxt", vec![("tokens", ids), ("h0", state), ("c0", state)], &["data", "megatron"]),
+    ];
+    let mut report = String::new();
+    for (file, shapes, named) in cases {
+        let c = reduced(file, &shapes);
+        let single = run(&c, &program(&c, "data", 1).expect("one device"));
+        for &s in named {
+            let p = program(&c, s, 2).unwrap_or_else(|| panic!("{file}: {s} applies on 2 devices"));
+            report.push_str(&agrees(&c, &p, &single, (1e-4, 1e-5), &format!("{s} ×2")));
+        }
+        let f = shardc::passes::autoshard::search(&c.forward, &cluster, 4, &opts, &so).expect("search");
+        let (tr, _) = shardc::exec::training_result(&c.graph, &c.forward, &f.assignment, &f.mesh, &cluster, &opts)
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+        let p = lowered(&c, &tr, 4, "searched");
+        priced_as_lowered(&c, &tr, &p, "searched ×4");
+        report.push_str(&agrees(&c, &p, &single, (1e-4, 1e-5), "searched ×4"));
+    }
+    eprint!("{report}");
+}

@@ -649,7 +649,7 @@ impl<'a> CostModel<'a> {
                 out.extend(std::iter::repeat_n((Phase::Forward, step.clone()), f));
                 out.extend(std::iter::repeat_n((Phase::Backward, step), b));
             }
-            SplitMode::Loss => {
+            SplitMode::Loss { counted: true } => {
                 // The count of the samples that count: one scalar all-reduce.
                 let axes: Vec<usize> = (0..strategy.len()).filter(|&a| strategy[a].is_some()).collect();
                 let ar = CommStep { kind: StepKind::AllReduce, axes, bytes: eb, to: layout };
@@ -659,7 +659,7 @@ impl<'a> CostModel<'a> {
                     out.extend(std::iter::repeat_n((Phase::Backward, step), b));
                 }
             }
-            SplitMode::Direct | SplitMode::VocabGather => {}
+            SplitMode::Direct | SplitMode::VocabGather | SplitMode::Loss { counted: false } => {}
         }
         out
     }
