@@ -199,3 +199,49 @@ fn debug_dump() {
         Err(e) => eprintln!("{e}"),
     }
 }
+
+/// A mean loss whose samples are split counts only the samples it does not ignore, whether
+/// `reduction` is written or left to its default (mean): two of four labels ignored, data
+/// parallel on 2 devices, equals the reference (sum over the two counted samples / 2). Before
+/// the fix the default-reduction case divided by all 4 samples.
+#[test]
+fn split_mean_losses_count_the_samples_not_ignored() {
+    for (op, attrs) in [
+        ("SoftmaxCrossEntropyLoss", "<ignore_index: int = 1>"),
+        ("SoftmaxCrossEntropyLoss", "<ignore_index: int = 1, reduction: string = \"mean\">"),
+        ("NegativeLogLikelihoodLoss", "<ignore_index: int = 1>"),
+    ] {
+        let text = format!(
+            "<ir_version: 8, opset_import: [\"\" : 17]>\nagraph (float[4,3] x, int64[4] labels) => (float loss) {{\n   loss = {op} {attrs} (x, labels)\n}}\n"
+        );
+        let mut m = frontend::parse(&text).unwrap_or_else(|d| panic!("{d:?}")).model;
+        let mut pm = passes::PassManager::new();
+        pm.add(passes::Verify).add(passes::InferShapes::default());
+        pm.run(&mut m).unwrap();
+        let g = &m.graph;
+        let x = Array::float(
+            ir::DType::Float,
+            vec![4, 3],
+            vec![0.1, -0.4, 0.3, 1.2, 0.5, -0.7, -0.2, 0.9, 0.4, 0.6, -1.1, 0.8],
+        );
+        let labels = Array::int(ir::DType::Int64, vec![4], vec![1, 0, 1, 2]);
+        let inputs: HashMap<String, Array> = [("x".to_string(), x), ("labels".to_string(), labels)].into();
+        let reference = ir::eval::run(g, &inputs, &Default::default()).unwrap();
+        // The loss's samples (iteration dim 0) split over 2 devices.
+        let n = g.op_nodes().unwrap()[0];
+        let sp = ir::shard::iter_space(g, n);
+        assert!(ir::shard::strategy_valid(&sp, &[Some(0)], &grid(&[2]), g, n), "{op}: samples split");
+        let pl = Placement {
+            stages: vec![StagePlacement { mesh: grid(&[2]), devices: vec![0, 1] }],
+            strategies: [(n, vec![Some(0)])].into(),
+            stage_of: HashMap::new(),
+            micro_batches: 1,
+            policy: Default::default(),
+            schedule: Default::default(),
+            recompute: Vec::new(),
+        };
+        let prog = codegen::lower(g, &pl).unwrap();
+        let r = codegen::run(&prog, &inputs, &RunOptions { backend: Backend::Cpu, ..Default::default() }).unwrap();
+        close(&r.outputs[0].1, &reference[0], 1e-5, 1e-6).unwrap_or_else(|e| panic!("{op} {attrs}: {e}"));
+    }
+}
