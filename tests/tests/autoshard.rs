@@ -671,3 +671,34 @@ fn the_plan_depends_on_work_budgets_not_on_the_clock() {
     let p = autoshard::Plan::new(&m.graph, &cluster, 8, &Options::default(), info, &cut);
     assert!(p.search.time_limit_hit && p.search.budget_cut == cut.budget_cut);
 }
+
+/// The plan in ML engineers' terms: a named strategy's degrees come out as such (data
+/// parallelism as `data 8`, Megatron as `tensor 8`, data × Megatron as both), with samples
+/// and tokens per second and a model FLOPs utilisation within (0, 1].
+#[test]
+fn plan_summaries_name_the_degrees_of_parallelism() {
+    let m = shared("hf_gpt2_small4.onnxtxt", batch(8));
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let opts = Options::default();
+    for (strategy, want) in
+        [("data", "data 8, pipeline 1"), ("megatron", "tensor 8"), ("hybrid:dp:2,tp:4", "data 2 × tensor 4")]
+    {
+        let r = shardc::exec::named_result(&m.graph, &cluster, 8, strategy, &opts).unwrap();
+        let p = autoshard::Plan::new(&m.graph, &cluster, 8, &opts, Default::default(), &r);
+        let s = &p.summary;
+        assert!(s.text.starts_with(want), "{strategy}: `{}`, want `{want}…`", s.text);
+        let tokens = s.tokens_per_s.expect("a sequence model has tokens per second");
+        let samples = s.samples_per_s.expect("samples per second");
+        assert!(
+            (tokens / samples
+                - m.graph.input_values().iter().find_map(|&v| m.graph.tensor_type(v)?.static_dims()).unwrap()[1]
+                    as f64)
+                .abs()
+                < 1e-6
+        );
+        let mfu = s.mfu.expect("utilisation");
+        assert!(mfu > 0.0 && mfu <= 1.0, "{strategy}: MFU {mfu}");
+        let back: autoshard::Plan = autoshard::Plan::from_json(&serde_json::to_string(&p).unwrap()).unwrap();
+        assert_eq!(back.summary, p.summary);
+    }
+}

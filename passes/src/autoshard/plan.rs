@@ -283,6 +283,151 @@ pub struct Plan {
     /// Where the search's time went (the only part that differs between runs).
     #[serde(default)]
     pub timings: PlanTimings,
+    /// The plan in the terms ML engineers use: degrees of parallelism and throughput.
+    #[serde(default)]
+    pub summary: PlanSummary,
+}
+
+/// What one mesh axis does in a plan.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct AxisUse {
+    /// The axis.
+    pub axis: String,
+    /// Devices along it.
+    pub size: usize,
+    /// `data` (batch dims), `tensor` (weights' feature or vocabulary dims), `spatial`,
+    /// `other`, `mixed` (no kind splits 80% of what the axis splits), `unused`.
+    pub kind: String,
+    /// Share of the step's FLOPs that ops split over this axis, per kind (`{kind: share}`).
+    pub shares: BTreeMap<String, f64>,
+}
+
+/// A plan in the terms ML engineers use.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PlanSummary {
+    /// E.g. `data 2 × tensor 4, pipeline 1` or `pipeline 2 × 4 micro-batches (1f1b), stage 0: data 4`.
+    pub text: String,
+    /// Per axis of the (first stage's) mesh.
+    pub axes: Vec<AxisUse>,
+    /// Samples per second at the predicted step time.
+    pub samples_per_s: Option<f64>,
+    /// Tokens per second (sequence models: an integer input of rank 2, `[batch, sequence]`).
+    pub tokens_per_s: Option<f64>,
+    /// Model FLOPs utilisation: the training step's FLOPs (forward and backward) over the
+    /// predicted step time times the devices' peak in the training precision.
+    pub mfu: Option<f64>,
+}
+
+/// Classifies each mesh axis by the roles of the iteration dims the ops split over it,
+/// weighted by each op's training FLOPs.
+fn axis_uses(g: &Graph, cm: &CostModel<'_>, asg: &Assignment) -> Vec<AxisUse> {
+    let mesh = &cm.mesh;
+    let mut total = 0.0;
+    let mut per: Vec<BTreeMap<String, f64>> = vec![BTreeMap::new(); mesh.axes.len()];
+    for &n in cm.order() {
+        let flops = ir::cost::node_cost(g, n).total_flops();
+        total += flops;
+        let Some(s) = asg.strategies.get(&n) else { continue };
+        let sp = cm.space(n);
+        for (a, d) in s.iter().enumerate() {
+            let Some(i) = d else { continue };
+            let kind = match sp.dims.get(*i).map(|d| &d.role) {
+                Some(ir::shard::DimRole::Batch) => "data",
+                Some(ir::shard::DimRole::Spatial) => "spatial",
+                Some(ir::shard::DimRole::OutFeature | ir::shard::DimRole::InFeature | ir::shard::DimRole::Vocab) => {
+                    "tensor"
+                }
+                _ => "other",
+            };
+            if let Some(m) = per.get_mut(a) {
+                *m.entry(kind.to_string()).or_insert(0.0) += flops;
+            }
+        }
+    }
+    mesh.axes
+        .iter()
+        .zip(per)
+        .map(|(ax, m)| {
+            let split: f64 = m.values().sum();
+            let shares: BTreeMap<String, f64> = m.into_iter().map(|(k, v)| (k, v / total.max(1e-300))).collect();
+            let top = shares.iter().max_by(|a, b| a.1.total_cmp(b.1));
+            let kind = match top {
+                _ if ax.size <= 1 || split <= 0.0 => "unused".to_string(),
+                Some((k, v)) if *v * total >= 0.8 * split => k.clone(),
+                _ => "mixed".to_string(),
+            };
+            AxisUse { axis: ax.name.clone(), size: ax.size, kind, shares }
+        })
+        .collect()
+}
+
+/// `data 2 × tensor 4` from axis uses (axes of one kind multiply; `mixed` lists its kinds).
+fn degrees(axes: &[AxisUse]) -> String {
+    // (kind, detail for a mixed axis, devices)
+    let mut by_kind: Vec<(String, String, usize)> = Vec::new();
+    for a in axes.iter().filter(|a| a.kind != "unused") {
+        let detail = if a.kind == "mixed" {
+            let kinds: Vec<String> =
+                a.shares.iter().filter(|(_, v)| **v >= 0.005).map(|(k, v)| format!("{k} {:.0}%", v * 100.0)).collect();
+            format!(" ({} of the FLOPs)", kinds.join(", "))
+        } else {
+            String::new()
+        };
+        match by_kind.iter_mut().find(|(k, d, _)| *k == a.kind && *d == detail) {
+            Some(e) => e.2 *= a.size,
+            None => by_kind.push((a.kind.clone(), detail, a.size)),
+        }
+    }
+    if by_kind.is_empty() {
+        return "replicated (no op split)".into();
+    }
+    by_kind.iter().map(|(k, d, n)| format!("{k} {n}{d}")).collect::<Vec<_>>().join(" × ")
+}
+
+impl PlanSummary {
+    fn of(
+        g: &Graph,
+        cms: &[CostModel<'_>],
+        cluster: &Cluster,
+        opts: &Options,
+        devices: usize,
+        r: &SearchResult,
+    ) -> PlanSummary {
+        let axes = cms.first().map(|cm| axis_uses(g, cm, &r.assignment)).unwrap_or_default();
+        let step = r.breakdown.step_time_s;
+        let text = match &r.pipeline {
+            Some(p) => format!(
+                "pipeline {} × {} micro-batches ({}); stage 0: {}",
+                p.stages.len(),
+                p.micro_batches,
+                p.schedule.name(),
+                degrees(&axes)
+            ),
+            None => format!("{}, pipeline 1", degrees(&axes)),
+        };
+        let batch = crate::cost::pipeline::graph_batch(g).map(|b| b as f64);
+        let tokens = g.input_values().into_iter().find_map(|v| {
+            let t = g.tensor_type(v)?;
+            let d = t.static_dims()?;
+            (!t.dtype.is_float() && d.len() == 2).then(|| (d[0] * d[1]) as f64)
+        });
+        let flops: f64 =
+            g.op_nodes().unwrap_or_default().iter().map(|&n| ir::cost::node_cost(g, n).total_flops()).sum();
+        let p = &cluster.device.peak_flops;
+        let peak = match opts.precision {
+            crate::cost::Precision::Fp32 => p.fp32,
+            crate::cost::Precision::Tf32 => p.tf32.unwrap_or(p.fp32),
+            crate::cost::Precision::Fp16 => p.fp16.unwrap_or(p.fp32),
+        };
+        let ok = step > 0.0 && step.is_finite();
+        PlanSummary {
+            text,
+            axes,
+            samples_per_s: batch.filter(|_| ok).map(|b| b / step),
+            tokens_per_s: tokens.filter(|_| ok).map(|t| t / step),
+            mfu: (ok && flops > 0.0 && peak > 0.0).then(|| flops / (step * devices as f64 * peak)),
+        }
+    }
 }
 
 fn level_name(l: LinkLevel) -> &'static str {
@@ -330,6 +475,7 @@ impl Plan {
         let cms: Vec<CostModel<'_>> =
             stage_meshes.iter().map(|m| CostModel::new(g, cluster, m.clone(), opts.clone())).collect();
         let (ops, tensors) = layouts(&cms, &stage_of, &r.assignment, b);
+        let summary = PlanSummary::of(g, &cms, cluster, opts, devices, r);
         let stages = match &r.pipeline {
             Some(p) => p
                 .stages
@@ -396,6 +542,7 @@ impl Plan {
             pipeline,
             policy: r.breakdown.policy,
             timings: PlanTimings::of(r),
+            summary,
         }
     }
 
