@@ -140,6 +140,8 @@ fn cost_json_keys_and_strategy_errors() {
     }
     assert_eq!(v["memory_per_device_bytes"].as_array().unwrap().len(), 8);
     assert_eq!(v["feasible"], true);
+    assert_eq!(v["summary"]["text"], "data 8, pipeline 1");
+    assert!(v["summary"]["samples_per_s"].as_f64().unwrap() > 0.0);
     let o = shardc(&[
         "cost",
         &model("tv_vgg16.onnxtxt"),
@@ -155,6 +157,7 @@ fn cost_json_keys_and_strategy_errors() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["stages"].as_array().unwrap().len(), 4);
     assert!(v["bubble_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(v["summary"]["text"], "pipeline 4 × 8 micro-batches (1f1b)");
     let o = shardc(&["cost", &model("hf_gpt2_small4.onnxtxt"), "--cluster", "dgx-a100", "--strategy", "spatial"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("does not apply"), "{}", stderr(&o));

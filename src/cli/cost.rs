@@ -103,6 +103,19 @@ pub fn run(args: &CostArgs) -> CliResult {
     })?;
     let b = &priced.breakdown;
     let batch = cost::pipeline::graph_batch(g);
+    let summary = {
+        let cm = cost::CostModel::new(g, &cluster, priced.mesh.clone(), opts.clone());
+        let pipe = priced.pipeline.as_ref().map(|p| (p.stages.len(), p.micro_batches, p.schedule.name()));
+        passes::autoshard::plan::PlanSummary::new(
+            &cm,
+            &priced.assignment,
+            &cluster,
+            &opts,
+            devices,
+            b.step_time_s,
+            pipe,
+        )
+    };
     if args.json {
         let mut doc = serde_json::to_value(b).expect("breakdown serializes");
         let obj = doc.as_object_mut().expect("object");
@@ -113,6 +126,7 @@ pub fn run(args: &CostArgs) -> CliResult {
         obj.insert("batch".into(), json!(batch));
         obj.insert("mesh".into(), serde_json::to_value(&priced.mesh).expect("mesh"));
         obj.insert("options".into(), serde_json::to_value(&opts).expect("options"));
+        obj.insert("summary".into(), serde_json::to_value(&summary).expect("summary"));
         if let Some(p) = &priced.pipeline {
             obj.insert("stages".into(), serde_json::to_value(&p.stages).expect("stages"));
             obj.insert("micro_batches".into(), json!(p.micro_batches));
@@ -129,6 +143,7 @@ pub fn run(args: &CostArgs) -> CliResult {
     ));
     t.push_str(&format!("cluster      {}\n", cluster.describe()));
     t.push_str(&format!("strategy     {} on {devices} devices, mesh {}\n", args.strategy, mesh_string(&priced.mesh)));
+    t.push_str(&summary.lines());
     t.push_str(&report_text(b));
     if let Some(p) = &priced.pipeline {
         t.push_str(&format!(

@@ -171,21 +171,7 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
             (None, None) => "per-layer strategies (see --report)".into(),
         }
     ));
-    let sm = &plan.summary;
-    t.push_str(&format!("parallelism  {}\n", sm.text));
-    let mut rates = Vec::new();
-    if let Some(x) = sm.samples_per_s {
-        rates.push(format!("{x:.1} samples/s"));
-    }
-    if let Some(x) = sm.tokens_per_s {
-        rates.push(format!("{x:.0} tokens/s"));
-    }
-    if let Some(x) = sm.mfu {
-        rates.push(format!("model FLOPs utilisation {:.1}%", x * 100.0));
-    }
-    if !rates.is_empty() {
-        t.push_str(&format!("throughput   {}\n", rates.join(", ")));
-    }
+    t.push_str(&plan.summary.lines());
     if let Some(p) = &plan.pipeline {
         t.push_str(&format!("why          {}\n", p.reason));
         t.push_str(&format!("balance      slowest / fastest stage {:.3}\n", p.imbalance));

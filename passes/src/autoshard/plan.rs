@@ -385,24 +385,34 @@ fn degrees(axes: &[AxisUse]) -> String {
 }
 
 impl PlanSummary {
-    fn of(
-        g: &Graph,
-        cms: &[CostModel<'_>],
+    fn of(cms: &[CostModel<'_>], cluster: &Cluster, opts: &Options, devices: usize, r: &SearchResult) -> PlanSummary {
+        let pipeline = r.pipeline.as_ref().map(|p| (p.stages.len(), p.micro_batches, p.schedule.name()));
+        match cms.first() {
+            Some(cm) => PlanSummary::new(cm, &r.assignment, cluster, opts, devices, r.breakdown.step_time_s, pipeline),
+            None => PlanSummary::default(),
+        }
+    }
+
+    /// The summary of `asg` on `cm`'s mesh (the first stage's, for a pipeline of `stages ×
+    /// micro-batches (schedule)`), at step time `step` on `devices` devices.
+    pub fn new(
+        cm: &CostModel<'_>,
+        asg: &Assignment,
         cluster: &Cluster,
         opts: &Options,
         devices: usize,
-        r: &SearchResult,
+        step: f64,
+        pipeline: Option<(usize, usize, &str)>,
     ) -> PlanSummary {
-        let axes = cms.first().map(|cm| axis_uses(g, cm, &r.assignment)).unwrap_or_default();
-        let step = r.breakdown.step_time_s;
-        let text = match &r.pipeline {
-            Some(p) => format!(
-                "pipeline {} × {} micro-batches ({}); stage 0: {}",
-                p.stages.len(),
-                p.micro_batches,
-                p.schedule.name(),
-                degrees(&axes)
-            ),
+        let g = cm.g;
+        let axes = axis_uses(g, cm, asg);
+        let text = match pipeline {
+            Some((stages, micro, schedule)) if asg.strategies.is_empty() => {
+                format!("pipeline {stages} × {micro} micro-batches ({schedule})")
+            }
+            Some((stages, micro, schedule)) => {
+                format!("pipeline {stages} × {micro} micro-batches ({schedule}); stage 0: {}", degrees(&axes))
+            }
             None => format!("{}, pipeline 1", degrees(&axes)),
         };
         let batch = crate::cost::pipeline::graph_batch(g).map(|b| b as f64);
@@ -427,6 +437,25 @@ impl PlanSummary {
             tokens_per_s: tokens.filter(|_| ok).map(|t| t / step),
             mfu: (ok && flops > 0.0 && peak > 0.0).then(|| flops / (step * devices as f64 * peak)),
         }
+    }
+
+    /// The `parallelism` and `throughput` lines `plan` and `cost` print.
+    pub fn lines(&self) -> String {
+        let mut t = format!("parallelism  {}\n", self.text);
+        let mut rates = Vec::new();
+        if let Some(x) = self.samples_per_s {
+            rates.push(format!("{x:.1} samples/s"));
+        }
+        if let Some(x) = self.tokens_per_s {
+            rates.push(format!("{x:.0} tokens/s"));
+        }
+        if let Some(x) = self.mfu {
+            rates.push(format!("model FLOPs utilisation {:.1}%", x * 100.0));
+        }
+        if !rates.is_empty() {
+            t.push_str(&format!("throughput   {}\n", rates.join(", ")));
+        }
+        t
     }
 }
 
@@ -475,7 +504,7 @@ impl Plan {
         let cms: Vec<CostModel<'_>> =
             stage_meshes.iter().map(|m| CostModel::new(g, cluster, m.clone(), opts.clone())).collect();
         let (ops, tensors) = layouts(&cms, &stage_of, &r.assignment, b);
-        let summary = PlanSummary::of(g, &cms, cluster, opts, devices, r);
+        let summary = PlanSummary::of(&cms, cluster, opts, devices, r);
         let stages = match &r.pipeline {
             Some(p) => p
                 .stages

@@ -32,6 +32,8 @@ pub struct Priced {
     pub breakdown: Breakdown,
     /// Pipeline details, for `pipeline:S:M`.
     pub pipeline: Option<PipelineReport>,
+    /// The strategies priced (empty for a pipeline, whose stages hold theirs).
+    pub assignment: Assignment,
 }
 
 /// Prices a named strategy on `devices` devices of `cluster`. Errors say why the strategy does
@@ -39,12 +41,17 @@ pub struct Priced {
 pub fn price(g: &Graph, cluster: &Cluster, devices: usize, named: &Named, opts: &Options) -> Result<Priced, String> {
     if let Named::Pipeline(stages, micro, schedule) = named {
         let r = pipeline::price_pipeline(g, cluster, devices, *stages, *micro, *schedule, opts)?;
-        return Ok(Priced { mesh: cluster.mesh(devices)?, breakdown: r.breakdown.clone(), pipeline: Some(r) });
+        return Ok(Priced {
+            mesh: cluster.mesh(devices)?,
+            breakdown: r.breakdown.clone(),
+            pipeline: Some(r),
+            assignment: Assignment::default(),
+        });
     }
     let mesh = named.mesh(cluster, devices)?;
     let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
     let asg = strategy::assign(&cm, named)?;
-    Ok(Priced { mesh, breakdown: cm.evaluate(&asg), pipeline: None })
+    Ok(Priced { mesh, breakdown: cm.evaluate(&asg), pipeline: None, assignment: asg })
 }
 #[cfg(test)]
 mod tests;
