@@ -75,6 +75,34 @@ fn lowered(
     p
 }
 
+/// The searched plan of the forward model on `devices` devices of `local-wgpu` (no pipeline).
+fn searched(c: &Case, devices: usize) -> shardc::passes::autoshard::SearchResult {
+    let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
+    let so = shardc::passes::autoshard::SearchOptions {
+        pipeline: shardc::passes::autoshard::PipelineMode::Off,
+        ..Default::default()
+    };
+    shardc::passes::autoshard::search(&c.forward, &cluster, devices, &Default::default(), &so).expect("search")
+}
+
+/// The training program `exec::training_result` derives from forward plan `r`, lowered and
+/// checked, its priced bytes checked against what it moves; and how many forward ops kept
+/// their strategy.
+fn derived(
+    c: &Case,
+    r: &shardc::passes::autoshard::SearchResult,
+    devices: usize,
+    what: &str,
+) -> (shardc::codegen::Program, usize) {
+    let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
+    let (tr, kept) =
+        shardc::exec::training_result(&c.graph, &c.forward, &r.assignment, &r.mesh, &cluster, &Default::default())
+            .unwrap_or_else(|e| panic!("{} {what} ×{devices}: {e}", c.name));
+    let p = lowered(c, &tr, devices, what);
+    priced_as_lowered(c, &tr, &p, &format!("{what} ×{devices}"));
+    (p, kept)
+}
+
 /// Plan = program for a training step: the bytes each device sends per phase (forward,
 /// backward, gradient synchronisation) and kind, as the cost model prices the training
 /// graph under `r`, equal what the lowered program's communication ops move, tagged with
@@ -168,32 +196,21 @@ fn sharded_training_equals_single_device() {
 fn forward_plans_train_like_one_device() {
     let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
     let opts = shardc::passes::cost::Options::default();
-    let so = shardc::passes::autoshard::SearchOptions {
-        pipeline: shardc::passes::autoshard::PipelineMode::Off,
-        ..Default::default()
-    };
     let mut ran = 0;
     let mut report = String::new();
     for path in golden_train_cases() {
         let c = load(&path);
         let single = run(&c, &program(&c, "data", 1).expect("one device"));
         for devices in [2, 4, 8] {
-            let mut plans = vec![(
-                "searched".to_string(),
-                shardc::passes::autoshard::search(&c.forward, &cluster, devices, &opts, &so).expect("search"),
-            )];
+            let mut plans = vec![("searched".to_string(), searched(&c, devices))];
             for s in ["data", "megatron"] {
                 if let Ok(r) = shardc::exec::named_result(&c.forward, &cluster, devices, s, &opts) {
                     plans.push((s.to_string(), r));
                 }
             }
             for (what, r) in plans {
-                let (tr, kept) =
-                    shardc::exec::training_result(&c.graph, &c.forward, &r.assignment, &r.mesh, &cluster, &opts)
-                        .unwrap_or_else(|e| panic!("{} {what} ×{devices}: {e}", c.name));
+                let (p, kept) = derived(&c, &r, devices, &what);
                 assert_eq!(kept, r.assignment.strategies.len(), "{} {what} ×{devices}: forward ops re-derived", c.name);
-                let p = lowered(&c, &tr, devices, &what);
-                priced_as_lowered(&c, &tr, &p, &format!("{what} ×{devices}"));
                 report.push_str(&agrees(&c, &p, &single, (1e-4, 1e-5), &format!("{what} ×{devices}")));
                 ran += 1;
             }
@@ -441,12 +458,6 @@ fn reduced(file: &str, shapes: &[(&str, &[i64])]) -> Case {
 /// prices per phase equal what the program moves.
 #[test]
 fn reduced_real_models_train_like_one_device() {
-    let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
-    let opts = shardc::passes::cost::Options::default();
-    let so = shardc::passes::autoshard::SearchOptions {
-        pipeline: shardc::passes::autoshard::PipelineMode::Off,
-        ..Default::default()
-    };
     let image: &[i64] = &[2, 3, 32, 32];
     let ids: &[i64] = &[2, 8];
     let state: &[i64] = &[2, 2, 650];
@@ -465,11 +476,7 @@ fn reduced_real_models_train_like_one_device() {
             let p = program(&c, s, 2).unwrap_or_else(|| panic!("{file}: {s} applies on 2 devices"));
             report.push_str(&agrees(&c, &p, &single, (1e-4, 1e-5), &format!("{s} ×2")));
         }
-        let f = shardc::passes::autoshard::search(&c.forward, &cluster, 4, &opts, &so).expect("search");
-        let (tr, _) = shardc::exec::training_result(&c.graph, &c.forward, &f.assignment, &f.mesh, &cluster, &opts)
-            .unwrap_or_else(|e| panic!("{file}: {e}"));
-        let p = lowered(&c, &tr, 4, "searched");
-        priced_as_lowered(&c, &tr, &p, "searched ×4");
+        let (p, _) = derived(&c, &searched(&c, 4), 4, "searched");
         report.push_str(&agrees(&c, &p, &single, (1e-4, 1e-5), "searched ×4"));
     }
     eprint!("{report}");

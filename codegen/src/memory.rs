@@ -1,7 +1,7 @@
 //! What a program will hold in memory, before it runs: the guard that refuses a run the
 //! host or the devices cannot hold, instead of letting an allocation abort the process.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use ir::op::Op;
 use ir::{Graph, Value};
@@ -16,7 +16,7 @@ use crate::program::{DeviceProgram, Program};
 pub fn peak_bytes(g: &Graph, keep: &HashSet<Value>) -> Option<u64> {
     let order = g.topo_order().ok()?;
     let size = |v: Value| -> Option<u64> { g.tensor_type(v).map_or(Some(0), |t| t.size_bytes()) };
-    let last_use = last_uses(g, &order);
+    let last_use = g.last_uses(&order);
     // Weights and inputs stay for the whole run.
     let fixed = |n: ir::NodeId| matches!(g.node(n).op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef);
     let outputs: HashSet<Value> = g.outputs().iter().map(|o| o.value).collect();
@@ -44,18 +44,6 @@ pub fn peak_bytes(g: &Graph, keep: &HashSet<Value>) -> Option<u64> {
         }
     }
     Some(peak)
-}
-
-/// The last op (position in `order`) reading each value: where the runtime frees it, and
-/// where [`peak_bytes`] stops counting it.
-pub(crate) fn last_uses(g: &Graph, order: &[ir::NodeId]) -> HashMap<Value, usize> {
-    let mut last_use = HashMap::new();
-    for (i, &n) in order.iter().enumerate() {
-        for v in g.node(n).inputs().iter().flatten().chain(g.node(n).captures()) {
-            last_use.insert(*v, i);
-        }
-    }
-    last_use
 }
 
 impl DeviceProgram {

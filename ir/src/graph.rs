@@ -703,6 +703,18 @@ impl Graph {
         self.spans.get(&node).copied()
     }
 
+    /// The last op (position in `order`) reading each value, as an input or a capture: where
+    /// a run frees it, and where a memory estimate stops counting it.
+    pub fn last_uses(&self, order: &[NodeId]) -> HashMap<Value, usize> {
+        let mut last_use = HashMap::new();
+        for (i, &n) in order.iter().enumerate() {
+            for v in self.node(n).inputs().iter().flatten().chain(self.node(n).captures()) {
+                last_use.insert(*v, i);
+            }
+        }
+        last_use
+    }
+
     /// The nodes that use `value`, with the input index (or `usize::MAX` for a capture).
     pub fn users(&self, value: Value) -> Vec<(NodeId, usize)> {
         let mut out: Vec<_> = self

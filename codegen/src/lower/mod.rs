@@ -145,7 +145,7 @@ fn lower_op(l: &mut Local<'_>, n: NodeId) -> Result<(), LowerError> {
         }
         SplitMode::LayerNorm { axis } => vec![stats::layer_norm(l, n, &sp, &s, &local_in, axis, &out_names[0])?],
         SplitMode::VocabGather => vec![vocab::emit(l, n, &sp, &s, &local_in, &out_names[0])?],
-        SplitMode::Loss { counted } => stats::mean_loss(l, n, &s, local_in, counted, &out_names)?,
+        SplitMode::Loss { ignore_index } => stats::mean_loss(l, n, &s, local_in, ignore_index, &out_names)?,
         SplitMode::BatchNorm { stat, grad } => stats::batch_norm(l, n, &s, &local_in, &stat, grad, &out_names)?,
     };
     if !local_caps.is_empty()

@@ -239,37 +239,31 @@ pub(super) fn batch_norm(
     Ok(res)
 }
 
-/// Sets a loss op's reduction to `sum`; its `ignore_index`.
-fn sum(reduction: &mut Option<String>, ignore_index: Option<i64>) -> Option<i64> {
-    *reduction = Some("sum".into());
-    ignore_index
-}
-
 /// A loss averaged over split samples, or its gradient: the op with `reduction = "sum"` on
 /// the device's samples, divided by the count of the samples not ignored, all-reduced over
 /// the devices that split them. The loss comes out as partial sums of the mean (its layout),
-/// the gradient as the device's rows of the whole batch's gradient.
+/// the gradient as the device's rows of the whole batch's gradient. `ignore` is the op's
+/// `ignore_index`, as its split mode read it (without one, the count is the labels' size).
 pub(super) fn mean_loss(
     l: &mut Local<'_>,
     n: NodeId,
     s: &[Option<usize>],
     ins: Vec<Option<Value>>,
-    counted: bool,
+    ignore: Option<i64>,
     outs: &[String],
 ) -> Result<Vec<Value>, LowerError> {
     let g = l.g;
     let node = g.node(n);
     let mut op = node.op.clone();
     // `reduction` was unset (the default, mean) or mean; the op sums its device's terms.
-    let (ignore, labels_at) = match &mut op {
-        Op::SoftmaxCrossEntropyLoss(o) => (sum(&mut o.reduction, o.ignore_index), 1),
-        Op::NegativeLogLikelihoodLoss(o) => (sum(&mut o.reduction, o.ignore_index), 1),
-        Op::SoftmaxCrossEntropyLossGrad(o) => (sum(&mut o.reduction, o.ignore_index), 2),
-        Op::NegativeLogLikelihoodLossGrad(o) => (sum(&mut o.reduction, o.ignore_index), 2),
+    let (reduction, labels_at) = match &mut op {
+        Op::SoftmaxCrossEntropyLoss(o) => (&mut o.reduction, 1),
+        Op::NegativeLogLikelihoodLoss(o) => (&mut o.reduction, 1),
+        Op::SoftmaxCrossEntropyLossGrad(o) => (&mut o.reduction, 2),
+        Op::NegativeLogLikelihoodLossGrad(o) => (&mut o.reduction, 2),
         _ => return Err(l.err(Some(n), LowerErrorKind::Graph, "not a loss")),
     };
-    // The split mode counts (all-reduces the count) exactly when the op ignores a label.
-    debug_assert_eq!(ignore.is_some(), counted);
+    *reduction = Some("sum".into());
     let base = g.value_name(Value::new(n, 0)).to_string();
     let out0 = Value::new(n, 0);
     let dtype = l.dtype(out0);

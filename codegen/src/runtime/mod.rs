@@ -553,7 +553,7 @@ fn drive<E: Executor>(
             keep.insert(v);
         }
     }
-    let last_use = crate::memory::last_uses(g, &order);
+    let last_use = g.last_uses(&order);
     // Parameters and constants are uploaded once.
     let mut live = Live { by_storage: HashMap::new(), bytes: 0, peak: 0, base: u64::MAX, act_peak: 0 };
     let mut fixed: HashMap<Value, E::Tensor> = HashMap::new();

@@ -61,11 +61,11 @@ pub enum SplitMode {
         grad: bool,
     },
     /// A mean loss over split samples (or its gradient): the local sum of the terms over the
-    /// count of the samples not ignored (partial sums of the mean) — all-reduced when the op
-    /// has an `ignore_index` (`counted`), else the labels' global size.
+    /// count of the samples not ignored (partial sums of the mean) — all-reduced (one scalar)
+    /// when the op has an `ignore_index`, else the labels' global size.
     Loss {
-        /// The count is all-reduced (one scalar), since some samples may be ignored.
-        counted: bool,
+        /// The op's `ignore_index`.
+        ignore_index: Option<i64>,
     },
 }
 
@@ -77,7 +77,7 @@ impl SplitMode {
             SplitMode::LayerNorm { .. } => (2, 2),
             SplitMode::BatchNorm { grad: false, .. } => (2, 4),
             SplitMode::BatchNorm { grad: true, .. } => (4, 0),
-            SplitMode::Loss { counted: true } => (1, 1),
+            SplitMode::Loss { ignore_index: Some(_) } => (1, 1),
             _ => (0, 0),
         }
     }
@@ -210,14 +210,14 @@ pub fn split_mode(g: &Graph, n: NodeId, sp: &IterSpace, s: &[Option<usize>], mes
         };
     }
     if sharded == Sharded::Loss {
-        let counted = match &node.op {
-            Op::SoftmaxCrossEntropyLoss(o) => o.ignore_index.is_some(),
-            Op::NegativeLogLikelihoodLoss(o) => o.ignore_index.is_some(),
-            Op::SoftmaxCrossEntropyLossGrad(o) => o.ignore_index.is_some(),
-            Op::NegativeLogLikelihoodLossGrad(o) => o.ignore_index.is_some(),
+        let ignore_index = match &node.op {
+            Op::SoftmaxCrossEntropyLoss(o) => o.ignore_index,
+            Op::NegativeLogLikelihoodLoss(o) => o.ignore_index,
+            Op::SoftmaxCrossEntropyLossGrad(o) => o.ignore_index,
+            Op::NegativeLogLikelihoodLossGrad(o) => o.ignore_index,
             _ => return Err("not a loss".into()),
         };
-        return Ok(SplitMode::Loss { counted });
+        return Ok(SplitMode::Loss { ignore_index });
     }
     if sharded == Sharded::VocabGather && split.iter().any(|&i| sp.dims[i].role == DimRole::Vocab) {
         return Ok(SplitMode::VocabGather);

@@ -423,12 +423,7 @@ impl PlanSummary {
         });
         let flops: f64 =
             g.op_nodes().unwrap_or_default().iter().map(|&n| ir::cost::node_cost(g, n).total_flops()).sum();
-        let p = &cluster.device.peak_flops;
-        let peak = match opts.precision {
-            crate::cost::Precision::Fp32 => p.fp32,
-            crate::cost::Precision::Tf32 => p.tf32.unwrap_or(p.fp32),
-            crate::cost::Precision::Fp16 => p.fp16.unwrap_or(p.fp32),
-        };
+        let peak = cluster.device.peak_flops.at(opts.precision);
         let ok = step > 0.0 && step.is_finite();
         PlanSummary {
             text,

@@ -18,6 +18,18 @@ pub struct PeakFlops {
     pub fp16: Option<f64>,
 }
 
+impl PeakFlops {
+    /// The peak in `precision` (float32's where the device has no faster units).
+    pub fn at(&self, precision: super::model::Precision) -> f64 {
+        use super::model::Precision;
+        match precision {
+            Precision::Fp32 => self.fp32,
+            Precision::Tf32 => self.tf32.unwrap_or(self.fp32),
+            Precision::Fp16 => self.fp16.unwrap_or(self.fp32),
+        }
+    }
+}
+
 /// One accelerator.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Device {

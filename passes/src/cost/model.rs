@@ -327,6 +327,15 @@ impl Walk {
         }
     }
 
+    /// Communication seconds per kind, those that took any.
+    fn by_kind(&mut self) -> BTreeMap<String, f64> {
+        std::mem::take(&mut self.comm_kind)
+            .into_iter()
+            .filter(|(_, v)| *v > 0.0)
+            .map(|(k, v)| (k.to_string(), v))
+            .collect()
+    }
+
     /// Adds steps to the totals (and to the events in detail); their seconds.
     fn record(
         &mut self,
@@ -422,6 +431,11 @@ pub fn is_host(op: &Op) -> bool {
     )
 }
 
+/// A report row's name: the node's label, or its first output's name.
+fn row_name(node: &ir::Node) -> String {
+    node.label.clone().unwrap_or_else(|| node.outputs().first().map(|o| o.name.clone()).unwrap_or_default())
+}
+
 fn split_factor(s: &[AxisShard], mesh: &Mesh) -> f64 {
     s.iter()
         .enumerate()
@@ -500,13 +514,20 @@ impl<'a> CostModel<'a> {
     }
 
     fn peak(&self) -> f64 {
-        let p = &self.cluster.device.peak_flops;
-        let peak = match self.opts.precision {
-            Precision::Fp32 => p.fp32,
-            Precision::Tf32 => p.tf32.unwrap_or(p.fp32),
-            Precision::Fp16 => p.fp16.unwrap_or(p.fp32),
-        };
-        peak / self.host_share()
+        self.cluster.device.peak_flops.at(self.opts.precision) / self.host_share()
+    }
+
+    /// Usable memory per device, bytes.
+    fn capacity(&self) -> f64 {
+        self.cluster.device.mem_capacity * self.cluster.device.mem_usable
+    }
+
+    /// Records op `n`'s own halo and statistics steps (their event is its first output).
+    fn record_op_comm<'e>(&self, w: &mut Walk, n: NodeId, e: &OpEval, have: &dyn Fn(Value) -> &'e Sharding) {
+        for (phase, st) in &e.comm {
+            let out = Value::new(n, 0);
+            w.record(*phase, out, Some(n), have(out), have(out), std::slice::from_ref(st));
+        }
     }
 
     /// How many devices share one device's compute and memory bandwidth: the mesh's size on
@@ -649,7 +670,7 @@ impl<'a> CostModel<'a> {
                 out.extend(std::iter::repeat_n((Phase::Forward, step.clone()), f));
                 out.extend(std::iter::repeat_n((Phase::Backward, step), b));
             }
-            SplitMode::Loss { counted: true } => {
+            SplitMode::Loss { ignore_index: Some(_) } => {
                 // The count of the samples that count: one scalar all-reduce.
                 let axes: Vec<usize> = (0..strategy.len()).filter(|&a| strategy[a].is_some()).collect();
                 let ar = CommStep { kind: StepKind::AllReduce, axes, bytes: eb, to: layout };
@@ -659,7 +680,7 @@ impl<'a> CostModel<'a> {
                     out.extend(std::iter::repeat_n((Phase::Backward, step), b));
                 }
             }
-            SplitMode::Direct | SplitMode::VocabGather | SplitMode::Loss { counted: false } => {}
+            SplitMode::Direct | SplitMode::VocabGather | SplitMode::Loss { ignore_index: None } => {}
         }
         out
     }
@@ -801,10 +822,7 @@ impl<'a> CostModel<'a> {
             let t = e.time;
             let (fwd_comm, bwd_comm) =
                 self.op_edges(&mut w, &mut edges, pos, n, e, &have, &|v| out_sh.contains_key(&v));
-            for (phase, st) in &e.comm {
-                let out = Value::new(n, 0);
-                w.record(*phase, out, Some(n), have(out), have(out), std::slice::from_ref(st));
-            }
+            self.record_op_comm(&mut w, n, e, &have);
             fwd_total += t.fwd + fwd_comm + t.comm_fwd;
             compute_total += t.fwd + t.bwd;
             let op_comm = fwd_comm + bwd_comm + t.halo + t.stats;
@@ -826,10 +844,7 @@ impl<'a> CostModel<'a> {
             activations += kept;
             if detail {
                 w.rows.push(OpRow {
-                    name: node
-                        .label
-                        .clone()
-                        .unwrap_or_else(|| node.outputs().first().map(|o| o.name.clone()).unwrap_or_default()),
+                    name: row_name(node),
                     op: node.op.op_type().to_string(),
                     strategy: self.describe_strategy(n, &e.strategy),
                     compute_s: t.fwd + t.bwd,
@@ -876,7 +891,7 @@ impl<'a> CostModel<'a> {
             activations,
             workspace: w.workspace,
         };
-        let capacity = self.cluster.device.mem_capacity * self.cluster.device.mem_usable;
+        let capacity = self.capacity();
         let total = memory.total();
         let feasible = total <= capacity;
         let infeasible_reason = (!feasible).then(|| overflow_reason(&memory, capacity));
@@ -888,12 +903,7 @@ impl<'a> CostModel<'a> {
             backward_s: bwd_total,
             update_s: update,
             communication_s: comm_total,
-            communication_by_kind: w
-                .comm_kind
-                .into_iter()
-                .filter(|(_, v)| *v > 0.0)
-                .map(|(k, v)| (k.to_string(), v))
-                .collect(),
+            communication_by_kind: w.by_kind(),
             gradient_sync_s: grad_sync,
             exposed_gradient_sync_s: exposed,
             bubble_s: 0.0,
@@ -929,12 +939,7 @@ impl<'a> CostModel<'a> {
         let have =
             |v: Value| -> &Sharding { out_sh.get(&v).copied().or_else(|| storage.get(&v)).unwrap_or(&replicated) };
         let local = |v: Value| self.value_bytes(v) / split_factor(have(v), mesh);
-        let mut last_use: FxHashMap<Value, usize> = FxHashMap::default();
-        for (pos, &n) in self.order.iter().enumerate() {
-            for v in g.node(n).inputs().iter().flatten().chain(g.node(n).captures()) {
-                last_use.insert(*v, pos);
-            }
-        }
+        let last_use = g.last_uses(&self.order);
         let outputs: FxHashSet<Value> = g.outputs().iter().map(|o| o.value).collect();
         let fixed = |v: Value| matches!(g.node(v.node).op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef);
 
@@ -947,10 +952,7 @@ impl<'a> CostModel<'a> {
             let node = g.node(n);
             let phase = self.phase(n);
             let (edge_comm, _) = self.op_edges(&mut w, &mut edges, pos, n, e, &have, &|v| out_sh.contains_key(&v));
-            for (p, st) in &e.comm {
-                let out = Value::new(n, 0);
-                w.record(*p, out, Some(n), have(out), have(out), std::slice::from_ref(st));
-            }
+            self.record_op_comm(&mut w, n, e, &have);
             let op_comm = edge_comm + e.time.comm_fwd;
             compute[phase as usize] += e.time.fwd;
             comm[phase as usize] += op_comm;
@@ -977,10 +979,7 @@ impl<'a> CostModel<'a> {
             }
             if detail {
                 w.rows.push(OpRow {
-                    name: node
-                        .label
-                        .clone()
-                        .unwrap_or_else(|| node.outputs().first().map(|o| o.name.clone()).unwrap_or_default()),
+                    name: row_name(node),
                     op: node.op.op_type().to_string(),
                     strategy: self.describe_strategy(n, &e.strategy),
                     compute_s: e.time.fwd,
@@ -1018,7 +1017,7 @@ impl<'a> CostModel<'a> {
         let input_exposed = if self.opts.preload { (input_transfer - before_input).max(0.0) } else { input_transfer };
         let memory =
             Memory { weights, gradients: 0.0, optimizer: state, activations: peak + inputs, workspace: w.workspace };
-        let capacity = self.cluster.device.mem_capacity * self.cluster.device.mem_usable;
+        let capacity = self.capacity();
         let total = memory.total();
         let feasible = total <= capacity;
         let bytes_moved_per_device = if detail { bytes_moved_per_device(&w.events, mesh) } else { BTreeMap::new() };
@@ -1029,12 +1028,7 @@ impl<'a> CostModel<'a> {
             backward_s: bwd,
             update_s: compute[2],
             communication_s: comm.iter().sum(),
-            communication_by_kind: w
-                .comm_kind
-                .into_iter()
-                .filter(|(_, v)| *v > 0.0)
-                .map(|(k, v)| (k.to_string(), v))
-                .collect(),
+            communication_by_kind: w.by_kind(),
             gradient_sync_s: comm[2],
             exposed_gradient_sync_s: comm[2],
             bubble_s: 0.0,
