@@ -35,6 +35,7 @@ pub mod op;
 pub mod ops;
 pub mod print;
 pub mod reshard;
+pub mod scope;
 pub mod shard;
 pub mod tensor;
 pub mod types;

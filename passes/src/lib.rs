@@ -16,6 +16,7 @@ pub mod cost;
 pub mod infer_shapes;
 pub mod manager;
 pub mod rebatch;
+pub mod table;
 pub mod train;
 pub mod verify;
 

@@ -38,6 +38,10 @@ pub struct PlanArgs {
     /// Print a per-layer table with data parallelism beside it.
     #[arg(long)]
     pub report: bool,
+    /// Name the layers where the plan differs from data parallelism, with the time and
+    /// memory each difference saves or costs, largest first (and a pipeline's reasons).
+    #[arg(long)]
+    pub explain: bool,
     /// Print the annotated model instead of a summary.
     #[arg(long, value_enum)]
     pub emit: Option<PlanEmit>,
@@ -137,13 +141,18 @@ pub fn run(args: &PlanArgs) -> CliResult {
         return write_output(&ir::print::model_to_string(&loaded.model), None, &args.model);
     }
     let mut t = summary(args, &cluster.describe(), devices, &plan, &r);
+    let order = passes::cost::CostModel::new(g, &cluster, r.mesh.clone(), opts.clone()).order().to_vec();
+    if args.explain {
+        t.push('\n');
+        t.push_str(&explanation(g, &order, &plan, &r));
+    }
     if args.report {
         t.push('\n');
         if plan.stages.len() > 1 {
             t.push_str(&autoshard::plan::stage_report(&plan));
             t.push('\n');
         }
-        t.push_str(&autoshard::plan::report(&r.breakdown, r.data_parallel.as_ref()));
+        t.push_str(&autoshard::plan::report(g, &order, &r.breakdown, r.data_parallel.as_ref()));
     }
     write_output(&t, None, &args.model)
 }
@@ -266,6 +275,30 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
     t.push_str("strategies\n");
     for ((op, s), n) in hist {
         t.push_str(&format!("  {op:<22} {n:>5} × {s}\n"));
+    }
+    t
+}
+
+/// `--explain`: the layers where the plan differs from data parallelism (the top 15), and for
+/// a pipeline why it pipelines.
+fn explanation(g: &ir::Graph, order: &[ir::NodeId], plan: &Plan, r: &autoshard::SearchResult) -> String {
+    let mut t = String::from("why this plan\n");
+    if let Some(p) = &plan.pipeline {
+        t.push_str(&format!("  pipeline: {}\n", p.reason));
+        if let Some(pc) = &r.pipeline_considered {
+            t.push_str(&format!("  {} pipeline configurations priced\n", pc.tried.len()));
+        }
+    }
+    match &r.data_parallel {
+        None => t.push_str(&format!(
+            "  no data-parallel plan to compare with: {}\n",
+            r.data_parallel_unavailable.as_deref().unwrap_or("it does not apply")
+        )),
+        Some(dp) => match autoshard::explain::explain(g, order, &r.breakdown, dp) {
+            Ok(e) => t.push_str(&e.text(Some(15), &secs, &bytes)),
+            Err(e) if plan.pipeline.is_some() => t.push_str(&format!("  per stage: see --report ({e})\n")),
+            Err(e) => t.push_str(&format!("  {e}\n")),
+        },
     }
     t
 }

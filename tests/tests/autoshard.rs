@@ -702,3 +702,58 @@ fn plan_summaries_name_the_degrees_of_parallelism() {
         assert_eq!(back.summary, p.summary);
     }
 }
+
+/// `--explain`: Megatron against data parallelism on GPT-2 small4 names the transformer's
+/// layers by the module paths the export left in its parameter names, folds the repeated
+/// blocks (`h.*`), sorts by effect, and its layers and remainder add up to the step-time
+/// difference. Data parallelism against itself differs nowhere.
+#[test]
+fn explanations_name_the_layers_that_differ_from_data_parallelism() {
+    let m = shared("hf_gpt2_small4.onnxtxt", batch(8));
+    let g = &m.graph;
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let opts = Options::default();
+    let tp = shardc::exec::named_result(g, &cluster, 8, "megatron", &opts).unwrap();
+    let dp = shardc::exec::named_result(g, &cluster, 8, "data", &opts).unwrap().breakdown;
+    let order = CostModel::new(g, &cluster, tp.mesh.clone(), opts.clone()).order().to_vec();
+    let e = autoshard::explain::explain(g, &order, &tp.breakdown, &dp).unwrap();
+    assert!(!e.layers.is_empty());
+    let mlp = e.layers.iter().find(|l| l.layer.ends_with("h.*.mlp.c_fc")).expect("the MLP's first GEMM, folded");
+    assert_eq!(mlp.repeats, 4, "{mlp:?}");
+    assert!(mlp.strategies.iter().any(|s| s.starts_with("Gemm n→")), "{mlp:?}");
+    for w in e.layers.windows(2) {
+        assert!(w[0].time_saved_s.abs() >= w[1].time_saved_s.abs(), "not sorted: {:?}", e.layers);
+    }
+    let sum: f64 = e.layers.iter().map(|l| l.time_saved_s).sum::<f64>() + e.unattributed_s;
+    assert!((sum - (dp.step_time_s - tp.breakdown.step_time_s)).abs() < 1e-12);
+    let text = e.text(Some(3), &|s| format!("{s:.6}"), &|b| format!("{b:.0}"));
+    assert!(text.contains("(×4)") && text.contains("more layers"), "{text}");
+    let same = autoshard::explain::explain(g, &order, &dp, &dp).unwrap();
+    assert!(same.layers.is_empty() && same.same_ops == order.len());
+}
+
+/// `--report` groups ops by block with a total row each; its columns line up whatever the
+/// names' lengths.
+#[test]
+fn reports_group_ops_by_block_with_totals() {
+    let m = shared("tv_resnet18.onnxtxt", batch(8));
+    let g = &m.graph;
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let opts = Options::default();
+    let r = shardc::exec::named_result(g, &cluster, 4, "spatial", &opts).unwrap();
+    let dp = shardc::exec::named_result(g, &cluster, 4, "data", &opts).unwrap().breakdown;
+    let order = CostModel::new(g, &cluster, r.mesh.clone(), opts.clone()).order().to_vec();
+    let t = autoshard::plan::report(g, &order, &r.breakdown, Some(&dp));
+    for block in ["layer1.0/", "layer4.1/", "fc/"] {
+        assert!(t.lines().any(|l| l.starts_with(block)), "no `{block}` total row:\n{t}");
+    }
+    // Right-aligned numbers: every row ends in the same column.
+    let widths: std::collections::BTreeSet<usize> = t.lines().map(|l| l.chars().count()).collect();
+    assert_eq!(widths.len(), 1, "{t}");
+    // A block's total is the sum of its rows (data parallelism's compute column).
+    let lines: Vec<&str> = t.lines().collect();
+    let at = lines.iter().position(|l| l.starts_with("layer1.0/")).unwrap();
+    let col = |l: &str| l.split_whitespace().rev().nth(1).unwrap().parse::<f64>().unwrap();
+    let rows: f64 = lines[at + 1..].iter().take_while(|l| l.starts_with("  ")).map(|l| col(l)).sum();
+    assert!((rows - col(lines[at])).abs() < 0.2, "{rows} vs {}", lines[at]);
+}

@@ -15,6 +15,7 @@
 //! them in the model. The search is deterministic.
 
 pub mod budget;
+pub mod explain;
 pub mod extract;
 pub mod meshes;
 pub mod pipeline;

@@ -1060,65 +1060,79 @@ pub fn read_annotations(model: &ir::Model) -> Result<Annotated, String> {
     Ok(Annotated { meshes, stages, assignment: asg })
 }
 
-/// A per-layer table: strategy, compute, communication, memory; data parallel beside it.
-pub fn report(plan: &Breakdown, dp: Option<&Breakdown>) -> String {
+/// A per-layer table with data parallelism beside it, grouped by the repeated block each op
+/// lies in ([`ir::scope`]): a total row per block, then its ops. `order` is the op order the
+/// breakdowns' rows follow; columns fit their widest cell.
+pub fn report(g: &Graph, order: &[NodeId], plan: &Breakdown, dp: Option<&Breakdown>) -> String {
     let us = |s: f64| format!("{:.1}", s * 1e6);
     let mib = |b: f64| format!("{:.1}", b / (1024.0 * 1024.0));
-    let mut t = String::new();
-    t.push_str(&format!(
-        "{:<40} {:<12} {:<28} {:>10} {:>10} {:>9}   {:<20} {:>10} {:>10}\n",
-        "layer", "op", "strategy", "comp µs", "comm µs", "mem MiB", "data parallel", "comp µs", "comm µs"
-    ));
+    let paths = if order.len() == plan.ops.len() { ir::scope::module_paths(g, order) } else { HashMap::new() };
+    let dp = dp.filter(|d| d.ops.len() == plan.ops.len());
+    let dash = || "-".to_string();
+    // Blocks in order of first appearance, each with its rows.
+    let mut blocks: Vec<(String, Vec<usize>)> = Vec::new();
     for (i, r) in plan.ops.iter().enumerate() {
         if r.compute_s == 0.0 && r.communication_s == 0.0 && r.memory_bytes == 0.0 {
             continue;
         }
-        let name: String = if r.name.chars().count() > 40 {
-            let tail: String = r.name.chars().rev().take(39).collect::<Vec<_>>().into_iter().rev().collect();
-            format!("…{tail}")
-        } else {
-            r.name.clone()
-        };
-        let strat: String = r.strategy.chars().take(28).collect();
-        let (ds, dc, dm) = match dp.and_then(|d| d.ops.get(i)) {
-            Some(d) => (d.strategy.chars().take(20).collect::<String>(), us(d.compute_s), us(d.communication_s)),
-            None => ("-".into(), "-".into(), "-".into()),
-        };
-        t.push_str(&format!(
-            "{:<40} {:<12} {:<28} {:>10} {:>10} {:>9}   {:<20} {:>10} {:>10}\n",
-            name,
-            r.op,
-            strat,
-            us(r.compute_s),
-            us(r.communication_s),
-            mib(r.memory_bytes),
-            ds,
-            dc,
-            dm
-        ));
+        let block = order.get(i).and_then(|n| paths.get(n)).map(|p| ir::scope::block_of(p)).unwrap_or_default();
+        match blocks.iter_mut().find(|(b, _)| *b == block) {
+            Some((_, rows)) => rows.push(i),
+            None => blocks.push((block, vec![i])),
+        }
     }
-    let total = |b: &Breakdown| {
-        (
-            b.ops.iter().map(|r| r.compute_s).sum::<f64>(),
-            b.ops.iter().map(|r| r.communication_s).sum::<f64>(),
-            b.ops.iter().map(|r| r.memory_bytes).sum::<f64>(),
-        )
+    let sums = |b: &Breakdown, rows: &[usize]| {
+        let f = |k: &dyn Fn(&crate::cost::OpRow) -> f64| rows.iter().filter_map(|&i| b.ops.get(i)).map(k).sum::<f64>();
+        (f(&|r| r.compute_s), f(&|r| r.communication_s), f(&|r| r.memory_bytes))
     };
-    let (c, m, a) = total(plan);
-    let (dc, dm) = dp.map(|d| (us(total(d).0), us(total(d).1))).unwrap_or(("-".into(), "-".into()));
-    t.push_str(&format!(
-        "{:<40} {:<12} {:<28} {:>10} {:>10} {:>9}   {:<20} {:>10} {:>10}\n",
-        "total (per-op)",
-        "",
-        "",
-        us(c),
-        us(m),
-        mib(a),
-        "",
-        dc,
-        dm
-    ));
-    t
+    let mut rows: Vec<[String; 9]> = Vec::new();
+    let grouped = blocks.len() > 1;
+    for (block, idx) in &blocks {
+        if grouped {
+            let (c, m, a) = sums(plan, idx);
+            let (dc, dm) = dp.map(|d| sums(d, idx)).map_or((dash(), dash()), |(c, m, _)| (us(c), us(m)));
+            let name = if block.is_empty() { "(unnamed)".to_string() } else { block.clone() };
+            rows.push([
+                format!("{name}/"),
+                format!("{} ops", idx.len()),
+                String::new(),
+                us(c),
+                us(m),
+                mib(a),
+                String::new(),
+                dc,
+                dm,
+            ]);
+        }
+        for &i in idx {
+            let r = &plan.ops[i];
+            let (ds, dc, dm) = match dp.map(|d| &d.ops[i]) {
+                Some(d) => (d.strategy.clone(), us(d.compute_s), us(d.communication_s)),
+                None => (dash(), dash(), dash()),
+            };
+            let indent = if grouped { "  " } else { "" };
+            rows.push([
+                format!("{indent}{}", r.name),
+                r.op.clone(),
+                r.strategy.clone(),
+                us(r.compute_s),
+                us(r.communication_s),
+                mib(r.memory_bytes),
+                ds,
+                dc,
+                dm,
+            ]);
+        }
+    }
+    let all: Vec<usize> = blocks.iter().flat_map(|(_, i)| i.iter().copied()).collect();
+    let (c, m, a) = sums(plan, &all);
+    let (dc, dm) = dp.map(|d| sums(d, &all)).map_or((dash(), dash()), |(c, m, _)| (us(c), us(m)));
+    rows.push(["total (per-op)".into(), String::new(), String::new(), us(c), us(m), mib(a), String::new(), dc, dm]);
+    crate::table::table(
+        &["layer", "op", "strategy", "comp µs", "comm µs", "mem MiB", "data parallel", "comp µs", "comm µs"],
+        &rows,
+        &[false, false, false, true, true, true, false, true, true],
+    )
 }
 
 /// A per-stage table of a pipelined plan.

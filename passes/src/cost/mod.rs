@@ -16,7 +16,7 @@ pub mod pipeline;
 pub mod strategy;
 
 pub use cluster::{Cluster, ClusterError};
-pub use model::{Assignment, Breakdown, CostModel, InputPath, Optimizer, Options, Precision};
+pub use model::{Assignment, Breakdown, CostModel, InputPath, OpRow, Optimizer, Options, Precision};
 pub use pipeline::PipelineReport;
 pub use strategy::Named;
 pub use strategy::Schedule;

@@ -1,0 +1,135 @@
+//! Where a node came from in the exporter's module tree.
+//!
+//! Exporters leave the framework's module path in the names they write: torch's TorchScript
+//! exporter in node names (`/layer1/layer1.0/conv1/Conv`, `/bert/encoder/layer.0/attention/
+//! self/query/MatMul`), the dynamo exporter and most others only in parameter names
+//! (`transformer.h.0.attn.c_attn.weight`). Reports group ops by these paths, and by the
+//! repeated block they belong to (`layer1.0`, `transformer.h.0`), so that a user reads a plan
+//! in terms of the layers they wrote.
+
+use std::collections::HashMap;
+
+use crate::{Graph, NodeId, Op};
+
+/// The dotted module path of a node, from its name when the exporter wrote one
+/// (`/layer1/layer1.0/conv1/Conv` → `layer1.0.conv1`), else from the first parameter it reads
+/// (`transformer.h.0.attn.c_attn.weight` → `transformer.h.0.attn.c_attn`). `None` when
+/// neither says.
+pub fn own_module_path(g: &Graph, n: NodeId) -> Option<String> {
+    let node = g.node(n);
+    if let Some(p) = node.label.as_deref().and_then(path_of_scoped_name) {
+        return Some(p);
+    }
+    for v in node.inputs().iter().flatten() {
+        if matches!(g.node(v.node).op, Op::Initializer(_) | Op::Input { default: Some(_) })
+            && crate::cost::is_param(g, *v)
+            && let Some(p) = path_of_parameter(g.value_name(*v))
+        {
+            return Some(p);
+        }
+    }
+    None
+}
+
+/// The module path of every computing node of `order`: its own ([`own_module_path`]), else
+/// that of the first input's producer that has one, else that of the node before it in
+/// `order` (the residual adds, activations and reshapes between two layers belong to the
+/// layer that produced their input). Nodes before any named one get `""`.
+pub fn module_paths(g: &Graph, order: &[NodeId]) -> HashMap<NodeId, String> {
+    let mut out: HashMap<NodeId, String> = HashMap::new();
+    let mut previous = String::new();
+    for &n in order {
+        let p = own_module_path(g, n).or_else(|| {
+            g.node(n).inputs().iter().flatten().find_map(|v| out.get(&v.node).filter(|p| !p.is_empty()).cloned())
+        });
+        let p = p.unwrap_or_else(|| previous.clone());
+        previous = p.clone();
+        out.insert(n, p);
+    }
+    out
+}
+
+/// The repeated block a module path lies in: the path up to its first numeric component
+/// (`transformer.h.0.attn.c_attn` → `transformer.h.0`, `layer1.0.conv1` → `layer1.0`), else
+/// its first component (`conv1`, `lm_head`); `""` stays `""`.
+pub fn block_of(path: &str) -> String {
+    let parts: Vec<&str> = path.split('.').collect();
+    match parts.iter().position(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())) {
+        Some(i) => parts[..=i].join("."),
+        None => parts[0].to_string(),
+    }
+}
+
+/// `/a/a.0/b/Op` → `a.0.b`: the scope components joined with dots, where a component that
+/// repeats its parent's path as a prefix (`layer1` then `layer1.0`) replaces it. `None` when
+/// the name has no scope (`node_Gemm_12`, `Conv_3`).
+fn path_of_scoped_name(name: &str) -> Option<String> {
+    let name = name.strip_prefix('/')?;
+    let mut comps: Vec<&str> = name.split('/').collect();
+    comps.pop(); // the op's own name
+    let mut path = String::new();
+    for c in comps.into_iter().filter(|c| !c.is_empty()) {
+        let last = path.rsplit('.').next().unwrap_or("");
+        if !last.is_empty() && c.strip_prefix(last).is_some_and(|r| r.starts_with('.')) {
+            // `/layer1/layer1.0`: the child names itself after its parent; it replaces it.
+            path.truncate(path.len() - last.len());
+            path.push_str(c);
+        } else {
+            if !path.is_empty() {
+                path.push('.');
+            }
+            path.push_str(c);
+        }
+    }
+    (!path.is_empty()).then_some(path)
+}
+
+/// `transformer.h.0.attn.c_attn.weight` → `transformer.h.0.attn.c_attn`; a leading `m.` or
+/// `model.` wrapper the exporter added stays (it is what the user's module tree says).
+/// `None` for names without a dotted path (`onnx::Conv_193`, `W1`).
+fn path_of_parameter(name: &str) -> Option<String> {
+    if name.contains("::") || !name.contains('.') {
+        return None;
+    }
+    let (path, _leaf) = name.rsplit_once('.')?;
+    (!path.is_empty() && path.split('.').all(|c| !c.is_empty() && !c.contains(char::is_whitespace)))
+        .then(|| path.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scoped_names_give_dotted_paths() {
+        assert_eq!(path_of_scoped_name("/layer1/layer1.0/conv1/Conv").as_deref(), Some("layer1.0.conv1"));
+        assert_eq!(
+            path_of_scoped_name("/bert/encoder/layer.0/attention/self/query/MatMul").as_deref(),
+            Some("bert.encoder.layer.0.attention.self.query")
+        );
+        assert_eq!(path_of_scoped_name("/conv1/Conv").as_deref(), Some("conv1"));
+        assert_eq!(path_of_scoped_name("/Add").as_deref(), None);
+        assert_eq!(path_of_scoped_name("node_Gemm_1332"), None);
+    }
+
+    #[test]
+    fn parameters_give_their_module() {
+        assert_eq!(
+            path_of_parameter("m.transformer.h.0.attn.c_attn.weight").as_deref(),
+            Some("m.transformer.h.0.attn.c_attn")
+        );
+        assert_eq!(path_of_parameter("fc.bias").as_deref(), Some("fc"));
+        assert_eq!(path_of_parameter("onnx::Conv_193"), None);
+        assert_eq!(path_of_parameter("W1"), None);
+    }
+
+    #[test]
+    fn blocks_stop_at_the_first_index() {
+        assert_eq!(block_of("transformer.h.0.attn.c_attn"), "transformer.h.0");
+        assert_eq!(block_of("m.transformer.h.11.mlp"), "m.transformer.h.11");
+        assert_eq!(block_of("layer1.0.conv1"), "layer1.0");
+        assert_eq!(block_of("bert.encoder.layer.3.attention.self.query"), "bert.encoder.layer.3");
+        assert_eq!(block_of("lm_head"), "lm_head");
+        assert_eq!(block_of(""), "");
+    }
+}
