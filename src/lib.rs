@@ -25,6 +25,7 @@ pub use passes;
 
 pub mod calibrate;
 pub mod exec;
+pub mod report;
 pub mod synthetic;
 pub mod train;
 

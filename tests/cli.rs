@@ -183,14 +183,23 @@ fn sweep_table_svg_and_cluster_files() {
         "--values",
         "0.1x,1x,10x",
         "--strategies",
-        "data,owt",
+        "data,owt,data",
         "--svg",
         svg.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let text = String::from_utf8(o.stdout).unwrap();
     assert!(text.contains("best"), "{text}");
-    assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
+    // Bandwidths in their unit, in the table and on the chart.
+    assert!(text.contains("11 GB/s") && !text.contains("e10"), "{text}");
+    let drawing = std::fs::read_to_string(&svg).unwrap().replace('\n', "");
+    assert!(drawing.starts_with("<svg"));
+    // The title names the file, not its whole path; the axis speaks GB/s; a strategy drawn
+    // on top of another says so; nothing fails to fit, so no legend for it.
+    assert!(drawing.contains("tv_alexnet.onnxtxt on pcie-v100x8") && !drawing.contains("tests/data"), "{drawing}");
+    assert!(drawing.contains("GB/s") && !drawing.contains("e10"), "{drawing}");
+    assert!(drawing.contains("data (same as data)"), "{drawing}");
+    assert!(!drawing.contains("does not fit"), "{drawing}");
     // A preset printed as TOML is a valid cluster file.
     let o = shardc(&["cluster", "dgx-a100"]);
     assert!(o.status.success());
@@ -1019,6 +1028,126 @@ select_rate (float[N, L] x, int64 sr) => (float[N, K] y) {
         }
         // The branch was inlined: its ops ran on the devices, not one `If` on the host.
         assert!(!stdout(&o).contains(" If "), "{inputs:?}: {}", stdout(&o));
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A headless browser, when one is installed: `chromium` (Debian) or `chromium-browser`.
+/// `SHARDC_REQUIRE_BROWSER=1` (set by `.ci/run`) makes its absence a failure.
+fn browser() -> Option<&'static str> {
+    for b in ["chromium", "chromium-browser", "google-chrome"] {
+        if Command::new(b).arg("--version").output().is_ok_and(|o| o.status.success()) {
+            return Some(b);
+        }
+    }
+    assert!(
+        std::env::var("SHARDC_REQUIRE_BROWSER").is_err(),
+        "SHARDC_REQUIRE_BROWSER is set and no chromium is installed (apt-get install chromium)"
+    );
+    eprintln!("skipped: no chromium installed to render the HTML report (apt-get install chromium)");
+    None
+}
+
+/// Opens `page` in headless Chromium: the DOM after its scripts ran, and a screenshot's
+/// pixels (RGBA) with its width.
+fn render(browser: &str, page: &Path, dir: &Path, height: u32) -> (String, Vec<u8>, u32) {
+    let url = format!("file://{}", page.canonicalize().unwrap().display());
+    let common = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--allow-file-access-from-files"];
+    let profile = format!("--user-data-dir={}", dir.join("profile").display());
+    let dom = Command::new(browser).args(common).arg(&profile).args(["--dump-dom", &url]).output().unwrap();
+    assert!(dom.status.success(), "{}", stderr(&dom));
+    let png = dir.join("shot.png");
+    let shot = Command::new(browser)
+        .args(common)
+        .arg(&profile)
+        .args([&format!("--window-size=1280,{height}"), &format!("--screenshot={}", png.display()), &url])
+        .output()
+        .unwrap();
+    assert!(shot.status.success() && png.exists(), "{}", stderr(&shot));
+    let decoder = png::Decoder::new(std::fs::File::open(&png).unwrap());
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    buf.truncate(info.buffer_size());
+    let rgba: Vec<u8> = match info.color_type {
+        png::ColorType::Rgba => buf,
+        png::ColorType::Rgb => buf.chunks(3).flat_map(|p| [p[0], p[1], p[2], 255]).collect(),
+        other => panic!("unexpected screenshot colour type {other:?}"),
+    };
+    (String::from_utf8_lossy(&dom.stdout).to_string(), rgba, info.width)
+}
+
+/// `plan --html` (with `--explain`) and `sweep --html` write pages that render in a real
+/// browser: the page's script ran without errors and counted its charts, and the screenshot
+/// is not blank (a good share of non-white pixels, in many colours: charts, not one flat box).
+#[test]
+fn html_reports_render_in_a_headless_browser() {
+    let dir = std::env::temp_dir().join(format!("shardc-html-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let page = dir.join("plan.html");
+    let o = shardc(&[
+        "plan",
+        &model("hf_gpt2_small4.onnxtxt"),
+        "--cluster",
+        "dgx-a100",
+        "--batch",
+        "8",
+        "--explain",
+        "--html",
+        page.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("parallelism") && text.contains("why this plan"), "{text}");
+    let html = std::fs::read_to_string(&page).unwrap();
+    assert!(
+        !html.contains("<script src") && !html.contains("<link") && !html.contains("<img src=\"http"),
+        "the page loads nothing"
+    );
+    for section in ["the model, coloured by strategy", "memory", "communication per block", "timeline"] {
+        assert!(html.contains(&format!("<h2>{section}</h2>")), "no `{section}` section");
+    }
+    let sweep = dir.join("sweep.html");
+    let o = shardc(&[
+        "sweep",
+        &model("tv_alexnet.onnxtxt"),
+        "--cluster",
+        "pcie-v100x8",
+        "--batch",
+        "256",
+        "--axis",
+        "linkbw",
+        "--values",
+        "0.1x,1x,10x",
+        "--strategies",
+        "data,owt",
+        "--html",
+        sweep.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let Some(b) = browser() else { return };
+    for (page, charts, height) in [(&page, 4, 2400), (&sweep, 1, 900)] {
+        let (dom, rgba, width) = render(b, page, &dir, height);
+        let body = dom.split("<body").nth(1).unwrap_or_default();
+        assert!(
+            body.contains("data-errors=\"0\""),
+            "{}: script errors: {}",
+            page.display(),
+            &body[..200.min(body.len())]
+        );
+        let n: usize = body
+            .split("data-charts=\"")
+            .nth(1)
+            .and_then(|s| s.split('"').next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("{}: the page's script did not run", page.display()));
+        assert!(n >= charts, "{}: {n} charts", page.display());
+        let pixels = rgba.len() / 4;
+        let ink = rgba.chunks(4).filter(|p| p[0] < 235 || p[1] < 235 || p[2] < 235).count();
+        let colours: std::collections::HashSet<[u8; 3]> = rgba.chunks(4).map(|p| [p[0], p[1], p[2]]).collect();
+        assert!(width >= 1000, "{width}");
+        assert!(ink * 50 > pixels, "{}: nearly blank ({ink} of {pixels} pixels drawn)", page.display());
+        assert!(colours.len() > 50, "{}: {} colours", page.display(), colours.len());
     }
     std::fs::remove_dir_all(&dir).ok();
 }

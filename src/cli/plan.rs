@@ -55,9 +55,13 @@ pub struct PlanArgs {
     /// stage count.
     #[arg(long, default_value = "auto", value_name = "off|auto|S", value_parser = parse_pipeline)]
     pub pipeline: String,
-    /// Draw the pipeline schedule (devices × time) as an SVG timeline.
+    /// Draw the step (a pipeline's schedule, stages × time) as an SVG timeline.
     #[arg(long, value_name = "FILE")]
     pub svg: Option<PathBuf>,
+    /// Write a self-contained HTML report: the summary, the model coloured by strategy,
+    /// memory per device, communication per block, the timeline and the explanation.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
     /// Print the model to stderr after these passes (comma-separated: verify, rebatch,
     /// infer-shapes, canonicalize, autoshard, or `all`).
     #[arg(long = "dump-after", value_delimiter = ',', value_name = "PASS")]
@@ -79,7 +83,10 @@ pub fn run(args: &PlanArgs) -> CliResult {
             )));
         }
     }
-    guard_outputs(&[("-o", args.output.as_ref()), ("--svg", args.svg.as_ref())], &[Some(&args.model)])?;
+    guard_outputs(
+        &[("-o", args.output.as_ref()), ("--svg", args.svg.as_ref()), ("--html", args.html.as_ref())],
+        &[Some(&args.model)],
+    )?;
     let cluster = load_cluster(&args.cluster)?;
     let devices = args.devices.unwrap_or(cluster.devices());
     cluster.mesh(devices).map_err(CliError::msg)?;
@@ -132,7 +139,22 @@ pub fn run(args: &PlanArgs) -> CliResult {
         write_output(&json, Some(out), &args.model)?;
     }
     if let Some(svg) = &args.svg {
-        write_output(&autoshard::plan::timeline_svg(&plan), Some(svg), &args.model)?;
+        write_output(&shardc::report::timeline_svg(&plan), Some(svg), &args.model)?;
+    }
+    let text = summary(args, &cluster.describe(), devices, &plan, &r);
+    let order = passes::cost::CostModel::new(g, &cluster, r.mesh.clone(), opts.clone()).order().to_vec();
+    let explained = r.data_parallel.as_ref().map(|dp| autoshard::explain::explain(g, &order, &r.breakdown, dp));
+    if let Some(html) = &args.html {
+        let page = shardc::report::plan_html(&shardc::report::PlanPage {
+            graph: g,
+            order: &order,
+            plan: &plan,
+            breakdown: &r.breakdown,
+            data_parallel: r.data_parallel.as_ref(),
+            summary: &text,
+            explanation: explained.as_ref().and_then(|e| e.as_ref().ok()),
+        });
+        write_output(&page, Some(html), &args.model)?;
     }
     if args.json {
         return write_output(&json, None, &args.model);
@@ -140,11 +162,10 @@ pub fn run(args: &PlanArgs) -> CliResult {
     if args.emit == Some(PlanEmit::Text) {
         return write_output(&ir::print::model_to_string(&loaded.model), None, &args.model);
     }
-    let mut t = summary(args, &cluster.describe(), devices, &plan, &r);
-    let order = passes::cost::CostModel::new(g, &cluster, r.mesh.clone(), opts.clone()).order().to_vec();
+    let mut t = text;
     if args.explain {
         t.push('\n');
-        t.push_str(&explanation(g, &order, &plan, &r));
+        t.push_str(&explanation(&plan, &r, explained.as_ref()));
     }
     if args.report {
         t.push('\n');
@@ -281,7 +302,11 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
 
 /// `--explain`: the layers where the plan differs from data parallelism (the top 15), and for
 /// a pipeline why it pipelines.
-fn explanation(g: &ir::Graph, order: &[ir::NodeId], plan: &Plan, r: &autoshard::SearchResult) -> String {
+fn explanation(
+    plan: &Plan,
+    r: &autoshard::SearchResult,
+    explained: Option<&Result<autoshard::explain::Explanation, String>>,
+) -> String {
     let mut t = String::from("why this plan\n");
     if let Some(p) = &plan.pipeline {
         t.push_str(&format!("  pipeline: {}\n", p.reason));
@@ -289,12 +314,12 @@ fn explanation(g: &ir::Graph, order: &[ir::NodeId], plan: &Plan, r: &autoshard::
             t.push_str(&format!("  {} pipeline configurations priced\n", pc.tried.len()));
         }
     }
-    match &r.data_parallel {
+    match explained {
         None => t.push_str(&format!(
             "  no data-parallel plan to compare with: {}\n",
             r.data_parallel_unavailable.as_deref().unwrap_or("it does not apply")
         )),
-        Some(dp) => match autoshard::explain::explain(g, order, &r.breakdown, dp) {
+        Some(e) => match e {
             Ok(e) => t.push_str(&e.text(Some(15), &secs, &bytes)),
             Err(e) if plan.pipeline.is_some() => t.push_str(&format!("  per stage: see --report ({e})\n")),
             Err(e) => t.push_str(&format!("  {e}\n")),

@@ -42,6 +42,9 @@ pub struct SweepArgs {
     /// Draw the sweep as an SVG line chart.
     #[arg(long)]
     pub svg: Option<PathBuf>,
+    /// Write the chart and the table as a self-contained HTML page.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
     /// Print one JSON document.
     #[arg(long)]
     pub json: bool,
@@ -64,8 +67,8 @@ impl Axis {
         match self {
             Axis::Batch => "batch size",
             Axis::Flops => "peak FLOP/s per device",
-            Axis::Membw => "memory bandwidth (bytes/s)",
-            Axis::Linkbw => "link bandwidth (bytes/s per device)",
+            Axis::Membw => "memory bandwidth",
+            Axis::Linkbw => "link bandwidth per device",
             Axis::Devices => "devices",
         }
     }
@@ -90,7 +93,7 @@ fn parse_value(s: &str, base: f64) -> Result<f64, String> {
 }
 
 pub fn run(args: &SweepArgs) -> CliResult {
-    guard_outputs(&[("--svg", args.svg.as_ref())], &[Some(&args.model)])?;
+    guard_outputs(&[("--svg", args.svg.as_ref()), ("--html", args.html.as_ref())], &[Some(&args.model)])?;
     let loaded = load_canonical(&args.model, &args.shapes)?;
     let base = load_cluster(&args.cluster)?;
     let opts = args.model_args.options()?;
@@ -179,10 +182,33 @@ pub fn run(args: &SweepArgs) -> CliResult {
     }
     let crossovers = find_crossovers(&xs, &rows, &best);
 
+    let model_name =
+        args.model.file_name().map_or_else(|| args.model.display().to_string(), |f| f.to_string_lossy().into());
+    let title = format!("{model_name} on {}: step time vs {}", base.name, args.axis.label());
+    let lines: Vec<shardc::report::SweepLine> = args
+        .strategies
+        .iter()
+        .enumerate()
+        .map(|(k, name)| shardc::report::SweepLine {
+            name: name.clone(),
+            points: rows
+                .iter()
+                .map(|r| match &r[k] {
+                    Cell::Time(t) => Some((*t, true)),
+                    Cell::Infeasible(t) if *t > 0.0 => Some((*t, false)),
+                    _ => None,
+                })
+                .collect(),
+        })
+        .collect();
+    let at: Vec<f64> = crossovers.iter().map(|c| c.at).collect();
+    let axis = args.axis;
+    let svg = || {
+        shardc::report::sweep_svg(&title, axis.label(), &xs, &lines, &at, &|x| fmt_value(axis, x))
+            .map_err(CliError::msg)
+    };
     if let Some(path) = &args.svg {
-        let svg =
-            chart(&args.model.display().to_string(), &base.name, args.axis, &xs, &args.strategies, &rows, &crossovers);
-        write_output(&svg, Some(path), &args.model)?;
+        write_output(&svg()?, Some(path), &args.model)?;
     }
     let axis_name = format!("{:?}", args.axis).to_lowercase();
     if args.json {
@@ -210,7 +236,7 @@ pub fn run(args: &SweepArgs) -> CliResult {
     t.push_str("   best\n");
     let mut notes = Vec::new();
     for ((x, r), b) in xs.iter().zip(&rows).zip(&best) {
-        t.push_str(&format!("{:>12}", fmt_x(*x)));
+        t.push_str(&format!("{:>12}", fmt_value(args.axis, *x)));
         for c in r {
             let cell = match c {
                 Cell::Time(v) => secs(*v),
@@ -231,9 +257,9 @@ pub fn run(args: &SweepArgs) -> CliResult {
             "crossover    {} overtakes {} at {} {axis_name} (between {} and {})\n",
             args.strategies[c.to],
             args.strategies[c.from],
-            fmt_x(c.at),
-            fmt_x(c.lo),
-            fmt_x(c.hi)
+            fmt_value(args.axis, c.at),
+            fmt_value(args.axis, c.lo),
+            fmt_value(args.axis, c.hi)
         ));
     }
     if crossovers.is_empty() {
@@ -242,7 +268,23 @@ pub fn run(args: &SweepArgs) -> CliResult {
     for n in notes {
         t.push_str(&format!("n/a          {n}\n"));
     }
+    if let Some(path) = &args.html {
+        let sections = vec![
+            ("step time".to_string(), format!("<div class=\"chart\">{}</div>", svg()?)),
+            ("table".to_string(), format!("<pre>{}</pre>", shardc::report::esc(&t))),
+        ];
+        write_output(&shardc::report::page(&title, &sections), Some(path), &args.model)?;
+    }
     write_output(&t, None, &args.model)
+}
+
+/// A value of the axis in its unit: `24 GB/s`, `19.5 TFLOP/s`, `64`.
+fn fmt_value(axis: Axis, x: f64) -> String {
+    match axis {
+        Axis::Flops => shardc::report::si(x, "FLOP/s"),
+        Axis::Membw | Axis::Linkbw => shardc::report::si(x, "B/s"),
+        Axis::Batch | Axis::Devices => fmt_x(x),
+    }
 }
 
 fn fmt_x(x: f64) -> String {
@@ -284,120 +326,4 @@ fn find_crossovers(xs: &[f64], rows: &[Vec<Cell>], best: &[Option<usize>]) -> Ve
         out.push(Crossover { lo: xs[i - 1], hi: xs[i], at, from: a, to: b });
     }
     out
-}
-
-/// A log-log line chart: one line per strategy, crossovers as dashed verticals.
-fn chart(
-    model: &str,
-    cluster: &str,
-    axis: Axis,
-    xs: &[f64],
-    names: &[String],
-    rows: &[Vec<Cell>],
-    crossovers: &[Crossover],
-) -> String {
-    let (w, h) = (760.0, 460.0);
-    let (l, r, t, b) = (80.0, 180.0, 50.0, 60.0);
-    let times: Vec<f64> = rows
-        .iter()
-        .flat_map(|r| {
-            r.iter().filter_map(|c| match c {
-                Cell::Time(t) | Cell::Infeasible(t) => Some(*t),
-                _ => None,
-            })
-        })
-        .filter(|t| *t > 0.0)
-        .collect();
-    let (tmin, tmax) = times.iter().fold((f64::INFINITY, 0.0f64), |acc, &t| (acc.0.min(t), acc.1.max(t)));
-    let (tmin, tmax) = if times.is_empty() { (1e-3, 1.0) } else { (tmin / 1.3, tmax * 1.3) };
-    let (xmin, xmax) = (xs.iter().copied().fold(f64::INFINITY, f64::min), xs.iter().copied().fold(0.0, f64::max));
-    let logx = xmax / xmin > 8.0;
-    let fx = |x: f64| -> f64 {
-        if xmax == xmin {
-            return l + (w - l - r) / 2.0;
-        }
-        let u = if logx { (x.ln() - xmin.ln()) / (xmax.ln() - xmin.ln()) } else { (x - xmin) / (xmax - xmin) };
-        l + u * (w - l - r)
-    };
-    let fy = |y: f64| -> f64 { t + (1.0 - (y.ln() - tmin.ln()) / (tmax.ln() - tmin.ln())) * (h - t - b) };
-    let colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2"];
-    let mut s = format!(
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
-    );
-    s.push_str(&format!(r#"<rect width="{w}" height="{h}" fill="white"/>"#));
-    s.push_str(&format!(
-        r#"<text x="{}" y="24" font-size="15" text-anchor="middle">{} on {} — step time vs {}</text>"#,
-        (w - r + l) / 2.0,
-        esc(model),
-        esc(cluster),
-        axis.label()
-    ));
-    s.push_str(&format!(r#"<line x1="{l}" y1="{}" x2="{}" y2="{}" stroke="black"/><line x1="{l}" y1="{t}" x2="{l}" y2="{}" stroke="black"/>"#, h - b, w - r, h - b, h - b));
-    // y ticks at powers of ten and their halves
-    let mut e = tmin.log10().floor() as i32;
-    while 10f64.powi(e) <= tmax {
-        for m in [1.0, 2.0, 5.0] {
-            let y = m * 10f64.powi(e);
-            if y >= tmin && y <= tmax {
-                s.push_str(&format!(r##"<line x1="{}" y1="{py}" x2="{l}" y2="{py}" stroke="black"/><line x1="{l}" y1="{py}" x2="{}" y2="{py}" stroke="#eee"/><text x="{}" y="{}" text-anchor="end">{}</text>"##, l - 5.0, w - r, l - 8.0, fy(y) + 4.0, esc(&secs(y)), py = fy(y)));
-            }
-        }
-        e += 1;
-    }
-    for &x in xs {
-        s.push_str(&format!(r#"<line x1="{px}" y1="{}" x2="{px}" y2="{}" stroke="black"/><text x="{px}" y="{}" text-anchor="middle">{}</text>"#, h - b, h - b + 5.0, h - b + 20.0, fmt_x(x), px = fx(x)));
-    }
-    s.push_str(&format!(
-        r#"<text x="{}" y="{}" text-anchor="middle">{}{}</text>"#,
-        (w - r + l) / 2.0,
-        h - 15.0,
-        axis.label(),
-        if logx { ", log scale" } else { "" }
-    ));
-    for c in crossovers {
-        let px = fx(c.at);
-        s.push_str(&format!(r##"<line x1="{px}" y1="{t}" x2="{px}" y2="{}" stroke="#555" stroke-dasharray="5,4"/><text x="{}" y="{}" fill="#555">crossover {}</text>"##, h - b, px + 4.0, t + 12.0, fmt_x(c.at)));
-    }
-    for (k, name) in names.iter().enumerate() {
-        let color = colors[k % colors.len()];
-        let pts: Vec<(f64, f64, bool)> = xs
-            .iter()
-            .zip(rows)
-            .filter_map(|(&x, r)| match &r[k] {
-                Cell::Time(t) => Some((fx(x), fy(*t), true)),
-                Cell::Infeasible(t) if *t > 0.0 => Some((fx(x), fy(*t), false)),
-                _ => None,
-            })
-            .collect();
-        let line: Vec<String> = pts.iter().filter(|p| p.2).map(|p| format!("{:.1},{:.1}", p.0, p.1)).collect();
-        if line.len() > 1 {
-            s.push_str(&format!(
-                r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#,
-                line.join(" ")
-            ));
-        }
-        for (x, y, ok) in &pts {
-            if *ok {
-                s.push_str(&format!(r#"<circle cx="{x:.1}" cy="{y:.1}" r="3.5" fill="{color}"/>"#));
-            } else {
-                s.push_str(&format!(
-                    r#"<text x="{x:.1}" y="{:.1}" fill="{color}" text-anchor="middle">×</text>"#,
-                    y + 4.0
-                ));
-            }
-        }
-        let ly = t + 20.0 + 20.0 * k as f64;
-        s.push_str(&format!(r#"<line x1="{}" y1="{ly}" x2="{}" y2="{ly}" stroke="{color}" stroke-width="2"/><text x="{}" y="{}">{}</text>"#, w - r + 15.0, w - r + 40.0, w - r + 46.0, ly + 4.0, esc(name)));
-    }
-    s.push_str(&format!(
-        r##"<text x="{}" y="{}" fill="#555">× does not fit in memory</text>"##,
-        w - r + 15.0,
-        t + 20.0 + 20.0 * names.len() as f64
-    ));
-    s.push_str("</svg>\n");
-    s
-}
-
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }

@@ -274,8 +274,10 @@ fn pipelined_plans_carry_stages_and_round_trip() {
     let back = autoshard::Plan::from_json(&json).unwrap();
     assert_eq!(back, plan);
     back.assignment(&m.graph).unwrap();
-    let svg = autoshard::plan::timeline_svg(&plan);
+    let svg = shardc::report::timeline_svg(&plan);
     assert!(svg.starts_with("<svg") && svg.contains("stage 1") && svg.contains("backward"));
+    // Recomputation is said only when a stage recomputes.
+    assert_eq!(svg.contains("recomputation"), plan.stages.iter().any(|s| s.recompute), "{svg}");
     // Annotations carry the stages.
     let mut annotated = m.clone();
     autoshard::plan::annotate(&mut annotated, &r);
@@ -291,4 +293,8 @@ fn pipelined_plans_carry_stages_and_round_trip() {
     assert_eq!(plan.stages.len(), 1);
     assert_eq!(plan.micro_batches, 1);
     assert!(plan.schedule.is_none() && plan.pipeline.is_none());
+    // Its drawing shows the step's phases on all devices, not one unexplained bar.
+    let svg = shardc::report::timeline_svg(&plan).replace('\n', "");
+    assert!(svg.contains("no pipeline") && svg.contains("all 8 devices"), "{svg}");
+    assert!(svg.contains(">forward<") && svg.contains(">backward<") && !svg.contains("recomputation"), "{svg}");
 }

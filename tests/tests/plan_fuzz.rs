@@ -154,7 +154,7 @@ fn exercise(g: &ir::Graph, text: &str, inputs: &std::collections::HashMap<String
     let _ = plan.mesh();
     let _ = plan.stage_meshes();
     let _ = autoshard::plan::stage_report(&plan);
-    let _ = autoshard::plan::timeline_svg(&plan);
+    let _ = shardc::report::timeline_svg(&plan);
     let Ok(program) = shardc::exec::program_for_plan(g, &plan) else { return "does not lower" };
     if codegen::check(&program).is_err() {
         return "inconsistent";

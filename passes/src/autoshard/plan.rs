@@ -1177,10 +1177,26 @@ pub fn stage_report(plan: &Plan) -> String {
     t
 }
 
-/// The pipeline schedule as an SVG timeline: one row per stage, forward (light) and backward
-/// (dark) blocks per micro-batch, idle time (bubbles) left blank, gradient synchronisation
-/// and update at the end.
-pub fn timeline_svg(plan: &Plan) -> String {
+/// One stage's forward or backward of one micro-batch in a simulated schedule.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TimelineBlock {
+    /// The stage.
+    pub stage: usize,
+    /// The micro-batch.
+    pub micro_batch: usize,
+    /// Backward (else forward).
+    pub backward: bool,
+    /// Start, seconds from the step's start.
+    pub start_s: f64,
+    /// End, seconds.
+    pub end_s: f64,
+}
+
+/// A plan's schedule simulated from its stages' per-micro-batch times: each stage runs its
+/// forwards and backwards in the schedule's order (GPipe, or 1F1B's warm-up, alternation and
+/// drain), each starting when its stage is free and its dependency (the previous stage's
+/// forward, the next stage's backward) has ended. Returns the blocks and the span, seconds.
+pub fn timeline(plan: &Plan) -> (Vec<TimelineBlock>, f64) {
     let s = plan.stages.len();
     let m = plan.micro_batches.max(1);
     let f: Vec<f64> = plan.stages.iter().map(|x| x.forward_s).collect();
@@ -1189,7 +1205,7 @@ pub fn timeline_svg(plan: &Plan) -> String {
     // stage is free and its dependency (previous stage's forward, next stage's backward) ends.
     let mut fwd_end = vec![vec![0.0f64; m]; s];
     let mut bwd_end = vec![vec![0.0f64; m]; s];
-    let mut blocks: Vec<(usize, usize, bool, f64, f64)> = Vec::new(); // stage, micro, backward, start, end
+    let mut blocks: Vec<TimelineBlock> = Vec::new();
     let order: Vec<Vec<(bool, usize)>> = (0..s)
         .map(|st| {
             let mut ops = Vec::new();
@@ -1238,67 +1254,10 @@ pub fn timeline_svg(plan: &Plan) -> String {
                 fwd_end[st][i] = end;
             }
             free[st] = end;
-            blocks.push((st, i, back, start, end));
+            blocks.push(TimelineBlock { stage: st, micro_batch: i, backward: back, start_s: start, end_s: end });
             pos[st] += 1;
             done += 1;
         }
     }
-    let span = free.iter().copied().fold(0.0, f64::max).max(1e-12);
-    let (w, row, left, top) = (1000.0, 36.0, 110.0, 40.0);
-    let x = |t: f64| left + t / span * w;
-    let mut out = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" font-size=\"12\">\n",
-        left + w + 20.0,
-        top + row * s as f64 + 50.0
-    );
-    out.push_str(&format!(
-        "<text x=\"{left}\" y=\"20\" font-size=\"14\">{} stages × {} micro-batches ({}), {:.3} ms per step before synchronisation; white = idle (bubble)</text>\n",
-        s,
-        m,
-        plan.schedule.as_deref().unwrap_or("no pipeline"),
-        span * 1e3
-    ));
-    for (st, stage) in plan.stages.iter().enumerate() {
-        let y = top + row * st as f64;
-        let devs = format!("{}-{}", stage.devices.first().unwrap_or(&0), stage.devices.last().unwrap_or(&0));
-        out.push_str(&format!("<text x=\"4\" y=\"{:.1}\">stage {st} (dev {devs})</text>\n", y + row * 0.6));
-        out.push_str(&format!(
-            "<rect x=\"{left}\" y=\"{y:.1}\" width=\"{w}\" height=\"{:.1}\" fill=\"white\" stroke=\"#999\"/>\n",
-            row - 6.0
-        ));
-    }
-    for &(st, i, back, a, e) in &blocks {
-        let y = top + row * st as f64;
-        let fill = if back { "#2f6db5" } else { "#9cc3ef" };
-        out.push_str(&format!(
-            "<rect x=\"{:.2}\" y=\"{y:.1}\" width=\"{:.2}\" height=\"{:.1}\" fill=\"{fill}\" stroke=\"white\" stroke-width=\"0.5\"><title>stage {st} micro-batch {i} {}: {:.1}–{:.1} µs</title></rect>\n",
-            x(a),
-            (x(e) - x(a)).max(0.5),
-            row - 6.0,
-            if back { "backward" } else { "forward" },
-            a * 1e6,
-            e * 1e6
-        ));
-        if x(e) - x(a) > 14.0 {
-            out.push_str(&format!(
-                "<text x=\"{:.2}\" y=\"{:.1}\" fill=\"{}\" font-size=\"10\">{i}</text>\n",
-                x(a) + 2.0,
-                y + row * 0.55,
-                if back { "white" } else { "black" }
-            ));
-        }
-    }
-    let y = top + row * s as f64 + 20.0;
-    out.push_str(&format!("<rect x=\"{left}\" y=\"{y}\" width=\"14\" height=\"10\" fill=\"#9cc3ef\"/><text x=\"{}\" y=\"{}\">forward</text>\n", left + 18.0, y + 10.0));
-    out.push_str(&format!("<rect x=\"{}\" y=\"{y}\" width=\"14\" height=\"10\" fill=\"#2f6db5\"/><text x=\"{}\" y=\"{}\">backward (with recomputation)</text>\n", left + 90.0, left + 108.0, y + 10.0));
-    out.push_str(&format!(
-        "<text x=\"{}\" y=\"{}\">0</text><text x=\"{}\" y=\"{}\" text-anchor=\"end\">{:.3} ms</text>\n",
-        left,
-        y + 28.0,
-        left + w,
-        y + 28.0,
-        span * 1e3
-    ));
-    out.push_str("</svg>\n");
-    out
+    (blocks, free.iter().copied().fold(0.0, f64::max))
 }
