@@ -9,6 +9,12 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// No progress bars (they are drawn only when stderr is a terminal).
+    #[arg(short, long, global = true)]
+    quiet: bool,
+    /// Also print each pass's time and the search's phases per mesh on stderr.
+    #[arg(short, long, global = true)]
+    verbose: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -53,6 +59,7 @@ fn main() {
         unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
     }
     let cli = Cli::parse();
+    cli::ui::set(cli.quiet, cli.verbose);
     let result = match &cli.command {
         Command::Parse(a) => cli::parse::run(a),
         Command::Stats(a) => cli::stats::run(a),

@@ -250,7 +250,21 @@ pub fn run_steps(
     backend: codegen::Backend,
     steps: usize,
 ) -> Result<TrainRun, String> {
+    run_steps_with(program, info, inputs, backend, steps, codegen::StepHook::default())
+}
+
+/// [`run_steps`], calling `on_step` after each step (`steps + 1` calls: the last is the loss
+/// after the last update).
+pub fn run_steps_with(
+    program: &codegen::Program,
+    info: &TrainInfo,
+    inputs: &HashMap<String, Array>,
+    backend: codegen::Backend,
+    steps: usize,
+    on_step: codegen::StepHook,
+) -> Result<TrainRun, String> {
     let run_opts = codegen::RunOptions {
+        on_step,
         backend,
         steps: steps + 1,
         carry: info.state.iter().map(|(s, n)| (s.clone(), n.clone())).collect(),

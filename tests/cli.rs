@@ -1151,3 +1151,40 @@ fn html_reports_render_in_a_headless_browser() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Progress is drawn on a terminal (here a pseudo-terminal from util-linux's `script`), never
+/// into a pipe or with `--quiet`; `-v` prints each pass's time and the search's phases.
+#[test]
+fn progress_on_terminals_only_and_verbose_timings() {
+    let args = ["plan", "tests/data/models/hf_gpt2_small4.onnxtxt", "--cluster", "dgx-a100", "--batch", "8"];
+    let piped = shardc(&args);
+    assert!(piped.status.success(), "{}", stderr(&piped));
+    assert!(!stderr(&piped).contains("searching"), "progress into a pipe: {}", stderr(&piped));
+    let mut verbose = args.to_vec();
+    verbose.push("-v");
+    let o = shardc(&verbose);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    for want in ["pass verify", "pass autoshard", "search mesh", "search total"] {
+        assert!(err.contains(want), "no `{want}` in {err}");
+    }
+    if Command::new("script").arg("--version").output().is_err() {
+        eprintln!("skipped the terminal half: no `script` (util-linux) to make a pseudo-terminal");
+        return;
+    }
+    let on_terminal = |extra: &str| {
+        let cmd = format!("{} {} {extra}", env!("CARGO_BIN_EXE_shardc"), args.join(" "));
+        let o = Command::new("script")
+            .args(["-qec", &cmd, "/dev/null"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    let shown = on_terminal("");
+    assert!(shown.contains("searching: mesh"), "{shown}");
+    assert!(shown.contains("parallelism"), "the summary follows the progress: {shown}");
+    let quiet = on_terminal("--quiet");
+    assert!(!quiet.contains("searching") && quiet.contains("parallelism"), "{quiet}");
+}

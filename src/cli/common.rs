@@ -200,6 +200,7 @@ pub fn load_with_values(
     let mut pm = passes::PassManager::new();
     pm.add(passes::RequireStatic);
     let report = pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
+    super::ui::pass_timings(&report);
     warn(&report.warnings, &loaded.source);
     Ok((loaded, given))
 }
@@ -232,6 +233,7 @@ fn load_with(path: &Path, shapes: &ShapeArgs, canonical: bool, computable: bool)
         pm.add(passes::RequireStatic);
     }
     let report = pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
+    super::ui::pass_timings(&report);
     warn(&report.warnings, &loaded.source);
     Ok(loaded)
 }

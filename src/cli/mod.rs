@@ -10,3 +10,4 @@ pub mod run;
 pub mod stats;
 pub mod sweep;
 pub mod train;
+pub mod ui;

@@ -88,6 +88,7 @@ pub fn run(args: &ParseArgs) -> CliResult {
         pm.add_boxed(pass);
     }
     let report = pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
+    super::ui::pass_timings(&report);
     warn(&report.warnings, &loaded.source);
     for (pass, text) in &report.dumps {
         eprintln!("# ---- after {pass} ----");

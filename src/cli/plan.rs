@@ -103,6 +103,8 @@ pub fn run(args: &PlanArgs) -> CliResult {
     if let Some(n) = args.node_limit {
         search.node_limit = n;
     }
+    let (progress, bar) = super::ui::search_progress(args.time_limit);
+    search.progress = progress;
     let result = Rc::new(RefCell::new(None));
     let mut pm = passes::PassManager::new().with_dump_after(args.dump_after.clone());
     pm.add(passes::Verify);
@@ -113,7 +115,10 @@ pub fn run(args: &PlanArgs) -> CliResult {
     pm.add(passes::Canonicalize);
     pm.add(passes::RequireStatic);
     pm.add(Autoshard { cluster: cluster.clone(), devices, options: opts.clone(), search, result: result.clone() });
-    let report = pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
+    let report = pm.run(&mut loaded.model);
+    super::ui::finish(bar);
+    let report = report.map_err(|e| pass_error(&e, &loaded.source))?;
+    super::ui::pass_timings(&report);
     warn(&report.warnings, &loaded.source);
     for (pass, text) in &report.dumps {
         eprintln!("# ---- after {pass} ----");
@@ -134,6 +139,7 @@ pub fn run(args: &PlanArgs) -> CliResult {
             .collect(),
     };
     let plan = Plan::new(g, &cluster, devices, &opts, info, &r);
+    super::ui::search_timings(&plan.timings);
     let json = serde_json::to_string_pretty(&plan).expect("plan serializes");
     if let Some(out) = &args.output {
         write_output(&json, Some(out), &args.model)?;

@@ -145,8 +145,11 @@ pub fn run(args: &RunArgs) -> CliResult {
             (p, format!("strategy `{s}` on {} devices of {}", args.devices, cluster.name))
         } else {
             let pipeline = PipelineMode::parse(&args.pipeline).map_err(CliError::msg)?;
-            let so = SearchOptions { pipeline, time_limit: Duration::from_secs(60), ..Default::default() };
-            let r = autoshard::search(g, &cluster, args.devices, &opts, &so).map_err(CliError::msg)?;
+            let (progress, bar) = super::ui::search_progress(60.0);
+            let so = SearchOptions { pipeline, time_limit: Duration::from_secs(60), progress, ..Default::default() };
+            let r = autoshard::search(g, &cluster, args.devices, &opts, &so);
+            super::ui::finish(bar);
+            let r = r.map_err(CliError::msg)?;
             let what = match &r.pipeline {
                 Some(p) => format!("{} stages × {} micro-batches", p.stages.len(), p.micro_batches),
                 None => r.same_as.clone().map_or("per-layer strategies".into(), |s| format!("the `{s}` plan")),

@@ -259,12 +259,16 @@ fn training_plan(
                 Some(p) => passes::autoshard::PipelineMode::parse(p).map_err(CliError::msg)?,
                 None => passes::autoshard::PipelineMode::Off,
             };
+            let (progress, bar) = super::ui::search_progress(args.time_limit);
             let so = passes::autoshard::SearchOptions {
                 pipeline,
                 time_limit: std::time::Duration::from_secs_f64(args.time_limit),
+                progress,
                 ..Default::default()
             };
-            let r = passes::autoshard::search(forward, cluster, devices, opts, &so).map_err(CliError::msg)?;
+            let r = passes::autoshard::search(forward, cluster, devices, opts, &so);
+            super::ui::finish(bar);
+            let r = r.map_err(CliError::msg)?;
             if let Some(pipe) = exec::TrainPipeline::of_search(forward, &r) {
                 let desc = format!(
                     "searched plan ({} stages × {} micro-batches, {})",
@@ -460,7 +464,10 @@ pub fn run(args: &TrainArgs) -> CliResult {
         }
         None => shardc::train::seeded_inputs(g, &info, args.seed).map_err(CliError::msg)?,
     };
-    let run = shardc::train::run_steps(&program, &info, &inputs, be, args.steps).map_err(CliError::msg)?;
+    let bar = super::ui::step_bar(args.steps + 1, "training step");
+    let run = shardc::train::run_steps_with(&program, &info, &inputs, be, args.steps, super::ui::step_hook(&bar));
+    super::ui::finish(bar);
+    let run = run.map_err(CliError::msg)?;
     let (losses, gradients, parameters, report) = (run.losses, run.gradients, run.parameters, run.report);
     // Checks.
     let tol = (

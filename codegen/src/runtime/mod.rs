@@ -204,6 +204,31 @@ pub struct RunOptions {
     /// Steps whose carried state is applied (`None`: every step); a later step runs on the
     /// state as it then is (the loss after the last update).
     pub updates: Option<usize>,
+    /// Called by device 0 after each step (for progress displays).
+    pub on_step: StepHook,
+}
+
+/// A callback `(steps done, steps)` after each step of a run; none by default.
+#[derive(Clone, Default)]
+pub struct StepHook(Option<std::sync::Arc<dyn Fn(usize, usize) + Send + Sync>>);
+
+impl StepHook {
+    /// A hook that calls `f`.
+    pub fn new(f: impl Fn(usize, usize) + Send + Sync + 'static) -> StepHook {
+        StepHook(Some(std::sync::Arc::new(f)))
+    }
+
+    fn call(&self, done: usize, of: usize) {
+        if let Some(f) = &self.0 {
+            f(done, of);
+        }
+    }
+}
+
+impl std::fmt::Debug for StepHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "StepHook(set)" } else { "StepHook(none)" })
+    }
 }
 
 impl Default for RunOptions {
@@ -216,6 +241,7 @@ impl Default for RunOptions {
             every_step: Vec::new(),
             keep_first: false,
             updates: None,
+            on_step: StepHook::default(),
         }
     }
 }
@@ -748,6 +774,9 @@ fn drive<E: Executor>(
         }
         e.sync();
         report.step_wall_s.push(step_start.elapsed().as_secs_f64());
+        if d.device == 0 {
+            opts.on_step.call(step + 1, steps);
+        }
         outs_steps.push(outs_micro);
     }
     report.wall_s = step_start.elapsed().as_secs_f64();

@@ -73,6 +73,63 @@ pub struct SearchOptions {
     /// Multiplies the safety net's clock (tests simulate a slower machine with it).
     #[doc(hidden)]
     pub clock_scale: f64,
+    /// Told what the search is doing as it goes (progress displays); nothing by default.
+    pub progress: Progress,
+}
+
+/// What the search reports while it runs.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SearchEvent {
+    /// A mesh's search began: the `index`-th (from 0) of `of`.
+    MeshStarted {
+        /// The mesh, as [`mesh_string`] writes it.
+        mesh: String,
+        /// Its position among the meshes tried.
+        index: usize,
+        /// How many meshes are tried.
+        of: usize,
+    },
+    /// A mesh's search ended with its best plan.
+    MeshDone {
+        /// The mesh.
+        mesh: String,
+        /// Its best plan's step time, seconds.
+        step_time_s: f64,
+        /// That plan fits in memory.
+        feasible: bool,
+    },
+    /// A pipeline configuration was priced.
+    PipelinePriced {
+        /// Stages.
+        stages: usize,
+        /// Micro-batches.
+        micro_batches: usize,
+        /// Its step time, seconds (infinite when nothing fits).
+        step_time_s: f64,
+    },
+}
+
+/// A callback for [`SearchEvent`]s (called from the search's threads).
+#[derive(Clone, Default)]
+pub struct Progress(Option<Arc<dyn Fn(&SearchEvent) + Send + Sync>>);
+
+impl Progress {
+    /// A callback that calls `f`.
+    pub fn new(f: impl Fn(&SearchEvent) + Send + Sync + 'static) -> Progress {
+        Progress(Some(Arc::new(f)))
+    }
+
+    pub(crate) fn emit(&self, e: SearchEvent) {
+        if let Some(f) = &self.0 {
+            f(&e);
+        }
+    }
+}
+
+impl std::fmt::Debug for Progress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Progress(set)" } else { "Progress(none)" })
+    }
 }
 
 /// Default local-search work per mesh: about 4 s of plan pricing on one core of the
@@ -93,6 +150,7 @@ impl Default for SearchOptions {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             pipeline: PipelineMode::Auto,
             clock_scale: 1.0,
+            progress: Progress::default(),
         }
     }
 }
@@ -370,7 +428,15 @@ pub(crate) fn search_intra_with(
                         if i >= meshes.len() {
                             break;
                         }
-                        done.push((i, search_mesh(g, cluster, meshes[i].clone(), opts, so, net)));
+                        let mesh = mesh_string(&meshes[i]);
+                        so.progress.emit(SearchEvent::MeshStarted { mesh: mesh.clone(), index: i, of: meshes.len() });
+                        let o = search_mesh(g, cluster, meshes[i].clone(), opts, so, net);
+                        so.progress.emit(SearchEvent::MeshDone {
+                            mesh,
+                            step_time_s: o.breakdown.step_time_s,
+                            feasible: o.breakdown.feasible,
+                        });
+                        done.push((i, o));
                     }
                     done
                 })

@@ -560,6 +560,8 @@ fn reference_plans(
         node_limit: so.node_limit.min(150_000),
         time_limit: so.time_limit,
         clock_scale: so.clock_scale,
+        // The stages' reference searches are not the search the user watches.
+        progress: Default::default(),
     };
     let mut reference: HashMap<usize, HashMap<String, OpStrategy>> = HashMap::new();
     let mut meshes: HashMap<usize, Mesh> = HashMap::new();
@@ -676,6 +678,7 @@ pub fn search_pipeline(
                     best: &mut Option<PipelinePlan>,
                     tried: &mut Vec<Tried>| {
         let (step, feasible) = plan.as_ref().map_or((f64::INFINITY, false), |p| (p.breakdown.step_time_s, true));
+        so.progress.emit(super::SearchEvent::PipelinePriced { stages: s, micro_batches: m, step_time_s: step });
         tried.push(Tried {
             stages: s,
             micro_batches: m,
