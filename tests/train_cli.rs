@@ -189,6 +189,11 @@ fn sharded_training_matches_torch_on_two_devices() {
         };
         match r {
             Ok(doc) => {
+                // The plan in ML engineers' terms: two-way data or tensor parallelism.
+                let text = doc["summary"]["text"].as_str().unwrap_or("");
+                if !(text.starts_with("data 2") || text.starts_with("tensor 2")) {
+                    failures.push(format!("{}: summary `{text}`", path.display()));
+                }
                 let whats: Vec<&str> =
                     doc["check"].as_array().into_iter().flatten().filter_map(|c| c["what"].as_str()).collect();
                 for want in ["gradients (torch)", "loss trajectory (torch)", "parameters (reference)"] {

@@ -160,6 +160,25 @@ struct Chosen {
     predicted: Option<(f64, u64)>,
     desc: String,
     notes: Vec<String>,
+    /// The plan in ML engineers' terms (degrees of parallelism, throughput at the predicted
+    /// step), from the forward model's strategies.
+    summary: Option<passes::autoshard::plan::PlanSummary>,
+}
+
+/// The summary of the forward strategies `asg` on `mesh` at step time `step`.
+#[allow(clippy::too_many_arguments)]
+fn summary_of(
+    forward: &ir::Graph,
+    cluster: &passes::cost::Cluster,
+    opts: &passes::cost::Options,
+    devices: usize,
+    asg: &passes::cost::Assignment,
+    mesh: &ir::shard::Mesh,
+    step: Option<f64>,
+    pipeline: Option<(usize, usize, &str)>,
+) -> Option<passes::autoshard::plan::PlanSummary> {
+    let cm = passes::cost::CostModel::new(forward, cluster, mesh.clone(), opts.clone());
+    Some(passes::autoshard::plan::PlanSummary::new(&cm, asg, cluster, opts, devices, step?, pipeline))
 }
 
 fn step_and_memory(b: &passes::cost::Breakdown) -> (f64, u64) {
@@ -187,12 +206,16 @@ fn training_plan(
         let result = exec::named_result(train, cluster, devices, s, opts).map_err(CliError::msg)?;
         // The training program priced as it runs (each op of the step once, in its phase).
         let predicted = Some(step_and_memory(&result.breakdown));
+        let summary = exec::named_result(forward, cluster, devices, s, opts).ok().and_then(|f| {
+            summary_of(forward, cluster, opts, devices, &f.assignment, &f.mesh, predicted.map(|p| p.0), None)
+        });
         return Ok(Chosen {
             lowering: Lowering::Flat(Box::new(result)),
             devices,
             predicted,
             desc: s.to_string(),
             notes,
+            summary,
         });
     }
     let (fwd, mesh, devices, predicted, desc) = match &args.plan {
@@ -241,12 +264,16 @@ fn training_plan(
                     notes.push(format!("the prediction is the plan's, for {}", plan.cluster));
                 }
                 let predicted = Some((plan.step_time_s, plan.memory_per_device_bytes));
+                let shape = (pipe.stages.len(), pipe.micro_batches, pipe.schedule.name());
+                let summary =
+                    summary_of(forward, cluster, opts, plan.devices, &fwd, &mesh, Some(plan.step_time_s), Some(shape));
                 return Ok(Chosen {
                     lowering: Lowering::Pipeline(pipe, fwd),
                     devices: plan.devices,
                     predicted,
                     desc,
                     notes,
+                    summary,
                 });
             }
             let cm = passes::cost::CostModel::new(forward, cluster, mesh.clone(), opts.clone());
@@ -277,12 +304,24 @@ fn training_plan(
                     pipe.schedule.name()
                 );
                 let predicted = r.pipeline.as_ref().map(|p| step_and_memory(&p.breakdown));
+                let shape = (pipe.stages.len(), pipe.micro_batches, pipe.schedule.name());
+                let summary = summary_of(
+                    forward,
+                    cluster,
+                    opts,
+                    devices,
+                    &r.assignment,
+                    &r.mesh,
+                    predicted.map(|p| p.0),
+                    Some(shape),
+                );
                 return Ok(Chosen {
                     lowering: Lowering::Pipeline(pipe, r.assignment),
                     devices,
                     predicted,
                     desc,
                     notes,
+                    summary,
                 });
             }
             let what = r.same_as.clone().map_or("per-layer strategies".into(), |s| format!("the `{s}` plan"));
@@ -308,7 +347,8 @@ fn training_plan(
             fwd.strategies.len()
         ));
     }
-    Ok(Chosen { lowering: Lowering::Flat(Box::new(result)), devices, predicted: Some(predicted), desc, notes })
+    let summary = summary_of(forward, cluster, opts, devices, &fwd, &mesh, Some(predicted.0), None);
+    Ok(Chosen { lowering: Lowering::Flat(Box::new(result)), devices, predicted: Some(predicted), desc, notes, summary })
 }
 
 enum Lowering {
@@ -537,6 +577,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
         let doc = serde_json::json!({
             "model": args.model.display().to_string(),
             "plan": plan_desc,
+            "summary": chosen.summary,
             "backend": format!("{be:?}").to_lowercase(),
             "optimizer": opt,
             "trainable": info.trainable.len(),
@@ -568,6 +609,9 @@ pub fn run(args: &TrainArgs) -> CliResult {
         let mut t = String::new();
         t.push_str(&format!("model        {}\n", args.model.display()));
         t.push_str(&format!("plan         {plan_desc}\n"));
+        if let Some(s) = &chosen.summary {
+            t.push_str(&s.lines().replace("throughput  ", "predicted   "));
+        }
         t.push_str(&format!(
             "training     {} trainable tensors, loss `{}`, {}\n",
             info.trainable.len(),
@@ -600,7 +644,11 @@ pub fn run(args: &TrainArgs) -> CliResult {
                 t.push_str(&format!("  after {:>10.6}\n", l));
             }
         }
-        t.push_str(&format!("step         {} (median of the warm steps, slowest device)\n", secs(step_s)));
+        t.push_str(&format!("step         {} (median of the warm steps, slowest device)", secs(step_s)));
+        if let Some(batch) = passes::cost::pipeline::graph_batch(&loaded.model.graph).filter(|_| step_s > 0.0) {
+            t.push_str(&format!(", {:.1} samples/s measured", batch as f64 / step_s));
+        }
+        t.push('\n');
         t.push_str(&format!("memory       {:.1} MB allocated (peak, largest device)", memory as f64 / 1e6));
         if let Some((_, m)) = predicted {
             t.push_str(&format!("; {:.1} MB predicted on {}", m as f64 / 1e6, cluster.name));
