@@ -1188,3 +1188,36 @@ fn progress_on_terminals_only_and_verbose_timings() {
     let quiet = on_terminal("--quiet");
     assert!(!quiet.contains("searching") && quiet.contains("parallelism"), "{quiet}");
 }
+
+/// `run` on wgpu: one step is not compared with the prediction (it also compiled the
+/// kernels), adapter names are printed whole, and a check that passes on atol says so.
+#[test]
+fn run_reports_say_what_their_numbers_mean() {
+    let args = ["run", "tests/data/models/tv_resnet18.onnxtxt", "--batch", "2", "--devices", "2"];
+    let tail = ["--strategy", "data", "--cluster", "local-wgpu", "--check", "--backend", "wgpu"];
+    let o = shardc(&[&args[..], &tail[..]].concat());
+    if !o.status.success() && std::env::var_os("SHARDC_REQUIRE_GPU").is_none() {
+        eprintln!("skipped: no wgpu adapter: {}", stderr(&o));
+        return;
+    }
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("not compared: the only step also compiled the kernels"), "{text}");
+    assert!(!text.contains("vs measured"), "{text}");
+    // The same run as JSON names the adapters; the table has each whole.
+    let o = shardc(&[&args[..], &tail[..], &["--json"]].concat());
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for d in doc["devices"].as_array().unwrap() {
+        let name = d["adapter"].as_str().unwrap();
+        assert!(text.contains(name), "`{name}` cut in:\n{text}");
+    }
+    // ResNet-18's logits have elements near zero: the relative error passes the 1e-4 rtol
+    // only through atol, and the verdict says so.
+    let line = text.lines().find(|l| l.contains("max rel error")).unwrap();
+    let rel: f64 = line.split("max rel error").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    if rel > 1e-4 {
+        assert!(line.contains("ok (within atol"), "{line}");
+    } else {
+        assert!(line.trim_end().ends_with(" ok"), "{line}");
+    }
+}
