@@ -1221,3 +1221,22 @@ fn run_reports_say_what_their_numbers_mean() {
         assert!(line.trim_end().ends_with(" ok"), "{line}");
     }
 }
+
+/// `plan --export`: launch settings on stdout when the plan fits a framework's template, a
+/// clear error and exit 1 when it does not.
+#[test]
+fn plan_exports_or_says_why_not() {
+    let gpt2 = model("hf_gpt2_small4.onnxtxt");
+    let o = shardc(&["plan", &gpt2, "--cluster", "dgx-a100", "--batch", "8", "--export", "megatron"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("--tensor-model-parallel-size") && text.contains("--global-batch-size 8"), "{text}");
+    let o = shardc(&["plan", &gpt2, "--cluster", "dgx-a100", "--batch", "8", "--export", "deepspeed"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(doc["train_batch_size"], 8);
+    let r18 = model("tv_resnet18.onnxtxt");
+    let o = shardc(&["plan", &r18, "--cluster", "dgx-a100", "--devices", "4", "--batch", "8", "--export", "torch-tp"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stdout(&o));
+    assert!(stderr(&o).starts_with("error: ") && !stderr(&o).contains("panicked"), "{}", stderr(&o));
+}

@@ -19,6 +19,18 @@ pub enum PlanEmit {
     Text,
 }
 
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ExportKind {
+    /// Megatron-LM's command-line arguments (tensor, pipeline, micro-batch sizes,
+    /// sequence parallelism, recomputation).
+    Megatron,
+    /// A DeepSpeed configuration (JSON) with the parallel degrees beside it.
+    Deepspeed,
+    /// A PyTorch `torch.distributed.tensor.parallel` plan: module path → ColwiseParallel /
+    /// RowwiseParallel / SequenceParallel.
+    TorchTp,
+}
+
 #[derive(Args, Debug)]
 pub struct PlanArgs {
     /// The model (ONNX textual syntax).
@@ -42,6 +54,10 @@ pub struct PlanArgs {
     /// memory each difference saves or costs, largest first (and a pipeline's reasons).
     #[arg(long)]
     pub explain: bool,
+    /// Print the plan as a framework's launch settings instead of a summary; an error naming
+    /// the ops that keep it from the framework's template when it does not fit one.
+    #[arg(long, value_enum)]
+    pub export: Option<ExportKind>,
     /// Print the annotated model instead of a summary.
     #[arg(long, value_enum)]
     pub emit: Option<PlanEmit>,
@@ -164,6 +180,15 @@ pub fn run(args: &PlanArgs) -> CliResult {
     }
     if args.json {
         return write_output(&json, None, &args.model);
+    }
+    if let Some(kind) = args.export {
+        let d = autoshard::export::degrees(g, &cluster, &opts, &plan).map_err(CliError::msg)?;
+        let text = match kind {
+            ExportKind::Megatron => autoshard::export::megatron_args(&d, devices),
+            ExportKind::Deepspeed => autoshard::export::deepspeed_config(&d, devices),
+            ExportKind::TorchTp => autoshard::export::torch_tp_plan(&d).map_err(CliError::msg)?,
+        };
+        return write_output(&text, None, &args.model);
     }
     if args.emit == Some(PlanEmit::Text) {
         return write_output(&ir::print::model_to_string(&loaded.model), None, &args.model);

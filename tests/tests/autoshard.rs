@@ -757,3 +757,54 @@ fn reports_group_ops_by_block_with_totals() {
     let rows: f64 = lines[at + 1..].iter().take_while(|l| l.starts_with("  ")).map(|l| col(l)).sum();
     assert!((rows - col(lines[at])).abs() < 0.2, "{rows} vs {}", lines[at]);
 }
+
+/// `plan --export`: a data × tensor plan of GPT-2 small4 becomes Megatron-LM arguments, a
+/// DeepSpeed configuration and a torch tensor-parallel plan (the MLP's first GEMM
+/// column-parallel, its second row-parallel, the fused QKV GEMM column-parallel, by the module
+/// paths in the parameter names); a spatial plan of ResNet-18 has no such settings and the
+/// error names its Convs.
+#[test]
+fn plans_export_to_megatron_deepspeed_and_torch_when_they_fit() {
+    let m = shared("hf_gpt2_small4.onnxtxt", batch(8));
+    let g = &m.graph;
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let opts = Options::default();
+    let r = shardc::exec::named_result(g, &cluster, 8, "hybrid:dp:2,tp:4", &opts).unwrap();
+    let plan = autoshard::Plan::new(g, &cluster, 8, &opts, Default::default(), &r);
+    let d = autoshard::export::degrees(g, &cluster, &opts, &plan).unwrap();
+    assert_eq!((d.data, d.tensor, d.pipeline), (2, 4, 1), "{d:?}");
+    let args = autoshard::export::megatron_args(&d, 8);
+    for want in [
+        "--tensor-model-parallel-size 4",
+        "--pipeline-model-parallel-size 1",
+        "--micro-batch-size 4",
+        "--global-batch-size 8",
+    ] {
+        assert!(args.contains(want), "no `{want}` in {args}");
+    }
+    let ds: serde_json::Value = serde_json::from_str(&autoshard::export::deepspeed_config(&d, 8)).unwrap();
+    assert_eq!(ds["train_batch_size"], 8);
+    assert_eq!(ds["train_micro_batch_size_per_gpu"], 4);
+    assert_eq!(ds["shardc"]["tensor_parallel_size"], 4);
+    let tp = autoshard::export::torch_tp_plan(&d).unwrap();
+    for (module, style) in [
+        ("h.0.attn.c_attn", "ColwiseParallel"),
+        ("h.0.mlp.c_fc", "ColwiseParallel"),
+        ("h.3.mlp.c_fc", "ColwiseParallel"),
+        ("h.3.mlp.c_proj", "RowwiseParallel"),
+    ] {
+        assert!(tp.lines().any(|l| l.contains(&format!("{module}\": {style}()"))), "no {module} {style} in {tp}");
+    }
+    // Data parallelism alone: degrees, but no tensor plan.
+    let r = shardc::exec::named_result(g, &cluster, 8, "data", &opts).unwrap();
+    let plan = autoshard::Plan::new(g, &cluster, 8, &opts, Default::default(), &r);
+    let d = autoshard::export::degrees(g, &cluster, &opts, &plan).unwrap();
+    assert_eq!((d.data, d.tensor), (8, 1));
+    assert!(autoshard::export::torch_tp_plan(&d).unwrap_err().contains("no tensor parallelism"));
+    // Spatial parallelism has no framework setting: the error names the axis and its Convs.
+    let m = shared("tv_resnet18.onnxtxt", batch(8));
+    let r = shardc::exec::named_result(&m.graph, &cluster, 4, "spatial", &opts).unwrap();
+    let plan = autoshard::Plan::new(&m.graph, &cluster, 4, &opts, Default::default(), &r);
+    let e = autoshard::export::degrees(&m.graph, &cluster, &opts, &plan).unwrap_err();
+    assert!(e.contains("spatial") && e.contains("(Conv)"), "{e}");
+}

@@ -16,6 +16,7 @@
 
 pub mod budget;
 pub mod explain;
+pub mod export;
 pub mod extract;
 pub mod meshes;
 pub mod pipeline;
@@ -111,7 +112,10 @@ pub enum SearchEvent {
 
 /// A callback for [`SearchEvent`]s (called from the search's threads).
 #[derive(Clone, Default)]
-pub struct Progress(Option<Arc<dyn Fn(&SearchEvent) + Send + Sync>>);
+pub struct Progress(Option<Arc<ProgressFn>>);
+
+/// What a [`Progress`] calls.
+pub type ProgressFn = dyn Fn(&SearchEvent) + Send + Sync;
 
 impl Progress {
     /// A callback that calls `f`.

@@ -1,0 +1,268 @@
+//! A plan in the launch settings of the frameworks users train with, when the plan has their
+//! shape: Megatron-LM's command-line arguments, a DeepSpeed configuration, and a PyTorch
+//! `torch.distributed.tensor.parallel` plan (module path → `ColwiseParallel` /
+//! `RowwiseParallel` / `SequenceParallel`).
+//!
+//! Those frameworks know data, tensor (Megatron's column/row GEMM splits, with sequence
+//! parallelism for the norms between them) and pipeline parallelism. A plan that splits
+//! spatial dims, mixes kinds on one mesh axis, or splits ops no module names, has no such
+//! settings; the error says which ops keep it from the template.
+
+use std::collections::BTreeMap;
+
+use ir::shard::DimRole;
+use ir::{Graph, Op};
+
+use super::Plan;
+use crate::cost::{Cluster, CostModel, Options};
+
+/// The degrees of a plan that fits the frameworks' template.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Degrees {
+    /// Data-parallel degree (per pipeline stage).
+    pub data: usize,
+    /// Tensor-parallel degree.
+    pub tensor: usize,
+    /// Pipeline stages.
+    pub pipeline: usize,
+    /// Micro-batches per step.
+    pub micro_batches: usize,
+    /// GPipe or 1F1B (`None` without a pipeline).
+    pub schedule: Option<String>,
+    /// Some stage recomputes its activations in backward.
+    pub recompute: bool,
+    /// Norms split along the sequence on the tensor axes (Megatron's sequence parallelism).
+    pub sequence_parallel: bool,
+    /// The global batch.
+    pub global_batch: Option<i64>,
+    /// Per-device micro-batch size.
+    pub micro_batch_size: Option<i64>,
+    /// Module path → `ColwiseParallel`, `RowwiseParallel` or `SequenceParallel`, for the ops
+    /// split on the tensor axes, in model order (empty without tensor parallelism).
+    pub tensor_plan: Vec<(String, &'static str)>,
+    /// Tensor-split ops whose module the export does not name.
+    pub unnamed: Vec<String>,
+}
+
+fn role_kind(r: &DimRole) -> &'static str {
+    match r {
+        DimRole::Batch => "data",
+        DimRole::Spatial => "spatial",
+        DimRole::OutFeature | DimRole::InFeature | DimRole::Vocab => "tensor",
+        DimRole::Other => "other",
+    }
+}
+
+fn is_norm(op: &Op) -> bool {
+    matches!(
+        op.op_type(),
+        "LayerNormalization" | "RMSNormalization" | "SimplifiedLayerNormalization" | "SkipLayerNormalization"
+    )
+}
+
+/// The plan's degrees, or why it has none: the axes whose ops split what the template cannot
+/// (spatial dims, other dims, kinds mixed on one axis), each with the ops that do it.
+pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Result<Degrees, String> {
+    let (asg, _) = plan.stage_assignment(g)?;
+    let meshes = plan.stage_meshes()?;
+    let mesh = meshes.first().ok_or("the plan has no mesh")?;
+    let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
+    let axes = &plan.summary.axes;
+    let (mut data, mut tensor) = (1, 1);
+    let mut blockers = Vec::new();
+    let mut tensor_axes = Vec::new();
+    for (a, u) in axes.iter().enumerate() {
+        match u.kind.as_str() {
+            "data" => data *= u.size,
+            "tensor" => {
+                tensor *= u.size;
+                tensor_axes.push(a);
+            }
+            "unused" => {}
+            kind => {
+                // Which ops split what on this axis, grouped by kind.
+                let mut by: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+                for &n in cm.order() {
+                    let Some(Some(i)) = asg.strategies.get(&n).and_then(|s| s.get(a)) else { continue };
+                    let Some(d) = cm.space(n).dims.get(*i) else { continue };
+                    let k = role_kind(&d.role);
+                    if kind == "mixed" || k == kind {
+                        by.entry(k).or_default().push(format!("{} ({})", g.op_name(n), g.node(n).op.op_type()));
+                    }
+                }
+                let mut parts = Vec::new();
+                for (k, ops) in &by {
+                    let shown: Vec<&str> = ops.iter().take(4).map(|s| s.as_str()).collect();
+                    parts.push(format!(
+                        "{k} for {} ops ({}{})",
+                        ops.len(),
+                        shown.join(", "),
+                        if ops.len() > shown.len() {
+                            format!(" and {} more", ops.len() - shown.len())
+                        } else {
+                            String::new()
+                        }
+                    ));
+                }
+                blockers.push(format!(
+                    "mesh axis {} ({} devices) is used for {kind} parallelism, which has no such setting: {}",
+                    u.axis,
+                    u.size,
+                    parts.join("; ")
+                ));
+            }
+        }
+    }
+    if !blockers.is_empty() {
+        return Err(format!(
+            "the plan does not fit the data × tensor × pipeline template:\n  {}",
+            blockers.join("\n  ")
+        ));
+    }
+    // The tensor plan: each op split on a tensor axis, by its module.
+    let paths = ir::scope::module_paths(g, cm.order());
+    let mut tensor_plan: Vec<(String, &'static str)> = Vec::new();
+    let mut unnamed = Vec::new();
+    let mut sequence_parallel = false;
+    for &n in cm.order() {
+        let Some(s) = asg.strategies.get(&n) else { continue };
+        let node = g.node(n);
+        for &a in &tensor_axes {
+            let Some(Some(i)) = s.get(a) else { continue };
+            let Some(d) = cm.space(n).dims.get(*i) else { continue };
+            let reads_param = node.inputs().iter().flatten().any(|v| ir::cost::is_param(g, *v));
+            let style = match (&d.role, node.op.op_type()) {
+                (DimRole::Vocab, "Gather") => Some("RowwiseParallel"),
+                (DimRole::OutFeature | DimRole::Vocab, _) if reads_param => Some("ColwiseParallel"),
+                (DimRole::InFeature, _) if reads_param => Some("RowwiseParallel"),
+                (DimRole::Other | DimRole::Batch, _) if is_norm(&node.op) => {
+                    sequence_parallel = true;
+                    Some("SequenceParallel")
+                }
+                _ => None,
+            };
+            let Some(style) = style else { continue };
+            match ir::scope::own_module_path(g, n).or_else(|| paths.get(&n).filter(|p| !p.is_empty()).cloned()) {
+                Some(p) => {
+                    if !tensor_plan.iter().any(|(q, _)| *q == p) {
+                        tensor_plan.push((p, style));
+                    }
+                }
+                None => unnamed.push(format!("{} ({})", g.op_name(n), node.op.op_type())),
+            }
+        }
+    }
+    let pipeline = plan.stages.len().max(1);
+    let micro_batches = plan.micro_batches.max(1);
+    let global_batch = plan.model.batch.or_else(|| crate::cost::pipeline::graph_batch(g));
+    Ok(Degrees {
+        data,
+        tensor,
+        pipeline,
+        micro_batches,
+        schedule: plan.schedule.clone(),
+        recompute: plan.stages.iter().any(|s| s.recompute),
+        sequence_parallel,
+        global_batch,
+        micro_batch_size: global_batch
+            .filter(|b| *b % (data * micro_batches) as i64 == 0)
+            .map(|b| b / (data * micro_batches) as i64),
+        tensor_plan,
+        unnamed,
+    })
+}
+
+/// Megatron-LM's arguments for the plan (`torchrun … pretrain_gpt.py <these>`).
+pub fn megatron_args(d: &Degrees, devices: usize) -> String {
+    let mut t = format!(
+        "# shardc plan as Megatron-LM arguments: data {} × tensor {} × pipeline {} = {devices} devices\n",
+        d.data, d.tensor, d.pipeline
+    );
+    t.push_str("# launch: torchrun --nproc_per_node <devices per node> --nnodes <nodes> pretrain_gpt.py \\\n");
+    let mut args = vec![
+        format!("--tensor-model-parallel-size {}", d.tensor),
+        format!("--pipeline-model-parallel-size {}", d.pipeline),
+    ];
+    if let Some(m) = d.micro_batch_size {
+        args.push(format!("--micro-batch-size {m}"));
+    }
+    if let Some(b) = d.global_batch {
+        args.push(format!("--global-batch-size {b}"));
+    }
+    if d.sequence_parallel && d.tensor > 1 {
+        args.push("--sequence-parallel".into());
+    }
+    if d.recompute {
+        args.push("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".into());
+    }
+    t.push_str(&args.iter().map(|a| format!("  {a}")).collect::<Vec<_>>().join(" \\\n"));
+    t.push('\n');
+    if d.schedule.as_deref() == Some("gpipe") {
+        t.push_str(
+            "# note: the plan was priced with GPipe; Megatron-LM runs 1F1B (at most the same bubble, less memory)\n",
+        );
+    }
+    if d.micro_batch_size.is_none() {
+        t.push_str(
+            "# note: the global batch does not divide into data × micro-batches; set --micro-batch-size yourself\n",
+        );
+    }
+    t
+}
+
+/// A DeepSpeed configuration for the plan (JSON), with the parallel degrees it needs from
+/// the launcher beside it under `shardc`.
+pub fn deepspeed_config(d: &Degrees, devices: usize) -> String {
+    let mut cfg = serde_json::json!({
+        "train_micro_batch_size_per_gpu": d.micro_batch_size,
+        "gradient_accumulation_steps": d.micro_batches,
+        "zero_optimization": { "stage": 0 },
+        "shardc": {
+            "devices": devices,
+            "data_parallel_size": d.data,
+            "tensor_parallel_size": d.tensor,
+            "pipeline_parallel_size": d.pipeline,
+            "notes": [
+                "ZeRO stage 0: the plan keeps a full copy of each data-parallel replica's optimizer state",
+                "tensor parallelism comes from Megatron-DeepSpeed (--tensor-model-parallel-size) or the torch-tp export",
+                "pipeline stages: deepspeed.pipe.PipelineModule(num_stages = pipeline_parallel_size)"
+            ]
+        }
+    });
+    if let Some(b) = d.global_batch {
+        cfg["train_batch_size"] = serde_json::json!(b);
+    }
+    if d.recompute {
+        cfg["activation_checkpointing"] =
+            serde_json::json!({ "partition_activations": false, "contiguous_memory_optimization": false });
+    }
+    serde_json::to_string_pretty(&cfg).expect("JSON") + "\n"
+}
+
+/// A PyTorch tensor-parallel plan (`parallelize_module(model, tp_mesh, plan)`), module paths
+/// as the export named them.
+pub fn torch_tp_plan(d: &Degrees) -> Result<String, String> {
+    if d.tensor <= 1 {
+        return Err("the plan has no tensor parallelism: nothing for torch.distributed.tensor.parallel to do (data parallelism is DDP/FSDP)".into());
+    }
+    if !d.unnamed.is_empty() {
+        let shown: Vec<&str> = d.unnamed.iter().take(6).map(|s| s.as_str()).collect();
+        return Err(format!(
+            "{} tensor-split ops have no module path in the export's names (node or parameter names), e.g. {}",
+            d.unnamed.len(),
+            shown.join(", ")
+        ));
+    }
+    let mut t = String::from("# shardc plan as a torch.distributed.tensor.parallel plan\n");
+    t.push_str(&format!(
+        "# tensor {} (tp_mesh), data {}, pipeline {}; module paths as the export named them\n",
+        d.tensor, d.data, d.pipeline
+    ));
+    t.push_str("from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module\n\n");
+    t.push_str("plan = {\n");
+    for (path, style) in &d.tensor_plan {
+        t.push_str(&format!("    \"{path}\": {style}(),\n"));
+    }
+    t.push_str("}\n# parallelize_module(model, tp_mesh, plan)\n");
+    Ok(t)
+}
