@@ -88,6 +88,14 @@ pub struct PlanArgs {
     pub model_args: ModelArgs,
 }
 
+/// What the strategies' letters mean, printed under them.
+pub const NOTATION: &str = "\
+notation     `dim→axis`: an op's loop dim split over a mesh axis (`replicated`: none split)
+             MatMul/Gemm: m rows, n columns, k the reduction (partial sums), b0… batch dims
+             Conv: n samples, m filters, c channels (a reduction), s0… spatial (with halos)
+             Gather: i0… indices, v vocabulary rows, e0… embedding dims; other ops: d0… output dims
+";
+
 const PLAN_PASSES: &[&str] = &["verify", "rebatch", "infer-shapes", "canonicalize", "autoshard"];
 
 pub fn run(args: &PlanArgs) -> CliResult {
@@ -328,6 +336,7 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
     for ((op, s), n) in hist {
         t.push_str(&format!("  {op:<22} {n:>5} × {s}\n"));
     }
+    t.push_str(NOTATION);
     t
 }
 

@@ -155,8 +155,10 @@ pub fn run(args: &RunArgs) -> CliResult {
                 None => r.same_as.clone().map_or("per-layer strategies".into(), |s| format!("the `{s}` plan")),
             };
             let p = exec::program_for_search(g, &r, args.devices).map_err(CliError::msg)?;
-            if r.pipeline.is_none() {
-                predicted = Some((cluster.name.clone(), r.breakdown.forward_s));
+            match &r.pipeline {
+                None => predicted = Some((cluster.name.clone(), r.breakdown.forward_s)),
+                // Why it pipelines (faster, or the only way to fit), as `plan` says it.
+                Some(pp) => notes.push(format!("pipelined because {}", autoshard::plan::pipeline_reason(&r, pp))),
             }
             (
                 p,

@@ -808,3 +808,33 @@ fn plans_export_to_megatron_deepspeed_and_torch_when_they_fit() {
     let e = autoshard::export::degrees(&m.graph, &cluster, &opts, &plan).unwrap_err();
     assert!(e.contains("spatial") && e.contains("(Conv)"), "{e}");
 }
+
+/// A plan that parallelises regions of the model differently is summarised region by region:
+/// ResNet-18 data-parallel except layer4's convolutions split by filters reads
+/// `mixed: data 4 in conv1 … layer3.1; … tensor 4 in layer4.0 …`.
+#[test]
+fn mixed_plans_are_summarised_by_region() {
+    let m = shared("tv_resnet18.onnxtxt", batch(8));
+    let g = &m.graph;
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let opts = Options::default();
+    let r = shardc::exec::named_result(g, &cluster, 4, "data", &opts).unwrap();
+    let cm = CostModel::new(g, &cluster, r.mesh.clone(), opts.clone());
+    let mut asg = r.assignment.clone();
+    for &n in cm.order() {
+        let node = g.node(n);
+        if node.label.as_deref().is_some_and(|l| l.starts_with("/layer4/")) && node.op.op_type() == "Conv" {
+            let filters = cm.space(n).dims.iter().position(|d| d.name == "m").unwrap();
+            asg.strategies.insert(n, vec![Some(filters)]);
+        }
+    }
+    let s = autoshard::plan::PlanSummary::new(&cm, &asg, &cluster, &opts, 4, 1e-3, None);
+    assert!(s.text.starts_with("mixed: data 4 in conv1 … layer3.1; "), "{}", s.text);
+    assert!(s.regions.iter().any(|r| r.first == "layer4.0" && r.degrees.starts_with("tensor 4")), "{:?}", s.regions);
+    let share: f64 = s.regions.iter().map(|r| r.flops_share).sum();
+    assert!((share - 1.0).abs() < 1e-9, "{share}");
+    // Uniform plans keep the plain form.
+    let s = autoshard::plan::PlanSummary::new(&cm, &r.assignment, &cluster, &opts, 4, 1e-3, None);
+    assert_eq!(s.text, "data 4, pipeline 1");
+    assert_eq!(s.regions.len(), 1, "{:?}", s.regions);
+}

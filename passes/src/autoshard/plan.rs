@@ -316,15 +316,37 @@ pub struct PlanSummary {
     /// Model FLOPs utilisation: the training step's FLOPs (forward and backward) over the
     /// predicted step time times the devices' peak in the training precision.
     pub mfu: Option<f64>,
+    /// Consecutive blocks of the model (by the exporter's module paths, [`ir::scope`]) that
+    /// the plan parallelises alike, with their degrees; one region when it is uniform.
+    #[serde(default)]
+    pub regions: Vec<Region>,
+}
+
+/// Consecutive blocks of a model parallelised alike.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Region {
+    /// Its first block.
+    pub first: String,
+    /// Its last block.
+    pub last: String,
+    /// Its degrees, e.g. `data 2 × tensor 4`.
+    pub degrees: String,
+    /// Its share of the step's FLOPs.
+    pub flops_share: f64,
 }
 
 /// Classifies each mesh axis by the roles of the iteration dims the ops split over it,
 /// weighted by each op's training FLOPs.
 fn axis_uses(g: &Graph, cm: &CostModel<'_>, asg: &Assignment) -> Vec<AxisUse> {
+    axis_uses_of(g, cm, asg, cm.order())
+}
+
+/// [`axis_uses`] over the ops of `ops` only.
+fn axis_uses_of(g: &Graph, cm: &CostModel<'_>, asg: &Assignment, ops: &[NodeId]) -> Vec<AxisUse> {
     let mesh = &cm.mesh;
     let mut total = 0.0;
     let mut per: Vec<BTreeMap<String, f64>> = vec![BTreeMap::new(); mesh.axes.len()];
-    for &n in cm.order() {
+    for &n in ops {
         let flops = ir::cost::node_cost(g, n).total_flops();
         total += flops;
         let Some(s) = asg.strategies.get(&n) else { continue };
@@ -359,6 +381,45 @@ fn axis_uses(g: &Graph, cm: &CostModel<'_>, asg: &Assignment) -> Vec<AxisUse> {
             AxisUse { axis: ax.name.clone(), size: ax.size, kind, shares }
         })
         .collect()
+}
+
+/// The regions of a plan: its blocks in model order ([`ir::scope::block_of`] of each op's
+/// module path), each with the degrees of its own ops (FLOP-weighted as for the whole plan),
+/// consecutive blocks with the same degrees merged; blocks without FLOPs join the region
+/// before them.
+fn regions(g: &Graph, cm: &CostModel<'_>, asg: &Assignment) -> Vec<Region> {
+    let order = cm.order();
+    let paths = ir::scope::module_paths(g, order);
+    let mut blocks: Vec<(String, Vec<NodeId>)> = Vec::new();
+    for &n in order {
+        let b = paths.get(&n).map(|p| ir::scope::block_of(p)).unwrap_or_default();
+        match blocks.last_mut() {
+            Some((last, ops)) if *last == b => ops.push(n),
+            _ => blocks.push((b, vec![n])),
+        }
+    }
+    let flops = |ops: &[NodeId]| ops.iter().map(|&n| ir::cost::node_cost(g, n).total_flops()).sum::<f64>();
+    let total = flops(order).max(1e-300);
+    let mut out: Vec<Region> = Vec::new();
+    for (b, ops) in blocks {
+        let f = flops(&ops);
+        let name = if b.is_empty() { "(unnamed)".to_string() } else { b };
+        if f <= 0.0 {
+            if let Some(r) = out.last_mut() {
+                r.last = name;
+            }
+            continue;
+        }
+        let d = degrees(&axis_uses_of(g, cm, asg, &ops));
+        match out.last_mut() {
+            Some(r) if r.degrees == d => {
+                r.last = name;
+                r.flops_share += f / total;
+            }
+            _ => out.push(Region { first: name.clone(), last: name, degrees: d, flops_share: f / total }),
+        }
+    }
+    out
 }
 
 /// `data 2 × tensor 4` from axis uses (axes of one kind multiply; `mixed` lists its kinds).
@@ -406,14 +467,29 @@ impl PlanSummary {
     ) -> PlanSummary {
         let g = cm.g;
         let axes = axis_uses(g, cm, asg);
+        let regions = regions(g, cm, asg);
+        // A plan that parallelises regions of the model differently says so region by
+        // region.
+        let whole = if axes.iter().any(|a| a.kind == "mixed") && regions.len() > 1 {
+            let parts: Vec<String> = regions
+                .iter()
+                .map(|r| {
+                    let span = if r.first == r.last { r.first.clone() } else { format!("{} … {}", r.first, r.last) };
+                    format!("{} in {span}", r.degrees)
+                })
+                .collect();
+            format!("mixed: {}", parts.join("; "))
+        } else {
+            degrees(&axes)
+        };
         let text = match pipeline {
             Some((stages, micro, schedule)) if asg.strategies.is_empty() => {
                 format!("pipeline {stages} × {micro} micro-batches ({schedule})")
             }
             Some((stages, micro, schedule)) => {
-                format!("pipeline {stages} × {micro} micro-batches ({schedule}); stage 0: {}", degrees(&axes))
+                format!("pipeline {stages} × {micro} micro-batches ({schedule}); stage 0: {whole}")
             }
-            None => format!("{}, pipeline 1", degrees(&axes)),
+            None => format!("{whole}, pipeline 1"),
         };
         let batch = crate::cost::pipeline::graph_batch(g).map(|b| b as f64);
         let tokens = g.input_values().into_iter().find_map(|v| {
@@ -431,6 +507,7 @@ impl PlanSummary {
             samples_per_s: batch.filter(|_| ok).map(|b| b / step),
             tokens_per_s: tokens.filter(|_| ok).map(|t| t / step),
             mfu: (ok && flops > 0.0 && peak > 0.0).then(|| flops / (step * devices as f64 * peak)),
+            regions,
         }
     }
 
@@ -843,7 +920,7 @@ fn layouts(
 }
 
 /// Why the plan pipelines: memory (nothing else fits) or speed.
-fn pipeline_reason(r: &SearchResult, p: &super::pipeline::PipelinePlan) -> String {
+pub fn pipeline_reason(r: &SearchResult, p: &super::pipeline::PipelinePlan) -> String {
     let intra = r.meshes.iter().filter(|m| m.feasible).map(|m| m.step_time_s).fold(f64::INFINITY, f64::min);
     let smallest = r.meshes.iter().map(|m| m.memory_per_device_bytes).min().unwrap_or(0);
     let gib = |x: f64| x / 1073741824.0;
