@@ -25,6 +25,8 @@ pub use passes;
 
 pub mod calibrate;
 pub mod exec;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod report;
 pub mod synthetic;
 pub mod train;

@@ -250,11 +250,12 @@ pub fn run_steps(
     backend: codegen::Backend,
     steps: usize,
 ) -> Result<TrainRun, String> {
-    run_steps_with(program, info, inputs, backend, steps, codegen::StepHook::default())
+    run_steps_with(program, info, inputs, backend, steps, codegen::StepHook::default(), None)
 }
 
 /// [`run_steps`], calling `on_step` after each step (`steps + 1` calls: the last is the loss
-/// after the last update).
+/// after the last update), and with `distributed` this process's device only (then only
+/// device 0's process gets the losses, gradients and parameters).
 pub fn run_steps_with(
     program: &codegen::Program,
     info: &TrainInfo,
@@ -262,9 +263,11 @@ pub fn run_steps_with(
     backend: codegen::Backend,
     steps: usize,
     on_step: codegen::StepHook,
+    distributed: Option<codegen::Distributed>,
 ) -> Result<TrainRun, String> {
     let run_opts = codegen::RunOptions {
         on_step,
+        distributed,
         backend,
         steps: steps + 1,
         carry: info.state.iter().map(|(s, n)| (s.clone(), n.clone())).collect(),

@@ -25,5 +25,7 @@ pub mod schedule;
 pub use check::{CheckError, check};
 pub use lower::{LowerError, lower};
 pub use program::{DeviceProgram, Feed, GlobalValue, Placement, Program, StagePlacement};
-pub use runtime::{AdapterLimits, Backend, RunOptions, RunReport, RuntimeError, StepHook, run};
+pub use runtime::{
+    AdapterLimits, Backend, Distributed, Hub, Key, RunOptions, RunReport, RuntimeError, StepHook, Transport, run,
+};
 pub use schedule::Schedule;

@@ -72,6 +72,13 @@ pub struct TrainArgs {
     /// a time and the optimizer steps once on the mean gradient (gradient accumulation).
     #[arg(long, default_value_t = 1, value_parser = parse_count, allow_negative_numbers = true)]
     pub micro_batches: usize,
+    /// How devices exchange tensors: `threads` (every device in this process) or `mpi` (under
+    /// `mpirun -np N`, one device per process; N must equal --devices).
+    #[arg(long, value_enum, default_value = "threads")]
+    pub transport: TransportKind,
+    /// Seconds a device waits for a message from another before the run is declared stuck.
+    #[arg(long = "comm-timeout", value_name = "SECS", default_value_t = 300.0, value_parser = parse_seconds, allow_negative_numbers = true)]
+    pub comm_timeout: f64,
     /// The cluster the prediction is for.
     #[arg(long, default_value = "local-wgpu")]
     pub cluster: String,
@@ -395,7 +402,94 @@ fn check_losses(what: &str, got: &[f64], want: &[f64], tol: (f64, f64)) -> Check
     }
 }
 
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TransportKind {
+    /// Every device on a thread of this process.
+    Threads,
+    /// One device per MPI process (built with `--features mpi`).
+    Mpi,
+}
+
+#[cfg(feature = "mpi")]
+type MpiJob = shardc::mpi::Mpi;
+#[cfg(not(feature = "mpi"))]
+type MpiJob = NoMpi;
+
+/// Stands for MPI in a shardc built without it (never constructed).
+#[cfg(not(feature = "mpi"))]
+pub struct NoMpi {
+    rank: usize,
+}
+
+#[cfg(feature = "mpi")]
+fn start_mpi() -> CliResult<MpiJob> {
+    shardc::mpi::Mpi::init().map_err(CliError::msg)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn start_mpi() -> CliResult<MpiJob> {
+    let _ = NoMpi { rank: 0 }.rank;
+    Err(CliError::msg(
+        "--transport mpi: this shardc was built without MPI; build it with `cargo build --release --features mpi` \
+         (Debian: apt-get install libopenmpi-dev openmpi-bin libclang-dev) and start it with mpirun -np N",
+    ))
+}
+
+/// This process's part of the job: its rank and the MPI transport, once the job's size is
+/// checked against the program's devices and every rank's program is the same as rank 0's.
+#[cfg(feature = "mpi")]
+fn distributed(
+    m: &MpiJob,
+    devices: usize,
+    program: &codegen::Program,
+    timeout: f64,
+) -> CliResult<codegen::Distributed> {
+    use codegen::Transport;
+    use sha2::Digest;
+    if m.size != devices {
+        let msg = format!(
+            "--transport mpi: the plan has {devices} devices but mpirun started {} processes; run mpirun -np {devices} (or --devices {})",
+            m.size, m.size
+        );
+        m.abort(&msg, 1);
+    }
+    let t = std::sync::Arc::new(shardc::mpi::MpiTransport::new(m, std::time::Duration::from_secs_f64(timeout)));
+    // Every rank planned and lowered on its own: the programs must be the same.
+    let text: String = program.devices.iter().map(|d| ir::print::model_to_string(&d.to_model())).collect();
+    let digest = sha2::Sha256::digest(text.as_bytes());
+    let word = i64::from_le_bytes(digest[..8].try_into().expect("8 bytes"));
+    let key = (u64::MAX - 2, 0, 0);
+    if m.rank != 0 {
+        t.put(m.rank, 0, key, ir::eval::Array::i64(vec![1], vec![word]));
+    } else {
+        for r in 1..m.size {
+            let got = t.take(r, 0, key).map_err(CliError::msg)?;
+            if !matches!(&got.data, ir::eval::Data::I64(v) if v.first() == Some(&word)) {
+                m.abort(
+                    &format!("rank {r} lowered another program than rank 0 (a plan search cut short by --time-limit on one rank?); give them a --plan"),
+                    1,
+                );
+            }
+        }
+    }
+    Ok(codegen::Distributed { rank: m.rank, size: m.size, transport: t })
+}
+
+#[cfg(not(feature = "mpi"))]
+fn distributed(_: &MpiJob, _: usize, _: &codegen::Program, _: f64) -> CliResult<codegen::Distributed> {
+    unreachable!("start_mpi refuses without the mpi feature")
+}
+
 pub fn run(args: &TrainArgs) -> CliResult {
+    // Under mpirun each process runs one device; every process plans and lowers the same
+    // program (the search is deterministic; the programs are compared before running).
+    let mpi = match args.transport {
+        TransportKind::Threads => None,
+        TransportKind::Mpi => Some(start_mpi()?),
+    };
+    if mpi.as_ref().is_some_and(|m| m.rank != 0) {
+        super::ui::set(true, super::ui::verbose());
+    }
     guard_outputs(
         &[("--save-state", args.save_state.as_ref()), ("--emit-program", args.emit_program.as_ref())],
         &[Some(&args.model), args.data.as_deref(), args.plan.as_deref()],
@@ -504,10 +598,27 @@ pub fn run(args: &TrainArgs) -> CliResult {
         }
         None => shardc::train::seeded_inputs(g, &info, args.seed).map_err(CliError::msg)?,
     };
+    let distributed = match &mpi {
+        None => None,
+        Some(m) => Some(distributed(m, devices, &program, args.comm_timeout)?),
+    };
+    let rank = distributed.as_ref().map_or(0, |d| d.rank);
     let bar = super::ui::step_bar(args.steps + 1, "training step");
-    let run = shardc::train::run_steps_with(&program, &info, &inputs, be, args.steps, super::ui::step_hook(&bar));
+    let run = shardc::train::run_steps_with(
+        &program,
+        &info,
+        &inputs,
+        be,
+        args.steps,
+        super::ui::step_hook(&bar),
+        distributed.clone(),
+    );
     super::ui::finish(bar);
     let run = run.map_err(CliError::msg)?;
+    if rank != 0 {
+        // Device 0's process checks and reports for the job.
+        return Ok(());
+    }
     let (losses, gradients, parameters, report) = (run.losses, run.gradients, run.parameters, run.report);
     // Checks.
     let tol = (

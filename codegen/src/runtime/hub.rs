@@ -13,21 +13,43 @@ use crate::layout::{combine, concat, crop, split_even};
 
 /// What a mailbox message is keyed by: a channel (a group's collective or a send tag), a
 /// sequence number and a step.
-type Key = (u64, u64, u64);
+pub type Key = (u64, u64, u64);
 
-/// Mailboxes between devices.
-pub(crate) struct Hub {
+/// How devices hand each other tensors: every collective and pipeline message of a program
+/// is built from `put` (never blocks: the message waits in the receiver's mailbox) and
+/// `take` (waits for the message with that key from that device). [`Hub`] serves the devices
+/// of one process; another process-spanning implementation (MPI) gives the same results,
+/// since the collectives' arithmetic and order are the same.
+pub trait Transport: Sync {
+    /// Sends `a` from device `from` to device `to` under `key`.
+    fn put(&self, from: usize, to: usize, key: Key, a: Array);
+    /// The message from `from` to `to` under `key`, waiting for it; an error when the run
+    /// failed elsewhere or the wait times out.
+    fn take(&self, from: usize, to: usize, key: Key) -> Result<Array, String>;
+    /// Marks the run failed so that waiting devices stop.
+    fn fail(&self, why: String);
+}
+
+/// A device's view of a transport: its id, and its collective counters per group.
+pub struct Port<'h> {
+    hub: &'h dyn Transport,
+    me: usize,
+    seq: HashMap<Vec<i64>, u64>,
+}
+
+impl<'h> Port<'h> {
+    /// Device `me`'s port on `t`.
+    pub fn new(t: &'h dyn Transport, me: usize) -> Port<'h> {
+        Port { hub: t, me, seq: HashMap::new() }
+    }
+}
+
+/// Mailboxes between the devices of one process.
+pub struct Hub {
     boxes: Mutex<HashMap<(usize, usize, Key), VecDeque<Array>>>,
     ready: Condvar,
     timeout: Duration,
     failed: Mutex<Option<String>>,
-}
-
-/// A device's view of the hub: its id, and its collective counters per group.
-pub(crate) struct Port<'h> {
-    hub: &'h Hub,
-    me: usize,
-    seq: HashMap<Vec<i64>, u64>,
 }
 
 fn group_key(group: &[i64]) -> u64 {
@@ -43,12 +65,19 @@ fn group_key(group: &[i64]) -> u64 {
 }
 
 impl Hub {
+    /// Mailboxes whose `take` gives up after `timeout`.
     pub fn new(timeout: Duration) -> Hub {
         Hub { boxes: Mutex::new(HashMap::new()), ready: Condvar::new(), timeout, failed: Mutex::new(None) }
     }
 
-    /// Marks the run failed so that waiting devices stop.
-    pub fn fail(&self, why: String) {
+    /// Device `me`'s port.
+    pub fn port(&self, me: usize) -> Port<'_> {
+        Port::new(self, me)
+    }
+}
+
+impl Transport for Hub {
+    fn fail(&self, why: String) {
         let mut f = self.failed.lock().expect("hub lock");
         if f.is_none() {
             *f = Some(why);
@@ -83,10 +112,6 @@ impl Hub {
             }
             b = self.ready.wait_timeout(b, left.min(Duration::from_millis(200))).expect("hub lock").0;
         }
-    }
-
-    pub fn port(&self, me: usize) -> Port<'_> {
-        Port { hub: self, me, seq: HashMap::new() }
     }
 }
 

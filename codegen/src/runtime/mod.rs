@@ -11,14 +11,16 @@
 
 pub mod cpu;
 pub mod gpu;
-pub(crate) mod hub;
+pub mod hub;
+mod outcome;
+pub use hub::{Hub, Key, Transport};
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use ir::eval::Array;
 use ir::{Graph, NodeId, Op, OpClass, Value};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::layout::{assemble, concat, piece, split_even};
 use crate::program::{DeviceProgram, Program};
@@ -97,7 +99,7 @@ pub enum RuntimeError {
 }
 
 /// One device's account of a run.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct DeviceReport {
     /// Global id.
     pub device: usize,
@@ -206,6 +208,27 @@ pub struct RunOptions {
     pub updates: Option<usize>,
     /// Called by device 0 after each step (for progress displays).
     pub on_step: StepHook,
+    /// Run one device of the program in this process, the others elsewhere (`None`: every
+    /// device here, on threads, through a [`Hub`]).
+    pub distributed: Option<Distributed>,
+}
+
+/// One process's part of a program spread over processes (one device each): its device and
+/// the transport to the others. Device 0's process assembles the report.
+#[derive(Clone)]
+pub struct Distributed {
+    /// The device this process runs (its rank).
+    pub rank: usize,
+    /// Processes (= the program's devices).
+    pub size: usize,
+    /// Messages between processes.
+    pub transport: std::sync::Arc<dyn Transport + Send>,
+}
+
+impl std::fmt::Debug for Distributed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Distributed {{ rank: {}, size: {} }}", self.rank, self.size)
+    }
 }
 
 /// A callback `(steps done, steps)` after each step of a run; none by default.
@@ -242,6 +265,7 @@ impl Default for RunOptions {
             keep_first: false,
             updates: None,
             on_step: StepHook::default(),
+            distributed: None,
         }
     }
 }
@@ -286,6 +310,9 @@ fn scatter(p: &Program, inputs: &HashMap<String, Array>) -> Result<Feeds, Runtim
 
 /// Runs a program on `inputs` (global graph inputs by name).
 pub fn run(p: &Program, inputs: &HashMap<String, Array>, opts: &RunOptions) -> Result<RunReport, RuntimeError> {
+    if let Some(d) = &opts.distributed {
+        return run_distributed(p, inputs, opts, d);
+    }
     let feeds = scatter(p, inputs)?;
     let hub = hub::Hub::new(opts.timeout);
     let start = Instant::now();
@@ -300,28 +327,8 @@ pub fn run(p: &Program, inputs: &HashMap<String, Array>, opts: &RunOptions) -> R
                 s.spawn(move || {
                     // A device that panics fails the run (its peers are told) instead of
                     // leaving them waiting.
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match backend {
-                        Backend::Cpu => drive(&mut cpu::CpuExecutor::new(), d, f, p, opts, hub),
-                        #[cfg(feature = "gpu")]
-                        Backend::Wgpu => match gpu::GpuExecutor::new() {
-                            Ok(mut e) => drive(&mut e, d, f, p, opts, hub),
-                            Err(e) => Err(RuntimeError::NoAdapter(e)),
-                        },
-                        #[cfg(not(feature = "gpu"))]
-                        Backend::Wgpu => {
-                            Err(RuntimeError::NoAdapter("this shardc was built without the `gpu` feature".into()))
-                        }
-                    }))
-                    .unwrap_or_else(|_| {
-                        Err(RuntimeError::Device {
-                            device: d.device,
-                            message: "internal error: the device panicked".into(),
-                        })
-                    });
-                    if let Err(e) = &r {
-                        hub.fail(e.to_string());
-                    }
-                    r
+                    let _ = backend;
+                    run_one(d, f, p, opts, hub)
                 })
             })
             .collect();
@@ -331,6 +338,94 @@ pub fn run(p: &Program, inputs: &HashMap<String, Array>, opts: &RunOptions) -> R
             .collect()
     });
     let wall_s = start.elapsed().as_secs_f64();
+    report_of(p, opts, results, wall_s)
+}
+
+/// Runs device `d` of `p` on `feeds` through `t`, on the backend of `opts`; a failure (or a
+/// panic) is told to the other devices through `t`.
+fn run_one(
+    d: &DeviceProgram,
+    feeds: Vec<HashMap<String, Array>>,
+    p: &Program,
+    opts: &RunOptions,
+    t: &dyn Transport,
+) -> Result<DeviceOutcome, RuntimeError> {
+    // A device that panics fails the run (its peers are told) instead of leaving them
+    // waiting.
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match opts.backend {
+        Backend::Cpu => drive(&mut cpu::CpuExecutor::new(), d, feeds, p, opts, t),
+        #[cfg(feature = "gpu")]
+        Backend::Wgpu => match gpu::GpuExecutor::new() {
+            Ok(mut e) => drive(&mut e, d, feeds, p, opts, t),
+            Err(e) => Err(RuntimeError::NoAdapter(e)),
+        },
+        #[cfg(not(feature = "gpu"))]
+        Backend::Wgpu => Err(RuntimeError::NoAdapter("this shardc was built without the `gpu` feature".into())),
+    }))
+    .unwrap_or_else(|_| {
+        Err(RuntimeError::Device { device: d.device, message: "internal error: the device panicked".into() })
+    });
+    if let Err(e) = &r {
+        t.fail(e.to_string());
+    }
+    r
+}
+
+/// The key under which device `rank` sends its outcome's `i`-th message to device 0.
+fn gather_key(rank: usize, i: usize) -> Key {
+    (u64::MAX - 1, rank as u64, i as u64)
+}
+
+/// One process's device of a distributed run: runs it, then device 0 gathers every device's
+/// outcome and assembles the report as a one-process run would; the other processes return
+/// their own device's report alone (no outputs).
+fn run_distributed(
+    p: &Program,
+    inputs: &HashMap<String, Array>,
+    opts: &RunOptions,
+    dist: &Distributed,
+) -> Result<RunReport, RuntimeError> {
+    if p.devices.len() != dist.size {
+        return Err(RuntimeError::Input(format!(
+            "the program has {} devices but {} processes run it (one device each)",
+            p.devices.len(),
+            dist.size
+        )));
+    }
+    let t: &dyn Transport = dist.transport.as_ref();
+    let feed = scatter(p, inputs)?.into_iter().nth(dist.rank).expect("a feed per device");
+    let d = &p.devices[dist.rank];
+    let start = Instant::now();
+    let mine = run_one(d, feed, p, opts, t)?;
+    if dist.rank != 0 {
+        for (i, a) in outcome::encode(&mine).into_iter().enumerate() {
+            t.put(dist.rank, 0, gather_key(dist.rank, i), a);
+        }
+        let (_, report, _) = mine;
+        return Ok(RunReport {
+            outputs: Vec::new(),
+            per_step: Vec::new(),
+            state: Vec::new(),
+            devices: vec![report],
+            wall_s: start.elapsed().as_secs_f64(),
+        });
+    }
+    let mut results = vec![Ok(mine)];
+    for rank in 1..dist.size {
+        let got = outcome::decode(|i| t.take(rank, 0, gather_key(rank, i)))
+            .map_err(|message| RuntimeError::Device { device: rank, message })?;
+        results.push(Ok(got));
+    }
+    report_of(p, opts, results, start.elapsed().as_secs_f64())
+}
+
+/// The report of a run from every device's outcome (in device order).
+fn report_of(
+    p: &Program,
+    opts: &RunOptions,
+    results: Vec<Result<DeviceOutcome, RuntimeError>>,
+    wall_s: f64,
+) -> Result<RunReport, RuntimeError> {
     // Report the first real failure (others may only say they were stopped).
     let mut per_device = Vec::new();
     let mut first_err: Option<RuntimeError> = None;
@@ -539,14 +634,14 @@ fn drive<E: Executor>(
     feeds: Vec<HashMap<String, Array>>,
     p: &Program,
     opts: &RunOptions,
-    hub: &hub::Hub,
+    hub: &dyn Transport,
 ) -> Result<DeviceOutcome, RuntimeError> {
     let err = |message: String| RuntimeError::Device { device: d.device, message };
     let g = &d.graph;
     let steps = opts.steps.max(1);
     let order = g.topo_order().map_err(|_| err("the graph has a cycle".into()))?;
     let phase = phases(g, &order);
-    let mut port = hub.port(d.device);
+    let mut port = hub::Port::new(hub, d.device);
     let mut report = DeviceReport { device: d.device, adapter: e.name(), ..Default::default() };
     let start = Instant::now();
     let carries = carried_state(g, d, opts).map_err(err)?;

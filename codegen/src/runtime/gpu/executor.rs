@@ -54,11 +54,32 @@ pub struct GpuExecutor {
     pending: usize,
 }
 
-/// The first adapter of a fresh instance (Vulkan, or any backend wgpu was built with).
+/// Which adapter a process opens when several are there: `SHARDC_ADAPTER` (an index into
+/// wgpu's list), else the process's node-local rank under mpirun (`OMPI_COMM_WORLD_LOCAL_RANK`,
+/// `MPI_LOCALRANKID`, `SLURM_LOCALID`: one GPU per rank), else the preferred one.
+fn adapter_index() -> Option<usize> {
+    ["SHARDC_ADAPTER", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
+}
+
+/// The adapter this process uses ([`adapter_index`]) of a fresh instance (Vulkan, or any
+/// backend wgpu was built with).
 fn first_adapter() -> Result<wgpu::Adapter, String> {
     let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
     desc.backends = wgpu::Backends::all();
     let instance = wgpu::Instance::new(desc);
+    if let Some(i) = adapter_index() {
+        let mut all = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
+        // Physical devices first; the index wraps when ranks outnumber the adapters.
+        all.retain(|a| {
+            a.get_info().device_type != wgpu::DeviceType::Cpu || std::env::var_os("SHARDC_ADAPTER").is_some()
+        });
+        if !all.is_empty() {
+            let n = all.len();
+            return Ok(all.swap_remove(i % n));
+        }
+    }
     pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
         power_preference: wgpu::PowerPreference::HighPerformance,
         force_fallback_adapter: false,

@@ -1,0 +1,256 @@
+//! The MPI transport: under `mpirun -np N`, each process (rank) runs one device of the
+//! program and the devices' messages travel as MPI messages.
+//!
+//! Every collective and pipeline message of a lowered program is built from the runtime's
+//! `put`/`take` ([`codegen::Transport`]); here `put` hands the message to a sender thread that
+//! sends it to the destination rank (so a device never blocks on a send, as with the
+//! in-process mailboxes, and rings of sends cannot deadlock), and `take` receives from the
+//! source rank, keeping messages of other keys until they are asked for. The collectives run
+//! the same ring algorithms in the same order as in one process, so results are identical to
+//! the `threads` transport. A failing rank prints its message and aborts the job
+//! (`MPI_Abort`), and `take` gives up after a timeout, so a job never hangs.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use codegen::{Key, Transport};
+use ir::DType;
+use ir::eval::{Array, Data};
+use mpi::point_to_point::MatchedReceiveVec;
+use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::traits::*;
+
+/// MPI, initialized with full thread support; finalized when dropped.
+pub struct Mpi {
+    _universe: mpi::environment::Universe,
+    /// This process's rank.
+    pub rank: usize,
+    /// Processes in the job.
+    pub size: usize,
+}
+
+impl Mpi {
+    /// Initializes MPI (once per process). An error when the library cannot give full
+    /// thread support (the sender thread sends while the device thread receives).
+    pub fn init() -> Result<Mpi, String> {
+        let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple)
+            .ok_or("MPI was already initialized in this process")?;
+        if level != mpi::Threading::Multiple {
+            return Err(format!(
+                "the MPI library gives thread support {level:?}; shardc needs Multiple (OpenMPI built with MPI_THREAD_MULTIPLE)"
+            ));
+        }
+        let world = universe.world();
+        Ok(Mpi { rank: world.rank() as usize, size: world.size() as usize, _universe: universe })
+    }
+
+    /// Ends the whole job with `code` after printing `message` (with this rank) on stderr.
+    pub fn abort(&self, message: &str, code: i32) -> ! {
+        abort_job(self.rank, message, code)
+    }
+}
+
+fn abort_job(rank: usize, message: &str, code: i32) -> ! {
+    eprintln!("error: rank {rank}: {}", message.trim_end().trim_start_matches("error: "));
+    SimpleCommunicator::world().abort(code)
+}
+
+/// A message for the sender thread: the destination rank and the bytes.
+type Outgoing = (usize, Vec<u8>);
+
+/// The transport of one rank.
+pub struct MpiTransport {
+    rank: usize,
+    timeout: Duration,
+    outbox: Mutex<Option<mpsc::Sender<Outgoing>>>,
+    sender: Mutex<Option<std::thread::JoinHandle<()>>>,
+    inbox: Mutex<HashMap<(usize, Key), VecDeque<Array>>>,
+}
+
+impl MpiTransport {
+    /// The transport of this rank of `mpi`; `take` gives up after `timeout`.
+    pub fn new(mpi: &Mpi, timeout: Duration) -> MpiTransport {
+        let (tx, rx) = mpsc::channel::<Outgoing>();
+        let sender = std::thread::spawn(move || {
+            let world = SimpleCommunicator::world();
+            for (to, bytes) in rx {
+                world.process_at_rank(to as i32).send(&bytes[..]);
+            }
+        });
+        MpiTransport {
+            rank: mpi.rank,
+            timeout,
+            outbox: Mutex::new(Some(tx)),
+            sender: Mutex::new(Some(sender)),
+            inbox: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl Drop for MpiTransport {
+    fn drop(&mut self) {
+        // Every message handed over is sent before MPI is finalized.
+        drop(self.outbox.lock().map(|mut o| o.take()));
+        if let Ok(mut s) = self.sender.lock()
+            && let Some(h) = s.take()
+        {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Transport for MpiTransport {
+    fn put(&self, from: usize, to: usize, key: Key, a: Array) {
+        debug_assert_eq!(from, self.rank);
+        let bytes = encode(key, &a);
+        if let Some(tx) = self.outbox.lock().expect("outbox").as_ref() {
+            let _ = tx.send((to, bytes));
+        }
+    }
+
+    fn take(&self, from: usize, to: usize, key: Key) -> Result<Array, String> {
+        debug_assert_eq!(to, self.rank);
+        let start = Instant::now();
+        let world = SimpleCommunicator::world();
+        let source = world.process_at_rank(from as i32);
+        loop {
+            if let Some(a) = self.inbox.lock().expect("inbox").get_mut(&(from, key)).and_then(|q| q.pop_front()) {
+                return Ok(a);
+            }
+            match source.immediate_matched_probe() {
+                Some(probed) => {
+                    let (bytes, _) = probed.matched_receive_vec::<u8>();
+                    let (k, a) = decode(&bytes).map_err(|e| format!("a garbled message from rank {from}: {e}"))?;
+                    if k == key {
+                        return Ok(a);
+                    }
+                    self.inbox.lock().expect("inbox").entry((from, k)).or_default().push_back(a);
+                }
+                None => {
+                    if start.elapsed() > self.timeout {
+                        return Err(format!(
+                            "rank {to} waited {:.0} s for data from rank {from}; the job is stuck",
+                            self.timeout.as_secs_f64()
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            }
+        }
+    }
+
+    fn fail(&self, why: String) {
+        // The other ranks may be waiting on this one: end the job.
+        abort_job(self.rank, &why, 1)
+    }
+}
+
+/// A message: its key, then the array (dtype code, rank, dims, element kind, elements).
+fn encode(key: Key, a: &Array) -> Vec<u8> {
+    let mut b = Vec::with_capacity(64 + a.numel() * 4);
+    for x in [key.0, key.1, key.2] {
+        b.extend(x.to_le_bytes());
+    }
+    b.extend(a.dtype.code().to_le_bytes());
+    b.extend((a.shape.len() as u64).to_le_bytes());
+    for &d in &a.shape {
+        b.extend((d as u64).to_le_bytes());
+    }
+    match &a.data {
+        Data::F32(v) => {
+            b.push(0);
+            v.iter().for_each(|x| b.extend(x.to_le_bytes()));
+        }
+        Data::F64(v) => {
+            b.push(1);
+            v.iter().for_each(|x| b.extend(x.to_le_bytes()));
+        }
+        Data::I64(v) => {
+            b.push(2);
+            v.iter().for_each(|x| b.extend(x.to_le_bytes()));
+        }
+        Data::Bool(v) => {
+            b.push(3);
+            b.extend(v.iter().map(|&x| x as u8));
+        }
+        Data::Str(v) => {
+            b.push(4);
+            b.extend((v.len() as u64).to_le_bytes());
+            for s in v {
+                b.extend((s.len() as u64).to_le_bytes());
+                b.extend(s.as_bytes());
+            }
+        }
+    }
+    b
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8], String> {
+        if self.0.len() < n {
+            return Err("message too short".into());
+        }
+        let (a, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(a)
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+}
+
+fn decode(bytes: &[u8]) -> Result<(Key, Array), String> {
+    let mut r = Reader(bytes);
+    let key = (r.u64()?, r.u64()?, r.u64()?);
+    let code = r.u64()? as i64;
+    let dtype = DType::from_code(code).ok_or_else(|| format!("unknown element type {code}"))?;
+    let rank = r.u64()? as usize;
+    let shape = (0..rank).map(|_| r.u64().map(|d| d as usize)).collect::<Result<Vec<_>, _>>()?;
+    let n: usize = shape.iter().product();
+    let kind = r.take(1)?[0];
+    let data = match kind {
+        0 => Data::F32(r.take(4 * n)?.chunks(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect()),
+        1 => Data::F64(r.take(8 * n)?.chunks(8).map(|c| f64::from_le_bytes(c.try_into().expect("8"))).collect()),
+        2 => Data::I64(r.take(8 * n)?.chunks(8).map(|c| i64::from_le_bytes(c.try_into().expect("8"))).collect()),
+        3 => Data::Bool(r.take(n)?.iter().map(|&x| x != 0).collect()),
+        4 => {
+            let count = r.u64()? as usize;
+            let mut v = Vec::with_capacity(count.min(1 << 20));
+            for _ in 0..count {
+                let len = r.u64()? as usize;
+                v.push(String::from_utf8(r.take(len)?.to_vec()).map_err(|e| e.to_string())?);
+            }
+            Data::Str(v)
+        }
+        k => return Err(format!("unknown element kind {k}")),
+    };
+    Ok((key, Array { dtype, shape, data }))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn messages_round_trip() {
+        let arrays = [
+            ir::eval::Array::f32(vec![2, 2], vec![1.0, -2.5, f32::NAN, 4.0]),
+            ir::eval::Array::i64(vec![3], vec![i64::MIN, 0, 7]),
+            ir::eval::Array::bool(vec![2], vec![true, false]),
+            ir::eval::Array {
+                dtype: ir::DType::String,
+                shape: vec![2],
+                data: ir::eval::Data::Str(vec!["a".into(), "éé".into()]),
+            },
+        ];
+        for a in arrays {
+            let key = (u64::MAX, 3, 9);
+            let (k, b) = super::decode(&super::encode(key, &a)).unwrap();
+            assert_eq!(k, key);
+            assert_eq!(format!("{:?}", b), format!("{a:?}"));
+        }
+        assert!(super::decode(&[1, 2, 3]).is_err());
+    }
+}

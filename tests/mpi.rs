@@ -1,0 +1,151 @@
+//! The MPI transport: `mpirun -np 4 shardc train … --transport mpi` trains exactly as the
+//! in-process `threads` transport does (losses, step-1 gradients and final parameters equal
+//! bit for bit, since the collectives run the same ring algorithms in the same order) for
+//! data, tensor, spatial, hybrid and pipeline plans, equal to one device under `--check`; a
+//! job started with the wrong number of processes and a killed rank end with a clear message
+//! and a non-zero exit. Built only with `--features mpi`; `.ci/run` installs Open MPI and
+//! sets SHARDC_REQUIRE_MPI=1, without which a machine with no `mpirun` skips.
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn mpirun_available() -> bool {
+    if Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success()) {
+        return true;
+    }
+    assert!(std::env::var_os("SHARDC_REQUIRE_MPI").is_none(), "SHARDC_REQUIRE_MPI is set and there is no mpirun");
+    eprintln!("skipped: no mpirun (apt-get install openmpi-bin libopenmpi-dev)");
+    false
+}
+
+fn mpirun(np: usize) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string()]);
+    c.env("OMPI_MCA_rmaps_base_oversubscribe", "1").current_dir(root());
+    c
+}
+
+fn shardc() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_shardc"));
+    c.current_dir(root());
+    c
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("shardc-mpi-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Trains `case` on 4 devices under `plan` with both transports; the saved states must be
+/// identical, and the MPI run passes `--check` against one device.
+fn same_under_both(case: &str, plan: &[&str], dir: &Path) {
+    let model = format!("tests/data/golden-train/{case}.onnxtxt");
+    let data = format!("tests/data/golden-train/{case}.train.json");
+    let common = [&model[..], "--data", &data, "--backend", "cpu", "--steps", "3", "--devices", "4", "--json"];
+    let tag = plan.join("_").replace([':', ','], "-");
+    let threads = dir.join(format!("{case}-{tag}-threads.json"));
+    let o = shardc().arg("train").args(common).args(plan).arg("--save-state").arg(&threads).output().unwrap();
+    assert!(o.status.success(), "{case} {plan:?} threads: {}", text(&o));
+    let viampi = dir.join(format!("{case}-{tag}-mpi.json"));
+    let o = mpirun(4)
+        .arg(env!("CARGO_BIN_EXE_shardc"))
+        .arg("train")
+        .args(common)
+        .args(plan)
+        .args(["--transport", "mpi", "--check", "--save-state"])
+        .arg(&viampi)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{case} {plan:?} mpi: {}", text(&o));
+    // Rank 0 alone reports: one JSON document.
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("{case} {plan:?}: not one JSON document ({e}): {}", text(&o)));
+    assert_eq!(doc["devices"].as_array().map(|d| d.len()), Some(4), "{case} {plan:?}");
+    assert!(doc["check"].as_array().unwrap().iter().all(|c| c["ok"] == true), "{case} {plan:?}: {}", doc["check"]);
+    let a: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&threads).unwrap()).unwrap();
+    let b: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&viampi).unwrap()).unwrap();
+    assert_eq!(a["losses"], b["losses"], "{case} {plan:?}: losses differ");
+    assert_eq!(a["gradients"], b["gradients"], "{case} {plan:?}: gradients differ");
+    assert_eq!(a["parameters"], b["parameters"], "{case} {plan:?}: parameters differ");
+}
+
+#[test]
+fn mpi_training_equals_the_threads_transport_for_every_plan_kind() {
+    if !mpirun_available() {
+        return;
+    }
+    let dir = tmp("plans");
+    for (case, plan) in [
+        ("mlp_xent", &["--strategy", "data"][..]),
+        ("tiny_gpt_train", &["--strategy", "megatron"][..]),
+        ("cnn_small", &["--strategy", "spatial"][..]),
+        ("tiny_gpt_train", &["--strategy", "hybrid:dp:2,tp:2"][..]),
+        ("mlp_xent", &["--pipeline", "2"][..]),
+    ] {
+        same_under_both(case, plan, &dir);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn mpi_jobs_fail_clearly() {
+    if !mpirun_available() {
+        return;
+    }
+    // Two processes for a four-device plan.
+    let o = mpirun(2)
+        .arg(env!("CARGO_BIN_EXE_shardc"))
+        .args(["train", "tests/data/golden-train/mlp_xent.onnxtxt", "--backend", "cpu", "--devices", "4"])
+        .args(["--strategy", "data", "--transport", "mpi"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(text(&o).contains("mpirun started 2 processes"), "{}", text(&o));
+    // A rank killed mid-run ends the job (no hang), non-zero.
+    let mut job = mpirun(4)
+        .arg(env!("CARGO_BIN_EXE_shardc"))
+        .args(["train", "tests/data/golden-train/cnn_small.onnxtxt", "--backend", "cpu", "--devices", "4"])
+        .args(["--strategy", "data", "--transport", "mpi", "--steps", "100000", "--comm-timeout", "30"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait for the ranks to start, then kill one.
+    let start = Instant::now();
+    let victim = loop {
+        let ps = Command::new("pgrep").args(["-f", "-P", &job.id().to_string(), "shardc"]).output().unwrap();
+        let pids: Vec<u32> =
+            String::from_utf8_lossy(&ps.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect();
+        if pids.len() >= 4 {
+            break pids[2];
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "the ranks did not start");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    std::thread::sleep(Duration::from_secs(3));
+    Command::new("kill").args(["-9", &victim.to_string()]).status().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let status = loop {
+        if let Some(s) = job.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            job.kill().ok();
+            panic!("the job did not end within 90 s of a rank being killed");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let out = job.wait_with_output().unwrap();
+    assert!(!status.success(), "{}", text(&out));
+}
