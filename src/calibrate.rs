@@ -183,3 +183,141 @@ pub fn cluster_toml(m: &Measured, devices: usize) -> (Cluster, String) {
     t.push_str(&c.to_toml());
     (c, t)
 }
+
+/// One collective size measured on a transport.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CollectiveSample {
+    /// Bytes per device (float32 elements × 4).
+    pub bytes: f64,
+    /// Median seconds of one ring all-reduce over every device, on device 0.
+    pub all_reduce_s: f64,
+    /// What the cost model predicts for it on the cluster it was compared with.
+    pub predicted_s: f64,
+}
+
+/// A transport's all-reduce measured over `devices` devices, and the ring model's constants
+/// fitted to it (`t = 2(p−1)α + 2(p−1)/p · n/β`).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CollectiveCalibration {
+    /// `threads` or `mpi`.
+    pub transport: String,
+    /// Devices in the ring.
+    pub devices: usize,
+    /// Per size.
+    pub samples: Vec<CollectiveSample>,
+    /// Fitted latency per ring step, seconds.
+    pub alpha_s: f64,
+    /// Fitted bandwidth, bytes/s.
+    pub beta_bytes_per_s: f64,
+    /// The cluster the predictions are for.
+    pub cluster: String,
+}
+
+/// Sizes (float32 elements) of the collective calibration.
+pub const COLLECTIVE_SIZES: &[usize] = &[256, 4096, 65536, 1 << 20];
+
+/// Runs the all-reduce timing on device `me` of `devices` through `t`: for each size, `reps`
+/// timed all-reduces, each after a one-element all-reduce that lines the devices up; the
+/// median of device `me`'s times.
+pub fn time_all_reduce(
+    t: &dyn codegen::Transport,
+    me: usize,
+    devices: usize,
+    sizes: &[usize],
+    reps: usize,
+) -> Result<Vec<(f64, f64)>, String> {
+    let group: Vec<i64> = (0..devices as i64).collect();
+    let mut port = codegen::runtime::hub::Port::new(t, me);
+    let mut out = Vec::new();
+    let line_up = Array::f32(vec![1], vec![1.0]);
+    for &n in sizes {
+        let x = Array::f32(vec![n], (0..n).map(|i| (i % 7) as f32).collect());
+        let mut times = Vec::with_capacity(reps);
+        for rep in 0..reps + 1 {
+            port.all_reduce(&group, &line_up, "sum")?;
+            let start = Instant::now();
+            port.all_reduce(&group, &x, "sum")?;
+            if rep > 0 {
+                times.push(start.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        out.push(((n * 4) as f64, times[times.len() / 2]));
+    }
+    Ok(out)
+}
+
+/// The in-process (`threads`) transport's all-reduce over `devices` threads.
+pub fn time_threads(devices: usize, sizes: &[usize], reps: usize) -> Result<Vec<(f64, f64)>, String> {
+    let hub = codegen::Hub::new(std::time::Duration::from_secs(60));
+    let results: Vec<Result<Vec<(f64, f64)>, String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..devices)
+            .map(|me| {
+                let hub = &hub;
+                s.spawn(move || time_all_reduce(hub, me, devices, sizes, reps))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a device thread panicked".into()))).collect()
+    });
+    results.into_iter().next().unwrap_or_else(|| Err("no devices".into()))
+}
+
+/// Fits the ring model to `(bytes, seconds)` over `p` devices and prices each size on
+/// `cluster`'s intra-node link.
+pub fn collective_calibration(
+    transport: &str,
+    p: usize,
+    timed: &[(f64, f64)],
+    cluster: &Cluster,
+) -> CollectiveCalibration {
+    // Least squares of t = a + b·n.
+    let k = timed.len() as f64;
+    let (sx, sy) = timed.iter().fold((0.0, 0.0), |a, &(x, y)| (a.0 + x, a.1 + y));
+    let (mx, my) = (sx / k, sy / k);
+    let (sxx, sxy) = timed.iter().fold((0.0, 0.0), |a, &(x, y)| (a.0 + (x - mx) * (x - mx), a.1 + (x - mx) * (y - my)));
+    let b = if sxx > 0.0 { (sxy / sxx).max(1e-15) } else { 1e-12 };
+    let a = (my - b * mx).max(0.0);
+    let steps = 2.0 * (p.max(2) as f64 - 1.0);
+    let (alpha, beta) = passes::cost::collective::alpha_beta(cluster, ir::shard::LinkLevel::Intra, p);
+    CollectiveCalibration {
+        transport: transport.into(),
+        devices: p,
+        samples: timed
+            .iter()
+            .map(|&(bytes, t)| CollectiveSample {
+                bytes,
+                all_reduce_s: t,
+                predicted_s: passes::cost::collective::all_reduce(bytes, p, alpha, beta),
+            })
+            .collect(),
+        alpha_s: a / steps,
+        beta_bytes_per_s: steps / p.max(1) as f64 / b,
+        cluster: cluster.name.clone(),
+    }
+}
+
+impl CollectiveCalibration {
+    /// A table: size, measured, predicted, error; and the fitted constants.
+    pub fn text(&self) -> String {
+        let mut t = format!(
+            "ring all-reduce over {} devices, {} transport; predictions for {}\n",
+            self.devices, self.transport, self.cluster
+        );
+        t.push_str("       bytes      measured     predicted     error\n");
+        for s in &self.samples {
+            t.push_str(&format!(
+                "{:>12.0} {:>10.1} µs {:>10.1} µs {:>+8.0}%\n",
+                s.bytes,
+                s.all_reduce_s * 1e6,
+                s.predicted_s * 1e6,
+                (s.predicted_s - s.all_reduce_s) / s.all_reduce_s * 100.0
+            ));
+        }
+        t.push_str(&format!(
+            "fitted       α {:.1} µs per ring step, β {:.3} GB/s\n",
+            self.alpha_s * 1e6,
+            self.beta_bytes_per_s / 1e9
+        ));
+        t
+    }
+}

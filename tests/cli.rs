@@ -1240,3 +1240,23 @@ fn plan_exports_or_says_why_not() {
     assert_eq!(o.status.code(), Some(1), "{}", stdout(&o));
     assert!(stderr(&o).starts_with("error: ") && !stderr(&o).contains("panicked"), "{}", stderr(&o));
 }
+
+/// `calibrate --transport threads`: the in-process all-reduce timed and fitted, written as a
+/// cluster file (the compared cluster with the fitted link) that `shardc cluster` accepts.
+#[test]
+fn transports_are_calibrated_into_cluster_files() {
+    let dir = tmpdir("calibrate-transport");
+    let file = dir.join("threads.toml");
+    let o = shardc(&["calibrate", "--transport", "threads", "--devices", "2", "--quick", "-o", file.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let toml = std::fs::read_to_string(&file).unwrap();
+    assert!(toml.contains("# fitted") && toml.contains("name = \"local-wgpu-threads\""), "{toml}");
+    let o = shardc(&["cluster", file.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Without MPI built in, the mpi transport is refused with the way to get it.
+    if !cfg!(feature = "mpi") {
+        let o = shardc(&["calibrate", "--transport", "mpi"]);
+        assert_eq!(o.status.code(), Some(1));
+        assert!(stderr(&o).contains("--features mpi"), "{}", stderr(&o));
+    }
+}

@@ -52,7 +52,7 @@ fn tmp(tag: &str) -> PathBuf {
 fn same_under_both(case: &str, plan: &[&str], dir: &Path) {
     let model = format!("tests/data/golden-train/{case}.onnxtxt");
     let data = format!("tests/data/golden-train/{case}.train.json");
-    let common = [&model[..], "--data", &data, "--backend", "cpu", "--steps", "3", "--devices", "4", "--json"];
+    let common = [&model[..], "--data", &data, "--backend", "cpu", "--steps", "5", "--devices", "4", "--json"];
     let tag = plan.join("_").replace([':', ','], "-");
     let threads = dir.join(format!("{case}-{tag}-threads.json"));
     let o = shardc().arg("train").args(common).args(plan).arg("--save-state").arg(&threads).output().unwrap();
@@ -148,4 +148,33 @@ fn mpi_jobs_fail_clearly() {
     };
     let out = job.wait_with_output().unwrap();
     assert!(!status.success(), "{}", text(&out));
+    // A check that fails (tolerance 0 against the float64 reference) fails the job.
+    let o = mpirun(4)
+        .arg(env!("CARGO_BIN_EXE_shardc"))
+        .args(["train", "tests/data/golden-train/mlp_xent.onnxtxt", "--backend", "cpu", "--devices", "4"])
+        .args(["--strategy", "data", "--transport", "mpi", "--check", "--rtol", "0", "--atol", "0"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("differs from the expected values beyond the tolerance"), "{}", text(&o));
+}
+
+/// `calibrate --transport mpi`: the all-reduce over the job's ranks, with the ring model
+/// fitted (rank 0 prints one document).
+#[test]
+fn mpi_collectives_are_calibrated() {
+    if !mpirun_available() {
+        return;
+    }
+    let o = mpirun(4)
+        .arg(env!("CARGO_BIN_EXE_shardc"))
+        .args(["calibrate", "--transport", "mpi", "--quick", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
+    assert_eq!(v["devices"], 4);
+    assert_eq!(v["transport"], "mpi");
+    assert_eq!(v["samples"].as_array().unwrap().len(), 4);
+    assert!(v["alpha_s"].as_f64().unwrap() >= 0.0 && v["beta_bytes_per_s"].as_f64().unwrap() > 0.0, "{v}");
 }

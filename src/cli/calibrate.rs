@@ -25,10 +25,21 @@ pub struct CalibrateArgs {
     /// Write to this file instead of stdout.
     #[arg(short = 'o', long = "output")]
     pub output: Option<PathBuf>,
+    /// Measure a transport's all-reduce instead of the devices: `threads` (--devices threads
+    /// of this process) or `mpi` (under mpirun, one device per rank), with the ring model's
+    /// α and β fitted and the cost model's prediction on --cluster beside each size.
+    #[arg(long, value_enum)]
+    pub transport: Option<super::train::TransportKind>,
+    /// The cluster whose links the transport's measurements are compared with.
+    #[arg(long, default_value = "local-wgpu")]
+    pub cluster: String,
 }
 
 pub fn run(args: &CalibrateArgs) -> CliResult {
     guard_outputs(&[("-o", args.output.as_ref())], &[])?;
+    if let Some(t) = args.transport {
+        return transport(args, t);
+    }
     let effort = if args.quick { Effort { gemm_n: 256, stream_elems: 1 << 18, reps: 3 } } else { Effort::default() };
     let measured = match args.backend.as_str() {
         #[cfg(feature = "gpu")]
@@ -55,6 +66,40 @@ pub fn run(args: &CalibrateArgs) -> CliResult {
         .expect("JSON")
     } else {
         toml
+    };
+    write_output(&text, args.output.as_ref(), std::path::Path::new(""))
+}
+
+/// `--transport`: the all-reduce of a transport, fitted and compared with the cost model.
+fn transport(args: &CalibrateArgs, kind: super::train::TransportKind) -> CliResult {
+    let cluster = super::cost::load_cluster(&args.cluster)?;
+    let reps = if args.quick { 3 } else { 9 };
+    let sizes = calibrate::COLLECTIVE_SIZES;
+    let (name, devices, timed) = match kind {
+        super::train::TransportKind::Threads => {
+            ("threads", args.devices, calibrate::time_threads(args.devices, sizes, reps).map_err(CliError::msg)?)
+        }
+        super::train::TransportKind::Mpi => {
+            let (devices, timed) = super::train::mpi_all_reduce(sizes, reps)?;
+            match timed {
+                Some(t) => ("mpi", devices, t),
+                // Ranks other than 0 measured with it and say nothing.
+                None => return Ok(()),
+            }
+        }
+    };
+    let c = calibrate::collective_calibration(name, devices, &timed, &cluster);
+    // The compared cluster with the transport's fitted link: what the cost model then predicts
+    // this transport with (`--cluster that.toml`).
+    let mut fitted = cluster.clone();
+    fitted.name = format!("{}-{name}", cluster.name);
+    fitted.intra.latency = c.alpha_s;
+    fitted.intra.bandwidth = c.beta_bytes_per_s;
+    let text = if args.json {
+        serde_json::to_string_pretty(&c).expect("JSON")
+    } else {
+        let commented: String = c.text().lines().map(|l| format!("# {l}\n")).collect();
+        format!("{commented}\n{}", fitted.to_toml())
     };
     write_output(&text, args.output.as_ref(), std::path::Path::new(""))
 }

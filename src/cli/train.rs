@@ -480,6 +480,25 @@ fn distributed(_: &MpiJob, _: usize, _: &codegen::Program, _: f64) -> CliResult<
     unreachable!("start_mpi refuses without the mpi feature")
 }
 
+/// `(bytes, median seconds)` per size.
+pub type Timings = Vec<(f64, f64)>;
+
+/// Times the MPI transport's all-reduce over every rank ([`shardc::calibrate::time_all_reduce`]):
+/// the world size, and on rank 0 the timings (`None` on the others).
+#[cfg(feature = "mpi")]
+pub fn mpi_all_reduce(sizes: &[usize], reps: usize) -> CliResult<(usize, Option<Timings>)> {
+    let m = start_mpi()?;
+    let t = shardc::mpi::MpiTransport::new(&m, std::time::Duration::from_secs(60));
+    let timed = shardc::calibrate::time_all_reduce(&t, m.rank, m.size, sizes, reps).map_err(CliError::msg)?;
+    drop(t);
+    Ok((m.size, (m.rank == 0).then_some(timed)))
+}
+
+#[cfg(not(feature = "mpi"))]
+pub fn mpi_all_reduce(_: &[usize], _: usize) -> CliResult<(usize, Option<Timings>)> {
+    start_mpi().map(|_| (0, None))
+}
+
 pub fn run(args: &TrainArgs) -> CliResult {
     // Under mpirun each process runs one device; every process plans and lowers the same
     // program (the search is deterministic; the programs are compared before running).
