@@ -178,3 +178,37 @@ fn mpi_collectives_are_calibrated() {
     assert_eq!(v["samples"].as_array().unwrap().len(), 4);
     assert!(v["alpha_s"].as_f64().unwrap() >= 0.0 && v["beta_bytes_per_s"].as_f64().unwrap() > 0.0, "{v}");
 }
+
+/// `run --transport mpi`: a spatially split ResNet-18 (halo exchanges between ranks) gives the
+/// outputs the threads transport gives, bit for bit.
+#[test]
+fn mpi_run_equals_the_threads_transport() {
+    if !mpirun_available() {
+        return;
+    }
+    let dir = tmp("run");
+    let common = [
+        "run",
+        "tests/data/models/tv_resnet18.onnxtxt",
+        "--input-shape",
+        "input=2x3x32x32",
+        "--devices",
+        "4",
+        "--strategy",
+        "spatial",
+        "--backend",
+        "cpu",
+        "--check",
+        "--save-outputs",
+    ];
+    let (a, b) = (dir.join("threads.io.json"), dir.join("mpi.io.json"));
+    let o = shardc().args(common).arg(&a).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let o =
+        mpirun(4).arg(env!("CARGO_BIN_EXE_shardc")).args(common).arg(&b).args(["--transport", "mpi"]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("HaloExchange") && text(&o).contains(" ok"), "{}", text(&o));
+    let read = |p: &Path| -> serde_json::Value { serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap() };
+    assert_eq!(read(&a)["outputs"], read(&b)["outputs"]);
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -63,6 +63,13 @@ pub struct RunArgs {
     /// Print one JSON document.
     #[arg(long)]
     pub json: bool,
+    /// How devices exchange tensors: `threads` (every device in this process) or `mpi` (under
+    /// `mpirun -np N`, one device per process; N must equal the plan's devices).
+    #[arg(long, value_enum, default_value = "threads")]
+    pub transport: super::train::TransportKind,
+    /// Seconds a device waits for a message from another before the run is declared stuck.
+    #[arg(long = "comm-timeout", value_name = "SECS", default_value_t = 300.0, value_parser = parse_seconds, allow_negative_numbers = true)]
+    pub comm_timeout: f64,
     /// Apply `--plan` even though it was made for another file (a re-export): its ops must
     /// still match the model's by name and shape.
     #[arg(long, requires = "plan")]
@@ -86,6 +93,14 @@ fn backend(args: &RunArgs) -> CliResult<(Backend, Option<String>)> {
 }
 
 pub fn run(args: &RunArgs) -> CliResult {
+    // Under mpirun each process runs one device (see `train --transport`).
+    let mpi = match args.transport {
+        super::train::TransportKind::Threads => None,
+        super::train::TransportKind::Mpi => Some(super::train::start_mpi()?),
+    };
+    if mpi.as_ref().is_some_and(|m| m.rank != 0) {
+        super::ui::set(true, super::ui::verbose());
+    }
     guard_outputs(
         &[("--save-outputs", args.save_outputs.as_ref())],
         &[Some(&args.model), args.inputs.as_deref(), args.plan.as_deref()],
@@ -181,8 +196,21 @@ pub fn run(args: &RunArgs) -> CliResult {
     if let Some(w) = warn_be {
         notes.push(format!("warning: {w}"));
     }
-    let report = codegen::run(&program, &inputs, &RunOptions { backend: be, steps: args.steps, ..Default::default() })
-        .map_err(|e| CliError::msg(format!("the run failed: {e}")))?;
+    let distributed = match &mpi {
+        None => None,
+        Some(m) => Some(super::train::distributed(m, program.devices.len(), &program, args.comm_timeout)?),
+    };
+    let rank = distributed.as_ref().map_or(0, |d| d.rank);
+    let report = codegen::run(
+        &program,
+        &inputs,
+        &RunOptions { backend: be, steps: args.steps, distributed, ..Default::default() },
+    )
+    .map_err(|e| CliError::msg(format!("the run failed: {e}")))?;
+    if rank != 0 {
+        // Device 0's process checks and reports for the job.
+        return Ok(());
+    }
     // Check against the reference.
     let mut checks: Vec<(String, f64, f64, bool)> = Vec::new();
     if args.check {

@@ -411,23 +411,23 @@ pub enum TransportKind {
 }
 
 #[cfg(feature = "mpi")]
-type MpiJob = shardc::mpi::Mpi;
+pub(crate) type MpiJob = shardc::mpi::Mpi;
 #[cfg(not(feature = "mpi"))]
-type MpiJob = NoMpi;
+pub(crate) type MpiJob = NoMpi;
 
 /// Stands for MPI in a shardc built without it (never constructed).
 #[cfg(not(feature = "mpi"))]
 pub struct NoMpi {
-    rank: usize,
+    pub(crate) rank: usize,
 }
 
 #[cfg(feature = "mpi")]
-fn start_mpi() -> CliResult<MpiJob> {
+pub(crate) fn start_mpi() -> CliResult<MpiJob> {
     shardc::mpi::Mpi::init().map_err(CliError::msg)
 }
 
 #[cfg(not(feature = "mpi"))]
-fn start_mpi() -> CliResult<MpiJob> {
+pub(crate) fn start_mpi() -> CliResult<MpiJob> {
     let _ = NoMpi { rank: 0 }.rank;
     Err(CliError::msg(
         "--transport mpi: this shardc was built without MPI; build it with `cargo build --release --features mpi` \
@@ -438,7 +438,7 @@ fn start_mpi() -> CliResult<MpiJob> {
 /// This process's part of the job: its rank and the MPI transport, once the job's size is
 /// checked against the program's devices and every rank's program is the same as rank 0's.
 #[cfg(feature = "mpi")]
-fn distributed(
+pub(crate) fn distributed(
     m: &MpiJob,
     devices: usize,
     program: &codegen::Program,
@@ -476,7 +476,7 @@ fn distributed(
 }
 
 #[cfg(not(feature = "mpi"))]
-fn distributed(_: &MpiJob, _: usize, _: &codegen::Program, _: f64) -> CliResult<codegen::Distributed> {
+pub(crate) fn distributed(_: &MpiJob, _: usize, _: &codegen::Program, _: f64) -> CliResult<codegen::Distributed> {
     unreachable!("start_mpi refuses without the mpi feature")
 }
 
