@@ -300,7 +300,7 @@ impl CollectiveCalibration {
     /// A table: size, measured, predicted, error; and the fitted constants.
     pub fn text(&self) -> String {
         let mut t = format!(
-            "ring all-reduce over {} devices, {} transport; predictions for {}\n",
+            "all-reduce over {} devices, {} transport; predictions for {}\n",
             self.devices, self.transport, self.cluster
         );
         t.push_str("       bytes      measured     predicted     error\n");

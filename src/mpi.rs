@@ -60,9 +60,17 @@ fn abort_job(rank: usize, message: &str, code: i32) -> ! {
 /// A message for the sender thread: the destination rank and the bytes.
 type Outgoing = (usize, Vec<u8>);
 
+/// The tag of shardc's messages on the world communicator (others are MPI's own, such as
+/// the creation of a group's communicator).
+const DATA_TAG: i32 = 7;
+/// The tag under which a group's communicator is created.
+const GROUP_TAG: i32 = 11;
+
 /// The transport of one rank.
 pub struct MpiTransport {
     rank: usize,
+    /// All-reduce with MPI's own collective on the group's communicator (else the ring).
+    native: bool,
     timeout: Duration,
     outbox: Mutex<Option<mpsc::Sender<Outgoing>>>,
     sender: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -70,17 +78,21 @@ pub struct MpiTransport {
 }
 
 impl MpiTransport {
-    /// The transport of this rank of `mpi`; `take` gives up after `timeout`.
-    pub fn new(mpi: &Mpi, timeout: Duration) -> MpiTransport {
+    /// The transport of this rank of `mpi`; `take` gives up after `timeout`. With `native`,
+    /// all-reduces of float and integer tensors run as `MPI_Allreduce` on a communicator of
+    /// the group (`MPI_Comm_create_group`): the library's tuned algorithm, whose summation
+    /// order differs from the ring's (results equal within rounding, not bit for bit).
+    pub fn new(mpi: &Mpi, timeout: Duration, native: bool) -> MpiTransport {
         let (tx, rx) = mpsc::channel::<Outgoing>();
         let sender = std::thread::spawn(move || {
             let world = SimpleCommunicator::world();
             for (to, bytes) in rx {
-                world.process_at_rank(to as i32).send(&bytes[..]);
+                world.process_at_rank(to as i32).send_with_tag(&bytes[..], DATA_TAG);
             }
         });
         MpiTransport {
             rank: mpi.rank,
+            native,
             timeout,
             outbox: Mutex::new(Some(tx)),
             sender: Mutex::new(Some(sender)),
@@ -119,7 +131,7 @@ impl Transport for MpiTransport {
             if let Some(a) = self.inbox.lock().expect("inbox").get_mut(&(from, key)).and_then(|q| q.pop_front()) {
                 return Ok(a);
             }
-            match source.immediate_matched_probe() {
+            match source.immediate_matched_probe_with_tag(DATA_TAG) {
                 Some(probed) => {
                     let (bytes, _) = probed.matched_receive_vec::<u8>();
                     let (k, a) = decode(&bytes).map_err(|e| format!("a garbled message from rank {from}: {e}"))?;
@@ -144,6 +156,45 @@ impl Transport for MpiTransport {
     fn fail(&self, why: String) {
         // The other ranks may be waiting on this one: end the job.
         abort_job(self.rank, &why, 1)
+    }
+
+    fn native_all_reduce(&self, me: usize, group: &[i64], x: &Array, op: &str) -> Option<Result<Array, String>> {
+        use mpi::collective::SystemOperation;
+        if !self.native || !matches!(x.data, Data::F32(_) | Data::F64(_) | Data::I64(_)) {
+            return None;
+        }
+        let op = match op {
+            "sum" => SystemOperation::sum(),
+            "max" => SystemOperation::max(),
+            "min" => SystemOperation::min(),
+            "prod" => SystemOperation::product(),
+            _ => return None,
+        };
+        debug_assert_eq!(me, self.rank);
+        let world = SimpleCommunicator::world();
+        let ranks: Vec<i32> = group.iter().map(|&g| g as i32).collect();
+        let Some(sub) = world.split_by_subgroup_with_tag(&world.group().include(&ranks), GROUP_TAG) else {
+            return Some(Err(format!("rank {me} is not in the group {group:?} it reduces over")));
+        };
+        let data = match &x.data {
+            Data::F32(v) => {
+                let mut out = vec![0f32; v.len()];
+                sub.all_reduce_into(&v[..], &mut out[..], op);
+                Data::F32(out)
+            }
+            Data::F64(v) => {
+                let mut out = vec![0f64; v.len()];
+                sub.all_reduce_into(&v[..], &mut out[..], op);
+                Data::F64(out)
+            }
+            Data::I64(v) => {
+                let mut out = vec![0i64; v.len()];
+                sub.all_reduce_into(&v[..], &mut out[..], op);
+                Data::I64(out)
+            }
+            _ => return None,
+        };
+        Some(Ok(Array { dtype: x.dtype, shape: x.shape.clone(), data }))
     }
 }
 

@@ -1260,3 +1260,16 @@ fn transports_are_calibrated_into_cluster_files() {
         assert!(stderr(&o).contains("--features mpi"), "{}", stderr(&o));
     }
 }
+
+/// `plan` says what its strategies' letters mean, and `run` says why its plan pipelines.
+#[test]
+fn plans_say_what_their_letters_mean_and_runs_why_they_pipeline() {
+    let o = shardc(&["plan", &model("hf_gpt2_small4.onnxtxt"), "--cluster", "dgx-a100", "--batch", "8"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("notation") && text.contains("m rows, n columns, k the reduction"), "{text}");
+    let o = shardc(&["run", &golden("tiny_mlp.onnxtxt"), "--devices", "2", "--pipeline", "2", "--backend", "cpu"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("pipelined because requested: 2 stages"), "{text}");
+}

@@ -212,3 +212,35 @@ fn mpi_run_equals_the_threads_transport() {
     assert_eq!(read(&a)["outputs"], read(&b)["outputs"]);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `--mpi-all-reduce native`: all-reduces run as MPI_Allreduce on each group's communicator
+/// (data-parallel gradients over all four ranks, Megatron's partial sums over pairs); the
+/// training still equals one device under `--check`, and the losses equal the ring's within
+/// rounding.
+#[test]
+fn native_mpi_all_reduce_trains_like_one_device() {
+    if !mpirun_available() {
+        return;
+    }
+    for (case, plan) in [("mlp_xent", "data"), ("tiny_gpt_train", "hybrid:dp:2,tp:2")] {
+        let model = format!("tests/data/golden-train/{case}.onnxtxt");
+        let data = format!("tests/data/golden-train/{case}.train.json");
+        let run = |extra: &[&str]| {
+            let o = mpirun(4)
+                .arg(env!("CARGO_BIN_EXE_shardc"))
+                .args(["train", &model, "--data", &data, "--backend", "cpu", "--steps", "5", "--devices", "4"])
+                .args(["--strategy", plan, "--transport", "mpi", "--check", "--json"])
+                .args(extra)
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{case} {plan} {extra:?}: {}", text(&o));
+            serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+        };
+        let ring = run(&[]);
+        let native = run(&["--mpi-all-reduce", "native"]);
+        for (a, b) in ring["losses"].as_array().unwrap().iter().zip(native["losses"].as_array().unwrap()) {
+            let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+            assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "{case} {plan}: {a} vs {b}");
+        }
+    }
+}

@@ -30,6 +30,11 @@ pub struct CalibrateArgs {
     /// α and β fitted and the cost model's prediction on --cluster beside each size.
     #[arg(long, value_enum)]
     pub transport: Option<super::train::TransportKind>,
+    /// Under `--transport mpi`: all-reduce with the ring over point-to-point messages (`ring`,
+    /// results bit-identical to `threads`) or with MPI's own `MPI_Allreduce` on each group's
+    /// communicator (`native`: the library's tuned algorithm, equal within rounding).
+    #[arg(long = "mpi-all-reduce", value_enum, default_value = "ring")]
+    pub mpi_all_reduce: super::train::MpiAllReduce,
     /// The cluster whose links the transport's measurements are compared with.
     #[arg(long, default_value = "local-wgpu")]
     pub cluster: String,
@@ -80,9 +85,10 @@ fn transport(args: &CalibrateArgs, kind: super::train::TransportKind) -> CliResu
             ("threads", args.devices, calibrate::time_threads(args.devices, sizes, reps).map_err(CliError::msg)?)
         }
         super::train::TransportKind::Mpi => {
-            let (devices, timed) = super::train::mpi_all_reduce(sizes, reps)?;
+            let native = args.mpi_all_reduce == super::train::MpiAllReduce::Native;
+            let (devices, timed) = super::train::mpi_all_reduce(sizes, reps, native)?;
             match timed {
-                Some(t) => ("mpi", devices, t),
+                Some(t) => (if native { "mpi-native" } else { "mpi" }, devices, t),
                 // Ranks other than 0 measured with it and say nothing.
                 None => return Ok(()),
             }

@@ -67,6 +67,11 @@ pub struct RunArgs {
     /// `mpirun -np N`, one device per process; N must equal the plan's devices).
     #[arg(long, value_enum, default_value = "threads")]
     pub transport: super::train::TransportKind,
+    /// Under `--transport mpi`: all-reduce with the ring over point-to-point messages (`ring`,
+    /// results bit-identical to `threads`) or with MPI's own `MPI_Allreduce` on each group's
+    /// communicator (`native`: the library's tuned algorithm, equal within rounding).
+    #[arg(long = "mpi-all-reduce", value_enum, default_value = "ring")]
+    pub mpi_all_reduce: super::train::MpiAllReduce,
     /// Seconds a device waits for a message from another before the run is declared stuck.
     #[arg(long = "comm-timeout", value_name = "SECS", default_value_t = 300.0, value_parser = parse_seconds, allow_negative_numbers = true)]
     pub comm_timeout: f64,
@@ -198,7 +203,9 @@ pub fn run(args: &RunArgs) -> CliResult {
     }
     let distributed = match &mpi {
         None => None,
-        Some(m) => Some(super::train::distributed(m, program.devices.len(), &program, args.comm_timeout)?),
+        Some(m) => {
+            Some(super::train::distributed(m, program.devices.len(), &program, args.comm_timeout, args.mpi_all_reduce)?)
+        }
     };
     let rank = distributed.as_ref().map_or(0, |d| d.rank);
     let report = codegen::run(

@@ -76,6 +76,11 @@ pub struct TrainArgs {
     /// `mpirun -np N`, one device per process; N must equal --devices).
     #[arg(long, value_enum, default_value = "threads")]
     pub transport: TransportKind,
+    /// Under `--transport mpi`: all-reduce with the ring over point-to-point messages (`ring`,
+    /// results bit-identical to `threads`) or with MPI's own `MPI_Allreduce` on each group's
+    /// communicator (`native`: the library's tuned algorithm, equal within rounding).
+    #[arg(long = "mpi-all-reduce", value_enum, default_value = "ring")]
+    pub mpi_all_reduce: MpiAllReduce,
     /// Seconds a device waits for a message from another before the run is declared stuck.
     #[arg(long = "comm-timeout", value_name = "SECS", default_value_t = 300.0, value_parser = parse_seconds, allow_negative_numbers = true)]
     pub comm_timeout: f64,
@@ -410,6 +415,15 @@ pub enum TransportKind {
     Mpi,
 }
 
+/// How the MPI transport all-reduces.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MpiAllReduce {
+    /// The runtime's ring over point-to-point messages.
+    Ring,
+    /// MPI_Allreduce on the group's communicator.
+    Native,
+}
+
 #[cfg(feature = "mpi")]
 pub(crate) type MpiJob = shardc::mpi::Mpi;
 #[cfg(not(feature = "mpi"))]
@@ -443,6 +457,7 @@ pub(crate) fn distributed(
     devices: usize,
     program: &codegen::Program,
     timeout: f64,
+    all_reduce: MpiAllReduce,
 ) -> CliResult<codegen::Distributed> {
     use codegen::Transport;
     use sha2::Digest;
@@ -453,7 +468,11 @@ pub(crate) fn distributed(
         );
         m.abort(&msg, 1);
     }
-    let t = std::sync::Arc::new(shardc::mpi::MpiTransport::new(m, std::time::Duration::from_secs_f64(timeout)));
+    let t = std::sync::Arc::new(shardc::mpi::MpiTransport::new(
+        m,
+        std::time::Duration::from_secs_f64(timeout),
+        all_reduce == MpiAllReduce::Native,
+    ));
     // Every rank planned and lowered on its own: the programs must be the same.
     let text: String = program.devices.iter().map(|d| ir::print::model_to_string(&d.to_model())).collect();
     let digest = sha2::Sha256::digest(text.as_bytes());
@@ -476,7 +495,13 @@ pub(crate) fn distributed(
 }
 
 #[cfg(not(feature = "mpi"))]
-pub(crate) fn distributed(_: &MpiJob, _: usize, _: &codegen::Program, _: f64) -> CliResult<codegen::Distributed> {
+pub(crate) fn distributed(
+    _: &MpiJob,
+    _: usize,
+    _: &codegen::Program,
+    _: f64,
+    _: MpiAllReduce,
+) -> CliResult<codegen::Distributed> {
     unreachable!("start_mpi refuses without the mpi feature")
 }
 
@@ -486,16 +511,16 @@ pub type Timings = Vec<(f64, f64)>;
 /// Times the MPI transport's all-reduce over every rank ([`shardc::calibrate::time_all_reduce`]):
 /// the world size, and on rank 0 the timings (`None` on the others).
 #[cfg(feature = "mpi")]
-pub fn mpi_all_reduce(sizes: &[usize], reps: usize) -> CliResult<(usize, Option<Timings>)> {
+pub fn mpi_all_reduce(sizes: &[usize], reps: usize, native: bool) -> CliResult<(usize, Option<Timings>)> {
     let m = start_mpi()?;
-    let t = shardc::mpi::MpiTransport::new(&m, std::time::Duration::from_secs(60));
+    let t = shardc::mpi::MpiTransport::new(&m, std::time::Duration::from_secs(60), native);
     let timed = shardc::calibrate::time_all_reduce(&t, m.rank, m.size, sizes, reps).map_err(CliError::msg)?;
     drop(t);
     Ok((m.size, (m.rank == 0).then_some(timed)))
 }
 
 #[cfg(not(feature = "mpi"))]
-pub fn mpi_all_reduce(_: &[usize], _: usize) -> CliResult<(usize, Option<Timings>)> {
+pub fn mpi_all_reduce(_: &[usize], _: usize, _: bool) -> CliResult<(usize, Option<Timings>)> {
     start_mpi().map(|_| (0, None))
 }
 
@@ -619,7 +644,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
     };
     let distributed = match &mpi {
         None => None,
-        Some(m) => Some(distributed(m, devices, &program, args.comm_timeout)?),
+        Some(m) => Some(distributed(m, devices, &program, args.comm_timeout, args.mpi_all_reduce)?),
     };
     let rank = distributed.as_ref().map_or(0, |d| d.rank);
     let bar = super::ui::step_bar(args.steps + 1, "training step");
