@@ -78,6 +78,32 @@ fn palette(i: usize) -> RGBColor {
     RGBColor(r, g, b)
 }
 
+/// The legend box of a chart, at `at`.
+fn legend<'a, DB: DrawingBackend + 'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    at: SeriesLabelPosition,
+) -> DrawResult {
+    chart
+        .configure_series_labels()
+        .position(at)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(font(12))
+        .draw()
+        .map_err(err)
+}
+
+/// The label of a horizontal-bar chart's tick at `y`: row `i` (from the top of `n` rows) is
+/// drawn between `n − i − 1` and `n − i`, and labelled at its middle; other ticks are blank.
+fn row_label(labels: &[String], n: f64, y: f64) -> String {
+    let i = (n - y - 0.5).round();
+    if (n - y - 0.5 - i).abs() < 1e-6 && i >= 0.0 && y >= 0.0 {
+        labels.get(i as usize).cloned().unwrap_or_default()
+    } else {
+        String::new()
+    }
+}
+
 fn font(size: u32) -> TextStyle<'static> {
     ("sans-serif", size).into_font().into()
 }
@@ -174,14 +200,7 @@ fn draw_timeline(plan: &Plan) -> DrawResult<String> {
             .max_light_lines(2)
             .x_desc("milliseconds")
             .y_labels(rows.len() * 2 + 3)
-            .y_label_formatter(&|y| {
-                let i = (n - y - 0.5).round();
-                if (n - y - 0.5 - i).abs() < 1e-6 && i >= 0.0 && *y >= 0.0 {
-                    labels.get(i as usize).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
+            .y_label_formatter(&|y| row_label(&labels, n, *y))
             .draw()
             .map_err(err)?;
         for (k, (name, colour)) in series.iter().enumerate() {
@@ -205,14 +224,7 @@ fn draw_timeline(plan: &Plan) -> DrawResult<String> {
                 .label(*name)
                 .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], c.filled()));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(font(12))
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart, SeriesLabelPosition::LowerLeft)?;
         root.present().map_err(err)?;
     }
     Ok(out)
@@ -355,14 +367,7 @@ pub fn memory_svg(per_device: &[u64], capacity: u64) -> DrawResult<String> {
             .map_err(err)?
             .label(format!("usable capacity {}", bytes(capacity as f64)))
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], RED.stroke_width(2)));
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(font(12))
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart, SeriesLabelPosition::UpperRight)?;
         root.present().map_err(err)?;
     }
     Ok(out)
@@ -392,14 +397,7 @@ pub fn communication_svg(blocks: &[(String, f64, Option<f64>)]) -> DrawResult<St
             .max_light_lines(2)
             .x_desc("µs per step")
             .y_labels(n * 2 + 1)
-            .y_label_formatter(&|y| {
-                let i = (nf - y - 0.5).round();
-                if (nf - y - 0.5 - i).abs() < 1e-6 && i >= 0.0 {
-                    labels.get(i as usize).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
+            .y_label_formatter(&|y| row_label(&labels, nf, *y))
             .draw()
             .map_err(err)?;
         chart
@@ -420,14 +418,7 @@ pub fn communication_svg(blocks: &[(String, f64, Option<f64>)]) -> DrawResult<St
                 .label("data parallelism")
                 .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], SYNC.filled()));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(font(12))
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart, SeriesLabelPosition::LowerRight)?;
         root.present().map_err(err)?;
     }
     Ok(out)
@@ -534,14 +525,7 @@ pub fn sweep_svg(
                 .label("× does not fit in memory")
                 .legend(|(x, y)| Cross::new((x + 6, y), 5, BLACK.stroke_width(2)));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(font(12))
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart, SeriesLabelPosition::UpperRight)?;
         root.present().map_err(err)?;
     }
     Ok(out)

@@ -449,17 +449,7 @@ pub fn si(x: f64) -> String {
     format!("{v:.3} {p}")
 }
 
-/// Bytes with a binary prefix: `97.3 MiB`.
-pub fn bytes(x: f64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = x;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < units.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 { format!("{v:.0} {}", units[u]) } else { format!("{v:.2} {}", units[u]) }
-}
+pub use shardc::report::bytes;
 
 /// The lowered program's consistency check ([`codegen::check`]), its first ten findings as
 /// the error.

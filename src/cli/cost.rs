@@ -206,18 +206,7 @@ pub fn truncate(s: &str, n: usize) -> String {
     }
 }
 
-/// Seconds with a sensible unit.
-pub fn secs(x: f64) -> String {
-    if x == 0.0 {
-        "0".into()
-    } else if x >= 1.0 {
-        format!("{x:.3} s")
-    } else if x >= 1e-3 {
-        format!("{:.3} ms", x * 1e3)
-    } else {
-        format!("{:.1} µs", x * 1e6)
-    }
-}
+pub use shardc::report::secs;
 
 /// The breakdown as text.
 pub fn report_text(b: &cost::Breakdown) -> String {
