@@ -357,6 +357,14 @@ pub fn memory_svg(per_device: &[u64], capacity: u64) -> DrawResult<String> {
             .map_err(err)?
             .label("predicted memory")
             .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], BACKWARD.filled()));
+        // Each bar's amount above it (a bar far below the capacity line is a thin sliver).
+        chart
+            .draw_series(
+                per_device.iter().enumerate().map(|(d, &b)| {
+                    Text::new(bytes(b as f64), (d as f64 - 0.3, gib(b as f64) + gib(top) * 0.03), font(11))
+                }),
+            )
+            .map_err(err)?;
         chart
             .draw_series(DashedLineSeries::new(
                 vec![(-0.5, gib(capacity as f64)), (n as f64 - 0.5, gib(capacity as f64))],
@@ -601,6 +609,9 @@ pub struct PlanPage<'a> {
     pub summary: &'a str,
     /// `--explain`'s layers, when the plan is priced op by op against data parallelism.
     pub explanation: Option<&'a Explanation>,
+    /// Per op of `order`, what it does in the summary's terms (`data 2 × tensor 4`,
+    /// `replicated`): the graph's colours; `None` colours by each op's strategy.
+    pub kinds: Option<Vec<String>>,
 }
 
 /// The plan as one HTML page: summary, the graph coloured by strategy, memory per device,
@@ -615,7 +626,10 @@ pub fn plan_html(p: &PlanPage<'_>) -> String {
             node.label.as_deref().or(node.outputs().first().map(|o| o.name.as_str())) == Some(r.name.as_str())
         });
     if aligned {
-        let strategies: Vec<String> = p.breakdown.ops.iter().map(|r| format!("{} {}", r.op, r.strategy)).collect();
+        let strategies: Vec<String> = match &p.kinds {
+            Some(k) if k.len() == p.order.len() => k.clone(),
+            _ => p.breakdown.ops.iter().map(|r| format!("{} {}", r.op, r.strategy)).collect(),
+        };
         sections.push(("the model, coloured by strategy".into(), chart_div(graph_svg(p.graph, p.order, &strategies))));
     }
     // Memory per device: each stage's on its devices when the plan pipelines.

@@ -183,6 +183,12 @@ pub fn run(args: &PlanArgs) -> CliResult {
             data_parallel: r.data_parallel.as_ref(),
             summary: &text,
             explanation: explained.as_ref().and_then(|e| e.as_ref().ok()),
+            kinds: r.pipeline.is_none().then(|| {
+                autoshard::plan::op_kinds(
+                    &passes::cost::CostModel::new(g, &cluster, r.mesh.clone(), opts.clone()),
+                    &r.assignment,
+                )
+            }),
         });
         write_output(&page, Some(html), &args.model)?;
     }

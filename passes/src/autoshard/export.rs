@@ -14,6 +14,7 @@ use ir::shard::DimRole;
 use ir::{Graph, Op};
 
 use super::Plan;
+use super::plan::role_kind;
 use crate::cost::{Cluster, CostModel, Options};
 
 /// The degrees of a plan that fits the frameworks' template.
@@ -42,15 +43,6 @@ pub struct Degrees {
     pub tensor_plan: Vec<(String, &'static str)>,
     /// Tensor-split ops whose module the export does not name.
     pub unnamed: Vec<String>,
-}
-
-fn role_kind(r: &DimRole) -> &'static str {
-    match r {
-        DimRole::Batch => "data",
-        DimRole::Spatial => "spatial",
-        DimRole::OutFeature | DimRole::InFeature | DimRole::Vocab => "tensor",
-        DimRole::Other => "other",
-    }
 }
 
 fn is_norm(op: &Op) -> bool {

@@ -335,6 +335,17 @@ pub struct Region {
     pub flops_share: f64,
 }
 
+/// The kind of parallelism splitting a dim of this role is: `data` (batch), `spatial`,
+/// `tensor` (a weight's feature or vocabulary dim) or `other`.
+pub fn role_kind(r: &ir::shard::DimRole) -> &'static str {
+    match r {
+        ir::shard::DimRole::Batch => "data",
+        ir::shard::DimRole::Spatial => "spatial",
+        ir::shard::DimRole::OutFeature | ir::shard::DimRole::InFeature | ir::shard::DimRole::Vocab => "tensor",
+        ir::shard::DimRole::Other => "other",
+    }
+}
+
 /// Classifies each mesh axis by the roles of the iteration dims the ops split over it,
 /// weighted by each op's training FLOPs.
 fn axis_uses(g: &Graph, cm: &CostModel<'_>, asg: &Assignment) -> Vec<AxisUse> {
@@ -353,14 +364,7 @@ fn axis_uses_of(g: &Graph, cm: &CostModel<'_>, asg: &Assignment, ops: &[NodeId])
         let sp = cm.space(n);
         for (a, d) in s.iter().enumerate() {
             let Some(i) = d else { continue };
-            let kind = match sp.dims.get(*i).map(|d| &d.role) {
-                Some(ir::shard::DimRole::Batch) => "data",
-                Some(ir::shard::DimRole::Spatial) => "spatial",
-                Some(ir::shard::DimRole::OutFeature | ir::shard::DimRole::InFeature | ir::shard::DimRole::Vocab) => {
-                    "tensor"
-                }
-                _ => "other",
-            };
+            let kind = sp.dims.get(*i).map_or("other", |d| role_kind(&d.role));
             if let Some(m) = per.get_mut(a) {
                 *m.entry(kind.to_string()).or_insert(0.0) += flops;
             }
@@ -379,6 +383,33 @@ fn axis_uses_of(g: &Graph, cm: &CostModel<'_>, asg: &Assignment, ops: &[NodeId])
                 _ => "mixed".to_string(),
             };
             AxisUse { axis: ax.name.clone(), size: ax.size, kind, shares }
+        })
+        .collect()
+}
+
+/// What each op of `cm`'s order does under `asg`, in the summary's terms: `data 2 × tensor 4`
+/// from the roles of the dims it splits over each mesh axis, `replicated` when it splits none.
+pub fn op_kinds(cm: &CostModel<'_>, asg: &Assignment) -> Vec<String> {
+    cm.order()
+        .iter()
+        .map(|&n| {
+            let mut by: Vec<(&str, usize)> = Vec::new();
+            if let Some(s) = asg.strategies.get(&n) {
+                for (a, d) in s.iter().enumerate() {
+                    let Some(i) = d else { continue };
+                    let kind = cm.space(n).dims.get(*i).map_or("other", |d| role_kind(&d.role));
+                    let size = cm.mesh.axes.get(a).map_or(1, |x| x.size);
+                    match by.iter_mut().find(|(k, _)| *k == kind) {
+                        Some(e) => e.1 *= size,
+                        None => by.push((kind, size)),
+                    }
+                }
+            }
+            if by.is_empty() {
+                "replicated".to_string()
+            } else {
+                by.iter().map(|(k, s)| format!("{k} {s}")).collect::<Vec<_>>().join(" × ")
+            }
         })
         .collect()
 }
