@@ -187,6 +187,7 @@ pub fn run(args: &PlanArgs) -> CliResult {
                 autoshard::plan::op_kinds(
                     &passes::cost::CostModel::new(g, &cluster, r.mesh.clone(), opts.clone()),
                     &r.assignment,
+                    &plan.summary.axes,
                 )
             }),
         });

@@ -838,3 +838,24 @@ fn mixed_plans_are_summarised_by_region() {
     assert_eq!(s.text, "data 4, pipeline 1");
     assert_eq!(s.regions.len(), 1, "{:?}", s.regions);
 }
+
+/// The report's graph colours: each op of a data × tensor plan reads in the summary's terms;
+/// the element-wise ops between the tensor-parallel GEMMs take their axis's kind.
+#[test]
+fn op_kinds_read_in_the_summarys_terms() {
+    let m = shared("hf_gpt2_small4.onnxtxt", batch(8));
+    let g = &m.graph;
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let opts = Options::default();
+    let r = shardc::exec::named_result(g, &cluster, 8, "hybrid:dp:2,tp:4", &opts).unwrap();
+    let plan = autoshard::Plan::new(g, &cluster, 8, &opts, Default::default(), &r);
+    let cm = CostModel::new(g, &cluster, r.mesh.clone(), opts.clone());
+    let kinds = autoshard::plan::op_kinds(&cm, &r.assignment, &plan.summary.axes);
+    assert_eq!(kinds.len(), cm.order().len());
+    for (k, &n) in kinds.iter().zip(cm.order()) {
+        assert!(!k.contains("other"), "{}: {k}", g.op_name(n));
+        if g.node(n).op.op_type() == "Gemm" {
+            assert!(k.contains("tensor 4") && k.contains("data 2"), "{}: {k}", g.op_name(n));
+        }
+    }
+}

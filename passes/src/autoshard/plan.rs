@@ -389,7 +389,10 @@ fn axis_uses_of(g: &Graph, cm: &CostModel<'_>, asg: &Assignment, ops: &[NodeId])
 
 /// What each op of `cm`'s order does under `asg`, in the summary's terms: `data 2 × tensor 4`
 /// from the roles of the dims it splits over each mesh axis, `replicated` when it splits none.
-pub fn op_kinds(cm: &CostModel<'_>, asg: &Assignment) -> Vec<String> {
+/// A dim without a role of its own (an element-wise op's) takes the kind of its axis in
+/// `axes` (the plan's [`AxisUse`]s), so the ops between two tensor-parallel GEMMs read as
+/// tensor parallel.
+pub fn op_kinds(cm: &CostModel<'_>, asg: &Assignment, axes: &[AxisUse]) -> Vec<String> {
     cm.order()
         .iter()
         .map(|&n| {
@@ -397,7 +400,12 @@ pub fn op_kinds(cm: &CostModel<'_>, asg: &Assignment) -> Vec<String> {
             if let Some(s) = asg.strategies.get(&n) {
                 for (a, d) in s.iter().enumerate() {
                     let Some(i) = d else { continue };
-                    let kind = cm.space(n).dims.get(*i).map_or("other", |d| role_kind(&d.role));
+                    let mut kind = cm.space(n).dims.get(*i).map_or("other", |d| role_kind(&d.role));
+                    if let Some(u) =
+                        axes.get(a).filter(|u| kind == "other" && !matches!(u.kind.as_str(), "mixed" | "unused"))
+                    {
+                        kind = u.kind.as_str();
+                    }
                     let size = cm.mesh.axes.get(a).map_or(1, |x| x.size);
                     match by.iter_mut().find(|(k, _)| *k == kind) {
                         Some(e) => e.1 *= size,
