@@ -31,6 +31,14 @@ pub struct Mpi {
     pub size: usize,
 }
 
+impl Drop for Mpi {
+    fn drop(&mut self) {
+        // The groups' communicators are freed before MPI is finalized (the universe, dropped
+        // after this).
+        GROUPS.with(|g| g.borrow_mut().clear());
+    }
+}
+
 impl Mpi {
     /// Initializes MPI (once per process). An error when the library cannot give full
     /// thread support (the sender thread sends while the device thread receives).
@@ -171,31 +179,54 @@ impl Transport for MpiTransport {
             _ => return None,
         };
         debug_assert_eq!(me, self.rank);
-        let world = SimpleCommunicator::world();
-        let ranks: Vec<i32> = group.iter().map(|&g| g as i32).collect();
-        let Some(sub) = world.split_by_subgroup_with_tag(&world.group().include(&ranks), GROUP_TAG) else {
-            return Some(Err(format!("rank {me} is not in the group {group:?} it reduces over")));
-        };
-        let data = match &x.data {
-            Data::F32(v) => {
-                let mut out = vec![0f32; v.len()];
-                sub.all_reduce_into(&v[..], &mut out[..], op);
-                Data::F32(out)
+        GROUPS.with(|groups| {
+            let mut groups = groups.borrow_mut();
+            if !groups.contains_key(group) {
+                // Created once per group (a mesh axis's ranks) by its members, then reused.
+                let world = SimpleCommunicator::world();
+                let ranks: Vec<i32> = group.iter().map(|&g| g as i32).collect();
+                let Some(sub) = world.split_by_subgroup_with_tag(&world.group().include(&ranks), GROUP_TAG) else {
+                    return Some(Err(format!("rank {me} is not in the group {group:?} it reduces over")));
+                };
+                groups.insert(group.to_vec(), sub);
             }
-            Data::F64(v) => {
-                let mut out = vec![0f64; v.len()];
-                sub.all_reduce_into(&v[..], &mut out[..], op);
-                Data::F64(out)
-            }
-            Data::I64(v) => {
-                let mut out = vec![0i64; v.len()];
-                sub.all_reduce_into(&v[..], &mut out[..], op);
-                Data::I64(out)
-            }
-            _ => return None,
-        };
-        Some(Ok(Array { dtype: x.dtype, shape: x.shape.clone(), data }))
+            let sub = &groups[group];
+            all_reduce_on(sub, x, op)
+        })
     }
+}
+
+thread_local! {
+    /// The communicators of the groups this rank's device all-reduces over (a communicator
+    /// belongs to the thread that made it: MPI handles are not shared between threads here).
+    static GROUPS: std::cell::RefCell<HashMap<Vec<i64>, SimpleCommunicator>> = std::cell::RefCell::new(HashMap::new());
+}
+
+/// `MPI_Allreduce` of `x` on `sub` (float and integer elements).
+fn all_reduce_on(
+    sub: &SimpleCommunicator,
+    x: &Array,
+    op: mpi::collective::SystemOperation,
+) -> Option<Result<Array, String>> {
+    let data = match &x.data {
+        Data::F32(v) => {
+            let mut out = vec![0f32; v.len()];
+            sub.all_reduce_into(&v[..], &mut out[..], op);
+            Data::F32(out)
+        }
+        Data::F64(v) => {
+            let mut out = vec![0f64; v.len()];
+            sub.all_reduce_into(&v[..], &mut out[..], op);
+            Data::F64(out)
+        }
+        Data::I64(v) => {
+            let mut out = vec![0i64; v.len()];
+            sub.all_reduce_into(&v[..], &mut out[..], op);
+            Data::I64(out)
+        }
+        _ => return None,
+    };
+    Some(Ok(Array { dtype: x.dtype, shape: x.shape.clone(), data }))
 }
 
 /// A message: its key, then the array (dtype code, rank, dims, element kind, elements).
