@@ -167,33 +167,89 @@ impl Transport for MpiTransport {
     }
 
     fn native_all_reduce(&self, me: usize, group: &[i64], x: &Array, op: &str) -> Option<Result<Array, String>> {
-        use mpi::collective::SystemOperation;
-        if !self.native || !matches!(x.data, Data::F32(_) | Data::F64(_) | Data::I64(_)) {
+        let op = self.native_op(x, op)?;
+        on_group(me, group, |sub| all_reduce_on(sub, x, op))
+    }
+
+    fn native_all_gather(&self, me: usize, group: &[i64], x: &Array, axis: usize) -> Option<Result<Array, String>> {
+        if !self.native || !native_data(x) || axis >= x.shape.len() {
             return None;
         }
-        let op = match op {
+        on_group(me, group, |sub| all_gather_on(sub, x, axis))
+    }
+
+    fn native_reduce_scatter(
+        &self,
+        me: usize,
+        group: &[i64],
+        x: &Array,
+        axis: usize,
+        op: &str,
+    ) -> Option<Result<Array, String>> {
+        let op = self.native_op(x, op)?;
+        let pieces = codegen::layout::split_even(x, axis, group.len());
+        // MPI_Reduce_scatter_block wants equal pieces; uneven ones take the ring (every member
+        // sees the same shapes, so all decide alike).
+        if pieces.iter().any(|p| p.numel() != pieces[0].numel()) {
+            return None;
+        }
+        let rank = group.iter().position(|&g| g as usize == me)?;
+        let shape = pieces[rank].shape.clone();
+        let flat = codegen::layout::concat(
+            &pieces
+                .into_iter()
+                .map(|p| {
+                    let n = p.numel();
+                    p.reshaped(vec![n])
+                })
+                .collect::<Vec<_>>(),
+            0,
+        );
+        on_group(me, group, |sub| reduce_scatter_on(sub, &flat, shape, op))
+    }
+}
+
+impl MpiTransport {
+    /// The MPI reduction for `op`, when this transport reduces natively and has one for `x`.
+    fn native_op(&self, x: &Array, op: &str) -> Option<mpi::collective::SystemOperation> {
+        use mpi::collective::SystemOperation;
+        if !self.native || !native_data(x) {
+            return None;
+        }
+        Some(match op {
             "sum" => SystemOperation::sum(),
             "max" => SystemOperation::max(),
             "min" => SystemOperation::min(),
             "prod" => SystemOperation::product(),
             _ => return None,
-        };
-        debug_assert_eq!(me, self.rank);
-        GROUPS.with(|groups| {
-            let mut groups = groups.borrow_mut();
-            if !groups.contains_key(group) {
-                // Created once per group (a mesh axis's ranks) by its members, then reused.
-                let world = SimpleCommunicator::world();
-                let ranks: Vec<i32> = group.iter().map(|&g| g as i32).collect();
-                let Some(sub) = world.split_by_subgroup_with_tag(&world.group().include(&ranks), GROUP_TAG) else {
-                    return Some(Err(format!("rank {me} is not in the group {group:?} it reduces over")));
-                };
-                groups.insert(group.to_vec(), sub);
-            }
-            let sub = &groups[group];
-            all_reduce_on(sub, x, op)
         })
     }
+}
+
+/// Element types MPI's collectives carry here.
+fn native_data(x: &Array) -> bool {
+    matches!(x.data, Data::F32(_) | Data::F64(_) | Data::I64(_))
+}
+
+/// Runs `f` on the communicator of `group` (device `me` among them), created once by its
+/// members and reused.
+fn on_group(
+    me: usize,
+    group: &[i64],
+    f: impl FnOnce(&SimpleCommunicator) -> Option<Result<Array, String>>,
+) -> Option<Result<Array, String>> {
+    GROUPS.with(|groups| {
+        let mut groups = groups.borrow_mut();
+        if !groups.contains_key(group) {
+            let world = SimpleCommunicator::world();
+            let ranks: Vec<i32> = group.iter().map(|&g| g as i32).collect();
+            let Some(sub) = world.split_by_subgroup_with_tag(&world.group().include(&ranks), GROUP_TAG) else {
+                return Some(Err(format!("rank {me} is not in the group {group:?} it communicates in")));
+            };
+            groups.insert(group.to_vec(), sub);
+        }
+        f(&groups[group])
+    })
 }
 
 thread_local! {
@@ -227,6 +283,80 @@ fn all_reduce_on(
         _ => return None,
     };
     Some(Ok(Array { dtype: x.dtype, shape: x.shape.clone(), data }))
+}
+
+/// `MPI_Allgatherv` of `x`'s elements, then the members' pieces (their length along `axis`
+/// from their element counts) concatenated along `axis` in group order.
+fn all_gather_on(sub: &SimpleCommunicator, x: &Array, axis: usize) -> Option<Result<Array, String>> {
+    use mpi::datatype::PartitionMut;
+    let inner: usize = x.shape.iter().enumerate().filter(|(d, _)| *d != axis).map(|(_, s)| *s).product();
+    if inner == 0 {
+        return None;
+    }
+    let n = x.numel() as i32;
+    let mut counts = vec![0i32; sub.size() as usize];
+    sub.all_gather_into(&n, &mut counts[..]);
+    let displs: Vec<i32> = counts.iter().scan(0, |a, &c| Some(std::mem::replace(a, *a + c))).collect();
+    let total = counts.iter().sum::<i32>() as usize;
+    let flat: Data = match &x.data {
+        Data::F32(v) => {
+            let mut out = vec![0f32; total];
+            sub.all_gather_varcount_into(&v[..], &mut PartitionMut::new(&mut out[..], &counts[..], &displs[..]));
+            Data::F32(out)
+        }
+        Data::F64(v) => {
+            let mut out = vec![0f64; total];
+            sub.all_gather_varcount_into(&v[..], &mut PartitionMut::new(&mut out[..], &counts[..], &displs[..]));
+            Data::F64(out)
+        }
+        Data::I64(v) => {
+            let mut out = vec![0i64; total];
+            sub.all_gather_varcount_into(&v[..], &mut PartitionMut::new(&mut out[..], &counts[..], &displs[..]));
+            Data::I64(out)
+        }
+        _ => return None,
+    };
+    let whole = Array { dtype: x.dtype, shape: vec![total], data: flat };
+    let pieces: Vec<Array> = counts
+        .iter()
+        .zip(&displs)
+        .map(|(&c, &d)| {
+            let mut shape = x.shape.clone();
+            shape[axis] = c as usize / inner;
+            codegen::layout::crop(&whole, &[(d as usize, (d + c) as usize)]).reshaped(shape)
+        })
+        .collect();
+    Some(Ok(codegen::layout::concat(&pieces, axis)))
+}
+
+/// `MPI_Reduce_scatter_block` of `flat` (the members' equal pieces one after another): this
+/// member's piece, of `shape`.
+fn reduce_scatter_on(
+    sub: &SimpleCommunicator,
+    flat: &Array,
+    shape: Vec<usize>,
+    op: mpi::collective::SystemOperation,
+) -> Option<Result<Array, String>> {
+    let n: usize = shape.iter().product();
+    let data = match &flat.data {
+        Data::F32(v) => {
+            let mut out = vec![0f32; n];
+            sub.reduce_scatter_block_into(&v[..], &mut out[..], op);
+            Data::F32(out)
+        }
+        Data::F64(v) => {
+            let mut out = vec![0f64; n];
+            sub.reduce_scatter_block_into(&v[..], &mut out[..], op);
+            Data::F64(out)
+        }
+        Data::I64(v) => {
+            let mut out = vec![0i64; n];
+            sub.reduce_scatter_block_into(&v[..], &mut out[..], op);
+            Data::I64(out)
+        }
+        _ => return None,
+    };
+    Some(Ok(Array { dtype: flat.dtype, shape, data }))
 }
 
 /// A message: its key, then the array (dtype code, rank, dims, element kind, elements).

@@ -30,9 +30,10 @@ pub struct CalibrateArgs {
     /// α and β fitted and the cost model's prediction on --cluster beside each size.
     #[arg(long, value_enum)]
     pub transport: Option<super::train::TransportKind>,
-    /// Under `--transport mpi`: all-reduce with the ring over point-to-point messages (`ring`,
-    /// results bit-identical to `threads`) or with MPI's own `MPI_Allreduce` on each group's
-    /// communicator (`native`: the library's tuned algorithm, equal within rounding).
+    /// Under `--transport mpi`: all-reduce, all-gather and reduce-scatter as the runtime's rings
+    /// over point-to-point messages (`ring`, results bit-identical to `threads`) or as MPI's own
+    /// collectives on each group's communicator (`native`: the library's tuned algorithms,
+    /// equal within rounding).
     #[arg(long = "mpi-all-reduce", value_enum, default_value = "ring")]
     pub mpi_all_reduce: super::train::MpiAllReduce,
     /// The cluster whose links the transport's measurements are compared with.

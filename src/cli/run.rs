@@ -67,9 +67,10 @@ pub struct RunArgs {
     /// `mpirun -np N`, one device per process; N must equal the plan's devices).
     #[arg(long, value_enum, default_value = "threads")]
     pub transport: super::train::TransportKind,
-    /// Under `--transport mpi`: all-reduce with the ring over point-to-point messages (`ring`,
-    /// results bit-identical to `threads`) or with MPI's own `MPI_Allreduce` on each group's
-    /// communicator (`native`: the library's tuned algorithm, equal within rounding).
+    /// Under `--transport mpi`: all-reduce, all-gather and reduce-scatter as the runtime's rings
+    /// over point-to-point messages (`ring`, results bit-identical to `threads`) or as MPI's own
+    /// collectives on each group's communicator (`native`: the library's tuned algorithms,
+    /// equal within rounding).
     #[arg(long = "mpi-all-reduce", value_enum, default_value = "ring")]
     pub mpi_all_reduce: super::train::MpiAllReduce,
     /// Seconds a device waits for a message from another before the run is declared stuck.

@@ -35,6 +35,26 @@ pub trait Transport: Sync {
         let _ = (me, group, x, op);
         None
     }
+    /// The transport's own all-gather (pieces along `axis` concatenated in group order), as
+    /// [`Transport::native_all_reduce`].
+    fn native_all_gather(&self, me: usize, group: &[i64], x: &Array, axis: usize) -> Option<Result<Array, String>> {
+        let _ = (me, group, x, axis);
+        None
+    }
+    /// The transport's own reduce-scatter (member `r` gets piece `r` along `axis` of the
+    /// reduction, the pieces as [`crate::layout::split_even`] cuts them), as
+    /// [`Transport::native_all_reduce`].
+    fn native_reduce_scatter(
+        &self,
+        me: usize,
+        group: &[i64],
+        x: &Array,
+        axis: usize,
+        op: &str,
+    ) -> Option<Result<Array, String>> {
+        let _ = (me, group, x, axis, op);
+        None
+    }
 }
 
 /// A device's view of a transport: its id, and its collective counters per group.
@@ -202,6 +222,9 @@ impl Port<'_> {
         if group.len() <= 1 {
             return Ok(x.clone());
         }
+        if let Some(r) = self.hub.native_all_gather(self.me, group, x, axis) {
+            return r;
+        }
         let seq = self.next_seq(group);
         let rank = self.rank(group)?;
         let mut pieces = vec![x.clone(); group.len()];
@@ -214,6 +237,9 @@ impl Port<'_> {
     pub fn reduce_scatter(&mut self, group: &[i64], x: &Array, axis: usize, op: &str) -> Result<Array, String> {
         if group.len() <= 1 {
             return Ok(x.clone());
+        }
+        if let Some(r) = self.hub.native_reduce_scatter(self.me, group, x, axis, op) {
+            return r;
         }
         let seq = self.next_seq(group);
         let rank = self.rank(group)?;
