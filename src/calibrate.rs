@@ -216,17 +216,29 @@ pub struct CollectiveCalibration {
 /// Sizes (float32 elements) of the collective calibration.
 pub const COLLECTIVE_SIZES: &[usize] = &[256, 4096, 65536, 1 << 20];
 
-/// Runs the all-reduce timing on device `me` of `devices` through `t`: for each size, `reps`
-/// timed all-reduces, each after a one-element all-reduce that lines the devices up; the
-/// median of device `me`'s times.
+/// The group sizes a transport is calibrated for on `devices`: the powers of two from 2
+/// below it, and `devices`.
+pub fn group_sizes(devices: usize) -> Vec<usize> {
+    let mut g: Vec<usize> = (1..).map(|k| 1usize << k).take_while(|&s| s < devices).collect();
+    g.push(devices);
+    g
+}
+
+/// Runs the all-reduce timing on device `me` through `t`, over the group of devices
+/// `0..group` (a device outside it does nothing): for each size, `reps` timed all-reduces,
+/// each after a one-element all-reduce that lines the group up; the median of device `me`'s
+/// times.
 pub fn time_all_reduce(
     t: &dyn codegen::Transport,
     me: usize,
-    devices: usize,
+    group: usize,
     sizes: &[usize],
     reps: usize,
 ) -> Result<Vec<(f64, f64)>, String> {
-    let group: Vec<i64> = (0..devices as i64).collect();
+    if me >= group {
+        return Ok(Vec::new());
+    }
+    let group: Vec<i64> = (0..group as i64).collect();
     let mut port = codegen::runtime::hub::Port::new(t, me);
     let mut out = Vec::new();
     let line_up = Array::f32(vec![1], vec![1.0]);

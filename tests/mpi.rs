@@ -159,8 +159,8 @@ fn mpi_jobs_fail_clearly() {
     assert!(text(&o).contains("differs from the expected values beyond the tolerance"), "{}", text(&o));
 }
 
-/// `calibrate --transport mpi`: the all-reduce over the job's ranks, with the ring model
-/// fitted (rank 0 prints one document).
+/// `calibrate --transport mpi`: the all-reduce over groups of 2 and all 4 of the job's ranks,
+/// with the ring model fitted per group size (rank 0 prints one document).
 #[test]
 fn mpi_collectives_are_calibrated() {
     if !mpirun_available() {
@@ -177,6 +177,10 @@ fn mpi_collectives_are_calibrated() {
     assert_eq!(v["transport"], "mpi");
     assert_eq!(v["samples"].as_array().unwrap().len(), 4);
     assert!(v["alpha_s"].as_f64().unwrap() >= 0.0 && v["beta_bytes_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    // Per group size: pairs of ranks, then all four.
+    let groups: Vec<u64> =
+        v["by_group_size"].as_array().unwrap().iter().map(|g| g["devices"].as_u64().unwrap()).collect();
+    assert_eq!(groups, vec![2, 4]);
 }
 
 /// `run --transport mpi`: a spatially split ResNet-18 (halo exchanges between ranks) gives the

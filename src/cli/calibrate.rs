@@ -81,21 +81,27 @@ fn transport(args: &CalibrateArgs, kind: super::train::TransportKind) -> CliResu
     let cluster = super::cost::load_cluster(&args.cluster)?;
     let reps = if args.quick { 3 } else { 9 };
     let sizes = calibrate::COLLECTIVE_SIZES;
-    let (name, devices, timed) = match kind {
+    // Per group size (2, 4, … and all of them), the all-reduce timings.
+    let (name, timed) = match kind {
         super::train::TransportKind::Threads => {
-            ("threads", args.devices, calibrate::time_threads(args.devices, sizes, reps).map_err(CliError::msg)?)
+            let mut all = Vec::new();
+            for g in calibrate::group_sizes(args.devices) {
+                all.push((g, calibrate::time_threads(g, sizes, reps).map_err(CliError::msg)?));
+            }
+            ("threads", all)
         }
         super::train::TransportKind::Mpi => {
             let native = args.mpi_all_reduce == super::train::MpiAllReduce::Native;
-            let (devices, timed) = super::train::mpi_all_reduce(sizes, reps, native)?;
-            match timed {
-                Some(t) => (if native { "mpi-native" } else { "mpi" }, devices, t),
+            match super::train::mpi_all_reduce(sizes, reps, native)? {
+                Some(t) => (if native { "mpi-native" } else { "mpi" }, t),
                 // Ranks other than 0 measured with it and say nothing.
                 None => return Ok(()),
             }
         }
     };
-    let c = calibrate::collective_calibration(name, devices, &timed, &cluster);
+    let by_group: Vec<calibrate::CollectiveCalibration> =
+        timed.iter().map(|(g, t)| calibrate::collective_calibration(name, *g, t, &cluster)).collect();
+    let c = by_group.last().cloned().ok_or_else(|| CliError::msg("nothing was measured"))?;
     // The compared cluster with the transport's fitted link: what the cost model then predicts
     // this transport with (`--cluster that.toml`).
     let mut fitted = cluster.clone();
@@ -103,9 +109,12 @@ fn transport(args: &CalibrateArgs, kind: super::train::TransportKind) -> CliResu
     fitted.intra.latency = c.alpha_s;
     fitted.intra.bandwidth = c.beta_bytes_per_s;
     let text = if args.json {
-        serde_json::to_string_pretty(&c).expect("JSON")
+        let mut doc = serde_json::to_value(&c).expect("JSON");
+        doc["by_group_size"] = serde_json::to_value(&by_group).expect("JSON");
+        serde_json::to_string_pretty(&doc).expect("JSON")
     } else {
-        let commented: String = c.text().lines().map(|l| format!("# {l}\n")).collect();
+        let commented: String =
+            by_group.iter().flat_map(|c| c.text().lines().map(|l| format!("# {l}\n")).collect::<Vec<_>>()).collect();
         format!("{commented}\n{}", fitted.to_toml())
     };
     write_output(&text, args.output.as_ref(), std::path::Path::new(""))

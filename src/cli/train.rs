@@ -509,20 +509,24 @@ pub(crate) fn distributed(
 /// `(bytes, median seconds)` per size.
 pub type Timings = Vec<(f64, f64)>;
 
-/// Times the MPI transport's all-reduce over every rank ([`shardc::calibrate::time_all_reduce`]):
-/// the world size, and on rank 0 the timings (`None` on the others).
+/// Times the MPI transport's all-reduce over groups of the job's ranks
+/// ([`shardc::calibrate::group_sizes`], [`shardc::calibrate::time_all_reduce`]): on rank 0 the
+/// timings per group size (`None` on the others).
 #[cfg(feature = "mpi")]
-pub fn mpi_all_reduce(sizes: &[usize], reps: usize, native: bool) -> CliResult<(usize, Option<Timings>)> {
+pub fn mpi_all_reduce(sizes: &[usize], reps: usize, native: bool) -> CliResult<Option<Vec<(usize, Timings)>>> {
     let m = start_mpi()?;
     let t = shardc::mpi::MpiTransport::new(&m, std::time::Duration::from_secs(60), native);
-    let timed = shardc::calibrate::time_all_reduce(&t, m.rank, m.size, sizes, reps).map_err(CliError::msg)?;
+    let mut all = Vec::new();
+    for g in shardc::calibrate::group_sizes(m.size) {
+        all.push((g, shardc::calibrate::time_all_reduce(&t, m.rank, g, sizes, reps).map_err(CliError::msg)?));
+    }
     drop(t);
-    Ok((m.size, (m.rank == 0).then_some(timed)))
+    Ok((m.rank == 0).then_some(all))
 }
 
 #[cfg(not(feature = "mpi"))]
-pub fn mpi_all_reduce(_: &[usize], _: usize, _: bool) -> CliResult<(usize, Option<Timings>)> {
-    start_mpi().map(|_| (0, None))
+pub fn mpi_all_reduce(_: &[usize], _: usize, _: bool) -> CliResult<Option<Vec<(usize, Timings)>>> {
+    start_mpi().map(|_| None)
 }
 
 pub fn run(args: &TrainArgs) -> CliResult {
