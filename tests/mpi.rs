@@ -98,6 +98,23 @@ fn mpi_training_equals_the_threads_transport_for_every_plan_kind() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// The `shardc` processes whose parent is `parent` (from /proc: `pid (comm) state ppid …`).
+fn shardc_children(parent: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+        let comm = &stat[open + 1..close];
+        let ppid = stat[close + 1..].split_whitespace().nth(1).and_then(|p| p.parse::<u32>().ok());
+        if comm == "shardc" && ppid == Some(parent) {
+            out.push(pid);
+        }
+    }
+    out.sort_unstable();
+    out
+}
+
 #[test]
 fn mpi_jobs_fail_clearly() {
     if !mpirun_available() {
@@ -124,9 +141,7 @@ fn mpi_jobs_fail_clearly() {
     // Wait for the ranks to start, then kill one.
     let start = Instant::now();
     let victim = loop {
-        let ps = Command::new("pgrep").args(["-f", "-P", &job.id().to_string(), "shardc"]).output().unwrap();
-        let pids: Vec<u32> =
-            String::from_utf8_lossy(&ps.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect();
+        let pids = shardc_children(job.id());
         if pids.len() >= 4 {
             break pids[2];
         }
