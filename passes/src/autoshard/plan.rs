@@ -424,8 +424,8 @@ pub fn op_kinds(cm: &CostModel<'_>, asg: &Assignment, axes: &[AxisUse]) -> Vec<S
 
 /// The regions of a plan: its blocks in model order ([`ir::scope::block_of`] of each op's
 /// module path), each with the degrees of its own ops (FLOP-weighted as for the whole plan),
-/// consecutive blocks with the same degrees merged; blocks without FLOPs join the region
-/// before them.
+/// consecutive blocks with the same degrees merged; blocks without FLOPs, and glue blocks
+/// that split only role-less dims, join the region before them.
 fn regions(g: &Graph, cm: &CostModel<'_>, asg: &Assignment) -> Vec<Region> {
     let order = cm.order();
     let paths = ir::scope::module_paths(g, order);
@@ -439,17 +439,32 @@ fn regions(g: &Graph, cm: &CostModel<'_>, asg: &Assignment) -> Vec<Region> {
     }
     let flops = |ops: &[NodeId]| ops.iter().map(|&n| ir::cost::node_cost(g, n).total_flops()).sum::<f64>();
     let total = flops(order).max(1e-300);
+    let whole = axis_uses(g, cm, asg);
     let mut out: Vec<Region> = Vec::new();
     for (b, ops) in blocks {
         let f = flops(&ops);
         let name = if b.is_empty() { "(unnamed)".to_string() } else { b };
-        if f <= 0.0 {
-            if let Some(r) = out.last_mut() {
-                r.last = name;
+        // Dims without a role of their own (an activation's, a pooling's channels) take their
+        // axis's kind in the whole plan; a block that splits nothing else (`relu`, `maxpool`
+        // between two layers) is glue and joins the region before it.
+        let mut uses = axis_uses_of(g, cm, asg, &ops);
+        for (u, w) in uses.iter_mut().zip(&whole) {
+            if u.kind == "other" && !matches!(w.kind.as_str(), "mixed" | "unused" | "other") {
+                u.kind = w.kind.clone();
             }
+        }
+        let glue = uses.iter().all(|u| matches!(u.kind.as_str(), "other" | "unused"));
+        if let Some(r) = out.last_mut()
+            && (f <= 0.0 || glue)
+        {
+            r.last = name;
+            r.flops_share += f / total;
             continue;
         }
-        let d = degrees(&axis_uses_of(g, cm, asg, &ops));
+        if f <= 0.0 {
+            continue;
+        }
+        let d = degrees(&uses);
         match out.last_mut() {
             Some(r) if r.degrees == d => {
                 r.last = name;
