@@ -172,24 +172,19 @@ pub fn run(args: &PlanArgs) -> CliResult {
         write_output(&shardc::report::timeline_svg(&plan), Some(svg), &args.model)?;
     }
     let text = summary(args, &cluster.describe(), devices, &plan, &r);
-    let order = passes::cost::CostModel::new(g, &cluster, r.mesh.clone(), opts.clone()).order().to_vec();
-    let explained = r.data_parallel.as_ref().map(|dp| autoshard::explain::explain(g, &order, &r.breakdown, dp));
+    let cm = passes::cost::CostModel::new(g, &cluster, r.mesh.clone(), opts.clone());
+    let order = cm.order();
+    let explained = r.data_parallel.as_ref().map(|dp| autoshard::explain::explain(g, order, &r.breakdown, dp));
     if let Some(html) = &args.html {
         let page = shardc::report::plan_html(&shardc::report::PlanPage {
             graph: g,
-            order: &order,
+            order,
             plan: &plan,
             breakdown: &r.breakdown,
             data_parallel: r.data_parallel.as_ref(),
             summary: &text,
             explanation: explained.as_ref().and_then(|e| e.as_ref().ok()),
-            kinds: r.pipeline.is_none().then(|| {
-                autoshard::plan::op_kinds(
-                    &passes::cost::CostModel::new(g, &cluster, r.mesh.clone(), opts.clone()),
-                    &r.assignment,
-                    &plan.summary.axes,
-                )
-            }),
+            kinds: r.pipeline.is_none().then(|| autoshard::plan::op_kinds(&cm, &r.assignment, &plan.summary.axes)),
         });
         write_output(&page, Some(html), &args.model)?;
     }
@@ -219,7 +214,7 @@ pub fn run(args: &PlanArgs) -> CliResult {
             t.push_str(&autoshard::plan::stage_report(&plan));
             t.push('\n');
         }
-        t.push_str(&autoshard::plan::report(g, &order, &r.breakdown, r.data_parallel.as_ref()));
+        t.push_str(&autoshard::plan::report(g, order, &r.breakdown, r.data_parallel.as_ref()));
     }
     write_output(&t, None, &args.model)
 }

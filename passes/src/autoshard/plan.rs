@@ -346,6 +346,16 @@ pub fn role_kind(r: &ir::shard::DimRole) -> &'static str {
     }
 }
 
+/// `kind`, or for a split of a dim without a role of its own (`other`) the kind of its axis in
+/// the whole plan (`whole`), when that axis has one kind: the element-wise ops between two
+/// tensor-parallel GEMMs are tensor parallel too.
+fn inherit_kind<'a>(kind: &'a str, whole: Option<&'a AxisUse>) -> &'a str {
+    match whole {
+        Some(w) if kind == "other" && !matches!(w.kind.as_str(), "mixed" | "unused") => w.kind.as_str(),
+        _ => kind,
+    }
+}
+
 /// Classifies each mesh axis by the roles of the iteration dims the ops split over it,
 /// weighted by each op's training FLOPs.
 fn axis_uses(g: &Graph, cm: &CostModel<'_>, asg: &Assignment) -> Vec<AxisUse> {
@@ -400,12 +410,8 @@ pub fn op_kinds(cm: &CostModel<'_>, asg: &Assignment, axes: &[AxisUse]) -> Vec<S
             if let Some(s) = asg.strategies.get(&n) {
                 for (a, d) in s.iter().enumerate() {
                     let Some(i) = d else { continue };
-                    let mut kind = cm.space(n).dims.get(*i).map_or("other", |d| role_kind(&d.role));
-                    if let Some(u) =
-                        axes.get(a).filter(|u| kind == "other" && !matches!(u.kind.as_str(), "mixed" | "unused"))
-                    {
-                        kind = u.kind.as_str();
-                    }
+                    let own = cm.space(n).dims.get(*i).map_or("other", |d| role_kind(&d.role));
+                    let kind = inherit_kind(own, axes.get(a));
                     let size = cm.mesh.axes.get(a).map_or(1, |x| x.size);
                     match by.iter_mut().find(|(k, _)| *k == kind) {
                         Some(e) => e.1 *= size,
@@ -426,7 +432,7 @@ pub fn op_kinds(cm: &CostModel<'_>, asg: &Assignment, axes: &[AxisUse]) -> Vec<S
 /// module path), each with the degrees of its own ops (FLOP-weighted as for the whole plan),
 /// consecutive blocks with the same degrees merged; blocks without FLOPs, and glue blocks
 /// that split only role-less dims, join the region before them.
-fn regions(g: &Graph, cm: &CostModel<'_>, asg: &Assignment) -> Vec<Region> {
+fn regions(g: &Graph, cm: &CostModel<'_>, asg: &Assignment, whole: &[AxisUse]) -> Vec<Region> {
     let order = cm.order();
     let paths = ir::scope::module_paths(g, order);
     let mut blocks: Vec<(String, Vec<NodeId>)> = Vec::new();
@@ -439,7 +445,6 @@ fn regions(g: &Graph, cm: &CostModel<'_>, asg: &Assignment) -> Vec<Region> {
     }
     let flops = |ops: &[NodeId]| ops.iter().map(|&n| ir::cost::node_cost(g, n).total_flops()).sum::<f64>();
     let total = flops(order).max(1e-300);
-    let whole = axis_uses(g, cm, asg);
     let mut out: Vec<Region> = Vec::new();
     for (b, ops) in blocks {
         let f = flops(&ops);
@@ -448,10 +453,8 @@ fn regions(g: &Graph, cm: &CostModel<'_>, asg: &Assignment) -> Vec<Region> {
         // axis's kind in the whole plan; a block that splits nothing else (`relu`, `maxpool`
         // between two layers) is glue and joins the region before it.
         let mut uses = axis_uses_of(g, cm, asg, &ops);
-        for (u, w) in uses.iter_mut().zip(&whole) {
-            if u.kind == "other" && !matches!(w.kind.as_str(), "mixed" | "unused" | "other") {
-                u.kind = w.kind.clone();
-            }
+        for (u, w) in uses.iter_mut().zip(whole) {
+            u.kind = inherit_kind(&u.kind, Some(w)).to_string();
         }
         let glue = uses.iter().all(|u| matches!(u.kind.as_str(), "other" | "unused"));
         if let Some(r) = out.last_mut()
@@ -521,7 +524,7 @@ impl PlanSummary {
     ) -> PlanSummary {
         let g = cm.g;
         let axes = axis_uses(g, cm, asg);
-        let regions = regions(g, cm, asg);
+        let regions = regions(g, cm, asg, &axes);
         // A plan that parallelises regions of the model differently says so region by
         // region.
         let whole = if axes.iter().any(|a| a.kind == "mixed") && regions.len() > 1 {
