@@ -29,13 +29,13 @@ pub struct CalibrateArgs {
     /// of this process) or `mpi` (under mpirun, one device per rank), with the ring model's
     /// α and β fitted and the cost model's prediction on --cluster beside each size.
     #[arg(long, value_enum)]
-    pub transport: Option<super::train::TransportKind>,
+    pub transport: Option<super::transport::TransportKind>,
     /// Under `--transport mpi`: all-reduce, all-gather and reduce-scatter as the runtime's rings
     /// over point-to-point messages (`ring`, results bit-identical to `threads`) or as MPI's own
     /// collectives on each group's communicator (`native`: the library's tuned algorithms,
     /// equal within rounding).
     #[arg(long = "mpi-all-reduce", value_enum, default_value = "ring")]
-    pub mpi_all_reduce: super::train::MpiAllReduce,
+    pub mpi_all_reduce: super::transport::MpiAllReduce,
     /// The cluster whose links the transport's measurements are compared with.
     #[arg(long, default_value = "local-wgpu")]
     pub cluster: String,
@@ -77,22 +77,22 @@ pub fn run(args: &CalibrateArgs) -> CliResult {
 }
 
 /// `--transport`: the all-reduce of a transport, fitted and compared with the cost model.
-fn transport(args: &CalibrateArgs, kind: super::train::TransportKind) -> CliResult {
+fn transport(args: &CalibrateArgs, kind: super::transport::TransportKind) -> CliResult {
     let cluster = super::cost::load_cluster(&args.cluster)?;
     let reps = if args.quick { 3 } else { 9 };
     let sizes = calibrate::COLLECTIVE_SIZES;
     // Per group size (2, 4, … and all of them), the all-reduce timings.
     let (name, timed) = match kind {
-        super::train::TransportKind::Threads => {
+        super::transport::TransportKind::Threads => {
             let mut all = Vec::new();
             for g in calibrate::group_sizes(args.devices) {
                 all.push((g, calibrate::time_threads(g, sizes, reps).map_err(CliError::msg)?));
             }
             ("threads", all)
         }
-        super::train::TransportKind::Mpi => {
-            let native = args.mpi_all_reduce == super::train::MpiAllReduce::Native;
-            match super::train::mpi_all_reduce(sizes, reps, native)? {
+        super::transport::TransportKind::Mpi => {
+            let native = args.mpi_all_reduce == super::transport::MpiAllReduce::Native;
+            match super::transport::mpi_all_reduce(sizes, reps, native)? {
                 Some(t) => (if native { "mpi-native" } else { "mpi" }, t),
                 // Ranks other than 0 measured with it and say nothing.
                 None => return Ok(()),

@@ -10,4 +10,5 @@ pub mod run;
 pub mod stats;
 pub mod sweep;
 pub mod train;
+pub mod transport;
 pub mod ui;

@@ -63,19 +63,8 @@ pub struct RunArgs {
     /// Print one JSON document.
     #[arg(long)]
     pub json: bool,
-    /// How devices exchange tensors: `threads` (every device in this process) or `mpi` (under
-    /// `mpirun -np N`, one device per process; N must equal the plan's devices).
-    #[arg(long, value_enum, default_value = "threads")]
-    pub transport: super::train::TransportKind,
-    /// Under `--transport mpi`: all-reduce, all-gather and reduce-scatter as the runtime's rings
-    /// over point-to-point messages (`ring`, results bit-identical to `threads`) or as MPI's own
-    /// collectives on each group's communicator (`native`: the library's tuned algorithms,
-    /// equal within rounding).
-    #[arg(long = "mpi-all-reduce", value_enum, default_value = "ring")]
-    pub mpi_all_reduce: super::train::MpiAllReduce,
-    /// Seconds a device waits for a message from another before the run is declared stuck.
-    #[arg(long = "comm-timeout", value_name = "SECS", default_value_t = 300.0, value_parser = parse_seconds, allow_negative_numbers = true)]
-    pub comm_timeout: f64,
+    #[command(flatten)]
+    pub transport: super::transport::TransportArgs,
     /// Apply `--plan` even though it was made for another file (a re-export): its ops must
     /// still match the model's by name and shape.
     #[arg(long, requires = "plan")]
@@ -100,13 +89,7 @@ fn backend(args: &RunArgs) -> CliResult<(Backend, Option<String>)> {
 
 pub fn run(args: &RunArgs) -> CliResult {
     // Under mpirun each process runs one device (see `train --transport`).
-    let mpi = match args.transport {
-        super::train::TransportKind::Threads => None,
-        super::train::TransportKind::Mpi => Some(super::train::start_mpi()?),
-    };
-    if mpi.as_ref().is_some_and(|m| m.rank != 0) {
-        super::ui::set(true, super::ui::verbose());
-    }
+    let mpi = args.transport.start()?;
     guard_outputs(
         &[("--save-outputs", args.save_outputs.as_ref())],
         &[Some(&args.model), args.inputs.as_deref(), args.plan.as_deref()],
@@ -202,12 +185,7 @@ pub fn run(args: &RunArgs) -> CliResult {
     if let Some(w) = warn_be {
         notes.push(format!("warning: {w}"));
     }
-    let distributed = match &mpi {
-        None => None,
-        Some(m) => {
-            Some(super::train::distributed(m, program.devices.len(), &program, args.comm_timeout, args.mpi_all_reduce)?)
-        }
-    };
+    let distributed = args.transport.distributed(mpi.as_ref(), program.devices.len(), &program)?;
     let rank = distributed.as_ref().map_or(0, |d| d.rank);
     let report = codegen::run(
         &program,

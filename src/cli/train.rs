@@ -72,19 +72,8 @@ pub struct TrainArgs {
     /// a time and the optimizer steps once on the mean gradient (gradient accumulation).
     #[arg(long, default_value_t = 1, value_parser = parse_count, allow_negative_numbers = true)]
     pub micro_batches: usize,
-    /// How devices exchange tensors: `threads` (every device in this process) or `mpi` (under
-    /// `mpirun -np N`, one device per process; N must equal --devices).
-    #[arg(long, value_enum, default_value = "threads")]
-    pub transport: TransportKind,
-    /// Under `--transport mpi`: all-reduce, all-gather and reduce-scatter as the runtime's rings
-    /// over point-to-point messages (`ring`, results bit-identical to `threads`) or as MPI's own
-    /// collectives on each group's communicator (`native`: the library's tuned algorithms,
-    /// equal within rounding).
-    #[arg(long = "mpi-all-reduce", value_enum, default_value = "ring")]
-    pub mpi_all_reduce: MpiAllReduce,
-    /// Seconds a device waits for a message from another before the run is declared stuck.
-    #[arg(long = "comm-timeout", value_name = "SECS", default_value_t = 300.0, value_parser = parse_seconds, allow_negative_numbers = true)]
-    pub comm_timeout: f64,
+    #[command(flatten)]
+    pub transport: super::transport::TransportArgs,
     /// The cluster the prediction is for.
     #[arg(long, default_value = "local-wgpu")]
     pub cluster: String,
@@ -408,137 +397,10 @@ fn check_losses(what: &str, got: &[f64], want: &[f64], tol: (f64, f64)) -> Check
     }
 }
 
-#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum TransportKind {
-    /// Every device on a thread of this process.
-    Threads,
-    /// One device per MPI process (built with `--features mpi`).
-    Mpi,
-}
-
-/// How the MPI transport all-reduces.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum MpiAllReduce {
-    /// The runtime's ring over point-to-point messages.
-    Ring,
-    /// MPI_Allreduce on the group's communicator.
-    Native,
-}
-
-#[cfg(feature = "mpi")]
-pub(crate) type MpiJob = shardc::mpi::Mpi;
-#[cfg(not(feature = "mpi"))]
-pub(crate) type MpiJob = NoMpi;
-
-/// Stands for MPI in a shardc built without it (never constructed).
-#[cfg(not(feature = "mpi"))]
-pub struct NoMpi {
-    pub(crate) rank: usize,
-}
-
-#[cfg(feature = "mpi")]
-pub(crate) fn start_mpi() -> CliResult<MpiJob> {
-    shardc::mpi::Mpi::init().map_err(CliError::msg)
-}
-
-#[cfg(not(feature = "mpi"))]
-pub(crate) fn start_mpi() -> CliResult<MpiJob> {
-    let _ = NoMpi { rank: 0 }.rank;
-    Err(CliError::msg(
-        "--transport mpi: this shardc was built without MPI; build it with `cargo build --release --features mpi` \
-         (Debian: apt-get install libopenmpi-dev openmpi-bin libclang-dev) and start it with mpirun -np N",
-    ))
-}
-
-/// This process's part of the job: its rank and the MPI transport, once the job's size is
-/// checked against the program's devices and every rank's program is the same as rank 0's.
-#[cfg(feature = "mpi")]
-pub(crate) fn distributed(
-    m: &MpiJob,
-    devices: usize,
-    program: &codegen::Program,
-    timeout: f64,
-    all_reduce: MpiAllReduce,
-) -> CliResult<codegen::Distributed> {
-    use codegen::Transport;
-    use sha2::Digest;
-    if m.size != devices {
-        let msg = format!(
-            "--transport mpi: the plan has {devices} devices but mpirun started {} processes; run mpirun -np {devices} (or --devices {})",
-            m.size, m.size
-        );
-        m.abort(&msg, 1);
-    }
-    let t = std::sync::Arc::new(shardc::mpi::MpiTransport::new(
-        m,
-        std::time::Duration::from_secs_f64(timeout),
-        all_reduce == MpiAllReduce::Native,
-    ));
-    // Every rank planned and lowered on its own: the programs must be the same.
-    let text: String = program.devices.iter().map(|d| ir::print::model_to_string(&d.to_model())).collect();
-    let digest = sha2::Sha256::digest(text.as_bytes());
-    let word = i64::from_le_bytes(digest[..8].try_into().expect("8 bytes"));
-    let key = (u64::MAX - 2, 0, 0);
-    if m.rank != 0 {
-        t.put(m.rank, 0, key, ir::eval::Array::i64(vec![1], vec![word]));
-    } else {
-        for r in 1..m.size {
-            let got = t.take(r, 0, key).map_err(CliError::msg)?;
-            if !matches!(&got.data, ir::eval::Data::I64(v) if v.first() == Some(&word)) {
-                m.abort(
-                    &format!("rank {r} lowered another program than rank 0 (a plan search cut short by --time-limit on one rank?); give them a --plan"),
-                    1,
-                );
-            }
-        }
-    }
-    Ok(codegen::Distributed { rank: m.rank, size: m.size, transport: t })
-}
-
-#[cfg(not(feature = "mpi"))]
-pub(crate) fn distributed(
-    _: &MpiJob,
-    _: usize,
-    _: &codegen::Program,
-    _: f64,
-    _: MpiAllReduce,
-) -> CliResult<codegen::Distributed> {
-    unreachable!("start_mpi refuses without the mpi feature")
-}
-
-/// `(bytes, median seconds)` per size.
-pub type Timings = Vec<(f64, f64)>;
-
-/// Times the MPI transport's all-reduce over groups of the job's ranks
-/// ([`shardc::calibrate::group_sizes`], [`shardc::calibrate::time_all_reduce`]): on rank 0 the
-/// timings per group size (`None` on the others).
-#[cfg(feature = "mpi")]
-pub fn mpi_all_reduce(sizes: &[usize], reps: usize, native: bool) -> CliResult<Option<Vec<(usize, Timings)>>> {
-    let m = start_mpi()?;
-    let t = shardc::mpi::MpiTransport::new(&m, std::time::Duration::from_secs(60), native);
-    let mut all = Vec::new();
-    for g in shardc::calibrate::group_sizes(m.size) {
-        all.push((g, shardc::calibrate::time_all_reduce(&t, m.rank, g, sizes, reps).map_err(CliError::msg)?));
-    }
-    drop(t);
-    Ok((m.rank == 0).then_some(all))
-}
-
-#[cfg(not(feature = "mpi"))]
-pub fn mpi_all_reduce(_: &[usize], _: usize, _: bool) -> CliResult<Option<Vec<(usize, Timings)>>> {
-    start_mpi().map(|_| None)
-}
-
 pub fn run(args: &TrainArgs) -> CliResult {
     // Under mpirun each process runs one device; every process plans and lowers the same
     // program (the search is deterministic; the programs are compared before running).
-    let mpi = match args.transport {
-        TransportKind::Threads => None,
-        TransportKind::Mpi => Some(start_mpi()?),
-    };
-    if mpi.as_ref().is_some_and(|m| m.rank != 0) {
-        super::ui::set(true, super::ui::verbose());
-    }
+    let mpi = args.transport.start()?;
     guard_outputs(
         &[("--save-state", args.save_state.as_ref()), ("--emit-program", args.emit_program.as_ref())],
         &[Some(&args.model), args.data.as_deref(), args.plan.as_deref()],
@@ -647,10 +509,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
         }
         None => shardc::train::seeded_inputs(g, &info, args.seed).map_err(CliError::msg)?,
     };
-    let distributed = match &mpi {
-        None => None,
-        Some(m) => Some(distributed(m, devices, &program, args.comm_timeout, args.mpi_all_reduce)?),
-    };
+    let distributed = args.transport.distributed(mpi.as_ref(), devices, &program)?;
     let rank = distributed.as_ref().map_or(0, |d| d.rank);
     let bar = super::ui::step_bar(args.steps + 1, "training step");
     let run = shardc::train::run_steps_with(
