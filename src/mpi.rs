@@ -258,30 +258,39 @@ thread_local! {
     static GROUPS: std::cell::RefCell<HashMap<Vec<i64>, SimpleCommunicator>> = std::cell::RefCell::new(HashMap::new());
 }
 
+/// The collective `$call` (over the input elements `$v` into a zeroed output `$out` of `$n`
+/// elements) for each element type MPI's collectives carry here, keeping the type; the
+/// enclosing function returns `None` (the ring) for the others.
+macro_rules! per_element {
+    ($data:expr, $n:expr, |$v:ident, $out:ident| $call:expr) => {
+        match $data {
+            Data::F32($v) => {
+                let mut $out = vec![0f32; $n];
+                $call;
+                Data::F32($out)
+            }
+            Data::F64($v) => {
+                let mut $out = vec![0f64; $n];
+                $call;
+                Data::F64($out)
+            }
+            Data::I64($v) => {
+                let mut $out = vec![0i64; $n];
+                $call;
+                Data::I64($out)
+            }
+            _ => return None,
+        }
+    };
+}
+
 /// `MPI_Allreduce` of `x` on `sub` (float and integer elements).
 fn all_reduce_on(
     sub: &SimpleCommunicator,
     x: &Array,
     op: mpi::collective::SystemOperation,
 ) -> Option<Result<Array, String>> {
-    let data = match &x.data {
-        Data::F32(v) => {
-            let mut out = vec![0f32; v.len()];
-            sub.all_reduce_into(&v[..], &mut out[..], op);
-            Data::F32(out)
-        }
-        Data::F64(v) => {
-            let mut out = vec![0f64; v.len()];
-            sub.all_reduce_into(&v[..], &mut out[..], op);
-            Data::F64(out)
-        }
-        Data::I64(v) => {
-            let mut out = vec![0i64; v.len()];
-            sub.all_reduce_into(&v[..], &mut out[..], op);
-            Data::I64(out)
-        }
-        _ => return None,
-    };
+    let data = per_element!(&x.data, v.len(), |v, out| sub.all_reduce_into(&v[..], &mut out[..], op));
     Some(Ok(Array { dtype: x.dtype, shape: x.shape.clone(), data }))
 }
 
@@ -298,24 +307,8 @@ fn all_gather_on(sub: &SimpleCommunicator, x: &Array, axis: usize) -> Option<Res
     sub.all_gather_into(&n, &mut counts[..]);
     let displs: Vec<i32> = counts.iter().scan(0, |a, &c| Some(std::mem::replace(a, *a + c))).collect();
     let total = counts.iter().sum::<i32>() as usize;
-    let flat: Data = match &x.data {
-        Data::F32(v) => {
-            let mut out = vec![0f32; total];
-            sub.all_gather_varcount_into(&v[..], &mut PartitionMut::new(&mut out[..], &counts[..], &displs[..]));
-            Data::F32(out)
-        }
-        Data::F64(v) => {
-            let mut out = vec![0f64; total];
-            sub.all_gather_varcount_into(&v[..], &mut PartitionMut::new(&mut out[..], &counts[..], &displs[..]));
-            Data::F64(out)
-        }
-        Data::I64(v) => {
-            let mut out = vec![0i64; total];
-            sub.all_gather_varcount_into(&v[..], &mut PartitionMut::new(&mut out[..], &counts[..], &displs[..]));
-            Data::I64(out)
-        }
-        _ => return None,
-    };
+    let flat = per_element!(&x.data, total, |v, out| sub
+        .all_gather_varcount_into(&v[..], &mut PartitionMut::new(&mut out[..], &counts[..], &displs[..])));
     let whole = Array { dtype: x.dtype, shape: vec![total], data: flat };
     let pieces: Vec<Array> = counts
         .iter()
@@ -338,24 +331,7 @@ fn reduce_scatter_on(
     op: mpi::collective::SystemOperation,
 ) -> Option<Result<Array, String>> {
     let n: usize = shape.iter().product();
-    let data = match &flat.data {
-        Data::F32(v) => {
-            let mut out = vec![0f32; n];
-            sub.reduce_scatter_block_into(&v[..], &mut out[..], op);
-            Data::F32(out)
-        }
-        Data::F64(v) => {
-            let mut out = vec![0f64; n];
-            sub.reduce_scatter_block_into(&v[..], &mut out[..], op);
-            Data::F64(out)
-        }
-        Data::I64(v) => {
-            let mut out = vec![0i64; n];
-            sub.reduce_scatter_block_into(&v[..], &mut out[..], op);
-            Data::I64(out)
-        }
-        _ => return None,
-    };
+    let data = per_element!(&flat.data, n, |v, out| sub.reduce_scatter_block_into(&v[..], &mut out[..], op));
     Some(Ok(Array { dtype: flat.dtype, shape, data }))
 }
 
