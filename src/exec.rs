@@ -73,9 +73,17 @@ pub fn materialize(model: &mut Model, dir: &Path, seed: u64) -> Result<Weights, 
         let TensorData::External(entries) = &t.data else { continue };
         let name = g.value_name(Value::new(n, 0)).to_string();
         let name_for_error = name.clone();
-        let a = match read_external(entries, t.dtype, &t.dims, dir)
+        // A slice of an external tensor (a weight split by `passes::unfuse`) reads the whole
+        // tensor and slices it.
+        let slice = t.external_slice().map_err(|e| format!("`{name}`: {e}"))?;
+        let dims = slice.as_ref().map_or(&t.dims, |s| &s.full_dims);
+        let read = read_external(entries, t.dtype, dims, dir)
             .map_err(|e| format!("external data of `{name_for_error}`: {e}"))?
-        {
+            .map(|a| match &slice {
+                Some(s) => a.slice_axis(s.axis, s.start, s.end),
+                None => a,
+            });
+        let a = match read {
             Some(a) => {
                 w.loaded += 1;
                 a

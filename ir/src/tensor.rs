@@ -95,6 +95,23 @@ pub struct Tensor {
     pub data: TensorData,
 }
 
+/// External data that is elements `start..end` along `axis` of the external tensor `of` (of
+/// shape `full_dims`, whose file entries the slice keeps): what a rewrite that splits a weight
+/// writes when the weight's values are not loaded yet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExternalSlice {
+    /// The tensor sliced (its name, which seeds its drawn values when the file is absent).
+    pub of: String,
+    /// Its shape.
+    pub full_dims: Vec<i64>,
+    /// The axis sliced.
+    pub axis: usize,
+    /// First element.
+    pub start: usize,
+    /// One past the last element.
+    pub end: usize,
+}
+
 impl Tensor {
     /// The same tensor: type, shape, name and values, floats compared bit for bit (NaN is the
     /// same NaN; -0 is not 0), as a round trip must preserve them.
@@ -134,6 +151,38 @@ impl Tensor {
     /// Values per element in storage (2 for complex types).
     pub fn values_per_element(&self) -> u64 {
         if matches!(self.dtype, DType::Complex64 | DType::Complex128) { 2 } else { 1 }
+    }
+
+    /// For external data that is a slice of another external tensor (see
+    /// [`ExternalSlice`]): where it comes from; `Err` when the entries are malformed.
+    pub fn external_slice(&self) -> Result<Option<ExternalSlice>, String> {
+        let TensorData::External(entries) = &self.data else { return Ok(None) };
+        let get = |k: &str| entries.iter().find(|(a, _)| a == k).map(|(_, v)| v.as_str());
+        let (Some(of), Some(range), Some(full)) =
+            (get("shardc_slice_of"), get("shardc_slice"), get("shardc_full_dims"))
+        else {
+            return Ok(None);
+        };
+        let bad = || format!("`shardc_slice` is `{range}` and `shardc_full_dims` `{full}`: not a slice of those dims");
+        let nums: Vec<i64> = range.split(':').map(|x| x.parse::<i64>()).collect::<Result<_, _>>().map_err(|_| bad())?;
+        let full_dims: Vec<i64> =
+            full.split('x').map(|x| x.parse::<i64>()).collect::<Result<_, _>>().map_err(|_| bad())?;
+        let [axis, start, end] = nums[..] else { return Err(bad()) };
+        if axis < 0 || axis as usize >= full_dims.len() || start < 0 || end <= start || end > full_dims[axis as usize] {
+            return Err(bad());
+        }
+        let mut want = full_dims.clone();
+        want[axis as usize] = end - start;
+        if want != self.dims {
+            return Err(bad());
+        }
+        Ok(Some(ExternalSlice {
+            of: of.to_string(),
+            full_dims,
+            axis: axis as usize,
+            start: start as usize,
+            end: end as usize,
+        }))
     }
 
     /// True when the data lives in an external file.

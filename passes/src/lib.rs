@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
+pub mod algebra;
 pub mod autodiff;
 pub mod autoshard;
 pub mod canonicalize;
@@ -20,11 +21,13 @@ pub mod table;
 pub mod train;
 pub mod verify;
 
+pub use algebra::Algebra;
 pub use autodiff::Autodiff;
 pub use canonicalize::Canonicalize;
 pub use infer_shapes::InferShapes;
 pub use manager::{Changed, Located, Pass, PassCx, PassError, PassManager, Report, Stats};
 pub use rebatch::{Rebatch, RebatchSpec};
+
 pub use verify::{RequireStatic, Verify};
 
 /// Options for passes created by name.
@@ -37,7 +40,8 @@ pub struct PassOptions {
 }
 
 /// The names [`create`] knows, in a sensible pipeline order.
-pub const PASS_NAMES: &[&str] = &["verify", "infer-shapes", "canonicalize", "require-static", "rebatch", "autodiff"];
+pub const PASS_NAMES: &[&str] =
+    &["verify", "infer-shapes", "canonicalize", "algebra", "require-static", "rebatch", "autodiff"];
 
 /// Creates a pass by name.
 pub fn create(name: &str, opts: &PassOptions) -> Option<Box<dyn Pass>> {
@@ -46,6 +50,7 @@ pub fn create(name: &str, opts: &PassOptions) -> Option<Box<dyn Pass>> {
         "verify" => Box::new(Verify),
         "infer-shapes" => Box::new(InferShapes::default()),
         "canonicalize" => Box::new(Canonicalize),
+        "algebra" => Box::new(Algebra),
         "require-static" => Box::new(RequireStatic),
         "autodiff" => Box::new(opts.autodiff.clone()),
         _ => return None,

@@ -228,6 +228,7 @@ fn load_with(path: &Path, shapes: &ShapeArgs, canonical: bool, computable: bool)
     pm.add(passes::InferShapes::default());
     if canonical {
         pm.add(passes::Canonicalize);
+        pm.add(passes::Algebra);
     }
     if computable {
         pm.add(passes::RequireStatic);

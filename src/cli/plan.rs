@@ -96,7 +96,7 @@ notation     `dim→axis`: an op's loop dim split over a mesh axis (`replicated`
              Gather: i0… indices, v vocabulary rows, e0… embedding dims; other ops: d0… output dims
 ";
 
-const PLAN_PASSES: &[&str] = &["verify", "rebatch", "infer-shapes", "canonicalize", "autoshard"];
+const PLAN_PASSES: &[&str] = &["verify", "rebatch", "infer-shapes", "canonicalize", "algebra", "autoshard"];
 
 pub fn run(args: &PlanArgs) -> CliResult {
     for d in &args.dump_after {
@@ -137,6 +137,7 @@ pub fn run(args: &PlanArgs) -> CliResult {
     }
     pm.add(passes::InferShapes::default());
     pm.add(passes::Canonicalize);
+    pm.add(passes::Algebra);
     pm.add(passes::RequireStatic);
     pm.add(Autoshard { cluster: cluster.clone(), devices, options: opts.clone(), search, result: result.clone() });
     let report = pm.run(&mut loaded.model);

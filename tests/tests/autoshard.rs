@@ -14,7 +14,7 @@ fn prepare(mut m: ir::Model, spec: passes::RebatchSpec) -> ir::Model {
     if !spec.is_empty() {
         pm.add(passes::Rebatch { spec });
     }
-    pm.add(passes::InferShapes::default()).add(passes::Canonicalize);
+    pm.add(passes::InferShapes::default()).add(passes::Canonicalize).add(passes::Algebra);
     pm.run(&mut m).unwrap_or_else(|e| panic!("{e}"));
     m
 }

@@ -33,7 +33,8 @@ fn prepared(path: &std::path::Path) -> ir::Model {
         pm.add(passes::Verify)
             .add(passes::Rebatch { spec })
             .add(passes::InferShapes::default())
-            .add(passes::Canonicalize);
+            .add(passes::Canonicalize)
+            .add(passes::Algebra);
         pm.run(&mut m).map(|_| m)
     };
     match run(Some(8)) {

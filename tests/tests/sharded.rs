@@ -12,7 +12,7 @@ use shardc_tests::*;
 fn prepared(path: &std::path::Path) -> ir::Model {
     let mut m = load_model(path);
     let mut pm = passes::PassManager::new();
-    pm.add(passes::Verify).add(passes::InferShapes::default()).add(passes::Canonicalize);
+    pm.add(passes::Verify).add(passes::InferShapes::default()).add(passes::Canonicalize).add(passes::Algebra);
     pm.run(&mut m).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     m
 }

@@ -314,6 +314,23 @@ impl Array {
         Array { dtype: self.dtype, shape, data }
     }
 
+    /// Elements `start..end` of axis `axis`.
+    pub fn slice_axis(&self, axis: usize, start: usize, end: usize) -> Array {
+        let mut shape = self.shape.clone();
+        shape[axis] = end - start;
+        let outer: usize = self.shape[..axis].iter().product();
+        let inner: usize = self.shape[axis + 1..].iter().product();
+        let len = self.shape[axis];
+        let mut idx = Vec::with_capacity(outer * (end - start) * inner);
+        for o in 0..outer {
+            for i in start..end {
+                let base = (o * len + i) * inner;
+                idx.extend(base..base + inner);
+            }
+        }
+        self.gather_flat(shape, &idx)
+    }
+
     /// Concatenates the data of arrays of one dtype (shape to be set by the caller).
     pub fn concat_data(parts: &[&Array]) -> Data {
         match &parts[0].data {

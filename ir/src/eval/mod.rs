@@ -132,6 +132,12 @@ pub fn seeded_initializer(g: &Graph, v: Value, seed: u64) -> Result<Array> {
     let Op::Initializer(t) = &g.node(v.node).op else {
         return Err(EvalError::Invalid(format!("`{}` is not an initializer", g.value_name(v))));
     };
+    // A slice of another external tensor draws that tensor's values and slices them, so a
+    // model whose weights were split (`passes::unfuse`) computes what the original did.
+    if let Some(s) = t.external_slice().map_err(EvalError::Invalid)? {
+        let full = random_tensor(t.dtype, &s.full_dims, weight_role(g, v), seed, &s.of)?;
+        return Ok(full.slice_axis(s.axis, s.start, s.end));
+    }
     random_tensor(t.dtype, &t.dims, weight_role(g, v), seed, g.value_name(v))
 }
 
@@ -231,8 +237,7 @@ fn run_env(
                             node.outputs()[0].name
                         ))));
                     };
-                    let role = weight_role(g, Value::new(n, 0));
-                    vec![random_tensor(t.dtype, &t.dims, role, seed, &node.outputs()[0].name).map_err(at)?]
+                    vec![seeded_initializer(g, Value::new(n, 0), seed).map_err(at)?]
                 } else {
                     vec![Array::from_tensor(t).map_err(at)?]
                 }

@@ -1,0 +1,504 @@
+//! Algebraic rewrites: the graph computes the same values with ops whose layouts line up
+//! with parallelism. Each rule is an identity, written in its doc comment.
+//!
+//! - [`unfuse_split_gemm`]: `Split(X·[W₀|W₁|…] + [c₀|c₁|…], last axis) = (X·W₀ + c₀, X·W₁ + c₁, …)`.
+//! - [`fold_reshape_transpose`]: `Reshape(Transpose(Reshape(x, merge groups), π), unmerge) =
+//!   Transpose(x, π expanded over the groups)`.
+//!
+//! **Un-fusing.** Exporters fuse the query, key and value projections of attention into one GEMM (GPT-2's
+//! `c_attn`: 768 → 2304 columns, then `Split` into three 768-column tensors). A column split
+//! of the fused GEMM does not line up with the heads (2304/8 = 288 columns mix query and key
+//! columns), so no plan can run attention head-parallel through it. After this pass each part
+//! is its own GEMM with its own weight (the columns of the fused weight, and of the bias), and
+//! a column split of each lines up with the heads as in Megatron-LM.
+//!
+//! Matched: a `Gemm` (`transA = 0`) or 2-D-weight `MatMul` whose weight and bias are
+//! initializers, whose output's one reader is a `Split` along the last axis, directly or through
+//! a `Reshape` to a constant shape that keeps the last dim. The new weights keep the model's
+//! values: inline data is sliced; external data is described as the columns of the fused
+//! tensor (`shardc_slice_of`, `shardc_slice`, `shardc_full_dims` entries), which
+//! `shardc::exec::materialize` and the reference evaluator read back. Parameter count and
+//! FLOPs are unchanged; parameters are renamed by the columns they hold (`…c_attn.weight` →
+//! `…c_attn.weight[:,0:768]`, `…[:,768:1536]`, …).
+
+use ir::eval::Array;
+use ir::{Graph, NodeId, Op, Output, Tensor, TensorData, Value};
+
+use crate::manager::{Changed, Located, Pass, PassCx, PassError};
+
+/// The pass; see the module documentation.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Algebra;
+
+/// One match: the GEMM, the reshape between it and the split (if any), the split.
+struct Fused {
+    gemm: NodeId,
+    reshape: Option<NodeId>,
+    split: NodeId,
+    /// Axis of the weight that holds the output columns (1, or 0 under `transB`).
+    weight_axis: usize,
+    /// Columns of each part.
+    sizes: Vec<i64>,
+}
+
+/// The one reader of `v` (`None` when it has none, several, or is a graph output).
+fn only_reader(g: &Graph, v: Value) -> Option<NodeId> {
+    if g.outputs().iter().any(|o| o.value == v) {
+        return None;
+    }
+    match g.users(v).as_slice() {
+        [(n, 0)] => Some(*n),
+        _ => None,
+    }
+}
+
+fn static_dims(g: &Graph, v: Value) -> Option<Vec<i64>> {
+    g.tensor_type(v).and_then(|t| t.static_dims())
+}
+
+fn find(g: &Graph, n: NodeId) -> Option<Fused> {
+    let node = g.node(n);
+    let weight_axis = match &node.op {
+        Op::Gemm(gm) if gm.trans_a() == 0 => usize::from(gm.trans_b() == 0),
+        Op::MatMul(_) => 1,
+        _ => return None,
+    };
+    let w = node.input(1)?;
+    let wt = g.initializer(w)?;
+    if wt.dims.len() != 2 || !g.users(w).iter().all(|&(u, _)| u == n) {
+        return None;
+    }
+    let cols = wt.dims[weight_axis];
+    // A bias, if any: an initializer of `cols` values read by this GEMM only.
+    if let Some(c) = node.input(2) {
+        let ct = g.initializer(c)?;
+        if ct.dims != [cols] || !g.users(c).iter().all(|&(u, _)| u == n) {
+            return None;
+        }
+    }
+    let y = Value::new(n, 0);
+    let y_dims = static_dims(g, y)?;
+    if y_dims.last() != Some(&cols) {
+        return None;
+    }
+    let mut reader = only_reader(g, y)?;
+    let mut reshape = None;
+    if let Op::Reshape(_) = &g.node(reader).op {
+        let r = g.node(reader);
+        let shape = g.initializer(r.input(1)?)?.to_i64_vec()?;
+        let out = static_dims(g, Value::new(reader, 0))?;
+        if out.last() != Some(&cols) || !matches!(shape.last(), Some(&l) if l == cols || l == -1) {
+            return None;
+        }
+        if shape.last() == Some(&-1) && shape.iter().filter(|&&d| d == -1).count() != 1 {
+            return None;
+        }
+        reshape = Some(reader);
+        reader = only_reader(g, Value::new(reader, 0))?;
+    }
+    let split = g.node(reader);
+    let Op::Split(sp) = &split.op else { return None };
+    let x = Value::new(reshape.unwrap_or(n), 0);
+    let rank = static_dims(g, x)?.len() as i64;
+    let axis = sp.axis();
+    if axis != rank - 1 && axis != -1 {
+        return None;
+    }
+    let sizes: Vec<i64> = (0..split.num_outputs())
+        .map(|s| static_dims(g, Value::new(reader, s as u16)).and_then(|d| d.last().copied()))
+        .collect::<Option<_>>()?;
+    if sizes.len() < 2 || sizes.iter().sum::<i64>() != cols || sizes.contains(&0) {
+        return None;
+    }
+    Some(Fused { gemm: n, reshape, split: reader, weight_axis, sizes })
+}
+
+/// The name of columns `start..end` along `axis` of the rank-`rank` tensor `name`, as numpy
+/// would index them (`c_attn.weight` → `c_attn.weight[:,0:768]`): the module path stays the
+/// fused layer's, so reports and framework exports name the module the user wrote.
+fn part_name(g: &Graph, name: &str, rank: usize, axis: usize, start: i64, end: i64) -> String {
+    let idx: Vec<String> = (0..rank).map(|a| if a == axis { format!("{start}:{end}") } else { ":".into() }).collect();
+    g.fresh_name(&format!("{name}[{}]", idx.join(",")))
+}
+
+/// The columns `start..end` along `axis` of initializer tensor `t` named `name`.
+fn slice_tensor(t: &Tensor, name: &str, axis: usize, start: i64, end: i64) -> Result<Tensor, String> {
+    let mut dims = t.dims.clone();
+    dims[axis] = end - start;
+    let data = match &t.data {
+        TensorData::External(entries) => {
+            if entries.iter().any(|(k, _)| k.starts_with("shardc_slice")) {
+                return Err(format!("`{name}` is already a slice"));
+            }
+            let mut e: Vec<(String, String)> = entries.clone();
+            e.push(("shardc_slice_of".into(), name.to_string()));
+            e.push(("shardc_slice".into(), format!("{axis}:{start}:{end}")));
+            e.push(("shardc_full_dims".into(), t.dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")));
+            TensorData::External(e)
+        }
+        _ => {
+            let a = Array::from_tensor(t).map_err(|e| format!("`{name}`: {e}"))?;
+            a.slice_axis(axis, start as usize, end as usize).to_tensor().data
+        }
+    };
+    Ok(Tensor { dtype: t.dtype, dims, name: None, data })
+}
+
+/// Rewrites one match; returns the number of GEMMs it made.
+fn rewrite(g: &mut Graph, f: &Fused) -> Result<usize, String> {
+    let gemm = g.node(f.gemm).clone();
+    let w = gemm.input(1).expect("matched");
+    let w_name = g.value_name(w).to_string();
+    let wt = g.initializer(w).expect("matched").clone();
+    let bias = gemm.input(2).map(|c| (g.value_name(c).to_string(), g.initializer(c).expect("matched").clone()));
+    let label = g.node(f.gemm).label.clone().unwrap_or_else(|| g.op_name(f.gemm));
+    let reshape = f.reshape.map(|r| {
+        let node = g.node(r).clone();
+        let shape_v = node.input(1).expect("matched");
+        let shape = g.initializer(shape_v).expect("matched").clone();
+        let label = node.label.clone().unwrap_or_else(|| g.op_name(r));
+        let out_name = g.value_name(Value::new(r, 0)).to_string();
+        (node, g.value_name(shape_v).to_string(), shape, label, out_name)
+    });
+    let split_outs: Vec<Value> = (0..f.sizes.len()).map(|s| Value::new(f.split, s as u16)).collect();
+    let mut start = 0i64;
+    let mut made = Vec::new();
+    for (j, &size) in f.sizes.iter().enumerate() {
+        let end = start + size;
+        let wj = slice_tensor(&wt, &w_name, f.weight_axis, start, end)?;
+        let wj = g.add_initializer(part_name(g, &w_name, 2, f.weight_axis, start, end), wj);
+        let cj = match &bias {
+            Some((name, ct)) => {
+                Some(g.add_initializer(part_name(g, name, 1, 0, start, end), slice_tensor(ct, name, 0, start, end)?))
+            }
+            None => None,
+        };
+        let mut inputs = vec![gemm.input(0), Some(wj)];
+        if cj.is_some() {
+            inputs.push(cj);
+        }
+        let y_name = g.fresh_name(&format!("{}_part{j}", g.value_name(Value::new(f.gemm, 0))));
+        let yj =
+            g.add_labeled_node(Some(format!("{label}_part{j}")), gemm.op.clone(), inputs, vec![Output::named(y_name)]);
+        let mut out = Value::new(yj, 0);
+        if let Some((node, shape_name, shape, rlabel, r_out)) = &reshape {
+            let mut s = shape.clone();
+            let vals: Vec<i64> = s.to_i64_vec().expect("matched");
+            let last = vals.len() - 1;
+            if vals[last] != -1 {
+                let mut v = vals.clone();
+                v[last] = size;
+                s.data = ir::TensorData::Int64(v);
+            }
+            let sv = g.add_initializer(g.fresh_name(&format!("{shape_name}_part{j}")), s);
+            let r_name = g.fresh_name(&format!("{r_out}_part{j}"));
+            let r = g.add_labeled_node(
+                Some(format!("{rlabel}_part{j}")),
+                node.op.clone(),
+                vec![Some(out), Some(sv)],
+                vec![Output::named(r_name)],
+            );
+            out = Value::new(r, 0);
+        }
+        made.push(out);
+        start = end;
+    }
+    for (old, new) in split_outs.iter().zip(&made) {
+        g.replace_all_uses(*old, *new);
+    }
+    // The old nodes go; their output names pass to the parts so the graph reads the same.
+    let old_names: Vec<String> = split_outs.iter().map(|&v| g.value_name(v).to_string()).collect();
+    g.remove_node(f.split);
+    if let Some(r) = f.reshape {
+        g.remove_node(r);
+    }
+    g.remove_node(f.gemm);
+    for (name, v) in old_names.iter().zip(&made) {
+        g.rename(*v, name.clone());
+    }
+    crate::canonicalize::eliminate_unused_initializers(g);
+    Ok(made.len())
+}
+
+/// Un-fuses every GEMM whose output is split (see the module documentation); returns
+/// (fused GEMMs split, GEMMs made).
+pub fn unfuse_split_gemm(g: &mut Graph) -> Result<(u64, u64), Located> {
+    let order = g.topo_order().map_err(|_| Located::global("the graph has a cycle"))?;
+    let found: Vec<Fused> = order.iter().filter_map(|&n| find(g, n)).collect();
+    let mut made = 0;
+    for f in &found {
+        made += rewrite(g, f).map_err(|e| Located::at(g, f.gemm, e))? as u64;
+    }
+    Ok((found.len() as u64, made))
+}
+
+/// How `to` merges consecutive dims of `from` (only merges, no splits, no size-1 games): the
+/// groups of `from`'s dims, one per dim of `to`.
+fn merge_groups(from: &[i64], to: &[i64]) -> Option<Vec<std::ops::Range<usize>>> {
+    let mut groups = Vec::with_capacity(to.len());
+    let mut i = 0;
+    for &t in to {
+        let start = i;
+        let mut p = 1i64;
+        while p < t && i < from.len() {
+            p *= from[i];
+            i += 1;
+        }
+        if p != t || i == start {
+            return None;
+        }
+        groups.push(start..i);
+    }
+    (i == from.len()).then_some(groups)
+}
+
+/// `Reshape(Transpose(Reshape(x, s₁), π), s₂) = Transpose(x, π')` when `s₁` merges groups of
+/// `x`'s consecutive dims, `π` permutes whole groups and `s₂` splits each group back into its
+/// dims; `π'` is `π` with each group expanded. Exporters write a transpose of the last two
+/// dims of `[b, h, s, d]` as this detour through `[b·h, s, d]`, and the merged `b·h` dim
+/// cannot be split by heads; the folded transpose can.
+pub fn fold_reshape_transpose(g: &mut Graph) -> Result<u64, Located> {
+    let order = g.topo_order().map_err(|_| Located::global("the graph has a cycle"))?;
+    let mut folded = 0;
+    for r2 in order {
+        if !g.contains(r2) || !matches!(g.node(r2).op, Op::Reshape(_)) {
+            continue;
+        }
+        let Some(t) = g.node(r2).input(0) else { continue };
+        let Op::Transpose(tp) = &g.node(t.node).op else { continue };
+        let Some(r1) = g.node(t.node).input(0) else { continue };
+        if !matches!(g.node(r1.node).op, Op::Reshape(_))
+            || only_reader(g, t) != Some(r2)
+            || only_reader(g, r1) != Some(t.node)
+        {
+            continue;
+        }
+        let Some(x) = g.node(r1.node).input(0) else { continue };
+        let (Some(xd), Some(d1), Some(d2)) = (static_dims(g, x), static_dims(g, r1), static_dims(g, Value::new(r2, 0)))
+        else {
+            continue;
+        };
+        let rank = d1.len();
+        let perm: Vec<usize> = match &tp.perm {
+            Some(p) => p.iter().map(|&i| i as usize).collect(),
+            None => (0..rank).rev().collect(),
+        };
+        let Some(groups) = merge_groups(&xd, &d1) else { continue };
+        let expanded: Vec<usize> = perm.iter().flat_map(|&i| groups[i].clone()).collect();
+        let back: Vec<i64> = expanded.iter().map(|&i| xd[i]).collect();
+        if back != d2 || expanded.len() != xd.len() {
+            continue;
+        }
+        let label = g.node(r2).label.clone();
+        let name = g.value_name(Value::new(r2, 0)).to_string();
+        let perm = Some(expanded.iter().map(|&i| i as i64).collect());
+        let tmp = g.fresh_name(&format!("{name}_folded"));
+        let n = g.add_labeled_node(
+            label,
+            Op::Transpose(ir::op::Transpose { perm }),
+            vec![Some(x)],
+            vec![Output::named(tmp)],
+        );
+        g.replace_all_uses(Value::new(r2, 0), Value::new(n, 0));
+        g.remove_node(r2);
+        g.remove_node(t.node);
+        g.remove_node(r1.node);
+        g.rename(Value::new(n, 0), name);
+        folded += 1;
+    }
+    if folded > 0 {
+        crate::canonicalize::eliminate_unused_initializers(g);
+    }
+    Ok(folded)
+}
+
+impl Pass for Algebra {
+    fn name(&self) -> &'static str {
+        "algebra"
+    }
+
+    fn run(&mut self, g: &mut Graph, cx: &mut PassCx<'_>) -> Result<Changed, PassError> {
+        let fail = |e: Located| PassError::new("algebra", e);
+        let (fused, made) = unfuse_split_gemm(g).map_err(fail)?;
+        let folded = fold_reshape_transpose(g).map_err(fail)?;
+        if fused + folded == 0 {
+            return Ok(Changed::No);
+        }
+        cx.stats.add("fused GEMMs split", fused);
+        cx.stats.add("GEMMs made", made);
+        cx.stats.add("reshape-transpose-reshape folded", folded);
+        ir::infer::infer_shapes(g, ir::infer::Mode::Check).map_err(|errs| PassError::shapes(self.name(), errs))?;
+        Ok(Changed::Yes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use ir::eval::{Array, RunOptions};
+
+    use super::*;
+    use crate::manager::PassManager;
+
+    fn model(text: &str) -> ir::Model {
+        let mut m = frontend::parse(text).unwrap_or_else(|d| panic!("{}", frontend::render(&d, "t", text))).model;
+        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+        m
+    }
+
+    fn ops(g: &Graph) -> Vec<String> {
+        g.topo_order()
+            .unwrap()
+            .into_iter()
+            .filter(|&n| !matches!(g.node(n).op, Op::Initializer(_) | Op::Input { .. }))
+            .map(|n| g.node(n).op.op_type().to_string())
+            .collect()
+    }
+
+    /// Random float inputs for every graph input (fixed seed).
+    fn inputs(g: &Graph) -> HashMap<String, Array> {
+        g.input_values()
+            .into_iter()
+            .map(|v| {
+                let dims = g.tensor_type(v).unwrap().static_dims().unwrap();
+                let name = g.value_name(v).to_string();
+                (name.clone(), ir::eval::random_tensor(ir::DType::Float, &dims, "weight", 3, &name).unwrap())
+            })
+            .collect()
+    }
+
+    /// Runs the pass; checks the rewritten graph evaluates equal to the original (bit for bit:
+    /// each part computes the same dot products in the same order). Returns the op types after.
+    fn rewrite_equal(text: &str) -> Vec<String> {
+        let mut m = model(text);
+        let before = m.graph.clone();
+        let mut pm = PassManager::new();
+        pm.add(Algebra);
+        pm.run(&mut m).unwrap();
+        let opts = RunOptions { seed: Some(11) };
+        let x = inputs(&before);
+        let want = ir::eval::run(&before, &x, &opts).unwrap();
+        let got = ir::eval::run(&m.graph, &x, &opts).unwrap();
+        assert_eq!(want, got, "the rewritten graph computes something else");
+        ops(&m.graph)
+    }
+
+    const QKV: &str = r#"<ir_version: 8, opset_import: ["" : 18]>
+qkv (float[2,4,6] x) => (float[2,4,3] q, float[2,4,3] k, float[2,4,3] v)
+   <float[6,9] w = ["location": "w.bin", "offset": "0", "length": "216"], float[9] c = ["location": "w.bin", "offset": "216", "length": "36"],
+    int64[2] flat = {8, 6}, int64[3] back = {2, 4, 9}>
+{
+   x2 = Reshape (x, flat)
+   y = Gemm (x2, w, c)
+   y3 = Reshape (y, back)
+   q, k, v = Split <axis: int = 2, num_outputs: int = 3> (y3)
+}"#;
+
+    // Split(X·[W₀|W₁|W₂] + [c₀|c₁|c₂]) = (X·W₀ + c₀, X·W₁ + c₁, X·W₂ + c₂), through a reshape.
+    #[test]
+    fn fused_qkv_gemm_becomes_three_gemms() {
+        assert_eq!(rewrite_equal(QKV), ["Reshape", "Gemm", "Reshape", "Gemm", "Reshape", "Gemm", "Reshape"]);
+        let mut m = model(QKV);
+        let (fused, made) = unfuse_split_gemm(&mut m.graph).unwrap();
+        assert_eq!((fused, made), (1, 3));
+        let g = &m.graph;
+        // The parts' weights are the fused weight's columns, named after it; outputs keep names.
+        let w1 = g.initializer(g.lookup("w[:,3:6]").unwrap()).unwrap();
+        assert_eq!(w1.dims, [6, 3]);
+        assert_eq!(
+            w1.external_slice().unwrap().unwrap(),
+            ir::ExternalSlice { of: "w".into(), full_dims: vec![6, 9], axis: 1, start: 3, end: 6 }
+        );
+        assert!(g.lookup("w").is_none() && g.lookup("q").is_some());
+    }
+
+    // Split(X·Wᵀ) with W = [W₀; W₁] (transB): the parts are row blocks of W; unequal sizes.
+    #[test]
+    fn trans_b_and_unequal_split_sizes() {
+        let text = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[5,6] x) => (float[5,2] a, float[5,4] b)
+   <float[6,6] w = {0.1,0.2,0.3,0.4,0.5,0.6, 1,2,3,4,5,6, -1,-2,-3,-4,-5,-6, 0.5,0.25,0.125,1,2,4, 7,8,9,1,2,3, 3,1,4,1,5,9},
+    int64[2] sizes = {2, 4}>
+{
+   y = Gemm <transB: int = 1> (x, w)
+   a, b = Split <axis: int = -1> (y, sizes)
+}"#;
+        assert_eq!(rewrite_equal(text), ["Gemm", "Gemm"]);
+    }
+
+    // A MatMul of a 3-D activation by a 2-D weight, split on the last axis directly.
+    #[test]
+    fn matmul_split_directly() {
+        let text = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[2,3,4] x) => (float[2,3,4] a, float[2,3,4] b)
+   <float[4,8] w = ["location": "w.bin", "offset": "0", "length": "128"]>
+{
+   y = MatMul (x, w)
+   a, b = Split <axis: int = 2, num_outputs: int = 2> (y)
+}"#;
+        assert_eq!(rewrite_equal(text), ["MatMul", "MatMul"]);
+    }
+
+    // Not an identity to rewrite: the fused output is also read whole, or split on another axis.
+    #[test]
+    fn shared_or_other_axis_splits_stay_fused() {
+        let read_twice = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[4,6] x) => (float[4,3] a, float[4,3] b, float[4,6] y)
+   <float[6,6] w = ["location": "w.bin", "offset": "0", "length": "144"]>
+{
+   y = MatMul (x, w)
+   a, b = Split <axis: int = 1, num_outputs: int = 2> (y)
+}"#;
+        assert_eq!(rewrite_equal(read_twice), ["MatMul", "Split"]);
+        let rows = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[4,6] x) => (float[2,6] a, float[2,6] b)
+   <float[6,6] w = ["location": "w.bin", "offset": "0", "length": "144"]>
+{
+   y = MatMul (x, w)
+   a, b = Split <axis: int = 0, num_outputs: int = 2> (y)
+}"#;
+        assert_eq!(rewrite_equal(rows), ["MatMul", "Split"]);
+    }
+
+    // Reshape(Transpose(Reshape(x:[b,h,s,d] → [b·h,s,d]), [0,2,1]) → [b,h,d,s]) = Transpose(x, [0,1,3,2]).
+    #[test]
+    fn reshape_transpose_reshape_folds() {
+        let text = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[2,3,4,5] x) => (float[2,3,5,4] y)
+   <int64[3] merged = {-1, 4, 5}, int64[4] split = {2, 3, 5, 4}>
+{
+   m = Reshape (x, merged)
+   t = Transpose <perm: ints = [0, 2, 1]> (m)
+   y = Reshape (t, split)
+}"#;
+        assert_eq!(rewrite_equal(text), ["Transpose"]);
+        let mut m = model(text);
+        assert_eq!(fold_reshape_transpose(&mut m.graph).unwrap(), 1);
+        let y = m.graph.outputs()[0].value;
+        let Op::Transpose(t) = &m.graph.node(y.node).op else { panic!("expected a transpose") };
+        assert_eq!(t.perm.as_deref(), Some(&[0, 1, 3, 2][..]));
+    }
+
+    // A reshape back to other factors ([3,2,…] from a merged 2·3) is not the transpose's inverse.
+    #[test]
+    fn reshape_to_other_factors_does_not_fold() {
+        let text = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[2,3,4,5] x) => (float[3,2,5,4] y)
+   <int64[3] merged = {6, 4, 5}, int64[4] split = {3, 2, 5, 4}>
+{
+   m = Reshape (x, merged)
+   t = Transpose <perm: ints = [0, 2, 1]> (m)
+   y = Reshape (t, split)
+}"#;
+        assert_eq!(rewrite_equal(text), ["Reshape", "Transpose", "Reshape"]);
+    }
+
+    #[test]
+    fn merge_groups_of_shapes() {
+        assert_eq!(merge_groups(&[2, 3, 4, 5], &[6, 4, 5]), Some(vec![0..2, 2..3, 3..4]));
+        assert_eq!(merge_groups(&[1, 12, 128, 64], &[12, 128, 64]), Some(vec![0..2, 2..3, 3..4]));
+        assert_eq!(merge_groups(&[2, 3, 4], &[3, 2, 4]), None);
+        assert_eq!(merge_groups(&[2, 3], &[6, 1]), None);
+    }
+}
