@@ -5,11 +5,11 @@
 //! Run with `cargo bench --bench plan`. Each case is searched several times; the median, min
 //! and max wall-clock times are printed. Targets: ResNet-50 on 64 devices under 1 s, the
 //! PyTorch nn.Transformer on 64 under 5 s, a 6,000-node graph under 30 s, GPT-2 (with the
-//! pipeline search) on 64 and 512 devices under 10 s.
+//! pipeline search) on 64 and 512 devices and a 48-layer GPT on 64 devices under 10 s.
 
 use std::time::{Duration, Instant};
 
-use shardc::passes::autoshard::{self, PipelineMode, SearchOptions};
+use shardc::passes::autoshard::{self, FoldMode, PipelineMode, SearchOptions};
 use shardc::passes::cost::{Cluster, Options};
 
 fn prepare(text: &str, batch: Option<i64>) -> shardc::ir::Model {
@@ -18,7 +18,7 @@ fn prepare(text: &str, batch: Option<i64>) -> shardc::ir::Model {
     if batch.is_some() {
         pm.add(shardc::passes::Rebatch { spec: shardc::passes::RebatchSpec { batch, ..Default::default() } });
     }
-    pm.add(shardc::passes::InferShapes::default()).add(shardc::passes::Canonicalize);
+    pm.add(shardc::passes::InferShapes::default()).add(shardc::passes::Canonicalize).add(shardc::passes::Algebra);
     pm.run(&mut m).expect("passes run");
     m
 }
@@ -28,12 +28,24 @@ fn case(name: &str, m: &shardc::ir::Model, cluster: &str, devices: usize, runs: 
 }
 
 fn case_with(name: &str, m: &shardc::ir::Model, cluster: &str, devices: usize, runs: usize, pipeline: PipelineMode) {
+    case_folded(name, m, cluster, devices, runs, pipeline, FoldMode::Auto);
+}
+
+fn case_folded(
+    name: &str,
+    m: &shardc::ir::Model,
+    cluster: &str,
+    devices: usize,
+    runs: usize,
+    pipeline: PipelineMode,
+    fold: FoldMode,
+) {
     let c = Cluster::load(cluster).expect("preset");
     let mut times: Vec<Duration> = Vec::new();
     let mut last = None;
     for _ in 0..runs {
         let t = Instant::now();
-        let so = SearchOptions { pipeline, ..Default::default() };
+        let so = SearchOptions { pipeline, fold, ..Default::default() };
         let r = autoshard::search(&m.graph, &c, devices, &Options::default(), &so).expect("search");
         times.push(t.elapsed());
         last = Some(r);
@@ -58,6 +70,9 @@ fn case_with(name: &str, m: &shardc::ir::Model, cluster: &str, devices: usize, r
         dp.map_or("-".into(), |d| format!("{:.3} ms", d * 1e3)),
         dp.map_or("-".into(), |d| format!("{:.2}×", d / r.breakdown.step_time_s)),
     );
+    if let Some(f) = &r.folded {
+        println!("{:<28} folded: {f}", "");
+    }
     println!("    {pipe}; {:?}", pipeline);
     for ms in &r.meshes {
         println!(
@@ -93,6 +108,22 @@ fn main() {
         case(name, &m, "a100-cluster-8", 64, 3);
         case(name, &m, "a100-cluster-64", 512, 3);
     }
+    let gpt48 = shardc::synthetic::Gpt { layers: 48, hidden: 1600, heads: 25, batch: 8, seq: 1024 };
+    let gpt48 = prepare(&gpt48.to_text(), None);
+    case("synthetic GPT, 48 layers", &gpt48, "a100-cluster-8", 64, 3);
+    println!("\nrepeated-layer folding: never / always (auto folds from 1,000 ops)");
+    let gpt2 = prepare(&model("hf_gpt2_124m"), Some(8));
+    let bert = prepare(&model("hf_bert_base"), Some(8));
+    for (name, m, cluster, devices) in [
+        ("synthetic GPT, 48 layers", &gpt48, "a100-cluster-8", 64),
+        ("hf_gpt2_124m (batch 8)", &gpt2, "dgx-a100", 8),
+        ("hf_gpt2_124m (batch 8)", &gpt2, "a100-cluster-64", 512),
+        ("hf_bert_base (batch 8)", &bert, "dgx-a100", 8),
+    ] {
+        for fold in [FoldMode::Never, FoldMode::Always] {
+            case_folded(&format!("{name} {fold:?}"), m, cluster, devices, 3, PipelineMode::Auto, fold);
+        }
+    }
     let chain = prepare(&shardc::synthetic::chain(6000), None);
     case("synthetic chain, 6000 ops", &chain, "a100-cluster-8", 64, 3);
     println!("\nintra-operator search alone (--pipeline off)");
@@ -109,7 +140,8 @@ fn main() {
     let mut pm = shardc::passes::PassManager::new();
     pm.add(shardc::passes::Rebatch { spec })
         .add(shardc::passes::InferShapes::default())
-        .add(shardc::passes::Canonicalize);
+        .add(shardc::passes::Canonicalize)
+        .add(shardc::passes::Algebra);
     pm.run(&mut big).expect("passes run");
     case("hf_gpt2_124m 64×1024", &big, "dgx1-v100", 8, 3);
     case("hf_gpt2_124m 64×1024", &big, "a100-cluster-8", 64, 3);

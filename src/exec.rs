@@ -226,6 +226,7 @@ fn given_result(
         pipeline: None,
         pipeline_considered: None,
         single_device_memory_bytes: 0.0,
+        folded: None,
     }
 }
 

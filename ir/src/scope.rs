@@ -21,8 +21,17 @@ pub fn own_module_path(g: &Graph, n: NodeId) -> Option<String> {
         return Some(p);
     }
     for v in node.inputs().iter().flatten() {
+        // A parameter read by several ops (an exporter that stored equal tensors once, tied
+        // embeddings) does not say which module an op belongs to.
+        let shared = || {
+            let mut readers: Vec<NodeId> = g.users(*v).into_iter().map(|(u, _)| u).collect();
+            readers.sort();
+            readers.dedup();
+            readers.len() > 1
+        };
         if matches!(g.node(v.node).op, Op::Initializer(_) | Op::Input { default: Some(_) })
             && crate::cost::is_param(g, *v)
+            && !shared()
             && let Some(p) = path_of_parameter(g.value_name(*v))
         {
             return Some(p);
@@ -32,15 +41,23 @@ pub fn own_module_path(g: &Graph, n: NodeId) -> Option<String> {
 }
 
 /// The module path of every computing node of `order`: its own ([`own_module_path`]), else
-/// that of the first input's producer that has one, else that of the node before it in
-/// `order` (the residual adds, activations and reshapes between two layers belong to the
-/// layer that produced their input). Nodes before any named one get `""`.
+/// that of the latest (in `order`) input producer that has one, else that of the node before
+/// it in `order` (the residual adds, activations and reshapes between two layers belong to
+/// the layer that produced their newest input: `x + attn(x)` to the attention, not to
+/// whichever layer began the residual stream). Nodes before any named one get `""`.
 pub fn module_paths(g: &Graph, order: &[NodeId]) -> HashMap<NodeId, String> {
     let mut out: HashMap<NodeId, String> = HashMap::new();
+    let at: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
     let mut previous = String::new();
     for &n in order {
         let p = own_module_path(g, n).or_else(|| {
-            g.node(n).inputs().iter().flatten().find_map(|v| out.get(&v.node).filter(|p| !p.is_empty()).cloned())
+            g.node(n)
+                .inputs()
+                .iter()
+                .flatten()
+                .filter(|v| out.get(&v.node).is_some_and(|p| !p.is_empty()))
+                .max_by_key(|v| at.get(&v.node).copied().unwrap_or(0))
+                .and_then(|v| out.get(&v.node).cloned())
         });
         let p = p.unwrap_or_else(|| previous.clone());
         previous = p.clone();

@@ -71,6 +71,10 @@ pub struct PlanArgs {
     /// stage count.
     #[arg(long, default_value = "auto", value_name = "off|auto|S", value_parser = parse_pipeline)]
     pub pipeline: String,
+    /// Repeated-layer folding: search a stack of identical blocks as three of them and copy
+    /// the plan to every block (auto: for graphs of 1,000 ops or more).
+    #[arg(long, default_value = "auto", value_name = "auto|always|never", value_parser = parse_fold)]
+    pub fold: autoshard::FoldMode,
     /// Draw the step (a pipeline's schedule, stages × time) as an SVG timeline.
     #[arg(long, value_name = "FILE")]
     pub svg: Option<PathBuf>,
@@ -95,6 +99,15 @@ notation     `dim→axis`: an op's loop dim split over a mesh axis (`replicated`
              Conv: n samples, m filters, c channels (a reduction), s0… spatial (with halos)
              Gather: i0… indices, v vocabulary rows, e0… embedding dims; other ops: d0… output dims
 ";
+
+fn parse_fold(s: &str) -> Result<autoshard::FoldMode, String> {
+    match s {
+        "auto" => Ok(autoshard::FoldMode::Auto),
+        "always" => Ok(autoshard::FoldMode::Always),
+        "never" => Ok(autoshard::FoldMode::Never),
+        _ => Err(format!("`{s}` is not auto, always or never")),
+    }
+}
 
 const PLAN_PASSES: &[&str] = &["verify", "rebatch", "infer-shapes", "canonicalize", "algebra", "autoshard"];
 
@@ -122,8 +135,12 @@ pub fn run(args: &PlanArgs) -> CliResult {
     eprint!("{warnings}");
     let spec = args.shapes.spec()?;
     let pipeline = autoshard::PipelineMode::parse(&args.pipeline).map_err(CliError::msg)?;
-    let mut search =
-        SearchOptions { time_limit: Duration::from_secs_f64(args.time_limit), pipeline, ..Default::default() };
+    let mut search = SearchOptions {
+        time_limit: Duration::from_secs_f64(args.time_limit),
+        pipeline,
+        fold: args.fold,
+        ..Default::default()
+    };
     if let Some(n) = args.node_limit {
         search.node_limit = n;
     }
@@ -305,8 +322,9 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
         secs(b.exposed_gradient_sync_s)
     ));
     t.push_str(&format!(
-        "search       {:.2} s{}\n",
+        "search       {:.2} s{}{}\n",
         r.search_time_s,
+        r.folded.as_ref().map_or(String::new(), |f| format!(" ({f}; --fold never searches every block)")),
         if r.time_limit_hit {
             format!(" (the --time-limit safety net fired and cut: {}; best plan so far)", r.budget_cut.join(", "))
         } else {

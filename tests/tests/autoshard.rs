@@ -859,3 +859,47 @@ fn op_kinds_read_in_the_summarys_terms() {
         }
     }
 }
+
+/// Repeated-layer folding: a 10-layer GPT is searched as 3 layers; every interior layer gets
+/// the same strategies; the plan is within 1% of the search over every layer (here GPT-2's
+/// and BERT's real exports too, whose layers the exporters name `h.N` and `layer.N`).
+#[test]
+fn repeated_layers_fold_to_three_within_one_percent() {
+    let text = shardc::synthetic::Gpt { layers: 10, hidden: 256, heads: 8, batch: 8, seq: 128 }.to_text();
+    let synthetic = prepare(frontend::parse(&text).unwrap().model, Default::default());
+    let gpt2 = shared("hf_gpt2_124m.onnxtxt", batch(8));
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let opts = Options::default();
+    for (name, m, blocks) in [("synthetic", &synthetic, 10), ("gpt2", &gpt2, 10)] {
+        let g = &m.graph;
+        let run = |fold| {
+            let so = SearchOptions { fold, pipeline: PipelineMode::Off, ..Default::default() };
+            autoshard::search(g, &cluster, 8, &opts, &so).unwrap()
+        };
+        let all = run(autoshard::FoldMode::Never);
+        let folded = run(autoshard::FoldMode::Always);
+        assert!(all.folded.is_none());
+        let said = folded.folded.as_deref().unwrap_or_else(|| panic!("{name}: nothing folded"));
+        assert!(said.starts_with(&format!("{blocks} repeated blocks")), "{name}: {said}");
+        let (a, f) = (all.breakdown.step_time_s, folded.breakdown.step_time_s);
+        assert!(f <= a * 1.01, "{name}: folded {f} s vs {a} s searching every block");
+        // Interior blocks share their strategies op for op.
+        let order = g.op_nodes().unwrap();
+        let fold = autoshard::fold::find(g, &order, autoshard::FOLD_MIN_BLOCKS).unwrap();
+        assert_eq!(fold.len(), blocks);
+        for b in &fold.ops[2..fold.len() - 1] {
+            for (i, n) in b.iter().enumerate() {
+                assert_eq!(
+                    folded.assignment.strategies.get(n),
+                    folded.assignment.strategies.get(&fold.ops[1][i]),
+                    "{name}: {}",
+                    g.describe(*n)
+                );
+            }
+        }
+        // The reduced graph keeps three blocks and computes the same output types.
+        let reduced = autoshard::fold::reduce(g, &fold);
+        assert_eq!(reduced.op_nodes().unwrap().len(), order.len() - (blocks - 3) * fold.ops[1].len());
+        ir::verify(&reduced).unwrap();
+    }
+}

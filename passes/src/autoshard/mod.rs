@@ -18,6 +18,7 @@ pub mod budget;
 pub mod explain;
 pub mod export;
 pub mod extract;
+pub mod fold;
 pub mod meshes;
 pub mod pipeline;
 pub mod plan;
@@ -40,6 +41,7 @@ use serde::Serialize;
 
 use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Named, Options};
 pub use extract::ExtractStats;
+pub use fold::Folding;
 pub use pipeline::PipelineMode;
 pub use plan::Plan;
 pub use space::EgraphStats;
@@ -76,7 +78,28 @@ pub struct SearchOptions {
     pub clock_scale: f64,
     /// Told what the search is doing as it goes (progress displays); nothing by default.
     pub progress: Progress,
+    /// Repeated-layer folding ([`fold`]).
+    pub fold: FoldMode,
 }
+
+/// When the search folds repeated blocks ([`fold`]).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum FoldMode {
+    /// When the graph has at least [`FOLD_MIN_OPS`] ops and [`FOLD_MIN_BLOCKS`] repeating
+    /// blocks: below that the full search takes a few seconds at most.
+    #[default]
+    Auto,
+    /// Whenever [`FOLD_MIN_BLOCKS`] blocks repeat.
+    Always,
+    /// Never.
+    Never,
+}
+
+/// Ops from which [`FoldMode::Auto`] folds.
+pub const FOLD_MIN_OPS: usize = 1000;
+
+/// Repeating blocks from which the search folds (three are searched).
+pub const FOLD_MIN_BLOCKS: usize = 5;
 
 /// What the search reports while it runs.
 #[derive(Clone, Debug, PartialEq)]
@@ -155,6 +178,7 @@ impl Default for SearchOptions {
             pipeline: PipelineMode::Auto,
             clock_scale: 1.0,
             progress: Progress::default(),
+            fold: FoldMode::Auto,
         }
     }
 }
@@ -209,6 +233,9 @@ pub struct SearchResult {
     pub pipeline_considered: Option<PipelineSummary>,
     /// Memory the whole step would need on one device, bytes (what makes a model "not fit").
     pub single_device_memory_bytes: f64,
+    /// The repeated blocks folded, when the search folded them (`48 blocks h0 … h47 searched
+    /// as 3`).
+    pub folded: Option<String>,
 }
 
 /// The pipeline search's outcome, for the report.
@@ -267,8 +294,71 @@ fn search_mesh(
     opts: &Options,
     so: &SearchOptions,
     net: &SafetyNet,
+    folded: Option<&(fold::Folding, Graph)>,
 ) -> MeshOutcome {
     let start = Instant::now();
+    if let Some((f, reduced)) = folded {
+        // Search the reduced graph, copy its blocks' strategies to every block, price on the
+        // whole graph; the named plans on the whole graph stay candidates.
+        let o = search_mesh(reduced, cluster, mesh.clone(), opts, so, net, None);
+        let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
+        let assignment = fold::expand(f, &o.assignment);
+        let mut best = (cm.evaluate(&assignment), assignment, None);
+        for (name, named) in SEEDS {
+            if let Ok(asg) = crate::cost::strategy::assign(&cm, named) {
+                let b = cm.evaluate(&asg);
+                if extract::better(&b, &best.0) {
+                    best = (b, asg, Some((*name).to_string()));
+                }
+            }
+        }
+        let (mut breakdown, mut assignment, mut same_as) = best;
+        if so.local_search {
+            // Tied moves: one op of the interior block changes one mesh axis's split in every
+            // interior block, kept when the whole graph's price improves.
+            let n_ops = cm.order().len().max(1);
+            let mut work = 0usize;
+            let mut price = cm.price(&assignment);
+            'sweeps: for _ in 0..2 {
+                let mut improved = false;
+                for i in 0..f.ops[1].len() {
+                    let rep = f.ops[1][i];
+                    // Moves change one mesh axis's split at a time.
+                    let cur = assignment.strategies.get(&rep).cloned().unwrap_or_else(|| vec![None; mesh.axes.len()]);
+                    for s in problem::enumerate(&cm, rep) {
+                        if s.iter().zip(&cur).filter(|(a, b)| a != b).count() != 1 {
+                            continue;
+                        }
+                        work += n_ops;
+                        if work > so.local_search_work || net.expired("local-search") {
+                            break 'sweeps;
+                        }
+                        let mut a = assignment.clone();
+                        for b in &f.ops[1..f.len() - 1] {
+                            a.strategies.insert(b[i], s.clone());
+                        }
+                        let p = cm.price(&a);
+                        if extract::better(&p, &price) {
+                            (price, assignment, improved) = (p, a, true);
+                            same_as = None;
+                        }
+                    }
+                }
+                if !improved {
+                    break;
+                }
+            }
+            breakdown = cm.evaluate(&assignment);
+        }
+        let summary = MeshSearch {
+            step_time_s: breakdown.step_time_s,
+            feasible: breakdown.feasible,
+            memory_per_device_bytes: breakdown.memory.total() as u64,
+            time_s: start.elapsed().as_secs_f64(),
+            ..o.summary
+        };
+        return MeshOutcome { assignment, mesh, breakdown, same_as, summary };
+    }
     let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
     let problem = Arc::new(Problem::new(&cm));
     let mut seeds: Vec<(String, Vec<u32>)> = vec![("replicated".into(), vec![0; problem.ops.len()])];
@@ -416,8 +506,22 @@ pub(crate) fn search_intra_with(
             pipeline: None,
             pipeline_considered: None,
             single_device_memory_bytes: 0.0,
+            folded: None,
         });
     }
+    // Repeated blocks: searched as three (see `fold`).
+    let order = g.op_nodes().map_err(|_| "the graph has a cycle".to_string())?;
+    let folding = match so.fold {
+        FoldMode::Never => None,
+        FoldMode::Auto if order.len() < FOLD_MIN_OPS => None,
+        _ => fold::find(g, &order, FOLD_MIN_BLOCKS).map(|f| {
+            let reduced = fold::reduce(g, &f);
+            (f, reduced)
+        }),
+    };
+    let folded = folding
+        .as_ref()
+        .map(|(f, _)| format!("{} repeated blocks {} … {} searched as 3", f.len(), f.names[0], f.names[f.len() - 1]));
     // Meshes in parallel, results in mesh order.
     let threads = so.threads.clamp(1, meshes.len());
     let next = std::sync::atomic::AtomicUsize::new(0);
@@ -434,7 +538,7 @@ pub(crate) fn search_intra_with(
                         }
                         let mesh = mesh_string(&meshes[i]);
                         so.progress.emit(SearchEvent::MeshStarted { mesh: mesh.clone(), index: i, of: meshes.len() });
-                        let o = search_mesh(g, cluster, meshes[i].clone(), opts, so, net);
+                        let o = search_mesh(g, cluster, meshes[i].clone(), opts, so, net, folding.as_ref());
                         so.progress.emit(SearchEvent::MeshDone {
                             mesh,
                             step_time_s: o.breakdown.step_time_s,
@@ -482,6 +586,7 @@ pub(crate) fn search_intra_with(
             let one = CostModel::new(g, cluster, Mesh::line(1, ir::shard::LinkLevel::Intra), opts.clone());
             one.price(&Assignment::default()).memory.total()
         },
+        folded,
     })
 }
 

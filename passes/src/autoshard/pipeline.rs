@@ -562,6 +562,7 @@ fn reference_plans(
         clock_scale: so.clock_scale,
         // The stages' reference searches are not the search the user watches.
         progress: Default::default(),
+        fold: so.fold,
     };
     let mut reference: HashMap<usize, HashMap<String, OpStrategy>> = HashMap::new();
     let mut meshes: HashMap<usize, Mesh> = HashMap::new();

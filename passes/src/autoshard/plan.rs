@@ -169,6 +169,9 @@ pub struct PlanSearch {
     /// empty when the search ran to its budgets.
     #[serde(default)]
     pub budget_cut: Vec<String>,
+    /// The repeated blocks the search folded (see [`super::fold`]), if it folded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub folded: Option<String>,
 }
 
 /// Where the search's time went. Everything that depends on the machine's speed lives here,
@@ -693,6 +696,7 @@ impl Plan {
                 same_as: r.same_as.clone(),
                 time_limit_hit: r.time_limit_hit,
                 budget_cut: r.budget_cut.clone(),
+                folded: r.folded.clone(),
             },
             micro_batches: r.pipeline.as_ref().map_or(1, |p| p.micro_batches),
             schedule: r.pipeline.as_ref().map(|p| p.schedule.name().to_string()),

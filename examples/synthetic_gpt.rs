@@ -1,0 +1,29 @@
+//! Prints a synthetic GPT-style decoder (`shardc::synthetic::Gpt`, weights external and shape
+//! only) in the ONNX textual syntax, for trying the planner on models of any depth:
+//!
+//! ```text
+//! cargo run --release --example synthetic_gpt -- 48 1600 25 8 1024 > gpt48.onnxtxt
+//! shardc plan gpt48.onnxtxt --cluster a100-cluster-8
+//! ```
+//!
+//! Arguments: layers, hidden width, heads, batch, sequence (defaults 12 768 12 8 128).
+
+fn main() {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| {
+            a.parse().unwrap_or_else(|_| {
+                eprintln!("error: `{a}` is not a count; usage: synthetic_gpt [LAYERS HIDDEN HEADS BATCH SEQ]");
+                std::process::exit(2)
+            })
+        })
+        .collect();
+    let at = |i: usize, d: usize| args.get(i).copied().unwrap_or(d);
+    let (hidden, heads) = (at(1, 768), at(2, 12));
+    if heads == 0 || hidden % heads != 0 {
+        eprintln!("error: {heads} heads do not divide the width {hidden}");
+        std::process::exit(2);
+    }
+    let gpt = shardc::synthetic::Gpt { layers: at(0, 12), hidden, heads, batch: at(3, 8), seq: at(4, 128) };
+    print!("{}", gpt.to_text());
+}
