@@ -223,8 +223,15 @@ fn rewrite(g: &mut Graph, f: &Fused) -> Result<usize, String> {
 /// Un-fuses every GEMM whose output is split (see the module documentation); returns
 /// (fused GEMMs split, GEMMs made).
 pub fn unfuse_split_gemm(g: &mut Graph) -> Result<(u64, u64), Located> {
+    unfuse_split_gemm_where(g, &mut |_| true)
+}
+
+/// [`unfuse_split_gemm`] on the matches `pick` accepts (given their index in topological
+/// order): rewrites apply one by one, in any subset, to the same effect.
+pub fn unfuse_split_gemm_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) -> Result<(u64, u64), Located> {
     let order = g.topo_order().map_err(|_| Located::global("the graph has a cycle"))?;
-    let found: Vec<Fused> = order.iter().filter_map(|&n| find(g, n)).collect();
+    let found: Vec<Fused> =
+        order.iter().filter_map(|&n| find(g, n)).enumerate().filter(|(i, _)| pick(*i)).map(|(_, f)| f).collect();
     let mut made = 0;
     for f in &found {
         made += rewrite(g, f).map_err(|e| Located::at(g, f.gemm, e))? as u64;
@@ -258,8 +265,14 @@ fn merge_groups(from: &[i64], to: &[i64]) -> Option<Vec<std::ops::Range<usize>>>
 /// dims of `[b, h, s, d]` as this detour through `[b·h, s, d]`, and the merged `b·h` dim
 /// cannot be split by heads; the folded transpose can.
 pub fn fold_reshape_transpose(g: &mut Graph) -> Result<u64, Located> {
+    fold_reshape_transpose_where(g, &mut |_| true)
+}
+
+/// [`fold_reshape_transpose`] on the matches `pick` accepts (in topological order).
+pub fn fold_reshape_transpose_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) -> Result<u64, Located> {
     let order = g.topo_order().map_err(|_| Located::global("the graph has a cycle"))?;
     let mut folded = 0;
+    let mut matched = 0;
     for r2 in order {
         if !g.contains(r2) || !matches!(g.node(r2).op, Op::Reshape(_)) {
             continue;
@@ -287,6 +300,10 @@ pub fn fold_reshape_transpose(g: &mut Graph) -> Result<u64, Located> {
         let expanded: Vec<usize> = perm.iter().flat_map(|&i| groups[i].clone()).collect();
         let back: Vec<i64> = expanded.iter().map(|&i| xd[i]).collect();
         if back != d2 || expanded.len() != xd.len() {
+            continue;
+        }
+        matched += 1;
+        if !pick(matched - 1) {
             continue;
         }
         let label = g.node(r2).label.clone();
