@@ -42,6 +42,10 @@ pub fn pass_timings(report: &passes::Report) {
             if t.changed == passes::Changed::Yes { "  (changed the graph)" } else { "" }
         );
     }
+    let counters: Vec<String> = report.stats.iter().filter(|(_, n)| *n > 0).map(|(k, n)| format!("{k} {n}")).collect();
+    if !counters.is_empty() {
+        eprintln!("passes did: {}", counters.join(", "));
+    }
 }
 
 /// With `-v`: the search's own phases per mesh.
