@@ -350,6 +350,14 @@ fn search_mesh(
             }
             breakdown = cm.evaluate(&assignment);
         }
+        if !breakdown.feasible {
+            // The reduced graph's memory says little about the whole one: when the folded
+            // plan does not fit, search every block.
+            let full = search_mesh(g, cluster, mesh.clone(), opts, so, net, None);
+            if extract::better(&full.breakdown, &breakdown) {
+                return full;
+            }
+        }
         let summary = MeshSearch {
             step_time_s: breakdown.step_time_s,
             feasible: breakdown.feasible,
