@@ -353,6 +353,40 @@ fn training_plan(
     Ok(Chosen { lowering: Lowering::Flat(Box::new(result)), devices, predicted: Some(predicted), desc, notes, summary })
 }
 
+/// With `-v`: compute time per op kind of the last step, measured (the mean over the devices)
+/// beside the cost model's price of the same ops, largest first — where a prediction misses.
+fn op_kind_table(
+    b: &passes::cost::Breakdown,
+    devices: &[shardc::codegen::runtime::DeviceReport],
+    cluster: &str,
+) -> String {
+    use std::collections::BTreeMap;
+    let mut kinds: BTreeMap<&str, (f64, f64)> = BTreeMap::new();
+    for row in &b.ops {
+        kinds.entry(row.op.as_str()).or_default().1 += row.compute_s;
+    }
+    let n = devices.len().max(1) as f64;
+    for d in devices {
+        for (k, v) in &d.by_op {
+            kinds.entry(k.as_str()).or_default().0 += v / n;
+        }
+    }
+    let mut rows: Vec<(&str, f64, f64)> = kinds.into_iter().map(|(k, (m, p))| (k, m, p)).collect();
+    rows.sort_by(|a, b| b.1.max(b.2).total_cmp(&a.1.max(a.2)).then(a.0.cmp(b.0)));
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .take(15)
+        .map(|&(k, m, p)| {
+            let ratio = if p > 0.0 { format!("{:.2}×", m / p) } else { "-".into() };
+            vec![format!("  {k}"), secs(m), secs(p), ratio]
+        })
+        .collect();
+    format!(
+        "compute per op kind (last step, mean per device) against the cost model on {cluster}\n{}",
+        passes::table::table(&["  op", "measured", "predicted", "ratio"], &cells, &[false, true, true, true])
+    )
+}
+
 enum Lowering {
     /// One stage: the training graph's strategies.
     Flat(Box<passes::autoshard::SearchResult>),
@@ -675,6 +709,11 @@ pub fn run(args: &TrainArgs) -> CliResult {
         t.push('\n');
         if let Some((p, _)) = predicted {
             t.push_str(&format!("predicted    {} per step on {}\n", secs(p), cluster.name));
+        }
+        if super::ui::verbose()
+            && let Lowering::Flat(r) = &chosen.lowering
+        {
+            t.push_str(&op_kind_table(&r.breakdown, &report.devices, &cluster.name));
         }
         // Ops the devices left to the host (no kernel for them, or, on lavapipe, loops longer
         // than it runs), per op kind over all devices.

