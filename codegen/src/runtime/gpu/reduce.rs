@@ -1,6 +1,7 @@
 //! Reductions (`Reduce*`, `ArgMax`/`ArgMin`, global average and max pooling) — one
-//! invocation per output element looping over the reduced sub-box — and the softmax family
-//! over rows.
+//! invocation per output element looping over the reduced sub-box (addressed directly when
+//! the reduced axes are consecutive dims, else decoded element by element) — and the softmax
+//! family over rows.
 
 use ir::op;
 use ir::ops::norm_axis;
@@ -22,6 +23,24 @@ fn reduce(cx: &CompileCx<'_>, x: &TensorDesc<'_>, axes: &[usize], red: Red, last
     }
     let count: usize = c.outputs[0].shape.iter().product();
     let r = x.shape.len();
+    // Reduced axes in one run of consecutive dims: X is [outer, total, inner] and each
+    // element's offset is direct (same elements, same order as the general walk).
+    let mut sorted = axes.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    if let (Some(&a), Some(&b)) = (sorted.first(), sorted.last())
+        && b + 1 - a == sorted.len()
+    {
+        let total: usize = x.shape[a..=b].iter().product();
+        let inner: usize = x.shape[b + 1..].iter().product();
+        if count > 0 {
+            let walks = if red == Red::LogSumExp { 2 } else { 1 };
+            let params = vec![count as u32, total as u32, inner as u32, last as u32];
+            let src = reduce_src_with(red, x.elem(), ye, true);
+            c.launch_loop(src, vec![Buf::In(0), Buf::Out(0)], params, groups(count), walks * total as u64);
+        }
+        return Ok(Some(c));
+    }
     let mut params = vec![count as u32, r as u32];
     params.extend(x.shape.iter().map(|&d| d as u32));
     params.extend((0..r).map(|d| axes.contains(&d) as u32));
@@ -215,6 +234,12 @@ pub enum Red {
 /// Source of a reduction kernel: one invocation per output element, looping over the reduced
 /// sub-box. `P = [count, rank, in_shape[r], reduced[r] (0/1), last_index]`.
 pub fn reduce_src(red: Red, xe: Elem, ye: Elem) -> String {
+    reduce_src_with(red, xe, ye, false)
+}
+
+/// [`reduce_src`], or with `run` the kernel for reduced axes that are consecutive dims: X is
+/// `[outer, total, inner]`, `P = [count, total, inner, last_index]`.
+fn reduce_src_with(red: Red, xe: Elem, ye: Elem, run: bool) -> String {
     let t = xe.wgsl();
     let (init, step, fin) = match red {
         Red::Sum | Red::Mean => (format!("{t}(0)"), "acc = acc + v;".to_string(), "acc".to_string()),
@@ -237,7 +262,38 @@ pub fn reduce_src(red: Red, xe: Elem, ye: Elem) -> String {
     };
     let arg = matches!(red, Red::ArgMax | Red::ArgMin);
     let cmp = if red == Red::ArgMax { ">" } else { "<" };
-    let mut body = String::from(
+    let (mut body, offset, last) = if run {
+        (
+            "    let total = P[1];\n    let inner = P[2];\n    let o = i / inner;\n    let w = i % inner;\n"
+                .to_string(),
+            "        let off = (o * total + j) * inner + w;\n",
+            "P[3]",
+        )
+    } else {
+        (general_prelude(), GENERAL_OFFSET, "P[2u + 2u * r]")
+    };
+    if red == Red::LogSumExp {
+        body.push_str(&format!("    var m = bitcast<f32>(0xff800000u);\n    for (var j = 0u; j < total; j = j + 1u) {{\n{offset}        m = max(m, f32(X[off]));\n    }}\n"));
+    }
+    body.push_str(&format!("    var acc = {init};\n"));
+    if arg {
+        body.push_str(&format!(
+            "    var best = 0u;\n    for (var j = 0u; j < total; j = j + 1u) {{\n{offset}        let v = X[off];\n        if (j == 0u || v {cmp} acc || ({last} != 0u && v == acc)) {{ acc = v; best = j; }}\n    }}\n    Y[i] = i32(best);\n"
+        ));
+    } else {
+        body.push_str(&format!(
+            "    for (var j = 0u; j < total; j = j + 1u) {{\n{offset}        let v = X[off];\n        {step}\n    }}\n"
+        ));
+        let mean = if red == Red::Mean { format!(" / {t}(total)") } else { String::new() };
+        let conv = if ye == Elem::F32 { format!("f32({fin}{mean})") } else { format!("i32({fin}{mean})") };
+        body.push_str(&format!("    Y[i] = {conv};\n"));
+    }
+    source(&[("X", xe, false), ("Y", ye, true)], MATH_FNS, &body)
+}
+
+/// The general reduction's prelude: this output element's base offset and the reduced extent.
+fn general_prelude() -> String {
+    String::from(
         "    let r = P[1];
     // Base offset of this output element, and the reduced extent.
     var rem = i;
@@ -257,9 +313,11 @@ pub fn reduce_src(red: Red, xe: Elem, ye: Elem) -> String {
         stride = stride * dim;
     }
 ",
-    );
-    // Offset of the j-th element of the reduced sub-box.
-    let offset = "        var jr = j;
+    )
+}
+
+/// Offset of the j-th element of the general reduction's sub-box.
+const GENERAL_OFFSET: &str = "        var jr = j;
         var off = base;
         var st = 1u;
         for (var t = 0u; t < r; t = t + 1u) {
@@ -272,24 +330,6 @@ pub fn reduce_src(red: Red, xe: Elem, ye: Elem) -> String {
             st = st * dim;
         }
 ";
-    if red == Red::LogSumExp {
-        body.push_str(&format!("    var m = bitcast<f32>(0xff800000u);\n    for (var j = 0u; j < total; j = j + 1u) {{\n{offset}        m = max(m, f32(X[off]));\n    }}\n"));
-    }
-    body.push_str(&format!("    var acc = {init};\n"));
-    if arg {
-        body.push_str(&format!(
-            "    var best = 0u;\n    for (var j = 0u; j < total; j = j + 1u) {{\n{offset}        let v = X[off];\n        if (j == 0u || v {cmp} acc || (P[2u + 2u * r] != 0u && v == acc)) {{ acc = v; best = j; }}\n    }}\n    Y[i] = i32(best);\n"
-        ));
-    } else {
-        body.push_str(&format!(
-            "    for (var j = 0u; j < total; j = j + 1u) {{\n{offset}        let v = X[off];\n        {step}\n    }}\n"
-        ));
-        let mean = if red == Red::Mean { format!(" / {t}(total)") } else { String::new() };
-        let conv = if ye == Elem::F32 { format!("f32({fin}{mean})") } else { format!("i32({fin}{mean})") };
-        body.push_str(&format!("    Y[i] = {conv};\n"));
-    }
-    source(&[("X", xe, false), ("Y", ye, true)], MATH_FNS, &body)
-}
 
 /// Source of a row kernel over `axis_len` elements `inner` apart: softmax, log-softmax,
 /// hardmax. `P = [rows, axis_len, inner]`.
@@ -346,6 +386,7 @@ mod tests {
             for xe in [Elem::F32, Elem::I32] {
                 let ye = if matches!(red, Red::ArgMax | Red::ArgMin) { Elem::I32 } else { xe };
                 validate(&format!("reduce {red:?} {xe:?}"), &reduce_src(red, xe, ye));
+                validate(&format!("reduce {red:?} {xe:?} (axes in a run)"), &reduce_src_with(red, xe, ye, true));
             }
         }
         for kind in ["soft", "log", "hard"] {
