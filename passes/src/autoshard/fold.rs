@@ -43,9 +43,9 @@ impl Folding {
     }
 }
 
-/// How op `n` reads input value `v`, relative to its block: op `i` of the block (and slot),
-/// or a value from outside it (its shape, and whether it is a parameter: weights differ from
-/// block to block, other outside values must be the same value).
+/// How an op reads an input, relative to its block: op `i` of the block (and slot), a
+/// parameter (only its shape: weights differ from block to block), a constant (by value), op
+/// `i` of the block before, or any other value (which must be the same value).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum Read {
     Local(usize, u16),

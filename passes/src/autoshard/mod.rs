@@ -298,74 +298,7 @@ fn search_mesh(
 ) -> MeshOutcome {
     let start = Instant::now();
     if let Some((f, reduced)) = folded {
-        // Search the reduced graph, copy its blocks' strategies to every block, price on the
-        // whole graph; the named plans on the whole graph stay candidates.
-        let o = search_mesh(reduced, cluster, mesh.clone(), opts, so, net, None);
-        let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
-        let assignment = fold::expand(f, &o.assignment);
-        let mut best = (cm.evaluate(&assignment), assignment, None);
-        for (name, named) in SEEDS {
-            if let Ok(asg) = crate::cost::strategy::assign(&cm, named) {
-                let b = cm.evaluate(&asg);
-                if extract::better(&b, &best.0) {
-                    best = (b, asg, Some((*name).to_string()));
-                }
-            }
-        }
-        let (mut breakdown, mut assignment, mut same_as) = best;
-        if so.local_search {
-            // Tied moves: one op of the interior block changes one mesh axis's split in every
-            // interior block, kept when the whole graph's price improves.
-            let n_ops = cm.order().len().max(1);
-            let mut work = 0usize;
-            let mut price = cm.price(&assignment);
-            'sweeps: for _ in 0..2 {
-                let mut improved = false;
-                for i in 0..f.ops[1].len() {
-                    let rep = f.ops[1][i];
-                    // Moves change one mesh axis's split at a time.
-                    let cur = assignment.strategies.get(&rep).cloned().unwrap_or_else(|| vec![None; mesh.axes.len()]);
-                    for s in problem::enumerate(&cm, rep) {
-                        if s.iter().zip(&cur).filter(|(a, b)| a != b).count() != 1 {
-                            continue;
-                        }
-                        work += n_ops;
-                        if work > so.local_search_work || net.expired("local-search") {
-                            break 'sweeps;
-                        }
-                        let mut a = assignment.clone();
-                        for b in &f.ops[1..f.len() - 1] {
-                            a.strategies.insert(b[i], s.clone());
-                        }
-                        let p = cm.price(&a);
-                        if extract::better(&p, &price) {
-                            (price, assignment, improved) = (p, a, true);
-                            same_as = None;
-                        }
-                    }
-                }
-                if !improved {
-                    break;
-                }
-            }
-            breakdown = cm.evaluate(&assignment);
-        }
-        if !breakdown.feasible {
-            // The reduced graph's memory says little about the whole one: when the folded
-            // plan does not fit, search every block.
-            let full = search_mesh(g, cluster, mesh.clone(), opts, so, net, None);
-            if extract::better(&full.breakdown, &breakdown) {
-                return full;
-            }
-        }
-        let summary = MeshSearch {
-            step_time_s: breakdown.step_time_s,
-            feasible: breakdown.feasible,
-            memory_per_device_bytes: breakdown.memory.total() as u64,
-            time_s: start.elapsed().as_secs_f64(),
-            ..o.summary
-        };
-        return MeshOutcome { assignment, mesh, breakdown, same_as, summary };
+        return search_mesh_folded(g, reduced, f, cluster, mesh, opts, so, net, start);
     }
     let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
     let problem = Arc::new(Problem::new(&cm));
@@ -406,6 +339,86 @@ fn search_mesh(
         egraph: space.stats,
         extraction: ex.stats,
         time_s: start.elapsed().as_secs_f64(),
+    };
+    MeshOutcome { assignment, mesh, breakdown, same_as, summary }
+}
+
+/// [`search_mesh`] of a graph with repeated blocks: searches the reduced graph, copies its
+/// blocks' strategies to every block and prices them on the whole graph (the named plans on
+/// the whole graph stay candidates), refines with tied moves, and searches every block when
+/// the folded plan does not fit.
+#[allow(clippy::too_many_arguments)]
+fn search_mesh_folded(
+    g: &Graph,
+    reduced: &Graph,
+    f: &fold::Folding,
+    cluster: &Cluster,
+    mesh: Mesh,
+    opts: &Options,
+    so: &SearchOptions,
+    net: &SafetyNet,
+    start: Instant,
+) -> MeshOutcome {
+    let o = search_mesh(reduced, cluster, mesh.clone(), opts, so, net, None);
+    let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
+    let mut assignment = fold::expand(f, &o.assignment);
+    let mut price = cm.price(&assignment);
+    let mut same_as = None;
+    for (name, named) in SEEDS {
+        if let Ok(asg) = crate::cost::strategy::assign(&cm, named) {
+            let p = cm.price(&asg);
+            if extract::better(&p, &price) {
+                (price, assignment, same_as) = (p, asg, Some((*name).to_string()));
+            }
+        }
+    }
+    if so.local_search {
+        // Tied moves: one op of the interior block changes one mesh axis's split in every
+        // interior block, kept when the whole graph's price improves.
+        let n_ops = cm.order().len().max(1);
+        let mut work = 0usize;
+        'sweeps: for _ in 0..2 {
+            let mut improved = false;
+            for (i, &rep) in f.ops[1].iter().enumerate() {
+                let cur = assignment.strategies.get(&rep).cloned().unwrap_or_else(|| vec![None; mesh.axes.len()]);
+                for s in problem::enumerate(&cm, rep) {
+                    if s.iter().zip(&cur).filter(|(a, b)| a != b).count() != 1 {
+                        continue;
+                    }
+                    work += n_ops;
+                    if work > so.local_search_work || net.expired("local-search") {
+                        break 'sweeps;
+                    }
+                    let mut a = assignment.clone();
+                    for b in &f.ops[1..f.len() - 1] {
+                        a.strategies.insert(b[i], s.clone());
+                    }
+                    let p = cm.price(&a);
+                    if extract::better(&p, &price) {
+                        (price, assignment, same_as, improved) = (p, a, None, true);
+                    }
+                }
+            }
+            if !improved {
+                break;
+            }
+        }
+    }
+    let breakdown = cm.evaluate(&assignment);
+    if !breakdown.feasible {
+        // The reduced graph's memory says little about the whole one: when the folded plan
+        // does not fit, search every block.
+        let full = search_mesh(g, cluster, mesh.clone(), opts, so, net, None);
+        if extract::better(&full.breakdown, &breakdown) {
+            return full;
+        }
+    }
+    let summary = MeshSearch {
+        step_time_s: breakdown.step_time_s,
+        feasible: breakdown.feasible,
+        memory_per_device_bytes: breakdown.memory.total() as u64,
+        time_s: start.elapsed().as_secs_f64(),
+        ..o.summary
     };
     MeshOutcome { assignment, mesh, breakdown, same_as, summary }
 }
@@ -496,7 +509,8 @@ pub(crate) fn search_intra_with(
             return Err(format!("mesh {} has {} devices, not {devices}", mesh_string(m), m.devices()));
         }
     }
-    if g.op_nodes().map_err(|_| "the graph has a cycle".to_string())?.is_empty() {
+    let order = g.op_nodes().map_err(|_| "the graph has a cycle".to_string())?;
+    if order.is_empty() {
         // Nothing computes (the outputs are inputs or constants): every device holds them.
         let cm = crate::cost::CostModel::new(g, cluster, meshes[0].clone(), opts.clone());
         let assignment = Assignment::default();
@@ -518,7 +532,6 @@ pub(crate) fn search_intra_with(
         });
     }
     // Repeated blocks: searched as three (see `fold`).
-    let order = g.op_nodes().map_err(|_| "the graph has a cycle".to_string())?;
     let folding = match so.fold {
         FoldMode::Never => None,
         FoldMode::Auto if order.len() < FOLD_MIN_OPS => None,
