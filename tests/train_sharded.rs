@@ -128,7 +128,13 @@ fn agrees(c: &Case, p: &shardc::codegen::Program, single: &TrainRun, tol: (f64, 
     assert!(p.fallbacks.is_empty(), "{} {label}: runs replicated: {:?}", c.name, p.fallbacks);
     let got = run(c, p);
     let (r, at) = compare(&got, single, tol);
-    assert!(r <= 1.0, "{} {label}: {r:.2}× the tolerance at {at}", c.name);
+    assert!(
+        r <= 1.0,
+        "{} {label}: {r:.2}× the tolerance at {at} (losses {:?}, one device {:?})",
+        c.name,
+        got.losses,
+        single.losses
+    );
     format!("{} {label}: {r:.3} of the tolerance ({at})\n", c.name)
 }
 
@@ -428,10 +434,11 @@ fn pipelined_training_equals_one_device() {
     assert!(refused >= 1, "nothing refused");
 }
 
-/// A bundled real model re-shaped to `shapes`, its weights materialized (drawn from seed 0
+/// A bundled real model re-shaped to `shapes` (its repeated blocks cut to three — the first,
+/// one interior and the last — when `fold`), its weights materialized (drawn from seed 0
 /// where the external data is not there), trained with softmax cross-entropy on seeded
-/// labels.
-fn reduced(file: &str, shapes: &[(&str, &[i64])]) -> Case {
+/// labels; and the forward model it was made from.
+fn reduced_model(file: &str, shapes: &[(&str, &[i64])], fold: bool) -> (Case, shardc::ir::Model) {
     let path = shardc_tests::repo_root().join("tests/data/models").join(file);
     let mut m = shardc::load_model(&path).expect("model loads").model;
     let spec = shardc::passes::RebatchSpec {
@@ -442,12 +449,38 @@ fn reduced(file: &str, shapes: &[(&str, &[i64])]) -> Case {
     let mut pm = shardc::passes::PassManager::new();
     pm.add(shardc::passes::Verify).add(shardc::passes::Rebatch { spec }).add(shardc::passes::InferShapes::default());
     pm.run(&mut m).unwrap_or_else(|e| panic!("{file}: {e}"));
+    if fold {
+        use shardc::passes::autoshard::fold;
+        let mut pm = shardc::passes::PassManager::new();
+        pm.add(shardc::passes::Canonicalize);
+        pm.run(&mut m).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let order = m.graph.op_nodes().expect("acyclic");
+        let f = fold::find(&m.graph, &order, 4).unwrap_or_else(|| panic!("{file}: no repeated blocks"));
+        m.graph = fold::reduce(&m.graph, &f);
+        let mut pm = shardc::passes::PassManager::new();
+        pm.add(shardc::passes::Verify).add(shardc::passes::InferShapes::default());
+        pm.run(&mut m).unwrap_or_else(|e| panic!("{file} cut to 3 blocks: {e}"));
+        eprintln!("{file}: {} blocks cut to 3", f.len());
+    }
     shardc::exec::materialize(&mut m, path.parent().unwrap(), 0).expect("weights");
-    let opt = OptimizerSpec::Sgd { lr: 0.01, momentum: 0.9, dampening: 0.0, nesterov: false, weight_decay: 0.0 };
     let (tm, info) =
-        training_model(&m, &LossSpec::SoftmaxCrossEntropy(None), &opt).unwrap_or_else(|e| panic!("{file}: {e}"));
-    let inputs = shardc::train::seeded_inputs(&tm.graph, &info, 0).expect("inputs");
-    Case { name: file.to_string(), forward: m.graph, graph: tm.graph, info, inputs }
+        training_model(&m, &LossSpec::SoftmaxCrossEntropy(None), &real_sgd()).unwrap_or_else(|e| panic!("{file}: {e}"));
+    let mut inputs = shardc::train::seeded_inputs(&tm.graph, &info, 0).expect("inputs");
+    // A transformer's attention mask lets every token be seen; one segment.
+    for (name, fill) in [("attention_mask", 1), ("token_type_ids", 0)] {
+        if let Some(a) = inputs.get_mut(name) {
+            *a = Array::int(a.dtype, a.shape.clone(), vec![fill; a.shape.iter().product()]);
+        }
+    }
+    (Case { name: file.to_string(), forward: m.graph.clone(), graph: tm.graph, info, inputs }, m)
+}
+
+fn real_sgd() -> OptimizerSpec {
+    OptimizerSpec::Sgd { lr: 0.01, momentum: 0.9, dampening: 0.0, nesterov: false, weight_decay: 0.0 }
+}
+
+fn reduced(file: &str, shapes: &[(&str, &[i64])]) -> Case {
+    reduced_model(file, shapes, false).0
 }
 
 /// Reduced real models train sharded like one device, priced as they run: ResNet-18 and
@@ -480,4 +513,172 @@ fn reduced_real_models_train_like_one_device() {
         report.push_str(&agrees(&c, &p, &single, (1e-4, 1e-5), "searched ×4"));
     }
     eprint!("{report}");
+}
+
+/// The forward model's `stages`-stage pipelined plan on `devices` devices of `local-wgpu`
+/// with `micro` micro-batches, lowered as a training program under each schedule, with and
+/// without recomputation, and run: the label and the run (or why it was refused) of each.
+fn pipelined(
+    c: &Case,
+    model: &shardc::ir::Model,
+    loss: &LossSpec,
+    opt: &OptimizerSpec,
+    (devices, stages, micro): (usize, usize, usize),
+    every_variant: bool,
+) -> Vec<(String, Result<TrainRun, String>)> {
+    use shardc::codegen::Schedule;
+    let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
+    let opts = shardc::passes::cost::Options::default();
+    let so = shardc::passes::autoshard::SearchOptions {
+        pipeline: shardc::passes::autoshard::PipelineMode::Stages(stages),
+        ..Default::default()
+    };
+    let r = shardc::passes::autoshard::search(&c.forward, &cluster, devices, &opts, &so).expect("search");
+    let Some(mut pipe) = shardc::exec::TrainPipeline::of_search(&c.forward, &r) else {
+        panic!("{}: no {stages}-stage pipeline on {devices} devices", c.name)
+    };
+    pipe.micro_batches = micro;
+    let mg = if micro == 1 {
+        Ok(training_model(model, loss, opt).expect("training graph").0)
+    } else {
+        shardc::train::micro_training_model(model, loss, opt, micro)
+    };
+    let mut out = Vec::new();
+    for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+        for recompute in [false, true] {
+            // Reduced: GPipe as it is and 1F1B recomputing.
+            if !every_variant && recompute != (schedule == Schedule::OneFOneB) {
+                continue;
+            }
+            let label = format!(
+                "{stages} stages on {devices}, {micro} micro, {}{}",
+                schedule.name(),
+                if recompute { ", recompute" } else { "" }
+            );
+            let mg = match &mg {
+                Ok(m) => m,
+                Err(e) => {
+                    out.push((label, Err(e.clone())));
+                    continue;
+                }
+            };
+            let mut pipe = pipe.clone();
+            pipe.schedule = schedule;
+            pipe.stages.iter_mut().for_each(|s| s.2 = recompute);
+            let (p, _) =
+                shardc::exec::training_pipeline_program(&mg.graph, &c.forward, &r.assignment, &pipe, &cluster, &opts)
+                    .unwrap_or_else(|e| panic!("{} {label}: {e}", c.name));
+            let p = shardc::exec::as_micro_batches(p, &c.graph, micro).expect("micro-batches");
+            shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{} {label}: inconsistent: {e:?}", c.name));
+            assert!(p.fallbacks.is_empty(), "{} {label}: runs replicated: {:?}", c.name, p.fallbacks);
+            out.push((label, run_steps(&p, &c.info, &c.inputs, Backend::Cpu, STEPS)));
+        }
+    }
+    out
+}
+
+/// Reduced real models in the other parallelisms: spatial (halo exchange) and spatial ×
+/// data hybrids of the CNNs, tensor × data hybrids and 8-device searched plans of the
+/// transformers, and GPipe and 1F1B pipelines (with and without recomputation, gradients
+/// accumulated over micro-batches) of GPT-2 (4 layers), a BERT-base layer stack (three of
+/// its encoder layers), ResNet-18 and the LSTM language model; each equals one device's
+/// training (losses, gradients, parameters after the steps). The LSTM's sequence does not
+/// split into micro-batches: its pipelines run one micro-batch, and asking for more is
+/// refused with the reason.
+///
+/// By default a reduced matrix (2×8 tokens, the pipelines under GPipe and 1F1B with
+/// recomputation, fewer device counts) keeps the suite's time; `SHARDC_FULL_TRAIN_MATRIX=1`
+/// runs all of it (GPT-2 at 2×32 tokens, BERT at 2×16, every schedule × recomputation),
+/// about 9 minutes here.
+#[test]
+fn reduced_real_models_in_every_parallelism() {
+    let full = std::env::var_os("SHARDC_FULL_TRAIN_MATRIX").is_some_and(|v| v != "0");
+    let image: &[i64] = &[2, 3, 32, 32];
+    let ids: &[i64] = if full { &[2, 32] } else { &[2, 8] };
+    let bert_ids: &[i64] = if full { &[2, 16] } else { &[2, 8] };
+    let short: &[i64] = &[2, 8];
+    let state: &[i64] = &[2, 2, 650];
+    type Shapes<'a> = Vec<(&'a str, &'a [i64])>;
+    // (model, shapes, cut to three blocks, named strategies and devices (the full matrix
+    // only when marked), pipelines: (devices, stages, micro, full matrix only))
+    type Row<'a> = (&'a str, Shapes<'a>, bool, Vec<(&'a str, usize, bool)>, Vec<(usize, usize, usize, bool)>);
+    let rows: Vec<Row<'_>> = vec![
+        (
+            "hf_bert_base.onnxtxt",
+            vec![("input_ids", bert_ids), ("attention_mask", bert_ids), ("token_type_ids", bert_ids)],
+            true,
+            vec![("data", 2, true), ("megatron", 2, false), ("hybrid:dp:2,tp:2", 4, false)],
+            vec![(2, 2, 2, false)],
+        ),
+        (
+            "tv_resnet18.onnxtxt",
+            vec![("input", image)],
+            false,
+            vec![("spatial", 2, false), ("spatial", 4, true), ("spatial-hybrid:2x2", 4, false)],
+            vec![(2, 2, 1, true), (2, 2, 2, false)],
+        ),
+        ("tv_mobilenet_v2.onnxtxt", vec![("input", image)], false, vec![("spatial", 2, false)], vec![]),
+        (
+            "hf_gpt2_small4.onnxtxt",
+            vec![("input_ids", ids)],
+            false,
+            vec![("hybrid:dp:2,tp:2", 4, false), ("megatron", 4, true)],
+            vec![(2, 2, 2, true), (4, 4, 2, false)],
+        ),
+        (
+            "pt_lstm_lm.onnxtxt",
+            vec![("tokens", short), ("h0", state), ("c0", state)],
+            false,
+            vec![],
+            vec![(2, 2, 1, false), (2, 2, 2, false)],
+        ),
+    ];
+    let mut report = String::new();
+    let (mut ran, mut refused) = (0, 0);
+    let t0 = std::time::Instant::now();
+    for (file, shapes, fold, named, pipes) in rows {
+        let (c, model) = reduced_model(file, &shapes, fold);
+        let single = run(&c, &program(&c, "data", 1).expect("one device"));
+        eprintln!("{file}: one device at {:.1} s", t0.elapsed().as_secs_f64());
+        for (s, devices, only_full) in named {
+            if only_full && !full {
+                continue;
+            }
+            let p = program(&c, s, devices).unwrap_or_else(|| panic!("{file}: {s} applies on {devices} devices"));
+            report.push_str(&agrees(&c, &p, &single, (1e-4, 1e-5), &format!("{s} ×{devices}")));
+            eprintln!("{file} {s} ×{devices} at {:.1} s", t0.elapsed().as_secs_f64());
+            ran += 1;
+        }
+        if file.starts_with("hf_") {
+            let (p, _) = derived(&c, &searched(&c, 8), 8, "searched");
+            report.push_str(&agrees(&c, &p, &single, (1e-4, 1e-5), "searched ×8"));
+            eprintln!("{file} searched ×8 at {:.1} s", t0.elapsed().as_secs_f64());
+            ran += 1;
+        }
+        for (devices, stages, micro, only_full) in pipes {
+            if only_full && !full {
+                continue;
+            }
+            let loss = LossSpec::SoftmaxCrossEntropy(None);
+            for (label, got) in pipelined(&c, &model, &loss, &real_sgd(), (devices, stages, micro), full) {
+                match got {
+                    Ok(got) => {
+                        let (r, at) = compare(&got, &single, (1e-4, 1e-5));
+                        assert!(r <= 1.0, "{file} {label}: {r:.2}× the tolerance at {at}");
+                        report.push_str(&format!("{file} {label}: {r:.3} of the tolerance ({at})\n"));
+                        eprintln!("{file} {label} at {:.1} s", t0.elapsed().as_secs_f64());
+                        ran += 1;
+                    }
+                    Err(e) => {
+                        assert!(micro > 1 && e.contains("reads its sequence"), "{file} {label}: {e}");
+                        report.push_str(&format!("{file} {label}: refused: {e}\n"));
+                        refused += 1;
+                    }
+                }
+            }
+        }
+    }
+    eprint!("{report}");
+    assert!(ran >= if full { 40 } else { 16 }, "only {ran} runs");
+    assert!(refused >= 1, "nothing refused");
 }

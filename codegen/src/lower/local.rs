@@ -131,7 +131,8 @@ impl<'a> Local<'a> {
     /// A scalar initializer of `dtype`.
     pub fn scalar(&mut self, base: &str, dtype: DType, x: f64) -> Value {
         let a = match dtype {
-            DType::Int64 | DType::Int32 => Array::int(dtype, vec![], vec![x as i64]),
+            DType::Bool => Array::bool(vec![], vec![x != 0.0]),
+            d if d.is_int() => Array::int(dtype, vec![], vec![x as i64]),
             _ => Array::float(dtype, vec![], vec![x]),
         };
         self.init(base, &a)
