@@ -343,7 +343,11 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
             m.egraph.strategies,
             m.egraph.admissible_strategies,
             m.extraction.method,
-            if m.extraction.exact { ", exact" } else { "" }
+            match (m.extraction.exact, m.extraction.proxy_gap) {
+                (true, _) => ", exact".to_string(),
+                (false, Some(g)) => format!(" (its objective within {:.1}% of a lower bound)", g * 100.0),
+                _ => String::new(),
+            }
         ));
     }
     // Strategy histogram per op type.

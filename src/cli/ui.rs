@@ -55,8 +55,8 @@ pub fn search_timings(t: &passes::autoshard::plan::PlanTimings) {
     }
     for m in &t.meshes {
         eprintln!(
-            "search mesh {:<28} {:>8.3} s  (e-graph {:.3} s, extraction {:.3} s, dynamic program {:.3} s, local search {:.3} s)",
-            m.mesh, m.total_s, m.egraph_s, m.extraction_s, m.dp_s, m.local_search_s
+            "search mesh {:<28} {:>8.3} s  (e-graph {:.3} s, extraction {:.3} s, dynamic program {:.3} s, local search {:.3} s, lower bound {:.3} s)",
+            m.mesh, m.total_s, m.egraph_s, m.extraction_s, m.dp_s, m.local_search_s, m.bound_s
         );
     }
     if let Some(p) = t.pipeline_search_s {

@@ -48,6 +48,15 @@ pub struct ExtractStats {
     pub dp_pruned: bool,
     /// λ of the chosen dynamic-program plan (seconds per byte of memory).
     pub lambda: f64,
+    /// When the beam dropped states: a lower bound on the dynamic program's objective (the
+    /// cost model's time decomposed per op and edge, plus λ·memory) over every combination,
+    /// from [`lower_bound`], and how far the chosen plan's objective is above it (a fraction
+    /// of the plan's). Without pruning the dynamic program is exact for that objective.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_lower_bound: Option<f64>,
+    /// See `proxy_lower_bound`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_gap: Option<f64>,
     /// Local-search moves that improved the plan.
     pub local_moves: usize,
     /// Local-search work done, in op-evaluations (plans priced × ops).
@@ -55,6 +64,9 @@ pub struct ExtractStats {
     /// Seconds in the dynamic program (reported under the plan's `timings`).
     #[serde(skip)]
     pub dp_time_s: f64,
+    /// Seconds computing the lower bound (reported under the plan's `timings`).
+    #[serde(skip)]
+    pub bound_time_s: f64,
     /// Seconds in local search (reported under the plan's `timings`).
     #[serde(skip)]
     pub local_search_time_s: f64,
@@ -393,20 +405,25 @@ impl Proxy {
         Proxy { steps, readers }
     }
 
-    /// The proxy cost of a full choice (per op, a strategy index), for tests and ranking.
+    /// The proxy cost of a full choice (per op, a strategy index).
     #[cfg(test)]
     pub fn cost_of(&self, choice: &[u32], lambda: f64) -> f64 {
+        self.try_cost_of(choice, lambda).expect("every choice a candidate")
+    }
+
+    /// The proxy cost of a full choice; `None` when a choice is not among the candidates.
+    pub fn try_cost_of(&self, choice: &[u32], lambda: f64) -> Option<f64> {
         let mut live: Vec<u8> = Vec::new();
         let mut total = 0.0;
         for (st, &c) in self.steps.iter().zip(choice) {
-            let ci = st.cands.iter().position(|&x| x == c).expect("a candidate");
+            let ci = st.cands.iter().position(|&x| x == c)?;
             total += st.time[ci] + lambda * st.mem[ci];
             for (pos, kv, mat) in &st.edges {
                 total += mat[ci * kv + live[*pos] as usize];
             }
             live = st.keep.iter().map(|&i| live[i]).chain(st.enter[ci].iter().copied()).collect();
         }
-        total
+        Some(total)
     }
 }
 
@@ -533,6 +550,94 @@ pub(crate) fn dp(proxy: &Proxy, lambda: f64, beam: usize, net: Option<&super::Sa
         s = parent as usize;
     }
     Some(DpPlan { choice, pruned, max_states })
+}
+
+/// A key byte whose layout the relaxed dynamic program has forgotten.
+const FORGOTTEN: u8 = u8::MAX;
+
+/// A lower bound on the proxy objective over every combination of candidates: the dynamic
+/// program of [`dp`] with state aggregation instead of a beam. When a step leaves more
+/// than `beam` states, the live tensor with the most distinct layouts among them is
+/// forgotten (its key byte becomes [`FORGOTTEN`]) and states that then agree are merged,
+/// keeping the cheapest, until at most `beam` remain; a later reader of a forgotten tensor
+/// pays the cheapest resharding from any of its layouts. Every plan's path maps onto a
+/// relaxed path that costs no more, so the cheapest final state bounds the optimum from
+/// below; with no state forgotten it equals the optimum. `None` when the safety net fired.
+pub(crate) fn lower_bound(proxy: &Proxy, lambda: f64, beam: usize, net: Option<&super::SafetyNet>) -> Option<f64> {
+    // Layout indices must leave room for the forgotten mark.
+    if proxy.steps.iter().any(|st| st.edges.iter().any(|(_, kv, _)| *kv >= FORGOTTEN as usize)) {
+        return None;
+    }
+    let mut keys: Vec<Box<[u8]>> = vec![Box::new([])];
+    let mut costs: Vec<f64> = vec![0.0];
+    for (t, st) in proxy.steps.iter().enumerate() {
+        if t % 64 == 0 && net.is_some_and(|n| n.expired("bound")) {
+            return None;
+        }
+        // Per edge and candidate: the cheapest resharding from any layout.
+        let cheapest: Vec<Vec<f64>> = st
+            .edges
+            .iter()
+            .map(|(_, kv, mat)| {
+                (0..st.cands.len())
+                    .map(|ci| mat[ci * kv..(ci + 1) * kv].iter().copied().fold(f64::INFINITY, f64::min))
+                    .collect()
+            })
+            .collect();
+        let mut index: FxHashMap<Box<[u8]>, usize> = FxHashMap::default();
+        let mut next_keys: Vec<Box<[u8]>> = Vec::new();
+        let mut next_costs: Vec<f64> = Vec::new();
+        for (key, &base) in keys.iter().zip(&costs) {
+            for ci in 0..st.cands.len() {
+                let mut c = base + st.time[ci] + lambda * st.mem[ci];
+                for (e, (pos, kv, mat)) in st.edges.iter().enumerate() {
+                    let have = key[*pos];
+                    c += if have == FORGOTTEN { cheapest[e][ci] } else { mat[ci * kv + have as usize] };
+                }
+                let k: Box<[u8]> = st.keep.iter().map(|&i| key[i]).chain(st.enter[ci].iter().copied()).collect();
+                match index.entry(k) {
+                    std::collections::hash_map::Entry::Occupied(o) => {
+                        let i = *o.get();
+                        next_costs[i] = next_costs[i].min(c);
+                    }
+                    std::collections::hash_map::Entry::Vacant(v) => {
+                        next_keys.push(v.key().clone());
+                        v.insert(next_costs.len());
+                        next_costs.push(c);
+                    }
+                }
+            }
+        }
+        // Forget layouts until the states fit.
+        while next_costs.len() > beam {
+            let width = next_keys[0].len();
+            let distinct: Vec<usize> = (0..width)
+                .map(|p| {
+                    let mut seen = [false; 256];
+                    next_keys.iter().filter(|k| !std::mem::replace(&mut seen[k[p] as usize], true)).count()
+                })
+                .collect();
+            let Some(p) = (0..width).filter(|&p| distinct[p] > 1).max_by_key(|&p| (distinct[p], p)) else { break };
+            let mut index: FxHashMap<Box<[u8]>, usize> = FxHashMap::default();
+            let (mut ks, mut cs): (Vec<Box<[u8]>>, Vec<f64>) = (Vec::new(), Vec::new());
+            for (mut k, c) in next_keys.into_iter().zip(next_costs) {
+                k[p] = FORGOTTEN;
+                match index.entry(k) {
+                    std::collections::hash_map::Entry::Occupied(o) => cs[*o.get()] = cs[*o.get()].min(c),
+                    std::collections::hash_map::Entry::Vacant(v) => {
+                        ks.push(v.key().clone());
+                        v.insert(cs.len());
+                        cs.push(c);
+                    }
+                }
+            }
+            next_keys = ks;
+            next_costs = cs;
+        }
+        keys = next_keys;
+        costs = next_costs;
+    }
+    Some(costs.into_iter().fold(f64::INFINITY, f64::min))
 }
 
 /// True when `a` is a better plan than `b`: feasible beats infeasible; then faster; between
@@ -726,6 +831,19 @@ pub(crate) fn extract(
         stats.local_moves += wide_search(cm, p, &proxy, &mut best, limit, &mut evals);
         stats.local_search_work = (evals - before) * ops;
         stats.local_search_time_s = t0.elapsed().as_secs_f64();
+    }
+    if stats.dp_pruned {
+        // How far from the best plan the space can hold, for the objective the dynamic
+        // program optimizes (the plan itself may have moved by local search).
+        let t0 = Instant::now();
+        let proxy = Proxy::new(cm, p, cands, w0);
+        let bound = lower_bound(&proxy, best_lambda, knobs.beam, Some(knobs.net));
+        stats.bound_time_s = t0.elapsed().as_secs_f64();
+        if let Some(lb) = bound {
+            stats.proxy_lower_bound = Some(lb);
+            stats.proxy_gap =
+                proxy.try_cost_of(&best.choice, best_lambda).map(|ub| ((ub - lb) / ub.max(f64::MIN_POSITIVE)).max(0.0));
+        }
     }
     stats.evaluations = evals;
     stats.time_s = start.elapsed().as_secs_f64();

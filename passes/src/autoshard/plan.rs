@@ -201,6 +201,9 @@ pub struct MeshTimings {
     pub dp_s: f64,
     /// The local search.
     pub local_search_s: f64,
+    /// The lower bound of the dynamic program's objective (only when its beam pruned).
+    #[serde(default)]
+    pub bound_s: f64,
 }
 
 impl PlanTimings {
@@ -218,6 +221,7 @@ impl PlanTimings {
                     extraction_s: m.extraction.time_s,
                     dp_s: m.extraction.dp_time_s,
                     local_search_s: m.extraction.local_search_time_s,
+                    bound_s: m.extraction.bound_time_s,
                 })
                 .collect(),
             pipeline_search_s: r.pipeline_considered.as_ref().map(|p| p.search_time_s),

@@ -6,7 +6,7 @@ use std::time::Duration;
 use egg::Id;
 use ir::shard::{LinkLevel, Mesh, parse_sharding};
 
-use super::extract::{Proxy, dp};
+use super::extract::{Proxy, dp, lower_bound};
 use super::problem::Problem;
 use super::space::{Limits, ShardNode, grow_with};
 use crate::cost::{Cluster, CostModel, Options};
@@ -47,6 +47,21 @@ chain (float[8,16] x) => (float[8,16] z)
    h = MatMul (x, w1)
    r = Relu (h)
    z = MatMul (r, w2)
+}"#;
+
+const RESIDUAL: &str = r#"<
+   ir_version: 8,
+   opset_import: ["" : 17]
+>
+residual (float[8,16] x) => (float[8,16] z)
+   <float[16,16] w1 = ["location": "w.bin", "offset": "0", "length": "1024"], float[16,16] w2 = ["location": "w.bin", "offset": "0", "length": "1024"], float[16,16] w3 = ["location": "w.bin", "offset": "0", "length": "1024"]>
+{
+   h = MatMul (x, w1)
+   a = Relu (h)
+   b = MatMul (a, w2)
+   c = Add (b, h)
+   d = MatMul (c, w3)
+   z = Add (d, c)
 }"#;
 
 fn limits() -> Limits {
@@ -246,5 +261,54 @@ fn the_proxy_prices_a_chain_like_the_cost_model() {
                 assert!(proxy.cost_of(&[a, b, c], 0.0) >= best_cost - 1e-15);
             }
         }
+    }
+}
+
+/// The relaxed dynamic program bounds the objective from below: with room for every state it
+/// equals the optimum found by brute force, and with any beam it stays at or below it, while
+/// the beam-pruned dynamic program stays at or above it. Tensors live across several ops
+/// (a residual) so that pruning forgets real layouts.
+#[test]
+fn the_relaxation_bounds_the_optimum_from_below() {
+    let f = Fixture::new(RESIDUAL, 4);
+    let cm = CostModel::new(&f.g, &f.cluster, f.mesh.clone(), Options::default());
+    let p = Problem::new(&cm);
+    let cands: Vec<Vec<u32>> = p.ops.iter().map(|o| (0..o.strategies.len() as u32).collect()).collect();
+    let total: usize = cands.iter().map(Vec::len).product();
+    assert!(total > 100 && total < 2_000_000, "{total} combinations");
+    for lambda in [0.0, 1e-9] {
+        let proxy = Proxy::new(&cm, &p, &cands, 1.0);
+        // Brute force.
+        let mut idx = vec![0usize; cands.len()];
+        let mut best = f64::INFINITY;
+        loop {
+            let choice: Vec<u32> = idx.iter().zip(&cands).map(|(&i, c)| c[i]).collect();
+            best = best.min(proxy.cost_of(&choice, lambda));
+            let mut t = 0;
+            while t < idx.len() {
+                idx[t] += 1;
+                if idx[t] < cands[t].len() {
+                    break;
+                }
+                idx[t] = 0;
+                t += 1;
+            }
+            if t == idx.len() {
+                break;
+            }
+        }
+        let exact = lower_bound(&proxy, lambda, 1 << 20, None).unwrap();
+        assert!((exact - best).abs() <= 1e-9 * best, "λ={lambda}: unpruned bound {exact} vs optimum {best}");
+        let mut pruned_somewhere = false;
+        for beam in [1, 2, 3, 8] {
+            let lb = lower_bound(&proxy, lambda, beam, None).unwrap();
+            let plan = dp(&proxy, lambda, beam, None).unwrap();
+            let ub = proxy.cost_of(&plan.choice, lambda);
+            assert!(lb <= best * (1.0 + 1e-12), "λ={lambda} beam {beam}: bound {lb} above the optimum {best}");
+            assert!(ub >= best * (1.0 - 1e-12), "λ={lambda} beam {beam}: plan {ub} below the optimum {best}");
+            assert!(lb > 0.0, "λ={lambda} beam {beam}: a vacuous bound");
+            pruned_somewhere |= plan.pruned;
+        }
+        assert!(pruned_somewhere, "no beam pruned");
     }
 }
