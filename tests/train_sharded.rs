@@ -381,6 +381,7 @@ fn pipelined_training_equals_one_device() {
                     };
                     let p = shardc::exec::as_micro_batches(p, &c.graph, m).expect("micro-batches");
                     shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{} {label}: inconsistent: {e:?}", c.name));
+                    pipeline_sends_as_priced(&c, &r, &p, m, &label);
                     let first = &p.devices[p.stage_devices[0][0]];
                     let back = first.graph.op_nodes().unwrap().into_iter().any(|n| {
                         matches!(&first.graph.node(n).op, shardc::ir::Op::Recv(r)
@@ -571,10 +572,92 @@ fn pipelined(
             let p = shardc::exec::as_micro_batches(p, &c.graph, micro).expect("micro-batches");
             shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{} {label}: inconsistent: {e:?}", c.name));
             assert!(p.fallbacks.is_empty(), "{} {label}: runs replicated: {:?}", c.name, p.fallbacks);
+            pipeline_sends_as_priced(c, &r, &p, micro, &label);
             out.push((label, run_steps(&p, &c.info, &c.inputs, Backend::Cpu, STEPS)));
         }
     }
     out
+}
+
+/// The bytes each device sends point-to-point per micro-batch, by the phase of the op the
+/// send serves.
+fn sent_by_phase(d: &shardc::codegen::DeviceProgram) -> BTreeMap<String, f64> {
+    let g = &d.graph;
+    let mut out = BTreeMap::new();
+    for n in g.op_nodes().unwrap() {
+        let node = g.node(n);
+        if !matches!(node.op, shardc::ir::Op::Send(_)) {
+            continue;
+        }
+        let phase = node
+            .annotations
+            .iter()
+            .find(|(k, _)| k == shardc::ir::reshard::PHASE)
+            .map_or("forward".to_string(), |(_, p)| p.clone());
+        let b = node.input(0).and_then(|v| g.tensor_type(v)).and_then(|t| t.size_bytes()).unwrap_or(0) as f64;
+        *out.entry(phase).or_insert(0.0) += b;
+    }
+    out
+}
+
+/// Plan = program for a pipeline's boundaries: what each stage's busiest device sends to the
+/// stages after it in the forward pass, per micro-batch, is what the pipeline plan prices
+/// (`send_bytes`). Checked when the program runs the plan's micro-batches (`micro`): the plan
+/// priced its own micro-batch size. With more than two stages the plan prices a value once
+/// per cut it crosses (relayed through the stages between) while the program sends it once
+/// to each later stage that reads it, directly: there the program's sends, summed over the
+/// stages, are at most the plan's.
+fn pipeline_sends_as_priced(
+    c: &Case,
+    r: &shardc::passes::autoshard::SearchResult,
+    p: &shardc::codegen::Program,
+    micro: usize,
+    label: &str,
+) {
+    let plan = r.pipeline.as_ref().expect("a pipelined plan");
+    if plan.micro_batches != micro {
+        return;
+    }
+    let (mut sent_total, mut priced_total) = (0.0, 0.0);
+    for (s, stage) in plan.stages.iter().enumerate() {
+        let sent = p.stage_devices[s]
+            .iter()
+            .map(|&d| sent_by_phase(&p.devices[d]).get("forward").copied().unwrap_or(0.0))
+            .fold(0.0, f64::max);
+        let priced = stage.send_bytes;
+        sent_total += sent;
+        priced_total += priced;
+        if plan.stages.len() > 2 {
+            continue;
+        }
+        assert!(
+            (sent - priced).abs() <= 1e-9 * priced.max(sent) + 1e-3,
+            "{} {label}: stage {s} sends {sent} bytes per micro-batch forward ({}), the plan prices {priced}",
+            c.name,
+            p.stage_devices[s]
+                .iter()
+                .flat_map(|&d| {
+                    let g = &p.devices[d].graph;
+                    g.op_nodes().unwrap().into_iter().filter(|&n| matches!(g.node(n).op, shardc::ir::Op::Send(_))).map(
+                        move |n| {
+                            let v = g.node(n).input(0).unwrap();
+                            format!(
+                                "device {d}: {} {}",
+                                g.value_name(v),
+                                g.tensor_type(v).map(|t| t.to_string()).unwrap_or_default()
+                            )
+                        },
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    assert!(
+        sent_total <= priced_total * (1.0 + 1e-9) + 1e-3,
+        "{} {label}: the stages send {sent_total} bytes per micro-batch forward, the plan prices {priced_total}",
+        c.name
+    );
 }
 
 /// Reduced real models in the other parallelisms: spatial (halo exchange) and spatial ×

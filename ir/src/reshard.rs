@@ -203,6 +203,30 @@ pub fn carried_state(g: &crate::Graph) -> Vec<(crate::Value, crate::Value)> {
 /// which every stage then advances on its own); a parameter does not, since only the stage
 /// that updates it would see the new value. Communication ops never count.
 pub fn computed_everywhere(g: &crate::Graph, order: &[crate::NodeId]) -> std::collections::HashSet<crate::NodeId> {
+    computed_everywhere_except(g, order, &|_| false)
+}
+
+/// [`computed_everywhere`] of the training step of forward graph `g`: its float initializers
+/// are the parameters the step updates (the training graph carries them as state), so what
+/// is computed from them (a transposed weight) is sent between stages, not recomputed; what
+/// is computed from constants, defaulted inputs and integer initializers (shapes, masks) is
+/// computed in every stage. The pipeline's price counts only the values crossing a cut that
+/// are not.
+pub fn computed_everywhere_in_training(
+    g: &crate::Graph,
+    order: &[crate::NodeId],
+) -> std::collections::HashSet<crate::NodeId> {
+    computed_everywhere_except(g, order, &|v| {
+        matches!(g.node(v.node).op, crate::Op::Initializer(_)) && g.tensor_type(v).is_some_and(|t| t.dtype.is_float())
+    })
+}
+
+/// [`computed_everywhere`] with the values `varies` says are not constants.
+fn computed_everywhere_except(
+    g: &crate::Graph,
+    order: &[crate::NodeId],
+    varies: &dyn Fn(crate::Value) -> bool,
+) -> std::collections::HashSet<crate::NodeId> {
     use crate::Op;
     let carried = carried_state(g);
     let mut varying: std::collections::HashSet<crate::Value> = Default::default();
@@ -213,7 +237,8 @@ pub fn computed_everywhere(g: &crate::Graph, order: &[crate::NodeId]) -> std::co
             let constant = node.inputs().iter().flatten().all(|v| {
                 out.contains(&v.node)
                     || (matches!(g.node(v.node).op, Op::Initializer(_) | Op::Input { default: Some(_) })
-                        && !varying.contains(v))
+                        && !varying.contains(v)
+                        && !varies(*v))
             });
             if constant && node.op.class() != crate::OpClass::Comm {
                 out.insert(n);

@@ -443,7 +443,12 @@ fn table(gm: &Graph, cluster: &Cluster, mesh: &Mesh, opts: &Options, reference: 
     let pos: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &x)| (x, i)).collect();
     let mut cross = vec![0.0; n + 1];
     let mut crossing: Vec<Vec<Value>> = vec![Vec::new(); n + 1];
+    // What every stage computes for itself (the lowering copies it) is never sent.
+    let everywhere = ir::reshard::computed_everywhere_in_training(gm, &order);
     for (i, &op) in order.iter().enumerate() {
+        if everywhere.contains(&op) {
+            continue;
+        }
         let (_, outs) = ir::shard::strategy_shardings(cm.space(op), &strategies[i]);
         for (slot, layout) in outs.iter().enumerate() {
             let v = Value::new(op, slot as u16);

@@ -195,7 +195,12 @@ pub fn price_pipeline(
     // Bytes crossing each cut (values produced before it and used after), per device.
     let pos_of: std::collections::HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
     let mut cross = vec![0.0f64; order.len() + 1];
+    // What every stage computes for itself is never sent.
+    let everywhere = ir::reshard::computed_everywhere_in_training(&gm, &order);
     for (i, &n) in order.iter().enumerate() {
+        if everywhere.contains(&n) {
+            continue;
+        }
         for slot in 0..gm.node(n).num_outputs() {
             let v = Value::new(n, slot as u16);
             let last = gm.users(v).iter().filter_map(|(u, _)| pos_of.get(u)).copied().max();
