@@ -334,14 +334,7 @@ fn pipelined_training_equals_one_device() {
         // The plan's micro-batches, and 4 over 2 stages (more than the stages: where 1F1B
         // stashes fewer than GPipe).
         for (devices, stages, more) in [(2, 2, None), (4, 4, None), (4, 2, None), (2, 2, Some(4))] {
-            let so = shardc::passes::autoshard::SearchOptions {
-                pipeline: shardc::passes::autoshard::PipelineMode::Stages(stages),
-                ..Default::default()
-            };
-            let r = shardc::passes::autoshard::search(&c.forward, &cluster, devices, &opts, &so).expect("search");
-            let Some(mut pipe) = shardc::exec::TrainPipeline::of_search(&c.forward, &r) else {
-                panic!("{}: no {stages}-stage pipeline on {devices} devices", c.name)
-            };
+            let (r, mut pipe) = pipeline_plan(&c, devices, stages);
             pipe.micro_batches = more.unwrap_or(pipe.micro_batches);
             let m = pipe.micro_batches;
             let micro = if m == 1 {
@@ -516,6 +509,25 @@ fn reduced_real_models_train_like_one_device() {
     eprint!("{report}");
 }
 
+/// The search's `stages`-stage pipelined plan of the forward model on `devices` devices of
+/// `local-wgpu`, and its pipeline.
+fn pipeline_plan(
+    c: &Case,
+    devices: usize,
+    stages: usize,
+) -> (shardc::passes::autoshard::SearchResult, shardc::exec::TrainPipeline) {
+    let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
+    let so = shardc::passes::autoshard::SearchOptions {
+        pipeline: shardc::passes::autoshard::PipelineMode::Stages(stages),
+        ..Default::default()
+    };
+    let r = shardc::passes::autoshard::search(&c.forward, &cluster, devices, &Default::default(), &so).expect("search");
+    let Some(pipe) = shardc::exec::TrainPipeline::of_search(&c.forward, &r) else {
+        panic!("{}: no {stages}-stage pipeline on {devices} devices", c.name)
+    };
+    (r, pipe)
+}
+
 /// The forward model's `stages`-stage pipelined plan on `devices` devices of `local-wgpu`
 /// with `micro` micro-batches, lowered as a training program under each schedule, with and
 /// without recomputation, and run: the label and the run (or why it was refused) of each.
@@ -530,14 +542,7 @@ fn pipelined(
     use shardc::codegen::Schedule;
     let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
     let opts = shardc::passes::cost::Options::default();
-    let so = shardc::passes::autoshard::SearchOptions {
-        pipeline: shardc::passes::autoshard::PipelineMode::Stages(stages),
-        ..Default::default()
-    };
-    let r = shardc::passes::autoshard::search(&c.forward, &cluster, devices, &opts, &so).expect("search");
-    let Some(mut pipe) = shardc::exec::TrainPipeline::of_search(&c.forward, &r) else {
-        panic!("{}: no {stages}-stage pipeline on {devices} devices", c.name)
-    };
+    let (r, mut pipe) = pipeline_plan(c, devices, stages);
     pipe.micro_batches = micro;
     let mg = if micro == 1 {
         Ok(training_model(model, loss, opt).expect("training graph").0)
@@ -581,12 +586,16 @@ fn pipelined(
 
 /// The bytes each device sends point-to-point per micro-batch, by the phase of the op the
 /// send serves.
-fn sent_by_phase(d: &shardc::codegen::DeviceProgram) -> BTreeMap<String, f64> {
+/// Sends of the values `skip` names are left out.
+fn sent_by_phase(d: &shardc::codegen::DeviceProgram, skip: &dyn Fn(&str) -> bool) -> BTreeMap<String, f64> {
     let g = &d.graph;
     let mut out = BTreeMap::new();
     for n in g.op_nodes().unwrap() {
         let node = g.node(n);
         if !matches!(node.op, shardc::ir::Op::Send(_)) {
+            continue;
+        }
+        if node.input(0).is_some_and(|v| skip(g.value_name(v))) {
             continue;
         }
         let phase = node
@@ -615,6 +624,12 @@ fn pipeline_sends_as_priced(
     label: &str,
 ) {
     let plan = r.pipeline.as_ref().expect("a pipelined plan");
+    // The loss a training step adds (`--loss`: its labels and its ops, named `loss__…`) is
+    // not in the forward model the plan priced; the program sends the labels to the loss's
+    // stage. Not priced (a known gap: a few bytes per sample).
+    let unpriced = |name: &str| {
+        (c.info.labels.iter().any(|l| l == name) || name.starts_with("loss__")) && c.forward.lookup(name).is_none()
+    };
     if plan.micro_batches != micro {
         return;
     }
@@ -622,7 +637,7 @@ fn pipeline_sends_as_priced(
     for (s, stage) in plan.stages.iter().enumerate() {
         let sent = p.stage_devices[s]
             .iter()
-            .map(|&d| sent_by_phase(&p.devices[d]).get("forward").copied().unwrap_or(0.0))
+            .map(|&d| sent_by_phase(&p.devices[d], &unpriced).get("forward").copied().unwrap_or(0.0))
             .fold(0.0, f64::max);
         let priced = stage.send_bytes;
         sent_total += sent;
