@@ -584,29 +584,39 @@ fn pipelined(
     out
 }
 
-/// The bytes each device sends point-to-point per micro-batch, by the phase of the op the
-/// send serves.
-/// Sends of the values `skip` names are left out.
-fn sent_by_phase(d: &shardc::codegen::DeviceProgram, skip: &dyn Fn(&str) -> bool) -> BTreeMap<String, f64> {
+/// One point-to-point send of a device: the phase of the op it serves, the value, its type and
+/// bytes (per micro-batch).
+struct Sent {
+    phase: String,
+    value: String,
+    ty: String,
+    bytes: f64,
+}
+
+/// What a device sends point-to-point.
+fn sends(d: &shardc::codegen::DeviceProgram) -> Vec<Sent> {
     let g = &d.graph;
-    let mut out = BTreeMap::new();
-    for n in g.op_nodes().unwrap() {
-        let node = g.node(n);
-        if !matches!(node.op, shardc::ir::Op::Send(_)) {
-            continue;
-        }
-        if node.input(0).is_some_and(|v| skip(g.value_name(v))) {
-            continue;
-        }
-        let phase = node
-            .annotations
-            .iter()
-            .find(|(k, _)| k == shardc::ir::reshard::PHASE)
-            .map_or("forward".to_string(), |(_, p)| p.clone());
-        let b = node.input(0).and_then(|v| g.tensor_type(v)).and_then(|t| t.size_bytes()).unwrap_or(0) as f64;
-        *out.entry(phase).or_insert(0.0) += b;
-    }
-    out
+    g.op_nodes()
+        .unwrap()
+        .into_iter()
+        .filter(|&n| matches!(g.node(n).op, shardc::ir::Op::Send(_)))
+        .map(|n| {
+            let node = g.node(n);
+            let phase = node
+                .annotations
+                .iter()
+                .find(|(k, _)| k == shardc::ir::reshard::PHASE)
+                .map_or("forward".to_string(), |(_, p)| p.clone());
+            let v = node.input(0).expect("a send sends its input");
+            let t = g.tensor_type(v);
+            Sent {
+                phase,
+                value: g.value_name(v).to_string(),
+                ty: t.map(|t| t.to_string()).unwrap_or_default(),
+                bytes: t.and_then(|t| t.size_bytes()).unwrap_or(0) as f64,
+            }
+        })
+        .collect()
 }
 
 /// Plan = program for a pipeline's boundaries: what each stage's busiest device sends to the
@@ -624,21 +634,24 @@ fn pipeline_sends_as_priced(
     label: &str,
 ) {
     let plan = r.pipeline.as_ref().expect("a pipelined plan");
+    if plan.micro_batches != micro {
+        return;
+    }
     // The loss a training step adds (`--loss`: its labels and its ops, named `loss__…`) is
     // not in the forward model the plan priced; the program sends the labels to the loss's
     // stage. Not priced (a known gap: a few bytes per sample).
     let unpriced = |name: &str| {
         (c.info.labels.iter().any(|l| l == name) || name.starts_with("loss__")) && c.forward.lookup(name).is_none()
     };
-    if plan.micro_batches != micro {
-        return;
-    }
     let (mut sent_total, mut priced_total) = (0.0, 0.0);
     for (s, stage) in plan.stages.iter().enumerate() {
-        let sent = p.stage_devices[s]
+        let forward: Vec<(usize, Vec<Sent>)> = p.stage_devices[s]
             .iter()
-            .map(|&d| sent_by_phase(&p.devices[d], &unpriced).get("forward").copied().unwrap_or(0.0))
-            .fold(0.0, f64::max);
+            .map(|&d| {
+                (d, sends(&p.devices[d]).into_iter().filter(|x| x.phase == "forward" && !unpriced(&x.value)).collect())
+            })
+            .collect();
+        let sent = forward.iter().map(|(_, xs)| xs.iter().map(|x| x.bytes).sum::<f64>()).fold(0.0, f64::max);
         let priced = stage.send_bytes;
         sent_total += sent;
         priced_total += priced;
@@ -649,21 +662,9 @@ fn pipeline_sends_as_priced(
             (sent - priced).abs() <= 1e-9 * priced.max(sent) + 1e-3,
             "{} {label}: stage {s} sends {sent} bytes per micro-batch forward ({}), the plan prices {priced}",
             c.name,
-            p.stage_devices[s]
+            forward
                 .iter()
-                .flat_map(|&d| {
-                    let g = &p.devices[d].graph;
-                    g.op_nodes().unwrap().into_iter().filter(|&n| matches!(g.node(n).op, shardc::ir::Op::Send(_))).map(
-                        move |n| {
-                            let v = g.node(n).input(0).unwrap();
-                            format!(
-                                "device {d}: {} {}",
-                                g.value_name(v),
-                                g.tensor_type(v).map(|t| t.to_string()).unwrap_or_default()
-                            )
-                        },
-                    )
-                })
+                .flat_map(|(d, xs)| xs.iter().map(move |x| format!("device {d}: {} {}", x.value, x.ty)))
                 .collect::<Vec<_>>()
                 .join(", ")
         );

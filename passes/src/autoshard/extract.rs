@@ -584,9 +584,7 @@ pub(crate) fn lower_bound(proxy: &Proxy, lambda: f64, beam: usize, net: Option<&
                     .collect()
             })
             .collect();
-        let mut index: FxHashMap<Box<[u8]>, usize> = FxHashMap::default();
-        let mut next_keys: Vec<Box<[u8]>> = Vec::new();
-        let mut next_costs: Vec<f64> = Vec::new();
+        let mut next = Merged::default();
         for (key, &base) in keys.iter().zip(&costs) {
             for ci in 0..st.cands.len() {
                 let mut c = base + st.time[ci] + lambda * st.mem[ci];
@@ -594,50 +592,54 @@ pub(crate) fn lower_bound(proxy: &Proxy, lambda: f64, beam: usize, net: Option<&
                     let have = key[*pos];
                     c += if have == FORGOTTEN { cheapest[e][ci] } else { mat[ci * kv + have as usize] };
                 }
-                let k: Box<[u8]> = st.keep.iter().map(|&i| key[i]).chain(st.enter[ci].iter().copied()).collect();
-                match index.entry(k) {
-                    std::collections::hash_map::Entry::Occupied(o) => {
-                        let i = *o.get();
-                        next_costs[i] = next_costs[i].min(c);
-                    }
-                    std::collections::hash_map::Entry::Vacant(v) => {
-                        next_keys.push(v.key().clone());
-                        v.insert(next_costs.len());
-                        next_costs.push(c);
-                    }
-                }
+                next.add(st.keep.iter().map(|&i| key[i]).chain(st.enter[ci].iter().copied()).collect(), c);
             }
         }
         // Forget layouts until the states fit.
-        while next_costs.len() > beam {
-            let width = next_keys[0].len();
+        while next.costs.len() > beam {
+            let width = next.keys[0].len();
             let distinct: Vec<usize> = (0..width)
                 .map(|p| {
                     let mut seen = [false; 256];
-                    next_keys.iter().filter(|k| !std::mem::replace(&mut seen[k[p] as usize], true)).count()
+                    next.keys.iter().filter(|k| !std::mem::replace(&mut seen[k[p] as usize], true)).count()
                 })
                 .collect();
             let Some(p) = (0..width).filter(|&p| distinct[p] > 1).max_by_key(|&p| (distinct[p], p)) else { break };
-            let mut index: FxHashMap<Box<[u8]>, usize> = FxHashMap::default();
-            let (mut ks, mut cs): (Vec<Box<[u8]>>, Vec<f64>) = (Vec::new(), Vec::new());
-            for (mut k, c) in next_keys.into_iter().zip(next_costs) {
+            let mut merged = Merged::default();
+            for (mut k, c) in next.keys.into_iter().zip(next.costs) {
                 k[p] = FORGOTTEN;
-                match index.entry(k) {
-                    std::collections::hash_map::Entry::Occupied(o) => cs[*o.get()] = cs[*o.get()].min(c),
-                    std::collections::hash_map::Entry::Vacant(v) => {
-                        ks.push(v.key().clone());
-                        v.insert(cs.len());
-                        cs.push(c);
-                    }
-                }
+                merged.add(k, c);
             }
-            next_keys = ks;
-            next_costs = cs;
+            next = merged;
         }
-        keys = next_keys;
-        costs = next_costs;
+        keys = next.keys;
+        costs = next.costs;
     }
     Some(costs.into_iter().fold(f64::INFINITY, f64::min))
+}
+
+/// States of the relaxed dynamic program: equal keys merged, keeping the cheapest cost.
+#[derive(Default)]
+struct Merged {
+    index: FxHashMap<Box<[u8]>, usize>,
+    keys: Vec<Box<[u8]>>,
+    costs: Vec<f64>,
+}
+
+impl Merged {
+    fn add(&mut self, key: Box<[u8]>, cost: f64) {
+        match self.index.entry(key) {
+            std::collections::hash_map::Entry::Occupied(o) => {
+                let i = *o.get();
+                self.costs[i] = self.costs[i].min(cost);
+            }
+            std::collections::hash_map::Entry::Vacant(v) => {
+                self.keys.push(v.key().clone());
+                v.insert(self.costs.len());
+                self.costs.push(cost);
+            }
+        }
+    }
 }
 
 /// True when `a` is a better plan than `b`: feasible beats infeasible; then faster; between
@@ -695,24 +697,12 @@ pub(crate) fn extract(
     }
     if stats.log10_combinations <= knobs.exhaustive_limit.log10() {
         stats.method = "exhaustive".into();
-        let mut choice: Vec<u32> = cands.iter().map(|c| c[0]).collect();
         let mut idx = vec![0usize; cands.len()];
         let mut complete = true;
         loop {
+            let choice: Vec<u32> = idx.iter().zip(cands).map(|(&i, c)| c[i]).collect();
             keep_better(&mut best, price(cm, p, &choice, &mut evals));
-            // Next combination (mixed radix).
-            let mut t = 0;
-            while t < cands.len() {
-                idx[t] += 1;
-                if idx[t] < cands[t].len() {
-                    choice[t] = cands[t][idx[t]];
-                    break;
-                }
-                idx[t] = 0;
-                choice[t] = cands[t][0];
-                t += 1;
-            }
-            if t == cands.len() {
+            if !next_combination(&mut idx, cands) {
                 break;
             }
             if evals.is_multiple_of(256) && knobs.net.expired("exhaustive") {
@@ -734,12 +724,20 @@ pub(crate) fn extract(
         weights.push(1.0);
     }
     let mut best_lambda = 0.0;
+    // The first weight's objective also guides the local search and is what the bound is of.
+    let proxy0 = Proxy::new(cm, p, cands, w0);
     'weights: for &w in &weights {
-        let proxy = Proxy::new(cm, p, cands, w);
+        let other;
+        let proxy = if w == w0 {
+            &proxy0
+        } else {
+            other = Proxy::new(cm, p, cands, w);
+            &other
+        };
         // λ is explored with a narrower beam; the chosen λ is then re-run at full width.
         let mut run_with = |lambda: f64, beam: usize, stats: &mut ExtractStats| -> Option<Priced> {
             let t0 = Instant::now();
-            let plan = dp(&proxy, lambda, beam, Some(knobs.net))?;
+            let plan = dp(proxy, lambda, beam, Some(knobs.net))?;
             stats.dp_time_s += t0.elapsed().as_secs_f64();
             stats.dp_runs += 1;
             stats.dp_pruned |= plan.pruned;
@@ -818,7 +816,7 @@ pub(crate) fn extract(
     let mut best = best.expect("at least one plan");
     if knobs.local_search {
         let t0 = Instant::now();
-        let proxy = Proxy::new(cm, p, cands, w0);
+        let proxy = &proxy0;
         // Guided moves get the configured work, then alternatives the proxy does not favour a
         // quarter of it; both count plans priced, so the result does not depend on the
         // machine's speed.
@@ -826,9 +824,9 @@ pub(crate) fn extract(
         let guided = (knobs.local_search_work / ops).max(64);
         let before = evals;
         let limit = Limit { net: knobs.net, plans: guided };
-        stats.local_moves = local_search(cm, p, &proxy, best_lambda, &mut best, limit, &mut evals);
+        stats.local_moves = local_search(cm, p, proxy, best_lambda, &mut best, limit, &mut evals);
         let limit = Limit { net: knobs.net, plans: (knobs.local_search_work / 4 / ops).max(64) };
-        stats.local_moves += wide_search(cm, p, &proxy, &mut best, limit, &mut evals);
+        stats.local_moves += wide_search(cm, p, proxy, &mut best, limit, &mut evals);
         stats.local_search_work = (evals - before) * ops;
         stats.local_search_time_s = t0.elapsed().as_secs_f64();
     }
@@ -836,18 +834,31 @@ pub(crate) fn extract(
         // How far from the best plan the space can hold, for the objective the dynamic
         // program optimizes (the plan itself may have moved by local search).
         let t0 = Instant::now();
-        let proxy = Proxy::new(cm, p, cands, w0);
-        let bound = lower_bound(&proxy, best_lambda, knobs.beam, Some(knobs.net));
+        let bound = lower_bound(&proxy0, best_lambda, knobs.beam, Some(knobs.net));
         stats.bound_time_s = t0.elapsed().as_secs_f64();
         if let Some(lb) = bound {
             stats.proxy_lower_bound = Some(lb);
-            stats.proxy_gap =
-                proxy.try_cost_of(&best.choice, best_lambda).map(|ub| ((ub - lb) / ub.max(f64::MIN_POSITIVE)).max(0.0));
+            stats.proxy_gap = proxy0
+                .try_cost_of(&best.choice, best_lambda)
+                .map(|ub| ((ub - lb) / ub.max(f64::MIN_POSITIVE)).max(0.0));
         }
     }
     stats.evaluations = evals;
     stats.time_s = start.elapsed().as_secs_f64();
     Extracted { best, stats }
+}
+
+/// Steps `idx` (one candidate index per op) to the next combination of `cands` in mixed-radix
+/// order, the first op fastest; false after the last one (`idx` is back at all zeros).
+pub(crate) fn next_combination(idx: &mut [usize], cands: &[Vec<u32>]) -> bool {
+    for (i, c) in idx.iter_mut().zip(cands) {
+        *i += 1;
+        if *i < c.len() {
+            return true;
+        }
+        *i = 0;
+    }
+    false
 }
 
 /// How much a local search may do: plans it may price, and the safety net.

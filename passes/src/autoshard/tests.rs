@@ -6,7 +6,7 @@ use std::time::Duration;
 use egg::Id;
 use ir::shard::{LinkLevel, Mesh, parse_sharding};
 
-use super::extract::{Proxy, dp, lower_bound};
+use super::extract::{Proxy, dp, lower_bound, next_combination};
 use super::problem::Problem;
 use super::space::{Limits, ShardNode, grow_with};
 use crate::cost::{Cluster, CostModel, Options};
@@ -284,16 +284,7 @@ fn the_relaxation_bounds_the_optimum_from_below() {
         loop {
             let choice: Vec<u32> = idx.iter().zip(&cands).map(|(&i, c)| c[i]).collect();
             best = best.min(proxy.cost_of(&choice, lambda));
-            let mut t = 0;
-            while t < idx.len() {
-                idx[t] += 1;
-                if idx[t] < cands[t].len() {
-                    break;
-                }
-                idx[t] = 0;
-                t += 1;
-            }
-            if t == idx.len() {
+            if !next_combination(&mut idx, &cands) {
                 break;
             }
         }
