@@ -1,5 +1,7 @@
 //! Training steps on this machine's wgpu adapter (lavapipe without a GPU) against the cost
-//! model's predicted training step (the `local-wgpu` preset) for the same plan: reduced real
+//! model's predicted training step for the same plan, on the simulated devices' constants
+//! measured at the start of the run (`shardc calibrate`'s measurements, not the
+//! `local-wgpu` preset's numbers from another day): reduced real
 //! models and golden training cases under named strategies and the searched plan, on 1–4
 //! simulated devices, with the mean absolute percentage error of two predictions side by
 //! side: the forward model's plan priced as a training step (what the search compares), and
@@ -19,7 +21,7 @@ use common::prepare;
 use shardc::codegen::Backend;
 use shardc::codegen::runtime::gpu::GpuExecutor;
 use shardc::passes::autodiff::{LossSpec, OptimizerSpec};
-use shardc::passes::cost::{Cluster, Options};
+use shardc::passes::cost::Options;
 
 const STEPS: usize = 10;
 /// Steps left out of the measurement (kernel compilation, first allocations).
@@ -30,7 +32,15 @@ fn main() {
         println!("no wgpu adapter: skipping");
         return;
     }
-    let cluster = Cluster::preset("local-wgpu").expect("preset");
+    // The machine's constants measured now, in this run (`shardc calibrate`): the
+    // `local-wgpu` preset holds another day's numbers, and a shared machine's speed drifts
+    // (this one has measured 2.6–5.1 GFLOP/s for the same GEMM on different days).
+    let measured =
+        shardc::calibrate::measure(GpuExecutor::new, shardc::calibrate::Effort::default()).expect("calibrates");
+    let (cluster, toml) = shardc::calibrate::cluster_toml(&measured, 8);
+    for line in toml.lines().filter(|l| l.starts_with("# GEMM")) {
+        println!("calibrated in this run: {}", line.trim_start_matches("# "));
+    }
     let root = env!("CARGO_MANIFEST_DIR");
     let model = |f: &str| format!("{root}/tests/data/models/{f}");
     let golden = |f: &str| format!("{root}/tests/data/golden-train/{f}");

@@ -142,6 +142,18 @@ impl Kernel for op::ConvGradInput {
             &pads[..k],
             self.group().max(1) as usize,
         );
+        let fwd = conv_params(
+            &xshape,
+            &dy.shape,
+            &vals(&self.kernel_shape, k, 1),
+            &vals(&self.strides, k, 1),
+            &vals(&self.dilations, k, 1),
+            &pads[..k],
+            self.group().max(1) as usize,
+        );
+        if conv_grad_input_gemm(&mut c, &fwd)? {
+            return Ok(Some(c));
+        }
         // dX is dY's transposed convolution with the same weights.
         if p[0] > 0 {
             c.launch_loop(
@@ -175,6 +187,9 @@ impl Kernel for op::ConvGradWeight {
             &pads[..k],
             self.group().max(1) as usize,
         );
+        if conv_grad_weight_gemm(&mut c, &p)? {
+            return Ok(Some(c));
+        }
         let count: usize = c.outputs[0].shape.iter().product();
         p[0] = count as u32;
         if count > 0 {
@@ -427,6 +442,145 @@ fn conv_im2col(c: &mut Compiled, bias: Option<Buf>, p: &[u32], oshape: &[usize])
     Ok(true)
 }
 
+/// The gradient GEMMs' shapes from a forward parameter vector `p` ([`conv_params`] of X and
+/// dY): `(n, ch, m, g, npos, cg, mg, kk)`, or `None` when the GEMM path does not pay (tiny
+/// reductions or outputs) or its column buffer would be too large.
+fn grad_gemm_shape(p: &[u32]) -> Option<[usize; 8]> {
+    let [n, ch, m, g] = [p[1], p[2], p[3], p[4]].map(|v| v as usize);
+    let npos = (p[8] * p[9] * p[10]) as usize;
+    let kvol = (p[11] * p[12] * p[13]) as usize;
+    let (cg, mg) = (ch / g.max(1), m / g.max(1));
+    let kk = cg * kvol;
+    let ok = kk >= 16 && mg >= 4 && npos > 0 && n * g * kk * npos <= IM2COL_MAX_ELEMS;
+    ok.then_some([n, ch, m, g, npos, cg, mg, kk])
+}
+
+/// The weight gradient as im2col + one GEMM per group over all images and positions:
+/// `dW[g·Mg + m, k] = Σ_{n,p} dY[n, g·Mg + m, p] · COL[g, k, n, p]` (inputs X, dY). `p` is the
+/// forward parameter vector ([`conv_params`] of X and dY). False (direct kernel) when
+/// [`grad_gemm_shape`] says no.
+fn conv_grad_weight_gemm(c: &mut Compiled, p: &[u32]) -> Result<bool, String> {
+    let Some([n, ch, _, g, npos, _, mg, kk]) = grad_gemm_shape(p) else { return Ok(false) };
+    let col = c.temp(vec![g * kk, n * npos], DType::Float);
+    let mut q: Vec<u32> = vec![(n * g * kk) as u32, ch as u32, g as u32];
+    q.extend_from_slice(&p[5..]);
+    let trips = nested(&[q[6], q[7], q[8]].map(|v| v as usize));
+    c.launch_loop(specialize(&im2col_src(true), &q), vec![Buf::In(0), col], q, groups(n * g * kk), trips);
+    let dy = if n == 1 {
+        Buf::In(1)
+    } else {
+        let t = c.temp(vec![g, mg, n, npos], DType::Float);
+        let axes = [Axis::Same(mg * npos), Axis::Same(npos), Axis::Same(g * mg * npos), Axis::Same(1)];
+        remap(c, Buf::In(1), Elem::F32, t, &[g, mg, n, npos], &axes, 0.0);
+        t
+    };
+    let cols = n * npos;
+    let spec = GemmSpec {
+        a: dy,
+        b: col,
+        c: None,
+        m: mg,
+        n: kk,
+        k: cols,
+        a_st: (cols, 1),
+        b_st: (1, cols),
+        c_st: (0, 0),
+        batch: vec![g],
+        a_bst: vec![mg * cols],
+        b_bst: vec![kk * cols],
+        c_bst: vec![0],
+        bases: (0, 0, 0),
+        alpha: 1.0,
+        beta: 0.0,
+    };
+    gemm(c, &spec, Buf::Out(0))?;
+    Ok(true)
+}
+
+/// The input gradient as one GEMM per group and a col2im: `COL[g, k, n, p] = Σ_m
+/// W[g·Mg + m, k] · dY[n, g·Mg + m, p]`, then each input element sums the columns of the
+/// kernel taps that read it (inputs dY, W). `p` is the forward parameter vector
+/// ([`conv_params`] of X and dY). False (direct kernel) when [`grad_gemm_shape`] says no.
+fn conv_grad_input_gemm(c: &mut Compiled, p: &[u32]) -> Result<bool, String> {
+    let Some([n, ch, _, g, npos, _, mg, kk]) = grad_gemm_shape(p) else { return Ok(false) };
+    let dy = if n == 1 {
+        Buf::In(0)
+    } else {
+        let t = c.temp(vec![g, mg, n, npos], DType::Float);
+        let axes = [Axis::Same(mg * npos), Axis::Same(npos), Axis::Same(g * mg * npos), Axis::Same(1)];
+        remap(c, Buf::In(0), Elem::F32, t, &[g, mg, n, npos], &axes, 0.0);
+        t
+    };
+    let cols = n * npos;
+    let col = c.temp(vec![g * kk, cols], DType::Float);
+    let spec = GemmSpec {
+        a: Buf::In(1),
+        b: dy,
+        c: None,
+        m: kk,
+        n: cols,
+        k: mg,
+        a_st: (1, kk),
+        b_st: (cols, 1),
+        c_st: (0, 0),
+        batch: vec![g],
+        a_bst: vec![mg * kk],
+        b_bst: vec![mg * cols],
+        c_bst: vec![0],
+        bases: (0, 0, 0),
+        alpha: 1.0,
+        beta: 0.0,
+    };
+    gemm(c, &spec, col)?;
+    // [count, N, C, G, D, H, W, OD, OH, OW, KD, KH, KW, SD, SH, SW, DD, DH, DW, PD, PH, PW]
+    let count = n * ch * (p[5] * p[6] * p[7]) as usize;
+    let mut q: Vec<u32> = vec![count as u32, n as u32, ch as u32, g as u32];
+    q.extend_from_slice(&p[5..]);
+    let trips = nested(&[q[10], q[11], q[12]].map(|v| v as usize));
+    c.launch_loop(specialize(&col2im_src(), &q), vec![col, Buf::Out(0)], q, groups(count), trips);
+    Ok(true)
+}
+
+/// col2im of a grouped N-d convolution (as 3-d), gathering: `DX[n, g·cg + c, d, h, w] =
+/// Σ_{kd, kh, kw} COL[g, (c, kd, kh, kw), n, (od, oh, ow)]` over the taps with
+/// `od·s + kd·dil − pad = d` (and so on) inside the output. One invocation per input element.
+/// `P = [count, N, C, G, D, H, W, OD, OH, OW, KD, KH, KW, SD, SH, SW, DD, DH, DW, PD, PH, PW]`.
+pub fn col2im_src() -> String {
+    let body = "    let N = P[1]; let C = P[2]; let G = P[3];
+    let D = P[4]; let H = P[5]; let W = P[6];
+    let OD = P[7]; let OH = P[8]; let OW = P[9];
+    let KD = P[10]; let KH = P[11]; let KW = P[12];
+    let cg = C / G;
+    let npos = OD * OH * OW;
+    let kk = cg * KD * KH * KW;
+    var rem = i;
+    let iw = rem % W; rem = rem / W;
+    let ih = rem % H; rem = rem / H;
+    let id = rem % D; rem = rem / D;
+    let ch = rem % C; let n = rem / C;
+    let g = ch / cg; let c = ch % cg;
+    var acc = 0.0;
+    for (var kd = 0u; kd < KD; kd = kd + 1u) {
+        let td = i32(id) + i32(P[19]) - i32(kd * P[16]);
+        if (td < 0 || td % i32(P[13]) != 0 || td / i32(P[13]) >= i32(OD)) { continue; }
+        let od = u32(td / i32(P[13]));
+        for (var kh = 0u; kh < KH; kh = kh + 1u) {
+            let th = i32(ih) + i32(P[20]) - i32(kh * P[17]);
+            if (th < 0 || th % i32(P[14]) != 0 || th / i32(P[14]) >= i32(OH)) { continue; }
+            let oh = u32(th / i32(P[14]));
+            for (var kw = 0u; kw < KW; kw = kw + 1u) {
+                let tw = i32(iw) + i32(P[21]) - i32(kw * P[18]);
+                if (tw < 0 || tw % i32(P[15]) != 0 || tw / i32(P[15]) >= i32(OW)) { continue; }
+                let ow = u32(tw / i32(P[15]));
+                let k = ((c * KD + kd) * KH + kh) * KW + kw;
+                acc = acc + COL[((g * kk + k) * N + n) * npos + (od * OH + oh) * OW + ow];
+            }
+        }
+    }
+    DX[i] = acc;";
+    source(&[("COL", Elem::F32, false), ("DX", Elem::F32, true)], "", body)
+}
+
 /// Windowed pools: `Name: kind`.
 macro_rules! pool_kernels {
     ($($name:ident: $kind:literal;)*) => {$(
@@ -671,6 +825,7 @@ mod tests {
             validate("im2col", &im2col_src(wide));
         }
         validate("conv grad weight", &conv_grad_weight_src());
+        validate("col2im", &col2im_src());
         for max in [false, true] {
             validate("pool grad", &pool_grad_src(max));
         }
