@@ -53,7 +53,13 @@ impl Default for Effort {
 
 /// A one-op model, shape-checked, and its op node.
 pub fn one_op(signature: &str, body: &str) -> Result<(ir::Model, NodeId), String> {
-    let text = format!("<\n ir_version: 8,\n opset_import: [\"\" : 17]\n>\nk {signature}\n{{\n {body}\n}}\n");
+    one_op_in(signature, body)
+}
+
+/// [`one_op`] with shardc's own ops importable too (`shardc.ConvGradInput` …).
+fn one_op_in(signature: &str, body: &str) -> Result<(ir::Model, NodeId), String> {
+    let text =
+        format!("<\n ir_version: 8,\n opset_import: [\"\" : 17, \"shardc\" : 1]\n>\nk {signature}\n{{\n {body}\n}}\n");
     let mut m = frontend::parse(&text).map_err(|d| frontend::render(&d, "calibration", &text))?.model;
     ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check)
         .map_err(|e| e.iter().map(|x| x.to_string()).collect::<Vec<_>>().join("; "))?;
@@ -129,6 +135,21 @@ pub fn measure<E: Executor>(mut make: impl FnMut() -> Result<E, String>, effort:
     )?;
     let t_conv = time_node(&mut e, &m.graph, node, &[filled(vec![b, 64, 16, 16]), filled(vec![64, 64, 3, 3])], reps)?;
     samples.push(Sample { what: format!("Conv 3×3 {b}×64×16×16 → 64"), median_s: t_conv, reps });
+    // Its two gradients (the input's and the weight's), each as many FLOPs as the convolution.
+    let (m, node) = one_op_in(
+        &format!("(float[{b},64,16,16] dy, float[64,64,3,3] w) => (dx)"),
+        &format!(
+            "dx = shardc.ConvGradInput <input_shape: ints = [{b}, 64, 16, 16], kernel_shape: ints = [3, 3], pads: ints = [1, 1, 1, 1]> (dy, w)"
+        ),
+    )?;
+    let t_gi = time_node(&mut e, &m.graph, node, &[filled(vec![b, 64, 16, 16]), filled(vec![64, 64, 3, 3])], reps)?;
+    samples.push(Sample { what: "ConvGradInput of the same".into(), median_s: t_gi, reps });
+    let (m, node) = one_op_in(
+        &format!("(float[{b},64,16,16] x, float[{b},64,16,16] dy) => (dw)"),
+        "dw = shardc.ConvGradWeight <kernel_shape: ints = [3, 3], pads: ints = [1, 1, 1, 1]> (x, dy)",
+    )?;
+    let t_gw = time_node(&mut e, &m.graph, node, &[filled(vec![b, 64, 16, 16]), filled(vec![b, 64, 16, 16])], reps)?;
+    samples.push(Sample { what: "ConvGradWeight of the same".into(), median_s: t_gw, reps });
     // One tiny dispatch: the fixed cost of an op.
     let (m, node) = one_op("(float[4] x) => (y)", "y = Relu (x)")?;
     let t_launch = time_node(&mut e, &m.graph, node, &[filled(vec![4])], reps * 4)?;
@@ -151,9 +172,12 @@ pub fn measure<E: Executor>(mut make: impl FnMut() -> Result<E, String>, effort:
     let launch = t_launch;
     let gemm_flops = flops / (t_gemm - launch).max(t_gemm * 0.5);
     let conv_flops = 2.0 * (b * 64 * 256 * 64 * 9) as f64 / (t_conv - launch).max(t_conv * 0.5);
+    let grad_flops =
+        4.0 * (b * 64 * 256 * 64 * 9) as f64 / ((t_gi - launch).max(t_gi * 0.5) + (t_gw - launch).max(t_gw * 0.5));
     let calibration = Calibration {
         gemm_flops,
         efficiency: (conv_flops / gemm_flops).clamp(0.05, 1.0),
+        conv_grad_efficiency: (grad_flops / conv_flops).clamp(0.05, 1.5),
         mem_bandwidth: 12.0 * s as f64 / (t_add - launch).max(t_add * 0.5),
         launch,
         copy_bandwidth: 4.0 * (s - small.min(s)) as f64 / (t_big - t_small).max(t_big * 0.5),
@@ -172,9 +196,10 @@ pub fn cluster_toml(m: &Measured, devices: usize) -> (Cluster, String) {
     }
     let k = &m.calibration;
     t.push_str(&format!(
-        "# GEMM {:.2} GFLOP/s (convolutions at {:.0}%), memory {:.2} GB/s, dispatch {:.1} µs, copies {:.2} GB/s + {:.1} µs\n\n",
+        "# GEMM {:.2} GFLOP/s (convolutions at {:.0}%, their gradients at {:.0}% of that), memory {:.2} GB/s, dispatch {:.1} µs, copies {:.2} GB/s + {:.1} µs\n\n",
         k.gemm_flops / 1e9,
         k.efficiency * 100.0,
+        k.conv_grad_efficiency * 100.0,
         k.mem_bandwidth / 1e9,
         k.launch * 1e6,
         k.copy_bandwidth / 1e9,

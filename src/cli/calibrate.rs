@@ -63,6 +63,7 @@ pub fn run(args: &CalibrateArgs) -> CliResult {
             "adapter": measured.adapter,
             "gemm_flops": k.gemm_flops,
             "efficiency": k.efficiency,
+            "conv_grad_efficiency": k.conv_grad_efficiency,
             "mem_bandwidth": k.mem_bandwidth,
             "launch_s": k.launch,
             "copy_bandwidth": k.copy_bandwidth,

@@ -28,6 +28,7 @@ pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) 
             // The runtime's GEMM kernel computes 4×4 blocks per invocation in 16×16 workgroups.
             gemm_tile: 16,
             gemm_k_overhead: 4.0,
+            conv_grad_efficiency: c.conv_grad_efficiency,
         },
         intra: Link { bandwidth: c.copy_bandwidth, latency: c.copy_latency, topology: Topology::Switch, shared_by: 1 },
         inter: None,
@@ -43,6 +44,8 @@ pub struct Calibration {
     pub gemm_flops: f64,
     /// Fraction of the GEMM rate that convolutions reach.
     pub efficiency: f64,
+    /// Fraction of the convolution's rate that its gradient kernels reach.
+    pub conv_grad_efficiency: f64,
     /// Bytes/s of a memory-bound kernel.
     pub mem_bandwidth: f64,
     /// Seconds per kernel dispatch.
@@ -53,12 +56,18 @@ pub struct Calibration {
     pub copy_latency: f64,
 }
 
+/// The convolution gradients' rate against the convolution's, measured by `shardc calibrate`
+/// on the development machine on 2026-11-26 (79% and 100% in two runs; a ratio of two kernels' rates on one machine, so
+/// it outlives that day's absolute speed).
+pub const CONV_GRAD_EFFICIENCY: f64 = 0.9;
+
 /// Values from the last calibration run on the development machine (`shardc calibrate`,
 /// 2 cores, lavapipe: MatMul 512³ 53.1 ms, Conv 3×3 8×64×16×16 33.1 ms, 4-float Relu
 /// 0.100 ms, 4M-float Add 23.1 ms, 16K/4M-float copies 0.161/30.4 ms).
 pub const CALIBRATED: Calibration = Calibration {
     gemm_flops: 5.1e9,
     efficiency: 0.9,
+    conv_grad_efficiency: CONV_GRAD_EFFICIENCY,
     mem_bandwidth: 2.2e9,
     launch: 100e-6,
     copy_bandwidth: 0.55e9,

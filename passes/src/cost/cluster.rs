@@ -62,6 +62,12 @@ pub struct Device {
     /// over many devices leaves short, overhead-bound loops).
     #[serde(default = "default_k_overhead")]
     pub gemm_k_overhead: f64,
+    /// Fraction of a convolution's rate its gradient kernels (`ConvGradInput`,
+    /// `ConvGradWeight`) reach: 1 where they run as fast as the forward convolution (the
+    /// vendors' libraries, as far as published), measured by `shardc calibrate` for the
+    /// runtime's own kernels.
+    #[serde(default = "default_conv_grad_efficiency")]
+    pub conv_grad_efficiency: f64,
 }
 
 fn default_usable() -> f64 {
@@ -74,6 +80,10 @@ fn default_tile() -> usize {
 
 fn default_k_overhead() -> f64 {
     32.0
+}
+
+fn default_conv_grad_efficiency() -> f64 {
+    1.0
 }
 
 impl Device {
@@ -189,6 +199,7 @@ fn a100() -> Device {
         // prologue/epilogue.
         gemm_tile: 128,
         gemm_k_overhead: 32.0,
+        conv_grad_efficiency: 1.0,
     }
 }
 
@@ -234,6 +245,7 @@ fn dgx_h100() -> Cluster {
             shared_host: false,
             gemm_tile: 128,
             gemm_k_overhead: 32.0,
+            conv_grad_efficiency: 1.0,
         },
         // NVLink 4: 18 links, 900 GB/s bidirectional = 450 GB/s per direction, NVSwitch gen 3;
         // NCCL reaches ~360 GB/s bus bandwidth.
@@ -264,6 +276,7 @@ fn pcie_v100x8() -> Cluster {
             shared_host: false,
             gemm_tile: 128,
             gemm_k_overhead: 32.0,
+            conv_grad_efficiency: 1.0,
         },
         // GPU↔GPU over PCIe Gen3 x16 (15.75 GB/s theoretical, ~11 GB/s achieved); pairs of GPUs
         // share a PLX switch uplink to the CPU root complex, which rings across switches cross.
@@ -293,6 +306,7 @@ fn dgx1_v100() -> Cluster {
             shared_host: false,
             gemm_tile: 128,
             gemm_k_overhead: 32.0,
+            conv_grad_efficiency: 1.0,
         },
         // NVLink 2 hybrid cube-mesh: 6 links × 25 GB/s per GPU; NCCL rings reach ~130 GB/s bus
         // bandwidth over all 8 GPUs.

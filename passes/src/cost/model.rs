@@ -633,9 +633,15 @@ impl<'a> CostModel<'a> {
         // have the same three extents, permuted).
         let d = &self.cluster.device;
         let eff = self.gemm_shape(n, ins, outs).map_or(d.efficiency, |(m, nn, k)| d.gemm_efficiency(m, nn, k));
-        let fwd = self.roofline_at(c.fwd_flops / f, bytes, eff) + launch;
+        // A convolution's gradients run kernels of their own, at their own rate.
+        let (fwd_eff, bwd_eff) = match &node.op {
+            Op::ConvGradInput(_) | Op::ConvGradWeight(_) => (eff * d.conv_grad_efficiency, eff),
+            Op::Conv(_) => (eff, eff * d.conv_grad_efficiency),
+            _ => (eff, eff),
+        };
+        let fwd = self.roofline_at(c.fwd_flops / f, bytes, fwd_eff) + launch;
         let bwd_flops = (c.bwd_data_flops + c.bwd_weight_flops) / f;
-        let bwd = if bwd_flops > 0.0 { self.roofline_at(bwd_flops, 2.0 * bytes, eff) + 2.0 * launch } else { 0.0 };
+        let bwd = if bwd_flops > 0.0 { self.roofline_at(bwd_flops, 2.0 * bytes, bwd_eff) + 2.0 * launch } else { 0.0 };
         (fwd, bwd)
     }
 

@@ -27,6 +27,7 @@ fn toy() -> Cluster {
             // No tile quantization or reduction overhead: efficiency is flat.
             gemm_tile: 1,
             gemm_k_overhead: 0.0,
+            conv_grad_efficiency: 1.0,
         },
         intra: Link { bandwidth: 1e10, latency: 0.0, topology: Topology::Switch, shared_by: 1 },
         inter: None,
