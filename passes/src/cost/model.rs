@@ -588,6 +588,18 @@ impl<'a> CostModel<'a> {
                 };
                 Some((m, nn, k))
             }
+            // The runtime's gradient GEMMs (per group): dW[M, C·k] over the images and output
+            // positions of dY; the columns of dX, Wᵀ·dY, over M.
+            Op::ConvGradWeight(_) => {
+                let dy = local(node.input(1)?, ins.get(1).and_then(Option::as_ref))?;
+                let positions = dy.first().copied().unwrap_or(1.0) * dy.iter().skip(2).product::<f64>();
+                Some((y.first().copied().unwrap_or(1.0), y.iter().skip(1).product::<f64>(), positions))
+            }
+            Op::ConvGradInput(_) => {
+                let w = local(node.input(1)?, ins.get(1).and_then(Option::as_ref))?;
+                let positions = a.first().copied().unwrap_or(1.0) * a.iter().skip(2).product::<f64>();
+                Some((w.iter().skip(1).product::<f64>(), positions, w.first().copied().unwrap_or(1.0)))
+            }
             _ => None,
         }
     }
