@@ -150,27 +150,11 @@ fn convolutions_of_every_geometry_match_the_reference() {
             dims(&case.w),
             case.op
         );
-        let mut m = frontend::parse(&text).unwrap_or_else(|e| panic!("case {i}: {e:?}\n{text}")).model;
-        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap_or_else(|e| panic!("case {i}: {e:?}"));
-        let g = &m.graph;
-        let mut shapes = vec![("x", &case.x), ("w", &case.w)];
-        let bshape = vec![m_out];
+        let mut shapes = vec![("x", case.x.clone()), ("w", case.w.clone())];
         if case.bias {
-            shapes.push(("b", &bshape));
+            shapes.push(("b", vec![m_out]));
         }
-        let inputs: std::collections::HashMap<String, ir::eval::Array> = shapes
-            .into_iter()
-            .map(|(name, s)| {
-                let dims: Vec<i64> = s.iter().map(|&d| d as i64).collect();
-                (name.to_string(), ir::eval::random_tensor(ir::DType::Float, &dims, "weight", 7, name).unwrap())
-            })
-            .collect();
-        let reference = ir::eval::run(g, &inputs, &Default::default()).unwrap();
-        let prog = codegen::lower(g, &Placement::single()).unwrap();
-        let r = codegen::run(&prog, &inputs, &RunOptions { backend: Backend::Wgpu, ..Default::default() })
-            .unwrap_or_else(|e| panic!("case {i}: {e}"));
-        assert!(r.devices[0].host_ops.is_empty(), "case {i} ran on the host: {:?}", r.devices[0].host_ops);
-        compare("y", &r.outputs[0].1, &reference[0], 1e-4, 1e-5).unwrap_or_else(|e| panic!("case {i} ({text}): {e}"));
+        wgpu_matches_reference(&format!("case {i}"), &text, &shapes, 7, &["y"]);
     }
 }
 
@@ -220,26 +204,31 @@ fn convolution_gradients_of_every_geometry_match_the_reference() {
             dims(&ydims),
             dims(x)
         );
-        let mut m = frontend::parse(&text).unwrap_or_else(|e| panic!("case {i}: {e:?}\n{text}")).model;
-        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap_or_else(|e| panic!("case {i}: {e:?}"));
-        let g = &m.graph;
-        let inputs: std::collections::HashMap<String, ir::eval::Array> =
-            [("x", x.to_vec()), ("w", w.to_vec()), ("dy", ydims)]
-                .into_iter()
-                .map(|(name, s)| {
-                    let d: Vec<i64> = s.iter().map(|&v| v as i64).collect();
-                    (name.to_string(), ir::eval::random_tensor(ir::DType::Float, &d, "weight", 11, name).unwrap())
-                })
-                .collect();
-        let reference = ir::eval::run(g, &inputs, &Default::default()).unwrap();
-        let prog = codegen::lower(g, &Placement::single()).unwrap();
-        let r = codegen::run(&prog, &inputs, &RunOptions { backend: Backend::Wgpu, ..Default::default() })
-            .unwrap_or_else(|e| panic!("case {i}: {e}"));
-        assert!(r.devices[0].host_ops.is_empty(), "case {i} ran on the host: {:?}", r.devices[0].host_ops);
-        for (k, name) in ["dx", "dw"].iter().enumerate() {
-            compare(name, &r.outputs[k].1, &reference[k], 1e-4, 1e-5)
-                .unwrap_or_else(|e| panic!("case {i} ({text}): {e}"));
-        }
+        let shapes = [("x", x.to_vec()), ("w", w.to_vec()), ("dy", ydims)];
+        wgpu_matches_reference(&format!("case {i}"), &text, &shapes, 11, &["dx", "dw"]);
+    }
+}
+
+/// Parses `text`, draws its inputs (`shapes`, seeded), runs it on one wgpu device and checks
+/// that no op ran on the host and that each output named in `outputs` equals the reference's.
+fn wgpu_matches_reference(what: &str, text: &str, shapes: &[(&str, Vec<usize>)], seed: u64, outputs: &[&str]) {
+    let mut m = frontend::parse(text).unwrap_or_else(|e| panic!("{what}: {e:?}\n{text}")).model;
+    ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap_or_else(|e| panic!("{what}: {e:?}"));
+    let g = &m.graph;
+    let inputs: std::collections::HashMap<String, ir::eval::Array> = shapes
+        .iter()
+        .map(|(name, s)| {
+            let dims: Vec<i64> = s.iter().map(|&d| d as i64).collect();
+            (name.to_string(), ir::eval::random_tensor(ir::DType::Float, &dims, "weight", seed, name).unwrap())
+        })
+        .collect();
+    let reference = ir::eval::run(g, &inputs, &Default::default()).unwrap();
+    let prog = codegen::lower(g, &Placement::single()).unwrap();
+    let r = codegen::run(&prog, &inputs, &RunOptions { backend: Backend::Wgpu, ..Default::default() })
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(r.devices[0].host_ops.is_empty(), "{what} ran on the host: {:?}", r.devices[0].host_ops);
+    for (k, name) in outputs.iter().enumerate() {
+        compare(name, &r.outputs[k].1, &reference[k], 1e-4, 1e-5).unwrap_or_else(|e| panic!("{what} ({text}): {e}"));
     }
 }
 

@@ -122,6 +122,31 @@ fn vals(v: &Option<Vec<i64>>, k: usize, d: i64) -> Vec<usize> {
     v.clone().unwrap_or_else(|| vec![d; k]).iter().map(|&x| x.max(0) as usize).collect()
 }
 
+/// A convolution gradient's kernel shape, strides, dilations and pads, as its attributes hold
+/// them.
+type GradGeometry<'a> = (&'a Option<Vec<i64>>, &'a Option<Vec<i64>>, &'a Option<Vec<i64>>, &'a Option<Vec<i64>>);
+
+/// [`conv_params`] of shapes `a` → `b` under a convolution gradient's attributes (the forward
+/// convolution's with X → dY; its transposed view with dY → X).
+fn grad_conv_params(
+    a: &[usize],
+    b: &[usize],
+    (kernel, strides, dilations, pads): GradGeometry<'_>,
+    group: i64,
+) -> Vec<u32> {
+    let k = a.len() - 2;
+    let pads = vals(pads, 2 * k, 0);
+    conv_params(
+        a,
+        b,
+        &vals(kernel, k, 1),
+        &vals(strides, k, 1),
+        &vals(dilations, k, 1),
+        &pads[..k],
+        group.max(1) as usize,
+    )
+}
+
 impl Kernel for op::ConvGradInput {
     fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
         let (Some(dy), Some(_)) = (cx.input(0), cx.input(1)) else { return Ok(None) };
@@ -129,28 +154,11 @@ impl Kernel for op::ConvGradInput {
         if dy.elem() != Elem::F32 || !(3..=5).contains(&r) {
             return Ok(None);
         }
-        let k = r - 2;
         let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
         let xshape = c.outputs[0].shape.clone();
-        let pads = vals(&self.pads, 2 * k, 0);
-        let p = conv_params(
-            &dy.shape,
-            &xshape,
-            &vals(&self.kernel_shape, k, 1),
-            &vals(&self.strides, k, 1),
-            &vals(&self.dilations, k, 1),
-            &pads[..k],
-            self.group().max(1) as usize,
-        );
-        let fwd = conv_params(
-            &xshape,
-            &dy.shape,
-            &vals(&self.kernel_shape, k, 1),
-            &vals(&self.strides, k, 1),
-            &vals(&self.dilations, k, 1),
-            &pads[..k],
-            self.group().max(1) as usize,
-        );
+        let geometry = (&self.kernel_shape, &self.strides, &self.dilations, &self.pads);
+        let p = grad_conv_params(&dy.shape, &xshape, geometry, self.group());
+        let fwd = grad_conv_params(&xshape, &dy.shape, geometry, self.group());
         if conv_grad_input_gemm(&mut c, &fwd)? {
             return Ok(Some(c));
         }
@@ -175,18 +183,9 @@ impl Kernel for op::ConvGradWeight {
         if x.elem() != Elem::F32 || !(3..=5).contains(&r) {
             return Ok(None);
         }
-        let k = r - 2;
         let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
-        let pads = vals(&self.pads, 2 * k, 0);
-        let mut p = conv_params(
-            &x.shape,
-            &dy.shape,
-            &vals(&self.kernel_shape, k, 1),
-            &vals(&self.strides, k, 1),
-            &vals(&self.dilations, k, 1),
-            &pads[..k],
-            self.group().max(1) as usize,
-        );
+        let geometry = (&self.kernel_shape, &self.strides, &self.dilations, &self.pads);
+        let mut p = grad_conv_params(&x.shape, &dy.shape, geometry, self.group());
         if conv_grad_weight_gemm(&mut c, &p)? {
             return Ok(Some(c));
         }
