@@ -51,13 +51,9 @@ impl Default for Effort {
     }
 }
 
-/// A one-op model, shape-checked, and its op node.
+/// A one-op model (the standard ops and shardc's own, `shardc.ConvGradInput` …),
+/// shape-checked, and its op node.
 pub fn one_op(signature: &str, body: &str) -> Result<(ir::Model, NodeId), String> {
-    one_op_in(signature, body)
-}
-
-/// [`one_op`] with shardc's own ops importable too (`shardc.ConvGradInput` …).
-fn one_op_in(signature: &str, body: &str) -> Result<(ir::Model, NodeId), String> {
     let text =
         format!("<\n ir_version: 8,\n opset_import: [\"\" : 17, \"shardc\" : 1]\n>\nk {signature}\n{{\n {body}\n}}\n");
     let mut m = frontend::parse(&text).map_err(|d| frontend::render(&d, "calibration", &text))?.model;
@@ -136,7 +132,7 @@ pub fn measure<E: Executor>(mut make: impl FnMut() -> Result<E, String>, effort:
     let t_conv = time_node(&mut e, &m.graph, node, &[filled(vec![b, 64, 16, 16]), filled(vec![64, 64, 3, 3])], reps)?;
     samples.push(Sample { what: format!("Conv 3×3 {b}×64×16×16 → 64"), median_s: t_conv, reps });
     // Its two gradients (the input's and the weight's), each as many FLOPs as the convolution.
-    let (m, node) = one_op_in(
+    let (m, node) = one_op(
         &format!("(float[{b},64,16,16] dy, float[64,64,3,3] w) => (dx)"),
         &format!(
             "dx = shardc.ConvGradInput <input_shape: ints = [{b}, 64, 16, 16], kernel_shape: ints = [3, 3], pads: ints = [1, 1, 1, 1]> (dy, w)"
@@ -144,7 +140,7 @@ pub fn measure<E: Executor>(mut make: impl FnMut() -> Result<E, String>, effort:
     )?;
     let t_gi = time_node(&mut e, &m.graph, node, &[filled(vec![b, 64, 16, 16]), filled(vec![64, 64, 3, 3])], reps)?;
     samples.push(Sample { what: "ConvGradInput of the same".into(), median_s: t_gi, reps });
-    let (m, node) = one_op_in(
+    let (m, node) = one_op(
         &format!("(float[{b},64,16,16] x, float[{b},64,16,16] dy) => (dw)"),
         "dw = shardc.ConvGradWeight <kernel_shape: ints = [3, 3], pads: ints = [1, 1, 1, 1]> (x, dy)",
     )?;
@@ -170,15 +166,18 @@ pub fn measure<E: Executor>(mut make: impl FnMut() -> Result<E, String>, effort:
     samples.push(Sample { what: format!("copy of {s} floats between devices"), median_s: t_big, reps });
     let flops = 2.0 * (n as f64).powi(3);
     let launch = t_launch;
-    let gemm_flops = flops / (t_gemm - launch).max(t_gemm * 0.5);
-    let conv_flops = 2.0 * (b * 64 * 256 * 64 * 9) as f64 / (t_conv - launch).max(t_conv * 0.5);
-    let grad_flops =
-        4.0 * (b * 64 * 256 * 64 * 9) as f64 / ((t_gi - launch).max(t_gi * 0.5) + (t_gw - launch).max(t_gw * 0.5));
+    // A kernel's own time: less its dispatch, never below half of what was measured.
+    let busy = |t: f64| (t - launch).max(t * 0.5);
+    let gemm_flops = flops / busy(t_gemm);
+    // FLOPs of the convolution, and of each of its gradients.
+    let conv_work = 2.0 * (b * 64 * 256 * 64 * 9) as f64;
+    let conv_flops = conv_work / busy(t_conv);
+    let grad_flops = 2.0 * conv_work / (busy(t_gi) + busy(t_gw));
     let calibration = Calibration {
         gemm_flops,
         efficiency: (conv_flops / gemm_flops).clamp(0.05, 1.0),
         conv_grad_efficiency: (grad_flops / conv_flops).clamp(0.05, 1.5),
-        mem_bandwidth: 12.0 * s as f64 / (t_add - launch).max(t_add * 0.5),
+        mem_bandwidth: 12.0 * s as f64 / busy(t_add),
         launch,
         copy_bandwidth: 4.0 * (s - small.min(s)) as f64 / (t_big - t_small).max(t_big * 0.5),
         copy_latency: t_small,

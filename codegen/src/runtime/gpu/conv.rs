@@ -157,11 +157,11 @@ impl Kernel for op::ConvGradInput {
         let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
         let xshape = c.outputs[0].shape.clone();
         let geometry = (&self.kernel_shape, &self.strides, &self.dilations, &self.pads);
-        let p = grad_conv_params(&dy.shape, &xshape, geometry, self.group());
         let fwd = grad_conv_params(&xshape, &dy.shape, geometry, self.group());
         if conv_grad_input_gemm(&mut c, &fwd)? {
             return Ok(Some(c));
         }
+        let p = grad_conv_params(&dy.shape, &xshape, geometry, self.group());
         // dX is dY's transposed convolution with the same weights.
         if p[0] > 0 {
             c.launch_loop(
@@ -442,16 +442,29 @@ fn conv_im2col(c: &mut Compiled, bias: Option<Buf>, p: &[u32], oshape: &[usize])
 }
 
 /// The gradient GEMMs' shapes from a forward parameter vector `p` ([`conv_params`] of X and
-/// dY): `(n, ch, m, g, npos, cg, mg, kk)`, or `None` when the GEMM path does not pay (tiny
+/// dY): `[n, ch, g, npos, mg, kk]` (images, input channels, groups, output positions, output
+/// channels per group, reduction per group), or `None` when the GEMM path does not pay (tiny
 /// reductions or outputs) or its column buffer would be too large.
-fn grad_gemm_shape(p: &[u32]) -> Option<[usize; 8]> {
+fn grad_gemm_shape(p: &[u32]) -> Option<[usize; 6]> {
     let [n, ch, m, g] = [p[1], p[2], p[3], p[4]].map(|v| v as usize);
     let npos = (p[8] * p[9] * p[10]) as usize;
     let kvol = (p[11] * p[12] * p[13]) as usize;
     let (cg, mg) = (ch / g.max(1), m / g.max(1));
     let kk = cg * kvol;
     let ok = kk >= 16 && mg >= 4 && npos > 0 && n * g * kk * npos <= IM2COL_MAX_ELEMS;
-    ok.then_some([n, ch, m, g, npos, cg, mg, kk])
+    ok.then_some([n, ch, g, npos, mg, kk])
+}
+
+/// dY (input `dy`, `[n, g, mg, npos]`) as `[g, mg, n, npos]`, the images beside the positions so
+/// that one GEMM per group spans all of them; dY itself when there is one image.
+fn dy_by_group(c: &mut Compiled, dy: Buf, [n, g, mg, npos]: [usize; 4]) -> Buf {
+    if n == 1 {
+        return dy;
+    }
+    let t = c.temp(vec![g, mg, n, npos], DType::Float);
+    let axes = [Axis::Same(mg * npos), Axis::Same(npos), Axis::Same(g * mg * npos), Axis::Same(1)];
+    remap(c, dy, Elem::F32, t, &[g, mg, n, npos], &axes, 0.0);
+    t
 }
 
 /// The weight gradient as im2col + one GEMM per group over all images and positions:
@@ -459,20 +472,13 @@ fn grad_gemm_shape(p: &[u32]) -> Option<[usize; 8]> {
 /// forward parameter vector ([`conv_params`] of X and dY). False (direct kernel) when
 /// [`grad_gemm_shape`] says no.
 fn conv_grad_weight_gemm(c: &mut Compiled, p: &[u32]) -> Result<bool, String> {
-    let Some([n, ch, _, g, npos, _, mg, kk]) = grad_gemm_shape(p) else { return Ok(false) };
+    let Some([n, ch, g, npos, mg, kk]) = grad_gemm_shape(p) else { return Ok(false) };
     let col = c.temp(vec![g * kk, n * npos], DType::Float);
     let mut q: Vec<u32> = vec![(n * g * kk) as u32, ch as u32, g as u32];
     q.extend_from_slice(&p[5..]);
     let trips = nested(&[q[6], q[7], q[8]].map(|v| v as usize));
     c.launch_loop(specialize(&im2col_src(true), &q), vec![Buf::In(0), col], q, groups(n * g * kk), trips);
-    let dy = if n == 1 {
-        Buf::In(1)
-    } else {
-        let t = c.temp(vec![g, mg, n, npos], DType::Float);
-        let axes = [Axis::Same(mg * npos), Axis::Same(npos), Axis::Same(g * mg * npos), Axis::Same(1)];
-        remap(c, Buf::In(1), Elem::F32, t, &[g, mg, n, npos], &axes, 0.0);
-        t
-    };
+    let dy = dy_by_group(c, Buf::In(1), [n, g, mg, npos]);
     let cols = n * npos;
     let spec = GemmSpec {
         a: dy,
@@ -501,15 +507,8 @@ fn conv_grad_weight_gemm(c: &mut Compiled, p: &[u32]) -> Result<bool, String> {
 /// kernel taps that read it (inputs dY, W). `p` is the forward parameter vector
 /// ([`conv_params`] of X and dY). False (direct kernel) when [`grad_gemm_shape`] says no.
 fn conv_grad_input_gemm(c: &mut Compiled, p: &[u32]) -> Result<bool, String> {
-    let Some([n, ch, _, g, npos, _, mg, kk]) = grad_gemm_shape(p) else { return Ok(false) };
-    let dy = if n == 1 {
-        Buf::In(0)
-    } else {
-        let t = c.temp(vec![g, mg, n, npos], DType::Float);
-        let axes = [Axis::Same(mg * npos), Axis::Same(npos), Axis::Same(g * mg * npos), Axis::Same(1)];
-        remap(c, Buf::In(0), Elem::F32, t, &[g, mg, n, npos], &axes, 0.0);
-        t
-    };
+    let Some([n, ch, g, npos, mg, kk]) = grad_gemm_shape(p) else { return Ok(false) };
+    let dy = dy_by_group(c, Buf::In(0), [n, g, mg, npos]);
     let cols = n * npos;
     let col = c.temp(vec![g * kk, cols], DType::Float);
     let spec = GemmSpec {
