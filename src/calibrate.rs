@@ -86,6 +86,63 @@ pub fn time_node<E: Executor>(e: &mut E, g: &Graph, n: NodeId, inputs: &[Array],
     Ok(median(times))
 }
 
+/// Median seconds per tiny dispatch (a 4-float Relu and a sync, as the runtime runs each
+/// op) on each of `k` executors made by `make`, all dispatching at once from their own
+/// threads, as the simulated devices of one run do.
+pub fn time_launch_concurrent<E: Executor>(
+    make: &(dyn Fn() -> Result<E, String> + Sync),
+    k: usize,
+    reps: usize,
+) -> Result<f64, String> {
+    let (m, node) = one_op("(float[4] x) => (y)", "y = Relu (x)")?;
+    let g = &m.graph;
+    let barrier = std::sync::Barrier::new(k.max(1));
+    let results: Vec<Result<f64, String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..k.max(1))
+            .map(|_| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    let e = make();
+                    // Every thread reaches the barrier, made or not.
+                    barrier.wait();
+                    time_node(&mut e?, g, node, &[filled(vec![4])], reps)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a device thread panicked".into()))).collect()
+    });
+    let times = results.into_iter().collect::<Result<Vec<f64>, String>>()?;
+    Ok(median(times))
+}
+
+/// A dispatch's fixed cost measured on its own and from several devices at once.
+#[derive(Clone, Debug)]
+pub struct LaunchTimes {
+    /// Seconds per dispatch from one device.
+    pub alone: f64,
+    /// `(devices, seconds per dispatch on each)` with 2 and 4 devices dispatching at once.
+    pub together: Vec<(usize, f64)>,
+    /// The extra fraction of `alone` each further device adds (least squares through the
+    /// origin of `t_k / t_1 − 1 = contention · (k − 1)`; never negative).
+    pub contention: f64,
+}
+
+/// Times a tiny dispatch (a 4-float Relu and a sync, `reps` times) on one executor made by
+/// `make`, then on 2 and 4 at once, each on its own thread as the devices of a run.
+pub fn measure_launch<E: Executor>(
+    make: &(dyn Fn() -> Result<E, String> + Sync),
+    reps: usize,
+) -> Result<LaunchTimes, String> {
+    let alone = time_launch_concurrent(make, 1, reps)?;
+    let mut together = Vec::new();
+    for k in [2usize, 4] {
+        together.push((k, time_launch_concurrent(make, k, reps)?));
+    }
+    let xy: f64 = together.iter().map(|&(k, t)| (k as f64 - 1.0) * (t / alone - 1.0)).sum();
+    let xx: f64 = together.iter().map(|&(k, _)| (k as f64 - 1.0).powi(2)).sum();
+    Ok(LaunchTimes { alone, together, contention: (xy / xx).max(0.0) })
+}
+
 fn filled(shape: Vec<usize>) -> Array {
     let n: usize = shape.iter().product();
     Array::f32(shape, (0..n).map(|i| ((i % 13) as f32 - 6.0) * 0.05).collect())
@@ -113,7 +170,7 @@ fn time_copy<E: Executor>(src: &mut E, dst: &mut E, a: &Array, reps: usize) -> R
 
 /// Measures the constants on two executors made by `make` (the second is the receiving
 /// device of the copy measurement).
-pub fn measure<E: Executor>(mut make: impl FnMut() -> Result<E, String>, effort: Effort) -> Result<Measured, String> {
+pub fn measure<E: Executor>(make: impl Fn() -> Result<E, String> + Sync, effort: Effort) -> Result<Measured, String> {
     let mut e = make()?;
     let mut samples = Vec::new();
     let reps = effort.reps.max(1);
@@ -146,15 +203,41 @@ pub fn measure<E: Executor>(mut make: impl FnMut() -> Result<E, String>, effort:
     )?;
     let t_gw = time_node(&mut e, &m.graph, node, &[filled(vec![b, 64, 16, 16]), filled(vec![b, 64, 16, 16])], reps)?;
     samples.push(Sample { what: "ConvGradWeight of the same".into(), median_s: t_gw, reps });
-    // One tiny dispatch: the fixed cost of an op.
-    let (m, node) = one_op("(float[4] x) => (y)", "y = Relu (x)")?;
-    let t_launch = time_node(&mut e, &m.graph, node, &[filled(vec![4])], reps * 4)?;
-    samples.push(Sample { what: "Relu of 4 floats (one dispatch)".into(), median_s: t_launch, reps: reps * 4 });
+    // One tiny dispatch (the fixed cost of an op), alone and from 2 and 4 devices at once.
+    let l = measure_launch(&make, reps * 4)?;
+    samples.push(Sample { what: "Relu of 4 floats (one dispatch)".into(), median_s: l.alone, reps: reps * 4 });
+    for &(k, t) in &l.together {
+        samples.push(Sample { what: format!("the same from {k} devices at once"), median_s: t, reps: reps * 4 });
+    }
+    let (t_launch, launch_contention) = (l.alone, l.contention);
     // A memory-bound kernel: read two tensors, write one.
     let s = effort.stream_elems.max(1024);
     let (m, node) = one_op(&format!("(float[{s}] a, float[{s}] b) => (y)"), "y = Add (a, b)")?;
     let t_add = time_node(&mut e, &m.graph, node, &[filled(vec![s]), filled(vec![s])], reps)?;
     samples.push(Sample { what: format!("Add of {s} floats"), median_s: t_add, reps });
+    // Transposes of the innermost dim against a streaming kernel over the same tensor (a
+    // Relu), square matrices from 256² floats up to as many elements as the Add: the rate at
+    // the largest, and the largest tensor still transposed at ≥ 60% of the stream's rate.
+    let side = ((s as f64).sqrt() as usize).max(256);
+    let mut transpose_efficiency = 1.0;
+    let mut transpose_cached_bytes = 0.0;
+    let mut k = 256;
+    while k <= side {
+        let (m, node) = one_op(&format!("(float[{k},{k}] a) => (y)"), "y = Transpose <perm: ints = [1, 0]> (a)")?;
+        let t_tr = time_node(&mut e, &m.graph, node, &[filled(vec![k, k])], reps)?;
+        let (m, node) = one_op(&format!("(float[{k},{k}] a) => (y)"), "y = Relu (a)")?;
+        let t_relu = time_node(&mut e, &m.graph, node, &[filled(vec![k, k])], reps)?;
+        samples.push(Sample {
+            what: format!("Transpose of {k}×{k} floats (Relu {:.3} ms)", t_relu * 1e3),
+            median_s: t_tr,
+            reps,
+        });
+        transpose_efficiency = (t_relu / t_tr).clamp(0.01, 1.0);
+        if transpose_efficiency >= 0.6 && (k * k * 4) as f64 > transpose_cached_bytes {
+            transpose_cached_bytes = (k * k * 4) as f64;
+        }
+        k *= 2;
+    }
     // Device → host → device.
     let mut f = make()?;
     // Small enough to be all latency, large enough not to be served from the host copy that
@@ -178,9 +261,12 @@ pub fn measure<E: Executor>(mut make: impl FnMut() -> Result<E, String>, effort:
         efficiency: (conv_flops / gemm_flops).clamp(0.05, 1.0),
         conv_grad_efficiency: (grad_flops / conv_flops).clamp(0.05, 1.5),
         mem_bandwidth: 12.0 * s as f64 / busy(t_add),
+        transpose_efficiency,
+        transpose_cached_bytes,
         launch,
         copy_bandwidth: 4.0 * (s - small.min(s)) as f64 / (t_big - t_small).max(t_big * 0.5),
         copy_latency: t_small,
+        launch_contention,
     };
     Ok(Measured { adapter: e.name(), calibration, samples })
 }
@@ -195,12 +281,15 @@ pub fn cluster_toml(m: &Measured, devices: usize) -> (Cluster, String) {
     }
     let k = &m.calibration;
     t.push_str(&format!(
-        "# GEMM {:.2} GFLOP/s (convolutions at {:.0}%, their gradients at {:.0}% of that), memory {:.2} GB/s, dispatch {:.1} µs, copies {:.2} GB/s + {:.1} µs\n\n",
+        "# GEMM {:.2} GFLOP/s (convolutions at {:.0}%, their gradients at {:.0}% of that), memory {:.2} GB/s (transposes of over {:.1} MB at {:.0}%), dispatch {:.1} µs (+{:.0}% per further device at once), copies {:.2} GB/s + {:.1} µs\n\n",
         k.gemm_flops / 1e9,
         k.efficiency * 100.0,
         k.conv_grad_efficiency * 100.0,
         k.mem_bandwidth / 1e9,
+        k.transpose_cached_bytes / 1e6,
+        k.transpose_efficiency * 100.0,
         k.launch * 1e6,
+        k.launch_contention * 100.0,
         k.copy_bandwidth / 1e9,
         k.copy_latency * 1e6
     ));

@@ -64,10 +64,13 @@ pub fn run(args: &CalibrateArgs) -> CliResult {
             "gemm_flops": k.gemm_flops,
             "efficiency": k.efficiency,
             "conv_grad_efficiency": k.conv_grad_efficiency,
+            "transpose_efficiency": k.transpose_efficiency,
+            "transpose_cached_bytes": k.transpose_cached_bytes,
             "mem_bandwidth": k.mem_bandwidth,
             "launch_s": k.launch,
             "copy_bandwidth": k.copy_bandwidth,
             "copy_latency_s": k.copy_latency,
+            "launch_contention": k.launch_contention,
             "samples": measured.samples.iter().map(|s| serde_json::json!({"what": s.what, "median_s": s.median_s, "reps": s.reps})).collect::<Vec<_>>(),
         }))
         .expect("JSON")

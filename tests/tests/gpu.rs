@@ -211,6 +211,39 @@ fn convolution_gradients_of_every_geometry_match_the_reference() {
 
 /// Parses `text`, draws its inputs (`shapes`, seeded), runs it on one wgpu device and checks
 /// that no op ran on the host and that each output named in `outputs` equals the reference's.
+/// Training-mode batch normalization (the batch's statistics per channel, the running ones
+/// updated with them) runs on the device, not the host, and gives the reference's output and
+/// running statistics: 2-d, 3-d and 4-d inputs, the default and a given momentum, with and
+/// without the running statistics asked for.
+#[test]
+fn training_batch_normalization_runs_on_the_device() {
+    if !gpu_available() {
+        return;
+    }
+    let cases: [(&[usize], &str, &str); 4] = [
+        (&[4, 3, 5, 5], "", "y, rm, rv"),
+        (&[2, 8, 6], "momentum: float = 0.5, ", "y, rm, rv"),
+        (&[6, 4], "epsilon: float = 0.001, ", "y, rm, rv"),
+        (&[3, 2, 4, 4], "", "y"),
+    ];
+    for (i, (x, attrs, outs)) in cases.iter().enumerate() {
+        let c = x[1];
+        let dims = |d: &[usize]| d.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(",");
+        let names: Vec<&str> = outs.split(", ").collect();
+        let sig: Vec<String> = names
+            .iter()
+            .map(|n| if *n == "y" { format!("float[{}] y", dims(x)) } else { format!("float[{c}] {n}") })
+            .collect();
+        let text = format!(
+            "<ir_version: 8, opset_import: [\"\" : 15]>\nbn (float[{}] x, float[{c}] s, float[{c}] b, float[{c}] m, float[{c}] v) => ({})\n{{\n   {outs} = BatchNormalization <{attrs}training_mode: int = 1> (x, s, b, m, v)\n}}\n",
+            dims(x),
+            sig.join(", ")
+        );
+        let shapes = [("x", x.to_vec()), ("s", vec![c]), ("b", vec![c]), ("m", vec![c]), ("v", vec![c])];
+        wgpu_matches_reference(&format!("case {i}"), &text, &shapes, 5, &names);
+    }
+}
+
 fn wgpu_matches_reference(what: &str, text: &str, shapes: &[(&str, Vec<usize>)], seed: u64, outputs: &[&str]) {
     let mut m = frontend::parse(text).unwrap_or_else(|e| panic!("{what}: {e:?}\n{text}")).model;
     ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap_or_else(|e| panic!("{what}: {e:?}"));

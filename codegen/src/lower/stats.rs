@@ -298,3 +298,86 @@ pub(super) fn mean_loss(
     res[0] = l.op_named(Op::Div(o::Div::default()), &[res[0], count], &outs[0]);
     Ok(res)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{HashMap, HashSet};
+
+    use ir::op::Op;
+    use ir::ops::split::{Expansion, split_mode};
+    use ir::shard::{LinkLevel, Mesh, MeshAxis};
+
+    use crate::{Placement, StagePlacement};
+
+    /// Kernels and full-size passes of the ops device 0 runs, views, constants and
+    /// communication left out.
+    fn counted(prog: &crate::Program, numel: usize) -> Expansion {
+        let g = &prog.devices[0].graph;
+        let mut e = Expansion { launches: 0, passes: 0 };
+        for n in g.op_nodes().unwrap() {
+            let node = g.node(n);
+            if node.op.class() == ir::OpClass::Comm
+                || matches!(node.op, Op::Reshape(_) | Op::Initializer(_) | Op::Constant(_))
+            {
+                continue;
+            }
+            e.launches += 1;
+            let size = |v: &ir::Value| {
+                g.tensor_type(*v).and_then(|t| t.static_dims()).map(|d| d.iter().product::<i64>() as usize)
+            };
+            let ins: HashSet<ir::Value> = node.inputs().iter().flatten().copied().collect();
+            e.passes += ins.iter().filter(|v| size(v) == Some(numel)).count();
+            e.passes += (0..node.outputs().len())
+                .map(|k| ir::Value::new(n, k as u16))
+                .filter(|v| size(v) == Some(numel))
+                .count();
+        }
+        e
+    }
+
+    /// Training-mode batch normalization and its gradient, and mean losses and their
+    /// gradients, with the batch split over two devices run, per device, the ops
+    /// `SplitMode::expansion` states (what the cost model prices): with and without the
+    /// running statistics, dx, log_prob, an ignore_index.
+    #[test]
+    fn split_statistics_run_the_kernels_their_modes_state() {
+        let bn = "float[4,3,5,5] x, float[3] s, float[3] b, float[3] m, float[3] v, float[4,3,5,5] dy";
+        let loss = "float[4,5] x, int64[4] labels, float dl";
+        for (sig, body, numel) in [
+            (bn, "y, rm, rv = BatchNormalization <training_mode: int = 1> (x, s, b, m, v)", 2 * 3 * 25),
+            (bn, "y = BatchNormalization <training_mode: int = 1> (x, s, b, m, v)", 2 * 3 * 25),
+            (bn, "y, ds, db = shardc.BatchNormGrad <training_mode: int = 1> (x, s, m, v, dy)", 2 * 3 * 25),
+            (bn, ", y, db = shardc.BatchNormGrad <training_mode: int = 1> (x, s, m, v, dy)", 2 * 3 * 25),
+            (loss, "y = SoftmaxCrossEntropyLoss <ignore_index: int = 1> (x, labels)", 2 * 5),
+            (loss, "y, lp = SoftmaxCrossEntropyLoss (x, labels)", 2 * 5),
+            (loss, "y = NegativeLogLikelihoodLoss <ignore_index: int = 1> (x, labels)", 2 * 5),
+            (loss, "y = shardc.SoftmaxCrossEntropyLossGrad <ignore_index: int = 1> (dl, x, labels)", 2 * 5),
+            (loss, "y = shardc.SoftmaxCrossEntropyLossGrad (dl, x, labels)", 2 * 5),
+        ] {
+            let text = format!(
+                "<ir_version: 8, opset_import: [\"\" : 17, \"shardc\" : 1]>\nbn ({sig}) => (y) {{\n   {body}\n}}\n"
+            );
+            let mut m = frontend::parse(&text).unwrap_or_else(|d| panic!("{d:?}")).model;
+            ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+            let g = &m.graph;
+            let mesh = Mesh { axes: vec![MeshAxis { name: "x".into(), size: 2, level: LinkLevel::Intra }] };
+            let n = g.op_nodes().unwrap().into_iter().find(|&n| !matches!(g.node(n).op, Op::Initializer(_))).unwrap();
+            let sp = ir::shard::iter_space(g, n);
+            let s = vec![Some(0)];
+            assert!(ir::shard::strategy_valid(&sp, &s, &mesh, g, n), "{body}: the batch splits");
+            let pl = Placement {
+                stages: vec![StagePlacement { mesh: mesh.clone(), devices: vec![0, 1] }],
+                strategies: [(n, s.clone())].into(),
+                stage_of: HashMap::new(),
+                micro_batches: 1,
+                policy: Default::default(),
+                schedule: Default::default(),
+                recompute: Vec::new(),
+            };
+            let prog = crate::lower(g, &pl).unwrap();
+            let mode = split_mode(g, n, &sp, &s, &mesh).unwrap();
+            let (stated, _) = mode.expansion(g.node(n)).unwrap_or_else(|| panic!("{body}: {mode:?} states none"));
+            assert_eq!(counted(&prog, numel), stated, "{body}");
+        }
+    }
+}

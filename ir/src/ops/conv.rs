@@ -805,8 +805,26 @@ impl OpRules for op::ConvGradInput {
         cx.one(Some(shape.iter().map(|&d| Dim::Fixed(d)).collect()))
     }
 
+    /// Ungrouped: the images, dX's channels `c` (W's columns) and the reduction over dY's
+    /// channels `m` (W's rows: split, each device holds partial sums of dX) — the duals of
+    /// the convolution's batch, input-channel and output-channel splits. Grouped: the images.
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        Some(IterSpace::batch(cx, &[0], &[0]))
+        let (dy, w) = (cx.in_dims(0), cx.in_dims(1));
+        if self.group() != 1 || dy.len() < 3 || w.len() != dy.len() {
+            return Some(IterSpace::batch(cx, &[0], &[0]));
+        }
+        let rest = |v: Vec<Option<usize>>| -> Vec<Option<usize>> {
+            v.into_iter().chain(std::iter::repeat_n(None, dy.len() - 2)).collect()
+        };
+        Some(IterSpace {
+            dims: vec![
+                par("n", dy[0]),
+                IterDim { name: "c".into(), size: w[1], kind: DimKind::Parallel, role: DimRole::OutFeature },
+                IterDim { name: "m".into(), size: w[0], kind: DimKind::Reduction, role: DimRole::InFeature },
+            ],
+            inputs: vec![Some(rest(vec![Some(0), Some(2)])), Some(rest(vec![Some(2), Some(1)]))],
+            outputs: vec![rest(vec![Some(0), Some(1)])],
+        })
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
@@ -864,8 +882,27 @@ impl OpRules for op::ConvGradWeight {
         cx.one(Some(out))
     }
 
+    /// Ungrouped: dW's rows `m` (dY's channels), its columns `c` (x's channels) and the
+    /// reduction over the images `n` (split, each device holds partial sums of dW) — the
+    /// duals of the convolution's output-channel, input-channel and batch splits. Grouped:
+    /// the images.
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        Some(IterSpace::batch(cx, &[0, 1], &[]))
+        let (x, dy) = (cx.in_dims(0), cx.in_dims(1));
+        if self.group() != 1 || x.len() < 3 || dy.len() != x.len() || x[0] != dy[0] {
+            return Some(IterSpace::batch(cx, &[0, 1], &[]));
+        }
+        let rest = |v: Vec<Option<usize>>| -> Vec<Option<usize>> {
+            v.into_iter().chain(std::iter::repeat_n(None, x.len() - 2)).collect()
+        };
+        Some(IterSpace {
+            dims: vec![
+                IterDim { name: "n".into(), size: x[0], kind: DimKind::Reduction, role: DimRole::Other },
+                IterDim { name: "m".into(), size: dy[1], kind: DimKind::Parallel, role: DimRole::OutFeature },
+                IterDim { name: "c".into(), size: x[1], kind: DimKind::Parallel, role: DimRole::InFeature },
+            ],
+            inputs: vec![Some(rest(vec![Some(0), Some(2)])), Some(rest(vec![Some(0), Some(1)]))],
+            outputs: vec![rest(vec![Some(1), Some(2)])],
+        })
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {

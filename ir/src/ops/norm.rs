@@ -78,7 +78,9 @@ impl OpRules for op::BatchNormalization {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        norm_work(cx)
+        // Training mode: the batch's statistics per channel, then the normalization.
+        let launches = if self.training_mode() != 0 { 2.0 } else { 1.0 };
+        norm_work(cx).map(|w| Work { launches, ..w })
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
@@ -642,7 +644,8 @@ impl OpRules for op::BatchNormGrad {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        Work::flops(10.0 * cx.in_numel(0))
+        // The per-channel statistics and sums, then dx.
+        Work::flops(10.0 * cx.in_numel(0)).map(|w| Work { launches: 2.0, ..w })
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
@@ -728,7 +731,8 @@ impl OpRules for op::LayerNormGrad {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        Work::flops(10.0 * cx.in_numel(0))
+        // The per-channel statistics and sums, then dx.
+        Work::flops(10.0 * cx.in_numel(0)).map(|w| Work { launches: 2.0, ..w })
     }
 
     /// Per row: `x̂ = (x − μ)·r`, `g = dY·scale`; `dX = r·(g − mean(g) − x̂·mean(g·x̂))`;

@@ -83,6 +83,74 @@ impl SplitMode {
     }
 }
 
+/// The kernels a mode's local computation runs (the lowering's expansion of a statistic
+/// split into reductions, all-reduces and element-wise ops, the op itself included), for the
+/// cost model: launches, and the bytes they move in units of the local size of the op's main
+/// tensor (the batch normalization's input, the loss's scores; kernels over per-channel
+/// vectors, labels and scalars count as launches only). The lowering test
+/// `split_statistics_run_the_kernels_their_modes_state` counts the lowered ops against it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Expansion {
+    /// Ops launched (views and communication not counted).
+    pub launches: usize,
+    /// Reads and writes of tensors of the main tensor's local size, in multiples of it.
+    pub passes: usize,
+}
+
+impl SplitMode {
+    /// The expansion of node `node` in this mode and of its gradient in the same mode (for
+    /// a forward op), for the modes that run as several ops where one device runs one:
+    /// training-mode batch normalization over split statistics (sums, all-reduces, centring,
+    /// normalization and the running statistics each as their own op) and a mean loss over
+    /// split samples (the op summing, the count of the samples not ignored, the division).
+    pub fn expansion(&self, node: &Node) -> Option<(Expansion, Option<Expansion>)> {
+        let named = |k: usize| node.outputs().get(k).is_some_and(|o| !o.name.is_empty());
+        match self {
+            SplitMode::BatchNorm { grad, .. } => {
+                // BatchNormGrad: recompute the mean and deviation (ReduceSum, Sub, Mul,
+                // ReduceSum, Div over x; Mul, Mul, Add, Sqrt per channel), the sums of dy and
+                // dy·x̂ (ReduceSum, Mul, ReduceSum), then dx (Mul, Sub, Sub, Mul over x; Mul,
+                // Mul, Div per channel) unless nothing reads it.
+                let bn_grad = |dx: bool| {
+                    if dx {
+                        Expansion { launches: 5 + 4 + 3 + 4 + 3, passes: 8 + 5 + 9 }
+                    } else {
+                        Expansion { launches: 5 + 4 + 3, passes: 8 + 5 }
+                    }
+                };
+                if *grad {
+                    return Some((bn_grad(named(0)), None));
+                }
+                // Mean and deviation as above, then scale and bias (Mul, Add over x), and per
+                // running statistic kept: Mul, Mul, Add per channel.
+                let running = (1..3).filter(|&k| named(k)).count();
+                Some((Expansion { launches: 5 + 4 + 2 + 3 * running, passes: 8 + 4 }, Some(bn_grad(true))))
+            }
+            SplitMode::Loss { ignore_index } => {
+                // The count of the samples not ignored: Equal, Not, Cast, ReduceSum over the
+                // labels (a constant without an ignore_index).
+                let count = if ignore_index.is_some() { 4 } else { 0 };
+                // The op (reading the scores; the gradient writes dScores too), then the
+                // division by the count (of the loss: a scalar; of dScores: a pass over it).
+                let grad = Expansion { launches: count + 2, passes: 2 + 2 };
+                match &node.op {
+                    Op::SoftmaxCrossEntropyLossGrad(_) | Op::NegativeLogLikelihoodLossGrad(_) => Some((grad, None)),
+                    _ => Some((Expansion { launches: count + 2, passes: 1 + usize::from(named(1)) }, Some(grad))),
+                }
+            }
+            _ => None,
+        }
+    }
+
+    /// The input whose local size [`Expansion::passes`] counts in.
+    pub fn main_input(node: &Node) -> usize {
+        match &node.op {
+            Op::SoftmaxCrossEntropyLossGrad(_) | Op::NegativeLogLikelihoodLossGrad(_) => 1,
+            _ => 0,
+        }
+    }
+}
+
 /// The input of an op that holds a shape literal (Reshape/Expand shape, Resize sizes).
 pub fn shape_input(node: &Node) -> Option<usize> {
     match node.op {
@@ -173,7 +241,13 @@ fn spatial_splits(
 /// How node `n` computes under strategy `s` on `mesh`, or why it cannot run split so.
 pub fn split_mode(g: &Graph, n: NodeId, sp: &IterSpace, s: &[Option<usize>], mesh: &Mesh) -> Result<SplitMode, String> {
     let node = g.node(n);
-    let split: Vec<usize> = s.iter().flatten().copied().collect();
+    // An axis of one device splits nothing: the op runs as on one device.
+    let split: Vec<usize> = s
+        .iter()
+        .enumerate()
+        .filter(|(a, _)| mesh.axes.get(*a).is_none_or(|x| x.size > 1))
+        .filter_map(|(_, d)| *d)
+        .collect();
     if split.is_empty() {
         return Ok(SplitMode::Direct);
     }

@@ -172,8 +172,11 @@ impl Reshards<'_, '_> {
         })
     }
 
+    /// Seconds of resharding `v` (its collectives and its local slices, as the cost model
+    /// prices an edge).
     fn time(&mut self, p: &Problem, v: ValueId, from: LayoutId, to: LayoutId) -> f64 {
-        self.price(p, v, from, to, 1.0).0
+        let local = self.cm.reshard_local(p.values[v.ix()].value, &p.layouts[from.ix()], &p.layouts[to.ix()]);
+        self.price(p, v, from, to, 1.0).0 + local
     }
 
     /// The bandwidth part of a resharding (gradient synchronisation is bucketed, so its
@@ -268,7 +271,8 @@ impl Proxy {
                         let from = &p.layouts[op.makes[c][slot].ix()];
                         let to =
                             ir::reshard::output_layout(from, cm.batch().get(&vi.value).map_or(&[][..], Vec::as_slice));
-                        tm += crate::cost::collective::total(&cm.reshard(vi.value, from, &to, 1.0));
+                        tm += crate::cost::collective::total(&cm.reshard(vi.value, from, &to, 1.0))
+                            + cm.reshard_local(vi.value, from, &to);
                     }
                 }
                 if op.keeps_outputs {

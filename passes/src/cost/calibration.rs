@@ -25,10 +25,13 @@ pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) 
             mem_usable: 0.9,
             launch_overhead: c.launch,
             shared_host: true,
+            launch_contention: c.launch_contention,
             // The runtime's GEMM kernel computes 4×4 blocks per invocation in 16×16 workgroups.
             gemm_tile: 16,
             gemm_k_overhead: 4.0,
             conv_grad_efficiency: c.conv_grad_efficiency,
+            transpose_efficiency: c.transpose_efficiency,
+            transpose_cached_bytes: c.transpose_cached_bytes,
         },
         intra: Link { bandwidth: c.copy_bandwidth, latency: c.copy_latency, topology: Topology::Switch, shared_by: 1 },
         inter: None,
@@ -46,6 +49,10 @@ pub struct Calibration {
     pub efficiency: f64,
     /// Fraction of the convolution's rate that its gradient kernels reach.
     pub conv_grad_efficiency: f64,
+    /// Fraction of the memory bandwidth a transpose of the innermost dim reaches.
+    pub transpose_efficiency: f64,
+    /// The largest tensor whose transpose streams at full bandwidth, bytes.
+    pub transpose_cached_bytes: f64,
     /// Bytes/s of a memory-bound kernel.
     pub mem_bandwidth: f64,
     /// Seconds per kernel dispatch.
@@ -54,12 +61,27 @@ pub struct Calibration {
     pub copy_bandwidth: f64,
     /// Seconds of fixed cost per transfer.
     pub copy_latency: f64,
+    /// The extra fraction of `launch` each further device dispatching at once adds.
+    pub launch_contention: f64,
 }
 
 /// The convolution gradients' rate against the convolution's, measured by `shardc calibrate`
 /// on the development machine on 2026-11-26 (79% and 100% in two runs; a ratio of two kernels' rates on one machine, so
 /// it outlives that day's absolute speed).
 pub const CONV_GRAD_EFFICIENCY: f64 = 0.9;
+
+/// The fraction of the memory bandwidth a transpose of the innermost dim reaches, measured by
+/// `shardc calibrate` on the development machine on 2026-11-26 (a 2048×2048 transpose: 81.5
+/// ms for 32 MB moved against an Add of the same size moving 48 MB in 28.9 ms: 0.24; against
+/// a Relu of the same tensor: 0.66, 0.83, 0.43, 0.26 of its rate at 256², 512², 1024² and
+/// 2048² floats, so up to 1 MB the strided side stays in cache).
+pub const TRANSPOSE_EFFICIENCY: f64 = 0.24;
+
+/// The extra fraction of a dispatch each further simulated device adds, measured by
+/// `shardc calibrate` on the development machine on 2026-11-26 (empty dispatches: 124 µs
+/// from one device, 153–162 µs each from two at once, 158–192 µs from four; a ratio of
+/// one machine's times, like [`CONV_GRAD_EFFICIENCY`]).
+pub const LAUNCH_CONTENTION: f64 = 0.16;
 
 /// Values from the last calibration run on the development machine (`shardc calibrate`,
 /// 2 cores, lavapipe: MatMul 512³ 53.1 ms, Conv 3×3 8×64×16×16 33.1 ms, 4-float Relu
@@ -68,8 +90,11 @@ pub const CALIBRATED: Calibration = Calibration {
     gemm_flops: 5.1e9,
     efficiency: 0.9,
     conv_grad_efficiency: CONV_GRAD_EFFICIENCY,
+    transpose_efficiency: TRANSPOSE_EFFICIENCY,
+    transpose_cached_bytes: 1.0e6,
     mem_bandwidth: 2.2e9,
     launch: 100e-6,
     copy_bandwidth: 0.55e9,
     copy_latency: 160e-6,
+    launch_contention: LAUNCH_CONTENTION,
 };

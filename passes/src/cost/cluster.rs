@@ -52,6 +52,12 @@ pub struct Device {
     /// memory bandwidth above are the host's, divided among the devices a plan uses.
     #[serde(default)]
     pub shared_host: bool,
+    /// On such a host, the extra fraction of `launch_overhead` each further device adds to
+    /// every launch (dispatches are host work, and the devices' dispatches contend for its
+    /// cores): a launch on `D` devices takes `launch_overhead · (1 + launch_contention · (D − 1))`.
+    /// Measured by `shardc calibrate` (empty dispatches from 1, 2 and 4 devices at once).
+    #[serde(default)]
+    pub launch_contention: f64,
     /// Output tile of the GEMM kernels (rows = columns): a GEMM computes whole tiles, so an
     /// `M × N` output reaches `M/(⌈M/T⌉T) · N/(⌈N/T⌉T)` of `efficiency` (tile quantization:
     /// skinny or small shards waste the padded part of their last tiles).
@@ -68,6 +74,16 @@ pub struct Device {
     /// runtime's own kernels.
     #[serde(default = "default_conv_grad_efficiency")]
     pub conv_grad_efficiency: f64,
+    /// Fraction of `mem_bandwidth` a transpose that moves the innermost dim reaches once its
+    /// tensor outgrows `transpose_cached_bytes` (its reads or its writes are strided): 1 where
+    /// such copies stream like any other, measured by `shardc calibrate` for the runtime's own
+    /// kernel.
+    #[serde(default = "default_conv_grad_efficiency")]
+    pub transpose_efficiency: f64,
+    /// The largest tensor, bytes, whose transpose still streams at full bandwidth (its
+    /// strided side stays in cache); measured by `shardc calibrate`.
+    #[serde(default)]
+    pub transpose_cached_bytes: f64,
 }
 
 fn default_usable() -> f64 {
@@ -195,11 +211,14 @@ fn a100() -> Device {
         // CUDA kernel launch and framework dispatch, a few microseconds.
         launch_overhead: 5e-6,
         shared_host: false,
+        launch_contention: 0.0,
         // cuBLAS SGEMM/HGEMM tiles of 128×128 on large problems; ~32 of K per tile in
         // prologue/epilogue.
         gemm_tile: 128,
         gemm_k_overhead: 32.0,
         conv_grad_efficiency: 1.0,
+        transpose_efficiency: 1.0,
+        transpose_cached_bytes: 0.0,
     }
 }
 
@@ -243,9 +262,12 @@ fn dgx_h100() -> Cluster {
             mem_usable: 0.9,
             launch_overhead: 4e-6,
             shared_host: false,
+            launch_contention: 0.0,
             gemm_tile: 128,
             gemm_k_overhead: 32.0,
             conv_grad_efficiency: 1.0,
+            transpose_efficiency: 1.0,
+            transpose_cached_bytes: 0.0,
         },
         // NVLink 4: 18 links, 900 GB/s bidirectional = 450 GB/s per direction, NVSwitch gen 3;
         // NCCL reaches ~360 GB/s bus bandwidth.
@@ -274,9 +296,12 @@ fn pcie_v100x8() -> Cluster {
             mem_usable: 0.9,
             launch_overhead: 6e-6,
             shared_host: false,
+            launch_contention: 0.0,
             gemm_tile: 128,
             gemm_k_overhead: 32.0,
             conv_grad_efficiency: 1.0,
+            transpose_efficiency: 1.0,
+            transpose_cached_bytes: 0.0,
         },
         // GPU↔GPU over PCIe Gen3 x16 (15.75 GB/s theoretical, ~11 GB/s achieved); pairs of GPUs
         // share a PLX switch uplink to the CPU root complex, which rings across switches cross.
@@ -304,9 +329,12 @@ fn dgx1_v100() -> Cluster {
             mem_usable: 0.9,
             launch_overhead: 6e-6,
             shared_host: false,
+            launch_contention: 0.0,
             gemm_tile: 128,
             gemm_k_overhead: 32.0,
             conv_grad_efficiency: 1.0,
+            transpose_efficiency: 1.0,
+            transpose_cached_bytes: 0.0,
         },
         // NVLink 2 hybrid cube-mesh: 6 links × 25 GB/s per GPU; NCCL rings reach ~130 GB/s bus
         // bandwidth over all 8 GPUs.

@@ -266,6 +266,8 @@ pub struct Breakdown {
 
 /// A resharding: the value, from, to, the byte scale (as bits).
 type ReshardKey = (Value, Sharding, Sharding, u64);
+/// A resharding's priced collectives and the seconds of its local steps.
+type Resharded = (Rc<[Step]>, f64);
 
 /// A gradient bucket being filled: bytes, bandwidth seconds, latency seconds, ready time.
 type OpenBucket = (f64, f64, f64, f64);
@@ -300,7 +302,7 @@ pub struct CostModel<'a> {
     /// it runs, each op once in its phase, with no backward pass or update added.
     phases: Option<HashMap<NodeId, Phase>>,
     op_memo: RefCell<FxHashMap<(NodeId, OpStrategy), Rc<OpEval>>>,
-    reshard_memo: RefCell<FxHashMap<ReshardKey, Rc<[Step]>>>,
+    reshard_memo: RefCell<FxHashMap<ReshardKey, Resharded>>,
 }
 
 /// What one evaluation accumulates: communication by kind, events, rows, the largest buffer.
@@ -536,6 +538,15 @@ impl<'a> CostModel<'a> {
         if self.cluster.device.shared_host { self.mesh.devices().max(1) as f64 } else { 1.0 }
     }
 
+    /// The fixed cost of one kernel on one device: the device's launch overhead, more on
+    /// devices simulated on one host the more of them dispatch at once
+    /// ([`super::cluster::Device::launch_contention`]).
+    pub fn launch(&self) -> f64 {
+        let d = &self.cluster.device;
+        let others = if d.shared_host { self.mesh.devices().max(1) as f64 - 1.0 } else { 0.0 };
+        d.launch_overhead * (1.0 + d.launch_contention.max(0.0) * others)
+    }
+
     /// Memory bandwidth of one device, bytes/s.
     fn mem_bandwidth(&self) -> f64 {
         self.cluster.device.mem_bandwidth / self.host_share()
@@ -639,21 +650,64 @@ impl<'a> CostModel<'a> {
             }
         }
         let act_bytes = (c.bytes_read - c.param_bytes + c.bytes_written) * pf / f;
-        let bytes = act_bytes + param_local;
-        let launch = self.cluster.device.launch_overhead * c.launches.max(1.0);
-        // GEMMs and convolutions reach less of peak when small or skinny (the backward GEMMs
-        // have the same three extents, permuted).
+        // A transpose that moves the innermost dim reads or writes with a stride.
+        let strided = match &node.op {
+            Op::Transpose(t) => {
+                let rank = node.input(0).and_then(|v| self.g.tensor_type(v)).and_then(|t| t.rank()).unwrap_or(0);
+                let last = t.perm.as_ref().map_or(0, |p| p.last().copied().unwrap_or(0) as usize);
+                rank > 1 && last != rank - 1
+            }
+            _ => false,
+        };
         let d = &self.cluster.device;
-        let eff = self.gemm_shape(n, ins, outs).map_or(d.efficiency, |(m, nn, k)| d.gemm_efficiency(m, nn, k));
+        let in_cache = node.input(0).is_some_and(|v| self.value_bytes(v) / f <= d.transpose_cached_bytes);
+        let stride_factor = if strided && !in_cache { 1.0 / d.transpose_efficiency.clamp(0.01, 1.0) } else { 1.0 };
+        let bytes = (act_bytes + param_local) * stride_factor;
+        let launch = self.launch() * c.launches.max(1.0);
+        // GEMMs and convolutions reach less of peak when small or skinny. The backward GEMMs
+        // have the same three extents, permuted: of an `m × n` output over `k`, the input's
+        // gradient is `m × k` over `n` (a convolution's runs transposed, `k × m`), the
+        // weight's `k × n` over `m` — a convolution's each at its own shape's efficiency, as
+        // the training program prices its gradient ops.
+        let shape = self.gemm_shape(n, ins, outs);
+        let eff = shape.map_or(d.efficiency, |(m, nn, k)| d.gemm_efficiency(m, nn, k));
+        let (data_eff, weight_eff) =
+            shape.map_or((eff, eff), |(m, nn, k)| (d.gemm_efficiency(m, k, nn), d.gemm_efficiency(k, nn, m)));
         // A convolution's gradients run kernels of their own, at their own rate.
+        let grad_rate = if matches!(node.op, Op::Conv(_)) { d.conv_grad_efficiency } else { 1.0 };
         let (fwd_eff, bwd_eff) = match &node.op {
             Op::ConvGradInput(_) | Op::ConvGradWeight(_) => (eff * d.conv_grad_efficiency, eff),
-            Op::Conv(_) => (eff, eff * d.conv_grad_efficiency),
-            _ => (eff, eff),
+            _ => (eff, eff * grad_rate),
         };
-        let fwd = self.roofline_at(c.fwd_flops / f, bytes, fwd_eff) + launch;
         let bwd_flops = (c.bwd_data_flops + c.bwd_weight_flops) / f;
-        let bwd = if bwd_flops > 0.0 { self.roofline_at(bwd_flops, 2.0 * bytes, bwd_eff) + 2.0 * launch } else { 0.0 };
+        // A statistic split the lowering expands into several kernels (synchronised batch
+        // normalization) runs those kernels: their launches and their passes over the local
+        // input, as the lowering emits them.
+        let expansion =
+            split_mode(self.g, n, &self.spaces[&n], strategy, &self.mesh).ok().and_then(|m| m.expansion(node));
+        if let Some((e, grad)) = expansion {
+            let x = node.input(SplitMode::main_input(node)).map_or(0.0, |v| self.value_bytes(v) / f);
+            let run = |flops: f64, e: ir::ops::split::Expansion, eff: f64| {
+                self.roofline_at(flops, e.passes as f64 * x, eff) + self.launch() * e.launches as f64
+            };
+            let fwd = run(c.fwd_flops / f, e, fwd_eff);
+            let bwd = grad.map_or(0.0, |ge| if bwd_flops > 0.0 { run(bwd_flops, ge, bwd_eff) } else { 0.0 });
+            return (fwd, bwd);
+        }
+        let fwd = self.roofline_at(c.fwd_flops / f, bytes, fwd_eff) + launch;
+        let bwd = if bwd_flops <= 0.0 {
+            0.0
+        } else if shape.is_some() && matches!(node.op, Op::Conv(_)) {
+            // The two gradient GEMMs, each reading and writing about what the op does (a
+            // convolution's: the runtime's gradient kernels are GEMMs of exactly these shapes;
+            // a MatMul's batched and broadcast gradients fold their batch dims into rows the
+            // forward shape does not show, so they keep the forward's efficiency).
+            self.roofline_at(c.bwd_data_flops / f, bytes, data_eff * grad_rate)
+                + self.roofline_at(c.bwd_weight_flops / f, bytes, weight_eff * grad_rate)
+                + 2.0 * launch
+        } else {
+            self.roofline_at(bwd_flops, 2.0 * bytes, bwd_eff) + 2.0 * launch
+        };
         (fwd, bwd)
     }
 
@@ -786,18 +840,41 @@ impl<'a> CostModel<'a> {
 
     /// The priced steps that reshard `v` from `from` to `to`, bytes scaled by `scale`.
     pub fn reshard(&self, v: Value, from: &Sharding, to: &Sharding, scale: f64) -> Rc<[Step]> {
+        self.reshard_both(v, from, to, scale).0
+    }
+
+    /// The seconds of the local steps of a resharding (the algebra's slices and zeroings):
+    /// no bytes cross a link, but the device runs a kernel for each, reading and writing its
+    /// piece — a launch and a memory-bound pass, as the lowering's `Slice` and `Mul` run.
+    pub fn reshard_local(&self, v: Value, from: &Sharding, to: &Sharding) -> f64 {
+        self.reshard_both(v, from, to, 1.0).1
+    }
+
+    /// [`CostModel::reshard`] and [`CostModel::reshard_local`], memoised together.
+    fn reshard_both(&self, v: Value, from: &Sharding, to: &Sharding, scale: f64) -> Resharded {
         if from == to {
-            return Rc::from(Vec::new());
+            return (Rc::from(Vec::new()), 0.0);
         }
         let key = (v, from.clone(), to.clone(), scale.to_bits());
         if let Some(st) = self.reshard_memo.borrow().get(&key) {
             return st.clone();
         }
         let (dims, eb) = self.value_shape(v);
-        let st: Rc<[Step]> =
-            super::collective::reshard(&dims, eb, from, to, scale, &self.mesh, self.cluster, self.policy).into();
-        self.reshard_memo.borrow_mut().insert(key, st.clone());
-        st
+        let algebra = ir::reshard::reshard(&dims, eb, from, to, &self.mesh, self.policy);
+        let steps: Rc<[Step]> = algebra
+            .iter()
+            .filter_map(|s| super::collective::price(s, scale, &self.mesh, self.cluster))
+            .collect::<Vec<_>>()
+            .into();
+        let whole = dims.iter().map(|&d| d.max(0) as f64).product::<f64>() * eb;
+        let local: f64 = algebra
+            .iter()
+            .filter(|s| !s.kind.communicates())
+            .map(|s| self.launch() + 2.0 * whole / split_factor(&s.to, &self.mesh) / self.mem_bandwidth())
+            .sum();
+        let both = (steps, local);
+        self.reshard_memo.borrow_mut().insert(key, both.clone());
+        both
     }
 
     /// The strategy of `n` in an assignment (replicated when absent).
@@ -895,7 +972,7 @@ impl<'a> CostModel<'a> {
 
         // Optimizer update: memory-bound traffic over the local parameters.
         let update = params.elems * self.update_bytes_per_elem() / self.mem_bandwidth()
-            + self.cluster.device.launch_overhead * (params.count as f64 / 10.0).ceil();
+            + self.launch() * (params.count as f64 / 10.0).ceil();
 
         // Host→device input.
         let (input_transfer, input_bytes) = self.input_time(&storage, mesh);
@@ -1132,7 +1209,7 @@ impl<'a> CostModel<'a> {
             // A tensor is materialized in a layout once, however many ops read it there.
             if src != need && edges.materialized.insert((*v, need)) {
                 let steps = self.reshard(*v, src, need, 1.0);
-                fwd += w.record(self.phase(n), *v, Some(n), src, need, &steps);
+                fwd += w.record(self.phase(n), *v, Some(n), src, need, &steps) + self.reshard_local(*v, src, need);
             }
             if !self.needs_grad(*v) {
                 continue;
@@ -1154,7 +1231,8 @@ impl<'a> CostModel<'a> {
                 let target: Sharding =
                     src.iter().map(|x| if *x == AxisShard::Partial { AxisShard::Replicate } else { *x }).collect();
                 let steps = self.reshard(*v, &grad, &target, 1.0);
-                bwd += w.record(Phase::Backward, *v, Some(n), &grad, &target, &steps);
+                bwd += w.record(Phase::Backward, *v, Some(n), &grad, &target, &steps)
+                    + self.reshard_local(*v, &grad, &target);
                 edges.grads_sent.insert((*v, grad));
             }
         }
@@ -1185,7 +1263,7 @@ impl<'a> CostModel<'a> {
             }
             let steps = self.reshard(v, from, &to, 1.0);
             let phase = self.phase(v.node);
-            t[phase as usize] += w.record(phase, v, None, from, &to, &steps);
+            t[phase as usize] += w.record(phase, v, None, from, &to, &steps) + self.reshard_local(v, from, &to);
         }
         t
     }

@@ -24,10 +24,13 @@ fn toy() -> Cluster {
             mem_usable: 1.0,
             launch_overhead: 0.0,
             shared_host: false,
+            launch_contention: 0.0,
             // No tile quantization or reduction overhead: efficiency is flat.
             gemm_tile: 1,
             gemm_k_overhead: 0.0,
             conv_grad_efficiency: 1.0,
+            transpose_efficiency: 1.0,
+            transpose_cached_bytes: 0.0,
         },
         intra: Link { bandwidth: 1e10, latency: 0.0, topology: Topology::Switch, shared_by: 1 },
         inter: None,

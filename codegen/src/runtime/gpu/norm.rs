@@ -1,5 +1,6 @@
 //! Normalization kernels: layer normalization over contiguous rows (with its mean and
-//! inverse standard deviation outputs), inference batch normalization per channel, and
+//! inverse standard deviation outputs), batch normalization per channel (inference, and
+//! training with the batch's statistics and the updated running ones), and
 //! instance normalization per (sample, channel) row.
 
 use ir::DType;
@@ -53,15 +54,29 @@ impl Kernel for op::LayerNormalization {
 impl Kernel for op::BatchNormalization {
     fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
         let (Some(x), true) = (cx.input(0), (1..5).all(|k| cx.input(k).is_some())) else { return Ok(None) };
-        if self.training_mode() != 0 || cx.extra_outputs() || x.elem() != Elem::F32 {
+        let training = self.training_mode() != 0;
+        if (!training && cx.extra_outputs()) || x.elem() != Elem::F32 || x.shape.len() < 2 {
             return Ok(None);
         }
-        let r = x.shape.len();
-        let ch = if r > 1 { x.shape[1] } else { 1 };
-        let inner: usize = x.shape.get(2..).map_or(1, |d| d.iter().product());
+        let ch = x.shape[1];
+        let inner: usize = x.shape[2..].iter().product();
         let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
         let p = vec![x.numel() as u32, ch as u32, inner as u32, self.epsilon().to_bits()];
-        let bufs = vec![Buf::In(0), Buf::In(1), Buf::In(2), Buf::In(3), Buf::In(4), Buf::Out(0)];
+        let (mean, var) = if training {
+            // The batch's statistics per channel, and the running ones updated with them.
+            let (rm, rv) = param_outputs(&mut c, cx, vec![ch]);
+            let mean = c.temp(vec![ch], DType::Float);
+            let var = c.temp(vec![ch], DType::Float);
+            let ps = vec![ch as u32, x.shape[0] as u32, inner as u32, self.momentum().to_bits()];
+            let bufs = vec![Buf::In(0), Buf::In(3), Buf::In(4), mean, var, rm, rv];
+            if ch > 0 {
+                c.launch_loop(batchnorm_stats_src(), bufs, ps, groups(ch), 2 * nested(&[x.shape[0], inner]));
+            }
+            (mean, var)
+        } else {
+            (Buf::In(3), Buf::In(4))
+        };
+        let bufs = vec![Buf::In(0), Buf::In(1), Buf::In(2), mean, var, Buf::Out(0)];
         if x.numel() > 0 {
             c.launch(batchnorm_src(), bufs, p, groups(x.numel()));
         }
@@ -140,6 +155,38 @@ impl Kernel for op::BatchNormGrad {
         }
         Ok(Some(c))
     }
+}
+
+/// Per channel of a training-mode batch normalization: the batch's mean and (biased)
+/// variance, two walks over every image and position, and the running statistics
+/// `running·momentum + batch·(1 − momentum)`. `P = [C, N, inner, momentum_bits]`.
+pub fn batchnorm_stats_src() -> String {
+    let body = "    let C = P[0]; let N = P[1]; let L = P[2];
+    let cnt = f32(N * L);
+    var m = 0.0;
+    for (var n = 0u; n < N; n = n + 1u) { for (var k = 0u; k < L; k = k + 1u) { m = m + X[(n * C + i) * L + k]; } }
+    m = m / cnt;
+    var v = 0.0;
+    for (var n = 0u; n < N; n = n + 1u) { for (var k = 0u; k < L; k = k + 1u) { let d = X[(n * C + i) * L + k] - m; v = v + d * d; } }
+    v = v / cnt;
+    MEAN[i] = m;
+    VAR[i] = v;
+    let mo = bitcast<f32>(P[3]);
+    RM[i] = RM0[i] * mo + m * (1.0 - mo);
+    RV[i] = RV0[i] * mo + v * (1.0 - mo);";
+    source(
+        &[
+            ("X", Elem::F32, false),
+            ("RM0", Elem::F32, false),
+            ("RV0", Elem::F32, false),
+            ("MEAN", Elem::F32, true),
+            ("VAR", Elem::F32, true),
+            ("RM", Elem::F32, true),
+            ("RV", Elem::F32, true),
+        ],
+        "",
+        body,
+    )
 }
 
 /// Per channel: its mean and inverse deviation (the batch's in training mode, else the
