@@ -737,6 +737,12 @@ struct Geo {
     p: [usize; 3],
 }
 
+/// A convolution gradient tensor's map onto its iteration dims: its two leading dims (images
+/// or filters, channels) as `lead`, its `rank − 2` spatial or kernel dims on none.
+fn channels_first(lead: [Option<usize>; 2], rank: usize) -> Vec<Option<usize>> {
+    lead.into_iter().chain(std::iter::repeat_n(None, rank.saturating_sub(2))).collect()
+}
+
 fn geo(
     kernel: &Option<Vec<i64>>,
     strides: &Option<Vec<i64>>,
@@ -813,17 +819,15 @@ impl OpRules for op::ConvGradInput {
         if self.group() != 1 || dy.len() < 3 || w.len() != dy.len() {
             return Some(IterSpace::batch(cx, &[0], &[0]));
         }
-        let rest = |v: Vec<Option<usize>>| -> Vec<Option<usize>> {
-            v.into_iter().chain(std::iter::repeat_n(None, dy.len() - 2)).collect()
-        };
+        let rest = |lead: [Option<usize>; 2]| channels_first(lead, dy.len());
         Some(IterSpace {
             dims: vec![
                 par("n", dy[0]),
                 IterDim { name: "c".into(), size: w[1], kind: DimKind::Parallel, role: DimRole::OutFeature },
                 IterDim { name: "m".into(), size: w[0], kind: DimKind::Reduction, role: DimRole::InFeature },
             ],
-            inputs: vec![Some(rest(vec![Some(0), Some(2)])), Some(rest(vec![Some(2), Some(1)]))],
-            outputs: vec![rest(vec![Some(0), Some(1)])],
+            inputs: vec![Some(rest([Some(0), Some(2)])), Some(rest([Some(2), Some(1)]))],
+            outputs: vec![rest([Some(0), Some(1)])],
         })
     }
 
@@ -891,17 +895,15 @@ impl OpRules for op::ConvGradWeight {
         if self.group() != 1 || x.len() < 3 || dy.len() != x.len() || x[0] != dy[0] {
             return Some(IterSpace::batch(cx, &[0, 1], &[]));
         }
-        let rest = |v: Vec<Option<usize>>| -> Vec<Option<usize>> {
-            v.into_iter().chain(std::iter::repeat_n(None, x.len() - 2)).collect()
-        };
+        let rest = |lead: [Option<usize>; 2]| channels_first(lead, x.len());
         Some(IterSpace {
             dims: vec![
                 IterDim { name: "n".into(), size: x[0], kind: DimKind::Reduction, role: DimRole::Other },
                 IterDim { name: "m".into(), size: dy[1], kind: DimKind::Parallel, role: DimRole::OutFeature },
                 IterDim { name: "c".into(), size: x[1], kind: DimKind::Parallel, role: DimRole::InFeature },
             ],
-            inputs: vec![Some(rest(vec![Some(0), Some(2)])), Some(rest(vec![Some(0), Some(1)]))],
-            outputs: vec![rest(vec![Some(1), Some(2)])],
+            inputs: vec![Some(rest([Some(0), Some(2)])), Some(rest([Some(0), Some(1)]))],
+            outputs: vec![rest([Some(1), Some(2)])],
         })
     }
 

@@ -731,7 +731,7 @@ impl OpRules for op::LayerNormGrad {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        // The per-channel statistics and sums, then dx.
+        // Per row: the statistics and dx; then per column: the parameter gradients.
         Work::flops(10.0 * cx.in_numel(0)).map(|w| Work { launches: 2.0, ..w })
     }
 

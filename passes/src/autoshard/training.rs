@@ -7,9 +7,10 @@
 //! the rest as the cost model priced the step:
 //! - the backward ops of a forward op (annotated [`crate::autodiff::GRAD_OF`]) on no mesh
 //!   axes but those that op splits over — replicated where it is replicated — the way that
-//!   reads the forward layouts with the least resharding: the dual of its strategy (data parallelism's
+//!   takes the least time, compute and resharding of the forward layouts together (ties: the
+//!   least resharding): the dual of its strategy where that is cheapest (data parallelism's
 //!   weight gradients as partial sums over the batch, a column-parallel GEMM's input gradient
-//!   as partial sums over its features);
+//!   as partial sums over its features, a channel-split convolution's gradients by channels);
 //! - every optimizer update on the shard of the parameter it updates, so gradients are
 //!   synchronised into the parameter's layout and nothing is gathered after the update;
 //! - the other ops (gradient sums, the loss and its gradient when the loss was appended) with

@@ -630,6 +630,7 @@ impl<'a> CostModel<'a> {
         &self,
         n: NodeId,
         strategy: &[Option<usize>],
+        mode: Option<&SplitMode>,
         ins: &[Option<Sharding>],
         outs: &[Sharding],
     ) -> (f64, f64) {
@@ -650,18 +651,18 @@ impl<'a> CostModel<'a> {
             }
         }
         let act_bytes = (c.bytes_read - c.param_bytes + c.bytes_written) * pf / f;
-        // A transpose that moves the innermost dim reads or writes with a stride.
-        let strided = match &node.op {
-            Op::Transpose(t) => {
-                let rank = node.input(0).and_then(|v| self.g.tensor_type(v)).and_then(|t| t.rank()).unwrap_or(0);
+        let d = &self.cluster.device;
+        // A transpose that moves the innermost dim of a tensor too large for the cache reads or
+        // writes with a stride.
+        let strided = match (&node.op, node.input(0)) {
+            (Op::Transpose(t), Some(x)) => {
+                let rank = self.g.tensor_type(x).and_then(|t| t.rank()).unwrap_or(0);
                 let last = t.perm.as_ref().map_or(0, |p| p.last().copied().unwrap_or(0) as usize);
-                rank > 1 && last != rank - 1
+                rank > 1 && last != rank - 1 && self.value_bytes(x) / f > d.transpose_cached_bytes
             }
             _ => false,
         };
-        let d = &self.cluster.device;
-        let in_cache = node.input(0).is_some_and(|v| self.value_bytes(v) / f <= d.transpose_cached_bytes);
-        let stride_factor = if strided && !in_cache { 1.0 / d.transpose_efficiency.clamp(0.01, 1.0) } else { 1.0 };
+        let stride_factor = if strided { 1.0 / d.transpose_efficiency.clamp(0.01, 1.0) } else { 1.0 };
         let bytes = (act_bytes + param_local) * stride_factor;
         let launch = self.launch() * c.launches.max(1.0);
         // GEMMs and convolutions reach less of peak when small or skinny. The backward GEMMs
@@ -671,8 +672,6 @@ impl<'a> CostModel<'a> {
         // the training program prices its gradient ops.
         let shape = self.gemm_shape(n, ins, outs);
         let eff = shape.map_or(d.efficiency, |(m, nn, k)| d.gemm_efficiency(m, nn, k));
-        let (data_eff, weight_eff) =
-            shape.map_or((eff, eff), |(m, nn, k)| (d.gemm_efficiency(m, k, nn), d.gemm_efficiency(k, nn, m)));
         // A convolution's gradients run kernels of their own, at their own rate.
         let grad_rate = if matches!(node.op, Op::Conv(_)) { d.conv_grad_efficiency } else { 1.0 };
         let (fwd_eff, bwd_eff) = match &node.op {
@@ -683,8 +682,7 @@ impl<'a> CostModel<'a> {
         // A statistic split the lowering expands into several kernels (synchronised batch
         // normalization) runs those kernels: their launches and their passes over the local
         // input, as the lowering emits them.
-        let expansion =
-            split_mode(self.g, n, &self.spaces[&n], strategy, &self.mesh).ok().and_then(|m| m.expansion(node));
+        let expansion = mode.and_then(|m| m.expansion(node));
         if let Some((e, grad)) = expansion {
             let x = node.input(SplitMode::main_input(node)).map_or(0.0, |v| self.value_bytes(v) / f);
             let run = |flops: f64, e: ir::ops::split::Expansion, eff: f64| {
@@ -695,40 +693,46 @@ impl<'a> CostModel<'a> {
             return (fwd, bwd);
         }
         let fwd = self.roofline_at(c.fwd_flops / f, bytes, fwd_eff) + launch;
-        let bwd = if bwd_flops <= 0.0 {
-            0.0
-        } else if shape.is_some() && matches!(node.op, Op::Conv(_)) {
+        let bwd = match shape {
+            _ if bwd_flops <= 0.0 => 0.0,
             // The two gradient GEMMs, each reading and writing about what the op does (a
             // convolution's: the runtime's gradient kernels are GEMMs of exactly these shapes;
             // a MatMul's batched and broadcast gradients fold their batch dims into rows the
             // forward shape does not show, so they keep the forward's efficiency).
-            self.roofline_at(c.bwd_data_flops / f, bytes, data_eff * grad_rate)
-                + self.roofline_at(c.bwd_weight_flops / f, bytes, weight_eff * grad_rate)
-                + 2.0 * launch
-        } else {
-            self.roofline_at(bwd_flops, 2.0 * bytes, bwd_eff) + 2.0 * launch
+            Some((m, nn, k)) if matches!(node.op, Op::Conv(_)) => {
+                self.roofline_at(c.bwd_data_flops / f, bytes, d.gemm_efficiency(m, k, nn) * grad_rate)
+                    + self.roofline_at(c.bwd_weight_flops / f, bytes, d.gemm_efficiency(k, nn, m) * grad_rate)
+                    + 2.0 * launch
+            }
+            _ => self.roofline_at(bwd_flops, 2.0 * bytes, bwd_eff) + 2.0 * launch,
         };
         (fwd, bwd)
     }
 
     /// The halo exchanges and statistics all-reduces `n` runs under `strategy`, forward then
     /// backward: exactly what the lowering emits for its [`SplitMode`].
-    fn op_comm(&self, n: NodeId, strategy: &[Option<usize>], ins: &[Option<Sharding>]) -> Vec<(Phase, Step)> {
+    fn op_comm(
+        &self,
+        n: NodeId,
+        strategy: &[Option<usize>],
+        mode: Option<&SplitMode>,
+        ins: &[Option<Sharding>],
+    ) -> Vec<(Phase, Step)> {
         let node = self.g.node(n);
-        let Ok(mode) = split_mode(self.g, n, &self.spaces[&n], strategy, &self.mesh) else { return Vec::new() };
+        let Some(mode) = mode else { return Vec::new() };
         let Some(x) = node.input(0) else { return Vec::new() };
         let (dims, eb) = self.value_shape(x);
         let layout = ins.first().cloned().flatten().unwrap_or_else(|| vec![AxisShard::Replicate; self.mesh.axes.len()]);
         let local = ir::reshard::local_dims(&dims, &layout, &self.mesh);
         let mut out = Vec::new();
-        match &mode {
+        match mode {
             SplitMode::Halo(splits) => {
                 let steps = self.halo_steps(splits, &local, eb);
                 out.extend(steps.iter().cloned().map(|s| (Phase::Forward, s)));
                 out.extend(steps.into_iter().map(|s| (Phase::Backward, s)));
             }
             SplitMode::Softmax { .. } | SplitMode::LayerNorm { .. } | SplitMode::BatchNorm { .. } => {
-                let stat: Vec<usize> = match &mode {
+                let stat: Vec<usize> = match mode {
                     SplitMode::Softmax { axes, .. } | SplitMode::BatchNorm { stat: axes, .. } => axes.clone(),
                     SplitMode::LayerNorm { axis } => (*axis..local.len()).collect(),
                     _ => unreachable!(),
@@ -804,8 +808,9 @@ impl<'a> CostModel<'a> {
             return e.clone();
         }
         let (ins, outs) = strategy_shardings(&self.spaces[&n], s);
-        let (fwd, mut bwd) = self.compute_time(n, s, &ins, &outs);
-        let mut comm = self.op_comm(n, s, &ins);
+        let mode = split_mode(self.g, n, &self.spaces[&n], s, &self.mesh).ok();
+        let (fwd, mut bwd) = self.compute_time(n, s, mode.as_ref(), &ins, &outs);
+        let mut comm = self.op_comm(n, s, mode.as_ref(), &ins);
         if self.phases.is_some() {
             // A training graph's op runs once: its own work and communication, in its phase.
             bwd = 0.0;
