@@ -5,8 +5,9 @@
 //! models and golden training cases under named strategies and the searched plan, on 1–4
 //! simulated devices, with the mean absolute percentage error of two predictions side by
 //! side: the forward model's plan priced as a training step (what the search compares), and
-//! the training program that runs priced op by op (what `shardc train` predicts; pipelines
-//! have only the first).
+//! the training program that runs priced op by op (what `shardc train` predicts: for a
+//! pipeline, its stages' programs played through the runtime's schedule by
+//! `shardc::simulate`).
 //!
 //! Run with `cargo bench --bench train` (`XDG_RUNTIME_DIR` set, a Vulkan driver installed).
 //! The dispatch cost (and how much more it costs with 2 and 4 devices dispatching at once)
@@ -44,7 +45,8 @@ fn main() {
     // `local-wgpu` preset holds another day's numbers, and a shared machine's speed drifts
     // (this one has measured 2.6–5.1 GFLOP/s for the same GEMM on different days).
     let measured =
-        shardc::calibrate::measure(GpuExecutor::new, shardc::calibrate::Effort::default()).expect("calibrates");
+        shardc::calibrate::measure(GpuExecutor::new, shardc::calibrate::Effort { rounds: 3, ..Default::default() })
+            .expect("calibrates");
     let (cluster, toml) = shardc::calibrate::cluster_toml(&measured, 8);
     for line in toml.lines().filter(|l| l.starts_with("# GEMM")) {
         println!("calibrated in this run: {}", line.trim_start_matches("# "));
@@ -81,7 +83,14 @@ fn main() {
         STEPS - WARMUP
     );
     let mut errors = Errors::default();
+    // `SHARDC_BENCH_ONLY=TEXT`: only the cases whose name or strategy contains it;
+    // `SHARDC_BENCH_OPS=1`: each case's time per op type, measured against the program's price.
+    let only = std::env::var("SHARDC_BENCH_ONLY").unwrap_or_default();
+    let per_op = std::env::var_os("SHARDC_BENCH_OPS").is_some();
     for (name, path, shapes, loss, strategy, devices) in &cases {
+        if !only.is_empty() && !name.contains(&only) && !strategy.contains(&only) {
+            continue;
+        }
         // The dispatch cost again, just before the case runs: on lavapipe it moves between
         // runs a few minutes apart (77–150 µs for the same empty dispatch), and the short
         // cases are mostly dispatches.
@@ -108,7 +117,25 @@ fn main() {
             let prog = shardc::exec::as_micro_batches(prog, &tm.graph, pipe.micro_batches).expect("micro-batches");
             let predicted = f.pipeline.as_ref().map_or(f.breakdown.step_time_s, |p| p.breakdown.step_time_s);
             let label = format!("{strategy}×{}", pipe.micro_batches);
-            report(&mut errors, name, &label, *devices, (predicted, None), measure(&prog, &tm.graph, &info));
+            // The program's price: its stages' lowered training programs played through the
+            // runtime's schedule.
+            let sim = shardc::simulate::simulate(&prog, cluster, &opts, true).expect("simulates");
+            let m = measure(&prog, &tm.graph, &info);
+            if per_op && let Some(d) = &m.last {
+                // Compute per op type and communication per op type on the slowest device.
+                let mut kinds = std::collections::BTreeMap::<&str, (f64, f64)>::new();
+                for (k, v) in d.by_op.iter().chain(&d.by_collective) {
+                    kinds.entry(k).or_default().0 += v;
+                }
+                for (k, v) in &sim.by_op[d.device] {
+                    kinds.entry(k).or_default().1 += v;
+                }
+                for (k, (got, p)) in kinds {
+                    println!("      {k:<28} measured {:>9.3} ms  simulated {:>9.3} ms", got * 1e3, p * 1e3);
+                }
+                println!("      waiting: simulated {:.3} ms", sim.waiting[d.device] * 1e3);
+            }
+            report(&mut errors, name, &label, *devices, (predicted, Some(sim.step_s)), m);
             continue;
         }
         let (r, predicted) = if *strategy == "auto" {
@@ -129,7 +156,11 @@ fn main() {
         };
         let prog = shardc::exec::program_for_search(&tm.graph, &r, *devices).expect("lowers");
         let program = Some(r.breakdown.step_time_s);
-        report(&mut errors, name, strategy, *devices, (predicted, program), measure(&prog, &tm.graph, &info));
+        let m = measure(&prog, &tm.graph, &info);
+        if per_op {
+            print_per_op(&r.breakdown, &m, &prog);
+        }
+        report(&mut errors, name, strategy, *devices, (predicted, program), m);
     }
     let mape = |e: &[f64]| e.iter().sum::<f64>() / e.len().max(1) as f64 * 100.0;
     println!(
@@ -164,6 +195,7 @@ fn measure(
     let inputs = shardc::train::seeded_inputs(g, info, 0).expect("inputs");
     let mut medians = Vec::new();
     let (mut min, mut max) = (f64::INFINITY, 0.0f64);
+    let mut last;
     loop {
         let run = shardc::train::run_steps(prog, info, &inputs, Backend::Wgpu, STEPS).expect("trains");
         let mut per_step: Vec<f64> = (WARMUP..STEPS)
@@ -173,12 +205,87 @@ fn measure(
         min = min.min(per_step[0]);
         max = max.max(per_step[per_step.len() - 1]);
         medians.push(per_step[per_step.len() / 2]);
+        last = run.report.devices.into_iter().max_by(|a, b| a.wall_s.total_cmp(&b.wall_s));
         if medians[0] >= REPEAT_BELOW_S || medians.len() == REPEATS {
             break;
         }
     }
     medians.sort_by(f64::total_cmp);
-    Measured { median: medians[medians.len() / 2], min, max, runs: medians.len() }
+    Measured { median: medians[medians.len() / 2], min, max, runs: medians.len(), last }
+}
+
+/// The measured time per op type and collective kind (the last step of the last run, on
+/// its slowest device) beside the program's predicted time for them, and the counts.
+fn print_per_op(b: &shardc::passes::cost::Breakdown, m: &Measured, prog: &shardc::codegen::Program) {
+    let Some(d) = &m.last else { return };
+    let mut lowered: std::collections::BTreeMap<String, usize> = Default::default();
+    if let Some(dp) = prog.devices.iter().find(|p| p.device == d.device) {
+        for n in dp.graph.node_ids() {
+            *lowered.entry(dp.graph.node(n).op.op_type().to_string()).or_default() += 1;
+        }
+    }
+    let mut predicted: std::collections::BTreeMap<String, (f64, usize)> = Default::default();
+    for row in &b.ops {
+        let e = predicted.entry(row.op.clone()).or_default();
+        e.0 += row.compute_s;
+        e.1 += 1;
+    }
+    let keys: std::collections::BTreeSet<&String> = predicted.keys().chain(d.by_op.keys()).collect();
+    for k in keys {
+        let (p, n) = predicted.get(k).copied().unwrap_or_default();
+        let got = d.by_op.get(k).copied().unwrap_or(0.0);
+        let l = lowered.get(k).copied().unwrap_or(0);
+        println!("      {k:<28} ×{n:<4} run ×{l:<4} measured {:>9.3} ms  predicted {:>9.3} ms", got * 1e3, p * 1e3);
+    }
+    // The runtime names collectives by op type (`AllReduce`), the cost model by kind (`all_reduce`).
+    let snake = |k: &str| {
+        k.chars().enumerate().fold(String::new(), |mut s, (i, c)| {
+            if c.is_uppercase() && i > 0 {
+                s.push('_');
+            }
+            s.push(c.to_ascii_lowercase());
+            s
+        })
+    };
+    let kinds: std::collections::BTreeSet<String> =
+        b.communication_by_kind.keys().cloned().chain(d.by_collective.keys().map(|k| snake(k))).collect();
+    for k in kinds {
+        let got = d.by_collective.iter().filter(|(c, _)| snake(c) == k).map(|(_, v)| *v).sum::<f64>();
+        let l: usize = lowered.iter().filter(|(c, _)| snake(c) == k).map(|(_, v)| *v).sum();
+        let p = b.communication_by_kind.get(&k).copied().unwrap_or(0.0);
+        let n: usize = b.events.iter().map(|e| e.steps.iter().filter(|s| s.kind.name() == k).count()).sum();
+        println!("      {k:<28} ×{n:<4} run ×{l:<4} measured {:>9.3} ms  predicted {:>9.3} ms", got * 1e3, p * 1e3);
+    }
+    if std::env::var_os("SHARDC_BENCH_STEPS").is_some() {
+        for e in &b.events {
+            for s in &e.steps {
+                println!(
+                    "        {:?} {:?} group {} bytes {:.0} time {:.3} ms",
+                    e.phase,
+                    s.kind,
+                    s.group,
+                    s.bytes,
+                    s.time * 1e3
+                );
+            }
+        }
+        if let Some(dp) = prog.devices.iter().find(|p| p.device == d.device) {
+            for n in dp.graph.node_ids() {
+                let node = dp.graph.node(n);
+                if node.op.class() == shardc::ir::OpClass::Comm {
+                    let t = |v: Option<shardc::ir::Value>| {
+                        v.and_then(|v| dp.graph.tensor_type(v)).map(|t| format!("{}", t))
+                    };
+                    println!(
+                        "        run {} {:?} -> {:?}",
+                        node.op.op_type(),
+                        t(node.input(0)),
+                        t(Some(shardc::ir::Value::new(n, 0)))
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// A measured step time and the spread of the steps it is the median of.
@@ -188,6 +295,8 @@ struct Measured {
     max: f64,
     /// Runs on fresh devices it is the median of.
     runs: usize,
+    /// The slowest device's report of the last run.
+    last: Option<shardc::codegen::runtime::DeviceReport>,
 }
 
 /// Prints one case's row and records its error.

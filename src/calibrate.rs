@@ -43,11 +43,14 @@ pub struct Effort {
     pub stream_elems: usize,
     /// Repetitions of each measurement (the median is kept).
     pub reps: usize,
+    /// Rounds of the whole measurement; each constant is the median of the rounds' (a slow
+    /// second on a shared machine spoils one round's kernel, not the constant).
+    pub rounds: usize,
 }
 
 impl Default for Effort {
     fn default() -> Self {
-        Effort { gemm_n: 512, stream_elems: 1 << 22, reps: 7 }
+        Effort { gemm_n: 512, stream_elems: 1 << 22, reps: 7, rounds: 1 }
     }
 }
 
@@ -115,6 +118,66 @@ pub fn time_launch_concurrent<E: Executor>(
     Ok(median(times))
 }
 
+/// Median seconds of one step of `k` executors made by `make`, each on its own thread as the
+/// devices of a run, when every step is what a sharded program does most: a kernel that
+/// keeps the cores busy for a while (a Relu of 256K floats), a small one (a Relu of 1024
+/// floats), then — `with_ring` — an all-reduce of the small one's output through the host
+/// (download, ring over an in-process hub, upload), each followed by a sync. The ring's
+/// wake-ups then wait for cores the other devices' kernels hold, which an all-reduce between
+/// idle threads never sees; the difference of the two timings is the collective under load.
+pub fn time_loaded_all_reduce<E: Executor>(
+    make: &(dyn Fn() -> Result<E, String> + Sync),
+    k: usize,
+    reps: usize,
+    with_ring: bool,
+) -> Result<f64, String> {
+    let (big_m, big) = one_op("(float[262144] x) => (y)", "y = Relu (x)")?;
+    let (small_m, small) = one_op("(float[1024] x) => (y)", "y = Relu (x)")?;
+    let k = k.max(1);
+    let hub = codegen::Hub::new(std::time::Duration::from_secs(60));
+    let barrier = std::sync::Barrier::new(k);
+    let group: Vec<i64> = (0..k as i64).collect();
+    let results: Vec<Result<f64, String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..k)
+            .map(|me| {
+                let (barrier, hub, group, big_m, small_m) = (&barrier, &hub, &group, &big_m, &small_m);
+                s.spawn(move || {
+                    let e = make();
+                    barrier.wait();
+                    let mut e = e?;
+                    let mut port = codegen::runtime::hub::Port::new(hub, me);
+                    let xb = e.upload(&filled(vec![262144]))?;
+                    let xs = e.upload(&filled(vec![1024]))?;
+                    let mut times = Vec::with_capacity(reps);
+                    for r in 0..=reps.max(1) {
+                        let t0 = Instant::now();
+                        let (load, _) = e.run(&big_m.graph, big, &[Some(&xb)], &[])?;
+                        e.sync();
+                        drop(load);
+                        let (outs, _) = e.run(&small_m.graph, small, &[Some(&xs)], &[])?;
+                        e.sync();
+                        if with_ring {
+                            let y = outs.into_iter().next().ok_or("no output")?;
+                            let host = e.download(&y)?;
+                            let sum = port.all_reduce(group, &host, "sum")?;
+                            let back = e.upload(&sum)?;
+                            e.sync();
+                            drop(back);
+                        }
+                        if r > 0 {
+                            times.push(t0.elapsed().as_secs_f64());
+                        }
+                    }
+                    Ok(median(times))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a device thread panicked".into()))).collect()
+    });
+    let times = results.into_iter().collect::<Result<Vec<f64>, String>>()?;
+    Ok(median(times))
+}
+
 /// A dispatch's fixed cost measured on its own and from several devices at once.
 #[derive(Clone, Debug)]
 pub struct LaunchTimes {
@@ -149,7 +212,8 @@ fn filled(shape: Vec<usize>) -> Array {
 }
 
 /// Median seconds of moving `a` from one device to another through the host: a download
-/// on `src` and an upload on `dst` (what the runtime's collectives do per message).
+/// on `src` and an upload on `dst`, and the receiving queue drained (what the runtime's
+/// collectives do per message: the next op's sync drains the upload).
 fn time_copy<E: Executor>(src: &mut E, dst: &mut E, a: &Array, reps: usize) -> Result<f64, String> {
     let t = src.upload(a)?;
     src.sync();
@@ -158,19 +222,56 @@ fn time_copy<E: Executor>(src: &mut E, dst: &mut E, a: &Array, reps: usize) -> R
         let t0 = Instant::now();
         let host = src.download(&t)?;
         let back = dst.upload(&host)?;
-        // Reading one element back forces the upload to finish.
-        let one = dst.download(&back)?;
-        std::hint::black_box(one);
+        dst.sync();
         if r > 0 {
             times.push(t0.elapsed().as_secs_f64());
         }
+        drop(back);
     }
     Ok(median(times))
 }
 
 /// Measures the constants on two executors made by `make` (the second is the receiving
-/// device of the copy measurement).
+/// device of the copy measurement), `effort.rounds` times: each constant and each timing is
+/// the median of the rounds'.
 pub fn measure<E: Executor>(make: impl Fn() -> Result<E, String> + Sync, effort: Effort) -> Result<Measured, String> {
+    let rounds: Vec<Measured> =
+        (0..effort.rounds.max(1)).map(|_| measure_once(&make, effort)).collect::<Result<_, _>>()?;
+    let mid = |f: &dyn Fn(&Measured) -> f64| median(rounds.iter().map(f).collect());
+    let c = |f: fn(&Calibration) -> f64| mid(&|m: &Measured| f(&m.calibration));
+    let calibration = Calibration {
+        gemm_flops: c(|k| k.gemm_flops),
+        efficiency: c(|k| k.efficiency),
+        conv_grad_efficiency: c(|k| k.conv_grad_efficiency),
+        transpose_efficiency: c(|k| k.transpose_efficiency),
+        transpose_cached_bytes: c(|k| k.transpose_cached_bytes),
+        mem_bandwidth: c(|k| k.mem_bandwidth),
+        launch: c(|k| k.launch),
+        copy_bandwidth: c(|k| k.copy_bandwidth),
+        copy_latency: c(|k| k.copy_latency),
+        ring_latency: c(|k| k.ring_latency),
+        ring_bandwidth: c(|k| k.ring_bandwidth),
+        ring_contention: c(|k| k.ring_contention),
+        host_cores: rounds[0].calibration.host_cores,
+        launch_contention: c(|k| k.launch_contention),
+    };
+    let samples = rounds[0]
+        .samples
+        .iter()
+        .enumerate()
+        .map(|(i, s)| Sample {
+            what: s.what.clone(),
+            median_s: mid(&|m: &Measured| m.samples.get(i).map_or(f64::NAN, |x| x.median_s)),
+            reps: s.reps * rounds.len(),
+        })
+        .collect();
+    Ok(Measured { adapter: rounds[0].adapter.clone(), calibration, samples })
+}
+
+fn measure_once<E: Executor>(
+    make: &(impl Fn() -> Result<E, String> + Sync),
+    effort: Effort,
+) -> Result<Measured, String> {
     let mut e = make()?;
     let mut samples = Vec::new();
     let reps = effort.reps.max(1);
@@ -204,7 +305,7 @@ pub fn measure<E: Executor>(make: impl Fn() -> Result<E, String> + Sync, effort:
     let t_gw = time_node(&mut e, &m.graph, node, &[filled(vec![b, 64, 16, 16]), filled(vec![b, 64, 16, 16])], reps)?;
     samples.push(Sample { what: "ConvGradWeight of the same".into(), median_s: t_gw, reps });
     // One tiny dispatch (the fixed cost of an op), alone and from 2 and 4 devices at once.
-    let l = measure_launch(&make, reps * 4)?;
+    let l = measure_launch(make, reps * 4)?;
     samples.push(Sample { what: "Relu of 4 floats (one dispatch)".into(), median_s: l.alone, reps: reps * 4 });
     for &(k, t) in &l.together {
         samples.push(Sample { what: format!("the same from {k} devices at once"), median_s: t, reps: reps * 4 });
@@ -245,10 +346,48 @@ pub fn measure<E: Executor>(make: impl Fn() -> Result<E, String> + Sync, effort:
     let small = 16384;
     let t_small = time_copy(&mut e, &mut f, &filled(vec![small]), reps * 2)?;
     samples.push(Sample { what: format!("copy of {small} floats between devices"), median_s: t_small, reps: reps * 2 });
+    // Just above that limit: as close to a collective's fixed cost as a copy gets.
+    let tiny = 4100;
+    let t_tiny = time_copy(&mut e, &mut f, &filled(vec![tiny]), reps * 4)?;
+    samples.push(Sample { what: format!("copy of {tiny} floats between devices"), median_s: t_tiny, reps: reps * 4 });
     let t_big = time_copy(&mut e, &mut f, &filled(vec![s]), reps)?;
     samples.push(Sample { what: format!("copy of {s} floats between devices"), median_s: t_big, reps });
+    // The in-process transport's ring between host buffers (two threads).
+    let ring = time_threads(2, RING_SIZES, reps)?;
+    for &(bytes, t) in &ring {
+        samples.push(Sample { what: format!("all-reduce of {bytes} bytes between 2 threads"), median_s: t, reps });
+    }
+    let (ring_latency, ring_bandwidth) = fit_ring(&ring, 2);
+    // The same ring between devices that are busy: kernels and an all-reduce through the host
+    // per step, on 2 and 4 devices at once. Less the kernels (the same steps timed without
+    // the all-reduce) and the copies, what is left is the ring's 2(k−1) steps.
+    let mut loaded = Vec::new();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for k in [cores.max(2), 2 * cores.max(2)] {
+        let without = time_loaded_all_reduce(make, k, reps * 2, false)?;
+        let t = time_loaded_all_reduce(make, k, reps * 2, true)?;
+        samples.push(Sample { what: format!("two Relus on {k} devices at once"), median_s: without, reps: reps * 2 });
+        samples.push(Sample {
+            what: "the same and an all-reduce of 1024 floats".to_string(),
+            median_s: t,
+            reps: reps * 2,
+        });
+        loaded.push((k, t, without));
+    }
     let flops = 2.0 * (n as f64).powi(3);
     let launch = t_launch;
+    let copy_bandwidth = 4.0 * (s - small.min(s)) as f64 / (t_big - t_small).max(t_big * 0.5);
+    // The smallest copy less its bytes' time.
+    let copy_latency = (t_tiny - 4.0 * tiny as f64 / copy_bandwidth).max(t_tiny * 0.5);
+    // Each member beyond the cores' extra fraction of a ring step (least squares through the
+    // origin of `α_k / α − 1 = c · (k − cores)`; never negative).
+    let (xy, xx) = loaded.iter().filter(|&&(k, _, _)| k > cores).fold((0.0, 0.0), |(xy, xx), &(k, t, without)| {
+        let steps = 2.0 * (k as f64 - 1.0);
+        let alpha_k = (t - without - copy_latency - 2.0 * 4096.0 / copy_bandwidth).max(0.0) / steps;
+        let x = (k - cores) as f64;
+        (xy + x * (alpha_k / ring_latency.max(1e-9) - 1.0), xx + x * x)
+    });
+    let ring_contention = if xx > 0.0 { (xy / xx).max(0.0) } else { 0.0 };
     // A kernel's own time: less its dispatch, never below half of what was measured.
     let busy = |t: f64| (t - launch).max(t * 0.5);
     let gemm_flops = flops / busy(t_gemm);
@@ -264,8 +403,12 @@ pub fn measure<E: Executor>(make: impl Fn() -> Result<E, String> + Sync, effort:
         transpose_efficiency,
         transpose_cached_bytes,
         launch,
-        copy_bandwidth: 4.0 * (s - small.min(s)) as f64 / (t_big - t_small).max(t_big * 0.5),
-        copy_latency: t_small,
+        copy_bandwidth,
+        copy_latency,
+        ring_latency,
+        ring_bandwidth,
+        ring_contention,
+        host_cores: cores,
         launch_contention,
     };
     Ok(Measured { adapter: e.name(), calibration, samples })
@@ -281,7 +424,7 @@ pub fn cluster_toml(m: &Measured, devices: usize) -> (Cluster, String) {
     }
     let k = &m.calibration;
     t.push_str(&format!(
-        "# GEMM {:.2} GFLOP/s (convolutions at {:.0}%, their gradients at {:.0}% of that), memory {:.2} GB/s (transposes of over {:.1} MB at {:.0}%), dispatch {:.1} µs (+{:.0}% per further device at once), copies {:.2} GB/s + {:.1} µs\n\n",
+        "# GEMM {:.2} GFLOP/s (convolutions at {:.0}%, their gradients at {:.0}% of that), memory {:.2} GB/s (transposes of over {:.1} MB at {:.0}%), dispatch {:.1} µs (+{:.0}% per further device at once), copies {:.2} GB/s + {:.1} µs, ring steps {:.2} GB/s + {:.1} µs (+{:.0}% per busy device beyond the {} cores)\n\n",
         k.gemm_flops / 1e9,
         k.efficiency * 100.0,
         k.conv_grad_efficiency * 100.0,
@@ -291,7 +434,11 @@ pub fn cluster_toml(m: &Measured, devices: usize) -> (Cluster, String) {
         k.launch * 1e6,
         k.launch_contention * 100.0,
         k.copy_bandwidth / 1e9,
-        k.copy_latency * 1e6
+        k.copy_latency * 1e6,
+        k.ring_bandwidth / 1e9,
+        k.ring_latency * 1e6,
+        k.ring_contention * 100.0,
+        k.host_cores
     ));
     t.push_str(&c.to_toml());
     (c, t)
@@ -387,6 +534,22 @@ pub fn time_threads(devices: usize, sizes: &[usize], reps: usize) -> Result<Vec<
     results.into_iter().next().unwrap_or_else(|| Err("no devices".into()))
 }
 
+/// Sizes (float32 elements) of the in-process ring measured with the device constants.
+const RING_SIZES: &[usize] = &[256, 4096, 65536, 262144];
+
+/// The ring model's `(α per step, β)` fitted to all-reduces `(bytes, seconds)` over `p`
+/// members (`t = 2(p−1)α + 2(p−1)/p · n/β`) by least squares of `t = a + b·n`.
+pub fn fit_ring(timed: &[(f64, f64)], p: usize) -> (f64, f64) {
+    let k = timed.len().max(1) as f64;
+    let (sx, sy) = timed.iter().fold((0.0, 0.0), |a, &(x, y)| (a.0 + x, a.1 + y));
+    let (mx, my) = (sx / k, sy / k);
+    let (sxx, sxy) = timed.iter().fold((0.0, 0.0), |a, &(x, y)| (a.0 + (x - mx) * (x - mx), a.1 + (x - mx) * (y - my)));
+    let b = if sxx > 0.0 { (sxy / sxx).max(1e-15) } else { 1e-12 };
+    let a = (my - b * mx).max(0.0);
+    let steps = 2.0 * (p.max(2) as f64 - 1.0);
+    (a / steps, steps / p.max(1) as f64 / b)
+}
+
 /// Fits the ring model to `(bytes, seconds)` over `p` devices and prices each size on
 /// `cluster`'s intra-node link.
 pub fn collective_calibration(
@@ -395,14 +558,7 @@ pub fn collective_calibration(
     timed: &[(f64, f64)],
     cluster: &Cluster,
 ) -> CollectiveCalibration {
-    // Least squares of t = a + b·n.
-    let k = timed.len() as f64;
-    let (sx, sy) = timed.iter().fold((0.0, 0.0), |a, &(x, y)| (a.0 + x, a.1 + y));
-    let (mx, my) = (sx / k, sy / k);
-    let (sxx, sxy) = timed.iter().fold((0.0, 0.0), |a, &(x, y)| (a.0 + (x - mx) * (x - mx), a.1 + (x - mx) * (y - my)));
-    let b = if sxx > 0.0 { (sxy / sxx).max(1e-15) } else { 1e-12 };
-    let a = (my - b * mx).max(0.0);
-    let steps = 2.0 * (p.max(2) as f64 - 1.0);
+    let (alpha_s, beta_bytes_per_s) = fit_ring(timed, p);
     let (alpha, beta) = passes::cost::collective::alpha_beta(cluster, ir::shard::LinkLevel::Intra, p);
     CollectiveCalibration {
         transport: transport.into(),
@@ -415,8 +571,8 @@ pub fn collective_calibration(
                 predicted_s: passes::cost::collective::all_reduce(bytes, p, alpha, beta),
             })
             .collect(),
-        alpha_s: a / steps,
-        beta_bytes_per_s: steps / p.max(1) as f64 / b,
+        alpha_s,
+        beta_bytes_per_s,
         cluster: cluster.name.clone(),
     }
 }

@@ -28,6 +28,7 @@ pub mod exec;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod report;
+pub mod simulate;
 pub mod synthetic;
 pub mod train;
 

@@ -609,6 +609,9 @@ fn calibrate_writes_a_cluster_file_the_planner_loads() {
     let text = std::fs::read_to_string(&toml).unwrap();
     assert!(text.contains("# Measured by `shardc calibrate`") && text.contains("MatMul"), "{text}");
     assert!(text.contains("devices_per_node = 4") && text.contains("shared_host = true"), "{text}");
+    // Collectives through the host, their ring slower with more busy devices than cores.
+    assert!(text.contains("host_staged = true") && text.contains("ring_contention = "), "{text}");
+    assert!(text.contains("all-reduce of 1024 floats") && text.contains("copy of 4100 floats"), "{text}");
     let o = shardc(&[
         "cost",
         &golden("tiny_gpt.onnxtxt"),
@@ -629,10 +632,16 @@ fn calibrate_writes_a_cluster_file_the_planner_loads() {
     let o = shardc(&["calibrate", "--quick", "--backend", "cpu", "--devices", "4", "-o", toml.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("(replaced the previous file)"), "{}", stderr(&o));
-    let o = shardc(&["calibrate", "--quick", "--backend", "cpu", "--json"]);
+    // Two rounds: every timing is the median of both, with twice the runs.
+    let o = shardc(&["calibrate", "--quick", "--backend", "cpu", "--json", "--rounds", "2"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(v.is_object(), "{v}");
+    let matmul =
+        v["samples"].as_array().and_then(|s| s.iter().find(|x| x["what"].as_str().unwrap_or("").starts_with("MatMul")));
+    assert_eq!(matmul.map(|m| m["reps"].as_u64()), Some(Some(6)), "{v}");
+    let o = shardc(&["calibrate", "--quick", "--backend", "cpu", "--rounds", "0"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let o = shardc(&["calibrate", "--backend", "tpu"]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();

@@ -245,6 +245,27 @@ fn data_parallel_backward_runs_split() {
     }
 }
 
+#[test]
+fn collectives_of_one_device_copy_nothing() {
+    // Data parallelism on one device lowers its gradient all-reduces over a group of one:
+    // the runtime passes their operands on where they are (the cost model prices nothing for
+    // them), and the steps equal the float64 reference trainer's.
+    let path = shardc_tests::repo_root().join("tests/data/golden-train/cnn_small.onnxtxt");
+    let c = load(&path);
+    let p = program(&c, "data", 1).expect("data applies");
+    let ops = |d: &shardc::codegen::DeviceProgram| {
+        d.graph.node_ids().filter(|&n| d.graph.node(n).op.op_type() == "AllReduce").count()
+    };
+    assert!(ops(&p.devices[0]) > 0, "no all-reduce lowered");
+    let got = run(&c, &p);
+    let d = &got.report.devices[0];
+    assert!(d.by_collective.is_empty(), "collectives ran: {:?}", d.by_collective);
+    let (rl, rg, rp) = shardc::train::reference_steps(&c.graph, &c.inputs, STEPS).expect("reference");
+    let reference = TrainRun { losses: rl, gradients: rg, parameters: rp, report: got.report.clone() };
+    let (err, what) = compare(&got, &reference, (1e-4, 1e-5));
+    assert!(err <= 1.0, "{err:.2}× the tolerance at {what}");
+}
+
 /// A case, its run on one device, its model and its SGD step's optimizer.
 fn with_single(path: &Path) -> (Case, TrainRun, shardc::ir::Model, OptimizerSpec) {
     let c = load(path);
@@ -582,6 +603,68 @@ fn pipelined(
         }
     }
     out
+}
+
+#[test]
+fn lowered_programs_are_priced_through_the_runtime_schedule() {
+    use shardc::codegen::Schedule;
+    let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
+    let opts = shardc::passes::cost::Options::default();
+    let path = shardc_tests::repo_root().join("tests/data/golden-train/cnn_small.onnxtxt");
+    let c = load(&path);
+    // Every device is busy or waiting until it finishes.
+    let busy_or_waiting = |sim: &shardc::simulate::Simulated, label: &str| {
+        for (d, &t) in sim.devices.iter().enumerate() {
+            let busy: f64 = sim.by_op[d].values().sum();
+            assert!(
+                (busy + sim.waiting[d] - t).abs() <= 1e-9 * t.max(1.0),
+                "{label}: device {d}: {busy} + {} ≠ {t}",
+                sim.waiting[d]
+            );
+        }
+        assert!(sim.step_s > 0.0 && sim.devices.iter().all(|&t| t <= sim.step_s), "{label}: {sim:?}");
+    };
+    // A flat plan: the same ops the cost model prices in the training program, run in order.
+    let r = shardc::exec::named_result(&c.graph, &cluster, 2, "data", &opts).expect("data");
+    let flat = lowered(&c, &r, 2, "data");
+    let sim = shardc::simulate::simulate(&flat, &cluster, &opts, true).expect("simulates");
+    busy_or_waiting(&sim, "data ×2");
+    let priced = r.breakdown.step_time_s;
+    assert!((sim.step_s / priced - 1.0).abs() < 0.25, "data ×2: simulated {} s, priced {priced} s", sim.step_s);
+    // A 2-stage pipeline over 2 micro-batches under each schedule: the stages wait for each
+    // other, and recomputation runs the first stage's forward parts again.
+    let (sr, mut pipe) = pipeline_plan(&c, 2, 2);
+    pipe.micro_batches = 2;
+    let mg = shardc::train::micro_training_model(
+        &shardc::load_model(&path).expect("loads").model,
+        &LossSpec::Model,
+        &real_sgd(),
+        2,
+    )
+    .expect("micro-batches");
+    for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+        let mut steps = Vec::new();
+        for recompute in [false, true] {
+            let label = format!("{}{}", schedule.name(), if recompute { ", recompute" } else { "" });
+            let mut pipe = pipe.clone();
+            pipe.schedule = schedule;
+            pipe.stages.iter_mut().for_each(|s| s.2 = recompute);
+            let (p, _) =
+                shardc::exec::training_pipeline_program(&mg.graph, &c.forward, &sr.assignment, &pipe, &cluster, &opts)
+                    .unwrap_or_else(|e| panic!("{label}: {e}"));
+            let p = shardc::exec::as_micro_batches(p, &c.graph, 2).expect("micro-batches");
+            let sim = shardc::simulate::simulate(&p, &cluster, &opts, true).unwrap_or_else(|e| panic!("{label}: {e}"));
+            busy_or_waiting(&sim, &label);
+            // The last stage waits for the first one's forward part.
+            assert!(sim.waiting[1] > 0.0, "{label}: {sim:?}");
+            assert!(sim.by_op.iter().all(|d| d.contains_key("Send") || d.contains_key("Recv")), "{label}");
+            steps.push((sim.step_s, sim.by_op[0].values().sum::<f64>()));
+        }
+        // The first stage runs its forward parts twice (the last runs each micro-batch whole):
+        // busier, never done sooner (its extra work may fill time it waited for the last stage).
+        let ((plain, busy), (again, busy_again)) = (steps[0], steps[1]);
+        assert!(busy_again > busy && again >= plain, "{}: {steps:?}", schedule.name());
+    }
 }
 
 /// One point-to-point send of a device: the phase of the op it serves, the value, its type and

@@ -19,6 +19,10 @@ pub struct CalibrateArgs {
     /// Smaller tensors and fewer repetitions (a rough figure in about a second).
     #[arg(long)]
     pub quick: bool,
+    /// Measure this many times; each constant is the median of the rounds' (steadier on a
+    /// busy machine).
+    #[arg(long, default_value_t = 1, value_parser = parse_count)]
+    pub rounds: usize,
     /// Print the constants and timings as one JSON document instead of TOML.
     #[arg(long)]
     pub json: bool,
@@ -46,7 +50,11 @@ pub fn run(args: &CalibrateArgs) -> CliResult {
     if let Some(t) = args.transport {
         return transport(args, t);
     }
-    let effort = if args.quick { Effort { gemm_n: 256, stream_elems: 1 << 18, reps: 3 } } else { Effort::default() };
+    let effort = if args.quick {
+        Effort { gemm_n: 256, stream_elems: 1 << 18, reps: 3, rounds: args.rounds }
+    } else {
+        Effort { rounds: args.rounds, ..Effort::default() }
+    };
     let measured = match args.backend.as_str() {
         #[cfg(feature = "gpu")]
         "wgpu" => calibrate::measure(codegen::runtime::gpu::GpuExecutor::new, effort),
@@ -71,6 +79,10 @@ pub fn run(args: &CalibrateArgs) -> CliResult {
             "copy_bandwidth": k.copy_bandwidth,
             "copy_latency_s": k.copy_latency,
             "launch_contention": k.launch_contention,
+            "ring_latency_s": k.ring_latency,
+            "ring_bandwidth": k.ring_bandwidth,
+            "ring_contention": k.ring_contention,
+            "host_cores": k.host_cores,
             "samples": measured.samples.iter().map(|s| serde_json::json!({"what": s.what, "median_s": s.median_s, "reps": s.reps})).collect::<Vec<_>>(),
         }))
         .expect("JSON")

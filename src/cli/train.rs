@@ -158,7 +158,8 @@ struct Chosen {
     lowering: Lowering,
     devices: usize,
     /// The cost model's step time and peak memory per device: the training program's price
-    /// for a flat plan, the pipelined plan's for a pipeline.
+    /// for a flat plan, the pipelined plan's for a pipeline (its step then replaced by the
+    /// lowered program's, [`shardc::simulate`]).
     predicted: Option<(f64, u64)>,
     desc: String,
     notes: Vec<String>,
@@ -521,8 +522,18 @@ pub fn run(args: &TrainArgs) -> CliResult {
             write_output(&text, Some(&dir.join(format!("device{}.onnxtxt", d.device))), &args.model)?;
         }
     }
-    // The cost model's training step for the forward model under the same plan.
-    let predicted = chosen.predicted;
+    // The cost model's price of the training program. A pipeline's, and gradient accumulation
+    // over micro-batches, are its devices' lowered programs played through the runtime's
+    // schedule (the plan's closed form prices the forward model's stages).
+    let mut predicted = chosen.predicted;
+    if program.stage_devices.len() > 1 || program.micro_batches > 1 {
+        match shardc::simulate::simulate(&program, &cluster, &opts, true) {
+            Ok(s) => predicted = predicted.map(|(_, memory)| (s.step_s, memory)),
+            Err(e) => {
+                notes.push(format!("the program's step could not be priced op by op ({e}); predicted: the plan's"))
+            }
+        }
+    }
     let (be, warn) = backend(args.backend.as_deref())?;
     if let Some(w) = warn {
         notes.push(format!("warning: {w}"));

@@ -350,3 +350,29 @@ g (float[2,3,40000] x, int64[2,3] labels, float[1,70000] z) => (loss, s, lse, sm
     }
     eprintln!("adapter {}; ran on the host: {:?}", r.devices[0].adapter, r.devices[0].host_ops);
 }
+
+#[test]
+fn constants_are_made_once_not_on_the_host_every_step() {
+    if !gpu_available() {
+        return;
+    }
+    // A Constant op's value never changes: the runtime makes and uploads it with the
+    // parameters, instead of running it on the host (no kernel makes constants) each step.
+    let text = r#"<ir_version: 8, opset_import: ["" : 17]>
+k (float[2,3] x) => (y)
+{
+  c = Constant <value: tensor = float[3] {1.0, 2.0, 3.0}> ()
+  y = Add (x, c)
+}
+"#;
+    let mut m = frontend::parse(text).unwrap_or_else(|e| panic!("{e:?}")).model;
+    ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap_or_else(|e| panic!("{e:?}"));
+    let x = ir::eval::Array::f32(vec![2, 3], vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+    let inputs = std::collections::HashMap::from([("x".to_string(), x)]);
+    let prog = codegen::lower(&m.graph, &Placement::single()).unwrap();
+    let opts = RunOptions { backend: Backend::Wgpu, steps: 3, ..Default::default() };
+    let r = codegen::run(&prog, &inputs, &opts).unwrap();
+    assert!(r.devices[0].host_ops.is_empty(), "ran on the host: {:?}", r.devices[0].host_ops);
+    let want = ir::eval::Array::f32(vec![2, 3], vec![1.0, 3.0, 5.0, 4.0, 6.0, 8.0]);
+    compare("y", &r.outputs[0].1, &want, 0.0, 0.0).unwrap();
+}

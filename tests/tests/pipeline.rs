@@ -115,7 +115,11 @@ fn the_partition_equals_brute_force_on_chains_of_up_to_12_layers() {
         let half = |v: &[f64]| v.iter().map(|x| x * 0.55).collect::<Vec<_>>();
         let u1 = Units::from_parts(&fwd1, &bwd1, &act1, &par1, &cross1, 1.0);
         let u2 = Units::from_parts(&half(&fwd1), &half(&bwd1), &half(&act1), &half(&par1), &half(&cross1), 1.0);
-        let link = |a: usize, b: usize| if a / 4 == b / 4 { (0.1, 10.0) } else { (0.5, 1.0) };
+        // Seconds and latency of a send of n bytes: α + n/β within a node of 4, slower across.
+        let link = |a: usize, b: usize, n: f64| {
+            let (alpha, beta) = if a / 4 == b / 4 { (0.1, 10.0) } else { (0.5, 1.0) };
+            (if n > 0.0 { alpha + n / beta } else { 0.0 }, alpha)
+        };
         let aligned = |off: usize, d: usize| off % 4 + d <= 4;
         for (stages, devices) in [(2, 2), (3, 4), (4, 4), (3, 6)] {
             if stages > n {

@@ -686,6 +686,16 @@ fn drive<E: Executor>(
             live.add(e.storage(&t));
             fixed.insert(Value::new(n, 0), t);
         }
+        // So are Constant ops: their value never changes (run as ops, each micro-batch of
+        // each step would make it on the host and upload it again).
+        if matches!(g.node(n).op, Op::Constant(_)) && g.node(n).inputs().is_empty() {
+            let outs = ir::eval::eval_node(g, n, &[], &[]).map_err(|x| err(format!("{}: {x}", g.describe(n))))?;
+            for (slot, a) in outs.iter().enumerate() {
+                let t = e.upload(a).map_err(err)?;
+                live.add(e.storage(&t));
+                fixed.insert(Value::new(n, slot as u16), t);
+            }
+        }
     }
     let mut sums = Summer::default();
     let setup_s = start.elapsed().as_secs_f64();
@@ -1006,6 +1016,16 @@ impl<E: Executor> NodeRun<'_, '_, E> {
                 produced.push((Value::new(n, 0), t.clone()));
             }
             Op::Initializer(_) | Op::Input { .. } => {}
+            // Made once, with the parameters.
+            Op::Constant(_) if fixed.contains_key(&Value::new(n, 0)) => {}
+            op if op.class() == OpClass::Comm && alone(op) => {
+                // A collective over a group of one device leaves its operand as it is: no
+                // copies to the host and back (the cost model prices none).
+                if let Some(v) = node.input(0) {
+                    let t = env.get(&v).or_else(|| fixed.get(&v)).ok_or("a comm input was not computed")?;
+                    produced.push((Value::new(n, 0), t.clone()));
+                }
+            }
             op if op.class() == OpClass::Comm => {
                 let t0 = Instant::now();
                 let x = match node.input(0) {
@@ -1146,6 +1166,19 @@ fn carried_state(g: &Graph, d: &DeviceProgram, opts: &RunOptions) -> Result<Vec<
 
 /// Runs one communication op through this device's port: its result (none for `Send`).
 /// `micro` tags point-to-point messages with the micro-batch they belong to.
+/// A collective whose group is this device alone.
+fn alone(op: &Op) -> bool {
+    let group = match op {
+        Op::AllReduce(c) => &c.group,
+        Op::AllGather(c) => &c.group,
+        Op::ReduceScatter(c) => &c.group,
+        Op::AllToAll(c) => &c.group,
+        Op::HaloExchange(c) => &c.group,
+        _ => return false,
+    };
+    group.as_ref().is_some_and(|g| g.len() <= 1)
+}
+
 fn collective(port: &mut hub::Port<'_>, op: &Op, x: Option<&Array>, micro: usize) -> Result<Option<Array>, String> {
     let name = op.op_type();
     let input = || x.ok_or_else(|| format!("{name} has no input"));

@@ -28,7 +28,7 @@ use ir::shard::{LinkLevel, Mesh, OpStrategy, strategy_valid};
 use ir::{Graph, NodeId, Value};
 use serde::Serialize;
 
-use crate::cost::collective::{alpha_beta, p2p};
+use crate::cost::collective::{alpha_beta, send, staging};
 use crate::cost::model::{CommEvent, Memory, OpRow, Phase};
 use crate::cost::pipeline::graph_batch;
 use crate::cost::strategy::Schedule;
@@ -235,9 +235,9 @@ pub struct PartitionInput<'a> {
     pub schedule: Schedule,
     /// Usable memory per device.
     pub capacity: f64,
-    /// Point-to-point (α, β) from one device (the last of a stage) to another (the first of
-    /// the next).
-    pub link: &'a dyn Fn(usize, usize) -> (f64, f64),
+    /// Seconds and latency (α and staging) of sending some bytes from one device (the last of
+    /// a stage) to another (the first of the next).
+    pub link: &'a dyn Fn(usize, usize, f64) -> (f64, f64),
     /// A stage of `size` devices may start at device `offset`.
     pub aligned: &'a dyn Fn(usize, usize) -> bool,
     /// Allow recomputation.
@@ -270,18 +270,9 @@ pub fn stage_cost(
     let t = p.tables[k];
     let d = p.sizes[k];
     let n = t.len();
-    let send_next = if b < n && t.cross[b] > 0.0 {
-        let (al, be) = (p.link)(offset + d - 1, offset + d);
-        p2p(t.cross[b], al, be)
-    } else {
-        0.0
-    };
-    let send_prev = if a > 0 && t.cross[a] > 0.0 && offset > 0 {
-        let (al, be) = (p.link)(offset, offset - 1);
-        p2p(t.cross[a], al, be)
-    } else {
-        0.0
-    };
+    let send_next = if b < n && t.cross[b] > 0.0 { (p.link)(offset + d - 1, offset + d, t.cross[b]).0 } else { 0.0 };
+    let send_prev =
+        if a > 0 && t.cross[a] > 0.0 && offset > 0 { (p.link)(offset, offset - 1, t.cross[a]).0 } else { 0.0 };
     let fwd = t.fwd[b] - t.fwd[a];
     let f = fwd + send_next;
     let bw = t.bwd[b] - t.bwd[a] + send_prev;
@@ -498,11 +489,13 @@ fn aligned(cluster: &Cluster, offset: usize, d: usize) -> bool {
     if d <= dpn { offset % dpn + d <= dpn && dpn.is_multiple_of(d) } else { offset.is_multiple_of(dpn) }
 }
 
-/// The link between the last device of one stage and the first of the next.
-fn link_between(cluster: &Cluster, last: usize, next: usize) -> (f64, f64) {
+/// Seconds and latency of sending `n` bytes from the last device of one stage to the first
+/// of the next (over their link, through the host where the devices stage through it).
+fn send_between(cluster: &Cluster, last: usize, next: usize, n: f64) -> (f64, f64) {
     let dpn = cluster.devices_per_node;
     let level = if last / dpn == next / dpn { LinkLevel::Intra } else { LinkLevel::Inter };
-    alpha_beta(cluster, level, 2)
+    let (alpha, beta) = alpha_beta(cluster, level, 2);
+    (send(cluster, n, alpha, beta), alpha + staging(cluster, 0.0, 0.0))
 }
 
 /// The graph at each micro-batch size the search tries, re-batched once per size.
@@ -674,7 +667,7 @@ pub fn search_pipeline(
     let mut tables: HashMap<(usize, i64), Table> = HashMap::new();
     let mut best: Option<PipelinePlan> = None;
     let mut tried: Vec<Tried> = Vec::new();
-    let link = |a: usize, b: usize| link_between(cluster, a.min(b), a.max(b));
+    let link = |a: usize, b: usize, n: f64| send_between(cluster, a.min(b), a.max(b), n);
     let align = |off: usize, d: usize| aligned(cluster, off, d);
     let consider = |plan: Option<PipelinePlan>,
                     s: usize,
@@ -854,7 +847,7 @@ fn price_cuts(
         order.iter().filter_map(|&n| Some((g.node(n).outputs().first()?.name.clone(), n))).collect();
     let gm_order = gm.op_nodes().ok()?;
     let devices: usize = cuts.iter().map(|c| sizes[c.size]).sum();
-    let link = |a: usize, b: usize| link_between(cluster, a.min(b), a.max(b));
+    let link = |a: usize, b: usize, n: f64| send_between(cluster, a.min(b), a.max(b), n);
     let align = |_: usize, _: usize| true;
     let mut stages = Vec::with_capacity(s);
     let (mut fwd, mut bwd) = (Vec::with_capacity(s), Vec::with_capacity(s));
@@ -898,8 +891,8 @@ fn price_cuts(
         }
         let send = if b < t.fwd.len() { t.cross[b] } else { 0.0 };
         if send > 0.0 {
-            let (al, be) = link(cut.offset + d - 1, cut.offset + d);
-            p2p_total += 2.0 * p2p(send, al, be) * m as f64;
+            let (time, latency) = link(cut.offset + d - 1, cut.offset + d, send);
+            p2p_total += 2.0 * time * m as f64;
             for v in &t.crossing[b] {
                 events.push(CommEvent {
                     phase: Phase::Forward,
@@ -914,8 +907,8 @@ fn price_cuts(
                         bytes: send,
                         moved: send,
                         moved_by_device: None,
-                        latency: al,
-                        time: p2p(send, al, be),
+                        latency,
+                        time,
                     }],
                 });
             }

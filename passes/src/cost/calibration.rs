@@ -26,6 +26,9 @@ pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) 
             launch_overhead: c.launch,
             shared_host: true,
             launch_contention: c.launch_contention,
+            host_staged: true,
+            ring_contention: c.ring_contention,
+            host_cores: c.host_cores,
             // The runtime's GEMM kernel computes 4×4 blocks per invocation in 16×16 workgroups.
             gemm_tile: 16,
             gemm_k_overhead: 4.0,
@@ -33,10 +36,13 @@ pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) 
             transpose_efficiency: c.transpose_efficiency,
             transpose_cached_bytes: c.transpose_cached_bytes,
         },
-        intra: Link { bandwidth: c.copy_bandwidth, latency: c.copy_latency, topology: Topology::Switch, shared_by: 1 },
+        // Between the devices: the in-process transport's ring steps between host buffers.
+        intra: Link { bandwidth: c.ring_bandwidth, latency: c.ring_latency, topology: Topology::Switch, shared_by: 1 },
         inter: None,
         nics_per_node: 1,
-        host: HostLink { bandwidth: c.copy_bandwidth, latency: c.copy_latency, shared_by: 1 },
+        // One copy each way: a round trip (a download and an upload) took `copy_latency`
+        // and moved its bytes twice.
+        host: HostLink { bandwidth: 2.0 * c.copy_bandwidth, latency: c.copy_latency / 2.0, shared_by: 1 },
     }
 }
 
@@ -57,10 +63,20 @@ pub struct Calibration {
     pub mem_bandwidth: f64,
     /// Seconds per kernel dispatch.
     pub launch: f64,
-    /// Bytes/s of a device→host→device transfer.
+    /// Bytes/s of a device→host→device round trip (a download and an upload of a tensor of
+    /// that many bytes).
     pub copy_bandwidth: f64,
-    /// Seconds of fixed cost per transfer.
+    /// Seconds of fixed cost per round trip.
     pub copy_latency: f64,
+    /// Seconds per ring step of the in-process transport (threads exchanging host buffers).
+    pub ring_latency: f64,
+    /// Bytes/s of the in-process transport's ring steps.
+    pub ring_bandwidth: f64,
+    /// The extra fraction of `ring_latency` each member of a ring beyond `host_cores` adds
+    /// when the devices are busy (their threads wait for cores to wake up).
+    pub ring_contention: f64,
+    /// The host's cores.
+    pub host_cores: usize,
     /// The extra fraction of `launch` each further device dispatching at once adds.
     pub launch_contention: f64,
 }
@@ -83,9 +99,24 @@ pub const TRANSPOSE_EFFICIENCY: f64 = 0.24;
 /// one machine's times, like [`CONV_GRAD_EFFICIENCY`]).
 pub const LAUNCH_CONTENTION: f64 = 0.16;
 
+/// The in-process transport's ring (threads passing host buffers), measured by `shardc
+/// calibrate --rounds 3` on the development machine on 2026-11-26: all-reduces of 1 KB,
+/// 16 KB, 256 KB and 1 MB between two idle threads in 59 µs, 88 µs, 0.56 ms and 2.1 ms,
+/// fitted α 25.2 µs per ring step and β 0.51 GB/s.
+pub const RING_LATENCY: f64 = 25.2e-6;
+/// See [`RING_LATENCY`].
+pub const RING_BANDWIDTH: f64 = 0.51e9;
+/// The same run: two Relus (256K and 1024 floats) per step on 4 devices at once took 3.34
+/// ms, and 4.36 ms with an all-reduce of the small one's output through the host: with the
+/// copies taken off, each of its 6 ring steps took 3.58 times as long as between idle
+/// threads; the 2 devices beyond the machine's 2 cores add 2.58 times α each.
+pub const RING_CONTENTION: f64 = 2.58;
+
 /// Values from the last calibration run on the development machine (`shardc calibrate`,
 /// 2 cores, lavapipe: MatMul 512³ 53.1 ms, Conv 3×3 8×64×16×16 33.1 ms, 4-float Relu
-/// 0.100 ms, 4M-float Add 23.1 ms, 16K/4M-float copies 0.161/30.4 ms).
+/// 0.100 ms, 4M-float Add 23.1 ms); the copies from the run of [`RING_LATENCY`] (device → host →
+/// device round trips of 4100, 16K and 4M floats in 0.104, 0.145 and 29.9 ms: 0.56 GB/s and
+/// 75 µs past the bytes).
 pub const CALIBRATED: Calibration = Calibration {
     gemm_flops: 5.1e9,
     efficiency: 0.9,
@@ -94,7 +125,11 @@ pub const CALIBRATED: Calibration = Calibration {
     transpose_cached_bytes: 1.0e6,
     mem_bandwidth: 2.2e9,
     launch: 100e-6,
-    copy_bandwidth: 0.55e9,
-    copy_latency: 160e-6,
+    copy_bandwidth: 0.56e9,
+    copy_latency: 75e-6,
+    ring_latency: RING_LATENCY,
+    ring_bandwidth: RING_BANDWIDTH,
+    ring_contention: RING_CONTENTION,
+    host_cores: 2,
     launch_contention: LAUNCH_CONTENTION,
 };

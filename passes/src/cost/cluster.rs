@@ -58,6 +58,23 @@ pub struct Device {
     /// Measured by `shardc calibrate` (empty dispatches from 1, 2 and 4 devices at once).
     #[serde(default)]
     pub launch_contention: f64,
+    /// The devices have no path to each other but through the host: every collective and
+    /// stage-to-stage send copies its operand to the host (`host` link), runs over the
+    /// `intra`/`inter` links between host buffers, and copies the result back (the runtime's
+    /// simulated devices, and its MPI transport). Each such copy costs the host link's
+    /// latency and bandwidth on top of the collective's own α–β time.
+    #[serde(default)]
+    pub host_staged: bool,
+    /// On a shared host, the extra fraction of a ring step's latency each member of the
+    /// group beyond `host_cores` adds: a step waits for its receiver's thread to wake up, and
+    /// the other devices' kernels hold the cores (`α · (1 + ring_contention · (p − cores))`).
+    /// Measured by `shardc calibrate` (kernels and an all-reduce per step on as many devices
+    /// as cores and on twice as many).
+    #[serde(default)]
+    pub ring_contention: f64,
+    /// The shared host's cores (0: unknown, no ring contention).
+    #[serde(default)]
+    pub host_cores: usize,
     /// Output tile of the GEMM kernels (rows = columns): a GEMM computes whole tiles, so an
     /// `M × N` output reaches `M/(⌈M/T⌉T) · N/(⌈N/T⌉T)` of `efficiency` (tile quantization:
     /// skinny or small shards waste the padded part of their last tiles).
@@ -212,6 +229,9 @@ fn a100() -> Device {
         launch_overhead: 5e-6,
         shared_host: false,
         launch_contention: 0.0,
+        host_staged: false,
+        ring_contention: 0.0,
+        host_cores: 0,
         // cuBLAS SGEMM/HGEMM tiles of 128×128 on large problems; ~32 of K per tile in
         // prologue/epilogue.
         gemm_tile: 128,
@@ -263,6 +283,9 @@ fn dgx_h100() -> Cluster {
             launch_overhead: 4e-6,
             shared_host: false,
             launch_contention: 0.0,
+            host_staged: false,
+            ring_contention: 0.0,
+            host_cores: 0,
             gemm_tile: 128,
             gemm_k_overhead: 32.0,
             conv_grad_efficiency: 1.0,
@@ -297,6 +320,9 @@ fn pcie_v100x8() -> Cluster {
             launch_overhead: 6e-6,
             shared_host: false,
             launch_contention: 0.0,
+            host_staged: false,
+            ring_contention: 0.0,
+            host_cores: 0,
             gemm_tile: 128,
             gemm_k_overhead: 32.0,
             conv_grad_efficiency: 1.0,
@@ -330,6 +356,9 @@ fn dgx1_v100() -> Cluster {
             launch_overhead: 6e-6,
             shared_host: false,
             launch_contention: 0.0,
+            host_staged: false,
+            ring_contention: 0.0,
+            host_cores: 0,
             gemm_tile: 128,
             gemm_k_overhead: 32.0,
             conv_grad_efficiency: 1.0,

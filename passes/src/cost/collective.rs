@@ -93,7 +93,12 @@ pub fn alpha_beta(cluster: &Cluster, level: LinkLevel, p: usize) -> (f64, f64) {
             }
         }
     }
-    (link.latency, beta)
+    // Devices sharing a host: a ring step waits for its receiver's thread, longer the more
+    // devices beyond its cores hold them.
+    let d = &cluster.device;
+    let beyond = if d.shared_host && d.host_cores > 0 { p.saturating_sub(d.host_cores) } else { 0 };
+    let alpha = link.latency * (1.0 + d.ring_contention * beyond as f64);
+    (alpha, beta)
 }
 
 /// Ring all-reduce: `2(p−1)α + 2(p−1)/p · n/β`.
@@ -130,6 +135,25 @@ pub fn broadcast(n: f64, p: usize, alpha: f64, beta: f64) -> f64 {
         return 0.0;
     }
     (p as f64).log2().ceil() * alpha + n / beta
+}
+
+/// The copies around a communication on devices that reach each other only through the
+/// host ([`super::cluster::Device::host_staged`]): its operand of `bytes_in` down to the host
+/// and its result of `bytes_out` back, each a transfer on the host link; 0 elsewhere.
+pub fn staging(cluster: &Cluster, bytes_in: f64, bytes_out: f64) -> f64 {
+    if !cluster.device.host_staged {
+        return 0.0;
+    }
+    let h = &cluster.host;
+    2.0 * h.latency + (bytes_in + bytes_out) / h.bandwidth
+}
+
+/// A point-to-point send of `n` bytes over a link of (α, β), with its staging copies.
+pub fn send(cluster: &Cluster, n: f64, alpha: f64, beta: f64) -> f64 {
+    if n <= 0.0 {
+        return 0.0;
+    }
+    p2p(n, alpha, beta) + staging(cluster, n, n)
 }
 
 /// Point-to-point: `α + n/β`.
@@ -187,6 +211,14 @@ pub fn price(step: &CommStep, scale: f64, mesh: &Mesh, cluster: &Cluster) -> Opt
         CommKind::AllReduce => (all_reduce(bytes, p, alpha, beta), all_reduce(f64::MIN_POSITIVE, p, alpha, beta)),
         _ => (all_gather(bytes, p, alpha, beta), all_gather(f64::MIN_POSITIVE, p, alpha, beta)),
     };
+    // Through the host: what each member copies down and back (see `CommStep::bytes`).
+    let (bytes_in, bytes_out) = match kind {
+        CommKind::AllGather => (bytes / p as f64, bytes),
+        CommKind::ReduceScatter => (bytes, bytes / p as f64),
+        _ => (bytes, bytes),
+    };
+    let staged = if p > 1 { staging(cluster, bytes_in, bytes_out) } else { 0.0 };
+    let (time, latency) = (time + staged, latency + staging(cluster, 0.0, 0.0).min(staged));
     Some(Step {
         kind,
         axes: step.axes.clone(),
@@ -323,6 +355,42 @@ mod tests {
         assert!((ag[0].latency - 21e-6).abs() < 1e-15);
         // An all-reduce sends twice that.
         assert!((steps(&[Partial], &[Replicate])[0].moved - 1.75 * N).abs() < 1e-3);
+    }
+
+    #[test]
+    fn host_staged_collectives_pay_their_copies_and_busy_rings() {
+        // The runtime's simulated devices: every collective copies its operand down and its
+        // result back over the host link, around the ring between host buffers.
+        let mut c = Cluster::preset("local-wgpu").unwrap();
+        let (d, h) = (&mut c.device, c.host.clone());
+        assert!(d.host_staged && d.shared_host);
+        d.ring_contention = 0.5;
+        d.host_cores = 2;
+        let (a, b) = (c.intra.latency, c.intra.bandwidth);
+        let mesh = |p: usize| Mesh { axes: vec![MeshAxis { name: "gpus".into(), size: p, level: LinkLevel::Intra }] };
+        let copies = |bytes_in: f64, bytes_out: f64| 2.0 * h.latency + (bytes_in + bytes_out) / h.bandwidth;
+        use AxisShard::*;
+        let n = 4.0e6;
+        let dims = [(n / 4.0) as i64];
+        let steps = |p: usize, f: &[AxisShard], t: &[AxisShard]| {
+            reshard(&dims, 4.0, f, t, 1.0, &mesh(p), &c, Policy::default())
+        };
+        // Two devices (no more than the cores): the idle ring's α.
+        let ar = steps(2, &[Partial], &[Replicate]);
+        assert!((ar[0].time - (all_reduce(n, 2, a, b) + copies(n, n))).abs() < 1e-12, "{:?}", ar[0]);
+        assert!((ar[0].latency - (2.0 * a + 2.0 * h.latency)).abs() < 1e-15);
+        // Four devices on two cores: each ring step takes 1 + 0.5·2 times α. An all-gather
+        // copies down a quarter and back the whole; a reduce-scatter the other way round.
+        let busy = a * 2.0;
+        let ag = steps(4, &[Split(0)], &[Replicate]);
+        assert!((ag[0].time - (all_gather(n, 4, busy, b) + copies(n / 4.0, n))).abs() < 1e-12, "{:?}", ag[0]);
+        let rs = steps(4, &[Partial], &[Split(0)]);
+        assert!((rs[0].time - (reduce_scatter(n, 4, busy, b) + copies(n, n / 4.0))).abs() < 1e-12, "{:?}", rs[0]);
+        // A stage-to-stage send pays both copies too; GPUs with a device path pay none.
+        assert!((send(&c, n, a, b) - (p2p(n, a, b) + copies(n, n))).abs() < 1e-12);
+        let gpus = Cluster::preset("dgx-a100").unwrap();
+        assert_eq!(staging(&gpus, n, n), 0.0);
+        assert_eq!(send(&gpus, n, 1e-6, 1e11), p2p(n, 1e-6, 1e11));
     }
 
     #[test]

@@ -27,7 +27,7 @@ use ir::{Graph, NodeId, Op, OpClass, TensorType, Value};
 
 use super::batch::{BatchDims, batch_dims};
 use super::cluster::Cluster;
-use super::collective::{CommKind, Step, alpha_beta, choose_policy, p2p, price};
+use super::collective::{self, CommKind, Step, alpha_beta, choose_policy, p2p, price};
 
 /// Arithmetic precision of training.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
@@ -772,8 +772,11 @@ impl<'a> CostModel<'a> {
         for h in splits {
             let (alpha, beta) = alpha_beta(self.cluster, self.mesh.axes[h.axis].level, 2);
             let mut by_device = vec![0.0; devices];
+            // Through the host: the busiest device's tensor down and the widened one back.
+            let mut staged: f64 = 0.0;
             for d in 0..devices {
                 let hw = &h.halos[coords[d][h.axis]];
+                let before = cur[d].iter().map(|&e| e as f64).product::<f64>() * eb;
                 let slab: f64 = cur[d]
                     .iter()
                     .enumerate()
@@ -784,6 +787,8 @@ impl<'a> CostModel<'a> {
                 by_device[d] = (hw.to_prev + hw.to_next) as f64 * slab;
                 let t = &mut cur[d][h.tensor_dim];
                 *t += (hw.from_prev + hw.from_next) as i64 - (hw.trim_start + hw.trim_end) as i64;
+                let after = cur[d].iter().map(|&e| e as f64).product::<f64>() * eb;
+                staged = staged.max(collective::staging(self.cluster, before, after));
             }
             let moved = by_device.iter().copied().fold(0.0, f64::max);
             if moved <= 0.0 {
@@ -796,8 +801,8 @@ impl<'a> CostModel<'a> {
                 bytes: moved,
                 moved,
                 moved_by_device: Some(by_device),
-                latency: alpha,
-                time: p2p(moved, alpha, beta),
+                latency: alpha + collective::staging(self.cluster, 0.0, 0.0),
+                time: p2p(moved, alpha, beta) + staged,
             });
         }
         steps

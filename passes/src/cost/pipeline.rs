@@ -19,7 +19,7 @@ use ir::shard::LinkLevel;
 use ir::{Graph, NodeId, Op, TensorType, Value};
 
 use super::cluster::Cluster;
-use super::collective::{all_reduce_over, alpha_beta, p2p, total};
+use super::collective::{self, all_reduce_over, alpha_beta, total};
 use super::model::{Breakdown, CostModel, Memory, Optimizer, Options, Precision};
 use super::strategy::{Named, Schedule, assign};
 use crate::rebatch::{RebatchSpec, rebatch};
@@ -232,7 +232,7 @@ pub fn price_pipeline(
         let seg = &units[a..b];
         let send = if b < units.len() { cross[b] } else { 0.0 };
         let (alpha, beta) = boundary_link(cluster, per_stage, s);
-        let send_t = if send > 0.0 { p2p(send, alpha, beta) } else { 0.0 };
+        let send_t = collective::send(cluster, send, alpha, beta);
         p2p_total += 2.0 * send_t * micro as f64;
         let f: f64 = seg.iter().map(|u| u.fwd).sum::<f64>() + send_t;
         let bw: f64 = seg.iter().map(|u| u.bwd).sum::<f64>() + send_t;
@@ -351,7 +351,7 @@ fn partition(
     let stage_cost = |s: usize, a: usize, b: usize| -> f64 {
         let send = if b < n { cross[b] } else { 0.0 };
         let (alpha, beta) = boundary_link(cluster, per_stage, s);
-        let t = pre_t[b] - pre_t[a] + if send > 0.0 { 2.0 * p2p(send, alpha, beta) } else { 0.0 };
+        let t = pre_t[b] - pre_t[a] + 2.0 * collective::send(cluster, send, alpha, beta);
         let mem =
             (pre_a[b] - pre_a[a]) * schedule.in_flight(s, stages, micro) as f64 + (pre_p[b] - pre_p[a]) + workspace;
         if mem > capacity { f64::INFINITY } else { t }

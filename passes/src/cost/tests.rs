@@ -25,6 +25,9 @@ fn toy() -> Cluster {
             launch_overhead: 0.0,
             shared_host: false,
             launch_contention: 0.0,
+            host_staged: false,
+            ring_contention: 0.0,
+            host_cores: 0,
             // No tile quantization or reduction overhead: efficiency is flat.
             gemm_tile: 1,
             gemm_k_overhead: 0.0,
