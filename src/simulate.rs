@@ -234,13 +234,10 @@ fn play(plans: &[Vec<Work>], cluster: &Cluster, copy: &dyn Fn(f64) -> f64) -> Re
                     Work::Send { to, tag, micro, bytes } => {
                         clock[d] += copy(*bytes);
                         count(d, "Send", copy(*bytes));
-                        let (a, b) = alpha_beta(cluster, LinkLevel::Intra, 2);
-                        let level = if d / cluster.devices_per_node.max(1) == to / cluster.devices_per_node.max(1) {
-                            (a, b)
-                        } else {
-                            alpha_beta(cluster, LinkLevel::Inter, 2)
-                        };
-                        let there = clock[d] + collective::p2p(*bytes, level.0, level.1);
+                        let dpn = cluster.devices_per_node.max(1);
+                        let level = if d / dpn == to / dpn { LinkLevel::Intra } else { LinkLevel::Inter };
+                        let (a, b) = alpha_beta(cluster, level, 2);
+                        let there = clock[d] + collective::p2p(*bytes, a, b);
                         mail.entry((d, *to, *tag, *micro)).or_default().push(there);
                     }
                     Work::Recv { from, tag, micro, bytes } => {
