@@ -86,47 +86,26 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
             let node = g.node(n);
             let group = |grp: &Option<Vec<i64>>| grp.clone().unwrap_or_default();
             let (x, y) = (bytes(node.input(0)), bytes(Some(Value::new(n, 0))));
-            let ring = |grp: &[i64], f: fn(f64, usize, f64, f64) -> f64, n_bytes: f64, down: f64, up: f64| {
+            // A ring collective of `what` over `grp` priced by `f` on `n_bytes` (the plan's
+            // convention: the input, an all-gather's output), copying `down` bytes to the host
+            // and `up` back.
+            type Ring = fn(f64, usize, f64, f64) -> f64;
+            let ring = |what, grp: &Option<Vec<i64>>, f: Ring, n_bytes: f64, down: f64, up: f64| {
+                let grp = group(grp);
                 let p = grp.len();
-                if p <= 1 {
-                    return 0.0;
-                }
-                let (a, b) = alpha_beta(cluster, level(grp), p);
-                f(n_bytes, p, a, b) + collective::staging(cluster, down, up)
+                let seconds = if p <= 1 {
+                    0.0
+                } else {
+                    let (a, b) = alpha_beta(cluster, level(&grp), p);
+                    f(n_bytes, p, a, b) + collective::staging(cluster, down, up)
+                };
+                Work::Collective { what, group: grp, seconds }
             };
             match &node.op {
-                Op::AllReduce(c) => {
-                    let grp = group(&c.group);
-                    Work::Collective {
-                        what: "AllReduce",
-                        seconds: ring(&grp, collective::all_reduce, x, x, x),
-                        group: grp,
-                    }
-                }
-                Op::AllGather(c) => {
-                    let grp = group(&c.group);
-                    Work::Collective {
-                        what: "AllGather",
-                        seconds: ring(&grp, collective::all_gather, y, x, y),
-                        group: grp,
-                    }
-                }
-                Op::ReduceScatter(c) => {
-                    let grp = group(&c.group);
-                    Work::Collective {
-                        what: "ReduceScatter",
-                        seconds: ring(&grp, collective::reduce_scatter, x, x, y),
-                        group: grp,
-                    }
-                }
-                Op::AllToAll(c) => {
-                    let grp = group(&c.group);
-                    Work::Collective {
-                        what: "AllToAll",
-                        seconds: ring(&grp, collective::all_to_all, x, x, y),
-                        group: grp,
-                    }
-                }
+                Op::AllReduce(c) => ring("AllReduce", &c.group, collective::all_reduce, x, x, x),
+                Op::AllGather(c) => ring("AllGather", &c.group, collective::all_gather, y, x, y),
+                Op::ReduceScatter(c) => ring("ReduceScatter", &c.group, collective::reduce_scatter, x, x, y),
+                Op::AllToAll(c) => ring("AllToAll", &c.group, collective::all_to_all, x, x, y),
                 Op::HaloExchange(c) => {
                     let grp = group(&c.group);
                     let seconds = if grp.len() <= 1 {
