@@ -158,7 +158,8 @@ impl OpRules for op::SoftmaxCrossEntropyLoss {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        Work::flops(4.0 * cx.in_numel(0))
+        // Two kernels: the per-sample terms, then their reduction.
+        Work::flops(4.0 * cx.in_numel(0)).map(|w| Work { launches: 2.0, ..w })
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
@@ -211,7 +212,8 @@ impl OpRules for op::NegativeLogLikelihoodLoss {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        Work::flops(cx.in_numel(1))
+        // Two kernels: the per-sample terms, then their reduction.
+        Work::flops(cx.in_numel(1)).map(|w| Work { launches: 2.0, ..w })
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
@@ -283,6 +285,11 @@ fn loss_grad_infer(cx: &InferCx<'_>) -> Types {
     Ok(vec![cx.input(1).cloned()])
 }
 
+/// Kernels of a loss gradient: the per-sample terms, the mean's divisor (once), the gradient.
+fn grad_launches(reduction: &str) -> f64 {
+    if reduction == "mean" { 3.0 } else { 2.0 }
+}
+
 impl OpRules for op::SoftmaxCrossEntropyLossGrad {
     fn arity(&self) -> Arity {
         Arity::new(3, 4, 1, 1)
@@ -301,7 +308,7 @@ impl OpRules for op::SoftmaxCrossEntropyLossGrad {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        Work::flops(5.0 * cx.in_numel(1))
+        Work::flops(5.0 * cx.in_numel(1)).map(|w| Work { launches: grad_launches(self.reduction()), ..w })
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
@@ -327,7 +334,7 @@ impl OpRules for op::NegativeLogLikelihoodLossGrad {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        Work::flops(cx.in_numel(1))
+        Work::flops(cx.in_numel(1)).map(|w| Work { launches: grad_launches(self.reduction()), ..w })
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {

@@ -77,8 +77,16 @@ pub fn reduce_src() -> String {
     source(&[("T", Elem::F32, false), ("WS", Elem::F32, false), ("Y", Elem::F32, true)], "", body)
 }
 
-/// The gradient per score element `e = (n·C + c)·D + j`: `f = dL·WS[s]` (over Σ WS for mean),
-/// `dX = f·(softmax − onehot)` or `−f·onehot`. `P = [count, C, D, S, reduction]`.
+/// One invocation: `Y[0]` = Σ WS, the mean's divisor. `P = [1, S]`.
+pub fn weight_sum_src() -> String {
+    let body = "    var w = 0.0;
+    for (var s = 0u; s < P[1]; s = s + 1u) { w = w + WS[s]; }
+    Y[0] = w;";
+    source(&[("WS", Elem::F32, false), ("Y", Elem::F32, true)], "", body)
+}
+
+/// The gradient per score element `e = (n·C + c)·D + j`: `f = dL·WS[s]` (over `W[0]` = Σ WS
+/// for mean), `dX = f·(softmax − onehot)` or `−f·onehot`. `P = [count, C, D, S, reduction]`.
 pub fn grad_src(softmax: bool) -> String {
     let b: Vec<Binding<'_>> = vec![
         ("DL", Elem::F32, false),
@@ -86,6 +94,7 @@ pub fn grad_src(softmax: bool) -> String {
         ("L", Elem::I32, false),
         ("WS", Elem::F32, false),
         ("LSE", Elem::F32, false),
+        ("W", Elem::F32, false),
         ("DX", Elem::F32, true),
     ];
     let d = if softmax { "f * (exp(X[i] - LSE[s]) - hot)" } else { "-f * hot" };
@@ -95,11 +104,7 @@ pub fn grad_src(softmax: bool) -> String {
     let s = n * D + j;
     var scale = DL[0];
     if (P[4] == 0u) {{ scale = DL[s]; }}
-    if (P[4] == 2u) {{
-        var w = 0.0;
-        for (var k = 0u; k < P[3]; k = k + 1u) {{ w = w + WS[k]; }}
-        scale = scale / w;
-    }}
+    if (P[4] == 2u) {{ scale = scale / W[0]; }}
     let f = scale * WS[s];
     let hot = select(0.0, 1.0, WS[s] != 0.0 && L[s] == i32(c));
     DX[i] = {d};"
@@ -169,12 +174,15 @@ fn backward(cx: &CompileCx<'_>, softmax: bool, red: Option<[u32; 3]>) -> Compile
     if s > 0 {
         let p = vec![s as u32, cl as u32, d as u32, red[0], red[1], red[2]];
         c.launch_loop(samples_src(softmax, weights, false), bufs, p, groups(s), 2 * cl as u64);
+        // The mean's divisor, summed once (not by every element's invocation).
+        let w = c.temp(vec![1], DType::Float);
+        if red[0] == 2 {
+            c.launch_loop(weight_sum_src(), vec![ws, w], vec![1, s as u32], groups(1), s as u64);
+        }
         let n = x.numel();
         let p = vec![n as u32, cl as u32, d as u32, s as u32, red[0]];
-        // The mean's divisor: every invocation sums the samples' weights.
-        let trips = if red[0] == 2 { s as u64 } else { 0 };
-        let bufs = vec![Buf::In(0), Buf::In(1), Buf::In(2), ws, lse, Buf::Out(0)];
-        c.launch_loop(grad_src(softmax), bufs, p, groups(n), trips);
+        let bufs = vec![Buf::In(0), Buf::In(1), Buf::In(2), ws, lse, w, Buf::Out(0)];
+        c.launch_loop(grad_src(softmax), bufs, p, groups(n), 0);
     }
     Ok(Some(c))
 }
@@ -217,5 +225,6 @@ mod tests {
             validate("loss grad", &grad_src(softmax));
         }
         validate("loss reduce", &reduce_src());
+        validate("loss weight sum", &weight_sum_src());
     }
 }
