@@ -89,6 +89,32 @@ pub fn time_node<E: Executor>(e: &mut E, g: &Graph, n: NodeId, inputs: &[Array],
     Ok(median(times))
 }
 
+/// Runs `body` on each of `k` executors made by `make`, each on its own thread as the
+/// simulated devices of one run are, all starting at once (every thread waits for the others
+/// to have made their executor); each thread's result, in device order.
+fn on_devices<E: Executor, T: Send>(
+    make: &(dyn Fn() -> Result<E, String> + Sync),
+    k: usize,
+    body: impl Fn(usize, E) -> Result<T, String> + Sync,
+) -> Result<Vec<T>, String> {
+    let barrier = std::sync::Barrier::new(k.max(1));
+    let results: Vec<Result<T, String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..k.max(1))
+            .map(|me| {
+                let (barrier, body) = (&barrier, &body);
+                s.spawn(move || {
+                    let e = make();
+                    // Every thread reaches the barrier, made or not.
+                    barrier.wait();
+                    body(me, e?)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a device thread panicked".into()))).collect()
+    });
+    results.into_iter().collect()
+}
+
 /// Median seconds per tiny dispatch (a 4-float Relu and a sync, as the runtime runs each
 /// op) on each of `k` executors made by `make`, all dispatching at once from their own
 /// threads, as the simulated devices of one run do.
@@ -98,23 +124,7 @@ pub fn time_launch_concurrent<E: Executor>(
     reps: usize,
 ) -> Result<f64, String> {
     let (m, node) = one_op("(float[4] x) => (y)", "y = Relu (x)")?;
-    let g = &m.graph;
-    let barrier = std::sync::Barrier::new(k.max(1));
-    let results: Vec<Result<f64, String>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..k.max(1))
-            .map(|_| {
-                let barrier = &barrier;
-                s.spawn(move || {
-                    let e = make();
-                    // Every thread reaches the barrier, made or not.
-                    barrier.wait();
-                    time_node(&mut e?, g, node, &[filled(vec![4])], reps)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a device thread panicked".into()))).collect()
-    });
-    let times = results.into_iter().collect::<Result<Vec<f64>, String>>()?;
+    let times = on_devices(make, k, |_, mut e| time_node(&mut e, &m.graph, node, &[filled(vec![4])], reps))?;
     Ok(median(times))
 }
 
@@ -133,48 +143,34 @@ pub fn time_loaded_all_reduce<E: Executor>(
 ) -> Result<f64, String> {
     let (big_m, big) = one_op("(float[262144] x) => (y)", "y = Relu (x)")?;
     let (small_m, small) = one_op("(float[1024] x) => (y)", "y = Relu (x)")?;
-    let k = k.max(1);
     let hub = codegen::Hub::new(std::time::Duration::from_secs(60));
-    let barrier = std::sync::Barrier::new(k);
-    let group: Vec<i64> = (0..k as i64).collect();
-    let results: Vec<Result<f64, String>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..k)
-            .map(|me| {
-                let (barrier, hub, group, big_m, small_m) = (&barrier, &hub, &group, &big_m, &small_m);
-                s.spawn(move || {
-                    let e = make();
-                    barrier.wait();
-                    let mut e = e?;
-                    let mut port = codegen::runtime::hub::Port::new(hub, me);
-                    let xb = e.upload(&filled(vec![262144]))?;
-                    let xs = e.upload(&filled(vec![1024]))?;
-                    let mut times = Vec::with_capacity(reps);
-                    for r in 0..=reps.max(1) {
-                        let t0 = Instant::now();
-                        let (load, _) = e.run(&big_m.graph, big, &[Some(&xb)], &[])?;
-                        e.sync();
-                        drop(load);
-                        let (outs, _) = e.run(&small_m.graph, small, &[Some(&xs)], &[])?;
-                        e.sync();
-                        if with_ring {
-                            let y = outs.into_iter().next().ok_or("no output")?;
-                            let host = e.download(&y)?;
-                            let sum = port.all_reduce(group, &host, "sum")?;
-                            let back = e.upload(&sum)?;
-                            e.sync();
-                            drop(back);
-                        }
-                        if r > 0 {
-                            times.push(t0.elapsed().as_secs_f64());
-                        }
-                    }
-                    Ok(median(times))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a device thread panicked".into()))).collect()
-    });
-    let times = results.into_iter().collect::<Result<Vec<f64>, String>>()?;
+    let group: Vec<i64> = (0..k.max(1) as i64).collect();
+    let times = on_devices(make, k, |me, mut e| {
+        let mut port = codegen::runtime::hub::Port::new(&hub, me);
+        let xb = e.upload(&filled(vec![262144]))?;
+        let xs = e.upload(&filled(vec![1024]))?;
+        let mut times = Vec::with_capacity(reps);
+        for r in 0..=reps.max(1) {
+            let t0 = Instant::now();
+            let (load, _) = e.run(&big_m.graph, big, &[Some(&xb)], &[])?;
+            e.sync();
+            drop(load);
+            let (outs, _) = e.run(&small_m.graph, small, &[Some(&xs)], &[])?;
+            e.sync();
+            if with_ring {
+                let y = outs.into_iter().next().ok_or("no output")?;
+                let host = e.download(&y)?;
+                let sum = port.all_reduce(&group, &host, "sum")?;
+                let back = e.upload(&sum)?;
+                e.sync();
+                drop(back);
+            }
+            if r > 0 {
+                times.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        Ok(median(times))
+    })?;
     Ok(median(times))
 }
 

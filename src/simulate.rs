@@ -33,10 +33,12 @@ use passes::cost::{Cluster, CostModel, Options};
 enum Work {
     /// A kernel or a local sum (what: its op type): seconds.
     Compute(String, f64),
-    /// A message to `to` (tag, micro-batch), of `bytes`.
-    Send { to: usize, tag: i64, micro: usize, bytes: f64 },
-    /// The message from `from` (tag, micro-batch), of `bytes`.
-    Recv { from: usize, tag: i64, micro: usize, bytes: f64 },
+    /// A message to `to` (tag, micro-batch): `down` seconds of copying it to the host here,
+    /// then `flight` seconds on the link.
+    Send { to: usize, tag: i64, micro: usize, down: f64, flight: f64 },
+    /// The message from `from` (tag, micro-batch), then `up` seconds of copying it to the
+    /// device.
+    Recv { from: usize, tag: i64, micro: usize, up: f64 },
     /// A collective (what: its op type) over `group` taking `seconds` once every member is
     /// there.
     Collective { what: &'static str, group: Vec<i64>, seconds: f64 },
@@ -70,9 +72,6 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
         let first = group.first().map_or(0, |&g| node_of(g.max(0) as usize));
         if group.iter().all(|&g| node_of(g.max(0) as usize) == first) { LinkLevel::Intra } else { LinkLevel::Inter }
     };
-    let host = &cluster.host;
-    // One copy between a device and the host, where devices stage through it.
-    let copy = |bytes: f64| if cluster.device.host_staged { host.latency + bytes / host.bandwidth } else { 0.0 };
     let accumulate = accumulates(p, trains);
     let mut plans: Vec<Vec<Work>> = Vec::with_capacity(p.devices.len());
     for d in &p.devices {
@@ -116,8 +115,16 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
                     };
                     Work::Collective { what: "HaloExchange", group: grp, seconds }
                 }
-                Op::Send(s) => Work::Send { to: s.peer.unwrap_or(-1).max(0) as usize, tag: s.tag(), micro, bytes: x },
-                Op::Recv(r) => Work::Recv { from: r.peer.unwrap_or(-1).max(0) as usize, tag: r.tag(), micro, bytes: y },
+                Op::Send(s) => {
+                    let to = s.peer.unwrap_or(-1).max(0) as usize;
+                    let (a, b) = alpha_beta(cluster, level(&[d.device as i64, to as i64]), 2);
+                    let (down, flight) = (collective::host_copy(cluster, x), collective::p2p(x, a, b));
+                    Work::Send { to, tag: s.tag(), micro, down, flight }
+                }
+                Op::Recv(r) => {
+                    let from = r.peer.unwrap_or(-1).max(0) as usize;
+                    Work::Recv { from, tag: r.tag(), micro, up: collective::host_copy(cluster, y) }
+                }
                 Op::Input { .. } | Op::Initializer(_) | Op::Constant(_) => Work::Compute(String::new(), 0.0),
                 op if op.class() == OpClass::Comm => Work::Compute(String::new(), 0.0),
                 op => {
@@ -180,12 +187,12 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
         }
         plans.push(work);
     }
-    play(&plans, cluster, &copy)
+    play(&plans)
 }
 
 /// Runs the devices' work until every device is done: each goes on until it waits for a
 /// message not yet sent or a collective not everyone has reached.
-fn play(plans: &[Vec<Work>], cluster: &Cluster, copy: &dyn Fn(f64) -> f64) -> Result<Simulated, String> {
+fn play(plans: &[Vec<Work>]) -> Result<Simulated, String> {
     let n = plans.len();
     let mut clock = vec![0.0f64; n];
     let mut waiting = vec![0.0f64; n];
@@ -210,21 +217,17 @@ fn play(plans: &[Vec<Work>], cluster: &Cluster, copy: &dyn Fn(f64) -> f64) -> Re
                         clock[d] += t;
                         count(d, what, *t);
                     }
-                    Work::Send { to, tag, micro, bytes } => {
-                        clock[d] += copy(*bytes);
-                        count(d, "Send", copy(*bytes));
-                        let dpn = cluster.devices_per_node.max(1);
-                        let level = if d / dpn == to / dpn { LinkLevel::Intra } else { LinkLevel::Inter };
-                        let (a, b) = alpha_beta(cluster, level, 2);
-                        let there = clock[d] + collective::p2p(*bytes, a, b);
-                        mail.entry((d, *to, *tag, *micro)).or_default().push(there);
+                    Work::Send { to, tag, micro, down, flight } => {
+                        clock[d] += down;
+                        count(d, "Send", *down);
+                        mail.entry((d, *to, *tag, *micro)).or_default().push(clock[d] + flight);
                     }
-                    Work::Recv { from, tag, micro, bytes } => {
+                    Work::Recv { from, tag, micro, up } => {
                         let Some(q) = mail.get_mut(&(*from, d, *tag, *micro)).filter(|q| !q.is_empty()) else { break };
                         let there = q.remove(0);
                         waiting[d] += (there - clock[d]).max(0.0);
-                        clock[d] = clock[d].max(there) + copy(*bytes);
-                        count(d, "Recv", copy(*bytes));
+                        clock[d] = clock[d].max(there) + up;
+                        count(d, "Recv", *up);
                     }
                     Work::Collective { what, group, seconds } => {
                         if group.len() > 1 {

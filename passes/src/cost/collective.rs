@@ -137,15 +137,20 @@ pub fn broadcast(n: f64, p: usize, alpha: f64, beta: f64) -> f64 {
     (p as f64).log2().ceil() * alpha + n / beta
 }
 
-/// The copies around a communication on devices that reach each other only through the
-/// host ([`super::cluster::Device::host_staged`]): its operand of `bytes_in` down to the host
-/// and its result of `bytes_out` back, each a transfer on the host link; 0 elsewhere.
-pub fn staging(cluster: &Cluster, bytes_in: f64, bytes_out: f64) -> f64 {
+/// One copy of `bytes` between a device and the host on devices that reach each other only
+/// through it ([`super::cluster::Device::host_staged`]): a transfer on the host link; 0
+/// elsewhere.
+pub fn host_copy(cluster: &Cluster, bytes: f64) -> f64 {
     if !cluster.device.host_staged {
         return 0.0;
     }
-    let h = &cluster.host;
-    2.0 * h.latency + (bytes_in + bytes_out) / h.bandwidth
+    cluster.host.latency + bytes / cluster.host.bandwidth
+}
+
+/// The copies around a communication on such devices: its operand of `bytes_in` down to the
+/// host and its result of `bytes_out` back.
+pub fn staging(cluster: &Cluster, bytes_in: f64, bytes_out: f64) -> f64 {
+    host_copy(cluster, bytes_in) + host_copy(cluster, bytes_out)
 }
 
 /// A point-to-point send of `n` bytes over a link of (α, β), with its staging copies.
@@ -217,8 +222,9 @@ pub fn price(step: &CommStep, scale: f64, mesh: &Mesh, cluster: &Cluster) -> Opt
         CommKind::ReduceScatter => (bytes, bytes / p as f64),
         _ => (bytes, bytes),
     };
-    let staged = if p > 1 { staging(cluster, bytes_in, bytes_out) } else { 0.0 };
-    let (time, latency) = (time + staged, latency + staging(cluster, 0.0, 0.0).min(staged));
+    let (staged, staged_latency) =
+        if p > 1 { (staging(cluster, bytes_in, bytes_out), staging(cluster, 0.0, 0.0)) } else { (0.0, 0.0) };
+    let (time, latency) = (time + staged, latency + staged_latency);
     Some(Step {
         kind,
         axes: step.axes.clone(),
