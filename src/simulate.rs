@@ -149,9 +149,9 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
                         && !matches!(from, Op::Initializer(_) | Op::Input { .. } | Op::Constant(_));
                     if per_micro && seen.insert(*v) {
                         let b = bytes(Some(*v));
-                        add += cm.launch() + 3.0 * b / cluster.device.mem_bandwidth;
+                        add += cm.launch() + cm.roofline(0.0, 3.0 * b);
                         if g.tensor_type(*v).is_some_and(|t| t.dtype.is_float()) {
-                            scale += cm.launch() + 2.0 * b / cluster.device.mem_bandwidth;
+                            scale += cm.launch() + cm.roofline(0.0, 2.0 * b);
                         }
                     }
                 }
