@@ -449,6 +449,10 @@ impl Cluster {
         if self.device.launch_overhead < 0.0 || self.intra.latency < 0.0 || self.host.latency < 0.0 {
             return Err("latencies and overheads cannot be negative".into());
         }
+        let c = self.device.ring_contention;
+        if !(c >= 0.0 && c.is_finite()) {
+            return Err(format!("`device.ring_contention` must be a number of at least 0, got {c}"));
+        }
         if self.nodes > 1 && self.inter.is_none() {
             return Err("a cluster of several nodes needs an `[inter]` link".into());
         }
@@ -545,6 +549,10 @@ mod tests {
         c.device.efficiency = 1.5;
         let e = Cluster::from_toml(&c.to_toml()).unwrap_err();
         assert!(e.contains("efficiency"), "{e}");
+        let mut c = Cluster::preset("local-wgpu").unwrap();
+        c.device.ring_contention = -1.0;
+        let e = Cluster::from_toml(&c.to_toml()).unwrap_err();
+        assert!(e.contains("ring_contention"), "{e}");
         assert!(Cluster::from_toml("name = 3").is_err());
     }
 }
