@@ -44,11 +44,12 @@ fn main() {
     // The machine's constants measured now, in this run (`shardc calibrate`): the
     // `local-wgpu` preset holds another day's numbers, and a shared machine's speed drifts
     // (this one has measured 2.6–5.1 GFLOP/s for the same GEMM on different days).
-    let measured =
+    let mut measured =
         shardc::calibrate::measure(GpuExecutor::new, shardc::calibrate::Effort { rounds: 3, ..Default::default() })
             .expect("calibrates");
+    shardc::calibrate::add_kernel_factors(&mut measured, Backend::Wgpu, 3, false).expect("kernel factors");
     let (cluster, toml) = shardc::calibrate::cluster_toml(&measured, 8);
-    for line in toml.lines().filter(|l| l.starts_with("# GEMM")) {
+    for line in toml.lines().filter(|l| l.starts_with("# GEMM") || l.starts_with("# Kernels")) {
         println!("calibrated in this run: {}", line.trim_start_matches("# "));
     }
     let root = env!("CARGO_MANIFEST_DIR");

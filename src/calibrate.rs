@@ -1,8 +1,9 @@
 //! Measures the constants of the cost model's device and link on the runtime's own
 //! executors (`shardc calibrate`): GEMM FLOP/s of the runtime's GEMM kernel, bytes/s of a
-//! memory-bound elementwise kernel, the fixed cost of one dispatch, and the bandwidth and
+//! memory-bound elementwise kernel, the fixed cost of one dispatch, the bandwidth and
 //! latency of moving a tensor from one device to another through the host (what the
-//! runtime's collectives do).
+//! runtime's collectives do), and per op type how long its kernels take in a training step
+//! against their price ([`measure_kernel_factors`]).
 
 use std::time::Instant;
 
@@ -250,6 +251,7 @@ pub fn measure<E: Executor>(make: impl Fn() -> Result<E, String> + Sync, effort:
         ring_contention: c(|k| k.ring_contention),
         host_cores: rounds[0].calibration.host_cores,
         launch_contention: c(|k| k.launch_contention),
+        kernel_factors: Vec::new(),
     };
     let samples = rounds[0]
         .samples
@@ -406,6 +408,7 @@ fn measure_once<E: Executor>(
         ring_contention,
         host_cores: cores,
         launch_contention,
+        kernel_factors: Vec::new(),
     };
     Ok(Measured { adapter: e.name(), calibration, samples })
 }
@@ -436,6 +439,10 @@ pub fn cluster_toml(m: &Measured, devices: usize) -> (Cluster, String) {
         k.ring_contention * 100.0,
         k.host_cores
     ));
+    if !k.kernel_factors.is_empty() {
+        let f: Vec<String> = k.kernel_factors.iter().map(|(op, x)| format!("{op} ×{x:.2}")).collect();
+        t.push_str(&format!("# Kernels against their price: {}\n\n", f.join(", ")));
+    }
     t.push_str(&c.to_toml());
     (c, t)
 }
@@ -597,4 +604,175 @@ impl CollectiveCalibration {
         ));
         t
     }
+}
+
+/// Steps of each training run of [`measure_kernel_factors`] (the runtime reports the last;
+/// the first compile kernels and allocate).
+const FACTOR_STEPS: usize = 3;
+
+/// Per op type, its kernels' time against their price.
+pub type KernelFactors = Vec<(String, f64)>;
+
+/// The least roofline time, summed over the calibration models, an op type needs for its
+/// factor to be measured.
+const FACTOR_MIN_S: f64 = 0.2e-3;
+
+/// The models [`measure_kernel_factors`] trains: a small residual convolutional network
+/// (3×3 and strided 1×1 convolutions, max pooling, global pooling, a classifier) and a small
+/// transformer (two pre-norm blocks, four heads) — neither a model the project benchmarks
+/// — with their loss, as ONNX text whose weights are drawn. Large enough that their
+/// element-wise kernels take longer than a dispatch (a price mostly launches says nothing of
+/// a kernel's rate); `small`: a few-millisecond version (`--quick`).
+pub fn factor_models(small: bool) -> Vec<(&'static str, String, passes::autodiff::LossSpec)> {
+    use passes::autodiff::LossSpec;
+    let w = |dims: &[usize], name: &str| {
+        let d: Vec<String> = dims.iter().map(|x| x.to_string()).collect();
+        let len = dims.iter().product::<usize>() * 4;
+        format!(
+            "float[{}] \"{name}\" = [\"location\": \"calibration.bin\", \"offset\": \"0\", \"length\": \"{len}\"]",
+            d.join(",")
+        )
+    };
+    let inits = [
+        w(&[32, 3, 3, 3], "w1"),
+        w(&[32], "b1"),
+        w(&[32, 32, 3, 3], "w2"),
+        w(&[32], "b2"),
+        w(&[64, 32, 3, 3], "w3"),
+        w(&[64], "b3"),
+        w(&[64, 32, 1, 1], "w4"),
+        w(&[64, 64, 3, 3], "w5"),
+        w(&[10, 64], "wf"),
+        w(&[10], "bf"),
+    ];
+    let (b, side) = if small { (2, 16) } else { (8, 64) };
+    let cnn = format!(
+        "<\n ir_version: 8,\n opset_import: [\"\" : 17]\n>\ncnn (float[{b},3,{side},{side}] x) => (float[{b},10] y)\n <{}>\n{{\n{}\n}}\n",
+        inits.join(", "),
+        [
+            "c1 = Conv <pads: ints = [1, 1, 1, 1]> (x, w1, b1)",
+            "r1 = Relu (c1)",
+            "p1 = MaxPool <kernel_shape: ints = [3, 3], strides: ints = [2, 2], pads: ints = [1, 1, 1, 1]> (r1)",
+            "c2 = Conv <pads: ints = [1, 1, 1, 1]> (p1, w2, b2)",
+            "r2 = Relu (c2)",
+            "a2 = Add (r2, p1)",
+            "c3 = Conv <pads: ints = [1, 1, 1, 1], strides: ints = [2, 2]> (a2, w3, b3)",
+            "r3 = Relu (c3)",
+            "d4 = Conv <strides: ints = [2, 2]> (a2, w4)",
+            "c5 = Conv <pads: ints = [1, 1, 1, 1]> (r3, w5)",
+            "a5 = Add (c5, d4)",
+            "r5 = Relu (a5)",
+            "g = GlobalAveragePool (r5)",
+            "f = Flatten (g)",
+            "y = Gemm <transB: int = 1> (f, wf, bf)",
+        ]
+        .map(|l| format!(" {l}"))
+        .join("\n")
+    );
+    let (hidden, seq, batch) = if small { (32, 16, 2) } else { (128, 128, 4) };
+    let gpt = crate::synthetic::Gpt { layers: 2, hidden, heads: 4, batch, seq }.to_text();
+    vec![("cnn", cnn, LossSpec::SoftmaxCrossEntropy(None)), ("transformer", gpt, LossSpec::Mse(None))]
+}
+
+/// Per op type, how long the runtime's kernels on `backend` take against the price the cost
+/// model gives them on a device of `calibration` (without factors): [`factor_models`] each
+/// trained single-device with momentum SGD for [`FACTOR_STEPS`] steps, `runs` times; per
+/// run and op type the measured time of the last step summed over both models, less the
+/// launches priced in it, over the roofline part of its price, and per op type the median
+/// over the runs. Types priced mostly as launches (views, tiny kernels) are left out. Also
+/// returns the measurements.
+pub fn measure_kernel_factors(
+    calibration: &Calibration,
+    backend: codegen::Backend,
+    runs: usize,
+    small: bool,
+) -> Result<(KernelFactors, Vec<Sample>), String> {
+    use std::collections::BTreeMap;
+    let opt = passes::autodiff::OptimizerSpec::Sgd {
+        lr: 0.01,
+        momentum: 0.9,
+        dampening: 0.0,
+        nesterov: false,
+        weight_decay: 0.0,
+    };
+    let opts = passes::cost::Options { optimizer: passes::cost::Optimizer::Sgd, ..Default::default() };
+    let mut cal = calibration.clone();
+    cal.kernel_factors.clear();
+    let cluster = local_cluster(&cal, "calibration", "shardc calibrate", 1);
+    // The same device without launch costs: what is left of a price is its roofline.
+    let mut rooflines = cluster.clone();
+    rooflines.device.launch_overhead = 0.0;
+    // Per model: the lowered training program, its inputs, and per op type its price and the
+    // launches in it.
+    let mut prepared = Vec::new();
+    for (name, text, loss) in factor_models(small) {
+        let mut m = frontend::parse(&text).map_err(|d| frontend::render(&d, name, &text))?.model;
+        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check)
+            .map_err(|e| e.iter().map(|x| x.to_string()).collect::<Vec<_>>().join("; "))?;
+        crate::exec::materialize(&mut m, std::path::Path::new("."), 0)?;
+        let (tm, info) = crate::train::training_model(&m, &loss, &opt)?;
+        let r = crate::exec::named_result(&tm.graph, &cluster, 1, "data", &opts)?;
+        let prog = crate::exec::program_for_search(&tm.graph, &r, 1)?;
+        let inputs = crate::train::seeded_inputs(&tm.graph, &info, 0)?;
+        let roof = crate::exec::named_result(&tm.graph, &rooflines, 1, "data", &opts)?;
+        let mut priced = BTreeMap::<String, (f64, f64)>::new();
+        for row in &r.breakdown.ops {
+            priced.entry(row.op.clone()).or_default().0 += row.compute_s;
+        }
+        for row in &roof.breakdown.ops {
+            priced.entry(row.op.clone()).or_default().1 += row.compute_s;
+        }
+        prepared.push((prog, info, inputs, priced));
+    }
+    let mut ratios = BTreeMap::<String, Vec<f64>>::new();
+    let mut samples = Vec::new();
+    for _ in 0..runs.max(1) {
+        let mut measured = BTreeMap::<String, f64>::new();
+        let mut priced = BTreeMap::<String, (f64, f64)>::new();
+        for (prog, info, inputs, p) in &prepared {
+            let run = crate::train::run_steps(prog, info, inputs, backend, FACTOR_STEPS)?;
+            let d = run.report.devices.first().ok_or("the run reported no device")?;
+            for (op, t) in &d.by_op {
+                *measured.entry(op.clone()).or_default() += t;
+            }
+            for (op, (t, roof)) in p {
+                let e = priced.entry(op.clone()).or_default();
+                e.0 += t;
+                e.1 += roof;
+            }
+        }
+        // The measured time less the priced launches, over the roofline part of the price
+        // (never below a twentieth of the measured time: launches the run did not pay). Only
+        // where the roofline is half the price or more and [`FACTOR_MIN_S`] at least: a price
+        // that is mostly launches says nothing of its kernels' rate (and the launches' jitter
+        // would swamp it).
+        for (op, &(total, roof)) in &priced {
+            if let Some(&m) = measured.get(op)
+                && roof >= FACTOR_MIN_S
+                && roof >= total / 2.0
+                && m > 0.0
+            {
+                let kernels = (m - (total - roof)).max(m / 20.0);
+                ratios.entry(op.clone()).or_default().push(kernels / roof);
+            }
+        }
+        samples = measured
+            .into_iter()
+            .map(|(op, m)| {
+                let p = priced.get(&op).map_or(0.0, |p| p.0);
+                Sample { what: format!("{op} in a training step (priced {:.3} ms)", p * 1e3), median_s: m, reps: 1 }
+            })
+            .collect();
+    }
+    let factors = ratios.into_iter().map(|(op, r)| (op, median(r).clamp(0.05, 50.0))).collect();
+    Ok((factors, samples))
+}
+
+/// [`measure_kernel_factors`] into `m`: its factors, and the last run's timings among its
+/// samples.
+pub fn add_kernel_factors(m: &mut Measured, backend: codegen::Backend, runs: usize, small: bool) -> Result<(), String> {
+    let (factors, samples) = measure_kernel_factors(&m.calibration, backend, runs, small)?;
+    m.calibration.kernel_factors = factors;
+    m.samples.extend(samples);
+    Ok(())
 }

@@ -640,6 +640,17 @@ fn calibrate_writes_a_cluster_file_the_planner_loads() {
     let matmul =
         v["samples"].as_array().and_then(|s| s.iter().find(|x| x["what"].as_str().unwrap_or("").starts_with("MatMul")));
     assert_eq!(matmul.map(|m| m["reps"].as_u64()), Some(Some(6)), "{v}");
+    // The kernels of the calibration models' training steps against their prices: the op
+    // types whose price is mostly kernel time, each a positive factor.
+    let factors = v["kernel_factors"].as_object().unwrap_or_else(|| panic!("{v}"));
+    for (op, k) in factors {
+        assert!(k.as_f64().is_some_and(|k| k > 0.0 && k.is_finite()), "{op}: {k}");
+    }
+    for op in ["Conv", "ConvGradWeight", "MatMul", "MaxPoolGrad"] {
+        let k = factors.get(op).and_then(|k| k.as_f64()).unwrap_or_else(|| panic!("no factor for {op}: {v}"));
+        assert!(k > 0.0 && k.is_finite(), "{op}: {k}");
+    }
+    assert!(!factors.contains_key("Reshape"), "a view has no price to compare with: {v}");
     let o = shardc(&["calibrate", "--quick", "--backend", "cpu", "--rounds", "0"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let o = shardc(&["calibrate", "--backend", "tpu"]);

@@ -16,7 +16,8 @@ pub struct CalibrateArgs {
     /// Devices in the cluster file.
     #[arg(long, default_value_t = 8, value_parser = parse_devices, allow_negative_numbers = true)]
     pub devices: usize,
-    /// Smaller tensors and fewer repetitions (a rough figure in about a second).
+    /// Smaller tensors, smaller calibration models and fewer repetitions (a rough figure in a
+    /// few seconds).
     #[arg(long)]
     pub quick: bool,
     /// Measure this many times; each constant is the median of the rounds' (steadier on a
@@ -64,6 +65,10 @@ pub fn run(args: &CalibrateArgs) -> CliResult {
         other => return Err(CliError::msg(format!("--backend: `{other}` is not wgpu or cpu"))),
     }
     .map_err(|e| CliError::msg(format!("calibration failed: {e}")))?;
+    let mut measured = measured;
+    let backend = if args.backend == "cpu" { codegen::Backend::Cpu } else { codegen::Backend::Wgpu };
+    calibrate::add_kernel_factors(&mut measured, backend, effort.rounds.max(1), args.quick)
+        .map_err(|e| CliError::msg(format!("calibration failed: {e}")))?;
     let (_, toml) = calibrate::cluster_toml(&measured, args.devices);
     let text = if args.json {
         let k = &measured.calibration;
@@ -83,6 +88,7 @@ pub fn run(args: &CalibrateArgs) -> CliResult {
             "ring_bandwidth": k.ring_bandwidth,
             "ring_contention": k.ring_contention,
             "host_cores": k.host_cores,
+            "kernel_factors": k.kernel_factors.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
             "samples": measured.samples.iter().map(|s| serde_json::json!({"what": s.what, "median_s": s.median_s, "reps": s.reps})).collect::<Vec<_>>(),
         }))
         .expect("JSON")

@@ -376,3 +376,33 @@ k (float[2,3] x) => (y)
     let want = ir::eval::Array::f32(vec![2, 3], vec![1.0, 3.0, 5.0, 4.0, 6.0, 8.0]);
     compare("y", &r.outputs[0].1, &want, 0.0, 0.0).unwrap();
 }
+
+#[test]
+fn freed_buffers_are_reused_and_dispatches_past_one_dimension_reach_every_element() {
+    if !gpu_available() {
+        return;
+    }
+    use codegen::runtime::Executor;
+    use codegen::runtime::gpu::GpuExecutor;
+    // 65536 groups of 64 and one more element: more groups than one dispatch dimension holds.
+    let n = 65536 * 64 + 1;
+    let mut e = GpuExecutor::new().unwrap();
+    let (m, node) =
+        shardc::calibrate::one_op(&format!("(float[{n}] a, float[{n}] b) => (y)"), "y = Add (a, b)").unwrap();
+    let a = ir::eval::Array::f32(vec![n], (0..n).map(|i| (i % 1000) as f32).collect());
+    let b = ir::eval::Array::f32(vec![n], (0..n).map(|i| (i / 1000) as f32).collect());
+    let (ta, tb) = (e.upload(&a).unwrap(), e.upload(&b).unwrap());
+    let (outs, _) = e.run(&m.graph, node, &[Some(&ta), Some(&tb)], &[]).unwrap();
+    let y = e.download(&outs[0]).unwrap().to_f64().unwrap();
+    let bad = (0..n).find(|&i| y[i] != ((i % 1000) + i / 1000) as f64);
+    assert_eq!(bad, None, "element {bad:?} of {n} not written");
+    // Dropped, its buffer waits for the next output of its size, which overwrites it whole.
+    assert_eq!(e.pooled_bytes(), 0);
+    drop(outs);
+    assert_eq!(e.pooled_bytes(), 4 * n as u64);
+    let (outs, _) = e.run(&m.graph, node, &[Some(&tb), Some(&tb)], &[]).unwrap();
+    assert_eq!(e.pooled_bytes(), 0, "the freed buffer was not reused");
+    let y = e.download(&outs[0]).unwrap().to_f64().unwrap();
+    let bad = (0..n).find(|&i| y[i] != (2 * (i / 1000)) as f64);
+    assert_eq!(bad, None, "element {bad:?} of the reused buffer holds an old value");
+}

@@ -469,9 +469,13 @@ impl OpRules for op::MaxPoolGrad {
         Some(IterSpace::batch(cx, &[0, 1], &[0]))
     }
 
+    /// What runs: a data-parallel kernel cannot scatter each window's gradient to its
+    /// maximum without atomics, so the GPU kernel gathers — each input element visits every
+    /// window that covers it and scans that window for its maximum: each window is scanned
+    /// once per tap, `k²` comparisons per output gradient (the scatter would take `k`).
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
         let k = self.kernel_shape.as_ref().map_or(1, |k| k.iter().product::<i64>()) as f64;
-        Work::flops(cx.in_numel(1) * k)
+        Work::flops(cx.in_numel(1) * k * k)
     }
 
     /// Each output's gradient goes to the first maximum of its window.

@@ -35,6 +35,7 @@ pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) 
             conv_grad_efficiency: c.conv_grad_efficiency,
             transpose_efficiency: c.transpose_efficiency,
             transpose_cached_bytes: c.transpose_cached_bytes,
+            kernel_factors: c.kernel_factors.iter().cloned().collect(),
         },
         // Between the devices: the in-process transport's ring steps between host buffers.
         intra: Link { bandwidth: c.ring_bandwidth, latency: c.ring_latency, topology: Topology::Switch, shared_by: 1 },
@@ -79,6 +80,9 @@ pub struct Calibration {
     pub host_cores: usize,
     /// The extra fraction of `launch` each further device dispatching at once adds.
     pub launch_contention: f64,
+    /// Per op type, its kernels' measured time against their price
+    /// ([`super::cluster::Device::kernel_factors`]).
+    pub kernel_factors: Vec<(String, f64)>,
 }
 
 /// The convolution gradients' rate against the convolution's, measured by `shardc calibrate`
@@ -112,18 +116,47 @@ pub const RING_BANDWIDTH: f64 = 0.51e9;
 /// threads; the 2 devices beyond the machine's 2 cores add 2.58 times α each.
 pub const RING_CONTENTION: f64 = 2.58;
 
-/// Values from the last calibration run on the development machine (`shardc calibrate`,
-/// 2 cores, lavapipe: MatMul 512³ 53.1 ms, Conv 3×3 8×64×16×16 33.1 ms, 4-float Relu
-/// 0.100 ms, 4M-float Add 23.1 ms); the copies from the run of [`RING_LATENCY`] (device → host →
-/// device round trips of 4100, 16K and 4M floats in 0.104, 0.145 and 29.9 ms: 0.56 GB/s and
-/// 75 µs past the bytes).
+/// Per op type, the runtime's kernels in a training step against their roofline price,
+/// measured by `shardc calibrate --rounds 3` on the development machine on 2026-11-26 (with
+/// [`CALIBRATED`]'s GEMM rate and memory bandwidth from the same run). The pooling gradient's
+/// gather kernel rescans every window per tap; the reductions loop serially per output (a
+/// bias gradient has few outputs); the normalizations and softmax loop per row.
+pub const KERNEL_FACTORS: &[(&str, f64)] = &[
+    ("Add", 2.21),
+    ("Conv", 1.23),
+    ("ConvGradInput", 1.17),
+    ("ConvGradWeight", 1.37),
+    ("Div", 2.14),
+    ("ElementwiseGrad", 1.18),
+    ("Erf", 2.29),
+    ("LayerNormalization", 4.98),
+    ("MatMul", 1.11),
+    ("MaxPool", 1.85),
+    ("MaxPoolGrad", 20.0),
+    ("Mul", 1.75),
+    ("ReduceSum", 7.34),
+    ("Relu", 1.91),
+    ("Softmax", 1.82),
+    ("SoftmaxGrad", 1.61),
+    ("Sub", 1.88),
+    ("Sum", 1.60),
+    ("Transpose", 2.68),
+];
+
+/// Values from calibration runs on the development machine (`shardc calibrate`, 2 cores,
+/// lavapipe). GEMM and memory from the run of [`KERNEL_FACTORS`] (MatMul 512³ 56.7 ms, 4M-float
+/// Add 13.8 ms), the convolution's rates and the dispatch from an earlier one (Conv 3×3
+/// 8×64×16×16 33.1 ms, 4-float Relu 0.100 ms); the copies from the run of [`RING_LATENCY`]
+/// (device → host → device round trips of 4100, 16K and 4M floats in 0.104, 0.145 and 29.9 ms:
+/// 0.56 GB/s and 75 µs past the bytes). The preset `local-wgpu` is these with
+/// [`KERNEL_FACTORS`].
 pub const CALIBRATED: Calibration = Calibration {
-    gemm_flops: 5.1e9,
+    gemm_flops: 4.75e9,
     efficiency: 0.9,
     conv_grad_efficiency: CONV_GRAD_EFFICIENCY,
     transpose_efficiency: TRANSPOSE_EFFICIENCY,
     transpose_cached_bytes: 1.0e6,
-    mem_bandwidth: 2.2e9,
+    mem_bandwidth: 3.68e9,
     launch: 100e-6,
     copy_bandwidth: 0.56e9,
     copy_latency: 75e-6,
@@ -132,4 +165,5 @@ pub const CALIBRATED: Calibration = Calibration {
     ring_contention: RING_CONTENTION,
     host_cores: 2,
     launch_contention: LAUNCH_CONTENTION,
+    kernel_factors: Vec::new(),
 };

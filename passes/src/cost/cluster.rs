@@ -101,6 +101,14 @@ pub struct Device {
     /// strided side stays in cache); measured by `shardc calibrate`.
     #[serde(default)]
     pub transpose_cached_bytes: f64,
+    /// Per op type, the time its kernels take against the price the model gives them (their
+    /// roofline; launches are priced apart, by `launch_overhead`): where a device's kernels for an op reach much less (or more)
+    /// of the roofline than the model assumes (a reduction looping serially per output, a
+    /// pooling gradient re-scanning every window). Measured by `shardc calibrate`, which
+    /// trains two small models of its own and divides each op type's measured time by its
+    /// price; an op type not listed is priced at its roofline (factor 1).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub kernel_factors: std::collections::BTreeMap<String, f64>,
 }
 
 fn default_usable() -> f64 {
@@ -239,6 +247,7 @@ fn a100() -> Device {
         conv_grad_efficiency: 1.0,
         transpose_efficiency: 1.0,
         transpose_cached_bytes: 0.0,
+        kernel_factors: Default::default(),
     }
 }
 
@@ -291,6 +300,7 @@ fn dgx_h100() -> Cluster {
             conv_grad_efficiency: 1.0,
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,
+            kernel_factors: Default::default(),
         },
         // NVLink 4: 18 links, 900 GB/s bidirectional = 450 GB/s per direction, NVSwitch gen 3;
         // NCCL reaches ~360 GB/s bus bandwidth.
@@ -328,6 +338,7 @@ fn pcie_v100x8() -> Cluster {
             conv_grad_efficiency: 1.0,
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,
+            kernel_factors: Default::default(),
         },
         // GPU↔GPU over PCIe Gen3 x16 (15.75 GB/s theoretical, ~11 GB/s achieved); pairs of GPUs
         // share a PLX switch uplink to the CPU root complex, which rings across switches cross.
@@ -364,6 +375,7 @@ fn dgx1_v100() -> Cluster {
             conv_grad_efficiency: 1.0,
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,
+            kernel_factors: Default::default(),
         },
         // NVLink 2 hybrid cube-mesh: 6 links × 25 GB/s per GPU; NCCL rings reach ~130 GB/s bus
         // bandwidth over all 8 GPUs.
@@ -380,8 +392,12 @@ fn dgx1_v100() -> Cluster {
 /// calibration run on the development machine (2 cores, lavapipe; see
 /// [`crate::cost::calibration`] for how they were measured).
 fn local_wgpu() -> Cluster {
-    use crate::cost::calibration::{CALIBRATED, local_cluster};
-    local_cluster(&CALIBRATED, "local-wgpu", "shardc calibrate on the development machine (Mesa lavapipe, 2 cores)", 8)
+    use crate::cost::calibration::{CALIBRATED, Calibration, KERNEL_FACTORS, local_cluster};
+    let c = Calibration {
+        kernel_factors: KERNEL_FACTORS.iter().map(|&(op, k)| (op.to_string(), k)).collect(),
+        ..CALIBRATED
+    };
+    local_cluster(&c, "local-wgpu", "shardc calibrate on the development machine (Mesa lavapipe, 2 cores)", 8)
 }
 
 /// Names of the built-in presets (`a100-cluster-N` takes any N ≥ 2).
@@ -452,6 +468,9 @@ impl Cluster {
         let c = self.device.ring_contention;
         if !(c >= 0.0 && c.is_finite()) {
             return Err(format!("`device.ring_contention` must be a number of at least 0, got {c}"));
+        }
+        for (op, &k) in &self.device.kernel_factors {
+            pos(&format!("device.kernel_factors.{op}"), k)?;
         }
         if self.nodes > 1 && self.inter.is_none() {
             return Err("a cluster of several nodes needs an `[inter]` link".into());
@@ -553,6 +572,10 @@ mod tests {
         c.device.ring_contention = -1.0;
         let e = Cluster::from_toml(&c.to_toml()).unwrap_err();
         assert!(e.contains("ring_contention"), "{e}");
+        let mut c = Cluster::preset("local-wgpu").unwrap();
+        c.device.kernel_factors.insert("ReduceSum".into(), 0.0);
+        let e = Cluster::from_toml(&c.to_toml()).unwrap_err();
+        assert!(e.contains("kernel_factors.ReduceSum"), "{e}");
         assert!(Cluster::from_toml("name = 3").is_err());
     }
 }

@@ -692,7 +692,11 @@ impl<'a> CostModel<'a> {
             let bwd = grad.map_or(0.0, |ge| if bwd_flops > 0.0 { run(bwd_flops, ge, bwd_eff) } else { 0.0 });
             return (fwd, bwd);
         }
-        let fwd = self.roofline_at(c.fwd_flops / f, bytes, fwd_eff) + launch;
+        // What this device's kernels for the op take against their roofline (measured; the
+        // launches are priced on their own). A strided transpose has its own measured rate
+        // (`transpose_efficiency`) instead: the factor is measured on transposes that stream.
+        let kernel = if strided { 1.0 } else { d.kernel_factors.get(node.op.op_type()).copied().unwrap_or(1.0) };
+        let fwd = self.roofline_at(c.fwd_flops / f, bytes, fwd_eff) * kernel + launch;
         let bwd = match shape {
             _ if bwd_flops <= 0.0 => 0.0,
             // The two gradient GEMMs, each reading and writing about what the op does (a

@@ -34,6 +34,7 @@ fn toy() -> Cluster {
             conv_grad_efficiency: 1.0,
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,
+            kernel_factors: Default::default(),
         },
         intra: Link { bandwidth: 1e10, latency: 0.0, topology: Topology::Switch, shared_by: 1 },
         inter: None,
@@ -100,6 +101,50 @@ fn data_parallel_gemm_by_hand() {
     assert!(close(b.memory.optimizer, 33_554_432.0));
     assert!(close(b.memory.activations, 131_072.0));
     assert!(close(b.memory.total(), 16_777_216.0 * 4.0 + 2.0 * 131_072.0));
+}
+
+#[test]
+fn a_kernel_factor_scales_its_op_types_price() {
+    // The toy MatMul's forward (169.41 µs, memory-bound) on a device whose MatMul kernels
+    // measured 3× their price: 508.23 µs; its backward (a training program prices its
+    // gradient ops as their own types) and other op types keep theirs.
+    let g = gemm_graph();
+    let mut c = toy();
+    let cm = CostModel::new(&g, &c, c.mesh(8).unwrap(), opts());
+    let mm = cm.order()[0];
+    let t = cm.op_time(mm, &[Some(0)]);
+    c.device.kernel_factors.insert("MatMul".into(), 3.0);
+    c.device.kernel_factors.insert("Relu".into(), 7.0);
+    let cm = CostModel::new(&g, &c, c.mesh(8).unwrap(), opts());
+    let k = cm.op_time(mm, &[Some(0)]);
+    assert!(close(k.fwd, 3.0 * 16_941_056.0 / 1e11), "{}", k.fwd);
+    assert!(close(k.bwd, t.bwd), "{} vs {}", k.bwd, t.bwd);
+}
+
+#[test]
+fn a_strided_transpose_keeps_its_own_rate_not_the_kernel_factor() {
+    // Transposes of [64, 64] (16 KB, streams) and [1024, 1024] floats (4 MB, past the 1 MB a
+    // transpose streams within): the first at 3× its roofline (2·16,384 B / 1e11 = 0.328 µs
+    // → 0.983 µs), the second at its strided rate only (2·4,194,304 B / (0.25·1e11) =
+    // 335.5 µs), not 3× that as well.
+    let mut g = Graph::new("transposes");
+    for (name, side) in [("small", 64), ("large", 1024)] {
+        let x = g.add_input(name, Some(TensorType::fixed(DType::Float, &[side, side]).into()));
+        let y = g.add_simple(Op::Transpose(op::Transpose { perm: Some(vec![1, 0]) }), &[x], format!("{name}_t"));
+        g.add_output(y, None);
+    }
+    let mut m = Model::new(g, 17);
+    ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+    let mut c = toy();
+    c.device.transpose_efficiency = 0.25;
+    c.device.transpose_cached_bytes = 1e6;
+    c.device.kernel_factors.insert("Transpose".into(), 3.0);
+    let cm = CostModel::new(&m.graph, &c, c.mesh(1).unwrap(), opts());
+    let (small, large) = (cm.order()[0], cm.order()[1]);
+    let t = cm.op_time(small, &[None]);
+    assert!(close(t.fwd, 3.0 * 2.0 * 16_384.0 / 1e11), "{}", t.fwd);
+    let t = cm.op_time(large, &[None]);
+    assert!(close(t.fwd, 2.0 * 4_194_304.0 / (0.25 * 1e11)), "{}", t.fwd);
 }
 
 #[test]

@@ -220,9 +220,16 @@ impl Compiled {
 
 /// Workgroups for `threads` invocations of the 64-wide 1-D kernels.
 pub fn groups(threads: usize) -> [u32; 3] {
-    let g = threads.div_ceil(64).max(1) as u64;
-    if g <= 65535 { [g as u32, 1, 1] } else { [65535, g.div_ceil(65535) as u32, 1] }
+    let g = threads.div_ceil(WORKGROUP).max(1) as u64;
+    // Past the 65535 groups one dimension allows, as few rows as needed and the groups
+    // spread evenly over them (not full rows and a nearly empty last one: lavapipe pays
+    // for every group, even one that returns at once).
+    let rows = g.div_ceil(65535);
+    [g.div_ceil(rows) as u32, rows as u32, 1]
 }
+
+/// Invocations per workgroup of the 1-D kernels ([`super::wgsl::source`]).
+pub const WORKGROUP: usize = 64;
 
 /// The result of compiling an op: `Ok(None)` when it runs on the host.
 pub type CompileResult = Result<Option<Compiled>, String>;

@@ -5,7 +5,7 @@ use super::Elem;
 use super::compile::{self, Buf, CompileCx, Step, TensorDesc};
 use ir::DType;
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use ir::eval::{Array, Data, eval_node};
 use ir::{Graph, NodeId};
@@ -16,13 +16,78 @@ use crate::runtime::Executor;
 #[derive(Clone, Debug)]
 pub struct GpuTensor {
     /// The storage buffer (shared by views: reshapes do not copy).
-    pub buf: Arc<wgpu::Buffer>,
+    pub buf: Arc<Storage>,
     /// Shape.
     pub shape: Vec<usize>,
     /// Logical element type.
     pub dtype: DType,
     /// Exact host copy, for small tensors uploaded from the host (shapes, indices, scalars).
     pub host: Option<Arc<Array>>,
+}
+
+/// A storage buffer that goes back to its device's [`Pool`] when the last tensor holding it
+/// is dropped, instead of being destroyed.
+pub struct Storage {
+    buf: Option<wgpu::Buffer>,
+    pool: Arc<Mutex<Pool>>,
+}
+
+impl std::ops::Deref for Storage {
+    type Target = wgpu::Buffer;
+
+    fn deref(&self) -> &wgpu::Buffer {
+        self.buf.as_ref().expect("a storage buffer is held until dropped")
+    }
+}
+
+impl std::fmt::Debug for Storage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Storage({} bytes)", self.buf.as_ref().map_or(0, |b| b.size()))
+    }
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        if let (Some(b), Ok(mut pool)) = (self.buf.take(), self.pool.lock()) {
+            pool.put(b);
+        }
+    }
+}
+
+/// Freed storage buffers of one device by size, reused for the next outputs of that size: a
+/// training step frees and makes the same tensors every step, and a new buffer costs what a
+/// reused one does not (the driver's allocation, on lavapipe page faults on first touch, and
+/// wgpu's zero-initialisation before first use). Kernels never read an output before writing
+/// it, and those that accumulate clear their buffer first (`Step::Zero`), so a reused buffer's
+/// old contents are never seen. At most [`POOL_LIMIT`] bytes are kept; the rest are destroyed.
+#[derive(Default)]
+pub struct Pool {
+    free: HashMap<u64, Vec<wgpu::Buffer>>,
+    bytes: u64,
+}
+
+/// The most bytes of freed buffers a device keeps for reuse.
+pub const POOL_LIMIT: u64 = 1 << 30;
+
+impl Pool {
+    fn put(&mut self, b: wgpu::Buffer) {
+        let size = b.size();
+        if self.bytes + size <= POOL_LIMIT {
+            self.bytes += size;
+            self.free.entry(size).or_default().push(b);
+        }
+    }
+
+    fn take(&mut self, size: u64) -> Option<wgpu::Buffer> {
+        let b = self.free.get_mut(&size)?.pop()?;
+        self.bytes -= size;
+        Some(b)
+    }
+
+    /// Bytes held for reuse.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
 }
 
 impl GpuTensor {
@@ -52,6 +117,8 @@ pub struct GpuExecutor {
     encoder: Option<wgpu::CommandEncoder>,
     /// Dispatches encoded since the last submit.
     pending: usize,
+    /// Freed storage buffers for reuse.
+    pool: Arc<Mutex<Pool>>,
 }
 
 /// Which adapter a process opens when several are there: `SHARDC_ADAPTER` (an index into
@@ -128,7 +195,16 @@ impl GpuExecutor {
     pub fn new() -> Result<GpuExecutor, String> {
         let (device, queue, adapter) = open()?;
         let loop_limit = adapter.contains("llvmpipe").then_some(compile::LAVAPIPE_LOOP_LIMIT);
-        Ok(GpuExecutor { device, queue, adapter, loop_limit, pipelines: HashMap::new(), encoder: None, pending: 0 })
+        Ok(GpuExecutor {
+            device,
+            queue,
+            adapter,
+            loop_limit,
+            pipelines: HashMap::new(),
+            encoder: None,
+            pending: 0,
+            pool: Default::default(),
+        })
     }
 
     /// The storage bindings a kernel declares, in binding order: `true` where written.
@@ -193,14 +269,24 @@ impl GpuExecutor {
         Ok(p)
     }
 
-    /// A new storage buffer for `n` elements.
-    pub fn alloc(&self, n: usize) -> Arc<wgpu::Buffer> {
-        Arc::new(self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: None,
-            size: (n.max(1) * 4) as u64,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        }))
+    /// A storage buffer for `n` elements: a freed one of that size, else a new one.
+    pub fn alloc(&self, n: usize) -> Arc<Storage> {
+        let size = (n.max(1) * 4) as u64;
+        let reused = self.pool.lock().ok().and_then(|mut p| p.take(size));
+        let buf = reused.unwrap_or_else(|| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: None,
+                size,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        });
+        Arc::new(Storage { buf: Some(buf), pool: self.pool.clone() })
+    }
+
+    /// Bytes of freed buffers held for reuse.
+    pub fn pooled_bytes(&self) -> u64 {
+        self.pool.lock().map_or(0, |p| p.bytes())
     }
 
     /// An output tensor.
@@ -372,7 +458,7 @@ impl GpuExecutor {
             });
         }
         let temps: Vec<GpuTensor> = p.temps.iter().map(|(s, d)| self.output(s.clone(), *d)).collect();
-        let buf = |b: Buf| -> Result<Arc<wgpu::Buffer>, String> {
+        let buf = |b: Buf| -> Result<Arc<Storage>, String> {
             Ok(match b {
                 Buf::In(k) => input(k)?.buf.clone(),
                 Buf::Out(k) => outs.get(k).ok_or("no such output")?.buf.clone(),
@@ -382,8 +468,8 @@ impl GpuExecutor {
         for step in &p.steps {
             match step {
                 Step::Launch(l) => {
-                    let bufs: Vec<Arc<wgpu::Buffer>> = l.bufs.iter().map(|&b| buf(b)).collect::<Result<_, _>>()?;
-                    let refs: Vec<&wgpu::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
+                    let bufs: Vec<Arc<Storage>> = l.bufs.iter().map(|&b| buf(b)).collect::<Result<_, _>>()?;
+                    let refs: Vec<&wgpu::Buffer> = bufs.iter().map(|b| &***b).collect();
                     self.launch(&l.src, &refs, &l.params, l.groups)?;
                 }
                 Step::Zero(b) => {

@@ -3,7 +3,7 @@
 //! kernels over broadcast inputs, and data movement through index tables.
 
 use super::Elem;
-use super::compile::{Buf, Compiled, groups};
+use super::compile::{Buf, Compiled, WORKGROUP, groups};
 
 /// A binding of a kernel: name, element type, writable.
 pub type Binding<'a> = (&'a str, Elem, bool);
@@ -18,9 +18,9 @@ pub fn source(bindings: &[Binding<'_>], fns: &str, body: &str) -> String {
     }
     s.push_str(&format!("@group(0) @binding({}) var<storage, read> P: array<u32>;\n", bindings.len()));
     s.push_str(fns);
-    s.push_str(
-        "\n@compute @workgroup_size(64)\nfn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {\n    let i = gid.x + gid.y * nwg.x * 64u;\n    if (i >= P[0]) { return; }\n",
-    );
+    s.push_str(&format!(
+        "\n@compute @workgroup_size({WORKGROUP})\nfn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {{\n    let i = gid.x + gid.y * nwg.x * {WORKGROUP}u;\n    if (i >= P[0]) {{ return; }}\n",
+    ));
     s.push_str(body);
     s.push_str("\n}\n");
     s
@@ -419,6 +419,21 @@ mod tests {
             specialize(src, &p),
             "if (i >= P[0]) { return; } let a = 101u + 112u; let b = P[2u + d]; let c = TMP[1]; let d = P[40];"
         );
+    }
+
+    #[test]
+    fn dispatches_cover_every_invocation_with_less_than_a_group_per_row_to_spare() {
+        // `i = gid.x + gid.y · nwg.x · WORKGROUP` must reach every `i < threads`, within the
+        // 65535 groups a dimension allows, and past one row waste under one group per row
+        // (full rows and an almost empty last one launched up to twice the groups needed).
+        for threads in [1, 63, 64, 65, 65535 * 64, 65535 * 64 + 1, 65536 * 64, 4_194_305, 38_597_376, 1 << 31] {
+            let [x, y, z] = groups(threads);
+            assert_eq!(z, 1);
+            assert!((1..=65535).contains(&x) && (1..=65535).contains(&y), "{threads}: {x}×{y}");
+            let launched = x as usize * y as usize * WORKGROUP;
+            assert!(launched >= threads, "{threads}: {x}×{y} groups miss invocations");
+            assert!(launched - threads < WORKGROUP * y as usize, "{threads}: {x}×{y} groups, {launched} invocations");
+        }
     }
 
     #[test]
