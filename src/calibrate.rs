@@ -252,6 +252,8 @@ pub fn measure<E: Executor>(make: impl Fn() -> Result<E, String> + Sync, effort:
         host_cores: rounds[0].calibration.host_cores,
         launch_contention: c(|k| k.launch_contention),
         kernel_factors: Vec::new(),
+        parallel_width: c(|k| k.parallel_width),
+        serial_slowdown: c(|k| k.serial_slowdown),
     };
     let samples = rounds[0]
         .samples
@@ -337,6 +339,28 @@ fn measure_once<E: Executor>(
         }
         k *= 2;
     }
+    // Reductions of the same elements to 1, 4, … outputs (one invocation per output, looping
+    // over its run): from some count on the time is flat (the device is filled); the width is
+    // the least count at which the time is within twice that (the knee: above it the time
+    // falls slowly to the flat rate, below it in proportion to the outputs, down to the
+    // single output's), and the slowdown the single output's time over the flat one.
+    let total = s.next_power_of_two() / 2;
+    let mut reduced = Vec::new();
+    let mut outputs = 1;
+    while outputs <= total / 16 && outputs <= 1 << 15 {
+        let len = total / outputs;
+        let (m, node) = one_op(
+            &format!("(float[{outputs},{len}] a) => (y)"),
+            "y = ReduceSum <axes: ints = [1], keepdims: int = 0> (a)",
+        )?;
+        let t = time_node(&mut e, &m.graph, node, &[filled(vec![outputs, len])], reps)?;
+        samples.push(Sample { what: format!("ReduceSum of {total} floats to {outputs}"), median_s: t, reps });
+        reduced.push((outputs, t));
+        outputs *= 4;
+    }
+    let filled_t = reduced.iter().rev().take(2).map(|&(_, t)| t).fold(f64::INFINITY, f64::min);
+    let parallel_width = reduced.iter().find(|&&(_, t)| t <= 2.0 * filled_t).map_or(0.0, |&(k, _)| k as f64).max(1.0);
+    let serial_slowdown = reduced.first().map_or(1.0, |&(_, t)| (t / filled_t).max(1.0));
     // Device → host → device.
     let mut f = make()?;
     // Small enough to be all latency, large enough not to be served from the host copy that
@@ -409,6 +433,8 @@ fn measure_once<E: Executor>(
         host_cores: cores,
         launch_contention,
         kernel_factors: Vec::new(),
+        parallel_width,
+        serial_slowdown,
     };
     Ok(Measured { adapter: e.name(), calibration, samples })
 }

@@ -651,6 +651,9 @@ fn calibrate_writes_a_cluster_file_the_planner_loads() {
         assert!(k > 0.0 && k.is_finite(), "{op}: {k}");
     }
     assert!(!factors.contains_key("Reshape"), "a view has no price to compare with: {v}");
+    // The invocations that fill a device, and how much slower a single one runs.
+    assert!(v["parallel_width"].as_f64().is_some_and(|w| w >= 1.0), "{v}");
+    assert!(v["serial_slowdown"].as_f64().is_some_and(|s| s >= 1.0), "{v}");
     let o = shardc(&["calibrate", "--quick", "--backend", "cpu", "--rounds", "0"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let o = shardc(&["calibrate", "--backend", "tpu"]);

@@ -35,6 +35,8 @@ pub struct OpCost {
     pub param_bytes: f64,
     /// Kernel launches of the forward pass: 1, or per time step for recurrent ops.
     pub launches: f64,
+    /// Independent invocations of its main kernel (0: unknown).
+    pub parallel: f64,
 }
 
 impl OpCost {
@@ -53,6 +55,7 @@ impl OpCost {
             bytes_written: self.bytes_written * k,
             param_bytes: self.param_bytes * k,
             launches: self.launches,
+            parallel: self.parallel * k,
         }
     }
 }
@@ -134,6 +137,7 @@ pub fn node_cost(g: &Graph, n: NodeId) -> OpCost {
     let Some(w) = node.op.rules().work(&cx) else { return c };
     c.fwd_flops = w.fwd_flops;
     c.launches = w.launches;
+    c.parallel = w.parallel.unwrap_or(y);
     match w.backward {
         // A contraction's backward splits between data and weight gradients by input.
         Backward::Contraction { inputs, bias } => {

@@ -18,7 +18,7 @@ use crate::types::Dim;
 type Result<T> = std::result::Result<T, EvalError>;
 
 fn contraction(fwd: f64, inputs: Vec<usize>, bias: Option<usize>) -> Option<Work> {
-    Some(Work { fwd_flops: fwd, backward: Backward::Contraction { inputs, bias }, launches: 1.0 })
+    Some(Work { fwd_flops: fwd, backward: Backward::Contraction { inputs, bias }, launches: 1.0, parallel: None })
 }
 
 fn out_feature(name: &str, size: i64) -> IterDim {

@@ -216,6 +216,7 @@ impl OpRules for op::Conv {
             fwd_flops: 2.0 * y * per + if bias { y } else { 0.0 },
             backward: Backward::Contraction { inputs: vec![0, 1], bias: bias.then_some(2) },
             launches: 1.0,
+            parallel: None,
         })
     }
 
@@ -300,6 +301,7 @@ impl OpRules for op::ConvTranspose {
             fwd_flops: 2.0 * x * per,
             backward: Backward::Contraction { inputs: vec![0, 1], bias: None },
             launches: 1.0,
+            parallel: None,
         })
     }
 

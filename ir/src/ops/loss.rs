@@ -32,6 +32,16 @@ fn layout(shape: &[usize]) -> Result<(usize, usize, usize)> {
     Ok((shape[0], shape[1], shape[2..].iter().product()))
 }
 
+/// The samples of scores input `i` ([N, C, d…]: N·d; 0 when unknown): the loss kernels run
+/// one invocation per sample.
+fn samples(cx: &NodeCx<'_>, i: usize) -> f64 {
+    let d = cx.in_dims(i);
+    match d.get(1) {
+        Some(&c) if c > 0 && d.len() >= 2 => cx.in_numel(i) / c as f64,
+        _ => 0.0,
+    }
+}
+
 /// Per sample (n, d): its class, its weight (0 when ignored).
 fn targets(labels: &Array, weights: Option<&Array>, r: Red<'_>, c: usize) -> Result<(Vec<usize>, Vec<f64>)> {
     let l = labels.to_i64()?;
@@ -158,8 +168,8 @@ impl OpRules for op::SoftmaxCrossEntropyLoss {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        // Two kernels: the per-sample terms, then their reduction.
-        Work::flops(4.0 * cx.in_numel(0)).map(|w| Work { launches: 2.0, ..w })
+        // Two kernels: the per-sample terms (one invocation per sample), then their reduction.
+        Work::flops(4.0 * cx.in_numel(0)).map(|w| Work { launches: 2.0, parallel: Some(samples(cx, 0)), ..w })
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
@@ -212,8 +222,8 @@ impl OpRules for op::NegativeLogLikelihoodLoss {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        // Two kernels: the per-sample terms, then their reduction.
-        Work::flops(cx.in_numel(1)).map(|w| Work { launches: 2.0, ..w })
+        // Two kernels: the per-sample terms (one invocation per sample), then their reduction.
+        Work::flops(cx.in_numel(1)).map(|w| Work { launches: 2.0, parallel: Some(samples(cx, 0)), ..w })
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
@@ -308,7 +318,9 @@ impl OpRules for op::SoftmaxCrossEntropyLossGrad {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        Work::flops(5.0 * cx.in_numel(1)).map(|w| Work { launches: grad_launches(self.reduction()), ..w })
+        // The per-sample terms (one invocation per sample), then the scores' gradient.
+        let launches = grad_launches(self.reduction());
+        Work::flops(5.0 * cx.in_numel(1)).map(|w| Work { launches, parallel: Some(samples(cx, 1)), ..w })
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
@@ -334,7 +346,8 @@ impl OpRules for op::NegativeLogLikelihoodLossGrad {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        Work::flops(cx.in_numel(1)).map(|w| Work { launches: grad_launches(self.reduction()), ..w })
+        let launches = grad_launches(self.reduction());
+        Work::flops(cx.in_numel(1)).map(|w| Work { launches, parallel: Some(samples(cx, 1)), ..w })
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {

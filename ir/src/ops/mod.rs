@@ -265,6 +265,16 @@ impl<'a> NodeCx<'a> {
         self.ty(self.input(i)).and_then(TensorType::numel).map_or(0.0, |n| n as f64)
     }
 
+    /// The rows of input `i` when each row is its dims from `axis` on: the elements before
+    /// `axis` (0 when unknown).
+    pub fn rows_before(&self, i: usize, axis: usize) -> f64 {
+        let d = self.in_dims(i);
+        if axis > d.len() || d.iter().any(|&x| x <= 0) {
+            return 0.0;
+        }
+        d[..axis].iter().product::<i64>() as f64
+    }
+
     /// Output `s`'s element count (0 when unknown).
     pub fn out_numel(&self, s: usize) -> f64 {
         self.ty(Some(self.output(s))).and_then(TensorType::numel).map_or(0.0, |n| n as f64)
@@ -344,12 +354,15 @@ pub struct Work {
     pub backward: Backward,
     /// Kernel launches of the forward pass (recurrent layers launch per time step).
     pub launches: f64,
+    /// Independent invocations of its main kernel, where not one per output element (a
+    /// kernel with one invocation per row, per sample): a device filled by fewer runs slower.
+    pub parallel: Option<f64>,
 }
 
 impl Work {
     /// Pointwise-like work of `flops`.
     pub fn flops(flops: f64) -> Option<Work> {
-        Some(Work { fwd_flops: flops, backward: Backward::LikeForward, launches: 1.0 })
+        Some(Work { fwd_flops: flops, backward: Backward::LikeForward, launches: 1.0, parallel: None })
     }
 
     /// No arithmetic (data movement, views, constants).

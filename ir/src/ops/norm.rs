@@ -209,8 +209,10 @@ impl OpRules for op::LayerNormalization {
         Some(sp)
     }
 
+    /// One invocation per row (the dims before `axis`).
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        norm_work(cx)
+        let rows = norm_axis(self.axis(), cx.in_dims(0).len()).map_or(0.0, |a| cx.rows_before(0, a));
+        norm_work(cx).map(|w| Work { parallel: Some(rows), ..w })
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
@@ -732,7 +734,8 @@ impl OpRules for op::LayerNormGrad {
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
         // Per row: the statistics and dx; then per column: the parameter gradients.
-        Work::flops(10.0 * cx.in_numel(0)).map(|w| Work { launches: 2.0, ..w })
+        let rows = norm_axis(self.axis(), cx.in_dims(0).len()).map_or(0.0, |a| cx.rows_before(0, a));
+        Work::flops(10.0 * cx.in_numel(0)).map(|w| Work { launches: 2.0, parallel: Some(rows), ..w })
     }
 
     /// Per row: `x̂ = (x − μ)·r`, `g = dY·scale`; `dX = r·(g − mean(g) − x̂·mean(g·x̂))`;

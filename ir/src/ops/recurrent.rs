@@ -97,6 +97,7 @@ fn recurrent_work(cx: &NodeCx<'_>, gates: f64) -> Option<Work> {
         backward: Backward::Recurrent { matmul: mm, pointwise },
         // Per step and direction: the recurrent GEMM and the gate kernel.
         launches: 2.0 * dirs * xd[0] as f64,
+        parallel: None,
     })
 }
 

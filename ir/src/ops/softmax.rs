@@ -57,8 +57,17 @@ macro_rules! softmax {
                 })
             }
 
+            /// One invocation per row.
             fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-                Work::flops($flops * cx.out_numel(0))
+                let r = cx.in_dims(0).len();
+                let (legacy, a) = axis(self.axis, cx.opset());
+                let d = cx.in_dims(0);
+                let rows = match norm_axis(a, r) {
+                    Ok(a) if legacy => cx.rows_before(0, a),
+                    Ok(a) if d.get(a).is_some_and(|&n| n > 0) => cx.in_numel(0) / d[a] as f64,
+                    _ => 0.0,
+                };
+                Work::flops($flops * cx.out_numel(0)).map(|w| Work { parallel: Some(rows), ..w })
             }
 
             fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
@@ -155,8 +164,14 @@ impl OpRules for op::SoftmaxGrad {
         Some(pointwise(cx, &axes, &[], 0))
     }
 
+    /// One invocation per row (the elements outside the normalized axes).
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        Work::flops(4.0 * cx.out_numel(0))
+        let d = cx.out_dims(0);
+        let axes: Vec<usize> =
+            self.axes.clone().unwrap_or_default().iter().filter_map(|&a| norm_axis(a, d.len()).ok()).collect();
+        let len: i64 = axes.iter().filter_map(|&a| d.get(a)).product();
+        let rows = if len > 0 { cx.out_numel(0) / len as f64 } else { 0.0 };
+        Work::flops(4.0 * cx.out_numel(0)).map(|w| Work { parallel: Some(rows), ..w })
     }
 
     /// Softmax: `dX = Y·(dY − Σ dY·Y)`; log-softmax: `dX = dY − exp(Y)·Σ dY`, sums over the

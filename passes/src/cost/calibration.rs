@@ -36,6 +36,8 @@ pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) 
             transpose_efficiency: c.transpose_efficiency,
             transpose_cached_bytes: c.transpose_cached_bytes,
             kernel_factors: c.kernel_factors.iter().cloned().collect(),
+            parallel_width: c.parallel_width,
+            serial_slowdown: c.serial_slowdown,
         },
         // Between the devices: the in-process transport's ring steps between host buffers.
         intra: Link { bandwidth: c.ring_bandwidth, latency: c.ring_latency, topology: Topology::Switch, shared_by: 1 },
@@ -83,6 +85,10 @@ pub struct Calibration {
     /// Per op type, its kernels' measured time against their price
     /// ([`super::cluster::Device::kernel_factors`]).
     pub kernel_factors: Vec<(String, f64)>,
+    /// Invocations that fill a device ([`super::cluster::Device::parallel_width`]).
+    pub parallel_width: f64,
+    /// A kernel's slowdown with one invocation.
+    pub serial_slowdown: f64,
 }
 
 /// The convolution gradients' rate against the convolution's, measured by `shardc calibrate`
@@ -116,47 +122,58 @@ pub const RING_BANDWIDTH: f64 = 0.51e9;
 /// threads; the 2 devices beyond the machine's 2 cores add 2.58 times α each.
 pub const RING_CONTENTION: f64 = 2.58;
 
+/// Invocations that fill the simulated device, measured by `shardc calibrate --rounds 3` on
+/// the development machine on 2026-11-26 (the run of [`KERNEL_FACTORS`]): reductions of 2M
+/// floats to 1, 4, 16, 64, 256 … 16384 outputs (one invocation per output looping over its
+/// run) took 23.7, 24.0, 24.8, 4.5 ms and then 2.3–2.5 ms; 64 is the least count within twice
+/// the flat time (another run's was 256: the knee lies between). Below it the time grows as
+/// the outputs shrink, up to [`SERIAL_SLOWDOWN`].
+pub const PARALLEL_WIDTH: f64 = 64.0;
+/// See [`PARALLEL_WIDTH`]: one output took 9.6 times as long as the flat time.
+pub const SERIAL_SLOWDOWN: f64 = 9.6;
+
 /// Per op type, the runtime's kernels in a training step against their roofline price,
 /// measured by `shardc calibrate --rounds 3` on the development machine on 2026-11-26 (with
 /// [`CALIBRATED`]'s GEMM rate and memory bandwidth from the same run). The pooling gradient's
 /// gather kernel rescans every window per tap; the reductions loop serially per output (a
 /// bias gradient has few outputs); the normalizations and softmax loop per row.
 pub const KERNEL_FACTORS: &[(&str, f64)] = &[
-    ("Add", 2.21),
-    ("Conv", 1.23),
-    ("ConvGradInput", 1.17),
-    ("ConvGradWeight", 1.37),
-    ("Div", 2.14),
-    ("ElementwiseGrad", 1.18),
-    ("Erf", 2.29),
-    ("LayerNormalization", 4.98),
-    ("MatMul", 1.11),
-    ("MaxPool", 1.85),
-    ("MaxPoolGrad", 20.0),
-    ("Mul", 1.75),
-    ("ReduceSum", 7.34),
-    ("Relu", 1.91),
-    ("Softmax", 1.82),
-    ("SoftmaxGrad", 1.61),
-    ("Sub", 1.88),
-    ("Sum", 1.60),
-    ("Transpose", 2.68),
+    ("Add", 1.87),
+    ("Conv", 1.12),
+    ("ConvGradInput", 1.08),
+    ("ConvGradWeight", 1.22),
+    ("Div", 1.64),
+    ("ElementwiseGrad", 0.88),
+    ("Erf", 1.83),
+    ("LayerNormalization", 4.4),
+    ("MatMul", 0.96),
+    ("MaxPool", 1.71),
+    ("MaxPoolGrad", 15.69),
+    ("Mul", 1.45),
+    ("ReduceMean", 1.45),
+    ("ReduceSum", 5.38),
+    ("Relu", 1.55),
+    ("Softmax", 1.85),
+    ("SoftmaxGrad", 1.49),
+    ("Sub", 1.38),
+    ("Sum", 1.31),
+    ("Transpose", 2.26),
 ];
 
 /// Values from calibration runs on the development machine (`shardc calibrate`, 2 cores,
-/// lavapipe). GEMM and memory from the run of [`KERNEL_FACTORS`] (MatMul 512³ 56.7 ms, 4M-float
-/// Add 13.8 ms), the convolution's rates and the dispatch from an earlier one (Conv 3×3
+/// lavapipe). GEMM and memory from the run of [`KERNEL_FACTORS`] (MatMul 512³ 56.2 ms, 4M-float
+/// Add 14.0 ms), the convolution's rates and the dispatch from an earlier one (Conv 3×3
 /// 8×64×16×16 33.1 ms, 4-float Relu 0.100 ms); the copies from the run of [`RING_LATENCY`]
 /// (device → host → device round trips of 4100, 16K and 4M floats in 0.104, 0.145 and 29.9 ms:
 /// 0.56 GB/s and 75 µs past the bytes). The preset `local-wgpu` is these with
 /// [`KERNEL_FACTORS`].
 pub const CALIBRATED: Calibration = Calibration {
-    gemm_flops: 4.75e9,
+    gemm_flops: 4.79e9,
     efficiency: 0.9,
     conv_grad_efficiency: CONV_GRAD_EFFICIENCY,
     transpose_efficiency: TRANSPOSE_EFFICIENCY,
     transpose_cached_bytes: 1.0e6,
-    mem_bandwidth: 3.68e9,
+    mem_bandwidth: 3.62e9,
     launch: 100e-6,
     copy_bandwidth: 0.56e9,
     copy_latency: 75e-6,
@@ -166,4 +183,6 @@ pub const CALIBRATED: Calibration = Calibration {
     host_cores: 2,
     launch_contention: LAUNCH_CONTENTION,
     kernel_factors: Vec::new(),
+    parallel_width: PARALLEL_WIDTH,
+    serial_slowdown: SERIAL_SLOWDOWN,
 };

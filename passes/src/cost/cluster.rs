@@ -109,6 +109,16 @@ pub struct Device {
     /// price; an op type not listed is priced at its roofline (factor 1).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub kernel_factors: std::collections::BTreeMap<String, f64>,
+    /// Independent invocations a kernel needs to fill the device (0: not modelled): a kernel
+    /// with `p` fewer (a reduction to a few outputs, a loss parallel over samples, a
+    /// normalization over a few rows) runs `width / p` times slower, at most
+    /// `serial_slowdown` times. Measured by `shardc calibrate` (reductions of one tensor to
+    /// 1…32768 outputs).
+    #[serde(default)]
+    pub parallel_width: f64,
+    /// The most a kernel of too few invocations is slowed (its rate with one invocation).
+    #[serde(default = "default_conv_grad_efficiency")]
+    pub serial_slowdown: f64,
 }
 
 fn default_usable() -> f64 {
@@ -248,6 +258,8 @@ fn a100() -> Device {
         transpose_efficiency: 1.0,
         transpose_cached_bytes: 0.0,
         kernel_factors: Default::default(),
+        parallel_width: 0.0,
+        serial_slowdown: 1.0,
     }
 }
 
@@ -301,6 +313,8 @@ fn dgx_h100() -> Cluster {
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,
             kernel_factors: Default::default(),
+            parallel_width: 0.0,
+            serial_slowdown: 1.0,
         },
         // NVLink 4: 18 links, 900 GB/s bidirectional = 450 GB/s per direction, NVSwitch gen 3;
         // NCCL reaches ~360 GB/s bus bandwidth.
@@ -339,6 +353,8 @@ fn pcie_v100x8() -> Cluster {
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,
             kernel_factors: Default::default(),
+            parallel_width: 0.0,
+            serial_slowdown: 1.0,
         },
         // GPU↔GPU over PCIe Gen3 x16 (15.75 GB/s theoretical, ~11 GB/s achieved); pairs of GPUs
         // share a PLX switch uplink to the CPU root complex, which rings across switches cross.
@@ -376,6 +392,8 @@ fn dgx1_v100() -> Cluster {
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,
             kernel_factors: Default::default(),
+            parallel_width: 0.0,
+            serial_slowdown: 1.0,
         },
         // NVLink 2 hybrid cube-mesh: 6 links × 25 GB/s per GPU; NCCL rings reach ~130 GB/s bus
         // bandwidth over all 8 GPUs.
@@ -468,6 +486,12 @@ impl Cluster {
         let c = self.device.ring_contention;
         if !(c >= 0.0 && c.is_finite()) {
             return Err(format!("`device.ring_contention` must be a number of at least 0, got {c}"));
+        }
+        let (w, s) = (self.device.parallel_width, self.device.serial_slowdown);
+        if !(w >= 0.0 && w.is_finite() && s >= 1.0 && s.is_finite()) {
+            return Err(format!(
+                "`device.parallel_width` must be at least 0 and `device.serial_slowdown` at least 1, got {w} and {s}"
+            ));
         }
         for (op, &k) in &self.device.kernel_factors {
             pos(&format!("device.kernel_factors.{op}"), k)?;
@@ -576,6 +600,10 @@ mod tests {
         c.device.kernel_factors.insert("ReduceSum".into(), 0.0);
         let e = Cluster::from_toml(&c.to_toml()).unwrap_err();
         assert!(e.contains("kernel_factors.ReduceSum"), "{e}");
+        let mut c = Cluster::preset("local-wgpu").unwrap();
+        c.device.serial_slowdown = 0.5;
+        let e = Cluster::from_toml(&c.to_toml()).unwrap_err();
+        assert!(e.contains("serial_slowdown"), "{e}");
         assert!(Cluster::from_toml("name = 3").is_err());
     }
 }

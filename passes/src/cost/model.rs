@@ -547,6 +547,16 @@ impl<'a> CostModel<'a> {
         d.launch_overhead * (1.0 + d.launch_contention.max(0.0) * others)
     }
 
+    /// How much slower a kernel of `parallel` independent invocations runs than one that
+    /// fills the device ([`super::cluster::Device::parallel_width`]; 1 when unknown).
+    pub fn underfill(&self, parallel: f64) -> f64 {
+        let d = &self.cluster.device;
+        if d.parallel_width <= 0.0 || parallel <= 0.0 {
+            return 1.0;
+        }
+        (d.parallel_width / parallel).clamp(1.0, d.serial_slowdown.max(1.0))
+    }
+
     /// Memory bandwidth of one device, bytes/s.
     fn mem_bandwidth(&self) -> f64 {
         self.cluster.device.mem_bandwidth / self.host_share()
@@ -696,7 +706,9 @@ impl<'a> CostModel<'a> {
         // launches are priced on their own). A strided transpose has its own measured rate
         // (`transpose_efficiency`) instead: the factor is measured on transposes that stream.
         let kernel = if strided { 1.0 } else { d.kernel_factors.get(node.op.op_type()).copied().unwrap_or(1.0) };
-        let fwd = self.roofline_at(c.fwd_flops / f, bytes, fwd_eff) * kernel + launch;
+        // A kernel with fewer invocations than fill the device runs at that share of it.
+        let fill = self.underfill(c.parallel / f);
+        let fwd = self.roofline_at(c.fwd_flops / f, bytes, fwd_eff) * kernel * fill + launch;
         let bwd = match shape {
             _ if bwd_flops <= 0.0 => 0.0,
             // The two gradient GEMMs, each reading and writing about what the op does (a

@@ -35,6 +35,8 @@ fn toy() -> Cluster {
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,
             kernel_factors: Default::default(),
+            parallel_width: 0.0,
+            serial_slowdown: 1.0,
         },
         intra: Link { bandwidth: 1e10, latency: 0.0, topology: Topology::Switch, shared_by: 1 },
         inter: None,
@@ -145,6 +147,33 @@ fn a_strided_transpose_keeps_its_own_rate_not_the_kernel_factor() {
     assert!(close(t.fwd, 3.0 * 2.0 * 16_384.0 / 1e11), "{}", t.fwd);
     let t = cm.op_time(large, &[None]);
     assert!(close(t.fwd, 2.0 * 4_194_304.0 / (0.25 * 1e11)), "{}", t.fwd);
+}
+
+#[test]
+fn kernels_of_few_invocations_run_slower() {
+    // Softmax over rows of 4096 (4 rows: one invocation each) and of 16 (1024 rows), both
+    // 16,384 floats: 2·65,536 B / 1e11 = 1.311 µs at the roofline. On a device filled by 256
+    // invocations, at most 8× slower with one: the 4 rows at 256/4 = 64 → 8×, the 1024 at 1×.
+    let mut g = Graph::new("rows");
+    for (name, rows) in [("few", 4), ("many", 1024)] {
+        let x = g.add_input(name, Some(TensorType::fixed(DType::Float, &[rows, 16384 / rows]).into()));
+        let y = g.add_simple(Op::Softmax(op::Softmax { axis: Some(-1) }), &[x], format!("{name}_s"));
+        g.add_output(y, None);
+    }
+    let mut m = Model::new(g, 17);
+    ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+    let sm: Vec<_> = m.graph.node_ids().filter(|&n| matches!(m.graph.node(n).op, Op::Softmax(_))).collect();
+    // The op's own facts: one invocation per row.
+    assert_eq!(ir::cost::node_cost(&m.graph, sm[0]).parallel, 4.0);
+    assert_eq!(ir::cost::node_cost(&m.graph, sm[1]).parallel, 1024.0);
+    let mut c = toy();
+    c.device.parallel_width = 256.0;
+    c.device.serial_slowdown = 8.0;
+    let cm = CostModel::new(&m.graph, &c, c.mesh(1).unwrap(), opts());
+    let roof = 2.0 * 65_536.0 / 1e11;
+    assert!(close(cm.op_time(sm[0], &[None]).fwd, 8.0 * roof), "{}", cm.op_time(sm[0], &[None]).fwd);
+    assert!(close(cm.op_time(sm[1], &[None]).fwd, roof), "{}", cm.op_time(sm[1], &[None]).fwd);
+    assert!(close(cm.underfill(128.0), 2.0) && close(cm.underfill(0.0), 1.0));
 }
 
 #[test]
