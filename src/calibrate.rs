@@ -651,14 +651,7 @@ const FACTOR_MIN_S: f64 = 0.2e-3;
 /// a kernel's rate); `small`: a few-millisecond version (`--quick`).
 pub fn factor_models(small: bool) -> Vec<(&'static str, String, passes::autodiff::LossSpec)> {
     use passes::autodiff::LossSpec;
-    let w = |dims: &[usize], name: &str| {
-        let d: Vec<String> = dims.iter().map(|x| x.to_string()).collect();
-        let len = dims.iter().product::<usize>() * 4;
-        format!(
-            "float[{}] \"{name}\" = [\"location\": \"calibration.bin\", \"offset\": \"0\", \"length\": \"{len}\"]",
-            d.join(",")
-        )
-    };
+    let w = |dims: &[usize], name: &str| crate::synthetic::ext("float", dims, name);
     let inits = [
         w(&[32, 3, 3, 3], "w1"),
         w(&[32], "b1"),
@@ -728,9 +721,10 @@ pub fn measure_kernel_factors(
     // The same device without launch costs: what is left of a price is its roofline.
     let mut rooflines = cluster.clone();
     rooflines.device.launch_overhead = 0.0;
-    // Per model: the lowered training program, its inputs, and per op type its price and the
-    // launches in it.
+    // Per model: the lowered training program and its inputs; per op type over both models,
+    // its price and the roofline part of it.
     let mut prepared = Vec::new();
+    let mut priced = BTreeMap::<String, (f64, f64)>::new();
     for (name, text, loss) in factor_models(small) {
         let mut m = frontend::parse(&text).map_err(|d| frontend::render(&d, name, &text))?.model;
         ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check)
@@ -741,30 +735,23 @@ pub fn measure_kernel_factors(
         let prog = crate::exec::program_for_search(&tm.graph, &r, 1)?;
         let inputs = crate::train::seeded_inputs(&tm.graph, &info, 0)?;
         let roof = crate::exec::named_result(&tm.graph, &rooflines, 1, "data", &opts)?;
-        let mut priced = BTreeMap::<String, (f64, f64)>::new();
         for row in &r.breakdown.ops {
             priced.entry(row.op.clone()).or_default().0 += row.compute_s;
         }
         for row in &roof.breakdown.ops {
             priced.entry(row.op.clone()).or_default().1 += row.compute_s;
         }
-        prepared.push((prog, info, inputs, priced));
+        prepared.push((prog, info, inputs));
     }
     let mut ratios = BTreeMap::<String, Vec<f64>>::new();
     let mut samples = Vec::new();
     for _ in 0..runs.max(1) {
         let mut measured = BTreeMap::<String, f64>::new();
-        let mut priced = BTreeMap::<String, (f64, f64)>::new();
-        for (prog, info, inputs, p) in &prepared {
+        for (prog, info, inputs) in &prepared {
             let run = crate::train::run_steps(prog, info, inputs, backend, FACTOR_STEPS)?;
             let d = run.report.devices.first().ok_or("the run reported no device")?;
             for (op, t) in &d.by_op {
                 *measured.entry(op.clone()).or_default() += t;
-            }
-            for (op, (t, roof)) in p {
-                let e = priced.entry(op.clone()).or_default();
-                e.0 += t;
-                e.1 += roof;
             }
         }
         // The measured time less the priced launches, over the roofline part of the price

@@ -22,7 +22,7 @@ pub struct Gpt {
     pub seq: usize,
 }
 
-fn ext(dtype: &str, dims: &[usize], name: &str) -> String {
+pub(crate) fn ext(dtype: &str, dims: &[usize], name: &str) -> String {
     let len: usize = dims.iter().product::<usize>() * 4;
     let d: Vec<String> = dims.iter().map(|x| x.to_string()).collect();
     format!(

@@ -56,17 +56,15 @@ pub fn run(args: &CalibrateArgs) -> CliResult {
     } else {
         Effort { rounds: args.rounds, ..Effort::default() }
     };
-    let measured = match args.backend.as_str() {
+    let (measured, backend) = match args.backend.as_str() {
         #[cfg(feature = "gpu")]
-        "wgpu" => calibrate::measure(codegen::runtime::gpu::GpuExecutor::new, effort),
+        "wgpu" => (calibrate::measure(codegen::runtime::gpu::GpuExecutor::new, effort), codegen::Backend::Wgpu),
         #[cfg(not(feature = "gpu"))]
         "wgpu" => return Err(CliError::msg("--backend wgpu: this shardc was built without the `gpu` feature")),
-        "cpu" => calibrate::measure(|| Ok(codegen::runtime::cpu::CpuExecutor::new()), effort),
+        "cpu" => (calibrate::measure(|| Ok(codegen::runtime::cpu::CpuExecutor::new()), effort), codegen::Backend::Cpu),
         other => return Err(CliError::msg(format!("--backend: `{other}` is not wgpu or cpu"))),
-    }
-    .map_err(|e| CliError::msg(format!("calibration failed: {e}")))?;
-    let mut measured = measured;
-    let backend = if args.backend == "cpu" { codegen::Backend::Cpu } else { codegen::Backend::Wgpu };
+    };
+    let mut measured = measured.map_err(|e| CliError::msg(format!("calibration failed: {e}")))?;
     calibrate::add_kernel_factors(&mut measured, backend, effort.rounds.max(1), args.quick)
         .map_err(|e| CliError::msg(format!("calibration failed: {e}")))?;
     let (_, toml) = calibrate::cluster_toml(&measured, args.devices);

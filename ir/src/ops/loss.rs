@@ -35,9 +35,8 @@ fn layout(shape: &[usize]) -> Result<(usize, usize, usize)> {
 /// The samples of scores input `i` ([N, C, d…]: N·d; 0 when unknown): the loss kernels run
 /// one invocation per sample.
 fn samples(cx: &NodeCx<'_>, i: usize) -> f64 {
-    let d = cx.in_dims(i);
-    match d.get(1) {
-        Some(&c) if c > 0 && d.len() >= 2 => cx.in_numel(i) / c as f64,
+    match cx.in_dims(i).get(1) {
+        Some(&c) if c > 0 => cx.in_numel(i) / c as f64,
         _ => 0.0,
     }
 }

@@ -265,14 +265,14 @@ impl<'a> NodeCx<'a> {
         self.ty(self.input(i)).and_then(TensorType::numel).map_or(0.0, |n| n as f64)
     }
 
-    /// The rows of input `i` when each row is its dims from `axis` on: the elements before
-    /// `axis` (0 when unknown).
-    pub fn rows_before(&self, i: usize, axis: usize) -> f64 {
+    /// The rows of input `i` when each row is its dims from `axis` on (an ONNX axis, negative
+    /// from the end): the elements before `axis` (0 when unknown or out of range).
+    pub fn rows_before(&self, i: usize, axis: i64) -> f64 {
         let d = self.in_dims(i);
-        if axis > d.len() || d.iter().any(|&x| x <= 0) {
-            return 0.0;
+        match norm_axis(axis, d.len()) {
+            Ok(a) if d.iter().all(|&x| x > 0) => d[..a].iter().product::<i64>() as f64,
+            _ => 0.0,
         }
-        d[..axis].iter().product::<i64>() as f64
     }
 
     /// Output `s`'s element count (0 when unknown).

@@ -211,7 +211,7 @@ impl OpRules for op::LayerNormalization {
 
     /// One invocation per row (the dims before `axis`).
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        let rows = norm_axis(self.axis(), cx.in_dims(0).len()).map_or(0.0, |a| cx.rows_before(0, a));
+        let rows = cx.rows_before(0, self.axis());
         norm_work(cx).map(|w| Work { parallel: Some(rows), ..w })
     }
 
@@ -734,7 +734,7 @@ impl OpRules for op::LayerNormGrad {
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
         // Per row: the statistics and dx; then per column: the parameter gradients.
-        let rows = norm_axis(self.axis(), cx.in_dims(0).len()).map_or(0.0, |a| cx.rows_before(0, a));
+        let rows = cx.rows_before(0, self.axis());
         Work::flops(10.0 * cx.in_numel(0)).map(|w| Work { launches: 2.0, parallel: Some(rows), ..w })
     }
 

@@ -59,12 +59,11 @@ macro_rules! softmax {
 
             /// One invocation per row.
             fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-                let r = cx.in_dims(0).len();
                 let (legacy, a) = axis(self.axis, cx.opset());
                 let d = cx.in_dims(0);
-                let rows = match norm_axis(a, r) {
-                    Ok(a) if legacy => cx.rows_before(0, a),
-                    Ok(a) if d.get(a).is_some_and(|&n| n > 0) => cx.in_numel(0) / d[a] as f64,
+                let rows = match norm_axis(a, d.len()) {
+                    Ok(_) if legacy => cx.rows_before(0, a),
+                    Ok(k) if d.get(k).is_some_and(|&n| n > 0) => cx.in_numel(0) / d[k] as f64,
                     _ => 0.0,
                 };
                 Work::flops($flops * cx.out_numel(0)).map(|w| Work { parallel: Some(rows), ..w })

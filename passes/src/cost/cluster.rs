@@ -89,13 +89,13 @@ pub struct Device {
     /// `ConvGradWeight`) reach: 1 where they run as fast as the forward convolution (the
     /// vendors' libraries, as far as published), measured by `shardc calibrate` for the
     /// runtime's own kernels.
-    #[serde(default = "default_conv_grad_efficiency")]
+    #[serde(default = "default_one")]
     pub conv_grad_efficiency: f64,
     /// Fraction of `mem_bandwidth` a transpose that moves the innermost dim reaches once its
     /// tensor outgrows `transpose_cached_bytes` (its reads or its writes are strided): 1 where
     /// such copies stream like any other, measured by `shardc calibrate` for the runtime's own
     /// kernel.
-    #[serde(default = "default_conv_grad_efficiency")]
+    #[serde(default = "default_one")]
     pub transpose_efficiency: f64,
     /// The largest tensor, bytes, whose transpose still streams at full bandwidth (its
     /// strided side stays in cache); measured by `shardc calibrate`.
@@ -117,7 +117,7 @@ pub struct Device {
     #[serde(default)]
     pub parallel_width: f64,
     /// The most a kernel of too few invocations is slowed (its rate with one invocation).
-    #[serde(default = "default_conv_grad_efficiency")]
+    #[serde(default = "default_one")]
     pub serial_slowdown: f64,
 }
 
@@ -133,7 +133,7 @@ fn default_k_overhead() -> f64 {
     32.0
 }
 
-fn default_conv_grad_efficiency() -> f64 {
+fn default_one() -> f64 {
     1.0
 }
 

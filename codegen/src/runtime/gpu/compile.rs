@@ -218,7 +218,7 @@ impl Compiled {
     }
 }
 
-/// Workgroups for `threads` invocations of the 64-wide 1-D kernels.
+/// Workgroups for `threads` invocations of the [`WORKGROUP`]-wide 1-D kernels.
 pub fn groups(threads: usize) -> [u32; 3] {
     let g = threads.div_ceil(WORKGROUP).max(1) as u64;
     // Past the 65535 groups one dimension allows, as few rows as needed and the groups
