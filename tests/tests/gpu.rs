@@ -351,6 +351,52 @@ g (float[2,3,40000] x, int64[2,3] labels, float[1,70000] z) => (loss, s, lse, sm
     eprintln!("adapter {}; ran on the host: {:?}", r.devices[0].adapter, r.devices[0].host_ops);
 }
 
+/// A softmax loss over a vocabulary (50 257 classes: a serial loop per sample would pass the
+/// adapter's loop limit) runs on the device: each sample's log-sum-exp from chunks of classes
+/// found in parallel. Its value, log-probabilities and gradient equal the reference, with
+/// `mean`, `sum` and `none` reductions, class weights, an ignored label, scores with a
+/// trailing dim, and classes whose scores are all −∞ in one chunk.
+#[test]
+fn a_loss_over_a_vocabulary_runs_on_the_device_in_chunks() {
+    if !gpu_available() {
+        return;
+    }
+    let text = r#"<ir_version: 8, opset_import: ["" : 17, "shardc" : 1]>
+g (float[3,50257] x, int64[3] labels, float[1] d1, float[2,700,3] y, int64[2,3] ly, float[700] w) => (loss, lp, dx, sy, dy, ny) {
+  dl = ReduceSum <keepdims = 0> (d1)
+  loss, lp = SoftmaxCrossEntropyLoss <reduction = "mean"> (x, labels)
+  dx = shardc.SoftmaxCrossEntropyLossGrad <reduction = "mean"> (dl, x, labels)
+  sy = SoftmaxCrossEntropyLoss <reduction = "sum", ignore_index = 4> (y, ly, w)
+  dy = shardc.SoftmaxCrossEntropyLossGrad <reduction = "sum", ignore_index = 4> (dl, y, ly, w)
+  ny = SoftmaxCrossEntropyLoss <reduction = "none"> (y, ly)
+}
+"#;
+    let mut m = frontend::parse(text).unwrap_or_else(|e| panic!("{e:?}")).model;
+    ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap_or_else(|e| panic!("{e:?}"));
+    let g = &m.graph;
+    let mut inputs = std::collections::HashMap::new();
+    for (name, dims) in [("x", vec![3, 50257]), ("d1", vec![1]), ("w", vec![700])] {
+        inputs.insert(name.to_string(), ir::eval::random_tensor(ir::DType::Float, &dims, "weight", 7, name).unwrap());
+    }
+    // The first sample's classes 256–511 (one whole chunk) are −∞: that chunk adds nothing.
+    let mut y = ir::eval::random_tensor(ir::DType::Float, &[2, 700, 3], "weight", 7, "y").unwrap().to_f64().unwrap();
+    for c in 256..512 {
+        for j in 0..3 {
+            y[c * 3 + j] = f64::NEG_INFINITY;
+        }
+    }
+    inputs.insert("y".to_string(), ir::eval::Array::float(ir::DType::Float, vec![2, 700, 3], y));
+    inputs.insert("labels".to_string(), ir::eval::Array::int(ir::DType::Int64, vec![3], vec![0, 50256, 31000]));
+    inputs.insert("ly".to_string(), ir::eval::Array::int(ir::DType::Int64, vec![2, 3], vec![4, 699, 17, 255, 600, 4]));
+    let reference = ir::eval::run(g, &inputs, &Default::default()).unwrap();
+    let prog = codegen::lower(g, &Placement::single()).unwrap();
+    let r = codegen::run(&prog, &inputs, &RunOptions { backend: Backend::Wgpu, ..Default::default() }).unwrap();
+    assert!(r.devices[0].host_ops.is_empty(), "ran on the host: {:?}", r.devices[0].host_ops);
+    for (k, (name, got)) in r.outputs.iter().enumerate() {
+        compare(name, got, &reference[k], 1e-4, 1e-6).unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
 #[test]
 fn constants_are_made_once_not_on_the_host_every_step() {
     if !gpu_available() {

@@ -41,6 +41,25 @@ fn samples(cx: &NodeCx<'_>, i: usize) -> f64 {
     }
 }
 
+/// Classes per chunk of a softmax loss's log-sum-exp: over more classes than this, the
+/// kernels find each chunk's max and sum of exponentials in parallel (one invocation per
+/// sample and chunk) and a second kernel combines a sample's chunks; a vocabulary-sized row
+/// is then neither one serial loop per sample nor past the loop limit of a software device.
+pub const LSE_CHUNK: usize = 256;
+
+/// The chunks of a log-sum-exp over `classes` ([`LSE_CHUNK`]): 1 when one loop does it.
+pub fn lse_chunks(classes: usize) -> usize {
+    if classes > LSE_CHUNK { classes.div_ceil(LSE_CHUNK) } else { 1 }
+}
+
+/// The kernels a softmax loss (or its gradient, `base` kernels without the log-sum-exp's
+/// chunks) launches over scores of input `i`, and the invocations of its widest one.
+fn softmax_work(cx: &NodeCx<'_>, i: usize, flops: f64, base: f64) -> Option<Work> {
+    let chunks = lse_chunks(cx.in_dims(i).get(1).map_or(1, |&c| c.max(0) as usize)) as f64;
+    let launches = base + if chunks > 1.0 { 1.0 } else { 0.0 };
+    Work::flops(flops).map(|w| Work { launches, parallel: Some(samples(cx, i) * chunks), ..w })
+}
+
 /// Per sample (n, d): its class, its weight (0 when ignored).
 fn targets(labels: &Array, weights: Option<&Array>, r: Red<'_>, c: usize) -> Result<(Vec<usize>, Vec<f64>)> {
     let l = labels.to_i64()?;
@@ -167,8 +186,9 @@ impl OpRules for op::SoftmaxCrossEntropyLoss {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        // Two kernels: the per-sample terms (one invocation per sample), then their reduction.
-        Work::flops(4.0 * cx.in_numel(0)).map(|w| Work { launches: 2.0, parallel: Some(samples(cx, 0)), ..w })
+        // Two kernels: the per-sample terms (one invocation per sample), then their reduction;
+        // over many classes the log-sum-exp's chunks first.
+        softmax_work(cx, 0, 4.0 * cx.in_numel(0), 2.0)
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
@@ -317,9 +337,9 @@ impl OpRules for op::SoftmaxCrossEntropyLossGrad {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        // The per-sample terms (one invocation per sample), then the scores' gradient.
-        let launches = grad_launches(self.reduction());
-        Work::flops(5.0 * cx.in_numel(1)).map(|w| Work { launches, parallel: Some(samples(cx, 1)), ..w })
+        // The per-sample terms (one invocation per sample, after the log-sum-exp's chunks
+        // over many classes), then the scores' gradient.
+        softmax_work(cx, 1, 5.0 * cx.in_numel(1), grad_launches(self.reduction()))
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {

@@ -21,26 +21,81 @@ fn reduction(r: &str, ignore: Option<i64>) -> Option<[u32; 3]> {
     Some([code, u32::from(ignore.is_some()), ignore.unwrap_or(0) as i32 as u32])
 }
 
+/// How a loss kernel finds a sample's log-sum-exp over the classes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Lse {
+    /// None (the scores are log-probabilities already).
+    None,
+    /// One loop over the classes.
+    Loop,
+    /// From its chunks' maxima `M` and sums of exponentials `E` ([`chunks_src`]),
+    /// `P[6]` chunks per sample.
+    Chunks,
+}
+
+/// Per sample `s = n·D + j` and chunk `q` of [`ir::ops::loss::LSE_CHUNK`] classes (invocation
+/// `s·Q + q`): the chunk's max `M` and its sum of exponentials below it `E` (0 where every
+/// score is −∞). `P = [S·Q, C, D, Q, chunk]`.
+pub fn chunks_src() -> String {
+    let body = "    let C = P[1]; let D = P[2]; let Q = P[3]; let B = P[4];
+    let s = i / Q; let q = i % Q;
+    let n = s / D; let j = s % D;
+    let c0 = q * B; let c1 = min(c0 + B, C);
+    var mx = bitcast<f32>(0xff800000u);
+    for (var c = c0; c < c1; c = c + 1u) { mx = max(mx, X[(n * C + c) * D + j]); }
+    var se = 0.0;
+    if (mx > bitcast<f32>(0xff800000u)) {
+        for (var c = c0; c < c1; c = c + 1u) { se = se + exp(X[(n * C + c) * D + j] - mx); }
+    }
+    M[i] = mx;
+    E[i] = se;";
+    source(&[("X", Elem::F32, false), ("M", Elem::F32, true), ("E", Elem::F32, true)], "", body)
+}
+
+/// The log-probabilities from the samples' log-sum-exps: `LP[e] = X[e] − LSE[s]`.
+/// `P = [count, C, D]`.
+pub fn log_prob_src() -> String {
+    let body = "    let C = P[1]; let D = P[2];
+    let j = i % D; let n = i / (D * C);
+    LP[i] = X[i] - LSE[n * D + j];";
+    source(&[("X", Elem::F32, false), ("LSE", Elem::F32, false), ("LP", Elem::F32, true)], "", body)
+}
+
 /// Per sample `s = n·D + j` of scores `X` with labels `L`: `WS[s]` (its weight), `LSE[s]`
-/// (log-sum-exp over the classes, when `softmax`), `T[s]` (its loss term) and, when
-/// `log_prob`, the log-probabilities. `P = [S, C, D, reduction, ignore?, ignore]`.
-pub fn samples_src(softmax: bool, weights: bool, log_prob: bool) -> String {
+/// (log-sum-exp over the classes, see [`Lse`]), `T[s]` (its loss term) and, when `log_prob`
+/// (with [`Lse::Loop`]), the log-probabilities. `P = [S, C, D, reduction, ignore?, ignore]`
+/// and, with [`Lse::Chunks`], the chunks per sample.
+pub fn samples_src(lse: Lse, weights: bool, log_prob: bool) -> String {
     let mut b: Vec<Binding<'_>> = vec![("X", Elem::F32, false), ("L", Elem::I32, false)];
     if weights {
         b.push(("Wt", Elem::F32, false));
+    }
+    if lse == Lse::Chunks {
+        b.extend([("M", Elem::F32, false), ("E", Elem::F32, false)]);
     }
     b.extend([("WS", Elem::F32, true), ("LSE", Elem::F32, true), ("T", Elem::F32, true)]);
     if log_prob {
         b.push(("LP", Elem::F32, true));
     }
-    let lse = if softmax {
-        "    var mx = bitcast<f32>(0xff800000u);
+    let lse = match lse {
+        Lse::Loop => {
+            "    var mx = bitcast<f32>(0xff800000u);
     for (var c = 0u; c < C; c = c + 1u) { mx = max(mx, X[(n * C + c) * D + j]); }
     var se = 0.0;
     for (var c = 0u; c < C; c = c + 1u) { se = se + exp(X[(n * C + c) * D + j] - mx); }
     let lse = mx + log(se);"
-    } else {
-        "    let lse = 0.0;"
+        }
+        Lse::Chunks => {
+            "    let Q = P[6];
+    var mx = bitcast<f32>(0xff800000u);
+    for (var q = 0u; q < Q; q = q + 1u) { mx = max(mx, M[i * Q + q]); }
+    var se = 0.0;
+    for (var q = 0u; q < Q; q = q + 1u) {
+        if (M[i * Q + q] > bitcast<f32>(0xff800000u)) { se = se + E[i * Q + q] * exp(M[i * Q + q] - mx); }
+    }
+    let lse = mx + log(se);"
+        }
+        Lse::None => "    let lse = 0.0;",
     };
     let w = if weights { "Wt[u32(lab)]" } else { "1.0" };
     let lp = if log_prob {
@@ -112,6 +167,38 @@ pub fn grad_src(softmax: bool) -> String {
     source(&b, "", &body)
 }
 
+/// How the samples' kernel finds the log-sum-exp of `s` samples over `cl` classes (`d`
+/// positions each); with [`Lse::Chunks`] its chunks' kernel is launched here and its two
+/// outputs appended to `bufs` (the scores are `bufs[0]`).
+fn log_sum_exp(c: &mut Compiled, softmax: bool, s: usize, cl: usize, d: usize, bufs: &mut Vec<Buf>) -> Lse {
+    if !softmax {
+        return Lse::None;
+    }
+    let q = ir::ops::loss::lse_chunks(cl);
+    if q <= 1 {
+        return Lse::Loop;
+    }
+    let (m, e) = (c.temp(vec![s * q], DType::Float), c.temp(vec![s * q], DType::Float));
+    let p = vec![(s * q) as u32, cl as u32, d as u32, q as u32, ir::ops::loss::LSE_CHUNK as u32];
+    c.launch_loop(chunks_src(), vec![bufs[0], m, e], p, groups(s * q), 2 * ir::ops::loss::LSE_CHUNK as u64);
+    bufs.extend([m, e]);
+    Lse::Chunks
+}
+
+/// The samples' kernel's parameter after the reduction's: the chunks per sample.
+fn chunk_param(mode: Lse, cl: usize) -> Option<u32> {
+    (mode == Lse::Chunks).then(|| ir::ops::loss::lse_chunks(cl) as u32)
+}
+
+/// Loop iterations of one invocation of the samples' kernel.
+fn trips(mode: Lse, cl: usize, log_prob: bool) -> u64 {
+    match mode {
+        Lse::None => 0,
+        Lse::Loop => (cl * (2 + usize::from(log_prob))) as u64,
+        Lse::Chunks => 2 * ir::ops::loss::lse_chunks(cl) as u64,
+    }
+}
+
 /// `(S, C, D)` of scores of this shape.
 fn dims(shape: &[usize]) -> Option<(usize, usize, usize)> {
     (shape.len() >= 2).then(|| {
@@ -139,15 +226,27 @@ fn forward(cx: &CompileCx<'_>, softmax: bool, red: Option<[u32; 3]>) -> CompileR
     if weights {
         bufs.push(Buf::In(2));
     }
-    bufs.extend([ws, lse, t]);
-    if log_prob {
-        bufs.push(Buf::Out(1));
-    }
     if s > 0 {
-        let p = vec![s as u32, cl as u32, d as u32, red[0], red[1], red[2]];
-        // Max and sum over the classes, and the log-probabilities.
-        let trips = (cl * (2 + usize::from(log_prob))) as u64;
-        c.launch_loop(samples_src(softmax, weights, log_prob), bufs, p, groups(s), trips);
+        let mode = log_sum_exp(&mut c, softmax, s, cl, d, &mut bufs);
+        bufs.extend([ws, lse, t]);
+        // The log-probabilities in the same loop when it runs over the classes; from the
+        // log-sum-exps after it when chunks found them.
+        let in_loop = log_prob && mode == Lse::Loop;
+        if in_loop {
+            bufs.push(Buf::Out(1));
+        }
+        let mut p = vec![s as u32, cl as u32, d as u32, red[0], red[1], red[2]];
+        p.extend(chunk_param(mode, cl));
+        c.launch_loop(samples_src(mode, weights, in_loop), bufs, p, groups(s), trips(mode, cl, in_loop));
+        if log_prob && !in_loop {
+            let n = x.numel();
+            c.launch(
+                log_prob_src(),
+                vec![Buf::In(0), lse, Buf::Out(1)],
+                vec![n as u32, cl as u32, d as u32],
+                groups(n),
+            );
+        }
     }
     let count = if red[0] == 0 { s } else { 1 };
     let trips = if red[0] == 0 { 0 } else { s as u64 };
@@ -170,10 +269,12 @@ fn backward(cx: &CompileCx<'_>, softmax: bool, red: Option<[u32; 3]>) -> Compile
     if weights {
         bufs.push(Buf::In(3));
     }
-    bufs.extend([ws, lse, t]);
     if s > 0 {
-        let p = vec![s as u32, cl as u32, d as u32, red[0], red[1], red[2]];
-        c.launch_loop(samples_src(softmax, weights, false), bufs, p, groups(s), 2 * cl as u64);
+        let mode = log_sum_exp(&mut c, softmax, s, cl, d, &mut bufs);
+        bufs.extend([ws, lse, t]);
+        let mut p = vec![s as u32, cl as u32, d as u32, red[0], red[1], red[2]];
+        p.extend(chunk_param(mode, cl));
+        c.launch_loop(samples_src(mode, weights, false), bufs, p, groups(s), trips(mode, cl, false));
         // The mean's divisor, summed once (not by every element's invocation).
         let w = c.temp(vec![1], DType::Float);
         if red[0] == 2 {
@@ -218,12 +319,16 @@ mod tests {
 
     #[test]
     fn loss_kernels_validate() {
-        for softmax in [false, true] {
+        for lse in [Lse::None, Lse::Loop, Lse::Chunks] {
             for weights in [false, true] {
-                validate("loss samples", &samples_src(softmax, weights, softmax));
+                validate("loss samples", &samples_src(lse, weights, lse == Lse::Loop));
             }
+        }
+        for softmax in [false, true] {
             validate("loss grad", &grad_src(softmax));
         }
+        validate("loss chunks", &chunks_src());
+        validate("loss log-probabilities", &log_prob_src());
         validate("loss reduce", &reduce_src());
         validate("loss weight sum", &weight_sum_src());
     }
