@@ -238,6 +238,7 @@ pub fn measure<E: Executor>(make: impl Fn() -> Result<E, String> + Sync, effort:
     let c = |f: fn(&Calibration) -> f64| mid(&|m: &Measured| f(&m.calibration));
     let calibration = Calibration {
         gemm_flops: c(|k| k.gemm_flops),
+        gemm_k_overhead: c(|k| k.gemm_k_overhead),
         efficiency: c(|k| k.efficiency),
         conv_grad_efficiency: c(|k| k.conv_grad_efficiency),
         transpose_efficiency: c(|k| k.transpose_efficiency),
@@ -280,6 +281,16 @@ fn measure_once<E: Executor>(
     let (m, node) = one_op(&format!("(float[{n},{n}] a, float[{n},{n}] b) => (y)"), "y = MatMul (a, b)")?;
     let t_gemm = time_node(&mut e, &m.graph, node, &[filled(vec![n, n]), filled(vec![n, n])], reps)?;
     samples.push(Sample { what: format!("MatMul {n}×{n}·{n}×{n}"), median_s: t_gemm, reps });
+    // The same output from short reductions: each tile's fixed work (loading, the epilogue)
+    // stays while its loop over K shrinks, so the kernel's time is `a·(K + o)` with `o` the
+    // overhead as extra reduction length (least squares over K = 16 … 128).
+    let mut short_k = Vec::new();
+    for k in [16usize, 32, 64, 128] {
+        let (m, node) = one_op(&format!("(float[{n},{k}] a, float[{k},{n}] b) => (y)"), "y = MatMul (a, b)")?;
+        let t = time_node(&mut e, &m.graph, node, &[filled(vec![n, k]), filled(vec![k, n])], reps)?;
+        samples.push(Sample { what: format!("MatMul {n}×{k}·{k}×{n}"), median_s: t, reps });
+        short_k.push((k as f64, t));
+    }
     // A convolution (3×3, 64 → 64 channels): its rate against the GEMM's is the efficiency
     // that convolutions and small GEMMs reach.
     let b = (n / 64).max(1);
@@ -412,13 +423,16 @@ fn measure_once<E: Executor>(
     let ring_contention = if xx > 0.0 { (xy / xx).max(0.0) } else { 0.0 };
     // A kernel's own time: less its dispatch, never below half of what was measured.
     let busy = |t: f64| (t - launch).max(t * 0.5);
-    let gemm_flops = flops / busy(t_gemm);
+    let gemm_k_overhead = k_overhead(&short_k.iter().map(|&(k, t)| (k, busy(t))).collect::<Vec<_>>());
+    // The peak: the square GEMM's rate without its own (small) reduction overhead.
+    let gemm_flops = flops / busy(t_gemm) * (n as f64 + gemm_k_overhead) / n as f64;
     // FLOPs of the convolution, and of each of its gradients.
     let conv_work = 2.0 * (b * 64 * 256 * 64 * 9) as f64;
     let conv_flops = conv_work / busy(t_conv);
     let grad_flops = 2.0 * conv_work / (busy(t_gi) + busy(t_gw));
     let calibration = Calibration {
         gemm_flops,
+        gemm_k_overhead,
         efficiency: (conv_flops / gemm_flops).clamp(0.05, 1.0),
         conv_grad_efficiency: (grad_flops / conv_flops).clamp(0.05, 1.5),
         mem_bandwidth: 12.0 * s as f64 / busy(t_add),
@@ -439,6 +453,24 @@ fn measure_once<E: Executor>(
     Ok(Measured { adapter: e.name(), calibration, samples })
 }
 
+/// The reduction overhead `o` of GEMMs timed at several reduction lengths, `(K, seconds)`:
+/// the least-squares line `t = a·K + b` gives `o = b/a` (the extra reduction length a tile's
+/// fixed work costs); 0 where the line does not rise with K, at most 1024.
+pub fn k_overhead(timed: &[(f64, f64)]) -> f64 {
+    let n = timed.len() as f64;
+    if n < 2.0 {
+        return 0.0;
+    }
+    let (mk, mt) = (timed.iter().map(|p| p.0).sum::<f64>() / n, timed.iter().map(|p| p.1).sum::<f64>() / n);
+    let sxx: f64 = timed.iter().map(|p| (p.0 - mk).powi(2)).sum();
+    let sxy: f64 = timed.iter().map(|p| (p.0 - mk) * (p.1 - mt)).sum();
+    if sxx <= 0.0 || sxy <= 0.0 {
+        return 0.0;
+    }
+    let a = sxy / sxx;
+    ((mt - a * mk) / a).clamp(0.0, 1024.0)
+}
+
 /// A cluster of `devices` simulated accelerators with the measured constants, as a TOML
 /// cluster file with the measurements in comments.
 pub fn cluster_toml(m: &Measured, devices: usize) -> (Cluster, String) {
@@ -449,8 +481,9 @@ pub fn cluster_toml(m: &Measured, devices: usize) -> (Cluster, String) {
     }
     let k = &m.calibration;
     t.push_str(&format!(
-        "# GEMM {:.2} GFLOP/s (convolutions at {:.0}%, their gradients at {:.0}% of that), memory {:.2} GB/s (transposes of over {:.1} MB at {:.0}%), dispatch {:.1} µs (+{:.0}% per further device at once), copies {:.2} GB/s + {:.1} µs, ring steps {:.2} GB/s + {:.1} µs (+{:.0}% per busy device beyond the {} cores)\n\n",
+        "# GEMM {:.2} GFLOP/s (+{:.1} of reduction length per tile; convolutions at {:.0}%, their gradients at {:.0}% of that), memory {:.2} GB/s (transposes of over {:.1} MB at {:.0}%), dispatch {:.1} µs (+{:.0}% per further device at once), copies {:.2} GB/s + {:.1} µs, ring steps {:.2} GB/s + {:.1} µs (+{:.0}% per busy device beyond the {} cores)\n\n",
         k.gemm_flops / 1e9,
+        k.gemm_k_overhead,
         k.efficiency * 100.0,
         k.conv_grad_efficiency * 100.0,
         k.mem_bandwidth / 1e9,
@@ -790,4 +823,22 @@ pub fn add_kernel_factors(m: &mut Measured, backend: codegen::Backend, runs: usi
     m.calibration.kernel_factors = factors;
     m.samples.extend(samples);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::k_overhead;
+
+    #[test]
+    fn the_reduction_overhead_is_the_lines_intercept_over_its_slope() {
+        // t = 2·(K + 7) exactly: o = 7; the timings' scale does not matter.
+        let timed: Vec<(f64, f64)> = [16.0, 32.0, 64.0, 128.0].iter().map(|&k| (k, 2e-3 * (k + 7.0))).collect();
+        assert!((k_overhead(&timed) - 7.0).abs() < 1e-9);
+        // Proportional to K: no overhead. Falling with K (noise): none either, never negative.
+        assert!(k_overhead(&[(16.0, 1.6), (32.0, 3.2)]) < 1e-9);
+        assert_eq!(k_overhead(&[(16.0, 3.0), (32.0, 2.0)]), 0.0);
+        assert_eq!(k_overhead(&[(16.0, 3.0)]), 0.0);
+        // Flat with K except a hair: bounded.
+        assert_eq!(k_overhead(&[(16.0, 1.0), (32.0, 1.0 + 1e-12)]), 1024.0);
+    }
 }

@@ -654,6 +654,10 @@ fn calibrate_writes_a_cluster_file_the_planner_loads() {
     // The invocations that fill a device, and how much slower a single one runs.
     assert!(v["parallel_width"].as_f64().is_some_and(|w| w >= 1.0), "{v}");
     assert!(v["serial_slowdown"].as_f64().is_some_and(|s| s >= 1.0), "{v}");
+    // A tile's fixed work as reduction length, from GEMMs of short reductions.
+    assert!(v["gemm_k_overhead"].as_f64().is_some_and(|o| (0.0..=1024.0).contains(&o)), "{v}");
+    let whats: Vec<&str> = v["samples"].as_array().unwrap().iter().filter_map(|s| s["what"].as_str()).collect();
+    assert!(whats.iter().any(|w| w.contains("×16·16×")), "no short-reduction GEMM timed: {whats:?}");
     let o = shardc(&["calibrate", "--quick", "--backend", "cpu", "--rounds", "0"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let o = shardc(&["calibrate", "--backend", "tpu"]);

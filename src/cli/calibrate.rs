@@ -73,6 +73,7 @@ pub fn run(args: &CalibrateArgs) -> CliResult {
         serde_json::to_string_pretty(&serde_json::json!({
             "adapter": measured.adapter,
             "gemm_flops": k.gemm_flops,
+            "gemm_k_overhead": k.gemm_k_overhead,
             "efficiency": k.efficiency,
             "conv_grad_efficiency": k.conv_grad_efficiency,
             "transpose_efficiency": k.transpose_efficiency,

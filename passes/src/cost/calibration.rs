@@ -31,7 +31,7 @@ pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) 
             host_cores: c.host_cores,
             // The runtime's GEMM kernel computes 4×4 blocks per invocation in 16×16 workgroups.
             gemm_tile: 16,
-            gemm_k_overhead: 4.0,
+            gemm_k_overhead: c.gemm_k_overhead,
             conv_grad_efficiency: c.conv_grad_efficiency,
             transpose_efficiency: c.transpose_efficiency,
             transpose_cached_bytes: c.transpose_cached_bytes,
@@ -54,6 +54,9 @@ pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) 
 pub struct Calibration {
     /// GEMM FLOP/s of one simulated device (the runtime's tiled kernel, large square GEMM).
     pub gemm_flops: f64,
+    /// A GEMM tile's fixed work as extra reduction length
+    /// ([`super::cluster::Device::gemm_k_overhead`]).
+    pub gemm_k_overhead: f64,
     /// Fraction of the GEMM rate that convolutions reach.
     pub efficiency: f64,
     /// Fraction of the convolution's rate that its gradient kernels reach.
@@ -160,6 +163,13 @@ pub const KERNEL_FACTORS: &[(&str, f64)] = &[
     ("Transpose", 2.26),
 ];
 
+/// A GEMM tile's fixed work as extra reduction length, measured by `shardc calibrate` on the
+/// development machine on 2026-11-26 (MatMuls 512×K·K×512 for K = 16, 32, 64, 128, the line
+/// through their times: 8.1 and 8.2 in two runs; by hand 4.81 GFLOP/s at K = 512 and 3.21,
+/// 3.92, 4.39 at K = 16, 32, 64, each about `K/(K + 7.5)` of the peak); a ratio of one
+/// kernel's rates, like [`CONV_GRAD_EFFICIENCY`].
+pub const GEMM_K_OVERHEAD: f64 = 8.0;
+
 /// Values from calibration runs on the development machine (`shardc calibrate`, 2 cores,
 /// lavapipe). GEMM and memory from the run of [`KERNEL_FACTORS`] (MatMul 512³ 56.2 ms, 4M-float
 /// Add 14.0 ms), the convolution's rates and the dispatch from an earlier one (Conv 3×3
@@ -169,6 +179,7 @@ pub const KERNEL_FACTORS: &[(&str, f64)] = &[
 /// [`KERNEL_FACTORS`].
 pub const CALIBRATED: Calibration = Calibration {
     gemm_flops: 4.79e9,
+    gemm_k_overhead: GEMM_K_OVERHEAD,
     efficiency: 0.9,
     conv_grad_efficiency: CONV_GRAD_EFFICIENCY,
     transpose_efficiency: TRANSPOSE_EFFICIENCY,
