@@ -199,6 +199,36 @@ fn trips(mode: Lse, cl: usize, log_prob: bool) -> u64 {
     }
 }
 
+/// The softmax loss's gradient per sample `s` and chunk `q` of [`ir::ops::loss::LSE_CHUNK`]
+/// classes (invocation `s·Q + q`): `dX = f·(softmax − onehot)` over the chunk's scores, `f` as
+/// in [`grad_src`]. `P = [S·Q, C, D, S, reduction, Q, chunk]`.
+pub fn grad_chunks_src() -> String {
+    let b: Vec<Binding<'_>> = vec![
+        ("DL", Elem::F32, false),
+        ("X", Elem::F32, false),
+        ("L", Elem::I32, false),
+        ("WS", Elem::F32, false),
+        ("LSE", Elem::F32, false),
+        ("W", Elem::F32, false),
+        ("DX", Elem::F32, true),
+    ];
+    let body = "    let C = P[1]; let D = P[2]; let Q = P[5]; let B = P[6];
+    let s = i / Q; let q = i % Q;
+    let n = s / D; let j = s % D;
+    var scale = DL[0];
+    if (P[4] == 0u) { scale = DL[s]; }
+    if (P[4] == 2u) { scale = scale / W[0]; }
+    let f = scale * WS[s];
+    let lab = select(-1, L[s], WS[s] != 0.0);
+    let lse = LSE[s];
+    let c1 = min(q * B + B, C);
+    for (var c = q * B; c < c1; c = c + 1u) {
+        let e = (n * C + c) * D + j;
+        DX[e] = f * (exp(X[e] - lse) - select(0.0, 1.0, lab == i32(c)));
+    }";
+    source(&b, "", body)
+}
+
 /// `(S, C, D)` of scores of this shape.
 fn dims(shape: &[usize]) -> Option<(usize, usize, usize)> {
     (shape.len() >= 2).then(|| {
@@ -280,10 +310,19 @@ fn backward(cx: &CompileCx<'_>, softmax: bool, red: Option<[u32; 3]>) -> Compile
         if red[0] == 2 {
             c.launch_loop(weight_sum_src(), vec![ws, w], vec![1, s as u32], groups(1), s as u64);
         }
-        let n = x.numel();
-        let p = vec![n as u32, cl as u32, d as u32, s as u32, red[0]];
         let bufs = vec![Buf::In(0), Buf::In(1), Buf::In(2), ws, lse, w, Buf::Out(0)];
-        c.launch_loop(grad_src(softmax), bufs, p, groups(n), 0);
+        if mode == Lse::Chunks {
+            // Over many classes, one invocation per sample and chunk (its factor found once,
+            // not decoded per element).
+            let q = ir::ops::loss::lse_chunks(cl);
+            let chunk = ir::ops::loss::LSE_CHUNK;
+            let p = vec![(s * q) as u32, cl as u32, d as u32, s as u32, red[0], q as u32, chunk as u32];
+            c.launch_loop(grad_chunks_src(), bufs, p, groups(s * q), chunk as u64);
+        } else {
+            let n = x.numel();
+            let p = vec![n as u32, cl as u32, d as u32, s as u32, red[0]];
+            c.launch_loop(grad_src(softmax), bufs, p, groups(n), 0);
+        }
     }
     Ok(Some(c))
 }
@@ -328,6 +367,7 @@ mod tests {
             validate("loss grad", &grad_src(softmax));
         }
         validate("loss chunks", &chunks_src());
+        validate("loss grad chunks", &grad_chunks_src());
         validate("loss log-probabilities", &log_prob_src());
         validate("loss reduce", &reduce_src());
         validate("loss weight sum", &weight_sum_src());
