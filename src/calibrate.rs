@@ -175,6 +175,21 @@ pub fn time_loaded_all_reduce<E: Executor>(
     Ok(median(times))
 }
 
+/// Median seconds of one `n×n·n×n` GEMM on each of `k` executors made by `make`, all
+/// computing at once from their own threads, as the simulated devices of one run do.
+pub fn time_gemm_concurrent<E: Executor>(
+    make: &(dyn Fn() -> Result<E, String> + Sync),
+    k: usize,
+    n: usize,
+    reps: usize,
+) -> Result<f64, String> {
+    let (m, node) = one_op(&format!("(float[{n},{n}] a, float[{n},{n}] b) => (y)"), "y = MatMul (a, b)")?;
+    let times = on_devices(make, k, |_, mut e| {
+        time_node(&mut e, &m.graph, node, &[filled(vec![n, n]), filled(vec![n, n])], reps)
+    })?;
+    Ok(median(times))
+}
+
 /// A dispatch's fixed cost measured on its own and from several devices at once.
 #[derive(Clone, Debug)]
 pub struct LaunchTimes {
@@ -385,12 +400,17 @@ fn measure_once<E: Executor>(
     samples.push(Sample { what: format!("copy of {tiny} floats between devices"), median_s: t_tiny, reps: reps * 4 });
     let t_big = time_copy(&mut e, &mut f, &filled(vec![s]), reps)?;
     samples.push(Sample { what: format!("copy of {s} floats between devices"), median_s: t_big, reps });
-    // The in-process transport's ring between host buffers (two threads).
-    let ring = time_threads(2, RING_SIZES, reps)?;
+    // The in-process transport's ring between host buffers (two threads): latency-bound
+    // sizes for α, then tensors as large as the bandwidth kernels' and four times that —
+    // gradients of that size stream through memory, not cache — for β.
+    let mut sizes = RING_SIZES.to_vec();
+    let wide = 1 << 20;
+    sizes.extend([s, 4 * s].into_iter().filter(|&n| n >= wide));
+    let ring = time_threads(2, &sizes, reps)?;
     for &(bytes, t) in &ring {
         samples.push(Sample { what: format!("all-reduce of {bytes} bytes between 2 threads"), median_s: t, reps });
     }
-    let (ring_latency, ring_bandwidth) = fit_ring(&ring, 2);
+    let (ring_latency, ring_bandwidth) = fit_ring_split(&ring, 2, 4.0 * wide as f64);
     // The same ring between devices that are busy: kernels and an all-reduce through the host
     // per step, on 2 and 4 devices at once. Less the kernels (the same steps timed without
     // the all-reduce) and the copies, what is left is the ring's 2(k−1) steps.
@@ -612,6 +632,21 @@ pub fn fit_ring(timed: &[(f64, f64)], p: usize) -> (f64, f64) {
     (a / steps, steps / p.max(1) as f64 / b)
 }
 
+/// The ring model fitted in two parts: α from the sizes below `split` bytes (as [`fit_ring`]),
+/// β from those at or above it once their `2(p−1)` steps of α are taken off (least squares
+/// through the origin) — the rate of tensors too large for the caches, which the large
+/// gradients of a training step are; β of the small sizes where none is that large.
+pub fn fit_ring_split(timed: &[(f64, f64)], p: usize, split: f64) -> (f64, f64) {
+    let (small, large): (Vec<(f64, f64)>, Vec<(f64, f64)>) = timed.iter().partition(|&&(n, _)| n < split);
+    let (alpha, beta) = fit_ring(if small.len() >= 2 { &small } else { timed }, p);
+    let steps = 2.0 * (p.max(2) as f64 - 1.0);
+    let (xy, xx) = large.iter().fold((0.0, 0.0), |(xy, xx), &(n, t)| {
+        let x = steps / p.max(1) as f64 * n;
+        (xy + x * (t - steps * alpha).max(0.0), xx + x * x)
+    });
+    if xy > 0.0 { (alpha, xx / xy) } else { (alpha, beta) }
+}
+
 /// Fits the ring model to `(bytes, seconds)` over `p` devices and prices each size on
 /// `cluster`'s intra-node link.
 pub fn collective_calibration(
@@ -828,6 +863,23 @@ pub fn add_kernel_factors(m: &mut Measured, backend: codegen::Backend, runs: usi
 #[cfg(test)]
 mod tests {
     use super::k_overhead;
+
+    #[test]
+    fn the_rings_bandwidth_comes_from_the_large_sizes_and_its_latency_from_the_small() {
+        // 2 members: t = 2α + n/β; α = 20 µs, β = 1 GB/s up to 1 MB, 0.25 GB/s beyond.
+        let t = |n: f64, beta: f64| 2.0 * 20e-6 + n / beta;
+        let timed: Vec<(f64, f64)> = [1e3, 1.6e4, 2.6e5, 1e6]
+            .iter()
+            .map(|&n| (n, t(n, 1e9)))
+            .chain([1.6e7, 6.4e7].iter().map(|&n| (n, t(n, 0.25e9))))
+            .collect();
+        let (alpha, beta) = super::fit_ring_split(&timed, 2, 4e6);
+        assert!((alpha - 20e-6).abs() < 1e-9, "{alpha}");
+        assert!((beta / 0.25e9 - 1.0).abs() < 1e-9, "{beta}");
+        // No large size: the small sizes' fit.
+        let (a2, b2) = super::fit_ring_split(&timed[..4], 2, 4e6);
+        assert!((a2 - 20e-6).abs() < 1e-9 && (b2 / 1e9 - 1.0).abs() < 1e-9, "{a2} {b2}");
+    }
 
     #[test]
     fn the_reduction_overhead_is_the_lines_intercept_over_its_slope() {
