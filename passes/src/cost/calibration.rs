@@ -115,10 +115,14 @@ pub const LAUNCH_CONTENTION: f64 = 0.16;
 /// The in-process transport's ring (threads passing host buffers), measured by `shardc
 /// calibrate --rounds 3` on the development machine on 2026-11-26: all-reduces of 1 KB,
 /// 16 KB, 256 KB and 1 MB between two idle threads in 59 µs, 88 µs, 0.56 ms and 2.1 ms,
-/// fitted α 25.2 µs per ring step and β 0.51 GB/s.
+/// fitted α 25.2 µs per ring step (and β 0.51 GB/s at those sizes).
 pub const RING_LATENCY: f64 = 25.2e-6;
-/// See [`RING_LATENCY`].
-pub const RING_BANDWIDTH: f64 = 0.51e9;
+/// The ring's bandwidth at the sizes of a training step's large gradients, measured by
+/// `cargo bench --bench train`'s calibration (`shardc calibrate --rounds 3`'s) on the
+/// development machine on 2026-11-26: 0.22 GB/s fitted to all-reduces of 16 MB and 64 MB
+/// between two threads (by hand: 61.8 ms and 327 ms; 1 MB took 3.85 ms, 4 MB 12.4 ms) — tensors
+/// that stream through memory, not cache.
+pub const RING_BANDWIDTH: f64 = 0.22e9;
 /// The same run: two Relus (256K and 1024 floats) per step on 4 devices at once took 3.34
 /// ms, and 4.36 ms with an all-reduce of the small one's output through the host: with the
 /// copies taken off, each of its 6 ring steps took 3.58 times as long as between idle
