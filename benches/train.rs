@@ -122,6 +122,7 @@ fn main() {
             // runtime's schedule.
             let sim = shardc::simulate::simulate(&prog, cluster, &opts, true).expect("simulates");
             let m = measure(&prog, &tm.graph, &info);
+            report(&mut errors, name, &label, *devices, (predicted, Some(sim.step_s)), &m);
             if per_op && let Some(d) = &m.last {
                 // Compute per op type and communication per op type on the slowest device.
                 let mut kinds = std::collections::BTreeMap::<&str, (f64, f64)>::new();
@@ -136,7 +137,6 @@ fn main() {
                 }
                 println!("      waiting: simulated {:.3} ms", sim.waiting[d.device] * 1e3);
             }
-            report(&mut errors, name, &label, *devices, (predicted, Some(sim.step_s)), m);
             continue;
         }
         let (r, predicted) = if *strategy == "auto" {
@@ -158,10 +158,10 @@ fn main() {
         let prog = shardc::exec::program_for_search(&tm.graph, &r, *devices).expect("lowers");
         let program = Some(r.breakdown.step_time_s);
         let m = measure(&prog, &tm.graph, &info);
+        report(&mut errors, name, strategy, *devices, (predicted, program), &m);
         if per_op {
             print_per_op(&r.breakdown, &m, &prog);
         }
-        report(&mut errors, name, strategy, *devices, (predicted, program), m);
     }
     let mape = |e: &[f64]| e.iter().sum::<f64>() / e.len().max(1) as f64 * 100.0;
     println!(
@@ -301,7 +301,7 @@ struct Measured {
 }
 
 /// Prints one case's row and records its error.
-fn report(errors: &mut Errors, name: &str, strategy: &str, devices: usize, pred: (f64, Option<f64>), m: Measured) {
+fn report(errors: &mut Errors, name: &str, strategy: &str, devices: usize, pred: (f64, Option<f64>), m: &Measured) {
     let (plan, program) = pred;
     let measured = m.median;
     let err = (plan - measured) / measured;
