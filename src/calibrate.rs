@@ -637,10 +637,11 @@ pub fn fit_ring(timed: &[(f64, f64)], p: usize) -> (f64, f64) {
 /// through the origin) — the rate of tensors too large for the caches, which the large
 /// gradients of a training step are; β of the small sizes where none is that large.
 pub fn fit_ring_split(timed: &[(f64, f64)], p: usize, split: f64) -> (f64, f64) {
-    let (small, large): (Vec<(f64, f64)>, Vec<(f64, f64)>) = timed.iter().partition(|&&(n, _)| n < split);
+    let small: Vec<(f64, f64)> = timed.iter().copied().filter(|&(n, _)| n < split).collect();
+    let large = timed.iter().filter(|&&(n, _)| n >= split);
     let (alpha, beta) = fit_ring(if small.len() >= 2 { &small } else { timed }, p);
     let steps = 2.0 * (p.max(2) as f64 - 1.0);
-    let (xy, xx) = large.iter().fold((0.0, 0.0), |(xy, xx), &(n, t)| {
+    let (xy, xx) = large.fold((0.0, 0.0), |(xy, xx), &(n, t)| {
         let x = steps / p.max(1) as f64 * n;
         (xy + x * (t - steps * alpha).max(0.0), xx + x * x)
     });
