@@ -140,18 +140,21 @@ pub fn weight_sum_src() -> String {
     source(&[("WS", Elem::F32, false), ("Y", Elem::F32, true)], "", body)
 }
 
+/// The bindings of the gradient kernels: the loss's gradient, the scores, the labels, the
+/// samples' weights and log-sum-exps, the mean's divisor; the scores' gradient.
+const GRAD_BINDINGS: [Binding<'static>; 7] = [
+    ("DL", Elem::F32, false),
+    ("X", Elem::F32, false),
+    ("L", Elem::I32, false),
+    ("WS", Elem::F32, false),
+    ("LSE", Elem::F32, false),
+    ("W", Elem::F32, false),
+    ("DX", Elem::F32, true),
+];
+
 /// The gradient per score element `e = (n·C + c)·D + j`: `f = dL·WS[s]` (over `W[0]` = Σ WS
 /// for mean), `dX = f·(softmax − onehot)` or `−f·onehot`. `P = [count, C, D, S, reduction]`.
 pub fn grad_src(softmax: bool) -> String {
-    let b: Vec<Binding<'_>> = vec![
-        ("DL", Elem::F32, false),
-        ("X", Elem::F32, false),
-        ("L", Elem::I32, false),
-        ("WS", Elem::F32, false),
-        ("LSE", Elem::F32, false),
-        ("W", Elem::F32, false),
-        ("DX", Elem::F32, true),
-    ];
     let d = if softmax { "f * (exp(X[i] - LSE[s]) - hot)" } else { "-f * hot" };
     let body = format!(
         "    let C = P[1]; let D = P[2];
@@ -164,7 +167,7 @@ pub fn grad_src(softmax: bool) -> String {
     let hot = select(0.0, 1.0, WS[s] != 0.0 && L[s] == i32(c));
     DX[i] = {d};"
     );
-    source(&b, "", &body)
+    source(&GRAD_BINDINGS, "", &body)
 }
 
 /// How the samples' kernel finds the log-sum-exp of `s` samples over `cl` classes (`d`
@@ -203,15 +206,6 @@ fn trips(mode: Lse, cl: usize, log_prob: bool) -> u64 {
 /// classes (invocation `s·Q + q`): `dX = f·(softmax − onehot)` over the chunk's scores, `f` as
 /// in [`grad_src`]. `P = [S·Q, C, D, S, reduction, Q, chunk]`.
 pub fn grad_chunks_src() -> String {
-    let b: Vec<Binding<'_>> = vec![
-        ("DL", Elem::F32, false),
-        ("X", Elem::F32, false),
-        ("L", Elem::I32, false),
-        ("WS", Elem::F32, false),
-        ("LSE", Elem::F32, false),
-        ("W", Elem::F32, false),
-        ("DX", Elem::F32, true),
-    ];
     let body = "    let C = P[1]; let D = P[2]; let Q = P[5]; let B = P[6];
     let s = i / Q; let q = i % Q;
     let n = s / D; let j = s % D;
@@ -226,7 +220,7 @@ pub fn grad_chunks_src() -> String {
         let e = (n * C + c) * D + j;
         DX[e] = f * (exp(X[e] - lse) - select(0.0, 1.0, lab == i32(c)));
     }";
-    source(&b, "", body)
+    source(&GRAD_BINDINGS, "", body)
 }
 
 /// `(S, C, D)` of scores of this shape.
