@@ -397,6 +397,53 @@ g (float[3,50257] x, int64[3] labels, float[1] d1, float[2,700,3] y, int64[2,3] 
     }
 }
 
+/// A sum, mean, max, min or product over axes of extent 1 is its input: the compiler makes it
+/// a view (no kernel), and its values equal the reference's; a sum of squares over one element
+/// and a sum over two still run kernels.
+#[test]
+fn reductions_over_one_element_are_views_of_their_input() {
+    let text = r#"<ir_version: 8, opset_import: ["" : 17]>
+g (float[3,1,4] x, float[2,5] z) => (s, m, mx, mn, p, sq, two) {
+  ax = Constant <value = int64[1] {1}> ()
+  a0 = Constant <value = int64[1] {0}> ()
+  s = ReduceSum <keepdims = 0> (x, ax)
+  m = ReduceMean (x, ax)
+  mx = ReduceMax <keepdims = 0> (x, ax)
+  mn = ReduceMin (x, ax)
+  p = ReduceProd <keepdims = 0> (x, ax)
+  sq = ReduceSumSquare <keepdims = 0> (x, ax)
+  two = ReduceSum <keepdims = 0> (z, a0)
+}
+"#;
+    let mut m = frontend::parse(text).unwrap_or_else(|e| panic!("{e:?}")).model;
+    let consts = ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap().consts;
+    let g = &m.graph;
+    for n in g.op_nodes().unwrap() {
+        let op = &g.node(n).op;
+        if !op.op_type().starts_with("Reduce") {
+            continue;
+        }
+        let c = codegen::runtime::gpu::compile::compile(op, &compile_cx(g, n, &consts)).unwrap().unwrap();
+        let name = g.value_name(ir::Value::new(n, 0)).to_string();
+        let view = c.launches().count() == 0 && c.outputs[0].view_of == Some(0);
+        assert_eq!(view, !matches!(name.as_str(), "sq" | "two"), "{name}: {} launches", c.launches().count());
+        // The cost model's reading of the same node (what it prices as nothing).
+        let dims = g.tensor_type(g.node(n).input(0).unwrap()).unwrap().static_dims().unwrap();
+        let axes = ir::ops::reduce::single_element_axes(g, n);
+        assert_eq!(view, axes.is_some_and(|a| a.iter().all(|&a| dims[a] == 1)), "{name}");
+    }
+    if !gpu_available() {
+        return;
+    }
+    wgpu_matches_reference(
+        "one-element reductions",
+        text,
+        &[("x", vec![3, 1, 4]), ("z", vec![2, 5])],
+        4,
+        &["s", "m", "mx", "mn", "p", "sq", "two"],
+    );
+}
+
 #[test]
 fn constants_are_made_once_not_on_the_host_every_step() {
     if !gpu_available() {

@@ -16,6 +16,45 @@ use crate::types::{DType, Dim, TensorType};
 type Result<T> = std::result::Result<T, EvalError>;
 
 /// The iteration space of a reduction of input 0 over `axes`.
+/// Whether `op` is a reduction whose value over a single element is that element (sum, mean,
+/// max, min, product).
+pub fn keeps_single_elements(op: &crate::Op) -> bool {
+    use crate::Op;
+    matches!(op, Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_) | Op::ReduceMin(_) | Op::ReduceProd(_))
+}
+
+/// The axes node `n` reduces when it is a reduction that leaves a single element as it is
+/// (sum, mean, max, min, product — not the norms, the sum of squares or the logarithms) and
+/// its axes are known: over axes of extent 1 such a reduction is a view of its input, which the
+/// runtime's kernels make it and the cost model prices it as (nothing). `None` otherwise.
+pub fn single_element_axes(g: &crate::Graph, n: crate::NodeId) -> Option<Vec<usize>> {
+    use crate::Op;
+    let node = g.node(n);
+    let (attr, noop) = match &node.op {
+        Op::ReduceSum(r) => (&r.axes, r.noop_with_empty_axes()),
+        Op::ReduceMean(r) => (&r.axes, r.noop_with_empty_axes()),
+        Op::ReduceMax(r) => (&r.axes, r.noop_with_empty_axes()),
+        Op::ReduceMin(r) => (&r.axes, r.noop_with_empty_axes()),
+        Op::ReduceProd(r) => (&r.axes, r.noop_with_empty_axes()),
+        _ => return None,
+    };
+    debug_assert!(keeps_single_elements(&node.op));
+    let cx = NodeCx { g, n };
+    let rank = cx.ty(cx.input(0))?.rank()?;
+    let list = match node.input(1) {
+        // An initializer, or a `Constant` holding the tensor.
+        Some(v) => cx.const_ints(1).or_else(|| match &g.node(v.node).op {
+            Op::Constant(c) => c.value.as_ref().and_then(|t| t.to_i64_vec()),
+            _ => None,
+        })?,
+        None => attr.clone().unwrap_or_default(),
+    };
+    if list.is_empty() {
+        return Some(if noop != 0 { vec![] } else { (0..rank).collect() });
+    }
+    list.iter().map(|&a| norm_axis(a, rank).ok()).collect()
+}
+
 fn reduce_space(cx: &NodeCx<'_>, axes: &[usize], keep: bool, sum_like: bool) -> IterSpace {
     let x = cx.in_dims(0);
     let sd: Vec<IterDim> = x

@@ -532,6 +532,21 @@ impl<'a> CostModel<'a> {
         }
     }
 
+    /// Whether op `n` is a view of its input on each device under input layouts `ins`: a sum,
+    /// mean, max, min or product over axes whose local extent is 1 (the runtime makes it
+    /// one — a reduction over a batch split down to one sample per device, say).
+    fn local_view(&self, n: NodeId, ins: &[Option<Sharding>]) -> bool {
+        let Some(axes) = ir::ops::reduce::single_element_axes(self.g, n) else { return false };
+        let Some(d) = self.g.node(n).input(0).and_then(|x| self.g.tensor_type(x)).and_then(|t| t.static_dims()) else {
+            return false;
+        };
+        let local = match ins.first().and_then(Option::as_ref) {
+            Some(l) => ir::reshard::local_dims(&d, l, &self.mesh),
+            None => d,
+        };
+        axes.iter().all(|&a| local.get(a) == Some(&1))
+    }
+
     /// How many devices share one device's compute and memory bandwidth: the mesh's size on
     /// a cluster of devices simulated on one host, else 1.
     fn host_share(&self) -> f64 {
@@ -645,7 +660,7 @@ impl<'a> CostModel<'a> {
         outs: &[Sharding],
     ) -> (f64, f64) {
         let node = self.g.node(n);
-        if is_view(&node.op) || is_host(&node.op) {
+        if is_view(&node.op) || is_host(&node.op) || self.local_view(n, ins) {
             return (0.0, 0.0);
         }
         let c = &self.costs[&n];

@@ -311,3 +311,33 @@ fn skinny_and_short_gemms_reach_less_of_peak() {
     // Its reduction split 8 ways instead: k = 96 → 96/128 of the loop is useful: 0.6 × 0.75.
     assert!(close(d.gemm_efficiency(1024.0, 2304.0, 96.0), 0.45));
 }
+
+#[test]
+fn a_reduction_over_axes_of_one_element_is_a_view() {
+    // Σ over axis 0 of [1, 64, 256] leaves the input as it is: no kernel, no price. Over
+    // [2, 64, 256] it is a kernel — unless the batch is split over 2 devices, which leaves each
+    // one sample. A sum of squares over one element is not its input: priced.
+    let mut g = Graph::new("sums");
+    let reduce = |axes: Vec<i64>| op::ReduceSum { axes: Some(axes), keepdims: Some(0), noop_with_empty_axes: None };
+    let one = g.add_input("one", Some(TensorType::fixed(DType::Float, &[1, 64, 256]).into()));
+    let two = g.add_input("two", Some(TensorType::fixed(DType::Float, &[2, 64, 256]).into()));
+    for (x, name) in [(one, "a"), (two, "b")] {
+        let y = g.add_simple(Op::ReduceSum(reduce(vec![0])), &[x], name.to_string());
+        g.add_output(y, None);
+    }
+    let sq = op::ReduceSumSquare { axes: Some(vec![0]), keepdims: Some(0), noop_with_empty_axes: None };
+    let y = g.add_simple(Op::ReduceSumSquare(sq), &[one], "c".to_string());
+    g.add_output(y, None);
+    let mut m = Model::new(g, 11);
+    ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+    let ops: Vec<_> = m.graph.op_nodes().unwrap();
+    let (a, b, c) = (ops[0], ops[1], ops[2]);
+    let toy = toy();
+    let cm = CostModel::new(&m.graph, &toy, toy.mesh(1).unwrap(), opts());
+    assert_eq!(cm.op_time(a, &[None]).fwd, 0.0);
+    assert!(cm.op_time(b, &[None]).fwd > 0.0);
+    assert!(cm.op_time(c, &[None]).fwd > 0.0);
+    let cm = CostModel::new(&m.graph, &toy, toy.mesh(2).unwrap(), opts());
+    assert_eq!(cm.op_time(b, &[Some(0)]).fwd, 0.0, "one sample per device");
+    assert!(cm.op_time(b, &[Some(1)]).fwd > 0.0, "two samples per device");
+}

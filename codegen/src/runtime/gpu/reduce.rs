@@ -72,6 +72,13 @@ macro_rules! reduce_kernels {
                     _ if self.noop_with_empty_axes() != 0 => return Ok(Compiled::view(cx)),
                     _ => (0..r).collect(),
                 };
+                // Over axes of extent 1 a sum, mean, max, min or product is its input: a view
+                // (`ir::ops::reduce::single_element_axes`, which the cost model prices as one).
+                if ir::ops::reduce::keeps_single_elements(&ir::Op::$name(self.clone()))
+                    && axes.iter().all(|&a| x.shape[a] == 1)
+                {
+                    return Ok(Compiled::view(cx));
+                }
                 reduce(cx, x, &axes, $red, false)
             }
 
