@@ -28,9 +28,9 @@ pub enum Lse {
     None,
     /// One loop over the classes.
     Loop,
-    /// From its chunks' maxima `M` and sums of exponentials `E` ([`chunks_src`]),
-    /// `P[6]` chunks per sample.
-    Chunks,
+    /// From its chunks' maxima `M` and sums of exponentials `E` ([`chunks_src`]): this many
+    /// chunks per sample (`P[6]`).
+    Chunks(usize),
 }
 
 /// Per sample `s = n·D + j` and chunk `q` of [`ir::ops::loss::LSE_CHUNK`] classes (invocation
@@ -70,7 +70,7 @@ pub fn samples_src(lse: Lse, weights: bool, log_prob: bool) -> String {
     if weights {
         b.push(("Wt", Elem::F32, false));
     }
-    if lse == Lse::Chunks {
+    if matches!(lse, Lse::Chunks(_)) {
         b.extend([("M", Elem::F32, false), ("E", Elem::F32, false)]);
     }
     b.extend([("WS", Elem::F32, true), ("LSE", Elem::F32, true), ("T", Elem::F32, true)]);
@@ -85,7 +85,7 @@ pub fn samples_src(lse: Lse, weights: bool, log_prob: bool) -> String {
     for (var c = 0u; c < C; c = c + 1u) { se = se + exp(X[(n * C + c) * D + j] - mx); }
     let lse = mx + log(se);"
         }
-        Lse::Chunks => {
+        Lse::Chunks(_) => {
             "    let Q = P[6];
     var mx = bitcast<f32>(0xff800000u);
     for (var q = 0u; q < Q; q = q + 1u) { mx = max(mx, M[i * Q + q]); }
@@ -170,36 +170,60 @@ pub fn grad_src(softmax: bool) -> String {
     source(&GRAD_BINDINGS, "", &body)
 }
 
-/// How the samples' kernel finds the log-sum-exp of `s` samples over `cl` classes (`d`
-/// positions each); with [`Lse::Chunks`] its chunks' kernel is launched here and its two
-/// outputs appended to `bufs` (the scores are `bufs[0]`).
-fn log_sum_exp(c: &mut Compiled, softmax: bool, s: usize, cl: usize, d: usize, bufs: &mut Vec<Buf>) -> Lse {
-    if !softmax {
-        return Lse::None;
-    }
+/// The per-sample buffers of a loss's kernels (weights, log-sum-exps, terms) and how the
+/// log-sum-exps were found.
+struct Samples {
+    ws: Buf,
+    lse: Buf,
+    t: Buf,
+    mode: Lse,
+}
+
+/// Adds the samples' kernel of a loss over scores of `(s, cl, d)` ([`dims`]): `bufs` holds the
+/// scores, the labels and the class weights if any. Over many classes the log-sum-exp's chunks
+/// run first ([`chunks_src`]); with one loop over the classes it also writes the
+/// log-probabilities into output 1 when `log_prob`.
+fn samples(
+    c: &mut Compiled,
+    (s, cl, d): (usize, usize, usize),
+    softmax: bool,
+    red: [u32; 3],
+    log_prob: bool,
+    mut bufs: Vec<Buf>,
+) -> Samples {
+    let weights = bufs.len() > 2;
+    let (ws, lse, t) = (c.temp(vec![s], DType::Float), c.temp(vec![s], DType::Float), c.temp(vec![s], DType::Float));
     let q = ir::ops::loss::lse_chunks(cl);
-    if q <= 1 {
-        return Lse::Loop;
+    let mode = match () {
+        _ if !softmax => Lse::None,
+        _ if q <= 1 => Lse::Loop,
+        _ => Lse::Chunks(q),
+    };
+    if s == 0 {
+        return Samples { ws, lse, t, mode };
     }
-    let (m, e) = (c.temp(vec![s * q], DType::Float), c.temp(vec![s * q], DType::Float));
-    let p = vec![(s * q) as u32, cl as u32, d as u32, q as u32, ir::ops::loss::LSE_CHUNK as u32];
-    c.launch_loop(chunks_src(), vec![bufs[0], m, e], p, groups(s * q), 2 * ir::ops::loss::LSE_CHUNK as u64);
-    bufs.extend([m, e]);
-    Lse::Chunks
-}
-
-/// The samples' kernel's parameter after the reduction's: the chunks per sample.
-fn chunk_param(mode: Lse, cl: usize) -> Option<u32> {
-    (mode == Lse::Chunks).then(|| ir::ops::loss::lse_chunks(cl) as u32)
-}
-
-/// Loop iterations of one invocation of the samples' kernel.
-fn trips(mode: Lse, cl: usize, log_prob: bool) -> u64 {
-    match mode {
+    let mut p = vec![s as u32, cl as u32, d as u32, red[0], red[1], red[2]];
+    if let Lse::Chunks(q) = mode {
+        let (m, e) = (c.temp(vec![s * q], DType::Float), c.temp(vec![s * q], DType::Float));
+        let chunk = ir::ops::loss::LSE_CHUNK;
+        let pc = vec![(s * q) as u32, cl as u32, d as u32, q as u32, chunk as u32];
+        c.launch_loop(chunks_src(), vec![bufs[0], m, e], pc, groups(s * q), 2 * chunk as u64);
+        bufs.extend([m, e]);
+        p.push(q as u32);
+    }
+    bufs.extend([ws, lse, t]);
+    let in_loop = log_prob && mode == Lse::Loop;
+    if in_loop {
+        bufs.push(Buf::Out(1));
+    }
+    // Loop iterations of one invocation.
+    let trips = match mode {
         Lse::None => 0,
-        Lse::Loop => (cl * (2 + usize::from(log_prob))) as u64,
-        Lse::Chunks => 2 * ir::ops::loss::lse_chunks(cl) as u64,
-    }
+        Lse::Loop => (cl * (2 + usize::from(in_loop))) as u64,
+        Lse::Chunks(q) => 2 * q as u64,
+    };
+    c.launch_loop(samples_src(mode, weights, in_loop), bufs, p, groups(s), trips);
+    Samples { ws, lse, t, mode }
 }
 
 /// The softmax loss's gradient per sample `s` and chunk `q` of [`ir::ops::loss::LSE_CHUNK`]
@@ -238,39 +262,20 @@ fn forward(cx: &CompileCx<'_>, softmax: bool, red: Option<[u32; 3]>) -> CompileR
         return Ok(None);
     }
     let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
-    let weights = cx.input(2).is_some();
     let log_prob = softmax && cx.outs.len() > 1 && cx.outs[1].is_some();
     if log_prob {
         c.outputs.push(OutSpec { shape: x.shape.clone(), dtype: x.dtype, view_of: None });
     }
-    let ws = c.temp(vec![s], DType::Float);
-    let lse = c.temp(vec![s], DType::Float);
-    let t = c.temp(vec![s], DType::Float);
     let mut bufs = vec![Buf::In(0), Buf::In(1)];
-    if weights {
+    if cx.input(2).is_some() {
         bufs.push(Buf::In(2));
     }
-    if s > 0 {
-        let mode = log_sum_exp(&mut c, softmax, s, cl, d, &mut bufs);
-        bufs.extend([ws, lse, t]);
-        // The log-probabilities in the same loop when it runs over the classes; from the
-        // log-sum-exps after it when chunks found them.
-        let in_loop = log_prob && mode == Lse::Loop;
-        if in_loop {
-            bufs.push(Buf::Out(1));
-        }
-        let mut p = vec![s as u32, cl as u32, d as u32, red[0], red[1], red[2]];
-        p.extend(chunk_param(mode, cl));
-        c.launch_loop(samples_src(mode, weights, in_loop), bufs, p, groups(s), trips(mode, cl, in_loop));
-        if log_prob && !in_loop {
-            let n = x.numel();
-            c.launch(
-                log_prob_src(),
-                vec![Buf::In(0), lse, Buf::Out(1)],
-                vec![n as u32, cl as u32, d as u32],
-                groups(n),
-            );
-        }
+    let Samples { ws, lse, t, mode } = samples(&mut c, (s, cl, d), softmax, red, log_prob, bufs);
+    // The log-probabilities: in the samples' loop over the classes, or from the log-sum-exps
+    // after it when chunks found them.
+    if s > 0 && log_prob && mode != Lse::Loop {
+        let n = x.numel();
+        c.launch(log_prob_src(), vec![Buf::In(0), lse, Buf::Out(1)], vec![n as u32, cl as u32, d as u32], groups(n));
     }
     let count = if red[0] == 0 { s } else { 1 };
     let trips = if red[0] == 0 { 0 } else { s as u64 };
@@ -285,30 +290,21 @@ fn backward(cx: &CompileCx<'_>, softmax: bool, red: Option<[u32; 3]>) -> Compile
         return Ok(None);
     }
     let Some(mut c) = Compiled::like_out0(cx) else { return Ok(None) };
-    let weights = cx.input(3).is_some();
-    let ws = c.temp(vec![s], DType::Float);
-    let lse = c.temp(vec![s], DType::Float);
-    let t = c.temp(vec![s], DType::Float);
     let mut bufs = vec![Buf::In(1), Buf::In(2)];
-    if weights {
+    if cx.input(3).is_some() {
         bufs.push(Buf::In(3));
     }
+    let Samples { ws, lse, mode, .. } = samples(&mut c, (s, cl, d), softmax, red, false, bufs);
     if s > 0 {
-        let mode = log_sum_exp(&mut c, softmax, s, cl, d, &mut bufs);
-        bufs.extend([ws, lse, t]);
-        let mut p = vec![s as u32, cl as u32, d as u32, red[0], red[1], red[2]];
-        p.extend(chunk_param(mode, cl));
-        c.launch_loop(samples_src(mode, weights, false), bufs, p, groups(s), trips(mode, cl, false));
         // The mean's divisor, summed once (not by every element's invocation).
         let w = c.temp(vec![1], DType::Float);
         if red[0] == 2 {
             c.launch_loop(weight_sum_src(), vec![ws, w], vec![1, s as u32], groups(1), s as u64);
         }
         let bufs = vec![Buf::In(0), Buf::In(1), Buf::In(2), ws, lse, w, Buf::Out(0)];
-        if mode == Lse::Chunks {
+        if let Lse::Chunks(q) = mode {
             // Over many classes, one invocation per sample and chunk (its factor found once,
             // not decoded per element).
-            let q = ir::ops::loss::lse_chunks(cl);
             let chunk = ir::ops::loss::LSE_CHUNK;
             let p = vec![(s * q) as u32, cl as u32, d as u32, s as u32, red[0], q as u32, chunk as u32];
             c.launch_loop(grad_chunks_src(), bufs, p, groups(s * q), chunk as u64);
@@ -352,7 +348,7 @@ mod tests {
 
     #[test]
     fn loss_kernels_validate() {
-        for lse in [Lse::None, Lse::Loop, Lse::Chunks] {
+        for lse in [Lse::None, Lse::Loop, Lse::Chunks(2)] {
             for weights in [false, true] {
                 validate("loss samples", &samples_src(lse, weights, lse == Lse::Loop));
             }
