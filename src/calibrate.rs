@@ -175,21 +175,6 @@ pub fn time_loaded_all_reduce<E: Executor>(
     Ok(median(times))
 }
 
-/// Median seconds of one `n×n·n×n` GEMM on each of `k` executors made by `make`, all
-/// computing at once from their own threads, as the simulated devices of one run do.
-pub fn time_gemm_concurrent<E: Executor>(
-    make: &(dyn Fn() -> Result<E, String> + Sync),
-    k: usize,
-    n: usize,
-    reps: usize,
-) -> Result<f64, String> {
-    let (m, node) = one_op(&format!("(float[{n},{n}] a, float[{n},{n}] b) => (y)"), "y = MatMul (a, b)")?;
-    let times = on_devices(make, k, |_, mut e| {
-        time_node(&mut e, &m.graph, node, &[filled(vec![n, n]), filled(vec![n, n])], reps)
-    })?;
-    Ok(median(times))
-}
-
 /// A dispatch's fixed cost measured on its own and from several devices at once.
 #[derive(Clone, Debug)]
 pub struct LaunchTimes {
@@ -477,18 +462,21 @@ fn measure_once<E: Executor>(
 /// the least-squares line `t = a·K + b` gives `o = b/a` (the extra reduction length a tile's
 /// fixed work costs); 0 where the line does not rise with K, at most 1024.
 pub fn k_overhead(timed: &[(f64, f64)]) -> f64 {
-    let n = timed.len() as f64;
-    if n < 2.0 {
-        return 0.0;
+    match regression(timed) {
+        (mk, mt, Some(a)) if a > 0.0 => ((mt - a * mk) / a).clamp(0.0, 1024.0),
+        _ => 0.0,
     }
-    let (mk, mt) = (timed.iter().map(|p| p.0).sum::<f64>() / n, timed.iter().map(|p| p.1).sum::<f64>() / n);
-    let sxx: f64 = timed.iter().map(|p| (p.0 - mk).powi(2)).sum();
-    let sxy: f64 = timed.iter().map(|p| (p.0 - mk) * (p.1 - mt)).sum();
-    if sxx <= 0.0 || sxy <= 0.0 {
-        return 0.0;
-    }
-    let a = sxy / sxx;
-    ((mt - a * mk) / a).clamp(0.0, 1024.0)
+}
+
+/// The means of `x` and `y` over `(x, y)` points and the least-squares slope of `y` on `x`
+/// (`None` where every `x` is the same).
+fn regression(points: &[(f64, f64)]) -> (f64, f64, Option<f64>) {
+    let k = points.len().max(1) as f64;
+    let (sx, sy) = points.iter().fold((0.0, 0.0), |a, &(x, y)| (a.0 + x, a.1 + y));
+    let (mx, my) = (sx / k, sy / k);
+    let (sxx, sxy) =
+        points.iter().fold((0.0, 0.0), |a, &(x, y)| (a.0 + (x - mx) * (x - mx), a.1 + (x - mx) * (y - my)));
+    (mx, my, (sxx > 0.0).then(|| sxy / sxx))
 }
 
 /// A cluster of `devices` simulated accelerators with the measured constants, as a TOML
@@ -622,11 +610,8 @@ const RING_SIZES: &[usize] = &[256, 4096, 65536, 262144];
 /// The ring model's `(α per step, β)` fitted to all-reduces `(bytes, seconds)` over `p`
 /// members (`t = 2(p−1)α + 2(p−1)/p · n/β`) by least squares of `t = a + b·n`.
 pub fn fit_ring(timed: &[(f64, f64)], p: usize) -> (f64, f64) {
-    let k = timed.len().max(1) as f64;
-    let (sx, sy) = timed.iter().fold((0.0, 0.0), |a, &(x, y)| (a.0 + x, a.1 + y));
-    let (mx, my) = (sx / k, sy / k);
-    let (sxx, sxy) = timed.iter().fold((0.0, 0.0), |a, &(x, y)| (a.0 + (x - mx) * (x - mx), a.1 + (x - mx) * (y - my)));
-    let b = if sxx > 0.0 { (sxy / sxx).max(1e-15) } else { 1e-12 };
+    let (mx, my, slope) = regression(timed);
+    let b = slope.map_or(1e-12, |s| s.max(1e-15));
     let a = (my - b * mx).max(0.0);
     let steps = 2.0 * (p.max(2) as f64 - 1.0);
     (a / steps, steps / p.max(1) as f64 / b)
