@@ -97,7 +97,9 @@ pub struct Tensor {
 
 /// External data that is elements `start..end` along `axis` of the external tensor `of` (of
 /// shape `full_dims`, whose file entries the slice keeps): what a rewrite that splits a weight
-/// writes when the weight's values are not loaded yet.
+/// writes when the weight's values are not loaded yet. The tensor's dims are the slice's, or
+/// others of the same element count (a rewrite that reshapes a weight describes it as all of
+/// the original, reshaped).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExternalSlice {
     /// The tensor sliced (its name, which seeds its drawn values when the file is absent).
@@ -171,9 +173,11 @@ impl Tensor {
         if axis < 0 || axis as usize >= full_dims.len() || start < 0 || end <= start || end > full_dims[axis as usize] {
             return Err(bad());
         }
+        // The slice's elements, in this tensor's shape (the same dims, or others of the same
+        // count: a reshaped slice).
         let mut want = full_dims.clone();
         want[axis as usize] = end - start;
-        if want != self.dims {
+        if want != self.dims && want.iter().product::<i64>() != self.dims.iter().product::<i64>() {
             return Err(bad());
         }
         Ok(Some(ExternalSlice {

@@ -329,6 +329,162 @@ pub fn fold_reshape_transpose_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -
     Ok(folded)
 }
 
+/// `Conv(X, W, B) = Reshape(Reshape(W, [M, C]) · Reshape(X, [N, C, S]) + Reshape(B, [M, 1]), [N, M, s₁, …])`
+/// for a convolution of one group whose kernel is 1 in every spatial dim, with unit strides and
+/// no padding (dilations do not matter for a 1-wide kernel); `S = s₁·s₂·…`. A pointwise
+/// convolution (ResNet's bottlenecks, MobileNet's and SqueezeNet's 1×1 layers) is then a
+/// batched GEMM the search shards as one (`b0` samples, `m` filters, `k` channels as partial
+/// sums, `n` the spatial positions) and the runtime runs with its GEMM kernels. Not in the
+/// default [`Algebra`] pass: the GEMM and its bias `Add` are two kernels where the convolution
+/// was one, which only pays where GEMMs run faster than convolutions; run the `conv-as-matmul`
+/// pass ([`ConvAsMatMul`]) to apply it. The reshapes are views; the batch dim is copied (`0`),
+/// so the rewritten graph still takes another batch. A weight or bias initializer only the
+/// convolution reads keeps its name and bytes and takes the new shape (`[M, C]`, `[M, 1]`).
+pub fn conv_as_matmul(g: &mut Graph) -> Result<u64, Located> {
+    conv_as_matmul_where(g, &mut |_| true)
+}
+
+/// The shape of a pointwise convolution `n`: (channels `C`, filters `M`, output dims).
+fn pointwise(g: &Graph, n: NodeId) -> Option<(i64, i64, Vec<i64>)> {
+    let node = g.node(n);
+    let Op::Conv(c) = &node.op else { return None };
+    let x = node.input(0)?;
+    let w = node.input(1)?;
+    let xt = g.tensor_type(x)?;
+    if !xt.dtype.is_float() {
+        return None;
+    }
+    let xd = xt.dims.as_ref()?;
+    let wd = static_dims(g, w)?;
+    let yd = g.tensor_type(Value::new(n, 0))?.dims.clone()?;
+    let rank = xd.len();
+    let all = |v: &Option<Vec<i64>>, want: i64, len: usize| {
+        v.as_ref().is_none_or(|v| v.len() == len && v.iter().all(|&d| d == want))
+    };
+    if c.group.unwrap_or(1) != 1 || rank < 3 || wd.len() != rank || wd[2..].iter().any(|&k| k != 1) {
+        return None;
+    }
+    if !all(&c.kernel_shape, 1, rank - 2) || !all(&c.strides, 1, rank - 2) || !all(&c.pads, 0, 2 * (rank - 2)) {
+        return None;
+    }
+    // Every dim but the batch known; the output's spatial dims are the input's.
+    let known = |d: &[ir::Dim]| d[1..].iter().map(ir::Dim::value).collect::<Option<Vec<i64>>>();
+    let (xs, ys) = (known(xd)?, known(&yd)?);
+    if xs[0] != wd[1] || ys[0] != wd[0] || xs[1..] != ys[1..] {
+        return None;
+    }
+    Some((wd[1], wd[0], ys))
+}
+
+/// [`conv_as_matmul`] on the matches `pick` accepts (in topological order).
+pub fn conv_as_matmul_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) -> Result<u64, Located> {
+    let order = g.topo_order().map_err(|_| Located::global("the graph has a cycle"))?;
+    let (mut matched, mut done) = (0, 0);
+    for n in order {
+        if !g.contains(n) {
+            continue;
+        }
+        let Some((c, m, ys)) = pointwise(g, n) else { continue };
+        matched += 1;
+        if !pick(matched - 1) {
+            continue;
+        }
+        let node = g.node(n).clone();
+        let label = node.label.clone().unwrap_or_else(|| g.op_name(n));
+        let y_name = g.value_name(Value::new(n, 0)).to_string();
+        let s: i64 = ys[1..].iter().product();
+        let reshape = |g: &mut Graph, v: Value, shape: Vec<i64>, what: &str| -> Value {
+            let sv = g.add_initializer(
+                g.fresh_name(&format!("{y_name}_{what}_shape")),
+                Tensor::from_i64(vec![shape.len() as i64], shape),
+            );
+            let out = g.fresh_name(&format!("{y_name}_{what}"));
+            let r = g.add_labeled_node(
+                Some(format!("{label}/{what}")),
+                Op::Reshape(ir::op::Reshape::default()),
+                vec![Some(v), Some(sv)],
+                vec![Output::named(out)],
+            );
+            Value::new(r, 0)
+        };
+        // A parameter read by this convolution alone takes its new shape itself (same values,
+        // same bytes): the trainer and the cost model see a parameter, not a reshape of one.
+        let mut renamed = Vec::new();
+        let mut param = |g: &mut Graph, v: Value, dims: Vec<i64>, what: &str| -> Result<Value, Located> {
+            let own = g.users(v).len() == 1 && !g.outputs().iter().any(|o| o.value == v);
+            match g.initializer(v) {
+                Some(t) if own && matches!(t.external_slice(), Ok(None)) => {
+                    let name = g.value_name(v).to_string();
+                    // External data is described as all of the original tensor (so drawn
+                    // weights are drawn as the original's, then take the new shape).
+                    let t = match &t.data {
+                        TensorData::External(_) => slice_tensor(t, &name, 0, 0, t.dims[0]).map_err(Located::global)?,
+                        _ => t.clone(),
+                    };
+                    let t = Tensor { dims, ..t };
+                    let nv = g.add_initializer(g.fresh_name(&format!("{name}_{what}")), t);
+                    renamed.push((v.node, nv, name));
+                    Ok(nv)
+                }
+                _ => Ok(reshape(g, v, dims, what)),
+            }
+        };
+        let (x, w) = (node.input(0).expect("matched"), node.input(1).expect("matched"));
+        let wm = param(g, w, vec![m, c], "weight")?;
+        let xm = reshape(g, x, vec![0, c, s], "columns");
+        let prod = g.fresh_name(&format!("{y_name}_gemm"));
+        let mm = g.add_labeled_node(
+            Some(label.clone()),
+            Op::MatMul(ir::op::MatMul::default()),
+            vec![Some(wm), Some(xm)],
+            vec![Output::named(prod)],
+        );
+        let mut out = Value::new(mm, 0);
+        if let Some(b) = node.input(2) {
+            let bm = param(g, b, vec![m, 1], "bias")?;
+            let sum = g.fresh_name(&format!("{y_name}_biased"));
+            let add = g.add_labeled_node(
+                Some(format!("{label}/bias")),
+                Op::Add(ir::op::Add::default()),
+                vec![Some(out), Some(bm)],
+                vec![Output::named(sum)],
+            );
+            out = Value::new(add, 0);
+        }
+        let back: Vec<i64> = std::iter::once(0).chain(ys.iter().copied()).collect();
+        let y = reshape(g, out, back, "output");
+        g.replace_all_uses(Value::new(n, 0), y);
+        g.remove_node(n);
+        g.rename(y, y_name);
+        for (old, new, name) in renamed {
+            g.remove_node(old);
+            g.rename(new, name);
+        }
+        done += 1;
+    }
+    Ok(done)
+}
+
+/// The `conv-as-matmul` pass: [`conv_as_matmul`] on every pointwise convolution.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ConvAsMatMul;
+
+impl Pass for ConvAsMatMul {
+    fn name(&self) -> &'static str {
+        "conv-as-matmul"
+    }
+
+    fn run(&mut self, g: &mut Graph, cx: &mut PassCx<'_>) -> Result<Changed, PassError> {
+        let n = conv_as_matmul(g).map_err(|e| PassError::new("conv-as-matmul", e))?;
+        if n == 0 {
+            return Ok(Changed::No);
+        }
+        cx.stats.add("pointwise convolutions made GEMMs", n);
+        ir::infer::infer_shapes(g, ir::infer::Mode::Check).map_err(|errs| PassError::shapes(self.name(), errs))?;
+        Ok(Changed::Yes)
+    }
+}
+
 impl Pass for Algebra {
     fn name(&self) -> &'static str {
         "algebra"
@@ -509,6 +665,102 @@ g (float[2,3,4,5] x) => (float[3,2,5,4] y)
    y = Reshape (t, split)
 }"#;
         assert_eq!(rewrite_equal(text), ["Reshape", "Transpose", "Reshape"]);
+    }
+
+    /// Runs `conv-as-matmul`; checks the rewritten graph evaluates to the original's values
+    /// (within float rounding: the GEMM adds the bias after the dot products) on random
+    /// inputs; returns the op types after and the rewrites made.
+    fn conv_rewrite_equal(text: &str) -> (Vec<String>, u64) {
+        let mut m = model(text);
+        let before = m.graph.clone();
+        let made = conv_as_matmul(&mut m.graph).unwrap();
+        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+        ir::verify(&m.graph).unwrap();
+        assert_eq!(m.graph.outputs()[0].ty, before.outputs()[0].ty, "the output's type changed");
+        let opts = RunOptions { seed: Some(11) };
+        let x = inputs(&before);
+        let want = ir::eval::run(&before, &x, &opts).unwrap();
+        let got = ir::eval::run(&m.graph, &x, &opts).unwrap();
+        for (a, b) in got.iter().zip(&want) {
+            assert_eq!(a.shape, b.shape);
+            for (p, q) in a.to_f64().unwrap().iter().zip(b.to_f64().unwrap()) {
+                assert!((p - q).abs() <= 1e-5 * (1.0 + q.abs()), "{p} vs {q}");
+            }
+        }
+        (ops(&m.graph), made)
+    }
+
+    // Conv(X, W, B) = Reshape(Reshape(W, [M,C]) · Reshape(X, [N,C,H·W]) + Reshape(B, [M,1]), [N,M,H,W]).
+    #[test]
+    fn pointwise_conv_becomes_a_batched_gemm() {
+        let text = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[2,3,4,5] x) => (float[2,6,4,5] y)
+   <float[6,3,1,1] w = ["location": "w.bin", "offset": "0", "length": "72"], float[6] b = ["location": "w.bin", "offset": "72", "length": "24"]>
+{
+   y = Conv <kernel_shape: ints = [1, 1], strides: ints = [1, 1], pads: ints = [0, 0, 0, 0], dilations: ints = [2, 2]> (x, w, b)
+}"#;
+        let (mut ops, made) = conv_rewrite_equal(text);
+        ops.sort();
+        assert_eq!(made, 1);
+        // X's columns and the output are reshaped; the weight and bias take their shapes.
+        assert_eq!(ops, ["Add", "MatMul", "Reshape", "Reshape"]);
+        let mut m = model(text);
+        conv_as_matmul(&mut m.graph).unwrap();
+        let w = m.graph.initializer(m.graph.lookup("w").unwrap()).unwrap();
+        assert_eq!(w.dims, [6, 3]);
+        assert_eq!(
+            w.external_slice().unwrap().unwrap(),
+            ir::ExternalSlice { of: "w".into(), full_dims: vec![6, 3, 1, 1], axis: 0, start: 0, end: 6 }
+        );
+        assert_eq!(m.graph.initializer(m.graph.lookup("b").unwrap()).unwrap().dims, [6, 1]);
+    }
+
+    // The same over a volume, no bias, any batch: Conv3d 1×1×1 of [N,4,2,3,3].
+    #[test]
+    fn pointwise_conv3d_without_bias_and_a_symbolic_batch() {
+        let text = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[N,4,2,3,3] x) => (float[N,2,2,3,3] y)
+   <float[2,4,1,1,1] w = ["location": "w.bin", "offset": "0", "length": "32"]>
+{
+   y = Conv (x, w)
+}"#;
+        let mut m = model(text);
+        assert_eq!(conv_as_matmul(&mut m.graph).unwrap(), 1);
+        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+        assert_eq!(ops(&m.graph), ["Reshape", "MatMul", "Reshape"]);
+        // A fixed batch evaluates equal.
+        let fixed = text
+            .replace("float[N,4,2,3,3] x", "float[3,4,2,3,3] x")
+            .replace("float[N,2,2,3,3] y", "float[3,2,2,3,3] y");
+        assert_eq!(conv_rewrite_equal(&fixed).1, 1);
+    }
+
+    // Not pointwise: a 3×3 kernel, a stride, padding, groups.
+    #[test]
+    fn other_convolutions_stay() {
+        for attrs in [
+            "kernel_shape: ints = [3, 3], pads: ints = [1, 1, 1, 1]",
+            "strides: ints = [2, 2]",
+            "pads: ints = [1, 1, 1, 1]",
+            "group: int = 2",
+        ] {
+            let w = if attrs.contains("[3, 3]") {
+                "float[4,4,3,3] w"
+            } else if attrs.contains("group") {
+                "float[4,2,1,1] w"
+            } else {
+                "float[4,4,1,1] w"
+            };
+            let out = match attrs {
+                a if a.contains("strides") => "float[1,4,3,3] y",
+                a if a.starts_with("pads") => "float[1,4,8,8] y",
+                _ => "float[1,4,6,6] y",
+            };
+            let text = format!(
+                "<ir_version: 8, opset_import: [\"\" : 18]>\ng (float[1,4,6,6] x) => ({out})\n   <{w} = [\"location\": \"w.bin\", \"offset\": \"0\", \"length\": \"576\"]>\n{{\n   y = Conv <{attrs}> (x, w)\n}}"
+            );
+            assert_eq!(conv_rewrite_equal(&text), (vec!["Conv".to_string()], 0), "{attrs}");
+        }
     }
 
     #[test]

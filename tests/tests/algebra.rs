@@ -1,7 +1,8 @@
 //! `algebra` (un-fused split GEMMs, folded reshape–transpose–reshape detours) on the shared
 //! models and golden cases: same outputs, types and values; same parameter count; the
 //! rewritten model prints and parses back; and the rewrite is what lets attention run
-//! head-parallel in GPT-2.
+//! head-parallel in GPT-2. `conv-as-matmul` (pointwise convolutions as batched GEMMs) on the
+//! shared CNNs: same outputs, and the same training steps.
 
 use shardc_tests::*;
 
@@ -142,4 +143,98 @@ fn token_inputs(g: &ir::Graph) -> std::collections::HashMap<String, ir::eval::Ar
             )
         })
         .collect()
+}
+
+/// A shared CNN at batch 2 and 48×48 pixels, canonical.
+fn small_cnn(name: &str) -> ir::Model {
+    let path = data_files("models").into_iter().find(|p| p.ends_with(name)).unwrap();
+    let mut model = load_model(&path);
+    let spec = passes::RebatchSpec { input_shapes: vec![("input".into(), vec![2, 3, 48, 48])], ..Default::default() };
+    let mut pm = passes::PassManager::new().with_verify(true);
+    pm.add(passes::Rebatch { spec }).add(passes::InferShapes::default()).add(passes::Canonicalize);
+    pm.run(&mut model).unwrap_or_else(|e| panic!("{e}: {:?}", e.errors));
+    model
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest_config(4))]
+    /// `conv-as-matmul` on a random subset of the pointwise convolutions of SqueezeNet and
+    /// MobileNetV2 (weights drawn from a seed) keeps their logits (to float rounding: the
+    /// GEMM adds the bias after its dot products, the convolution before).
+    #[test]
+    fn pointwise_convs_as_gemms_keep_cnn_logits(
+        model in proptest::sample::select(vec!["tv_squeezenet1_1.onnxtxt", "tv_mobilenet_v2.onnxtxt"]),
+        picks in proptest::collection::vec(proptest::bool::ANY, 64),
+    ) {
+        let (base, inputs, want) = CNNS.iter().find(|c| c.0 == model).map(|c| (&c.1, &c.2, &c.3)).unwrap();
+        let mut m = base.clone();
+        let mut k = 0usize;
+        let mut pick = |_: usize| { k += 1; picks[k % picks.len()] };
+        passes::algebra::conv_as_matmul_where(&mut m.graph, &mut pick).unwrap();
+        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+        ir::verify(&m.graph).unwrap();
+        let got = ir::eval::run(&m.graph, inputs, &ir::eval::RunOptions { seed: Some(5) }).unwrap();
+        compare("logits", &got[0], &want[0], 1e-4, 1e-5).unwrap();
+    }
+}
+
+/// The CNNs of the property test with their inputs and logits.
+#[allow(clippy::type_complexity)]
+static CNNS: std::sync::LazyLock<
+    Vec<(&'static str, ir::Model, std::collections::HashMap<String, ir::eval::Array>, Vec<ir::eval::Array>)>,
+> = std::sync::LazyLock::new(|| {
+    ["tv_squeezenet1_1.onnxtxt", "tv_mobilenet_v2.onnxtxt"]
+        .into_iter()
+        .map(|name| {
+            let model = small_cnn(name);
+            let x = ir::eval::random_tensor(ir::DType::Float, &[2, 3, 48, 48], "input", 7, "input").unwrap();
+            let inputs: std::collections::HashMap<_, _> = [("input".to_string(), x)].into();
+            let want = ir::eval::run(&model.graph, &inputs, &ir::eval::RunOptions { seed: Some(5) }).unwrap();
+            (name, model, inputs, want)
+        })
+        .collect()
+});
+
+/// Trained on the reference trainer, a network of pointwise convolutions and its rewrite
+/// take the same steps: the same losses over three SGD steps, the same gradients (the
+/// rewritten weights are the same values in `[M, C]` instead of `[M, C, 1, 1]`).
+#[test]
+fn pointwise_convs_as_gemms_train_the_same() {
+    let text = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[2,3,4,4] x) => (float loss)
+   <float[4,3,1,1] w1 = {0.1,-0.2,0.3, 0.4,0.5,-0.6, -0.7,0.8,0.9, 0.15,-0.25,0.35},
+    float[4] b1 = {0.05,-0.1,0.2,0.0}, float[2,4,1,1] w2 = {0.3,-0.1,0.2,0.4, -0.5,0.6,0.1,-0.2}>
+{
+   h = Conv (x, w1, b1)
+   r = Relu (h)
+   y = Conv (r, w2)
+   sq = Mul (y, y)
+   loss = ReduceMean <keepdims: int = 0> (sq)
+}"#;
+    let base = frontend::parse(text).unwrap().model;
+    let mut rewritten = base.clone();
+    ir::infer::infer_shapes(&mut rewritten.graph, ir::infer::Mode::Check).unwrap();
+    assert_eq!(passes::algebra::conv_as_matmul(&mut rewritten.graph).unwrap(), 2);
+    let opt = passes::autodiff::OptimizerSpec::sgd(0.1, 0.0);
+    let loss = passes::autodiff::LossSpec::Model;
+    let steps = |m: &ir::Model| {
+        let (t, info) = shardc::train::training_model(m, &loss, &opt).unwrap();
+        let inputs = shardc::train::seeded_inputs(&t.graph, &info, 3).unwrap();
+        shardc::train::reference_steps(&t.graph, &inputs, 3).unwrap()
+    };
+    let (l0, g0, p0) = steps(&base);
+    let (l1, g1, p1) = steps(&rewritten);
+    for (a, b) in l1.iter().zip(&l0) {
+        assert!((a - b).abs() <= 1e-6 * b.abs().max(1e-3), "loss {a} vs {b}");
+    }
+    for (want, got) in [(&g0, &g1), (&p0, &p1)] {
+        assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
+        for (name, w) in want {
+            let (a, b) = (got[name].to_f64().unwrap(), w.to_f64().unwrap());
+            assert_eq!(a.len(), b.len(), "{name}");
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x - y).abs() <= 1e-6 * (1.0 + y.abs()), "{name}: {x} vs {y}");
+            }
+        }
+    }
 }

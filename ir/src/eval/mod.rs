@@ -136,7 +136,10 @@ pub fn seeded_initializer(g: &Graph, v: Value, seed: u64) -> Result<Array> {
     // model whose weights were split (`passes::unfuse`) computes what the original did.
     if let Some(s) = t.external_slice().map_err(EvalError::Invalid)? {
         let full = random_tensor(t.dtype, &s.full_dims, weight_role(g, v), seed, &s.of)?;
-        return Ok(full.slice_axis(s.axis, s.start, s.end));
+        // A slice may also take another shape of its elements (`passes::algebra::conv_as_matmul`).
+        let part = full.slice_axis(s.axis, s.start, s.end);
+        let shape: Vec<usize> = t.dims.iter().map(|&d| d.max(0) as usize).collect();
+        return Ok(if part.shape == shape { part } else { part.reshaped(shape) });
     }
     random_tensor(t.dtype, &t.dims, weight_role(g, v), seed, g.value_name(v))
 }
