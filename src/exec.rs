@@ -232,6 +232,7 @@ fn given_result(
         pipeline_considered: None,
         single_device_memory_bytes: 0.0,
         folded: None,
+        rewrites: Vec::new(),
     }
 }
 

@@ -1300,3 +1300,44 @@ fn plans_say_what_their_letters_mean_and_runs_why_they_pipeline() {
     let text = stdout(&o);
     assert!(text.contains("pipelined because requested: 2 stages"), "{text}");
 }
+
+/// The search tries `conv-as-matmul` on the whole graph and keeps it when its plan is priced
+/// faster (SqueezeNet's 17 pointwise convolutions: on two local-wgpu devices at batch 4 the
+/// GEMMs are; on dgx-a100 they are not); the plan says so, and `lower` makes the rewrite again
+/// before applying the plan. `--no-rewrites` does not try it.
+#[test]
+fn the_search_chooses_the_pointwise_conv_rewrite_by_price() {
+    let dir = std::env::temp_dir().join(format!("shardc-rewrite-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("plan.json");
+    let m = model("tv_squeezenet1_1.onnxtxt");
+    let plan = |cluster: &str, devices: &str, batch: &str, extra: &[&str]| {
+        let mut args = vec!["plan", &m, "--cluster", cluster, "--devices", devices, "--batch", batch, "--json"];
+        args.extend_from_slice(extra);
+        let o = shardc(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let v = plan("local-wgpu", "2", "4", &["-o", out.to_str().unwrap()]);
+    let c = &v["rewrites"][0];
+    assert_eq!(
+        (c["rule"].as_str(), c["sites"].as_u64(), c["applied"].as_bool()),
+        (Some("conv-as-matmul"), Some(17), Some(true))
+    );
+    let (with, without) = (c["with_step_time_s"].as_f64().unwrap(), c["without_step_time_s"].as_f64().unwrap());
+    assert!(with < without && v["step_time_s"].as_f64().unwrap() == with, "{c}");
+    let ops: Vec<&str> = v["ops"].as_array().unwrap().iter().map(|o| o["op"].as_str().unwrap()).collect();
+    assert_eq!(ops.iter().filter(|&&o| o == "MatMul").count(), 17, "{ops:?}");
+    let o = shardc(&["lower", out.to_str().unwrap(), "--device", "0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("MatMul"));
+
+    let v = plan("dgx-a100", "8", "8", &[]);
+    let c = &v["rewrites"][0];
+    assert_eq!(c["applied"].as_bool(), Some(false), "{c}");
+    assert!(c["with_step_time_s"].as_f64().unwrap() > v["step_time_s"].as_f64().unwrap());
+    assert!(v["ops"].as_array().unwrap().iter().all(|o| o["op"] != "MatMul"));
+    let v = plan("local-wgpu", "2", "4", &["--no-rewrites"]);
+    assert_eq!(v["rewrites"].as_array().map(Vec::len), Some(0));
+    std::fs::remove_dir_all(&dir).ok();
+}

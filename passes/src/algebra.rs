@@ -336,8 +336,9 @@ pub fn fold_reshape_transpose_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -
 /// batched GEMM the search shards as one (`b0` samples, `m` filters, `k` channels as partial
 /// sums, `n` the spatial positions) and the runtime runs with its GEMM kernels. Not in the
 /// default [`Algebra`] pass: the GEMM and its bias `Add` are two kernels where the convolution
-/// was one, which only pays where GEMMs run faster than convolutions; run the `conv-as-matmul`
-/// pass ([`ConvAsMatMul`]) to apply it. The reshapes are views; the batch dim is copied (`0`),
+/// was one, which only pays where GEMMs run faster than convolutions; the search tries it
+/// ([`SEARCH_CHOICES`], [`crate::autoshard::search_rewriting`]) and the `conv-as-matmul` pass
+/// ([`ConvAsMatMul`]) applies it. The reshapes are views; the batch dim is copied (`0`),
 /// so the rewritten graph still takes another batch. A weight or bias initializer only the
 /// convolution reads keeps its name and bytes and takes the new shape (`[M, C]`, `[M, 1]`).
 pub fn conv_as_matmul(g: &mut Graph) -> Result<u64, Located> {
@@ -463,6 +464,24 @@ pub fn conv_as_matmul_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) 
         done += 1;
     }
     Ok(done)
+}
+
+/// The rewrites the search chooses ([`crate::autoshard::search_rewriting`]): each is tried on
+/// the whole graph and kept when the plan of the rewritten graph is priced faster.
+pub const SEARCH_CHOICES: &[&str] = &["conv-as-matmul"];
+
+/// Applies the rewrite `name` (one of [`SEARCH_CHOICES`]) to every match and infers shapes
+/// again; returns how many it rewrote.
+pub fn apply_named(g: &mut Graph, name: &str) -> Result<u64, String> {
+    let n = match name {
+        "conv-as-matmul" => conv_as_matmul(g).map_err(|e| e.msg)?,
+        _ => return Err(format!("`{name}` is not a rewrite the search chooses ({})", SEARCH_CHOICES.join(", "))),
+    };
+    if n > 0 {
+        ir::infer::infer_shapes(g, ir::infer::Mode::Check)
+            .map_err(|e| e.iter().map(|x| x.to_string()).collect::<Vec<_>>().join("; "))?;
+    }
+    Ok(n)
 }
 
 /// The `conv-as-matmul` pass: [`conv_as_matmul`] on every pointwise convolution.

@@ -473,6 +473,16 @@ pub fn read_plan(path: &Path) -> CliResult<passes::autoshard::Plan> {
     passes::autoshard::Plan::from_json(&text).map_err(|e| CliError::msg(format!("`{}`: {e}", path.display())))
 }
 
+/// Makes on `g` the algebraic rewrites `plan` was searched with and applied
+/// ([`passes::autoshard::Plan::rewrites`]), so the plan's ops are `g`'s.
+pub fn apply_plan_rewrites(g: &mut ir::Graph, plan: &passes::autoshard::Plan) -> CliResult<()> {
+    for c in plan.rewrites.iter().filter(|c| c.applied) {
+        passes::algebra::apply_named(g, &c.rule)
+            .map_err(|e| CliError::msg(format!("the plan's rewrite `{}` does not apply: {e}", c.rule)))?;
+    }
+    Ok(())
+}
+
 /// Checks that the plan at `plan_path` was made for `model` (their sha256 agree). When it
 /// was made for another file, that is an error, unless `force`: then a note, and the plan
 /// still has to fit the model op by op and tensor by tensor ([`passes::autoshard::Plan::differences`]).

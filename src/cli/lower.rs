@@ -46,7 +46,8 @@ pub fn run(args: &LowerArgs) -> CliResult {
     guard_outputs(&[("-o", args.output.as_ref())], &[Some(&args.plan), args.model.as_deref()])?;
     let plan = read_plan(&args.plan)?;
     let model_path = args.model.clone().unwrap_or_else(|| PathBuf::from(&plan.model.path));
-    let loaded = load_canonical(&model_path, &ShapeArgs::of_plan(&plan))?;
+    let mut loaded = load_canonical(&model_path, &ShapeArgs::of_plan(&plan))?;
+    apply_plan_rewrites(&mut loaded.model.graph, &plan)?;
     if let Some(note) = check_plan_model(&plan, &args.plan, &model_path, args.force)? {
         eprintln!("note: {note}");
     }

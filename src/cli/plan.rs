@@ -75,6 +75,10 @@ pub struct PlanArgs {
     /// the plan to every block (auto: for graphs of 1,000 ops or more).
     #[arg(long, default_value = "auto", value_name = "auto|always|never", value_parser = parse_fold)]
     pub fold: autoshard::FoldMode,
+    /// Do not try the algebraic rewrites the search chooses between (conv-as-matmul: each is
+    /// searched on the whole graph and kept when its plan is faster)
+    #[arg(long)]
+    pub no_rewrites: bool,
     /// Draw the step (a pipeline's schedule, stages × time) as an SVG timeline.
     #[arg(long, value_name = "FILE")]
     pub svg: Option<PathBuf>,
@@ -139,6 +143,7 @@ pub fn run(args: &PlanArgs) -> CliResult {
         time_limit: Duration::from_secs_f64(args.time_limit),
         pipeline,
         fold: args.fold,
+        rewrites: !args.no_rewrites,
         ..Default::default()
     };
     if let Some(n) = args.node_limit {
@@ -331,6 +336,17 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
             String::new()
         }
     ));
+    for c in &r.rewrites {
+        let with = c.with_step_time_s.map_or("not searched (no time left)".to_string(), secs);
+        t.push_str(&format!(
+            "rewrite      {} at {} places: {} with, {} without: {}\n",
+            c.rule,
+            c.sites,
+            with,
+            secs(c.without_step_time_s),
+            if c.applied { "applied (the plan's ops are the rewritten graph's)" } else { "not applied" }
+        ));
+    }
     for m in &r.meshes {
         t.push_str(&format!(
             "  mesh {:<34} {:>12}{}  e-graph {} classes / {} nodes ({}), {} of {} strategies, {}{}\n",

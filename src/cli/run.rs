@@ -114,6 +114,9 @@ pub fn run(args: &RunArgs) -> CliResult {
         }
         None => (load_canonical(&args.model, &shapes)?, None),
     };
+    if let Some(p) = &plan_doc {
+        apply_plan_rewrites(&mut loaded.model.graph, p)?;
+    }
     let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
     let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
     let g = &loaded.model.graph;

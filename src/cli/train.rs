@@ -447,6 +447,11 @@ pub fn run(args: &TrainArgs) -> CliResult {
     // Not canonicalized: folding would rename or transform parameters, and the trained
     // tensors must stay the model's own.
     let mut loaded = load_computable(&args.model, &args.shapes)?;
+    // A plan searched with algebraic rewrites is a plan of the rewritten model (they keep
+    // the parameters' names and values).
+    if let Some(p) = &args.plan {
+        apply_plan_rewrites(&mut loaded.model.graph, &read_plan(p)?)?;
+    }
     let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
     let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
     let mut notes: Vec<String> = Vec::new();

@@ -80,6 +80,9 @@ pub struct SearchOptions {
     pub progress: Progress,
     /// Repeated-layer folding ([`fold`]).
     pub fold: FoldMode,
+    /// Let [`search_rewriting`] try the algebraic rewrites of
+    /// [`crate::algebra::SEARCH_CHOICES`].
+    pub rewrites: bool,
 }
 
 /// When the search folds repeated blocks ([`fold`]).
@@ -179,6 +182,7 @@ impl Default for SearchOptions {
             clock_scale: 1.0,
             progress: Progress::default(),
             fold: FoldMode::Auto,
+            rewrites: true,
         }
     }
 }
@@ -236,6 +240,25 @@ pub struct SearchResult {
     /// The repeated blocks folded, when the search folded them (`48 blocks h0 … h47 searched
     /// as 3`).
     pub folded: Option<String>,
+    /// The algebraic rewrites the search tried ([`search_rewriting`]), in order.
+    pub rewrites: Vec<RewriteChoice>,
+}
+
+/// An algebraic rewrite the search tried on the whole graph: the plan's step time with and
+/// without it, and whether the plan uses it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, serde::Deserialize)]
+pub struct RewriteChoice {
+    /// The rewrite (a pass name: `conv-as-matmul`).
+    pub rule: String,
+    /// The places it rewrites.
+    pub sites: u64,
+    /// The plan's graph is the rewritten one.
+    pub applied: bool,
+    /// The best plan's step time of the rewritten graph, seconds (absent when it was not
+    /// searched: no time left).
+    pub with_step_time_s: Option<f64>,
+    /// The best plan's step time of the graph without it, seconds.
+    pub without_step_time_s: f64,
 }
 
 /// The pipeline search's outcome, for the report.
@@ -478,6 +501,61 @@ pub fn search(
     Ok(r)
 }
 
+/// [`search`], then each rewrite of [`crate::algebra::SEARCH_CHOICES`] with matches in `g`
+/// tried on the whole graph: the rewritten graph is searched too (within what is left of the
+/// time limit) and kept, in `g`, when its plan is better ([`extract::better`]: faster among
+/// plans that fit). The result says what was tried ([`SearchResult::rewrites`]); its plan is
+/// a plan of `g` as it is on return. With [`SearchOptions::rewrites`] off it is [`search`].
+pub fn search_rewriting(
+    g: &mut Graph,
+    cluster: &Cluster,
+    devices: usize,
+    opts: &Options,
+    so: &SearchOptions,
+) -> Result<SearchResult, String> {
+    let start = Instant::now();
+    let mut best = search(g, cluster, devices, opts, so)?;
+    if !so.rewrites {
+        return Ok(best);
+    }
+    let mut tried = Vec::new();
+    for &rule in crate::algebra::SEARCH_CHOICES {
+        let mut h = g.clone();
+        let sites = crate::algebra::apply_named(&mut h, rule)?;
+        if sites == 0 {
+            continue;
+        }
+        let without = best.breakdown.step_time_s;
+        let left = so.time_limit.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            tried.push(RewriteChoice {
+                rule: rule.into(),
+                sites,
+                applied: false,
+                with_step_time_s: None,
+                without_step_time_s: without,
+            });
+            continue;
+        }
+        let r = search(&h, cluster, devices, opts, &SearchOptions { time_limit: left, ..so.clone() })?;
+        let applied = extract::better(&r.breakdown, &best.breakdown);
+        tried.push(RewriteChoice {
+            rule: rule.into(),
+            sites,
+            applied,
+            with_step_time_s: Some(r.breakdown.step_time_s),
+            without_step_time_s: without,
+        });
+        if applied {
+            *g = h;
+            best = SearchResult { budget_cut: [best.budget_cut.clone(), r.budget_cut.clone()].concat(), ..r };
+        }
+    }
+    best.rewrites = tried;
+    best.search_time_s = start.elapsed().as_secs_f64();
+    Ok(best)
+}
+
 /// The intra-operator search alone (no pipelining).
 pub fn search_intra(
     g: &Graph,
@@ -528,6 +606,7 @@ pub(crate) fn search_intra_with(
             pipeline: None,
             pipeline_considered: None,
             single_device_memory_bytes: 0.0,
+            rewrites: Vec::new(),
             folded: None,
         });
     }
@@ -591,6 +670,7 @@ pub(crate) fn search_intra_with(
         Err(e) => (None, Some(e.to_string())),
     };
     Ok(SearchResult {
+        rewrites: Vec::new(),
         mesh: best.mesh,
         assignment: best.assignment,
         breakdown: best.breakdown,
@@ -632,7 +712,7 @@ impl crate::Pass for Autoshard {
     }
 
     fn run(&mut self, g: &mut Graph, cx: &mut crate::PassCx<'_>) -> Result<crate::Changed, crate::PassError> {
-        let r = search(g, &self.cluster, self.devices, &self.options, &self.search)
+        let r = search_rewriting(g, &self.cluster, self.devices, &self.options, &self.search)
             .map_err(|e| crate::PassError::new("autoshard", crate::Located::global(e)))?;
         let (meshes, stage_of) = plan::stage_meshes(&r);
         plan::annotate_graph(g, &meshes, &stage_of, &r.assignment);

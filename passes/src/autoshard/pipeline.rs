@@ -561,6 +561,7 @@ fn reference_plans(
         // The stages' reference searches are not the search the user watches.
         progress: Default::default(),
         fold: so.fold,
+        rewrites: false,
     };
     let mut reference: HashMap<usize, HashMap<String, OpStrategy>> = HashMap::new();
     let mut meshes: HashMap<usize, Mesh> = HashMap::new();

@@ -293,6 +293,11 @@ pub struct Plan {
     /// The plan in the terms ML engineers use: degrees of parallelism and throughput.
     #[serde(default)]
     pub summary: PlanSummary,
+    /// The algebraic rewrites the search tried on the whole graph, with the step time with
+    /// and without each; the plan's ops are those of the model with the `applied` ones made
+    /// (`lower`, `run` and `train` make them again before applying the plan).
+    #[serde(default)]
+    pub rewrites: Vec<super::RewriteChoice>,
 }
 
 /// What one mesh axis does in a plan.
@@ -709,6 +714,7 @@ impl Plan {
             policy: r.breakdown.policy,
             timings: PlanTimings::of(r),
             summary,
+            rewrites: r.rewrites.clone(),
         }
     }
 

@@ -303,3 +303,46 @@ fn the_relaxation_bounds_the_optimum_from_below() {
         assert!(pruned_somewhere, "no beam pruned");
     }
 }
+
+const POINTWISE: &str = r#"<
+   ir_version: 8,
+   opset_import: ["" : 17]
+>
+pw (float[4,64,32,32] x) => (float[4,64,32,32] y)
+   <float[64,64,1,1] w1 = ["location": "w.bin", "offset": "0", "length": "16384"], float[64] b1 = ["location": "w.bin", "offset": "16384", "length": "256"],
+    float[64,64,1,1] w2 = ["location": "w.bin", "offset": "16640", "length": "16384"]>
+{
+   h = Conv (x, w1, b1)
+   r = Relu (h)
+   y = Conv (r, w2)
+}"#;
+
+/// `search_rewriting` searches the graph with and without each rewrite of
+/// `algebra::SEARCH_CHOICES`, keeps the faster, and its plan is a plan of the graph it leaves:
+/// priced again on that graph it costs what the search said. Off, it is the plain search.
+#[test]
+fn the_search_keeps_the_rewrite_whose_plan_is_faster() {
+    for (cluster, devices) in [("dgx-a100", 8), ("local-wgpu", 2)] {
+        let cluster = Cluster::preset(cluster).unwrap();
+        let so = super::SearchOptions { pipeline: super::PipelineMode::Off, ..Default::default() };
+        let mut g = graph(POINTWISE);
+        let r = super::search_rewriting(&mut g, &cluster, devices, &Options::default(), &so).unwrap();
+        let [c] = &r.rewrites[..] else { panic!("{:?}", r.rewrites) };
+        assert_eq!((c.rule.as_str(), c.sites), ("conv-as-matmul", 2));
+        let with = c.with_step_time_s.unwrap();
+        assert_eq!(c.applied, with < c.without_step_time_s, "{c:?}");
+        assert_eq!(r.breakdown.step_time_s, if c.applied { with } else { c.without_step_time_s });
+        let ops: Vec<&str> = g.op_nodes().unwrap().iter().map(|&n| g.node(n).op.op_type()).collect();
+        assert_eq!(ops.contains(&"MatMul"), c.applied, "{ops:?}");
+        assert_eq!(ops.contains(&"Conv"), !c.applied, "{ops:?}");
+        let again = CostModel::new(&g, &cluster, r.mesh.clone(), Options::default()).evaluate(&r.assignment);
+        assert!((again.step_time_s - r.breakdown.step_time_s).abs() <= 1e-12 * again.step_time_s);
+
+        let mut plain = graph(POINTWISE);
+        let off = super::SearchOptions { rewrites: false, ..so };
+        let r = super::search_rewriting(&mut plain, &cluster, devices, &Options::default(), &off).unwrap();
+        assert!(r.rewrites.is_empty());
+        assert_eq!(r.breakdown.step_time_s, c.without_step_time_s);
+        assert_eq!(ir::print::graph_to_string(&plain), ir::print::graph_to_string(&graph(POINTWISE)));
+    }
+}
