@@ -499,3 +499,71 @@ fn freed_buffers_are_reused_and_dispatches_past_one_dimension_reach_every_elemen
     let bad = (0..n).find(|&i| y[i] != (2 * (i / 1000)) as f64);
     assert_eq!(bad, None, "element {bad:?} of the reused buffer holds an old value");
 }
+
+/// The kernels the runtime compiles for a convolution and its two gradients are the kernels
+/// the cost model prices (`ir::ops::conv::launches`): im2col + GEMM (+ a permutation of the
+/// images for few positions, + dY regrouped for several images in the gradients), or one direct
+/// kernel each for small reductions or few filters.
+#[test]
+fn convolutions_launch_the_kernels_the_cost_model_prices() {
+    // (x, w, pads): GEMM path with several images; few positions (wide); one image; a 1×1
+    // kernel over 3 channels (direct); two filters per group (direct).
+    let cases: [(&[i64], &[i64], i64, [f64; 3]); 5] = [
+        (&[2, 3, 8, 8], &[8, 3, 3, 3], 1, [2.0, 3.0, 3.0]),
+        (&[2, 8, 4, 4], &[8, 8, 3, 3], 1, [3.0, 3.0, 3.0]),
+        (&[1, 8, 8, 8], &[8, 8, 3, 3], 1, [2.0, 2.0, 2.0]),
+        (&[2, 3, 8, 8], &[8, 3, 1, 1], 0, [1.0, 1.0, 1.0]),
+        (&[2, 16, 8, 8], &[2, 16, 3, 3], 1, [1.0, 1.0, 1.0]),
+    ];
+    let dims = |d: &[i64]| d.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(",");
+    for (x, w, pad, want) in cases {
+        let text = format!(
+            r#"<ir_version: 8, opset_import: ["" : 17]>
+g (float[{}] x) => (float loss)
+   <float[{}] w = ["location": "w.bin", "offset": "0", "length": "{}"], float[{},4,1,1] w0 = ["location": "w.bin", "offset": "0", "length": "{}"]>
+{{
+   xs = Conv (x, w0)
+   y = Conv <pads: ints = [{pad}, {pad}, {pad}, {pad}]> (xs, w)
+   sq = Mul (y, y)
+   loss = ReduceMean <keepdims: int = 0> (sq)
+}}"#,
+            dims(&[x[0], 4, x[2], x[3]]),
+            dims(w),
+            4 * w.iter().product::<i64>(),
+            x[1],
+            16 * x[1]
+        );
+        let m = frontend::parse(&text).unwrap_or_else(|e| panic!("{e:?}")).model;
+        let opt = passes::autodiff::OptimizerSpec::sgd(0.1, 0.0);
+        let (mut t, _) = shardc::train::training_model(&m, &passes::autodiff::LossSpec::Model, &opt).unwrap();
+        let consts = ir::infer::infer_shapes(&mut t.graph, ir::infer::Mode::Check).unwrap().consts;
+        let g = &t.graph;
+        let mut seen = Vec::new();
+        for n in g.op_nodes().unwrap() {
+            let op = &g.node(n).op;
+            // The convolution by `w` (not the 1×1 one in front of it making its input).
+            let w_value = g.lookup("w").unwrap();
+            let out_dims = g.tensor_type(ir::Value::new(n, 0)).and_then(|t| t.static_dims());
+            let which = match op {
+                ir::Op::Conv(_) if g.node(n).input(1) == Some(w_value) => 0,
+                ir::Op::ConvGradInput(_) if g.node(n).input(1) == Some(w_value) => 1,
+                ir::Op::ConvGradWeight(_) if out_dims.as_deref() == Some(w) => 2,
+                _ => continue,
+            };
+            let c = codegen::runtime::gpu::compile::compile(op, &compile_cx(g, n, &consts)).unwrap().unwrap();
+            assert_eq!(c.launches().count() as f64, want[which], "{x:?} * {w:?}: {}", op.op_type());
+            let y: Vec<i64> = match which {
+                0 => g.tensor_type(ir::Value::new(n, 0)).unwrap().static_dims().unwrap(),
+                _ => g
+                    .tensor_type(g.node(n).input(if which == 1 { 0 } else { 1 }).unwrap())
+                    .unwrap()
+                    .static_dims()
+                    .unwrap(),
+            };
+            assert_eq!(ir::ops::conv::launches_of(x, w, &y, 1), Some(want), "{x:?} * {w:?}");
+            seen.push(which);
+        }
+        seen.sort();
+        assert_eq!(seen, [0, 1, 2], "{x:?} * {w:?}: the training graph's convolutions");
+    }
+}

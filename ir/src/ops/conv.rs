@@ -803,6 +803,50 @@ fn taps(g: &Geo, inp: [usize; 3], out: [usize; 3], mut f: impl FnMut(usize, usiz
     }
 }
 
+/// Largest im2col scratch buffer (elements) the runtime's GEMM path of a convolution
+/// allocates; larger convolutions run the direct kernels.
+pub const IM2COL_MAX_ELEMS: usize = 1 << 25;
+
+/// Output positions per image below which the runtime's forward GEMM spans all images (and a
+/// permutation puts the images back in front).
+pub const WIDE_BELOW: usize = 64;
+
+/// True when the runtime runs a convolution of `n` images, `ch` channels, `m` filters, `g`
+/// groups, kernel volume `kvol` and `npos` output positions per image — and its two gradients
+/// — as im2col and GEMMs rather than as direct kernels: the reduction per group is 16 or more,
+/// 4 filters per group or more, and the column buffer fits [`IM2COL_MAX_ELEMS`].
+pub fn gemm_path(n: usize, ch: usize, m: usize, g: usize, kvol: usize, npos: usize) -> bool {
+    let (cg, mg) = (ch / g.max(1), m / g.max(1));
+    let kk = cg * kvol;
+    kk >= 16 && mg >= 4 && npos > 0 && n * g * kk * npos <= IM2COL_MAX_ELEMS
+}
+
+/// The kernels the runtime launches for such a convolution's forward, input gradient and
+/// weight gradient: one each on the direct kernels; on the GEMM path the forward is im2col and
+/// a GEMM (and a permutation when it spans all images, [`WIDE_BELOW`]), the input gradient a
+/// GEMM and col2im, the weight gradient im2col and a GEMM — each gradient with a regrouping of
+/// dY when there are several images. The cost model prices these launches
+/// (`passes::cost`); the wgpu runtime compiles them (`codegen::runtime::gpu::conv`).
+pub fn launches(n: usize, ch: usize, m: usize, g: usize, kvol: usize, npos: usize) -> [f64; 3] {
+    if !gemm_path(n, ch, m, g, kvol, npos) {
+        return [1.0; 3];
+    }
+    let wide = f64::from(u8::from(n > 1 && npos < WIDE_BELOW));
+    let regroup = f64::from(u8::from(n > 1));
+    [2.0 + wide, 2.0 + regroup, 2.0 + regroup]
+}
+
+/// [`launches`] from the shapes: `x` `[N, C, …]`, `w` `[M, C/group, k…]`, `y` `[N, M, o…]`.
+pub fn launches_of(x: &[i64], w: &[i64], y: &[i64], group: i64) -> Option<[f64; 3]> {
+    if x.len() < 3 || w.len() != x.len() || y.len() != x.len() {
+        return None;
+    }
+    let u = |v: i64| v.max(0) as usize;
+    let kvol = w[2..].iter().map(|&d| u(d)).product();
+    let npos = y[2..].iter().map(|&d| u(d)).product();
+    Some(launches(u(x[0]), u(x[1]), u(w[0]), u(group.max(1)), kvol, npos))
+}
+
 impl OpRules for op::ConvGradInput {
     fn arity(&self) -> Arity {
         Arity::fixed(2)

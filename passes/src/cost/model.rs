@@ -547,6 +547,49 @@ impl<'a> CostModel<'a> {
         axes.iter().all(|&a| local.get(a) == Some(&1))
     }
 
+    /// The kernels the runtime launches for convolution `n` (or one of its gradient ops) at
+    /// its local shapes under `ins`/`outs`: forward, input gradient, weight gradient
+    /// ([`ir::ops::conv::launches`]; a gradient op's own in all three); `None` for other ops.
+    fn conv_launches(&self, n: NodeId, ins: &[Option<Sharding>], outs: &[Sharding]) -> Option<[f64; 3]> {
+        let g = self.g;
+        let node = g.node(n);
+        let global = |v: Value| g.tensor_type(v).and_then(|t| t.static_dims());
+        let local = |v: Value, l: Option<&Sharding>| -> Option<Vec<i64>> {
+            let d = global(v)?;
+            Some(match l {
+                Some(l) => ir::reshard::local_dims(&d, l, &self.mesh),
+                None => d,
+            })
+        };
+        let input = |i: usize| local(node.input(i)?, ins.get(i).and_then(Option::as_ref));
+        let out = local(Value::new(n, 0), outs.first());
+        // A grouped convolution split by its groups has fewer of them on each device.
+        let groups = |group: i64, w_global: Option<Vec<i64>>, w_local: &[i64]| match w_global {
+            Some(wg) if group > 1 && wg.first().is_some_and(|&m| m > 0) => {
+                (group * w_local.first().copied().unwrap_or(0) / wg[0]).max(1)
+            }
+            _ => group,
+        };
+        match &node.op {
+            Op::Conv(c) => {
+                let (x, w, y) = (input(0)?, input(1)?, out?);
+                let gr = groups(c.group(), global(node.input(1)?), &w);
+                ir::ops::conv::launches_of(&x, &w, &y, gr)
+            }
+            Op::ConvGradInput(c) => {
+                let (dy, w, dx) = (input(0)?, input(1)?, out?);
+                let gr = groups(c.group(), global(node.input(1)?), &w);
+                ir::ops::conv::launches_of(&dx, &w, &dy, gr).map(|l| [l[1]; 3])
+            }
+            Op::ConvGradWeight(c) => {
+                let (x, dy, dw) = (input(0)?, input(1)?, out?);
+                let gr = groups(c.group(), global(Value::new(n, 0)), &dw);
+                ir::ops::conv::launches_of(&x, &dw, &dy, gr).map(|l| [l[2]; 3])
+            }
+            _ => None,
+        }
+    }
+
     /// How many devices share one device's compute and memory bandwidth: the mesh's size on
     /// a cluster of devices simulated on one host, else 1.
     fn host_share(&self) -> f64 {
@@ -689,7 +732,9 @@ impl<'a> CostModel<'a> {
         };
         let stride_factor = if strided { 1.0 / d.transpose_efficiency.clamp(0.01, 1.0) } else { 1.0 };
         let bytes = (act_bytes + param_local) * stride_factor;
-        let launch = self.launch() * c.launches.max(1.0);
+        // A convolution launches what the runtime's convolution kernels launch at this shape.
+        let conv_launches = self.conv_launches(n, ins, outs);
+        let launch = self.launch() * conv_launches.map_or(c.launches.max(1.0), |l| l[0]);
         // GEMMs and convolutions reach less of peak when small or skinny. The backward GEMMs
         // have the same three extents, permuted: of an `m × n` output over `k`, the input's
         // gradient is `m × k` over `n` (a convolution's runs transposed, `k × m`), the
@@ -733,7 +778,7 @@ impl<'a> CostModel<'a> {
             Some((m, nn, k)) if matches!(node.op, Op::Conv(_)) => {
                 self.roofline_at(c.bwd_data_flops / f, bytes, d.gemm_efficiency(m, k, nn) * grad_rate)
                     + self.roofline_at(c.bwd_weight_flops / f, bytes, d.gemm_efficiency(k, nn, m) * grad_rate)
-                    + 2.0 * launch
+                    + conv_launches.map_or(2.0 * launch, |l| (l[1] + l[2]) * self.launch())
             }
             _ => self.roofline_at(bwd_flops, 2.0 * bytes, bwd_eff) + 2.0 * launch,
         };

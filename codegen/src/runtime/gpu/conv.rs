@@ -379,12 +379,7 @@ pub fn pool_grad_src(max: bool) -> String {
     source(&b, "", &body)
 }
 
-/// Largest im2col scratch buffer (elements) the GEMM path of a convolution may allocate;
-/// larger convolutions use the direct kernel.
-const IM2COL_MAX_ELEMS: usize = 1 << 25;
-
-/// Output positions per image below which a convolution's GEMM spans all images.
-const WIDE_BELOW: usize = 64;
+use ir::ops::conv::{WIDE_BELOW, gemm_path};
 
 /// Convolution as im2col + one batched GEMM over `(n, g)`: `Y[n, g·Mg + m, p] =
 /// Σ_k W[g·Mg + m, k] · COL[n·G + g, k, p] (+ bias[g·Mg + m])`. `p` is the parameter vector
@@ -397,7 +392,7 @@ fn conv_im2col(c: &mut Compiled, bias: Option<Buf>, p: &[u32], oshape: &[usize])
     let (cg, mg) = (ch / g, m / g);
     let kk = cg * kvol;
     let rows = n * g * kk;
-    if kk < 16 || mg < 4 || npos == 0 || rows * npos > IM2COL_MAX_ELEMS {
+    if !gemm_path(n, ch, m, g, kvol, npos) {
         return Ok(false);
     }
     let col = c.temp(vec![rows, npos], DType::Float);
@@ -451,8 +446,7 @@ fn grad_gemm_shape(p: &[u32]) -> Option<[usize; 6]> {
     let kvol = (p[11] * p[12] * p[13]) as usize;
     let (cg, mg) = (ch / g.max(1), m / g.max(1));
     let kk = cg * kvol;
-    let ok = kk >= 16 && mg >= 4 && npos > 0 && n * g * kk * npos <= IM2COL_MAX_ELEMS;
-    ok.then_some([n, ch, g, npos, mg, kk])
+    gemm_path(n, ch, m, g, kvol, npos).then_some([n, ch, g, npos, mg, kk])
 }
 
 /// dY (input `dy`, `[n, g, mg, npos]`) as `[g, mg, n, npos]`, the images beside the positions so
