@@ -508,7 +508,8 @@ fn freed_buffers_are_reused_and_dispatches_past_one_dimension_reach_every_elemen
 fn convolutions_launch_the_kernels_the_cost_model_prices() {
     // (x, w, pads): GEMM path with several images; few positions (wide); one image; a 1×1
     // kernel over 3 channels (direct); two filters per group (direct).
-    let cases: [(&[i64], &[i64], i64, [f64; 3]); 5] = [
+    type Case<'a> = (&'a [i64], &'a [i64], i64, [f64; 3]);
+    let cases: [Case<'_>; 5] = [
         (&[2, 3, 8, 8], &[8, 3, 3, 3], 1, [2.0, 3.0, 3.0]),
         (&[2, 8, 4, 4], &[8, 8, 3, 3], 1, [3.0, 3.0, 3.0]),
         (&[1, 8, 8, 8], &[8, 8, 3, 3], 1, [2.0, 2.0, 2.0]),
