@@ -80,12 +80,7 @@ pub fn materialize(model: &mut Model, dir: &Path, seed: u64) -> Result<Weights, 
         let read = read_external(entries, t.dtype, dims, dir)
             .map_err(|e| format!("external data of `{name_for_error}`: {e}"))?
             .map(|a| match &slice {
-                Some(s) => {
-                    // A slice may also take another shape of its elements.
-                    let part = a.slice_axis(s.axis, s.start, s.end);
-                    let shape: Vec<usize> = t.dims.iter().map(|&d| d.max(0) as usize).collect();
-                    if part.shape == shape { part } else { part.reshaped(shape) }
-                }
+                Some(s) => ir::eval::take_slice(a, s, &t.dims),
                 None => a,
             });
         let a = match read {

@@ -193,6 +193,7 @@ fn step_and_memory(b: &passes::cost::Breakdown) -> (f64, u64) {
 /// update ops follow the forward plan ([`exec::training_result`]).
 fn training_plan(
     args: &TrainArgs,
+    plan_doc: Option<&passes::autoshard::Plan>,
     forward: &ir::Graph,
     train: &ir::Graph,
     cluster: &passes::cost::Cluster,
@@ -221,9 +222,8 @@ fn training_plan(
             summary,
         });
     }
-    let (fwd, mesh, devices, predicted, desc) = match &args.plan {
-        Some(path) => {
-            let plan = read_plan(path)?;
+    let (fwd, mesh, devices, predicted, desc) = match (&args.plan, plan_doc) {
+        (Some(path), Some(plan)) => {
             if let Some(d) = args.devices
                 && d != plan.devices
             {
@@ -233,7 +233,7 @@ fn training_plan(
                     plan.devices
                 )));
             }
-            notes.extend(check_plan_model(&plan, path, &args.model, args.force)?);
+            notes.extend(check_plan_model(plan, path, &args.model, args.force)?);
             let diffs = plan.differences(forward, true);
             if !diffs.is_empty() {
                 return Err(CliError::msg(format!(
@@ -242,7 +242,7 @@ fn training_plan(
                     passes::autoshard::plan::differences_message(&diffs)
                 )));
             }
-            let pipe = exec::TrainPipeline::of_plan(&plan).map_err(CliError::msg)?;
+            let pipe = exec::TrainPipeline::of_plan(plan).map_err(CliError::msg)?;
             let mesh = plan.stage_meshes().map_err(CliError::msg)?.remove(0);
             let by_output: HashMap<&str, &Vec<Option<usize>>> =
                 plan.ops.iter().filter_map(|o| Some((o.outputs.first()?.as_str(), &o.split))).collect();
@@ -283,7 +283,8 @@ fn training_plan(
             let predicted = step_and_memory(&cm.evaluate(&fwd));
             (fwd, mesh, plan.devices, predicted, format!("plan {}", path.display()))
         }
-        None => {
+        // No plan given (`plan_doc` is read from `args.plan`).
+        _ => {
             let devices = args.devices.unwrap_or(1);
             let pipeline = match &args.pipeline {
                 Some(p) => passes::autoshard::PipelineMode::parse(p).map_err(CliError::msg)?,
@@ -449,8 +450,9 @@ pub fn run(args: &TrainArgs) -> CliResult {
     let mut loaded = load_computable(&args.model, &args.shapes)?;
     // A plan searched with algebraic rewrites is a plan of the rewritten model (they keep
     // the parameters' names and values).
-    if let Some(p) = &args.plan {
-        apply_plan_rewrites(&mut loaded.model.graph, &read_plan(p)?)?;
+    let plan_doc = args.plan.as_deref().map(read_plan).transpose()?;
+    if let Some(p) = &plan_doc {
+        apply_plan_rewrites(&mut loaded.model.graph, p)?;
     }
     let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
     let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
@@ -486,7 +488,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
         },
         ..Default::default()
     };
-    let chosen = training_plan(args, &loaded.model.graph, gl, &cluster, &opts)?;
+    let chosen = training_plan(args, plan_doc.as_ref(), &loaded.model.graph, gl, &cluster, &opts)?;
     notes.extend(chosen.notes);
     let devices = chosen.devices;
     let (program, micro) = match &chosen.lowering {

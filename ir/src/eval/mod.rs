@@ -126,6 +126,13 @@ fn weight_role(g: &Graph, v: Value) -> &'static str {
     "weight"
 }
 
+/// Slice `s` of its whole tensor `full`, in the shape `dims` of the tensor it describes (the
+/// slice's own dims, or others of the same count: `passes::algebra::conv_as_matmul` reshapes
+/// a weight as all of itself).
+pub fn take_slice(full: Array, s: &crate::ExternalSlice, dims: &[i64]) -> Array {
+    full.slice_axis(s.axis, s.start, s.end).reshaped(dims.iter().map(|&d| d.max(0) as usize).collect())
+}
+
 /// The values the evaluator draws for the external initializer `v` of `g` (see
 /// [`random_tensor`]; the role comes from how the weight is used).
 pub fn seeded_initializer(g: &Graph, v: Value, seed: u64) -> Result<Array> {
@@ -136,10 +143,7 @@ pub fn seeded_initializer(g: &Graph, v: Value, seed: u64) -> Result<Array> {
     // model whose weights were split (`passes::unfuse`) computes what the original did.
     if let Some(s) = t.external_slice().map_err(EvalError::Invalid)? {
         let full = random_tensor(t.dtype, &s.full_dims, weight_role(g, v), seed, &s.of)?;
-        // A slice may also take another shape of its elements (`passes::algebra::conv_as_matmul`).
-        let part = full.slice_axis(s.axis, s.start, s.end);
-        let shape: Vec<usize> = t.dims.iter().map(|&d| d.max(0) as usize).collect();
-        return Ok(if part.shape == shape { part } else { part.reshaped(shape) });
+        return Ok(take_slice(full, &s, &t.dims));
     }
     random_tensor(t.dtype, &t.dims, weight_role(g, v), seed, g.value_name(v))
 }

@@ -532,17 +532,24 @@ impl<'a> CostModel<'a> {
         }
     }
 
+    /// The static dims of `v` on one device under layout `l` (the whole tensor without one).
+    fn local_static_dims(&self, v: Value, l: Option<&Sharding>) -> Option<Vec<i64>> {
+        let d = self.g.tensor_type(v)?.static_dims()?;
+        Some(match l {
+            Some(l) => ir::reshard::local_dims(&d, l, &self.mesh),
+            None => d,
+        })
+    }
+
     /// Whether op `n` is a view of its input on each device under input layouts `ins`: a sum,
     /// mean, max, min or product over axes whose local extent is 1 (the runtime makes it
     /// one — a reduction over a batch split down to one sample per device, say).
     fn local_view(&self, n: NodeId, ins: &[Option<Sharding>]) -> bool {
         let Some(axes) = ir::ops::reduce::single_element_axes(self.g, n) else { return false };
-        let Some(d) = self.g.node(n).input(0).and_then(|x| self.g.tensor_type(x)).and_then(|t| t.static_dims()) else {
+        let Some(local) =
+            self.g.node(n).input(0).and_then(|x| self.local_static_dims(x, ins.first().and_then(Option::as_ref)))
+        else {
             return false;
-        };
-        let local = match ins.first().and_then(Option::as_ref) {
-            Some(l) => ir::reshard::local_dims(&d, l, &self.mesh),
-            None => d,
         };
         axes.iter().all(|&a| local.get(a) == Some(&1))
     }
@@ -553,16 +560,9 @@ impl<'a> CostModel<'a> {
     fn conv_launches(&self, n: NodeId, ins: &[Option<Sharding>], outs: &[Sharding]) -> Option<[f64; 3]> {
         let g = self.g;
         let node = g.node(n);
-        let global = |v: Value| g.tensor_type(v).and_then(|t| t.static_dims());
-        let local = |v: Value, l: Option<&Sharding>| -> Option<Vec<i64>> {
-            let d = global(v)?;
-            Some(match l {
-                Some(l) => ir::reshard::local_dims(&d, l, &self.mesh),
-                None => d,
-            })
-        };
-        let input = |i: usize| local(node.input(i)?, ins.get(i).and_then(Option::as_ref));
-        let out = local(Value::new(n, 0), outs.first());
+        let global = |v: Value| self.local_static_dims(v, None);
+        let input = |i: usize| self.local_static_dims(node.input(i)?, ins.get(i).and_then(Option::as_ref));
+        let out = self.local_static_dims(Value::new(n, 0), outs.first());
         // A grouped convolution split by its groups has fewer of them on each device.
         let groups = |group: i64, w_global: Option<Vec<i64>>, w_local: &[i64]| match w_global {
             Some(wg) if group > 1 && wg.first().is_some_and(|&m| m > 0) => {
@@ -636,12 +636,7 @@ impl<'a> CostModel<'a> {
         let g = self.g;
         let node = g.node(n);
         let local = |v: Value, l: Option<&Sharding>| -> Option<Vec<f64>> {
-            let d = g.tensor_type(v)?.static_dims()?;
-            let d = match l {
-                Some(l) => ir::reshard::local_dims(&d, l, &self.mesh),
-                None => d,
-            };
-            Some(d.into_iter().map(|x| x as f64).collect())
+            Some(self.local_static_dims(v, l)?.into_iter().map(|x| x as f64).collect())
         };
         let a = local(node.input(0)?, ins.first().and_then(Option::as_ref))?;
         let y = local(Value::new(n, 0), outs.first())?;
