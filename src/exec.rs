@@ -61,6 +61,37 @@ fn read_external(
     Array::from_tensor(&t).map(Some).map_err(|e| e.to_string())
 }
 
+/// The values of external tensor `t` named `name`, and whether any were read from a file:
+/// read beside the model (`dir`) where its file is there, drawn from `seed` in the role `role`
+/// where not, exactly as the reference evaluator draws them. A slice (a weight split by
+/// `passes::algebra`) reads the whole tensor and slices it; a concatenation (weights fused)
+/// reads or draws each part.
+fn external_values(t: &ir::Tensor, name: &str, role: &str, dir: &Path, seed: u64) -> Result<(Array, bool), String> {
+    if let Some(c) = t.external_concat()? {
+        let mut read = false;
+        let mut parts = Vec::with_capacity(c.parts.len());
+        for (n, p) in &c.parts {
+            let (a, r) = external_values(p, n, role, dir, seed).map_err(|e| format!("part `{n}`: {e}"))?;
+            read |= r;
+            parts.push(a);
+        }
+        return Ok((Array::concat_axis(&parts.iter().collect::<Vec<_>>(), c.axis), read));
+    }
+    let TensorData::External(entries) = &t.data else { return Err("not external data".into()) };
+    let slice = t.external_slice()?;
+    let dims = slice.as_ref().map_or(&t.dims, |s| &s.full_dims);
+    match read_external(entries, t.dtype, dims, dir)? {
+        Some(a) => Ok((
+            match &slice {
+                Some(s) => ir::eval::take_slice(a, s, &t.dims),
+                None => a,
+            },
+            true,
+        )),
+        None => Ok((ir::eval::draw_external(t, name, role, seed).map_err(|e| e.to_string())?, false)),
+    }
+}
+
 /// Makes every weight of `model` inline: external data is read from the files beside the
 /// model (`dir`) when they are there, otherwise drawn from `seed` exactly as the reference
 /// evaluator draws it.
@@ -70,29 +101,18 @@ pub fn materialize(model: &mut Model, dir: &Path, seed: u64) -> Result<Weights, 
     let nodes: Vec<NodeId> = g.topo_order().map_err(|_| "the graph has a cycle".to_string())?;
     for n in nodes {
         let Op::Initializer(t) = &g.node(n).op else { continue };
-        let TensorData::External(entries) = &t.data else { continue };
-        let name = g.value_name(Value::new(n, 0)).to_string();
-        let name_for_error = name.clone();
-        // A slice of an external tensor (a weight split by `passes::unfuse`) reads the whole
-        // tensor and slices it.
-        let slice = t.external_slice().map_err(|e| format!("`{name}`: {e}"))?;
-        let dims = slice.as_ref().map_or(&t.dims, |s| &s.full_dims);
-        let read = read_external(entries, t.dtype, dims, dir)
-            .map_err(|e| format!("external data of `{name_for_error}`: {e}"))?
-            .map(|a| match &slice {
-                Some(s) => ir::eval::take_slice(a, s, &t.dims),
-                None => a,
-            });
-        let a = match read {
-            Some(a) => {
-                w.loaded += 1;
-                a
-            }
-            None => {
-                w.seeded += 1;
-                ir::eval::seeded_initializer(g, Value::new(n, 0), seed).map_err(|e| format!("`{name}`: {e}"))?
-            }
-        };
+        if !t.is_external() {
+            continue;
+        }
+        let v = Value::new(n, 0);
+        let name = g.value_name(v).to_string();
+        let (a, read) = external_values(t, &name, ir::eval::weight_role(g, v), dir, seed)
+            .map_err(|e| format!("external data of `{name}`: {e}"))?;
+        if read {
+            w.loaded += 1;
+        } else {
+            w.seeded += 1;
+        }
         let mut tensor = a.to_tensor();
         tensor.name = t.name.clone();
         g.set_op(n, Op::Initializer(tensor));

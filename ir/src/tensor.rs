@@ -114,6 +114,20 @@ pub struct ExternalSlice {
     pub end: usize,
 }
 
+/// External data that is the concatenation along `axis` of other external tensors (`parts`:
+/// each part's name, which seeds its drawn values when its file is absent, and the part as a
+/// tensor of its own: its dims and its entries, a file region or a slice of another): what a
+/// rewrite that fuses weights writes when their values are not loaded yet. Written as the
+/// entries `shardc_concat_axis`, then per part `shardc_part` (its name), `shardc_part_dims`
+/// and the part's own entries.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExternalConcat {
+    /// The axis the parts are joined along.
+    pub axis: usize,
+    /// The parts in order: name and tensor.
+    pub parts: Vec<(String, Tensor)>,
+}
+
 impl Tensor {
     /// The same tensor: type, shape, name and values, floats compared bit for bit (NaN is the
     /// same NaN; -0 is not 0), as a round trip must preserve them.
@@ -159,6 +173,9 @@ impl Tensor {
     /// [`ExternalSlice`]): where it comes from; `Err` when the entries are malformed.
     pub fn external_slice(&self) -> Result<Option<ExternalSlice>, String> {
         let TensorData::External(entries) = &self.data else { return Ok(None) };
+        if entries.first().is_some_and(|(k, _)| k == "shardc_concat_axis") {
+            return Ok(None);
+        }
         let get = |k: &str| entries.iter().find(|(a, _)| a == k).map(|(_, v)| v.as_str());
         let (Some(of), Some(range), Some(full)) =
             (get("shardc_slice_of"), get("shardc_slice"), get("shardc_full_dims"))
@@ -187,6 +204,103 @@ impl Tensor {
             start: start as usize,
             end: end as usize,
         }))
+    }
+
+    /// For external data that joins other external tensors (see [`ExternalConcat`]): its
+    /// parts; `Err` when the entries are malformed.
+    pub fn external_concat(&self) -> Result<Option<ExternalConcat>, String> {
+        let TensorData::External(entries) = &self.data else { return Ok(None) };
+        let Some((k, axis)) = entries.first() else { return Ok(None) };
+        if k != "shardc_concat_axis" {
+            return Ok(None);
+        }
+        let axis: usize = axis.parse().ok().filter(|&a: &usize| a < self.dims.len()).ok_or_else(|| {
+            format!("`shardc_concat_axis` is `{axis}`: not an axis of a rank-{} tensor", self.dims.len())
+        })?;
+        let mut parts: Vec<(String, Tensor)> = Vec::new();
+        for (k, v) in &entries[1..] {
+            match k.as_str() {
+                "shardc_part" => parts.push((
+                    v.clone(),
+                    Tensor { dtype: self.dtype, dims: Vec::new(), name: None, data: TensorData::External(Vec::new()) },
+                )),
+                "shardc_concat_axis" => return Err("a concatenation's part is a concatenation".into()),
+                _ => {
+                    let Some((_, part)) = parts.last_mut() else {
+                        return Err(format!("entry `{k}` before the first `shardc_part`"));
+                    };
+                    if k == "shardc_part_dims" {
+                        part.dims = v
+                            .split('x')
+                            .map(|x| x.parse::<i64>())
+                            .collect::<Result<_, _>>()
+                            .map_err(|_| format!("`shardc_part_dims` is `{v}`, not dims"))?;
+                    } else if let TensorData::External(e) = &mut part.data {
+                        e.push((k.clone(), v.clone()));
+                    }
+                }
+            }
+        }
+        let mut total = 0;
+        for (name, p) in &parts {
+            let fits = p.dims.len() == self.dims.len()
+                && p.dims.iter().zip(&self.dims).enumerate().all(|(a, (x, y))| a == axis || x == y);
+            if !fits {
+                return Err(format!("part `{name}` is {:?}: not a part of {:?} along axis {axis}", p.dims, self.dims));
+            }
+            p.external_slice().map_err(|e| format!("part `{name}`: {e}"))?;
+            total += p.dims[axis];
+        }
+        if parts.len() < 2 || total != self.dims[axis] {
+            return Err(format!("{} parts of {total} along axis {axis} do not make {:?}", parts.len(), self.dims));
+        }
+        Ok(Some(ExternalConcat { axis, parts }))
+    }
+
+    /// External data joining `parts` (name and tensor, each external data of its own) along
+    /// `axis` (see [`ExternalConcat`]). Parts that are consecutive slices covering all of one
+    /// tensor along that axis give that tensor back.
+    pub fn concat_external(axis: usize, parts: &[(String, Tensor)]) -> Result<(Option<String>, Tensor), String> {
+        let first = &parts.first().ok_or("no parts")?.1;
+        let mut dims = first.dims.clone();
+        dims[axis] = parts.iter().map(|(_, p)| p.dims.get(axis).copied().unwrap_or(0)).sum();
+        let slices: Vec<Option<ExternalSlice>> = parts.iter().map(|(_, p)| p.external_slice().ok().flatten()).collect();
+        if let Some(Some(s0)) = slices.first() {
+            let mut at = 0;
+            let whole = slices.iter().zip(parts).all(|(s, (_, p))| {
+                let ok = s.as_ref().is_some_and(|s| {
+                    s.of == s0.of
+                        && s.axis == axis
+                        && s.start == at
+                        && s.full_dims == dims
+                        && p.dims.len() == dims.len()
+                });
+                if let Some(s) = s {
+                    at = s.end;
+                }
+                ok
+            });
+            if whole && at as i64 == dims[axis] {
+                let TensorData::External(e) = &first.data else { unreachable!("a slice is external") };
+                let e = e.iter().filter(|(k, _)| !k.starts_with("shardc_slice") && k != "shardc_full_dims").cloned();
+                let t = Tensor { dtype: first.dtype, dims, name: None, data: TensorData::External(e.collect()) };
+                return Ok((Some(s0.of.clone()), t));
+            }
+        }
+        let mut entries = vec![("shardc_concat_axis".to_string(), axis.to_string())];
+        for (name, p) in parts {
+            let TensorData::External(e) = &p.data else { return Err(format!("part `{name}` is not external data")) };
+            if p.external_concat()?.is_some() {
+                return Err(format!("part `{name}` is a concatenation"));
+            }
+            entries.push(("shardc_part".into(), name.clone()));
+            entries
+                .push(("shardc_part_dims".into(), p.dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")));
+            entries.extend(e.iter().cloned());
+        }
+        let t = Tensor { dtype: first.dtype, dims, name: None, data: TensorData::External(entries) };
+        t.external_concat()?;
+        Ok((None, t))
     }
 
     /// True when the data lives in an external file.
@@ -394,6 +508,53 @@ pub fn write_tensor_data(out: &mut impl fmt::Write, data: &TensorData) -> fmt::R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ext(dims: Vec<i64>, entries: &[(&str, &str)]) -> Tensor {
+        Tensor {
+            dtype: DType::Float,
+            dims,
+            name: None,
+            data: TensorData::External(entries.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
+        }
+    }
+
+    // A concatenation lists its parts with their own entries, and reads back as them.
+    #[test]
+    fn external_concatenations_describe_their_parts() {
+        let a = ext(vec![4, 3], &[("location", "w.bin"), ("offset", "0")]);
+        let b = ext(vec![4, 2], &[("location", "v.bin"), ("offset", "48")]);
+        let (name, t) = Tensor::concat_external(1, &[("a".into(), a.clone()), ("b".into(), b.clone())]).unwrap();
+        assert_eq!((name, t.dims.clone()), (None, vec![4, 5]));
+        let c = t.external_concat().unwrap().unwrap();
+        assert_eq!(c, ExternalConcat { axis: 1, parts: vec![("a".into(), a.clone()), ("b".into(), b)] });
+        assert_eq!(t.external_slice(), Ok(None), "a concatenation is not a slice");
+        // Parts that are consecutive slices of all of one tensor give it back.
+        let slice = |start: &str, end: &str| {
+            ext(
+                vec![4, 3],
+                &[
+                    ("location", "w.bin"),
+                    ("shardc_slice_of", "w"),
+                    ("shardc_slice", &format!("1:{start}:{end}")),
+                    ("shardc_full_dims", "4x6"),
+                ],
+            )
+        };
+        let (name, t) =
+            Tensor::concat_external(1, &[("p".into(), slice("0", "3")), ("q".into(), slice("3", "6"))]).unwrap();
+        assert_eq!((name.as_deref(), t), (Some("w"), ext(vec![4, 6], &[("location", "w.bin")])));
+        // Out of order, they stay parts.
+        let (name, _) =
+            Tensor::concat_external(1, &[("q".into(), slice("3", "6")), ("p".into(), slice("0", "3"))]).unwrap();
+        assert_eq!(name, None);
+        // Malformed: parts that do not add up, entries before the first part.
+        let bad = ext(vec![4, 9], &[("shardc_concat_axis", "1"), ("shardc_part", "a"), ("shardc_part_dims", "4x3")]);
+        assert!(bad.external_concat().unwrap_err().contains("do not make"));
+        let bad = ext(vec![4, 3], &[("shardc_concat_axis", "1"), ("location", "w.bin")]);
+        assert!(bad.external_concat().unwrap_err().contains("before the first"));
+        let bad = ext(vec![4, 3], &[("shardc_concat_axis", "2")]);
+        assert!(bad.external_concat().unwrap_err().contains("not an axis"));
+    }
 
     fn f(x: f32) -> String {
         let mut s = String::new();

@@ -2,6 +2,8 @@
 //! with parallelism. Each rule is an identity, written in its doc comment.
 //!
 //! - [`unfuse_split_gemm`]: `Split(X·[W₀|W₁|…] + [c₀|c₁|…], last axis) = (X·W₀ + c₀, X·W₁ + c₁, …)`.
+//! - [`fuse_gemms`] (chosen by the search): `(X·W₀ + c₀, X·W₁ + c₁, …) = Split(X·[W₀|W₁|…] + [c₀|c₁|…])`.
+//! - [`conv_as_matmul`] (chosen by the search): a pointwise convolution as a batched GEMM.
 //! - [`fold_reshape_transpose`]: `Reshape(Transpose(Reshape(x, merge groups), π), unmerge) =
 //!   Transpose(x, π expanded over the groups)`.
 //!
@@ -13,7 +15,8 @@
 //! a column split of each lines up with the heads as in Megatron-LM.
 //!
 //! Matched: a `Gemm` (`transA = 0`) or 2-D-weight `MatMul` whose weight and bias are
-//! initializers, whose output's one reader is a `Split` along the last axis, directly or through
+//! initializers (or a `MatMul` whose one reader adds a bias initializer), whose output's one
+//! reader is a `Split` along the last axis, directly or through
 //! a `Reshape` to a constant shape that keeps the last dim. The new weights keep the model's
 //! values: inline data is sliced; external data is described as the columns of the fused
 //! tensor (`shardc_slice_of`, `shardc_slice`, `shardc_full_dims` entries), which
@@ -33,6 +36,8 @@ pub struct Algebra;
 /// One match: the GEMM, the reshape between it and the split (if any), the split.
 struct Fused {
     gemm: NodeId,
+    /// The bias `Add` after a `MatMul` (with the bias), if any.
+    add: Option<(NodeId, Value)>,
     reshape: Option<NodeId>,
     split: NodeId,
     /// Axis of the weight that holds the output columns (1, or 0 under `transB`).
@@ -48,6 +53,17 @@ fn only_reader(g: &Graph, v: Value) -> Option<NodeId> {
     }
     match g.users(v).as_slice() {
         [(n, 0)] => Some(*n),
+        _ => None,
+    }
+}
+
+/// The one node reading `v`, at any input (`None` when several read it or it is an output).
+fn lone_reader(g: &Graph, v: Value) -> Option<NodeId> {
+    if g.outputs().iter().any(|o| o.value == v) {
+        return None;
+    }
+    match g.users(v).as_slice() {
+        [(n, _)] => Some(*n),
         _ => None,
     }
 }
@@ -81,7 +97,19 @@ fn find(g: &Graph, n: NodeId) -> Option<Fused> {
     if y_dims.last() != Some(&cols) {
         return None;
     }
-    let mut reader = only_reader(g, y)?;
+    let mut reader = lone_reader(g, y)?;
+    // A bias added to a MatMul's output: an initializer of `cols` values only the add reads.
+    let mut add = None;
+    if node.input(2).is_none()
+        && let Op::Add(_) = &g.node(reader).op
+        && let Some(c) = g.node(reader).inputs().iter().flatten().copied().find(|&c| c != y)
+        && g.initializer(c).is_some_and(|t| t.dims == [cols])
+        && g.users(c).iter().all(|&(u, _)| u == reader)
+        && static_dims(g, Value::new(reader, 0)).as_ref() == Some(&y_dims)
+    {
+        add = Some((reader, c));
+        reader = only_reader(g, Value::new(reader, 0))?;
+    }
     let mut reshape = None;
     if let Op::Reshape(_) = &g.node(reader).op {
         let r = g.node(reader);
@@ -110,7 +138,20 @@ fn find(g: &Graph, n: NodeId) -> Option<Fused> {
     if sizes.len() < 2 || sizes.iter().sum::<i64>() != cols || sizes.contains(&0) {
         return None;
     }
-    Some(Fused { gemm: n, reshape, split: reader, weight_axis, sizes })
+    // A weight (or bias) that joins others splits only at its parts' boundaries.
+    let splits_at = |t: &Tensor, axis: usize| {
+        let mut start = 0;
+        sizes.iter().all(|&k| {
+            let ok = slice_tensor(t, "", axis, start, start + k).is_ok();
+            start += k;
+            ok
+        })
+    };
+    let bias = node.input(2).or(add.map(|(_, c)| c));
+    if !splits_at(wt, weight_axis) || bias.is_some_and(|c| !splits_at(g.initializer(c).expect("checked"), 0)) {
+        return None;
+    }
+    Some(Fused { gemm: n, add, reshape, split: reader, weight_axis, sizes })
 }
 
 /// The name of columns `start..end` along `axis` of the rank-`rank` tensor `name`, as numpy
@@ -125,6 +166,17 @@ fn part_name(g: &Graph, name: &str, rank: usize, axis: usize, start: i64, end: i
 fn slice_tensor(t: &Tensor, name: &str, axis: usize, start: i64, end: i64) -> Result<Tensor, String> {
     let mut dims = t.dims.clone();
     dims[axis] = end - start;
+    if let Some(c) = t.external_concat()? {
+        // A joined weight's columns that are one of its parts are that part.
+        let mut at = 0;
+        for (_, p) in &c.parts {
+            if c.axis == axis && at == start && at + p.dims[axis] == end {
+                return Ok(p.clone());
+            }
+            at += p.dims[c.axis];
+        }
+        return Err(format!("`{name}` joins other tensors, and {axis}:{start}:{end} is not one of them"));
+    }
     let data = match &t.data {
         TensorData::External(entries) => {
             if entries.iter().any(|(k, _)| k.starts_with("shardc_slice")) {
@@ -150,7 +202,11 @@ fn rewrite(g: &mut Graph, f: &Fused) -> Result<usize, String> {
     let w = gemm.input(1).expect("matched");
     let w_name = g.value_name(w).to_string();
     let wt = g.initializer(w).expect("matched").clone();
-    let bias = gemm.input(2).map(|c| (g.value_name(c).to_string(), g.initializer(c).expect("matched").clone()));
+    let bias = gemm
+        .input(2)
+        .or(f.add.map(|(_, c)| c))
+        .map(|c| (g.value_name(c).to_string(), g.initializer(c).expect("matched").clone()));
+    let add = f.add.map(|(a, c)| (g.node(a).clone(), g.node(a).input(0) == Some(c)));
     let label = g.node(f.gemm).label.clone().unwrap_or_else(|| g.op_name(f.gemm));
     let reshape = f.reshape.map(|r| {
         let node = g.node(r).clone();
@@ -165,22 +221,33 @@ fn rewrite(g: &mut Graph, f: &Fused) -> Result<usize, String> {
     let mut made = Vec::new();
     for (j, &size) in f.sizes.iter().enumerate() {
         let end = start + size;
+        // A joined weight's part takes its own name back.
+        let named = |g: &Graph, t: &Tensor, name: &str, rank: usize, axis: usize| match t.external_concat() {
+            Ok(Some(c)) => g.fresh_name(&c.parts[j].0),
+            _ => part_name(g, name, rank, axis, start, end),
+        };
         let wj = slice_tensor(&wt, &w_name, f.weight_axis, start, end)?;
-        let wj = g.add_initializer(part_name(g, &w_name, 2, f.weight_axis, start, end), wj);
+        let wj = g.add_initializer(named(g, &wt, &w_name, 2, f.weight_axis), wj);
         let cj = match &bias {
             Some((name, ct)) => {
-                Some(g.add_initializer(part_name(g, name, 1, 0, start, end), slice_tensor(ct, name, 0, start, end)?))
+                Some(g.add_initializer(named(g, ct, name, 1, 0), slice_tensor(ct, name, 0, start, end)?))
             }
             None => None,
         };
         let mut inputs = vec![gemm.input(0), Some(wj)];
-        if cj.is_some() {
+        if cj.is_some() && add.is_none() {
             inputs.push(cj);
         }
         let y_name = g.fresh_name(&format!("{}_part{j}", g.value_name(Value::new(f.gemm, 0))));
         let yj =
             g.add_labeled_node(Some(format!("{label}_part{j}")), gemm.op.clone(), inputs, vec![Output::named(y_name)]);
         let mut out = Value::new(yj, 0);
+        if let Some((a, bias_first)) = &add {
+            let name = g.fresh_name(&format!("{}_part{j}", g.value_name(Value::new(f.add.expect("matched").0, 0))));
+            let ins = if *bias_first { vec![cj, Some(out)] } else { vec![Some(out), cj] };
+            let alabel = a.label.clone().map(|l| format!("{l}_part{j}"));
+            out = Value::new(g.add_labeled_node(alabel, a.op.clone(), ins, vec![Output::named(name)]), 0);
+        }
         if let Some((node, shape_name, shape, rlabel, r_out)) = &reshape {
             let mut s = shape.clone();
             let vals: Vec<i64> = s.to_i64_vec().expect("matched");
@@ -211,6 +278,9 @@ fn rewrite(g: &mut Graph, f: &Fused) -> Result<usize, String> {
     g.remove_node(f.split);
     if let Some(r) = f.reshape {
         g.remove_node(r);
+    }
+    if let Some((a, _)) = f.add {
+        g.remove_node(a);
     }
     g.remove_node(f.gemm);
     for (name, v) in old_names.iter().zip(&made) {
@@ -414,7 +484,7 @@ pub fn conv_as_matmul_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) 
         let mut param = |g: &mut Graph, v: Value, dims: Vec<i64>, what: &str| -> Result<Value, Located> {
             let own = g.users(v).len() == 1 && !g.outputs().iter().any(|o| o.value == v);
             match g.initializer(v) {
-                Some(t) if own && matches!(t.external_slice(), Ok(None)) => {
+                Some(t) if own && matches!(t.external_slice(), Ok(None)) && matches!(t.external_concat(), Ok(None)) => {
                     let name = g.value_name(v).to_string();
                     // External data is described as all of the original tensor (so drawn
                     // weights are drawn as the original's, then take the new shape).
@@ -466,15 +536,262 @@ pub fn conv_as_matmul_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) 
     Ok(done)
 }
 
+/// One GEMM of a group that [`fuse_gemms`] joins: the node, the bias `Add` after a `MatMul`
+/// (when the group's biases are joined too), its output columns.
+struct Sharer {
+    gemm: NodeId,
+    add: Option<NodeId>,
+    cols: i64,
+}
+
+/// What a GEMM reading `x` looks like to [`fuse_gemms`]: its group key (op kind, transB, has
+/// a bias) and the part; `None` when it is not a GEMM by a weight only it reads.
+fn sharer(g: &Graph, n: NodeId, x: Value) -> Option<((u8, i64, bool), Sharer, usize)> {
+    let node = g.node(n);
+    if node.input(0) != Some(x) {
+        return None;
+    }
+    let own = |v: Value, by: NodeId| {
+        g.initializer(v).is_some()
+            && g.users(v).iter().all(|&(u, _)| u == by)
+            && !g.outputs().iter().any(|o| o.value == v)
+    };
+    let (kind, trans_b, weight_axis) = match &node.op {
+        Op::MatMul(_) => (0u8, 0, 1),
+        Op::Gemm(gm) if gm.trans_a() == 0 && gm.alpha() == 1.0 && gm.beta() == 1.0 => {
+            (1, gm.trans_b(), usize::from(gm.trans_b() == 0))
+        }
+        _ => return None,
+    };
+    let w = node.input(1)?;
+    let wt = g.initializer(w)?;
+    if !own(w, n) || wt.dims.len() != 2 || !wt.dtype.is_float() || node.inputs().len() > 3 {
+        return None;
+    }
+    let cols = wt.dims[weight_axis];
+    let y = Value::new(n, 0);
+    if static_dims(g, y)?.last() != Some(&cols) {
+        return None;
+    }
+    let is_bias = |c: Value, by: NodeId| own(c, by) && g.initializer(c).is_some_and(|t| t.dims == [cols]);
+    let mut add = None;
+    match node.input(2) {
+        Some(c) if !is_bias(c, n) => return None,
+        Some(_) => {}
+        None if kind == 0 => {
+            // A bias added to a MatMul's output alone, of the output's shape.
+            if let Some(a) = lone_reader(g, y)
+                && let Op::Add(_) = &g.node(a).op
+                && let [Some(p), Some(q)] = g.node(a).inputs()[..]
+                && let Some(c) = if p == y {
+                    Some(q)
+                } else if q == y {
+                    Some(p)
+                } else {
+                    None
+                }
+                && c != y
+                && is_bias(c, a)
+                && static_dims(g, Value::new(a, 0)) == static_dims(g, y)
+            {
+                add = Some(a);
+            }
+        }
+        None => {}
+    }
+    let has_bias = node.input(2).is_some() || add.is_some();
+    Some(((kind, trans_b, has_bias), Sharer { gemm: n, add, cols }, weight_axis))
+}
+
+/// The groups [`fuse_gemms`] joins, in topological order of their first GEMM: GEMMs of one
+/// kind reading the same input, at least two.
+fn sharing_groups(g: &Graph, order: &[NodeId]) -> Vec<(Vec<Sharer>, usize)> {
+    let mut groups = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for &n in order {
+        let Some(x) = g.node(n).input(0) else { continue };
+        if seen.contains(&n) || !matches!(g.node(n).op, Op::MatMul(_) | Op::Gemm(_)) {
+            continue;
+        }
+        let Some((key, _, _)) = sharer(g, n, x) else { continue };
+        // The readers of `x` in topological order that match `n`'s kind.
+        let mut readers: Vec<NodeId> = g.users(x).iter().map(|&(u, _)| u).collect();
+        readers.sort_by_key(|u| order.iter().position(|o| o == u));
+        readers.dedup();
+        let mut parts = Vec::new();
+        let mut axis = 1;
+        for u in readers {
+            if let Some((k, part, a)) = sharer(g, u, x)
+                && k == key
+                && !seen.contains(&u)
+            {
+                seen.insert(u);
+                axis = a;
+                parts.push(part);
+            }
+        }
+        let inline = |v: Option<Value>| v.and_then(|v| g.initializer(v)).map(|t| t.is_external());
+        let bias = |p: &Sharer| match p.add {
+            Some(a) => g.node(a).inputs().iter().flatten().copied().find(|&v| g.initializer(v).is_some()),
+            None => g.node(p.gemm).input(2),
+        };
+        // Weights (and biases) all inline or all external, of one dtype.
+        let kinds: std::collections::HashSet<_> = parts
+            .iter()
+            .map(|p| {
+                (
+                    inline(g.node(p.gemm).input(1)),
+                    g.initializer(g.node(p.gemm).input(1).expect("matched")).map(|t| t.dtype),
+                    inline(bias(p)),
+                )
+            })
+            .collect();
+        if parts.len() >= 2 && kinds.len() == 1 {
+            groups.push((parts, axis));
+        }
+    }
+    groups
+}
+
+/// The name of a node that joins the nodes labelled `labels`: their common path, then the
+/// rest of each (`…/self/{query/MatMul+key/MatMul+value/MatMul}`).
+fn joined_label(labels: &[String]) -> String {
+    let first = &labels[0];
+    let mut cut = first.len();
+    for l in &labels[1..] {
+        cut = cut.min(first.bytes().zip(l.bytes()).take_while(|(a, b)| a == b).count());
+    }
+    let cut = first[..cut].rfind('/').map_or(0, |i| i + 1);
+    format!("{}{{{}}}", &first[..cut], labels.iter().map(|l| &l[cut..]).collect::<Vec<_>>().join("+"))
+}
+
+/// The initializers `vs` joined along `axis` as one (inline values concatenated; external data
+/// described as the parts, see [`ir::ExternalConcat`]), named after them.
+fn join_initializers(g: &mut Graph, vs: &[Value], axis: usize) -> Result<Value, String> {
+    let names: Vec<String> = vs.iter().map(|&v| g.value_name(v).to_string()).collect();
+    let ts: Vec<Tensor> = vs.iter().map(|&v| g.initializer(v).expect("matched").clone()).collect();
+    let (name, t) = if ts[0].is_external() {
+        let parts: Vec<(String, Tensor)> = names.iter().cloned().zip(ts).collect();
+        Tensor::concat_external(axis, &parts)?
+    } else {
+        let arrays = ts.iter().map(Array::from_tensor).collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
+        (None, Array::concat_axis(&arrays.iter().collect::<Vec<_>>(), axis).to_tensor())
+    };
+    let name = name.unwrap_or_else(|| names.join("+"));
+    Ok(g.add_initializer(g.fresh_name(&name), t))
+}
+
+/// Fuses one group; returns nothing (the group's outputs keep their names).
+fn fuse_group(g: &mut Graph, parts: &[Sharer], weight_axis: usize) -> Result<(), String> {
+    let first = g.node(parts[0].gemm).clone();
+    let x = first.input(0).expect("matched");
+    let weights: Vec<Value> = parts.iter().map(|p| g.node(p.gemm).input(1).expect("matched")).collect();
+    let biases: Vec<Value> = parts
+        .iter()
+        .filter_map(|p| match p.add {
+            Some(a) => {
+                let y = Value::new(p.gemm, 0);
+                g.node(a).inputs().iter().flatten().copied().find(|&v| v != y)
+            }
+            None => g.node(p.gemm).input(2),
+        })
+        .collect();
+    let labels: Vec<String> =
+        parts.iter().map(|p| g.node(p.gemm).label.clone().unwrap_or_else(|| g.op_name(p.gemm))).collect();
+    let outs: Vec<Value> = parts.iter().map(|p| Value::new(p.add.unwrap_or(p.gemm), 0)).collect();
+    let out_names: Vec<String> = outs.iter().map(|&v| g.value_name(v).to_string()).collect();
+    let rank = static_dims(g, outs[0]).expect("matched").len();
+    let label = joined_label(&labels);
+    let wf = join_initializers(g, &weights, weight_axis)?;
+    let bf = if biases.is_empty() { None } else { Some(join_initializers(g, &biases, 0)?) };
+    let mut inputs = vec![Some(x), Some(wf)];
+    if first.input(2).is_some() {
+        inputs.push(bf);
+    }
+    let yname = g.fresh_name(&format!("{}_fused", out_names[0]));
+    let fused = g.add_labeled_node(Some(label.clone()), first.op.clone(), inputs, vec![Output::named(yname)]);
+    let mut y = Value::new(fused, 0);
+    if let (Some(a), Some(bf)) = (parts[0].add, bf) {
+        let name = g.fresh_name(&format!("{}_biased", out_names[0]));
+        let add = g.add_labeled_node(
+            Some(format!("{label}/bias")),
+            g.node(a).op.clone(),
+            vec![Some(y), Some(bf)],
+            vec![Output::named(name)],
+        );
+        y = Value::new(add, 0);
+    }
+    let sizes: Vec<i64> = parts.iter().map(|p| p.cols).collect();
+    let axis = rank as i64 - 1;
+    let (split_op, split_inputs) = if g.opset >= 13 {
+        let sv = g.add_initializer(
+            g.fresh_name(&format!("{}_sizes", out_names[0])),
+            Tensor::from_i64(vec![sizes.len() as i64], sizes.clone()),
+        );
+        (ir::op::Split { axis: Some(axis), ..Default::default() }, vec![Some(y), Some(sv)])
+    } else {
+        (ir::op::Split { axis: Some(axis), split: Some(sizes.clone()), ..Default::default() }, vec![Some(y)])
+    };
+    let split_outs: Vec<Output> = out_names.iter().map(|n| Output::named(g.fresh_name(&format!("{n}_part")))).collect();
+    let split = g.add_labeled_node(Some(format!("{label}/split")), Op::Split(split_op), split_inputs, split_outs);
+    for (j, &o) in outs.iter().enumerate() {
+        g.replace_all_uses(o, Value::new(split, j as u16));
+    }
+    for p in parts {
+        if let Some(a) = p.add {
+            g.remove_node(a);
+        }
+        g.remove_node(p.gemm);
+    }
+    for (j, name) in out_names.into_iter().enumerate() {
+        g.rename(Value::new(split, j as u16), name);
+    }
+    Ok(())
+}
+
+/// `(X·W₀ + c₀, X·W₁ + c₁, …) = Split(X·[W₀|W₁|…] + [c₀|c₁|…], last axis)`: GEMMs that read
+/// the same input, each by a weight (and bias) only it reads, become one GEMM by the joined
+/// weight and a `Split` of its columns — the inverse of [`unfuse_split_gemm`]. Attention's
+/// query, key and value projections (BERT's three `MatMul`s and bias `Add`s) become one
+/// GEMM, one bias add and a split: fewer, larger kernels, the input read once; but a column
+/// split of the joined weight mixes the parts, so it trades against head-parallel plans, and
+/// the search chooses ([`SEARCH_CHOICES`]). Matched: `MatMul`s by a 2-D weight, or `Gemm`s
+/// with `transA = 0`, `alpha = beta = 1` and one `transB`, all with biases (a `Gemm`'s 1-D
+/// `C`, or an `Add` of a 1-D initializer to the `MatMul`'s output) or all without. Joined
+/// weights are named after their parts (`a+b+c`), or after the tensor they were split from
+/// when the parts are its slices in order (so fusing undoes un-fusing).
+pub fn fuse_gemms(g: &mut Graph) -> Result<u64, Located> {
+    fuse_gemms_where(g, &mut |_| true)
+}
+
+/// [`fuse_gemms`] on the groups `pick` accepts (in topological order of their first GEMM).
+pub fn fuse_gemms_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) -> Result<u64, Located> {
+    let order = g.topo_order().map_err(|_| Located::global("the graph has a cycle"))?;
+    let mut done = 0;
+    for (i, (parts, axis)) in sharing_groups(g, &order).into_iter().enumerate() {
+        if !pick(i) {
+            continue;
+        }
+        let at = parts[0].gemm;
+        fuse_group(g, &parts, axis).map_err(|e| Located::at(g, at, e))?;
+        done += 1;
+    }
+    if done > 0 {
+        crate::canonicalize::eliminate_unused_initializers(g);
+    }
+    Ok(done)
+}
+
 /// The rewrites the search chooses ([`crate::autoshard::search_rewriting`]): each is tried on
 /// the whole graph and kept when the plan of the rewritten graph is priced faster.
-pub const SEARCH_CHOICES: &[&str] = &["conv-as-matmul"];
+pub const SEARCH_CHOICES: &[&str] = &["conv-as-matmul", "fuse-gemms"];
 
 /// Applies the rewrite `name` (one of [`SEARCH_CHOICES`]) to every match and infers shapes
 /// again; returns how many it rewrote.
 pub fn apply_named(g: &mut Graph, name: &str) -> Result<u64, String> {
     let n = match name {
         "conv-as-matmul" => conv_as_matmul(g).map_err(|e| e.msg)?,
+        "fuse-gemms" => fuse_gemms(g).map_err(|e| e.msg)?,
         _ => return Err(format!("`{name}` is not a rewrite the search chooses ({})", SEARCH_CHOICES.join(", "))),
     };
     if n > 0 {
@@ -499,6 +816,26 @@ impl Pass for ConvAsMatMul {
             return Ok(Changed::No);
         }
         cx.stats.add("pointwise convolutions made GEMMs", n);
+        ir::infer::infer_shapes(g, ir::infer::Mode::Check).map_err(|errs| PassError::shapes(self.name(), errs))?;
+        Ok(Changed::Yes)
+    }
+}
+
+/// The `fuse-gemms` pass: [`fuse_gemms`] on every group of GEMMs sharing an input.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FuseGemms;
+
+impl Pass for FuseGemms {
+    fn name(&self) -> &'static str {
+        "fuse-gemms"
+    }
+
+    fn run(&mut self, g: &mut Graph, cx: &mut PassCx<'_>) -> Result<Changed, PassError> {
+        let n = fuse_gemms(g).map_err(|e| PassError::new("fuse-gemms", e))?;
+        if n == 0 {
+            return Ok(Changed::No);
+        }
+        cx.stats.add("GEMMs sharing an input joined", n);
         ir::infer::infer_shapes(g, ir::infer::Mode::Check).map_err(|errs| PassError::shapes(self.name(), errs))?;
         Ok(Changed::Yes)
     }
@@ -690,9 +1027,15 @@ g (float[2,3,4,5] x) => (float[3,2,5,4] y)
     /// (within float rounding: the GEMM adds the bias after the dot products) on random
     /// inputs; returns the op types after and the rewrites made.
     fn conv_rewrite_equal(text: &str) -> (Vec<String>, u64) {
+        rule_equal(text, conv_as_matmul)
+    }
+
+    /// Runs `rule`; checks the rewritten graph evaluates to the original's values within float
+    /// rounding on random inputs; returns the op types after and the rewrites made.
+    fn rule_equal(text: &str, rule: fn(&mut Graph) -> Result<u64, Located>) -> (Vec<String>, u64) {
         let mut m = model(text);
         let before = m.graph.clone();
-        let made = conv_as_matmul(&mut m.graph).unwrap();
+        let made = rule(&mut m.graph).unwrap();
         ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
         ir::verify(&m.graph).unwrap();
         assert_eq!(m.graph.outputs()[0].ty, before.outputs()[0].ty, "the output's type changed");
@@ -780,6 +1123,100 @@ g (float[N,4,2,3,3] x) => (float[N,2,2,3,3] y)
             );
             assert_eq!(conv_rewrite_equal(&text), (vec!["Conv".to_string()], 0), "{attrs}");
         }
+    }
+
+    const BERT_QKV: &str = r#"<ir_version: 8, opset_import: ["" : 17]>
+g (float[2,3,4] x) => (float[2,3,4] q, float[2,3,4] k, float[2,3,2] v)
+   <float[4,4] wq = ["location": "w.bin", "offset": "0", "length": "64"], float[4,4] wk = ["location": "w.bin", "offset": "64", "length": "64"],
+    float[4,2] wv = ["location": "w.bin", "offset": "128", "length": "32"],
+    float[4] bq = ["location": "w.bin", "offset": "160", "length": "16"], float[4] bk = ["location": "w.bin", "offset": "176", "length": "16"],
+    float[2] bv = ["location": "w.bin", "offset": "192", "length": "8"]>
+{
+   mq = MatMul (x, wq)
+   q = Add (bq, mq)
+   mk = MatMul (x, wk)
+   k = Add (mk, bk)
+   mv = MatMul (x, wv)
+   v = Add (bv, mv)
+}"#;
+
+    // (X·Wq + bq, X·Wk + bk, X·Wv + bv) = Split(X·[Wq|Wk|Wv] + [bq|bk|bv]), bias on either side.
+    #[test]
+    fn gemms_sharing_an_input_fuse() {
+        assert_eq!(rule_equal(BERT_QKV, fuse_gemms), (vec!["MatMul".into(), "Add".into(), "Split".into()], 1));
+        let mut m = model(BERT_QKV);
+        fuse_gemms(&mut m.graph).unwrap();
+        let g = &m.graph;
+        // The joined weight describes its parts; outputs keep their names.
+        let w = g.initializer(g.lookup("wq+wk+wv").unwrap()).unwrap();
+        assert_eq!(w.dims, [4, 10]);
+        let c = w.external_concat().unwrap().unwrap();
+        assert_eq!(c.axis, 1);
+        let parts: Vec<(&str, &[i64])> = c.parts.iter().map(|(n, t)| (n.as_str(), &t.dims[..])).collect();
+        assert_eq!(parts, [("wq", &[4, 4][..]), ("wk", &[4, 4][..]), ("wv", &[4, 2][..])]);
+        assert_eq!(g.initializer(g.lookup("bq+bk+bv").unwrap()).unwrap().dims, [10]);
+        assert!(g.lookup("wq").is_none() && g.lookup("q").is_some());
+        // Before opset 13 the sizes are an attribute.
+        let old = BERT_QKV.replace("\"\" : 17", "\"\" : 11");
+        assert_eq!(rule_equal(&old, fuse_gemms).1, 1);
+    }
+
+    // Gemm(X, W₀, c₀), Gemm(X, W₁, c₁) under transB: the weights join by rows.
+    #[test]
+    fn trans_b_gemms_fuse_by_rows_inline() {
+        let text = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[3,2] x) => (float[3,2] a, float[3,1] b)
+   <float[2,2] w = {1, 2, 3, 4}, float[1,2] u = {5, 6}, float[2] c = {0.5, -1}, float[1] d = {2}>
+{
+   a = Gemm <transB: int = 1> (x, w, c)
+   b = Gemm <transB: int = 1> (x, u, d)
+}"#;
+        assert_eq!(rule_equal(text, fuse_gemms), (vec!["Gemm".into(), "Split".into()], 1));
+        let mut m = model(text);
+        fuse_gemms(&mut m.graph).unwrap();
+        let w = m.graph.initializer(m.graph.lookup("w+u").unwrap()).unwrap();
+        assert_eq!((w.dims.clone(), w.data.clone()), (vec![3, 2], TensorData::Float(vec![1., 2., 3., 4., 5., 6.])));
+    }
+
+    // Fusing undoes un-fusing: GPT-2's split c_attn joins back into the one weight it was.
+    #[test]
+    fn fusing_undoes_unfusing() {
+        let mut m = model(QKV);
+        let original = m.graph.initializer(m.graph.lookup("w").unwrap()).unwrap().clone();
+        unfuse_split_gemm(&mut m.graph).unwrap();
+        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+        assert_eq!(fuse_gemms(&mut m.graph).unwrap(), 1);
+        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+        let g = &m.graph;
+        assert_eq!(g.initializer(g.lookup("w").unwrap()).unwrap(), &original);
+        assert_eq!(g.initializer(g.lookup("c").unwrap()).unwrap().dims, [9]);
+        // And un-fusing a fused weight gives its parts back, named as before.
+        let mut m = model(BERT_QKV);
+        fuse_gemms(&mut m.graph).unwrap();
+        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+        assert_eq!(unfuse_split_gemm(&mut m.graph).unwrap(), (1, 3));
+        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+        let wv = m.graph.initializer(m.graph.lookup("wv").unwrap()).unwrap();
+        assert_eq!(
+            wv,
+            &model(BERT_QKV).graph.initializer(model(BERT_QKV).graph.lookup("wv").unwrap()).unwrap().clone()
+        );
+    }
+
+    // Not joined: a lone GEMM, a weight read twice, biases on some parts only, another kind.
+    #[test]
+    fn gemms_that_do_not_fuse() {
+        let text = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[3,2] x) => (float[3,2] a, float[3,2] b, float[3,2] c, float[3,2] d)
+   <float[2,2] w = {1, 2, 3, 4}, float[2,2] u = {5, 6, 7, 8}, float[2] e = {1, 1}, float[2,2] t = {1, 0, 0, 1}>
+{
+   a = MatMul (x, w)
+   b = MatMul (x, w)
+   m = MatMul (x, u)
+   c = Add (m, e)
+   d = Gemm <transB: int = 1> (x, t)
+}"#;
+        assert_eq!(rule_equal(text, fuse_gemms).1, 0);
     }
 
     #[test]

@@ -21,7 +21,7 @@ pub mod table;
 pub mod train;
 pub mod verify;
 
-pub use algebra::{Algebra, ConvAsMatMul};
+pub use algebra::{Algebra, ConvAsMatMul, FuseGemms};
 pub use autodiff::Autodiff;
 pub use canonicalize::Canonicalize;
 pub use infer_shapes::InferShapes;
@@ -40,8 +40,17 @@ pub struct PassOptions {
 }
 
 /// The names [`create`] knows, in a sensible pipeline order.
-pub const PASS_NAMES: &[&str] =
-    &["verify", "infer-shapes", "canonicalize", "algebra", "conv-as-matmul", "require-static", "rebatch", "autodiff"];
+pub const PASS_NAMES: &[&str] = &[
+    "verify",
+    "infer-shapes",
+    "canonicalize",
+    "algebra",
+    "conv-as-matmul",
+    "fuse-gemms",
+    "require-static",
+    "rebatch",
+    "autodiff",
+];
 
 /// Creates a pass by name.
 pub fn create(name: &str, opts: &PassOptions) -> Option<Box<dyn Pass>> {
@@ -52,6 +61,7 @@ pub fn create(name: &str, opts: &PassOptions) -> Option<Box<dyn Pass>> {
         "canonicalize" => Box::new(Canonicalize),
         "algebra" => Box::new(Algebra),
         "conv-as-matmul" => Box::new(ConvAsMatMul),
+        "fuse-gemms" => Box::new(FuseGemms),
         "require-static" => Box::new(RequireStatic),
         "autodiff" => Box::new(opts.autodiff.clone()),
         _ => return None,

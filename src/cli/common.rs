@@ -246,9 +246,11 @@ pub fn note_external_data(g: &ir::Graph, path: &Path) {
     for n in g.node_ids() {
         if let ir::Op::Initializer(t) | ir::Op::Input { default: Some(t) } = &g.node(n).op
             && let ir::TensorData::External(entries) = &t.data
-            && let Some((_, loc)) = entries.iter().find(|(k, _)| k == "location")
         {
-            note_input(&dir.join(loc));
+            // A fused weight names each part's file.
+            for (_, loc) in entries.iter().filter(|(k, _)| k == "location") {
+                note_input(&dir.join(loc));
+            }
         }
     }
 }

@@ -75,7 +75,7 @@ pub struct PlanArgs {
     /// the plan to every block (auto: for graphs of 1,000 ops or more).
     #[arg(long, default_value = "auto", value_name = "auto|always|never", value_parser = parse_fold)]
     pub fold: autoshard::FoldMode,
-    /// Do not try the algebraic rewrites the search chooses between (conv-as-matmul: each is
+    /// Do not try the algebraic rewrites the search chooses between (conv-as-matmul, fuse-gemms: each is
     /// searched on the whole graph and kept when its plan is faster)
     #[arg(long)]
     pub no_rewrites: bool,
@@ -339,9 +339,9 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
     for c in &r.rewrites {
         let with = c.with_step_time_s.map_or("not searched (no time left)".to_string(), secs);
         t.push_str(&format!(
-            "rewrite      {} at {} places: {} with, {} without: {}\n",
+            "rewrite      {} at {}: {} with, {} without: {}\n",
             c.rule,
-            c.sites,
+            places(c.sites),
             with,
             secs(c.without_step_time_s),
             if c.applied { "applied (the plan's ops are the rewritten graph's)" } else { "not applied" }
@@ -407,4 +407,9 @@ fn explanation(
         },
     }
     t
+}
+
+/// `1 place`, `12 places`.
+pub fn places(n: u64) -> String {
+    if n == 1 { "1 place".into() } else { format!("{n} places") }
 }

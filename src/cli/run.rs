@@ -154,14 +154,26 @@ pub fn run(args: &RunArgs) -> CliResult {
             let pipeline = PipelineMode::parse(&args.pipeline).map_err(CliError::msg)?;
             let (progress, bar) = super::ui::search_progress(60.0);
             let so = SearchOptions { pipeline, time_limit: Duration::from_secs(60), progress, ..Default::default() };
-            let r = autoshard::search(g, &cluster, args.devices, &opts, &so);
+            // The search `plan` makes, rewrites included: the program runs the rewritten
+            // graph, checked against the model as written.
+            let mut h = g.clone();
+            let r = autoshard::search_rewriting(&mut h, &cluster, args.devices, &opts, &so);
             super::ui::finish(bar);
             let r = r.map_err(CliError::msg)?;
+            for c in r.rewrites.iter().filter(|c| c.applied) {
+                notes.push(format!(
+                    "rewrite {} at {}: the search priced its plan faster ({} with, {} without)",
+                    c.rule,
+                    super::plan::places(c.sites),
+                    c.with_step_time_s.map_or("?".into(), secs),
+                    secs(c.without_step_time_s)
+                ));
+            }
             let what = match &r.pipeline {
                 Some(p) => format!("{} stages × {} micro-batches", p.stages.len(), p.micro_batches),
                 None => r.same_as.clone().map_or("per-layer strategies".into(), |s| format!("the `{s}` plan")),
             };
-            let p = exec::program_for_search(g, &r, args.devices).map_err(CliError::msg)?;
+            let p = exec::program_for_search(&h, &r, args.devices).map_err(CliError::msg)?;
             match &r.pipeline {
                 None => predicted = Some((cluster.name.clone(), r.breakdown.forward_s)),
                 // Why it pipelines (faster, or the only way to fit), as `plan` says it.

@@ -448,10 +448,15 @@ pub fn run(args: &TrainArgs) -> CliResult {
     // Not canonicalized: folding would rename or transform parameters, and the trained
     // tensors must stay the model's own.
     let mut loaded = load_computable(&args.model, &args.shapes)?;
-    // A plan searched with algebraic rewrites is a plan of the rewritten model (they keep
-    // the parameters' names and values).
+    // A plan is a plan of the model after the `algebra` pass (fused GEMMs that are split
+    // un-fused, reshape detours folded) and the rewrites its search applied: the trained
+    // parameters are then that model's (a split weight's parts are named by their columns,
+    // joined weights after their parts).
     let plan_doc = args.plan.as_deref().map(read_plan).transpose()?;
     if let Some(p) = &plan_doc {
+        let mut pm = passes::PassManager::new();
+        pm.add(passes::Algebra);
+        pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
         apply_plan_rewrites(&mut loaded.model.graph, p)?;
     }
     let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();

@@ -2,7 +2,8 @@
 //! models and golden cases: same outputs, types and values; same parameter count; the
 //! rewritten model prints and parses back; and the rewrite is what lets attention run
 //! head-parallel in GPT-2. `conv-as-matmul` (pointwise convolutions as batched GEMMs) on the
-//! shared CNNs: same outputs, and the same training steps.
+//! shared CNNs and `fuse-gemms` (GEMMs sharing an input joined) on the transformers: same
+//! outputs, and the same training steps.
 
 use shardc_tests::*;
 
@@ -48,9 +49,10 @@ fn algebra_keeps_outputs_and_parameters_and_round_trips() {
         let again = frontend::parse(&text).unwrap_or_else(|d| panic!("{}", frontend::render(&d, "algebra", &text)));
         assert_eq!(ir::print::model_to_string(&again.model), text);
     }
-    // The two GPT-2 exports fuse Q, K and V into one GEMM; nothing else in the corpus does.
+    // The two GPT-2 exports fuse Q, K and V into one GEMM, and the tiny GPT golden case into
+    // one MatMul and bias Add; nothing else in the corpus does.
     changed.sort();
-    assert_eq!(changed, ["hf_gpt2_124m.onnxtxt", "hf_gpt2_small4.onnxtxt"]);
+    assert_eq!(changed, ["hf_gpt2_124m.onnxtxt", "hf_gpt2_small4.onnxtxt", "tiny_gpt.onnxtxt"]);
 }
 
 #[test]
@@ -90,11 +92,12 @@ fn gpt2_logits_are_unchanged_by_unfusing_qkv() {
 
 proptest::proptest! {
     #![proptest_config(proptest_config(6))]
-    /// Random sequences of the rewrites, each on a random subset of its matches, leave GPT-2's
-    /// logits bit-identical (weights drawn from a seed, sliced while external).
+    /// Random sequences of the rewrites (un-fusing, fusing — each the other's inverse — and
+    /// folding), each on a random subset of its matches, leave GPT-2's logits bit-identical
+    /// (weights drawn from a seed, sliced and joined while external).
     #[test]
     fn random_rewrite_sequences_keep_gpt2_logits(
-        rules in proptest::collection::vec(0u8..2, 1..5),
+        rules in proptest::collection::vec(0u8..3, 1..6),
         picks in proptest::collection::vec(proptest::bool::ANY, 64),
     ) {
         let (base, inputs, want) = &*GPT2;
@@ -104,6 +107,7 @@ proptest::proptest! {
         for r in &rules {
             match r {
                 0 => { passes::algebra::unfuse_split_gemm_where(&mut m.graph, &mut pick).unwrap(); }
+                1 => { passes::algebra::fuse_gemms_where(&mut m.graph, &mut pick).unwrap(); }
                 _ => { passes::algebra::fold_reshape_transpose_where(&mut m.graph, &mut pick).unwrap(); }
             }
             ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
@@ -237,4 +241,147 @@ g (float[2,3,4,4] x) => (float loss)
             }
         }
     }
+}
+
+/// `fuse-gemms` on the transformers with GEMMs sharing an input (nn.Transformer's and BERT's
+/// separate projections, GPT-2's un-fused ones): the rewritten model prints and parses back
+/// (the joined weights' descriptions of their parts survive) and, where small enough to
+/// evaluate here, computes the original's outputs bit for bit.
+#[test]
+fn fused_gemms_keep_transformer_outputs_and_round_trip() {
+    for (name, evaluate) in
+        [("pt_nn_transformer.onnxtxt", true), ("hf_gpt2_small4.onnxtxt", true), ("hf_bert_base.onnxtxt", false)]
+    {
+        let path = data_files("models").into_iter().find(|p| p.ends_with(name)).unwrap();
+        let mut model = load_model(&path);
+        canonical(&mut model, true);
+        let params = parameters(&model.graph);
+        let mut fused = model.clone();
+        let n = passes::algebra::fuse_gemms(&mut fused.graph).unwrap();
+        ir::infer::infer_shapes(&mut fused.graph, ir::infer::Mode::Check).unwrap();
+        ir::verify(&fused.graph).unwrap();
+        assert!(n > 0, "{name}: nothing joined");
+        assert_eq!(parameters(&fused.graph), params, "{name}: the parameter count changed");
+        let text = ir::print::model_to_string(&fused);
+        let again = frontend::parse(&text).unwrap_or_else(|d| panic!("{}", frontend::render(&d, name, &text)));
+        assert_eq!(ir::print::model_to_string(&again.model), text);
+        if evaluate {
+            let inputs: std::collections::HashMap<String, ir::eval::Array> = if name.starts_with("hf_") {
+                token_inputs(&model.graph)
+            } else {
+                model
+                    .graph
+                    .input_values()
+                    .into_iter()
+                    .map(|v| {
+                        let dims = model.graph.tensor_type(v).unwrap().static_dims().unwrap();
+                        let n = model.graph.value_name(v).to_string();
+                        (n.clone(), ir::eval::random_tensor(ir::DType::Float, &dims, "input", 7, &n).unwrap())
+                    })
+                    .collect()
+            };
+            let opts = ir::eval::RunOptions { seed: Some(5) };
+            let want = ir::eval::run(&model.graph, &inputs, &opts).unwrap();
+            let mut reparsed = again.model;
+            ir::infer::infer_shapes(&mut reparsed.graph, ir::infer::Mode::Check).unwrap();
+            let got = ir::eval::run(&reparsed.graph, &inputs, &opts).unwrap();
+            compare(&format!("{name} output"), &got[0], &want[0], 0.0, 0.0).unwrap();
+        }
+    }
+}
+
+/// Trained on the reference trainer, attention-style projections (three GEMMs and bias adds
+/// reading one input) and their fused rewrite take the same steps: the same losses over
+/// three SGD steps, and the fused weight's and bias's gradients and parameters are the
+/// parts' side by side.
+#[test]
+fn fused_gemms_train_the_same() {
+    let text = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[2,3,4] x) => (float loss)
+   <float[4,4] wq = {0.1,-0.2,0.3,0.4, 0.5,-0.6,-0.7,0.8, 0.9,0.15,-0.25,0.35, 0.2,0.1,-0.1,0.3},
+    float[4,4] wk = {-0.3,0.2,0.1,0.05, 0.4,-0.1,0.6,-0.2, 0.3,0.3,-0.4,0.1, -0.5,0.2,0.25,0.15},
+    float[4,2] wv = {0.3,-0.1, 0.2,0.4, -0.5,0.6, 0.1,-0.2},
+    float[4] bq = {0.05,-0.1,0.2,0.0}, float[4] bk = {0.1,0.1,-0.2,0.3}, float[2] bv = {-0.05,0.15}>
+{
+   mq = MatMul (x, wq)
+   q = Add (bq, mq)
+   mk = MatMul (x, wk)
+   k = Add (mk, bk)
+   mv = MatMul (x, wv)
+   v = Add (bv, mv)
+   kt = Transpose <perm: ints = [0, 2, 1]> (k)
+   s = MatMul (q, kt)
+   p = Softmax <axis: int = -1> (s)
+   o = MatMul (p, v)
+   sq = Mul (o, o)
+   loss = ReduceMean <keepdims: int = 0> (sq)
+}"#;
+    let base = frontend::parse(text).unwrap().model;
+    let mut fused = base.clone();
+    ir::infer::infer_shapes(&mut fused.graph, ir::infer::Mode::Check).unwrap();
+    assert_eq!(passes::algebra::fuse_gemms(&mut fused.graph).unwrap(), 1);
+    ir::infer::infer_shapes(&mut fused.graph, ir::infer::Mode::Check).unwrap();
+    let opt = passes::autodiff::OptimizerSpec::sgd(0.1, 0.0);
+    let loss = passes::autodiff::LossSpec::Model;
+    let steps = |m: &ir::Model| {
+        let (t, info) = shardc::train::training_model(m, &loss, &opt).unwrap();
+        let inputs = shardc::train::seeded_inputs(&t.graph, &info, 3).unwrap();
+        shardc::train::reference_steps(&t.graph, &inputs, 3).unwrap()
+    };
+    let (l0, g0, p0) = steps(&base);
+    let (l1, g1, p1) = steps(&fused);
+    for (a, b) in l1.iter().zip(&l0) {
+        assert!((a - b).abs() <= 1e-6 * b.abs().max(1e-3), "loss {a} vs {b}");
+    }
+    for (want, got) in [(&g0, &g1), (&p0, &p1)] {
+        assert_eq!(got.keys().collect::<Vec<_>>(), ["bq+bk+bv", "wq+wk+wv"]);
+        for (joined, parts, axis) in [("wq+wk+wv", ["wq", "wk", "wv"], 1), ("bq+bk+bv", ["bq", "bk", "bv"], 0)] {
+            let sides: Vec<&ir::eval::Array> = parts.iter().map(|p| &want[*p]).collect();
+            let expected = ir::eval::Array::concat_axis(&sides, axis);
+            compare(joined, &got[joined], &expected, 1e-6, 1e-7).unwrap();
+        }
+    }
+}
+
+/// A joined weight whose parts' files are there reads each part from its file (and draws the
+/// part whose file is not), so the fused model loads the values the original loads.
+#[test]
+fn joined_weights_load_their_parts_from_files() {
+    let dir = std::env::temp_dir().join(format!("shardc-joined-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let values: Vec<f32> = (0..40).map(|i| i as f32 * 0.25 - 3.0).collect();
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(dir.join("w.bin"), &bytes).unwrap();
+    // `wv` and `bv` name a file that is not there: drawn from the seed.
+    let text = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[2,4] x) => (float[2,4] q, float[2,4] k, float[2,2] v)
+   <float[4,4] wq = ["location": "w.bin", "offset": "0", "length": "64"], float[4,4] wk = ["location": "w.bin", "offset": "64", "length": "64"],
+    float[4,2] wv = ["location": "absent.bin", "offset": "0", "length": "32"],
+    float[4] bq = ["location": "w.bin", "offset": "128", "length": "16"], float[4] bk = ["location": "w.bin", "offset": "144", "length": "16"],
+    float[2] bv = ["location": "absent.bin", "offset": "32", "length": "8"]>
+{
+   mq = MatMul (x, wq)
+   q = Add (mq, bq)
+   mk = MatMul (x, wk)
+   k = Add (mk, bk)
+   mv = MatMul (x, wv)
+   v = Add (mv, bv)
+}"#;
+    let mut original = frontend::parse(text).unwrap().model;
+    ir::infer::infer_shapes(&mut original.graph, ir::infer::Mode::Check).unwrap();
+    let mut fused = original.clone();
+    assert_eq!(passes::algebra::fuse_gemms(&mut fused.graph).unwrap(), 1);
+    ir::infer::infer_shapes(&mut fused.graph, ir::infer::Mode::Check).unwrap();
+    let w0 = shardc::exec::materialize(&mut original, &dir, 3).unwrap();
+    let w1 = shardc::exec::materialize(&mut fused, &dir, 3).unwrap();
+    assert_eq!((w0.loaded, w0.seeded), (4, 2));
+    assert_eq!((w1.loaded, w1.seeded), (2, 0), "each joined tensor has a part read from its file");
+    let x = ir::eval::random_tensor(ir::DType::Float, &[2, 4], "input", 1, "x").unwrap();
+    let inputs: std::collections::HashMap<_, _> = [("x".to_string(), x)].into();
+    let want = ir::eval::run(&original.graph, &inputs, &Default::default()).unwrap();
+    let got = ir::eval::run(&fused.graph, &inputs, &Default::default()).unwrap();
+    for (k, (a, b)) in got.iter().zip(&want).enumerate() {
+        compare(&format!("output {k}"), a, b, 0.0, 0.0).unwrap();
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -331,6 +331,24 @@ impl Array {
         self.gather_flat(shape, &idx)
     }
 
+    /// Joins arrays of one dtype and rank along `axis` (their other dims equal).
+    pub fn concat_axis(parts: &[&Array], axis: usize) -> Array {
+        let mut shape = parts[0].shape.clone();
+        shape[axis] = parts.iter().map(|p| p.shape[axis]).sum();
+        let outer: usize = shape[..axis].iter().product();
+        let all = Array { dtype: parts[0].dtype, shape: vec![0], data: Array::concat_data(parts) };
+        let mut idx = Vec::with_capacity(numel(&shape));
+        for o in 0..outer {
+            let mut offset = 0;
+            for p in parts {
+                let block = p.numel().checked_div(outer).unwrap_or(0);
+                idx.extend(offset + o * block..offset + (o + 1) * block);
+                offset += p.numel();
+            }
+        }
+        all.gather_flat(shape, &idx)
+    }
+
     /// Concatenates the data of arrays of one dtype (shape to be set by the caller).
     pub fn concat_data(parts: &[&Array]) -> Data {
         match &parts[0].data {
@@ -356,6 +374,17 @@ impl Array {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn concatenation_along_an_axis() {
+        let a = Array::f32(vec![2, 2], vec![1., 2., 3., 4.]);
+        let b = Array::f32(vec![2, 1], vec![5., 6.]);
+        let c = Array::concat_axis(&[&a, &b], 1);
+        assert_eq!((c.shape.clone(), c.to_f32().unwrap()), (vec![2, 3], vec![1., 2., 5., 3., 4., 6.]));
+        let d = Array::concat_axis(&[&a, &a], 0);
+        assert_eq!((d.shape.clone(), d.to_f32().unwrap()), (vec![4, 2], vec![1., 2., 3., 4., 1., 2., 3., 4.]));
+        assert_eq!(c.slice_axis(1, 2, 3), b);
+    }
 
     #[test]
     fn half_round_trip() {

@@ -106,8 +106,9 @@ impl Rng {
     }
 }
 
-/// How a weight is used, to draw plausible random values for it.
-fn weight_role(g: &Graph, v: Value) -> &'static str {
+/// The role an external initializer's drawn values take from how it is used: `variance` and
+/// `scale` for normalization statistics and scales, `weight` otherwise.
+pub fn weight_role(g: &Graph, v: Value) -> &'static str {
     for (user, idx) in g.users(v) {
         match (&g.node(user).op, idx) {
             (Op::BatchNormalization(_), 4) => return "variance",
@@ -139,13 +140,23 @@ pub fn seeded_initializer(g: &Graph, v: Value, seed: u64) -> Result<Array> {
     let Op::Initializer(t) = &g.node(v.node).op else {
         return Err(EvalError::Invalid(format!("`{}` is not an initializer", g.value_name(v))));
     };
-    // A slice of another external tensor draws that tensor's values and slices them, so a
-    // model whose weights were split (`passes::unfuse`) computes what the original did.
+    draw_external(t, g.value_name(v), weight_role(g, v), seed)
+}
+
+/// The values drawn for external tensor `t` named `name` in the role `role` (see
+/// [`random_tensor`]). A slice of another external tensor draws that tensor's values and
+/// slices them, and a concatenation draws each part as itself, so a model whose weights were
+/// split or fused (`passes::algebra`) computes what the original did.
+pub fn draw_external(t: &crate::Tensor, name: &str, role: &str, seed: u64) -> Result<Array> {
+    if let Some(c) = t.external_concat().map_err(EvalError::Invalid)? {
+        let parts = c.parts.iter().map(|(n, p)| draw_external(p, n, role, seed)).collect::<Result<Vec<Array>>>()?;
+        return Ok(Array::concat_axis(&parts.iter().collect::<Vec<_>>(), c.axis));
+    }
     if let Some(s) = t.external_slice().map_err(EvalError::Invalid)? {
-        let full = random_tensor(t.dtype, &s.full_dims, weight_role(g, v), seed, &s.of)?;
+        let full = random_tensor(t.dtype, &s.full_dims, role, seed, &s.of)?;
         return Ok(take_slice(full, &s, &t.dims));
     }
-    random_tensor(t.dtype, &t.dims, weight_role(g, v), seed, g.value_name(v))
+    random_tensor(t.dtype, &t.dims, role, seed, name)
 }
 
 /// Draws values for a tensor whose data is not in the model (external data): floats uniform
