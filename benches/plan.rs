@@ -5,7 +5,10 @@
 //! Run with `cargo bench --bench plan`. Each case is searched several times; the median, min
 //! and max wall-clock times are printed. Targets: ResNet-50 on 64 devices under 1 s, the
 //! PyTorch nn.Transformer on 64 under 5 s, a 6,000-node graph under 30 s, GPT-2 (with the
-//! pipeline search) on 64 and 512 devices and a 48-layer GPT on 64 devices under 10 s.
+//! pipeline search) on 64 and 512 devices and a 48-layer GPT on 64 devices under 10 s. The
+//! last section times the search as `shardc plan` runs it, with the algebraic rewrites it
+//! chooses between (one more search per rule that matches); `SHARDC_BENCH_ONLY=rewrites` runs
+//! that section alone.
 
 use std::time::{Duration, Instant};
 
@@ -97,6 +100,16 @@ fn main() {
     let model = |name: &str| {
         std::fs::read_to_string(root.join("tests/data/models").join(format!("{name}.onnxtxt"))).expect("bundled model")
     };
+    // `SHARDC_BENCH_ONLY=rewrites`: only the last section.
+    let only_rewrites = std::env::var("SHARDC_BENCH_ONLY").is_ok_and(|s| s == "rewrites");
+    if only_rewrites {
+        let gpt48 = shardc::synthetic::Gpt { layers: 48, hidden: 1600, heads: 25, batch: 8, seq: 1024 };
+        let gpt48 = prepare(&gpt48.to_text(), None);
+        let gpt2 = prepare(&model("hf_gpt2_124m"), Some(8));
+        let bert = prepare(&model("hf_bert_base"), Some(8));
+        rewriting_section(&gpt48, &gpt2, &bert);
+        return;
+    }
     println!("autoshard search (default options, all candidate meshes)");
     let resnet = prepare(&model("tv_resnet50"), Some(256));
     case("tv_resnet50 (batch 256)", &resnet, "dgx-a100", 8, 5);
@@ -146,4 +159,53 @@ fn main() {
     case("hf_gpt2_124m 64×1024", &big, "dgx1-v100", 8, 3);
     case("hf_gpt2_124m 64×1024", &big, "a100-cluster-8", 64, 3);
     case("hf_gpt2_124m 64×1024", &big, "a100-cluster-64", 512, 3);
+    rewriting_section(&gpt48, &gpt2, &bert);
+}
+
+fn rewriting_section(gpt48: &shardc::ir::Model, gpt2: &shardc::ir::Model, bert: &shardc::ir::Model) {
+    println!("\nwith the rewrites the search chooses (`shardc plan` by default: search_rewriting)");
+    for (name, m, cluster, devices) in [
+        ("synthetic GPT, 48 layers", gpt48, "a100-cluster-8", 64),
+        ("hf_gpt2_124m (batch 8)", gpt2, "dgx-a100", 8),
+        ("hf_gpt2_124m (batch 8)", gpt2, "a100-cluster-64", 512),
+        ("hf_bert_base (batch 8)", bert, "dgx-a100", 8),
+    ] {
+        case_rewriting(name, m, cluster, devices, 3);
+    }
+}
+
+/// `name` searched as `shardc plan` does, trying the rewrites ([`autoshard::search_rewriting`]):
+/// wall-clock times of the whole choice and what each rule priced.
+fn case_rewriting(name: &str, m: &shardc::ir::Model, cluster: &str, devices: usize, runs: usize) {
+    let c = Cluster::load(cluster).expect("preset");
+    let mut times: Vec<Duration> = Vec::new();
+    let mut last = None;
+    for _ in 0..runs {
+        let mut g = m.graph.clone();
+        let t = Instant::now();
+        let r = autoshard::search_rewriting(&mut g, &c, devices, &Options::default(), &SearchOptions::default())
+            .expect("search");
+        times.push(t.elapsed());
+        last = Some(r);
+    }
+    times.sort();
+    let r = last.expect("a run");
+    let s = |d: Duration| d.as_secs_f64();
+    println!(
+        "{name:<28} {cluster:>15} {devices:>4} dev  median {:>7.3} s  min {:>7.3} s  max {:>7.3} s ({runs} runs)   step {:.3} ms",
+        s(times[runs / 2]),
+        s(times[0]),
+        s(times[runs - 1]),
+        r.breakdown.step_time_s * 1e3,
+    );
+    for w in &r.rewrites {
+        println!(
+            "    rewrite {} at {} sites: {} with, {:.3} ms without: {}",
+            w.rule,
+            w.sites,
+            w.with_step_time_s.map_or("not searched".into(), |t| format!("{:.3} ms", t * 1e3)),
+            w.without_step_time_s * 1e3,
+            if w.applied { "applied" } else { "not applied" }
+        );
+    }
 }
