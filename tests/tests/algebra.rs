@@ -5,6 +5,7 @@
 //! shared CNNs and `fuse-gemms` (GEMMs sharing an input joined) on the transformers: same
 //! outputs, and the same training steps.
 
+use shardc::train::Tensors;
 use shardc_tests::*;
 
 fn canonical(model: &mut ir::Model, algebra: bool) -> passes::Report {
@@ -219,18 +220,7 @@ g (float[2,3,4,4] x) => (float loss)
     let mut rewritten = base.clone();
     ir::infer::infer_shapes(&mut rewritten.graph, ir::infer::Mode::Check).unwrap();
     assert_eq!(passes::algebra::conv_as_matmul(&mut rewritten.graph).unwrap(), 2);
-    let opt = passes::autodiff::OptimizerSpec::sgd(0.1, 0.0);
-    let loss = passes::autodiff::LossSpec::Model;
-    let steps = |m: &ir::Model| {
-        let (t, info) = shardc::train::training_model(m, &loss, &opt).unwrap();
-        let inputs = shardc::train::seeded_inputs(&t.graph, &info, 3).unwrap();
-        shardc::train::reference_steps(&t.graph, &inputs, 3).unwrap()
-    };
-    let (l0, g0, p0) = steps(&base);
-    let (l1, g1, p1) = steps(&rewritten);
-    for (a, b) in l1.iter().zip(&l0) {
-        assert!((a - b).abs() <= 1e-6 * b.abs().max(1e-3), "loss {a} vs {b}");
-    }
+    let ((g0, p0), (g1, p1)) = train_both(&base, &rewritten);
     for (want, got) in [(&g0, &g1), (&p0, &p1)] {
         assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
         for (name, w) in want {
@@ -321,18 +311,7 @@ g (float[2,3,4] x) => (float loss)
     ir::infer::infer_shapes(&mut fused.graph, ir::infer::Mode::Check).unwrap();
     assert_eq!(passes::algebra::fuse_gemms(&mut fused.graph).unwrap(), 1);
     ir::infer::infer_shapes(&mut fused.graph, ir::infer::Mode::Check).unwrap();
-    let opt = passes::autodiff::OptimizerSpec::sgd(0.1, 0.0);
-    let loss = passes::autodiff::LossSpec::Model;
-    let steps = |m: &ir::Model| {
-        let (t, info) = shardc::train::training_model(m, &loss, &opt).unwrap();
-        let inputs = shardc::train::seeded_inputs(&t.graph, &info, 3).unwrap();
-        shardc::train::reference_steps(&t.graph, &inputs, 3).unwrap()
-    };
-    let (l0, g0, p0) = steps(&base);
-    let (l1, g1, p1) = steps(&fused);
-    for (a, b) in l1.iter().zip(&l0) {
-        assert!((a - b).abs() <= 1e-6 * b.abs().max(1e-3), "loss {a} vs {b}");
-    }
+    let ((g0, p0), (g1, p1)) = train_both(&base, &fused);
     for (want, got) in [(&g0, &g1), (&p0, &p1)] {
         assert_eq!(got.keys().collect::<Vec<_>>(), ["bq+bk+bv", "wq+wk+wv"]);
         for (joined, parts, axis) in [("wq+wk+wv", ["wq", "wk", "wv"], 1), ("bq+bk+bv", ["bq", "bk", "bv"], 0)] {
@@ -384,4 +363,22 @@ g (float[2,4] x) => (float[2,4] q, float[2,4] k, float[2,2] v)
         compare(&format!("output {k}"), a, b, 0.0, 0.0).unwrap();
     }
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Gradients and parameters of 3 SGD steps of `base` and of `rewritten` on the reference
+/// trainer (inputs drawn from one seed), after checking they take the same losses.
+fn train_both(base: &ir::Model, rewritten: &ir::Model) -> ((Tensors, Tensors), (Tensors, Tensors)) {
+    let opt = passes::autodiff::OptimizerSpec::sgd(0.1, 0.0);
+    let loss = passes::autodiff::LossSpec::Model;
+    let steps = |m: &ir::Model| {
+        let (t, info) = shardc::train::training_model(m, &loss, &opt).unwrap();
+        let inputs = shardc::train::seeded_inputs(&t.graph, &info, 3).unwrap();
+        shardc::train::reference_steps(&t.graph, &inputs, 3).unwrap()
+    };
+    let (l0, g0, p0) = steps(base);
+    let (l1, g1, p1) = steps(rewritten);
+    for (a, b) in l1.iter().zip(&l0) {
+        assert!((a - b).abs() <= 1e-6 * b.abs().max(1e-3), "loss {a} vs {b}");
+    }
+    ((g0, p0), (g1, p1))
 }
