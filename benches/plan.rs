@@ -44,17 +44,8 @@ fn case_folded(
     fold: FoldMode,
 ) {
     let c = Cluster::load(cluster).expect("preset");
-    let mut times: Vec<Duration> = Vec::new();
-    let mut last = None;
-    for _ in 0..runs {
-        let t = Instant::now();
-        let so = SearchOptions { pipeline, fold, ..Default::default() };
-        let r = autoshard::search(&m.graph, &c, devices, &Options::default(), &so).expect("search");
-        times.push(t.elapsed());
-        last = Some(r);
-    }
-    times.sort();
-    let r = last.expect("a run");
+    let so = SearchOptions { pipeline, fold, ..Default::default() };
+    let (times, r) = timed(runs, || (), |()| autoshard::search(&m.graph, &c, devices, &Options::default(), &so));
     let dp = r.data_parallel.as_ref().filter(|d| d.feasible).map(|d| d.step_time_s);
     let pipe = match (&r.pipeline, &r.pipeline_considered) {
         (Some(p), _) => {
@@ -178,18 +169,12 @@ fn rewriting_section(gpt48: &shardc::ir::Model, gpt2: &shardc::ir::Model, bert: 
 /// wall-clock times of the whole choice and what each rule priced.
 fn case_rewriting(name: &str, m: &shardc::ir::Model, cluster: &str, devices: usize, runs: usize) {
     let c = Cluster::load(cluster).expect("preset");
-    let mut times: Vec<Duration> = Vec::new();
-    let mut last = None;
-    for _ in 0..runs {
-        let mut g = m.graph.clone();
-        let t = Instant::now();
-        let r = autoshard::search_rewriting(&mut g, &c, devices, &Options::default(), &SearchOptions::default())
-            .expect("search");
-        times.push(t.elapsed());
-        last = Some(r);
-    }
-    times.sort();
-    let r = last.expect("a run");
+    // Each run rewrites its own copy of the graph, made before the clock starts.
+    let (times, r) = timed(
+        runs,
+        || m.graph.clone(),
+        |mut g| autoshard::search_rewriting(&mut g, &c, devices, &Options::default(), &SearchOptions::default()),
+    );
     let s = |d: Duration| d.as_secs_f64();
     println!(
         "{name:<28} {cluster:>15} {devices:>4} dev  median {:>7.3} s  min {:>7.3} s  max {:>7.3} s ({runs} runs)   step {:.3} ms",
@@ -208,4 +193,23 @@ fn case_rewriting(name: &str, m: &shardc::ir::Model, cluster: &str, devices: usi
             if w.applied { "applied" } else { "not applied" }
         );
     }
+}
+
+/// Runs `search` `runs` times, each on what `prepare` makes (untimed): the sorted wall-clock
+/// times and the last result.
+fn timed<S, R>(
+    runs: usize,
+    mut prepare: impl FnMut() -> S,
+    mut search: impl FnMut(S) -> Result<R, String>,
+) -> (Vec<Duration>, R) {
+    let mut times = Vec::with_capacity(runs);
+    let mut last = None;
+    for _ in 0..runs {
+        let input = prepare();
+        let t = Instant::now();
+        last = Some(search(input).expect("search"));
+        times.push(t.elapsed());
+    }
+    times.sort();
+    (times, last.expect("a run"))
 }

@@ -46,15 +46,11 @@ struct Fused {
     sizes: Vec<i64>,
 }
 
-/// The one reader of `v` (`None` when it has none, several, or is a graph output).
+/// The one reader of `v`, reading it as its first input (`None` when it has none, several,
+/// reads it elsewhere, or `v` is a graph output).
 fn only_reader(g: &Graph, v: Value) -> Option<NodeId> {
-    if g.outputs().iter().any(|o| o.value == v) {
-        return None;
-    }
-    match g.users(v).as_slice() {
-        [(n, 0)] => Some(*n),
-        _ => None,
-    }
+    let n = lone_reader(g, v)?;
+    (g.users(v)[0].1 == 0).then_some(n)
 }
 
 /// The one node reading `v`, at any input (`None` when several read it or it is an output).
@@ -66,6 +62,20 @@ fn lone_reader(g: &Graph, v: Value) -> Option<NodeId> {
         [(n, _)] => Some(*n),
         _ => None,
     }
+}
+
+/// The bias added to a GEMM's output `y` of `cols` columns: the `Add` that alone reads `y`,
+/// of `y`'s shape, and its other input, an initializer of `cols` values that add alone reads
+/// (and not a graph output).
+fn bias_add(g: &Graph, y: Value, cols: i64) -> Option<(NodeId, Value)> {
+    let a = lone_reader(g, y)?;
+    let Op::Add(_) = &g.node(a).op else { return None };
+    let c = g.node(a).inputs().iter().flatten().copied().find(|&c| c != y)?;
+    let ok = g.initializer(c).is_some_and(|t| t.dims == [cols])
+        && g.users(c).iter().all(|&(u, _)| u == a)
+        && !g.outputs().iter().any(|o| o.value == c)
+        && static_dims(g, Value::new(a, 0)) == static_dims(g, y);
+    ok.then_some((a, c))
 }
 
 fn static_dims(g: &Graph, v: Value) -> Option<Vec<i64>> {
@@ -97,19 +107,12 @@ fn find(g: &Graph, n: NodeId) -> Option<Fused> {
     if y_dims.last() != Some(&cols) {
         return None;
     }
-    let mut reader = lone_reader(g, y)?;
-    // A bias added to a MatMul's output: an initializer of `cols` values only the add reads.
-    let mut add = None;
-    if node.input(2).is_none()
-        && let Op::Add(_) = &g.node(reader).op
-        && let Some(c) = g.node(reader).inputs().iter().flatten().copied().find(|&c| c != y)
-        && g.initializer(c).is_some_and(|t| t.dims == [cols])
-        && g.users(c).iter().all(|&(u, _)| u == reader)
-        && static_dims(g, Value::new(reader, 0)).as_ref() == Some(&y_dims)
-    {
-        add = Some((reader, c));
-        reader = only_reader(g, Value::new(reader, 0))?;
-    }
+    // A bias added to a MatMul's output.
+    let add = if node.input(2).is_none() { bias_add(g, y, cols) } else { None };
+    let mut reader = match add {
+        Some((a, _)) => only_reader(g, Value::new(a, 0))?,
+        None => lone_reader(g, y)?,
+    };
     let mut reshape = None;
     if let Op::Reshape(_) = &g.node(reader).op {
         let r = g.node(reader);
@@ -141,11 +144,13 @@ fn find(g: &Graph, n: NodeId) -> Option<Fused> {
     // A weight (or bias) that joins others splits only at its parts' boundaries.
     let splits_at = |t: &Tensor, axis: usize| {
         let mut start = 0;
-        sizes.iter().all(|&k| {
-            let ok = slice_tensor(t, "", axis, start, start + k).is_ok();
-            start += k;
-            ok
-        })
+        // Inline data always slices (checked without copying it).
+        !t.is_external()
+            || sizes.iter().all(|&k| {
+                let ok = slice_tensor(t, "", axis, start, start + k).is_ok();
+                start += k;
+                ok
+            })
     };
     let bias = node.input(2).or(add.map(|(_, c)| c));
     if !splits_at(wt, weight_axis) || bias.is_some_and(|c| !splits_at(g.initializer(c).expect("checked"), 0)) {
@@ -541,6 +546,8 @@ pub fn conv_as_matmul_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) 
 struct Sharer {
     gemm: NodeId,
     add: Option<NodeId>,
+    /// The bias: the `Gemm`'s `C` or the added initializer.
+    bias: Option<Value>,
     cols: i64,
 }
 
@@ -573,34 +580,15 @@ fn sharer(g: &Graph, n: NodeId, x: Value) -> Option<((u8, i64, bool), Sharer, us
     if static_dims(g, y)?.last() != Some(&cols) {
         return None;
     }
-    let is_bias = |c: Value, by: NodeId| own(c, by) && g.initializer(c).is_some_and(|t| t.dims == [cols]);
-    let mut add = None;
-    match node.input(2) {
-        Some(c) if !is_bias(c, n) => return None,
-        Some(_) => {}
-        None if kind == 0 => {
-            // A bias added to a MatMul's output alone, of the output's shape.
-            if let Some(a) = lone_reader(g, y)
-                && let Op::Add(_) = &g.node(a).op
-                && let [Some(p), Some(q)] = g.node(a).inputs()[..]
-                && let Some(c) = if p == y {
-                    Some(q)
-                } else if q == y {
-                    Some(p)
-                } else {
-                    None
-                }
-                && c != y
-                && is_bias(c, a)
-                && static_dims(g, Value::new(a, 0)) == static_dims(g, y)
-            {
-                add = Some(a);
-            }
-        }
-        None => {}
-    }
-    let has_bias = node.input(2).is_some() || add.is_some();
-    Some(((kind, trans_b, has_bias), Sharer { gemm: n, add, cols }, weight_axis))
+    // A bias: the `Gemm`'s `C` of `cols` values only it reads, or one added to a MatMul's
+    // output alone.
+    let (add, bias) = match node.input(2) {
+        Some(c) if !(own(c, n) && g.initializer(c).is_some_and(|t| t.dims == [cols])) => return None,
+        Some(c) => (None, Some(c)),
+        None if kind == 0 => bias_add(g, y, cols).map_or((None, None), |(a, c)| (Some(a), Some(c))),
+        None => (None, None),
+    };
+    Some(((kind, trans_b, bias.is_some()), Sharer { gemm: n, add, bias, cols }, weight_axis))
 }
 
 /// The groups [`fuse_gemms`] joins, in topological order of their first GEMM: GEMMs of one
@@ -630,20 +618,13 @@ fn sharing_groups(g: &Graph, order: &[NodeId]) -> Vec<(Vec<Sharer>, usize)> {
                 parts.push(part);
             }
         }
-        let inline = |v: Option<Value>| v.and_then(|v| g.initializer(v)).map(|t| t.is_external());
-        let bias = |p: &Sharer| match p.add {
-            Some(a) => g.node(a).inputs().iter().flatten().copied().find(|&v| g.initializer(v).is_some()),
-            None => g.node(p.gemm).input(2),
-        };
+        let external = |v: Option<Value>| v.and_then(|v| g.initializer(v)).map(|t| t.is_external());
         // Weights (and biases) all inline or all external, of one dtype.
         let kinds: std::collections::HashSet<_> = parts
             .iter()
             .map(|p| {
-                (
-                    inline(g.node(p.gemm).input(1)),
-                    g.initializer(g.node(p.gemm).input(1).expect("matched")).map(|t| t.dtype),
-                    inline(bias(p)),
-                )
+                let w = g.node(p.gemm).input(1);
+                (external(w), w.and_then(|w| g.initializer(w)).map(|t| t.dtype), external(p.bias))
             })
             .collect();
         if parts.len() >= 2 && kinds.len() == 1 {
@@ -686,16 +667,7 @@ fn fuse_group(g: &mut Graph, parts: &[Sharer], weight_axis: usize) -> Result<(),
     let first = g.node(parts[0].gemm).clone();
     let x = first.input(0).expect("matched");
     let weights: Vec<Value> = parts.iter().map(|p| g.node(p.gemm).input(1).expect("matched")).collect();
-    let biases: Vec<Value> = parts
-        .iter()
-        .filter_map(|p| match p.add {
-            Some(a) => {
-                let y = Value::new(p.gemm, 0);
-                g.node(a).inputs().iter().flatten().copied().find(|&v| v != y)
-            }
-            None => g.node(p.gemm).input(2),
-        })
-        .collect();
+    let biases: Vec<Value> = parts.iter().filter_map(|p| p.bias).collect();
     let labels: Vec<String> =
         parts.iter().map(|p| g.node(p.gemm).label.clone().unwrap_or_else(|| g.op_name(p.gemm))).collect();
     let outs: Vec<Value> = parts.iter().map(|p| Value::new(p.add.unwrap_or(p.gemm), 0)).collect();
