@@ -1379,10 +1379,51 @@ fn the_search_chooses_fusing_gemms_by_price() {
     let text = stdout(&o);
     assert!(text.contains("rewrite fuse-gemms at 1 place: the search priced its plan faster"), "{text}");
     assert!(text.contains("logits") && text.contains(" ok"), "{text}");
-    let plain = train(&["--devices", "1"]);
+    let saved = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let plain = train(&["--devices", "1", "--save-state", &saved("plain.json")]);
     for (a, b) in planned["losses"].as_array().unwrap().iter().zip(plain["losses"].as_array().unwrap()) {
         let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
         assert!((a - b).abs() <= 1e-5 * b.abs(), "loss {a} with the joined GEMM, {b} without");
+    }
+    // `train`'s own search is `plan`'s (the same rewrite), checked against the model as
+    // written; a plan searched without rewrites trains the projections un-fused. Either way
+    // the trained tensors are the model's, by name and shape.
+    let searched =
+        train(&["--cluster", "local-wgpu", "--devices", "2", "--check", "--save-state", &saved("searched.json")]);
+    let notes = searched["notes"].to_string();
+    assert!(notes.contains("rewrite fuse-gemms at 1 place") && notes.contains("the model as written"), "{notes}");
+    assert!(searched["check"].as_array().unwrap().iter().all(|c| c["ok"] == true), "{}", searched["check"]);
+    let unfused = dir.join("unfused.json");
+    let o = shardc(&[
+        "plan",
+        &m,
+        "--cluster",
+        "local-wgpu",
+        "--devices",
+        "2",
+        "--no-rewrites",
+        "-o",
+        unfused.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let split = train(&["--plan", unfused.to_str().unwrap(), "--check", "--save-state", &saved("split.json")]);
+    assert!(split["check"].as_array().unwrap().iter().all(|c| c["ok"] == true), "{}", split["check"]);
+    let read =
+        |name: &str| -> serde_json::Value { serde_json::from_slice(&std::fs::read(dir.join(name)).unwrap()).unwrap() };
+    let want = read("plain.json");
+    for got in [read("searched.json"), read("split.json")] {
+        for what in ["parameters", "gradients"] {
+            let (w, g) = (want[what].as_object().unwrap(), got[what].as_object().unwrap());
+            assert_eq!(w.keys().collect::<Vec<_>>(), g.keys().collect::<Vec<_>>(), "{what}");
+            for (k, a) in w {
+                assert_eq!(a["shape"], g[k]["shape"], "{what} {k}");
+                let (a, b) = (a["data"].as_array().unwrap(), g[k]["data"].as_array().unwrap());
+                for (x, y) in a.iter().zip(b) {
+                    let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+                    assert!((x - y).abs() <= 1e-5 + 1e-4 * x.abs(), "{what} {k}: {x} vs {y}");
+                }
+            }
+        }
     }
 
     let o = shardc(&[

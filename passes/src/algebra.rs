@@ -159,6 +159,205 @@ fn find(g: &Graph, n: NodeId) -> Option<Fused> {
     Some(Fused { gemm: n, add, reshape, split: reader, weight_axis, sizes })
 }
 
+/// The annotation of a rewritten initializer that says where its values are in the model as
+/// written (an [`Origin`] as JSON; empty when not known), so that trained tensors go back
+/// under the model's names ([`model_tensors`]). An initializer without it is its own name's
+/// tensor of the model (in another shape where a rewrite reshaped it in place).
+pub const ORIGIN: &str = "shardc_origin";
+
+/// Where a rewritten initializer's values are in the model: the pieces it joins along
+/// `axis`, in order.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Origin {
+    /// The axis the pieces are joined along.
+    pub axis: usize,
+    /// The pieces, in order along `axis`.
+    pub pieces: Vec<Piece>,
+}
+
+/// `len` entries along an [`Origin`]'s axis that hold the model's tensor `tensor`: all of
+/// it (`slice: None`), or its elements `start..end` along an axis (`Some((axis, start, end))`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Piece {
+    /// The model's tensor.
+    pub tensor: String,
+    /// Its extent along the joining axis.
+    pub len: i64,
+    /// The part of `tensor` it is, when not all of it.
+    pub slice: Option<(usize, i64, i64)>,
+}
+
+/// The origin of initializer `v` of `g` (`None` when a rewrite could not say).
+pub fn origin(g: &Graph, v: Value) -> Option<Origin> {
+    match g.node(v.node).annotations.iter().find(|(k, _)| k == ORIGIN) {
+        Some((_, s)) => serde_json::from_str(s).ok(),
+        None => {
+            let len = g.initializer(v).and_then(|t| t.dims.first().copied()).unwrap_or(1);
+            Some(Origin { axis: 0, pieces: vec![Piece { tensor: g.value_name(v).to_string(), len, slice: None }] })
+        }
+    }
+}
+
+/// Records `o` as the origin of initializer `v` (nothing when `v` is all of the model's
+/// tensor of its own name).
+fn set_origin(g: &mut Graph, v: Value, o: Option<Origin>) {
+    let whole = o.as_ref().is_some_and(|o| match &o.pieces[..] {
+        [p] => {
+            let extent = g.initializer(v).and_then(|t| t.dims.get(o.axis).copied());
+            p.tensor == g.value_name(v) && p.slice.is_none_or(|(a, s, e)| a == o.axis && s == 0 && Some(e) == extent)
+        }
+        _ => false,
+    });
+    if !whole {
+        let text = o.map(|o| serde_json::to_string(&o).expect("JSON")).unwrap_or_default();
+        g.set_annotation(v.node, ORIGIN, text);
+    }
+}
+
+/// The origin of elements `start..end` along `axis` of a tensor whose origin is `o`.
+fn origin_slice(o: Option<Origin>, axis: usize, start: i64, end: i64) -> Option<Origin> {
+    let o = o?;
+    if let [p] = &o.pieces[..] {
+        // One piece is the whole tensor: its slice is a slice of the piece.
+        let slice = match p.slice {
+            None => (axis, start, end),
+            Some((a, s, _)) if a == axis => (a, s + start, s + end),
+            Some(_) => return None,
+        };
+        return Some(Origin {
+            axis,
+            pieces: vec![Piece { tensor: p.tensor.clone(), len: end - start, slice: Some(slice) }],
+        });
+    }
+    if o.axis != axis {
+        return None;
+    }
+    let mut pieces = Vec::new();
+    let mut at = 0;
+    for p in &o.pieces {
+        let (lo, hi) = (start.max(at), end.min(at + p.len));
+        if lo < hi {
+            let slice = if (lo, hi) == (at, at + p.len) {
+                p.slice
+            } else {
+                match p.slice {
+                    None => Some((axis, lo - at, hi - at)),
+                    Some((a, s, _)) if a == axis => Some((a, s + lo - at, s + hi - at)),
+                    Some(_) => return None,
+                }
+            };
+            pieces.push(Piece { tensor: p.tensor.clone(), len: hi - lo, slice });
+        }
+        at += p.len;
+    }
+    Some(Origin { axis, pieces })
+}
+
+/// The origin of tensors of origins `os` and extents `lens` along `axis`, joined along it.
+fn origin_concat(os: Vec<Option<Origin>>, lens: &[i64], axis: usize) -> Option<Origin> {
+    let mut pieces: Vec<Piece> = Vec::new();
+    for (o, &len) in os.into_iter().zip(lens) {
+        let o = o?;
+        let parts = match o.pieces.len() {
+            1 => vec![Piece { len, ..o.pieces[0].clone() }],
+            _ if o.axis == axis => o.pieces,
+            _ => return None,
+        };
+        for p in parts {
+            // Consecutive slices of one tensor along the joining axis are one slice.
+            if let Some(last) = pieces.last_mut()
+                && last.tensor == p.tensor
+                && let (Some((a, s, e)), Some((b, s2, e2))) = (last.slice, p.slice)
+                && a == axis
+                && b == axis
+                && e == s2
+            {
+                last.slice = Some((a, s, e2));
+                last.len += p.len;
+                continue;
+            }
+            pieces.push(p);
+        }
+    }
+    Some(Origin { axis, pieces })
+}
+
+/// Trained tensors of a rewritten graph `g` (keyed by its initializers' names) under the
+/// model's names and in its shapes (`dims`, the model's initializers' dims): a split
+/// weight's parts are joined back, a joined weight is split into the weights it joined, a
+/// weight reshaped in place takes its shape back. A tensor whose origin is not known, or
+/// whose model tensors cannot all be put back whole, keeps its own name.
+pub fn model_tensors(
+    g: &Graph,
+    dims: &std::collections::HashMap<String, Vec<usize>>,
+    tensors: &std::collections::BTreeMap<String, Array>,
+) -> std::collections::BTreeMap<String, Array> {
+    use std::collections::BTreeMap;
+    let mut out = BTreeMap::new();
+    // Per model tensor: its pieces (axis, start, end, values) and the tensors they came from.
+    type Fragments = (Vec<(usize, i64, i64, Array)>, Vec<String>);
+    let mut frags: BTreeMap<String, Fragments> = BTreeMap::new();
+    for (name, a) in tensors {
+        let o = match g.lookup(name) {
+            Some(v) if g.initializer(v).is_some() => origin(g, v),
+            _ => None,
+        };
+        let Some(o) = o.filter(|o| o.axis < a.shape.len().max(1)) else {
+            out.insert(name.clone(), a.clone());
+            continue;
+        };
+        let mut at = 0usize;
+        for p in &o.pieces {
+            let len = p.len.max(0) as usize;
+            let part =
+                if o.pieces.len() == 1 { a.clone() } else { a.slice_axis(o.axis, at, (at + len).min(a.shape[o.axis])) };
+            at += len;
+            match p.slice {
+                None => {
+                    let shape = dims.get(&p.tensor).filter(|d| d.iter().product::<usize>() == part.numel());
+                    out.insert(
+                        p.tensor.clone(),
+                        match shape {
+                            Some(d) => part.reshaped(d.clone()),
+                            None => part,
+                        },
+                    );
+                }
+                Some((axis, s, e)) => {
+                    let f = frags.entry(p.tensor.clone()).or_default();
+                    f.0.push((axis, s, e, part));
+                    f.1.push(name.clone());
+                }
+            }
+        }
+    }
+    for (tensor, (mut parts, from)) in frags {
+        parts.sort_by_key(|p| p.1);
+        let whole = dims.get(&tensor).is_some_and(|d| {
+            let axis = parts[0].0;
+            let mut at = 0;
+            let fits = parts.iter().all(|(a, s, e, v)| {
+                let ok = *a == axis
+                    && *s == at
+                    && v.shape.len() == d.len()
+                    && v.shape.iter().zip(d).enumerate().all(|(i, (x, y))| i == axis || x == y);
+                at = *e;
+                ok
+            });
+            fits && axis < d.len() && at == d[axis] as i64
+        });
+        if whole {
+            let arrays: Vec<&Array> = parts.iter().map(|p| &p.3).collect();
+            out.insert(tensor, Array::concat_axis(&arrays, parts[0].0));
+        } else {
+            for n in from {
+                out.insert(n.clone(), tensors[&n].clone());
+            }
+        }
+    }
+    out
+}
+
 /// The name of columns `start..end` along `axis` of the rank-`rank` tensor `name`, as numpy
 /// would index them (`c_attn.weight` → `c_attn.weight[:,0:768]`): the module path stays the
 /// fused layer's, so reports and framework exports name the module the user wrote.
@@ -212,6 +411,8 @@ fn rewrite(g: &mut Graph, f: &Fused) -> Result<usize, String> {
         .or(f.add.map(|(_, c)| c))
         .map(|c| (g.value_name(c).to_string(), g.initializer(c).expect("matched").clone()));
     let add = f.add.map(|(a, c)| (g.node(a).clone(), g.node(a).input(0) == Some(c)));
+    let w_origin = origin(g, w);
+    let c_origin = gemm.input(2).or(f.add.map(|(_, c)| c)).map(|c| origin(g, c));
     let label = g.node(f.gemm).label.clone().unwrap_or_else(|| g.op_name(f.gemm));
     let reshape = f.reshape.map(|r| {
         let node = g.node(r).clone();
@@ -233,9 +434,12 @@ fn rewrite(g: &mut Graph, f: &Fused) -> Result<usize, String> {
         };
         let wj = slice_tensor(&wt, &w_name, f.weight_axis, start, end)?;
         let wj = g.add_initializer(named(g, &wt, &w_name, 2, f.weight_axis), wj);
+        set_origin(g, wj, origin_slice(w_origin.clone(), f.weight_axis, start, end));
         let cj = match &bias {
             Some((name, ct)) => {
-                Some(g.add_initializer(named(g, ct, name, 1, 0), slice_tensor(ct, name, 0, start, end)?))
+                let cj = g.add_initializer(named(g, ct, name, 1, 0), slice_tensor(ct, name, 0, start, end)?);
+                set_origin(g, cj, origin_slice(c_origin.clone().flatten(), 0, start, end));
+                Some(cj)
             }
             None => None,
         };
@@ -659,7 +863,11 @@ fn join_initializers(g: &mut Graph, vs: &[Value], axis: usize) -> Result<Value, 
         (None, Array::concat_axis(&arrays.iter().collect::<Vec<_>>(), axis).to_tensor())
     };
     let name = name.unwrap_or_else(|| names.join("+"));
-    Ok(g.add_initializer(g.fresh_name(&name), t))
+    let lens: Vec<i64> = vs.iter().map(|&v| g.initializer(v).expect("matched").dims[axis]).collect();
+    let o = origin_concat(vs.iter().map(|&v| origin(g, v)).collect(), &lens, axis);
+    let v = g.add_initializer(g.fresh_name(&name), t);
+    set_origin(g, v, o);
+    Ok(v)
 }
 
 /// Fuses one group; returns nothing (the group's outputs keep their names).
@@ -1173,6 +1381,77 @@ g (float[3,2] x) => (float[3,2] a, float[3,1] b)
             wv,
             &model(BERT_QKV).graph.initializer(model(BERT_QKV).graph.lookup("wv").unwrap()).unwrap().clone()
         );
+    }
+
+    /// The float initializers of `g` as arrays, by name.
+    fn weights(g: &Graph) -> std::collections::BTreeMap<String, Array> {
+        g.initializers()
+            .iter()
+            .map(|&n| Value::new(n, 0))
+            .filter(|&v| g.initializer(v).unwrap().dtype == ir::DType::Float)
+            .map(|v| (g.value_name(v).to_string(), Array::from_tensor(g.initializer(v).unwrap()).unwrap()))
+            .collect()
+    }
+
+    // Trained tensors go back under the model's names: a split weight's columns join back, a
+    // joined weight splits into its parts, through any sequence of the rewrites.
+    #[test]
+    fn trained_tensors_go_back_under_the_model_names() {
+        let list = |n: usize, k: f32| (0..n).map(|i| format!("{}", i as f32 * k - 1.0)).collect::<Vec<_>>().join(", ");
+        let text = format!(
+            r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[3,4] x) => (float[3,2] a, float[3,4] b, float[3,3] d)
+   <float[4,6] w = {{{}}}, float[6] c = {{{}}}, int64[2] sizes = {{2, 4}}, float[4,3] u = {{{}}}, float[3] e = {{{}}}>
+{{
+   y = Gemm (x, w, c)
+   a, b = Split <axis: int = -1> (y, sizes)
+   d = Gemm (x, u, e)
+}}"#,
+            list(24, 0.25),
+            list(6, 0.5),
+            list(12, -0.125),
+            list(3, 2.0)
+        );
+        let mut m = model(&text);
+        let want = weights(&m.graph);
+        let dims: HashMap<String, Vec<usize>> = want.iter().map(|(k, a)| (k.clone(), a.shape.clone())).collect();
+        assert_eq!(unfuse_split_gemm(&mut m.graph).unwrap(), (1, 2));
+        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+        let split = weights(&m.graph);
+        assert!(split.contains_key("w[:,2:6]") && !split.contains_key("w"));
+        assert_eq!(model_tensors(&m.graph, &dims, &split), want);
+        // All three GEMMs read `x`: they join, the columns of `w` as one piece.
+        assert_eq!(fuse_gemms(&mut m.graph).unwrap(), 1);
+        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+        let joined = weights(&m.graph);
+        let w = m.graph.lookup("u+w[:,0:2]+w[:,2:6]").unwrap();
+        assert_eq!(
+            origin(&m.graph, w).unwrap(),
+            Origin {
+                axis: 1,
+                pieces: vec![
+                    Piece { tensor: "u".into(), len: 3, slice: None },
+                    Piece { tensor: "w".into(), len: 6, slice: Some((1, 0, 6)) }
+                ]
+            }
+        );
+        assert_eq!(model_tensors(&m.graph, &dims, &joined), want);
+        // Un-fused again: the parts of the joined weight, still the model's columns.
+        assert_eq!(unfuse_split_gemm(&mut m.graph).unwrap(), (1, 3));
+        assert_eq!(model_tensors(&m.graph, &dims, &weights(&m.graph)), want);
+        // A tensor of no known origin, or missing a part, keeps its name.
+        let mut some = split.clone();
+        some.remove("w[:,0:2]");
+        some.insert("other".into(), want["u"].clone());
+        let back = model_tensors(&model_after_unfuse(&text), &dims, &some);
+        assert!(back.contains_key("w[:,2:6]") && back.contains_key("other") && !back.contains_key("w"));
+        assert_eq!(back["c"], want["c"]);
+    }
+
+    fn model_after_unfuse(text: &str) -> Graph {
+        let mut m = model(text);
+        unfuse_split_gemm(&mut m.graph).unwrap();
+        m.graph
     }
 
     // Not joined: a lone GEMM, a weight read twice, biases on some parts only, another kind.

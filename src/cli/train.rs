@@ -191,21 +191,71 @@ fn step_and_memory(b: &passes::cost::Breakdown) -> (f64, u64) {
 /// The plan: a named strategy (`--strategy`, or one device), a plan document (`--plan`), or
 /// the search's on the forward model; for the last two the training graph's backward and
 /// update ops follow the forward plan ([`exec::training_result`]).
+/// The named strategy `train` runs: `--strategy` unless `auto`, and `data` for one device
+/// without a plan; `None` when it searches or follows a plan.
+fn named_strategy(args: &TrainArgs) -> Option<&str> {
+    match (&args.strategy, &args.plan, args.devices.unwrap_or(1)) {
+        (Some(s), _, _) if s != "auto" => Some(s.as_str()),
+        (None, None, 1) => Some("data"),
+        _ => None,
+    }
+}
+
+/// The search `train` runs without a plan: `plan`'s (the `algebra` pass, then the search
+/// choosing the rewrites it prices faster), on `m`, which it leaves rewritten as chosen.
+/// Returns the result and a note per rewrite made.
+fn search_model(
+    args: &TrainArgs,
+    loaded: &mut shardc::Loaded,
+    cluster: &passes::cost::Cluster,
+    opts: &passes::cost::Options,
+) -> CliResult<(passes::autoshard::SearchResult, Vec<String>)> {
+    let mut pm = passes::PassManager::new();
+    pm.add(passes::Algebra);
+    pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
+    let pipeline = match &args.pipeline {
+        Some(p) => passes::autoshard::PipelineMode::parse(p).map_err(CliError::msg)?,
+        None => passes::autoshard::PipelineMode::Off,
+    };
+    let (progress, bar) = super::ui::search_progress(args.time_limit);
+    let so = passes::autoshard::SearchOptions {
+        pipeline,
+        time_limit: std::time::Duration::from_secs_f64(args.time_limit),
+        progress,
+        ..Default::default()
+    };
+    let devices = args.devices.unwrap_or(1);
+    let r = passes::autoshard::search_rewriting(&mut loaded.model.graph, cluster, devices, opts, &so);
+    super::ui::finish(bar);
+    let r = r.map_err(CliError::msg)?;
+    let notes = r
+        .rewrites
+        .iter()
+        .filter(|c| c.applied)
+        .map(|c| {
+            format!(
+                "rewrite {} at {}: the search priced its plan faster ({} with, {} without)",
+                c.rule,
+                super::plan::places(c.sites),
+                c.with_step_time_s.map_or("?".into(), secs),
+                secs(c.without_step_time_s)
+            )
+        })
+        .collect();
+    Ok((r, notes))
+}
+
 fn training_plan(
     args: &TrainArgs,
     plan_doc: Option<&passes::autoshard::Plan>,
+    searched: Option<passes::autoshard::SearchResult>,
     forward: &ir::Graph,
     train: &ir::Graph,
     cluster: &passes::cost::Cluster,
     opts: &passes::cost::Options,
 ) -> CliResult<Chosen> {
     let mut notes = Vec::new();
-    let named = match (&args.strategy, &args.plan, args.devices.unwrap_or(1)) {
-        (Some(s), _, _) if s != "auto" => Some(s.as_str()),
-        (None, None, 1) => Some("data"),
-        _ => None,
-    };
-    if let Some(s) = named {
+    if let Some(s) = named_strategy(args) {
         let devices = args.devices.unwrap_or(1);
         let result = exec::named_result(train, cluster, devices, s, opts).map_err(CliError::msg)?;
         // The training program priced as it runs (each op of the step once, in its phase).
@@ -283,23 +333,10 @@ fn training_plan(
             let predicted = step_and_memory(&cm.evaluate(&fwd));
             (fwd, mesh, plan.devices, predicted, format!("plan {}", path.display()))
         }
-        // No plan given (`plan_doc` is read from `args.plan`).
+        // No plan given (`plan_doc` is read from `args.plan`): the search made in `run`.
         _ => {
             let devices = args.devices.unwrap_or(1);
-            let pipeline = match &args.pipeline {
-                Some(p) => passes::autoshard::PipelineMode::parse(p).map_err(CliError::msg)?,
-                None => passes::autoshard::PipelineMode::Off,
-            };
-            let (progress, bar) = super::ui::search_progress(args.time_limit);
-            let so = passes::autoshard::SearchOptions {
-                pipeline,
-                time_limit: std::time::Duration::from_secs_f64(args.time_limit),
-                progress,
-                ..Default::default()
-            };
-            let r = passes::autoshard::search(forward, cluster, devices, opts, &so);
-            super::ui::finish(bar);
-            let r = r.map_err(CliError::msg)?;
+            let r = searched.ok_or_else(|| CliError::msg("no plan, strategy or search"))?;
             if let Some(pipe) = exec::TrainPipeline::of_search(forward, &r) {
                 let desc = format!(
                     "searched plan ({} stages × {} micro-batches, {})",
@@ -448,32 +485,63 @@ pub fn run(args: &TrainArgs) -> CliResult {
     // Not canonicalized: folding would rename or transform parameters, and the trained
     // tensors must stay the model's own.
     let mut loaded = load_computable(&args.model, &args.shapes)?;
-    // A plan is a plan of the model after the `algebra` pass (fused GEMMs that are split
-    // un-fused, reshape detours folded) and the rewrites its search applied: the trained
-    // parameters are then that model's (a split weight's parts are named by their columns,
-    // joined weights after their parts).
-    let plan_doc = args.plan.as_deref().map(read_plan).transpose()?;
-    if let Some(p) = &plan_doc {
-        let mut pm = passes::PassManager::new();
-        pm.add(passes::Algebra);
-        pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
-        apply_plan_rewrites(&mut loaded.model.graph, p)?;
-    }
-    let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
-    let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
-    let mut notes: Vec<String> = Vec::new();
-    if weights.seeded > 0 {
-        notes.push(format!(
-            "weights: {} tensors have external data that is not there; drawn from --seed {}",
-            weights.seeded, args.seed
-        ));
-    }
     let loss = match (&args.loss, &args.loss_output) {
         (Some(l), _) => LossSpec::parse(l).map_err(|e| CliError::msg(format!("--loss: {e}")))?,
         (None, Some(o)) => LossSpec::Output(o.clone()),
         (None, None) => LossSpec::Model,
     };
     let opt = optimizer(args, case.as_ref())?;
+    let cluster = load_cluster(&args.cluster)?;
+    // The cost model prices the optimizer that runs.
+    let opts = passes::cost::Options {
+        optimizer: match opt {
+            OptimizerSpec::Sgd { .. } => passes::cost::Optimizer::Sgd,
+            OptimizerSpec::Adam { .. } => passes::cost::Optimizer::Adam,
+        },
+        ..Default::default()
+    };
+    // The model as written: its tensors' shapes name what is trained, and `--check` runs it.
+    let written_dims: HashMap<String, Vec<usize>> = loaded
+        .model
+        .graph
+        .initializers()
+        .iter()
+        .filter_map(|&n| {
+            let v = ir::Value::new(n, 0);
+            let t = loaded.model.graph.initializer(v)?;
+            Some((loaded.model.graph.value_name(v).to_string(), t.dims.iter().map(|&d| d.max(0) as usize).collect()))
+        })
+        .collect();
+    let mut written = args.check.then(|| loaded.model.clone());
+    let mut notes: Vec<String> = Vec::new();
+    // A plan is a plan of the model after the `algebra` pass (fused GEMMs that are split
+    // un-fused, reshape detours folded) and the rewrites its search applied; without one,
+    // the search is `plan`'s and makes the same rewrites. The program trains that model's
+    // parameters (a split weight's parts, a joined weight); they are reported under the
+    // model's names.
+    let plan_doc = args.plan.as_deref().map(read_plan).transpose()?;
+    let mut searched = None;
+    if let Some(p) = &plan_doc {
+        let mut pm = passes::PassManager::new();
+        pm.add(passes::Algebra);
+        pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
+        apply_plan_rewrites(&mut loaded.model.graph, p)?;
+    } else if named_strategy(args).is_none() {
+        let (r, said) = search_model(args, &mut loaded, &cluster, &opts)?;
+        notes.extend(said);
+        searched = Some(r);
+    }
+    if written.as_ref().is_some_and(|w| w.graph == loaded.model.graph) {
+        written = None;
+    }
+    let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
+    let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
+    if weights.seeded > 0 {
+        notes.push(format!(
+            "weights: {} tensors have external data that is not there; drawn from --seed {}",
+            weights.seeded, args.seed
+        ));
+    }
     let (tm, info) = training_model(&loaded.model, &loss, &opt).map_err(CliError::msg)?;
     let g = &tm.graph;
     // With micro-batches, the program is the training graph of one micro-batch (the model
@@ -484,16 +552,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
     };
     let gl = micro_tm.as_ref().map_or(g, |t| &t.graph);
     // The program: the training graph lowered for the strategy.
-    let cluster = load_cluster(&args.cluster)?;
-    // The cost model prices the optimizer that runs.
-    let opts = passes::cost::Options {
-        optimizer: match opt {
-            OptimizerSpec::Sgd { .. } => passes::cost::Optimizer::Sgd,
-            OptimizerSpec::Adam { .. } => passes::cost::Optimizer::Adam,
-        },
-        ..Default::default()
-    };
-    let chosen = training_plan(args, plan_doc.as_ref(), &loaded.model.graph, gl, &cluster, &opts)?;
+    let chosen = training_plan(args, plan_doc.as_ref(), searched, &loaded.model.graph, gl, &cluster, &opts)?;
     notes.extend(chosen.notes);
     let devices = chosen.devices;
     let (program, micro) = match &chosen.lowering {
@@ -584,7 +643,12 @@ pub fn run(args: &TrainArgs) -> CliResult {
         // Device 0's process checks and reports for the job.
         return Ok(());
     }
-    let (losses, gradients, parameters, report) = (run.losses, run.gradients, run.parameters, run.report);
+    // Reported under the model's names and shapes (a split weight's parts joined, a joined
+    // weight split).
+    let rewritten = &loaded.model.graph;
+    let gradients = passes::algebra::model_tensors(rewritten, &written_dims, &run.gradients);
+    let parameters = passes::algebra::model_tensors(rewritten, &written_dims, &run.parameters);
+    let (losses, report) = (run.losses, run.report);
     // Checks.
     let tol = (
         args.rtol.or(case.as_ref().map(|c| c.tolerance.0)).unwrap_or(1e-4),
@@ -610,8 +674,18 @@ pub fn run(args: &TrainArgs) -> CliResult {
         }
     }
     if args.check {
+        // The reference trains the model as written when the program runs a rewritten one.
+        let reference = match written.take() {
+            Some(mut w) => {
+                exec::materialize(&mut w, &dir, args.seed).map_err(CliError::msg)?;
+                notes.push("the reference trains the model as written; the program runs it rewritten".into());
+                Some(training_model(&w, &loss, &opt).map_err(CliError::msg)?.0)
+            }
+            None => None,
+        };
+        let rg = reference.as_ref().map_or(g, |t| &t.graph);
         let (want, want_grads, ref_params) =
-            shardc::train::reference_steps(g, &inputs, args.steps).map_err(CliError::msg)?;
+            shardc::train::reference_steps(rg, &inputs, args.steps).map_err(CliError::msg)?;
         checks.push(check_losses("losses (reference)", &losses, &want, tol));
         checks.push(check_all("gradients (reference)", &gradients, &want_grads, tol));
         checks.push(check_all("parameters (reference)", &parameters, &ref_params, tol));
