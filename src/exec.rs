@@ -77,19 +77,61 @@ fn external_values(t: &ir::Tensor, name: &str, role: &str, dir: &Path, seed: u64
         }
         return Ok((Array::concat_axis(&parts.iter().collect::<Vec<_>>(), c.axis), read));
     }
+    match read_values(t, dir)? {
+        Some(a) => Ok((a, true)),
+        None => Ok((ir::eval::draw_external(t, name, role, seed).map_err(|e| e.to_string())?, false)),
+    }
+}
+
+/// The values of external tensor `t` read from the files beside the model (`dir`); `None`
+/// when a file it needs is not there. A slice reads the whole tensor and slices it; a
+/// concatenation reads each part.
+fn read_values(t: &ir::Tensor, dir: &Path) -> Result<Option<Array>, String> {
+    if let Some(c) = t.external_concat()? {
+        let mut parts = Vec::with_capacity(c.parts.len());
+        for (n, p) in &c.parts {
+            match read_values(p, dir).map_err(|e| format!("part `{n}`: {e}"))? {
+                Some(a) => parts.push(a),
+                None => return Ok(None),
+            }
+        }
+        return Ok(Some(Array::concat_axis(&parts.iter().collect::<Vec<_>>(), c.axis)));
+    }
     let TensorData::External(entries) = &t.data else { return Err("not external data".into()) };
     let slice = t.external_slice()?;
     let dims = slice.as_ref().map_or(&t.dims, |s| &s.full_dims);
-    match read_external(entries, t.dtype, dims, dir)? {
-        Some(a) => Ok((
-            match &slice {
-                Some(s) => ir::eval::take_slice(a, s, &t.dims),
-                None => a,
-            },
-            true,
-        )),
-        None => Ok((ir::eval::draw_external(t, name, role, seed).map_err(|e| e.to_string())?, false)),
+    Ok(read_external(entries, t.dtype, dims, dir)?.map(|a| match &slice {
+        Some(s) => ir::eval::take_slice(a, s, &t.dims),
+        None => a,
+    }))
+}
+
+/// Makes inline the weights of `model` whose external data is shardc's description of
+/// another tensor's columns or of joined tensors (what `passes::algebra`'s rewrites write;
+/// other tools read only plain external data), reading them from the files beside the model
+/// (`dir`). Returns the names of those whose files are not there (left as they are).
+pub fn inline_rewritten_weights(model: &mut Model, dir: &Path) -> Result<Vec<String>, String> {
+    let g = &mut model.graph;
+    let mut left = Vec::new();
+    for n in g.initializers().to_vec() {
+        let Op::Initializer(t) = &g.node(n).op else { continue };
+        let name = g.value_name(Value::new(n, 0)).to_string();
+        let described = |t: &ir::Tensor| -> Result<bool, String> {
+            Ok(t.is_external() && (t.external_slice()?.is_some() || t.external_concat()?.is_some()))
+        };
+        if !described(t).map_err(|e| format!("external data of `{name}`: {e}"))? {
+            continue;
+        }
+        match read_values(t, dir).map_err(|e| format!("external data of `{name}`: {e}"))? {
+            Some(a) => {
+                let mut tensor = a.to_tensor();
+                tensor.name = t.name.clone();
+                g.set_op(n, Op::Initializer(tensor));
+            }
+            None => left.push(name),
+        }
     }
+    Ok(left)
 }
 
 /// Makes every weight of `model` inline: external data is read from the files beside the

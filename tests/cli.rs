@@ -1446,3 +1446,45 @@ fn the_search_chooses_fusing_gemms_by_price() {
     assert!(c["with_step_time_s"].as_f64().unwrap() > v["step_time_s"].as_f64().unwrap(), "{c}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+// A model written after a rewrite split its weights is a plain ONNX model: the parts are
+// inline (read from the data file beside the model), not shardc's description of columns of
+// another tensor, and it computes what the model as written does.
+#[test]
+fn rewritten_models_are_written_with_their_weights() {
+    let dir = std::env::temp_dir().join(format!("shardc-inline-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = r#"<ir_version: 8, opset_import: ["" : 18]>
+qkv (float[4,6] x) => (float[4,3] q, float[4,3] k, float[4,3] v)
+   <float[6,9] w = ["location": "w.bin", "offset": "0", "length": "216"], float[9] c = {1, 2, 3, 4, 5, 6, 7, 8, 9}>
+{
+   y = Gemm (x, w, c)
+   q, k, v = Split <axis: int = 1, num_outputs: int = 3> (y)
+}"#;
+    std::fs::write(dir.join("m.onnxtxt"), text).unwrap();
+    let w: Vec<u8> = (0..54).flat_map(|i| (i as f32 * 0.25 - 6.0).to_le_bytes()).collect();
+    std::fs::write(dir.join("w.bin"), &w).unwrap();
+    let p = |f: &str| dir.join(f).to_str().unwrap().to_string();
+    let o = shardc(&["parse", &p("m.onnxtxt"), "--passes", "infer-shapes,algebra", "-o", &p("out.onnx")]);
+    assert!(o.status.success() && stderr(&o).is_empty(), "{}", stderr(&o));
+    let o = shardc(&["parse", &p("out.onnx")]);
+    let printed = stdout(&o);
+    assert!(printed.contains("w[:,3:6]") && !printed.contains("shardc_") && !printed.contains("location"), "{printed}");
+    let run = |m: &str, out: &str| {
+        let o = shardc(&["run", &p(m), "--backend", "cpu", "--save-outputs", &p(out)]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(p(out)).unwrap()).unwrap();
+        v
+    };
+    let (a, b) = (run("m.onnxtxt", "a.json"), run("out.onnx", "b.json"));
+    for name in ["q", "k", "v"] {
+        assert!(a.to_string().contains(name));
+    }
+    assert_eq!(a, b);
+    // Without the data file the description stays, and the output says who can read it.
+    std::fs::remove_file(dir.join("w.bin")).unwrap();
+    let o = shardc(&["parse", &p("m.onnxtxt"), "--passes", "infer-shapes,algebra", "-o", &p("out2.onnx")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("3 weights split or joined by a rewrite keep shardc's description"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -112,6 +112,19 @@ pub fn run(args: &ParseArgs) -> CliResult {
             if args.output.is_none() && std::io::IsTerminal::is_terminal(&std::io::stdout()) {
                 return Err(CliError::msg("--emit onnx writes binary; give -o FILE.onnx or redirect stdout to a file"));
             }
+            // Weights a rewrite split or joined are written inline: other tools read only
+            // plain external data.
+            let dir = args.model.parent().map(std::path::PathBuf::from).unwrap_or_default();
+            let left = shardc::exec::inline_rewritten_weights(&mut loaded.model, &dir).map_err(CliError::msg)?;
+            if !left.is_empty() {
+                eprintln!(
+                    "warning: {} weight{} split or joined by a rewrite keep shardc's description of their external data (`{}`{}): the data files are not beside the model, so only shardc reads the output",
+                    left.len(),
+                    if left.len() == 1 { "" } else { "s" },
+                    left[0],
+                    if left.len() > 1 { ", …" } else { "" }
+                );
+            }
             let bytes = shardc::frontend::onnx::to_bytes(&loaded.model);
             return write_output_bytes(&bytes, args.output.as_ref(), &args.model);
         }
