@@ -981,6 +981,17 @@ pub fn apply_named(g: &mut Graph, name: &str) -> Result<u64, String> {
     Ok(n)
 }
 
+/// Infers the types of `g`'s values when some are not known: the rewrites match on shapes,
+/// so `--passes algebra` alone does what `--passes infer-shapes,algebra` does.
+fn typed(g: &mut Graph, pass: &'static str) -> Result<(), PassError> {
+    let order = g.topo_order().map_err(|_| PassError::new(pass, Located::global("the graph has a cycle")))?;
+    let unknown = order.iter().any(|&n| g.node(n).outputs().iter().any(|o| !o.name.is_empty() && o.ty.is_none()));
+    if unknown {
+        ir::infer::infer_shapes(g, ir::infer::Mode::Check).map_err(|errs| PassError::shapes(pass, errs))?;
+    }
+    Ok(())
+}
+
 /// The `conv-as-matmul` pass: [`conv_as_matmul`] on every pointwise convolution.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ConvAsMatMul;
@@ -991,6 +1002,7 @@ impl Pass for ConvAsMatMul {
     }
 
     fn run(&mut self, g: &mut Graph, cx: &mut PassCx<'_>) -> Result<Changed, PassError> {
+        typed(g, self.name())?;
         let n = conv_as_matmul(g).map_err(|e| PassError::new("conv-as-matmul", e))?;
         if n == 0 {
             return Ok(Changed::No);
@@ -1011,6 +1023,7 @@ impl Pass for FuseGemms {
     }
 
     fn run(&mut self, g: &mut Graph, cx: &mut PassCx<'_>) -> Result<Changed, PassError> {
+        typed(g, self.name())?;
         let n = fuse_gemms(g).map_err(|e| PassError::new("fuse-gemms", e))?;
         if n == 0 {
             return Ok(Changed::No);
@@ -1027,6 +1040,7 @@ impl Pass for Algebra {
     }
 
     fn run(&mut self, g: &mut Graph, cx: &mut PassCx<'_>) -> Result<Changed, PassError> {
+        typed(g, self.name())?;
         let fail = |e: Located| PassError::new("algebra", e);
         let (fused, made) = unfuse_split_gemm(g).map_err(fail)?;
         let folded = fold_reshape_transpose(g).map_err(fail)?;

@@ -201,8 +201,8 @@ fn named_strategy(args: &TrainArgs) -> Option<&str> {
     }
 }
 
-/// The search `train` runs without a plan: `plan`'s (the `algebra` pass, then the search
-/// choosing the rewrites it prices faster), on `m`, which it leaves rewritten as chosen.
+/// The search `train` runs without a plan: `plan`'s (after the `algebra` pass, the search
+/// choosing the rewrites it prices faster), on `loaded`, which it leaves rewritten as chosen.
 /// Returns the result and a note per rewrite made.
 fn search_model(
     args: &TrainArgs,
@@ -210,9 +210,6 @@ fn search_model(
     cluster: &passes::cost::Cluster,
     opts: &passes::cost::Options,
 ) -> CliResult<(passes::autoshard::SearchResult, Vec<String>)> {
-    let mut pm = passes::PassManager::new();
-    pm.add(passes::Algebra);
-    pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
     let pipeline = match &args.pipeline {
         Some(p) => passes::autoshard::PipelineMode::parse(p).map_err(CliError::msg)?,
         None => passes::autoshard::PipelineMode::Off,
@@ -514,17 +511,17 @@ pub fn run(args: &TrainArgs) -> CliResult {
         .collect();
     let mut written = args.check.then(|| loaded.model.clone());
     let mut notes: Vec<String> = Vec::new();
-    // A plan is a plan of the model after the `algebra` pass (fused GEMMs that are split
-    // un-fused, reshape detours folded) and the rewrites its search applied; without one,
-    // the search is `plan`'s and makes the same rewrites. The program trains that model's
-    // parameters (a split weight's parts, a joined weight); they are reported under the
-    // model's names.
+    // The model after the `algebra` pass (fused GEMMs that are split un-fused, reshape
+    // detours folded), as `plan` and `cost` price it. A plan is a plan of that model and the
+    // rewrites its search applied; without one, the search is `plan`'s and makes the same
+    // rewrites. The program trains that model's parameters (a split weight's parts, a
+    // joined weight); they are reported under the model's names.
     let plan_doc = args.plan.as_deref().map(read_plan).transpose()?;
+    let mut pm = passes::PassManager::new();
+    pm.add(passes::Algebra);
+    pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
     let mut searched = None;
     if let Some(p) = &plan_doc {
-        let mut pm = passes::PassManager::new();
-        pm.add(passes::Algebra);
-        pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
         apply_plan_rewrites(&mut loaded.model.graph, p)?;
     } else if named_strategy(args).is_none() {
         let (r, said) = search_model(args, &mut loaded, &cluster, &opts)?;
