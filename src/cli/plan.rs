@@ -413,3 +413,14 @@ fn explanation(
 pub fn places(n: u64) -> String {
     if n == 1 { "1 place".into() } else { format!("{n} places") }
 }
+
+/// The note `run` and `train` give for a rewrite their search made.
+pub fn rewrite_note(c: &passes::autoshard::RewriteChoice) -> String {
+    format!(
+        "rewrite {} at {}: the search priced its plan faster ({} with, {} without)",
+        c.rule,
+        places(c.sites),
+        c.with_step_time_s.map_or("?".into(), secs),
+        secs(c.without_step_time_s)
+    )
+}

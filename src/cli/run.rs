@@ -160,15 +160,7 @@ pub fn run(args: &RunArgs) -> CliResult {
             let r = autoshard::search_rewriting(&mut h, &cluster, args.devices, &opts, &so);
             super::ui::finish(bar);
             let r = r.map_err(CliError::msg)?;
-            for c in r.rewrites.iter().filter(|c| c.applied) {
-                notes.push(format!(
-                    "rewrite {} at {}: the search priced its plan faster ({} with, {} without)",
-                    c.rule,
-                    super::plan::places(c.sites),
-                    c.with_step_time_s.map_or("?".into(), secs),
-                    secs(c.without_step_time_s)
-                ));
-            }
+            notes.extend(r.rewrites.iter().filter(|c| c.applied).map(super::plan::rewrite_note));
             let what = match &r.pipeline {
                 Some(p) => format!("{} stages × {} micro-batches", p.stages.len(), p.micro_batches),
                 None => r.same_as.clone().map_or("per-layer strategies".into(), |s| format!("the `{s}` plan")),

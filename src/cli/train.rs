@@ -225,20 +225,7 @@ fn search_model(
     let r = passes::autoshard::search_rewriting(&mut loaded.model.graph, cluster, devices, opts, &so);
     super::ui::finish(bar);
     let r = r.map_err(CliError::msg)?;
-    let notes = r
-        .rewrites
-        .iter()
-        .filter(|c| c.applied)
-        .map(|c| {
-            format!(
-                "rewrite {} at {}: the search priced its plan faster ({} with, {} without)",
-                c.rule,
-                super::plan::places(c.sites),
-                c.with_step_time_s.map_or("?".into(), secs),
-                secs(c.without_step_time_s)
-            )
-        })
-        .collect();
+    let notes = r.rewrites.iter().filter(|c| c.applied).map(super::plan::rewrite_note).collect();
     Ok((r, notes))
 }
 
