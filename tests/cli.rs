@@ -1303,8 +1303,9 @@ fn plans_say_what_their_letters_mean_and_runs_why_they_pipeline() {
 
 /// The search tries `conv-as-matmul` on the whole graph and keeps it when its plan is priced
 /// faster (SqueezeNet's 17 pointwise convolutions: on two local-wgpu devices at batch 4 the
-/// GEMMs are; on dgx-a100 they are not); the plan says so, and `lower` makes the rewrite again
-/// before applying the plan. `--no-rewrites` does not try it.
+/// GEMMs are; on dgx-a100 they are not), then at the places priced cheaper only; the plan says
+/// so, and `lower` makes the rewrite again before applying the plan. `--no-rewrites` does not
+/// try it.
 #[test]
 fn the_search_chooses_the_pointwise_conv_rewrite_by_price() {
     let dir = std::env::temp_dir().join(format!("shardc-rewrite-{}", std::process::id()));
@@ -1331,6 +1332,28 @@ fn the_search_chooses_the_pointwise_conv_rewrite_by_price() {
     let o = shardc(&["lower", out.to_str().unwrap(), "--device", "0"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("MatMul"));
+
+    // Place by place: without pipelining, the plans price the squeeze convolutions cheaper
+    // as GEMMs and the expand ones not; the graph rewritten at those places only is searched
+    // and its plan is the fastest of the three. `lower` makes the rewrite at those places.
+    let part = dir.join("part.json");
+    let v = plan("local-wgpu", "2", "4", &["--pipeline", "off", "-o", part.to_str().unwrap()]);
+    let c = &v["rewrites"][0];
+    let at: Vec<&str> = c["cheaper_at"].as_array().unwrap().iter().map(|l| l.as_str().unwrap()).collect();
+    assert!(
+        !at.is_empty() && at.len() < 17 && at.iter().all(|l| l.contains("squeeze") || l.contains("classifier")),
+        "{c}"
+    );
+    let t = |k: &str| c[k].as_f64().unwrap();
+    assert!(t("cheaper_at_step_time_s") < t("with_step_time_s").min(t("without_step_time_s")), "{c}");
+    assert_eq!((c["applied"].as_bool(), c["applied_at_cheaper"].as_bool()), (Some(true), Some(true)), "{c}");
+    assert_eq!(v["step_time_s"].as_f64(), c["cheaper_at_step_time_s"].as_f64());
+    let ops: Vec<&str> = v["ops"].as_array().unwrap().iter().map(|o| o["op"].as_str().unwrap()).collect();
+    assert_eq!(ops.iter().filter(|&&o| o == "MatMul").count(), at.len(), "{ops:?}");
+    let o = shardc(&["lower", part.to_str().unwrap(), "--device", "0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("MatMul") && text.contains("Conv"));
 
     let v = plan("dgx-a100", "8", "8", &[]);
     let c = &v["rewrites"][0];

@@ -966,6 +966,45 @@ pub fn fuse_gemms_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) -> R
 /// the whole graph and kept when the plan of the rewritten graph is priced faster.
 pub const SEARCH_CHOICES: &[&str] = &["conv-as-matmul", "fuse-gemms"];
 
+/// The places the rewrite `name` would rewrite in `g`, in the order its `_where` form counts
+/// them, named by the label its rewritten ops keep (the node's label, else its op name);
+/// `None` for a rule whose places are not one node (`fuse-gemms` joins several).
+pub fn sites(g: &Graph, name: &str) -> Option<Vec<String>> {
+    match name {
+        "conv-as-matmul" => {
+            let order = g.topo_order().ok()?;
+            Some(
+                order
+                    .into_iter()
+                    .filter(|&n| pointwise(g, n).is_some())
+                    .map(|n| g.node(n).label.clone().unwrap_or_else(|| g.op_name(n)))
+                    .collect(),
+            )
+        }
+        _ => None,
+    }
+}
+
+/// [`apply_named`] at the places of [`sites`] named in `at` only.
+pub fn apply_named_at(g: &mut Graph, name: &str, at: &[String]) -> Result<u64, String> {
+    let all = sites(g, name).ok_or_else(|| format!("`{name}` is not made place by place"))?;
+    for l in at {
+        if !all.contains(l) {
+            return Err(format!("`{name}` does not apply at `{l}`"));
+        }
+    }
+    let mut pick = |i: usize| at.contains(&all[i]);
+    let n = match name {
+        "conv-as-matmul" => conv_as_matmul_where(g, &mut pick).map_err(|e| e.msg)?,
+        _ => unreachable!("sites() is None"),
+    };
+    if n > 0 {
+        ir::infer::infer_shapes(g, ir::infer::Mode::Check)
+            .map_err(|e| e.iter().map(|x| x.to_string()).collect::<Vec<_>>().join("; "))?;
+    }
+    Ok(n)
+}
+
 /// Applies the rewrite `name` (one of [`SEARCH_CHOICES`]) to every match and infers shapes
 /// again; returns how many it rewrote.
 pub fn apply_named(g: &mut Graph, name: &str) -> Result<u64, String> {
@@ -1269,6 +1308,39 @@ g (float[2,3,4,5] x) => (float[2,6,4,5] y)
             ir::ExternalSlice { of: "w".into(), full_dims: vec![6, 3, 1, 1], axis: 0, start: 0, end: 6 }
         );
         assert_eq!(m.graph.initializer(m.graph.lookup("b").unwrap()).unwrap().dims, [6, 1]);
+    }
+
+    // The places of a rule made one by one: two pointwise convolutions, one rewritten.
+    #[test]
+    fn pointwise_convs_rewrite_place_by_place() {
+        let text = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[2,3,4,5] x) => (float[2,2,4,5] z)
+   <float[6,3,1,1] w = ["location": "w.bin", "offset": "0", "length": "72"], float[2,6,1,1] u = ["location": "w.bin", "offset": "72", "length": "48"]>
+{
+   [squeeze] y = Conv <kernel_shape: ints = [1, 1]> (x, w)
+   [expand] z = Conv <kernel_shape: ints = [1, 1]> (y, u)
+}"#;
+        let m = model(text);
+        assert_eq!(sites(&m.graph, "conv-as-matmul").unwrap(), ["squeeze", "expand"]);
+        assert_eq!(sites(&m.graph, "fuse-gemms"), None);
+        let mut g = m.graph.clone();
+        assert_eq!(apply_named_at(&mut g, "conv-as-matmul", &["expand".into()]), Ok(1));
+        let kinds: Vec<(String, String)> = g
+            .op_nodes()
+            .unwrap()
+            .into_iter()
+            .filter_map(|n| Some((g.node(n).label.clone()?, g.node(n).op.op_type().to_string())))
+            .filter(|(l, _)| !l.contains('/'))
+            .collect();
+        assert_eq!(kinds, [("squeeze".to_string(), "Conv".to_string()), ("expand".into(), "MatMul".into())]);
+        let x = inputs(&m.graph);
+        let opts = RunOptions { seed: Some(11) };
+        let (want, got) = (ir::eval::run(&m.graph, &x, &opts).unwrap(), ir::eval::run(&g, &x, &opts).unwrap());
+        for (p, q) in got[0].to_f64().unwrap().iter().zip(want[0].to_f64().unwrap()) {
+            assert!((p - q).abs() <= 1e-5 * (1.0 + q.abs()), "{p} vs {q}");
+        }
+        let mut g = m.graph.clone();
+        assert!(apply_named_at(&mut g, "conv-as-matmul", &["other".into()]).unwrap_err().contains("`other`"));
     }
 
     // The same over a volume, no bias, any batch: Conv3d 1×1×1 of [N,4,2,3,3].

@@ -479,8 +479,11 @@ pub fn read_plan(path: &Path) -> CliResult<passes::autoshard::Plan> {
 /// ([`passes::autoshard::Plan::rewrites`]), so the plan's ops are `g`'s.
 pub fn apply_plan_rewrites(g: &mut ir::Graph, plan: &passes::autoshard::Plan) -> CliResult<()> {
     for c in plan.rewrites.iter().filter(|c| c.applied) {
-        passes::algebra::apply_named(g, &c.rule)
-            .map_err(|e| CliError::msg(format!("the plan's rewrite `{}` does not apply: {e}", c.rule)))?;
+        match (&c.cheaper_at, c.applied_at_cheaper) {
+            (Some(at), true) => passes::algebra::apply_named_at(g, &c.rule, at),
+            _ => passes::algebra::apply_named(g, &c.rule),
+        }
+        .map_err(|e| CliError::msg(format!("the plan's rewrite `{}` does not apply: {e}", c.rule)))?;
     }
     Ok(())
 }

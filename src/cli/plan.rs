@@ -338,13 +338,21 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
     ));
     for c in &r.rewrites {
         let with = c.with_step_time_s.map_or("not searched (no time left)".to_string(), secs);
+        let partial = match (&c.cheaper_at, c.cheaper_at_step_time_s) {
+            (Some(at), Some(s)) => format!("; at the {} priced cheaper there, {}", places(at.len() as u64), secs(s)),
+            _ => String::new(),
+        };
         t.push_str(&format!(
-            "rewrite      {} at {}: {} with, {} without: {}\n",
+            "rewrite      {} at {}: {} with, {} without{partial}: {}\n",
             c.rule,
             places(c.sites),
             with,
             secs(c.without_step_time_s),
-            if c.applied { "applied (the plan's ops are the rewritten graph's)" } else { "not applied" }
+            match (c.applied, c.applied_at_cheaper) {
+                (true, true) => "applied there (the plan's ops are that graph's)",
+                (true, false) => "applied (the plan's ops are the rewritten graph's)",
+                _ => "not applied",
+            }
         ));
     }
     for m in &r.meshes {
@@ -416,11 +424,22 @@ pub fn places(n: u64) -> String {
 
 /// The note `run` and `train` give for a rewrite their search made.
 pub fn rewrite_note(c: &passes::autoshard::RewriteChoice) -> String {
-    format!(
-        "rewrite {} at {}: the search priced its plan faster ({} with, {} without)",
-        c.rule,
-        places(c.sites),
-        c.with_step_time_s.map_or("?".into(), secs),
-        secs(c.without_step_time_s)
-    )
+    match (&c.cheaper_at, c.cheaper_at_step_time_s) {
+        (Some(at), Some(s)) if c.applied_at_cheaper => format!(
+            "rewrite {} at {} of its {}: the search priced its plan faster ({} there, {} everywhere, {} without)",
+            c.rule,
+            places(at.len() as u64),
+            places(c.sites),
+            secs(s),
+            c.with_step_time_s.map_or("?".into(), secs),
+            secs(c.without_step_time_s)
+        ),
+        _ => format!(
+            "rewrite {} at {}: the search priced its plan faster ({} with, {} without)",
+            c.rule,
+            places(c.sites),
+            c.with_step_time_s.map_or("?".into(), secs),
+            secs(c.without_step_time_s)
+        ),
+    }
 }

@@ -259,6 +259,16 @@ pub struct RewriteChoice {
     pub with_step_time_s: Option<f64>,
     /// The best plan's step time of the graph without it, seconds.
     pub without_step_time_s: f64,
+    /// The places (by label) where the two plans priced the rewritten ops cheaper than the
+    /// original's, when some but not all: the graph rewritten there only is searched too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cheaper_at: Option<Vec<String>>,
+    /// That graph's best plan's step time, seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cheaper_at_step_time_s: Option<f64>,
+    /// The plan's graph is rewritten at `cheaper_at` only (`applied` is then true).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub applied_at_cheaper: bool,
 }
 
 /// The pipeline search's outcome, for the report.
@@ -532,9 +542,9 @@ pub fn search_rewriting(
             tried.push(RewriteChoice {
                 rule: rule.into(),
                 sites,
-                applied: false,
                 with_step_time_s: None,
                 without_step_time_s: without,
+                ..Default::default()
             });
             continue;
         }
@@ -543,22 +553,81 @@ pub fn search_rewriting(
         // each rule then costs a fraction of the first search.
         let fold = if so.fold == FoldMode::Auto { FoldMode::Always } else { so.fold };
         let r = search(&h, cluster, devices, opts, &SearchOptions { time_limit: left, fold, ..so.clone() })?;
-        let applied = extract::better(&r.breakdown, &best.breakdown);
-        tried.push(RewriteChoice {
+        let mut choice = RewriteChoice {
             rule: rule.into(),
             sites,
-            applied,
+            applied: false,
             with_step_time_s: Some(r.breakdown.step_time_s),
             without_step_time_s: without,
-        });
-        if applied {
+            ..Default::default()
+        };
+        // Place by place: where the plan of the rewritten graph prices a place's ops (with
+        // their reshardings, gradient sync and update) cheaper than the plan without prices
+        // the original op, and not everywhere, the graph rewritten at those places only is
+        // searched too (the places' costs interact through layouts, so it is searched, not summed).
+        let mut partial = None;
+        let left = so.time_limit.saturating_sub(start.elapsed());
+        if let Some(at) = cheaper_sites(g, rule, &best, &r)
+            && !left.is_zero()
+        {
+            let mut hp = g.clone();
+            crate::algebra::apply_named_at(&mut hp, rule, &at)?;
+            let rp = search(&hp, cluster, devices, opts, &SearchOptions { time_limit: left, fold, ..so.clone() })?;
+            choice.cheaper_at_step_time_s = Some(rp.breakdown.step_time_s);
+            choice.cheaper_at = Some(at);
+            partial = Some((hp, rp));
+        }
+        let mut take = extract::better(&r.breakdown, &best.breakdown).then_some((h, r));
+        if let Some((hp, rp)) = partial {
+            let bar = take.as_ref().map_or(&best.breakdown, |(_, r)| &r.breakdown);
+            if extract::better(&rp.breakdown, bar) {
+                take = Some((hp, rp));
+                choice.applied_at_cheaper = true;
+            }
+        }
+        if let Some((h, r)) = take {
+            choice.applied = true;
             *g = h;
             best = SearchResult { budget_cut: [best.budget_cut.clone(), r.budget_cut.clone()].concat(), ..r };
         }
+        tried.push(choice);
     }
     best.rewrites = tried;
     best.search_time_s = start.elapsed().as_secs_f64();
     Ok(best)
+}
+
+/// The places of rule `rule` in `g` ([`crate::algebra::sites`]) where `with` (the plan of `g`
+/// rewritten everywhere) prices the rewritten ops cheaper than `without` (the plan of `g`)
+/// prices the original one: `None` unless that is some places but not all, their savings
+/// summed promise a faster plan than both, both plans are flat (a pipeline's rows are its
+/// stages') and the rule is made place by place.
+fn cheaper_sites(g: &Graph, rule: &str, without: &SearchResult, with: &SearchResult) -> Option<Vec<String>> {
+    if without.pipeline.is_some() || with.pipeline.is_some() {
+        return None;
+    }
+    let labels = crate::algebra::sites(g, rule)?;
+    // A place's ops: the op of its label and those its rewrite labelled `label/…`.
+    let cost = |rows: &[crate::cost::OpRow], label: &str| -> f64 {
+        let sub = format!("{label}/");
+        rows.iter()
+            .filter(|o| o.name == label || o.name.starts_with(&sub))
+            .map(|o| o.compute_s + o.communication_s + o.grad_sync_s + o.update_s)
+            .sum()
+    };
+    let mut at = Vec::new();
+    let mut gain = 0.0;
+    for l in &labels {
+        let (c0, c1) = (cost(&without.breakdown.ops, l), cost(&with.breakdown.ops, l));
+        if c0 > 0.0 && c1 < c0 {
+            at.push(l.clone());
+            gain += c0 - c1;
+        }
+    }
+    // Searched only when the places' savings, summed, promise a plan 0.5% faster than both.
+    let bar = without.breakdown.step_time_s.min(with.breakdown.step_time_s);
+    let promise = without.breakdown.step_time_s - gain < bar * (1.0 - 5e-3);
+    (!at.is_empty() && at.len() < labels.len() && promise).then_some(at)
 }
 
 /// The intra-operator search alone (no pipelining).
