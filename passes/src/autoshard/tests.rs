@@ -318,8 +318,11 @@ pw (float[4,64,32,32] x) => (float[4,64,32,32] y)
 }"#;
 
 /// `search_rewriting` searches the graph with and without each rewrite of
-/// `algebra::SEARCH_CHOICES`, keeps the faster, and its plan is a plan of the graph it leaves:
-/// priced again on that graph it costs what the search said. Off, it is the plain search.
+/// `algebra::SEARCH_CHOICES` (and, where the two plans price one of the two convolutions
+/// cheaper rewritten, the graph rewritten there only), keeps the fastest, and its plan is a
+/// plan of the graph it leaves: priced again on that graph it costs what the search said. Off,
+/// it is the plain search. On 2 local-wgpu devices the second convolution alone as a GEMM is
+/// fastest.
 #[test]
 fn the_search_keeps_the_rewrite_whose_plan_is_faster() {
     for (cluster, devices) in [("dgx-a100", 8), ("local-wgpu", 2)] {
@@ -330,16 +333,25 @@ fn the_search_keeps_the_rewrite_whose_plan_is_faster() {
         let [c] = &r.rewrites[..] else { panic!("{:?}", r.rewrites) };
         assert_eq!((c.rule.as_str(), c.sites), ("conv-as-matmul", 2));
         let with = c.with_step_time_s.unwrap();
-        assert_eq!(c.applied, with < c.without_step_time_s, "{c:?}");
-        assert_eq!(r.breakdown.step_time_s, if c.applied { with } else { c.without_step_time_s });
+        // The fastest of: without, everywhere, and (when searched) at the places priced cheaper.
+        let some = c.cheaper_at_step_time_s.unwrap_or(f64::INFINITY);
+        let best = c.without_step_time_s.min(with).min(some);
+        assert_eq!(r.breakdown.step_time_s, best, "{c:?}");
+        assert_eq!(c.applied, best < c.without_step_time_s, "{c:?}");
+        assert_eq!(c.applied_at_cheaper, best == some, "{c:?}");
         let ops: Vec<&str> = g.op_nodes().unwrap().iter().map(|&n| g.node(n).op.op_type()).collect();
         assert_eq!(ops.contains(&"MatMul"), c.applied, "{ops:?}");
-        assert_eq!(ops.contains(&"Conv"), !c.applied, "{ops:?}");
+        assert_eq!(ops.contains(&"Conv"), !c.applied || c.applied_at_cheaper, "{ops:?}");
+        if let Some(at) = &c.cheaper_at {
+            assert!(at.len() == 1, "{c:?}");
+        }
         let again = CostModel::new(&g, &cluster, r.mesh.clone(), Options::default()).evaluate(&r.assignment);
         assert!((again.step_time_s - r.breakdown.step_time_s).abs() <= 1e-12 * again.step_time_s);
 
         let mut plain = graph(POINTWISE);
         let off = super::SearchOptions { rewrites: false, ..so };
+        let local = cluster.name == "local-wgpu";
+        assert!(!local || (c.applied_at_cheaper && c.cheaper_at.as_deref() == Some(&["y".to_string()][..])), "{c:?}");
         let r = super::search_rewriting(&mut plain, &cluster, devices, &Options::default(), &off).unwrap();
         assert!(r.rewrites.is_empty());
         assert_eq!(r.breakdown.step_time_s, c.without_step_time_s);
