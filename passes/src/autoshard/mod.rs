@@ -514,9 +514,11 @@ pub fn search(
 /// [`search`], then each rewrite of [`crate::algebra::SEARCH_CHOICES`] with matches in `g`
 /// tried on the whole graph: the rewritten graph is searched too (within what is left of the
 /// time limit; folded where it has repeated blocks, unless [`SearchOptions::fold`] is
-/// [`FoldMode::Never`]) and kept, in `g`, when its plan is better ([`extract::better`]: faster among
-/// plans that fit). The result says what was tried ([`SearchResult::rewrites`]); its plan is
-/// a plan of `g` as it is on return. With [`SearchOptions::rewrites`] off it is [`search`].
+/// [`FoldMode::Never`]) and kept, in `g`, when its plan is better ([`extract::better`]: faster
+/// among plans that fit); for a rule made place by place, so is the graph rewritten only where
+/// the two plans price a place cheaper rewritten ([`RewriteChoice::cheaper_at`]). The result
+/// says what was tried ([`SearchResult::rewrites`]); its plan is a plan of `g` as it is on
+/// return. With [`SearchOptions::rewrites`] off it is [`search`].
 pub fn search_rewriting(
     g: &mut Graph,
     cluster: &Cluster,
