@@ -7,7 +7,8 @@
 //! PyTorch nn.Transformer on 64 under 5 s, a 6,000-node graph under 30 s, GPT-2 (with the
 //! pipeline search) on 64 and 512 devices and a 48-layer GPT on 64 devices under 10 s. The
 //! last section times the search as `shardc plan` runs it, with the algebraic rewrites it
-//! chooses between (one more search per rule that matches); `SHARDC_BENCH_ONLY=rewrites` runs
+//! chooses between (one more search per rule that matches, and one where it is chosen place
+//! by place), beside the search without them; `SHARDC_BENCH_ONLY=rewrites` runs
 //! that section alone.
 
 use std::time::{Duration, Instant};
@@ -98,7 +99,7 @@ fn main() {
         let gpt48 = prepare(&gpt48.to_text(), None);
         let gpt2 = prepare(&model("hf_gpt2_124m"), Some(8));
         let bert = prepare(&model("hf_bert_base"), Some(8));
-        rewriting_section(&gpt48, &gpt2, &bert);
+        rewriting_section(&gpt48, &gpt2, &bert, &model);
         return;
     }
     println!("autoshard search (default options, all candidate meshes)");
@@ -150,10 +151,15 @@ fn main() {
     case("hf_gpt2_124m 64×1024", &big, "dgx1-v100", 8, 3);
     case("hf_gpt2_124m 64×1024", &big, "a100-cluster-8", 64, 3);
     case("hf_gpt2_124m 64×1024", &big, "a100-cluster-64", 512, 3);
-    rewriting_section(&gpt48, &gpt2, &bert);
+    rewriting_section(&gpt48, &gpt2, &bert, &model);
 }
 
-fn rewriting_section(gpt48: &shardc::ir::Model, gpt2: &shardc::ir::Model, bert: &shardc::ir::Model) {
+fn rewriting_section(
+    gpt48: &shardc::ir::Model,
+    gpt2: &shardc::ir::Model,
+    bert: &shardc::ir::Model,
+    model: &dyn Fn(&str) -> String,
+) {
     println!("\nwith the rewrites the search chooses (`shardc plan` by default: search_rewriting)");
     for (name, m, cluster, devices) in [
         ("synthetic GPT, 48 layers", gpt48, "a100-cluster-8", 64),
@@ -161,36 +167,68 @@ fn rewriting_section(gpt48: &shardc::ir::Model, gpt2: &shardc::ir::Model, bert: 
         ("hf_gpt2_124m (batch 8)", gpt2, "a100-cluster-64", 512),
         ("hf_bert_base (batch 8)", bert, "dgx-a100", 8),
     ] {
-        case_rewriting(name, m, cluster, devices, 3);
+        case_rewriting(name, m, cluster, devices, 3, PipelineMode::Auto);
+    }
+    // Pointwise convolutions, chosen place by place where the plans price some places
+    // cheaper as GEMMs (flat plans).
+    let squeeze4 = prepare(&model("tv_squeezenet1_1"), Some(4));
+    case_rewriting("tv_squeezenet1_1 (batch 4)", &squeeze4, "local-wgpu", 2, 3, PipelineMode::Off);
+    for name in ["tv_mobilenet_v2", "tv_squeezenet1_1", "tv_resnet50"] {
+        let m = prepare(&model(name), Some(32));
+        case_rewriting(&format!("{name} (batch 32)"), &m, "dgx-a100", 8, 3, PipelineMode::Auto);
     }
 }
 
-/// `name` searched as `shardc plan` does, trying the rewrites ([`autoshard::search_rewriting`]):
-/// wall-clock times of the whole choice and what each rule priced.
-fn case_rewriting(name: &str, m: &shardc::ir::Model, cluster: &str, devices: usize, runs: usize) {
+/// `name` searched as `shardc plan` does, trying the rewrites ([`autoshard::search_rewriting`]),
+/// beside the search without them (`--no-rewrites`): wall-clock times of both and what each
+/// rule priced.
+fn case_rewriting(
+    name: &str,
+    m: &shardc::ir::Model,
+    cluster: &str,
+    devices: usize,
+    runs: usize,
+    pipeline: PipelineMode,
+) {
     let c = Cluster::load(cluster).expect("preset");
+    let so = SearchOptions { pipeline, ..Default::default() };
     // Each run rewrites its own copy of the graph, made before the clock starts.
     let (times, r) = timed(
         runs,
         || m.graph.clone(),
-        |mut g| autoshard::search_rewriting(&mut g, &c, devices, &Options::default(), &SearchOptions::default()),
+        |mut g| autoshard::search_rewriting(&mut g, &c, devices, &Options::default(), &so),
+    );
+    let plain = SearchOptions { rewrites: false, ..so.clone() };
+    let (plain_times, _) = timed(
+        runs,
+        || m.graph.clone(),
+        |mut g| autoshard::search_rewriting(&mut g, &c, devices, &Options::default(), &plain),
     );
     let s = |d: Duration| d.as_secs_f64();
     println!(
-        "{name:<28} {cluster:>15} {devices:>4} dev  median {:>7.3} s  min {:>7.3} s  max {:>7.3} s ({runs} runs)   step {:.3} ms",
+        "{name:<28} {cluster:>15} {devices:>4} dev  median {:>7.3} s  min {:>7.3} s  max {:>7.3} s ({runs} runs; without rewrites median {:.3} s)   step {:.3} ms",
         s(times[runs / 2]),
         s(times[0]),
         s(times[runs - 1]),
+        s(plain_times[runs / 2]),
         r.breakdown.step_time_s * 1e3,
     );
     for w in &r.rewrites {
+        let partial = match (&w.cheaper_at, w.cheaper_at_step_time_s) {
+            (Some(at), Some(t)) => format!("; at the {} places priced cheaper {:.3} ms", at.len(), t * 1e3),
+            _ => String::new(),
+        };
         println!(
-            "    rewrite {} at {} sites: {} with, {:.3} ms without: {}",
+            "    rewrite {} at {} sites: {} with, {:.3} ms without{partial}: {}",
             w.rule,
             w.sites,
             w.with_step_time_s.map_or("not searched".into(), |t| format!("{:.3} ms", t * 1e3)),
             w.without_step_time_s * 1e3,
-            if w.applied { "applied" } else { "not applied" }
+            match (w.applied, w.applied_at_cheaper) {
+                (true, true) => "applied there",
+                (true, false) => "applied",
+                _ => "not applied",
+            }
         );
     }
 }
