@@ -191,19 +191,17 @@ fn case_rewriting(
     pipeline: PipelineMode,
 ) {
     let c = Cluster::load(cluster).expect("preset");
-    let so = SearchOptions { pipeline, ..Default::default() };
     // Each run rewrites its own copy of the graph, made before the clock starts.
-    let (times, r) = timed(
-        runs,
-        || m.graph.clone(),
-        |mut g| autoshard::search_rewriting(&mut g, &c, devices, &Options::default(), &so),
-    );
-    let plain = SearchOptions { rewrites: false, ..so.clone() };
-    let (plain_times, _) = timed(
-        runs,
-        || m.graph.clone(),
-        |mut g| autoshard::search_rewriting(&mut g, &c, devices, &Options::default(), &plain),
-    );
+    let time = |rewrites: bool| {
+        let so = SearchOptions { pipeline, rewrites, ..Default::default() };
+        timed(
+            runs,
+            || m.graph.clone(),
+            |mut g| autoshard::search_rewriting(&mut g, &c, devices, &Options::default(), &so),
+        )
+    };
+    let (times, r) = time(true);
+    let (plain_times, _) = time(false);
     let s = |d: Duration| d.as_secs_f64();
     println!(
         "{name:<28} {cluster:>15} {devices:>4} dev  median {:>7.3} s  min {:>7.3} s  max {:>7.3} s ({runs} runs; without rewrites median {:.3} s)   step {:.3} ms",

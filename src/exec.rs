@@ -113,12 +113,12 @@ fn read_values(t: &ir::Tensor, dir: &Path) -> Result<Option<Array>, String> {
 pub fn inline_rewritten_weights(model: &mut Model, dir: &Path) -> Result<Vec<String>, String> {
     let g = &mut model.graph;
     let mut left = Vec::new();
+    let described = |t: &ir::Tensor| -> Result<bool, String> {
+        Ok(t.is_external() && (t.external_slice()?.is_some() || t.external_concat()?.is_some()))
+    };
     for n in g.initializers().to_vec() {
         let Op::Initializer(t) = &g.node(n).op else { continue };
         let name = g.value_name(Value::new(n, 0)).to_string();
-        let described = |t: &ir::Tensor| -> Result<bool, String> {
-            Ok(t.is_external() && (t.external_slice()?.is_some() || t.external_concat()?.is_some()))
-        };
         if !described(t).map_err(|e| format!("external data of `{name}`: {e}"))? {
             continue;
         }

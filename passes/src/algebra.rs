@@ -406,13 +406,11 @@ fn rewrite(g: &mut Graph, f: &Fused) -> Result<usize, String> {
     let w = gemm.input(1).expect("matched");
     let w_name = g.value_name(w).to_string();
     let wt = g.initializer(w).expect("matched").clone();
-    let bias = gemm
-        .input(2)
-        .or(f.add.map(|(_, c)| c))
-        .map(|c| (g.value_name(c).to_string(), g.initializer(c).expect("matched").clone()));
+    let c = gemm.input(2).or(f.add.map(|(_, c)| c));
+    let bias = c.map(|c| (g.value_name(c).to_string(), g.initializer(c).expect("matched").clone()));
     let add = f.add.map(|(a, c)| (g.node(a).clone(), g.node(a).input(0) == Some(c)));
     let w_origin = origin(g, w);
-    let c_origin = gemm.input(2).or(f.add.map(|(_, c)| c)).map(|c| origin(g, c));
+    let c_origin = c.and_then(|c| origin(g, c));
     let label = g.node(f.gemm).label.clone().unwrap_or_else(|| g.op_name(f.gemm));
     let reshape = f.reshape.map(|r| {
         let node = g.node(r).clone();
@@ -438,7 +436,7 @@ fn rewrite(g: &mut Graph, f: &Fused) -> Result<usize, String> {
         let cj = match &bias {
             Some((name, ct)) => {
                 let cj = g.add_initializer(named(g, ct, name, 1, 0), slice_tensor(ct, name, 0, start, end)?);
-                set_origin(g, cj, origin_slice(c_origin.clone().flatten(), 0, start, end));
+                set_origin(g, cj, origin_slice(c_origin.clone(), 0, start, end));
                 Some(cj)
             }
             None => None,
@@ -998,6 +996,11 @@ pub fn apply_named_at(g: &mut Graph, name: &str, at: &[String]) -> Result<u64, S
         "conv-as-matmul" => conv_as_matmul_where(g, &mut pick).map_err(|e| e.msg)?,
         _ => unreachable!("sites() is None"),
     };
+    reinfer(g, n)
+}
+
+/// `n` (the rewrites just made in `g`), after inferring `g`'s shapes again when there were any.
+fn reinfer(g: &mut Graph, n: u64) -> Result<u64, String> {
     if n > 0 {
         ir::infer::infer_shapes(g, ir::infer::Mode::Check)
             .map_err(|e| e.iter().map(|x| x.to_string()).collect::<Vec<_>>().join("; "))?;
@@ -1013,11 +1016,7 @@ pub fn apply_named(g: &mut Graph, name: &str) -> Result<u64, String> {
         "fuse-gemms" => fuse_gemms(g).map_err(|e| e.msg)?,
         _ => return Err(format!("`{name}` is not a rewrite the search chooses ({})", SEARCH_CHOICES.join(", "))),
     };
-    if n > 0 {
-        ir::infer::infer_shapes(g, ir::infer::Mode::Check)
-            .map_err(|e| e.iter().map(|x| x.to_string()).collect::<Vec<_>>().join("; "))?;
-    }
-    Ok(n)
+    reinfer(g, n)
 }
 
 /// Infers the types of `g`'s values when some are not known: the rewrites match on shapes,

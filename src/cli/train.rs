@@ -188,9 +188,6 @@ fn step_and_memory(b: &passes::cost::Breakdown) -> (f64, u64) {
     (b.step_time_s, b.memory_per_device_bytes.iter().copied().max().unwrap_or(0))
 }
 
-/// The plan: a named strategy (`--strategy`, or one device), a plan document (`--plan`), or
-/// the search's on the forward model; for the last two the training graph's backward and
-/// update ops follow the forward plan ([`exec::training_result`]).
 /// The named strategy `train` runs: `--strategy` unless `auto`, and `data` for one device
 /// without a plan; `None` when it searches or follows a plan.
 fn named_strategy(args: &TrainArgs) -> Option<&str> {
@@ -229,6 +226,9 @@ fn search_model(
     Ok((r, notes))
 }
 
+/// The plan: a named strategy (`--strategy`, or one device), a plan document (`--plan`), or
+/// the search's on the forward model; for the last two the training graph's backward and
+/// update ops follow the forward plan ([`exec::training_result`]).
 fn training_plan(
     args: &TrainArgs,
     plan_doc: Option<&passes::autoshard::Plan>,

@@ -558,7 +558,6 @@ pub fn search_rewriting(
         let mut choice = RewriteChoice {
             rule: rule.into(),
             sites,
-            applied: false,
             with_step_time_s: Some(r.breakdown.step_time_s),
             without_step_time_s: without,
             ..Default::default()
