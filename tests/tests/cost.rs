@@ -227,3 +227,33 @@ fn megatron_runs_gpt2_attention_by_heads() {
     let step = p.breakdown.step_time_s;
     assert!((step - hand).abs() < 0.2 * hand, "megatron on 4 devices: {step} s vs {hand} s by hand");
 }
+
+/// The search's per-axis hybrid seeds: data parallel over every mesh axis but one, Megatron
+/// over that one. On BERT on a 2×2×2 mesh, with the tensor axis last, the attention products
+/// split by heads over it and by samples over the others, the Q/K/V projections by columns
+/// and the attention output by rows; a one-axis mesh has no such seed.
+#[test]
+fn hybrid_seeds_split_attention_by_heads_over_any_one_axis() {
+    use passes::cost::CostModel;
+    let g = prepared("hf_bert_base.onnxtxt", batch(8));
+    let c = Cluster::preset("dgx-a100").unwrap();
+    let mesh = passes::autoshard::plan::parse_mesh_annotation("x=2:intra x y=2:intra x z=2:intra").unwrap();
+    for (tp, name) in [(2, "z"), (0, "x")] {
+        let cm = CostModel::new(&g, &c, mesh.clone(), Options::default());
+        let asg = passes::cost::strategy::hybrid_over(&cm, tp).unwrap();
+        let rows = cm.evaluate(&asg).ops;
+        let count = |op: &str, s: &str| rows.iter().filter(|r| r.op == op && r.strategy == s).count();
+        let (heads, cols, k) = if tp == 2 {
+            ("b0→x, b0→y, b1→z", "b0→x, b0→y, n→z", "b0→x, b0→y, k→z")
+        } else {
+            ("b1→x, b0→y, b0→z", "n→x, b0→y, b0→z", "k→x, b0→y, b0→z")
+        };
+        // 12 layers × 2 attention products by heads; × (Q, K, V, fc1) by columns; × (output, fc2) by rows.
+        assert_eq!(count("MatMul", heads), 24, "heads over {name}");
+        assert_eq!(count("MatMul", cols), 48, "columns over {name}");
+        assert_eq!(count("MatMul", k), 24, "rows over {name}");
+    }
+    let line = passes::autoshard::plan::parse_mesh_annotation("gpus=8:intra").unwrap();
+    let cm = CostModel::new(&g, &c, line, Options::default());
+    assert!(passes::cost::strategy::hybrid_over(&cm, 0).is_err());
+}

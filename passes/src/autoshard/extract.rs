@@ -16,7 +16,9 @@
 //! - What the dynamic program cannot see (fan-out reshards shared by several readers,
 //!   overlap of gradient synchronisation with the backward pass, the input preloaded behind
 //!   the step) is settled by the full cost model: every plan is re-priced, and a local search
-//!   with the full model improves the best one while the time budget lasts.
+//!   with the full model improves the best one while the time budget lasts: one op at a
+//!   time, then by chains (a split one op takes carried along the tensors it shares, for
+//!   layouts that pay only when a whole chain adopts them, such as heads through attention).
 
 use std::time::Instant;
 
@@ -97,6 +99,9 @@ struct Step {
     mem: Vec<f64>,
     /// Live inputs: position in the live vector, its layout count, `[cand][have]` costs.
     edges: Vec<(usize, usize, Vec<f64>)>,
+    /// The tensor each edge reads, and per candidate the layout it reads it in.
+    edge_values: Vec<ValueId>,
+    edge_needs: Vec<Vec<Option<LayoutId>>>,
     /// Positions of the live vector that stay live after this op.
     keep: Vec<usize>,
     /// The tensors that become live after this op.
@@ -110,6 +115,11 @@ pub(crate) struct Proxy {
     steps: Vec<Step>,
     /// Per tensor: the (step, edge) pairs that read it from the live vector.
     readers: Vec<Vec<(usize, usize)>>,
+    /// Per tensor: the step at which it becomes live and its index in that step's
+    /// `entering`.
+    entered: Vec<Option<(usize, usize)>>,
+    /// Per tensor: the layouts it can have while live (`enter` indexes these).
+    layouts: Vec<Vec<LayoutId>>,
 }
 
 /// Cost model constants the proxy needs.
@@ -243,6 +253,7 @@ impl Proxy {
         }
         let mut steps = Vec::with_capacity(n);
         let mut readers: Vec<Vec<(usize, usize)>> = vec![Vec::new(); p.values.len()];
+        let mut entered: Vec<Option<(usize, usize)>> = vec![None; p.values.len()];
         let outputs: rustc_hash::FxHashSet<ir::Value> = cm.g.outputs().iter().map(|o| o.value).collect();
         let mut live: Vec<ValueId> = Vec::new();
         for (t, cs) in cands.iter().enumerate().take(n) {
@@ -333,6 +344,8 @@ impl Proxy {
             }
             // Live inputs.
             let mut edges = Vec::new();
+            let mut edge_values = Vec::new();
+            let mut edge_needs = Vec::new();
             for (v, js) in &by_value {
                 let Some(pos) = live.iter().position(|x| x == v) else { continue };
                 let vi = &p.values[v.ix()];
@@ -369,6 +382,8 @@ impl Proxy {
                 }
                 readers[v.ix()].push((t, edges.len()));
                 edges.push((pos, kv, mat));
+                edge_values.push(*v);
+                edge_needs.push(cs.iter().map(|&c| op.needs[c as usize][js[0]]).collect());
             }
             // The live vector after this op.
             let keep: Vec<usize> = (0..live.len()).filter(|&i| last_use[live[i].ix()] > t).collect();
@@ -403,10 +418,13 @@ impl Proxy {
                         .collect()
                 })
                 .collect();
+            for (k, v) in entering.iter().enumerate() {
+                entered[v.ix()] = Some((t, k));
+            }
             live = keep.iter().map(|&i| live[i]).chain(entering.iter().copied()).collect();
-            steps.push(Step { cands: cs.clone(), time, mem, edges, keep, entering, enter });
+            steps.push(Step { cands: cs.clone(), time, mem, edges, edge_values, edge_needs, keep, entering, enter });
         }
-        Proxy { steps, readers }
+        Proxy { steps, readers, entered, layouts }
     }
 
     /// The proxy cost of a full choice (per op, a strategy index).
@@ -429,6 +447,205 @@ impl Proxy {
         }
         Some(total)
     }
+}
+
+impl Proxy {
+    /// The terms of the objective that depend on op `t`'s choice, with its candidate index
+    /// `a` and every other op's index from `ci`: its own cost, the reshardings of its inputs
+    /// from their producers' layouts, those of its outputs to their readers'.
+    fn local(&self, t: usize, a: usize, ci: &[usize], lambda: f64) -> f64 {
+        let st = &self.steps[t];
+        let mut e = st.time[a] + lambda * st.mem[a];
+        for ((_, kv, mat), v) in st.edges.iter().zip(&st.edge_values) {
+            if let Some((u, k)) = self.entered[v.ix()] {
+                e += mat[a * kv + self.steps[u].enter[ci[u]][k] as usize];
+            }
+        }
+        for (k, v) in st.entering.iter().enumerate() {
+            let h = st.enter[a][k] as usize;
+            for &(u, i) in &self.readers[v.ix()] {
+                let (_, kv, mat) = &self.steps[u].edges[i];
+                e += mat[ci[u] * kv + h];
+            }
+        }
+        e
+    }
+
+    /// A chain move: op `t` takes candidate `alt`, and the split it introduces follows the
+    /// tensors it shares: a neighbour that reads (or makes) a tensor `t` now splits where it
+    /// did not takes, of its candidates that read (or make) it in exactly that layout, the
+    /// one cheapest given the others, when that is no worse for it than its own, and passes
+    /// the split on in turn, at most `spread` ops. A split stops where no candidate carries it
+    /// (the head dim of attention stops at the projections, whose input has no head dim) and
+    /// is not pushed where `t` only gives one up (a tensor now replicated or partial). Returns
+    /// the new candidate indices and the ops that changed.
+    pub(crate) fn chain(
+        &self,
+        p: &Problem,
+        t: usize,
+        alt: usize,
+        ci: &[usize],
+        lambda: f64,
+        spread: usize,
+    ) -> (Vec<usize>, Vec<usize>) {
+        let splits_anew = |new: LayoutId, old: LayoutId| {
+            let (n, o) = (&p.layouts[new.ix()], &p.layouts[old.ix()]);
+            n.iter().zip(o.iter()).any(|(a, b)| matches!(a, AxisShard::Split(_)) && a != b)
+        };
+        let made = |u: usize, k: usize, a: usize| {
+            let v = self.steps[u].entering[k];
+            self.layouts[v.ix()][self.steps[u].enter[a][k] as usize]
+        };
+        let mut c = ci.to_vec();
+        c[t] = alt;
+        let mut changed = vec![t];
+        let mut queue = std::collections::VecDeque::from([t]);
+        // Re-chooses `u` among the candidates `fits` allows; true when it changed.
+        let adopt = |u: usize, c: &mut Vec<usize>, changed: &mut Vec<usize>, fits: &dyn Fn(usize) -> bool| {
+            if changed.contains(&u) || changed.len() >= spread {
+                return false;
+            }
+            let best = (0..self.steps[u].cands.len())
+                .filter(|&a| fits(a))
+                .map(|a| (self.local(u, a, c, lambda), a))
+                .min_by(|x, y| x.0.total_cmp(&y.0));
+            let cur = self.local(u, c[u], c, lambda);
+            match best {
+                Some((e, a)) if a != c[u] && e <= cur + 1e-9 * cur.abs() => {
+                    c[u] = a;
+                    changed.push(u);
+                    true
+                }
+                _ => false,
+            }
+        };
+        while let Some(w) = queue.pop_front() {
+            let st = &self.steps[w];
+            for k in 0..st.entering.len() {
+                let (new, old) = (made(w, k, c[w]), made(w, k, ci[w]));
+                if new == old || !splits_anew(new, old) {
+                    continue;
+                }
+                for &(u, e) in &self.readers[st.entering[k].ix()] {
+                    let needs = &self.steps[u].edge_needs[e];
+                    if adopt(u, &mut c, &mut changed, &|a| needs[a] == Some(new)) {
+                        queue.push_back(u);
+                    }
+                }
+            }
+            for (e, v) in st.edge_values.iter().enumerate() {
+                let (Some(new), Some(old)) = (st.edge_needs[e][c[w]], st.edge_needs[e][ci[w]]) else { continue };
+                if new == old || !splits_anew(new, old) {
+                    continue;
+                }
+                let Some((u, k)) = self.entered[v.ix()] else { continue };
+                if adopt(u, &mut c, &mut changed, &|a| made(u, k, a) == new) {
+                    queue.push_back(u);
+                }
+            }
+        }
+        (c, changed)
+    }
+
+    /// The change in the objective when the ops in `changed` go from `ci` to `c` (every
+    /// other op the same in both): their own terms and every edge that touches one of them,
+    /// each once.
+    pub(crate) fn delta(&self, changed: &[usize], c: &[usize], ci: &[usize], lambda: f64) -> f64 {
+        let edge = |u: usize, e: usize, x: &[usize]| {
+            let (_, kv, mat) = &self.steps[u].edges[e];
+            let (w, k) = self.entered[self.steps[u].edge_values[e].ix()].expect("a live tensor entered");
+            mat[x[u] * kv + self.steps[w].enter[x[w]][k] as usize]
+        };
+        let mut edges: Vec<(usize, usize)> = Vec::new();
+        let mut d = 0.0;
+        for &u in changed {
+            let st = &self.steps[u];
+            d += st.time[c[u]] - st.time[ci[u]] + lambda * (st.mem[c[u]] - st.mem[ci[u]]);
+            edges.extend((0..st.edges.len()).map(|e| (u, e)));
+            for v in &st.entering {
+                edges.extend(self.readers[v.ix()].iter().copied());
+            }
+        }
+        edges.sort_unstable();
+        edges.dedup();
+        for (u, e) in edges {
+            d += edge(u, e, c) - edge(u, e, ci);
+        }
+        d
+    }
+}
+
+/// Improves a plan by chain moves ([`Proxy::chain`]): a layout that pays only when a whole
+/// chain of ops adopts it (heads split through a block's projections, reshapes, transposes
+/// and attention products) is out of reach of one-op moves, each of which alone would add
+/// reshardings on both sides. Every op's every alternative starts a chain; the distinct
+/// chains of more than one op that the proxy finds no worse are priced with the full model,
+/// best first, and a better plan is kept. Returns the number of moves made.
+fn chain_search(
+    cm: &CostModel<'_>,
+    p: &Problem,
+    proxy: &Proxy,
+    lambda: f64,
+    best: &mut Priced,
+    limit: Limit<'_>,
+    evals: &mut usize,
+) -> usize {
+    const SPREAD: usize = 96;
+    const TRIES: usize = 8;
+    let n = proxy.steps.len();
+    let start = *evals;
+    let mut moves = 0;
+    for _sweep in 0..3 {
+        let ci: Vec<usize> =
+            (0..n).map(|t| proxy.steps[t].cands.iter().position(|&x| x == best.choice[t]).unwrap_or(0)).collect();
+        let Some(base) = proxy.try_cost_of(&best.choice, lambda) else { return moves };
+        let tol = 1e-4 * base.abs();
+        // Chains by the ops they change and how: many starts lead to one chain.
+        let mut seen: rustc_hash::FxHashSet<Vec<(u32, u32)>> = rustc_hash::FxHashSet::default();
+        let mut ranked: Vec<(f64, Vec<(u32, u32)>)> = Vec::new();
+        for t in 0..n {
+            if limit.net.expired("local-search") {
+                return moves;
+            }
+            for alt in 0..proxy.steps[t].cands.len() {
+                if alt == ci[t] {
+                    continue;
+                }
+                let (c, mut changed) = proxy.chain(p, t, alt, &ci, lambda, SPREAD);
+                if changed.len() < 2 {
+                    continue;
+                }
+                let d = proxy.delta(&changed, &c, &ci, lambda);
+                changed.sort_unstable();
+                let key: Vec<(u32, u32)> = changed.iter().map(|&u| (u as u32, c[u] as u32)).collect();
+                if d <= tol && seen.insert(key.clone()) {
+                    ranked.push((d, key));
+                }
+            }
+        }
+        ranked.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut improved = false;
+        for (_, key) in ranked.into_iter().take(TRIES) {
+            if *evals - start >= limit.plans || limit.net.expired("local-search") {
+                return moves;
+            }
+            let mut choice = best.choice.clone();
+            for (u, a) in key {
+                choice[u as usize] = proxy.steps[u as usize].cands[a as usize];
+            }
+            let cand = price(cm, p, &choice, evals);
+            if better(&cand.breakdown, &best.breakdown) {
+                *best = cand;
+                moves += 1;
+                improved = true;
+                break;
+            }
+        }
+        if !improved {
+            break;
+        }
+    }
+    moves
 }
 
 /// A dynamic-program result.
@@ -831,6 +1048,8 @@ pub(crate) fn extract(
         stats.local_moves = local_search(cm, p, proxy, best_lambda, &mut best, limit, &mut evals);
         let limit = Limit { net: knobs.net, plans: (knobs.local_search_work / 4 / ops).max(64) };
         stats.local_moves += wide_search(cm, p, proxy, &mut best, limit, &mut evals);
+        let limit = Limit { net: knobs.net, plans: (knobs.local_search_work / 4 / ops).max(64) };
+        stats.local_moves += chain_search(cm, p, proxy, best_lambda, &mut best, limit, &mut evals);
         stats.local_search_work = (evals - before) * ops;
         stats.local_search_time_s = t0.elapsed().as_secs_f64();
     }

@@ -358,3 +358,52 @@ fn the_search_keeps_the_rewrite_whose_plan_is_faster() {
         assert_eq!(ir::print::graph_to_string(&plain), ir::print::graph_to_string(&graph(POINTWISE)));
     }
 }
+
+const ELEMENTWISE: &str = r#"<
+   ir_version: 8,
+   opset_import: ["" : 17]
+>
+ew (float[8,64] x) => (float[8,64] z)
+   <float[64,64] w = ["location": "w.bin", "offset": "0", "length": "16384"]>
+{
+   a = Relu (x)
+   b = Sigmoid (a)
+   c = Tanh (b)
+   z = MatMul (c, w)
+}"#;
+
+/// A chain move carries the split one op takes to the ops that share its tensors and can
+/// take it too, no worse for each, and its change in the objective is the proxy's.
+#[test]
+fn chain_moves_carry_a_split_along_the_tensors() {
+    let f = Fixture::new(ELEMENTWISE, 4);
+    let cm = f.cm();
+    let p = Problem::new(&cm);
+    let cands: Vec<Vec<u32>> = p.ops.iter().map(|o| (0..o.strategies.len() as u32).collect()).collect();
+    let proxy = Proxy::new(&cm, &p, &cands, 1.0);
+    let name = |t: usize, a: usize| {
+        let info = &p.ops[t];
+        cm.describe_strategy(info.node, &info.strategies[cands[t][a] as usize])
+    };
+    let find = |t: usize, s: &str| (0..cands[t].len()).find(|&a| name(t, a) == s).unwrap_or_else(|| panic!("{s}"));
+    // Data parallel: every op split by rows.
+    let data: Vec<usize> = (0..3).map(|t| find(t, "d0→gpus")).chain([find(3, "m→gpus")]).collect();
+    let cost = |c: &[usize]| {
+        let choice: Vec<u32> = c.iter().enumerate().map(|(t, &a)| cands[t][a]).collect();
+        proxy.cost_of(&choice, 0.0)
+    };
+    // Relu's columns split: Sigmoid and Tanh take it (elementwise, no worse), and the MatMul
+    // reads columns as its reduction or keeps its rows, whichever is cheaper for it.
+    let (c, changed) = proxy.chain(&p, 0, find(0, "d1→gpus"), &data, 0.0, 96);
+    assert!(changed.len() >= 3, "{changed:?}");
+    assert_eq!((name(1, c[1]), name(2, c[2])), ("d1→gpus".to_string(), "d1→gpus".to_string()));
+    let d = proxy.delta(&changed, &c, &data, 0.0);
+    assert!((d - (cost(&c) - cost(&data))).abs() <= 1e-12 * cost(&data), "{d}");
+    // Giving a split up is not pushed on: Relu replicated changes Relu alone.
+    let (c, changed) = proxy.chain(&p, 0, find(0, "replicated"), &data, 0.0, 96);
+    assert_eq!(changed, vec![0]);
+    assert_eq!(&c[1..], &data[1..]);
+    // At most `spread` ops change.
+    let (_, changed) = proxy.chain(&p, 0, find(0, "d1→gpus"), &data, 0.0, 2);
+    assert_eq!(changed.len(), 2);
+}

@@ -437,6 +437,42 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
     Ok(asg)
 }
 
+/// Data parallel over every mesh axis but `tp`, Megatron over `tp` (heads, MLP columns then
+/// rows, the vocabulary), the rest following the input. The `hybrid` named strategy is this
+/// with data on the first axis and Megatron on the second only; the search seeds its space
+/// with one of these per axis, so plans that split attention by heads over any one axis,
+/// with the batch over the others, are in it from the start.
+pub fn hybrid_over(cm: &CostModel<'_>, tp: usize) -> Result<Assignment, String> {
+    let k = cm.mesh.axes.len();
+    if k < 2 || tp >= k {
+        return Err(format!("a hybrid over axis {tp} needs a mesh of at least two axes that has it"));
+    }
+    let mut asg = Assignment::default();
+    for &n in cm.order() {
+        let mut s = follow(cm, &asg, n);
+        if let Some(b) = dim_with(cm, n, DimRole::Batch) {
+            let t: Vec<Option<usize>> = (0..k)
+                .map(|a| match a == tp {
+                    false => Some(b),
+                    true => s[a].filter(|&d| d != b),
+                })
+                .collect();
+            if strategy_valid(cm.space(n), &t, &cm.mesh, cm.g, n) {
+                s = t;
+            }
+        }
+        if let Some(m) = megatron(cm, &asg, n, &[tp]) {
+            let mut t = s.clone();
+            t[tp] = m[tp];
+            if strategy_valid(cm.space(n), &t, &cm.mesh, cm.g, n) {
+                s = t;
+            }
+        }
+        asg.strategies.insert(n, s);
+    }
+    Ok(asg)
+}
+
 /// Splits the spatial dims of a windowed op over `axes`: the first spatial dim over all of
 /// them when it divides, else one spatial dim per axis.
 fn spatial_split(cm: &CostModel<'_>, n: NodeId, axes: &[usize]) -> Option<Vec<Option<usize>>> {
