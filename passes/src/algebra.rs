@@ -384,7 +384,21 @@ fn slice_tensor(t: &Tensor, name: &str, axis: usize, start: i64, end: i64) -> Re
     let data = match &t.data {
         TensorData::External(entries) => {
             if entries.iter().any(|(k, _)| k.starts_with("shardc_slice")) {
-                return Err(format!("`{name}` is already a slice"));
+                // Columns of columns: the same tensor's, offset (along the same axis).
+                let get = |k: &str| entries.iter().find(|(x, _)| x == k).map(|(_, v)| v.as_str());
+                let at: Vec<i64> =
+                    get("shardc_slice").unwrap_or("").split(':').filter_map(|x| x.parse().ok()).collect();
+                if at.len() != 3 || at[0] != axis as i64 {
+                    return Err(format!("`{name}` is a slice along another axis"));
+                }
+                let e: Vec<(String, String)> = entries
+                    .iter()
+                    .map(|(k, v)| match k.as_str() {
+                        "shardc_slice" => (k.clone(), format!("{axis}:{}:{}", at[1] + start, at[1] + end)),
+                        _ => (k.clone(), v.clone()),
+                    })
+                    .collect();
+                return Ok(Tensor { dtype: t.dtype, dims, name: None, data: TensorData::External(e) });
             }
             let mut e: Vec<(String, String)> = entries.clone();
             e.push(("shardc_slice_of".into(), name.to_string()));
@@ -868,6 +882,92 @@ fn join_initializers(g: &mut Graph, vs: &[Value], axis: usize) -> Result<Value, 
     Ok(v)
 }
 
+/// How a group's outputs are read when each is split into heads: through a chain of
+/// `Reshape`s apiece (each the only reader of the one before), the last making
+/// `prefix ++ [heads, width]` of a part of `heads · width` columns, with the same prefix and
+/// head count for all.
+struct HeadSplit {
+    /// Per part, its chain of reshapes.
+    reshapes: Vec<Vec<NodeId>>,
+    /// Per part, a bias added before the reshapes that is not one of the group's (a value of
+    /// the part's width that other ops may read too): the `Add` and the bias.
+    biases: Vec<Option<(NodeId, Value)>>,
+    heads: i64,
+    widths: Vec<i64>,
+    prefix: Vec<i64>,
+}
+
+fn head_split(g: &Graph, outs: &[Value], parts: &[Sharer]) -> Option<HeadSplit> {
+    let mut hs =
+        HeadSplit { reshapes: Vec::new(), biases: Vec::new(), heads: 0, widths: Vec::new(), prefix: Vec::new() };
+    for (&o, p) in outs.iter().zip(parts) {
+        let rows: i64 = static_dims(g, o)?.iter().rev().skip(1).product();
+        let mut chain = Vec::new();
+        let mut v = o;
+        let mut bias = None;
+        if let Some(a) = lone_reader(g, o)
+            && matches!(g.node(a).op, Op::Add(_))
+            && let Some(c) = g.node(a).inputs().iter().flatten().copied().find(|&c| c != o)
+            && static_dims(g, c) == Some(vec![p.cols])
+            && static_dims(g, Value::new(a, 0)) == static_dims(g, o)
+        {
+            bias = Some((a, c));
+            v = Value::new(a, 0);
+        }
+        let dims = loop {
+            let r = only_reader(g, v)?;
+            if !matches!(g.node(r).op, Op::Reshape(_)) || chain.len() >= 4 {
+                return None;
+            }
+            chain.push(r);
+            v = Value::new(r, 0);
+            let dims = static_dims(g, v)?;
+            let n = dims.len();
+            if n >= 3 && dims[n - 2] * dims[n - 1] == p.cols && dims[..n - 2].iter().product::<i64>() == rows {
+                break dims;
+            }
+        };
+        let n = dims.len();
+        if (hs.heads != 0 && (hs.heads != dims[n - 2] || hs.prefix != dims[..n - 2])) || dims[n - 2] < 2 {
+            return None;
+        }
+        hs.heads = dims[n - 2];
+        hs.prefix = dims[..n - 2].to_vec();
+        hs.reshapes.push(chain);
+        hs.biases.push(bias);
+        hs.widths.push(dims[n - 1]);
+    }
+    Some(hs)
+}
+
+/// The initializers `vs` joined along `axis` head by head: for each of `heads` heads, each
+/// part's columns of that head (`widths[j]` of them) in turn. Named after the parts.
+fn interleave_initializers(
+    g: &mut Graph,
+    vs: &[Value],
+    axis: usize,
+    heads: i64,
+    widths: &[i64],
+) -> Result<Value, String> {
+    let names: Vec<String> = vs.iter().map(|&v| g.value_name(v).to_string()).collect();
+    let mut pieces = Vec::new();
+    for h in 0..heads {
+        for (j, &v) in vs.iter().enumerate() {
+            let t = g.initializer(v).expect("matched").clone();
+            let (start, end) = (h * widths[j], (h + 1) * widths[j]);
+            let piece = slice_tensor(&t, &names[j], axis, start, end)?;
+            let name = part_name(g, &names[j], t.dims.len(), axis, start, end);
+            let o = origin_slice(origin(g, v), axis, start, end);
+            let pv = g.add_initializer(name, piece);
+            set_origin(g, pv, o);
+            pieces.push(pv);
+        }
+    }
+    let joined = join_initializers(g, &pieces, axis)?;
+    g.rename(joined, g.fresh_name(&format!("{} by heads", names.join("+"))));
+    Ok(joined)
+}
+
 /// Fuses one group; returns nothing (the group's outputs keep their names).
 fn fuse_group(g: &mut Graph, parts: &[Sharer], weight_axis: usize) -> Result<(), String> {
     let first = g.node(parts[0].gemm).clone();
@@ -880,8 +980,17 @@ fn fuse_group(g: &mut Graph, parts: &[Sharer], weight_axis: usize) -> Result<(),
     let out_names: Vec<String> = outs.iter().map(|&v| g.value_name(v).to_string()).collect();
     let rank = static_dims(g, outs[0]).expect("matched").len();
     let label = joined_label(&labels);
-    let wf = join_initializers(g, &weights, weight_axis)?;
-    let bf = if biases.is_empty() { None } else { Some(join_initializers(g, &biases, 0)?) };
+    let heads = head_split(g, &outs, parts);
+    let (wf, bf) = match &heads {
+        Some(h) => (
+            interleave_initializers(g, &weights, weight_axis, h.heads, &h.widths)?,
+            (!biases.is_empty()).then(|| interleave_initializers(g, &biases, 0, h.heads, &h.widths)).transpose()?,
+        ),
+        None => (
+            join_initializers(g, &weights, weight_axis)?,
+            (!biases.is_empty()).then(|| join_initializers(g, &biases, 0)).transpose()?,
+        ),
+    };
     let mut inputs = vec![Some(x), Some(wf)];
     if first.input(2).is_some() {
         inputs.push(bf);
@@ -899,7 +1008,30 @@ fn fuse_group(g: &mut Graph, parts: &[Sharer], weight_axis: usize) -> Result<(),
         );
         y = Value::new(add, 0);
     }
-    let sizes: Vec<i64> = parts.iter().map(|p| p.cols).collect();
+    // Split into heads first when the parts are: `[.., H·Σd] → [.., H, Σd]`, then the parts
+    // along the last axis, each `[.., H, d_j]` as its own reshape made it.
+    let (mut outs, mut out_names, mut rank, mut sizes) =
+        (outs, out_names, rank, parts.iter().map(|p| p.cols).collect::<Vec<i64>>());
+    if let Some(h) = &heads {
+        let mut shape = h.prefix.clone();
+        shape.extend([h.heads, h.widths.iter().sum()]);
+        let sv = g.add_initializer(
+            g.fresh_name(&format!("{}_heads_shape", out_names[0])),
+            Tensor::from_i64(vec![shape.len() as i64], shape),
+        );
+        let name = g.fresh_name(&format!("{}_heads", out_names[0]));
+        let r = g.add_labeled_node(
+            Some(format!("{label}/heads")),
+            g.node(h.reshapes[0][0]).op.clone(),
+            vec![Some(y), Some(sv)],
+            vec![Output::named(name)],
+        );
+        y = Value::new(r, 0);
+        outs = h.reshapes.iter().map(|c| Value::new(*c.last().expect("a reshape"), 0)).collect();
+        out_names = outs.iter().map(|&v| g.value_name(v).to_string()).collect();
+        rank = h.prefix.len() + 2;
+        sizes = h.widths.clone();
+    }
     let axis = rank as i64 - 1;
     let (split_op, split_inputs) = if g.opset >= 13 {
         let sv = g.add_initializer(
@@ -912,8 +1044,48 @@ fn fuse_group(g: &mut Graph, parts: &[Sharer], weight_axis: usize) -> Result<(),
     };
     let split_outs: Vec<Output> = out_names.iter().map(|n| Output::named(g.fresh_name(&format!("{n}_part")))).collect();
     let split = g.add_labeled_node(Some(format!("{label}/split")), Op::Split(split_op), split_inputs, split_outs);
+    let mut finals: Vec<Value> = (0..outs.len()).map(|j| Value::new(split, j as u16)).collect();
+    // A part's own bias, added after the split into heads: `X·W_j + b_j` reshaped is the
+    // part reshaped plus `b_j` reshaped to `[H, d_j]`.
+    for (j, b) in heads.iter().flat_map(|h| h.biases.iter().enumerate()) {
+        let (Some((a, c)), Some(h)) = (b, &heads) else { continue };
+        let sv = g.add_initializer(
+            g.fresh_name(&format!("{}_bias_shape", out_names[j])),
+            Tensor::from_i64(vec![2], vec![h.heads, h.widths[j]]),
+        );
+        let name = g.fresh_name(&format!("{}_bias", out_names[j]));
+        let rb = g.add_labeled_node(
+            Some(format!("{label}/bias{j}")),
+            g.node(h.reshapes[j][0]).op.clone(),
+            vec![Some(*c), Some(sv)],
+            vec![Output::named(name)],
+        );
+        let name = g.fresh_name(&format!("{}_biased", out_names[j]));
+        let add = g.add_labeled_node(
+            g.node(*a).label.clone(),
+            g.node(*a).op.clone(),
+            vec![Some(finals[j]), Some(Value::new(rb, 0))],
+            vec![Output::named(name)],
+        );
+        finals[j] = Value::new(add, 0);
+    }
     for (j, &o) in outs.iter().enumerate() {
-        g.replace_all_uses(o, Value::new(split, j as u16));
+        g.replace_all_uses(o, finals[j]);
+    }
+    for r in heads.iter().flat_map(|h| &h.reshapes).flat_map(|c| c.iter().rev()) {
+        let shape = g.node(*r).input(1);
+        g.remove_node(*r);
+        // Its shape, when a `Constant` nothing else reads.
+        if let Some(c) = shape
+            && matches!(g.node(c.node).op, Op::Constant(_))
+            && g.users(c).is_empty()
+            && !g.outputs().iter().any(|o| o.value == c)
+        {
+            g.remove_node(c.node);
+        }
+    }
+    for (a, _) in heads.iter().flat_map(|h| h.biases.iter().flatten()) {
+        g.remove_node(*a);
     }
     for p in parts {
         if let Some(a) = p.add {
@@ -922,14 +1094,20 @@ fn fuse_group(g: &mut Graph, parts: &[Sharer], weight_axis: usize) -> Result<(),
         g.remove_node(p.gemm);
     }
     for (j, name) in out_names.into_iter().enumerate() {
-        g.rename(Value::new(split, j as u16), name);
+        g.rename(finals[j], name);
     }
     Ok(())
 }
 
 /// `(X·W₀ + c₀, X·W₁ + c₁, …) = Split(X·[W₀|W₁|…] + [c₀|c₁|…], last axis)`: GEMMs that read
 /// the same input, each by a weight (and bias) only it reads, become one GEMM by the joined
-/// weight and a `Split` of its columns — the inverse of [`unfuse_split_gemm`]. Attention's
+/// weight and a `Split` of its columns — the inverse of [`unfuse_split_gemm`]. Where every
+/// part is then split into heads (reshaped, through a chain of reshapes, to `[.., H, d_j]`,
+/// the same `H` and leading dims for all), the joined weight holds the parts' columns head by
+/// head and the GEMM's output is reshaped to `[.., H, Σd_j]` and split along its last axis:
+/// `Reshape(X·W_j + c_j, [.., H, d_j]) = Split(Reshape(X·W' + c', [.., H, Σd]), last axis)`,
+/// so that a column split of the one GEMM is a split by heads (GPT-2's attention keeps one
+/// GEMM and splits by heads). Attention's
 /// query, key and value projections (BERT's three `MatMul`s and bias `Add`s) become one
 /// GEMM, one bias add and a split: fewer, larger kernels, the input read once; but a column
 /// split of the joined weight mixes the parts, so it trades against head-parallel plans, and
@@ -1404,6 +1582,111 @@ g (float[2,3,4] x) => (float[2,3,4] q, float[2,3,4] k, float[2,3,2] v)
    mv = MatMul (x, wv)
    v = Add (bv, mv)
 }"#;
+
+    const BERT_HEADS: &str = r#"<ir_version: 8, opset_import: ["" : 17]>
+g (float[2,3,8] x) => (float[2,3,2,4] qh, float[2,3,2,4] kh, float[2,3,2,2] vh)
+   <float[8,8] wq = ["location": "w.bin", "offset": "0", "length": "256"], float[8,8] wk = ["location": "w.bin", "offset": "256", "length": "256"],
+    float[8,4] wv = ["location": "w.bin", "offset": "512", "length": "128"],
+    float[8] bq = ["location": "w.bin", "offset": "640", "length": "32"], float[8] bk = ["location": "w.bin", "offset": "672", "length": "32"],
+    float[4] bv = ["location": "w.bin", "offset": "704", "length": "16"]>
+{
+   mq = MatMul (x, wq)
+   q = Add (bq, mq)
+   sq = Constant <value: tensor = int64[4] {2, 3, 2, 4}> ()
+   qh = Reshape (q, sq)
+   mk = MatMul (x, wk)
+   k = Add (mk, bk)
+   sk = Constant <value: tensor = int64[4] {2, 3, -1, 4}> ()
+   kh = Reshape (k, sk)
+   mv = MatMul (x, wv)
+   v = Add (bv, mv)
+   sv = Constant <value: tensor = int64[4] {0, 0, 2, 2}> ()
+   vh = Reshape (v, sv)
+}"#;
+
+    // Reshape(X·W_j + b_j, [.., H, d_j]) = Split(Reshape(X·W' + b', [.., H, Σd]), last axis)
+    // where W' (and b') hold the parts' columns head by head.
+    #[test]
+    fn gemms_split_into_heads_fuse_head_by_head() {
+        assert_eq!(
+            rule_equal(BERT_HEADS, fuse_gemms),
+            (vec!["MatMul".into(), "Add".into(), "Reshape".into(), "Split".into()], 1)
+        );
+        let mut m = model(BERT_HEADS);
+        fuse_gemms(&mut m.graph).unwrap();
+        let g = &m.graph;
+        let w = g
+            .initializers()
+            .iter()
+            .map(|&n| Value::new(n, 0))
+            .find(|&v| g.value_name(v).starts_with("wq+wk+wv"))
+            .unwrap();
+        assert_eq!(g.value_name(w), "wq+wk+wv by heads");
+        // Head 0's columns of each part, then head 1's.
+        let o = origin(g, w).unwrap();
+        let pieces: Vec<String> = o.pieces.iter().map(|p| format!("{}{:?}", p.tensor, p.slice)).collect();
+        assert_eq!(
+            pieces,
+            [
+                "wqSome((1, 0, 4))",
+                "wkSome((1, 0, 4))",
+                "wvSome((1, 0, 2))",
+                "wqSome((1, 4, 8))",
+                "wkSome((1, 4, 8))",
+                "wvSome((1, 2, 4))"
+            ]
+        );
+        // Trained tensors map back to the parts.
+        let dims: HashMap<String, Vec<usize>> = [
+            ("wq", vec![8, 8]),
+            ("wk", vec![8, 8]),
+            ("wv", vec![8, 4]),
+            ("bq", vec![8]),
+            ("bk", vec![8]),
+            ("bv", vec![4]),
+        ]
+        .into_iter()
+        .map(|(k, d)| (k.to_string(), d))
+        .collect();
+        let mut joined = std::collections::BTreeMap::new();
+        let a = ir::eval::draw_external(g.initializer(w).unwrap(), "w", "weight", 3).unwrap();
+        joined.insert(g.value_name(w).to_string(), a.clone());
+        let back = model_tensors(g, &dims, &joined);
+        assert_eq!(back["wv"].shape, [8, 4]);
+        assert_eq!(back["wq"].slice_axis(1, 4, 8), a.slice_axis(1, 10, 14));
+    }
+
+    // Reshape(X·W_j + b_j, [.., H, d_j]) = Split(Reshape(X·W', [.., H, Σd]), last axis)_j +
+    // Reshape(b_j, [H, d_j]) when the biases are not the group's own (here one tensor the
+    // three share, through `Identity`s, as an export that deduplicated equal weights has it).
+    #[test]
+    fn shared_biases_are_added_after_the_split_into_heads() {
+        let text = r#"<ir_version: 8, opset_import: ["" : 17]>
+g (float[2,3,8] x) => (float[2,2,3,4] qt, float[2,3,2,4] kh, float[2,3,2,4] vh)
+   <float[8,8] wq = ["location": "w.bin", "offset": "0", "length": "256"], float[8,8] wk = ["location": "w.bin", "offset": "256", "length": "256"],
+    float[8,8] wv = ["location": "w.bin", "offset": "512", "length": "256"], float[8] b = ["location": "w.bin", "offset": "768", "length": "32"]>
+{
+   bq = Identity (b)
+   bk = Identity (b)
+   mq = MatMul (x, wq)
+   q = Add (bq, mq)
+   s = Constant <value: tensor = int64[4] {2, 3, 2, 4}> ()
+   qh = Reshape (q, s)
+   qt = Transpose <perm: ints = [0, 2, 1, 3]> (qh)
+   mk = MatMul (x, wk)
+   k = Add (mk, bk)
+   kh = Reshape (k, s)
+   mv = MatMul (x, wv)
+   v = Add (mv, b)
+   vh = Reshape (v, s)
+}"#;
+        let (mut ops, made) = rule_equal(text, fuse_gemms);
+        ops.sort();
+        assert_eq!(made, 1);
+        // One GEMM, its split into heads and parts, each part's bias reshaped and added.
+        let count = |k: &str| ops.iter().filter(|o| *o == k).count();
+        assert_eq!((count("MatMul"), count("Split"), count("Reshape"), count("Add")), (1, 1, 4, 3), "{ops:?}");
+    }
 
     // (X·Wq + bq, X·Wk + bk, X·Wv + bv) = Split(X·[Wq|Wk|Wv] + [bq|bk|bv]), bias on either side.
     #[test]
