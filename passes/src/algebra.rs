@@ -964,7 +964,10 @@ fn interleave_initializers(
         }
     }
     let joined = join_initializers(g, &pieces, axis)?;
-    g.rename(joined, g.fresh_name(&format!("{} by heads", names.join("+"))));
+    // Parts that are columns of one tensor (un-fused from it) name it once.
+    let whole: Vec<&str> = names.iter().map(|n| n.split_once('[').map_or(n.as_str(), |(t, _)| t)).collect();
+    let base = if whole.iter().all(|w| *w == whole[0]) { whole[0].to_string() } else { names.join("+") };
+    g.rename(joined, g.fresh_name(&format!("{base} by heads")));
     Ok(joined)
 }
 
