@@ -64,17 +64,21 @@ fn lone_reader(g: &Graph, v: Value) -> Option<NodeId> {
     }
 }
 
-/// The bias added to a GEMM's output `y` of `cols` columns: the `Add` that alone reads `y`,
-/// of `y`'s shape, and its other input, an initializer of `cols` values that add alone reads
-/// (and not a graph output).
-fn bias_add(g: &Graph, y: Value, cols: i64) -> Option<(NodeId, Value)> {
+/// The `Add` that alone reads `y` and keeps `y`'s shape, and its other input.
+fn added_to(g: &Graph, y: Value) -> Option<(NodeId, Value)> {
     let a = lone_reader(g, y)?;
     let Op::Add(_) = &g.node(a).op else { return None };
     let c = g.node(a).inputs().iter().flatten().copied().find(|&c| c != y)?;
+    (static_dims(g, Value::new(a, 0)) == static_dims(g, y)).then_some((a, c))
+}
+
+/// The bias added to a GEMM's output `y` of `cols` columns: [`added_to`]'s `Add` and its
+/// other input, an initializer of `cols` values that add alone reads (and not a graph output).
+fn bias_add(g: &Graph, y: Value, cols: i64) -> Option<(NodeId, Value)> {
+    let (a, c) = added_to(g, y)?;
     let ok = g.initializer(c).is_some_and(|t| t.dims == [cols])
         && g.users(c).iter().all(|&(u, _)| u == a)
-        && !g.outputs().iter().any(|o| o.value == c)
-        && static_dims(g, Value::new(a, 0)) == static_dims(g, y);
+        && !g.outputs().iter().any(|o| o.value == c);
     ok.then_some((a, c))
 }
 
@@ -384,17 +388,22 @@ fn slice_tensor(t: &Tensor, name: &str, axis: usize, start: i64, end: i64) -> Re
     let data = match &t.data {
         TensorData::External(entries) => {
             if entries.iter().any(|(k, _)| k.starts_with("shardc_slice")) {
-                // Columns of columns: the same tensor's, offset (along the same axis).
-                let get = |k: &str| entries.iter().find(|(x, _)| x == k).map(|(_, v)| v.as_str());
-                let at: Vec<i64> =
-                    get("shardc_slice").unwrap_or("").split(':').filter_map(|x| x.parse().ok()).collect();
-                if at.len() != 3 || at[0] != axis as i64 {
-                    return Err(format!("`{name}` is a slice along another axis"));
-                }
+                // Columns of columns: the same tensor's, offset (along the same axis, of a
+                // slice not reshaped since).
+                let at = t
+                    .external_slice()?
+                    .filter(|s| {
+                        let mut d = s.full_dims.clone();
+                        d[s.axis] = (s.end - s.start) as i64;
+                        s.axis == axis && d == t.dims
+                    })
+                    .ok_or_else(|| format!("`{name}` is a slice along another axis, or reshaped since"))?;
                 let e: Vec<(String, String)> = entries
                     .iter()
                     .map(|(k, v)| match k.as_str() {
-                        "shardc_slice" => (k.clone(), format!("{axis}:{}:{}", at[1] + start, at[1] + end)),
+                        "shardc_slice" => {
+                            (k.clone(), format!("{axis}:{}:{}", at.start as i64 + start, at.start as i64 + end))
+                        }
                         _ => (k.clone(), v.clone()),
                     })
                     .collect();
@@ -904,14 +913,8 @@ fn head_split(g: &Graph, outs: &[Value], parts: &[Sharer]) -> Option<HeadSplit> 
         let rows: i64 = static_dims(g, o)?.iter().rev().skip(1).product();
         let mut chain = Vec::new();
         let mut v = o;
-        let mut bias = None;
-        if let Some(a) = lone_reader(g, o)
-            && matches!(g.node(a).op, Op::Add(_))
-            && let Some(c) = g.node(a).inputs().iter().flatten().copied().find(|&c| c != o)
-            && static_dims(g, c) == Some(vec![p.cols])
-            && static_dims(g, Value::new(a, 0)) == static_dims(g, o)
-        {
-            bias = Some((a, c));
+        let bias = added_to(g, o).filter(|&(_, c)| static_dims(g, c) == Some(vec![p.cols]));
+        if let Some((a, _)) = bias {
             v = Value::new(a, 0);
         }
         let dims = loop {
@@ -1050,27 +1053,28 @@ fn fuse_group(g: &mut Graph, parts: &[Sharer], weight_axis: usize) -> Result<(),
     let mut finals: Vec<Value> = (0..outs.len()).map(|j| Value::new(split, j as u16)).collect();
     // A part's own bias, added after the split into heads: `X·W_j + b_j` reshaped is the
     // part reshaped plus `b_j` reshaped to `[H, d_j]`.
-    for (j, b) in heads.iter().flat_map(|h| h.biases.iter().enumerate()) {
-        let (Some((a, c)), Some(h)) = (b, &heads) else { continue };
-        let sv = g.add_initializer(
-            g.fresh_name(&format!("{}_bias_shape", out_names[j])),
-            Tensor::from_i64(vec![2], vec![h.heads, h.widths[j]]),
-        );
-        let name = g.fresh_name(&format!("{}_bias", out_names[j]));
-        let rb = g.add_labeled_node(
-            Some(format!("{label}/bias{j}")),
-            g.node(h.reshapes[j][0]).op.clone(),
-            vec![Some(*c), Some(sv)],
-            vec![Output::named(name)],
-        );
-        let name = g.fresh_name(&format!("{}_biased", out_names[j]));
-        let add = g.add_labeled_node(
-            g.node(*a).label.clone(),
-            g.node(*a).op.clone(),
-            vec![Some(finals[j]), Some(Value::new(rb, 0))],
-            vec![Output::named(name)],
-        );
-        finals[j] = Value::new(add, 0);
+    if let Some(h) = &heads {
+        for (j, &(a, c)) in h.biases.iter().enumerate().filter_map(|(j, b)| b.as_ref().map(|b| (j, b))) {
+            let sv = g.add_initializer(
+                g.fresh_name(&format!("{}_bias_shape", out_names[j])),
+                Tensor::from_i64(vec![2], vec![h.heads, h.widths[j]]),
+            );
+            let name = g.fresh_name(&format!("{}_bias", out_names[j]));
+            let rb = g.add_labeled_node(
+                Some(format!("{label}/bias{j}")),
+                g.node(h.reshapes[j][0]).op.clone(),
+                vec![Some(c), Some(sv)],
+                vec![Output::named(name)],
+            );
+            let name = g.fresh_name(&format!("{}_biased", out_names[j]));
+            let add = g.add_labeled_node(
+                g.node(a).label.clone(),
+                g.node(a).op.clone(),
+                vec![Some(finals[j]), Some(Value::new(rb, 0))],
+                vec![Output::named(name)],
+            );
+            finals[j] = Value::new(add, 0);
+        }
     }
     for (j, &o) in outs.iter().enumerate() {
         g.replace_all_uses(o, finals[j]);

@@ -450,6 +450,13 @@ impl Proxy {
 }
 
 impl Proxy {
+    /// The layout (an index into its `layouts`) live tensor `v` has under the candidate
+    /// indices `x`: the one the op it became live at gives it.
+    fn held(&self, v: ValueId, x: &[usize]) -> Option<usize> {
+        let (u, k) = self.entered[v.ix()]?;
+        Some(self.steps[u].enter[x[u]][k] as usize)
+    }
+
     /// The terms of the objective that depend on op `t`'s choice, with its candidate index
     /// `a` and every other op's index from `ci`: its own cost, the reshardings of its inputs
     /// from their producers' layouts, those of its outputs to their readers'.
@@ -457,8 +464,8 @@ impl Proxy {
         let st = &self.steps[t];
         let mut e = st.time[a] + lambda * st.mem[a];
         for ((_, kv, mat), v) in st.edges.iter().zip(&st.edge_values) {
-            if let Some((u, k)) = self.entered[v.ix()] {
-                e += mat[a * kv + self.steps[u].enter[ci[u]][k] as usize];
+            if let Some(h) = self.held(*v, ci) {
+                e += mat[a * kv + h];
             }
         }
         for (k, v) in st.entering.iter().enumerate() {
@@ -553,8 +560,7 @@ impl Proxy {
     pub(crate) fn delta(&self, changed: &[usize], c: &[usize], ci: &[usize], lambda: f64) -> f64 {
         let edge = |u: usize, e: usize, x: &[usize]| {
             let (_, kv, mat) = &self.steps[u].edges[e];
-            let (w, k) = self.entered[self.steps[u].edge_values[e].ix()].expect("a live tensor entered");
-            mat[x[u] * kv + self.steps[w].enter[x[w]][k] as usize]
+            mat[x[u] * kv + self.held(self.steps[u].edge_values[e], x).expect("a live tensor entered")]
         };
         let mut edges: Vec<(usize, usize)> = Vec::new();
         let mut d = 0.0;

@@ -359,14 +359,13 @@ fn search_mesh(
     }
     let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
     let problem = Arc::new(Problem::new(&cm));
-    let mut seeds: Vec<(String, Vec<u32>)> = vec![("replicated".into(), vec![0; problem.ops.len()])];
-    let mut grows = vec![true];
-    for (name, asg, named) in seed_plans(&cm) {
-        seeds.push((name, problem.indices_of(&asg)));
-        grows.push(named);
+    // (name, choice, whether it seeds the e-graph)
+    let mut seeds: Vec<(String, Vec<u32>, bool)> = vec![("replicated".into(), vec![0; problem.ops.len()], true)];
+    for (name, asg, grows) in seed_plans(&cm) {
+        seeds.push((name, problem.indices_of(&asg), grows));
     }
     let seed_choices: Vec<Vec<u32>> = seeds.iter().map(|s| s.1.clone()).collect();
-    let growing: Vec<Vec<u32>> = seed_choices.iter().zip(&grows).filter(|(_, g)| **g).map(|(c, _)| c.clone()).collect();
+    let growing: Vec<Vec<u32>> = seeds.iter().filter(|s| s.2).map(|s| s.1.clone()).collect();
     let limits = space::Limits {
         nodes: so.node_limit,
         time: net.remaining(),
@@ -374,7 +373,7 @@ fn search_mesh(
         per_op: so.per_op_strategies,
     };
     let mut space = space::explore(problem.clone(), &growing, &limits);
-    for (choice, _) in seed_choices.iter().zip(&grows).filter(|(_, g)| !**g) {
+    for (_, choice, _) in seeds.iter().filter(|s| !s.2) {
         for (cands, &c) in space.candidates.iter_mut().zip(choice) {
             if let Err(at) = cands.binary_search(&c) {
                 cands.insert(at, c);
@@ -392,7 +391,7 @@ fn search_mesh(
         net,
     };
     let ex = extract::extract(&cm, &problem, &space.candidates, &seed_choices, &knobs);
-    let same_as = seeds.iter().find(|(_, c)| *c == ex.best.choice).map(|(n, _)| n.clone());
+    let same_as = seeds.iter().find(|(_, c, _)| *c == ex.best.choice).map(|(n, _, _)| n.clone());
     let assignment = problem.assignment(&ex.best.choice);
     // The full breakdown (per-op rows, communication events) of the winner.
     let breakdown = cm.evaluate(&assignment);

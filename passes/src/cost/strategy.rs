@@ -375,28 +375,8 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
                 }
             }
             Named::Spatial => windowed(n).then(|| spatial_split(cm, n, &all_axes)).flatten(),
-            Named::Hybrid { .. } => {
-                // Batch over axis 0, Megatron over axis 1, the rest following the input.
-                let mut s = follow(cm, &asg, n);
-                if let Some(b) = dim_with(cm, n, DimRole::Batch) {
-                    let mut t = s.clone();
-                    t[0] = Some(b);
-                    if t[1] == Some(b) {
-                        t[1] = None;
-                    }
-                    if strategy_valid(cm.space(n), &t, &cm.mesh, cm.g, n) {
-                        s = t;
-                    }
-                }
-                if let Some(m) = megatron(cm, &asg, n, &[1]) {
-                    let mut t = s.clone();
-                    t[1] = m[1];
-                    if strategy_valid(cm.space(n), &t, &cm.mesh, cm.g, n) {
-                        s = t;
-                    }
-                }
-                Some(s)
-            }
+            // Batch over axis 0, Megatron over axis 1, the rest following the input.
+            Named::Hybrid { .. } => Some(data_then_megatron(cm, &asg, n, &[0], 1)),
             Named::SpatialHybrid(..) => {
                 let mut s = vec![None; k];
                 if let Some(b) = dim_with(cm, n, DimRole::Batch) {
@@ -447,30 +427,40 @@ pub fn hybrid_over(cm: &CostModel<'_>, tp: usize) -> Result<Assignment, String> 
     if k < 2 || tp >= k {
         return Err(format!("a hybrid over axis {tp} needs a mesh of at least two axes that has it"));
     }
+    let dp: Vec<usize> = (0..k).filter(|&a| a != tp).collect();
     let mut asg = Assignment::default();
     for &n in cm.order() {
-        let mut s = follow(cm, &asg, n);
-        if let Some(b) = dim_with(cm, n, DimRole::Batch) {
-            let t: Vec<Option<usize>> = (0..k)
-                .map(|a| match a == tp {
-                    false => Some(b),
-                    true => s[a].filter(|&d| d != b),
-                })
-                .collect();
-            if strategy_valid(cm.space(n), &t, &cm.mesh, cm.g, n) {
-                s = t;
-            }
-        }
-        if let Some(m) = megatron(cm, &asg, n, &[tp]) {
-            let mut t = s.clone();
-            t[tp] = m[tp];
-            if strategy_valid(cm.space(n), &t, &cm.mesh, cm.g, n) {
-                s = t;
-            }
-        }
+        let s = data_then_megatron(cm, &asg, n, &dp, tp);
         asg.strategies.insert(n, s);
     }
     Ok(asg)
+}
+
+/// Op `n`'s strategy under data parallel over the axes `dp` and Megatron over axis `tp`,
+/// the other axes following the input: the batch over `dp` (and off `tp`) where that is
+/// valid, then Megatron's split on `tp` where that is.
+fn data_then_megatron(cm: &CostModel<'_>, asg: &Assignment, n: NodeId, dp: &[usize], tp: usize) -> Vec<Option<usize>> {
+    let mut s = follow(cm, asg, n);
+    if let Some(b) = dim_with(cm, n, DimRole::Batch) {
+        let mut t = s.clone();
+        for &a in dp {
+            t[a] = Some(b);
+        }
+        if t[tp] == Some(b) {
+            t[tp] = None;
+        }
+        if strategy_valid(cm.space(n), &t, &cm.mesh, cm.g, n) {
+            s = t;
+        }
+    }
+    if let Some(m) = megatron(cm, asg, n, &[tp]) {
+        let mut t = s.clone();
+        t[tp] = m[tp];
+        if strategy_valid(cm.space(n), &t, &cm.mesh, cm.g, n) {
+            s = t;
+        }
+    }
+    s
 }
 
 /// Splits the spatial dims of a windowed op over `axes`: the first spatial dim over all of
