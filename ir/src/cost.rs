@@ -6,6 +6,8 @@
 //! initializers), each as many FLOPs as the forward; other ops' backward costs about as much
 //! as their forward. Bytes are what the op reads and writes in the forward pass.
 
+use std::collections::HashSet;
+
 use serde::Serialize;
 
 use crate::graph::{Graph, NodeId, Value};
@@ -68,24 +70,45 @@ fn bytes(t: Option<&TensorType>) -> f64 {
     t.and_then(TensorType::size_bytes).map_or(0.0, |n| n as f64)
 }
 
-/// True when `v` is a trainable parameter: a float initializer (or input default).
+/// True when `v` is a trainable parameter: a float initializer (or input default) of two or
+/// more elements. A single-element one is the exporter's constant (a scale, an epsilon, a
+/// mask's fill value, an exponent; `canonicalize` makes `Constant`s initializers), not a
+/// parameter: the autodiff pass trains exactly these, and the cost model prices gradients,
+/// their synchronisation and updates for exactly these.
 pub fn is_param(g: &Graph, v: Value) -> bool {
     match &g.node(v.node).op {
-        Op::Initializer(t) => t.dtype.is_float(),
-        Op::Input { default: Some(t) } => t.dtype.is_float(),
+        Op::Initializer(t) | Op::Input { default: Some(t) } => t.dtype.is_float() && t.numel() >= 2,
         _ => false,
     }
 }
 
-/// True when gradients flow back into `v`: float values computed from graph inputs or
-/// parameters, excluding graph inputs themselves (no one needs the data gradient of the
-/// input batch).
-fn needs_grad(g: &Graph, v: Value) -> bool {
-    let node = g.node(v.node);
-    if matches!(node.op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef | Op::Constant(_)) {
-        return false;
+/// The values gradients flow into in a training step: the parameters ([`is_param`]) and the
+/// float values computed from them through float values (`order`: the ops, topologically) — what
+/// reverse mode differentiates (the autodiff pass's reach). A value computed from inputs and
+/// constants only (an attention mask, positions, a causal bias) gets no gradient, nor does
+/// an integer value (shapes, indices). An op with subgraphs may read parameters its inputs do
+/// not name, so its float outputs are counted in.
+pub fn grad_flow(g: &Graph, order: &[NodeId]) -> HashSet<Value> {
+    let mut reach = HashSet::new();
+    for &n in order {
+        let node = g.node(n);
+        if is_param(g, Value::new(n, 0)) {
+            continue;
+        }
+        let fed = |v: &Value| is_param(g, *v) || reach.contains(v);
+        if node.op.has_subgraphs() || node.inputs().iter().flatten().any(fed) {
+            let outs = (0..node.num_outputs()).map(|s| Value::new(n, s as u16));
+            let float: Vec<Value> = outs.filter(|&v| g.tensor_type(v).is_some_and(|t| t.dtype.is_float())).collect();
+            reach.extend(float);
+        }
     }
-    g.tensor_type(v).is_some_and(|t| t.dtype.is_float())
+    // The parameters themselves.
+    for n in g.node_ids() {
+        if is_param(g, Value::new(n, 0)) {
+            reach.insert(Value::new(n, 0));
+        }
+    }
+    reach
 }
 
 /// How many times the forward pass of node `n` reads input `i`, as a multiple of its size:
@@ -113,8 +136,9 @@ pub fn read_factor(g: &Graph, n: NodeId, i: usize) -> f64 {
 }
 
 /// Counts FLOPs and bytes of node `n`. Shapes must have been inferred; unknown shapes count
-/// as zero.
-pub fn node_cost(g: &Graph, n: NodeId) -> OpCost {
+/// as zero. Backward FLOPs count the gradients of the inputs in `grads` ([`grad_flow`]) and
+/// of the parameters.
+pub fn node_cost(g: &Graph, n: NodeId, grads: &HashSet<Value>) -> OpCost {
     let node = g.node(n);
     let out = |i: usize| g.tensor_type(Value::new(n, i as u16));
     let mut c = OpCost { launches: 1.0, ..OpCost::default() };
@@ -131,7 +155,7 @@ pub fn node_cost(g: &Graph, n: NodeId) -> OpCost {
         c.bytes_written += bytes(out(i));
     }
     let y = numel(out(0));
-    let grad_in = |i: usize| node.input(i).is_some_and(|v| needs_grad(g, v));
+    let grad_in = |i: usize| node.input(i).is_some_and(|v| !is_param(g, v) && grads.contains(&v));
     let param_in = |i: usize| node.input(i).is_some_and(|v| is_param(g, v));
     let cx = crate::ops::NodeCx { g, n };
     let Some(w) = node.op.rules().work(&cx) else { return c };
@@ -206,6 +230,7 @@ pub fn compute_stats(g: &Graph) -> Result<GraphStats, String> {
     };
     let mut s = GraphStats::default();
     let mut hist: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
+    let grads = grad_flow(g, &g.topo_order().unwrap_or_else(|_| g.node_ids().collect()));
     for n in g.node_ids() {
         let node = g.node(n);
         let tensor = match &node.op {
@@ -232,7 +257,7 @@ pub fn compute_stats(g: &Graph) -> Result<GraphStats, String> {
             format!("{}.{}", node.op.domain(), node.op.op_type())
         };
         *hist.entry(key).or_insert(0) += 1;
-        let c = node_cost(g, n);
+        let c = node_cost(g, n, &grads);
         s.forward_flops += c.fwd_flops;
         s.backward_flops += c.bwd_data_flops + c.bwd_weight_flops;
         for o in 0..node.num_outputs() {

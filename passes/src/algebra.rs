@@ -1016,6 +1016,7 @@ fn fuse_group(g: &mut Graph, parts: &[Sharer], weight_axis: usize) -> Result<(),
     }
     // Split into heads first when the parts are: `[.., H·Σd] → [.., H, Σd]`, then the parts
     // along the last axis, each `[.., H, d_j]` as its own reshape made it.
+    let (plain, plain_names) = (outs.clone(), out_names.clone());
     let (mut outs, mut out_names, mut rank, mut sizes) =
         (outs, out_names, rank, parts.iter().map(|p| p.cols).collect::<Vec<i64>>());
     if let Some(h) = &heads {
@@ -1051,37 +1052,40 @@ fn fuse_group(g: &mut Graph, parts: &[Sharer], weight_axis: usize) -> Result<(),
     let split_outs: Vec<Output> = out_names.iter().map(|n| Output::named(g.fresh_name(&format!("{n}_part")))).collect();
     let split = g.add_labeled_node(Some(format!("{label}/split")), Op::Split(split_op), split_inputs, split_outs);
     let mut finals: Vec<Value> = (0..outs.len()).map(|j| Value::new(split, j as u16)).collect();
-    // A part's own bias, added after the split into heads: `X·W_j + b_j` reshaped is the
-    // part reshaped plus `b_j` reshaped to `[H, d_j]`.
+    // A part with a bias of its own added before its reshapes (a value other ops may read
+    // too): the part reshaped back to its columns, `[.., H, d_j] → [.., H·d_j]`, is what the
+    // part's GEMM made, so its bias add and reshapes stay as they were.
+    let mut kept = vec![false; outs.len()];
     if let Some(h) = &heads {
-        for (j, &(a, c)) in h.biases.iter().enumerate().filter_map(|(j, b)| b.as_ref().map(|b| (j, b))) {
+        for (j, b) in h.biases.iter().enumerate() {
+            if b.is_none() {
+                continue;
+            }
+            let o = plain[j];
+            let dims = static_dims(g, o).expect("matched");
             let sv = g.add_initializer(
-                g.fresh_name(&format!("{}_bias_shape", out_names[j])),
-                Tensor::from_i64(vec![2], vec![h.heads, h.widths[j]]),
+                g.fresh_name(&format!("{}_cols_shape", plain_names[j])),
+                Tensor::from_i64(vec![dims.len() as i64], dims),
             );
-            let name = g.fresh_name(&format!("{}_bias", out_names[j]));
-            let rb = g.add_labeled_node(
-                Some(format!("{label}/bias{j}")),
+            let r = g.add_labeled_node(
+                Some(format!("{label}/cols{j}")),
                 g.node(h.reshapes[j][0]).op.clone(),
-                vec![Some(c), Some(sv)],
-                vec![Output::named(name)],
+                vec![Some(finals[j]), Some(sv)],
+                vec![Output::named(g.fresh_name(&format!("{}_cols", plain_names[j])))],
             );
-            let name = g.fresh_name(&format!("{}_biased", out_names[j]));
-            let add = g.add_labeled_node(
-                g.node(a).label.clone(),
-                g.node(a).op.clone(),
-                vec![Some(finals[j]), Some(Value::new(rb, 0))],
-                vec![Output::named(name)],
-            );
-            finals[j] = Value::new(add, 0);
+            finals[j] = Value::new(r, 0);
+            outs[j] = o;
+            out_names[j] = plain_names[j].clone();
+            kept[j] = true;
         }
     }
     for (j, &o) in outs.iter().enumerate() {
         g.replace_all_uses(o, finals[j]);
     }
-    for r in heads.iter().flat_map(|h| &h.reshapes).flat_map(|c| c.iter().rev()) {
-        let shape = g.node(*r).input(1);
-        g.remove_node(*r);
+    let chains = heads.iter().flat_map(|h| h.reshapes.iter().zip(&kept)).filter(|(_, k)| !**k).map(|(c, _)| c);
+    for r in chains.flat_map(|c| c.iter().rev()).copied().collect::<Vec<_>>() {
+        let shape = g.node(r).input(1);
+        g.remove_node(r);
         // Its shape, when a `Constant` nothing else reads.
         if let Some(c) = shape
             && matches!(g.node(c.node).op, Op::Constant(_))
@@ -1090,9 +1094,6 @@ fn fuse_group(g: &mut Graph, parts: &[Sharer], weight_axis: usize) -> Result<(),
         {
             g.remove_node(c.node);
         }
-    }
-    for (a, _) in heads.iter().flat_map(|h| h.biases.iter().flatten()) {
-        g.remove_node(*a);
     }
     for p in parts {
         if let Some(a) = p.add {
@@ -1663,11 +1664,13 @@ g (float[2,3,8] x) => (float[2,3,2,4] qh, float[2,3,2,4] kh, float[2,3,2,2] vh)
         assert_eq!(back["wq"].slice_axis(1, 4, 8), a.slice_axis(1, 10, 14));
     }
 
-    // Reshape(X·W_j + b_j, [.., H, d_j]) = Split(Reshape(X·W', [.., H, Σd]), last axis)_j +
-    // Reshape(b_j, [H, d_j]) when the biases are not the group's own (here one tensor the
-    // three share, through `Identity`s, as an export that deduplicated equal weights has it).
+    // X·W_j = Reshape(Split(Reshape(X·W', [.., H, Σd]), last axis)_j, [.., H·d_j]): a part
+    // whose bias is not the group's own (here one tensor the three share, through
+    // `Identity`s, as an export that deduplicated equal weights has it) is reshaped back to
+    // its columns, and its bias add and reshapes into heads stay as they were (the bias read
+    // as it is, so its gradient is synchronised with the parameter's).
     #[test]
-    fn shared_biases_are_added_after_the_split_into_heads() {
+    fn shared_biases_are_added_to_the_parts_columns() {
         let text = r#"<ir_version: 8, opset_import: ["" : 17]>
 g (float[2,3,8] x) => (float[2,2,3,4] qt, float[2,3,2,4] kh, float[2,3,2,4] vh)
    <float[8,8] wq = ["location": "w.bin", "offset": "0", "length": "256"], float[8,8] wk = ["location": "w.bin", "offset": "256", "length": "256"],
@@ -1690,9 +1693,10 @@ g (float[2,3,8] x) => (float[2,2,3,4] qt, float[2,3,2,4] kh, float[2,3,2,4] vh)
         let (mut ops, made) = rule_equal(text, fuse_gemms);
         ops.sort();
         assert_eq!(made, 1);
-        // One GEMM, its split into heads and parts, each part's bias reshaped and added.
+        // One GEMM, its split into heads and parts, each part reshaped back to its columns,
+        // its bias added and its own reshape into heads.
         let count = |k: &str| ops.iter().filter(|o| *o == k).count();
-        assert_eq!((count("MatMul"), count("Split"), count("Reshape"), count("Add")), (1, 1, 4, 3), "{ops:?}");
+        assert_eq!((count("MatMul"), count("Split"), count("Reshape"), count("Add")), (1, 1, 7, 3), "{ops:?}");
     }
 
     // (X·Wq + bq, X·Wk + bk, X·Wv + bv) = Split(X·[Wq|Wk|Wv] + [bq|bk|bv]), bias on either side.

@@ -5,8 +5,10 @@
 //! `--loss-output` names), or is appended (`softmax-cross-entropy`, `mse`, `mean` of an
 //! output) with a graph input for the labels. Reverse mode walks the forward ops from the
 //! loss back, calling each op's gradient rule ([`ir::ops::OpRules::grad`], in the op's own
-//! module); gradients of a value read by several ops are summed. Every float initializer that
-//! receives a gradient is trainable (BatchNormalization's running statistics get none); it
+//! module); gradients of a value read by several ops are summed. Every parameter
+//! ([`ir::cost::is_param`]: a float initializer of two or more elements; single-element ones
+//! are the exporter's constants) that receives a gradient is trainable (BatchNormalization's
+//! running statistics get none); it
 //! is updated by the optimizer's op (`SgdUpdate`, `AdamUpdate`) with its state in new
 //! initializers.
 //!
@@ -249,9 +251,9 @@ pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<T
         .initializers()
         .iter()
         .map(|&n| Value::new(n, 0))
-        // Single-element initializers are the exporter's constants (scales, epsilons, mask
-        // fill values, exponents), not parameters: they are not trained.
-        .filter(|&v| g.initializer(v).is_some_and(|t| t.dtype.is_float() && t.dims.iter().product::<i64>() >= 2))
+        // The parameters the cost model prices (single-element initializers are the
+        // exporter's constants: scales, epsilons, mask fill values, exponents).
+        .filter(|&v| ir::cost::is_param(g, v))
         .collect();
     let grads = backward(g, &order, loss_v, &candidates)?;
     // Trainable: the candidates that received a gradient.

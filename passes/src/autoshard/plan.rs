@@ -370,17 +370,17 @@ fn inherit_kind<'a>(kind: &'a str, whole: Option<&'a AxisUse>) -> &'a str {
 
 /// Classifies each mesh axis by the roles of the iteration dims the ops split over it,
 /// weighted by each op's training FLOPs.
-fn axis_uses(g: &Graph, cm: &CostModel<'_>, asg: &Assignment) -> Vec<AxisUse> {
-    axis_uses_of(g, cm, asg, cm.order())
+fn axis_uses(cm: &CostModel<'_>, asg: &Assignment) -> Vec<AxisUse> {
+    axis_uses_of(cm, asg, cm.order())
 }
 
 /// [`axis_uses`] over the ops of `ops` only.
-fn axis_uses_of(g: &Graph, cm: &CostModel<'_>, asg: &Assignment, ops: &[NodeId]) -> Vec<AxisUse> {
+fn axis_uses_of(cm: &CostModel<'_>, asg: &Assignment, ops: &[NodeId]) -> Vec<AxisUse> {
     let mesh = &cm.mesh;
     let mut total = 0.0;
     let mut per: Vec<BTreeMap<String, f64>> = vec![BTreeMap::new(); mesh.axes.len()];
     for &n in ops {
-        let flops = ir::cost::node_cost(g, n).total_flops();
+        let flops = cm.node_cost(n).total_flops();
         total += flops;
         let Some(s) = asg.strategies.get(&n) else { continue };
         let sp = cm.space(n);
@@ -455,7 +455,7 @@ fn regions(g: &Graph, cm: &CostModel<'_>, asg: &Assignment, whole: &[AxisUse]) -
             _ => blocks.push((b, vec![n])),
         }
     }
-    let flops = |ops: &[NodeId]| ops.iter().map(|&n| ir::cost::node_cost(g, n).total_flops()).sum::<f64>();
+    let flops = |ops: &[NodeId]| ops.iter().map(|&n| cm.node_cost(n).total_flops()).sum::<f64>();
     let total = flops(order).max(1e-300);
     let mut out: Vec<Region> = Vec::new();
     for (b, ops) in blocks {
@@ -464,7 +464,7 @@ fn regions(g: &Graph, cm: &CostModel<'_>, asg: &Assignment, whole: &[AxisUse]) -
         // Dims without a role of their own (an activation's, a pooling's channels) take their
         // axis's kind in the whole plan; a block that splits nothing else (`relu`, `maxpool`
         // between two layers) is glue and joins the region before it.
-        let mut uses = axis_uses_of(g, cm, asg, &ops);
+        let mut uses = axis_uses_of(cm, asg, &ops);
         for (u, w) in uses.iter_mut().zip(whole) {
             u.kind = inherit_kind(&u.kind, Some(w)).to_string();
         }
@@ -535,7 +535,7 @@ impl PlanSummary {
         pipeline: Option<(usize, usize, &str)>,
     ) -> PlanSummary {
         let g = cm.g;
-        let axes = axis_uses(g, cm, asg);
+        let axes = axis_uses(cm, asg);
         let regions = regions(g, cm, asg, &axes);
         // A plan that parallelises regions of the model differently says so region by
         // region.
@@ -566,8 +566,7 @@ impl PlanSummary {
             let d = t.static_dims()?;
             (!t.dtype.is_float() && d.len() == 2).then(|| (d[0] * d[1]) as f64)
         });
-        let flops: f64 =
-            g.op_nodes().unwrap_or_default().iter().map(|&n| ir::cost::node_cost(g, n).total_flops()).sum();
+        let flops: f64 = cm.order().iter().map(|&n| cm.node_cost(n).total_flops()).sum();
         let peak = cluster.device.peak_flops.at(opts.precision);
         let ok = step > 0.0 && step.is_finite();
         PlanSummary {

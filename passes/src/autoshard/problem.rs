@@ -196,11 +196,7 @@ impl Problem {
         }
         let g = cm.g;
         let float = g.tensor_type(v).is_some_and(|t| t.dtype.is_float());
-        let producer = &g.node(v.node).op;
-        let needs_grad = float
-            && !matches!(producer, Op::Input { default: None } | Op::OuterRef | Op::Constant(_))
-            && !is_host(producer)
-            || ir::cost::is_param(g, v);
+        let needs_grad = cm.needs_grad(v);
         let id = ValueId(self.values.len() as u32);
         self.values.push(ValueInfo {
             value: v,

@@ -321,8 +321,9 @@ pw (float[4,64,32,32] x) => (float[4,64,32,32] y)
 /// `algebra::SEARCH_CHOICES` (and, where the two plans price one of the two convolutions
 /// cheaper rewritten, the graph rewritten there only), keeps the fastest, and its plan is a
 /// plan of the graph it leaves: priced again on that graph it costs what the search said. Off,
-/// it is the plain search. On 2 local-wgpu devices the second convolution alone as a GEMM is
-/// fastest.
+/// it is the plain search. On 2 local-wgpu devices both convolutions as GEMMs are fastest
+/// (the input's transposes into the first GEMM carry no gradient: nothing before them is
+/// trained).
 #[test]
 fn the_search_keeps_the_rewrite_whose_plan_is_faster() {
     for (cluster, devices) in [("dgx-a100", 8), ("local-wgpu", 2)] {
@@ -351,7 +352,7 @@ fn the_search_keeps_the_rewrite_whose_plan_is_faster() {
         let mut plain = graph(POINTWISE);
         let off = super::SearchOptions { rewrites: false, ..so };
         let local = cluster.name == "local-wgpu";
-        assert!(!local || (c.applied_at_cheaper && c.cheaper_at.as_deref() == Some(&["y".to_string()][..])), "{c:?}");
+        assert!(!local || (c.applied && !c.applied_at_cheaper), "{c:?}");
         let r = super::search_rewriting(&mut plain, &cluster, devices, &Options::default(), &off).unwrap();
         assert!(r.rewrites.is_empty());
         assert_eq!(r.breakdown.step_time_s, c.without_step_time_s);

@@ -301,6 +301,8 @@ pub struct CostModel<'a> {
     /// A training graph's op phases ([`ir::reshard::step_phases`]): the graph is priced as
     /// it runs, each op once in its phase, with no backward pass or update added.
     phases: Option<HashMap<NodeId, Phase>>,
+    /// The values gradients flow into ([`ir::cost::grad_flow`]).
+    grads: std::collections::HashSet<Value>,
     op_memo: RefCell<FxHashMap<(NodeId, OpStrategy), Rc<OpEval>>>,
     reshard_memo: RefCell<FxHashMap<ReshardKey, Resharded>>,
 }
@@ -453,11 +455,12 @@ impl<'a> CostModel<'a> {
         let batch = batch_dims(g);
         let mut spaces = HashMap::new();
         let mut costs = HashMap::new();
+        let grads = ir::cost::grad_flow(g, &order);
         for &n in &order {
             let mut sp = iter_space(g, n);
             mark_batch(g, n, &mut sp, &batch);
             spaces.insert(n, sp);
-            costs.insert(n, node_cost(g, n));
+            costs.insert(n, node_cost(g, n, &grads));
         }
         let policy = choose_policy(&mesh, cluster);
         let phases = ir::reshard::step_phases(g, &order);
@@ -472,6 +475,7 @@ impl<'a> CostModel<'a> {
             costs,
             batch,
             phases,
+            grads,
             op_memo: RefCell::default(),
             reshard_memo: RefCell::default(),
         }
@@ -480,6 +484,11 @@ impl<'a> CostModel<'a> {
     /// Operator nodes in topological order.
     pub fn order(&self) -> &[NodeId] {
         &self.order
+    }
+
+    /// The FLOPs and bytes of an op, backward counted over the values gradients flow into.
+    pub fn node_cost(&self, n: NodeId) -> &OpCost {
+        &self.costs[&n]
     }
 
     /// The iteration space of an op.
@@ -1249,16 +1258,10 @@ impl<'a> CostModel<'a> {
         (out_sh, storage)
     }
 
-    /// Gradients flow back into `v`.
-    fn needs_grad(&self, v: Value) -> bool {
-        if self.phases.is_some() {
-            return false; // a training graph computes its gradients itself
-        }
-        let g = self.g;
-        let node = g.node(v.node);
-        let float = g.tensor_type(v).is_some_and(|t| t.dtype.is_float());
-        float && !matches!(node.op, Op::Input { default: None } | Op::OuterRef | Op::Constant(_)) && !is_host(&node.op)
-            || ir::cost::is_param(g, v)
+    /// Gradients flow back into `v` in the backward pass priced ([`ir::cost::grad_flow`]; a
+    /// training graph computes its gradients itself, so none are added for it).
+    pub(crate) fn needs_grad(&self, v: Value) -> bool {
+        self.phases.is_none() && self.grads.contains(&v)
     }
 
     /// The reshardings on the inputs of op `n` (position `pos`): forward, each input brought

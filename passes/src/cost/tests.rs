@@ -164,8 +164,8 @@ fn kernels_of_few_invocations_run_slower() {
     ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
     let sm: Vec<_> = m.graph.node_ids().filter(|&n| matches!(m.graph.node(n).op, Op::Softmax(_))).collect();
     // The op's own facts: one invocation per row.
-    assert_eq!(ir::cost::node_cost(&m.graph, sm[0]).parallel, 4.0);
-    assert_eq!(ir::cost::node_cost(&m.graph, sm[1]).parallel, 1024.0);
+    assert_eq!(ir::cost::node_cost(&m.graph, sm[0], &Default::default()).parallel, 4.0);
+    assert_eq!(ir::cost::node_cost(&m.graph, sm[1], &Default::default()).parallel, 1024.0);
     let mut c = toy();
     c.device.parallel_width = 256.0;
     c.device.serial_slowdown = 8.0;
