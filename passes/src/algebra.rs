@@ -6,6 +6,8 @@
 //! - [`conv_as_matmul`] (chosen by the search): a pointwise convolution as a batched GEMM.
 //! - [`fold_reshape_transpose`]: `Reshape(Transpose(Reshape(x, merge groups), π), unmerge) =
 //!   Transpose(x, π expanded over the groups)`.
+//! - [`transpose_into_gemm`]: `X · Transpose(W) = Reshape(Gemm(Reshape(X, [R, K]), W, transB = 1), [.., N])`
+//!   for a parameter `W` (a tied output projection reads the parameter itself).
 //!
 //! **Un-fusing.** Exporters fuse the query, key and value projections of attention into one GEMM (GPT-2's
 //! `c_attn`: 768 → 2304 columns, then `Split` into three 768-column tensors). A column split
@@ -627,6 +629,77 @@ pub fn fold_reshape_transpose_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -
         crate::canonicalize::eliminate_unused_initializers(g);
     }
     Ok(folded)
+}
+
+/// `X · Transpose(W) = Reshape(Gemm(Reshape(X, [R, K]), W, transB = 1), [.., N])` for a 2-D
+/// parameter `W` (`R` the product of `X`'s leading dims; no reshapes when `X` is 2-D). A model
+/// that ties its output projection to its embedding table (GPT-2's `lm_head`) reads the table
+/// through a `Transpose`: its gradient there is a computed value's, reduced across the devices
+/// that split the batch in the backward pass and then summed into the table's, which is
+/// synchronised again. Read by the `Gemm`, it is the parameter's own gradient, synchronised
+/// once with the table's other reader's, and the transpose kernel is gone. The `Transpose` is
+/// removed when nothing else reads it.
+pub fn transpose_into_gemm(g: &mut Graph) -> Result<u64, Located> {
+    transpose_into_gemm_where(g, &mut |_| true)
+}
+
+/// [`transpose_into_gemm`] on the matches `pick` accepts (in topological order).
+pub fn transpose_into_gemm_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) -> Result<u64, Located> {
+    let order = g.topo_order().map_err(|_| Located::global("the graph has a cycle"))?;
+    let (mut matched, mut done) = (0, 0);
+    for n in order {
+        if !g.contains(n) || !matches!(g.node(n).op, Op::MatMul(_)) {
+            continue;
+        }
+        let (Some(x), Some(t)) = (g.node(n).input(0), g.node(n).input(1)) else { continue };
+        let Op::Transpose(tp) = &g.node(t.node).op else { continue };
+        if tp.perm.as_ref().is_some_and(|p| p[..] != [1, 0]) {
+            continue;
+        }
+        let Some(w) = g.node(t.node).input(0) else { continue };
+        let (Some(xd), Some(wd), Some(yd)) = (static_dims(g, x), static_dims(g, w), static_dims(g, Value::new(n, 0)))
+        else {
+            continue;
+        };
+        if !ir::cost::is_param(g, w) || wd.len() != 2 || xd.len() < 2 || xd[xd.len() - 1] != wd[1] {
+            continue;
+        }
+        matched += 1;
+        if !pick(matched - 1) {
+            continue;
+        }
+        let label = g.node(n).label.clone().unwrap_or_else(|| g.op_name(n));
+        let y_name = g.value_name(Value::new(n, 0)).to_string();
+        let reshape = |g: &mut Graph, v: Value, shape: Vec<i64>, what: &str| -> Value {
+            let sv = g.add_initializer(
+                g.fresh_name(&format!("{y_name}_{what}_shape")),
+                Tensor::from_i64(vec![shape.len() as i64], shape),
+            );
+            let out = g.fresh_name(&format!("{y_name}_{what}"));
+            let r = g.add_labeled_node(
+                Some(format!("{label}/{what}")),
+                Op::Reshape(ir::op::Reshape::default()),
+                vec![Some(v), Some(sv)],
+                vec![Output::named(out)],
+            );
+            Value::new(r, 0)
+        };
+        let rows: i64 = xd[..xd.len() - 1].iter().product();
+        let x2 = if xd.len() == 2 { x } else { reshape(g, x, vec![rows, wd[1]], "rows") };
+        let gemm = ir::op::Gemm { trans_b: Some(1), ..Default::default() };
+        let out = g.fresh_name(&format!("{y_name}_gemm"));
+        let gm =
+            g.add_labeled_node(Some(label.clone()), Op::Gemm(gemm), vec![Some(x2), Some(w)], vec![Output::named(out)]);
+        let y = if xd.len() == 2 { Value::new(gm, 0) } else { reshape(g, Value::new(gm, 0), yd, "output") };
+        g.replace_all_uses(Value::new(n, 0), y);
+        g.remove_node(n);
+        if g.users(t).is_empty() && !g.outputs().iter().any(|o| o.value == t) {
+            g.remove_node(t.node);
+        }
+        g.rename(y, y_name);
+        done += 1;
+    }
+    Ok(done)
 }
 
 /// `Conv(X, W, B) = Reshape(Reshape(W, [M, C]) · Reshape(X, [N, C, S]) + Reshape(B, [M, 1]), [N, M, s₁, …])`
@@ -1268,12 +1341,14 @@ impl Pass for Algebra {
         let fail = |e: Located| PassError::new("algebra", e);
         let (fused, made) = unfuse_split_gemm(g).map_err(fail)?;
         let folded = fold_reshape_transpose(g).map_err(fail)?;
-        if fused + folded == 0 {
+        let untransposed = transpose_into_gemm(g).map_err(fail)?;
+        if fused + folded + untransposed == 0 {
             return Ok(Changed::No);
         }
         cx.stats.add("fused GEMMs split", fused);
         cx.stats.add("GEMMs made", made);
         cx.stats.add("reshape-transpose-reshape folded", folded);
+        cx.stats.add("transposed weights read by a GEMM", untransposed);
         ir::infer::infer_shapes(g, ir::infer::Mode::Check).map_err(|errs| PassError::shapes(self.name(), errs))?;
         Ok(Changed::Yes)
     }
@@ -1468,6 +1543,38 @@ g (float[2,3,4,5] x) => (float[3,2,5,4] y)
             }
         }
         (ops(&m.graph), made)
+    }
+
+    // X·Transpose(W) = Reshape(Gemm(Reshape(X, [R, K]), W, transB = 1), [.., N]) for a
+    // parameter W another op also reads (a tied table); a 2-D X needs no reshapes, and the
+    // transpose goes once no reader is left. A transpose of a computed value stays.
+    #[test]
+    fn a_transposed_parameter_is_read_by_a_gemm() {
+        let text = r#"<ir_version: 8, opset_import: ["" : 17]>
+g (float[2,3,4] h, float[6,4] h2) => (float[2,3,5] y, float[6,5] y2, float[5,4] e, float[6,5] y3)
+   <float[5,4] w = ["location": "w.bin", "offset": "0", "length": "80"]>
+{
+   wt = Transpose <perm: ints = [1, 0]> (w)
+   y = MatMul (h, wt)
+   y2 = MatMul (h2, wt)
+   e = Relu (w)
+   et = Transpose <perm: ints = [1, 0]> (e)
+   y3 = MatMul (h2, et)
+}"#;
+        let (mut ops, made) = rule_equal(text, transpose_into_gemm);
+        ops.sort();
+        assert_eq!(made, 2);
+        assert_eq!(ops, ["Gemm", "Gemm", "MatMul", "Relu", "Reshape", "Reshape", "Transpose"]);
+        let mut m = model(text);
+        transpose_into_gemm(&mut m.graph).unwrap();
+        let g = &m.graph;
+        // The GEMMs read the parameter itself, transposed by the op; outputs keep their names.
+        let w = g.lookup("w").unwrap();
+        let gemms: Vec<NodeId> =
+            g.users(w).iter().map(|&(u, _)| u).filter(|&u| matches!(g.node(u).op, Op::Gemm(_))).collect();
+        assert_eq!(gemms.len(), 2);
+        assert!(gemms.iter().all(|&u| matches!(&g.node(u).op, Op::Gemm(gm) if gm.trans_b() == 1)));
+        assert!(g.lookup("wt").is_none() && g.lookup("y").is_some() && g.lookup("y2").is_some());
     }
 
     // Conv(X, W, B) = Reshape(Reshape(W, [M,C]) · Reshape(X, [N,C,H·W]) + Reshape(B, [M,1]), [N,M,H,W]).

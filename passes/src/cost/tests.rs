@@ -341,3 +341,52 @@ fn a_reduction_over_axes_of_one_element_is_a_view() {
     assert_eq!(cm.op_time(b, &[Some(0)]).fwd, 0.0, "one sample per device");
     assert!(cm.op_time(b, &[Some(1)]).fwd > 0.0, "two samples per device");
 }
+
+/// `gemm_graph`'s Y plus a row `m = k · s` broadcast over Y's rows: `k` [1, 4096] a graph
+/// input, `s` either a one-element initializer (an exporter's constant) or a [1, 4096] one.
+fn masked_gemm(s_dims: &[i64]) -> Graph {
+    let mut g = gemm_graph();
+    let y = g.outputs()[0].value;
+    let k = g.add_input("k", Some(TensorType::fixed(DType::Float, &[1, 4096]).into()));
+    let n: i64 = s_dims.iter().product();
+    let s = g.add_initializer(
+        "s",
+        ir::eval::Array::float(DType::Float, s_dims.iter().map(|&d| d as usize).collect(), vec![0.5; n as usize])
+            .to_tensor(),
+    );
+    let m = g.add_simple(Op::Mul(op::Mul::default()), &[k, s], "m");
+    let z = g.add_simple(Op::Add(op::Add::default()), &[y, m], "z");
+    g.set_outputs(vec![ir::GraphOutput { value: z, ty: None }]);
+    let mut md = Model::new(g, 17);
+    ir::infer::infer_shapes(&mut md.graph, ir::infer::Mode::Check).unwrap();
+    md.graph
+}
+
+#[test]
+fn values_computed_without_parameters_carry_no_gradient() {
+    // Data parallel: the GEMM and the add split by rows, `m` read whole by every device.
+    let c = toy();
+    let priced = |g: &Graph| {
+        let cm = CostModel::new(g, &c, c.mesh(8).unwrap(), opts());
+        let o = cm.order();
+        let asg = Assignment {
+            strategies: [(o[0], vec![Some(0)]), (o[1], vec![None]), (o[2], vec![Some(0)])].into_iter().collect(),
+        };
+        (cm.evaluate(&asg), cm.op_time(o[1], &[None]))
+    };
+    // `s` a constant: `m` comes from an input and a constant, so no gradient flows into it
+    // (as autodiff differentiates), and `s` is neither synchronised nor updated: the step
+    // is `data_parallel_gemm_by_hand`'s communication and update.
+    let (b, mul) = priced(&masked_gemm(&[1]));
+    assert_eq!(mul.bwd, 0.0);
+    assert!(b.bytes_moved_per_device.get("backward").is_none(), "{:?}", b.bytes_moved_per_device);
+    assert!(close(b.gradient_sync_s, 2.0 * 7.0 / 8.0 * 16_777_216.0 / 1e10));
+    assert!(close(b.update_s, 4_194_304.0 * 28.0 / 1e11));
+    // `s` a parameter: `m`'s gradient (partial sums over the rows each device holds) is
+    // all-reduced in the backward pass, 16,384 B, and `s` is updated.
+    let (b, mul) = priced(&masked_gemm(&[1, 4096]));
+    assert!(mul.bwd > 0.0);
+    let bwd = &b.bytes_moved_per_device["backward"];
+    assert!(close(bwd["all_reduce"], 2.0 * 7.0 / 8.0 * 16_384.0), "{bwd:?}");
+    assert!(close(b.update_s, (4_194_304.0 + 4096.0) * 28.0 / 1e11));
+}
