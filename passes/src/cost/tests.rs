@@ -379,7 +379,7 @@ fn values_computed_without_parameters_carry_no_gradient() {
     // is `data_parallel_gemm_by_hand`'s communication and update.
     let (b, mul) = priced(&masked_gemm(&[1]));
     assert_eq!(mul.bwd, 0.0);
-    assert!(b.bytes_moved_per_device.get("backward").is_none(), "{:?}", b.bytes_moved_per_device);
+    assert!(!b.bytes_moved_per_device.contains_key("backward"), "{:?}", b.bytes_moved_per_device);
     assert!(close(b.gradient_sync_s, 2.0 * 7.0 / 8.0 * 16_777_216.0 / 1e10));
     assert!(close(b.update_s, 4_194_304.0 * 28.0 / 1e11));
     // `s` a parameter: `m`'s gradient (partial sums over the rows each device holds) is
