@@ -217,9 +217,12 @@ fn megatron_runs_gpt2_attention_by_heads() {
     let rows = &p.breakdown.ops;
     let count = |op: &str, strategy: &str| rows.iter().filter(|r| r.op == op && r.strategy == strategy).count();
     assert_eq!(rows.iter().filter(|r| r.op == "Split").count(), 0, "a fused QKV is left");
-    // 12 layers × (Q, K, V, fc1) column-parallel, × (attention output, fc2) row-parallel.
+    // 12 layers × (Q, K, V, fc1) column-parallel, × (attention output, fc2) row-parallel,
+    // and the output head, the tied embedding read by a `Gemm` (`transB`), row-parallel on
+    // its replicated input: 50,257 columns do not divide over 4.
     assert_eq!(count("Gemm", "n→gpus"), 48);
-    assert_eq!(count("Gemm", "k→gpus"), 24);
+    assert_eq!(count("Gemm", "k→gpus"), 25);
+    assert!(rows.iter().any(|r| r.name == "node_linear" && r.op == "Gemm" && r.strategy == "k→gpus"));
     // 12 layers × 2 attention MatMuls, by heads.
     assert_eq!(count("MatMul", "b1→gpus"), 24);
     assert_eq!(count("Softmax", "d1→gpus"), 12);
