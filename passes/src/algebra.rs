@@ -631,6 +631,23 @@ pub fn fold_reshape_transpose_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -
     Ok(folded)
 }
 
+/// `v` reshaped to the constant `shape` by a new `Reshape` labelled `{label}/{what}`, its
+/// output and shape named after `y_name` (the rewritten op's output).
+fn reshaped(g: &mut Graph, v: Value, shape: Vec<i64>, label: &str, y_name: &str, what: &str) -> Value {
+    let sv = g.add_initializer(
+        g.fresh_name(&format!("{y_name}_{what}_shape")),
+        Tensor::from_i64(vec![shape.len() as i64], shape),
+    );
+    let out = g.fresh_name(&format!("{y_name}_{what}"));
+    let r = g.add_labeled_node(
+        Some(format!("{label}/{what}")),
+        Op::Reshape(ir::op::Reshape::default()),
+        vec![Some(v), Some(sv)],
+        vec![Output::named(out)],
+    );
+    Value::new(r, 0)
+}
+
 /// `X · Transpose(W) = Reshape(Gemm(Reshape(X, [R, K]), W, transB = 1), [.., N])` for a 2-D
 /// parameter `W` (`R` the product of `X`'s leading dims; no reshapes when `X` is 2-D). A model
 /// that ties its output projection to its embedding table (GPT-2's `lm_head`) reads the table
@@ -670,20 +687,8 @@ pub fn transpose_into_gemm_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> b
         }
         let label = g.node(n).label.clone().unwrap_or_else(|| g.op_name(n));
         let y_name = g.value_name(Value::new(n, 0)).to_string();
-        let reshape = |g: &mut Graph, v: Value, shape: Vec<i64>, what: &str| -> Value {
-            let sv = g.add_initializer(
-                g.fresh_name(&format!("{y_name}_{what}_shape")),
-                Tensor::from_i64(vec![shape.len() as i64], shape),
-            );
-            let out = g.fresh_name(&format!("{y_name}_{what}"));
-            let r = g.add_labeled_node(
-                Some(format!("{label}/{what}")),
-                Op::Reshape(ir::op::Reshape::default()),
-                vec![Some(v), Some(sv)],
-                vec![Output::named(out)],
-            );
-            Value::new(r, 0)
-        };
+        let reshape =
+            |g: &mut Graph, v: Value, shape: Vec<i64>, what: &str| reshaped(g, v, shape, &label, &y_name, what);
         let rows: i64 = xd[..xd.len() - 1].iter().product();
         let x2 = if xd.len() == 2 { x } else { reshape(g, x, vec![rows, wd[1]], "rows") };
         let gemm = ir::op::Gemm { trans_b: Some(1), ..Default::default() };
@@ -767,20 +772,8 @@ pub fn conv_as_matmul_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) 
         let label = node.label.clone().unwrap_or_else(|| g.op_name(n));
         let y_name = g.value_name(Value::new(n, 0)).to_string();
         let s: i64 = ys[1..].iter().product();
-        let reshape = |g: &mut Graph, v: Value, shape: Vec<i64>, what: &str| -> Value {
-            let sv = g.add_initializer(
-                g.fresh_name(&format!("{y_name}_{what}_shape")),
-                Tensor::from_i64(vec![shape.len() as i64], shape),
-            );
-            let out = g.fresh_name(&format!("{y_name}_{what}"));
-            let r = g.add_labeled_node(
-                Some(format!("{label}/{what}")),
-                Op::Reshape(ir::op::Reshape::default()),
-                vec![Some(v), Some(sv)],
-                vec![Output::named(out)],
-            );
-            Value::new(r, 0)
-        };
+        let reshape =
+            |g: &mut Graph, v: Value, shape: Vec<i64>, what: &str| reshaped(g, v, shape, &label, &y_name, what);
         // A parameter read by this convolution alone takes its new shape itself (same values,
         // same bytes): the trainer and the cost model see a parameter, not a reshape of one.
         let mut renamed = Vec::new();
