@@ -84,28 +84,29 @@ pub fn is_param(g: &Graph, v: Value) -> bool {
 
 /// The values gradients flow into in a training step: the parameters ([`is_param`]) and the
 /// float values computed from them through float values (`order`: the ops, topologically) — what
-/// reverse mode differentiates (the autodiff pass's reach). A value computed from inputs and
-/// constants only (an attention mask, positions, a causal bias) gets no gradient, nor does
-/// an integer value (shapes, indices). An op with subgraphs may read parameters its inputs do
-/// not name, so its float outputs are counted in.
+/// reverse mode differentiates ([`reach`] from every parameter, as the autodiff pass does from
+/// the ones it trains). A value computed from inputs and constants only (an attention mask,
+/// positions, a causal bias) gets no gradient, nor does an integer value (shapes, indices). An
+/// op with subgraphs may read parameters its inputs do not name, so its float outputs are
+/// counted in.
 pub fn grad_flow(g: &Graph, order: &[NodeId]) -> HashSet<Value> {
-    let mut reach = HashSet::new();
+    let params = g.node_ids().map(|n| Value::new(n, 0)).filter(|&v| is_param(g, v)).collect();
+    reach(g, order, params, true)
+}
+
+/// `seeds` and the float values computed from them through float values, visiting `order`
+/// (topological); with `subgraphs`, every float output of an op with subgraphs too.
+pub fn reach(g: &Graph, order: &[NodeId], seeds: HashSet<Value>, subgraphs: bool) -> HashSet<Value> {
+    let mut reach = seeds;
     for &n in order {
         let node = g.node(n);
-        if is_param(g, Value::new(n, 0)) {
-            continue;
-        }
-        let fed = |v: &Value| is_param(g, *v) || reach.contains(v);
-        if node.op.has_subgraphs() || node.inputs().iter().flatten().any(fed) {
-            let outs = (0..node.num_outputs()).map(|s| Value::new(n, s as u16));
-            let float: Vec<Value> = outs.filter(|&v| g.tensor_type(v).is_some_and(|t| t.dtype.is_float())).collect();
-            reach.extend(float);
-        }
-    }
-    // The parameters themselves.
-    for n in g.node_ids() {
-        if is_param(g, Value::new(n, 0)) {
-            reach.insert(Value::new(n, 0));
+        if subgraphs && node.op.has_subgraphs() || node.inputs().iter().flatten().any(|v| reach.contains(v)) {
+            for s in 0..node.num_outputs() {
+                let v = Value::new(n, s as u16);
+                if g.tensor_type(v).is_some_and(|t| t.dtype.is_float()) {
+                    reach.insert(v);
+                }
+            }
         }
     }
     reach

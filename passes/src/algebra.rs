@@ -84,6 +84,11 @@ fn bias_add(g: &Graph, y: Value, cols: i64) -> Option<(NodeId, Value)> {
     ok.then_some((a, c))
 }
 
+/// Nothing reads `v` and it is not a graph output.
+fn unread(g: &Graph, v: Value) -> bool {
+    g.users(v).is_empty() && !g.outputs().iter().any(|o| o.value == v)
+}
+
 fn static_dims(g: &Graph, v: Value) -> Option<Vec<i64>> {
     g.tensor_type(v).and_then(|t| t.static_dims())
 }
@@ -698,7 +703,7 @@ pub fn transpose_into_gemm_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> b
         let y = if xd.len() == 2 { Value::new(gm, 0) } else { reshape(g, Value::new(gm, 0), yd, "output") };
         g.replace_all_uses(Value::new(n, 0), y);
         g.remove_node(n);
-        if g.users(t).is_empty() && !g.outputs().iter().any(|o| o.value == t) {
+        if unread(g, t) {
             g.remove_node(t.node);
         }
         g.rename(y, y_name);
@@ -1088,18 +1093,7 @@ fn fuse_group(g: &mut Graph, parts: &[Sharer], weight_axis: usize) -> Result<(),
     if let Some(h) = &heads {
         let mut shape = h.prefix.clone();
         shape.extend([h.heads, h.widths.iter().sum()]);
-        let sv = g.add_initializer(
-            g.fresh_name(&format!("{}_heads_shape", out_names[0])),
-            Tensor::from_i64(vec![shape.len() as i64], shape),
-        );
-        let name = g.fresh_name(&format!("{}_heads", out_names[0]));
-        let r = g.add_labeled_node(
-            Some(format!("{label}/heads")),
-            g.node(h.reshapes[0][0]).op.clone(),
-            vec![Some(y), Some(sv)],
-            vec![Output::named(name)],
-        );
-        y = Value::new(r, 0);
+        y = reshaped(g, y, shape, &label, &out_names[0], "heads");
         outs = h.reshapes.iter().map(|c| Value::new(*c.last().expect("a reshape"), 0)).collect();
         out_names = outs.iter().map(|&v| g.value_name(v).to_string()).collect();
         rank = h.prefix.len() + 2;
@@ -1121,42 +1115,34 @@ fn fuse_group(g: &mut Graph, parts: &[Sharer], weight_axis: usize) -> Result<(),
     // A part with a bias of its own added before its reshapes (a value other ops may read
     // too): the part reshaped back to its columns, `[.., H, d_j] → [.., H·d_j]`, is what the
     // part's GEMM made, so its bias add and reshapes stay as they were.
-    let mut kept = vec![false; outs.len()];
     if let Some(h) = &heads {
         for (j, b) in h.biases.iter().enumerate() {
-            if b.is_none() {
-                continue;
+            if b.is_some() {
+                finals[j] = reshaped(
+                    g,
+                    finals[j],
+                    static_dims(g, plain[j]).expect("matched"),
+                    &label,
+                    &plain_names[j],
+                    &format!("cols{j}"),
+                );
+                outs[j] = plain[j];
+                out_names[j] = plain_names[j].clone();
             }
-            let o = plain[j];
-            let dims = static_dims(g, o).expect("matched");
-            let sv = g.add_initializer(
-                g.fresh_name(&format!("{}_cols_shape", plain_names[j])),
-                Tensor::from_i64(vec![dims.len() as i64], dims),
-            );
-            let r = g.add_labeled_node(
-                Some(format!("{label}/cols{j}")),
-                g.node(h.reshapes[j][0]).op.clone(),
-                vec![Some(finals[j]), Some(sv)],
-                vec![Output::named(g.fresh_name(&format!("{}_cols", plain_names[j])))],
-            );
-            finals[j] = Value::new(r, 0);
-            outs[j] = o;
-            out_names[j] = plain_names[j].clone();
-            kept[j] = true;
         }
     }
     for (j, &o) in outs.iter().enumerate() {
         g.replace_all_uses(o, finals[j]);
     }
-    let chains = heads.iter().flat_map(|h| h.reshapes.iter().zip(&kept)).filter(|(_, k)| !**k).map(|(c, _)| c);
-    for r in chains.flat_map(|c| c.iter().rev()).copied().collect::<Vec<_>>() {
+    // The reshapes into heads of the parts without such a bias are the split's now.
+    let chains = heads.iter().flat_map(|h| h.reshapes.iter().zip(&h.biases)).filter(|(_, b)| b.is_none());
+    for r in chains.flat_map(|(c, _)| c.iter().rev()).copied().collect::<Vec<_>>() {
         let shape = g.node(r).input(1);
         g.remove_node(r);
         // Its shape, when a `Constant` nothing else reads.
         if let Some(c) = shape
             && matches!(g.node(c.node).op, Op::Constant(_))
-            && g.users(c).is_empty()
-            && !g.outputs().iter().any(|o| o.value == c)
+            && unread(g, c)
         {
             g.remove_node(c.node);
         }

@@ -475,18 +475,7 @@ fn backward(
     params: &[Value],
 ) -> Result<HashMap<Value, Value>, Vec<Located>> {
     // Values that depend on a parameter (gradients flow into them).
-    let mut reach: HashSet<Value> = params.iter().copied().collect();
-    for &n in order {
-        let node = g.node(n);
-        if node.inputs().iter().flatten().any(|v| reach.contains(v)) {
-            for s in 0..node.num_outputs() {
-                let v = Value::new(n, s as u16);
-                if g.tensor_type(v).is_some_and(|t| t.dtype.is_float()) {
-                    reach.insert(v);
-                }
-            }
-        }
-    }
+    let reach = ir::cost::reach(g, order, params.iter().copied().collect(), false);
     let mut contrib: HashMap<Value, Vec<Value>> = HashMap::new();
     let dt = g.tensor_type(loss).map_or(DType::Float, |t| t.dtype);
     let seed =
