@@ -8,6 +8,7 @@
 //!   Transpose(x, π expanded over the groups)`.
 //! - [`transpose_into_gemm`]: `X · Transpose(W) = Reshape(Gemm(Reshape(X, [R, K]), W, transB = 1), [.., N])`
 //!   for a parameter `W` (a tied output projection reads the parameter itself).
+//! - [`compose_transposes`]: `Transpose(Transpose(x, p), q) = Transpose(x, p∘q)`.
 //!
 //! **Un-fusing.** Exporters fuse the query, key and value projections of attention into one GEMM (GPT-2's
 //! `c_attn`: 768 → 2304 columns, then `Split` into three 768-column tensors). A column split
@@ -634,6 +635,72 @@ pub fn fold_reshape_transpose_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -
         crate::canonicalize::eliminate_unused_initializers(g);
     }
     Ok(folded)
+}
+
+/// `Transpose(Transpose(x, p), q) = Transpose(x, r)` with `r[j] = p[q[j]]` (`x` itself when
+/// `r` is the identity and the outer transpose's output is not a graph output), when the inner
+/// transpose has no other reader. Exporters transpose the keys to heads (`[b, s, h, d] →
+/// [b, h, s, d]`) and then their last two dims for the scores' product: one data movement
+/// written as two kernels, forward and backward.
+pub fn compose_transposes(g: &mut Graph) -> Result<u64, Located> {
+    compose_transposes_where(g, &mut |_| true)
+}
+
+/// [`compose_transposes`] on the matches `pick` accepts (in topological order).
+pub fn compose_transposes_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) -> Result<u64, Located> {
+    let order = g.topo_order().map_err(|_| Located::global("the graph has a cycle"))?;
+    let (mut matched, mut done) = (0, 0);
+    let perm_of = |t: &ir::op::Transpose, rank: usize| -> Vec<usize> {
+        match &t.perm {
+            Some(p) => p.iter().map(|&i| i as usize).collect(),
+            None => (0..rank).rev().collect(),
+        }
+    };
+    for outer in order {
+        if !g.contains(outer) {
+            continue;
+        }
+        let Op::Transpose(q) = &g.node(outer).op else { continue };
+        let Some(y) = g.node(outer).input(0) else { continue };
+        let Op::Transpose(p) = &g.node(y.node).op else { continue };
+        let Some(x) = g.node(y.node).input(0) else { continue };
+        let Some(rank) = static_dims(g, x).map(|d| d.len()) else { continue };
+        let (p, q) = (perm_of(p, rank), perm_of(q, rank));
+        if p.len() != rank || q.len() != rank || only_reader(g, y) != Some(outer) {
+            continue;
+        }
+        matched += 1;
+        if !pick(matched - 1) {
+            continue;
+        }
+        let r: Vec<usize> = q.iter().map(|&j| p[j]).collect();
+        let out = Value::new(outer, 0);
+        let name = g.value_name(out).to_string();
+        let is_output = g.outputs().iter().any(|o| o.value == out);
+        if r.iter().enumerate().all(|(j, &i)| i == j) && !is_output {
+            g.replace_all_uses(out, x);
+        } else {
+            let label = g.node(outer).label.clone();
+            let tmp = g.fresh_name(&format!("{name}_composed"));
+            let perm = Some(r.iter().map(|&i| i as i64).collect());
+            let n = g.add_labeled_node(
+                label,
+                Op::Transpose(ir::op::Transpose { perm }),
+                vec![Some(x)],
+                vec![Output::named(tmp)],
+            );
+            g.replace_all_uses(out, Value::new(n, 0));
+            g.remove_node(outer);
+            g.remove_node(y.node);
+            g.rename(Value::new(n, 0), name);
+            done += 1;
+            continue;
+        }
+        g.remove_node(outer);
+        g.remove_node(y.node);
+        done += 1;
+    }
+    Ok(done)
 }
 
 /// `v` reshaped to the constant `shape` by a new `Reshape` labelled `{label}/{what}`, its
@@ -1321,13 +1388,15 @@ impl Pass for Algebra {
         let (fused, made) = unfuse_split_gemm(g).map_err(fail)?;
         let folded = fold_reshape_transpose(g).map_err(fail)?;
         let untransposed = transpose_into_gemm(g).map_err(fail)?;
-        if fused + folded + untransposed == 0 {
+        let composed = compose_transposes(g).map_err(fail)?;
+        if fused + folded + untransposed + composed == 0 {
             return Ok(Changed::No);
         }
         cx.stats.add("fused GEMMs split", fused);
         cx.stats.add("GEMMs made", made);
         cx.stats.add("reshape-transpose-reshape folded", folded);
         cx.stats.add("transposed weights read by a GEMM", untransposed);
+        cx.stats.add("transposes of transposes composed", composed);
         ir::infer::infer_shapes(g, ir::infer::Mode::Check).map_err(|errs| PassError::shapes(self.name(), errs))?;
         Ok(Changed::Yes)
     }
@@ -1554,6 +1623,37 @@ g (float[2,3,4] h, float[6,4] h2) => (float[2,3,5] y, float[6,5] y2, float[5,4] 
         assert_eq!(gemms.len(), 2);
         assert!(gemms.iter().all(|&u| matches!(&g.node(u).op, Op::Gemm(gm) if gm.trans_b() == 1)));
         assert!(g.lookup("wt").is_none() && g.lookup("y").is_some() && g.lookup("y2").is_some());
+    }
+
+    // Transpose(Transpose(x, p), q) = Transpose(x, r), r[j] = p[q[j]]; the identity is x itself.
+    // An inner transpose another op reads stays; a default perm reverses the dims.
+    #[test]
+    fn transposes_of_transposes_compose() {
+        let text = r#"<ir_version: 8, opset_import: ["" : 17]>
+g (float[2,3,4,5] x, float[3,4] m) => (float[2,4,5,3] y, float[5,3,2,4] z, float[2,3,4,5] t2, float[3,4] mm, float[4,3] back)
+{
+   t1 = Transpose <perm: ints = [0, 2, 1, 3]> (x)
+   y = Transpose <perm: ints = [0, 1, 3, 2]> (t1)
+   t2 = Transpose <perm: ints = [3, 2, 1, 0]> (x)
+   z = Transpose <perm: ints = [0, 2, 3, 1]> (t2)
+   mt = Transpose (m)
+   mtt = Transpose <perm: ints = [1, 0]> (mt)
+   mm = Relu (mtt)
+   back = Transpose <perm: ints = [1, 0]> (mm)
+}"#;
+        let (mut ops, made) = rule_equal(text, compose_transposes);
+        ops.sort();
+        // y composed; z not (t2 is also an output); m's two transposes are the identity.
+        assert_eq!(made, 2);
+        assert_eq!(ops, ["Relu", "Transpose", "Transpose", "Transpose", "Transpose"]);
+        let mut m = model(text);
+        compose_transposes(&mut m.graph).unwrap();
+        let g = &m.graph;
+        let y = g.lookup("y").unwrap();
+        assert!(matches!(&g.node(y.node).op, Op::Transpose(t) if t.perm.as_deref() == Some(&[0, 2, 3, 1][..])));
+        assert_eq!(g.node(y.node).input(0), g.lookup("x"));
+        let relu = g.lookup("mm").unwrap();
+        assert_eq!(g.node(relu.node).input(0), g.lookup("m"));
     }
 
     // Conv(X, W, B) = Reshape(Reshape(W, [M,C]) · Reshape(X, [N,C,H·W]) + Reshape(B, [M,1]), [N,M,H,W]).

@@ -9,6 +9,7 @@
 //!   [`FOLD_LIMIT`](ir::infer) elements each;
 //! - dead nodes and unused initializers are removed (graph inputs stay: they are the
 //!   interface);
+//! - equal constants and equal computations are merged (common subexpressions);
 //! - shapes are inferred again.
 //!
 //! Graph outputs keep their names and types. Precondition: the graph verifies.
@@ -230,6 +231,86 @@ pub fn eliminate_unused_initializers(g: &mut Graph) -> u64 {
     dead.len() as u64
 }
 
+/// Constants of at most this many elements are compared by value to be merged.
+const MERGE_CONSTANTS_UP_TO: u64 = 4096;
+
+/// Merges equal computations (hash-consing, as an e-graph holds each term once): inline
+/// constants that are not parameters ([`ir::cost::is_param`]: trained tensors stay apart even
+/// when their values agree) with the same type and values, of at most
+/// [`MERGE_CONSTANTS_UP_TO`] elements; then, in topological order, ops equal to an earlier op
+/// (same operator and attributes) reading the same values. Exporters repeat per layer what
+/// every layer computes alike (BERT writes each layer's attention mask `Where(mask, 0, -inf)`
+/// with its own two constants). Left apart: ops with subgraphs or captures, `Dropout` (its
+/// mask is drawn), communication, values a subgraph captures, and ops whose outputs are graph
+/// outputs (the outputs keep their names). Returns (constants merged, ops merged).
+pub fn eliminate_common_subexpressions(g: &mut Graph) -> (u64, u64) {
+    let captured = |g: &Graph, v: Value| g.users(v).iter().any(|&(_, i)| i == usize::MAX);
+    let is_output = |g: &Graph, v: Value| g.outputs().iter().any(|o| o.value == v);
+    let mut constants = 0;
+    let mut seen: HashMap<String, Value> = HashMap::new();
+    for n in g.initializers().to_vec() {
+        let v = Value::new(n, 0);
+        let Op::Initializer(t) = &g.node(n).op else { continue };
+        if t.is_external() || t.numel() > MERGE_CONSTANTS_UP_TO || ir::cost::is_param(g, v) {
+            continue;
+        }
+        if captured(g, v) || is_output(g, v) {
+            continue;
+        }
+        let key = format!("{:?}|{:?}|{:?}", t.dtype, t.dims, t.data);
+        match seen.get(&key) {
+            Some(&first) => {
+                g.replace_all_uses(v, first);
+                g.remove_node(n);
+                constants += 1;
+            }
+            None => {
+                seen.insert(key, v);
+            }
+        }
+    }
+    let mut ops = 0;
+    let Ok(order) = g.topo_order() else { return (constants, 0) };
+    let mut seen: HashMap<String, Vec<NodeId>> = HashMap::new();
+    for n in order {
+        let node = g.node(n);
+        if is_source(&node.op)
+            || node.op.class() == OpClass::Comm
+            || node.op.has_subgraphs()
+            || matches!(node.op, Op::Dropout(_))
+            || !node.captures().is_empty()
+        {
+            continue;
+        }
+        let outs: Vec<Value> = (0..node.num_outputs()).map(|s| Value::new(n, s as u16)).collect();
+        if outs.iter().any(|&v| is_output(g, v) || captured(g, v)) {
+            continue;
+        }
+        let key = format!("{}|{:?}", node.op.op_type(), node.inputs());
+        let same = seen.get(&key).and_then(|earlier| {
+            earlier.iter().copied().find(|&e| {
+                g.node(e).op == node.op
+                    && g.node(e).num_outputs() == outs.len()
+                    // Every output this op's readers use is one the earlier op names.
+                    && outs.iter().all(|&v| !g.is_used(v) || !g.value_name(Value::new(e, v.slot)).is_empty())
+            })
+        });
+        match same {
+            Some(e) => {
+                for v in outs {
+                    if g.is_used(v) {
+                        g.replace_all_uses(v, Value::new(e, v.slot));
+                    }
+                }
+                g.remove_node(n);
+                ops += 1;
+            }
+            None => seen.entry(key).or_default().push(n),
+        }
+    }
+    (constants, ops)
+}
+
 impl Pass for Canonicalize {
     fn name(&self) -> &'static str {
         "canonicalize"
@@ -321,6 +402,10 @@ impl Pass for Canonicalize {
 
         let removed = eliminate_dead_code(g);
         cx.stats.add("dead nodes removed", removed);
+
+        let (constants, ops) = eliminate_common_subexpressions(g);
+        cx.stats.add("equal constants merged", constants);
+        cx.stats.add("equal computations merged", ops);
 
         let report = infer_shapes(g, Mode::Check).map_err(|errs| PassError::shapes(self.name(), errs))?;
         cx.warnings.extend(report.warnings.into_iter().map(Located::from));

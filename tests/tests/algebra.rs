@@ -94,12 +94,12 @@ fn gpt2_logits_are_unchanged_by_unfusing_qkv() {
 proptest::proptest! {
     #![proptest_config(proptest_config(6))]
     /// Random sequences of the rewrites (un-fusing, fusing — each the other's inverse —, the
-    /// tied output projection's transpose into its GEMM, and folding), each on a random subset
+    /// tied output projection's transpose into its GEMM, composing transposes, and folding), each on a random subset
     /// of its matches, leave GPT-2's logits bit-identical
     /// (weights drawn from a seed, sliced and joined while external).
     #[test]
     fn random_rewrite_sequences_keep_gpt2_logits(
-        rules in proptest::collection::vec(0u8..4, 1..6),
+        rules in proptest::collection::vec(0u8..5, 1..6),
         picks in proptest::collection::vec(proptest::bool::ANY, 64),
     ) {
         let (base, inputs, want) = &*GPT2;
@@ -111,6 +111,7 @@ proptest::proptest! {
                 0 => { passes::algebra::unfuse_split_gemm_where(&mut m.graph, &mut pick).unwrap(); }
                 1 => { passes::algebra::fuse_gemms_where(&mut m.graph, &mut pick).unwrap(); }
                 2 => { passes::algebra::transpose_into_gemm_where(&mut m.graph, &mut pick).unwrap(); }
+                3 => { passes::algebra::compose_transposes_where(&mut m.graph, &mut pick).unwrap(); }
                 _ => { passes::algebra::fold_reshape_transpose_where(&mut m.graph, &mut pick).unwrap(); }
             }
             ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
