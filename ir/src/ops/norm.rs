@@ -97,6 +97,10 @@ impl OpRules for op::BatchNormalization {
 }
 
 impl OpRules for op::InstanceNormalization {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(grouped_norm_grad(cx, None, false, self.epsilon))
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(3)
     }
@@ -128,6 +132,14 @@ impl OpRules for op::InstanceNormalization {
 }
 
 impl OpRules for op::GroupNormalization {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        let groups = self.num_groups.unwrap_or(1);
+        // Opset 18's scale and bias are per group; opset 21's per channel (as the evaluator reads them).
+        let per_group = cx.x(1).and_then(|s| cx.dims(s)).map(|d| d.iter().product::<i64>() == groups).unwrap_or(false)
+            && cx.x(0).and_then(|x| cx.dims(x)).map(|d| d.get(1) != Some(&groups)).unwrap_or(false);
+        Some(grouped_norm_grad(cx, Some(groups), per_group, self.epsilon))
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(3)
     }
@@ -609,6 +621,87 @@ fn layer_norm_grad(l: &op::LayerNormalization, cx: &mut GradCx<'_>) -> std::resu
     }
     let Some(dx) = dx else { return Ok(()) };
     cx.set(0, dx);
+    Ok(())
+}
+
+/// The gradient of instance normalization (`groups` `None`: one group per channel) and group
+/// normalization: statistics over each group's channels and the spatial dims, per sample.
+/// With `X` seen as `[N, G, R]` (`R` = channels per group × spatial elements) they are layer
+/// normalization's over the last axis with a unit scale, so the input's gradient is
+/// `LayerNormGrad(X_g, 1, (dY·scale)_g)` (`dY·scale` broadcast per channel, or per group);
+/// the scale's and bias's are `Σ dY·X̂` and `Σ dY` over the samples and the spatial dims
+/// (and a group's channels for per-group parameters), `X̂` the normalized input recomputed
+/// by an instance normalization of `X_g` with unit scale and zero bias.
+fn grouped_norm_grad(
+    cx: &mut GradCx<'_>,
+    groups: Option<i64>,
+    per_group: bool,
+    epsilon: Option<f32>,
+) -> std::result::Result<(), String> {
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    let x = cx.x(0)?;
+    let dims = cx.dims(x)?;
+    if dims.len() < 2 {
+        return Err(format!("normalization of rank {}: needs [N, C, …]", dims.len()));
+    }
+    let (n, c) = (dims[0], dims[1]);
+    let g = groups.unwrap_or(c);
+    if g <= 0 || c % g != 0 {
+        return Err(format!("{c} channels do not split into {g} groups"));
+    }
+    let rest: i64 = dims[1..].iter().product::<i64>() / g;
+    let grouped = [n, g, rest];
+    let r = dims.len();
+    let dt = cx.dtype(x);
+    let scale = cx.x(1)?;
+    let xg = cx.reshape(x, &grouped)?;
+    let one = cx.scalar(dt, 1.0);
+    if cx.want(0) {
+        // The scale where the gradient meets it: per channel in X's shape, or per group.
+        let dy_scaled = if per_group {
+            let dyg = cx.reshape(dy, &grouped)?;
+            let s = cx.reshape(scale, &[1, g, 1])?;
+            cx.mul(dyg, s)?
+        } else {
+            let mut per_channel = vec![1; r];
+            per_channel[1] = c;
+            let s = cx.reshape(scale, &per_channel)?;
+            let d = cx.mul(dy, s)?;
+            cx.reshape(d, &grouped)?
+        };
+        let ones = cx.expand(one, &[rest])?;
+        let op = Op::LayerNormGrad(op::LayerNormGrad { axis: Some(2), epsilon });
+        let d = cx.add(op, &[Some(xg), Some(ones), Some(dy_scaled)], 3)?;
+        let dx = cx.reshape(d[0], &dims)?;
+        cx.set(0, dx);
+    }
+    if cx.want(1) || cx.want(2) {
+        // Summed over the samples and the spatial dims (per group: in `[N, G, R]`).
+        let (dyp, axes): (Value, Vec<i64>) = if per_group {
+            (cx.reshape(dy, &grouped)?, vec![0, 2])
+        } else {
+            (dy, std::iter::once(0).chain(2..r as i64).collect())
+        };
+        if cx.want(1) {
+            let ones_g = cx.expand(one, &[g])?;
+            let zero = cx.scalar(dt, 0.0);
+            let zeros_g = cx.expand(zero, &[g])?;
+            let inorm = Op::InstanceNormalization(op::InstanceNormalization { epsilon });
+            let xhat = cx.add1(inorm, &[xg, ones_g, zeros_g])?;
+            let xhat = if per_group { xhat } else { cx.reshape(xhat, &dims)? };
+            let prod = cx.mul(dyp, xhat)?;
+            let ds = cx.reduce_sum(prod, &axes, false)?;
+            let target = cx.dims(scale)?;
+            let ds = cx.reshape(ds, &target)?;
+            cx.set(1, ds);
+        }
+        if cx.want(2) {
+            let db = cx.reduce_sum(dyp, &axes, false)?;
+            let target = cx.dims(cx.x(2)?)?;
+            let db = cx.reshape(db, &target)?;
+            cx.set(2, db);
+        }
+    }
     Ok(())
 }
 
