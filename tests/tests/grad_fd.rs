@@ -37,8 +37,6 @@ const NO_RULE: &[(&str, &str)] = &[
     ("SliceGrad", "a gradient op: training needs no second derivatives"),
     ("SoftmaxCrossEntropyLossGrad", "a gradient op: training needs no second derivatives"),
     ("SoftmaxGrad", "a gradient op: training needs no second derivatives"),
-    ("DepthToSpace", "block permutation, not in the models trained so far"),
-    ("SpaceToDepth", "block permutation, not in the models trained so far"),
     ("Einsum", "general contraction: not yet"),
     ("GlobalLpPool", "rare normalizing pool: not yet"),
     ("LpPool", "rare normalizing pool: not yet"),

@@ -4,6 +4,7 @@
 //! Dims a resize leaves alone split; resized dims stay whole.
 
 use super::flow::flow_positional;
+use super::grad::GradCx;
 use super::shape::{no_work_whole, passthrough_space};
 use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
@@ -93,8 +94,42 @@ fn block_dims(d: &[Dim], b: i64, to_space: bool) -> Vec<Dim> {
     vec![d[0].clone(), f(&d[1], b * b, !to_space), f(&d[2], b, to_space), f(&d[3], b, to_space)]
 }
 
+/// The gradient of a block move: `dY` viewed as the six dims the forward transpose made
+/// (`six`), transposed back (`perm`) and reshaped to the input's dims — both ops are
+/// permutations, so their gradients are the inverse permutations.
+fn block_grad(cx: &mut GradCx<'_>, six: [i64; 6], perm: [i64; 6]) -> std::result::Result<(), String> {
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    if !cx.want(0) {
+        return Ok(());
+    }
+    let dims = cx.dims(cx.x(0)?)?;
+    let v = cx.reshape(dy, &six)?;
+    let t = cx.transpose(v, &perm)?;
+    let dx = cx.reshape(t, &dims)?;
+    cx.set(0, dx);
+    Ok(())
+}
+
+/// `(n, c, h, w, b)` of a block move's input (`to_space`: `c` counts the output's channels).
+fn block_extents(cx: &GradCx<'_>, b: Option<i64>, to_space: bool) -> std::result::Result<[i64; 5], String> {
+    let d = cx.dims(cx.x(0)?)?;
+    let b = b.filter(|&b| b > 0).ok_or("a block move needs a positive blocksize")?;
+    if d.len() != 4 {
+        return Err("a block move needs rank 4".into());
+    }
+    Ok(if to_space { [d[0], d[1] / (b * b), d[2], d[3], b] } else { [d[0], d[1], d[2] / b, d[3] / b, b] })
+}
+
 impl OpRules for op::DepthToSpace {
     flow_positional!(0);
+
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(block_extents(cx, self.blocksize, true).and_then(|[n, c, h, w, b]| {
+            // dY is `[n, c, h, b, w, b]` after the forward transpose.
+            let perm = if self.mode() == "CRD" { [0, 1, 3, 5, 2, 4] } else { [0, 3, 5, 1, 2, 4] };
+            block_grad(cx, [n, c, h, b, w, b], perm)
+        }))
+    }
 
     fn arity(&self) -> Arity {
         Arity::fixed(1)
@@ -118,6 +153,17 @@ impl OpRules for op::DepthToSpace {
 
 impl OpRules for op::SpaceToDepth {
     flow_positional!(0);
+
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(block_extents(cx, self.blocksize, false).and_then(|[n, c, h, w, b]| {
+            // dY is `[n, c, b, b, h, w]` (CRD) or `[n, b, b, c, h, w]` (DCR) after the forward transpose.
+            if self.mode() == "CRD" {
+                block_grad(cx, [n, c, b, b, h, w], [0, 1, 4, 2, 5, 3])
+            } else {
+                block_grad(cx, [n, b, b, c, h, w], [0, 3, 4, 1, 5, 2])
+            }
+        }))
+    }
 
     fn arity(&self) -> Arity {
         Arity::fixed(1)
