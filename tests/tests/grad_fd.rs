@@ -44,8 +44,6 @@ const NO_RULE: &[(&str, &str)] = &[
     ("LRN", "a legacy normalization: not yet"),
     ("MeanVarianceNormalization", "rare normalization: not yet"),
     ("OneHot", "its float operand is a pair of constants in practice"),
-    ("Resize", "interpolation weights: not yet"),
-    ("Upsample", "interpolation weights: not yet"),
     ("Loop", "control flow: subgraphs are not differentiated"),
     ("Attention", "fused attention: not yet (exports that spell it as MatMul/Softmax/MatMul train)"),
     ("CenterCropPad", "crop/pad index remap: not yet"),
@@ -441,6 +439,36 @@ fn random_case(rng: &mut Rng, kind: usize) -> (String, String) {
                 ),
             );
             (format!("BatchNormalization train {train} {xs:?}"), text)
+        }
+        // Resize: every interpolation mode and coordinate mode, up or down, by scales or sizes.
+        7 if pick(2) == 0 => {
+            let xs = [1 + pick(2), 1 + pick(2), 2 + pick(4), 2 + pick(4)];
+            let (mode, extra) = match pick(4) {
+                0 => ("nearest", ["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"][pick(4)].to_string()),
+                1 => ("linear", String::new()),
+                2 => ("cubic", String::new()),
+                _ => ("linear", "antialias".to_string()),
+            };
+            let coord =
+                ["half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric", "half_pixel_symmetric"][pick(5)];
+            let mut attrs = format!("mode: string = \"{mode}\", coordinate_transformation_mode: string = \"{coord}\"");
+            if mode == "nearest" {
+                attrs += &format!(", nearest_mode: string = \"{extra}\"");
+            } else if extra == "antialias" {
+                attrs += ", antialias: int = 1";
+            }
+            let (inits, args, out) = if pick(2) == 0 {
+                let sc = [[0.5, 1.5, 2.0, 3.0][pick(4)], [0.5, 1.5, 2.0, 3.0][pick(4)]];
+                let out: Vec<usize> =
+                    [xs[2] as f64 * sc[0], xs[3] as f64 * sc[1]].iter().map(|v| v.floor() as usize).collect();
+                (format!("float[4] scales = {{1, 1, {}, {}}}", sc[0], sc[1]), "x, , scales", out)
+            } else {
+                let out = vec![1 + pick(2 * xs[2]), 1 + pick(2 * xs[3])];
+                (format!("int64[4] sizes = {{{}, {}, {}, {}}}", xs[0], xs[1], out[0], out[1]), "x, , , sizes", out)
+            };
+            let text =
+                model(&format!("double[{}] x", list(&xs)), "y", &inits, &format!("   y = Resize <{attrs}> ({args})"));
+            (format!("Resize {mode} {extra} {coord} {xs:?} → {out:?}"), text)
         }
         // Gather on a random axis with repeated indices (embedding-style scatter-add).
         7 => {

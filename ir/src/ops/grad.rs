@@ -138,6 +138,12 @@ impl<'a> GradCx<'a> {
         self.g.add_initializer(name, Array::i64(vec![v.len()], v.to_vec()).to_tensor())
     }
 
+    /// A constant tensor.
+    pub fn constant(&mut self, a: Array) -> Value {
+        let name = self.fresh();
+        self.g.add_initializer(name, a.to_tensor())
+    }
+
     /// A scalar constant of `dtype`.
     pub fn scalar(&mut self, dtype: DType, x: f64) -> Value {
         let name = self.fresh();

@@ -9,7 +9,7 @@ use super::shape::{no_work_whole, passthrough_space};
 use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
 use crate::eval::{Array, Data, EvalError, transpose};
-use crate::op;
+use crate::op::{self, Op};
 use crate::shard::IterSpace;
 use crate::types::DType;
 use crate::types::Dim;
@@ -18,6 +18,22 @@ type Result<T> = std::result::Result<T, EvalError>;
 
 impl OpRules for op::Resize {
     flow_positional!(0);
+
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        let floats = |cx: &GradCx<'_>, i: usize| -> Option<Vec<f64>> {
+            cx.x_opt(i).and_then(|v| cx.g.initializer(v)).and_then(|t| Array::from_tensor(t).ok()?.to_f64().ok())
+        };
+        let n = cx.g.node(cx.n).inputs().len();
+        let (roi, scales, sizes) = if n == 2 {
+            (None, floats(cx, 1), None)
+        } else {
+            (floats(cx, 1), floats(cx, 2), cx.const_ints(cx.x_opt(3)))
+        };
+        if scales.as_ref().is_none_or(|s| s.is_empty()) && sizes.as_ref().is_none_or(|s| s.is_empty()) {
+            return Some(Err("the gradient of a Resize needs constant scales or sizes".into()));
+        }
+        Some(resize_grad(cx, self, roi, scales, sizes))
+    }
 
     fn arity(&self) -> Arity {
         Arity::new(1, 4, 1, 1)
@@ -55,8 +71,66 @@ impl OpRules for op::Resize {
     }
 }
 
+/// The gradient of a resize: it is linear and separable, `Y = A_{r−1} ⋯ A_0 · X` with `A_k`
+/// (`[M_k, L_k]`) interpolating axis `k` alone, so `dX` is `dY` with each resized axis
+/// contracted with its `A_k` (moved last, `MatMul(dY, A_k)`, moved back). Each `A_k` is the
+/// evaluator's own interpolation of that axis applied to the identity (`[L, L]` resized along
+/// its last axis gives `A_kᵀ`), a constant of the training graph; `tf_crop_and_resize`'s
+/// extrapolated positions are constants of no gradient.
+fn resize_grad(
+    cx: &mut GradCx<'_>,
+    r: &op::Resize,
+    roi: Option<Vec<f64>>,
+    scales: Option<Vec<f64>>,
+    sizes: Option<Vec<i64>>,
+) -> std::result::Result<(), String> {
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    if !cx.want(0) {
+        return Ok(());
+    }
+    let x = cx.x(0)?;
+    let dims = cx.dims(x)?;
+    let shape: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
+    let mut plan = resize_plan(r, &shape, roi, scales, sizes).map_err(|e| e.to_string())?;
+    plan.params.extrapolation = 0.0;
+    let crop = plan.params.coord == "tf_crop_and_resize";
+    let dt = cx.dtype(x);
+    let rank = dims.len();
+    let mut g = dy;
+    for ax in 0..rank {
+        if !plan.resizes(&shape, ax) {
+            continue;
+        }
+        let (l, m) = (shape[ax], plan.out_shape[ax]);
+        let eye: Vec<f64> = (0..l * l).map(|i| if i / l == i % l { 1.0 } else { 0.0 }).collect();
+        let at = resize_axis(&eye, &[l, l], 1, m, plan.scales[ax], crop.then_some(plan.roi[ax]), &plan.params)
+            .map_err(|e| e.to_string())?;
+        let a: Vec<f64> = (0..m * l).map(|i| at[(i % l) * m + i / l]).collect();
+        let av = cx.constant(Array::float(dt, vec![m, l], a));
+        let last = rank - 1;
+        let mut perm: Vec<i64> = (0..rank as i64).collect();
+        perm.swap(ax, last);
+        let moved = if ax == last { g } else { cx.transpose(g, &perm)? };
+        let contracted = cx.add1(Op::MatMul(op::MatMul {}), &[moved, av])?;
+        g = if ax == last { contracted } else { cx.transpose(contracted, &perm)? };
+    }
+    cx.set(0, g);
+    Ok(())
+}
+
 impl OpRules for op::Upsample {
     flow_positional!(0);
+
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        let scales = match cx.x_opt(1) {
+            Some(v) => cx.g.initializer(v).and_then(|t| Array::from_tensor(t).ok()?.to_f64().ok()),
+            None => self.scales.as_ref().map(|s| s.iter().map(|&v| f64::from(v)).collect()),
+        };
+        let Some(scales) = scales else {
+            return Some(Err("the gradient of an Upsample needs constant scales".into()));
+        };
+        Some(resize_grad(cx, &upsample_as_resize(self), None, Some(scales), None))
+    }
 
     fn arity(&self) -> Arity {
         Arity::new(1, 2, 1, 1)
@@ -403,15 +477,32 @@ pub fn resize_sizes(
     Ok((out, sc))
 }
 
-fn resize(r: &op::Resize, cx: &EvalCx<'_>) -> Result<Array> {
-    let x = cx.req(0)?;
-    // Opset 10 has (X, scales); later opsets (X, roi, scales, sizes).
-    let (scales, sizes) = if cx.inputs.len() == 2 {
-        (cx.opt(1).map(|a| a.to_f64()).transpose()?, None)
-    } else {
-        (cx.opt(2).map(|a| a.to_f64()).transpose()?, cx.opt(3).map(|a| a.to_i64()).transpose()?)
-    };
-    let (out_shape, sc) = resize_sizes(r, &x.shape, scales.as_deref(), sizes.as_deref()).map_err(EvalError::Invalid)?;
+/// What a Resize of an input of `shape` does per axis: the output shape, the scales, the
+/// region of interest per axis, and the interpolation parameters.
+struct ResizePlan {
+    out_shape: Vec<usize>,
+    scales: Vec<f64>,
+    roi: Vec<(f64, f64)>,
+    params: ResizeParams,
+}
+
+impl ResizePlan {
+    /// Whether axis `ax` is resized (an identity axis is left alone).
+    fn resizes(&self, shape: &[usize], ax: usize) -> bool {
+        let crop = self.params.coord == "tf_crop_and_resize";
+        !(self.out_shape[ax] == shape[ax] && self.scales[ax] == 1.0 && (!crop || self.roi[ax] == (0.0, 1.0)))
+    }
+}
+
+/// The [`ResizePlan`] of `r` on an input of `shape` with these `roi`, `scales` and `sizes`.
+fn resize_plan(
+    r: &op::Resize,
+    shape: &[usize],
+    roi_in: Option<Vec<f64>>,
+    scales: Option<Vec<f64>>,
+    sizes: Option<Vec<i64>>,
+) -> Result<ResizePlan> {
+    let (out_shape, sc) = resize_sizes(r, shape, scales.as_deref(), sizes.as_deref()).map_err(EvalError::Invalid)?;
     let params = ResizeParams {
         mode: r.mode().to_string(),
         coord: r.coordinate_transformation_mode().to_string(),
@@ -422,11 +513,9 @@ fn resize(r: &op::Resize, cx: &EvalCx<'_>) -> Result<Array> {
         extrapolation: f64::from(r.extrapolation_value()),
     };
     // roi: per resized axis its start, then its end (axes as the `axes` attribute lists).
-    let rank = x.shape.len();
-    let roi_in =
-        if cx.inputs.len() > 2 { cx.opt(1).map(|a| a.to_f64()).transpose()?.filter(|v| !v.is_empty()) } else { None };
+    let rank = shape.len();
     let mut roi: Vec<(f64, f64)> = vec![(0.0, 1.0); rank];
-    if let Some(rv) = &roi_in {
+    if let Some(rv) = roi_in.filter(|v| !v.is_empty()) {
         let axes: Vec<usize> = match &r.axes {
             Some(a) => a.iter().map(|&v| norm_axis(v, rank)).collect::<std::result::Result<_, _>>()?,
             None => (0..rank).collect(),
@@ -438,13 +527,29 @@ fn resize(r: &op::Resize, cx: &EvalCx<'_>) -> Result<Array> {
             roi[a] = (rv[k], rv[axes.len() + k]);
         }
     }
+    Ok(ResizePlan { out_shape, scales: sc, roi, params })
+}
+
+fn resize(r: &op::Resize, cx: &EvalCx<'_>) -> Result<Array> {
+    let x = cx.req(0)?;
+    // Opset 10 has (X, scales); later opsets (X, roi, scales, sizes).
+    let (roi_in, scales, sizes) = if cx.inputs.len() == 2 {
+        (None, cx.opt(1).map(|a| a.to_f64()).transpose()?, None)
+    } else {
+        (
+            cx.opt(1).map(|a| a.to_f64()).transpose()?,
+            cx.opt(2).map(|a| a.to_f64()).transpose()?,
+            cx.opt(3).map(|a| a.to_i64()).transpose()?,
+        )
+    };
+    let plan = resize_plan(r, &x.shape, roi_in, scales, sizes)?;
+    let ResizePlan { out_shape, scales: sc, roi, params } = &plan;
     let crop = params.coord == "tf_crop_and_resize";
     let mut v = x.to_f64()?;
     let mut shape = x.shape.clone();
     for ax in 0..shape.len() {
-        let identity = out_shape[ax] == shape[ax] && sc[ax] == 1.0 && (!crop || roi[ax] == (0.0, 1.0));
-        if !identity {
-            v = resize_axis(&v, &shape, ax, out_shape[ax], sc[ax], crop.then_some(roi[ax]), &params)?;
+        if plan.resizes(&x.shape, ax) {
+            v = resize_axis(&v, &shape, ax, out_shape[ax], sc[ax], crop.then_some(roi[ax]), params)?;
             shape[ax] = out_shape[ax];
         }
     }
@@ -464,6 +569,16 @@ fn resize(r: &op::Resize, cx: &EvalCx<'_>) -> Result<Array> {
     Ok(Array::float(x.dtype, shape, v))
 }
 
+/// The Resize an Upsample is: asymmetric coordinates, nearest rounding down.
+fn upsample_as_resize(u: &op::Upsample) -> op::Resize {
+    op::Resize {
+        mode: Some(if u.mode() == "nearest" { "nearest".into() } else { "linear".into() }),
+        coordinate_transformation_mode: Some("asymmetric".into()),
+        nearest_mode: Some("floor".into()),
+        ..Default::default()
+    }
+}
+
 fn upsample(u: &op::Upsample, cx: &EvalCx<'_>) -> Result<Array> {
     let x = cx.req(0)?;
     let scales: Vec<f64> = match (cx.opt(1), &u.scales) {
@@ -471,12 +586,7 @@ fn upsample(u: &op::Upsample, cx: &EvalCx<'_>) -> Result<Array> {
         (None, Some(s)) => s.iter().map(|&v| f64::from(v)).collect(),
         _ => return Err(EvalError::Invalid("Upsample without scales".into())),
     };
-    let r = op::Resize {
-        mode: Some(if u.mode() == "nearest" { "nearest".into() } else { "linear".into() }),
-        coordinate_transformation_mode: Some("asymmetric".into()),
-        nearest_mode: Some("floor".into()),
-        ..Default::default()
-    };
+    let r = upsample_as_resize(u);
     let s = Array { dtype: DType::Double, shape: vec![scales.len()], data: Data::F64(scales) };
     let inputs = [Some(x), None, Some(&s)];
     resize(&r, &EvalCx { inputs: &inputs, n_out: 1, opset: cx.opset, name: "Upsample" })
