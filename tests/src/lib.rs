@@ -153,10 +153,15 @@ pub fn compare(name: &str, actual: &Array, expected: &Array, rtol: f64, atol: f6
 pub mod samples;
 
 /// The golden training cases (`*.onnxtxt` beside a `*.train.json`): tests/data/golden-train,
-/// and ../shared/golden-train where present, each file name once.
+/// tests/data/golden-train-more (`scripts/gen-golden-train.py`: architectures the shared set
+/// does not have) and ../shared/golden-train where present, each file name once.
 pub fn golden_train_cases() -> Vec<PathBuf> {
     let mut seen = std::collections::BTreeMap::new();
-    for d in [repo_root().join("tests/data/golden-train"), repo_root().join("../shared/golden-train")] {
+    for d in [
+        repo_root().join("tests/data/golden-train"),
+        repo_root().join("tests/data/golden-train-more"),
+        repo_root().join("../shared/golden-train"),
+    ] {
         let Ok(rd) = std::fs::read_dir(&d) else { continue };
         for e in rd.flatten() {
             let p = e.path();

@@ -646,6 +646,9 @@ fn drive<E: Executor>(
     let start = Instant::now();
     let carries = carried_state(g, d, opts).map_err(err)?;
     let cut = Cut::new(p, d.device, &order, accumulates(p, opts));
+    // What the backward part reads: kept through the forward part.
+    let backward_reads: std::collections::HashSet<Value> =
+        cut.backward.iter().flat_map(|&n| g.node(n).inputs().iter().flatten().copied()).collect();
     let acc = accumulates(p, opts).then(|| {
         let mut a = Accumulation::new(g, &order, cut.once.clone());
         // Carried state no once-per-step op computes (a pipeline stage's own step counter)
@@ -752,10 +755,13 @@ fn drive<E: Executor>(
                         cx.store(produced, &mut env, &mut live);
                     }
                     // Values no later op reads are freed (under recomputation not what the
-                    // forward part received: it runs again from them).
+                    // forward part received: it runs again from them; nor, in a forward part,
+                    // what the backward part reads: an op later in the order may run in the
+                    // forward part, as one a gradient rule adds that reads forward values only).
                     for v in g.node(n).inputs().iter().flatten() {
                         if last_use.get(v) == Some(&i)
                             && !keep.contains(v)
+                            && !(pass == Part::Forward && backward_reads.contains(v))
                             && !(cut.recompute && pass == Part::Forward && crate::schedule::stashed(g, *v))
                             && let Some(t) = env.remove(v)
                         {
@@ -1042,8 +1048,9 @@ impl<E: Executor> NodeRun<'_, '_, E> {
             op => {
                 let ins: Vec<Option<&E::Tensor>> =
                     node.inputs().iter().map(|i| i.and_then(|v| env.get(&v).or_else(|| fixed.get(&v)))).collect();
-                if node.inputs().iter().zip(&ins).any(|(i, t)| i.is_some() && t.is_none()) {
-                    return Err(format!("{}: an input was not computed", g.describe(n)));
+                if let Some((v, _)) = node.inputs().iter().zip(&ins).find(|(i, t)| i.is_some() && t.is_none()) {
+                    let v = v.expect("present");
+                    return Err(format!("{}: its input `{}` was not computed", g.describe(n), g.value_name(v)));
                 }
                 let caps: Vec<Option<&E::Tensor>> =
                     node.captures().iter().map(|v| env.get(v).or_else(|| fixed.get(v))).collect();

@@ -106,6 +106,30 @@ impl<'a> GradCx<'a> {
         v.and_then(|v| self.g.initializer(v)).and_then(|t| t.to_i64_vec())
     }
 
+    /// A value's constant value: an initializer, or an op of constants (a few levels deep:
+    /// exporters write operands such as a resize's scales as `Concat`s of `Constant`s, and a
+    /// training graph is built before or without canonicalization).
+    pub fn const_array(&self, v: Value) -> Option<Array> {
+        fn go(g: &Graph, v: Value, depth: usize) -> Option<Array> {
+            if let Some(t) = g.initializer(v) {
+                return Array::from_tensor(t).ok();
+            }
+            let node = g.node(v.node);
+            if depth == 0
+                || matches!(node.op, Op::Input { .. } | Op::OuterRef)
+                || node.op.has_subgraphs()
+                || !node.captures().is_empty()
+            {
+                return None;
+            }
+            let ins: Vec<Option<Array>> =
+                node.inputs().iter().map(|i| i.map(|i| go(g, i, depth - 1))).collect::<Option<_>>()?;
+            let refs: Vec<Option<&Array>> = ins.iter().map(Option::as_ref).collect();
+            crate::eval::eval_op(&node.op, &refs, node.num_outputs(), g.opset).ok()?.into_iter().nth(v.slot as usize)
+        }
+        go(self.g, v, 8)
+    }
+
     fn fresh(&mut self) -> String {
         let base = self.g.node(self.n).outputs().first().map(|o| o.name.clone()).unwrap_or_default();
         loop {

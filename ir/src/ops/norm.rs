@@ -655,7 +655,9 @@ fn grouped_norm_grad(
     let dt = cx.dtype(x);
     let scale = cx.x(1)?;
     let xg = cx.reshape(x, &grouped)?;
-    let one = cx.scalar(dt, 1.0);
+    // Constant tensors, not ops of constants: every pipeline stage holds an initializer.
+    let filled =
+        |cx: &mut GradCx<'_>, n: i64, v: f64| cx.constant(Array::float(dt, vec![n as usize], vec![v; n as usize]));
     if cx.want(0) {
         // The scale where the gradient meets it: per channel in X's shape, or per group.
         let dy_scaled = if per_group {
@@ -669,7 +671,7 @@ fn grouped_norm_grad(
             let d = cx.mul(dy, s)?;
             cx.reshape(d, &grouped)?
         };
-        let ones = cx.expand(one, &[rest])?;
+        let ones = filled(cx, rest, 1.0);
         let op = Op::LayerNormGrad(op::LayerNormGrad { axis: Some(2), epsilon });
         let d = cx.add(op, &[Some(xg), Some(ones), Some(dy_scaled)], 3)?;
         let dx = cx.reshape(d[0], &dims)?;
@@ -683,9 +685,7 @@ fn grouped_norm_grad(
             (dy, std::iter::once(0).chain(2..r as i64).collect())
         };
         if cx.want(1) {
-            let ones_g = cx.expand(one, &[g])?;
-            let zero = cx.scalar(dt, 0.0);
-            let zeros_g = cx.expand(zero, &[g])?;
+            let (ones_g, zeros_g) = (filled(cx, g, 1.0), filled(cx, g, 0.0));
             let inorm = Op::InstanceNormalization(op::InstanceNormalization { epsilon });
             let xhat = cx.add1(inorm, &[xg, ones_g, zeros_g])?;
             let xhat = if per_group { xhat } else { cx.reshape(xhat, &dims)? };

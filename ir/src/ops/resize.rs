@@ -20,14 +20,12 @@ impl OpRules for op::Resize {
     flow_positional!(0);
 
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
-        let floats = |cx: &GradCx<'_>, i: usize| -> Option<Vec<f64>> {
-            cx.x_opt(i).and_then(|v| cx.g.initializer(v)).and_then(|t| Array::from_tensor(t).ok()?.to_f64().ok())
-        };
+        let floats = |cx: &GradCx<'_>, i: usize| cx.x_opt(i).and_then(|v| cx.const_array(v)?.to_f64().ok());
         let n = cx.g.node(cx.n).inputs().len();
         let (roi, scales, sizes) = if n == 2 {
             (None, floats(cx, 1), None)
         } else {
-            (floats(cx, 1), floats(cx, 2), cx.const_ints(cx.x_opt(3)))
+            (floats(cx, 1), floats(cx, 2), cx.x_opt(3).and_then(|v| cx.const_array(v)?.to_i64().ok()))
         };
         if scales.as_ref().is_none_or(|s| s.is_empty()) && sizes.as_ref().is_none_or(|s| s.is_empty()) {
             return Some(Err("the gradient of a Resize needs constant scales or sizes".into()));
@@ -123,7 +121,7 @@ impl OpRules for op::Upsample {
 
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         let scales = match cx.x_opt(1) {
-            Some(v) => cx.g.initializer(v).and_then(|t| Array::from_tensor(t).ok()?.to_f64().ok()),
+            Some(v) => cx.const_array(v).and_then(|a| a.to_f64().ok()),
             None => self.scales.as_ref().map(|s| s.iter().map(|&v| f64::from(v)).collect()),
         };
         let Some(scales) = scales else {

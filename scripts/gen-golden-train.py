@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""More golden training-step cases, in the format of ../shared/golden-train (its README has
+the format and the optimizer formulas), for architectures that folder does not have: group and
+instance normalization, nearest and bilinear upsampling (a small U-Net), and sub-pixel
+convolution (PixelShuffle / PixelUnshuffle). Each torch module ends in its loss; it is exported
+with torch.onnx.export(dynamo=False, opset_version=17, do_constant_folding=False,
+training=TRAINING), printed with onnx.printer, and its loss, gradients, one momentum-SGD and one
+Adam step and 10-step loss trajectories computed by torch (float32, CPU, one thread). The
+tolerance is the tightest of the README's list that the same training in float64 stays within a
+tenth of; onnxruntime's loss on the printed model is checked against torch's.
+
+usage: gen-golden-train.py OUT_DIR   (needs torch, onnx, onnxruntime, numpy; not needed to build
+or test shardc: the cases it wrote are in tests/data/golden-train-more)
+"""
+import copy, json, os, sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+torch.set_num_threads(1)
+out_dir = sys.argv[1] if len(sys.argv) > 1 else "tests/data/golden-train-more"
+os.makedirs(out_dir, exist_ok=True)
+TOLS = [(1e-4, 1e-5), (1e-3, 1e-5), (1e-3, 1e-4), (1e-2, 1e-4), (1e-2, 1e-3)]
+
+
+class GroupNormCnn(nn.Module):
+    """Conv 3x3 (3->8) + GroupNorm(4 groups) + ReLU, Conv 3x3 stride 2 (8->8) + InstanceNorm2d
+    (affine) + ReLU, GlobalAveragePool, Linear(8->5), cross-entropy."""
+
+    def __init__(self):
+        super().__init__()
+        # No conv biases: a per-channel bias before instance normalization cancels (its exact
+        # gradient is 0, a float32 one noise that Adam would turn into a step), and before group
+        # normalization its mean per group does.
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.gn = nn.GroupNorm(4, 8)
+        self.conv2 = nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False)
+        self.inorm = nn.InstanceNorm2d(8, affine=True)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x, labels):
+        h = F.relu(self.gn(self.conv1(x)))
+        h = F.relu(self.inorm(self.conv2(h)))
+        h = F.adaptive_avg_pool2d(h, 1).flatten(1)
+        return F.cross_entropy(self.fc(h), labels)
+
+
+class TinyUnet(nn.Module):
+    """Encoder Conv+ReLU, MaxPool, Conv+ReLU; decoder: nearest x2 upsample concatenated with the
+    skip, plus a bilinear x2 upsample (align_corners=False) added, Conv 1x1 to 3 channels; MSE
+    against a target image."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc1 = nn.Conv2d(3, 6, 3, padding=1)
+        self.enc2 = nn.Conv2d(6, 6, 3, padding=1)
+        self.dec = nn.Conv2d(12, 3, 1)
+        self.side = nn.Conv2d(6, 3, 1)
+
+    def forward(self, x, target):
+        e1 = F.relu(self.enc1(x))
+        e2 = F.relu(self.enc2(F.max_pool2d(e1, 2)))
+        up = F.interpolate(e2, scale_factor=2, mode="nearest")
+        y = self.dec(torch.cat([up, e1], 1))
+        y = y + F.interpolate(self.side(e2), scale_factor=2, mode="bilinear", align_corners=False)
+        return F.mse_loss(y, target)
+
+
+class SubPixel(nn.Module):
+    """PixelUnshuffle(2), Conv 3x3 (12->12) + Tanh, Conv 3x3 (12->12), PixelShuffle(2) back to the
+    image size, residual; MSE against a target image."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(12, 12, 3, padding=1)
+        self.c2 = nn.Conv2d(12, 12, 3, padding=1)
+
+    def forward(self, x, target):
+        h = F.pixel_unshuffle(x, 2)
+        h = self.c2(torch.tanh(self.c1(h)))
+        return F.mse_loss(F.pixel_shuffle(h, 2) + x, target)
+
+
+def cases():
+    g = torch.Generator().manual_seed(0)
+    yield (
+        "groupnorm_cnn",
+        GroupNormCnn,
+        {"x": torch.randn(4, 3, 8, 8, generator=g), "labels": torch.randint(0, 5, (4,), generator=g)},
+        (0.1, 0.01),
+        "CNN with normalization per group and per instance: Conv 3x3 (3->8, pad 1, no bias) + GroupNorm(4 groups, 8 channels) + ReLU, Conv 3x3 stride 2 (8->8, no bias) + InstanceNorm2d(8, affine) + ReLU, GlobalAveragePool, Linear(8->5), cross-entropy. x [4,3,8,8], labels [4]",
+    )
+    yield (
+        "tiny_unet",
+        TinyUnet,
+        {"x": torch.randn(2, 3, 8, 8, generator=g), "target": torch.randn(2, 3, 8, 8, generator=g)},
+        (0.05, 0.01),
+        "U-Net: Conv 3x3 (3->6)+ReLU, MaxPool 2, Conv 3x3 (6->6)+ReLU, nearest x2 Resize concatenated with the skip, Conv 1x1 (12->3), plus a bilinear x2 Resize (half-pixel) of a Conv 1x1 (6->3) side branch; MSE against a target image. x, target [2,3,8,8]",
+    )
+    yield (
+        "subpixel",
+        SubPixel,
+        {"x": torch.randn(2, 3, 8, 8, generator=g), "target": torch.randn(2, 3, 8, 8, generator=g)},
+        (0.05, 0.01),
+        "Sub-pixel convolution: PixelUnshuffle(2), Conv 3x3 (12->12)+Tanh, Conv 3x3 (12->12), PixelShuffle(2), residual; MSE against a target image. x, target [2,3,8,8]",
+    )
+
+
+def tensor_json(t):
+    a = t.detach().cpu().numpy()
+    if a.dtype == np.float32 or a.dtype == np.float64:
+        data = [float(np.float32(v)) for v in a.astype(np.float32).ravel()]
+        return {"dtype": "float32", "shape": list(a.shape), "data": data}
+    return {"dtype": "int64", "shape": list(a.shape), "data": [int(v) for v in a.ravel()]}
+
+
+def train(model, inputs, opt, steps, dtype):
+    """Losses over `steps` steps of `opt` (the loss before each step and after the last), the first
+    gradients, and the parameters after the first step."""
+    m = copy.deepcopy(model).to(dtype)
+    ins = [v.to(dtype) if v.is_floating_point() else v for v in inputs.values()]
+    kind, lr = opt
+    if kind == "sgd":
+        o = torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9, foreach=False)
+    else:
+        o = torch.optim.Adam(m.parameters(), lr=lr, foreach=False)
+    losses, grads, after = [], None, None
+    for k in range(steps):
+        o.zero_grad()
+        loss = m(*ins)
+        losses.append(loss.item())
+        if k == steps - 1:
+            break
+        loss.backward()
+        if grads is None:
+            grads = {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+        o.step()
+        if after is None:
+            after = {n: p.detach().clone() for n, p in m.named_parameters()}
+    return losses, grads, after
+
+
+def main():
+    for name, cls, inputs, (sgd_lr, adam_lr), description in cases():
+        torch.manual_seed(1)
+        model = cls()
+        # Normalization affine parameters randomised, as the shared cases do.
+        with torch.no_grad():
+            for mod in model.modules():
+                if isinstance(mod, (nn.GroupNorm, nn.InstanceNorm2d)) and mod.weight is not None:
+                    mod.weight.add_(0.2 * torch.randn_like(mod.weight))
+                    mod.bias.add_(0.2 * torch.randn_like(mod.bias))
+        path = os.path.join(out_dir, name + ".onnx")
+        torch.onnx.export(
+            model,
+            tuple(inputs.values()),
+            path,
+            dynamo=False,
+            opset_version=17,
+            do_constant_folding=False,
+            training=torch.onnx.TrainingMode.TRAINING,
+            input_names=list(inputs.keys()),
+            output_names=["loss"],
+        )
+        proto = onnx.load(path)
+        os.remove(path)
+        onnx.checker.check_model(proto, full_check=True)
+        text = onnx.printer.to_text(proto)
+        reparsed = onnx.parser.parse_model(text)
+        assert onnx.printer.to_text(reparsed) == text, f"{name}: the text does not round-trip"
+        inits = {i.name for i in proto.graph.initializer}
+        params = dict(model.named_parameters())
+        missing = [n for n in params if n not in inits]
+        assert not missing, f"{name}: parameters not initializers: {missing}"
+        with open(os.path.join(out_dir, name + ".onnxtxt"), "w") as f:
+            f.write(text)
+        opts = {"sgd": ("sgd", sgd_lr), "adam": ("adam", adam_lr)}
+        runs = {k: train(model, inputs, o, 10, torch.float32) for k, o in opts.items()}
+        runs64 = {k: train(model, inputs, o, 10, torch.float64) for k, o in opts.items()}
+        loss = runs["sgd"][0][0]
+        grads = runs["sgd"][1]
+        # The tolerance: the tightest the float64 training stays within a tenth of.
+        pairs = [(loss, runs64["sgd"][0][0])]
+        for n in params:
+            pairs += list(zip(grads[n].flatten().tolist(), runs64["sgd"][1][n].flatten().tolist()))
+            for k in opts:
+                pairs += list(zip(runs[k][2][n].flatten().tolist(), runs64[k][2][n].flatten().tolist()))
+        for k in opts:
+            pairs += list(zip(runs[k][0], runs64[k][0]))
+        usage = lambda r, a: max(abs(x - y) / (a + r * abs(y)) for x, y in pairs)
+        tol = next(((r, a) for r, a in TOLS if usage(r, a) <= 0.1), None)
+        assert tol, f"{name}: float64 and float32 differ beyond every tolerance ({usage(*TOLS[-1]):.2f} of the loosest)"
+        sess = ort.InferenceSession(
+            reparsed.SerializeToString(), providers=["CPUExecutionProvider"]
+        )
+        ort_loss = float(sess.run(None, {k: v.numpy() for k, v in inputs.items()})[0])
+        assert abs(ort_loss - loss) <= 1e-5 * abs(loss), f"{name}: onnxruntime {ort_loss} vs torch {loss}"
+        case = {
+            "inputs": {k: tensor_json(v) for k, v in inputs.items()},
+            "loss": float(np.float32(loss)),
+            "trainable": list(params.keys()),
+            "gradients": {n: tensor_json(grads[n]) for n in params},
+            "steps": [
+                {
+                    "optimizer": {"kind": "sgd", "lr": sgd_lr, "momentum": 0.9, "dampening": 0, "nesterov": False, "weight_decay": 0},
+                    "parameters_after": {n: tensor_json(runs["sgd"][2][n]) for n in params},
+                },
+                {
+                    "optimizer": {"kind": "adam", "lr": adam_lr, "beta1": 0.9, "beta2": 0.999, "eps": 1e-08, "weight_decay": 0, "amsgrad": False},
+                    "parameters_after": {n: tensor_json(runs["adam"][2][n]) for n in params},
+                },
+            ],
+            "losses_over_steps": {k: [float(np.float32(v)) for v in runs[k][0]] for k in opts},
+            "tolerance": {"rtol": tol[0], "atol": tol[1]},
+            "description": description,
+        }
+        with open(os.path.join(out_dir, name + ".train.json"), "w") as f:
+            json.dump(case, f)
+        ops = sorted({n.op_type for n in proto.graph.node})
+        print(f"{name}: loss {loss:.6f} (onnxruntime {ort_loss:.6f}), tolerance {tol}, ops {ops}")
+
+
+if __name__ == "__main__":
+    main()
