@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """More golden training-step cases, in the format of ../shared/golden-train (its README has
 the format and the optimizer formulas), for architectures that folder does not have: group and
-instance normalization, nearest and bilinear upsampling (a small U-Net), and sub-pixel
-convolution (PixelShuffle / PixelUnshuffle). Each torch module ends in its loss; it is exported
+instance normalization, nearest and bilinear upsampling (a small U-Net), sub-pixel
+convolution (PixelShuffle / PixelUnshuffle), einsum contractions and reflect/edge padding. Each torch module ends in its loss; it is exported
 with torch.onnx.export(dynamo=False, opset_version=17, do_constant_folding=False,
 training=TRAINING), printed with onnx.printer, and its loss, gradients, one momentum-SGD and one
 Adam step and 10-step loss trajectories computed by torch (float32, CPU, one thread). The
@@ -85,6 +85,45 @@ class SubPixel(nn.Module):
         return F.mse_loss(F.pixel_shuffle(h, 2) + x, target)
 
 
+class EinsumAttention(nn.Module):
+    """Single-head attention written with torch.einsum (exported as Einsum): Q/K/V Linear (d 8,
+    K without bias), scores 'bqd,bkd->bqk' scaled, Softmax, 'bqk,bkd->bqd', output Linear,
+    residual, a batched bilinear read-out 'bsd,de,bse->bs' summed to a score per class by a
+    Linear(6->4) over the sequence; cross-entropy."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.k = nn.Linear(8, 8, bias=False)
+        self.v = nn.Linear(8, 8)
+        self.o = nn.Linear(8, 8)
+        self.bil = nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x, labels):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        a = torch.softmax(torch.einsum("bqd,bkd->bqk", q, k) / 8**0.5, dim=-1)
+        h = x + self.o(torch.einsum("bqk,bkd->bqd", a, v))
+        r = torch.einsum("bsd,de,bse->bs", h, self.bil, h)
+        return F.cross_entropy(self.head(r), labels)
+
+
+class PaddedCnn(nn.Module):
+    """ReflectionPad2d(1) + Conv 3x3 (3->6) + ReLU, ReplicationPad2d((1, 2, 0, 1)) + Conv 3x3
+    (6->6), GlobalAveragePool, Linear(6->5), cross-entropy."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 6, 3)
+        self.c2 = nn.Conv2d(6, 6, 3)
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x, labels):
+        h = F.relu(self.c1(F.pad(x, (1, 1, 1, 1), mode="reflect")))
+        h = self.c2(F.pad(h, (1, 2, 0, 1), mode="replicate"))
+        return F.cross_entropy(self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1)), labels)
+
+
 def cases():
     g = torch.Generator().manual_seed(0)
     yield (
@@ -107,6 +146,22 @@ def cases():
         {"x": torch.randn(2, 3, 8, 8, generator=g), "target": torch.randn(2, 3, 8, 8, generator=g)},
         (0.05, 0.01),
         "Sub-pixel convolution: PixelUnshuffle(2), Conv 3x3 (12->12)+Tanh, Conv 3x3 (12->12), PixelShuffle(2), residual; MSE against a target image. x, target [2,3,8,8]",
+    )
+
+
+    yield (
+        "einsum_attention",
+        EinsumAttention,
+        {"x": torch.randn(4, 6, 8, generator=g), "labels": torch.randint(0, 4, (4,), generator=g)},
+        (0.05, 0.01),
+        "Attention written with einsum (exported as Einsum): Q/K/V Linear (d 8, K without bias), scores bqd,bkd->bqk scaled by 1/sqrt(8), Softmax, bqk,bkd->bqd, output Linear, residual; a bilinear read-out bsd,de,bse->bs with a trainable [8,8] matrix, Linear(6->4) over the sequence, cross-entropy. x [4,6,8], labels [4]",
+    )
+    yield (
+        "padded_cnn",
+        PaddedCnn,
+        {"x": torch.randn(2, 3, 6, 6, generator=g), "labels": torch.randint(0, 5, (2,), generator=g)},
+        (0.1, 0.01),
+        "CNN with reflect and edge padding (Pad modes reflect and edge): ReflectionPad2d(1) + Conv 3x3 (3->6) + ReLU, ReplicationPad2d((1,2,0,1)) + Conv 3x3 (6->6), GlobalAveragePool, Linear(6->5), cross-entropy. x [2,3,6,6], labels [2]",
     )
 
 

@@ -130,6 +130,22 @@ pub fn samples() -> Vec<Sample> {
         s("Gemm", "float[3,4] a, float[5,4] w, float[5] c", "y", "", "   y = Gemm <transB: int = 1> (a, w, c)"),
         s("Einsum", "float[3,4] a, float[4,5] b", "y", "", "   y = Einsum <equation: string = \"ij,jk->ik\"> (a, b)"),
         s(
+            "Einsum",
+            "float[2,3,4,5] q, float[2,3,6,5] k",
+            "y",
+            "",
+            "   y = Einsum <equation: string = \"bhqd,bhkd->bhqk\"> (q, k)",
+        ),
+        s("Einsum", "float[3,4] a, float[4] b", "y", "", "   y = Einsum <equation: string = \"ij,j\"> (a, b)"),
+        s("Einsum", "float[3,4,2] a", "y", "", "   y = Einsum <equation: string = \"ijk->ki\"> (a)"),
+        s(
+            "Einsum",
+            "float[2,1,3,4] a, float[5,4,2] b, float[2] c",
+            "y",
+            "",
+            "   y = Einsum <equation: string = \"...ij,kjl,l->...ik\"> (a, b, c)",
+        ),
+        s(
             "Conv",
             "float[2,3,8,8] x, float[4,3,3,3] w, float[4] b",
             "y",
@@ -231,6 +247,9 @@ pub fn samples() -> Vec<Sample> {
         s("Expand", "float[3,1] x", "y", "int64[3] shape = {2, 3, 4}", "   y = Expand (x, shape)"),
         s("Tile", X, "y", "int64[3] reps = {1, 2, 2}", "   y = Tile (x, reps)"),
         s("Pad", X, "y", "int64[6] pads = {0, 1, 0, 0, 1, 2}", "   y = Pad <mode: string = \"reflect\"> (x, pads)"),
+        s("Pad", X, "y", "int64[6] pads = {1, 0, 2, 0, 2, 1}", "   y = Pad <mode: string = \"edge\"> (x, pads)"),
+        s("Pad", X, "y", "int64[6] pads = {0, 2, 1, 1, 0, 3}", "   y = Pad <mode: string = \"wrap\"> (x, pads)"),
+        s("Pad", X, "y", "int64[6] pads = {0, -1, 1, 1, 1, -1}", "   y = Pad (x, pads)"),
         s(
             "Resize",
             "float[1,2,3,3] x",

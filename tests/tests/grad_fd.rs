@@ -37,7 +37,6 @@ const NO_RULE: &[(&str, &str)] = &[
     ("SliceGrad", "a gradient op: training needs no second derivatives"),
     ("SoftmaxCrossEntropyLossGrad", "a gradient op: training needs no second derivatives"),
     ("SoftmaxGrad", "a gradient op: training needs no second derivatives"),
-    ("Einsum", "general contraction: not yet"),
     ("GlobalLpPool", "rare normalizing pool: not yet"),
     ("LpPool", "rare normalizing pool: not yet"),
     ("LpNormalization", "rare normalization: not yet"),
@@ -64,9 +63,6 @@ const NO_RULE: &[(&str, &str)] = &[
     ("RoiAlign", "data-dependent sampling: not yet"),
     ("Scan", "control flow: subgraphs are not differentiated"),
 ];
-
-/// Ops with a rule that refuses some attributes (the sample uses one of them), and which.
-const PARTIAL: &[(&str, &str)] = &[("Pad", "reflect and edge modes (constant mode has a rule)")];
 
 /// Ops whose samples are skipped here, and why.
 const SKIP: &[(&str, &str)] = &[
@@ -209,7 +205,6 @@ fn parse(text: &str) -> Result<Graph, String> {
 #[test]
 fn every_gradient_rule_matches_finite_differences() {
     let skip: BTreeSet<&str> = SKIP.iter().map(|s| s.0).collect();
-    let partial: BTreeSet<&str> = PARTIAL.iter().map(|s| s.0).collect();
     let mut failures = Vec::new();
     let mut no_rule = BTreeSet::new();
     let mut checked: BTreeMap<&str, usize> = BTreeMap::new();
@@ -230,7 +225,6 @@ fn every_gradient_rule_matches_finite_differences() {
                 }
                 no_rule.insert(s.op);
             }
-            Err(e) if partial.contains(s.op) && e.contains("is not supported") => {}
             Err(e) => failures.push(format!("{}: {e}", s.op)),
         }
     }

@@ -11,7 +11,8 @@ use super::grad::GradCx;
 use super::util::{bcast_shapes, broadcast_index, broadcast_shapes, join};
 use super::{Arity, Arrays, Backward, EvalCx, FlowCx, InferCx, MANY, NodeCx, OpRules, TypeRule, Types, Work};
 use crate::eval::{Array, Data, EvalError, numel, strides, transpose};
-use crate::op;
+use crate::graph::Value;
+use crate::op::{self, Op};
 use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par};
 use crate::types::Dim;
 
@@ -205,6 +206,10 @@ impl OpRules for op::Gemm {
 }
 
 impl OpRules for op::Einsum {
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(einsum_grad(self.equation.as_deref().unwrap_or(""), cx))
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(1, MANY, 1, 1)
     }
@@ -371,6 +376,55 @@ fn gemm(g: &op::Gemm, cx: &EvalCx<'_>) -> Result<Array> {
         }
     }
     Ok(Array::float(y.dtype, y.shape, v))
+}
+
+/// The gradient of an Einsum: for operand `i` with term `t`, `dX_i = Einsum(dY, X_j (j ≠ i) →
+/// t)` — each product term of `Y` is linear in `X_i` — over the letters of `t` the output or
+/// another operand has; a letter only `t` has was summed over, so its gradient is that
+/// einsum broadcast along it; a letter `X_i` broadcasts (size 1 against a larger size
+/// elsewhere) is summed back. A letter repeated within a term (a diagonal) has no rule.
+fn einsum_grad(equation: &str, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    let n = cx.g.node(cx.n).inputs().len();
+    let xs: Vec<Value> = (0..n).map(|i| cx.x(i)).collect::<std::result::Result<_, _>>()?;
+    let dims: Vec<Vec<i64>> = xs.iter().map(|&x| cx.dims(x)).collect::<std::result::Result<_, _>>()?;
+    let ranks: Vec<usize> = dims.iter().map(Vec::len).collect();
+    let (terms, out) = einsum_terms(equation, &ranks)?;
+    let repeated = |t: &str| t.chars().enumerate().any(|(k, c)| t[..k].contains(c));
+    if repeated(&out) || terms.iter().any(|t| repeated(t)) {
+        return Err(format!("the gradient of Einsum `{equation}` with an index repeated in a term (a diagonal)"));
+    }
+    let mut size: HashMap<char, i64> = HashMap::new();
+    for (t, d) in terms.iter().zip(&dims) {
+        for (c, &e) in t.chars().zip(d) {
+            let s = size.entry(c).or_insert(e);
+            *s = (*s).max(e);
+        }
+    }
+    for i in 0..n {
+        if !cx.want(i) {
+            continue;
+        }
+        let t = &terms[i];
+        let elsewhere = |c: char| out.contains(c) || terms.iter().enumerate().any(|(j, u)| j != i && u.contains(c));
+        let kept: String = t.chars().filter(|&c| elsewhere(c)).collect();
+        let others: Vec<&String> = terms.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, u)| u).collect();
+        let lhs: Vec<&str> = std::iter::once(out.as_str()).chain(others.iter().map(|u| u.as_str())).collect();
+        let eq = format!("{}->{kept}", lhs.join(","));
+        let operands: Vec<Value> = std::iter::once(dy).chain((0..n).filter(|&j| j != i).map(|j| xs[j])).collect();
+        let mut g = cx.add1(Op::Einsum(op::Einsum { equation: Some(eq) }), &operands)?;
+        // The letters summed over `X_i` alone come back as size-1 dims, broadcast to X_i's.
+        if kept.len() != t.len() {
+            let with_ones: Vec<i64> = t.chars().map(|c| if kept.contains(c) { size[&c] } else { 1 }).collect();
+            g = cx.reshape(g, &with_ones)?;
+            let full: Vec<i64> =
+                t.chars().zip(&dims[i]).map(|(c, &d)| if kept.contains(c) { size[&c] } else { d }).collect();
+            g = cx.expand(g, &full)?;
+        }
+        let g = cx.sum_to(g, &dims[i])?;
+        cx.set(i, g);
+    }
+    Ok(())
 }
 
 /// An Einsum equation with its `...` expanded for inputs of these ranks (into upper-case

@@ -122,12 +122,18 @@ impl<'a> GradCx<'a> {
             {
                 return None;
             }
-            let ins: Vec<Option<Array>> =
-                node.inputs().iter().map(|i| i.map(|i| go(g, i, depth - 1))).collect::<Option<_>>()?;
+            // An omitted input stays omitted; a present one must be constant.
+            let mut ins: Vec<Option<Array>> = Vec::with_capacity(node.inputs().len());
+            for i in node.inputs() {
+                ins.push(match i {
+                    Some(i) => Some(go(g, *i, depth - 1)?),
+                    None => None,
+                });
+            }
             let refs: Vec<Option<&Array>> = ins.iter().map(Option::as_ref).collect();
             crate::eval::eval_op(&node.op, &refs, node.num_outputs(), g.opset).ok()?.into_iter().nth(v.slot as usize)
         }
-        go(self.g, v, 8)
+        go(self.g, v, 16)
     }
 
     fn fresh(&mut self) -> String {
@@ -270,6 +276,28 @@ impl<'a> GradCx<'a> {
         } else {
             self.add1(Op::ReduceSum(op::ReduceSum { axes: Some(axes.to_vec()), keepdims, ..Default::default() }), &[x])
         }
+    }
+
+    /// The gradient of an op that maps `x` to `y` axis by axis with constant matrices (each
+    /// `(axis, A)`, `A` row-major `[M, L]`: `y`'s `M` positions along the axis from `x`'s `L`,
+    /// as a resize or a reflecting pad does): `dY` with each axis contracted with its `A`
+    /// (moved last, `MatMul(dY, A)`, moved back). `A` is a constant of `dtype`.
+    pub fn contract_axes(&mut self, dy: Value, dtype: DType, mats: Vec<(usize, usize, usize, Vec<f64>)>) -> R<Value> {
+        let rank = self.dims(dy)?.len();
+        let mut g = dy;
+        for (axis, m, l, a) in mats {
+            if axis >= rank || a.len() != m * l {
+                return Err(format!("a [{m}, {l}] map of axis {axis} for a tensor of rank {rank}"));
+            }
+            let av = self.constant(Array::float(dtype, vec![m, l], a));
+            let last = rank - 1;
+            let mut perm: Vec<i64> = (0..rank as i64).collect();
+            perm.swap(axis, last);
+            let moved = if axis == last { g } else { self.transpose(g, &perm)? };
+            let contracted = self.add1(Op::MatMul(op::MatMul {}), &[moved, av])?;
+            g = if axis == last { contracted } else { self.transpose(contracted, &perm)? };
+        }
+        Ok(g)
     }
 
     /// `x` summed down to `shape` (the gradient of a broadcast from `shape`).

@@ -9,7 +9,7 @@ use super::shape::{no_work_whole, passthrough_space};
 use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
 use crate::eval::{Array, Data, EvalError, transpose};
-use crate::op::{self, Op};
+use crate::op;
 use crate::shard::IterSpace;
 use crate::types::DType;
 use crate::types::Dim;
@@ -71,7 +71,7 @@ impl OpRules for op::Resize {
 
 /// The gradient of a resize: it is linear and separable, `Y = A_{r−1} ⋯ A_0 · X` with `A_k`
 /// (`[M_k, L_k]`) interpolating axis `k` alone, so `dX` is `dY` with each resized axis
-/// contracted with its `A_k` (moved last, `MatMul(dY, A_k)`, moved back). Each `A_k` is the
+/// contracted with its `A_k` ([`GradCx::contract_axes`]). Each `A_k` is the
 /// evaluator's own interpolation of that axis applied to the identity (`[L, L]` resized along
 /// its last axis gives `A_kᵀ`), a constant of the training graph; `tf_crop_and_resize`'s
 /// extrapolated positions are constants of no gradient.
@@ -92,10 +92,8 @@ fn resize_grad(
     let mut plan = resize_plan(r, &shape, roi, scales, sizes).map_err(|e| e.to_string())?;
     plan.params.extrapolation = 0.0;
     let crop = plan.params.coord == "tf_crop_and_resize";
-    let dt = cx.dtype(x);
-    let rank = dims.len();
-    let mut g = dy;
-    for ax in 0..rank {
+    let mut mats = Vec::new();
+    for ax in 0..dims.len() {
         if !plan.resizes(&shape, ax) {
             continue;
         }
@@ -103,15 +101,9 @@ fn resize_grad(
         let eye: Vec<f64> = (0..l * l).map(|i| if i / l == i % l { 1.0 } else { 0.0 }).collect();
         let at = resize_axis(&eye, &[l, l], 1, m, plan.scales[ax], crop.then_some(plan.roi[ax]), &plan.params)
             .map_err(|e| e.to_string())?;
-        let a: Vec<f64> = (0..m * l).map(|i| at[(i % l) * m + i / l]).collect();
-        let av = cx.constant(Array::float(dt, vec![m, l], a));
-        let last = rank - 1;
-        let mut perm: Vec<i64> = (0..rank as i64).collect();
-        perm.swap(ax, last);
-        let moved = if ax == last { g } else { cx.transpose(g, &perm)? };
-        let contracted = cx.add1(Op::MatMul(op::MatMul {}), &[moved, av])?;
-        g = if ax == last { contracted } else { cx.transpose(contracted, &perm)? };
+        mats.push((ax, m, l, (0..m * l).map(|i| at[(i % l) * m + i / l]).collect()));
     }
+    let g = cx.contract_axes(dy, cx.dtype(x), mats)?;
     cx.set(0, g);
     Ok(())
 }

@@ -1412,21 +1412,61 @@ fn slice_grad(sl: &op::Slice, cx: &mut GradCx<'_>) -> std::result::Result<(), St
 /// Pad (constant mode): the gradient is dY with the padding sliced off.
 fn pad_grad(p: &op::Pad, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
     let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
-    if p.mode() != "constant" {
-        return Err(format!("the gradient of Pad in `{}` mode is not supported", p.mode()));
-    }
     let x = cx.x(0)?;
     let xd = cx.dims(x)?;
     let r = xd.len();
+    let ints = |cx: &GradCx<'_>, v: Value| cx.const_array(v).and_then(|a| a.to_i64().ok());
     let pads = match cx.x_opt(1) {
-        Some(v) => cx.const_ints(Some(v)).ok_or("Pad with computed pads")?,
+        Some(v) => ints(cx, v).ok_or("Pad with computed pads")?,
         None => p.pads.clone().ok_or("Pad without pads")?,
     };
     let axes: Vec<usize> = match cx.x_opt(3) {
-        Some(v) => norm_axes(&cx.const_ints(Some(v)).ok_or("Pad with computed axes")?, r)?,
+        Some(v) => norm_axes(&ints(cx, v).ok_or("Pad with computed axes")?, r)?,
         None => (0..r).collect(),
     };
     let k = axes.len();
+    if pads.len() != 2 * k {
+        return Err(format!("pads {pads:?} need {} values", 2 * k));
+    }
+    if p.mode() != "constant" || pads.iter().any(|&v| v < 0) {
+        // Every output position reads one input position (or the fill value): per padded
+        // axis a 0/1 matrix, and dX is dY contracted with them.
+        let mode = p.mode().to_string();
+        let mut mats = Vec::new();
+        for (i, &a) in axes.iter().enumerate() {
+            let (b, e, l) = (pads[i], pads[i + k], xd[a]);
+            let m = (l + b + e).max(0);
+            if b == 0 && e == 0 {
+                continue;
+            }
+            let mut mat = vec![0.0; (m * l) as usize];
+            for j in 0..m {
+                let o = j - b;
+                let src = if (0..l).contains(&o) {
+                    Some(o)
+                } else {
+                    match mode.as_str() {
+                        "edge" => Some(o.clamp(0, l - 1)),
+                        "reflect" if l == 1 => Some(0),
+                        "reflect" => {
+                            let period = 2 * (l - 1);
+                            let q = o.rem_euclid(period);
+                            Some(if q < l { q } else { period - q })
+                        }
+                        "wrap" => Some(o.rem_euclid(l.max(1))),
+                        _ => None,
+                    }
+                };
+                if let Some(src) = src {
+                    mat[(j * l + src) as usize] += 1.0;
+                }
+            }
+            mats.push((a, m as usize, l as usize, mat));
+        }
+        let dx = cx.contract_axes(dy, cx.dtype(x), mats)?;
+        cx.set(0, dx);
+        return Ok(());
+    }
     let starts: Vec<i64> = (0..k).map(|i| pads[i]).collect();
     let ends: Vec<i64> = axes.iter().enumerate().map(|(i, &a)| pads[i] + xd[a]).collect();
     let axv: Vec<i64> = axes.iter().map(|&a| a as i64).collect();
