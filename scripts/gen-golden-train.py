@@ -2,7 +2,9 @@
 """More golden training-step cases, in the format of ../shared/golden-train (its README has
 the format and the optimizer formulas), for architectures that folder does not have: group and
 instance normalization, nearest and bilinear upsampling (a small U-Net), sub-pixel
-convolution (PixelShuffle / PixelUnshuffle), einsum contractions and reflect/edge padding. Each torch module ends in its loss; it is exported
+convolution (PixelShuffle / PixelUnshuffle), einsum contractions, reflect/edge padding, a
+two-layer bidirectional GRU, 1-D convolutions with batch normalization and ceil-mode average
+pooling, and transposed convolution with PReLU/ELU/Softplus and hand-written Huber/L1 losses. Each torch module ends in its loss; it is exported
 with torch.onnx.export(dynamo=False, opset_version=17, do_constant_folding=False,
 training=TRAINING), printed with onnx.printer, and its loss, gradients, one momentum-SGD and one
 Adam step and 10-step loss trajectories computed by torch (float32, CPU, one thread). The
@@ -124,6 +126,53 @@ class PaddedCnn(nn.Module):
         return F.cross_entropy(self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1)), labels)
 
 
+class Gru2(nn.Module):
+    """Two-layer bidirectional GRU, batch first, the last step's output through Linear(12->3); MSE."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(5, 6, num_layers=2, batch_first=True, bidirectional=True)
+        self.fc = nn.Linear(12, 3)
+
+    def forward(self, x, y):
+        o, _ = self.rnn(x)
+        return F.mse_loss(self.fc(o[:, -1]), y)
+
+
+class Conv1dNet(nn.Module):
+    """Conv1d dilated (no bias) + BatchNorm1d + LeakyReLU, AvgPool1d (ceil_mode,
+    count_include_pad=False), grouped Conv1d + Hardswish, mean over time, Linear; BCE with logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv1d(3, 6, 3, padding=2, dilation=2, bias=False)
+        self.bn = nn.BatchNorm1d(6)
+        self.c2 = nn.Conv1d(6, 6, 3, groups=3)
+        self.fc = nn.Linear(6, 2)
+
+    def forward(self, x, y):
+        h = F.avg_pool1d(F.leaky_relu(self.bn(self.c(x)), 0.1), 3, ceil_mode=True, count_include_pad=False)
+        h = F.hardswish(self.c2(h)).mean(-1)
+        return F.binary_cross_entropy_with_logits(self.fc(h), y)
+
+
+class Deconv(nn.Module):
+    """Conv stride 2 + PReLU, ConvTranspose2d (stride 2, output_padding 1) + ELU, plus SiLU(x)·Softplus(x);
+    a Huber loss written with Where, plus a tenth of an L1 loss of its Tanh."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(2, 4, 3, stride=2, padding=1)
+        self.d = nn.ConvTranspose2d(4, 2, 3, stride=2, padding=1, output_padding=1)
+        self.p = nn.PReLU(4)
+
+    def forward(self, x, y):
+        h = F.elu(self.d(self.p(self.c(x)))) + F.silu(x) * F.softplus(x)
+        d = h - y
+        huber = torch.where(d.abs() < 1, 0.5 * d * d, d.abs() - 0.5).mean()
+        return huber + 0.1 * (torch.tanh(h) - y).abs().mean()
+
+
 def cases():
     g = torch.Generator().manual_seed(0)
     yield (
@@ -162,6 +211,29 @@ def cases():
         {"x": torch.randn(2, 3, 6, 6, generator=g), "labels": torch.randint(0, 5, (2,), generator=g)},
         (0.1, 0.01),
         "CNN with reflect and edge padding (Pad modes reflect and edge): ReflectionPad2d(1) + Conv 3x3 (3->6) + ReLU, ReplicationPad2d((1,2,0,1)) + Conv 3x3 (6->6), GlobalAveragePool, Linear(6->5), cross-entropy. x [2,3,6,6], labels [2]",
+    )
+
+    g = torch.Generator().manual_seed(3)
+    yield (
+        "gru2_bidir",
+        Gru2,
+        {"x": torch.randn(3, 4, 5, generator=g), "y": torch.randn(3, 3, generator=g)},
+        (0.1, 0.01),
+        "GRU (input 5, hidden 6, 2 layers, bidirectional, batch_first), last step, Linear(12->3), MSE. x [3,4,5], y [3,3]",
+    )
+    yield (
+        "conv1d_bce",
+        Conv1dNet,
+        {"x": torch.randn(4, 3, 10, generator=g), "y": torch.rand(4, 2, generator=g)},
+        (0.1, 0.01),
+        "Conv1d (3->6, k 3, dilation 2, no bias) + BatchNorm1d (training) + LeakyReLU(0.1), AvgPool1d(3, ceil_mode, count_include_pad=False), grouped Conv1d (6->6, 3 groups) + Hardswish, mean over time, Linear(6->2), BCE with logits against a float target. x [4,3,10], y [4,2]",
+    )
+    yield (
+        "deconv_losses",
+        Deconv,
+        {"x": torch.randn(2, 2, 6, 6, generator=g), "y": torch.randn(2, 2, 6, 6, generator=g)},
+        (0.05, 0.01),
+        "Conv 3x3 stride 2 (2->4) + PReLU(4), ConvTranspose2d (4->2, stride 2, output_padding 1) + ELU, plus SiLU(x)*Softplus(x); Huber loss written with Where plus 0.1 x L1 of Tanh. x, y [2,2,6,6]",
     )
 
 
