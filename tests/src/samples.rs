@@ -201,6 +201,8 @@ pub fn samples() -> Vec<Sample> {
         ),
         s("LRN", "float[2,5,3,3] x", "y", "", "   y = LRN <size: int = 3> (x)"),
         s("LpNormalization", X, "y", "", "   y = LpNormalization <axis: int = 1> (x)"),
+        s("LpNormalization", X, "y", "", "   y = LpNormalization <axis: int = -1, p: int = 1> (x)"),
+        s("MeanVarianceNormalization", X, "y", "", "   y = MeanVarianceNormalization <axes: ints = [1]> (x)"),
         s("MeanVarianceNormalization", "float[2,3,4,4] x", "y", "", "   y = MeanVarianceNormalization (x)"),
         s("Softmax", X, "y", "", "   y = Softmax <axis: int = 1> (x)"),
         s("LogSoftmax", X, "y", "", "   y = LogSoftmax (x)"),

@@ -274,6 +274,37 @@ impl OpRules for op::LRN {
 }
 
 impl OpRules for op::LpNormalization {
+    /// `Y = X / ‖X‖_p` along the axis: `dX = (dY − g·Σ(dY·Y)) / ‖X‖_p` with `g = Y` (p = 2)
+    /// or `sign(X)` (p = 1); where the norm is 0 (and `Y` is 0) it is taken as 1.
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+            let x = cx.x(0)?;
+            let r = cx.dims(x)?.len();
+            let axis = norm_axis(self.axis(), r)? as i64;
+            let y = cx.y(0);
+            let dyy = cx.mul(dy, y)?;
+            let s = cx.reduce_sum(dyy, &[axis], true)?;
+            let (g, norm) = if self.p() == 1 {
+                let ax = cx.add1(Op::Abs(op::Abs::default()), &[x])?;
+                (cx.add1(Op::Sign(op::Sign::default()), &[x])?, cx.reduce_sum(ax, &[axis], true)?)
+            } else {
+                let sq = cx.mul(x, x)?;
+                let ss = cx.reduce_sum(sq, &[axis], true)?;
+                (y, cx.add1(Op::Sqrt(op::Sqrt::default()), &[ss])?)
+            };
+            let zero = cx.scalar(cx.dtype(x), 0.0);
+            let one = cx.scalar(cx.dtype(x), 1.0);
+            let is_zero = cx.add1(Op::Equal(op::Equal::default()), &[norm, zero])?;
+            let norm = cx.where_(is_zero, one, norm)?;
+            let gs = cx.mul(g, s)?;
+            let t = cx.sub(dy, gs)?;
+            let dx = cx.div(t, norm)?;
+            cx.set(0, dx);
+            Ok(())
+        })())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(1)
     }
@@ -322,6 +353,43 @@ impl OpRules for op::LpNormalization {
 }
 
 impl OpRules for op::MeanVarianceNormalization {
+    /// `Y = (X − μ) / (σ + ε)` over the axes (ε = 1e-9, as evaluated): with `N` elements per
+    /// statistic, `dX = (dY − mean(dY)) / (σ + ε) − mean(dY·Y) · Y / σ`.
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+            let x = cx.x(0)?;
+            let dims = cx.dims(x)?;
+            let axes: Vec<i64> = norm_axes(&self.axes.clone().unwrap_or_else(|| vec![0, 2, 3]), dims.len())?
+                .into_iter()
+                .map(|a| a as i64)
+                .collect();
+            let n: i64 = axes.iter().map(|&a| dims[a as usize]).product();
+            let mean = |cx: &mut GradCx<'_>, v: Value| -> std::result::Result<Value, String> {
+                let s = cx.reduce_sum(v, &axes, true)?;
+                cx.scale(s, 1.0 / n.max(1) as f64)
+            };
+            let y = cx.y(0);
+            let mu = mean(cx, x)?;
+            let c = cx.sub(x, mu)?;
+            let c2 = cx.mul(c, c)?;
+            let var = mean(cx, c2)?;
+            let sigma = cx.add1(Op::Sqrt(op::Sqrt::default()), &[var])?;
+            let eps = cx.scalar(cx.dtype(x), 1e-9);
+            let s = cx.add2(sigma, eps)?;
+            let mdy = mean(cx, dy)?;
+            let centered = cx.sub(dy, mdy)?;
+            let first = cx.div(centered, s)?;
+            let dyy = cx.mul(dy, y)?;
+            let mdyy = mean(cx, dyy)?;
+            let k = cx.mul(mdyy, y)?;
+            let second = cx.div(k, sigma)?;
+            let dx = cx.sub(first, second)?;
+            cx.set(0, dx);
+            Ok(())
+        })())
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(1)
     }
