@@ -2,9 +2,9 @@
 """More golden training-step cases, in the format of ../shared/golden-train (its README has
 the format and the optimizer formulas), for architectures that folder does not have: group and
 instance normalization, nearest and bilinear upsampling (a small U-Net), sub-pixel
-convolution (PixelShuffle / PixelUnshuffle), einsum contractions, reflect/edge padding, a
-two-layer bidirectional GRU, 1-D convolutions with batch normalization and ceil-mode average
-pooling, and transposed convolution with PReLU/ELU/Softplus and hand-written Huber/L1 losses. Each torch module ends in its loss; it is exported
+convolution (PixelShuffle / PixelUnshuffle), einsum contractions, reflect/edge padding, 1-D
+convolutions with batch normalization and ceil-mode average pooling, and transposed
+convolution with PReLU/ELU/Softplus and hand-written Huber/L1 losses. Each torch module ends in its loss; it is exported
 with torch.onnx.export(dynamo=False, opset_version=17, do_constant_folding=False,
 training=TRAINING), printed with onnx.printer, and its loss, gradients, one momentum-SGD and one
 Adam step and 10-step loss trajectories computed by torch (float32, CPU, one thread). The
@@ -126,19 +126,6 @@ class PaddedCnn(nn.Module):
         return F.cross_entropy(self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1)), labels)
 
 
-class Gru2(nn.Module):
-    """Two-layer bidirectional GRU, batch first, the last step's output through Linear(12->3); MSE."""
-
-    def __init__(self):
-        super().__init__()
-        self.rnn = nn.GRU(5, 6, num_layers=2, batch_first=True, bidirectional=True)
-        self.fc = nn.Linear(12, 3)
-
-    def forward(self, x, y):
-        o, _ = self.rnn(x)
-        return F.mse_loss(self.fc(o[:, -1]), y)
-
-
 class Conv1dNet(nn.Module):
     """Conv1d dilated (no bias) + BatchNorm1d + LeakyReLU, AvgPool1d (ceil_mode,
     count_include_pad=False), grouped Conv1d + Hardswish, mean over time, Linear; BCE with logits."""
@@ -214,13 +201,6 @@ def cases():
     )
 
     g = torch.Generator().manual_seed(3)
-    yield (
-        "gru2_bidir",
-        Gru2,
-        {"x": torch.randn(3, 4, 5, generator=g), "y": torch.randn(3, 3, generator=g)},
-        (0.1, 0.01),
-        "GRU (input 5, hidden 6, 2 layers, bidirectional, batch_first), last step, Linear(12->3), MSE. x [3,4,5], y [3,3]",
-    )
     yield (
         "conv1d_bce",
         Conv1dNet,

@@ -248,8 +248,44 @@ impl OpRules for op::Einsum {
         Ok(vec![einsum(self.equation.as_deref().unwrap_or(""), &cx.all())?])
     }
 
+    /// Each output dim follows its letter's dim in the operands (a tracked one where any is,
+    /// the letter's dims unified across operands where they are not broadcast 1s).
     fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
-        cx.opaque_outputs();
+        let n = cx.inputs().len();
+        let monos: Vec<Vec<super::Mono>> = (0..n).map(|i| cx.in_m(i)).collect::<Option<_>>()?;
+        let olds: Vec<Vec<i64>> = (0..n).map(|i| cx.in_old(i)).collect::<Option<_>>()?;
+        let ranks: Vec<usize> = olds.iter().map(Vec::len).collect();
+        let Ok((terms, out)) = einsum_terms(self.equation.as_deref().unwrap_or(""), &ranks) else {
+            cx.opaque_outputs();
+            return Some(());
+        };
+        // Per letter, the (operand, axis) places it has, broadcast 1s left out.
+        let mut places: HashMap<char, Vec<(usize, usize)>> = HashMap::new();
+        for (i, t) in terms.iter().enumerate() {
+            for (a, c) in t.chars().enumerate() {
+                if olds[i].get(a).is_some_and(|&d| d != 1) {
+                    places.entry(c).or_default().push((i, a));
+                }
+            }
+        }
+        let inputs = cx.inputs();
+        for ps in places.values() {
+            for w in ps.windows(2) {
+                cx.unify((inputs[w[0].0], w[0].1), (inputs[w[1].0], w[1].1));
+            }
+        }
+        let m: Vec<super::Mono> = out
+            .chars()
+            .map(|c| {
+                let ps = places.get(&c).map(Vec::as_slice).unwrap_or(&[]);
+                ps.iter()
+                    .map(|&(i, a)| monos[i][a].clone())
+                    .find(super::Mono::is_tracked)
+                    .or_else(|| ps.first().map(|&(i, a)| monos[i][a].clone()))
+                    .unwrap_or(super::Mono::constant(1))
+            })
+            .collect();
+        cx.set(0, m);
         Some(())
     }
 }

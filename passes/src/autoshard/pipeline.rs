@@ -440,20 +440,17 @@ fn table(gm: &Graph, cluster: &Cluster, mesh: &Mesh, opts: &Options, reference: 
         if everywhere.contains(&op) {
             continue;
         }
-        let (_, outs) = ir::shard::strategy_shardings(cm.space(op), &strategies[i]);
-        for (slot, layout) in outs.iter().enumerate() {
+        for slot in 0..gm.node(op).num_outputs() {
             let v = Value::new(op, slot as u16);
             let last = gm.users(v).iter().filter_map(|(u, _)| pos.get(u)).copied().max();
             if let Some(last) = last
                 && last > i
             {
-                let split: f64 = layout
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, x)| matches!(x, ir::shard::AxisShard::Split(_)))
-                    .map(|(a, _)| mesh.axes[a].size as f64)
-                    .product();
-                let bytes = cm.value_bytes(v) / split;
+                // The lowering gathers a value another stage reads and each device of the
+                // stage sends it whole to its counterpart in the reading stage (`codegen::lower`,
+                // a stage's sends): that is what a device sends and the next stage holds,
+                // whatever the layout it was computed in.
+                let bytes = cm.value_bytes(v);
                 for j in (i + 1)..=last {
                     cross[j] += bytes;
                     crossing[j].push(v);
