@@ -500,6 +500,8 @@ struct MicroGraphs<'g> {
     g: &'g Graph,
     batch: i64,
     cache: HashMap<i64, Graph>,
+    /// Why the graph would not take a micro-batch size (the last such size and reason).
+    refused: Option<(i64, String)>,
 }
 
 impl MicroGraphs<'_> {
@@ -508,8 +510,11 @@ impl MicroGraphs<'_> {
             return Some(x.clone());
         }
         let mut gm = self.g.clone();
-        if mb != self.batch {
-            rebatch(&mut gm, &RebatchSpec { batch: Some(mb), ..Default::default() }).ok()?;
+        if mb != self.batch
+            && let Err(e) = rebatch(&mut gm, &RebatchSpec { batch: Some(mb), ..Default::default() })
+        {
+            self.refused = Some((mb, e.to_string()));
+            return None;
         }
         self.cache.insert(mb, gm.clone());
         Some(gm)
@@ -657,8 +662,8 @@ pub fn search_pipeline(
             configs.push((s, m));
         }
     }
-    let mut graphs = MicroGraphs { g, batch, cache: HashMap::new() };
-    let mut micro_graph = |mb: i64| graphs.get(mb);
+    let graphs = std::cell::RefCell::new(MicroGraphs { g, batch, cache: HashMap::new(), refused: None });
+    let mut micro_graph = |mb: i64| graphs.borrow_mut().get(mb);
     let (reference, meshes) = reference_plans(cluster, devices, opts, so, net, &stage_counts, batch, &mut micro_graph);
 
     let capacity = cluster.device.mem_capacity * cluster.device.mem_usable;
@@ -785,6 +790,14 @@ pub fn search_pipeline(
             );
             consider(plan, s, m, schedule, shape, &mut best, &mut tried);
         }
+    }
+    // A requested pipeline whose every micro-batch size the graph refused: say why, not
+    // that nothing fits.
+    let graphs = graphs.into_inner();
+    if let (PipelineMode::Stages(s), None, true, Some((mb, why))) =
+        (mode, &best, graphs.cache.is_empty(), &graphs.refused)
+    {
+        return Err(format!("--pipeline {s}: the batch of {batch} does not cut into micro-batches of {mb}: {why}"));
     }
     let best = best.map(|p| (p.breakdown.step_time_s, true, p));
     Ok(best.map(|(_, _, mut p)| {

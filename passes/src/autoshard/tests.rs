@@ -408,3 +408,25 @@ fn chain_moves_carry_a_split_along_the_tensors() {
     let (_, changed) = proxy.chain(&p, 0, find(0, "d1→gpus"), &data, 0.0, 2);
     assert_eq!(changed.len(), 2);
 }
+
+// A requested pipeline needs micro-batches: a graph whose batch runs into a parameter cannot
+// take them, and the search says so (not that nothing fits in memory).
+#[test]
+fn a_pipeline_the_batch_cannot_be_cut_for_says_why() {
+    let g = graph(
+        r#"<
+   ir_version: 8,
+   opset_import: ["" : 17]
+>
+b (float[4,8] x) => (float[4,8] y)
+   <float[4,8] w = ["location": "w.bin", "offset": "0", "length": "128"], float[8,8] v = ["location": "w.bin", "offset": "0", "length": "256"]>
+{
+   h = MatMul (x, v)
+   y = Add (h, w)
+}"#,
+    );
+    let cluster = Cluster::preset("local-wgpu").unwrap();
+    let so = super::SearchOptions { pipeline: super::PipelineMode::Stages(2), ..Default::default() };
+    let Err(e) = super::search(&g, &cluster, 2, &Options::default(), &so) else { panic!("a pipeline was found") };
+    assert!(e.contains("does not cut into micro-batches") && e.contains("`w`"), "{e}");
+}
