@@ -101,9 +101,9 @@ impl<'a> GradCx<'a> {
         self.g.tensor_type(v).map_or(DType::Float, |t| t.dtype)
     }
 
-    /// An input's value when it is a constant (initializer) holding integers.
+    /// An input's value when it is constant ([`GradCx::const_array`]), as integers.
     pub fn const_ints(&self, v: Option<Value>) -> Option<Vec<i64>> {
-        v.and_then(|v| self.g.initializer(v)).and_then(|t| t.to_i64_vec())
+        v.and_then(|v| self.const_array(v)).and_then(|a| a.to_i64().ok())
     }
 
     /// A value's constant value: an initializer, or an op of constants (a few levels deep:

@@ -25,7 +25,7 @@ impl OpRules for op::Resize {
         let (roi, scales, sizes) = if n == 2 {
             (None, floats(cx, 1), None)
         } else {
-            (floats(cx, 1), floats(cx, 2), cx.x_opt(3).and_then(|v| cx.const_array(v)?.to_i64().ok()))
+            (floats(cx, 1), floats(cx, 2), cx.const_ints(cx.x_opt(3)))
         };
         if scales.as_ref().is_none_or(|s| s.is_empty()) && sizes.as_ref().is_none_or(|s| s.is_empty()) {
             return Some(Err("the gradient of a Resize needs constant scales or sizes".into()));

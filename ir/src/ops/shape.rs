@@ -1189,6 +1189,26 @@ fn tile(x: &Array, repeats: &[i64]) -> Result<Array> {
     Ok(x.gather_flat(shape, &idx))
 }
 
+/// The input position a padded output position `o` (input coordinates: `o` in `0..len` is
+/// inside) reads in `mode` — `edge` clamps, `reflect` mirrors without repeating the edge,
+/// `wrap` wraps — or `None` for the fill value (`constant`).
+fn pad_source(mode: &str, o: i64, len: i64) -> Option<i64> {
+    if (0..len).contains(&o) {
+        return Some(o);
+    }
+    match mode {
+        "edge" => Some(o.clamp(0, len - 1)),
+        "reflect" if len == 1 => Some(0),
+        "reflect" => {
+            let period = 2 * (len - 1);
+            let m = o.rem_euclid(period);
+            Some(if m < len { m } else { period - m })
+        }
+        "wrap" => Some(o.rem_euclid(len.max(1))),
+        _ => None,
+    }
+}
+
 fn pad(op: &op::Pad, cx: &EvalCx<'_>) -> Result<Array> {
     let x = cx.req(0)?;
     let rank = x.rank();
@@ -1226,28 +1246,10 @@ fn pad(op: &op::Pad, cx: &EvalCx<'_>) -> Result<Array> {
         let mut fill = false;
         for d in 0..rank {
             let o = ((k / ostr[d]) % shape[d]) as i64 - pads[d];
-            let len = x.shape[d] as i64;
-            let i = if (0..len).contains(&o) {
-                o
-            } else {
-                match mode {
-                    "edge" => o.clamp(0, len - 1),
-                    "reflect" => {
-                        if len == 1 {
-                            0
-                        } else {
-                            let period = 2 * (len - 1);
-                            let m = o.rem_euclid(period);
-                            if m < len { m } else { period - m }
-                        }
-                    }
-                    "wrap" => o.rem_euclid(len.max(1)),
-                    _ => {
-                        fill = true;
-                        0
-                    }
-                }
-            };
+            let i = pad_source(mode, o, x.shape[d] as i64).unwrap_or_else(|| {
+                fill = true;
+                0
+            });
             off += i.max(0) as usize * istr[d];
         }
         src.push(if fill { None } else { Some(off) });
@@ -1409,19 +1411,20 @@ fn slice_grad(sl: &op::Slice, cx: &mut GradCx<'_>) -> std::result::Result<(), St
     Ok(())
 }
 
-/// Pad (constant mode): the gradient is dY with the padding sliced off.
+/// Pad: in constant mode with no negative pads, dY with the padding sliced off; otherwise
+/// (reflect, edge, wrap, cropping) dY contracted per padded axis with the 0/1 map of which
+/// input position each output position reads ([`pad_source`], as the evaluator reads them).
 fn pad_grad(p: &op::Pad, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
     let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
     let x = cx.x(0)?;
     let xd = cx.dims(x)?;
     let r = xd.len();
-    let ints = |cx: &GradCx<'_>, v: Value| cx.const_array(v).and_then(|a| a.to_i64().ok());
     let pads = match cx.x_opt(1) {
-        Some(v) => ints(cx, v).ok_or("Pad with computed pads")?,
+        Some(v) => cx.const_ints(Some(v)).ok_or("Pad with computed pads")?,
         None => p.pads.clone().ok_or("Pad without pads")?,
     };
     let axes: Vec<usize> = match cx.x_opt(3) {
-        Some(v) => norm_axes(&ints(cx, v).ok_or("Pad with computed axes")?, r)?,
+        Some(v) => norm_axes(&cx.const_ints(Some(v)).ok_or("Pad with computed axes")?, r)?,
         None => (0..r).collect(),
     };
     let k = axes.len();
@@ -1431,7 +1434,7 @@ fn pad_grad(p: &op::Pad, cx: &mut GradCx<'_>) -> std::result::Result<(), String>
     if p.mode() != "constant" || pads.iter().any(|&v| v < 0) {
         // Every output position reads one input position (or the fill value): per padded
         // axis a 0/1 matrix, and dX is dY contracted with them.
-        let mode = p.mode().to_string();
+        let mode = p.mode();
         let mut mats = Vec::new();
         for (i, &a) in axes.iter().enumerate() {
             let (b, e, l) = (pads[i], pads[i + k], xd[a]);
@@ -1441,23 +1444,7 @@ fn pad_grad(p: &op::Pad, cx: &mut GradCx<'_>) -> std::result::Result<(), String>
             }
             let mut mat = vec![0.0; (m * l) as usize];
             for j in 0..m {
-                let o = j - b;
-                let src = if (0..l).contains(&o) {
-                    Some(o)
-                } else {
-                    match mode.as_str() {
-                        "edge" => Some(o.clamp(0, l - 1)),
-                        "reflect" if l == 1 => Some(0),
-                        "reflect" => {
-                            let period = 2 * (l - 1);
-                            let q = o.rem_euclid(period);
-                            Some(if q < l { q } else { period - q })
-                        }
-                        "wrap" => Some(o.rem_euclid(l.max(1))),
-                        _ => None,
-                    }
-                };
-                if let Some(src) = src {
+                if let Some(src) = pad_source(mode, j - b, l) {
                     mat[(j * l + src) as usize] += 1.0;
                 }
             }
