@@ -731,9 +731,14 @@ impl Graph {
         out
     }
 
+    /// True when `value` is a graph output.
+    pub fn is_output(&self, value: Value) -> bool {
+        self.outputs.iter().any(|o| o.value == value)
+    }
+
     /// True when any node or graph output reads `value`.
     pub fn is_used(&self, value: Value) -> bool {
-        self.outputs.iter().any(|o| o.value == value)
+        self.is_output(value)
             || self.g.edges_directed(value.node.0, Direction::Outgoing).any(|e| e.weight().src_slot == value.slot)
     }
 

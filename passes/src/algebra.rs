@@ -58,7 +58,7 @@ fn only_reader(g: &Graph, v: Value) -> Option<NodeId> {
 
 /// The one node reading `v`, at any input (`None` when several read it or it is an output).
 fn lone_reader(g: &Graph, v: Value) -> Option<NodeId> {
-    if g.outputs().iter().any(|o| o.value == v) {
+    if g.is_output(v) {
         return None;
     }
     match g.users(v).as_slice() {
@@ -81,13 +81,13 @@ fn bias_add(g: &Graph, y: Value, cols: i64) -> Option<(NodeId, Value)> {
     let (a, c) = added_to(g, y)?;
     let ok = g.initializer(c).is_some_and(|t| t.dims == [cols])
         && g.users(c).iter().all(|&(u, _)| u == a)
-        && !g.outputs().iter().any(|o| o.value == c);
+        && !g.is_output(c);
     ok.then_some((a, c))
 }
 
 /// Nothing reads `v` and it is not a graph output.
 fn unread(g: &Graph, v: Value) -> bool {
-    g.users(v).is_empty() && !g.outputs().iter().any(|o| o.value == v)
+    g.users(v).is_empty() && !g.is_output(v)
 }
 
 fn static_dims(g: &Graph, v: Value) -> Option<Vec<i64>> {
@@ -676,28 +676,23 @@ pub fn compose_transposes_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bo
         let r: Vec<usize> = q.iter().map(|&j| p[j]).collect();
         let out = Value::new(outer, 0);
         let name = g.value_name(out).to_string();
-        let is_output = g.outputs().iter().any(|o| o.value == out);
-        if r.iter().enumerate().all(|(j, &i)| i == j) && !is_output {
-            g.replace_all_uses(out, x);
+        // The composed transpose, or `x` itself for the identity (unless `out` is a graph
+        // output, which keeps its name).
+        let composed = if r.iter().enumerate().all(|(j, &i)| i == j) && !g.is_output(out) {
+            None
         } else {
             let label = g.node(outer).label.clone();
             let tmp = g.fresh_name(&format!("{name}_composed"));
             let perm = Some(r.iter().map(|&i| i as i64).collect());
-            let n = g.add_labeled_node(
-                label,
-                Op::Transpose(ir::op::Transpose { perm }),
-                vec![Some(x)],
-                vec![Output::named(tmp)],
-            );
-            g.replace_all_uses(out, Value::new(n, 0));
-            g.remove_node(outer);
-            g.remove_node(y.node);
-            g.rename(Value::new(n, 0), name);
-            done += 1;
-            continue;
-        }
+            let op = Op::Transpose(ir::op::Transpose { perm });
+            Some(Value::new(g.add_labeled_node(label, op, vec![Some(x)], vec![Output::named(tmp)]), 0))
+        };
+        g.replace_all_uses(out, composed.unwrap_or(x));
         g.remove_node(outer);
         g.remove_node(y.node);
+        if let Some(c) = composed {
+            g.rename(c, name);
+        }
         done += 1;
     }
     Ok(done)
@@ -850,7 +845,7 @@ pub fn conv_as_matmul_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) 
         // same bytes): the trainer and the cost model see a parameter, not a reshape of one.
         let mut renamed = Vec::new();
         let mut param = |g: &mut Graph, v: Value, dims: Vec<i64>, what: &str| -> Result<Value, Located> {
-            let own = g.users(v).len() == 1 && !g.outputs().iter().any(|o| o.value == v);
+            let own = g.users(v).len() == 1 && !g.is_output(v);
             match g.initializer(v) {
                 Some(t) if own && matches!(t.external_slice(), Ok(None)) && matches!(t.external_concat(), Ok(None)) => {
                     let name = g.value_name(v).to_string();
@@ -922,9 +917,7 @@ fn sharer(g: &Graph, n: NodeId, x: Value) -> Option<((u8, i64, bool), Sharer, us
         return None;
     }
     let own = |v: Value, by: NodeId| {
-        g.initializer(v).is_some()
-            && g.users(v).iter().all(|&(u, _)| u == by)
-            && !g.outputs().iter().any(|o| o.value == v)
+        g.initializer(v).is_some() && g.users(v).iter().all(|&(u, _)| u == by) && !g.is_output(v)
     };
     let (kind, trans_b, weight_axis) = match &node.op {
         Op::MatMul(_) => (0u8, 0, 1),

@@ -34,12 +34,10 @@ fn is_source(op: &Op) -> bool {
 /// graph output. Returns false (and changes nothing) when that is not possible.
 fn bypass(g: &mut Graph, n: NodeId, from: Value) -> bool {
     let out = Value::new(n, 0);
-    if g.outputs().iter().any(|o| o.value == out) {
+    if g.is_output(out) {
         // The graph output's name must survive: give it to `from`, if `from` is an op's
         // private value.
-        let from_is_private = !is_source(&g.node(from.node).op)
-            && !g.outputs().iter().any(|o| o.value == from)
-            && g.users(from).len() == 1;
+        let from_is_private = !is_source(&g.node(from.node).op) && !g.is_output(from) && g.users(from).len() == 1;
         if !from_is_private {
             return false;
         }
@@ -245,7 +243,6 @@ const MERGE_CONSTANTS_UP_TO: u64 = 4096;
 /// outputs (the outputs keep their names). Returns (constants merged, ops merged).
 pub fn eliminate_common_subexpressions(g: &mut Graph) -> (u64, u64) {
     let captured = |g: &Graph, v: Value| g.users(v).iter().any(|&(_, i)| i == usize::MAX);
-    let is_output = |g: &Graph, v: Value| g.outputs().iter().any(|o| o.value == v);
     let mut constants = 0;
     let mut seen: HashMap<String, Value> = HashMap::new();
     for n in g.initializers().to_vec() {
@@ -254,7 +251,7 @@ pub fn eliminate_common_subexpressions(g: &mut Graph) -> (u64, u64) {
         if t.is_external() || t.numel() > MERGE_CONSTANTS_UP_TO || ir::cost::is_param(g, v) {
             continue;
         }
-        if captured(g, v) || is_output(g, v) {
+        if captured(g, v) || g.is_output(v) {
             continue;
         }
         let key = format!("{:?}|{:?}|{:?}", t.dtype, t.dims, t.data);
@@ -283,7 +280,7 @@ pub fn eliminate_common_subexpressions(g: &mut Graph) -> (u64, u64) {
             continue;
         }
         let outs: Vec<Value> = (0..node.num_outputs()).map(|s| Value::new(n, s as u16)).collect();
-        if outs.iter().any(|&v| is_output(g, v) || captured(g, v)) {
+        if outs.iter().any(|&v| g.is_output(v) || captured(g, v)) {
             continue;
         }
         let key = format!("{}|{:?}", node.op.op_type(), node.inputs());

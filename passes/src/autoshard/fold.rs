@@ -149,7 +149,7 @@ pub fn find(g: &Graph, order: &[NodeId], min_blocks: usize) -> Option<Folding> {
                         _ => return None,
                     }
                 }
-                if k + 1 < ops.len() && g.outputs().iter().any(|o| o.value == v) {
+                if k + 1 < ops.len() && g.is_output(v) {
                     return None;
                 }
             }
