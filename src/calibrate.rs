@@ -247,8 +247,10 @@ pub fn measure<E: Executor>(make: impl Fn() -> Result<E, String> + Sync, effort:
         launch: c(|k| k.launch),
         copy_bandwidth: c(|k| k.copy_bandwidth),
         copy_latency: c(|k| k.copy_latency),
+        copy_by_size: median_points(rounds.iter().map(|m| &m.calibration.copy_by_size)),
         ring_latency: c(|k| k.ring_latency),
         ring_bandwidth: c(|k| k.ring_bandwidth),
+        ring_by_size: median_points(rounds.iter().map(|m| &m.calibration.ring_by_size)),
         ring_contention: c(|k| k.ring_contention),
         host_cores: rounds[0].calibration.host_cores,
         launch_contention: c(|k| k.launch_contention),
@@ -267,6 +269,39 @@ pub fn measure<E: Executor>(make: impl Fn() -> Result<E, String> + Sync, effort:
         })
         .collect();
     Ok(Measured { adapter: rounds[0].adapter.clone(), calibration, samples })
+}
+
+/// Per size, the median factor of the rounds' bandwidth-by-size points (sizes every round
+/// measured), the time still never falling as the size grows.
+fn median_points<'a>(rounds: impl Iterator<Item = &'a Vec<(f64, f64)>>) -> Vec<(f64, f64)> {
+    let rounds: Vec<&Vec<(f64, f64)>> = rounds.collect();
+    let Some(first) = rounds.first() else { return Vec::new() };
+    let points: Vec<(f64, f64)> = first
+        .iter()
+        .filter_map(|&(bytes, _)| {
+            let fs: Vec<f64> = rounds.iter().filter_map(|r| r.iter().find(|p| p.0 == bytes).map(|p| p.1)).collect();
+            (fs.len() == rounds.len()).then(|| (bytes, median(fs)))
+        })
+        .collect();
+    monotone_time(points)
+}
+
+/// Bandwidth-by-size points from measured rates `(bytes, bytes/s)` in increasing size, as
+/// factors of `base`: a larger transfer never priced faster than a smaller one.
+pub fn by_size(rates: &[(f64, f64)], base: f64) -> Vec<(f64, f64)> {
+    monotone_time(rates.iter().filter(|r| r.1 > 0.0 && r.1.is_finite()).map(|&(n, r)| (n, r / base)).collect())
+}
+
+/// Caps each point's factor so that moving its bytes takes no less time than the point
+/// before's (`n_i / f_i ≥ n_{i−1} / f_{i−1}`): measured rates are noisy, and a price that
+/// falls as a tensor grows would have the search split tensors to make them larger.
+fn monotone_time(mut points: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
+    for i in 1..points.len() {
+        let (n0, f0) = points[i - 1];
+        let (n, f) = &mut points[i];
+        *f = f.min(f0 * *n / n0);
+    }
+    points
 }
 
 fn measure_once<E: Executor>(
@@ -385,12 +420,30 @@ fn measure_once<E: Executor>(
     samples.push(Sample { what: format!("copy of {tiny} floats between devices"), median_s: t_tiny, reps: reps * 4 });
     let t_big = time_copy(&mut e, &mut f, &filled(vec![s]), reps)?;
     samples.push(Sample { what: format!("copy of {s} floats between devices"), median_s: t_big, reps });
+    // The copies' rate by size, from tensors of 256 KB (mostly bytes, not latency) up to four
+    // times the bandwidth kernels' (as the ring below): through host memory, the rate falls
+    // as the tensors outgrow the caches.
+    let mut copies = Vec::new();
+    for n in CURVE_SIZES.iter().copied().chain([s, 4 * s]).filter(|&n| n >= CURVE_FROM && n <= 4 * s) {
+        let t = if n == s {
+            t_big
+        } else {
+            let t = time_copy(&mut e, &mut f, &filled(vec![n]), reps)?;
+            samples.push(Sample { what: format!("copy of {n} floats between devices"), median_s: t, reps });
+            t
+        };
+        copies.push((4.0 * n as f64, t));
+    }
+    copies.sort_by(|a, b| a.0.total_cmp(&b.0));
+    copies.dedup_by(|a, b| a.0 == b.0);
     // The in-process transport's ring between host buffers (two threads): latency-bound
     // sizes for α, then tensors as large as the bandwidth kernels' and four times that —
     // gradients of that size stream through memory, not cache — for β.
     let mut sizes = RING_SIZES.to_vec();
     let wide = 1 << 20;
-    sizes.extend([s, 4 * s].into_iter().filter(|&n| n >= wide));
+    sizes.extend([wide, s, 4 * s].into_iter().filter(|&n| n >= wide));
+    sizes.sort_unstable();
+    sizes.dedup();
     let ring = time_threads(2, &sizes, reps)?;
     for &(bytes, t) in &ring {
         samples.push(Sample { what: format!("all-reduce of {bytes} bytes between 2 threads"), median_s: t, reps });
@@ -417,6 +470,17 @@ fn measure_once<E: Executor>(
     let copy_bandwidth = 4.0 * (s - small.min(s)) as f64 / (t_big - t_small).max(t_big * 0.5);
     // The smallest copy less its bytes' time.
     let copy_latency = (t_tiny - 4.0 * tiny as f64 / copy_bandwidth).max(t_tiny * 0.5);
+    // Each size's rate once the fixed cost is taken off, against the fitted one.
+    let copy_rates: Vec<(f64, f64)> = copies.iter().map(|&(n, t)| (n, n / (t - copy_latency).max(t * 0.5))).collect();
+    let copy_by_size = by_size(&copy_rates, copy_bandwidth);
+    // The ring's the same way: the bytes' time of each all-reduce of at least 256 KB (two
+    // members: one step each way, `n` bytes in all).
+    let ring_rates: Vec<(f64, f64)> = ring
+        .iter()
+        .filter(|&&(n, _)| n >= 4.0 * CURVE_FROM as f64)
+        .map(|&(n, t)| (n, n / (t - 2.0 * ring_latency).max(t * 0.5)))
+        .collect();
+    let ring_by_size = by_size(&ring_rates, ring_bandwidth);
     // Each member beyond the cores' extra fraction of a ring step (least squares through the
     // origin of `α_k / α − 1 = c · (k − cores)`; never negative).
     let (xy, xx) = loaded.iter().filter(|&&(k, _, _)| k > cores).fold((0.0, 0.0), |(xy, xx), &(k, t, without)| {
@@ -446,8 +510,10 @@ fn measure_once<E: Executor>(
         launch,
         copy_bandwidth,
         copy_latency,
+        copy_by_size,
         ring_latency,
         ring_bandwidth,
+        ring_by_size,
         ring_contention,
         host_cores: cores,
         launch_contention,
@@ -506,12 +572,33 @@ pub fn cluster_toml(m: &Measured, devices: usize) -> (Cluster, String) {
         k.ring_contention * 100.0,
         k.host_cores
     ));
+    let rates = |base: f64, points: &[(f64, f64)]| -> String {
+        let r: Vec<String> =
+            points.iter().map(|&(n, f)| format!("{:.2} at {}", base * f / 1e9, human_bytes(n))).collect();
+        r.join(", ")
+    };
+    if !k.copy_by_size.is_empty() || !k.ring_by_size.is_empty() {
+        t.push_str(&format!(
+            "# By size (GB/s): copies {}; ring {}\n\n",
+            rates(k.copy_bandwidth, &k.copy_by_size),
+            rates(k.ring_bandwidth, &k.ring_by_size)
+        ));
+    }
     if !k.kernel_factors.is_empty() {
         let f: Vec<String> = k.kernel_factors.iter().map(|(op, x)| format!("{op} ×{x:.2}")).collect();
         t.push_str(&format!("# Kernels against their price: {}\n\n", f.join(", ")));
     }
     t.push_str(&c.to_toml());
     (c, t)
+}
+
+/// `n` bytes as KB, MB or GB (powers of 1024).
+fn human_bytes(n: f64) -> String {
+    match n {
+        n if n >= (1u64 << 30) as f64 => format!("{:.0} GB", n / (1u64 << 30) as f64),
+        n if n >= (1 << 20) as f64 => format!("{:.0} MB", n / (1 << 20) as f64),
+        n => format!("{:.0} KB", n / 1024.0),
+    }
 }
 
 /// One collective size measured on a transport.
@@ -607,6 +694,13 @@ pub fn time_threads(devices: usize, sizes: &[usize], reps: usize) -> Result<Vec<
 /// Sizes (float32 elements) of the in-process ring measured with the device constants.
 const RING_SIZES: &[usize] = &[256, 4096, 65536, 262144];
 
+/// Sizes (float32 elements) at which the copies' and the ring's rate by size are measured,
+/// with the bandwidth kernels' tensor and four times it.
+const CURVE_SIZES: &[usize] = &[65536, 262144, 1 << 20];
+/// The least size (float32 elements) of a rate-by-size point: 256 KB, where a transfer's
+/// time is mostly its bytes'.
+const CURVE_FROM: usize = 65536;
+
 /// The ring model's `(α per step, β)` fitted to all-reduces `(bytes, seconds)` over `p`
 /// members (`t = 2(p−1)α + 2(p−1)/p · n/β`) by least squares of `t = a + b·n`.
 pub fn fit_ring(timed: &[(f64, f64)], p: usize) -> (f64, f64) {
@@ -642,16 +736,19 @@ pub fn collective_calibration(
     cluster: &Cluster,
 ) -> CollectiveCalibration {
     let (alpha_s, beta_bytes_per_s) = fit_ring(timed, p);
-    let (alpha, beta) = passes::cost::collective::alpha_beta(cluster, ir::shard::LinkLevel::Intra, p);
     CollectiveCalibration {
         transport: transport.into(),
         devices: p,
         samples: timed
             .iter()
-            .map(|&(bytes, t)| CollectiveSample {
-                bytes,
-                all_reduce_s: t,
-                predicted_s: passes::cost::collective::all_reduce(bytes, p, alpha, beta),
+            .map(|&(bytes, t)| {
+                let (alpha, beta) =
+                    passes::cost::collective::alpha_beta(cluster, ir::shard::LinkLevel::Intra, p, bytes);
+                CollectiveSample {
+                    bytes,
+                    all_reduce_s: t,
+                    predicted_s: passes::cost::collective::all_reduce(bytes, p, alpha, beta),
+                }
             })
             .collect(),
         alpha_s,
@@ -865,6 +962,20 @@ mod tests {
         // No large size: the small sizes' fit.
         let (a2, b2) = super::fit_ring_split(&timed[..4], 2, 4e6);
         assert!((a2 - 20e-6).abs() < 1e-9 && (b2 / 1e9 - 1.0).abs() < 1e-9, "{a2} {b2}");
+    }
+
+    #[test]
+    fn rates_by_size_become_factors_whose_time_never_falls_with_the_size() {
+        // 1 GB/s at 1 MB, 2 GB/s at 4 MB (twice as fast, still longer), 10 GB/s at 8 MB (the
+        // 8 MB would move faster than the 4 MB: capped at 4 GB/s, the same time), against a
+        // base of 0.5 GB/s.
+        let f = super::by_size(&[(1e6, 1e9), (4e6, 2e9), (8e6, 10e9)], 0.5e9);
+        assert_eq!(f, vec![(1e6, 2.0), (4e6, 4.0), (8e6, 8.0)]);
+        // Unmeasurable rates are left out.
+        assert_eq!(super::by_size(&[(1e6, f64::INFINITY), (2e6, 1e9)], 1e9), vec![(2e6, 1.0)]);
+        // Rounds: per size the median factor, a size one round lacks left out.
+        let rounds = [vec![(1e6, 1.0), (2e6, 3.0)], vec![(1e6, 3.0), (2e6, 1.0)], vec![(1e6, 2.0)]];
+        assert_eq!(super::median_points(rounds.iter()), vec![(1e6, 2.0)]);
     }
 
     #[test]

@@ -95,7 +95,7 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
                 let seconds = if p <= 1 {
                     0.0
                 } else {
-                    let (a, b) = alpha_beta(cluster, level(&grp), p);
+                    let (a, b) = alpha_beta(cluster, level(&grp), p, n_bytes);
                     f(n_bytes, p, a, b) + collective::staging(cluster, down, up)
                 };
                 Work::Collective { what, group: grp, seconds }
@@ -110,14 +110,15 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
                     let seconds = if grp.len() <= 1 {
                         0.0
                     } else {
-                        let (a, b) = alpha_beta(cluster, level(&grp), 2);
-                        collective::p2p((y - x).max(0.0), a, b) + collective::staging(cluster, x, y)
+                        let moved = (y - x).max(0.0);
+                        let (a, b) = alpha_beta(cluster, level(&grp), 2, moved);
+                        collective::p2p(moved, a, b) + collective::staging(cluster, x, y)
                     };
                     Work::Collective { what: "HaloExchange", group: grp, seconds }
                 }
                 Op::Send(s) => {
                     let to = s.peer.unwrap_or(-1).max(0) as usize;
-                    let (a, b) = alpha_beta(cluster, level(&[d.device as i64, to as i64]), 2);
+                    let (a, b) = alpha_beta(cluster, level(&[d.device as i64, to as i64]), 2, x);
                     let (down, flight) = (collective::host_copy(cluster, x), collective::p2p(x, a, b));
                     Work::Send { to, tag: s.tag(), micro, down, flight }
                 }

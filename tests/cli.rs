@@ -654,6 +654,15 @@ fn calibrate_writes_a_cluster_file_the_planner_loads() {
     // The invocations that fill a device, and how much slower a single one runs.
     assert!(v["parallel_width"].as_f64().is_some_and(|w| w >= 1.0), "{v}");
     assert!(v["serial_slowdown"].as_f64().is_some_and(|s| s >= 1.0), "{v}");
+    // The copies' and the ring's rate by size: positive factors at increasing sizes from
+    // 256 KB on.
+    for key in ["copy_by_size", "ring_by_size"] {
+        let points = v[key].as_array().unwrap_or_else(|| panic!("no {key}: {v}"));
+        assert!(!points.is_empty(), "{key}: {v}");
+        let sizes: Vec<f64> = points.iter().map(|p| p[0].as_f64().unwrap()).collect();
+        assert!(sizes[0] >= 262144.0 && sizes.windows(2).all(|w| w[0] < w[1]), "{key}: {sizes:?}");
+        assert!(points.iter().all(|p| p[1].as_f64().is_some_and(|f| f > 0.0 && f.is_finite())), "{key}: {v}");
+    }
     // A tile's fixed work as reduction length, from GEMMs of short reductions.
     assert!(v["gemm_k_overhead"].as_f64().is_some_and(|o| (0.0..=1024.0).contains(&o)), "{v}");
     let whats: Vec<&str> = v["samples"].as_array().unwrap().iter().filter_map(|s| s["what"].as_str()).collect();

@@ -82,9 +82,11 @@ pub fn run(args: &CalibrateArgs) -> CliResult {
             "launch_s": k.launch,
             "copy_bandwidth": k.copy_bandwidth,
             "copy_latency_s": k.copy_latency,
+            "copy_by_size": k.copy_by_size,
             "launch_contention": k.launch_contention,
             "ring_latency_s": k.ring_latency,
             "ring_bandwidth": k.ring_bandwidth,
+            "ring_by_size": k.ring_by_size,
             "ring_contention": k.ring_contention,
             "host_cores": k.host_cores,
             "parallel_width": k.parallel_width,
@@ -131,6 +133,8 @@ fn transport(args: &CalibrateArgs, kind: super::transport::TransportKind) -> Cli
     fitted.name = format!("{}-{name}", cluster.name);
     fitted.intra.latency = c.alpha_s;
     fitted.intra.bandwidth = c.beta_bytes_per_s;
+    // One bandwidth fitted over every size.
+    fitted.intra.by_size = Default::default();
     let text = if args.json {
         let mut doc = serde_json::to_value(&c).expect("JSON");
         doc["by_group_size"] = serde_json::to_value(&by_group).expect("JSON");

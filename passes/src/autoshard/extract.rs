@@ -143,7 +143,8 @@ fn consts(cm: &CostModel<'_>, grad_weight: f64) -> Consts {
         match o.input_path {
             InputPath::Scatter => host.shared_by.min(p) as f64 / host.bandwidth,
             InputPath::Staged => {
-                let (_, beta) = crate::cost::collective::alpha_beta(cm.cluster, ir::shard::LinkLevel::Intra, p);
+                let (_, beta) =
+                    crate::cost::collective::alpha_beta(cm.cluster, ir::shard::LinkLevel::Intra, p, f64::INFINITY);
                 (p as f64 - 1.0) / beta
             }
         }

@@ -491,8 +491,8 @@ fn aligned(cluster: &Cluster, offset: usize, d: usize) -> bool {
 fn send_between(cluster: &Cluster, last: usize, next: usize, n: f64) -> (f64, f64) {
     let dpn = cluster.devices_per_node;
     let level = if last / dpn == next / dpn { LinkLevel::Intra } else { LinkLevel::Inter };
-    let (alpha, beta) = alpha_beta(cluster, level, 2);
-    (send(cluster, n, alpha, beta), alpha + staging(cluster, 0.0, 0.0))
+    let (alpha, _) = alpha_beta(cluster, level, 2, n);
+    (send(cluster, level, n), alpha + staging(cluster, 0.0, 0.0))
 }
 
 /// The graph at each micro-batch size the search tries, re-batched once per size.

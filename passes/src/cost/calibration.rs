@@ -7,7 +7,7 @@
 //! prints a cluster file; redo them on another machine with
 //! `shardc calibrate > local.toml` and pass `--cluster local.toml`.
 
-use super::cluster::{Cluster, Device, HostLink, Link, PeakFlops, Topology};
+use super::cluster::{BySize, Cluster, Device, HostLink, Link, PeakFlops, Topology};
 
 /// A cluster of `devices` simulated accelerators with measured constants `c`.
 pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) -> Cluster {
@@ -40,12 +40,23 @@ pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) 
             serial_slowdown: c.serial_slowdown,
         },
         // Between the devices: the in-process transport's ring steps between host buffers.
-        intra: Link { bandwidth: c.ring_bandwidth, latency: c.ring_latency, topology: Topology::Switch, shared_by: 1 },
+        intra: Link {
+            bandwidth: c.ring_bandwidth,
+            latency: c.ring_latency,
+            topology: Topology::Switch,
+            shared_by: 1,
+            by_size: BySize(c.ring_by_size.clone()),
+        },
         inter: None,
         nics_per_node: 1,
         // One copy each way: a round trip (a download and an upload) took `copy_latency`
         // and moved its bytes twice.
-        host: HostLink { bandwidth: 2.0 * c.copy_bandwidth, latency: c.copy_latency / 2.0, shared_by: 1 },
+        host: HostLink {
+            bandwidth: 2.0 * c.copy_bandwidth,
+            latency: c.copy_latency / 2.0,
+            shared_by: 1,
+            by_size: BySize(c.copy_by_size.clone()),
+        },
     }
 }
 
@@ -74,10 +85,16 @@ pub struct Calibration {
     pub copy_bandwidth: f64,
     /// Seconds of fixed cost per round trip.
     pub copy_latency: f64,
+    /// The copies' bandwidth by size, `(bytes, factor of copy_bandwidth)`
+    /// ([`super::cluster::BySize`]).
+    pub copy_by_size: Vec<(f64, f64)>,
     /// Seconds per ring step of the in-process transport (threads exchanging host buffers).
     pub ring_latency: f64,
     /// Bytes/s of the in-process transport's ring steps.
     pub ring_bandwidth: f64,
+    /// The ring's bandwidth by the all-reduced tensor's size, `(bytes, factor of
+    /// ring_bandwidth)` ([`super::cluster::BySize`]).
+    pub ring_by_size: Vec<(f64, f64)>,
     /// The extra fraction of `ring_latency` each member of a ring beyond `host_cores` adds
     /// when the devices are busy (their threads wait for cores to wake up).
     pub ring_contention: f64,
@@ -123,6 +140,21 @@ pub const RING_LATENCY: f64 = 25.2e-6;
 /// between two threads (by hand: 61.8 ms and 327 ms; 1 MB took 3.85 ms, 4 MB 12.4 ms) — tensors
 /// that stream through memory, not cache.
 pub const RING_BANDWIDTH: f64 = 0.22e9;
+/// The ring's bandwidth by the all-reduced tensor's size as multiples of [`RING_BANDWIDTH`]
+/// ([`super::cluster::BySize`]), measured by `shardc calibrate --rounds 3` on the development
+/// machine on 2026-11-27 (two runs, their mean): all-reduces between two threads of 256 KB,
+/// 1 MB, 4 MB, 16 MB and 64 MB at 0.37, 0.38, 0.59, 0.38 and 0.21 GB/s once the steps' α is
+/// taken off — up to a few MB the buffers stay in the caches.
+pub const RING_BY_SIZE: &[(f64, f64)] =
+    &[(262144.0, 1.68), (1048576.0, 1.73), (4194304.0, 2.68), (16777216.0, 1.70), (67108864.0, 0.93)];
+
+/// The device → host → device copies' bandwidth by size as multiples of [`CALIBRATED`]'s
+/// `copy_bandwidth` (the same runs as [`RING_BY_SIZE`]): round trips of 256 KB, 1 MB, 4 MB,
+/// 16 MB and 64 MB at 0.98, 1.14, 1.09, 0.51 and 0.28 GB/s of the tensor's bytes once the
+/// fixed cost is taken off.
+pub const COPY_BY_SIZE: &[(f64, f64)] =
+    &[(262144.0, 1.74), (1048576.0, 2.04), (4194304.0, 1.95), (16777216.0, 0.90), (67108864.0, 0.49)];
+
 /// The same run: two Relus (256K and 1024 floats) per step on 4 devices at once took 3.34
 /// ms, and 4.36 ms with an all-reduce of the small one's output through the host: with the
 /// copies taken off, each of its 6 ring steps took 3.58 times as long as between idle
@@ -192,8 +224,10 @@ pub const CALIBRATED: Calibration = Calibration {
     launch: 100e-6,
     copy_bandwidth: 0.56e9,
     copy_latency: 75e-6,
+    copy_by_size: Vec::new(),
     ring_latency: RING_LATENCY,
     ring_bandwidth: RING_BANDWIDTH,
+    ring_by_size: Vec::new(),
     ring_contention: RING_CONTENTION,
     host_cores: 2,
     launch_contention: LAUNCH_CONTENTION,

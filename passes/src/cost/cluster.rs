@@ -174,10 +174,68 @@ pub struct Link {
     /// divides its bandwidth.
     #[serde(default = "one")]
     pub shared_by: usize,
+    /// The bandwidth by transfer size, as multiples of `bandwidth` (absent: `bandwidth` at
+    /// every size; see [`BySize`]).
+    #[serde(default, skip_serializing_if = "BySize::is_empty")]
+    pub by_size: BySize,
+}
+
+impl Link {
+    /// Bytes/s of a transfer of `bytes` (see [`BySize`]).
+    pub fn bandwidth_at(&self, bytes: f64) -> f64 {
+        self.bandwidth * self.by_size.factor(bytes)
+    }
 }
 
 fn one() -> usize {
     1
+}
+
+/// A link's bandwidth by transfer size: `(bytes, factor)` points in increasing size, the
+/// bandwidth at that size a multiple `factor` of the link's `bandwidth`. Between two points
+/// the time per byte is interpolated linearly in log `bytes`; below the first point and above
+/// the last their factors hold. Transports through host memory slow down as their buffers
+/// outgrow the caches (this machine's in-process ring measured 0.35 GB/s at 1 MB and 0.21 at
+/// 64 MB), so one bandwidth fitted at one size misprices the others; GPU links are flat
+/// (no points).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct BySize(pub Vec<(f64, f64)>);
+
+impl BySize {
+    /// No points: the same bandwidth at every size.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The factor at `bytes`.
+    pub fn factor(&self, bytes: f64) -> f64 {
+        let pts = &self.0;
+        let (Some(first), Some(last)) = (pts.first(), pts.last()) else { return 1.0 };
+        if bytes <= first.0 {
+            return first.1;
+        }
+        if bytes >= last.0 {
+            return last.1;
+        }
+        let i = pts.partition_point(|&(b, _)| b <= bytes);
+        let ((b0, f0), (b1, f1)) = (pts[i - 1], pts[i]);
+        let w = (bytes.ln() - b0.ln()) / (b1.ln() - b0.ln());
+        1.0 / ((1.0 - w) / f0 + w / f1)
+    }
+
+    /// Points in increasing size with positive, finite factors.
+    fn validate(&self, name: &str) -> Result<(), String> {
+        for (i, &(b, f)) in self.0.iter().enumerate() {
+            if !(b > 0.0 && b.is_finite() && f > 0.0 && f.is_finite()) {
+                return Err(format!("`{name}.by_size` needs positive sizes and factors, got [{b}, {f}]"));
+            }
+            if i > 0 && b <= self.0[i - 1].0 {
+                return Err(format!("`{name}.by_size` must list sizes in increasing order"));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The path from host memory to a device.
@@ -190,6 +248,16 @@ pub struct HostLink {
     /// Devices sharing one host link.
     #[serde(default = "one")]
     pub shared_by: usize,
+    /// The bandwidth by transfer size, as multiples of `bandwidth` (see [`BySize`]).
+    #[serde(default, skip_serializing_if = "BySize::is_empty")]
+    pub by_size: BySize,
+}
+
+impl HostLink {
+    /// Bytes/s of a transfer of `bytes` (see [`BySize`]).
+    pub fn bandwidth_at(&self, bytes: f64) -> f64 {
+        self.bandwidth * self.by_size.factor(bytes)
+    }
 }
 
 /// A machine: `nodes` nodes of `devices_per_node` identical devices.
@@ -272,18 +340,25 @@ fn dgx_a100(nodes: usize) -> Cluster {
         device: a100(),
         // NVLink 3: 12 links × 25 GB/s per direction = 300 GB/s per GPU per direction, through
         // six NVSwitches (all-to-all at full bandwidth). NCCL reaches ~230-250 GB/s bus bandwidth.
-        intra: Link { bandwidth: 240.0 * GB, latency: 3e-6, topology: Topology::Switch, shared_by: 1 },
+        intra: Link {
+            bandwidth: 240.0 * GB,
+            latency: 3e-6,
+            topology: Topology::Switch,
+            shared_by: 1,
+            by_size: BySize::default(),
+        },
         // 8 × Mellanox ConnectX-6 HDR 200 Gb/s (25 GB/s) InfiniBand, one per GPU; ~22 GB/s achieved.
         inter: (nodes > 1).then_some(Link {
             bandwidth: 22.0 * GB,
             latency: 5e-6,
             topology: Topology::Switch,
             shared_by: 1,
+            by_size: BySize::default(),
         }),
         nics_per_node: 8,
         // PCIe Gen4 x16: 32 GB/s theoretical, ~25 GB/s achieved host→device; two GPUs per PCIe
         // switch in DGX A100.
-        host: HostLink { bandwidth: 25.0 * GB, latency: 10e-6, shared_by: 2 },
+        host: HostLink { bandwidth: 25.0 * GB, latency: 10e-6, shared_by: 2, by_size: BySize::default() },
     }
 }
 
@@ -318,12 +393,18 @@ fn dgx_h100() -> Cluster {
         },
         // NVLink 4: 18 links, 900 GB/s bidirectional = 450 GB/s per direction, NVSwitch gen 3;
         // NCCL reaches ~360 GB/s bus bandwidth.
-        intra: Link { bandwidth: 360.0 * GB, latency: 2.5e-6, topology: Topology::Switch, shared_by: 1 },
+        intra: Link {
+            bandwidth: 360.0 * GB,
+            latency: 2.5e-6,
+            topology: Topology::Switch,
+            shared_by: 1,
+            by_size: BySize::default(),
+        },
         inter: None,
         // 8 × ConnectX-7 NDR 400 Gb/s for multi-node; unused in one node.
         nics_per_node: 8,
         // PCIe Gen5 x16: 64 GB/s theoretical, ~50 GB/s achieved.
-        host: HostLink { bandwidth: 50.0 * GB, latency: 8e-6, shared_by: 2 },
+        host: HostLink { bandwidth: 50.0 * GB, latency: 8e-6, shared_by: 2, by_size: BySize::default() },
     }
 }
 
@@ -358,11 +439,17 @@ fn pcie_v100x8() -> Cluster {
         },
         // GPU↔GPU over PCIe Gen3 x16 (15.75 GB/s theoretical, ~11 GB/s achieved); pairs of GPUs
         // share a PLX switch uplink to the CPU root complex, which rings across switches cross.
-        intra: Link { bandwidth: 11.0 * GB, latency: 10e-6, topology: Topology::Tree, shared_by: 2 },
+        intra: Link {
+            bandwidth: 11.0 * GB,
+            latency: 10e-6,
+            topology: Topology::Tree,
+            shared_by: 2,
+            by_size: BySize::default(),
+        },
         inter: None,
         nics_per_node: 1,
         // Host→GPU over the same PCIe Gen3 switches: ~11 GB/s per link, shared by two GPUs.
-        host: HostLink { bandwidth: 11.0 * GB, latency: 10e-6, shared_by: 2 },
+        host: HostLink { bandwidth: 11.0 * GB, latency: 10e-6, shared_by: 2, by_size: BySize::default() },
     }
 }
 
@@ -397,11 +484,17 @@ fn dgx1_v100() -> Cluster {
         },
         // NVLink 2 hybrid cube-mesh: 6 links × 25 GB/s per GPU; NCCL rings reach ~130 GB/s bus
         // bandwidth over all 8 GPUs.
-        intra: Link { bandwidth: 130.0 * GB, latency: 5e-6, topology: Topology::Switch, shared_by: 1 },
+        intra: Link {
+            bandwidth: 130.0 * GB,
+            latency: 5e-6,
+            topology: Topology::Switch,
+            shared_by: 1,
+            by_size: BySize::default(),
+        },
         inter: None,
         nics_per_node: 4,
         // PCIe Gen3 x16 to the host through PLX switches shared by two GPUs, ~11 GB/s.
-        host: HostLink { bandwidth: 11.0 * GB, latency: 10e-6, shared_by: 2 },
+        host: HostLink { bandwidth: 11.0 * GB, latency: 10e-6, shared_by: 2, by_size: BySize::default() },
     }
 }
 
@@ -410,9 +503,13 @@ fn dgx1_v100() -> Cluster {
 /// calibration run on the development machine (2 cores, lavapipe; see
 /// [`crate::cost::calibration`] for how they were measured).
 fn local_wgpu() -> Cluster {
-    use crate::cost::calibration::{CALIBRATED, Calibration, KERNEL_FACTORS, local_cluster};
+    use crate::cost::calibration::{
+        CALIBRATED, COPY_BY_SIZE, Calibration, KERNEL_FACTORS, RING_BY_SIZE, local_cluster,
+    };
     let c = Calibration {
         kernel_factors: KERNEL_FACTORS.iter().map(|&(op, k)| (op.to_string(), k)).collect(),
+        ring_by_size: RING_BY_SIZE.to_vec(),
+        copy_by_size: COPY_BY_SIZE.to_vec(),
         ..CALIBRATED
     };
     local_cluster(&c, "local-wgpu", "shardc calibrate on the development machine (Mesa lavapipe, 2 cores)", 8)
@@ -501,7 +598,10 @@ impl Cluster {
         }
         if let Some(l) = &self.inter {
             pos("inter.bandwidth", l.bandwidth)?;
+            l.by_size.validate("inter")?;
         }
+        self.intra.by_size.validate("intra")?;
+        self.host.by_size.validate("host")?;
         Ok(())
     }
 

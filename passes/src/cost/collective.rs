@@ -72,11 +72,12 @@ impl CommKind {
     }
 }
 
-/// Effective (α, β) of a group of `p` devices along a mesh axis of the given level: the
-/// slowest link the group uses, with shared uplinks dividing their bandwidth.
-pub fn alpha_beta(cluster: &Cluster, level: LinkLevel, p: usize) -> (f64, f64) {
+/// Effective (α, β) of a group of `p` devices along a mesh axis of the given level moving a
+/// tensor of `bytes` per device: the slowest link the group uses, at its bandwidth for that
+/// size ([`super::cluster::BySize`]), with shared uplinks dividing it.
+pub fn alpha_beta(cluster: &Cluster, level: LinkLevel, p: usize, bytes: f64) -> (f64, f64) {
     let link: &Link = cluster.link(level);
-    let mut beta = link.bandwidth;
+    let mut beta = link.bandwidth_at(bytes);
     match level {
         LinkLevel::Intra => {
             // Devices under one PCIe switch share its uplink when the ring leaves the switch.
@@ -144,7 +145,7 @@ pub fn host_copy(cluster: &Cluster, bytes: f64) -> f64 {
     if !cluster.device.host_staged {
         return 0.0;
     }
-    cluster.host.latency + bytes / cluster.host.bandwidth
+    cluster.host.latency + bytes / cluster.host.bandwidth_at(bytes)
 }
 
 /// The copies around a communication on such devices: its operand of `bytes_in` down to the
@@ -153,11 +154,13 @@ pub fn staging(cluster: &Cluster, bytes_in: f64, bytes_out: f64) -> f64 {
     host_copy(cluster, bytes_in) + host_copy(cluster, bytes_out)
 }
 
-/// A point-to-point send of `n` bytes over a link of (α, β), with its staging copies.
-pub fn send(cluster: &Cluster, n: f64, alpha: f64, beta: f64) -> f64 {
+/// A point-to-point send of `n` bytes between two devices over the link of `level`, with
+/// its staging copies.
+pub fn send(cluster: &Cluster, level: LinkLevel, n: f64) -> f64 {
     if n <= 0.0 {
         return 0.0;
     }
+    let (alpha, beta) = alpha_beta(cluster, level, 2, n);
     p2p(n, alpha, beta) + staging(cluster, n, n)
 }
 
@@ -211,7 +214,7 @@ pub fn price(step: &CommStep, scale: f64, mesh: &Mesh, cluster: &Cluster) -> Opt
     let kind = CommKind::of(&step.kind)?;
     let p = step.group_size(mesh);
     let bytes = step.bytes * scale;
-    let (alpha, beta) = alpha_beta(cluster, step.level(mesh), p);
+    let (alpha, beta) = alpha_beta(cluster, step.level(mesh), p, bytes);
     let (time, latency) = match kind {
         CommKind::AllReduce => (all_reduce(bytes, p, alpha, beta), all_reduce(f64::MIN_POSITIVE, p, alpha, beta)),
         _ => (all_gather(bytes, p, alpha, beta), all_gather(f64::MIN_POSITIVE, p, alpha, beta)),
@@ -372,11 +375,13 @@ mod tests {
         assert!(d.host_staged && d.shared_host);
         d.ring_contention = 0.5;
         d.host_cores = 2;
-        let (a, b) = (c.intra.latency, c.intra.bandwidth);
-        let mesh = |p: usize| Mesh { axes: vec![MeshAxis { name: "gpus".into(), size: p, level: LinkLevel::Intra }] };
-        let copies = |bytes_in: f64, bytes_out: f64| 2.0 * h.latency + (bytes_in + bytes_out) / h.bandwidth;
-        use AxisShard::*;
         let n = 4.0e6;
+        let (a, b) = (c.intra.latency, c.intra.bandwidth_at(n));
+        let mesh = |p: usize| Mesh { axes: vec![MeshAxis { name: "gpus".into(), size: p, level: LinkLevel::Intra }] };
+        let copies = |bytes_in: f64, bytes_out: f64| {
+            2.0 * h.latency + bytes_in / h.bandwidth_at(bytes_in) + bytes_out / h.bandwidth_at(bytes_out)
+        };
+        use AxisShard::*;
         let dims = [(n / 4.0) as i64];
         let steps = |p: usize, f: &[AxisShard], t: &[AxisShard]| {
             reshard(&dims, 4.0, f, t, 1.0, &mesh(p), &c, Policy::default())
@@ -393,18 +398,18 @@ mod tests {
         let rs = steps(4, &[Partial], &[Split(0)]);
         assert!((rs[0].time - (reduce_scatter(n, 4, busy, b) + copies(n, n / 4.0))).abs() < 1e-12, "{:?}", rs[0]);
         // A stage-to-stage send pays both copies too; GPUs with a device path pay none.
-        assert!((send(&c, n, a, b) - (p2p(n, a, b) + copies(n, n))).abs() < 1e-12);
+        assert!((send(&c, LinkLevel::Intra, n) - (p2p(n, a, b) + copies(n, n))).abs() < 1e-12);
         let gpus = Cluster::preset("dgx-a100").unwrap();
         assert_eq!(staging(&gpus, n, n), 0.0);
-        assert_eq!(send(&gpus, n, 1e-6, 1e11), p2p(n, 1e-6, 1e11));
+        assert_eq!(send(&gpus, LinkLevel::Intra, n), p2p(n, 3e-6, 240e9));
     }
 
     #[test]
     fn shared_pcie_uplinks_halve_bandwidth() {
         let c = Cluster::preset("pcie-v100x8").unwrap();
-        let (_, b) = alpha_beta(&c, LinkLevel::Intra, 8);
+        let (_, b) = alpha_beta(&c, LinkLevel::Intra, 8, 1e6);
         assert_eq!(b, 11e9 / 2.0);
-        let (_, b2) = alpha_beta(&c, LinkLevel::Intra, 2);
+        let (_, b2) = alpha_beta(&c, LinkLevel::Intra, 2, 1e6);
         assert_eq!(b2, 11e9);
     }
 }

@@ -850,7 +850,7 @@ impl<'a> CostModel<'a> {
         let mut cur: Vec<Vec<i64>> = vec![local.to_vec(); devices];
         let mut steps = Vec::new();
         for h in splits {
-            let (alpha, beta) = alpha_beta(self.cluster, self.mesh.axes[h.axis].level, 2);
+            let level = self.mesh.axes[h.axis].level;
             let mut by_device = vec![0.0; devices];
             // Through the host: the busiest device's tensor down and the widened one back.
             let mut staged: f64 = 0.0;
@@ -874,6 +874,7 @@ impl<'a> CostModel<'a> {
             if moved <= 0.0 {
                 continue;
             }
+            let (alpha, beta) = alpha_beta(self.cluster, level, 2, moved);
             steps.push(Step {
                 kind: CommKind::Halo,
                 axes: vec![h.axis],
@@ -1511,9 +1512,10 @@ impl<'a> CostModel<'a> {
             // Every device pulls its own slice; devices under one host link share it.
             InputPath::Scatter => host.latency + local * host.shared_by.min(p) as f64 / host.bandwidth,
             // The batch lands on device 0, which then sends every other device its slice over
-            // its own device link, one after another.
+            // its own device link, one after another. (At the links' bandwidth for large
+            // transfers, as the search's extraction prices a byte of input.)
             InputPath::Staged => {
-                let (alpha, beta) = alpha_beta(self.cluster, ir::shard::LinkLevel::Intra, p);
+                let (alpha, beta) = alpha_beta(self.cluster, ir::shard::LinkLevel::Intra, p, f64::INFINITY);
                 host.latency + full / host.bandwidth + (p as f64 - 1.0) * (alpha + local / beta)
             }
         };

@@ -19,7 +19,7 @@ use ir::shard::LinkLevel;
 use ir::{Graph, NodeId, Op, TensorType, Value};
 
 use super::cluster::Cluster;
-use super::collective::{self, all_reduce_over, alpha_beta, total};
+use super::collective::{self, all_reduce_over, total};
 use super::model::{Breakdown, CostModel, Memory, Optimizer, Options, Precision};
 use super::strategy::{Named, Schedule, assign};
 use crate::rebatch::{RebatchSpec, rebatch};
@@ -231,8 +231,7 @@ pub fn price_pipeline(
     for (s, &(a, b)) in partition.iter().enumerate() {
         let seg = &units[a..b];
         let send = if b < units.len() { cross[b] } else { 0.0 };
-        let (alpha, beta) = boundary_link(cluster, per_stage, s);
-        let send_t = collective::send(cluster, send, alpha, beta);
+        let send_t = collective::send(cluster, boundary_link(cluster, per_stage, s), send);
         p2p_total += 2.0 * send_t * micro as f64;
         let f: f64 = seg.iter().map(|u| u.fwd).sum::<f64>() + send_t;
         let bw: f64 = seg.iter().map(|u| u.bwd).sum::<f64>() + send_t;
@@ -315,13 +314,12 @@ pub fn price_pipeline(
     Ok(PipelineReport { stages: reports, micro_batches: micro, schedule, breakdown, imbalance })
 }
 
-/// The link between stage `s` and `s + 1` when each stage has `per_stage` devices.
-fn boundary_link(cluster: &Cluster, per_stage: usize, s: usize) -> (f64, f64) {
+/// The link level between stage `s` and `s + 1` when each stage has `per_stage` devices.
+fn boundary_link(cluster: &Cluster, per_stage: usize, s: usize) -> LinkLevel {
     let dpn = cluster.devices_per_node;
     let last_dev = (s + 1) * per_stage - 1;
     let next_dev = (s + 1) * per_stage;
-    let level = if last_dev / dpn == next_dev / dpn { LinkLevel::Intra } else { LinkLevel::Inter };
-    alpha_beta(cluster, level, 2)
+    if last_dev / dpn == next_dev / dpn { LinkLevel::Intra } else { LinkLevel::Inter }
 }
 
 /// Contiguous partition of `units` into `stages` minimising the slowest stage, by dynamic
@@ -350,8 +348,7 @@ fn partition(
     }
     let stage_cost = |s: usize, a: usize, b: usize| -> f64 {
         let send = if b < n { cross[b] } else { 0.0 };
-        let (alpha, beta) = boundary_link(cluster, per_stage, s);
-        let t = pre_t[b] - pre_t[a] + 2.0 * collective::send(cluster, send, alpha, beta);
+        let t = pre_t[b] - pre_t[a] + 2.0 * collective::send(cluster, boundary_link(cluster, per_stage, s), send);
         let mem =
             (pre_a[b] - pre_a[a]) * schedule.in_flight(s, stages, micro) as f64 + (pre_p[b] - pre_p[a]) + workspace;
         if mem > capacity { f64::INFINITY } else { t }

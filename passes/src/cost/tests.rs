@@ -5,7 +5,7 @@
 use ir::shard::LinkLevel;
 use ir::{DType, Graph, Model, Op, Tensor, TensorType, op};
 
-use super::cluster::{Cluster, Device, HostLink, Link, PeakFlops, Topology};
+use super::cluster::{BySize, Cluster, Device, HostLink, Link, PeakFlops, Topology};
 use super::model::{Assignment, CostModel, InputPath, Optimizer, Options};
 use super::strategy::Schedule;
 
@@ -38,10 +38,16 @@ fn toy() -> Cluster {
             parallel_width: 0.0,
             serial_slowdown: 1.0,
         },
-        intra: Link { bandwidth: 1e10, latency: 0.0, topology: Topology::Switch, shared_by: 1 },
+        intra: Link {
+            bandwidth: 1e10,
+            latency: 0.0,
+            topology: Topology::Switch,
+            shared_by: 1,
+            by_size: BySize::default(),
+        },
         inter: None,
         nics_per_node: 1,
-        host: HostLink { bandwidth: 1e10, latency: 0.0, shared_by: 2 },
+        host: HostLink { bandwidth: 1e10, latency: 0.0, shared_by: 2, by_size: BySize::default() },
     }
 }
 
@@ -298,6 +304,40 @@ fn meshes_span_nodes_with_the_inter_link() {
     let m = c.mesh(16).unwrap();
     assert_eq!(m.axes[0].level, LinkLevel::Inter);
     assert_eq!(c.link(LinkLevel::Inter).bandwidth, 22e9);
+}
+
+#[test]
+fn a_links_bandwidth_by_size_interpolates_the_time_per_byte_in_log_size() {
+    let curve = BySize(vec![(1e6, 2.0), (1e8, 0.5)]);
+    // Below the first point and above the last their factors hold; no points: 1.
+    assert_eq!(curve.factor(1e3), 2.0);
+    assert_eq!(curve.factor(1e9), 0.5);
+    assert_eq!(BySize::default().factor(1e6), 1.0);
+    // Halfway in log size: the mean of the times per byte, 1/(0.5/2 + 0.5/0.5) = 0.8.
+    assert!(close(curve.factor(1e7), 0.8));
+    let link = Link { bandwidth: 1e9, latency: 0.0, topology: Topology::Switch, shared_by: 1, by_size: curve.clone() };
+    assert!(close(link.bandwidth_at(1e7), 0.8e9));
+    // The preset of this machine's simulated devices carries its measured curves through a
+    // cluster file; a curve out of order, or with a factor of 0, is refused.
+    let local = Cluster::preset("local-wgpu").unwrap();
+    assert!(!local.intra.by_size.is_empty() && !local.host.by_size.is_empty());
+    assert_eq!(Cluster::from_toml(&local.to_toml()).unwrap(), local);
+    let mut bad = local.clone();
+    bad.intra.by_size = BySize(vec![(1e8, 1.0), (1e6, 1.0)]);
+    assert!(Cluster::from_toml(&bad.to_toml()).unwrap_err().contains("increasing"));
+    bad.host.by_size = BySize(vec![(1e6, 0.0)]);
+    bad.intra.by_size = BySize::default();
+    assert!(Cluster::from_toml(&bad.to_toml()).unwrap_err().contains("positive"));
+    // Priced by size: a 1 MB all-reduce between two of them moves its bytes faster than a
+    // 64 MB one, in the ratio of the curve's factors.
+    let ar = |bytes: f64| {
+        let (a, b) = super::collective::alpha_beta(&local, LinkLevel::Intra, 2, bytes);
+        super::collective::all_reduce(bytes, 2, a, b) - 2.0 * a
+    };
+    let (small, large) = (1048576.0, 67108864.0);
+    let ratio = (large / ar(large)) / (small / ar(small));
+    assert!(close(ratio, local.intra.by_size.factor(large) / local.intra.by_size.factor(small)), "{ratio}");
+    assert!(ratio < 1.0);
 }
 
 #[test]
