@@ -47,6 +47,19 @@ fn kernels() -> Vec<Kernel> {
             unit: "GFLOP/s",
         });
     }
+    // Long reductions over few rows (an output-head gradient, `[tokens × vocabulary] ·
+    // [vocabulary × hidden]`), computed in chunks (`gemm::SPLIT_K_FROM`): the rate against the
+    // square GEMMs' above.
+    for (m, k, n) in [(64usize, 16384usize, 768usize), (32, 32768, 768)] {
+        v.push(Kernel {
+            name: if k == 16384 { "MatMul 64×16384·16384×768" } else { "MatMul 32×32768·32768×768" },
+            signature: format!("(float[{m},{k}] a, float[{k},{n}] b) => (y)"),
+            body: "y = MatMul (a, b)",
+            shapes: vec![vec![m, k], vec![k, n]],
+            work: 2.0 * (m * k * n) as f64,
+            unit: "GFLOP/s",
+        });
+    }
     let conv = |name, x: [usize; 4], w: [usize; 4], attrs: &'static str, body: &'static str| {
         let (ho, wo) = (x[2], x[3]);
         let _ = attrs;

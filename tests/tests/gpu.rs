@@ -313,6 +313,46 @@ fn pipelined_plans_run_on_wgpu_devices_and_match_the_reference() {
 /// 65535 loop iterations, silently): a language model's loss over its vocabulary, sums,
 /// softmaxes and log-sum-exps over 40 000–70 000 elements, forward and gradient, equal the
 /// reference (on lavapipe these ops run on the host; elsewhere on their kernels).
+/// GEMMs with reductions long enough to be split into chunks whose partial products are
+/// summed (`codegen::runtime::gpu::gemm::SPLIT_K_FROM`): reductions that are no multiple of
+/// the chunk, outputs that are no multiple of the 32×32 tile, a `Gemm` with a transposed
+/// operand, `alpha` and a bias (added once, after the chunks), a batch folded into rows over
+/// a shared B — each equal to the reference — and beside them a batched long reduction and a
+/// short one, computed without chunks.
+#[test]
+fn gemms_with_long_reductions_split_them_and_match_the_reference() {
+    if !gpu_available() {
+        return;
+    }
+    const { assert!(codegen::runtime::gpu::gemm::SPLIT_K_FROM < 8300) };
+    let text = r#"<ir_version: 8, opset_import: ["" : 17]>
+g (float[37,9001] a, float[9001,45] b, float[45,8500] wt, float[45] c, float[2,33,8300] x, float[8300,20] w, float[2,5,8300] p, float[2,8300,7] q, float[9,20] s, float[20,11] t) => (y, z, u, v, r) {
+  y = MatMul (a, b)
+  st = Constant <value = int64[1] {0}> ()
+  en = Constant <value = int64[1] {8500}> ()
+  ax = Constant <value = int64[1] {1}> ()
+  a8500 = Slice (a, st, en, ax)
+  z = Gemm <transB = 1, alpha = 0.5, beta = 2.0> (a8500, wt, c)
+  u = MatMul (x, w)
+  v = MatMul (p, q)
+  r = MatMul (s, t)
+}
+"#;
+    let shapes = [
+        ("a", vec![37, 9001]),
+        ("b", vec![9001, 45]),
+        ("wt", vec![45, 8500]),
+        ("c", vec![45]),
+        ("x", vec![2, 33, 8300]),
+        ("w", vec![8300, 20]),
+        ("p", vec![2, 5, 8300]),
+        ("q", vec![2, 8300, 7]),
+        ("s", vec![9, 20]),
+        ("t", vec![20, 11]),
+    ];
+    wgpu_matches_reference("long reductions", text, &shapes, 11, &["y", "z", "u", "v", "r"]);
+}
+
 #[test]
 fn reductions_longer_than_the_adapters_loop_limit_match_the_reference() {
     if !gpu_available() {
