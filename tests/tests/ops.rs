@@ -373,3 +373,34 @@ fn every_op_has_a_flow_rule_or_a_reason() {
     );
     assert!(NO_FLOW.iter().all(|(_, why)| why.len() > 10));
 }
+
+/// `Pad` in edge, reflect and wrap modes reads the input's border, which an axis of length 0
+/// does not have: padding one is an error that names the axis (it panicked before); a
+/// constant pad fills it.
+#[test]
+fn padding_an_empty_axis_needs_a_constant() {
+    for mode in ["edge", "reflect", "wrap", "constant"] {
+        let text = format!(
+            r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[2,0] x) => (y) {{
+  pads = Constant <value = int64[4] {{0, 1, 0, 2}}> ()
+  y = Pad <mode = "{mode}"> (x, pads)
+}}
+"#
+        );
+        let m = frontend::parse(&text).unwrap_or_else(|e| panic!("{mode}: {e:?}")).model;
+        let x = Array::f32(vec![2, 0], vec![]);
+        let r = ir::eval::run(&m.graph, &HashMap::from([("x".to_string(), x)]), &Default::default());
+        match mode {
+            "constant" => {
+                let y = &r.unwrap_or_else(|e| panic!("{e}"))[0];
+                assert_eq!(y.shape, vec![2, 3]);
+                assert!(y.to_f64().unwrap().iter().all(|&v| v == 0.0));
+            }
+            _ => {
+                let e = r.expect_err(mode).to_string();
+                assert!(e.contains("axis 1") && e.contains("empty"), "{mode}: {e}");
+            }
+        }
+    }
+}

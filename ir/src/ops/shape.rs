@@ -1196,6 +1196,10 @@ fn pad_source(mode: &str, o: i64, len: i64) -> Option<i64> {
     if (0..len).contains(&o) {
         return Some(o);
     }
+    if len <= 0 {
+        // Nothing to read from an empty axis (`pad` refuses to pad one but with a constant).
+        return None;
+    }
     match mode {
         "edge" => Some(o.clamp(0, len - 1)),
         "reflect" if len == 1 => Some(0),
@@ -1236,6 +1240,13 @@ fn pad(op: &op::Pad, cx: &EvalCx<'_>) -> Result<Array> {
     };
     let shape: Vec<usize> = (0..rank).map(|d| (x.shape[d] as i64 + pads[d] + pads[d + rank]).max(0) as usize).collect();
     let mode = op.mode();
+    if mode != "constant"
+        && let Some(d) = (0..rank).find(|&d| x.shape[d] == 0 && shape[d] > 0)
+    {
+        return Err(EvalError::Invalid(format!(
+            "Pad in {mode} mode cannot pad axis {d}: the input is empty along it (only a constant fills it)"
+        )));
+    }
     let istr = strides(&x.shape);
     let ostr = strides(&shape);
     let n = numel(&shape);
