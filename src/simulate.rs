@@ -9,8 +9,13 @@
 //! the last device's finish.
 //!
 //! Each op is priced by the cost model on the device's own graph (its local shapes), every
-//! op replicated over a mesh of all the program's devices, so that devices sharing a host
-//! share its throughput as they do in a plan's price. Collectives are priced as the plan's
+//! op replicated over a mesh of all the program's devices. Where devices share a host
+//! ([`passes::cost::Cluster`]'s `shared_host`: the runtime's simulated devices) a kernel runs
+//! at the host's throughput divided among the devices running kernels at that moment, which
+//! in a pipeline's fill and drain, or while others wait for a message or a collective, are
+//! fewer than all: each op is priced at every count ([`CostModel::with_busy`]) and the step
+//! is played as events, an op's progress at each moment at the rate of the count then.
+//! Collectives are priced as the plan's
 //! steps are ([`passes::cost::collective`]: the ring over the group's link, the host copies
 //! around it where devices stage through the host); a send costs its sender the copy down,
 //! its receiver the copy up, and the message the link between them.
@@ -31,8 +36,9 @@ use passes::cost::{Cluster, CostModel, Options};
 /// What one device does next.
 #[derive(Clone, Debug)]
 enum Work {
-    /// A kernel or a local sum (what: its op type): seconds.
-    Compute(String, f64),
+    /// A kernel or a local sum (what: its op type): seconds with `k` devices running kernels
+    /// at once at index `k − 1`.
+    Compute(String, Vec<f64>),
     /// A message to `to` (tag, micro-batch): `down` seconds of copying it to the host here,
     /// then `flight` seconds on the link.
     Send { to: usize, tag: i64, micro: usize, down: f64, flight: f64 },
@@ -77,7 +83,11 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
     for d in &p.devices {
         let g = &d.graph;
         let order = g.topo_order().map_err(|_| format!("device {}: the graph has a cycle", d.device))?;
-        let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
+        // The model with 1, 2, … all devices running kernels at once (all the same where
+        // devices do not share a host).
+        let counts = if cluster.device.shared_host { total } else { 1 };
+        let cms: Vec<CostModel> =
+            (1..=counts).map(|k| CostModel::new(g, cluster, mesh.clone(), opts.clone()).with_busy(k)).collect();
         let replicated = vec![None; mesh.axes.len()];
         let bytes =
             |v: Option<Value>| v.and_then(|v| g.tensor_type(v)).and_then(|t| t.size_bytes()).map_or(0.0, |b| b as f64);
@@ -126,12 +136,14 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
                     let from = r.peer.unwrap_or(-1).max(0) as usize;
                     Work::Recv { from, tag: r.tag(), micro, up: collective::host_copy(cluster, y) }
                 }
-                Op::Input { .. } | Op::Initializer(_) | Op::Constant(_) => Work::Compute(String::new(), 0.0),
-                op if op.class() == OpClass::Comm => Work::Compute(String::new(), 0.0),
+                Op::Input { .. } | Op::Initializer(_) | Op::Constant(_) => Work::Compute(String::new(), vec![0.0]),
+                op if op.class() == OpClass::Comm => Work::Compute(String::new(), vec![0.0]),
                 op => {
-                    let t = cm.op_time(n, &replicated);
-                    let s = if cm.is_training_graph() { t.fwd + t.bwd + t.halo + t.stats } else { t.fwd + t.comm_fwd };
-                    Work::Compute(op.op_type().to_string(), s)
+                    let at = |cm: &CostModel| {
+                        let t = cm.op_time(n, &replicated);
+                        if cm.is_training_graph() { t.fwd + t.bwd + t.halo + t.stats } else { t.fwd + t.comm_fwd }
+                    };
+                    Work::Compute(op.op_type().to_string(), cms.iter().map(at).collect())
                 }
             }
         };
@@ -142,7 +154,7 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
         // dispatch, a read and a write).
         let (summed, scaled) = {
             let mut seen = HashSet::new();
-            let (mut add, mut scale) = (0.0, 0.0);
+            let (mut add, mut scale) = (vec![0.0; cms.len()], vec![0.0; cms.len()]);
             for &n in order.iter().filter(|n| cut.once.contains(n)) {
                 for v in g.node(n).inputs().iter().flatten() {
                     let from = &g.node(v.node).op;
@@ -150,9 +162,12 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
                         && !matches!(from, Op::Initializer(_) | Op::Input { .. } | Op::Constant(_));
                     if per_micro && seen.insert(*v) {
                         let b = bytes(Some(*v));
-                        add += cm.launch() + cm.roofline(0.0, 3.0 * b);
-                        if g.tensor_type(*v).is_some_and(|t| t.dtype.is_float()) {
-                            scale += cm.launch() + cm.roofline(0.0, 2.0 * b);
+                        let float = g.tensor_type(*v).is_some_and(|t| t.dtype.is_float());
+                        for (k, cm) in cms.iter().enumerate() {
+                            add[k] += cm.launch() + cm.roofline(0.0, 3.0 * b);
+                            if float {
+                                scale[k] += cm.launch() + cm.roofline(0.0, 2.0 * b);
+                            }
                         }
                     }
                 }
@@ -175,7 +190,7 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
             }
             if Cut::finishes(part) {
                 if accumulate && finished > 0 {
-                    work.push(Work::Compute("accumulation".into(), summed));
+                    work.push(Work::Compute("accumulation".into(), summed.clone()));
                 }
                 finished += 1;
             }
@@ -191,72 +206,214 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
     play(&plans)
 }
 
-/// Runs the devices' work until every device is done: each goes on until it waits for a
-/// message not yet sent or a collective not everyone has reached.
+/// What a device is doing.
+#[derive(Clone, Copy, Debug)]
+enum State {
+    /// Ready for its next work.
+    Idle,
+    /// Running a kernel with this fraction of it left, started at that time.
+    Computing { left: f64, since: f64 },
+    /// Copying or on a link until that time.
+    Busy { until: f64 },
+    /// Waiting for a message or for the other members of a collective.
+    Blocked,
+    /// Through its work.
+    Done,
+}
+
+/// Plays the devices' work as events: a device takes its next work when it is ready; a
+/// kernel progresses at the rate of the number of devices running kernels at each moment
+/// (its price at that count); a send copies its message down and puts it on the link; a
+/// receive waits for its message and copies it up; a collective starts when its group's
+/// last member reaches it and ends for all of them together.
 fn play(plans: &[Vec<Work>]) -> Result<Simulated, String> {
     let n = plans.len();
-    let mut clock = vec![0.0f64; n];
+    let mut now = 0.0f64;
+    let mut state = vec![State::Idle; n];
+    let mut finish = vec![0.0f64; n];
     let mut waiting = vec![0.0f64; n];
+    let mut blocked_since = vec![0.0f64; n];
     let mut pc = vec![0usize; n];
-    // (from, to, tag, micro) → the time the message is there.
+    // (from, to, tag, micro) → the times its messages are there, in order.
     let mut mail: HashMap<(usize, usize, i64, usize), Vec<f64>> = HashMap::new();
-    // (group, its collective number) → each member's arrival.
-    let mut met: HashMap<(Vec<i64>, usize), HashMap<usize, f64>> = HashMap::new();
+    // (group, its collective number) → the members there.
+    let mut met: HashMap<(Vec<i64>, usize), HashSet<usize>> = HashMap::new();
     let mut seq: Vec<HashMap<Vec<i64>, usize>> = vec![HashMap::new(); n];
     let mut by_op: Vec<BTreeMap<String, f64>> = vec![BTreeMap::new(); n];
-    let mut count = |d: usize, what: &str, t: f64| {
-        if !what.is_empty() {
-            *by_op[d].entry(what.to_string()).or_default() += t;
-        }
+    let price = |d: usize, pc: usize, k: usize| match &plans[d][pc] {
+        Work::Compute(_, by_k) => by_k[k.clamp(1, by_k.len()) - 1],
+        _ => 0.0,
     };
     loop {
-        let mut progress = false;
-        for d in 0..n {
-            while let Some(w) = plans[d].get(pc[d]) {
-                match w {
-                    Work::Compute(what, t) => {
-                        clock[d] += t;
-                        count(d, what, *t);
+        // Every ready device takes work until it computes, is busy or blocks.
+        let mut changed = true;
+        while changed {
+            changed = false;
+            for d in 0..n {
+                loop {
+                    if !matches!(state[d], State::Idle | State::Blocked) {
+                        break;
                     }
-                    Work::Send { to, tag, micro, down, flight } => {
-                        clock[d] += down;
-                        count(d, "Send", *down);
-                        mail.entry((d, *to, *tag, *micro)).or_default().push(clock[d] + flight);
-                    }
-                    Work::Recv { from, tag, micro, up } => {
-                        let Some(q) = mail.get_mut(&(*from, d, *tag, *micro)).filter(|q| !q.is_empty()) else { break };
-                        let there = q.remove(0);
-                        waiting[d] += (there - clock[d]).max(0.0);
-                        clock[d] = clock[d].max(there) + up;
-                        count(d, "Recv", *up);
-                    }
-                    Work::Collective { what, group, seconds } => {
-                        if group.len() > 1 {
-                            let k = *seq[d].get(group).unwrap_or(&0);
-                            let arrived = met.entry((group.clone(), k)).or_default();
-                            arrived.entry(d).or_insert(clock[d]);
-                            if arrived.len() < group.len() {
+                    let Some(w) = plans[d].get(pc[d]) else {
+                        state[d] = State::Done;
+                        finish[d] = now;
+                        break;
+                    };
+                    let was_blocked = matches!(state[d], State::Blocked);
+                    let mut next = State::Idle;
+                    match w {
+                        Work::Compute(what, by_k) => {
+                            if by_k.iter().all(|&t| t <= 0.0) {
+                                by_op[d].entry(what.clone()).or_default();
+                            } else {
+                                next = State::Computing { left: 1.0, since: now };
+                            }
+                        }
+                        Work::Send { to, tag, micro, down, flight } => {
+                            *by_op[d].entry("Send".into()).or_default() += down;
+                            mail.entry((d, *to, *tag, *micro)).or_default().push(now + down + flight);
+                            next = State::Busy { until: now + down };
+                        }
+                        Work::Recv { from, tag, micro, up } => {
+                            let Some(q) = mail.get_mut(&(*from, d, *tag, *micro)).filter(|q| !q.is_empty()) else {
+                                if !was_blocked {
+                                    blocked_since[d] = now;
+                                }
+                                state[d] = State::Blocked;
+                                break;
+                            };
+                            let there = q.remove(0);
+                            let since = if was_blocked { blocked_since[d] } else { now };
+                            waiting[d] += there.max(now) - since;
+                            *by_op[d].entry("Recv".into()).or_default() += up;
+                            next = State::Busy { until: there.max(now) + up };
+                        }
+                        Work::Collective { what, group, seconds } => {
+                            if group.len() > 1 {
+                                let k = *seq[d].get(group).unwrap_or(&0);
+                                let there = met.entry((group.clone(), k)).or_default();
+                                if !was_blocked {
+                                    there.insert(d);
+                                    blocked_since[d] = now;
+                                }
+                                if there.len() < group.len() {
+                                    state[d] = State::Blocked;
+                                    break;
+                                }
+                                // The last member: everyone starts now.
+                                let members: Vec<usize> = there.iter().copied().collect();
+                                met.remove(&(group.clone(), k));
+                                for m in members {
+                                    waiting[m] += now - blocked_since[m];
+                                    *by_op[m].entry(what.to_string()).or_default() += seconds;
+                                    seq[m].insert(group.clone(), k + 1);
+                                    pc[m] += 1;
+                                    state[m] = State::Busy { until: now + seconds };
+                                }
+                                changed = true;
                                 break;
                             }
-                            let start = arrived.values().copied().fold(0.0, f64::max);
-                            waiting[d] += start - clock[d];
-                            clock[d] = start + seconds;
-                            count(d, what, *seconds);
-                            seq[d].insert(group.clone(), k + 1);
                         }
                     }
+                    pc[d] += 1;
+                    state[d] = next;
+                    changed = true;
                 }
-                pc[d] += 1;
-                progress = true;
             }
         }
-        if (0..n).all(|d| pc[d] >= plans[d].len()) {
+        if state.iter().all(|s| matches!(s, State::Done)) {
             break;
         }
-        if !progress {
-            let stuck: Vec<String> = (0..n).filter(|&d| pc[d] < plans[d].len()).map(|d| d.to_string()).collect();
+        // The next event: a kernel finishing at the current count, or a copy or link ending.
+        let k = state.iter().filter(|s| matches!(s, State::Computing { .. })).count();
+        let mut next = f64::INFINITY;
+        for d in 0..n {
+            match state[d] {
+                State::Computing { left, .. } => next = next.min(now + left * price(d, pc[d] - 1, k)),
+                State::Busy { until } => next = next.min(until),
+                _ => {}
+            }
+        }
+        if !next.is_finite() {
+            let stuck: Vec<String> =
+                (0..n).filter(|&d| matches!(state[d], State::Blocked)).map(|d| d.to_string()).collect();
             return Err(format!("the program's devices {} wait for each other", stuck.join(", ")));
         }
+        let dt = next - now;
+        now = next;
+        for d in 0..n {
+            match state[d] {
+                State::Computing { left, since } => {
+                    let t = price(d, pc[d] - 1, k);
+                    let left = left - dt / t;
+                    if left <= 1e-9 {
+                        if let Work::Compute(what, _) = &plans[d][pc[d] - 1] {
+                            *by_op[d].entry(what.clone()).or_default() += now - since;
+                        }
+                        state[d] = State::Idle;
+                    } else {
+                        state[d] = State::Computing { left, since };
+                    }
+                }
+                State::Busy { until } if until <= now => state[d] = State::Idle,
+                _ => {}
+            }
+        }
     }
-    Ok(Simulated { step_s: clock.iter().copied().fold(0.0, f64::max), devices: clock, waiting, by_op })
+    by_op.iter_mut().for_each(|m| m.retain(|k, _| !k.is_empty()));
+    Ok(Simulated { step_s: finish.iter().copied().fold(0.0, f64::max), devices: finish, waiting, by_op })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Work, play};
+
+    fn compute(what: &str, alone: f64) -> Work {
+        // Twice as long with two devices running kernels.
+        Work::Compute(what.into(), vec![alone, 2.0 * alone])
+    }
+
+    #[test]
+    fn kernels_share_the_host_only_while_both_run() {
+        // Both run a 1 s kernel at half speed (2 s); then device 1's second kernel runs alone.
+        let s = play(&[vec![compute("a", 1.0)], vec![compute("b", 1.0), compute("c", 1.0)]]).unwrap();
+        assert_eq!(s.devices, vec![2.0, 3.0]);
+        assert_eq!(s.by_op[1]["b"], 2.0);
+        assert_eq!(s.by_op[1]["c"], 1.0);
+        // Kernels that follow each other on one device share with the other's throughout: the
+        // 1.5 s kernel and the 0.5 s and 1 s ones both end at 3 s, each at half speed.
+        let s = play(&[vec![compute("a", 1.5)], vec![compute("w", 0.5), compute("b", 1.0)]]).unwrap();
+        assert_eq!(s.devices, vec![3.0, 3.0]);
+        assert_eq!((s.by_op[1]["w"], s.by_op[1]["b"]), (1.0, 2.0));
+        // One finishing first leaves the other the host: 1 s together (0.5 s of each done),
+        // then the 2 s kernel's remaining 1.5 s alone.
+        let s = play(&[vec![compute("a", 0.5)], vec![compute("b", 2.0)]]).unwrap();
+        assert_eq!(s.devices, vec![1.0, 2.5]);
+    }
+
+    #[test]
+    fn a_receiver_waits_while_the_sender_computes_alone() {
+        // Device 1 waits for device 0's message, so device 0 computes alone (1 s); the copy
+        // down (0.5 s) and the link (0.25 s) bring the message at 1.75 s, the copy up takes
+        // 0.5 s, and device 1 then computes alone.
+        let s = play(&[
+            vec![compute("x", 1.0), Work::Send { to: 1, tag: 7, micro: 0, down: 0.5, flight: 0.25 }],
+            vec![Work::Recv { from: 0, tag: 7, micro: 0, up: 0.5 }, compute("y", 1.0)],
+        ])
+        .unwrap();
+        assert_eq!(s.devices, vec![1.5, 3.25]);
+        assert_eq!(s.waiting, vec![0.0, 1.75]);
+        // Busy and waiting make up each device's time.
+        for d in 0..2 {
+            assert!((s.by_op[d].values().sum::<f64>() + s.waiting[d] - s.devices[d]).abs() < 1e-12);
+        }
+        // A collective starts when the last member arrives, and ends for both together.
+        let ar = || Work::Collective { what: "AllReduce", group: vec![0, 1], seconds: 0.5 };
+        let s = play(&[vec![compute("x", 1.0), ar()], vec![ar()]]).unwrap();
+        assert_eq!(s.devices, vec![1.5, 1.5]);
+        assert_eq!(s.waiting, vec![0.0, 1.0]);
+        // A receive nobody sends to is a deadlock, said.
+        let e = play(&[vec![Work::Recv { from: 1, tag: 0, micro: 0, up: 0.0 }], vec![]]).unwrap_err();
+        assert!(e.contains("wait for each other"), "{e}");
+    }
 }

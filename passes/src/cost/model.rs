@@ -305,6 +305,8 @@ pub struct CostModel<'a> {
     grads: std::collections::HashSet<Value>,
     op_memo: RefCell<FxHashMap<(NodeId, OpStrategy), Rc<OpEval>>>,
     reshard_memo: RefCell<FxHashMap<ReshardKey, Resharded>>,
+    /// How many devices run kernels at once on a shared host (see [`CostModel::with_busy`]).
+    busy: Option<usize>,
 }
 
 /// What one evaluation accumulates: communication by kind, events, rows, the largest buffer.
@@ -478,7 +480,23 @@ impl<'a> CostModel<'a> {
             grads,
             op_memo: RefCell::default(),
             reshard_memo: RefCell::default(),
+            busy: None,
         }
+    }
+
+    /// The model with `k` devices running kernels at once where devices share a host
+    /// ([`super::cluster::Device::shared_host`]; elsewhere nothing changes): each kernel gets
+    /// `1/k` of the host's compute and memory bandwidth and pays the launch contention of
+    /// `k − 1` others. By default all the mesh's devices do, as they do in a plan's steady
+    /// state; a simulated pipeline prices its ops at the concurrency its schedule has.
+    pub fn with_busy(mut self, k: usize) -> Self {
+        self.busy = Some(k.max(1));
+        self
+    }
+
+    /// The devices running kernels at once ([`CostModel::with_busy`]).
+    fn busy(&self) -> f64 {
+        self.busy.unwrap_or_else(|| self.mesh.devices()).max(1) as f64
     }
 
     /// Operator nodes in topological order.
@@ -602,7 +620,7 @@ impl<'a> CostModel<'a> {
     /// How many devices share one device's compute and memory bandwidth: the mesh's size on
     /// a cluster of devices simulated on one host, else 1.
     fn host_share(&self) -> f64 {
-        if self.cluster.device.shared_host { self.mesh.devices().max(1) as f64 } else { 1.0 }
+        if self.cluster.device.shared_host { self.busy() } else { 1.0 }
     }
 
     /// The fixed cost of one kernel on one device: the device's launch overhead, more on
@@ -610,7 +628,7 @@ impl<'a> CostModel<'a> {
     /// ([`super::cluster::Device::launch_contention`]).
     pub fn launch(&self) -> f64 {
         let d = &self.cluster.device;
-        let others = if d.shared_host { self.mesh.devices().max(1) as f64 - 1.0 } else { 0.0 };
+        let others = if d.shared_host { self.busy() - 1.0 } else { 0.0 };
         d.launch_overhead * (1.0 + d.launch_contention.max(0.0) * others)
     }
 
