@@ -37,9 +37,6 @@ const NO_RULE: &[(&str, &str)] = &[
     ("SliceGrad", "a gradient op: training needs no second derivatives"),
     ("SoftmaxCrossEntropyLossGrad", "a gradient op: training needs no second derivatives"),
     ("SoftmaxGrad", "a gradient op: training needs no second derivatives"),
-    ("GlobalLpPool", "rare normalizing pool: not yet"),
-    ("LpPool", "rare normalizing pool: not yet"),
-    ("LRN", "a legacy normalization: not yet"),
     ("OneHot", "its float operand is a pair of constants in practice"),
     ("Loop", "control flow: subgraphs are not differentiated"),
     ("Attention", "fused attention: not yet (exports that spell it as MatMul/Softmax/MatMul train)"),
@@ -316,10 +313,12 @@ fn random_case(rng: &mut Rng, kind: usize) -> (String, String) {
             let pads: Vec<usize> = (0..2 * k).map(|i| pick(ks[i % k].div_ceil(2))).collect();
             let sp: Vec<usize> = (0..k).map(|i| ks[i] + pick(4)).collect();
             let xs = [vec![1 + pick(2), 1 + pick(3)], sp].concat();
-            let (op, extra) = match pick(3) {
+            let (op, extra) = match pick(5) {
                 0 => ("MaxPool", String::new()),
                 1 => ("AveragePool", ", count_include_pad: int = 0".to_string()),
-                _ => ("AveragePool", ", count_include_pad: int = 1".to_string()),
+                2 => ("AveragePool", ", count_include_pad: int = 1".to_string()),
+                // Lp pools of p = 1, 2, 3, windows past the pads in ceil mode.
+                _ => ("LpPool", format!(", p: int = {}, ceil_mode: int = {}", 1 + pick(3), pick(2))),
             };
             let text = model(
                 &format!("double[{}] x", list(&xs)),
@@ -389,6 +388,22 @@ fn random_case(rng: &mut Rng, kind: usize) -> (String, String) {
             };
             let text = model(&inputs, "y", "", &format!("   y = {op} <axis: int = {axis}> ({ins})"));
             (format!("{op} {xs:?} axis {axis}"), text)
+        }
+        // LRN: odd and even windows (an even one reaches further up the channels than down),
+        // wider than the channels or not, with a local term large enough to matter.
+        6 if pick(4) == 0 => {
+            let xs = [vec![1 + pick(2), 1 + pick(5)], (0..pick(3)).map(|_| 1 + pick(3)).collect()].concat();
+            let size = 1 + pick(6);
+            let (alpha, beta, bias) = ([0.1, 0.5, 2.0][pick(3)], [0.5, 0.75, 1.0][pick(3)], [1.0, 2.0][pick(2)]);
+            let text = model(
+                &format!("double[{}] x", list(&xs)),
+                "y",
+                "",
+                &format!(
+                    "   y = LRN <size: int = {size}, alpha: float = {alpha}, beta: float = {beta}, bias: float = {bias}> (x)"
+                ),
+            );
+            (format!("LRN size {size} α {alpha} β {beta} bias {bias} {xs:?}"), text)
         }
         // Instance and group normalization (parameters per channel, or per group as opset 18
         // writes them) over random spatial dims.

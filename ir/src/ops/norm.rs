@@ -271,6 +271,46 @@ impl OpRules for op::LRN {
         cx.same_as_input();
         Some(())
     }
+
+    /// `Y = X · s^−β` with `s = bias + α/size · F·X²`, `F` the channel window (`[c − ⌊(size−1)/2⌋,
+    /// c + ⌈(size−1)/2⌉]`, clipped) as a `[C, C]` 0/1 matrix: `dX = dY · s^−β − 2αβ/size · X ·
+    /// Fᵀ·(dY · Y / s)`, `s` recomputed from `X`; the window sums are contractions of the
+    /// channel axis with `F` ([`GradCx::contract_axes`]).
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+            let x = cx.x(0)?;
+            let dims = cx.dims(x)?;
+            if dims.len() < 2 || dims[1] < 0 {
+                return Err(format!("LRN of shape {dims:?}: needs [N, C, …] with C known"));
+            }
+            let c = dims[1] as usize;
+            let size = self.size.unwrap_or(1).max(1) as usize;
+            let (alpha, beta, bias) = (f64::from(self.alpha()), f64::from(self.beta()), f64::from(self.bias()));
+            let (lo, hi) = ((size - 1) / 2, size - 1 - (size - 1) / 2);
+            // F[m][l] = 1 where channel l is in channel m's window, and its transpose.
+            let f: Vec<f64> =
+                (0..c * c).map(|i| if i % c + lo >= i / c && i % c <= i / c + hi { 1.0 } else { 0.0 }).collect();
+            let ft: Vec<f64> = (0..c * c).map(|i| f[(i % c) * c + i / c]).collect();
+            let dt = cx.dtype(x);
+            let sq = cx.mul(x, x)?;
+            let window = cx.contract_axes(sq, dt, vec![(1, c, c, ft)])?;
+            let scaled = cx.scale(window, alpha / size as f64)?;
+            let b = cx.scalar(dt, bias);
+            let s = cx.add1(Op::Add(op::Add::default()), &[scaled, b])?;
+            let nb = cx.scalar(dt, -beta);
+            let pw = cx.add1(Op::Pow(op::Pow::default()), &[s, nb])?;
+            let direct = cx.mul(dy, pw)?;
+            let dyy = cx.mul(dy, cx.y(0))?;
+            let u = cx.div(dyy, s)?;
+            let back = cx.contract_axes(u, dt, vec![(1, c, c, f)])?;
+            let xb = cx.mul(x, back)?;
+            let through = cx.scale(xb, -2.0 * alpha * beta / size as f64)?;
+            let dx = cx.add1(Op::Add(op::Add::default()), &[direct, through])?;
+            cx.set(0, dx);
+            Ok(())
+        })())
+    }
 }
 
 impl OpRules for op::LpNormalization {

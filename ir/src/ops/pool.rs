@@ -302,11 +302,11 @@ fn global_pool(x: &Array, kind: PoolKind) -> Result<Array> {
 // ---- gradients ----
 
 /// MaxPool and AveragePool: MaxPoolGrad / AveragePoolGrad with the window's pads made
-/// explicit; LpPool has no rule.
+/// explicit. LpPool, `Y = (Σ_w |X|^p)^(1/p)`: `dX = Σᵀ(dY · Y^(1−p)) · |X|^(p−1) · sign(X)`,
+/// `Σᵀ` the window sum's adjoint — an AveragePoolGrad counting only the elements inside the
+/// input of `dY` times each window's count (an LpPool with `p = 1` of ones) — and a window
+/// of zeros (`Y` = 0) passing no gradient.
 fn pool_grad(op: &Op, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
-    if matches!(op, Op::LpPool(_)) {
-        return None;
-    }
     Some((|| {
         if cx.dy(1).is_some() {
             return Err("a gradient through MaxPool's indices".into());
@@ -343,6 +343,39 @@ fn pool_grad(op: &Op, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), Str
                 }),
                 &[dy],
             )?,
+            Op::LpPool(lp) => {
+                let p = lp.p();
+                let dt = cx.dtype(x);
+                let one = cx.scalar(dt, 1.0);
+                let ones = cx.expand(one, &xd)?;
+                let counts = cx.add1(
+                    Op::LpPool(op::LpPool {
+                        auto_pad: None,
+                        ceil_mode: Some(i64::from(a.ceil_mode)),
+                        dilations: Some(dil.clone()),
+                        kernel_shape: Some(kernel.to_vec()),
+                        p: Some(1),
+                        pads: Some(pads.clone()),
+                        strides: Some(strides.clone()),
+                    }),
+                    &[ones],
+                )?;
+                let g = lp_outer(cx, dy, p)?;
+                let summed = cx.mul(g, counts)?;
+                let s = cx.add1(
+                    Op::AveragePoolGrad(op::AveragePoolGrad {
+                        ceil_mode: Some(i64::from(a.ceil_mode)),
+                        count_include_pad: Some(0),
+                        dilations: Some(dil),
+                        input_shape: Some(xd.clone()),
+                        kernel_shape: Some(kernel.to_vec()),
+                        pads: Some(pads),
+                        strides: Some(strides),
+                    }),
+                    &[summed],
+                )?;
+                lp_inner(cx, s, x, p)?
+            }
             _ => return Err("no gradient rule".into()),
         };
         cx.set(0, d);
@@ -350,16 +383,55 @@ fn pool_grad(op: &Op, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), Str
     })())
 }
 
-/// Global average pooling spreads dY evenly; global max pooling sends it to the maxima;
-/// GlobalLpPool has no rule.
-fn global_grad(op: &Op, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
-    if matches!(op, Op::GlobalLpPool(_)) {
-        return None;
+/// `dY · Y^(1−p)` of an Lp pool, 0 where `Y` is 0 (a window of zeros).
+fn lp_outer(cx: &mut GradCx<'_>, dy: crate::Value, p: i64) -> std::result::Result<crate::Value, String> {
+    if p == 1 {
+        return Ok(dy);
     }
+    let y = cx.y(0);
+    let dt = cx.dtype(y);
+    let (zero, e) = (cx.scalar(dt, 0.0), cx.scalar(dt, 1.0 - p as f64));
+    let is_zero = cx.add1(Op::Equal(op::Equal::default()), &[y, zero])?;
+    let pw = cx.add1(Op::Pow(op::Pow::default()), &[y, e])?;
+    let pw = cx.where_(is_zero, zero, pw)?;
+    cx.mul(dy, pw)
+}
+
+/// `S · |X|^(p−1) · sign(X)`: the window sums `S` of an Lp pool's gradient back through `|X|^p`.
+fn lp_inner(
+    cx: &mut GradCx<'_>,
+    s: crate::Value,
+    x: crate::Value,
+    p: i64,
+) -> std::result::Result<crate::Value, String> {
+    let sign = cx.add1(Op::Sign(op::Sign::default()), &[x])?;
+    let g = match p {
+        1 => sign,
+        2 => x,
+        _ => {
+            let ax = cx.add1(Op::Abs(op::Abs::default()), &[x])?;
+            let e = cx.scalar(cx.dtype(x), (p - 1) as f64);
+            let pw = cx.add1(Op::Pow(op::Pow::default()), &[ax, e])?;
+            cx.mul(pw, sign)?
+        }
+    };
+    cx.mul(s, g)
+}
+
+/// Global average pooling spreads dY evenly; global max pooling sends it to the maxima;
+/// global Lp pooling as [`pool_grad`]'s LpPool over one window.
+fn global_grad(op: &Op, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
     Some((|| {
         let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
         let x = cx.x(0)?;
         let xd = cx.dims(x)?;
+        if let Op::GlobalLpPool(lp) = op {
+            let g = lp_outer(cx, dy, lp.p())?;
+            let s = cx.expand(g, &xd)?;
+            let d = lp_inner(cx, s, x, lp.p())?;
+            cx.set(0, d);
+            return Ok(());
+        }
         let e = cx.expand(dy, &xd)?;
         let d = match op {
             Op::GlobalAveragePool(_) => cx.scale(e, 1.0 / xd[2..].iter().product::<i64>().max(1) as f64)?,
