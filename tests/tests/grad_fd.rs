@@ -40,12 +40,9 @@ const NO_RULE: &[(&str, &str)] = &[
     ("OneHot", "its float operand is a pair of constants in practice"),
     ("Loop", "control flow: subgraphs are not differentiated"),
     ("Attention", "fused attention: not yet (exports that spell it as MatMul/Softmax/MatMul train)"),
-    ("CenterCropPad", "crop/pad index remap: not yet"),
     ("Compress", "data-dependent selection: not yet"),
     ("CumProd", "running product: not yet"),
     ("Det", "determinant: not yet"),
-    ("MaxUnpool", "index scatter: not yet"),
-    ("ReverseSequence", "per-batch index remap: not yet"),
     ("Scatter", "deprecated scatter: not yet"),
     ("TensorScatter", "cache update: not yet"),
     ("Unique", "data-dependent selection: not yet"),
@@ -476,6 +473,39 @@ fn random_case(rng: &mut Rng, kind: usize) -> (String, String) {
             let text =
                 model(&format!("double[{}] x", list(&xs)), "y", &inits, &format!("   y = Resize <{attrs}> ({args})"));
             (format!("Resize {mode} {extra} {coord} {xs:?} → {out:?}"), text)
+        }
+        // MaxUnpool with indices that repeat (the forward keeps the last value written to an
+        // index: the earlier ones get no gradient), with and without a wider output_shape.
+        7 if pick(3) == 0 => {
+            let xs = [1, 1 + pick(2), 1 + pick(2), 1 + pick(3)];
+            let out = [xs[0], xs[1], 2 * xs[2], 2 * xs[3]];
+            let n: usize = xs.iter().product();
+            let range = (out.iter().product::<usize>() / 2).max(1);
+            let idx: Vec<String> = (0..n).map(|_| pick(range).to_string()).collect();
+            let wide = pick(2) == 1;
+            let (inits, args) = if wide {
+                (
+                    format!(
+                        "int64[{}] i = {{{}}}, int64[4] os = {{{}, {}, {}, {}}}",
+                        list(&xs),
+                        idx.join(", "),
+                        out[0],
+                        out[1],
+                        out[2] + 1,
+                        out[3] + 2
+                    ),
+                    "x, i, os",
+                )
+            } else {
+                (format!("int64[{}] i = {{{}}}", list(&xs), idx.join(", ")), "x, i")
+            };
+            let text = model(
+                &format!("double[{}] x", list(&xs)),
+                "y",
+                &inits,
+                &format!("   y = MaxUnpool <kernel_shape: ints = [2, 2], strides: ints = [2, 2]> ({args})"),
+            );
+            (format!("MaxUnpool {xs:?} indices {idx:?} wide {wide}"), text)
         }
         // Gather on a random axis with repeated indices (embedding-style scatter-add).
         7 => {

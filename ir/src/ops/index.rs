@@ -955,6 +955,17 @@ impl OpRules for op::ReverseSequence {
         }
         Ok(vec![x.gather_flat(x.shape.clone(), &idx)])
     }
+
+    /// A permutation that is its own inverse: `dX = ReverseSequence(dY)` with the same lengths.
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+            let lens = cx.x(1)?;
+            let d = cx.add1(Op::ReverseSequence(self.clone()), &[dy, lens])?;
+            cx.set(0, d);
+            Ok(())
+        })())
+    }
 }
 
 impl OpRules for op::TensorScatter {

@@ -628,6 +628,10 @@ impl OpRules for op::AveragePoolGrad {
 impl OpRules for op::MaxUnpool {
     flow_positional!(0);
 
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(max_unpool_grad(self, cx))
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 1)
     }
@@ -688,6 +692,44 @@ impl OpRules for op::MaxUnpool {
         }
         Ok(vec![Array::float(x.dtype, shape, out)])
     }
+}
+
+/// `dX[k] = dY[I[k]]` (`dY` cut to the unpooled shape where `output_shape` widened it) for
+/// each value that kept its place: where two share an index the forward keeps the last, so an
+/// earlier one gets no gradient — told by unpooling `k + 1` the same way and reading back who
+/// holds each index.
+fn max_unpool_grad(u: &op::MaxUnpool, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+    let (x, ix) = (cx.x(0)?, cx.x(1)?);
+    let xd = cx.dims(x)?;
+    let dims: Vec<Dim> = xd.iter().map(|&d| Dim::Fixed(d)).collect();
+    let inferred: Vec<i64> = unpool_shape(u, &dims)?.iter().map(|d| d.value().unwrap_or(-1)).collect();
+    if xd.iter().chain(&inferred).any(|&d| d < 0) {
+        return Err(format!("MaxUnpool of {xd:?}: needs known lengths"));
+    }
+    let dt = cx.dtype(x);
+    let dy = if cx.x_opt(2).is_some() {
+        let zeros = cx.ints(&vec![0; inferred.len()]);
+        let ends = cx.ints(&inferred);
+        cx.add1(Op::Slice(op::Slice::default()), &[dy, zeros, ends])?
+    } else {
+        dy
+    };
+    let flat = cx.reshape(dy, &[-1])?;
+    let got = cx.add1(Op::Gather(op::Gather::default()), &[flat, ix])?;
+    let n: usize = xd.iter().product::<i64>() as usize;
+    let ks =
+        cx.constant(Array::float(dt, xd.iter().map(|&d| d as usize).collect(), (1..=n).map(|k| k as f64).collect()));
+    let plain =
+        op::MaxUnpool { kernel_shape: u.kernel_shape.clone(), pads: u.pads.clone(), strides: u.strides.clone() };
+    let holders = cx.add1(Op::MaxUnpool(plain), &[ks, ix])?;
+    let holders = cx.reshape(holders, &[-1])?;
+    let holder = cx.add1(Op::Gather(op::Gather::default()), &[holders, ix])?;
+    let kept = cx.add1(Op::Equal(op::Equal::default()), &[holder, ks])?;
+    let zero = cx.scalar(dt, 0.0);
+    let d = cx.where_(kept, got, zero)?;
+    cx.set(0, d);
+    Ok(())
 }
 
 /// `(in − 1)·stride − pads + kernel` per spatial dim.

@@ -1621,6 +1621,24 @@ impl OpRules for op::CenterCropPad {
             Array::int(x.dtype, shape, out.into_iter().map(|v| v as i64).collect())
         }])
     }
+
+    /// Cropping about the centre and padding with zeros about it are each other's adjoints,
+    /// at the same offsets: `dX = CenterCropPad(dY, X's lengths)` on the same axes.
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+            let dims = cx.dims(cx.x(0)?)?;
+            let axes = center_axes(self, dims.len())?;
+            if axes.iter().any(|&a| dims[a] < 0) {
+                return Err(format!("CenterCropPad of {dims:?}: the cropped lengths must be known"));
+            }
+            let lens: Vec<i64> = axes.iter().map(|&a| dims[a]).collect();
+            let shape = cx.ints(&lens);
+            let d = cx.add1(Op::CenterCropPad(self.clone()), &[dy, shape])?;
+            cx.set(0, d);
+            Ok(())
+        })())
+    }
 }
 
 fn center_axes(c: &op::CenterCropPad, rank: usize) -> std::result::Result<Vec<usize>, String> {
