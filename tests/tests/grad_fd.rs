@@ -39,7 +39,6 @@ const NO_RULE: &[(&str, &str)] = &[
     ("SoftmaxGrad", "a gradient op: training needs no second derivatives"),
     ("OneHot", "its float operand is a pair of constants in practice"),
     ("Loop", "control flow: subgraphs are not differentiated"),
-    ("Attention", "fused attention: not yet (exports that spell it as MatMul/Softmax/MatMul train)"),
     ("Compress", "data-dependent selection: not yet"),
     ("CumProd", "running product: not yet"),
     ("Det", "determinant: not yet"),
@@ -525,6 +524,61 @@ fn random_case(rng: &mut Rng, kind: usize) -> (String, String) {
             (format!("Gather {xs:?} axis {axis} idx {idx:?}"), text)
         }
         // Slice with steps (negative included).
+        // Attention (opset 23): 3-D or 4-D, grouped query heads, a key/value cache, an additive
+        // mask, causal, a soft cap, a given scale, the scores output in each mode.
+        8 if pick(2) == 0 => {
+            let (b, hk, group, sq, sk, d, dv, past) =
+                (1 + pick(2), 1 + pick(2), 1 + pick(2), 1 + pick(3), 1 + pick(3), 1 + pick(3), 1 + pick(3), pick(3));
+            let hq = hk * group;
+            let total = past + sk;
+            let four = pick(2) == 0;
+            let (qs, ks, vs) = if four {
+                (vec![b, hq, sq, d], vec![b, hk, sk, d], vec![b, hk, sk, dv])
+            } else {
+                (vec![b, sq, hq * d], vec![b, sk, hk * d], vec![b, sk, hk * dv])
+            };
+            let mut attrs = vec![format!("is_causal: int = {}", pick(2))];
+            if !four {
+                attrs.push(format!("q_num_heads: int = {hq}, kv_num_heads: int = {hk}"));
+            }
+            if pick(3) == 0 {
+                attrs.push("softcap: float = 2.0".into());
+            }
+            if pick(2) == 0 {
+                attrs.push("scale: float = 0.7".into());
+            }
+            let mode = [0, 2, 3][pick(3)];
+            attrs.push(format!("qk_matmul_output_mode: int = {mode}"));
+            let mut inputs = vec![
+                format!("double[{}] q", list(&qs)),
+                format!("double[{}] k", list(&ks)),
+                format!("double[{}] v", list(&vs)),
+            ];
+            let masked = pick(2) == 0;
+            let inits = if masked {
+                let m: Vec<String> = (0..sq * total).map(|_| format!("{}", pick(5) as f64 * 0.3 - 0.6)).collect();
+                format!("double[{sq},{total}] m = {{{}}}", m.join(", "))
+            } else {
+                String::new()
+            };
+            let mut args = vec!["q", "k", "v", if masked { "m" } else { "" }];
+            if past > 0 {
+                inputs.push(format!("double[{b},{hk},{past},{d}] pk, double[{b},{hk},{past},{dv}] pv"));
+                args.extend(["pk", "pv"]);
+            }
+            let outs = if pick(2) == 0 { "y" } else { "y, yk, yv, qk" };
+            let text = model(
+                &inputs.join(", "),
+                outs,
+                &inits,
+                &format!("   {outs} = Attention <{}> ({})", attrs.join(", "), args.join(", ")),
+            )
+            .replace("\"\" : 18", "\"\" : 23");
+            (
+                format!("Attention q{qs:?} k{ks:?} v{vs:?} past {past} mask {masked} <{}> → {outs}", attrs.join(", ")),
+                text,
+            )
+        }
         8 => {
             let xs = [3 + pick(4), 2 + pick(4)];
             let neg = pick(2) == 1;

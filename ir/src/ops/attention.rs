@@ -9,6 +9,7 @@ use super::flow::flow_positional;
 use super::grad::GradCx;
 use super::shape::no_work_whole;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
+use crate::Value;
 use crate::eval::{Array, EvalError};
 use crate::op::{self, Op};
 use crate::shard::IterSpace;
@@ -110,6 +111,171 @@ impl OpRules for op::Attention {
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         attention(self, cx)
     }
+
+    /// In heads (`[b, h, s, d]`), with `P` the probabilities (the op itself recomputes them:
+    /// its `qk_matmul_output_mode = 3` output) and `K`, `V` the keys and values after the cache,
+    /// each key/value head repeated for its group of query heads:
+    /// `dV = Pᵀ·dY`, `dP = dY·Vᵀ`, `dS = P ⊙ (dP − Σ dP ⊙ P)`, through a soft cap
+    /// `dS ⊙ (1 − (S_c/c)²)` (`S_c` the capped scores: mode 0), `dQ = scale · dS·K`,
+    /// `dK = scale · dSᵀ·Q`; the repeated heads summed back to their key/value head, the
+    /// cache's share split off to `past_key`/`past_value`, and the gradients of the present
+    /// key/value and score outputs added where they flow. Masks, windows and padding are in
+    /// `P` (a masked score has probability 0 and passes nothing).
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(attention_grad(self, cx))
+    }
+}
+
+fn attention_grad(a: &op::Attention, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let wants: Vec<usize> = [0, 1, 2, 4, 5].into_iter().filter(|&i| cx.want(i) && cx.x_opt(i).is_some()).collect();
+    if wants.is_empty() || (0..4).all(|s| cx.dy(s).is_none()) {
+        return Ok(());
+    }
+    let (q, k, v) = (cx.x(0)?, cx.x(1)?, cx.x(2)?);
+    let (qd, kd, vd) = (cx.dims(q)?, cx.dims(k)?, cx.dims(v)?);
+    let rank = qd.len();
+    if qd.iter().chain(&kd).chain(&vd).any(|&d| d < 0) || !(rank == 3 || rank == 4) {
+        return Err(format!("Attention of {qd:?}, {kd:?}, {vd:?}: needs known shapes of rank 3 or 4"));
+    }
+    let (hq, hk) = if rank == 4 {
+        (qd[1], kd[1])
+    } else {
+        (
+            a.q_num_heads.ok_or("3-D Attention needs q_num_heads")?,
+            a.kv_num_heads.ok_or("3-D Attention needs kv_num_heads")?,
+        )
+    };
+    if hk <= 0 || hq % hk != 0 {
+        return Err(format!("Attention: {hq} query heads do not group over {hk} key heads"));
+    }
+    let b = qd[0];
+    let (sq, d, dv) = if rank == 4 { (qd[2], qd[3], vd[3]) } else { (qd[1], qd[2] / hq, vd[2] / hk) };
+    let sk = if rank == 4 { kd[2] } else { kd[1] };
+    let past = match cx.x_opt(4) {
+        Some(p) => cx.dims(p)?.get(2).copied().unwrap_or(0),
+        None => 0,
+    };
+    let total = past + sk;
+    let group = hq / hk;
+    let scale = a.scale.map_or(1.0 / (d as f64).sqrt(), f64::from);
+    let dt = cx.dtype(q);
+    // [b, s, h·e] → [b, h, s, e] and back.
+    let heads = |cx: &mut GradCx<'_>, x: Value, h: i64, s: i64, e: i64| -> std::result::Result<Value, String> {
+        if rank == 4 {
+            return Ok(x);
+        }
+        let r = cx.reshape(x, &[b, s, h, e])?;
+        cx.transpose(r, &[0, 2, 1, 3])
+    };
+    let unheads = |cx: &mut GradCx<'_>, x: Value, h: i64, s: i64, e: i64| -> std::result::Result<Value, String> {
+        if rank == 4 {
+            return Ok(x);
+        }
+        let t = cx.transpose(x, &[0, 2, 1, 3])?;
+        cx.reshape(t, &[b, s, h * e])
+    };
+    // Each key/value head repeated for its query heads: [b, hk, t, e] → [b, hq, t, e].
+    let repeat = |cx: &mut GradCx<'_>, x: Value, e: i64| -> std::result::Result<Value, String> {
+        if group == 1 {
+            return Ok(x);
+        }
+        let r = cx.reshape(x, &[b, hk, 1, total, e])?;
+        let x = cx.expand(r, &[b, hk, group, total, e])?;
+        cx.reshape(x, &[b, hq, total, e])
+    };
+    let summed = |cx: &mut GradCx<'_>, x: Value, e: i64| -> std::result::Result<Value, String> {
+        if group == 1 {
+            return Ok(x);
+        }
+        let r = cx.reshape(x, &[b, hk, group, total, e])?;
+        cx.reduce_sum(r, &[2], false)
+    };
+    let cached = |cx: &mut GradCx<'_>, past_in: Option<Value>, x: Value| -> std::result::Result<Value, String> {
+        match past_in {
+            Some(p) => cx.add1(Op::Concat(op::Concat { axis: Some(2) }), &[p, x]),
+            None => Ok(x),
+        }
+    };
+    let q4 = heads(cx, q, hq, sq, d)?;
+    let k4 = heads(cx, k, hk, sk, d)?;
+    let v4 = heads(cx, v, hk, sk, dv)?;
+    let (pk, pv) = (cx.x_opt(4), cx.x_opt(5));
+    let kt = cached(cx, pk, k4)?;
+    let vt = cached(cx, pv, v4)?;
+    let (kr, vr) = (repeat(cx, kt, d)?, repeat(cx, vt, dv)?);
+    let ins: Vec<Option<Value>> = (0..7).map(|i| cx.x_opt(i)).collect();
+    // The scores output of the op in `mode`.
+    let scores = |cx: &mut GradCx<'_>, mode: i64| -> std::result::Result<Value, String> {
+        let mut again = a.clone();
+        again.qk_matmul_output_mode = Some(mode);
+        Ok(cx.add(Op::Attention(again), &ins, 4)?[3])
+    };
+    let p = scores(cx, 3)?;
+    let mode = a.qk_matmul_output_mode.unwrap_or(0);
+    let dy = cx.dy_or_zeros(0)?;
+    let dy4 = heads(cx, dy, hq, sq, dv)?;
+    let vrt = cx.transpose(vr, &[0, 1, 3, 2])?;
+    let mut dp = cx.add1(Op::MatMul(op::MatMul {}), &[dy4, vrt])?;
+    let d_qk = cx.dy(3);
+    if let (Some(g), 3) = (d_qk, mode) {
+        dp = cx.add1(Op::Add(op::Add::default()), &[dp, g])?;
+    }
+    let pt = cx.transpose(p, &[0, 1, 3, 2])?;
+    let dvr = cx.add1(Op::MatMul(op::MatMul {}), &[pt, dy4])?;
+    let dpp = cx.mul(dp, p)?;
+    let row = cx.reduce_sum(dpp, &[3], true)?;
+    let centred = cx.sub(dp, row)?;
+    let mut ds = cx.mul(p, centred)?;
+    if let (Some(g), false) = (d_qk, mode == 3) {
+        ds = cx.add1(Op::Add(op::Add::default()), &[ds, g])?;
+    }
+    let softcap = a.softcap.map_or(0.0, f64::from);
+    if softcap > 0.0 {
+        let capped = scores(cx, 0)?;
+        let t = cx.scale(capped, 1.0 / softcap)?;
+        let tt = cx.mul(t, t)?;
+        let one = cx.scalar(dt, 1.0);
+        let slope = cx.sub(one, tt)?;
+        ds = cx.mul(ds, slope)?;
+    }
+    let dq4 = cx.add1(Op::MatMul(op::MatMul {}), &[ds, kr])?;
+    let dq4 = cx.scale(dq4, scale)?;
+    let dst = cx.transpose(ds, &[0, 1, 3, 2])?;
+    let dkr = cx.add1(Op::MatMul(op::MatMul {}), &[dst, q4])?;
+    let dkr = cx.scale(dkr, scale)?;
+    let mut dkt = summed(cx, dkr, d)?;
+    let mut dvt = summed(cx, dvr, dv)?;
+    if let Some(g) = cx.dy(1) {
+        dkt = cx.add1(Op::Add(op::Add::default()), &[dkt, g])?;
+    }
+    if let Some(g) = cx.dy(2) {
+        dvt = cx.add1(Op::Add(op::Add::default()), &[dvt, g])?;
+    }
+    // The new positions' share, and the cache's.
+    let part = |cx: &mut GradCx<'_>, x: Value, from: i64, to: i64| -> std::result::Result<Value, String> {
+        if from == 0 && to == total {
+            return Ok(x);
+        }
+        let (s, e, ax) = (cx.ints(&[from]), cx.ints(&[to]), cx.ints(&[2]));
+        cx.add1(Op::Slice(op::Slice::default()), &[x, s, e, ax])
+    };
+    for i in wants {
+        let g = match i {
+            0 => unheads(cx, dq4, hq, sq, d)?,
+            1 => {
+                let x = part(cx, dkt, past, total)?;
+                unheads(cx, x, hk, sk, d)?
+            }
+            2 => {
+                let x = part(cx, dvt, past, total)?;
+                unheads(cx, x, hk, sk, dv)?
+            }
+            4 => part(cx, dkt, 0, past)?,
+            _ => part(cx, dvt, 0, past)?,
+        };
+        cx.set(i, g);
+    }
+    Ok(())
 }
 
 /// `[b, s, h·d]` → `[b, h, s, d]`.
