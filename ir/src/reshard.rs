@@ -85,7 +85,8 @@ pub struct CommStep {
     /// The mesh axes of its group (ascending), or the axes a local step slices or zeroes.
     pub axes: Vec<usize>,
     /// Bytes per device of the tensor it operates on: the input of an all-reduce,
-    /// reduce-scatter or all-to-all, the output of an all-gather; 0 for local steps.
+    /// reduce-scatter or all-to-all, the output of an all-gather, the piece a local slice
+    /// copies out; 0 for a zeroing.
     pub bytes: f64,
     /// The layout after the step (intermediate steps of a hierarchical all-reduce keep the
     /// layout before it).
@@ -322,7 +323,8 @@ impl Cx<'_> {
         }
         if !sliced.is_empty() {
             sliced.sort_unstable();
-            self.push(StepKind::Slice, sliced, 0.0);
+            let bytes = self.local();
+            self.push(StepKind::Slice, sliced, bytes);
         }
     }
 

@@ -1028,7 +1028,7 @@ fn collectives(g: &Graph, meshes: &[Mesh], stage_of: &HashMap<NodeId, usize>, b:
             continue;
         }
         let mesh = &meshes[e.op.and_then(|o| stage_of.get(&o).copied()).unwrap_or(0).min(meshes.len() - 1)];
-        for st in &e.steps {
+        for st in e.steps.iter().filter(|s| s.kind.communicates()) {
             out.push(PlanCollective {
                 phase: e.phase.name().into(),
                 kind: st.kind.name().into(),

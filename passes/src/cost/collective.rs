@@ -44,11 +44,14 @@ pub enum CommKind {
     P2p,
     /// Halo exchange with spatial neighbours.
     Halo,
+    /// A local slice: each device copies its piece of a tensor it holds whole along the
+    /// sliced axes (no data leaves the device; a kernel the lowering emits all the same).
+    Slice,
 }
 
 impl CommKind {
     /// Every kind, in report order.
-    pub const ALL: [CommKind; 7] = [
+    pub const ALL: [CommKind; 8] = [
         CommKind::AllReduce,
         CommKind::AllGather,
         CommKind::ReduceScatter,
@@ -56,6 +59,7 @@ impl CommKind {
         CommKind::Broadcast,
         CommKind::P2p,
         CommKind::Halo,
+        CommKind::Slice,
     ];
 
     /// snake_case name.
@@ -68,7 +72,13 @@ impl CommKind {
             CommKind::Broadcast => "broadcast",
             CommKind::P2p => "p2p",
             CommKind::Halo => "halo",
+            CommKind::Slice => "slice",
         }
+    }
+
+    /// Whether data moves between devices (a local slice moves none).
+    pub fn communicates(self) -> bool {
+        self != CommKind::Slice
     }
 }
 
@@ -203,7 +213,8 @@ impl CommKind {
             StepKind::ReduceScatter { .. } => CommKind::ReduceScatter,
             StepKind::AllGather { .. } => CommKind::AllGather,
             StepKind::AllToAll { .. } => CommKind::AllToAll,
-            StepKind::Slice | StepKind::Zero => return None,
+            StepKind::Slice => CommKind::Slice,
+            StepKind::Zero => return None,
         })
     }
 }
@@ -214,6 +225,19 @@ pub fn price(step: &CommStep, scale: f64, mesh: &Mesh, cluster: &Cluster) -> Opt
     let kind = CommKind::of(&step.kind)?;
     let p = step.group_size(mesh);
     let bytes = step.bytes * scale;
+    if kind == CommKind::Slice {
+        let (time, latency) = local_copy(cluster, mesh, bytes);
+        return Some(Step {
+            kind,
+            axes: step.axes.clone(),
+            group: p,
+            bytes,
+            moved: 0.0,
+            moved_by_device: None,
+            latency,
+            time,
+        });
+    }
     let (alpha, beta) = alpha_beta(cluster, step.level(mesh), p, bytes);
     let (time, latency) = match kind {
         CommKind::AllReduce => (all_reduce(bytes, p, alpha, beta), all_reduce(f64::MIN_POSITIVE, p, alpha, beta)),
@@ -238,6 +262,20 @@ pub fn price(step: &CommStep, scale: f64, mesh: &Mesh, cluster: &Cluster) -> Opt
         latency,
         time,
     })
+}
+
+/// Seconds (and the dispatch's part of them) of a kernel copying `bytes` out of a tensor on
+/// each device of `mesh`: a dispatch and the bytes read and written, at the device's memory
+/// bandwidth — shared, where devices share a host, as the cost model shares it between the
+/// mesh's devices running at once.
+pub fn local_copy(cluster: &Cluster, mesh: &Mesh, bytes: f64) -> (f64, f64) {
+    if bytes <= 0.0 {
+        return (0.0, 0.0);
+    }
+    let d = &cluster.device;
+    let share = if d.shared_host { mesh.devices().max(1) as f64 } else { 1.0 };
+    let launch = d.launch_overhead * (1.0 + d.launch_contention.max(0.0) * (share - 1.0));
+    (launch + 2.0 * bytes * share / d.mem_bandwidth, launch)
 }
 
 /// The priced communication steps of a resharding (see [`ir::reshard::reshard`]).
@@ -352,7 +390,13 @@ mod tests {
         let dims = [N as i64 / 4 / 8, 8];
         let steps = |f: &[AxisShard], t: &[AxisShard]| reshard(&dims, 4.0, f, t, 1.0, &mesh, &c, Policy::default());
         let kinds = |f: &[AxisShard], t: &[AxisShard]| steps(f, t).iter().map(|s| s.kind).collect::<Vec<_>>();
-        assert_eq!(kinds(&[Replicate], &[Split(0)]), vec![]);
+        // Splitting a replicated tensor moves nothing: each device copies its piece out, a
+        // kernel priced as its bytes read and written (1/8 of 100 MB, twice, at 1.6 TB/s).
+        assert_eq!(kinds(&[Replicate], &[Split(0)]), vec![CommKind::Slice]);
+        let slice = &steps(&[Replicate], &[Split(0)])[0];
+        assert_eq!(slice.moved, 0.0);
+        let d = &c.device;
+        assert!((slice.time - (d.launch_overhead + 2.0 * N / 8.0 / d.mem_bandwidth)).abs() < 1e-12, "{slice:?}");
         assert_eq!(kinds(&[Split(0)], &[Replicate]), vec![CommKind::AllGather]);
         assert_eq!(kinds(&[Partial], &[Replicate]), vec![CommKind::AllReduce]);
         assert_eq!(kinds(&[Partial], &[Split(1)]), vec![CommKind::ReduceScatter]);
