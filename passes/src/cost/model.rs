@@ -671,6 +671,11 @@ impl<'a> CostModel<'a> {
         match &node.op {
             Op::MatMul(_) => {
                 let (m, nn) = if y.len() >= 2 { last2(&y) } else { (1.0, y.last().copied().unwrap_or(1.0)) };
+                // A B without batch dims of its own is shared: the runtime folds A's batch into
+                // the rows of one GEMM (`[64, 1, 512]·[512, 1536]` is 64 rows, not 64 GEMMs of one).
+                let b = local(node.input(1)?, ins.get(1).and_then(Option::as_ref))?;
+                let shared = b.len() <= 2 || b[..b.len() - 2].iter().all(|&d| d == 1.0);
+                let m = if shared && y.len() >= 2 { y[..y.len() - 1].iter().product() } else { m };
                 Some((m, nn, a.last().copied().unwrap_or(1.0)))
             }
             Op::Gemm(gm) => {

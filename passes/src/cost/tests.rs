@@ -341,6 +341,30 @@ fn a_links_bandwidth_by_size_interpolates_the_time_per_byte_in_log_size() {
 }
 
 #[test]
+fn a_shared_weight_folds_the_batch_into_rows() {
+    // Sequence-first activations `[64, 1, 512]` times a weight `[512, 1536]`: the runtime runs
+    // one GEMM of 64 rows (the batch folded into them), priced as the `[64, 512]` one — not as
+    // 64 GEMMs of one row each at a 16th of a tile's rate. A weight with a batch of its own
+    // keeps one row per GEMM.
+    let price = |xs: &[i64], ws: &[i64]| {
+        let mut g = Graph::new("mm");
+        let x = g.add_input("x", Some(TensorType::fixed(DType::Float, xs).into()));
+        let w = g.add_input("w", Some(TensorType::fixed(DType::Float, ws).into()));
+        let y = g.add_simple(Op::MatMul(op::MatMul::default()), &[x, w], "y");
+        g.add_output(y, None);
+        let mut m = Model::new(g, 17);
+        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+        let c = Cluster::preset("dgx-a100").unwrap();
+        let cm = CostModel::new(&m.graph, &c, c.mesh(1).unwrap(), opts());
+        let n = m.graph.op_nodes().unwrap()[0];
+        cm.op_time(n, &[None]).fwd
+    };
+    let folded = price(&[64, 1, 512], &[512, 1536]);
+    assert!(close(folded, price(&[64, 512], &[512, 1536])), "{folded}");
+    assert!(price(&[64, 1, 512], &[64, 512, 1536]) > 4.0 * folded);
+}
+
+#[test]
 fn skinny_and_short_gemms_reach_less_of_peak() {
     let d = Cluster::preset("dgx-a100").unwrap().device;
     // A large square GEMM: 0.6 × 1 × 1 × 4096/(4096+32) = 0.59535.
