@@ -547,14 +547,20 @@ fn freed_buffers_are_reused_and_dispatches_past_one_dimension_reach_every_elemen
 #[test]
 fn convolutions_launch_the_kernels_the_cost_model_prices() {
     // (x, w, pads): GEMM path with several images; few positions (wide); one image; a 1×1
-    // kernel over 3 channels (direct); two filters per group (direct).
+    // kernel over 3 channels (direct); two filters per group (direct); and GEMMs whose
+    // reduction is split into a second dispatch (`ir::ops::contraction::gemm_dispatches`):
+    // the weight gradient's over 2 × 96² positions, the forward's over 1024 × 9 taps, the
+    // input gradient's over 9000 filters.
     type Case<'a> = (&'a [i64], &'a [i64], i64, [f64; 3]);
-    let cases: [Case<'_>; 5] = [
+    let cases: [Case<'_>; 8] = [
         (&[2, 3, 8, 8], &[8, 3, 3, 3], 1, [2.0, 3.0, 3.0]),
         (&[2, 8, 4, 4], &[8, 8, 3, 3], 1, [3.0, 3.0, 3.0]),
         (&[1, 8, 8, 8], &[8, 8, 3, 3], 1, [2.0, 2.0, 2.0]),
         (&[2, 3, 8, 8], &[8, 3, 1, 1], 0, [1.0, 1.0, 1.0]),
         (&[2, 16, 8, 8], &[2, 16, 3, 3], 1, [1.0, 1.0, 1.0]),
+        (&[2, 8, 96, 96], &[8, 8, 3, 3], 1, [2.0, 3.0, 4.0]),
+        (&[1, 1024, 4, 4], &[8, 1024, 3, 3], 1, [3.0, 2.0, 2.0]),
+        (&[1, 16, 4, 4], &[9000, 16, 3, 3], 1, [2.0, 3.0, 2.0]),
     ];
     let dims = |d: &[i64]| d.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(",");
     for (x, w, pad, want) in cases {

@@ -290,6 +290,29 @@ impl OpRules for op::Einsum {
     }
 }
 
+/// Reduction lengths above which the runtime's GEMM kernel computes an unbatched GEMM (one
+/// product, a batch folded into its rows) in chunks of at most [`SPLIT_K_LEN`] and sums their
+/// partial products (split-K). It runs a workgroup's rows a SIMD batch at a time on a CPU
+/// driver, each batch streaming the workgroup's strip of B (`K` × 32 columns) again: up to a
+/// few MB the strip stays in the caches between batches, beyond it does not — on the
+/// development machine (lavapipe, 2 cores) `[64×16384]·[16384×768]` ran at 4.0 GFLOP/s and
+/// `[32×32768]·[32768×768]` (a language model's output-head gradient is that shape) at 2.0
+/// against 5.4–5.8 for square and 4096-long reductions; split into chunks of 2048 at 4.5 and
+/// 4.7 (chunks of 4096: 4.0 and 4.2). A barrier per chunk of the reduction instead (the
+/// batches taking each chunk in turn while it is cached) ran at 1.7–1.9: barriers cost more
+/// than the misses on that driver.
+pub const SPLIT_K_FROM: usize = 8192;
+/// The longest chunk of a split reduction (a workgroup's strip of B: 256 KB).
+pub const SPLIT_K_LEN: usize = 2048;
+
+/// The dispatches of one GEMM launch of `batch` products over reductions of `k`: two where
+/// the reduction is split ([`SPLIT_K_FROM`]: the chunks' partial products, then their sum),
+/// else one. The wgpu runtime compiles this (`codegen::runtime::gpu::gemm`); the cost model
+/// prices it.
+pub fn gemm_dispatches(batch: usize, k: usize) -> usize {
+    if batch <= 1 && k > SPLIT_K_FROM { 2 } else { 1 }
+}
+
 /// Numpy matmul of float arrays, with 1-D promotion and batch broadcasting.
 pub fn matmul(a: &Array, b: &Array) -> Result<Array> {
     if a.dtype != b.dtype {

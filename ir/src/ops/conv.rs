@@ -825,15 +825,25 @@ pub fn gemm_path(n: usize, ch: usize, m: usize, g: usize, kvol: usize, npos: usi
 /// weight gradient: one each on the direct kernels; on the GEMM path the forward is im2col and
 /// a GEMM (and a permutation when it spans all images, [`WIDE_BELOW`]), the input gradient a
 /// GEMM and col2im, the weight gradient im2col and a GEMM — each gradient with a regrouping of
-/// dY when there are several images. The cost model prices these launches
+/// dY when there are several images — and each GEMM's second dispatch where it splits its
+/// reduction ([`super::contraction::gemm_dispatches`]: the forward's over `C/g · k` per image,
+/// or per group when it spans all images; the input gradient's over `M/g`; the weight
+/// gradient's over all images' positions). The cost model prices these launches
 /// (`passes::cost`); the wgpu runtime compiles them (`codegen::runtime::gpu::conv`).
 pub fn launches(n: usize, ch: usize, m: usize, g: usize, kvol: usize, npos: usize) -> [f64; 3] {
     if !gemm_path(n, ch, m, g, kvol, npos) {
         return [1.0; 3];
     }
-    let wide = f64::from(u8::from(n > 1 && npos < WIDE_BELOW));
+    let wide = n > 1 && npos < WIDE_BELOW;
     let regroup = f64::from(u8::from(n > 1));
-    [2.0 + wide, 2.0 + regroup, 2.0 + regroup]
+    let (cg, mg) = (ch / g.max(1), m / g.max(1));
+    let split = |batch: usize, k: usize| super::contraction::gemm_dispatches(batch, k) as f64 - 1.0;
+    let fwd_batch = if wide || n == 1 { g } else { n * g };
+    [
+        2.0 + f64::from(u8::from(wide)) + split(fwd_batch, cg * kvol),
+        2.0 + regroup + split(g, mg),
+        2.0 + regroup + split(g, n * npos),
+    ]
 }
 
 /// [`launches`] from the shapes: `x` `[N, C, …]`, `w` `[M, C/group, k…]`, `y` `[N, M, o…]`.

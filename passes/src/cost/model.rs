@@ -673,9 +673,7 @@ impl<'a> CostModel<'a> {
                 let (m, nn) = if y.len() >= 2 { last2(&y) } else { (1.0, y.last().copied().unwrap_or(1.0)) };
                 // A B without batch dims of its own is shared: the runtime folds A's batch into
                 // the rows of one GEMM (`[64, 1, 512]·[512, 1536]` is 64 rows, not 64 GEMMs of one).
-                let b = local(node.input(1)?, ins.get(1).and_then(Option::as_ref))?;
-                let shared = b.len() <= 2 || b[..b.len() - 2].iter().all(|&d| d == 1.0);
-                let m = if shared && y.len() >= 2 { y[..y.len() - 1].iter().product() } else { m };
+                let m = if self.one_product(n, ins) && y.len() >= 2 { y[..y.len() - 1].iter().product() } else { m };
                 Some((m, nn, a.last().copied().unwrap_or(1.0)))
             }
             Op::Gemm(gm) => {
@@ -707,6 +705,20 @@ impl<'a> CostModel<'a> {
                 Some((w.iter().skip(1).product::<f64>(), positions, w.first().copied().unwrap_or(1.0)))
             }
             _ => None,
+        }
+    }
+
+    /// Whether a MatMul or Gemm runs as one GEMM product on the device: a Gemm always; a
+    /// MatMul whose B has no batch of its own (A's batch folds into the rows).
+    fn one_product(&self, n: NodeId, ins: &[Option<Sharding>]) -> bool {
+        let node = self.g.node(n);
+        match &node.op {
+            Op::Gemm(_) => true,
+            Op::MatMul(_) => node
+                .input(1)
+                .and_then(|b| self.local_static_dims(b, ins.get(1).and_then(Option::as_ref)))
+                .is_some_and(|b| b.len() <= 2 || b[..b.len() - 2].iter().all(|&d| d == 1)),
+            _ => false,
         }
     }
 
@@ -769,6 +781,16 @@ impl<'a> CostModel<'a> {
         // the training program prices its gradient ops.
         let shape = self.gemm_shape(n, ins, outs);
         let eff = shape.map_or(d.efficiency, |(m, nn, k)| d.gemm_efficiency(m, nn, k));
+        // A MatMul or Gemm that is one product (a shared B folds A's batch into its rows)
+        // splits a long reduction into a second dispatch, its forward and each gradient GEMM
+        // by its own reduction (the input's over `n`, the weight's over the rows `m`).
+        let split = |k: f64| ir::ops::contraction::gemm_dispatches(1, k as usize) as f64 - 1.0;
+        let (fwd_split, bwd_split) = match (&node.op, shape) {
+            (Op::MatMul(_) | Op::Gemm(_), Some((m, nn, k))) if self.one_product(n, ins) => {
+                (split(k), split(nn) + split(m))
+            }
+            _ => (0.0, 0.0),
+        };
         // A convolution's gradients run kernels of their own, at their own rate.
         let grad_rate = if matches!(node.op, Op::Conv(_)) { d.conv_grad_efficiency } else { 1.0 };
         let (fwd_eff, bwd_eff) = match &node.op {
@@ -795,7 +817,8 @@ impl<'a> CostModel<'a> {
         let kernel = if strided { 1.0 } else { d.kernel_factors.get(node.op.op_type()).copied().unwrap_or(1.0) };
         // A kernel with fewer invocations than fill the device runs at that share of it.
         let fill = self.underfill(c.parallel / f);
-        let fwd = self.roofline_at(c.fwd_flops / f, bytes, fwd_eff) * kernel * fill + launch;
+        let fwd =
+            self.roofline_at(c.fwd_flops / f, bytes, fwd_eff) * kernel * fill + launch + fwd_split * self.launch();
         let bwd = match shape {
             _ if bwd_flops <= 0.0 => 0.0,
             // The two gradient GEMMs, each reading and writing about what the op does (a
@@ -807,7 +830,7 @@ impl<'a> CostModel<'a> {
                     + self.roofline_at(c.bwd_weight_flops / f, bytes, d.gemm_efficiency(k, nn, m) * grad_rate)
                     + conv_launches.map_or(2.0 * launch, |l| (l[1] + l[2]) * self.launch())
             }
-            _ => self.roofline_at(bwd_flops, 2.0 * bytes, bwd_eff) + 2.0 * launch,
+            _ => self.roofline_at(bwd_flops, 2.0 * bytes, bwd_eff) + 2.0 * launch + bwd_split * self.launch(),
         };
         (fwd, bwd)
     }

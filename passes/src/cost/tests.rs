@@ -365,6 +365,34 @@ fn a_shared_weight_folds_the_batch_into_rows() {
 }
 
 #[test]
+fn a_gemm_splitting_its_reduction_pays_a_second_dispatch() {
+    // The runtime splits an unbatched GEMM's reduction past `SPLIT_K_FROM` into chunks and a
+    // sum: one more dispatch (1 ms here), forward; backward, the input's gradient reduces over
+    // the 64 columns and the weight's over the 16 rows (no split).
+    let price = |k: i64, shared: bool| {
+        let mut g = Graph::new("mm");
+        let x = g.add_input("x", Some(TensorType::fixed(DType::Float, &[2, 16, k]).into()));
+        let wd: Vec<i64> = if shared { vec![k, 64] } else { vec![2, k, 64] };
+        let w = g.add_input("w", Some(TensorType::fixed(DType::Float, &wd).into()));
+        let y = g.add_simple(Op::MatMul(op::MatMul::default()), &[x, w], "y");
+        g.add_output(y, None);
+        let mut m = Model::new(g, 17);
+        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+        let mut c = toy();
+        c.device.launch_overhead = 1e-3;
+        c.device.peak_flops.fp32 = 1e18;
+        c.device.mem_bandwidth = 1e18;
+        let cm = CostModel::new(&m.graph, &c, c.mesh(1).unwrap(), opts());
+        let n = m.graph.op_nodes().unwrap()[0];
+        cm.op_time(n, &[None]).fwd
+    };
+    let k = ir::ops::contraction::SPLIT_K_FROM as i64;
+    assert!((price(k + 1, true) - price(k, true) - 1e-3).abs() < 1e-9);
+    // A batch of products (B with a batch of its own) is not split.
+    assert!((price(k + 1, false) - price(k, false)).abs() < 1e-9);
+}
+
+#[test]
 fn skinny_and_short_gemms_reach_less_of_peak() {
     let d = Cluster::preset("dgx-a100").unwrap().device;
     // A large square GEMM: 0.6 × 1 × 1 × 4096/(4096+32) = 0.59535.

@@ -82,7 +82,7 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
     p.extend([g.bases.0 as u32, g.bases.1 as u32, g.bases.2 as u32, g.alpha.to_bits(), g.beta.to_bits()]);
     let nbatch: usize = g.batch.iter().product::<usize>().max(1);
     let groups = [g.n.div_ceil(32) as u32, g.m.div_ceil(32) as u32, nbatch as u32];
-    if nbatch == 1 && g.k > SPLIT_K_FROM {
+    if ir::ops::contraction::gemm_dispatches(nbatch, g.k) == 2 {
         // A long reduction in chunks, each workgroup layer one chunk's partial product, then
         // their sum (and C): see `gemm_rt_src`.
         let parts = g.k.div_ceil(SPLIT_K_LEN);
@@ -118,19 +118,9 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
     Ok(())
 }
 
-/// Reduction lengths above which an unbatched GEMM is computed in chunks of at most
-/// [`SPLIT_K_LEN`] (split-K). The kernel runs a workgroup's rows a SIMD batch at a time on a
-/// CPU driver, each batch streaming the workgroup's strip of B (`K` × 32 columns) again: up
-/// to a few MB the strip stays in the caches between batches, beyond it does not — on this
-/// machine (lavapipe, 2 cores) `[64×16384]·[16384×768]` ran at 4.0 GFLOP/s and
-/// `[32×32768]·[32768×768]` (a language model's output-head gradient is that shape) at 2.0
-/// against 5.4–5.8 for square and 4096-long reductions; split into chunks of 2048 at 4.5 and
-/// 4.7 (chunks of 4096: 4.0 and 4.2). A barrier per chunk of the reduction instead (the
-/// batches taking each chunk in turn while it is cached) ran at 1.7–1.9: barriers cost more
-/// than the misses on that driver.
-pub const SPLIT_K_FROM: usize = 8192;
-/// The longest chunk of a split reduction (a workgroup's strip of B: 256 KB).
-pub const SPLIT_K_LEN: usize = 2048;
+/// Where the reduction is split ([`ir::ops::contraction::SPLIT_K_FROM`], the rule the cost
+/// model prices too).
+pub use ir::ops::contraction::{SPLIT_K_FROM, SPLIT_K_LEN};
 
 /// The sum of a split-K GEMM's `P[2]` partial products `T[s, i]` over `P[0]` = M·N outputs
 /// (`P[1]` = N), plus `bitcast(P[6])` × C at base `P[5]` with row and column strides `P[3]`,
