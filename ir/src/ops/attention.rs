@@ -218,7 +218,7 @@ fn attention_grad(a: &op::Attention, cx: &mut GradCx<'_>) -> std::result::Result
     let mut dp = cx.add1(Op::MatMul(op::MatMul {}), &[dy4, vrt])?;
     let d_qk = cx.dy(3);
     if let (Some(g), 3) = (d_qk, mode) {
-        dp = cx.add1(Op::Add(op::Add::default()), &[dp, g])?;
+        dp = cx.add2(dp, g)?;
     }
     let pt = cx.transpose(p, &[0, 1, 3, 2])?;
     let dvr = cx.add1(Op::MatMul(op::MatMul {}), &[pt, dy4])?;
@@ -227,7 +227,7 @@ fn attention_grad(a: &op::Attention, cx: &mut GradCx<'_>) -> std::result::Result
     let centred = cx.sub(dp, row)?;
     let mut ds = cx.mul(p, centred)?;
     if let (Some(g), false) = (d_qk, mode == 3) {
-        ds = cx.add1(Op::Add(op::Add::default()), &[ds, g])?;
+        ds = cx.add2(ds, g)?;
     }
     let softcap = a.softcap.map_or(0.0, f64::from);
     if softcap > 0.0 {
@@ -246,10 +246,10 @@ fn attention_grad(a: &op::Attention, cx: &mut GradCx<'_>) -> std::result::Result
     let mut dkt = summed(cx, dkr, d)?;
     let mut dvt = summed(cx, dvr, dv)?;
     if let Some(g) = cx.dy(1) {
-        dkt = cx.add1(Op::Add(op::Add::default()), &[dkt, g])?;
+        dkt = cx.add2(dkt, g)?;
     }
     if let Some(g) = cx.dy(2) {
-        dvt = cx.add1(Op::Add(op::Add::default()), &[dvt, g])?;
+        dvt = cx.add2(dvt, g)?;
     }
     // The new positions' share, and the cache's.
     let part = |cx: &mut GradCx<'_>, x: Value, from: i64, to: i64| -> std::result::Result<Value, String> {

@@ -297,7 +297,7 @@ impl OpRules for op::LRN {
             let window = cx.contract_axes(sq, dt, vec![(1, c, c, ft)])?;
             let scaled = cx.scale(window, alpha / size as f64)?;
             let b = cx.scalar(dt, bias);
-            let s = cx.add1(Op::Add(op::Add::default()), &[scaled, b])?;
+            let s = cx.add2(scaled, b)?;
             let nb = cx.scalar(dt, -beta);
             let pw = cx.add1(Op::Pow(op::Pow::default()), &[s, nb])?;
             let direct = cx.mul(dy, pw)?;
@@ -306,7 +306,7 @@ impl OpRules for op::LRN {
             let back = cx.contract_axes(u, dt, vec![(1, c, c, f)])?;
             let xb = cx.mul(x, back)?;
             let through = cx.scale(xb, -2.0 * alpha * beta / size as f64)?;
-            let dx = cx.add1(Op::Add(op::Add::default()), &[direct, through])?;
+            let dx = cx.add2(direct, through)?;
             cx.set(0, dx);
             Ok(())
         })())

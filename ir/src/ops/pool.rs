@@ -321,28 +321,29 @@ fn pool_grad(op: &Op, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), Str
         let pads: Vec<i64> = win.pad_begin.iter().chain(&win.pad_end).map(|&p| p as i64).collect();
         let strides: Vec<i64> = win.strides.iter().map(|&v| v as i64).collect();
         let dil: Vec<i64> = win.dilations.iter().map(|&v| v as i64).collect();
+        // The average pool's gradient over this window, counting the pads or not.
+        let avg_grad = |count_include_pad: i64| {
+            Op::AveragePoolGrad(op::AveragePoolGrad {
+                ceil_mode: Some(i64::from(a.ceil_mode)),
+                count_include_pad: Some(count_include_pad),
+                dilations: Some(dil.clone()),
+                input_shape: Some(xd.clone()),
+                kernel_shape: Some(kernel.to_vec()),
+                pads: Some(pads.clone()),
+                strides: Some(strides.clone()),
+            })
+        };
         let d = match op {
             Op::MaxPool(_) => cx.add1(
                 Op::MaxPoolGrad(op::MaxPoolGrad {
-                    dilations: Some(dil),
+                    dilations: Some(dil.clone()),
                     kernel_shape: Some(kernel.to_vec()),
-                    pads: Some(pads),
-                    strides: Some(strides),
+                    pads: Some(pads.clone()),
+                    strides: Some(strides.clone()),
                 }),
                 &[x, dy],
             )?,
-            Op::AveragePool(p) => cx.add1(
-                Op::AveragePoolGrad(op::AveragePoolGrad {
-                    ceil_mode: Some(i64::from(a.ceil_mode)),
-                    count_include_pad: Some(p.count_include_pad()),
-                    dilations: Some(dil),
-                    input_shape: Some(xd.clone()),
-                    kernel_shape: Some(kernel.to_vec()),
-                    pads: Some(pads),
-                    strides: Some(strides),
-                }),
-                &[dy],
-            )?,
+            Op::AveragePool(p) => cx.add1(avg_grad(p.count_include_pad()), &[dy])?,
             Op::LpPool(lp) => {
                 let p = lp.p();
                 let dt = cx.dtype(x);
@@ -362,18 +363,7 @@ fn pool_grad(op: &Op, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), Str
                 )?;
                 let g = lp_outer(cx, dy, p)?;
                 let summed = cx.mul(g, counts)?;
-                let s = cx.add1(
-                    Op::AveragePoolGrad(op::AveragePoolGrad {
-                        ceil_mode: Some(i64::from(a.ceil_mode)),
-                        count_include_pad: Some(0),
-                        dilations: Some(dil),
-                        input_shape: Some(xd.clone()),
-                        kernel_shape: Some(kernel.to_vec()),
-                        pads: Some(pads),
-                        strides: Some(strides),
-                    }),
-                    &[summed],
-                )?;
+                let s = cx.add1(avg_grad(0), &[summed])?;
                 lp_inner(cx, s, x, p)?
             }
             _ => return Err("no gradient rule".into()),

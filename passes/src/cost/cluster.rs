@@ -138,6 +138,20 @@ fn default_one() -> f64 {
 }
 
 impl Device {
+    /// How many devices share one device's compute and memory bandwidth when `busy` of them
+    /// run kernels at once: `busy` on devices simulated on one host
+    /// ([`Device::shared_host`]), else 1.
+    pub fn host_share(&self, busy: usize) -> f64 {
+        if self.shared_host { busy.max(1) as f64 } else { 1.0 }
+    }
+
+    /// The fixed cost of one kernel when `busy` devices dispatch at once: the launch overhead,
+    /// more on devices simulated on one host the more of them dispatch
+    /// ([`Device::launch_contention`]).
+    pub fn launch_at(&self, busy: usize) -> f64 {
+        self.launch_overhead * (1.0 + self.launch_contention.max(0.0) * (self.host_share(busy) - 1.0))
+    }
+
     /// The fraction of peak a GEMM (or convolution as a GEMM) with an `m × n` output and
     /// reduction length `k` reaches: `efficiency` × tile quantization on `m` and `n` × the
     /// reduction-loop overhead (see [`Device::gemm_tile`], [`Device::gemm_k_overhead`]).

@@ -273,9 +273,8 @@ pub fn local_copy(cluster: &Cluster, mesh: &Mesh, bytes: f64) -> (f64, f64) {
         return (0.0, 0.0);
     }
     let d = &cluster.device;
-    let share = if d.shared_host { mesh.devices().max(1) as f64 } else { 1.0 };
-    let launch = d.launch_overhead * (1.0 + d.launch_contention.max(0.0) * (share - 1.0));
-    (launch + 2.0 * bytes * share / d.mem_bandwidth, launch)
+    let launch = d.launch_at(mesh.devices());
+    (launch + 2.0 * bytes * d.host_share(mesh.devices()) / d.mem_bandwidth, launch)
 }
 
 /// The priced communication steps of a resharding (see [`ir::reshard::reshard`]).

@@ -495,8 +495,8 @@ impl<'a> CostModel<'a> {
     }
 
     /// The devices running kernels at once ([`CostModel::with_busy`]).
-    fn busy(&self) -> f64 {
-        self.busy.unwrap_or_else(|| self.mesh.devices()).max(1) as f64
+    fn busy(&self) -> usize {
+        self.busy.unwrap_or_else(|| self.mesh.devices()).max(1)
     }
 
     /// Operator nodes in topological order.
@@ -620,16 +620,14 @@ impl<'a> CostModel<'a> {
     /// How many devices share one device's compute and memory bandwidth: the mesh's size on
     /// a cluster of devices simulated on one host, else 1.
     fn host_share(&self) -> f64 {
-        if self.cluster.device.shared_host { self.busy() } else { 1.0 }
+        self.cluster.device.host_share(self.busy())
     }
 
     /// The fixed cost of one kernel on one device: the device's launch overhead, more on
     /// devices simulated on one host the more of them dispatch at once
-    /// ([`super::cluster::Device::launch_contention`]).
+    /// ([`super::cluster::Device::launch_at`]).
     pub fn launch(&self) -> f64 {
-        let d = &self.cluster.device;
-        let others = if d.shared_host { self.busy() - 1.0 } else { 0.0 };
-        d.launch_overhead * (1.0 + d.launch_contention.max(0.0) * others)
+        self.cluster.device.launch_at(self.busy())
     }
 
     /// How much slower a kernel of `parallel` independent invocations runs than one that
