@@ -2,10 +2,11 @@
 //! im2col) and `RoiAlign`. They run whole on one device, evaluated by the reference kernels.
 
 use super::flow::flow_positional;
+use super::grad::GradCx;
 use super::shape::no_work_whole;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
 use crate::eval::{Array, EvalError, strides};
-use crate::op;
+use crate::op::{self, Op};
 use crate::shard::IterSpace;
 use crate::types::Dim;
 
@@ -225,25 +226,12 @@ impl OpRules for op::AffineGrid {
         }
         let n = size[0] as usize;
         let dims: Vec<usize> = size[2..].iter().map(|&d| d.max(0) as usize).collect();
-        let align = self.align_corners() != 0;
-        // Normalized coordinate of index i of a dim of length d.
-        let coord = |i: usize, d: usize| -> f64 {
-            if align {
-                if d <= 1 { -1.0 } else { -1.0 + 2.0 * i as f64 / (d as f64 - 1.0) }
-            } else {
-                -1.0 + (2.0 * i as f64 + 1.0) / d as f64
-            }
-        };
+        let base = affine_base(&dims, self.align_corners() != 0);
         let t = theta.to_f64()?;
-        let npos: usize = dims.iter().product();
-        let st = strides(&dims);
+        let npos = base.len();
         let mut out = vec![0.0; n * npos * nd];
         for b in 0..n {
-            for p in 0..npos {
-                // Homogeneous (x, y[, z], 1): x runs along the last dim.
-                let idx: Vec<usize> = (0..nd).map(|k| (p / st[k]) % dims[k]).collect();
-                let mut h: Vec<f64> = (0..nd).map(|k| coord(idx[nd - 1 - k], dims[nd - 1 - k])).collect();
-                h.push(1.0);
+            for (p, h) in base.iter().enumerate() {
                 for r in 0..nd {
                     out[(b * npos + p) * nd + r] = (0..=nd).map(|k| t[(b * nd + r) * (nd + 1) + k] * h[k]).sum();
                 }
@@ -254,6 +242,59 @@ impl OpRules for op::AffineGrid {
         shape.push(nd);
         Ok(vec![Array::float(theta.dtype, shape, out)])
     }
+
+    /// The grid is linear in θ: `grid[b, p, r] = Σ_k θ[b, r, k] · h[p, k]` with `h` the
+    /// positions' homogeneous coordinates (a constant), so `dθ[b, r, k] = Σ_p dY[b, p, r] ·
+    /// h[p, k]`: one MatMul of dY, `[N, P·nd]`, with the constant `[P·nd, nd·(nd+1)]` that
+    /// holds `h[p, k]` at row `(p, r)` and column `(r, k)`.
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+            let grid = cx.dims(cx.y(0))?;
+            let nd = grid.len().saturating_sub(2);
+            let dims: Vec<usize> = grid[1..grid.len() - 1].iter().map(|&d| d.max(0) as usize).collect();
+            let base = affine_base(&dims, self.align_corners() != 0);
+            let (rows, cols) = (base.len() * nd, nd * (nd + 1));
+            let mut m = vec![0.0; rows * cols];
+            for (p, h) in base.iter().enumerate() {
+                for r in 0..nd {
+                    for (k, &hk) in h.iter().enumerate() {
+                        m[(p * nd + r) * cols + r * (nd + 1) + k] = hk;
+                    }
+                }
+            }
+            let dtype = cx.dtype(dy);
+            let m = cx.constant(Array::float(dtype, vec![rows, cols], m));
+            let flat = cx.reshape(dy, &[grid[0], rows as i64])?;
+            let d = cx.add1(Op::MatMul(op::MatMul::default()), &[flat, m])?;
+            let d = cx.reshape(d, &[grid[0], nd as i64, nd as i64 + 1])?;
+            cx.set(0, d);
+            Ok(())
+        })())
+    }
+}
+
+/// The homogeneous normalized coordinates `(x, y[, z], 1)` of every position of an output of
+/// `dims` (row-major; `x` runs along the last dim), as `AffineGrid` applies θ to them.
+fn affine_base(dims: &[usize], align: bool) -> Vec<Vec<f64>> {
+    let nd = dims.len();
+    // Normalized coordinate of index i of a dim of length d.
+    let coord = |i: usize, d: usize| -> f64 {
+        if align {
+            if d <= 1 { -1.0 } else { -1.0 + 2.0 * i as f64 / (d as f64 - 1.0) }
+        } else {
+            -1.0 + (2.0 * i as f64 + 1.0) / d as f64
+        }
+    };
+    let st = strides(dims);
+    (0..dims.iter().product::<usize>())
+        .map(|p| {
+            let idx: Vec<usize> = (0..nd).map(|k| (p / st[k]) % dims[k]).collect();
+            let mut h: Vec<f64> = (0..nd).map(|k| coord(idx[nd - 1 - k], dims[nd - 1 - k])).collect();
+            h.push(1.0);
+            h
+        })
+        .collect()
 }
 
 impl OpRules for op::Col2Im {
@@ -336,6 +377,40 @@ impl OpRules for op::Col2Im {
         let mut shape = vec![n, c];
         shape.extend(img_u);
         Ok(vec![Array::float(x.dtype, shape, out)])
+    }
+
+    /// The adjoint of summing columns into the image is taking them out of it (im2col): a
+    /// convolution of dY grouped by channel whose `C · block` filters each pick one position
+    /// of the block (one-hot), with Col2Im's geometry, its output's positions flattened.
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+            let x = cx.x(0)?;
+            let xd = cx.dims(x)?;
+            let block = cx.const_ints(cx.x_opt(2)).ok_or("Col2Im's gradient needs a constant block shape")?;
+            let bl: i64 = block.iter().product();
+            if xd.len() != 3 || bl <= 0 || xd[1] % bl != 0 {
+                return Err(format!("Col2Im's gradient: input {xd:?}, block {block:?}"));
+            }
+            let c = (xd[1] / bl) as usize;
+            let k = bl as usize;
+            let mut shape = vec![c * k, 1];
+            shape.extend(block.iter().map(|&b| b as usize));
+            let w: Vec<f64> = (0..c * k * k).map(|i| if (i / k) % k == i % k { 1.0 } else { 0.0 }).collect();
+            let w = cx.constant(Array::float(cx.dtype(dy), shape, w));
+            let conv = op::Conv {
+                group: Some(c as i64),
+                kernel_shape: Some(block),
+                dilations: self.dilations.clone(),
+                pads: self.pads.clone(),
+                strides: self.strides.clone(),
+                ..Default::default()
+            };
+            let cols = cx.add1(Op::Conv(conv), &[dy, w])?;
+            let d = cx.reshape(cols, &xd)?;
+            cx.set(0, d);
+            Ok(())
+        })())
     }
 }
 

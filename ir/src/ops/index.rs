@@ -211,26 +211,31 @@ impl OpRules for op::ScatterND {
     }
 }
 
+/// The gradient of a scatter that overwrites (`ScatterElements` without a reduction, and the
+/// deprecated `Scatter`): the data's is dY with the written positions zeroed, the updates'
+/// dY gathered from them.
+fn overwrite_grad(axis: Option<i64>, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    let (idx, u) = (cx.x(1)?, cx.x(2)?);
+    if cx.want(0) {
+        let z = cx.zeros_like(u)?;
+        let op = Op::ScatterElements(op::ScatterElements { axis, reduction: None });
+        let d = cx.add1(op, &[dy, idx, z])?;
+        cx.set(0, d);
+    }
+    if cx.want(2) {
+        let d = cx.add1(Op::GatherElements(op::GatherElements { axis }), &[dy, idx])?;
+        cx.set(2, d);
+    }
+    Ok(())
+}
+
 impl OpRules for op::ScatterElements {
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         if self.reduction() != "none" {
             return None;
         }
-        Some((|| {
-            let Some(dy) = cx.dy(0) else { return Ok(()) };
-            let (idx, u) = (cx.x(1)?, cx.x(2)?);
-            if cx.want(0) {
-                let z = cx.zeros_like(u)?;
-                let op = Op::ScatterElements(op::ScatterElements { axis: self.axis, reduction: None });
-                let d = cx.add1(op, &[dy, idx, z])?;
-                cx.set(0, d);
-            }
-            if cx.want(2) {
-                let d = cx.add1(Op::GatherElements(op::GatherElements { axis: self.axis }), &[dy, idx])?;
-                cx.set(2, d);
-            }
-            Ok(())
-        })())
+        Some(overwrite_grad(self.axis, cx))
     }
 
     fn arity(&self) -> Arity {
@@ -845,6 +850,54 @@ impl OpRules for op::CumProd {
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         Ok(vec![cumulative(cx.req(0)?, cx.req(1)?, self.exclusive() != 0, self.reverse() != 0, true)?])
     }
+
+    /// `∂y_j/∂x_i` is the product `y_j` takes without `x_i` where `x_i` is one of its factors,
+    /// else 0. Without dividing by `x_i` (which may be 0): for each `i`, the running product of
+    /// `x` with `x_i` replaced by 1 — `n` running products along a new axis, `O(n²)` in the
+    /// axis's length — masked by the positions `j` whose product takes `x_i` (the same running
+    /// direction and exclusivity, a constant), times dY, summed over `j`.
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+            let x = cx.x(0)?;
+            let shape = cx.dims(x)?;
+            let axis = cx.const_ints(Some(cx.x(1)?)).and_then(|v| v.first().copied());
+            let axis = norm_axis(axis.ok_or("CumProd's gradient needs a constant axis")?, shape.len())?;
+            let n = shape[axis].max(0) as usize;
+            let dtype = cx.dtype(x);
+            // `[.., i, j, ..]`: x along j, the same for every i.
+            let mut wide = shape[..axis].to_vec();
+            wide.push(1);
+            wide.extend(&shape[axis..]);
+            let xj = cx.reshape(x, &wide)?;
+            let dyj = cx.reshape(dy, &wide)?;
+            // The diagonal (`x_i` itself) and the mask, as `[n, n, 1, …]` constants.
+            let trailing = shape.len() - axis - 1;
+            let mut square = vec![n, n];
+            square.extend(std::iter::repeat_n(1, trailing));
+            let (exclusive, reverse) = (self.exclusive() != 0, self.reverse() != 0);
+            let takes = |i: usize, j: usize| match (reverse, exclusive) {
+                (false, false) => i <= j,
+                (false, true) => i < j,
+                (true, false) => i >= j,
+                (true, true) => i > j,
+            };
+            let cell = |f: &dyn Fn(usize, usize) -> bool| -> Vec<f64> {
+                (0..n * n).map(|k| if f(k / n, k % n) { 1.0 } else { 0.0 }).collect()
+            };
+            let diag = cx.constant(Array::bool(square.clone(), (0..n * n).map(|k| k / n == k % n).collect()));
+            let mask = cx.constant(Array::float(dtype, square, cell(&takes)));
+            let one = cx.scalar(dtype, 1.0);
+            let without = cx.where_(diag, one, xj)?;
+            let axis_j = cx.ints(&[axis as i64 + 1]);
+            let runs = cx.add1(Op::CumProd(self.clone()), &[without, axis_j])?;
+            let taken = cx.mul(runs, mask)?;
+            let weighted = cx.mul(taken, dyj)?;
+            let d = cx.reduce_sum(weighted, &[axis as i64 + 1], false)?;
+            cx.set(0, d);
+            Ok(())
+        })())
+    }
 }
 
 impl OpRules for op::Scatter {
@@ -863,6 +916,10 @@ impl OpRules for op::Scatter {
     /// The deprecated name of `ScatterElements` without a reduction.
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         Ok(vec![scatter_elements(cx.req(0)?, cx.req(1)?, cx.req(2)?, self.axis(), "none")?])
+    }
+
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(overwrite_grad(self.axis, cx))
     }
 }
 
@@ -921,6 +978,32 @@ impl OpRules for op::Compress {
         let mut shape = x.shape.clone();
         shape[ax] = keep.len();
         Ok(vec![x.gather_flat(shape, &idx)])
+    }
+
+    /// `Gather` of the true conditions' positions (`NonZero` of the condition cut to the
+    /// axis's length): dX is dY scattered back to them, zeros elsewhere.
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+            let (x, cond) = (cx.x(0)?, cx.x(1)?);
+            let shape = cx.dims(x)?;
+            let (table, axis) = match self.axis {
+                None => (vec![shape.iter().product::<i64>()], 0),
+                Some(a) => (shape.clone(), norm_axis(a, shape.len())?),
+            };
+            let (start, end, axes) = (cx.ints(&[0]), cx.ints(&[table[axis]]), cx.ints(&[0]));
+            let cut = cx.add1(Op::Slice(op::Slice::default()), &[cond, start, end, axes])?;
+            let kept = cx.add1(Op::NonZero(op::NonZero::default()), &[cut])?;
+            let flat = cx.ints(&[-1]);
+            let kept = cx.add1(Op::Reshape(op::Reshape::default()), &[kept, flat])?;
+            let gather_grad = op::GatherGrad { axis: Some(axis as i64), shape: Some(table.clone()) };
+            let mut d = cx.add1(Op::GatherGrad(gather_grad), &[kept, dy])?;
+            if table != shape {
+                d = cx.reshape(d, &shape)?;
+            }
+            cx.set(0, d);
+            Ok(())
+        })())
     }
 }
 
@@ -1061,6 +1144,29 @@ impl OpRules for op::Unique {
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         unique(cx.req(0)?, self.axis, self.sorted() != 0, cx.n_out)
+    }
+
+    /// The distinct values are the input's at their first occurrences (the second output):
+    /// dX is dY scattered back there, zeros at the repeats (a repeat moved apart from its
+    /// first occurrence would be a value of its own; the values change only through those).
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+            let x = cx.x(0)?;
+            let shape = cx.dims(x)?;
+            let (table, axis) = match self.axis {
+                None => (vec![shape.iter().product::<i64>()], 0),
+                Some(a) => (shape.clone(), norm_axis(a, shape.len())?),
+            };
+            let first = cx.add(Op::Unique(self.clone()), &[Some(x)], 2)?[1];
+            let gather_grad = op::GatherGrad { axis: Some(axis as i64), shape: Some(table.clone()) };
+            let mut d = cx.add1(Op::GatherGrad(gather_grad), &[first, dy])?;
+            if table != shape {
+                d = cx.reshape(d, &shape)?;
+            }
+            cx.set(0, d);
+            Ok(())
+        })())
     }
 }
 
