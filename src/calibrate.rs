@@ -743,7 +743,7 @@ pub fn collective_calibration(
             .iter()
             .map(|&(bytes, t)| {
                 let (alpha, beta) =
-                    passes::cost::collective::alpha_beta(cluster, ir::shard::LinkLevel::Intra, p, bytes);
+                    passes::cost::collective::alpha_beta(cluster, ir::shard::LinkLevel::Intra, p, p, bytes);
                 CollectiveSample {
                     bytes,
                     all_reduce_s: t,

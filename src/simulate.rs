@@ -105,8 +105,8 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
                 let seconds = if p <= 1 {
                     0.0
                 } else {
-                    let (a, b) = alpha_beta(cluster, level(&grp), p, n_bytes);
-                    f(n_bytes, p, a, b) + collective::staging(cluster, down, up)
+                    let (a, b) = alpha_beta(cluster, level(&grp), p, total, n_bytes);
+                    f(n_bytes, p, a, b) + collective::staging(cluster, down, up, total)
                 };
                 Work::Collective { what, group: grp, seconds }
             };
@@ -121,20 +121,20 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
                         0.0
                     } else {
                         let moved = (y - x).max(0.0);
-                        let (a, b) = alpha_beta(cluster, level(&grp), 2, moved);
-                        collective::p2p(moved, a, b) + collective::staging(cluster, x, y)
+                        let (a, b) = alpha_beta(cluster, level(&grp), 2, total, moved);
+                        collective::p2p(moved, a, b) + collective::staging(cluster, x, y, total)
                     };
                     Work::Collective { what: "HaloExchange", group: grp, seconds }
                 }
                 Op::Send(s) => {
                     let to = s.peer.unwrap_or(-1).max(0) as usize;
-                    let (a, b) = alpha_beta(cluster, level(&[d.device as i64, to as i64]), 2, x);
-                    let (down, flight) = (collective::host_copy(cluster, x), collective::p2p(x, a, b));
+                    let (a, b) = alpha_beta(cluster, level(&[d.device as i64, to as i64]), 2, total, x);
+                    let (down, flight) = (collective::host_copy(cluster, x, total), collective::p2p(x, a, b));
                     Work::Send { to, tag: s.tag(), micro, down, flight }
                 }
                 Op::Recv(r) => {
                     let from = r.peer.unwrap_or(-1).max(0) as usize;
-                    Work::Recv { from, tag: r.tag(), micro, up: collective::host_copy(cluster, y) }
+                    Work::Recv { from, tag: r.tag(), micro, up: collective::host_copy(cluster, y, total) }
                 }
                 Op::Input { .. } | Op::Initializer(_) | Op::Constant(_) => Work::Compute(String::new(), vec![0.0]),
                 op if op.class() == OpClass::Comm => Work::Compute(String::new(), vec![0.0]),

@@ -144,7 +144,7 @@ fn consts(cm: &CostModel<'_>, grad_weight: f64) -> Consts {
             InputPath::Scatter => host.shared_by.min(p) as f64 / host.bandwidth,
             InputPath::Staged => {
                 let (_, beta) =
-                    crate::cost::collective::alpha_beta(cm.cluster, ir::shard::LinkLevel::Intra, p, f64::INFINITY);
+                    crate::cost::collective::alpha_beta(cm.cluster, ir::shard::LinkLevel::Intra, p, p, f64::INFINITY);
                 (p as f64 - 1.0) / beta
             }
         }

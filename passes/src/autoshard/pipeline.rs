@@ -487,12 +487,13 @@ fn aligned(cluster: &Cluster, offset: usize, d: usize) -> bool {
 }
 
 /// Seconds and latency of sending `n` bytes from the last device of one stage to the first
-/// of the next (over their link, through the host where the devices stage through it).
-fn send_between(cluster: &Cluster, last: usize, next: usize, n: f64) -> (f64, f64) {
+/// of the next (over their link, through the host where the devices stage through it), the
+/// pipeline's `devices` running at once.
+fn send_between(cluster: &Cluster, devices: usize, last: usize, next: usize, n: f64) -> (f64, f64) {
     let dpn = cluster.devices_per_node;
     let level = if last / dpn == next / dpn { LinkLevel::Intra } else { LinkLevel::Inter };
-    let (alpha, _) = alpha_beta(cluster, level, 2, n);
-    (send(cluster, level, n), alpha + staging(cluster, 0.0, 0.0))
+    let (alpha, _) = alpha_beta(cluster, level, 2, devices, n);
+    (send(cluster, level, n, devices), alpha + staging(cluster, 0.0, 0.0, devices))
 }
 
 /// The graph at each micro-batch size the search tries, re-batched once per size.
@@ -670,7 +671,7 @@ pub fn search_pipeline(
     let mut tables: HashMap<(usize, i64), Table> = HashMap::new();
     let mut best: Option<PipelinePlan> = None;
     let mut tried: Vec<Tried> = Vec::new();
-    let link = |a: usize, b: usize, n: f64| send_between(cluster, a.min(b), a.max(b), n);
+    let link = |a: usize, b: usize, n: f64| send_between(cluster, devices, a.min(b), a.max(b), n);
     let align = |off: usize, d: usize| aligned(cluster, off, d);
     let consider = |plan: Option<PipelinePlan>,
                     s: usize,
@@ -858,7 +859,7 @@ fn price_cuts(
         order.iter().filter_map(|&n| Some((g.node(n).outputs().first()?.name.clone(), n))).collect();
     let gm_order = gm.op_nodes().ok()?;
     let devices: usize = cuts.iter().map(|c| sizes[c.size]).sum();
-    let link = |a: usize, b: usize, n: f64| send_between(cluster, a.min(b), a.max(b), n);
+    let link = |a: usize, b: usize, n: f64| send_between(cluster, devices, a.min(b), a.max(b), n);
     let align = |_: usize, _: usize| true;
     let mut stages = Vec::with_capacity(s);
     let (mut fwd, mut bwd) = (Vec::with_capacity(s), Vec::with_capacity(s));

@@ -65,9 +65,10 @@ pub struct Device {
     /// latency and bandwidth on top of the collective's own α–β time.
     #[serde(default)]
     pub host_staged: bool,
-    /// On a shared host, the extra fraction of a ring step's latency each member of the
-    /// group beyond `host_cores` adds: a step waits for its receiver's thread to wake up, and
-    /// the other devices' kernels hold the cores (`α · (1 + ring_contention · (p − cores))`).
+    /// On a shared host, the extra fraction of a ring step's latency each device
+    /// communicating at once beyond `host_cores` adds: a step waits for its receiver's thread
+    /// to wake up, and the other devices' kernels hold the cores
+    /// (`α · (1 + ring_contention · (D − cores))`, `D` the devices of the plan's mesh).
     /// Measured by `shardc calibrate` (kernels and an all-reduce per step on as many devices
     /// as cores and on twice as many).
     #[serde(default)]
@@ -143,6 +144,15 @@ impl Device {
     /// ([`Device::shared_host`]), else 1.
     pub fn host_share(&self, busy: usize) -> f64 {
         if self.shared_host { busy.max(1) as f64 } else { 1.0 }
+    }
+
+    /// How many shares of a host core each device's communication gets when `at_once`
+    /// devices communicate: on devices simulated on one host ([`Device::shared_host`]) the
+    /// ring's steps and the copies to and from the host are the host's threads copying
+    /// memory, measured with a thread per core; beyond `host_cores` devices they share them
+    /// (`at_once / host_cores`). 1 elsewhere.
+    pub fn comm_share(&self, at_once: usize) -> f64 {
+        if self.shared_host && self.host_cores > 0 { (at_once as f64 / self.host_cores as f64).max(1.0) } else { 1.0 }
     }
 
     /// The fixed cost of one kernel when `busy` devices dispatch at once: the launch overhead,

@@ -83,9 +83,12 @@ impl CommKind {
 }
 
 /// Effective (α, β) of a group of `p` devices along a mesh axis of the given level moving a
-/// tensor of `bytes` per device: the slowest link the group uses, at its bandwidth for that
-/// size ([`super::cluster::BySize`]), with shared uplinks dividing it.
-pub fn alpha_beta(cluster: &Cluster, level: LinkLevel, p: usize, bytes: f64) -> (f64, f64) {
+/// tensor of `bytes` per device while `at_once` devices communicate (a plan's groups run
+/// their collectives together: every device of its mesh): the slowest link the group uses,
+/// at its bandwidth for that size ([`super::cluster::BySize`]), with shared uplinks dividing
+/// it, and on devices simulated on one host the host's cores shared between them
+/// ([`super::cluster::Device::comm_share`]).
+pub fn alpha_beta(cluster: &Cluster, level: LinkLevel, p: usize, at_once: usize, bytes: f64) -> (f64, f64) {
     let link: &Link = cluster.link(level);
     let mut beta = link.bandwidth_at(bytes);
     match level {
@@ -105,11 +108,12 @@ pub fn alpha_beta(cluster: &Cluster, level: LinkLevel, p: usize, bytes: f64) -> 
         }
     }
     // Devices sharing a host: a ring step waits for its receiver's thread, longer the more
-    // devices beyond its cores hold them.
+    // devices beyond its cores hold them, and the copies between host buffers share them.
     let d = &cluster.device;
-    let beyond = if d.shared_host && d.host_cores > 0 { p.saturating_sub(d.host_cores) } else { 0 };
+    let at_once = at_once.max(p);
+    let beyond = if d.shared_host && d.host_cores > 0 { at_once.saturating_sub(d.host_cores) } else { 0 };
     let alpha = link.latency * (1.0 + d.ring_contention * beyond as f64);
-    (alpha, beta)
+    (alpha, beta / d.comm_share(at_once))
 }
 
 /// Ring all-reduce: `2(p−1)α + 2(p−1)/p · n/β`.
@@ -149,29 +153,30 @@ pub fn broadcast(n: f64, p: usize, alpha: f64, beta: f64) -> f64 {
 }
 
 /// One copy of `bytes` between a device and the host on devices that reach each other only
-/// through it ([`super::cluster::Device::host_staged`]): a transfer on the host link; 0
-/// elsewhere.
-pub fn host_copy(cluster: &Cluster, bytes: f64) -> f64 {
+/// through it ([`super::cluster::Device::host_staged`]) while `at_once` devices communicate:
+/// a transfer on the host link (its bandwidth shared as [`alpha_beta`] shares the ring's);
+/// 0 elsewhere.
+pub fn host_copy(cluster: &Cluster, bytes: f64, at_once: usize) -> f64 {
     if !cluster.device.host_staged {
         return 0.0;
     }
-    cluster.host.latency + bytes / cluster.host.bandwidth_at(bytes)
+    cluster.host.latency + bytes * cluster.device.comm_share(at_once) / cluster.host.bandwidth_at(bytes)
 }
 
 /// The copies around a communication on such devices: its operand of `bytes_in` down to the
 /// host and its result of `bytes_out` back.
-pub fn staging(cluster: &Cluster, bytes_in: f64, bytes_out: f64) -> f64 {
-    host_copy(cluster, bytes_in) + host_copy(cluster, bytes_out)
+pub fn staging(cluster: &Cluster, bytes_in: f64, bytes_out: f64, at_once: usize) -> f64 {
+    host_copy(cluster, bytes_in, at_once) + host_copy(cluster, bytes_out, at_once)
 }
 
 /// A point-to-point send of `n` bytes between two devices over the link of `level`, with
-/// its staging copies.
-pub fn send(cluster: &Cluster, level: LinkLevel, n: f64) -> f64 {
+/// its staging copies, while `at_once` devices communicate.
+pub fn send(cluster: &Cluster, level: LinkLevel, n: f64, at_once: usize) -> f64 {
     if n <= 0.0 {
         return 0.0;
     }
-    let (alpha, beta) = alpha_beta(cluster, level, 2, n);
-    p2p(n, alpha, beta) + staging(cluster, n, n)
+    let (alpha, beta) = alpha_beta(cluster, level, 2, at_once, n);
+    p2p(n, alpha, beta) + staging(cluster, n, n, at_once)
 }
 
 /// Point-to-point: `α + n/β`.
@@ -238,7 +243,8 @@ pub fn price(step: &CommStep, scale: f64, mesh: &Mesh, cluster: &Cluster) -> Opt
             time,
         });
     }
-    let (alpha, beta) = alpha_beta(cluster, step.level(mesh), p, bytes);
+    let at_once = mesh.devices();
+    let (alpha, beta) = alpha_beta(cluster, step.level(mesh), p, at_once, bytes);
     let (time, latency) = match kind {
         CommKind::AllReduce => (all_reduce(bytes, p, alpha, beta), all_reduce(f64::MIN_POSITIVE, p, alpha, beta)),
         _ => (all_gather(bytes, p, alpha, beta), all_gather(f64::MIN_POSITIVE, p, alpha, beta)),
@@ -249,8 +255,11 @@ pub fn price(step: &CommStep, scale: f64, mesh: &Mesh, cluster: &Cluster) -> Opt
         CommKind::ReduceScatter => (bytes, bytes / p as f64),
         _ => (bytes, bytes),
     };
-    let (staged, staged_latency) =
-        if p > 1 { (staging(cluster, bytes_in, bytes_out), staging(cluster, 0.0, 0.0)) } else { (0.0, 0.0) };
+    let (staged, staged_latency) = if p > 1 {
+        (staging(cluster, bytes_in, bytes_out, at_once), staging(cluster, 0.0, 0.0, at_once))
+    } else {
+        (0.0, 0.0)
+    };
     let (time, latency) = (time + staged, latency + staged_latency);
     Some(Step {
         kind,
@@ -421,9 +430,11 @@ mod tests {
         let n = 4.0e6;
         let (a, b) = (c.intra.latency, c.intra.bandwidth_at(n));
         let mesh = |p: usize| Mesh { axes: vec![MeshAxis { name: "gpus".into(), size: p, level: LinkLevel::Intra }] };
-        let copies = |bytes_in: f64, bytes_out: f64| {
-            2.0 * h.latency + bytes_in / h.bandwidth_at(bytes_in) + bytes_out / h.bandwidth_at(bytes_out)
+        // Copies at a `share` of the host's rate.
+        let shared = |share: f64, bytes_in: f64, bytes_out: f64| {
+            2.0 * h.latency + share * (bytes_in / h.bandwidth_at(bytes_in) + bytes_out / h.bandwidth_at(bytes_out))
         };
+        let copies = |bytes_in: f64, bytes_out: f64| shared(1.0, bytes_in, bytes_out);
         use AxisShard::*;
         let dims = [(n / 4.0) as i64];
         let steps = |p: usize, f: &[AxisShard], t: &[AxisShard]| {
@@ -433,26 +444,49 @@ mod tests {
         let ar = steps(2, &[Partial], &[Replicate]);
         assert!((ar[0].time - (all_reduce(n, 2, a, b) + copies(n, n))).abs() < 1e-12, "{:?}", ar[0]);
         assert!((ar[0].latency - (2.0 * a + 2.0 * h.latency)).abs() < 1e-15);
-        // Four devices on two cores: each ring step takes 1 + 0.5·2 times α. An all-gather
+        // Four devices on two cores: each ring step takes 1 + 0.5·2 times α, and the ring's
+        // and the copies' bytes move at half the rate (two devices per core). An all-gather
         // copies down a quarter and back the whole; a reduce-scatter the other way round.
-        let busy = a * 2.0;
+        let (busy, half) = (a * 2.0, b / 2.0);
         let ag = steps(4, &[Split(0)], &[Replicate]);
-        assert!((ag[0].time - (all_gather(n, 4, busy, b) + copies(n / 4.0, n))).abs() < 1e-12, "{:?}", ag[0]);
+        let want = all_gather(n, 4, busy, half) + shared(2.0, n / 4.0, n);
+        assert!((ag[0].time - want).abs() < 1e-12, "{:?}", ag[0]);
         let rs = steps(4, &[Partial], &[Split(0)]);
-        assert!((rs[0].time - (reduce_scatter(n, 4, busy, b) + copies(n, n / 4.0))).abs() < 1e-12, "{:?}", rs[0]);
+        let want = reduce_scatter(n, 4, busy, half) + shared(2.0, n, n / 4.0);
+        assert!((rs[0].time - want).abs() < 1e-12, "{:?}", rs[0]);
+        // Groups of two on a 2×2 mesh: their rings run at once, four devices on two cores.
+        let square = Mesh {
+            axes: vec![
+                MeshAxis { name: "a".into(), size: 2, level: LinkLevel::Intra },
+                MeshAxis { name: "b".into(), size: 2, level: LinkLevel::Intra },
+            ],
+        };
+        let ar = reshard(
+            &[(n / 4.0) as i64],
+            4.0,
+            &[Replicate, Partial],
+            &[Replicate, Replicate],
+            1.0,
+            &square,
+            &c,
+            Policy::default(),
+        );
+        assert_eq!((ar.len(), ar[0].group), (1, 2));
+        assert!((ar[0].time - (all_reduce(n, 2, busy, half) + shared(2.0, n, n))).abs() < 1e-12, "{:?}", ar[0]);
         // A stage-to-stage send pays both copies too; GPUs with a device path pay none.
-        assert!((send(&c, LinkLevel::Intra, n) - (p2p(n, a, b) + copies(n, n))).abs() < 1e-12);
+        assert!((send(&c, LinkLevel::Intra, n, 2) - (p2p(n, a, b) + copies(n, n))).abs() < 1e-12);
+        assert!((send(&c, LinkLevel::Intra, n, 4) - (p2p(n, busy, half) + shared(2.0, n, n))).abs() < 1e-12);
         let gpus = Cluster::preset("dgx-a100").unwrap();
-        assert_eq!(staging(&gpus, n, n), 0.0);
-        assert_eq!(send(&gpus, LinkLevel::Intra, n), p2p(n, 3e-6, 240e9));
+        assert_eq!(staging(&gpus, n, n, 8), 0.0);
+        assert_eq!(send(&gpus, LinkLevel::Intra, n, 8), p2p(n, 3e-6, 240e9));
     }
 
     #[test]
     fn shared_pcie_uplinks_halve_bandwidth() {
         let c = Cluster::preset("pcie-v100x8").unwrap();
-        let (_, b) = alpha_beta(&c, LinkLevel::Intra, 8, 1e6);
+        let (_, b) = alpha_beta(&c, LinkLevel::Intra, 8, 8, 1e6);
         assert_eq!(b, 11e9 / 2.0);
-        let (_, b2) = alpha_beta(&c, LinkLevel::Intra, 2, 1e6);
+        let (_, b2) = alpha_beta(&c, LinkLevel::Intra, 2, 8, 1e6);
         assert_eq!(b2, 11e9);
     }
 }

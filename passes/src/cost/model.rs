@@ -912,13 +912,13 @@ impl<'a> CostModel<'a> {
                 let t = &mut cur[d][h.tensor_dim];
                 *t += (hw.from_prev + hw.from_next) as i64 - (hw.trim_start + hw.trim_end) as i64;
                 let after = cur[d].iter().map(|&e| e as f64).product::<f64>() * eb;
-                staged = staged.max(collective::staging(self.cluster, before, after));
+                staged = staged.max(collective::staging(self.cluster, before, after, self.mesh.devices()));
             }
             let moved = by_device.iter().copied().fold(0.0, f64::max);
             if moved <= 0.0 {
                 continue;
             }
-            let (alpha, beta) = alpha_beta(self.cluster, level, 2, moved);
+            let (alpha, beta) = alpha_beta(self.cluster, level, 2, self.mesh.devices(), moved);
             steps.push(Step {
                 kind: CommKind::Halo,
                 axes: vec![h.axis],
@@ -926,7 +926,7 @@ impl<'a> CostModel<'a> {
                 bytes: moved,
                 moved,
                 moved_by_device: Some(by_device),
-                latency: alpha + collective::staging(self.cluster, 0.0, 0.0),
+                latency: alpha + collective::staging(self.cluster, 0.0, 0.0, self.mesh.devices()),
                 time: p2p(moved, alpha, beta) + staged,
             });
         }
@@ -1559,7 +1559,7 @@ impl<'a> CostModel<'a> {
             // its own device link, one after another. (At the links' bandwidth for large
             // transfers, as the search's extraction prices a byte of input.)
             InputPath::Staged => {
-                let (alpha, beta) = alpha_beta(self.cluster, ir::shard::LinkLevel::Intra, p, f64::INFINITY);
+                let (alpha, beta) = alpha_beta(self.cluster, ir::shard::LinkLevel::Intra, p, p, f64::INFINITY);
                 host.latency + full / host.bandwidth + (p as f64 - 1.0) * (alpha + local / beta)
             }
         };

@@ -231,7 +231,7 @@ pub fn price_pipeline(
     for (s, &(a, b)) in partition.iter().enumerate() {
         let seg = &units[a..b];
         let send = if b < units.len() { cross[b] } else { 0.0 };
-        let send_t = collective::send(cluster, boundary_link(cluster, per_stage, s), send);
+        let send_t = collective::send(cluster, boundary_link(cluster, per_stage, s), send, devices);
         p2p_total += 2.0 * send_t * micro as f64;
         let f: f64 = seg.iter().map(|u| u.fwd).sum::<f64>() + send_t;
         let bw: f64 = seg.iter().map(|u| u.bwd).sum::<f64>() + send_t;
@@ -348,7 +348,8 @@ fn partition(
     }
     let stage_cost = |s: usize, a: usize, b: usize| -> f64 {
         let send = if b < n { cross[b] } else { 0.0 };
-        let t = pre_t[b] - pre_t[a] + 2.0 * collective::send(cluster, boundary_link(cluster, per_stage, s), send);
+        let t = pre_t[b] - pre_t[a]
+            + 2.0 * collective::send(cluster, boundary_link(cluster, per_stage, s), send, per_stage * stages);
         let mem =
             (pre_a[b] - pre_a[a]) * schedule.in_flight(s, stages, micro) as f64 + (pre_p[b] - pre_p[a]) + workspace;
         if mem > capacity { f64::INFINITY } else { t }

@@ -331,7 +331,7 @@ fn a_links_bandwidth_by_size_interpolates_the_time_per_byte_in_log_size() {
     // Priced by size: a 1 MB all-reduce between two of them moves its bytes faster than a
     // 64 MB one, in the ratio of the curve's factors.
     let ar = |bytes: f64| {
-        let (a, b) = super::collective::alpha_beta(&local, LinkLevel::Intra, 2, bytes);
+        let (a, b) = super::collective::alpha_beta(&local, LinkLevel::Intra, 2, 2, bytes);
         super::collective::all_reduce(bytes, 2, a, b) - 2.0 * a
     };
     let (small, large) = (1048576.0, 67108864.0);
