@@ -40,8 +40,6 @@ const NO_RULE: &[(&str, &str)] = &[
     ("OneHot", "its float operand is a pair of constants in practice"),
     ("Loop", "control flow: subgraphs are not differentiated"),
     ("Det", "determinant: not yet"),
-    ("TensorScatter", "cache update: not yet"),
-    ("DFT", "Fourier transform: not yet"),
     ("STFT", "Fourier transform: not yet"),
     ("DynamicQuantizeLinear", "quantization: a step function of its input"),
     ("GridSample", "data-dependent sampling: not yet"),
@@ -649,6 +647,32 @@ fn random_case(rng: &mut Rng, kind: usize) -> (String, String) {
             );
             (format!("CumProd {xs:?} axis {axis} exclusive {exclusive} reverse {reverse} zeros {zeros:?}"), text)
         }
+        // DFT: forward of a real or complex signal (one-sided for a real one), or inverse of a
+        // full or one-sided spectrum; cut or padded to a given length or not; on either axis.
+        _ if pick(3) == 0 => {
+            let inverse = pick(2);
+            let onesided = pick(2);
+            let complex = inverse == 1 || onesided == 0 && pick(2) == 0;
+            let len = 2 + pick(5);
+            let length = if pick(2) == 0 { Some(2 + pick(6)) } else { None };
+            let other = 1 + pick(2);
+            let axis = pick(2);
+            let mut xs = vec![other, other, 1 + usize::from(complex)];
+            xs[axis] = len;
+            let (inits, args) = match length {
+                Some(n) => (format!("int64 n = {{{n}}}"), "x, n"),
+                None => (String::new(), "x"),
+            };
+            let text = model(
+                &format!("double[{}] x", list(&xs)),
+                "y",
+                &inits,
+                &format!(
+                    "   y = DFT <axis: int = {axis}, inverse: int = {inverse}, onesided: int = {onesided}> ({args})"
+                ),
+            );
+            (format!("DFT {xs:?} axis {axis} inverse {inverse} onesided {onesided} length {length:?}"), text)
+        }
         // Col2Im: 1-2 spatial dims, strides, pads, dilations.
         _ if pick(2) == 0 => {
             let k = 1 + pick(2);
@@ -712,4 +736,47 @@ fn gradients_match_finite_differences_over_random_shapes_and_attributes() {
     }
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
     assert!(counts.iter().all(|&c| c == 12), "{counts:?}");
+}
+
+#[test]
+fn dft_gradients_match_finite_differences_in_every_variant() {
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for inverse in 0..2 {
+        for onesided in 0..2 {
+            for complex in [false, true] {
+                // A one-sided forward transform takes a real signal; an inverse, a spectrum.
+                if (inverse == 0 && onesided == 1 && complex) || (inverse == 1 && !complex) {
+                    continue;
+                }
+                for length in [None, Some(3), Some(8)] {
+                    for (axis, len) in [(0, 5), (1, 4)] {
+                        let mut xs = vec![2, 2, 1 + usize::from(complex)];
+                        xs[axis] = len;
+                        let (inits, args) = match length {
+                            Some(n) => (format!("int64 n = {{{n}}}"), "x, n"),
+                            None => (String::new(), "x"),
+                        };
+                        let text = model(
+                            &format!("double[{}] x", list(&xs)),
+                            "y",
+                            &inits,
+                            &format!(
+                                "   y = DFT <axis: int = {axis}, inverse: int = {inverse}, onesided: int = {onesided}> ({args})"
+                            ),
+                        );
+                        let what =
+                            format!("DFT {xs:?} axis {axis} inverse {inverse} onesided {onesided} length {length:?}");
+                        match parse(&text).and_then(|g| check(g, checked as u64, 64)) {
+                            Ok(Outcome::Checked(_)) => checked += 1,
+                            Ok(Outcome::NothingToCheck) => failures.push(format!("{what}: nothing to check")),
+                            Ok(Outcome::NoRule(e)) | Err(e) => failures.push(format!("{what}: {e}")),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert_eq!(checked, 30);
 }

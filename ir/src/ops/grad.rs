@@ -96,6 +96,11 @@ impl<'a> GradCx<'a> {
             .ok_or_else(|| format!("`{}` has no static shape", self.g.value_name(v)))
     }
 
+    /// The graph's opset.
+    pub fn opset(&self) -> i64 {
+        self.g.opset
+    }
+
     /// A value's element type.
     pub fn dtype(&self, v: Value) -> DType {
         self.g.tensor_type(v).map_or(DType::Float, |t| t.dtype)

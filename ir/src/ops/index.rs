@@ -1064,6 +1064,51 @@ impl OpRules for op::TensorScatter {
 
     no_work_whole!();
 
+    /// The cache's gradient is dY with the written positions zeroed (the same write of
+    /// zeros); the update's is dY gathered along the axis at each entry's write positions
+    /// (`write_index[b] + t`, wrapped around the cache's length in circular mode).
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let Some(dy) = cx.dy(0) else { return Ok(()) };
+            let (cache, upd) = (cx.x(0)?, cx.x(1)?);
+            let at = cx.x_opt(2);
+            if cx.want(0) {
+                let z = cx.zeros_like(upd)?;
+                let d = cx.add(Op::TensorScatter(self.clone()), &[Some(dy), Some(z), at], 1)?[0];
+                cx.set(0, d);
+            }
+            if cx.want(1) {
+                let (cd, ud) = (cx.dims(cache)?, cx.dims(upd)?);
+                let r = ud.len();
+                let ax = norm_axis(self.axis(), r)?;
+                if r < 2 || ax == 0 {
+                    return Err(format!("TensorScatter's gradient: update {ud:?}, axis {ax}"));
+                }
+                // Positions `t` along the axis, `[1, …, T, …, 1]`.
+                let mut steps = vec![1; r];
+                steps[ax] = ud[ax] as usize;
+                let t = cx.constant(Array::i64(steps, (0..ud[ax]).collect()));
+                let mut pos = match at {
+                    Some(w) => {
+                        let mut per_batch = vec![1; r];
+                        per_batch[0] = ud[0];
+                        let w = cx.reshape(w, &per_batch)?;
+                        cx.add2(w, t)?
+                    }
+                    None => t,
+                };
+                if self.mode() == "circular" {
+                    let n = cx.scalar(DType::Int64, cd[ax] as f64);
+                    pos = cx.add1(Op::Mod(op::Mod::default()), &[pos, n])?;
+                }
+                let idx = cx.expand(pos, &ud)?;
+                let d = cx.add1(Op::GatherElements(op::GatherElements { axis: Some(ax as i64) }), &[dy, idx])?;
+                cx.set(1, d);
+            }
+            Ok(())
+        })())
+    }
+
     /// Writes `update` into the cache along `axis` at each batch entry's write index (wrapping
     /// around the cache's length in `circular` mode).
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {

@@ -5,6 +5,7 @@
 //! signal. They run whole on one device, evaluated by the reference kernels (a direct DFT).
 
 use super::flow::flow_positional;
+use super::grad::GradCx;
 use super::shape::no_work_whole;
 use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
@@ -72,6 +73,67 @@ impl OpRules for op::DFT {
         let a = dft_axis(self, axis_in, x.rank(), cx.opset)?;
         let n = cx.opt(1).map(|n| n.to_i64()).transpose()?.and_then(|v| v.first().copied());
         Ok(vec![dft(x, a, n, self.inverse() != 0, self.onesided() != 0)?])
+    }
+
+    /// Every variant (inverse, one-sided, cut or padded to a length) is a real-linear map of
+    /// each line along the axis with its (real, imaginary) pairs: `y = A·x` with `A` of
+    /// `[out · c_out, len · c_in]`, computed by [`dft`] itself on the unit lines, so
+    /// `dX = Aᵀ·dY`: dY with the axis moved beside the complex dim, both merged, contracted
+    /// with `A`, and moved back. `O(len²)` constants, as the direct DFT is in time.
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+            let x = cx.x(0)?;
+            let (xd, yd) = (cx.dims(x)?, cx.dims(dy)?);
+            let r = xd.len();
+            let axis_in = match cx.x_opt(2) {
+                Some(v) => Some(cx.const_ints(Some(v)).ok_or("DFT's gradient needs a constant axis")?[0]),
+                None => None,
+            };
+            let a = dft_axis(self, axis_in, r, cx.opset())?;
+            let n = match cx.x_opt(1) {
+                Some(v) => Some(cx.const_ints(Some(v)).ok_or("DFT's gradient needs a constant length")?[0]),
+                None => None,
+            };
+            if r < 2 || a == r - 1 {
+                return Err(format!("DFT's gradient: input {xd:?}, axis {a}"));
+            }
+            let (len, c_in, out, c_out) = (xd[a] as usize, xd[r - 1] as usize, yd[a] as usize, yd[r - 1] as usize);
+            // The unit lines, one per input position: `[len · c_in, len, c_in]`.
+            let cols = len * c_in;
+            let mut unit = vec![0.0; cols * cols];
+            for j in 0..cols {
+                unit[j * cols + j] = 1.0;
+            }
+            let basis = Array::float(DType::Double, vec![cols, len, c_in], unit);
+            let images = dft(&basis, 1, n, self.inverse() != 0, self.onesided() != 0).map_err(|e| e.to_string())?;
+            let images = images.to_f64().map_err(|e| e.to_string())?;
+            let rows = out * c_out;
+            if images.len() != cols * rows {
+                return Err(format!("DFT's gradient: {} values for a [{rows}, {cols}] map", images.len()));
+            }
+            // `A[row, col]` is unit line `col`'s output at `row`.
+            let map: Vec<f64> = (0..rows * cols).map(|i| images[(i % cols) * rows + i / cols]).collect();
+            // dY as `[.., out · c_out]`: the other dims, then the axis and the complex dim.
+            let mut perm: Vec<i64> = (0..r as i64).filter(|&d| d != a as i64 && d != r as i64 - 1).collect();
+            perm.extend([a as i64, r as i64 - 1]);
+            let moved = cx.transpose(dy, &perm)?;
+            let mut merged: Vec<i64> = perm[..r - 2].iter().map(|&d| yd[d as usize]).collect();
+            merged.push(rows as i64);
+            let flat = cx.reshape(moved, &merged)?;
+            let dtype = cx.dtype(dy);
+            let back = cx.contract_axes(flat, dtype, vec![(r - 2, rows, cols, map)])?;
+            let mut split: Vec<i64> = merged[..r - 2].to_vec();
+            split.extend([len as i64, c_in as i64]);
+            let back = cx.reshape(back, &split)?;
+            let mut inverse = vec![0i64; r];
+            for (i, &p) in perm.iter().enumerate() {
+                inverse[p as usize] = i as i64;
+            }
+            let d = cx.transpose(back, &inverse)?;
+            cx.set(0, d);
+            Ok(())
+        })())
     }
 }
 
