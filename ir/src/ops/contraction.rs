@@ -600,6 +600,9 @@ fn matmul_grad(cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
     let Some(dy) = cx.dy(0) else { return Ok(()) };
     let (a, b) = (cx.x(0)?, cx.x(1)?);
     let (ad, bd) = (cx.dims(a)?, cx.dims(b)?);
+    if ad.len() >= 2 && bd.len() == 2 {
+        return shared_weight_matmul_grad(cx, dy, (a, &ad), (b, &bd));
+    }
     let a2d = if ad.len() == 1 { vec![1, ad[0]] } else { ad.clone() };
     let b2d = if bd.len() == 1 { vec![bd[0], 1] } else { bd.clone() };
     let batch = bcast_shapes(
@@ -624,6 +627,35 @@ fn matmul_grad(cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
         let db = cx.add1(crate::op::Op::MatMul(op::MatMul::default()), &[at, dy2])?;
         let db = cx.sum_to(db, &b2d)?;
         let db = cx.reshape(db, &bd)?;
+        cx.set(1, db);
+    }
+    Ok(())
+}
+
+/// `Y = A·W` with a matrix `W` every row of `A`'s batch shares (a linear layer over a
+/// sequence): A's batch is rows of one GEMM, so with `A` as `[R, K]` and dY as `[R, N]`,
+/// `dA = dY·Wᵀ` and `dW = Aᵀ·dY` are two `Gemm`s reading their operands transposed — no
+/// transpose kernels, and the weight's gradient summed over the rows by the GEMM's own
+/// reduction rather than per batch entry and then reduced.
+fn shared_weight_matmul_grad(
+    cx: &mut GradCx<'_>,
+    dy: Value,
+    (a, ad): (Value, &[i64]),
+    (b, bd): (Value, &[i64]),
+) -> std::result::Result<(), String> {
+    let rows: i64 = ad[..ad.len() - 1].iter().product();
+    let (k, n) = (bd[0], bd[1]);
+    let gemm =
+        |t_a: i64, t_b: i64| Op::Gemm(op::Gemm { alpha: None, beta: None, trans_a: Some(t_a), trans_b: Some(t_b) });
+    let dy2 = cx.reshape(dy, &[rows, n])?;
+    if cx.want(0) {
+        let da = cx.add1(gemm(0, 1), &[dy2, b])?;
+        let da = cx.reshape(da, ad)?;
+        cx.set(0, da);
+    }
+    if cx.want(1) {
+        let a2 = cx.reshape(a, &[rows, k])?;
+        let db = cx.add1(gemm(1, 0), &[a2, dy2])?;
         cx.set(1, db);
     }
     Ok(())
