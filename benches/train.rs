@@ -100,7 +100,12 @@ fn main() {
         cluster.device.launch_overhead = l.alone;
         cluster.device.launch_contention = l.contention;
         let cluster = &cluster;
-        let m = prepare(path, shapes, false);
+        let mut m = prepare(path, shapes, false);
+        // As `shardc train` trains it: after the `algebra` pass (fused GEMMs that are split
+        // un-fused, reshape detours folded, a transposed weight read by a GEMM as it is).
+        let mut pm = shardc::passes::PassManager::new();
+        pm.add(shardc::passes::Algebra);
+        pm.run(&mut m).expect("algebra");
         let loss = if loss.is_empty() { LossSpec::Model } else { LossSpec::parse(loss).expect("loss") };
         let (tm, info) = shardc::train::training_model(&m, &loss, &opt).expect("training graph");
         if let Some(stages) = strategy.strip_prefix("pipe:") {
