@@ -416,9 +416,18 @@ fn repair(cm: &CostModel<'_>, n: NodeId, s: &[Option<usize>]) -> OpStrategy {
     s
 }
 
-/// Builds the table of one sub-mesh at one micro-batch size from a reference plan.
-fn table(gm: &Graph, cluster: &Cluster, mesh: &Mesh, opts: &Options, reference: &HashMap<String, OpStrategy>) -> Table {
-    let cm = CostModel::new(gm, cluster, mesh.clone(), opts.clone());
+/// Builds the table of one sub-mesh at one micro-batch size from a reference plan, its ops
+/// priced with the pipeline's `devices` all running kernels (the steady state, every stage
+/// busy; it matters only where devices share a host).
+fn table(
+    gm: &Graph,
+    cluster: &Cluster,
+    mesh: &Mesh,
+    devices: usize,
+    opts: &Options,
+    reference: &HashMap<String, OpStrategy>,
+) -> Table {
+    let cm = CostModel::new(gm, cluster, mesh.clone(), opts.clone()).with_busy(devices);
     let order = cm.order().to_vec();
     let mut asg = Assignment::default();
     let mut strategies = Vec::with_capacity(order.len());
@@ -708,7 +717,7 @@ pub fn search_pipeline(
             }
             let mb = batch / m as i64;
             let Some(gm) = micro_graph(mb) else { continue };
-            tables.entry((d0, mb)).or_insert_with(|| table(&gm, cluster, &meshes[&d0], opts, &reference[&d0]));
+            tables.entry((d0, mb)).or_insert_with(|| table(&gm, cluster, &meshes[&d0], devices, opts, &reference[&d0]));
             let t = &tables[&(d0, mb)];
             let bounds = unit_bounds(t, FINE_UNITS);
             let units = Units::new(t, &bounds);
@@ -764,7 +773,7 @@ pub fn search_pipeline(
         }
         let Some(gm) = micro_graph(mb) else { continue };
         for &d in &sizes {
-            tables.entry((d, mb)).or_insert_with(|| table(&gm, cluster, &meshes[&d], opts, &reference[&d]));
+            tables.entry((d, mb)).or_insert_with(|| table(&gm, cluster, &meshes[&d], devices, opts, &reference[&d]));
         }
         let bounds = unit_bounds(&tables[&(d0, mb)], COARSE_UNITS);
         let units: Vec<Units> = sizes.iter().map(|d| Units::new(&tables[&(*d, mb)], &bounds)).collect();

@@ -148,7 +148,8 @@ pub fn price_pipeline(
             )
         })?;
     }
-    let cm = CostModel::new(&gm, cluster, stage_mesh.clone(), opts.clone());
+    // Every stage runs in the steady state: on devices sharing a host, all of them.
+    let cm = CostModel::new(&gm, cluster, stage_mesh.clone(), opts.clone()).with_busy(devices);
     let asg = assign(&cm, &Named::Data).unwrap_or_default();
     let priced = cm.evaluate(&asg);
     let order = cm.order().to_vec();
