@@ -252,6 +252,22 @@ fn list(v: &[usize]) -> String {
     v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ")
 }
 
+/// A DFT of a signal of dims `xs` (the last: 1 real, 2 complex) along `axis`, cut or padded
+/// to `length` when given: what it is, and its model.
+fn dft_case(xs: &[usize], axis: usize, inverse: usize, onesided: usize, length: Option<usize>) -> (String, String) {
+    let (inits, args) = match length {
+        Some(n) => (format!("int64 n = {{{n}}}"), "x, n"),
+        None => (String::new(), "x"),
+    };
+    let text = model(
+        &format!("double[{}] x", list(xs)),
+        "y",
+        &inits,
+        &format!("   y = DFT <axis: int = {axis}, inverse: int = {inverse}, onesided: int = {onesided}> ({args})"),
+    );
+    (format!("DFT {xs:?} axis {axis} inverse {inverse} onesided {onesided} length {length:?}"), text)
+}
+
 /// One random model: an op with drawn shapes and attributes.
 fn random_case(rng: &mut Rng, kind: usize) -> (String, String) {
     let mut pick = |n: usize| (rng.next_u64() % n as u64) as usize;
@@ -659,19 +675,7 @@ fn random_case(rng: &mut Rng, kind: usize) -> (String, String) {
             let axis = pick(2);
             let mut xs = vec![other, other, 1 + usize::from(complex)];
             xs[axis] = len;
-            let (inits, args) = match length {
-                Some(n) => (format!("int64 n = {{{n}}}"), "x, n"),
-                None => (String::new(), "x"),
-            };
-            let text = model(
-                &format!("double[{}] x", list(&xs)),
-                "y",
-                &inits,
-                &format!(
-                    "   y = DFT <axis: int = {axis}, inverse: int = {inverse}, onesided: int = {onesided}> ({args})"
-                ),
-            );
-            (format!("DFT {xs:?} axis {axis} inverse {inverse} onesided {onesided} length {length:?}"), text)
+            dft_case(&xs, axis, inverse, onesided, length)
         }
         // Col2Im: 1-2 spatial dims, strides, pads, dilations.
         _ if pick(2) == 0 => {
@@ -753,20 +757,7 @@ fn dft_gradients_match_finite_differences_in_every_variant() {
                     for (axis, len) in [(0, 5), (1, 4)] {
                         let mut xs = vec![2, 2, 1 + usize::from(complex)];
                         xs[axis] = len;
-                        let (inits, args) = match length {
-                            Some(n) => (format!("int64 n = {{{n}}}"), "x, n"),
-                            None => (String::new(), "x"),
-                        };
-                        let text = model(
-                            &format!("double[{}] x", list(&xs)),
-                            "y",
-                            &inits,
-                            &format!(
-                                "   y = DFT <axis: int = {axis}, inverse: int = {inverse}, onesided: int = {onesided}> ({args})"
-                            ),
-                        );
-                        let what =
-                            format!("DFT {xs:?} axis {axis} inverse {inverse} onesided {onesided} length {length:?}");
+                        let (what, text) = dft_case(&xs, axis, inverse, onesided, length);
                         match parse(&text).and_then(|g| check(g, checked as u64, 64)) {
                             Ok(Outcome::Checked(_)) => checked += 1,
                             Ok(Outcome::NothingToCheck) => failures.push(format!("{what}: nothing to check")),

@@ -12,6 +12,7 @@ use super::shape::no_work_whole;
 use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
 use crate::eval::{Array, Data, EvalError, cast, numel, strides};
+use crate::graph::Value;
 use crate::op::{self, Op};
 use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par, pointwise};
 use crate::types::{DType, Dim, TensorType};
@@ -987,24 +988,41 @@ impl OpRules for op::Compress {
             let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
             let (x, cond) = (cx.x(0)?, cx.x(1)?);
             let shape = cx.dims(x)?;
-            let (table, axis) = match self.axis {
-                None => (vec![shape.iter().product::<i64>()], 0),
-                Some(a) => (shape.clone(), norm_axis(a, shape.len())?),
-            };
+            let (table, axis) = as_table(self.axis, &shape)?;
             let (start, end, axes) = (cx.ints(&[0]), cx.ints(&[table[axis]]), cx.ints(&[0]));
             let cut = cx.add1(Op::Slice(op::Slice::default()), &[cond, start, end, axes])?;
             let kept = cx.add1(Op::NonZero(op::NonZero::default()), &[cut])?;
             let flat = cx.ints(&[-1]);
             let kept = cx.add1(Op::Reshape(op::Reshape::default()), &[kept, flat])?;
-            let gather_grad = op::GatherGrad { axis: Some(axis as i64), shape: Some(table.clone()) };
-            let mut d = cx.add1(Op::GatherGrad(gather_grad), &[kept, dy])?;
-            if table != shape {
-                d = cx.reshape(d, &shape)?;
-            }
+            let d = scatter_back(cx, kept, dy, self.axis, &shape)?;
             cx.set(0, d);
             Ok(())
         })())
     }
+}
+
+/// A tensor of `shape` as the table `Compress` and `Unique` select from: its slices along
+/// `axis`, or its elements (flattened) without one; the table's dims and the axis.
+fn as_table(axis: Option<i64>, shape: &[i64]) -> std::result::Result<(Vec<i64>, usize), String> {
+    Ok(match axis {
+        None => (vec![shape.iter().product::<i64>()], 0),
+        Some(a) => (shape.to_vec(), norm_axis(a, shape.len())?),
+    })
+}
+
+/// dY of a selection of the table's slices at `positions` ([`as_table`]) scattered back into
+/// zeros of `shape`.
+fn scatter_back(
+    cx: &mut GradCx<'_>,
+    positions: Value,
+    dy: Value,
+    axis: Option<i64>,
+    shape: &[i64],
+) -> std::result::Result<Value, String> {
+    let (table, a) = as_table(axis, shape)?;
+    let gather_grad = op::GatherGrad { axis: Some(a as i64), shape: Some(table.clone()) };
+    let d = cx.add1(Op::GatherGrad(gather_grad), &[positions, dy])?;
+    if table != shape { cx.reshape(d, shape) } else { Ok(d) }
 }
 
 impl OpRules for op::ReverseSequence {
@@ -1199,16 +1217,8 @@ impl OpRules for op::Unique {
             let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
             let x = cx.x(0)?;
             let shape = cx.dims(x)?;
-            let (table, axis) = match self.axis {
-                None => (vec![shape.iter().product::<i64>()], 0),
-                Some(a) => (shape.clone(), norm_axis(a, shape.len())?),
-            };
             let first = cx.add(Op::Unique(self.clone()), &[Some(x)], 2)?[1];
-            let gather_grad = op::GatherGrad { axis: Some(axis as i64), shape: Some(table.clone()) };
-            let mut d = cx.add1(Op::GatherGrad(gather_grad), &[first, dy])?;
-            if table != shape {
-                d = cx.reshape(d, &shape)?;
-            }
+            let d = scatter_back(cx, first, dy, self.axis, &shape)?;
             cx.set(0, d);
             Ok(())
         })())
