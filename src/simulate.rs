@@ -17,8 +17,10 @@
 //! is played as events, an op's progress at each moment at the rate of the count then.
 //! Collectives are priced as the plan's
 //! steps are ([`passes::cost::collective`]: the ring over the group's link, the host copies
-//! around it where devices stage through the host); a send costs its sender the copy down,
-//! its receiver the copy up, and the message the link between them.
+//! around it where devices stage through the host), for the devices communicating or
+//! running kernels when the collective starts (its group's and the others computing or
+//! copying then: on a shared host they share its cores); a send costs its sender the copy
+//! down, its receiver the copy up, and the message the link between them.
 //!
 //! Pipelines are what this is for: the plan prices a pipeline from its forward model's
 //! stages and a closed-form schedule, while the runtime runs the stages' lowered training
@@ -45,9 +47,10 @@ enum Work {
     /// The message from `from` (tag, micro-batch), then `up` seconds of copying it to the
     /// device.
     Recv { from: usize, tag: i64, micro: usize, up: f64 },
-    /// A collective (what: its op type) over `group` taking `seconds` once every member is
-    /// there.
-    Collective { what: &'static str, group: Vec<i64>, seconds: f64 },
+    /// A collective (what: its op type) over `group` taking, once every member is there,
+    /// `seconds` with `k` devices communicating or running kernels at once at index `k − 1`
+    /// (on devices sharing a host they share its cores).
+    Collective { what: &'static str, group: Vec<i64>, seconds: Vec<f64> },
 }
 
 /// The simulated step.
@@ -102,12 +105,14 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
             let ring = |what, grp: &Option<Vec<i64>>, f: Ring, n_bytes: f64, down: f64, up: f64| {
                 let grp = group(grp);
                 let p = grp.len();
-                let seconds = if p <= 1 {
-                    0.0
-                } else {
-                    let (a, b) = alpha_beta(cluster, level(&grp), p, total, n_bytes);
-                    f(n_bytes, p, a, b) + collective::staging(cluster, down, up, total)
+                let at = |k: usize| {
+                    if p <= 1 {
+                        return 0.0;
+                    }
+                    let (a, b) = alpha_beta(cluster, level(&grp), p, k, n_bytes);
+                    f(n_bytes, p, a, b) + collective::staging(cluster, down, up, k)
                 };
+                let seconds = (1..=total).map(at).collect();
                 Work::Collective { what, group: grp, seconds }
             };
             match &node.op {
@@ -117,13 +122,15 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
                 Op::AllToAll(c) => ring("AllToAll", &c.group, collective::all_to_all, x, x, y),
                 Op::HaloExchange(c) => {
                     let grp = group(&c.group);
-                    let seconds = if grp.len() <= 1 {
-                        0.0
-                    } else {
+                    let at = |k: usize| {
+                        if grp.len() <= 1 {
+                            return 0.0;
+                        }
                         let moved = (y - x).max(0.0);
-                        let (a, b) = alpha_beta(cluster, level(&grp), 2, total, moved);
-                        collective::p2p(moved, a, b) + collective::staging(cluster, x, y, total)
+                        let (a, b) = alpha_beta(cluster, level(&grp), 2, k, moved);
+                        collective::p2p(moved, a, b) + collective::staging(cluster, x, y, k)
                     };
+                    let seconds = (1..=total).map(at).collect();
                     Work::Collective { what: "HaloExchange", group: grp, seconds }
                 }
                 Op::Send(s) => {
@@ -300,9 +307,16 @@ fn play(plans: &[Vec<Work>]) -> Result<Simulated, String> {
                                     state[d] = State::Blocked;
                                     break;
                                 }
-                                // The last member: everyone starts now.
+                                // The last member: everyone starts now, sharing the host with
+                                // the devices computing or copying meanwhile.
                                 let members: Vec<usize> = there.iter().copied().collect();
                                 met.remove(&(group.clone(), k));
+                                let others = (0..n)
+                                    .filter(|o| !members.contains(o))
+                                    .filter(|&o| matches!(state[o], State::Computing { .. } | State::Busy { .. }))
+                                    .count();
+                                let at_once = (members.len() + others).clamp(1, seconds.len().max(1));
+                                let seconds = seconds.get(at_once - 1).copied().unwrap_or(0.0);
                                 for m in members {
                                     waiting[m] += now - blocked_since[m];
                                     *by_op[m].entry(what.to_string()).or_default() += seconds;
@@ -408,7 +422,7 @@ mod tests {
             assert!((s.by_op[d].values().sum::<f64>() + s.waiting[d] - s.devices[d]).abs() < 1e-12);
         }
         // A collective starts when the last member arrives, and ends for both together.
-        let ar = || Work::Collective { what: "AllReduce", group: vec![0, 1], seconds: 0.5 };
+        let ar = || Work::Collective { what: "AllReduce", group: vec![0, 1], seconds: vec![0.5, 0.5] };
         let s = play(&[vec![compute("x", 1.0), ar()], vec![ar()]]).unwrap();
         assert_eq!(s.devices, vec![1.5, 1.5]);
         assert_eq!(s.waiting, vec![0.0, 1.0]);
