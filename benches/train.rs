@@ -141,6 +141,24 @@ fn main() {
                     println!("      {k:<28} measured {:>9.3} ms  simulated {:>9.3} ms", got * 1e3, p * 1e3);
                 }
                 println!("      waiting: simulated {:.3} ms", sim.waiting[d.device] * 1e3);
+                // Every device, its last step: its ops' own time (kernels and communication,
+                // waits included as the runtime counts them) against the simulation's (its
+                // waiting apart), and its step against the simulated finish.
+                for r in &m.all {
+                    let own: f64 = r.by_op.values().chain(r.by_collective.values()).sum();
+                    let step = r.step_wall_s.last().copied().unwrap_or(0.0);
+                    let sim_own: f64 = sim.by_op.get(r.device).map_or(0.0, |b| b.values().sum());
+                    let (wait, finish) = (sim.waiting[r.device], sim.devices[r.device]);
+                    println!(
+                        "      device {}: ops measured {:>9.3} ms, simulated {:>9.3} ms + {:>9.3} ms waiting; step measured {:>9.3} ms, simulated {:>9.3} ms",
+                        r.device,
+                        own * 1e3,
+                        sim_own * 1e3,
+                        wait * 1e3,
+                        step * 1e3,
+                        finish * 1e3
+                    );
+                }
             }
             continue;
         }
@@ -201,7 +219,7 @@ fn measure(
     let inputs = shardc::train::seeded_inputs(g, info, 0).expect("inputs");
     let mut medians = Vec::new();
     let (mut min, mut max) = (f64::INFINITY, 0.0f64);
-    let mut last;
+    let (mut last, mut all);
     loop {
         let run = shardc::train::run_steps(prog, info, &inputs, Backend::Wgpu, STEPS).expect("trains");
         let mut per_step: Vec<f64> = (WARMUP..STEPS)
@@ -211,13 +229,14 @@ fn measure(
         min = min.min(per_step[0]);
         max = max.max(per_step[per_step.len() - 1]);
         medians.push(per_step[per_step.len() / 2]);
-        last = run.report.devices.into_iter().max_by(|a, b| a.wall_s.total_cmp(&b.wall_s));
+        all = run.report.devices;
+        last = all.iter().max_by(|a, b| a.wall_s.total_cmp(&b.wall_s)).cloned();
         if medians[0] >= REPEAT_BELOW_S || medians.len() == REPEATS {
             break;
         }
     }
     medians.sort_by(f64::total_cmp);
-    Measured { median: medians[medians.len() / 2], min, max, runs: medians.len(), last }
+    Measured { median: medians[medians.len() / 2], min, max, runs: medians.len(), last, all }
 }
 
 /// The measured time per op type and collective kind (the last step of the last run, on
@@ -303,6 +322,8 @@ struct Measured {
     runs: usize,
     /// The slowest device's report of the last run.
     last: Option<shardc::codegen::runtime::DeviceReport>,
+    /// Every device's report of the last run.
+    all: Vec<shardc::codegen::runtime::DeviceReport>,
 }
 
 /// Prints one case's row and records its error.
