@@ -86,8 +86,9 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
     for d in &p.devices {
         let g = &d.graph;
         let order = g.topo_order().map_err(|_| format!("device {}: the graph has a cycle", d.device))?;
-        // The model with 1, 2, … all devices running kernels at once (all the same where
-        // devices do not share a host).
+        // The model with 1, 2, … all devices running kernels at once, and each collective's
+        // price with as many communicating or computing (only one count where devices do
+        // not share a host: there they are all the same).
         let counts = if cluster.device.shared_host { total } else { 1 };
         let cms: Vec<CostModel> =
             (1..=counts).map(|k| CostModel::new(g, cluster, mesh.clone(), opts.clone()).with_busy(k)).collect();
@@ -112,7 +113,7 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
                     let (a, b) = alpha_beta(cluster, level(&grp), p, k, n_bytes);
                     f(n_bytes, p, a, b) + collective::staging(cluster, down, up, k)
                 };
-                let seconds = (1..=total).map(at).collect();
+                let seconds = (1..=counts).map(at).collect();
                 Work::Collective { what, group: grp, seconds }
             };
             match &node.op {
@@ -130,7 +131,7 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
                         let (a, b) = alpha_beta(cluster, level(&grp), 2, k, moved);
                         collective::p2p(moved, a, b) + collective::staging(cluster, x, y, k)
                     };
-                    let seconds = (1..=total).map(at).collect();
+                    let seconds = (1..=counts).map(at).collect();
                     Work::Collective { what: "HaloExchange", group: grp, seconds }
                 }
                 Op::Send(s) => {

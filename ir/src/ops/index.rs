@@ -883,11 +883,9 @@ impl OpRules for op::CumProd {
                 (true, false) => i >= j,
                 (true, true) => i > j,
             };
-            let cell = |f: &dyn Fn(usize, usize) -> bool| -> Vec<f64> {
-                (0..n * n).map(|k| if f(k / n, k % n) { 1.0 } else { 0.0 }).collect()
-            };
             let diag = cx.constant(Array::bool(square.clone(), (0..n * n).map(|k| k / n == k % n).collect()));
-            let mask = cx.constant(Array::float(dtype, square, cell(&takes)));
+            let taken: Vec<f64> = (0..n * n).map(|k| f64::from(u8::from(takes(k / n, k % n)))).collect();
+            let mask = cx.constant(Array::float(dtype, square, taken));
             let one = cx.scalar(dtype, 1.0);
             let without = cx.where_(diag, one, xj)?;
             let axis_j = cx.ints(&[axis as i64 + 1]);

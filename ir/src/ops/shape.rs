@@ -7,7 +7,7 @@
 
 use super::flow::{factor_reshape, flow_positional};
 use super::grad::GradCx;
-use super::util::{bcast_shapes, join, norm_axes, norm_axis, prod, prod_dim, prod_div};
+use super::util::{bcast_shapes, inverse_perm, join, norm_axes, norm_axis, prod, prod_dim, prod_div};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, MANY, Mono, NodeCx, OpRules, TypeRule, Types, Work};
 use crate::eval::{Array, Data, EvalError, broadcast_index, broadcast_shapes, cast, numel, strides};
 use crate::graph::Value;
@@ -1331,11 +1331,7 @@ fn transpose_grad(t: &op::Transpose, cx: &mut GradCx<'_>) -> std::result::Result
     let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
     let r = cx.dims(cx.x(0)?)?.len();
     let perm: Vec<i64> = t.perm.clone().unwrap_or_else(|| (0..r as i64).rev().collect());
-    let mut inv = vec![0i64; r];
-    for (i, &p) in perm.iter().enumerate() {
-        inv[norm_axis(p, r)?] = i as i64;
-    }
-    let d = cx.transpose(dy, &inv)?;
+    let d = cx.transpose(dy, &inverse_perm(&perm)?)?;
     cx.set(0, d);
     Ok(())
 }

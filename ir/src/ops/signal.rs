@@ -7,7 +7,7 @@
 use super::flow::flow_positional;
 use super::grad::GradCx;
 use super::shape::no_work_whole;
-use super::util::norm_axis;
+use super::util::{inverse_perm, norm_axis};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
 use crate::eval::{Array, EvalError, strides};
 use crate::op;
@@ -126,11 +126,7 @@ impl OpRules for op::DFT {
             let mut split: Vec<i64> = merged[..r - 2].to_vec();
             split.extend([len as i64, c_in as i64]);
             let back = cx.reshape(back, &split)?;
-            let mut inverse = vec![0i64; r];
-            for (i, &p) in perm.iter().enumerate() {
-                inverse[p as usize] = i as i64;
-            }
-            let d = cx.transpose(back, &inverse)?;
+            let d = cx.transpose(back, &inverse_perm(&perm)?)?;
             cx.set(0, d);
             Ok(())
         })())

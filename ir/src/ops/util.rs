@@ -15,6 +15,17 @@ pub fn norm_axis(a: i64, rank: usize) -> Result<usize, String> {
     Ok(x as usize)
 }
 
+/// The permutation that undoes `perm` (a Transpose's `perm`, negative axes allowed): the
+/// transpose of a transposed tensor's gradient.
+pub fn inverse_perm(perm: &[i64]) -> Result<Vec<i64>, String> {
+    let r = perm.len();
+    let mut inv = vec![0i64; r];
+    for (i, &p) in perm.iter().enumerate() {
+        inv[norm_axis(p, r)?] = i as i64;
+    }
+    Ok(inv)
+}
+
 /// Normalises every axis of a list (see [`norm_axis`]).
 pub fn norm_axes(axes: &[i64], rank: usize) -> Result<Vec<usize>, String> {
     axes.iter().map(|&a| norm_axis(a, rank)).collect()
