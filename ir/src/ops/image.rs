@@ -252,6 +252,9 @@ impl OpRules for op::AffineGrid {
             let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
             let grid = cx.dims(cx.y(0))?;
             let nd = grid.len().saturating_sub(2);
+            if !(nd == 2 || nd == 3) {
+                return Err(format!("AffineGrid's gradient: a grid of {grid:?}"));
+            }
             let dims: Vec<usize> = grid[1..grid.len() - 1].iter().map(|&d| d.max(0) as usize).collect();
             let base = affine_base(&dims, self.align_corners() != 0);
             let (rows, cols) = (base.len() * nd, nd * (nd + 1));

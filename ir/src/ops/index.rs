@@ -1097,8 +1097,8 @@ impl OpRules for op::TensorScatter {
                 let (cd, ud) = (cx.dims(cache)?, cx.dims(upd)?);
                 let r = ud.len();
                 let ax = norm_axis(self.axis(), r)?;
-                if r < 2 || ax == 0 {
-                    return Err(format!("TensorScatter's gradient: update {ud:?}, axis {ax}"));
+                if r < 2 || ax == 0 || cd.len() != r {
+                    return Err(format!("TensorScatter's gradient: cache {cd:?}, update {ud:?}, axis {ax}"));
                 }
                 // Positions `t` along the axis, `[1, …, T, …, 1]`.
                 let mut steps = vec![1; r];

@@ -86,15 +86,14 @@ impl OpRules for op::DFT {
             let x = cx.x(0)?;
             let (xd, yd) = (cx.dims(x)?, cx.dims(dy)?);
             let r = xd.len();
-            let axis_in = match cx.x_opt(2) {
-                Some(v) => Some(cx.const_ints(Some(v)).ok_or("DFT's gradient needs a constant axis")?[0]),
-                None => None,
+            // An optional input's one value, which must be a constant.
+            let given = |i: usize, what: &str| -> std::result::Result<Option<i64>, String> {
+                let Some(v) = cx.x_opt(i) else { return Ok(None) };
+                let value = cx.const_ints(Some(v)).and_then(|c| c.first().copied());
+                value.map(Some).ok_or_else(|| format!("DFT's gradient needs a constant {what}"))
             };
-            let a = dft_axis(self, axis_in, r, cx.opset())?;
-            let n = match cx.x_opt(1) {
-                Some(v) => Some(cx.const_ints(Some(v)).ok_or("DFT's gradient needs a constant length")?[0]),
-                None => None,
-            };
+            let a = dft_axis(self, given(2, "axis")?, r, cx.opset())?;
+            let n = given(1, "length")?;
             if r < 2 || a == r - 1 {
                 return Err(format!("DFT's gradient: input {xd:?}, axis {a}"));
             }
