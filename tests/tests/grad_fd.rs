@@ -39,7 +39,6 @@ const NO_RULE: &[(&str, &str)] = &[
     ("SoftmaxGrad", "a gradient op: training needs no second derivatives"),
     ("OneHot", "its float operand is a pair of constants in practice"),
     ("Loop", "control flow: subgraphs are not differentiated"),
-    ("Det", "determinant: not yet"),
     ("STFT", "Fourier transform: not yet"),
     ("DynamicQuantizeLinear", "quantization: a step function of its input"),
     ("GridSample", "data-dependent sampling: not yet"),
@@ -702,6 +701,14 @@ fn random_case(rng: &mut Rng, kind: usize) -> (String, String) {
             );
             (format!("Col2Im c{c} img{img:?} block{block:?} s{st:?} d{di:?} p{pads:?}"), text)
         }
+        // Det: 0-2 batch dims, matrices of 1-4 rows.
+        11 => {
+            let m = 1 + pick(4);
+            let mut xs: Vec<usize> = (0..pick(3)).map(|_| 1 + pick(3)).collect();
+            xs.extend([m, m]);
+            let text = model(&format!("double[{}] x", list(&xs)), "y", "", "   y = Det (x)");
+            (format!("Det {xs:?}"), text)
+        }
         // AffineGrid, 2-D or 3-D, either corner alignment.
         _ => {
             let nd = 2 + pick(2);
@@ -723,9 +730,9 @@ fn random_case(rng: &mut Rng, kind: usize) -> (String, String) {
 fn gradients_match_finite_differences_over_random_shapes_and_attributes() {
     let mut rng = Rng::new(20261123);
     let mut failures = Vec::new();
-    let mut counts = [0usize; 11];
-    for case in 0..132 {
-        let kind = case % 11;
+    let mut counts = [0usize; 12];
+    for case in 0..144 {
+        let kind = case % 12;
         // A draw whose tensors are all single elements has no parameter: drawn again.
         for attempt in 0..8 {
             let (what, text) = random_case(&mut rng, kind);

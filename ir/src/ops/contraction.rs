@@ -751,6 +751,47 @@ impl OpRules for op::Det {
             .collect();
         Ok(vec![Array::float(x.dtype, x.shape[..r - 2].to_vec(), out)])
     }
+
+    /// `∂det(A)/∂A[i, j]` is the cofactor `(−1)^(i+j) · det(A without row i and column j)`
+    /// (`det(A) · A⁻ᵀ` where A is invertible, and right where it is not). The `M²` minors
+    /// come from two Gathers of constant index lists (row `i` lists every row but `i`), a
+    /// Transpose to `[.., i, j, M−1, M−1]` and one Det; `dA = dY · cofactors`.
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+            let a = cx.x(0)?;
+            let ad = cx.dims(a)?;
+            let r = ad.len();
+            if r < 2 || ad[r - 1] != ad[r - 2] || ad[r - 1] < 1 {
+                return Err(format!("Det's gradient: an input of {ad:?}"));
+            }
+            let m = ad[r - 1];
+            let mut unit = ad[..r - 2].to_vec();
+            unit.extend([1, 1]);
+            let dyu = cx.reshape(dy, &unit)?;
+            if m == 1 {
+                // The cofactor of a 1×1 matrix is the empty minor's determinant, 1.
+                cx.set(0, dyu);
+                return Ok(());
+            }
+            let others: Vec<i64> = (0..m).flat_map(|i| (0..m).filter(move |&k| k != i)).collect();
+            let idx = cx.constant(Array::i64(vec![m as usize, m as usize - 1], others));
+            let gather = |axis: usize| Op::Gather(op::Gather { axis: Some(axis as i64) });
+            let rows = cx.add1(gather(r - 2), &[a, idx])?;
+            let minors = cx.add1(gather(r), &[rows, idx])?;
+            let mut perm: Vec<i64> = (0..r as i64 - 2).collect();
+            perm.extend([r as i64 - 2, r as i64, r as i64 - 1, r as i64 + 1]);
+            let minors = cx.transpose(minors, &perm)?;
+            let dets = cx.add1(Op::Det(op::Det {}), &[minors])?;
+            let m = m as usize;
+            let sign: Vec<f64> = (0..m * m).map(|p| if (p / m + p % m) % 2 == 0 { 1.0 } else { -1.0 }).collect();
+            let sign = cx.constant(Array::float(cx.dtype(dy), vec![m, m], sign));
+            let cof = cx.mul(dets, sign)?;
+            let d = cx.mul(cof, dyu)?;
+            cx.set(0, d);
+            Ok(())
+        })())
+    }
 }
 
 /// The output dims of `A × B` (numpy matmul: vectors promoted, batch dims broadcast).
