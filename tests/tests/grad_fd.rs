@@ -41,7 +41,6 @@ const NO_RULE: &[(&str, &str)] = &[
     ("Loop", "control flow: subgraphs are not differentiated"),
     ("STFT", "Fourier transform: not yet"),
     ("DynamicQuantizeLinear", "quantization: a step function of its input"),
-    ("GridSample", "data-dependent sampling: not yet"),
     ("RoiAlign", "data-dependent sampling: not yet"),
     ("Scan", "control flow: subgraphs are not differentiated"),
 ];
@@ -709,6 +708,26 @@ fn random_case(rng: &mut Rng, kind: usize) -> (String, String) {
             let text = model(&format!("double[{}] x", list(&xs)), "y", "", "   y = Det (x)");
             (format!("Det {xs:?}"), text)
         }
+        // GridSample: 1-3 spatial dims, every mode, padding and corner alignment; the grid
+        // (drawn in [0.1, 0.9]) stretched to about [-2.2, 2.3] so that padding matters.
+        12 => {
+            let k = 1 + pick(3);
+            let mode = ["nearest", "linear", "cubic"][pick(3)];
+            let pad = ["zeros", "border", "reflection"][pick(3)];
+            let align = pick(2);
+            let (n, c) = (1 + pick(2), 1 + pick(2));
+            let xs: Vec<usize> = [vec![n, c], (0..k).map(|_| 1 + pick(4)).collect()].concat();
+            let gs: Vec<usize> = [vec![n], (0..k).map(|_| 1 + pick(3)).collect(), vec![k]].concat();
+            let text = model(
+                &format!("double[{}] x, double[{}] g", list(&xs), list(&gs)),
+                "y",
+                "double[1] a = {5.6}, double[1] b = {-2.8}",
+                &format!(
+                    "   s = Mul (g, a)\n   t = Add (s, b)\n   y = GridSample <mode: string = \"{mode}\", padding_mode: string = \"{pad}\", align_corners: int = {align}> (x, t)"
+                ),
+            );
+            (format!("GridSample {mode} {pad} align {align} x{xs:?} grid{gs:?}"), text)
+        }
         // AffineGrid, 2-D or 3-D, either corner alignment.
         _ => {
             let nd = 2 + pick(2);
@@ -730,9 +749,9 @@ fn random_case(rng: &mut Rng, kind: usize) -> (String, String) {
 fn gradients_match_finite_differences_over_random_shapes_and_attributes() {
     let mut rng = Rng::new(20261123);
     let mut failures = Vec::new();
-    let mut counts = [0usize; 12];
-    for case in 0..144 {
-        let kind = case % 12;
+    let mut counts = [0usize; 13];
+    for case in 0..13 * 12 {
+        let kind = case % 13;
         // A draw whose tensors are all single elements has no parameter: drawn again.
         for attempt in 0..8 {
             let (what, text) = random_case(&mut rng, kind);
@@ -777,4 +796,38 @@ fn dft_gradients_match_finite_differences_in_every_variant() {
     }
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
     assert_eq!(checked, 30);
+}
+
+#[test]
+fn grid_sample_gradients_match_finite_differences_in_every_variant() {
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for k in 1..=3usize {
+        for mode in ["nearest", "linear", "cubic"] {
+            for pad in ["zeros", "border", "reflection"] {
+                for align in 0..2 {
+                    // Sides of 1 (every tap outside but one), 2 and 4 pixels; a grid drawn
+                    // in [0.1, 0.9] and stretched to about [-2.2, 2.3].
+                    let xs: Vec<usize> = [vec![1, 2], [4, 2, 1][..k].to_vec()].concat();
+                    let gs: Vec<usize> = [vec![1], [3, 2, 2][..k].to_vec(), vec![k]].concat();
+                    let what = format!("GridSample {mode} {pad} align {align} x{xs:?}");
+                    let text = model(
+                        &format!("double[{}] x, double[{}] g", list(&xs), list(&gs)),
+                        "y",
+                        "double[1] a = {5.6}, double[1] b = {-2.8}",
+                        &format!(
+                            "   s = Mul (g, a)\n   t = Add (s, b)\n   y = GridSample <mode: string = \"{mode}\", padding_mode: string = \"{pad}\", align_corners: int = {align}> (x, t)"
+                        ),
+                    );
+                    match parse(&text).and_then(|g| check(g, checked as u64, 64)) {
+                        Ok(Outcome::Checked(_)) => checked += 1,
+                        Ok(Outcome::NothingToCheck) => failures.push(format!("{what}: nothing to check")),
+                        Ok(Outcome::NoRule(e)) | Err(e) => failures.push(format!("{what}: {e}")),
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert_eq!(checked, 54);
 }

@@ -6,6 +6,7 @@ use super::grad::GradCx;
 use super::shape::no_work_whole;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
 use crate::eval::{Array, EvalError, strides};
+use crate::graph::Value;
 use crate::op::{self, Op};
 use crate::shard::IterSpace;
 use crate::types::Dim;
@@ -47,6 +48,284 @@ impl OpRules for op::GridSample {
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         grid_sample(self, cx.req(0)?, cx.req(1)?)
     }
+
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some(grid_sample_grad(self, cx))
+    }
+}
+
+/// The tap offsets from the position's floor and the tap weights as cubics in the fraction
+/// `f` (coefficients of `1, f, f², f³` per tap) of each interpolation mode, as
+/// [`grid_sample`] takes them.
+fn taps_of(mode: &str) -> Option<(Vec<f64>, Vec<[f64; 4]>)> {
+    // p(a0 + a1·x) for a cubic p.
+    fn compose(p: [f64; 4], a0: f64, a1: f64) -> [f64; 4] {
+        let mut out = [0.0; 4];
+        let mut pow = [1.0, 0.0, 0.0, 0.0]; // (a0 + a1·x)^i
+        for &c in &p {
+            for k in 0..4 {
+                out[k] += c * pow[k];
+            }
+            let mut next = [0.0; 4];
+            for k in 0..4 {
+                next[k] += a0 * pow[k];
+                if k + 1 < 4 {
+                    next[k + 1] += a1 * pow[k];
+                }
+            }
+            pow = next;
+        }
+        out
+    }
+    match mode {
+        "nearest" => Some((vec![0.0], vec![[1.0, 0.0, 0.0, 0.0]])),
+        "linear" | "bilinear" => Some((vec![0.0, 1.0], vec![[1.0, -1.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]])),
+        "cubic" | "bicubic" => {
+            // Keys' kernel (a = −0.75): |s| ≤ 1 and 1 < |s| < 2, as `cubic` evaluates it.
+            let a = -0.75;
+            let near = [1.0, 0.0, -(a + 3.0), a + 2.0];
+            let far = [-4.0 * a, 8.0 * a, -5.0 * a, a];
+            let w = vec![compose(far, 1.0, 1.0), near, compose(near, 1.0, -1.0), compose(far, 2.0, -1.0)];
+            Some((vec![-1.0, 0.0, 1.0, 2.0], w))
+        }
+        _ => None,
+    }
+}
+
+/// [`reflect`] in the graph, and its slope (±1): with `u = |x − lo|`, `f = ⌊u / range⌋` and
+/// `e = u − f · range`, `x` reflects to `lo + e` when `f` is even and `hi − e` when odd.
+fn reflect_in_graph(cx: &mut GradCx<'_>, x: Value, lo: f64, hi: f64) -> std::result::Result<(Value, Value), String> {
+    let dt = cx.dtype(x);
+    let range = hi - lo;
+    let unary = |o: Op, cx: &mut GradCx<'_>, v: Value| cx.add1(o, &[v]);
+    let lo_c = cx.scalar(dt, lo);
+    let u0 = cx.sub(x, lo_c)?;
+    let u = unary(Op::Abs(op::Abs::default()), cx, u0)?;
+    let range_c = cx.scalar(dt, range);
+    let q = cx.div(u, range_c)?;
+    let f = unary(Op::Floor(op::Floor::default()), cx, q)?;
+    let fr = cx.scale(f, range)?;
+    let e = cx.sub(u, fr)?;
+    let half = cx.scale(f, 0.5)?;
+    let half = unary(Op::Floor(op::Floor::default()), cx, half)?;
+    let twice = cx.scale(half, 2.0)?;
+    let odd = cx.sub(f, twice)?;
+    // lo + e + odd · (range − 2e)
+    let two_e = cx.scale(e, -2.0)?;
+    let span = cx.add2(two_e, range_c)?;
+    let flip = cx.mul(odd, span)?;
+    let v = cx.add2(e, flip)?;
+    let v = cx.add2(v, lo_c)?;
+    // slope: sign(x − lo) · (1 − 2·odd), the sign +1 at x = lo.
+    let zero = cx.scalar(dt, 0.0);
+    let below = cx.add1(Op::Less(op::Less::default()), &[u0, zero])?;
+    let (neg, pos) = (cx.scalar(dt, -1.0), cx.scalar(dt, 1.0));
+    let sign = cx.where_(below, neg, pos)?;
+    let m2 = cx.scale(odd, -2.0)?;
+    let flip = cx.add2(m2, pos)?;
+    let slope = cx.mul(sign, flip)?;
+    Ok((v, slope))
+}
+
+/// The gradients of `GridSample`, built from the forward's own arithmetic: per spatial dim,
+/// the grid coordinate is unnormalized (`pos = g · s + (L − 1)/2`), rounded (nearest),
+/// moved inside by the padding mode as [`grid_sample`] does (its slope kept: 0 where the
+/// border clamps, ±1 by reflection), and its taps get integer positions (the floor plus
+/// each tap's offset, mapped by the padding mode; outside the image under `zeros` a tap's
+/// weight is 0) and weights `w(f)` with derivatives `w'(f)` in the fraction `f`. The taps of
+/// all dims combine as an outer product into flat pixel indices and weights, so
+/// `dX = ScatterElements(add)` of `w · dY` and `∂L/∂pos_d = Σ_taps (Σ_c dY · X[tap]) · w'_d ·
+/// Π_{e≠d} w_e`, times the slope and `s`. Nearest sampling passes no gradient to the grid.
+fn grid_sample_grad(op: &op::GridSample, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let Some(dy) = cx.dy(0) else { return Ok(()) };
+    if !cx.want(0) && !cx.want(1) {
+        return Ok(());
+    }
+    let (x, grid) = (cx.x(0)?, cx.x(1)?);
+    let (xd, gd) = (cx.dims(x)?, cx.dims(grid)?);
+    let r = xd.len();
+    if r < 3 || gd.len() != r || gd[r - 1] != r as i64 - 2 || gd[0] != xd[0] {
+        return Err(format!("GridSample's gradient: X {xd:?} with a grid of {gd:?}"));
+    }
+    let (n, c) = (xd[0], xd[1]);
+    let dims = xd[2..].to_vec();
+    let k = dims.len();
+    let p: i64 = gd[1..r - 1].iter().product();
+    let plane: i64 = dims.iter().product();
+    let align = op.align_corners() != 0;
+    let pad = op.padding_mode();
+    let nearest = op.mode() == "nearest";
+    let (offsets, coef) = taps_of(op.mode()).ok_or_else(|| format!("GridSample's gradient: mode {}", op.mode()))?;
+    let t = offsets.len();
+    let dt = cx.dtype(x);
+    let unary = |o: Op, cx: &mut GradCx<'_>, v: Value| cx.add1(o, &[v]);
+    let clamp = |cx: &mut GradCx<'_>, v: Value, lo: f64, hi: f64| -> std::result::Result<Value, String> {
+        let (l, h) = (cx.scalar(dt, lo), cx.scalar(dt, hi));
+        let v = cx.add1(Op::Min(op::Min::default()), &[v, h])?;
+        cx.add1(Op::Max(op::Max::default()), &[v, l])
+    };
+    let g3 = cx.reshape(grid, &[n, p, k as i64])?;
+    // The per-tap constants: a [T] vector of coefficient i, and of its derivative's.
+    let coef_vec =
+        |cx: &mut GradCx<'_>, i: usize| cx.constant(Array::float(dt, vec![t], coef.iter().map(|w| w[i]).collect()));
+    let dcoef_vec = |cx: &mut GradCx<'_>, i: usize| {
+        cx.constant(Array::float(dt, vec![t], coef.iter().map(|w| (i + 1) as f64 * w[i + 1]).collect()))
+    };
+    // Per dim: weights, weight derivatives (times the position's slope), flat index part.
+    let mut ws = Vec::with_capacity(k);
+    let mut dws = Vec::with_capacity(k);
+    let mut lin: Option<Value> = None;
+    let stride = |d: usize| dims[d + 1..].iter().product::<i64>();
+    for d in 0..k {
+        let len = dims[d] as f64;
+        let idx = cx.constant(Array::i64(vec![1], vec![(k - 1 - d) as i64]));
+        let gdim = cx.add1(Op::Gather(op::Gather { axis: Some(2) }), &[g3, idx])?; // [N, P, 1]
+        let s = if align { (len - 1.0) / 2.0 } else { len / 2.0 };
+        let pos = cx.scale(gdim, s)?;
+        let mid = cx.scalar(dt, (len - 1.0) / 2.0);
+        let mut pos = cx.add2(pos, mid)?;
+        if nearest {
+            pos = unary(Op::Round(op::Round::default()), cx, pos)?;
+        }
+        let (lo, hi) = if align { (0.0, len - 1.0) } else { (-0.5, len - 0.5) };
+        let mut slope: Option<Value> = None;
+        match pad {
+            "border" => {
+                let (lo_c, hi_c) = (cx.scalar(dt, lo), cx.scalar(dt, hi));
+                let below = cx.add1(Op::Less(op::Less::default()), &[pos, lo_c])?;
+                let above = cx.add1(Op::Greater(op::Greater::default()), &[pos, hi_c])?;
+                let out = cx.add1(Op::Or(op::Or::default()), &[below, above])?;
+                let clamped = clamp(cx, pos, 0.0, len - 1.0)?;
+                pos = cx.where_(out, clamped, pos)?;
+                let (zero, one) = (cx.scalar(dt, 0.0), cx.scalar(dt, 1.0));
+                slope = Some(cx.where_(out, zero, one)?);
+            }
+            "reflection" if hi > lo => {
+                let (v, sl) = reflect_in_graph(cx, pos, lo, hi)?;
+                pos = v;
+                slope = Some(sl);
+            }
+            "reflection" => {
+                // One pixel, corners aligned: every position reflects to it.
+                pos = cx.zeros_like(pos)?;
+                slope = Some(cx.zeros_like(pos)?);
+            }
+            _ => {}
+        }
+        let base = unary(Op::Floor(op::Floor::default()), cx, pos)?;
+        let f = cx.sub(pos, base)?;
+        // Horner: w = c0 + f(c1 + f(c2 + f c3)); w' = c1 + f(2c2 + f 3c3).
+        let mut w = coef_vec(cx, 3);
+        for i in (0..3).rev() {
+            let m = cx.mul(w, f)?;
+            let ci = coef_vec(cx, i);
+            w = cx.add2(m, ci)?;
+        }
+        let mut dw = dcoef_vec(cx, 2);
+        for i in (0..2).rev() {
+            let m = cx.mul(dw, f)?;
+            let ci = dcoef_vec(cx, i);
+            dw = cx.add2(m, ci)?;
+        }
+        let dw_scale = cx.scalar(dt, s);
+        let mut dw = cx.mul(dw, dw_scale)?;
+        if let Some(sl) = slope {
+            dw = cx.mul(dw, sl)?;
+        }
+        let offs = cx.constant(Array::float(dt, vec![t], offsets.clone()));
+        let mut at = cx.add2(base, offs)?; // [N, P, T]
+        match pad {
+            "border" => at = clamp(cx, at, 0.0, len - 1.0)?,
+            "reflection" => {
+                if hi > lo {
+                    at = reflect_in_graph(cx, at, lo, hi)?.0;
+                }
+                at = clamp(cx, at, 0.0, len - 1.0)?;
+                at = unary(Op::Floor(op::Floor::default()), cx, at)?;
+            }
+            _ => {
+                let (zero, last) = (cx.scalar(dt, 0.0), cx.scalar(dt, len - 1.0));
+                let below = cx.add1(Op::Less(op::Less::default()), &[at, zero])?;
+                let above = cx.add1(Op::Greater(op::Greater::default()), &[at, last])?;
+                let out = cx.add1(Op::Or(op::Or::default()), &[below, above])?;
+                let (zero, one) = (cx.scalar(dt, 0.0), cx.scalar(dt, 1.0));
+                let valid = cx.where_(out, zero, one)?;
+                at = clamp(cx, at, 0.0, len - 1.0)?;
+                w = cx.mul(w, valid)?;
+                dw = cx.mul(dw, valid)?;
+            }
+        }
+        // Taps of dim d on axis 2 + d of [N, P, T, .., T].
+        let mut shape = vec![n, p];
+        shape.extend((0..k).map(|e| if e == d { t as i64 } else { 1 }));
+        let w_full = cx.expand(w, &[n, p, t as i64])?;
+        ws.push(cx.reshape(w_full, &shape)?);
+        let dw_full = cx.expand(dw, &[n, p, t as i64])?;
+        dws.push(cx.reshape(dw_full, &shape)?);
+        let part = cx.scale(at, stride(d) as f64)?;
+        let part = cx.reshape(part, &shape)?;
+        lin = Some(match lin {
+            Some(l) => cx.add2(l, part)?,
+            None => part,
+        });
+    }
+    let combos = (t as i64).pow(k as u32);
+    let q = p * combos;
+    let mut taps_shape = vec![n, p];
+    taps_shape.extend(vec![t as i64; k]);
+    let lin = cx.expand(lin.ok_or("GridSample's gradient: no spatial dims")?, &taps_shape)?;
+    let lin = cx.reshape(lin, &[n, 1, q])?;
+    let idx = cx.cast(lin, crate::types::DType::Int64)?;
+    let idx = cx.expand(idx, &[n, c, q])?;
+    let dy4 = cx.reshape(dy, &[n, c, p, 1])?;
+    let product = |cx: &mut GradCx<'_>, vs: &[Value]| -> std::result::Result<Value, String> {
+        let mut acc = vs[0];
+        for &v in &vs[1..] {
+            acc = cx.mul(acc, v)?;
+        }
+        cx.expand(acc, &taps_shape)
+    };
+    if cx.want(0) {
+        let wall = product(cx, &ws)?;
+        let wall = cx.reshape(wall, &[n, 1, p, combos])?;
+        let contrib = cx.mul(dy4, wall)?;
+        let contrib = cx.reshape(contrib, &[n, c, q])?;
+        let zeros = cx.zeros_like(x)?;
+        let zeros = cx.reshape(zeros, &[n, c, plane])?;
+        let add = Op::ScatterElements(op::ScatterElements { axis: Some(2), reduction: Some("add".into()) });
+        let dx = cx.add1(add, &[zeros, idx, contrib])?;
+        let dx = cx.reshape(dx, &xd)?;
+        cx.set(0, dx);
+    }
+    if cx.want(1) {
+        if nearest {
+            let z = cx.zeros_like(grid)?;
+            cx.set(1, z);
+            return Ok(());
+        }
+        let xf = cx.reshape(x, &[n, c, plane])?;
+        let px = cx.add1(Op::GatherElements(op::GatherElements { axis: Some(2) }), &[xf, idx])?;
+        let px = cx.reshape(px, &[n, c, p, combos])?;
+        let a = cx.mul(px, dy4)?;
+        let a = cx.reduce_sum(a, &[1], false)?;
+        let a = cx.reshape(a, &taps_shape)?;
+        let tap_axes: Vec<i64> = (2..2 + k as i64).collect();
+        let mut parts = vec![None; k];
+        for d in 0..k {
+            let mut vs: Vec<Value> = ws.clone();
+            vs[d] = dws[d];
+            let prod = product(cx, &vs)?;
+            let m = cx.mul(prod, a)?;
+            let sum = cx.reduce_sum(m, &tap_axes, false)?;
+            // The grid lists coordinates in reverse dim order.
+            parts[k - 1 - d] = Some(cx.reshape(sum, &[n, p, 1])?);
+        }
+        let parts: Vec<Value> = parts.into_iter().flatten().collect();
+        let dg = if k == 1 { parts[0] } else { cx.add1(Op::Concat(op::Concat { axis: Some(2) }), &parts)? };
+        let dg = cx.reshape(dg, &gd)?;
+        cx.set(1, dg);
+    }
+    Ok(())
 }
 
 /// Reflects `x` into [lo, hi] by the nearer border until it is inside.
