@@ -754,6 +754,10 @@ define_ops! {
     /// The gradient of Gather with respect to its data: indices, dY → dData of `shape`,
     /// rows that several indices pick summed.
     GatherGrad = "GatherGrad" in "shardc", Shape { axis: int = 0, shape: ints };
+    /// The gradient of RoiAlign with respect to X: dY, X, rois, batch_indices → dX; each
+    /// output's gradient goes to the four neighbours of each of its samples by their
+    /// bilinear weights (averaged), or in `max` mode to the term the forward took.
+    RoiAlignGrad = "RoiAlignGrad" in "shardc", Other { coordinate_transformation_mode: string = "half_pixel", mode: string = "avg", output_height: int = 1, output_width: int = 1, sampling_ratio: int = 0, spatial_scale: float = 1.0 };
     /// The gradient of Slice: dY, starts, ends[, axes, steps] → dX of `shape` (zeros off the
     /// slice).
     SliceGrad = "SliceGrad" in "shardc", Shape { shape: ints };

@@ -497,6 +497,13 @@ pub fn samples() -> Vec<Sample> {
             "   dw = shardc.ConvGradWeight <kernel_shape: ints = [3, 3], pads: ints = [1, 1, 1, 1], strides: ints = [2, 2]> (x, dy)",
         ),
         s(
+            "RoiAlignGrad",
+            "float[2,2,2,2] dy, float[1,2,5,5] x",
+            "dx",
+            "float[2,4] rois = {0, 0, 3, 3, 1, 1, 4, 4}, int64[2] bi = {0, 0}",
+            "   dx = shardc.RoiAlignGrad <output_height: int = 2, output_width: int = 2, sampling_ratio: int = 2> (dy, x, rois, bi)",
+        ),
+        s(
             "MaxPoolGrad",
             "float[2,3,6,6] x, float[2,3,3,3] dy",
             "dx",

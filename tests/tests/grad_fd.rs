@@ -35,13 +35,12 @@ const NO_RULE: &[(&str, &str)] = &[
     ("NegativeLogLikelihoodLossGrad", "a gradient op: training needs no second derivatives"),
     ("RecurrentGrad", "a gradient op: training needs no second derivatives"),
     ("SliceGrad", "a gradient op: training needs no second derivatives"),
+    ("RoiAlignGrad", "a gradient op: training needs no second derivatives"),
     ("SoftmaxCrossEntropyLossGrad", "a gradient op: training needs no second derivatives"),
     ("SoftmaxGrad", "a gradient op: training needs no second derivatives"),
     ("OneHot", "its float operand is a pair of constants in practice"),
     ("Loop", "control flow: subgraphs are not differentiated"),
-    ("STFT", "Fourier transform: not yet"),
     ("DynamicQuantizeLinear", "quantization: a step function of its input"),
-    ("RoiAlign", "data-dependent sampling: not yet"),
     ("Scan", "control flow: subgraphs are not differentiated"),
 ];
 
@@ -830,4 +829,81 @@ fn grid_sample_gradients_match_finite_differences_in_every_variant() {
     }
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
     assert_eq!(checked, 54);
+}
+
+#[test]
+fn stft_gradients_match_finite_differences_in_every_variant() {
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for complex in [false, true] {
+        for onesided in 0..2 {
+            // A one-sided transform takes a real signal.
+            if complex && onesided == 1 {
+                continue;
+            }
+            for window in [false, true] {
+                for length in [false, true] {
+                    if !window && !length {
+                        continue;
+                    }
+                    // Overlapping frames (step 2 of 5), frames apart (step 4 of 3).
+                    for (frame, step) in [(5, 2), (3, 4)] {
+                        let c = 1 + usize::from(complex);
+                        let mut ins = format!("double[2,11,{c}] x");
+                        if window {
+                            ins += &format!(", double[{frame}] w");
+                        }
+                        let inits = if length {
+                            format!("int64 step = {{{step}}}, int64 len = {{{frame}}}")
+                        } else {
+                            format!("int64 step = {{{step}}}")
+                        };
+                        let args =
+                            format!("x, step, {}{}", if window { "w" } else { "" }, if length { ", len" } else { "" });
+                        let what = format!(
+                            "STFT c{c} onesided {onesided} window {window} length {length} frame {frame} step {step}"
+                        );
+                        let text =
+                            model(&ins, "y", &inits, &format!("   y = STFT <onesided: int = {onesided}> ({args})"));
+                        match parse(&text).and_then(|g| check(g, checked as u64, 64)) {
+                            Ok(Outcome::Checked(_)) => checked += 1,
+                            Ok(Outcome::NothingToCheck) => failures.push(format!("{what}: nothing to check")),
+                            Ok(Outcome::NoRule(e)) | Err(e) => failures.push(format!("{what}: {e}")),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert_eq!(checked, 18);
+}
+
+#[test]
+fn roi_align_gradients_match_finite_differences_in_every_variant() {
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for mode in ["avg", "max"] {
+        for transform in ["half_pixel", "output_half_pixel"] {
+            for ratio in [0, 2] {
+                // Regions inside, reaching past the image, and smaller than a bin.
+                let what = format!("RoiAlign {mode} {transform} sampling_ratio {ratio}");
+                let text = model(
+                    "double[2,2,5,6] x",
+                    "y",
+                    "double[3,4] rois = {0.4, 0.2, 3.7, 4.1, -1.3, 2.2, 6.8, 5.9, 1.1, 1.4, 1.6, 1.9}, int64[3] bi = {0, 1, 1}",
+                    &format!(
+                        "   y = RoiAlign <mode: string = \"{mode}\", coordinate_transformation_mode: string = \"{transform}\", output_height: int = 2, output_width: int = 3, sampling_ratio: int = {ratio}, spatial_scale: float = 0.9> (x, rois, bi)"
+                    ),
+                );
+                match parse(&text).and_then(|g| check(g, checked as u64, 60)) {
+                    Ok(Outcome::Checked(_)) => checked += 1,
+                    Ok(Outcome::NothingToCheck) => failures.push(format!("{what}: nothing to check")),
+                    Ok(Outcome::NoRule(e)) | Err(e) => failures.push(format!("{what}: {e}")),
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert_eq!(checked, 8);
 }

@@ -322,6 +322,7 @@ const NO_FLOW: &[(&str, &str)] = &[
     ("Recv", "communication: the lowering inserts it after rebatching"),
     ("ReduceScatter", "communication: the lowering inserts it after rebatching"),
     ("Scan", "control flow: rebatching does not enter subgraphs (a batch baked into one is refused by re-inference)"),
+    ("RoiAlignGrad", "training: autodiff writes it after rebatching, at the rebatched shapes"),
     ("SgdUpdate", "training: autodiff writes it after rebatching, at the rebatched shapes"),
     ("SliceGrad", "training: autodiff writes it after rebatching, at the rebatched shapes"),
     ("SoftmaxCrossEntropyLossGrad", "training: autodiff writes it after rebatching, at the rebatched shapes"),

@@ -784,7 +784,8 @@ impl OpRules for op::Det {
             let minors = cx.transpose(minors, &perm)?;
             let dets = cx.add1(Op::Det(op::Det {}), &[minors])?;
             let m = m as usize;
-            let sign: Vec<f64> = (0..m * m).map(|p| if (p / m + p % m).is_multiple_of(2) { 1.0 } else { -1.0 }).collect();
+            let sign: Vec<f64> =
+                (0..m * m).map(|p| if (p / m + p % m).is_multiple_of(2) { 1.0 } else { -1.0 }).collect();
             let sign = cx.constant(Array::float(cx.dtype(dy), vec![m, m], sign));
             let cof = cx.mul(dets, sign)?;
             let d = cx.mul(cof, dyu)?;

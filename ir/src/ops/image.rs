@@ -728,94 +728,215 @@ impl OpRules for op::RoiAlign {
     /// Average (or max) of bilinear samples on a grid inside each output bin of each region.
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         let (x, rois, bidx) = (cx.req(0)?, cx.req(1)?.to_f64()?, cx.req(2)?.to_i64()?);
-        if x.rank() != 4 {
-            return Err(EvalError::Invalid("RoiAlign needs X [N, C, H, W]".into()));
-        }
-        let (c, h, w) = (x.shape[1], x.shape[2], x.shape[3]);
-        let (ph, pw) = (self.output_height().max(1) as usize, self.output_width().max(1) as usize);
-        let scale = f64::from(self.spatial_scale());
-        let half = self.coordinate_transformation_mode() == "half_pixel";
+        let geo = RoiGeometry::of(
+            self.output_height(),
+            self.output_width(),
+            self.spatial_scale(),
+            self.coordinate_transformation_mode(),
+            self.sampling_ratio(),
+        );
         let max = self.mode() == "max";
-        let nroi = bidx.len();
-        if rois.len() != nroi * 4 {
-            return Err(EvalError::Invalid(format!("RoiAlign: {} roi values for {nroi} regions", rois.len())));
-        }
         let xv = x.to_f64()?;
-        let mut out = vec![0.0; nroi * c * ph * pw];
-        for r in 0..nroi {
-            let b = usize::try_from(bidx[r])
-                .ok()
-                .filter(|&b| b < x.shape[0])
-                .ok_or_else(|| EvalError::Invalid(format!("batch index {}", bidx[r])))?;
-            let off = if half { 0.5 } else { 0.0 };
-            let (sw, sh) = (rois[r * 4] * scale - off, rois[r * 4 + 1] * scale - off);
-            let (ew, eh) = (rois[r * 4 + 2] * scale - off, rois[r * 4 + 3] * scale - off);
-            let (mut rw, mut rh) = (ew - sw, eh - sh);
-            if !half {
-                rw = rw.max(1.0);
-                rh = rh.max(1.0);
+        let (nroi, c) = (bidx.len(), x.shape.get(1).copied().unwrap_or(0));
+        let mut out = vec![0.0f64; nroi * c * geo.ph * geo.pw];
+        let mut seen = vec![false; out.len()];
+        roi_samples(&geo, &x.shape, &rois, &bidx, |o, taps, count| {
+            let terms = taps.map(|(i, w)| w * xv[i]);
+            if max {
+                let v = terms.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                out[o] = if seen[o] { out[o].max(v) } else { v };
+                seen[o] = true;
+            } else {
+                out[o] += terms.iter().sum::<f64>() / count;
             }
-            let (bh, bw) = (rh / ph as f64, rw / pw as f64);
-            let sr = self.sampling_ratio();
-            let gh = if sr > 0 { sr as usize } else { (rh / ph as f64).ceil() as usize };
-            let gw = if sr > 0 { sr as usize } else { (rw / pw as f64).ceil() as usize };
-            let count = (gh * gw).max(1) as f64;
-            for ch in 0..c {
-                let base = (b * c + ch) * h * w;
-                for py in 0..ph {
-                    for px in 0..pw {
-                        let mut acc: Option<f64> = None;
-                        for iy in 0..gh {
-                            let yy = sh + py as f64 * bh + (iy as f64 + 0.5) * bh / gh as f64;
-                            for ix in 0..gw {
-                                let xx = sw + px as f64 * bw + (ix as f64 + 0.5) * bw / gw as f64;
-                                // Bilinear weights of the four neighbours (zero outside).
-                                let terms: [f64; 4] = if yy < -1.0 || yy > h as f64 || xx < -1.0 || xx > w as f64 {
-                                    [0.0; 4]
+        })?;
+        Ok(vec![Array::float(x.dtype, vec![nroi, c, geo.ph, geo.pw], out)])
+    }
+
+    /// X's gradient by `RoiAlignGrad` (the sampling positions are data-dependent: adaptive
+    /// sampling counts follow each region's size); the regions get none (as in torchvision).
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
+            let (x, rois, bidx) = (cx.x(0)?, cx.x(1)?, cx.x(2)?);
+            let o = self;
+            let grad = op::RoiAlignGrad {
+                coordinate_transformation_mode: o.coordinate_transformation_mode.clone(),
+                mode: o.mode.clone(),
+                output_height: o.output_height,
+                output_width: o.output_width,
+                sampling_ratio: o.sampling_ratio,
+                spatial_scale: o.spatial_scale,
+            };
+            let d = cx.add1(Op::RoiAlignGrad(grad), &[dy, x, rois, bidx])?;
+            cx.set(0, d);
+            Ok(())
+        })())
+    }
+}
+
+/// The sampling geometry of `RoiAlign` (and its gradient).
+struct RoiGeometry {
+    ph: usize,
+    pw: usize,
+    scale: f64,
+    half: bool,
+    sampling_ratio: i64,
+}
+
+impl RoiGeometry {
+    fn of(ph: i64, pw: i64, scale: f32, transform: &str, sampling_ratio: i64) -> Self {
+        RoiGeometry {
+            ph: ph.max(1) as usize,
+            pw: pw.max(1) as usize,
+            scale: f64::from(scale),
+            half: transform == "half_pixel",
+            sampling_ratio,
+        }
+    }
+}
+
+/// Visits every sample of every output of RoiAlign on X of `xs` [N, C, H, W]: `visit(o, taps,
+/// count)` with `o` the output's flat index, `taps` the sample's four bilinear neighbours
+/// (flat index into X, weight; weights 0 for a sample outside the image) and `count` the
+/// samples per output bin. Outputs are visited in order, each one's samples in a row.
+fn roi_samples(
+    geo: &RoiGeometry,
+    xs: &[usize],
+    rois: &[f64],
+    bidx: &[i64],
+    mut visit: impl FnMut(usize, [(usize, f64); 4], f64),
+) -> std::result::Result<(), EvalError> {
+    if xs.len() != 4 || xs[2] == 0 || xs[3] == 0 {
+        return Err(EvalError::Invalid(format!("RoiAlign needs X [N, C, H, W], got {xs:?}")));
+    }
+    let (c, h, w) = (xs[1], xs[2], xs[3]);
+    let (ph, pw) = (geo.ph, geo.pw);
+    let nroi = bidx.len();
+    if rois.len() != nroi * 4 {
+        return Err(EvalError::Invalid(format!("RoiAlign: {} roi values for {nroi} regions", rois.len())));
+    }
+    for r in 0..nroi {
+        let b = usize::try_from(bidx[r])
+            .ok()
+            .filter(|&b| b < xs[0])
+            .ok_or_else(|| EvalError::Invalid(format!("batch index {}", bidx[r])))?;
+        let off = if geo.half { 0.5 } else { 0.0 };
+        let (sw, sh) = (rois[r * 4] * geo.scale - off, rois[r * 4 + 1] * geo.scale - off);
+        let (ew, eh) = (rois[r * 4 + 2] * geo.scale - off, rois[r * 4 + 3] * geo.scale - off);
+        let (mut rw, mut rh) = (ew - sw, eh - sh);
+        if !geo.half {
+            rw = rw.max(1.0);
+            rh = rh.max(1.0);
+        }
+        let (bh, bw) = (rh / ph as f64, rw / pw as f64);
+        let sr = geo.sampling_ratio;
+        let gh = if sr > 0 { sr as usize } else { (rh / ph as f64).ceil() as usize };
+        let gw = if sr > 0 { sr as usize } else { (rw / pw as f64).ceil() as usize };
+        let count = (gh * gw).max(1) as f64;
+        for ch in 0..c {
+            let base = (b * c + ch) * h * w;
+            for py in 0..ph {
+                for px in 0..pw {
+                    let o = ((r * c + ch) * ph + py) * pw + px;
+                    for iy in 0..gh {
+                        let yy = sh + py as f64 * bh + (iy as f64 + 0.5) * bh / gh as f64;
+                        for ix in 0..gw {
+                            let xx = sw + px as f64 * bw + (ix as f64 + 0.5) * bw / gw as f64;
+                            // Bilinear weights of the four neighbours (zero outside).
+                            let taps = if yy < -1.0 || yy > h as f64 || xx < -1.0 || xx > w as f64 {
+                                [(base, 0.0); 4]
+                            } else {
+                                let (mut y, mut xq) = (yy.max(0.0), xx.max(0.0));
+                                let (mut yl, mut xl) = (y as usize, xq as usize);
+                                let yh = if yl >= h - 1 {
+                                    yl = h - 1;
+                                    y = yl as f64;
+                                    yl
                                 } else {
-                                    let (mut y, mut xq) = (yy.max(0.0), xx.max(0.0));
-                                    let (mut yl, mut xl) = (y as usize, xq as usize);
-                                    let yh = if yl >= h - 1 {
-                                        yl = h - 1;
-                                        y = yl as f64;
-                                        yl
-                                    } else {
-                                        yl + 1
-                                    };
-                                    let xh = if xl >= w - 1 {
-                                        xl = w - 1;
-                                        xq = xl as f64;
-                                        xl
-                                    } else {
-                                        xl + 1
-                                    };
-                                    let (ly, lx) = (y - yl as f64, xq - xl as f64);
-                                    let (hy, hx) = (1.0 - ly, 1.0 - lx);
-                                    [
-                                        hy * hx * xv[base + yl * w + xl],
-                                        hy * lx * xv[base + yl * w + xh],
-                                        ly * hx * xv[base + yh * w + xl],
-                                        ly * lx * xv[base + yh * w + xh],
-                                    ]
+                                    yl + 1
                                 };
-                                let v = if max {
-                                    terms.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+                                let xh = if xl >= w - 1 {
+                                    xl = w - 1;
+                                    xq = xl as f64;
+                                    xl
                                 } else {
-                                    terms.iter().sum()
+                                    xl + 1
                                 };
-                                acc = Some(match acc {
-                                    None => v,
-                                    Some(a) if max => a.max(v),
-                                    Some(a) => a + v,
-                                });
-                            }
+                                let (ly, lx) = (y - yl as f64, xq - xl as f64);
+                                let (hy, hx) = (1.0 - ly, 1.0 - lx);
+                                [
+                                    (base + yl * w + xl, hy * hx),
+                                    (base + yl * w + xh, hy * lx),
+                                    (base + yh * w + xl, ly * hx),
+                                    (base + yh * w + xh, ly * lx),
+                                ]
+                            };
+                            visit(o, taps, count);
                         }
-                        let v = acc.unwrap_or(0.0);
-                        out[((r * c + ch) * ph + py) * pw + px] = if max { v } else { v / count };
                     }
                 }
             }
         }
-        Ok(vec![Array::float(x.dtype, vec![nroi, c, ph, pw], out)])
+    }
+    Ok(())
+}
+
+impl OpRules for op::RoiAlignGrad {
+    fn arity(&self) -> Arity {
+        Arity::fixed(4)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        cx.one(cx.dims(1).cloned())
+    }
+
+    no_work_whole!();
+
+    /// Each output's gradient spread over its samples' neighbours by their weights, divided
+    /// by the sample count; in `max` mode all of it to the first largest term, as the
+    /// forward took it (terms of samples outside the image are zeros of no position).
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let (dy, x, rois, bidx) = (cx.req(0)?, cx.req(1)?, cx.req(2)?.to_f64()?, cx.req(3)?.to_i64()?);
+        let geo = RoiGeometry::of(
+            self.output_height(),
+            self.output_width(),
+            self.spatial_scale(),
+            self.coordinate_transformation_mode(),
+            self.sampling_ratio(),
+        );
+        let (dv, xv) = (dy.to_f64()?, x.to_f64()?);
+        let c = x.shape.get(1).copied().unwrap_or(0);
+        if dv.len() != bidx.len() * c * geo.ph * geo.pw {
+            return Err(EvalError::Invalid(format!("RoiAlignGrad: dY of {:?} for {} regions", dy.shape, bidx.len())));
+        }
+        let mut dx = vec![0.0; xv.len()];
+        if self.mode() == "max" {
+            // Per output: the largest term so far, and where it came from (its X index and
+            // weight; none for a sample outside the image).
+            type Best = Option<(f64, Option<(usize, f64)>)>;
+            let mut best: Vec<Best> = vec![None; dv.len()];
+            roi_samples(&geo, &x.shape, &rois, &bidx, |o, taps, _| {
+                for (i, w) in taps {
+                    let v = w * xv[i];
+                    let at = (w != 0.0).then_some((i, w));
+                    if best[o].is_none_or(|(b, _)| v > b) {
+                        best[o] = Some((v, at));
+                    }
+                }
+            })?;
+            for (o, b) in best.into_iter().enumerate() {
+                if let Some((_, Some((i, w)))) = b {
+                    dx[i] += w * dv[o];
+                }
+            }
+        } else {
+            roi_samples(&geo, &x.shape, &rois, &bidx, |o, taps, count| {
+                for (i, w) in taps {
+                    dx[i] += w * dv[o] / count;
+                }
+            })?;
+        }
+        Ok(vec![Array::float(dy.dtype, x.shape.clone(), dx)])
     }
 }

@@ -10,7 +10,7 @@ use super::shape::no_work_whole;
 use super::util::{inverse_perm, norm_axis};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
 use crate::eval::{Array, EvalError, strides};
-use crate::op;
+use crate::op::{self, Op};
 use crate::shard::IterSpace;
 use crate::types::{DType, Dim, TensorType};
 
@@ -98,21 +98,8 @@ impl OpRules for op::DFT {
                 return Err(format!("DFT's gradient: input {xd:?}, axis {a}"));
             }
             let (len, c_in, out, c_out) = (xd[a] as usize, xd[r - 1] as usize, yd[a] as usize, yd[r - 1] as usize);
-            // The unit lines, one per input position: `[len · c_in, len, c_in]`.
-            let cols = len * c_in;
-            let mut unit = vec![0.0; cols * cols];
-            for j in 0..cols {
-                unit[j * cols + j] = 1.0;
-            }
-            let basis = Array::float(DType::Double, vec![cols, len, c_in], unit);
-            let images = dft(&basis, 1, n, self.inverse() != 0, self.onesided() != 0).map_err(|e| e.to_string())?;
-            let images = images.to_f64().map_err(|e| e.to_string())?;
-            let rows = out * c_out;
-            if images.len() != cols * rows {
-                return Err(format!("DFT's gradient: {} values for a [{rows}, {cols}] map", images.len()));
-            }
-            // `A[row, col]` is unit line `col`'s output at `row`.
-            let map: Vec<f64> = (0..rows * cols).map(|i| images[(i % cols) * rows + i / cols]).collect();
+            let (rows, cols) = (out * c_out, len * c_in);
+            let map = dft_map(len, c_in, rows, n, self.inverse() != 0, self.onesided() != 0)?;
             // dY as `[.., out · c_out]`: the other dims, then the axis and the complex dim.
             let mut perm: Vec<i64> = (0..r as i64).filter(|&d| d != a as i64 && d != r as i64 - 1).collect();
             perm.extend([a as i64, r as i64 - 1]);
@@ -130,6 +117,31 @@ impl OpRules for op::DFT {
             Ok(())
         })())
     }
+}
+
+/// A DFT variant of lines of `len` positions of `c_in` values as a real-linear map
+/// `A[row, col]`, `[rows, len · c_in]` row-major: [`dft`] itself applied to the unit lines
+/// (one per input position), `A[row, col]` being unit line `col`'s output at `row`.
+fn dft_map(
+    len: usize,
+    c_in: usize,
+    rows: usize,
+    n: Option<i64>,
+    inverse: bool,
+    onesided: bool,
+) -> std::result::Result<Vec<f64>, String> {
+    let cols = len * c_in;
+    let mut unit = vec![0.0; cols * cols];
+    for j in 0..cols {
+        unit[j * cols + j] = 1.0;
+    }
+    let basis = Array::float(DType::Double, vec![cols, len, c_in], unit);
+    let images = dft(&basis, 1, n, inverse, onesided).map_err(|e| e.to_string())?;
+    let images = images.to_f64().map_err(|e| e.to_string())?;
+    if images.len() != cols * rows {
+        return Err(format!("a transform of {} values for a [{rows}, {cols}] map", images.len()));
+    }
+    Ok((0..rows * cols).map(|i| images[(i % cols) * rows + i / cols]).collect())
 }
 
 /// The (inverse) DFT of `x` along `axis` (x's last dim: 1 real, 2 complex), of length `n`
@@ -289,6 +301,79 @@ impl OpRules for op::STFT {
         let framed = Array::float(DType::Double, vec![b, frames, frame, c], fr);
         let y = dft(&framed, 2, Some(frame as i64), false, self.onesided() != 0)?;
         Ok(vec![Array::float(x.dtype, y.shape.clone(), y.to_f64()?)])
+    }
+
+    /// STFT frames the signal, weights each frame by the window and transforms it: per frame
+    /// `y = A·(w ⊙ frame)` with `A` the frame's DFT as a real map (by [`dft`] on the unit
+    /// lines, as DFT's gradient takes it). So `d(w ⊙ frame) = dY·A`; the signal's gradient
+    /// is that times the window, added back where each frame came from (ScatterElements
+    /// add: frames overlap), and the window's is its product with the frames (gathered by
+    /// constant positions) summed over batch, frames and the complex dim.
+    fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
+        Some((|| {
+            let Some(dy) = cx.dy(0) else { return Ok(()) };
+            if !cx.want(0) && !cx.want(2) {
+                return Ok(());
+            }
+            let x = cx.x(0)?;
+            let (xd, yd) = (cx.dims(x)?, cx.dims(dy)?);
+            let step = cx.const_ints(cx.x_opt(1)).and_then(|v| v.first().copied());
+            let step = step.ok_or("STFT's gradient needs a constant frame step")?;
+            let window = cx.x_opt(2);
+            let frame = match (cx.x_opt(3), window) {
+                (Some(f), _) => cx.const_ints(Some(f)).and_then(|v| v.first().copied()),
+                (None, Some(w)) => cx.dims(w)?.first().copied(),
+                (None, None) => xd.get(1).copied(),
+            };
+            let frame = frame.ok_or("STFT's gradient needs a constant frame length")?;
+            if xd.len() != 3 || yd.len() != 4 || step <= 0 || frame <= 0 {
+                return Err(format!("STFT's gradient: signal {xd:?}, output {yd:?}, frame {frame}, step {step}"));
+            }
+            if let Some(w) = window
+                && cx.dims(w)? != [frame]
+            {
+                return Err(format!("STFT's gradient: a window of {:?} for frames of {frame}", cx.dims(w)?));
+            }
+            let (b, len, c) = (xd[0], xd[1], xd[2] as usize);
+            let (frames, bins) = (yd[1], yd[2] as usize);
+            let fl = frame as usize;
+            // The frame's transform as a real map `[bins · 2, frame · c]`.
+            let (rows, cols) = (bins * 2, fl * c);
+            let map = dft_map(fl, c, rows, Some(frame), false, self.onesided() != 0)?;
+            let flat = cx.reshape(dy, &[b, frames, rows as i64])?;
+            let dtype = cx.dtype(dy);
+            let dw_frames = cx.contract_axes(flat, dtype, vec![(2, rows, cols, map)])?;
+            let dw_frames = cx.reshape(dw_frames, &[b, frames, frame, c as i64])?;
+            // Where each frame's samples come from.
+            let at: Vec<i64> = (0..frames).flat_map(|f| (0..frame).map(move |t| f * step + t)).collect();
+            if at.last().is_some_and(|&l| l >= len) {
+                return Err(format!("STFT's gradient: frames reach past a signal of {len}"));
+            }
+            if cx.want(0) {
+                let d = match window {
+                    Some(w) => {
+                        let w = cx.reshape(w, &[frame, 1])?;
+                        cx.mul(dw_frames, w)?
+                    }
+                    None => dw_frames,
+                };
+                let d = cx.reshape(d, &[b, frames * frame, c as i64])?;
+                let idx = cx.constant(Array::i64(vec![1, at.len(), 1], at.clone()));
+                let idx = cx.expand(idx, &[b, frames * frame, c as i64])?;
+                let zeros = cx.zeros_like(x)?;
+                let add = Op::ScatterElements(op::ScatterElements { axis: Some(1), reduction: Some("add".into()) });
+                let d = cx.add1(add, &[zeros, idx, d])?;
+                cx.set(0, d);
+            }
+            if let (true, Some(_)) = (cx.want(2), window) {
+                let idx = cx.constant(Array::i64(vec![frames as usize, fl], at));
+                let framed = cx.add1(Op::Gather(op::Gather { axis: Some(1) }), &[x, idx])?;
+                let prod = cx.mul(framed, dw_frames)?;
+                let d = cx.reduce_sum(prod, &[0, 1, 3], false)?;
+                cx.set(2, d);
+            }
+            Ok(())
+        })())
     }
 }
 
