@@ -124,23 +124,28 @@ fn main() {
             let predicted = f.pipeline.as_ref().map_or(f.breakdown.step_time_s, |p| p.breakdown.step_time_s);
             let label = format!("{strategy}×{}", pipe.micro_batches);
             // The program's price: its stages' lowered training programs played through the
-            // runtime's schedule.
+            // runtime's schedule, steps back to back (the period), as the runtime runs them.
             let sim = shardc::simulate::simulate(&prog, cluster, &opts, true).expect("simulates");
             let m = measure(&prog, &tm.graph, &info);
-            report(&mut errors, name, &label, *devices, (predicted, Some(sim.step_s)), &m);
+            report(&mut errors, name, &label, *devices, (predicted, Some(sim.period_s)), &m);
             if per_op && let Some(d) = &m.last {
-                // Compute per op type and communication per op type on the slowest device.
-                let mut kinds = std::collections::BTreeMap::<&str, (f64, f64)>::new();
-                for (k, v) in d.by_op.iter().chain(&d.by_collective) {
-                    kinds.entry(k).or_default().0 += v;
+                // Compute per op type and communication per op type on the slowest device and
+                // on the last device (the last stage's).
+                let last = m.all.iter().max_by_key(|r| r.device).filter(|r| r.device != d.device);
+                for d in std::iter::once(d).chain(last) {
+                    println!("    device {}:", d.device);
+                    let mut kinds = std::collections::BTreeMap::<&str, (f64, f64)>::new();
+                    for (k, v) in d.by_op.iter().chain(&d.by_collective) {
+                        kinds.entry(k).or_default().0 += v;
+                    }
+                    for (k, v) in &sim.by_op[d.device] {
+                        kinds.entry(k).or_default().1 += v;
+                    }
+                    for (k, (got, p)) in kinds {
+                        println!("      {k:<28} measured {:>9.3} ms  simulated {:>9.3} ms", got * 1e3, p * 1e3);
+                    }
+                    println!("      waiting: simulated {:.3} ms", sim.waiting[d.device] * 1e3);
                 }
-                for (k, v) in &sim.by_op[d.device] {
-                    kinds.entry(k).or_default().1 += v;
-                }
-                for (k, (got, p)) in kinds {
-                    println!("      {k:<28} measured {:>9.3} ms  simulated {:>9.3} ms", got * 1e3, p * 1e3);
-                }
-                println!("      waiting: simulated {:.3} ms", sim.waiting[d.device] * 1e3);
                 // Every device, its last step: its ops' own time (kernels and communication,
                 // waits included as the runtime counts them) against the simulation's (its
                 // waiting apart), and its step against the simulated finish.

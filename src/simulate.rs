@@ -41,8 +41,9 @@ enum Work {
     /// A kernel or a local sum (what: its op type): seconds with `k` devices running kernels
     /// at once at index `k − 1`.
     Compute(String, Vec<f64>),
-    /// A message to `to` (tag, micro-batch): `down` seconds of copying it to the host here,
-    /// then `flight` seconds on the link.
+    /// A message to `to` (tag, micro-batch): `down` seconds the sender is busy with it
+    /// (copying it to the host; on one host, into the receiver's buffer too), then `flight`
+    /// seconds on the link.
     Send { to: usize, tag: i64, micro: usize, down: f64, flight: f64 },
     /// The message from `from` (tag, micro-batch), then `up` seconds of copying it to the
     /// device.
@@ -56,8 +57,13 @@ enum Work {
 /// The simulated step.
 #[derive(Clone, Debug)]
 pub struct Simulated {
-    /// Seconds until the last device finishes.
+    /// Seconds until the last device finishes, all devices starting the step together.
     pub step_s: f64,
+    /// Seconds per step of steps run back to back, as the runtime runs them: each device
+    /// starts its next step when it is through the last, with no barrier between steps, so
+    /// one stage's tail (a last backward, an update) overlaps the other stages' next step.
+    /// The makespan of three steps less that of one, halved.
+    pub period_s: f64,
     /// Per device (program order), seconds until it finishes.
     pub devices: Vec<f64>,
     /// Per device, seconds spent waiting (for messages and for the other members of
@@ -136,8 +142,11 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
                 }
                 Op::Send(s) => {
                     let to = s.peer.unwrap_or(-1).max(0) as usize;
-                    let (a, b) = alpha_beta(cluster, level(&[d.device as i64, to as i64]), 2, total, x);
-                    let (down, flight) = (collective::host_copy(cluster, x, total), collective::p2p(x, a, b));
+                    let down = collective::host_copy(cluster, x, total);
+                    let flight = collective::message(cluster, level(&[d.device as i64, to as i64]), x, total);
+                    // Devices of one host: the sender copies the message into the receiver's
+                    // buffer itself; elsewhere it is on the link while the sender goes on.
+                    let (down, flight) = if cluster.device.shared_host { (down + flight, 0.0) } else { (down, flight) };
                     Work::Send { to, tag: s.tag(), micro, down, flight }
                 }
                 Op::Recv(r) => {
@@ -211,7 +220,17 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
         }
         plans.push(work);
     }
-    play(&plans)
+    play_steps(&plans)
+}
+
+/// [`play`] for one step, with the period of steps run back to back (see
+/// [`Simulated::period_s`]).
+fn play_steps(plans: &[Vec<Work>]) -> Result<Simulated, String> {
+    let mut one = play(plans)?;
+    let three: Vec<Vec<Work>> = plans.iter().map(|w| [w.as_slice(), w, w].concat()).collect();
+    let three = play(&three)?;
+    one.period_s = (three.step_s - one.step_s) / 2.0;
+    Ok(one)
 }
 
 /// What a device is doing.
@@ -376,12 +395,13 @@ fn play(plans: &[Vec<Work>]) -> Result<Simulated, String> {
         }
     }
     by_op.iter_mut().for_each(|m| m.retain(|k, _| !k.is_empty()));
-    Ok(Simulated { step_s: finish.iter().copied().fold(0.0, f64::max), devices: finish, waiting, by_op })
+    let step_s = finish.iter().copied().fold(0.0, f64::max);
+    Ok(Simulated { step_s, period_s: step_s, devices: finish, waiting, by_op })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{Work, play};
+    use super::{Work, play, play_steps};
 
     fn compute(what: &str, alone: f64) -> Work {
         // Twice as long with two devices running kernels.
@@ -418,6 +438,21 @@ mod tests {
         .unwrap();
         assert_eq!(s.devices, vec![1.5, 3.25]);
         assert_eq!(s.waiting, vec![0.0, 1.75]);
+        // Back to back, device 1's step overlaps device 0's next one: with kernels that do
+        // not slow each other, a step every 1.5 s (device 0's kernel and copy down), not
+        // every 3.25 s; with kernels sharing the host, device 0's next kernel runs beside
+        // device 1's at half speed for a while (1.875 s).
+        let pair = |k: fn(&str, f64) -> Work| {
+            play_steps(&[
+                vec![k("x", 1.0), Work::Send { to: 1, tag: 7, micro: 0, down: 0.5, flight: 0.25 }],
+                vec![Work::Recv { from: 0, tag: 7, micro: 0, up: 0.5 }, k("y", 1.0)],
+            ])
+            .unwrap()
+        };
+        let apart = pair(|w, t| Work::Compute(w.into(), vec![t, t]));
+        assert_eq!((apart.step_s, apart.period_s), (3.25, 1.5));
+        let shared = pair(compute);
+        assert_eq!((shared.step_s, shared.period_s), (3.25, 1.875));
         // Busy and waiting make up each device's time.
         for d in 0..2 {
             assert!((s.by_op[d].values().sum::<f64>() + s.waiting[d] - s.devices[d]).abs() < 1e-12);

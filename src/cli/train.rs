@@ -579,11 +579,12 @@ pub fn run(args: &TrainArgs) -> CliResult {
     }
     // The cost model's price of the training program. A pipeline's, and gradient accumulation
     // over micro-batches, are its devices' lowered programs played through the runtime's
-    // schedule (the plan's closed form prices the forward model's stages).
+    // schedule, steps back to back as the runtime runs them (the plan's closed form prices
+    // the forward model's stages).
     let mut predicted = chosen.predicted;
     if program.stage_devices.len() > 1 || program.micro_batches > 1 {
         match shardc::simulate::simulate(&program, &cluster, &opts, true) {
-            Ok(s) => predicted = predicted.map(|(_, memory)| (s.step_s, memory)),
+            Ok(s) => predicted = predicted.map(|(_, memory)| (s.period_s, memory)),
             Err(e) => {
                 notes.push(format!("the program's step could not be priced op by op ({e}); predicted: the plan's"))
             }

@@ -175,8 +175,23 @@ pub fn send(cluster: &Cluster, level: LinkLevel, n: f64, at_once: usize) -> f64 
     if n <= 0.0 {
         return 0.0;
     }
+    message(cluster, level, n, at_once) + staging(cluster, n, n, at_once)
+}
+
+/// A point-to-point message of `n` bytes between the staging copies: on the link of `level`
+/// (`α + n/β`), or, between devices sharing one host, a copy from the sender's host buffer
+/// into the receiver's (the runtime hands messages over in host memory: no link, no ring
+/// steps to wait for), read and written at the memory bandwidth the devices at once share.
+pub fn message(cluster: &Cluster, level: LinkLevel, n: f64, at_once: usize) -> f64 {
+    if n <= 0.0 {
+        return 0.0;
+    }
+    let d = &cluster.device;
+    if d.shared_host && d.mem_bandwidth > 0.0 {
+        return 2.0 * n * d.comm_share(at_once) / d.mem_bandwidth;
+    }
     let (alpha, beta) = alpha_beta(cluster, level, 2, at_once, n);
-    p2p(n, alpha, beta) + staging(cluster, n, n, at_once)
+    p2p(n, alpha, beta)
 }
 
 /// Point-to-point: `α + n/β`.
@@ -473,9 +488,12 @@ mod tests {
         );
         assert_eq!((ar.len(), ar[0].group), (1, 2));
         assert!((ar[0].time - (all_reduce(n, 2, busy, half) + shared(2.0, n, n))).abs() < 1e-12, "{:?}", ar[0]);
-        // A stage-to-stage send pays both copies too; GPUs with a device path pay none.
-        assert!((send(&c, LinkLevel::Intra, n, 2) - (p2p(n, a, b) + copies(n, n))).abs() < 1e-12);
-        assert!((send(&c, LinkLevel::Intra, n, 4) - (p2p(n, busy, half) + shared(2.0, n, n))).abs() < 1e-12);
+        // A stage-to-stage send pays both copies too, and between devices of one host a copy
+        // between host buffers (read and written at the memory bandwidth, shared by the
+        // devices at once) instead of the link; GPUs with a device path pay no copies.
+        let mem = c.device.mem_bandwidth;
+        assert!((send(&c, LinkLevel::Intra, n, 2) - (2.0 * n / mem + copies(n, n))).abs() < 1e-12);
+        assert!((send(&c, LinkLevel::Intra, n, 4) - (4.0 * n / mem + shared(2.0, n, n))).abs() < 1e-12);
         let gpus = Cluster::preset("dgx-a100").unwrap();
         assert_eq!(staging(&gpus, n, n, 8), 0.0);
         assert_eq!(send(&gpus, LinkLevel::Intra, n, 8), p2p(n, 3e-6, 240e9));
