@@ -239,6 +239,44 @@ fn every_gradient_rule_matches_finite_differences() {
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
 
+/// Variants of one op checked against finite differences: how many, and what failed.
+#[derive(Default)]
+struct Variants {
+    checked: usize,
+    failures: Vec<String>,
+}
+
+impl Variants {
+    /// Checks the model `text` (described by `what`) at up to `per_param` elements of each
+    /// parameter, seeded by its place in the sequence.
+    fn check(&mut self, what: &str, text: &str, per_param: usize) {
+        match parse(text).and_then(|g| check(g, self.checked as u64, per_param)) {
+            Ok(Outcome::Checked(_)) => self.checked += 1,
+            Ok(Outcome::NothingToCheck) => self.failures.push(format!("{what}: nothing to check")),
+            Ok(Outcome::NoRule(e)) | Err(e) => self.failures.push(format!("{what}: {e}")),
+        }
+    }
+
+    /// No failures, and `want` variants checked.
+    fn assert_all(self, want: usize) {
+        assert!(self.failures.is_empty(), "{} failures:\n{}", self.failures.len(), self.failures.join("\n"));
+        assert_eq!(self.checked, want);
+    }
+}
+
+/// GridSample of X of dims `xs` at a grid of dims `gs` (drawn in [0.1, 0.9], stretched to
+/// about [-2.2, 2.3] so that padding matters).
+fn grid_sample_case(xs: &[usize], gs: &[usize], mode: &str, pad: &str, align: usize) -> String {
+    model(
+        &format!("double[{}] x, double[{}] g", list(xs), list(gs)),
+        "y",
+        "double[1] a = {5.6}, double[1] b = {-2.8}",
+        &format!(
+            "   s = Mul (g, a)\n   t = Add (s, b)\n   y = GridSample <mode: string = \"{mode}\", padding_mode: string = \"{pad}\", align_corners: int = {align}> (x, t)"
+        ),
+    )
+}
+
 /// A model in ONNX text over float64 inputs.
 fn model(inputs: &str, outputs: &str, inits: &str, body: &str) -> String {
     let inits = if inits.is_empty() { String::new() } else { format!("\n<{inits}>") };
@@ -717,14 +755,7 @@ fn random_case(rng: &mut Rng, kind: usize) -> (String, String) {
             let (n, c) = (1 + pick(2), 1 + pick(2));
             let xs: Vec<usize> = [vec![n, c], (0..k).map(|_| 1 + pick(4)).collect()].concat();
             let gs: Vec<usize> = [vec![n], (0..k).map(|_| 1 + pick(3)).collect(), vec![k]].concat();
-            let text = model(
-                &format!("double[{}] x, double[{}] g", list(&xs), list(&gs)),
-                "y",
-                "double[1] a = {5.6}, double[1] b = {-2.8}",
-                &format!(
-                    "   s = Mul (g, a)\n   t = Add (s, b)\n   y = GridSample <mode: string = \"{mode}\", padding_mode: string = \"{pad}\", align_corners: int = {align}> (x, t)"
-                ),
-            );
+            let text = grid_sample_case(&xs, &gs, mode, pad, align);
             (format!("GridSample {mode} {pad} align {align} x{xs:?} grid{gs:?}"), text)
         }
         // AffineGrid, 2-D or 3-D, either corner alignment.
@@ -769,8 +800,7 @@ fn gradients_match_finite_differences_over_random_shapes_and_attributes() {
 
 #[test]
 fn dft_gradients_match_finite_differences_in_every_variant() {
-    let mut failures = Vec::new();
-    let mut checked = 0;
+    let mut variants = Variants::default();
     for inverse in 0..2 {
         for onesided in 0..2 {
             for complex in [false, true] {
@@ -783,24 +813,18 @@ fn dft_gradients_match_finite_differences_in_every_variant() {
                         let mut xs = vec![2, 2, 1 + usize::from(complex)];
                         xs[axis] = len;
                         let (what, text) = dft_case(&xs, axis, inverse, onesided, length);
-                        match parse(&text).and_then(|g| check(g, checked as u64, 64)) {
-                            Ok(Outcome::Checked(_)) => checked += 1,
-                            Ok(Outcome::NothingToCheck) => failures.push(format!("{what}: nothing to check")),
-                            Ok(Outcome::NoRule(e)) | Err(e) => failures.push(format!("{what}: {e}")),
-                        }
+                        variants.check(&what, &text, 64);
                     }
                 }
             }
         }
     }
-    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
-    assert_eq!(checked, 30);
+    variants.assert_all(30);
 }
 
 #[test]
 fn grid_sample_gradients_match_finite_differences_in_every_variant() {
-    let mut failures = Vec::new();
-    let mut checked = 0;
+    let mut variants = Variants::default();
     for k in 1..=3usize {
         for mode in ["nearest", "linear", "cubic"] {
             for pad in ["zeros", "border", "reflection"] {
@@ -810,31 +834,18 @@ fn grid_sample_gradients_match_finite_differences_in_every_variant() {
                     let xs: Vec<usize> = [vec![1, 2], [4, 2, 1][..k].to_vec()].concat();
                     let gs: Vec<usize> = [vec![1], [3, 2, 2][..k].to_vec(), vec![k]].concat();
                     let what = format!("GridSample {mode} {pad} align {align} x{xs:?}");
-                    let text = model(
-                        &format!("double[{}] x, double[{}] g", list(&xs), list(&gs)),
-                        "y",
-                        "double[1] a = {5.6}, double[1] b = {-2.8}",
-                        &format!(
-                            "   s = Mul (g, a)\n   t = Add (s, b)\n   y = GridSample <mode: string = \"{mode}\", padding_mode: string = \"{pad}\", align_corners: int = {align}> (x, t)"
-                        ),
-                    );
-                    match parse(&text).and_then(|g| check(g, checked as u64, 64)) {
-                        Ok(Outcome::Checked(_)) => checked += 1,
-                        Ok(Outcome::NothingToCheck) => failures.push(format!("{what}: nothing to check")),
-                        Ok(Outcome::NoRule(e)) | Err(e) => failures.push(format!("{what}: {e}")),
-                    }
+                    let text = grid_sample_case(&xs, &gs, mode, pad, align);
+                    variants.check(&what, &text, 64);
                 }
             }
         }
     }
-    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
-    assert_eq!(checked, 54);
+    variants.assert_all(54);
 }
 
 #[test]
 fn stft_gradients_match_finite_differences_in_every_variant() {
-    let mut failures = Vec::new();
-    let mut checked = 0;
+    let mut variants = Variants::default();
     for complex in [false, true] {
         for onesided in 0..2 {
             // A one-sided transform takes a real signal.
@@ -865,24 +876,18 @@ fn stft_gradients_match_finite_differences_in_every_variant() {
                         );
                         let text =
                             model(&ins, "y", &inits, &format!("   y = STFT <onesided: int = {onesided}> ({args})"));
-                        match parse(&text).and_then(|g| check(g, checked as u64, 64)) {
-                            Ok(Outcome::Checked(_)) => checked += 1,
-                            Ok(Outcome::NothingToCheck) => failures.push(format!("{what}: nothing to check")),
-                            Ok(Outcome::NoRule(e)) | Err(e) => failures.push(format!("{what}: {e}")),
-                        }
+                        variants.check(&what, &text, 64);
                     }
                 }
             }
         }
     }
-    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
-    assert_eq!(checked, 18);
+    variants.assert_all(18);
 }
 
 #[test]
 fn roi_align_gradients_match_finite_differences_in_every_variant() {
-    let mut failures = Vec::new();
-    let mut checked = 0;
+    let mut variants = Variants::default();
     for mode in ["avg", "max"] {
         for transform in ["half_pixel", "output_half_pixel"] {
             for ratio in [0, 2] {
@@ -896,14 +901,9 @@ fn roi_align_gradients_match_finite_differences_in_every_variant() {
                         "   y = RoiAlign <mode: string = \"{mode}\", coordinate_transformation_mode: string = \"{transform}\", output_height: int = 2, output_width: int = 3, sampling_ratio: int = {ratio}, spatial_scale: float = 0.9> (x, rois, bi)"
                     ),
                 );
-                match parse(&text).and_then(|g| check(g, checked as u64, 60)) {
-                    Ok(Outcome::Checked(_)) => checked += 1,
-                    Ok(Outcome::NothingToCheck) => failures.push(format!("{what}: nothing to check")),
-                    Ok(Outcome::NoRule(e)) | Err(e) => failures.push(format!("{what}: {e}")),
-                }
+                variants.check(&what, &text, 60);
             }
         }
     }
-    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
-    assert_eq!(checked, 8);
+    variants.assert_all(8);
 }

@@ -696,6 +696,19 @@ impl OpRules for op::Col2Im {
     }
 }
 
+/// The [`RoiGeometry`] of a `RoiAlign` or `RoiAlignGrad` (the same attributes).
+macro_rules! roi_geometry {
+    ($op:expr) => {
+        RoiGeometry::of(
+            $op.output_height(),
+            $op.output_width(),
+            $op.spatial_scale(),
+            $op.coordinate_transformation_mode(),
+            $op.sampling_ratio(),
+        )
+    };
+}
+
 impl OpRules for op::RoiAlign {
     // One output per region of interest: axis 0 follows the `rois` input's.
     flow_positional!(1);
@@ -728,13 +741,7 @@ impl OpRules for op::RoiAlign {
     /// Average (or max) of bilinear samples on a grid inside each output bin of each region.
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         let (x, rois, bidx) = (cx.req(0)?, cx.req(1)?.to_f64()?, cx.req(2)?.to_i64()?);
-        let geo = RoiGeometry::of(
-            self.output_height(),
-            self.output_width(),
-            self.spatial_scale(),
-            self.coordinate_transformation_mode(),
-            self.sampling_ratio(),
-        );
+        let geo = roi_geometry!(self);
         let max = self.mode() == "max";
         let xv = x.to_f64()?;
         let (nroi, c) = (bidx.len(), x.shape.get(1).copied().unwrap_or(0));
@@ -898,13 +905,7 @@ impl OpRules for op::RoiAlignGrad {
     /// forward took it (terms of samples outside the image are zeros of no position).
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         let (dy, x, rois, bidx) = (cx.req(0)?, cx.req(1)?, cx.req(2)?.to_f64()?, cx.req(3)?.to_i64()?);
-        let geo = RoiGeometry::of(
-            self.output_height(),
-            self.output_width(),
-            self.spatial_scale(),
-            self.coordinate_transformation_mode(),
-            self.sampling_ratio(),
-        );
+        let geo = roi_geometry!(self);
         let (dv, xv) = (dy.to_f64()?, x.to_f64()?);
         let c = x.shape.get(1).copied().unwrap_or(0);
         if dv.len() != bidx.len() * c * geo.ph * geo.pw {
