@@ -241,12 +241,19 @@ impl CommKind {
 
 /// The price of one step of the algebra, its bytes scaled by `scale` (gradient compression);
 /// `None` for a local step. A group spanning nodes runs at the inter-node link's (α, β).
+/// Every device of the mesh is taken to communicate or compute at once ([`price_at`]).
 pub fn price(step: &CommStep, scale: f64, mesh: &Mesh, cluster: &Cluster) -> Option<Step> {
+    price_at(step, scale, mesh, cluster, mesh.devices())
+}
+
+/// [`price`] with `at_once` devices communicating or computing at once (on devices sharing a
+/// host they share its cores: a pipeline stage's collectives run beside the other stages).
+pub fn price_at(step: &CommStep, scale: f64, mesh: &Mesh, cluster: &Cluster, at_once: usize) -> Option<Step> {
     let kind = CommKind::of(&step.kind)?;
     let p = step.group_size(mesh);
     let bytes = step.bytes * scale;
     if kind == CommKind::Slice {
-        let (time, latency) = local_copy(cluster, mesh, bytes);
+        let (time, latency) = local_copy(cluster, at_once, bytes);
         return Some(Step {
             kind,
             axes: step.axes.clone(),
@@ -258,7 +265,6 @@ pub fn price(step: &CommStep, scale: f64, mesh: &Mesh, cluster: &Cluster) -> Opt
             time,
         });
     }
-    let at_once = mesh.devices();
     let (alpha, beta) = alpha_beta(cluster, step.level(mesh), p, at_once, bytes);
     let (time, latency) = match kind {
         CommKind::AllReduce => (all_reduce(bytes, p, alpha, beta), all_reduce(f64::MIN_POSITIVE, p, alpha, beta)),
@@ -289,16 +295,16 @@ pub fn price(step: &CommStep, scale: f64, mesh: &Mesh, cluster: &Cluster) -> Opt
 }
 
 /// Seconds (and the dispatch's part of them) of a kernel copying `bytes` out of a tensor on
-/// each device of `mesh`: a dispatch and the bytes read and written, at the device's memory
-/// bandwidth — shared, where devices share a host, as the cost model shares it between the
-/// mesh's devices running at once.
-pub fn local_copy(cluster: &Cluster, mesh: &Mesh, bytes: f64) -> (f64, f64) {
+/// each device: a dispatch and the bytes read and written, at the device's memory bandwidth —
+/// shared, where devices share a host, as the cost model shares it between the `busy`
+/// devices running at once.
+pub fn local_copy(cluster: &Cluster, busy: usize, bytes: f64) -> (f64, f64) {
     if bytes <= 0.0 {
         return (0.0, 0.0);
     }
     let d = &cluster.device;
-    let launch = d.launch_at(mesh.devices());
-    (launch + 2.0 * bytes * d.host_share(mesh.devices()) / d.mem_bandwidth, launch)
+    let launch = d.launch_at(busy);
+    (launch + 2.0 * bytes * d.host_share(busy) / d.mem_bandwidth, launch)
 }
 
 /// The priced communication steps of a resharding (see [`ir::reshard::reshard`]).
@@ -320,8 +326,16 @@ pub fn reshard(
 }
 
 /// An all-reduce of `bytes` per device over mesh axes `axes`, as the algebra runs it under
-/// `policy` (for sums of many tensors, priced as one flat buffer).
-pub fn all_reduce_over(bytes: f64, axes: &[usize], mesh: &Mesh, cluster: &Cluster, policy: Policy) -> Vec<Step> {
+/// `policy` (for sums of many tensors, priced as one flat buffer), with `at_once` devices
+/// communicating or computing at once (see [`price_at`]).
+pub fn all_reduce_over(
+    bytes: f64,
+    axes: &[usize],
+    mesh: &Mesh,
+    cluster: &Cluster,
+    policy: Policy,
+    at_once: usize,
+) -> Vec<Step> {
     if bytes <= 0.0 || axes.is_empty() {
         return Vec::new();
     }
@@ -332,7 +346,11 @@ pub fn all_reduce_over(bytes: f64, axes: &[usize], mesh: &Mesh, cluster: &Cluste
         .map(|a| if axes.contains(&a) { AxisShard::Partial } else { AxisShard::Replicate })
         .collect();
     let to = vec![AxisShard::Replicate; mesh.axes.len()];
-    reshard(&[words], 4.0, &from, &to, bytes / (words as f64 * 4.0), mesh, cluster, policy)
+    let scale = bytes / (words as f64 * 4.0);
+    ir::reshard::reshard(&[words], 4.0, &from, &to, mesh, policy)
+        .iter()
+        .filter_map(|s| price_at(s, scale, mesh, cluster, at_once))
+        .collect()
 }
 
 /// Total seconds of priced steps.
@@ -345,9 +363,9 @@ pub fn total(steps: &[Step]) -> f64 {
 /// wins. Only meshes with both intra- and inter-node axes have a choice.
 pub fn choose_policy(mesh: &Mesh, cluster: &Cluster) -> Policy {
     let axes: Vec<usize> = (0..mesh.axes.len()).collect();
-    let flat = total(&all_reduce_over(25e6, &axes, mesh, cluster, Policy::default()));
+    let flat = total(&all_reduce_over(25e6, &axes, mesh, cluster, Policy::default(), mesh.devices()));
     let hier = Policy { hierarchical_all_reduce: true };
-    let tree = total(&all_reduce_over(25e6, &axes, mesh, cluster, hier));
+    let tree = total(&all_reduce_over(25e6, &axes, mesh, cluster, hier, mesh.devices()));
     if tree < flat { hier } else { Policy::default() }
 }
 
@@ -389,14 +407,14 @@ mod tests {
         let c = Cluster::preset("a100-cluster-8").unwrap();
         let mesh = c.mesh(64).unwrap();
         let hier = Policy { hierarchical_all_reduce: true };
-        let t = total(&all_reduce_over(N, &[0, 1], &mesh, &c, hier));
+        let t = total(&all_reduce_over(N, &[0, 1], &mesh, &c, hier, mesh.devices()));
         // By hand: intra RS of 1e8 over 8 at 240 GB/s: 7·3e-6 + 7/8·1e8/2.4e11 = 3.8458e-4;
         // inter AR of 1.25e7 over 8 at 22 GB/s shared by 8 groups over 8 NICs: 14·5e-6 +
         // 14/8·1.25e7/2.2e10 = 1.0643e-3; intra AG back: 3.8458e-4. Total 1.8335e-3.
         let by_hand = (7.0 * 3e-6 + 7.0 / 8.0 * 1e8 / 240e9) * 2.0 + (14.0 * 5e-6 + 14.0 / 8.0 * 1.25e7 / 22e9);
         assert!((t - by_hand).abs() < 1e-9, "{t} vs {by_hand}");
         // One ring over all 64 devices runs at the inter-node link: 2·63·5e-6 + 2·63/64·1e8/2.2e10.
-        let flat = total(&all_reduce_over(N, &[0, 1], &mesh, &c, Policy::default()));
+        let flat = total(&all_reduce_over(N, &[0, 1], &mesh, &c, Policy::default(), mesh.devices()));
         assert!((flat - all_reduce(N, 64, 5e-6, 22e9)).abs() < 1e-9, "{flat}");
         assert!(t < flat);
         assert_eq!(choose_policy(&mesh, &c), hier);

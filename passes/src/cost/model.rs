@@ -912,13 +912,13 @@ impl<'a> CostModel<'a> {
                 let t = &mut cur[d][h.tensor_dim];
                 *t += (hw.from_prev + hw.from_next) as i64 - (hw.trim_start + hw.trim_end) as i64;
                 let after = cur[d].iter().map(|&e| e as f64).product::<f64>() * eb;
-                staged = staged.max(collective::staging(self.cluster, before, after, self.mesh.devices()));
+                staged = staged.max(collective::staging(self.cluster, before, after, self.busy()));
             }
             let moved = by_device.iter().copied().fold(0.0, f64::max);
             if moved <= 0.0 {
                 continue;
             }
-            let (alpha, beta) = alpha_beta(self.cluster, level, 2, self.mesh.devices(), moved);
+            let (alpha, beta) = alpha_beta(self.cluster, level, 2, self.busy(), moved);
             steps.push(Step {
                 kind: CommKind::Halo,
                 axes: vec![h.axis],
@@ -926,7 +926,7 @@ impl<'a> CostModel<'a> {
                 bytes: moved,
                 moved,
                 moved_by_device: Some(by_device),
-                latency: alpha + collective::staging(self.cluster, 0.0, 0.0, self.mesh.devices()),
+                latency: alpha + collective::staging(self.cluster, 0.0, 0.0, self.busy()),
                 time: p2p(moved, alpha, beta) + staged,
             });
         }
@@ -998,7 +998,7 @@ impl<'a> CostModel<'a> {
         let algebra = ir::reshard::reshard(&dims, eb, from, to, &self.mesh, self.policy);
         let steps: Rc<[Step]> = algebra
             .iter()
-            .filter_map(|s| super::collective::price(s, scale, &self.mesh, self.cluster))
+            .filter_map(|s| super::collective::price_at(s, scale, &self.mesh, self.cluster, self.busy()))
             .collect::<Vec<_>>()
             .into();
         let whole = dims.iter().map(|&d| d.max(0) as f64).product::<f64>() * eb;

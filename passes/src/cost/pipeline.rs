@@ -179,6 +179,7 @@ pub fn price_pipeline(
             &stage_mesh,
             cluster,
             cm.policy,
+            devices,
         ));
         let elems = pbytes / (4.0 * pf);
         units.push(Unit {
