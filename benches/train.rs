@@ -65,6 +65,7 @@ fn main() {
         ("resnet18 4×3×32×32", model("tv_resnet18.onnxtxt"), vec![("input", r18)], xent, "data", 2),
         ("resnet18 4×3×32×32", model("tv_resnet18.onnxtxt"), vec![("input", r18)], xent, "data", 4),
         ("resnet18 4×3×32×32", model("tv_resnet18.onnxtxt"), vec![("input", r18)], xent, "auto", 4),
+        ("resnet18 4×3×32×32", model("tv_resnet18.onnxtxt"), vec![("input", r18)], xent, "spatial", 2),
         ("squeezenet 4×3×64×64", model("tv_squeezenet1_1.onnxtxt"), vec![("input", small)], xent, "data", 2),
         ("mobilenet_v2 4×3×64×64", model("tv_mobilenet_v2.onnxtxt"), vec![("input", small)], xent, "data", 2),
         ("gpt2_small4 2×32", model("hf_gpt2_small4.onnxtxt"), vec![("input_ids", ids)], xent, "data", 2),
@@ -268,7 +269,11 @@ fn print_per_op(b: &shardc::passes::cost::Breakdown, m: &Measured, prog: &shardc
         println!("      {k:<28} ×{n:<4} run ×{l:<4} measured {:>9.3} ms  predicted {:>9.3} ms", got * 1e3, p * 1e3);
     }
     // The runtime names collectives by op type (`AllReduce`), the cost model by kind (`all_reduce`).
+    // (`HaloExchange` is the cost model's `halo`.)
     let snake = |k: &str| {
+        if k == "HaloExchange" {
+            return "halo".to_string();
+        }
         k.chars().enumerate().fold(String::new(), |mut s, (i, c)| {
             if c.is_uppercase() && i > 0 {
                 s.push('_');
