@@ -635,6 +635,14 @@ fn lowered_programs_are_priced_through_the_runtime_schedule() {
     busy_or_waiting(&sim, "data ×2");
     let priced = r.breakdown.step_time_s;
     assert!((sim.step_s / priced - 1.0).abs() < 0.25, "data ×2: simulated {} s, priced {priced} s", sim.step_s);
+    // Its devices end each step together (the gradients' all-reduces), so steps back to back
+    // take as long as one from idle.
+    assert!(
+        (sim.period_s / sim.step_s - 1.0).abs() < 1e-9,
+        "data ×2: period {} s, step {} s",
+        sim.period_s,
+        sim.step_s
+    );
     // A 2-stage pipeline over 2 micro-batches under each schedule: the stages wait for each
     // other, and recomputation runs the first stage's forward parts again.
     let (sr, mut pipe) = pipeline_plan(&c, 2, 2);
@@ -659,8 +667,10 @@ fn lowered_programs_are_priced_through_the_runtime_schedule() {
             let p = shardc::exec::as_micro_batches(p, &c.graph, 2).expect("micro-batches");
             let sim = shardc::simulate::simulate(&p, &cluster, &opts, true).unwrap_or_else(|e| panic!("{label}: {e}"));
             busy_or_waiting(&sim, &label);
-            // The last stage waits for the first one's forward part.
+            // The last stage waits for the first one's forward part; back to back, a step's
+            // tail overlaps the next one's start, never the other way round.
             assert!(sim.waiting[1] > 0.0, "{label}: {sim:?}");
+            assert!(sim.period_s > 0.0 && sim.period_s <= sim.step_s * (1.0 + 1e-9), "{label}: {sim:?}");
             assert!(sim.by_op.iter().all(|d| d.contains_key("Send") || d.contains_key("Recv")), "{label}");
             steps.push((sim.step_s, sim.by_op[0].values().sum::<f64>()));
         }
