@@ -146,7 +146,8 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
                     let flight = collective::message(cluster, level(&[d.device as i64, to as i64]), x, total);
                     // Devices of one host: the sender copies the message into the receiver's
                     // buffer itself; elsewhere it is on the link while the sender goes on.
-                    let (down, flight) = if cluster.device.shared_host { (down + flight, 0.0) } else { (down, flight) };
+                    let (down, flight) =
+                        if collective::in_host_memory(cluster) { (down + flight, 0.0) } else { (down, flight) };
                     Work::Send { to, tag: s.tag(), micro, down, flight }
                 }
                 Op::Recv(r) => {

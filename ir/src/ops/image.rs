@@ -97,17 +97,16 @@ fn taps_of(mode: &str) -> Option<(Vec<f64>, Vec<[f64; 4]>)> {
 fn reflect_in_graph(cx: &mut GradCx<'_>, x: Value, lo: f64, hi: f64) -> std::result::Result<(Value, Value), String> {
     let dt = cx.dtype(x);
     let range = hi - lo;
-    let unary = |o: Op, cx: &mut GradCx<'_>, v: Value| cx.add1(o, &[v]);
     let lo_c = cx.scalar(dt, lo);
     let u0 = cx.sub(x, lo_c)?;
-    let u = unary(Op::Abs(op::Abs::default()), cx, u0)?;
+    let u = cx.add1(Op::Abs(op::Abs::default()), &[u0])?;
     let range_c = cx.scalar(dt, range);
     let q = cx.div(u, range_c)?;
-    let f = unary(Op::Floor(op::Floor::default()), cx, q)?;
+    let f = cx.add1(Op::Floor(op::Floor::default()), &[q])?;
     let fr = cx.scale(f, range)?;
     let e = cx.sub(u, fr)?;
     let half = cx.scale(f, 0.5)?;
-    let half = unary(Op::Floor(op::Floor::default()), cx, half)?;
+    let half = cx.add1(Op::Floor(op::Floor::default()), &[half])?;
     let twice = cx.scale(half, 2.0)?;
     let odd = cx.sub(f, twice)?;
     // lo + e + odd · (range − 2e)
@@ -125,6 +124,15 @@ fn reflect_in_graph(cx: &mut GradCx<'_>, x: Value, lo: f64, hi: f64) -> std::res
     let flip = cx.add2(m2, pos)?;
     let slope = cx.mul(sign, flip)?;
     Ok((v, slope))
+}
+
+/// Where `v` lies outside `[lo, hi]` (a boolean tensor).
+fn outside(cx: &mut GradCx<'_>, v: Value, lo: f64, hi: f64) -> std::result::Result<Value, String> {
+    let dt = cx.dtype(v);
+    let (lo, hi) = (cx.scalar(dt, lo), cx.scalar(dt, hi));
+    let below = cx.add1(Op::Less(op::Less::default()), &[v, lo])?;
+    let above = cx.add1(Op::Greater(op::Greater::default()), &[v, hi])?;
+    cx.add1(Op::Or(op::Or::default()), &[below, above])
 }
 
 /// The gradients of `GridSample`, built from the forward's own arithmetic: per spatial dim,
@@ -158,7 +166,6 @@ fn grid_sample_grad(op: &op::GridSample, cx: &mut GradCx<'_>) -> std::result::Re
     let (offsets, coef) = taps_of(op.mode()).ok_or_else(|| format!("GridSample's gradient: mode {}", op.mode()))?;
     let t = offsets.len();
     let dt = cx.dtype(x);
-    let unary = |o: Op, cx: &mut GradCx<'_>, v: Value| cx.add1(o, &[v]);
     let clamp = |cx: &mut GradCx<'_>, v: Value, lo: f64, hi: f64| -> std::result::Result<Value, String> {
         let (l, h) = (cx.scalar(dt, lo), cx.scalar(dt, hi));
         let v = cx.add1(Op::Min(op::Min::default()), &[v, h])?;
@@ -185,16 +192,13 @@ fn grid_sample_grad(op: &op::GridSample, cx: &mut GradCx<'_>) -> std::result::Re
         let mid = cx.scalar(dt, (len - 1.0) / 2.0);
         let mut pos = cx.add2(pos, mid)?;
         if nearest {
-            pos = unary(Op::Round(op::Round::default()), cx, pos)?;
+            pos = cx.add1(Op::Round(op::Round::default()), &[pos])?;
         }
         let (lo, hi) = if align { (0.0, len - 1.0) } else { (-0.5, len - 0.5) };
         let mut slope: Option<Value> = None;
         match pad {
             "border" => {
-                let (lo_c, hi_c) = (cx.scalar(dt, lo), cx.scalar(dt, hi));
-                let below = cx.add1(Op::Less(op::Less::default()), &[pos, lo_c])?;
-                let above = cx.add1(Op::Greater(op::Greater::default()), &[pos, hi_c])?;
-                let out = cx.add1(Op::Or(op::Or::default()), &[below, above])?;
+                let out = outside(cx, pos, lo, hi)?;
                 let clamped = clamp(cx, pos, 0.0, len - 1.0)?;
                 pos = cx.where_(out, clamped, pos)?;
                 let (zero, one) = (cx.scalar(dt, 0.0), cx.scalar(dt, 1.0));
@@ -212,7 +216,7 @@ fn grid_sample_grad(op: &op::GridSample, cx: &mut GradCx<'_>) -> std::result::Re
             }
             _ => {}
         }
-        let base = unary(Op::Floor(op::Floor::default()), cx, pos)?;
+        let base = cx.add1(Op::Floor(op::Floor::default()), &[pos])?;
         let f = cx.sub(pos, base)?;
         // Horner: w = c0 + f(c1 + f(c2 + f c3)); w' = c1 + f(2c2 + f 3c3).
         let mut w = coef_vec(cx, 3);
@@ -241,13 +245,10 @@ fn grid_sample_grad(op: &op::GridSample, cx: &mut GradCx<'_>) -> std::result::Re
                     at = reflect_in_graph(cx, at, lo, hi)?.0;
                 }
                 at = clamp(cx, at, 0.0, len - 1.0)?;
-                at = unary(Op::Floor(op::Floor::default()), cx, at)?;
+                at = cx.add1(Op::Floor(op::Floor::default()), &[at])?;
             }
             _ => {
-                let (zero, last) = (cx.scalar(dt, 0.0), cx.scalar(dt, len - 1.0));
-                let below = cx.add1(Op::Less(op::Less::default()), &[at, zero])?;
-                let above = cx.add1(Op::Greater(op::Greater::default()), &[at, last])?;
-                let out = cx.add1(Op::Or(op::Or::default()), &[below, above])?;
+                let out = outside(cx, at, 0.0, len - 1.0)?;
                 let (zero, one) = (cx.scalar(dt, 0.0), cx.scalar(dt, 1.0));
                 let valid = cx.where_(out, zero, one)?;
                 at = clamp(cx, at, 0.0, len - 1.0)?;

@@ -187,11 +187,17 @@ pub fn message(cluster: &Cluster, level: LinkLevel, n: f64, at_once: usize) -> f
         return 0.0;
     }
     let d = &cluster.device;
-    if d.shared_host && d.mem_bandwidth > 0.0 {
+    if in_host_memory(cluster) {
         return 2.0 * n * d.comm_share(at_once) / d.mem_bandwidth;
     }
     let (alpha, beta) = alpha_beta(cluster, level, 2, at_once, n);
     p2p(n, alpha, beta)
+}
+
+/// Whether a point-to-point message between devices is a copy in host memory made by the
+/// sender ([`message`]): devices sharing one host. Elsewhere it travels a link.
+pub fn in_host_memory(cluster: &Cluster) -> bool {
+    cluster.device.shared_host && cluster.device.mem_bandwidth > 0.0
 }
 
 /// Point-to-point: `α + n/β`.
@@ -319,10 +325,12 @@ pub fn reshard(
     cluster: &Cluster,
     policy: Policy,
 ) -> Vec<Step> {
-    ir::reshard::reshard(dims, elem_bytes, from, to, mesh, policy)
-        .iter()
-        .filter_map(|s| price(s, scale, mesh, cluster))
-        .collect()
+    price_steps(&ir::reshard::reshard(dims, elem_bytes, from, to, mesh, policy), scale, mesh, cluster, mesh.devices())
+}
+
+/// The algebra's steps priced ([`price_at`]), its local ones left out.
+pub fn price_steps(steps: &[CommStep], scale: f64, mesh: &Mesh, cluster: &Cluster, at_once: usize) -> Vec<Step> {
+    steps.iter().filter_map(|s| price_at(s, scale, mesh, cluster, at_once)).collect()
 }
 
 /// An all-reduce of `bytes` per device over mesh axes `axes`, as the algebra runs it under
@@ -347,10 +355,7 @@ pub fn all_reduce_over(
         .collect();
     let to = vec![AxisShard::Replicate; mesh.axes.len()];
     let scale = bytes / (words as f64 * 4.0);
-    ir::reshard::reshard(&[words], 4.0, &from, &to, mesh, policy)
-        .iter()
-        .filter_map(|s| price_at(s, scale, mesh, cluster, at_once))
-        .collect()
+    price_steps(&ir::reshard::reshard(&[words], 4.0, &from, &to, mesh, policy), scale, mesh, cluster, at_once)
 }
 
 /// Total seconds of priced steps.

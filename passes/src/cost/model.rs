@@ -996,11 +996,8 @@ impl<'a> CostModel<'a> {
         }
         let (dims, eb) = self.value_shape(v);
         let algebra = ir::reshard::reshard(&dims, eb, from, to, &self.mesh, self.policy);
-        let steps: Rc<[Step]> = algebra
-            .iter()
-            .filter_map(|s| super::collective::price_at(s, scale, &self.mesh, self.cluster, self.busy()))
-            .collect::<Vec<_>>()
-            .into();
+        let steps: Rc<[Step]> =
+            super::collective::price_steps(&algebra, scale, &self.mesh, self.cluster, self.busy()).into();
         let whole = dims.iter().map(|&d| d.max(0) as f64).product::<f64>() * eb;
         let local: f64 = algebra
             .iter()
