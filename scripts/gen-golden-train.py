@@ -3,15 +3,20 @@
 the format and the optimizer formulas), for architectures that folder does not have: group and
 instance normalization, nearest and bilinear upsampling (a small U-Net), sub-pixel
 convolution (PixelShuffle / PixelUnshuffle), einsum contractions, reflect/edge padding, 1-D
-convolutions with batch normalization and ceil-mode average pooling, and transposed
-convolution with PReLU/ELU/Softplus and hand-written Huber/L1 losses. Each torch module ends in its loss; it is exported
+convolutions with batch normalization and ceil-mode average pooling, transposed
+convolution with PReLU/ELU/Softplus and hand-written Huber/L1 losses, and four blocks of current
+architectures: a LLaMA-style decoder (RMSNorm, rotary embeddings and an additive causal mask as
+buffers, grouped-query attention, a SiLU-gated MLP), a pre-norm ViT encoder with a class token, a
+ConvNeXt block (depthwise 7x7, channels-last LayerNorm, GELU, layer scale) and an EfficientNet
+MBConv (SiLU, squeeze-and-excitation, batch normalization). Buffers (the rotary tables, the
+mask) are float initializers that are not in `trainable`. Each torch module ends in its loss; it is exported
 with torch.onnx.export(dynamo=False, opset_version=17, do_constant_folding=False,
 training=TRAINING), printed with onnx.printer, and its loss, gradients, one momentum-SGD and one
 Adam step and 10-step loss trajectories computed by torch (float32, CPU, one thread). The
 tolerance is the tightest of the README's list that the same training in float64 stays within a
 tenth of; onnxruntime's loss on the printed model is checked against torch's.
 
-usage: gen-golden-train.py OUT_DIR   (needs torch, onnx, onnxruntime, numpy; not needed to build
+usage: gen-golden-train.py [OUT_DIR [CASE...]]   (only the cases named, when some are; needs torch, onnx, onnxruntime, numpy; not needed to build
 or test shardc: the cases it wrote are in tests/data/golden-train-more)
 """
 import copy, json, os, sys
@@ -25,6 +30,7 @@ import torch.nn.functional as F
 
 torch.set_num_threads(1)
 out_dir = sys.argv[1] if len(sys.argv) > 1 else "tests/data/golden-train-more"
+only = set(sys.argv[2:])
 os.makedirs(out_dir, exist_ok=True)
 TOLS = [(1e-4, 1e-5), (1e-3, 1e-5), (1e-3, 1e-4), (1e-2, 1e-4), (1e-2, 1e-3)]
 
@@ -160,6 +166,143 @@ class Deconv(nn.Module):
         return huber + 0.1 * (torch.tanh(h) - y).abs().mean()
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.2 * torch.randn(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class RopeLlama(nn.Module):
+    """LLaMA-style decoder layer: Embedding(32, 16), RMSNorm, Q (4 heads of 4) and K/V (2 heads,
+    repeated to 4: grouped-query attention) without biases, rotary embeddings from cos/sin
+    buffers (rotate-half), scores plus an additive causal mask buffer (-inf above the diagonal),
+    Softmax, output projection, residual; RMSNorm, SiLU-gated MLP (16->32->16), residual; RMSNorm,
+    LM head; cross-entropy over the tokens."""
+
+    def __init__(self, vocab=32, d=16, heads=4, kv_heads=2, seq=6):
+        super().__init__()
+        self.h, self.kv, self.hd = heads, kv_heads, d // heads
+        self.emb = nn.Embedding(vocab, d)
+        self.n1, self.n2, self.n3 = RMSNorm(d), RMSNorm(d), RMSNorm(d)
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.v = nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+        self.gate = nn.Linear(d, 2 * d, bias=False)
+        self.up = nn.Linear(d, 2 * d, bias=False)
+        self.down = nn.Linear(2 * d, d, bias=False)
+        self.lm = nn.Linear(d, vocab, bias=False)
+        inv = 1.0 / (10000 ** (torch.arange(0, self.hd, 2).float() / self.hd))
+        f = torch.outer(torch.arange(seq).float(), inv)
+        e = torch.cat([f, f], -1)
+        self.register_buffer("cos", e.cos())
+        self.register_buffer("sin", e.sin())
+        self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), 1))
+
+    def rope(self, x):
+        half = x.shape[-1] // 2
+        return x * self.cos + torch.cat([-x[..., half:], x[..., :half]], -1) * self.sin
+
+    def forward(self, ids, labels):
+        b, t = ids.shape
+        x = self.emb(ids)
+        y = self.n1(x)
+        q = self.rope(self.q(y).view(b, t, self.h, self.hd).transpose(1, 2))
+        k = self.rope(self.k(y).view(b, t, self.kv, self.hd).transpose(1, 2))
+        v = self.v(y).view(b, t, self.kv, self.hd).transpose(1, 2)
+        k = k.repeat_interleave(self.h // self.kv, 1)
+        v = v.repeat_interleave(self.h // self.kv, 1)
+        a = torch.softmax(q @ k.transpose(-1, -2) / self.hd**0.5 + self.mask, -1) @ v
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
+        y = self.n2(x)
+        x = x + self.down(F.silu(self.gate(y)) * self.up(y))
+        logits = self.lm(self.n3(x))
+        return F.cross_entropy(logits.reshape(b * t, -1), labels.reshape(-1))
+
+
+class TinyVit(nn.Module):
+    """ViT: Conv 4x4 stride 4 patch embedding (3->16) of an 8x8 image (4 patches), a class token
+    concatenated in front, learned position embeddings added; one pre-norm TransformerEncoderLayer
+    (d 16, 2 heads, feed-forward 32, GELU, no biases: a key bias's exact gradient is 0, a float32
+    one noise that Adam would turn into a step); LayerNorm, Linear head on the class token;
+    cross-entropy."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(3, 16, 4, 4)
+        self.cls = nn.Parameter(0.3 * torch.randn(1, 1, 16))
+        self.pos = nn.Parameter(0.3 * torch.randn(1, 5, 16))
+        self.enc = nn.TransformerEncoderLayer(
+            16, 2, 32, dropout=0.0, activation="gelu", batch_first=True, norm_first=True, bias=False
+        )
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x, labels):
+        h = self.patch(x).flatten(2).transpose(1, 2)
+        # The class token broadcast over the batch from a slice of the batch itself (the
+        # tracer writes `expand(h.shape[0], ...)` with the batch as a constant).
+        h = torch.cat([torch.zeros_like(h[:, :1]) + self.cls, h], 1) + self.pos
+        h = self.enc(h)
+        return F.cross_entropy(self.head(self.norm(h[:, 0])), labels)
+
+
+class ConvNextBlock(nn.Module):
+    """ConvNeXt: Conv 2x2 stride 2 stem (3->8) and a LayerNorm over channels (permuted to
+    channels-last and back); one block: depthwise Conv 7x7 (pad 3, 8 groups), channels-last
+    LayerNorm, Linear 8->32, GELU, Linear 32->8, layer scale (a trainable per-channel factor),
+    residual; mean over the pixels, Linear(8->5); cross-entropy."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 2, 2)
+        self.stem_norm = nn.LayerNorm(8)
+        self.dw = nn.Conv2d(8, 8, 7, padding=3, groups=8)
+        self.norm = nn.LayerNorm(8)
+        self.fc1 = nn.Linear(8, 32)
+        self.fc2 = nn.Linear(32, 8)
+        self.gamma = nn.Parameter(0.5 + 0.1 * torch.randn(8))
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x, labels):
+        h = self.stem_norm(self.stem(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        y = self.norm(self.dw(h).permute(0, 2, 3, 1))
+        y = self.fc2(F.gelu(self.fc1(y))) * self.gamma
+        h = h + y.permute(0, 3, 1, 2)
+        return F.cross_entropy(self.head(h.mean((2, 3))), labels)
+
+
+class MbConvSe(nn.Module):
+    """EfficientNet: Conv 3x3 stride 2 stem (3->8, no bias) + BatchNorm + SiLU; an MBConv block
+    with expansion 4: Conv 1x1 (8->32, no bias) + BatchNorm + SiLU, depthwise Conv 3x3 (no bias)
+    + BatchNorm + SiLU, squeeze-and-excitation (global average pool, Conv 1x1 32->8 + SiLU, Conv
+    1x1 8->32, Sigmoid, scale), Conv 1x1 (32->8, no bias) + BatchNorm, residual; Conv 1x1 head
+    (8->16) + SiLU, global average pool, Linear(16->5); cross-entropy. Batch normalization in
+    training mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.SiLU())
+        self.expand = nn.Sequential(nn.Conv2d(8, 32, 1, bias=False), nn.BatchNorm2d(32), nn.SiLU())
+        self.dw = nn.Sequential(nn.Conv2d(32, 32, 3, 1, 1, groups=32, bias=False), nn.BatchNorm2d(32), nn.SiLU())
+        self.se1 = nn.Conv2d(32, 8, 1)
+        self.se2 = nn.Conv2d(8, 32, 1)
+        self.project = nn.Sequential(nn.Conv2d(32, 8, 1, bias=False), nn.BatchNorm2d(8))
+        self.head = nn.Conv2d(8, 16, 1)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x, labels):
+        h = self.stem(x)
+        y = self.dw(self.expand(h))
+        y = y * torch.sigmoid(self.se2(F.silu(self.se1(F.adaptive_avg_pool2d(y, 1)))))
+        h = h + self.project(y)
+        h = F.silu(self.head(h))
+        return F.cross_entropy(self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1)), labels)
+
+
 def cases():
     g = torch.Generator().manual_seed(0)
     yield (
@@ -216,6 +359,36 @@ def cases():
         "Conv 3x3 stride 2 (2->4) + PReLU(4), ConvTranspose2d (4->2, stride 2, output_padding 1) + ELU, plus SiLU(x)*Softplus(x); Huber loss written with Where plus 0.1 x L1 of Tanh. x, y [2,2,6,6]",
     )
 
+    g = torch.Generator().manual_seed(5)
+    yield (
+        "rope_llama",
+        RopeLlama,
+        {"ids": torch.randint(0, 32, (2, 6), generator=g), "labels": torch.randint(0, 32, (2, 6), generator=g)},
+        (0.1, 0.01),
+        "LLaMA-style decoder layer: Embedding(32,16), RMSNorm, Q (4 heads) and K/V (2 heads repeated: grouped-query) without biases, rotary embeddings from cos/sin buffers, additive causal mask buffer (-inf), Softmax, output projection, residual; RMSNorm, SiLU-gated MLP 16->32->16, residual; RMSNorm, LM head; cross-entropy over tokens. The buffers cos, sin and mask are float initializers that are not trainable. ids, labels [2,6]",
+    )
+    yield (
+        "tiny_vit",
+        TinyVit,
+        {"x": torch.randn(2, 3, 8, 8, generator=g), "labels": torch.randint(0, 5, (2,), generator=g)},
+        (0.05, 0.01),
+        "ViT: Conv 4x4 stride 4 patch embedding (3->16), class token concatenated, position embeddings added, one pre-norm TransformerEncoderLayer (d 16, 2 heads, feed-forward 32, GELU, no biases), LayerNorm, Linear head on the class token; cross-entropy. x [2,3,8,8], labels [2]",
+    )
+    yield (
+        "convnext_block",
+        ConvNextBlock,
+        {"x": torch.randn(2, 3, 8, 8, generator=g), "labels": torch.randint(0, 5, (2,), generator=g)},
+        (0.05, 0.01),
+        "ConvNeXt: Conv 2x2 stride 2 stem (3->8) + channels-last LayerNorm; block: depthwise Conv 7x7, channels-last LayerNorm, Linear 8->32, GELU, Linear 32->8, layer scale, residual; mean pool, Linear(8->5); cross-entropy. x [2,3,8,8], labels [2]",
+    )
+    yield (
+        "mbconv_se",
+        MbConvSe,
+        {"x": torch.randn(4, 3, 8, 8, generator=g), "labels": torch.randint(0, 5, (4,), generator=g)},
+        (0.05, 0.01),
+        "EfficientNet MBConv: Conv 3x3 stride 2 stem (no bias) + BatchNorm + SiLU; expansion Conv 1x1 8->32 + BatchNorm + SiLU, depthwise Conv 3x3 + BatchNorm + SiLU, squeeze-and-excitation (pool, Conv 1x1 32->8, SiLU, Conv 1x1 8->32, Sigmoid, scale), projection Conv 1x1 32->8 + BatchNorm, residual; Conv 1x1 head 8->16 + SiLU, pool, Linear(16->5); cross-entropy; BatchNorm in training mode. x [4,3,8,8], labels [4]",
+    )
+
 
 def tensor_json(t):
     a = t.detach().cpu().numpy()
@@ -253,6 +426,8 @@ def train(model, inputs, opt, steps, dtype):
 
 def main():
     for name, cls, inputs, (sgd_lr, adam_lr), description in cases():
+        if only and name not in only:
+            continue
         torch.manual_seed(1)
         model = cls()
         # Normalization affine parameters randomised, as the shared cases do.

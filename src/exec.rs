@@ -419,7 +419,8 @@ pub fn array_to_json(a: &Array) -> serde_json::Value {
 }
 
 /// The largest absolute and relative errors of `got` against `want`, and whether every
-/// element passes `|got − want| ≤ atol + rtol·|want|` (integers and booleans: exactly).
+/// element passes `|got − want| ≤ atol + rtol·|want|` (integers and booleans: exactly; the
+/// same infinity, and NaN where NaN is expected, pass).
 pub fn compare(got: &Array, want: &Array, rtol: f64, atol: f64) -> (f64, f64, bool) {
     if got.shape != want.shape {
         return (f64::INFINITY, f64::INFINITY, false);
@@ -428,8 +429,13 @@ pub fn compare(got: &Array, want: &Array, rtol: f64, atol: f64) -> (f64, f64, bo
     let exact = !want.dtype.is_float();
     let (mut max_abs, mut max_rel, mut ok) = (0.0f64, 0.0f64, true);
     for (a, b) in x.iter().zip(&y) {
+        // The same value, infinities included, and NaN where NaN is expected: no error.
+        if a == b || (a.is_nan() && b.is_nan()) {
+            continue;
+        }
         let d = (a - b).abs();
-        if d.is_nan() && !(a.is_nan() && b.is_nan()) {
+        // Any other value against an infinity (or NaN) is wrong, however loose the tolerance.
+        if d.is_nan() || !b.is_finite() {
             ok = false;
             max_abs = f64::INFINITY;
             continue;
@@ -649,4 +655,28 @@ pub fn prepare_with_values(m: &mut Model, inputs: &HashMap<String, Array>) -> Re
     pm.add(passes::InferShapes::default()).add(passes::Canonicalize);
     pm.run(m).map_err(flat)?;
     Ok(bound)
+}
+
+#[cfg(test)]
+mod tests {
+    use ir::eval::Array;
+
+    /// The same infinity is no error (a mask's `-inf` against itself), nor NaN where NaN is
+    /// expected; an infinity against a number, or NaN against a number, fails.
+    #[test]
+    fn equal_infinities_compare_equal() {
+        let f = |v: Vec<f32>| Array::f32(vec![v.len()], v);
+        let inf = f32::INFINITY;
+        assert_eq!(
+            super::compare(&f(vec![-inf, 1.0, f32::NAN]), &f(vec![-inf, 1.0, f32::NAN]), 1e-5, 1e-6),
+            (0.0, 0.0, true)
+        );
+        assert!(!super::compare(&f(vec![-inf]), &f(vec![1.0]), 1e-5, 1e-6).2);
+        assert!(!super::compare(&f(vec![f32::NAN]), &f(vec![1.0]), 1e-5, 1e-6).2);
+        assert!(!super::compare(&f(vec![inf]), &f(vec![-inf]), 1e-5, 1e-6).2);
+        assert!(!super::compare(&f(vec![5.0]), &f(vec![inf]), 1e-5, 1e-6).2);
+        assert!(crate::train::close(f64::NEG_INFINITY, f64::NEG_INFINITY, (1e-4, 1e-5)));
+        assert!(!crate::train::close(f64::NAN, f64::NAN, (1e-4, 1e-5)));
+        assert!(!crate::train::close(5.0, f64::INFINITY, (1e-4, 1e-5)));
+    }
 }

@@ -164,9 +164,52 @@ pub fn micro_training_model(
     Ok(training_model(&micro, loss, opt)?.0)
 }
 
-/// `|a − e| ≤ atol + rtol·|e|` (false for NaN).
+/// Makes constant the float initializers of `g` that are not to be trained: those holding an
+/// infinity or NaN ([`ir::cost::freeze_non_finite`]), those `patterns` name (a name, or a
+/// prefix ending in `*`), and, given a golden case's `trainable` list (not empty), every other
+/// ([`ir::cost::FROZEN`]; BatchNormalization's running statistics, its state, are left as
+/// they are). Returns their names; a pattern that names no parameter is an error.
+pub fn freeze(g: &mut ir::Graph, patterns: &[String], trainable: Option<&[String]>) -> Result<Vec<String>, String> {
+    let mut names = ir::cost::freeze_non_finite(g);
+    let params: Vec<ir::Value> = g
+        .initializers()
+        .iter()
+        .chain(g.inputs())
+        .map(|&n| ir::Value::new(n, 0))
+        .filter(|&v| ir::cost::is_param(g, v))
+        .collect();
+    let matches = |p: &str, name: &str| match p.strip_suffix('*') {
+        Some(prefix) => name.starts_with(prefix),
+        None => name == p,
+    };
+    for p in patterns {
+        if !params.iter().any(|&v| matches(p, g.value_name(v))) {
+            return Err(format!("--freeze {p}: no float initializer of two or more elements is named so"));
+        }
+    }
+    let listed = trainable.filter(|t| !t.is_empty());
+    let running_stat = |g: &ir::Graph, v: ir::Value| {
+        let users = g.users(v);
+        !users.is_empty()
+            && users.iter().all(|&(n, i)| matches!(g.node(n).op, ir::Op::BatchNormalization(_)) && (i == 3 || i == 4))
+    };
+    for v in params {
+        if running_stat(g, v) {
+            continue;
+        }
+        let name = g.value_name(v).to_string();
+        if patterns.iter().any(|p| matches(p, &name)) || listed.is_some_and(|t| !t.contains(&name)) {
+            ir::cost::freeze(g, v);
+            names.push(name);
+        }
+    }
+    Ok(names)
+}
+
+/// `|a − e| ≤ atol + rtol·|e|`, or `a` and `e` the same infinity (a mask's `-inf`); false
+/// for NaN.
 pub fn close(a: f64, e: f64, tol: (f64, f64)) -> bool {
-    (a - e).abs() <= tol.1 + tol.0 * e.abs()
+    a == e || e.is_finite() && (a - e).abs() <= tol.1 + tol.0 * e.abs()
 }
 
 /// `|a − e| ≤ atol + rtol·|e|` for every element; the first violation.
@@ -330,7 +373,14 @@ pub fn worst(got: &BTreeMap<String, Array>, want: &BTreeMap<String, Array>, tol:
                     .iter()
                     .zip(&e)
                     .map(|(x, y)| {
-                        let d = (x - y).abs() / (tol.1 + tol.0 * y.abs());
+                        // The same infinity is no error; NaN is an infinite one.
+                        let d = if x == y {
+                            0.0
+                        } else if y.is_finite() {
+                            (x - y).abs() / (tol.1 + tol.0 * y.abs())
+                        } else {
+                            f64::INFINITY
+                        };
                         if d.is_nan() { f64::INFINITY } else { d }
                     })
                     .fold(0.0, f64::max),

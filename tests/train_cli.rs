@@ -356,3 +356,40 @@ fn searched_and_saved_plans_train() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Buffers are not parameters: a float initializer holding `-inf` (an additive causal mask)
+/// is never trained, `--freeze` keeps others constant (the rotary tables), a golden case's
+/// `trainable` list freezes every other, and a pattern that names nothing is refused. The
+/// frozen model still trains with the loss falling, on two devices equal to one.
+#[test]
+fn buffers_and_frozen_tensors_are_not_trained() {
+    let model = "tests/data/golden-train-more/rope_llama.onnxtxt";
+    let data = "tests/data/golden-train-more/rope_llama.train.json";
+    let notes = |doc: &serde_json::Value| {
+        doc["notes"].as_array().into_iter().flatten().map(|n| n.to_string()).collect::<String>()
+    };
+    let common = ["--steps", "4", "--backend", "cpu", "--devices", "2", "--strategy", "data", "--check"];
+    // Without a case: everything but the mask (its -inf can take no step) is trained.
+    let doc = shardc_train(&[&[model][..], &common].concat()).expect("trains without the mask");
+    assert!(notes(&doc).contains("constant, not trained: mask\""), "{}", notes(&doc));
+    let all = doc["trainable"].as_u64().unwrap();
+    let losses: Vec<f64> = doc["losses"].as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect();
+    assert!(losses.iter().all(|l| l.is_finite()) && losses[4] < losses[0], "{losses:?}");
+    // The rotary tables frozen by name and by prefix.
+    for freeze in [&["--freeze", "cos", "--freeze", "sin"][..], &["--freeze", "co*", "--freeze", "si*"]] {
+        let doc = shardc_train(&[&[model][..], &common, freeze].concat()).expect("trains with frozen tables");
+        assert_eq!(doc["trainable"].as_u64(), Some(all - 2), "{freeze:?}");
+        assert!(notes(&doc).contains("mask, cos, sin"), "{}", notes(&doc));
+    }
+    // The case's list: the same two and the mask, and torch's values.
+    let doc = shardc_train(&[model, "--data", data, "--steps", "3", "--backend", "cpu"]).expect("matches torch");
+    assert_eq!(doc["trainable"].as_u64(), Some(all - 2));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args(["train", model, "--steps", "1", "--backend", "cpu", "--freeze", "rotary*"])
+        .current_dir(repo_root())
+        .output()
+        .expect("shardc runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("--freeze rotary*: no float initializer") && !err.contains("panicked"), "{err}");
+}

@@ -27,8 +27,10 @@ struct Case {
 }
 
 fn load(path: &Path) -> Case {
-    let loaded = shardc::load_model(path).expect("model loads");
+    let mut loaded = shardc::load_model(path).expect("model loads");
     let case = TrainCase::load(&path.with_extension("train.json")).expect("case loads");
+    // As `shardc train --data` trains it: what the case does not list is a constant.
+    shardc::train::freeze(&mut loaded.model.graph, &[], Some(&case.trainable)).expect("frozen");
     let opt = case.optimizer("sgd").cloned().unwrap_or(OptimizerSpec::Sgd {
         lr: 0.05,
         momentum: 0.9,
@@ -270,8 +272,9 @@ fn collectives_of_one_device_copy_nothing() {
 fn with_single(path: &Path) -> (Case, TrainRun, shardc::ir::Model, OptimizerSpec) {
     let c = load(path);
     let single = run(&c, &program(&c, "data", 1).expect("one device"));
-    let loaded = shardc::load_model(path).expect("model loads").model;
+    let mut loaded = shardc::load_model(path).expect("model loads").model;
     let case = TrainCase::load(&path.with_extension("train.json")).expect("case loads");
+    shardc::train::freeze(&mut loaded.graph, &[], Some(&case.trainable)).expect("frozen");
     let opt = case.optimizer("sgd").cloned().expect("the case has an SGD step");
     (c, single, loaded, opt)
 }

@@ -70,16 +70,55 @@ fn bytes(t: Option<&TensorType>) -> f64 {
     t.and_then(TensorType::size_bytes).map_or(0.0, |n| n as f64)
 }
 
+/// The annotation that makes a float initializer a constant, not trained whatever its size:
+/// one that holds an infinity or NaN ([`freeze_non_finite`]: an additive attention mask's
+/// `-inf`), or one the user froze (`shardc train --freeze`, a golden case's `trainable` list).
+pub const FROZEN: &str = "shardc_frozen";
+
 /// True when `v` is a trainable parameter: a float initializer (or input default) of two or
-/// more elements. A single-element one is the exporter's constant (a scale, an epsilon, a
-/// mask's fill value, an exponent; `canonicalize` makes `Constant`s initializers), not a
-/// parameter: the autodiff pass trains exactly these, and the cost model prices gradients,
-/// their synchronisation and updates for exactly these.
+/// more elements, not [`FROZEN`]. A single-element one is the exporter's constant (a scale, an
+/// epsilon, a mask's fill value, an exponent; `canonicalize` makes `Constant`s initializers),
+/// not a parameter: the autodiff pass trains exactly these, and the cost model prices
+/// gradients, their synchronisation and updates for exactly these.
 pub fn is_param(g: &Graph, v: Value) -> bool {
-    match &g.node(v.node).op {
-        Op::Initializer(t) | Op::Input { default: Some(t) } => t.dtype.is_float() && t.numel() >= 2,
+    let node = g.node(v.node);
+    match &node.op {
+        Op::Initializer(t) | Op::Input { default: Some(t) } => {
+            t.dtype.is_float() && t.numel() >= 2 && !node.annotations.iter().any(|(k, _)| k == FROZEN)
+        }
         _ => false,
     }
+}
+
+/// Makes initializer (or defaulted input) `v` a constant ([`FROZEN`]).
+pub fn freeze(g: &mut Graph, v: Value) {
+    g.set_annotation(v.node, FROZEN, "true");
+}
+
+/// Freezes the parameters ([`is_param`]) whose values hold an infinity or NaN — no optimizer
+/// step can train them (an additive causal mask's `-inf` plus any update is `-inf` or NaN;
+/// torch keeps such tensors as buffers) — and returns their names.
+pub fn freeze_non_finite(g: &mut Graph) -> Vec<String> {
+    let mut frozen = Vec::new();
+    for n in g.node_ids().collect::<Vec<_>>() {
+        let v = Value::new(n, 0);
+        if !is_param(g, v) {
+            continue;
+        }
+        let non_finite = match &g.node(n).op {
+            Op::Initializer(t) | Op::Input { default: Some(t) } => match &t.data {
+                crate::TensorData::Float(x) => x.iter().any(|x| !x.is_finite()),
+                crate::TensorData::Double(x) => x.iter().any(|x| !x.is_finite()),
+                _ => false,
+            },
+            _ => false,
+        };
+        if non_finite {
+            freeze(g, v);
+            frozen.push(g.value_name(v).to_string());
+        }
+    }
+    frozen
 }
 
 /// The values gradients flow into in a training step: the parameters ([`is_param`]) and the

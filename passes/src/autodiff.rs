@@ -7,7 +7,8 @@
 //! loss back, calling each op's gradient rule ([`ir::ops::OpRules::grad`], in the op's own
 //! module); gradients of a value read by several ops are summed. Every parameter
 //! ([`ir::cost::is_param`]: a float initializer of two or more elements; single-element ones
-//! are the exporter's constants) that receives a gradient is trainable (BatchNormalization's
+//! are the exporter's constants, and one holding an infinity or NaN, or frozen by the user,
+//! is a constant too) that receives a gradient is trainable (BatchNormalization's
 //! running statistics get none); it
 //! is updated by the optimizer's op (`SgdUpdate`, `AdamUpdate`) with its state in new
 //! initializers.
@@ -247,6 +248,8 @@ pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<T
             }
         }
     }
+    // Tensors no step can train (an additive mask's `-inf`) are constants.
+    ir::cost::freeze_non_finite(g);
     let candidates: Vec<Value> = g
         .initializers()
         .iter()

@@ -47,6 +47,12 @@ pub struct TrainArgs {
     /// Weight decay (AdamW: decoupled).
     #[arg(long = "weight-decay", value_parser = parse_nonneg, allow_negative_numbers = true)]
     pub weight_decay: Option<f64>,
+    /// Keep these float initializers constant (not trained): a name, or a prefix ending in
+    /// `*` (`--freeze 'rope.*'`); repeatable. Tensors holding an infinity or NaN (an additive
+    /// mask) are always constant; with `--data`, so is every one the case does not list as
+    /// trainable.
+    #[arg(long, value_name = "NAME")]
+    pub freeze: Vec<String>,
     /// Training steps.
     #[arg(long, default_value_t = 10, value_parser = parse_count, allow_negative_numbers = true)]
     pub steps: usize,
@@ -469,6 +475,13 @@ pub fn run(args: &TrainArgs) -> CliResult {
     // Not canonicalized: folding would rename or transform parameters, and the trained
     // tensors must stay the model's own.
     let mut loaded = load_computable(&args.model, &args.shapes)?;
+    let frozen = shardc::train::freeze(&mut loaded.model.graph, &args.freeze, case.as_ref().map(|c| &c.trainable[..]))
+        .map_err(CliError::msg)?;
+    let frozen = (!frozen.is_empty()).then(|| {
+        let shown: Vec<&str> = frozen.iter().take(8).map(String::as_str).collect();
+        let more = if frozen.len() > 8 { format!(" and {} more", frozen.len() - 8) } else { String::new() };
+        format!("constant, not trained: {}{more}", shown.join(", "))
+    });
     let loss = match (&args.loss, &args.loss_output) {
         (Some(l), _) => LossSpec::parse(l).map_err(|e| CliError::msg(format!("--loss: {e}")))?,
         (None, Some(o)) => LossSpec::Output(o.clone()),
@@ -497,7 +510,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
         })
         .collect();
     let mut written = args.check.then(|| loaded.model.clone());
-    let mut notes: Vec<String> = Vec::new();
+    let mut notes: Vec<String> = frozen.into_iter().collect();
     // The model after the `algebra` pass (fused GEMMs that are split un-fused, reshape
     // detours folded), as `plan` and `cost` price it. A plan is a plan of that model and the
     // rewrites its search applied; without one, the search is `plan`'s and makes the same
