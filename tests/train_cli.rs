@@ -393,3 +393,59 @@ fn buffers_and_frozen_tensors_are_not_trained() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("--freeze rotary*: no float initializer") && !err.contains("panicked"), "{err}");
 }
+
+/// A training graph is not canonicalized, so an exporter's `Constant` axes are still ops in
+/// it: a `ReduceSum` reading its axes from one must get the iteration space it gets from an
+/// initializer, or the data-parallel program gathered its gradient's reshape and then mixed
+/// the whole batch with a device's half (torch's `cosine_similarity` and `F.normalize` export
+/// so). Both spellings train on two devices like on one.
+#[test]
+fn constant_op_axes_shard_like_initializer_axes() {
+    let body = |axes_init: &str, axes_op: &str| {
+        format!(
+            r#"<
+ ir_version: 8,
+ opset_import: ["" : 17]
+>
+g (float[4,6] x, int64[4] labels) => (float loss)
+<float[6,6] w = {{0.1,0.2,-0.3,0.4,0.5,-0.6,0.7,0.8,0.9,-0.1,0.2,0.3,0.4,-0.5,0.6,0.7,0.8,0.9,0.1,-0.2,0.3,0.4,0.5,0.6,-0.7,0.8,0.9,0.1,0.2,0.3,0.4,0.5,-0.6,0.7,0.8,0.9}}{axes_init}>
+{{{axes_op}
+  h = MatMul (x, w)
+  sq = Mul (h, h)
+  b = ReduceSum <keepdims: int = 0> (sq, ax)
+  s = Sqrt (b)
+  t = Mul (s, b)
+  u = Unsqueeze (t, ax)
+  logits = Add (h, u)
+  loss = SoftmaxCrossEntropyLoss (logits, labels)
+}}
+"#
+        )
+    };
+    let dir = std::env::temp_dir().join(format!("shardc-constant-axes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, text) in [
+        ("op", body("", "\n  ax = Constant <value: tensor = int64[1] {-1}> ()")),
+        ("initializer", body(", int64[1] ax = {-1}", "")),
+    ] {
+        let path = dir.join(format!("{name}.onnxtxt"));
+        std::fs::write(&path, text).unwrap();
+        for strategy in ["data", "megatron"] {
+            let doc = shardc_train(&[
+                path.to_str().unwrap(),
+                "--devices",
+                "2",
+                "--strategy",
+                strategy,
+                "--steps",
+                "3",
+                "--backend",
+                "cpu",
+                "--check",
+            ])
+            .unwrap_or_else(|e| panic!("axes as {name}, {strategy}: {e}"));
+            assert!(doc["check"].as_array().is_some_and(|c| c.len() == 3), "{name} {strategy}: {}", doc["check"]);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

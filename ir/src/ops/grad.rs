@@ -115,30 +115,7 @@ impl<'a> GradCx<'a> {
     /// exporters write operands such as a resize's scales as `Concat`s of `Constant`s, and a
     /// training graph is built before or without canonicalization).
     pub fn const_array(&self, v: Value) -> Option<Array> {
-        fn go(g: &Graph, v: Value, depth: usize) -> Option<Array> {
-            if let Some(t) = g.initializer(v) {
-                return Array::from_tensor(t).ok();
-            }
-            let node = g.node(v.node);
-            if depth == 0
-                || matches!(node.op, Op::Input { .. } | Op::OuterRef)
-                || node.op.has_subgraphs()
-                || !node.captures().is_empty()
-            {
-                return None;
-            }
-            // An omitted input stays omitted; a present one must be constant.
-            let mut ins: Vec<Option<Array>> = Vec::with_capacity(node.inputs().len());
-            for i in node.inputs() {
-                ins.push(match i {
-                    Some(i) => Some(go(g, *i, depth - 1)?),
-                    None => None,
-                });
-            }
-            let refs: Vec<Option<&Array>> = ins.iter().map(Option::as_ref).collect();
-            crate::eval::eval_op(&node.op, &refs, node.num_outputs(), g.opset).ok()?.into_iter().nth(v.slot as usize)
-        }
-        go(self.g, v, 16)
+        super::constant_value(self.g, v, 16)
     }
 
     fn fresh(&mut self) -> String {

@@ -64,6 +64,33 @@ use crate::op::Op;
 use crate::shard::IterSpace;
 use crate::types::{DType, Dim, TensorType};
 
+/// `v`'s value when it is constant: an initializer, or an op (no subgraphs or captures) of
+/// constants at most `depth` levels deep (exporters write operands such as a resize's scales
+/// as `Concat`s of `Constant`s).
+pub fn constant_value(g: &Graph, v: Value, depth: usize) -> Option<Array> {
+    if let Some(t) = g.initializer(v) {
+        return Array::from_tensor(t).ok();
+    }
+    let node = g.node(v.node);
+    if depth == 0
+        || matches!(node.op, Op::Input { .. } | Op::OuterRef)
+        || node.op.has_subgraphs()
+        || !node.captures().is_empty()
+    {
+        return None;
+    }
+    // An omitted input stays omitted; a present one must be constant.
+    let mut ins: Vec<Option<Array>> = Vec::with_capacity(node.inputs().len());
+    for i in node.inputs() {
+        ins.push(match i {
+            Some(i) => Some(constant_value(g, *i, depth - 1)?),
+            None => None,
+        });
+    }
+    let refs: Vec<Option<&Array>> = ins.iter().map(Option::as_ref).collect();
+    crate::eval::eval_op(&node.op, &refs, node.num_outputs(), g.opset).ok()?.into_iter().nth(v.slot as usize)
+}
+
 pub use flow::{FlowCx, Mono};
 pub use util::{bcast_shapes, broadcast_index, broadcast_shapes, norm_axis};
 
@@ -280,9 +307,16 @@ impl<'a> NodeCx<'a> {
         self.ty(Some(self.output(s))).and_then(TensorType::numel).map_or(0.0, |n| n as f64)
     }
 
-    /// Input `i`'s value when it is an initializer holding integers (axes, shapes).
+    /// Input `i`'s value when it is constant and holds integers (axes, shapes): an
+    /// initializer, or a `Constant` (or an op of constants, a few levels deep: a training
+    /// graph is built without canonicalization, so an exporter's `Constant` axes are still
+    /// ops there, and they must give the op the same iteration space as an initializer).
     pub fn const_ints(&self, i: usize) -> Option<Vec<i64>> {
-        self.input(i).and_then(|v| self.g.initializer(v)).and_then(|t| t.to_i64_vec())
+        let v = self.input(i)?;
+        match self.g.initializer(v) {
+            Some(t) => t.to_i64_vec(),
+            None => constant_value(self.g, v, 4).and_then(|a| a.to_i64().ok()),
+        }
     }
 
     /// The graph's opset.
