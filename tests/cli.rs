@@ -1295,6 +1295,7 @@ fn transports_are_calibrated_into_cluster_files() {
         assert_eq!(o.status.code(), Some(1));
         assert!(stderr(&o).contains("--features mpi"), "{}", stderr(&o));
     }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `plan` says what its strategies' letters mean, and `run` says why its plan pipelines.

@@ -780,6 +780,12 @@ impl Resolver<'_> {
             | Op::ConstantOfShape(_) => self.shape_op(g, v, &op, axes),
             Op::Concat(c) => self.concat(g, v, c.axis.unwrap_or(0), axes),
             Op::MatMul(_) | Op::Gemm(_) => self.contraction(g, v, &op, axes),
+            // A scatter's output is its data with some elements replaced: where the updates
+            // follow the batch, the data (zeros of a traced shape, say) must too.
+            Op::ScatterElements(_) | Op::ScatterND(_) | Op::Scatter(_) => match g.node(n).input(0) {
+                Some(data) => self.resolve(g, data, axes),
+                None => Err(Located::at(g, n, format!("cannot rebatch {}: it has no data", g.describe(n)))),
+            },
             _ => Err(Located::at(
                 g,
                 n,

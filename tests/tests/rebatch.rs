@@ -219,3 +219,34 @@ fn torch_exports_rebatch_to_torchs_outputs() {
         }
     }
 }
+
+/// A scatter into zeros the tracer wrote as a `Constant` with the batch baked in (top-k
+/// gating's `zeros_like(p).scatter(-1, idx, w)`): the scatter's output follows the batch, so
+/// its data is regenerated at the new batch, and every row computes what it computed before.
+#[test]
+fn scatters_into_traced_zeros_rebatch() {
+    let text = r#"<
+ ir_version: 8,
+ opset_import: ["" : 17]
+>
+g (float[2,4] x) => (float[2,4] y)
+<int64 k = {2}>
+{
+  zeros = Constant <value: tensor = float[2,4] {0,0,0,0,0,0,0,0}> ()
+  p = Softmax <axis: int = -1> (x)
+  top, idx = TopK <axis: int = -1> (p, k)
+  w = ScatterElements <axis: int = -1> (zeros, idx, top)
+  y = Mul (w, x)
+}
+"#;
+    let mut m = frontend::parse(text).unwrap_or_else(|e| panic!("{e:?}")).model;
+    let x = ir::eval::Array::f32(vec![2, 4], vec![0.5, -1.0, 2.0, 0.1, 1.5, 0.3, -0.2, 0.9]);
+    let before = ir::eval::run(&m.graph, &[("x".to_string(), x.clone())].into(), &Default::default()).unwrap();
+    let before = before[0].to_f64().unwrap();
+    rebatch(&mut m.graph, &RebatchSpec { batch: Some(4), ..Default::default() })
+        .unwrap_or_else(|e| panic!("{:?}", e.errors.iter().map(|e| &e.msg).collect::<Vec<_>>()));
+    assert_eq!(out_type(&m, 0), "float[4,4]");
+    let x4 = ir::eval::Array::concat_axis(&[&x, &x], 0);
+    let after = ir::eval::run(&m.graph, &[("x".to_string(), x4)].into(), &Default::default()).unwrap();
+    assert_eq!(after[0].to_f64().unwrap(), [before.clone(), before].concat());
+}
