@@ -1,6 +1,6 @@
 //! `canonicalize`: the normal form later passes expect.
 //!
-//! - `Constant` nodes become initializers;
+//! - `Constant` nodes become initializers (constants, never trained: [`ir::cost::FROZEN`]);
 //! - an `If` whose condition is known is replaced by the nodes of the branch it takes (its
 //!   nested control flow too, when that becomes known);
 //! - `Identity` and inference-mode `Dropout` (mask unused) are bypassed;
@@ -21,6 +21,14 @@ use ir::infer::{Mode, infer_shapes};
 use ir::{Graph, NodeId, Op, OpClass, Output, Value};
 
 use crate::manager::{Changed, Located, Pass, PassCx, PassError};
+
+/// An initializer this pass made from a `Constant` or by folding stays a constant: never a
+/// parameter ([`ir::cost::FROZEN`]), as the `Constant` it was is never trained.
+fn constant(g: &mut Graph, v: Value) {
+    if ir::cost::is_param(g, v) {
+        ir::cost::freeze(g, v);
+    }
+}
 
 /// The canonicalization pass.
 #[derive(Default)]
@@ -330,6 +338,7 @@ impl Pass for Canonicalize {
                     Ok(mut a) => {
                         g.set_op(n, Op::Initializer(a.remove(0).to_tensor()));
                         g.set_label(n, None);
+                        constant(g, Value::new(n, 0));
                         cx.stats.add("constants made initializers", 1);
                     }
                     Err(e) => cx.warnings.push(Located::at(g, n, format!("cannot evaluate {}: {e}", g.describe(n)))),
@@ -381,6 +390,7 @@ impl Pass for Canonicalize {
                 g.set_captures(n, vec![]);
                 g.set_op(n, Op::Initializer(arrays[0].to_tensor()));
                 g.set_label(n, None);
+                constant(g, Value::new(n, 0));
             } else {
                 for (slot, a) in arrays.into_iter().enumerate() {
                     let v = Value::new(n, slot as u16);
@@ -391,6 +401,7 @@ impl Pass for Canonicalize {
                     let tmp = g.fresh_name(&format!("{name}.folded"));
                     g.rename(v, tmp);
                     let init = g.add_initializer(name, a.to_tensor());
+                    constant(g, init);
                     g.replace_all_uses(v, init);
                 }
             }

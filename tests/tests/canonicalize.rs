@@ -62,3 +62,39 @@ fn shape_subgraphs_fold_away() {
     assert!(report.stats.get("nodes folded") > 0);
     assert!(!model.graph.node_ids().any(|n| matches!(model.graph.node(n).op, ir::Op::Shape(_))));
 }
+
+/// A `Constant` made an initializer, and a value folded from constants, stay constants: the
+/// cost model prices no gradient or update for them (`train`, which does not canonicalize,
+/// never trains a `Constant`); the model's own initializers stay parameters.
+#[test]
+fn constants_made_initializers_are_not_parameters() {
+    let text = r#"<
+ ir_version: 8,
+ opset_import: ["" : 17]
+>
+g (float[2,3] x) => (float[2,3] y)
+<float[3] w = {1, 2, 3}>
+{
+  c = Constant <value: tensor = float[3] {0.5, 0.25, 2}> ()
+  d = Mul (c, c)
+  a = Mul (x, w)
+  b = Add (a, c)
+  y = Mul (b, d)
+}
+"#;
+    let mut m = frontend::parse(text).unwrap_or_else(|e| panic!("{e:?}")).model;
+    canonicalize(&mut m);
+    let params = |g: &ir::Graph| -> Vec<String> {
+        let mut p: Vec<String> = g
+            .initializers()
+            .iter()
+            .map(|&n| ir::Value::new(n, 0))
+            .filter(|&v| ir::cost::is_param(g, v))
+            .map(|v| g.value_name(v).to_string())
+            .collect();
+        p.sort();
+        p
+    };
+    assert_eq!(params(&m.graph), vec!["w".to_string()]);
+    assert_eq!(m.graph.initializers().len(), 3, "w, c and the folded c·c");
+}
