@@ -95,14 +95,19 @@ pub fn freeze(g: &mut Graph, v: Value) {
     g.set_annotation(v.node, FROZEN, "true");
 }
 
-/// Freezes the parameters ([`is_param`]) whose values hold an infinity or NaN — no optimizer
-/// step can train them (an additive causal mask's `-inf` plus any update is `-inf` or NaN;
-/// torch keeps such tensors as buffers) — and returns their names.
+/// Freezes the float initializers of two or more elements whose values hold an infinity or
+/// NaN — no optimizer step can train them (an additive causal mask's `-inf` plus any update
+/// is `-inf` or NaN; torch keeps such tensors as buffers) — and returns their names (those
+/// frozen before too: it can run again).
 pub fn freeze_non_finite(g: &mut Graph) -> Vec<String> {
     let mut frozen = Vec::new();
     for n in g.node_ids().collect::<Vec<_>>() {
         let v = Value::new(n, 0);
-        if !is_param(g, v) {
+        let sized = match &g.node(n).op {
+            Op::Initializer(t) | Op::Input { default: Some(t) } => t.dtype.is_float() && t.numel() >= 2,
+            _ => false,
+        };
+        if !sized {
             continue;
         }
         let non_finite = match &g.node(n).op {
