@@ -194,14 +194,15 @@ fn main() {
             print_per_op(&r.breakdown, &m, &prog);
         }
     }
-    let mape = |rows: &mut dyn Iterator<Item = &(f64, f64, bool)>, which: fn(&(f64, f64, bool)) -> f64| {
-        let e: Vec<f64> = rows.map(which).collect();
+    // Over every case, or over those long enough to be measured in one run.
+    let mape = |long_only: bool, which: fn(&(f64, f64, bool)) -> f64| {
+        let e: Vec<f64> = errors.iter().filter(|r| !long_only || r.2).map(which).collect();
         (e.iter().sum::<f64>() / e.len().max(1) as f64 * 100.0, e.len())
     };
-    let (plan, n) = mape(&mut errors.iter(), |r| r.0);
-    let (program, _) = mape(&mut errors.iter(), |r| r.1);
-    let (plan_long, n_long) = mape(&mut errors.iter().filter(|r| r.2), |r| r.0);
-    let (program_long, _) = mape(&mut errors.iter().filter(|r| r.2), |r| r.1);
+    let (plan, n) = mape(false, |r| r.0);
+    let (program, _) = mape(false, |r| r.1);
+    let (plan_long, n_long) = mape(true, |r| r.0);
+    let (program_long, _) = mape(true, |r| r.1);
     println!(
         "  mean absolute percentage error (target < 15%): plan {plan:.1}%, program {program:.1}% over {n} cases; plan {plan_long:.1}%, program {program_long:.1}% over the {n_long} cases of {:.0} ms a step or more",
         REPEAT_BELOW_S * 1e3

@@ -206,10 +206,23 @@ pub fn freeze(g: &mut ir::Graph, patterns: &[String], trainable: Option<&[String
     Ok(names)
 }
 
-/// `|a − e| ≤ atol + rtol·|e|`, or `a` and `e` the same infinity (a mask's `-inf`); false
-/// for NaN.
+/// How far `a` is from the expected `e` in units of the tolerance `atol + rtol·|e|`: 0 for
+/// the same value (the same infinity included: a mask's `-inf`), infinite for anything else
+/// against an infinity, and for NaN.
+pub fn excess(a: f64, e: f64, tol: (f64, f64)) -> f64 {
+    if a == e {
+        0.0
+    } else if e.is_finite() && !a.is_nan() {
+        (a - e).abs() / (tol.1 + tol.0 * e.abs())
+    } else {
+        f64::INFINITY
+    }
+}
+
+/// `|a − e| ≤ atol + rtol·|e|`, or `a` and `e` the same infinity ([`excess`] at most 1);
+/// false for NaN.
 pub fn close(a: f64, e: f64, tol: (f64, f64)) -> bool {
-    a == e || e.is_finite() && (a - e).abs() <= tol.1 + tol.0 * e.abs()
+    excess(a, e, tol) <= 1.0
 }
 
 /// `|a − e| ≤ atol + rtol·|e|` for every element; the first violation.
@@ -369,21 +382,7 @@ pub fn worst(got: &BTreeMap<String, Array>, want: &BTreeMap<String, Array>, tol:
     for (name, w) in want {
         let r = match got.get(name) {
             Some(g) if g.shape == w.shape => match (g.to_f64(), w.to_f64()) {
-                (Ok(a), Ok(e)) => a
-                    .iter()
-                    .zip(&e)
-                    .map(|(x, y)| {
-                        // The same infinity is no error; NaN is an infinite one.
-                        let d = if x == y {
-                            0.0
-                        } else if y.is_finite() {
-                            (x - y).abs() / (tol.1 + tol.0 * y.abs())
-                        } else {
-                            f64::INFINITY
-                        };
-                        if d.is_nan() { f64::INFINITY } else { d }
-                    })
-                    .fold(0.0, f64::max),
+                (Ok(a), Ok(e)) => a.iter().zip(&e).map(|(x, y)| excess(*x, *y, tol)).fold(0.0, f64::max),
                 _ => f64::INFINITY,
             },
             _ => f64::INFINITY,

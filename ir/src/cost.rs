@@ -102,23 +102,18 @@ pub fn freeze(g: &mut Graph, v: Value) {
 pub fn freeze_non_finite(g: &mut Graph) -> Vec<String> {
     let mut frozen = Vec::new();
     for n in g.node_ids().collect::<Vec<_>>() {
-        let v = Value::new(n, 0);
-        let sized = match &g.node(n).op {
-            Op::Initializer(t) | Op::Input { default: Some(t) } => t.dtype.is_float() && t.numel() >= 2,
-            _ => false,
-        };
-        if !sized {
-            continue;
-        }
         let non_finite = match &g.node(n).op {
-            Op::Initializer(t) | Op::Input { default: Some(t) } => match &t.data {
-                crate::TensorData::Float(x) => x.iter().any(|x| !x.is_finite()),
-                crate::TensorData::Double(x) => x.iter().any(|x| !x.is_finite()),
-                _ => false,
-            },
+            Op::Initializer(t) | Op::Input { default: Some(t) } if t.dtype.is_float() && t.numel() >= 2 => {
+                match &t.data {
+                    crate::TensorData::Float(x) => x.iter().any(|x| !x.is_finite()),
+                    crate::TensorData::Double(x) => x.iter().any(|x| !x.is_finite()),
+                    _ => false,
+                }
+            }
             _ => false,
         };
         if non_finite {
+            let v = Value::new(n, 0);
             freeze(g, v);
             frozen.push(g.value_name(v).to_string());
         }

@@ -1,6 +1,7 @@
 //! `canonicalize`: the normal form later passes expect.
 //!
-//! - `Constant` nodes become initializers (constants, never trained: [`ir::cost::FROZEN`]);
+//! - `Constant` nodes become initializers (constants, never trained: [`ir::cost::FROZEN`]),
+//!   and so do initializers holding an infinity or NaN (an additive mask);
 //! - an `If` whose condition is known is replaced by the nodes of the branch it takes (its
 //!   nested control flow too, when that becomes known);
 //! - `Identity` and inference-mode `Dropout` (mask unused) are bypassed;
@@ -345,6 +346,11 @@ impl Pass for Canonicalize {
                 }
             }
         }
+
+        // Buffers no step can train (an additive mask's `-inf`) are constants, as for `train`:
+        // the search prices no gradient or update for them.
+        let frozen = ir::cost::freeze_non_finite(g);
+        cx.stats.add("non-finite buffers made constants", frozen.len() as u64);
 
         // Identity and inference-mode Dropout.
         for &n in &order {

@@ -200,9 +200,6 @@ pub fn load_with_values(
     let mut pm = passes::PassManager::new();
     pm.add(passes::RequireStatic);
     let report = pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
-    // Buffers no step can train (an additive mask's `-inf`) are constants for every command,
-    // as for `train`: the search prices no gradient or update for them.
-    ir::cost::freeze_non_finite(&mut loaded.model.graph);
     super::ui::pass_timings(&report);
     warn(&report.warnings, &loaded.source);
     Ok((loaded, given))
@@ -237,9 +234,6 @@ fn load_with(path: &Path, shapes: &ShapeArgs, canonical: bool, computable: bool)
         pm.add(passes::RequireStatic);
     }
     let report = pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
-    // Buffers no step can train (an additive mask's `-inf`) are constants for every command,
-    // as for `train`: the search prices no gradient or update for them.
-    ir::cost::freeze_non_finite(&mut loaded.model.graph);
     super::ui::pass_timings(&report);
     warn(&report.warnings, &loaded.source);
     Ok(loaded)

@@ -63,9 +63,10 @@ fn shape_subgraphs_fold_away() {
     assert!(!model.graph.node_ids().any(|n| matches!(model.graph.node(n).op, ir::Op::Shape(_))));
 }
 
-/// A `Constant` made an initializer, and a value folded from constants, stay constants: the
-/// cost model prices no gradient or update for them (`train`, which does not canonicalize,
-/// never trains a `Constant`); the model's own initializers stay parameters.
+/// A `Constant` made an initializer, and a value folded from constants, stay constants, and so
+/// does an initializer holding `-inf` (a mask no step can train): the cost model prices no
+/// gradient or update for them (`train`, which does not canonicalize, never trains a
+/// `Constant` and freezes such buffers itself); the model's own initializers stay parameters.
 #[test]
 fn constants_made_initializers_are_not_parameters() {
     let text = r#"<
@@ -73,13 +74,14 @@ fn constants_made_initializers_are_not_parameters() {
  opset_import: ["" : 17]
 >
 g (float[2,3] x) => (float[2,3] y)
-<float[3] w = {1, 2, 3}>
+<float[3] w = {1, 2, 3}, float[3] mask = {0, -inf, 0}>
 {
   c = Constant <value: tensor = float[3] {0.5, 0.25, 2}> ()
   d = Mul (c, c)
   a = Mul (x, w)
   b = Add (a, c)
-  y = Mul (b, d)
+  e = Mul (b, d)
+  y = Add (e, mask)
 }
 "#;
     let mut m = frontend::parse(text).unwrap_or_else(|e| panic!("{e:?}")).model;
@@ -96,5 +98,5 @@ g (float[2,3] x) => (float[2,3] y)
         p
     };
     assert_eq!(params(&m.graph), vec!["w".to_string()]);
-    assert_eq!(m.graph.initializers().len(), 3, "w, c and the folded c·c");
+    assert_eq!(m.graph.initializers().len(), 4, "w, the mask, c and the folded c·c");
 }
