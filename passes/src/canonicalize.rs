@@ -381,8 +381,14 @@ impl Pass for Canonicalize {
         // Fold what shape inference could compute.
         let report = infer_shapes(g, Mode::Check).map_err(|errs| PassError::shapes(self.name(), errs))?;
         let order = g.topo_order().expect("still acyclic");
+        // What is computed from a parameter stays computed: folded, the parameter would get no
+        // gradient (a class token expanded to the batch, a bias reshaped for broadcasting).
+        let trained = ir::cost::grad_flow(g, &order);
         for n in order {
             if !g.contains(n) || is_source(&g.node(n).op) || g.node(n).op.class() == OpClass::Comm {
+                continue;
+            }
+            if (0..g.node(n).num_outputs()).any(|s| trained.contains(&Value::new(n, s as u16))) {
                 continue;
             }
             let k = g.node(n).num_outputs();

@@ -183,29 +183,19 @@ fn const_value(g: &Graph, v: Value, depth: usize) -> Option<Array> {
     if let Some(t) = tensor_of(g, v) {
         return Array::from_tensor(&t).ok();
     }
+    // A `Shape` or `Size` is constant when what it measures is (the shape of a constant does
+    // not change with the batch): torch's `expand(x.shape[0], -1, -1)` with a traced batch
+    // replaces its -1s through `Where(Equal(s, ConstantOfShape(Shape(s)) · -1), …)`.
     let node = g.node(v.node);
-    if matches!(node.op, Op::Input { .. } | Op::OuterRef | Op::Shape(_) | Op::Size(_))
-        || ir::infer::has_subgraph(&node.op)
-    {
+    if matches!(node.op, Op::Input { .. } | Op::OuterRef) || ir::infer::has_subgraph(&node.op) {
         return None;
     }
-    let ins: Vec<Option<Array>> = node
-        .inputs()
-        .iter()
-        .map(|i| i.map(|x| const_value(g, x, depth + 1)))
-        .collect::<Option<Vec<_>>>()
-        .unwrap_or_default()
-        .into_iter()
-        .collect();
     let mut arrays = Vec::with_capacity(node.inputs().len());
-    for (i, inp) in node.inputs().iter().enumerate() {
-        match inp {
-            Some(x) => arrays.push(Some(match ins.get(i).cloned().flatten() {
-                Some(a) => a,
-                None => const_value(g, *x, depth + 1)?,
-            })),
-            None => arrays.push(None),
-        }
+    for inp in node.inputs() {
+        arrays.push(match inp {
+            Some(x) => Some(const_value(g, *x, depth + 1)?),
+            None => None,
+        });
     }
     let refs: Vec<Option<&Array>> = arrays.iter().map(Option::as_ref).collect();
     ir::eval::fold_node(g, v.node, &refs)

@@ -100,3 +100,38 @@ g (float[2,3] x) => (float[2,3] y)
     assert_eq!(params(&m.graph), vec!["w".to_string()]);
     assert_eq!(m.graph.initializers().len(), 4, "w, the mask, c and the folded c·c");
 }
+
+/// What is computed from a parameter is not folded: a class token expanded to the batch and a
+/// bias reshaped for broadcasting keep their nodes, so the parameters keep their gradients.
+#[test]
+fn values_computed_from_parameters_are_not_folded() {
+    let text = r#"<
+ ir_version: 8,
+ opset_import: ["" : 17]
+>
+g (float[2,3,4] x) => (float[2,4,4] y)
+<float[1,1,4] cls = {1, 2, 3, 4}, float[4] b = {0.5, 0.25, 2, 1}, int64[3] shape = {2, 1, 1}, int64[3] bshape = {1, 1, 4}>
+{
+  e = Expand (cls, shape)
+  c = Concat <axis: int = 1> (e, x)
+  r = Reshape (b, bshape)
+  y = Add (c, r)
+}
+"#;
+    let mut m = frontend::parse(text).unwrap_or_else(|e| panic!("{e:?}")).model;
+    canonicalize(&mut m);
+    let ops: Vec<String> = m.graph.node_ids().map(|n| m.graph.node(n).op.op_type().to_string()).collect();
+    for op in ["Expand", "Reshape", "Concat", "Add"] {
+        assert!(ops.iter().any(|o| o == op), "{op} folded: {ops:?}");
+    }
+    let graph = &m.graph;
+    let mut params: Vec<&str> = graph
+        .initializers()
+        .iter()
+        .map(|&n| ir::Value::new(n, 0))
+        .filter(|&v| ir::cost::is_param(graph, v))
+        .map(|v| graph.value_name(v))
+        .collect();
+    params.sort();
+    assert_eq!(params, ["b", "cls"]);
+}

@@ -250,3 +250,46 @@ g (float[2,4] x) => (float[2,4] y)
     let after = ir::eval::run(&m.graph, &[("x".to_string(), x4)].into(), &Default::default()).unwrap();
     assert_eq!(after[0].to_f64().unwrap(), [before.clone(), before].concat());
 }
+
+/// torch's `cls.expand(x.shape[0], -1, -1)` exported with a traced batch: the -1s are replaced
+/// through `Where(Equal(s, ConstantOfShape(Shape(s)) · -1), ones, s)`, whose `Shape` measures
+/// a constant; the batch literal inside `s` follows, with or without canonicalize first.
+#[test]
+fn torch_expand_of_a_traced_batch_rebatches() {
+    let text = r#"<
+ ir_version: 8,
+ opset_import: ["" : 17]
+>
+g (float[2,3,4] x) => (float[2,4,4] y)
+<float[1,1,4] cls = {1, 2, 3, 4}>
+{
+  s = Constant <value: tensor = int64[3] {2, -1, -1}> ()
+  n = Shape (s)
+  ones = ConstantOfShape <value: tensor = int64[1] {1}> (n)
+  minus = Constant <value: tensor = int64 {-1}> ()
+  neg = Mul (ones, minus)
+  eq = Equal (s, neg)
+  shape = Where (eq, ones, s)
+  e = Expand (cls, shape)
+  y = Concat <axis: int = 1> (e, x)
+}
+"#;
+    for canonical in [false, true] {
+        let mut m = frontend::parse(text).unwrap_or_else(|e| panic!("{e:?}")).model;
+        if canonical {
+            let mut pm = passes::PassManager::new().with_verify(true);
+            pm.add(passes::InferShapes::default()).add(passes::Canonicalize);
+            pm.run(&mut m).unwrap_or_else(|e| panic!("{e}: {:?}", e.errors));
+        }
+        let x: Vec<f32> = (0..24).map(|i| i as f32 * 0.5).collect();
+        let x = ir::eval::Array::f32(vec![2, 3, 4], x);
+        let before = ir::eval::run(&m.graph, &[("x".to_string(), x.clone())].into(), &Default::default()).unwrap();
+        let before = before[0].to_f64().unwrap();
+        rebatch(&mut m.graph, &RebatchSpec { batch: Some(4), ..Default::default() })
+            .unwrap_or_else(|e| panic!("{:?}", e.errors.iter().map(|e| &e.msg).collect::<Vec<_>>()));
+        assert_eq!(out_type(&m, 0), "float[4,4,4]", "canonicalized: {canonical}");
+        let x4 = ir::eval::Array::concat_axis(&[&x, &x], 0);
+        let after = ir::eval::run(&m.graph, &[("x".to_string(), x4)].into(), &Default::default()).unwrap();
+        assert_eq!(after[0].to_f64().unwrap(), [before.clone(), before].concat(), "canonicalized: {canonical}");
+    }
+}
