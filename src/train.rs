@@ -159,7 +159,7 @@ pub fn micro_training_model(
         }
     }
     let mut micro = model.clone();
-    let spec = passes::rebatch::RebatchSpec { batch: Some(batch / m as i64), ..Default::default() };
+    let spec = passes::rebatch::RebatchSpec { batch: Some(batch / m as i64), micro_batch: true, ..Default::default() };
     passes::rebatch::rebatch(&mut micro.graph, &spec).map_err(|e| format!("--micro-batches {m}: {e}"))?;
     Ok(training_model(&micro, loss, opt)?.0)
 }
@@ -204,6 +204,21 @@ pub fn freeze(g: &mut ir::Graph, patterns: &[String], trainable: Option<&[String
         }
     }
     Ok(names)
+}
+
+/// Makes constant the parameters of `g` that `plan` priced as constants (a plan made with
+/// `--freeze`), so the step that runs is the step it priced. Returns their names.
+pub fn freeze_as_planned(g: &mut ir::Graph, plan: &passes::autoshard::Plan) -> Vec<String> {
+    let mut names = Vec::new();
+    for t in plan.tensors.iter().filter(|t| t.kind == "constant") {
+        if let Some(v) = g.lookup(&t.name)
+            && ir::cost::is_param(g, v)
+        {
+            ir::cost::freeze(g, v);
+            names.push(t.name.clone());
+        }
+    }
+    names
 }
 
 /// How far `a` is from the expected `e` in units of the tolerance `atol + rtol·|e|`: 0 for

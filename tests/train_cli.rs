@@ -242,7 +242,7 @@ fn micro_batches_accumulate_or_say_why_not() {
     // (A usage error, caught by the argument parser, exits 2.)
     for (model, m, want, code) in [
         ("lstm_small_train", "2", "does not divide into 2 micro-batches", 1),
-        ("resnet_block_train", "2", "updated by every micro-batch", 1),
+        ("resnet_block_train", "2", "normalizes by the batch's statistics (training mode)", 1),
         ("mlp_xent", "0", "--micro-batches <MICRO_BATCHES>': must be from 1", 2),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
@@ -256,6 +256,23 @@ fn micro_batches_accumulate_or_say_why_not() {
         assert_eq!(out.status.code(), Some(code), "{model} ×{m}: {err}");
         assert!(err.contains(want) && !err.contains("panicked"), "{model} ×{m}: {err}");
     }
+    // That model still pipelines: its stages split it, one whole batch at a time.
+    let doc = shardc_train(&[
+        "tests/data/golden-train/resnet_block_train.onnxtxt",
+        "--data",
+        "tests/data/golden-train/resnet_block_train.train.json",
+        "--steps",
+        "2",
+        "--devices",
+        "2",
+        "--pipeline",
+        "2",
+        "--check",
+        "--backend",
+        "cpu",
+    ])
+    .expect("a pipeline of whole batches trains like one device");
+    assert!(doc["plan"].as_str().unwrap_or("").contains("2 stages × 1 micro-batches"), "{}", doc["plan"]);
 }
 
 /// The plan the search finds, and a saved plan, through the command: the search's plan of
@@ -392,6 +409,55 @@ fn buffers_and_frozen_tensors_are_not_trained() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("--freeze rotary*: no float initializer") && !err.contains("panicked"), "{err}");
+}
+
+/// `plan --freeze` and `cost --freeze` price the named tensors as constants (no gradient to
+/// synchronise, no update), the plan lists them as constants, and `train --plan` trains the
+/// step the plan priced: those tensors stay constant there too, equal to one device.
+#[test]
+fn a_plan_made_with_frozen_tensors_trains_them_constant() {
+    let model = "tests/data/golden-train-more/rope_llama.onnxtxt";
+    let dir = std::env::temp_dir().join(format!("shardc-plan-freeze-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = dir.join("plan.json");
+    let shardc = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
+            .args(args)
+            .current_dir(repo_root())
+            .env("XDG_RUNTIME_DIR", std::env::temp_dir())
+            .output()
+            .expect("shardc runs");
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let grad_bytes = |freeze: &[&str]| {
+        let cost =
+            [&["cost", model, "--cluster", "dgx-a100", "--devices", "2", "--strategy", "data", "--json"][..], freeze]
+                .concat();
+        let doc: serde_json::Value = serde_json::from_str(&shardc(&cost)).unwrap();
+        doc["memory"]["gradients"].as_f64().unwrap_or_else(|| panic!("no gradients in memory: {doc}"))
+    };
+    let tables = ["--freeze", "cos", "--freeze", "sin"];
+    assert!(grad_bytes(&tables) < grad_bytes(&[]), "frozen tables synchronise no gradient");
+    let p = plan.to_str().unwrap();
+    shardc(
+        &[&["plan", model, "--cluster", "local-wgpu", "--devices", "2", "--pipeline", "off", "-o", p][..], &tables]
+            .concat(),
+    );
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    let kind = |name: &str| {
+        doc["tensors"].as_array().unwrap().iter().find(|t| t["name"] == name).map(|t| t["kind"].to_string())
+    };
+    assert_eq!(kind("cos").as_deref(), Some("\"constant\""));
+    assert_eq!(kind("sin").as_deref(), Some("\"constant\""));
+    let all =
+        shardc_train(&[model, "--steps", "1", "--backend", "cpu"]).expect("trains")["trainable"].as_u64().unwrap();
+    let doc =
+        shardc_train(&[model, "--plan", p, "--steps", "3", "--backend", "cpu", "--check"]).expect("trains as planned");
+    assert_eq!(doc["trainable"].as_u64(), Some(all - 2));
+    let notes = doc["notes"].to_string();
+    assert!(notes.contains("cos") && notes.contains("sin"), "{notes}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A training graph is not canonicalized, so an exporter's `Constant` axes are still ops in

@@ -533,10 +533,10 @@ impl Graph {
         }
     }
 
-    /// Removes every annotation of every node.
-    pub fn clear_annotations(&mut self) {
+    /// Removes the annotations named `keys` from every node.
+    pub fn remove_annotations(&mut self, keys: &[&str]) {
         for n in self.g.node_weights_mut() {
-            n.annotations.clear();
+            n.annotations.retain(|(k, _)| !keys.contains(&k.as_str()));
         }
     }
 

@@ -41,6 +41,10 @@ pub struct RebatchSpec {
     pub input_shapes: Vec<(String, Vec<i64>)>,
     /// Values for symbolic dims by name (`--dim batch=8`), in every input that has them.
     pub dims: Vec<(String, i64)>,
+    /// The new batch is a micro-batch, a slice of the batch each step runs in turn: a constant
+    /// along the batch must then be the same for every sample (`arange(B)` traced into the
+    /// export would restart in every micro-batch), where a new batch extends it.
+    pub micro_batch: bool,
 }
 
 impl RebatchSpec {
@@ -381,6 +385,17 @@ fn regenerate(t: &Tensor, axis: usize, new: i64) -> Result<Tensor, String> {
     Ok(arr.to_tensor())
 }
 
+/// Whether every slice of `t` along `axis` holds the same values (external data: unknown, so
+/// no).
+fn uniform_along(t: &Tensor, axis: usize) -> bool {
+    let Ok(a) = Array::from_tensor(t) else { return false };
+    let Ok(v) = a.to_f64() else { return false };
+    let Some(&n) = a.shape.get(axis) else { return false };
+    let inner: usize = a.shape[axis + 1..].iter().product();
+    let outer: usize = a.shape[..axis].iter().product();
+    (0..outer).all(|o| (1..n).all(|j| (0..inner).all(|i| v[(o * n + j) * inner + i] == v[o * n * inner + i])))
+}
+
 /// Regenerates a square mask over two axes that both grow (causal masks): values must depend
 /// only on the sign of `col - row`.
 fn regenerate_square(t: &Tensor, ax: (usize, usize), new: i64) -> Result<Tensor, String> {
@@ -630,6 +645,21 @@ pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassE
     let fail = |errors: Vec<Located>| PassError { pass: NAME.into(), errors };
     let located = |e: Vec<ir::infer::ShapeError>| e.into_iter().map(Located::from).collect();
     let mut report = RebatchReport::default();
+    // Statistics of the batch (BatchNormalization in training mode normalizes by them and
+    // updates its running statistics from them) differ from a micro-batch's.
+    if spec.micro_batch
+        && let Some(n) =
+            g.node_ids().find(|&n| matches!(&g.node(n).op, Op::BatchNormalization(b) if b.training_mode() != 0))
+    {
+        return Err(fail(vec![Located::at(
+            g,
+            n,
+            format!(
+                "cannot cut the batch into micro-batches: {} normalizes by the batch's statistics (training mode) and updates its running statistics from them, so micro-batches would not compute what the whole batch computes",
+                g.describe(n)
+            ),
+        )]));
+    }
     infer_shapes(g, Mode::Check).map_err(|e| fail(located(e)))?;
     let mut new_dims = changed_inputs(g, spec).map_err(|e| fail(vec![e]))?;
     let (syms, mut input_monos) = symbols(&new_dims);
@@ -691,6 +721,7 @@ pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassE
                 monos: &fl.monos,
                 report: &mut report,
                 overrides: &mut overrides,
+                micro: spec.micro_batch,
             };
             r.resolve(g, v, &axes).map_err(|e| fail(vec![e]))?;
         }
@@ -733,6 +764,8 @@ struct Resolver<'a> {
     monos: &'a HashMap<Value, Vec<Mono>>,
     report: &'a mut RebatchReport,
     overrides: &'a mut HashMap<Value, Vec<(usize, Mono)>>,
+    /// [`RebatchSpec::micro_batch`].
+    micro: bool,
 }
 
 impl Resolver<'_> {
@@ -747,13 +780,41 @@ impl Resolver<'_> {
         }
         let op = g.node(n).op.clone();
         match &op {
-            Op::Initializer(t0)
-                if t0.dtype.is_float()
-                    && axes.iter().any(|(_, m)| self.report.batch_syms.iter().any(|&b| m.uses(b))) =>
-            {
-                Err(self.parameter(g, v, &t0.dims, axes))
+            Op::Initializer(_) | Op::Constant(_) => {
+                let t = tensor_of(g, v).ok_or_else(|| Located::at(g, n, "not a constant"))?;
+                let batch: Vec<usize> = axes
+                    .iter()
+                    .filter(|(_, m)| self.report.batch_syms.iter().any(|&b| m.uses(b)))
+                    .map(|(a, _)| *a)
+                    .collect();
+                if t.dtype.is_float() && !batch.is_empty() {
+                    if ir::cost::is_param(g, v) {
+                        return Err(self.parameter(g, v, &t.dims, axes));
+                    }
+                    // Made in an earlier round (the constant is its own copy): done.
+                    if axes.iter().all(|(a, m)| m.eval(self.syms, true).is_some_and(|d| t.dims.get(*a) == Some(&d))) {
+                        return Ok(());
+                    }
+                    // A constant along the batch is the same for every sample (an exporter's
+                    // zeros for a recurrent state), or a function of the sample's index that a
+                    // new batch extends (`arange(B)`, uniform or arithmetic: `regenerate`) but a
+                    // micro-batch would restart.
+                    if self.micro
+                        && let Some(&a) = batch.iter().find(|&&a| !uniform_along(&t, a))
+                    {
+                        return Err(Located::at(
+                            g,
+                            n,
+                            format!(
+                                "cannot cut the batch into micro-batches: constant `{}` {:?} holds different values along axis {a}, which follows the batch (the samples' index or data traced into the export), so a micro-batch would not compute what its samples compute in the whole batch",
+                                g.value_name(v),
+                                t.dims
+                            ),
+                        ));
+                    }
+                }
+                self.regenerate(g, v, axes)
             }
-            Op::Initializer(_) | Op::Constant(_) => self.regenerate(g, v, axes),
             _ if matches!(op.class(), OpClass::Unary | OpClass::Binary | OpClass::Variadic)
                 || matches!(op, Op::Where(_) | Op::Cast(_) | Op::Not(_)) =>
             {
@@ -835,12 +896,17 @@ impl Resolver<'_> {
             ));
         }
         t.name = None;
-        // A private copy for the users that need the new size (all of them here).
+        // A private copy for the users that need the new size (all of them here), a constant
+        // as the one it replaces (a `Constant` made initializer is not a parameter).
+        let frozen = !ir::cost::is_param(g, v);
         g.set_inputs(n, vec![]);
         let ty = Type::Tensor(t.tensor_type());
         g.set_op(n, Op::Initializer(t));
         g.set_label(n, None);
         g.set_type(v, Some(ty));
+        if frozen && ir::cost::is_param(g, v) {
+            ir::cost::freeze(g, v);
+        }
         self.report.constants_regenerated += 1;
         Ok(())
     }

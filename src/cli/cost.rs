@@ -30,9 +30,18 @@ pub struct ModelArgs {
     /// Factor on gradient bytes communicated (0.5 for fp16 compression).
     #[arg(long = "grad-compression", default_value_t = 1.0, value_parser = parse_factor, allow_negative_numbers = true)]
     pub grad_compression: f64,
+    /// Price these float initializers as constants (no gradient, no update), as `train
+    /// --freeze` trains them: a name, or a prefix ending in `*`; repeatable.
+    #[arg(long, value_name = "NAME")]
+    pub freeze: Vec<String>,
 }
 
 impl ModelArgs {
+    /// Makes constant what `--freeze` names ([`shardc::train::freeze`]).
+    pub fn freeze(&self, g: &mut ir::Graph) -> CliResult<()> {
+        shardc::train::freeze(g, &self.freeze, None).map(|_| ()).map_err(CliError::msg)
+    }
+
     pub fn options(&self) -> CliResult<Options> {
         let precision = Precision::parse(&self.precision).ok_or_else(|| {
             CliError::msg(format!("--precision: `{}` is not fp32, tf32, fp16 or bf16", self.precision))
@@ -92,7 +101,8 @@ pub fn load_cluster(spec: &str) -> CliResult<Cluster> {
 }
 
 pub fn run(args: &CostArgs) -> CliResult {
-    let loaded = load_canonical(&args.model, &args.shapes)?;
+    let mut loaded = load_canonical(&args.model, &args.shapes)?;
+    args.model_args.freeze(&mut loaded.model.graph)?;
     let cluster = load_cluster(&args.cluster)?;
     let devices = args.devices.unwrap_or(cluster.devices());
     let named = Named::parse(&args.strategy).map_err(CliError::msg)?;

@@ -137,6 +137,7 @@ pub fn run(args: &PlanArgs) -> CliResult {
     let (mut loaded, warnings) = shardc::load_and_check(&args.model).map_err(CliError::new)?;
     note_external_data(&loaded.model.graph, &args.model);
     eprint!("{warnings}");
+    args.model_args.freeze(&mut loaded.model.graph)?;
     let spec = args.shapes.spec()?;
     let pipeline = autoshard::PipelineMode::parse(&args.pipeline).map_err(CliError::msg)?;
     let mut search = SearchOptions {

@@ -117,6 +117,7 @@ pub fn run(args: &RunArgs) -> CliResult {
     if let Some(p) = &plan_doc {
         apply_plan_rewrites(&mut loaded.model.graph, p)?;
     }
+    args.model_args.freeze(&mut loaded.model.graph)?;
     let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
     let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
     let g = &loaded.model.graph;

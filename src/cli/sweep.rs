@@ -94,7 +94,8 @@ fn parse_value(s: &str, base: f64) -> Result<f64, String> {
 
 pub fn run(args: &SweepArgs) -> CliResult {
     guard_outputs(&[("--svg", args.svg.as_ref()), ("--html", args.html.as_ref())], &[Some(&args.model)])?;
-    let loaded = load_canonical(&args.model, &args.shapes)?;
+    let mut loaded = load_canonical(&args.model, &args.shapes)?;
+    args.model_args.freeze(&mut loaded.model.graph)?;
     let base = load_cluster(&args.cluster)?;
     let opts = args.model_args.options()?;
     let named: Vec<Named> =

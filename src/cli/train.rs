@@ -475,8 +475,14 @@ pub fn run(args: &TrainArgs) -> CliResult {
     // Not canonicalized: folding would rename or transform parameters, and the trained
     // tensors must stay the model's own.
     let mut loaded = load_computable(&args.model, &args.shapes)?;
-    let frozen = shardc::train::freeze(&mut loaded.model.graph, &args.freeze, case.as_ref().map(|c| &c.trainable[..]))
-        .map_err(CliError::msg)?;
+    let plan_doc = args.plan.as_deref().map(read_plan).transpose()?;
+    let mut frozen =
+        shardc::train::freeze(&mut loaded.model.graph, &args.freeze, case.as_ref().map(|c| &c.trainable[..]))
+            .map_err(CliError::msg)?;
+    // What the plan priced as a constant (`plan --freeze`) is not trained.
+    if let Some(p) = &plan_doc {
+        frozen.extend(shardc::train::freeze_as_planned(&mut loaded.model.graph, p));
+    }
     let frozen = (!frozen.is_empty()).then(|| {
         let shown: Vec<&str> = frozen.iter().take(8).map(String::as_str).collect();
         let more = if frozen.len() > 8 { format!(" and {} more", frozen.len() - 8) } else { String::new() };
@@ -516,7 +522,6 @@ pub fn run(args: &TrainArgs) -> CliResult {
     // rewrites its search applied; without one, the search is `plan`'s and makes the same
     // rewrites. The program trains that model's parameters (a split weight's parts, a
     // joined weight); they are reported under the model's names.
-    let plan_doc = args.plan.as_deref().map(read_plan).transpose()?;
     let mut pm = passes::PassManager::new();
     pm.add(passes::Algebra);
     pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;

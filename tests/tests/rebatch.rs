@@ -293,3 +293,54 @@ g (float[2,3,4] x) => (float[2,4,4] y)
         assert_eq!(after[0].to_f64().unwrap(), [before.clone(), before].concat(), "canonicalized: {canonical}");
     }
 }
+
+/// A float constant along the batch: zeros for a recurrent state (the same for every sample)
+/// follow any new batch, micro-batches included, and stay constants (never trained); one that
+/// is a function of the sample's index (`arange(B) · 10`) extends to a larger batch but is
+/// refused for micro-batches, which would restart it.
+#[test]
+fn constants_along_the_batch_follow_it_or_are_refused_for_micro_batches() {
+    let text = |c: &str| {
+        format!(
+            r#"<
+ ir_version: 8,
+ opset_import: ["" : 17]
+>
+g (float[2,3] x) => (float[2,3] y)
+{{
+  c = Constant <value: tensor = float[2,1] {c}> ()
+  y = Add (x, c)
+}}
+"#
+        )
+    };
+    let x: Vec<f32> = (0..6).map(|i| i as f32).collect();
+    let run = |m: &ir::Model, b: usize| {
+        let x: Vec<f32> = (0..b * 3).map(|i| x[i % 6]).collect();
+        let x = ir::eval::Array::f32(vec![b, 3], x);
+        ir::eval::run(&m.graph, &[("x".to_string(), x)].into(), &Default::default()).unwrap()[0].to_f64().unwrap()
+    };
+    let constants = |m: &ir::Model| {
+        m.graph.node_ids().map(|n| ir::Value::new(n, 0)).filter(|&v| ir::cost::is_param(&m.graph, v)).count()
+    };
+    // Zeros: batch 4, and micro-batches of 1.
+    for (b, micro) in [(4, false), (1, true)] {
+        let mut m = frontend::parse(&text("{0, 0}")).unwrap_or_else(|e| panic!("{e:?}")).model;
+        rebatch(&mut m.graph, &RebatchSpec { batch: Some(b), micro_batch: micro, ..Default::default() })
+            .unwrap_or_else(|e| panic!("{:?}", e.errors.iter().map(|e| &e.msg).collect::<Vec<_>>()));
+        assert_eq!(out_type(&m, 0), format!("float[{b},3]"));
+        assert_eq!(run(&m, b as usize), (0..b * 3).map(|i| (i % 6) as f64).collect::<Vec<_>>());
+        assert_eq!(constants(&m), 0, "the regenerated zeros are not a parameter");
+    }
+    // The sample's index: extended for a batch of 4, refused for micro-batches of 1.
+    let mut m = frontend::parse(&text("{0, 10}")).unwrap_or_else(|e| panic!("{e:?}")).model;
+    rebatch(&mut m.graph, &RebatchSpec { batch: Some(4), ..Default::default() })
+        .unwrap_or_else(|e| panic!("{:?}", e.errors.iter().map(|e| &e.msg).collect::<Vec<_>>()));
+    let want: Vec<f64> = (0..12).map(|i| (i % 6) as f64 + 10.0 * (i / 3) as f64).collect();
+    assert_eq!(run(&m, 4), want);
+    let mut m = frontend::parse(&text("{0, 10}")).unwrap_or_else(|e| panic!("{e:?}")).model;
+    let err = rebatch(&mut m.graph, &RebatchSpec { batch: Some(1), micro_batch: true, ..Default::default() })
+        .expect_err("a micro-batch would restart the index");
+    let msg: String = err.errors.iter().map(|e| e.msg.clone()).collect();
+    assert!(msg.contains("micro-batches") && msg.contains("holds different values along axis 0"), "{msg}");
+}

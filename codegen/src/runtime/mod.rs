@@ -660,7 +660,9 @@ fn drive<E: Executor>(
         }
         a
     });
+    // (One micro-batch — a pipeline that does not cut the batch — updates it once a step.)
     if let Some(a) = &acc
+        && p.micro_batches > 1
         && let Some((name, _, _)) = carries.iter().find(|c| !a.once.contains(&c.2.node) && a.fed.contains(&c.2))
     {
         return Err(err(format!(

@@ -521,7 +521,7 @@ impl MicroGraphs<'_> {
         }
         let mut gm = self.g.clone();
         if mb != self.batch
-            && let Err(e) = rebatch(&mut gm, &RebatchSpec { batch: Some(mb), ..Default::default() })
+            && let Err(e) = rebatch(&mut gm, &RebatchSpec { batch: Some(mb), micro_batch: true, ..Default::default() })
         {
             self.refused = Some((mb, e.to_string()));
             return None;
@@ -582,7 +582,9 @@ fn reference_plans(
         .filter_map(|&d| {
             let mesh = cluster.mesh(d).ok()?;
             let mb = divisor_at_most(batch, (batch / (2 * (devices / d)) as i64).max(1));
-            Some((d, micro_graph(mb)?, mesh))
+            // (The whole batch where the graph takes no micro-batch.)
+            let gm = micro_graph(mb).or_else(|| micro_graph(batch))?;
+            Some((d, gm, mesh))
         })
         .collect();
     let results: Vec<(usize, Mesh, HashMap<String, OpStrategy>)> = std::thread::scope(|sc| {
@@ -711,12 +713,25 @@ pub fn search_pipeline(
             continue;
         }
         let mut best_m: Option<(f64, usize)> = None;
-        for &(_, m) in configs.iter().filter(|c| c.0 == s) {
+        let mut ms: Vec<usize> = configs.iter().filter(|c| c.0 == s).map(|c| c.1).collect();
+        let mut k = 0;
+        let mut cut = false;
+        while k < ms.len() {
+            let m = ms[k];
+            k += 1;
             if net.expired("pipeline") {
                 break;
             }
             let mb = batch / m as i64;
-            let Some(gm) = micro_graph(mb) else { continue };
+            let Some(gm) = micro_graph(mb) else {
+                // The graph takes no micro-batch (a BatchNorm in training mode): the stages
+                // still split the model and its memory, one whole batch at a time.
+                if k == ms.len() && !cut && !ms.contains(&1) {
+                    ms.push(1);
+                }
+                continue;
+            };
+            cut = true;
             tables.entry((d0, mb)).or_insert_with(|| table(&gm, cluster, &meshes[&d0], devices, opts, &reference[&d0]));
             let t = &tables[&(d0, mb)];
             let bounds = unit_bounds(t, FINE_UNITS);

@@ -1119,7 +1119,9 @@ pub fn set_mesh_metadata(props: &mut Option<Vec<(String, String)>>, meshes: &[Me
 
 /// Writes per-op annotations (see [`annotate`]).
 pub fn annotate_graph(g: &mut Graph, meshes: &[Mesh], stage_of: &HashMap<NodeId, usize>, asg: &Assignment) {
-    g.clear_annotations();
+    // An earlier plan's annotations go; the others stay (a constant's `shardc_frozen`, a
+    // rewritten weight's `shardc_origin`).
+    g.remove_annotations(&[ANN_STRATEGY, ANN_INPUTS, ANN_OUTPUTS, ANN_STAGE]);
     let order = g.op_nodes().unwrap_or_default();
     for n in order {
         let stage = stage_of.get(&n).copied().unwrap_or(0);

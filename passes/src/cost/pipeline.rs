@@ -141,7 +141,7 @@ pub fn price_pipeline(
     let mut gm = g.clone();
     let mb = batch / micro as i64;
     if mb != batch {
-        rebatch(&mut gm, &RebatchSpec { batch: Some(mb), ..Default::default() }).map_err(|e| {
+        rebatch(&mut gm, &RebatchSpec { batch: Some(mb), micro_batch: true, ..Default::default() }).map_err(|e| {
             format!(
                 "pipeline: cannot re-batch to micro-batches of {mb}: {}",
                 e.errors.first().map(|x| x.msg.clone()).unwrap_or_default()
