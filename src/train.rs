@@ -141,8 +141,12 @@ pub fn micro_training_model(
     if m == 0 || batch % m as i64 != 0 {
         return Err(format!("--micro-batches {m}: the batch ({batch}) does not divide into {m} micro-batches"));
     }
-    // Micro-batches cut dim 0 of the inputs; a recurrent layer in layout 0 reads its
-    // sequence there, so cutting it would shorten the sequence, not the batch.
+    let mut micro = model.clone();
+    let spec = passes::rebatch::RebatchSpec { batch: Some(batch / m as i64), micro_batch: true, ..Default::default() };
+    passes::rebatch::rebatch(&mut micro.graph, &spec).map_err(|e| format!("--micro-batches {m}: {e}"))?;
+    // A recurrent layer in layout 0 reads its sequence along dim 0: where the micro-batches
+    // reached that dim (a sequence-first input, cut as the batch), they would shorten the
+    // sequence, not the batch. (A batch-first input transposed for it is cut along the batch.)
     let g = &model.graph;
     for n in g.op_nodes().map_err(|_| "the model has a cycle".to_string())? {
         let layout = match &g.node(n).op {
@@ -151,16 +155,16 @@ pub fn micro_training_model(
             ir::Op::RNN(o) => o.layout(),
             _ => continue,
         };
-        if layout == 0 {
+        let steps = |g: &ir::Graph| {
+            g.node(n).input(0).and_then(|x| g.tensor_type(x)).and_then(|t| t.dims.as_ref()?.first()?.value())
+        };
+        if layout == 0 && steps(g) != steps(&micro.graph) {
             return Err(format!(
                 "--micro-batches {m}: {} reads its sequence along dim 0 (layout 0), where micro-batches cut the inputs",
                 g.describe(n)
             ));
         }
     }
-    let mut micro = model.clone();
-    let spec = passes::rebatch::RebatchSpec { batch: Some(batch / m as i64), micro_batch: true, ..Default::default() };
-    passes::rebatch::rebatch(&mut micro.graph, &spec).map_err(|e| format!("--micro-batches {m}: {e}"))?;
     Ok(training_model(&micro, loss, opt)?.0)
 }
 
@@ -252,6 +256,57 @@ pub fn within(name: &str, actual: &Array, expected: &Array, tol: (f64, f64)) -> 
         }
     }
     Ok(())
+}
+
+/// [`within`] for parameters trained by Adam, which divides each element's step by the root
+/// of its squared gradients: the step follows the gradient's sign and its relative changes,
+/// not its size, so an element whose gradient is numerically zero (a bias before a BatchNorm,
+/// an attention key's bias: zero in exact arithmetic, rounding noise in float) moves by up to
+/// `lr` a step in the direction of its noise, which two correct runs draw differently, and a
+/// small gradient's rounding differences move it by `lr` times their relative size. Each
+/// element is compared to within the tolerance plus what its gradient's rounding can move it
+/// through that normalization over the steps: `lr_steps · min(2, 2·max(|Δg|, rtol·rms(g)) /
+/// |g|)`, with `g` and `Δg` step 1's gradient and the two runs' difference in it (`grads`:
+/// actual, expected — themselves checked within the tolerance) and `rms(g)` over its tensor:
+/// rounding scales with the tensor's gradients, not the element's. A well-determined
+/// element (`|g|` near the tensor's) gets `2·rtol·lr_steps`, below most `atol`s; a
+/// numerically zero one up to `2·lr` a step. Returns how many elements needed more than the
+/// tolerance.
+pub fn within_adam(
+    name: &str,
+    actual: &Array,
+    expected: &Array,
+    tol: (f64, f64),
+    grads: (Option<&Array>, Option<&Array>),
+    lr_steps: f64,
+) -> Result<usize, String> {
+    let values = |g: Option<&Array>| g.and_then(|g| g.to_f64().ok()).filter(|g| g.len() == actual.numel());
+    let (Some(ga), Some(ge)) = (values(grads.0), values(grads.1)) else {
+        return within(name, actual, expected, tol).map(|()| 0);
+    };
+    if actual.shape != expected.shape {
+        return Err(format!("{name}: shape {:?}, expected {:?}", actual.shape, expected.shape));
+    }
+    let (a, e) = (actual.to_f64().map_err(|e| e.to_string())?, expected.to_f64().map_err(|e| e.to_string())?);
+    // Rounding in a gradient scales with its tensor's gradients (sums of the same terms), not
+    // with the element's own: `rtol` of their root mean square.
+    let rms = (ge.iter().map(|g| g * g).sum::<f64>() / ge.len().max(1) as f64).sqrt();
+    let mut loose = 0;
+    for (i, (x, y)) in a.iter().zip(&e).enumerate() {
+        if close(*x, *y, tol) {
+            continue;
+        }
+        let relative = 2.0 * (ga[i] - ge[i]).abs().max(tol.0 * rms) / ge[i].abs();
+        let slack = lr_steps * if relative.is_finite() { relative.min(2.0) } else { 2.0 };
+        if !close(*x, *y, (tol.0, tol.1 + slack)) {
+            return Err(format!(
+                "{name}[{i}]: {x}, expected {y} (rtol {}, atol {} + {slack:.2e}: Adam's steps from step 1's gradients {}, expected {})",
+                tol.0, tol.1, ga[i], ge[i]
+            ));
+        }
+        loose += 1;
+    }
+    Ok(loose)
 }
 
 /// Inputs for training `g` drawn from `seed`: the model's inputs as `shardc run` draws them,
@@ -407,4 +462,34 @@ pub fn worst(got: &BTreeMap<String, Array>, want: &BTreeMap<String, Array>, tol:
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Adam's parameters: a numerically zero gradient's noise step passes (within 2·lr a
+    /// step), a well-determined element off by what a wrong update would make fails, and so
+    /// does a zero-gradient element off by more than Adam's steps can move it.
+    #[test]
+    fn adam_parameters_are_compared_within_what_rounding_can_move_them() {
+        let tol = (1e-4, 1e-5);
+        let (lr, steps) = (0.01, 3.0);
+        let arr = |v: Vec<f32>| Array::f32(vec![v.len()], v);
+        // Step 1's gradients: a tensor's worth of real gradients and one numerically zero.
+        let grads = arr(vec![0.5, -0.3, 0.2, 3e-10]);
+        let grads_other = arr(vec![0.5, -0.3, 0.2, -2e-10]);
+        let want = arr(vec![1.0, 2.0, 3.0, 0.1]);
+        let check =
+            |got: Vec<f32>| within_adam("p", &arr(got), &want, tol, (Some(&grads_other), Some(&grads)), lr * steps);
+        // The zero-gradient element stepped the other way three times: 0.06 apart.
+        assert_eq!(check(vec![1.0, 2.0, 3.0, 0.16]), Ok(1));
+        assert!(check(vec![1.0, 2.0, 3.0, 0.2]).is_err(), "beyond 2·lr a step");
+        // A real gradient's element off by one step of lr.
+        let err = check(vec![1.0, 2.01, 3.0, 0.1]).unwrap_err();
+        assert!(err.starts_with("p[1]"), "{err}");
+        assert_eq!(check(vec![1.0, 2.0, 3.0, 0.1]), Ok(0));
+        // Without gradients: the plain tolerance.
+        assert!(within_adam("p", &arr(vec![1.0, 2.0, 3.0, 0.16]), &want, tol, (None, None), lr * steps).is_err());
+    }
 }

@@ -256,6 +256,35 @@ fn micro_batches_accumulate_or_say_why_not() {
         assert_eq!(out.status.code(), Some(code), "{model} ×{m}: {err}");
         assert!(err.contains(want) && !err.contains("panicked"), "{model} ×{m}: {err}");
     }
+    // A GRU in layout 0 reading a batch-first input through a Transpose (torch's
+    // `batch_first=True`): micro-batches cut the batch, not its sequence.
+    let dir = std::env::temp_dir().join(format!("shardc-gru-micro-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("gru_batch_first.onnxtxt");
+    let vals = |n: usize, k: usize| -> String {
+        (0..n).map(|i| format!("{:.3}", (((i * 7 + k * 13) % 17) as f64 - 8.0) / 16.0)).collect::<Vec<_>>().join(", ")
+    };
+    std::fs::write(
+        &model,
+        format!(
+            "<\n ir_version: 8,\n opset_import: [\"\" : 17]\n>\ngru_batch_first (float[4,3,2] x) => (float[4,3] h)\n\
+             <float[1,9,2] w = {{{}}}, float[1,9,3] r = {{{}}}, float[1,18] b = {{{}}}>\n{{\n\
+             xt = Transpose <perm: ints = [1, 0, 2]> (x)\n y, yh = GRU <hidden_size: int = 3> (xt, w, r, b)\n\
+             s = Squeeze (yh)\n h = Tanh (s)\n}}\n",
+            vals(18, 1),
+            vals(27, 2),
+            vals(18, 3)
+        ),
+    )
+    .unwrap();
+    let m = model.to_str().unwrap();
+    for extra in [&["--micro-batches", "2"][..], &["--devices", "2", "--pipeline", "2"]] {
+        let doc =
+            shardc_train(&[&[m, "--loss", "mean", "--steps", "3", "--check", "--backend", "cpu"][..], extra].concat())
+                .unwrap_or_else(|e| panic!("{extra:?}: {e}"));
+        assert!(doc["plan"].as_str().unwrap_or("").contains("2 micro-batches"), "{extra:?}: {}", doc["plan"]);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
     // That model still pipelines: its stages split it, one whole batch at a time.
     let doc = shardc_train(&[
         "tests/data/golden-train/resnet_block_train.onnxtxt",

@@ -144,6 +144,8 @@ pub struct PipelinePlan {
     pub search_time_s: f64,
     /// The stage count was requested (`--pipeline S`), not chosen.
     pub requested: bool,
+    /// Why it runs one whole batch at a time when the graph refused every micro-batch size.
+    pub whole_batch: Option<String>,
 }
 
 /// What one op costs on a sub-mesh at one micro-batch size.
@@ -828,6 +830,9 @@ pub fn search_pipeline(
     Ok(best.map(|(_, _, mut p)| {
         p.tried = tried;
         p.search_time_s = start.elapsed().as_secs_f64();
+        if p.micro_batches == 1 && batch > 1 {
+            p.whole_batch = graphs.refused.clone().map(|(_, why)| why);
+        }
         p
     }))
 }
@@ -1048,6 +1053,7 @@ fn price_cuts(
         tried: Vec::new(),
         search_time_s: 0.0,
         requested: false,
+        whole_batch: None,
     })
 }
 

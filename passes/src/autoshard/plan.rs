@@ -994,7 +994,8 @@ pub fn pipeline_reason(r: &SearchResult, p: &super::pipeline::PipelinePlan) -> S
     let intra = r.meshes.iter().filter(|m| m.feasible).map(|m| m.step_time_s).fold(f64::INFINITY, f64::min);
     let smallest = r.meshes.iter().map(|m| m.memory_per_device_bytes).min().unwrap_or(0);
     let gib = |x: f64| x / 1073741824.0;
-    if p.requested {
+    let whole = p.whole_batch.as_ref().map_or(String::new(), |why| format!("; one whole batch at a time: {why}"));
+    let why = if p.requested {
         format!(
             "requested: {} stages (--pipeline); {:.3} ms per step against {:.3} ms without pipelining",
             p.stages.len(),
@@ -1018,7 +1019,8 @@ pub fn pipeline_reason(r: &SearchResult, p: &super::pipeline::PipelinePlan) -> S
             p.breakdown.step_time_s * 1e3,
             intra * 1e3
         )
-    }
+    };
+    why + &whole
 }
 
 fn collectives(g: &Graph, meshes: &[Mesh], stage_of: &HashMap<NodeId, usize>, b: &Breakdown) -> Vec<PlanCollective> {

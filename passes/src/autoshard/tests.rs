@@ -409,8 +409,8 @@ fn chain_moves_carry_a_split_along_the_tensors() {
     assert_eq!(changed.len(), 2);
 }
 
-// A requested pipeline needs micro-batches: a graph whose batch runs into a parameter cannot
-// take them, and the search says so (not that nothing fits in memory).
+// A graph whose batch runs into a parameter takes no micro-batches: a requested pipeline
+// runs one whole batch at a time, and says why.
 #[test]
 fn a_pipeline_the_batch_cannot_be_cut_for_says_why() {
     let g = graph(
@@ -427,6 +427,9 @@ b (float[4,8] x) => (float[4,8] y)
     );
     let cluster = Cluster::preset("local-wgpu").unwrap();
     let so = super::SearchOptions { pipeline: super::PipelineMode::Stages(2), ..Default::default() };
-    let Err(e) = super::search(&g, &cluster, 2, &Options::default(), &so) else { panic!("a pipeline was found") };
-    assert!(e.contains("does not cut into micro-batches") && e.contains("`w`"), "{e}");
+    let r = super::search(&g, &cluster, 2, &Options::default(), &so).expect("a whole-batch pipeline");
+    let p = r.pipeline.as_ref().expect("pipelined as requested");
+    assert_eq!(p.micro_batches, 1);
+    let why = super::plan::pipeline_reason(&r, p);
+    assert!(why.contains("one whole batch at a time") && why.contains("`w`"), "{why}");
 }
