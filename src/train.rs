@@ -144,6 +144,20 @@ pub fn micro_training_model(
     let mut micro = model.clone();
     let spec = passes::rebatch::RebatchSpec { batch: Some(batch / m as i64), micro_batch: true, ..Default::default() };
     passes::rebatch::rebatch(&mut micro.graph, &spec).map_err(|e| format!("--micro-batches {m}: {e}"))?;
+    // The runtime cuts every input along dim 0: an input whose batch is elsewhere (a recurrent
+    // state `[layers, batch, hidden]`) would be cut across its layers.
+    for &n in model.graph.inputs() {
+        let v = ir::Value::new(n, 0);
+        let dims = |g: &ir::Graph| g.tensor_type(v).and_then(|t| t.static_dims());
+        if let (Some(a), Some(b)) = (dims(&model.graph), dims(&micro.graph))
+            && let Some(k) = (1..a.len()).find(|&k| a[k] != b.get(k).copied().unwrap_or(a[k]))
+        {
+            return Err(format!(
+                "--micro-batches {m}: input `{}` carries the batch along dim {k}, where micro-batches cut the inputs along dim 0",
+                model.graph.value_name(v)
+            ));
+        }
+    }
     // A recurrent layer in layout 0 reads its sequence along dim 0: where the micro-batches
     // reached that dim (a sequence-first input, cut as the batch), they would shorten the
     // sequence, not the batch. (A batch-first input transposed for it is cut along the batch.)
@@ -362,6 +376,9 @@ pub struct TrainRun {
     pub gradients: BTreeMap<String, Array>,
     /// Per trainable parameter, its value after the last step (gathered from the shards).
     pub parameters: BTreeMap<String, Array>,
+    /// The other state the steps carry, after the last step: BatchNorm's running statistics,
+    /// the optimizer's moments and step count (gathered from the shards).
+    pub state: BTreeMap<String, Array>,
     /// The runtime's report (per device times, memory, the last step's outputs).
     pub report: codegen::RunReport,
 }
@@ -418,7 +435,12 @@ pub fn run_steps_with(
     let state: HashMap<&str, &Array> = report.state.iter().map(|(n, a)| (n.as_str(), a)).collect();
     let parameters: BTreeMap<String, Array> =
         info.trainable.iter().filter_map(|p| state.get(p.as_str()).map(|a| (p.clone(), (*a).clone()))).collect();
-    Ok(TrainRun { losses, gradients, parameters, report })
+    let state: BTreeMap<String, Array> = state
+        .iter()
+        .filter(|(n, _)| info.state.contains_key(**n) && !info.trainable.iter().any(|p| p == *n))
+        .map(|(n, a)| (n.to_string(), (*a).clone()))
+        .collect();
+    Ok(TrainRun { losses, gradients, parameters, state, report })
 }
 
 /// The same steps on the reference trainer (CPU, one device, float64 evaluation of the
@@ -428,6 +450,15 @@ pub fn reference_steps(
     inputs: &HashMap<String, Array>,
     steps: usize,
 ) -> Result<(Vec<f64>, Tensors, Tensors), String> {
+    reference_run(g, inputs, steps).map(|(l, g, p, _)| (l, g, p))
+}
+
+/// [`reference_steps`], and the other state after the last step ([`TrainRun::state`]).
+pub fn reference_run(
+    g: &ir::Graph,
+    inputs: &HashMap<String, Array>,
+    steps: usize,
+) -> Result<(Vec<f64>, Tensors, Tensors, Tensors), String> {
     let mut tr = passes::train::Trainer::new(g.clone())?;
     let mut losses = Vec::new();
     let mut gradients = BTreeMap::new();
@@ -441,7 +472,9 @@ pub fn reference_steps(
     losses.push(tr.loss(inputs)?);
     let params = tr.info.trainable.clone();
     let parameters = params.iter().filter_map(|p| tr.get(p).map(|a| (p.clone(), a))).collect();
-    Ok((losses, gradients, parameters))
+    let others: Vec<String> = tr.info.state.keys().filter(|s| !params.contains(s)).cloned().collect();
+    let state = others.iter().filter_map(|s| tr.get(s).map(|a| (s.clone(), a))).collect();
+    Ok((losses, gradients, parameters, state))
 }
 
 /// The largest `|a − e| / (atol + rtol·|e|)` over the elements of every tensor of `want`

@@ -302,6 +302,9 @@ fn micro_batches_accumulate_or_say_why_not() {
     ])
     .expect("a pipeline of whole batches trains like one device");
     assert!(doc["plan"].as_str().unwrap_or("").contains("2 stages × 1 micro-batches"), "{}", doc["plan"]);
+    // Its BatchNorms' running statistics and the optimizer's state are checked too.
+    let state = doc["check"].as_array().unwrap().iter().find(|c| c["what"] == "state (reference)").cloned();
+    assert!(state.as_ref().is_some_and(|c| c["ok"] == true), "{}", doc["check"]);
 }
 
 /// The plan the search finds, and a saved plan, through the command: the search's plan of

@@ -682,7 +682,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
     let rewritten = &loaded.model.graph;
     let gradients = passes::algebra::model_tensors(rewritten, &written_dims, &run.gradients);
     let parameters = passes::algebra::model_tensors(rewritten, &written_dims, &run.parameters);
-    let (losses, report) = (run.losses, run.report);
+    let (losses, report, run_state) = (run.losses, run.report, run.state);
     // Checks.
     let tol = (
         args.rtol.or(case.as_ref().map(|c| c.tolerance.0)).unwrap_or(1e-4),
@@ -695,7 +695,13 @@ pub fn run(args: &TrainArgs) -> CliResult {
         if args.steps == 1
             && let Some((_, after)) = c.steps.iter().find(|(o, _)| *o == opt)
         {
-            checks.push(check_all("parameters after one step (torch)", &parameters, after, tol));
+            let what = "parameters after one step (torch)";
+            checks.push(match opt {
+                OptimizerSpec::Adam { lr, .. } => {
+                    check_adam(what, (&parameters, after), (&gradients, &c.gradients), tol, lr)
+                }
+                _ => check_all(what, &parameters, after, tol),
+            });
         }
         let kind = match opt {
             OptimizerSpec::Sgd { .. } => "sgd",
@@ -718,8 +724,8 @@ pub fn run(args: &TrainArgs) -> CliResult {
             None => None,
         };
         let rg = reference.as_ref().map_or(g, |t| &t.graph);
-        let (want, want_grads, ref_params) =
-            shardc::train::reference_steps(rg, &inputs, args.steps).map_err(CliError::msg)?;
+        let (want, want_grads, ref_params, ref_state) =
+            shardc::train::reference_run(rg, &inputs, args.steps).map_err(CliError::msg)?;
         checks.push(check_losses("losses (reference)", &losses, &want, tol));
         checks.push(check_all("gradients (reference)", &gradients, &want_grads, tol));
         checks.push(match opt {
@@ -735,6 +741,25 @@ pub fn run(args: &TrainArgs) -> CliResult {
             }
             _ => check_all("parameters (reference)", &parameters, &ref_params, tol),
         });
+        // The other state (BatchNorm's running statistics, the optimizer's moments and step),
+        // under the names both runs give it (a weight rewritten in place, reshaped, keeps its
+        // values in order; a split or joined one's moments have the program's names). After
+        // more than one Adam step it follows parameters `within_adam` lets drift, so it is
+        // compared after SGD's steps and Adam's first.
+        let adam = matches!(opt, OptimizerSpec::Adam { .. });
+        let run_state: BTreeMap<String, Array> = run_state
+            .into_iter()
+            .filter_map(|(n, a)| {
+                let w = ref_state.get(&n)?;
+                let a = if a.shape != w.shape && a.numel() == w.numel() { a.reshaped(w.shape.clone()) } else { a };
+                Some((n, a))
+            })
+            .collect();
+        let want_state: BTreeMap<String, Array> =
+            ref_state.into_iter().filter(|(n, _)| run_state.contains_key(n)).collect();
+        if !want_state.is_empty() && (!adam || args.steps == 1) {
+            checks.push(check_all("state (reference)", &run_state, &want_state, tol));
+        }
     }
     if let Some(out) = &args.save_state {
         let tensors = |m: &BTreeMap<String, Array>| -> serde_json::Map<String, serde_json::Value> {
