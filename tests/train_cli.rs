@@ -331,7 +331,7 @@ fn searched_and_saved_plans_train() {
     ])
     .expect("resnet18 trains under the searched plan");
     assert!(doc["plan"].as_str().unwrap_or("").starts_with("searched plan"), "{}", doc["plan"]);
-    assert_eq!(doc["check"].as_array().map_or(0, Vec::len), 3, "{}", doc["check"]);
+    assert_eq!(doc["check"].as_array().map_or(0, Vec::len), 4, "{}", doc["check"]);
     assert_eq!(doc["devices"].as_array().map_or(0, Vec::len), 4);
     let case =
         |m: &str| [format!("tests/data/golden-train/{m}.onnxtxt"), format!("tests/data/golden-train/{m}.train.json")];
@@ -542,7 +542,7 @@ g (float[4,6] x, int64[4] labels) => (float loss)
                 "--check",
             ])
             .unwrap_or_else(|e| panic!("axes as {name}, {strategy}: {e}"));
-            assert!(doc["check"].as_array().is_some_and(|c| c.len() == 3), "{name} {strategy}: {}", doc["check"]);
+            assert!(doc["check"].as_array().is_some_and(|c| c.len() == 4), "{name} {strategy}: {}", doc["check"]);
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
