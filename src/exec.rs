@@ -206,8 +206,9 @@ pub fn program_for_search(g: &Graph, r: &SearchResult, devices: usize) -> Result
 }
 
 /// Runs `p`, lowered for one micro-batch of `full` (the same graph re-batched to 1/m of its
-/// batch), as `m` micro-batches of `full`'s batch: inputs whose dim 0 is `m` times the
-/// program's are cut into micro-batches along it; inputs of equal shape go to every
+/// batch), as `m` micro-batches of `full`'s batch: an input one of whose dims (its batch:
+/// dim 0, or dim 1 of a recurrent state) is `m` times the program's is cut into
+/// micro-batches along it; inputs of equal shape go to every
 /// micro-batch. For a training graph the runtime then accumulates gradients over the
 /// micro-batches.
 pub fn as_micro_batches(mut p: Program, full: &Graph, m: usize) -> Result<Program, String> {
@@ -226,18 +227,20 @@ pub fn as_micro_batches(mut p: Program, full: &Graph, m: usize) -> Result<Progra
         if dims == gi.shape {
             continue;
         }
-        let batch_cut = dims.len() == gi.shape.len()
-            && !dims.is_empty()
-            && dims[0] == gi.shape[0] * m
-            && dims[1..] == gi.shape[1..];
-        if !batch_cut {
-            return Err(format!(
-                "input `{}`: {:?} is not {m} micro-batches of {:?} along dim 0",
-                gi.name, dims, gi.shape
-            ));
-        }
+        // The one dim the micro-batch graph has 1/m of (dim 0 for most inputs; dim 1 of a
+        // recurrent state `[layers, batch, hidden]`); every other dim is the same.
+        let differ: Vec<usize> = (0..dims.len().min(gi.shape.len())).filter(|&k| dims[k] != gi.shape[k]).collect();
+        let axis = match differ.as_slice() {
+            [k] if dims.len() == gi.shape.len() && dims[*k] == gi.shape[*k] * m => *k,
+            _ => {
+                return Err(format!(
+                    "input `{}`: {:?} is not {m} micro-batches of {:?} along one dim",
+                    gi.name, dims, gi.shape
+                ));
+            }
+        };
         gi.shape = dims;
-        gi.batch_axis = Some(0);
+        gi.batch_axis = Some(axis);
     }
     p.micro_batches = m;
     Ok(p)

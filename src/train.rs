@@ -127,7 +127,7 @@ pub fn training_model(m: &ir::Model, loss: &LossSpec, opt: &OptimizerSpec) -> Re
 }
 
 /// The training graph of one of `m` micro-batches: the model re-batched to 1/m of its batch
-/// (dim 0 of its inputs), then differentiated. Lowered and run with
+/// (wherever each input carries it), then differentiated. Lowered and run with
 /// [`crate::exec::as_micro_batches`], the runtime accumulates the gradients of the `m`
 /// micro-batches and the optimizer steps once on their mean.
 pub fn micro_training_model(
@@ -144,20 +144,6 @@ pub fn micro_training_model(
     let mut micro = model.clone();
     let spec = passes::rebatch::RebatchSpec { batch: Some(batch / m as i64), micro_batch: true, ..Default::default() };
     passes::rebatch::rebatch(&mut micro.graph, &spec).map_err(|e| format!("--micro-batches {m}: {e}"))?;
-    // The runtime cuts every input along dim 0: an input whose batch is elsewhere (a recurrent
-    // state `[layers, batch, hidden]`) would be cut across its layers.
-    for &n in model.graph.inputs() {
-        let v = ir::Value::new(n, 0);
-        let dims = |g: &ir::Graph| g.tensor_type(v).and_then(|t| t.static_dims());
-        if let (Some(a), Some(b)) = (dims(&model.graph), dims(&micro.graph))
-            && let Some(k) = (1..a.len()).find(|&k| a[k] != b.get(k).copied().unwrap_or(a[k]))
-        {
-            return Err(format!(
-                "--micro-batches {m}: input `{}` carries the batch along dim {k}, where micro-batches cut the inputs along dim 0",
-                model.graph.value_name(v)
-            ));
-        }
-    }
     // A recurrent layer in layout 0 reads its sequence along dim 0: where the micro-batches
     // reached that dim (a sequence-first input, cut as the batch), they would shorten the
     // sequence, not the batch. (A batch-first input transposed for it is cut along the batch.)

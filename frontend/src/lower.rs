@@ -242,7 +242,29 @@ impl Lowerer {
         };
         let dtype = tt.dtype;
         let tdata = match data {
-            Data::External(entries, _) => TensorData::External(entries.clone()),
+            Data::External(entries, span) => {
+                // As ONNX's checker: external data lies beside the model or below it.
+                for (_, loc) in entries.iter().filter(|(k, _)| k == "location") {
+                    let p = std::path::Path::new(loc);
+                    let outside = loc.is_empty()
+                        || p.is_absolute()
+                        || loc.starts_with('/')
+                        || loc.starts_with('\\')
+                        || p.components()
+                            .any(|c| !matches!(c, std::path::Component::Normal(_) | std::path::Component::CurDir));
+                    if outside {
+                        self.err(
+                            Diagnostic::error(format!("external data location `{loc}` is not a file beside the model"))
+                                .with_primary(*span, "this tensor's data")
+                                .with_note(
+                                    "`location` is a relative path inside the model's directory (no `..`, no absolute path)",
+                                ),
+                        );
+                        return None;
+                    }
+                }
+                TensorData::External(entries.clone())
+            }
             Data::Decoded(i, span) => match self.decoded.get_mut(*i).and_then(Option::take) {
                 Some(d) => d,
                 None => {

@@ -83,7 +83,13 @@ pub fn static_findings(g: &Graph) -> Vec<Located> {
     if let Ok(r) = &report {
         for &p in &r.params {
             if matches!(g.node(p.node).op, ir::Op::Input { default: None }) {
-                let users: Vec<String> = g.users(p).iter().map(|(n, _)| g.describe(*n)).collect();
+                let mut users: Vec<String> = Vec::new();
+                for (n, _) in g.users(p) {
+                    let d = g.describe(n);
+                    if !users.contains(&d) {
+                        users.push(d);
+                    }
+                }
                 out.push(Located::at(
                     g,
                     p.node,

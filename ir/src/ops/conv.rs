@@ -38,6 +38,13 @@ pub fn window_dims(
             return Err(format!("{name} {v:?} needs {want} values for {k} spatial dims"));
         }
     }
+    for (name, v) in [("kernel", Some(kernel)), ("strides", strides), ("dilations", dilations)] {
+        if let Some(v) = v
+            && v.iter().any(|&x| x <= 0)
+        {
+            return Err(format!("the {name} {v:?} must be positive"));
+        }
+    }
     let mut out = Vec::with_capacity(k);
     for i in 0..k {
         match spatial[i].value() {
@@ -351,13 +358,17 @@ pub fn window(
     let get = |v: Option<&[i64]>, what: &str, default: i64| -> std::result::Result<Vec<usize>, String> {
         match v {
             None => Ok(vec![default as usize; k]),
-            Some(v) if v.len() == k && v.iter().all(|&x| x > 0) => Ok(v.iter().map(|&x| x as usize).collect()),
-            Some(v) => Err(format!("{what} {v:?} do not fit {k} spatial dims")),
+            Some(v) if v.len() != k => Err(format!("{what} {v:?} do not fit {k} spatial dims")),
+            Some(v) if v.iter().any(|&x| x <= 0) => Err(format!("the {what} {v:?} must be positive")),
+            Some(v) => Ok(v.iter().map(|&x| x as usize).collect()),
         }
     };
     let strides = get(strides, "strides", 1)?;
     let dilations = get(dilations, "dilations", 1)?;
-    let kernel: Vec<usize> = kernel.iter().map(|&x| x.max(1) as usize).collect();
+    if kernel.iter().any(|&x| x <= 0) {
+        return Err(format!("the kernel {kernel:?} must be positive"));
+    }
+    let kernel: Vec<usize> = kernel.iter().map(|&x| x as usize).collect();
     let mut pb = vec![0usize; k];
     let mut pe = vec![0usize; k];
     let mut out = vec![0usize; k];

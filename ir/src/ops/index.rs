@@ -286,6 +286,11 @@ impl OpRules for op::TopK {
         };
         let a = norm_axis(self.axis(), d.len())?;
         let k = if cx.ins.len() > 1 { cx.ints(1).and_then(|v| v.first().copied()) } else { self.k };
+        if let Some(k) = k
+            && (k < 0 || d[a].value().is_some_and(|n| k > n))
+        {
+            return Err(format!("TopK's k ({k}) is not within the axis' size ({})", d[a]));
+        }
         let mut out = d.clone();
         out[a] = k.map_or(Dim::Unknown, Dim::Fixed);
         Ok(vec![cx.with(cx.dtype(), Some(out.clone())), Some(TensorType::new(DType::Int64, out))])

@@ -437,6 +437,9 @@ pub fn resize_sizes(
         if sz.len() != axes.len() {
             return Err(format!("Resize sizes {sz:?} do not fit {} axes", axes.len()));
         }
+        if sz.iter().any(|&x| x < 0) {
+            return Err(format!("Resize sizes {sz:?} must not be negative"));
+        }
         let policy = r.keep_aspect_ratio_policy();
         let ratios: Vec<f64> = axes.iter().zip(sz).map(|(&a, &s)| s as f64 / input[a] as f64).collect();
         let common = match policy {
@@ -456,6 +459,9 @@ pub fn resize_sizes(
     } else if let Some(s) = scales.filter(|s| !s.is_empty()) {
         if s.len() != axes.len() {
             return Err(format!("Resize scales {s:?} do not fit {} axes", axes.len()));
+        }
+        if s.iter().any(|&x| !(x > 0.0 && x.is_finite())) {
+            return Err(format!("Resize scales {s:?} must be positive"));
         }
         for (k, &a) in axes.iter().enumerate() {
             sc[a] = s[k];

@@ -128,7 +128,18 @@ impl OpRules for op::Reshape {
             let total = prod(d);
             if let Some(i) = infer_at {
                 let rest: Vec<Dim> = out.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, v)| v.clone()).collect();
-                out[i] = prod_div(&total, &prod(&rest));
+                let r = prod(&rest);
+                let numeric = |p: &super::util::Prod| !p.unknown && p.syms.is_empty();
+                if numeric(&total) && numeric(&r) && (r.coef == 0 || total.coef % r.coef != 0) {
+                    return Err(format!(
+                        "cannot reshape [{}] ({} elements) to [{}]: the other dims hold {} elements",
+                        join(d),
+                        total.coef,
+                        join(&spec),
+                        r.coef
+                    ));
+                }
+                out[i] = prod_div(&total, &r);
             } else {
                 let p = prod(&out);
                 if !total.unknown && !p.unknown && total.syms == p.syms && total.coef != p.coef {

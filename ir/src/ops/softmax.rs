@@ -34,6 +34,13 @@ macro_rules! softmax {
             }
 
             fn infer(&self, cx: &InferCx<'_>) -> Types {
+                // (Before opset 13 the axis cuts the dims into two groups, and may be the rank.)
+                let (legacy, a) = axis(self.axis, cx.opset);
+                if let Some(r) = cx.input(0).and_then(|t| t.rank())
+                    && !(legacy && a == r as i64)
+                {
+                    norm_axis(a, r)?;
+                }
                 cx.same()
             }
 
