@@ -122,7 +122,7 @@ pub fn load_model(path: &Path) -> Result<Loaded, LoadError> {
         return match frontend::parse_binary(&bytes) {
             Ok((p, locations)) => {
                 let source = Source { name, text: String::new(), locations: Some(std::sync::Arc::new(locations)) };
-                Ok(Loaded { model: p.model, warnings: p.warnings, source })
+                inlined(Loaded { model: p.model, warnings: p.warnings, source })
             }
             Err((diags, locations)) => Err(LoadError::Invalid(
                 diags,
@@ -139,8 +139,30 @@ pub fn load_model(path: &Path) -> Result<Loaded, LoadError> {
     };
     let source = Source::text(name, text);
     match frontend::parse(&source.text) {
-        Ok(p) => Ok(Loaded { model: p.model, warnings: p.warnings, source }),
+        Ok(p) => inlined(Loaded { model: p.model, warnings: p.warnings, source }),
         Err(diags) => Err(LoadError::Invalid(diags, source)),
+    }
+}
+
+/// The model with its calls of its own functions replaced by their bodies
+/// ([`ir::inline::inline_functions`]); a call that cannot be inlined is an error at the call.
+fn inlined(mut loaded: Loaded) -> Result<Loaded, LoadError> {
+    match ir::inline::inline_functions(&mut loaded.model) {
+        Ok(_) => Ok(loaded),
+        Err(errors) => {
+            let g = &loaded.model.graph;
+            let diags = errors
+                .into_iter()
+                .map(|(n, msg)| {
+                    let d = frontend::Diagnostic::error(msg);
+                    match g.span(n) {
+                        Some(s) => d.with_primary(s, "this call"),
+                        None => d,
+                    }
+                })
+                .collect();
+            Err(LoadError::Invalid(diags, loaded.source))
+        }
     }
 }
 

@@ -547,3 +547,29 @@ g (float[4,6] x, int64[4] labels) => (float loss)
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An exporter before ONNX IR 4 lists every weight among the graph's inputs as well (an input
+/// with a default value, e.g. the ONNX zoo's VGG-19): trained, those are parameters, and the
+/// steps equal the same model's with plain initializers (it panicked).
+#[test]
+fn weights_listed_as_inputs_train_as_parameters() {
+    let dir = std::env::temp_dir().join(format!("shardc-weights-as-inputs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let body = "<float[3,2] w = {0.5, -0.25, 0.125, 1.0, -0.75, 0.375}, float[2] b = {0.1, -0.2}> {\n   t = MatMul (x, w)\n   y = Add (t, b)\n}\n";
+    let header = "<\n   ir_version: 3,\n   opset_import: [\"\" : 9]\n>\n";
+    let listed = dir.join("listed.onnxtxt");
+    let plain = dir.join("plain.onnxtxt");
+    std::fs::write(&listed, format!("{header}g (float[4,3] x, float[3,2] w, float[2] b) => (float[4,2] y)\n   {body}"))
+        .unwrap();
+    std::fs::write(&plain, format!("{header}g (float[4,3] x) => (float[4,2] y)\n   {body}")).unwrap();
+    let args = ["--loss", "mse", "--steps", "3", "--backend", "cpu", "--devices", "2", "--strategy", "data", "--check"];
+    let train = |p: &std::path::Path| {
+        shardc_train(&[&[p.to_str().unwrap()][..], &args].concat()).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    };
+    let (a, b) = (train(&listed), train(&plain));
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(a["trainable"].as_u64(), Some(2), "{a}");
+    assert_eq!(a["losses"], b["losses"]);
+    let losses: Vec<f64> = a["losses"].as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect();
+    assert!(losses[3] < losses[0], "{losses:?}");
+}

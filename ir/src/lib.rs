@@ -31,6 +31,7 @@ pub mod eval;
 pub mod export;
 pub mod graph;
 pub mod infer;
+pub mod inline;
 pub mod op;
 pub mod ops;
 pub mod print;

@@ -248,6 +248,21 @@ pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<T
             }
         }
     }
+    // An initializer also listed among the graph inputs (exports before IR 4 list every
+    // weight there) is an input with a default value; trained, it is a parameter.
+    let defaulted: Vec<(Value, ir::Tensor)> = g
+        .inputs()
+        .iter()
+        .filter_map(|&n| match &g.node(n).op {
+            Op::Input { default: Some(t) } if ir::cost::is_param(g, Value::new(n, 0)) => {
+                Some((Value::new(n, 0), t.clone()))
+            }
+            _ => None,
+        })
+        .collect();
+    for (v, t) in defaulted {
+        g.bind_input(v, t);
+    }
     // Tensors no step can train (an additive mask's `-inf`) are constants.
     ir::cost::freeze_non_finite(g);
     let candidates: Vec<Value> = g

@@ -79,6 +79,18 @@ pub fn constant_value(g: &Graph, v: Value, depth: usize) -> Option<Array> {
     {
         return None;
     }
+    // The shape of a tensor of static shape is known without its values (an interpolation
+    // to an input's size, a window padding computed from a shape).
+    let static_dims = |x: Option<Value>| x.and_then(|x| g.tensor_type(x)).and_then(TensorType::static_dims);
+    match &node.op {
+        Op::Shape(s) => {
+            let d = static_dims(node.input(0))?;
+            let (a, b) = s.range(d.len());
+            return Some(Array::i64(vec![b - a], d[a..b].to_vec()));
+        }
+        Op::Size(_) => return Some(Array::i64(vec![], vec![static_dims(node.input(0))?.iter().product()])),
+        _ => {}
+    }
     // An omitted input stays omitted; a present one must be constant.
     let mut ins: Vec<Option<Array>> = Vec::with_capacity(node.inputs().len());
     for i in node.inputs() {
