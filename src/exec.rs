@@ -316,6 +316,7 @@ pub fn inputs_for(
         let a = match given.map(|m| m.get(&name)) {
             Some(Some(a)) => a.clone(),
             Some(None) => return Err(format!("the inputs file has no `{name}`")),
+            None if t.dtype.is_int() => seeded_ints(g, v, t.dtype, &dims, seed, &name),
             None => ir::eval::random_tensor(t.dtype, &dims, "input", seed, &name).map_err(|e| e.to_string())?,
         };
         let want: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
@@ -328,6 +329,75 @@ pub fn inputs_for(
         out.insert(name, a);
     }
     Ok(out)
+}
+
+/// Seeded values of integer input `v`: uniform below the smallest size it indexes (token ids
+/// below the embedding's rows, labels below the classes), or ones where nothing indexes with
+/// it (an attention mask: all zeros would mask every position, a degenerate step whose
+/// gradients can be NaN).
+fn seeded_ints(g: &Graph, v: Value, dtype: DType, dims: &[i64], seed: u64, name: &str) -> Array {
+    let shape: Vec<usize> = dims.iter().map(|&d| d.max(0) as usize).collect();
+    let n: usize = shape.iter().product();
+    match index_bound(g, v) {
+        Some(b) if b > 0 => {
+            let mut h = seed ^ 0x1d5;
+            for c in name.bytes() {
+                h = h.rotate_left(5) ^ u64::from(c);
+                h = h.wrapping_mul(0x100_0000_01b3);
+            }
+            let mut rng = ir::eval::Rng::new(h);
+            Array::int(dtype, shape, (0..n).map(|_| ((rng.uniform(0.0, 1.0) * b as f64) as i64).min(b - 1)).collect())
+        }
+        _ => Array::int(dtype, shape, vec![1; n]),
+    }
+}
+
+/// The smallest size integer value `v` indexes — a gather's axis, a loss's classes —
+/// followed through the ops that keep its values (casts, reshapes, expands); `None` when
+/// nothing indexes with it.
+fn index_bound(g: &Graph, v: Value) -> Option<i64> {
+    let mut bound: Option<i64> = None;
+    let mut stack = vec![(v, 0usize)];
+    let mut seen = std::collections::HashSet::new();
+    while let Some((x, depth)) = stack.pop() {
+        if depth > 8 || !seen.insert(x) {
+            continue;
+        }
+        for (u, slot) in g.users(x) {
+            let node = g.node(u);
+            let dims = |i: usize| node.input(i).and_then(|d| g.tensor_type(d)).and_then(ir::TensorType::static_dims);
+            let along = |axis: i64| {
+                dims(0).and_then(|d| {
+                    let a = if axis < 0 { axis + d.len() as i64 } else { axis };
+                    usize::try_from(a).ok().and_then(|a| d.get(a).copied())
+                })
+            };
+            let b = match (&node.op, slot) {
+                (Op::Gather(o), 1) => along(o.axis()),
+                (Op::GatherElements(o), 1) => along(o.axis()),
+                (Op::SoftmaxCrossEntropyLoss(_) | Op::NegativeLogLikelihoodLoss(_), 1) => along(1),
+                (
+                    Op::Cast(_)
+                    | Op::Identity(_)
+                    | Op::Unsqueeze(_)
+                    | Op::Squeeze(_)
+                    | Op::Reshape(_)
+                    | Op::Flatten(_)
+                    | Op::Expand(_)
+                    | Op::Transpose(_),
+                    0,
+                ) => {
+                    stack.extend((0..node.num_outputs()).map(|s| (Value::new(u, s as u16), depth + 1)));
+                    None
+                }
+                _ => None,
+            };
+            if let Some(b) = b {
+                bound = Some(bound.map_or(b, |x: i64| x.min(b)));
+            }
+        }
+    }
+    bound
 }
 
 /// The given inputs of a run, by graph input name: the golden `.io.json` format
