@@ -573,3 +573,46 @@ fn weights_listed_as_inputs_train_as_parameters() {
     let losses: Vec<f64> = a["losses"].as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect();
     assert!(losses[3] < losses[0], "{losses:?}");
 }
+
+/// Operands a gradient rule needs constant, computed from shapes as torch traces them: a
+/// `Resize` to the input's size (`F.interpolate(size=x.shape[-2:])`) and a `Pad` by amounts
+/// computed with `Shape`, `Mod` and `Sub` (a window partition's padding). Training needs no
+/// canonicalization first and equals one device (it was refused: "needs constant scales").
+#[test]
+fn operands_computed_from_static_shapes_train() {
+    let model = "tests/data/computed-operands/resize_pad.onnxtxt";
+    let doc = shardc_train(&[model, "--loss", "mse", "--steps", "2", "--backend", "cpu", "--devices", "2", "--check"])
+        .expect("trains and checks");
+    assert_eq!(doc["trainable"].as_u64(), Some(2), "{doc}");
+}
+
+/// Seeded integer inputs: token ids are valid rows of the table they index, an attention mask
+/// (nothing indexes with it) is all ones, not zeros that mask every position.
+#[test]
+fn seeded_integer_inputs_are_indices_or_ones() {
+    let out = std::env::temp_dir().join(format!("shardc-ids-mask-{}.io.json", std::process::id()));
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args([
+            "run",
+            "tests/data/computed-operands/ids_mask.onnxtxt",
+            "--backend",
+            "cpu",
+            "--devices",
+            "1",
+            "--save-outputs",
+        ])
+        .arg(&out)
+        .current_dir(repo_root())
+        .status()
+        .expect("shardc runs");
+    assert!(status.success());
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    std::fs::remove_file(&out).ok();
+    let ints = |k: &str| -> Vec<i64> {
+        doc["inputs"][k]["data"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect()
+    };
+    let ids = ints("ids");
+    assert!(ids.iter().all(|&i| (0..7).contains(&i)), "{ids:?}");
+    assert!(ids.iter().any(|&i| i != ids[0]), "every id the same: {ids:?}");
+    assert_eq!(ints("mask"), vec![1; 10]);
+}
