@@ -837,6 +837,9 @@ impl Resolver<'_> {
                 Some(data) => self.resolve(g, data, axes),
                 None => Err(Located::at(g, n, format!("cannot rebatch {}: it has no data", g.describe(n)))),
             },
+            // Any other op of constants (a cumulative sum of a traced mask of ones: position
+            // ids): its value, known, becomes a constant made to follow like the others.
+            _ if g.node(n).num_outputs() == 1 && self.consts.contains_key(&v) => self.fold(g, v, axes),
             _ => Err(Located::at(
                 g,
                 n,
@@ -847,6 +850,26 @@ impl Resolver<'_> {
                 ),
             )),
         }
+    }
+
+    /// Value `v` of a one-output op of constants, its value known, made a constant that
+    /// follows the changed dims as the others do.
+    fn fold(&mut self, g: &mut Graph, v: Value, axes: &[(usize, Mono)]) -> Result<(), Located> {
+        let n = v.node;
+        let a = self.consts[&v].clone();
+        if g.node(n).num_outputs() != 1 {
+            return Err(Located::at(g, n, format!("cannot rebatch {}: it has several outputs", g.describe(n))));
+        }
+        if let Some(o) = self.overrides.get_mut(&v) {
+            o.truncate(o.len().saturating_sub(axes.len()));
+        }
+        g.set_inputs(n, vec![]);
+        g.set_captures(n, vec![]);
+        g.set_op(n, Op::Initializer(a.to_tensor()));
+        g.set_label(n, None);
+        // A value computed from constants is not a parameter.
+        ir::cost::freeze(g, v);
+        self.resolve(g, v, axes)
     }
 
     /// The error for a parameter the batch would change.
@@ -1051,6 +1074,9 @@ impl Resolver<'_> {
                 if non1_in.len() != non1_out.len()
                     || non1_in.iter().zip(&non1_out).any(|(&i, &o)| in_dims[i] != out_dims[o])
                 {
+                    if self.consts.contains_key(&v) {
+                        return self.fold(g, v, axes);
+                    }
                     return Err(Located::at(
                         g,
                         n,

@@ -344,3 +344,51 @@ g (float[2,3] x) => (float[2,3] y)
     let msg: String = err.errors.iter().map(|e| e.msg.clone()).collect();
     assert!(msg.contains("micro-batches") && msg.contains("holds different values along axis 0"), "{msg}");
 }
+
+/// Position ids as torch traces OPT's: a cumulative sum of a mask of ones made for the
+/// traced batch (`Constant` → `CumSum` → `Sub`), not an initializer. Any op of constants is
+/// taken by its value and follows the batch like a constant: to 4 and to micro-batches of 1
+/// (it was refused: "not computed from constants in a way that can be rewritten").
+#[test]
+fn ops_of_constants_along_the_batch_follow_it() {
+    let text = r#"<
+ ir_version: 8,
+ opset_import: ["" : 17]
+>
+g (float[2,3] x) => (float[2,3,2] y)
+<float[4,2] pos = {0.5, -1, 2, 0.25, -0.5, 1.5, 3, -2}>
+{
+  mask = Constant <value: tensor = int64[2,3] {1, 1, 1, 1, 1, 1}> ()
+  one = Constant <value: tensor = int64 {1}> ()
+  axis = Constant <value: tensor = int64 {1}> ()
+  c = CumSum (mask, axis)
+  ids = Sub (c, one)
+  p = Gather (pos, ids)
+  last = Constant <value: tensor = int64[1] {-1}> ()
+  xs = Unsqueeze (x, last)
+  y = Mul (p, xs)
+}
+"#;
+    for (batch, micro) in [(4, false), (1, true)] {
+        let mut m = frontend::parse(text).unwrap_or_else(|e| panic!("{e:?}")).model;
+        let x: Vec<f32> = (0..6).map(|i| i as f32 - 1.5).collect();
+        let x = ir::eval::Array::f32(vec![2, 3], x);
+        let before = ir::eval::run(&m.graph, &[("x".to_string(), x.clone())].into(), &Default::default()).unwrap();
+        let before = before[0].to_f64().unwrap();
+        rebatch(&mut m.graph, &RebatchSpec { batch: Some(batch), micro_batch: micro, ..Default::default() })
+            .unwrap_or_else(|e| panic!("{:?}", e.errors.iter().map(|e| &e.msg).collect::<Vec<_>>()));
+        assert_eq!(out_type(&m, 0), format!("float[{batch},3,2]"));
+        let xb =
+            if batch == 4 { ir::eval::Array::concat_axis(&[&x, &x], 0) } else { ir::eval::slice_axis(&x, 0, 0, 1) };
+        let after = ir::eval::run(&m.graph, &[("x".to_string(), xb)].into(), &Default::default()).unwrap();
+        let want = if batch == 4 { [before.clone(), before.clone()].concat() } else { before[..6].to_vec() };
+        assert_eq!(after[0].to_f64().unwrap(), want, "batch {batch}");
+        // Nothing of it became a parameter.
+        assert!(
+            m.graph
+                .node_ids()
+                .filter(|&n| ir::cost::is_param(&m.graph, ir::Value::new(n, 0)))
+                .all(|n| { m.graph.value_name(ir::Value::new(n, 0)) == "pos" })
+        );
+    }
+}
