@@ -95,18 +95,19 @@ pub fn freeze(g: &mut Graph, v: Value) {
     g.set_annotation(v.node, FROZEN, "true");
 }
 
-/// Freezes the float initializers of two or more elements whose values hold an infinity or
-/// NaN — no optimizer step can train them (an additive causal mask's `-inf` plus any update
-/// is `-inf` or NaN; torch keeps such tensors as buffers) — and returns their names (those
-/// frozen before too: it can run again).
+/// Freezes the float initializers of two or more elements whose values hold an infinity, NaN
+/// or a magnitude of 1e30 or more — no optimizer step can train them (an additive causal
+/// mask's `-inf` plus any update is `-inf` or NaN, and its `finfo.min` absorbs any update in
+/// rounding: exporters fold such masks into initializers; torch keeps them as buffers) — and
+/// returns their names (those frozen before too: it can run again).
 pub fn freeze_non_finite(g: &mut Graph) -> Vec<String> {
     let mut frozen = Vec::new();
     for n in g.node_ids().collect::<Vec<_>>() {
         let non_finite = match &g.node(n).op {
             Op::Initializer(t) | Op::Input { default: Some(t) } if t.dtype.is_float() && t.numel() >= 2 => {
                 match &t.data {
-                    crate::TensorData::Float(x) => x.iter().any(|x| !x.is_finite()),
-                    crate::TensorData::Double(x) => x.iter().any(|x| !x.is_finite()),
+                    crate::TensorData::Float(x) => x.iter().any(|x| !(x.abs() < 1e30)),
+                    crate::TensorData::Double(x) => x.iter().any(|x| !(x.abs() < 1e30)),
                     _ => false,
                 }
             }
@@ -317,4 +318,29 @@ pub fn compute_stats(g: &Graph) -> Result<GraphStats, String> {
 /// Bytes of one element of `dtype`, as f64.
 pub fn elem_bytes(dtype: DType) -> f64 {
     dtype.size_bytes() as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Tensor, TensorData};
+
+    fn init(g: &mut Graph, name: &str, v: Vec<f32>) -> Value {
+        let dims = vec![v.len() as i64];
+        g.add_initializer(name, Tensor { dtype: crate::DType::Float, dims, name: None, data: TensorData::Float(v) })
+    }
+
+    /// Additive masks folded into initializers — `-inf`, or torch's `finfo.min`, which absorbs
+    /// any update in rounding — are frozen; weights, large ones included, are not.
+    #[test]
+    fn masks_of_infinities_or_finfo_min_are_frozen() {
+        let mut g = Graph::new("g");
+        let inf = init(&mut g, "mask_inf", vec![0.0, f32::NEG_INFINITY]);
+        let min = init(&mut g, "mask_min", vec![0.0, f32::MIN]);
+        let w = init(&mut g, "w", vec![0.5, -2.0e6]);
+        let mut frozen = freeze_non_finite(&mut g);
+        frozen.sort();
+        assert_eq!(frozen, ["mask_inf", "mask_min"]);
+        assert!(!is_param(&g, inf) && !is_param(&g, min) && is_param(&g, w));
+    }
 }
