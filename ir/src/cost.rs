@@ -106,8 +106,8 @@ pub fn freeze_non_finite(g: &mut Graph) -> Vec<String> {
         let non_finite = match &g.node(n).op {
             Op::Initializer(t) | Op::Input { default: Some(t) } if t.dtype.is_float() && t.numel() >= 2 => {
                 match &t.data {
-                    crate::TensorData::Float(x) => x.iter().any(|x| !(x.abs() < 1e30)),
-                    crate::TensorData::Double(x) => x.iter().any(|x| !(x.abs() < 1e30)),
+                    crate::TensorData::Float(x) => x.iter().any(|x| x.is_nan() || x.abs() >= 1e30),
+                    crate::TensorData::Double(x) => x.iter().any(|x| x.is_nan() || x.abs() >= 1e30),
                     _ => false,
                 }
             }
