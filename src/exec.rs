@@ -340,12 +340,7 @@ fn seeded_ints(g: &Graph, v: Value, dtype: DType, dims: &[i64], seed: u64, name:
     let n: usize = shape.iter().product();
     match index_bound(g, v) {
         Some(b) if b > 0 => {
-            let mut h = seed ^ 0x1d5;
-            for c in name.bytes() {
-                h = h.rotate_left(5) ^ u64::from(c);
-                h = h.wrapping_mul(0x100_0000_01b3);
-            }
-            let mut rng = ir::eval::Rng::new(h);
+            let mut rng = ir::eval::Rng::named(seed ^ 0x1d5, name);
             Array::int(dtype, shape, (0..n).map(|_| ((rng.uniform(0.0, 1.0) * b as f64) as i64).min(b - 1)).collect())
         }
         _ => Array::int(dtype, shape, vec![1; n]),
@@ -367,10 +362,7 @@ fn index_bound(g: &Graph, v: Value) -> Option<i64> {
             let node = g.node(u);
             let dims = |i: usize| node.input(i).and_then(|d| g.tensor_type(d)).and_then(ir::TensorType::static_dims);
             let along = |axis: i64| {
-                dims(0).and_then(|d| {
-                    let a = if axis < 0 { axis + d.len() as i64 } else { axis };
-                    usize::try_from(a).ok().and_then(|a| d.get(a).copied())
-                })
+                dims(0).and_then(|d| ir::ops::norm_axis(axis, d.len()).ok().and_then(|a| d.get(a).copied()))
             };
             let b = match (&node.op, slot) {
                 (Op::Gather(o), 1) => along(o.axis()),

@@ -246,9 +246,8 @@ impl Lowerer {
                 // As ONNX's checker: external data lies beside the model or below it.
                 for (_, loc) in entries.iter().filter(|(k, _)| k == "location") {
                     let p = std::path::Path::new(loc);
+                    // (A root, a drive prefix or `..` is a component other than a name.)
                     let outside = loc.is_empty()
-                        || p.is_absolute()
-                        || loc.starts_with('/')
                         || loc.starts_with('\\')
                         || p.components()
                             .any(|c| !matches!(c, std::path::Component::Normal(_) | std::path::Component::CurDir));

@@ -517,6 +517,15 @@ impl Graph {
         }
     }
 
+    /// Makes node `n` an initializer holding `tensor` (a value computed and folded): its inputs
+    /// and captures are dropped and its label cleared; its output keeps its name and type.
+    pub fn make_initializer(&mut self, n: NodeId, tensor: Tensor) {
+        self.set_inputs(n, vec![]);
+        self.set_captures(n, vec![]);
+        self.set_op(n, Op::Initializer(tensor));
+        self.set_label(n, None);
+    }
+
     /// Records the order a node's attributes were written in (see [`Node::attr_order`]).
     pub fn set_attr_order(&mut self, node: NodeId, order: Vec<String>) {
         self.g[node.0].attr_order = order;

@@ -14,9 +14,8 @@ use crate::attr::{AttrValue, Attribute};
 use crate::graph::{Function, Graph, Model, NodeId, Output, Value};
 use crate::op::{Op, Opaque};
 
-/// How deep calls may nest (the functions' call graph has no cycle, so this bounds only
-/// a very long chain) and how many nodes inlining may make.
-const MAX_DEPTH: usize = 1024;
+/// How many nodes inlining may make (a chain of functions each calling the next twice
+/// doubles the graph per level).
 const MAX_NODES: usize = 10_000_000;
 
 /// Whether function `from` calls `to`, directly or through others.
@@ -55,30 +54,32 @@ pub fn inline_functions(m: &mut Model) -> Result<usize, Vec<(NodeId, String)>> {
         })
         .collect();
     let recursive: Vec<bool> = (0..functions.len()).map(|f| reaches(&callees, f, f)).collect();
-    let mut count = 0;
-    for depth in 0.. {
-        let calls: Vec<(NodeId, usize)> = graph
+    let calls_in = |graph: &Graph| -> Vec<(NodeId, usize)> {
+        graph
             .node_ids()
             .filter_map(|n| match &graph.node(n).op {
                 Op::Opaque(o) => called(functions, o).map(|f| (n, f)),
                 _ => None,
             })
-            .collect();
-        if calls.is_empty() {
-            break;
-        }
-        let looping: Vec<(NodeId, String)> = calls
-            .iter()
-            .filter_map(|&(n, f)| {
-                let r = (0..functions.len()).find(|&c| recursive[c] && (c == f || reaches(&callees, f, c)))?;
-                let via = if r == f { String::new() } else { format!(" (through `{}`)", functions[f].body.name) };
-                Some((n, format!("function `{}` calls itself{via}: it cannot be inlined", functions[r].body.name)))
-            })
-            .collect();
-        if !looping.is_empty() {
-            return Err(looping);
-        }
-        if depth == MAX_DEPTH || graph.node_count() > MAX_NODES {
+            .collect()
+    };
+    let mut calls = calls_in(graph);
+    // Every function a later round inlines is reached from these calls: checked once.
+    let looping: Vec<(NodeId, String)> = calls
+        .iter()
+        .filter_map(|&(n, f)| {
+            let r = (0..functions.len()).find(|&c| recursive[c] && (c == f || reaches(&callees, f, c)))?;
+            let via = if r == f { String::new() } else { format!(" (through `{}`)", functions[f].body.name) };
+            Some((n, format!("function `{}` calls itself{via}: it cannot be inlined", functions[r].body.name)))
+        })
+        .collect();
+    if !looping.is_empty() {
+        return Err(looping);
+    }
+    // Without cycles each round inlines one level deeper: at most as many rounds as functions.
+    let mut count = 0;
+    while !calls.is_empty() {
+        if graph.node_count() > MAX_NODES {
             return Err(calls
                 .into_iter()
                 .map(|(n, f)| {
@@ -96,6 +97,7 @@ pub fn inline_functions(m: &mut Model) -> Result<usize, Vec<(NodeId, String)>> {
         if !errors.is_empty() {
             return Err(errors);
         }
+        calls = calls_in(graph);
     }
     Ok(count)
 }
@@ -212,11 +214,7 @@ fn inline_call(g: &mut Graph, call: NodeId, f: &Function) -> Result<(), String> 
         // an input of the call (or another output too) is copied by an Identity that does.
         let own = result.node != call
             && !node.inputs().contains(&Some(result))
-            && !node
-                .outputs()
-                .iter()
-                .enumerate()
-                .any(|(j, _)| j < k && map.get(&body.outputs()[j].value).copied().flatten() == Some(result));
+            && !(0..k).any(|j| map.get(&body.outputs()[j].value).copied().flatten() == Some(result));
         let tmp = g.fresh_name(&format!("{}__call", out.name));
         g.rename(old, tmp);
         let new = if own && !out.name.is_empty() && g.rename(result, out.name.clone()) {

@@ -398,10 +398,7 @@ impl Pass for Canonicalize {
             }
             let arrays: Vec<Array> = outs.into_iter().map(|a| a.expect("checked").clone()).collect();
             if k == 1 {
-                g.set_inputs(n, vec![]);
-                g.set_captures(n, vec![]);
-                g.set_op(n, Op::Initializer(arrays[0].to_tensor()));
-                g.set_label(n, None);
+                g.make_initializer(n, arrays[0].to_tensor());
                 constant(g, Value::new(n, 0));
             } else {
                 for (slot, a) in arrays.into_iter().enumerate() {

@@ -852,21 +852,14 @@ impl Resolver<'_> {
         }
     }
 
-    /// Value `v` of a one-output op of constants, its value known, made a constant that
-    /// follows the changed dims as the others do.
+    /// Value `v` of a one-output op of constants (the callers' condition), its value known,
+    /// made a constant that follows the changed dims as the others do.
     fn fold(&mut self, g: &mut Graph, v: Value, axes: &[(usize, Mono)]) -> Result<(), Located> {
-        let n = v.node;
         let a = self.consts[&v].clone();
-        if g.node(n).num_outputs() != 1 {
-            return Err(Located::at(g, n, format!("cannot rebatch {}: it has several outputs", g.describe(n))));
-        }
         if let Some(o) = self.overrides.get_mut(&v) {
             o.truncate(o.len().saturating_sub(axes.len()));
         }
-        g.set_inputs(n, vec![]);
-        g.set_captures(n, vec![]);
-        g.set_op(n, Op::Initializer(a.to_tensor()));
-        g.set_label(n, None);
+        g.make_initializer(v.node, a.to_tensor());
         // A value computed from constants is not a parameter.
         ir::cost::freeze(g, v);
         self.resolve(g, v, axes)

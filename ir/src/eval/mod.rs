@@ -91,6 +91,17 @@ impl Rng {
         Rng(seed ^ 0x9e37_79b9_7f4a_7c15)
     }
 
+    /// A generator from a seed and a name (a tensor's own stream: different tensors draw
+    /// different values from one seed).
+    pub fn named(seed: u64, name: &str) -> Rng {
+        let mut h = seed;
+        for b in name.bytes() {
+            h = h.rotate_left(5) ^ u64::from(b);
+            h = h.wrapping_mul(0x100_0000_01b3);
+        }
+        Rng::new(h)
+    }
+
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -165,12 +176,7 @@ pub fn draw_external(t: &crate::Tensor, name: &str, role: &str, seed: u64) -> Re
 pub fn random_tensor(dtype: DType, dims: &[i64], role: &str, seed: u64, name: &str) -> Result<Array> {
     let shape: Vec<usize> = dims.iter().map(|&d| d.max(0) as usize).collect();
     let n = numel(&shape);
-    let mut h: u64 = seed;
-    for b in name.bytes() {
-        h = h.rotate_left(5) ^ u64::from(b);
-        h = h.wrapping_mul(0x100_0000_01b3);
-    }
-    let mut rng = Rng::new(h);
+    let mut rng = Rng::named(seed, name);
     Ok(match dtype {
         d if d.is_float() => {
             let fan_in = if shape.len() > 1 {
