@@ -250,6 +250,30 @@ fn data_parallel_backward_runs_split() {
             let reduces = ops.iter().filter(|o| *o == "AllReduce").count();
             assert!(reduces >= c.info.trainable.len() / 2, "{name}: only {reduces} all-reduces");
         }
+        // Each parameter's gradient is synchronised once, after the gradients of its readers
+        // are summed (embedding_lm's table, tied to the output head): the program moves what
+        // the forward model's plan prices for the step (all-reducing the two gradients before
+        // their sum moved the table's bytes twice). A bias's gradient may be reduced before
+        // the view that reads it, in the backward phase, so the bytes are compared per kind.
+        let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
+        let plan = shardc::exec::named_result(&c.forward, &cluster, 2, "data", &Default::default()).expect("data");
+        let per_kind = |b: &std::collections::BTreeMap<String, std::collections::BTreeMap<String, f64>>| {
+            let mut out: std::collections::BTreeMap<String, f64> = Default::default();
+            for (k, x) in b.values().flatten() {
+                *out.entry(k.clone()).or_default() += x;
+            }
+            out
+        };
+        let (priced, moved) = (per_kind(&plan.breakdown.bytes_moved_per_device), per_kind(&p.bytes_moved_per_device()));
+        assert!(priced.get("all_reduce").is_some_and(|&x| x > 0.0), "{name}: no gradient synchronisation priced");
+        assert_eq!(priced.keys().collect::<Vec<_>>(), moved.keys().collect::<Vec<_>>(), "{name}");
+        for (k, x) in &priced {
+            let y = moved[k];
+            assert!(
+                (x - y).abs() <= 1e-9 * x.abs().max(y.abs()),
+                "{name}: {k}: the plan prices {x} bytes, the program moves {y}"
+            );
+        }
     }
 }
 
@@ -273,6 +297,85 @@ fn collectives_of_one_device_copy_nothing() {
         TrainRun { losses: rl, gradients: rg, parameters: rp, state: Default::default(), report: got.report.clone() };
     let (err, what) = compare(&got, &reference, (1e-4, 1e-5));
     assert!(err <= 1.0, "{err:.2}× the tolerance at {what}");
+}
+
+/// A weight two ops read directly (`y = tanh(x·W)·W`, as a token embedding tied to the
+/// output head is after the `algebra` pass) has its two gradients summed on each device
+/// and then synchronised once under data parallelism on 2 and 4 devices, moving what the
+/// forward plan prices; the sharded steps equal one device's.
+/// All-reducing the two gradients before their sum moved the weight's bytes twice (GPT-2
+/// small4 synchronised its 51 MB token table twice a step).
+#[test]
+fn a_weight_read_twice_has_its_gradient_synchronised_once() {
+    let text = r#"<
+   ir_version: 8,
+   opset_import: ["" : 17]
+>
+tied (float[8,16] x) => (float loss) <float[16,16] w = ["location": "none.bin"]>
+{
+   h = MatMul (x, w)
+   t = Tanh (h)
+   y = MatMul (t, w)
+   sq = Mul (y, y)
+   loss = ReduceMean <keepdims: int = 0> (sq)
+}"#;
+    let mut model = shardc::frontend::parse(text).expect("parses").model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Verify).add(shardc::passes::InferShapes::default());
+    pm.run(&mut model).expect("shapes");
+    shardc::exec::materialize(&mut model, Path::new("."), 5).expect("weights drawn");
+    let opt = OptimizerSpec::Sgd { lr: 0.05, momentum: 0.9, dampening: 0.0, nesterov: false, weight_decay: 0.0 };
+    let (tm, info) = training_model(&model, &LossSpec::Model, &opt).expect("training graph");
+    let inputs = shardc::train::seeded_inputs(&tm.graph, &info, 3).expect("inputs");
+    let c = Case { name: "tied".into(), forward: model.graph.clone(), graph: tm.graph, info, inputs };
+    let single = run(&c, &program(&c, "data", 1).expect("one device"));
+    let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
+    let w_bytes = 16.0 * 16.0 * 4.0;
+    for (strategy, devices) in [("data", 2), ("data", 4)] {
+        let p = program(&c, strategy, devices).expect("applies");
+        let plan = shardc::exec::named_result(&c.forward, &cluster, devices, strategy, &Default::default()).unwrap();
+        let total = |b: &BTreeMap<String, BTreeMap<String, f64>>| b.values().flat_map(|k| k.values()).sum::<f64>();
+        let (priced, moved) = (total(&plan.breakdown.bytes_moved_per_device), total(&p.bytes_moved_per_device()));
+        assert!((priced - moved).abs() <= 1e-9 * priced, "{strategy} ×{devices}: priced {priced} bytes, moved {moved}");
+        // A ring all-reduce of the weight sends 2·(n−1)/n of it from each device, and the
+        // loss's few bytes; twice the weight would be over the bound.
+        let n = devices as f64;
+        let bound = 2.0 * (n - 1.0) / n * w_bytes + 64.0;
+        assert!(moved <= bound, "{strategy} ×{devices}: {moved} bytes moved, one weight's sync is {bound}");
+        agrees(&c, &p, &single, (1e-5, 1e-6), &format!("{strategy} ×{devices}"));
+    }
+}
+
+/// Under a named strategy every optimizer update reads its parameter where the parameter is
+/// held, so a split parameter is updated on its shards and never gathered (following the
+/// gradient's layout instead updated Megatron's split weights replicated, all-gathering each
+/// every step).
+#[test]
+fn updates_run_on_their_parameters_shard() {
+    for name in ["tiny_gpt_train", "mlp_xent", "cnn_small"] {
+        let path = shardc_tests::repo_root().join(format!("tests/data/golden-train/{name}.onnxtxt"));
+        let c = load(&path);
+        for (strategy, devices) in [("megatron", 2), ("model", 2), ("hybrid:dp:2,tp:2", 4)] {
+            let Some(p) = program(&c, strategy, devices) else { continue };
+            for d in &p.devices {
+                let g = &d.graph;
+                for n in g.node_ids() {
+                    if !matches!(g.node(n).op, shardc::ir::Op::SgdUpdate(_)) {
+                        continue;
+                    }
+                    let x = g.node(n).input(0).expect("a parameter");
+                    let src = &g.node(x.node).op;
+                    assert!(
+                        matches!(src, shardc::ir::Op::Initializer(_)),
+                        "{name} {strategy} ×{devices}: device {} updates `{}` from a {} of it",
+                        d.device,
+                        g.value_name(x),
+                        src.op_type()
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// A case, its run on one device, its model and its SGD step's optimizer.

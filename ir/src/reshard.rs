@@ -180,6 +180,14 @@ pub fn held_once(g: &crate::Graph, v: crate::Value) -> bool {
     }
 }
 
+/// The layout a source ([`held_once`]) is held in when its first reader needs it in `need`:
+/// whole on the axes `need` wants partial sums on (its readers get them by zeroing the copies
+/// off coordinate 0). A parameter held as partial sums would be updated on each device as if
+/// that device held it.
+pub fn held_layout(need: &[AxisShard]) -> Sharding {
+    need.iter().map(|x| if *x == AxisShard::Partial { AxisShard::Replicate } else { *x }).collect()
+}
+
 /// The carried state of a training graph: per graph output named `X__next` where `X` is an
 /// initializer, `(that output, X)`. After each step the output replaces `X` in place, so
 /// it is delivered in the layout `X` is held in ([`delivered_layout`]) — no gather of sharded

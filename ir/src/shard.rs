@@ -177,6 +177,12 @@ pub enum DimKind {
     },
     /// Cannot be split (a recurrence, a window over a kernel, a gathered axis).
     Fixed,
+    /// No extent: the op is a sum of its inputs (`Add`, `Sub`, `Sum`), so on partial sums of
+    /// every input it computes partial sums of the output. "Splitting" it over a mesh axis
+    /// reads each input, and leaves each output, as partial sums on that axis; each device
+    /// does the whole op's work. A gradient summed from several readers of a parameter then
+    /// waits to be synchronised once, after the sum, rather than once per reader.
+    Linear,
 }
 
 /// What an iteration dim means, for strategies that choose by meaning.
@@ -271,6 +277,11 @@ pub type OpStrategy = Vec<Option<usize>>;
 
 fn dims(g: &Graph, v: Option<Value>) -> Vec<i64> {
     v.and_then(|v| g.tensor_type(v)).and_then(TensorType::static_dims).unwrap_or_default()
+}
+
+/// The extent-less dim of an op that sums its inputs ([`DimKind::Linear`]), named `sum`.
+pub fn linear() -> IterDim {
+    IterDim { name: "sum".into(), size: 1, kind: DimKind::Linear, role: DimRole::Other }
 }
 
 /// A parallel iteration dim with no particular meaning.
@@ -383,7 +394,21 @@ pub fn strategy_shardings(space: &IterSpace, strategy: &[Option<usize>]) -> (Vec
             })
             .collect()
     };
-    let inputs = space.inputs.iter().map(|m| m.as_ref().map(|m| shard_of(m, AxisShard::Replicate))).collect();
+    let inputs = space
+        .inputs
+        .iter()
+        .map(|m| {
+            m.as_ref().map(|m| {
+                let mut sh = shard_of(m, AxisShard::Replicate);
+                for (a, s) in strategy.iter().enumerate() {
+                    if s.is_some_and(|i| space.dims[i].kind == DimKind::Linear) {
+                        sh[a] = AxisShard::Partial;
+                    }
+                }
+                sh
+            })
+        })
+        .collect();
     let outputs = space
         .outputs
         .iter()
@@ -394,7 +419,9 @@ pub fn strategy_shardings(space: &IterSpace, strategy: &[Option<usize>]) -> (Vec
                     None => AxisShard::Replicate,
                     Some(i) => match m.iter().position(|x| *x == Some(*i)) {
                         Some(t) => AxisShard::Split(t as u8),
-                        None if space.dims[*i].kind == DimKind::Reduction => AxisShard::Partial,
+                        None if matches!(space.dims[*i].kind, DimKind::Reduction | DimKind::Linear) => {
+                            AxisShard::Partial
+                        }
                         // A dim the output does not have but is not summed over: every device
                         // computes the same output (e.g. a statistic).
                         None => AxisShard::Replicate,
@@ -413,8 +440,11 @@ pub fn strategy_valid(space: &IterSpace, strategy: &[Option<usize>], mesh: &Mesh
     for (a, s) in strategy.iter().enumerate() {
         if let Some(i) = s {
             let Some(d) = space.dims.get(*i) else { return false };
-            if d.kind == DimKind::Fixed {
-                return false;
+            match d.kind {
+                DimKind::Fixed => return false,
+                // No extent to divide: partial sums on any axes.
+                DimKind::Linear => continue,
+                _ => {}
             }
             *factor.entry(*i).or_insert(1) *= mesh.axes[a].size as i64;
         }
@@ -475,6 +505,24 @@ mod tests {
         assert_eq!(reshape_map(&[1, 128, 768], &[128, 768]), vec![None, Some(0), Some(1)]);
         assert_eq!(reshape_map(&[8, 128, 768], &[1024, 768]), vec![Some(0), None, Some(1)]);
         assert_eq!(reshape_map(&[8, 128, 768], &[8, 128, 12, 64]), vec![Some(0), Some(1), Some(2)]);
+    }
+
+    /// A sum's extent-less dim reads partial sums and leaves them (`Σᵢ aᵢ + Σᵢ bᵢ = Σᵢ (aᵢ + bᵢ)`),
+    /// beside a split of its dims on another axis, on any axis size.
+    #[test]
+    fn a_sums_linear_dim_keeps_partial_sums() {
+        // `y[4, 6] = a[4, 6] + b[6]`: dims d0, d1, then the linear dim.
+        let space = IterSpace {
+            dims: vec![par("d0", 4), par("d1", 6), linear()],
+            inputs: vec![Some(vec![Some(0), Some(1)]), Some(vec![Some(1)])],
+            outputs: vec![vec![Some(0), Some(1)]],
+        };
+        let (ins, outs) = strategy_shardings(&space, &[Some(2), Some(0)]);
+        use AxisShard::{Partial as P, Replicate as R, Split as S};
+        assert_eq!(ins, vec![Some(vec![P, S(0)]), Some(vec![P, R])]);
+        assert_eq!(outs, vec![vec![P, S(0)]]);
+        let (ins, outs) = strategy_shardings(&space, &[Some(2), Some(2)]);
+        assert_eq!((ins[0].clone(), outs[0].clone()), (Some(vec![P, P]), vec![P, P]));
     }
 
     #[test]

@@ -584,7 +584,12 @@ fn the_search_is_deterministic_and_the_plan_document_round_trips() {
         std::fs::write("/tmp/doc1.json", &again).unwrap();
         panic!("the plan does not round-trip");
     }
-    // The plan's strategies re-price to its step time.
+    // A flat plan's strategies, read back, re-price to its step time (a pipeline's step is
+    // its stages' schedule, not one flat price).
+    let so = SearchOptions { pipeline: PipelineMode::Off, ..Default::default() };
+    let r = autoshard::search(&m.graph, &cluster, 8, &opts, &so).unwrap();
+    let flat = autoshard::Plan::new(&m.graph, &cluster, 8, &opts, info.clone(), &r);
+    let back = autoshard::Plan::from_json(&serde_json::to_string_pretty(&flat).unwrap()).unwrap();
     let asg = back.assignment(&m.graph).unwrap();
     let cm = CostModel::new(&m.graph, &cluster, back.mesh().unwrap(), opts.clone());
     assert!(close(cm.evaluate(&asg).step_time_s, back.step_time_s));

@@ -272,6 +272,17 @@ impl<'a> Local<'a> {
         let g = self.g;
         let node = g.node(v.node);
         let name = g.value_name(v).to_string();
+        // A source first read as partial sums is held whole there and zeroed for the reader.
+        let source = matches!(node.op, Op::Input { .. } | Op::Initializer(_));
+        if source && ir::reshard::held_once(g, v) && !self.produced.contains_key(&v) {
+            let whole = ir::reshard::held_layout(need);
+            if &whole != need {
+                let x0 = self.get(v, &whole)?;
+                let x = self.reshard(v, x0, &whole, need)?;
+                self.have.insert((v, need.clone()), x);
+                return Ok(x);
+            }
+        }
         // A value held once: later layouts are resharded from the first one.
         if ir::reshard::held_once(g, v)
             && matches!(node.op, Op::Input { .. } | Op::Initializer(_))

@@ -13,7 +13,7 @@ use crate::cost::TRANSCENDENTAL_FLOPS;
 use crate::eval::{Array, Data, EvalError, numel, round_to, wrap_int};
 use crate::op;
 use crate::op::Op;
-use crate::shard::{IterSpace, pointwise};
+use crate::shard::{IterSpace, linear, pointwise};
 use crate::types::{DType, TensorType};
 
 type Result<T> = std::result::Result<T, EvalError>;
@@ -47,7 +47,7 @@ fn map_int(x: &Array, f: impl Fn(i64) -> i64) -> Option<Array> {
 macro_rules! pointwise_rules {
     () => {
         fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-            Some(pointwise(cx, &[], &[], 0))
+            Some(with_sum_dim(cx, pointwise(cx, &[], &[], 0)))
         }
 
         fn flow(&self, cx: &mut FlowCx<'_>) -> Option<()> {
@@ -59,6 +59,19 @@ macro_rules! pointwise_rules {
             pointwise_grad(cx)
         }
     };
+}
+
+/// `sp` with [`linear`]'s extent-less dim last when the op is a float sum of its inputs
+/// (`Add`, `Sub`, `Sum`): `Σᵢ aᵢ + Σᵢ bᵢ = Σᵢ (aᵢ + bᵢ)`, so partial sums in give partial
+/// sums out (a parameter's gradients from several readers add up before one
+/// synchronisation).
+fn with_sum_dim(cx: &NodeCx<'_>, mut sp: IterSpace) -> IterSpace {
+    let node = cx.g.node(cx.n);
+    let float = cx.ty(Some(cx.output(0))).is_some_and(|t| t.dtype.is_float());
+    if float && matches!(node.op, Op::Add(_) | Op::Sub(_) | Op::Sum(_)) {
+        sp.dims.push(linear());
+    }
+    sp
 }
 
 /// Unary ops on floats (and, where an `int` rule is given, integers): one line each,

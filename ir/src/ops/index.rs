@@ -20,6 +20,10 @@ use crate::types::{DType, Dim, TensorType};
 type Result<T> = std::result::Result<T, EvalError>;
 
 impl OpRules for op::Gather {
+    fn grad_kernel(&self) -> Option<&'static str> {
+        Some("GatherGrad")
+    }
+
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         Some(gather_grad(self, cx))
     }

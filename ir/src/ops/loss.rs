@@ -167,6 +167,10 @@ fn loss_sharded(reduction: &str) -> Sharded {
 }
 
 impl OpRules for op::SoftmaxCrossEntropyLoss {
+    fn grad_kernel(&self) -> Option<&'static str> {
+        Some("SoftmaxCrossEntropyLossGrad")
+    }
+
     flow_positional!(0);
 
     fn arity(&self) -> Arity {
@@ -222,6 +226,10 @@ impl OpRules for op::SoftmaxCrossEntropyLoss {
 }
 
 impl OpRules for op::NegativeLogLikelihoodLoss {
+    fn grad_kernel(&self) -> Option<&'static str> {
+        Some("NegativeLogLikelihoodLossGrad")
+    }
+
     flow_positional!(0);
 
     fn arity(&self) -> Arity {

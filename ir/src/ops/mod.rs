@@ -489,6 +489,21 @@ pub trait OpRules {
         None
     }
 
+    /// Whether the gradient rule can give input `i` a gradient (every input by default); the
+    /// cost model prices gradients, their synchronisation and updates for these only.
+    fn differentiates(&self, _i: usize) -> bool {
+        true
+    }
+
+    /// The op type of the one kernel the gradient rule writes for the input's gradient, where
+    /// it writes one of its own (`MaxPool` → `MaxPoolGrad`): a forward model's backward pass
+    /// is priced at that kernel's measured rate (the device's `kernel_factors`), as the
+    /// training program prices the kernel itself. `None` (the default): element-wise and
+    /// GEMM work priced at the roofline.
+    fn grad_kernel(&self) -> Option<&'static str> {
+        None
+    }
+
     /// How changed dims flow from the inputs to the outputs (rebatching); the return value
     /// only serves early returns. Without a rule (the default) every output dim changes in a
     /// way that cannot be followed when an input's does, and the context records it.

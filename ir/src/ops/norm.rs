@@ -48,6 +48,15 @@ impl OpRules for op::BatchNormalization {
         Some(batch_norm_grad(self, cx))
     }
 
+    /// The input, scale and bias; the running statistics (inputs 3, 4) are state, as in torch.
+    fn differentiates(&self, i: usize) -> bool {
+        i < 3
+    }
+
+    fn grad_kernel(&self) -> Option<&'static str> {
+        Some("BatchNormGrad")
+    }
+
     /// Inference mode normalizes with the stored running statistics; training mode computes
     /// them over the batch and spatial dims (synchronized across a split).
     fn sharded(&self) -> Sharded {
@@ -172,6 +181,10 @@ impl OpRules for op::GroupNormalization {
 }
 
 impl OpRules for op::LayerNormalization {
+    fn grad_kernel(&self) -> Option<&'static str> {
+        Some("LayerNormGrad")
+    }
+
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         Some(layer_norm_grad(self, cx))
     }

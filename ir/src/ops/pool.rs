@@ -28,6 +28,14 @@ macro_rules! windowed {
                 Sharded::Window
             }
 
+            fn grad_kernel(&self) -> Option<&'static str> {
+                match stringify!($name) {
+                    "MaxPool" => Some("MaxPoolGrad"),
+                    "AveragePool" => Some("AveragePoolGrad"),
+                    _ => None,
+                }
+            }
+
             fn infer(&self, cx: &InferCx<'_>) -> Types {
                 let Some(xd) = cx.dims(0) else { return Ok(vec![cx.with(cx.dtype(), None); cx.n_out]) };
                 if xd.len() < 3 {

@@ -33,6 +33,10 @@ macro_rules! softmax {
                 Arity::fixed(1)
             }
 
+            fn grad_kernel(&self) -> Option<&'static str> {
+                (stringify!($name) != "Hardmax").then_some("SoftmaxGrad")
+            }
+
             fn infer(&self, cx: &InferCx<'_>) -> Types {
                 // (Before opset 13 the axis cuts the dims into two groups, and may be the rank.)
                 let (legacy, a) = axis(self.axis, cx.opset);

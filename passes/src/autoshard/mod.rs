@@ -23,7 +23,7 @@ pub mod fold;
 pub mod meshes;
 pub mod pipeline;
 pub mod plan;
-mod problem;
+pub(crate) mod problem;
 pub mod space;
 #[cfg(test)]
 mod tests;

@@ -257,14 +257,21 @@ impl Problem {
     }
 }
 
-/// Every admissible strategy of `n`: per mesh axis, no split or one splittable iteration dim.
+/// Every admissible strategy of `n`: per mesh axis, no split or one splittable iteration dim
+/// (a sum's [`DimKind::Linear`] dim where [`CostModel::linear_dim`] has it).
 /// Ops computed on the host, and ops without splittable dims, only run replicated.
 pub(crate) fn enumerate(cm: &CostModel<'_>, n: NodeId) -> Vec<OpStrategy> {
     let axes = cm.mesh.axes.len();
     let replicated = vec![None; axes];
     let node = cm.g.node(n);
     let sp = cm.space(n);
-    let splittable: Vec<usize> = (0..sp.dims.len()).filter(|&i| sp.dims[i].kind != DimKind::Fixed).collect();
+    let splittable: Vec<usize> = (0..sp.dims.len())
+        .filter(|&i| match sp.dims[i].kind {
+            DimKind::Fixed => false,
+            DimKind::Linear => cm.linear_dim(n) == Some(i),
+            _ => true,
+        })
+        .collect();
     if is_host(&node.op) || splittable.is_empty() {
         return vec![replicated];
     }

@@ -275,7 +275,7 @@ fn derive_in(
         for (j, v) in node.inputs().iter().enumerate() {
             if let (Some(v), Some(Some(need))) = (v, ins.get(j)) {
                 if !d.chosen.contains_key(&v.node) {
-                    d.held.entry(*v).or_insert_with(|| need.clone());
+                    d.held.entry(*v).or_insert_with(|| ir::reshard::held_layout(need));
                 }
                 if fixed.is_some() {
                     let m = d.materialized.entry(*v).or_default();

@@ -280,6 +280,9 @@ struct OpEval {
     outs: Vec<Sharding>,
     /// Halo exchanges and statistics all-reduces, forward then backward.
     comm: Vec<(Phase, Step)>,
+    /// Its backward reduces its parameters' gradients itself: synchronised batch
+    /// normalization all-reduces the per-channel sums its scale's and bias's gradients are.
+    reduces_param_grads: bool,
 }
 
 /// Prices assignments of one graph on one mesh.
@@ -377,6 +380,8 @@ struct Edges<'e> {
     param_grad: BTreeMap<Value, Sharding>,
     /// Per parameter, the position of its first reader.
     param_first_use: FxHashMap<Value, usize>,
+    /// Per value a gradient flows into, the reads of it so far (their gradients are summed).
+    grad_reads: FxHashMap<Value, usize>,
 }
 
 /// One parameter's gradient synchronisation, before bucketing.
@@ -391,7 +396,11 @@ struct GradEvent {
 /// Parameters stored per device.
 #[derive(Default)]
 struct Params {
+    /// Bytes of the parameters stored.
     bytes: f64,
+    /// Bytes, elements and count of those trained (a gradient reaches them; not a batch
+    /// normalization's running statistics).
+    trained_bytes: f64,
     elems: f64,
     count: usize,
 }
@@ -512,6 +521,17 @@ impl<'a> CostModel<'a> {
     /// The iteration space of an op.
     pub fn space(&self, n: NodeId) -> &IterSpace {
         &self.spaces[&n]
+    }
+
+    /// The extent-less dim of a sum of its inputs ([`DimKind::Linear`]), in a training graph:
+    /// there it keeps a parameter's gradients from several readers partial until their one
+    /// synchronisation. A forward model's plan prices that synchronisation per parameter
+    /// already, so its search leaves the dim alone.
+    pub fn linear_dim(&self, n: NodeId) -> Option<usize> {
+        if !self.is_training_graph() {
+            return None;
+        }
+        self.spaces.get(&n)?.dims.iter().position(|d| d.kind == DimKind::Linear)
     }
 
     /// The batch analysis.
@@ -721,8 +741,16 @@ impl<'a> CostModel<'a> {
     }
 
     /// The number of devices sharing an op's work under a strategy.
-    pub fn strategy_factor(&self, strategy: &[Option<usize>]) -> f64 {
-        strategy.iter().enumerate().filter(|(_, s)| s.is_some()).map(|(a, _)| self.mesh.axes[a].size as f64).product()
+    pub fn strategy_factor(&self, n: NodeId, strategy: &[Option<usize>]) -> f64 {
+        // A sum's extent-less dim divides no work: each device sums its partial sums.
+        let sp = self.spaces.get(&n);
+        let divides = |i: usize| sp.is_none_or(|sp| sp.dims.get(i).is_none_or(|d| d.kind != DimKind::Linear));
+        strategy
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.is_some_and(divides))
+            .map(|(a, _)| self.mesh.axes[a].size as f64)
+            .product()
     }
 
     /// Compute, halo and statistics time of `n` under `strategy`.
@@ -744,7 +772,7 @@ impl<'a> CostModel<'a> {
             return (0.0, 0.0);
         }
         let c = &self.costs[&n];
-        let f = self.strategy_factor(strategy);
+        let f = self.strategy_factor(n, strategy);
         let pf = self.precision_factor();
         // Local bytes: activations divide by the op's split, weights by their own split.
         let mut param_local = 0.0;
@@ -823,12 +851,22 @@ impl<'a> CostModel<'a> {
             // convolution's: the runtime's gradient kernels are GEMMs of exactly these shapes;
             // a MatMul's batched and broadcast gradients fold their batch dims into rows the
             // forward shape does not show, so they keep the forward's efficiency).
+            // Each at its gradient kernel's measured rate, as the training program prices it.
             Some((m, nn, k)) if matches!(node.op, Op::Conv(_)) => {
+                let factor = |k: &str| d.kernel_factors.get(k).copied().unwrap_or(1.0);
                 self.roofline_at(c.bwd_data_flops / f, bytes, d.gemm_efficiency(m, k, nn) * grad_rate)
+                    * factor("ConvGradInput")
                     + self.roofline_at(c.bwd_weight_flops / f, bytes, d.gemm_efficiency(k, nn, m) * grad_rate)
+                        * factor("ConvGradWeight")
                     + conv_launches.map_or(2.0 * launch, |l| (l[1] + l[2]) * self.launch())
             }
-            _ => self.roofline_at(bwd_flops, 2.0 * bytes, bwd_eff) + 2.0 * launch + bwd_split * self.launch(),
+            _ => {
+                // An op whose gradient is a kernel of its own runs at that kernel's rate.
+                let grad_kernel = node.op.rules().grad_kernel().and_then(|k| d.kernel_factors.get(k)).copied();
+                self.roofline_at(bwd_flops, 2.0 * bytes, bwd_eff) * grad_kernel.unwrap_or(1.0)
+                    + 2.0 * launch
+                    + bwd_split * self.launch()
+            }
         };
         (fwd, bwd)
     }
@@ -957,7 +995,8 @@ impl<'a> CostModel<'a> {
                 time.comm_fwd += st.time;
             }
         }
-        let e = Rc::new(OpEval { strategy: s.to_vec(), time, ins, outs, comm });
+        let reduces_param_grads = matches!(mode, Some(ir::ops::split::SplitMode::BatchNorm { .. }));
+        let e = Rc::new(OpEval { strategy: s.to_vec(), time, ins, outs, comm, reduces_param_grads });
         self.op_memo.borrow_mut().insert((n, s.to_vec()), e.clone());
         e
     }
@@ -1047,14 +1086,15 @@ impl<'a> CostModel<'a> {
         for (pos, (&n, e)) in self.order.iter().zip(&evals).enumerate() {
             let node = g.node(n);
             let t = e.time;
-            let (fwd_comm, bwd_comm) =
+            let (fwd_comm, bwd_comm, grad_sum) =
                 self.op_edges(&mut w, &mut edges, pos, n, e, &have, &|v| out_sh.contains_key(&v));
             self.record_op_comm(&mut w, n, e, &have);
             fwd_total += t.fwd + fwd_comm + t.comm_fwd;
-            compute_total += t.fwd + t.bwd;
+            let bwd_compute = t.bwd + grad_sum;
+            compute_total += t.fwd + bwd_compute;
             let op_comm = fwd_comm + bwd_comm + t.halo + t.stats;
             comm_total += op_comm;
-            bwd_items.push((n, t.bwd + bwd_comm + t.comm_bwd()));
+            bwd_items.push((n, bwd_compute + bwd_comm + t.comm_bwd()));
             // Activations kept for backward: outputs of ops that compute something.
             let mut kept = 0.0;
             if !is_view(&node.op) && !is_host(&node.op) {
@@ -1074,11 +1114,11 @@ impl<'a> CostModel<'a> {
                     name: row_name(node),
                     op: node.op.op_type().to_string(),
                     strategy: self.describe_strategy(n, &e.strategy),
-                    compute_s: t.fwd + t.bwd,
+                    compute_s: t.fwd + bwd_compute,
                     communication_s: op_comm,
                     memory_bytes: kept,
                     forward_s: t.fwd + fwd_comm + t.comm_fwd,
-                    backward_s: t.bwd + bwd_comm + t.comm_bwd(),
+                    backward_s: bwd_compute + bwd_comm + t.comm_bwd(),
                     param_memory_bytes: 0.0,
                     grad_sync_s: 0.0,
                     update_s: 0.0,
@@ -1102,9 +1142,11 @@ impl<'a> CostModel<'a> {
         let (bwd_total, grad_sync, exposed) = self.backward_timeline(&mut w, &bwd_items, &grads);
         comm_total += grad_sync;
 
-        // Optimizer update: memory-bound traffic over the local parameters.
-        let update = params.elems * self.update_bytes_per_elem() / self.mem_bandwidth()
-            + self.launch() * (params.count as f64 / 10.0).ceil();
+        // Optimizer update: memory-bound traffic over the local parameters, one kernel per
+        // parameter (the runtime's `SgdUpdate`/`AdamUpdate` per parameter, as the training
+        // program prices them).
+        let update =
+            params.elems * self.update_bytes_per_elem() / self.mem_bandwidth() + self.launch() * params.count as f64;
 
         // Host→device input.
         let (input_transfer, input_bytes) = self.input_time(&storage, mesh);
@@ -1113,7 +1155,7 @@ impl<'a> CostModel<'a> {
 
         let memory = Memory {
             weights: params.bytes,
-            gradients: params.bytes,
+            gradients: params.trained_bytes,
             optimizer: params.elems * self.optimizer_bytes_per_elem(),
             activations,
             workspace: w.workspace,
@@ -1178,7 +1220,7 @@ impl<'a> CostModel<'a> {
         for (pos, (&n, e)) in self.order.iter().zip(&evals).enumerate() {
             let node = g.node(n);
             let phase = self.phase(n);
-            let (edge_comm, _) = self.op_edges(&mut w, &mut edges, pos, n, e, &have, &|v| out_sh.contains_key(&v));
+            let (edge_comm, _, _) = self.op_edges(&mut w, &mut edges, pos, n, e, &have, &|v| out_sh.contains_key(&v));
             self.record_op_comm(&mut w, n, e, &have);
             let op_comm = edge_comm + e.time.comm_fwd;
             compute[phase as usize] += e.time.fwd;
@@ -1275,7 +1317,8 @@ impl<'a> CostModel<'a> {
     }
 
     /// Layouts: op outputs from their strategies; parameters, constants and graph inputs as
-    /// their first reader needs them (see [`ir::reshard::held_once`]).
+    /// their first reader needs them, never as partial sums (see [`ir::reshard::held_once`],
+    /// [`ir::reshard::held_layout`]).
     fn layouts<'e>(&self, evals: &'e [Rc<OpEval>]) -> (FxHashMap<Value, &'e Sharding>, BTreeMap<Value, Sharding>) {
         let g = self.g;
         let replicated: Sharding = vec![AxisShard::Replicate; self.mesh.axes.len()];
@@ -1293,7 +1336,8 @@ impl<'a> CostModel<'a> {
                     && !out_sh.contains_key(v)
                     && !storage.contains_key(v)
                 {
-                    storage.insert(*v, e.ins.get(j).cloned().flatten().unwrap_or_else(|| replicated.clone()));
+                    let need = e.ins.get(j).cloned().flatten();
+                    storage.insert(*v, need.map_or_else(|| replicated.clone(), |l| ir::reshard::held_layout(&l)));
                 }
             }
         }
@@ -1310,6 +1354,8 @@ impl<'a> CostModel<'a> {
     /// to the layout the op needs (once per layout); backward, the input's gradient — partial
     /// along axes the op splits while the input is replicated on them — brought back to the
     /// layout it was held in. Parameters' gradients are collected for synchronisation.
+    /// Returns the forward and backward communication seconds, and the backward compute
+    /// seconds of summing the gradients of a value read more than once (autodiff's `Sum`).
     #[allow(clippy::too_many_arguments)]
     fn op_edges<'e>(
         &self,
@@ -1320,12 +1366,13 @@ impl<'a> CostModel<'a> {
         e: &'e OpEval,
         have: &dyn Fn(Value) -> &'e Sharding,
         produced: &dyn Fn(Value) -> bool,
-    ) -> (f64, f64) {
+    ) -> (f64, f64, f64) {
         let g = self.g;
         let axes = self.mesh.axes.len();
         let s = &e.strategy;
-        let (mut fwd, mut bwd) = (0.0, 0.0);
-        for (j, v) in g.node(n).inputs().iter().enumerate() {
+        let (mut fwd, mut bwd, mut sum) = (0.0, 0.0, 0.0);
+        let node = g.node(n);
+        for (j, v) in node.inputs().iter().enumerate() {
             let Some(v) = v else { continue };
             let Some(Some(need)) = e.ins.get(j) else { continue };
             if !ir::reshard::held_once(g, *v) && !produced(*v) {
@@ -1337,12 +1384,30 @@ impl<'a> CostModel<'a> {
                 let steps = self.reshard(*v, src, need, 1.0);
                 fwd += w.record(self.phase(n), *v, Some(n), src, need, &steps) + self.reshard_local(*v, src, need);
             }
-            if !self.needs_grad(*v) {
+            if !self.needs_grad(*v) || !node.op.rules().differentiates(j) {
                 continue;
             }
+            let whole = e.reduces_param_grads && ir::cost::is_param(g, *v);
             let grad: Sharding = (0..axes)
-                .map(|a| if need[a] == AxisShard::Replicate && s[a].is_some() { AxisShard::Partial } else { need[a] })
+                .map(|a| {
+                    if need[a] == AxisShard::Replicate && s[a].is_some() && !whole {
+                        AxisShard::Partial
+                    } else {
+                        need[a]
+                    }
+                })
                 .collect();
+            // The gradients of a value read more than once are summed by one kernel reading
+            // them all: its launch and two passes with the second read, a pass per further one.
+            let reads = edges.grad_reads.entry(*v).or_insert(0);
+            *reads += 1;
+            if *reads > 1 {
+                let first = *reads == 2;
+                let bytes = self.value_bytes(*v) / split_factor(&grad, &self.mesh);
+                let kernel = self.cluster.device.kernel_factors.get("Sum").copied().unwrap_or(1.0);
+                sum += bytes * if first { 3.0 } else { 1.0 } / self.mem_bandwidth() * kernel
+                    + if first { self.launch() } else { 0.0 };
+            }
             if ir::cost::is_param(g, *v) {
                 let acc = edges.param_grad.entry(*v).or_insert_with(|| src.clone());
                 for a in 0..axes {
@@ -1362,7 +1427,7 @@ impl<'a> CostModel<'a> {
                 edges.grads_sent.insert((*v, grad));
             }
         }
-        (fwd, bwd)
+        (fwd, bwd, sum)
     }
 
     /// The collectives that bring every graph output to [`ir::reshard::delivered_layout`].
@@ -1462,6 +1527,10 @@ impl<'a> CostModel<'a> {
             let local = self.value_bytes(*v) / split_factor(st, &self.mesh);
             let elems = local / (4.0 * pf);
             p.bytes += local;
+            if !edges.param_first_use.contains_key(v) {
+                continue; // stored, never trained
+            }
+            p.trained_bytes += local;
             p.elems += elems;
             p.count += 1;
             if w.detail
@@ -1517,7 +1586,11 @@ impl<'a> CostModel<'a> {
         buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
         let grad_sync = buckets.iter().map(|b| b.1).sum::<f64>();
         let mut exposed = grad_sync;
-        if self.opts.overlap_grad_sync && !buckets.is_empty() {
+        // Host-staged collectives (the runtime's simulated devices, its MPI transport) run on
+        // the device's own thread between its kernels, as the training program prices them:
+        // nothing of them overlaps the backward pass.
+        let overlaps = self.opts.overlap_grad_sync && !self.cluster.device.host_staged;
+        if overlaps && !buckets.is_empty() {
             let mut comm_free: f64 = 0.0;
             for &(r, dt, _) in &buckets {
                 comm_free = comm_free.max(r) + dt;

@@ -234,6 +234,8 @@ fn follow(cm: &CostModel<'_>, asg: &Assignment, n: NodeId) -> Vec<Option<usize>>
             AxisShard::Split(t) => {
                 map.get(t as usize).copied().flatten().filter(|&i| sp.dims[i].kind != DimKind::Fixed)
             }
+            // Partial sums into a sum stay partial (a parameter's gradients from several readers).
+            AxisShard::Partial => cm.linear_dim(n),
             _ => None,
         })
         .collect();
@@ -412,9 +414,34 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
             }
             None => follow(cm, &asg, n),
         };
+        let s = at_home(cm, &asg, n).unwrap_or(s);
         asg.strategies.insert(n, s);
     }
     Ok(asg)
+}
+
+/// For an optimizer update (`SgdUpdate`, `AdamUpdate`) of a training graph, a strategy that
+/// reads its parameter (input 0) in the layout the parameter is held in — its first reader's,
+/// whole where that reader wants partial sums ([`ir::reshard::held_layout`]) — so the update
+/// runs on the parameter's shard and the gradient is synchronised into it, as the training
+/// derivation runs updates (`autoshard::training`): following the gradient instead updated a
+/// split parameter replicated, gathering it every step.
+fn at_home(cm: &CostModel<'_>, asg: &Assignment, n: NodeId) -> Option<Vec<Option<usize>>> {
+    let g = cm.g;
+    let node = g.node(n);
+    if !matches!(node.op, Op::SgdUpdate(_) | Op::AdamUpdate(_)) {
+        return None;
+    }
+    let p = node.input(0)?;
+    let held = cm.order().iter().find_map(|&r| {
+        let s = asg.strategies.get(&r).filter(|_| r != n)?;
+        let j = g.node(r).inputs().iter().position(|v| *v == Some(p))?;
+        let need = strategy_shardings(cm.space(r), s).0.get(j).cloned().flatten()?;
+        Some(ir::reshard::held_layout(&need))
+    })?;
+    crate::autoshard::problem::enumerate(cm, n)
+        .into_iter()
+        .find(|s| strategy_shardings(cm.space(n), s).0.first().cloned().flatten().as_ref() == Some(&held))
 }
 
 /// Data parallel over every mesh axis but `tp`, Megatron over `tp` (heads, MLP columns then
