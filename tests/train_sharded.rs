@@ -1,5 +1,5 @@
 //! Sharded training equals single-device training: every golden training case under every
-//! named strategy that applies, on 2 and 4 devices, runs 3 SGD-with-momentum steps on the
+//! named strategy that applies, on 2 and 4 devices, runs 5 SGD-with-momentum steps on the
 //! CPU executor with parameters and optimizer state resident on the devices; the losses,
 //! step 1's gradients and the parameters after are compared with the same steps on one
 //! device (the same f32 kernels) and with the float64 reference trainer. Data parallelism
@@ -15,7 +15,7 @@ use shardc::passes::autodiff::{LossSpec, OptimizerSpec, TrainInfo};
 use shardc::train::{TrainCase, TrainRun, run_steps, training_model, worst};
 use shardc_tests::golden_train_cases;
 
-const STEPS: usize = 3;
+const STEPS: usize = 5;
 
 struct Case {
     name: String,
@@ -392,7 +392,7 @@ fn with_single(path: &Path) -> (Case, TrainRun, shardc::ir::Model, OptimizerSpec
 /// Gradient accumulation: with M micro-batches per step every device runs forward and
 /// backward on 1/M of its samples at a time and the optimizer steps once on the mean of the
 /// micro-batches' gradients; that equals the whole-batch step (losses, gradients,
-/// parameters after 3 steps) on one device and under data and megatron parallelism. A model
+/// parameters after 5 steps) on one device and under data and megatron parallelism. A model
 /// that normalizes by the batch's statistics (BatchNorm in training mode, which also updates
 /// its running statistics from them) is refused, and a batch that does not divide is a clear
 /// error.
@@ -453,7 +453,7 @@ fn micro_batch_accumulation_equals_the_whole_batch_step() {
 /// search's, with 2 and 4 stages on 2 and 4 devices, and 2 stages of 2 devices each) runs
 /// every backward op in its forward op's stage, the gradient flowing back stage by stage,
 /// under GPipe and 1F1B, with and without recomputation, gradients accumulated over the
-/// plan's micro-batches; the losses, step 1's gradients and the parameters after 3 steps
+/// plan's micro-batches; the losses, step 1's gradients and the parameters after 5 steps
 /// equal one device's. The first stage must receive its gradient from the second (a real
 /// backward pass across stages, not a replicated one). A weight two stages read (a tied
 /// embedding) is updated in the first and its new value sent to the other. A recurrent
