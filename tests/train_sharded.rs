@@ -257,8 +257,8 @@ fn data_parallel_backward_runs_split() {
         // the view that reads it, in the backward phase, so the bytes are compared per kind.
         let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
         let plan = shardc::exec::named_result(&c.forward, &cluster, 2, "data", &Default::default()).expect("data");
-        let per_kind = |b: &std::collections::BTreeMap<String, std::collections::BTreeMap<String, f64>>| {
-            let mut out: std::collections::BTreeMap<String, f64> = Default::default();
+        let per_kind = |b: &BTreeMap<String, BTreeMap<String, f64>>| {
+            let mut out: BTreeMap<String, f64> = Default::default();
             for (k, x) in b.values().flatten() {
                 *out.entry(k.clone()).or_default() += x;
             }

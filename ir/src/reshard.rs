@@ -290,7 +290,7 @@ pub fn delivered_layout(
         .iter()
         .find(|(n, _)| *n == v)
         .and_then(|&(_, s)| held(s))
-        .map(|l| l.iter().map(|x| if *x == AxisShard::Partial { AxisShard::Replicate } else { *x }).collect())
+        .map(|l| held_layout(&l))
         .unwrap_or_else(|| output_layout(from, batch))
 }
 

@@ -272,26 +272,19 @@ impl<'a> Local<'a> {
         let g = self.g;
         let node = g.node(v.node);
         let name = g.value_name(v).to_string();
-        // A source first read as partial sums is held whole there and zeroed for the reader.
+        // A source held once is held in the layout its first reader needs, whole where that
+        // reader wants partial sums (`ir::reshard::held_layout`); other layouts are resharded
+        // from it.
         let source = matches!(node.op, Op::Input { .. } | Op::Initializer(_));
-        if source && ir::reshard::held_once(g, v) && !self.produced.contains_key(&v) {
-            let whole = ir::reshard::held_layout(need);
-            if &whole != need {
-                let x0 = self.get(v, &whole)?;
-                let x = self.reshard(v, x0, &whole, need)?;
+        if source && ir::reshard::held_once(g, v) {
+            let held =
+                self.produced.get(&v).cloned().or_else(|| Some(ir::reshard::held_layout(need)).filter(|w| w != need));
+            if let Some(from) = held {
+                let x0 = self.get(v, &from)?;
+                let x = self.reshard(v, x0, &from, need)?;
                 self.have.insert((v, need.clone()), x);
                 return Ok(x);
             }
-        }
-        // A value held once: later layouts are resharded from the first one.
-        if ir::reshard::held_once(g, v)
-            && matches!(node.op, Op::Input { .. } | Op::Initializer(_))
-            && let Some(from) = self.produced.get(&v).cloned()
-        {
-            let x0 = self.have[&(v, from.clone())];
-            let x = self.reshard(v, x0, &from, need)?;
-            self.have.insert((v, need.clone()), x);
-            return Ok(x);
         }
         let x = match &node.op {
             Op::Input { default: None } => {
@@ -356,7 +349,7 @@ impl<'a> Local<'a> {
                 }
             }
         };
-        if matches!(node.op, Op::Input { .. } | Op::Initializer(_)) {
+        if source {
             self.produced.entry(v).or_insert_with(|| need.clone());
         }
         self.have.insert((v, need.clone()), x);

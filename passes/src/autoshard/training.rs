@@ -173,6 +173,12 @@ impl Derive<'_, '_> {
     }
 }
 
+/// Whether update `n` under strategy `s` reads its parameter (input 0) in layout `held`, the
+/// layout the parameter is held in: the update then runs on the parameter's shard.
+pub(crate) fn reads_parameter_as(cm: &CostModel<'_>, n: NodeId, s: &OpStrategy, held: &Sharding) -> bool {
+    strategy_shardings(cm.space(n), s).0.first().cloned().flatten().as_ref() == Some(held)
+}
+
 /// The training graph's assignment: `pinned` strategies (the forward plan's, keyed by the
 /// training graph's nodes) where they are admissible on `cm`'s mesh, optimizer updates on
 /// their parameter's shard, the cheapest admissible strategy elsewhere. Returns the
@@ -255,11 +261,8 @@ fn derive_in(
             && let Some(p) = node.input(0)
             && let Some(held) = d.layout_of(p)
         {
-            let at_home: Vec<OpStrategy> = cands
-                .iter()
-                .filter(|s| d.sh(n, s).0.first().cloned().flatten() == Some(held.clone()))
-                .cloned()
-                .collect();
+            let at_home: Vec<OpStrategy> =
+                cands.iter().filter(|s| reads_parameter_as(cm, n, s, &held)).cloned().collect();
             if !at_home.is_empty() {
                 cands = at_home;
             }

@@ -743,12 +743,11 @@ impl<'a> CostModel<'a> {
     /// The number of devices sharing an op's work under a strategy.
     pub fn strategy_factor(&self, n: NodeId, strategy: &[Option<usize>]) -> f64 {
         // A sum's extent-less dim divides no work: each device sums its partial sums.
-        let sp = self.spaces.get(&n);
-        let divides = |i: usize| sp.is_none_or(|sp| sp.dims.get(i).is_none_or(|d| d.kind != DimKind::Linear));
+        let sp = self.space(n);
         strategy
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.is_some_and(divides))
+            .filter(|(_, s)| s.is_some_and(|i| sp.dims[i].kind != DimKind::Linear))
             .map(|(a, _)| self.mesh.axes[a].size as f64)
             .product()
     }

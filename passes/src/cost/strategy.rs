@@ -441,7 +441,7 @@ fn at_home(cm: &CostModel<'_>, asg: &Assignment, n: NodeId) -> Option<Vec<Option
     })?;
     crate::autoshard::problem::enumerate(cm, n)
         .into_iter()
-        .find(|s| strategy_shardings(cm.space(n), s).0.first().cloned().flatten().as_ref() == Some(&held))
+        .find(|s| crate::autoshard::training::reads_parameter_as(cm, n, s, &held))
 }
 
 /// Data parallel over every mesh axis but `tp`, Megatron over `tp` (heads, MLP columns then
