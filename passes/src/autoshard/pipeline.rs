@@ -19,6 +19,11 @@
 //! 3. Every (S, M, schedule) is priced as a whole step: makespan `(M + S − 1)` slots, gradient
 //!    synchronisation not hidden behind later stages' backward, the update, the input.
 //!
+//! 4. The best configuration's stages are searched again, each on a graph of its own ops
+//!    ([`stage_graph`]) on its sub-mesh at the micro-batch size (Alpa's stage-mesh
+//!    intra-op pass), their plans taken all at once or stage by stage where a stage gets
+//!    faster, and cut again on the new prices; kept when the step drops.
+//!
 //! The exactness of step 2 for a given table is tested against brute force over all cuts.
 
 use std::collections::HashMap;
@@ -146,6 +151,9 @@ pub struct PipelinePlan {
     pub requested: bool,
     /// Why it runs one whole batch at a time when the graph refused every micro-batch size.
     pub whole_batch: Option<String>,
+    /// When stages took the plans of their own ops' search (see `refine_stages`): how many,
+    /// and the step with every stage on its size's reference plan, seconds.
+    pub replanned: Option<(usize, f64)>,
 }
 
 /// What one op costs on a sub-mesh at one micro-batch size.
@@ -533,6 +541,28 @@ impl MicroGraphs<'_> {
     }
 }
 
+/// The options of the intra-op searches a pipeline search runs for its stages: smaller
+/// budgets, one thread each, no pipeline, rewrites or local search of their own.
+fn stage_search_options(so: &SearchOptions) -> SearchOptions {
+    SearchOptions {
+        meshes: None,
+        pipeline: PipelineMode::Off,
+        threads: 1,
+        beam: so.beam.min(256),
+        per_op_strategies: so.per_op_strategies.min(24),
+        local_search: false,
+        local_search_work: 0,
+        exhaustive_limit: so.exhaustive_limit,
+        node_limit: so.node_limit.min(150_000),
+        time_limit: so.time_limit,
+        clock_scale: so.clock_scale,
+        // The stages' searches are not the search the user watches.
+        progress: Default::default(),
+        fold: so.fold,
+        rewrites: false,
+    }
+}
+
 /// A reference plan per sub-mesh size a stage may get (the even share, half and double it),
 /// each searched on the whole graph at the micro-batch size of its most natural configuration;
 /// keyed by device count, strategies keyed by first-output name. Searches run on `so.threads`.
@@ -560,23 +590,7 @@ fn reference_plans(
         }
     }
     sizes.sort_unstable();
-    let inner = SearchOptions {
-        meshes: None,
-        pipeline: PipelineMode::Off,
-        threads: 1,
-        beam: so.beam.min(256),
-        per_op_strategies: so.per_op_strategies.min(24),
-        local_search: false,
-        local_search_work: 0,
-        exhaustive_limit: so.exhaustive_limit,
-        node_limit: so.node_limit.min(150_000),
-        time_limit: so.time_limit,
-        clock_scale: so.clock_scale,
-        // The stages' reference searches are not the search the user watches.
-        progress: Default::default(),
-        fold: so.fold,
-        rewrites: false,
-    };
+    let inner = stage_search_options(so);
     let mut reference: HashMap<usize, HashMap<String, OpStrategy>> = HashMap::new();
     let mut meshes: HashMap<usize, Mesh> = HashMap::new();
     let jobs: Vec<(usize, Graph, Mesh)> = sizes
@@ -684,6 +698,8 @@ pub fn search_pipeline(
     let mut tables: HashMap<(usize, i64), Table> = HashMap::new();
     let mut best: Option<PipelinePlan> = None;
     let mut tried: Vec<Tried> = Vec::new();
+    // How the best plan was made, to re-plan its stages.
+    let mut recipe: Option<Recipe> = None;
     let link = |a: usize, b: usize, n: f64| send_between(cluster, devices, a.min(b), a.max(b), n);
     let align = |off: usize, d: usize| aligned(cluster, off, d);
     let consider = |plan: Option<PipelinePlan>,
@@ -707,7 +723,9 @@ pub fn search_pipeline(
             && best.as_ref().is_none_or(|b| p.breakdown.step_time_s < b.breakdown.step_time_s)
         {
             *best = Some(p);
+            return true;
         }
+        false
     };
     for &s in &stage_counts {
         let d0 = devices / s;
@@ -751,7 +769,8 @@ pub fn search_pipeline(
                     aligned: &align,
                     recompute: true,
                 };
-                let plan = partition(&input).and_then(|cuts| {
+                let cuts = partition(&input);
+                let plan = cuts.as_ref().and_then(|cuts| {
                     price_cuts(
                         &gm,
                         g,
@@ -759,7 +778,7 @@ pub fn search_pipeline(
                         opts,
                         &tables,
                         &[d0],
-                        &cuts,
+                        cuts,
                         &bounds,
                         mb,
                         s,
@@ -774,7 +793,10 @@ pub fn search_pipeline(
                 {
                     best_m = Some((p.breakdown.step_time_s, m));
                 }
-                consider(plan, s, m, schedule, vec![d0; s], &mut best, &mut tried);
+                if consider(plan, s, m, schedule, vec![d0; s], &mut best, &mut tried) {
+                    recipe =
+                        cuts.map(|cuts| Recipe { mb, sizes: vec![d0], cuts, bounds: bounds.clone(), s, m, schedule });
+                }
             }
         }
         // Stages of different sizes (half and double the even share), at the best micro-batch
@@ -815,8 +837,25 @@ pub fn search_pipeline(
             let plan = price_cuts(
                 &gm, g, cluster, opts, &tables, &sizes, &cuts, &bounds, mb, s, m, schedule, capacity, &meshes,
             );
-            consider(plan, s, m, schedule, shape, &mut best, &mut tried);
+            if consider(plan, s, m, schedule, shape, &mut best, &mut tried) {
+                recipe = Some(Recipe { mb, sizes: sizes.clone(), cuts, bounds: bounds.clone(), s, m, schedule });
+            }
         }
+    }
+    // Each stage of the best plan searched again on its own ops at its micro-batch size: the
+    // reference plans priced every stage as the whole graph's plan on that many devices.
+    // The best plan's stages searched again on their own ops (the reference plans priced each
+    // stage as its sub-mesh's plan of the whole graph), kept when the step drops.
+    if let (Some(b), Some(r)) = (&best, &recipe)
+        && !net.expired("pipeline")
+        && let Some(gm) = micro_graph(r.mb)
+        && let Some((mut p, changed)) =
+            refine_stages(&gm, g, cluster, devices, opts, so, net, &reference, &meshes, r, capacity)
+        && p.breakdown.feasible
+        && p.breakdown.step_time_s < b.breakdown.step_time_s
+    {
+        p.replanned = Some((changed, b.breakdown.step_time_s));
+        best = Some(p);
     }
     // A requested pipeline whose every micro-batch size the graph refused: say why, not
     // that nothing fits.
@@ -835,6 +874,199 @@ pub fn search_pipeline(
         }
         p
     }))
+}
+
+/// How a pipeline plan was made: its micro-batch size, stage sizes, cuts over units of
+/// `bounds`, stage and micro-batch counts, schedule.
+struct Recipe {
+    mb: i64,
+    sizes: Vec<usize>,
+    cuts: Vec<Cut>,
+    bounds: Vec<usize>,
+    s: usize,
+    m: usize,
+    schedule: Schedule,
+}
+
+/// The ops `stage` of `gm` (topological `order`) as a graph of their own: each value they
+/// read from an op of another stage becomes a graph input of its name and type, what another
+/// stage (or the model) reads of theirs a graph output; what every stage computes for itself
+/// (shapes, masks from constants) stays; inputs and initializers no kept op reads go.
+pub(crate) fn stage_graph(gm: &Graph, order: &[NodeId], stage: &[NodeId]) -> Graph {
+    let everywhere = ir::reshard::computed_everywhere_in_training(gm, order);
+    let keep: std::collections::HashSet<NodeId> =
+        stage.iter().copied().chain(order.iter().copied().filter(|n| everywhere.contains(n))).collect();
+    let mut sub = gm.clone();
+    // Graph outputs: the model's outputs the stage computes, and what other stages read.
+    let mut outputs: Vec<ir::GraphOutput> =
+        gm.outputs().iter().filter(|o| stage.contains(&o.value.node)).cloned().collect();
+    for &n in stage {
+        for slot in 0..gm.node(n).num_outputs() {
+            let v = Value::new(n, slot as u16);
+            if gm.users(v).iter().any(|(u, _)| !keep.contains(u)) && !outputs.iter().any(|o| o.value == v) {
+                outputs.push(ir::GraphOutput { value: v, ty: gm.value_type(v).cloned() });
+            }
+        }
+    }
+    sub.set_outputs(outputs);
+    let mut renames = Vec::new();
+    for &n in order.iter().filter(|n| !keep.contains(n)) {
+        for slot in 0..gm.node(n).num_outputs() {
+            let v = Value::new(n, slot as u16);
+            if gm.users(v).iter().any(|(u, _)| keep.contains(u)) {
+                let name = gm.value_name(v).to_string();
+                let input = sub.add_input(sub.fresh_name(&name), gm.value_type(v).cloned());
+                sub.replace_all_uses(v, input);
+                renames.push((input, name));
+            }
+        }
+    }
+    for &n in order.iter().rev().filter(|n| !keep.contains(n)) {
+        sub.remove_node(n);
+    }
+    for (v, name) in renames {
+        sub.rename(v, name);
+    }
+    let outputs: std::collections::HashSet<Value> = sub.outputs().iter().map(|o| o.value).collect();
+    let unread: Vec<NodeId> = sub
+        .initializers()
+        .iter()
+        .chain(sub.inputs())
+        .copied()
+        .filter(|&i| sub.users(Value::new(i, 0)).is_empty() && !outputs.contains(&Value::new(i, 0)))
+        .collect();
+    for i in unread {
+        sub.remove_node(i);
+    }
+    sub
+}
+
+/// The pipeline `r` with each stage's ops searched again on their own graph
+/// ([`stage_graph`]) on the stage's sub-mesh at the micro-batch size, in place of the
+/// reference plan of that many devices: every stage's own plan at once, and (the stage's
+/// search prices one step of its ops alone, not the pipeline's slots and exposed
+/// synchronisation) stage by stage where the stage gets faster and the step no slower; each
+/// cut again on its new prices. The fastest of those, and how many stages took their own plan
+/// (`None` when no stage's plan differs or none is faster).
+#[allow(clippy::too_many_arguments)]
+fn refine_stages(
+    gm: &Graph,
+    g: &Graph,
+    cluster: &Cluster,
+    devices: usize,
+    opts: &Options,
+    so: &SearchOptions,
+    net: &super::SafetyNet,
+    reference: &HashMap<usize, HashMap<String, OpStrategy>>,
+    meshes: &HashMap<usize, Mesh>,
+    r: &Recipe,
+    capacity: f64,
+) -> Option<(PipelinePlan, usize)> {
+    let order = gm.op_nodes().ok()?;
+    let inner = stage_search_options(so);
+    // Each stage's own strategies, where they differ from the reference's.
+    let mut own: Vec<Option<HashMap<String, OpStrategy>>> = Vec::with_capacity(r.cuts.len());
+    for cut in &r.cuts {
+        if net.expired("pipeline") {
+            return None;
+        }
+        let d = r.sizes[cut.size];
+        let (a, b) = (r.bounds[cut.start], r.bounds[cut.end]);
+        let sub = stage_graph(gm, &order, &order[a..b]);
+        let so = SearchOptions { meshes: Some(vec![meshes[&d].clone()]), ..inner.clone() };
+        let found = super::search_intra_with(&sub, cluster, d, opts, &so, net).ok().and_then(|res| {
+            let names: std::collections::HashSet<&str> =
+                order[a..b].iter().filter_map(|&n| gm.node(n).outputs().first().map(|o| o.name.as_str())).collect();
+            let map: HashMap<String, OpStrategy> = res
+                .assignment
+                .strategies
+                .iter()
+                .filter_map(|(n, s)| {
+                    let name = sub.node(*n).outputs().first()?.name.as_str();
+                    names.contains(name).then(|| (name.to_string(), s.clone()))
+                })
+                .collect();
+            map.iter().any(|(k, s)| reference[&d].get(k) != Some(s)).then_some(map)
+        });
+        own.push(found);
+    }
+    if own.iter().all(Option::is_none) {
+        return None;
+    }
+    let price = |tables: &HashMap<(usize, i64), Table>, cuts: &[Cut]| {
+        price_cuts(
+            gm, g, cluster, opts, tables, &r.sizes, cuts, &r.bounds, r.mb, r.s, r.m, r.schedule, capacity, meshes,
+        )
+    };
+    let step = |p: &PipelinePlan| if p.breakdown.feasible { p.breakdown.step_time_s } else { f64::INFINITY };
+    let tables_of = |maps: &HashMap<usize, HashMap<String, OpStrategy>>| -> HashMap<(usize, i64), Table> {
+        r.sizes.iter().map(|&d| ((d, r.mb), table(gm, cluster, &meshes[&d], devices, opts, &maps[&d]))).collect()
+    };
+    // The partition again on `tables`, priced, when it cuts elsewhere.
+    let link = |a: usize, b: usize, n: f64| send_between(cluster, devices, a.min(b), a.max(b), n);
+    let align = |off: usize, d: usize| aligned(cluster, off, d);
+    let recut = |tables: &HashMap<(usize, i64), Table>| -> Option<PipelinePlan> {
+        let units: Vec<Units> = r.sizes.iter().map(|d| Units::new(&tables[&(*d, r.mb)], &r.bounds)).collect();
+        let input = PartitionInput {
+            tables: units.iter().collect(),
+            sizes: r.sizes.clone(),
+            devices,
+            stages: r.s,
+            micro: r.m,
+            schedule: r.schedule,
+            capacity,
+            link: &link,
+            aligned: &align,
+            recompute: true,
+        };
+        partition(&input).filter(|cuts| *cuts != r.cuts).and_then(|cuts| price(tables, &cuts))
+    };
+    let base: HashMap<usize, HashMap<String, OpStrategy>> =
+        r.sizes.iter().map(|&d| (d, reference[&d].clone())).collect();
+    let mut tables = tables_of(&base);
+    let reference_plan = price(&tables, &r.cuts)?;
+    let mut candidates: Vec<(PipelinePlan, usize)> = Vec::new();
+    // Every stage's own plan at once.
+    let mut all = base.clone();
+    for (cut, map) in r.cuts.iter().zip(&own) {
+        if let Some(map) = map {
+            all.get_mut(&r.sizes[cut.size])?.extend(map.clone());
+        }
+    }
+    let all_tables = tables_of(&all);
+    let taken = own.iter().flatten().count();
+    candidates.extend(price(&all_tables, &r.cuts).map(|p| (p, taken)));
+    candidates.extend(recut(&all_tables).map(|p| (p, taken)));
+    // Stage by stage.
+    let mut current = base;
+    let mut best = reference_plan;
+    let mut changed = 0;
+    for (i, (cut, map)) in r.cuts.iter().zip(&own).enumerate() {
+        let Some(map) = map else { continue };
+        let d = r.sizes[cut.size];
+        let mut trial = current[&d].clone();
+        trial.extend(map.clone());
+        let old = tables.insert((d, r.mb), table(gm, cluster, &meshes[&d], devices, opts, &trial))?;
+        match price(&tables, &r.cuts) {
+            Some(p)
+                if step(&p) <= step(&best)
+                    && p.stages[i].time_s + p.stages[i].grad_sync_s
+                        < best.stages[i].time_s + best.stages[i].grad_sync_s =>
+            {
+                best = p;
+                current.insert(d, trial);
+                changed += 1;
+            }
+            _ => {
+                tables.insert((d, r.mb), old);
+            }
+        }
+    }
+    if changed > 0 {
+        candidates.extend(recut(&tables).map(|p| (p, changed)));
+        candidates.push((best, changed));
+    }
+    candidates.into_iter().min_by(|a, b| step(&a.0).total_cmp(&step(&b.0)))
 }
 
 /// Units the uniform dynamic program works on (ops are grouped beyond this).
@@ -1054,6 +1286,7 @@ fn price_cuts(
         search_time_s: 0.0,
         requested: false,
         whole_batch: None,
+        replanned: None,
     })
 }
 

@@ -1020,7 +1020,14 @@ pub fn pipeline_reason(r: &SearchResult, p: &super::pipeline::PipelinePlan) -> S
             intra * 1e3
         )
     };
-    why + &whole
+    let replanned = p.replanned.map_or(String::new(), |(k, reference)| {
+        format!(
+            "; {k} of {} stages on their own ops' plan ({:.3} ms with every stage on its sub-mesh's whole-graph plan)",
+            p.stages.len(),
+            reference * 1e3
+        )
+    });
+    why + &whole + &replanned
 }
 
 fn collectives(g: &Graph, meshes: &[Mesh], stage_of: &HashMap<NodeId, usize>, b: &Breakdown) -> Vec<PlanCollective> {

@@ -433,3 +433,55 @@ b (float[4,8] x) => (float[4,8] y)
     let why = super::plan::pipeline_reason(&r, p);
     assert!(why.contains("one whole batch at a time") && why.contains("`w`"), "{why}");
 }
+
+const STAGES: &str = r#"<
+   ir_version: 8,
+   opset_import: ["" : 17]
+>
+stages (float[8,16] x) => (float[8,16] z, float[8,16] h)
+   <float[16,16] w1 = ["location": "w.bin", "offset": "0", "length": "1024"], float[16,16] w2 = ["location": "w.bin", "offset": "1024", "length": "1024"], int64[2] shp = {8, 16}>
+{
+   h = MatMul (x, w1)
+   a = Relu (h)
+   b = Reshape (a, shp)
+   c = Add (b, h)
+   z = MatMul (c, w2)
+}"#;
+
+/// A pipeline stage searched on its own: the ops of one stage as a graph whose inputs are
+/// what it reads from the other stages (by their names), whose outputs are what the others
+/// (or the model) read of it, with only its own parameters; it computes what the stage
+/// computes in the whole graph.
+#[test]
+fn a_stage_is_a_graph_of_its_own() {
+    let g = graph(STAGES);
+    let order = g.op_nodes().unwrap();
+    let names = |g: &ir::Graph, vs: Vec<ir::Value>| {
+        let mut v: Vec<String> = vs.into_iter().map(|v| g.value_name(v).to_string()).collect();
+        v.sort();
+        v
+    };
+    let inits = |g: &ir::Graph| names(g, g.initializers().iter().map(|&i| ir::Value::new(i, 0)).collect());
+    let (first, second) =
+        (super::pipeline::stage_graph(&g, &order, &order[..2]), super::pipeline::stage_graph(&g, &order, &order[2..]));
+    assert_eq!(names(&first, first.input_values()), ["x"]);
+    assert_eq!(names(&first, first.outputs().iter().map(|o| o.value).collect()), ["a", "h"]);
+    assert_eq!(inits(&first), ["w1"]);
+    assert_eq!(first.op_count(), 2);
+    assert_eq!(names(&second, second.input_values()), ["a", "h"]);
+    assert_eq!(names(&second, second.outputs().iter().map(|o| o.value).collect()), ["z"]);
+    assert_eq!(inits(&second), ["shp", "w2"]);
+    assert_eq!(second.op_count(), 3);
+    ir::verify(&second).unwrap();
+    // The two stages one after the other compute the model's output.
+    let opts = ir::eval::RunOptions { seed: Some(5) };
+    let x: std::collections::HashMap<String, ir::eval::Array> =
+        [("x".to_string(), ir::eval::random_tensor(ir::DType::Float, &[8, 16], "weight", 3, "x").unwrap())].into();
+    let by_name = |g: &ir::Graph, xs: Vec<ir::eval::Array>| -> std::collections::HashMap<String, ir::eval::Array> {
+        g.outputs().iter().map(|o| g.value_name(o.value).to_string()).zip(xs).collect()
+    };
+    let want = by_name(&g, ir::eval::run(&g, &x, &opts).unwrap());
+    let mid = by_name(&first, ir::eval::run(&first, &x, &opts).unwrap());
+    let got = by_name(&second, ir::eval::run(&second, &mid, &opts).unwrap());
+    assert_eq!(got["z"], want["z"]);
+}
