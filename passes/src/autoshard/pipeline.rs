@@ -1069,6 +1069,80 @@ fn refine_stages(
     candidates.into_iter().min_by(|a, b| step(&a.0).total_cmp(&step(&b.0)))
 }
 
+/// The brute-force reference for a search that would plan cuts and stages together, on two
+/// stages of `devices / 2` devices at `m` micro-batches under `schedule`: at every cut
+/// position between ops, each stage priced on its sub-mesh's whole-graph plan and on its own
+/// ops' plan ([`stage_graph`]), all four combinations. The fastest feasible step and its cut
+/// (the ops before it form stage 0), or `None` when nothing fits. One intra-op search per
+/// stage per cut: for tests and benchmarks on small models, not for the search itself.
+pub fn every_cut_two_stages(
+    g: &Graph,
+    cluster: &Cluster,
+    devices: usize,
+    opts: &Options,
+    so: &SearchOptions,
+    m: usize,
+    schedule: Schedule,
+) -> Result<Option<(f64, usize)>, String> {
+    let net = super::SafetyNet::new(so.time_limit, so.clock_scale);
+    let batch = graph_batch(g).ok_or("the model has no batch dim")?;
+    if devices % 2 != 0 || batch % m as i64 != 0 {
+        return Err(format!("{devices} devices in 2 stages, {m} micro-batches of {batch}"));
+    }
+    let (d, mb) = (devices / 2, batch / m as i64);
+    let graphs = std::cell::RefCell::new(MicroGraphs { g, batch, cache: HashMap::new(), refused: None });
+    let mut micro_graph = |b: i64| graphs.borrow_mut().get(b);
+    let (reference, meshes) = reference_plans(cluster, devices, opts, so, &net, &[2], batch, &mut micro_graph);
+    let reference = reference.get(&d).ok_or("no reference plan")?;
+    let gm = micro_graph(mb).ok_or("the graph takes no micro-batch")?;
+    let order = gm.op_nodes().map_err(|_| "the graph has a cycle".to_string())?;
+    let n = order.len();
+    let bounds: Vec<usize> = (0..=n).collect();
+    let capacity = cluster.device.mem_capacity * cluster.device.mem_usable;
+    let inner = SearchOptions { meshes: Some(vec![meshes[&d].clone()]), ..stage_search_options(so) };
+    let own = |a: usize, b: usize| -> HashMap<String, OpStrategy> {
+        let sub = stage_graph(&gm, &order, &order[a..b]);
+        let names: std::collections::HashSet<&str> =
+            order[a..b].iter().filter_map(|&x| gm.node(x).outputs().first().map(|o| o.name.as_str())).collect();
+        super::search_intra_with(&sub, cluster, d, opts, &inner, &net)
+            .map(|res| {
+                res.assignment
+                    .strategies
+                    .iter()
+                    .filter_map(|(x, st)| {
+                        let name = sub.node(*x).outputs().first()?.name.as_str();
+                        names.contains(name).then(|| (name.to_string(), st.clone()))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let mut best: Option<(f64, usize)> = None;
+    for c in 1..n {
+        let cuts = [Cut { start: 0, end: c, size: 0, offset: 0 }, Cut { start: c, end: n, size: 0, offset: d }];
+        let (first, second) = (own(0, c), own(c, n));
+        for (x, y) in [(false, false), (true, false), (false, true), (true, true)] {
+            let mut map = reference.clone();
+            if x {
+                map.extend(first.clone());
+            }
+            if y {
+                map.extend(second.clone());
+            }
+            let tables: HashMap<(usize, i64), Table> =
+                [((d, mb), table(&gm, cluster, &meshes[&d], devices, opts, &map))].into();
+            if let Some(p) =
+                price_cuts(&gm, g, cluster, opts, &tables, &[d], &cuts, &bounds, mb, 2, m, schedule, capacity, &meshes)
+                && p.breakdown.feasible
+                && best.is_none_or(|(t, _)| p.breakdown.step_time_s < t)
+            {
+                best = Some((p.breakdown.step_time_s, c));
+            }
+        }
+    }
+    Ok(best)
+}
+
 /// Units the uniform dynamic program works on (ops are grouped beyond this).
 const FINE_UNITS: usize = 512;
 /// Units the dynamic program over stage sizes works on.
