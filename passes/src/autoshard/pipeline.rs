@@ -1086,7 +1086,7 @@ pub fn every_cut_two_stages(
 ) -> Result<Option<(f64, usize)>, String> {
     let net = super::SafetyNet::new(so.time_limit, so.clock_scale);
     let batch = graph_batch(g).ok_or("the model has no batch dim")?;
-    if devices % 2 != 0 || batch % m as i64 != 0 {
+    if !devices.is_multiple_of(2) || batch % m as i64 != 0 {
         return Err(format!("{devices} devices in 2 stages, {m} micro-batches of {batch}"));
     }
     let (d, mb) = (devices / 2, batch / m as i64);
