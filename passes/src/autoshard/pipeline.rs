@@ -842,8 +842,6 @@ pub fn search_pipeline(
             }
         }
     }
-    // Each stage of the best plan searched again on its own ops at its micro-batch size: the
-    // reference plans priced every stage as the whole graph's plan on that many devices.
     // The best plan's stages searched again on their own ops (the reference plans priced each
     // stage as its sub-mesh's plan of the whole graph), kept when the step drops.
     if let (Some(b), Some(r)) = (&best, &recipe)
@@ -894,16 +892,18 @@ struct Recipe {
 /// (shapes, masks from constants) stays; inputs and initializers no kept op reads go.
 pub(crate) fn stage_graph(gm: &Graph, order: &[NodeId], stage: &[NodeId]) -> Graph {
     let everywhere = ir::reshard::computed_everywhere_in_training(gm, order);
+    let own: std::collections::HashSet<NodeId> = stage.iter().copied().collect();
     let keep: std::collections::HashSet<NodeId> =
-        stage.iter().copied().chain(order.iter().copied().filter(|n| everywhere.contains(n))).collect();
+        own.iter().copied().chain(order.iter().copied().filter(|n| everywhere.contains(n))).collect();
     let mut sub = gm.clone();
     // Graph outputs: the model's outputs the stage computes, and what other stages read.
     let mut outputs: Vec<ir::GraphOutput> =
-        gm.outputs().iter().filter(|o| stage.contains(&o.value.node)).cloned().collect();
+        gm.outputs().iter().filter(|o| own.contains(&o.value.node)).cloned().collect();
+    let mut listed: std::collections::HashSet<Value> = outputs.iter().map(|o| o.value).collect();
     for &n in stage {
         for slot in 0..gm.node(n).num_outputs() {
             let v = Value::new(n, slot as u16);
-            if gm.users(v).iter().any(|(u, _)| !keep.contains(u)) && !outputs.iter().any(|o| o.value == v) {
+            if gm.users(v).iter().any(|(u, _)| !keep.contains(u)) && listed.insert(v) {
                 outputs.push(ir::GraphOutput { value: v, ty: gm.value_type(v).cloned() });
             }
         }
