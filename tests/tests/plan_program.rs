@@ -55,8 +55,15 @@ fn check(name: &str, g: &ir::Graph, cluster: &str, devices: usize) -> Vec<String
     let c = Cluster::preset(cluster).unwrap();
     let so = SearchOptions { pipeline: PipelineMode::Off, ..Default::default() };
     let r = autoshard::search(g, &c, devices, &Options::default(), &so).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let plan = autoshard::Plan::new(g, &c, devices, &Options::default(), Default::default(), &r);
-    let prog = shardc::exec::program_for_search(g, &r, devices).unwrap_or_else(|e| panic!("{name} on {cluster}: {e}"));
+    compare(name, g, cluster, devices, &r)
+}
+
+/// Lowers the searched plan `r` of `g` and compares what it prices with what the program
+/// moves; the description of each disagreement.
+fn compare(name: &str, g: &ir::Graph, cluster: &str, devices: usize, r: &autoshard::SearchResult) -> Vec<String> {
+    let c = Cluster::preset(cluster).unwrap();
+    let plan = autoshard::Plan::new(g, &c, devices, &Options::default(), Default::default(), r);
+    let prog = shardc::exec::program_for_search(g, r, devices).unwrap_or_else(|e| panic!("{name} on {cluster}: {e}"));
     let mut bad = Vec::new();
     if !prog.fallbacks.is_empty() {
         bad.push(format!("{name} on {cluster}: ops fell back to replicated: {:?}", prog.fallbacks));
@@ -127,4 +134,47 @@ fn plans_move_the_bytes_their_programs_move() {
         handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
     });
     assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// The plans `shardc plan` makes for the shared GPT-2 and BERT on 8 dgx-a100 GPUs at batch 8,
+/// with the rewrites the search chooses (`fuse-gemms` joins each layer's Q, K and V
+/// projections head by head): both attention products of every layer split by heads, the
+/// plans priced faster than the `megatron` and `data` named strategies, and the lowered
+/// programs of the rewritten graphs move the bytes the plans price.
+#[test]
+fn transformer_plans_with_rewrites_split_heads_and_move_what_they_price() {
+    let c = Cluster::preset("dgx-a100").unwrap();
+    let opts = Options::default();
+    for name in ["hf_gpt2_124m", "hf_bert_base"] {
+        let mut m = prepared(&repo_root().join(format!("tests/data/models/{name}.onnxtxt")));
+        let named = |s: &str| shardc::exec::named_result(&m.graph, &c, 8, s, &opts).unwrap().breakdown.step_time_s;
+        let (megatron, data) = (named("megatron"), named("data"));
+        let so = SearchOptions { pipeline: PipelineMode::Off, ..Default::default() };
+        let r = autoshard::search_rewriting(&mut m.graph, &c, 8, &opts, &so).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(r.rewrites.iter().any(|x| x.rule == "fuse-gemms" && x.applied), "{name}: {:?}", r.rewrites);
+        let step = r.breakdown.step_time_s;
+        assert!(step < megatron && step < data, "{name}: searched {step}, megatron {megatron}, data {data}");
+        // The attention products: MatMuls of two rank-4 activations.
+        let g = &m.graph;
+        let rank4 = |v: Option<ir::Value>| {
+            v.is_some_and(|v| g.initializer(v).is_none() && g.tensor_type(v).is_some_and(|t| t.rank() == Some(4)))
+        };
+        let products: Vec<String> = g
+            .op_nodes()
+            .unwrap()
+            .into_iter()
+            .filter(|&n| {
+                matches!(g.node(n).op, ir::Op::MatMul(_)) && rank4(g.node(n).input(0)) && rank4(g.node(n).input(1))
+            })
+            .map(|n| g.node(n).outputs()[0].name.clone())
+            .collect();
+        assert_eq!(products.len(), 24, "{name}");
+        let plan = autoshard::Plan::new(g, &c, 8, &opts, Default::default(), &r);
+        for p in &products {
+            let op = plan.ops.iter().find(|o| o.outputs.first() == Some(p)).unwrap();
+            assert!(op.strategy.contains("b1→"), "{name}: {}: {}", op.name, op.strategy);
+        }
+        let bad = compare(name, g, "dgx-a100", 8, &r);
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
 }
