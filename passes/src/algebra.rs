@@ -8,6 +8,8 @@
 //!   Transpose(x, π expanded over the groups)`.
 //! - [`transpose_into_gemm`]: `X · Transpose(W) = Reshape(Gemm(Reshape(X, [R, K]), W, transB = 1), [.., N])`
 //!   for a parameter `W` (a tied output projection reads the parameter itself).
+//! - [`transpose_before_gemm`]: `Transpose(Reshape(Gemm(Reshape(X, [R, K]), W), [r.., N]), π) =
+//!   Reshape(Gemm(Reshape(Transpose(X, π ⊕ id), [R, K]), W), [π(r).., N])` (rows permuted first).
 //! - [`compose_transposes`]: `Transpose(Transpose(x, p), q) = Transpose(x, p∘q)`.
 //!
 //! **Un-fusing.** Exporters fuse the query, key and value projections of attention into one GEMM (GPT-2's
@@ -698,6 +700,111 @@ pub fn compose_transposes_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bo
     Ok(done)
 }
 
+/// `Transpose(Reshape(Gemm(Reshape(X, [R, K]), W, c), [r₁, …, r_k, N]), π) =
+/// Reshape(Gemm(Reshape(Transpose(X, π ⊕ id), [R, K]), W, c), [r_π(1), …, r_π(k), N])` when `X`
+/// is `[r₁, …, r_k, k₁, …]` (its leading dims the GEMM's rows, `R` their product, `K` the
+/// rest's), `π` permutes those row dims only, and `X` is itself a transpose only this reads
+/// (so [`compose_transposes`] joins the two: one kernel fewer). A GEMM is row-wise, so
+/// permuting its rows before or after it is the same. PyTorch's `nn.MultiheadAttention` with
+/// `batch_first` writes its output projection this way: heads `[b, h, s, d]` transposed to
+/// `[s, b, h, d]`, merged into rows `s·b`, projected, and transposed back to `[b, s, e]`; the
+/// rows `s·b` cannot keep a split of the batch, so every data-parallel plan reshards twice
+/// around it. After the rewrite the rows are `b·s`.
+pub fn transpose_before_gemm(g: &mut Graph) -> Result<u64, Located> {
+    transpose_before_gemm_where(g, &mut |_| true)
+}
+
+/// [`transpose_before_gemm`] on the matches `pick` accepts (in topological order).
+pub fn transpose_before_gemm_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) -> Result<u64, Located> {
+    let order = g.topo_order().map_err(|_| Located::global("the graph has a cycle"))?;
+    let (mut matched, mut done) = (0, 0);
+    for t2 in order {
+        if !g.contains(t2) {
+            continue;
+        }
+        let Op::Transpose(tp) = &g.node(t2).op else { continue };
+        let Some(v) = g.node(t2).input(0) else { continue };
+        if !matches!(g.node(v.node).op, Op::Reshape(_)) || only_reader(g, v) != Some(t2) {
+            continue;
+        }
+        let Some(y) = g.node(v.node).input(0) else { continue };
+        let row_wise = match &g.node(y.node).op {
+            Op::Gemm(gm) => gm.trans_a() == 0,
+            Op::MatMul(_) => g.node(y.node).input(1).and_then(|w| static_dims(g, w)).is_some_and(|d| d.len() == 2),
+            _ => false,
+        };
+        if !row_wise || only_reader(g, y) != Some(v.node) {
+            continue;
+        }
+        let Some(xr) = g.node(y.node).input(0) else { continue };
+        if !matches!(g.node(xr.node).op, Op::Reshape(_)) || only_reader(g, xr) != Some(y.node) {
+            continue;
+        }
+        let Some(x) = g.node(xr.node).input(0) else { continue };
+        if !matches!(g.node(x.node).op, Op::Transpose(_)) || only_reader(g, x) != Some(xr.node) || g.is_output(x) {
+            continue;
+        }
+        let (Some(xd), Some(rd), Some(od), Some(td)) =
+            (static_dims(g, x), static_dims(g, xr), static_dims(g, v), static_dims(g, Value::new(t2, 0)))
+        else {
+            continue;
+        };
+        let q = od.len();
+        let perm: Vec<usize> = match &tp.perm {
+            Some(p) => p.iter().map(|&i| i as usize).collect(),
+            None => (0..q).rev().collect(),
+        };
+        let k: i64 = xd.iter().skip(q - 1).product();
+        if q < 2
+            || rd.len() != 2
+            || perm.len() != q
+            || perm[q - 1] != q - 1
+            || xd.len() < q
+            || xd[..q - 1] != od[..q - 1]
+            || rd != [od[..q - 1].iter().product::<i64>(), k]
+        {
+            continue;
+        }
+        matched += 1;
+        if !pick(matched - 1) {
+            continue;
+        }
+        let label = g.node(y.node).label.clone().unwrap_or_else(|| g.op_name(y.node));
+        let names: Vec<String> = [x, xr, y, Value::new(t2, 0)].iter().map(|&u| g.value_name(u).to_string()).collect();
+        let p: Vec<i64> =
+            perm[..q - 1].iter().chain(&(q - 1..xd.len()).collect::<Vec<_>>()).map(|&i| i as i64).collect();
+        let tmp = g.fresh_name(&format!("{}_rows", names[0]));
+        let xt = g.add_labeled_node(
+            Some(format!("{label}/rows")),
+            Op::Transpose(ir::op::Transpose { perm: Some(p) }),
+            vec![Some(x)],
+            vec![Output::named(tmp)],
+        );
+        let xt = Value::new(xt, 0);
+        let x2 = reshaped(g, xt, rd, &label, &names[3], "rows_2d");
+        let mut inputs = g.node(y.node).inputs().to_vec();
+        inputs[0] = Some(x2);
+        let op = g.node(y.node).op.clone();
+        let gemm_label = g.node(y.node).label.clone();
+        let tmp = g.fresh_name(&format!("{}_rows", names[2]));
+        let y2 = Value::new(g.add_labeled_node(gemm_label, op, inputs, vec![Output::named(tmp)]), 0);
+        let out = reshaped(g, y2, td, &label, &names[3], "output");
+        g.replace_all_uses(Value::new(t2, 0), out);
+        g.remove_node(t2);
+        g.remove_node(v.node);
+        g.remove_node(y.node);
+        g.remove_node(xr.node);
+        g.rename(y2, names[2].clone());
+        g.rename(x2, names[1].clone());
+        g.rename(out, names[3].clone());
+        done += 1;
+    }
+    if done > 0 {
+        crate::canonicalize::eliminate_unused_initializers(g);
+    }
+    Ok(done)
+}
+
 /// `v` reshaped to the constant `shape` by a new `Reshape` labelled `{label}/{what}`, its
 /// output and shape named after `y_name` (the rewritten op's output).
 fn reshaped(g: &mut Graph, v: Value, shape: Vec<i64>, label: &str, y_name: &str, what: &str) -> Value {
@@ -1381,14 +1488,16 @@ impl Pass for Algebra {
         let (fused, made) = unfuse_split_gemm(g).map_err(fail)?;
         let folded = fold_reshape_transpose(g).map_err(fail)?;
         let untransposed = transpose_into_gemm(g).map_err(fail)?;
+        let moved = transpose_before_gemm(g).map_err(fail)?;
         let composed = compose_transposes(g).map_err(fail)?;
-        if fused + folded + untransposed + composed == 0 {
+        if fused + folded + untransposed + moved + composed == 0 {
             return Ok(Changed::No);
         }
         cx.stats.add("fused GEMMs split", fused);
         cx.stats.add("GEMMs made", made);
         cx.stats.add("reshape-transpose-reshape folded", folded);
         cx.stats.add("transposed weights read by a GEMM", untransposed);
+        cx.stats.add("transposes moved before a GEMM's rows", moved);
         cx.stats.add("transposes of transposes composed", composed);
         ir::infer::infer_shapes(g, ir::infer::Mode::Check).map_err(|errs| PassError::shapes(self.name(), errs))?;
         Ok(Changed::Yes)
@@ -1620,6 +1729,51 @@ g (float[2,3,4] h, float[6,4] h2) => (float[2,3,5] y, float[6,5] y2, float[5,4] 
 
     // Transpose(Transpose(x, p), q) = Transpose(x, r), r[j] = p[q[j]]; the identity is x itself.
     // An inner transpose another op reads stays; a default perm reverses the dims.
+    const ROWS: &str = r#"<ir_version: 8, opset_import: ["" : 18]>
+rows (float[2,3,4,5] a) => (float[2,4,6] z)
+   <float[15,6] w = ["location": "w.bin", "offset": "0", "length": "360"], float[6] c = ["location": "w.bin", "offset": "360", "length": "24"],
+    int64[2] r = {8, 15}, int64[3] o = {4, 2, 6}>
+{
+   t = Transpose <perm: ints = [2, 0, 1, 3]> (a)
+   x2 = Reshape (t, r)
+   y = Gemm (x2, w, c)
+   y3 = Reshape (y, o)
+   z = Transpose <perm: ints = [1, 0, 2]> (y3)
+}"#;
+
+    // Transpose(Reshape(Gemm(Reshape(X, [R, K]), W, c), [s, b, N]), [1, 0, 2]) =
+    // Reshape(Gemm(Reshape(Transpose(X, [1, 0, 2, 3]), [R, K]), W, c), [b, s, N]), and the
+    // two transposes of X compose into one: heads [b, h, s, d] to rows b·s.
+    #[test]
+    fn a_transpose_of_a_gemms_rows_moves_before_it() {
+        assert_eq!(rewrite_equal(ROWS), ["Transpose", "Reshape", "Gemm", "Reshape"]);
+        let mut m = model(ROWS);
+        assert_eq!(transpose_before_gemm(&mut m.graph).unwrap(), 1);
+        ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+        compose_transposes(&mut m.graph).unwrap();
+        let g = &m.graph;
+        let t = g.op_nodes().unwrap().into_iter().find(|&n| matches!(g.node(n).op, Op::Transpose(_))).unwrap();
+        let Op::Transpose(tp) = &g.node(t).op else { unreachable!() };
+        assert_eq!(tp.perm.as_deref(), Some(&[0, 2, 1, 3][..]));
+        // The rows are b·s now, and the GEMM keeps its name.
+        assert_eq!(g.tensor_type(g.lookup("x2").unwrap()).unwrap().static_dims().unwrap(), [8, 15]);
+        assert!(matches!(g.node(g.lookup("y").unwrap().node).op, Op::Gemm(_)));
+    }
+
+    // Not when the rows are not a transpose's (nothing composes), or the outer transpose
+    // moves the GEMM's columns.
+    #[test]
+    fn transposes_that_gain_nothing_stay_after_the_gemm() {
+        let direct = ROWS
+            .replace("float[2,3,4,5] a", "float[4,2,3,5] a")
+            .replace("t = Transpose <perm: ints = [2, 0, 1, 3]> (a)", "t = Relu (a)");
+        assert_eq!(rewrite_equal(&direct), ["Relu", "Reshape", "Gemm", "Reshape", "Transpose"]);
+        let columns = ROWS
+            .replace("float[2,4,6] z", "float[6,2,4] z")
+            .replace("z = Transpose <perm: ints = [1, 0, 2]> (y3)", "z = Transpose <perm: ints = [2, 1, 0]> (y3)");
+        assert_eq!(rewrite_equal(&columns), ["Transpose", "Reshape", "Gemm", "Reshape", "Transpose"]);
+    }
+
     #[test]
     fn transposes_of_transposes_compose() {
         let text = r#"<ir_version: 8, opset_import: ["" : 17]>

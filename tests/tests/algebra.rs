@@ -51,9 +51,13 @@ fn algebra_keeps_outputs_and_parameters_and_round_trips() {
         assert_eq!(ir::print::model_to_string(&again.model), text);
     }
     // The two GPT-2 exports fuse Q, K and V into one GEMM, and the tiny GPT golden case into
-    // one MatMul and bias Add; nothing else in the corpus does.
+    // one MatMul and bias Add; nn.Transformer's attention transposes its output projection's
+    // rows back to batch-first after the projection; nothing else in the corpus does.
     changed.sort();
-    assert_eq!(changed, ["hf_gpt2_124m.onnxtxt", "hf_gpt2_small4.onnxtxt", "tiny_gpt.onnxtxt"]);
+    assert_eq!(
+        changed,
+        ["hf_gpt2_124m.onnxtxt", "hf_gpt2_small4.onnxtxt", "pt_nn_transformer.onnxtxt", "tiny_gpt.onnxtxt"]
+    );
 }
 
 #[test]
@@ -69,6 +73,42 @@ fn algebra_keeps_golden_values() {
             compare(&format!("{} output {k}", path.display()), a, b, 0.0, 0.0).unwrap();
         }
     }
+}
+
+/// nn.Transformer (batch-first, 6 + 6 layers) with its weights drawn from a seed: each
+/// attention's output projection takes its rows batch-first (`transpose_before_gemm`, 18
+/// places) and the model's output equals the original's bit for bit (the same dot products,
+/// rows permuted).
+#[test]
+fn transformer_outputs_are_unchanged_by_moving_transposes_before_gemms() {
+    let path = data_files("models").into_iter().find(|p| p.ends_with("pt_nn_transformer.onnxtxt")).unwrap();
+    let mut model = load_model(&path);
+    canonical(&mut model, false);
+    let inputs: std::collections::HashMap<String, ir::eval::Array> = model
+        .graph
+        .input_values()
+        .into_iter()
+        .map(|v| {
+            let dims = model.graph.tensor_type(v).unwrap().static_dims().unwrap();
+            let name = model.graph.value_name(v).to_string();
+            (name.clone(), ir::eval::random_tensor(ir::DType::Float, &dims, "weight", 3, &name).unwrap())
+        })
+        .collect();
+    let opts = ir::eval::RunOptions { seed: Some(5) };
+    let before = ir::eval::run(&model.graph, &inputs, &opts).unwrap();
+    let transposes = |g: &ir::Graph| {
+        g.op_nodes().unwrap().into_iter().filter(|&n| matches!(g.node(n).op, ir::Op::Transpose(_))).count()
+    };
+    let mut rewritten = model.clone();
+    assert_eq!(passes::algebra::transpose_before_gemm(&mut rewritten.graph).unwrap(), 18);
+    ir::infer::infer_shapes(&mut rewritten.graph, ir::infer::Mode::Check).unwrap();
+    passes::algebra::compose_transposes(&mut rewritten.graph).unwrap();
+    // One transpose kernel fewer per place than composing alone leaves.
+    let mut composed = model.clone();
+    passes::algebra::compose_transposes(&mut composed.graph).unwrap();
+    assert_eq!(transposes(&rewritten.graph) + 18, transposes(&composed.graph));
+    let after = ir::eval::run(&rewritten.graph, &inputs, &opts).unwrap();
+    compare("output", &after[0], &before[0], 0.0, 0.0).unwrap();
 }
 
 /// GPT-2 (4 layers) with its weights drawn from a seed: the rewritten model's logits equal the
@@ -94,12 +134,13 @@ fn gpt2_logits_are_unchanged_by_unfusing_qkv() {
 proptest::proptest! {
     #![proptest_config(proptest_config(6))]
     /// Random sequences of the rewrites (un-fusing, fusing — each the other's inverse —, the
-    /// tied output projection's transpose into its GEMM, composing transposes, and folding), each on a random subset
+    /// tied output projection's transpose into its GEMM, composing transposes, moving a
+    /// transpose before a GEMM's rows, and folding), each on a random subset
     /// of its matches, leave GPT-2's logits bit-identical
     /// (weights drawn from a seed, sliced and joined while external).
     #[test]
     fn random_rewrite_sequences_keep_gpt2_logits(
-        rules in proptest::collection::vec(0u8..5, 1..6),
+        rules in proptest::collection::vec(0u8..6, 1..6),
         picks in proptest::collection::vec(proptest::bool::ANY, 64),
     ) {
         let (base, inputs, want) = &*GPT2;
@@ -112,6 +153,7 @@ proptest::proptest! {
                 1 => { passes::algebra::fuse_gemms_where(&mut m.graph, &mut pick).unwrap(); }
                 2 => { passes::algebra::transpose_into_gemm_where(&mut m.graph, &mut pick).unwrap(); }
                 3 => { passes::algebra::compose_transposes_where(&mut m.graph, &mut pick).unwrap(); }
+                4 => { passes::algebra::transpose_before_gemm_where(&mut m.graph, &mut pick).unwrap(); }
                 _ => { passes::algebra::fold_reshape_transpose_where(&mut m.graph, &mut pick).unwrap(); }
             }
             ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
