@@ -728,8 +728,14 @@ pub fn transpose_before_gemm_where(g: &mut Graph, pick: &mut dyn FnMut(usize) ->
             continue;
         }
         let Some(y) = g.node(v.node).input(0) else { continue };
+        // Each output row from its input row alone: no bias with a value per row.
         let row_wise = match &g.node(y.node).op {
-            Op::Gemm(gm) => gm.trans_a() == 0,
+            Op::Gemm(gm) => {
+                gm.trans_a() == 0
+                    && g.node(y.node)
+                        .input(2)
+                        .is_none_or(|c| static_dims(g, c).is_some_and(|d| d.len() < 2 || d[0] == 1))
+            }
             Op::MatMul(_) => g.node(y.node).input(1).and_then(|w| static_dims(g, w)).is_some_and(|d| d.len() == 2),
             _ => false,
         };
@@ -750,16 +756,17 @@ pub fn transpose_before_gemm_where(g: &mut Graph, pick: &mut dyn FnMut(usize) ->
             continue;
         };
         let q = od.len();
+        if q < 2 || xd.len() < q {
+            continue;
+        }
         let perm: Vec<usize> = match &tp.perm {
             Some(p) => p.iter().map(|&i| i as usize).collect(),
             None => (0..q).rev().collect(),
         };
         let k: i64 = xd.iter().skip(q - 1).product();
-        if q < 2
-            || rd.len() != 2
+        if rd.len() != 2
             || perm.len() != q
             || perm[q - 1] != q - 1
-            || xd.len() < q
             || xd[..q - 1] != od[..q - 1]
             || rd != [od[..q - 1].iter().product::<i64>(), k]
         {
@@ -1760,8 +1767,8 @@ rows (float[2,3,4,5] a) => (float[2,4,6] z)
         assert!(matches!(g.node(g.lookup("y").unwrap().node).op, Op::Gemm(_)));
     }
 
-    // Not when the rows are not a transpose's (nothing composes), or the outer transpose
-    // moves the GEMM's columns.
+    // Not when the rows are not a transpose's (nothing composes), the outer transpose moves
+    // the GEMM's columns, or the bias has a value per row.
     #[test]
     fn transposes_that_gain_nothing_stay_after_the_gemm() {
         let direct = ROWS
@@ -1772,6 +1779,13 @@ rows (float[2,3,4,5] a) => (float[2,4,6] z)
             .replace("float[2,4,6] z", "float[6,2,4] z")
             .replace("z = Transpose <perm: ints = [1, 0, 2]> (y3)", "z = Transpose <perm: ints = [2, 1, 0]> (y3)");
         assert_eq!(rewrite_equal(&columns), ["Transpose", "Reshape", "Gemm", "Reshape", "Transpose"]);
+        // A bias with a value per row ties each row to its place.
+        let per_row = ROWS.replace(
+            "float[6] c = [\"location\": \"w.bin\", \"offset\": \"360\", \"length\": \"24\"]",
+            "float[8,6] c = [\"location\": \"w.bin\", \"offset\": \"360\", \"length\": \"192\"]",
+        );
+        assert!(per_row.contains("float[8,6] c"));
+        assert_eq!(rewrite_equal(&per_row), ["Transpose", "Reshape", "Gemm", "Reshape", "Transpose"]);
     }
 
     #[test]
