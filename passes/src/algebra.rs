@@ -569,6 +569,14 @@ fn merge_groups(from: &[i64], to: &[i64]) -> Option<Vec<std::ops::Range<usize>>>
     (i == from.len()).then_some(groups)
 }
 
+/// The permutation of transpose `t` of a rank-`rank` tensor (reversed dims when it has none).
+fn transpose_perm(t: &ir::op::Transpose, rank: usize) -> Vec<usize> {
+    match &t.perm {
+        Some(p) => p.iter().map(|&i| i as usize).collect(),
+        None => (0..rank).rev().collect(),
+    }
+}
+
 /// `Reshape(Transpose(Reshape(x, s₁), π), s₂) = Transpose(x, π')` when `s₁` merges groups of
 /// `x`'s consecutive dims, `π` permutes whole groups and `s₂` splits each group back into its
 /// dims; `π'` is `π` with each group expanded. Exporters write a transpose of the last two
@@ -601,11 +609,7 @@ pub fn fold_reshape_transpose_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -
         else {
             continue;
         };
-        let rank = d1.len();
-        let perm: Vec<usize> = match &tp.perm {
-            Some(p) => p.iter().map(|&i| i as usize).collect(),
-            None => (0..rank).rev().collect(),
-        };
+        let perm = transpose_perm(tp, d1.len());
         let Some(groups) = merge_groups(&xd, &d1) else { continue };
         let expanded: Vec<usize> = perm.iter().flat_map(|&i| groups[i].clone()).collect();
         let back: Vec<i64> = expanded.iter().map(|&i| xd[i]).collect();
@@ -652,12 +656,6 @@ pub fn compose_transposes(g: &mut Graph) -> Result<u64, Located> {
 pub fn compose_transposes_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) -> Result<u64, Located> {
     let order = g.topo_order().map_err(|_| Located::global("the graph has a cycle"))?;
     let (mut matched, mut done) = (0, 0);
-    let perm_of = |t: &ir::op::Transpose, rank: usize| -> Vec<usize> {
-        match &t.perm {
-            Some(p) => p.iter().map(|&i| i as usize).collect(),
-            None => (0..rank).rev().collect(),
-        }
-    };
     for outer in order {
         if !g.contains(outer) {
             continue;
@@ -667,7 +665,7 @@ pub fn compose_transposes_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bo
         let Op::Transpose(p) = &g.node(y.node).op else { continue };
         let Some(x) = g.node(y.node).input(0) else { continue };
         let Some(rank) = static_dims(g, x).map(|d| d.len()) else { continue };
-        let (p, q) = (perm_of(p, rank), perm_of(q, rank));
+        let (p, q) = (transpose_perm(p, rank), transpose_perm(q, rank));
         if p.len() != rank || q.len() != rank || only_reader(g, y) != Some(outer) {
             continue;
         }
@@ -759,10 +757,7 @@ pub fn transpose_before_gemm_where(g: &mut Graph, pick: &mut dyn FnMut(usize) ->
         if q < 2 || xd.len() < q {
             continue;
         }
-        let perm: Vec<usize> = match &tp.perm {
-            Some(p) => p.iter().map(|&i| i as usize).collect(),
-            None => (0..q).rev().collect(),
-        };
+        let perm = transpose_perm(tp, q);
         let k: i64 = xd.iter().skip(q - 1).product();
         if rd.len() != 2
             || perm.len() != q

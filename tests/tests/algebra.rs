@@ -84,16 +84,7 @@ fn transformer_outputs_are_unchanged_by_moving_transposes_before_gemms() {
     let path = data_files("models").into_iter().find(|p| p.ends_with("pt_nn_transformer.onnxtxt")).unwrap();
     let mut model = load_model(&path);
     canonical(&mut model, false);
-    let inputs: std::collections::HashMap<String, ir::eval::Array> = model
-        .graph
-        .input_values()
-        .into_iter()
-        .map(|v| {
-            let dims = model.graph.tensor_type(v).unwrap().static_dims().unwrap();
-            let name = model.graph.value_name(v).to_string();
-            (name.clone(), ir::eval::random_tensor(ir::DType::Float, &dims, "weight", 3, &name).unwrap())
-        })
-        .collect();
+    let inputs = float_inputs(&model.graph, "weight", 3);
     let opts = ir::eval::RunOptions { seed: Some(5) };
     let before = ir::eval::run(&model.graph, &inputs, &opts).unwrap();
     let transposes = |g: &ir::Graph| {
@@ -177,6 +168,19 @@ static GPT2: std::sync::LazyLock<(
     let want = ir::eval::run(&model.graph, &inputs, &ir::eval::RunOptions { seed: Some(5) }).unwrap();
     (model, inputs, want)
 });
+
+/// Random floats for every input of `g`, drawn as `random_tensor` draws a tensor of `role`
+/// from `seed` and the input's name.
+fn float_inputs(g: &ir::Graph, role: &str, seed: u64) -> std::collections::HashMap<String, ir::eval::Array> {
+    g.input_values()
+        .into_iter()
+        .map(|v| {
+            let dims = g.tensor_type(v).unwrap().static_dims().unwrap();
+            let name = g.value_name(v).to_string();
+            (name.clone(), ir::eval::random_tensor(ir::DType::Float, &dims, role, seed, &name).unwrap())
+        })
+        .collect()
+}
 
 /// Token ids for every input of `g` (integers below 500).
 fn token_inputs(g: &ir::Graph) -> std::collections::HashMap<String, ir::eval::Array> {
@@ -301,19 +305,10 @@ fn fused_gemms_keep_transformer_outputs_and_round_trip() {
         let again = frontend::parse(&text).unwrap_or_else(|d| panic!("{}", frontend::render(&d, name, &text)));
         assert_eq!(ir::print::model_to_string(&again.model), text);
         if evaluate {
-            let inputs: std::collections::HashMap<String, ir::eval::Array> = if name.starts_with("hf_") {
+            let inputs = if name.starts_with("hf_") {
                 token_inputs(&model.graph)
             } else {
-                model
-                    .graph
-                    .input_values()
-                    .into_iter()
-                    .map(|v| {
-                        let dims = model.graph.tensor_type(v).unwrap().static_dims().unwrap();
-                        let n = model.graph.value_name(v).to_string();
-                        (n.clone(), ir::eval::random_tensor(ir::DType::Float, &dims, "input", 7, &n).unwrap())
-                    })
-                    .collect()
+                float_inputs(&model.graph, "input", 7)
             };
             let opts = ir::eval::RunOptions { seed: Some(5) };
             let want = ir::eval::run(&model.graph, &inputs, &opts).unwrap();

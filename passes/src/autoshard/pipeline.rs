@@ -941,6 +941,37 @@ pub(crate) fn stage_graph(gm: &Graph, order: &[NodeId], stage: &[NodeId]) -> Gra
     sub
 }
 
+/// The strategies of ops `order[a..b]` of `gm`, searched on their own graph ([`stage_graph`])
+/// on `mesh` (`d` devices) with options `inner`, keyed by first output name; `None` when the
+/// search fails.
+#[allow(clippy::too_many_arguments)]
+fn stage_own_plan(
+    gm: &Graph,
+    order: &[NodeId],
+    (a, b): (usize, usize),
+    cluster: &Cluster,
+    (d, mesh): (usize, &Mesh),
+    opts: &Options,
+    inner: &SearchOptions,
+    net: &super::SafetyNet,
+) -> Option<HashMap<String, OpStrategy>> {
+    let sub = stage_graph(gm, order, &order[a..b]);
+    let so = SearchOptions { meshes: Some(vec![mesh.clone()]), ..inner.clone() };
+    let res = super::search_intra_with(&sub, cluster, d, opts, &so, net).ok()?;
+    let names: std::collections::HashSet<&str> =
+        order[a..b].iter().filter_map(|&n| gm.node(n).outputs().first().map(|o| o.name.as_str())).collect();
+    Some(
+        res.assignment
+            .strategies
+            .iter()
+            .filter_map(|(n, s)| {
+                let name = sub.node(*n).outputs().first()?.name.as_str();
+                names.contains(name).then(|| (name.to_string(), s.clone()))
+            })
+            .collect(),
+    )
+}
+
 /// The pipeline `r` with each stage's ops searched again on their own graph
 /// ([`stage_graph`]) on the stage's sub-mesh at the micro-batch size, in place of the
 /// reference plan of that many devices: every stage's own plan at once, and (the stage's
@@ -972,22 +1003,8 @@ fn refine_stages(
         }
         let d = r.sizes[cut.size];
         let (a, b) = (r.bounds[cut.start], r.bounds[cut.end]);
-        let sub = stage_graph(gm, &order, &order[a..b]);
-        let so = SearchOptions { meshes: Some(vec![meshes[&d].clone()]), ..inner.clone() };
-        let found = super::search_intra_with(&sub, cluster, d, opts, &so, net).ok().and_then(|res| {
-            let names: std::collections::HashSet<&str> =
-                order[a..b].iter().filter_map(|&n| gm.node(n).outputs().first().map(|o| o.name.as_str())).collect();
-            let map: HashMap<String, OpStrategy> = res
-                .assignment
-                .strategies
-                .iter()
-                .filter_map(|(n, s)| {
-                    let name = sub.node(*n).outputs().first()?.name.as_str();
-                    names.contains(name).then(|| (name.to_string(), s.clone()))
-                })
-                .collect();
-            map.iter().any(|(k, s)| reference[&d].get(k) != Some(s)).then_some(map)
-        });
+        let found = stage_own_plan(gm, &order, (a, b), cluster, (d, &meshes[&d]), opts, &inner, net)
+            .filter(|map| map.iter().any(|(k, s)| reference[&d].get(k) != Some(s)));
         own.push(found);
     }
     if own.iter().all(Option::is_none) {
@@ -1099,23 +1116,9 @@ pub fn every_cut_two_stages(
     let n = order.len();
     let bounds: Vec<usize> = (0..=n).collect();
     let capacity = cluster.device.mem_capacity * cluster.device.mem_usable;
-    let inner = SearchOptions { meshes: Some(vec![meshes[&d].clone()]), ..stage_search_options(so) };
-    let own = |a: usize, b: usize| -> HashMap<String, OpStrategy> {
-        let sub = stage_graph(&gm, &order, &order[a..b]);
-        let names: std::collections::HashSet<&str> =
-            order[a..b].iter().filter_map(|&x| gm.node(x).outputs().first().map(|o| o.name.as_str())).collect();
-        super::search_intra_with(&sub, cluster, d, opts, &inner, &net)
-            .map(|res| {
-                res.assignment
-                    .strategies
-                    .iter()
-                    .filter_map(|(x, st)| {
-                        let name = sub.node(*x).outputs().first()?.name.as_str();
-                        names.contains(name).then(|| (name.to_string(), st.clone()))
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+    let inner = stage_search_options(so);
+    let own = |a: usize, b: usize| {
+        stage_own_plan(&gm, &order, (a, b), cluster, (d, &meshes[&d]), opts, &inner, &net).unwrap_or_default()
     };
     let mut best: Option<(f64, usize)> = None;
     for c in 1..n {
