@@ -157,6 +157,7 @@ pub struct PipelinePlan {
 }
 
 /// What one op costs on a sub-mesh at one micro-batch size.
+#[derive(Clone)]
 struct Table {
     fwd: Vec<f64>,
     bwd: Vec<f64>,
@@ -494,6 +495,36 @@ fn table(
     }
 }
 
+/// [`partition`] of `units` (one per stage size in `sizes`) into `stages` stages of `micro`
+/// micro-batches under `schedule`, on the cluster's links, stages inside node boundaries,
+/// recomputation allowed.
+#[allow(clippy::too_many_arguments)]
+fn partition_on(
+    cluster: &Cluster,
+    devices: usize,
+    units: &[&Units],
+    sizes: &[usize],
+    stages: usize,
+    micro: usize,
+    schedule: Schedule,
+    capacity: f64,
+) -> Option<Vec<Cut>> {
+    let link = |a: usize, b: usize, n: f64| send_between(cluster, devices, a.min(b), a.max(b), n);
+    let align = |off: usize, d: usize| aligned(cluster, off, d);
+    partition(&PartitionInput {
+        tables: units.to_vec(),
+        sizes: sizes.to_vec(),
+        devices,
+        stages,
+        micro,
+        schedule,
+        capacity,
+        link: &link,
+        aligned: &align,
+        recompute: true,
+    })
+}
+
 /// Sizes a stage's sub-mesh may have: `cluster.mesh(d)` must exist.
 fn valid_size(cluster: &Cluster, d: usize) -> bool {
     d >= 1 && cluster.mesh(d).is_ok()
@@ -700,8 +731,6 @@ pub fn search_pipeline(
     let mut tried: Vec<Tried> = Vec::new();
     // How the best plan was made, to re-plan its stages.
     let mut recipe: Option<Recipe> = None;
-    let link = |a: usize, b: usize, n: f64| send_between(cluster, devices, a.min(b), a.max(b), n);
-    let align = |off: usize, d: usize| aligned(cluster, off, d);
     let consider = |plan: Option<PipelinePlan>,
                     s: usize,
                     m: usize,
@@ -757,19 +786,7 @@ pub fn search_pipeline(
             let bounds = unit_bounds(t, FINE_UNITS);
             let units = Units::new(t, &bounds);
             for schedule in [Schedule::OneFOneB, Schedule::GPipe] {
-                let input = PartitionInput {
-                    tables: vec![&units],
-                    sizes: vec![d0],
-                    devices,
-                    stages: s,
-                    micro: m,
-                    schedule,
-                    capacity,
-                    link: &link,
-                    aligned: &align,
-                    recompute: true,
-                };
-                let cuts = partition(&input);
+                let cuts = partition_on(cluster, devices, &[&units], &[d0], s, m, schedule, capacity);
                 let plan = cuts.as_ref().and_then(|cuts| {
                     price_cuts(
                         &gm,
@@ -817,19 +834,8 @@ pub fn search_pipeline(
         let bounds = unit_bounds(&tables[&(d0, mb)], COARSE_UNITS);
         let units: Vec<Units> = sizes.iter().map(|d| Units::new(&tables[&(*d, mb)], &bounds)).collect();
         for schedule in [Schedule::OneFOneB, Schedule::GPipe] {
-            let input = PartitionInput {
-                tables: units.iter().collect(),
-                sizes: sizes.clone(),
-                devices,
-                stages: s,
-                micro: m,
-                schedule,
-                capacity,
-                link: &link,
-                aligned: &align,
-                recompute: true,
-            };
-            let Some(cuts) = partition(&input) else { continue };
+            let units: Vec<&Units> = units.iter().collect();
+            let Some(cuts) = partition_on(cluster, devices, &units, &sizes, s, m, schedule, capacity) else { continue };
             let shape: Vec<usize> = cuts.iter().map(|c| sizes[c.size]).collect();
             if shape.iter().all(|&d| d == d0) {
                 continue; // the uniform case, already priced on finer units
@@ -848,7 +854,7 @@ pub fn search_pipeline(
         && !net.expired("pipeline")
         && let Some(gm) = micro_graph(r.mb)
         && let Some((mut p, changed)) =
-            refine_stages(&gm, g, cluster, devices, opts, so, net, &reference, &meshes, r, capacity)
+            refine_stages(&gm, g, cluster, devices, opts, so, net, &reference, &meshes, &tables, r, b, capacity)
         && p.breakdown.feasible
         && p.breakdown.step_time_s < b.breakdown.step_time_s
     {
@@ -977,8 +983,9 @@ fn stage_own_plan(
 /// reference plan of that many devices: every stage's own plan at once, and (the stage's
 /// search prices one step of its ops alone, not the pipeline's slots and exposed
 /// synchronisation) stage by stage where the stage gets faster and the step no slower; each
-/// cut again on its new prices. The fastest of those, and how many stages took their own plan
-/// (`None` when no stage's plan differs or none is faster).
+/// cut again on its new prices. `reference_tables` and `reference_plan` are the search's own
+/// tables at `r`'s micro-batch size and the plan `r` made from them. The fastest of those, and
+/// how many stages took their own plan (`None` when no stage's plan differs or none is faster).
 #[allow(clippy::too_many_arguments)]
 fn refine_stages(
     gm: &Graph,
@@ -990,7 +997,9 @@ fn refine_stages(
     net: &super::SafetyNet,
     reference: &HashMap<usize, HashMap<String, OpStrategy>>,
     meshes: &HashMap<usize, Mesh>,
+    reference_tables: &HashMap<(usize, i64), Table>,
     r: &Recipe,
+    reference_plan: &PipelinePlan,
     capacity: f64,
 ) -> Option<(PipelinePlan, usize)> {
     let order = gm.op_nodes().ok()?;
@@ -1020,28 +1029,17 @@ fn refine_stages(
         r.sizes.iter().map(|&d| ((d, r.mb), table(gm, cluster, &meshes[&d], devices, opts, &maps[&d]))).collect()
     };
     // The partition again on `tables`, priced, when it cuts elsewhere.
-    let link = |a: usize, b: usize, n: f64| send_between(cluster, devices, a.min(b), a.max(b), n);
-    let align = |off: usize, d: usize| aligned(cluster, off, d);
     let recut = |tables: &HashMap<(usize, i64), Table>| -> Option<PipelinePlan> {
         let units: Vec<Units> = r.sizes.iter().map(|d| Units::new(&tables[&(*d, r.mb)], &r.bounds)).collect();
-        let input = PartitionInput {
-            tables: units.iter().collect(),
-            sizes: r.sizes.clone(),
-            devices,
-            stages: r.s,
-            micro: r.m,
-            schedule: r.schedule,
-            capacity,
-            link: &link,
-            aligned: &align,
-            recompute: true,
-        };
-        partition(&input).filter(|cuts| *cuts != r.cuts).and_then(|cuts| price(tables, &cuts))
+        let units: Vec<&Units> = units.iter().collect();
+        partition_on(cluster, devices, &units, &r.sizes, r.s, r.m, r.schedule, capacity)
+            .filter(|cuts| *cuts != r.cuts)
+            .and_then(|cuts| price(tables, &cuts))
     };
     let base: HashMap<usize, HashMap<String, OpStrategy>> =
         r.sizes.iter().map(|&d| (d, reference[&d].clone())).collect();
-    let mut tables = tables_of(&base);
-    let reference_plan = price(&tables, &r.cuts)?;
+    let mut tables: HashMap<(usize, i64), Table> =
+        r.sizes.iter().map(|&d| ((d, r.mb), reference_tables[&(d, r.mb)].clone())).collect();
     let mut candidates: Vec<(PipelinePlan, usize)> = Vec::new();
     // Every stage's own plan at once.
     let mut all = base.clone();
@@ -1056,7 +1054,7 @@ fn refine_stages(
     candidates.extend(recut(&all_tables).map(|p| (p, taken)));
     // Stage by stage.
     let mut current = base;
-    let mut best = reference_plan;
+    let mut best = reference_plan.clone();
     let mut changed = 0;
     for (i, (cut, map)) in r.cuts.iter().zip(&own).enumerate() {
         let Some(map) = map else { continue };
