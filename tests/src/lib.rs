@@ -84,11 +84,21 @@ pub fn array_from_json(v: &serde_json::Value) -> Array {
         v["shape"].as_array().expect("shape").iter().map(|d| d.as_u64().expect("dim") as usize).collect();
     let data = v["data"].as_array().expect("data");
     let data = match dtype {
-        DType::Float => Data::F32(data.iter().map(|x| x.as_f64().expect("float") as f32).collect()),
+        DType::Float => Data::F32(data.iter().map(json_float).collect()),
         DType::Bool => Data::Bool(data.iter().map(|x| x.as_bool().expect("bool")).collect()),
         _ => Data::I64(data.iter().map(|x| x.as_i64().expect("int")).collect()),
     };
     Array { dtype, shape, data }
+}
+
+/// A float of the golden format: a number, or `"nan"`, `"inf"`, `"-inf"`.
+fn json_float(x: &serde_json::Value) -> f32 {
+    match x.as_str() {
+        Some("nan") => f32::NAN,
+        Some("inf") => f32::INFINITY,
+        Some("-inf") => f32::NEG_INFINITY,
+        _ => x.as_f64().expect("float") as f32,
+    }
 }
 
 /// Inputs, expected outputs (in graph order) and tolerances of a golden case.
@@ -128,7 +138,12 @@ pub fn compare(name: &str, actual: &Array, expected: &Array, rtol: f64, atol: f6
             let a = actual.to_f64().map_err(|e| format!("{name}: {e}"))?;
             for (i, (x, y)) in a.iter().zip(e).enumerate() {
                 let y = f64::from(*y);
-                if (x - y).abs() > atol + rtol * y.abs() || x.is_nan() != y.is_nan() {
+                // The same value (an infinity), or NaN where NaN is expected; any other value
+                // against a non-finite one is wrong.
+                if *x == y || (x.is_nan() && y.is_nan()) {
+                    continue;
+                }
+                if !x.is_finite() || !y.is_finite() || (x - y).abs() > atol + rtol * y.abs() {
                     return Err(format!("{name}[{i}]: {x}, expected {y}"));
                 }
             }
@@ -233,4 +248,17 @@ pub fn one_stage_program(graphs: Vec<ir::Graph>) -> codegen::Program {
         schedule: Default::default(),
         recompute: vec![],
     }
+}
+
+/// A Python interpreter that imports `modules` (`$SHARDC_PYTHON`, else `python3`), for tests
+/// whose truth comes from onnxruntime or onnx at test time; `None` when there is none, unless
+/// `SHARDC_REQUIRE_PYTHON_TRUTH` is set (CI), where its absence fails the test.
+pub fn python_with(modules: &[&str]) -> Option<String> {
+    let python = std::env::var("SHARDC_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = format!("import {}", modules.join(", "));
+    let ok = std::process::Command::new(&python).args(["-c", &probe]).output().is_ok_and(|o| o.status.success());
+    if !ok && std::env::var_os("SHARDC_REQUIRE_PYTHON_TRUTH").is_some() {
+        panic!("`{python} -c '{probe}'` fails, and SHARDC_REQUIRE_PYTHON_TRUTH is set");
+    }
+    ok.then_some(python)
 }

@@ -63,3 +63,130 @@ fn gru_matches_onnxruntime_in_every_configuration() {
         }
     }
 }
+
+/// GRU on random configurations — direction, linear_before_reset, bias, initial_h,
+/// sequence_lens, layout and sizes — against onnxruntime (onnx's reference for layout 1), drawn
+/// at test time by scripts/gru-property.py, on the reference and, with an adapter, on wgpu.
+#[test]
+fn gru_matches_onnxruntime_on_random_configurations() {
+    let Some(python) = python_with(&["onnx", "onnxruntime", "numpy"]) else {
+        eprintln!("skipped: no Python with onnx and onnxruntime");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("shardc-gru-prop-{}", std::process::id()));
+    let seed = std::env::var("SHARDC_GRU_SEED").unwrap_or_else(|_| "20261128".into());
+    let script = repo_root().join("scripts/gru-property.py");
+    let o = std::process::Command::new(&python)
+        .args([script.to_str().unwrap(), dir.to_str().unwrap(), "48", &seed])
+        .output()
+        .expect("python runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut cases: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "onnx"))
+        .collect();
+    cases.sort();
+    assert_eq!(cases.len(), 48);
+    let gpu = codegen::runtime::gpu::open().is_ok();
+    let mut failures = Vec::new();
+    for path in &cases {
+        let name = path.file_stem().unwrap().to_string_lossy().to_string();
+        let mut m = load_model(path);
+        let io = load_io(path);
+        match ir::eval::run(&m.graph, &io.inputs, &Default::default()) {
+            Ok(reference) => {
+                for ((out, want), got) in io.outputs.iter().zip(&reference) {
+                    if let Err(e) = compare(out, got, want, io.rtol, io.atol) {
+                        failures.push(format!("{name} (cpu): {e}"));
+                    }
+                }
+            }
+            Err(e) => failures.push(format!("{name} (cpu): {e}")),
+        }
+        if gpu {
+            shardc::exec::prepare_with_values(&mut m, &io.inputs).unwrap();
+            let prog = codegen::lower(&m.graph, &codegen::Placement::single()).unwrap();
+            let opts = codegen::RunOptions { backend: codegen::Backend::Wgpu, ..Default::default() };
+            match codegen::run(&prog, &io.inputs, &opts) {
+                Ok(r) => {
+                    for ((out, got), (_, want)) in r.outputs.iter().zip(&io.outputs) {
+                        if let Err(e) = compare(out, got, want, io.rtol, io.atol) {
+                            failures.push(format!("{name} (wgpu): {e}"));
+                        }
+                    }
+                }
+                Err(e) => failures.push(format!("{name} (wgpu): {e}")),
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(
+        failures.is_empty(),
+        "{} failures over {} cases (seed {seed}):\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+/// NaN and ±Inf as onnxruntime has them, in element-wise ops, folds, reductions and pooling
+/// (scripts/nan-cases.py draws inputs holding them at test time), on the reference and, with
+/// an adapter, on wgpu: NaN where onnxruntime has NaN, the same infinities.
+#[test]
+fn nan_and_inf_as_onnxruntime_has_them() {
+    let Some(python) = python_with(&["onnx", "onnxruntime", "numpy"]) else {
+        eprintln!("skipped: no Python with onnx and onnxruntime");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("shardc-nan-{}", std::process::id()));
+    let script = repo_root().join("scripts/nan-cases.py");
+    let o = std::process::Command::new(&python)
+        .args([script.to_str().unwrap(), dir.to_str().unwrap(), "7"])
+        .output()
+        .expect("python runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut cases: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "onnx"))
+        .collect();
+    cases.sort();
+    assert!(cases.len() >= 30, "{} cases", cases.len());
+    let gpu = codegen::runtime::gpu::open().is_ok();
+    let mut failures = Vec::new();
+    for path in &cases {
+        let name = path.file_stem().unwrap().to_string_lossy().to_string();
+        let mut m = load_model(path);
+        let io = load_io(path);
+        match ir::eval::run(&m.graph, &io.inputs, &Default::default()) {
+            Ok(reference) => {
+                for ((out, want), got) in io.outputs.iter().zip(&reference) {
+                    if let Err(e) = compare(out, got, want, io.rtol, io.atol) {
+                        failures.push(format!("{name} (cpu): {e}"));
+                    }
+                }
+            }
+            Err(e) => failures.push(format!("{name} (cpu): {e}")),
+        }
+        if gpu {
+            shardc::exec::prepare_with_values(&mut m, &io.inputs).unwrap();
+            let prog = codegen::lower(&m.graph, &codegen::Placement::single()).unwrap();
+            let opts = codegen::RunOptions { backend: codegen::Backend::Wgpu, ..Default::default() };
+            match codegen::run(&prog, &io.inputs, &opts) {
+                Ok(r) => {
+                    for ((out, got), (_, want)) in r.outputs.iter().zip(&io.outputs) {
+                        if let Err(e) = compare(out, got, want, io.rtol, io.atol) {
+                            failures.push(format!("{name} (wgpu): {e}"));
+                        }
+                    }
+                }
+                Err(e) => failures.push(format!("{name} (wgpu): {e}")),
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(failures.is_empty(), "{} failures over {} cases:\n{}", failures.len(), cases.len(), failures.join("\n"));
+}

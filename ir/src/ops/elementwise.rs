@@ -108,8 +108,8 @@ macro_rules! unary {
 unary! {
     Abs[1.0] int |a| a.wrapping_abs(), |_s, v| v.abs();
     Neg[1.0] int |a| a.wrapping_neg(), |_s, v| -v;
-    Sign[1.0] int |a| a.signum(), |_s, v| if v > 0.0 { 1.0 } else if v < 0.0 { -1.0 } else { 0.0 };
-    Relu[1.0] int |a| a.max(0), |_s, v| if v > 0.0 { v } else { 0.0 };
+    Sign[1.0] int |a| a.signum(), |_s, v| if v > 0.0 { 1.0 } else if v < 0.0 { -1.0 } else { v * 0.0 };
+    Relu[1.0] int |a| a.max(0), |_s, v| if v > 0.0 || v.is_nan() { v } else { 0.0 };
     Acos[1.0] |_s, v| v.acos();
     Acosh[1.0] |_s, v| v.acosh();
     Asin[1.0] |_s, v| v.asin();

@@ -262,7 +262,8 @@ fn pool(
                                 count += 1;
                                 match kind {
                                     PoolKind::Max => {
-                                        if v > best || best.is_nan() {
+                                        // NaN wins and stays (as onnxruntime and torch have it).
+                                        if !best.is_nan() && (v > best || v.is_nan()) {
                                             best = v;
                                             best_i = base + off;
                                         }

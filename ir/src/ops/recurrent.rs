@@ -305,8 +305,10 @@ fn recurrent(r: &Rnn<'_>, cx: &EvalCx<'_>, n_out: usize) -> Result<Vec<Array>> {
         Some(l) => l.to_i64()?.iter().map(|&v| v.max(0) as usize).collect(),
         None => vec![seq; batch],
     };
-    let h0 = cx.opt(5).map(|a| a.to_f64()).transpose()?;
-    let c0 = if r.kind == "LSTM" { cx.opt(6).map(|a| a.to_f64()).transpose()? } else { None };
+    // Initial states are [dirs, batch, hidden], or [batch, dirs, hidden] in layout 1.
+    let state = |a: &Array| if r.layout == 1 && a.rank() == 3 { transpose(a, &[1, 0, 2]) } else { a.clone() };
+    let h0 = cx.opt(5).map(|a| state(a).to_f64()).transpose()?;
+    let c0 = if r.kind == "LSTM" { cx.opt(6).map(|a| state(a).to_f64()).transpose()? } else { None };
     let peep = if r.kind == "LSTM" { cx.opt(7).map(|a| a.to_f64()).transpose()? } else { None };
     check_operands(what, dirs, g, h, batch, &bias, &lens, h0.as_deref(), c0.as_deref(), peep.as_deref())?;
     // Activations: f, g, h for LSTM; f, g for GRU; f for RNN; per direction.

@@ -8,7 +8,7 @@ use ir::op::{self, Op};
 use super::Elem;
 use super::compile::{Buf, CompileCx, CompileResult, Compiled, Kernel, groups, nested};
 use super::gemm::{GemmSpec, gemm};
-use super::wgsl::{Axis, Binding, remap, source, specialize, to3};
+use super::wgsl::{Axis, Binding, MATH_FNS, remap, source, specialize, to3};
 
 /// The conv parameter vector: `[count, N, C, M, G, D, H, W, OD, OH, OW, KD, KH, KW, SD, SH,
 /// SW, DD, DH, DW, PD, PH, PW]`.
@@ -762,7 +762,7 @@ pub fn conv_transpose_src(bias: bool) -> String {
 /// KW, SD, SH, SW, DD, DH, DW, PD, PH, PW, PED, PEH, PEW, count_include_pad, p]`.
 pub fn pool_src(kind: &str) -> String {
     let (init, step, fin) = match kind {
-        "max" => ("bitcast<f32>(0xff800000u)", "acc = max(acc, v);", "acc"),
+        "max" => ("bitcast<f32>(0xff800000u)", "acc = fmax_(acc, v);", "acc"),
         "lp" => ("0.0", "acc = acc + pow(abs(v), f32(P[25]));", "pow(acc, 1.0 / f32(P[25]))"),
         _ => ("0.0", "acc = acc + v;", "acc / f32(select(cnt_valid, cnt_all, P[24] != 0u))"),
     };
@@ -796,7 +796,7 @@ pub fn pool_src(kind: &str) -> String {
     }}
     Y[i] = {fin};"
     );
-    source(&[("X", Elem::F32, false), ("Y", Elem::F32, true)], "", &body)
+    source(&[("X", Elem::F32, false), ("Y", Elem::F32, true)], MATH_FNS, &body)
 }
 
 #[cfg(test)]

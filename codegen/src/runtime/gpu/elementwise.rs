@@ -45,10 +45,10 @@ fn float(f: bool, e: String) -> Option<String> {
 }
 
 unary_kernels! {
-    Relu: |_s, a, f| Some(if f { format!("max({a}, 0.0)") } else { format!("max({a}, 0)") });
+    Relu: |_s, a, f| Some(if f { format!("select(0.0, {a}, {a} > 0.0 || isnan_({a}))") } else { format!("max({a}, 0)") });
     Abs: |_s, a, f| Some(format!("abs({a})"));
     Neg: |_s, a, f| Some(format!("-{a}"));
-    Sign: |_s, a, f| Some(format!("sign({a})"));
+    Sign: |_s, a, f| Some(if f { format!("select(sign({a}), {a}, isnan_({a}))") } else { format!("sign({a})") });
     Sigmoid: |_s, a, f| float(f, format!("sigmoid_({a})"));
     Tanh: |_s, a, f| float(f, format!("tanh_({a})"));
     Exp: |_s, a, f| float(f, format!("exp({a})"));
@@ -84,7 +84,7 @@ unary_kernels! {
     LeakyRelu: |s, a, f| float(f, format!("select({} * {a}, {a}, {a} >= 0.0)", f32_lit(f64::from(s.alpha()))));
     ThresholdedRelu: |s, a, f| float(f, format!("select(0.0, {a}, {a} > {})", f32_lit(f64::from(s.alpha()))));
     HardSigmoid: |s, a, f| {
-        float(f, format!("clamp({} * {a} + {}, 0.0, 1.0)", f32_lit(f64::from(s.alpha())), f32_lit(f64::from(s.beta()))))
+        float(f, format!("fclamp_({} * {a} + {}, 0.0, 1.0)", f32_lit(f64::from(s.alpha())), f32_lit(f64::from(s.beta()))))
     };
     HardSwish: |_s, a, f| float(f, format!("{a} * clamp({a} / 6.0 + 0.5, 0.0, 1.0)"));
     Mish: |_s, a, f| float(f, format!("{a} * tanh_(softplus_({a}))"));
@@ -144,7 +144,8 @@ impl Kernel for op::CastLike {
 /// `Clip` of `a` (storage `e`) to `[lo, hi]`.
 pub fn clip_expr(e: Elem, lo: f64, hi: f64) -> String {
     if e == Elem::F32 {
-        format!("min(max(a, {}), {})", f32_lit(lo), f32_lit(hi))
+        // NaN stays NaN (WGSL's min and max may drop it).
+        format!("select(min(max(a, {}), {}), a, isnan_(a))", f32_lit(lo), f32_lit(hi))
     } else {
         format!("min(max(a, {}), {})", lo.max(i32::MIN as f64) as i32, hi.min(i32::MAX as f64) as i32)
     }
@@ -263,10 +264,10 @@ binary_kernels! {
     Xor bool: |_s, f| (!f).then(|| "a ^ b".into());
 }
 
-/// Variadic folds: `Name: binary expression, mean?`; the inputs fold pairwise through
+/// Variadic folds: `Name: binary expression, the same for floats, mean?`; the inputs fold pairwise through
 /// scratch buffers.
 macro_rules! variadic_kernels {
-    ($($name:ident: $expr:expr, $mean:expr;)*) => {$(
+    ($($name:ident: $expr:expr, $fexpr:expr, $mean:expr;)*) => {$(
         impl Kernel for op::$name {
             fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
                 let all: Vec<(usize, &TensorDesc<'_>)> = cx.ins.iter().enumerate().filter_map(|(k, t)| t.as_ref().map(|t| (k, t))).collect();
@@ -286,7 +287,8 @@ macro_rules! variadic_kernels {
                         elementwise(&mut c, &[(acc.0, &acc.1, e)], (dst, e), &shape, "a");
                     } else if s + 1 < all.len() {
                         let (k, t) = all[s + 1];
-                        elementwise(&mut c, &[(acc.0, &acc.1, e), (Buf::In(k), &t.shape, e)], (dst, e), &shape, $expr);
+                        let expr: &str = if e == Elem::F32 { $fexpr } else { $expr };
+                        elementwise(&mut c, &[(acc.0, &acc.1, e), (Buf::In(k), &t.shape, e)], (dst, e), &shape, expr);
                     } else {
                         let scale = f32_lit(1.0 / all.len() as f64);
                         elementwise(&mut c, &[(acc.0, &acc.1, e)], (dst, e), &shape, &format!("a * {scale}"));
@@ -300,10 +302,10 @@ macro_rules! variadic_kernels {
 }
 
 variadic_kernels! {
-    Sum: "a + b", false;
-    Mean: "a + b", true;
-    Max: "max(a, b)", false;
-    Min: "min(a, b)", false;
+    Sum: "a + b", "a + b", false;
+    Mean: "a + b", "a + b", true;
+    Max: "max(a, b)", "fmax_(a, b)", false;
+    Min: "min(a, b)", "fmin_(a, b)", false;
 }
 
 /// `Where` over the bindings A (condition), B (x), C (y).

@@ -252,12 +252,20 @@ fn reduce_src_with(red: Red, xe: Elem, ye: Elem, run: bool) -> String {
         Red::Sum | Red::Mean => (format!("{t}(0)"), "acc = acc + v;".to_string(), "acc".to_string()),
         Red::Max | Red::ArgMax => (
             if xe == Elem::F32 { "bitcast<f32>(0xff800000u)".into() } else { "-2147483647 - 1".into() },
-            "acc = max(acc, v);".into(),
+            if xe == Elem::F32 && red == Red::Max {
+                "acc = fmax_(acc, v);".into()
+            } else {
+                "acc = max(acc, v);".into()
+            },
             "acc".into(),
         ),
         Red::Min | Red::ArgMin => (
             if xe == Elem::F32 { "bitcast<f32>(0x7f800000u)".into() } else { "2147483647".into() },
-            "acc = min(acc, v);".into(),
+            if xe == Elem::F32 && red == Red::Min {
+                "acc = fmin_(acc, v);".into()
+            } else {
+                "acc = min(acc, v);".into()
+            },
             "acc".into(),
         ),
         Red::Prod => (format!("{t}(1)"), "acc = acc * v;".into(), "acc".into()),

@@ -62,6 +62,16 @@ fn pow_(a: f32, b: f32) -> f32 {
 fn isnan_(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
 }
+fn fmax_(a: f32, b: f32) -> f32 {
+    // WGSL's max may drop a NaN; onnxruntime's keeps it.
+    return select(max(a, b), a + b, isnan_(a) || isnan_(b));
+}
+fn fmin_(a: f32, b: f32) -> f32 {
+    return select(min(a, b), a + b, isnan_(a) || isnan_(b));
+}
+fn fclamp_(x: f32, lo: f32, hi: f32) -> f32 {
+    return select(clamp(x, lo, hi), x, isnan_(x));
+}
 fn isinf_(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7fffffffu) == 0x7f800000u;
 }
