@@ -31,11 +31,31 @@ fn read_external(
     let get = |k: &str| entries.iter().find(|(a, _)| a == k).map(|(_, v)| v.as_str());
     let location = get("location").ok_or("no `location` entry")?;
     let path = dir.join(location);
-    let mut file = match std::fs::File::open(&path) {
-        Ok(f) => f,
+    let meta = match std::fs::metadata(&path) {
+        Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(format!("cannot read `{}`: {e}", path.display())),
     };
+    // A FIFO or device would block or never end; data must be a file.
+    if !meta.is_file() {
+        return Err(format!("`{}` is not a regular file", path.display()));
+    }
+    // A symlink may not lead out of the model's directory (as `..` in the location may not).
+    let (real, home) = (
+        std::fs::canonicalize(&path),
+        std::fs::canonicalize(if dir.as_os_str().is_empty() { Path::new(".") } else { dir }),
+    );
+    if let (Ok(real), Ok(home)) = (&real, &home)
+        && !real.starts_with(home)
+    {
+        return Err(format!(
+            "`{}` leads to `{}`, outside the model's directory `{}`",
+            path.display(),
+            real.display(),
+            home.display()
+        ));
+    }
+    let mut file = std::fs::File::open(&path).map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
     let number = |k: &str| -> Result<Option<u64>, String> {
         get(k).map(|v| v.parse::<u64>().map_err(|_| format!("`{k}` is `{v}`, not a byte count"))).transpose()
     };
@@ -47,12 +67,17 @@ fn read_external(
         return Err(format!("`length` is {length} bytes; a {dtype}{dims:?} tensor needs {want}"));
     }
     let size = file.metadata().map_err(|e| e.to_string())?.len();
-    if offset.checked_add(length).is_none_or(|end| end > size) {
-        return Err(format!(
-            "bytes {offset}..{} are past the end of `{}` ({size} bytes)",
-            offset + length,
-            path.display()
-        ));
+    match offset.checked_add(length) {
+        Some(end) if end <= size => {}
+        Some(end) => {
+            return Err(format!("bytes {offset}..{end} are past the end of `{}` ({size} bytes)", path.display()));
+        }
+        None => {
+            return Err(format!(
+                "`offset` {offset} and `length` {length} overflow 64 bits; `{}` has {size} bytes",
+                path.display()
+            ));
+        }
     }
     let mut raw = vec![0u8; usize::try_from(length).map_err(|_| "the tensor is too large")?];
     file.seek(SeekFrom::Start(offset)).and_then(|_| file.read_exact(&mut raw)).map_err(|e| e.to_string())?;
@@ -103,6 +128,15 @@ fn read_values(t: &ir::Tensor, dir: &Path) -> Result<Option<Array>, String> {
     Ok(read_external(entries, t.dtype, dims, dir)?.map(|a| match &slice {
         Some(s) => ir::eval::take_slice(a, s, &t.dims),
         None => a,
+    }))
+}
+
+/// Reads external-data tensors from the files beside the model (`dir`), for rebatching to
+/// regenerate constants at new dims ([`passes::rebatch::RebatchSpec::external`]).
+pub fn external_reader(dir: &Path) -> passes::rebatch::ExternalValues {
+    let dir = dir.to_path_buf();
+    passes::rebatch::ExternalValues(std::sync::Arc::new(move |t: &ir::Tensor| {
+        Ok(read_values(t, &dir)?.map(|a| a.to_tensor()))
     }))
 }
 
@@ -427,7 +461,10 @@ pub fn given_inputs(g: &Graph, path: &Path) -> Result<HashMap<String, Array>, St
                 names.join(", ")
             ));
         }
-        out.insert(name.clone(), array_from_json(v).map_err(|e| format!("input `{name}`: {e}"))?);
+        let a = array_from_json(v).map_err(|e| {
+            if e.starts_with("data[") { format!("inputs.{name}.{e}") } else { format!("input `{name}`: {e}") }
+        })?;
+        out.insert(name.clone(), a);
     }
     Ok(out)
 }
@@ -453,14 +490,65 @@ pub fn array_from_json(v: &serde_json::Value) -> Result<Array, String> {
     if data.len() != n {
         return Err(format!("{} values for shape {shape:?}", data.len()));
     }
+    let at = |k: usize, what: &str| format!("data[{k}]: {} is not {what}", data[k]);
+    let floats = || -> Result<Vec<f64>, String> {
+        data.iter()
+            .enumerate()
+            .map(|(k, x)| json_float(x).ok_or_else(|| at(k, "a number (or \"nan\", \"inf\", \"-inf\")")))
+            .collect()
+    };
     Ok(match dtype {
-        DType::Float => Array::f32(shape, data.iter().map(|x| x.as_f64().unwrap_or(f64::NAN) as f32).collect()),
-        DType::Double => {
-            Array::float(DType::Double, shape, data.iter().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect())
+        DType::Float => {
+            let v = floats()?;
+            if let Some(k) = v.iter().position(|x| x.is_finite() && (*x as f32).is_infinite()) {
+                return Err(at(k, "a float32 (it overflows to infinity)"));
+            }
+            Array::f32(shape, v.into_iter().map(|x| x as f32).collect())
         }
-        DType::Bool => Array::bool(shape, data.iter().map(|x| x.as_bool().unwrap_or(false)).collect()),
-        d => Array::int(d, shape, data.iter().map(|x| x.as_i64().unwrap_or(0)).collect()),
+        DType::Double => Array::float(DType::Double, shape, floats()?),
+        DType::Bool => Array::bool(
+            shape,
+            data.iter()
+                .enumerate()
+                .map(|(k, x)| x.as_bool().ok_or_else(|| at(k, "true or false")))
+                .collect::<Result<_, _>>()?,
+        ),
+        d => {
+            let (lo, hi) =
+                if d == DType::Int32 { (i64::from(i32::MIN), i64::from(i32::MAX)) } else { (i64::MIN, i64::MAX) };
+            let ints = data
+                .iter()
+                .enumerate()
+                .map(|(k, x)| x.as_i64().filter(|v| (lo..=hi).contains(v)).ok_or_else(|| at(k, &format!("an {d}"))))
+                .collect::<Result<_, _>>()?;
+            Array::int(d, shape, ints)
+        }
     })
+}
+
+/// A float of the JSON format: a number, or `"nan"`, `"inf"`, `"-inf"` (JSON has no others).
+fn json_float(x: &serde_json::Value) -> Option<f64> {
+    match x {
+        serde_json::Value::Number(n) => n.as_f64(),
+        serde_json::Value::String(s) => match s.to_ascii_lowercase().as_str() {
+            "nan" => Some(f64::NAN),
+            "inf" | "+inf" | "infinity" => Some(f64::INFINITY),
+            "-inf" | "-infinity" => Some(f64::NEG_INFINITY),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// A float as JSON: a number, or `"nan"`, `"inf"`, `"-inf"`.
+fn float_json(x: f64) -> serde_json::Value {
+    if x.is_nan() {
+        "nan".into()
+    } else if x.is_infinite() {
+        if x > 0.0 { "inf" } else { "-inf" }.into()
+    } else {
+        serde_json::json!(x)
+    }
 }
 
 /// An array in the golden JSON format.
@@ -474,8 +562,11 @@ pub fn array_to_json(a: &Array) -> serde_json::Value {
         _ => "int64",
     };
     let data: Vec<serde_json::Value> = match &a.data {
-        ir::eval::Data::F32(v) => v.iter().map(|&x| serde_json::json!(x)).collect(),
-        ir::eval::Data::F64(v) => v.iter().map(|&x| serde_json::json!(x)).collect(),
+        // f32 printed as itself (1.1f32, not 1.100000023841858).
+        ir::eval::Data::F32(v) => {
+            v.iter().map(|&x| if x.is_finite() { serde_json::json!(x) } else { float_json(f64::from(x)) }).collect()
+        }
+        ir::eval::Data::F64(v) => v.iter().map(|&x| float_json(x)).collect(),
         ir::eval::Data::I64(v) => v.iter().map(|&x| serde_json::json!(x)).collect(),
         ir::eval::Data::Bool(v) => v.iter().map(|&x| serde_json::json!(x)).collect(),
         ir::eval::Data::Str(v) => v.iter().map(|x| serde_json::json!(x)).collect(),
@@ -741,7 +832,10 @@ mod tests {
         assert!(!super::compare(&f(vec![inf]), &f(vec![-inf]), 1e-5, 1e-6).2);
         assert!(!super::compare(&f(vec![5.0]), &f(vec![inf]), 1e-5, 1e-6).2);
         assert!(crate::train::close(f64::NEG_INFINITY, f64::NEG_INFINITY, (1e-4, 1e-5)));
-        assert!(!crate::train::close(f64::NAN, f64::NAN, (1e-4, 1e-5)));
+        // Both runs diverged alike: equal (the divergence itself is reported apart).
+        assert!(crate::train::close(f64::NAN, f64::NAN, (1e-4, 1e-5)));
+        assert!(!crate::train::close(f64::NAN, 1.0, (1e-4, 1e-5)));
+        assert!(!crate::train::close(1.0, f64::NAN, (1e-4, 1e-5)));
         assert!(!crate::train::close(5.0, f64::INFINITY, (1e-4, 1e-5)));
     }
 }

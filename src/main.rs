@@ -60,6 +60,7 @@ fn main() {
     }
     let cli = Cli::parse();
     cli::ui::set(cli.quiet, cli.verbose);
+    cli::signals::install();
     let result = match &cli.command {
         Command::Parse(a) => cli::parse::run(a),
         Command::Stats(a) => cli::stats::run(a),

@@ -134,19 +134,21 @@ impl Transport for MpiTransport {
         debug_assert_eq!(to, self.rank);
         let start = Instant::now();
         let world = SimpleCommunicator::world();
-        let source = world.process_at_rank(from as i32);
         loop {
             if let Some(a) = self.inbox.lock().expect("inbox").get_mut(&(from, key)).and_then(|q| q.pop_front()) {
                 return Ok(a);
             }
-            match source.immediate_matched_probe_with_tag(DATA_TAG) {
+            // Every message waiting for this rank is received, from any rank, not only the one
+            // asked for: a large message is sent only once its receiver takes it (MPI's
+            // rendezvous), and the sender's later messages (an all-reduce's chunks for another
+            // rank) queue behind it, so a rank that took from one source alone could wait on
+            // a rank whose sender waits on it (a pipeline stage of several devices did).
+            match world.any_process().immediate_matched_probe_with_tag(DATA_TAG) {
                 Some(probed) => {
-                    let (bytes, _) = probed.matched_receive_vec::<u8>();
-                    let (k, a) = decode(&bytes).map_err(|e| format!("a garbled message from rank {from}: {e}"))?;
-                    if k == key {
-                        return Ok(a);
-                    }
-                    self.inbox.lock().expect("inbox").entry((from, k)).or_default().push_back(a);
+                    let (bytes, status) = probed.matched_receive_vec::<u8>();
+                    let source = status.source_rank() as usize;
+                    let (k, a) = decode(&bytes).map_err(|e| format!("a garbled message from rank {source}: {e}"))?;
+                    self.inbox.lock().expect("inbox").entry((source, k)).or_default().push_back(a);
                 }
                 None => {
                     if start.elapsed() > self.timeout {

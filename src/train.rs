@@ -144,27 +144,8 @@ pub fn micro_training_model(
     let mut micro = model.clone();
     let spec = passes::rebatch::RebatchSpec { batch: Some(batch / m as i64), micro_batch: true, ..Default::default() };
     passes::rebatch::rebatch(&mut micro.graph, &spec).map_err(|e| format!("--micro-batches {m}: {e}"))?;
-    // A recurrent layer in layout 0 reads its sequence along dim 0: where the micro-batches
-    // reached that dim (a sequence-first input, cut as the batch), they would shorten the
-    // sequence, not the batch. (A batch-first input transposed for it is cut along the batch.)
-    let g = &model.graph;
-    for n in g.op_nodes().map_err(|_| "the model has a cycle".to_string())? {
-        let layout = match &g.node(n).op {
-            ir::Op::LSTM(o) => o.layout(),
-            ir::Op::GRU(o) => o.layout(),
-            ir::Op::RNN(o) => o.layout(),
-            _ => continue,
-        };
-        let steps = |g: &ir::Graph| {
-            g.node(n).input(0).and_then(|x| g.tensor_type(x)).and_then(|t| t.dims.as_ref()?.first()?.value())
-        };
-        if layout == 0 && steps(g) != steps(&micro.graph) {
-            return Err(format!(
-                "--micro-batches {m}: {} reads its sequence along dim 0 (layout 0), where micro-batches cut the inputs",
-                g.describe(n)
-            ));
-        }
-    }
+    // (A recurrent layer's sequence is never cut: rebatching refuses a batch that reaches
+    // it.)
     Ok(training_model(&micro, loss, opt)?.0)
 }
 
@@ -229,7 +210,8 @@ pub fn freeze_as_planned(g: &mut ir::Graph, plan: &passes::autoshard::Plan) -> V
 /// the same value (the same infinity included: a mask's `-inf`), infinite for anything else
 /// against an infinity, and for NaN.
 pub fn excess(a: f64, e: f64, tol: (f64, f64)) -> f64 {
-    if a == e {
+    // The same value, and NaN where NaN is expected (both runs diverged alike): no error.
+    if a == e || (a.is_nan() && e.is_nan()) {
         0.0
     } else if e.is_finite() && !a.is_nan() {
         (a - e).abs() / (tol.1 + tol.0 * e.abs())
@@ -238,8 +220,8 @@ pub fn excess(a: f64, e: f64, tol: (f64, f64)) -> f64 {
     }
 }
 
-/// `|a − e| ≤ atol + rtol·|e|`, or `a` and `e` the same infinity ([`excess`] at most 1);
-/// false for NaN.
+/// `|a − e| ≤ atol + rtol·|e|`, or `a` and `e` the same infinity or both NaN ([`excess`] at
+/// most 1).
 pub fn close(a: f64, e: f64, tol: (f64, f64)) -> bool {
     excess(a, e, tol) <= 1.0
 }
@@ -510,5 +492,65 @@ mod tests {
         assert_eq!(check(vec![1.0, 2.0, 3.0, 0.1]), Ok(0));
         // Without gradients: the plain tolerance.
         assert!(within_adam("p", &arr(vec![1.0, 2.0, 3.0, 0.16]), &want, tol, (None, None), lr * steps).is_err());
+    }
+}
+
+/// Where a training run diverged: the first step whose loss is not finite, and the tensors
+/// (parameters, gradients) holding NaN or an infinity after it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Divergence {
+    /// The first step (from 1) whose loss is NaN or infinite.
+    pub loss_step: Option<usize>,
+    /// Parameters with a non-finite element, and how many parameters there are.
+    pub parameters: (Vec<String>, usize),
+    /// Gradients with a non-finite element.
+    pub gradients: Vec<String>,
+}
+
+/// The run's divergence, if any ([`Divergence`]).
+pub fn divergence(
+    losses: &[f64],
+    parameters: &BTreeMap<String, Array>,
+    gradients: &BTreeMap<String, Array>,
+) -> Option<Divergence> {
+    let bad = |m: &BTreeMap<String, Array>| -> Vec<String> {
+        m.iter()
+            .filter(|(_, a)| a.to_f64().is_ok_and(|v| v.iter().any(|x| !x.is_finite())))
+            .map(|(k, _)| k.clone())
+            .collect()
+    };
+    let d = Divergence {
+        loss_step: losses.iter().position(|l| !l.is_finite()).map(|i| i + 1),
+        parameters: (bad(parameters), parameters.len()),
+        gradients: bad(gradients),
+    };
+    (d.loss_step.is_some() || !d.parameters.0.is_empty() || !d.gradients.is_empty()).then_some(d)
+}
+
+impl std::fmt::Display for Divergence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |v: &[String]| {
+            let mut s: Vec<String> = v.iter().take(3).map(|n| format!("`{n}`")).collect();
+            if v.len() > 3 {
+                s.push("…".into());
+            }
+            s.join(", ")
+        };
+        let mut parts = Vec::new();
+        if let Some(k) = self.loss_step {
+            parts.push(format!("the loss is not finite from step {k}"));
+        }
+        if !self.parameters.0.is_empty() {
+            parts.push(format!(
+                "{} of {} parameters hold NaN or Inf after the last step ({})",
+                self.parameters.0.len(),
+                self.parameters.1,
+                list(&self.parameters.0)
+            ));
+        }
+        if !self.gradients.is_empty() {
+            parts.push(format!("{} gradients hold NaN or Inf ({})", self.gradients.len(), list(&self.gradients)));
+        }
+        f.write_str(&parts.join("; "))
     }
 }

@@ -813,17 +813,37 @@ fn guard_rails_refuse_before_doing() {
     // A sha256 edited into something that is not hex is another file's, not a crash.
     let mut sha = doc.clone();
     sha["model"]["sha256"] = "aééééééééééééé".into();
+    // A split along a mesh axis the plan does not have.
+    let mut split = doc.clone();
+    split["ops"][0]["split"] = serde_json::json!([7, 7]);
     for (edit, want) in [
         (no_op, "the plan has no strategy for"),
         (retyped, "is Conv in the plan"),
         (devices, "malformed plan: device 2 of the plan's 3 is in no stage"),
         (sha, "sha256 aééééééééééé…"),
+        (split, ""),
     ] {
         let e = dir.join("edit.json");
         std::fs::write(&e, edit.to_string()).unwrap();
         let o = shardc(&["lower", e.to_str().unwrap(), "--model", m.to_str().unwrap()]);
         assert_eq!(o.status.code(), Some(1), "{want}: {}", stderr(&o));
         assert!(stderr(&o).contains(want), "{want} ({first_op}): {}", stderr(&o));
+        // `train --plan` validates as `lower` does: the same refusal, never a panic or a
+        // strategy filled in for an op the plan lacks.
+        let o = shardc(&[
+            "train",
+            m.to_str().unwrap(),
+            "--plan",
+            e.to_str().unwrap(),
+            "--loss",
+            "mse",
+            "--backend",
+            "cpu",
+            "--steps",
+            "1",
+        ]);
+        assert_eq!(o.status.code(), Some(1), "train {want}: {}", stderr(&o));
+        assert!(stderr(&o).contains(want) && !stderr(&o).contains("panicked"), "train {want}: {}", stderr(&o));
     }
     // -o into a directory that is not there fails before the search.
     let o = shardc(&["plan", &r18, "--cluster", "dgx-a100", "-o", "no/such/dir/plan.json"]);
@@ -1570,5 +1590,312 @@ qkv (float[4,6] x) => (float[4,3] q, float[4,3] k, float[4,3] v)
     let o = shardc(&["parse", &p("m.onnxtxt"), "--passes", "infer-shapes,algebra", "-o", &p("out2.onnx")]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("3 weights split or joined by a rewrite keep shardc's description"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `-o` over something that is not a regular file: a FIFO and a character device are written
+/// in place and keep their type; a directory is an error; `-o -` is stdout.
+#[test]
+fn outputs_never_replace_special_files() {
+    use std::os::unix::fs::FileTypeExt;
+    let dir = tmpdir("special-out");
+    let m = golden("tiny_mlp.onnxtxt");
+    // A FIFO with a reader: what shardc writes arrives through it.
+    let fifo = dir.join("pipe");
+    let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo runs");
+    assert!(made.success());
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::read_to_string(fifo).unwrap())
+    };
+    let o = shardc(&["parse", &m, "-o", fifo.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = reader.join().unwrap();
+    assert!(got.contains("MatMul") || got.contains("Gemm"), "{got}");
+    assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(), "the FIFO was replaced");
+    assert!(!stderr(&o).contains("replaced"), "{}", stderr(&o));
+    // A character device: /dev/null itself (never replaced, even as root), and a node of our
+    // own where mknod is permitted.
+    let o = shardc(&["parse", &m, "-o", "/dev/null"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(std::fs::metadata("/dev/null").unwrap().file_type().is_char_device());
+    let node = dir.join("null");
+    if Command::new("mknod").arg(&node).args(["c", "1", "3"]).status().is_ok_and(|s| s.success()) {
+        let o = shardc(&["parse", &m, "-o", node.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(std::fs::symlink_metadata(&node).unwrap().file_type().is_char_device(), "the device was replaced");
+    }
+    // A directory is an error; nothing is left in it.
+    let sub = dir.join("sub");
+    std::fs::create_dir_all(&sub).unwrap();
+    let o = shardc(&["parse", &m, "-o", sub.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("directory"), "{}", stderr(&o));
+    assert_eq!(std::fs::read_dir(&sub).unwrap().count(), 0);
+    // `-o -`: standard output, no file named `-`.
+    let o = shardc(&["parse", &m, "-o", "-"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("MatMul") || stdout(&o).contains("Gemm"), "{}", stdout(&o));
+    assert!(!Path::new(env!("CARGO_MANIFEST_DIR")).join("-").exists());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `stats` counts the weights inside subgraphs: 6 at the top, 4 and 2 in an `If`'s branches.
+#[test]
+fn stats_count_the_weights_of_subgraphs() {
+    let o = shardc(&["stats", "tests/data/stats/if_branch_weights.onnxtxt", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["params"], 12, "{v}");
+    assert_eq!(v["float_params"], 12, "{v}");
+    assert_eq!(v["param_bytes"], 48, "{v}");
+}
+
+/// A weight whose external data file is absent: `run` and `train` draw it from the seed and
+/// say so on stderr; `--require-weights` refuses.
+#[test]
+fn absent_weights_warn_or_are_refused() {
+    let dir = tmpdir("absent-weights");
+    let text = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[4,6] x) => (float[4,3] y) <float[6,3] w = ["location": "absent.bin", "offset": "0", "length": "72"]> {
+   y = MatMul (x, w)
+}"#;
+    let m = dir.join("m.onnxtxt");
+    std::fs::write(&m, text).unwrap();
+    let m = m.to_str().unwrap();
+    for cmd in
+        [vec!["run", m, "--backend", "cpu"], vec!["train", m, "--loss", "mse", "--backend", "cpu", "--steps", "1"]]
+    {
+        let o = shardc(&cmd);
+        assert!(o.status.success(), "{cmd:?}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("warning: 1 tensors have external data whose file is not there"),
+            "{cmd:?}: {}",
+            stderr(&o)
+        );
+        let mut strict = cmd.clone();
+        strict.push("--require-weights");
+        let o = shardc(&strict);
+        assert_eq!(o.status.code(), Some(1), "{cmd:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains("--require-weights"), "{cmd:?}: {}", stderr(&o));
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `--inputs`: every value read exactly or refused with where it is; NaN and ±Inf are spelled
+/// `"nan"`, `"inf"`, `"-inf"` both ways (in --save-outputs too), and Relu keeps a NaN.
+#[test]
+fn inputs_are_read_exactly_or_refused() {
+    let dir = tmpdir("inputs-exact");
+    let m = dir.join("m.onnxtxt");
+    std::fs::write(
+        &m,
+        r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[4] x, int64[2] ids) => (float[4] y, int64[2] j) {
+   y = Relu (x)
+   j = Identity (ids)
+}"#,
+    )
+    .unwrap();
+    let run = |ins: &str| {
+        let f = dir.join("in.json");
+        std::fs::write(&f, ins).unwrap();
+        let out = dir.join("out.json");
+        std::fs::remove_file(&out).ok();
+        let o = shardc(&[
+            "run",
+            m.to_str().unwrap(),
+            "--inputs",
+            f.to_str().unwrap(),
+            "--backend",
+            "cpu",
+            "--save-outputs",
+            out.to_str().unwrap(),
+        ]);
+        (o, std::fs::read_to_string(&out).unwrap_or_default())
+    };
+    let ids = |d: &str| format!(r#""ids": {{"dtype": "int64", "shape": [2], "data": {d}}}"#);
+    let x = |d: &str| format!(r#""x": {{"dtype": "float32", "shape": [4], "data": {d}}}"#);
+    let (o, out) = run(&format!(r#"{{"inputs": {{{}, {}}}}}"#, x(r#"["nan", "inf", "-inf", -1.5]"#), ids("[3, 5]")));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let y = v["outputs"]["y"]["data"].to_string();
+    assert_eq!(y, r#"["nan","inf",0.0,0.0]"#, "{v}");
+    for (bad, want) in [
+        (ids("[3.7, 5]"), "inputs.ids.data[0]: 3.7 is not an int64"),
+        (ids(r#"[1, "5"]"#), r#"inputs.ids.data[1]: "5" is not an int64"#),
+        (ids("[1, null]"), "inputs.ids.data[1]: null is not an int64"),
+        (ids("[18446744073709551615, 1]"), "inputs.ids.data[0]: 18446744073709551615 is not an int64"),
+    ] {
+        let (o, _) = run(&format!(r#"{{"inputs": {{{}, {bad}}}}}"#, x("[1, 2, 3, 4]")));
+        assert_eq!(o.status.code(), Some(1), "{bad}: {}", stderr(&o));
+        assert!(stderr(&o).contains(want), "{bad}: {}", stderr(&o));
+    }
+    for (bad, want) in [
+        (x(r#"[1, "one", 3, 4]"#), r#"inputs.x.data[1]: "one" is not a number"#),
+        (x("[1, true, 3, 4]"), "inputs.x.data[1]: true is not a number"),
+        (x("[1, 2, 1e39, 4]"), "inputs.x.data[2]: 1e+39 is not a float32"),
+    ] {
+        let (o, _) = run(&format!(r#"{{"inputs": {{{bad}, {}}}}}"#, ids("[1, 2]")));
+        assert_eq!(o.status.code(), Some(1), "{bad}: {}", stderr(&o));
+        assert!(stderr(&o).contains(want), "{bad}: {}", stderr(&o));
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A run that diverges says so, and where, and fails unless `--allow-divergence`; under
+/// `--check` NaN equals NaN and the note says the single-device reference diverged too (not a
+/// parallelization bug).
+#[test]
+fn divergence_is_reported_not_blamed_on_the_plan() {
+    let m = golden("tiny_mlp.onnxtxt");
+    let args = [
+        "train",
+        &m,
+        "--loss",
+        "mse",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "1e12",
+        "--steps",
+        "6",
+        "--devices",
+        "2",
+        "--backend",
+        "cpu",
+        "--check",
+    ];
+    let o = shardc(&args);
+    assert_eq!(o.status.code(), Some(1), "{}{}", stdout(&o), stderr(&o));
+    assert!(stderr(&o).contains("training diverged:") && stderr(&o).contains("--allow-divergence"), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("differs from the expected"), "{}", stderr(&o));
+    assert!(stdout(&o).contains("the single-device reference diverged too"), "{}", stdout(&o));
+    assert!(!stdout(&o).contains("FAILED"), "{}", stdout(&o));
+    let mut go_on = args.to_vec();
+    go_on.push("--allow-divergence");
+    let o = shardc(&go_on);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("diverged: "), "{}", stdout(&o));
+}
+
+/// An output that cannot be written is refused before any work (here a directory where no
+/// file can be made, even by root), with nothing printed on stdout.
+#[test]
+fn unwritable_outputs_are_refused_before_training() {
+    let m = golden("tiny_mlp.onnxtxt");
+    let o = shardc(&[
+        "train",
+        &m,
+        "--loss",
+        "mse",
+        "--backend",
+        "cpu",
+        "--steps",
+        "1",
+        "--save-state",
+        "/proc/shardc-state.json",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--save-state `/proc/shardc-state.json`: cannot write in `/proc`"), "{}", stderr(&o));
+    assert!(o.stdout.is_empty(), "{}", stdout(&o));
+}
+
+/// HF Llama and Qwen2 from small configs, exported by torch's dynamo exporter at 2×16 tokens
+/// (scripts/gen-dynamo-llm.py), whose causal masks and rotary tables are folded into
+/// external-data initializers: at a shorter sequence their values are read and cut (the
+/// logits equal torch's), at a longer one the rotary table cannot be extended and the change
+/// is refused with advice — never run on the bytes of the old shape.
+#[test]
+fn dynamo_exports_change_sequence_length_correctly_or_refuse() {
+    let dir = tmpdir("dynamo-seq");
+    for name in ["llama_tiny", "qwen2_tiny"] {
+        for seq in [16, 8, 24] {
+            let case = format!("tests/data/dynamo/{name}.s{seq}.io.json");
+            let doc: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(&case)).unwrap(),
+            )
+            .unwrap();
+            let ins = dir.join("in.json");
+            std::fs::write(&ins, serde_json::json!({"inputs": doc["inputs"]}).to_string()).unwrap();
+            let out = dir.join("out.json");
+            std::fs::remove_file(&out).ok();
+            let shape = format!("input_ids=2x{seq}");
+            let model = format!("tests/data/dynamo/{name}.onnx");
+            let o = shardc(&[
+                "run",
+                &model,
+                "--input-shape",
+                &shape,
+                "--inputs",
+                ins.to_str().unwrap(),
+                "--backend",
+                "cpu",
+                "--devices",
+                "1",
+                "--check",
+                "--save-outputs",
+                out.to_str().unwrap(),
+            ]);
+            if seq > 16 {
+                assert_eq!(o.status.code(), Some(1), "{name} at {seq}: {}", stderr(&o));
+                assert!(
+                    stderr(&o).contains("cannot rebatch constant") && stderr(&o).contains("re-export"),
+                    "{}",
+                    stderr(&o)
+                );
+                continue;
+            }
+            assert!(o.status.success(), "{name} at {seq}: {}", stderr(&o));
+            let got: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+            let (g, w) = (&got["outputs"]["logits"]["data"], &doc["outputs"]["logits"]["data"]);
+            let (g, w) = (g.as_array().unwrap(), w.as_array().unwrap());
+            assert_eq!(g.len(), w.len(), "{name} at {seq}");
+            for (i, (a, b)) in g.iter().zip(w).enumerate() {
+                let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+                assert!((a - b).abs() <= 1e-4 + 1e-4 * b.abs(), "{name} at {seq}: logits[{i}] {a}, torch {b}");
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// External data that is not a plain file inside the model's directory is refused, never
+/// waited on or followed: a FIFO, a symlink out of the directory; an offset past 64 bits is
+/// said as it is.
+#[test]
+fn external_data_is_a_file_in_the_models_directory() {
+    let dir = tmpdir("external-kinds");
+    let model = |offset: &str| {
+        format!(
+            r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[4,6] x) => (float[4,3] y) <float[6,3] w = ["location": "w.bin", "offset": "{offset}", "length": "72"]> {{
+   y = MatMul (x, w)
+}}"#
+        )
+    };
+    let m = dir.join("m.onnxtxt");
+    std::fs::write(&m, model("0")).unwrap();
+    let run = || shardc(&["run", m.to_str().unwrap(), "--backend", "cpu", "--require-weights"]);
+    let w = dir.join("w.bin");
+    assert!(Command::new("mkfifo").arg(&w).status().unwrap().success());
+    let o = run();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("is not a regular file"), "{}", stderr(&o));
+    std::fs::remove_file(&w).unwrap();
+    let outside = std::env::temp_dir().join(format!("shardc-outside-{}.bin", std::process::id()));
+    std::fs::write(&outside, vec![0u8; 72]).unwrap();
+    std::os::unix::fs::symlink(&outside, &w).unwrap();
+    let o = run();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("outside the model's directory"), "{}", stderr(&o));
+    std::fs::remove_file(&w).unwrap();
+    std::fs::remove_file(&outside).ok();
+    std::fs::write(&w, vec![0u8; 72]).unwrap();
+    assert!(run().status.success());
+    std::fs::write(&m, model("18446744073709551615")).unwrap();
+    let o = run();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("`offset` 18446744073709551615 and `length` 72 overflow 64 bits"), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
 }

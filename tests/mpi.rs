@@ -263,3 +263,31 @@ fn native_mpi_all_reduce_trains_like_one_device() {
         }
     }
 }
+
+/// Pipelines whose stages hold two devices each (data inside a stage), for a CNN and a
+/// transformer, with activations and gradients large enough that MPI sends them only when
+/// their receiver takes them (rendezvous): a rank that received only from the rank it waited
+/// on deadlocked here, each stage's two devices waiting on each other. They train equal to
+/// one device under `--check`.
+#[test]
+fn mpi_pipelines_with_several_devices_per_stage_train_like_one_device() {
+    if !mpirun_available() {
+        return;
+    }
+    for (model, shape) in [
+        ("tests/data/golden/tiny_resnet.onnxtxt", "input=8x3x16x16"),
+        ("tests/data/golden/tiny_gpt.onnxtxt", "input_ids=16x8"),
+    ] {
+        let o = mpirun(4)
+            .arg(env!("CARGO_BIN_EXE_shardc"))
+            .args(["train", model, "--input-shape", shape, "--loss", "softmax-cross-entropy"])
+            .args(["--pipeline", "2", "--devices", "4", "--transport", "mpi", "--backend", "cpu"])
+            .args(["--steps", "2", "--check", "--comm-timeout", "60"])
+            .output()
+            .unwrap();
+        let out = text(&o);
+        assert!(o.status.success(), "{model}: {out}");
+        assert!(out.contains("pipeline 2 ×") && out.contains("data 2"), "{model}: not two devices per stage: {out}");
+        assert_eq!(out.matches(" ok ").count(), 4, "{model}: {out}");
+    }
+}

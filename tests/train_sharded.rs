@@ -585,6 +585,8 @@ fn reduced_model(file: &str, shapes: &[(&str, &[i64])], fold: bool) -> (Case, sh
     let spec = shardc::passes::RebatchSpec {
         batch: None,
         input_shapes: shapes.iter().map(|(n, s)| (n.to_string(), s.to_vec())).collect(),
+        // External constants are read beside the model (absent here: drawn from the seed).
+        external: shardc::passes::ExternalData::Read(shardc::exec::external_reader(path.parent().unwrap())),
         ..Default::default()
     };
     let mut pm = shardc::passes::PassManager::new();

@@ -288,6 +288,13 @@ pub fn compute_stats(g: &Graph) -> Result<GraphStats, String> {
             add(&mut s.param_bytes, t.size_bytes(), "parameter bytes", v)?;
             continue;
         }
+        // The weights of subgraphs (an `If`'s branches hold whole networks: Silero VAD).
+        for sub in node.op.subgraphs() {
+            let inner = compute_stats(sub)?;
+            add(&mut s.params, inner.params, "parameter counts", Value::new(n, 0))?;
+            add(&mut s.float_params, inner.float_params, "parameter counts", Value::new(n, 0))?;
+            add(&mut s.param_bytes, inner.param_bytes, "parameter bytes", Value::new(n, 0))?;
+        }
         if matches!(node.op, Op::Input { .. } | Op::OuterRef) {
             continue;
         }

@@ -862,6 +862,16 @@ impl Op {
         matches!(self, Op::If(_) | Op::Loop(_) | Op::Scan(_))
     }
 
+    /// The subgraphs this op holds (`If`'s branches, a `Loop`'s or `Scan`'s body).
+    pub fn subgraphs(&self) -> Vec<&Graph> {
+        match self {
+            Op::If(i) => i.then_branch.iter().chain(i.else_branch.iter()).map(|g| &**g).collect(),
+            Op::Loop(l) => l.body.iter().map(|g| &**g).collect(),
+            Op::Scan(s) => s.body.iter().map(|g| &**g).collect(),
+            _ => Vec::new(),
+        }
+    }
+
     /// Renames, in this op's subgraphs, the values they read from enclosing graphs (see
     /// [`Graph::rename_outer_refs`]).
     pub fn rename_outer_refs(&mut self, map: &std::collections::HashMap<String, String>) -> bool {

@@ -26,7 +26,7 @@ pub use autodiff::Autodiff;
 pub use canonicalize::Canonicalize;
 pub use infer_shapes::InferShapes;
 pub use manager::{Changed, Located, Pass, PassCx, PassError, PassManager, Report, Stats};
-pub use rebatch::{Rebatch, RebatchSpec};
+pub use rebatch::{ExternalData, Rebatch, RebatchSpec};
 
 pub use verify::{RequireStatic, Verify};
 

@@ -45,7 +45,46 @@ pub struct RebatchSpec {
     /// along the batch must then be the same for every sample (`arange(B)` traced into the
     /// export would restart in every micro-batch), where a new batch extends it.
     pub micro_batch: bool,
+    /// What to do with constants held as external data that must change with the new dims
+    /// (a causal mask or rotary table the exporter folded).
+    pub external: ExternalData,
 }
+
+/// Constants held as external data that must change with the new dims: their bytes at their
+/// offset are never read as another shape (a [8,1,128,128] mask's first 2·64·64 bytes are not
+/// a [2,1,64,64] mask).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ExternalData {
+    /// Refused, naming the constant (the default: nothing here can read them).
+    #[default]
+    Refuse,
+    /// Read, then regenerated like inline constants; one whose file is absent (its values
+    /// drawn from a seed at whatever shape it has) changes shape, with a note.
+    Read(ExternalValues),
+    /// Only their shapes change: for callers that never read the values (planning, pricing).
+    ShapesOnly,
+}
+
+/// A function reading an external-data tensor's values: `Ok(None)` when its file is not there.
+pub type ReadExternal = dyn Fn(&Tensor) -> Result<Option<Tensor>, String> + Send + Sync;
+
+/// Reads an external-data tensor's values ([`ReadExternal`]).
+#[derive(Clone)]
+pub struct ExternalValues(pub std::sync::Arc<ReadExternal>);
+
+impl std::fmt::Debug for ExternalValues {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ExternalValues(..)")
+    }
+}
+
+impl PartialEq for ExternalValues {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for ExternalValues {}
 
 impl RebatchSpec {
     /// True when nothing is asked.
@@ -643,6 +682,8 @@ fn finish(
 /// changed dim (see the module documentation).
 pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassError> {
     let fail = |errors: Vec<Located>| PassError { pass: NAME.into(), errors };
+    // What the rewriting could not do (not what the user asked wrongly) comes with advice.
+    let cannot = |errors: Vec<Located>| fail(errors.into_iter().map(advised).collect());
     let located = |e: Vec<ir::infer::ShapeError>| e.into_iter().map(Located::from).collect();
     let mut report = RebatchReport::default();
     // Statistics of the batch (BatchNormalization in training mode normalizes by them and
@@ -697,12 +738,13 @@ pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassE
                 .iter()
                 .map(|(n, msg)| Located::at(g, *n, format!("cannot rebatch {}: {msg}", g.describe(*n))))
                 .collect();
-            return Err(fail(errors));
+            return Err(cannot(errors));
         }
         // Requirements already met by an override are not new.
         fl.reqs.retain(|(v, a, _)| !overrides.get(v).is_some_and(|o| o.iter().any(|(x, _)| x == a)));
         if fl.reqs.is_empty() {
-            finish(g, &order, &fl.monos, &old, &syms, &consts, &new_dims, &mut report).map_err(fail)?;
+            batch_not_sequence(g, &order, &fl.monos, &report.batch_syms).map_err(|e| fail(vec![e]))?;
+            finish(g, &order, &fl.monos, &old, &syms, &consts, &new_dims, &mut report).map_err(cannot)?;
             return Ok(report);
         }
         // Resolve requirements: make constant axes follow a changed dim.
@@ -722,8 +764,9 @@ pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassE
                 report: &mut report,
                 overrides: &mut overrides,
                 micro: spec.micro_batch,
+                external: &spec.external,
             };
-            r.resolve(g, v, &axes).map_err(|e| fail(vec![e]))?;
+            r.resolve(g, v, &axes).map_err(|e| cannot(vec![e]))?;
         }
         // Graph inputs reached: they change too.
         for (v, axes) in &overrides {
@@ -751,7 +794,47 @@ pub fn rebatch(g: &mut Graph, spec: &RebatchSpec) -> Result<RebatchReport, PassE
             }
         }
     }
-    Err(fail(vec![Located::global("rebatching did not settle after 8 rounds of rewriting constants")]))
+    Err(cannot(vec![Located::global("rebatching did not settle after 8 rounds of rewriting constants")]))
+}
+
+/// An error where the batch (dim 0 of the inputs `--batch` or micro-batches change) reaches a
+/// recurrent layer's sequence axis: in layout 0 its input is `[sequence, batch, features]`, so
+/// "dim 0" is time, and cutting or growing it is not a change of batch.
+fn batch_not_sequence(g: &Graph, order: &[NodeId], monos: &Monos, batch_syms: &[usize]) -> Result<(), Located> {
+    for &n in order {
+        let layout = match &g.node(n).op {
+            Op::GRU(r) => r.layout(),
+            Op::LSTM(r) => r.layout(),
+            Op::RNN(r) => r.layout(),
+            _ => continue,
+        };
+        let Some(x) = g.node(n).input(0) else { continue };
+        let seq_axis = usize::from(layout != 0);
+        if monos.get(&x).and_then(|m| m.get(seq_axis)).is_some_and(|m| batch_syms.iter().any(|&b| m.uses(b))) {
+            return Err(Located::at(
+                g,
+                n,
+                format!(
+                    "cannot change the batch: dim 0 of the inputs reaches axis {seq_axis} of {}'s input `{}`, its sequence (layout {layout}: [{}]); give the new shape with --input-shape instead",
+                    g.describe(n),
+                    g.value_name(x),
+                    if layout == 0 { "sequence, batch, features" } else { "batch, sequence, features" }
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Advice every refusal ends with (where it does not give its own): what the user can do.
+const ADVICE: &str = "re-export the model with dynamic axes for the dims to change (torch.onnx.export(..., dynamic_axes=...) or dynamic_shapes=...), or keep the exported shapes";
+
+/// `e` with [`ADVICE`] unless it advises already.
+fn advised(mut e: Located) -> Located {
+    if !e.msg.contains("re-export") {
+        e.msg = format!("{} — {ADVICE}", e.msg);
+    }
+    e
 }
 
 /// What resolving constant axes reads and records: the symbol values, the old dims, the
@@ -766,6 +849,8 @@ struct Resolver<'a> {
     overrides: &'a mut HashMap<Value, Vec<(usize, Mono)>>,
     /// [`RebatchSpec::micro_batch`].
     micro: bool,
+    /// [`RebatchSpec::external`].
+    external: &'a ExternalData,
 }
 
 impl Resolver<'_> {
@@ -893,8 +978,11 @@ impl Resolver<'_> {
             m.eval(syms, true).ok_or_else(|| Located { node: Some(n), span, msg: "cannot compute a new size".into() })
         };
         let mut t = tensor_of(g, v).ok_or_else(|| Located::at(g, n, "not a constant"))?;
-
         let describe = format!("constant `{}`", g.value_name(v));
+        // External data: its values, read, are regenerated like any others; the bytes at its
+        // offset are never read as another shape (a [8,1,128,128] mask's first 2·64·64 bytes
+        // are not a [2,1,64,64] mask).
+        let absent = t.is_external() && self.external_values(g, v, &mut t, &describe)?;
         if axes.len() == 2 && axes[0].1 == axes[1].1 {
             t = regenerate_square(&t, (axes[0].0.min(axes[1].0), axes[0].0.max(axes[1].0)), new_of(&axes[0].1)?)
                 .map_err(|e| Located::at(g, n, format!("cannot rebatch {describe}: {e}")))?;
@@ -904,11 +992,11 @@ impl Resolver<'_> {
                     .map_err(|e| Located::at(g, n, format!("cannot rebatch {describe}: {e}")))?;
             }
         }
-        if t.is_external() {
+        if absent {
             self.report.notes.push(Located::at(
                 g,
                 n,
-                format!("{describe} has external data; only its shape was changed"),
+                format!("{describe} has external data whose file is not there: its values are drawn, at the new shape"),
             ));
         }
         t.name = None;
@@ -925,6 +1013,35 @@ impl Resolver<'_> {
         }
         self.report.constants_regenerated += 1;
         Ok(())
+    }
+
+    /// Replaces external tensor `t` (of value `v`) by its values, read; returns true when its
+    /// file is not there (its values are drawn from a seed at whatever shape it has). Refused
+    /// when [`ExternalData::Refuse`]; left as it is (its shape to change) when
+    /// [`ExternalData::ShapesOnly`].
+    fn external_values(&self, g: &Graph, v: Value, t: &mut Tensor, describe: &str) -> Result<bool, Located> {
+        let n = v.node;
+        let read = match self.external {
+            ExternalData::ShapesOnly => return Ok(false),
+            ExternalData::Read(r) => r,
+            ExternalData::Refuse => {
+                return Err(Located::at(
+                    g,
+                    n,
+                    format!(
+                        "cannot rebatch {describe}: its values (external data) must change with the new dims and are not loaded here; load the model with its data, or re-export with dynamic axes (torch.onnx.export(..., dynamic_axes=...) or dynamic_shapes=...) so the exporter does not fold it"
+                    ),
+                ));
+            }
+        };
+        match (read.0)(t).map_err(|e| Located::at(g, n, format!("cannot rebatch {describe}: {e}")))? {
+            Some(mut values) => {
+                values.name = t.name.clone();
+                *t = values;
+                Ok(false)
+            }
+            None => Ok(true),
+        }
     }
 
     /// An element-wise op: the inputs that carry an axis (not broadcast into it) follow.

@@ -149,8 +149,12 @@ impl ShapeArgs {
         self.batch.is_none() && self.input_shape.is_empty() && self.dim.is_empty()
     }
 
-    pub fn spec(&self) -> CliResult<passes::RebatchSpec> {
-        let mut spec = passes::RebatchSpec { batch: self.batch, ..Default::default() };
+    /// What to change in the model at `model`: constants held as external data are read from
+    /// the files beside it where they must change with the new dims.
+    pub fn spec(&self, model: &Path) -> CliResult<passes::RebatchSpec> {
+        let dir = model.parent().unwrap_or(Path::new(""));
+        let external = passes::ExternalData::Read(shardc::exec::external_reader(dir));
+        let mut spec = passes::RebatchSpec { batch: self.batch, external, ..Default::default() };
         for s in &self.input_shape {
             spec.input_shapes.push(passes::rebatch::parse_input_shape(s).map_err(CliError::msg)?);
         }
@@ -219,7 +223,7 @@ fn read_model(path: &Path) -> CliResult<Loaded> {
 
 fn load_with(path: &Path, shapes: &ShapeArgs, canonical: bool, computable: bool) -> CliResult<Loaded> {
     let mut loaded = read_model(path)?;
-    let spec = shapes.spec()?;
+    let spec = shapes.spec(path)?;
     let mut pm = passes::PassManager::new();
     pm.add(passes::Verify);
     if !spec.is_empty() {
@@ -253,6 +257,25 @@ pub fn note_external_data(g: &ir::Graph, path: &Path) {
             }
         }
     }
+}
+
+/// What to say of weights drawn from the seed because their external data file is absent: a
+/// warning on stderr and a note for the report, or an error under `--require-weights`.
+pub fn seeded_weights(
+    weights: &shardc::exec::Weights,
+    seed: u64,
+    require: bool,
+    extra: &str,
+) -> CliResult<Option<String>> {
+    if weights.seeded == 0 {
+        return Ok(None);
+    }
+    let what = format!("{} tensors have external data whose file is not there", weights.seeded);
+    if require {
+        return Err(CliError::msg(format!("{what} (--require-weights); put the data files beside the model")));
+    }
+    eprintln!("warning: {what}; their values are drawn from --seed {seed} (--require-weights refuses instead)");
+    Ok(Some(format!("weights: {what}; drawn from --seed {seed}{extra}")))
 }
 
 /// Renders a pass failure.
@@ -318,8 +341,36 @@ pub fn guard_outputs(outputs: &[(&str, Option<&PathBuf>)], inputs_read: &[Option
                 dir.display()
             )));
         }
+        writable(flag, out, &dir)?;
     }
     Ok(())
+}
+
+/// An error, before any work, when `out` could not be written: a directory, a socket, or a
+/// place where no file can be made (a read-only file system or directory). A regular file is
+/// written beside its target and renamed, so making a file there is what is tried (and the
+/// file removed).
+fn writable(flag: &str, out: &Path, dir: &Path) -> CliResult {
+    let fail = |why: String| CliError::msg(format!("{flag} `{}`: {why}", out.display()));
+    let probe = |dir: &Path| {
+        let p = dir.join(format!(".shardc-probe-{}", std::process::id()));
+        match std::fs::OpenOptions::new().write(true).create_new(true).open(&p) {
+            Ok(_) => {
+                let _ = std::fs::remove_file(&p);
+                Ok(())
+            }
+            Err(e) => Err(fail(format!("cannot write in `{}`: {e}", dir.display()))),
+        }
+    };
+    match output_kind(out) {
+        // Written in place when the time comes (opening a FIFO now would wait for a reader).
+        Ok(OutputKind::Special(_)) => Ok(()),
+        Ok(OutputKind::File { .. }) => probe(dir),
+        // A directory takes one file per device (`lower -o DIR`); where one file is written,
+        // writing says it is a directory.
+        Err(e) if e.kind() == std::io::ErrorKind::IsADirectory => probe(out),
+        Err(e) => Err(fail(e.to_string())),
+    }
 }
 
 /// An error when `out` is one of the inputs.
@@ -348,24 +399,24 @@ pub fn write_output(text: &str, out: Option<&PathBuf>, model: &Path) -> CliResul
 }
 
 /// Writes bytes (a binary model, or text that already ends as it should) to `out` or stdout,
-/// as [`write_output`] does.
+/// as [`write_output`] does. `-o -` is stdout.
 pub fn write_output_bytes(bytes: &[u8], out: Option<&PathBuf>, model: &Path) -> CliResult {
     match out {
-        Some(p) => {
+        Some(p) if p.as_os_str() != "-" => {
             if !model.as_os_str().is_empty() {
                 note_input(model);
             }
             refuse_input(p, None)?;
-            let replaced = write_atomically(p, bytes)
-                .map_err(|e| CliError::msg(format!("cannot write `{}`: {e}", p.display())))?;
+            let replaced =
+                write_file(p, bytes).map_err(|e| CliError::msg(format!("cannot write `{}`: {e}", p.display())))?;
             if replaced {
                 eprintln!("wrote {} (replaced the previous file)", p.display());
             }
             Ok(())
         }
-        None => {
+        _ => {
             let mut stdout = std::io::stdout().lock();
-            match stdout.write_all(bytes) {
+            match stdout.write_all(bytes).and_then(|()| stdout.flush()) {
                 Ok(()) => Ok(()),
                 // A closed pipe (`| head`) is not an error of ours.
                 Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
@@ -375,22 +426,60 @@ pub fn write_output_bytes(bytes: &[u8], out: Option<&PathBuf>, model: &Path) -> 
     }
 }
 
-/// Writes `bytes` to a temporary file beside `path` and renames it over `path` (through a
-/// symlink, its target). Returns whether a file was replaced.
-fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<bool> {
+/// What is at an output path (through a symlink, its target).
+enum OutputKind {
+    /// Nothing yet, or a regular file: written beside it and renamed over it.
+    File { target: PathBuf, existed: bool },
+    /// A character device, FIFO or block device: written to in place, never replaced.
+    Special(PathBuf),
+}
+
+fn output_kind(path: &Path) -> std::io::Result<OutputKind> {
+    use std::io::{Error, ErrorKind};
     let target = match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_symlink() => std::fs::canonicalize(path)?,
         _ => path.to_path_buf(),
     };
-    let existed = match std::fs::metadata(&target) {
-        Ok(m) if m.is_dir() => {
-            return Err(std::io::Error::new(std::io::ErrorKind::IsADirectory, "it is a directory"));
+    let meta = match std::fs::metadata(&target) {
+        Ok(m) => m,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(OutputKind::File { target, existed: false }),
+        Err(e) => return Err(e),
+    };
+    let kind = meta.file_type();
+    if kind.is_dir() {
+        return Err(Error::new(ErrorKind::IsADirectory, "it is a directory"));
+    }
+    if kind.is_file() {
+        return Ok(OutputKind::File { target, existed: true });
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if kind.is_socket() {
+            return Err(Error::new(ErrorKind::InvalidInput, "it is a socket, not a file or device"));
         }
-        Ok(_) => true,
-        Err(_) => false,
+    }
+    Ok(OutputKind::Special(target))
+}
+
+/// Writes `bytes` to `path`: a regular file (or a new path) through a temporary file beside it
+/// renamed into place, so an interrupted write never leaves a truncated file; a device or FIFO
+/// in place (it is never replaced by a file); a directory or socket is an error. Returns
+/// whether a file was replaced.
+pub fn write_file(path: &Path, bytes: &[u8]) -> std::io::Result<bool> {
+    let (target, existed) = match output_kind(path)? {
+        OutputKind::Special(target) => {
+            let mut f = std::fs::OpenOptions::new().write(true).open(&target)?;
+            f.write_all(bytes)?;
+            f.flush()?;
+            return Ok(false);
+        }
+        OutputKind::File { target, existed } => (target, existed),
     };
     let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let tmp = target.with_file_name(format!(".{name}.shardc-{}.tmp", std::process::id()));
+    // Interrupted now, the handler removes the partial file.
+    let _guard = super::signals::writing(&tmp);
     let written = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;

@@ -7,6 +7,7 @@ pub mod lower;
 pub mod parse;
 pub mod plan;
 pub mod run;
+pub mod signals;
 pub mod stats;
 pub mod sweep;
 pub mod train;

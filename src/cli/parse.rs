@@ -62,7 +62,7 @@ pub fn run(args: &ParseArgs) -> CliResult {
     let (mut loaded, warnings) = shardc::load_and_check(&args.model).map_err(CliError::new)?;
     note_external_data(&loaded.model.graph, &args.model);
     eprint!("{warnings}");
-    let spec = args.shapes.spec()?;
+    let spec = args.shapes.spec(&args.model)?;
     let opts = passes::PassOptions { rebatch: spec.clone(), ..Default::default() };
     for d in &args.dump_after {
         if d != "all" && !passes::PASS_NAMES.contains(&d.as_str()) {

@@ -138,7 +138,7 @@ pub fn run(args: &PlanArgs) -> CliResult {
     note_external_data(&loaded.model.graph, &args.model);
     eprint!("{warnings}");
     args.model_args.freeze(&mut loaded.model.graph)?;
-    let spec = args.shapes.spec()?;
+    let spec = args.shapes.spec(&args.model)?;
     let pipeline = autoshard::PipelineMode::parse(&args.pipeline).map_err(CliError::msg)?;
     let mut search = SearchOptions {
         time_limit: Duration::from_secs_f64(args.time_limit),

@@ -39,6 +39,10 @@ pub struct RunArgs {
     /// Seed for weights whose external data is absent and for random inputs.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Refuse to run when a weight's external data file is absent (by default its values are
+    /// drawn from --seed, with a warning).
+    #[arg(long = "require-weights")]
+    pub require_weights: bool,
     /// Inputs: a file in the golden `.io.json` format, or a directory of ONNX test data
     /// (`input_0.pb`, `input_1.pb` … in graph input order). Without --batch, --input-shape,
     /// --dim or --plan, the model runs at the shapes of these values (default: seeded random
@@ -122,12 +126,7 @@ pub fn run(args: &RunArgs) -> CliResult {
     let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
     let g = &loaded.model.graph;
     let mut notes: Vec<String> = Vec::new();
-    if weights.seeded > 0 {
-        notes.push(format!(
-            "weights: {} tensors have external data that is not there; drawn from --seed {} (the reference uses the same values)",
-            weights.seeded, args.seed
-        ));
-    }
+    notes.extend(seeded_weights(&weights, args.seed, args.require_weights, " (the reference uses the same values)")?);
     if weights.loaded > 0 {
         notes.push(format!("weights: {} tensors read from external data files", weights.loaded));
     }

@@ -109,7 +109,9 @@ pub fn run(args: &SweepArgs) -> CliResult {
         let x = match args.axis {
             Axis::Batch => {
                 let b: f64 = parse_value(vs, 1.0).map_err(CliError::msg)?;
-                let spec = passes::RebatchSpec { batch: Some(b as i64), ..Default::default() };
+                // Priced only: external constants change shape, their values never read.
+                let external = passes::ExternalData::ShapesOnly;
+                let spec = passes::RebatchSpec { batch: Some(b as i64), external, ..Default::default() };
                 passes::rebatch::rebatch(&mut graph, &spec).map_err(|e| pass_error(&e, &loaded.source))?;
                 b
             }

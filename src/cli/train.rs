@@ -29,6 +29,10 @@ pub struct TrainArgs {
     /// Seed for weights whose external data is absent, and for inputs and labels.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Refuse to run when a weight's external data file is absent (by default its values are
+    /// drawn from --seed, with a warning).
+    #[arg(long = "require-weights")]
+    pub require_weights: bool,
     /// Append a loss: softmax-cross-entropy[:OUTPUT] | mse[:OUTPUT] | mean[:OUTPUT].
     #[arg(long)]
     pub loss: Option<String>,
@@ -86,6 +90,10 @@ pub struct TrainArgs {
     /// Write `{"losses", "gradients" (step 1), "parameters" (after the last step)}`.
     #[arg(long = "save-state", value_name = "OUT.json")]
     pub save_state: Option<PathBuf>,
+    /// Report a diverged run (a NaN or infinite loss, gradient or parameter) and exit 0; by
+    /// default divergence is an error (exit 1) after the report.
+    #[arg(long = "allow-divergence")]
+    pub allow_divergence: bool,
     /// Also compare every step with the reference trainer (CPU, one device).
     #[arg(long)]
     pub check: bool,
@@ -284,17 +292,11 @@ fn training_plan(
             }
             let pipe = exec::TrainPipeline::of_plan(plan).map_err(CliError::msg)?;
             let mesh = plan.stage_meshes().map_err(CliError::msg)?.remove(0);
-            let by_output: HashMap<&str, &Vec<Option<usize>>> =
-                plan.ops.iter().filter_map(|o| Some((o.outputs.first()?.as_str(), &o.split))).collect();
-            let mut fwd = passes::cost::Assignment::default();
-            for n in forward.op_nodes().map_err(|_| CliError::msg("the model has a cycle"))? {
-                if let Some(s) = forward.node(n).outputs().first().and_then(|o| by_output.get(o.name.as_str())) {
-                    fwd.strategies.insert(n, (*s).clone());
-                }
-            }
-            if fwd.strategies.is_empty() {
-                return Err(CliError::msg(format!("`{}` names none of the model's ops", path.display())));
-            }
+            // One validation for run, lower and train: every op has a strategy its stage's
+            // mesh can hold.
+            let (fwd, _) = plan
+                .stage_assignment_uncanonical(forward)
+                .map_err(|e| CliError::msg(format!("`{}`: {e}", path.display())))?;
             if let Some(pipe) = pipe {
                 let desc = format!(
                     "plan {} ({} stages × {} micro-batches, {})",
@@ -569,12 +571,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
     }
     let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
     let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
-    if weights.seeded > 0 {
-        notes.push(format!(
-            "weights: {} tensors have external data that is not there; drawn from --seed {}",
-            weights.seeded, args.seed
-        ));
-    }
+    notes.extend(seeded_weights(&weights, args.seed, args.require_weights, "")?);
     let (tm, info) = training_model(&loaded.model, &loss, &opt).map_err(CliError::msg)?;
     let g = &tm.graph;
     // With micro-batches, the program is the training graph of one micro-batch (the model
@@ -683,6 +680,10 @@ pub fn run(args: &TrainArgs) -> CliResult {
     let gradients = passes::algebra::model_tensors(rewritten, &written_dims, &run.gradients);
     let parameters = passes::algebra::model_tensors(rewritten, &written_dims, &run.parameters);
     let (losses, report, run_state) = (run.losses, run.report, run.state);
+    let diverged = shardc::train::divergence(&losses, &parameters, &gradients);
+    if let Some(d) = &diverged {
+        notes.push(format!("diverged: {d}"));
+    }
     // Checks.
     let tol = (
         args.rtol.or(case.as_ref().map(|c| c.tolerance.0)).unwrap_or(1e-4),
@@ -726,6 +727,14 @@ pub fn run(args: &TrainArgs) -> CliResult {
         let rg = reference.as_ref().map_or(g, |t| &t.graph);
         let (want, want_grads, ref_params, ref_state) =
             shardc::train::reference_run(rg, &inputs, args.steps).map_err(CliError::msg)?;
+        // Divergence is the model's and its settings', not the plan's, when one device does it
+        // too (NaN then compares equal to NaN).
+        match (&diverged, shardc::train::divergence(&want, &ref_params, &want_grads)) {
+            (Some(_), Some(r)) => notes.push(format!("the single-device reference diverged too: {r}")),
+            (None, Some(r)) => notes.push(format!("the single-device reference diverged: {r}")),
+            (Some(_), None) => notes.push("the single-device reference did not diverge".into()),
+            (None, None) => {}
+        }
         checks.push(check_losses("losses (reference)", &losses, &want, tol));
         checks.push(check_all("gradients (reference)", &gradients, &want_grads, tol));
         checks.push(match opt {
@@ -902,6 +911,13 @@ pub fn run(args: &TrainArgs) -> CliResult {
     }
     if failed {
         return Err(CliError::new("error: training differs from the expected values beyond the tolerance\n"));
+    }
+    if let Some(d) = diverged
+        && !args.allow_divergence
+    {
+        return Err(CliError::msg(format!(
+            "training diverged: {d} — lower --lr, or pass --allow-divergence to report it and exit 0"
+        )));
     }
     Ok(())
 }

@@ -908,3 +908,17 @@ fn repeated_layers_fold_to_three_within_one_percent() {
         ir::verify(&reduced).unwrap();
     }
 }
+
+/// A search that ran past its limit says so, whichever phase overran it: `time_limit_hit`
+/// and what was cut are never false and empty then (searches that ran past
+/// `--time-limit 600` said neither).
+#[test]
+fn a_search_past_its_limit_says_so() {
+    let m = shared("hf_gpt2_small4.onnxtxt", batch(8));
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let mut g = m.graph.clone();
+    let so = SearchOptions { time_limit: std::time::Duration::from_millis(1), rewrites: true, ..Default::default() };
+    let r = autoshard::search_rewriting(&mut g, &cluster, 8, &Options::default(), &so).unwrap();
+    assert!(r.search_time_s > 0.001, "{}", r.search_time_s);
+    assert!(r.time_limit_hit && !r.budget_cut.is_empty(), "{} {:?}", r.time_limit_hit, r.budget_cut);
+}

@@ -10,7 +10,8 @@ fn prepare(mut m: ir::Model, spec: passes::RebatchSpec) -> ir::Model {
     let mut pm = passes::PassManager::new();
     pm.add(passes::Verify);
     if !spec.is_empty() {
-        pm.add(passes::Rebatch { spec });
+        // Planned, never run: external constants change shape only.
+        pm.add(passes::Rebatch { spec: passes::RebatchSpec { external: passes::ExternalData::ShapesOnly, ..spec } });
     }
     pm.add(passes::InferShapes::default()).add(passes::Canonicalize).add(passes::Algebra);
     pm.run(&mut m).unwrap_or_else(|e| panic!("{e}"));

@@ -10,8 +10,13 @@ fn model(name: &str) -> ir::Model {
     load_model(&path)
 }
 
-fn run(name: &str, spec: RebatchSpec) -> ir::Model {
+fn run(name: &str, mut spec: RebatchSpec) -> ir::Model {
     let mut m = model(name);
+    // External constants read beside the model (here absent: their values are drawn).
+    if spec.external == passes::ExternalData::Refuse {
+        spec.external =
+            passes::ExternalData::Read(shardc::exec::external_reader(&repo_root().join("tests/data/models")));
+    }
     match rebatch(&mut m.graph, &spec) {
         Ok(_) => m,
         Err(e) => panic!("{name}: {:#?}", e.errors),
@@ -391,4 +396,63 @@ g (float[2,3] x) => (float[2,3,2] y)
                 .all(|n| { m.graph.value_name(ir::Value::new(n, 0)) == "pos" })
         );
     }
+}
+
+/// A causal mask the exporter folded into external data ([1,1,4,4]: 0 on and below the
+/// diagonal, -1e9 above), added to the scores of a sequence of 4; the sequence becomes 2.
+const EXTERNAL_MASK: &str = r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[1,1,4,4] scores) => (float[1,1,4,4] y) <float[1,1,4,4] mask = ["location": "mask.bin", "offset": "0", "length": "64"]> {
+   y = Add (scores, mask)
+}"#;
+
+fn mask_values(n: usize) -> Vec<f32> {
+    (0..n * n).map(|k| if k % n > k / n { -1e9 } else { 0.0 }).collect()
+}
+
+fn mask_of(g: &ir::Graph) -> ir::eval::Array {
+    let add = g.op_nodes().unwrap().into_iter().find(|&n| matches!(g.node(n).op, ir::Op::Add(_))).unwrap();
+    let v = g.node(add).input(1).unwrap();
+    let ir::Op::Initializer(t) = &g.node(v.node).op else { panic!("the mask is no initializer") };
+    ir::eval::Array::from_tensor(t).unwrap()
+}
+
+/// External constants that must change with a new dim are read and regenerated (the [2,2]
+/// corner of the mask, not the file's first 16 bytes read as [2,2]); without a reader they are
+/// refused with advice; with their file absent (values drawn anyway) they change shape, said.
+#[test]
+fn external_constants_are_read_before_they_change_shape() {
+    let dir = std::env::temp_dir().join(format!("shardc-rebatch-ext-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bytes: Vec<u8> = mask_values(4).iter().flat_map(|x| x.to_le_bytes()).collect();
+    std::fs::write(dir.join("mask.bin"), &bytes).unwrap();
+    let spec = |external: Option<passes::rebatch::ExternalValues>| RebatchSpec {
+        input_shapes: vec![("scores".into(), vec![1, 1, 2, 2])],
+        external: external.map_or(passes::ExternalData::Refuse, passes::ExternalData::Read),
+        ..Default::default()
+    };
+    let mut m = frontend::parse(EXTERNAL_MASK).unwrap().model;
+    rebatch(&mut m.graph, &spec(Some(shardc::exec::external_reader(&dir)))).unwrap();
+    let mask = mask_of(&m.graph);
+    assert_eq!(mask.shape, vec![1, 1, 2, 2]);
+    assert_eq!(mask.to_f64().unwrap(), mask_values(2).iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+    // Growing a triangular mask regenerates it from its pattern.
+    let mut m = frontend::parse(EXTERNAL_MASK).unwrap().model;
+    let grow = RebatchSpec {
+        input_shapes: vec![("scores".into(), vec![1, 1, 6, 6])],
+        external: passes::ExternalData::Read(shardc::exec::external_reader(&dir)),
+        ..Default::default()
+    };
+    rebatch(&mut m.graph, &grow).unwrap();
+    assert_eq!(mask_of(&m.graph).to_f64().unwrap(), mask_values(6).iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+    // No reader: refused, naming the constant, with advice.
+    let mut m = frontend::parse(EXTERNAL_MASK).unwrap().model;
+    let e = rebatch(&mut m.graph, &spec(None)).unwrap_err();
+    let msg = &e.errors[0].msg;
+    assert!(msg.contains("constant `mask`") && msg.contains("re-export"), "{msg}");
+    // The file absent: the shape changes (its values are drawn from the seed at any shape).
+    std::fs::remove_file(dir.join("mask.bin")).unwrap();
+    let mut m = frontend::parse(EXTERNAL_MASK).unwrap().model;
+    let r = rebatch(&mut m.graph, &spec(Some(shardc::exec::external_reader(&dir)))).unwrap();
+    assert!(r.notes.iter().any(|n| n.msg.contains("whose file is not there")), "{:?}", r.notes);
+    std::fs::remove_dir_all(&dir).ok();
 }

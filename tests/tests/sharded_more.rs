@@ -19,6 +19,8 @@ fn prepared(path: &std::path::Path, shapes: &[(&str, &[i64])]) -> ir::Model {
         let spec = passes::RebatchSpec {
             batch: None,
             input_shapes: shapes.iter().map(|(n, s)| (n.to_string(), s.to_vec())).collect(),
+            // External constants read beside the model (absent here: drawn from the seed).
+            external: passes::ExternalData::Read(shardc::exec::external_reader(path.parent().unwrap())),
             ..Default::default()
         };
         pm.add(passes::Rebatch { spec });

@@ -656,8 +656,9 @@ fn infer_attr_type(a: &proto::AttributeProto) -> proto::attribute_proto::Attribu
 
 /// 4-bit values packed two to a byte (the first in the low nibble), one per element, signed
 /// for int4.
-fn unpack4(bytes: impl Iterator<Item = i32>, dtype: DType, numel: usize) -> TensorData {
-    let mut out = Vec::with_capacity(numel);
+fn unpack4(bytes: impl ExactSizeIterator<Item = i32>, dtype: DType, numel: usize) -> TensorData {
+    // What the bytes hold, at most: dims claim any count (a 2^40-element tensor of no bytes).
+    let mut out = Vec::with_capacity(numel.min(bytes.len().saturating_mul(2)));
     for b in bytes {
         for nib in [b & 0xf, (b >> 4) & 0xf] {
             if out.len() < numel {

@@ -5,11 +5,11 @@ use crate::eval::{numel, strides};
 use crate::types::Dim;
 
 /// Normalises a possibly negative axis of a tensor of rank `rank`: `-rank <= a < rank`
-/// (a scalar accepts axis 0).
+/// (a scalar has no axis).
 pub fn norm_axis(a: i64, rank: usize) -> Result<usize, String> {
     let r = rank as i64;
     let x = if a < 0 { a + r } else { a };
-    if x < 0 || (x >= r && !(r == 0 && x == 0)) {
+    if x < 0 || x >= r {
         return Err(format!("axis {a} is out of range for rank {rank}"));
     }
     Ok(x as usize)
@@ -183,7 +183,8 @@ mod tests {
     #[test]
     fn axes_normalise_or_fail() {
         assert_eq!(norm_axis(-1, 3), Ok(2));
-        assert_eq!(norm_axis(0, 0), Ok(0));
+        // A scalar has no axis (a Squeeze of axis 0 on one indexed an empty shape).
+        assert!(norm_axis(0, 0).is_err());
         assert!(norm_axis(3, 3).is_err());
         assert!(norm_axis(-4, 3).is_err());
     }

@@ -535,7 +535,8 @@ pub fn search(
         }
     }
     r.search_time_s = start.elapsed().as_secs_f64();
-    r.time_limit_hit = net.fired();
+    // A search can run past the limit between the net's checks: that is a hit too.
+    r.time_limit_hit = net.fired() || net.expired("the search's last phase");
     r.budget_cut = net.cut();
     Ok(r)
 }
@@ -561,6 +562,17 @@ pub fn search_rewriting(
         return Ok(best);
     }
     let mut tried = Vec::new();
+    // What the time limit cut in any search made here, whichever plan is kept.
+    let mut fired = best.time_limit_hit;
+    let mut cut: Vec<String> = best.budget_cut.clone();
+    let mut note = |r: &SearchResult| {
+        fired |= r.time_limit_hit;
+        for c in &r.budget_cut {
+            if !cut.contains(c) {
+                cut.push(c.clone());
+            }
+        }
+    };
     for &rule in crate::algebra::SEARCH_CHOICES {
         let mut h = g.clone();
         let sites = crate::algebra::apply_named(&mut h, rule)?;
@@ -584,6 +596,7 @@ pub fn search_rewriting(
         // each rule then costs a fraction of the first search.
         let fold = if so.fold == FoldMode::Auto { FoldMode::Always } else { so.fold };
         let r = search(&h, cluster, devices, opts, &SearchOptions { time_limit: left, fold, ..so.clone() })?;
+        note(&r);
         let mut choice = RewriteChoice {
             rule: rule.into(),
             sites,
@@ -603,6 +616,7 @@ pub fn search_rewriting(
             let mut hp = g.clone();
             crate::algebra::apply_named_at(&mut hp, rule, &at)?;
             let rp = search(&hp, cluster, devices, opts, &SearchOptions { time_limit: left, fold, ..so.clone() })?;
+            note(&rp);
             choice.cheaper_at_step_time_s = Some(rp.breakdown.step_time_s);
             choice.cheaper_at = Some(at);
             partial = Some((hp, rp));
@@ -618,12 +632,23 @@ pub fn search_rewriting(
         if let Some((h, r)) = take {
             choice.applied = true;
             *g = h;
-            best = SearchResult { budget_cut: [best.budget_cut.clone(), r.budget_cut.clone()].concat(), ..r };
+            best = r;
         }
         tried.push(choice);
     }
     best.rewrites = tried;
     best.search_time_s = start.elapsed().as_secs_f64();
+    // Rules not searched for want of time were cut too, and so is a search that ran past the
+    // limit between the net's checks.
+    if best.rewrites.iter().any(|c| c.with_step_time_s.is_none()) {
+        fired = true;
+        cut.push("rewrite alternatives".into());
+    }
+    best.time_limit_hit = fired || start.elapsed() > so.time_limit;
+    best.budget_cut = cut;
+    if best.time_limit_hit && best.budget_cut.is_empty() {
+        best.budget_cut.push("the search's last phase (it ran past the limit between checks)".into());
+    }
     Ok(best)
 }
 
@@ -783,7 +808,7 @@ pub(crate) fn search_intra_with(
         data_parallel_unavailable,
         meshes: summaries,
         search_time_s: start.elapsed().as_secs_f64(),
-        time_limit_hit: net.fired(),
+        time_limit_hit: net.fired() || net.expired("the search's last phase"),
         budget_cut: net.cut(),
         pipeline: None,
         pipeline_considered: None,

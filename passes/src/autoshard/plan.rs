@@ -798,7 +798,23 @@ impl Plan {
     /// [`Plan::assignment`] with each op's pipeline stage: the one step from the plan's names
     /// to a graph's nodes.
     pub fn stage_assignment(&self, g: &Graph) -> Result<(Assignment, HashMap<NodeId, usize>), String> {
-        let diffs = self.differences(g, false);
+        self.stage_assignment_with(g, false)
+    }
+
+    /// [`Plan::stage_assignment`] of a graph that is not canonicalized (what `train` runs: its
+    /// parameters must stay the model's own): ops computed from constants alone, which
+    /// canonicalization folds into the constants the plan was made with, need no strategy
+    /// and get none; every other op must have one that fits.
+    pub fn stage_assignment_uncanonical(&self, g: &Graph) -> Result<(Assignment, HashMap<NodeId, usize>), String> {
+        self.stage_assignment_with(g, true)
+    }
+
+    fn stage_assignment_with(
+        &self,
+        g: &Graph,
+        constants_folded: bool,
+    ) -> Result<(Assignment, HashMap<NodeId, usize>), String> {
+        let diffs = self.differences(g, constants_folded);
         if !diffs.is_empty() {
             return Err(differences_message(&diffs));
         }
@@ -807,9 +823,20 @@ impl Plan {
             self.ops.iter().filter_map(|o| Some((o.outputs.first()?.as_str(), o))).collect();
         let mut asg = Assignment::default();
         let mut stage_of = HashMap::new();
+        // The values shape inference folds to constants (a Shape of a static shape, ops of
+        // constants): canonicalization made them constants of the plan's graph.
+        let folded = if constants_folded {
+            ir::infer::infer_shapes(&mut g.clone(), ir::infer::Mode::Check).map(|r| r.consts).unwrap_or_default()
+        } else {
+            Default::default()
+        };
         for n in g.op_nodes().map_err(|_| "the graph has a cycle".to_string())? {
             let key = g.node(n).outputs().first().map(|o| o.name.as_str()).unwrap_or("");
             let Some(op) = by_output.get(key) else {
+                let outputs = g.node(n).num_outputs();
+                if (0..outputs).all(|s| folded.contains_key(&Value::new(n, s as u16))) {
+                    continue;
+                }
                 return Err(format!("the plan has no strategy for {}", g.describe(n)));
             };
             let mesh = meshes.get(op.stage).ok_or_else(|| format!("{}: no stage {}", g.describe(n), op.stage))?;
