@@ -469,6 +469,72 @@ pub fn given_inputs(g: &Graph, path: &Path) -> Result<HashMap<String, Array>, St
     Ok(out)
 }
 
+/// The outputs of `original` — the model as written, before its batch was changed — for the
+/// `inputs` of the re-batched graph `g`: the inputs cut along dim 0 into runs at the original
+/// batch, each run through `original`, the outputs joined along the axis that grew. This
+/// reference is independent of the rewriting (its constants regenerated, its shape operands
+/// rewritten). `Err` says why there is none: a dim other than the batch changed, the new batch
+/// is not a multiple of the old, or an output does not grow along one axis (a mean over the
+/// batch).
+pub fn reference_at_written_batch(
+    g: &Graph,
+    original: &Graph,
+    inputs: &HashMap<String, Array>,
+) -> Result<Vec<Array>, String> {
+    let dims = |g: &Graph, v: Value| g.tensor_type(v).and_then(ir::TensorType::static_dims);
+    let mut runs = None;
+    let mut cut: Vec<String> = Vec::new();
+    for v in original.input_values() {
+        if !matches!(original.node(v.node).op, Op::Input { default: None }) {
+            continue;
+        }
+        let name = original.value_name(v);
+        let (Some(old), Some(new)) = (dims(original, v), g.lookup(name).and_then(|w| dims(g, w))) else {
+            return Err(format!("input `{name}` has no static shape in the model as written"));
+        };
+        if old == new {
+            continue;
+        }
+        let batch_only = old.len() == new.len() && old[1..] == new[1..] && old[0] > 0 && new[0] % old[0] == 0;
+        if !batch_only {
+            return Err(format!("input `{name}` changed from {old:?} to {new:?}, not only in its batch"));
+        }
+        let k = (new[0] / old[0]) as usize;
+        if runs.is_some_and(|r| r != k) {
+            return Err("the inputs' batches grew by different factors".into());
+        }
+        runs = Some(k);
+        cut.push(name.to_string());
+    }
+    let Some(k) = runs else { return Err("no input's batch changed".into()) };
+    let mut parts: Vec<Vec<Array>> = Vec::with_capacity(k);
+    for r in 0..k {
+        let mut feed = inputs.clone();
+        for name in &cut {
+            let a = &inputs[name];
+            let b = a.shape[0] / k;
+            feed.insert(name.clone(), a.slice_axis(0, r * b, (r + 1) * b));
+        }
+        parts.push(ir::eval::run(original, &feed, &Default::default()).map_err(|e| e.to_string())?);
+    }
+    let mut joined = Vec::new();
+    for (i, o) in original.outputs().iter().enumerate() {
+        let name = original.value_name(o.value);
+        let new = g.outputs().get(i).and_then(|p| dims(g, p.value));
+        let old = &parts[0][i].shape;
+        let axis = new.and_then(|n| {
+            let grown: Vec<usize> =
+                (0..n.len().min(old.len())).filter(|&a| n.len() == old.len() && n[a] as usize == old[a] * k).collect();
+            (grown.len() == 1 && k > 1).then(|| grown[0])
+        });
+        let Some(axis) = axis else {
+            return Err(format!("output `{name}` does not grow along one axis with the batch"));
+        };
+        joined.push(Array::concat_axis(&parts.iter().map(|p| &p[i]).collect::<Vec<_>>(), axis));
+    }
+    Ok(joined)
+}
+
 /// One array of the golden JSON format.
 pub fn array_from_json(v: &serde_json::Value) -> Result<Array, String> {
     let dtype = match v["dtype"].as_str().ok_or("no dtype")? {
