@@ -1929,3 +1929,48 @@ fn checks_of_reshaped_models_use_the_model_as_written() {
     assert!(v["notes"].to_string().contains("no reference from the model as written"), "{v}");
     assert!(!v["check"].to_string().contains("model as written"), "{v}");
 }
+
+/// docs/cli-reference.md is every subcommand's `--help`, as the program prints it: it cannot
+/// drift from the flags. After a change to the command line, re-bless it with
+/// `BLESS=1 cargo test --test cli the_cli_reference_is_current`.
+#[test]
+fn the_cli_reference_is_current() {
+    let help = |args: &[&str]| {
+        let o = shardc(args);
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+        stdout(&o)
+    };
+    let top = help(&["--help"]);
+    let mut doc = String::from(
+        "# CLI reference\n\nEvery subcommand's `--help`, generated from the program (`BLESS=1 cargo test --test cli \
+         the_cli_reference_is_current` writes it; the test fails when it is stale). What the commands do and how \
+         they fit together is in the [user guide](user-guide.md).\n\n## shardc\n\n```text\n",
+    );
+    doc.push_str(&top);
+    doc.push_str("```\n");
+    // The subcommands, as the top-level help lists them.
+    let subs: Vec<String> = top
+        .split("Commands:")
+        .nth(1)
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .take_while(|l| !l.trim().is_empty())
+        .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+        .filter(|s| s != "help")
+        .collect();
+    assert!(subs.len() >= 8, "{subs:?}");
+    for s in &subs {
+        doc.push_str(&format!("\n## shardc {s}\n\n```text\n{}```\n", help(&[s, "--help"])));
+    }
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/cli-reference.md");
+    if std::env::var_os("BLESS").is_some() {
+        std::fs::write(&path, &doc).unwrap();
+        return;
+    }
+    let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        on_disk == doc,
+        "docs/cli-reference.md is stale: re-bless with BLESS=1 cargo test --test cli the_cli_reference_is_current"
+    );
+}
