@@ -1974,3 +1974,43 @@ fn the_cli_reference_is_current() {
         "docs/cli-reference.md is stale: re-bless with BLESS=1 cargo test --test cli the_cli_reference_is_current"
     );
 }
+
+/// Three GRUs of one layout-0 input `[sequence, batch, features]` (forward with initial_h,
+/// bidirectional with linear_before_reset, reverse without bias), against onnxruntime's
+/// outputs: the search pipelined it in 5 micro-batches cut along dim 0 — the sequence — and
+/// every output was off by up to 1.24. Rebatching now refuses a batch that reaches a
+/// recurrent layer's sequence, so a requested pipeline runs whole batches and says why.
+#[test]
+fn recurrent_sequences_are_never_cut_as_batches() {
+    let case = "tests/data/recurrent/three_grus";
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let io: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join(format!("{case}.io.json"))).unwrap()).unwrap();
+    let dir = tmpdir("three-grus");
+    let out = dir.join("out.json");
+    for extra in [&["--devices", "4"][..], &["--devices", "2", "--pipeline", "2"][..]] {
+        let mut args =
+            vec!["run", "tests/data/recurrent/three_grus.onnx", "--inputs", "tests/data/recurrent/three_grus.io.json"];
+        args.extend_from_slice(&["--backend", "cpu", "--save-outputs", out.to_str().unwrap()]);
+        args.extend_from_slice(extra);
+        let o = shardc(&args);
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+        if extra.contains(&"--pipeline") {
+            assert!(
+                stdout(&o).contains("one whole batch at a time") && stdout(&o).contains("its sequence"),
+                "{}",
+                stdout(&o)
+            );
+        }
+        let got: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        for (name, want) in io["outputs"].as_object().unwrap() {
+            let (g, w) = (got["outputs"][name]["data"].as_array().unwrap(), want["data"].as_array().unwrap());
+            assert_eq!(g.len(), w.len(), "{name}");
+            for (i, (a, b)) in g.iter().zip(w).enumerate() {
+                let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+                assert!((a - b).abs() <= 1e-5 + 1e-4 * b.abs(), "{extra:?} {name}[{i}]: {a}, onnxruntime {b}");
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
