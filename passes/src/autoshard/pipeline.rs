@@ -163,6 +163,8 @@ struct Table {
     bwd: Vec<f64>,
     act: Vec<f64>,
     param: Vec<f64>,
+    /// Gradient bytes per device of the parameters each op reads first.
+    grad: Vec<f64>,
     sync: Vec<f64>,
     update: Vec<f64>,
     /// Bytes per device crossing the cut before op `j` (`j` in `0..=n`).
@@ -187,6 +189,9 @@ pub struct Units {
     pub act: Vec<f64>,
     /// Parameter bytes (weights, gradients, optimizer state), prefix sums.
     pub param: Vec<f64>,
+    /// Their gradients' bytes, prefix sums: with several micro-batches the runtime keeps an
+    /// accumulator of this size beside the micro-batch's own gradients.
+    pub grad: Vec<f64>,
     /// Bytes per device crossing the cut before unit `j` (`j` in `0..=units`).
     pub cross: Vec<f64>,
     /// Workspace per device.
@@ -208,6 +213,7 @@ impl Units {
             bwd: pre(&t.bwd),
             act: pre(&t.act),
             param: pre(&t.param),
+            grad: pre(&t.grad),
             cross: bounds.iter().map(|&b| t.cross[b]).collect(),
             workspace: t.workspace,
         }
@@ -222,7 +228,15 @@ impl Units {
             }
             out
         };
-        Units { fwd: pre(fwd), bwd: pre(bwd), act: pre(act), param: pre(param), cross: cross.to_vec(), workspace }
+        let grad = pre(&vec![0.0; fwd.len()]);
+        Units { fwd: pre(fwd), bwd: pre(bwd), act: pre(act), param: pre(param), grad, cross: cross.to_vec(), workspace }
+    }
+
+    /// What the parameters of units `a..b` hold per device with `micro` micro-batches: weights,
+    /// gradients and optimizer state, and the gradients' accumulator when there are several.
+    fn params(&self, a: usize, b: usize, micro: usize) -> f64 {
+        let acc = if micro > 1 { self.grad[b] - self.grad[a] } else { 0.0 };
+        self.param[b] - self.param[a] + acc
     }
 
     fn len(&self) -> usize {
@@ -288,12 +302,13 @@ pub fn stage_cost(
     let f = fwd + send_next;
     let bw = t.bwd[b] - t.bwd[a] + send_prev;
     let flight = p.schedule.in_flight(s, p.stages, p.micro) as f64;
-    let params = t.param[b] - t.param[a];
+    let params = t.params(a, b, p.micro);
     let act = t.act[b] - t.act[a];
-    if params + act * flight + t.workspace <= p.capacity {
+    // What the stage received for each micro-batch in flight is held until its backward.
+    let input = if a > 0 { t.cross[a] } else { 0.0 };
+    if params + (act + input) * flight + t.workspace <= p.capacity {
         return Some((f, bw, false));
     }
-    let input = if a > 0 { t.cross[a] } else { 0.0 };
     if p.recompute && params + input * flight + act + t.workspace <= p.capacity {
         return Some((f, bw + fwd, true));
     }
@@ -483,6 +498,7 @@ fn table(
         bwd: b.ops.iter().map(|r| r.backward_s).collect(),
         act: b.ops.iter().map(|r| r.memory_bytes).collect(),
         param: b.ops.iter().map(|r| r.param_memory_bytes).collect(),
+        grad: b.ops.iter().map(|r| r.grad_memory_bytes).collect(),
         sync: b.ops.iter().map(|r| r.grad_sync_s).collect(),
         update: b.ops.iter().map(|r| r.update_s).collect(),
         cross,
@@ -1236,9 +1252,10 @@ fn price_cuts(
         };
         let (f, bw, rc) = stage_cost(&input, 0, st, a, b, cut.offset)?;
         let flight = schedule.in_flight(st, s, m) as f64;
-        let params = units.param[b] - units.param[a];
+        let params = units.params(a, b, m);
         let act_one = units.act[b] - units.act[a];
-        let act = if rc { (if a > 0 { t.cross[a] } else { 0.0 }) * flight + act_one } else { act_one * flight };
+        let input = if a > 0 { t.cross[a] } else { 0.0 };
+        let act = if rc { input * flight + act_one } else { (act_one + input) * flight };
         let mem = Memory { weights: params, gradients: 0.0, optimizer: 0.0, activations: act, workspace: t.workspace };
         let total = mem.total();
         if total > worst_total {

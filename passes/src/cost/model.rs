@@ -186,6 +186,9 @@ pub struct OpRow {
     /// Bytes per device of the parameters it reads first: weights, gradients and optimizer
     /// state.
     pub param_memory_bytes: f64,
+    /// Bytes per device of those parameters' gradients: what a pipeline's accumulator over
+    /// micro-batches holds beside the gradients of the micro-batch being computed.
+    pub grad_memory_bytes: f64,
     /// Synchronisation of the gradients of the parameters whose last reader (in backward, the
     /// first to finish) it is, before bucketing, seconds.
     pub grad_sync_s: f64,
@@ -1119,6 +1122,7 @@ impl<'a> CostModel<'a> {
                     forward_s: t.fwd + fwd_comm + t.comm_fwd,
                     backward_s: bwd_compute + bwd_comm + t.comm_bwd(),
                     param_memory_bytes: 0.0,
+                    grad_memory_bytes: 0.0,
                     grad_sync_s: 0.0,
                     update_s: 0.0,
                 });
@@ -1256,6 +1260,7 @@ impl<'a> CostModel<'a> {
                     forward_s: if phase == Phase::Forward { e.time.fwd + op_comm } else { 0.0 },
                     backward_s: if phase == Phase::Backward { e.time.fwd + op_comm } else { 0.0 },
                     param_memory_bytes: 0.0,
+                    grad_memory_bytes: 0.0,
                     grad_sync_s: if phase == Phase::Gradient { op_comm } else { 0.0 },
                     update_s: if phase == Phase::Gradient { e.time.fwd } else { 0.0 },
                 });
@@ -1536,6 +1541,7 @@ impl<'a> CostModel<'a> {
                 && let Some(&first) = edges.param_first_use.get(v)
             {
                 w.rows[first].param_memory_bytes += 2.0 * local + elems * self.optimizer_bytes_per_elem();
+                w.rows[first].grad_memory_bytes += local;
                 w.rows[first].update_s += elems * self.update_bytes_per_elem() / self.mem_bandwidth();
             }
         }

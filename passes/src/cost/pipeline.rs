@@ -195,8 +195,9 @@ pub fn price_pipeline(
             fwd: row.forward_s,
             bwd: row.backward_s,
             act_bytes: row.memory_bytes,
-            // weights + gradients + optimizer state
-            param_bytes: 2.0 * pbytes + elems * opt_bytes,
+            // weights + gradients + optimizer state, and the gradients' accumulator over
+            // several micro-batches
+            param_bytes: (if micro > 1 { 3.0 } else { 2.0 }) * pbytes + elems * opt_bytes,
             param_sync: sync,
             update: elems * if opts.optimizer == Optimizer::Adam { 28.0 } else { 20.0 } / cluster.device.mem_bandwidth,
             names: (node_name(&gm, n), node_name(&gm, n)),
@@ -248,7 +249,10 @@ pub fn price_pipeline(
         let bw: f64 = seg.iter().map(|u| u.bwd).sum::<f64>() + send_t;
         fwd.push(f);
         bwd.push(bw);
-        let act: f64 = seg.iter().map(|u| u.act_bytes).sum::<f64>() * schedule.in_flight(s, stages, micro) as f64;
+        // Kept activations and what the stage received, per micro-batch in flight.
+        let received = if a > 0 { cross[a] } else { 0.0 };
+        let act: f64 =
+            (seg.iter().map(|u| u.act_bytes).sum::<f64>() + received) * schedule.in_flight(s, stages, micro) as f64;
         let params: f64 = seg.iter().map(|u| u.param_bytes).sum();
         // Parameters' weights, gradients and optimizer state are kept together per stage.
         let mem = Memory { weights: params, gradients: 0.0, optimizer: 0.0, activations: act, workspace };
