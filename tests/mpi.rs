@@ -291,3 +291,33 @@ fn mpi_pipelines_with_several_devices_per_stage_train_like_one_device() {
         assert_eq!(out.matches(" ok ").count(), 4, "{model}: {out}");
     }
 }
+
+/// Rank 0 speaks for the job: a warning (here, weights drawn because their file is absent)
+/// is printed once, not once per rank.
+#[test]
+fn mpi_jobs_warn_once() {
+    if !mpirun_available() {
+        return;
+    }
+    let dir = tmp("warn-once");
+    let m = dir.join("m.onnxtxt");
+    std::fs::write(
+        &m,
+        r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[4,6] x) => (float[4,3] y) <float[6,3] w = ["location": "absent.bin", "offset": "0", "length": "72"]> {
+   y = MatMul (x, w)
+}"#,
+    )
+    .unwrap();
+    let o = mpirun(2)
+        .arg(env!("CARGO_BIN_EXE_shardc"))
+        .arg("train")
+        .arg(&m)
+        .args(["--loss", "mse", "--devices", "2", "--transport", "mpi", "--backend", "cpu", "--steps", "1"])
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert_eq!(out.matches("warning: 1 tensors have external data").count(), 1, "{out}");
+    std::fs::remove_dir_all(&dir).ok();
+}

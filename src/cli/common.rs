@@ -215,7 +215,7 @@ fn read_model(path: &Path) -> CliResult<Loaded> {
     note_input(path);
     let loaded = shardc::load_model(path).map_err(|e| CliError::new(e.render()))?;
     note_external_data(&loaded.model.graph, path);
-    if !loaded.warnings.is_empty() {
+    if !loaded.warnings.is_empty() && super::ui::warnings_shown() {
         eprint!("{}", loaded.source.render(&loaded.warnings));
     }
     Ok(loaded)
@@ -274,7 +274,9 @@ pub fn seeded_weights(
     if require {
         return Err(CliError::msg(format!("{what} (--require-weights); put the data files beside the model")));
     }
-    eprintln!("warning: {what}; their values are drawn from --seed {seed} (--require-weights refuses instead)");
+    if super::ui::warnings_shown() {
+        eprintln!("warning: {what}; their values are drawn from --seed {seed} (--require-weights refuses instead)");
+    }
     Ok(Some(format!("weights: {what}; drawn from --seed {seed}{extra}")))
 }
 
@@ -291,7 +293,7 @@ pub fn pass_error(e: &passes::PassError, source: &Source) -> CliError {
 
 /// Prints warnings (at most a few of each kind, so a stale export does not flood the screen).
 pub fn warn(items: &[passes::Located], source: &Source) {
-    if items.is_empty() {
+    if items.is_empty() || !super::ui::warnings_shown() {
         return;
     }
     let shown: Vec<_> = items.iter().take(5).cloned().collect();

@@ -34,6 +34,7 @@ impl TransportArgs {
         };
         if mpi.as_ref().is_some_and(|m| m.rank != 0) {
             super::ui::set(true, super::ui::verbose());
+            super::ui::mute_warnings();
         }
         Ok(mpi)
     }

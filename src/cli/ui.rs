@@ -11,6 +11,19 @@ use indicatif::{ProgressBar, ProgressStyle};
 use passes::autoshard::{Progress, SearchEvent};
 
 static QUIET: AtomicBool = AtomicBool::new(false);
+/// Warnings are printed: by every command, except by the MPI ranks other than 0 (rank 0 speaks
+/// for the job, so `mpirun -np 4` does not print each warning four times).
+static WARNINGS: AtomicBool = AtomicBool::new(true);
+
+/// This process is an MPI rank other than 0: its warnings are rank 0's too.
+pub fn mute_warnings() {
+    WARNINGS.store(false, Ordering::Relaxed);
+}
+
+/// Whether this process prints warnings ([`mute_warnings`]).
+pub fn warnings_shown() -> bool {
+    WARNINGS.load(Ordering::Relaxed)
+}
 static VERBOSE: AtomicBool = AtomicBool::new(false);
 
 /// Sets `--quiet` and `-v` for the whole command.
