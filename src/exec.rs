@@ -461,10 +461,7 @@ pub fn given_inputs(g: &Graph, path: &Path) -> Result<HashMap<String, Array>, St
                 names.join(", ")
             ));
         }
-        let a = array_from_json(v).map_err(|e| {
-            if e.starts_with("data[") { format!("inputs.{name}.{e}") } else { format!("input `{name}`: {e}") }
-        })?;
-        out.insert(name.clone(), a);
+        out.insert(name.clone(), array_from_json(v, &format!("inputs.{name}"))?);
     }
     Ok(out)
 }
@@ -522,10 +519,10 @@ pub fn reference_at_written_batch(
         let name = original.value_name(o.value);
         let new = g.outputs().get(i).and_then(|p| dims(g, p.value));
         let old = &parts[0][i].shape;
-        let axis = new.and_then(|n| {
-            let grown: Vec<usize> =
-                (0..n.len().min(old.len())).filter(|&a| n.len() == old.len() && n[a] as usize == old[a] * k).collect();
-            (grown.len() == 1 && k > 1).then(|| grown[0])
+        // The one axis that is k times as long (k > 1: some input's batch grew).
+        let axis = new.filter(|n| n.len() == old.len()).and_then(|n| {
+            let grown: Vec<usize> = (0..n.len()).filter(|&a| n[a] as usize == old[a] * k).collect();
+            (grown.len() == 1).then(|| grown[0])
         });
         let Some(axis) = axis else {
             return Err(format!("output `{name}` does not grow along one axis with the batch"));
@@ -535,39 +532,41 @@ pub fn reference_at_written_batch(
     Ok(joined)
 }
 
-/// One array of the golden JSON format.
-pub fn array_from_json(v: &serde_json::Value) -> Result<Array, String> {
-    let dtype = match v["dtype"].as_str().ok_or("no dtype")? {
+/// One array of the golden JSON format; `at` names it in errors (`inputs.ids`), which say
+/// where (`inputs.ids.data[3]: 3.7 is not an int64`).
+pub fn array_from_json(v: &serde_json::Value, at: &str) -> Result<Array, String> {
+    let fail = |why: &str| format!("{at}: {why}");
+    let dtype = match v["dtype"].as_str().ok_or_else(|| fail("no dtype"))? {
         "float32" => DType::Float,
         "float64" => DType::Double,
         "int64" => DType::Int64,
         "int32" => DType::Int32,
         "bool" => DType::Bool,
-        other => return Err(format!("unsupported dtype `{other}`")),
+        other => return Err(fail(&format!("unsupported dtype `{other}`"))),
     };
     let shape: Vec<usize> = v["shape"]
         .as_array()
-        .ok_or("no shape")?
+        .ok_or_else(|| fail("no shape"))?
         .iter()
-        .map(|d| d.as_u64().map(|x| x as usize).ok_or("a dim is not a number"))
+        .map(|d| d.as_u64().map(|x| x as usize).ok_or_else(|| fail("a dim is not a number")))
         .collect::<Result<_, _>>()?;
-    let data = v["data"].as_array().ok_or("no data")?;
+    let data = v["data"].as_array().ok_or_else(|| fail("no data"))?;
     let n: usize = shape.iter().product();
     if data.len() != n {
-        return Err(format!("{} values for shape {shape:?}", data.len()));
+        return Err(fail(&format!("{} values for shape {shape:?}", data.len())));
     }
-    let at = |k: usize, what: &str| format!("data[{k}]: {} is not {what}", data[k]);
+    let bad = |k: usize, what: &str| format!("{at}.data[{k}]: {} is not {what}", data[k]);
     let floats = || -> Result<Vec<f64>, String> {
         data.iter()
             .enumerate()
-            .map(|(k, x)| json_float(x).ok_or_else(|| at(k, "a number (or \"nan\", \"inf\", \"-inf\")")))
+            .map(|(k, x)| json_float(x).ok_or_else(|| bad(k, "a number (or \"nan\", \"inf\", \"-inf\")")))
             .collect()
     };
     Ok(match dtype {
         DType::Float => {
             let v = floats()?;
             if let Some(k) = v.iter().position(|x| x.is_finite() && (*x as f32).is_infinite()) {
-                return Err(at(k, "a float32 (it overflows to infinity)"));
+                return Err(bad(k, "a float32 (it overflows to infinity)"));
             }
             Array::f32(shape, v.into_iter().map(|x| x as f32).collect())
         }
@@ -576,7 +575,7 @@ pub fn array_from_json(v: &serde_json::Value) -> Result<Array, String> {
             shape,
             data.iter()
                 .enumerate()
-                .map(|(k, x)| x.as_bool().ok_or_else(|| at(k, "true or false")))
+                .map(|(k, x)| x.as_bool().ok_or_else(|| bad(k, "true or false")))
                 .collect::<Result<_, _>>()?,
         ),
         d => {
@@ -585,7 +584,7 @@ pub fn array_from_json(v: &serde_json::Value) -> Result<Array, String> {
             let ints = data
                 .iter()
                 .enumerate()
-                .map(|(k, x)| x.as_i64().filter(|v| (lo..=hi).contains(v)).ok_or_else(|| at(k, &format!("an {d}"))))
+                .map(|(k, x)| x.as_i64().filter(|v| (lo..=hi).contains(v)).ok_or_else(|| bad(k, &format!("an {d}"))))
                 .collect::<Result<_, _>>()?;
             Array::int(d, shape, ints)
         }

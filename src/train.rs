@@ -58,7 +58,7 @@ pub fn optimizer_from_json(v: &serde_json::Value) -> Result<OptimizerSpec, Strin
 
 fn tensors(v: &serde_json::Value) -> Result<BTreeMap<String, Array>, String> {
     let obj = v.as_object().ok_or("a tensor map is not an object")?;
-    obj.iter().map(|(k, t)| Ok((k.clone(), array_from_json(t).map_err(|e| format!("`{k}`: {e}"))?))).collect()
+    obj.iter().map(|(k, t)| Ok((k.clone(), array_from_json(t, k)?))).collect()
 }
 
 impl TrainCase {
@@ -525,6 +525,17 @@ pub fn divergence(
         gradients: bad(gradients),
     };
     (d.loss_step.is_some() || !d.parameters.0.is_empty() || !d.gradients.is_empty()).then_some(d)
+}
+
+/// What to say of the single-device reference's divergence beside the run's (`run_diverged`):
+/// divergence is the model's and its settings', not the plan's, when one device does it too.
+pub fn reference_divergence_note(run_diverged: bool, reference: Option<Divergence>) -> Option<String> {
+    match (run_diverged, reference) {
+        (true, Some(r)) => Some(format!("the single-device reference diverged too: {r}")),
+        (false, Some(r)) => Some(format!("the single-device reference diverged: {r}")),
+        (true, None) => Some("the single-device reference did not diverge".into()),
+        (false, None) => None,
+    }
 }
 
 impl std::fmt::Display for Divergence {

@@ -403,6 +403,17 @@ fn tmpdir(tag: &str) -> PathBuf {
     d
 }
 
+/// Two tensors of the golden JSON format hold the same number of values, each within
+/// `atol + rtol·|expected|` of `want`'s; `what` names them in the failure.
+fn assert_close(got: &serde_json::Value, want: &serde_json::Value, (rtol, atol): (f64, f64), what: &str) {
+    let (g, w) = (got["data"].as_array().unwrap(), want["data"].as_array().unwrap());
+    assert_eq!(g.len(), w.len(), "{what}");
+    for (i, (a, b)) in g.iter().zip(w).enumerate() {
+        let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+        assert!((a - b).abs() <= atol + rtol * b.abs(), "{what}[{i}]: {a}, expected {b}");
+    }
+}
+
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).to_string()
 }
@@ -1656,12 +1667,8 @@ fn stats_count_the_weights_of_subgraphs() {
 #[test]
 fn absent_weights_warn_or_are_refused() {
     let dir = tmpdir("absent-weights");
-    let text = r#"<ir_version: 8, opset_import: ["" : 18]>
-g (float[4,6] x) => (float[4,3] y) <float[6,3] w = ["location": "absent.bin", "offset": "0", "length": "72"]> {
-   y = MatMul (x, w)
-}"#;
     let m = dir.join("m.onnxtxt");
-    std::fs::write(&m, text).unwrap();
+    std::fs::write(&m, shardc_tests::external_weight_model("absent.bin", "0")).unwrap();
     let m = m.to_str().unwrap();
     for cmd in
         [vec!["run", m, "--backend", "cpu"], vec!["train", m, "--loss", "mse", "--backend", "cpu", "--steps", "1"]]
@@ -1848,13 +1855,8 @@ fn dynamo_exports_change_sequence_length_correctly_or_refuse() {
             }
             assert!(o.status.success(), "{name} at {seq}: {}", stderr(&o));
             let got: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
-            let (g, w) = (&got["outputs"]["logits"]["data"], &doc["outputs"]["logits"]["data"]);
-            let (g, w) = (g.as_array().unwrap(), w.as_array().unwrap());
-            assert_eq!(g.len(), w.len(), "{name} at {seq}");
-            for (i, (a, b)) in g.iter().zip(w).enumerate() {
-                let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
-                assert!((a - b).abs() <= 1e-4 + 1e-4 * b.abs(), "{name} at {seq}: logits[{i}] {a}, torch {b}");
-            }
+            let what = format!("{name} at {seq}: logits (torch's)");
+            assert_close(&got["outputs"]["logits"], &doc["outputs"]["logits"], (1e-4, 1e-4), &what);
         }
     }
     std::fs::remove_dir_all(&dir).ok();
@@ -1866,14 +1868,7 @@ fn dynamo_exports_change_sequence_length_correctly_or_refuse() {
 #[test]
 fn external_data_is_a_file_in_the_models_directory() {
     let dir = tmpdir("external-kinds");
-    let model = |offset: &str| {
-        format!(
-            r#"<ir_version: 8, opset_import: ["" : 18]>
-g (float[4,6] x) => (float[4,3] y) <float[6,3] w = ["location": "w.bin", "offset": "{offset}", "length": "72"]> {{
-   y = MatMul (x, w)
-}}"#
-        )
-    };
+    let model = |offset: &str| shardc_tests::external_weight_model("w.bin", offset);
     let m = dir.join("m.onnxtxt");
     std::fs::write(&m, model("0")).unwrap();
     let run = || shardc(&["run", m.to_str().unwrap(), "--backend", "cpu", "--require-weights"]);
@@ -2004,12 +1999,7 @@ fn recurrent_sequences_are_never_cut_as_batches() {
         }
         let got: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
         for (name, want) in io["outputs"].as_object().unwrap() {
-            let (g, w) = (got["outputs"][name]["data"].as_array().unwrap(), want["data"].as_array().unwrap());
-            assert_eq!(g.len(), w.len(), "{name}");
-            for (i, (a, b)) in g.iter().zip(w).enumerate() {
-                let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
-                assert!((a - b).abs() <= 1e-5 + 1e-4 * b.abs(), "{extra:?} {name}[{i}]: {a}, onnxruntime {b}");
-            }
+            assert_close(&got["outputs"][name], want, (1e-4, 1e-5), &format!("{extra:?} {name} (onnxruntime's)"));
         }
     }
     std::fs::remove_dir_all(&dir).ok();

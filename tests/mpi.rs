@@ -301,14 +301,7 @@ fn mpi_jobs_warn_once() {
     }
     let dir = tmp("warn-once");
     let m = dir.join("m.onnxtxt");
-    std::fs::write(
-        &m,
-        r#"<ir_version: 8, opset_import: ["" : 18]>
-g (float[4,6] x) => (float[4,3] y) <float[6,3] w = ["location": "absent.bin", "offset": "0", "length": "72"]> {
-   y = MatMul (x, w)
-}"#,
-    )
-    .unwrap();
+    std::fs::write(&m, shardc_tests::external_weight_model("absent.bin", "0")).unwrap();
     let o = mpirun(2)
         .arg(env!("CARGO_BIN_EXE_shardc"))
         .arg("train")

@@ -87,6 +87,12 @@ impl PartialEq for ExternalValues {
 impl Eq for ExternalValues {}
 
 impl RebatchSpec {
+    /// Micro-batches of `mb` samples of a graph that is only priced (a pipeline's stages):
+    /// constants held as external data change shape without being read.
+    pub fn priced_micro_batch(mb: i64) -> RebatchSpec {
+        RebatchSpec { batch: Some(mb), micro_batch: true, external: ExternalData::ShapesOnly, ..Default::default() }
+    }
+
     /// True when nothing is asked.
     pub fn is_empty(&self) -> bool {
         self.batch.is_none() && self.input_shapes.is_empty() && self.dims.is_empty()
@@ -356,17 +362,10 @@ fn reaches(g: &Graph, from: Value, target: Value) -> bool {
 /// Regenerates constant `t` so that axis `axis` grows from `old` to `new` elements, when the
 /// data follows a pattern along that axis.
 fn regenerate(t: &Tensor, axis: usize, new: i64) -> Result<Tensor, String> {
-    let mut out = t.clone();
-    out.dims[axis] = new;
-    if let TensorData::External(entries) = &t.data {
-        let bytes = out.numel() * t.dtype.size_bytes();
-        out.data = TensorData::External(
-            entries
-                .iter()
-                .map(|(k, v)| if k == "length" { (k.clone(), bytes.to_string()) } else { (k.clone(), v.clone()) })
-                .collect(),
-        );
-        return Ok(out);
+    if t.is_external() {
+        let mut dims = t.dims.clone();
+        dims[axis] = new;
+        return Ok(external_reshaped(t, dims));
     }
     let a = Array::from_tensor(t).map_err(|e| e.to_string())?;
     let v = a.to_f64().map_err(|e| e.to_string())?;
@@ -424,6 +423,22 @@ fn regenerate(t: &Tensor, axis: usize, new: i64) -> Result<Tensor, String> {
     Ok(arr.to_tensor())
 }
 
+/// External tensor `t` at `dims`, its values left unread ([`ExternalData::ShapesOnly`], or a
+/// file that is not there: drawn from a seed at any shape); its `length` follows the dims.
+fn external_reshaped(t: &Tensor, dims: Vec<i64>) -> Tensor {
+    let mut out = t.clone();
+    out.dims = dims;
+    let bytes = out.numel() * t.dtype.size_bytes();
+    if let TensorData::External(entries) = &mut out.data {
+        for (k, v) in entries.iter_mut() {
+            if k == "length" {
+                *v = bytes.to_string();
+            }
+        }
+    }
+    out
+}
+
 /// Whether every slice of `t` along `axis` holds the same values (external data: unknown, so
 /// no).
 fn uniform_along(t: &Tensor, axis: usize) -> bool {
@@ -438,18 +453,11 @@ fn uniform_along(t: &Tensor, axis: usize) -> bool {
 /// Regenerates a square mask over two axes that both grow (causal masks): values must depend
 /// only on the sign of `col - row`.
 fn regenerate_square(t: &Tensor, ax: (usize, usize), new: i64) -> Result<Tensor, String> {
-    let mut out = t.clone();
-    out.dims[ax.0] = new;
-    out.dims[ax.1] = new;
-    if let TensorData::External(entries) = &t.data {
-        let bytes = out.numel() * t.dtype.size_bytes();
-        out.data = TensorData::External(
-            entries
-                .iter()
-                .map(|(k, v)| if k == "length" { (k.clone(), bytes.to_string()) } else { (k.clone(), v.clone()) })
-                .collect(),
-        );
-        return Ok(out);
+    if t.is_external() {
+        let mut dims = t.dims.clone();
+        dims[ax.0] = new;
+        dims[ax.1] = new;
+        return Ok(external_reshaped(t, dims));
     }
     if ax.1 != ax.0 + 1 || ax.1 != t.dims.len() - 1 {
         return Err("a mask over two changed axes must have them last".into());

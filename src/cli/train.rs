@@ -727,14 +727,8 @@ pub fn run(args: &TrainArgs) -> CliResult {
         let rg = reference.as_ref().map_or(g, |t| &t.graph);
         let (want, want_grads, ref_params, ref_state) =
             shardc::train::reference_run(rg, &inputs, args.steps).map_err(CliError::msg)?;
-        // Divergence is the model's and its settings', not the plan's, when one device does it
-        // too (NaN then compares equal to NaN).
-        match (&diverged, shardc::train::divergence(&want, &ref_params, &want_grads)) {
-            (Some(_), Some(r)) => notes.push(format!("the single-device reference diverged too: {r}")),
-            (None, Some(r)) => notes.push(format!("the single-device reference diverged: {r}")),
-            (Some(_), None) => notes.push("the single-device reference did not diverge".into()),
-            (None, None) => {}
-        }
+        let reference_diverged = shardc::train::divergence(&want, &ref_params, &want_grads);
+        notes.extend(shardc::train::reference_divergence_note(diverged.is_some(), reference_diverged));
         checks.push(check_losses("losses (reference)", &losses, &want, tol));
         checks.push(check_all("gradients (reference)", &gradients, &want_grads, tol));
         checks.push(match opt {

@@ -262,3 +262,15 @@ pub fn python_with(modules: &[&str]) -> Option<String> {
     }
     ok.then_some(python)
 }
+
+/// A one-MatMul model, `y = x·w` with `x` float[4,6], whose weight `w` (float[6,3], 72 bytes)
+/// is external data at `location` and `offset`: for the tests of absent, odd and unreadable
+/// weight files.
+pub fn external_weight_model(location: &str, offset: &str) -> String {
+    format!(
+        r#"<ir_version: 8, opset_import: ["" : 18]>
+g (float[4,6] x) => (float[4,3] y) <float[6,3] w = ["location": "{location}", "offset": "{offset}", "length": "72"]> {{
+   y = MatMul (x, w)
+}}"#
+    )
+}

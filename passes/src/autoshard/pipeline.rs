@@ -38,7 +38,7 @@ use crate::cost::model::{CommEvent, Memory, OpRow, Phase};
 use crate::cost::pipeline::graph_batch;
 use crate::cost::strategy::Schedule;
 use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Options};
-use crate::rebatch::{ExternalData, RebatchSpec, rebatch};
+use crate::rebatch::{RebatchSpec, rebatch};
 
 use super::{SearchOptions, mesh_string};
 
@@ -578,15 +578,7 @@ impl MicroGraphs<'_> {
         }
         let mut gm = self.g.clone();
         if mb != self.batch
-            && let Err(e) = rebatch(
-                &mut gm,
-                &RebatchSpec {
-                    batch: Some(mb),
-                    micro_batch: true,
-                    external: ExternalData::ShapesOnly,
-                    ..Default::default()
-                },
-            )
+            && let Err(e) = rebatch(&mut gm, &RebatchSpec::priced_micro_batch(mb))
         {
             self.refused = Some((mb, e.to_string()));
             return None;

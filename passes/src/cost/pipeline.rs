@@ -22,7 +22,7 @@ use super::cluster::Cluster;
 use super::collective::{self, all_reduce_over, total};
 use super::model::{Breakdown, CostModel, Memory, Optimizer, Options, Precision};
 use super::strategy::{Named, Schedule, assign};
-use crate::rebatch::{ExternalData, RebatchSpec, rebatch};
+use crate::rebatch::{RebatchSpec, rebatch};
 
 impl Schedule {
     /// The schedule's name.
@@ -141,16 +141,7 @@ pub fn price_pipeline(
     let mut gm = g.clone();
     let mb = batch / micro as i64;
     if mb != batch {
-        rebatch(
-            &mut gm,
-            &RebatchSpec {
-                batch: Some(mb),
-                micro_batch: true,
-                external: ExternalData::ShapesOnly,
-                ..Default::default()
-            },
-        )
-        .map_err(|e| {
+        rebatch(&mut gm, &RebatchSpec::priced_micro_batch(mb)).map_err(|e| {
             format!(
                 "pipeline: cannot re-batch to micro-batches of {mb}: {}",
                 e.errors.first().map(|x| x.msg.clone()).unwrap_or_default()
