@@ -25,6 +25,7 @@ pub use passes;
 
 pub mod calibrate;
 pub mod exec;
+pub mod footprint;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod report;

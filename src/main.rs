@@ -58,6 +58,7 @@ fn main() {
         // SAFETY: the process is single-threaded here; nothing reads the environment concurrently.
         unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
     }
+    one_heap();
     let cli = Cli::parse();
     cli::ui::set(cli.quiet, cli.verbose);
     cli::signals::install();
@@ -79,5 +80,16 @@ fn main() {
     if let Err(e) = result {
         eprint!("{}", e.message);
         std::process::exit(e.code);
+    }
+}
+
+/// One malloc arena for the whole process: glibc otherwise gives each device thread its own,
+/// and each keeps the tensors it freed (a 4-device ResNet-18 step peaked at 720 MB of RSS
+/// for 560 MB of live heap; 580 MB with one arena, in the same time).
+fn one_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: called before any thread starts; mallopt only sets an allocator parameter.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
     }
 }

@@ -347,7 +347,8 @@ pub struct TrainRun {
     /// The other state the steps carry, after the last step: BatchNorm's running statistics,
     /// the optimizer's moments and step count (gathered from the shards).
     pub state: BTreeMap<String, Array>,
-    /// The runtime's report (per device times, memory, the last step's outputs).
+    /// The runtime's report (per device times and memory; the first step's outputs and the
+    /// state moved into the fields above).
     pub report: codegen::RunReport,
 }
 
@@ -383,31 +384,27 @@ pub fn run_steps_with(
         steps: steps + 1,
         carry: info.state.iter().map(|(s, n)| (s.clone(), n.clone())).collect(),
         every_step: vec![info.loss.clone()],
-        keep_first: true,
+        first_step: info.gradients.values().cloned().collect(),
+        // The extra step measures the loss after the last update; the rest stays on the devices.
+        outputs_at_end: false,
         updates: Some(steps),
         ..Default::default()
     };
-    let report = codegen::run(program, inputs, &run_opts).map_err(|e| format!("training failed: {e}"))?;
+    let mut report = codegen::run(program, inputs, &run_opts).map_err(|e| format!("training failed: {e}"))?;
     let losses: Vec<f64> = report
         .per_step
         .iter()
         .map(|s| s.iter().find(|(n, _)| *n == info.loss).and_then(|(_, a)| a.to_f64().ok()).map_or(f64::NAN, |v| v[0]))
         .collect();
-    let first: HashMap<&str, &Array> =
-        report.per_step.first().map(|s| s.iter().map(|(n, a)| (n.as_str(), a)).collect()).unwrap_or_default();
-    let gradients: BTreeMap<String, Array> = info
-        .gradients
-        .iter()
-        .filter_map(|(p, gname)| first.get(gname.as_str()).map(|a| (p.clone(), (*a).clone())))
-        .collect();
-    let state: HashMap<&str, &Array> = report.state.iter().map(|(n, a)| (n.as_str(), a)).collect();
+    // The first step's gradients and the final state move out of the report.
+    let mut first: HashMap<String, Array> =
+        report.per_step.first_mut().map(|s| s.drain(..).collect()).unwrap_or_default();
+    let gradients: BTreeMap<String, Array> =
+        info.gradients.iter().filter_map(|(p, gname)| first.remove(gname).map(|a| (p.clone(), a))).collect();
+    let mut state: HashMap<String, Array> = report.state.drain(..).collect();
     let parameters: BTreeMap<String, Array> =
-        info.trainable.iter().filter_map(|p| state.get(p.as_str()).map(|a| (p.clone(), (*a).clone()))).collect();
-    let state: BTreeMap<String, Array> = state
-        .iter()
-        .filter(|(n, _)| info.state.contains_key(**n) && !info.trainable.iter().any(|p| p == *n))
-        .map(|(n, a)| (n.to_string(), (*a).clone()))
-        .collect();
+        info.trainable.iter().filter_map(|p| state.remove(p).map(|a| (p.clone(), a))).collect();
+    let state: BTreeMap<String, Array> = state.into_iter().filter(|(n, _)| info.state.contains_key(n)).collect();
     Ok(TrainRun { losses, gradients, parameters, state, report })
 }
 

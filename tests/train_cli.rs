@@ -139,6 +139,18 @@ fn loss_decreases_over_twenty_sgd_steps() {
             assert_eq!(mem, 4, "{model}: {}", doc["devices"]);
             assert!(doc["memory_predicted_bytes"].as_u64().is_some(), "{model}: no predicted memory");
         }
+        // The process's memory beside what the run promised, part by part.
+        let host = &doc["host_memory"];
+        let promised = host["promised_bytes"].as_u64().unwrap_or(0);
+        let parts: u64 = host["promise"].as_array().map_or(0, |p| p.iter().filter_map(|x| x["bytes"].as_u64()).sum());
+        assert!(promised > 0 && promised == parts, "{model}: {host}");
+        let constants = host["promise"].as_array().and_then(|p| {
+            p.iter().find(|x| x["what"].as_str().is_some_and(|w| w.starts_with("constants of the model")))
+        });
+        assert!(constants.and_then(|c| c["bytes"].as_u64()).is_some_and(|b| b > 0), "{model}: {host}");
+        if cfg!(target_os = "linux") {
+            assert!(host["peak_rss_bytes"].as_u64().is_some_and(|b| b > 0), "{model}: {host}");
+        }
         let losses: Vec<f64> =
             doc["losses"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect();
         assert_eq!(losses.len(), 21, "{model}: {losses:?}");

@@ -145,17 +145,23 @@ pub fn piece(a: &Array, layout: &[AxisShard], mesh: &Mesh, coords: &[usize]) -> 
 /// Assembles a tensor of `shape` from the pieces every device of `mesh` holds (indexed by
 /// device rank in the mesh), under `layout`: split pieces are placed, replicas taken once,
 /// partial sums added.
-pub fn assemble(pieces: &[Array], layout: &[AxisShard], mesh: &Mesh, shape: &[usize]) -> Array {
+pub fn assemble(pieces: Vec<Array>, layout: &[AxisShard], mesh: &Mesh, shape: &[usize]) -> Array {
     let dtype = pieces.first().map_or(DType::Float, |p| p.dtype);
+    // One copy per replica group: coordinate 0 on replicated axes.
+    let mut held: Vec<(Vec<usize>, Array)> = pieces
+        .into_iter()
+        .enumerate()
+        .map(|(rank, p)| (mesh.coords(rank), p))
+        .filter(|(c, _)| !layout.iter().enumerate().any(|(a, s)| *s == AxisShard::Replicate && c[a] != 0))
+        .collect();
+    // A piece that is the whole value is the value (no copy).
+    if held.len() == 1 && held[0].1.shape == shape {
+        return held.pop().expect("one piece").1;
+    }
     let mut out = zeros_like(dtype, shape.to_vec());
-    for (rank, p) in pieces.iter().enumerate() {
-        let c = mesh.coords(rank);
-        // One copy per replica group: coordinate 0 on replicated axes.
-        if layout.iter().enumerate().any(|(a, s)| *s == AxisShard::Replicate && c[a] != 0) {
-            continue;
-        }
-        let origin: Vec<usize> = (0..shape.len()).map(|d| dim_range(layout, mesh, &c, d, shape[d]).0).collect();
-        let add = layout.contains(&AxisShard::Partial);
+    let add = layout.contains(&AxisShard::Partial);
+    for (c, p) in &held {
+        let origin: Vec<usize> = (0..shape.len()).map(|d| dim_range(layout, mesh, c, d, shape[d]).0).collect();
         paste(&mut out, p, &origin, add);
     }
     out
@@ -252,7 +258,7 @@ mod tests {
             vec![AxisShard::Replicate, AxisShard::Replicate],
         ] {
             let pieces: Vec<Array> = (0..4).map(|r| piece(&a, &layout, &m, &m.coords(r))).collect();
-            assert_eq!(assemble(&pieces, &layout, &m, &a.shape), a, "{layout:?}");
+            assert_eq!(assemble(pieces, &layout, &m, &a.shape), a, "{layout:?}");
         }
         // Outer axis first: with S(0) on both axes, device (1, 0) holds rows 2..3.
         let p = piece(&a, &[AxisShard::Split(0), AxisShard::Split(0)], &m, &[1, 0]);

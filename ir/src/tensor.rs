@@ -318,6 +318,21 @@ impl Tensor {
         self.numel().saturating_mul(self.dtype.size_bytes())
     }
 
+    /// Bytes its values take in host memory as stored here (nothing for external data not
+    /// loaded).
+    pub fn host_bytes(&self) -> u64 {
+        let n = |len: usize, each: usize| (len as u64).saturating_mul(each as u64);
+        match &self.data {
+            TensorData::Int32(v) => n(v.len(), 4),
+            TensorData::Int64(v) => n(v.len(), 8),
+            TensorData::Uint64(v) => n(v.len(), 8),
+            TensorData::Float(v) => n(v.len(), 4),
+            TensorData::Double(v) => n(v.len(), 8),
+            TensorData::Strings(v) => v.iter().map(|s| s.len() as u64 + 24).sum(),
+            TensorData::External(_) => 0,
+        }
+    }
+
     /// The values as `f64`, decoding float16/bfloat16 bit patterns; `None` for external data,
     /// strings and complex numbers.
     pub fn to_f64_vec(&self) -> Option<Vec<f64>> {

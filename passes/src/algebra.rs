@@ -304,27 +304,37 @@ fn origin_concat(os: Vec<Option<Origin>>, lens: &[i64], axis: usize) -> Option<O
 pub fn model_tensors(
     g: &Graph,
     dims: &std::collections::HashMap<String, Vec<usize>>,
-    tensors: &std::collections::BTreeMap<String, Array>,
+    tensors: std::collections::BTreeMap<String, Array>,
 ) -> std::collections::BTreeMap<String, Array> {
     use std::collections::BTreeMap;
     let mut out = BTreeMap::new();
+    // The tensors cut into fragments, kept to fall back on.
+    let mut cut: BTreeMap<String, Array> = BTreeMap::new();
     // Per model tensor: its pieces (axis, start, end, values) and the tensors they came from.
     type Fragments = (Vec<(usize, i64, i64, Array)>, Vec<String>);
     let mut frags: BTreeMap<String, Fragments> = BTreeMap::new();
     for (name, a) in tensors {
-        let o = match g.lookup(name) {
+        let o = match g.lookup(&name) {
             Some(v) if g.initializer(v).is_some() => origin(g, v),
             _ => None,
         };
         let Some(o) = o.filter(|o| o.axis < a.shape.len().max(1)) else {
-            out.insert(name.clone(), a.clone());
+            out.insert(name, a);
             continue;
         };
+        let fragmented = o.pieces.iter().any(|p| p.slice.is_some());
+        let mut whole = Some(a);
         let mut at = 0usize;
         for p in &o.pieces {
             let len = p.len.max(0) as usize;
-            let part =
-                if o.pieces.len() == 1 { a.clone() } else { a.slice_axis(o.axis, at, (at + len).min(a.shape[o.axis])) };
+            let a = whole.as_ref().expect("the tensor");
+            let part = if o.pieces.len() > 1 {
+                a.slice_axis(o.axis, at, (at + len).min(a.shape[o.axis]))
+            } else if fragmented {
+                a.clone()
+            } else {
+                whole.take().expect("the tensor")
+            };
             at += len;
             match p.slice {
                 None => {
@@ -343,6 +353,9 @@ pub fn model_tensors(
                     f.1.push(name.clone());
                 }
             }
+        }
+        if let Some(a) = whole.filter(|_| fragmented) {
+            cut.insert(name, a);
         }
     }
     for (tensor, (mut parts, from)) in frags {
@@ -365,7 +378,8 @@ pub fn model_tensors(
             out.insert(tensor, Array::concat_axis(&arrays, parts[0].0));
         } else {
             for n in from {
-                out.insert(n.clone(), tensors[&n].clone());
+                let a = cut.get(&n).cloned().expect("a fragmented tensor is kept");
+                out.insert(n, a);
             }
         }
     }
@@ -2001,7 +2015,7 @@ g (float[2,3,8] x) => (float[2,3,2,4] qh, float[2,3,2,4] kh, float[2,3,2,2] vh)
         let mut joined = std::collections::BTreeMap::new();
         let a = ir::eval::draw_external(g.initializer(w).unwrap(), "w", "weight", 3).unwrap();
         joined.insert(g.value_name(w).to_string(), a.clone());
-        let back = model_tensors(g, &dims, &joined);
+        let back = model_tensors(g, &dims, joined.clone());
         assert_eq!(back["wv"].shape, [8, 4]);
         assert_eq!(back["wq"].slice_axis(1, 4, 8), a.slice_axis(1, 10, 14));
     }
@@ -2140,7 +2154,7 @@ g (float[3,4] x) => (float[3,2] a, float[3,4] b, float[3,3] d)
         ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
         let split = weights(&m.graph);
         assert!(split.contains_key("w[:,2:6]") && !split.contains_key("w"));
-        assert_eq!(model_tensors(&m.graph, &dims, &split), want);
+        assert_eq!(model_tensors(&m.graph, &dims, split.clone()), want);
         // All three GEMMs read `x`: they join, the columns of `w` as one piece.
         assert_eq!(fuse_gemms(&mut m.graph).unwrap(), 1);
         ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
@@ -2156,15 +2170,15 @@ g (float[3,4] x) => (float[3,2] a, float[3,4] b, float[3,3] d)
                 ]
             }
         );
-        assert_eq!(model_tensors(&m.graph, &dims, &joined), want);
+        assert_eq!(model_tensors(&m.graph, &dims, joined.clone()), want);
         // Un-fused again: the parts of the joined weight, still the model's columns.
         assert_eq!(unfuse_split_gemm(&mut m.graph).unwrap(), (1, 3));
-        assert_eq!(model_tensors(&m.graph, &dims, &weights(&m.graph)), want);
+        assert_eq!(model_tensors(&m.graph, &dims, weights(&m.graph)), want);
         // A tensor of no known origin, or missing a part, keeps its name.
         let mut some = split.clone();
         some.remove("w[:,0:2]");
         some.insert("other".into(), want["u"].clone());
-        let back = model_tensors(&model_after_unfuse(&text), &dims, &some);
+        let back = model_tensors(&model_after_unfuse(&text), &dims, some.clone());
         assert!(back.contains_key("w[:,2:6]") && back.contains_key("other") && !back.contains_key("w"));
         assert_eq!(back["c"], want["c"]);
     }

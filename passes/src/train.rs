@@ -37,21 +37,19 @@ impl Trainer {
     /// Runs one step on `inputs` and applies the update.
     pub fn step(&mut self, inputs: &HashMap<String, Array>) -> Result<StepOut, String> {
         let outs = ir::eval::run(&self.graph, inputs, &Default::default()).map_err(|e| e.to_string())?;
-        let by_name: HashMap<&str, &Array> =
-            self.graph.outputs().iter().zip(&outs).map(|(o, a)| (self.graph.value_name(o.value), a)).collect();
         let loss = outs.first().ok_or("no loss")?.to_f64().map_err(|e| e.to_string())?[0];
+        // The outputs move into the gradients and the next state.
+        let names: Vec<String> =
+            self.graph.outputs().iter().map(|o| self.graph.value_name(o.value).to_string()).collect();
+        let mut by_name: HashMap<String, Array> = names.into_iter().zip(outs).collect();
         let mut gradients = BTreeMap::new();
         for (p, gname) in &self.info.gradients {
-            gradients.insert(p.clone(), (*by_name.get(gname.as_str()).ok_or("a gradient output is missing")?).clone());
+            gradients.insert(p.clone(), by_name.remove(gname).ok_or("a gradient output is missing")?);
         }
-        let updates: Vec<(String, Array)> = self
-            .info
-            .state
-            .iter()
-            .map(|(s, next)| Ok((s.clone(), (*by_name.get(next.as_str()).ok_or("a state output is missing")?).clone())))
-            .collect::<Result<_, String>>()?;
-        for (s, a) in updates {
-            self.set(&s, &a)?;
+        let states: Vec<(String, String)> = self.info.state.iter().map(|(s, n)| (s.clone(), n.clone())).collect();
+        for (s, next) in states {
+            let a = by_name.remove(&next).ok_or("a state output is missing")?;
+            self.set_owned(&s, a)?;
         }
         Ok(StepOut { loss, gradients })
     }
@@ -70,13 +68,16 @@ impl Trainer {
 
     /// Sets initializer `name`.
     pub fn set(&mut self, name: &str, a: &Array) -> Result<(), String> {
+        self.set_owned(name, a.clone())
+    }
+
+    /// [`Trainer::set`], taking the array.
+    fn set_owned(&mut self, name: &str, a: Array) -> Result<(), String> {
         let v: Value = self.graph.lookup(name).ok_or_else(|| format!("no initializer `{name}`"))?;
         if self.graph.initializer(v).is_none() {
             return Err(format!("`{name}` is not an initializer"));
         }
-        let mut t = a.to_tensor();
-        t.name = None;
-        self.graph.set_op(v.node, Op::Initializer(t));
+        self.graph.set_op(v.node, Op::Initializer(a.into_tensor()));
         Ok(())
     }
 }

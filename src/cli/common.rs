@@ -619,25 +619,18 @@ pub fn check_plan_model(
 }
 
 /// The check before a run allocates: the bytes the host and each device will hold
-/// (weights, inputs, activations at the programs' peaks, the single-device reference when
-/// one runs) against what there is (the host's available memory; on a GPU, the largest
-/// buffer the adapter allows). Over it, an error with the numbers and what to reduce.
+/// ([`shardc::footprint`]: the constants of `held` and of the device programs, the inputs,
+/// activations at the programs' peaks, the single-device reference when one runs) against
+/// what there is (the host's available memory; on a GPU, the largest buffer the adapter
+/// allows). Over it, an error with the numbers and what to reduce; else the promise.
 pub fn preflight(
     program: &codegen::Program,
+    held: &[(&str, &ir::Graph)],
     global: &ir::Graph,
     reference: Option<&ir::Graph>,
     backend: codegen::Backend,
-) -> CliResult {
+) -> CliResult<shardc::footprint::Footprint> {
     let too_large = || CliError::msg("a tensor of this run is too large to count; reduce --batch or --input-shape");
-    let inputs: u64 = global
-        .input_values()
-        .into_iter()
-        .filter(|v| matches!(global.node(v.node).op, ir::Op::Input { default: None }))
-        .map(|v| global.tensor_type(v).map_or(Some(0), |t| t.size_bytes()))
-        .try_fold(0u64, |a, b| a.checked_add(b?))
-        .ok_or_else(too_large)?;
-    let peaks: Vec<u64> = program.peak_bytes().into_iter().collect::<Option<_>>().ok_or_else(too_large)?;
-    let devices_total = peaks.iter().try_fold(0u64, |a, &b| a.checked_add(b)).ok_or_else(too_large)?;
     let gpu = match backend {
         codegen::Backend::Wgpu => codegen::runtime::gpu_limits().ok(),
         codegen::Backend::Cpu => None,
@@ -657,27 +650,40 @@ pub fn preflight(
             }
         }
     }
-    let mut parts: Vec<(String, u64)> = vec![("inputs".into(), inputs)];
-    if gpu.as_ref().is_none_or(|l| l.host_memory) {
-        parts.push((format!("{} device programs at their peak", peaks.len()), devices_total));
-    }
-    if let Some(r) = reference {
-        let keep = std::collections::HashSet::new();
-        parts
-            .push(("the single-device reference".into(), codegen::memory::peak_bytes(r, &keep).ok_or_else(too_large)?));
-    }
-    let need = parts.iter().try_fold(0u64, |a, (_, b)| a.checked_add(*b)).ok_or_else(too_large)?;
+    let on_host = gpu.as_ref().is_none_or(|l| l.host_memory);
+    let promise = shardc::footprint::footprint(program, held, global, on_host, reference).ok_or_else(too_large)?;
+    let need = promise.total();
     if let Some(avail) = codegen::runtime::host_memory_available()
         && need > avail
     {
-        let list: Vec<String> = parts.iter().map(|(w, b)| format!("{w} {}", bytes(*b as f64))).collect();
         return Err(CliError::msg(format!(
             "this run needs about {} of host memory ({}) but {} is available; reduce --batch or --input-shape{}",
             bytes(need as f64),
-            list.join(", "),
+            promise.describe(|b| bytes(b as f64)),
             bytes(avail as f64),
             if reference.is_some() { ", or leave out --check" } else { "" }
         )));
     }
-    Ok(())
+    Ok(promise)
+}
+
+/// The process's memory against its promise, for `--json`: the peak resident set, the
+/// promised total and its parts.
+pub fn host_memory_json(promise: &shardc::footprint::Footprint) -> serde_json::Value {
+    serde_json::json!({
+        "peak_rss_bytes": shardc::footprint::peak_rss_bytes(),
+        "promised_bytes": promise.total(),
+        "promise": promise.parts.iter().map(|(w, b)| serde_json::json!({"what": w, "bytes": b})).collect::<Vec<_>>(),
+    })
+}
+
+/// The report's `host memory` line: the process's peak resident set against the promise.
+pub fn host_memory_line(promise: &shardc::footprint::Footprint) -> String {
+    let peak = shardc::footprint::peak_rss_bytes()
+        .map_or_else(|| "peak not measured".to_string(), |b| format!("{} peak", bytes(b as f64)));
+    format!(
+        "host memory  {peak}; {} promised ({})\n",
+        bytes(promise.total() as f64),
+        promise.describe(|b| bytes(b as f64))
+    )
 }

@@ -201,7 +201,7 @@ pub fn run(args: &RunArgs) -> CliResult {
         notes.push(format!("runs replicated instead of as planned: {f}"));
     }
     let (be, warn_be) = backend(args)?;
-    preflight(&program, g, args.check.then_some(g), be)?;
+    let promise = preflight(&program, &[("model", g)], g, args.check.then_some(g), be)?;
     let inputs = exec::inputs_for(g, given.as_ref(), args.seed).map_err(CliError::msg)?;
     if let Some(w) = warn_be {
         notes.push(format!("warning: {w}"));
@@ -273,6 +273,7 @@ pub fn run(args: &RunArgs) -> CliResult {
                 serde_json::json!({"cluster": c, "forward_s": f, "error": error})
             }),
             "micro_batches": program.micro_batches,
+            "host_memory": host_memory_json(&promise),
             "notes": notes,
             "check": checks.iter().map(|(n, a, r, ok)| serde_json::json!({"output": n, "max_abs_error": a, "max_rel_error": r, "ok": ok})).collect::<Vec<_>>(),
         });
@@ -292,6 +293,7 @@ pub fn run(args: &RunArgs) -> CliResult {
             format!("{be:?}").to_lowercase(),
             report.wall_s
         ));
+        t.push_str(&host_memory_line(&promise));
         t.push_str(&format!(
             "step         {} (slowest device{}){}\n",
             secs(report.step_s()),

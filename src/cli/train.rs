@@ -640,7 +640,10 @@ pub fn run(args: &TrainArgs) -> CliResult {
     if let Some(w) = warn {
         notes.push(format!("warning: {w}"));
     }
-    preflight(&program, g, args.check.then_some(g), be)?;
+    let mut held = vec![("model", &loaded.model.graph), ("training graph", g)];
+    held.extend(micro_tm.as_ref().map(|t| ("micro-batch training graph", &t.graph)));
+    held.extend(written.as_ref().map(|w| ("model as written", &w.graph)));
+    let promise = preflight(&program, &held, g, args.check.then_some(g), be)?;
     // Inputs: the case's, or drawn from the seed (class labels within the classes).
     let inputs: HashMap<String, Array> = match &case {
         Some(c) => {
@@ -677,8 +680,8 @@ pub fn run(args: &TrainArgs) -> CliResult {
     // Reported under the model's names and shapes (a split weight's parts joined, a joined
     // weight split).
     let rewritten = &loaded.model.graph;
-    let gradients = passes::algebra::model_tensors(rewritten, &written_dims, &run.gradients);
-    let parameters = passes::algebra::model_tensors(rewritten, &written_dims, &run.parameters);
+    let gradients = passes::algebra::model_tensors(rewritten, &written_dims, run.gradients);
+    let parameters = passes::algebra::model_tensors(rewritten, &written_dims, run.parameters);
     let (losses, report, run_state) = (run.losses, run.report, run.state);
     let diverged = shardc::train::divergence(&losses, &parameters, &gradients);
     if let Some(d) = &diverged {
@@ -820,6 +823,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
                 "host_ops": d.host_ops,
             })).collect::<Vec<_>>(),
             "memory_predicted_bytes": predicted.map(|p| p.1),
+            "host_memory": host_memory_json(&promise),
             "predicted": predicted.map(|(t, _)| serde_json::json!({
                 "cluster": cluster.name,
                 "step_s": t,
@@ -878,6 +882,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
             t.push_str(&format!("; {:.1} MB predicted on {}", m as f64 / 1e6, cluster.name));
         }
         t.push('\n');
+        t.push_str(&host_memory_line(&promise));
         if let Some((p, _)) = predicted {
             t.push_str(&format!("predicted    {} per step on {}\n", secs(p), cluster.name));
         }

@@ -1,7 +1,9 @@
 //! The CPU executor: the reference kernels of `ir::eval`, one op at a time.
 
 use ir::eval::{Array, eval_node};
-use ir::{Graph, NodeId};
+use std::sync::Arc;
+
+use ir::{Graph, NodeId, Op};
 
 use super::Executor;
 
@@ -17,39 +19,52 @@ impl CpuExecutor {
 }
 
 impl Executor for CpuExecutor {
-    type Tensor = Array;
+    /// Shared: the driver's copies of a value (a feed, a carried state, an `Identity`) are
+    /// the one array, as views of one buffer are on a GPU.
+    type Tensor = Arc<Array>;
 
     fn name(&self) -> String {
         "cpu (reference kernels)".into()
     }
 
-    fn upload(&mut self, a: &Array) -> Result<Array, String> {
-        Ok(a.clone())
+    fn upload(&mut self, a: &Array) -> Result<Arc<Array>, String> {
+        Ok(Arc::new(a.clone()))
     }
 
-    fn download(&mut self, t: &Array) -> Result<Array, String> {
-        Ok(t.clone())
+    fn download(&mut self, t: &Arc<Array>) -> Result<Array, String> {
+        Ok((**t).clone())
     }
 
-    fn storage(&self, t: &Array) -> (usize, u64) {
-        // Each array owns its elements: the element buffer identifies it.
-        let id = match &t.data {
-            ir::eval::Data::F32(v) => v.as_ptr() as usize,
-            ir::eval::Data::F64(v) => v.as_ptr() as usize,
-            ir::eval::Data::I64(v) => v.as_ptr() as usize,
-            ir::eval::Data::Bool(v) => v.as_ptr() as usize,
-            ir::eval::Data::Str(v) => v.as_ptr() as usize,
-        };
-        (id, t.numel() as u64 * t.dtype.size_bytes().max(1))
+    fn take(&mut self, t: Arc<Array>) -> Result<Array, String> {
+        Ok(Arc::try_unwrap(t).unwrap_or_else(|shared| (*shared).clone()))
+    }
+
+    fn on_host<'t>(&self, t: &'t Arc<Array>) -> Option<&'t Array> {
+        Some(t)
+    }
+
+    fn upload_owned(&mut self, a: Array) -> Result<Arc<Array>, String> {
+        Ok(Arc::new(a))
+    }
+
+    fn storage(&self, t: &Arc<Array>) -> (usize, u64) {
+        (Arc::as_ptr(t) as usize, t.numel() as u64 * t.dtype.size_bytes().max(1))
     }
 
     fn run(
         &mut self,
         g: &Graph,
         n: NodeId,
-        inputs: &[Option<&Array>],
-        captures: &[Option<&Array>],
-    ) -> Result<(Vec<Array>, bool), String> {
-        eval_node(g, n, inputs, captures).map(|o| (o, false)).map_err(|e| e.to_string())
+        inputs: &[Option<&Arc<Array>>],
+        captures: &[Option<&Arc<Array>>],
+    ) -> Result<(Vec<Arc<Array>>, bool), String> {
+        // An identity is its input (no copy).
+        if let (Op::Identity(_), [Some(x)]) = (&g.node(n).op, inputs) {
+            return Ok((vec![Arc::clone(x)], false));
+        }
+        let ins: Vec<Option<&Array>> = inputs.iter().map(|t| t.map(|a| &**a)).collect();
+        let caps: Vec<Option<&Array>> = captures.iter().map(|t| t.map(|a| &**a)).collect();
+        let outs = eval_node(g, n, &ins, &caps).map_err(|e| e.to_string())?;
+        Ok((outs.into_iter().map(Arc::new).collect(), false))
     }
 }

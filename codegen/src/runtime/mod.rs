@@ -138,10 +138,11 @@ pub struct DeviceReport {
 /// The result of a run.
 #[derive(Clone, Debug)]
 pub struct RunReport {
-    /// Global outputs of the last step, in graph order.
+    /// Global outputs of the last step, in graph order (none without
+    /// [`RunOptions::outputs_at_end`]).
     pub outputs: Vec<(String, Array)>,
-    /// Per step, the outputs named in [`RunOptions::every_step`] (all of them for the first
-    /// step when [`RunOptions::keep_first`]).
+    /// Per step, the outputs named in [`RunOptions::every_step`] (and for the first step
+    /// those in [`RunOptions::first_step`]).
     pub per_step: Vec<Vec<(String, Array)>>,
     /// After the last step, the carried state (see [`RunOptions::carry`]) by name.
     pub state: Vec<(String, Array)>,
@@ -168,6 +169,19 @@ pub trait Executor {
     fn upload(&mut self, a: &Array) -> Result<Self::Tensor, String>;
     /// Copies a device tensor to the host.
     fn download(&mut self, t: &Self::Tensor) -> Result<Array, String>;
+    /// Moves a device tensor no longer needed on the device to the host (where the device
+    /// is the host, without a copy).
+    fn take(&mut self, t: Self::Tensor) -> Result<Array, String> {
+        self.download(&t)
+    }
+    /// The tensor itself where the device is the host (nothing to download).
+    fn on_host<'t>(&self, _t: &'t Self::Tensor) -> Option<&'t Array> {
+        None
+    }
+    /// Moves a host array to the device (where the device is the host, without a copy).
+    fn upload_owned(&mut self, a: Array) -> Result<Self::Tensor, String> {
+        self.upload(&a)
+    }
     /// Runs one (non-communication) op on its inputs and the values its subgraphs read
     /// (`captures`, control flow only). Returns its outputs and whether it ran on the host.
     fn run(
@@ -201,8 +215,11 @@ pub struct RunOptions {
     /// Outputs downloaded after every step (a training step's loss); the others only after
     /// the last.
     pub every_step: Vec<String>,
-    /// Also download every output after the first step (a training step's gradients).
-    pub keep_first: bool,
+    /// Outputs also downloaded after the first step (a training step's gradients).
+    pub first_step: Vec<String>,
+    /// Download every output after the last step (`true` by default; a run whose last step
+    /// only measures the loss leaves the others on the devices).
+    pub outputs_at_end: bool,
     /// Steps whose carried state is applied (`None`: every step); a later step runs on the
     /// state as it then is (the loss after the last update).
     pub updates: Option<usize>,
@@ -262,7 +279,8 @@ impl Default for RunOptions {
             steps: 1,
             carry: Vec::new(),
             every_step: Vec::new(),
-            keep_first: false,
+            first_step: Vec::new(),
+            outputs_at_end: true,
             updates: None,
             on_step: StepHook::default(),
             distributed: None,
@@ -446,21 +464,24 @@ fn report_of(
     if let Some(e) = first_err {
         return Err(e);
     }
-    // Assemble the outputs: those of the last step, and per step those kept.
+    // Assemble the outputs: those of the last step, and per step those kept. The devices'
+    // results move into them.
     let steps = per_device.first().map_or(0, |x| x.0.len());
     let mut per_step = Vec::with_capacity(steps);
     let mut outputs = Vec::new();
     for step in 0..steps {
-        let outs: Vec<&Vec<Vec<(String, Array)>>> = per_device.iter().map(|x| &x.0[step]).collect();
-        let all = step + 1 == steps || (step == 0 && opts.keep_first);
+        let mut outs: Vec<&mut Vec<Vec<(String, Array)>>> = per_device.iter_mut().map(|x| &mut x.0[step]).collect();
+        let all = step + 1 == steps && opts.outputs_at_end;
         // Under gradient accumulation a device returns one set of results per step.
         let parts = if accumulates(p, opts) { 1 } else { p.micro_batches.max(1) };
-        let got = assemble_outputs(p, &p.outputs, parts, &outs, all)?;
-        if step + 1 == steps {
-            outputs = got.clone();
+        let got = assemble_outputs(p, &p.outputs, parts, &mut outs, all)?;
+        let kept = |n: &String| opts.every_step.contains(n) || (step == 0 && opts.first_step.contains(n));
+        if all {
+            per_step.push(got.iter().filter(|(n, _)| kept(n)).cloned().collect());
+            outputs = got;
+        } else {
+            per_step.push(got.into_iter().filter(|(n, _)| kept(n)).collect());
         }
-        let keep_all = step == 0 && opts.keep_first;
-        per_step.push(got.into_iter().filter(|(n, _)| keep_all || opts.every_step.contains(n)).collect());
     }
     // The carried state, assembled in the layout of the output it takes its value from.
     let mut state = Vec::new();
@@ -468,50 +489,52 @@ fn report_of(
         let Some(go) = p.outputs.iter().find(|o| &o.name == next) else {
             return Err(RuntimeError::Input(format!("carried state `{init}`: no output `{next}`")));
         };
-        let outs: Vec<Vec<Vec<(String, Array)>>> = per_device
-            .iter()
+        let mut outs: Vec<Vec<Vec<(String, Array)>>> = per_device
+            .iter_mut()
             .enumerate()
             .map(|(dev, x)| {
                 let dp = &p.devices[dev];
-                vec![
-                    dp.results
-                        .iter()
-                        .filter(|r| &r.global == next)
-                        .filter_map(|r| x.2.iter().find(|(n, _)| n == init).map(|(_, a)| (r.local.clone(), a.clone())))
-                        .collect(),
-                ]
+                let taken = x.2.iter().position(|(n, _)| n == init).map(|i| x.2.swap_remove(i).1);
+                let locals = dp.results.iter().filter(|r| &r.global == next).map(|r| r.local.clone());
+                vec![locals.zip(taken).collect()]
             })
             .collect();
-        let refs: Vec<&Vec<Vec<(String, Array)>>> = outs.iter().collect();
-        let mut got = assemble_outputs(p, std::slice::from_ref(go), 1, &refs, true)?;
+        let mut refs: Vec<&mut Vec<Vec<(String, Array)>>> = outs.iter_mut().collect();
+        let mut got = assemble_outputs(p, std::slice::from_ref(go), 1, &mut refs, true)?;
         state.push((init.clone(), got.pop().expect("one output").1));
     }
     Ok(RunReport { outputs, per_step, state, devices: per_device.into_iter().map(|x| x.1).collect(), wall_s })
 }
 
-/// The global outputs of one step from each device's results (per micro-batch).
+/// The global outputs of one step from each device's results (per micro-batch), which move
+/// into them (a result two outputs share is copied).
 fn assemble_outputs(
     p: &Program,
     gos: &[crate::program::GlobalValue],
     m: usize,
-    per_device: &[&Vec<Vec<(String, Array)>>],
+    per_device: &mut [&mut Vec<Vec<(String, Array)>>],
     require: bool,
 ) -> Result<Vec<(String, Array)>, RuntimeError> {
     let mut outputs = Vec::new();
-    for go in gos {
+    for (gi, go) in gos.iter().enumerate() {
         let mut micro_parts = Vec::with_capacity(m);
         for k in 0..m {
             // The devices holding pieces of this output, in stage-mesh order.
-            let mut holders: Vec<(usize, &Array, &ir::shard::Sharding, usize)> = Vec::new();
-            for (dev, outs) in per_device.iter().enumerate() {
+            let mut holders: Vec<(usize, Array, &ir::shard::Sharding, usize)> = Vec::new();
+            for (dev, outs) in per_device.iter_mut().enumerate() {
                 let dp = &p.devices[dev];
                 for r in dp.results.iter().filter(|r| r.global == go.name) {
-                    if let Some((_, a)) = outs.get(k).and_then(|o| o.iter().find(|(n, _)| *n == r.local)) {
-                        holders.push((dp.rank, a, &r.layout, dp.stage));
-                    }
+                    // Another output read from the same result later: copy it.
+                    let shared = gos[gi + 1..]
+                        .iter()
+                        .any(|later| dp.results.iter().any(|q| q.global == later.name && q.local == r.local));
+                    let Some(o) = outs.get_mut(k) else { continue };
+                    let Some(i) = o.iter().position(|(n, _)| *n == r.local) else { continue };
+                    let a = if shared { o[i].1.clone() } else { o.swap_remove(i).1 };
+                    holders.push((dp.rank, a, &r.layout, dp.stage));
                 }
             }
-            let Some(&(_, _, layout, stage)) = holders.first() else {
+            let Some((layout, stage)) = holders.first().map(|h| (h.2, h.3)) else {
                 if k == 0 && !require {
                     break;
                 }
@@ -522,15 +545,14 @@ fn assemble_outputs(
             // that delivers it.
             holders.retain(|h| h.3 == stage);
             holders.sort_by_key(|h| h.0);
-            let pieces: Vec<Array> = holders.iter().map(|h| h.1.clone()).collect();
             let mut shape = go.shape.clone();
             if let Some(ax) = go.batch_axis
                 && m > 1
             {
                 shape[ax] /= m;
             }
-            for (h, piece) in holders.iter().zip(&pieces) {
-                let c = mesh.coords(h.0);
+            for h in &holders {
+                let (piece, c) = (&h.1, mesh.coords(h.0));
                 let fits = piece.shape.len() == shape.len()
                     && (0..shape.len()).all(|d| {
                         let (a, b) = crate::layout::dim_range(layout, mesh, &c, d, shape[d]);
@@ -543,7 +565,8 @@ fn assemble_outputs(
                     )));
                 }
             }
-            micro_parts.push(assemble(&pieces, layout, mesh, &shape));
+            let pieces: Vec<Array> = holders.into_iter().map(|h| h.1).collect();
+            micro_parts.push(assemble(pieces, layout, mesh, &shape));
         }
         if micro_parts.is_empty() {
             continue;
@@ -680,6 +703,13 @@ fn drive<E: Executor>(
         }
     }
     let last_use = g.last_uses(&order);
+    // Results that may move out of a finished micro-batch's values: those named once and
+    // not carried to the next step.
+    let movable: std::collections::HashSet<Value> = {
+        let locals: Vec<Value> = d.results.iter().filter_map(|r| g.lookup(&r.local)).collect();
+        let once = |v: &Value| locals.iter().filter(|w| *w == v).count() == 1;
+        locals.iter().copied().filter(|v| once(v) && !carries.iter().any(|c| c.2 == *v)).collect()
+    };
     // Parameters and constants are uploaded once.
     let mut live = Live { by_storage: HashMap::new(), bytes: 0, peak: 0, base: u64::MAX, act_peak: 0 };
     let mut fixed: HashMap<Value, E::Tensor> = HashMap::new();
@@ -687,7 +717,7 @@ fn drive<E: Executor>(
         if let Op::Initializer(t) | Op::Input { default: Some(t) } = &g.node(n).op {
             let a = Array::from_tensor(t)
                 .map_err(|x| err(format!("initializer `{}`: {x}", g.value_name(Value::new(n, 0)))))?;
-            let t = e.upload(&a).map_err(err)?;
+            let t = e.upload_owned(a).map_err(err)?;
             live.add(e.storage(&t));
             fixed.insert(Value::new(n, 0), t);
         }
@@ -695,8 +725,8 @@ fn drive<E: Executor>(
         // each step would make it on the host and upload it again).
         if matches!(g.node(n).op, Op::Constant(_)) && g.node(n).inputs().is_empty() {
             let outs = ir::eval::eval_node(g, n, &[], &[]).map_err(|x| err(format!("{}: {x}", g.describe(n))))?;
-            for (slot, a) in outs.iter().enumerate() {
-                let t = e.upload(a).map_err(err)?;
+            for (slot, a) in outs.into_iter().enumerate() {
+                let t = e.upload_owned(a).map_err(err)?;
                 live.add(e.storage(&t));
                 fixed.insert(Value::new(n, slot as u16), t);
             }
@@ -716,8 +746,10 @@ fn drive<E: Executor>(
             report.by_phase.clear();
         }
         step_start = Instant::now();
-        let fetch_all = last || (step == 0 && opts.keep_first);
-        let wanted = |r: &crate::program::Result_| fetch_all || opts.every_step.contains(&r.global);
+        let fetch_all = last && opts.outputs_at_end;
+        let wanted = |r: &crate::program::Result_| {
+            fetch_all || opts.every_step.contains(&r.global) || (step == 0 && opts.first_step.contains(&r.global))
+        };
         let mut outs_micro = Vec::with_capacity(feeds.len());
         let mut next_state: Vec<(Value, E::Tensor)> = Vec::new();
         // Accumulated over the micro-batches: sums of the averaged values, the last value of
@@ -790,13 +822,22 @@ fn drive<E: Executor>(
             let mut outs = Vec::new();
             match &acc {
                 None => {
+                    // The env is dropped after this: its values move out rather than copy.
                     for r in d.results.iter().filter(|r| wanted(r)) {
-                        let t = result(g, &r.local, &env, &fixed).map_err(err)?;
-                        outs.push((r.local.clone(), cx.e.download(t).map_err(err)?));
+                        let x = match g.lookup(&r.local).filter(|v| movable.contains(v)).and_then(|v| env.remove(&v)) {
+                            Some(t) => {
+                                live.remove(cx.e.storage(&t));
+                                cx.e.take(t)
+                            }
+                            None => cx.e.download(result(g, &r.local, &env, &fixed).map_err(err)?),
+                        };
+                        outs.push((r.local.clone(), x.map_err(err)?));
                     }
                     for (_, iv, nv) in &carries {
-                        let t = env.get(nv).ok_or_else(|| err(format!("`{}` was not computed", g.value_name(*nv))))?;
-                        next_state.push((*iv, t.clone()));
+                        let t =
+                            env.remove(nv).ok_or_else(|| err(format!("`{}` was not computed", g.value_name(*nv))))?;
+                        live.remove(cx.e.storage(&t));
+                        next_state.push((*iv, t));
                     }
                 }
                 Some(a) => {
@@ -900,7 +941,8 @@ fn drive<E: Executor>(
     report.activation_peak_bytes = live.act_peak;
     let mut state = Vec::new();
     for (name, iv, _) in &carries {
-        state.push((name.clone(), e.download(&fixed[iv]).map_err(err)?));
+        let t = fixed.remove(iv).ok_or_else(|| err(format!("carried state `{name}` was not kept")))?;
+        state.push((name.clone(), e.take(t).map_err(err)?));
     }
     Ok((outs_steps, report, state))
 }
@@ -1036,14 +1078,18 @@ impl<E: Executor> NodeRun<'_, '_, E> {
             }
             op if op.class() == OpClass::Comm => {
                 let t0 = Instant::now();
-                let x = match node.input(0) {
-                    Some(v) => {
-                        Some(e.download(env.get(&v).or_else(|| fixed.get(&v)).ok_or("a comm input was not computed")?)?)
-                    }
+                // The operand as a host array: the tensor itself on the CPU, else a download.
+                let t = match node.input(0) {
+                    Some(v) => Some(env.get(&v).or_else(|| fixed.get(&v)).ok_or("a comm input was not computed")?),
                     None => None,
                 };
-                if let Some(a) = collective(self.port, op, x.as_ref(), micro)? {
-                    produced.push((Value::new(n, 0), e.upload(&a)?));
+                let downloaded = match t {
+                    Some(t) if e.on_host(t).is_none() => Some(e.download(t)?),
+                    _ => None,
+                };
+                let x = downloaded.as_ref().or_else(|| t.and_then(|t| e.on_host(t)));
+                if let Some(a) = collective(self.port, op, x, micro)? {
+                    produced.push((Value::new(n, 0), e.upload_owned(a)?));
                 }
                 *self.report.by_collective.entry(op.op_type().to_string()).or_insert(0.0) += t0.elapsed().as_secs_f64();
             }

@@ -243,6 +243,18 @@ impl Array {
         Tensor { dtype: self.dtype, dims, name: None, data }
     }
 
+    /// [`Array::to_tensor`], moving the elements where the tensor stores them as they are.
+    pub fn into_tensor(self) -> Tensor {
+        let dims = self.shape.iter().map(|&d| d as i64).collect();
+        let data = match (self.data, self.dtype) {
+            (Data::F32(v), DType::Float) => TensorData::Float(v),
+            (Data::F64(v), _) => TensorData::Double(v),
+            (Data::I64(v), DType::Int64) => TensorData::Int64(v),
+            (data, dtype) => return Array { dtype, shape: self.shape, data }.to_tensor(),
+        };
+        Tensor { dtype: self.dtype, dims, name: None, data }
+    }
+
     /// Values as f64 (bools as 0/1); strings are an error.
     pub fn to_f64(&self) -> Result<Vec<f64>, EvalError> {
         Ok(match &self.data {
@@ -276,6 +288,26 @@ impl Array {
             Data::F32(v) => v.clone(),
             _ => self.to_f64()?.into_iter().map(|x| x as f32).collect(),
         })
+    }
+
+    /// Values as f32, borrowed where they are stored as f32.
+    pub fn f32s(&self) -> Result<std::borrow::Cow<'_, [f32]>, EvalError> {
+        Ok(match &self.data {
+            Data::F32(v) => std::borrow::Cow::Borrowed(v),
+            _ => std::borrow::Cow::Owned(self.to_f32()?),
+        })
+    }
+
+    /// A float array of type `dtype` from f32 values (rounded to `dtype`'s precision).
+    pub fn from_f32s(dtype: DType, shape: Vec<usize>, mut v: Vec<f32>) -> Array {
+        match dtype {
+            DType::Double => Array { dtype, shape, data: Data::F64(v.into_iter().map(f64::from).collect()) },
+            DType::Float => Array { dtype, shape, data: Data::F32(v) },
+            _ => {
+                v.iter_mut().for_each(|x| *x = round_to(dtype, *x));
+                Array { dtype, shape, data: Data::F32(v) }
+            }
+        }
     }
 
     /// Values as i64 (floats truncated).

@@ -31,7 +31,7 @@ fn update_space(cx: &NodeCx<'_>) -> Option<IterSpace> {
 
 /// Writes `out` as `like`'s element type.
 fn like(like: &Array, v: Vec<f32>) -> Array {
-    Array::float(like.dtype, like.shape.clone(), v.into_iter().map(f64::from).collect())
+    Array::from_f32s(like.dtype, like.shape.clone(), v)
 }
 
 impl OpRules for op::SgdUpdate {
@@ -55,7 +55,7 @@ impl OpRules for op::SgdUpdate {
         let (p, g, b) = (cx.req(0)?, cx.req(1)?, cx.req(2)?);
         same_sizes(&[p, g, b])?;
         let t = step(cx, 3)?;
-        let (pv, gv, bv) = (p.to_f32()?, g.to_f32()?, b.to_f32()?);
+        let (pv, gv, bv) = (p.f32s()?, g.f32s()?, b.f32s()?);
         let (lr, mu, damp, wd) = (self.lr.unwrap_or(0.01), self.momentum(), self.dampening(), self.weight_decay());
         let nesterov = self.nesterov() != 0;
         let mut po = Vec::with_capacity(pv.len());
@@ -98,7 +98,7 @@ impl OpRules for op::AdamUpdate {
         let (p, g, m, v) = (cx.req(0)?, cx.req(1)?, cx.req(2)?, cx.req(3)?);
         same_sizes(&[p, g, m, v])?;
         let t = step(cx, 4)?;
-        let (pv, gv, mv, vv) = (p.to_f32()?, g.to_f32()?, m.to_f32()?, v.to_f32()?);
+        let (pv, gv, mv, vv) = (p.f32s()?, g.f32s()?, m.f32s()?, v.f32s()?);
         let (lr, b1, b2, eps, wd) =
             (self.lr.unwrap_or(1e-3), self.beta1(), self.beta2(), self.epsilon(), self.weight_decay());
         let decoupled = self.decoupled() != 0;
