@@ -73,7 +73,9 @@ pub fn footprint(
     // evaluator holds its constants beside the graph's, and the run's results (the size of
     // the state it trains) wait beside it.
     let reference = match reference {
-        Some(r) => Some(codegen::memory::peak_bytes(r, &HashSet::new())?.checked_add(2 * constant_bytes(r))?),
+        Some(r) => {
+            Some(codegen::memory::peak_bytes(r, &HashSet::new())?.checked_add(constant_bytes(r).checked_mul(2)?)?)
+        }
         None => None,
     };
     match (devices, reference) {

@@ -414,6 +414,13 @@ fn assert_close(got: &serde_json::Value, want: &serde_json::Value, (rtol, atol):
     }
 }
 
+/// `o` exited 1 (a refusal, not a crash) and its stderr says `says`; `what` names the case
+/// in a failure.
+fn assert_refused(o: &Output, says: &str, what: &str) {
+    assert_eq!(o.status.code(), Some(1), "{what}: {}", stderr(o));
+    assert!(stderr(o).contains(says), "{what}: {}", stderr(o));
+}
+
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).to_string()
 }
@@ -1640,8 +1647,7 @@ fn outputs_never_replace_special_files() {
     let sub = dir.join("sub");
     std::fs::create_dir_all(&sub).unwrap();
     let o = shardc(&["parse", &m, "-o", sub.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    assert!(stderr(&o).contains("directory"), "{}", stderr(&o));
+    assert_refused(&o, "directory", "-o a directory");
     assert_eq!(std::fs::read_dir(&sub).unwrap().count(), 0);
     // `-o -`: standard output, no file named `-`.
     let o = shardc(&["parse", &m, "-o", "-"]);
@@ -1683,8 +1689,7 @@ fn absent_weights_warn_or_are_refused() {
         let mut strict = cmd.clone();
         strict.push("--require-weights");
         let o = shardc(&strict);
-        assert_eq!(o.status.code(), Some(1), "{cmd:?}: {}", stderr(&o));
-        assert!(stderr(&o).contains("--require-weights"), "{cmd:?}: {}", stderr(&o));
+        assert_refused(&o, "--require-weights", &format!("{cmd:?}"));
     }
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -1735,8 +1740,7 @@ g (float[4] x, int64[2] ids) => (float[4] y, int64[2] j) {
         (ids("[18446744073709551615, 1]"), "inputs.ids.data[0]: 18446744073709551615 is not an int64"),
     ] {
         let (o, _) = run(&format!(r#"{{"inputs": {{{}, {bad}}}}}"#, x("[1, 2, 3, 4]")));
-        assert_eq!(o.status.code(), Some(1), "{bad}: {}", stderr(&o));
-        assert!(stderr(&o).contains(want), "{bad}: {}", stderr(&o));
+        assert_refused(&o, want, &bad);
     }
     for (bad, want) in [
         (x(r#"[1, "one", 3, 4]"#), r#"inputs.x.data[1]: "one" is not a number"#),
@@ -1744,8 +1748,7 @@ g (float[4] x, int64[2] ids) => (float[4] y, int64[2] j) {
         (x("[1, 2, 1e39, 4]"), "inputs.x.data[2]: 1e+39 is not a float32"),
     ] {
         let (o, _) = run(&format!(r#"{{"inputs": {{{bad}, {}}}}}"#, ids("[1, 2]")));
-        assert_eq!(o.status.code(), Some(1), "{bad}: {}", stderr(&o));
-        assert!(stderr(&o).contains(want), "{bad}: {}", stderr(&o));
+        assert_refused(&o, want, &bad);
     }
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -1803,8 +1806,7 @@ fn unwritable_outputs_are_refused_before_training() {
         "--save-state",
         "/proc/shardc-state.json",
     ]);
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    assert!(stderr(&o).contains("--save-state `/proc/shardc-state.json`: cannot write in `/proc`"), "{}", stderr(&o));
+    assert_refused(&o, "--save-state `/proc/shardc-state.json`: cannot write in `/proc`", "an unwritable --save-state");
     assert!(o.stdout.is_empty(), "{}", stdout(&o));
 }
 
@@ -1875,23 +1877,20 @@ fn external_data_is_a_file_in_the_models_directory() {
     let w = dir.join("w.bin");
     assert!(Command::new("mkfifo").arg(&w).status().unwrap().success());
     let o = run();
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    assert!(stderr(&o).contains("is not a regular file"), "{}", stderr(&o));
+    assert_refused(&o, "is not a regular file", "a FIFO as external data");
     std::fs::remove_file(&w).unwrap();
     let outside = std::env::temp_dir().join(format!("shardc-outside-{}.bin", std::process::id()));
     std::fs::write(&outside, vec![0u8; 72]).unwrap();
     std::os::unix::fs::symlink(&outside, &w).unwrap();
     let o = run();
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    assert!(stderr(&o).contains("outside the model's directory"), "{}", stderr(&o));
+    assert_refused(&o, "outside the model's directory", "a symlink out of the model's folder");
     std::fs::remove_file(&w).unwrap();
     std::fs::remove_file(&outside).ok();
     std::fs::write(&w, vec![0u8; 72]).unwrap();
     assert!(run().status.success());
     std::fs::write(&m, model("18446744073709551615")).unwrap();
     let o = run();
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    assert!(stderr(&o).contains("`offset` 18446744073709551615 and `length` 72 overflow 64 bits"), "{}", stderr(&o));
+    assert_refused(&o, "`offset` 18446744073709551615 and `length` 72 overflow 64 bits", "a wrapping offset");
     std::fs::remove_dir_all(&dir).ok();
 }
 

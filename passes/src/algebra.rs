@@ -322,19 +322,11 @@ pub fn model_tensors(
             out.insert(name, a);
             continue;
         };
-        let fragmented = o.pieces.iter().any(|p| p.slice.is_some());
-        let mut whole = Some(a);
         let mut at = 0usize;
         for p in &o.pieces {
             let len = p.len.max(0) as usize;
-            let a = whole.as_ref().expect("the tensor");
-            let part = if o.pieces.len() > 1 {
-                a.slice_axis(o.axis, at, (at + len).min(a.shape[o.axis]))
-            } else if fragmented {
-                a.clone()
-            } else {
-                whole.take().expect("the tensor")
-            };
+            let part =
+                if o.pieces.len() == 1 { a.clone() } else { a.slice_axis(o.axis, at, (at + len).min(a.shape[o.axis])) };
             at += len;
             match p.slice {
                 None => {
@@ -354,7 +346,7 @@ pub fn model_tensors(
                 }
             }
         }
-        if let Some(a) = whole.filter(|_| fragmented) {
+        if o.pieces.iter().any(|p| p.slice.is_some()) {
             cut.insert(name, a);
         }
     }

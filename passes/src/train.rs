@@ -46,9 +46,13 @@ impl Trainer {
         for (p, gname) in &self.info.gradients {
             gradients.insert(p.clone(), by_name.remove(gname).ok_or("a gradient output is missing")?);
         }
-        let states: Vec<(String, String)> = self.info.state.iter().map(|(s, n)| (s.clone(), n.clone())).collect();
-        for (s, next) in states {
-            let a = by_name.remove(&next).ok_or("a state output is missing")?;
+        let updates: Vec<(String, Array)> = self
+            .info
+            .state
+            .iter()
+            .map(|(s, next)| Ok((s.clone(), by_name.remove(next).ok_or("a state output is missing")?)))
+            .collect::<Result<_, String>>()?;
+        for (s, a) in updates {
             self.set_owned(&s, a)?;
         }
         Ok(StepOut { loss, gradients })

@@ -271,6 +271,14 @@ impl std::fmt::Debug for StepHook {
     }
 }
 
+impl RunOptions {
+    /// Whether output `name` is kept after step `step` beside the last step's outputs (the
+    /// loss of every step, the first step's gradients).
+    fn kept_at(&self, step: usize, name: &str) -> bool {
+        self.every_step.iter().any(|n| n == name) || (step == 0 && self.first_step.iter().any(|n| n == name))
+    }
+}
+
 impl Default for RunOptions {
     fn default() -> Self {
         RunOptions {
@@ -475,12 +483,11 @@ fn report_of(
         // Under gradient accumulation a device returns one set of results per step.
         let parts = if accumulates(p, opts) { 1 } else { p.micro_batches.max(1) };
         let got = assemble_outputs(p, &p.outputs, parts, &mut outs, all)?;
-        let kept = |n: &String| opts.every_step.contains(n) || (step == 0 && opts.first_step.contains(n));
         if all {
-            per_step.push(got.iter().filter(|(n, _)| kept(n)).cloned().collect());
+            per_step.push(got.iter().filter(|(n, _)| opts.kept_at(step, n)).cloned().collect());
             outputs = got;
         } else {
-            per_step.push(got.into_iter().filter(|(n, _)| kept(n)).collect());
+            per_step.push(got.into_iter().filter(|(n, _)| opts.kept_at(step, n)).collect());
         }
     }
     // The carried state, assembled in the layout of the output it takes its value from.
@@ -515,8 +522,15 @@ fn assemble_outputs(
     per_device: &mut [&mut Vec<Vec<(String, Array)>>],
     require: bool,
 ) -> Result<Vec<(String, Array)>, RuntimeError> {
+    // Per device and result, the outputs still to read it: the last one takes it.
+    let mut readers: HashMap<(usize, &str), usize> = HashMap::new();
+    for (dev, dp) in p.devices.iter().enumerate().take(per_device.len()) {
+        for r in dp.results.iter().filter(|r| gos.iter().any(|go| go.name == r.global)) {
+            *readers.entry((dev, r.local.as_str())).or_default() += 1;
+        }
+    }
     let mut outputs = Vec::new();
-    for (gi, go) in gos.iter().enumerate() {
+    for go in gos {
         let mut micro_parts = Vec::with_capacity(m);
         for k in 0..m {
             // The devices holding pieces of this output, in stage-mesh order.
@@ -524,10 +538,12 @@ fn assemble_outputs(
             for (dev, outs) in per_device.iter_mut().enumerate() {
                 let dp = &p.devices[dev];
                 for r in dp.results.iter().filter(|r| r.global == go.name) {
-                    // Another output read from the same result later: copy it.
-                    let shared = gos[gi + 1..]
-                        .iter()
-                        .any(|later| dp.results.iter().any(|q| q.global == later.name && q.local == r.local));
+                    // Another output reads the same result later: copy it.
+                    let left = readers.get(&(dev, r.local.as_str())).copied().unwrap_or(0);
+                    let shared = left > 1;
+                    if k + 1 == m {
+                        readers.insert((dev, r.local.as_str()), left.saturating_sub(1));
+                    }
                     let Some(o) = outs.get_mut(k) else { continue };
                     let Some(i) = o.iter().position(|(n, _)| *n == r.local) else { continue };
                     let a = if shared { o[i].1.clone() } else { o.swap_remove(i).1 };
@@ -706,9 +722,11 @@ fn drive<E: Executor>(
     // Results that may move out of a finished micro-batch's values: those named once and
     // not carried to the next step.
     let movable: std::collections::HashSet<Value> = {
-        let locals: Vec<Value> = d.results.iter().filter_map(|r| g.lookup(&r.local)).collect();
-        let once = |v: &Value| locals.iter().filter(|w| *w == v).count() == 1;
-        locals.iter().copied().filter(|v| once(v) && !carries.iter().any(|c| c.2 == *v)).collect()
+        let mut named: HashMap<Value, usize> = HashMap::new();
+        for v in d.results.iter().filter_map(|r| g.lookup(&r.local)) {
+            *named.entry(v).or_default() += 1;
+        }
+        named.into_iter().filter(|&(v, k)| k == 1 && !carries.iter().any(|c| c.2 == v)).map(|(v, _)| v).collect()
     };
     // Parameters and constants are uploaded once.
     let mut live = Live { by_storage: HashMap::new(), bytes: 0, peak: 0, base: u64::MAX, act_peak: 0 };
@@ -747,9 +765,7 @@ fn drive<E: Executor>(
         }
         step_start = Instant::now();
         let fetch_all = last && opts.outputs_at_end;
-        let wanted = |r: &crate::program::Result_| {
-            fetch_all || opts.every_step.contains(&r.global) || (step == 0 && opts.first_step.contains(&r.global))
-        };
+        let wanted = |r: &crate::program::Result_| fetch_all || opts.kept_at(step, &r.global);
         let mut outs_micro = Vec::with_capacity(feeds.len());
         let mut next_state: Vec<(Value, E::Tensor)> = Vec::new();
         // Accumulated over the micro-batches: sums of the averaged values, the last value of
