@@ -29,14 +29,28 @@ impl Footprint {
     }
 }
 
-/// Bytes of the constants (initializers and input defaults) `g` holds in host memory.
+/// Bytes of the constants (initializers and input defaults) `g` holds in host memory, those
+/// with external data at the size they take once loaded (a graph the driver loads later, the
+/// model as written that `--check` trains, holds them then).
 pub fn constant_bytes(g: &Graph) -> u64 {
+    let bytes = |t: &ir::Tensor| match t.data {
+        ir::TensorData::External(_) => t.tensor_type().size_bytes().unwrap_or(u64::MAX),
+        _ => t.host_bytes(),
+    };
     g.node_ids()
         .filter_map(|n| match &g.node(n).op {
-            ir::Op::Initializer(t) | ir::Op::Input { default: Some(t) } => Some(t.host_bytes()),
+            ir::Op::Initializer(t) | ir::Op::Input { default: Some(t) } => Some(bytes(t)),
             _ => None,
         })
         .fold(0u64, u64::saturating_add)
+}
+
+/// The single-device run `--check` compares with: its graph, and whether the driver builds
+/// another like it (the training graph of the model as written, beside the program's).
+#[derive(Clone, Copy, Debug)]
+pub struct Reference<'a> {
+    pub graph: &'a Graph,
+    pub built_anew: bool,
 }
 
 /// What the run of `program` holds: `held`, the graphs the driver keeps while it runs (named
@@ -49,7 +63,7 @@ pub fn footprint(
     held: &[(&str, &Graph)],
     global: &Graph,
     devices_on_host: bool,
-    reference: Option<&Graph>,
+    reference: Option<Reference<'_>>,
 ) -> Option<Footprint> {
     let inputs: u64 = global
         .input_values()
@@ -71,10 +85,11 @@ pub fn footprint(
     };
     // The reference runs after the devices are done: whichever is larger is the peak. Its
     // evaluator holds its constants beside the graph's, and the run's results (the size of
-    // the state it trains) wait beside it.
+    // the state it trains) wait beside it, and a graph built anew holds its constants too.
     let reference = match reference {
-        Some(r) => {
-            Some(codegen::memory::peak_bytes(r, &HashSet::new())?.checked_add(constant_bytes(r).checked_mul(2)?)?)
+        Some(Reference { graph: r, built_anew }) => {
+            let copies = 2 + u64::from(built_anew);
+            Some(codegen::memory::peak_bytes(r, &HashSet::new())?.checked_add(constant_bytes(r).checked_mul(copies)?)?)
         }
         None => None,
     };

@@ -2003,3 +2003,42 @@ fn recurrent_sequences_are_never_cut_as_batches() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// SIGINT or SIGTERM in the middle of writing `-o FILE` (held half-written by the tests'
+/// pause) removes the partial temporary file, says so, ends as the signal ends a process,
+/// and leaves the file that was there as it was.
+#[cfg(unix)]
+#[test]
+fn an_interrupted_write_removes_its_partial_file_and_says_so() {
+    use std::os::unix::process::ExitStatusExt;
+    for (signal, number) in [("INT", 2), ("TERM", 15)] {
+        let dir = tmpdir(&format!("signal-{signal}"));
+        let out = dir.join("out.onnxtxt");
+        std::fs::write(&out, "the previous contents\n").unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_shardc"))
+            .args(["parse", &model("tv_alexnet.onnxtxt"), "-o"])
+            .arg(&out)
+            .env("SHARDC_TEST_PAUSE_WRITE_MS", "20000")
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let tmp = dir.join(format!(".out.onnxtxt.shardc-{}.tmp", child.id()));
+        let start = std::time::Instant::now();
+        while !tmp.exists() {
+            assert!(start.elapsed().as_secs() < 60, "the temporary file never appeared");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let killed = Command::new("kill").args([format!("-{signal}"), child.id().to_string()]).status().unwrap();
+        assert!(killed.success());
+        let o = child.wait_with_output().unwrap();
+        assert_eq!(o.status.signal(), Some(number), "{signal}: {:?}", o.status);
+        assert!(start.elapsed().as_secs() < 15, "{signal}: the process waited out the pause");
+        assert!(stderr(&o).contains("the partial file was removed"), "{signal}: {}", stderr(&o));
+        assert!(!tmp.exists(), "{signal}: {} is left", tmp.display());
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), "the previous contents\n");
+        let left: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert_eq!(left.len(), 1, "{signal}: {left:?}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

@@ -5,7 +5,7 @@
 //! index along the dim is `c[a₁]·size[a₂] + c[a₂]`.
 
 use ir::DType;
-use ir::eval::{Array, Data, strides};
+use ir::eval::{Array, Data, Walk, strides};
 use ir::shard::{AxisShard, Mesh};
 
 /// For each tensor dim, the mesh axes that split it, outer first.
@@ -55,29 +55,7 @@ fn elem_count(shape: &[usize]) -> usize {
 /// Copies the box `ranges` (per dim `[start, end)`) of `a`.
 pub fn crop(a: &Array, ranges: &[(usize, usize)]) -> Array {
     let shape: Vec<usize> = ranges.iter().map(|(s, e)| e - s).collect();
-    let st = strides(&a.shape);
-    let n = elem_count(&shape);
-    let mut idx = Vec::with_capacity(n);
-    let r = shape.len();
-    let mut coord = vec![0usize; r];
-    for _ in 0..n {
-        let mut off = 0;
-        for d in 0..r {
-            off += (coord[d] + ranges[d].0) * st[d];
-        }
-        idx.push(off);
-        for d in (0..r).rev() {
-            coord[d] += 1;
-            if coord[d] < shape[d] {
-                break;
-            }
-            coord[d] = 0;
-        }
-    }
-    if r == 0 {
-        return a.clone();
-    }
-    a.gather_flat(shape, &idx)
+    a.gather(shape, Walk::boxed(&a.shape, ranges))
 }
 
 /// Writes `piece` into `out` at the box starting at `origin`, adding when `add`.
@@ -169,14 +147,15 @@ pub fn assemble(pieces: Vec<Array>, layout: &[AxisShard], mesh: &Mesh, shape: &[
 
 /// Splits `a` along `axis` into `parts` equal pieces.
 pub fn split_even(a: &Array, axis: usize, parts: usize) -> Vec<Array> {
+    (0..parts).map(|i| even_piece(a, axis, parts, i)).collect()
+}
+
+/// Piece `i` of [`split_even`], cut alone.
+pub fn even_piece(a: &Array, axis: usize, parts: usize, i: usize) -> Array {
     let n = a.shape[axis] / parts.max(1);
-    (0..parts)
-        .map(|i| {
-            let ranges: Vec<(usize, usize)> =
-                (0..a.shape.len()).map(|d| if d == axis { (i * n, i * n + n) } else { (0, a.shape[d]) }).collect();
-            crop(a, &ranges)
-        })
-        .collect()
+    let ranges: Vec<(usize, usize)> =
+        (0..a.shape.len()).map(|d| if d == axis { (i * n, i * n + n) } else { (0, a.shape[d]) }).collect();
+    crop(a, &ranges)
 }
 
 /// Concatenates arrays along `axis`.

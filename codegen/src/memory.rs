@@ -12,6 +12,7 @@ use crate::program::{DeviceProgram, Program};
 /// initializer and input for the whole run, each op's outputs from the op until their last
 /// reader (kept to the end when in `keep` or a graph output). An estimate of what the
 /// runtime allocates: views that share storage are counted as copies, so it errs high.
+/// A collective also holds, while it runs, the pieces the ring moves ([`staging_bytes`]).
 /// `None` when a size is unknown or overflows 64 bits.
 pub fn peak_bytes(g: &Graph, keep: &HashSet<Value>) -> Option<u64> {
     let order = g.topo_order().ok()?;
@@ -27,7 +28,8 @@ pub fn peak_bytes(g: &Graph, keep: &HashSet<Value>) -> Option<u64> {
         for slot in 0..node.num_outputs() {
             live = live.checked_add(size(Value::new(n, slot as u16))?)?;
         }
-        peak = peak.max(live);
+        let operand = node.input(0).map_or(Some(0), size)?;
+        peak = peak.max(live.checked_add(staging_bytes(&node.op, operand))?);
         if fixed(n) {
             continue;
         }
@@ -44,6 +46,22 @@ pub fn peak_bytes(g: &Graph, keep: &HashSet<Value>) -> Option<u64> {
         }
     }
     Some(peak)
+}
+
+/// What a collective over `operand` bytes holds beside its operand and result while it runs
+/// on the host's rings (`runtime::hub`): a reduce-scatter the piece it sends on and the piece
+/// it receives (each `1/p` of the operand); an all-gather the members' pieces it joins (its
+/// result's size); an all-reduce both, its chunks being the operand's size; an all-to-all the
+/// pieces it sends and receives. Point-to-point messages and halos hold their one array.
+pub fn staging_bytes(op: &Op, operand: u64) -> u64 {
+    let members = |g: &Option<Vec<i64>>| g.as_ref().map_or(1, |g| g.len().max(1)) as u64;
+    match op {
+        Op::ReduceScatter(c) if members(&c.group) > 1 => 2 * operand / members(&c.group),
+        Op::AllGather(c) if members(&c.group) > 1 => operand * members(&c.group),
+        Op::AllReduce(c) if members(&c.group) > 1 => operand + 2 * operand / members(&c.group),
+        Op::AllToAll(c) if members(&c.group) > 1 => operand,
+        _ => 0,
+    }
 }
 
 impl DeviceProgram {

@@ -484,7 +484,10 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> std::io::Result<bool> {
     let _guard = super::signals::writing(&tmp);
     let written = (|| {
         let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
+        let (first, rest) = bytes.split_at(bytes.len() / 2);
+        f.write_all(first)?;
+        pause_for_tests();
+        f.write_all(rest)?;
         f.sync_all()?;
         std::fs::rename(&tmp, &target)
     })();
@@ -492,6 +495,14 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> std::io::Result<bool> {
         let _ = std::fs::remove_file(&tmp);
     }
     written.map(|()| existed)
+}
+
+/// The tests' way to interrupt a write in its middle: `SHARDC_TEST_PAUSE_WRITE_MS` holds a
+/// half-written output that long (tests/signals.rs sends SIGINT and SIGTERM then).
+fn pause_for_tests() {
+    if let Some(ms) = std::env::var("SHARDC_TEST_PAUSE_WRITE_MS").ok().and_then(|v| v.parse().ok()) {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
 }
 
 /// Whether two paths name the same existing file: the same device and inode (so hard links
@@ -627,7 +638,7 @@ pub fn preflight(
     program: &codegen::Program,
     held: &[(&str, &ir::Graph)],
     global: &ir::Graph,
-    reference: Option<&ir::Graph>,
+    reference: Option<shardc::footprint::Reference<'_>>,
     backend: codegen::Backend,
 ) -> CliResult<shardc::footprint::Footprint> {
     let too_large = || CliError::msg("a tensor of this run is too large to count; reduce --batch or --input-shape");

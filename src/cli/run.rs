@@ -9,6 +9,7 @@ use clap::Args;
 use codegen::{Backend, RunOptions};
 use passes::autoshard::{self, PipelineMode, SearchOptions};
 use shardc::exec;
+use shardc::footprint::Reference;
 
 use super::common::*;
 use super::cost::{ModelArgs, load_cluster, secs};
@@ -201,7 +202,8 @@ pub fn run(args: &RunArgs) -> CliResult {
         notes.push(format!("runs replicated instead of as planned: {f}"));
     }
     let (be, warn_be) = backend(args)?;
-    let promise = preflight(&program, &[("model", g)], g, args.check.then_some(g), be)?;
+    let promise =
+        preflight(&program, &[("model", g)], g, args.check.then_some(Reference { graph: g, built_anew: false }), be)?;
     let inputs = exec::inputs_for(g, given.as_ref(), args.seed).map_err(CliError::msg)?;
     if let Some(w) = warn_be {
         notes.push(format!("warning: {w}"));

@@ -10,6 +10,7 @@ use codegen::Backend;
 use ir::eval::Array;
 use passes::autodiff::{LossSpec, OptimizerSpec};
 use shardc::exec;
+use shardc::footprint::Reference;
 use shardc::train::{TrainCase, close, training_model, within};
 
 use super::common::*;
@@ -643,7 +644,8 @@ pub fn run(args: &TrainArgs) -> CliResult {
     let mut held = vec![("model", &loaded.model.graph), ("training graph", g)];
     held.extend(micro_tm.as_ref().map(|t| ("micro-batch training graph", &t.graph)));
     held.extend(written.as_ref().map(|w| ("model as written", &w.graph)));
-    let promise = preflight(&program, &held, g, args.check.then_some(g), be)?;
+    let reference = Reference { graph: g, built_anew: written.is_some() };
+    let promise = preflight(&program, &held, g, args.check.then_some(reference), be)?;
     // Inputs: the case's, or drawn from the seed (class labels within the classes).
     let inputs: HashMap<String, Array> = match &case {
         Some(c) => {

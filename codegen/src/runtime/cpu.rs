@@ -1,6 +1,7 @@
 //! The CPU executor: the reference kernels of `ir::eval`, one op at a time.
 
-use ir::eval::{Array, eval_node};
+use ir::DType;
+use ir::eval::{Array, Data, eval_node};
 use std::sync::Arc;
 
 use ir::{Graph, NodeId, Op};
@@ -45,6 +46,28 @@ impl Executor for CpuExecutor {
 
     fn upload_owned(&mut self, a: Array) -> Result<Arc<Array>, String> {
         Ok(Arc::new(a))
+    }
+
+    fn add_in_place(&mut self, acc: &mut Arc<Array>, b: &Arc<Array>) -> bool {
+        match (Arc::get_mut(acc), &b.data) {
+            (Some(a), Data::F32(y)) if a.dtype == DType::Float && b.dtype == DType::Float && a.shape == b.shape => {
+                let Data::F32(x) = &mut a.data else { return false };
+                x.iter_mut().zip(y).for_each(|(p, &q)| *p += q);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn scale_in_place(&mut self, acc: &mut Arc<Array>, k: f64) -> bool {
+        match Arc::get_mut(acc) {
+            Some(Array { dtype: DType::Float, data: Data::F32(x), .. }) => {
+                let k = k as f32;
+                x.iter_mut().for_each(|p| *p *= k);
+                true
+            }
+            _ => false,
+        }
     }
 
     fn storage(&self, t: &Arc<Array>) -> (usize, u64) {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use ir::eval::{Array, Data};
 
-use crate::layout::{combine, concat, crop, split_even};
+use crate::layout::{combine, concat, crop, even_piece};
 
 /// What a mailbox message is keyed by: a channel (a group's collective or a send tag), a
 /// sequence number and a step.
@@ -142,14 +142,21 @@ impl Transport for Hub {
     }
 }
 
-fn flat_chunks(a: &Array, parts: usize) -> Vec<Array> {
+/// Chunk `j` of `parts` of `a`'s elements in flat order.
+fn flat_chunk(a: &Array, parts: usize, j: usize) -> Array {
     let n = a.numel();
-    let flat = a.clone().reshaped(vec![n]);
-    (0..parts).map(|j| crop(&flat, &[(j * n / parts, (j + 1) * n / parts)])).collect()
+    let (start, end) = (j * n / parts, (j + 1) * n / parts);
+    a.gather(vec![end - start], start..end)
 }
 
-fn join_flat(chunks: &[Array], shape: &[usize]) -> Array {
-    concat(chunks, 0).reshaped(shape.to_vec())
+/// The chunks of [`flat_chunk`] joined as an array of `shape`, each freed once appended.
+fn join_flat(chunks: Vec<Array>, shape: &[usize]) -> Result<Array, String> {
+    let mut it = chunks.into_iter();
+    let mut out = it.next().ok_or("a collective over no devices")?;
+    for c in it {
+        out.append_flat(c).map_err(|e| e.to_string())?;
+    }
+    Ok(out.reshaped(shape.to_vec()))
 }
 
 impl Port<'_> {
@@ -166,21 +173,34 @@ impl Port<'_> {
             .ok_or_else(|| format!("device {} is not in group {group:?}", self.me))
     }
 
-    /// Ring reduce-scatter of `pieces` (one per member): the member at `rank` ends with the
-    /// reduction of piece `rank`.
-    fn ring_reduce_scatter(&mut self, group: &[i64], seq: u64, pieces: &mut [Array], op: &str) -> Result<(), String> {
+    /// Ring reduce-scatter of the `p` pieces `piece(j)` cuts from the operand: the member at
+    /// `rank` gets the reduction of piece `rank`. A piece is cut when the ring reaches it and
+    /// moved on once sent, so a member holds about two pieces at a time, not a copy of its
+    /// whole operand.
+    fn ring_reduce_scatter(
+        &mut self,
+        group: &[i64],
+        seq: u64,
+        piece: impl Fn(usize) -> Array,
+        op: &str,
+    ) -> Result<Array, String> {
         let p = group.len();
         let rank = self.rank(group)?;
         let (next, prev) = (group[(rank + 1) % p] as usize, group[(rank + p - 1) % p] as usize);
         let ch = group_key(group);
+        // The piece summed at the previous step, which this step sends on.
+        let mut summed: Option<Array> = None;
         for s in 0..p.saturating_sub(1) {
             let send = (rank + 2 * p - s - 1) % p;
             let recv = (rank + 2 * p - s - 2) % p;
-            self.hub.put(self.me, next, (ch, seq, s as u64), pieces[send].clone());
+            let out = summed.take().unwrap_or_else(|| piece(send));
+            self.hub.put(self.me, next, (ch, seq, s as u64), out);
             let got = self.hub.take(prev, self.me, (ch, seq, s as u64))?;
-            combine(&mut pieces[recv], &got, op);
+            let mut mine = piece(recv);
+            combine(&mut mine, &got, op);
+            summed = Some(mine);
         }
-        Ok(())
+        Ok(summed.unwrap_or_else(|| piece(rank)))
     }
 
     /// Ring all-gather: on entry the member at `rank` holds piece `rank`; on exit all.
@@ -210,11 +230,11 @@ impl Port<'_> {
         let seq = self.next_seq(group);
         let p = group.len();
         let rank = self.rank(group)?;
-        let mut chunks = flat_chunks(x, p);
-        self.ring_reduce_scatter(group, seq, &mut chunks, op)?;
-        let _ = rank;
+        let mine = self.ring_reduce_scatter(group, seq, |j| flat_chunk(x, p, j), op)?;
+        let mut chunks: Vec<Array> = (0..p).map(|_| nothing(x)).collect();
+        chunks[rank] = mine;
         self.ring_all_gather(group, seq, &mut chunks, p as u64)?;
-        Ok(join_flat(&chunks, &x.shape))
+        join_flat(chunks, &x.shape)
     }
 
     /// Every member's piece, concatenated along `axis` in group order.
@@ -227,7 +247,7 @@ impl Port<'_> {
         }
         let seq = self.next_seq(group);
         let rank = self.rank(group)?;
-        let mut pieces = vec![x.clone(); group.len()];
+        let mut pieces: Vec<Array> = (0..group.len()).map(|_| nothing(x)).collect();
         pieces[rank] = x.clone();
         self.ring_all_gather(group, seq, &mut pieces, 0)?;
         Ok(concat(&pieces, axis))
@@ -242,10 +262,7 @@ impl Port<'_> {
             return r;
         }
         let seq = self.next_seq(group);
-        let rank = self.rank(group)?;
-        let mut pieces = split_even(x, axis, group.len());
-        self.ring_reduce_scatter(group, seq, &mut pieces, op)?;
-        Ok(pieces.swap_remove(rank))
+        self.ring_reduce_scatter(group, seq, |j| even_piece(x, axis, group.len(), j), op)
     }
 
     /// Piece `j` (along `split_axis`) to member `j`; received pieces concatenated along
@@ -263,16 +280,14 @@ impl Port<'_> {
         let seq = self.next_seq(group);
         let rank = self.rank(group)?;
         let ch = group_key(group);
-        let pieces = split_even(x, split_axis, group.len());
-        for (j, piece) in pieces.iter().enumerate() {
-            if j != rank {
-                self.hub.put(self.me, group[j] as usize, (ch, seq, 0), piece.clone());
-            }
+        for j in (0..group.len()).filter(|&j| j != rank) {
+            let piece = even_piece(x, split_axis, group.len(), j);
+            self.hub.put(self.me, group[j] as usize, (ch, seq, 0), piece);
         }
         let mut got = Vec::with_capacity(group.len());
         for (j, &m) in group.iter().enumerate() {
             got.push(if j == rank {
-                pieces[rank].clone()
+                even_piece(x, split_axis, group.len(), j)
             } else {
                 self.hub.take(m as usize, self.me, (ch, seq, 0))?
             });
@@ -321,6 +336,11 @@ impl Port<'_> {
     }
 }
 
+/// An empty array of `x`'s type: a place a ring fills.
+fn nothing(x: &Array) -> Array {
+    Array { dtype: x.dtype, shape: vec![0], data: x.data.empty_like() }
+}
+
 /// Zeros of `x`'s shape and type.
 #[allow(dead_code)]
 pub(crate) fn zeros_of(x: &Array) -> Array {
@@ -337,6 +357,7 @@ pub(crate) fn zeros_of(x: &Array) -> Array {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layout::split_even;
 
     fn run<F: Fn(&mut Port<'_>, usize) -> Array + Sync>(p: usize, f: F) -> Vec<Array> {
         let hub = Hub::new(Duration::from_secs(10));

@@ -196,6 +196,17 @@ pub trait Executor {
     /// The storage a tensor occupies: an identity shared by views of one allocation, and
     /// its bytes.
     fn storage(&self, t: &Self::Tensor) -> (usize, u64);
+    /// `acc += b` where `acc` lies, when the device can (a float32 tensor nothing else holds),
+    /// summing as the `Add` kernel does; `false` leaves both as they were, for the caller to
+    /// add into a new tensor.
+    fn add_in_place(&mut self, _acc: &mut Self::Tensor, _b: &Self::Tensor) -> bool {
+        false
+    }
+    /// `acc ·= k` where `acc` lies, as [`Executor::add_in_place`] (`k` rounded to float32, as
+    /// the `Mul` kernel's scalar operand).
+    fn scale_in_place(&mut self, _acc: &mut Self::Tensor, _k: f64) -> bool {
+        false
+    }
 }
 
 /// Options of a run.
@@ -859,7 +870,16 @@ fn drive<E: Executor>(
                 Some(a) => {
                     for &v in &a.boundary {
                         let t = env.get(&v).ok_or_else(|| err(format!("`{}` was not computed", g.value_name(v))))?;
-                        let t = match boundary.remove(&v) {
+                        let mut held = boundary.remove(&v);
+                        if let Some(sum) = held.as_mut()
+                            && a.averaged.contains(&v)
+                            && cx.e.add_in_place(sum, t)
+                        {
+                            // Summed where it lies (already counted).
+                            boundary.insert(v, held.expect("summed"));
+                            continue;
+                        }
+                        let t = match held {
                             Some(sum) if a.averaged.contains(&v) => {
                                 let s = sums.add(cx.e, g, v, &sum, t).map_err(err)?;
                                 live.remove(cx.e.storage(&sum));
@@ -897,8 +917,10 @@ fn drive<E: Executor>(
             // The once-per-step ops, on the mean of the micro-batches.
             let m = feeds.len();
             let mut env: HashMap<Value, E::Tensor> = HashMap::new();
-            for (v, t) in boundary.drain() {
-                let t = if a.averaged.contains(&v) && m > 1 {
+            for (v, mut t) in boundary.drain() {
+                let t = if a.averaged.contains(&v) && m > 1 && cx.e.scale_in_place(&mut t, 1.0 / m as f64) {
+                    t
+                } else if a.averaged.contains(&v) && m > 1 {
                     let mean = sums.scale(cx.e, g, v, &t, 1.0 / m as f64).map_err(err)?;
                     live.remove(cx.e.storage(&t));
                     live.add(cx.e.storage(&mean));

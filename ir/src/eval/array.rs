@@ -39,6 +39,17 @@ impl Data {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// No elements, of this storage.
+    pub fn empty_like(&self) -> Data {
+        match self {
+            Data::F32(_) => Data::F32(Vec::new()),
+            Data::F64(_) => Data::F64(Vec::new()),
+            Data::I64(_) => Data::I64(Vec::new()),
+            Data::Bool(_) => Data::Bool(Vec::new()),
+            Data::Str(_) => Data::Str(Vec::new()),
+        }
+    }
 }
 
 /// A dense, row-major array.
@@ -336,31 +347,42 @@ impl Array {
 
     /// Picks elements by flat index (used by every data-movement op).
     pub fn gather_flat(&self, shape: Vec<usize>, idx: &[usize]) -> Array {
+        self.gather(shape, idx.iter().copied())
+    }
+
+    /// Appends `other`'s elements (flat; the shape becomes 1-D), freeing `other`.
+    pub fn append_flat(&mut self, other: Array) -> Result<(), EvalError> {
+        match (&mut self.data, other.data) {
+            (Data::F32(a), Data::F32(b)) => a.extend(b),
+            (Data::F64(a), Data::F64(b)) => a.extend(b),
+            (Data::I64(a), Data::I64(b)) => a.extend(b),
+            (Data::Bool(a), Data::Bool(b)) => a.extend(b),
+            (Data::Str(a), Data::Str(b)) => a.extend(b),
+            _ => return Err(EvalError::Invalid(format!("appending {} to {}", other.dtype, self.dtype))),
+        }
+        self.shape = vec![self.data.len()];
+        Ok(())
+    }
+
+    /// [`Array::gather_flat`] from offsets made as they are read (a [`super::Walk`]).
+    pub fn gather(&self, shape: Vec<usize>, idx: impl ExactSizeIterator<Item = usize>) -> Array {
         let data = match &self.data {
-            Data::F32(v) => Data::F32(idx.iter().map(|&i| v[i]).collect()),
-            Data::F64(v) => Data::F64(idx.iter().map(|&i| v[i]).collect()),
-            Data::I64(v) => Data::I64(idx.iter().map(|&i| v[i]).collect()),
-            Data::Bool(v) => Data::Bool(idx.iter().map(|&i| v[i]).collect()),
-            Data::Str(v) => Data::Str(idx.iter().map(|&i| v[i].clone()).collect()),
+            Data::F32(v) => Data::F32(idx.map(|i| v[i]).collect()),
+            Data::F64(v) => Data::F64(idx.map(|i| v[i]).collect()),
+            Data::I64(v) => Data::I64(idx.map(|i| v[i]).collect()),
+            Data::Bool(v) => Data::Bool(idx.map(|i| v[i]).collect()),
+            Data::Str(v) => Data::Str(idx.map(|i| v[i].clone()).collect()),
         };
         Array { dtype: self.dtype, shape, data }
     }
 
     /// Elements `start..end` of axis `axis`.
     pub fn slice_axis(&self, axis: usize, start: usize, end: usize) -> Array {
+        let ranges: Vec<(usize, usize)> =
+            self.shape.iter().enumerate().map(|(d, &n)| if d == axis { (start, end) } else { (0, n) }).collect();
         let mut shape = self.shape.clone();
         shape[axis] = end - start;
-        let outer: usize = self.shape[..axis].iter().product();
-        let inner: usize = self.shape[axis + 1..].iter().product();
-        let len = self.shape[axis];
-        let mut idx = Vec::with_capacity(outer * (end - start) * inner);
-        for o in 0..outer {
-            for i in start..end {
-                let base = (o * len + i) * inner;
-                idx.extend(base..base + inner);
-            }
-        }
-        self.gather_flat(shape, &idx)
+        self.gather(shape, super::Walk::boxed(&self.shape, &ranges))
     }
 
     /// Joins arrays of one dtype and rank along `axis` (their other dims equal).

@@ -5,6 +5,7 @@
 //! speed: tensors in tests are small.
 
 mod array;
+mod walk;
 
 use std::collections::HashMap;
 
@@ -15,6 +16,7 @@ pub use crate::ops::resize::resize_sizes;
 pub use crate::ops::shape::{reshape_target, slice_axis, slice_params, transpose};
 pub use crate::ops::util::{broadcast_index, broadcast_shapes};
 pub use array::{Array, Data, f32_to_f16, numel, round_to, strides, wrap_int};
+pub use walk::Walk;
 
 use crate::attr::AttrValue;
 use crate::graph::{Graph, NodeId, Value};

@@ -4,11 +4,12 @@
 //! the summed `k` (input features) — splitting `k` leaves partial sums. Their backward pass
 //! computes a data gradient and a weight gradient, each as many FLOPs as the forward.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use super::flow::flow_positional;
 use super::grad::GradCx;
-use super::util::{bcast_shapes, broadcast_index, broadcast_shapes, join};
+use super::util::{bcast_shapes, broadcast_index, broadcast_shapes, broadcast_walk, join};
 use super::{Arity, Arrays, Backward, EvalCx, FlowCx, InferCx, MANY, NodeCx, OpRules, TypeRule, Types, Work};
 use crate::eval::{Array, Data, EvalError, numel, strides, transpose};
 use crate::graph::Value;
@@ -313,6 +314,25 @@ pub fn gemm_dispatches(batch: usize, k: usize) -> usize {
     if batch <= 1 && k > SPLIT_K_FROM { 2 } else { 1 }
 }
 
+/// `[m, k] · [k, n]` of float32, row by row.
+fn matmul_f32(x: &[f32], y: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * n];
+    for i in 0..m {
+        let orow = &mut out[i * n..(i + 1) * n];
+        for p in 0..k {
+            let av = x[i * k + p];
+            if av == 0.0 {
+                continue;
+            }
+            let brow = &y[p * n..(p + 1) * n];
+            for (o, &bv) in orow.iter_mut().zip(brow) {
+                *o += av * bv;
+            }
+        }
+    }
+    out
+}
+
 /// Numpy matmul of float arrays, with 1-D promotion and batch broadcasting.
 pub fn matmul(a: &Array, b: &Array) -> Result<Array> {
     if a.dtype != b.dtype {
@@ -349,22 +369,10 @@ pub fn matmul(a: &Array, b: &Array) -> Result<Array> {
     }
     match (&a.data, &b.data) {
         (Data::F32(x), Data::F32(y)) => {
-            let mut out = vec![0f32; nb * m * n];
+            let mut out = Vec::with_capacity(nb * m * n);
             for bi in 0..nb {
-                let (ao, bo, oo) = (ia[bi] * m * k, ib[bi] * k * n, bi * m * n);
-                for i in 0..m {
-                    let orow = &mut out[oo + i * n..oo + (i + 1) * n];
-                    for p in 0..k {
-                        let av = x[ao + i * k + p];
-                        if av == 0.0 {
-                            continue;
-                        }
-                        let brow = &y[bo + p * n..bo + (p + 1) * n];
-                        for (o, &bv) in orow.iter_mut().zip(brow) {
-                            *o += av * bv;
-                        }
-                    }
-                }
+                let (ao, bo) = (ia[bi] * m * k, ib[bi] * k * n);
+                out.extend(matmul_f32(&x[ao..][..m * k], &y[bo..][..k * n], m, k, n));
             }
             Ok(Array { dtype: a.dtype, shape: out_shape, data: Data::F32(out) })
         }
@@ -390,51 +398,98 @@ pub fn matmul(a: &Array, b: &Array) -> Result<Array> {
     }
 }
 
+/// `op(A) · op(B)` of float32 `[m, k] · [k, n]`, reading the transposed operands where they
+/// are (no transposed copies): each output sums its products in ascending `k`, as
+/// [`matmul`] does.
+fn gemm_f32(a: &[f32], b: &[f32], (m, k, n): (usize, usize, usize), (ta, tb): (bool, bool)) -> Vec<f32> {
+    if !ta && !tb {
+        return matmul_f32(a, b, m, k, n);
+    }
+    let mut out = vec![0f32; m * n];
+    if !tb {
+        // A is [k, m]: row p of B scaled by A's column entries, added to each output row.
+        for p in 0..k {
+            let brow = &b[p * n..][..n];
+            for i in 0..m {
+                let av = a[p * m + i];
+                out[i * n..][..n].iter_mut().zip(brow).for_each(|(o, &bv)| *o += av * bv);
+            }
+        }
+        return out;
+    }
+    // B is [n, k]: a block of its rows is turned at a time (a small copy, not all of B),
+    // its columns of the output summed row by row as above.
+    const BLOCK: usize = 64;
+    let mut turned = vec![0f32; k * BLOCK];
+    for j0 in (0..n).step_by(BLOCK) {
+        let w = BLOCK.min(n - j0);
+        for (jj, row) in b[j0 * k..(j0 + w) * k].chunks_exact(k).enumerate() {
+            row.iter().enumerate().for_each(|(p, &bv)| turned[p * w + jj] = bv);
+        }
+        for i in 0..m {
+            let orow = &mut out[i * n + j0..][..w];
+            for p in 0..k {
+                let av = if ta { a[p * m + i] } else { a[i * k + p] };
+                orow.iter_mut().zip(&turned[p * w..][..w]).for_each(|(o, &bv)| *o += av * bv);
+            }
+        }
+    }
+    out
+}
+
 fn gemm(g: &op::Gemm, cx: &EvalCx<'_>) -> Result<Array> {
-    let mut a = cx.req(0)?.clone();
-    let mut b = cx.req(1)?.clone();
+    let (a, b) = (cx.req(0)?, cx.req(1)?);
     if a.rank() != 2 || b.rank() != 2 {
         return Err(EvalError::Invalid(format!("Gemm needs 2-D inputs, got {:?} and {:?}", a.shape, b.shape)));
     }
-    if g.trans_a() != 0 {
-        a = transpose(&a, &[1, 0]);
-    }
-    if g.trans_b() != 0 {
-        b = transpose(&b, &[1, 0]);
-    }
-    let y = matmul(&a, &b)?;
+    let y = match (&a.data, &b.data) {
+        (Data::F32(x), Data::F32(w)) if a.dtype == b.dtype => {
+            let (ta, tb) = (g.trans_a() != 0, g.trans_b() != 0);
+            let (m, k) = if ta { (a.shape[1], a.shape[0]) } else { (a.shape[0], a.shape[1]) };
+            let (k2, n) = if tb { (b.shape[1], b.shape[0]) } else { (b.shape[0], b.shape[1]) };
+            if k != k2 {
+                return Err(EvalError::Invalid(format!("Gemm of {:?} and {:?}: inner dims differ", a.shape, b.shape)));
+            }
+            Array { dtype: a.dtype, shape: vec![m, n], data: Data::F32(gemm_f32(x, w, (m, k, n), (ta, tb))) }
+        }
+        _ => {
+            fn turned(x: &Array, t: i64) -> Cow<'_, Array> {
+                if t != 0 { Cow::Owned(transpose(x, &[1, 0])) } else { Cow::Borrowed(x) }
+            }
+            matmul(&turned(a, g.trans_a()), &turned(b, g.trans_b()))?
+        }
+    };
     let (alpha, beta) = (f64::from(g.alpha()), f64::from(g.beta()));
-    if let Data::F32(_) = y.data {
+    let c = cx.opt(2);
+    if let Some(c) = c
+        && broadcast_shapes(&y.shape, &c.shape)? != y.shape
+    {
+        return Err(EvalError::Invalid(format!("Gemm C {:?} does not broadcast to {:?}", c.shape, y.shape)));
+    }
+    let Array { dtype, shape, data } = y;
+    if let Data::F32(mut v) = data {
         // float32 as the kernels compute it.
         let (alpha, beta) = (alpha as f32, beta as f32);
-        let mut v = y.to_f32()?;
         if alpha != 1.0 {
             v.iter_mut().for_each(|x| *x *= alpha);
         }
-        if let Some(c) = cx.opt(2) {
-            let cv = c.to_f32()?;
-            let idx = broadcast_index(&y.shape, &c.shape);
-            if broadcast_shapes(&y.shape, &c.shape)? != y.shape {
-                return Err(EvalError::Invalid(format!("Gemm C {:?} does not broadcast to {:?}", c.shape, y.shape)));
-            }
-            for (o, &i) in v.iter_mut().zip(&idx) {
+        if let Some(c) = c {
+            let cv = c.f32s()?;
+            for (o, i) in v.iter_mut().zip(broadcast_walk(&shape, &c.shape)) {
                 *o += beta * cv[i];
             }
         }
-        return Ok(Array { dtype: y.dtype, shape: y.shape, data: Data::F32(v) });
+        return Ok(Array { dtype, shape, data: Data::F32(v) });
     }
-    let mut v = y.to_f64()?;
+    let mut v = Array { dtype, shape: Vec::new(), data }.to_f64()?;
     v.iter_mut().for_each(|x| *x *= alpha);
-    if let Some(c) = cx.opt(2) {
+    if let Some(c) = c {
         let cv = c.to_f64()?;
-        if broadcast_shapes(&y.shape, &c.shape)? != y.shape {
-            return Err(EvalError::Invalid(format!("Gemm C {:?} does not broadcast to {:?}", c.shape, y.shape)));
-        }
-        for (o, &i) in v.iter_mut().zip(&broadcast_index(&y.shape, &c.shape)) {
+        for (o, i) in v.iter_mut().zip(broadcast_walk(&shape, &c.shape)) {
             *o += beta * cv[i];
         }
     }
-    Ok(Array::float(y.dtype, y.shape, v))
+    Ok(Array::float(dtype, shape, v))
 }
 
 /// The gradient of an Einsum: for operand `i` with term `t`, `dX_i = Einsum(dY, X_j (j ≠ i) →

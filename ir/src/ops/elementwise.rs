@@ -7,10 +7,10 @@
 //! [`TRANSCENDENTAL_FLOPS`]), and passes changed dims straight through.
 
 use super::grad::GradCx;
-use super::util::{bcast_all, bcast_shapes, broadcast_index, broadcast_shapes};
+use super::util::{bcast_all, bcast_shapes, broadcast_shapes, broadcast_walk};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, MANY, NodeCx, OpRules, TypeRule, Types, Work};
 use crate::cost::TRANSCENDENTAL_FLOPS;
-use crate::eval::{Array, Data, EvalError, numel, round_to, wrap_int};
+use crate::eval::{Array, Data, EvalError, round_to, wrap_int};
 use crate::op;
 use crate::op::Op;
 use crate::shard::{IterSpace, linear, pointwise};
@@ -610,9 +610,8 @@ fn zip_map<A: Copy, B: Copy, C>(
     if ash == bsh {
         return Ok((shape, a.iter().zip(b).map(|(&x, &y)| f(x, y)).collect()));
     }
-    let ia = broadcast_index(&shape, ash);
-    let ib = broadcast_index(&shape, bsh);
-    Ok((shape, ia.iter().zip(&ib).map(|(&i, &j)| f(a[i], b[j])).collect()))
+    let pairs = broadcast_walk(&shape, ash).zip(broadcast_walk(&shape, bsh));
+    Ok((shape, pairs.map(|(i, j)| f(a[i], b[j])).collect()))
 }
 
 fn float_bin(k: Bin, x: f64, y: f64) -> f64 {
@@ -791,9 +790,8 @@ fn compare(k: Cmp, a: &Array, b: &Array) -> Result<Array> {
         (Data::Bool(x), Data::Bool(y)) => zip_map(x, &a.shape, y, &b.shape, |p, q| f(k, p, q))?,
         (Data::Str(x), Data::Str(y)) if k == Cmp::Eq => {
             let shape = broadcast_shapes(&a.shape, &b.shape)?;
-            let ia = broadcast_index(&shape, &a.shape);
-            let ib = broadcast_index(&shape, &b.shape);
-            let v = ia.iter().zip(&ib).map(|(&i, &j)| x[i] == y[j]).collect();
+            let pairs = broadcast_walk(&shape, &a.shape).zip(broadcast_walk(&shape, &b.shape));
+            let v = pairs.map(|(i, j)| x[i] == y[j]).collect();
             (shape, v)
         }
         _ => {
@@ -816,16 +814,15 @@ fn logical(a: &Array, b: &Array, f: impl Fn(bool, bool) -> bool) -> Result<Array
 pub fn where_(c: &Array, x: &Array, y: &Array) -> Result<Array> {
     let Data::Bool(cv) = &c.data else { return Err(unsupported("Where condition", c.dtype)) };
     let shape = broadcast_shapes(&broadcast_shapes(&c.shape, &x.shape)?, &y.shape)?;
-    let ic = broadcast_index(&shape, &c.shape);
-    let ix = broadcast_index(&shape, &x.shape);
-    let iy = broadcast_index(&shape, &y.shape);
     // Gather from the concatenation of x and y.
     let both = Array { dtype: x.dtype, shape: vec![x.numel() + y.numel()], data: Array::concat_data(&[x, y]) };
     if x.dtype != y.dtype {
         return Err(EvalError::Invalid(format!("Where branches are {} and {}", x.dtype, y.dtype)));
     }
-    let idx: Vec<usize> = (0..numel(&shape)).map(|k| if cv[ic[k]] { ix[k] } else { x.numel() + iy[k] }).collect();
-    Ok(both.gather_flat(shape, &idx))
+    let walks =
+        broadcast_walk(&shape, &c.shape).zip(broadcast_walk(&shape, &x.shape)).zip(broadcast_walk(&shape, &y.shape));
+    let idx = walks.map(|((ic, ix), iy)| if cv[ic] { ix } else { x.numel() + iy });
+    Ok(both.gather(shape, idx))
 }
 
 // ---- gradients ----

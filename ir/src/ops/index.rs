@@ -822,20 +822,45 @@ impl OpRules for op::GatherGrad {
         if dv.len() != outer * k * inner {
             return Err(EvalError::Invalid(format!("GatherGrad: {} gradients for {k} indices", dv.len())));
         }
-        let mut out = vec![0.0; numel(&shape)];
+        // The rows the indices pick are summed in f64, in the indices' order; the table is
+        // zeros elsewhere (a large embedding's gradient touches a few rows, and a dense f64
+        // accumulator would hold twice the table).
+        let mut slot_of = std::collections::HashMap::new();
+        let mut sums: Vec<f64> = Vec::new();
+        let mut picked = Vec::new();
         for o in 0..outer {
             for (j, &r) in iv.iter().enumerate() {
                 let r = if r < 0 { r + rows as i64 } else { r };
                 if r < 0 || r as usize >= rows {
                     return Err(EvalError::Invalid(format!("GatherGrad: index {r} outside 0..{rows}")));
                 }
-                for i in 0..inner {
-                    out[(o * rows + r as usize) * inner + i] += dv[(o * k + j) * inner + i];
-                }
+                let row = o * rows + r as usize;
+                let slot = *slot_of.entry(row).or_insert_with(|| {
+                    picked.push(row);
+                    sums.resize(sums.len() + inner, 0.0);
+                    picked.len() - 1
+                });
+                let src = &dv[(o * k + j) * inner..][..inner];
+                sums[slot * inner..][..inner].iter_mut().zip(src).for_each(|(s, &d)| *s += d);
             }
         }
-        Ok(vec![Array::float(dy.dtype, shape, out)])
+        let n = numel(&shape);
+        Ok(vec![if dy.dtype == DType::Double {
+            Array::float(dy.dtype, shape, rows_placed(n, inner, &picked, &sums, |x| x))
+        } else {
+            Array::from_f32s(dy.dtype, shape, rows_placed(n, inner, &picked, &sums, |x| x as f32))
+        }])
     }
+}
+
+/// `n` zeros with row `picked[s]` (`inner` wide) set to `sums`' row `s`.
+fn rows_placed<T: Copy + Default>(n: usize, inner: usize, picked: &[usize], sums: &[f64], to: fn(f64) -> T) -> Vec<T> {
+    let mut out = vec![T::default(); n];
+    for (slot, &row) in picked.iter().enumerate() {
+        let dst = &mut out[row * inner..][..inner];
+        dst.iter_mut().zip(&sums[slot * inner..][..inner]).for_each(|(d, &s)| *d = to(s));
+    }
+    out
 }
 
 impl OpRules for op::CumProd {

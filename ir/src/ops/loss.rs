@@ -10,7 +10,7 @@
 use super::flow::flow_positional;
 use super::grad::GradCx;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
-use crate::eval::{Array, EvalError};
+use crate::eval::{Array, Data, EvalError};
 use crate::op::{self, Op};
 use crate::shard::IterSpace;
 use crate::types::{DType, Dim, TensorType};
@@ -116,20 +116,41 @@ fn dscale(dloss: &Array, wt: &[f64], r: Red<'_>) -> Result<Vec<f64>> {
     })
 }
 
-fn log_softmax(x: &[f64], n: usize, c: usize, dd: usize) -> Vec<f64> {
-    let mut out = vec![0.0; x.len()];
+/// Element `k` of a float array as f64, read where it is stored (no f64 copy of the scores,
+/// which for a language model's vocabulary are the largest tensor of the step).
+fn reader(x: &Array) -> Result<impl Fn(usize) -> f64 + '_> {
+    match &x.data {
+        Data::F32(_) | Data::F64(_) => Ok(move |k| match &x.data {
+            Data::F32(v) => f64::from(v[k]),
+            Data::F64(v) => v[k],
+            _ => f64::NAN,
+        }),
+        _ => Err(EvalError::Unsupported(format!("{} scores", x.dtype))),
+    }
+}
+
+/// The log-sum-exp over the classes of each sample `(i, j)` of scores `[n, c, dd]`.
+fn log_sum_exp(x: &impl Fn(usize) -> f64, n: usize, c: usize, dd: usize) -> Vec<f64> {
+    let mut lse = Vec::with_capacity(n * dd);
     for i in 0..n {
         for j in 0..dd {
             let at = |k: usize| (i * c + k) * dd + j;
-            let m = (0..c).map(|k| x[at(k)]).fold(f64::NEG_INFINITY, f64::max);
-            let s: f64 = (0..c).map(|k| (x[at(k)] - m).exp()).sum();
-            let lse = m + s.ln();
-            for k in 0..c {
-                out[at(k)] = x[at(k)] - lse;
-            }
+            let m = (0..c).map(|k| x(at(k))).fold(f64::NEG_INFINITY, f64::max);
+            let s: f64 = (0..c).map(|k| (x(at(k)) - m).exp()).sum();
+            lse.push(m + s.ln());
         }
     }
-    out
+    lse
+}
+
+/// An array of `dtype` and `shape` whose element `k` is `f(k)`, made in its storage type.
+fn float_array(dtype: DType, shape: Vec<usize>, f: impl Fn(usize) -> f64) -> Array {
+    let n = shape.iter().product();
+    if dtype == DType::Double {
+        Array::float(dtype, shape, (0..n).map(f).collect())
+    } else {
+        Array::from_f32s(dtype, shape, (0..n).map(|k| f(k) as f32).collect())
+    }
 }
 
 fn loss_infer(cx: &InferCx<'_>, reduction: &str, log_prob: bool) -> Types {
@@ -201,15 +222,16 @@ impl OpRules for op::SoftmaxCrossEntropyLoss {
         let r = Red { reduction: self.reduction(), ignore: self.ignore_index };
         let (cls, wt) = targets(cx.req(1)?, cx.opt(2), r, c)?;
         samples_fit(cls.len(), n * dd)?;
-        let lp = log_softmax(&x.to_f64()?, n, c, dd);
+        let xv = reader(x)?;
+        let lse = log_sum_exp(&xv, n, c, dd);
         let terms: Vec<f64> = (0..n * dd)
-            .map(|s| if wt[s] == 0.0 { 0.0 } else { -wt[s] * lp[((s / dd) * c + cls[s]) * dd + s % dd] })
+            .map(|s| if wt[s] == 0.0 { 0.0 } else { -wt[s] * (xv(((s / dd) * c + cls[s]) * dd + s % dd) - lse[s]) })
             .collect();
         let mut sample = vec![n];
         sample.extend(&x.shape[2..]);
         let mut out = vec![reduce(terms, &wt, r, x.dtype, sample)];
         if cx.n_out > 1 {
-            out.push(Array::float(x.dtype, x.shape.clone(), lp));
+            out.push(float_array(x.dtype, x.shape.clone(), |k| xv(k) - lse[(k / (c * dd)) * dd + k % dd]));
         }
         Ok(out)
     }
@@ -301,21 +323,16 @@ fn loss_grad_eval(cx: &EvalCx<'_>, r: Red<'_>, softmax: bool) -> Arrays {
     let (cls, wt) = targets(cx.req(2)?, cx.opt(3), r, c)?;
     samples_fit(cls.len(), n * dd)?;
     let sc = dscale(dl, &wt, r)?;
-    let mut out = if softmax {
-        log_softmax(&x.to_f64()?, n, c, dd).into_iter().map(f64::exp).collect()
-    } else {
-        vec![0.0; x.numel()]
-    };
-    for s in 0..n * dd {
-        let (i, j) = (s / dd, s % dd);
+    let xv = reader(x)?;
+    let lse = if softmax { log_sum_exp(&xv, n, c, dd) } else { Vec::new() };
+    // Element `at` of sample `s = i·dd + j` (class `k`): f · (softmax − one-hot), or −f · one-hot.
+    Ok(vec![float_array(x.dtype, x.shape.clone(), |at| {
+        let (i, k, j) = (at / (c * dd), (at / dd) % c, at % dd);
+        let s = i * dd + j;
         let f = sc[s] * wt[s];
-        for k in 0..c {
-            let at = (i * c + k) * dd + j;
-            let hot = if k == cls[s] && wt[s] != 0.0 { 1.0 } else { 0.0 };
-            out[at] = if softmax { f * (out[at] - hot) } else { -f * hot };
-        }
-    }
-    Ok(vec![Array::float(x.dtype, x.shape.clone(), out)])
+        let hot = if k == cls[s] && wt[s] != 0.0 { 1.0 } else { 0.0 };
+        if softmax { f * ((xv(at) - lse[s]).exp() - hot) } else { -f * hot }
+    })])
 }
 
 fn loss_grad_infer(cx: &InferCx<'_>) -> Types {

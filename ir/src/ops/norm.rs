@@ -7,7 +7,7 @@
 
 use super::flow::flow_positional;
 use super::grad::GradCx;
-use super::util::{broadcast_index, broadcast_shapes, norm_axes, norm_axis};
+use super::util::{broadcast_index, broadcast_shapes, broadcast_walk, norm_axes, norm_axis};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, Sharded, Types, Work};
 use crate::eval::{Array, EvalError, strides};
 use crate::graph::Value;
@@ -1086,9 +1086,8 @@ impl OpRules for op::RMSNormalization {
             )));
         }
         let sv = s.to_f64()?;
-        let bi = broadcast_index(&x.shape, &s.shape);
-        for (i, o) in y.iter_mut().enumerate() {
-            *o *= sv[bi[i]];
+        for (o, i) in y.iter_mut().zip(broadcast_walk(&x.shape, &s.shape)) {
+            *o *= sv[i];
         }
         Ok(vec![Array::float(x.dtype, x.shape.clone(), y)])
     }

@@ -7,9 +7,9 @@
 
 use super::flow::{factor_reshape, flow_positional};
 use super::grad::GradCx;
-use super::util::{bcast_shapes, inverse_perm, join, norm_axes, norm_axis, prod, prod_dim, prod_div};
+use super::util::{bcast_shapes, broadcast_walk, inverse_perm, join, norm_axes, norm_axis, prod, prod_dim, prod_div};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, MANY, Mono, NodeCx, OpRules, TypeRule, Types, Work};
-use crate::eval::{Array, Data, EvalError, broadcast_index, broadcast_shapes, cast, numel, strides};
+use crate::eval::{Array, Data, EvalError, broadcast_shapes, cast, numel, strides};
 use crate::graph::Value;
 use crate::op::{self, Op};
 use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par, pointwise, reshape_map};
@@ -983,24 +983,7 @@ impl OpRules for op::EyeLike {
 pub fn transpose(x: &Array, perm: &[usize]) -> Array {
     let shape: Vec<usize> = perm.iter().map(|&p| x.shape[p]).collect();
     let istr = strides(&x.shape);
-    let n = x.numel();
-    let mut idx = Vec::with_capacity(n);
-    let mut counter = vec![0usize; shape.len()];
-    let pstr: Vec<usize> = perm.iter().map(|&p| istr[p]).collect();
-    let mut flat = 0usize;
-    for _ in 0..n {
-        idx.push(flat);
-        for d in (0..shape.len()).rev() {
-            counter[d] += 1;
-            flat += pstr[d];
-            if counter[d] < shape[d] {
-                break;
-            }
-            flat -= pstr[d] * counter[d];
-            counter[d] = 0;
-        }
-    }
-    x.gather_flat(shape, &idx)
+    x.gather(shape.clone(), crate::eval::Walk::new(shape, perm.iter().map(|&p| istr[p]).collect(), 0))
 }
 
 /// Target shape of a Reshape (0 copies, -1 infers).
@@ -1183,8 +1166,7 @@ fn slice(op: &op::Slice, cx: &EvalCx<'_>) -> Result<Array> {
 fn expand(x: &Array, shape: &[i64]) -> Result<Array> {
     let target: Vec<usize> = shape.iter().map(|&d| d.max(0) as usize).collect();
     let out = broadcast_shapes(&x.shape, &target)?;
-    let idx = broadcast_index(&out, &x.shape);
-    Ok(x.gather_flat(out, &idx))
+    Ok(x.gather(out.clone(), broadcast_walk(&out, &x.shape)))
 }
 
 fn tile(x: &Array, repeats: &[i64]) -> Result<Array> {

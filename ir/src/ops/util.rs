@@ -1,7 +1,7 @@
 //! Helpers every op family uses: one axis normaliser, one broadcasting rule (for dims and
 //! for concrete shapes), and dims printing.
 
-use crate::eval::{numel, strides};
+use crate::eval::strides;
 use crate::types::Dim;
 
 /// Normalises a possibly negative axis of a tensor of rank `rank`: `-rank <= a < rank`
@@ -52,32 +52,18 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>, String> 
 /// For each element of `out`, the flat index of the element of an input of shape `inp`
 /// that broadcasts to it.
 pub fn broadcast_index(out: &[usize], inp: &[usize]) -> Vec<usize> {
-    let n = numel(out);
-    if out == inp {
-        return (0..n).collect();
-    }
+    broadcast_walk(out, inp).collect()
+}
+
+/// [`broadcast_index`] made as it is read: the flat offset in `inp` of each element of `out`.
+pub fn broadcast_walk(out: &[usize], inp: &[usize]) -> crate::eval::Walk {
     let off = out.len() - inp.len();
     let istr = strides(inp);
-    let mut bstr = vec![0usize; out.len()];
+    let mut steps = vec![0usize; out.len()];
     for (i, &d) in inp.iter().enumerate() {
-        bstr[i + off] = if d == 1 { 0 } else { istr[i] };
+        steps[i + off] = if d == 1 { 0 } else { istr[i] };
     }
-    let mut idx = Vec::with_capacity(n);
-    let mut counter = vec![0usize; out.len()];
-    let mut flat = 0usize;
-    for _ in 0..n {
-        idx.push(flat);
-        for d in (0..out.len()).rev() {
-            counter[d] += 1;
-            flat += bstr[d];
-            if counter[d] < out[d] {
-                break;
-            }
-            flat -= bstr[d] * counter[d];
-            counter[d] = 0;
-        }
-    }
-    idx
+    crate::eval::Walk::new(out.to_vec(), steps, 0)
 }
 
 /// Numpy broadcast of one dim pair, symbolic dims included.
