@@ -744,6 +744,46 @@ impl TrainPipeline {
         }))
     }
 
+    /// Prices this pipeline of `forward` (its ops' strategies `fwd`) as the search prices
+    /// the pipelines it makes: the stages' time and memory from the model, not from what a
+    /// plan file says.
+    pub fn price(
+        &self,
+        forward: &Graph,
+        fwd: &passes::cost::Assignment,
+        cluster: &passes::cost::Cluster,
+        opts: &passes::cost::Options,
+    ) -> Result<passes::autoshard::pipeline::PipelinePlan, String> {
+        use passes::autoshard::pipeline::{GivenStage, price_stages};
+        let name = |n: NodeId| forward.node(n).outputs().first().map(|o| o.name.clone());
+        let strategies: HashMap<String, ir::shard::OpStrategy> =
+            fwd.strategies.iter().filter_map(|(&n, s)| Some((name(n)?, s.clone()))).collect();
+        let mut ops: Vec<Vec<String>> = vec![Vec::new(); self.stages.len()];
+        for n in forward.op_nodes().map_err(|_| "the model has a cycle".to_string())? {
+            if let Some((o, &st)) = name(n).and_then(|o| self.stage_of.get(&o).map(|st| (o, st)))
+                && let Some(list) = ops.get_mut(st)
+            {
+                list.push(o);
+            }
+        }
+        let stages: Vec<GivenStage<'_>> = self
+            .stages
+            .iter()
+            .zip(&ops)
+            .map(|((mesh, devices, _), ops)| GivenStage {
+                ops,
+                mesh,
+                offset: devices.first().copied().unwrap_or(0),
+                strategies: &strategies,
+            })
+            .collect();
+        let schedule = match self.schedule {
+            codegen::Schedule::GPipe => passes::cost::strategy::Schedule::GPipe,
+            codegen::Schedule::OneFOneB => passes::cost::strategy::Schedule::OneFOneB,
+        };
+        price_stages(forward, cluster, opts, &stages, self.micro_batches, schedule)
+    }
+
     /// The pipeline of a search result on `g` (`None` when it does not pipeline).
     pub fn of_search(g: &Graph, r: &SearchResult) -> Option<TrainPipeline> {
         let p = r.pipeline.as_ref()?;

@@ -2042,3 +2042,38 @@ fn an_interrupted_write_removes_its_partial_file_and_says_so() {
         std::fs::remove_dir_all(&dir).ok();
     }
 }
+
+/// `train --plan` of a pipelined plan prices the stages again: the figures a plan file says
+/// (edited here) are not what it predicts, and the edit changes nothing.
+#[test]
+fn train_prices_a_pipelined_plan_file_again() {
+    let dir = tmpdir("reprice");
+    let plan = two_stage_plan(&dir, 2);
+    let mut doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&plan).unwrap()).unwrap();
+    doc["memory_per_device_bytes"] = 12345.into();
+    doc["step_time_s"] = 99.0.into();
+    let edited = dir.join("edited.json");
+    std::fs::write(&edited, serde_json::to_vec(&doc).unwrap()).unwrap();
+    let predicted = |p: &Path| {
+        let o = shardc(&[
+            "train",
+            &golden("tiny_gpt.onnxtxt"),
+            "--plan",
+            p.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--backend",
+            "cpu",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        (v["memory_predicted_bytes"].as_u64().unwrap(), v["predicted"].clone(), v["notes"].clone())
+    };
+    let (memory, step, notes) = predicted(&plan);
+    assert!(memory > 12345, "{memory}");
+    assert!(!notes.to_string().contains("could not be priced"), "{notes}");
+    let (memory_edited, step_edited, _) = predicted(&edited);
+    assert_eq!((memory_edited, step_edited), (memory, step));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -306,13 +306,17 @@ fn training_plan(
                     pipe.micro_batches,
                     pipe.schedule.name()
                 );
-                if plan.cluster != cluster.name {
-                    notes.push(format!("the prediction is the plan's, for {}", plan.cluster));
-                }
-                let predicted = Some((plan.step_time_s, plan.memory_per_device_bytes));
+                // Priced again (time and memory) rather than read from the file.
+                let predicted = match pipe.price(forward, &fwd, cluster, opts) {
+                    Ok(p) => Some(step_and_memory(&p.breakdown)),
+                    Err(e) => {
+                        notes.push(format!("the plan's pipeline could not be priced again ({e}): no prediction"));
+                        None
+                    }
+                };
                 let shape = (pipe.stages.len(), pipe.micro_batches, pipe.schedule.name());
-                let summary =
-                    summary_of(forward, cluster, opts, plan.devices, &fwd, &mesh, Some(plan.step_time_s), Some(shape));
+                let step = predicted.map(|p| p.0);
+                let summary = summary_of(forward, cluster, opts, plan.devices, &fwd, &mesh, step, Some(shape));
                 return Ok(Chosen {
                     lowering: Lowering::Pipeline(pipe, fwd),
                     devices: plan.devices,

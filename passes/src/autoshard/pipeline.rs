@@ -1188,6 +1188,36 @@ fn unit_bounds(t: &Table, max: usize) -> Vec<usize> {
     bounds
 }
 
+/// Bytes per device each stage (ops `ranges[s]` of `order`) holds for the parameters it
+/// shares with other stages (tied weights, as a language model's embedding and output
+/// projection): a later reader holds its own copy of the weight and of its gradient (and the
+/// gradient's accumulator with several micro-batches); the first reader receives each later
+/// reader's gradient and sums it into its own in the backward (the received gradient and the
+/// sum beside its own). Returns what each stage holds for the whole step and what it holds
+/// while it sums in its backward.
+fn shared_params(gm: &Graph, order: &[NodeId], ranges: &[(usize, usize)], micro: usize) -> (Vec<f64>, Vec<f64>) {
+    let mut readers: HashMap<Value, Vec<usize>> = HashMap::new();
+    for (st, &(a, b)) in ranges.iter().enumerate() {
+        for &n in &order[a.min(order.len())..b.min(order.len())] {
+            for v in gm.node(n).inputs().iter().flatten().filter(|v| ir::cost::is_param(gm, **v)) {
+                let r = readers.entry(*v).or_default();
+                if !r.contains(&st) {
+                    r.push(st);
+                }
+            }
+        }
+    }
+    let (mut held, mut summing) = (vec![0.0; ranges.len()], vec![0.0; ranges.len()]);
+    for (v, stages) in readers.iter().filter(|(_, s)| s.len() > 1) {
+        let bytes = gm.tensor_type(*v).and_then(|t| t.size_bytes()).unwrap_or(0) as f64;
+        summing[stages[0]] += 2.0 * bytes;
+        for &st in &stages[1..] {
+            held[st] += bytes * if micro > 1 { 3.0 } else { 2.0 };
+        }
+    }
+    (held, summing)
+}
+
 /// Prices a partition (stages of units `cuts`, sizes `sizes[cut.size]`) as a whole step.
 #[allow(clippy::too_many_arguments)]
 fn price_cuts(
@@ -1223,6 +1253,8 @@ fn price_cuts(
     let mut rows_all = Vec::new();
     let mut events = Vec::new();
     let mut op_cuts = Vec::with_capacity(s);
+    let ranges: Vec<(usize, usize)> = cuts.iter().map(|c| (bounds[c.start], bounds[c.end])).collect();
+    let (shared, summing) = shared_params(gm, &gm_order, &ranges, m);
     for (st, cut) in cuts.iter().enumerate() {
         let d = sizes[cut.size];
         let t = &tables[&(d, mb)];
@@ -1248,7 +1280,18 @@ fn price_cuts(
         let act_one = units.act[b] - units.act[a];
         let input = if a > 0 { t.cross[a] } else { 0.0 };
         let act = if rc { input * flight + act_one } else { (act_one + input) * flight };
-        let mem = Memory { weights: params, gradients: 0.0, optimizer: 0.0, activations: act, workspace: t.workspace };
+        // The update, after the last backward, makes each weight's and optimizer state's next
+        // value while the current ones are held (the micro-batch's own gradients freed by then).
+        let (param, grad) = (units.param[b] - units.param[a], units.grad[b] - units.grad[a]);
+        let update = param - grad * if m > 1 { 2.0 } else { 1.0 };
+        let act = (act + summing[st]).max(update);
+        let mem = Memory {
+            weights: params + shared[st],
+            gradients: 0.0,
+            optimizer: 0.0,
+            activations: act,
+            workspace: t.workspace,
+        };
         let total = mem.total();
         if total > worst_total {
             worst_total = total;
@@ -1425,4 +1468,97 @@ fn blocker(g: &Graph, t: &Table, cuts: &[(usize, usize)], times: &[f64], s: usiz
     format!(
         "stage {fastest} cannot grow: moving a boundary would exceed memory or add a costly transfer of the tensors crossing the cut"
     )
+}
+
+/// One stage of a pipeline given whole (a plan file's): its ops (first output names), its
+/// mesh, its first global device, and its ops' strategies by name.
+pub struct GivenStage<'a> {
+    pub ops: &'a [String],
+    pub mesh: &'a Mesh,
+    pub offset: usize,
+    pub strategies: &'a HashMap<String, OpStrategy>,
+}
+
+/// Prices the pipeline of `stages` over `g` with `micro` micro-batches under `schedule`, as the
+/// search prices the partitions it makes (per-stage time and memory, the step): a plan read
+/// from a file is priced again rather than trusted. An error when the graph takes no such
+/// micro-batch, a stage's ops are not a contiguous run of the graph's, or the stages do not
+/// fit in memory.
+pub fn price_stages(
+    g: &Graph,
+    cluster: &Cluster,
+    opts: &Options,
+    stages: &[GivenStage<'_>],
+    micro: usize,
+    schedule: Schedule,
+) -> Result<PipelinePlan, String> {
+    let batch = graph_batch(g).ok_or("the model has no input with a batch dim to split into micro-batches")?;
+    if micro == 0 || batch % micro as i64 != 0 {
+        return Err(format!("{micro} micro-batches do not divide the batch of {batch}"));
+    }
+    let mb = batch / micro as i64;
+    let mut graphs = MicroGraphs { g, batch, cache: HashMap::new(), refused: None };
+    let gm = graphs.get(mb).ok_or_else(|| {
+        let why = graphs.refused.as_ref().map_or(String::new(), |(_, e)| format!(": {e}"));
+        format!("the model takes no micro-batch of {mb}{why}")
+    })?;
+    let order = gm.op_nodes().map_err(|_| "the graph has a cycle".to_string())?;
+    let pos: HashMap<&str, usize> =
+        order.iter().enumerate().filter_map(|(i, &n)| Some((gm.node(n).outputs().first()?.name.as_str(), i))).collect();
+    let devices: usize = stages.iter().map(|s| s.mesh.devices()).sum();
+    let mut sizes: Vec<usize> = stages.iter().map(|s| s.mesh.devices()).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let mut meshes: HashMap<usize, Mesh> = HashMap::new();
+    let mut maps: HashMap<usize, HashMap<String, OpStrategy>> = HashMap::new();
+    // Each stage runs from its first named op to the next stage's first; ops no stage names
+    // (constants the micro-batch graph adds) go with the stage whose run holds them.
+    let mut runs: Vec<(usize, usize)> = Vec::with_capacity(stages.len());
+    for (i, s) in stages.iter().enumerate() {
+        let d = s.mesh.devices();
+        meshes.entry(d).or_insert_with(|| s.mesh.clone());
+        maps.entry(d).or_default().extend(s.strategies.iter().map(|(k, v)| (k.clone(), v.clone())));
+        let at: Vec<usize> = s.ops.iter().filter_map(|o| pos.get(o.as_str()).copied()).collect();
+        let (Some(&first), Some(&last)) = (at.iter().min(), at.iter().max()) else {
+            return Err(format!("stage {i} names no op of the model"));
+        };
+        if at.len() != s.ops.len() {
+            return Err(format!("stage {i} names ops the model does not have"));
+        }
+        if runs.last().is_some_and(|&(_, prev_last)| prev_last >= first) {
+            return Err(format!("stage {i}'s ops are not after stage {}'s in the model's order", i - 1));
+        }
+        runs.push((first, last));
+    }
+    let cuts: Vec<Cut> = stages
+        .iter()
+        .enumerate()
+        .map(|(i, s)| Cut {
+            start: if i == 0 { 0 } else { runs[i].0 },
+            end: runs.get(i + 1).map_or(order.len(), |r| r.0),
+            size: sizes.iter().position(|&x| x == s.mesh.devices()).unwrap_or(0),
+            offset: s.offset,
+        })
+        .collect();
+    let tables: HashMap<(usize, i64), Table> =
+        sizes.iter().map(|&d| ((d, mb), table(&gm, cluster, &meshes[&d], devices, opts, &maps[&d]))).collect();
+    let bounds: Vec<usize> = (0..=order.len()).collect();
+    let capacity = cluster.device.mem_capacity * cluster.device.mem_usable;
+    price_cuts(
+        &gm,
+        g,
+        cluster,
+        opts,
+        &tables,
+        &sizes,
+        &cuts,
+        &bounds,
+        mb,
+        stages.len(),
+        micro,
+        schedule,
+        capacity,
+        &meshes,
+    )
+    .ok_or_else(|| "the stages do not fit in memory on this cluster".into())
 }
