@@ -2060,6 +2060,8 @@ fn train_prices_a_pipelined_plan_file_again() {
             &golden("tiny_gpt.onnxtxt"),
             "--plan",
             p.to_str().unwrap(),
+            "--loss",
+            "softmax-cross-entropy",
             "--steps",
             "1",
             "--backend",
