@@ -345,6 +345,8 @@ fn searched_and_saved_plans_train() {
     assert!(doc["plan"].as_str().unwrap_or("").starts_with("searched plan"), "{}", doc["plan"]);
     assert_eq!(doc["check"].as_array().map_or(0, Vec::len), 4, "{}", doc["check"]);
     assert_eq!(doc["devices"].as_array().map_or(0, Vec::len), 4);
+    // Re-shaped by --input-shape: the check says its reference is the re-shaped model.
+    assert!(doc["notes"].to_string().contains("trains the re-shaped model"), "{}", doc["notes"]);
     let case =
         |m: &str| [format!("tests/data/golden-train/{m}.onnxtxt"), format!("tests/data/golden-train/{m}.train.json")];
     let [model, data] = case("cnn_small");

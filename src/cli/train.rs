@@ -733,6 +733,13 @@ pub fn run(args: &TrainArgs) -> CliResult {
             }
             None => None,
         };
+        if !args.shapes.is_empty() {
+            notes.push(
+                "the check's reference trains the re-shaped model, so it cannot catch a wrong rewriting of its shapes \
+                 (`run --check` compares the forward pass with the model as written where only the batch changed)"
+                    .into(),
+            );
+        }
         let rg = reference.as_ref().map_or(g, |t| &t.graph);
         let (want, want_grads, ref_params, ref_state) =
             shardc::train::reference_run(rg, &inputs, args.steps).map_err(CliError::msg)?;
