@@ -770,18 +770,13 @@ impl TrainPipeline {
             .stages
             .iter()
             .zip(&ops)
-            .map(|((mesh, devices, _), ops)| GivenStage {
-                ops,
-                mesh,
-                offset: devices.first().copied().unwrap_or(0),
-                strategies: &strategies,
-            })
+            .map(|((mesh, devices, _), ops)| GivenStage { ops, mesh, offset: devices.first().copied().unwrap_or(0) })
             .collect();
         let schedule = match self.schedule {
             codegen::Schedule::GPipe => passes::cost::strategy::Schedule::GPipe,
             codegen::Schedule::OneFOneB => passes::cost::strategy::Schedule::OneFOneB,
         };
-        price_stages(forward, cluster, opts, &stages, self.micro_batches, schedule)
+        price_stages(forward, cluster, opts, &stages, &strategies, self.micro_batches, schedule)
     }
 
     /// The pipeline of a search result on `g` (`None` when it does not pipeline).

@@ -498,7 +498,7 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> std::io::Result<bool> {
 }
 
 /// The tests' way to interrupt a write in its middle: `SHARDC_TEST_PAUSE_WRITE_MS` holds a
-/// half-written output that long (tests/signals.rs sends SIGINT and SIGTERM then).
+/// half-written output that long (tests/cli.rs sends SIGINT and SIGTERM then).
 fn pause_for_tests() {
     if let Some(ms) = std::env::var("SHARDC_TEST_PAUSE_WRITE_MS").ok().and_then(|v| v.parse().ok()) {
         std::thread::sleep(std::time::Duration::from_millis(ms));

@@ -870,17 +870,13 @@ fn drive<E: Executor>(
                 Some(a) => {
                     for &v in &a.boundary {
                         let t = env.get(&v).ok_or_else(|| err(format!("`{}` was not computed", g.value_name(v))))?;
-                        let mut held = boundary.remove(&v);
-                        if let Some(sum) = held.as_mut()
-                            && a.averaged.contains(&v)
-                            && cx.e.add_in_place(sum, t)
-                        {
-                            // Summed where it lies (already counted).
-                            boundary.insert(v, held.expect("summed"));
-                            continue;
-                        }
-                        let t = match held {
-                            Some(sum) if a.averaged.contains(&v) => {
+                        let t = match boundary.remove(&v) {
+                            Some(mut sum) if a.averaged.contains(&v) => {
+                                if cx.e.add_in_place(&mut sum, t) {
+                                    // Summed where it lies (already counted).
+                                    boundary.insert(v, sum);
+                                    continue;
+                                }
                                 let s = sums.add(cx.e, g, v, &sum, t).map_err(err)?;
                                 live.remove(cx.e.storage(&sum));
                                 s
@@ -918,10 +914,9 @@ fn drive<E: Executor>(
             let m = feeds.len();
             let mut env: HashMap<Value, E::Tensor> = HashMap::new();
             for (v, mut t) in boundary.drain() {
-                let t = if a.averaged.contains(&v) && m > 1 && cx.e.scale_in_place(&mut t, 1.0 / m as f64) {
-                    t
-                } else if a.averaged.contains(&v) && m > 1 {
-                    let mean = sums.scale(cx.e, g, v, &t, 1.0 / m as f64).map_err(err)?;
+                let k = 1.0 / m as f64;
+                let t = if a.averaged.contains(&v) && m > 1 && !cx.e.scale_in_place(&mut t, k) {
+                    let mean = sums.scale(cx.e, g, v, &t, k).map_err(err)?;
                     live.remove(cx.e.storage(&t));
                     live.add(cx.e.storage(&mean));
                     mean

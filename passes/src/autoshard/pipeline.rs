@@ -1471,24 +1471,25 @@ fn blocker(g: &Graph, t: &Table, cuts: &[(usize, usize)], times: &[f64], s: usiz
 }
 
 /// One stage of a pipeline given whole (a plan file's): its ops (first output names), its
-/// mesh, its first global device, and its ops' strategies by name.
+/// mesh and its first global device.
 pub struct GivenStage<'a> {
     pub ops: &'a [String],
     pub mesh: &'a Mesh,
     pub offset: usize,
-    pub strategies: &'a HashMap<String, OpStrategy>,
 }
 
-/// Prices the pipeline of `stages` over `g` with `micro` micro-batches under `schedule`, as the
-/// search prices the partitions it makes (per-stage time and memory, the step): a plan read
-/// from a file is priced again rather than trusted. An error when the graph takes no such
-/// micro-batch, a stage's ops are not a contiguous run of the graph's, or the stages do not
-/// fit in memory.
+/// Prices the pipeline of `stages` over `g` (its ops' `strategies` by first output name) with
+/// `micro` micro-batches under `schedule`, as the search prices the partitions it makes
+/// (per-stage time and memory, the step): a plan read from a file is priced again rather than
+/// trusted. Stages of one size share that size's first mesh, as the search's tables do. An
+/// error when the graph takes no such micro-batch, a stage names ops the graph lacks or not
+/// after the previous stage's, or the stages do not fit in memory.
 pub fn price_stages(
     g: &Graph,
     cluster: &Cluster,
     opts: &Options,
     stages: &[GivenStage<'_>],
+    strategies: &HashMap<String, OpStrategy>,
     micro: usize,
     schedule: Schedule,
 ) -> Result<PipelinePlan, String> {
@@ -1510,14 +1511,12 @@ pub fn price_stages(
     sizes.sort_unstable();
     sizes.dedup();
     let mut meshes: HashMap<usize, Mesh> = HashMap::new();
-    let mut maps: HashMap<usize, HashMap<String, OpStrategy>> = HashMap::new();
     // Each stage runs from its first named op to the next stage's first; ops no stage names
     // (constants the micro-batch graph adds) go with the stage whose run holds them.
     let mut runs: Vec<(usize, usize)> = Vec::with_capacity(stages.len());
     for (i, s) in stages.iter().enumerate() {
         let d = s.mesh.devices();
         meshes.entry(d).or_insert_with(|| s.mesh.clone());
-        maps.entry(d).or_default().extend(s.strategies.iter().map(|(k, v)| (k.clone(), v.clone())));
         let at: Vec<usize> = s.ops.iter().filter_map(|o| pos.get(o.as_str()).copied()).collect();
         let (Some(&first), Some(&last)) = (at.iter().min(), at.iter().max()) else {
             return Err(format!("stage {i} names no op of the model"));
@@ -1541,7 +1540,7 @@ pub fn price_stages(
         })
         .collect();
     let tables: HashMap<(usize, i64), Table> =
-        sizes.iter().map(|&d| ((d, mb), table(&gm, cluster, &meshes[&d], devices, opts, &maps[&d]))).collect();
+        sizes.iter().map(|&d| ((d, mb), table(&gm, cluster, &meshes[&d], devices, opts, strategies))).collect();
     let bounds: Vec<usize> = (0..=order.len()).collect();
     let capacity = cluster.device.mem_capacity * cluster.device.mem_usable;
     price_cuts(
