@@ -15,12 +15,38 @@ use ir::Graph;
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Footprint {
     pub parts: Vec<(String, u64)>,
+    /// Of the total, the bytes the process already holds when the promise is made: the
+    /// constants of the graphs it has loaded, and the part [`Footprint::measure_process`]
+    /// measured. What the host must still give is the total less these.
+    pub resident: u64,
 }
 
 impl Footprint {
     /// The whole promise, bytes (saturating).
     pub fn total(&self) -> u64 {
         self.parts.iter().fold(0u64, |a, (_, b)| a.saturating_add(*b))
+    }
+
+    /// What the host must still give for the run: the total less what the process holds.
+    pub fn to_come(&self) -> u64 {
+        self.total().saturating_sub(self.resident)
+    }
+
+    /// Adds what the process itself holds beyond the graphs and tensors counted, measured now:
+    /// its code, libraries and drivers (the resident set less the loaded constants, which a
+    /// part already counts), and for a run on `gpu_devices` GPU devices, the host memory each
+    /// device's driver takes (`per_device`, measured by opening one: see
+    /// [`codegen::runtime::gpu_device_host_bytes`]). Nothing is added where the resident set
+    /// cannot be read.
+    pub fn measure_process(&mut self, gpu_devices: usize, per_device: Option<u64>) {
+        let Some(now) = codegen::runtime::resident_bytes() else { return };
+        let own = now.saturating_sub(self.resident);
+        self.parts.push(("the process (code, libraries, drivers; measured)".into(), own));
+        self.resident = self.resident.saturating_add(own);
+        if let Some(each) = per_device.filter(|_| gpu_devices > 0) {
+            let what = format!("GPU driver state of {gpu_devices} devices (measured on one)");
+            self.parts.push((what, each.saturating_mul(gpu_devices as u64)));
+        }
     }
 
     /// `what size, what size, …` for messages.
@@ -102,16 +128,14 @@ pub fn footprint(
         (None, Some(r)) => parts.push(("the single-device reference".into(), r)),
         (None, None) => {}
     }
-    Some(Footprint { parts })
+    // The graphs the driver holds are loaded when the promise is made.
+    Some(Footprint { parts, resident: held_bytes })
 }
 
 /// The most memory this process has held so far (its peak resident set, Linux's `VmHWM`),
 /// bytes; `None` where the system does not say.
 pub fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    codegen::runtime::status_bytes("VmHWM:")
 }
 
 #[cfg(test)]
@@ -124,9 +148,25 @@ mod tests {
         g.add_initializer("w", ir::Tensor::from_f32(vec![3, 4], vec![0.5; 12]));
         g.add_initializer("i", ir::Tensor::from_i64(vec![2], vec![1, 2]));
         assert_eq!(constant_bytes(&g), 12 * 4 + 2 * 8);
-        let f = Footprint { parts: vec![("a".into(), 5), ("b".into(), 7)] };
+        let f = Footprint { parts: vec![("a".into(), 5), ("b".into(), 7)], resident: 3 };
         assert_eq!(f.total(), 12);
         assert_eq!(f.describe(|b| format!("{b} B")), "a 5 B, b 7 B");
+        assert_eq!(f.to_come(), 9);
+    }
+
+    #[test]
+    fn the_process_is_measured_beside_the_parts() {
+        let mut f = Footprint { parts: vec![("constants".into(), 1 << 20)], resident: 1 << 20 };
+        f.measure_process(2, Some(3 << 20));
+        if cfg!(target_os = "linux") {
+            let now = codegen::runtime::resident_bytes().unwrap();
+            assert_eq!(f.parts.len(), 3, "{f:?}");
+            // The measured part is the resident set less the constants already counted, and
+            // all of it is held now; the GPU devices are still to come.
+            assert!(f.parts[1].1 + (1 << 20) >= now - (1 << 20) && f.resident >= f.parts[1].1, "{f:?} {now}");
+            assert_eq!(f.parts[2].1, 6 << 20);
+            assert_eq!(f.to_come(), 6 << 20);
+        }
     }
 
     #[test]

@@ -32,6 +32,7 @@ pub mod report;
 pub mod simulate;
 pub mod synthetic;
 pub mod train;
+pub mod written;
 
 /// A model file's text, kept to render diagnostics; for a binary model, the field paths its
 /// spans stand for.

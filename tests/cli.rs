@@ -1856,6 +1856,12 @@ fn dynamo_exports_change_sequence_length_correctly_or_refuse() {
                 continue;
             }
             assert!(o.status.success(), "{name} at {seq}: {}", stderr(&o));
+            // The check's independent reference: the model as written at its own length.
+            if seq < 16 {
+                let row = format!("logits (model as written, first {seq} positions)");
+                let line = stdout(&o).lines().find(|l| l.contains(&row)).map(str::to_string);
+                assert!(line.as_ref().is_some_and(|l| l.trim_end().ends_with("ok")), "{name} at {seq}: {}", stdout(&o));
+            }
             let got: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
             let what = format!("{name} at {seq}: logits (torch's)");
             assert_close(&got["outputs"]["logits"], &doc["outputs"]["logits"], (1e-4, 1e-4), &what);
@@ -1896,8 +1902,9 @@ fn external_data_is_a_file_in_the_models_directory() {
 
 /// `run --check` on a re-shaped model also checks against the model as written: at a batch
 /// that is a multiple of the exported one, the written model runs batch by batch on the same
-/// inputs; where that cannot be (another dim changed), the check says its reference is the
-/// re-shaped model instead of claiming more.
+/// inputs; at another sequence length of a causal model, on the positions both lengths share;
+/// where neither can be (an image's height and width changed), the check says its reference
+/// is the re-shaped model instead of claiming more.
 #[test]
 fn checks_of_reshaped_models_use_the_model_as_written() {
     let m = golden("tiny_gpt.onnxtxt");
@@ -1918,6 +1925,18 @@ fn checks_of_reshaped_models_use_the_model_as_written() {
         "--check",
         "--json",
     ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // A shorter sequence of a causal model: the model as written at its own length, on the
+    // positions both share (its later positions probed for no effect on them).
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let checks = v["check"].as_array().unwrap();
+    assert!(
+        checks.iter().any(|c| c["output"] == "logits (model as written, first 4 positions)" && c["ok"] == true),
+        "{v}"
+    );
+    // An image's height and width: no reference from the model as written, and the check says so.
+    let m = golden("tiny_resnet.onnxtxt");
+    let o = shardc(&["run", &m, "--input-shape", "input=2x3x8x8", "--backend", "cpu", "--check", "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(v["notes"].to_string().contains("no reference from the model as written"), "{v}");

@@ -662,14 +662,22 @@ pub fn preflight(
         }
     }
     let on_host = gpu.as_ref().is_none_or(|l| l.host_memory);
-    let promise = shardc::footprint::footprint(program, held, global, on_host, reference).ok_or_else(too_large)?;
-    let need = promise.total();
+    let mut promise = shardc::footprint::footprint(program, held, global, on_host, reference).ok_or_else(too_large)?;
+    // The process as it stands, then what each GPU device's driver will add (measured by
+    // opening one after it).
+    let (gpus, per_gpu) = match backend {
+        codegen::Backend::Wgpu => (program.devices.len(), codegen::runtime::gpu_device_host_bytes().ok().flatten()),
+        codegen::Backend::Cpu => (0, None),
+    };
+    promise.measure_process(gpus, per_gpu);
+    let need = promise.to_come();
     if let Some(avail) = codegen::runtime::host_memory_available()
         && need > avail
     {
         return Err(CliError::msg(format!(
-            "this run needs about {} of host memory ({}) but {} is available; reduce --batch or --input-shape{}",
+            "this run needs about {} more of host memory ({} in all: {}) but {} is available; reduce --batch or --input-shape{}",
             bytes(need as f64),
+            bytes(promise.total() as f64),
             promise.describe(|b| bytes(b as f64)),
             bytes(avail as f64),
             if reference.is_some() { ", or leave out --check" } else { "" }

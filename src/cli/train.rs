@@ -736,7 +736,8 @@ pub fn run(args: &TrainArgs) -> CliResult {
         if !args.shapes.is_empty() {
             notes.push(
                 "the check's reference trains the re-shaped model, so it cannot catch a wrong rewriting of its shapes \
-                 (`run --check` compares the forward pass with the model as written where only the batch changed)"
+                 (`run --check` compares the forward pass with the model as written where only the batch, or the \
+                 sequence of a causal model, changed)"
                     .into(),
             );
         }

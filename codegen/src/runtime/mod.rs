@@ -62,6 +62,35 @@ pub fn gpu_limits() -> Result<AdapterLimits, String> {
     }
 }
 
+/// Host memory one GPU device costs the process, measured: the resident set's growth while a
+/// device opens on a fresh instance and compiles a kernel (the driver's state, and on a CPU
+/// adapter such as lavapipe its compiler's). `Ok(None)` where the resident set cannot be read;
+/// `Err` when no device opens.
+pub fn gpu_device_host_bytes() -> Result<Option<u64>, String> {
+    #[cfg(feature = "gpu")]
+    {
+        gpu::device_host_bytes()
+    }
+    #[cfg(not(feature = "gpu"))]
+    {
+        Err("this shardc was built without the `gpu` feature".into())
+    }
+}
+
+/// The memory this process holds now (its resident set, Linux's `VmRSS`), bytes; `None`
+/// where the system does not say.
+pub fn resident_bytes() -> Option<u64> {
+    status_bytes("VmRSS:")
+}
+
+/// A `kB` line of `/proc/self/status`, bytes.
+pub fn status_bytes(key: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
+}
+
 /// Bytes of memory the host can still give (Linux's `MemAvailable`); `None` where unknown.
 pub fn host_memory_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;

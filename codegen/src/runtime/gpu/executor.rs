@@ -190,6 +190,26 @@ pub fn open() -> Result<(wgpu::Device, wgpu::Queue, String), String> {
     Ok((device, queue, format!("{} ({:?}, {})", info.name, info.backend, info.driver)))
 }
 
+/// A kernel of the kind every program compiles (an element-wise map), for measuring what a
+/// device with compiled kernels holds.
+const PROBE_KERNEL: &str = "@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> y: array<f32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {
+    if (id.x < arrayLength(&y)) { y[id.x] = max(x[id.x], 0.0) * 2.0 + 1.0; }
+}
+";
+
+/// See [`crate::runtime::gpu_device_host_bytes`].
+pub fn device_host_bytes() -> Result<Option<u64>, String> {
+    let before = crate::runtime::resident_bytes();
+    let mut probe = GpuExecutor::new()?;
+    probe.pipeline(PROBE_KERNEL)?;
+    let after = crate::runtime::resident_bytes();
+    drop(probe);
+    Ok(before.zip(after).map(|(b, a)| a.saturating_sub(b)))
+}
+
 impl GpuExecutor {
     /// Opens a device on a fresh instance.
     pub fn new() -> Result<GpuExecutor, String> {

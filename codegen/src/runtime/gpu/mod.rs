@@ -28,7 +28,7 @@ pub mod wgsl;
 #[cfg(feature = "gpu")]
 mod executor;
 #[cfg(feature = "gpu")]
-pub use executor::{GpuExecutor, GpuTensor, limits, open};
+pub use executor::{GpuExecutor, GpuTensor, device_host_bytes, limits, open};
 
 use ir::DType;
 
