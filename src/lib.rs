@@ -29,6 +29,7 @@ pub mod footprint;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod report;
+pub mod session;
 pub mod simulate;
 pub mod synthetic;
 pub mod train;

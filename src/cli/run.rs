@@ -7,9 +7,11 @@ use std::time::Duration;
 
 use clap::Args;
 use codegen::{Backend, RunOptions};
+use ir::eval::Array;
 use passes::autoshard::{self, PipelineMode, SearchOptions};
 use shardc::exec;
 use shardc::footprint::Reference;
+use shardc::session::{self, CheckRow, Choice, How, Planned};
 
 use super::common::*;
 use super::cost::{ModelArgs, load_cluster, secs};
@@ -92,37 +94,29 @@ fn backend(args: &RunArgs) -> CliResult<(Backend, Option<String>)> {
     }
 }
 
-/// The outputs of the model as written (at its own batch, or on a causal model's shared
-/// positions: see [`shardc::written::reference`]) for the inputs of the re-shaped graph `g`.
-fn written_reference(
-    args: &RunArgs,
-    g: &ir::Graph,
-    inputs: &std::collections::HashMap<String, ir::eval::Array>,
-) -> Result<shardc::written::Written, String> {
-    let mut written =
-        load_canonical(&args.model, &ShapeArgs::default()).map_err(|e| e.message.trim_end().to_string())?;
-    let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
-    exec::materialize(&mut written.model, &dir, args.seed)?;
-    shardc::written::reference(g, &written.model.graph, inputs, (args.rtol, args.atol))
+/// The model prepared for the run: loaded at the shapes asked for (or a plan's, or the given
+/// inputs'), the plan's rewrites applied, weights materialized.
+struct Prepared {
+    loaded: shardc::Loaded,
+    /// Values from `--inputs`.
+    given: Option<HashMap<String, Array>>,
+    plan: Option<passes::autoshard::Plan>,
+    /// The shapes were changed from the model as written.
+    reshaped: bool,
+    notes: Vec<String>,
 }
 
-pub fn run(args: &RunArgs) -> CliResult {
-    // Under mpirun each process runs one device (see `train --transport`).
-    let mpi = args.transport.start()?;
-    guard_outputs(
-        &[("--save-outputs", args.save_outputs.as_ref())],
-        &[Some(&args.model), args.inputs.as_deref(), args.plan.as_deref()],
-    )?;
+fn prepare(args: &RunArgs) -> CliResult<Prepared> {
     // A plan runs at the input shapes it was made for, unless they are given.
-    let plan_doc = args.plan.as_deref().map(read_plan).transpose()?;
-    let shapes = match &plan_doc {
+    let plan = args.plan.as_deref().map(read_plan).transpose()?;
+    let shapes = match &plan {
         Some(p) if args.shapes.is_empty() => ShapeArgs::of_plan(p),
         _ => args.shapes.clone(),
     };
     // Given inputs type the graph's inputs (and bind its shape parameters) unless the
     // shapes come from flags or the plan.
     let (mut loaded, given) = match &args.inputs {
-        Some(p) if plan_doc.is_none() && shapes.is_empty() => {
+        Some(p) if plan.is_none() && shapes.is_empty() => {
             let (l, given) = load_with_values(&args.model, p)?;
             (l, Some(given))
         }
@@ -133,85 +127,141 @@ pub fn run(args: &RunArgs) -> CliResult {
         }
         None => (load_canonical(&args.model, &shapes)?, None),
     };
-    if let Some(p) = &plan_doc {
+    if let Some(p) = &plan {
         apply_plan_rewrites(&mut loaded.model.graph, p)?;
     }
     args.model_args.freeze(&mut loaded.model.graph)?;
-    let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
-    let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
-    let g = &loaded.model.graph;
-    let mut notes: Vec<String> = Vec::new();
-    notes.extend(seeded_weights(&weights, args.seed, args.require_weights, " (the reference uses the same values)")?);
+    let weights = exec::materialize(&mut loaded.model, &model_dir(args), args.seed).map_err(CliError::msg)?;
+    let mut notes: Vec<String> =
+        seeded_weights(&weights, args.seed, args.require_weights, " (the reference uses the same values)")?
+            .into_iter()
+            .collect();
     if weights.loaded > 0 {
         notes.push(format!("weights: {} tensors read from external data files", weights.loaded));
     }
+    if let (Some(path), Some(p)) = (&args.plan, &plan) {
+        notes.extend(check_plan_model(p, path, &args.model, args.force)?);
+    }
+    Ok(Prepared { loaded, given, plan, reshaped: !shapes.is_empty(), notes })
+}
+
+fn model_dir(args: &RunArgs) -> PathBuf {
+    args.model.parent().map(PathBuf::from).unwrap_or_default()
+}
+
+/// The program for `g`: the plan file's, the named strategy's or the search's
+/// ([`session::plan`]), with the notes the search leaves (rewrites applied, why it pipelines).
+fn plan_program(
+    args: &RunArgs,
+    g: &ir::Graph,
+    plan: Option<&passes::autoshard::Plan>,
+    notes: &mut Vec<String>,
+) -> CliResult<Planned> {
     let opts = args.model_args.options()?;
-    // The plan.
-    // The cost model's forward-pass prediction (cluster name, seconds), when there is one.
-    let mut predicted: Option<(String, f64)> = None;
-    let (program, plan_desc) = if let (Some(path), Some(plan)) = (&args.plan, &plan_doc) {
-        notes.extend(check_plan_model(plan, path, &args.model, args.force)?);
-        let p = exec::program_for_plan(g, plan).map_err(|e| CliError::msg(format!("the plan does not lower: {e}")))?;
-        if plan.stages.len() <= 1
-            && let Some(f) = plan.breakdown.get("forward_s").and_then(|v| v.as_f64())
-        {
-            predicted = Some((plan.cluster.clone(), f));
-        }
-        (p, format!("plan {} ({} devices)", path.display(), plan.devices))
-    } else {
-        let cluster = load_cluster(&args.cluster)?;
-        if let Some(s) = &args.strategy {
-            let r = exec::named_result(g, &cluster, args.devices, s, &opts).map_err(CliError::msg)?;
-            let p = exec::program_for_search(g, &r, args.devices).map_err(CliError::msg)?;
-            predicted = Some((cluster.name.clone(), r.breakdown.forward_s));
-            (p, format!("strategy `{s}` on {} devices of {}", args.devices, cluster.name))
-        } else {
+    let cluster = load_cluster(&args.cluster)?;
+    let (choice, bar) = match (&args.plan, plan, &args.strategy) {
+        (Some(path), Some(plan), _) => (Choice::Plan { plan, name: path.display().to_string() }, None),
+        (_, _, Some(s)) => (Choice::Strategy(s), None),
+        _ => {
             let pipeline = PipelineMode::parse(&args.pipeline).map_err(CliError::msg)?;
             let (progress, bar) = super::ui::search_progress(60.0);
             let so = SearchOptions { pipeline, time_limit: Duration::from_secs(60), progress, ..Default::default() };
-            // The search `plan` makes, rewrites included: the program runs the rewritten
-            // graph, checked against the model as written.
-            let mut h = g.clone();
-            let r = autoshard::search_rewriting(&mut h, &cluster, args.devices, &opts, &so);
-            super::ui::finish(bar);
-            let r = r.map_err(CliError::msg)?;
-            notes.extend(r.rewrites.iter().filter(|c| c.applied).map(super::plan::rewrite_note));
+            (Choice::Search(so), bar)
+        }
+    };
+    let planned = session::plan(g, choice, &cluster, args.devices, &opts);
+    super::ui::finish(bar);
+    let planned = planned.map_err(CliError::msg)?;
+    if let How::Search { result: r, .. } = &planned.how {
+        notes.extend(r.rewrites.iter().filter(|c| c.applied).map(super::plan::rewrite_note));
+        if let Some(pp) = &r.pipeline {
+            // Why it pipelines (faster, or the only way to fit), as `plan` says it.
+            notes.push(format!("pipelined because {}", autoshard::plan::pipeline_reason(r, pp)));
+        }
+    }
+    Ok(planned)
+}
+
+/// What was run, for the report: `plan P (4 devices)`, `strategy `data` on 4 devices of C`,
+/// `searched plan on 4 devices of C (…, mesh …)`.
+fn describe(how: &How) -> String {
+    match how {
+        How::Plan { name, devices } => format!("plan {name} ({devices} devices)"),
+        How::Strategy { name, devices, cluster } => format!("strategy `{name}` on {devices} devices of {cluster}"),
+        How::Search { result: r, devices, cluster } => {
             let what = match &r.pipeline {
                 Some(p) => format!("{} stages × {} micro-batches", p.stages.len(), p.micro_batches),
                 None => r.same_as.clone().map_or("per-layer strategies".into(), |s| format!("the `{s}` plan")),
             };
-            let p = exec::program_for_search(&h, &r, args.devices).map_err(CliError::msg)?;
-            match &r.pipeline {
-                None => predicted = Some((cluster.name.clone(), r.breakdown.forward_s)),
-                // Why it pipelines (faster, or the only way to fit), as `plan` says it.
-                Some(pp) => notes.push(format!("pipelined because {}", autoshard::plan::pipeline_reason(&r, pp))),
-            }
-            (
-                p,
-                format!(
-                    "searched plan on {} devices of {} ({what}, mesh {})",
-                    args.devices,
-                    cluster.name,
-                    autoshard::mesh_string(&r.mesh)
-                ),
+            format!(
+                "searched plan on {devices} devices of {cluster} ({what}, mesh {})",
+                autoshard::mesh_string(&r.mesh)
             )
         }
-    };
-    check_program(&program)?;
+    }
+}
+
+/// `--check`: every output against the single-device reference, and for a re-shaped model
+/// against the model as written where one can be built (else a note says why not).
+fn check(
+    args: &RunArgs,
+    g: &ir::Graph,
+    got: &[(String, Array)],
+    inputs: &HashMap<String, Array>,
+    reshaped: bool,
+    notes: &mut Vec<String>,
+) -> CliResult<Vec<CheckRow>> {
+    let tol = (args.rtol, args.atol);
+    // The model as written checks the rewriting of its shapes itself.
+    let written = if reshaped { Some(load_written(args)) } else { None };
+    let (rows, why) = match &written {
+        Some(Ok(w)) => session::check(g, got, inputs, Some(&w.graph), tol),
+        Some(Err(why)) => session::check(g, got, inputs, None, tol).map(|(rows, _)| (rows, Some(why.clone()))),
+        None => session::check(g, got, inputs, None, tol),
+    }
+    .map_err(CliError::msg)?;
+    if let Some(why) = why {
+        notes.push(format!(
+            "the check's reference runs the re-shaped model, so it cannot catch a wrong rewriting of its shapes; no reference from the model as written: {why}"
+        ));
+    }
+    Ok(rows)
+}
+
+/// The model as written, its weights materialized as the run's are.
+fn load_written(args: &RunArgs) -> Result<ir::Model, String> {
+    let mut written =
+        load_canonical(&args.model, &ShapeArgs::default()).map_err(|e| e.message.trim_end().to_string())?;
+    exec::materialize(&mut written.model, &model_dir(args), args.seed)?;
+    Ok(written.model)
+}
+
+pub fn run(args: &RunArgs) -> CliResult {
+    // Under mpirun each process runs one device (see `train --transport`).
+    let mpi = args.transport.start()?;
+    guard_outputs(
+        &[("--save-outputs", args.save_outputs.as_ref())],
+        &[Some(&args.model), args.inputs.as_deref(), args.plan.as_deref()],
+    )?;
+    let Prepared { loaded, given, plan, reshaped, mut notes } = prepare(args)?;
+    let g = &loaded.model.graph;
+    let planned = plan_program(args, g, plan.as_ref(), &mut notes)?;
+    let program = &planned.program;
+    check_program(program)?;
     for f in &program.fallbacks {
         notes.push(format!("runs replicated instead of as planned: {f}"));
     }
     let (be, warn_be) = backend(args)?;
     let promise =
-        preflight(&program, &[("model", g)], g, args.check.then_some(Reference { graph: g, built_anew: false }), be)?;
+        preflight(program, &[("model", g)], g, args.check.then_some(Reference { graph: g, built_anew: false }), be)?;
     let inputs = exec::inputs_for(g, given.as_ref(), args.seed).map_err(CliError::msg)?;
     if let Some(w) = warn_be {
         notes.push(format!("warning: {w}"));
     }
-    let distributed = args.transport.distributed(mpi.as_ref(), program.devices.len(), &program)?;
+    let distributed = args.transport.distributed(mpi.as_ref(), program.devices.len(), program)?;
     let rank = distributed.as_ref().map_or(0, |d| d.rank);
     let report = codegen::run(
-        &program,
+        program,
         &inputs,
         &RunOptions { backend: be, steps: args.steps, distributed, ..Default::default() },
     )
@@ -220,120 +270,172 @@ pub fn run(args: &RunArgs) -> CliResult {
         // Device 0's process checks and reports for the job.
         return Ok(());
     }
-    // Check against the reference.
-    let mut checks: Vec<(String, f64, f64, bool)> = Vec::new();
-    if args.check {
-        let reference = ir::eval::run(g, &inputs, &Default::default())
-            .map_err(|e| CliError::msg(format!("the reference run failed: {e}")))?;
-        for ((name, got), want) in report.outputs.iter().zip(&reference) {
-            let (a, r, ok) = exec::compare(got, want, args.rtol, args.atol);
-            checks.push((name.clone(), a, r, ok));
-        }
-        // The reference above runs the re-shaped graph; where the shapes changed, the model as
-        // written checks the rewriting itself.
-        if !shapes.is_empty() {
-            match written_reference(args, g, &inputs) {
-                Ok(written) => {
-                    for (i, ((name, got), want)) in report.outputs.iter().zip(&written.outputs).enumerate() {
-                        let (a, r, ok) = exec::compare(&written.covered(i, got), want, args.rtol, args.atol);
-                        checks.push((format!("{name} ({})", written.label(i)), a, r, ok));
-                    }
-                }
-                Err(why) => notes.push(format!(
-                    "the check's reference runs the re-shaped model, so it cannot catch a wrong rewriting of its shapes; no reference from the model as written: {why}"
-                )),
-            }
-        }
-    }
+    let checks = if args.check { check(args, g, &report.outputs, &inputs, reshaped, &mut notes)? } else { Vec::new() };
     if let Some(out) = &args.save_outputs {
-        let ins: serde_json::Map<String, serde_json::Value> = g
-            .input_values()
-            .iter()
-            .filter_map(|v| {
-                let n = g.value_name(*v).to_string();
-                inputs.get(&n).map(|a| (n, exec::array_to_json(a)))
-            })
-            .collect();
-        let outs: serde_json::Map<String, serde_json::Value> =
-            report.outputs.iter().map(|(n, a)| (n.clone(), exec::array_to_json(a))).collect();
-        let doc =
-            serde_json::json!({"inputs": ins, "outputs": outs, "tolerance": {"rtol": args.rtol, "atol": args.atol}});
-        write_output(&serde_json::to_string(&doc).expect("JSON"), Some(out), &args.model)?;
+        save_outputs(args, g, &inputs, &report.outputs, out)?;
     }
-    let failed = checks.iter().any(|c| !c.3);
-    if args.json {
-        let doc = serde_json::json!({
+    let shown = Shown {
+        args,
+        plan: describe(&planned.how),
+        predicted: planned.predicted.clone(),
+        micro_batches: program.micro_batches,
+        be,
+        report: &report,
+        promise: &promise,
+        notes: &notes,
+        checks: &checks,
+    };
+    let text = if args.json { serde_json::to_string_pretty(&shown.json()).expect("JSON") } else { shown.text() };
+    write_output(&text, None, &args.model)?;
+    if checks.iter().any(|c| !c.ok) {
+        return Err(CliError::new("error: outputs differ from the reference beyond the tolerance"));
+    }
+    Ok(())
+}
+
+/// `--save-outputs`: the inputs and outputs in the golden `.io.json` format.
+fn save_outputs(
+    args: &RunArgs,
+    g: &ir::Graph,
+    inputs: &HashMap<String, Array>,
+    outputs: &[(String, Array)],
+    out: &PathBuf,
+) -> CliResult {
+    let ins: serde_json::Map<String, serde_json::Value> = g
+        .input_values()
+        .iter()
+        .filter_map(|v| {
+            let n = g.value_name(*v).to_string();
+            inputs.get(&n).map(|a| (n, exec::array_to_json(a)))
+        })
+        .collect();
+    let outs: serde_json::Map<String, serde_json::Value> =
+        outputs.iter().map(|(n, a)| (n.clone(), exec::array_to_json(a))).collect();
+    let doc = serde_json::json!({"inputs": ins, "outputs": outs, "tolerance": {"rtol": args.rtol, "atol": args.atol}});
+    write_output(&serde_json::to_string(&doc).expect("JSON"), Some(out), &args.model)
+}
+
+/// What the report shows.
+struct Shown<'a> {
+    args: &'a RunArgs,
+    plan: String,
+    predicted: Option<(String, f64)>,
+    micro_batches: usize,
+    be: Backend,
+    report: &'a codegen::RunReport,
+    promise: &'a shardc::footprint::Footprint,
+    notes: &'a [String],
+    checks: &'a [CheckRow],
+}
+
+impl Shown<'_> {
+    fn backend(&self) -> String {
+        format!("{:?}", self.be).to_lowercase()
+    }
+
+    /// The local clusters model the wgpu devices; against the CPU executor, or for another
+    /// cluster, the prediction is not a like-for-like figure.
+    fn like_for_like(&self, cluster: &str) -> bool {
+        cluster.starts_with("local") && self.be == Backend::Wgpu
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let (args, report) = (self.args, self.report);
+        serde_json::json!({
             "model": args.model.display().to_string(),
-            "plan": plan_desc,
-            "backend": format!("{be:?}").to_lowercase(),
+            "plan": self.plan,
+            "backend": self.backend(),
             "devices": report.devices,
             "wall_s": report.wall_s,
             "steps": args.steps,
             "step_s": report.step_s(),
-            "predicted": predicted.as_ref().map(|(c, f)| {
-                let error = (c.starts_with("local") && be == Backend::Wgpu).then(|| (f - report.step_s()) / report.step_s());
+            "predicted": self.predicted.as_ref().map(|(c, f)| {
+                let error = self.like_for_like(c).then(|| (f - report.step_s()) / report.step_s());
                 serde_json::json!({"cluster": c, "forward_s": f, "error": error})
             }),
-            "micro_batches": program.micro_batches,
-            "host_memory": host_memory_json(&promise),
-            "notes": notes,
-            "check": checks.iter().map(|(n, a, r, ok)| serde_json::json!({"output": n, "max_abs_error": a, "max_rel_error": r, "ok": ok})).collect::<Vec<_>>(),
-        });
-        write_output(&serde_json::to_string_pretty(&doc).expect("JSON"), None, &args.model)?;
-    } else {
+            "micro_batches": self.micro_batches,
+            "host_memory": host_memory_json(self.promise),
+            "notes": self.notes,
+            "check": self.checks.iter().map(|c| serde_json::json!({"output": c.output, "max_abs_error": c.max_abs_error, "max_rel_error": c.max_rel_error, "ok": c.ok})).collect::<Vec<_>>(),
+        })
+    }
+
+    fn text(&self) -> String {
+        let (args, report) = (self.args, self.report);
         let mut t = String::new();
         t.push_str(&format!("model        {}\n", args.model.display()));
-        t.push_str(&format!("plan         {plan_desc}\n"));
-        for n in &notes {
+        t.push_str(&format!("plan         {}\n", self.plan));
+        for n in self.notes {
             t.push_str(&format!("note         {n}\n"));
         }
         t.push_str(&format!(
             "ran          {} devices, {} micro-batch{}, {} backend, {:.3} s wall\n",
             report.devices.len(),
-            program.micro_batches,
-            if program.micro_batches == 1 { "" } else { "es" },
-            format!("{be:?}").to_lowercase(),
+            self.micro_batches,
+            if self.micro_batches == 1 { "" } else { "es" },
+            self.backend(),
             report.wall_s
         ));
-        t.push_str(&host_memory_line(&promise));
+        t.push_str(&host_memory_line(self.promise));
         t.push_str(&format!(
             "step         {} (slowest device{}){}\n",
             secs(report.step_s()),
             if args.steps > 1 { format!(", step {} of {}", args.steps, args.steps) } else { String::new() },
-            if args.steps == 1 && be == Backend::Wgpu {
+            if args.steps == 1 && self.be == Backend::Wgpu {
                 "; the first step also compiles kernels: --steps 2 times a warm one"
             } else {
                 ""
             }
         ));
-        if let Some((c, f)) = &predicted {
-            // The local clusters model the wgpu devices; against the CPU executor, or for
-            // another cluster, the prediction is not a like-for-like figure.
-            let like_for_like = c.starts_with("local") && be == Backend::Wgpu;
-            if like_for_like && args.steps == 1 {
-                // One step also compiles every kernel: comparing with it says nothing.
+        t.push_str(&self.predicted_line());
+        t.push_str(&self.device_table());
+        if args.check {
+            t.push_str(&format!(
+                "check        against the single-device CPU reference (rtol {}, atol {})\n",
+                args.rtol, args.atol
+            ));
+            for c in self.checks {
                 t.push_str(&format!(
-                    "predicted    {} forward on {c} (not compared: the only step also compiled the kernels; --steps 2 times a warm one)\n",
-                    secs(*f)
-                ));
-            } else if like_for_like {
-                t.push_str(&format!(
-                    "predicted    {} forward on {c} ({:+.0}% vs measured)\n",
-                    secs(*f),
-                    (f - report.step_s()) / report.step_s() * 100.0
-                ));
-            } else {
-                t.push_str(&format!(
-                    "predicted    {} forward on {c} (not comparable with this run: {})\n",
-                    secs(*f),
-                    if be == Backend::Wgpu {
-                        "calibrate the local devices with `shardc calibrate`"
-                    } else {
-                        "the cpu backend"
-                    }
+                    "  {:<32} max abs error {:.3e}  max rel error {:.3e}  {}\n",
+                    c.output,
+                    c.max_abs_error,
+                    c.max_rel_error,
+                    check_verdict(c.ok, c.max_rel_error, args.rtol)
                 ));
             }
         }
+        t
+    }
+
+    /// The cost model's forward time beside the measured step, where they compare.
+    fn predicted_line(&self) -> String {
+        let Some((c, f)) = &self.predicted else { return String::new() };
+        let step = self.report.step_s();
+        if self.like_for_like(c) && self.args.steps == 1 {
+            // One step also compiles every kernel: comparing with it says nothing.
+            format!(
+                "predicted    {} forward on {c} (not compared: the only step also compiled the kernels; --steps 2 times a warm one)\n",
+                secs(*f)
+            )
+        } else if self.like_for_like(c) {
+            format!("predicted    {} forward on {c} ({:+.0}% vs measured)\n", secs(*f), (f - step) / step * 100.0)
+        } else {
+            format!(
+                "predicted    {} forward on {c} (not comparable with this run: {})\n",
+                secs(*f),
+                if self.be == Backend::Wgpu {
+                    "calibrate the local devices with `shardc calibrate`"
+                } else {
+                    "the cpu backend"
+                }
+            )
+        }
+    }
+
+    /// Per device: adapter, wall, compute, communication and host ops; then the time per op
+    /// kind and per collective over all devices.
+    fn device_table(&self) -> String {
+        let report = self.report;
         // Adapter names whole (a column as wide as the longest).
         let rows: Vec<Vec<String>> = report
             .devices
@@ -349,11 +451,11 @@ pub fn run(args: &RunArgs) -> CliResult {
                 ]
             })
             .collect();
-        t.push_str(&passes::table::table(
+        let mut t = passes::table::table(
             &["  device", "adapter", "wall", "compute", "communication", "host ops"],
             &rows,
             &[true, false, true, true, true, true],
-        ));
+        );
         let mut by_op: HashMap<&str, f64> = HashMap::new();
         let mut by_comm: HashMap<&str, f64> = HashMap::new();
         for d in &report.devices {
@@ -364,39 +466,23 @@ pub fn run(args: &RunArgs) -> CliResult {
                 *by_comm.entry(k).or_insert(0.0) += v;
             }
         }
-        let mut ops: Vec<_> = by_op.into_iter().collect();
-        ops.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
+        let sorted = |m: HashMap<&str, f64>| {
+            let mut v: Vec<(String, f64)> = m.into_iter().map(|(k, s)| (k.to_string(), s)).collect();
+            v.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            v
+        };
         t.push_str("time per op kind (all devices)\n");
-        for (k, v) in ops.iter().take(12) {
+        for (k, v) in sorted(by_op).iter().take(12) {
             t.push_str(&format!("  {k:<24} {:>10}\n", secs(*v)));
         }
         if !by_comm.is_empty() {
-            let mut c: Vec<_> = by_comm.into_iter().collect();
-            c.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
             t.push_str("time per collective (all devices)\n");
-            for (k, v) in c {
+            for (k, v) in sorted(by_comm) {
                 t.push_str(&format!("  {k:<24} {:>10}\n", secs(v)));
             }
         }
-        if args.check {
-            t.push_str(&format!(
-                "check        against the single-device CPU reference (rtol {}, atol {})\n",
-                args.rtol, args.atol
-            ));
-            for (n, a, r, ok) in &checks {
-                t.push_str(&format!(
-                    "  {:<32} max abs error {a:.3e}  max rel error {r:.3e}  {}\n",
-                    n,
-                    check_verdict(*ok, *r, args.rtol)
-                ));
-            }
-        }
-        write_output(&t, None, &args.model)?;
+        t
     }
-    if failed {
-        return Err(CliError::new("error: outputs differ from the reference beyond the tolerance"));
-    }
-    Ok(())
 }
 
 /// `ok`, or `ok` with why when the relative error is over `rtol` (each element is within

@@ -1,0 +1,125 @@
+//! The forward-run driver as a library: one typed value per stage, each a function a compiler
+//! can call or replace. `shardc run` is these calls between parsing its arguments and printing.
+//!
+//! a prepared graph (canonical, weights materialized: [`crate::exec::materialize`]) →
+//! [`Planned`] ([`plan`]: a program for the devices, how it was chosen and what the cost model
+//! predicts) → a run ([`codegen::run`]) → [`CheckRow`]s ([`check`]: every output against the
+//! single-device reference and, for a re-shaped model, the model as written:
+//! [`crate::written`]).
+
+use std::collections::HashMap;
+
+use codegen::Program;
+use ir::Graph;
+use ir::eval::Array;
+use passes::autoshard::{self, Plan, SearchOptions, SearchResult};
+use passes::cost::{Cluster, Options};
+
+use crate::exec;
+
+/// How the devices' program is chosen.
+pub enum Choice<'a> {
+    /// A plan document already checked against the graph (`name` says where it came from).
+    Plan { plan: &'a Plan, name: String },
+    /// A named strategy (`data`, `megatron`, `hybrid:dp:2,tp:2`, …) on the cluster's devices.
+    Strategy(&'a str),
+    /// The search `shardc plan` runs, rewrites included.
+    Search(SearchOptions),
+}
+
+/// How a [`Planned`] program was chosen, for the report.
+pub enum How {
+    /// From a plan document: its name and device count.
+    Plan { name: String, devices: usize },
+    /// A named strategy on the cluster's devices.
+    Strategy { name: String, devices: usize, cluster: String },
+    /// The search's result (its rewrites, pipeline and mesh) on the cluster's devices.
+    Search { result: Box<SearchResult>, devices: usize, cluster: String },
+}
+
+/// A program for the devices, how it was chosen, and the cost model's forward time for it
+/// (cluster name, seconds) where the cost model prices it as one forward pass.
+pub struct Planned {
+    pub program: Program,
+    pub how: How,
+    pub predicted: Option<(String, f64)>,
+}
+
+/// The program for `g` on `devices` devices of `cluster`, chosen as `choice` says.
+pub fn plan(
+    g: &Graph,
+    choice: Choice<'_>,
+    cluster: &Cluster,
+    devices: usize,
+    opts: &Options,
+) -> Result<Planned, String> {
+    match choice {
+        Choice::Plan { plan, name } => {
+            let program = exec::program_for_plan(g, plan).map_err(|e| format!("the plan does not lower: {e}"))?;
+            let predicted = (plan.stages.len() <= 1)
+                .then(|| plan.breakdown.get("forward_s").and_then(|v| v.as_f64()))
+                .flatten()
+                .map(|f| (plan.cluster.clone(), f));
+            Ok(Planned { program, how: How::Plan { name, devices: plan.devices }, predicted })
+        }
+        Choice::Strategy(s) => {
+            let r = exec::named_result(g, cluster, devices, s, opts)?;
+            let program = exec::program_for_search(g, &r, devices)?;
+            let predicted = Some((cluster.name.clone(), r.breakdown.forward_s));
+            Ok(Planned {
+                program,
+                how: How::Strategy { name: s.into(), devices, cluster: cluster.name.clone() },
+                predicted,
+            })
+        }
+        Choice::Search(so) => {
+            // The program runs the graph as the search rewrote it; checks compare with `g`.
+            let mut h = g.clone();
+            let r = autoshard::search_rewriting(&mut h, cluster, devices, opts, &so)?;
+            let program = exec::program_for_search(&h, &r, devices)?;
+            let predicted = r.pipeline.is_none().then(|| (cluster.name.clone(), r.breakdown.forward_s));
+            let how = How::Search { result: Box::new(r), devices, cluster: cluster.name.clone() };
+            Ok(Planned { program, how, predicted })
+        }
+    }
+}
+
+/// One output compared with a reference: its label, the largest absolute and relative errors,
+/// and whether every element is within `atol + rtol·|expected|`.
+#[derive(Clone, Debug)]
+pub struct CheckRow {
+    pub output: String,
+    pub max_abs_error: f64,
+    pub max_rel_error: f64,
+    pub ok: bool,
+}
+
+/// The run's outputs (`got`, by name in graph order) against `g` evaluated on one device on
+/// the same `inputs`, and where `written` is given (the model as written, for a re-shaped
+/// `g`), against it too ([`crate::written::reference`]). The second value says why there is no
+/// reference from the model as written, when there is none.
+pub fn check(
+    g: &Graph,
+    got: &[(String, Array)],
+    inputs: &HashMap<String, Array>,
+    written: Option<&Graph>,
+    (rtol, atol): (f64, f64),
+) -> Result<(Vec<CheckRow>, Option<String>), String> {
+    let row = |output: String, got: &Array, want: &Array| {
+        let (max_abs_error, max_rel_error, ok) = exec::compare(got, want, rtol, atol);
+        CheckRow { output, max_abs_error, max_rel_error, ok }
+    };
+    let reference =
+        ir::eval::run(g, inputs, &Default::default()).map_err(|e| format!("the reference run failed: {e}"))?;
+    let mut rows: Vec<CheckRow> = got.iter().zip(&reference).map(|((n, a), r)| row(n.clone(), a, r)).collect();
+    let Some(original) = written else { return Ok((rows, None)) };
+    match crate::written::reference(g, original, inputs, (rtol, atol)) {
+        Ok(w) => {
+            for (i, ((name, a), want)) in got.iter().zip(&w.outputs).enumerate() {
+                rows.push(row(format!("{name} ({})", w.label(i)), &w.covered(i, a), want));
+            }
+            Ok((rows, None))
+        }
+        Err(why) => Ok((rows, Some(why))),
+    }
+}
