@@ -498,14 +498,26 @@ fn check_losses(what: &str, got: &[f64], want: &[f64], tol: (f64, f64)) -> Check
     }
 }
 
-pub fn run(args: &TrainArgs) -> CliResult {
-    // Under mpirun each process runs one device; every process plans and lowers the same
-    // program (the search is deterministic; the programs are compared before running).
-    let mpi = args.transport.start()?;
-    guard_outputs(
-        &[("--save-state", args.save_state.as_ref()), ("--emit-program", args.emit_program.as_ref())],
-        &[Some(&args.model), args.data.as_deref(), args.plan.as_deref()],
-    )?;
+/// What `run` sets up before the training graph: the case, the model (the `algebra` pass run,
+/// a plan's rewrites or the search's applied, weights materialized), the loss and optimizer,
+/// the cluster and the cost model's options.
+struct Setup {
+    case: Option<TrainCase>,
+    loaded: shardc::Loaded,
+    plan_doc: Option<passes::autoshard::Plan>,
+    loss: LossSpec,
+    opt: OptimizerSpec,
+    cluster: passes::cost::Cluster,
+    opts: passes::cost::Options,
+    /// The model as written's parameter shapes: what the results are reported in.
+    written_dims: HashMap<String, Vec<usize>>,
+    /// Under `--check`, the model as written when the program trains a rewritten one.
+    written: Option<ir::Model>,
+    searched: Option<passes::autoshard::SearchResult>,
+    notes: Vec<String>,
+}
+
+fn prepare(args: &TrainArgs) -> CliResult<Setup> {
     let case = match &args.data {
         Some(p) => Some(TrainCase::load(p).map_err(CliError::msg)?),
         None => None,
@@ -577,19 +589,26 @@ pub fn run(args: &TrainArgs) -> CliResult {
     let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
     let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
     notes.extend(seeded_weights(&weights, args.seed, args.require_weights, "")?);
-    let (tm, info) = training_model(&loaded.model, &loss, &opt).map_err(CliError::msg)?;
-    let g = &tm.graph;
-    // With micro-batches, the program is the training graph of one micro-batch (the model
-    // re-batched to 1/M of its batch), run M times per step before the update.
-    let micro_tm = match args.micro_batches {
-        1 => None,
-        m => Some(shardc::train::micro_training_model(&loaded.model, &loss, &opt, m).map_err(CliError::msg)?),
-    };
-    let gl = micro_tm.as_ref().map_or(g, |t| &t.graph);
-    // The program: the training graph lowered for the strategy.
-    let chosen = training_plan(args, plan_doc.as_ref(), searched, &loaded.model.graph, gl, &cluster, &opts)?;
-    notes.extend(chosen.notes);
-    let devices = chosen.devices;
+    Ok(Setup { case, loaded, plan_doc, loss, opt, cluster, opts, written_dims, written, searched, notes })
+}
+
+fn model_dir(args: &TrainArgs) -> PathBuf {
+    args.model.parent().map(PathBuf::from).unwrap_or_default()
+}
+
+/// The training program `chosen` lowers to (one micro-batch's training graph `gl` for a flat
+/// plan with gradient accumulation, each stage's for a pipeline), and its micro-batch count;
+/// `--emit-program` writes its devices' graphs.
+fn lower(
+    args: &TrainArgs,
+    s: &Setup,
+    tm: &ir::Model,
+    gl: &ir::Graph,
+    chosen: &Chosen,
+    notes: &mut Vec<String>,
+) -> CliResult<(codegen::Program, usize)> {
+    let Setup { loaded, loss, opt, cluster, opts, .. } = s;
+    let (g, devices) = (&tm.graph, chosen.devices);
     let (program, micro) = match &chosen.lowering {
         Lowering::Flat(r) => (exec::program_for_search(gl, r, devices).map_err(CliError::msg)?, args.micro_batches),
         Lowering::Pipeline(pipe, fwd) => {
@@ -602,10 +621,10 @@ pub fn run(args: &TrainArgs) -> CliResult {
             }
             let micro_tm = match m {
                 1 => tm.clone(),
-                m => shardc::train::micro_training_model(&loaded.model, &loss, &opt, m).map_err(CliError::msg)?,
+                m => shardc::train::micro_training_model(&loaded.model, loss, opt, m).map_err(CliError::msg)?,
             };
             let (p, kept) =
-                exec::training_pipeline_program(&micro_tm.graph, &loaded.model.graph, fwd, pipe, &cluster, &opts)
+                exec::training_pipeline_program(&micro_tm.graph, &loaded.model.graph, fwd, pipe, cluster, opts)
                     .map_err(CliError::msg)?;
             if kept < fwd.strategies.len() {
                 notes.push(format!(
@@ -628,29 +647,34 @@ pub fn run(args: &TrainArgs) -> CliResult {
             write_output(&text, Some(&dir.join(format!("device{}.onnxtxt", d.device))), &args.model)?;
         }
     }
-    // The cost model's price of the training program. A pipeline's, and gradient accumulation
-    // over micro-batches, are its devices' lowered programs played through the runtime's
-    // schedule, steps back to back as the runtime runs them (the plan's closed form prices
-    // the forward model's stages).
+    Ok((program, micro))
+}
+
+/// The cost model's price of the training program. A pipeline's, and gradient accumulation
+/// over micro-batches, are its devices' lowered programs played through the runtime's
+/// schedule, steps back to back as the runtime runs them (the plan's closed form prices the
+/// forward model's stages).
+fn price(program: &codegen::Program, chosen: &Chosen, s: &Setup, notes: &mut Vec<String>) -> Option<(f64, u64)> {
+    let (cluster, opts) = (&s.cluster, &s.opts);
     let mut predicted = chosen.predicted;
     if program.stage_devices.len() > 1 || program.micro_batches > 1 {
-        match shardc::simulate::simulate(&program, &cluster, &opts, true) {
+        match shardc::simulate::simulate(program, cluster, opts, true) {
             Ok(s) => predicted = predicted.map(|(_, memory)| (s.period_s, memory)),
             Err(e) => {
                 notes.push(format!("the program's step could not be priced op by op ({e}); predicted: the plan's"))
             }
         }
     }
-    let (be, warn) = backend(args.backend.as_deref())?;
-    if let Some(w) = warn {
-        notes.push(format!("warning: {w}"));
-    }
-    let mut held = vec![("model", &loaded.model.graph), ("training graph", g)];
-    held.extend(micro_tm.as_ref().map(|t| ("micro-batch training graph", &t.graph)));
-    held.extend(written.as_ref().map(|w| ("model as written", &w.graph)));
-    let reference = Reference { graph: g, built_anew: written.is_some() };
-    let promise = preflight(&program, &held, g, args.check.then_some(reference), be)?;
-    // Inputs: the case's, or drawn from the seed (class labels within the classes).
+    predicted
+}
+
+/// Inputs: the case's, or drawn from the seed (class labels within the classes).
+fn training_inputs(
+    case: &Option<TrainCase>,
+    g: &ir::Graph,
+    info: &passes::autodiff::TrainInfo,
+    seed: u64,
+) -> CliResult<HashMap<String, Array>> {
     let inputs: HashMap<String, Array> = match &case {
         Some(c) => {
             let mut ins = c.inputs.clone();
@@ -663,9 +687,192 @@ pub fn run(args: &TrainArgs) -> CliResult {
             ins.retain(|k, _| g.lookup(k).is_some());
             ins
         }
-        None => shardc::train::seeded_inputs(g, &info, args.seed).map_err(CliError::msg)?,
+        None => shardc::train::seeded_inputs(g, info, seed).map_err(CliError::msg)?,
     };
-    let distributed = args.transport.distributed(mpi.as_ref(), devices, &program)?;
+    Ok(inputs)
+}
+
+/// What the program's steps gave, under the model's names and shapes (a split weight's parts
+/// joined, a joined weight split).
+struct Trained {
+    losses: Vec<f64>,
+    gradients: BTreeMap<String, Array>,
+    parameters: BTreeMap<String, Array>,
+    state: BTreeMap<String, Array>,
+    report: codegen::RunReport,
+    /// Where the run diverged (a non-finite loss, gradient or parameter), if it did.
+    diverged: Option<shardc::train::Divergence>,
+}
+
+impl Trained {
+    fn of(run: shardc::train::TrainRun, s: &Setup) -> Trained {
+        let rewritten = &s.loaded.model.graph;
+        let gradients = passes::algebra::model_tensors(rewritten, &s.written_dims, run.gradients);
+        let parameters = passes::algebra::model_tensors(rewritten, &s.written_dims, run.parameters);
+        let diverged = shardc::train::divergence(&run.losses, &parameters, &gradients);
+        Trained { losses: run.losses, gradients, parameters, state: run.state, report: run.report, diverged }
+    }
+}
+
+/// The checks against the case's torch truth: the first loss, the gradients, the parameters
+/// after one step and the loss trajectory where the case has them for this optimizer.
+fn torch_checks(
+    args: &TrainArgs,
+    case: &Option<TrainCase>,
+    opt: &OptimizerSpec,
+    t: &Trained,
+    tol: (f64, f64),
+) -> Vec<Check> {
+    let (losses, gradients, parameters, opt) = (&t.losses, &t.gradients, &t.parameters, opt.clone());
+    let mut checks = Vec::new();
+    if let Some(c) = &case {
+        checks.push(check_losses("loss (torch)", &losses[..1], &[c.loss], tol));
+        checks.push(check_all("gradients (torch)", gradients, &c.gradients, tol));
+        if args.steps == 1
+            && let Some((_, after)) = c.steps.iter().find(|(o, _)| *o == opt)
+        {
+            let what = "parameters after one step (torch)";
+            checks.push(match opt {
+                OptimizerSpec::Adam { lr, .. } => {
+                    check_adam(what, (parameters, after), (gradients, &c.gradients), tol, lr)
+                }
+                _ => check_all(what, parameters, after, tol),
+            });
+        }
+        let kind = match opt {
+            OptimizerSpec::Sgd { .. } => "sgd",
+            OptimizerSpec::Adam { .. } => "adam",
+        };
+        if c.optimizer(kind) == Some(&opt)
+            && let Some(want) = c.losses_over_steps.get(kind)
+        {
+            checks.push(check_losses("loss trajectory (torch)", losses, want, tol));
+        }
+    }
+    checks
+}
+
+/// `--check`: the losses, gradients, parameters and other state against the single-device
+/// reference (training the model as written when the program trains a rewritten one).
+#[allow(clippy::too_many_arguments)]
+fn reference_checks(
+    args: &TrainArgs,
+    s: &Setup,
+    written: Option<ir::Model>,
+    g: &ir::Graph,
+    inputs: &HashMap<String, Array>,
+    t: Trained,
+    tol: (f64, f64),
+    notes: &mut Vec<String>,
+) -> CliResult<(Vec<Check>, Trained)> {
+    let (loss, opt, dir) = (&s.loss, s.opt.clone(), model_dir(args));
+    let Trained { losses, gradients, parameters, state, report, diverged } = t;
+    let mut checks = Vec::new();
+    // The reference trains the model as written when the program runs a rewritten one.
+    let reference = match written {
+        Some(mut w) => {
+            exec::materialize(&mut w, &dir, args.seed).map_err(CliError::msg)?;
+            notes.push("the reference trains the model as written; the program runs it rewritten".into());
+            Some(training_model(&w, loss, &opt).map_err(CliError::msg)?.0)
+        }
+        None => None,
+    };
+    if !args.shapes.is_empty() {
+        notes.push(
+            "the check's reference trains the re-shaped model, so it cannot catch a wrong rewriting of its shapes \
+             (`run --check` compares the forward pass with the model as written where only the batch, or the \
+             sequence of a causal model, changed)"
+                .into(),
+        );
+    }
+    let rg = reference.as_ref().map_or(g, |t| &t.graph);
+    let (want, want_grads, ref_params, ref_state) =
+        shardc::train::reference_run(rg, inputs, args.steps).map_err(CliError::msg)?;
+    let reference_diverged = shardc::train::divergence(&want, &ref_params, &want_grads);
+    notes.extend(shardc::train::reference_divergence_note(diverged.is_some(), reference_diverged));
+    checks.push(check_losses("losses (reference)", &losses, &want, tol));
+    checks.push(check_all("gradients (reference)", &gradients, &want_grads, tol));
+    checks.push(match opt {
+        OptimizerSpec::Adam { lr, .. } => {
+            let lr_steps = lr * args.steps as f64;
+            check_adam("parameters (reference)", (&parameters, &ref_params), (&gradients, &want_grads), tol, lr_steps)
+        }
+        _ => check_all("parameters (reference)", &parameters, &ref_params, tol),
+    });
+    // The other state (BatchNorm's running statistics, the optimizer's moments and step),
+    // under the names both runs give it (a weight rewritten in place, reshaped, keeps its
+    // values in order; a split or joined one's moments have the program's names). After
+    // more than one Adam step it follows parameters `within_adam` lets drift, so it is
+    // compared after SGD's steps and Adam's first.
+    let adam = matches!(opt, OptimizerSpec::Adam { .. });
+    let run_state: BTreeMap<String, Array> = state
+        .into_iter()
+        .filter_map(|(n, a)| {
+            let w = ref_state.get(&n)?;
+            let a = if a.shape != w.shape && a.numel() == w.numel() { a.reshaped(w.shape.clone()) } else { a };
+            Some((n, a))
+        })
+        .collect();
+    let want_state: BTreeMap<String, Array> =
+        ref_state.into_iter().filter(|(n, _)| run_state.contains_key(n)).collect();
+    if !want_state.is_empty() && (!adam || args.steps == 1) {
+        checks.push(check_all("state (reference)", &run_state, &want_state, tol));
+    }
+    Ok((checks, Trained { losses, gradients, parameters, state: BTreeMap::new(), report, diverged }))
+}
+
+/// `--save-state`: the losses, first gradients and final parameters.
+fn save_state(args: &TrainArgs, out: &PathBuf, t: &Trained) -> CliResult {
+    let (losses, gradients, parameters) = (&t.losses, &t.gradients, &t.parameters);
+    let tensors = |m: &BTreeMap<String, Array>| -> serde_json::Map<String, serde_json::Value> {
+        m.iter().map(|(k, a)| (k.clone(), exec::array_to_json(a))).collect()
+    };
+    let doc = serde_json::json!({
+        "losses": losses,
+        "gradients": tensors(gradients),
+        "parameters": tensors(parameters),
+    });
+    write_output(&serde_json::to_string(&doc).expect("JSON"), Some(out), &args.model)?;
+    Ok(())
+}
+
+pub fn run(args: &TrainArgs) -> CliResult {
+    // Under mpirun each process runs one device; every process plans and lowers the same
+    // program (the search is deterministic; the programs are compared before running).
+    let mpi = args.transport.start()?;
+    guard_outputs(
+        &[("--save-state", args.save_state.as_ref()), ("--emit-program", args.emit_program.as_ref())],
+        &[Some(&args.model), args.data.as_deref(), args.plan.as_deref()],
+    )?;
+    let mut s = prepare(args)?;
+    let mut notes = std::mem::take(&mut s.notes);
+    let (tm, info) = training_model(&s.loaded.model, &s.loss, &s.opt).map_err(CliError::msg)?;
+    let g = &tm.graph;
+    // With micro-batches, the program is the training graph of one micro-batch (the model
+    // re-batched to 1/M of its batch), run M times per step before the update.
+    let micro_tm = match args.micro_batches {
+        1 => None,
+        m => Some(shardc::train::micro_training_model(&s.loaded.model, &s.loss, &s.opt, m).map_err(CliError::msg)?),
+    };
+    let gl = micro_tm.as_ref().map_or(g, |t| &t.graph);
+    // The program: the training graph lowered for the strategy.
+    let searched = s.searched.take();
+    let chosen = training_plan(args, s.plan_doc.as_ref(), searched, &s.loaded.model.graph, gl, &s.cluster, &s.opts)?;
+    notes.extend(chosen.notes.iter().cloned());
+    let (program, micro) = lower(args, &s, &tm, gl, &chosen, &mut notes)?;
+    let predicted = price(&program, &chosen, &s, &mut notes);
+    let (be, warn) = backend(args.backend.as_deref())?;
+    if let Some(w) = warn {
+        notes.push(format!("warning: {w}"));
+    }
+    let written = s.written.take();
+    let mut held = vec![("model", &s.loaded.model.graph), ("training graph", g)];
+    held.extend(micro_tm.as_ref().map(|t| ("micro-batch training graph", &t.graph)));
+    held.extend(written.as_ref().map(|w| ("model as written", &w.graph)));
+    let reference = Reference { graph: g, built_anew: written.is_some() };
+    let promise = preflight(&program, &held, g, args.check.then_some(reference), be)?;
+    let inputs = training_inputs(&s.case, g, &info, args.seed)?;
+    let distributed = args.transport.distributed(mpi.as_ref(), chosen.devices, &program)?;
     let rank = distributed.as_ref().map_or(0, |d| d.rank);
     let bar = super::ui::step_bar(args.steps + 1, "training step");
     let run = shardc::train::run_steps_with(
@@ -683,139 +890,115 @@ pub fn run(args: &TrainArgs) -> CliResult {
         // Device 0's process checks and reports for the job.
         return Ok(());
     }
-    // Reported under the model's names and shapes (a split weight's parts joined, a joined
-    // weight split).
-    let rewritten = &loaded.model.graph;
-    let gradients = passes::algebra::model_tensors(rewritten, &written_dims, run.gradients);
-    let parameters = passes::algebra::model_tensors(rewritten, &written_dims, run.parameters);
-    let (losses, report, run_state) = (run.losses, run.report, run.state);
-    let diverged = shardc::train::divergence(&losses, &parameters, &gradients);
-    if let Some(d) = &diverged {
+    let mut trained = Trained::of(run, &s);
+    if let Some(d) = &trained.diverged {
         notes.push(format!("diverged: {d}"));
     }
-    // Checks.
+    let case = s.case.as_ref();
     let tol = (
-        args.rtol.or(case.as_ref().map(|c| c.tolerance.0)).unwrap_or(1e-4),
-        args.atol.or(case.as_ref().map(|c| c.tolerance.1)).unwrap_or(1e-5),
+        args.rtol.or(case.map(|c| c.tolerance.0)).unwrap_or(1e-4),
+        args.atol.or(case.map(|c| c.tolerance.1)).unwrap_or(1e-5),
     );
-    let mut checks: Vec<Check> = Vec::new();
-    if let Some(c) = &case {
-        checks.push(check_losses("loss (torch)", &losses[..1], &[c.loss], tol));
-        checks.push(check_all("gradients (torch)", &gradients, &c.gradients, tol));
-        if args.steps == 1
-            && let Some((_, after)) = c.steps.iter().find(|(o, _)| *o == opt)
-        {
-            let what = "parameters after one step (torch)";
-            checks.push(match opt {
-                OptimizerSpec::Adam { lr, .. } => {
-                    check_adam(what, (&parameters, after), (&gradients, &c.gradients), tol, lr)
-                }
-                _ => check_all(what, &parameters, after, tol),
-            });
-        }
-        let kind = match opt {
-            OptimizerSpec::Sgd { .. } => "sgd",
-            OptimizerSpec::Adam { .. } => "adam",
-        };
-        if c.optimizer(kind) == Some(&opt)
-            && let Some(want) = c.losses_over_steps.get(kind)
-        {
-            checks.push(check_losses("loss trajectory (torch)", &losses, want, tol));
-        }
-    }
+    let mut checks = torch_checks(args, &s.case, &s.opt, &trained, tol);
     if args.check {
-        // The reference trains the model as written when the program runs a rewritten one.
-        let reference = match written.take() {
-            Some(mut w) => {
-                exec::materialize(&mut w, &dir, args.seed).map_err(CliError::msg)?;
-                notes.push("the reference trains the model as written; the program runs it rewritten".into());
-                Some(training_model(&w, &loss, &opt).map_err(CliError::msg)?.0)
-            }
-            None => None,
-        };
-        if !args.shapes.is_empty() {
-            notes.push(
-                "the check's reference trains the re-shaped model, so it cannot catch a wrong rewriting of its shapes \
-                 (`run --check` compares the forward pass with the model as written where only the batch, or the \
-                 sequence of a causal model, changed)"
-                    .into(),
-            );
-        }
-        let rg = reference.as_ref().map_or(g, |t| &t.graph);
-        let (want, want_grads, ref_params, ref_state) =
-            shardc::train::reference_run(rg, &inputs, args.steps).map_err(CliError::msg)?;
-        let reference_diverged = shardc::train::divergence(&want, &ref_params, &want_grads);
-        notes.extend(shardc::train::reference_divergence_note(diverged.is_some(), reference_diverged));
-        checks.push(check_losses("losses (reference)", &losses, &want, tol));
-        checks.push(check_all("gradients (reference)", &gradients, &want_grads, tol));
-        checks.push(match opt {
-            OptimizerSpec::Adam { lr, .. } => {
-                let lr_steps = lr * args.steps as f64;
-                check_adam(
-                    "parameters (reference)",
-                    (&parameters, &ref_params),
-                    (&gradients, &want_grads),
-                    tol,
-                    lr_steps,
-                )
-            }
-            _ => check_all("parameters (reference)", &parameters, &ref_params, tol),
-        });
-        // The other state (BatchNorm's running statistics, the optimizer's moments and step),
-        // under the names both runs give it (a weight rewritten in place, reshaped, keeps its
-        // values in order; a split or joined one's moments have the program's names). After
-        // more than one Adam step it follows parameters `within_adam` lets drift, so it is
-        // compared after SGD's steps and Adam's first.
-        let adam = matches!(opt, OptimizerSpec::Adam { .. });
-        let run_state: BTreeMap<String, Array> = run_state
-            .into_iter()
-            .filter_map(|(n, a)| {
-                let w = ref_state.get(&n)?;
-                let a = if a.shape != w.shape && a.numel() == w.numel() { a.reshaped(w.shape.clone()) } else { a };
-                Some((n, a))
-            })
-            .collect();
-        let want_state: BTreeMap<String, Array> =
-            ref_state.into_iter().filter(|(n, _)| run_state.contains_key(n)).collect();
-        if !want_state.is_empty() && (!adam || args.steps == 1) {
-            checks.push(check_all("state (reference)", &run_state, &want_state, tol));
-        }
+        let (more, t) = reference_checks(args, &s, written, g, &inputs, trained, tol, &mut notes)?;
+        checks.extend(more);
+        trained = t;
     }
     if let Some(out) = &args.save_state {
-        let tensors = |m: &BTreeMap<String, Array>| -> serde_json::Map<String, serde_json::Value> {
-            m.iter().map(|(k, a)| (k.clone(), exec::array_to_json(a))).collect()
-        };
-        let doc = serde_json::json!({
-            "losses": losses,
-            "gradients": tensors(&gradients),
-            "parameters": tensors(&parameters),
-        });
-        write_output(&serde_json::to_string(&doc).expect("JSON"), Some(out), &args.model)?;
+        save_state(args, out, &trained)?;
     }
-    // Step time: the slowest device, median over the timed steps (the first compiles kernels).
-    let per_step: Vec<f64> = (0..args.steps)
-        .map(|i| report.devices.iter().filter_map(|d| d.step_wall_s.get(i).copied()).fold(0.0, f64::max))
-        .collect();
-    let mut warm: Vec<f64> = if per_step.len() > 1 { per_step[1..].to_vec() } else { per_step.clone() };
-    warm.sort_by(f64::total_cmp);
-    let step_s = warm.get(warm.len() / 2).copied().unwrap_or(0.0);
-    let memory = report.devices.iter().map(|d| d.memory_allocated_bytes).max().unwrap_or(0);
-    let plan_desc = format!(
-        "{} on {} device{} of {}{}",
-        chosen.desc,
-        devices,
-        if devices == 1 { "" } else { "s" },
-        cluster.name,
-        if micro > 1 && matches!(chosen.lowering, Lowering::Flat(_)) {
-            format!(", {micro} micro-batches (gradient accumulation)")
-        } else {
-            String::new()
-        }
-    );
-    let failed = checks.iter().any(|c| !c.ok);
-    if args.json {
+    let shown = Shown {
+        args,
+        s: &s,
+        chosen: &chosen,
+        info: &info,
+        micro,
+        be,
+        t: &trained,
+        predicted,
+        promise: &promise,
+        checks: &checks,
+        notes: &notes,
+    };
+    let text = if args.json { serde_json::to_string_pretty(&shown.json()).expect("JSON") } else { shown.text() };
+    write_output(&text, None, &args.model)?;
+    if checks.iter().any(|c| !c.ok) {
+        return Err(CliError::new("error: training differs from the expected values beyond the tolerance\n"));
+    }
+    if let Some(d) = &trained.diverged
+        && !args.allow_divergence
+    {
+        return Err(CliError::msg(format!(
+            "training diverged: {d} — lower --lr, or pass --allow-divergence to report it and exit 0"
+        )));
+    }
+    Ok(())
+}
+
+/// What the report shows.
+struct Shown<'a> {
+    args: &'a TrainArgs,
+    s: &'a Setup,
+    chosen: &'a Chosen,
+    info: &'a passes::autodiff::TrainInfo,
+    micro: usize,
+    be: Backend,
+    t: &'a Trained,
+    predicted: Option<(f64, u64)>,
+    promise: &'a shardc::footprint::Footprint,
+    checks: &'a [Check],
+    notes: &'a [String],
+}
+
+impl Shown<'_> {
+    /// Step time: the slowest device per step, and the median over the warm steps (the first
+    /// compiles kernels).
+    fn step_times(&self) -> (Vec<f64>, f64) {
+        let report = &self.t.report;
+        let per_step: Vec<f64> = (0..self.args.steps)
+            .map(|i| report.devices.iter().filter_map(|d| d.step_wall_s.get(i).copied()).fold(0.0, f64::max))
+            .collect();
+        let mut warm: Vec<f64> = if per_step.len() > 1 { per_step[1..].to_vec() } else { per_step.clone() };
+        warm.sort_by(f64::total_cmp);
+        let step_s = warm.get(warm.len() / 2).copied().unwrap_or(0.0);
+        (per_step, step_s)
+    }
+
+    fn plan_desc(&self) -> String {
+        let (chosen, devices, micro) = (self.chosen, self.chosen.devices, self.micro);
+        format!(
+            "{} on {} device{} of {}{}",
+            chosen.desc,
+            devices,
+            if devices == 1 { "" } else { "s" },
+            self.s.cluster.name,
+            if micro > 1 && matches!(chosen.lowering, Lowering::Flat(_)) {
+                format!(", {micro} micro-batches (gradient accumulation)")
+            } else {
+                String::new()
+            }
+        )
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let (args, cluster, be, opt, info, promise, checks, notes, predicted, chosen) = (
+            self.args,
+            &self.s.cluster,
+            self.be,
+            self.s.opt.clone(),
+            self.info,
+            self.promise,
+            self.checks,
+            self.notes,
+            self.predicted,
+            self.chosen,
+        );
+        let (report, losses) = (&self.t.report, &self.t.losses);
+        let (per_step, step_s) = self.step_times();
+        let plan_desc = self.plan_desc();
         let like = cluster.name.starts_with("local") && be == Backend::Wgpu;
-        let doc = serde_json::json!({
+        serde_json::json!({
             "model": args.model.display().to_string(),
             "plan": plan_desc,
             "summary": chosen.summary,
@@ -837,7 +1020,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
                 "host_ops": d.host_ops,
             })).collect::<Vec<_>>(),
             "memory_predicted_bytes": predicted.map(|p| p.1),
-            "host_memory": host_memory_json(&promise),
+            "host_memory": host_memory_json(promise),
             "predicted": predicted.map(|(t, _)| serde_json::json!({
                 "cluster": cluster.name,
                 "step_s": t,
@@ -845,9 +1028,25 @@ pub fn run(args: &TrainArgs) -> CliResult {
             })),
             "check": checks.iter().map(|c| serde_json::json!({"what": c.what, "ok": c.ok, "detail": c.detail})).collect::<Vec<_>>(),
             "notes": notes,
-        });
-        write_output(&serde_json::to_string_pretty(&doc).expect("JSON"), None, &args.model)?;
-    } else {
+        })
+    }
+
+    fn text(&self) -> String {
+        let (args, cluster, opt, info, promise, checks, notes, predicted, chosen) = (
+            self.args,
+            &self.s.cluster,
+            self.s.opt.clone(),
+            self.info,
+            self.promise,
+            self.checks,
+            self.notes,
+            self.predicted,
+            self.chosen,
+        );
+        let (report, losses, loaded) = (&self.t.report, &self.t.losses, &self.s.loaded);
+        let (per_step, step_s) = self.step_times();
+        let plan_desc = self.plan_desc();
+        let memory = report.devices.iter().map(|d| d.memory_allocated_bytes).max().unwrap_or(0);
         let mut t = String::new();
         t.push_str(&format!("model        {}\n", args.model.display()));
         t.push_str(&format!("plan         {plan_desc}\n"));
@@ -860,7 +1059,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
             info.loss,
             serde_json::to_string(&opt).expect("JSON")
         ));
-        for n in &notes {
+        for n in notes {
             t.push_str(&format!("note         {n}\n"));
         }
         t.push_str("  step        loss       time    forward   backward     update\n");
@@ -896,7 +1095,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
             t.push_str(&format!("; {:.1} MB predicted on {}", m as f64 / 1e6, cluster.name));
         }
         t.push('\n');
-        t.push_str(&host_memory_line(&promise));
+        t.push_str(&host_memory_line(promise));
         if let Some((p, _)) = predicted {
             t.push_str(&format!("predicted    {} per step on {}\n", secs(p), cluster.name));
         }
@@ -917,20 +1116,9 @@ pub fn run(args: &TrainArgs) -> CliResult {
             let list: Vec<String> = host.iter().map(|(k, v)| format!("{k} ×{v}")).collect();
             t.push_str(&format!("host ops     {}\n", list.join(", ")));
         }
-        for c in &checks {
+        for c in checks {
             t.push_str(&format!("check        {:<36} {}  {}\n", c.what, if c.ok { "ok" } else { "FAILED" }, c.detail));
         }
-        write_output(&t, None, &args.model)?;
+        t
     }
-    if failed {
-        return Err(CliError::new("error: training differs from the expected values beyond the tolerance\n"));
-    }
-    if let Some(d) = diverged
-        && !args.allow_divergence
-    {
-        return Err(CliError::msg(format!(
-            "training diverged: {d} — lower --lr, or pass --allow-divergence to report it and exit 0"
-        )));
-    }
-    Ok(())
 }
