@@ -115,6 +115,22 @@ fn parse_fold(s: &str) -> Result<autoshard::FoldMode, String> {
 
 const PLAN_PASSES: &[&str] = &["verify", "rebatch", "infer-shapes", "canonicalize", "algebra", "autoshard"];
 
+/// What the plan document records of the model it was made for.
+fn model_info(args: &PlanArgs, g: &ir::Graph, bytes: &[u8]) -> ModelInfo {
+    ModelInfo {
+        path: args.model.display().to_string(),
+        sha256: format!("{:x}", sha2::Sha256::digest(bytes)),
+        graph: g.name.clone(),
+        batch: passes::cost::pipeline::graph_batch(g),
+        input_shapes: g
+            .input_values()
+            .into_iter()
+            .filter(|v| matches!(g.node(v.node).op, ir::Op::Input { default: None }))
+            .filter_map(|v| Some((g.value_name(v).to_string(), g.tensor_type(v)?.static_dims()?)))
+            .collect(),
+    }
+}
+
 pub fn run(args: &PlanArgs) -> CliResult {
     for d in &args.dump_after {
         if d != "all" && !PLAN_PASSES.contains(&d.as_str()) {
@@ -174,18 +190,7 @@ pub fn run(args: &PlanArgs) -> CliResult {
     }
     let r = result.borrow_mut().take().expect("autoshard ran");
     let g = &loaded.model.graph;
-    let info = ModelInfo {
-        path: args.model.display().to_string(),
-        sha256: format!("{:x}", sha2::Sha256::digest(&bytes)),
-        graph: g.name.clone(),
-        batch: passes::cost::pipeline::graph_batch(g),
-        input_shapes: g
-            .input_values()
-            .into_iter()
-            .filter(|v| matches!(g.node(v.node).op, ir::Op::Input { default: None }))
-            .filter_map(|v| Some((g.value_name(v).to_string(), g.tensor_type(v)?.static_dims()?)))
-            .collect(),
-    };
+    let info = model_info(args, g, &bytes);
     let plan = Plan::new(g, &cluster, devices, &opts, info, &r);
     super::ui::search_timings(&plan.timings);
     let json = serde_json::to_string_pretty(&plan).expect("plan serializes");
@@ -327,6 +332,16 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
         secs(b.communication_s),
         secs(b.exposed_gradient_sync_s)
     ));
+    t.push_str(&search_lines(r));
+    t.push_str(&strategy_histogram(plan));
+    t.push_str(NOTATION);
+    t
+}
+
+/// How the search went: its time (and what the safety net cut), each rewrite it priced, and
+/// each mesh it searched.
+fn search_lines(r: &autoshard::SearchResult) -> String {
+    let mut t = String::new();
     t.push_str(&format!(
         "search       {:.2} s{}{}\n",
         r.search_time_s,
@@ -375,6 +390,12 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
             }
         ));
     }
+    t
+}
+
+/// How many ops of each type took each strategy (ops that compute).
+fn strategy_histogram(plan: &Plan) -> String {
+    let mut t = String::new();
     // Strategy histogram per op type.
     let mut hist: std::collections::BTreeMap<(String, String), usize> = Default::default();
     for o in &plan.ops {
@@ -386,7 +407,6 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
     for ((op, s), n) in hist {
         t.push_str(&format!("  {op:<22} {n:>5} × {s}\n"));
     }
-    t.push_str(NOTATION);
     t
 }
 

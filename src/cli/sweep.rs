@@ -92,84 +92,74 @@ fn parse_value(s: &str, base: f64) -> Result<f64, String> {
     if v > 0.0 && v.is_finite() { Ok(v) } else { Err(format!("`{s}` must be positive")) }
 }
 
-pub fn run(args: &SweepArgs) -> CliResult {
-    guard_outputs(&[("--svg", args.svg.as_ref()), ("--html", args.html.as_ref())], &[Some(&args.model)])?;
-    let mut loaded = load_canonical(&args.model, &args.shapes)?;
-    args.model_args.freeze(&mut loaded.model.graph)?;
-    let base = load_cluster(&args.cluster)?;
-    let opts = args.model_args.options()?;
-    let named: Vec<Named> =
-        args.strategies.iter().map(|s| Named::parse(s).map_err(CliError::msg)).collect::<CliResult<_>>()?;
-    let mut xs = Vec::new();
-    let mut rows: Vec<Vec<Cell>> = Vec::new();
-    for vs in &args.values {
-        let mut cluster: Cluster = base.clone();
-        let mut devices = args.devices.unwrap_or(base.devices());
-        let mut graph = loaded.model.graph.clone();
-        let x = match args.axis {
-            Axis::Batch => {
-                let b: f64 = parse_value(vs, 1.0).map_err(CliError::msg)?;
-                // Priced only: external constants change shape, their values never read.
-                let external = passes::ExternalData::ShapesOnly;
-                let spec = passes::RebatchSpec { batch: Some(b as i64), external, ..Default::default() };
-                passes::rebatch::rebatch(&mut graph, &spec).map_err(|e| pass_error(&e, &loaded.source))?;
-                b
-            }
-            Axis::Devices => {
-                let d = parse_value(vs, 1.0).map_err(CliError::msg)?;
-                devices = d as usize;
-                if devices > cluster.devices() {
-                    // Grow the machine by whole nodes, as a cluster of the same nodes would.
-                    let nodes = devices.div_ceil(cluster.devices_per_node);
-                    if cluster.inter.is_none() {
-                        return Err(CliError::msg(format!(
-                            "{} has {} devices and no inter-node link to grow it to {devices}",
-                            cluster.name,
-                            cluster.devices()
-                        )));
-                    }
-                    cluster.nodes = nodes;
-                }
-                d
-            }
-            Axis::Flops => {
-                let f = parse_value(vs, base.device.peak_flops.fp32).map_err(CliError::msg)?;
-                let k = f / base.device.peak_flops.fp32;
-                cluster.device.peak_flops.fp32 = f;
-                cluster.device.peak_flops.tf32 = base.device.peak_flops.tf32.map(|x| x * k);
-                cluster.device.peak_flops.fp16 = base.device.peak_flops.fp16.map(|x| x * k);
-                f
-            }
-            Axis::Membw => {
-                let m = parse_value(vs, base.device.mem_bandwidth).map_err(CliError::msg)?;
-                cluster.device.mem_bandwidth = m;
-                m
-            }
-            Axis::Linkbw => {
-                let l = parse_value(vs, base.intra.bandwidth).map_err(CliError::msg)?;
-                let k = l / base.intra.bandwidth;
-                cluster.intra.bandwidth = l;
-                if let Some(i) = &mut cluster.inter {
-                    i.bandwidth *= k;
-                }
-                l
-            }
-        };
-        let mut row = Vec::new();
-        for (s, nm) in args.strategies.iter().zip(&named) {
-            row.push(match cost::price(&graph, &cluster, devices, nm, &opts) {
-                Ok(p) if p.breakdown.feasible => Cell::Time(p.breakdown.step_time_s),
-                Ok(p) => Cell::Infeasible(p.breakdown.step_time_s),
-                Err(e) => Cell::NotApplicable(format!("{s}: {e}")),
-            });
+/// The sweep's point `vs` along its axis: the axis value, and the cluster, device count and
+/// graph priced there.
+fn point(
+    args: &SweepArgs,
+    base: &Cluster,
+    loaded: &shardc::Loaded,
+    vs: &str,
+) -> CliResult<(f64, Cluster, usize, ir::Graph)> {
+    let mut cluster: Cluster = base.clone();
+    let mut devices = args.devices.unwrap_or(base.devices());
+    let mut graph = loaded.model.graph.clone();
+    let x = match args.axis {
+        Axis::Batch => {
+            let b: f64 = parse_value(vs, 1.0).map_err(CliError::msg)?;
+            // Priced only: external constants change shape, their values never read.
+            let external = passes::ExternalData::ShapesOnly;
+            let spec = passes::RebatchSpec { batch: Some(b as i64), external, ..Default::default() };
+            passes::rebatch::rebatch(&mut graph, &spec).map_err(|e| pass_error(&e, &loaded.source))?;
+            b
         }
-        xs.push(x);
-        rows.push(row);
-    }
-    // The best strategy at each point; a strategy within 0.5% of the best counts as tied, and a
-    // tie keeps the previous point's best (so near-equal strategies do not flap).
+        Axis::Devices => {
+            let d = parse_value(vs, 1.0).map_err(CliError::msg)?;
+            devices = d as usize;
+            if devices > cluster.devices() {
+                // Grow the machine by whole nodes, as a cluster of the same nodes would.
+                let nodes = devices.div_ceil(cluster.devices_per_node);
+                if cluster.inter.is_none() {
+                    return Err(CliError::msg(format!(
+                        "{} has {} devices and no inter-node link to grow it to {devices}",
+                        cluster.name,
+                        cluster.devices()
+                    )));
+                }
+                cluster.nodes = nodes;
+            }
+            d
+        }
+        Axis::Flops => {
+            let f = parse_value(vs, base.device.peak_flops.fp32).map_err(CliError::msg)?;
+            let k = f / base.device.peak_flops.fp32;
+            cluster.device.peak_flops.fp32 = f;
+            cluster.device.peak_flops.tf32 = base.device.peak_flops.tf32.map(|x| x * k);
+            cluster.device.peak_flops.fp16 = base.device.peak_flops.fp16.map(|x| x * k);
+            f
+        }
+        Axis::Membw => {
+            let m = parse_value(vs, base.device.mem_bandwidth).map_err(CliError::msg)?;
+            cluster.device.mem_bandwidth = m;
+            m
+        }
+        Axis::Linkbw => {
+            let l = parse_value(vs, base.intra.bandwidth).map_err(CliError::msg)?;
+            let k = l / base.intra.bandwidth;
+            cluster.intra.bandwidth = l;
+            if let Some(i) = &mut cluster.inter {
+                i.bandwidth *= k;
+            }
+            l
+        }
+    };
+    Ok((x, cluster, devices, graph))
+}
+
+/// The best strategy at each point; a strategy within 0.5% of the best counts as tied, and a
+/// tie keeps the previous point's best (so near-equal strategies do not flap).
+fn bests(rows: &[Vec<Cell>]) -> Vec<Option<usize>> {
     let mut best: Vec<Option<usize>> = Vec::with_capacity(rows.len());
-    for r in &rows {
+    for r in rows {
         let min = r.iter().filter_map(Cell::time).fold(f64::INFINITY, f64::min);
         let tied: Vec<usize> = (0..r.len()).filter(|&i| r[i].time().is_some_and(|t| t <= min * 1.005)).collect();
         let prev = best.last().copied().flatten();
@@ -183,6 +173,112 @@ pub fn run(args: &SweepArgs) -> CliResult {
                 .map(|(i, _)| i),
         });
     }
+    best
+}
+
+/// The sweep as JSON: every point's step times and best strategy, and the crossovers.
+fn json_doc(
+    args: &SweepArgs,
+    base: &Cluster,
+    xs: &[f64],
+    rows: &[Vec<Cell>],
+    best: &[Option<usize>],
+    crossovers: &[Crossover],
+) -> serde_json::Value {
+    let axis_name = format!("{:?}", args.axis).to_lowercase();
+    json!({
+        "model": args.model.display().to_string(),
+        "cluster": base.name,
+        "axis": axis_name,
+        "strategies": args.strategies,
+        "points": xs.iter().zip(rows).zip(best).map(|((x, r), b)| json!({
+            "value": x,
+            "step_time_s": r.iter().map(|c| match c { Cell::Time(t) => json!(t), _ => json!(null) }).collect::<Vec<_>>(),
+            "feasible": r.iter().map(|c| matches!(c, Cell::Time(_))).collect::<Vec<_>>(),
+            "best": b.map(|i| args.strategies[i].clone()),
+        })).collect::<Vec<_>>(),
+        "crossovers": crossovers.iter().map(|c| json!({ "between": [c.lo, c.hi], "at": c.at, "from": args.strategies[c.from], "to": args.strategies[c.to] })).collect::<Vec<_>>(),
+    })
+}
+
+/// The sweep as a table: a row per point, a column per strategy, then the crossovers.
+fn text_table(
+    args: &SweepArgs,
+    base: &Cluster,
+    xs: &[f64],
+    rows: &[Vec<Cell>],
+    best: &[Option<usize>],
+    crossovers: &[Crossover],
+) -> String {
+    let axis_name = format!("{:?}", args.axis).to_lowercase();
+    let mut t = String::new();
+    t.push_str(&format!("sweep of {} on {} along {axis_name}\n", args.model.display(), base.name));
+    t.push_str(&format!("{:>12}", axis_name));
+    for s in &args.strategies {
+        t.push_str(&format!(" {s:>14}"));
+    }
+    t.push_str("   best\n");
+    let mut notes = Vec::new();
+    for ((x, r), b) in xs.iter().zip(rows).zip(best) {
+        t.push_str(&format!("{:>12}", fmt_value(args.axis, *x)));
+        for c in r {
+            let cell = match c {
+                Cell::Time(v) => secs(*v),
+                Cell::Infeasible(_) => "no fit".into(),
+                Cell::NotApplicable(e) => {
+                    if !notes.contains(e) {
+                        notes.push(e.clone());
+                    }
+                    "n/a".into()
+                }
+            };
+            t.push_str(&format!(" {cell:>14}"));
+        }
+        t.push_str(&format!("   {}\n", b.map_or("-".into(), |i| args.strategies[i].clone())));
+    }
+    for c in crossovers {
+        t.push_str(&format!(
+            "crossover    {} overtakes {} at {} {axis_name} (between {} and {})\n",
+            args.strategies[c.to],
+            args.strategies[c.from],
+            fmt_value(args.axis, c.at),
+            fmt_value(args.axis, c.lo),
+            fmt_value(args.axis, c.hi)
+        ));
+    }
+    if crossovers.is_empty() {
+        t.push_str("no crossover: the best strategy is the same along the sweep\n");
+    }
+    for n in notes {
+        t.push_str(&format!("n/a          {n}\n"));
+    }
+    t
+}
+
+pub fn run(args: &SweepArgs) -> CliResult {
+    guard_outputs(&[("--svg", args.svg.as_ref()), ("--html", args.html.as_ref())], &[Some(&args.model)])?;
+    let mut loaded = load_canonical(&args.model, &args.shapes)?;
+    args.model_args.freeze(&mut loaded.model.graph)?;
+    let base = load_cluster(&args.cluster)?;
+    let opts = args.model_args.options()?;
+    let named: Vec<Named> =
+        args.strategies.iter().map(|s| Named::parse(s).map_err(CliError::msg)).collect::<CliResult<_>>()?;
+    let mut xs = Vec::new();
+    let mut rows: Vec<Vec<Cell>> = Vec::new();
+    for vs in &args.values {
+        let (x, cluster, devices, graph) = point(args, &base, &loaded, vs)?;
+        let mut row = Vec::new();
+        for (s, nm) in args.strategies.iter().zip(&named) {
+            row.push(match cost::price(&graph, &cluster, devices, nm, &opts) {
+                Ok(p) if p.breakdown.feasible => Cell::Time(p.breakdown.step_time_s),
+                Ok(p) => Cell::Infeasible(p.breakdown.step_time_s),
+                Err(e) => Cell::NotApplicable(format!("{s}: {e}")),
+            });
+        }
+        xs.push(x);
+        rows.push(row);
+    }
+    let best = bests(&rows);
     let crossovers = find_crossovers(&xs, &rows, &best);
 
     let model_name =
@@ -213,64 +309,11 @@ pub fn run(args: &SweepArgs) -> CliResult {
     if let Some(path) = &args.svg {
         write_output(&svg()?, Some(path), &args.model)?;
     }
-    let axis_name = format!("{:?}", args.axis).to_lowercase();
     if args.json {
-        let doc = json!({
-            "model": args.model.display().to_string(),
-            "cluster": base.name,
-            "axis": axis_name,
-            "strategies": args.strategies,
-            "points": xs.iter().zip(&rows).zip(&best).map(|((x, r), b)| json!({
-                "value": x,
-                "step_time_s": r.iter().map(|c| match c { Cell::Time(t) => json!(t), _ => json!(null) }).collect::<Vec<_>>(),
-                "feasible": r.iter().map(|c| matches!(c, Cell::Time(_))).collect::<Vec<_>>(),
-                "best": b.map(|i| args.strategies[i].clone()),
-            })).collect::<Vec<_>>(),
-            "crossovers": crossovers.iter().map(|c| json!({ "between": [c.lo, c.hi], "at": c.at, "from": args.strategies[c.from], "to": args.strategies[c.to] })).collect::<Vec<_>>(),
-        });
+        let doc = json_doc(args, &base, &xs, &rows, &best, &crossovers);
         return write_output(&serde_json::to_string_pretty(&doc).expect("JSON"), None, &args.model);
     }
-    let mut t = String::new();
-    t.push_str(&format!("sweep of {} on {} along {axis_name}\n", args.model.display(), base.name));
-    t.push_str(&format!("{:>12}", axis_name));
-    for s in &args.strategies {
-        t.push_str(&format!(" {s:>14}"));
-    }
-    t.push_str("   best\n");
-    let mut notes = Vec::new();
-    for ((x, r), b) in xs.iter().zip(&rows).zip(&best) {
-        t.push_str(&format!("{:>12}", fmt_value(args.axis, *x)));
-        for c in r {
-            let cell = match c {
-                Cell::Time(v) => secs(*v),
-                Cell::Infeasible(_) => "no fit".into(),
-                Cell::NotApplicable(e) => {
-                    if !notes.contains(e) {
-                        notes.push(e.clone());
-                    }
-                    "n/a".into()
-                }
-            };
-            t.push_str(&format!(" {cell:>14}"));
-        }
-        t.push_str(&format!("   {}\n", b.map_or("-".into(), |i| args.strategies[i].clone())));
-    }
-    for c in &crossovers {
-        t.push_str(&format!(
-            "crossover    {} overtakes {} at {} {axis_name} (between {} and {})\n",
-            args.strategies[c.to],
-            args.strategies[c.from],
-            fmt_value(args.axis, c.at),
-            fmt_value(args.axis, c.lo),
-            fmt_value(args.axis, c.hi)
-        ));
-    }
-    if crossovers.is_empty() {
-        t.push_str("no crossover: the best strategy is the same along the sweep\n");
-    }
-    for n in notes {
-        t.push_str(&format!("n/a          {n}\n"));
-    }
+    let t = text_table(args, &base, &xs, &rows, &best, &crossovers);
     if let Some(path) = &args.html {
         let sections = vec![
             ("step time".to_string(), format!("<div class=\"chart\">{}</div>", svg()?)),

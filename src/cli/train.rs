@@ -253,119 +253,18 @@ fn training_plan(
     cluster: &passes::cost::Cluster,
     opts: &passes::cost::Options,
 ) -> CliResult<Chosen> {
-    let mut notes = Vec::new();
     if let Some(s) = named_strategy(args) {
-        let devices = args.devices.unwrap_or(1);
-        let result = exec::named_result(train, cluster, devices, s, opts).map_err(CliError::msg)?;
-        // The training program priced as it runs (each op of the step once, in its phase).
-        let predicted = Some(step_and_memory(&result.breakdown));
-        let summary = exec::named_result(forward, cluster, devices, s, opts).ok().and_then(|f| {
-            summary_of(forward, cluster, opts, devices, &f.assignment, &f.mesh, predicted.map(|p| p.0), None)
-        });
-        return Ok(Chosen {
-            lowering: Lowering::Flat(Box::new(result)),
-            devices,
-            predicted,
-            desc: s.to_string(),
-            notes,
-            summary,
-        });
+        return named_plan(args, s, forward, train, cluster, opts);
     }
-    let (fwd, mesh, devices, predicted, desc) = match (&args.plan, plan_doc) {
-        (Some(path), Some(plan)) => {
-            if let Some(d) = args.devices
-                && d != plan.devices
-            {
-                return Err(CliError::msg(format!(
-                    "--devices {d}: `{}` is a plan for {} devices",
-                    path.display(),
-                    plan.devices
-                )));
-            }
-            notes.extend(check_plan_model(plan, path, &args.model, args.force)?);
-            let diffs = plan.differences(forward, true);
-            if !diffs.is_empty() {
-                return Err(CliError::msg(format!(
-                    "`{}`: {}",
-                    path.display(),
-                    passes::autoshard::plan::differences_message(&diffs)
-                )));
-            }
-            let pipe = exec::TrainPipeline::of_plan(plan).map_err(CliError::msg)?;
-            let mesh = plan.stage_meshes().map_err(CliError::msg)?.remove(0);
-            // One validation for run, lower and train: every op has a strategy its stage's
-            // mesh can hold.
-            let (fwd, _) = plan
-                .stage_assignment_uncanonical(forward)
-                .map_err(|e| CliError::msg(format!("`{}`: {e}", path.display())))?;
-            if let Some(pipe) = pipe {
-                let desc = format!(
-                    "plan {} ({} stages × {} micro-batches, {})",
-                    path.display(),
-                    pipe.stages.len(),
-                    pipe.micro_batches,
-                    pipe.schedule.name()
-                );
-                // Priced again (time and memory) rather than read from the file.
-                let predicted = match pipe.price(forward, &fwd, cluster, opts) {
-                    Ok(p) => Some(step_and_memory(&p.breakdown)),
-                    Err(e) => {
-                        notes.push(format!("the plan's pipeline could not be priced again ({e}): no prediction"));
-                        None
-                    }
-                };
-                let shape = (pipe.stages.len(), pipe.micro_batches, pipe.schedule.name());
-                let step = predicted.map(|p| p.0);
-                let summary = summary_of(forward, cluster, opts, plan.devices, &fwd, &mesh, step, Some(shape));
-                return Ok(Chosen {
-                    lowering: Lowering::Pipeline(pipe, fwd),
-                    devices: plan.devices,
-                    predicted,
-                    desc,
-                    notes,
-                    summary,
-                });
-            }
-            let cm = passes::cost::CostModel::new(forward, cluster, mesh.clone(), opts.clone());
-            let predicted = step_and_memory(&cm.evaluate(&fwd));
-            (fwd, mesh, plan.devices, predicted, format!("plan {}", path.display()))
-        }
+    let mut notes = Vec::new();
+    let chosen = match (&args.plan, plan_doc) {
+        (Some(path), Some(plan)) => from_plan_file(args, path, plan, forward, cluster, opts, &mut notes)?,
         // No plan given (`plan_doc` is read from `args.plan`): the search made in `run`.
-        _ => {
-            let devices = args.devices.unwrap_or(1);
-            let r = searched.ok_or_else(|| CliError::msg("no plan, strategy or search"))?;
-            if let Some(pipe) = exec::TrainPipeline::of_search(forward, &r) {
-                let desc = format!(
-                    "searched plan ({} stages × {} micro-batches, {})",
-                    pipe.stages.len(),
-                    pipe.micro_batches,
-                    pipe.schedule.name()
-                );
-                let predicted = r.pipeline.as_ref().map(|p| step_and_memory(&p.breakdown));
-                let shape = (pipe.stages.len(), pipe.micro_batches, pipe.schedule.name());
-                let summary = summary_of(
-                    forward,
-                    cluster,
-                    opts,
-                    devices,
-                    &r.assignment,
-                    &r.mesh,
-                    predicted.map(|p| p.0),
-                    Some(shape),
-                );
-                return Ok(Chosen {
-                    lowering: Lowering::Pipeline(pipe, r.assignment),
-                    devices,
-                    predicted,
-                    desc,
-                    notes,
-                    summary,
-                });
-            }
-            let what = r.same_as.clone().map_or("per-layer strategies".into(), |s| format!("the `{s}` plan"));
-            let desc = format!("searched plan ({what}, mesh {})", passes::autoshard::mesh_string(&r.mesh));
-            (r.assignment, r.mesh, devices, step_and_memory(&r.breakdown), desc)
-        }
+        _ => from_search(args, searched, forward, cluster, opts)?,
+    };
+    let (fwd, mesh, devices, predicted, desc) = match chosen {
+        ForwardPlan::Pipelined(c) => return Ok(Chosen { notes, ..*c }),
+        ForwardPlan::Flat(fwd, mesh, devices, predicted, desc) => (fwd, mesh, devices, predicted, desc),
     };
     let (result, kept) = exec::training_result(train, forward, &fwd, &mesh, cluster, opts).map_err(CliError::msg)?;
     // The prediction is the derived training program's price (what runs); the forward
@@ -387,6 +286,142 @@ fn training_plan(
     }
     let summary = summary_of(forward, cluster, opts, devices, &fwd, &mesh, Some(predicted.0), None);
     Ok(Chosen { lowering: Lowering::Flat(Box::new(result)), devices, predicted: Some(predicted), desc, notes, summary })
+}
+
+/// A named strategy on the training graph, priced as the training program runs.
+fn named_plan(
+    args: &TrainArgs,
+    s: &str,
+    forward: &ir::Graph,
+    train: &ir::Graph,
+    cluster: &passes::cost::Cluster,
+    opts: &passes::cost::Options,
+) -> CliResult<Chosen> {
+    let devices = args.devices.unwrap_or(1);
+    let result = exec::named_result(train, cluster, devices, s, opts).map_err(CliError::msg)?;
+    // The training program priced as it runs (each op of the step once, in its phase).
+    let predicted = Some(step_and_memory(&result.breakdown));
+    let summary = exec::named_result(forward, cluster, devices, s, opts).ok().and_then(|f| {
+        summary_of(forward, cluster, opts, devices, &f.assignment, &f.mesh, predicted.map(|p| p.0), None)
+    });
+    Ok(Chosen {
+        lowering: Lowering::Flat(Box::new(result)),
+        devices,
+        predicted,
+        desc: s.to_string(),
+        notes: Vec::new(),
+        summary,
+    })
+}
+
+/// The forward plan a training program follows: pipelined (the choice made: stages and
+/// strategies), or flat — its strategies on a mesh, the devices, its own price of the step
+/// and its description — for the training graph's ops to be derived from.
+enum ForwardPlan {
+    Pipelined(Box<Chosen>),
+    Flat(passes::cost::Assignment, ir::shard::Mesh, usize, (f64, u64), String),
+}
+
+/// The forward plan of a plan file, checked against the model (and its pipeline priced again).
+fn from_plan_file(
+    args: &TrainArgs,
+    path: &std::path::Path,
+    plan: &passes::autoshard::Plan,
+    forward: &ir::Graph,
+    cluster: &passes::cost::Cluster,
+    opts: &passes::cost::Options,
+    notes: &mut Vec<String>,
+) -> CliResult<ForwardPlan> {
+    if let Some(d) = args.devices
+        && d != plan.devices
+    {
+        return Err(CliError::msg(format!(
+            "--devices {d}: `{}` is a plan for {} devices",
+            path.display(),
+            plan.devices
+        )));
+    }
+    notes.extend(check_plan_model(plan, path, &args.model, args.force)?);
+    let diffs = plan.differences(forward, true);
+    if !diffs.is_empty() {
+        return Err(CliError::msg(format!(
+            "`{}`: {}",
+            path.display(),
+            passes::autoshard::plan::differences_message(&diffs)
+        )));
+    }
+    let pipe = exec::TrainPipeline::of_plan(plan).map_err(CliError::msg)?;
+    let mesh = plan.stage_meshes().map_err(CliError::msg)?.remove(0);
+    // One validation for run, lower and train: every op has a strategy its stage's
+    // mesh can hold.
+    let (fwd, _) =
+        plan.stage_assignment_uncanonical(forward).map_err(|e| CliError::msg(format!("`{}`: {e}", path.display())))?;
+    if let Some(pipe) = pipe {
+        let desc = format!(
+            "plan {} ({} stages × {} micro-batches, {})",
+            path.display(),
+            pipe.stages.len(),
+            pipe.micro_batches,
+            pipe.schedule.name()
+        );
+        // Priced again (time and memory) rather than read from the file.
+        let predicted = match pipe.price(forward, &fwd, cluster, opts) {
+            Ok(p) => Some(step_and_memory(&p.breakdown)),
+            Err(e) => {
+                notes.push(format!("the plan's pipeline could not be priced again ({e}): no prediction"));
+                None
+            }
+        };
+        let shape = (pipe.stages.len(), pipe.micro_batches, pipe.schedule.name());
+        let step = predicted.map(|p| p.0);
+        let summary = summary_of(forward, cluster, opts, plan.devices, &fwd, &mesh, step, Some(shape));
+        return Ok(ForwardPlan::Pipelined(Box::new(Chosen {
+            lowering: Lowering::Pipeline(pipe, fwd),
+            devices: plan.devices,
+            predicted,
+            desc,
+            notes: Vec::new(),
+            summary,
+        })));
+    }
+    let cm = passes::cost::CostModel::new(forward, cluster, mesh.clone(), opts.clone());
+    let predicted = step_and_memory(&cm.evaluate(&fwd));
+    Ok(ForwardPlan::Flat(fwd, mesh, plan.devices, predicted, format!("plan {}", path.display())))
+}
+
+/// The forward plan of the search `run` made.
+fn from_search(
+    args: &TrainArgs,
+    searched: Option<passes::autoshard::SearchResult>,
+    forward: &ir::Graph,
+    cluster: &passes::cost::Cluster,
+    opts: &passes::cost::Options,
+) -> CliResult<ForwardPlan> {
+    let devices = args.devices.unwrap_or(1);
+    let r = searched.ok_or_else(|| CliError::msg("no plan, strategy or search"))?;
+    if let Some(pipe) = exec::TrainPipeline::of_search(forward, &r) {
+        let desc = format!(
+            "searched plan ({} stages × {} micro-batches, {})",
+            pipe.stages.len(),
+            pipe.micro_batches,
+            pipe.schedule.name()
+        );
+        let predicted = r.pipeline.as_ref().map(|p| step_and_memory(&p.breakdown));
+        let shape = (pipe.stages.len(), pipe.micro_batches, pipe.schedule.name());
+        let summary =
+            summary_of(forward, cluster, opts, devices, &r.assignment, &r.mesh, predicted.map(|p| p.0), Some(shape));
+        return Ok(ForwardPlan::Pipelined(Box::new(Chosen {
+            lowering: Lowering::Pipeline(pipe, r.assignment),
+            devices,
+            predicted,
+            desc,
+            notes: Vec::new(),
+            summary,
+        })));
+    }
+    let what = r.same_as.clone().map_or("per-layer strategies".into(), |s| format!("the `{s}` plan"));
+    let desc = format!("searched plan ({what}, mesh {})", passes::autoshard::mesh_string(&r.mesh));
+    Ok(ForwardPlan::Flat(r.assignment, r.mesh, devices, step_and_memory(&r.breakdown), desc))
 }
 
 /// With `-v`: compute time per op kind of the last step, measured (the mean over the devices)
