@@ -304,6 +304,71 @@ fn monotone_time(mut points: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
     points
 }
 
+/// Transposes of the innermost dim against a streaming kernel over the same tensor (a Relu),
+/// square matrices from 256² floats up to `s` elements: the rate at the largest (transpose
+/// efficiency), and the largest tensor still transposed at ≥ 60% of the stream's rate, bytes.
+fn measure_transposes<E: Executor>(
+    e: &mut E,
+    s: usize,
+    reps: usize,
+    samples: &mut Vec<Sample>,
+) -> Result<(f64, f64), String> {
+    let side = ((s as f64).sqrt() as usize).max(256);
+    let mut transpose_efficiency = 1.0;
+    let mut transpose_cached_bytes = 0.0;
+    let mut k = 256;
+    while k <= side {
+        let (m, node) = one_op(&format!("(float[{k},{k}] a) => (y)"), "y = Transpose <perm: ints = [1, 0]> (a)")?;
+        let t_tr = time_node(e, &m.graph, node, &[filled(vec![k, k])], reps)?;
+        let (m, node) = one_op(&format!("(float[{k},{k}] a) => (y)"), "y = Relu (a)")?;
+        let t_relu = time_node(e, &m.graph, node, &[filled(vec![k, k])], reps)?;
+        samples.push(Sample {
+            what: format!("Transpose of {k}×{k} floats (Relu {:.3} ms)", t_relu * 1e3),
+            median_s: t_tr,
+            reps,
+        });
+        transpose_efficiency = (t_relu / t_tr).clamp(0.01, 1.0);
+        if transpose_efficiency >= 0.6 && (k * k * 4) as f64 > transpose_cached_bytes {
+            transpose_cached_bytes = (k * k * 4) as f64;
+        }
+        k *= 2;
+    }
+    Ok((transpose_efficiency, transpose_cached_bytes))
+}
+
+/// Reductions of `s` elements (rounded down to a power of two) to 1, 4, … outputs: the
+/// device's parallel width and the slowdown of a single output (as the body says).
+fn measure_reductions<E: Executor>(
+    e: &mut E,
+    s: usize,
+    reps: usize,
+    samples: &mut Vec<Sample>,
+) -> Result<(f64, f64), String> {
+    // Reductions of the same elements to 1, 4, … outputs (one invocation per output, looping
+    // over its run): from some count on the time is flat (the device is filled); the width is
+    // the least count at which the time is within twice that (the knee: above it the time
+    // falls slowly to the flat rate, below it in proportion to the outputs, down to the
+    // single output's), and the slowdown the single output's time over the flat one.
+    let total = s.next_power_of_two() / 2;
+    let mut reduced = Vec::new();
+    let mut outputs = 1;
+    while outputs <= total / 16 && outputs <= 1 << 15 {
+        let len = total / outputs;
+        let (m, node) = one_op(
+            &format!("(float[{outputs},{len}] a) => (y)"),
+            "y = ReduceSum <axes: ints = [1], keepdims: int = 0> (a)",
+        )?;
+        let t = time_node(e, &m.graph, node, &[filled(vec![outputs, len])], reps)?;
+        samples.push(Sample { what: format!("ReduceSum of {total} floats to {outputs}"), median_s: t, reps });
+        reduced.push((outputs, t));
+        outputs *= 4;
+    }
+    let filled_t = reduced.iter().rev().take(2).map(|&(_, t)| t).fold(f64::INFINITY, f64::min);
+    let parallel_width = reduced.iter().find(|&&(_, t)| t <= 2.0 * filled_t).map_or(0.0, |&(k, _)| k as f64).max(1.0);
+    let serial_slowdown = reduced.first().map_or(1.0, |&(_, t)| (t / filled_t).max(1.0));
+    Ok((parallel_width, serial_slowdown))
+}
+
 fn measure_once<E: Executor>(
     make: &(impl Fn() -> Result<E, String> + Sync),
     effort: Effort,
@@ -362,51 +427,9 @@ fn measure_once<E: Executor>(
     let (m, node) = one_op(&format!("(float[{s}] a, float[{s}] b) => (y)"), "y = Add (a, b)")?;
     let t_add = time_node(&mut e, &m.graph, node, &[filled(vec![s]), filled(vec![s])], reps)?;
     samples.push(Sample { what: format!("Add of {s} floats"), median_s: t_add, reps });
-    // Transposes of the innermost dim against a streaming kernel over the same tensor (a
-    // Relu), square matrices from 256² floats up to as many elements as the Add: the rate at
-    // the largest, and the largest tensor still transposed at ≥ 60% of the stream's rate.
-    let side = ((s as f64).sqrt() as usize).max(256);
-    let mut transpose_efficiency = 1.0;
-    let mut transpose_cached_bytes = 0.0;
-    let mut k = 256;
-    while k <= side {
-        let (m, node) = one_op(&format!("(float[{k},{k}] a) => (y)"), "y = Transpose <perm: ints = [1, 0]> (a)")?;
-        let t_tr = time_node(&mut e, &m.graph, node, &[filled(vec![k, k])], reps)?;
-        let (m, node) = one_op(&format!("(float[{k},{k}] a) => (y)"), "y = Relu (a)")?;
-        let t_relu = time_node(&mut e, &m.graph, node, &[filled(vec![k, k])], reps)?;
-        samples.push(Sample {
-            what: format!("Transpose of {k}×{k} floats (Relu {:.3} ms)", t_relu * 1e3),
-            median_s: t_tr,
-            reps,
-        });
-        transpose_efficiency = (t_relu / t_tr).clamp(0.01, 1.0);
-        if transpose_efficiency >= 0.6 && (k * k * 4) as f64 > transpose_cached_bytes {
-            transpose_cached_bytes = (k * k * 4) as f64;
-        }
-        k *= 2;
-    }
-    // Reductions of the same elements to 1, 4, … outputs (one invocation per output, looping
-    // over its run): from some count on the time is flat (the device is filled); the width is
-    // the least count at which the time is within twice that (the knee: above it the time
-    // falls slowly to the flat rate, below it in proportion to the outputs, down to the
-    // single output's), and the slowdown the single output's time over the flat one.
-    let total = s.next_power_of_two() / 2;
-    let mut reduced = Vec::new();
-    let mut outputs = 1;
-    while outputs <= total / 16 && outputs <= 1 << 15 {
-        let len = total / outputs;
-        let (m, node) = one_op(
-            &format!("(float[{outputs},{len}] a) => (y)"),
-            "y = ReduceSum <axes: ints = [1], keepdims: int = 0> (a)",
-        )?;
-        let t = time_node(&mut e, &m.graph, node, &[filled(vec![outputs, len])], reps)?;
-        samples.push(Sample { what: format!("ReduceSum of {total} floats to {outputs}"), median_s: t, reps });
-        reduced.push((outputs, t));
-        outputs *= 4;
-    }
-    let filled_t = reduced.iter().rev().take(2).map(|&(_, t)| t).fold(f64::INFINITY, f64::min);
-    let parallel_width = reduced.iter().find(|&&(_, t)| t <= 2.0 * filled_t).map_or(0.0, |&(k, _)| k as f64).max(1.0);
-    let serial_slowdown = reduced.first().map_or(1.0, |&(_, t)| (t / filled_t).max(1.0));
+    // Transposes and reductions of as many elements as the Add.
+    let (transpose_efficiency, transpose_cached_bytes) = measure_transposes(&mut e, s, reps, &mut samples)?;
+    let (parallel_width, serial_slowdown) = measure_reductions(&mut e, s, reps, &mut samples)?;
     // Device → host → device.
     let mut f = make()?;
     // Small enough to be all latency, large enough not to be served from the host copy that
