@@ -220,6 +220,36 @@ fn liveness(p: &Problem) -> (Vec<Option<usize>>, Vec<usize>) {
     (enters_at, last_use)
 }
 
+/// The layouts each live tensor can have under the candidate strategies `cands`: those its
+/// maker's candidates make, or for a source, those its first reader's candidates need.
+fn candidate_layouts(p: &Problem, cands: &[Vec<u32>], enters_at: &[Option<usize>]) -> Vec<Vec<LayoutId>> {
+    let mut layouts: Vec<Vec<LayoutId>> = vec![Vec::new(); p.values.len()];
+    for (v, info) in p.values.iter().enumerate() {
+        let Some(at) = enters_at[v] else { continue };
+        let mut set: Vec<LayoutId> = Vec::new();
+        match info.origin {
+            Origin::Op { op, slot } => {
+                for &c in &cands[op] {
+                    set.push(p.ops[op].makes[c as usize][slot]);
+                }
+            }
+            Origin::Source { .. } => {
+                let j = info.consumers[0].1;
+                for &c in &cands[at] {
+                    if let Some(l) = p.ops[at].needs[c as usize][j] {
+                        set.push(l);
+                    }
+                }
+            }
+        }
+        set.sort_unstable();
+        set.dedup();
+        assert!(set.len() <= 256, "more than 256 layouts for one tensor");
+        layouts[v] = set;
+    }
+    layouts
+}
+
 impl Proxy {
     /// Tables of the decomposed objective over the candidates `cands` (per op).
     pub fn new(cm: &CostModel<'_>, p: &Problem, cands: &[Vec<u32>], grad_weight: f64) -> Proxy {
@@ -227,31 +257,7 @@ impl Proxy {
         let mut rs = Reshards { cm, memo: FxHashMap::default() };
         let n = p.ops.len();
         let (enters_at, last_use) = liveness(p);
-        // Layouts each live tensor can have.
-        let mut layouts: Vec<Vec<LayoutId>> = vec![Vec::new(); p.values.len()];
-        for (v, info) in p.values.iter().enumerate() {
-            let Some(at) = enters_at[v] else { continue };
-            let mut set: Vec<LayoutId> = Vec::new();
-            match info.origin {
-                Origin::Op { op, slot } => {
-                    for &c in &cands[op] {
-                        set.push(p.ops[op].makes[c as usize][slot]);
-                    }
-                }
-                Origin::Source { .. } => {
-                    let j = info.consumers[0].1;
-                    for &c in &cands[at] {
-                        if let Some(l) = p.ops[at].needs[c as usize][j] {
-                            set.push(l);
-                        }
-                    }
-                }
-            }
-            set.sort_unstable();
-            set.dedup();
-            assert!(set.len() <= 256, "more than 256 layouts for one tensor");
-            layouts[v] = set;
-        }
+        let layouts = candidate_layouts(p, cands, &enters_at);
         let mut steps = Vec::with_capacity(n);
         let mut readers: Vec<Vec<(usize, usize)>> = vec![Vec::new(); p.values.len()];
         let mut entered: Vec<Option<(usize, usize)>> = vec![None; p.values.len()];

@@ -688,18 +688,16 @@ fn reference_plans(
     (reference, meshes)
 }
 
-/// Searches pipelines of `g` on `devices` devices. `None` when the model cannot be
-/// pipelined (no batch dim, or too few ops), with the reason.
-pub fn search_pipeline(
+/// The pipelines `search_pipeline` prices under `mode`: the stage counts (dividing the
+/// devices, at most the ops), the batch, and per stage count the micro-batch counts (1, 2, 4
+/// and 8 per stage that divide the batch). `None` where no pipeline applies (off, no batch,
+/// too few ops); `Err` where a requested one cannot be.
+#[allow(clippy::type_complexity)]
+fn configurations(
     g: &Graph,
-    cluster: &Cluster,
     devices: usize,
-    opts: &Options,
-    so: &SearchOptions,
     mode: PipelineMode,
-    net: &super::SafetyNet,
-) -> Result<Option<PipelinePlan>, String> {
-    let start = Instant::now();
+) -> Result<Option<(Vec<usize>, i64, Vec<(usize, usize)>)>, String> {
     let stage_counts: Vec<usize> = match mode {
         PipelineMode::Off => return Ok(None),
         PipelineMode::Stages(s) => {
@@ -737,6 +735,22 @@ pub fn search_pipeline(
             configs.push((s, m));
         }
     }
+    Ok(Some((stage_counts, batch, configs)))
+}
+
+/// Searches pipelines of `g` on `devices` devices. `None` when the model cannot be
+/// pipelined (no batch dim, or too few ops), with the reason.
+pub fn search_pipeline(
+    g: &Graph,
+    cluster: &Cluster,
+    devices: usize,
+    opts: &Options,
+    so: &SearchOptions,
+    mode: PipelineMode,
+    net: &super::SafetyNet,
+) -> Result<Option<PipelinePlan>, String> {
+    let start = Instant::now();
+    let Some((stage_counts, batch, configs)) = configurations(g, devices, mode)? else { return Ok(None) };
     let graphs = std::cell::RefCell::new(MicroGraphs { g, batch, cache: HashMap::new(), refused: None });
     let mut micro_graph = |mb: i64| graphs.borrow_mut().get(mb);
     let (reference, meshes) = reference_plans(cluster, devices, opts, so, net, &stage_counts, batch, &mut micro_graph);
@@ -1301,25 +1315,7 @@ fn price_cuts(
         if send > 0.0 {
             let (time, latency) = link(cut.offset + d - 1, cut.offset + d, send);
             p2p_total += 2.0 * time * m as f64;
-            for v in &t.crossing[b] {
-                events.push(CommEvent {
-                    phase: Phase::Forward,
-                    value: *v,
-                    op: None,
-                    from: vec![],
-                    to: vec![],
-                    steps: vec![crate::cost::collective::Step {
-                        kind: crate::cost::collective::CommKind::P2p,
-                        axes: vec![],
-                        group: 2,
-                        bytes: send,
-                        moved: send,
-                        moved_by_device: None,
-                        latency,
-                        time,
-                    }],
-                });
-            }
+            events.extend(t.crossing[b].iter().map(|&v| crossing_event(v, send, time, latency)));
         }
         let mut asg = Assignment::default();
         let mut nodes = Vec::with_capacity(b - a);
@@ -1423,6 +1419,21 @@ fn price_cuts(
         whole_batch: None,
         replanned: None,
     })
+}
+
+/// The send of a value crossing a stage cut to the next stage (`bytes` in `time`).
+fn crossing_event(value: ir::Value, bytes: f64, time: f64, latency: f64) -> CommEvent {
+    let step = crate::cost::collective::Step {
+        kind: crate::cost::collective::CommKind::P2p,
+        axes: vec![],
+        group: 2,
+        bytes,
+        moved: bytes,
+        moved_by_device: None,
+        latency,
+        time,
+    };
+    CommEvent { phase: Phase::Forward, value, op: None, from: vec![], to: vec![], steps: vec![step] }
 }
 
 /// Why stages are not balanced: the heaviest single op, when it alone is more than a fair
