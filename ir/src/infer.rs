@@ -456,62 +456,11 @@ impl Infer {
                         });
                     }
                 }
-                if let Some(first) = branch_types.first() {
-                    for (k, t) in first.iter().enumerate().take(out_types.len()) {
-                        let mut t = t.clone();
-                        for other in &branch_types[1..] {
-                            t = match (t, other.get(k).cloned().flatten()) {
-                                (Some(a), Some(b)) if a.dtype == b.dtype => {
-                                    let dims = match (&a.dims, &b.dims) {
-                                        (Some(x), Some(y)) if x.len() == y.len() => Some(
-                                            x.iter()
-                                                .zip(y)
-                                                .map(|(p, q)| if p == q { p.clone() } else { Dim::Unknown })
-                                                .collect(),
-                                        ),
-                                        _ => None,
-                                    };
-                                    Some(TensorType { dtype: a.dtype, dims })
-                                }
-                                _ => None,
-                            };
-                        }
-                        out_types[k] = t;
-                    }
-                }
+                join_branch_types(&branch_types, &mut out_types);
             }
             Op::Loop(l) => {
                 if let Some(body) = &mut l.body {
-                    // Body inputs: iteration count, condition, carried values.
-                    let names: Vec<(Value, usize)> =
-                        body.inputs().iter().enumerate().map(|(k, &b)| (Value::new(b, 0), k)).collect();
-                    for (v, k) in names {
-                        if body.value_type(v).is_none() {
-                            let t = match k {
-                                0 => Some(TensorType::scalar(DType::Int64)),
-                                1 => Some(TensorType::scalar(DType::Bool)),
-                                k => ins.get(k).cloned().flatten(),
-                            };
-                            body.set_type(v, t.map(Type::Tensor));
-                        }
-                    }
-                    self.subgraph(body, mode, &outer, &outer_consts);
-                    let n_carried = ins.len().saturating_sub(2);
-                    for (k, o) in body.outputs().iter().enumerate().skip(1) {
-                        let t = o.ty.as_ref().and_then(Type::as_tensor).cloned();
-                        let slot = k - 1;
-                        if slot >= out_types.len() {
-                            break;
-                        }
-                        out_types[slot] = if slot < n_carried {
-                            t
-                        } else {
-                            t.map(|t| TensorType {
-                                dtype: t.dtype,
-                                dims: t.dims.map(|d| std::iter::once(Dim::Unknown).chain(d).collect()),
-                            })
-                        };
-                    }
+                    self.loop_types(body, ins, mode, (&outer, &outer_consts), &mut out_types);
                 }
             }
             Op::Scan(sc) if g.opset > 0 && g.opset < 9 => {
@@ -610,6 +559,57 @@ impl Infer {
             _ => {}
         }
         g.set_op(n, op);
+        self.fold_and_set(g, n, out_types);
+    }
+
+    /// A `Loop`'s body typed (the iteration count, the condition and the carried values as
+    /// its inputs) and the types it gives the loop's outputs: the carried values as the body
+    /// makes them, each scan output with a leading dim of unknown length.
+    fn loop_types(
+        &mut self,
+        body: &mut Graph,
+        ins: &[Option<TensorType>],
+        mode: Mode,
+        (outer, outer_consts): (&HashMap<String, Type>, &HashMap<String, Array>),
+        out_types: &mut [Option<TensorType>],
+    ) {
+        // Body inputs: iteration count, condition, carried values.
+        let names: Vec<(Value, usize)> =
+            body.inputs().iter().enumerate().map(|(k, &b)| (Value::new(b, 0), k)).collect();
+        for (v, k) in names {
+            if body.value_type(v).is_none() {
+                let t = match k {
+                    0 => Some(TensorType::scalar(DType::Int64)),
+                    1 => Some(TensorType::scalar(DType::Bool)),
+                    k => ins.get(k).cloned().flatten(),
+                };
+                body.set_type(v, t.map(Type::Tensor));
+            }
+        }
+        self.subgraph(body, mode, outer, outer_consts);
+        let n_carried = ins.len().saturating_sub(2);
+        for (k, o) in body.outputs().iter().enumerate().skip(1) {
+            let t = o.ty.as_ref().and_then(Type::as_tensor).cloned();
+            let slot = k - 1;
+            if slot >= out_types.len() {
+                break;
+            }
+            out_types[slot] = if slot < n_carried {
+                t
+            } else {
+                t.map(|t| TensorType {
+                    dtype: t.dtype,
+                    dims: t.dims.map(|d| std::iter::once(Dim::Unknown).chain(d).collect()),
+                })
+            };
+        }
+    }
+
+    /// After a control-flow op's subgraphs are typed: the values deciding what runs (a
+    /// condition, a trip count) become shape parameters, the op folds when every input and
+    /// captured value is a known constant, and its outputs take `out_types` (merged with what
+    /// the graph declares; a disagreement is a warning).
+    fn fold_and_set(&mut self, g: &mut Graph, n: NodeId, mut out_types: Vec<Option<TensorType>>) {
         // The values deciding what runs (a condition, a trip count) shape the outputs:
         // ask for them. With every input and captured value known, the op folds.
         let node = g.node(n);
@@ -659,6 +659,32 @@ impl Infer {
                     g.set_type(v, t.map(Type::Tensor));
                 }
             }
+        }
+    }
+}
+
+/// The types an `If` gives its outputs from the types of the branches that check: the first
+/// branch's, with each dim the branches disagree on unknown and a type they disagree on in
+/// element type or rank unknown.
+fn join_branch_types(branch_types: &[Vec<Option<TensorType>>], out_types: &mut [Option<TensorType>]) {
+    if let Some(first) = branch_types.first() {
+        for (k, t) in first.iter().enumerate().take(out_types.len()) {
+            let mut t = t.clone();
+            for other in &branch_types[1..] {
+                t = match (t, other.get(k).cloned().flatten()) {
+                    (Some(a), Some(b)) if a.dtype == b.dtype => {
+                        let dims = match (&a.dims, &b.dims) {
+                            (Some(x), Some(y)) if x.len() == y.len() => Some(
+                                x.iter().zip(y).map(|(p, q)| if p == q { p.clone() } else { Dim::Unknown }).collect(),
+                            ),
+                            _ => None,
+                        };
+                        Some(TensorType { dtype: a.dtype, dims })
+                    }
+                    _ => None,
+                };
+            }
+            out_types[k] = t;
         }
     }
 }
