@@ -749,48 +749,13 @@ fn drive<E: Executor>(
              so steps over several micro-batches would not equal one step over the whole batch"
         )));
     }
-    // Values kept to the end of a micro-batch: results, carried values and, under gradient
-    // accumulation, the values the once-per-step ops read.
-    let mut keep: std::collections::HashSet<Value> = carries.iter().map(|c| c.2).collect();
-    keep.extend(acc.iter().flat_map(|a| a.boundary.iter().copied()));
-    for r in &d.results {
-        if let Some(v) = g.lookup(&r.local) {
-            keep.insert(v);
-        }
-    }
+    let keep = kept_values(g, d, &carries, acc.as_ref());
     let last_use = g.last_uses(&order);
-    // Results that may move out of a finished micro-batch's values: those named once and
-    // not carried to the next step.
-    let movable: std::collections::HashSet<Value> = {
-        let mut named: HashMap<Value, usize> = HashMap::new();
-        for v in d.results.iter().filter_map(|r| g.lookup(&r.local)) {
-            *named.entry(v).or_default() += 1;
-        }
-        named.into_iter().filter(|&(v, k)| k == 1 && !carries.iter().any(|c| c.2 == v)).map(|(v, _)| v).collect()
-    };
+    let movable = movable_results(g, d, &carries);
     // Parameters and constants are uploaded once.
     let mut live = Live { by_storage: HashMap::new(), bytes: 0, peak: 0, base: u64::MAX, act_peak: 0 };
-    let mut fixed: HashMap<Value, E::Tensor> = HashMap::new();
-    for &n in &order {
-        if let Op::Initializer(t) | Op::Input { default: Some(t) } = &g.node(n).op {
-            let a = Array::from_tensor(t)
-                .map_err(|x| err(format!("initializer `{}`: {x}", g.value_name(Value::new(n, 0)))))?;
-            let t = e.upload_owned(a).map_err(err)?;
-            live.add(e.storage(&t));
-            fixed.insert(Value::new(n, 0), t);
-        }
-        // So are Constant ops: their value never changes (run as ops, each micro-batch of
-        // each step would make it on the host and upload it again).
-        if matches!(g.node(n).op, Op::Constant(_)) && g.node(n).inputs().is_empty() {
-            let outs = ir::eval::eval_node(g, n, &[], &[]).map_err(|x| err(format!("{}: {x}", g.describe(n))))?;
-            for (slot, a) in outs.into_iter().enumerate() {
-                let t = e.upload_owned(a).map_err(err)?;
-                live.add(e.storage(&t));
-                fixed.insert(Value::new(n, slot as u16), t);
-            }
-        }
-    }
-    let mut sums = Summer::default();
+    let mut fixed = upload_fixed(e, g, &order, &mut live).map_err(err)?;
+    let mut accd = Accumulated::default();
     let setup_s = start.elapsed().as_secs_f64();
     let mut outs_steps = Vec::with_capacity(steps);
     let mut step_start = Instant::now();
@@ -808,10 +773,7 @@ fn drive<E: Executor>(
         let wanted = |r: &crate::program::Result_| fetch_all || opts.kept_at(step, &r.global);
         let mut outs_micro = Vec::with_capacity(feeds.len());
         let mut next_state: Vec<(Value, E::Tensor)> = Vec::new();
-        // Accumulated over the micro-batches: sums of the averaged values, the last value of
-        // the others, and the results of each micro-batch.
-        let mut boundary: HashMap<Value, E::Tensor> = HashMap::new();
-        let mut per_micro: Vec<(String, Vec<Array>)> = Vec::new();
+        accd.start_step();
         // Per micro-batch in flight: its values, and its inputs (uploaded before its first
         // part runs, the next micro-batch's queued while this one computes).
         let mut envs: HashMap<usize, HashMap<Value, E::Tensor>> = HashMap::new();
@@ -896,41 +858,7 @@ fn drive<E: Executor>(
                         next_state.push((*iv, t));
                     }
                 }
-                Some(a) => {
-                    for &v in &a.boundary {
-                        let t = env.get(&v).ok_or_else(|| err(format!("`{}` was not computed", g.value_name(v))))?;
-                        let t = match boundary.remove(&v) {
-                            Some(mut sum) if a.averaged.contains(&v) => {
-                                if cx.e.add_in_place(&mut sum, t) {
-                                    // Summed where it lies (already counted).
-                                    boundary.insert(v, sum);
-                                    continue;
-                                }
-                                let s = sums.add(cx.e, g, v, &sum, t).map_err(err)?;
-                                live.remove(cx.e.storage(&sum));
-                                s
-                            }
-                            Some(old) => {
-                                live.remove(cx.e.storage(&old));
-                                t.clone()
-                            }
-                            None => t.clone(),
-                        };
-                        live.add(cx.e.storage(&t));
-                        boundary.insert(v, t);
-                    }
-                    for r in d.results.iter().filter(|r| wanted(r)) {
-                        let Some(v) = g.lookup(&r.local) else { continue };
-                        if a.per_micro(v) {
-                            let t = result(g, &r.local, &env, &fixed).map_err(err)?;
-                            let x = cx.e.download(t).map_err(err)?;
-                            match per_micro.iter_mut().find(|s| s.0 == r.local) {
-                                Some(s) => s.1.push(x),
-                                None => per_micro.push((r.local.clone(), vec![x])),
-                            }
-                        }
-                    }
-                }
+                Some(a) => accd.take_micro(&mut cx, a, &env, &fixed, &mut live, d, &wanted).map_err(err)?,
             }
             outs_micro.push(outs);
             for (_, t) in env.drain() {
@@ -939,44 +867,11 @@ fn drive<E: Executor>(
         }
         live.base = u64::MAX;
         if let Some(a) = &acc {
-            // The once-per-step ops, on the mean of the micro-batches.
-            let m = feeds.len();
-            let mut env: HashMap<Value, E::Tensor> = HashMap::new();
-            for (v, mut t) in boundary.drain() {
-                let k = 1.0 / m as f64;
-                let t = if a.averaged.contains(&v) && m > 1 && !cx.e.scale_in_place(&mut t, k) {
-                    let mean = sums.scale(cx.e, g, v, &t, k).map_err(err)?;
-                    live.remove(cx.e.storage(&t));
-                    live.add(cx.e.storage(&mean));
-                    mean
-                } else {
-                    t
-                };
-                env.insert(v, t);
-            }
-            let no_feed = HashMap::new();
-            for &n in order.iter().filter(|n| a.once.contains(n)) {
-                let produced = cx.node(n, &env, &fixed, &no_feed, m).map_err(err)?;
-                cx.store(produced, &mut env, &mut live);
-            }
-            let mut outs = Vec::new();
-            for r in d.results.iter().filter(|r| wanted(r)) {
-                if let Some((_, xs)) = per_micro.iter().find(|s| s.0 == r.local) {
-                    let fed = g.lookup(&r.local).is_some_and(|v| a.fed.contains(&v));
-                    outs.push((r.local.clone(), if fed { mean(xs).map_err(err)? } else { xs[xs.len() - 1].clone() }));
-                } else {
-                    let t = result(g, &r.local, &env, &fixed).map_err(err)?;
-                    outs.push((r.local.clone(), cx.e.download(t).map_err(err)?));
-                }
-            }
+            let (outs, next) = accd
+                .finish_step(&mut cx, a, &order, &fixed, &mut live, d, &wanted, &carries, feeds.len())
+                .map_err(err)?;
             outs_micro = vec![outs];
-            for (_, iv, nv) in &carries {
-                let t = env.get(nv).ok_or_else(|| err(format!("`{}` was not computed", g.value_name(*nv))))?;
-                next_state.push((*iv, t.clone()));
-            }
-            for (_, t) in env.drain() {
-                live.remove(cx.e.storage(&t));
-            }
+            next_state.extend(next);
         }
         // The state takes its next values, on the device.
         if opts.updates.is_some_and(|u| step >= u) {
@@ -1007,6 +902,198 @@ fn drive<E: Executor>(
         state.push((name.clone(), e.take(t).map_err(err)?));
     }
     Ok((outs_steps, report, state))
+}
+
+/// Values kept to the end of a micro-batch: results, carried values and, under gradient
+/// accumulation, the values the once-per-step ops read.
+fn kept_values(
+    g: &Graph,
+    d: &DeviceProgram,
+    carries: &[(String, Value, Value)],
+    acc: Option<&Accumulation>,
+) -> std::collections::HashSet<Value> {
+    let mut keep: std::collections::HashSet<Value> = carries.iter().map(|c| c.2).collect();
+    keep.extend(acc.iter().flat_map(|a| a.boundary.iter().copied()));
+    for r in &d.results {
+        if let Some(v) = g.lookup(&r.local) {
+            keep.insert(v);
+        }
+    }
+    keep
+}
+
+/// Results that may move out of a finished micro-batch's values: those named once and not
+/// carried to the next step.
+fn movable_results(
+    g: &Graph,
+    d: &DeviceProgram,
+    carries: &[(String, Value, Value)],
+) -> std::collections::HashSet<Value> {
+    let mut named: HashMap<Value, usize> = HashMap::new();
+    for v in d.results.iter().filter_map(|r| g.lookup(&r.local)) {
+        *named.entry(v).or_default() += 1;
+    }
+    named.into_iter().filter(|&(v, k)| k == 1 && !carries.iter().any(|c| c.2 == v)).map(|(v, _)| v).collect()
+}
+
+/// The parameters and constants of `g`, uploaded once and counted in `live`: initializers,
+/// input defaults, and Constant ops (their value never changes; run as ops, each micro-batch
+/// of each step would make it on the host and upload it again).
+fn upload_fixed<E: Executor>(
+    e: &mut E,
+    g: &Graph,
+    order: &[NodeId],
+    live: &mut Live,
+) -> Result<HashMap<Value, E::Tensor>, String> {
+    let mut fixed: HashMap<Value, E::Tensor> = HashMap::new();
+    for &n in order {
+        if let Op::Initializer(t) | Op::Input { default: Some(t) } = &g.node(n).op {
+            let a =
+                Array::from_tensor(t).map_err(|x| format!("initializer `{}`: {x}", g.value_name(Value::new(n, 0))))?;
+            let t = e.upload_owned(a)?;
+            live.add(e.storage(&t));
+            fixed.insert(Value::new(n, 0), t);
+        }
+        if matches!(g.node(n).op, Op::Constant(_)) && g.node(n).inputs().is_empty() {
+            let outs = ir::eval::eval_node(g, n, &[], &[]).map_err(|x| format!("{}: {x}", g.describe(n)))?;
+            for (slot, a) in outs.into_iter().enumerate() {
+                let t = e.upload_owned(a)?;
+                live.add(e.storage(&t));
+                fixed.insert(Value::new(n, slot as u16), t);
+            }
+        }
+    }
+    Ok(fixed)
+}
+
+/// What gradient accumulation holds over a step's micro-batches: per boundary value its sum
+/// (an averaged value) or its last value (the others), the results of each micro-batch, and
+/// the one-op graphs that sum and scale on the device.
+struct Accumulated<T> {
+    boundary: HashMap<Value, T>,
+    per_micro: Vec<(String, Vec<Array>)>,
+    sums: Summer<T>,
+}
+
+impl<T> Default for Accumulated<T> {
+    fn default() -> Self {
+        Accumulated { boundary: HashMap::new(), per_micro: Vec::new(), sums: Summer::default() }
+    }
+}
+
+impl<T: Clone> Accumulated<T> {
+    /// A new step: nothing accumulated yet.
+    fn start_step(&mut self) {
+        self.boundary.clear();
+        self.per_micro.clear();
+    }
+
+    /// A finished micro-batch's boundary values added to the sums (or kept, for the others),
+    /// and the results wanted per micro-batch downloaded.
+    #[allow(clippy::too_many_arguments)]
+    fn take_micro<E: Executor<Tensor = T>>(
+        &mut self,
+        cx: &mut NodeRun<'_, '_, E>,
+        a: &Accumulation,
+        env: &HashMap<Value, T>,
+        fixed: &HashMap<Value, T>,
+        live: &mut Live,
+        d: &DeviceProgram,
+        wanted: &dyn Fn(&crate::program::Result_) -> bool,
+    ) -> Result<(), String> {
+        let g = cx.g;
+        for &v in &a.boundary {
+            let t = env.get(&v).ok_or_else(|| format!("`{}` was not computed", g.value_name(v)))?;
+            let t = match self.boundary.remove(&v) {
+                Some(mut sum) if a.averaged.contains(&v) => {
+                    if cx.e.add_in_place(&mut sum, t) {
+                        // Summed where it lies (already counted).
+                        self.boundary.insert(v, sum);
+                        continue;
+                    }
+                    let s = self.sums.add(cx.e, g, v, &sum, t)?;
+                    live.remove(cx.e.storage(&sum));
+                    s
+                }
+                Some(old) => {
+                    live.remove(cx.e.storage(&old));
+                    t.clone()
+                }
+                None => t.clone(),
+            };
+            live.add(cx.e.storage(&t));
+            self.boundary.insert(v, t);
+        }
+        for r in d.results.iter().filter(|r| wanted(r)) {
+            let Some(v) = g.lookup(&r.local) else { continue };
+            if a.per_micro(v) {
+                let t = result(g, &r.local, env, fixed)?;
+                let x = cx.e.download(t)?;
+                match self.per_micro.iter_mut().find(|s| s.0 == r.local) {
+                    Some(s) => s.1.push(x),
+                    None => self.per_micro.push((r.local.clone(), vec![x])),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The once-per-step ops, on the mean of the micro-batches; the step's results (the mean
+    /// or last of the per-micro-batch ones, or the once-per-step ops') and the carried
+    /// state's next values.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn finish_step<E: Executor<Tensor = T>>(
+        &mut self,
+        cx: &mut NodeRun<'_, '_, E>,
+        a: &Accumulation,
+        order: &[NodeId],
+        fixed: &HashMap<Value, T>,
+        live: &mut Live,
+        d: &DeviceProgram,
+        wanted: &dyn Fn(&crate::program::Result_) -> bool,
+        carries: &[(String, Value, Value)],
+        m: usize,
+    ) -> Result<(Vec<(String, Array)>, Vec<(Value, T)>), String> {
+        let g = cx.g;
+        let mut next_state = Vec::new();
+        // The once-per-step ops, on the mean of the micro-batches.
+        let mut env: HashMap<Value, E::Tensor> = HashMap::new();
+        for (v, mut t) in self.boundary.drain() {
+            let k = 1.0 / m as f64;
+            let t = if a.averaged.contains(&v) && m > 1 && !cx.e.scale_in_place(&mut t, k) {
+                let mean = self.sums.scale(cx.e, g, v, &t, k)?;
+                live.remove(cx.e.storage(&t));
+                live.add(cx.e.storage(&mean));
+                mean
+            } else {
+                t
+            };
+            env.insert(v, t);
+        }
+        let no_feed = HashMap::new();
+        for &n in order.iter().filter(|n| a.once.contains(n)) {
+            let produced = cx.node(n, &env, fixed, &no_feed, m)?;
+            cx.store(produced, &mut env, live);
+        }
+        let mut outs = Vec::new();
+        for r in d.results.iter().filter(|r| wanted(r)) {
+            if let Some((_, xs)) = self.per_micro.iter().find(|s| s.0 == r.local) {
+                let fed = g.lookup(&r.local).is_some_and(|v| a.fed.contains(&v));
+                outs.push((r.local.clone(), if fed { mean(xs)? } else { xs[xs.len() - 1].clone() }));
+            } else {
+                let t = result(g, &r.local, &env, fixed)?;
+                outs.push((r.local.clone(), cx.e.download(t)?));
+            }
+        }
+        for (_, iv, nv) in carries {
+            let t = env.get(nv).ok_or_else(|| format!("`{}` was not computed", g.value_name(*nv)))?;
+            next_state.push((*iv, t.clone()));
+        }
+        for (_, t) in env.drain() {
+            live.remove(cx.e.storage(&t));
+        }
+        Ok((outs, next_state))
+    }
 }
 
 /// The element-wise mean of equally shaped float arrays (a result over the micro-batches).
