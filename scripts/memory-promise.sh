@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The process's peak resident set against the memory `shardc train` promised (its
 # `host_memory` in --json), over three real models on 1 and 4 devices, with and without
-# --check. Usage: scripts/memory-promise.sh [path/to/shardc] (default: a release build).
+# --check. Usage: [BACKEND=wgpu] scripts/memory-promise.sh [path/to/shardc] (default: a release
+# build; the cpu backend).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S=${1:-target/release/shardc}
+B=${BACKEND:-cpu}
 [ -x "$S" ] || cargo build --release --locked
 M=tests/data/models
 out=$(mktemp)
@@ -13,7 +15,7 @@ row() { # model, shapes, devices, check flag
   local model=$1 shapes=$2 devices=$3 check=$4 args=()
   for s in $shapes; do args+=(--input-shape "$s"); done
   "$S" train "$M/$model" "${args[@]}" --loss softmax-cross-entropy --devices "$devices" --steps 2 \
-    --backend cpu $check --json >"$out"
+    --backend "$B" $check --json >"$out"
   python3 - "$model" "$devices" "${check:-no check}" "$out" <<'PY'
 import json, sys
 model, devices, check, path = sys.argv[1:]
