@@ -24,10 +24,12 @@ pub struct Written {
 
 impl Written {
     /// The part of `got`, the program's output `i`, that output `i` of the reference covers.
-    pub fn covered(&self, i: usize, got: &Array) -> Array {
+    pub fn covered<'a>(&self, i: usize, got: &'a Array) -> std::borrow::Cow<'a, Array> {
         match self.prefix.get(i).copied().flatten() {
-            Some((axis, len)) if got.shape.get(axis).is_some_and(|&n| n >= len) => got.slice_axis(axis, 0, len),
-            _ => got.clone(),
+            Some((axis, len)) if got.shape.get(axis).is_some_and(|&n| n >= len) => {
+                std::borrow::Cow::Owned(got.slice_axis(axis, 0, len))
+            }
+            _ => std::borrow::Cow::Borrowed(got),
         }
     }
 
@@ -53,7 +55,7 @@ pub fn reference(
         Ok(outputs) => Ok(Written { prefix: vec![None; outputs.len()], outputs }),
         // Not a batch change: one axis changed (a sequence) or the batch's reason says what did.
         Err(batch) => match sequence_change(g, original) {
-            Ok(_) => reference_on_causal_prefix(g, original, inputs, tol),
+            Ok(change) => on_causal_prefix(change, g, original, inputs, tol),
             Err(_) => Err(batch),
         },
     }
@@ -62,6 +64,27 @@ pub fn reference(
 /// Static dims of `v`.
 fn dims(g: &Graph, v: Value) -> Option<Vec<i64>> {
     g.tensor_type(v).and_then(ir::TensorType::static_dims)
+}
+
+/// The graph inputs (without defaults) whose shape differs between `original`, the model as
+/// written, and the re-shaped `g`: name, dims as written, dims now. `Err` names an input
+/// without a static shape.
+#[allow(clippy::type_complexity)]
+fn changed_inputs(g: &Graph, original: &Graph) -> Result<Vec<(String, Vec<i64>, Vec<i64>)>, String> {
+    let mut changed = Vec::new();
+    for v in original.input_values() {
+        if !matches!(original.node(v.node).op, Op::Input { default: None }) {
+            continue;
+        }
+        let name = original.value_name(v);
+        let (Some(old), Some(new)) = (dims(original, v), g.lookup(name).and_then(|w| dims(g, w))) else {
+            return Err(format!("input `{name}` has no static shape in the model as written"));
+        };
+        if old != new {
+            changed.push((name.to_string(), old, new));
+        }
+    }
+    Ok(changed)
 }
 
 /// The outputs of `original` — the model as written, before its batch was changed — for the
@@ -78,17 +101,7 @@ pub fn reference_at_written_batch(
 ) -> Result<Vec<Array>, String> {
     let mut runs = None;
     let mut cut: Vec<String> = Vec::new();
-    for v in original.input_values() {
-        if !matches!(original.node(v.node).op, Op::Input { default: None }) {
-            continue;
-        }
-        let name = original.value_name(v);
-        let (Some(old), Some(new)) = (dims(original, v), g.lookup(name).and_then(|w| dims(g, w))) else {
-            return Err(format!("input `{name}` has no static shape in the model as written"));
-        };
-        if old == new {
-            continue;
-        }
+    for (name, old, new) in changed_inputs(g, original)? {
         let batch_only = old.len() == new.len() && old[1..] == new[1..] && old[0] > 0 && new[0] % old[0] == 0;
         if !batch_only {
             return Err(format!("input `{name}` changed from {old:?} to {new:?}, not only in its batch"));
@@ -98,7 +111,7 @@ pub fn reference_at_written_batch(
             return Err("the inputs' batches grew by different factors".into());
         }
         runs = Some(k);
-        cut.push(name.to_string());
+        cut.push(name);
     }
     let Some(k) = runs else { return Err("no input's batch changed".into()) };
     let mut parts: Vec<Vec<Array>> = Vec::with_capacity(k);
@@ -139,17 +152,7 @@ struct SequenceChange {
 fn sequence_change(g: &Graph, original: &Graph) -> Result<SequenceChange, String> {
     let mut inputs = Vec::new();
     let mut lengths: Option<(usize, usize)> = None;
-    for v in original.input_values() {
-        if !matches!(original.node(v.node).op, Op::Input { default: None }) {
-            continue;
-        }
-        let name = original.value_name(v);
-        let (Some(old), Some(new)) = (dims(original, v), g.lookup(name).and_then(|w| dims(g, w))) else {
-            return Err(format!("input `{name}` has no static shape in the model as written"));
-        };
-        if old == new {
-            continue;
-        }
+    for (name, old, new) in changed_inputs(g, original)? {
         let axes: Vec<usize> = (0..old.len().min(new.len())).filter(|&a| old[a] != new[a]).collect();
         if old.len() != new.len() || axes.len() != 1 {
             return Err(format!("input `{name}` changed from {old:?} to {new:?}, not along one axis"));
@@ -160,7 +163,7 @@ fn sequence_change(g: &Graph, original: &Graph) -> Result<SequenceChange, String
             return Err("the inputs' sequences changed to different lengths".into());
         }
         lengths = Some(pair);
-        inputs.push((name.to_string(), a));
+        inputs.push((name, a));
     }
     let Some((old, new)) = lengths else { return Err("no input's shape changed".into()) };
     Ok(SequenceChange { inputs, old, new })
@@ -181,7 +184,17 @@ pub fn reference_on_causal_prefix(
     inputs: &HashMap<String, Array>,
     tol: (f64, f64),
 ) -> Result<Written, String> {
-    let change = sequence_change(g, original)?;
+    on_causal_prefix(sequence_change(g, original)?, g, original, inputs, tol)
+}
+
+/// [`reference_on_causal_prefix`] for the sequence `change` found.
+fn on_causal_prefix(
+    change: SequenceChange,
+    g: &Graph,
+    original: &Graph,
+    inputs: &HashMap<String, Array>,
+    tol: (f64, f64),
+) -> Result<Written, String> {
     let keep = change.old.min(change.new);
     let cut = if change.old > keep { keep } else { change.old / 2 };
     if cut == 0 {

@@ -213,14 +213,11 @@ fn check(
 ) -> CliResult<Vec<CheckRow>> {
     let tol = (args.rtol, args.atol);
     // The model as written checks the rewriting of its shapes itself.
-    let written = if reshaped { Some(load_written(args)) } else { None };
-    let (rows, why) = match &written {
-        Some(Ok(w)) => session::check(g, got, inputs, Some(&w.graph), tol),
-        Some(Err(why)) => session::check(g, got, inputs, None, tol).map(|(rows, _)| (rows, Some(why.clone()))),
-        None => session::check(g, got, inputs, None, tol),
-    }
-    .map_err(CliError::msg)?;
-    if let Some(why) = why {
+    let written = reshaped.then(|| load_written(args));
+    let model = written.as_ref().and_then(|w| w.as_ref().ok());
+    let (rows, why) = session::check(g, got, inputs, model.map(|m| &m.graph), tol).map_err(CliError::msg)?;
+    // Why there is no reference from the model as written: it did not load, or it has none.
+    if let Some(why) = why.or(written.and_then(Result::err)) {
         notes.push(format!(
             "the check's reference runs the re-shaped model, so it cannot catch a wrong rewriting of its shapes; no reference from the model as written: {why}"
         ));

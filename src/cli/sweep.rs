@@ -176,83 +176,82 @@ fn bests(rows: &[Vec<Cell>]) -> Vec<Option<usize>> {
     best
 }
 
-/// The sweep as JSON: every point's step times and best strategy, and the crossovers.
-fn json_doc(
-    args: &SweepArgs,
-    base: &Cluster,
-    xs: &[f64],
-    rows: &[Vec<Cell>],
-    best: &[Option<usize>],
-    crossovers: &[Crossover],
-) -> serde_json::Value {
-    let axis_name = format!("{:?}", args.axis).to_lowercase();
-    json!({
-        "model": args.model.display().to_string(),
-        "cluster": base.name,
-        "axis": axis_name,
-        "strategies": args.strategies,
-        "points": xs.iter().zip(rows).zip(best).map(|((x, r), b)| json!({
-            "value": x,
-            "step_time_s": r.iter().map(|c| match c { Cell::Time(t) => json!(t), _ => json!(null) }).collect::<Vec<_>>(),
-            "feasible": r.iter().map(|c| matches!(c, Cell::Time(_))).collect::<Vec<_>>(),
-            "best": b.map(|i| args.strategies[i].clone()),
-        })).collect::<Vec<_>>(),
-        "crossovers": crossovers.iter().map(|c| json!({ "between": [c.lo, c.hi], "at": c.at, "from": args.strategies[c.from], "to": args.strategies[c.to] })).collect::<Vec<_>>(),
-    })
+/// A priced sweep: the axis values, a row of cells per value (a column per strategy), the
+/// best strategy at each and where the best changes.
+struct Swept {
+    xs: Vec<f64>,
+    rows: Vec<Vec<Cell>>,
+    best: Vec<Option<usize>>,
+    crossovers: Vec<Crossover>,
 }
 
-/// The sweep as a table: a row per point, a column per strategy, then the crossovers.
-fn text_table(
-    args: &SweepArgs,
-    base: &Cluster,
-    xs: &[f64],
-    rows: &[Vec<Cell>],
-    best: &[Option<usize>],
-    crossovers: &[Crossover],
-) -> String {
-    let axis_name = format!("{:?}", args.axis).to_lowercase();
-    let mut t = String::new();
-    t.push_str(&format!("sweep of {} on {} along {axis_name}\n", args.model.display(), base.name));
-    t.push_str(&format!("{:>12}", axis_name));
-    for s in &args.strategies {
-        t.push_str(&format!(" {s:>14}"));
+impl Swept {
+    /// The sweep as JSON: every point's step times and best strategy, and the crossovers.
+    fn json(&self, args: &SweepArgs, base: &Cluster) -> serde_json::Value {
+        let Swept { xs, rows, best, crossovers } = self;
+        let axis_name = format!("{:?}", args.axis).to_lowercase();
+        json!({
+            "model": args.model.display().to_string(),
+            "cluster": base.name,
+            "axis": axis_name,
+            "strategies": args.strategies,
+            "points": xs.iter().zip(rows).zip(best).map(|((x, r), b)| json!({
+                "value": x,
+                "step_time_s": r.iter().map(|c| match c { Cell::Time(t) => json!(t), _ => json!(null) }).collect::<Vec<_>>(),
+                "feasible": r.iter().map(|c| matches!(c, Cell::Time(_))).collect::<Vec<_>>(),
+                "best": b.map(|i| args.strategies[i].clone()),
+            })).collect::<Vec<_>>(),
+            "crossovers": crossovers.iter().map(|c| json!({ "between": [c.lo, c.hi], "at": c.at, "from": args.strategies[c.from], "to": args.strategies[c.to] })).collect::<Vec<_>>(),
+        })
     }
-    t.push_str("   best\n");
-    let mut notes = Vec::new();
-    for ((x, r), b) in xs.iter().zip(rows).zip(best) {
-        t.push_str(&format!("{:>12}", fmt_value(args.axis, *x)));
-        for c in r {
-            let cell = match c {
-                Cell::Time(v) => secs(*v),
-                Cell::Infeasible(_) => "no fit".into(),
-                Cell::NotApplicable(e) => {
-                    if !notes.contains(e) {
-                        notes.push(e.clone());
-                    }
-                    "n/a".into()
-                }
-            };
-            t.push_str(&format!(" {cell:>14}"));
+
+    /// The sweep as a table: a row per point, a column per strategy, then the crossovers.
+    fn text(&self, args: &SweepArgs, base: &Cluster) -> String {
+        let Swept { xs, rows, best, crossovers } = self;
+        let axis_name = format!("{:?}", args.axis).to_lowercase();
+        let mut t = String::new();
+        t.push_str(&format!("sweep of {} on {} along {axis_name}\n", args.model.display(), base.name));
+        t.push_str(&format!("{:>12}", axis_name));
+        for s in &args.strategies {
+            t.push_str(&format!(" {s:>14}"));
         }
-        t.push_str(&format!("   {}\n", b.map_or("-".into(), |i| args.strategies[i].clone())));
+        t.push_str("   best\n");
+        let mut notes = Vec::new();
+        for ((x, r), b) in xs.iter().zip(rows).zip(best) {
+            t.push_str(&format!("{:>12}", fmt_value(args.axis, *x)));
+            for c in r {
+                let cell = match c {
+                    Cell::Time(v) => secs(*v),
+                    Cell::Infeasible(_) => "no fit".into(),
+                    Cell::NotApplicable(e) => {
+                        if !notes.contains(e) {
+                            notes.push(e.clone());
+                        }
+                        "n/a".into()
+                    }
+                };
+                t.push_str(&format!(" {cell:>14}"));
+            }
+            t.push_str(&format!("   {}\n", b.map_or("-".into(), |i| args.strategies[i].clone())));
+        }
+        for c in crossovers {
+            t.push_str(&format!(
+                "crossover    {} overtakes {} at {} {axis_name} (between {} and {})\n",
+                args.strategies[c.to],
+                args.strategies[c.from],
+                fmt_value(args.axis, c.at),
+                fmt_value(args.axis, c.lo),
+                fmt_value(args.axis, c.hi)
+            ));
+        }
+        if crossovers.is_empty() {
+            t.push_str("no crossover: the best strategy is the same along the sweep\n");
+        }
+        for n in notes {
+            t.push_str(&format!("n/a          {n}\n"));
+        }
+        t
     }
-    for c in crossovers {
-        t.push_str(&format!(
-            "crossover    {} overtakes {} at {} {axis_name} (between {} and {})\n",
-            args.strategies[c.to],
-            args.strategies[c.from],
-            fmt_value(args.axis, c.at),
-            fmt_value(args.axis, c.lo),
-            fmt_value(args.axis, c.hi)
-        ));
-    }
-    if crossovers.is_empty() {
-        t.push_str("no crossover: the best strategy is the same along the sweep\n");
-    }
-    for n in notes {
-        t.push_str(&format!("n/a          {n}\n"));
-    }
-    t
 }
 
 pub fn run(args: &SweepArgs) -> CliResult {
@@ -280,6 +279,7 @@ pub fn run(args: &SweepArgs) -> CliResult {
     }
     let best = bests(&rows);
     let crossovers = find_crossovers(&xs, &rows, &best);
+    let swept = Swept { xs, rows, best, crossovers };
 
     let model_name =
         args.model.file_name().map_or_else(|| args.model.display().to_string(), |f| f.to_string_lossy().into());
@@ -290,7 +290,8 @@ pub fn run(args: &SweepArgs) -> CliResult {
         .enumerate()
         .map(|(k, name)| shardc::report::SweepLine {
             name: name.clone(),
-            points: rows
+            points: swept
+                .rows
                 .iter()
                 .map(|r| match &r[k] {
                     Cell::Time(t) => Some((*t, true)),
@@ -300,20 +301,20 @@ pub fn run(args: &SweepArgs) -> CliResult {
                 .collect(),
         })
         .collect();
-    let at: Vec<f64> = crossovers.iter().map(|c| c.at).collect();
+    let at: Vec<f64> = swept.crossovers.iter().map(|c| c.at).collect();
     let axis = args.axis;
     let svg = || {
-        shardc::report::sweep_svg(&title, axis.label(), &xs, &lines, &at, &|x| fmt_value(axis, x))
+        shardc::report::sweep_svg(&title, axis.label(), &swept.xs, &lines, &at, &|x| fmt_value(axis, x))
             .map_err(CliError::msg)
     };
     if let Some(path) = &args.svg {
         write_output(&svg()?, Some(path), &args.model)?;
     }
     if args.json {
-        let doc = json_doc(args, &base, &xs, &rows, &best, &crossovers);
+        let doc = swept.json(args, &base);
         return write_output(&serde_json::to_string_pretty(&doc).expect("JSON"), None, &args.model);
     }
-    let t = text_table(args, &base, &xs, &rows, &best, &crossovers);
+    let t = swept.text(args, &base);
     if let Some(path) = &args.html {
         let sections = vec![
             ("step time".to_string(), format!("<div class=\"chart\">{}</div>", svg()?)),

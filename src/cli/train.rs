@@ -705,12 +705,12 @@ fn price(program: &codegen::Program, chosen: &Chosen, s: &Setup, notes: &mut Vec
 
 /// Inputs: the case's, or drawn from the seed (class labels within the classes).
 fn training_inputs(
-    case: &Option<TrainCase>,
+    case: Option<&TrainCase>,
     g: &ir::Graph,
     info: &passes::autodiff::TrainInfo,
     seed: u64,
 ) -> CliResult<HashMap<String, Array>> {
-    let inputs: HashMap<String, Array> = match &case {
+    let inputs: HashMap<String, Array> = match case {
         Some(c) => {
             let mut ins = c.inputs.clone();
             for v in g.input_values() {
@@ -753,14 +753,14 @@ impl Trained {
 /// after one step and the loss trajectory where the case has them for this optimizer.
 fn torch_checks(
     args: &TrainArgs,
-    case: &Option<TrainCase>,
+    case: Option<&TrainCase>,
     opt: &OptimizerSpec,
     t: &Trained,
     tol: (f64, f64),
 ) -> Vec<Check> {
     let (losses, gradients, parameters, opt) = (&t.losses, &t.gradients, &t.parameters, opt.clone());
     let mut checks = Vec::new();
-    if let Some(c) = &case {
+    if let Some(c) = case {
         checks.push(check_losses("loss (torch)", &losses[..1], &[c.loss], tol));
         checks.push(check_all("gradients (torch)", gradients, &c.gradients, tol));
         if args.steps == 1
@@ -796,12 +796,14 @@ fn reference_checks(
     written: Option<ir::Model>,
     g: &ir::Graph,
     inputs: &HashMap<String, Array>,
-    t: Trained,
+    t: &mut Trained,
     tol: (f64, f64),
     notes: &mut Vec<String>,
-) -> CliResult<(Vec<Check>, Trained)> {
+) -> CliResult<Vec<Check>> {
     let (loss, opt, dir) = (&s.loss, s.opt.clone(), model_dir(args));
-    let Trained { losses, gradients, parameters, state, report, diverged } = t;
+    // The run's other state is compared here and not kept after.
+    let state = std::mem::take(&mut t.state);
+    let Trained { losses, gradients, parameters, diverged, .. } = &*t;
     let mut checks = Vec::new();
     // The reference trains the model as written when the program runs a rewritten one.
     let reference = match written {
@@ -825,14 +827,14 @@ fn reference_checks(
         shardc::train::reference_run(rg, inputs, args.steps).map_err(CliError::msg)?;
     let reference_diverged = shardc::train::divergence(&want, &ref_params, &want_grads);
     notes.extend(shardc::train::reference_divergence_note(diverged.is_some(), reference_diverged));
-    checks.push(check_losses("losses (reference)", &losses, &want, tol));
-    checks.push(check_all("gradients (reference)", &gradients, &want_grads, tol));
+    checks.push(check_losses("losses (reference)", losses, &want, tol));
+    checks.push(check_all("gradients (reference)", gradients, &want_grads, tol));
     checks.push(match opt {
         OptimizerSpec::Adam { lr, .. } => {
             let lr_steps = lr * args.steps as f64;
-            check_adam("parameters (reference)", (&parameters, &ref_params), (&gradients, &want_grads), tol, lr_steps)
+            check_adam("parameters (reference)", (parameters, &ref_params), (gradients, &want_grads), tol, lr_steps)
         }
-        _ => check_all("parameters (reference)", &parameters, &ref_params, tol),
+        _ => check_all("parameters (reference)", parameters, &ref_params, tol),
     });
     // The other state (BatchNorm's running statistics, the optimizer's moments and step),
     // under the names both runs give it (a weight rewritten in place, reshaped, keeps its
@@ -853,7 +855,7 @@ fn reference_checks(
     if !want_state.is_empty() && (!adam || args.steps == 1) {
         checks.push(check_all("state (reference)", &run_state, &want_state, tol));
     }
-    Ok((checks, Trained { losses, gradients, parameters, state: BTreeMap::new(), report, diverged }))
+    Ok(checks)
 }
 
 /// `--save-state`: the losses, first gradients and final parameters.
@@ -906,7 +908,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
     held.extend(written.as_ref().map(|w| ("model as written", &w.graph)));
     let reference = Reference { graph: g, built_anew: written.is_some() };
     let promise = preflight(&program, &held, g, args.check.then_some(reference), be)?;
-    let inputs = training_inputs(&s.case, g, &info, args.seed)?;
+    let inputs = training_inputs(s.case.as_ref(), g, &info, args.seed)?;
     let distributed = args.transport.distributed(mpi.as_ref(), chosen.devices, &program)?;
     let rank = distributed.as_ref().map_or(0, |d| d.rank);
     let bar = super::ui::step_bar(args.steps + 1, "training step");
@@ -934,11 +936,9 @@ pub fn run(args: &TrainArgs) -> CliResult {
         args.rtol.or(case.map(|c| c.tolerance.0)).unwrap_or(1e-4),
         args.atol.or(case.map(|c| c.tolerance.1)).unwrap_or(1e-5),
     );
-    let mut checks = torch_checks(args, &s.case, &s.opt, &trained, tol);
+    let mut checks = torch_checks(args, s.case.as_ref(), &s.opt, &trained, tol);
     if args.check {
-        let (more, t) = reference_checks(args, &s, written, g, &inputs, trained, tol, &mut notes)?;
-        checks.extend(more);
-        trained = t;
+        checks.extend(reference_checks(args, &s, written, g, &inputs, &mut trained, tol, &mut notes)?);
     }
     if let Some(out) = &args.save_state {
         save_state(args, out, &trained)?;
@@ -1021,7 +1021,7 @@ impl Shown<'_> {
             self.args,
             &self.s.cluster,
             self.be,
-            self.s.opt.clone(),
+            &self.s.opt,
             self.info,
             self.promise,
             self.checks,
@@ -1070,7 +1070,7 @@ impl Shown<'_> {
         let (args, cluster, opt, info, promise, checks, notes, predicted, chosen) = (
             self.args,
             &self.s.cluster,
-            self.s.opt.clone(),
+            &self.s.opt,
             self.info,
             self.promise,
             self.checks,
