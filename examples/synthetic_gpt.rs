@@ -6,11 +6,14 @@
 //! shardc plan gpt48.onnxtxt --cluster a100-cluster-8
 //! ```
 //!
-//! Arguments: layers, hidden width, heads, batch, sequence (defaults 12 768 12 8 128).
+//! Arguments: layers, hidden width, heads, batch, sequence (defaults 12 768 12 8 128), then
+//! `--fused-gelu` for one `Gelu` op per MLP (Megatron-LM's fused kernel) instead of five.
 
 fn main() {
+    let fused_gelu = std::env::args().any(|a| a == "--fused-gelu");
     let args: Vec<usize> = std::env::args()
         .skip(1)
+        .filter(|a| a != "--fused-gelu")
         .map(|a| {
             a.parse().unwrap_or_else(|_| {
                 eprintln!("error: `{a}` is not a count; usage: synthetic_gpt [LAYERS HIDDEN HEADS BATCH SEQ]");
@@ -24,6 +27,6 @@ fn main() {
         eprintln!("error: {heads} heads do not divide the width {hidden}");
         std::process::exit(2);
     }
-    let gpt = shardc::synthetic::Gpt { layers: at(0, 12), hidden, heads, batch: at(3, 8), seq: at(4, 128) };
+    let gpt = shardc::synthetic::Gpt { layers: at(0, 12), hidden, heads, batch: at(3, 8), seq: at(4, 128), fused_gelu };
     print!("{}", gpt.to_text());
 }

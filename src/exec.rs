@@ -222,6 +222,14 @@ pub fn program_for_plan(g: &Graph, plan: &Plan) -> Result<Program, String> {
 /// The program of a search result for `g` (the graph the search ran on: its strategies are
 /// keyed by `g`'s nodes).
 pub fn program_for_search(g: &Graph, r: &SearchResult, devices: usize) -> Result<Program, String> {
+    if let Some(o) = &r.options
+        && (o.recompute != passes::cost::Recompute::None || o.zero > 0)
+    {
+        return Err(format!(
+            "the plan fits only with {}, which the cost model prices but the lowering does not emit yet",
+            o.memory_fields()
+        ));
+    }
     let (meshes, stage_of) = passes::autoshard::plan::stage_meshes(r);
     let device_lists: Vec<Vec<usize>> = match &r.pipeline {
         Some(p) => p.stages.iter().map(|s| s.devices.clone()).collect(),
@@ -327,6 +335,7 @@ fn given_result(
         single_device_memory_bytes: 0.0,
         folded: None,
         rewrites: Vec::new(),
+        options: None,
     }
 }
 

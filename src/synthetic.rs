@@ -1,9 +1,14 @@
 //! Synthetic models in the ONNX textual syntax, for benchmarks and tests that need a model
-//! of a given size: a GPT-style decoder stack of any width and depth, and a long chain.
+//! of a given size: a GPT-style decoder stack of any width and depth (Megatron-LM's with a
+//! fused GELU), a Llama-style one ([`Llama`]: RMSNorm, grouped-query attention, rotary
+//! embeddings, SwiGLU), and a long chain.
 //!
 //! Weights are external (shape only), so the text stays small however large the model.
 
 use std::fmt::Write;
+
+mod llama;
+pub use llama::Llama;
 
 /// A GPT-style decoder: `layers` pre-norm blocks of multi-head causal self-attention (separate
 /// Q, K and V projections) and a GELU MLP of width `4·hidden`, on `batch × seq × hidden`
@@ -20,6 +25,9 @@ pub struct Gpt {
     pub batch: usize,
     /// Sequence length.
     pub seq: usize,
+    /// The MLP's GELU as one `Gelu` op (opset 20), as Megatron-LM fuses it, instead of the
+    /// exporters' five ops around `Erf`.
+    pub fused_gelu: bool,
 }
 
 pub(crate) fn ext(dtype: &str, dims: &[usize], name: &str) -> String {
@@ -34,7 +42,7 @@ pub(crate) fn ext(dtype: &str, dims: &[usize], name: &str) -> String {
 impl Gpt {
     /// The model text.
     pub fn to_text(&self) -> String {
-        let Gpt { layers, hidden: h, heads: nh, batch: b, seq: s } = *self;
+        let Gpt { layers, hidden: h, heads: nh, batch: b, seq: s, fused_gelu } = *self;
         assert!(nh > 0 && h % nh == 0, "heads must divide hidden");
         let hd = h / nh;
         let mut inits: Vec<String> = vec![
@@ -71,7 +79,8 @@ impl Gpt {
         let mut t = String::new();
         let _ = write!(
             t,
-            "<\n   ir_version: 8,\n   opset_import: [\"\" : 17]\n>\ngpt (float[{b},{s},{h}] x) => (float[{b},{s},{h}] y)\n   <{}>\n{{\n",
+            "<\n   ir_version: 8,\n   opset_import: [\"\" : {}]\n>\ngpt (float[{b},{s},{h}] x) => (float[{b},{s},{h}] y)\n   <{}>\n{{\n",
+            if fused_gelu { 20 } else { 17 },
             inits.join(", ")
         );
         let mut x = "x".to_string();
@@ -106,11 +115,15 @@ impl Gpt {
             ));
             line(format!("[\"{p}/fc1\"] {p}_f1m = MatMul ({p}_ln2, \"{p}.w1\")"));
             line(format!("[\"{p}/fc1_bias\"] {p}_f1 = Add ({p}_f1m, \"{p}.b1\")"));
-            line(format!("[\"{p}/gelu_div\"] {p}_gd = Div ({p}_f1, sqrt2)"));
-            line(format!("[\"{p}/gelu_erf\"] {p}_ge = Erf ({p}_gd)"));
-            line(format!("[\"{p}/gelu_add\"] {p}_ga = Add ({p}_ge, one)"));
-            line(format!("[\"{p}/gelu_mul\"] {p}_gm = Mul ({p}_f1, {p}_ga)"));
-            line(format!("[\"{p}/gelu_half\"] {p}_g = Mul ({p}_gm, half)"));
+            if fused_gelu {
+                line(format!("[\"{p}/gelu\"] {p}_g = Gelu ({p}_f1)"));
+            } else {
+                line(format!("[\"{p}/gelu_div\"] {p}_gd = Div ({p}_f1, sqrt2)"));
+                line(format!("[\"{p}/gelu_erf\"] {p}_ge = Erf ({p}_gd)"));
+                line(format!("[\"{p}/gelu_add\"] {p}_ga = Add ({p}_ge, one)"));
+                line(format!("[\"{p}/gelu_mul\"] {p}_gm = Mul ({p}_f1, {p}_ga)"));
+                line(format!("[\"{p}/gelu_half\"] {p}_g = Mul ({p}_gm, half)"));
+            }
             line(format!("[\"{p}/fc2\"] {p}_f2m = MatMul ({p}_g, \"{p}.w2\")"));
             line(format!("[\"{p}/fc2_bias\"] {p}_f2 = Add ({p}_f2m, \"{p}.b2\")"));
             line(format!("[\"{p}/residual2\"] {p}_r2 = Add ({p}_r1, {p}_f2)"));
@@ -171,7 +184,14 @@ mod tests {
 
     #[test]
     fn synthetic_models_parse_verify_and_infer() {
-        for text in [Gpt { layers: 2, hidden: 64, heads: 4, batch: 2, seq: 8 }.to_text(), chain(100), chain(7)] {
+        for text in [
+            Gpt { layers: 2, hidden: 64, heads: 4, batch: 2, seq: 8, fused_gelu: false }.to_text(),
+            Gpt { layers: 2, hidden: 64, heads: 4, batch: 2, seq: 8, fused_gelu: true }.to_text(),
+            Llama { layers: 2, hidden: 64, heads: 4, kv_heads: 2, ffn: 96, vocab: 50, batch: 2, seq: 8 }.to_text(),
+            Llama { layers: 2, hidden: 64, heads: 4, kv_heads: 4, ffn: 96, vocab: 0, batch: 2, seq: 8 }.to_text(),
+            chain(100),
+            chain(7),
+        ] {
             let parsed =
                 frontend::parse(&text).unwrap_or_else(|d| panic!("{}", frontend::render(&d, "synthetic", &text)));
             let mut g = parsed.model.graph;

@@ -472,6 +472,62 @@ impl Graph {
         }
     }
 
+    /// The same graph with its nodes numbered in `order` (every node once, producers before
+    /// readers), so that [`Graph::topo_order`] (oldest ready node first) runs them in that
+    /// order; `None` when `order` is not such an order of this graph's nodes. Node ids
+    /// change; names, types, annotations, spans and the signature stay.
+    pub fn reordered(&self, order: &[NodeId]) -> Option<Graph> {
+        if order.len() != self.node_count() {
+            return None;
+        }
+        let mut out = Graph {
+            name: self.name.clone(),
+            opset: self.opset,
+            g: StableDiGraph::default(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            initializers: Vec::new(),
+            names: FastMap::default(),
+            spans: FastMap::default(),
+            value_info_order: self.value_info_order.clone(),
+            value_info_extra: self.value_info_extra.clone(),
+        };
+        let mut id: HashMap<NodeId, NodeId> = HashMap::with_capacity(order.len());
+        let map = |id: &HashMap<NodeId, NodeId>, v: &Value| id.get(&v.node).map(|n| Value::new(*n, v.slot));
+        for &n in order {
+            if !self.contains(n) || id.contains_key(&n) {
+                return None;
+            }
+            let node = &self.g[n.0];
+            let inputs: Option<Vec<Option<Value>>> =
+                node.inputs.iter().map(|i| i.as_ref().map_or(Some(None), |v| map(&id, v).map(Some))).collect();
+            let captures: Option<Vec<Value>> = node.captures.iter().map(|v| map(&id, v)).collect();
+            let (inputs, captures) = (inputs?, captures?);
+            let new = out.add_node(node.op.clone(), inputs, node.outputs.clone());
+            let copy = &mut out.g[new.0];
+            copy.label = node.label.clone();
+            copy.attr_order = node.attr_order.clone();
+            copy.annotations = node.annotations.clone();
+            if !captures.is_empty() {
+                out.set_captures(new, captures);
+            }
+            if let Some(sp) = self.spans.get(&n) {
+                out.spans.insert(new, *sp);
+            }
+            id.insert(n, new);
+        }
+        out.inputs = self.inputs.iter().map(|n| id[n]).collect();
+        out.initializers = self.initializers.iter().map(|n| id[n]).collect();
+        out.outputs = self
+            .outputs
+            .iter()
+            .map(|o| GraphOutput { value: map(&id, &o.value).expect("every node kept"), ty: o.ty.clone() })
+            .collect();
+        // Names resolve as they did (a name written twice keeps its first holder).
+        out.names = self.names.iter().filter_map(|(k, v)| Some((k.clone(), map(&id, v)?))).collect();
+        Some(out)
+    }
+
     /// Removes a node. Its outputs must be unused (see [`Graph::users`]); graph outputs and
     /// inputs referring to it must have been moved first.
     pub fn remove_node(&mut self, node: NodeId) {

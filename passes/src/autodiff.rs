@@ -220,8 +220,16 @@ fn err(msg: impl Into<String>) -> Vec<Located> {
     vec![Located::global(msg)]
 }
 
-/// Builds the training graph in place; returns its interface.
-pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<TrainInfo, Vec<Located>> {
+/// The backward pass alone, in place: the loss (new label inputs named in `labels`), the
+/// parameters trained (those that get a gradient are the keys of the map) and each one's
+/// gradient value. [`autodiff`] adds the optimizer to it; the cost model reads what the
+/// backward pass keeps of the forward from it ([`crate::cost::stash`]).
+#[allow(clippy::type_complexity)]
+pub fn gradients(
+    g: &mut Graph,
+    loss: &LossSpec,
+    labels: &mut Vec<String>,
+) -> Result<(Value, Vec<Value>, HashMap<Value, Value>), Vec<Located>> {
     if TrainInfo::of(g).is_some() {
         return Err(err("the graph is already a training graph"));
     }
@@ -230,8 +238,7 @@ pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<T
             .map_err(|e| e.into_iter().map(Located::from).collect::<Vec<_>>())
     };
     infer(g)?;
-    let mut labels = Vec::new();
-    let loss_v = loss_value(g, loss, &mut labels)?;
+    let loss_v = loss_value(g, loss, labels)?;
     let order = g.topo_order().map_err(|_| err("the graph has a cycle"))?;
     for &n in &order {
         for s in 0..g.node(n).num_outputs() {
@@ -274,6 +281,13 @@ pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<T
         .filter(|&v| ir::cost::is_param(g, v))
         .collect();
     let grads = backward(g, &order, loss_v, &candidates)?;
+    Ok((loss_v, candidates, grads))
+}
+
+/// Builds the training graph in place; returns its interface.
+pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<TrainInfo, Vec<Located>> {
+    let mut labels = Vec::new();
+    let (loss_v, candidates, grads) = gradients(g, loss, &mut labels)?;
     // Trainable: the candidates that received a gradient.
     let mut info = TrainInfo { loss: g.value_name(loss_v).to_string(), labels, ..Default::default() };
     let mut outputs = vec![GraphOutput { value: loss_v, ty: g.value_type(loss_v).cloned() }];
@@ -316,6 +330,7 @@ pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<T
     }
     // Running statistics: a training-mode BatchNormalization's running mean and variance
     // outputs become the next values of the initializers it read them from.
+    let order = g.topo_order().map_err(|_| err("the graph has a cycle"))?;
     for &n in &order {
         let Op::BatchNormalization(b) = &g.node(n).op else { continue };
         if b.training_mode() == 0 {
@@ -347,7 +362,8 @@ pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<T
         outputs.push(GraphOutput { value: v, ty: g.value_type(v).cloned() });
     }
     g.set_outputs(outputs);
-    infer(g)?;
+    ir::infer::infer_shapes(g, ir::infer::Mode::Check)
+        .map_err(|e| e.into_iter().map(Located::from).collect::<Vec<_>>())?;
     Ok(info)
 }
 

@@ -17,6 +17,14 @@ pub struct ModelArgs {
     /// Optimizer: sgd (momentum) or adam.
     #[arg(long, default_value = "adam")]
     pub optimizer: String,
+    /// Activation recomputation: none, selective (the attention core) or full (each
+    /// repeated block keeps only its input).
+    #[arg(long, default_value = "none")]
+    pub recompute: String,
+    /// Megatron's sequence parallelism in the tensor-parallel strategies (`megatron`,
+    /// `hybrid`): normalizations and residual adds split along the sequence.
+    #[arg(long = "sequence-parallel")]
+    pub sequence_parallel: bool,
     /// Do not overlap gradient synchronisation with the backward pass.
     #[arg(long = "no-overlap")]
     pub no_overlap: bool,
@@ -56,6 +64,8 @@ impl ModelArgs {
             "staged" => InputPath::Staged,
             o => return Err(CliError::msg(format!("--input-path: `{o}` is not scatter or staged"))),
         };
+        let recompute =
+            cost::Recompute::parse(&self.recompute).map_err(|e| CliError::msg(format!("--recompute: {e}")))?;
         if !(self.grad_compression > 0.0 && self.grad_compression <= 1.0) {
             return Err(CliError::msg("--grad-compression must be in (0, 1]"));
         }
@@ -66,6 +76,8 @@ impl ModelArgs {
             input_path,
             preload: !self.no_preload,
             grad_compression: self.grad_compression,
+            recompute,
+            sequence_parallel: self.sequence_parallel,
             ..Options::default()
         })
     }
@@ -78,7 +90,9 @@ pub struct CostArgs {
     /// A preset (dgx-a100, dgx-h100, dgx1-v100, pcie-v100x8, a100-cluster-N, local-wgpu) or a TOML file.
     #[arg(long)]
     pub cluster: String,
-    /// data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, pipeline:S:M[:gpipe|:1f1b].
+    /// data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, pipeline:S:M[:gpipe|:1f1b]; or a
+    /// configuration of key=value fields: dp, tp, pp, vp, cp, ep, mbs, sp, recompute=none|selective|full,
+    /// zero=0|1|2|3, schedule=gpipe|1f1b|interleaved (e.g. tp=8,dp=8,zero=3,recompute=full,sp).
     #[arg(long)]
     pub strategy: String,
     /// Devices to use (default: all of the cluster).
@@ -100,14 +114,24 @@ pub fn load_cluster(spec: &str) -> CliResult<Cluster> {
     Cluster::load(spec).map_err(CliError::msg)
 }
 
+/// A strategy name, or a configuration (`tp=8,dp=8,zero=3,recompute=full`) resolved to the
+/// named strategy it is and the options it sets over `opts`.
+pub fn strategy_and_options(s: &str, devices: usize, g: &ir::Graph, opts: Options) -> CliResult<(Named, Options)> {
+    if !cost::config::is_config(s) {
+        return Ok((Named::parse(s).map_err(CliError::msg)?, opts));
+    }
+    let c = cost::config::Config::parse(s).map_err(|e| CliError::msg(format!("--strategy `{s}`: {e}")))?;
+    c.resolve(devices, cost::pipeline::graph_batch(g), &opts)
+        .map_err(|e| CliError::msg(format!("--strategy `{s}`: {e}")))
+}
+
 pub fn run(args: &CostArgs) -> CliResult {
     let mut loaded = load_canonical(&args.model, &args.shapes)?;
     args.model_args.freeze(&mut loaded.model.graph)?;
     let cluster = load_cluster(&args.cluster)?;
     let devices = args.devices.unwrap_or(cluster.devices());
-    let named = Named::parse(&args.strategy).map_err(CliError::msg)?;
-    let opts = args.model_args.options()?;
     let g = &loaded.model.graph;
+    let (named, opts) = strategy_and_options(&args.strategy, devices, g, args.model_args.options()?)?;
     let priced = cost::price(g, &cluster, devices, &named, &opts).map_err(|e| {
         CliError::msg(format!("strategy `{}` does not apply to `{}`: {e}", args.strategy, args.model.display()))
     })?;
@@ -136,6 +160,7 @@ pub fn run(args: &CostArgs) -> CliResult {
         obj.insert("batch".into(), json!(batch));
         obj.insert("mesh".into(), serde_json::to_value(&priced.mesh).expect("mesh"));
         obj.insert("options".into(), serde_json::to_value(&opts).expect("options"));
+        obj.insert("memory_breakdown".into(), serde_json::to_value(b.memory.breakdown()).expect("memory"));
         obj.insert("summary".into(), serde_json::to_value(&summary).expect("summary"));
         if let Some(p) = &priced.pipeline {
             obj.insert("stages".into(), serde_json::to_value(&p.stages).expect("stages"));

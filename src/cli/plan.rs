@@ -189,6 +189,8 @@ pub fn run(args: &PlanArgs) -> CliResult {
         eprintln!("{text}");
     }
     let r = result.borrow_mut().take().expect("autoshard ran");
+    // The options the plan needs, where the search changed them to make it fit.
+    let opts = r.options.clone().unwrap_or(opts);
     let g = &loaded.model.graph;
     let info = model_info(args, g, &bytes);
     let plan = Plan::new(g, &cluster, devices, &opts, info, &r);

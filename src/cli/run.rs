@@ -158,6 +158,11 @@ fn plan_program(
     notes: &mut Vec<String>,
 ) -> CliResult<Planned> {
     let opts = args.model_args.options()?;
+    if opts.recompute != passes::cost::Recompute::None {
+        return Err(CliError::msg(
+            "--recompute: `run` executes the forward pass, which recomputes nothing; recomputation is priced by `cost` and `plan`",
+        ));
+    }
     let cluster = load_cluster(&args.cluster)?;
     let (choice, bar) = match (&args.plan, plan, &args.strategy) {
         (Some(path), Some(plan), _) => (Choice::Plan { plan, name: path.display().to_string() }, None),
@@ -165,7 +170,14 @@ fn plan_program(
         _ => {
             let pipeline = PipelineMode::parse(&args.pipeline).map_err(CliError::msg)?;
             let (progress, bar) = super::ui::search_progress(60.0);
-            let so = SearchOptions { pipeline, time_limit: Duration::from_secs(60), progress, ..Default::default() };
+            // The plan is run as found: no memory-saving options the lowering does not emit.
+            let so = SearchOptions {
+                pipeline,
+                time_limit: Duration::from_secs(60),
+                progress,
+                memory_ladder: false,
+                ..Default::default()
+            };
             (Choice::Search(so), bar)
         }
     };

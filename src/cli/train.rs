@@ -227,10 +227,12 @@ fn search_model(
         None => passes::autoshard::PipelineMode::Off,
     };
     let (progress, bar) = super::ui::search_progress(args.time_limit);
+    // The plan is trained as found: no memory-saving options the lowering does not emit.
     let so = passes::autoshard::SearchOptions {
         pipeline,
         time_limit: std::time::Duration::from_secs_f64(args.time_limit),
         progress,
+        memory_ladder: false,
         ..Default::default()
     };
     let devices = args.devices.unwrap_or(1);

@@ -413,7 +413,8 @@ fn finding_a_convolutions_data_parallel_fully_connected_layers_model_parallel() 
 
 #[test]
 fn finding_b_megatron_tensor_parallelism_for_a_wide_gpt_block() {
-    let text = shardc::synthetic::Gpt { layers: 2, hidden: 4096, heads: 32, batch: 8, seq: 1024 }.to_text();
+    let text =
+        shardc::synthetic::Gpt { layers: 2, hidden: 4096, heads: 32, batch: 8, seq: 1024, fused_gelu: false }.to_text();
     let m = from_text(&text);
     let cluster = Cluster::preset("dgx-a100").unwrap();
     let r = plan(&m.graph, &cluster, 8, &Options::default());
@@ -870,7 +871,8 @@ fn op_kinds_read_in_the_summarys_terms() {
 /// and BERT's real exports too, whose layers the exporters name `h.N` and `layer.N`).
 #[test]
 fn repeated_layers_fold_to_three_within_one_percent() {
-    let text = shardc::synthetic::Gpt { layers: 10, hidden: 256, heads: 8, batch: 8, seq: 128 }.to_text();
+    let text =
+        shardc::synthetic::Gpt { layers: 10, hidden: 256, heads: 8, batch: 8, seq: 128, fused_gelu: false }.to_text();
     let synthetic = prepare(frontend::parse(&text).unwrap().model, Default::default());
     let gpt2 = shared("hf_gpt2_124m.onnxtxt", batch(8));
     let cluster = Cluster::preset("dgx-a100").unwrap();

@@ -32,6 +32,10 @@ pub struct Degrees {
     pub schedule: Option<String>,
     /// Some stage recomputes its activations in backward.
     pub recompute: bool,
+    /// Recomputation outside pipeline stages (the cost model's option).
+    pub granularity: crate::cost::Recompute,
+    /// ZeRO stage.
+    pub zero: u8,
     /// Norms split along the sequence on the tensor axes (Megatron's sequence parallelism).
     pub sequence_parallel: bool,
     /// The global batch.
@@ -154,7 +158,9 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
         micro_batches,
         schedule: plan.schedule.clone(),
         recompute: plan.stages.iter().any(|s| s.recompute),
-        sequence_parallel,
+        granularity: opts.recompute,
+        zero: opts.zero,
+        sequence_parallel: sequence_parallel || opts.sequence_parallel,
         global_batch,
         micro_batch_size: global_batch
             .filter(|b| *b % (data * micro_batches) as i64 == 0)
@@ -184,8 +190,13 @@ pub fn megatron_args(d: &Degrees, devices: usize) -> String {
     if d.sequence_parallel && d.tensor > 1 {
         args.push("--sequence-parallel".into());
     }
-    if d.recompute {
-        args.push("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".into());
+    match d.granularity {
+        crate::cost::Recompute::Selective if !d.recompute => args.push("--recompute-granularity selective".into()),
+        crate::cost::Recompute::None if !d.recompute => {}
+        _ => args.push("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".into()),
+    }
+    if d.zero >= 1 {
+        args.push("--use-distributed-optimizer".into());
     }
     t.push_str(&args.iter().map(|a| format!("  {a}")).collect::<Vec<_>>().join(" \\\n"));
     t.push('\n');
@@ -199,6 +210,13 @@ pub fn megatron_args(d: &Degrees, devices: usize) -> String {
             "# note: the global batch does not divide into data × micro-batches; set --micro-batch-size yourself\n",
         );
     }
+    if d.zero >= 2 {
+        t.push_str(&format!(
+            "# note: the plan shards gradients{} over the data-parallel devices (ZeRO-{}); Megatron-LM's distributed optimizer shards the optimizer state (and reduce-scatters gradients) only: use the DeepSpeed export or FSDP for the rest\n",
+            if d.zero >= 3 { " and parameters" } else { "" },
+            d.zero
+        ));
+    }
     t
 }
 
@@ -208,14 +226,14 @@ pub fn deepspeed_config(d: &Degrees, devices: usize) -> String {
     let mut cfg = serde_json::json!({
         "train_micro_batch_size_per_gpu": d.micro_batch_size,
         "gradient_accumulation_steps": d.micro_batches,
-        "zero_optimization": { "stage": 0 },
+        "zero_optimization": { "stage": d.zero },
         "shardc": {
             "devices": devices,
             "data_parallel_size": d.data,
             "tensor_parallel_size": d.tensor,
             "pipeline_parallel_size": d.pipeline,
             "notes": [
-                "ZeRO stage 0: the plan keeps a full copy of each data-parallel replica's optimizer state",
+                zero_note(d.zero),
                 "tensor parallelism comes from Megatron-DeepSpeed (--tensor-model-parallel-size) or the torch-tp export",
                 "pipeline stages: deepspeed.pipe.PipelineModule(num_stages = pipeline_parallel_size)"
             ]
@@ -224,11 +242,20 @@ pub fn deepspeed_config(d: &Degrees, devices: usize) -> String {
     if let Some(b) = d.global_batch {
         cfg["train_batch_size"] = serde_json::json!(b);
     }
-    if d.recompute {
+    if d.recompute || d.granularity != crate::cost::Recompute::None {
         cfg["activation_checkpointing"] =
             serde_json::json!({ "partition_activations": false, "contiguous_memory_optimization": false });
     }
     serde_json::to_string_pretty(&cfg).expect("JSON") + "\n"
+}
+
+fn zero_note(stage: u8) -> &'static str {
+    match stage {
+        0 => "ZeRO stage 0: the plan keeps a full copy of each data-parallel replica's optimizer state",
+        1 => "ZeRO stage 1: the optimizer state is sharded over the data-parallel devices",
+        2 => "ZeRO stage 2: the optimizer state and gradients are sharded over the data-parallel devices",
+        _ => "ZeRO stage 3: parameters, gradients and optimizer state are sharded over the data-parallel devices",
+    }
 }
 
 /// A PyTorch tensor-parallel plan (`parallelize_module(model, tp_mesh, plan)`), module paths

@@ -84,6 +84,9 @@ pub struct SearchOptions {
     /// Let [`search_rewriting`] try the algebraic rewrites of
     /// [`crate::algebra::SEARCH_CHOICES`].
     pub rewrites: bool,
+    /// When no plan fits, search again with the options of [`memory_ladder`] (recomputation,
+    /// sequence parallelism, ZeRO) until one does.
+    pub memory_ladder: bool,
 }
 
 /// When the search folds repeated blocks ([`fold`]).
@@ -184,6 +187,7 @@ impl Default for SearchOptions {
             progress: Progress::default(),
             fold: FoldMode::Auto,
             rewrites: true,
+            memory_ladder: true,
         }
     }
 }
@@ -243,6 +247,10 @@ pub struct SearchResult {
     pub folded: Option<String>,
     /// The algebraic rewrites the search tried ([`search_rewriting`]), in order.
     pub rewrites: Vec<RewriteChoice>,
+    /// The cost-model options the plan needs when the search changed the caller's to make it
+    /// fit ([`memory_ladder`]: recomputation, sequence parallelism, ZeRO); `None` when it kept
+    /// them.
+    pub options: Option<Options>,
 }
 
 /// An algebraic rewrite the search tried on the whole graph: the plan's step time with and
@@ -494,6 +502,68 @@ pub fn search(
     so: &SearchOptions,
 ) -> Result<SearchResult, String> {
     let start = Instant::now();
+    let first = search_once(g, cluster, devices, opts, so)?;
+    if first.breakdown.feasible || !so.memory_ladder {
+        return Ok(first);
+    }
+    // No plan fits: save memory step by step ([`memory_ladder`]), each rung searched again
+    // (under the same time limit each), until one fits; else the plan that needs the least.
+    let mut best = first;
+    for rung in memory_ladder(opts) {
+        let mut r = search_once(g, cluster, devices, &rung, so)?;
+        r.options = Some(rung);
+        let fits = r.breakdown.feasible;
+        if fits || r.breakdown.memory.total() < best.breakdown.memory.total() {
+            best = r;
+        }
+        if fits {
+            break;
+        }
+    }
+    best.search_time_s = start.elapsed().as_secs_f64();
+    Ok(best)
+}
+
+/// The options that save memory, in the order the search tries them when no plan fits,
+/// each keeping what the caller asked for and the rungs before it: selective recomputation
+/// with sequence parallelism (the attention core's `s × s` tensors; a few percent of compute),
+/// full recomputation (each block keeps only its input; a third more compute), then ZeRO-1
+/// (the optimizer state sharded over the data-parallel devices) and ZeRO-3 (the parameters
+/// and gradients too, gathered before each use).
+pub fn memory_ladder(opts: &Options) -> Vec<Options> {
+    use crate::cost::Recompute;
+    let rungs = [(Recompute::Selective, 0u8), (Recompute::Full, 0), (Recompute::Full, 1), (Recompute::Full, 3)];
+    let rank = |r: Recompute| match r {
+        Recompute::None => 0,
+        Recompute::Selective => 1,
+        Recompute::Full => 2,
+    };
+    let mut out: Vec<Options> = Vec::new();
+    for (recompute, zero) in rungs {
+        let o = Options {
+            recompute: if rank(recompute) > rank(opts.recompute) { recompute } else { opts.recompute },
+            sequence_parallel: true,
+            zero: zero.max(opts.zero),
+            ..opts.clone()
+        };
+        let same =
+            |a: &Options| a.recompute == o.recompute && a.sequence_parallel == o.sequence_parallel && a.zero == o.zero;
+        if !same(opts) && !out.iter().any(same) {
+            out.push(o);
+        }
+    }
+    out
+}
+
+/// One search with the caller's options ([`search`] without the memory ladder).
+fn search_once(
+    g: &Graph,
+    cluster: &Cluster,
+    devices: usize,
+    opts: &Options,
+    so: &SearchOptions,
+) -> Result<SearchResult, String> {
+    let start = Instant::now();
     let net = SafetyNet::new(so.time_limit, so.clock_scale);
     if let PipelineMode::Stages(s) = so.pipeline
         && !devices.is_multiple_of(s)
@@ -736,6 +806,7 @@ pub(crate) fn search_intra_with(
             pipeline_considered: None,
             single_device_memory_bytes: 0.0,
             rewrites: Vec::new(),
+            options: None,
             folded: None,
         });
     }
@@ -800,6 +871,7 @@ pub(crate) fn search_intra_with(
     };
     Ok(SearchResult {
         rewrites: Vec::new(),
+        options: None,
         mesh: best.mesh,
         assignment: best.assignment,
         breakdown: best.breakdown,

@@ -607,6 +607,7 @@ fn stage_search_options(so: &SearchOptions) -> SearchOptions {
         progress: Default::default(),
         fold: so.fold,
         rewrites: false,
+        memory_ladder: false,
     }
 }
 

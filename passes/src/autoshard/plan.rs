@@ -261,6 +261,9 @@ pub struct Plan {
     pub memory_per_device_bytes: u64,
     /// Usable memory per device, bytes.
     pub memory_capacity_bytes: u64,
+    /// Memory per device by what holds it (the fullest device).
+    #[serde(default)]
+    pub memory_breakdown: crate::cost::model::MemoryBreakdown,
     /// The step's breakdown (the `shardc cost --json` keys).
     pub breakdown: serde_json::Value,
     /// Per op (topological order).
@@ -332,6 +335,10 @@ pub struct PlanSummary {
     /// the plan parallelises alike, with their degrees; one region when it is uniform.
     #[serde(default)]
     pub regions: Vec<Region>,
+    /// What the plan does to save memory, as a configuration's fields
+    /// (`recompute=selective,sp,zero=1`; `none`).
+    #[serde(default)]
+    pub memory: String,
 }
 
 /// Consecutive blocks of a model parallelised alike.
@@ -576,12 +583,16 @@ impl PlanSummary {
             tokens_per_s: tokens.filter(|_| ok).map(|t| t / step),
             mfu: (ok && flops > 0.0 && peak > 0.0).then(|| flops / (step * devices as f64 * peak)),
             regions,
+            memory: opts.memory_fields(),
         }
     }
 
     /// The `parallelism` and `throughput` lines `plan` and `cost` print.
     pub fn lines(&self) -> String {
         let mut t = format!("parallelism  {}\n", self.text);
+        if !self.memory.is_empty() && self.memory != "none" {
+            t.push_str(&format!("memory saved {}\n", self.memory));
+        }
         let mut rates = Vec::new();
         if let Some(x) = self.samples_per_s {
             rates.push(format!("{x:.1} samples/s"));
@@ -620,6 +631,8 @@ impl Plan {
         model: ModelInfo,
         r: &SearchResult,
     ) -> Plan {
+        // The options the plan needs, where the search changed them to make it fit.
+        let opts = r.options.as_ref().unwrap_or(opts);
         let b = &r.breakdown;
         let dp = r.data_parallel.as_ref().filter(|d| d.feasible).map(|d| d.step_time_s);
         let axes = |m: &Mesh| -> Vec<PlanAxis> {
@@ -694,6 +707,7 @@ impl Plan {
             infeasible_reason: b.infeasible_reason.clone(),
             memory_per_device_bytes: b.memory_per_device_bytes.iter().copied().max().unwrap_or(0),
             memory_capacity_bytes: b.memory_capacity_bytes,
+            memory_breakdown: b.memory.breakdown(),
             breakdown: breakdown_json(b),
             ops,
             tensors,

@@ -11,13 +11,16 @@ pub mod batch;
 pub mod calibration;
 pub mod cluster;
 pub mod collective;
+pub mod config;
 pub mod model;
 pub mod pipeline;
+pub mod stash;
 pub mod strategy;
 
 pub use cluster::{Cluster, ClusterError};
 pub use model::{Assignment, Breakdown, CostModel, InputPath, OpRow, Optimizer, Options, Precision};
 pub use pipeline::PipelineReport;
+pub use stash::Recompute;
 pub use strategy::Named;
 pub use strategy::Schedule;
 

@@ -28,6 +28,7 @@ use ir::{Graph, NodeId, Op, OpClass, TensorType, Value};
 use super::batch::{BatchDims, batch_dims};
 use super::cluster::Cluster;
 use super::collective::{self, CommKind, Step, alpha_beta, choose_policy, p2p, price};
+use super::stash::{Recompute, Stash};
 
 /// Arithmetic precision of training.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
@@ -95,6 +96,34 @@ pub struct Options {
     pub input_path: InputPath,
     /// Load the next batch while this one computes.
     pub preload: bool,
+    /// Activation recomputation (a model priced as its forward graph; a training graph is
+    /// priced as written).
+    pub recompute: Recompute,
+    /// Megatron's sequence parallelism in the tensor-parallel named strategies: the ops
+    /// between tensor-parallel regions split along the sequence over the tensor axis.
+    pub sequence_parallel: bool,
+    /// ZeRO stage (0–3): over each parameter's data-parallel devices (those its gradient is
+    /// all-reduced over), 1 shards the optimizer state, 2 also the gradients, 3 also the
+    /// parameters (gathered before each use, as FSDP does).
+    pub zero: u8,
+}
+
+impl Options {
+    /// What the options do to save memory, as a configuration's fields
+    /// (`recompute=full,sp,zero=1`), `none` when nothing.
+    pub fn memory_fields(&self) -> String {
+        let mut f: Vec<String> = Vec::new();
+        if self.recompute != Recompute::None {
+            f.push(format!("recompute={}", self.recompute.name()));
+        }
+        if self.sequence_parallel {
+            f.push("sp".into());
+        }
+        if self.zero > 0 {
+            f.push(format!("zero={}", self.zero));
+        }
+        if f.is_empty() { "none".into() } else { f.join(",") }
+    }
 }
 
 impl Default for Options {
@@ -109,6 +138,9 @@ impl Default for Options {
             grad_compression: 1.0,
             input_path: InputPath::Scatter,
             preload: true,
+            recompute: Recompute::None,
+            sequence_parallel: false,
+            zero: 0,
         }
     }
 }
@@ -162,6 +194,33 @@ impl Memory {
     pub fn total(&self) -> f64 {
         self.weights + self.gradients + self.optimizer + self.activations + self.workspace
     }
+
+    /// The breakdown as `--json` of `cost` and `plan` names it (`memory_breakdown`).
+    pub fn breakdown(&self) -> MemoryBreakdown {
+        MemoryBreakdown {
+            parameters: self.weights,
+            gradients: self.gradients,
+            optimizer_state: self.optimizer,
+            activations: self.activations,
+            other: self.workspace,
+        }
+    }
+}
+
+/// Memory per device by what holds it, bytes: `memory_breakdown` in the JSON of `cost` and
+/// `plan`.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Serialize, serde::Deserialize)]
+pub struct MemoryBreakdown {
+    /// The parameters (in the training precision; ZeRO-3: the device's shard).
+    pub parameters: f64,
+    /// Their gradients (ZeRO-2 and 3: the shard).
+    pub gradients: f64,
+    /// Optimizer state, with fp32 master weights in mixed precision (ZeRO: the shard).
+    pub optimizer_state: f64,
+    /// Activations kept for the backward pass, with a recomputed region's while it runs.
+    pub activations: f64,
+    /// Buffers: the largest transient output, ZeRO-3's gathered parameter.
+    pub other: f64,
 }
 
 /// One op's line in a report.
@@ -307,6 +366,10 @@ pub struct CostModel<'a> {
     /// A training graph's op phases ([`ir::reshard::step_phases`]): the graph is priced as
     /// it runs, each op once in its phase, with no backward pass or update added.
     phases: Option<HashMap<NodeId, Phase>>,
+    /// A forward graph's stash under the recomputation chosen ([`super::stash`]); `None` for
+    /// a training graph or a model that cannot be differentiated (then every computed value
+    /// counts as kept).
+    stash: Option<Stash>,
     /// The values gradients flow into ([`ir::cost::grad_flow`]).
     grads: std::collections::HashSet<Value>,
     op_memo: RefCell<FxHashMap<(NodeId, OpStrategy), Rc<OpEval>>>,
@@ -389,6 +452,7 @@ struct Edges<'e> {
 
 /// One parameter's gradient synchronisation, before bucketing.
 struct GradEvent {
+    value: Value,
     pos: usize,
     bytes: f64,
     bandwidth: f64,
@@ -406,6 +470,9 @@ struct Params {
     trained_bytes: f64,
     elems: f64,
     count: usize,
+    /// ZeRO-3: the largest parameter gathered whole, with its gradient before the
+    /// reduce-scatter.
+    gathered: f64,
 }
 
 /// Per phase and kind, the bytes the busiest device sends (`{phase: {kind: bytes}}`).
@@ -478,6 +545,10 @@ impl<'a> CostModel<'a> {
         }
         let policy = choose_policy(&mesh, cluster);
         let phases = ir::reshard::step_phases(g, &order);
+        let stash = match phases {
+            Some(_) => None,
+            None => super::stash::saved_values(g).map(|saved| Stash::new(g, &order, &saved, opts.recompute)),
+        };
         CostModel {
             g,
             cluster,
@@ -489,6 +560,7 @@ impl<'a> CostModel<'a> {
             costs,
             batch,
             phases,
+            stash,
             grads,
             op_memo: RefCell::default(),
             reshard_memo: RefCell::default(),
@@ -1092,24 +1164,16 @@ impl<'a> CostModel<'a> {
                 self.op_edges(&mut w, &mut edges, pos, n, e, &have, &|v| out_sh.contains_key(&v));
             self.record_op_comm(&mut w, n, e, &have);
             fwd_total += t.fwd + fwd_comm + t.comm_fwd;
-            let bwd_compute = t.bwd + grad_sum;
+            // A recomputed op runs its forward (and its forward communication) again inside
+            // the backward pass.
+            let again = if self.stash.as_ref().is_some_and(|s| s.recomputed.contains(&n)) { t.fwd } else { 0.0 };
+            let again_comm = if again > 0.0 { fwd_comm + t.comm_fwd } else { 0.0 };
+            let bwd_compute = t.bwd + grad_sum + again;
             compute_total += t.fwd + bwd_compute;
-            let op_comm = fwd_comm + bwd_comm + t.halo + t.stats;
+            let op_comm = fwd_comm + bwd_comm + t.halo + t.stats + again_comm;
             comm_total += op_comm;
-            bwd_items.push((n, bwd_compute + bwd_comm + t.comm_bwd()));
-            // Activations kept for backward: outputs of ops that compute something.
-            let mut kept = 0.0;
-            if !is_view(&node.op) && !is_host(&node.op) {
-                for slot in 0..node.num_outputs() {
-                    let v = Value::new(n, slot as u16);
-                    if g.value_name(v).is_empty() {
-                        continue;
-                    }
-                    let b = self.value_bytes(v) / split_factor(have(v), mesh);
-                    kept += b;
-                    w.workspace = w.workspace.max(b);
-                }
-            }
+            bwd_items.push((n, bwd_compute + bwd_comm + t.comm_bwd() + again_comm));
+            let kept = self.kept_by(n, &|v| self.value_bytes(v) / split_factor(have(v), mesh), &mut w.workspace);
             activations += kept;
             if detail {
                 w.rows.push(OpRow {
@@ -1134,8 +1198,13 @@ impl<'a> CostModel<'a> {
         fwd_total += out_comm;
         comm_total += out_comm;
 
-        let grads = self.gradient_sync(&mut w, &edges, &storage);
-        let params = self.parameters(&mut w, &edges, &storage);
+        if let Some(st) = &self.stash {
+            activations += st.transient_bytes(&|v| self.value_bytes(v) / split_factor(have(v), mesh));
+        }
+        let mut grads = self.gradient_sync(&mut w, &edges, &storage);
+        let (ways, gather) = self.zero_sync(&mut w, &mut grads);
+        let params = self.parameters(&mut w, &edges, &storage, &ways);
+        w.workspace += params.gathered;
         w.bwd_events.reverse();
         let mut events = std::mem::take(&mut w.events);
         events.append(&mut w.bwd_events);
@@ -1144,6 +1213,9 @@ impl<'a> CostModel<'a> {
         events.extend(sync_events);
         let (bwd_total, grad_sync, exposed) = self.backward_timeline(&mut w, &bwd_items, &grads);
         comm_total += grad_sync;
+        let gather_exposed = self.zero_gather_exposed(gather, fwd_total, bwd_total);
+        let gathers = if self.opts.zero >= 3 { 2.0 * gather } else { gather };
+        comm_total += gathers;
 
         // Optimizer update: memory-bound traffic over the local parameters, one kernel per
         // parameter (the runtime's `SgdUpdate`/`AdamUpdate` per parameter, as the training
@@ -1153,7 +1225,7 @@ impl<'a> CostModel<'a> {
 
         // Host→device input.
         let (input_transfer, input_bytes) = self.input_time(&storage, mesh);
-        let before_input = fwd_total + bwd_total + exposed + update;
+        let before_input = fwd_total + bwd_total + exposed + gather_exposed + update;
         let input_exposed = if self.opts.preload { (input_transfer - before_input).max(0.0) } else { input_transfer };
 
         let memory = Memory {
@@ -1176,8 +1248,8 @@ impl<'a> CostModel<'a> {
             update_s: update,
             communication_s: comm_total,
             communication_by_kind: w.by_kind(),
-            gradient_sync_s: grad_sync,
-            exposed_gradient_sync_s: exposed,
+            gradient_sync_s: grad_sync + gathers,
+            exposed_gradient_sync_s: exposed + gather_exposed,
             bubble_s: 0.0,
             input_s: input_exposed,
             input_transfer_s: input_transfer,
@@ -1192,6 +1264,30 @@ impl<'a> CostModel<'a> {
             bytes_moved_per_device,
             policy: self.policy,
         }
+    }
+
+    /// The activation bytes op `n` keeps for the backward pass on one device, with `local`
+    /// the bytes of a value there: the outputs the stash keeps ([`super::stash`]), or, for a
+    /// model that cannot be differentiated, every output of an op that computes something.
+    /// Raises `workspace` to the largest computed output.
+    fn kept_by(&self, n: NodeId, local: &dyn Fn(Value) -> f64, workspace: &mut f64) -> f64 {
+        let node = self.g.node(n);
+        if is_view(&node.op) || is_host(&node.op) {
+            return 0.0;
+        }
+        let mut kept = 0.0;
+        for slot in 0..node.num_outputs() {
+            let v = Value::new(n, slot as u16);
+            if self.g.value_name(v).is_empty() {
+                continue;
+            }
+            let b = local(v);
+            *workspace = workspace.max(b);
+            if self.stash.as_ref().is_none_or(|s| s.kept.contains(&v)) {
+                kept += b;
+            }
+        }
+        kept
     }
 
     /// Prices a training graph as it runs: each op once, in its phase
@@ -1494,6 +1590,7 @@ impl<'a> CostModel<'a> {
                 });
             }
             out.push(GradEvent {
+                value: *v,
                 pos: edges.param_first_use[v],
                 bytes: self.value_bytes(*v) * self.opts.grad_compression,
                 bandwidth: t - latency,
@@ -1521,31 +1618,98 @@ impl<'a> CostModel<'a> {
     }
 
     /// The parameters each device stores, and their rows' memory and update time.
-    fn parameters(&self, w: &mut Walk, edges: &Edges<'_>, storage: &BTreeMap<Value, Sharding>) -> Params {
+    fn parameters(
+        &self,
+        w: &mut Walk,
+        edges: &Edges<'_>,
+        storage: &BTreeMap<Value, Sharding>,
+        ways: &FxHashMap<Value, f64>,
+    ) -> Params {
         let pf = self.precision_factor();
+        let zero = self.opts.zero;
         let mut p = Params::default();
         for (v, st) in storage {
             if !ir::cost::is_param(self.g, *v) {
                 continue;
             }
             let local = self.value_bytes(*v) / split_factor(st, &self.mesh);
-            let elems = local / (4.0 * pf);
-            p.bytes += local;
+            let n = ways.get(v).copied().unwrap_or(1.0);
+            let at = |stage: u8| if zero >= stage { n } else { 1.0 };
+            let elems = local / (4.0 * pf) / at(1);
+            p.bytes += local / at(3);
             if !edges.param_first_use.contains_key(v) {
                 continue; // stored, never trained
             }
-            p.trained_bytes += local;
+            if zero >= 3 && n > 1.0 {
+                p.gathered = p.gathered.max(2.0 * local);
+            }
+            p.trained_bytes += local / at(2);
             p.elems += elems;
             p.count += 1;
             if w.detail
                 && let Some(&first) = edges.param_first_use.get(v)
             {
-                w.rows[first].param_memory_bytes += 2.0 * local + elems * self.optimizer_bytes_per_elem();
-                w.rows[first].grad_memory_bytes += local;
+                w.rows[first].param_memory_bytes +=
+                    local / at(3) + local / at(2) + elems * self.optimizer_bytes_per_elem();
+                w.rows[first].grad_memory_bytes += local / at(2);
                 w.rows[first].update_s += elems * self.update_bytes_per_elem() / self.mem_bandwidth();
             }
         }
         p
+    }
+
+    /// ZeRO's synchronisation (`opts.zero` ≥ 1): a gradient all-reduced over its parameter's
+    /// data-parallel devices is reduce-scattered instead (half the all-reduce's time, in the
+    /// backward pass's buckets as before) and the updated shards all-gathered after the update
+    /// (the other half; stage 3 gathers before the forward and again before the backward
+    /// instead). Returns each such parameter's data-parallel ways and the seconds of one
+    /// all-gather of them all.
+    fn zero_sync(&self, w: &mut Walk, grads: &mut [GradEvent]) -> (FxHashMap<Value, f64>, f64) {
+        let mut ways = FxHashMap::default();
+        let (mut gather, mut bytes, mut latency) = (0.0f64, 0.0f64, 0.0f64);
+        if self.opts.zero == 0 {
+            return (ways, 0.0);
+        }
+        for e in grads.iter_mut() {
+            if e.sig.is_empty() || e.sig.iter().any(|(k, _)| *k != CommKind::AllReduce) {
+                continue;
+            }
+            let n: usize = e.sig.iter().flat_map(|(_, axes)| axes.iter().map(|&a| self.mesh.axes[a].size)).product();
+            *w.comm_kind.entry(CommKind::AllReduce.name()).or_insert(0.0) -= e.bandwidth;
+            e.bandwidth /= 2.0;
+            e.latency /= 2.0;
+            e.sig.iter_mut().for_each(|s| s.0 = CommKind::ReduceScatter);
+            gather += e.bandwidth;
+            bytes += e.bytes;
+            latency = latency.max(e.latency);
+            *w.comm_kind.entry(CommKind::ReduceScatter.name()).or_insert(0.0) += e.bandwidth;
+            ways.insert(e.value, n as f64);
+        }
+        // The gathers are bucketed as the gradients are: latency per bucket.
+        gather += latency * (bytes / self.opts.bucket_bytes).ceil();
+        let gathers = if self.opts.zero >= 3 { 2.0 } else { 1.0 };
+        *w.comm_kind.entry(CommKind::AllGather.name()).or_insert(0.0) += gathers * gather;
+        (ways, gather)
+    }
+
+    /// The exposed seconds of ZeRO's parameter all-gathers (`gather`: one of all the
+    /// parameters): stages 1 and 2 after the update, whole; stage 3 before the forward and the
+    /// backward pass, each prefetched beside that pass's compute where gradient
+    /// synchronisation overlaps ([`Options::overlap_grad_sync`], not on host-staged devices),
+    /// the compute running `overlap_slowdown` times slower meanwhile.
+    fn zero_gather_exposed(&self, gather: f64, fwd: f64, bwd: f64) -> f64 {
+        if gather == 0.0 {
+            return 0.0;
+        }
+        if self.opts.zero < 3 {
+            return gather;
+        }
+        let overlaps = self.opts.overlap_grad_sync && !self.cluster.device.host_staged;
+        if !overlaps {
+            return 2.0 * gather;
+        }
+        let slow = (self.opts.overlap_slowdown - 1.0).max(0.0);
+        [fwd, bwd].iter().map(|&c| (gather - c).max(0.0) + gather.min(c) * slow).sum()
     }
 
     /// The backward pass with gradient synchronisation in buckets, as DDP does: gradients

@@ -66,6 +66,11 @@ pub enum Named {
 impl Named {
     /// Parses a strategy name.
     pub fn parse(s: &str) -> Result<Named, String> {
+        if super::config::is_config(s) {
+            return Err(format!(
+                "`{s}` is a configuration (key=value fields): `shardc cost` prices it; this command takes a strategy name (data, megatron, hybrid:dp:D,tp:T, pipeline:S:M …) for now"
+            ));
+        }
         let parts: Vec<&str> = s.split(':').collect();
         Ok(match parts.as_slice() {
             ["data"] => Named::Data,
@@ -366,7 +371,7 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
         let s: Option<Vec<Option<usize>>> = match named {
             Named::Data => pick(DimRole::Batch, &all_axes),
             Named::Model => is_weighted(cm, n).then(|| pick(DimRole::OutFeature, &all_axes)).flatten(),
-            Named::Megatron => megatron(cm, &asg, n, &all_axes),
+            Named::Megatron => megatron(cm, &asg, n, &all_axes).or_else(|| sequence_parallel(cm, &asg, n, &all_axes)),
             Named::Owt => {
                 if is_weighted(cm, n) && is_fc(n) {
                     pick(DimRole::OutFeature, &all_axes)
@@ -480,7 +485,7 @@ fn data_then_megatron(cm: &CostModel<'_>, asg: &Assignment, n: NodeId, dp: &[usi
             s = t;
         }
     }
-    if let Some(m) = megatron(cm, asg, n, &[tp]) {
+    if let Some(m) = megatron(cm, asg, n, &[tp]).or_else(|| sequence_parallel(cm, asg, n, &[tp])) {
         let mut t = s.clone();
         t[tp] = m[tp];
         if strategy_valid(cm.space(n), &t, &cm.mesh, cm.g, n) {
@@ -488,6 +493,43 @@ fn data_then_megatron(cm: &CostModel<'_>, asg: &Assignment, n: NodeId, dp: &[usi
         }
     }
     s
+}
+
+/// With [`super::model::Options::sequence_parallel`], Megatron's sequence parallelism for an
+/// op between tensor-parallel regions (a normalization, a residual add, a bias add after a
+/// row-parallel GEMM: one that would otherwise run whole or on partial sums over `axes`): its
+/// sequence dim — of its output, after the first (the batch) and before the last (the
+/// features) — split over `axes`. The row-parallel GEMM's all-reduce before it becomes a
+/// reduce-scatter, the column-parallel GEMM after it all-gathers, and what it keeps shrinks
+/// by the tensor degree (Korthikanti et al. 2022, §4.2.2).
+fn sequence_parallel(cm: &CostModel<'_>, asg: &Assignment, n: NodeId, axes: &[usize]) -> Option<Vec<Option<usize>>> {
+    if !cm.opts.sequence_parallel || is_weighted(cm, n) || crate::cost::model::is_view(&cm.g.node(n).op) {
+        return None;
+    }
+    let sp = cm.space(n);
+    let f = follow(cm, asg, n);
+    let inside = axes.iter().any(|&a| f[a].is_some_and(|i| sp.dims[i].kind != DimKind::Reduction));
+    if inside {
+        return None;
+    }
+    let out = sp.outputs.first()?;
+    if out.len() < 3 {
+        return None;
+    }
+    let seq = out[1..out.len() - 1]
+        .iter()
+        .flatten()
+        .copied()
+        .find(|&i| sp.dims[i].role != DimRole::Batch && sp.dims[i].kind == DimKind::Parallel)?;
+    let mut s = f;
+    for &a in axes {
+        s[a] = None;
+    }
+    let split = split_over_axes(cm, n, seq, axes)?;
+    for &a in axes {
+        s[a] = split[a];
+    }
+    strategy_valid(sp, &s, &cm.mesh, cm.g, n).then_some(s)
 }
 
 /// Splits the spatial dims of a windowed op over `axes`: the first spatial dim over all of

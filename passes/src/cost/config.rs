@@ -1,0 +1,180 @@
+//! Hand configurations in the fields frameworks name them by: `--strategy
+//! tp=8,dp=8,zero=3,recompute=full,sp` — the degrees of data (`dp`), tensor (`tp`), pipeline
+//! (`pp`, with `vp` virtual stages), context (`cp`) and expert (`ep`) parallelism, the
+//! micro-batch size (`mbs`), sequence parallelism (`sp`), activation recomputation
+//! (`recompute=none|selective|full`), the ZeRO stage (`zero=0|1|2|3`) and the pipeline
+//! schedule (`schedule=gpipe|1f1b|interleaved`).
+//!
+//! Every field is optional: the degrees default to 1 except `dp`, which takes the devices
+//! the others leave; `mbs` to 1; `sp` off; `recompute` none; `zero` 0; `schedule` 1f1b. The
+//! product of the degrees must be the devices used. A configuration resolves to a named
+//! strategy ([`Named`]: `data`, `megatron`, `hybrid:dp:D,tp:T`, `pipeline:S:M`) and the
+//! cost-model options it sets; what the cost model cannot price yet (`cp`, `ep`, `vp`,
+//! tensor-parallel pipeline stages) is refused with the reason.
+
+use super::model::Options;
+use super::stash::Recompute;
+use super::strategy::{Named, Schedule};
+
+/// A parsed hand configuration.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Config {
+    /// Data-parallel degree (`None`: the devices the other degrees leave).
+    pub dp: Option<usize>,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Pipeline stages.
+    pub pp: usize,
+    /// Virtual stages per device (interleaving).
+    pub vp: usize,
+    /// Context-parallel degree.
+    pub cp: usize,
+    /// Expert-parallel degree.
+    pub ep: usize,
+    /// Micro-batch size (pipelines).
+    pub mbs: usize,
+    /// Sequence parallelism.
+    pub sp: bool,
+    /// Activation recomputation.
+    pub recompute: Recompute,
+    /// ZeRO stage (0–3).
+    pub zero: u8,
+    /// Pipeline schedule (`None`: 1F1B).
+    pub schedule: Option<Schedule>,
+}
+
+/// True when `s` is written as a configuration (`key=value` fields or the `sp` flag) rather
+/// than a strategy name.
+pub fn is_config(s: &str) -> bool {
+    s.contains('=') || s.split(',').any(|f| f.trim() == "sp")
+}
+
+fn count(key: &str, v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("`{key}={v}`: {key} must be a whole number of at least 1")),
+    }
+}
+
+impl Config {
+    /// Parses `key=value` fields separated by commas (and the flag `sp`).
+    pub fn parse(s: &str) -> Result<Config, String> {
+        let mut c = Config { tp: 1, pp: 1, vp: 1, cp: 1, ep: 1, mbs: 1, ..Config::default() };
+        let mut seen: Vec<&str> = Vec::new();
+        for field in s.split(',').map(str::trim).filter(|f| !f.is_empty()) {
+            let (key, value) = field.split_once('=').map_or((field, None), |(k, v)| (k.trim(), Some(v.trim())));
+            if seen.contains(&key) {
+                return Err(format!("`{key}` is given twice"));
+            }
+            seen.push(key);
+            let v = || value.ok_or_else(|| format!("`{key}` needs a value: write {key}=…"));
+            match key {
+                "dp" => c.dp = Some(count(key, v()?)?),
+                "tp" => c.tp = count(key, v()?)?,
+                "pp" => c.pp = count(key, v()?)?,
+                "vp" => c.vp = count(key, v()?)?,
+                "cp" => c.cp = count(key, v()?)?,
+                "ep" => c.ep = count(key, v()?)?,
+                "mbs" => c.mbs = count(key, v()?)?,
+                "sp" => {
+                    c.sp = match value {
+                        None | Some("1" | "true" | "on") => true,
+                        Some("0" | "false" | "off") => false,
+                        Some(o) => return Err(format!("`sp={o}`: write sp, sp=on or sp=off")),
+                    }
+                }
+                "recompute" => c.recompute = Recompute::parse(v()?)?,
+                "zero" => {
+                    c.zero = match v()? {
+                        "0" => 0,
+                        "1" => 1,
+                        "2" => 2,
+                        "3" => 3,
+                        o => return Err(format!("`zero={o}`: the ZeRO stage is 0, 1, 2 or 3")),
+                    }
+                }
+                "schedule" => {
+                    c.schedule = Some(match v()? {
+                        "gpipe" => Schedule::GPipe,
+                        "1f1b" => Schedule::OneFOneB,
+                        "interleaved" => Schedule::OneFOneB,
+                        o => return Err(format!("`schedule={o}`: the schedule is gpipe, 1f1b or interleaved")),
+                    });
+                    if v()? == "interleaved" && c.vp == 1 {
+                        c.vp = 2;
+                    }
+                }
+                other => {
+                    return Err(format!(
+                        "unknown field `{other}`; a configuration has dp, tp, pp, vp, cp, ep, mbs, sp, recompute, zero, schedule"
+                    ));
+                }
+            }
+        }
+        Ok(c)
+    }
+
+    /// The data-parallel degree on `devices` devices, checking that the degrees multiply to
+    /// them.
+    pub fn data_degree(&self, devices: usize) -> Result<usize, String> {
+        let others = self.tp * self.pp * self.cp * self.ep;
+        let dp = match self.dp {
+            Some(d) => d,
+            None if devices.is_multiple_of(others) => devices / others,
+            None => return Err(format!("tp × pp × cp × ep = {others} does not divide the {devices} devices")),
+        };
+        if dp * others != devices {
+            return Err(format!(
+                "dp × tp × pp × cp × ep = {dp} × {} × {} × {} × {} = {} devices, but {devices} are used (--devices)",
+                self.tp,
+                self.pp,
+                self.cp,
+                self.ep,
+                dp * others
+            ));
+        }
+        Ok(dp)
+    }
+
+    /// The named strategy this configuration is, on `devices` devices, for a global `batch`
+    /// (pipelines: micro-batches = batch / (dp × mbs)), and the options it sets on `opts`.
+    pub fn resolve(&self, devices: usize, batch: Option<i64>, opts: &Options) -> Result<(Named, Options), String> {
+        let dp = self.data_degree(devices)?;
+        for (k, d) in [("cp", self.cp), ("ep", self.ep), ("vp", self.vp)] {
+            if d > 1 {
+                return Err(format!(
+                    "{k}={d}: the cost model does not price {} yet",
+                    match k {
+                        "cp" => "context parallelism",
+                        "ep" => "expert parallelism",
+                        _ => "interleaved virtual stages",
+                    }
+                ));
+            }
+        }
+        if self.sp && self.tp == 1 {
+            return Err("sp: sequence parallelism splits the tensor-parallel axis; give tp > 1".into());
+        }
+        let mut o = opts.clone();
+        o.recompute = self.recompute;
+        o.sequence_parallel = self.sp;
+        o.zero = self.zero;
+        let named = match (self.pp, self.tp, dp) {
+            (1, 1, _) => Named::Data,
+            (1, t, 1) if t > 1 => Named::Megatron,
+            (1, tp, dp) => Named::Hybrid { dp, tp },
+            (pp, 1, dp) => {
+                // Each stage's devices split every micro-batch: micro-batches of mbs per device.
+                let b = batch.ok_or("pp: the model's batch size is not known; give --batch")? as usize;
+                if !b.is_multiple_of(dp * self.mbs) {
+                    return Err(format!("pp: the batch {b} is not a multiple of dp × mbs = {}", dp * self.mbs));
+                }
+                Named::Pipeline(pp, b / (dp * self.mbs), self.schedule.unwrap_or(Schedule::OneFOneB))
+            }
+            (pp, tp, _) => {
+                return Err(format!("pp={pp} with tp={tp}: tensor-parallel pipeline stages are not priced yet"));
+            }
+        };
+        Ok((named, o))
+    }
+}

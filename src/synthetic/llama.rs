@@ -1,0 +1,161 @@
+//! A Llama-style decoder as the exporters write it: RMSNorm (`RMSNormalization`, opset 23),
+//! grouped-query attention with rotary position embeddings (`q·cos + rotate_half(q)·sin`, the
+//! key/value heads repeated by `Unsqueeze`/`Expand`/`Reshape`), a causal mask, and a SwiGLU
+//! MLP (`down(silu(gate(x)) · up(x))`); optionally the final norm and the output head.
+
+use std::fmt::Write;
+
+use super::ext;
+
+/// A Llama-style decoder of `layers` blocks on `batch × seq × hidden` activations.
+#[derive(Clone, Copy, Debug)]
+pub struct Llama {
+    /// Blocks.
+    pub layers: usize,
+    /// Model width.
+    pub hidden: usize,
+    /// Query heads (must divide `hidden`).
+    pub heads: usize,
+    /// Key/value heads (must divide `heads`).
+    pub kv_heads: usize,
+    /// The MLP's inner width.
+    pub ffn: usize,
+    /// The output head's vocabulary (0: no final norm and head; the output is the last
+    /// block's).
+    pub vocab: usize,
+    /// Batch size.
+    pub batch: usize,
+    /// Sequence length.
+    pub seq: usize,
+}
+
+impl Llama {
+    /// Llama-3-8B's shape (32 × 4096, 32 heads, 8 key/value heads, MLP 14336, vocabulary
+    /// 128256) at a batch and sequence.
+    pub fn llama3_8b(batch: usize, seq: usize) -> Llama {
+        Llama { layers: 32, hidden: 4096, heads: 32, kv_heads: 8, ffn: 14336, vocab: 128256, batch, seq }
+    }
+
+    /// Llama-3-70B's shape (80 × 8192, 64 heads, 8 key/value heads, MLP 28672).
+    pub fn llama3_70b(batch: usize, seq: usize) -> Llama {
+        Llama { layers: 80, hidden: 8192, heads: 64, kv_heads: 8, ffn: 28672, vocab: 128256, batch, seq }
+    }
+
+    /// Llama-3-405B's shape (126 × 16384, 128 heads, 8 key/value heads, MLP 53248).
+    pub fn llama3_405b(batch: usize, seq: usize) -> Llama {
+        Llama { layers: 126, hidden: 16384, heads: 128, kv_heads: 8, ffn: 53248, vocab: 128256, batch, seq }
+    }
+
+    /// The model text.
+    pub fn to_text(&self) -> String {
+        let Llama { layers, hidden: h, heads: nh, kv_heads: kv, ffn, vocab, batch: b, seq: s } = *self;
+        assert!(nh > 0 && h % nh == 0, "heads must divide hidden");
+        assert!(kv > 0 && nh % kv == 0, "key/value heads must divide heads");
+        let hd = h / nh;
+        let rep = nh / kv;
+        let mut inits: Vec<String> = vec![
+            format!("int64[4] q_shape = {{{b},{s},{nh},{hd}}}"),
+            format!("int64[4] kv_shape = {{{b},{s},{kv},{hd}}}"),
+            format!("int64[5] rep_shape = {{{b},{kv},{rep},{s},{hd}}}"),
+            format!("int64[4] full_shape = {{{b},{nh},{s},{hd}}}"),
+            format!("int64[3] model_shape = {{{b},{s},{h}}}"),
+            "int64[1] rep_axis = {2}".into(),
+            "int64[1] last = {3}".into(),
+            format!("int64[1] zero = {{0}}, int64[1] half = {{{}}}, int64[1] end = {{{hd}}}", hd / 2),
+            format!("float scale = {{{}}}", 1.0 / (hd as f64).sqrt()),
+            ext("float", &[s, s], "causal_mask"),
+            ext("float", &[s, hd], "rope_cos"),
+            ext("float", &[s, hd], "rope_sin"),
+        ];
+        for l in 0..layers {
+            for (name, dims) in [
+                ("input_norm", vec![h]),
+                ("wq", vec![h, h]),
+                ("wk", vec![h, kv * hd]),
+                ("wv", vec![h, kv * hd]),
+                ("wo", vec![h, h]),
+                ("post_norm", vec![h]),
+                ("w_gate", vec![h, ffn]),
+                ("w_up", vec![h, ffn]),
+                ("w_down", vec![ffn, h]),
+            ] {
+                inits.push(ext("float", &dims, &format!("layers.{l}.{name}")));
+            }
+        }
+        if vocab > 0 {
+            inits.push(ext("float", &[h], "norm"));
+            inits.push(ext("float", &[h, vocab], "lm_head"));
+        }
+        let out = if vocab > 0 { format!("float[{b},{s},{vocab}] logits") } else { format!("float[{b},{s},{h}] y") };
+        let mut t = String::new();
+        let _ = write!(
+            t,
+            "<\n   ir_version: 10,\n   opset_import: [\"\" : 23]\n>\nllama (float[{b},{s},{h}] x) => ({out})\n   <{}>\n{{\n",
+            inits.join(", ")
+        );
+        let mut x = "x".to_string();
+        for l in 0..layers {
+            block(&mut t, l, &x);
+            x = format!("l{l}_r2");
+        }
+        if vocab > 0 {
+            let _ = writeln!(t, "   [\"norm\"] final_n = RMSNormalization <axis: int = -1> ({x}, norm)");
+            let _ = writeln!(t, "   [\"lm_head\"] logits = MatMul (final_n, lm_head)\n}}");
+        } else {
+            let _ = writeln!(t, "   [final] y = Identity ({x})\n}}");
+        }
+        t
+    }
+}
+
+/// One decoder block `l` reading `x`, its output `l{l}_r2`.
+fn block(t: &mut String, l: usize, x: &str) {
+    let p = format!("l{l}");
+    let w = |n: &str| format!("\"layers.{l}.{n}\"");
+    let mut line = |s: String| {
+        t.push_str("   ");
+        t.push_str(&s);
+        t.push('\n');
+    };
+    line(format!("[\"{p}/input_norm\"] {p}_n1 = RMSNormalization <axis: int = -1> ({x}, {})", w("input_norm")));
+    for (n, shape) in [("q", "q_shape"), ("k", "kv_shape"), ("v", "kv_shape")] {
+        line(format!("[\"{p}/{n}_proj\"] {p}_{n}m = MatMul ({p}_n1, {})", w(&format!("w{n}"))));
+        line(format!("[\"{p}/{n}_split\"] {p}_{n}r = Reshape ({p}_{n}m, {shape})"));
+        line(format!("[\"{p}/{n}_heads\"] {p}_{n}t = Transpose <perm: ints = [0, 2, 1, 3]> ({p}_{n}r)"));
+    }
+    // Rotary embeddings on Q and K: x·cos + rotate_half(x)·sin.
+    for n in ["q", "k"] {
+        line(format!("[\"{p}/{n}_lo\"] {p}_{n}lo = Slice ({p}_{n}t, zero, half, last)"));
+        line(format!("[\"{p}/{n}_hi\"] {p}_{n}hi = Slice ({p}_{n}t, half, end, last)"));
+        line(format!("[\"{p}/{n}_neg\"] {p}_{n}ng = Neg ({p}_{n}hi)"));
+        line(format!("[\"{p}/{n}_rot\"] {p}_{n}rh = Concat <axis: int = -1> ({p}_{n}ng, {p}_{n}lo)"));
+        line(format!("[\"{p}/{n}_cos\"] {p}_{n}c = Mul ({p}_{n}t, rope_cos)"));
+        line(format!("[\"{p}/{n}_sin\"] {p}_{n}s = Mul ({p}_{n}rh, rope_sin)"));
+        line(format!("[\"{p}/{n}_rope\"] {p}_{n}e = Add ({p}_{n}c, {p}_{n}s)"));
+    }
+    // Grouped-query attention: each key/value head serves `rep` query heads.
+    for n in ["k", "v"] {
+        let src = if n == "k" { format!("{p}_ke") } else { format!("{p}_vt") };
+        line(format!("[\"{p}/{n}_unsq\"] {p}_{n}u = Unsqueeze ({src}, rep_axis)"));
+        line(format!("[\"{p}/{n}_expand\"] {p}_{n}x = Expand ({p}_{n}u, rep_shape)"));
+        line(format!("[\"{p}/{n}_repeat\"] {p}_{n}f = Reshape ({p}_{n}x, full_shape)"));
+    }
+    line(format!("[\"{p}/k_transpose\"] {p}_kT = Transpose <perm: ints = [0, 1, 3, 2]> ({p}_kf)"));
+    line(format!("[\"{p}/scores\"] {p}_sc = MatMul ({p}_qe, {p}_kT)"));
+    line(format!("[\"{p}/scale\"] {p}_scs = Mul ({p}_sc, scale)"));
+    line(format!("[\"{p}/mask\"] {p}_scm = Add ({p}_scs, causal_mask)"));
+    line(format!("[\"{p}/softmax\"] {p}_pr = Softmax <axis: int = -1> ({p}_scm)"));
+    line(format!("[\"{p}/context\"] {p}_ctx = MatMul ({p}_pr, {p}_vf)"));
+    line(format!("[\"{p}/merge_heads\"] {p}_ctxt = Transpose <perm: ints = [0, 2, 1, 3]> ({p}_ctx)"));
+    line(format!("[\"{p}/merge\"] {p}_ctxr = Reshape ({p}_ctxt, model_shape)"));
+    line(format!("[\"{p}/o_proj\"] {p}_o = MatMul ({p}_ctxr, {})", w("wo")));
+    line(format!("[\"{p}/residual1\"] {p}_r1 = Add ({x}, {p}_o)"));
+    line(format!("[\"{p}/post_norm\"] {p}_n2 = RMSNormalization <axis: int = -1> ({p}_r1, {})", w("post_norm")));
+    line(format!("[\"{p}/gate_proj\"] {p}_g = MatMul ({p}_n2, {})", w("w_gate")));
+    line(format!("[\"{p}/gate_sigmoid\"] {p}_gs = Sigmoid ({p}_g)"));
+    line(format!("[\"{p}/gate_silu\"] {p}_ga = Mul ({p}_g, {p}_gs)"));
+    line(format!("[\"{p}/up_proj\"] {p}_u = MatMul ({p}_n2, {})", w("w_up")));
+    line(format!("[\"{p}/gate_up\"] {p}_gu = Mul ({p}_ga, {p}_u)"));
+    line(format!("[\"{p}/down_proj\"] {p}_d = MatMul ({p}_gu, {})", w("w_down")));
+    line(format!("[\"{p}/residual2\"] {p}_r2 = Add ({p}_r1, {p}_d)"));
+}

@@ -1,0 +1,150 @@
+//! Memory at LLM scale: the activations a Megatron-style GPT keeps for its backward pass under
+//! each recomputation granularity, with and without sequence parallelism, against the closed
+//! forms of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+//! Models", §4, without the dropout masks the synthetic model does not have); and ZeRO's
+//! model-state memory against the counts of its paper (Rajbhandari et al. 2020, §5).
+
+use passes::cost::config::Config;
+use passes::cost::{self, Breakdown, Cluster, Options, Precision};
+
+/// A Megatron-style GPT (fused GELU), parsed and prepared as the CLI does.
+fn gpt(layers: usize, hidden: usize, heads: usize, batch: usize, seq: usize) -> ir::Graph {
+    let text = shardc::synthetic::Gpt { layers, hidden, heads, batch, seq, fused_gelu: true }.to_text();
+    let mut m = frontend::parse(&text).unwrap_or_else(|d| panic!("{}", frontend::render(&d, "gpt", &text))).model;
+    let mut pm = passes::PassManager::new();
+    pm.add(passes::Verify).add(passes::InferShapes::default()).add(passes::Canonicalize).add(passes::Algebra);
+    pm.run(&mut m).unwrap();
+    m.graph
+}
+
+/// The price of configuration `config` on `devices` A100s, mixed precision with Adam.
+fn priced(g: &ir::Graph, devices: usize, config: &str) -> Breakdown {
+    let c = Cluster::preset("a100-cluster-8").unwrap();
+    let opts = Options { precision: Precision::Fp16, ..Options::default() };
+    let (named, opts) = Config::parse(config)
+        .and_then(|cfg| cfg.resolve(devices, cost::pipeline::graph_batch(g), &opts))
+        .unwrap_or_else(|e| panic!("{config}: {e}"));
+    cost::price(g, &c, devices, &named, &opts).unwrap_or_else(|e| panic!("{config}: {e}")).breakdown
+}
+
+fn close(got: f64, want: f64, tol: f64, what: &str) {
+    assert!(
+        (got / want - 1.0).abs() <= tol,
+        "{what}: shardc {got:.4e} B, closed form {want:.4e} B ({:+.2}%)",
+        100.0 * (got / want - 1.0)
+    );
+}
+
+#[test]
+fn activations_match_the_closed_forms_of_korthikanti_et_al() {
+    let (l, h, a, b, s) = (4usize, 512usize, 8usize, 2usize, 256usize);
+    let g = gpt(l, h, a, b, s);
+    let sbh = (s * b * h) as f64;
+    let scores = (a * s * s * b) as f64;
+    let lf = l as f64;
+    for t in [1usize, 4] {
+        let tf = t as f64;
+        for sp in [false, true] {
+            if sp && t == 1 {
+                continue;
+            }
+            // The part outside the tensor-parallel regions: split by t under SP.
+            let r = if sp { 1.0 / tf } else { 1.0 };
+            // Per layer, in bytes at 2 bytes an element: 8sbh (layer norms' inputs, the
+            // inputs of the QKV and first MLP GEMMs) + 24sbh/t (Q, K, V, the context, the MLP's
+            // two 4h tensors) + 2as²b/t (the softmax's output).
+            let none_layer = sbh * (8.0 * r + 24.0 / tf) + 2.0 * scores / tf;
+            let selective_layer = sbh * (8.0 * r + 24.0 / tf);
+            let full_layer = 2.0 * sbh * r;
+            // Layer 0's input is the model's input, not an activation it computes.
+            let first = 2.0 * sbh * r;
+            let cases = [
+                ("none", lf * none_layer - first),
+                // One layer's probabilities again while its backward runs.
+                ("selective", lf * selective_layer - first + 2.0 * scores / tf),
+                // One layer's whole stash again while its backward runs.
+                ("full", lf * full_layer - first + none_layer),
+            ];
+            for (recompute, want) in cases {
+                let config = format!("tp={t},recompute={recompute}{}", if sp { ",sp" } else { "" });
+                let got = priced(&g, t, &config).memory.activations;
+                close(got, want, 0.02, &config);
+            }
+        }
+    }
+}
+
+#[test]
+fn recomputation_costs_compute_and_sequence_parallelism_trades_all_reduce_for_two_halves() {
+    let g = gpt(4, 512, 8, 2, 256);
+    let none = priced(&g, 4, "tp=4");
+    let selective = priced(&g, 4, "tp=4,recompute=selective");
+    let full = priced(&g, 4, "tp=4,recompute=full");
+    // Full recomputation runs the forward again (its communication too); selective only the
+    // attention core, a small part of it.
+    assert!(full.backward_s > selective.backward_s && selective.backward_s > none.backward_s);
+    let again = full.backward_s - none.backward_s;
+    assert!(again > 0.8 * none.forward_s && again < 1.2 * none.forward_s, "{again} vs forward {}", none.forward_s);
+    assert!(selective.backward_s - none.backward_s < 0.25 * again);
+    assert_eq!(full.forward_s, none.forward_s);
+    let sp = priced(&g, 4, "tp=4,sp");
+    let kind = |b: &Breakdown, k: &str| b.communication_by_kind.get(k).copied().unwrap_or(0.0);
+    assert!(kind(&sp, "reduce_scatter") > 0.0 && kind(&sp, "all_gather") > 0.0);
+    assert!(kind(&sp, "all_reduce") < 0.1 * kind(&none, "all_reduce"), "{:?}", sp.communication_by_kind);
+}
+
+#[test]
+fn zero_stages_shard_model_state_as_the_zero_paper_counts() {
+    // GPT-2 small's blocks, 8-way data parallel, mixed precision with Adam: per parameter
+    // 2 bytes of weight, 2 of gradient, 12 of optimizer state (fp32 master, two moments).
+    let g = gpt(12, 768, 12, 8, 128);
+    let psi: f64 = g
+        .initializers()
+        .iter()
+        .map(|&n| ir::Value::new(n, 0))
+        .filter(|&v| ir::cost::is_param(&g, v))
+        .map(|v| g.tensor_type(v).and_then(|t| t.numel()).unwrap() as f64)
+        .sum();
+    let n = 8.0;
+    let largest: f64 = 768.0 * 3072.0;
+    let zero0 = priced(&g, 8, "dp=8");
+    for (stage, w, gr, o) in [
+        (0, 2.0 * psi, 2.0 * psi, 12.0 * psi),
+        (1, 2.0 * psi, 2.0 * psi, 12.0 * psi / n),
+        (2, 2.0 * psi, 2.0 * psi / n, 12.0 * psi / n),
+        (3, 2.0 * psi / n, 2.0 * psi / n, 12.0 * psi / n),
+    ] {
+        let b = priced(&g, 8, &format!("dp=8,zero={stage}"));
+        let m = &b.memory;
+        close(m.weights, w, 1e-9, &format!("zero={stage} weights"));
+        close(m.gradients, gr, 1e-9, &format!("zero={stage} gradients"));
+        close(m.optimizer, o, 1e-9, &format!("zero={stage} optimizer"));
+        // Stage 3 gathers a parameter whole (with its gradient) before it is used.
+        let buffer = if stage == 3 { 2.0 * 2.0 * largest } else { 0.0 };
+        close(m.workspace, zero0.memory.workspace + buffer, 1e-9, &format!("zero={stage} workspace"));
+        assert_eq!(m.activations, zero0.memory.activations);
+        // The same bytes cross the links (reduce-scatter + all-gather is an all-reduce), and
+        // stage 3 gathers twice more.
+        let moved = b.gradient_sync_s;
+        let factor = if stage == 3 { 1.5 } else { 1.0 };
+        close(moved, factor * zero0.gradient_sync_s, 0.02, &format!("zero={stage} synchronisation"));
+    }
+}
+
+#[test]
+fn configurations_check_their_degrees_and_say_what_is_not_priced() {
+    let opts = Options::default();
+    let resolve = |s: &str, d: usize| Config::parse(s).and_then(|c| c.resolve(d, Some(8), &opts).map(|(n, _)| n));
+    assert!(resolve("tp=4,dp=4", 8).unwrap_err().contains("16 devices"));
+    assert!(resolve("tp=3", 8).unwrap_err().contains("does not divide"));
+    assert!(resolve("cp=2", 8).unwrap_err().contains("context parallelism"));
+    assert!(resolve("pp=2,tp=2", 8).unwrap_err().contains("tensor-parallel pipeline stages"));
+    assert!(resolve("sp", 8).unwrap_err().contains("tp > 1"));
+    assert!(Config::parse("zero=4").unwrap_err().contains("0, 1, 2 or 3"));
+    assert!(Config::parse("tp=2,tp=4").unwrap_err().contains("twice"));
+    assert!(Config::parse("foo=1").unwrap_err().contains("unknown field"));
+    assert_eq!(resolve("tp=8", 8).unwrap(), cost::Named::Megatron);
+    assert_eq!(resolve("tp=2", 8).unwrap(), cost::Named::Hybrid { dp: 4, tp: 2 });
+    assert_eq!(resolve("dp=8", 8).unwrap(), cost::Named::Data);
+    assert_eq!(resolve("pp=2,mbs=1", 8).unwrap(), cost::Named::Pipeline(2, 2, cost::Schedule::OneFOneB));
+}
