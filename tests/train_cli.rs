@@ -647,3 +647,67 @@ fn seeded_integer_inputs_are_indices_or_ones() {
     assert!(ids.iter().any(|&i| i != ids[0]), "every id the same: {ids:?}");
     assert_eq!(ints("mask"), vec![1; 10]);
 }
+
+/// Writes a synthetic model to a temporary file named `name`.
+fn synthetic_file(name: &str, text: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("shardc-recompute-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn recomputation_trains_like_one_device_and_lowers_the_measured_peak_as_predicted() {
+    // A reduced Megatron GPT and a reduced Llama (grouped-query attention, RMSNorm, rotary
+    // embeddings, SwiGLU), on one device and tensor parallel over four.
+    let gpt = shardc::synthetic::Gpt { layers: 4, hidden: 64, heads: 4, batch: 8, seq: 64, fused_gelu: true };
+    let llama = shardc::synthetic::Llama {
+        layers: 4,
+        hidden: 64,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 128,
+        vocab: 0,
+        batch: 8,
+        seq: 64,
+    };
+    for (name, text) in [("gpt.onnxtxt", gpt.to_text()), ("llama.onnxtxt", llama.to_text())] {
+        let path = synthetic_file(name, &text);
+        let model = path.to_str().unwrap();
+        for devices in ["1", "4"] {
+            let mut peaks = Vec::new();
+            for recompute in ["none", "selective", "full"] {
+                let args = [
+                    model,
+                    "--backend",
+                    "cpu",
+                    "--steps",
+                    "2",
+                    "--devices",
+                    devices,
+                    "--strategy",
+                    "megatron",
+                    "--loss",
+                    "mse",
+                    "--recompute",
+                    recompute,
+                    "--check",
+                ];
+                let what = format!("{name} on {devices} devices, --recompute {recompute}");
+                let doc = shardc_train(&args).unwrap_or_else(|e| panic!("{what}: {e}"));
+                let measured = doc["devices"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|d| d["memory_allocated_bytes"].as_f64().unwrap())
+                    .fold(0.0, f64::max);
+                let predicted = doc["memory_predicted_bytes"].as_f64().unwrap();
+                let ratio = measured / predicted;
+                assert!((0.8..=1.2).contains(&ratio), "{what}: measured {measured} B, predicted {predicted} B");
+                peaks.push(measured);
+            }
+            assert!(peaks[1] < peaks[0] && peaks[2] < peaks[1], "{name} on {devices}: peaks {peaks:?}");
+        }
+    }
+}

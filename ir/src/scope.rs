@@ -16,6 +16,13 @@ use crate::{Graph, NodeId, Op};
 /// (`transformer.h.0.attn.c_attn.weight` → `transformer.h.0.attn.c_attn`). `None` when
 /// neither says.
 pub fn own_module_path(g: &Graph, n: NodeId) -> Option<String> {
+    own_path_among(g, n, &|_| true)
+}
+
+/// [`own_module_path`] counting only the readers `among` admits when it asks whether a
+/// parameter is shared (a training graph's backward ops and updates read every parameter
+/// again).
+fn own_path_among(g: &Graph, n: NodeId, among: &dyn Fn(NodeId) -> bool) -> Option<String> {
     let node = g.node(n);
     if let Some(p) = node.label.as_deref().and_then(path_of_scoped_name) {
         return Some(p);
@@ -24,7 +31,7 @@ pub fn own_module_path(g: &Graph, n: NodeId) -> Option<String> {
         // A parameter read by several ops (an exporter that stored equal tensors once, tied
         // embeddings) does not say which module an op belongs to.
         let shared = || {
-            let mut readers: Vec<NodeId> = g.users(*v).into_iter().map(|(u, _)| u).collect();
+            let mut readers: Vec<NodeId> = g.users(*v).into_iter().map(|(u, _)| u).filter(|&u| among(u)).collect();
             readers.sort();
             readers.dedup();
             readers.len() > 1
@@ -46,11 +53,22 @@ pub fn own_module_path(g: &Graph, n: NodeId) -> Option<String> {
 /// the layer that produced their newest input: `x + attn(x)` to the attention, not to
 /// whichever layer began the residual stream). Nodes before any named one get `""`.
 pub fn module_paths(g: &Graph, order: &[NodeId]) -> HashMap<NodeId, String> {
+    module_paths_with(g, order, &|_| true)
+}
+
+/// [`module_paths`] of the ops of `order` alone: a parameter is shared when two of them read
+/// it (a training graph's forward ops, with its backward pass and updates left out).
+pub fn module_paths_among(g: &Graph, order: &[NodeId]) -> HashMap<NodeId, String> {
+    let ops: std::collections::HashSet<NodeId> = order.iter().copied().collect();
+    module_paths_with(g, order, &|n| ops.contains(&n))
+}
+
+fn module_paths_with(g: &Graph, order: &[NodeId], among: &dyn Fn(NodeId) -> bool) -> HashMap<NodeId, String> {
     let mut out: HashMap<NodeId, String> = HashMap::new();
     let at: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
     let mut previous = String::new();
     for &n in order {
-        let p = own_module_path(g, n).or_else(|| {
+        let p = own_path_among(g, n, among).or_else(|| {
             g.node(n)
                 .inputs()
                 .iter()

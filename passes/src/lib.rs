@@ -17,6 +17,7 @@ pub mod cost;
 pub mod infer_shapes;
 pub mod manager;
 pub mod rebatch;
+pub mod recompute;
 pub mod table;
 pub mod train;
 pub mod verify;

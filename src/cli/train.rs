@@ -83,6 +83,10 @@ pub struct TrainArgs {
     /// a time and the optimizer steps once on the mean gradient (gradient accumulation).
     #[arg(long, default_value_t = 1, value_parser = parse_count, allow_negative_numbers = true)]
     pub micro_batches: usize,
+    /// Activation recomputation: none, selective (the attention cores) or full (each repeated
+    /// block keeps only its input); the backward pass runs those forward ops again.
+    #[arg(long, default_value = "none")]
+    pub recompute: String,
     #[command(flatten)]
     pub transport: super::transport::TransportArgs,
     /// The cluster the prediction is for.
@@ -875,6 +879,19 @@ fn save_state(args: &TrainArgs, out: &PathBuf, t: &Trained) -> CliResult {
     Ok(())
 }
 
+/// `g` with `--recompute`'s regions recomputed in its backward pass
+/// ([`passes::recompute`]), `None` when there is nothing to recompute.
+fn recomputed(g: &ir::Graph, mode: &str, notes: &mut Vec<String>) -> CliResult<Option<ir::Graph>> {
+    let mode = passes::cost::Recompute::parse(mode).map_err(|e| CliError::msg(format!("--recompute: {e}")))?;
+    let mut r = g.clone();
+    let copied = passes::recompute::recompute(&mut r, mode).map_err(|e| CliError::msg(format!("--recompute: {e}")))?;
+    if copied == 0 {
+        return Ok(None);
+    }
+    notes.push(format!("recomputation ({}): {copied} forward ops run again in the backward pass", mode.name()));
+    Ok(Some(r))
+}
+
 pub fn run(args: &TrainArgs) -> CliResult {
     // Under mpirun each process runs one device; every process plans and lowers the same
     // program (the search is deterministic; the programs are compared before running).
@@ -894,6 +911,10 @@ pub fn run(args: &TrainArgs) -> CliResult {
         m => Some(shardc::train::micro_training_model(&s.loaded.model, &s.loss, &s.opt, m).map_err(CliError::msg)?),
     };
     let gl = micro_tm.as_ref().map_or(g, |t| &t.graph);
+    // Recomputation rewrites the graph the program runs; the references keep the graph as
+    // differentiated.
+    let recomputed = recomputed(gl, &args.recompute, &mut notes)?;
+    let gl = recomputed.as_ref().unwrap_or(gl);
     // The program: the training graph lowered for the strategy.
     let searched = s.searched.take();
     let chosen = training_plan(args, s.plan_doc.as_ref(), searched, &s.loaded.model.graph, gl, &s.cluster, &s.opts)?;

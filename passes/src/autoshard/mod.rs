@@ -506,18 +506,16 @@ pub fn search(
     if first.breakdown.feasible || !so.memory_ladder {
         return Ok(first);
     }
-    // No plan fits: save memory step by step ([`memory_ladder`]), each rung searched again
-    // (under the same time limit each), until one fits; else the plan that needs the least.
+    // No plan fits: each rung of [`memory_ladder`] is searched again (under the same time
+    // limit each); the fastest plan that fits wins (a later rung saves more memory, which
+    // may let a faster layout fit: ZeRO-sharded data parallelism instead of wide tensor
+    // parallelism), else the plan that needs the least.
     let mut best = first;
     for rung in memory_ladder(opts) {
         let mut r = search_once(g, cluster, devices, &rung, so)?;
         r.options = Some(rung);
-        let fits = r.breakdown.feasible;
-        if fits || r.breakdown.memory.total() < best.breakdown.memory.total() {
+        if extract::better(&r.breakdown, &best.breakdown) {
             best = r;
-        }
-        if fits {
-            break;
         }
     }
     best.search_time_s = start.elapsed().as_secs_f64();

@@ -137,14 +137,17 @@ impl Stash {
             Recompute::Full => blocks(g, order),
         };
         let mut checkpoints: HashSet<Value> = HashSet::new();
+        // Values of parameters and constants alone (a step counter) are not activations.
+        let act = activations(g, order);
         for ops in groups {
-            let inside: HashSet<NodeId> = ops.iter().copied().collect();
+            let inside: HashSet<NodeId> = ops.iter().copied().filter(|n| act.contains(n)).collect();
             let again: Vec<Value> = saved.iter().copied().filter(|v| inside.contains(&v.node)).collect();
             if again.is_empty() {
                 continue;
             }
             let ops_again = ancestors_within(g, &inside, &again);
             s.region_ops.push(ops.iter().copied().filter(|n| ops_again.contains(n)).collect());
+            let ops: Vec<NodeId> = ops.into_iter().filter(|n| inside.contains(n)).collect();
             s.recomputed.extend(ops_again);
             for &n in &ops {
                 for v in g.node(n).inputs().iter().flatten() {
@@ -245,7 +248,7 @@ fn attention_cores(g: &Graph, order: &[NodeId]) -> Vec<Vec<NodeId>> {
 /// The ops of each repeated block ([`ir::scope::block_of`] of their module path), blocks in
 /// order; ops outside any named block are in none.
 fn blocks(g: &Graph, order: &[NodeId]) -> Vec<Vec<NodeId>> {
-    let paths = ir::scope::module_paths(g, order);
+    let paths = ir::scope::module_paths_among(g, order);
     let mut index: HashMap<String, usize> = HashMap::new();
     let mut out: Vec<Vec<NodeId>> = Vec::new();
     for &n in order {
