@@ -658,9 +658,10 @@ fn synthetic_file(name: &str, text: &str) -> std::path::PathBuf {
 }
 
 #[test]
-fn recomputation_trains_like_one_device_and_lowers_the_measured_peak_as_predicted() {
+fn recomputation_and_sequence_parallelism_train_like_one_device_and_lower_the_peak_as_predicted() {
     // A reduced Megatron GPT and a reduced Llama (grouped-query attention, RMSNorm, rotary
-    // embeddings, SwiGLU), on one device and tensor parallel over four.
+    // embeddings, SwiGLU), on one device and tensor parallel over four, with and without
+    // sequence parallelism.
     let gpt = shardc::synthetic::Gpt { layers: 4, hidden: 64, heads: 4, batch: 8, seq: 64, fused_gelu: true };
     let llama = shardc::synthetic::Llama {
         layers: 4,
@@ -675,26 +676,16 @@ fn recomputation_trains_like_one_device_and_lowers_the_measured_peak_as_predicte
     for (name, text) in [("gpt.onnxtxt", gpt.to_text()), ("llama.onnxtxt", llama.to_text())] {
         let path = synthetic_file(name, &text);
         let model = path.to_str().unwrap();
-        for devices in ["1", "4"] {
+        let mut without_sp = Vec::new();
+        for (devices, sp) in [("1", false), ("4", false), ("4", true)] {
             let mut peaks = Vec::new();
             for recompute in ["none", "selective", "full"] {
-                let args = [
-                    model,
-                    "--backend",
-                    "cpu",
-                    "--steps",
-                    "2",
-                    "--devices",
-                    devices,
-                    "--strategy",
-                    "megatron",
-                    "--loss",
-                    "mse",
-                    "--recompute",
-                    recompute,
-                    "--check",
-                ];
-                let what = format!("{name} on {devices} devices, --recompute {recompute}");
+                let mut args = vec![model, "--backend", "cpu", "--steps", "2", "--devices", devices];
+                args.extend(["--strategy", "megatron", "--loss", "mse", "--recompute", recompute, "--check"]);
+                if sp {
+                    args.push("--sequence-parallel");
+                }
+                let what = format!("{name} on {devices} devices, --recompute {recompute}, sequence parallel {sp}");
                 let doc = shardc_train(&args).unwrap_or_else(|e| panic!("{what}: {e}"));
                 let measured = doc["devices"]
                     .as_array()
@@ -708,6 +699,54 @@ fn recomputation_trains_like_one_device_and_lowers_the_measured_peak_as_predicte
                 peaks.push(measured);
             }
             assert!(peaks[1] < peaks[0] && peaks[2] < peaks[1], "{name} on {devices}: peaks {peaks:?}");
+            // Sequence parallelism splits what the tensor-parallel regions left whole.
+            if sp {
+                assert!(peaks.iter().zip(&without_sp).all(|(a, b)| a < b), "{name}: {peaks:?} vs {without_sp:?}");
+            } else {
+                without_sp = peaks;
+            }
         }
+    }
+}
+
+#[test]
+fn zero_1_updates_shards_trains_like_one_device_and_holds_less() {
+    // A reduced Llama with Adam: data parallel over four and data 2 × tensor 2 (with sequence
+    // parallelism and full recomputation), each with and without ZeRO-1.
+    let llama = shardc::synthetic::Llama {
+        layers: 4,
+        hidden: 64,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 128,
+        vocab: 0,
+        batch: 8,
+        seq: 64,
+    };
+    let path = synthetic_file("llama-zero.onnxtxt", &llama.to_text());
+    let model = path.to_str().unwrap();
+    for strategy in
+        [&["--strategy", "data"][..], &["--strategy", "hybrid:dp:2,tp:2", "--sequence-parallel", "--recompute", "full"]]
+    {
+        let mut peaks = Vec::new();
+        for zero in ["0", "1"] {
+            let mut args = vec![model, "--backend", "cpu", "--steps", "3", "--devices", "4", "--loss", "mse"];
+            args.extend(["--optimizer", "adam", "--zero", zero, "--check"]);
+            args.extend(strategy);
+            let doc = shardc_train(&args).unwrap_or_else(|e| panic!("{strategy:?} zero {zero}: {e}"));
+            let measured = doc["devices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d["memory_allocated_bytes"].as_f64().unwrap())
+                .fold(0.0, f64::max);
+            let predicted = doc["memory_predicted_bytes"].as_f64().unwrap();
+            assert!(
+                (0.8..=1.2).contains(&(measured / predicted)),
+                "{strategy:?} zero {zero}: {measured} vs {predicted}"
+            );
+            peaks.push(measured);
+        }
+        assert!(peaks[1] < peaks[0], "{strategy:?}: {peaks:?}");
     }
 }

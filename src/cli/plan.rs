@@ -79,6 +79,11 @@ pub struct PlanArgs {
     /// searched on the whole graph and kept when its plan is faster)
     #[arg(long)]
     pub no_rewrites: bool,
+    /// When no plan fits, do not search again with recomputation, sequence parallelism and
+    /// ZeRO (the memory ladder, docs/memory.md): the plan stays one `lower`, `run` and
+    /// `train --plan` can run
+    #[arg(long = "no-memory-saving")]
+    pub no_memory_saving: bool,
     /// Draw the step (a pipeline's schedule, stages × time) as an SVG timeline.
     #[arg(long, value_name = "FILE")]
     pub svg: Option<PathBuf>,
@@ -161,6 +166,7 @@ pub fn run(args: &PlanArgs) -> CliResult {
         pipeline,
         fold: args.fold,
         rewrites: !args.no_rewrites,
+        memory_ladder: !args.no_memory_saving,
         ..Default::default()
     };
     if let Some(n) = args.node_limit {

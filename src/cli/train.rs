@@ -87,6 +87,16 @@ pub struct TrainArgs {
     /// block keeps only its input); the backward pass runs those forward ops again.
     #[arg(long, default_value = "none")]
     pub recompute: String,
+    /// Megatron's sequence parallelism in the tensor-parallel strategies (`megatron`,
+    /// `hybrid`): norms and residual adds split along the sequence between the tensor-parallel
+    /// regions.
+    #[arg(long = "sequence-parallel")]
+    pub sequence_parallel: bool,
+    /// ZeRO stage 1: each optimizer update runs on its shard of a parameter held whole, with
+    /// that shard of the optimizer state (gradients reduce-scattered into it, the new value
+    /// all-gathered). Stages 2 and 3 are priced by `cost` and `plan`, not run.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub zero: u8,
     #[command(flatten)]
     pub transport: super::transport::TransportArgs,
     /// The cluster the prediction is for.
@@ -592,6 +602,8 @@ fn prepare(args: &TrainArgs) -> CliResult<Setup> {
             OptimizerSpec::Sgd { .. } => passes::cost::Optimizer::Sgd,
             OptimizerSpec::Adam { .. } => passes::cost::Optimizer::Adam,
         },
+        sequence_parallel: args.sequence_parallel,
+        zero: args.zero,
         ..Default::default()
     };
     // The model as written: its tensors' shapes name what is trained, and `--check` runs it.

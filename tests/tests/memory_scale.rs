@@ -148,3 +148,18 @@ fn configurations_check_their_degrees_and_say_what_is_not_priced() {
     assert_eq!(resolve("dp=8", 8).unwrap(), cost::Named::Data);
     assert_eq!(resolve("pp=2,mbs=1", 8).unwrap(), cost::Named::Pipeline(2, 2, cost::Schedule::OneFOneB));
 }
+
+#[test]
+fn a_micro_batch_size_without_a_pipeline_accumulates_gradients() {
+    // Batch 2 on a 4-way tensor-parallel mesh: mbs=1 runs two micro-batches per step.
+    let g = gpt(4, 512, 8, 2, 256);
+    let whole = priced(&g, 4, "tp=4");
+    let micro = priced(&g, 4, "tp=4,mbs=1");
+    close(micro.memory.activations, whole.memory.activations / 2.0, 1e-9, "activations of one micro-batch");
+    assert_eq!(micro.memory.weights, whole.memory.weights);
+    // The same work, each kernel launched twice (a large share of so small a model's step).
+    assert!(micro.step_time_s > whole.step_time_s && micro.step_time_s < 2.0 * whole.step_time_s);
+    assert!(
+        Config::parse("tp=4,mbs=3").unwrap().resolve(4, Some(2), &Options::default()).unwrap_err().contains("mbs=3")
+    );
+}

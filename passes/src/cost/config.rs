@@ -6,7 +6,9 @@
 //! schedule (`schedule=gpipe|1f1b|interleaved`).
 //!
 //! Every field is optional: the degrees default to 1 except `dp`, which takes the devices
-//! the others leave; `mbs` to 1; `sp` off; `recompute` none; `zero` 0; `schedule` 1f1b. The
+//! the others leave; `mbs` to 1 in a pipeline and, without one, to the whole batch of a
+//! data-parallel replica (no gradient accumulation); `sp` off; `recompute` none; `zero` 0;
+//! `schedule` 1f1b. The
 //! product of the degrees must be the devices used. A configuration resolves to a named
 //! strategy ([`Named`]: `data`, `megatron`, `hybrid:dp:D,tp:T`, `pipeline:S:M`) and the
 //! cost-model options it sets; what the cost model cannot price yet (`cp`, `ep`, `vp`,
@@ -31,8 +33,10 @@ pub struct Config {
     pub cp: usize,
     /// Expert-parallel degree.
     pub ep: usize,
-    /// Micro-batch size (pipelines).
-    pub mbs: usize,
+    /// Micro-batch size per data-parallel replica (`None`: 1 in a pipeline, else the
+    /// replica's whole batch). Without a pipeline, a smaller one accumulates gradients over
+    /// batch / (dp × mbs) micro-batches per step.
+    pub mbs: Option<usize>,
     /// Sequence parallelism.
     pub sp: bool,
     /// Activation recomputation.
@@ -59,7 +63,7 @@ fn count(key: &str, v: &str) -> Result<usize, String> {
 impl Config {
     /// Parses `key=value` fields separated by commas (and the flag `sp`).
     pub fn parse(s: &str) -> Result<Config, String> {
-        let mut c = Config { tp: 1, pp: 1, vp: 1, cp: 1, ep: 1, mbs: 1, ..Config::default() };
+        let mut c = Config { tp: 1, pp: 1, vp: 1, cp: 1, ep: 1, ..Config::default() };
         let mut seen: Vec<&str> = Vec::new();
         for field in s.split(',').map(str::trim).filter(|f| !f.is_empty()) {
             let (key, value) = field.split_once('=').map_or((field, None), |(k, v)| (k.trim(), Some(v.trim())));
@@ -75,7 +79,7 @@ impl Config {
                 "vp" => c.vp = count(key, v()?)?,
                 "cp" => c.cp = count(key, v()?)?,
                 "ep" => c.ep = count(key, v()?)?,
-                "mbs" => c.mbs = count(key, v()?)?,
+                "mbs" => c.mbs = Some(count(key, v()?)?),
                 "sp" => {
                     c.sp = match value {
                         None | Some("1" | "true" | "on") => true,
@@ -159,17 +163,28 @@ impl Config {
         o.recompute = self.recompute;
         o.sequence_parallel = self.sp;
         o.zero = self.zero;
+        let batch = batch.map(|b| b as usize);
+        if self.pp == 1
+            && let Some(mbs) = self.mbs
+        {
+            let b = batch.ok_or("mbs: the model's batch size is not known; give --batch")?;
+            if !b.is_multiple_of(dp * mbs) {
+                return Err(format!("mbs={mbs}: the batch {b} is not a multiple of dp × mbs = {}", dp * mbs));
+            }
+            o.accumulation = b / (dp * mbs);
+        }
         let named = match (self.pp, self.tp, dp) {
             (1, 1, _) => Named::Data,
             (1, t, 1) if t > 1 => Named::Megatron,
             (1, tp, dp) => Named::Hybrid { dp, tp },
             (pp, 1, dp) => {
                 // Each stage's devices split every micro-batch: micro-batches of mbs per device.
-                let b = batch.ok_or("pp: the model's batch size is not known; give --batch")? as usize;
-                if !b.is_multiple_of(dp * self.mbs) {
-                    return Err(format!("pp: the batch {b} is not a multiple of dp × mbs = {}", dp * self.mbs));
+                let b = batch.ok_or("pp: the model's batch size is not known; give --batch")?;
+                let mbs = self.mbs.unwrap_or(1);
+                if !b.is_multiple_of(dp * mbs) {
+                    return Err(format!("pp: the batch {b} is not a multiple of dp × mbs = {}", dp * mbs));
                 }
-                Named::Pipeline(pp, b / (dp * self.mbs), self.schedule.unwrap_or(Schedule::OneFOneB))
+                Named::Pipeline(pp, b / (dp * mbs), self.schedule.unwrap_or(Schedule::OneFOneB))
             }
             (pp, tp, _) => {
                 return Err(format!("pp={pp} with tp={tp}: tensor-parallel pipeline stages are not priced yet"));

@@ -106,6 +106,10 @@ pub struct Options {
     /// all-reduced over), 1 shards the optimizer state, 2 also the gradients, 3 also the
     /// parameters (gathered before each use, as FSDP does).
     pub zero: u8,
+    /// Gradient accumulation without a pipeline: each step runs this many micro-batches of
+    /// batch / `accumulation` before one gradient synchronisation and update; activations are
+    /// a micro-batch's.
+    pub accumulation: usize,
 }
 
 impl Options {
@@ -141,6 +145,7 @@ impl Default for Options {
             recompute: Recompute::None,
             sequence_parallel: false,
             zero: 0,
+            accumulation: 1,
         }
     }
 }
@@ -1157,13 +1162,18 @@ impl<'a> CostModel<'a> {
         let mut edges = Edges::default();
         let (mut fwd_total, mut compute_total, mut comm_total, mut activations) = (0.0, 0.0, 0.0, 0.0);
         let mut bwd_items: Vec<(NodeId, f64)> = Vec::with_capacity(self.order.len());
+        // Gradient accumulation: a micro-batch's values are 1/k of the batch's.
+        let k = self.opts.accumulation.max(1) as f64;
+        let micro_local = |v: Value| self.value_bytes(v) / split_factor(have(v), mesh) / k;
         for (pos, (&n, e)) in self.order.iter().zip(&evals).enumerate() {
             let node = g.node(n);
             let t = e.time;
             let (fwd_comm, bwd_comm, grad_sum) =
                 self.op_edges(&mut w, &mut edges, pos, n, e, &have, &|v| out_sh.contains_key(&v));
             self.record_op_comm(&mut w, n, e, &have);
-            fwd_total += t.fwd + fwd_comm + t.comm_fwd;
+            // Accumulating over k micro-batches launches each kernel k times.
+            let relaunch = if is_view(&node.op) || is_host(&node.op) { 0.0 } else { (k - 1.0) * self.launch() };
+            fwd_total += t.fwd + fwd_comm + t.comm_fwd + relaunch;
             // A recomputed op runs its forward (and its forward communication) again inside
             // the backward pass.
             let again = if self.stash.as_ref().is_some_and(|s| s.recomputed.contains(&n)) { t.fwd } else { 0.0 };
@@ -1172,8 +1182,8 @@ impl<'a> CostModel<'a> {
             compute_total += t.fwd + bwd_compute;
             let op_comm = fwd_comm + bwd_comm + t.halo + t.stats + again_comm;
             comm_total += op_comm;
-            bwd_items.push((n, bwd_compute + bwd_comm + t.comm_bwd() + again_comm));
-            let kept = self.kept_by(n, &|v| self.value_bytes(v) / split_factor(have(v), mesh), &mut w.workspace);
+            bwd_items.push((n, bwd_compute + bwd_comm + t.comm_bwd() + again_comm + relaunch));
+            let kept = self.kept_by(n, &micro_local, &mut w.workspace);
             activations += kept;
             if detail {
                 w.rows.push(OpRow {
@@ -1199,7 +1209,7 @@ impl<'a> CostModel<'a> {
         comm_total += out_comm;
 
         if let Some(st) = &self.stash {
-            activations += st.transient_bytes(&|v| self.value_bytes(v) / split_factor(have(v), mesh));
+            activations += st.transient_bytes(&micro_local);
         }
         let mut grads = self.gradient_sync(&mut w, &edges, &storage);
         let (ways, gather) = self.zero_sync(&mut w, &mut grads);
@@ -1211,8 +1221,13 @@ impl<'a> CostModel<'a> {
         let mut sync_events = std::mem::take(&mut w.sync_events);
         sync_events.sort_by_key(|e| e.value);
         events.extend(sync_events);
-        let (bwd_total, grad_sync, exposed) = self.backward_timeline(&mut w, &bwd_items, &grads);
+        // Synchronisation overlaps the last micro-batch's backward pass only.
+        let last: Vec<(NodeId, f64)> = bwd_items.iter().map(|&(n, t)| (n, t / k)).collect();
+        let (last_bwd, grad_sync, exposed) = self.backward_timeline(&mut w, &last, &grads);
+        let bwd_total = last_bwd * k;
         comm_total += grad_sync;
+        // ZeRO-3 gathers the parameters for every micro-batch.
+        let gather = if self.opts.zero >= 3 { gather * k } else { gather };
         let gather_exposed = self.zero_gather_exposed(gather, fwd_total, bwd_total);
         let gathers = if self.opts.zero >= 3 { 2.0 * gather } else { gather };
         comm_total += gathers;

@@ -444,9 +444,31 @@ fn at_home(cm: &CostModel<'_>, asg: &Assignment, n: NodeId) -> Option<Vec<Option
         let need = strategy_shardings(cm.space(r), s).0.get(j).cloned().flatten()?;
         Some(ir::reshard::held_layout(&need))
     })?;
-    crate::autoshard::problem::enumerate(cm, n)
-        .into_iter()
-        .find(|s| crate::autoshard::training::reads_parameter_as(cm, n, s, &held))
+    let candidates = crate::autoshard::problem::enumerate(cm, n);
+    if cm.opts.zero >= 1
+        && let Some(s) = candidates.iter().find(|s| zero_shard(cm, n, s, &held))
+    {
+        return Some(s.clone());
+    }
+    candidates.into_iter().find(|s| crate::autoshard::training::reads_parameter_as(cm, n, s, &held))
+}
+
+/// ZeRO-1 for update `n` (strategy `s`) of a parameter held as `held`: it reads the
+/// parameter as held except on the axes that hold it whole, where it splits it — each device
+/// updates its shard, with its shard of the optimizer state (the state is stored as its
+/// update reads it), the gradient is reduce-scattered into the shard and the new value
+/// all-gathered back into the parameter.
+fn zero_shard(cm: &CostModel<'_>, n: NodeId, s: &[Option<usize>], held: &[AxisShard]) -> bool {
+    let Some(Some(reads)) = strategy_shardings(cm.space(n), s).0.first().cloned() else { return false };
+    let mut sharded = false;
+    for (r, h) in reads.iter().zip(held) {
+        match (h, r) {
+            (AxisShard::Replicate, AxisShard::Split(_)) => sharded = true,
+            _ if r == h => {}
+            _ => return false,
+        }
+    }
+    sharded
 }
 
 /// Data parallel over every mesh axis but `tp`, Megatron over `tp` (heads, MLP columns then
