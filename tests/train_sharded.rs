@@ -996,3 +996,51 @@ fn reduced_real_models_in_every_parallelism() {
     eprint!("{report}");
     assert!(ran >= if full { 39 } else { 18 }, "only {ran} runs");
 }
+
+/// A reduced synthetic model (weights drawn from a seed) as a training case under the MSE of
+/// its output: its training graph with `recompute`'s regions recomputed.
+fn synthetic_case(name: &str, text: &str, recompute: shardc::passes::cost::Recompute) -> Case {
+    let parsed = shardc::frontend::parse(text).unwrap_or_else(|_| panic!("{name} parses"));
+    let mut model = parsed.model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Verify).add(shardc::passes::InferShapes::default());
+    pm.run(&mut model).expect("shapes");
+    let opt = OptimizerSpec::adam(1e-3);
+    let (mut tm, info) = training_model(&model, &LossSpec::Mse(None), &opt).expect("training graph");
+    shardc::passes::recompute::recompute(&mut tm.graph, recompute).expect("recomputed");
+    Case { name: name.into(), forward: model.graph, graph: tm.graph, info, inputs: HashMap::new() }
+}
+
+/// Plan = program for recomputation, sequence parallelism and ZeRO-1: the training program of
+/// a reduced GPT and Llama under each, tensor parallel over four (and data 2 × tensor 2 with
+/// ZeRO-1), moves per phase and kind the bytes the cost model prices for it.
+#[test]
+fn memory_saving_programs_move_what_they_price() {
+    use shardc::passes::cost::{Options, Recompute};
+    let gpt = shardc::synthetic::Gpt { layers: 2, hidden: 64, heads: 4, batch: 4, seq: 32, fused_gelu: true };
+    let llama = shardc::synthetic::Llama {
+        layers: 2,
+        hidden: 64,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 128,
+        vocab: 0,
+        batch: 4,
+        seq: 32,
+    };
+    let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
+    for (name, text) in [("gpt", gpt.to_text()), ("llama", llama.to_text())] {
+        for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+            let c = synthetic_case(name, &text, recompute);
+            for (strategy, sp, zero) in [("megatron", false, 0), ("megatron", true, 0), ("hybrid:dp:2,tp:2", true, 1)] {
+                let opts = Options { sequence_parallel: sp, zero, ..Options::default() };
+                let what = format!("{strategy} sp {sp} zero {zero} recompute {}", recompute.name());
+                let r = shardc::exec::named_result(&c.graph, &cluster, 4, strategy, &opts)
+                    .unwrap_or_else(|e| panic!("{name} {what}: {e}"));
+                let p = lowered(&c, &r, 4, &what);
+                assert!(p.fallbacks.is_empty(), "{name} {what}: runs replicated: {:?}", p.fallbacks);
+                priced_as_lowered(&c, &r, &p, &what);
+            }
+        }
+    }
+}
