@@ -336,6 +336,7 @@ fn given_result(
         folded: None,
         rewrites: Vec::new(),
         options: None,
+        ladder: Vec::new(),
     }
 }
 

@@ -293,6 +293,16 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
             pc.tried.len()
         ));
     }
+    for (i, rung) in r.ladder.iter().enumerate() {
+        t.push_str(&format!(
+            "{}{:<28} {} needs {}{}\n",
+            if i == 0 { "memory ladder " } else { "              " },
+            rung.options,
+            secs(rung.step_time_s),
+            shardc::report::bytes(rung.memory_per_device_bytes as f64),
+            if rung.feasible { "" } else { " (no fit)" }
+        ));
+    }
     t.push_str(&format!(
         "step time    {}{}\n",
         secs(b.step_time_s),

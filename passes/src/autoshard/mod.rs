@@ -251,6 +251,22 @@ pub struct SearchResult {
     /// fit ([`memory_ladder`]: recomputation, sequence parallelism, ZeRO); `None` when it kept
     /// them.
     pub options: Option<Options>,
+    /// The rungs of the memory ladder searched, the caller's options first (empty when the
+    /// first plan fit).
+    pub ladder: Vec<LadderRung>,
+}
+
+/// One rung of the memory ladder: its best plan's step time and memory.
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct LadderRung {
+    /// The memory-saving options, as configuration fields (`recompute=full,sp,zero=1`).
+    pub options: String,
+    /// The best plan's step time, seconds.
+    pub step_time_s: f64,
+    /// Its memory per device, bytes.
+    pub memory_per_device_bytes: u64,
+    /// It fits.
+    pub feasible: bool,
 }
 
 /// An algebraic rewrite the search tried on the whole graph: the plan's step time with and
@@ -510,14 +526,23 @@ pub fn search(
     // limit each); the fastest plan that fits wins (a later rung saves more memory, which
     // may let a faster layout fit: ZeRO-sharded data parallelism instead of wide tensor
     // parallelism), else the plan that needs the least.
+    let rung_of = |o: &Options, r: &SearchResult| LadderRung {
+        options: o.memory_fields(),
+        step_time_s: r.breakdown.step_time_s,
+        memory_per_device_bytes: r.breakdown.memory.total() as u64,
+        feasible: r.breakdown.feasible,
+    };
+    let mut ladder = vec![rung_of(opts, &first)];
     let mut best = first;
     for rung in memory_ladder(opts) {
         let mut r = search_once(g, cluster, devices, &rung, so)?;
+        ladder.push(rung_of(&rung, &r));
         r.options = Some(rung);
         if extract::better(&r.breakdown, &best.breakdown) {
             best = r;
         }
     }
+    best.ladder = ladder;
     best.search_time_s = start.elapsed().as_secs_f64();
     Ok(best)
 }
@@ -805,6 +830,7 @@ pub(crate) fn search_intra_with(
             single_device_memory_bytes: 0.0,
             rewrites: Vec::new(),
             options: None,
+            ladder: Vec::new(),
             folded: None,
         });
     }
@@ -870,6 +896,7 @@ pub(crate) fn search_intra_with(
     Ok(SearchResult {
         rewrites: Vec::new(),
         options: None,
+        ladder: Vec::new(),
         mesh: best.mesh,
         assignment: best.assignment,
         breakdown: best.breakdown,

@@ -172,6 +172,10 @@ pub struct PlanSearch {
     /// The repeated blocks the search folded (see [`super::fold`]), if it folded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub folded: Option<String>,
+    /// The memory ladder's rungs when no plan fit with the options given
+    /// ([`super::memory_ladder`]): each one's best plan.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub memory_ladder: Vec<super::LadderRung>,
 }
 
 /// Where the search's time went. Everything that depends on the machine's speed lives here,
@@ -719,6 +723,7 @@ impl Plan {
                 time_limit_hit: r.time_limit_hit,
                 budget_cut: r.budget_cut.clone(),
                 folded: r.folded.clone(),
+                memory_ladder: r.ladder.clone(),
             },
             micro_batches: r.pipeline.as_ref().map_or(1, |p| p.micro_batches),
             schedule: r.pipeline.as_ref().map(|p| p.schedule.name().to_string()),
