@@ -750,3 +750,32 @@ fn zero_1_updates_shards_trains_like_one_device_and_holds_less() {
         assert!(peaks[1] < peaks[0], "{strategy:?}: {peaks:?}");
     }
 }
+
+#[test]
+fn train_takes_a_configuration_and_refuses_what_it_does_not_run() {
+    let llama = shardc::synthetic::Llama {
+        layers: 2,
+        hidden: 64,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 128,
+        vocab: 0,
+        batch: 4,
+        seq: 32,
+    };
+    let path = synthetic_file("llama-config.onnxtxt", &llama.to_text());
+    let model = path.to_str().unwrap();
+    let base = [model, "--backend", "cpu", "--steps", "2", "--devices", "4", "--loss", "mse", "--optimizer", "adam"];
+    let mut args = base.to_vec();
+    args.extend(["--strategy", "tp=2,dp=2,sp,recompute=full,zero=1", "--check"]);
+    let doc = shardc_train(&args).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(doc["summary"]["memory"], "recompute=full,sp,zero=1", "{}", doc["summary"]);
+    for (strategy, want) in
+        [("tp=2,zero=3", "stages 2 and 3"), ("tp=2,mbs=1", "--micro-batches"), ("tp=3", "does not divide")]
+    {
+        let mut args = base.to_vec();
+        args.extend(["--strategy", strategy]);
+        let err = shardc_train(&args).expect_err(strategy);
+        assert!(err.contains(want), "{strategy}: {err}");
+    }
+}

@@ -16,7 +16,7 @@ use shardc::train::{TrainCase, close, training_model, within};
 use super::common::*;
 use super::cost::{load_cluster, secs};
 
-#[derive(Args, Debug)]
+#[derive(Args, Clone, Debug)]
 pub struct TrainArgs {
     /// The model (ONNX textual or binary).
     pub model: PathBuf,
@@ -65,7 +65,8 @@ pub struct TrainArgs {
     #[arg(long, value_parser = parse_devices, allow_negative_numbers = true)]
     pub devices: Option<usize>,
     /// A named strategy (data, megatron, spatial, hybrid:dp:D,tp:T, ...) instead of the
-    /// searched plan (`auto`, the default on several devices).
+    /// searched plan (`auto`, the default on several devices); or a configuration of
+    /// key=value fields (tp=2,dp=2,sp,recompute=full,zero=1; docs/memory.md).
     #[arg(long, conflicts_with = "plan")]
     pub strategy: Option<String>,
     /// Train with this plan (`shardc plan -o PLAN.json`) of the model's forward pass: its
@@ -604,6 +605,8 @@ fn prepare(args: &TrainArgs) -> CliResult<Setup> {
         },
         sequence_parallel: args.sequence_parallel,
         zero: args.zero,
+        recompute: passes::cost::Recompute::parse(&args.recompute)
+            .map_err(|e| CliError::msg(format!("--recompute: {e}")))?,
         ..Default::default()
     };
     // The model as written: its tensors' shapes name what is trained, and `--check` runs it.
@@ -904,7 +907,34 @@ fn recomputed(g: &ir::Graph, mode: &str, notes: &mut Vec<String>) -> CliResult<O
     Ok(Some(r))
 }
 
+/// `args` with a configuration `--strategy` (`tp=2,dp=2,sp,recompute=full,zero=1`) turned
+/// into the named strategy it is and the options it sets; a name stays as it is.
+fn configured(args: &TrainArgs) -> CliResult<TrainArgs> {
+    let mut a = args.clone();
+    let Some(s) = args.strategy.as_deref().filter(|s| passes::cost::config::is_config(s)) else { return Ok(a) };
+    let err = |e: String| CliError::msg(format!("--strategy `{s}`: {e}"));
+    let c = passes::cost::config::Config::parse(s).map_err(err)?;
+    if c.zero > 1 {
+        return Err(err(format!(
+            "zero={}: `train` runs ZeRO-1; stages 2 and 3 are priced by `cost` and `plan`",
+            c.zero
+        )));
+    }
+    if c.mbs.is_some() {
+        return Err(err("mbs: `train` accumulates gradients with --micro-batches".into()));
+    }
+    let devices = args.devices.unwrap_or(1);
+    let (named, opts) = c.resolve(devices, None, &passes::cost::Options::default()).map_err(err)?;
+    a.strategy = Some(named.name());
+    a.recompute = opts.recompute.name().to_string();
+    a.sequence_parallel = opts.sequence_parallel;
+    a.zero = opts.zero;
+    Ok(a)
+}
+
 pub fn run(args: &TrainArgs) -> CliResult {
+    let resolved = configured(args)?;
+    let args = &resolved;
     // Under mpirun each process runs one device; every process plans and lowers the same
     // program (the search is deterministic; the programs are compared before running).
     let mpi = args.transport.start()?;

@@ -7,7 +7,7 @@ use clap::Args;
 use super::common::*;
 
 /// `--transport`, `--mpi-all-reduce`, `--comm-timeout` (train and run).
-#[derive(Args, Debug)]
+#[derive(Args, Clone, Debug)]
 pub struct TransportArgs {
     /// How devices exchange tensors: `threads` (every device in this process) or `mpi` (under
     /// `mpirun -np N`, one device per process; N must equal the plan's devices).

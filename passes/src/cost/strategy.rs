@@ -133,6 +133,26 @@ impl Named {
         })
     }
 
+    /// The name [`Named::parse`] reads back.
+    pub fn name(&self) -> String {
+        match self {
+            Named::Data => "data".into(),
+            Named::Model => "model".into(),
+            Named::Megatron => "megatron".into(),
+            Named::Spatial => "spatial".into(),
+            Named::Hybrid { dp, tp } => format!("hybrid:dp:{dp},tp:{tp}"),
+            Named::SpatialHybrid(d, s) => format!("spatial-hybrid:{d}x{s}"),
+            Named::Owt => "owt".into(),
+            Named::Pipeline(s, m, sched) => format!(
+                "pipeline:{s}:{m}:{}",
+                match sched {
+                    Schedule::GPipe => "gpipe",
+                    Schedule::OneFOneB => "1f1b",
+                }
+            ),
+        }
+    }
+
     /// The mesh the strategy runs on, for `devices` devices of `cluster`.
     pub fn mesh(&self, cluster: &super::cluster::Cluster, devices: usize) -> Result<Mesh, String> {
         let two = |(d, s): (usize, usize), what: String, names: (&str, &str)| -> Result<Mesh, String> {
