@@ -580,6 +580,9 @@ impl PlanSummary {
         let flops: f64 = cm.order().iter().map(|&n| cm.node_cost(n).total_flops()).sum();
         let peak = cluster.device.peak_flops.at(opts.precision);
         let ok = step > 0.0 && step.is_finite();
+        // Sequence parallelism only changes plans with tensor parallelism.
+        let tensor = axes.iter().any(|a| a.shares.get("tensor").is_some_and(|&x| x > 0.0));
+        let memory = Options { sequence_parallel: opts.sequence_parallel && tensor, ..opts.clone() }.memory_fields();
         PlanSummary {
             text,
             axes,
@@ -587,7 +590,7 @@ impl PlanSummary {
             tokens_per_s: tokens.filter(|_| ok).map(|t| t / step),
             mfu: (ok && flops > 0.0 && peak > 0.0).then(|| flops / (step * devices as f64 * peak)),
             regions,
-            memory: opts.memory_fields(),
+            memory,
         }
     }
 
