@@ -2100,3 +2100,40 @@ fn train_prices_a_pipelined_plan_file_again() {
     assert_eq!((memory_edited, step_edited), (memory, step));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn cost_prices_and_exports_a_configuration() {
+    let dir = std::env::temp_dir().join(format!("shardc-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let m = dir.join("gpt.onnxtxt");
+    let gpt = shardc::synthetic::Gpt { layers: 2, hidden: 64, heads: 4, batch: 8, seq: 32, fused_gelu: true };
+    std::fs::write(&m, gpt.to_text()).unwrap();
+    let m = m.to_str().unwrap();
+    let config = "tp=2,dp=2,sp,recompute=selective,zero=1";
+    let base = ["cost", m, "--cluster", "dgx-a100", "--devices", "4", "--precision", "bf16", "--strategy", config];
+    let o = shardc(&[&base[..], &["--json"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for k in ["parameters", "gradients", "optimizer_state", "activations", "other"] {
+        assert!(doc["memory_breakdown"][k].as_f64().is_some_and(|x| x >= 0.0), "{k}: {}", doc["memory_breakdown"]);
+    }
+    assert_eq!(doc["summary"]["memory"], "recompute=selective,sp,zero=1");
+    let o = shardc(&[&base[..], &["--export", "megatron"]].concat());
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    for want in [
+        "--tensor-model-parallel-size 2",
+        "--sequence-parallel",
+        "--recompute-granularity selective",
+        "--use-distributed-optimizer",
+    ] {
+        assert!(text.contains(want), "{want}: {text}");
+    }
+    let o = shardc(&[&base[..], &["--export", "deepspeed"]].concat());
+    let ds: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(ds["zero_optimization"]["stage"], 1);
+    // Degrees that do not multiply to the devices, and fields the cost model does not price.
+    for (bad, want) in [("tp=2,dp=4", "8 devices"), ("cp=2", "context parallelism"), ("zero=5", "0, 1, 2 or 3")] {
+        let o = shardc(&["cost", m, "--cluster", "dgx-a100", "--devices", "4", "--strategy", bad]);
+        assert!(!o.status.success() && stderr(&o).contains(want), "{bad}: {}", stderr(&o));
+    }
+}

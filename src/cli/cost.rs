@@ -101,6 +101,10 @@ pub struct CostArgs {
     /// Print one JSON document.
     #[arg(long)]
     pub json: bool,
+    /// Print the strategy (or configuration) as a framework's launch settings instead of the
+    /// breakdown: Megatron-LM arguments, a DeepSpeed configuration, a torch tensor-parallel plan.
+    #[arg(long, value_enum, conflicts_with = "json")]
+    pub export: Option<super::plan::ExportKind>,
     #[command(flatten)]
     pub shapes: ShapeArgs,
     #[command(flatten)]
@@ -125,6 +129,32 @@ pub fn strategy_and_options(s: &str, devices: usize, g: &ir::Graph, opts: Option
         .map_err(|e| CliError::msg(format!("--strategy `{s}`: {e}")))
 }
 
+/// The launch settings of `named` (with `opts`' recomputation, sequence parallelism and ZeRO)
+/// for the framework `kind`, from the plan document of that strategy.
+fn export(
+    g: &ir::Graph,
+    cluster: &Cluster,
+    devices: usize,
+    named: &Named,
+    opts: &Options,
+    kind: super::plan::ExportKind,
+) -> CliResult<String> {
+    use passes::autoshard::{Plan, export};
+    let r = shardc::exec::named_result(g, cluster, devices, &named.name(), opts).map_err(CliError::msg)?;
+    let plan = Plan::new(g, cluster, devices, opts, Default::default(), &r);
+    let mut d = export::degrees(g, cluster, opts, &plan).map_err(CliError::msg)?;
+    // Gradient accumulation (a configuration's `mbs` without a pipeline).
+    if opts.accumulation > 1 {
+        d.micro_batches = opts.accumulation;
+        d.micro_batch_size = d.global_batch.map(|b| b / (d.data * opts.accumulation) as i64);
+    }
+    Ok(match kind {
+        super::plan::ExportKind::Megatron => export::megatron_args(&d, devices),
+        super::plan::ExportKind::Deepspeed => export::deepspeed_config(&d, devices),
+        super::plan::ExportKind::TorchTp => export::torch_tp_plan(&d).map_err(CliError::msg)?,
+    })
+}
+
 pub fn run(args: &CostArgs) -> CliResult {
     let mut loaded = load_canonical(&args.model, &args.shapes)?;
     args.model_args.freeze(&mut loaded.model.graph)?;
@@ -135,6 +165,9 @@ pub fn run(args: &CostArgs) -> CliResult {
     let priced = cost::price(g, &cluster, devices, &named, &opts).map_err(|e| {
         CliError::msg(format!("strategy `{}` does not apply to `{}`: {e}", args.strategy, args.model.display()))
     })?;
+    if let Some(kind) = args.export {
+        return write_output(&export(g, &cluster, devices, &named, &opts, kind)?, None, &args.model);
+    }
     let b = &priced.breakdown;
     let batch = cost::pipeline::graph_batch(g);
     let summary = {
