@@ -648,6 +648,18 @@ fn seeded_integer_inputs_are_indices_or_ones() {
     assert_eq!(ints("mask"), vec![1; 10]);
 }
 
+/// The measured peak of the fullest device and the predicted one, bytes, of a `train --json`
+/// document.
+fn peak_and_prediction(doc: &serde_json::Value) -> (f64, f64) {
+    let measured = doc["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["memory_allocated_bytes"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    (measured, doc["memory_predicted_bytes"].as_f64().unwrap())
+}
+
 /// Writes a synthetic model to a temporary file named `name`.
 fn synthetic_file(name: &str, text: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("shardc-recompute-{}", std::process::id()));
@@ -663,16 +675,7 @@ fn recomputation_and_sequence_parallelism_train_like_one_device_and_lower_the_pe
     // embeddings, SwiGLU), on one device and tensor parallel over four, with and without
     // sequence parallelism.
     let gpt = shardc::synthetic::Gpt { layers: 4, hidden: 64, heads: 4, batch: 8, seq: 64, fused_gelu: true };
-    let llama = shardc::synthetic::Llama {
-        layers: 4,
-        hidden: 64,
-        heads: 4,
-        kv_heads: 2,
-        ffn: 128,
-        vocab: 0,
-        batch: 8,
-        seq: 64,
-    };
+    let llama = shardc::synthetic::Llama::reduced(4, 8, 64);
     for (name, text) in [("gpt.onnxtxt", gpt.to_text()), ("llama.onnxtxt", llama.to_text())] {
         let path = synthetic_file(name, &text);
         let model = path.to_str().unwrap();
@@ -687,13 +690,7 @@ fn recomputation_and_sequence_parallelism_train_like_one_device_and_lower_the_pe
                 }
                 let what = format!("{name} on {devices} devices, --recompute {recompute}, sequence parallel {sp}");
                 let doc = shardc_train(&args).unwrap_or_else(|e| panic!("{what}: {e}"));
-                let measured = doc["devices"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|d| d["memory_allocated_bytes"].as_f64().unwrap())
-                    .fold(0.0, f64::max);
-                let predicted = doc["memory_predicted_bytes"].as_f64().unwrap();
+                let (measured, predicted) = peak_and_prediction(&doc);
                 let ratio = measured / predicted;
                 assert!((0.8..=1.2).contains(&ratio), "{what}: measured {measured} B, predicted {predicted} B");
                 peaks.push(measured);
@@ -713,16 +710,7 @@ fn recomputation_and_sequence_parallelism_train_like_one_device_and_lower_the_pe
 fn zero_1_updates_shards_trains_like_one_device_and_holds_less() {
     // A reduced Llama with Adam: data parallel over four and data 2 × tensor 2 (with sequence
     // parallelism and full recomputation), each with and without ZeRO-1.
-    let llama = shardc::synthetic::Llama {
-        layers: 4,
-        hidden: 64,
-        heads: 4,
-        kv_heads: 2,
-        ffn: 128,
-        vocab: 0,
-        batch: 8,
-        seq: 64,
-    };
+    let llama = shardc::synthetic::Llama::reduced(4, 8, 64);
     let path = synthetic_file("llama-zero.onnxtxt", &llama.to_text());
     let model = path.to_str().unwrap();
     for strategy in
@@ -734,13 +722,7 @@ fn zero_1_updates_shards_trains_like_one_device_and_holds_less() {
             args.extend(["--optimizer", "adam", "--zero", zero, "--check"]);
             args.extend(strategy);
             let doc = shardc_train(&args).unwrap_or_else(|e| panic!("{strategy:?} zero {zero}: {e}"));
-            let measured = doc["devices"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|d| d["memory_allocated_bytes"].as_f64().unwrap())
-                .fold(0.0, f64::max);
-            let predicted = doc["memory_predicted_bytes"].as_f64().unwrap();
+            let (measured, predicted) = peak_and_prediction(&doc);
             assert!(
                 (0.8..=1.2).contains(&(measured / predicted)),
                 "{strategy:?} zero {zero}: {measured} vs {predicted}"
@@ -753,16 +735,7 @@ fn zero_1_updates_shards_trains_like_one_device_and_holds_less() {
 
 #[test]
 fn train_takes_a_configuration_and_refuses_what_it_does_not_run() {
-    let llama = shardc::synthetic::Llama {
-        layers: 2,
-        hidden: 64,
-        heads: 4,
-        kv_heads: 2,
-        ffn: 128,
-        vocab: 0,
-        batch: 4,
-        seq: 32,
-    };
+    let llama = shardc::synthetic::Llama::reduced(2, 4, 32);
     let path = synthetic_file("llama-config.onnxtxt", &llama.to_text());
     let model = path.to_str().unwrap();
     let base = [model, "--backend", "cpu", "--steps", "2", "--devices", "4", "--loss", "mse", "--optimizer", "adam"];

@@ -1018,16 +1018,7 @@ fn synthetic_case(name: &str, text: &str, recompute: shardc::passes::cost::Recom
 fn memory_saving_programs_move_what_they_price() {
     use shardc::passes::cost::{Options, Recompute};
     let gpt = shardc::synthetic::Gpt { layers: 2, hidden: 64, heads: 4, batch: 4, seq: 32, fused_gelu: true };
-    let llama = shardc::synthetic::Llama {
-        layers: 2,
-        hidden: 64,
-        heads: 4,
-        kv_heads: 2,
-        ffn: 128,
-        vocab: 0,
-        batch: 4,
-        seq: 32,
-    };
+    let llama = shardc::synthetic::Llama::reduced(2, 4, 32);
     let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
     for (name, text) in [("gpt", gpt.to_text()), ("llama", llama.to_text())] {
         for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {

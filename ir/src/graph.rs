@@ -481,16 +481,10 @@ impl Graph {
             return None;
         }
         let mut out = Graph {
-            name: self.name.clone(),
             opset: self.opset,
-            g: StableDiGraph::default(),
-            inputs: Vec::new(),
-            outputs: Vec::new(),
-            initializers: Vec::new(),
-            names: FastMap::default(),
-            spans: FastMap::default(),
             value_info_order: self.value_info_order.clone(),
             value_info_extra: self.value_info_extra.clone(),
+            ..Graph::new(self.name.clone())
         };
         let mut id: HashMap<NodeId, NodeId> = HashMap::with_capacity(order.len());
         let map = |id: &HashMap<NodeId, NodeId>, v: &Value| id.get(&v.node).map(|n| Value::new(*n, v.slot));

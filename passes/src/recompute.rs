@@ -72,12 +72,7 @@ pub fn recompute(g: &mut Graph, mode: Recompute) -> Result<usize, String> {
     }
     // The backward pass reads the copies.
     for &b in all.iter().filter(|n| backward.contains(n)) {
-        let inputs: Vec<Option<Value>> = g
-            .node(b)
-            .inputs()
-            .iter()
-            .map(|i| i.map(|v| copy_of.get(&v.node).map_or(v, |c| Value::new(*c, v.slot))))
-            .collect();
+        let inputs = reading_copies(g.node(b).inputs(), &copy_of);
         if inputs.as_slice() != g.node(b).inputs() {
             g.set_inputs(b, inputs);
         }
@@ -104,11 +99,15 @@ pub fn recompute(g: &mut Graph, mode: Recompute) -> Result<usize, String> {
     Ok(copy_of.len())
 }
 
+/// `inputs` with each value of an op in `copy_of` read from its copy instead.
+fn reading_copies(inputs: &[Option<Value>], copy_of: &HashMap<NodeId, NodeId>) -> Vec<Option<Value>> {
+    inputs.iter().map(|i| i.map(|v| copy_of.get(&v.node).map_or(v, |c| Value::new(*c, v.slot)))).collect()
+}
+
 /// Adds a copy of op `n` reading the copies in `copy_of` where it read their originals.
 fn copy_op(g: &mut Graph, n: NodeId, copy_of: &HashMap<NodeId, NodeId>) -> NodeId {
     let node = g.node(n).clone();
-    let inputs: Vec<Option<Value>> =
-        node.inputs().iter().map(|i| i.map(|v| copy_of.get(&v.node).map_or(v, |c| Value::new(*c, v.slot)))).collect();
+    let inputs = reading_copies(node.inputs(), copy_of);
     let outputs: Vec<Output> = node
         .outputs()
         .iter()

@@ -46,6 +46,12 @@ impl Llama {
         Llama { layers: 126, hidden: 16384, heads: 128, kv_heads: 8, ffn: 53248, vocab: 128256, batch, seq }
     }
 
+    /// A Llama small enough to train on the CPU in tests: width 64, 4 query heads over 2
+    /// key/value heads, MLP 128, no output head.
+    pub fn reduced(layers: usize, batch: usize, seq: usize) -> Llama {
+        Llama { layers, hidden: 64, heads: 4, kv_heads: 2, ffn: 128, vocab: 0, batch, seq }
+    }
+
     /// The model text.
     pub fn to_text(&self) -> String {
         let Llama { layers, hidden: h, heads: nh, kv_heads: kv, ffn, vocab, batch: b, seq: s } = *self;

@@ -556,15 +556,10 @@ pub fn search(
 pub fn memory_ladder(opts: &Options) -> Vec<Options> {
     use crate::cost::Recompute;
     let rungs = [(Recompute::Selective, 0u8), (Recompute::Full, 0), (Recompute::Full, 1), (Recompute::Full, 3)];
-    let rank = |r: Recompute| match r {
-        Recompute::None => 0,
-        Recompute::Selective => 1,
-        Recompute::Full => 2,
-    };
     let mut out: Vec<Options> = Vec::new();
     for (recompute, zero) in rungs {
         let o = Options {
-            recompute: if rank(recompute) > rank(opts.recompute) { recompute } else { opts.recompute },
+            recompute: recompute.max(opts.recompute),
             sequence_parallel: true,
             zero: zero.max(opts.zero),
             ..opts.clone()

@@ -23,8 +23,8 @@ use std::collections::{HashMap, HashSet};
 use ir::{Graph, NodeId, Op, OpClass, Value};
 use serde::Serialize;
 
-/// Activation recomputation granularity.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+/// Activation recomputation granularity, ordered by the memory it saves.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Recompute {
     /// Keep everything the backward pass reads.
@@ -131,43 +131,38 @@ impl Stash {
     /// The stash of `g` (in topological `order`) whose backward reads `saved`, under `mode`.
     pub fn new(g: &Graph, order: &[NodeId], saved: &HashSet<Value>, mode: Recompute) -> Stash {
         let mut s = Stash { kept: saved.clone(), ..Stash::default() };
-        let groups = match mode {
-            Recompute::None => return s,
-            Recompute::Selective => attention_cores(g, order),
-            Recompute::Full => blocks(g, order),
-        };
-        let mut checkpoints: HashSet<Value> = HashSet::new();
+        if mode == Recompute::None {
+            return s;
+        }
         // Values of parameters and constants alone (a step counter) are not activations.
         let act = activations(g, order);
+        let groups = match mode {
+            Recompute::Selective => attention_cores(g, order, &act),
+            _ => blocks(g, order),
+        };
+        let mut checkpoints: HashSet<Value> = HashSet::new();
         for ops in groups {
             let inside: HashSet<NodeId> = ops.iter().copied().filter(|n| act.contains(n)).collect();
-            let again: Vec<Value> = saved.iter().copied().filter(|v| inside.contains(&v.node)).collect();
+            let mut again: Vec<Value> = saved.iter().copied().filter(|v| inside.contains(&v.node)).collect();
             if again.is_empty() {
                 continue;
             }
             let ops_again = ancestors_within(g, &inside, &again);
             s.region_ops.push(ops.iter().copied().filter(|n| ops_again.contains(n)).collect());
-            let ops: Vec<NodeId> = ops.into_iter().filter(|n| inside.contains(n)).collect();
             s.recomputed.extend(ops_again);
-            for &n in &ops {
+            for &n in &inside {
                 for v in g.node(n).inputs().iter().flatten() {
                     if !inside.contains(&v.node) && computes(&g.node(v.node).op) {
                         checkpoints.insert(storage_root(g, *v));
                     }
                 }
             }
-            let mut again = again;
             again.sort();
             s.regions.push(again);
         }
         s.kept.retain(|v| !s.recomputed.contains(&v.node));
         s.kept.extend(checkpoints);
         s
-    }
-
-    /// The bytes kept, with `bytes` of each value on one device.
-    pub fn kept_bytes(&self, bytes: &dyn Fn(Value) -> f64) -> f64 {
-        self.kept.iter().map(|&v| bytes(v)).sum()
     }
 
     /// The largest region's recomputed bytes: what lives again while its backward runs.
@@ -208,8 +203,7 @@ fn activations(g: &Graph, order: &[NodeId]) -> HashSet<NodeId> {
 /// The attention cores of `g`: each from a product of two activations (`Q·Kᵀ`) through the
 /// ops that follow it on activations of the core and constants alone, to (not including) the
 /// next product (`·V`), which ends the core rather than starting another.
-fn attention_cores(g: &Graph, order: &[NodeId]) -> Vec<Vec<NodeId>> {
-    let act = activations(g, order);
+fn attention_cores(g: &Graph, order: &[NodeId], act: &HashSet<NodeId>) -> Vec<Vec<NodeId>> {
     let product = |n: NodeId| {
         let node = g.node(n);
         node.op.class() == OpClass::Contraction

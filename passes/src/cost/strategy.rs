@@ -143,13 +143,7 @@ impl Named {
             Named::Hybrid { dp, tp } => format!("hybrid:dp:{dp},tp:{tp}"),
             Named::SpatialHybrid(d, s) => format!("spatial-hybrid:{d}x{s}"),
             Named::Owt => "owt".into(),
-            Named::Pipeline(s, m, sched) => format!(
-                "pipeline:{s}:{m}:{}",
-                match sched {
-                    Schedule::GPipe => "gpipe",
-                    Schedule::OneFOneB => "1f1b",
-                }
-            ),
+            Named::Pipeline(s, m, sched) => format!("pipeline:{s}:{m}:{}", sched.name()),
         }
     }
 
