@@ -30,6 +30,14 @@ pub struct Gpt {
     pub fused_gelu: bool,
 }
 
+/// The additive causal mask (−10⁴ above the diagonal), computed in the graph from the
+/// `mask_*` initializers: a constant, not an initializer the trainer would take for a
+/// parameter (an `[s, s]` one would be priced with gradients and optimizer state).
+pub(crate) const CAUSAL_MASK: &str = "   [\"causal_mask/ones\"] mask_ones = Expand (mask_one, mask_shape)
+   [\"causal_mask/upper\"] mask_upper = Trilu <upper: int = 1> (mask_ones, mask_diagonal)
+   [\"causal_mask\"] causal_mask = Mul (mask_upper, mask_fill)
+";
+
 pub(crate) fn ext(dtype: &str, dims: &[usize], name: &str) -> String {
     let len: usize = dims.iter().product::<usize>() * 4;
     let d: Vec<String> = dims.iter().map(|x| x.to_string()).collect();
@@ -52,7 +60,8 @@ impl Gpt {
             "float half = {0.5}".into(),
             "float one = {1}".into(),
             "float sqrt2 = {1.41421}".into(),
-            ext("float", &[s, s], "causal_mask"),
+            format!("int64[2] mask_shape = {{{s},{s}}}"),
+            "float mask_one = {1}, int64 mask_diagonal = {1}, float mask_fill = {-10000}".into(),
         ];
         for l in 0..layers {
             for (name, dims) in [
@@ -83,6 +92,7 @@ impl Gpt {
             if fused_gelu { 20 } else { 17 },
             inits.join(", ")
         );
+        t.push_str(CAUSAL_MASK);
         let mut x = "x".to_string();
         for l in 0..layers {
             let p = format!("h{l}");

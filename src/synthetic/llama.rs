@@ -69,7 +69,8 @@ impl Llama {
             "int64[1] last = {3}".into(),
             format!("int64[1] zero = {{0}}, int64[1] half = {{{}}}, int64[1] end = {{{hd}}}", hd / 2),
             format!("float scale = {{{}}}", 1.0 / (hd as f64).sqrt()),
-            ext("float", &[s, s], "causal_mask"),
+            format!("int64[2] mask_shape = {{{s},{s}}}"),
+            "float mask_one = {1}, int64 mask_diagonal = {1}, float mask_fill = {-10000}".into(),
             ext("float", &[s, hd], "rope_cos"),
             ext("float", &[s, hd], "rope_sin"),
         ];
@@ -99,6 +100,7 @@ impl Llama {
             "<\n   ir_version: 10,\n   opset_import: [\"\" : 23]\n>\nllama (float[{b},{s},{h}] x) => ({out})\n   <{}>\n{{\n",
             inits.join(", ")
         );
+        t.push_str(super::CAUSAL_MASK);
         let mut x = "x".to_string();
         for l in 0..layers {
             block(&mut t, l, &x);

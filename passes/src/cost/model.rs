@@ -463,6 +463,8 @@ struct GradEvent {
     bandwidth: f64,
     latency: f64,
     sig: Vec<(CommKind, Vec<usize>)>,
+    /// The bandwidth seconds of each step of `sig`.
+    step_bandwidth: Vec<f64>,
 }
 
 /// Parameters stored per device.
@@ -1611,6 +1613,7 @@ impl<'a> CostModel<'a> {
                 bandwidth: t - latency,
                 latency,
                 sig: steps.iter().map(|s| (s.kind, s.axes.clone())).collect(),
+                step_bandwidth: steps.iter().map(|s| s.time - s.latency).collect(),
             });
         }
         out
@@ -1686,14 +1689,27 @@ impl<'a> CostModel<'a> {
             return (ways, 0.0);
         }
         for e in grads.iter_mut() {
-            if e.sig.is_empty() || e.sig.iter().any(|(k, _)| *k != CommKind::AllReduce) {
+            // An all-reduce: one, or the link hierarchy's reduce-scatter, all-reduce and
+            // all-gather (multi-node meshes under the hierarchical policy).
+            let reduces =
+                |k: &CommKind| matches!(k, CommKind::AllReduce | CommKind::ReduceScatter | CommKind::AllGather);
+            if e.sig.is_empty()
+                || !e.sig.iter().all(|(k, _)| reduces(k))
+                || e.sig.iter().all(|(k, _)| *k == CommKind::AllGather)
+            {
                 continue;
             }
-            let n: usize = e.sig.iter().flat_map(|(_, axes)| axes.iter().map(|&a| self.mesh.axes[a].size)).product();
-            *w.comm_kind.entry(CommKind::AllReduce.name()).or_insert(0.0) -= e.bandwidth;
+            let mut axes: Vec<usize> = e.sig.iter().flat_map(|(_, a)| a.iter().copied()).collect();
+            axes.sort_unstable();
+            axes.dedup();
+            let n: usize = axes.iter().map(|&a| self.mesh.axes[a].size).product();
+            for ((k, _), bw) in e.sig.iter().zip(&e.step_bandwidth) {
+                *w.comm_kind.entry(k.name()).or_insert(0.0) -= bw;
+            }
             e.bandwidth /= 2.0;
             e.latency /= 2.0;
-            e.sig.iter_mut().for_each(|s| s.0 = CommKind::ReduceScatter);
+            e.sig = vec![(CommKind::ReduceScatter, axes)];
+            e.step_bandwidth = vec![e.bandwidth];
             gather += e.bandwidth;
             bytes += e.bytes;
             latency = latency.max(e.latency);
