@@ -118,7 +118,8 @@ fn main() {
                 ..Default::default()
             };
             let f = shardc::passes::autoshard::search(&m.graph, cluster, *devices, &opts, &so).expect("search");
-            let pipe = shardc::exec::TrainPipeline::of_search(&m.graph, &f).expect("a pipeline");
+            let pipe =
+                shardc::exec::TrainPipeline::of_search(&m.graph, &f).expect("a lowered schedule").expect("a pipeline");
             let micro = shardc::train::micro_training_model(&m, &loss, &opt, pipe.micro_batches).expect("micro");
             let (prog, _) =
                 shardc::exec::training_pipeline_program(&micro.graph, &m.graph, &f.assignment, &pipe, cluster, &opts)

@@ -196,6 +196,18 @@ pub fn materialize(model: &mut Model, dir: &Path, seed: u64) -> Result<Weights, 
     Ok(w)
 }
 
+/// The runtime's schedule for a priced one; the interleaved schedule is priced but not
+/// lowered yet.
+fn lowered_schedule(s: passes::cost::Schedule) -> Result<codegen::Schedule, String> {
+    match s {
+        passes::cost::Schedule::GPipe => Ok(codegen::Schedule::GPipe),
+        passes::cost::Schedule::OneFOneB => Ok(codegen::Schedule::OneFOneB),
+        passes::cost::Schedule::Interleaved(v) => Err(format!(
+            "the interleaved schedule ({v} chunks per device) is priced, but the lowering does not run it yet"
+        )),
+    }
+}
+
 /// The program of a plan document for `g` (the model the plan was made for, full batch,
 /// shapes inferred, weights inline): the one crossing from a plan to a program. The plan's
 /// ops are matched to `g`'s by [`Plan::stage_assignment`]; codegen lowers the full-batch
@@ -213,7 +225,11 @@ pub fn program_for_plan(g: &Graph, plan: &Plan) -> Result<Program, String> {
         stage_of,
         micro_batches: plan.micro_batches.max(1),
         policy: plan.policy,
-        schedule: plan.schedule.as_deref().and_then(codegen::Schedule::parse).unwrap_or_default(),
+        schedule: match plan.schedule.as_deref() {
+            None => codegen::Schedule::default(),
+            Some(s) => codegen::Schedule::parse(s)
+                .ok_or_else(|| format!("the plan's schedule `{s}` is not one the lowering runs (gpipe, 1f1b)"))?,
+        },
         recompute: plan.stages.iter().map(|s| s.recompute).collect(),
     };
     codegen::lower(g, &placement).map_err(|e| e.to_string())
@@ -241,7 +257,10 @@ pub fn program_for_search(g: &Graph, r: &SearchResult, devices: usize) -> Result
         stage_of: stage_of.into_iter().collect::<HashMap<NodeId, usize>>(),
         micro_batches: r.pipeline.as_ref().map_or(1, |p| p.micro_batches),
         policy: r.breakdown.policy,
-        schedule: r.pipeline.as_ref().and_then(|p| codegen::Schedule::parse(p.schedule.name())).unwrap_or_default(),
+        schedule: match &r.pipeline {
+            Some(p) => lowered_schedule(p.schedule)?,
+            None => codegen::Schedule::default(),
+        },
         recompute: r.pipeline.as_ref().map_or(Vec::new(), |p| p.stages.iter().map(|s| s.recompute).collect()),
     };
     codegen::lower(g, &placement).map_err(|e| e.to_string())
@@ -300,7 +319,7 @@ pub fn named_result(
 ) -> Result<SearchResult, String> {
     use passes::cost::{CostModel, Named};
     let named = Named::parse(strategy)?;
-    if matches!(named, Named::Pipeline(..)) {
+    if matches!(named, Named::Pipeline { .. }) {
         return Err(
             "run a pipeline through a plan: shardc plan --pipeline S -o plan.json, then --plan plan.json".into()
         );
@@ -310,6 +329,33 @@ pub fn named_result(
     let asg = passes::cost::strategy::assign(&cm, &named)
         .map_err(|e| format!("strategy `{strategy}` does not apply: {e}"))?;
     Ok(given_result(&cm, asg, Some(strategy.to_string())))
+}
+
+/// A pipeline strategy (`pipeline:S:M[:interleaved:V][:tp:T]`, or a configuration with `pp`)
+/// priced on `devices` devices of `cluster` as the search prices its pipelines, as a search
+/// result: what `cost --export` hands to a framework.
+pub fn pipeline_result(
+    g: &Graph,
+    cluster: &passes::cost::Cluster,
+    devices: usize,
+    named: &passes::cost::Named,
+    opts: &passes::cost::Options,
+) -> Result<SearchResult, String> {
+    use passes::cost::{CostModel, Named};
+    let Named::Pipeline { stages, micro, schedule, tensor } = *named else {
+        return Err(format!("`{}` is not a pipeline", named.name()));
+    };
+    let p =
+        passes::autoshard::pipeline::price_configuration(g, cluster, devices, stages, micro, schedule, tensor, opts)?;
+    let mut asg = passes::cost::Assignment::default();
+    for st in &p.stages {
+        asg.strategies.extend(st.assignment.strategies.iter().map(|(k, v)| (*k, v.clone())));
+    }
+    let cm = CostModel::new(g, cluster, p.stages[0].sub_mesh.clone(), opts.clone());
+    let mut r = given_result(&cm, asg, Some(named.name()));
+    r.breakdown = p.breakdown.clone();
+    r.pipeline = Some(p);
+    Ok(r)
 }
 
 /// An assignment made without a search, priced on `cm`'s mesh, as the search result
@@ -723,11 +769,12 @@ impl TrainPipeline {
         price_stages(forward, cluster, opts, &stages, &strategies, self.micro_batches, schedule)
     }
 
-    /// The pipeline of a search result on `g` (`None` when it does not pipeline).
-    pub fn of_search(g: &Graph, r: &SearchResult) -> Option<TrainPipeline> {
-        let p = r.pipeline.as_ref()?;
+    /// The pipeline of a search result on `g` (`None` when it does not pipeline; an error
+    /// when its schedule is not lowered).
+    pub fn of_search(g: &Graph, r: &SearchResult) -> Result<Option<TrainPipeline>, String> {
+        let Some(p) = r.pipeline.as_ref() else { return Ok(None) };
         let name = |n: NodeId| g.node(n).outputs().first().map(|o| o.name.clone()).unwrap_or_default();
-        Some(TrainPipeline {
+        Ok(Some(TrainPipeline {
             stages: p.stages.iter().map(|s| (s.sub_mesh.clone(), s.devices.clone(), s.recompute)).collect(),
             stage_of: p
                 .stages
@@ -736,8 +783,8 @@ impl TrainPipeline {
                 .flat_map(|(i, s)| s.nodes.iter().map(move |&n| (name(n), i)))
                 .collect(),
             micro_batches: p.micro_batches,
-            schedule: codegen::Schedule::parse(p.schedule.name()).unwrap_or_default(),
-        })
+            schedule: lowered_schedule(p.schedule)?,
+        }))
     }
 }
 

@@ -157,7 +157,7 @@ fn cost_json_keys_and_strategy_errors() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["stages"].as_array().unwrap().len(), 4);
     assert!(v["bubble_s"].as_f64().unwrap() > 0.0);
-    assert_eq!(v["summary"]["text"], "pipeline 4 × 8 micro-batches (1f1b)");
+    assert_eq!(v["summary"]["text"], "pipeline 4 × 8 micro-batches (1f1b); stage 0: data 2");
     let o = shardc(&["cost", &model("hf_gpt2_small4.onnxtxt"), "--cluster", "dgx-a100", "--strategy", "spatial"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("does not apply"), "{}", stderr(&o));
@@ -2131,6 +2131,24 @@ fn cost_prices_and_exports_a_configuration() {
     let o = shardc(&[&base[..], &["--export", "deepspeed"]].concat());
     let ds: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(ds["zero_optimization"]["stage"], 1);
+    // A pipeline of tensor-parallel stages, interleaved: priced, reported and exported.
+    let pipe = ["cost", m, "--cluster", "dgx-a100", "--devices", "4", "--precision", "bf16", "--strategy"];
+    let o = shardc(&[&pipe[..], &["tp=2,pp=2,vp=2,mbs=1", "--json"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(doc["stages"].as_array().map(Vec::len), Some(2), "{doc}");
+    assert_eq!(doc["schedule"], "interleaved:2");
+    assert_eq!(doc["summary"]["text"], "pipeline 2 × 8 micro-batches (interleaved:2); stage 0: tensor 2");
+    assert!(doc["communication_by_kind"]["p2p"].as_f64().is_some_and(|t| t > 0.0), "{doc}");
+    let o = shardc(&[&pipe[..], &["tp=2,pp=2,vp=2,mbs=1", "--export", "megatron"]].concat());
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    for want in [
+        "--tensor-model-parallel-size 2",
+        "--pipeline-model-parallel-size 2",
+        "--num-virtual-stages-per-pipeline-rank 2",
+    ] {
+        assert!(text.contains(want), "{want}: {text}");
+    }
     // Degrees that do not multiply to the devices, and fields the cost model does not price.
     for (bad, want) in [("tp=2,dp=4", "8 devices"), ("cp=2", "context parallelism"), ("zero=5", "0, 1, 2 or 3")] {
         let o = shardc(&["cost", m, "--cluster", "dgx-a100", "--devices", "4", "--strategy", bad]);

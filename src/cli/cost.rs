@@ -87,7 +87,7 @@ impl ModelArgs {
 pub struct CostArgs {
     /// The model (ONNX textual syntax).
     pub model: PathBuf,
-    /// A preset (dgx-a100, dgx-h100, dgx1-v100, pcie-v100x8, a100-cluster-N, local-wgpu) or a TOML file.
+    /// A preset (dgx-a100, dgx-h100, dgx1-v100, pcie-v100x8, a100-cluster-N, h100-cluster-N, local-wgpu) or a TOML file.
     #[arg(long)]
     pub cluster: String,
     /// data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, pipeline:S:M[:gpipe|:1f1b]; or a
@@ -140,7 +140,11 @@ fn export(
     kind: super::plan::ExportKind,
 ) -> CliResult<String> {
     use passes::autoshard::{Plan, export};
-    let r = shardc::exec::named_result(g, cluster, devices, &named.name(), opts).map_err(CliError::msg)?;
+    let r = match named {
+        Named::Pipeline { .. } => shardc::exec::pipeline_result(g, cluster, devices, named, opts),
+        _ => shardc::exec::named_result(g, cluster, devices, &named.name(), opts),
+    }
+    .map_err(CliError::msg)?;
     let plan = Plan::new(g, cluster, devices, opts, Default::default(), &r);
     let mut d = export::degrees(g, cluster, opts, &plan).map_err(CliError::msg)?;
     // Gradient accumulation (a configuration's `mbs` without a pipeline).

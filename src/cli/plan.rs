@@ -35,7 +35,7 @@ pub enum ExportKind {
 pub struct PlanArgs {
     /// The model (ONNX textual syntax).
     pub model: PathBuf,
-    /// A preset (dgx-a100, dgx-h100, dgx1-v100, pcie-v100x8, a100-cluster-N, local-wgpu) or a TOML file.
+    /// A preset (dgx-a100, dgx-h100, dgx1-v100, pcie-v100x8, a100-cluster-N, h100-cluster-N, local-wgpu) or a TOML file.
     #[arg(long)]
     pub cluster: String,
     /// Devices to use (default: all of the cluster).

@@ -208,7 +208,7 @@ fn summary_of(
     asg: &passes::cost::Assignment,
     mesh: &ir::shard::Mesh,
     step: Option<f64>,
-    pipeline: Option<(usize, usize, &str)>,
+    pipeline: Option<(usize, usize, String)>,
 ) -> Option<passes::autoshard::plan::PlanSummary> {
     let cm = passes::cost::CostModel::new(forward, cluster, mesh.clone(), opts.clone());
     Some(passes::autoshard::plan::PlanSummary::new(&cm, asg, cluster, opts, devices, step?, pipeline))
@@ -389,7 +389,7 @@ fn from_plan_file(
                 None
             }
         };
-        let shape = (pipe.stages.len(), pipe.micro_batches, pipe.schedule.name());
+        let shape = (pipe.stages.len(), pipe.micro_batches, pipe.schedule.name().to_string());
         let step = predicted.map(|p| p.0);
         let summary = summary_of(forward, cluster, opts, plan.devices, &fwd, &mesh, step, Some(shape));
         return Ok(ForwardPlan::Pipelined(Box::new(Chosen {
@@ -416,7 +416,7 @@ fn from_search(
 ) -> CliResult<ForwardPlan> {
     let devices = args.devices.unwrap_or(1);
     let r = searched.ok_or_else(|| CliError::msg("no plan, strategy or search"))?;
-    if let Some(pipe) = exec::TrainPipeline::of_search(forward, &r) {
+    if let Some(pipe) = exec::TrainPipeline::of_search(forward, &r).map_err(CliError::msg)? {
         let desc = format!(
             "searched plan ({} stages × {} micro-batches, {})",
             pipe.stages.len(),
@@ -424,7 +424,7 @@ fn from_search(
             pipe.schedule.name()
         );
         let predicted = r.pipeline.as_ref().map(|p| step_and_memory(&p.breakdown));
-        let shape = (pipe.stages.len(), pipe.micro_batches, pipe.schedule.name());
+        let shape = (pipe.stages.len(), pipe.micro_batches, pipe.schedule.name().to_string());
         let summary =
             summary_of(forward, cluster, opts, devices, &r.assignment, &r.mesh, predicted.map(|p| p.0), Some(shape));
         return Ok(ForwardPlan::Pipelined(Box::new(Chosen {

@@ -138,7 +138,10 @@ fn configurations_check_their_degrees_and_say_what_is_not_priced() {
     assert!(resolve("tp=4,dp=4", 8).unwrap_err().contains("16 devices"));
     assert!(resolve("tp=3", 8).unwrap_err().contains("does not divide"));
     assert!(resolve("cp=2", 8).unwrap_err().contains("context parallelism"));
-    assert!(resolve("pp=2,tp=2", 8).unwrap_err().contains("tensor-parallel pipeline stages"));
+    assert!(resolve("vp=2", 8).unwrap_err().contains("give pp > 1"));
+    assert!(resolve("pp=2,vp=2,schedule=gpipe", 8).unwrap_err().contains("interleaved schedule"));
+    // Batch 8 over dp = 2 in micro-batches of 2: 2 micro-batches, not a multiple of 4 stages.
+    assert!(resolve("pp=4,vp=2,dp=2,mbs=2", 8).unwrap_err().contains("groups of pp"));
     assert!(resolve("sp", 8).unwrap_err().contains("tp > 1"));
     assert!(Config::parse("zero=4").unwrap_err().contains("0, 1, 2 or 3"));
     assert!(Config::parse("tp=2,tp=4").unwrap_err().contains("twice"));
@@ -146,7 +149,11 @@ fn configurations_check_their_degrees_and_say_what_is_not_priced() {
     assert_eq!(resolve("tp=8", 8).unwrap(), cost::Named::Megatron);
     assert_eq!(resolve("tp=2", 8).unwrap(), cost::Named::Hybrid { dp: 4, tp: 2 });
     assert_eq!(resolve("dp=8", 8).unwrap(), cost::Named::Data);
-    assert_eq!(resolve("pp=2,mbs=1", 8).unwrap(), cost::Named::Pipeline(2, 2, cost::Schedule::OneFOneB));
+    let pipeline = |stages, micro, schedule, tensor| cost::Named::Pipeline { stages, micro, schedule, tensor };
+    assert_eq!(resolve("pp=2,mbs=1", 8).unwrap(), pipeline(2, 2, cost::Schedule::OneFOneB, 1));
+    assert_eq!(resolve("pp=2,tp=2", 8).unwrap(), pipeline(2, 4, cost::Schedule::OneFOneB, 2));
+    assert_eq!(resolve("pp=2,tp=4,vp=3", 8).unwrap(), pipeline(2, 8, cost::Schedule::Interleaved(3), 4));
+    assert_eq!(resolve("pp=2,schedule=interleaved", 8).unwrap(), pipeline(2, 2, cost::Schedule::Interleaved(2), 1));
 }
 
 #[test]
@@ -162,4 +169,43 @@ fn a_micro_batch_size_without_a_pipeline_accumulates_gradients() {
     assert!(
         Config::parse("tp=4,mbs=3").unwrap().resolve(4, Some(2), &Options::default()).unwrap_err().contains("mbs=3")
     );
+}
+
+#[test]
+fn three_dimensional_configurations_price_tensor_parallel_stages_and_interleaving() {
+    // 8 layers on 8 devices in 2 stages of 4, batch 8 in micro-batches of one per replica; a
+    // long sequence, so that activations outweigh what the update holds.
+    let g = gpt(8, 256, 4, 8, 1024);
+    let data_stages = priced(&g, 8, "pp=2,mbs=1");
+    let tensor_stages = priced(&g, 8, "pp=2,tp=2,mbs=1");
+    let interleaved = priced(&g, 8, "pp=2,tp=2,vp=2,mbs=1");
+    for b in [&data_stages, &tensor_stages, &interleaved] {
+        assert!(b.feasible && b.step_time_s > 0.0, "{b:?}");
+    }
+    // Tensor parallelism over 2 of a stage's devices halves the weights of its matrices (the
+    // norms' few stay whole).
+    let ratio = tensor_stages.memory.weights / data_stages.memory.weights;
+    assert!(ratio > 0.5 && ratio < 0.55, "weights tp=2 / tp=1 per device: {ratio}");
+    // Interleaving over 2 chunks: half the bubble's slots, twice the sends, and stage 0
+    // holds S + (S − 1)/V = 2.5 micro-batches' activations instead of S = 2.
+    let slots = |b: &Breakdown, m: f64| b.bubble_s / ((b.step_time_s - b.bubble_s).max(1e-30) / m);
+    let micro = 8.0 / 2.0;
+    assert!((slots(&tensor_stages, micro) - 1.0).abs() < 0.2, "1F1B bubble slots {}", slots(&tensor_stages, micro));
+    assert!(interleaved.bubble_s < 0.7 * tensor_stages.bubble_s);
+    let p2p = |b: &Breakdown| b.communication_by_kind.get("p2p").copied().unwrap_or(0.0);
+    assert!(p2p(&interleaved) > 1.4 * p2p(&tensor_stages), "{} vs {}", p2p(&interleaved), p2p(&tensor_stages));
+    let acts = interleaved.memory.activations / tensor_stages.memory.activations;
+    assert!(acts > 1.05 && acts <= 1.26, "activations interleaved / 1F1B: {acts}");
+}
+
+#[test]
+fn zero_shards_over_every_data_parallel_device_across_nodes() {
+    // 16 devices on two nodes: the gradients' all-reduce runs over the link hierarchy
+    // (reduce-scatter in a node, all-reduce across, all-gather in a node) or as one ring;
+    // either way ZeRO-3 keeps a sixteenth of the parameters, gradients and optimizer state.
+    let g = gpt(2, 256, 4, 16, 128);
+    let plain = priced(&g, 16, "dp=16");
+    let zero = priced(&g, 16, "dp=16,zero=3");
+    close(zero.memory.weights, plain.memory.weights / 16.0, 0.05, "ZeRO-3 parameters on 2 nodes");
+    close(zero.memory.optimizer, plain.memory.optimizer / 16.0, 0.05, "ZeRO-3 optimizer state on 2 nodes");
 }

@@ -198,6 +198,9 @@ pub fn megatron_args(d: &Degrees, devices: usize) -> String {
     if d.zero >= 1 {
         args.push("--use-distributed-optimizer".into());
     }
+    if let Some(v) = d.schedule.as_deref().and_then(|s| s.strip_prefix("interleaved:")) {
+        args.push(format!("--num-virtual-stages-per-pipeline-rank {v}"));
+    }
     t.push_str(&args.iter().map(|a| format!("  {a}")).collect::<Vec<_>>().join(" \\\n"));
     t.push('\n');
     if d.schedule.as_deref() == Some("gpipe") {
@@ -241,6 +244,11 @@ pub fn deepspeed_config(d: &Degrees, devices: usize) -> String {
     });
     if let Some(b) = d.global_batch {
         cfg["train_batch_size"] = serde_json::json!(b);
+    }
+    if d.schedule.as_deref().is_some_and(|s| s.starts_with("interleaved")) {
+        cfg["shardc"]["notes"].as_array_mut().expect("notes").push(serde_json::json!(
+            "the plan was priced with the interleaved 1F1B schedule; DeepSpeed's pipeline engine runs 1F1B (a larger bubble)"
+        ));
     }
     if d.recompute || d.granularity != crate::cost::Recompute::None {
         cfg["activation_checkpointing"] =

@@ -119,7 +119,7 @@ pub struct Tried {
     /// Micro-batches.
     pub micro_batches: usize,
     /// Schedule.
-    pub schedule: &'static str,
+    pub schedule: String,
     /// Devices per stage.
     pub stage_devices: Vec<usize>,
     /// Step time, seconds (infinite when nothing fits).
@@ -294,14 +294,11 @@ pub fn stage_cost(
 ) -> Option<(f64, f64, bool)> {
     let t = p.tables[k];
     let d = p.sizes[k];
-    let n = t.len();
-    let send_next = if b < n && t.cross[b] > 0.0 { (p.link)(offset + d - 1, offset + d, t.cross[b]).0 } else { 0.0 };
-    let send_prev =
-        if a > 0 && t.cross[a] > 0.0 && offset > 0 { (p.link)(offset, offset - 1, t.cross[a]).0 } else { 0.0 };
+    let (send_next, send_prev) = stage_sends(p, t, a, b, offset, d);
     let fwd = t.fwd[b] - t.fwd[a];
     let f = fwd + send_next;
     let bw = t.bwd[b] - t.bwd[a] + send_prev;
-    let flight = p.schedule.in_flight(s, p.stages, p.micro) as f64;
+    let flight = p.schedule.in_flight(s, p.stages, p.micro);
     let params = t.params(a, b, p.micro);
     let act = t.act[b] - t.act[a];
     // What the stage received for each micro-batch in flight is held until its backward.
@@ -313,6 +310,27 @@ pub fn stage_cost(
         return Some((f, bw + fwd, true));
     }
     None
+}
+
+/// Seconds per micro-batch stage `a..b` (on `d` devices from `offset`) spends sending its
+/// activations forward and their gradients back. Interleaved over V chunks, a stage sends V
+/// times as often, its V chunks' boundaries each as large as its own (the layers of a chunk
+/// are a V-th of the stage's, its boundaries alike): the last stage's first V − 1 chunks feed
+/// the first stage's next ones, the first stage's later chunks send gradients back to the
+/// last.
+fn stage_sends(p: &PartitionInput<'_>, t: &Units, a: usize, b: usize, offset: usize, d: usize) -> (f64, f64) {
+    let n = t.len();
+    let v = p.schedule.chunks() as f64;
+    let send = |from: usize, to: usize, bytes: f64| if bytes > 0.0 { (p.link)(from, to, bytes).0 } else { 0.0 };
+    let next = if b < n { v * send(offset + d - 1, offset + d, t.cross[b]) } else { 0.0 };
+    let prev = if a > 0 && offset > 0 { v * send(offset, offset - 1, t.cross[a]) } else { 0.0 };
+    if v == 1.0 {
+        return (next, prev);
+    }
+    // The wrap between the last stage and the first.
+    let wrap_next = if b == n && a > 0 { (v - 1.0) * send(offset + d - 1, 0, t.cross[a]) } else { 0.0 };
+    let wrap_prev = if a == 0 && b < n { (v - 1.0) * send(0, p.devices - 1, t.cross[b]) } else { 0.0 };
+    (next + wrap_next, prev + wrap_prev)
 }
 
 /// The partition into `stages` contiguous runs of units with sizes summing to the devices that
@@ -513,7 +531,7 @@ fn table(
 
 /// [`partition`] of `units` (one per stage size in `sizes`) into `stages` stages of `micro`
 /// micro-batches under `schedule`, on the cluster's links, stages inside node boundaries,
-/// recomputation allowed.
+/// a stage that does not fit recomputing where `recompute` allows it.
 #[allow(clippy::too_many_arguments)]
 fn partition_on(
     cluster: &Cluster,
@@ -524,6 +542,7 @@ fn partition_on(
     micro: usize,
     schedule: Schedule,
     capacity: f64,
+    recompute: bool,
 ) -> Option<Vec<Cut>> {
     let link = |a: usize, b: usize, n: f64| send_between(cluster, devices, a.min(b), a.max(b), n);
     let align = |off: usize, d: usize| aligned(cluster, off, d);
@@ -537,7 +556,7 @@ fn partition_on(
         capacity,
         link: &link,
         aligned: &align,
-        recompute: true,
+        recompute,
     })
 }
 
@@ -817,7 +836,7 @@ pub fn search_pipeline(
             let bounds = unit_bounds(t, FINE_UNITS);
             let units = Units::new(t, &bounds);
             for schedule in [Schedule::OneFOneB, Schedule::GPipe] {
-                let cuts = partition_on(cluster, devices, &[&units], &[d0], s, m, schedule, capacity);
+                let cuts = partition_on(cluster, devices, &[&units], &[d0], s, m, schedule, capacity, true);
                 let plan = cuts.as_ref().and_then(|cuts| {
                     price_cuts(
                         &gm,
@@ -834,6 +853,7 @@ pub fn search_pipeline(
                         schedule,
                         capacity,
                         &meshes,
+                        true,
                     )
                 });
                 if let Some(p) = &plan
@@ -866,13 +886,15 @@ pub fn search_pipeline(
         let units: Vec<Units> = sizes.iter().map(|d| Units::new(&tables[&(*d, mb)], &bounds)).collect();
         for schedule in [Schedule::OneFOneB, Schedule::GPipe] {
             let units: Vec<&Units> = units.iter().collect();
-            let Some(cuts) = partition_on(cluster, devices, &units, &sizes, s, m, schedule, capacity) else { continue };
+            let Some(cuts) = partition_on(cluster, devices, &units, &sizes, s, m, schedule, capacity, true) else {
+                continue;
+            };
             let shape: Vec<usize> = cuts.iter().map(|c| sizes[c.size]).collect();
             if shape.iter().all(|&d| d == d0) {
                 continue; // the uniform case, already priced on finer units
             }
             let plan = price_cuts(
-                &gm, g, cluster, opts, &tables, &sizes, &cuts, &bounds, mb, s, m, schedule, capacity, &meshes,
+                &gm, g, cluster, opts, &tables, &sizes, &cuts, &bounds, mb, s, m, schedule, capacity, &meshes, true,
             );
             if consider(plan, s, m, schedule, shape, &mut best, &mut tried) {
                 recipe = Some(Recipe { mb, sizes: sizes.clone(), cuts, bounds: bounds.clone(), s, m, schedule });
@@ -1052,7 +1074,7 @@ fn refine_stages(
     }
     let price = |tables: &HashMap<(usize, i64), Table>, cuts: &[Cut]| {
         price_cuts(
-            gm, g, cluster, opts, tables, &r.sizes, cuts, &r.bounds, r.mb, r.s, r.m, r.schedule, capacity, meshes,
+            gm, g, cluster, opts, tables, &r.sizes, cuts, &r.bounds, r.mb, r.s, r.m, r.schedule, capacity, meshes, true,
         )
     };
     let step = |p: &PipelinePlan| if p.breakdown.feasible { p.breakdown.step_time_s } else { f64::INFINITY };
@@ -1063,7 +1085,7 @@ fn refine_stages(
     let recut = |tables: &HashMap<(usize, i64), Table>| -> Option<PipelinePlan> {
         let units: Vec<Units> = r.sizes.iter().map(|d| Units::new(&tables[&(*d, r.mb)], &r.bounds)).collect();
         let units: Vec<&Units> = units.iter().collect();
-        partition_on(cluster, devices, &units, &r.sizes, r.s, r.m, r.schedule, capacity)
+        partition_on(cluster, devices, &units, &r.sizes, r.s, r.m, r.schedule, capacity, true)
             .filter(|cuts| *cuts != r.cuts)
             .and_then(|cuts| price(tables, &cuts))
     };
@@ -1163,9 +1185,23 @@ pub fn every_cut_two_stages(
             }
             let tables: HashMap<(usize, i64), Table> =
                 [((d, mb), table(&gm, cluster, &meshes[&d], devices, opts, &map))].into();
-            if let Some(p) =
-                price_cuts(&gm, g, cluster, opts, &tables, &[d], &cuts, &bounds, mb, 2, m, schedule, capacity, &meshes)
-                && p.breakdown.feasible
+            if let Some(p) = price_cuts(
+                &gm,
+                g,
+                cluster,
+                opts,
+                &tables,
+                &[d],
+                &cuts,
+                &bounds,
+                mb,
+                2,
+                m,
+                schedule,
+                capacity,
+                &meshes,
+                true,
+            ) && p.breakdown.feasible
                 && best.is_none_or(|(t, _)| p.breakdown.step_time_s < t)
             {
                 best = Some((p.breakdown.step_time_s, c));
@@ -1250,6 +1286,7 @@ fn price_cuts(
     schedule: Schedule,
     capacity: f64,
     meshes: &HashMap<usize, Mesh>,
+    recompute: bool,
 ) -> Option<PipelinePlan> {
     let order = g.op_nodes().ok()?;
     let names: HashMap<String, NodeId> =
@@ -1277,7 +1314,7 @@ fn price_cuts(
         op_cuts.push((a, b));
         let all: Vec<usize> = (0..=t.fwd.len()).collect();
         let units = Units::new(t, &all);
-        let input = PartitionInput {
+        let pin = PartitionInput {
             tables: vec![&units],
             sizes: vec![d],
             devices,
@@ -1287,18 +1324,19 @@ fn price_cuts(
             capacity,
             link: &link,
             aligned: &align,
-            recompute: true,
+            recompute,
         };
-        let (f, bw, rc) = stage_cost(&input, 0, st, a, b, cut.offset)?;
-        let flight = schedule.in_flight(st, s, m) as f64;
+        let (f, bw, rc) = stage_cost(&pin, 0, st, a, b, cut.offset)?;
+        let flight = schedule.in_flight(st, s, m);
         let params = units.params(a, b, m);
         let act_one = units.act[b] - units.act[a];
         let input = if a > 0 { t.cross[a] } else { 0.0 };
         let act = if rc { input * flight + act_one } else { (act_one + input) * flight };
         // The update, after the last backward, makes each weight's and optimizer state's next
-        // value while the current ones are held (the micro-batch's own gradients freed by then).
+        // value while the current ones are held (the micro-batch's own gradients freed by
+        // then), unless the device's optimizer updates in place.
         let (param, grad) = (units.param[b] - units.param[a], units.grad[b] - units.grad[a]);
-        let update = param - grad * if m > 1 { 2.0 } else { 1.0 };
+        let update = if cluster.device.in_place_update { 0.0 } else { param - grad * if m > 1 { 2.0 } else { 1.0 } };
         let act = (act + summing[st]).max(update);
         let mem = Memory {
             weights: params + shared[st],
@@ -1315,9 +1353,10 @@ fn price_cuts(
         let send = if b < t.fwd.len() { t.cross[b] } else { 0.0 };
         if send > 0.0 {
             let (time, latency) = link(cut.offset + d - 1, cut.offset + d, send);
-            p2p_total += 2.0 * time * m as f64;
             events.extend(t.crossing[b].iter().map(|&v| crossing_event(v, send, time, latency)));
         }
+        let (sends_fwd, sends_bwd) = stage_sends(&pin, &units, a, b, cut.offset, d);
+        p2p_total += (sends_fwd + sends_bwd) * m as f64;
         let mut asg = Assignment::default();
         let mut nodes = Vec::with_capacity(b - a);
         for (k, &n) in gm_order[a..b].iter().enumerate() {
@@ -1379,7 +1418,7 @@ fn price_cuts(
     let reference = &tables[&(sizes[cuts[0].size], mb)];
     let blocker = (imbalance > 1.10).then(|| blocker(gm, reference, &op_cuts, &times, s));
     let feasible = worst_total <= capacity;
-    let slots = (m + s - 1) as f64;
+    let slots = schedule.slots(s, m);
     let mut by_kind = std::collections::BTreeMap::new();
     by_kind.insert("p2p".to_string(), p2p_total);
     let breakdown = Breakdown {
@@ -1392,7 +1431,7 @@ fn price_cuts(
         communication_by_kind: by_kind,
         gradient_sync_s: syncs.iter().sum(),
         exposed_gradient_sync_s: exposed,
-        bubble_s: makespan / slots * (s - 1) as f64,
+        bubble_s: makespan / slots * (slots - m as f64),
         input_s: input,
         input_transfer_s: input_transfer,
         input_bytes: 0.0,
@@ -1480,6 +1519,125 @@ fn blocker(g: &Graph, t: &Table, cuts: &[(usize, usize)], times: &[f64], s: usiz
     format!(
         "stage {fastest} cannot grow: moving a boundary would exceed memory or add a costly transfer of the tensors crossing the cut"
     )
+}
+
+/// Prices a hand pipeline configuration — `stages` stages of `devices / stages` devices,
+/// each sharded data-parallel or, with `tensor` > 1, Megatron-style over `tensor` of them
+/// (the rest data-parallel), `micro` micro-batches under `schedule` — with the tables,
+/// partition and step price the search uses for the pipelines it makes. The layers are
+/// balanced over the stages as the search balances them; recomputation is what `opts` says
+/// (no stage recomputes on its own). A configuration that does not fit is priced on the
+/// time-balanced cut and marked so, with what its fullest stage needs.
+#[allow(clippy::too_many_arguments)]
+pub fn price_configuration(
+    g: &Graph,
+    cluster: &Cluster,
+    devices: usize,
+    stages: usize,
+    micro: usize,
+    schedule: Schedule,
+    tensor: usize,
+    opts: &Options,
+) -> Result<PipelinePlan, String> {
+    if stages == 0 || !devices.is_multiple_of(stages) {
+        return Err(format!("pipeline: {stages} stages do not divide {devices} devices"));
+    }
+    let batch = graph_batch(g).ok_or("pipeline: the model has no input with a batch dim")?;
+    if micro == 0 || micro as i64 > batch || batch % micro as i64 != 0 {
+        return Err(format!("pipeline: {micro} micro-batches do not divide the batch of {batch}"));
+    }
+    if schedule.chunks() > 1 && !micro.is_multiple_of(stages) {
+        return Err(format!(
+            "pipeline: the interleaved schedule runs micro-batches in groups of the {stages} stages; {micro} is not a multiple"
+        ));
+    }
+    let per_stage = devices / stages;
+    let inner = crate::cost::Named::stage_strategy(tensor, per_stage)?;
+    let mesh = inner.mesh(cluster, per_stage)?;
+    let mb = batch / micro as i64;
+    let mut graphs = MicroGraphs { g, batch, cache: HashMap::new(), refused: None };
+    let gm = graphs.get(mb).ok_or_else(|| {
+        let why = graphs.refused.as_ref().map_or(String::new(), |(_, e)| format!(": {e}"));
+        format!("pipeline: the model takes no micro-batch of {mb}{why}")
+    })?;
+    let cm = CostModel::new(&gm, cluster, mesh.clone(), opts.clone());
+    let asg = crate::cost::strategy::assign(&cm, &inner)?;
+    let strategies: HashMap<String, OpStrategy> = asg
+        .strategies
+        .iter()
+        .filter_map(|(n, s)| Some((gm.node(*n).outputs().first()?.name.clone(), s.clone())))
+        .collect();
+    let t = table(&gm, cluster, &mesh, devices, opts, &strategies);
+    if stages * schedule.chunks() > t.fwd.len() {
+        return Err(format!("pipeline: {} model chunks for {} ops", stages * schedule.chunks(), t.fwd.len()));
+    }
+    let bounds = unit_bounds(&t, FINE_UNITS);
+    let units = Units::new(&t, &bounds);
+    let tables = HashMap::from([((per_stage, mb), t)]);
+    let meshes = HashMap::from([(per_stage, mesh)]);
+    let capacity = cluster.device.mem_capacity * cluster.device.mem_usable;
+    let price = |cap: f64| {
+        let cuts = partition_on(cluster, devices, &[&units], &[per_stage], stages, micro, schedule, cap, false)?;
+        let (s, m) = (stages, micro);
+        price_cuts(
+            &gm,
+            g,
+            cluster,
+            opts,
+            &tables,
+            &[per_stage],
+            &cuts,
+            &bounds,
+            mb,
+            s,
+            m,
+            schedule,
+            cap,
+            &meshes,
+            false,
+        )
+    };
+    if let Some(p) = price(capacity) {
+        return Ok(p);
+    }
+    let mut p = price(f64::INFINITY).ok_or("pipeline: no split into stages")?;
+    let b = &mut p.breakdown;
+    b.memory_capacity_bytes = capacity as u64;
+    b.feasible = false;
+    b.infeasible_reason = Some(format!(
+        "the fullest stage needs {:.2} GiB per device, {:.2} GiB usable",
+        b.memory.total() / 1073741824.0,
+        capacity / 1073741824.0
+    ));
+    Ok(p)
+}
+
+impl PipelinePlan {
+    /// The stages as `shardc cost` reports a priced pipeline.
+    pub fn report(&self) -> crate::cost::PipelineReport {
+        use crate::cost::pipeline::StageReport;
+        crate::cost::PipelineReport {
+            stages: self
+                .stages
+                .iter()
+                .map(|s| StageReport {
+                    devices: s.devices.clone(),
+                    op_count: s.ops.len(),
+                    first_op: s.first_op.clone(),
+                    last_op: s.last_op.clone(),
+                    time_s: s.time_s,
+                    forward_s: s.forward_s,
+                    backward_s: s.backward_s,
+                    send_bytes: s.send_bytes,
+                    memory_bytes: s.memory_bytes,
+                })
+                .collect(),
+            micro_batches: self.micro_batches,
+            schedule: self.schedule,
+            breakdown: self.breakdown.clone(),
+            imbalance: self.imbalance,
+        }
+    }
 }
 
 /// One stage of a pipeline given whole (a plan file's): its ops (first output names), its
@@ -1570,6 +1728,7 @@ pub fn price_stages(
         schedule,
         capacity,
         &meshes,
+        true,
     )
     .ok_or_else(|| "the stages do not fit in memory on this cluster".into())
 }

@@ -543,7 +543,7 @@ impl PlanSummary {
         opts: &Options,
         devices: usize,
         step: f64,
-        pipeline: Option<(usize, usize, &str)>,
+        pipeline: Option<(usize, usize, String)>,
     ) -> PlanSummary {
         let g = cm.g;
         let axes = axis_uses(cm, asg);

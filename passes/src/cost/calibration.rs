@@ -38,6 +38,7 @@ pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) 
             kernel_factors: c.kernel_factors.iter().cloned().collect(),
             parallel_width: c.parallel_width,
             serial_slowdown: c.serial_slowdown,
+            in_place_update: false,
         },
         // Between the devices: the in-process transport's ring steps between host buffers.
         intra: Link {

@@ -120,6 +120,13 @@ pub struct Device {
     /// The most a kernel of too few invocations is slowed (its rate with one invocation).
     #[serde(default = "default_one")]
     pub serial_slowdown: f64,
+    /// The optimizer updates the weights and its state in place, as the fused optimizers of
+    /// the frameworks that train on these devices do (apex and Transformer Engine FusedAdam
+    /// in Megatron-LM and DeepSpeed): nothing beside them at the update. Off, the update makes
+    /// the next values beside the current ones, as shardc's pipeline runtime does, and a
+    /// stage's memory counts them.
+    #[serde(default)]
+    pub in_place_update: bool,
 }
 
 fn default_usable() -> f64 {
@@ -352,6 +359,7 @@ fn a100() -> Device {
         kernel_factors: Default::default(),
         parallel_width: 0.0,
         serial_slowdown: 1.0,
+        in_place_update: true,
     }
 }
 
@@ -386,11 +394,11 @@ fn dgx_a100(nodes: usize) -> Cluster {
     }
 }
 
-fn dgx_h100() -> Cluster {
+fn dgx_h100(nodes: usize) -> Cluster {
     Cluster {
-        name: "dgx-h100".into(),
+        name: if nodes == 1 { "dgx-h100".into() } else { format!("h100-cluster-{nodes}") },
         source: "NVIDIA DGX H100 user guide and H100 SXM5 datasheet".into(),
-        nodes: 1,
+        nodes,
         devices_per_node: 8,
         device: Device {
             // H100 SXM5: FP32 67 TFLOPS, TF32 495, FP16/BF16 989 (dense); HBM3 3.35 TB/s; 80 GB.
@@ -414,6 +422,7 @@ fn dgx_h100() -> Cluster {
             kernel_factors: Default::default(),
             parallel_width: 0.0,
             serial_slowdown: 1.0,
+            in_place_update: true,
         },
         // NVLink 4: 18 links, 900 GB/s bidirectional = 450 GB/s per direction, NVSwitch gen 3;
         // NCCL reaches ~360 GB/s bus bandwidth.
@@ -424,8 +433,15 @@ fn dgx_h100() -> Cluster {
             shared_by: 1,
             by_size: BySize::default(),
         },
-        inter: None,
-        // 8 × ConnectX-7 NDR 400 Gb/s for multi-node; unused in one node.
+        // 8 × ConnectX-7 NDR 400 Gb/s (50 GB/s) InfiniBand, one per GPU (DGX H100 user guide);
+        // the achieved share taken as the A100 preset's HDR links reach (22 of 25 GB/s), 44 GB/s.
+        inter: (nodes > 1).then_some(Link {
+            bandwidth: 44.0 * GB,
+            latency: 5e-6,
+            topology: Topology::Switch,
+            shared_by: 1,
+            by_size: BySize::default(),
+        }),
         nics_per_node: 8,
         // PCIe Gen5 x16: 64 GB/s theoretical, ~50 GB/s achieved.
         host: HostLink { bandwidth: 50.0 * GB, latency: 8e-6, shared_by: 2, by_size: BySize::default() },
@@ -460,6 +476,7 @@ fn pcie_v100x8() -> Cluster {
             kernel_factors: Default::default(),
             parallel_width: 0.0,
             serial_slowdown: 1.0,
+            in_place_update: true,
         },
         // GPU↔GPU over PCIe Gen3 x16 (15.75 GB/s theoretical, ~11 GB/s achieved); pairs of GPUs
         // share a PLX switch uplink to the CPU root complex, which rings across switches cross.
@@ -505,6 +522,7 @@ fn dgx1_v100() -> Cluster {
             kernel_factors: Default::default(),
             parallel_width: 0.0,
             serial_slowdown: 1.0,
+            in_place_update: true,
         },
         // NVLink 2 hybrid cube-mesh: 6 links × 25 GB/s per GPU; NCCL rings reach ~130 GB/s bus
         // bandwidth over all 8 GPUs.
@@ -539,24 +557,30 @@ fn local_wgpu() -> Cluster {
     local_cluster(&c, "local-wgpu", "shardc calibrate on the development machine (Mesa lavapipe, 2 cores)", 8)
 }
 
-/// Names of the built-in presets (`a100-cluster-N` takes any N ≥ 2).
-pub const PRESETS: &[&str] = &["dgx-a100", "dgx-h100", "dgx1-v100", "pcie-v100x8", "a100-cluster-N", "local-wgpu"];
+/// Names of the built-in presets (`a100-cluster-N` and `h100-cluster-N` take any N ≥ 2 nodes
+/// of eight).
+pub const PRESETS: &[&str] =
+    &["dgx-a100", "dgx-h100", "dgx1-v100", "pcie-v100x8", "a100-cluster-N", "h100-cluster-N", "local-wgpu"];
 
 impl Cluster {
     /// A built-in preset.
     pub fn preset(name: &str) -> Option<Cluster> {
         Some(match name {
             "dgx-a100" => dgx_a100(1),
-            "dgx-h100" => dgx_h100(),
+            "dgx-h100" => dgx_h100(1),
             "pcie-v100x8" => pcie_v100x8(),
             "dgx1-v100" => dgx1_v100(),
             "local-wgpu" => local_wgpu(),
             _ => {
-                let n: usize = name.strip_prefix("a100-cluster-")?.parse().ok()?;
+                let (make, n): (fn(usize) -> Cluster, &str) = match name.strip_prefix("a100-cluster-") {
+                    Some(n) => (dgx_a100, n),
+                    None => (dgx_h100, name.strip_prefix("h100-cluster-")?),
+                };
+                let n: usize = n.parse().ok()?;
                 if n == 0 {
                     return None;
                 }
-                dgx_a100(n)
+                make(n)
             }
         })
     }
@@ -687,7 +711,9 @@ mod tests {
 
     #[test]
     fn presets_validate_and_round_trip_through_toml() {
-        for name in ["dgx-a100", "dgx-h100", "dgx1-v100", "pcie-v100x8", "a100-cluster-8", "local-wgpu"] {
+        for name in
+            ["dgx-a100", "dgx-h100", "dgx1-v100", "pcie-v100x8", "a100-cluster-8", "h100-cluster-4", "local-wgpu"]
+        {
             let c = Cluster::preset(name).unwrap();
             c.validate().unwrap();
             let back = Cluster::from_toml(&c.to_toml()).unwrap();

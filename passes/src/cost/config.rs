@@ -10,9 +10,10 @@
 //! data-parallel replica (no gradient accumulation); `sp` off; `recompute` none; `zero` 0;
 //! `schedule` 1f1b. The
 //! product of the degrees must be the devices used. A configuration resolves to a named
-//! strategy ([`Named`]: `data`, `megatron`, `hybrid:dp:D,tp:T`, `pipeline:S:M`) and the
-//! cost-model options it sets; what the cost model cannot price yet (`cp`, `ep`, `vp`,
-//! tensor-parallel pipeline stages) is refused with the reason.
+//! strategy ([`Named`]: `data`, `megatron`, `hybrid:dp:D,tp:T`, `pipeline:S:M[:interleaved:V][:tp:T]`) and the
+//! cost-model options it sets; what the cost model cannot price yet (`cp`, `ep`) is refused
+//! with the reason. `pp` with `tp` is a pipeline of Megatron (or data × Megatron) stages;
+//! `vp` > 1 the interleaved schedule.
 
 use super::model::Options;
 use super::stash::Recompute;
@@ -101,12 +102,10 @@ impl Config {
                     c.schedule = Some(match v()? {
                         "gpipe" => Schedule::GPipe,
                         "1f1b" => Schedule::OneFOneB,
-                        "interleaved" => Schedule::OneFOneB,
+                        // The virtual stages come from `vp` (2 when it is not given).
+                        "interleaved" => Schedule::Interleaved(2),
                         o => return Err(format!("`schedule={o}`: the schedule is gpipe, 1f1b or interleaved")),
                     });
-                    if v()? == "interleaved" && c.vp == 1 {
-                        c.vp = 2;
-                    }
                 }
                 other => {
                     return Err(format!(
@@ -116,6 +115,19 @@ impl Config {
             }
         }
         Ok(c)
+    }
+
+    /// The pipeline schedule: `vp` > 1 is the interleaved one (`schedule` may say so or be
+    /// left out).
+    fn schedule(&self) -> Result<Schedule, String> {
+        match (self.schedule, self.vp) {
+            (None | Some(Schedule::OneFOneB), 1) => Ok(Schedule::OneFOneB),
+            (Some(Schedule::GPipe), 1) => Ok(Schedule::GPipe),
+            (Some(Schedule::Interleaved(v)), 1) => Ok(Schedule::Interleaved(v)),
+            (_, v) if self.pp == 1 => Err(format!("vp={v}: virtual stages interleave a pipeline; give pp > 1")),
+            (None | Some(Schedule::Interleaved(_)), v) => Ok(Schedule::Interleaved(v)),
+            (Some(s), v) => Err(format!("vp={v}: virtual stages take the interleaved schedule, not {}", s.name())),
+        }
     }
 
     /// The data-parallel degree on `devices` devices, checking that the degrees multiply to
@@ -144,18 +156,15 @@ impl Config {
     /// (pipelines: micro-batches = batch / (dp × mbs)), and the options it sets on `opts`.
     pub fn resolve(&self, devices: usize, batch: Option<i64>, opts: &Options) -> Result<(Named, Options), String> {
         let dp = self.data_degree(devices)?;
-        for (k, d) in [("cp", self.cp), ("ep", self.ep), ("vp", self.vp)] {
+        for (k, d) in [("cp", self.cp), ("ep", self.ep)] {
             if d > 1 {
                 return Err(format!(
                     "{k}={d}: the cost model does not price {} yet",
-                    match k {
-                        "cp" => "context parallelism",
-                        "ep" => "expert parallelism",
-                        _ => "interleaved virtual stages",
-                    }
+                    if k == "cp" { "context parallelism" } else { "expert parallelism" }
                 ));
             }
         }
+        let schedule = self.schedule()?;
         if self.sp && self.tp == 1 {
             return Err("sp: sequence parallelism splits the tensor-parallel axis; give tp > 1".into());
         }
@@ -177,17 +186,22 @@ impl Config {
             (1, 1, _) => Named::Data,
             (1, t, 1) if t > 1 => Named::Megatron,
             (1, tp, dp) => Named::Hybrid { dp, tp },
-            (pp, 1, dp) => {
-                // Each stage's devices split every micro-batch: micro-batches of mbs per device.
+            (stages, tensor, dp) => {
+                // Each stage's data-parallel replicas split every micro-batch: micro-batches of
+                // mbs samples per replica.
                 let b = batch.ok_or("pp: the model's batch size is not known; give --batch")?;
                 let mbs = self.mbs.unwrap_or(1);
                 if !b.is_multiple_of(dp * mbs) {
                     return Err(format!("pp: the batch {b} is not a multiple of dp × mbs = {}", dp * mbs));
                 }
-                Named::Pipeline(pp, b / (dp * mbs), self.schedule.unwrap_or(Schedule::OneFOneB))
-            }
-            (pp, tp, _) => {
-                return Err(format!("pp={pp} with tp={tp}: tensor-parallel pipeline stages are not priced yet"));
+                let micro = b / (dp * mbs);
+                if schedule.chunks() > 1 && !micro.is_multiple_of(stages) {
+                    return Err(format!(
+                        "vp={}: the interleaved schedule runs micro-batches in groups of pp = {stages}; {micro} micro-batches (batch / (dp × mbs)) are not a multiple",
+                        schedule.chunks()
+                    ));
+                }
+                Named::Pipeline { stages, micro, schedule, tensor }
             }
         };
         Ok((named, o))

@@ -29,26 +29,30 @@ use ir::shard::Mesh;
 
 /// A priced named strategy.
 pub struct Priced {
-    /// The mesh it ran on.
+    /// The mesh it ran on (a pipeline's: its first stage's).
     pub mesh: Mesh,
     /// The price.
     pub breakdown: Breakdown,
     /// Pipeline details, for `pipeline:S:M`.
     pub pipeline: Option<PipelineReport>,
-    /// The strategies priced (empty for a pipeline, whose stages hold theirs).
+    /// The strategies priced (a pipeline's first stage's, on its mesh).
     pub assignment: Assignment,
 }
 
 /// Prices a named strategy on `devices` devices of `cluster`. Errors say why the strategy does
 /// not apply.
 pub fn price(g: &Graph, cluster: &Cluster, devices: usize, named: &Named, opts: &Options) -> Result<Priced, String> {
-    if let Named::Pipeline(stages, micro, schedule) = named {
-        let r = pipeline::price_pipeline(g, cluster, devices, *stages, *micro, *schedule, opts)?;
+    if let Named::Pipeline { stages, micro, schedule, tensor } = named {
+        // Priced as the search prices the pipelines it makes: one function for both.
+        let p = crate::autoshard::pipeline::price_configuration(
+            g, cluster, devices, *stages, *micro, *schedule, *tensor, opts,
+        )?;
+        let first = p.stages.first().ok_or("a pipeline without stages")?;
         return Ok(Priced {
-            mesh: cluster.mesh(devices)?,
-            breakdown: r.breakdown.clone(),
-            pipeline: Some(r),
-            assignment: Assignment::default(),
+            mesh: first.sub_mesh.clone(),
+            assignment: first.assignment.clone(),
+            breakdown: p.breakdown.clone(),
+            pipeline: Some(p.report()),
         });
     }
     let mesh = named.mesh(cluster, devices)?;

@@ -27,14 +27,21 @@ use ir::{NodeId, Op, Value};
 use super::model::{Assignment, CostModel};
 
 /// A pipeline schedule.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Schedule {
     /// All micro-batch forwards, then all backwards.
-    #[serde(rename = "gpipe")]
     GPipe,
     /// One forward, one backward, in steady state.
-    #[serde(rename = "1f1b")]
     OneFOneB,
+    /// Megatron's interleaved 1F1B: each device holds this many (≥ 2) model chunks (virtual
+    /// stages), its layers round-robin over the devices.
+    Interleaved(usize),
+}
+
+impl serde::Serialize for Schedule {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.name())
+    }
 }
 
 /// A parsed strategy name.
@@ -59,8 +66,18 @@ pub enum Named {
     SpatialHybrid(usize, usize),
     /// Data-parallel convolutions, model-parallel fully connected layers.
     Owt,
-    /// Pipeline: stages, micro-batches, schedule.
-    Pipeline(usize, usize, Schedule),
+    /// Pipeline: stages of equal device groups, each sharded data-parallel, or Megatron-style
+    /// over `tensor` of its devices (the rest data-parallel).
+    Pipeline {
+        /// Stages.
+        stages: usize,
+        /// Micro-batches per step.
+        micro: usize,
+        /// Schedule.
+        schedule: Schedule,
+        /// Tensor-parallel degree inside a stage (1: data-parallel stages).
+        tensor: usize,
+    },
 }
 
 impl Named {
@@ -112,24 +129,56 @@ impl Named {
                 }
                 Named::Hybrid { dp, tp }
             }
-            ["pipeline", st, m, rest @ ..] => {
-                let st: usize = st.parse().map_err(|_| format!("`{s}`: the stage count must be a number"))?;
-                let m: usize = m.parse().map_err(|_| format!("`{s}`: the micro-batch count must be a number"))?;
-                if st == 0 || m == 0 {
-                    return Err(format!("`{s}`: stages and micro-batches must be at least 1"));
-                }
-                let sched = match rest {
-                    [] | ["1f1b"] => Schedule::OneFOneB,
-                    ["gpipe"] => Schedule::GPipe,
-                    _ => return Err(format!("`{s}`: the schedule is gpipe or 1f1b")),
-                };
-                Named::Pipeline(st, m, sched)
-            }
+            ["pipeline", st, m, rest @ ..] => Named::parse_pipeline(s, st, m, rest)?,
             _ => {
                 return Err(format!(
-                    "unknown strategy `{s}`; strategies are data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, pipeline:S:M[:gpipe|:1f1b]"
+                    "unknown strategy `{s}`; strategies are data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, pipeline:S:M[:gpipe|:1f1b|:interleaved:V][:tp:T]; or a configuration such as tp=8,pp=8,vp=3"
                 ));
             }
+        })
+    }
+
+    /// `pipeline:S:M[:gpipe|:1f1b|:interleaved:V][:tp:T]` after its first word (`s` whole, for
+    /// messages).
+    fn parse_pipeline(s: &str, st: &str, m: &str, rest: &[&str]) -> Result<Named, String> {
+        let stages: usize = st.parse().map_err(|_| format!("`{s}`: the stage count must be a number"))?;
+        let micro: usize = m.parse().map_err(|_| format!("`{s}`: the micro-batch count must be a number"))?;
+        if stages == 0 || micro == 0 {
+            return Err(format!("`{s}`: stages and micro-batches must be at least 1"));
+        }
+        let (rest, tensor) = match rest {
+            [head @ .., "tp", t] => match t.parse::<usize>() {
+                Ok(t) if t >= 1 => (head, t),
+                _ => return Err(format!("`{s}`: tp:T takes a tensor-parallel degree of at least 1")),
+            },
+            _ => (rest, 1),
+        };
+        let schedule = match rest {
+            [] | ["1f1b"] => Schedule::OneFOneB,
+            ["gpipe"] => Schedule::GPipe,
+            ["interleaved", v] => match v.parse::<usize>() {
+                Ok(v) if v >= 2 => Schedule::Interleaved(v),
+                _ => return Err(format!("`{s}`: interleaved:V takes V ≥ 2 virtual stages per device")),
+            },
+            _ => {
+                return Err(format!(
+                    "`{s}`: write pipeline:S:M[:gpipe|:1f1b|:interleaved:V][:tp:T], e.g. pipeline:8:64:interleaved:3:tp:8"
+                ));
+            }
+        };
+        Ok(Named::Pipeline { stages, micro, schedule, tensor })
+    }
+
+    /// The strategy inside each stage of a pipeline of `per_stage` devices: data parallel,
+    /// Megatron, or data × Megatron.
+    pub fn stage_strategy(tensor: usize, per_stage: usize) -> Result<Named, String> {
+        if tensor == 0 || !per_stage.is_multiple_of(tensor) {
+            return Err(format!("tensor parallelism over {tensor} does not divide a stage's {per_stage} devices"));
+        }
+        Ok(match (tensor, per_stage / tensor) {
+            (1, _) => Named::Data,
+            (t, 1) if t > 1 => Named::Megatron,
+            (tp, dp) => Named::Hybrid { dp, tp },
         })
     }
 
@@ -143,7 +192,12 @@ impl Named {
             Named::Hybrid { dp, tp } => format!("hybrid:dp:{dp},tp:{tp}"),
             Named::SpatialHybrid(d, s) => format!("spatial-hybrid:{d}x{s}"),
             Named::Owt => "owt".into(),
-            Named::Pipeline(s, m, sched) => format!("pipeline:{s}:{m}:{}", sched.name()),
+            Named::Pipeline { stages, micro, schedule, tensor: 1 } => {
+                format!("pipeline:{stages}:{micro}:{}", schedule.name())
+            }
+            Named::Pipeline { stages, micro, schedule, tensor } => {
+                format!("pipeline:{stages}:{micro}:{}:tp:{tensor}", schedule.name())
+            }
         }
     }
 
@@ -297,7 +351,7 @@ fn applies(cm: &CostModel<'_>, named: &Named) -> Result<(), String> {
         Named::Spatial => "spatial",
         Named::SpatialHybrid(..) => "spatial-hybrid",
         Named::Owt => "owt",
-        Named::Pipeline(..) => return Err("pipeline strategies are priced by the pipeline model".into()),
+        Named::Pipeline { .. } => return Err("pipeline strategies are priced by the pipeline model".into()),
     };
     if matches!(named, Named::Hybrid { .. } | Named::SpatialHybrid(..)) && cm.mesh.axes.len() < 2 {
         return Err(format!("{name}: needs a mesh of two axes"));
@@ -413,7 +467,7 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
                 }
                 (s.iter().any(Option::is_some)).then_some(s)
             }
-            Named::Pipeline(..) => unreachable!("refused by `applies`"),
+            Named::Pipeline { .. } => unreachable!("refused by `applies`"),
         };
         let s = match s {
             Some(s) => {

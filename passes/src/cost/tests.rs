@@ -7,7 +7,7 @@ use ir::{DType, Graph, Model, Op, Tensor, TensorType, op};
 
 use super::cluster::{BySize, Cluster, Device, HostLink, Link, PeakFlops, Topology};
 use super::model::{Assignment, CostModel, InputPath, Optimizer, Options};
-use super::strategy::Schedule;
+use super::strategy::{Named, Schedule};
 
 fn toy() -> Cluster {
     Cluster {
@@ -37,6 +37,7 @@ fn toy() -> Cluster {
             kernel_factors: Default::default(),
             parallel_width: 0.0,
             serial_slowdown: 1.0,
+            in_place_update: false,
         },
         intra: Link {
             bandwidth: 1e10,
@@ -295,9 +296,34 @@ fn pipeline_schedules() {
     let slot = mk / 15.0;
     assert!(close(3.0 * slot / mk, 3.0 / 15.0));
     // Activation memory: GPipe keeps M micro-batches in every stage, 1F1B min(M, S − s).
-    assert_eq!(Schedule::GPipe.in_flight(0, 4, 8), 8);
-    assert_eq!(Schedule::OneFOneB.in_flight(0, 4, 8), 4);
-    assert_eq!(Schedule::OneFOneB.in_flight(3, 4, 8), 1);
+    assert_eq!(Schedule::GPipe.in_flight(0, 4, 8), 8.0);
+    assert_eq!(Schedule::OneFOneB.in_flight(0, 4, 8), 4.0);
+    assert_eq!(Schedule::OneFOneB.in_flight(3, 4, 8), 1.0);
+}
+
+#[test]
+fn the_interleaved_schedule_shrinks_the_bubble_and_keeps_more_in_flight() {
+    // S = 4 stages, M = 12 micro-batches, V = 3 chunks: (M + (S − 1)/V) = 13 slots of
+    // max(f + b) instead of 15; the bubble a third of 1F1B's.
+    let i3 = Schedule::Interleaved(3);
+    assert_eq!(i3.slots(4, 12), 13.0);
+    assert_eq!(i3.makespan(&[1.0; 4], &[2.0; 4], 12), 39.0);
+    assert_eq!(Schedule::OneFOneB.makespan(&[1.0; 4], &[2.0; 4], 12), 45.0);
+    assert!(close((i3.slots(4, 12) - 12.0) * 3.0, Schedule::OneFOneB.slots(4, 12) - 12.0));
+    // Stage 0 holds S + (S − 1)/V micro-batches' activations (Korthikanti et al. 2022, §4.2.3):
+    // 4 + 1 = 5 here; the last stage (S − 1) (2·0 + 2·4 + 1)/3 = 3; never more than M.
+    assert_eq!(i3.in_flight(0, 4, 12), 5.0);
+    assert_eq!(i3.in_flight(3, 4, 12), 3.0);
+    assert_eq!(i3.in_flight(0, 4, 2), 2.0);
+    assert_eq!(i3.name(), "interleaved:3");
+    assert_eq!(Named::parse("pipeline:4:12:interleaved:3:tp:2").unwrap().name(), "pipeline:4:12:interleaved:3:tp:2");
+    assert_eq!(
+        Named::parse("pipeline:4:12:interleaved:3:tp:2").unwrap(),
+        Named::Pipeline { stages: 4, micro: 12, schedule: i3, tensor: 2 }
+    );
+    assert_eq!(Named::parse("pipeline:4:12").unwrap().name(), "pipeline:4:12:1f1b");
+    assert!(Named::parse("pipeline:4:12:interleaved:1").unwrap_err().contains("V ≥ 2"));
+    assert!(Named::parse("pipeline:4:12:1f1b:tp:0").unwrap_err().contains("tp:T"));
 }
 
 #[test]
