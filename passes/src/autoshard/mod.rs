@@ -491,7 +491,7 @@ fn search_mesh_folded(
         }
     }
     let breakdown = cm.evaluate(&assignment);
-    if !breakdown.feasible {
+    if !breakdown.feasible && could_fit(g, cluster, &mesh, opts) {
         // The reduced graph's memory says little about the whole one: when the folded plan
         // does not fit, search every block.
         let full = search_mesh(g, cluster, mesh.clone(), opts, so, net, None);
@@ -507,6 +507,15 @@ fn search_mesh_folded(
         ..o.summary
     };
     MeshOutcome { assignment, mesh, breakdown, same_as, summary }
+}
+
+/// Whether some plan of `g` on `mesh` might fit: what one device would hold for the whole
+/// step, split evenly over the mesh's devices, is a lower bound of any plan's memory per
+/// device (a split divides at best; replicas and collectives' buffers only add).
+fn could_fit(g: &Graph, cluster: &Cluster, mesh: &Mesh, opts: &Options) -> bool {
+    let one = CostModel::new(g, cluster, Mesh::line(1, ir::shard::LinkLevel::Intra), opts.clone());
+    let need = one.price(&Assignment::default()).memory.total() / mesh.devices() as f64;
+    need <= cluster.device.mem_capacity * cluster.device.mem_usable
 }
 
 /// Searches for the best plan of `g` (shapes inferred) on `devices` devices of `cluster`.

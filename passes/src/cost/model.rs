@@ -331,8 +331,24 @@ pub struct Breakdown {
     pub policy: Policy,
 }
 
-/// A resharding: the value, from, to, the byte scale (as bits).
-type ReshardKey = (Value, Sharding, Sharding, u64);
+/// A resharding: the value, from and to packed ([`pack`]), the byte scale (as bits).
+type ReshardKey = (Value, u64, u64, u64);
+
+/// A sharding in one word, a byte per mesh axis (`None` beyond eight axes): the memo's key
+/// without allocating.
+fn pack(s: &Sharding) -> Option<u64> {
+    if s.len() > 8 {
+        return None;
+    }
+    Some(s.iter().enumerate().fold(0u64, |acc, (i, a)| {
+        let b = match a {
+            AxisShard::Replicate => 1u64,
+            AxisShard::Partial => 2,
+            AxisShard::Split(d) => 3 + u64::from(*d),
+        };
+        acc | (b << (8 * i))
+    }))
+}
 /// A resharding's priced collectives and the seconds of its local steps.
 type Resharded = (Rc<[Step]>, f64);
 
@@ -1110,9 +1126,9 @@ impl<'a> CostModel<'a> {
         if from == to {
             return (Rc::from(Vec::new()), 0.0);
         }
-        let key = (v, from.clone(), to.clone(), scale.to_bits());
-        if let Some(st) = self.reshard_memo.borrow().get(&key) {
-            return st.clone();
+        let key = pack(from).zip(pack(to)).map(|(f, t)| (v, f, t, scale.to_bits()));
+        if let Some(st) = key.as_ref().and_then(|k| self.reshard_memo.borrow().get(k).cloned()) {
+            return st;
         }
         let (dims, eb) = self.value_shape(v);
         let algebra = ir::reshard::reshard(&dims, eb, from, to, &self.mesh, self.policy);
@@ -1125,7 +1141,9 @@ impl<'a> CostModel<'a> {
             .map(|s| self.launch() + 2.0 * whole / split_factor(&s.to, &self.mesh) / self.mem_bandwidth())
             .sum();
         let both = (steps, local);
-        self.reshard_memo.borrow_mut().insert(key, both.clone());
+        if let Some(key) = key {
+            self.reshard_memo.borrow_mut().insert(key, both.clone());
+        }
         both
     }
 
