@@ -269,8 +269,14 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
     t.push_str(&format!(
         "plan         {}\n",
         match (&r.pipeline, &r.same_as) {
-            (Some(p), _) => format!(
+            (Some(p), None) => format!(
                 "{} pipeline stages × {} micro-batches ({}), each stage sharded (see --report)",
+                p.stages.len(),
+                p.micro_batches,
+                p.schedule.name()
+            ),
+            (Some(p), Some(n)) => format!(
+                "{} pipeline stages × {} micro-batches ({}): the configuration `{n}`",
                 p.stages.len(),
                 p.micro_batches,
                 p.schedule.name()

@@ -20,6 +20,7 @@ pub mod explain;
 pub mod export;
 pub mod extract;
 pub mod fold;
+pub mod grid;
 pub mod meshes;
 pub mod pipeline;
 pub mod plan;
@@ -509,6 +510,45 @@ fn search_mesh_folded(
     MeshOutcome { assignment, mesh, breakdown, same_as, summary }
 }
 
+/// Whether the configuration grid ([`grid`]) runs: on models of repeated blocks (the
+/// transformer stacks its configurations are for) as large as folding takes.
+fn grid_applies(g: &Graph, so: &SearchOptions) -> bool {
+    let Ok(order) = g.op_nodes() else { return false };
+    so.fold != FoldMode::Never && order.len() >= FOLD_MIN_OPS && fold::find(g, &order, FOLD_MIN_BLOCKS).is_some()
+}
+
+/// The grid under the search's pipeline mode; it may save memory (what the lowering does not
+/// run yet) where the search may ([`SearchOptions::memory_ladder`]).
+fn configurations(
+    g: &Graph,
+    cluster: &Cluster,
+    devices: usize,
+    opts: &Options,
+    so: &SearchOptions,
+    net: &SafetyNet,
+) -> Option<grid::GridPlan> {
+    let stages: Option<Vec<usize>> = match so.pipeline {
+        PipelineMode::Off => Some(vec![1]),
+        PipelineMode::Stages(s) => Some(vec![s]),
+        PipelineMode::Auto => None,
+    };
+    grid::search_grid(g, cluster, devices, opts, stages.as_deref(), so.memory_ladder, net)
+}
+
+/// Takes the grid's configuration as the search's plan.
+fn adopt_grid(r: &mut SearchResult, gp: grid::GridPlan, opts: &Options) {
+    r.mesh = gp.mesh;
+    r.assignment = gp.assignment;
+    r.breakdown = gp.breakdown;
+    r.same_as = Some(gp.config);
+    let changed = gp.options.memory_fields() != opts.memory_fields() || gp.options.accumulation != opts.accumulation;
+    r.options = changed.then_some(gp.options);
+    r.pipeline = gp.pipeline.map(|mut p| {
+        p.search_time_s = gp.time_s;
+        p
+    });
+}
+
 /// Whether some plan of `g` on `mesh` might fit: what one device would hold for the whole
 /// step, split evenly over the mesh's devices, is a lower bound of any plan's memory per
 /// device (a split divides at best; replicas and collectives' buffers only add).
@@ -597,6 +637,7 @@ fn search_once(
     {
         return Err(format!("--pipeline {s}: {s} stages do not divide {devices} devices"));
     }
+    let grid = grid_applies(g, so).then(|| configurations(g, cluster, devices, opts, so, &net)).flatten();
     // The intra-operator search and the pipeline search are independent: run them side by side.
     let (intra, pipe) = std::thread::scope(|sc| {
         let pipe = sc.spawn(|| pipeline::search_pipeline(g, cluster, devices, opts, so, so.pipeline, &net));
@@ -630,6 +671,12 @@ fn search_once(
             r.same_as = None;
             r.pipeline = Some(p);
         }
+    }
+    if let Some(gp) = grid
+        && (r.pipeline.is_none() || !matches!(so.pipeline, PipelineMode::Stages(_)) || gp.pipeline.is_some())
+        && extract::better(&gp.breakdown, &r.breakdown)
+    {
+        adopt_grid(&mut r, gp, opts);
     }
     r.search_time_s = start.elapsed().as_secs_f64();
     // A search can run past the limit between the net's checks: that is a hit too.

@@ -471,14 +471,19 @@ fn table(
     opts: &Options,
     reference: &HashMap<String, OpStrategy>,
 ) -> Table {
-    let cm = CostModel::new(gm, cluster, mesh.clone(), opts.clone()).with_busy(devices);
+    table_on(&CostModel::new(gm, cluster, mesh.clone(), opts.clone()).with_busy(devices), reference)
+}
+
+/// [`table`] on a cost model of the micro-batch graph and sub-mesh.
+fn table_on(cm: &CostModel<'_>, reference: &HashMap<String, OpStrategy>) -> Table {
+    let (gm, mesh) = (cm.g, &cm.mesh);
     let order = cm.order().to_vec();
     let mut asg = Assignment::default();
     let mut strategies = Vec::with_capacity(order.len());
     for &n in &order {
         let key = gm.node(n).outputs().first().map(|o| o.name.as_str()).unwrap_or("");
         let s = reference.get(key).cloned().unwrap_or_else(|| vec![None; mesh.axes.len()]);
-        let s = if s.len() == mesh.axes.len() { repair(&cm, n, &s) } else { vec![None; mesh.axes.len()] };
+        let s = if s.len() == mesh.axes.len() { repair(cm, n, &s) } else { vec![None; mesh.axes.len()] };
         strategies.push(s.clone());
         asg.strategies.insert(n, s);
     }
@@ -582,15 +587,22 @@ fn send_between(cluster: &Cluster, devices: usize, last: usize, next: usize, n: 
 }
 
 /// The graph at each micro-batch size the search tries, re-batched once per size.
-struct MicroGraphs<'g> {
+pub(super) struct MicroGraphs<'g> {
     g: &'g Graph,
     batch: i64,
     cache: HashMap<i64, Graph>,
+    /// The cost model's analysis of each micro-batch graph, made once.
+    analyses: HashMap<i64, crate::cost::model::Analysis>,
     /// Why the graph would not take a micro-batch size (the last such size and reason).
     refused: Option<(i64, String)>,
 }
 
-impl MicroGraphs<'_> {
+impl<'g> MicroGraphs<'g> {
+    /// Micro-batch graphs of `g`, whose batch is `batch`.
+    pub(super) fn new(g: &'g Graph, batch: i64) -> MicroGraphs<'g> {
+        MicroGraphs { g, batch, cache: HashMap::new(), analyses: HashMap::new(), refused: None }
+    }
+
     fn get(&mut self, mb: i64) -> Option<Graph> {
         if let Some(x) = self.cache.get(&mb) {
             return Some(x.clone());
@@ -604,6 +616,13 @@ impl MicroGraphs<'_> {
         }
         self.cache.insert(mb, gm.clone());
         Some(gm)
+    }
+
+    /// [`MicroGraphs::get`] with the graph's cost-model analysis.
+    fn analyzed(&mut self, mb: i64) -> Option<(Graph, crate::cost::model::Analysis)> {
+        let gm = self.get(mb)?;
+        let a = self.analyses.entry(mb).or_insert_with(|| crate::cost::model::Analysis::of(&gm)).clone();
+        Some((gm, a))
     }
 }
 
@@ -771,7 +790,7 @@ pub fn search_pipeline(
 ) -> Result<Option<PipelinePlan>, String> {
     let start = Instant::now();
     let Some((stage_counts, batch, configs)) = configurations(g, devices, mode)? else { return Ok(None) };
-    let graphs = std::cell::RefCell::new(MicroGraphs { g, batch, cache: HashMap::new(), refused: None });
+    let graphs = std::cell::RefCell::new(MicroGraphs::new(g, batch));
     let mut micro_graph = |mb: i64| graphs.borrow_mut().get(mb);
     let (reference, meshes) = reference_plans(cluster, devices, opts, so, net, &stage_counts, batch, &mut micro_graph);
 
@@ -1158,7 +1177,7 @@ pub fn every_cut_two_stages(
         return Err(format!("{devices} devices in 2 stages, {m} micro-batches of {batch}"));
     }
     let (d, mb) = (devices / 2, batch / m as i64);
-    let graphs = std::cell::RefCell::new(MicroGraphs { g, batch, cache: HashMap::new(), refused: None });
+    let graphs = std::cell::RefCell::new(MicroGraphs::new(g, batch));
     let mut micro_graph = |b: i64| graphs.borrow_mut().get(b);
     let (reference, meshes) = reference_plans(cluster, devices, opts, so, &net, &[2], batch, &mut micro_graph);
     let reference = reference.get(&d).ok_or("no reference plan")?;
@@ -1539,10 +1558,24 @@ pub fn price_configuration(
     tensor: usize,
     opts: &Options,
 ) -> Result<PipelinePlan, String> {
+    let batch = graph_batch(g).ok_or("pipeline: the model has no input with a batch dim")?;
+    price_configuration_in(&mut MicroGraphs::new(g, batch), cluster, devices, (stages, micro, schedule, tensor), opts)
+}
+
+/// [`price_configuration`] with the micro-batch graphs of `graphs` (re-batched once per
+/// size over many configurations); `shape` is (stages, micro-batches, schedule, tensor).
+pub(super) fn price_configuration_in(
+    graphs: &mut MicroGraphs<'_>,
+    cluster: &Cluster,
+    devices: usize,
+    shape: (usize, usize, Schedule, usize),
+    opts: &Options,
+) -> Result<PipelinePlan, String> {
+    let (stages, micro, schedule, tensor) = shape;
+    let (g, batch) = (graphs.g, graphs.batch);
     if stages == 0 || !devices.is_multiple_of(stages) {
         return Err(format!("pipeline: {stages} stages do not divide {devices} devices"));
     }
-    let batch = graph_batch(g).ok_or("pipeline: the model has no input with a batch dim")?;
     if micro == 0 || micro as i64 > batch || batch % micro as i64 != 0 {
         return Err(format!("pipeline: {micro} micro-batches do not divide the batch of {batch}"));
     }
@@ -1555,19 +1588,18 @@ pub fn price_configuration(
     let inner = crate::cost::Named::stage_strategy(tensor, per_stage)?;
     let mesh = inner.mesh(cluster, per_stage)?;
     let mb = batch / micro as i64;
-    let mut graphs = MicroGraphs { g, batch, cache: HashMap::new(), refused: None };
-    let gm = graphs.get(mb).ok_or_else(|| {
+    let (gm, analysis) = graphs.analyzed(mb).ok_or_else(|| {
         let why = graphs.refused.as_ref().map_or(String::new(), |(_, e)| format!(": {e}"));
         format!("pipeline: the model takes no micro-batch of {mb}{why}")
     })?;
-    let cm = CostModel::new(&gm, cluster, mesh.clone(), opts.clone());
+    let cm = CostModel::with_analysis(&gm, &analysis, cluster, mesh.clone(), opts.clone()).with_busy(devices);
     let asg = crate::cost::strategy::assign(&cm, &inner)?;
     let strategies: HashMap<String, OpStrategy> = asg
         .strategies
         .iter()
         .filter_map(|(n, s)| Some((gm.node(*n).outputs().first()?.name.clone(), s.clone())))
         .collect();
-    let t = table(&gm, cluster, &mesh, devices, opts, &strategies);
+    let t = table_on(&cm, &strategies);
     if stages * schedule.chunks() > t.fwd.len() {
         return Err(format!("pipeline: {} model chunks for {} ops", stages * schedule.chunks(), t.fwd.len()));
     }
@@ -1668,7 +1700,7 @@ pub fn price_stages(
         return Err(format!("{micro} micro-batches do not divide the batch of {batch}"));
     }
     let mb = batch / micro as i64;
-    let mut graphs = MicroGraphs { g, batch, cache: HashMap::new(), refused: None };
+    let mut graphs = MicroGraphs::new(g, batch);
     let gm = graphs.get(mb).ok_or_else(|| {
         let why = graphs.refused.as_ref().map_or(String::new(), |(_, e)| format!(": {e}"));
         format!("the model takes no micro-batch of {mb}{why}")

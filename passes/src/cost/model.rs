@@ -29,6 +29,7 @@ use super::batch::{BatchDims, batch_dims};
 use super::cluster::Cluster;
 use super::collective::{self, CommKind, Step, alpha_beta, choose_policy, p2p, price};
 use super::stash::{Recompute, Stash};
+use std::sync::Arc;
 
 /// Arithmetic precision of training.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
@@ -380,19 +381,19 @@ pub struct CostModel<'a> {
     pub opts: Options,
     /// The resharding algebra's choices on this mesh (chosen by pricing).
     pub policy: Policy,
-    order: Vec<NodeId>,
-    spaces: HashMap<NodeId, IterSpace>,
-    costs: HashMap<NodeId, OpCost>,
-    batch: BatchDims,
+    order: Arc<Vec<NodeId>>,
+    spaces: Arc<HashMap<NodeId, IterSpace>>,
+    costs: Arc<HashMap<NodeId, OpCost>>,
+    batch: Arc<BatchDims>,
     /// A training graph's op phases ([`ir::reshard::step_phases`]): the graph is priced as
     /// it runs, each op once in its phase, with no backward pass or update added.
-    phases: Option<HashMap<NodeId, Phase>>,
+    phases: Arc<Option<HashMap<NodeId, Phase>>>,
     /// A forward graph's stash under the recomputation chosen ([`super::stash`]); `None` for
     /// a training graph or a model that cannot be differentiated (then every computed value
     /// counts as kept).
     stash: Option<Stash>,
     /// The values gradients flow into ([`ir::cost::grad_flow`]).
-    grads: std::collections::HashSet<Value>,
+    grads: Arc<std::collections::HashSet<Value>>,
     op_memo: RefCell<FxHashMap<(NodeId, OpStrategy), Rc<OpEval>>>,
     reshard_memo: RefCell<FxHashMap<ReshardKey, Resharded>>,
     /// How many devices run kernels at once on a shared host (see [`CostModel::with_busy`]).
@@ -552,9 +553,24 @@ fn split_factor(s: &[AxisShard], mesh: &Mesh) -> f64 {
         .product()
 }
 
-impl<'a> CostModel<'a> {
-    /// Prepares the model: iteration spaces, FLOP counts, the batch analysis.
-    pub fn new(g: &'a Graph, cluster: &'a Cluster, mesh: Mesh, opts: Options) -> CostModel<'a> {
+/// What the cost model knows of a graph whatever the mesh and options — op order, iteration
+/// spaces, FLOP counts, the batch analysis, a training graph's phases, the values the
+/// backward pass reads — computed once and shared by the cost models of one graph on many
+/// meshes and options (the configurations a search prices).
+#[derive(Clone)]
+pub struct Analysis {
+    order: Arc<Vec<NodeId>>,
+    spaces: Arc<HashMap<NodeId, IterSpace>>,
+    costs: Arc<HashMap<NodeId, OpCost>>,
+    batch: Arc<BatchDims>,
+    phases: Arc<Option<HashMap<NodeId, Phase>>>,
+    grads: Arc<std::collections::HashSet<Value>>,
+    saved: Arc<Option<std::collections::HashSet<Value>>>,
+}
+
+impl Analysis {
+    /// The analysis of `g` (shapes inferred).
+    pub fn of(g: &Graph) -> Analysis {
         let order = g.op_nodes().unwrap_or_default();
         let batch = batch_dims(g);
         let mut spaces = HashMap::new();
@@ -566,25 +582,43 @@ impl<'a> CostModel<'a> {
             spaces.insert(n, sp);
             costs.insert(n, node_cost(g, n, &grads));
         }
-        let policy = choose_policy(&mesh, cluster);
         let phases = ir::reshard::step_phases(g, &order);
-        let stash = match phases {
-            Some(_) => None,
-            None => super::stash::saved_values(g).map(|saved| Stash::new(g, &order, &saved, opts.recompute)),
-        };
+        let saved = if phases.is_some() { None } else { super::stash::saved_values(g) };
+        Analysis {
+            order: Arc::new(order),
+            spaces: Arc::new(spaces),
+            costs: Arc::new(costs),
+            batch: Arc::new(batch),
+            phases: Arc::new(phases),
+            grads: Arc::new(grads),
+            saved: Arc::new(saved),
+        }
+    }
+}
+
+impl<'a> CostModel<'a> {
+    /// Prepares the model: iteration spaces, FLOP counts, the batch analysis.
+    pub fn new(g: &'a Graph, cluster: &'a Cluster, mesh: Mesh, opts: Options) -> CostModel<'a> {
+        CostModel::with_analysis(g, &Analysis::of(g), cluster, mesh, opts)
+    }
+
+    /// The model of `g` from its analysis `a` ([`Analysis::of`] of `g`).
+    pub fn with_analysis(g: &'a Graph, a: &Analysis, cluster: &'a Cluster, mesh: Mesh, opts: Options) -> CostModel<'a> {
+        let policy = choose_policy(&mesh, cluster);
+        let stash = (*a.saved).as_ref().map(|saved| Stash::new(g, &a.order, saved, opts.recompute));
         CostModel {
             g,
             cluster,
             mesh,
             opts,
             policy,
-            order,
-            spaces,
-            costs,
-            batch,
-            phases,
+            order: a.order.clone(),
+            spaces: a.spaces.clone(),
+            costs: a.costs.clone(),
+            batch: a.batch.clone(),
+            phases: a.phases.clone(),
             stash,
-            grads,
+            grads: a.grads.clone(),
             op_memo: RefCell::default(),
             reshard_memo: RefCell::default(),
             busy: None,
@@ -645,7 +679,7 @@ impl<'a> CostModel<'a> {
 
     /// The phase op `n` runs in: its training-graph phase, else forward.
     pub fn phase(&self, n: NodeId) -> Phase {
-        self.phases.as_ref().and_then(|p| p.get(&n).copied()).unwrap_or(Phase::Forward)
+        (*self.phases).as_ref().and_then(|p| p.get(&n).copied()).unwrap_or(Phase::Forward)
     }
 
     /// Bytes per element factor of float tensors in the training precision.

@@ -1,0 +1,262 @@
+//! The configuration grid: the 3-D configurations people train transformer stacks with —
+//! tensor (Megatron) × data × pipeline stages, the micro-batch size, interleaving, and, where
+//! the search may save memory, recomputation, sequence parallelism and ZeRO — each priced as
+//! `shardc cost` prices a hand configuration ([`super::pipeline::price_configuration_in`] for
+//! pipelines, the named strategies otherwise). The fastest that fits is a candidate beside the
+//! e-graph's plans. On a model of repeated blocks it finds in seconds the plans the per-op
+//! search spends minutes on, and it holds every published configuration of the degrees it
+//! walks, so the search's plan is never slower than one of them in the same model.
+//!
+//! The walk: tensor degrees that divide a node (largest first), then pipeline stage counts
+//! (fewest first), then micro-batch sizes; for each, the memory rungs in about the order of
+//! their cost (as given; ZeRO-1; selective recomputation with sequence parallelism; full
+//! recomputation; then with ZeRO-1 and ZeRO-3) until one fits, and for a pipeline that fits,
+//! the interleaved schedule over 2 and 3 chunks on the same rung. A rung that saves more
+//! memory does more work, so the walk leaves a configuration at the first rung already slower
+//! than the best plan found (a pruning, not a proof: ZeRO-1's gather and selective
+//! recomputation may cost less than the order says).
+
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+use ir::Graph;
+
+use super::budget::SafetyNet;
+use super::pipeline::{MicroGraphs, PipelinePlan, price_configuration_in};
+use crate::cost::model::Analysis;
+use crate::cost::pipeline::graph_batch;
+use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Named, Options, Recompute, Schedule};
+
+/// The best configuration the grid found.
+pub struct GridPlan {
+    /// The configuration, in the grammar `cost --strategy` reads.
+    pub config: String,
+    /// The mesh (a pipeline's: its first stage's).
+    pub mesh: ir::shard::Mesh,
+    /// Strategies (a pipeline's: every stage's, each on its own mesh).
+    pub assignment: Assignment,
+    /// The step's price.
+    pub breakdown: Breakdown,
+    /// The pipeline, when it has stages.
+    pub pipeline: Option<PipelinePlan>,
+    /// The cost-model options it needs.
+    pub options: Options,
+    /// Configurations priced.
+    pub priced: usize,
+    /// Seconds.
+    pub time_s: f64,
+}
+
+/// One point of the grid.
+#[derive(Clone, Copy)]
+struct Point {
+    tensor: usize,
+    stages: usize,
+    data: usize,
+    /// Micro-batch size per data-parallel replica (`None`: the replica's whole batch).
+    mbs: Option<usize>,
+}
+
+/// The memory rungs, cheapest first: (recompute, sequence parallelism, ZeRO stage).
+const RUNGS: &[(Recompute, bool, u8)] = &[
+    (Recompute::None, false, 0),
+    (Recompute::None, false, 1),
+    (Recompute::Selective, true, 0),
+    (Recompute::Selective, true, 1),
+    (Recompute::Full, true, 0),
+    (Recompute::Full, true, 1),
+    (Recompute::Full, true, 3),
+];
+
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+}
+
+/// The points of the grid on `devices` devices for a batch of `batch`, in walking order;
+/// `stages` limits the pipeline stage counts (`None`: any).
+/// Without `accumulate`, a configuration without stages runs the replica's whole batch (the
+/// lowering runs no gradient accumulation of its own).
+fn points(cluster: &Cluster, devices: usize, batch: usize, stages: Option<&[usize]>, accumulate: bool) -> Vec<Point> {
+    let mut tensors: Vec<usize> =
+        divisors(devices).into_iter().filter(|t| *t <= cluster.devices_per_node && t.is_power_of_two()).collect();
+    tensors.reverse();
+    let mut out = Vec::new();
+    for &tensor in &tensors {
+        for pp in divisors(devices / tensor) {
+            if stages.is_some_and(|s| !s.contains(&pp)) {
+                continue;
+            }
+            let data = devices / (tensor * pp);
+            if !batch.is_multiple_of(data) {
+                continue;
+            }
+            let replica = batch / data;
+            let mut sizes: Vec<Option<usize>> = [1, 2, 4]
+                .into_iter()
+                .filter(|m| replica.is_multiple_of(*m) && (pp > 1 && replica / m >= pp || pp == 1 && accumulate))
+                .map(Some)
+                .collect();
+            if pp == 1 {
+                sizes.insert(0, None);
+            }
+            out.extend(sizes.into_iter().map(|mbs| Point { tensor, stages: pp, data, mbs }));
+        }
+    }
+    out
+}
+
+/// The configuration string of a point on a rung.
+fn describe(p: Point, schedule: Schedule, o: &Options) -> String {
+    let mut f = vec![format!("dp={}", p.data), format!("tp={}", p.tensor)];
+    if p.stages > 1 {
+        f.push(format!("pp={}", p.stages));
+        if schedule.chunks() > 1 {
+            f.push(format!("vp={}", schedule.chunks()));
+        }
+    }
+    if let Some(m) = p.mbs {
+        f.push(format!("mbs={m}"));
+    }
+    let memory = o.memory_fields();
+    if memory != "none" {
+        f.push(memory);
+    }
+    f.join(",")
+}
+
+/// Walks the grid for `g` (its batch the graph's) on `devices` devices; `rungs` says whether
+/// it may save memory (recomputation, sequence parallelism, ZeRO, interleaving: what the
+/// lowering does not run yet). `None` when the model has no batch or nothing applies.
+pub fn search_grid(
+    g: &Graph,
+    cluster: &Cluster,
+    devices: usize,
+    opts: &Options,
+    stages: Option<&[usize]>,
+    rungs: bool,
+    net: &SafetyNet,
+) -> Option<GridPlan> {
+    let start = Instant::now();
+    let batch = graph_batch(g)?;
+    let mut graphs = MicroGraphs::new(g, batch);
+    let whole = Analysis::of(g);
+    let mut best: Option<GridPlan> = None;
+    let mut priced = 0usize;
+    let mut refused: BTreeSet<usize> = BTreeSet::new(); // tensor degrees Megatron does not take
+    let rungs: Vec<Options> = if rungs {
+        RUNGS
+            .iter()
+            .map(|&(recompute, sp, zero)| Options { recompute, sequence_parallel: sp, zero, ..opts.clone() })
+            .collect()
+    } else {
+        vec![opts.clone()]
+    };
+    for p in points(cluster, devices, batch as usize, stages, rungs.len() > 1) {
+        if refused.contains(&p.tensor) {
+            continue;
+        }
+        if net.expired("configurations") {
+            break;
+        }
+        let mut first = true;
+        for o in rungs.iter().filter(|o| (o.zero == 0 || p.data > 1) && (!o.sequence_parallel || p.tensor > 1)) {
+            let Some(mut cand) = price_point(&mut graphs, (g, &whole), cluster, devices, p, Schedule::OneFOneB, o)
+            else {
+                if first && p.tensor > 1 && p.stages == 1 {
+                    refused.insert(p.tensor);
+                }
+                break;
+            };
+            priced += 1;
+            // The most interleaving (3 chunks) could save: two thirds of the bubble.
+            let interleaves = p.stages > 1 && rungs.len() > 1;
+            let bound =
+                cand.breakdown.step_time_s - if interleaves { cand.breakdown.bubble_s * 2.0 / 3.0 } else { 0.0 };
+            if best.as_ref().is_some_and(|b| bound >= b.breakdown.step_time_s) {
+                break;
+            }
+            first = false;
+            if !cand.breakdown.feasible {
+                continue;
+            }
+            if interleaves {
+                for v in [2, 3] {
+                    let c = price_point(&mut graphs, (g, &whole), cluster, devices, p, Schedule::Interleaved(v), o);
+                    if let Some(c) = c {
+                        priced += 1;
+                        if c.breakdown.feasible && c.breakdown.step_time_s < cand.breakdown.step_time_s {
+                            cand = c;
+                        }
+                    }
+                }
+            }
+            if best.as_ref().is_none_or(|b| cand.breakdown.step_time_s < b.breakdown.step_time_s) {
+                best = Some(cand);
+            }
+            break;
+        }
+    }
+    best.map(|mut b| {
+        if b.pipeline.is_none() {
+            // The winner's per-op rows and communication events.
+            let cm = CostModel::with_analysis(g, &whole, cluster, b.mesh.clone(), b.options.clone());
+            b.breakdown = cm.evaluate(&b.assignment);
+        }
+        b.priced = priced;
+        b.time_s = start.elapsed().as_secs_f64();
+        b
+    })
+}
+
+/// Prices point `p` under `schedule` with options `o` (`g` the whole graph and its analysis);
+/// `None` where it does not apply.
+fn price_point(
+    graphs: &mut MicroGraphs<'_>,
+    (g, whole): (&Graph, &Analysis),
+    cluster: &Cluster,
+    devices: usize,
+    p: Point,
+    schedule: Schedule,
+    o: &Options,
+) -> Option<GridPlan> {
+    let batch = graphs_batch(g)?;
+    if p.stages > 1 {
+        let micro = batch / (p.data * p.mbs.unwrap_or(1));
+        let shape = (p.stages, micro, schedule, p.tensor);
+        let pipe = price_configuration_in(graphs, cluster, devices, shape, o).ok()?;
+        let mut assignment = Assignment::default();
+        for st in &pipe.stages {
+            assignment.strategies.extend(st.assignment.strategies.iter().map(|(k, v)| (*k, v.clone())));
+        }
+        return Some(GridPlan {
+            config: describe(p, schedule, o),
+            mesh: pipe.stages.first()?.sub_mesh.clone(),
+            assignment,
+            breakdown: pipe.breakdown.clone(),
+            pipeline: Some(pipe),
+            options: o.clone(),
+            priced: 0,
+            time_s: 0.0,
+        });
+    }
+    let named = Named::stage_strategy(p.tensor, devices).ok()?;
+    let mut o = o.clone();
+    o.accumulation = p.mbs.map_or(1, |m| batch / (p.data * m));
+    let mesh = named.mesh(cluster, devices).ok()?;
+    let cm = CostModel::with_analysis(g, whole, cluster, mesh.clone(), o.clone());
+    let assignment = crate::cost::strategy::assign(&cm, &named).ok()?;
+    Some(GridPlan {
+        config: describe(p, schedule, &o),
+        breakdown: cm.price(&assignment),
+        mesh,
+        assignment,
+        pipeline: None,
+        options: o,
+        priced: 0,
+        time_s: 0.0,
+    })
+}
+
+fn graphs_batch(g: &Graph) -> Option<usize> {
+    graph_batch(g).map(|b| b as usize)
+}
