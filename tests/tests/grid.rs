@@ -31,7 +31,7 @@ fn cost_of(g: &ir::Graph, c: &Cluster, devices: usize, config: &str) -> Breakdow
 
 fn walk(g: &ir::Graph, c: &Cluster, devices: usize, rungs: bool) -> grid::GridPlan {
     let net = SafetyNet::new(std::time::Duration::from_secs(600), 1.0);
-    grid::search_grid(g, c, devices, &opts(), None, rungs, &net).expect("a configuration")
+    grid::search_grid(g, c, devices, &opts(), None, 36, rungs, &net).expect("a configuration")
 }
 
 #[test]
@@ -68,7 +68,7 @@ fn the_grid_saves_memory_only_where_nothing_fits_without() {
     let mut tight = roomy.clone();
     tight.device.mem_capacity = plain.breakdown.memory.total() / tight.device.mem_usable / 3.0;
     let net = SafetyNet::new(std::time::Duration::from_secs(600), 1.0);
-    let saving = grid::search_grid(&g, &tight, 16, &opts(), None, true, &net).expect("a configuration that fits");
+    let saving = grid::search_grid(&g, &tight, 16, &opts(), None, 36, true, &net).expect("a configuration that fits");
     assert!(saving.breakdown.feasible);
     assert_ne!(saving.options.memory_fields(), "none", "{}", saving.config);
     let again = cost_of(&g, &tight, 16, &saving.config);

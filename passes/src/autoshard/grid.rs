@@ -9,8 +9,9 @@
 //!
 //! The walk: tensor degrees that divide a node (largest first), then pipeline stage counts
 //! (fewest first), then micro-batch sizes; for each, the memory rungs in about the order of
-//! their cost (as given; ZeRO-1; selective recomputation with sequence parallelism; full
-//! recomputation; then with ZeRO-1 and ZeRO-3) until one fits, and for a pipeline that fits,
+//! their cost (as given; ZeRO-1; selective recomputation; with ZeRO-1; full recomputation;
+//! with ZeRO-1; with ZeRO-3 — with tensor parallelism, each with sequence parallelism) until
+//! one fits, and for a pipeline that fits,
 //! the interleaved schedule over 2 and 3 chunks on the same rung. A rung that saves more
 //! memory does more work, so the walk leaves a configuration at the first rung already slower
 //! than the best plan found (a pruning, not a proof: ZeRO-1's gather and selective
@@ -57,15 +58,17 @@ struct Point {
     mbs: Option<usize>,
 }
 
-/// The memory rungs, cheapest first: (recompute, sequence parallelism, ZeRO stage).
-const RUNGS: &[(Recompute, bool, u8)] = &[
-    (Recompute::None, false, 0),
-    (Recompute::None, false, 1),
-    (Recompute::Selective, true, 0),
-    (Recompute::Selective, true, 1),
-    (Recompute::Full, true, 0),
-    (Recompute::Full, true, 1),
-    (Recompute::Full, true, 3),
+/// The memory rungs, cheapest first: (recompute, ZeRO stage). With tensor parallelism every
+/// rung has sequence parallelism too: it saves memory and, replacing the tensor-parallel
+/// all-reduces by reduce-scatters and all-gathers and splitting the norms, time.
+const RUNGS: &[(Recompute, u8)] = &[
+    (Recompute::None, 0),
+    (Recompute::None, 1),
+    (Recompute::Selective, 0),
+    (Recompute::Selective, 1),
+    (Recompute::Full, 0),
+    (Recompute::Full, 1),
+    (Recompute::Full, 3),
 ];
 
 fn divisors(n: usize) -> Vec<usize> {
@@ -74,16 +77,25 @@ fn divisors(n: usize) -> Vec<usize> {
 
 /// The points of the grid on `devices` devices for a batch of `batch`, in walking order;
 /// `stages` limits the pipeline stage counts (`None`: any).
-/// Without `accumulate`, a configuration without stages runs the replica's whole batch (the
+/// No more stages than the model's `blocks`. Without `accumulate`, a configuration without
+/// stages runs the replica's whole batch (the
 /// lowering runs no gradient accumulation of its own).
-fn points(cluster: &Cluster, devices: usize, batch: usize, stages: Option<&[usize]>, accumulate: bool) -> Vec<Point> {
+fn points(
+    cluster: &Cluster,
+    devices: usize,
+    batch: usize,
+    stages: Option<&[usize]>,
+    blocks: usize,
+    accumulate: bool,
+) -> Vec<Point> {
     let mut tensors: Vec<usize> =
         divisors(devices).into_iter().filter(|t| *t <= cluster.devices_per_node && t.is_power_of_two()).collect();
     tensors.reverse();
     let mut out = Vec::new();
     for &tensor in &tensors {
         for pp in divisors(devices / tensor) {
-            if stages.is_some_and(|s| !s.contains(&pp)) {
+            // A stage holds at least one block.
+            if stages.is_some_and(|s| !s.contains(&pp)) || pp > blocks {
                 continue;
             }
             let data = devices / (tensor * pp);
@@ -124,15 +136,18 @@ fn describe(p: Point, schedule: Schedule, o: &Options) -> String {
     f.join(",")
 }
 
-/// Walks the grid for `g` (its batch the graph's) on `devices` devices; `rungs` says whether
+/// Walks the grid for `g` (its batch the graph's, `blocks` its repeated blocks) on `devices`
+/// devices; `rungs` says whether
 /// it may save memory (recomputation, sequence parallelism, ZeRO, interleaving: what the
 /// lowering does not run yet). `None` when the model has no batch or nothing applies.
+#[allow(clippy::too_many_arguments)]
 pub fn search_grid(
     g: &Graph,
     cluster: &Cluster,
     devices: usize,
     opts: &Options,
     stages: Option<&[usize]>,
+    blocks: usize,
     rungs: bool,
     net: &SafetyNet,
 ) -> Option<GridPlan> {
@@ -144,14 +159,11 @@ pub fn search_grid(
     let mut priced = 0usize;
     let mut refused: BTreeSet<usize> = BTreeSet::new(); // tensor degrees Megatron does not take
     let rungs: Vec<Options> = if rungs {
-        RUNGS
-            .iter()
-            .map(|&(recompute, sp, zero)| Options { recompute, sequence_parallel: sp, zero, ..opts.clone() })
-            .collect()
+        RUNGS.iter().map(|&(recompute, zero)| Options { recompute, zero, ..opts.clone() }).collect()
     } else {
         vec![opts.clone()]
     };
-    for p in points(cluster, devices, batch as usize, stages, rungs.len() > 1) {
+    for p in points(cluster, devices, batch as usize, stages, blocks, rungs.len() > 1) {
         if refused.contains(&p.tensor) {
             continue;
         }
@@ -159,7 +171,9 @@ pub fn search_grid(
             break;
         }
         let mut first = true;
-        for o in rungs.iter().filter(|o| (o.zero == 0 || p.data > 1) && (!o.sequence_parallel || p.tensor > 1)) {
+        let saving = rungs.len() > 1;
+        for o in rungs.iter().filter(|o| o.zero == 0 || p.data > 1) {
+            let o = &Options { sequence_parallel: p.tensor > 1 && (saving || o.sequence_parallel), ..o.clone() };
             let Some(mut cand) = price_point(&mut graphs, (g, &whole), cluster, devices, p, Schedule::OneFOneB, o)
             else {
                 if first && p.tensor > 1 && p.stages == 1 {
@@ -180,7 +194,7 @@ pub fn search_grid(
                 continue;
             }
             if interleaves {
-                for v in [2, 3] {
+                for v in [2, 3].into_iter().filter(|v| p.stages * v <= blocks) {
                     let c = price_point(&mut graphs, (g, &whole), cluster, devices, p, Schedule::Interleaved(v), o);
                     if let Some(c) = c {
                         priced += 1;

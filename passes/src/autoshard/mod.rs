@@ -512,9 +512,13 @@ fn search_mesh_folded(
 
 /// Whether the configuration grid ([`grid`]) runs: on models of repeated blocks (the
 /// transformer stacks its configurations are for) as large as folding takes.
-fn grid_applies(g: &Graph, so: &SearchOptions) -> bool {
-    let Ok(order) = g.op_nodes() else { return false };
-    so.fold != FoldMode::Never && order.len() >= FOLD_MIN_OPS && fold::find(g, &order, FOLD_MIN_BLOCKS).is_some()
+/// Returns the blocks' count.
+fn grid_blocks(g: &Graph, so: &SearchOptions) -> Option<usize> {
+    let order = g.op_nodes().ok()?;
+    if so.fold == FoldMode::Never || order.len() < FOLD_MIN_OPS {
+        return None;
+    }
+    fold::find(g, &order, FOLD_MIN_BLOCKS).map(|f| f.len())
 }
 
 /// The grid under the search's pipeline mode; it may save memory (what the lowering does not
@@ -525,6 +529,7 @@ fn configurations(
     devices: usize,
     opts: &Options,
     so: &SearchOptions,
+    blocks: usize,
     net: &SafetyNet,
 ) -> Option<grid::GridPlan> {
     let stages: Option<Vec<usize>> = match so.pipeline {
@@ -532,7 +537,7 @@ fn configurations(
         PipelineMode::Stages(s) => Some(vec![s]),
         PipelineMode::Auto => None,
     };
-    grid::search_grid(g, cluster, devices, opts, stages.as_deref(), so.memory_ladder, net)
+    grid::search_grid(g, cluster, devices, opts, stages.as_deref(), blocks, so.memory_ladder, net)
 }
 
 /// Takes the grid's configuration as the search's plan.
@@ -637,10 +642,17 @@ fn search_once(
     {
         return Err(format!("--pipeline {s}: {s} stages do not divide {devices} devices"));
     }
-    let grid = grid_applies(g, so).then(|| configurations(g, cluster, devices, opts, so, &net)).flatten();
+    let grid = grid_blocks(g, so).and_then(|blocks| configurations(g, cluster, devices, opts, so, blocks, &net));
+    // The grid walked pipelines of every stage count with even stages: where one of its
+    // configurations fits, the pipeline search (uneven stage sizes, stages re-planned) runs
+    // only when a stage count is asked for.
+    let pipelines = match so.pipeline {
+        PipelineMode::Auto if grid.as_ref().is_some_and(|gp| gp.breakdown.feasible) => PipelineMode::Off,
+        mode => mode,
+    };
     // The intra-operator search and the pipeline search are independent: run them side by side.
     let (intra, pipe) = std::thread::scope(|sc| {
-        let pipe = sc.spawn(|| pipeline::search_pipeline(g, cluster, devices, opts, so, so.pipeline, &net));
+        let pipe = sc.spawn(|| pipeline::search_pipeline(g, cluster, devices, opts, so, pipelines, &net));
         let intra = search_intra_with(g, cluster, devices, opts, so, &net);
         (intra, pipe.join().expect("the pipeline search panicked"))
     });

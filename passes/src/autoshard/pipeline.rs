@@ -356,11 +356,14 @@ pub fn partition(p: &PartitionInput<'_>) -> Option<Vec<Cut>> {
         let mut val = vec![worst; st * (n + 1) * offs];
         let mut from = vec![(u32::MAX, u32::MAX); st * (n + 1) * offs];
         for s in 0..st {
+            // Offsets some split of the first s stages ends at (stages of one size: one).
+            let reached: Vec<bool> =
+                (0..offs).map(|o| s == 0 || (s..=n).any(|i| val[idx(s - 1, i, o)] != worst)).collect();
             for j in (s + 1)..=n {
                 for (k, &d) in p.sizes.iter().enumerate() {
                     for o_start in 0..offs {
                         let off = o_start * g;
-                        if off + d > p.devices || !(p.aligned)(off, d) {
+                        if !reached[o_start] || off + d > p.devices || !(p.aligned)(off, d) {
                             continue;
                         }
                         if s == 0 && off != 0 {
@@ -549,7 +552,19 @@ fn partition_on(
     capacity: f64,
     recompute: bool,
 ) -> Option<Vec<Cut>> {
-    let link = |a: usize, b: usize, n: f64| send_between(cluster, devices, a.min(b), a.max(b), n);
+    // A send's price depends on its link level and size alone: the dynamic program asks for
+    // the same few many times.
+    let memo: std::cell::RefCell<HashMap<(bool, u64), (f64, f64)>> = Default::default();
+    let dpn = cluster.devices_per_node;
+    let link = |a: usize, b: usize, n: f64| {
+        let key = (a / dpn == b / dpn, n.to_bits());
+        if let Some(&x) = memo.borrow().get(&key) {
+            return x;
+        }
+        let x = send_between(cluster, devices, a.min(b), a.max(b), n);
+        memo.borrow_mut().insert(key, x);
+        x
+    };
     let align = |off: usize, d: usize| aligned(cluster, off, d);
     partition(&PartitionInput {
         tables: units.to_vec(),
