@@ -8,14 +8,12 @@
 //! walks, so the search's plan is never slower than one of them in the same model.
 //!
 //! The walk: tensor degrees that divide a node (largest first), then pipeline stage counts
-//! (fewest first), then micro-batch sizes; for each, the memory rungs in about the order of
-//! their cost (as given; ZeRO-1; selective recomputation; with ZeRO-1; full recomputation;
-//! with ZeRO-1; with ZeRO-3 — with tensor parallelism, each with sequence parallelism) until
-//! one fits, and for a pipeline that fits,
-//! the interleaved schedule over 2 and 3 chunks on the same rung. A rung that saves more
-//! memory does more work, so the walk leaves a configuration at the first rung already slower
-//! than the best plan found (a pruning, not a proof: ZeRO-1's gather and selective
-//! recomputation may cost less than the order says).
+//! (fewest first, at most the model's blocks), then micro-batch sizes; for each, the memory
+//! rungs in about the order of their cost (as given; ZeRO-1; selective recomputation; with
+//! ZeRO-1; full recomputation; with ZeRO-1; with ZeRO-3 — with tensor parallelism, each with
+//! sequence parallelism) until one fits and on while the step falls (a pipeline whose stages
+//! hold more activations balances worse: saving memory can save time), a pipeline that fits
+//! priced again interleaved over 2 and 3 chunks on the same rung.
 
 use std::collections::BTreeSet;
 use std::time::Instant;
@@ -103,9 +101,12 @@ fn points(
                 continue;
             }
             let replica = batch / data;
+            // Pipelines take micro-batches of 1 or 2 (more fills fewer slots and holds more).
             let mut sizes: Vec<Option<usize>> = [1, 2, 4]
                 .into_iter()
-                .filter(|m| replica.is_multiple_of(*m) && (pp > 1 && replica / m >= pp || pp == 1 && accumulate))
+                .filter(|m| {
+                    replica.is_multiple_of(*m) && (pp > 1 && *m <= 2 && replica / m >= pp || pp == 1 && accumulate)
+                })
                 .map(Some)
                 .collect();
             if pp == 1 {
@@ -171,6 +172,7 @@ pub fn search_grid(
             break;
         }
         let mut first = true;
+        let mut fitted: Option<f64> = None;
         let saving = rungs.len() > 1;
         for o in rungs.iter().filter(|o| o.zero == 0 || p.data > 1) {
             let o = &Options { sequence_parallel: p.tensor > 1 && (saving || o.sequence_parallel), ..o.clone() };
@@ -182,17 +184,18 @@ pub fn search_grid(
                 break;
             };
             priced += 1;
-            // The most interleaving (3 chunks) could save: two thirds of the bubble.
-            let interleaves = p.stages > 1 && rungs.len() > 1;
-            let bound =
-                cand.breakdown.step_time_s - if interleaves { cand.breakdown.bubble_s * 2.0 / 3.0 } else { 0.0 };
-            if best.as_ref().is_some_and(|b| bound >= b.breakdown.step_time_s) {
-                break;
-            }
             first = false;
             if !cand.breakdown.feasible {
                 continue;
             }
+            // A rung that fits may still be slower than the next: a stage holding more
+            // micro-batches' activations takes fewer blocks, and the stages balance worse.
+            // The walk goes on while the step falls.
+            if fitted.is_some_and(|f| cand.breakdown.step_time_s >= f) {
+                break;
+            }
+            fitted = Some(cand.breakdown.step_time_s);
+            let interleaves = p.stages > 1 && rungs.len() > 1;
             if interleaves {
                 for v in [2, 3].into_iter().filter(|v| p.stages * v <= blocks) {
                     let c = price_point(&mut graphs, (g, &whole), cluster, devices, p, Schedule::Interleaved(v), o);
@@ -207,7 +210,6 @@ pub fn search_grid(
             if best.as_ref().is_none_or(|b| cand.breakdown.step_time_s < b.breakdown.step_time_s) {
                 best = Some(cand);
             }
-            break;
         }
     }
     best.map(|mut b| {
