@@ -341,19 +341,14 @@ pub fn pipeline_result(
     named: &passes::cost::Named,
     opts: &passes::cost::Options,
 ) -> Result<SearchResult, String> {
-    use passes::cost::{CostModel, Named};
+    use passes::cost::Named;
     let Named::Pipeline { stages, micro, schedule, tensor } = *named else {
         return Err(format!("`{}` is not a pipeline", named.name()));
     };
     let p =
         passes::autoshard::pipeline::price_configuration(g, cluster, devices, stages, micro, schedule, tensor, opts)?;
-    let mut asg = passes::cost::Assignment::default();
-    for st in &p.stages {
-        asg.strategies.extend(st.assignment.strategies.iter().map(|(k, v)| (*k, v.clone())));
-    }
-    let cm = CostModel::new(g, cluster, p.stages[0].sub_mesh.clone(), opts.clone());
-    let mut r = given_result(&cm, asg, Some(named.name()));
-    r.breakdown = p.breakdown.clone();
+    let mesh = p.stages.first().ok_or("a pipeline without stages")?.sub_mesh.clone();
+    let mut r = result_of(mesh, p.assignment(), p.breakdown.clone(), Some(named.name()));
     r.pipeline = Some(p);
     Ok(r)
 }
@@ -365,9 +360,20 @@ fn given_result(
     assignment: passes::cost::Assignment,
     same_as: Option<String>,
 ) -> SearchResult {
+    let breakdown = cm.evaluate(&assignment);
+    result_of(cm.mesh.clone(), assignment, breakdown, same_as)
+}
+
+/// A plan made without a search: its mesh, strategies and price.
+fn result_of(
+    mesh: ir::shard::Mesh,
+    assignment: passes::cost::Assignment,
+    breakdown: passes::cost::Breakdown,
+    same_as: Option<String>,
+) -> SearchResult {
     SearchResult {
-        breakdown: cm.evaluate(&assignment),
-        mesh: cm.mesh.clone(),
+        breakdown,
+        mesh,
         assignment,
         same_as,
         data_parallel: None,

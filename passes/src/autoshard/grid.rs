@@ -73,11 +73,10 @@ fn divisors(n: usize) -> Vec<usize> {
     (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
-/// The points of the grid on `devices` devices for a batch of `batch`, in walking order;
-/// `stages` limits the pipeline stage counts (`None`: any).
-/// No more stages than the model's `blocks`. Without `accumulate`, a configuration without
-/// stages runs the replica's whole batch (the
-/// lowering runs no gradient accumulation of its own).
+/// The points of the grid on `devices` devices for a batch of `batch`, in walking order:
+/// `stages` limits the pipeline stage counts (`None`: any), never more than the model's
+/// `blocks`. Without `accumulate`, a configuration without stages runs the replica's whole
+/// batch (the lowering runs no gradient accumulation of its own).
 fn points(
     cluster: &Cluster,
     devices: usize,
@@ -138,9 +137,9 @@ fn describe(p: Point, schedule: Schedule, o: &Options) -> String {
 }
 
 /// Walks the grid for `g` (its batch the graph's, `blocks` its repeated blocks) on `devices`
-/// devices; `rungs` says whether
-/// it may save memory (recomputation, sequence parallelism, ZeRO, interleaving: what the
-/// lowering does not run yet). `None` when the model has no batch or nothing applies.
+/// devices; `rungs` says whether it may save memory (recomputation, sequence parallelism,
+/// ZeRO, interleaving: what the lowering does not run yet). `None` when the model has no
+/// batch or nothing applies.
 #[allow(clippy::too_many_arguments)]
 pub fn search_grid(
     g: &Graph,
@@ -195,8 +194,7 @@ pub fn search_grid(
                 break;
             }
             fitted = Some(cand.breakdown.step_time_s);
-            let interleaves = p.stages > 1 && rungs.len() > 1;
-            if interleaves {
+            if p.stages > 1 && saving {
                 for v in [2, 3].into_iter().filter(|v| p.stages * v <= blocks) {
                     let c = price_point(&mut graphs, (g, &whole), cluster, devices, p, Schedule::Interleaved(v), o);
                     if let Some(c) = c {
@@ -235,19 +233,15 @@ fn price_point(
     schedule: Schedule,
     o: &Options,
 ) -> Option<GridPlan> {
-    let batch = graphs_batch(g)?;
+    let batch = graphs.batch() as usize;
     if p.stages > 1 {
         let micro = batch / (p.data * p.mbs.unwrap_or(1));
         let shape = (p.stages, micro, schedule, p.tensor);
         let pipe = price_configuration_in(graphs, cluster, devices, shape, o).ok()?;
-        let mut assignment = Assignment::default();
-        for st in &pipe.stages {
-            assignment.strategies.extend(st.assignment.strategies.iter().map(|(k, v)| (*k, v.clone())));
-        }
         return Some(GridPlan {
             config: describe(p, schedule, o),
             mesh: pipe.stages.first()?.sub_mesh.clone(),
-            assignment,
+            assignment: pipe.assignment(),
             breakdown: pipe.breakdown.clone(),
             pipeline: Some(pipe),
             options: o.clone(),
@@ -271,8 +265,4 @@ fn price_point(
         priced: 0,
         time_s: 0.0,
     })
-}
-
-fn graphs_batch(g: &Graph) -> Option<usize> {
-    graph_batch(g).map(|b| b as usize)
 }

@@ -558,9 +558,14 @@ fn adopt_grid(r: &mut SearchResult, gp: grid::GridPlan, opts: &Options) {
 /// step, split evenly over the mesh's devices, is a lower bound of any plan's memory per
 /// device (a split divides at best; replicas and collectives' buffers only add).
 fn could_fit(g: &Graph, cluster: &Cluster, mesh: &Mesh, opts: &Options) -> bool {
-    let one = CostModel::new(g, cluster, Mesh::line(1, ir::shard::LinkLevel::Intra), opts.clone());
-    let need = one.price(&Assignment::default()).memory.total() / mesh.devices() as f64;
+    let need = single_device_memory(g, cluster, opts) / mesh.devices() as f64;
     need <= cluster.device.mem_capacity * cluster.device.mem_usable
+}
+
+/// Bytes one device would hold for the whole step of `g` on its own.
+fn single_device_memory(g: &Graph, cluster: &Cluster, opts: &Options) -> f64 {
+    let one = CostModel::new(g, cluster, Mesh::line(1, ir::shard::LinkLevel::Intra), opts.clone());
+    one.price(&Assignment::default()).memory.total()
 }
 
 /// Searches for the best plan of `g` (shapes inferred) on `devices` devices of `cluster`.
@@ -675,10 +680,7 @@ fn search_once(
         });
         if take {
             r.mesh = p.stages[0].sub_mesh.clone();
-            r.assignment = Assignment::default();
-            for st in &p.stages {
-                r.assignment.strategies.extend(st.assignment.strategies.iter().map(|(k, v)| (*k, v.clone())));
-            }
+            r.assignment = p.assignment();
             r.breakdown = p.breakdown.clone();
             r.same_as = None;
             r.pipeline = Some(p);
@@ -972,10 +974,7 @@ pub(crate) fn search_intra_with(
         budget_cut: net.cut(),
         pipeline: None,
         pipeline_considered: None,
-        single_device_memory_bytes: {
-            let one = CostModel::new(g, cluster, Mesh::line(1, ir::shard::LinkLevel::Intra), opts.clone());
-            one.price(&Assignment::default()).memory.total()
-        },
+        single_device_memory_bytes: single_device_memory(g, cluster, opts),
         folded,
     })
 }

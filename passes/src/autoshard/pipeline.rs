@@ -618,6 +618,11 @@ impl<'g> MicroGraphs<'g> {
         MicroGraphs { g, batch, cache: HashMap::new(), analyses: HashMap::new(), refused: None }
     }
 
+    /// The whole graph's batch.
+    pub(super) fn batch(&self) -> i64 {
+        self.batch
+    }
+
     fn get(&mut self, mb: i64) -> Option<Graph> {
         if let Some(x) = self.cache.get(&mb) {
             return Some(x.clone());
@@ -1660,6 +1665,16 @@ pub(super) fn price_configuration_in(
 }
 
 impl PipelinePlan {
+    /// Every stage's strategies together (each on its stage's mesh), keyed by the whole
+    /// graph's nodes.
+    pub fn assignment(&self) -> Assignment {
+        let mut asg = Assignment::default();
+        for st in &self.stages {
+            asg.strategies.extend(st.assignment.strategies.iter().map(|(k, v)| (*k, v.clone())));
+        }
+        asg
+    }
+
     /// The stages as `shardc cost` reports a priced pipeline.
     pub fn report(&self) -> crate::cost::PipelineReport {
         use crate::cost::pipeline::StageReport;
