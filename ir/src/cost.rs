@@ -221,6 +221,11 @@ pub fn node_cost(g: &Graph, n: NodeId, grads: &HashSet<Value>) -> OpCost {
             c.bwd_weight_flops = matmul;
             c.bwd_data_flops = matmul + pointwise;
         }
+        Backward::Times(k) => {
+            if (0..node.inputs().len()).any(grad_in) {
+                c.bwd_data_flops = k * w.fwd_flops;
+            }
+        }
         Backward::LikeForward => {}
     }
     if c.bwd_data_flops == 0.0 && c.bwd_weight_flops == 0.0 && c.fwd_flops > 0.0 {

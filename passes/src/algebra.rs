@@ -1375,11 +1375,12 @@ pub fn fuse_gemms_where(g: &mut Graph, pick: &mut dyn FnMut(usize) -> bool) -> R
 
 /// The rewrites the search chooses ([`crate::autoshard::search_rewriting`]): each is tried on
 /// the whole graph and kept when the plan of the rewritten graph is priced faster.
-pub const SEARCH_CHOICES: &[&str] = &["conv-as-matmul", "fuse-gemms"];
+pub const SEARCH_CHOICES: &[&str] = &["fuse-attention", "conv-as-matmul", "fuse-gemms"];
 
 /// The places the rewrite `name` would rewrite in `g`, in the order its `_where` form counts
 /// them, named by the label its rewritten ops keep (the node's label, else its op name);
-/// `None` for a rule whose places are not one node (`fuse-gemms` joins several).
+/// `None` for a rule whose places are not one node (`fuse-gemms` joins several GEMMs,
+/// `fuse-attention` the ops of an attention).
 pub fn sites(g: &Graph, name: &str) -> Option<Vec<String>> {
     match name {
         "conv-as-matmul" => {
@@ -1427,6 +1428,7 @@ pub fn apply_named(g: &mut Graph, name: &str) -> Result<u64, String> {
     let n = match name {
         "conv-as-matmul" => conv_as_matmul(g).map_err(|e| e.msg)?,
         "fuse-gemms" => fuse_gemms(g).map_err(|e| e.msg)?,
+        "fuse-attention" => crate::fuse_attention::fuse_attention(g).map_err(|e| e.msg)?,
         _ => return Err(format!("`{name}` is not a rewrite the search chooses ({})", SEARCH_CHOICES.join(", "))),
     };
     reinfer(g, n)
@@ -1434,7 +1436,7 @@ pub fn apply_named(g: &mut Graph, name: &str) -> Result<u64, String> {
 
 /// Infers the types of `g`'s values when some are not known: the rewrites match on shapes,
 /// so `--passes algebra` alone does what `--passes infer-shapes,algebra` does.
-fn typed(g: &mut Graph, pass: &'static str) -> Result<(), PassError> {
+pub(crate) fn typed(g: &mut Graph, pass: &'static str) -> Result<(), PassError> {
     let order = g.topo_order().map_err(|_| PassError::new(pass, Located::global("the graph has a cycle")))?;
     let unknown = order.iter().any(|&n| g.node(n).outputs().iter().any(|o| !o.name.is_empty() && o.ty.is_none()));
     if unknown {

@@ -14,6 +14,7 @@ pub mod autodiff;
 pub mod autoshard;
 pub mod canonicalize;
 pub mod cost;
+pub mod fuse_attention;
 pub mod infer_shapes;
 pub mod manager;
 pub mod rebatch;
@@ -25,6 +26,7 @@ pub mod verify;
 pub use algebra::{Algebra, ConvAsMatMul, FuseGemms};
 pub use autodiff::Autodiff;
 pub use canonicalize::Canonicalize;
+pub use fuse_attention::FuseAttention;
 pub use infer_shapes::InferShapes;
 pub use manager::{Changed, Located, Pass, PassCx, PassError, PassManager, Report, Stats};
 pub use rebatch::{ExternalData, Rebatch, RebatchSpec};
@@ -48,6 +50,7 @@ pub const PASS_NAMES: &[&str] = &[
     "algebra",
     "conv-as-matmul",
     "fuse-gemms",
+    "fuse-attention",
     "require-static",
     "rebatch",
     "autodiff",
@@ -63,6 +66,7 @@ pub fn create(name: &str, opts: &PassOptions) -> Option<Box<dyn Pass>> {
         "algebra" => Box::new(Algebra),
         "conv-as-matmul" => Box::new(ConvAsMatMul),
         "fuse-gemms" => Box::new(FuseGemms),
+        "fuse-attention" => Box::new(FuseAttention),
         "require-static" => Box::new(RequireStatic),
         "autodiff" => Box::new(opts.autodiff.clone()),
         _ => return None,

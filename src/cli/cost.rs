@@ -92,7 +92,8 @@ pub struct CostArgs {
     pub cluster: String,
     /// data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, pipeline:S:M[:gpipe|:1f1b]; or a
     /// configuration of key=value fields: dp, tp, pp, vp, cp, ep, mbs, sp, recompute=none|selective|full,
-    /// zero=0|1|2|3, schedule=gpipe|1f1b|interleaved (e.g. tp=8,dp=8,zero=3,recompute=full,sp).
+    /// zero=0|1|2|3, schedule=gpipe|1f1b|interleaved, flash (attention fused before pricing) (e.g.
+    /// tp=8,dp=8,zero=3,recompute=full,sp).
     #[arg(long)]
     pub strategy: String,
     /// Devices to use (default: all of the cluster).
@@ -127,6 +128,24 @@ pub fn strategy_and_options(s: &str, devices: usize, g: &ir::Graph, opts: Option
     let c = cost::config::Config::parse(s).map_err(|e| CliError::msg(format!("--strategy `{s}`: {e}")))?;
     c.resolve(devices, cost::pipeline::graph_batch(g), &opts)
         .map_err(|e| CliError::msg(format!("--strategy `{s}`: {e}")))
+}
+
+/// The rewrites a configuration `--strategy` asks for (`flash`), applied to `g`; an error
+/// when one finds nothing to rewrite.
+pub fn rewrite_for(s: &str, g: &mut ir::Graph) -> CliResult<()> {
+    if !cost::config::is_config(s) {
+        return Ok(());
+    }
+    let c = cost::config::Config::parse(s).map_err(|e| CliError::msg(format!("--strategy `{s}`: {e}")))?;
+    for rule in c.rewrites() {
+        let n = passes::algebra::apply_named(g, rule).map_err(|e| CliError::msg(format!("--strategy `{s}`: {e}")))?;
+        if n == 0 {
+            return Err(CliError::msg(format!(
+                "--strategy `{s}`: flash: the model has no attention `{rule}` recognizes (docs/memory.md)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The launch settings of `named` (with `opts`' recomputation, sequence parallelism and ZeRO)
@@ -164,6 +183,7 @@ pub fn run(args: &CostArgs) -> CliResult {
     args.model_args.freeze(&mut loaded.model.graph)?;
     let cluster = load_cluster(&args.cluster)?;
     let devices = args.devices.unwrap_or(cluster.devices());
+    rewrite_for(&args.strategy, &mut loaded.model.graph)?;
     let g = &loaded.model.graph;
     let (named, opts) = strategy_and_options(&args.strategy, devices, g, args.model_args.options()?)?;
     let priced = cost::price(g, &cluster, devices, &named, &opts).map_err(|e| {

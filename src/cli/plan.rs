@@ -75,8 +75,8 @@ pub struct PlanArgs {
     /// the plan to every block (auto: for graphs of 1,000 ops or more).
     #[arg(long, default_value = "auto", value_name = "auto|always|never", value_parser = parse_fold)]
     pub fold: autoshard::FoldMode,
-    /// Do not try the algebraic rewrites the search chooses between (conv-as-matmul, fuse-gemms: each is
-    /// searched on the whole graph and kept when its plan is faster)
+    /// Do not try the algebraic rewrites the search chooses between (fuse-attention, conv-as-matmul,
+    /// fuse-gemms: each is searched on the whole graph and kept when its plan is faster)
     #[arg(long)]
     pub no_rewrites: bool,
     /// When no plan fits, do not search again with recomputation, sequence parallelism and

@@ -923,6 +923,11 @@ fn configured(args: &TrainArgs) -> CliResult<TrainArgs> {
     if c.mbs.is_some() {
         return Err(err("mbs: `train` accumulates gradients with --micro-batches".into()));
     }
+    if c.flash {
+        return Err(err(
+            "flash: `train` runs attention as the model writes it; `cost` and `plan` price it fused".into()
+        ));
+    }
     let devices = args.devices.unwrap_or(1);
     let (named, opts) = c.resolve(devices, None, &passes::cost::Options::default()).map_err(err)?;
     a.strategy = Some(named.name());

@@ -169,36 +169,6 @@ static GPT2: std::sync::LazyLock<(
     (model, inputs, want)
 });
 
-/// Random floats for every input of `g`, drawn as `random_tensor` draws a tensor of `role`
-/// from `seed` and the input's name.
-fn float_inputs(g: &ir::Graph, role: &str, seed: u64) -> std::collections::HashMap<String, ir::eval::Array> {
-    g.input_values()
-        .into_iter()
-        .map(|v| {
-            let dims = g.tensor_type(v).unwrap().static_dims().unwrap();
-            let name = g.value_name(v).to_string();
-            (name.clone(), ir::eval::random_tensor(ir::DType::Float, &dims, role, seed, &name).unwrap())
-        })
-        .collect()
-}
-
-/// Token ids for every input of `g` (integers below 500).
-fn token_inputs(g: &ir::Graph) -> std::collections::HashMap<String, ir::eval::Array> {
-    g.input_values()
-        .into_iter()
-        .map(|v| {
-            let t = g.tensor_type(v).unwrap();
-            let dims = t.static_dims().unwrap();
-            let n = dims.iter().product::<i64>();
-            let shape = dims.iter().map(|&d| d as usize).collect();
-            (
-                g.value_name(v).to_string(),
-                ir::eval::Array::int(t.dtype, shape, (0..n).map(|i| (i * 37) % 500).collect()),
-            )
-        })
-        .collect()
-}
-
 /// A shared CNN at batch 2 and 48×48 pixels, canonical.
 fn small_cnn(name: &str) -> ir::Model {
     let path = data_files("models").into_iter().find(|p| p.ends_with(name)).unwrap();

@@ -245,3 +245,85 @@ fn split_mean_losses_count_the_samples_not_ignored() {
         close(&r.outputs[0].1, &reference[0], 1e-5, 1e-6).unwrap_or_else(|e| panic!("{op} {attrs}: {e}"));
     }
 }
+
+/// A model of attention ops: grouped-query 4-D attention with an additive mask (splits by
+/// batch, heads and query rows), causal 4-D attention (batch and heads), 3-D attention with
+/// packed heads (batch and rows).
+const ATTENTION: &str = "<
+   ir_version: 8,
+   opset_import: [\"\" : 23]
+>
+attn (float[4,4,6,8] q, float[4,2,6,8] k, float[4,2,6,8] v, float[6,6] m, float[4,6,16] q3, float[4,6,8] k3, float[4,6,8] v3) => (float[4,4,6,8] y, float[4,4,6,8] z, float[4,6,16] w, float[4,4,6,6] s)
+{
+   y, pk, pv, s = Attention <qk_matmul_output_mode: int = 1> (q, k, v, m)
+   z = Attention <is_causal: int = 1, scale: float = 0.3> (q, k, v)
+   w = Attention <q_num_heads: int = 4, kv_num_heads: int = 2> (q3, k3, v3)
+}";
+
+#[test]
+fn attention_splits_by_batch_heads_and_query_rows_and_matches_the_reference() {
+    use ir::shard::{iter_space, strategy_valid};
+    let mut m =
+        frontend::parse(ATTENTION).unwrap_or_else(|d| panic!("{}", frontend::render(&d, "attn", ATTENTION))).model;
+    let mut pm = passes::PassManager::new();
+    pm.add(passes::Verify).add(passes::InferShapes::default());
+    pm.run(&mut m).unwrap();
+    let g = &m.graph;
+    let mut rng = ir::eval::Rng::new(7);
+    let inputs: HashMap<String, Array> = g
+        .input_values()
+        .into_iter()
+        .map(|v| {
+            let dims: Vec<usize> =
+                g.tensor_type(v).unwrap().static_dims().unwrap().iter().map(|&d| d as usize).collect();
+            let n = dims.iter().product();
+            let x: Vec<f32> = (0..n).map(|_| rng.uniform(-1.0, 1.0) as f32).collect();
+            (g.value_name(v).to_string(), Array::f32(dims, x))
+        })
+        .collect();
+    let reference = ir::eval::run(g, &inputs, &Default::default()).unwrap();
+    let nodes = g.op_nodes().unwrap();
+    // Each op's splittable dims, by name.
+    let names: Vec<Vec<String>> =
+        nodes.iter().map(|&n| iter_space(g, n).dims.iter().map(|d| d.name.clone()).collect()).collect();
+    assert_eq!(names, [vec!["b", "h", "q"], vec!["b", "h"], vec!["b", "q"]]);
+    let mut ran = 0;
+    for sizes in [vec![2], vec![2, 2]] {
+        let mesh = grid(&sizes);
+        // Every op under the same choice of its i-th and j-th dims per axis, where valid.
+        for pick in 0..9usize {
+            let mut strategies = HashMap::new();
+            for &n in &nodes {
+                let sp = iter_space(g, n);
+                let s: Vec<Option<usize>> = (0..sizes.len())
+                    .map(|a| {
+                        let k = if a == 0 { pick % 3 } else { pick / 3 };
+                        (k < sp.dims.len()).then_some(k)
+                    })
+                    .collect();
+                let s = if strategy_valid(&sp, &s, &mesh, g, n) { s } else { vec![None; sizes.len()] };
+                strategies.insert(n, s);
+            }
+            let pl = Placement {
+                stages: vec![StagePlacement { mesh: mesh.clone(), devices: (0..mesh.devices()).collect() }],
+                strategies,
+                stage_of: HashMap::new(),
+                micro_batches: 1,
+                policy: Default::default(),
+                schedule: Default::default(),
+                recompute: Vec::new(),
+            };
+            let what = format!("{sizes:?}, pick {pick}");
+            let prog = codegen::lower(g, &pl).unwrap_or_else(|e| panic!("{what}: {e}"));
+            codegen::check(&prog).unwrap_or_else(|e| panic!("{what}: {e:?}"));
+            assert!(prog.fallbacks.is_empty(), "{what}: {:?}", prog.fallbacks);
+            let r = codegen::run(&prog, &inputs, &RunOptions { backend: Backend::Cpu, ..Default::default() })
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            for ((name, got), want) in r.outputs.iter().zip(&reference) {
+                close(got, want, 1e-4, 1e-5).unwrap_or_else(|e| panic!("{what}, `{name}`: {e}"));
+            }
+            ran += 1;
+        }
+    }
+    assert_eq!(ran, 18);
+}

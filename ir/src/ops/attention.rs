@@ -93,10 +93,12 @@ impl OpRules for op::Attention {
     }
 
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        Some(IterSpace::whole(cx))
+        Some(attention_space(self, cx))
     }
 
-    /// QKᵀ and PV: 2·b·h·q·kv·(d + dv), and the softmax over the scores.
+    /// QKᵀ and PV: 2·b·h·q·kv·(d + dv), and the softmax over the scores. The backward
+    /// recomputes the scores and probabilities (the op keeps none of them) and runs four
+    /// products of the forward's size: 2.5 times the forward's work.
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
         let q = cx.in_dims(0);
         let y = cx.out_dims(0);
@@ -105,7 +107,8 @@ impl OpRules for op::Attention {
         let rows = if q.len() == 4 { q[0] * q[1] * q[2] } else { q[0] * q[1] * self.q_num_heads.unwrap_or(1) };
         let d = *q.last()? / if q.len() == 3 { self.q_num_heads.unwrap_or(1).max(1) } else { 1 };
         let dv = *y.last()? / if q.len() == 3 { self.q_num_heads.unwrap_or(1).max(1) } else { 1 };
-        Work::flops(2.0 * (rows * total) as f64 * (d + dv) as f64 + 5.0 * (rows * total) as f64)
+        let fwd = 2.0 * (rows * total) as f64 * (d + dv) as f64 + 5.0 * (rows * total) as f64;
+        Some(Work { fwd_flops: fwd, backward: super::Backward::Times(2.5), launches: 1.0, parallel: None })
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
@@ -124,6 +127,85 @@ impl OpRules for op::Attention {
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         Some(attention_grad(self, cx))
     }
+}
+
+/// The op splits by batch and by head (every device attends with its own query heads over
+/// their own key/value heads: the groups of grouped-query attention stay whole when the split
+/// divides the key/value heads) and, with no causal mask, window or cache, by query rows
+/// (each device's rows against all keys). Heads split only in the 4-D form: the 3-D form's
+/// head counts are attributes the pieces would have to change.
+fn attention_space(a: &op::Attention, cx: &NodeCx<'_>) -> IterSpace {
+    use crate::shard::{DimKind, DimRole, IterDim};
+    let (q, k) = (cx.in_dims(0), cx.in_dims(1));
+    let rank = q.len();
+    if !(rank == 3 || rank == 4) || k.len() != rank || q.iter().chain(&k).any(|&d| d <= 0) {
+        return IterSpace::whole(cx);
+    }
+    let node = cx.g.node(cx.n);
+    let cache = node.input(4).is_some() || node.input(5).is_some() || node.input(6).is_some();
+    let rows_split = a.is_causal.unwrap_or(0) == 0
+        && a.left_window_size.unwrap_or(-1) < 0
+        && a.right_window_size.unwrap_or(-1) < 0
+        && !cache;
+    let par =
+        |name: &str, size: i64| IterDim { name: name.into(), size, kind: DimKind::Parallel, role: DimRole::Other };
+    let mut dims = vec![par("b", q[0])];
+    let heads = (rank == 4).then(|| {
+        dims.push(par("h", k[1]));
+        dims.len() - 1
+    });
+    let seq_axis = if rank == 4 { 2 } else { 1 };
+    let rows = rows_split.then(|| {
+        dims.push(par("q", q[seq_axis]));
+        dims.len() - 1
+    });
+    // [b, h, s, e] or [b, s, h·e]: batch, heads (4-D), and the sequence when it follows `seq`.
+    let map = |r: usize, seq: Option<usize>| -> Vec<Option<usize>> {
+        (0..r)
+            .map(|t| match t {
+                0 => Some(0),
+                1 if r == 4 => heads,
+                t if t == seq_axis => seq,
+                _ => None,
+            })
+            .collect()
+    };
+    let qn = if rank == 4 { q[1] } else { a.q_num_heads.unwrap_or(0) };
+    // The mask: right-aligned against [b, q heads, q rows, keys]; a broadcast 1 stays whole.
+    let mask = node.input(3).map(|_| {
+        let m = cx.in_dims(3);
+        let full = [Some((0usize, q[0])), heads.map(|h| (h, qn)), rows.map(|r| (r, q[seq_axis])), None];
+        m.iter()
+            .enumerate()
+            .map(|(t, &sz)| {
+                let at = (t + 4).checked_sub(m.len());
+                at.and_then(|at| full.get(at).copied().flatten())
+                    .and_then(|(i, size)| (sz == size && sz != 1).then_some(i))
+            })
+            .collect()
+    });
+    let inputs = (0..node.inputs().len())
+        .map(|j| {
+            node.input(j).map(|v| match j {
+                0 => map(cx.rank(v), rows),
+                3 => mask.clone().unwrap_or_default(),
+                6 => vec![Some(0)],
+                _ => map(cx.rank(v), None),
+            })
+        })
+        .collect();
+    let outputs = (0..node.num_outputs())
+        .map(|s| {
+            let r = cx.rank(cx.output(s));
+            match s {
+                0 => map(r, rows),
+                // The scores: [b, h, q rows, keys].
+                3 => (0..r).map(|t| [Some(0), heads, rows, None].get(t).copied().flatten()).collect(),
+                _ => map(r, None),
+            }
+        })
+        .collect();
+    IterSpace { dims, inputs, outputs }
 }
 
 fn attention_grad(a: &op::Attention, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {

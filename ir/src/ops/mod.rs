@@ -381,6 +381,9 @@ pub enum Backward {
     /// About the forward's work for the activations' gradient, and at most the output's size
     /// for any parameter's (pointwise, pooling, normalization).
     LikeForward,
+    /// The activations' gradients cost this multiple of the forward's work (an op whose
+    /// backward recomputes part of its forward: fused attention's 2.5).
+    Times(f64),
     /// A recurrent layer: weight gradients cost the recurrent and input GEMMs (`matmul`), data
     /// gradients those and the gates' pointwise work again.
     Recurrent {

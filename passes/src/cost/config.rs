@@ -2,13 +2,14 @@
 //! tp=8,dp=8,zero=3,recompute=full,sp` — the degrees of data (`dp`), tensor (`tp`), pipeline
 //! (`pp`, with `vp` virtual stages), context (`cp`) and expert (`ep`) parallelism, the
 //! micro-batch size (`mbs`), sequence parallelism (`sp`), activation recomputation
-//! (`recompute=none|selective|full`), the ZeRO stage (`zero=0|1|2|3`) and the pipeline
-//! schedule (`schedule=gpipe|1f1b|interleaved`).
+//! (`recompute=none|selective|full`), the ZeRO stage (`zero=0|1|2|3`), the pipeline
+//! schedule (`schedule=gpipe|1f1b|interleaved`) and flash attention (`flash`: the model's
+//! attentions fused into one op each before pricing, [`crate::fuse_attention`]).
 //!
 //! Every field is optional: the degrees default to 1 except `dp`, which takes the devices
 //! the others leave; `mbs` to 1 in a pipeline and, without one, to the whole batch of a
 //! data-parallel replica (no gradient accumulation); `sp` off; `recompute` none; `zero` 0;
-//! `schedule` 1f1b. The
+//! `schedule` 1f1b; `flash` off (attention as the model writes it). The
 //! product of the degrees must be the devices used. A configuration resolves to a named
 //! strategy ([`Named`]: `data`, `megatron`, `hybrid:dp:D,tp:T`, `pipeline:S:M[:interleaved:V][:tp:T]`) and the
 //! cost-model options it sets; what the cost model cannot price yet (`cp`, `ep`) is refused
@@ -46,12 +47,15 @@ pub struct Config {
     pub zero: u8,
     /// Pipeline schedule (`None`: 1F1B).
     pub schedule: Option<Schedule>,
+    /// Flash attention: the model's attentions fused into one op each (`fuse-attention`)
+    /// before pricing, as frameworks that call a fused attention kernel run them.
+    pub flash: bool,
 }
 
-/// True when `s` is written as a configuration (`key=value` fields or the `sp` flag) rather
+/// True when `s` is written as a configuration (`key=value` fields or the `sp` and `flash` flags) rather
 /// than a strategy name.
 pub fn is_config(s: &str) -> bool {
-    s.contains('=') || s.split(',').any(|f| f.trim() == "sp")
+    s.contains('=') || s.split(',').any(|f| matches!(f.trim(), "sp" | "flash"))
 }
 
 fn count(key: &str, v: &str) -> Result<usize, String> {
@@ -62,7 +66,7 @@ fn count(key: &str, v: &str) -> Result<usize, String> {
 }
 
 impl Config {
-    /// Parses `key=value` fields separated by commas (and the flag `sp`).
+    /// Parses `key=value` fields separated by commas (and the flags `sp` and `flash`).
     pub fn parse(s: &str) -> Result<Config, String> {
         let mut c = Config { tp: 1, pp: 1, vp: 1, cp: 1, ep: 1, ..Config::default() };
         let mut seen: Vec<&str> = Vec::new();
@@ -81,11 +85,16 @@ impl Config {
                 "cp" => c.cp = count(key, v()?)?,
                 "ep" => c.ep = count(key, v()?)?,
                 "mbs" => c.mbs = Some(count(key, v()?)?),
-                "sp" => {
-                    c.sp = match value {
+                "sp" | "flash" => {
+                    let on = match value {
                         None | Some("1" | "true" | "on") => true,
                         Some("0" | "false" | "off") => false,
-                        Some(o) => return Err(format!("`sp={o}`: write sp, sp=on or sp=off")),
+                        Some(o) => return Err(format!("`{key}={o}`: write {key}, {key}=on or {key}=off")),
+                    };
+                    if key == "sp" {
+                        c.sp = on;
+                    } else {
+                        c.flash = on;
                     }
                 }
                 "recompute" => c.recompute = Recompute::parse(v()?)?,
@@ -109,12 +118,18 @@ impl Config {
                 }
                 other => {
                     return Err(format!(
-                        "unknown field `{other}`; a configuration has dp, tp, pp, vp, cp, ep, mbs, sp, recompute, zero, schedule"
+                        "unknown field `{other}`; a configuration has dp, tp, pp, vp, cp, ep, mbs, sp, recompute, zero, schedule, flash"
                     ));
                 }
             }
         }
         Ok(c)
+    }
+
+    /// The graph rewrites the configuration asks for before pricing (`flash`:
+    /// `fuse-attention`), as [`crate::algebra::apply_named`] names them.
+    pub fn rewrites(&self) -> Vec<&'static str> {
+        if self.flash { vec!["fuse-attention"] } else { Vec::new() }
     }
 
     /// The pipeline schedule: `vp` > 1 is the interleaved one (`schedule` may say so or be

@@ -1,0 +1,148 @@
+//! `fuse-attention` (the exporters' scaled dot-product attention as one `Attention` op) on
+//! the shared transformer exports and the synthetic GPT and Llama: every attention is found,
+//! the rewritten model prints and parses back, computes the original's outputs, and trains
+//! the same (losses, every parameter's gradient and value over three SGD steps); and the
+//! training step no longer keeps the `s × s` probabilities.
+
+use shardc::synthetic::{Gpt, Llama};
+use shardc::train::Tensors;
+use shardc_tests::*;
+
+fn prepared(mut model: ir::Model) -> ir::Model {
+    let mut pm = passes::PassManager::new().with_verify(true);
+    pm.add(passes::InferShapes::default()).add(passes::Canonicalize);
+    pm.run(&mut model).unwrap_or_else(|e| panic!("{e}: {:?}", e.errors));
+    model
+}
+
+fn fused(model: &ir::Model) -> (ir::Model, u64) {
+    let mut f = model.clone();
+    let mut pm = passes::PassManager::new().with_verify(true);
+    pm.add(passes::FuseAttention);
+    let report = pm.run(&mut f).unwrap_or_else(|e| panic!("{e}: {:?}", e.errors));
+    let n = report.stats.get("attentions fused");
+    (f, n)
+}
+
+fn op_count(g: &ir::Graph, op: &str) -> usize {
+    g.op_nodes().unwrap().into_iter().filter(|&n| g.node(n).op.op_type() == op).count()
+}
+
+fn round_trips(m: &ir::Model, what: &str) {
+    let text = ir::print::model_to_string(m);
+    let again = frontend::parse(&text).unwrap_or_else(|d| panic!("{}", frontend::render(&d, what, &text)));
+    assert_eq!(ir::print::model_to_string(&again.model), text, "{what}");
+}
+
+/// A synthetic model with its weights drawn from a seed.
+fn drawn(text: &str) -> ir::Model {
+    let mut m = frontend::parse(text).unwrap().model;
+    shardc::exec::materialize(&mut m, std::path::Path::new("/nonexistent"), 3).unwrap();
+    prepared(m)
+}
+
+/// Sequence 16 over heads of 8: the scores' `[b, h, 16, 16]` is no other value's shape.
+fn small_gpt() -> ir::Model {
+    drawn(&Gpt { layers: 2, hidden: 32, heads: 4, batch: 2, seq: 16, fused_gelu: true }.to_text())
+}
+
+fn small_llama() -> ir::Model {
+    drawn(&Llama::reduced(2, 2, 8).to_text())
+}
+
+/// Every attention of the shared exports (GPT-2's and BERT's decomposed
+/// `scaled_dot_product_attention` with its guard of fully masked rows, nn.Transformer's
+/// encoder, decoder and cross attention) and of the synthetic models is fused, and the fused
+/// models compute the originals' outputs.
+#[test]
+fn every_attention_is_fused_and_computes_the_same() {
+    let shared = |name: &str| {
+        let path = data_files("models").into_iter().find(|p| p.ends_with(name)).unwrap();
+        prepared(load_model(&path))
+    };
+    let cases = [
+        ("hf_gpt2_small4", shared("hf_gpt2_small4.onnxtxt"), 4, true),
+        ("hf_bert_base", shared("hf_bert_base.onnxtxt"), 12, false),
+        ("pt_nn_transformer", shared("pt_nn_transformer.onnxtxt"), 18, true),
+        ("synthetic gpt", small_gpt(), 2, true),
+        ("synthetic llama", small_llama(), 2, true),
+    ];
+    for (name, model, attentions, evaluate) in cases {
+        let softmaxes = op_count(&model.graph, "Softmax");
+        let (f, n) = fused(&model);
+        assert_eq!((n as usize, op_count(&f.graph, "Attention")), (attentions, attentions), "{name}");
+        assert_eq!(op_count(&f.graph, "Softmax"), softmaxes - attentions, "{name}");
+        round_trips(&f, name);
+        if !evaluate {
+            continue;
+        }
+        let inputs = if name.starts_with("hf_") {
+            token_inputs(&model.graph)
+        } else {
+            let first = model.graph.value_name(model.graph.input_values()[0]).to_string();
+            float_inputs(&model.graph, &first, 7)
+        };
+        let opts = ir::eval::RunOptions { seed: Some(5) };
+        let want = ir::eval::run(&model.graph, &inputs, &opts).unwrap();
+        let got = ir::eval::run(&f.graph, &inputs, &opts).unwrap();
+        for (k, (a, b)) in got.iter().zip(&want).enumerate() {
+            compare(&format!("{name} output {k}"), a, b, 1e-4, 1e-5).unwrap();
+        }
+    }
+}
+
+/// Gradients and parameters of 3 SGD steps of `base` and of `rewritten` on the reference
+/// trainer (inputs drawn from one seed), after checking they take the same losses.
+fn train_both(base: &ir::Model, rewritten: &ir::Model) -> ((Tensors, Tensors), (Tensors, Tensors)) {
+    let opt = passes::autodiff::OptimizerSpec::sgd(0.1, 0.0);
+    let loss = passes::autodiff::LossSpec::Mean(None);
+    let steps = |m: &ir::Model| {
+        let (t, info) = shardc::train::training_model(m, &loss, &opt).unwrap();
+        let inputs = shardc::train::seeded_inputs(&t.graph, &info, 3).unwrap();
+        shardc::train::reference_steps(&t.graph, &inputs, 3).unwrap()
+    };
+    let (l0, g0, p0) = steps(base);
+    let (l1, g1, p1) = steps(rewritten);
+    assert_eq!(l0.len(), l1.len());
+    for (a, b) in l1.iter().zip(&l0) {
+        assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "loss {a} vs {b}");
+    }
+    ((g0, p0), (g1, p1))
+}
+
+/// The fused GPT and Llama train as the originals do: the same losses, gradients and
+/// parameters for every weight (the op's gradient recomputes the probabilities).
+#[test]
+fn fused_attention_trains_the_same() {
+    for (name, model) in [("gpt", small_gpt()), ("llama", small_llama())] {
+        let (f, _) = fused(&model);
+        let ((g0, p0), (g1, p1)) = train_both(&model, &f);
+        for (want, got, what) in [(&g0, &g1, "gradient"), (&p0, &p1, "parameter")] {
+            assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{name}");
+            assert!(!want.is_empty());
+            for (k, w) in want {
+                compare(&format!("{name} {what} {k}"), &got[k], w, 1e-4, 1e-6).unwrap();
+            }
+        }
+    }
+}
+
+/// The training step of the fused model keeps no `[b, h, s, s]` value for its backward pass;
+/// the original keeps the probabilities of every layer.
+#[test]
+fn the_fused_step_keeps_no_scores() {
+    let model = small_gpt();
+    let (f, _) = fused(&model);
+    let square = |m: &ir::Model| {
+        let saved = passes::cost::stash::saved_values(&m.graph).unwrap();
+        saved
+            .iter()
+            .filter(|v| {
+                let d = m.graph.tensor_type(**v).and_then(|t| t.static_dims()).unwrap_or_default();
+                d.len() == 4 && d[2] == 16 && d[3] == 16
+            })
+            .count()
+    };
+    assert!(square(&model) >= 2, "the unfused step keeps the probabilities");
+    assert_eq!(square(&f), 0);
+}
