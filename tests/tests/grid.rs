@@ -107,3 +107,22 @@ fn the_search_takes_the_grids_plan_when_it_is_fastest() {
         assert_eq!(r.pipeline.is_some(), best.pipeline.is_some());
     }
 }
+
+/// A search told to take the grid alone (as `search_rewriting` searches a rewritten graph when
+/// the graph as written took a grid configuration) takes the grid's best configuration, at
+/// its price, without searching any mesh per op; on the same model the full search is never
+/// slower than it.
+#[test]
+fn a_grid_only_search_takes_the_grids_best() {
+    let g = gpt(16);
+    let c = Cluster::preset("a100-cluster-2").unwrap();
+    let best = walk(&g, &c, 16, true);
+    let so = SearchOptions { pipeline: PipelineMode::Auto, memory_ladder: true, ..Default::default() };
+    let only = autoshard::search(&g, &c, 16, &opts(), &SearchOptions { grid_only: true, ..so.clone() }).unwrap();
+    assert!(only.meshes.is_empty(), "{:?}", only.meshes.len());
+    assert_eq!(only.same_as.as_deref(), Some(best.config.as_str()));
+    assert_eq!(only.breakdown.step_time_s, best.breakdown.step_time_s);
+    let full = autoshard::search(&g, &c, 16, &opts(), &so).unwrap();
+    assert!(!full.meshes.is_empty());
+    assert!(full.breakdown.step_time_s <= only.breakdown.step_time_s * (1.0 + 1e-9));
+}

@@ -138,7 +138,8 @@ fn plans_move_the_bytes_their_programs_move() {
 
 /// The plans `shardc plan` makes for the shared GPT-2 and BERT on 8 dgx-a100 GPUs at batch 8,
 /// with the rewrites the search chooses (`fuse-gemms` joins each layer's Q, K and V
-/// projections head by head): both attention products of every layer split by heads, the
+/// projections head by head; `fuse-attention` makes each attention one op): every layer's
+/// attention split by heads, the
 /// plans priced faster than the `megatron` and `data` named strategies, and the lowered
 /// programs of the rewritten graphs move the bytes the plans price.
 #[test]
@@ -154,8 +155,10 @@ fn transformer_plans_with_rewrites_split_heads_and_move_what_they_price() {
         assert!(r.rewrites.iter().any(|x| x.rule == "fuse-gemms" && x.applied), "{name}: {:?}", r.rewrites);
         let step = r.breakdown.step_time_s;
         assert!(step < megatron && step < data, "{name}: searched {step}, megatron {megatron}, data {data}");
-        // The attention products: MatMuls of two rank-4 activations.
+        // The attention: one `Attention` op per layer where `fuse-attention` was taken, else
+        // its two products, MatMuls of two rank-4 activations.
         let g = &m.graph;
+        let fused = r.rewrites.iter().any(|x| x.rule == "fuse-attention" && x.applied);
         let rank4 = |v: Option<ir::Value>| {
             v.is_some_and(|v| g.initializer(v).is_none() && g.tensor_type(v).is_some_and(|t| t.rank() == Some(4)))
         };
@@ -163,16 +166,19 @@ fn transformer_plans_with_rewrites_split_heads_and_move_what_they_price() {
             .op_nodes()
             .unwrap()
             .into_iter()
-            .filter(|&n| {
-                matches!(g.node(n).op, ir::Op::MatMul(_)) && rank4(g.node(n).input(0)) && rank4(g.node(n).input(1))
+            .filter(|&n| match g.node(n).op {
+                ir::Op::Attention(_) => true,
+                ir::Op::MatMul(_) => rank4(g.node(n).input(0)) && rank4(g.node(n).input(1)),
+                _ => false,
             })
             .map(|n| g.node(n).outputs()[0].name.clone())
             .collect();
-        assert_eq!(products.len(), 24, "{name}");
+        assert_eq!(products.len(), if fused { 12 } else { 24 }, "{name}");
         let plan = autoshard::Plan::new(g, &c, 8, &opts, Default::default(), &r);
+        let heads = if fused { "h→" } else { "b1→" };
         for p in &products {
             let op = plan.ops.iter().find(|o| o.outputs.first() == Some(p)).unwrap();
-            assert!(op.strategy.contains("b1→"), "{name}: {}: {}", op.name, op.strategy);
+            assert!(op.strategy.contains(heads), "{name}: {}: {}", op.name, op.strategy);
         }
         let bad = compare(name, g, "dgx-a100", 8, &r);
         assert!(bad.is_empty(), "{}", bad.join("\n"));

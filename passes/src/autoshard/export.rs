@@ -47,6 +47,9 @@ pub struct Degrees {
     pub tensor_plan: Vec<(String, &'static str)>,
     /// Tensor-split ops whose module the export does not name.
     pub unnamed: Vec<String>,
+    /// The model's attention runs fused (`Attention` ops: `fuse-attention`, or the model's
+    /// own): the framework's fused attention kernel.
+    pub flash_attention: bool,
 }
 
 fn is_norm(op: &Op) -> bool {
@@ -167,6 +170,7 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
             .map(|b| b / (data * micro_batches) as i64),
         tensor_plan,
         unnamed,
+        flash_attention: cm.order().iter().any(|&n| matches!(g.node(n).op, ir::Op::Attention(_))),
     })
 }
 
@@ -194,6 +198,9 @@ pub fn megatron_args(d: &Degrees, devices: usize) -> String {
         crate::cost::Recompute::Selective if !d.recompute => args.push("--recompute-granularity selective".into()),
         crate::cost::Recompute::None if !d.recompute => {}
         _ => args.push("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".into()),
+    }
+    if d.flash_attention {
+        args.push("--attention-backend flash".into());
     }
     if d.zero >= 1 {
         args.push("--use-distributed-optimizer".into());

@@ -88,6 +88,11 @@ pub struct SearchOptions {
     /// When no plan fits, search again with the options of [`memory_ladder`] (recomputation,
     /// sequence parallelism, ZeRO) until one does.
     pub memory_ladder: bool,
+    /// Where the configuration grid finds a plan that fits, take the grid's best without the
+    /// per-op (e-graph) and pipeline searches. [`search_rewriting`] searches a rewritten graph
+    /// so when the graph as written took the grid's configuration: a rewrite of a few ops per
+    /// block does not change which kind of plan wins.
+    pub grid_only: bool,
 }
 
 /// When the search folds repeated blocks ([`fold`]).
@@ -189,6 +194,7 @@ impl Default for SearchOptions {
             fold: FoldMode::Auto,
             rewrites: true,
             memory_ladder: true,
+            grid_only: false,
         }
     }
 }
@@ -540,6 +546,33 @@ fn configurations(
     grid::search_grid(g, cluster, devices, opts, stages.as_deref(), blocks, so.memory_ladder, net)
 }
 
+/// A search result of the grid's plan alone (no mesh searched per op).
+fn grid_result(g: &Graph, cluster: &Cluster, devices: usize, opts: &Options, gp: &grid::GridPlan) -> SearchResult {
+    let (data_parallel, data_parallel_unavailable) = match crate::cost::price(g, cluster, devices, &Named::Data, opts) {
+        Ok(p) => (Some(p.breakdown), None),
+        Err(e) => (None, Some(e.to_string())),
+    };
+    SearchResult {
+        rewrites: Vec::new(),
+        options: None,
+        ladder: Vec::new(),
+        mesh: gp.mesh.clone(),
+        assignment: gp.assignment.clone(),
+        breakdown: gp.breakdown.clone(),
+        same_as: None,
+        data_parallel,
+        data_parallel_unavailable,
+        meshes: Vec::new(),
+        search_time_s: 0.0,
+        time_limit_hit: false,
+        budget_cut: Vec::new(),
+        pipeline: None,
+        pipeline_considered: None,
+        single_device_memory_bytes: single_device_memory(g, cluster, opts),
+        folded: None,
+    }
+}
+
 /// Takes the grid's configuration as the search's plan.
 fn adopt_grid(r: &mut SearchResult, gp: grid::GridPlan, opts: &Options) {
     r.mesh = gp.mesh;
@@ -647,7 +680,17 @@ fn search_once(
     {
         return Err(format!("--pipeline {s}: {s} stages do not divide {devices} devices"));
     }
-    let grid = grid_blocks(g, so).and_then(|blocks| configurations(g, cluster, devices, opts, so, blocks, &net));
+    let mut grid = grid_blocks(g, so).and_then(|blocks| configurations(g, cluster, devices, opts, so, blocks, &net));
+    if so.grid_only
+        && let Some(gp) = grid.take_if(|gp| gp.breakdown.feasible)
+    {
+        let mut r = grid_result(g, cluster, devices, opts, &gp);
+        adopt_grid(&mut r, gp, opts);
+        r.search_time_s = start.elapsed().as_secs_f64();
+        r.time_limit_hit = net.fired() || net.expired("the search's last phase");
+        r.budget_cut = net.cut();
+        return Ok(r);
+    }
     // The grid walked pipelines of every stage count with even stages: where one of its
     // configurations fits, the pipeline search (uneven stage sizes, stages re-planned) runs
     // only when a stage count is asked for.
@@ -753,7 +796,11 @@ pub fn search_rewriting(
         // within 0.2% of the full search on the shared transformers) unless folding is off:
         // each rule then costs a fraction of the first search.
         let fold = if so.fold == FoldMode::Auto { FoldMode::Always } else { so.fold };
-        let r = search(&h, cluster, devices, opts, &SearchOptions { time_limit: left, fold, ..so.clone() })?;
+        // Where the graph as written took the grid's configuration, so is the rewritten one
+        // searched (the grid alone, unless nothing in it fits).
+        let grid_only = so.grid_only || best.same_as.as_deref().is_some_and(crate::cost::config::is_config);
+        let alt = SearchOptions { time_limit: left, fold, grid_only, ..so.clone() };
+        let r = search(&h, cluster, devices, opts, &alt)?;
         note(&r);
         let mut choice = RewriteChoice {
             rule: rule.into(),
@@ -773,7 +820,7 @@ pub fn search_rewriting(
         {
             let mut hp = g.clone();
             crate::algebra::apply_named_at(&mut hp, rule, &at)?;
-            let rp = search(&hp, cluster, devices, opts, &SearchOptions { time_limit: left, fold, ..so.clone() })?;
+            let rp = search(&hp, cluster, devices, opts, &SearchOptions { time_limit: left, ..alt.clone() })?;
             note(&rp);
             choice.cheaper_at_step_time_s = Some(rp.breakdown.step_time_s);
             choice.cheaper_at = Some(at);

@@ -27,6 +27,7 @@
 //! The exactness of step 2 for a given table is tested against brute force over all cuts.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use ir::shard::{LinkLevel, Mesh, OpStrategy, strategy_valid};
@@ -554,7 +555,7 @@ fn partition_on(
 ) -> Option<Vec<Cut>> {
     // A send's price depends on its link level and size alone: the dynamic program asks for
     // the same few many times.
-    let memo: std::cell::RefCell<HashMap<(bool, u64), (f64, f64)>> = Default::default();
+    let memo: std::cell::RefCell<rustc_hash::FxHashMap<(bool, u64), (f64, f64)>> = Default::default();
     let dpn = cluster.devices_per_node;
     let link = |a: usize, b: usize, n: f64| {
         let key = (a / dpn == b / dpn, n.to_bits());
@@ -605,17 +606,39 @@ fn send_between(cluster: &Cluster, devices: usize, last: usize, next: usize, n: 
 pub(super) struct MicroGraphs<'g> {
     g: &'g Graph,
     batch: i64,
-    cache: HashMap<i64, Graph>,
+    cache: HashMap<i64, Arc<Graph>>,
     /// The cost model's analysis of each micro-batch graph, made once.
-    analyses: HashMap<i64, crate::cost::model::Analysis>,
+    analyses: HashMap<i64, Arc<crate::cost::model::Analysis>>,
     /// Why the graph would not take a micro-batch size (the last such size and reason).
     refused: Option<(i64, String)>,
+    /// The stage tables [`price_configuration_in`] made, by what they depend on: the
+    /// schedule and the stage count's split into cuts do not change them.
+    stage_tables: HashMap<StageKey, std::sync::Arc<StageTable>>,
+}
+
+/// What a configuration's stage table depends on: tensor degree, devices per stage,
+/// micro-batch size, the cost-model options (as printed: every field) and the devices busy.
+type StageKey = (usize, usize, i64, String, usize);
+
+/// A configuration's stage on its mesh at one micro-batch size: the per-op table, its units
+/// and the micro-batch graph it prices.
+struct StageTable {
+    gm: Arc<Graph>,
+    mesh: Mesh,
+    tables: HashMap<(usize, i64), Table>,
 }
 
 impl<'g> MicroGraphs<'g> {
     /// Micro-batch graphs of `g`, whose batch is `batch`.
     pub(super) fn new(g: &'g Graph, batch: i64) -> MicroGraphs<'g> {
-        MicroGraphs { g, batch, cache: HashMap::new(), analyses: HashMap::new(), refused: None }
+        MicroGraphs {
+            g,
+            batch,
+            cache: HashMap::new(),
+            analyses: HashMap::new(),
+            refused: None,
+            stage_tables: HashMap::new(),
+        }
     }
 
     /// The whole graph's batch.
@@ -624,6 +647,11 @@ impl<'g> MicroGraphs<'g> {
     }
 
     fn get(&mut self, mb: i64) -> Option<Graph> {
+        self.shared(mb).map(|g| (*g).clone())
+    }
+
+    /// The micro-batch graph, shared.
+    fn shared(&mut self, mb: i64) -> Option<Arc<Graph>> {
         if let Some(x) = self.cache.get(&mb) {
             return Some(x.clone());
         }
@@ -634,14 +662,15 @@ impl<'g> MicroGraphs<'g> {
             self.refused = Some((mb, e.to_string()));
             return None;
         }
+        let gm = Arc::new(gm);
         self.cache.insert(mb, gm.clone());
         Some(gm)
     }
 
-    /// [`MicroGraphs::get`] with the graph's cost-model analysis.
-    fn analyzed(&mut self, mb: i64) -> Option<(Graph, crate::cost::model::Analysis)> {
-        let gm = self.get(mb)?;
-        let a = self.analyses.entry(mb).or_insert_with(|| crate::cost::model::Analysis::of(&gm)).clone();
+    /// [`MicroGraphs::shared`] with the graph's cost-model analysis.
+    fn analyzed(&mut self, mb: i64) -> Option<(Arc<Graph>, Arc<crate::cost::model::Analysis>)> {
+        let gm = self.shared(mb)?;
+        let a = self.analyses.entry(mb).or_insert_with(|| Arc::new(crate::cost::model::Analysis::of(&gm))).clone();
         Some((gm, a))
     }
 }
@@ -666,6 +695,7 @@ fn stage_search_options(so: &SearchOptions) -> SearchOptions {
         fold: so.fold,
         rewrites: false,
         memory_ladder: false,
+        grid_only: false,
     }
 }
 
@@ -1254,6 +1284,11 @@ pub fn every_cut_two_stages(
 const FINE_UNITS: usize = 512;
 /// Units the dynamic program over stage sizes works on.
 const COARSE_UNITS: usize = 96;
+/// Units a configuration's stages are cut from (`price_configuration`: `cost --strategy` and
+/// the configuration grid): about two per block of the largest models planned (GPT 1T's 128
+/// layers), a quarter of the uniform program's work at [`FINE_UNITS`]; and at least four per
+/// model chunk (stages × virtual stages), up to [`FINE_UNITS`], so chunks still balance.
+const CONFIG_UNITS: usize = 256;
 
 /// Unit boundaries: every op its own unit when there are at most `max` ops, else runs of
 /// consecutive ops of about equal time.
@@ -1584,6 +1619,40 @@ pub fn price_configuration(
 
 /// [`price_configuration`] with the micro-batch graphs of `graphs` (re-batched once per
 /// size over many configurations); `shape` is (stages, micro-batches, schedule, tensor).
+/// The stage table of a configuration: each op priced on a stage of `per_stage` devices
+/// (tensor `tensor` within) at micro-batch size `mb`, made once per [`MicroGraphs`].
+fn stage_table(
+    graphs: &mut MicroGraphs<'_>,
+    cluster: &Cluster,
+    devices: usize,
+    tensor: usize,
+    per_stage: usize,
+    mb: i64,
+    opts: &Options,
+) -> Result<std::sync::Arc<StageTable>, String> {
+    let key: StageKey = (tensor, per_stage, mb, format!("{opts:?}"), devices);
+    if let Some(t) = graphs.stage_tables.get(&key) {
+        return Ok(t.clone());
+    }
+    let inner = crate::cost::Named::stage_strategy(tensor, per_stage)?;
+    let mesh = inner.mesh(cluster, per_stage)?;
+    let (gm, analysis) = graphs.analyzed(mb).ok_or_else(|| {
+        let why = graphs.refused.as_ref().map_or(String::new(), |(_, e)| format!(": {e}"));
+        format!("pipeline: the model takes no micro-batch of {mb}{why}")
+    })?;
+    let cm = CostModel::with_analysis(&gm, &analysis, cluster, mesh.clone(), opts.clone()).with_busy(devices);
+    let asg = crate::cost::strategy::assign(&cm, &inner)?;
+    let strategies: HashMap<String, OpStrategy> = asg
+        .strategies
+        .iter()
+        .filter_map(|(n, s)| Some((gm.node(*n).outputs().first()?.name.clone(), s.clone())))
+        .collect();
+    let t = table_on(&cm, &strategies);
+    let st = std::sync::Arc::new(StageTable { tables: HashMap::from([((per_stage, mb), t)]), gm, mesh });
+    graphs.stage_tables.insert(key, st.clone());
+    Ok(st)
+}
+
 pub(super) fn price_configuration_in(
     graphs: &mut MicroGraphs<'_>,
     cluster: &Cluster,
@@ -1605,49 +1674,25 @@ pub(super) fn price_configuration_in(
         ));
     }
     let per_stage = devices / stages;
-    let inner = crate::cost::Named::stage_strategy(tensor, per_stage)?;
-    let mesh = inner.mesh(cluster, per_stage)?;
     let mb = batch / micro as i64;
-    let (gm, analysis) = graphs.analyzed(mb).ok_or_else(|| {
-        let why = graphs.refused.as_ref().map_or(String::new(), |(_, e)| format!(": {e}"));
-        format!("pipeline: the model takes no micro-batch of {mb}{why}")
-    })?;
-    let cm = CostModel::with_analysis(&gm, &analysis, cluster, mesh.clone(), opts.clone()).with_busy(devices);
-    let asg = crate::cost::strategy::assign(&cm, &inner)?;
-    let strategies: HashMap<String, OpStrategy> = asg
-        .strategies
-        .iter()
-        .filter_map(|(n, s)| Some((gm.node(*n).outputs().first()?.name.clone(), s.clone())))
-        .collect();
-    let t = table_on(&cm, &strategies);
-    if stages * schedule.chunks() > t.fwd.len() {
-        return Err(format!("pipeline: {} model chunks for {} ops", stages * schedule.chunks(), t.fwd.len()));
+    let st = stage_table(graphs, cluster, devices, tensor, per_stage, mb, opts)?;
+    let chunks = stages * schedule.chunks();
+    let (gm, tables) = (&st.gm, &st.tables);
+    let bounds = unit_bounds(&tables[&(per_stage, mb)], (4 * chunks).clamp(CONFIG_UNITS, FINE_UNITS));
+    let units = &Units::new(&tables[&(per_stage, mb)], &bounds);
+    let bounds = &bounds;
+    let cuttable = bounds.len() - 1;
+    if chunks > cuttable {
+        return Err(format!(
+            "pipeline: {chunks} model chunks for {cuttable} places to cut (runs of ops of about equal time)"
+        ));
     }
-    let bounds = unit_bounds(&t, FINE_UNITS);
-    let units = Units::new(&t, &bounds);
-    let tables = HashMap::from([((per_stage, mb), t)]);
-    let meshes = HashMap::from([(per_stage, mesh)]);
+    let meshes = HashMap::from([(per_stage, st.mesh.clone())]);
     let capacity = cluster.device.mem_capacity * cluster.device.mem_usable;
     let price = |cap: f64| {
-        let cuts = partition_on(cluster, devices, &[&units], &[per_stage], stages, micro, schedule, cap, false)?;
+        let cuts = partition_on(cluster, devices, &[units], &[per_stage], stages, micro, schedule, cap, false)?;
         let (s, m) = (stages, micro);
-        price_cuts(
-            &gm,
-            g,
-            cluster,
-            opts,
-            &tables,
-            &[per_stage],
-            &cuts,
-            &bounds,
-            mb,
-            s,
-            m,
-            schedule,
-            cap,
-            &meshes,
-            false,
-        )
+        price_cuts(gm, g, cluster, opts, tables, &[per_stage], &cuts, bounds, mb, s, m, schedule, cap, &meshes, false)
     };
     if let Some(p) = price(capacity) {
         return Ok(p);
