@@ -21,7 +21,7 @@ use std::time::Instant;
 use ir::Graph;
 
 use super::budget::SafetyNet;
-use super::pipeline::{MicroGraphs, PipelinePlan, price_configuration_in};
+use super::pipeline::{MicroGraphs, PipelinePlan, UNFIT, price_configuration_in};
 use crate::cost::model::Analysis;
 use crate::cost::pipeline::graph_batch;
 use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Named, Options, Recompute, Schedule};
@@ -175,18 +175,22 @@ pub fn search_grid(
         let saving = rungs.len() > 1;
         for o in rungs.iter().filter(|o| o.zero == 0 || p.data > 1) {
             let o = &Options { sequence_parallel: p.tensor > 1 && (saving || o.sequence_parallel), ..o.clone() };
-            let Some(mut cand) = price_point(&mut graphs, (g, &whole), cluster, devices, p, Schedule::OneFOneB, o)
-            else {
-                if first && p.tensor > 1 && p.stages == 1 {
-                    refused.insert(p.tensor);
+            let mut cand = match price_point(&mut graphs, (g, &whole), cluster, devices, p, Schedule::OneFOneB, o) {
+                Priced::NotApplicable => {
+                    if first && p.tensor > 1 && p.stages == 1 {
+                        refused.insert(p.tensor);
+                    }
+                    break;
                 }
-                break;
+                Priced::Unfit => {
+                    priced += 1;
+                    first = false;
+                    continue;
+                }
+                Priced::Fit(c) => *c,
             };
             priced += 1;
             first = false;
-            if !cand.breakdown.feasible {
-                continue;
-            }
             // A rung that fits may still be slower than the next: a stage holding more
             // micro-batches' activations takes fewer blocks, and the stages balance worse.
             // The walk goes on while the step falls.
@@ -196,12 +200,15 @@ pub fn search_grid(
             fitted = Some(cand.breakdown.step_time_s);
             if p.stages > 1 && saving {
                 for v in [2, 3].into_iter().filter(|v| p.stages * v <= blocks) {
-                    let c = price_point(&mut graphs, (g, &whole), cluster, devices, p, Schedule::Interleaved(v), o);
-                    if let Some(c) = c {
-                        priced += 1;
-                        if c.breakdown.feasible && c.breakdown.step_time_s < cand.breakdown.step_time_s {
-                            cand = c;
+                    match price_point(&mut graphs, (g, &whole), cluster, devices, p, Schedule::Interleaved(v), o) {
+                        Priced::Fit(c) => {
+                            priced += 1;
+                            if c.breakdown.step_time_s < cand.breakdown.step_time_s {
+                                cand = *c;
+                            }
                         }
+                        Priced::Unfit => priced += 1,
+                        Priced::NotApplicable => {}
                     }
                 }
             }
@@ -222,9 +229,36 @@ pub fn search_grid(
     })
 }
 
-/// Prices point `p` under `schedule` with options `o` (`g` the whole graph and its analysis);
-/// `None` where it does not apply.
+/// What pricing a point gave.
+enum Priced {
+    /// The configuration does not apply to the model or the cluster.
+    NotApplicable,
+    /// It applies but does not fit in device memory (not priced further).
+    Unfit,
+    /// Its plan.
+    Fit(Box<GridPlan>),
+}
+
+/// Prices point `p` under `schedule` with options `o` (`g` the whole graph and its analysis).
 fn price_point(
+    graphs: &mut MicroGraphs<'_>,
+    whole: (&Graph, &Analysis),
+    cluster: &Cluster,
+    devices: usize,
+    p: Point,
+    schedule: Schedule,
+    o: &Options,
+) -> Priced {
+    match plan_point(graphs, whole, cluster, devices, p, schedule, o) {
+        Err(unfit) if unfit => Priced::Unfit,
+        Err(_) => Priced::NotApplicable,
+        Ok(c) if !c.breakdown.feasible => Priced::Unfit,
+        Ok(c) => Priced::Fit(Box::new(c)),
+    }
+}
+
+/// [`price_point`]'s plan; the error says whether the point applies but does not fit.
+fn plan_point(
     graphs: &mut MicroGraphs<'_>,
     (g, whole): (&Graph, &Analysis),
     cluster: &Cluster,
@@ -232,15 +266,15 @@ fn price_point(
     p: Point,
     schedule: Schedule,
     o: &Options,
-) -> Option<GridPlan> {
+) -> Result<GridPlan, bool> {
     let batch = graphs.batch() as usize;
     if p.stages > 1 {
         let micro = batch / (p.data * p.mbs.unwrap_or(1));
         let shape = (p.stages, micro, schedule, p.tensor);
-        let pipe = price_configuration_in(graphs, cluster, devices, shape, o).ok()?;
-        return Some(GridPlan {
+        let pipe = price_configuration_in(graphs, cluster, devices, shape, o, false).map_err(|e| e == UNFIT)?;
+        return Ok(GridPlan {
             config: describe(p, schedule, o),
-            mesh: pipe.stages.first()?.sub_mesh.clone(),
+            mesh: pipe.stages.first().ok_or(false)?.sub_mesh.clone(),
             assignment: pipe.assignment(),
             breakdown: pipe.breakdown.clone(),
             pipeline: Some(pipe),
@@ -249,13 +283,13 @@ fn price_point(
             time_s: 0.0,
         });
     }
-    let named = Named::stage_strategy(p.tensor, devices).ok()?;
+    let named = Named::stage_strategy(p.tensor, devices).map_err(|_| false)?;
     let mut o = o.clone();
     o.accumulation = p.mbs.map_or(1, |m| batch / (p.data * m));
-    let mesh = named.mesh(cluster, devices).ok()?;
+    let mesh = named.mesh(cluster, devices).map_err(|_| false)?;
     let cm = CostModel::with_analysis(g, whole, cluster, mesh.clone(), o.clone());
-    let assignment = crate::cost::strategy::assign(&cm, &named).ok()?;
-    Some(GridPlan {
+    let assignment = crate::cost::strategy::assign(&cm, &named).map_err(|_| false)?;
+    Ok(GridPlan {
         config: describe(p, schedule, &o),
         breakdown: cm.price(&assignment),
         mesh,

@@ -93,6 +93,10 @@ pub struct SearchOptions {
     /// so when the graph as written took the grid's configuration: a rewrite of a few ops per
     /// block does not change which kind of plan wins.
     pub grid_only: bool,
+    /// When a folded search's plan does not fit, search every block of the mesh again. Off
+    /// where a plan that fits is known already (the configuration grid's): the per-block
+    /// search is for finding one that fits, and costs the graph's depth.
+    pub unfold_when_unfit: bool,
 }
 
 /// When the search folds repeated blocks ([`fold`]).
@@ -195,6 +199,7 @@ impl Default for SearchOptions {
             rewrites: true,
             memory_ladder: true,
             grid_only: false,
+            unfold_when_unfit: true,
         }
     }
 }
@@ -498,7 +503,7 @@ fn search_mesh_folded(
         }
     }
     let breakdown = cm.evaluate(&assignment);
-    if !breakdown.feasible && could_fit(g, cluster, &mesh, opts) {
+    if !breakdown.feasible && so.unfold_when_unfit && could_fit(g, cluster, &mesh, opts) {
         // The reduced graph's memory says little about the whole one: when the folded plan
         // does not fit, search every block.
         let full = search_mesh(g, cluster, mesh.clone(), opts, so, net, None);
@@ -698,10 +703,13 @@ fn search_once(
         PipelineMode::Auto if grid.as_ref().is_some_and(|gp| gp.breakdown.feasible) => PipelineMode::Off,
         mode => mode,
     };
+    // A grid plan that fits: the per-op search looks for faster ones, not for one that fits.
+    let grid_fits = grid.as_ref().is_some_and(|gp| gp.breakdown.feasible);
+    let intra_so = SearchOptions { unfold_when_unfit: so.unfold_when_unfit && !grid_fits, ..so.clone() };
     // The intra-operator search and the pipeline search are independent: run them side by side.
     let (intra, pipe) = std::thread::scope(|sc| {
         let pipe = sc.spawn(|| pipeline::search_pipeline(g, cluster, devices, opts, so, pipelines, &net));
-        let intra = search_intra_with(g, cluster, devices, opts, so, &net);
+        let intra = search_intra_with(g, cluster, devices, opts, &intra_so, &net);
         (intra, pipe.join().expect("the pipeline search panicked"))
     });
     let mut r = intra?;

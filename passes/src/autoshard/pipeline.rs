@@ -696,6 +696,7 @@ fn stage_search_options(so: &SearchOptions) -> SearchOptions {
         rewrites: false,
         memory_ladder: false,
         grid_only: false,
+        unfold_when_unfit: so.unfold_when_unfit,
     }
 }
 
@@ -1614,7 +1615,8 @@ pub fn price_configuration(
     opts: &Options,
 ) -> Result<PipelinePlan, String> {
     let batch = graph_batch(g).ok_or("pipeline: the model has no input with a batch dim")?;
-    price_configuration_in(&mut MicroGraphs::new(g, batch), cluster, devices, (stages, micro, schedule, tensor), opts)
+    let shape = (stages, micro, schedule, tensor);
+    price_configuration_in(&mut MicroGraphs::new(g, batch), cluster, devices, shape, opts, true)
 }
 
 /// [`price_configuration`] with the micro-batch graphs of `graphs` (re-batched once per
@@ -1653,12 +1655,20 @@ fn stage_table(
     Ok(st)
 }
 
+/// What [`price_configuration_in`] answers, told not to price a configuration whose stages
+/// fit no split, when none does.
+pub(super) const UNFIT: &str = "pipeline: no split into stages fits in device memory";
+
+/// With `report_unfit`, a configuration no split of which fits is priced at the split that
+/// needs least (infeasible); without, it is the error [`UNFIT`] (the grid walks on without
+/// the second partition).
 pub(super) fn price_configuration_in(
     graphs: &mut MicroGraphs<'_>,
     cluster: &Cluster,
     devices: usize,
     shape: (usize, usize, Schedule, usize),
     opts: &Options,
+    report_unfit: bool,
 ) -> Result<PipelinePlan, String> {
     let (stages, micro, schedule, tensor) = shape;
     let (g, batch) = (graphs.g, graphs.batch);
@@ -1696,6 +1706,9 @@ pub(super) fn price_configuration_in(
     };
     if let Some(p) = price(capacity) {
         return Ok(p);
+    }
+    if !report_unfit {
+        return Err(UNFIT.into());
     }
     let mut p = price(f64::INFINITY).ok_or("pipeline: no split into stages")?;
     let b = &mut p.breakdown;
