@@ -460,13 +460,8 @@ fn attention(op: &op::Attention, cx: &EvalCx<'_>) -> Arrays {
             x = if j >= last {
                 f64::NEG_INFINITY
             } else {
-                let mut shape = ms.clone();
-                let r = shape.len();
                 // Index within the (unpadded) mask.
-                let val = {
-                    shape[r - 1] = last;
-                    bcast_at(mv, &shape, [bi, h, i, j])
-                };
+                let val = bcast_at(mv, ms, [bi, h, i, j]);
                 if *is_bool { if val != 0.0 { 0.0 } else { f64::NEG_INFINITY } } else { val }
             };
         }
@@ -489,7 +484,10 @@ fn attention(op: &op::Attention, cx: &EvalCx<'_>) -> Arrays {
     let softcap = op.softcap.map_or(0.0, f64::from);
     let mode = op.qk_matmul_output_mode.unwrap_or(0);
     let mut y = vec![0.0; b * hq * sq * dv];
-    let mut qk_out = vec![0.0; b * hq * sq * total];
+    // The scores output only when asked for: the op otherwise holds one row of scores at a
+    // time (what a fused kernel keeps), not the `s × s` of them.
+    let want_qk = cx.n_out >= 4;
+    let mut qk_out = vec![0.0; if want_qk { b * hq * sq * total } else { 0 }];
     let mut scores = vec![0.0; total];
     for bi in 0..b {
         for h in 0..hq {
@@ -506,8 +504,9 @@ fn attention(op: &op::Attention, cx: &EvalCx<'_>) -> Arrays {
                     let bb = bias(bi, h, i, j);
                     all_masked &= bb == f64::NEG_INFINITY;
                     let with_bias = dot + bb;
-                    let o = ((bi * hq + h) * sq + i) * total + j;
-                    qk_out[o] = if mode == 2 { with_bias } else { dot };
+                    if want_qk {
+                        qk_out[((bi * hq + h) * sq + i) * total + j] = if mode == 2 { with_bias } else { dot };
+                    }
                     *sc = with_bias;
                 }
                 // Softmax; a row with no attendable key is all zeros.
@@ -521,7 +520,7 @@ fn attention(op: &op::Attention, cx: &EvalCx<'_>) -> Arrays {
                 let sum = if sum == 0.0 { 1.0 } else { sum };
                 for (j, sc) in scores.iter_mut().enumerate() {
                     *sc = if all_masked { 0.0 } else { *sc / sum };
-                    if mode == 3 {
+                    if want_qk && mode == 3 {
                         qk_out[((bi * hq + h) * sq + i) * total + j] = *sc;
                     }
                 }
@@ -558,8 +557,10 @@ fn attention(op: &op::Attention, cx: &EvalCx<'_>) -> Arrays {
         y,
         Array::float(k.dtype, vec![b, hk, total, d], kv_k),
         Array::float(v.dtype, vec![b, hv, total, dv], kv_v),
-        Array::float(q.dtype, vec![b, hq, sq, total], qk_out),
     ];
+    if want_qk {
+        outs.push(Array::float(q.dtype, vec![b, hq, sq, total], qk_out));
+    }
     outs.truncate(cx.n_out.max(1));
     Ok(outs)
 }
