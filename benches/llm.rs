@@ -137,9 +137,7 @@ fn line(summary: &autoshard::plan::PlanSummary, opts: &Options, b: &cost::Breakd
 fn hand(case: &Case, g: &shardc::ir::Graph, cluster: &Cluster, opts: &Options) -> Result<(f64, String), String> {
     let cfg = Config::parse(case.hand)?;
     let mut rewritten = g.clone();
-    for rule in cfg.rewrites() {
-        shardc::passes::algebra::apply_named(&mut rewritten, rule)?;
-    }
+    cfg.rewrite(&mut rewritten)?;
     let g = &rewritten;
     let (named, o) = cfg.resolve(case.devices, cost::pipeline::graph_batch(g), opts)?;
     let priced = cost::price(g, cluster, case.devices, &named, &o)?;

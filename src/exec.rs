@@ -348,7 +348,7 @@ pub fn pipeline_result(
     let p =
         passes::autoshard::pipeline::price_configuration(g, cluster, devices, stages, micro, schedule, tensor, opts)?;
     let mesh = p.stages.first().ok_or("a pipeline without stages")?.sub_mesh.clone();
-    let mut r = result_of(mesh, p.assignment(), p.breakdown.clone(), Some(named.name()));
+    let mut r = SearchResult::unsearched(mesh, p.assignment(), p.breakdown.clone(), Some(named.name()));
     r.pipeline = Some(p);
     Ok(r)
 }
@@ -361,35 +361,7 @@ fn given_result(
     same_as: Option<String>,
 ) -> SearchResult {
     let breakdown = cm.evaluate(&assignment);
-    result_of(cm.mesh.clone(), assignment, breakdown, same_as)
-}
-
-/// A plan made without a search: its mesh, strategies and price.
-fn result_of(
-    mesh: ir::shard::Mesh,
-    assignment: passes::cost::Assignment,
-    breakdown: passes::cost::Breakdown,
-    same_as: Option<String>,
-) -> SearchResult {
-    SearchResult {
-        breakdown,
-        mesh,
-        assignment,
-        same_as,
-        data_parallel: None,
-        data_parallel_unavailable: None,
-        meshes: Vec::new(),
-        search_time_s: 0.0,
-        time_limit_hit: false,
-        budget_cut: Vec::new(),
-        pipeline: None,
-        pipeline_considered: None,
-        single_device_memory_bytes: 0.0,
-        folded: None,
-        rewrites: Vec::new(),
-        options: None,
-        ladder: Vec::new(),
-    }
+    SearchResult::unsearched(cm.mesh.clone(), assignment, breakdown, same_as)
 }
 
 /// Inputs for a run: the `given` values (from [`given_inputs`]; every graph input must be

@@ -1436,13 +1436,32 @@ pub fn apply_named(g: &mut Graph, name: &str) -> Result<u64, String> {
 
 /// Infers the types of `g`'s values when some are not known: the rewrites match on shapes,
 /// so `--passes algebra` alone does what `--passes infer-shapes,algebra` does.
-pub(crate) fn typed(g: &mut Graph, pass: &'static str) -> Result<(), PassError> {
+fn typed(g: &mut Graph, pass: &'static str) -> Result<(), PassError> {
     let order = g.topo_order().map_err(|_| PassError::new(pass, Located::global("the graph has a cycle")))?;
     let unknown = order.iter().any(|&n| g.node(n).outputs().iter().any(|o| !o.name.is_empty() && o.ty.is_none()));
     if unknown {
         ir::infer::infer_shapes(g, ir::infer::Mode::Check).map_err(|errs| PassError::shapes(pass, errs))?;
     }
     Ok(())
+}
+
+/// A pass that makes one rewrite everywhere: shapes inferred first where unknown, `rule`
+/// made, the count added to the statistic `stat`, shapes inferred again after any rewrite.
+pub(crate) fn run_rewrite(
+    g: &mut Graph,
+    cx: &mut PassCx<'_>,
+    pass: &'static str,
+    stat: &str,
+    rule: fn(&mut Graph) -> Result<u64, Located>,
+) -> Result<Changed, PassError> {
+    typed(g, pass)?;
+    let n = rule(g).map_err(|e| PassError::new(pass, e))?;
+    if n == 0 {
+        return Ok(Changed::No);
+    }
+    cx.stats.add(stat, n);
+    ir::infer::infer_shapes(g, ir::infer::Mode::Check).map_err(|errs| PassError::shapes(pass, errs))?;
+    Ok(Changed::Yes)
 }
 
 /// The `conv-as-matmul` pass: [`conv_as_matmul`] on every pointwise convolution.
@@ -1455,14 +1474,7 @@ impl Pass for ConvAsMatMul {
     }
 
     fn run(&mut self, g: &mut Graph, cx: &mut PassCx<'_>) -> Result<Changed, PassError> {
-        typed(g, self.name())?;
-        let n = conv_as_matmul(g).map_err(|e| PassError::new("conv-as-matmul", e))?;
-        if n == 0 {
-            return Ok(Changed::No);
-        }
-        cx.stats.add("pointwise convolutions made GEMMs", n);
-        ir::infer::infer_shapes(g, ir::infer::Mode::Check).map_err(|errs| PassError::shapes(self.name(), errs))?;
-        Ok(Changed::Yes)
+        run_rewrite(g, cx, self.name(), "pointwise convolutions made GEMMs", conv_as_matmul)
     }
 }
 
@@ -1476,14 +1488,7 @@ impl Pass for FuseGemms {
     }
 
     fn run(&mut self, g: &mut Graph, cx: &mut PassCx<'_>) -> Result<Changed, PassError> {
-        typed(g, self.name())?;
-        let n = fuse_gemms(g).map_err(|e| PassError::new("fuse-gemms", e))?;
-        if n == 0 {
-            return Ok(Changed::No);
-        }
-        cx.stats.add("GEMMs sharing an input joined", n);
-        ir::infer::infer_shapes(g, ir::infer::Mode::Check).map_err(|errs| PassError::shapes(self.name(), errs))?;
-        Ok(Changed::Yes)
+        run_rewrite(g, cx, self.name(), "GEMMs sharing an input joined", fuse_gemms)
     }
 }
 

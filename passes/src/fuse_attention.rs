@@ -301,13 +301,6 @@ impl Pass for FuseAttention {
     }
 
     fn run(&mut self, g: &mut Graph, cx: &mut PassCx<'_>) -> Result<Changed, PassError> {
-        crate::algebra::typed(g, self.name())?;
-        let n = fuse_attention(g).map_err(|e| PassError::new("fuse-attention", e))?;
-        if n == 0 {
-            return Ok(Changed::No);
-        }
-        cx.stats.add("attentions fused", n);
-        ir::infer::infer_shapes(g, ir::infer::Mode::Check).map_err(|errs| PassError::shapes(self.name(), errs))?;
-        Ok(Changed::Yes)
+        crate::algebra::run_rewrite(g, cx, self.name(), "attentions fused", fuse_attention)
     }
 }

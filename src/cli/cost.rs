@@ -120,32 +120,16 @@ pub fn load_cluster(spec: &str) -> CliResult<Cluster> {
 }
 
 /// A strategy name, or a configuration (`tp=8,dp=8,zero=3,recompute=full`) resolved to the
-/// named strategy it is and the options it sets over `opts`.
-pub fn strategy_and_options(s: &str, devices: usize, g: &ir::Graph, opts: Options) -> CliResult<(Named, Options)> {
+/// named strategy it is and the options it sets over `opts`, `g` rewritten as it asks
+/// (`flash`).
+pub fn strategy_and_options(s: &str, devices: usize, g: &mut ir::Graph, opts: Options) -> CliResult<(Named, Options)> {
     if !cost::config::is_config(s) {
         return Ok((Named::parse(s).map_err(CliError::msg)?, opts));
     }
-    let c = cost::config::Config::parse(s).map_err(|e| CliError::msg(format!("--strategy `{s}`: {e}")))?;
-    c.resolve(devices, cost::pipeline::graph_batch(g), &opts)
-        .map_err(|e| CliError::msg(format!("--strategy `{s}`: {e}")))
-}
-
-/// The rewrites a configuration `--strategy` asks for (`flash`), applied to `g`; an error
-/// when one finds nothing to rewrite.
-pub fn rewrite_for(s: &str, g: &mut ir::Graph) -> CliResult<()> {
-    if !cost::config::is_config(s) {
-        return Ok(());
-    }
-    let c = cost::config::Config::parse(s).map_err(|e| CliError::msg(format!("--strategy `{s}`: {e}")))?;
-    for rule in c.rewrites() {
-        let n = passes::algebra::apply_named(g, rule).map_err(|e| CliError::msg(format!("--strategy `{s}`: {e}")))?;
-        if n == 0 {
-            return Err(CliError::msg(format!(
-                "--strategy `{s}`: flash: the model has no attention `{rule}` recognizes (docs/memory.md)"
-            )));
-        }
-    }
-    Ok(())
+    let err = |e: String| CliError::msg(format!("--strategy `{s}`: {e}"));
+    let c = cost::config::Config::parse(s).map_err(err)?;
+    c.rewrite(g).map_err(err)?;
+    c.resolve(devices, cost::pipeline::graph_batch(g), &opts).map_err(err)
 }
 
 /// The launch settings of `named` (with `opts`' recomputation, sequence parallelism and ZeRO)
@@ -183,9 +167,9 @@ pub fn run(args: &CostArgs) -> CliResult {
     args.model_args.freeze(&mut loaded.model.graph)?;
     let cluster = load_cluster(&args.cluster)?;
     let devices = args.devices.unwrap_or(cluster.devices());
-    rewrite_for(&args.strategy, &mut loaded.model.graph)?;
+    let (named, opts) =
+        strategy_and_options(&args.strategy, devices, &mut loaded.model.graph, args.model_args.options()?)?;
     let g = &loaded.model.graph;
-    let (named, opts) = strategy_and_options(&args.strategy, devices, g, args.model_args.options()?)?;
     let priced = cost::price(g, &cluster, devices, &named, &opts).map_err(|e| {
         CliError::msg(format!("strategy `{}` does not apply to `{}`: {e}", args.strategy, args.model.display()))
     })?;

@@ -8,6 +8,8 @@
 use shardc::train::Tensors;
 use shardc_tests::*;
 
+mod common;
+
 fn canonical(model: &mut ir::Model, algebra: bool) -> passes::Report {
     let mut pm = passes::PassManager::new().with_verify(true);
     pm.add(passes::InferShapes::default()).add(passes::Canonicalize);
@@ -378,15 +380,9 @@ g (float[2,4] x) => (float[2,4] q, float[2,4] k, float[2,2] v)
 /// Gradients and parameters of 3 SGD steps of `base` and of `rewritten` on the reference
 /// trainer (inputs drawn from one seed), after checking they take the same losses.
 fn train_both(base: &ir::Model, rewritten: &ir::Model) -> ((Tensors, Tensors), (Tensors, Tensors)) {
-    let opt = passes::autodiff::OptimizerSpec::sgd(0.1, 0.0);
     let loss = passes::autodiff::LossSpec::Model;
-    let steps = |m: &ir::Model| {
-        let (t, info) = shardc::train::training_model(m, &loss, &opt).unwrap();
-        let inputs = shardc::train::seeded_inputs(&t.graph, &info, 3).unwrap();
-        shardc::train::reference_steps(&t.graph, &inputs, 3).unwrap()
-    };
-    let (l0, g0, p0) = steps(base);
-    let (l1, g1, p1) = steps(rewritten);
+    let (l0, g0, p0) = common::sgd_steps(base, &loss);
+    let (l1, g1, p1) = common::sgd_steps(rewritten, &loss);
     for (a, b) in l1.iter().zip(&l0) {
         assert!((a - b).abs() <= 1e-6 * b.abs().max(1e-3), "loss {a} vs {b}");
     }

@@ -22,15 +22,20 @@ fn placement_for(g: &ir::Graph, devices: usize, named: &Named) -> Option<Placeme
     let mesh = named.mesh(&c, devices).ok()?;
     let cm = CostModel::new(g, &c, mesh.clone(), Options::default());
     let asg = passes::cost::strategy::assign(&cm, named).ok()?;
-    Some(Placement {
-        stages: vec![StagePlacement { mesh, devices: (0..devices).collect() }],
-        strategies: asg.strategies,
+    Some(Placement { policy: cm.policy, ..one_stage(&mesh, asg.strategies) })
+}
+
+/// One stage of every device of `mesh`, one micro-batch, ops under `strategies`.
+fn one_stage(mesh: &ir::shard::Mesh, strategies: HashMap<ir::NodeId, Vec<Option<usize>>>) -> Placement {
+    Placement {
+        stages: vec![StagePlacement { mesh: mesh.clone(), devices: (0..mesh.devices()).collect() }],
+        strategies,
         stage_of: HashMap::new(),
         micro_batches: 1,
-        policy: cm.policy,
+        policy: Default::default(),
         schedule: Default::default(),
         recompute: Vec::new(),
-    })
+    }
 }
 
 fn close(a: &Array, b: &Array, rtol: f64, atol: f64) -> Result<(), String> {
@@ -105,15 +110,7 @@ fn random_placement(g: &ir::Graph, mesh: &ir::shard::Mesh, seed: u64) -> Placeme
         }
         strategies.insert(n, s);
     }
-    Placement {
-        stages: vec![StagePlacement { mesh: mesh.clone(), devices: (0..mesh.devices()).collect() }],
-        strategies,
-        stage_of: HashMap::new(),
-        micro_batches: 1,
-        policy: Default::default(),
-        schedule: Default::default(),
-        recompute: Vec::new(),
-    }
+    one_stage(mesh, strategies)
 }
 
 fn grid(sizes: &[usize]) -> ir::shard::Mesh {
@@ -304,15 +301,7 @@ fn attention_splits_by_batch_heads_and_query_rows_and_matches_the_reference() {
                 let s = if strategy_valid(&sp, &s, &mesh, g, n) { s } else { vec![None; sizes.len()] };
                 strategies.insert(n, s);
             }
-            let pl = Placement {
-                stages: vec![StagePlacement { mesh: mesh.clone(), devices: (0..mesh.devices()).collect() }],
-                strategies,
-                stage_of: HashMap::new(),
-                micro_batches: 1,
-                policy: Default::default(),
-                schedule: Default::default(),
-                recompute: Vec::new(),
-            };
+            let pl = one_stage(&mesh, strategies);
             let what = format!("{sizes:?}, pick {pick}");
             let prog = codegen::lower(g, &pl).unwrap_or_else(|e| panic!("{what}: {e}"));
             codegen::check(&prog).unwrap_or_else(|e| panic!("{what}: {e:?}"));

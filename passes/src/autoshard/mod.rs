@@ -551,30 +551,39 @@ fn configurations(
     grid::search_grid(g, cluster, devices, opts, stages.as_deref(), blocks, so.memory_ladder, net)
 }
 
-/// A search result of the grid's plan alone (no mesh searched per op).
-fn grid_result(g: &Graph, cluster: &Cluster, devices: usize, opts: &Options, gp: &grid::GridPlan) -> SearchResult {
-    let (data_parallel, data_parallel_unavailable) = match crate::cost::price(g, cluster, devices, &Named::Data, opts) {
-        Ok(p) => (Some(p.breakdown), None),
-        Err(e) => (None, Some(e.to_string())),
-    };
-    SearchResult {
-        rewrites: Vec::new(),
-        options: None,
-        ladder: Vec::new(),
-        mesh: gp.mesh.clone(),
-        assignment: gp.assignment.clone(),
-        breakdown: gp.breakdown.clone(),
-        same_as: None,
-        data_parallel,
-        data_parallel_unavailable,
-        meshes: Vec::new(),
-        search_time_s: 0.0,
-        time_limit_hit: false,
-        budget_cut: Vec::new(),
-        pipeline: None,
-        pipeline_considered: None,
-        single_device_memory_bytes: single_device_memory(g, cluster, opts),
-        folded: None,
+impl SearchResult {
+    /// A plan made without a search: its mesh, strategies and price, nothing else reported.
+    pub fn unsearched(mesh: Mesh, assignment: Assignment, breakdown: Breakdown, same_as: Option<String>) -> Self {
+        SearchResult {
+            breakdown,
+            mesh,
+            assignment,
+            same_as,
+            data_parallel: None,
+            data_parallel_unavailable: None,
+            meshes: Vec::new(),
+            search_time_s: 0.0,
+            time_limit_hit: false,
+            budget_cut: Vec::new(),
+            pipeline: None,
+            pipeline_considered: None,
+            single_device_memory_bytes: 0.0,
+            folded: None,
+            rewrites: Vec::new(),
+            options: None,
+            ladder: Vec::new(),
+        }
+    }
+
+    /// With what a search reports beside its plan: data parallelism's price (or why it has
+    /// none) and what one device would hold.
+    fn with_references(mut self, g: &Graph, cluster: &Cluster, devices: usize, opts: &Options) -> Self {
+        match crate::cost::price(g, cluster, devices, &Named::Data, opts) {
+            Ok(p) => self.data_parallel = Some(p.breakdown),
+            Err(e) => self.data_parallel_unavailable = Some(e.to_string()),
+        }
+        self.single_device_memory_bytes = single_device_memory(g, cluster, opts);
+        self
     }
 }
 
@@ -689,7 +698,8 @@ fn search_once(
     if so.grid_only
         && let Some(gp) = grid.take_if(|gp| gp.breakdown.feasible)
     {
-        let mut r = grid_result(g, cluster, devices, opts, &gp);
+        let mut r = SearchResult::unsearched(gp.mesh.clone(), gp.assignment.clone(), gp.breakdown.clone(), None)
+            .with_references(g, cluster, devices, opts);
         adopt_grid(&mut r, gp, opts);
         r.search_time_s = start.elapsed().as_secs_f64();
         r.time_limit_hit = net.fired() || net.expired("the search's last phase");
@@ -1009,28 +1019,14 @@ pub(crate) fn search_intra_with(
         }
     }
     let best = best.expect("at least one mesh");
-    let (data_parallel, data_parallel_unavailable) = match crate::cost::price(g, cluster, devices, &Named::Data, opts) {
-        Ok(p) => (Some(p.breakdown), None),
-        Err(e) => (None, Some(e.to_string())),
-    };
     Ok(SearchResult {
-        rewrites: Vec::new(),
-        options: None,
-        ladder: Vec::new(),
-        mesh: best.mesh,
-        assignment: best.assignment,
-        breakdown: best.breakdown,
-        same_as: best.same_as,
-        data_parallel,
-        data_parallel_unavailable,
         meshes: summaries,
         search_time_s: start.elapsed().as_secs_f64(),
         time_limit_hit: net.fired() || net.expired("the search's last phase"),
         budget_cut: net.cut(),
-        pipeline: None,
-        pipeline_considered: None,
-        single_device_memory_bytes: single_device_memory(g, cluster, opts),
         folded,
+        ..SearchResult::unsearched(best.mesh, best.assignment, best.breakdown, best.same_as)
+            .with_references(g, cluster, devices, opts)
     })
 }
 

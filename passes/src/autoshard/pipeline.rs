@@ -613,15 +613,15 @@ pub(super) struct MicroGraphs<'g> {
     refused: Option<(i64, String)>,
     /// The stage tables [`price_configuration_in`] made, by what they depend on: the
     /// schedule and the stage count's split into cuts do not change them.
-    stage_tables: HashMap<StageKey, std::sync::Arc<StageTable>>,
+    stage_tables: HashMap<StageKey, Arc<StageTable>>,
 }
 
 /// What a configuration's stage table depends on: tensor degree, devices per stage,
 /// micro-batch size, the cost-model options (as printed: every field) and the devices busy.
 type StageKey = (usize, usize, i64, String, usize);
 
-/// A configuration's stage on its mesh at one micro-batch size: the per-op table, its units
-/// and the micro-batch graph it prices.
+/// A configuration's stage on its mesh at one micro-batch size: the per-op table (keyed as
+/// [`price_cuts`] reads it) and the micro-batch graph it prices.
 struct StageTable {
     gm: Arc<Graph>,
     mesh: Mesh,
@@ -1619,8 +1619,6 @@ pub fn price_configuration(
     price_configuration_in(&mut MicroGraphs::new(g, batch), cluster, devices, shape, opts, true)
 }
 
-/// [`price_configuration`] with the micro-batch graphs of `graphs` (re-batched once per
-/// size over many configurations); `shape` is (stages, micro-batches, schedule, tensor).
 /// The stage table of a configuration: each op priced on a stage of `per_stage` devices
 /// (tensor `tensor` within) at micro-batch size `mb`, made once per [`MicroGraphs`].
 fn stage_table(
@@ -1631,7 +1629,7 @@ fn stage_table(
     per_stage: usize,
     mb: i64,
     opts: &Options,
-) -> Result<std::sync::Arc<StageTable>, String> {
+) -> Result<Arc<StageTable>, String> {
     let key: StageKey = (tensor, per_stage, mb, format!("{opts:?}"), devices);
     if let Some(t) = graphs.stage_tables.get(&key) {
         return Ok(t.clone());
@@ -1650,7 +1648,7 @@ fn stage_table(
         .filter_map(|(n, s)| Some((gm.node(*n).outputs().first()?.name.clone(), s.clone())))
         .collect();
     let t = table_on(&cm, &strategies);
-    let st = std::sync::Arc::new(StageTable { tables: HashMap::from([((per_stage, mb), t)]), gm, mesh });
+    let st = Arc::new(StageTable { tables: HashMap::from([((per_stage, mb), t)]), gm, mesh });
     graphs.stage_tables.insert(key, st.clone());
     Ok(st)
 }
@@ -1659,6 +1657,8 @@ fn stage_table(
 /// fit no split, when none does.
 pub(super) const UNFIT: &str = "pipeline: no split into stages fits in device memory";
 
+/// [`price_configuration`] with the micro-batch graphs of `graphs` (re-batched once per
+/// size over many configurations); `shape` is (stages, micro-batches, schedule, tensor).
 /// With `report_unfit`, a configuration no split of which fits is priced at the split that
 /// needs least (infeasible); without, it is the error [`UNFIT`] (the grid walks on without
 /// the second partition).
@@ -1688,9 +1688,9 @@ pub(super) fn price_configuration_in(
     let st = stage_table(graphs, cluster, devices, tensor, per_stage, mb, opts)?;
     let chunks = stages * schedule.chunks();
     let (gm, tables) = (&st.gm, &st.tables);
-    let bounds = unit_bounds(&tables[&(per_stage, mb)], (4 * chunks).clamp(CONFIG_UNITS, FINE_UNITS));
-    let units = &Units::new(&tables[&(per_stage, mb)], &bounds);
-    let bounds = &bounds;
+    let table = &tables[&(per_stage, mb)];
+    let bounds = &unit_bounds(table, (4 * chunks).clamp(CONFIG_UNITS, FINE_UNITS));
+    let units = &Units::new(table, bounds);
     let cuttable = bounds.len() - 1;
     if chunks > cuttable {
         return Err(format!(

@@ -126,10 +126,14 @@ impl Config {
         Ok(c)
     }
 
-    /// The graph rewrites the configuration asks for before pricing (`flash`:
-    /// `fuse-attention`), as [`crate::algebra::apply_named`] names them.
-    pub fn rewrites(&self) -> Vec<&'static str> {
-        if self.flash { vec!["fuse-attention"] } else { Vec::new() }
+    /// Makes in `g` the rewrites the configuration asks for before pricing (`flash`:
+    /// `fuse-attention`, [`crate::algebra::apply_named`]); an error when one finds nothing
+    /// to rewrite.
+    pub fn rewrite(&self, g: &mut ir::Graph) -> Result<(), String> {
+        if self.flash && crate::algebra::apply_named(g, "fuse-attention")? == 0 {
+            return Err("flash: the model has no attention `fuse-attention` recognizes (docs/memory.md)".into());
+        }
+        Ok(())
     }
 
     /// The pipeline schedule: `vp` > 1 is the interleaved one (`schedule` may say so or be
