@@ -540,6 +540,35 @@ fn freed_buffers_are_reused_and_dispatches_past_one_dimension_reach_every_elemen
     assert_eq!(bad, None, "element {bad:?} of the reused buffer holds an old value");
 }
 
+/// An upload into a freed buffer lands after the work already encoded that read the
+/// buffer's old contents (a queue write would land before it: the pipeline stages' stashed
+/// micro-batches came back overwritten by the next micro-batch's received tensors).
+#[test]
+fn an_upload_into_a_freed_buffer_waits_for_the_work_that_read_it() {
+    if !gpu_available() {
+        return;
+    }
+    use codegen::runtime::Executor;
+    use codegen::runtime::gpu::GpuExecutor;
+    let n = 4096;
+    let mut e = GpuExecutor::new().unwrap();
+    let (m, node) =
+        shardc::calibrate::one_op(&format!("(float[{n}] a, float[{n}] b) => (y)"), "y = Add (a, b)").unwrap();
+    let a = ir::eval::Array::f32(vec![n], (0..n).map(|i| i as f32).collect());
+    let ones = ir::eval::Array::f32(vec![n], vec![1.0; n]);
+    let (ta, tb) = (e.upload(&a).unwrap(), e.upload(&ones).unwrap());
+    // Encoded, not yet submitted: y = a + 1 reads `a`'s buffer.
+    let (outs, _) = e.run(&m.graph, node, &[Some(&ta), Some(&tb)], &[]).unwrap();
+    drop(ta);
+    // The next upload of that size takes `a`'s buffer.
+    let big = ir::eval::Array::f32(vec![n], vec![1.0e6; n]);
+    let _t = e.upload(&big).unwrap();
+    assert_eq!(e.pooled_bytes(), 0, "the freed buffer was not reused");
+    let y = e.download(&outs[0]).unwrap().to_f64().unwrap();
+    let bad = (0..n).find(|&i| y[i] != i as f64 + 1.0);
+    assert_eq!(bad, None, "element {bad:?}: {:?}, the later upload's value", bad.map(|i| y[i]));
+}
+
 /// The kernels the runtime compiles for a convolution and its two gradients are the kernels
 /// the cost model prices (`ir::ops::conv::launches`): im2col + GEMM (+ a permutation of the
 /// images for few positions, + dY regrouped for several images in the gradients), or one direct

@@ -359,6 +359,25 @@ impl GpuExecutor {
         Ok(())
     }
 
+    /// Writes `bytes` at the start of `buf` after the work encoded so far. A queue write
+    /// lands before the next submission's command buffers, so with work still encoded (which
+    /// may read what a freed buffer, now `buf`, held) the bytes go through a staging buffer
+    /// copied in the encoder's order instead.
+    fn write(&mut self, buf: &wgpu::Buffer, bytes: &[u8]) {
+        use wgpu::util::DeviceExt;
+        match self.encoder.as_mut() {
+            Some(enc) => {
+                let staging = self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: None,
+                    contents: bytes,
+                    usage: wgpu::BufferUsages::COPY_SRC,
+                });
+                enc.copy_buffer_to_buffer(&staging, 0, buf, 0, bytes.len() as u64);
+            }
+            None => self.queue.write_buffer(buf, 0, bytes),
+        }
+    }
+
     /// Submits what is encoded.
     pub fn flush(&mut self) {
         if let Some(enc) = self.encoder.take() {
@@ -561,7 +580,7 @@ impl Executor for GpuExecutor {
         let bytes = to_device_bytes(a)?;
         let buf = self.alloc(a.numel());
         if !bytes.is_empty() {
-            self.queue.write_buffer(&buf, 0, &bytes);
+            self.write(&buf, &bytes);
         }
         let host = (a.numel() <= HOST_COPY_LIMIT || !a.dtype.is_float() || a.dtype == DType::String)
             .then(|| Arc::new(a.clone()));
