@@ -196,16 +196,36 @@ pub fn materialize(model: &mut Model, dir: &Path, seed: u64) -> Result<Weights, 
     Ok(w)
 }
 
-/// The runtime's schedule for a priced one; the interleaved schedule is priced but not
-/// lowered yet.
+/// The runtime's schedule for a priced one.
 fn lowered_schedule(s: passes::cost::Schedule) -> Result<codegen::Schedule, String> {
+    Ok(match s {
+        passes::cost::Schedule::GPipe => codegen::Schedule::GPipe,
+        passes::cost::Schedule::OneFOneB => codegen::Schedule::OneFOneB,
+        passes::cost::Schedule::Interleaved(v) => codegen::Schedule::Interleaved(v),
+    })
+}
+
+/// The priced schedule of the runtime's.
+fn priced_schedule(s: codegen::Schedule) -> passes::cost::Schedule {
     match s {
-        passes::cost::Schedule::GPipe => Ok(codegen::Schedule::GPipe),
-        passes::cost::Schedule::OneFOneB => Ok(codegen::Schedule::OneFOneB),
-        passes::cost::Schedule::Interleaved(v) => Err(format!(
-            "the interleaved schedule ({v} chunks per device) is priced, but the lowering does not run it yet"
-        )),
+        codegen::Schedule::GPipe => passes::cost::Schedule::GPipe,
+        codegen::Schedule::OneFOneB => passes::cost::Schedule::OneFOneB,
+        codegen::Schedule::Interleaved(v) => passes::cost::Schedule::Interleaved(v),
     }
+}
+
+/// The virtual stages of a pipeline's stages (`(mesh, devices)` each) under `schedule`, and
+/// whether each recomputes (its stage's `recompute`).
+fn stage_placements(
+    stages: Vec<(ir::shard::Mesh, Vec<usize>)>,
+    recompute: &[bool],
+    schedule: codegen::Schedule,
+) -> (Vec<StagePlacement>, Vec<bool>) {
+    let v = schedule.chunks();
+    let placed: Vec<StagePlacement> =
+        stages.into_iter().map(|(mesh, devices)| StagePlacement { mesh, devices }).collect();
+    let rc = (0..v).flat_map(|_| recompute.iter().copied()).collect();
+    (codegen::program::virtual_stages(&placed, v), rc)
 }
 
 /// The program of a plan document for `g` (the model the plan was made for, full batch,
@@ -214,23 +234,23 @@ fn lowered_schedule(s: passes::cost::Schedule) -> Result<codegen::Schedule, Stri
 /// graph and cuts it into the plan's micro-batches itself.
 pub fn program_for_plan(g: &Graph, plan: &Plan) -> Result<Program, String> {
     let (asg, stage_of) = plan.stage_assignment(g)?;
-    let meshes = plan.stage_meshes()?;
+    let schedule = match plan.schedule.as_deref() {
+        None => codegen::Schedule::default(),
+        Some(s) => codegen::Schedule::parse(s).ok_or_else(|| {
+            format!("the plan's schedule `{s}` is not one the lowering runs (gpipe, 1f1b, interleaved:V)")
+        })?,
+    };
+    let stages = plan.stage_meshes()?.into_iter().zip(&plan.stages).map(|(m, s)| (m, s.devices.clone())).collect();
+    let recompute: Vec<bool> = plan.stages.iter().map(|s| s.recompute).collect();
+    let (stages, recompute) = stage_placements(stages, &recompute, schedule);
     let placement = Placement {
-        stages: meshes
-            .into_iter()
-            .zip(&plan.stages)
-            .map(|(mesh, s)| StagePlacement { mesh, devices: s.devices.clone() })
-            .collect(),
+        stages,
         strategies: asg.strategies,
         stage_of,
         micro_batches: plan.micro_batches.max(1),
         policy: plan.policy,
-        schedule: match plan.schedule.as_deref() {
-            None => codegen::Schedule::default(),
-            Some(s) => codegen::Schedule::parse(s)
-                .ok_or_else(|| format!("the plan's schedule `{s}` is not one the lowering runs (gpipe, 1f1b)"))?,
-        },
-        recompute: plan.stages.iter().map(|s| s.recompute).collect(),
+        schedule,
+        recompute,
     };
     codegen::lower(g, &placement).map_err(|e| e.to_string())
 }
@@ -251,17 +271,22 @@ pub fn program_for_search(g: &Graph, r: &SearchResult, devices: usize) -> Result
         Some(p) => p.stages.iter().map(|s| s.devices.clone()).collect(),
         None => vec![(0..devices).collect()],
     };
+    let schedule = match &r.pipeline {
+        Some(p) => lowered_schedule(p.schedule)?,
+        None => codegen::Schedule::default(),
+    };
+    let stage_of = passes::autoshard::interleave::virtual_stages(g, &stage_of, meshes.len(), schedule.chunks())?;
+    let recompute: Vec<bool> =
+        r.pipeline.as_ref().map_or(Vec::new(), |p| p.stages.iter().map(|s| s.recompute).collect());
+    let (stages, recompute) = stage_placements(meshes.into_iter().zip(device_lists).collect(), &recompute, schedule);
     let placement = Placement {
-        stages: meshes.into_iter().zip(device_lists).map(|(mesh, devices)| StagePlacement { mesh, devices }).collect(),
+        stages,
         strategies: r.assignment.strategies.clone(),
-        stage_of: stage_of.into_iter().collect::<HashMap<NodeId, usize>>(),
+        stage_of,
         micro_batches: r.pipeline.as_ref().map_or(1, |p| p.micro_batches),
         policy: r.breakdown.policy,
-        schedule: match &r.pipeline {
-            Some(p) => lowered_schedule(p.schedule)?,
-            None => codegen::Schedule::default(),
-        },
-        recompute: r.pipeline.as_ref().map_or(Vec::new(), |p| p.stages.iter().map(|s| s.recompute).collect()),
+        schedule,
+        recompute,
     };
     codegen::lower(g, &placement).map_err(|e| e.to_string())
 }
@@ -685,7 +710,8 @@ pub fn training_result(
 pub struct TrainPipeline {
     /// Per stage: its mesh, its global devices (in mesh order), whether it recomputes.
     pub stages: Vec<(ir::shard::Mesh, Vec<usize>, bool)>,
-    /// The stage of each forward op, by its first output's name.
+    /// The stage of each forward op, by its first output's name (its virtual stage
+    /// `chunk × stages + stage` under the interleaved schedule).
     pub stage_of: HashMap<String, usize>,
     /// Micro-batches per step.
     pub micro_batches: usize,
@@ -706,7 +732,11 @@ impl TrainPipeline {
         };
         Ok(Some(TrainPipeline {
             stages: meshes.into_iter().zip(&plan.stages).map(|(m, s)| (m, s.devices.clone(), s.recompute)).collect(),
-            stage_of: plan.ops.iter().filter_map(|o| Some((o.outputs.first()?.clone(), o.stage))).collect(),
+            stage_of: plan
+                .ops
+                .iter()
+                .filter_map(|o| Some((o.outputs.first()?.clone(), o.chunk * plan.stages.len() + o.stage)))
+                .collect(),
             micro_batches: plan.micro_batches.max(1),
             schedule,
         }))
@@ -729,7 +759,7 @@ impl TrainPipeline {
         let mut ops: Vec<Vec<String>> = vec![Vec::new(); self.stages.len()];
         for n in forward.op_nodes().map_err(|_| "the model has a cycle".to_string())? {
             if let Some((o, &st)) = name(n).and_then(|o| self.stage_of.get(&o).map(|st| (o, st)))
-                && let Some(list) = ops.get_mut(st)
+                && let Some(list) = ops.get_mut(st % self.stages.len().max(1))
             {
                 list.push(o);
             }
@@ -740,11 +770,7 @@ impl TrainPipeline {
             .zip(&ops)
             .map(|((mesh, devices, _), ops)| GivenStage { ops, mesh, offset: devices.first().copied().unwrap_or(0) })
             .collect();
-        let schedule = match self.schedule {
-            codegen::Schedule::GPipe => passes::cost::strategy::Schedule::GPipe,
-            codegen::Schedule::OneFOneB => passes::cost::strategy::Schedule::OneFOneB,
-        };
-        price_stages(forward, cluster, opts, &stages, &strategies, self.micro_batches, schedule)
+        price_stages(forward, cluster, opts, &stages, &strategies, self.micro_batches, priced_schedule(self.schedule))
     }
 
     /// The pipeline of a search result on `g` (`None` when it does not pipeline; an error
@@ -752,16 +778,14 @@ impl TrainPipeline {
     pub fn of_search(g: &Graph, r: &SearchResult) -> Result<Option<TrainPipeline>, String> {
         let Some(p) = r.pipeline.as_ref() else { return Ok(None) };
         let name = |n: NodeId| g.node(n).outputs().first().map(|o| o.name.clone()).unwrap_or_default();
+        let schedule = lowered_schedule(p.schedule)?;
+        let (_, stage_of) = passes::autoshard::plan::stage_meshes(r);
+        let stage_of = passes::autoshard::interleave::virtual_stages(g, &stage_of, p.stages.len(), schedule.chunks())?;
         Ok(Some(TrainPipeline {
             stages: p.stages.iter().map(|s| (s.sub_mesh.clone(), s.devices.clone(), s.recompute)).collect(),
-            stage_of: p
-                .stages
-                .iter()
-                .enumerate()
-                .flat_map(|(i, s)| s.nodes.iter().map(move |&n| (name(n), i)))
-                .collect(),
+            stage_of: stage_of.into_iter().map(|(n, j)| (name(n), j)).collect(),
             micro_batches: p.micro_batches,
-            schedule: lowered_schedule(p.schedule)?,
+            schedule,
         }))
     }
 }
@@ -787,7 +811,12 @@ pub fn training_pipeline_program(
     let mut strategies = HashMap::new();
     let mut kept = 0;
     let mut policy = ir::reshard::Policy::default();
-    for (i, (mesh, _, _)) in pipe.stages.iter().enumerate() {
+    let (stages, recompute) = stage_placements(
+        pipe.stages.iter().map(|(m, d, _)| (m.clone(), d.clone())).collect(),
+        &pipe.stages.iter().map(|s| s.2).collect::<Vec<_>>(),
+        pipe.schedule,
+    );
+    for (i, StagePlacement { mesh, .. }) in stages.iter().enumerate() {
         let ops: std::collections::HashSet<NodeId> =
             stage_of.iter().filter(|(_, s)| **s == i).map(|(n, _)| *n).collect();
         let pinned: HashMap<NodeId, Vec<Option<usize>>> = ops
@@ -803,19 +832,8 @@ pub fn training_pipeline_program(
         kept += pinned.len() - rederived.len();
         strategies.extend(asg.strategies);
     }
-    let placement = Placement {
-        stages: pipe
-            .stages
-            .iter()
-            .map(|(mesh, devices, _)| StagePlacement { mesh: mesh.clone(), devices: devices.clone() })
-            .collect(),
-        strategies,
-        stage_of,
-        micro_batches: 1,
-        policy,
-        schedule: pipe.schedule,
-        recompute: pipe.stages.iter().map(|s| s.2).collect(),
-    };
+    let placement =
+        Placement { stages, strategies, stage_of, micro_batches: 1, policy, schedule: pipe.schedule, recompute };
     let p = codegen::lower(train, &placement).map_err(|e| e.to_string())?;
     Ok((p, kept))
 }

@@ -194,19 +194,19 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
         };
         let mut work = Vec::new();
         let mut finished = 0usize;
-        for &(part, k) in &cut.items {
-            let rerun = part == Part::Backward && cut.recompute;
+        for (idx, &it) in cut.items.iter().enumerate() {
+            let (part, k) = (it.part, it.micro);
             let passes: &[(Part, bool)] =
-                if rerun { &[(Part::Forward, true), (part, false)] } else { &[(part, false)] };
+                if cut.reruns(it) { &[(Part::Forward, true), (part, false)] } else { &[(part, false)] };
             for &(pass, again) in passes {
                 for &n in &order {
-                    if !cut.runs_in(n, pass) || (again && matches!(g.node(n).op, Op::Send(_) | Op::Recv(_))) {
+                    if !cut.runs_in(n, pass, it.chunk) || (again && matches!(g.node(n).op, Op::Send(_) | Op::Recv(_))) {
                         continue;
                     }
                     work.push(price(n, k));
                 }
             }
-            if Cut::finishes(part) {
+            if cut.last[idx] {
                 if accumulate && finished > 0 {
                     work.push(Work::Compute("accumulation".into(), summed.clone()));
                 }

@@ -752,3 +752,29 @@ fn train_takes_a_configuration_and_refuses_what_it_does_not_run() {
         assert!(err.contains(want), "{strategy}: {err}");
     }
 }
+
+#[test]
+fn interleaved_pipelines_of_tensor_parallel_stages_train_like_one_device() {
+    // A reduced Megatron GPT and a reduced Llama on 8 devices: tensor 2 × pipeline 2 × data
+    // 2, each device holding two model chunks (Megatron's interleaved schedule), five steps
+    // equal to the single-device reference, on the CPU executor and on wgpu; with full
+    // recomputation on the CPU.
+    let gpt = shardc::synthetic::Gpt { layers: 4, hidden: 32, heads: 4, batch: 8, seq: 16, fused_gelu: true };
+    let llama = shardc::synthetic::Llama::reduced(4, 8, 16);
+    let mut backends = vec![("cpu", "pp=2,tp=2,vp=2"), ("cpu", "pp=2,tp=2,vp=2,recompute=full")];
+    if gpu_available() {
+        backends.push(("wgpu", "pp=2,tp=2,vp=2"));
+    }
+    for (name, text) in [("gpt-vp.onnxtxt", gpt.to_text()), ("llama-vp.onnxtxt", llama.to_text())] {
+        let path = synthetic_file(name, &text);
+        let model = path.to_str().unwrap();
+        for &(backend, strategy) in &backends {
+            let args = [model, "--backend", backend, "--steps", "5", "--devices", "8", "--batch", "8"];
+            let args = [&args[..], &["--loss", "mse", "--strategy", strategy, "--check"]].concat();
+            let doc = shardc_train(&args).unwrap_or_else(|e| panic!("{name} {strategy} on {backend}: {e}"));
+            let text = doc["summary"]["text"].as_str().unwrap_or_default();
+            assert!(text.contains("(interleaved:2); stage 0: data 2 × tensor 2"), "{name}: {}", doc["summary"]);
+            assert_eq!(doc["devices"].as_array().map(Vec::len), Some(8), "{name}");
+        }
+    }
+}

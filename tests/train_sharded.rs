@@ -467,7 +467,7 @@ fn pipelined_training_equals_one_device() {
     let mut report = String::new();
     let (mut ran, mut refused, mut tied) = (0, 0, 0);
     let (mut lower_1f1b, mut lower_recompute) = (false, false);
-    let mut peaks: HashMap<(&str, bool), u64> = HashMap::new();
+    let mut peaks: HashMap<(String, bool), u64> = HashMap::new();
     for path in golden_train_cases() {
         let (c, single, loaded, opt) = with_single(&path);
         // The plan's micro-batches, and 4 over 2 stages (more than the stages: where 1F1B
@@ -556,9 +556,11 @@ fn pipelined_training_equals_one_device() {
             }
             // The first stage's activation memory: 1F1B stashes fewer micro-batches than
             // GPipe, and recomputation stashes only what the stage received.
-            if let (Some(g), Some(f), Some(fr)) =
-                (peaks.get(&("gpipe", false)), peaks.get(&("1f1b", false)), peaks.get(&("1f1b", true)))
-            {
+            if let (Some(g), Some(f), Some(fr)) = (
+                peaks.get(&("gpipe".to_string(), false)),
+                peaks.get(&("1f1b".to_string(), false)),
+                peaks.get(&("1f1b".to_string(), true)),
+            ) {
                 assert!(f <= g, "{} {stages} stages: 1F1B holds {f} B, above GPipe's {g} B", c.name);
                 assert!(fr <= f, "{} {stages} stages: recomputing holds {fr} B, above {f} B", c.name);
                 lower_1f1b |= f < g;

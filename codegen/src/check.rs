@@ -338,15 +338,16 @@ fn scheduled(p: &Program, per_device: &[Vec<(NodeId, Event)>]) -> Vec<Vec<(NodeI
         let order = g.op_nodes().unwrap_or_default();
         let cut = Cut::new(p, i, &order, accumulate);
         let mut list = Vec::new();
-        for &(part, k) in &cut.items {
-            if part == Part::Backward && cut.recompute {
+        for &it in &cut.items {
+            let (c, k) = (it.chunk, it.micro);
+            if cut.reruns(it) {
                 list.extend(
                     ev.iter()
-                        .filter(|(n, e)| cut.runs_in(*n, Part::Forward) && matches!(e, Event::Collective { .. }))
+                        .filter(|(n, e)| cut.runs_in(*n, Part::Forward, c) && matches!(e, Event::Collective { .. }))
                         .map(|(n, e)| (*n, e.clone(), k)),
                 );
             }
-            list.extend(ev.iter().filter(|(n, _)| cut.runs_in(*n, part)).map(|(n, e)| (*n, e.clone(), k)));
+            list.extend(ev.iter().filter(|(n, _)| cut.runs_in(*n, it.part, c)).map(|(n, e)| (*n, e.clone(), k)));
         }
         list.extend(ev.iter().filter(|(n, _)| cut.once.contains(n)).map(|(n, e)| (*n, e.clone(), m)));
         out.push(list);

@@ -1,7 +1,7 @@
 //! A lowered program: one graph per device with explicit communication, and how the host
 //! feeds its inputs and collects its outputs.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use ir::reshard::StepKind;
 use ir::shard::{Mesh, OpStrategy, Sharding, sharding_to_string};
@@ -11,7 +11,8 @@ use serde::Serialize;
 /// Where each op runs and how: the input of lowering.
 #[derive(Clone, Debug)]
 pub struct Placement {
-    /// The pipeline stages (one when the plan does not pipeline).
+    /// The pipeline stages (one when the plan does not pipeline); under the interleaved
+    /// schedule the virtual stages ([`virtual_stages`]), a device in several of them.
     pub stages: Vec<StagePlacement>,
     /// Per op, its strategy on its stage's mesh (absent: replicated).
     pub strategies: HashMap<NodeId, OpStrategy>,
@@ -23,7 +24,7 @@ pub struct Placement {
     pub policy: ir::reshard::Policy,
     /// The pipeline schedule of a training step's forward and backward parts.
     pub schedule: crate::schedule::Schedule,
-    /// Per stage: it recomputes its forward part before the backward part (absent: no).
+    /// Per (virtual) stage: it recomputes its forward part before the backward part (absent: no).
     pub recompute: Vec<bool>,
 }
 
@@ -50,10 +51,16 @@ impl Placement {
         }
     }
 
-    /// All devices.
+    /// All devices (a device holding several virtual stages counted once).
     pub fn device_count(&self) -> usize {
-        self.stages.iter().map(|s| s.devices.len()).sum()
+        self.stages.iter().flat_map(|s| &s.devices).collect::<HashSet<_>>().len()
     }
+}
+
+/// The virtual stages of `stages` under `chunks` model chunks per device: virtual stage
+/// `c·S + s` runs on stage `s`'s devices and mesh (chunks 1: the stages as they are).
+pub fn virtual_stages(stages: &[StagePlacement], chunks: usize) -> Vec<StagePlacement> {
+    (0..chunks.max(1)).flat_map(|_| stages.iter().cloned()).collect()
 }
 
 /// A global graph input or output.
@@ -117,6 +124,12 @@ pub struct DeviceProgram {
     pub feeds: Vec<Feed>,
     /// Its pieces of the global outputs.
     pub results: Vec<Result_>,
+    /// Under the interleaved schedule, per op of a later model chunk than the first: its
+    /// chunk (absent: 0).
+    pub chunk_of: HashMap<NodeId, usize>,
+    /// The receives of a tensor from a later (virtual) stage: the gradient flowing back, where
+    /// a backward part starts ([`crate::schedule::Cut`]).
+    pub from_later: HashSet<NodeId>,
 }
 
 impl DeviceProgram {
@@ -205,9 +218,9 @@ impl DeviceProgram {
 pub struct Program {
     /// Per device, by global id.
     pub devices: Vec<DeviceProgram>,
-    /// The stages' meshes.
+    /// The stages' meshes (per virtual stage under the interleaved schedule).
     pub meshes: Vec<Mesh>,
-    /// Global device ids per stage.
+    /// Global device ids per stage (per virtual stage under the interleaved schedule).
     pub stage_devices: Vec<Vec<usize>>,
     /// Micro-batches per step.
     pub micro_batches: usize,
@@ -219,7 +232,7 @@ pub struct Program {
     pub fallbacks: Vec<String>,
     /// The pipeline schedule ([`crate::schedule`]).
     pub schedule: crate::schedule::Schedule,
-    /// Per stage: it recomputes its forward part before the backward part.
+    /// Per (virtual) stage: it recomputes its forward part before the backward part.
     pub recompute: Vec<bool>,
 }
 

@@ -15,7 +15,10 @@
 //! earlier parts. Stage `s` of `S` then runs, for `m` micro-batches:
 //! - GPipe: `F0 … F(m−1)`, then `B0 … B(m−1)`: every micro-batch's stash is live at once;
 //! - 1F1B: `min(S−1−s, m)` forwards to fill the pipeline, then one forward and one backward
-//!   in turn, then the remaining backwards: stage `s` holds at most `S − s` stashes.
+//!   in turn, then the remaining backwards: stage `s` holds at most `S − s` stashes;
+//! - interleaved over `V` model chunks (Megatron's schedule): each device holds `V` chunks
+//!   (virtual stages `s`, `s + S`, …), each part is one chunk's, in the order [`interleaved`]
+//!   gives; a chunk's backward part is downstream of a receive from a later virtual stage.
 //!
 //! A stage without a backward part (the last stage, whose loss gradient it computes itself,
 //! or an inference pipeline) runs each micro-batch whole, in order.
@@ -24,7 +27,7 @@
 //! keeps only what it received from the earlier stage and its inputs; before the backward
 //! part it runs the forward part again (its collectives included, its sends and receives not).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use ir::{Graph, NodeId, Op, Value};
 use serde::Serialize;
@@ -32,55 +35,123 @@ use serde::Serialize;
 use crate::program::Program;
 
 /// The order of forward and backward parts over the micro-batches.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub enum Schedule {
     /// All forwards, then all backwards.
-    #[serde(rename = "gpipe")]
     GPipe,
     /// One forward, one backward in the steady state.
     #[default]
-    #[serde(rename = "1f1b")]
     OneFOneB,
+    /// Megatron's interleaved 1F1B over this many model chunks per device (at least 2).
+    Interleaved(usize),
+}
+
+impl Serialize for Schedule {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.name())
+    }
 }
 
 impl Schedule {
-    /// `gpipe` or `1f1b`.
+    /// `gpipe`, `1f1b` or `interleaved:V` (V ≥ 2 chunks per device).
     pub fn parse(s: &str) -> Option<Schedule> {
         match s {
             "gpipe" => Some(Schedule::GPipe),
             "1f1b" => Some(Schedule::OneFOneB),
-            _ => None,
+            _ => {
+                let v: usize = s.strip_prefix("interleaved:")?.parse().ok()?;
+                (v >= 2).then_some(Schedule::Interleaved(v))
+            }
         }
     }
 
-    /// The schedule's name.
-    pub fn name(self) -> &'static str {
+    /// The schedule's name, as [`Schedule::parse`] reads it.
+    pub fn name(self) -> String {
         match self {
-            Schedule::GPipe => "gpipe",
-            Schedule::OneFOneB => "1f1b",
+            Schedule::GPipe => "gpipe".into(),
+            Schedule::OneFOneB => "1f1b".into(),
+            Schedule::Interleaved(v) => format!("interleaved:{v}"),
+        }
+    }
+
+    /// Model chunks per device: 1 but for the interleaved schedule.
+    pub fn chunks(self) -> usize {
+        match self {
+            Schedule::Interleaved(v) => v.max(1),
+            _ => 1,
         }
     }
 
     /// The parts stage `stage` of `stages` runs, in order, over `m` micro-batches; `split`:
     /// the stage's program has a backward part.
-    pub fn items(self, stage: usize, stages: usize, m: usize, split: bool) -> Vec<(Part, usize)> {
-        if !split {
-            return (0..m).map(|k| (Part::Whole, k)).collect();
+    pub fn items(self, stage: usize, stages: usize, m: usize, split: bool) -> Vec<Item> {
+        let item = |part, chunk, micro| Item { part, chunk, micro };
+        if let Schedule::Interleaved(v) = self {
+            return interleaved(stage, stages, m, v, split);
         }
+        if !split {
+            return (0..m).map(|k| item(Part::Whole, 0, k)).collect();
+        }
+        let (f, b) = (|k| item(Part::Forward, 0, k), |k| item(Part::Backward, 0, k));
         match self {
-            Schedule::GPipe => (0..m).map(|k| (Part::Forward, k)).chain((0..m).map(|k| (Part::Backward, k))).collect(),
-            Schedule::OneFOneB => {
+            Schedule::GPipe => (0..m).map(f).chain((0..m).map(b)).collect(),
+            _ => {
                 let warm = stages.saturating_sub(stage + 1).min(m);
-                let mut out: Vec<(Part, usize)> = (0..warm).map(|k| (Part::Forward, k)).collect();
+                let mut out: Vec<Item> = (0..warm).map(f).collect();
                 for k in 0..m - warm {
-                    out.push((Part::Forward, warm + k));
-                    out.push((Part::Backward, k));
+                    out.push(f(warm + k));
+                    out.push(b(k));
                 }
-                out.extend((m - warm..m).map(|k| (Part::Backward, k)));
+                out.extend((m - warm..m).map(b));
                 out
             }
         }
     }
+}
+
+/// Megatron's interleaved schedule on stage `stage` of `stages`, `v` chunks each: the
+/// micro-batches go in groups of `stages` (the last group may be smaller), each group through
+/// chunk 0, 1, … forward and through chunk v−1, …, 0 backward; the stage warms up with
+/// `2·(stages − stage − 1) + (v − 1)·stages` forwards, then alternates one forward and one
+/// backward, then drains. Without a backward part the forwards run whole, in that order.
+fn interleaved(stage: usize, stages: usize, m: usize, v: usize, split: bool) -> Vec<Item> {
+    let order = |backward: bool| -> Vec<(usize, usize)> {
+        let mut out = Vec::with_capacity(m * v);
+        for g0 in (0..m).step_by(stages.max(1)) {
+            for c in 0..v {
+                let chunk = if backward { v - 1 - c } else { c };
+                out.extend((g0..(g0 + stages.max(1)).min(m)).map(|k| (chunk, k)));
+            }
+        }
+        out
+    };
+    let fwd = order(false);
+    if !split {
+        return fwd.into_iter().map(|(chunk, micro)| Item { part: Part::Whole, chunk, micro }).collect();
+    }
+    let bwd = order(true);
+    let total = fwd.len();
+    let warm = (2 * stages.saturating_sub(stage + 1) + (v - 1) * stages).min(total);
+    let f = |i: usize| Item { part: Part::Forward, chunk: fwd[i].0, micro: fwd[i].1 };
+    let b = |i: usize| Item { part: Part::Backward, chunk: bwd[i].0, micro: bwd[i].1 };
+    let mut out: Vec<Item> = (0..warm).map(f).collect();
+    for i in 0..total - warm {
+        out.push(f(warm + i));
+        out.push(b(i));
+    }
+    out.extend((total - warm..total).map(b));
+    out
+}
+
+/// One entry of a device's schedule: a part of one model chunk for one micro-batch.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Item {
+    /// Which part.
+    pub part: Part,
+    /// The model chunk (0 but under the interleaved schedule).
+    pub chunk: usize,
+    /// The micro-batch.
+    pub micro: usize,
 }
 
 /// A part of a device's program for one micro-batch.
@@ -146,39 +217,56 @@ pub fn once_ops(p: &Program) -> Vec<HashSet<NodeId>> {
 pub struct Cut {
     /// Ops run once per step (empty without gradient accumulation).
     pub once: HashSet<NodeId>,
-    /// Ops of the backward part.
+    /// Ops of the backward parts.
     pub backward: HashSet<NodeId>,
-    /// Its stage recomputes the forward part before the backward part.
-    pub recompute: bool,
+    /// Per model chunk: its virtual stage recomputes the forward part before the backward part.
+    pub recompute: Vec<bool>,
     /// The parts to run, in order.
-    pub items: Vec<(Part, usize)>,
+    pub items: Vec<Item>,
+    /// Per item: it is the last of its micro-batch.
+    pub last: Vec<bool>,
+    /// Per op of a device with several model chunks: its chunk (absent: 0).
+    pub chunk_of: HashMap<NodeId, usize>,
 }
 
 impl Cut {
     /// Cuts device `device`'s program of `p` (`order`: its graph's ops in topological
-    /// order); `accumulate`: gradients are accumulated over the micro-batches.
+    /// order); `accumulate`: gradients are accumulated over the micro-batches. The backward
+    /// part is what is downstream of a receive from a later (virtual) stage, as the lowering
+    /// marked them.
     pub fn new(p: &Program, device: usize, order: &[NodeId], accumulate: bool) -> Cut {
         let d = &p.devices[device];
         let g = &d.graph;
         let once = if accumulate { once_ops(p).swap_remove(device) } else { HashSet::new() };
-        let stage_of_device = |peer: i64| usize::try_from(peer).ok().and_then(|x| p.devices.get(x)).map(|x| x.stage);
         let mut backward: HashSet<NodeId> = HashSet::new();
         for &n in order.iter().filter(|n| !once.contains(n)) {
-            let node = g.node(n);
-            let from_later =
-                matches!(&node.op, Op::Recv(r) if r.peer.and_then(stage_of_device).is_some_and(|s| s > d.stage));
-            if from_later || node.inputs().iter().flatten().any(|v| backward.contains(&v.node)) {
+            if d.from_later.contains(&n) || g.node(n).inputs().iter().flatten().any(|v| backward.contains(&v.node)) {
                 backward.insert(n);
             }
         }
         let m = p.micro_batches.max(1);
-        let items = p.schedule.items(d.stage, p.stage_devices.len(), m, !backward.is_empty());
-        Cut { once, recompute: p.recompute.get(d.stage).copied().unwrap_or(false), backward, items }
+        let v = p.schedule.chunks();
+        let stages = (p.stage_devices.len() / v).max(1);
+        let items = p.schedule.items(d.stage, stages, m, !backward.is_empty());
+        let last = (0..items.len()).map(|i| items[i + 1..].iter().all(|x| x.micro != items[i].micro)).collect();
+        let recompute = (0..v).map(|c| p.recompute.get(c * stages + d.stage).copied().unwrap_or(false)).collect();
+        Cut { once, recompute, backward, items, last, chunk_of: d.chunk_of.clone() }
     }
 
-    /// Whether op `n` runs in `part`.
-    pub fn runs_in(&self, n: NodeId, part: Part) -> bool {
+    /// The model chunk op `n` belongs to.
+    pub fn chunk(&self, n: NodeId) -> usize {
+        self.chunk_of.get(&n).copied().unwrap_or(0)
+    }
+
+    /// Whether a value is computed by an op of `chunk`.
+    pub fn chunk_values(&self, chunk: usize) -> impl Fn(&Value) -> bool + '_ {
+        move |v: &Value| self.chunk(v.node) == chunk
+    }
+
+    /// Whether op `n` runs in `part` of `chunk`.
+    pub fn runs_in(&self, n: NodeId, part: Part, chunk: usize) -> bool {
         !self.once.contains(&n)
+            && self.chunk(n) == chunk
             && match part {
                 Part::Whole => true,
                 Part::Forward => !self.backward.contains(&n),
@@ -186,9 +274,14 @@ impl Cut {
             }
     }
 
-    /// Whether `part` is the last of its micro-batch.
-    pub fn finishes(part: Part) -> bool {
-        part != Part::Forward
+    /// Whether `item` recomputes its chunk's forward part first.
+    pub fn reruns(&self, item: Item) -> bool {
+        item.part == Part::Backward && self.recompute.get(item.chunk).copied().unwrap_or(false)
+    }
+
+    /// Whether `item` is a forward part whose chunk recomputes (it keeps only what it received).
+    pub fn drops(&self, item: Item) -> bool {
+        item.part == Part::Forward && self.recompute.get(item.chunk).copied().unwrap_or(false)
     }
 }
 
@@ -196,4 +289,51 @@ impl Cut {
 /// what was received from another device (another stage's tensors, which are not sent again).
 pub fn stashed(g: &Graph, v: Value) -> bool {
     matches!(g.node(v.node).op, Op::Recv(_))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn show(items: &[Item]) -> String {
+        let part = |p: Part| match p {
+            Part::Forward => "F",
+            Part::Backward => "B",
+            Part::Whole => "W",
+        };
+        items.iter().map(|i| format!("{}{}.{}", part(i.part), i.chunk, i.micro)).collect::<Vec<_>>().join(" ")
+    }
+
+    #[test]
+    fn the_interleaved_schedule_is_megatrons() {
+        let s = Schedule::Interleaved(2);
+        // Two stages, two chunks each, four micro-batches in groups of two: stage 0 warms up
+        // with 2·1 + 1·2 = 4 forwards, stage 1 with 2; backwards go through the chunks in
+        // reverse.
+        assert_eq!(
+            show(&s.items(0, 2, 4, true)),
+            "F0.0 F0.1 F1.0 F1.1 F0.2 B1.0 F0.3 B1.1 F1.2 B0.0 F1.3 B0.1 B1.2 B1.3 B0.2 B0.3"
+        );
+        assert_eq!(
+            show(&s.items(1, 2, 4, true)),
+            "F0.0 F0.1 F1.0 B1.0 F1.1 B1.1 F0.2 B0.0 F0.3 B0.1 F1.2 B1.2 F1.3 B1.3 B0.2 B0.3"
+        );
+        assert_eq!(show(&s.items(1, 2, 2, false)), "W0.0 W0.1 W1.0 W1.1");
+        // Every part of every chunk and micro-batch once, each forward before its backward.
+        for (stages, m, v) in [(2, 4, 2), (4, 8, 2), (2, 6, 3), (3, 5, 2)] {
+            for st in 0..stages {
+                let items = Schedule::Interleaved(v).items(st, stages, m, true);
+                assert_eq!(items.len(), 2 * m * v);
+                for c in 0..v {
+                    for k in 0..m {
+                        let at = |p| items.iter().position(|i| *i == Item { part: p, chunk: c, micro: k });
+                        assert!(at(Part::Forward).unwrap() < at(Part::Backward).unwrap(), "{stages} {m} {v}");
+                    }
+                }
+            }
+        }
+        assert_eq!(Schedule::parse("interleaved:3"), Some(Schedule::Interleaved(3)));
+        assert_eq!(Schedule::parse("interleaved:1"), None);
+        assert_eq!(Schedule::Interleaved(3).name(), "interleaved:3");
+    }
 }

@@ -271,6 +271,15 @@ fn training_plan(
     opts: &passes::cost::Options,
 ) -> CliResult<Chosen> {
     if let Some(s) = named_strategy(args) {
+        // A pipeline (`pipeline:S:M…`, `pp=…`) priced as the search prices its pipelines,
+        // then trained as a searched one is.
+        if let Ok(named @ passes::cost::Named::Pipeline { .. }) = passes::cost::Named::parse(s) {
+            let devices = args.devices.unwrap_or(1);
+            let r = exec::pipeline_result(forward, cluster, devices, &named, opts).map_err(CliError::msg)?;
+            if let ForwardPlan::Pipelined(c) = from_search(args, Some(r), forward, cluster, opts)? {
+                return Ok(Chosen { desc: s.to_string(), ..*c });
+            }
+        }
         return named_plan(args, s, forward, train, cluster, opts);
     }
     let mut notes = Vec::new();
@@ -929,7 +938,7 @@ fn configured(args: &TrainArgs) -> CliResult<TrainArgs> {
         ));
     }
     let devices = args.devices.unwrap_or(1);
-    let (named, opts) = c.resolve(devices, None, &passes::cost::Options::default()).map_err(err)?;
+    let (named, opts) = c.resolve(devices, args.shapes.batch, &passes::cost::Options::default()).map_err(err)?;
     a.strategy = Some(named.name());
     a.recompute = opts.recompute.name().to_string();
     a.sequence_parallel = opts.sequence_parallel;

@@ -235,6 +235,8 @@ pub fn one_stage_program(graphs: Vec<ir::Graph>) -> codegen::Program {
             graph,
             feeds: vec![],
             results: vec![],
+            chunk_of: Default::default(),
+            from_later: Default::default(),
         })
         .collect();
     codegen::Program {

@@ -209,3 +209,41 @@ fn zero_shards_over_every_data_parallel_device_across_nodes() {
     close(zero.memory.weights, plain.memory.weights / 16.0, 0.05, "ZeRO-3 parameters on 2 nodes");
     close(zero.memory.optimizer, plain.memory.optimizer / 16.0, 0.05, "ZeRO-3 optimizer state on 2 nodes");
 }
+
+#[test]
+fn an_interleaved_plan_document_lowers_to_the_program_of_its_search_result() {
+    // Tensor 2 × pipeline 2 × data 2 over two chunks per device: the plan document gives each
+    // op its stage and chunk, and lowers to the program the search result lowers to, in
+    // which every device holds ops of both chunks.
+    let g = gpt(4, 32, 4, 8, 16);
+    let c = Cluster::preset("a100-cluster-8").unwrap();
+    let opts = Options { precision: Precision::Fp16, ..Options::default() };
+    let (named, opts) =
+        Config::parse("pp=2,tp=2,vp=2").unwrap().resolve(8, cost::pipeline::graph_batch(&g), &opts).unwrap();
+    let r = shardc::exec::pipeline_result(&g, &c, 8, &named, &opts).unwrap();
+    let info = passes::autoshard::plan::ModelInfo { path: "gpt".into(), ..Default::default() };
+    let plan = passes::autoshard::Plan::new(&g, &c, 8, &opts, info, &r);
+    let text = serde_json::to_string(&plan).unwrap();
+    let plan = passes::autoshard::Plan::from_json(&text).unwrap();
+    assert_eq!(plan.schedule.as_deref(), Some("interleaved:2"));
+    assert_eq!(plan.chunks(), 2);
+    for s in 0..2 {
+        let chunks: std::collections::BTreeSet<usize> =
+            plan.ops.iter().filter(|o| o.stage == s).map(|o| o.chunk).collect();
+        assert_eq!(chunks, [0, 1].into(), "stage {s}");
+    }
+    let from_plan = shardc::exec::program_for_plan(&g, &plan).unwrap();
+    let from_search = shardc::exec::program_for_search(&g, &r, 8).unwrap();
+    let texts = |p: &codegen::Program| -> Vec<String> {
+        p.devices.iter().map(|d| ir::print::model_to_string(&d.to_model())).collect()
+    };
+    assert_eq!(texts(&from_plan), texts(&from_search));
+    assert_eq!(from_plan.devices.len(), 8);
+    for d in &from_plan.devices {
+        assert!(d.chunk_of.values().any(|&k| k == 1), "device {} holds one chunk", d.device);
+    }
+    codegen::check(&from_plan).unwrap();
+    // A chunk the schedule does not have is refused when the document is read.
+    let bad = text.replacen("\"chunk\":1", "\"chunk\":2", 1);
+    assert!(passes::autoshard::Plan::from_json(&bad).unwrap_err().contains("model chunk 2"), "{bad}");
+}

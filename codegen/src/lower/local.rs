@@ -56,6 +56,12 @@ pub(crate) struct Local<'a> {
     /// The phase of the op being lowered (a training graph's), put on the communication
     /// it emits ([`ir::reshard::PHASE`]).
     pub phase: Option<ir::reshard::Phase>,
+    /// The model chunk being lowered (its position among the stages the device holds).
+    pub chunk: usize,
+    /// The chunk of every op emitted in a chunk after the first.
+    pub chunk_of: HashMap<NodeId, usize>,
+    /// The receives of a tensor from a later stage.
+    pub from_later: std::collections::HashSet<NodeId>,
 }
 
 impl<'a> Local<'a> {
@@ -78,6 +84,9 @@ impl<'a> Local<'a> {
             names: HashMap::new(),
             fallbacks: Vec::new(),
             phase: None,
+            chunk: 0,
+            chunk_of: HashMap::new(),
+            from_later: Default::default(),
         }
     }
 
@@ -98,6 +107,9 @@ impl<'a> Local<'a> {
         let outputs: Vec<Output> = outs.iter().map(|n| Output::named(n.clone())).collect();
         let comm = op.class() == ir::OpClass::Comm;
         let id = self.lg.add_node(op, inputs, outputs);
+        if self.chunk > 0 {
+            self.chunk_of.insert(id, self.chunk);
+        }
         if comm && let Some(p) = self.phase {
             self.lg.set_annotation(id, ir::reshard::PHASE, p.name());
         }
@@ -338,7 +350,11 @@ impl<'a> Local<'a> {
             }
             _ => {
                 let producer_stage = self.sh.stage_of_value.get(&v).copied().unwrap_or(0);
-                if producer_stage != self.stage && !self.sh.everywhere.contains(&v.node) {
+                // (A value of an earlier chunk of this device's is held, not received.)
+                if producer_stage != self.stage
+                    && !self.sh.everywhere.contains(&v.node)
+                    && !self.produced.contains_key(&v)
+                {
                     self.receive(v, need)?
                 } else {
                     let from = self.produced.get(&v).cloned().ok_or_else(|| {
@@ -356,12 +372,12 @@ impl<'a> Local<'a> {
         Ok(x)
     }
 
-    /// A tensor from an earlier pipeline stage: received whole from the device of that stage
+    /// A tensor from another pipeline stage: received whole from the device of that stage
     /// at this device's rank (modulo its size), then resharded to `need`.
     fn receive(&mut self, v: Value, need: &Sharding) -> Result<Value, LowerError> {
-        let replicated: Sharding = vec![AxisShard::Replicate; self.mesh.axes.len()];
-        if let Some(&x) = self.have.get(&(v, replicated.clone())) {
-            return self.reshard(v, x, &replicated, need);
+        let sent: Sharding = vec![AxisShard::Replicate; self.mesh.axes.len()];
+        if let Some(&x) = self.have.get(&(v, sent.clone())) {
+            return self.reshard(v, x, &sent, need);
         }
         let from_stage = self.sh.stage_of_value.get(&v).copied().unwrap_or(0);
         let src = &self.sh.placement.stages[from_stage].devices;
@@ -376,7 +392,10 @@ impl<'a> Local<'a> {
             tag: Some(self.sh.value_tag[&v]),
         };
         let x = self.emit(Op::Recv(recv), vec![], &[name])[0];
-        self.have.insert((v, replicated.clone()), x);
-        self.reshard(v, x, &replicated, need)
+        if from_stage > self.stage {
+            self.from_later.insert(x.node);
+        }
+        self.have.insert((v, sent.clone()), x);
+        self.reshard(v, x, &sent, need)
     }
 }

@@ -256,19 +256,17 @@ pub fn lower(g: &Graph, placement: &Placement) -> Result<Program, LowerError> {
     let total = placement.device_count();
     let mut programs: Vec<Option<DeviceProgram>> = vec![None; total];
     let mut fallbacks: Vec<String> = Vec::new();
-    for (si, stage) in placement.stages.iter().enumerate() {
-        for (rank, &device) in stage.devices.iter().enumerate() {
-            if device >= total {
-                return Err(LowerError::global(LowerErrorKind::Placement, format!("device {device} of {total}")));
-            }
-            let p = lower_device(&sh, &order, si, rank)?;
-            for f in &p.1 {
-                if !fallbacks.contains(f) {
-                    fallbacks.push(f.clone());
-                }
-            }
-            programs[device] = Some(p.0);
+    for (device, held) in held_stages(placement)?.into_iter().enumerate() {
+        if held.is_empty() {
+            continue;
         }
+        let p = lower_device(&sh, &order, &held)?;
+        for f in &p.1 {
+            if !fallbacks.contains(f) {
+                fallbacks.push(f.clone());
+            }
+        }
+        programs[device] = Some(p.0);
     }
     let devices: Vec<DeviceProgram> = programs
         .into_iter()
@@ -309,86 +307,50 @@ pub fn lower(g: &Graph, placement: &Placement) -> Result<Program, LowerError> {
     })
 }
 
-/// One device's program, and the ops it ran replicated instead of as planned.
+/// Per device, the (virtual) stages it holds and its rank in them: one stage, or under the
+/// interleaved schedule one per model chunk, in order, at the same place of equal meshes.
+fn held_stages(placement: &Placement) -> Result<Vec<Vec<(usize, usize)>>, LowerError> {
+    let total = placement.device_count();
+    let mut held: Vec<Vec<(usize, usize)>> = vec![Vec::new(); total];
+    for (si, stage) in placement.stages.iter().enumerate() {
+        for (rank, &device) in stage.devices.iter().enumerate() {
+            let Some(list) = held.get_mut(device) else {
+                return Err(LowerError::global(LowerErrorKind::Placement, format!("device {device} of {total}")));
+            };
+            if let Some(&(s0, r0)) = list.first()
+                && (r0 != rank || placement.stages[s0].mesh != stage.mesh)
+            {
+                return Err(LowerError::global(
+                    LowerErrorKind::Placement,
+                    format!("device {device} is in stages {s0} and {si} at different places of their meshes"),
+                ));
+            }
+            list.push((si, rank));
+        }
+    }
+    Ok(held)
+}
+
+/// One device's program — each of the (virtual) stages it holds in turn, a later one's ops
+/// marked with their chunk — and the ops it ran replicated instead of as planned.
 fn lower_device(
     sh: &Shared<'_>,
     order: &[NodeId],
-    si: usize,
-    rank: usize,
+    held: &[(usize, usize)],
 ) -> Result<(DeviceProgram, Vec<String>), LowerError> {
-    let g = sh.g;
-    let placement = sh.placement;
-    let mut l = Local::new(sh, si, rank);
-    let stage_of = |n: NodeId| placement.stage_of.get(&n).copied().unwrap_or(0);
-    let stage = &placement.stages[si];
-    // Per value this stage computes, the devices of other stages that read it, from this
-    // device (a reader at rank j of its stage hears from rank j modulo this stage's size).
-    let mut readers: HashMap<Value, Vec<usize>> = HashMap::new();
-    for &n in order.iter().filter(|&&n| stage_of(n) != si && !sh.everywhere.contains(&n)) {
-        for v in g.node(n).inputs().iter().flatten() {
-            if sh.stage_of_value.get(v) == Some(&si) && !sh.everywhere.contains(&v.node) {
-                for (j, &dst) in placement.stages[stage_of(n)].devices.iter().enumerate() {
-                    let list = readers.entry(*v).or_default();
-                    if j % stage.devices.len() == rank && !list.contains(&dst) {
-                        list.push(dst);
-                    }
-                }
-            }
-        }
-    }
-    for (v, sts) in &sh.deliver {
-        if sh.stage_of_value.get(v) == Some(&si) {
-            for &st in sts {
-                for (j, &dst) in placement.stages[st].devices.iter().enumerate() {
-                    let list = readers.entry(*v).or_default();
-                    if j % stage.devices.len() == rank && !list.contains(&dst) {
-                        list.push(dst);
-                    }
-                }
-            }
-        }
-    }
-    let phase_of = |n: NodeId| sh.phases.as_ref().and_then(|p| p.get(&n).copied());
-    for &n in order.iter().filter(|&&n| stage_of(n) == si || sh.everywhere.contains(&n)) {
-        l.phase = phase_of(n);
-        lower_op(&mut l, n)?;
-        // Each value another stage reads is sent as soon as it is computed (a training
-        // step's backward part waits for it in the next stage).
-        for slot in 0..g.node(n).num_outputs() {
-            let v = Value::new(n, slot as u16);
-            let Some(dsts) = readers.get(&v) else { continue };
-            let replicated: Sharding = vec![AxisShard::Replicate; stage.mesh.axes.len()];
-            let x = l.get(v, &replicated)?;
-            for &dst in dsts {
-                let send = ir::op::Send { peer: Some(dst as i64), tag: Some(sh.value_tag[&v]) };
-                l.emit(Op::Send(send), vec![Some(x)], &[]);
-            }
-        }
-    }
-    // Graph outputs computed in this stage, delivered reduced and cut only along the batch.
+    let (first, rank) = held[0];
+    let mut l = Local::new(sh, first, rank);
     let mut results = Vec::new();
-    let carried = ir::reshard::carried_state(g);
-    for out in g.outputs() {
-        let v = out.value;
-        let in_stage = match g.node(v.node).op {
-            Op::Input { .. } | Op::Initializer(_) => si == 0,
-            _ => {
-                sh.stage_of_value.get(&v) == Some(&si)
-                    || sh.everywhere.contains(&v.node)
-                    || sh.deliver.get(&v).is_some_and(|s| s.contains(&si))
-            }
-        };
-        if !in_stage {
-            continue;
-        }
-        let produced = l.produced.get(&v).cloned().unwrap_or_else(|| vec![AxisShard::Replicate; stage.mesh.axes.len()]);
-        let batch = sh.batch.get(&v).map_or(&[][..], Vec::as_slice);
-        let layout = ir::reshard::delivered_layout(g, &carried, v, &produced, batch, |s| l.produced.get(&s).cloned());
-        l.phase = phase_of(v.node);
-        let x = l.get(v, &layout)?;
-        l.lg.add_output(x, None);
-        results.push(Result_ { local: l.lg.value_name(x).to_string(), global: g.value_name(v).to_string(), layout });
+    for (chunk, &(si, _)) in held.iter().enumerate() {
+        l.stage = si;
+        l.chunk = chunk;
+        // What an earlier chunk received from this one (a gradient summed in an earlier
+        // stage) is this chunk's to compute, and to send.
+        let own: std::collections::HashSet<usize> = held[chunk..].iter().map(|h| h.0).collect();
+        l.have.retain(|(v, _), _| !sh.stage_of_value.get(v).is_some_and(|s| own.contains(s)));
+        lower_stage(&mut l, order, &mut results)?;
     }
+    let g = sh.g;
     ir::infer::infer_shapes(&mut l.lg, ir::infer::Mode::Check).map_err(|e| LowerError {
         device: Some(l.device),
         node: None,
@@ -403,8 +365,95 @@ fn lower_device(
             }
         ),
     })?;
-    let program = DeviceProgram { device: l.device, stage: si, rank, graph: l.lg, feeds: l.feeds, results };
+    let program = DeviceProgram {
+        device: l.device,
+        stage: first,
+        rank,
+        graph: l.lg,
+        feeds: l.feeds,
+        results,
+        chunk_of: l.chunk_of,
+        from_later: l.from_later,
+    };
     Ok((program, l.fallbacks))
+}
+
+/// Lowers the ops of stage `l.stage` onto `l` (with the ops every stage computes, in the
+/// device's first chunk) and delivers the graph outputs it computes into `results`.
+fn lower_stage(l: &mut Local<'_>, order: &[NodeId], results: &mut Vec<Result_>) -> Result<(), LowerError> {
+    let (sh, g, si) = (l.sh, l.g, l.stage);
+    let placement = sh.placement;
+    let stage_of = |n: NodeId| placement.stage_of.get(&n).copied().unwrap_or(0);
+    let stage = &placement.stages[si];
+    let rank = stage.mesh.device(&l.coords);
+    // Per value this stage computes, the devices of other stages that read it, from this
+    // device (a reader at rank j of its stage hears from rank j modulo this stage's size);
+    // not this device's own later chunks, which read what it holds.
+    let mut readers: HashMap<Value, Vec<usize>> = HashMap::new();
+    let mut add = |v: Value, st: usize| {
+        for (j, &dst) in placement.stages[st].devices.iter().enumerate() {
+            let list = readers.entry(v).or_default();
+            if j % stage.devices.len() == rank && !list.contains(&dst) && !(dst == l.device && st > si) {
+                list.push(dst);
+            }
+        }
+    };
+    for &n in order.iter().filter(|&&n| stage_of(n) != si && !sh.everywhere.contains(&n)) {
+        for v in g.node(n).inputs().iter().flatten() {
+            if sh.stage_of_value.get(v) == Some(&si) && !sh.everywhere.contains(&v.node) {
+                add(*v, stage_of(n));
+            }
+        }
+    }
+    for (v, sts) in &sh.deliver {
+        if sh.stage_of_value.get(v) == Some(&si) {
+            for &st in sts {
+                add(*v, st);
+            }
+        }
+    }
+    let phase_of = |n: NodeId| sh.phases.as_ref().and_then(|p| p.get(&n).copied());
+    let first = l.chunk == 0;
+    for &n in order.iter().filter(|&&n| stage_of(n) == si || (first && sh.everywhere.contains(&n))) {
+        l.phase = phase_of(n);
+        lower_op(l, n)?;
+        // Each value another stage reads is sent as soon as it is computed (a training
+        // step's backward part waits for it in the next stage).
+        for slot in 0..g.node(n).num_outputs() {
+            let v = Value::new(n, slot as u16);
+            let Some(dsts) = readers.get(&v) else { continue };
+            let replicated: Sharding = vec![AxisShard::Replicate; stage.mesh.axes.len()];
+            let x = l.get(v, &replicated)?;
+            for &dst in dsts {
+                let send = ir::op::Send { peer: Some(dst as i64), tag: Some(sh.value_tag[&v]) };
+                l.emit(Op::Send(send), vec![Some(x)], &[]);
+            }
+        }
+    }
+    // Graph outputs computed in this stage, delivered reduced and cut only along the batch.
+    let carried = ir::reshard::carried_state(g);
+    for out in g.outputs() {
+        let v = out.value;
+        let in_stage = match g.node(v.node).op {
+            Op::Input { .. } | Op::Initializer(_) => si == 0,
+            _ => {
+                sh.stage_of_value.get(&v) == Some(&si)
+                    || (first && sh.everywhere.contains(&v.node))
+                    || sh.deliver.get(&v).is_some_and(|s| s.contains(&si))
+            }
+        };
+        if !in_stage {
+            continue;
+        }
+        let produced = l.produced.get(&v).cloned().unwrap_or_else(|| vec![AxisShard::Replicate; stage.mesh.axes.len()]);
+        let batch = sh.batch.get(&v).map_or(&[][..], Vec::as_slice);
+        let layout = ir::reshard::delivered_layout(g, &carried, v, &produced, batch, |s| l.produced.get(&s).cloned());
+        l.phase = phase_of(v.node);
+        let x = l.get(v, &layout)?;
+        l.lg.add_output(x, None);
+        results.push(Result_ { local: l.lg.value_name(x).to_string(), global: g.value_name(v).to_string(), layout });
+    }
+    Ok(())
 }
 
 /// A program that reshards one float tensor of global shape `dims` from layout `from` to
@@ -467,7 +516,16 @@ pub fn reshard_program(
             kind: LowerErrorKind::LocalShapes,
             message: format!("local shapes do not infer: {}", e.first().map(|x| x.msg.clone()).unwrap_or_default()),
         })?;
-        devices.push(DeviceProgram { device: rank, stage: 0, rank, graph: l.lg, feeds: l.feeds, results });
+        devices.push(DeviceProgram {
+            device: rank,
+            stage: 0,
+            rank,
+            graph: l.lg,
+            feeds: l.feeds,
+            results,
+            chunk_of: HashMap::new(),
+            from_later: Default::default(),
+        });
     }
     let gv = GlobalValue { name: "x".into(), shape: dims.to_vec(), dtype: ir::DType::Float, batch_axis: None };
     Ok(Program {

@@ -698,6 +698,47 @@ impl Live {
     }
 }
 
+/// After the forward part of a chunk that recomputes: frees its values (`chunk` says which
+/// are its) but what it received and what `kept` holds; the rest is computed again before
+/// its backward part.
+fn drop_recomputed<E: Executor>(
+    e: &E,
+    g: &Graph,
+    env: &mut HashMap<Value, E::Tensor>,
+    live: &mut Live,
+    kept: &dyn Fn(&Value) -> bool,
+    chunk: impl Fn(&Value) -> bool,
+) {
+    let dropped: Vec<Value> =
+        env.keys().copied().filter(|v| !kept(v) && chunk(v) && !crate::schedule::stashed(g, *v)).collect();
+    for v in dropped {
+        if let Some(t) = env.remove(&v) {
+            live.remove(e.storage(&t));
+        }
+    }
+}
+
+/// The values an op of another model chunk than the one that computes them reads, or that
+/// ops of two chunks read (under the interleaved schedule: what every chunk computes for
+/// itself is computed once, in the first).
+fn cross_chunk_reads(g: &ir::Graph, order: &[ir::NodeId], cut: &Cut) -> std::collections::HashSet<Value> {
+    let mut readers: HashMap<Value, usize> = HashMap::new();
+    let mut out = std::collections::HashSet::new();
+    if cut.chunk_of.is_empty() {
+        return out;
+    }
+    for &n in order {
+        let c = cut.chunk(n);
+        for &v in g.node(n).inputs().iter().flatten() {
+            let first = *readers.entry(v).or_insert(c);
+            if first != c || cut.chunk(v.node) != c {
+                out.insert(v);
+            }
+        }
+    }
+    out
+}
+
 /// Runs one device's program for every step and micro-batch.
 ///
 /// Gradient accumulation: with carried state and several micro-batches, the optimizer
@@ -728,6 +769,8 @@ fn drive<E: Executor>(
     // What the backward part reads: kept through the forward part.
     let backward_reads: std::collections::HashSet<Value> =
         cut.backward.iter().flat_map(|&n| g.node(n).inputs().iter().flatten().copied()).collect();
+    // What the ops of another chunk than its own read: kept until the micro-batch ends.
+    let shared = cross_chunk_reads(g, &order, &cut);
     let acc = accumulates(p, opts).then(|| {
         let mut a = Accumulation::new(g, &order, cut.once.clone());
         // Carried state no once-per-step op computes (a pipeline stage's own step counter)
@@ -780,7 +823,9 @@ fn drive<E: Executor>(
         let mut uploaded: HashMap<usize, HashMap<String, E::Tensor>> = HashMap::new();
         let mut cx = NodeRun { e: &mut *e, g, port: &mut port, report: &mut report, phase: &phase };
         live.base = live.bytes;
-        for &(part, k) in &cut.items {
+        for (idx, &it) in cut.items.iter().enumerate() {
+            let (part, k, c) = (it.part, it.micro, it.chunk);
+            let recomputes = cut.recompute.get(c).copied().unwrap_or(false);
             for j in [k, k + 1] {
                 if (j == k || part != Part::Backward)
                     && !uploaded.contains_key(&j)
@@ -793,12 +838,12 @@ fn drive<E: Executor>(
             let inputs = &uploaded[&k];
             let mut env = envs.remove(&k).unwrap_or_default();
             // Under recomputation the forward part runs again (without its messages).
-            let rerun = part == Part::Backward && cut.recompute;
+            let rerun = cut.reruns(it);
             let passes: &[(Part, bool)] =
                 if rerun { &[(Part::Forward, true), (part, false)] } else { &[(part, false)] };
             for &(pass, again) in passes {
                 for (i, &n) in order.iter().enumerate() {
-                    if !cut.runs_in(n, pass) {
+                    if !cut.runs_in(n, pass, c) {
                         continue;
                     }
                     // A recomputed part sends and receives nothing again.
@@ -810,11 +855,16 @@ fn drive<E: Executor>(
                     // forward part received: it runs again from them; nor, in a forward part,
                     // what the backward part reads: an op later in the order may run in the
                     // forward part, as one a gradient rule adds that reads forward values only).
+                    // (Nor what another chunk reads, until the micro-batch ends.)
+                    let held = |v: &Value| {
+                        keep.contains(v)
+                            || shared.contains(v)
+                            || (pass == Part::Forward
+                                && (backward_reads.contains(v) || (recomputes && crate::schedule::stashed(g, *v))))
+                    };
                     for v in g.node(n).inputs().iter().flatten() {
                         if last_use.get(v) == Some(&i)
-                            && !keep.contains(v)
-                            && !(pass == Part::Forward && backward_reads.contains(v))
-                            && !(cut.recompute && pass == Part::Forward && crate::schedule::stashed(g, *v))
+                            && !held(v)
                             && let Some(t) = env.remove(v)
                         {
                             live.remove(cx.e.storage(&t));
@@ -822,17 +872,11 @@ fn drive<E: Executor>(
                     }
                 }
             }
-            if part == Part::Forward && cut.recompute {
-                // Only what was received is stashed; the rest is computed again.
-                let dropped: Vec<Value> =
-                    env.keys().copied().filter(|v| !keep.contains(v) && !crate::schedule::stashed(g, *v)).collect();
-                for v in dropped {
-                    if let Some(t) = env.remove(&v) {
-                        live.remove(cx.e.storage(&t));
-                    }
-                }
+            if cut.drops(it) {
+                let kept = |v: &Value| keep.contains(v) || shared.contains(v);
+                drop_recomputed(cx.e, g, &mut env, &mut live, &kept, cut.chunk_values(c));
             }
-            if !Cut::finishes(part) {
+            if !cut.last[idx] {
                 envs.insert(k, env);
                 continue;
             }
@@ -1229,7 +1273,9 @@ impl<E: Executor> NodeRun<'_, '_, E> {
                 let t0 = Instant::now();
                 // The operand as a host array: the tensor itself on the CPU, else a download.
                 let t = match node.input(0) {
-                    Some(v) => Some(env.get(&v).or_else(|| fixed.get(&v)).ok_or("a comm input was not computed")?),
+                    Some(v) => Some(env.get(&v).or_else(|| fixed.get(&v)).ok_or_else(|| {
+                        format!("`{}` (read by {}) was not computed", g.value_name(v), g.describe(n))
+                    })?),
                     None => None,
                 };
                 let downloaded = match t {

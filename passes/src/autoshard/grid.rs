@@ -137,8 +137,9 @@ fn describe(p: Point, schedule: Schedule, o: &Options) -> String {
 }
 
 /// Walks the grid for `g` (its batch the graph's, `blocks` its repeated blocks) on `devices`
-/// devices; `rungs` says whether it may save memory (recomputation, sequence parallelism,
-/// ZeRO, interleaving: what the lowering does not run yet). `None` when the model has no
+/// devices; `rungs` says whether it may change what the user set to save memory and time
+/// (recomputation, sequence parallelism, ZeRO, interleaving; a search for `train` keeps the
+/// options it was given). `None` when the model has no
 /// batch or nothing applies.
 #[allow(clippy::too_many_arguments)]
 pub fn search_grid(

@@ -21,6 +21,7 @@ pub mod export;
 pub mod extract;
 pub mod fold;
 pub mod grid;
+pub mod interleave;
 pub mod meshes;
 pub mod pipeline;
 pub mod plan;

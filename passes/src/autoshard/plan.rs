@@ -72,6 +72,14 @@ pub struct PlanOp {
     pub memory_bytes: f64,
     /// The pipeline stage it runs in (0 when the plan does not pipeline).
     pub stage: usize,
+    /// Under the interleaved schedule, its model chunk on that stage: it runs in virtual
+    /// stage `chunk × stages + stage` ([`super::interleave`]). 0 otherwise.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub chunk: usize,
+}
+
+fn is_zero(x: &usize) -> bool {
+    *x == 0
 }
 
 /// One pipeline stage (a plan that does not pipeline has one, with every device and op).
@@ -661,18 +669,35 @@ impl Plan {
             }
             None => vec![r.mesh.clone()],
         };
+        // Under the interleaved schedule each stage's ops are those of its model chunks.
+        let chunks = r.pipeline.as_ref().map_or(1, |p| p.schedule.chunks());
+        let virt = super::interleave::virtual_stages(g, &stage_of, stage_meshes.len(), chunks).unwrap_or_default();
+        for (n, j) in &virt {
+            stage_of.insert(*n, j % stage_meshes.len());
+        }
         let cms: Vec<CostModel<'_>> =
             stage_meshes.iter().map(|m| CostModel::new(g, cluster, m.clone(), opts.clone())).collect();
-        let (ops, tensors) = layouts(&cms, &stage_of, &r.assignment, b);
+        let (mut ops, tensors) = layouts(&cms, &stage_of, &r.assignment, b);
+        if chunks > 1 {
+            for op in &mut ops {
+                let n = op.outputs.first().and_then(|o| g.lookup(o)).map(|v| v.node);
+                op.chunk = n.and_then(|n| virt.get(&n)).map_or(0, |j| j / stage_meshes.len());
+            }
+        }
         let summary = PlanSummary::of(&cms, cluster, opts, devices, r);
         let stages = match &r.pipeline {
             Some(p) => p
                 .stages
                 .iter()
-                .map(|s| PlanStage {
+                .enumerate()
+                .map(|(i, s)| PlanStage {
                     devices: s.devices.clone(),
                     mesh: axes(&s.sub_mesh),
-                    ops: s.ops.clone(),
+                    ops: if chunks > 1 {
+                        ops.iter().filter(|o| o.stage == i).filter_map(|o| o.outputs.first().cloned()).collect()
+                    } else {
+                        s.ops.clone()
+                    },
                     forward_s: s.forward_s,
                     backward_s: s.backward_s,
                     time_s: s.time_s,
@@ -808,7 +833,22 @@ impl Plan {
         if let Some(op) = self.ops.iter().find(|o| o.stage >= self.stages.len()) {
             return Err(format!("op `{}` is in stage {}; the plan has {}", op.name, op.stage, self.stages.len()));
         }
+        if let Some(op) = self.ops.iter().find(|o| o.chunk >= self.chunks()) {
+            return Err(format!(
+                "op `{}` is in model chunk {}; the schedule ({}) has {}",
+                op.name,
+                op.chunk,
+                self.schedule.as_deref().unwrap_or("none"),
+                self.chunks()
+            ));
+        }
         Ok(())
+    }
+
+    /// Model chunks per device: `V` under the interleaved schedule (`interleaved:V`), else 1.
+    pub fn chunks(&self) -> usize {
+        let v = self.schedule.as_deref().and_then(|s| s.strip_prefix("interleaved:")).and_then(|v| v.parse().ok());
+        v.unwrap_or(1).max(1)
     }
 
     /// The plan's strategies as an assignment of `g`'s ops, matching ops by their first
@@ -817,8 +857,9 @@ impl Plan {
         self.stage_assignment(g).map(|(a, _)| a)
     }
 
-    /// [`Plan::assignment`] with each op's pipeline stage: the one step from the plan's names
-    /// to a graph's nodes.
+    /// [`Plan::assignment`] with each op's pipeline stage (its virtual stage
+    /// `chunk × stages + stage` under the interleaved schedule): the one step from the plan's
+    /// names to a graph's nodes.
     pub fn stage_assignment(&self, g: &Graph) -> Result<(Assignment, HashMap<NodeId, usize>), String> {
         self.stage_assignment_with(g, false)
     }
@@ -864,7 +905,7 @@ impl Plan {
             let mesh = meshes.get(op.stage).ok_or_else(|| format!("{}: no stage {}", g.describe(n), op.stage))?;
             check_strategy(g, n, &op.split, mesh)?;
             asg.strategies.insert(n, op.split.clone());
-            stage_of.insert(n, op.stage);
+            stage_of.insert(n, op.chunk * self.stages.len() + op.stage);
         }
         Ok((asg, stage_of))
     }
@@ -1033,6 +1074,7 @@ fn layouts(
             communication_s: row.map_or(0.0, |r| r.communication_s),
             memory_bytes: row.map_or(0.0, |r| r.memory_bytes),
             stage,
+            chunk: 0,
         });
     }
     (ops, tensors)
