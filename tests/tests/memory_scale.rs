@@ -243,6 +243,21 @@ fn an_interleaved_plan_document_lowers_to_the_program_of_its_search_result() {
         assert!(d.chunk_of.values().any(|&k| k == 1), "device {} holds one chunk", d.device);
     }
     codegen::check(&from_plan).unwrap();
+    // Between stages of equal meshes each device sends its piece: the activations cross a
+    // cut split over the data axis (half a micro-batch each), not whole.
+    let (micro, mut received) = (plan.micro_batches, 0);
+    for d in &from_plan.devices {
+        for n in d.graph.op_nodes().unwrap() {
+            let ir::Op::Recv(r) = &d.graph.node(n).op else { continue };
+            let name = d.graph.value_name(ir::Value::new(n, 0)).to_string();
+            let global = name.split("__recv").next().and_then(|x| g.lookup(x)).unwrap();
+            let whole = g.tensor_type(global).unwrap().numel().unwrap() / micro as u64;
+            let piece: i64 = r.shape.as_ref().unwrap().iter().product();
+            assert_eq!(2 * piece as u64, whole, "device {}: {name} arrives as {:?}", d.device, r.shape);
+            received += 1;
+        }
+    }
+    assert!(received >= 8, "{received} receives");
     // A chunk the schedule does not have is refused when the document is read.
     let bad = text.replacen("\"chunk\":1", "\"chunk\":2", 1);
     assert!(passes::autoshard::Plan::from_json(&bad).unwrap_err().contains("model chunk 2"), "{bad}");

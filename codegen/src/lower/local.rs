@@ -34,6 +34,9 @@ pub(crate) struct Shared<'a> {
     /// A training graph's op phases ([`ir::reshard::step_phases`]), which tag the
     /// communication each op's lowering emits.
     pub phases: Option<HashMap<NodeId, ir::reshard::Phase>>,
+    /// Every stage has the same mesh: a value crossing a cut goes as each device's piece
+    /// ([`ir::reshard::send_layout`]) to the device at its place; else whole.
+    pub shard_sends: bool,
 }
 
 /// One device's lowering state.
@@ -372,10 +375,24 @@ impl<'a> Local<'a> {
         Ok(x)
     }
 
-    /// A tensor from another pipeline stage: received whole from the device of that stage
-    /// at this device's rank (modulo its size), then resharded to `need`.
+    /// The layout value `v` of another stage crosses the cut in ([`Shared::shard_sends`]):
+    /// the layout its op's planned strategy produces, partial sums reduced; or whole.
+    pub fn sent_layout(&self, v: Value) -> Sharding {
+        let axes = self.mesh.axes.len();
+        if !self.sh.shard_sends {
+            return vec![AxisShard::Replicate; axes];
+        }
+        let s = self.sh.placement.strategies.get(&v.node).cloned().unwrap_or_else(|| vec![None; axes]);
+        let (_, outs) = ir::shard::strategy_shardings(&ir::shard::iter_space(self.g, v.node), &s);
+        let produced = outs.get(v.slot as usize).cloned().unwrap_or_else(|| vec![AxisShard::Replicate; axes]);
+        ir::reshard::send_layout(&produced)
+    }
+
+    /// A tensor from another pipeline stage: received, in the layout it crosses the cut in
+    /// ([`Local::sent_layout`]), from the device of that stage at this device's rank (modulo
+    /// its size), then resharded to `need`.
     fn receive(&mut self, v: Value, need: &Sharding) -> Result<Value, LowerError> {
-        let sent: Sharding = vec![AxisShard::Replicate; self.mesh.axes.len()];
+        let sent: Sharding = self.sent_layout(v);
         if let Some(&x) = self.have.get(&(v, sent.clone())) {
             return self.reshard(v, x, &sent, need);
         }
@@ -383,7 +400,7 @@ impl<'a> Local<'a> {
         let src = &self.sh.placement.stages[from_stage].devices;
         let rank = self.mesh.device(&self.coords);
         let peer = src[rank % src.len()];
-        let shape: Vec<i64> = self.micro_dims(v)?.iter().map(|&x| x as i64).collect();
+        let shape: Vec<i64> = self.local_dims(v, &sent)?.iter().map(|&x| x as i64).collect();
         let name = self.fresh(&format!("{}__recv", self.g.value_name(v)));
         let recv = o::Recv {
             dtype: Some(self.dtype(v).code()),

@@ -252,7 +252,8 @@ pub fn lower(g: &Graph, placement: &Placement) -> Result<Program, LowerError> {
         }
     }
     let phases = ir::reshard::step_phases(g, &order);
-    let sh = Shared { g, placement, stage_of_value, value_tag, batch, everywhere, deliver, phases };
+    let shard_sends = placement.stages.windows(2).all(|w| w[0].mesh == w[1].mesh);
+    let sh = Shared { g, placement, stage_of_value, value_tag, batch, everywhere, deliver, phases, shard_sends };
     let total = placement.device_count();
     let mut programs: Vec<Option<DeviceProgram>> = vec![None; total];
     let mut fallbacks: Vec<String> = Vec::new();
@@ -422,8 +423,8 @@ fn lower_stage(l: &mut Local<'_>, order: &[NodeId], results: &mut Vec<Result_>) 
         for slot in 0..g.node(n).num_outputs() {
             let v = Value::new(n, slot as u16);
             let Some(dsts) = readers.get(&v) else { continue };
-            let replicated: Sharding = vec![AxisShard::Replicate; stage.mesh.axes.len()];
-            let x = l.get(v, &replicated)?;
+            let layout = l.sent_layout(v);
+            let x = l.get(v, &layout)?;
             for &dst in dsts {
                 let send = ir::op::Send { peer: Some(dst as i64), tag: Some(sh.value_tag[&v]) };
                 l.emit(Op::Send(send), vec![Some(x)], &[]);
@@ -490,6 +491,7 @@ pub fn reshard_program(
         everywhere: Default::default(),
         deliver: HashMap::new(),
         phases: None,
+        shard_sends: false,
     };
     let fed: Sharding = from.iter().map(|s| if *s == AxisShard::Partial { AxisShard::Replicate } else { *s }).collect();
     let mut devices = Vec::new();

@@ -168,8 +168,12 @@ struct Table {
     grad: Vec<f64>,
     sync: Vec<f64>,
     update: Vec<f64>,
-    /// Bytes per device crossing the cut before op `j` (`j` in `0..=n`).
+    /// Bytes per device crossing the cut before op `j` (`j` in `0..=n`), each tensor whole
+    /// (between stages of unequal meshes).
     cross: Vec<f64>,
+    /// The same when the stages' meshes are equal: each device sends its piece
+    /// ([`ir::reshard::send_layout`]).
+    cross_piece: Vec<f64>,
     /// The tensors crossing each cut.
     crossing: Vec<Vec<Value>>,
     workspace: f64,
@@ -177,6 +181,13 @@ struct Table {
     strategies: Vec<OpStrategy>,
     rows: Vec<OpRow>,
     events: Vec<CommEvent>,
+}
+
+impl Table {
+    /// Bytes per device crossing each cut: pieces between equal meshes, else whole tensors.
+    fn crossing_bytes(&self, pieces: bool) -> &[f64] {
+        if pieces { &self.cross_piece } else { &self.cross }
+    }
 }
 
 /// A table grouped into units (runs of consecutive ops), with prefix sums for O(1) stage
@@ -200,8 +211,9 @@ pub struct Units {
 }
 
 impl Units {
-    /// Units of a per-op table: op `bounds[u]..bounds[u + 1]` is unit `u`.
-    fn new(t: &Table, bounds: &[usize]) -> Units {
+    /// Units of a per-op table: op `bounds[u]..bounds[u + 1]` is unit `u`; `pieces`: the
+    /// stages' meshes are equal, so each device sends its piece of what crosses a cut.
+    fn new(t: &Table, bounds: &[usize], pieces: bool) -> Units {
         let pre = |v: &[f64]| {
             let mut out = vec![0.0; bounds.len()];
             for u in 0..bounds.len() - 1 {
@@ -215,7 +227,7 @@ impl Units {
             act: pre(&t.act),
             param: pre(&t.param),
             grad: pre(&t.grad),
-            cross: bounds.iter().map(|&b| t.cross[b]).collect(),
+            cross: bounds.iter().map(|&b| t.crossing_bytes(pieces)[b]).collect(),
             workspace: t.workspace,
         }
     }
@@ -495,6 +507,7 @@ fn table_on(cm: &CostModel<'_>, reference: &HashMap<String, OpStrategy>) -> Tabl
     let n = order.len();
     let pos: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &x)| (x, i)).collect();
     let mut cross = vec![0.0; n + 1];
+    let mut cross_piece = vec![0.0; n + 1];
     let mut crossing: Vec<Vec<Value>> = vec![Vec::new(); n + 1];
     // What every stage computes for itself (the lowering copies it) is never sent.
     let everywhere = ir::reshard::computed_everywhere_in_training(gm, &order);
@@ -508,13 +521,18 @@ fn table_on(cm: &CostModel<'_>, reference: &HashMap<String, OpStrategy>) -> Tabl
             if let Some(last) = last
                 && last > i
             {
-                // The lowering gathers a value another stage reads and each device of the
-                // stage sends it whole to its counterpart in the reading stage (`codegen::lower`,
-                // a stage's sends): that is what a device sends and the next stage holds,
-                // whatever the layout it was computed in.
+                // Each device of the stage sends a value another stage reads to its
+                // counterpart in the reading stage (`codegen::lower`, a stage's sends): its
+                // piece where the meshes are equal, else the whole tensor. That is what a
+                // device sends and the next stage holds.
                 let bytes = cm.value_bytes(v);
+                let (_, outs) = ir::shard::strategy_shardings(&ir::shard::iter_space(gm, op), &strategies[i]);
+                let piece = outs
+                    .get(slot)
+                    .map_or(bytes, |l| ir::reshard::piece_bytes(bytes, &ir::reshard::send_layout(l), mesh));
                 for j in (i + 1)..=last {
                     cross[j] += bytes;
+                    cross_piece[j] += piece;
                     crossing[j].push(v);
                 }
             }
@@ -529,6 +547,7 @@ fn table_on(cm: &CostModel<'_>, reference: &HashMap<String, OpStrategy>) -> Tabl
         sync: b.ops.iter().map(|r| r.grad_sync_s).collect(),
         update: b.ops.iter().map(|r| r.update_s).collect(),
         cross,
+        cross_piece,
         crossing,
         workspace: b.memory.workspace,
         input_transfer: b.input_transfer_s,
@@ -904,7 +923,7 @@ pub fn search_pipeline(
             tables.entry((d0, mb)).or_insert_with(|| table(&gm, cluster, &meshes[&d0], devices, opts, &reference[&d0]));
             let t = &tables[&(d0, mb)];
             let bounds = unit_bounds(t, FINE_UNITS);
-            let units = Units::new(t, &bounds);
+            let units = Units::new(t, &bounds, true);
             for schedule in [Schedule::OneFOneB, Schedule::GPipe] {
                 let cuts = partition_on(cluster, devices, &[&units], &[d0], s, m, schedule, capacity, true);
                 let plan = cuts.as_ref().and_then(|cuts| {
@@ -953,7 +972,8 @@ pub fn search_pipeline(
             tables.entry((d, mb)).or_insert_with(|| table(&gm, cluster, &meshes[&d], devices, opts, &reference[&d]));
         }
         let bounds = unit_bounds(&tables[&(d0, mb)], COARSE_UNITS);
-        let units: Vec<Units> = sizes.iter().map(|d| Units::new(&tables[&(*d, mb)], &bounds)).collect();
+        // (Stages of unequal meshes send whole tensors.)
+        let units: Vec<Units> = sizes.iter().map(|d| Units::new(&tables[&(*d, mb)], &bounds, false)).collect();
         for schedule in [Schedule::OneFOneB, Schedule::GPipe] {
             let units: Vec<&Units> = units.iter().collect();
             let Some(cuts) = partition_on(cluster, devices, &units, &sizes, s, m, schedule, capacity, true) else {
@@ -1153,7 +1173,8 @@ fn refine_stages(
     };
     // The partition again on `tables`, priced, when it cuts elsewhere.
     let recut = |tables: &HashMap<(usize, i64), Table>| -> Option<PipelinePlan> {
-        let units: Vec<Units> = r.sizes.iter().map(|d| Units::new(&tables[&(*d, r.mb)], &r.bounds)).collect();
+        let pieces = r.sizes.len() == 1;
+        let units: Vec<Units> = r.sizes.iter().map(|d| Units::new(&tables[&(*d, r.mb)], &r.bounds, pieces)).collect();
         let units: Vec<&Units> = units.iter().collect();
         partition_on(cluster, devices, &units, &r.sizes, r.s, r.m, r.schedule, capacity, true)
             .filter(|cuts| *cuts != r.cuts)
@@ -1382,13 +1403,15 @@ fn price_cuts(
     let mut op_cuts = Vec::with_capacity(s);
     let ranges: Vec<(usize, usize)> = cuts.iter().map(|c| (bounds[c.start], bounds[c.end])).collect();
     let (shared, summing) = shared_params(gm, &gm_order, &ranges, m);
+    // Between stages of equal meshes each device sends its piece (`codegen::lower`).
+    let pieces = cuts.iter().all(|c| sizes[c.size] == sizes[cuts[0].size]);
     for (st, cut) in cuts.iter().enumerate() {
         let d = sizes[cut.size];
         let t = &tables[&(d, mb)];
         let (a, b) = (bounds[cut.start], bounds[cut.end]);
         op_cuts.push((a, b));
         let all: Vec<usize> = (0..=t.fwd.len()).collect();
-        let units = Units::new(t, &all);
+        let units = Units::new(t, &all, pieces);
         let pin = PartitionInput {
             tables: vec![&units],
             sizes: vec![d],
@@ -1405,7 +1428,7 @@ fn price_cuts(
         let flight = schedule.in_flight(st, s, m);
         let params = units.params(a, b, m);
         let act_one = units.act[b] - units.act[a];
-        let input = if a > 0 { t.cross[a] } else { 0.0 };
+        let input = if a > 0 { units.cross[a] } else { 0.0 };
         let act = if rc { input * flight + act_one } else { (act_one + input) * flight };
         // The update, after the last backward, makes each weight's and optimizer state's next
         // value while the current ones are held (the micro-batch's own gradients freed by
@@ -1425,7 +1448,7 @@ fn price_cuts(
             worst_total = total;
             worst = mem;
         }
-        let send = if b < t.fwd.len() { t.cross[b] } else { 0.0 };
+        let send = if b < t.fwd.len() { units.cross[b] } else { 0.0 };
         if send > 0.0 {
             let (time, latency) = link(cut.offset + d - 1, cut.offset + d, send);
             events.extend(t.crossing[b].iter().map(|&v| crossing_event(v, send, time, latency)));
@@ -1690,7 +1713,7 @@ pub(super) fn price_configuration_in(
     let (gm, tables) = (&st.gm, &st.tables);
     let table = &tables[&(per_stage, mb)];
     let bounds = &unit_bounds(table, (4 * chunks).clamp(CONFIG_UNITS, FINE_UNITS));
-    let units = &Units::new(table, bounds);
+    let units = &Units::new(table, bounds, true);
     let cuttable = bounds.len() - 1;
     if chunks > cuttable {
         return Err(format!(
