@@ -9,7 +9,9 @@
 //! last section times the search as `shardc plan` runs it, with the algebraic rewrites it
 //! chooses between (one more search per rule that matches, and one where it is chosen place
 //! by place), beside the search without them; `SHARDC_BENCH_ONLY=rewrites` runs
-//! that section alone.
+//! that section alone. Then PaSE's dynamic program beside shardc's search on PaSE's
+//! evaluation models where `SHARDC_PASE_DIR` names a clone of PaSE (`SHARDC_BENCH_ONLY=pase`
+//! runs that section alone).
 
 use std::time::{Duration, Instant};
 
@@ -94,6 +96,10 @@ fn main() {
     };
     // `SHARDC_BENCH_ONLY=rewrites`: only the last section.
     let only_rewrites = std::env::var("SHARDC_BENCH_ONLY").is_ok_and(|s| s == "rewrites");
+    if std::env::var("SHARDC_BENCH_ONLY").is_ok_and(|s| s == "pase") {
+        pase_section(&model);
+        return;
+    }
     if only_rewrites {
         let gpt48 =
             shardc::synthetic::Gpt { layers: 48, hidden: 1600, heads: 25, batch: 8, seq: 1024, fused_gelu: false };
@@ -153,6 +159,71 @@ fn main() {
     case("hf_gpt2_124m 64×1024", &big, "a100-cluster-8", 64, 3);
     case("hf_gpt2_124m 64×1024", &big, "a100-cluster-64", 512, 3);
     rewriting_section(&gpt48, &gpt2, &bert, &model);
+    pase_section(&model);
+}
+
+/// PaSE's dynamic program (Elango, IPDPS 2021; its published `scheduler.py`) beside `shardc
+/// plan --pipeline off` (the rewrite search counted) on the models of PaSE's evaluation at 8,
+/// 16, 32 and 64 devices, one run each of PaSE and the median of three of shardc, side by
+/// side. Runs where `SHARDC_PASE_DIR` holds a clone of github.com/baidu-research/PaSE and
+/// `SHARDC_PASE_PYTHON` (default `python3`) imports its requirements (pandas < 2, networkx,
+/// numpy); else says so. PaSE's graphs are its own (`graph.py`, batch 128); shardc's are the
+/// bundled exports of the same networks at batch 128 (PyTorch's AlexNet, an LSTM language
+/// model, nn.Transformer); no Inception-v3 export is bundled.
+fn pase_section(model: &dyn Fn(&str) -> String) {
+    println!("\nbeside PaSE's dynamic program (shardc: search_rewriting, --pipeline off)");
+    let Ok(dir) = std::env::var("SHARDC_PASE_DIR") else {
+        println!("  SHARDC_PASE_DIR is not set (a clone of github.com/baidu-research/PaSE): skipped");
+        return;
+    };
+    let python = std::env::var("SHARDC_PASE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ours: [(&str, Option<&str>, Option<i64>); 4] = [
+        ("alexnet", Some("tv_alexnet"), Some(128)),
+        ("inception3", None, None),
+        ("rnnlm", Some("pt_lstm_lm"), Some(128)),
+        ("transformer", Some("pt_nn_transformer"), Some(128)),
+    ];
+    let c = Cluster::load("a100-cluster-8").expect("preset");
+    for (graph, file, batch) in ours {
+        let m = file.map(|f| prepare(&model(f), batch));
+        for devices in [8usize, 16, 32, 64] {
+            let t = Instant::now();
+            let out = std::process::Command::new(&python)
+                .args(["-O", "scheduler.py", "-p", &devices.to_string(), "-g", graph, "-b", "128"])
+                .current_dir(&dir)
+                .output();
+            let pase = t.elapsed().as_secs_f64();
+            let pase = match out {
+                Ok(o) if o.status.success() => pase,
+                Ok(o) => {
+                    println!(
+                        "  {graph} {devices}: PaSE failed: {}",
+                        String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("")
+                    );
+                    continue;
+                }
+                Err(e) => {
+                    println!("  {graph} {devices}: `{python}` does not run: {e}");
+                    return;
+                }
+            };
+            let Some(m) = &m else {
+                println!("  {graph:<12} {devices:>3} dev  PaSE {pase:>8.3} s  shardc: no bundled export");
+                continue;
+            };
+            let so = SearchOptions { pipeline: PipelineMode::Off, ..Default::default() };
+            let (times, _) = timed(
+                3,
+                || m.graph.clone(),
+                |mut g| autoshard::search_rewriting(&mut g, &c, devices, &Options::default(), &so),
+            );
+            let ours = times[1].as_secs_f64();
+            println!(
+                "  {graph:<12} {devices:>3} dev  PaSE {pase:>8.3} s  shardc {ours:>8.3} s (median of 3)  PaSE / shardc {:>6.2}",
+                pase / ours
+            );
+        }
+    }
 }
 
 fn rewriting_section(

@@ -769,7 +769,7 @@ fn interleaved_pipelines_of_tensor_parallel_stages_train_like_one_device() {
         let path = synthetic_file(name, &text);
         let model = path.to_str().unwrap();
         for &(backend, strategy) in &backends {
-            let args = [model, "--backend", backend, "--steps", "5", "--devices", "8", "--batch", "8"];
+            let args = [model, "--backend", backend, "--steps", "5", "--devices", "8"];
             let args = [&args[..], &["--loss", "mse", "--strategy", strategy, "--check"]].concat();
             let doc = shardc_train(&args).unwrap_or_else(|e| panic!("{name} {strategy} on {backend}: {e}"));
             let text = doc["summary"]["text"].as_str().unwrap_or_default();

@@ -938,7 +938,14 @@ fn configured(args: &TrainArgs) -> CliResult<TrainArgs> {
         ));
     }
     let devices = args.devices.unwrap_or(1);
-    let (named, opts) = c.resolve(devices, args.shapes.batch, &passes::cost::Options::default()).map_err(err)?;
+    // A pipeline's micro-batches follow from the batch: `--batch`, else the model's.
+    let batch = match args.shapes.batch {
+        None if c.pp > 1 => {
+            passes::cost::pipeline::graph_batch(&load_computable(&args.model, &args.shapes)?.model.graph)
+        }
+        b => b,
+    };
+    let (named, opts) = c.resolve(devices, batch, &passes::cost::Options::default()).map_err(err)?;
     a.strategy = Some(named.name());
     a.recompute = opts.recompute.name().to_string();
     a.sequence_parallel = opts.sequence_parallel;

@@ -262,3 +262,12 @@ fn an_interleaved_plan_document_lowers_to_the_program_of_its_search_result() {
     let bad = text.replacen("\"chunk\":1", "\"chunk\":2", 1);
     assert!(passes::autoshard::Plan::from_json(&bad).unwrap_err().contains("model chunk 2"), "{bad}");
 }
+
+#[test]
+fn stages_of_one_device_take_micro_batches_of_one_sample() {
+    // Pipeline 4 on 4 devices at batch 4: micro-batches of one sample, in which no dim shows
+    // the batch; each stage runs its ops whole.
+    let g = gpt(4, 32, 4, 4, 16);
+    let b = priced(&g, 4, "pp=4");
+    assert!(b.feasible && b.step_time_s > 0.0 && b.bubble_s > 0.0, "{b:?}");
+}

@@ -1664,7 +1664,13 @@ fn stage_table(
         format!("pipeline: the model takes no micro-batch of {mb}{why}")
     })?;
     let cm = CostModel::with_analysis(&gm, &analysis, cluster, mesh.clone(), opts.clone()).with_busy(devices);
-    let asg = crate::cost::strategy::assign(&cm, &inner)?;
+    let asg = match crate::cost::strategy::assign(&cm, &inner) {
+        Ok(a) => a,
+        // A stage of one device runs every op whole, whatever carries the batch (a micro-batch
+        // of one sample has no dim that shows it).
+        Err(_) if per_stage == 1 => Assignment::default(),
+        Err(e) => return Err(e),
+    };
     let strategies: HashMap<String, OpStrategy> = asg
         .strategies
         .iter()
