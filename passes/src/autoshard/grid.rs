@@ -174,16 +174,25 @@ pub fn search_grid(
         let mut first = true;
         let mut fitted: Option<f64> = None;
         let saving = rungs.len() > 1;
+        // No rung after the first is faster than `bound` (see `rung_bound`).
+        let mut bound: Option<f64> = None;
         for o in rungs.iter().filter(|o| o.zero == 0 || p.data > 1) {
+            if bound.is_some_and(|lb| best.as_ref().is_some_and(|b| lb >= b.breakdown.step_time_s)) {
+                break;
+            }
             let o = &Options { sequence_parallel: p.tensor > 1 && (saving || o.sequence_parallel), ..o.clone() };
-            let mut cand = match price_point(&mut graphs, (g, &whole), cluster, devices, p, Schedule::OneFOneB, o) {
+            let at = (p, Schedule::OneFOneB, o, first && saving);
+            let mut cand = match price_point(&mut graphs, (g, &whole), cluster, devices, at) {
                 Priced::NotApplicable => {
                     if first && p.tensor > 1 && p.stages == 1 {
                         refused.insert(p.tensor);
                     }
                     break;
                 }
-                Priced::Unfit => {
+                Priced::Unfit(unconstrained) => {
+                    if first {
+                        bound = unconstrained.map(|b| rung_bound(b, p, batch as usize));
+                    }
                     priced += 1;
                     first = false;
                     continue;
@@ -201,14 +210,20 @@ pub fn search_grid(
             fitted = Some(cand.breakdown.step_time_s);
             if p.stages > 1 && saving {
                 for v in [2, 3].into_iter().filter(|v| p.stages * v <= blocks) {
-                    match price_point(&mut graphs, (g, &whole), cluster, devices, p, Schedule::Interleaved(v), o) {
+                    match price_point(
+                        &mut graphs,
+                        (g, &whole),
+                        cluster,
+                        devices,
+                        (p, Schedule::Interleaved(v), o, false),
+                    ) {
                         Priced::Fit(c) => {
                             priced += 1;
                             if c.breakdown.step_time_s < cand.breakdown.step_time_s {
                                 cand = *c;
                             }
                         }
-                        Priced::Unfit => priced += 1,
+                        Priced::Unfit(_) => priced += 1,
                         Priced::NotApplicable => {}
                     }
                 }
@@ -234,31 +249,48 @@ pub fn search_grid(
 enum Priced {
     /// The configuration does not apply to the model or the cluster.
     NotApplicable,
-    /// It applies but does not fit in device memory (not priced further).
-    Unfit,
+    /// It applies but does not fit in device memory; its step seconds and those of its
+    /// update and gradient synchronisation as if memory were unbounded, where it was priced
+    /// so.
+    Unfit(Option<(f64, f64)>),
     /// Its plan.
     Fit(Box<GridPlan>),
 }
 
-/// Prices point `p` under `schedule` with options `o` (`g` the whole graph and its analysis).
+/// Prices point `p` under `schedule` with options `o` (`g` the whole graph and its analysis);
+/// with `unbounded`, a point that does not fit is priced as if memory were unbounded too.
 fn price_point(
     graphs: &mut MicroGraphs<'_>,
     whole: (&Graph, &Analysis),
     cluster: &Cluster,
     devices: usize,
-    p: Point,
-    schedule: Schedule,
-    o: &Options,
+    (p, schedule, o, unbounded): (Point, Schedule, &Options, bool),
 ) -> Priced {
-    match plan_point(graphs, whole, cluster, devices, p, schedule, o) {
-        Err(unfit) if unfit => Priced::Unfit,
+    match plan_point(graphs, whole, cluster, devices, p, schedule, o, unbounded) {
+        Err(unfit) if unfit => Priced::Unfit(None),
         Err(_) => Priced::NotApplicable,
-        Ok(c) if !c.breakdown.feasible => Priced::Unfit,
+        Ok(c) if !c.breakdown.feasible => {
+            let b = &c.breakdown;
+            Priced::Unfit(Some((b.step_time_s, b.update_s + b.gradient_sync_s)))
+        }
         Ok(c) => Priced::Fit(Box::new(c)),
     }
 }
 
+/// No later memory rung of point `p` steps faster than this, given the first rung's step and
+/// update and gradient-synchronisation seconds with memory unbounded: a later rung only adds
+/// work (recomputation, ZeRO's gathers) and memory limits, but may save the update and
+/// change the synchronisation (ZeRO shards them) and, interleaved over at most 3 chunks,
+/// shrink the pipeline's `(M + S − 1)` slots to `M + (S − 1)/3`.
+fn rung_bound((step, update): (f64, f64), p: Point, batch: usize) -> f64 {
+    let m = (batch / (p.data * p.mbs.unwrap_or(1))).max(1) as f64;
+    let s = p.stages as f64;
+    let interleaved = (m + (s - 1.0) / 3.0) / (m + s - 1.0);
+    (step - update).max(0.0) * interleaved
+}
+
 /// [`price_point`]'s plan; the error says whether the point applies but does not fit.
+#[allow(clippy::too_many_arguments)]
 fn plan_point(
     graphs: &mut MicroGraphs<'_>,
     (g, whole): (&Graph, &Analysis),
@@ -267,12 +299,13 @@ fn plan_point(
     p: Point,
     schedule: Schedule,
     o: &Options,
+    unbounded: bool,
 ) -> Result<GridPlan, bool> {
     let batch = graphs.batch() as usize;
     if p.stages > 1 {
         let micro = batch / (p.data * p.mbs.unwrap_or(1));
         let shape = (p.stages, micro, schedule, p.tensor);
-        let pipe = price_configuration_in(graphs, cluster, devices, shape, o, false).map_err(|e| e == UNFIT)?;
+        let pipe = price_configuration_in(graphs, cluster, devices, shape, o, unbounded).map_err(|e| e == UNFIT)?;
         return Ok(GridPlan {
             config: describe(p, schedule, o),
             mesh: pipe.stages.first().ok_or(false)?.sub_mesh.clone(),
