@@ -197,12 +197,12 @@ pub fn materialize(model: &mut Model, dir: &Path, seed: u64) -> Result<Weights, 
 }
 
 /// The runtime's schedule for a priced one.
-fn lowered_schedule(s: passes::cost::Schedule) -> Result<codegen::Schedule, String> {
-    Ok(match s {
+fn lowered_schedule(s: passes::cost::Schedule) -> codegen::Schedule {
+    match s {
         passes::cost::Schedule::GPipe => codegen::Schedule::GPipe,
         passes::cost::Schedule::OneFOneB => codegen::Schedule::OneFOneB,
         passes::cost::Schedule::Interleaved(v) => codegen::Schedule::Interleaved(v),
-    })
+    }
 }
 
 /// The priced schedule of the runtime's.
@@ -272,7 +272,7 @@ pub fn program_for_search(g: &Graph, r: &SearchResult, devices: usize) -> Result
         None => vec![(0..devices).collect()],
     };
     let schedule = match &r.pipeline {
-        Some(p) => lowered_schedule(p.schedule)?,
+        Some(p) => lowered_schedule(p.schedule),
         None => codegen::Schedule::default(),
     };
     let stage_of = passes::autoshard::interleave::virtual_stages(g, &stage_of, meshes.len(), schedule.chunks())?;
@@ -735,7 +735,7 @@ impl TrainPipeline {
             stage_of: plan
                 .ops
                 .iter()
-                .filter_map(|o| Some((o.outputs.first()?.clone(), o.chunk * plan.stages.len() + o.stage)))
+                .filter_map(|o| Some((o.outputs.first()?.clone(), plan.virtual_stage(o))))
                 .collect(),
             micro_batches: plan.micro_batches.max(1),
             schedule,
@@ -774,11 +774,11 @@ impl TrainPipeline {
     }
 
     /// The pipeline of a search result on `g` (`None` when it does not pipeline; an error
-    /// when its schedule is not lowered).
+    /// when its ops cannot be cut into the interleaved schedule's model chunks).
     pub fn of_search(g: &Graph, r: &SearchResult) -> Result<Option<TrainPipeline>, String> {
         let Some(p) = r.pipeline.as_ref() else { return Ok(None) };
         let name = |n: NodeId| g.node(n).outputs().first().map(|o| o.name.clone()).unwrap_or_default();
-        let schedule = lowered_schedule(p.schedule)?;
+        let schedule = lowered_schedule(p.schedule);
         let (_, stage_of) = passes::autoshard::plan::stage_meshes(r);
         let stage_of = passes::autoshard::interleave::virtual_stages(g, &stage_of, p.stages.len(), schedule.chunks())?;
         Ok(Some(TrainPipeline {

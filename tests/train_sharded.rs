@@ -673,7 +673,7 @@ fn pipeline_plan(
         ..Default::default()
     };
     let r = shardc::passes::autoshard::search(&c.forward, &cluster, devices, &Default::default(), &so).expect("search");
-    let Some(pipe) = shardc::exec::TrainPipeline::of_search(&c.forward, &r).expect("a lowered schedule") else {
+    let Some(pipe) = shardc::exec::TrainPipeline::of_search(&c.forward, &r).expect("model chunks") else {
         panic!("{}: no {stages}-stage pipeline on {devices} devices", c.name)
     };
     (r, pipe)

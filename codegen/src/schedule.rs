@@ -95,16 +95,7 @@ impl Schedule {
         let (f, b) = (|k| item(Part::Forward, 0, k), |k| item(Part::Backward, 0, k));
         match self {
             Schedule::GPipe => (0..m).map(f).chain((0..m).map(b)).collect(),
-            _ => {
-                let warm = stages.saturating_sub(stage + 1).min(m);
-                let mut out: Vec<Item> = (0..warm).map(f).collect();
-                for k in 0..m - warm {
-                    out.push(f(warm + k));
-                    out.push(b(k));
-                }
-                out.extend((m - warm..m).map(b));
-                out
-            }
+            _ => one_forward_one_backward(m, stages.saturating_sub(stage + 1), f, b),
         }
     }
 }
@@ -131,10 +122,22 @@ fn interleaved(stage: usize, stages: usize, m: usize, v: usize, split: bool) -> 
     }
     let bwd = order(true);
     let total = fwd.len();
-    let warm = (2 * stages.saturating_sub(stage + 1) + (v - 1) * stages).min(total);
+    let warm = 2 * stages.saturating_sub(stage + 1) + (v - 1) * stages;
     let f = |i: usize| Item { part: Part::Forward, chunk: fwd[i].0, micro: fwd[i].1 };
     let b = |i: usize| Item { part: Part::Backward, chunk: bwd[i].0, micro: bwd[i].1 };
-    let mut out: Vec<Item> = (0..warm).map(f).collect();
+    one_forward_one_backward(total, warm, f, b)
+}
+
+/// `warm` forwards (at most `total`), then one forward and one backward in turn, then the
+/// remaining backwards: the `i`-th forward `f(i)`, the `i`-th backward `b(i)`, `total` each.
+fn one_forward_one_backward(
+    total: usize,
+    warm: usize,
+    f: impl Fn(usize) -> Item,
+    b: impl Fn(usize) -> Item,
+) -> Vec<Item> {
+    let warm = warm.min(total);
+    let mut out: Vec<Item> = (0..warm).map(&f).collect();
     for i in 0..total - warm {
         out.push(f(warm + i));
         out.push(b(i));
@@ -274,14 +277,19 @@ impl Cut {
             }
     }
 
+    /// Whether `chunk`'s virtual stage recomputes its forward part before its backward part.
+    pub fn recomputes(&self, chunk: usize) -> bool {
+        self.recompute.get(chunk).copied().unwrap_or(false)
+    }
+
     /// Whether `item` recomputes its chunk's forward part first.
     pub fn reruns(&self, item: Item) -> bool {
-        item.part == Part::Backward && self.recompute.get(item.chunk).copied().unwrap_or(false)
+        item.part == Part::Backward && self.recomputes(item.chunk)
     }
 
     /// Whether `item` is a forward part whose chunk recomputes (it keeps only what it received).
     pub fn drops(&self, item: Item) -> bool {
-        item.part == Part::Forward && self.recompute.get(item.chunk).copied().unwrap_or(false)
+        item.part == Part::Forward && self.recomputes(item.chunk)
     }
 }
 

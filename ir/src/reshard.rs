@@ -188,19 +188,14 @@ pub fn held_layout(need: &[AxisShard]) -> Sharding {
     need.iter().map(|x| if *x == AxisShard::Partial { AxisShard::Replicate } else { *x }).collect()
 }
 
-/// The layout a value crosses a pipeline cut in when the two stages have equal meshes: the
-/// layout it was computed in, partial sums reduced. Each device sends its piece to the device
-/// at its place in the next stage, which reshards it to what its readers need (Megatron's
-/// point-to-point transfers of a shard; between unequal meshes the value goes whole).
-pub fn send_layout(produced: &[AxisShard]) -> Sharding {
-    held_layout(produced)
-}
-
-/// Bytes per device of a tensor of `bytes` held in `layout` on `mesh`: split axes divide it.
-pub fn piece_bytes(bytes: f64, layout: &[AxisShard], mesh: &Mesh) -> f64 {
-    let parts: usize =
-        layout.iter().zip(&mesh.axes).filter(|(s, _)| matches!(s, AxisShard::Split(_))).map(|(_, a)| a.size).product();
-    bytes / parts.max(1) as f64
+/// The layout value `v` of `g` crosses a pipeline cut in when the two stages have equal
+/// meshes of `axes` axes, its op planned as `strategy`: the layout it was computed in, partial
+/// sums reduced. Each device sends its piece to the device at its place in the next stage,
+/// which reshards it to what its readers need (Megatron's point-to-point transfers of a
+/// shard; between unequal meshes the value goes whole).
+pub fn send_layout(g: &crate::Graph, v: crate::Value, strategy: &[Option<usize>], axes: usize) -> Sharding {
+    let (_, outs) = crate::shard::strategy_shardings(&crate::shard::iter_space(g, v.node), strategy);
+    outs.get(v.slot as usize).map_or_else(|| vec![AxisShard::Replicate; axes], |l| held_layout(l))
 }
 
 /// The carried state of a training graph: per graph output named `X__next` where `X` is an

@@ -383,9 +383,7 @@ impl<'a> Local<'a> {
             return vec![AxisShard::Replicate; axes];
         }
         let s = self.sh.placement.strategies.get(&v.node).cloned().unwrap_or_else(|| vec![None; axes]);
-        let (_, outs) = ir::shard::strategy_shardings(&ir::shard::iter_space(self.g, v.node), &s);
-        let produced = outs.get(v.slot as usize).cloned().unwrap_or_else(|| vec![AxisShard::Replicate; axes]);
-        ir::reshard::send_layout(&produced)
+        ir::reshard::send_layout(self.g, v, &s, axes)
     }
 
     /// A tensor from another pipeline stage: received, in the layout it crosses the cut in

@@ -825,7 +825,7 @@ fn drive<E: Executor>(
         live.base = live.bytes;
         for (idx, &it) in cut.items.iter().enumerate() {
             let (part, k, c) = (it.part, it.micro, it.chunk);
-            let recomputes = cut.recompute.get(c).copied().unwrap_or(false);
+            let recomputes = cut.recomputes(c);
             for j in [k, k + 1] {
                 if (j == k || part != Part::Backward)
                     && !uploaded.contains_key(&j)

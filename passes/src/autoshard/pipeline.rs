@@ -526,10 +526,8 @@ fn table_on(cm: &CostModel<'_>, reference: &HashMap<String, OpStrategy>) -> Tabl
                 // piece where the meshes are equal, else the whole tensor. That is what a
                 // device sends and the next stage holds.
                 let bytes = cm.value_bytes(v);
-                let (_, outs) = ir::shard::strategy_shardings(&ir::shard::iter_space(gm, op), &strategies[i]);
-                let piece = outs
-                    .get(slot)
-                    .map_or(bytes, |l| ir::reshard::piece_bytes(bytes, &ir::reshard::send_layout(l), mesh));
+                let sent = ir::reshard::send_layout(gm, v, &strategies[i], mesh.axes.len());
+                let piece = ir::reshard::local_bytes(bytes, &sent, mesh);
                 for j in (i + 1)..=last {
                     cross[j] += bytes;
                     cross_piece[j] += piece;

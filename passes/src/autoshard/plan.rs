@@ -845,6 +845,12 @@ impl Plan {
         Ok(())
     }
 
+    /// The virtual stage op `op` runs in: `chunk × stages + stage` (its stage without
+    /// interleaving).
+    pub fn virtual_stage(&self, op: &PlanOp) -> usize {
+        op.chunk * self.stages.len() + op.stage
+    }
+
     /// Model chunks per device: `V` under the interleaved schedule (`interleaved:V`), else 1.
     pub fn chunks(&self) -> usize {
         let v = self.schedule.as_deref().and_then(|s| s.strip_prefix("interleaved:")).and_then(|v| v.parse().ok());
@@ -905,7 +911,7 @@ impl Plan {
             let mesh = meshes.get(op.stage).ok_or_else(|| format!("{}: no stage {}", g.describe(n), op.stage))?;
             check_strategy(g, n, &op.split, mesh)?;
             asg.strategies.insert(n, op.split.clone());
-            stage_of.insert(n, op.chunk * self.stages.len() + op.stage);
+            stage_of.insert(n, self.virtual_stage(op));
         }
         Ok((asg, stage_of))
     }
