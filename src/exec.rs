@@ -251,6 +251,7 @@ pub fn program_for_plan(g: &Graph, plan: &Plan) -> Result<Program, String> {
         policy: plan.policy,
         schedule,
         recompute,
+        zero: 0,
     };
     codegen::lower(g, &placement).map_err(|e| e.to_string())
 }
@@ -266,6 +267,17 @@ pub fn program_for_search(g: &Graph, r: &SearchResult, devices: usize) -> Result
             o.memory_fields()
         ));
     }
+    lower_result(g, r, devices, 0)
+}
+
+/// The program of a search result for training graph `g` (its recomputation, if any, written
+/// into the graph by [`passes::recompute`]) under ZeRO stage `zero`
+/// ([`codegen::Placement::zero`]).
+pub fn training_program(g: &Graph, r: &SearchResult, devices: usize, zero: u8) -> Result<Program, String> {
+    lower_result(g, r, devices, zero)
+}
+
+fn lower_result(g: &Graph, r: &SearchResult, devices: usize, zero: u8) -> Result<Program, String> {
     let (meshes, stage_of) = passes::autoshard::plan::stage_meshes(r);
     let device_lists: Vec<Vec<usize>> = match &r.pipeline {
         Some(p) => p.stages.iter().map(|s| s.devices.clone()).collect(),
@@ -287,6 +299,7 @@ pub fn program_for_search(g: &Graph, r: &SearchResult, devices: usize) -> Result
         policy: r.breakdown.policy,
         schedule,
         recompute,
+        zero,
     };
     codegen::lower(g, &placement).map_err(|e| e.to_string())
 }
@@ -832,8 +845,16 @@ pub fn training_pipeline_program(
         kept += pinned.len() - rederived.len();
         strategies.extend(asg.strategies);
     }
-    let placement =
-        Placement { stages, strategies, stage_of, micro_batches: 1, policy, schedule: pipe.schedule, recompute };
+    let placement = Placement {
+        stages,
+        strategies,
+        stage_of,
+        micro_batches: 1,
+        policy,
+        schedule: pipe.schedule,
+        recompute,
+        zero: 0,
+    };
     let p = codegen::lower(train, &placement).map_err(|e| e.to_string())?;
     Ok((p, kept))
 }

@@ -1013,27 +1013,56 @@ fn synthetic_case(name: &str, text: &str, recompute: shardc::passes::cost::Recom
     Case { name: name.into(), forward: model.graph, graph: tm.graph, info, inputs: HashMap::new() }
 }
 
-/// Plan = program for recomputation, sequence parallelism and ZeRO-1: the training program of
-/// a reduced GPT and Llama under each, tensor parallel over four (and data 2 × tensor 2 with
-/// ZeRO-1), moves per phase and kind the bytes the cost model prices for it.
+/// Plan = program for recomputation, sequence parallelism and ZeRO-1, 2 and 3: the training
+/// program of a reduced GPT and Llama under each, tensor parallel over four (data 2 × tensor
+/// 2 and data 4 with ZeRO), moves per phase and kind the bytes the cost model prices for it.
 #[test]
 fn memory_saving_programs_move_what_they_price() {
     use shardc::passes::cost::{Options, Recompute};
     let gpt = shardc::synthetic::Gpt { layers: 2, hidden: 64, heads: 4, batch: 4, seq: 32, fused_gelu: true };
     let llama = shardc::synthetic::Llama::reduced(2, 4, 32);
     let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
+    let plans = [
+        ("megatron", false, 0),
+        ("megatron", true, 0),
+        ("hybrid:dp:2,tp:2", true, 1),
+        ("hybrid:dp:2,tp:2", true, 2),
+        ("hybrid:dp:2,tp:2", true, 3),
+        ("data", false, 3),
+    ];
     for (name, text) in [("gpt", gpt.to_text()), ("llama", llama.to_text())] {
         for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
-            let c = synthetic_case(name, &text, recompute);
-            for (strategy, sp, zero) in [("megatron", false, 0), ("megatron", true, 0), ("hybrid:dp:2,tp:2", true, 1)] {
+            let mut c = synthetic_case(name, &text, recompute);
+            let plain = c.graph.clone();
+            for (strategy, sp, zero) in plans {
+                // ZeRO-2 and 3 hand each gradient to its update as soon as it is complete.
+                c.graph = plain.clone();
+                if zero >= 2 {
+                    shardc::passes::zero::early_gradients(&mut c.graph).expect("reordered");
+                }
                 let opts = Options { sequence_parallel: sp, zero, ..Options::default() };
                 let what = format!("{strategy} sp {sp} zero {zero} recompute {}", recompute.name());
                 let r = shardc::exec::named_result(&c.graph, &cluster, 4, strategy, &opts)
                     .unwrap_or_else(|e| panic!("{name} {what}: {e}"));
-                let p = lowered(&c, &r, 4, &what);
+                let p = shardc::exec::training_program(&c.graph, &r, 4, zero)
+                    .unwrap_or_else(|e| panic!("{name} {what}: does not lower: {e}"));
+                shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{name} {what}: inconsistent: {e:?}"));
                 assert!(p.fallbacks.is_empty(), "{name} {what}: runs replicated: {:?}", p.fallbacks);
                 priced_as_lowered(&c, &r, &p, &what);
+                if zero == 3 {
+                    zero_3_gathers_twice(&c, &p, &what);
+                }
             }
         }
+    }
+}
+
+/// Under ZeRO-3 each device holds a quarter or half of every parameter and gathers it in the
+/// forward pass and again in the backward pass.
+fn zero_3_gathers_twice(c: &Case, p: &shardc::codegen::Program, what: &str) {
+    let moved = p.bytes_moved_per_device();
+    for phase in ["forward", "backward"] {
+        let gathered = moved.get(phase).and_then(|k| k.get("all_gather")).copied().unwrap_or(0.0);
+        assert!(gathered > 0.0, "{} {what}: no parameter gathered in the {phase} pass: {moved:?}", c.name);
     }
 }

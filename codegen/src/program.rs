@@ -26,6 +26,11 @@ pub struct Placement {
     pub schedule: crate::schedule::Schedule,
     /// Per (virtual) stage: it recomputes its forward part before the backward part (absent: no).
     pub recompute: Vec<bool>,
+    /// The ZeRO stage of a training step ([`ir::reshard::ZeroLayouts`]): 2 delivers each
+    /// gradient reduce-scattered into its update's shard; 3 also holds each parameter as that
+    /// shard, gathered for the forward pass and again for the backward. Below 2 the
+    /// strategies say all (ZeRO-1 is an update's strategy).
+    pub zero: u8,
 }
 
 /// One stage: its mesh and the global ids of its devices, in mesh order.
@@ -48,6 +53,7 @@ impl Placement {
             policy: ir::reshard::Policy::default(),
             schedule: Default::default(),
             recompute: Vec::new(),
+            zero: 0,
         }
     }
 

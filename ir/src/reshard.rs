@@ -280,6 +280,59 @@ pub fn is_gradient_output(g: &crate::Graph, v: crate::Value) -> bool {
         .is_some_and(|x| matches!(g.node(x.node).op, crate::Op::Initializer(_)))
 }
 
+/// ZeRO's layouts in a training graph, read off its optimizer updates (`reads(u, j)`: the
+/// layout update `u` reads its input `j` in, from its strategy). The cost model prices and
+/// the lowering emits them alike:
+/// - stage 2 and up: a parameter's gradient output (`X__grad`, read by its update) is
+///   delivered in the layout its update reads it in — reduce-scattered into the shard the
+///   update runs on — so no device holds the whole gradient once its update has run;
+/// - stage 3: a parameter is held as its update reads it (each device keeps its shard); its
+///   readers get it gathered, in the forward pass and again in the backward pass
+///   ([`ZeroLayouts::regathered`]: a copy made for the forward pass is not kept for the
+///   backward).
+#[derive(Clone, Debug, Default)]
+pub struct ZeroLayouts {
+    /// Stage 3: per parameter, the layout it is held in.
+    pub params: std::collections::HashMap<crate::Value, Sharding>,
+    /// Stage 2 and up: per gradient output, the layout it is delivered in.
+    pub gradients: std::collections::HashMap<crate::Value, Sharding>,
+}
+
+impl ZeroLayouts {
+    /// The layouts of ZeRO stage `stage` in training graph `g` (none below stage 2).
+    pub fn new(g: &crate::Graph, stage: u8, reads: impl Fn(crate::NodeId, usize) -> Option<Sharding>) -> ZeroLayouts {
+        let mut z = ZeroLayouts::default();
+        if stage < 2 {
+            return z;
+        }
+        for n in g.node_ids() {
+            let node = g.node(n);
+            if !matches!(node.op, crate::Op::SgdUpdate(_) | crate::Op::AdamUpdate(_)) {
+                continue;
+            }
+            if let Some(gr) = node.input(1).filter(|&v| is_gradient_output(g, v))
+                && let Some(l) = reads(n, 1)
+            {
+                z.gradients.insert(gr, l);
+            }
+            if stage >= 3
+                && let Some(p) = node.input(0).filter(|&v| matches!(g.node(v.node).op, crate::Op::Initializer(_)))
+                && let Some(l) = reads(n, 0)
+            {
+                z.params.insert(p, held_layout(&l));
+            }
+        }
+        z
+    }
+
+    /// Whether a copy of `v` in another layout than its held one, made in the forward pass,
+    /// is dropped when the forward pass ends (a ZeRO-3 parameter: gathered again for the
+    /// backward pass).
+    pub fn regathered(&self, v: crate::Value) -> bool {
+        self.params.contains_key(&v)
+    }
+}
+
 /// The layout graph output `v` of `g`, held in `from`, is delivered in: carried state in the
 /// layout its state is held in (`held`, when the state is read at all); a gradient output
 /// ([`is_gradient_output`]) as it is (its pieces, partial sums included, are assembled on

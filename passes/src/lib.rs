@@ -22,6 +22,7 @@ pub mod recompute;
 pub mod table;
 pub mod train;
 pub mod verify;
+pub mod zero;
 
 pub use algebra::{Algebra, ConvAsMatMul, FuseGemms};
 pub use autodiff::Autodiff;

@@ -93,10 +93,13 @@ pub struct TrainArgs {
     /// regions.
     #[arg(long = "sequence-parallel")]
     pub sequence_parallel: bool,
-    /// ZeRO stage 1: each optimizer update runs on its shard of a parameter held whole, with
+    /// ZeRO stage. 1: each optimizer update runs on its shard of a parameter held whole, with
     /// that shard of the optimizer state (gradients reduce-scattered into it, the new value
-    /// all-gathered). Stages 2 and 3 are priced by `cost` and `plan`, not run.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+    /// all-gathered). 2: also each gradient is reduce-scattered into that shard as soon as it
+    /// is complete, and the whole gradient is not kept. 3: also each parameter is held as its shard, gathered
+    /// before the forward pass reads it and again before the backward pass does. Stages 2
+    /// and 3 run on plans without pipelines or micro-batches.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,
     #[command(flatten)]
     pub transport: super::transport::TransportArgs,
@@ -675,8 +678,16 @@ fn lower(
     let Setup { loaded, loss, opt, cluster, opts, .. } = s;
     let (g, devices) = (&tm.graph, chosen.devices);
     let (program, micro) = match &chosen.lowering {
-        Lowering::Flat(r) => (exec::program_for_search(gl, r, devices).map_err(CliError::msg)?, args.micro_batches),
+        Lowering::Flat(r) => {
+            (exec::training_program(gl, r, devices, opts.zero).map_err(CliError::msg)?, args.micro_batches)
+        }
         Lowering::Pipeline(pipe, fwd) => {
+            if opts.zero >= 2 {
+                return Err(CliError::msg(format!(
+                    "ZeRO-{}: stages 2 and 3 run on plans without pipelines; `cost` and `plan` price them with pipelines",
+                    opts.zero
+                )));
+            }
             let m = pipe.micro_batches;
             if args.micro_batches != 1 && args.micro_batches != m {
                 return Err(CliError::msg(format!(
@@ -916,6 +927,28 @@ fn recomputed(g: &ir::Graph, mode: &str, notes: &mut Vec<String>) -> CliResult<O
     Ok(Some(r))
 }
 
+/// `g` with each gradient handed to its update as soon as it is complete ([`passes::zero`]),
+/// which ZeRO-2 and ZeRO-3 need; `None` below stage 2. Refused with micro-batches: the
+/// accumulated gradient is whole until the last micro-batch.
+fn early_gradients(g: &ir::Graph, args: &TrainArgs, notes: &mut Vec<String>) -> CliResult<Option<ir::Graph>> {
+    if args.zero < 2 {
+        return Ok(None);
+    }
+    if args.micro_batches > 1 {
+        return Err(CliError::msg(format!(
+            "--zero {}: stages 2 and 3 run without micro-batches (each update runs when its gradient is complete); `cost` and `plan` price them with accumulation",
+            args.zero
+        )));
+    }
+    let mut r = g.clone();
+    let moved = passes::zero::early_gradients(&mut r).map_err(|e| CliError::msg(format!("--zero: {e}")))?;
+    notes.push(format!(
+        "ZeRO-{}: {moved} gradients reduce-scattered into their updates' shards as soon as they are complete",
+        args.zero
+    ));
+    Ok(Some(r))
+}
+
 /// `args` with a configuration `--strategy` (`tp=2,dp=2,sp,recompute=full,zero=1`) turned
 /// into the named strategy it is and the options it sets; a name stays as it is.
 fn configured(args: &TrainArgs) -> CliResult<TrainArgs> {
@@ -923,12 +956,6 @@ fn configured(args: &TrainArgs) -> CliResult<TrainArgs> {
     let Some(s) = args.strategy.as_deref().filter(|s| passes::cost::config::is_config(s)) else { return Ok(a) };
     let err = |e: String| CliError::msg(format!("--strategy `{s}`: {e}"));
     let c = passes::cost::config::Config::parse(s).map_err(err)?;
-    if c.zero > 1 {
-        return Err(err(format!(
-            "zero={}: `train` runs ZeRO-1; stages 2 and 3 are priced by `cost` and `plan`",
-            c.zero
-        )));
-    }
     if c.mbs.is_some() {
         return Err(err("mbs: `train` accumulates gradients with --micro-batches".into()));
     }
@@ -978,6 +1005,8 @@ pub fn run(args: &TrainArgs) -> CliResult {
     // differentiated.
     let recomputed = recomputed(gl, &args.recompute, &mut notes)?;
     let gl = recomputed.as_ref().unwrap_or(gl);
+    let early = early_gradients(gl, args, &mut notes)?;
+    let gl = early.as_ref().unwrap_or(gl);
     // The program: the training graph lowered for the strategy.
     let searched = s.searched.take();
     let chosen = training_plan(args, s.plan_doc.as_ref(), searched, &s.loaded.model.graph, gl, &s.cluster, &s.opts)?;

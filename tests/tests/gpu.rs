@@ -92,6 +92,7 @@ fn sharded_plans_run_on_wgpu_devices_and_match_the_reference() {
                 policy: cm.policy,
                 schedule: Default::default(),
                 recompute: Vec::new(),
+                zero: 0,
             };
             let prog = codegen::lower(g, &pl).unwrap_or_else(|e| panic!("{name} {strategy}: {e}"));
             codegen::check(&prog).unwrap_or_else(|e| panic!("{name} {strategy}: {e:?}"));

@@ -35,6 +35,7 @@ fn one_stage(mesh: &ir::shard::Mesh, strategies: HashMap<ir::NodeId, Vec<Option<
         policy: Default::default(),
         schedule: Default::default(),
         recompute: Vec::new(),
+        zero: 0,
     }
 }
 
@@ -236,6 +237,7 @@ fn split_mean_losses_count_the_samples_not_ignored() {
             policy: Default::default(),
             schedule: Default::default(),
             recompute: Vec::new(),
+            zero: 0,
         };
         let prog = codegen::lower(g, &pl).unwrap();
         let r = codegen::run(&prog, &inputs, &RunOptions { backend: Backend::Cpu, ..Default::default() }).unwrap();

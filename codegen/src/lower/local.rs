@@ -37,6 +37,8 @@ pub(crate) struct Shared<'a> {
     /// Every stage has the same mesh: a value crossing a cut goes as each device's piece
     /// ([`ir::reshard::send_layout`]) to the device at its place; else whole.
     pub shard_sends: bool,
+    /// ZeRO's layouts of parameters and gradients ([`ir::reshard::ZeroLayouts`]).
+    pub zero: ir::reshard::ZeroLayouts,
 }
 
 /// One device's lowering state.
@@ -292,8 +294,8 @@ impl<'a> Local<'a> {
         // from it.
         let source = matches!(node.op, Op::Input { .. } | Op::Initializer(_));
         if source && ir::reshard::held_once(g, v) {
-            let held =
-                self.produced.get(&v).cloned().or_else(|| Some(ir::reshard::held_layout(need)).filter(|w| w != need));
+            let first = || self.sh.zero.params.get(&v).cloned().unwrap_or_else(|| ir::reshard::held_layout(need));
+            let held = self.produced.get(&v).cloned().or_else(|| Some(first()).filter(|w| w != need));
             if let Some(from) = held {
                 let x0 = self.get(v, &from)?;
                 let x = self.reshard(v, x0, &from, need)?;
@@ -373,6 +375,13 @@ impl<'a> Local<'a> {
         }
         self.have.insert((v, need.clone()), x);
         Ok(x)
+    }
+
+    /// The forward pass has ended: copies of ZeRO-3 parameters gathered for it are not kept
+    /// for the backward pass, which gathers them again ([`ir::reshard::ZeroLayouts::regathered`]).
+    pub fn end_forward(&mut self) {
+        let (zero, produced) = (&self.sh.zero, &self.produced);
+        self.have.retain(|(v, layout), _| !zero.regathered(*v) || produced.get(v) == Some(layout));
     }
 
     /// The layout value `v` of another stage crosses the cut in ([`Shared::shard_sends`]):

@@ -253,7 +253,11 @@ pub fn lower(g: &Graph, placement: &Placement) -> Result<Program, LowerError> {
     }
     let phases = ir::reshard::step_phases(g, &order);
     let shard_sends = placement.stages.windows(2).all(|w| w[0].mesh == w[1].mesh);
-    let sh = Shared { g, placement, stage_of_value, value_tag, batch, everywhere, deliver, phases, shard_sends };
+    let zero = ir::reshard::ZeroLayouts::new(g, placement.zero, |u, j| {
+        let s = placement.strategies.get(&u)?;
+        strategy_shardings(&iter_space(g, u), s).0.get(j).cloned().flatten()
+    });
+    let sh = Shared { g, placement, stage_of_value, value_tag, batch, everywhere, deliver, phases, shard_sends, zero };
     let total = placement.device_count();
     let mut programs: Vec<Option<DeviceProgram>> = vec![None; total];
     let mut fallbacks: Vec<String> = Vec::new();
@@ -416,8 +420,20 @@ fn lower_stage(l: &mut Local<'_>, order: &[NodeId], results: &mut Vec<Result_>) 
     let phase_of = |n: NodeId| sh.phases.as_ref().and_then(|p| p.get(&n).copied());
     let first = l.chunk == 0;
     for &n in order.iter().filter(|&&n| stage_of(n) == si || (first && sh.everywhere.contains(&n))) {
-        l.phase = phase_of(n);
+        let phase = phase_of(n);
+        if l.phase.is_some_and(|p| p == ir::reshard::Phase::Forward)
+            && phase.is_some_and(|p| p != ir::reshard::Phase::Forward)
+        {
+            l.end_forward();
+        }
+        l.phase = phase;
         lower_op(l, n)?;
+        // A ZeRO gradient is brought to its update's shard as soon as it is computed.
+        for slot in 0..g.node(n).num_outputs() {
+            if let Some(shard) = sh.zero.gradients.get(&Value::new(n, slot as u16)) {
+                l.get(Value::new(n, slot as u16), shard)?;
+            }
+        }
         // Each value another stage reads is sent as soon as it is computed (a training
         // step's backward part waits for it in the next stage).
         for slot in 0..g.node(n).num_outputs() {
@@ -448,7 +464,10 @@ fn lower_stage(l: &mut Local<'_>, order: &[NodeId], results: &mut Vec<Result_>) 
         }
         let produced = l.produced.get(&v).cloned().unwrap_or_else(|| vec![AxisShard::Replicate; stage.mesh.axes.len()]);
         let batch = sh.batch.get(&v).map_or(&[][..], Vec::as_slice);
-        let layout = ir::reshard::delivered_layout(g, &carried, v, &produced, batch, |s| l.produced.get(&s).cloned());
+        let layout = match sh.zero.gradients.get(&v) {
+            Some(z) => z.clone(),
+            None => ir::reshard::delivered_layout(g, &carried, v, &produced, batch, |s| l.produced.get(&s).cloned()),
+        };
         l.phase = phase_of(v.node);
         let x = l.get(v, &layout)?;
         l.lg.add_output(x, None);
@@ -481,6 +500,7 @@ pub fn reshard_program(
         policy,
         schedule: Default::default(),
         recompute: Vec::new(),
+        zero: 0,
     };
     let sh = Shared {
         g: &g,
@@ -492,6 +512,7 @@ pub fn reshard_program(
         deliver: HashMap::new(),
         phases: None,
         shard_sends: false,
+        zero: Default::default(),
     };
     let fed: Sharding = from.iter().map(|s| if *s == AxisShard::Partial { AxisShard::Replicate } else { *s }).collect();
     let mut devices = Vec::new();

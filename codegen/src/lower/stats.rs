@@ -373,6 +373,7 @@ mod tests {
                 policy: Default::default(),
                 schedule: Default::default(),
                 recompute: Vec::new(),
+                zero: 0,
             };
             let prog = crate::lower(g, &pl).unwrap();
             let mode = split_mode(g, n, &sp, &s, &mesh).unwrap();

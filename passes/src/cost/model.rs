@@ -472,6 +472,22 @@ struct Edges<'e> {
     grad_reads: FxHashMap<Value, usize>,
 }
 
+/// The copies of values in other layouts a training step holds ([`CostModel::copies`]): bytes
+/// made at each position, bytes freed after it, bytes made at the end, and the graph outputs
+/// a reader brought to their delivered layout (the value itself not held to the end); and
+/// where each value is last read, a copy's making counting as a read.
+#[derive(Default)]
+struct Copies {
+    made: Vec<f64>,
+    freed: Vec<f64>,
+    at_end: f64,
+    delivered_early: FxHashSet<Value>,
+    /// Per position, the values last read there (directly, or copied into another layout).
+    frees: Vec<Vec<Value>>,
+    /// The values some op reads.
+    read: FxHashSet<Value>,
+}
+
 /// One parameter's gradient synchronisation, before bucketing.
 struct GradEvent {
     value: Value,
@@ -1155,6 +1171,13 @@ impl<'a> CostModel<'a> {
         self.reshard_both(v, from, to, 1.0).1
     }
 
+    /// Whether bringing a value from layout `from` to `to` makes a new array: the layouts
+    /// differ on an axis of more than one device (on an axis of one, a split or a partial sum
+    /// is the whole value, which the runtime hands on).
+    fn copies_on(&self, from: &Sharding, to: &Sharding) -> bool {
+        self.mesh.axes.iter().zip(from.iter().zip(to)).any(|(a, (f, t))| a.size > 1 && f != t)
+    }
+
     /// [`CostModel::reshard`] and [`CostModel::reshard_local`], memoised together.
     fn reshard_both(&self, v: Value, from: &Sharding, to: &Sharding, scale: f64) -> Resharded {
         if from == to {
@@ -1207,7 +1230,7 @@ impl<'a> CostModel<'a> {
         let g = self.g;
         let mesh = &self.mesh;
         let evals: Vec<Rc<OpEval>> = self.order.iter().map(|&n| self.op_eval(n, &self.strategy_of(asg, n))).collect();
-        let (out_sh, storage) = self.layouts(&evals);
+        let (out_sh, storage) = self.layouts(&evals, &ir::reshard::ZeroLayouts::default());
         let replicated: Sharding = vec![AxisShard::Replicate; mesh.axes.len()];
         let have =
             |v: Value| -> &Sharding { out_sh.get(&v).copied().or_else(|| storage.get(&v)).unwrap_or(&replicated) };
@@ -1258,7 +1281,8 @@ impl<'a> CostModel<'a> {
         }
         // Graph outputs end reduced and cut only along their batch dims (what a loss or the
         // host reads); the collectives that make them so are part of the forward pass.
-        let out_comm: f64 = self.output_comm(&mut w, &edges, &have, &storage).iter().sum();
+        let out_comm: f64 =
+            self.output_comm(&mut w, &edges, &have, &storage, &ir::reshard::ZeroLayouts::default()).iter().sum();
         fwd_total += out_comm;
         comm_total += out_comm;
 
@@ -1371,23 +1395,34 @@ impl<'a> CostModel<'a> {
         let g = self.g;
         let mesh = &self.mesh;
         let evals: Vec<Rc<OpEval>> = self.order.iter().map(|&n| self.op_eval(n, &self.strategy_of(asg, n))).collect();
-        let (out_sh, storage) = self.layouts(&evals);
+        let zero = self.zero_layouts(&evals);
+        let (out_sh, storage) = self.layouts(&evals, &zero);
         let replicated: Sharding = vec![AxisShard::Replicate; mesh.axes.len()];
         let have =
             |v: Value| -> &Sharding { out_sh.get(&v).copied().or_else(|| storage.get(&v)).unwrap_or(&replicated) };
         let local = |v: Value| self.value_bytes(v) / split_factor(have(v), mesh);
-        let last_use = g.last_uses(&self.order);
-        let outputs: FxHashSet<Value> = g.outputs().iter().map(|o| o.value).collect();
         let fixed = |v: Value| matches!(g.node(v.node).op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef);
+        let copies = self.copies(&evals, &have, &|v| out_sh.contains_key(&v), &storage, &zero);
+        // Outputs are held to the end, but for those delivered in a layout a reader made
+        // before (a ZeRO gradient's shard): that copy is, the value itself only to its reader.
+        let outputs: FxHashSet<Value> =
+            g.outputs().iter().map(|o| o.value).filter(|v| !copies.delivered_early.contains(v)).collect();
 
         let mut w = Walk::new(detail, self.order.len());
         let mut edges = Edges::default();
         // Per phase (forward, backward, gradient): compute and communication seconds.
         let (mut compute, mut comm) = ([0.0f64; 3], [0.0f64; 3]);
         let (mut live, mut peak) = (0.0f64, 0.0f64);
+        let mut forward = false;
         for (pos, (&n, e)) in self.order.iter().zip(&evals).enumerate() {
             let node = g.node(n);
             let phase = self.phase(n);
+            // ZeRO-3 parameters gathered for the forward pass are gathered again after it.
+            if forward && phase != Phase::Forward {
+                edges.materialized.retain(|(v, l)| !zero.regathered(*v) || storage.get(v) == Some(*l));
+            }
+            forward = phase == Phase::Forward;
+            live += copies.made[pos];
             let (edge_comm, _, _) = self.op_edges(&mut w, &mut edges, pos, n, e, &have, &|v| out_sh.contains_key(&v));
             self.record_op_comm(&mut w, n, e, &have);
             let op_comm = edge_comm + e.time.comm_fwd;
@@ -1403,17 +1438,18 @@ impl<'a> CostModel<'a> {
             w.workspace = w.workspace.max(made);
             live += made;
             peak = peak.max(live);
-            for v in node.inputs().iter().flatten() {
-                if last_use.get(v) == Some(&pos) && !fixed(*v) && !outputs.contains(v) {
+            for v in &copies.frees[pos] {
+                if !fixed(*v) && !outputs.contains(v) {
                     live -= local(*v);
                 }
             }
             for slot in 0..node.num_outputs() {
                 let v = Value::new(n, slot as u16);
-                if !g.value_name(v).is_empty() && !last_use.contains_key(&v) && !outputs.contains(&v) {
+                if !g.value_name(v).is_empty() && !copies.read.contains(&v) && !outputs.contains(&v) {
                     live -= local(v);
                 }
             }
+            live -= copies.freed[pos];
             if detail {
                 w.rows.push(OpRow {
                     name: row_name(node),
@@ -1431,10 +1467,12 @@ impl<'a> CostModel<'a> {
                 });
             }
         }
-        let out_comm = self.output_comm(&mut w, &edges, &have, &storage);
+        let out_comm = self.output_comm(&mut w, &edges, &have, &storage, &zero);
         for (c, o) in comm.iter_mut().zip(out_comm) {
             *c += o;
         }
+        // The outputs delivered in another layout at the end, beside what is held then.
+        peak = peak.max(live + copies.at_end);
         w.events.append(&mut w.bwd_events);
 
         // Held for the whole step: parameters (trainable initializers), the optimizer's and
@@ -1485,10 +1523,129 @@ impl<'a> CostModel<'a> {
         }
     }
 
+    /// ZeRO's layouts in this training graph ([`ir::reshard::ZeroLayouts`]), from its updates'
+    /// strategies, as the lowering reads them.
+    fn zero_layouts(&self, evals: &[Rc<OpEval>]) -> ir::reshard::ZeroLayouts {
+        if self.opts.zero < 2 {
+            return ir::reshard::ZeroLayouts::default();
+        }
+        let pos: FxHashMap<NodeId, usize> = self.order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+        ir::reshard::ZeroLayouts::new(self.g, self.opts.zero, |u, j| {
+            pos.get(&u).and_then(|&p| evals[p].ins.get(j).cloned().flatten())
+        })
+    }
+
+    /// The layout graph output `v` (held in `from`) is delivered in: a ZeRO gradient's shard,
+    /// else [`ir::reshard::delivered_layout`].
+    fn delivered(
+        &self,
+        v: Value,
+        from: &Sharding,
+        storage: &BTreeMap<Value, Sharding>,
+        zero: &ir::reshard::ZeroLayouts,
+        carried: &[(Value, Value)],
+    ) -> Sharding {
+        if let Some(l) = zero.gradients.get(&v) {
+            return l.clone();
+        }
+        let batch = self.batch.get(&v).map_or(&[][..], Vec::as_slice);
+        ir::reshard::delivered_layout(self.g, carried, v, from, batch, |s| storage.get(&s).cloned())
+    }
+
+    /// The copies a training step holds beside its ops' outputs, as the lowering makes them:
+    /// a value brought to another layout for a reader is held from the first reader that
+    /// needs it there to the last — to the end when the value is also delivered so — except
+    /// that a ZeRO-3 parameter's copies made in the forward pass end with it; a graph output
+    /// delivered in a layout no reader made is made at the end, in place of the value.
+    fn copies<'e>(
+        &self,
+        evals: &[Rc<OpEval>],
+        have: &dyn Fn(Value) -> &'e Sharding,
+        produced: &dyn Fn(Value) -> bool,
+        storage: &BTreeMap<Value, Sharding>,
+        zero: &ir::reshard::ZeroLayouts,
+    ) -> Copies {
+        let g = self.g;
+        let end = self.order.len();
+        // A ZeRO-3 parameter's copies live within one pass (`epoch`): they end when a forward
+        // pass does.
+        let mut life: FxHashMap<(Value, Sharding, usize), (usize, usize)> = FxHashMap::default();
+        let mut last: FxHashMap<Value, usize> = FxHashMap::default();
+        let (mut forward, mut epoch) = (false, 0);
+        let mut pos_of: FxHashMap<NodeId, usize> = FxHashMap::default();
+        for (pos, (&n, e)) in self.order.iter().zip(evals).enumerate() {
+            pos_of.insert(n, pos);
+            let phase = self.phase(n);
+            epoch += usize::from(forward && phase != Phase::Forward);
+            forward = phase == Phase::Forward;
+            for (j, v) in g.node(n).inputs().iter().enumerate() {
+                let Some(v) = v else { continue };
+                let need = e.ins.get(j).cloned().flatten();
+                let copy = need
+                    .filter(|need| (ir::reshard::held_once(g, *v) || produced(*v)) && self.copies_on(have(*v), need));
+                // The value is read here, or copied where its copy is made.
+                let at = match copy {
+                    None => pos,
+                    Some(need) => {
+                        // A ZeRO gradient is brought to its update's shard where it is computed.
+                        let first = if zero.gradients.get(v) == Some(&need) { pos_of[&v.node] } else { pos };
+                        let key = (*v, need, if zero.regathered(*v) { epoch } else { 0 });
+                        let l = life.entry(key).or_insert((first, pos));
+                        l.1 = pos;
+                        l.0
+                    }
+                };
+                let l = last.entry(*v).or_insert(at);
+                *l = (*l).max(at);
+            }
+        }
+        let carried = ir::reshard::carried_state(g);
+        let mut c =
+            Copies { made: vec![0.0; end], freed: vec![0.0; end], frees: vec![Vec::new(); end], ..Copies::default() };
+        let mut done: FxHashSet<Value> = FxHashSet::default();
+        for o in g.outputs() {
+            let v = o.value;
+            if !done.insert(v) || !ir::reshard::held_once(g, v) {
+                continue;
+            }
+            let to = self.delivered(v, have(v), storage, zero, &carried);
+            if &to == have(v) {
+                continue;
+            }
+            match life.get_mut(&(v, to.clone(), if zero.regathered(v) { epoch } else { 0 })) {
+                Some(l) => {
+                    l.1 = end;
+                    c.delivered_early.insert(v);
+                }
+                // Made at the end, after which the value itself is not held.
+                None => {
+                    c.at_end += self.value_bytes(v) / split_factor(&to, &self.mesh)
+                        - self.value_bytes(v) / split_factor(have(v), &self.mesh)
+                }
+            }
+        }
+        for ((v, layout, _), (first, last)) in life {
+            let bytes = self.value_bytes(v) / split_factor(&layout, &self.mesh);
+            c.made[first] += bytes;
+            if last < end {
+                c.freed[last] += bytes;
+            }
+        }
+        for (&v, &at) in &last {
+            c.frees[at].push(v);
+        }
+        c.read = last.into_keys().collect();
+        c
+    }
+
     /// Layouts: op outputs from their strategies; parameters, constants and graph inputs as
     /// their first reader needs them, never as partial sums (see [`ir::reshard::held_once`],
     /// [`ir::reshard::held_layout`]).
-    fn layouts<'e>(&self, evals: &'e [Rc<OpEval>]) -> (FxHashMap<Value, &'e Sharding>, BTreeMap<Value, Sharding>) {
+    fn layouts<'e>(
+        &self,
+        evals: &'e [Rc<OpEval>],
+        zero: &ir::reshard::ZeroLayouts,
+    ) -> (FxHashMap<Value, &'e Sharding>, BTreeMap<Value, Sharding>) {
         let g = self.g;
         let replicated: Sharding = vec![AxisShard::Replicate; self.mesh.axes.len()];
         let mut out_sh: FxHashMap<Value, &Sharding> = FxHashMap::default();
@@ -1498,7 +1655,7 @@ impl<'a> CostModel<'a> {
                 out_sh.insert(Value::new(n, slot as u16), sh);
             }
         }
-        let mut storage: BTreeMap<Value, Sharding> = BTreeMap::new();
+        let mut storage: BTreeMap<Value, Sharding> = zero.params.iter().map(|(v, l)| (*v, l.clone())).collect();
         for (&n, e) in self.order.iter().zip(evals) {
             for (j, v) in g.node(n).inputs().iter().enumerate() {
                 if let Some(v) = v
@@ -1606,6 +1763,7 @@ impl<'a> CostModel<'a> {
         edges: &Edges<'e>,
         have: &dyn Fn(Value) -> &'e Sharding,
         storage: &BTreeMap<Value, Sharding>,
+        zero: &ir::reshard::ZeroLayouts,
     ) -> [f64; 3] {
         let mut t = [0.0; 3];
         let carried = ir::reshard::carried_state(self.g);
@@ -1616,8 +1774,7 @@ impl<'a> CostModel<'a> {
                 continue;
             }
             let from = have(v);
-            let batch = self.batch.get(&v).map_or(&[][..], Vec::as_slice);
-            let to = ir::reshard::delivered_layout(self.g, &carried, v, from, batch, |s| storage.get(&s).cloned());
+            let to = self.delivered(v, from, storage, zero, &carried);
             if edges.materialized.contains(&(v, &to)) {
                 continue; // a reader already made it
             }
