@@ -142,3 +142,50 @@ fn the_fused_step_keeps_no_scores() {
     assert!(square(&model) >= 2, "the unfused step keeps the probabilities");
     assert_eq!(square(&f), 0);
 }
+
+fn gpu_available() -> bool {
+    match codegen::runtime::gpu::open() {
+        Ok(_) => true,
+        Err(e) => {
+            if std::env::var_os("SHARDC_REQUIRE_GPU").is_some() {
+                panic!("SHARDC_REQUIRE_GPU is set but no adapter opens: {e}");
+            }
+            eprintln!("skipping: no GPU adapter ({e})");
+            false
+        }
+    }
+}
+
+/// The fused GPT and Llama train on wgpu — attention on its kernel, the forward's and the
+/// backward's recomputation of the probabilities, no `Attention` run on the host — as the
+/// unfused models train on the reference trainer: the same losses over 3 SGD steps, the
+/// first step's gradients and the last step's parameters.
+#[test]
+fn fused_attention_trains_on_wgpu_like_the_unfused_model() {
+    use shardc::passes::autodiff::{LossSpec, OptimizerSpec};
+    if !gpu_available() {
+        return;
+    }
+    let loss = LossSpec::Mean(None);
+    for (name, model) in [("gpt", small_gpt()), ("llama", small_llama())] {
+        let (f, _) = fused(&model);
+        let (l0, g0, p0) = common::sgd_steps(&model, &loss);
+        let (t, info) = shardc::train::training_model(&f, &loss, &OptimizerSpec::sgd(0.1, 0.0)).unwrap();
+        let inputs = shardc::train::seeded_inputs(&t.graph, &info, 3).unwrap();
+        let prog = codegen::lower(&t.graph, &codegen::Placement::single()).unwrap();
+        let run = shardc::train::run_steps(&prog, &info, &inputs, codegen::Backend::Wgpu, 3)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let host = &run.report.devices[0].host_ops;
+        assert!(!host.contains_key("Attention"), "{name}: attention ran on the host: {host:?}");
+        assert_eq!(run.losses.len(), l0.len(), "{name}");
+        for (a, b) in run.losses.iter().zip(&l0) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{name}: loss {a} vs {b}");
+        }
+        for (want, got, what) in [(&g0, &run.gradients, "gradient"), (&p0, &run.parameters, "parameter")] {
+            assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{name}");
+            for (k, w) in want {
+                compare(&format!("{name} {what} {k} on wgpu"), &got[k], w, 1e-3, 1e-5).unwrap();
+            }
+        }
+    }
+}

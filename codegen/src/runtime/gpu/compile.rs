@@ -282,10 +282,6 @@ pub const HOST_ONLY: &[(&str, &str)] = &[
     ("Det", "an LU factorization per matrix"),
     ("RMSNormalization", "row statistics; the reference kernel runs it"),
     ("MaxUnpool", "an index scatter"),
-    (
-        "Attention",
-        "fused attention: the reference kernel runs it (exports split into MatMul/Softmax run on the device)",
-    ),
     ("RotaryEmbedding", "position-dependent rotation, small"),
     ("CumProd", "a scan, rare in training graphs"),
     ("Scatter", "a scatter with possible collisions (WGSL has no float atomics)"),
@@ -379,7 +375,6 @@ host_kernels!(
     Det,
     RMSNormalization,
     MaxUnpool,
-    Attention,
     RotaryEmbedding,
     CumProd,
     Scatter,

@@ -13,6 +13,7 @@
 //! reference kernels ([`compile::HOST_ONLY`] lists those that always do), and the run report
 //! counts it.
 
+pub mod attention;
 pub mod compile;
 pub mod conv;
 pub mod elementwise;
