@@ -271,3 +271,25 @@ fn stages_of_one_device_take_micro_batches_of_one_sample() {
     let b = priced(&g, 4, "pp=4");
     assert!(b.feasible && b.step_time_s > 0.0 && b.bubble_s > 0.0, "{b:?}");
 }
+
+/// The grid passes over a rung whose model state alone overflows a device
+/// (`cost::model::model_state_floor`): the floor is the model state the cost model prices
+/// when nothing splits the parameters (data parallelism, each ZeRO stage) and never above it
+/// when tensor and pipeline degrees do.
+#[test]
+fn the_model_state_floor_never_exceeds_the_priced_model_state() {
+    let g = gpt(8, 512, 8, 16, 128);
+    let elems = cost::model::parameter_elements(&g, &cost::model::Analysis::of(&g));
+    let state = |b: &Breakdown| b.memory.weights + b.memory.gradients + b.memory.optimizer;
+    for zero in 0..=3u8 {
+        let o = Options { precision: Precision::Fp16, zero, ..Options::default() };
+        let b = priced(&g, 8, &format!("dp=8,zero={zero}"));
+        close(cost::model::model_state_floor(&o, elems, 1.0, 8.0), state(&b), 1e-9, &format!("dp=8,zero={zero}"));
+        for (config, tp, pp, dp) in [("tp=4,dp=2", 4, 1, 2), ("tp=2,pp=2,dp=2", 2, 2, 2), ("pp=4,dp=2", 1, 4, 2)] {
+            let config = format!("{config},zero={zero}");
+            let floor = cost::model::model_state_floor(&o, elems, (tp * pp) as f64, dp as f64);
+            let b = priced(&g, 8, &config);
+            assert!(floor <= state(&b) * (1.0 + 1e-9), "{config}: floor {floor} above the priced {}", state(&b));
+        }
+    }
+}

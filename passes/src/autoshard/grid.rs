@@ -13,7 +13,9 @@
 //! ZeRO-1; full recomputation; with ZeRO-1; with ZeRO-3 — with tensor parallelism, each with
 //! sequence parallelism) until one fits and on while the step falls (a pipeline whose stages
 //! hold more activations balances worse: saving memory can save time), a pipeline that fits
-//! priced again interleaved over 2 and 3 chunks on the same rung.
+//! priced again interleaved over 2 and 3 chunks on the same rung. A rung whose parameters,
+//! gradients and optimizer state alone overflow a device at the point's degrees is passed
+//! over unpriced (`model_state_floor`).
 
 use std::collections::BTreeSet;
 use std::time::Instant;
@@ -22,7 +24,7 @@ use ir::Graph;
 
 use super::budget::SafetyNet;
 use super::pipeline::{MicroGraphs, PipelinePlan, UNFIT, price_configuration_in};
-use crate::cost::model::Analysis;
+use crate::cost::model::{Analysis, model_state_floor, parameter_elements};
 use crate::cost::pipeline::graph_batch;
 use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Named, Options, Recompute, Schedule};
 
@@ -156,6 +158,8 @@ pub fn search_grid(
     let batch = graph_batch(g)?;
     let mut graphs = MicroGraphs::new(g, batch);
     let whole = Analysis::of(g);
+    let elems = parameter_elements(g, &whole);
+    let capacity = cluster.device.mem_capacity * cluster.device.mem_usable;
     let mut best: Option<GridPlan> = None;
     let mut priced = 0usize;
     let mut refused: BTreeSet<usize> = BTreeSet::new(); // tensor degrees Megatron does not take
@@ -181,6 +185,10 @@ pub fn search_grid(
                 break;
             }
             let o = &Options { sequence_parallel: p.tensor > 1 && (saving || o.sequence_parallel), ..o.clone() };
+            // A rung whose model state alone overflows a device fits under no split.
+            if model_state_floor(o, elems, (p.tensor * p.stages) as f64, p.data as f64) > capacity {
+                continue;
+            }
             let at = (p, Schedule::OneFOneB, o, first && saving);
             let mut cand = match price_point(&mut graphs, (g, &whole), cluster, devices, at) {
                 Priced::NotApplicable => {

@@ -472,6 +472,49 @@ struct Edges<'e> {
     grad_reads: FxHashMap<Value, usize>,
 }
 
+/// Bytes per element factor of float tensors in the training precision of `o`.
+fn precision_factor(o: &Options) -> f64 {
+    if o.precision == Precision::Fp16 { 0.5 } else { 1.0 }
+}
+
+/// Optimizer state per parameter element under `o` (with fp32 master weights in mixed
+/// precision).
+fn optimizer_bytes_per_elem(o: &Options) -> f64 {
+    (match o.optimizer {
+        Optimizer::Sgd => 4.0,
+        Optimizer::Adam => 8.0,
+    }) + if o.precision == Precision::Fp16 { 4.0 } else { 0.0 }
+}
+
+/// The parameter elements of `g` (its analysis `a`): all of them, and those a gradient
+/// flows into (trained).
+pub fn parameter_elements(g: &Graph, a: &Analysis) -> (f64, f64) {
+    let (mut all, mut trained) = (0.0, 0.0);
+    for n in g.initializers().iter().chain(g.input_values().iter().map(|v| &v.node)) {
+        let v = Value::new(*n, 0);
+        if !ir::cost::is_param(g, v) {
+            continue;
+        }
+        let elems = g.tensor_type(v).and_then(|t| t.static_dims()).map_or(0.0, |d| d.iter().product::<i64>() as f64);
+        all += elems;
+        if a.grads.contains(&v) {
+            trained += elems;
+        }
+    }
+    (all, trained)
+}
+
+/// The least model state (parameters, their gradients and optimizer state, as
+/// [`CostModel::evaluate`] counts them under `o`) the fullest device holds when the parameters
+/// (`elems`: all, trained) are divided `ways` ways (tensor × pipeline degrees: no device holds
+/// less than the average) and ZeRO shards them over `data` more. A configuration whose floor
+/// exceeds the device's memory fits under no split.
+pub fn model_state_floor(o: &Options, (all, trained): (f64, f64), ways: f64, data: f64) -> f64 {
+    let at = |stage: u8| if o.zero >= stage { data.max(1.0) } else { 1.0 };
+    let w = 4.0 * precision_factor(o);
+    (all * w / at(3) + trained * (w / at(2) + optimizer_bytes_per_elem(o) / at(1))) / ways.max(1.0)
+}
+
 /// The copies of values in other layouts a training step holds ([`CostModel::copies`]): bytes
 /// made at each position, bytes freed after it, bytes made at the end, and the graph outputs
 /// a reader brought to their delivered layout (the value itself not held to the end); and
@@ -700,7 +743,7 @@ impl<'a> CostModel<'a> {
 
     /// Bytes per element factor of float tensors in the training precision.
     fn precision_factor(&self) -> f64 {
-        if self.opts.precision == Precision::Fp16 { 0.5 } else { 1.0 }
+        precision_factor(&self.opts)
     }
 
     /// Bytes of a value in training precision.
@@ -1830,10 +1873,7 @@ impl<'a> CostModel<'a> {
 
     /// Optimizer state bytes per parameter element.
     fn optimizer_bytes_per_elem(&self) -> f64 {
-        (match self.opts.optimizer {
-            Optimizer::Sgd => 4.0,
-            Optimizer::Adam => 8.0,
-        }) + if self.opts.precision == Precision::Fp16 { 4.0 } else { 0.0 }
+        optimizer_bytes_per_elem(&self.opts)
     }
 
     /// Memory traffic of the update per parameter element.
