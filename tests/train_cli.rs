@@ -789,3 +789,53 @@ fn interleaved_pipelines_of_tensor_parallel_stages_train_like_one_device() {
         }
     }
 }
+
+/// ZeRO beyond the named strategies: the search's own plan of a reduced Llama under
+/// `--zero 3` updates each parameter's shard (the derived training program), trains like one
+/// device and holds less; a plan document priced with `zero=3` in its options runs with it
+/// (said in a note) and holds less than the same plan without.
+#[test]
+fn zero_runs_under_searched_plans_and_plan_documents() {
+    let llama = shardc::synthetic::Llama::reduced(4, 4, 8);
+    let path = synthetic_file("llama-zero-search.onnxtxt", &llama.to_text());
+    let model = path.to_str().unwrap();
+    let base = [model, "--backend", "cpu", "--steps", "3", "--devices", "4", "--loss", "mse", "--optimizer", "adam"];
+    let mut peaks = Vec::new();
+    for zero in ["0", "3"] {
+        let mut args = base.to_vec();
+        args.extend(["--zero", zero, "--check"]);
+        let doc = shardc_train(&args).unwrap_or_else(|e| panic!("zero {zero}: {e}"));
+        assert!(doc["plan"].as_str().unwrap_or("").starts_with("searched plan"), "{}", doc["plan"]);
+        assert!(doc["check"].as_array().unwrap().iter().all(|c| c["ok"] == true), "zero {zero}: {}", doc["check"]);
+        peaks.push(peak_and_prediction(&doc).0);
+    }
+    assert!(peaks[1] < peaks[0], "the searched plan under ZeRO-3: {peaks:?}");
+    let (m, data) = ("tests/data/golden-train/cnn_small.onnxtxt", "tests/data/golden-train/cnn_small.train.json");
+    let dir = std::env::temp_dir().join(format!("shardc-zero-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = dir.join("plan.json");
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args(["plan", m, "--cluster", "local-wgpu", "--devices", "2", "--pipeline", "off", "-o"])
+        .arg(&plan)
+        .current_dir(repo_root())
+        .output()
+        .expect("shardc plan runs");
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    let mut doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    doc["options"]["zero"] = serde_json::json!(3);
+    let zero_plan = dir.join("plan-zero3.json");
+    std::fs::write(&zero_plan, doc.to_string()).unwrap();
+    let mut peaks = Vec::new();
+    for p in [&plan, &zero_plan] {
+        let p = p.to_str().unwrap();
+        let doc = shardc_train(&[m, "--data", data, "--plan", p, "--steps", "3", "--check", "--backend", "cpu"])
+            .unwrap_or_else(|e| panic!("{p}: {e}"));
+        assert!(doc["check"].as_array().unwrap().iter().all(|c| c["ok"] == true), "{p}: {}", doc["check"]);
+        peaks.push(peak_and_prediction(&doc).0);
+        if p.ends_with("plan-zero3.json") {
+            assert!(doc["notes"].to_string().contains("memory options of the plan: zero=3"), "{}", doc["notes"]);
+            assert_eq!(doc["summary"]["memory"], "zero=3", "{}", doc["summary"]);
+        }
+    }
+    assert!(peaks[1] < peaks[0], "the plan document's ZeRO-3: {peaks:?}");
+}

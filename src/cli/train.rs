@@ -96,9 +96,10 @@ pub struct TrainArgs {
     /// ZeRO stage. 1: each optimizer update runs on its shard of a parameter held whole, with
     /// that shard of the optimizer state (gradients reduce-scattered into it, the new value
     /// all-gathered). 2: also each gradient is reduce-scattered into that shard as soon as it
-    /// is complete, and the whole gradient is not kept. 3: also each parameter is held as its shard, gathered
-    /// before the forward pass reads it and again before the backward pass does. Stages 2
-    /// and 3 run on plans without pipelines or micro-batches.
+    /// is complete, and the whole gradient is not kept. 3: also each parameter is held as
+    /// its shard, gathered before the forward pass reads it and again before the backward
+    /// pass does. ZeRO runs on plans without pipelines; stages 2 and 3 also without
+    /// micro-batches.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,
     #[command(flatten)]
@@ -682,9 +683,11 @@ fn lower(
             (exec::training_program(gl, r, devices, opts.zero).map_err(CliError::msg)?, args.micro_batches)
         }
         Lowering::Pipeline(pipe, fwd) => {
-            if opts.zero >= 2 {
+            // The stages' updates run on their parameters whole: a pipeline priced with ZeRO
+            // would run without it.
+            if opts.zero >= 1 {
                 return Err(CliError::msg(format!(
-                    "ZeRO-{}: stages 2 and 3 run on plans without pipelines; `cost` and `plan` price them with pipelines",
+                    "ZeRO-{}: `train` runs ZeRO on plans without pipelines; `cost` and `plan` price it with pipelines",
                     opts.zero
                 )));
             }
@@ -927,6 +930,47 @@ fn recomputed(g: &ir::Graph, mode: &str, notes: &mut Vec<String>) -> CliResult<O
     Ok(Some(r))
 }
 
+/// `args` with the memory options a `--plan` document was priced with (its `options`:
+/// recomputation, sequence parallelism, ZeRO stage) where the command line leaves them at
+/// their defaults, so the program runs what the plan priced; and a note saying so, or saying
+/// that the command line's options differ from the plan's.
+fn with_plan_memory(mut args: TrainArgs) -> CliResult<(TrainArgs, Option<String>)> {
+    let Some(path) = args.plan.clone() else { return Ok((args, None)) };
+    let o = read_plan(&path)?.options;
+    let recompute = o.get("recompute").and_then(|v| v.as_str()).unwrap_or("none").to_string();
+    let sp = o.get("sequence_parallel").and_then(|v| v.as_bool()).unwrap_or(false);
+    let zero = o.get("zero").and_then(|v| v.as_u64()).unwrap_or(0).min(3) as u8;
+    let planned = (recompute.clone(), sp, zero);
+    let given = (args.recompute.clone(), args.sequence_parallel, args.zero);
+    if planned == given {
+        return Ok((args, None));
+    }
+    let fields = |(r, sp, z): &(String, bool, u8)| {
+        let mut f: Vec<String> = Vec::new();
+        if r != "none" {
+            f.push(format!("recompute={r}"));
+        }
+        if *sp {
+            f.push("sp".into());
+        }
+        if *z > 0 {
+            f.push(format!("zero={z}"));
+        }
+        if f.is_empty() { "none".to_string() } else { f.join(",") }
+    };
+    if given == ("none".to_string(), false, 0) {
+        (args.recompute, args.sequence_parallel, args.zero) = (recompute, sp, zero);
+        let note = format!("memory options of the plan: {}", fields(&planned));
+        return Ok((args, Some(note)));
+    }
+    let note = format!(
+        "the plan was priced with the memory options {}; running with {} as given",
+        fields(&planned),
+        fields(&given)
+    );
+    Ok((args, Some(note)))
+}
+
 /// `g` with each gradient handed to its update as soon as it is complete ([`passes::zero`]),
 /// which ZeRO-2 and ZeRO-3 need; `None` below stage 2. Refused with micro-batches: the
 /// accumulated gradient is whole until the last micro-batch.
@@ -981,7 +1025,7 @@ fn configured(args: &TrainArgs) -> CliResult<TrainArgs> {
 }
 
 pub fn run(args: &TrainArgs) -> CliResult {
-    let resolved = configured(args)?;
+    let (resolved, planned) = with_plan_memory(configured(args)?)?;
     let args = &resolved;
     // Under mpirun each process runs one device; every process plans and lowers the same
     // program (the search is deterministic; the programs are compared before running).
@@ -992,6 +1036,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
     )?;
     let mut s = prepare(args)?;
     let mut notes = std::mem::take(&mut s.notes);
+    notes.extend(planned);
     let (tm, info) = training_model(&s.loaded.model, &s.loss, &s.opt).map_err(CliError::msg)?;
     let g = &tm.graph;
     // With micro-batches, the program is the training graph of one micro-batch (the model

@@ -12,7 +12,9 @@
 //!   weight gradients as partial sums over the batch, a column-parallel GEMM's input gradient
 //!   as partial sums over its features, a channel-split convolution's gradients by channels);
 //! - every optimizer update on the shard of the parameter it updates, so gradients are
-//!   synchronised into the parameter's layout and nothing is gathered after the update;
+//!   synchronised into the parameter's layout and nothing is gathered after the update (under
+//!   ZeRO and without pipeline stages, on its share of a parameter held whole over the
+//!   data-parallel axes, as the named strategies run it);
 //! - the other ops (gradient sums, the loss and its gradient when the loss was appended) with
 //!   the least compute plus resharding on the edges around them — first greedily in
 //!   topological order, then op by op against their inputs' and readers' layouts.
@@ -255,15 +257,22 @@ fn derive_in(
             }
             d.backward.insert(n);
         }
-        // An update runs where its parameter (input 0) is held, when a strategy reads it so.
+        // An update runs where its parameter (input 0) is held, when a strategy reads it so;
+        // under ZeRO (without pipeline stages) on its shard of what is held whole over the
+        // data-parallel axes.
         if fixed.is_none()
             && matches!(node.op, Op::SgdUpdate(_) | Op::AdamUpdate(_))
             && let Some(p) = node.input(0)
             && let Some(held) = d.layout_of(p)
         {
+            let flat = only.is_none() && cm.opts.zero >= 1;
+            let zero = |s: &&OpStrategy| flat && crate::cost::strategy::zero_shard(cm, n, s, &held);
+            let sharded: Vec<OpStrategy> = cands.iter().filter(zero).cloned().collect();
             let at_home: Vec<OpStrategy> =
                 cands.iter().filter(|s| reads_parameter_as(cm, n, s, &held)).cloned().collect();
-            if !at_home.is_empty() {
+            if !sharded.is_empty() {
+                cands = sharded;
+            } else if !at_home.is_empty() {
                 cands = at_home;
             }
         }

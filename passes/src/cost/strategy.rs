@@ -526,7 +526,7 @@ fn at_home(cm: &CostModel<'_>, asg: &Assignment, n: NodeId) -> Option<Vec<Option
 /// updates its shard, with its shard of the optimizer state (the state is stored as its
 /// update reads it), the gradient is reduce-scattered into the shard and the new value
 /// all-gathered back into the parameter.
-fn zero_shard(cm: &CostModel<'_>, n: NodeId, s: &[Option<usize>], held: &[AxisShard]) -> bool {
+pub(crate) fn zero_shard(cm: &CostModel<'_>, n: NodeId, s: &[Option<usize>], held: &[AxisShard]) -> bool {
     let Some(Some(reads)) = strategy_shardings(cm.space(n), s).0.first().cloned() else { return false };
     let mut sharded = false;
     for (r, h) in reads.iter().zip(held) {
