@@ -356,15 +356,7 @@ fn searched_and_saved_plans_train() {
     assert!(doc["check"].as_array().is_some_and(|c| c.len() >= 4), "{}", doc["check"]);
     let dir = std::env::temp_dir().join(format!("shardc-train-plan-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let plan_cmd = |pipeline: &str, out: &std::path::Path| {
-        let st = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
-            .args(["plan", &model, "--cluster", "local-wgpu", "--devices", "2", "--pipeline", pipeline, "-o"])
-            .arg(out)
-            .current_dir(repo_root())
-            .output()
-            .expect("shardc plan runs");
-        assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
-    };
+    let plan_cmd = |pipeline: &str, out: &std::path::Path| shardc_plan(&model, "2", pipeline, out);
     let plan = dir.join("plan.json");
     plan_cmd("off", &plan);
     let p = plan.to_string_lossy().to_string();
@@ -660,6 +652,18 @@ fn peak_and_prediction(doc: &serde_json::Value) -> (f64, f64) {
     (measured, doc["memory_predicted_bytes"].as_f64().unwrap())
 }
 
+/// `shardc plan MODEL` on `devices` devices of `local-wgpu` with `--pipeline pipeline`, the
+/// plan document written to `out`; it must succeed.
+fn shardc_plan(model: &str, devices: &str, pipeline: &str, out: &std::path::Path) {
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args(["plan", model, "--cluster", "local-wgpu", "--devices", devices, "--pipeline", pipeline, "-o"])
+        .arg(out)
+        .current_dir(repo_root())
+        .output()
+        .expect("shardc plan runs");
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+}
+
 /// Writes a synthetic model to a temporary file named `name`.
 fn synthetic_file(name: &str, text: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("shardc-recompute-{}", std::process::id()));
@@ -814,13 +818,7 @@ fn zero_runs_under_searched_plans_and_plan_documents() {
     let dir = std::env::temp_dir().join(format!("shardc-zero-plan-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let plan = dir.join("plan.json");
-    let st = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
-        .args(["plan", m, "--cluster", "local-wgpu", "--devices", "2", "--pipeline", "off", "-o"])
-        .arg(&plan)
-        .current_dir(repo_root())
-        .output()
-        .expect("shardc plan runs");
-    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    shardc_plan(m, "2", "off", &plan);
     let mut doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
     doc["options"]["zero"] = serde_json::json!(3);
     let zero_plan = dir.join("plan-zero3.json");

@@ -325,6 +325,29 @@ impl ZeroLayouts {
         z
     }
 
+    /// The layout graph output `v` of `g` is delivered in: a ZeRO gradient's shard, else
+    /// [`delivered_layout`]'s (the arguments are its).
+    pub fn delivered(
+        &self,
+        g: &crate::Graph,
+        carried: &[(crate::Value, crate::Value)],
+        v: crate::Value,
+        from: &[AxisShard],
+        batch: &[bool],
+        held: impl Fn(crate::Value) -> Option<Sharding>,
+    ) -> Sharding {
+        match self.gradients.get(&v) {
+            Some(l) => l.clone(),
+            None => delivered_layout(g, carried, v, from, batch, held),
+        }
+    }
+
+    /// Whether going from an op in phase `prev` to one in `next` ends a forward pass: where
+    /// the copies of [`ZeroLayouts::regathered`] values made for it are dropped.
+    pub fn ends_forward(prev: Option<Phase>, next: Option<Phase>) -> bool {
+        prev == Some(Phase::Forward) && next.is_some_and(|p| p != Phase::Forward)
+    }
+
     /// Whether a copy of `v` in another layout than its held one, made in the forward pass,
     /// is dropped when the forward pass ends (a ZeRO-3 parameter: gathered again for the
     /// backward pass).

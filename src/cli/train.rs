@@ -582,7 +582,7 @@ struct Setup {
     notes: Vec<String>,
 }
 
-fn prepare(args: &TrainArgs) -> CliResult<Setup> {
+fn prepare(args: &TrainArgs, plan_doc: Option<passes::autoshard::Plan>) -> CliResult<Setup> {
     let case = match &args.data {
         Some(p) => Some(TrainCase::load(p).map_err(CliError::msg)?),
         None => None,
@@ -590,7 +590,6 @@ fn prepare(args: &TrainArgs) -> CliResult<Setup> {
     // Not canonicalized: folding would rename or transform parameters, and the trained
     // tensors must stay the model's own.
     let mut loaded = load_computable(&args.model, &args.shapes)?;
-    let plan_doc = args.plan.as_deref().map(read_plan).transpose()?;
     let mut frozen =
         shardc::train::freeze(&mut loaded.model.graph, &args.freeze, case.as_ref().map(|c| &c.trainable[..]))
             .map_err(CliError::msg)?;
@@ -930,44 +929,34 @@ fn recomputed(g: &ir::Graph, mode: &str, notes: &mut Vec<String>) -> CliResult<O
     Ok(Some(r))
 }
 
-/// `args` with the memory options a `--plan` document was priced with (its `options`:
+/// `args` with the memory options plan document `plan` was priced with (its `options`:
 /// recomputation, sequence parallelism, ZeRO stage) where the command line leaves them at
 /// their defaults, so the program runs what the plan priced; and a note saying so, or saying
 /// that the command line's options differ from the plan's.
-fn with_plan_memory(mut args: TrainArgs) -> CliResult<(TrainArgs, Option<String>)> {
-    let Some(path) = args.plan.clone() else { return Ok((args, None)) };
-    let o = read_plan(&path)?.options;
-    let recompute = o.get("recompute").and_then(|v| v.as_str()).unwrap_or("none").to_string();
+fn with_plan_memory(
+    mut args: TrainArgs,
+    plan: Option<&passes::autoshard::Plan>,
+) -> CliResult<(TrainArgs, Option<String>)> {
+    let Some(o) = plan.map(|p| &p.options) else { return Ok((args, None)) };
+    let recompute = o.get("recompute").and_then(|v| v.as_str()).unwrap_or("none");
+    let memory = |what: &str, recompute: &str, sequence_parallel: bool, zero: u8| {
+        let recompute = passes::cost::Recompute::parse(recompute).map_err(|e| CliError::msg(format!("{what}: {e}")))?;
+        CliResult::Ok(
+            passes::cost::Options { recompute, sequence_parallel, zero, ..Default::default() }.memory_fields(),
+        )
+    };
     let sp = o.get("sequence_parallel").and_then(|v| v.as_bool()).unwrap_or(false);
     let zero = o.get("zero").and_then(|v| v.as_u64()).unwrap_or(0).min(3) as u8;
-    let planned = (recompute.clone(), sp, zero);
-    let given = (args.recompute.clone(), args.sequence_parallel, args.zero);
+    let planned = memory("the plan's options.recompute", recompute, sp, zero)?;
+    let given = memory("--recompute", &args.recompute, args.sequence_parallel, args.zero)?;
     if planned == given {
         return Ok((args, None));
     }
-    let fields = |(r, sp, z): &(String, bool, u8)| {
-        let mut f: Vec<String> = Vec::new();
-        if r != "none" {
-            f.push(format!("recompute={r}"));
-        }
-        if *sp {
-            f.push("sp".into());
-        }
-        if *z > 0 {
-            f.push(format!("zero={z}"));
-        }
-        if f.is_empty() { "none".to_string() } else { f.join(",") }
-    };
-    if given == ("none".to_string(), false, 0) {
-        (args.recompute, args.sequence_parallel, args.zero) = (recompute, sp, zero);
-        let note = format!("memory options of the plan: {}", fields(&planned));
-        return Ok((args, Some(note)));
+    if given == "none" {
+        (args.recompute, args.sequence_parallel, args.zero) = (recompute.to_string(), sp, zero);
+        return Ok((args, Some(format!("memory options of the plan: {planned}"))));
     }
-    let note = format!(
-        "the plan was priced with the memory options {}; running with {} as given",
-        fields(&planned),
-        fields(&given)
-    );
+    let note = format!("the plan was priced with the memory options {planned}; running with {given} as given");
     Ok((args, Some(note)))
 }
 
@@ -1025,7 +1014,8 @@ fn configured(args: &TrainArgs) -> CliResult<TrainArgs> {
 }
 
 pub fn run(args: &TrainArgs) -> CliResult {
-    let (resolved, planned) = with_plan_memory(configured(args)?)?;
+    let plan_doc = args.plan.as_deref().map(read_plan).transpose()?;
+    let (resolved, planned) = with_plan_memory(configured(args)?, plan_doc.as_ref())?;
     let args = &resolved;
     // Under mpirun each process runs one device; every process plans and lowers the same
     // program (the search is deterministic; the programs are compared before running).
@@ -1034,7 +1024,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
         &[("--save-state", args.save_state.as_ref()), ("--emit-program", args.emit_program.as_ref())],
         &[Some(&args.model), args.data.as_deref(), args.plan.as_deref()],
     )?;
-    let mut s = prepare(args)?;
+    let mut s = prepare(args, plan_doc)?;
     let mut notes = std::mem::take(&mut s.notes);
     notes.extend(planned);
     let (tm, info) = training_model(&s.loaded.model, &s.loss, &s.opt).map_err(CliError::msg)?;

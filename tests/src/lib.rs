@@ -306,3 +306,18 @@ pub fn token_inputs(g: &ir::Graph) -> std::collections::HashMap<String, ir::eval
         })
         .collect()
 }
+
+/// Whether a wgpu adapter opens; without one the GPU tests are skipped (said on stderr),
+/// unless `SHARDC_REQUIRE_GPU` is set (as `.ci/run` does), when a missing adapter is a failure.
+pub fn gpu_available() -> bool {
+    match codegen::runtime::gpu::open() {
+        Ok(_) => true,
+        Err(e) => {
+            if std::env::var_os("SHARDC_REQUIRE_GPU").is_some() {
+                panic!("SHARDC_REQUIRE_GPU is set but no adapter opens: {e}");
+            }
+            eprintln!("skipping: no GPU adapter ({e})");
+            false
+        }
+    }
+}

@@ -143,19 +143,6 @@ fn the_fused_step_keeps_no_scores() {
     assert_eq!(square(&f), 0);
 }
 
-fn gpu_available() -> bool {
-    match codegen::runtime::gpu::open() {
-        Ok(_) => true,
-        Err(e) => {
-            if std::env::var_os("SHARDC_REQUIRE_GPU").is_some() {
-                panic!("SHARDC_REQUIRE_GPU is set but no adapter opens: {e}");
-            }
-            eprintln!("skipping: no GPU adapter ({e})");
-            false
-        }
-    }
-}
-
 /// The fused GPT and Llama train on wgpu — attention on its kernel, the forward's and the
 /// backward's recomputation of the probabilities, no `Attention` run on the host — as the
 /// unfused models train on the reference trainer: the same losses over 3 SGD steps, the

@@ -7,19 +7,6 @@
 use codegen::{Backend, Placement, RunOptions};
 use shardc_tests::*;
 
-fn gpu_available() -> bool {
-    match codegen::runtime::gpu::open() {
-        Ok(_) => true,
-        Err(e) => {
-            if std::env::var_os("SHARDC_REQUIRE_GPU").is_some() {
-                panic!("SHARDC_REQUIRE_GPU is set but no adapter opens: {e}");
-            }
-            eprintln!("skipping: no GPU adapter ({e})");
-            false
-        }
-    }
-}
-
 fn prepared(path: &std::path::Path) -> ir::Model {
     let mut m = load_model(path);
     let mut pm = passes::PassManager::new();

@@ -421,9 +421,7 @@ fn lower_stage(l: &mut Local<'_>, order: &[NodeId], results: &mut Vec<Result_>) 
     let first = l.chunk == 0;
     for &n in order.iter().filter(|&&n| stage_of(n) == si || (first && sh.everywhere.contains(&n))) {
         let phase = phase_of(n);
-        if l.phase.is_some_and(|p| p == ir::reshard::Phase::Forward)
-            && phase.is_some_and(|p| p != ir::reshard::Phase::Forward)
-        {
+        if ir::reshard::ZeroLayouts::ends_forward(l.phase, phase) {
             l.end_forward();
         }
         l.phase = phase;
@@ -464,10 +462,7 @@ fn lower_stage(l: &mut Local<'_>, order: &[NodeId], results: &mut Vec<Result_>) 
         }
         let produced = l.produced.get(&v).cloned().unwrap_or_else(|| vec![AxisShard::Replicate; stage.mesh.axes.len()]);
         let batch = sh.batch.get(&v).map_or(&[][..], Vec::as_slice);
-        let layout = match sh.zero.gradients.get(&v) {
-            Some(z) => z.clone(),
-            None => ir::reshard::delivered_layout(g, &carried, v, &produced, batch, |s| l.produced.get(&s).cloned()),
-        };
+        let layout = sh.zero.delivered(g, &carried, v, &produced, batch, |s| l.produced.get(&s).cloned());
         l.phase = phase_of(v.node);
         let x = l.get(v, &layout)?;
         l.lg.add_output(x, None);

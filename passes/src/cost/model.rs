@@ -1324,8 +1324,8 @@ impl<'a> CostModel<'a> {
         }
         // Graph outputs end reduced and cut only along their batch dims (what a loss or the
         // host reads); the collectives that make them so are part of the forward pass.
-        let out_comm: f64 =
-            self.output_comm(&mut w, &edges, &have, &storage, &ir::reshard::ZeroLayouts::default()).iter().sum();
+        let deliveries = self.deliveries(&have, &storage, &ir::reshard::ZeroLayouts::default());
+        let out_comm: f64 = self.output_comm(&mut w, &edges, &have, &deliveries).iter().sum();
         fwd_total += out_comm;
         comm_total += out_comm;
 
@@ -1445,7 +1445,8 @@ impl<'a> CostModel<'a> {
             |v: Value| -> &Sharding { out_sh.get(&v).copied().or_else(|| storage.get(&v)).unwrap_or(&replicated) };
         let local = |v: Value| self.value_bytes(v) / split_factor(have(v), mesh);
         let fixed = |v: Value| matches!(g.node(v.node).op, Op::Input { .. } | Op::Initializer(_) | Op::OuterRef);
-        let copies = self.copies(&evals, &have, &|v| out_sh.contains_key(&v), &storage, &zero);
+        let deliveries = self.deliveries(&have, &storage, &zero);
+        let copies = self.copies(&evals, &have, &|v| out_sh.contains_key(&v), &deliveries, &zero);
         // Outputs are held to the end, but for those delivered in a layout a reader made
         // before (a ZeRO gradient's shard): that copy is, the value itself only to its reader.
         let outputs: FxHashSet<Value> =
@@ -1456,15 +1457,15 @@ impl<'a> CostModel<'a> {
         // Per phase (forward, backward, gradient): compute and communication seconds.
         let (mut compute, mut comm) = ([0.0f64; 3], [0.0f64; 3]);
         let (mut live, mut peak) = (0.0f64, 0.0f64);
-        let mut forward = false;
+        let mut prev = None;
         for (pos, (&n, e)) in self.order.iter().zip(&evals).enumerate() {
             let node = g.node(n);
             let phase = self.phase(n);
             // ZeRO-3 parameters gathered for the forward pass are gathered again after it.
-            if forward && phase != Phase::Forward {
+            if ir::reshard::ZeroLayouts::ends_forward(prev, Some(phase)) {
                 edges.materialized.retain(|(v, l)| !zero.regathered(*v) || storage.get(v) == Some(*l));
             }
-            forward = phase == Phase::Forward;
+            prev = Some(phase);
             live += copies.made[pos];
             let (edge_comm, _, _) = self.op_edges(&mut w, &mut edges, pos, n, e, &have, &|v| out_sh.contains_key(&v));
             self.record_op_comm(&mut w, n, e, &have);
@@ -1510,7 +1511,7 @@ impl<'a> CostModel<'a> {
                 });
             }
         }
-        let out_comm = self.output_comm(&mut w, &edges, &have, &storage, &zero);
+        let out_comm = self.output_comm(&mut w, &edges, &have, &deliveries);
         for (c, o) in comm.iter_mut().zip(out_comm) {
             *c += o;
         }
@@ -1588,11 +1589,8 @@ impl<'a> CostModel<'a> {
         zero: &ir::reshard::ZeroLayouts,
         carried: &[(Value, Value)],
     ) -> Sharding {
-        if let Some(l) = zero.gradients.get(&v) {
-            return l.clone();
-        }
         let batch = self.batch.get(&v).map_or(&[][..], Vec::as_slice);
-        ir::reshard::delivered_layout(self.g, carried, v, from, batch, |s| storage.get(&s).cloned())
+        zero.delivered(self.g, carried, v, from, batch, |s| storage.get(&s).cloned())
     }
 
     /// The copies a training step holds beside its ops' outputs, as the lowering makes them:
@@ -1605,7 +1603,7 @@ impl<'a> CostModel<'a> {
         evals: &[Rc<OpEval>],
         have: &dyn Fn(Value) -> &'e Sharding,
         produced: &dyn Fn(Value) -> bool,
-        storage: &BTreeMap<Value, Sharding>,
+        deliveries: &[(Value, Sharding)],
         zero: &ir::reshard::ZeroLayouts,
     ) -> Copies {
         let g = self.g;
@@ -1614,13 +1612,13 @@ impl<'a> CostModel<'a> {
         // pass does.
         let mut life: FxHashMap<(Value, Sharding, usize), (usize, usize)> = FxHashMap::default();
         let mut last: FxHashMap<Value, usize> = FxHashMap::default();
-        let (mut forward, mut epoch) = (false, 0);
+        let (mut prev, mut epoch) = (None, 0);
         let mut pos_of: FxHashMap<NodeId, usize> = FxHashMap::default();
         for (pos, (&n, e)) in self.order.iter().zip(evals).enumerate() {
             pos_of.insert(n, pos);
-            let phase = self.phase(n);
-            epoch += usize::from(forward && phase != Phase::Forward);
-            forward = phase == Phase::Forward;
+            let phase = Some(self.phase(n));
+            epoch += usize::from(ir::reshard::ZeroLayouts::ends_forward(prev, phase));
+            prev = phase;
             for (j, v) in g.node(n).inputs().iter().enumerate() {
                 let Some(v) = v else { continue };
                 let need = e.ins.get(j).cloned().flatten();
@@ -1642,17 +1640,11 @@ impl<'a> CostModel<'a> {
                 *l = (*l).max(at);
             }
         }
-        let carried = ir::reshard::carried_state(g);
         let mut c =
             Copies { made: vec![0.0; end], freed: vec![0.0; end], frees: vec![Vec::new(); end], ..Copies::default() };
-        let mut done: FxHashSet<Value> = FxHashSet::default();
-        for o in g.outputs() {
-            let v = o.value;
-            if !done.insert(v) || !ir::reshard::held_once(g, v) {
-                continue;
-            }
-            let to = self.delivered(v, have(v), storage, zero, &carried);
-            if &to == have(v) {
+        for (v, to) in deliveries {
+            let v = *v;
+            if to == have(v) {
                 continue;
             }
             match life.get_mut(&(v, to.clone(), if zero.regathered(v) { epoch } else { 0 })) {
@@ -1662,7 +1654,7 @@ impl<'a> CostModel<'a> {
                 }
                 // Made at the end, after which the value itself is not held.
                 None => {
-                    c.at_end += self.value_bytes(v) / split_factor(&to, &self.mesh)
+                    c.at_end += self.value_bytes(v) / split_factor(to, &self.mesh)
                         - self.value_bytes(v) / split_factor(have(v), &self.mesh)
                 }
             }
@@ -1805,27 +1797,35 @@ impl<'a> CostModel<'a> {
         w: &mut Walk,
         edges: &Edges<'e>,
         have: &dyn Fn(Value) -> &'e Sharding,
-        storage: &BTreeMap<Value, Sharding>,
-        zero: &ir::reshard::ZeroLayouts,
+        deliveries: &[(Value, Sharding)],
     ) -> [f64; 3] {
         let mut t = [0.0; 3];
-        let carried = ir::reshard::carried_state(self.g);
-        let mut done: FxHashSet<Value> = FxHashSet::default();
-        for o in self.g.outputs() {
-            let v = o.value;
-            if !done.insert(v) || !ir::reshard::held_once(self.g, v) {
-                continue;
-            }
-            let from = have(v);
-            let to = self.delivered(v, from, storage, zero, &carried);
-            if edges.materialized.contains(&(v, &to)) {
+        for (v, to) in deliveries {
+            let (v, from) = (*v, have(*v));
+            if edges.materialized.contains(&(v, to)) {
                 continue; // a reader already made it
             }
-            let steps = self.reshard(v, from, &to, 1.0);
+            let steps = self.reshard(v, from, to, 1.0);
             let phase = self.phase(v.node);
-            t[phase as usize] += w.record(phase, v, None, from, &to, &steps) + self.reshard_local(v, from, &to);
+            t[phase as usize] += w.record(phase, v, None, from, to, &steps) + self.reshard_local(v, from, to);
         }
         t
+    }
+
+    /// Each graph output held once ([`ir::reshard::held_once`]), once, with the layout it is
+    /// delivered in ([`CostModel::delivered`]).
+    fn deliveries<'e>(
+        &self,
+        have: &dyn Fn(Value) -> &'e Sharding,
+        storage: &BTreeMap<Value, Sharding>,
+        zero: &ir::reshard::ZeroLayouts,
+    ) -> Vec<(Value, Sharding)> {
+        let carried = ir::reshard::carried_state(self.g);
+        let mut done: FxHashSet<Value> = FxHashSet::default();
+        let outs = self.g.outputs().iter().map(|o| o.value);
+        outs.filter(|&v| done.insert(v) && ir::reshard::held_once(self.g, v))
+            .map(|v| (v, self.delivered(v, have(v), storage, zero, &carried)))
+            .collect()
     }
 
     /// Per parameter, the synchronisation of its gradient: from the layout its readers leave
