@@ -1,29 +1,93 @@
-//! Prices against real clusters: published measured step times of large-model training,
-//! each configuration priced by the cost model through the configuration grammar (the same
-//! path as `shardc cost --strategy`), side by side with the measurement. No constant of the
-//! cost model is fitted to these rows; they only check it.
+//! Prices against real clusters: published measured training throughput of large language
+//! models, each configuration priced by the cost model through the configuration grammar (the
+//! same path as `shardc cost --strategy`), side by side with the measurement. No constant of
+//! the cost model is fitted to these rows; they only check it.
 //!
 //! Run with `cargo bench --bench fidelity`. Per row: the model, cluster and configuration,
-//! the measured and the predicted step, and the error; then the mean absolute and the largest
-//! error over all rows.
+//! the measured and the predicted seconds per iteration, and the error; then the mean
+//! absolute percentage error (MAPE) per source and over all rows, the largest error, and for
+//! each model a source measured in several configurations, whether the prices order them as
+//! the measurements do (Spearman's ρ).
 //!
-//! Rows: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-//! Models" (arXiv 2205.05198), Megatron-LM on DGX A100-80GB (Selene), fp16, sequence 2048,
-//! the iteration times of their Table of end-to-end results: GPT 22B (TP 8, batch 4,
-//! micro-batch 4), 175B (TP 8 × PP 8 interleaved 3, batch 64), 530B (TP 8 × PP 35
-//! interleaved 3, batch 280) and 1T (TP 8 × PP 64, batch 512), micro-batch 1 for the
-//! pipelines, each with full recomputation (no sequence parallelism) and with selective
-//! recomputation and sequence parallelism. (The same rows Calculon, an analytical model like
-//! this one, validates against.) The synthetic GPT has no embedding or output layer; the
-//! measured runs do (a vocabulary of 51,200: about 1–4% of the work at these sizes).
+//! The sources, each with what it publishes and what the rows assume where it is silent:
+//! - **Korthikanti et al. 2022**, "Reducing Activation Recomputation in Large Transformer
+//!   Models" (arXiv 2205.05198), Table 5 (the rows Calculon validates against): Megatron-LM
+//!   on DGX A100-80GB (Selene), fp16, sequence 2048, vocabulary 51,200; measured seconds per
+//!   iteration of GPT 22B (TP 8, batch 4, micro-batch 4), 175B (TP 8 × PP 8 interleaved 3,
+//!   batch 64), 530B (TP 8 × PP 35 interleaved 3, batch 280) and 1T (TP 8 × PP 64, batch
+//!   512), micro-batch 1 in the pipelines, each with full recomputation and with selective
+//!   recomputation and sequence parallelism; data parallelism 1.
+//! - **Narayanan et al. 2021**, "Efficient Large-Scale Language Model Training on GPU
+//!   Clusters Using Megatron-LM" (SC'21, arXiv 2104.04473), Table 1 (also the Megatron-LM
+//!   README of April 2021): GPT 1.7B–1T on 32–3,072 A100-80GB (Selene), fp16, sequence 2048,
+//!   vocabulary 51,200, achieved teraFLOP/s per GPU, converted to seconds per iteration with
+//!   the paper's own count, `96·B·s·l·h²·(1 + s/6h + V/16lh)` (full recomputation counted).
+//!   Not published per row, assumed for all: full recomputation (the count includes it),
+//!   micro-batch 1, the non-interleaved 1F1B schedule, and the data-parallel all-reduce after
+//!   the backward pass, not overlapped with it (Megatron-LM's local DDP of 2021).
+//! - **Megatron-Core r0.8.0 weak scaling** (the Megatron-LM README's model table, 2024): GPT
+//!   1.7B–462B on 48–6,144 H100 SXM, bf16, sequence 4,096, vocabulary 131,072, data parallel
+//!   48, achieved teraFLOP/s per GPU, converted with Megatron-Core r0.8.0's own count
+//!   (`num_floating_point_operations`: `72·B·s·L·h²·(1 + s/6h + V/12Lh)` for these models).
+//!   The README names the distributed optimizer with gradient reduce-scatter and parameter
+//!   all-gather overlapped, and tensor-parallel communication overlap (which needs sequence
+//!   parallelism): ZeRO-1, overlap, and `sp,tp_overlap` where TP > 1. Assumed for all rows: fused
+//!   (flash) attention, no recomputation, micro-batch 1, the non-interleaved 1F1B schedule.
+//!
+//! The synthetic GPT has an untied embedding and output layer (Megatron-LM ties them at
+//! 51,200: one `V × h` table more in memory, the same work); its loss is not priced (the
+//! output layer's logits are the output).
 
 use std::time::Instant;
 
 use shardc::passes::cost::{self, Cluster, Options, Precision, config::Config};
 use shardc::synthetic::Gpt;
 
-/// A measured model: a Megatron GPT at sequence 2048 on a cluster.
+/// A source of measurements and how its framework ran.
+struct Source {
+    name: &'static str,
+    /// The data-parallel gradient reduction overlapped with the backward pass.
+    overlap_grad_sync: bool,
+}
+
+const KORTHIKANTI: Source = Source { name: "Korthikanti 2022", overlap_grad_sync: false };
+const NARAYANAN: Source = Source { name: "Narayanan 2021", overlap_grad_sync: false };
+const MCORE_H100: Source = Source { name: "Megatron-Core H100", overlap_grad_sync: true };
+
+/// A measured model: a Megatron GPT on a cluster.
 struct Model {
+    name: &'static str,
+    layers: usize,
+    hidden: usize,
+    heads: usize,
+    vocab: usize,
+    seq: usize,
+    batch: usize,
+    cluster: &'static str,
+    devices: usize,
+}
+
+impl Model {
+    /// Narayanan et al.'s count of a GPT iteration (full recomputation counted).
+    fn flops_ptdp(&self) -> f64 {
+        let (b, s, l, h, v) = self.dims();
+        96.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
+    }
+
+    /// Megatron-Core r0.8.0's count of a GPT iteration (no recomputation counted).
+    fn flops_mcore(&self) -> f64 {
+        let (b, s, l, h, v) = self.dims();
+        72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h))
+    }
+
+    fn dims(&self) -> (f64, f64, f64, f64, f64) {
+        (self.batch as f64, self.seq as f64, self.layers as f64, self.hidden as f64, self.vocab as f64)
+    }
+}
+
+/// A Megatron GPT of `layers × hidden` with `heads`, at sequence 2048 and vocabulary 51,200
+/// on `devices` A100s in nodes of 8.
+const fn a100(
     name: &'static str,
     layers: usize,
     hidden: usize,
@@ -31,47 +95,121 @@ struct Model {
     batch: usize,
     cluster: &'static str,
     devices: usize,
+) -> Model {
+    Model { name, layers, hidden, heads, vocab: 51200, seq: 2048, batch, cluster, devices }
 }
 
-const GPT_22B: Model =
-    Model { name: "GPT 22B", layers: 48, hidden: 6144, heads: 64, batch: 4, cluster: "dgx-a100", devices: 8 };
-const GPT_175B: Model =
-    Model { name: "GPT 175B", layers: 96, hidden: 12288, heads: 96, batch: 64, cluster: "a100-cluster-8", devices: 64 };
-const GPT_530B: Model = Model {
-    name: "GPT 530B",
-    layers: 105,
-    hidden: 20480,
-    heads: 128,
-    batch: 280,
-    cluster: "a100-cluster-35",
-    devices: 280,
-};
-const GPT_1T: Model = Model {
-    name: "GPT 1T",
-    layers: 128,
-    hidden: 25600,
-    heads: 160,
-    batch: 512,
-    cluster: "a100-cluster-64",
-    devices: 512,
-};
+/// The same at sequence 4,096 and vocabulary 131,072 on H100s.
+const fn h100(
+    name: &'static str,
+    layers: usize,
+    hidden: usize,
+    heads: usize,
+    batch: usize,
+    cluster: &'static str,
+    devices: usize,
+) -> Model {
+    Model { name, layers, hidden, heads, vocab: 131072, seq: 4096, batch, cluster, devices }
+}
 
-/// A measured run: the model, its configuration and the seconds per iteration measured.
+// Korthikanti et al. 2022, Table 5.
+const K_22B: Model = a100("GPT 22B", 48, 6144, 64, 4, "dgx-a100", 8);
+const K_175B: Model = a100("GPT 175B", 96, 12288, 96, 64, "a100-cluster-8", 64);
+const K_530B: Model = a100("GPT 530B", 105, 20480, 128, 280, "a100-cluster-35", 280);
+const K_1T: Model = a100("GPT 1T", 128, 25600, 160, 512, "a100-cluster-64", 512);
+
+// Narayanan et al. 2021, Table 1.
+const N_1_7B: Model = a100("GPT 1.7B", 24, 2304, 24, 512, "a100-cluster-4", 32);
+const N_3_6B: Model = a100("GPT 3.6B", 30, 3072, 32, 512, "a100-cluster-8", 64);
+const N_7_5B: Model = a100("GPT 7.5B", 36, 4096, 32, 512, "a100-cluster-16", 128);
+const N_18B: Model = a100("GPT 18B", 40, 6144, 48, 1024, "a100-cluster-32", 256);
+const N_39B: Model = a100("GPT 39B", 48, 8192, 64, 1536, "a100-cluster-64", 512);
+const N_76B: Model = a100("GPT 76B", 60, 10240, 80, 1792, "a100-cluster-128", 1024);
+const N_145B: Model = a100("GPT 145B", 80, 12288, 96, 2304, "a100-cluster-192", 1536);
+const N_310B: Model = a100("GPT 310B", 96, 16384, 128, 2160, "a100-cluster-240", 1920);
+const N_530B: Model = a100("GPT 530B", 105, 20480, 128, 2520, "a100-cluster-315", 2520);
+const N_1T: Model = a100("GPT 1T", 128, 25600, 160, 3072, "a100-cluster-384", 3072);
+
+// Megatron-Core r0.8.0 on H100, the README's model table.
+const M_1_7B: Model = h100("GPT 1.7B", 24, 2048, 16, 192, "h100-cluster-6", 48);
+const M_7_1B: Model = h100("GPT 7.1B", 30, 4096, 32, 192, "h100-cluster-12", 96);
+const M_16B: Model = h100("GPT 16B", 32, 6144, 48, 192, "h100-cluster-24", 192);
+const M_32B: Model = h100("GPT 32B", 48, 7168, 56, 192, "h100-cluster-48", 384);
+const M_70B: Model = h100("GPT 70B", 84, 8192, 64, 384, "h100-cluster-96", 768);
+const M_119B: Model = h100("GPT 119B", 92, 10240, 80, 768, "h100-cluster-192", 1536);
+const M_177B: Model = h100("GPT 177B", 96, 12288, 96, 1152, "h100-cluster-288", 2304);
+const M_314B: Model = h100("GPT 314B", 96, 16384, 128, 1536, "h100-cluster-384", 3072);
+const M_462B: Model = h100("GPT 462B", 112, 18432, 144, 3072, "h100-cluster-768", 6144);
+
+/// What a source measured: seconds per iteration, or teraFLOP/s per GPU by its own count.
+enum Measured {
+    Seconds(f64),
+    /// Narayanan et al.'s count.
+    PtdpTflops(f64),
+    /// Megatron-Core r0.8.0's count.
+    McoreTflops(f64),
+}
+
+/// A measured run: the source, the model, its configuration and the measurement.
 struct Row {
+    source: &'static Source,
     model: &'static Model,
     config: &'static str,
-    measured: f64,
+    measured: Measured,
+}
+
+impl Row {
+    /// The measured seconds per iteration.
+    fn seconds(&self) -> f64 {
+        let gpus = self.model.devices as f64;
+        match self.measured {
+            Measured::Seconds(s) => s,
+            Measured::PtdpTflops(t) => self.model.flops_ptdp() / (t * 1e12 * gpus),
+            Measured::McoreTflops(t) => self.model.flops_mcore() / (t * 1e12 * gpus),
+        }
+    }
+}
+
+const fn k(model: &'static Model, config: &'static str, s: f64) -> Row {
+    Row { source: &KORTHIKANTI, model, config, measured: Measured::Seconds(s) }
+}
+
+const fn n(model: &'static Model, config: &'static str, tflops: f64) -> Row {
+    Row { source: &NARAYANAN, model, config, measured: Measured::PtdpTflops(tflops) }
+}
+
+const fn m(model: &'static Model, config: &'static str, tflops: f64) -> Row {
+    Row { source: &MCORE_H100, model, config, measured: Measured::McoreTflops(tflops) }
 }
 
 const ROWS: &[Row] = &[
-    Row { model: &GPT_22B, config: "tp=8,mbs=4,recompute=full", measured: 1.42 },
-    Row { model: &GPT_22B, config: "tp=8,mbs=4,recompute=selective,sp", measured: 1.10 },
-    Row { model: &GPT_175B, config: "tp=8,pp=8,vp=3,mbs=1,recompute=full", measured: 18.13 },
-    Row { model: &GPT_175B, config: "tp=8,pp=8,vp=3,mbs=1,recompute=selective,sp", measured: 13.75 },
-    Row { model: &GPT_530B, config: "tp=8,pp=35,vp=3,mbs=1,recompute=full", measured: 49.05 },
-    Row { model: &GPT_530B, config: "tp=8,pp=35,vp=3,mbs=1,recompute=selective,sp", measured: 37.83 },
-    Row { model: &GPT_1T, config: "tp=8,pp=64,mbs=1,recompute=full", measured: 94.42 },
-    Row { model: &GPT_1T, config: "tp=8,pp=64,mbs=1,recompute=selective,sp", measured: 71.49 },
+    k(&K_22B, "tp=8,mbs=4,recompute=full", 1.42),
+    k(&K_22B, "tp=8,mbs=4,recompute=selective,sp", 1.10),
+    k(&K_175B, "tp=8,pp=8,vp=3,mbs=1,recompute=full", 18.13),
+    k(&K_175B, "tp=8,pp=8,vp=3,mbs=1,recompute=selective,sp", 13.75),
+    k(&K_530B, "tp=8,pp=35,vp=3,mbs=1,recompute=full", 49.05),
+    k(&K_530B, "tp=8,pp=35,vp=3,mbs=1,recompute=selective,sp", 37.83),
+    k(&K_1T, "tp=8,pp=64,mbs=1,recompute=full", 94.42),
+    k(&K_1T, "tp=8,pp=64,mbs=1,recompute=selective,sp", 71.49),
+    n(&N_1_7B, "dp=32,mbs=1,recompute=full", 137.0),
+    n(&N_3_6B, "tp=2,dp=32,mbs=1,recompute=full", 138.0),
+    n(&N_7_5B, "tp=4,dp=32,mbs=1,recompute=full", 142.0),
+    n(&N_18B, "tp=8,dp=32,mbs=1,recompute=full", 135.0),
+    n(&N_39B, "tp=8,pp=2,dp=32,mbs=1,recompute=full", 138.0),
+    n(&N_76B, "tp=8,pp=4,dp=32,mbs=1,recompute=full", 140.0),
+    n(&N_145B, "tp=8,pp=8,dp=24,mbs=1,recompute=full", 148.0),
+    n(&N_310B, "tp=8,pp=16,dp=15,mbs=1,recompute=full", 155.0),
+    n(&N_530B, "tp=8,pp=35,dp=9,mbs=1,recompute=full", 163.0),
+    n(&N_1T, "tp=8,pp=64,dp=6,mbs=1,recompute=full", 163.0),
+    m(&M_1_7B, "dp=48,mbs=1,zero=1,flash", 408.8),
+    m(&M_7_1B, "tp=2,dp=48,mbs=1,sp,zero=1,flash,tp_overlap", 465.9),
+    m(&M_16B, "tp=4,dp=48,mbs=1,sp,zero=1,flash,tp_overlap", 489.1),
+    m(&M_32B, "tp=8,dp=48,mbs=1,sp,zero=1,flash,tp_overlap", 459.6),
+    m(&M_70B, "tp=8,pp=2,dp=48,mbs=1,sp,zero=1,flash,tp_overlap", 419.7),
+    m(&M_119B, "tp=8,pp=4,dp=48,mbs=1,sp,zero=1,flash,tp_overlap", 420.5),
+    m(&M_177B, "tp=8,pp=6,dp=48,mbs=1,sp,zero=1,flash,tp_overlap", 432.8),
+    m(&M_314B, "tp=8,pp=8,dp=48,mbs=1,sp,zero=1,flash,tp_overlap", 474.4),
+    m(&M_462B, "tp=8,pp=16,dp=48,mbs=1,sp,zero=1,flash,tp_overlap", 459.9),
 ];
 
 /// The model, shapes inferred and canonicalized as `shardc cost` prepares it.
@@ -86,7 +224,8 @@ fn prepare(text: &str) -> shardc::ir::Model {
 /// The predicted step of `row`'s configuration, seconds, and whether it fits.
 fn predicted(row: &Row, g: &shardc::ir::Graph) -> Result<(f64, bool), String> {
     let cluster = Cluster::load(row.model.cluster).map_err(|e| e.to_string())?;
-    let opts = Options { precision: Precision::Fp16, ..Options::default() };
+    let opts =
+        Options { precision: Precision::Fp16, overlap_grad_sync: row.source.overlap_grad_sync, ..Options::default() };
     let cfg = Config::parse(row.config)?;
     let mut rewritten = g.clone();
     cfg.rewrite(&mut rewritten)?;
@@ -95,42 +234,87 @@ fn predicted(row: &Row, g: &shardc::ir::Graph) -> Result<(f64, bool), String> {
     Ok((priced.breakdown.step_time_s, priced.breakdown.feasible))
 }
 
+/// Spearman's rank correlation of two equally long lists without ties.
+fn spearman(a: &[f64], b: &[f64]) -> f64 {
+    let rank = |v: &[f64]| {
+        let mut idx: Vec<usize> = (0..v.len()).collect();
+        idx.sort_by(|&i, &j| v[i].total_cmp(&v[j]));
+        let mut r = vec![0.0; v.len()];
+        for (pos, &i) in idx.iter().enumerate() {
+            r[i] = pos as f64;
+        }
+        r
+    };
+    let (ra, rb) = (rank(a), rank(b));
+    let n = a.len() as f64;
+    let d2: f64 = ra.iter().zip(&rb).map(|(x, y)| (x - y).powi(2)).sum();
+    1.0 - 6.0 * d2 / (n * (n * n - 1.0))
+}
+
+fn mape(errors: &[f64]) -> f64 {
+    100.0 * errors.iter().map(|e| e.abs()).sum::<f64>() / errors.len().max(1) as f64
+}
+
 fn main() {
-    let mut errors = Vec::new();
+    // (source, model, measured, predicted) of every priced row.
+    let mut priced: Vec<(&str, &str, f64, f64)> = Vec::new();
     // Rows of one model share its graph.
-    let mut last: Option<(&str, shardc::ir::Model)> = None;
-    println!("model | cluster | configuration | measured s | predicted s | error");
+    let mut last: Option<(*const Model, shardc::ir::Model)> = None;
+    println!("source | model | devices × cluster | configuration | measured s | predicted s | error");
     for row in ROWS {
         let (t0, m) = (Instant::now(), row.model);
-        if last.as_ref().is_none_or(|(name, _)| *name != m.name) {
-            let gpt =
-                Gpt { layers: m.layers, hidden: m.hidden, heads: m.heads, batch: m.batch, seq: 2048, fused_gelu: true };
-            last = Some((m.name, prepare(&gpt.to_text())));
+        if last.as_ref().is_none_or(|(p, _)| !std::ptr::eq(*p, m)) {
+            let gpt = Gpt {
+                layers: m.layers,
+                hidden: m.hidden,
+                heads: m.heads,
+                batch: m.batch,
+                seq: m.seq,
+                fused_gelu: true,
+                vocab: m.vocab,
+            };
+            last = Some((m, prepare(&gpt.to_text())));
         }
         let g = &last.as_ref().expect("prepared").1.graph;
+        let measured = row.seconds();
+        let head = format!("{} | {} | {} × {} | {}", row.source.name, m.name, m.devices, m.cluster, row.config);
         match predicted(row, g) {
             Ok((step, fits)) => {
-                let err = step / row.measured - 1.0;
-                errors.push(err);
+                let err = step / measured - 1.0;
+                priced.push((row.source.name, m.name, measured, step));
                 println!(
-                    "{} | {} × {} | {} | {:.2} | {:.2}{} | {:+.1}% ({:.1} s)",
-                    m.name,
-                    m.devices,
-                    m.cluster,
-                    row.config,
-                    row.measured,
-                    step,
+                    "{head} | {measured:.2} | {step:.2}{} | {:+.1}% ({:.1} s)",
                     if fits { "" } else { " (does not fit)" },
                     100.0 * err,
                     t0.elapsed().as_secs_f64()
                 );
             }
-            Err(e) => println!("{} | {} | {} | {:.2} | not priced: {e}", m.name, m.cluster, row.config, row.measured),
+            Err(e) => println!("{head} | {measured:.2} | not priced: {e}"),
         }
     }
-    if !errors.is_empty() {
-        let mean = errors.iter().map(|e| e.abs()).sum::<f64>() / errors.len() as f64;
-        let max = errors.iter().map(|e| e.abs()).fold(0.0, f64::max);
-        println!("mean absolute error {:.1}%, largest {:.1}% over {} rows", 100.0 * mean, 100.0 * max, errors.len());
+    summarize(&priced);
+}
+
+/// MAPE per source and overall, the largest error, and the order of each model's
+/// configurations within a source.
+fn summarize(priced: &[(&str, &str, f64, f64)]) {
+    let err = |&(_, _, measured, step): &(&str, &str, f64, f64)| step / measured - 1.0;
+    let mut sources: Vec<&str> = priced.iter().map(|r| r.0).collect();
+    sources.dedup();
+    for s in &sources {
+        let e: Vec<f64> = priced.iter().filter(|r| r.0 == *s).map(err).collect();
+        println!("{s}: MAPE {:.1}% over {} rows", mape(&e), e.len());
+        let mut models: Vec<&str> = priced.iter().filter(|r| r.0 == *s).map(|r| r.1).collect();
+        models.dedup();
+        for m in models {
+            let rows: Vec<_> = priced.iter().filter(|r| r.0 == *s && r.1 == m).collect();
+            if rows.len() >= 2 {
+                let (a, b): (Vec<f64>, Vec<f64>) = rows.iter().map(|r| (r.2, r.3)).unzip();
+                println!("  {m}: {} configurations, Spearman ρ {:.2}", rows.len(), spearman(&a, &b));
+            }
+        }
     }
+    let all: Vec<f64> = priced.iter().map(err).collect();
+    let max = all.iter().map(|e| e.abs()).fold(0.0, f64::max);
+    println!("overall: MAPE {:.1}%, largest {:.1}% over {} rows", mape(&all), 100.0 * max, all.len());
 }

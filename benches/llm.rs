@@ -36,7 +36,7 @@ struct Case {
 }
 
 fn gpt(layers: usize, hidden: usize, heads: usize, batch: usize) -> String {
-    Gpt { layers, hidden, heads, batch, seq: 2048, fused_gelu: true }.to_text()
+    Gpt { layers, hidden, heads, batch, seq: 2048, fused_gelu: true, vocab: 0 }.to_text()
 }
 
 const CASES: &[Case] = &[

@@ -865,7 +865,7 @@ pub fn factor_models(small: bool) -> Vec<(&'static str, String, passes::autodiff
         .join("\n")
     );
     let (hidden, seq, batch) = if small { (32, 16, 2) } else { (128, 128, 4) };
-    let gpt = crate::synthetic::Gpt { layers: 2, hidden, heads: 4, batch, seq, fused_gelu: false }.to_text();
+    let gpt = crate::synthetic::Gpt { layers: 2, hidden, heads: 4, batch, seq, fused_gelu: false, vocab: 0 }.to_text();
     vec![("cnn", cnn, LossSpec::SoftmaxCrossEntropy(None)), ("transformer", gpt, LossSpec::Mse(None))]
 }
 

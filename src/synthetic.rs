@@ -28,6 +28,11 @@ pub struct Gpt {
     /// The MLP's GELU as one `Gelu` op (opset 20), as Megatron-LM fuses it, instead of the
     /// exporters' five ops around `Erf`.
     pub fused_gelu: bool,
+    /// The vocabulary (0: none, the model maps `batch × seq × hidden` activations to
+    /// activations). Otherwise the input is `batch × seq` token ids, embedded by a
+    /// `vocab × hidden` table plus learned positions, and a final LayerNorm and a
+    /// `hidden × vocab` output layer (untied) give the logits, as Megatron-LM's GPT.
+    pub vocab: usize,
 }
 
 /// The additive causal mask (−10⁴ above the diagonal), computed in the graph from the
@@ -50,7 +55,7 @@ pub(crate) fn ext(dtype: &str, dims: &[usize], name: &str) -> String {
 impl Gpt {
     /// The model text.
     pub fn to_text(&self) -> String {
-        let Gpt { layers, hidden: h, heads: nh, batch: b, seq: s, fused_gelu } = *self;
+        let Gpt { layers, hidden: h, heads: nh, batch: b, seq: s, fused_gelu, vocab } = *self;
         assert!(nh > 0 && h % nh == 0, "heads must divide hidden");
         let hd = h / nh;
         let mut inits: Vec<String> = vec![
@@ -85,14 +90,30 @@ impl Gpt {
                 inits.push(ext("float", &dims, &format!("h{l}.{name}")));
             }
         }
+        if vocab > 0 {
+            inits.push(ext("float", &[vocab, h], "wte"));
+            inits.push(ext("float", &[s, h], "wpe"));
+            inits.push(ext("float", &[h], "ln_f_g"));
+            inits.push(ext("float", &[h], "ln_f_b"));
+            inits.push(ext("float", &[h, vocab], "lm_head"));
+        }
+        let (input, output) = if vocab > 0 {
+            (format!("int64[{b},{s}] tokens"), format!("float[{b},{s},{vocab}] logits"))
+        } else {
+            (format!("float[{b},{s},{h}] x"), format!("float[{b},{s},{h}] y"))
+        };
         let mut t = String::new();
         let _ = write!(
             t,
-            "<\n   ir_version: 8,\n   opset_import: [\"\" : {}]\n>\ngpt (float[{b},{s},{h}] x) => (float[{b},{s},{h}] y)\n   <{}>\n{{\n",
+            "<\n   ir_version: 8,\n   opset_import: [\"\" : {}]\n>\ngpt ({input}) => ({output})\n   <{}>\n{{\n",
             if fused_gelu { 20 } else { 17 },
             inits.join(", ")
         );
         t.push_str(CAUSAL_MASK);
+        if vocab > 0 {
+            t.push_str("   [\"embedding\"] embedded = Gather (\"wte\", tokens)\n");
+            t.push_str("   [\"positions\"] x = Add (embedded, \"wpe\")\n");
+        }
         let mut x = "x".to_string();
         for l in 0..layers {
             let p = format!("h{l}");
@@ -139,7 +160,15 @@ impl Gpt {
             line(format!("[\"{p}/residual2\"] {p}_r2 = Add ({p}_r1, {p}_f2)"));
             x = format!("{p}_r2");
         }
-        let _ = writeln!(t, "   [final] y = Identity ({x})\n}}");
+        if vocab > 0 {
+            let _ = writeln!(
+                t,
+                "   [\"ln_f\"] final_n = LayerNormalization <axis: int = -1> ({x}, \"ln_f_g\", \"ln_f_b\")"
+            );
+            let _ = writeln!(t, "   [\"lm_head\"] logits = MatMul (final_n, \"lm_head\")\n}}");
+        } else {
+            let _ = writeln!(t, "   [final] y = Identity ({x})\n}}");
+        }
         t
     }
 }
@@ -195,8 +224,9 @@ mod tests {
     #[test]
     fn synthetic_models_parse_verify_and_infer() {
         for text in [
-            Gpt { layers: 2, hidden: 64, heads: 4, batch: 2, seq: 8, fused_gelu: false }.to_text(),
-            Gpt { layers: 2, hidden: 64, heads: 4, batch: 2, seq: 8, fused_gelu: true }.to_text(),
+            Gpt { layers: 2, hidden: 64, heads: 4, batch: 2, seq: 8, fused_gelu: false, vocab: 0 }.to_text(),
+            Gpt { layers: 2, hidden: 64, heads: 4, batch: 2, seq: 8, fused_gelu: true, vocab: 0 }.to_text(),
+            Gpt { layers: 2, hidden: 64, heads: 4, batch: 2, seq: 8, fused_gelu: true, vocab: 50 }.to_text(),
             Llama { layers: 2, hidden: 64, heads: 4, kv_heads: 2, ffn: 96, vocab: 50, batch: 2, seq: 8 }.to_text(),
             Llama { layers: 2, hidden: 64, heads: 4, kv_heads: 4, ffn: 96, vocab: 0, batch: 2, seq: 8 }.to_text(),
             chain(100),

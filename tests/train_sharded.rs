@@ -1019,7 +1019,7 @@ fn synthetic_case(name: &str, text: &str, recompute: shardc::passes::cost::Recom
 #[test]
 fn memory_saving_programs_move_what_they_price() {
     use shardc::passes::cost::{Options, Recompute};
-    let gpt = shardc::synthetic::Gpt { layers: 2, hidden: 64, heads: 4, batch: 4, seq: 32, fused_gelu: true };
+    let gpt = shardc::synthetic::Gpt { layers: 2, hidden: 64, heads: 4, batch: 4, seq: 32, fused_gelu: true, vocab: 0 };
     let llama = shardc::synthetic::Llama::reduced(2, 4, 32);
     let cluster = shardc::passes::cost::Cluster::preset("local-wgpu").expect("preset");
     let plans = [

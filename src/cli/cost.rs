@@ -92,8 +92,9 @@ pub struct CostArgs {
     pub cluster: String,
     /// data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, pipeline:S:M[:gpipe|:1f1b]; or a
     /// configuration of key=value fields: dp, tp, pp, vp, cp, ep, mbs, sp, recompute=none|selective|full,
-    /// zero=0|1|2|3, schedule=gpipe|1f1b|interleaved, flash (attention fused before pricing) (e.g.
-    /// tp=8,dp=8,zero=3,recompute=full,sp).
+    /// zero=0|1|2|3, schedule=gpipe|1f1b|interleaved, flash (attention fused before pricing),
+    /// tp_overlap (tensor-parallel collectives overlapped with their GEMMs, Megatron-LM's
+    /// --tp-comm-overlap) (e.g. tp=8,dp=8,zero=3,recompute=full,sp).
     #[arg(long)]
     pub strategy: String,
     /// Devices to use (default: all of the cluster).

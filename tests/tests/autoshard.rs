@@ -414,7 +414,8 @@ fn finding_a_convolutions_data_parallel_fully_connected_layers_model_parallel() 
 #[test]
 fn finding_b_megatron_tensor_parallelism_for_a_wide_gpt_block() {
     let text =
-        shardc::synthetic::Gpt { layers: 2, hidden: 4096, heads: 32, batch: 8, seq: 1024, fused_gelu: false }.to_text();
+        shardc::synthetic::Gpt { layers: 2, hidden: 4096, heads: 32, batch: 8, seq: 1024, fused_gelu: false, vocab: 0 }
+            .to_text();
     let m = from_text(&text);
     let cluster = Cluster::preset("dgx-a100").unwrap();
     let r = plan(&m.graph, &cluster, 8, &Options::default());
@@ -447,9 +448,11 @@ fn finding_b_megatron_tensor_parallelism_for_a_wide_gpt_block() {
         // (the layer norms all-reduce their statistics; the collectives around the block are
         // all-gathers and a reduce-scatter instead of all-reduces, as in Megatron's sequence
         // parallelism) — whichever the cost model prices lower.
-        let q = split_on(&p("q_proj"), "n");
-        let k = split_on(&p("k_proj"), "n");
-        let v = split_on(&p("v_proj"), "n");
+        // Q, K and V by heads: column-parallel, or row-parallel on a residual stream kept
+        // split along the hidden dim (their partial sums reduce-scattered into the heads: the
+        // same traffic), whichever is priced lower.
+        let qkv = |x: &str| -> Vec<usize> { split_on(&p(x), "n").into_iter().chain(split_on(&p(x), "k")).collect() };
+        let (q, k, v) = (qkv("q_proj"), qkv("k_proj"), qkv("v_proj"));
         let heads = split_on(&p("scores"), "b1");
         let o: Vec<usize> = split_on(&p("out_proj"), "k").into_iter().chain(split_on(&p("out_proj"), "n")).collect();
         assert!(
@@ -872,7 +875,8 @@ fn op_kinds_read_in_the_summarys_terms() {
 #[test]
 fn repeated_layers_fold_to_three_within_one_percent() {
     let text =
-        shardc::synthetic::Gpt { layers: 10, hidden: 256, heads: 8, batch: 8, seq: 128, fused_gelu: false }.to_text();
+        shardc::synthetic::Gpt { layers: 10, hidden: 256, heads: 8, batch: 8, seq: 128, fused_gelu: false, vocab: 0 }
+            .to_text();
     let synthetic = prepare(frontend::parse(&text).unwrap().model, Default::default());
     let gpt2 = shared("hf_gpt2_124m.onnxtxt", batch(8));
     let cluster = Cluster::preset("dgx-a100").unwrap();

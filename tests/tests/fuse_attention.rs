@@ -45,7 +45,7 @@ fn drawn(text: &str) -> ir::Model {
 
 /// Sequence 16 over heads of 8: the scores' `[b, h, 16, 16]` is no other value's shape.
 fn small_gpt() -> ir::Model {
-    drawn(&Gpt { layers: 2, hidden: 32, heads: 4, batch: 2, seq: 16, fused_gelu: true }.to_text())
+    drawn(&Gpt { layers: 2, hidden: 32, heads: 4, batch: 2, seq: 16, fused_gelu: true, vocab: 0 }.to_text())
 }
 
 fn small_llama() -> ir::Model {

@@ -9,7 +9,8 @@ use passes::cost::{self, Breakdown, Cluster, Options, Precision};
 
 /// A GPT of 36 small blocks (over 1,000 ops: the size the grid runs from).
 fn gpt(batch: usize) -> ir::Graph {
-    let text = shardc::synthetic::Gpt { layers: 36, hidden: 64, heads: 4, batch, seq: 32, fused_gelu: true }.to_text();
+    let text = shardc::synthetic::Gpt { layers: 36, hidden: 64, heads: 4, batch, seq: 32, fused_gelu: true, vocab: 0 }
+        .to_text();
     let mut m = frontend::parse(&text).unwrap_or_else(|d| panic!("{}", frontend::render(&d, "gpt", &text))).model;
     let mut pm = passes::PassManager::new();
     pm.add(passes::InferShapes::default()).add(passes::Canonicalize).add(passes::Algebra);

@@ -9,7 +9,7 @@ use passes::cost::{self, Breakdown, Cluster, Options, Precision};
 
 /// A Megatron-style GPT (fused GELU), parsed and prepared as the CLI does.
 fn gpt(layers: usize, hidden: usize, heads: usize, batch: usize, seq: usize) -> ir::Graph {
-    let text = shardc::synthetic::Gpt { layers, hidden, heads, batch, seq, fused_gelu: true }.to_text();
+    let text = shardc::synthetic::Gpt { layers, hidden, heads, batch, seq, fused_gelu: true, vocab: 0 }.to_text();
     let mut m = frontend::parse(&text).unwrap_or_else(|d| panic!("{}", frontend::render(&d, "gpt", &text))).model;
     let mut pm = passes::PassManager::new();
     pm.add(passes::Verify).add(passes::InferShapes::default()).add(passes::Canonicalize).add(passes::Algebra);
@@ -143,6 +143,10 @@ fn configurations_check_their_degrees_and_say_what_is_not_priced() {
     // Batch 8 over dp = 2 in micro-batches of 2: 2 micro-batches, not a multiple of 4 stages.
     assert!(resolve("pp=4,vp=2,dp=2,mbs=2", 8).unwrap_err().contains("groups of pp"));
     assert!(resolve("sp", 8).unwrap_err().contains("tp > 1"));
+    assert!(resolve("tp_overlap", 8).unwrap_err().contains("tp > 1"));
+    assert!(Config::parse("tp=2,tp_overlap=maybe").unwrap_err().contains("tp_overlap=on"));
+    let opts_of = |s: &str| Config::parse(s).and_then(|c| c.resolve(8, Some(8), &opts)).unwrap().1;
+    assert!(opts_of("tp=2,tp_overlap").tp_comm_overlap && !opts_of("tp=2").tp_comm_overlap);
     assert!(Config::parse("zero=4").unwrap_err().contains("0, 1, 2 or 3"));
     assert!(Config::parse("tp=2,tp=4").unwrap_err().contains("twice"));
     assert!(Config::parse("foo=1").unwrap_err().contains("unknown field"));

@@ -32,6 +32,7 @@ pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) 
             // The runtime's GEMM kernel computes 4×4 blocks per invocation in 16×16 workgroups.
             gemm_tile: 16,
             gemm_k_overhead: c.gemm_k_overhead,
+            sms: 0,
             conv_grad_efficiency: c.conv_grad_efficiency,
             transpose_efficiency: c.transpose_efficiency,
             transpose_cached_bytes: c.transpose_cached_bytes,

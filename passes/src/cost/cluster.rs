@@ -86,6 +86,13 @@ pub struct Device {
     /// over many devices leaves short, overhead-bound loops).
     #[serde(default = "default_k_overhead")]
     pub gemm_k_overhead: f64,
+    /// Streaming multiprocessors (compute units) that run a GEMM's tiles side by side, one
+    /// tile each at a time (0: not modelled). A GEMM runs its tiles in waves of this many; the
+    /// last wave, part full, takes a whole wave's time (wave quantization, NVIDIA's *Matrix
+    /// Multiplication Background User's Guide*), so `t` tiles reach `t / (⌈t/sms⌉·sms)` of
+    /// the rate.
+    #[serde(default)]
+    pub sms: usize,
     /// Fraction of a convolution's rate its gradient kernels (`ConvGradInput`,
     /// `ConvGradWeight`) reach: 1 where they run as fast as the forward convolution (the
     /// vendors' libraries, as far as published), measured by `shardc calibrate` for the
@@ -170,13 +177,36 @@ impl Device {
     }
 
     /// The fraction of peak a GEMM (or convolution as a GEMM) with an `m × n` output and
-    /// reduction length `k` reaches: `efficiency` × tile quantization on `m` and `n` × the
-    /// reduction-loop overhead (see [`Device::gemm_tile`], [`Device::gemm_k_overhead`]).
+    /// reduction length `k` reaches: `efficiency` × tile quantization on `m` and `n` × wave
+    /// quantization over the SMs × the reduction-loop overhead (see [`Device::gemm_tile`],
+    /// [`Device::sms`], [`Device::gemm_k_overhead`]).
     pub fn gemm_efficiency(&self, m: f64, n: f64, k: f64) -> f64 {
+        self.batched_gemm_efficiency(m, n, k, 1.0)
+    }
+
+    /// [`Device::gemm_efficiency`] of `batch` such GEMMs run as one batched kernel: their
+    /// tiles fill the waves together. Tiles too few to fill the SMs split their reduction
+    /// over more of them (split-K, as cuBLAS and CUTLASS do), in chunks of at least a tile's
+    /// width of `k`, each chunk paying the loop overhead.
+    pub fn batched_gemm_efficiency(&self, m: f64, n: f64, k: f64, batch: f64) -> f64 {
         let t = self.gemm_tile.max(1) as f64;
-        let q = |x: f64| if x <= 0.0 { 1.0 } else { x / ((x / t).ceil() * t) };
-        let kf = if k <= 0.0 { 1.0 } else { k / (k + self.gemm_k_overhead.max(0.0)) };
-        self.efficiency * q(m) * q(n) * kf
+        let tiles = |x: f64| if x <= 0.0 { 1.0 } else { (x / t).ceil() };
+        let q = |x: f64| if x <= 0.0 { 1.0 } else { x / (tiles(x) * t) };
+        let (count, sms) = (tiles(m) * tiles(n) * batch.max(1.0), self.sms as f64);
+        let split = if self.sms == 0 || count >= sms || k <= 0.0 {
+            1.0
+        } else {
+            (sms / count).floor().min((k / t).floor()).max(1.0)
+        };
+        let chunk = k / split;
+        let kf = if k <= 0.0 { 1.0 } else { chunk / (chunk + self.gemm_k_overhead.max(0.0)) };
+        let wave = if self.sms == 0 {
+            1.0
+        } else {
+            let units = count * split;
+            units / ((units / sms).ceil() * sms)
+        };
+        self.efficiency * q(m) * q(n) * wave * kf
     }
 }
 
@@ -338,7 +368,7 @@ fn a100() -> Device {
         name: "A100-SXM4-80GB".into(),
         peak_flops: PeakFlops { fp32: 19.5e12, tf32: Some(156e12), fp16: Some(312e12) },
         // Large cuBLAS GEMMs reach 70-80% of tensor-core peak; whole networks less.
-        efficiency: 0.6,
+        efficiency: 0.859,
         mem_bandwidth: 2039.0 * GB,
         mem_capacity: 80.0 * GIB,
         mem_usable: 0.9,
@@ -350,9 +380,10 @@ fn a100() -> Device {
         ring_contention: 0.0,
         host_cores: 0,
         // cuBLAS SGEMM/HGEMM tiles of 128×128 on large problems; ~32 of K per tile in
-        // prologue/epilogue.
+        // prologue/epilogue. 108 SMs (A100 datasheet).
         gemm_tile: 128,
         gemm_k_overhead: 32.0,
+        sms: 108,
         conv_grad_efficiency: 1.0,
         transpose_efficiency: 1.0,
         transpose_cached_bytes: 0.0,
@@ -404,7 +435,7 @@ fn dgx_h100(nodes: usize) -> Cluster {
             // H100 SXM5: FP32 67 TFLOPS, TF32 495, FP16/BF16 989 (dense); HBM3 3.35 TB/s; 80 GB.
             name: "H100-SXM5-80GB".into(),
             peak_flops: PeakFlops { fp32: 67e12, tf32: Some(495e12), fp16: Some(989e12) },
-            efficiency: 0.55,
+            efficiency: 0.801,
             mem_bandwidth: 3350.0 * GB,
             mem_capacity: 80.0 * GIB,
             mem_usable: 0.9,
@@ -416,6 +447,7 @@ fn dgx_h100(nodes: usize) -> Cluster {
             host_cores: 0,
             gemm_tile: 128,
             gemm_k_overhead: 32.0,
+            sms: 132,
             conv_grad_efficiency: 1.0,
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,
@@ -470,6 +502,7 @@ fn pcie_v100x8() -> Cluster {
             host_cores: 0,
             gemm_tile: 128,
             gemm_k_overhead: 32.0,
+            sms: 80,
             conv_grad_efficiency: 1.0,
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,
@@ -516,6 +549,7 @@ fn dgx1_v100() -> Cluster {
             host_cores: 0,
             gemm_tile: 128,
             gemm_k_overhead: 32.0,
+            sms: 80,
             conv_grad_efficiency: 1.0,
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,

@@ -50,12 +50,15 @@ pub struct Config {
     /// Flash attention: the model's attentions fused into one op each (`fuse-attention`)
     /// before pricing, as frameworks that call a fused attention kernel run them.
     pub flash: bool,
+    /// Tensor-parallel communication overlapped with the GEMMs
+    /// ([`super::Options::tp_comm_overlap`], Megatron-LM's `--tp-comm-overlap`).
+    pub tp_overlap: bool,
 }
 
 /// True when `s` is written as a configuration (`key=value` fields or the `sp` and `flash` flags) rather
 /// than a strategy name.
 pub fn is_config(s: &str) -> bool {
-    s.contains('=') || s.split(',').any(|f| matches!(f.trim(), "sp" | "flash"))
+    s.contains('=') || s.split(',').any(|f| matches!(f.trim(), "sp" | "flash" | "tp_overlap"))
 }
 
 fn count(key: &str, v: &str) -> Result<usize, String> {
@@ -85,16 +88,16 @@ impl Config {
                 "cp" => c.cp = count(key, v()?)?,
                 "ep" => c.ep = count(key, v()?)?,
                 "mbs" => c.mbs = Some(count(key, v()?)?),
-                "sp" | "flash" => {
+                "sp" | "flash" | "tp_overlap" => {
                     let on = match value {
                         None | Some("1" | "true" | "on") => true,
                         Some("0" | "false" | "off") => false,
                         Some(o) => return Err(format!("`{key}={o}`: write {key}, {key}=on or {key}=off")),
                     };
-                    if key == "sp" {
-                        c.sp = on;
-                    } else {
-                        c.flash = on;
+                    match key {
+                        "sp" => c.sp = on,
+                        "flash" => c.flash = on,
+                        _ => c.tp_overlap = on,
                     }
                 }
                 "recompute" => c.recompute = Recompute::parse(v()?)?,
@@ -118,7 +121,7 @@ impl Config {
                 }
                 other => {
                     return Err(format!(
-                        "unknown field `{other}`; a configuration has dp, tp, pp, vp, cp, ep, mbs, sp, recompute, zero, schedule, flash"
+                        "unknown field `{other}`; a configuration has dp, tp, pp, vp, cp, ep, mbs, sp, recompute, zero, schedule, flash, tp_overlap"
                     ));
                 }
             }
@@ -187,10 +190,14 @@ impl Config {
         if self.sp && self.tp == 1 {
             return Err("sp: sequence parallelism splits the tensor-parallel axis; give tp > 1".into());
         }
+        if self.tp_overlap && self.tp == 1 {
+            return Err("tp_overlap: overlaps the tensor-parallel collectives; give tp > 1".into());
+        }
         let mut o = opts.clone();
         o.recompute = self.recompute;
         o.sequence_parallel = self.sp;
         o.zero = self.zero;
+        o.tp_comm_overlap = self.tp_overlap;
         let batch = batch.map(|b| b as usize);
         if self.pp == 1
             && let Some(mbs) = self.mbs

@@ -111,6 +111,12 @@ pub struct Options {
     /// batch / `accumulation` before one gradient synchronisation and update; activations are
     /// a micro-batch's.
     pub accumulation: usize,
+    /// The layers' activation collectives (tensor and sequence parallelism) overlap with the
+    /// GEMM they feed or come from, as Megatron-LM's `--tp-comm-overlap` pipelines them in
+    /// chunks beside the GEMM: only what outlasts that GEMM is exposed, and the GEMM runs
+    /// `overlap_slowdown` times slower beside it. Off for shardc's own runtime, which runs
+    /// its collectives between kernels.
+    pub tp_comm_overlap: bool,
 }
 
 impl Options {
@@ -147,6 +153,7 @@ impl Default for Options {
             sequence_parallel: false,
             zero: 0,
             accumulation: 1,
+            tp_comm_overlap: false,
         }
     }
 }
@@ -535,6 +542,7 @@ struct Copies {
 struct GradEvent {
     value: Value,
     pos: usize,
+    /// The gradient bytes a device holds (the parameter's local shard): what fills a bucket.
     bytes: f64,
     bandwidth: f64,
     latency: f64,
@@ -867,8 +875,23 @@ impl<'a> CostModel<'a> {
     }
 
     /// The local GEMM problem (`m × n` output, reduction `k`) of a contraction or
-    /// convolution under layouts `ins`/`outs`, for its shape-dependent efficiency.
-    fn gemm_shape(&self, n: NodeId, ins: &[Option<Sharding>], outs: &[Sharding]) -> Option<(f64, f64, f64)> {
+    /// convolution under layouts `ins`/`outs`, for its shape-dependent efficiency, and how
+    /// many such GEMMs one batched kernel runs.
+    fn gemm_shape(&self, n: NodeId, ins: &[Option<Sharding>], outs: &[Sharding]) -> Option<(f64, f64, f64, f64)> {
+        let (m, nn, k) = self.gemm_extents(n, ins, outs)?;
+        let node = self.g.node(n);
+        let batch = match &node.op {
+            Op::MatMul(_) if !self.one_product(n, ins) => {
+                let y = self.local_static_dims(Value::new(n, 0), outs.first())?;
+                y.iter().rev().skip(2).product::<i64>() as f64
+            }
+            _ => 1.0,
+        };
+        Some((m, nn, k, batch))
+    }
+
+    /// The `(m, n, k)` of [`CostModel::gemm_shape`].
+    fn gemm_extents(&self, n: NodeId, ins: &[Option<Sharding>], outs: &[Sharding]) -> Option<(f64, f64, f64)> {
         let g = self.g;
         let node = g.node(n);
         let local = |v: Value, l: Option<&Sharding>| -> Option<Vec<f64>> {
@@ -996,13 +1019,13 @@ impl<'a> CostModel<'a> {
         // weight's `k × n` over `m` — a convolution's each at its own shape's efficiency, as
         // the training program prices its gradient ops.
         let shape = self.gemm_shape(n, ins, outs);
-        let eff = shape.map_or(d.efficiency, |(m, nn, k)| d.gemm_efficiency(m, nn, k));
+        let eff = shape.map_or(d.efficiency, |(m, nn, k, b)| d.batched_gemm_efficiency(m, nn, k, b));
         // A MatMul or Gemm that is one product (a shared B folds A's batch into its rows)
         // splits a long reduction into a second dispatch, its forward and each gradient GEMM
         // by its own reduction (the input's over `n`, the weight's over the rows `m`).
         let split = |k: f64| ir::ops::contraction::gemm_dispatches(1, k as usize) as f64 - 1.0;
         let (fwd_split, bwd_split) = match (&node.op, shape) {
-            (Op::MatMul(_) | Op::Gemm(_), Some((m, nn, k))) if self.one_product(n, ins) => {
+            (Op::MatMul(_) | Op::Gemm(_), Some((m, nn, k, _))) if self.one_product(n, ins) => {
                 (split(k), split(nn) + split(m))
             }
             _ => (0.0, 0.0),
@@ -1042,7 +1065,7 @@ impl<'a> CostModel<'a> {
             // a MatMul's batched and broadcast gradients fold their batch dims into rows the
             // forward shape does not show, so they keep the forward's efficiency).
             // Each at its gradient kernel's measured rate, as the training program prices it.
-            Some((m, nn, k)) if matches!(node.op, Op::Conv(_)) => {
+            Some((m, nn, k, _)) if matches!(node.op, Op::Conv(_)) => {
                 let factor = |k: &str| d.kernel_factors.get(k).copied().unwrap_or(1.0);
                 self.roofline_at(c.bwd_data_flops / f, bytes, d.gemm_efficiency(m, k, nn) * grad_rate)
                     * factor("ConvGradInput")
@@ -1285,11 +1308,14 @@ impl<'a> CostModel<'a> {
         // Gradient accumulation: a micro-batch's values are 1/k of the batch's.
         let k = self.opts.accumulation.max(1) as f64;
         let micro_local = |v: Value| self.value_bytes(v) / split_factor(have(v), mesh) / k;
+        let at: FxHashMap<NodeId, usize> = self.order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
         for (pos, (&n, e)) in self.order.iter().zip(&evals).enumerate() {
             let node = g.node(n);
             let t = e.time;
             let (fwd_comm, bwd_comm, grad_sum) =
                 self.op_edges(&mut w, &mut edges, pos, n, e, &have, &|v| out_sh.contains_key(&v));
+            let (fwd_comm, bwd_comm) =
+                self.tp_overlapped(n, fwd_comm, bwd_comm, &|m| at.get(&m).map(|&i| evals[i].time));
             self.record_op_comm(&mut w, n, e, &have);
             // Accumulating over k micro-batches launches each kernel k times.
             let relaunch = if is_view(&node.op) || is_host(&node.op) { 0.0 } else { (k - 1.0) * self.launch() };
@@ -1349,7 +1375,7 @@ impl<'a> CostModel<'a> {
         comm_total += grad_sync;
         // ZeRO-3 gathers the parameters for every micro-batch.
         let gather = if self.opts.zero >= 3 { gather * k } else { gather };
-        let gather_exposed = self.zero_gather_exposed(gather, fwd_total, bwd_total);
+        let gather_exposed = self.zero_gather_exposed(gather, fwd_total, bwd_total, fwd_total / k);
         let gathers = if self.opts.zero >= 3 { 2.0 * gather } else { gather };
         comm_total += gathers;
 
@@ -1841,6 +1867,7 @@ impl<'a> CostModel<'a> {
             if steps.is_empty() {
                 continue;
             }
+            let local_bytes = self.value_bytes(*v) * self.opts.grad_compression / split_factor(&target, &self.mesh);
             let t = super::collective::total(&steps);
             let latency: f64 = steps.iter().map(|s| s.latency).sum();
             // Bandwidth terms are paid per tensor; latency terms per bucket (below).
@@ -1861,7 +1888,7 @@ impl<'a> CostModel<'a> {
             out.push(GradEvent {
                 value: *v,
                 pos: edges.param_first_use[v],
-                bytes: self.value_bytes(*v) * self.opts.grad_compression,
+                bytes: local_bytes,
                 bandwidth: t - latency,
                 latency,
                 sig: steps.iter().map(|s| (s.kind, s.axes.clone())).collect(),
@@ -1973,23 +2000,25 @@ impl<'a> CostModel<'a> {
     }
 
     /// The exposed seconds of ZeRO's parameter all-gathers (`gather`: one of all the
-    /// parameters): stages 1 and 2 after the update, whole; stage 3 before the forward and the
-    /// backward pass, each prefetched beside that pass's compute where gradient
-    /// synchronisation overlaps ([`Options::overlap_grad_sync`], not on host-staged devices),
-    /// the compute running `overlap_slowdown` times slower meanwhile.
-    fn zero_gather_exposed(&self, gather: f64, fwd: f64, bwd: f64) -> f64 {
+    /// parameters). Where gradient synchronisation overlaps ([`Options::overlap_grad_sync`],
+    /// not on host-staged devices) they are prefetched beside compute, which runs
+    /// `overlap_slowdown` times slower meanwhile: stages 1 and 2 gather the updated shards
+    /// beside the next step's first micro-batch forward (`first_fwd`; Megatron-LM's
+    /// `--overlap-param-gather`), stage 3 before the forward and the backward pass, each beside
+    /// that pass. Without overlap they are exposed whole.
+    fn zero_gather_exposed(&self, gather: f64, fwd: f64, bwd: f64, first_fwd: f64) -> f64 {
         if gather == 0.0 {
             return 0.0;
         }
-        if self.opts.zero < 3 {
-            return gather;
-        }
         let overlaps = self.opts.overlap_grad_sync && !self.cluster.device.host_staged;
-        if !overlaps {
-            return 2.0 * gather;
-        }
+        let passes: &[f64] = match (self.opts.zero >= 3, overlaps) {
+            (false, false) => return gather,
+            (true, false) => return 2.0 * gather,
+            (false, true) => &[first_fwd],
+            (true, true) => &[fwd, bwd],
+        };
         let slow = (self.opts.overlap_slowdown - 1.0).max(0.0);
-        [fwd, bwd].iter().map(|&c| (gather - c).max(0.0) + gather.min(c) * slow).sum()
+        passes.iter().map(|&c| (gather - c).max(0.0) + gather.min(c) * slow).sum()
     }
 
     /// The backward pass with gradient synchronisation in buckets, as DDP does: gradients
@@ -2051,6 +2080,28 @@ impl<'a> CostModel<'a> {
             exposed = exposed.min(grad_sync);
         }
         (bwd_total, grad_sync, exposed)
+    }
+
+    /// The exposed part of an op's activation collectives (`fwd`, `bwd` seconds) under
+    /// [`Options::tp_comm_overlap`]: each pass's collectives hide behind the GEMM beside them
+    /// (the op itself when it is a contraction, else the contraction producing one of its
+    /// inputs, `time_of` giving that op's times), the GEMM `overlap_slowdown` slower
+    /// meanwhile. Unchanged without the option.
+    fn tp_overlapped(&self, n: NodeId, fwd: f64, bwd: f64, time_of: &dyn Fn(NodeId) -> Option<OpTime>) -> (f64, f64) {
+        if !self.opts.tp_comm_overlap || fwd + bwd <= 0.0 {
+            return (fwd, bwd);
+        }
+        let node = self.g.node(n);
+        let gemm = |m: NodeId| matches!(self.g.node(m).op, Op::MatMul(_) | Op::Gemm(_));
+        let beside = if gemm(n) {
+            time_of(n)
+        } else {
+            node.inputs().iter().flatten().map(|v| v.node).find(|&m| gemm(m)).and_then(time_of)
+        };
+        let Some(t) = beside else { return (fwd, bwd) };
+        let slow = (self.opts.overlap_slowdown - 1.0).max(0.0);
+        let exposed = |c: f64, budget: f64| (c - budget).max(0.0) + c.min(budget) * slow;
+        (exposed(fwd, t.fwd), exposed(bwd, t.bwd))
     }
 
     /// Host→device input time (before overlap) and bytes per step.

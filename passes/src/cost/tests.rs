@@ -31,6 +31,7 @@ fn toy() -> Cluster {
             // No tile quantization or reduction overhead: efficiency is flat.
             gemm_tile: 1,
             gemm_k_overhead: 0.0,
+            sms: 0,
             conv_grad_efficiency: 1.0,
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,
@@ -222,6 +223,54 @@ fn row_parallel_gemm_all_reduces_its_output() {
     let b = cm.evaluate(&Assignment { strategies: [(mm, vec![Some(2)]), (add, vec![None])].into_iter().collect() });
     let ar = 2.0 * 7.0 / 8.0 * 1_048_576.0 / 1e10;
     assert!(close(b.communication_by_kind["all_reduce"], ar), "{:?}", b.communication_by_kind);
+}
+
+#[test]
+fn overlapped_tensor_parallel_collectives_hide_behind_their_gemm() {
+    // The row-parallel GEMM of the test above: the all-reduce of its partial sums (183.5 µs)
+    // is made for the Add, which reads the GEMM's output. Overlapped (Megatron's
+    // --tp-comm-overlap), it runs beside the GEMM's forward: only what outlasts the GEMM is
+    // exposed, and the GEMM runs `overlap_slowdown` times slower meanwhile.
+    let mut g = gemm_graph();
+    let y = g.lookup("y").unwrap();
+    let z = g.add_simple(Op::Add(op::Add::default()), &[y, y], "z");
+    g.set_outputs(vec![ir::GraphOutput { value: z, ty: None }]);
+    ir::infer::infer_shapes(&mut g, ir::infer::Mode::Reset).unwrap();
+    let c = toy();
+    let step = |o: Options| {
+        let cm = CostModel::new(&g, &c, c.mesh(8).unwrap(), o);
+        let (mm, add) = (cm.order()[0], cm.order()[1]);
+        let gemm = cm.op_time(mm, &[Some(2)]).fwd;
+        let asg = Assignment { strategies: [(mm, vec![Some(2)]), (add, vec![None])].into_iter().collect() };
+        (cm.evaluate(&asg).forward_s, gemm)
+    };
+    let ar = 2.0 * 7.0 / 8.0 * 1_048_576.0 / 1e10;
+    let (plain, gemm) = step(opts());
+    assert!(gemm < ar, "the GEMM ({gemm} s) is shorter than the all-reduce ({ar} s)");
+    for slowdown in [1.0, 1.2] {
+        let (overlapped, _) = step(Options { tp_comm_overlap: true, overlap_slowdown: slowdown, ..opts() });
+        let hidden = gemm * (2.0 - slowdown);
+        assert!(close(plain - overlapped, hidden), "{plain} - {overlapped} vs {hidden}");
+    }
+}
+
+#[test]
+fn zero_parameter_gathers_overlap_the_next_forward() {
+    // Data-parallel GEMM under ZeRO-1: the gradient is reduce-scattered when the only
+    // backward ends (nothing to hide behind), the updated shards all-gathered after the
+    // update. Where synchronisation overlaps, that all-gather runs beside the next step's
+    // forward (Megatron's --overlap-param-gather): exposed by the forward's time less.
+    let g = gemm_graph();
+    let c = toy();
+    let run = |overlap: bool| {
+        let o = Options { zero: 1, overlap_grad_sync: overlap, overlap_slowdown: 1.0, ..opts() };
+        let cm = CostModel::new(&g, &c, c.mesh(8).unwrap(), o);
+        let mm = cm.order()[0];
+        cm.evaluate(&Assignment { strategies: [(mm, vec![Some(0)])].into_iter().collect() })
+    };
+    let (apart, beside) = (run(false), run(true));
+    assert!(close(apart.exposed_gradient_sync_s, apart.gradient_sync_s));
+    assert!(close(apart.exposed_gradient_sync_s - beside.exposed_gradient_sync_s, beside.forward_s));
 }
 
 #[test]
@@ -423,13 +472,21 @@ fn a_gemm_splitting_its_reduction_pays_a_second_dispatch() {
 #[test]
 fn skinny_and_short_gemms_reach_less_of_peak() {
     let d = Cluster::preset("dgx-a100").unwrap().device;
-    // A large square GEMM: 0.6 × 1 × 1 × 4096/(4096+32) = 0.59535.
-    assert!(close(d.gemm_efficiency(4096.0, 4096.0, 4096.0), 0.6 * 4096.0 / 4128.0));
+    let e = 0.859;
+    // A large square GEMM: 32 × 32 = 1024 tiles of 128 in ⌈1024/108⌉ = 10 waves of the 108
+    // SMs (1024/1080 full), reduction 4096/(4096+32).
+    assert!(close(d.gemm_efficiency(4096.0, 4096.0, 4096.0), e * 1024.0 / 1080.0 * 4096.0 / 4128.0));
     // GPT-2's fused QKV projection column-split 8 ways: n = 2304/8 = 288 fills 288/384 of
-    // three 128-wide tiles; k = 768: 0.6 × 0.75 × 768/800 = 0.432.
-    assert!(close(d.gemm_efficiency(1024.0, 288.0, 768.0), 0.432));
-    // Its reduction split 8 ways instead: k = 96 → 96/128 of the loop is useful: 0.6 × 0.75.
-    assert!(close(d.gemm_efficiency(1024.0, 2304.0, 96.0), 0.45));
+    // three 128-wide tiles; the 8 × 3 = 24 tiles split their reduction 4 ways (⌊108/24⌋) to
+    // fill 96 of the 108 SMs, each chunk of k = 768/4: 192/224.
+    assert!(close(d.gemm_efficiency(1024.0, 288.0, 768.0), e * 0.75 * 96.0 / 108.0 * 192.0 / 224.0));
+    // A weight gradient of one tile over a long reduction splits it over all 108 SMs.
+    assert!(close(d.gemm_efficiency(128.0, 16.0, 24200.0), e * 0.125 * (24200.0 / 108.0) / (24200.0 / 108.0 + 32.0)));
+    // Nine of them batched in one kernel: 216 tiles, two full waves.
+    assert!(close(d.batched_gemm_efficiency(1024.0, 288.0, 768.0, 9.0), e * 0.75 * 768.0 / 800.0));
+    // Its reduction split 8 ways instead: 8 × 18 = 144 tiles in two waves (144/216), and
+    // k = 96 → 96/128 of the loop is useful.
+    assert!(close(d.gemm_efficiency(1024.0, 2304.0, 96.0), e * 144.0 / 216.0 * 0.75));
 }
 
 #[test]
