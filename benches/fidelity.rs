@@ -303,7 +303,8 @@ fn summarize(priced: &[(&str, &str, f64, f64)]) {
     sources.dedup();
     for s in &sources {
         let e: Vec<f64> = priced.iter().filter(|r| r.0 == *s).map(err).collect();
-        println!("{s}: MAPE {:.1}% over {} rows", mape(&e), e.len());
+        let (a, b): (Vec<f64>, Vec<f64>) = priced.iter().filter(|r| r.0 == *s).map(|r| (r.2, r.3)).unzip();
+        println!("{s}: MAPE {:.1}% over {} rows, Spearman ρ {:.2} over them", mape(&e), e.len(), spearman(&a, &b));
         let mut models: Vec<&str> = priced.iter().filter(|r| r.0 == *s).map(|r| r.1).collect();
         models.dedup();
         for m in models {

@@ -678,7 +678,7 @@ fn recomputation_and_sequence_parallelism_train_like_one_device_and_lower_the_pe
     // A reduced Megatron GPT and a reduced Llama (grouped-query attention, RMSNorm, rotary
     // embeddings, SwiGLU), on one device and tensor parallel over four, with and without
     // sequence parallelism.
-    let gpt = shardc::synthetic::Gpt { layers: 4, hidden: 64, heads: 4, batch: 8, seq: 64, fused_gelu: true };
+    let gpt = shardc::synthetic::Gpt { layers: 4, hidden: 64, heads: 4, batch: 8, seq: 64, fused_gelu: true, vocab: 0 };
     let llama = shardc::synthetic::Llama::reduced(4, 8, 64);
     for (name, text) in [("gpt.onnxtxt", gpt.to_text()), ("llama.onnxtxt", llama.to_text())] {
         let path = synthetic_file(name, &text);
@@ -718,7 +718,7 @@ fn zero_stages_train_like_one_device_and_each_holds_less() {
     // 2 with sequence parallelism, each under ZeRO 0, 1, 2 and 3 — and the last with full
     // recomputation.
     let llama = shardc::synthetic::Llama::reduced(4, 4, 8);
-    let gpt = shardc::synthetic::Gpt { layers: 4, hidden: 64, heads: 4, batch: 4, seq: 8, fused_gelu: true };
+    let gpt = shardc::synthetic::Gpt { layers: 4, hidden: 64, heads: 4, batch: 4, seq: 8, fused_gelu: true, vocab: 0 };
     for (name, text, opt) in
         [("llama", llama.to_text(), &["adam"][..]), ("gpt", gpt.to_text(), &["sgd", "--momentum", "0.9"])]
     {
@@ -774,7 +774,7 @@ fn interleaved_pipelines_of_tensor_parallel_stages_train_like_one_device() {
     // 2, each device holding two model chunks (Megatron's interleaved schedule), five steps
     // equal to the single-device reference, on the CPU executor and on wgpu; with full
     // recomputation on the CPU.
-    let gpt = shardc::synthetic::Gpt { layers: 4, hidden: 32, heads: 4, batch: 8, seq: 16, fused_gelu: true };
+    let gpt = shardc::synthetic::Gpt { layers: 4, hidden: 32, heads: 4, batch: 8, seq: 16, fused_gelu: true, vocab: 0 };
     let llama = shardc::synthetic::Llama::reduced(4, 8, 16);
     let mut backends = vec![("cpu", "pp=2,tp=2,vp=2"), ("cpu", "pp=2,tp=2,vp=2,recompute=full")];
     if gpu_available() {
@@ -836,4 +836,21 @@ fn zero_runs_under_searched_plans_and_plan_documents() {
         }
     }
     assert!(peaks[1] < peaks[0], "the plan document's ZeRO-3: {peaks:?}");
+}
+
+/// A plan of a model whose graph output is an `Identity` (the synthetic Llama's `y`): `plan`
+/// canonicalizes it away, naming the op that computes `y` by the output; `train --plan`
+/// bypasses it the same way, so the plan fits and the plan's program trains like one device.
+#[test]
+fn plans_of_models_ending_in_an_identity_train() {
+    let llama = shardc::synthetic::Llama::reduced(2, 4, 8);
+    assert!(llama.to_text().contains("y = Identity"), "the model ends in an Identity");
+    let path = synthetic_file("llama-identity.onnxtxt", &llama.to_text());
+    let model = path.to_str().unwrap();
+    let plan = path.with_extension("plan.json");
+    shardc_plan(model, "2", "off", &plan);
+    let args =
+        [model, "--plan", plan.to_str().unwrap(), "--backend", "cpu", "--steps", "2", "--loss", "mse", "--check"];
+    let doc = shardc_train(&args).unwrap_or_else(|e| panic!("{e}"));
+    assert!(doc["check"].as_array().unwrap().iter().all(|c| c["ok"] == true), "{}", doc["check"]);
 }

@@ -69,6 +69,30 @@ fn bypass(g: &mut Graph, n: NodeId, from: Value) -> bool {
     true
 }
 
+/// Bypasses every `Identity` of `g` as [`Canonicalize`] does (a graph output keeps its name,
+/// taken over by the op computing it; a parameter is never renamed), and nothing else: for
+/// graphs that must keep their parameters as written (`train`) yet match a plan made of the
+/// canonical form. Returns how many were bypassed.
+pub fn bypass_identities(g: &mut Graph) -> usize {
+    let Ok(order) = g.topo_order() else { return 0 };
+    let mut bypassed = 0;
+    for n in order {
+        if !g.contains(n) {
+            continue;
+        }
+        let from = match &g.node(n).op {
+            Op::Identity(_) => g.node(n).input(0),
+            _ => None,
+        };
+        if let Some(from) = from
+            && bypass(g, n, from)
+        {
+            bypassed += 1;
+        }
+    }
+    bypassed
+}
+
 /// Replaces the `If` node `n` by the nodes of its `then` (or `else`) branch: the branch's
 /// references to this graph become the values they name, its initializers and ops are added
 /// under fresh names (nested subgraphs follow the renaming), and each output of `n` becomes

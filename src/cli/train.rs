@@ -640,6 +640,9 @@ fn prepare(args: &TrainArgs, plan_doc: Option<passes::autoshard::Plan>) -> CliRe
     // rewrites its search applied; without one, the search is `plan`'s and makes the same
     // rewrites. The program trains that model's parameters (a split weight's parts, a
     // joined weight); they are reported under the model's names.
+    // Identities bypassed as `plan` canonicalizes them: a plan names the op computing a
+    // graph output by the output's name.
+    passes::canonicalize::bypass_identities(&mut loaded.model.graph);
     let mut pm = passes::PassManager::new();
     pm.add(passes::Algebra);
     pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
