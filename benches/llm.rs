@@ -23,6 +23,10 @@
 
 use std::time::Instant;
 
+/// The allocator the `shardc` binary plans with.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use shardc::passes::autoshard::{self, SearchOptions};
 use shardc::passes::cost::{self, Cluster, Options, Precision, config::Config};
 use shardc::synthetic::{Gpt, Llama};

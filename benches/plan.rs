@@ -15,6 +15,10 @@
 
 use std::time::{Duration, Instant};
 
+/// The allocator the `shardc` binary plans with.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use shardc::passes::autoshard::{self, FoldMode, PipelineMode, SearchOptions};
 use shardc::passes::cost::{Cluster, Options};
 
