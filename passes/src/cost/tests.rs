@@ -274,6 +274,42 @@ fn zero_parameter_gathers_overlap_the_next_forward() {
 }
 
 #[test]
+fn gradient_buckets_fill_with_the_local_shards_bytes() {
+    // Four column-parallel GEMMs X·W1·W2·W3·W4 (W 256×256 fp32: 262,144 B whole, 65,536 B
+    // per device split 4 ways over `tensor`), data-parallel over `data` (2). With 200 kB
+    // buckets the four local gradients (262,144 B together) fill one bucket: the ring's
+    // latency 2(p−1)α is paid once, not once per whole-size gradient (four times).
+    let mut g = Graph::new("chain");
+    let mut x = g.add_input("x", Some(TensorType::fixed(DType::Float, &[64, 256]).into()));
+    for i in 0..4 {
+        let w = g.add_initializer(
+            format!("w{i}"),
+            Tensor { dtype: DType::Float, dims: vec![256, 256], name: None, data: ir::TensorData::External(vec![]) },
+        );
+        x = g.add_simple(Op::MatMul(op::MatMul::default()), &[x, w], &format!("y{i}"));
+    }
+    g.add_output(x, None);
+    ir::infer::infer_shapes(&mut g, ir::infer::Mode::Check).unwrap();
+    let mesh = ir::shard::Mesh {
+        axes: vec![
+            ir::shard::MeshAxis { name: "data".into(), size: 2, level: LinkLevel::Intra },
+            ir::shard::MeshAxis { name: "tensor".into(), size: 4, level: LinkLevel::Intra },
+        ],
+    };
+    let sync = |latency: f64| {
+        let mut c = toy();
+        c.intra.latency = latency;
+        let o = Options { bucket_bytes: 200e3, first_bucket_bytes: 200e3, ..opts() };
+        let cm = CostModel::new(&g, &c, mesh.clone(), o);
+        // MatMul dims m (0), n (1), k (2): rows over `data`, columns over `tensor`.
+        let strategies = cm.order().iter().map(|&n| (n, vec![Some(0), Some(1)])).collect();
+        cm.evaluate(&Assignment { strategies }).gradient_sync_s
+    };
+    let alpha = 1e-3;
+    assert!(close(sync(alpha) - sync(0.0), 2.0 * alpha), "{} s of latency", sync(alpha) - sync(0.0));
+}
+
+#[test]
 fn halo_exchange_of_a_split_convolution() {
     // Conv 3×3, stride 1, pad 1 on X [1, 8, 64, 64], split H over 4 devices: each device
     // needs one row from each neighbour. A row of its input block is 8 channels × 64 × 4 B =
