@@ -286,7 +286,7 @@ fn gradient_buckets_fill_with_the_local_shards_bytes() {
             format!("w{i}"),
             Tensor { dtype: DType::Float, dims: vec![256, 256], name: None, data: ir::TensorData::External(vec![]) },
         );
-        x = g.add_simple(Op::MatMul(op::MatMul::default()), &[x, w], &format!("y{i}"));
+        x = g.add_simple(Op::MatMul(op::MatMul::default()), &[x, w], format!("y{i}"));
     }
     g.add_output(x, None);
     ir::infer::infer_shapes(&mut g, ir::infer::Mode::Check).unwrap();
