@@ -325,13 +325,10 @@ fn scheduled(p: &Program, per_device: &[Vec<(NodeId, Event)>]) -> Vec<Vec<(NodeI
     let mut out = Vec::with_capacity(per_device.len());
     // Gradients are accumulated when a training step (a program with optimizer updates) runs
     // several micro-batches or stages.
-    let trains = p.devices.iter().any(|d| {
-        d.graph
-            .op_nodes()
-            .unwrap_or_default()
-            .iter()
-            .any(|&n| matches!(d.graph.node(n).op, Op::SgdUpdate(_) | Op::AdamUpdate(_)))
-    });
+    let trains = p
+        .devices
+        .iter()
+        .any(|d| d.graph.op_nodes().unwrap_or_default().iter().any(|&n| d.graph.node(n).op.is_update()));
     let accumulate = crate::schedule::accumulates(p, trains);
     for (i, ev) in per_device.iter().enumerate() {
         let g = &p.devices[i].graph;

@@ -191,7 +191,7 @@ pub fn once_ops(p: &Program) -> Vec<HashSet<NodeId>> {
             for &n in &orders[i] {
                 let node = g.node(n);
                 let seed = match &node.op {
-                    Op::SgdUpdate(_) | Op::AdamUpdate(_) => true,
+                    op if op.is_update() => true,
                     Op::Recv(r) => sent.contains(&(r.peer.unwrap_or(-1) as usize, i as i64, r.tag())),
                     _ => false,
                 };

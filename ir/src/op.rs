@@ -857,6 +857,12 @@ pub struct PoolAttrs<'a> {
 }
 
 impl Op {
+    /// True for the optimizer updates of a training graph (`SgdUpdate`, `AdamUpdate`): the ops
+    /// that read a parameter and its gradient and make the parameter's next value.
+    pub fn is_update(&self) -> bool {
+        matches!(self, Op::SgdUpdate(_) | Op::AdamUpdate(_))
+    }
+
     /// True for the ops that hold subgraphs (`If`, `Loop`, `Scan`).
     pub fn has_subgraphs(&self) -> bool {
         matches!(self, Op::If(_) | Op::Loop(_) | Op::Scan(_))

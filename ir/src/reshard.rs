@@ -307,7 +307,7 @@ impl ZeroLayouts {
         }
         for n in g.node_ids() {
             let node = g.node(n);
-            if !matches!(node.op, crate::Op::SgdUpdate(_) | crate::Op::AdamUpdate(_)) {
+            if !node.op.is_update() {
                 continue;
             }
             if let Some(gr) = node.input(1).filter(|&v| is_gradient_output(g, v))
@@ -805,14 +805,13 @@ pub fn step_phases(
     g: &crate::Graph,
     order: &[crate::NodeId],
 ) -> Option<std::collections::HashMap<crate::NodeId, Phase>> {
-    use crate::Op;
     if carried_state(g).is_empty() {
         return None;
     }
     let mut out = std::collections::HashMap::with_capacity(order.len());
     for &n in order {
         let node = g.node(n);
-        let p = if matches!(node.op, Op::SgdUpdate(_) | Op::AdamUpdate(_)) {
+        let p = if node.op.is_update() {
             Phase::Gradient
         } else if node.annotations.iter().any(|(k, _)| k == GRAD_OF)
             || node.inputs().iter().flatten().any(|v| out.get(&v.node) == Some(&Phase::Backward))

@@ -41,7 +41,7 @@ impl Pass for EarlyGradients {
 /// Whether `n` hands a gradient to its update: a gradient-phase op that is no update and
 /// reads none's result.
 fn hands_off(g: &Graph, phases: &std::collections::HashMap<NodeId, Phase>, n: NodeId) -> bool {
-    let update = |m: NodeId| matches!(g.node(m).op, Op::SgdUpdate(_) | Op::AdamUpdate(_));
+    let update = |m: NodeId| g.node(m).op.is_update();
     phases.get(&n) == Some(&Phase::Gradient)
         && !update(n)
         && !g.node(n).inputs().iter().flatten().any(|v| update(v.node))

@@ -653,7 +653,7 @@ fn phases(g: &Graph, order: &[NodeId]) -> HashMap<NodeId, &'static str> {
         let is_grad = node.op.op_type().ends_with("Grad")
             || node.outputs().iter().any(|o| o.name.contains("__d") || o.name.ends_with("__grad"));
         let downstream = node.inputs().iter().flatten().any(|v| grad.contains(&v.node));
-        if matches!(node.op, Op::SgdUpdate(_) | Op::AdamUpdate(_)) {
+        if node.op.is_update() {
             out.insert(n, "update");
         } else if seeded || is_grad || downstream {
             grad.insert(n);

@@ -30,7 +30,7 @@
 use std::collections::{HashMap, HashSet};
 
 use ir::shard::{OpStrategy, Sharding, strategy_shardings, strategy_valid};
-use ir::{Graph, NodeId, Op, Value};
+use ir::{Graph, NodeId, Value};
 
 use crate::cost::{Assignment, CostModel};
 
@@ -261,7 +261,7 @@ fn derive_in(
         // under ZeRO (without pipeline stages) on its shard of what is held whole over the
         // data-parallel axes.
         if fixed.is_none()
-            && matches!(node.op, Op::SgdUpdate(_) | Op::AdamUpdate(_))
+            && node.op.is_update()
             && let Some(p) = node.input(0)
             && let Some(held) = d.layout_of(p)
         {

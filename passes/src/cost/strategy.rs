@@ -502,7 +502,7 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
 fn at_home(cm: &CostModel<'_>, asg: &Assignment, n: NodeId) -> Option<Vec<Option<usize>>> {
     let g = cm.g;
     let node = g.node(n);
-    if !matches!(node.op, Op::SgdUpdate(_) | Op::AdamUpdate(_)) {
+    if !node.op.is_update() {
         return None;
     }
     let p = node.input(0)?;
