@@ -1308,7 +1308,13 @@ impl<'a> CostModel<'a> {
         // Gradient accumulation: a micro-batch's values are 1/k of the batch's.
         let k = self.opts.accumulation.max(1) as f64;
         let micro_local = |v: Value| self.value_bytes(v) / split_factor(have(v), mesh) / k;
-        let at: FxHashMap<NodeId, usize> = self.order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+        // Each op's place in the order, for the GEMM beside an overlapped collective (made only
+        // when collectives overlap: the search prices many plans without).
+        let at: FxHashMap<NodeId, usize> = if self.opts.tp_comm_overlap {
+            self.order.iter().enumerate().map(|(i, &n)| (n, i)).collect()
+        } else {
+            FxHashMap::default()
+        };
         for (pos, (&n, e)) in self.order.iter().zip(&evals).enumerate() {
             let node = g.node(n);
             let t = e.time;
