@@ -63,11 +63,20 @@ struct Model {
     vocab: usize,
     seq: usize,
     batch: usize,
-    cluster: &'static str,
+    /// `a100` or `h100`: the preset's GPUs, in DGX nodes of 8.
+    gpu: &'static str,
     devices: usize,
 }
 
 impl Model {
+    /// The preset of its DGX nodes: `dgx-a100` for one, `a100-cluster-N` for N.
+    fn cluster(&self) -> String {
+        match self.devices / 8 {
+            1 => format!("dgx-{}", self.gpu),
+            nodes => format!("{}-cluster-{nodes}", self.gpu),
+        }
+    }
+
     /// Narayanan et al.'s count of a GPT iteration (full recomputation counted).
     fn flops_ptdp(&self) -> f64 {
         let (b, s, l, h, v) = self.dims();
@@ -85,61 +94,59 @@ impl Model {
     }
 }
 
-/// A Megatron GPT of `layers × hidden` with `heads`, at sequence 2048 and vocabulary 51,200
-/// on `devices` A100s in nodes of 8.
-const fn a100(
-    name: &'static str,
-    layers: usize,
-    hidden: usize,
-    heads: usize,
-    batch: usize,
-    cluster: &'static str,
-    devices: usize,
-) -> Model {
-    Model { name, layers, hidden, heads, vocab: 51200, seq: 2048, batch, cluster, devices }
+/// The GPUs, sequence length and vocabulary a source's models share.
+struct Runs {
+    gpu: &'static str,
+    seq: usize,
+    vocab: usize,
 }
 
-/// The same at sequence 4,096 and vocabulary 131,072 on H100s.
-const fn h100(
+/// The A100 sources: sequence 2048, vocabulary 51,200.
+const A100: Runs = Runs { gpu: "a100", seq: 2048, vocab: 51200 };
+/// Megatron-Core's H100 table: sequence 4,096, vocabulary 131,072.
+const H100: Runs = Runs { gpu: "h100", seq: 4096, vocab: 131072 };
+
+/// A Megatron GPT of `layers × hidden` with `heads` as `runs` trained it, on `devices` GPUs.
+const fn gpt(
+    runs: Runs,
     name: &'static str,
     layers: usize,
     hidden: usize,
     heads: usize,
     batch: usize,
-    cluster: &'static str,
     devices: usize,
 ) -> Model {
-    Model { name, layers, hidden, heads, vocab: 131072, seq: 4096, batch, cluster, devices }
+    Model { name, layers, hidden, heads, vocab: runs.vocab, seq: runs.seq, batch, gpu: runs.gpu, devices }
 }
 
 // Korthikanti et al. 2022, Table 5.
-const K_22B: Model = a100("GPT 22B", 48, 6144, 64, 4, "dgx-a100", 8);
-const K_175B: Model = a100("GPT 175B", 96, 12288, 96, 64, "a100-cluster-8", 64);
-const K_530B: Model = a100("GPT 530B", 105, 20480, 128, 280, "a100-cluster-35", 280);
-const K_1T: Model = a100("GPT 1T", 128, 25600, 160, 512, "a100-cluster-64", 512);
+const K_22B: Model = gpt(A100, "GPT 22B", 48, 6144, 64, 4, 8);
+const K_175B: Model = gpt(A100, "GPT 175B", 96, 12288, 96, 64, 64);
+const K_530B: Model = gpt(A100, "GPT 530B", 105, 20480, 128, 280, 280);
+const K_1T: Model = gpt(A100, "GPT 1T", 128, 25600, 160, 512, 512);
 
 // Narayanan et al. 2021, Table 1.
-const N_1_7B: Model = a100("GPT 1.7B", 24, 2304, 24, 512, "a100-cluster-4", 32);
-const N_3_6B: Model = a100("GPT 3.6B", 30, 3072, 32, 512, "a100-cluster-8", 64);
-const N_7_5B: Model = a100("GPT 7.5B", 36, 4096, 32, 512, "a100-cluster-16", 128);
-const N_18B: Model = a100("GPT 18B", 40, 6144, 48, 1024, "a100-cluster-32", 256);
-const N_39B: Model = a100("GPT 39B", 48, 8192, 64, 1536, "a100-cluster-64", 512);
-const N_76B: Model = a100("GPT 76B", 60, 10240, 80, 1792, "a100-cluster-128", 1024);
-const N_145B: Model = a100("GPT 145B", 80, 12288, 96, 2304, "a100-cluster-192", 1536);
-const N_310B: Model = a100("GPT 310B", 96, 16384, 128, 2160, "a100-cluster-240", 1920);
-const N_530B: Model = a100("GPT 530B", 105, 20480, 128, 2520, "a100-cluster-315", 2520);
-const N_1T: Model = a100("GPT 1T", 128, 25600, 160, 3072, "a100-cluster-384", 3072);
+const N_1_7B: Model = gpt(A100, "GPT 1.7B", 24, 2304, 24, 512, 32);
+const N_3_6B: Model = gpt(A100, "GPT 3.6B", 30, 3072, 32, 512, 64);
+const N_7_5B: Model = gpt(A100, "GPT 7.5B", 36, 4096, 32, 512, 128);
+const N_18B: Model = gpt(A100, "GPT 18B", 40, 6144, 48, 1024, 256);
+const N_39B: Model = gpt(A100, "GPT 39B", 48, 8192, 64, 1536, 512);
+const N_76B: Model = gpt(A100, "GPT 76B", 60, 10240, 80, 1792, 1024);
+const N_145B: Model = gpt(A100, "GPT 145B", 80, 12288, 96, 2304, 1536);
+const N_310B: Model = gpt(A100, "GPT 310B", 96, 16384, 128, 2160, 1920);
+const N_530B: Model = gpt(A100, "GPT 530B", 105, 20480, 128, 2520, 2520);
+const N_1T: Model = gpt(A100, "GPT 1T", 128, 25600, 160, 3072, 3072);
 
 // Megatron-Core r0.8.0 on H100, the README's model table.
-const M_1_7B: Model = h100("GPT 1.7B", 24, 2048, 16, 192, "h100-cluster-6", 48);
-const M_7_1B: Model = h100("GPT 7.1B", 30, 4096, 32, 192, "h100-cluster-12", 96);
-const M_16B: Model = h100("GPT 16B", 32, 6144, 48, 192, "h100-cluster-24", 192);
-const M_32B: Model = h100("GPT 32B", 48, 7168, 56, 192, "h100-cluster-48", 384);
-const M_70B: Model = h100("GPT 70B", 84, 8192, 64, 384, "h100-cluster-96", 768);
-const M_119B: Model = h100("GPT 119B", 92, 10240, 80, 768, "h100-cluster-192", 1536);
-const M_177B: Model = h100("GPT 177B", 96, 12288, 96, 1152, "h100-cluster-288", 2304);
-const M_314B: Model = h100("GPT 314B", 96, 16384, 128, 1536, "h100-cluster-384", 3072);
-const M_462B: Model = h100("GPT 462B", 112, 18432, 144, 3072, "h100-cluster-768", 6144);
+const M_1_7B: Model = gpt(H100, "GPT 1.7B", 24, 2048, 16, 192, 48);
+const M_7_1B: Model = gpt(H100, "GPT 7.1B", 30, 4096, 32, 192, 96);
+const M_16B: Model = gpt(H100, "GPT 16B", 32, 6144, 48, 192, 192);
+const M_32B: Model = gpt(H100, "GPT 32B", 48, 7168, 56, 192, 384);
+const M_70B: Model = gpt(H100, "GPT 70B", 84, 8192, 64, 384, 768);
+const M_119B: Model = gpt(H100, "GPT 119B", 92, 10240, 80, 768, 1536);
+const M_177B: Model = gpt(H100, "GPT 177B", 96, 12288, 96, 1152, 2304);
+const M_314B: Model = gpt(H100, "GPT 314B", 96, 16384, 128, 1536, 3072);
+const M_462B: Model = gpt(H100, "GPT 462B", 112, 18432, 144, 3072, 6144);
 
 /// What a source measured: seconds per iteration, or teraFLOP/s per GPU by its own count.
 enum Measured {
@@ -223,7 +230,7 @@ fn prepare(text: &str) -> shardc::ir::Model {
 
 /// The predicted step of `row`'s configuration, seconds, and whether it fits.
 fn predicted(row: &Row, g: &shardc::ir::Graph) -> Result<(f64, bool), String> {
-    let cluster = Cluster::load(row.model.cluster).map_err(|e| e.to_string())?;
+    let cluster = Cluster::load(&row.model.cluster()).map_err(|e| e.to_string())?;
     let opts =
         Options { precision: Precision::Fp16, overlap_grad_sync: row.source.overlap_grad_sync, ..Options::default() };
     let cfg = Config::parse(row.config)?;
@@ -277,7 +284,7 @@ fn main() {
         }
         let g = &last.as_ref().expect("prepared").1.graph;
         let measured = row.seconds();
-        let head = format!("{} | {} | {} × {} | {}", row.source.name, m.name, m.devices, m.cluster, row.config);
+        let head = format!("{} | {} | {} × {} | {}", row.source.name, m.name, m.devices, m.cluster(), row.config);
         match predicted(row, g) {
             Ok((step, fits)) => {
                 let err = step / measured - 1.0;

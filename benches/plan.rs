@@ -93,6 +93,10 @@ fn case_folded(
     }
 }
 
+/// The 48-layer synthetic GPT the search and rewrite sections time.
+const GPT48: shardc::synthetic::Gpt =
+    shardc::synthetic::Gpt { layers: 48, hidden: 1600, heads: 25, batch: 8, seq: 1024, fused_gelu: false, vocab: 0 };
+
 fn main() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let model = |name: &str| {
@@ -105,16 +109,7 @@ fn main() {
         return;
     }
     if only_rewrites {
-        let gpt48 = shardc::synthetic::Gpt {
-            layers: 48,
-            hidden: 1600,
-            heads: 25,
-            batch: 8,
-            seq: 1024,
-            fused_gelu: false,
-            vocab: 0,
-        };
-        let gpt48 = prepare(&gpt48.to_text(), None);
+        let gpt48 = prepare(&GPT48.to_text(), None);
         let gpt2 = prepare(&model("hf_gpt2_124m"), Some(8));
         let bert = prepare(&model("hf_bert_base"), Some(8));
         rewriting_section(&gpt48, &gpt2, &bert, &model);
@@ -131,16 +126,7 @@ fn main() {
         case(name, &m, "a100-cluster-8", 64, 3);
         case(name, &m, "a100-cluster-64", 512, 3);
     }
-    let gpt48 = shardc::synthetic::Gpt {
-        layers: 48,
-        hidden: 1600,
-        heads: 25,
-        batch: 8,
-        seq: 1024,
-        fused_gelu: false,
-        vocab: 0,
-    };
-    let gpt48 = prepare(&gpt48.to_text(), None);
+    let gpt48 = prepare(&GPT48.to_text(), None);
     case("synthetic GPT, 48 layers", &gpt48, "a100-cluster-8", 64, 3);
     println!("\nrepeated-layer folding: never / always (auto folds from 1,000 ops)");
     let gpt2 = prepare(&model("hf_gpt2_124m"), Some(8));

@@ -73,24 +73,45 @@ fn bypass(g: &mut Graph, n: NodeId, from: Value) -> bool {
 /// taken over by the op computing it; a parameter is never renamed), and nothing else: for
 /// graphs that must keep their parameters as written (`train`) yet match a plan made of the
 /// canonical form. Returns how many were bypassed.
-pub fn bypass_identities(g: &mut Graph) -> usize {
+pub fn bypass_identities(g: &mut Graph) -> u64 {
     let Ok(order) = g.topo_order() else { return 0 };
+    bypass_each(g, &order, identity_input)
+}
+
+/// Bypasses ([`bypass`]), in `order`, each node of `g` for which `pick` names the value it
+/// passes on; returns how many.
+fn bypass_each(g: &mut Graph, order: &[NodeId], pick: impl Fn(&Graph, NodeId) -> Option<Value>) -> u64 {
     let mut bypassed = 0;
-    for n in order {
-        if !g.contains(n) {
-            continue;
-        }
-        let from = match &g.node(n).op {
-            Op::Identity(_) => g.node(n).input(0),
-            _ => None,
-        };
-        if let Some(from) = from
+    for &n in order {
+        if g.contains(n)
+            && let Some(from) = pick(g, n)
             && bypass(g, n, from)
         {
             bypassed += 1;
         }
     }
     bypassed
+}
+
+/// An `Identity`'s input.
+fn identity_input(g: &Graph, n: NodeId) -> Option<Value> {
+    let node = g.node(n);
+    if matches!(node.op, Op::Identity(_)) { node.input(0) } else { None }
+}
+
+/// An inference-mode `Dropout`'s input (training off or absent, its mask unused).
+fn inference_dropout_input(g: &Graph, n: NodeId) -> Option<Value> {
+    let node = g.node(n);
+    if !matches!(node.op, Op::Dropout(_)) {
+        return None;
+    }
+    let training = node.input(2);
+    let mask_used = node.num_outputs() > 1 && g.is_used(Value::new(n, 1));
+    let inference = training.is_none()
+        || g.initializer(training.expect("checked"))
+            .and_then(|t| t.to_i64_vec())
+            .is_some_and(|v| v.iter().all(|&x| x == 0));
+    if inference && !mask_used { node.input(0) } else { None }
 }
 
 /// Replaces the `If` node `n` by the nodes of its `then` (or `else`) branch: the branch's
@@ -377,29 +398,9 @@ impl Pass for Canonicalize {
         cx.stats.add("non-finite buffers made constants", frozen.len() as u64);
 
         // Identity and inference-mode Dropout.
-        for &n in &order {
-            if !g.contains(n) {
-                continue;
-            }
-            let node = g.node(n);
-            let from = match &node.op {
-                Op::Identity(_) => node.input(0),
-                Op::Dropout(_) => {
-                    let training = node.input(2);
-                    let mask_used = node.num_outputs() > 1 && g.is_used(Value::new(n, 1));
-                    let inference = training.is_none()
-                        || g.initializer(training.expect("checked"))
-                            .and_then(|t| t.to_i64_vec())
-                            .is_some_and(|v| v.iter().all(|&x| x == 0));
-                    if inference && !mask_used { node.input(0) } else { None }
-                }
-                _ => None,
-            };
-            if let Some(from) = from
-                && bypass(g, n, from)
-            {
-                cx.stats.add("identities removed", 1);
-            }
+        let removed = bypass_each(g, &order, |g, n| identity_input(g, n).or_else(|| inference_dropout_input(g, n)));
+        if removed > 0 {
+            cx.stats.add("identities removed", removed);
         }
 
         // Fold what shape inference could compute.

@@ -1308,20 +1308,13 @@ impl<'a> CostModel<'a> {
         // Gradient accumulation: a micro-batch's values are 1/k of the batch's.
         let k = self.opts.accumulation.max(1) as f64;
         let micro_local = |v: Value| self.value_bytes(v) / split_factor(have(v), mesh) / k;
-        // Each op's place in the order, for the GEMM beside an overlapped collective (made only
-        // when collectives overlap: the search prices many plans without).
-        let at: FxHashMap<NodeId, usize> = if self.opts.tp_comm_overlap {
-            self.order.iter().enumerate().map(|(i, &n)| (n, i)).collect()
-        } else {
-            FxHashMap::default()
-        };
         for (pos, (&n, e)) in self.order.iter().zip(&evals).enumerate() {
             let node = g.node(n);
             let t = e.time;
             let (fwd_comm, bwd_comm, grad_sum) =
                 self.op_edges(&mut w, &mut edges, pos, n, e, &have, &|v| out_sh.contains_key(&v));
             let (fwd_comm, bwd_comm) =
-                self.tp_overlapped(n, fwd_comm, bwd_comm, &|m| at.get(&m).map(|&i| evals[i].time));
+                self.tp_overlapped(n, fwd_comm, bwd_comm, &|m| self.op_eval(m, &self.strategy_of(asg, m)).time);
             self.record_op_comm(&mut w, n, e, &have);
             // Accumulating over k micro-batches launches each kernel k times.
             let relaunch = if is_view(&node.op) || is_host(&node.op) { 0.0 } else { (k - 1.0) * self.launch() };
@@ -2093,18 +2086,14 @@ impl<'a> CostModel<'a> {
     /// (the op itself when it is a contraction, else the contraction producing one of its
     /// inputs, `time_of` giving that op's times), the GEMM `overlap_slowdown` slower
     /// meanwhile. Unchanged without the option.
-    fn tp_overlapped(&self, n: NodeId, fwd: f64, bwd: f64, time_of: &dyn Fn(NodeId) -> Option<OpTime>) -> (f64, f64) {
+    fn tp_overlapped(&self, n: NodeId, fwd: f64, bwd: f64, time_of: &dyn Fn(NodeId) -> OpTime) -> (f64, f64) {
         if !self.opts.tp_comm_overlap || fwd + bwd <= 0.0 {
             return (fwd, bwd);
         }
-        let node = self.g.node(n);
         let gemm = |m: NodeId| matches!(self.g.node(m).op, Op::MatMul(_) | Op::Gemm(_));
-        let beside = if gemm(n) {
-            time_of(n)
-        } else {
-            node.inputs().iter().flatten().map(|v| v.node).find(|&m| gemm(m)).and_then(time_of)
-        };
-        let Some(t) = beside else { return (fwd, bwd) };
+        let beside =
+            if gemm(n) { Some(n) } else { self.g.node(n).inputs().iter().flatten().map(|v| v.node).find(|&m| gemm(m)) };
+        let Some(t) = beside.map(time_of) else { return (fwd, bwd) };
         let slow = (self.opts.overlap_slowdown - 1.0).max(0.0);
         let exposed = |c: f64, budget: f64| (c - budget).max(0.0) + c.min(budget) * slow;
         (exposed(fwd, t.fwd), exposed(bwd, t.bwd))
