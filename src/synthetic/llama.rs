@@ -1,11 +1,31 @@
 //! A Llama-style decoder as the exporters write it: RMSNorm (`RMSNormalization`, opset 23),
 //! grouped-query attention with rotary position embeddings (`q·cos + rotate_half(q)·sin`, the
+//! tables computed in the graph from the positions, as the model computes them; the
 //! key/value heads repeated by `Unsqueeze`/`Expand`/`Reshape`), a causal mask, and a SwiGLU
 //! MLP (`down(silu(gate(x)) · up(x))`); optionally the final norm and the output head.
 
 use std::fmt::Write;
 
 use super::ext;
+
+/// The rotary base Llama 3 uses.
+const ROPE_THETA: f64 = 500000.0;
+
+/// The rotary tables `rope_cos`, `rope_sin` (`[seq, head_dim]`), computed as the model does
+/// (`θ^(-2i/d)` per position): buffers, not parameters, so no training step updates them and
+/// the backward pass needs none of the activations they multiply.
+const ROPE_TABLES: &str = "   [\"rope/positions\"] rope_pos = Range (rope_zero, rope_seq, rope_one)
+   [\"rope/index\"] rope_i = Range (rope_zero, rope_dim, rope_two)
+   [\"rope/exponent\"] rope_e = Div (rope_i, rope_dim)
+   [\"rope/negate\"] rope_ne = Neg (rope_e)
+   [\"rope/inv_freq\"] rope_inv = Pow (rope_theta, rope_ne)
+   [\"rope/positions_col\"] rope_pc = Unsqueeze (rope_pos, rope_col)
+   [\"rope/inv_freq_row\"] rope_ir = Unsqueeze (rope_inv, rope_row)
+   [\"rope/freqs\"] rope_f = Mul (rope_pc, rope_ir)
+   [\"rope/emb\"] rope_emb = Concat <axis: int = -1> (rope_f, rope_f)
+   [\"rope/cos\"] rope_cos = Cos (rope_emb)
+   [\"rope/sin\"] rope_sin = Sin (rope_emb)
+";
 
 /// A Llama-style decoder of `layers` blocks on `batch × seq × hidden` activations.
 #[derive(Clone, Copy, Debug)]
@@ -71,8 +91,11 @@ impl Llama {
             format!("float scale = {{{}}}", 1.0 / (hd as f64).sqrt()),
             format!("int64[2] mask_shape = {{{s},{s}}}"),
             "float mask_one = {1}, int64 mask_diagonal = {1}, float mask_fill = {-10000}".into(),
-            ext("float", &[s, hd], "rope_cos"),
-            ext("float", &[s, hd], "rope_sin"),
+            format!(
+                "float rope_zero = {{0}}, float rope_seq = {{{s}}}, float rope_one = {{1}}, float rope_two = {{2}}"
+            ),
+            format!("float rope_dim = {{{hd}}}, float rope_theta = {{{ROPE_THETA}}}, int64[1] rope_col = {{1}}"),
+            "int64[1] rope_row = {0}".into(),
         ];
         for l in 0..layers {
             for (name, dims) in [
@@ -101,6 +124,7 @@ impl Llama {
             inits.join(", ")
         );
         t.push_str(super::CAUSAL_MASK);
+        t.push_str(ROPE_TABLES);
         let mut x = "x".to_string();
         for l in 0..layers {
             block(&mut t, l, &x);
