@@ -40,7 +40,8 @@
 
 use std::time::Instant;
 
-use shardc::passes::cost::{self, Cluster, Options, Precision, config::Config};
+use shardc::passes::autoshard::{self, config::Config};
+use shardc::passes::cost::{self, Cluster, Options, Precision};
 use shardc::synthetic::Gpt;
 
 /// A source of measurements and how its framework ran.
@@ -237,7 +238,7 @@ fn predicted(row: &Row, g: &shardc::ir::Graph) -> Result<(f64, bool), String> {
     let mut rewritten = g.clone();
     cfg.rewrite(&mut rewritten)?;
     let (named, o) = cfg.resolve(row.model.devices, cost::pipeline::graph_batch(&rewritten), &opts)?;
-    let priced = cost::price(&rewritten, &cluster, row.model.devices, &named, &o)?;
+    let priced = autoshard::named::price(&rewritten, &cluster, row.model.devices, &named, &o)?;
     Ok((priced.breakdown.step_time_s, priced.breakdown.feasible))
 }
 

@@ -28,7 +28,8 @@ use std::time::Instant;
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use shardc::passes::autoshard::{self, SearchOptions};
-use shardc::passes::cost::{self, Cluster, Options, Precision, config::Config};
+use shardc::passes::autoshard::config::Config;
+use shardc::passes::cost::{self, Cluster, Options, Precision};
 use shardc::synthetic::{Gpt, Llama};
 
 struct Case {
@@ -144,7 +145,7 @@ fn hand(case: &Case, g: &shardc::ir::Graph, cluster: &Cluster, opts: &Options) -
     cfg.rewrite(&mut rewritten)?;
     let g = &rewritten;
     let (named, o) = cfg.resolve(case.devices, cost::pipeline::graph_batch(g), opts)?;
-    let priced = cost::price(g, cluster, case.devices, &named, &o)?;
+    let priced = autoshard::named::price(g, cluster, case.devices, &named, &o)?;
     let cm = cost::CostModel::new(g, cluster, priced.mesh.clone(), o.clone());
     let pipe = priced.pipeline.as_ref().map(|p| (p.stages.len(), p.micro_batches, p.schedule.name()));
     let step = priced.breakdown.step_time_s;

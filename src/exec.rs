@@ -355,7 +355,7 @@ pub fn named_result(
     strategy: &str,
     opts: &passes::cost::Options,
 ) -> Result<SearchResult, String> {
-    use passes::cost::{CostModel, Named};
+    use passes::{autoshard::Named, cost::CostModel};
     let named = Named::parse(strategy)?;
     if matches!(named, Named::Pipeline { .. }) {
         return Err(
@@ -364,7 +364,7 @@ pub fn named_result(
     }
     let mesh = named.mesh(cluster, devices)?;
     let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
-    let asg = passes::cost::strategy::assign(&cm, &named)
+    let asg = passes::autoshard::named::assign(&cm, &named)
         .map_err(|e| format!("strategy `{strategy}` does not apply: {e}"))?;
     Ok(given_result(&cm, asg, Some(strategy.to_string())))
 }
@@ -376,10 +376,10 @@ pub fn pipeline_result(
     g: &Graph,
     cluster: &passes::cost::Cluster,
     devices: usize,
-    named: &passes::cost::Named,
+    named: &passes::autoshard::Named,
     opts: &passes::cost::Options,
 ) -> Result<SearchResult, String> {
-    use passes::cost::Named;
+    use passes::autoshard::Named;
     let Named::Pipeline { stages, micro, schedule, tensor } = *named else {
         return Err(format!("`{}` is not a pipeline", named.name()));
     };

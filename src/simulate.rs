@@ -29,7 +29,8 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use codegen::Program;
-use codegen::schedule::{Cut, Part, accumulates};
+use codegen::cut::{Cut, accumulates};
+use codegen::schedule::Part;
 use ir::shard::LinkLevel;
 use ir::{NodeId, Op, OpClass, Value};
 use passes::cost::collective::{self, alpha_beta};

@@ -15,9 +15,10 @@ use std::collections::{BTreeMap, HashMap};
 use ir::attr::AttrValue;
 use ir::{Graph, NodeId, Op, OpClass, TensorType, Value};
 
+use crate::cut::Cut;
 use crate::layout::local_shape;
 use crate::program::Program;
-use crate::schedule::{Cut, Part};
+use crate::schedule::Part;
 
 /// One finding of the checker: what is inconsistent, on which device and at which of its
 /// nodes (when one is at fault).
@@ -329,7 +330,7 @@ fn scheduled(p: &Program, per_device: &[Vec<(NodeId, Event)>]) -> Vec<Vec<(NodeI
         .devices
         .iter()
         .any(|d| d.graph.op_nodes().unwrap_or_default().iter().any(|&n| d.graph.node(n).op.is_update()));
-    let accumulate = crate::schedule::accumulates(p, trains);
+    let accumulate = crate::cut::accumulates(p, trains);
     for (i, ev) in per_device.iter().enumerate() {
         let g = &p.devices[i].graph;
         let order = g.op_nodes().unwrap_or_default();

@@ -15,6 +15,7 @@
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
 pub mod check;
+pub mod cut;
 pub mod layout;
 pub mod lower;
 pub mod memory;

@@ -134,7 +134,7 @@ pub struct DeviceProgram {
     /// chunk (absent: 0).
     pub chunk_of: HashMap<NodeId, usize>,
     /// The receives of a tensor from a later (virtual) stage: the gradient flowing back, where
-    /// a backward part starts ([`crate::schedule::Cut`]).
+    /// a backward part starts ([`crate::cut::Cut`]).
     pub from_later: HashSet<NodeId>,
 }
 

@@ -3,7 +3,8 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use passes::cost::{self, Cluster, InputPath, Named, Optimizer, Options, Precision};
+use passes::autoshard::{self, Named};
+use passes::cost::{self, Cluster, InputPath, Optimizer, Options, Precision};
 use serde_json::json;
 
 use super::common::*;
@@ -124,11 +125,11 @@ pub fn load_cluster(spec: &str) -> CliResult<Cluster> {
 /// named strategy it is and the options it sets over `opts`, `g` rewritten as it asks
 /// (`flash`).
 pub fn strategy_and_options(s: &str, devices: usize, g: &mut ir::Graph, opts: Options) -> CliResult<(Named, Options)> {
-    if !cost::config::is_config(s) {
+    if !autoshard::config::is_config(s) {
         return Ok((Named::parse(s).map_err(CliError::msg)?, opts));
     }
     let err = |e: String| CliError::msg(format!("--strategy `{s}`: {e}"));
-    let c = cost::config::Config::parse(s).map_err(err)?;
+    let c = autoshard::config::Config::parse(s).map_err(err)?;
     c.rewrite(g).map_err(err)?;
     c.resolve(devices, cost::pipeline::graph_batch(g), &opts).map_err(err)
 }
@@ -171,7 +172,7 @@ pub fn run(args: &CostArgs) -> CliResult {
     let (named, opts) =
         strategy_and_options(&args.strategy, devices, &mut loaded.model.graph, args.model_args.options()?)?;
     let g = &loaded.model.graph;
-    let priced = cost::price(g, &cluster, devices, &named, &opts).map_err(|e| {
+    let priced = autoshard::named::price(g, &cluster, devices, &named, &opts).map_err(|e| {
         CliError::msg(format!("strategy `{}` does not apply to `{}`: {e}", args.strategy, args.model.display()))
     })?;
     if let Some(kind) = args.export {

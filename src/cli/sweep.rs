@@ -4,7 +4,8 @@
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
-use passes::cost::{self, Cluster, Named};
+use passes::autoshard::{self, Named};
+use passes::cost::Cluster;
 use serde_json::json;
 
 use super::common::*;
@@ -268,7 +269,7 @@ pub fn run(args: &SweepArgs) -> CliResult {
         let (x, cluster, devices, graph) = point(args, &base, &loaded, vs)?;
         let mut row = Vec::new();
         for (s, nm) in args.strategies.iter().zip(&named) {
-            row.push(match cost::price(&graph, &cluster, devices, nm, &opts) {
+            row.push(match autoshard::named::price(&graph, &cluster, devices, nm, &opts) {
                 Ok(p) if p.breakdown.feasible => Cell::Time(p.breakdown.step_time_s),
                 Ok(p) => Cell::Infeasible(p.breakdown.step_time_s),
                 Err(e) => Cell::NotApplicable(format!("{s}: {e}")),

@@ -277,7 +277,7 @@ fn training_plan(
     if let Some(s) = named_strategy(args) {
         // A pipeline (`pipeline:S:M…`, `pp=…`) priced as the search prices its pipelines,
         // then trained as a searched one is.
-        if let Ok(named @ passes::cost::Named::Pipeline { .. }) = passes::cost::Named::parse(s) {
+        if let Ok(named @ passes::autoshard::Named::Pipeline { .. }) = passes::autoshard::Named::parse(s) {
             let devices = args.devices.unwrap_or(1);
             let r = exec::pipeline_result(forward, cluster, devices, &named, opts).map_err(CliError::msg)?;
             if let ForwardPlan::Pipelined(c) = from_search(args, Some(r), forward, cluster, opts)? {
@@ -989,9 +989,9 @@ fn early_gradients(g: &ir::Graph, args: &TrainArgs, notes: &mut Vec<String>) -> 
 /// into the named strategy it is and the options it sets; a name stays as it is.
 fn configured(args: &TrainArgs) -> CliResult<TrainArgs> {
     let mut a = args.clone();
-    let Some(s) = args.strategy.as_deref().filter(|s| passes::cost::config::is_config(s)) else { return Ok(a) };
+    let Some(s) = args.strategy.as_deref().filter(|s| passes::autoshard::config::is_config(s)) else { return Ok(a) };
     let err = |e: String| CliError::msg(format!("--strategy `{s}`: {e}"));
-    let c = passes::cost::config::Config::parse(s).map_err(err)?;
+    let c = passes::autoshard::config::Config::parse(s).map_err(err)?;
     if c.mbs.is_some() {
         return Err(err("mbs: `train` accumulates gradients with --micro-batches".into()));
     }

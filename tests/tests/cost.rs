@@ -1,7 +1,8 @@
 //! The cost model on real models: every strategy that applies prices every shared model, and
 //! the papers' qualitative results come out.
 
-use passes::cost::{self, Cluster, InputPath, Named, Options};
+use passes::autoshard::{self, Named};
+use passes::cost::{self, Cluster, InputPath, Options};
 use shardc_tests::*;
 
 /// A shared model, re-shaped and canonicalized as the CLI prepares it.
@@ -25,7 +26,9 @@ fn batch(b: i64) -> passes::RebatchSpec {
 
 fn step(g: &ir::Graph, cluster: &str, devices: usize, s: &str, opts: &Options) -> cost::Breakdown {
     let c = Cluster::preset(cluster).unwrap();
-    cost::price(g, &c, devices, &Named::parse(s).unwrap(), opts).unwrap_or_else(|e| panic!("{s}: {e}")).breakdown
+    autoshard::named::price(g, &c, devices, &Named::parse(s).unwrap(), opts)
+        .unwrap_or_else(|e| panic!("{s}: {e}"))
+        .breakdown
 }
 
 #[test]
@@ -75,7 +78,7 @@ fn every_model_prices_under_every_strategy_that_applies() {
         }
         let mut applied = 0;
         for s in strategies {
-            match cost::price(&m.graph, &c, 8, &Named::parse(s).unwrap(), &Options::default()) {
+            match autoshard::named::price(&m.graph, &c, 8, &Named::parse(s).unwrap(), &Options::default()) {
                 Ok(p) => {
                     let b = p.breakdown;
                     assert!(b.step_time_s.is_finite() && b.step_time_s > 0.0, "{name} {s}: {}", b.step_time_s);
@@ -94,21 +97,24 @@ fn every_model_prices_under_every_strategy_that_applies() {
 fn strategies_that_do_not_apply_say_why() {
     let g = prepared("hf_gpt2_small4.onnxtxt", batch(8));
     let c = Cluster::preset("dgx-a100").unwrap();
-    let e = cost::price(&g, &c, 8, &Named::Spatial, &Options::default()).err().unwrap();
+    let e = autoshard::named::price(&g, &c, 8, &Named::Spatial, &Options::default()).err().unwrap();
     assert!(e.contains("no convolution or pooling"), "{e}");
-    let e = cost::price(&g, &c, 8, &Named::Owt, &Options::default()).err().unwrap();
+    let e = autoshard::named::price(&g, &c, 8, &Named::Owt, &Options::default()).err().unwrap();
     assert!(e.contains("convolutions"), "{e}");
-    let e = cost::price(&g, &c, 8, &Named::parse("pipeline:3:2").unwrap(), &Options::default()).err().unwrap();
+    let e =
+        autoshard::named::price(&g, &c, 8, &Named::parse("pipeline:3:2").unwrap(), &Options::default()).err().unwrap();
     assert!(e.contains("do not divide"), "{e}");
     // A batch of 6 does not divide over 8 devices: data parallelism says so (and names the
     // device counts it would divide over) instead of pricing a replicated plan.
     let g6 = prepared("hf_gpt2_small4.onnxtxt", batch(6));
-    let e = cost::price(&g6, &c, 8, &Named::Data, &Options::default()).err().unwrap();
+    let e = autoshard::named::price(&g6, &c, 8, &Named::Data, &Options::default()).err().unwrap();
     assert!(e.contains("the batch (6) does not divide over 8 devices") && e.contains("6, 3"), "{e}");
     assert!(Named::parse("hybrid:2x4").unwrap_err().contains("spatial-hybrid"));
     assert_eq!(Named::parse("tensor").unwrap(), Named::Megatron);
     assert_eq!(Named::parse("hybrid:dp:2,tp:4").unwrap(), Named::Hybrid { dp: 2, tp: 4 });
-    let e = cost::price(&g, &c, 8, &Named::parse("spatial-hybrid:2x2").unwrap(), &Options::default()).err().unwrap();
+    let e = autoshard::named::price(&g, &c, 8, &Named::parse("spatial-hybrid:2x2").unwrap(), &Options::default())
+        .err()
+        .unwrap();
     assert!(e.contains("needs 4 devices"), "{e}");
 }
 
@@ -159,7 +165,7 @@ fn huge_video_sample_needs_spatial_parallelism() {
     // One sample cannot be split by batch: data parallelism is refused, never priced
     // replicated under its name; replicated (one device's work) does not fit.
     let c = Cluster::preset("dgx-a100").unwrap();
-    let e = cost::price(&g, &c, 8, &Named::Data, &Options::default()).err().unwrap();
+    let e = autoshard::named::price(&g, &c, 8, &Named::Data, &Options::default()).err().unwrap();
     assert!(e.contains("the batch (1) does not divide over 8 devices"), "{e}");
     let one = step(&g, "dgx-a100", 1, "data", &Options::default());
     assert!(!one.feasible, "one device fits: {:?}", one.memory);
@@ -213,7 +219,7 @@ fn host_scatter_with_preload_beats_staging_through_device_zero() {
 fn megatron_runs_gpt2_attention_by_heads() {
     let g = prepared("hf_gpt2_124m.onnxtxt", batch(8));
     let c = Cluster::preset("dgx-a100").unwrap();
-    let p = cost::price(&g, &c, 4, &Named::Megatron, &Options::default()).unwrap();
+    let p = autoshard::named::price(&g, &c, 4, &Named::Megatron, &Options::default()).unwrap();
     let rows = &p.breakdown.ops;
     let count = |op: &str, strategy: &str| rows.iter().filter(|r| r.op == op && r.strategy == strategy).count();
     assert_eq!(rows.iter().filter(|r| r.op == "Split").count(), 0, "a fused QKV is left");
@@ -243,7 +249,7 @@ fn hybrid_seeds_split_attention_by_heads_over_any_one_axis() {
     let mesh = passes::autoshard::plan::parse_mesh_annotation("x=2:intra x y=2:intra x z=2:intra").unwrap();
     for (tp, name) in [(2, "z"), (0, "x")] {
         let cm = CostModel::new(&g, &c, mesh.clone(), Options::default());
-        let asg = passes::cost::strategy::hybrid_over(&cm, tp).unwrap();
+        let asg = passes::autoshard::named::hybrid_over(&cm, tp).unwrap();
         let rows = cm.evaluate(&asg).ops;
         let count = |op: &str, s: &str| rows.iter().filter(|r| r.op == op && r.strategy == s).count();
         let (heads, cols, k) = if tp == 2 {
@@ -258,5 +264,5 @@ fn hybrid_seeds_split_attention_by_heads_over_any_one_axis() {
     }
     let line = passes::autoshard::plan::parse_mesh_annotation("gpus=8:intra").unwrap();
     let cm = CostModel::new(&g, &c, line, Options::default());
-    assert!(passes::cost::strategy::hybrid_over(&cm, 0).is_err());
+    assert!(passes::autoshard::named::hybrid_over(&cm, 0).is_err());
 }

@@ -41,7 +41,8 @@ fn every_golden_case_runs_on_one_wgpu_device() {
 
 #[test]
 fn sharded_plans_run_on_wgpu_devices_and_match_the_reference() {
-    use passes::cost::{Cluster, CostModel, Named, Options};
+    use passes::autoshard::Named;
+    use passes::cost::{Cluster, CostModel, Options};
     if !gpu_available() {
         return;
     }
@@ -70,7 +71,7 @@ fn sharded_plans_run_on_wgpu_devices_and_match_the_reference() {
             let named = Named::parse(strategy).unwrap();
             let Ok(mesh) = named.mesh(&c, devices) else { continue };
             let cm = CostModel::new(g, &c, mesh.clone(), Options::default());
-            let Ok(asg) = passes::cost::strategy::assign(&cm, &named) else { continue };
+            let Ok(asg) = passes::autoshard::named::assign(&cm, &named) else { continue };
             let pl = Placement {
                 stages: vec![codegen::StagePlacement { mesh, devices: (0..devices).collect() }],
                 strategies: asg.strategies,

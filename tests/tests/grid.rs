@@ -3,8 +3,8 @@
 //! configuration of the space it walks, it saves memory only when it must, and the search
 //! takes it when it is the fastest plan.
 
+use passes::autoshard::config::Config;
 use passes::autoshard::{self, PipelineMode, SearchOptions, budget::SafetyNet, grid};
-use passes::cost::config::Config;
 use passes::cost::{self, Breakdown, Cluster, Options, Precision};
 
 /// A GPT of 36 small blocks (over 1,000 ops: the size the grid runs from).
@@ -27,7 +27,7 @@ fn cost_of(g: &ir::Graph, c: &Cluster, devices: usize, config: &str) -> Breakdow
     let (named, o) = Config::parse(config)
         .and_then(|cfg| cfg.resolve(devices, cost::pipeline::graph_batch(g), &opts()))
         .unwrap_or_else(|e| panic!("{config}: {e}"));
-    cost::price(g, c, devices, &named, &o).unwrap_or_else(|e| panic!("{config}: {e}")).breakdown
+    autoshard::named::price(g, c, devices, &named, &o).unwrap_or_else(|e| panic!("{config}: {e}")).breakdown
 }
 
 fn walk(g: &ir::Graph, c: &Cluster, devices: usize, rungs: bool) -> grid::GridPlan {

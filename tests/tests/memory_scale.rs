@@ -4,7 +4,7 @@
 //! Models", §4, without the dropout masks the synthetic model does not have); and ZeRO's
 //! model-state memory against the counts of its paper (Rajbhandari et al. 2020, §5).
 
-use passes::cost::config::Config;
+use passes::autoshard::{self, config::Config};
 use passes::cost::{self, Breakdown, Cluster, Options, Precision};
 
 /// A Megatron-style GPT (fused GELU), parsed and prepared as the CLI does.
@@ -24,7 +24,7 @@ fn priced(g: &ir::Graph, devices: usize, config: &str) -> Breakdown {
     let (named, opts) = Config::parse(config)
         .and_then(|cfg| cfg.resolve(devices, cost::pipeline::graph_batch(g), &opts))
         .unwrap_or_else(|e| panic!("{config}: {e}"));
-    cost::price(g, &c, devices, &named, &opts).unwrap_or_else(|e| panic!("{config}: {e}")).breakdown
+    autoshard::named::price(g, &c, devices, &named, &opts).unwrap_or_else(|e| panic!("{config}: {e}")).breakdown
 }
 
 fn close(got: f64, want: f64, tol: f64, what: &str) {
@@ -150,10 +150,10 @@ fn configurations_check_their_degrees_and_say_what_is_not_priced() {
     assert!(Config::parse("zero=4").unwrap_err().contains("0, 1, 2 or 3"));
     assert!(Config::parse("tp=2,tp=4").unwrap_err().contains("twice"));
     assert!(Config::parse("foo=1").unwrap_err().contains("unknown field"));
-    assert_eq!(resolve("tp=8", 8).unwrap(), cost::Named::Megatron);
-    assert_eq!(resolve("tp=2", 8).unwrap(), cost::Named::Hybrid { dp: 4, tp: 2 });
-    assert_eq!(resolve("dp=8", 8).unwrap(), cost::Named::Data);
-    let pipeline = |stages, micro, schedule, tensor| cost::Named::Pipeline { stages, micro, schedule, tensor };
+    assert_eq!(resolve("tp=8", 8).unwrap(), autoshard::Named::Megatron);
+    assert_eq!(resolve("tp=2", 8).unwrap(), autoshard::Named::Hybrid { dp: 4, tp: 2 });
+    assert_eq!(resolve("dp=8", 8).unwrap(), autoshard::Named::Data);
+    let pipeline = |stages, micro, schedule, tensor| autoshard::Named::Pipeline { stages, micro, schedule, tensor };
     assert_eq!(resolve("pp=2,mbs=1", 8).unwrap(), pipeline(2, 2, cost::Schedule::OneFOneB, 1));
     assert_eq!(resolve("pp=2,tp=2", 8).unwrap(), pipeline(2, 4, cost::Schedule::OneFOneB, 2));
     assert_eq!(resolve("pp=2,tp=4,vp=3", 8).unwrap(), pipeline(2, 8, cost::Schedule::Interleaved(3), 4));

@@ -6,7 +6,8 @@ use std::collections::HashMap;
 
 use codegen::{Backend, Placement, RunOptions, StagePlacement};
 use ir::eval::Array;
-use passes::cost::{Cluster, CostModel, Named, Options};
+use passes::autoshard::Named;
+use passes::cost::{Cluster, CostModel, Options};
 use shardc_tests::*;
 
 fn prepared(path: &std::path::Path) -> ir::Model {
@@ -21,7 +22,7 @@ fn placement_for(g: &ir::Graph, devices: usize, named: &Named) -> Option<Placeme
     let c = Cluster::preset("dgx-a100").unwrap();
     let mesh = named.mesh(&c, devices).ok()?;
     let cm = CostModel::new(g, &c, mesh.clone(), Options::default());
-    let asg = passes::cost::strategy::assign(&cm, named).ok()?;
+    let asg = passes::autoshard::named::assign(&cm, named).ok()?;
     Some(Placement { policy: cm.policy, ..one_stage(&mesh, asg.strategies) })
 }
 

@@ -22,9 +22,10 @@ use ir::eval::Array;
 use ir::{Graph, NodeId, Op, OpClass, Value};
 use serde::{Deserialize, Serialize};
 
+use crate::cut::Cut;
 use crate::layout::{assemble, concat, piece, split_even};
 use crate::program::{DeviceProgram, Program};
-use crate::schedule::{Cut, Part};
+use crate::schedule::Part;
 
 /// Opens a GPU adapter and names it; an error when none opens or this build has no `gpu`
 /// feature.
@@ -710,7 +711,7 @@ fn drop_recomputed<E: Executor>(
     chunk: impl Fn(&Value) -> bool,
 ) {
     let dropped: Vec<Value> =
-        env.keys().copied().filter(|v| !kept(v) && chunk(v) && !crate::schedule::stashed(g, *v)).collect();
+        env.keys().copied().filter(|v| !kept(v) && chunk(v) && !crate::cut::stashed(g, *v)).collect();
     for v in dropped {
         if let Some(t) = env.remove(&v) {
             live.remove(e.storage(&t));
@@ -860,7 +861,7 @@ fn drive<E: Executor>(
                         keep.contains(v)
                             || shared.contains(v)
                             || (pass == Part::Forward
-                                && (backward_reads.contains(v) || (recomputes && crate::schedule::stashed(g, *v))))
+                                && (backward_reads.contains(v) || (recomputes && crate::cut::stashed(g, *v))))
                     };
                     for v in g.node(n).inputs().iter().flatten() {
                         if last_use.get(v) == Some(&i)
@@ -1159,10 +1160,10 @@ fn mean(xs: &[Array]) -> Result<Array, String> {
     Ok(Array::float(first.dtype, first.shape.clone(), sum.into_iter().map(|s| s / m).collect()))
 }
 
-/// Whether a run accumulates gradients ([`crate::schedule::accumulates`]; it trains when it
+/// Whether a run accumulates gradients ([`crate::cut::accumulates`]; it trains when it
 /// carries state).
 fn accumulates(p: &Program, opts: &RunOptions) -> bool {
-    crate::schedule::accumulates(p, !opts.carry.is_empty())
+    crate::cut::accumulates(p, !opts.carry.is_empty())
 }
 
 /// The tensor of result `local`: computed this micro-batch, or a parameter.

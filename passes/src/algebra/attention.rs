@@ -22,7 +22,7 @@
 //! the probabilities (flash attention's stash); the backward recomputes the scores, at 2.5 times
 //! the forward's work instead of 2 ([`ir::ops::Backward::Times`]). The op splits by batch and
 //! heads, and by query rows under a mask given as a tensor. Where that pays is the search's
-//! choice ([`crate::algebra::SEARCH_CHOICES`]).
+//! choice ([`super::SEARCH_CHOICES`]).
 
 use ir::eval::Array;
 use ir::{Graph, NodeId, Op, Output, Value, op};
@@ -301,6 +301,6 @@ impl Pass for FuseAttention {
     }
 
     fn run(&mut self, g: &mut Graph, cx: &mut PassCx<'_>) -> Result<Changed, PassError> {
-        crate::algebra::run_rewrite(g, cx, self.name(), "attentions fused", fuse_attention)
+        super::run_rewrite(g, cx, self.name(), "attentions fused", fuse_attention)
     }
 }

@@ -4,7 +4,7 @@
 //! micro-batch size (`mbs`), sequence parallelism (`sp`), activation recomputation
 //! (`recompute=none|selective|full`), the ZeRO stage (`zero=0|1|2|3`), the pipeline
 //! schedule (`schedule=gpipe|1f1b|interleaved`) and flash attention (`flash`: the model's
-//! attentions fused into one op each before pricing, [`crate::fuse_attention`]).
+//! attentions fused into one op each before pricing, [`crate::algebra::attention`]).
 //!
 //! Every field is optional: the degrees default to 1 except `dp`, which takes the devices
 //! the others leave; `mbs` to 1 in a pipeline and, without one, to the whole batch of a
@@ -16,9 +16,8 @@
 //! with the reason. `pp` with `tp` is a pipeline of Megatron (or data × Megatron) stages;
 //! `vp` > 1 the interleaved schedule.
 
-use super::model::Options;
-use super::stash::Recompute;
-use super::strategy::{Named, Schedule};
+use super::named::Named;
+use crate::cost::{Options, Recompute, Schedule};
 
 /// A parsed hand configuration.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

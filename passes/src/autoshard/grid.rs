@@ -23,10 +23,11 @@ use std::time::Instant;
 use ir::Graph;
 
 use super::budget::SafetyNet;
+use super::named::Named;
 use super::pipeline::{MicroGraphs, PipelinePlan, UNFIT, price_configuration_in};
 use crate::cost::model::{Analysis, model_state_floor, parameter_elements};
 use crate::cost::pipeline::graph_batch;
-use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Named, Options, Recompute, Schedule};
+use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Options, Recompute, Schedule};
 
 /// The best configuration the grid found.
 pub struct GridPlan {
@@ -330,7 +331,7 @@ fn plan_point(
     o.accumulation = p.mbs.map_or(1, |m| batch / (p.data * m));
     let mesh = named.mesh(cluster, devices).map_err(|_| false)?;
     let cm = CostModel::with_analysis(g, whole, cluster, mesh.clone(), o.clone());
-    let assignment = crate::cost::strategy::assign(&cm, &named).map_err(|_| false)?;
+    let assignment = crate::autoshard::named::assign(&cm, &named).map_err(|_| false)?;
     Ok(GridPlan {
         config: describe(p, schedule, &o),
         breakdown: cm.price(&assignment),

@@ -16,6 +16,7 @@
 //! them in the model. The search is deterministic.
 
 pub mod budget;
+pub mod config;
 pub mod explain;
 pub mod export;
 pub mod extract;
@@ -23,6 +24,7 @@ pub mod fold;
 pub mod grid;
 pub mod interleave;
 pub mod meshes;
+pub mod named;
 pub mod pipeline;
 pub mod plan;
 pub(crate) mod problem;
@@ -42,9 +44,10 @@ use ir::Graph;
 use ir::shard::Mesh;
 use serde::Serialize;
 
-use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Named, Options};
+use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Options};
 pub use extract::ExtractStats;
 pub use fold::Folding;
+pub use named::Named;
 pub use pipeline::PipelineMode;
 pub use plan::Plan;
 pub use space::EgraphStats;
@@ -351,7 +354,7 @@ const SEEDS: &[(&str, Named)] = &[
 ];
 
 /// The seed plans that apply on `cm`'s mesh: the named ones, then per mesh axis data parallel
-/// over the others and Megatron over it ([`crate::cost::strategy::hybrid_over`]) where that
+/// over the others and Megatron over it ([`crate::autoshard::named::hybrid_over`]) where that
 /// differs from every named one. The flag is true for the named ones: they seed the e-graph;
 /// the per-axis ones only add their strategies to the candidates the extraction chooses from
 /// (seeding the e-graph with them too changes which strategies its per-op cap keeps, and
@@ -360,11 +363,11 @@ fn seed_plans(cm: &CostModel<'_>) -> Vec<(String, Assignment, bool)> {
     let mut seeds: Vec<(String, Assignment, bool)> = SEEDS
         .iter()
         .filter_map(|(name, named)| {
-            crate::cost::strategy::assign(cm, named).ok().map(|a| ((*name).to_string(), a, true))
+            crate::autoshard::named::assign(cm, named).ok().map(|a| ((*name).to_string(), a, true))
         })
         .collect();
     for tp in 0..cm.mesh.axes.len() {
-        if let Ok(a) = crate::cost::strategy::hybrid_over(cm, tp)
+        if let Ok(a) = crate::autoshard::named::hybrid_over(cm, tp)
             && seeds.iter().all(|(_, b, _)| *b != a)
         {
             seeds.push((format!("hybrid, tensor over {}", cm.mesh.axes[tp].name), a, false));
@@ -579,7 +582,7 @@ impl SearchResult {
     /// With what a search reports beside its plan: data parallelism's price (or why it has
     /// none) and what one device would hold.
     fn with_references(mut self, g: &Graph, cluster: &Cluster, devices: usize, opts: &Options) -> Self {
-        match crate::cost::price(g, cluster, devices, &Named::Data, opts) {
+        match crate::autoshard::named::price(g, cluster, devices, &Named::Data, opts) {
             Ok(p) => self.data_parallel = Some(p.breakdown),
             Err(e) => self.data_parallel_unavailable = Some(e.to_string()),
         }
@@ -817,7 +820,7 @@ pub fn search_rewriting(
         let fold = if so.fold == FoldMode::Auto { FoldMode::Always } else { so.fold };
         // Where the graph as written took the grid's configuration, so is the rewritten one
         // searched (the grid alone, unless nothing in it fits).
-        let grid_only = so.grid_only || best.same_as.as_deref().is_some_and(crate::cost::config::is_config);
+        let grid_only = so.grid_only || best.same_as.as_deref().is_some_and(crate::autoshard::config::is_config);
         let alt = SearchOptions { time_limit: left, fold, grid_only, ..so.clone() };
         let r = search(&h, cluster, devices, opts, &alt)?;
         note(&r);

@@ -24,25 +24,8 @@
 use ir::shard::{AxisShard, DimKind, DimRole, LinkLevel, Mesh, MeshAxis, strategy_shardings, strategy_valid};
 use ir::{NodeId, Op, Value};
 
-use super::model::{Assignment, CostModel};
-
-/// A pipeline schedule.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Schedule {
-    /// All micro-batch forwards, then all backwards.
-    GPipe,
-    /// One forward, one backward, in steady state.
-    OneFOneB,
-    /// Megatron's interleaved 1F1B: each device holds this many (≥ 2) model chunks (virtual
-    /// stages), its layers round-robin over the devices.
-    Interleaved(usize),
-}
-
-impl serde::Serialize for Schedule {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.name())
-    }
-}
+use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Options, PipelineReport, Schedule};
+use ir::Graph;
 
 /// A parsed strategy name.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -202,7 +185,7 @@ impl Named {
     }
 
     /// The mesh the strategy runs on, for `devices` devices of `cluster`.
-    pub fn mesh(&self, cluster: &super::cluster::Cluster, devices: usize) -> Result<Mesh, String> {
+    pub fn mesh(&self, cluster: &Cluster, devices: usize) -> Result<Mesh, String> {
         let two = |(d, s): (usize, usize), what: String, names: (&str, &str)| -> Result<Mesh, String> {
             if d * s != devices {
                 return Err(format!("{what} needs {} devices, {devices} given", d * s));
@@ -642,4 +625,36 @@ fn spatial_split(cm: &CostModel<'_>, n: NodeId, axes: &[usize]) -> Option<Vec<Op
         }
     }
     if strategy_valid(sp, &s, &cm.mesh, cm.g, n) { Some(s) } else { split_over_axes(cm, n, first, axes) }
+}
+
+/// A priced named strategy.
+pub struct Priced {
+    /// The mesh it ran on (a pipeline's: its first stage's).
+    pub mesh: Mesh,
+    /// The price.
+    pub breakdown: Breakdown,
+    /// Pipeline details, for `pipeline:S:M`.
+    pub pipeline: Option<PipelineReport>,
+    /// The strategies priced (a pipeline's first stage's, on its mesh).
+    pub assignment: Assignment,
+}
+
+/// Prices a named strategy on `devices` devices of `cluster`. Errors say why the strategy does
+/// not apply.
+pub fn price(g: &Graph, cluster: &Cluster, devices: usize, named: &Named, opts: &Options) -> Result<Priced, String> {
+    if let Named::Pipeline { stages, micro, schedule, tensor } = named {
+        // Priced as the search prices the pipelines it makes: one function for both.
+        let p = super::pipeline::price_configuration(g, cluster, devices, *stages, *micro, *schedule, *tensor, opts)?;
+        let first = p.stages.first().ok_or("a pipeline without stages")?;
+        return Ok(Priced {
+            mesh: first.sub_mesh.clone(),
+            assignment: first.assignment.clone(),
+            breakdown: p.breakdown.clone(),
+            pipeline: Some(p.report()),
+        });
+    }
+    let mesh = named.mesh(cluster, devices)?;
+    let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
+    let asg = assign(&cm, named)?;
+    Ok(Priced { mesh, breakdown: cm.evaluate(&asg), pipeline: None, assignment: asg })
 }

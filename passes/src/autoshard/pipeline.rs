@@ -34,10 +34,10 @@ use ir::shard::{LinkLevel, Mesh, OpStrategy, strategy_valid};
 use ir::{Graph, NodeId, Value};
 use serde::Serialize;
 
+use crate::cost::Schedule;
 use crate::cost::collective::{alpha_beta, send, staging};
 use crate::cost::model::{CommEvent, Memory, OpRow, Phase};
 use crate::cost::pipeline::graph_batch;
-use crate::cost::strategy::Schedule;
 use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Options};
 use crate::rebatch::{RebatchSpec, rebatch};
 
@@ -1655,14 +1655,14 @@ fn stage_table(
     if let Some(t) = graphs.stage_tables.get(&key) {
         return Ok(t.clone());
     }
-    let inner = crate::cost::Named::stage_strategy(tensor, per_stage)?;
+    let inner = crate::autoshard::Named::stage_strategy(tensor, per_stage)?;
     let mesh = inner.mesh(cluster, per_stage)?;
     let (gm, analysis) = graphs.analyzed(mb).ok_or_else(|| {
         let why = graphs.refused.as_ref().map_or(String::new(), |(_, e)| format!(": {e}"));
         format!("pipeline: the model takes no micro-batch of {mb}{why}")
     })?;
     let cm = CostModel::with_analysis(&gm, &analysis, cluster, mesh.clone(), opts.clone()).with_busy(devices);
-    let asg = match crate::cost::strategy::assign(&cm, &inner) {
+    let asg = match crate::autoshard::named::assign(&cm, &inner) {
         Ok(a) => a,
         // A stage of one device runs every op whole, whatever carries the batch (a micro-batch
         // of one sample has no dim that shows it).

@@ -266,7 +266,7 @@ fn derive_in(
             && let Some(held) = d.layout_of(p)
         {
             let flat = only.is_none() && cm.opts.zero >= 1;
-            let zero = |s: &&OpStrategy| flat && crate::cost::strategy::zero_shard(cm, n, s, &held);
+            let zero = |s: &&OpStrategy| flat && crate::autoshard::named::zero_shard(cm, n, s, &held);
             let sharded: Vec<OpStrategy> = cands.iter().filter(zero).cloned().collect();
             let at_home: Vec<OpStrategy> =
                 cands.iter().filter(|s| reads_parameter_as(cm, n, s, &held)).cloned().collect();

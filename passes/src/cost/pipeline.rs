@@ -20,7 +20,23 @@ use serde::Serialize;
 use ir::{Graph, Op, TensorType};
 
 use super::model::Breakdown;
-use super::strategy::Schedule;
+/// A pipeline schedule.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// All micro-batch forwards, then all backwards.
+    GPipe,
+    /// One forward, one backward, in steady state.
+    OneFOneB,
+    /// Megatron's interleaved 1F1B: each device holds this many (≥ 2) model chunks (virtual
+    /// stages), its layers round-robin over the devices.
+    Interleaved(usize),
+}
+
+impl serde::Serialize for Schedule {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.name())
+    }
+}
 
 impl Schedule {
     /// The schedule's name (`gpipe`, `1f1b`, `interleaved:V`), as strategy names and plan

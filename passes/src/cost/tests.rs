@@ -5,9 +5,10 @@
 use ir::shard::LinkLevel;
 use ir::{DType, Graph, Model, Op, Tensor, TensorType, op};
 
+use super::Schedule;
 use super::cluster::{BySize, Cluster, Device, HostLink, Link, PeakFlops, Topology};
 use super::model::{Assignment, CostModel, InputPath, Optimizer, Options};
-use super::strategy::{Named, Schedule};
+use crate::autoshard::named::Named;
 
 fn toy() -> Cluster {
     Cluster {
