@@ -27,8 +27,8 @@ use std::time::Instant;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use shardc::passes::autoshard::{self, SearchOptions};
 use shardc::passes::autoshard::config::Config;
+use shardc::passes::autoshard::{self, SearchOptions};
 use shardc::passes::cost::{self, Cluster, Options, Precision};
 use shardc::synthetic::{Gpt, Llama};
 

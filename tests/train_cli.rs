@@ -854,3 +854,31 @@ fn plans_of_models_ending_in_an_identity_train() {
     let doc = shardc_train(&args).unwrap_or_else(|e| panic!("{e}"));
     assert!(doc["check"].as_array().unwrap().iter().all(|c| c["ok"] == true), "{}", doc["check"]);
 }
+
+/// The step's compute is reported per phase as the lowering recorded each op's: a
+/// data-parallel step of an MLP spends time in each of forward, backward and update, and a
+/// device's phases add up to its compute.
+#[test]
+fn train_reports_compute_per_phase() {
+    let doc = shardc_train(&[
+        "tests/data/golden-train/mlp_mse.onnxtxt",
+        "--steps",
+        "2",
+        "--backend",
+        "cpu",
+        "--devices",
+        "2",
+        "--strategy",
+        "data",
+    ])
+    .unwrap();
+    for d in doc["devices"].as_array().unwrap() {
+        let phases = d["phases_s"].as_object().unwrap();
+        let keys: Vec<&str> = phases.keys().map(String::as_str).collect();
+        assert_eq!(keys, ["backward", "forward", "update"], "{d}");
+        assert!(phases.values().all(|s| s.as_f64().unwrap() > 0.0), "{d}");
+        let sum: f64 = phases.values().map(|s| s.as_f64().unwrap()).sum();
+        let compute = d["compute_s"].as_f64().unwrap();
+        assert!((sum - compute).abs() <= 1e-6 + 1e-3 * compute, "{sum} vs {compute}: {d}");
+    }
+}

@@ -133,6 +133,9 @@ pub struct DeviceProgram {
     /// Under the interleaved schedule, per op of a later model chunk than the first: its
     /// chunk (absent: 0).
     pub chunk_of: HashMap<NodeId, usize>,
+    /// Per op lowered from a training graph's op: the phase of the step that op is in
+    /// ([`ir::reshard::step_phases`]); empty for a forward model's program.
+    pub phase_of: HashMap<NodeId, ir::reshard::Phase>,
     /// The receives of a tensor from a later (virtual) stage: the gradient flowing back, where
     /// a backward part starts ([`crate::cut::Cut`]).
     pub from_later: HashSet<NodeId>,

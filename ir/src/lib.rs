@@ -39,6 +39,7 @@ pub mod reshard;
 pub mod scope;
 pub mod shard;
 pub mod tensor;
+pub mod train;
 pub mod types;
 pub mod verify;
 

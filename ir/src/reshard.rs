@@ -198,23 +198,7 @@ pub fn send_layout(g: &crate::Graph, v: crate::Value, strategy: &[Option<usize>]
     outs.get(v.slot as usize).map_or_else(|| vec![AxisShard::Replicate; axes], |l| held_layout(l))
 }
 
-/// The carried state of a training graph: per graph output named `X__next` where `X` is an
-/// initializer, `(that output, X)`. After each step the output replaces `X` in place, so
-/// it is delivered in the layout `X` is held in ([`delivered_layout`]) — no gather of sharded
-/// parameters or optimizer state between steps.
-pub fn carried_state(g: &crate::Graph) -> Vec<(crate::Value, crate::Value)> {
-    let mut out = Vec::new();
-    for o in g.outputs() {
-        let Some(x) = g.value_name(o.value).strip_suffix("__next") else { continue };
-        if let Some(s) = g.lookup(x)
-            && matches!(&g.node(s.node).op, crate::Op::Initializer(_))
-            && !out.iter().any(|&(v, _)| v == o.value)
-        {
-            out.push((o.value, s));
-        }
-    }
-    out
-}
+use crate::train::carried_state;
 
 /// The ops a pipeline stage computes for itself instead of receiving: those computed from
 /// constants alone (initializers, defaulted inputs, other such ops). Carried state counts as
@@ -271,19 +255,12 @@ fn computed_everywhere_except(
     }
 }
 
-/// Whether `v` is a training graph's gradient output: `X__grad` where `X` is an
-/// initializer (the autodiff pass's naming).
-pub fn is_gradient_output(g: &crate::Graph, v: crate::Value) -> bool {
-    g.value_name(v)
-        .strip_suffix("__grad")
-        .and_then(|x| g.lookup(x))
-        .is_some_and(|x| matches!(g.node(x.node).op, crate::Op::Initializer(_)))
-}
+use crate::train::is_gradient_output;
 
 /// ZeRO's layouts in a training graph, read off its optimizer updates (`reads(u, j)`: the
 /// layout update `u` reads its input `j` in, from its strategy). The cost model prices and
 /// the lowering emits them alike:
-/// - stage 2 and up: a parameter's gradient output (`X__grad`, read by its update) is
+/// - stage 2 and up: a parameter's gradient output (read by its update) is
 ///   delivered in the layout its update reads it in — reduce-scattered into the shard the
 ///   update runs on — so no device holds the whole gradient once its update has run;
 /// - stage 3: a parameter is held as its update reads it (each device keeps its shard); its
@@ -750,10 +727,6 @@ mod tests {
     }
 }
 
-/// The annotation of a backward op in a training graph: the first output's name of the
-/// forward op it differentiates (written by the autodiff pass).
-pub const GRAD_OF: &str = "shardc_grad_of";
-
 /// The annotation the lowering puts on each communication op: the [`Phase`] of the step it
 /// serves.
 pub const PHASE: &str = "shardc_phase";
@@ -794,7 +767,7 @@ impl Phase {
 
 /// The phase of every op of a training graph (`None` when `g` is not one: no carried
 /// state): an optimizer update is [`Phase::Gradient`] (what brings its gradient to the
-/// parameter's layout is gradient synchronisation); an op annotated [`GRAD_OF`], or one
+/// parameter's layout is gradient synchronisation); an op annotated [`crate::train::grad_of`], or one
 /// reading a backward op's output (the sum of gradients of a value read several times), is
 /// [`Phase::Backward`], unless it is unannotated and only gradient-phase ops read it (it
 /// hands a finished gradient to its update); an op reading an update's output is
@@ -813,7 +786,7 @@ pub fn step_phases(
         let node = g.node(n);
         let p = if node.op.is_update() {
             Phase::Gradient
-        } else if node.annotations.iter().any(|(k, _)| k == GRAD_OF)
+        } else if crate::train::grad_of(g, n).is_some()
             || node.inputs().iter().flatten().any(|v| out.get(&v.node) == Some(&Phase::Backward))
         {
             Phase::Backward
@@ -825,11 +798,11 @@ pub fn step_phases(
         out.insert(n, p);
     }
     // What hands a finished gradient to its update (the sum of a weight's gradients, the
-    // identity naming it `X__grad`) is gradient synchronisation's part: an unannotated
+    // gradient output) is gradient synchronisation's part: an unannotated
     // backward op read only by gradient-phase ops.
     for &n in order.iter().rev() {
         let node = g.node(n);
-        if out[&n] != Phase::Backward || node.annotations.iter().any(|(k, _)| k == GRAD_OF) {
+        if out[&n] != Phase::Backward || crate::train::grad_of(g, n).is_some() {
             continue;
         }
         let mut readers = (0..node.num_outputs()).flat_map(|s| g.users(crate::Value::new(n, s as u16))).peekable();

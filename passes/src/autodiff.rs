@@ -13,15 +13,14 @@
 //! is updated by the optimizer's op (`SgdUpdate`, `AdamUpdate`) with its state in new
 //! initializers.
 //!
-//! The training graph's interface, by name:
-//! - output 0 is the loss;
-//! - `P__grad` is the gradient of trainable initializer `P`;
-//! - `S__next` is the value initializer `S` (a parameter, optimizer state, the step counter
-//!   `shardc__step`) takes for the next step.
+//! The training graph's interface ([`ir::train`] reads and writes it):
+//! output 0 is the loss; an output per trainable initializer `P` is its gradient; an output
+//! per initializer `S` (a parameter, optimizer state, the step counter `shardc__step`) is
+//! the value it takes for the next step.
 //!
 //! [`TrainInfo::of`] reads it back, so a printed training graph parses back into one.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 use ir::eval::Array;
 use ir::op::{self, Op};
@@ -193,28 +192,20 @@ pub struct TrainInfo {
 }
 
 impl TrainInfo {
-    /// Reads the interface of a training graph from its output names; `None` when `g` is not
-    /// one (no `__next` outputs).
+    /// Reads the interface of a training graph ([`ir::train`]); `None` when `g` is not one (no
+    /// carried state).
     pub fn of(g: &Graph) -> Option<TrainInfo> {
-        let inits: HashSet<&str> = g.initializers().iter().map(|&n| g.value_name(Value::new(n, 0))).collect();
-        let mut info = TrainInfo::default();
-        for (i, o) in g.outputs().iter().enumerate() {
-            let name = g.value_name(o.value);
-            if i == 0 {
-                info.loss = name.to_string();
-            } else if let Some(p) = name.strip_suffix("__grad").filter(|p| inits.contains(p)) {
-                info.trainable.push(p.to_string());
-                info.gradients.insert(p.to_string(), name.to_string());
-            }
+        let mut info = TrainInfo { loss: g.value_name(g.outputs().first()?.value).to_string(), ..TrainInfo::default() };
+        for (grad, p) in ir::train::gradient_outputs(g) {
+            info.trainable.push(g.value_name(p).to_string());
+            info.gradients.insert(g.value_name(p).to_string(), g.value_name(grad).to_string());
         }
-        for (next, s) in ir::reshard::carried_state(g) {
+        for (next, s) in ir::train::carried_state(g) {
             info.state.insert(g.value_name(s).to_string(), g.value_name(next).to_string());
         }
         (!info.state.is_empty()).then_some(info)
     }
 }
-
-pub use ir::reshard::GRAD_OF;
 
 fn err(msg: impl Into<String>) -> Vec<Located> {
     vec![Located::global(msg)]
@@ -293,29 +284,29 @@ pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<T
     let mut outputs = vec![GraphOutput { value: loss_v, ty: g.value_type(loss_v).cloned() }];
     let step = g.add_initializer(STEP, Array::i64(vec![], vec![0]).to_tensor());
     let one = g.add_initializer(format!("{STEP}__one"), Array::i64(vec![], vec![1]).to_tensor());
-    let next_step = add_named(g, Op::Add(op::Add::default()), &[Some(step), Some(one)], &[format!("{STEP}__next")])
+    let next_step = add_named(g, Op::Add(op::Add::default()), &[Some(step), Some(one)], &[ir::train::next_name(STEP)])
         .map_err(err)?[0];
     let mut next: Vec<(String, Value)> = Vec::new();
     for &p in &candidates {
         let Some(&gv) = grads.get(&p) else { continue };
         let name = g.value_name(p).to_string();
-        let gout = add_named(g, Op::Identity(op::Identity::default()), &[Some(gv)], &[format!("{name}__grad")])
+        let gout = add_named(g, Op::Identity(op::Identity::default()), &[Some(gv)], &[ir::train::gradient_name(&name)])
             .map_err(err)?[0];
         outputs.push(GraphOutput { value: gout, ty: g.value_type(gout).cloned() });
         info.trainable.push(name.clone());
-        info.gradients.insert(name.clone(), format!("{name}__grad"));
+        info.gradients.insert(name.clone(), ir::train::gradient_name(&name));
         // The optimizer's state, zeros like the parameter.
         let t = g.initializer(p).expect("a parameter").clone();
         let dims: Vec<usize> = t.dims.iter().map(|&d| d.max(0) as usize).collect();
         let mut ins = vec![Some(p), Some(gout)];
-        let mut outs = vec![format!("{name}__next")];
+        let mut outs = vec![ir::train::next_name(&name)];
         let mut states = Vec::new();
         for suffix in opt.state() {
             let sname = format!("{name}__{suffix}");
             let z = Array::zeros(t.dtype, dims.clone()).map_err(|e| err(e.to_string()))?;
             let sv = g.add_initializer(sname.clone(), z.to_tensor());
             ins.push(Some(sv));
-            outs.push(format!("{sname}__next"));
+            outs.push(ir::train::next_name(&sname));
             states.push(sname);
         }
         ins.push(Some(next_step));
@@ -351,7 +342,7 @@ pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<T
             if info.state.contains_key(&sname) || next.iter().any(|(s, _)| *s == sname) {
                 continue;
             }
-            let v = add_named(g, Op::Identity(op::Identity::default()), &[Some(out)], &[format!("{sname}__next")])
+            let v = add_named(g, Op::Identity(op::Identity::default()), &[Some(out)], &[ir::train::next_name(&sname)])
                 .map_err(err)?[0];
             next.push((sname, v));
         }
@@ -513,7 +504,7 @@ fn backward(
     let mut contrib: HashMap<Value, Vec<Value>> = HashMap::new();
     let dt = g.tensor_type(loss).map_or(DType::Float, |t| t.dtype);
     let seed =
-        g.add_initializer(format!("{}__seed", g.value_name(loss)), Array::float(dt, vec![], vec![1.0]).to_tensor());
+        g.add_initializer(ir::train::seed_name(g.value_name(loss)), Array::float(dt, vec![], vec![1.0]).to_tensor());
     contrib.insert(loss, vec![seed]);
     let mut counter = 0usize;
     for &n in order.iter().rev() {
@@ -562,7 +553,7 @@ fn backward(
         let key = g.node(n).outputs().first().map(|o| o.name.clone()).unwrap_or_default();
         if !key.is_empty() {
             for a in added {
-                g.set_annotation(a, GRAD_OF, key.clone());
+                ir::train::set_grad_of(g, a, &key);
             }
         }
         for (i, dx) in dxs.into_iter().enumerate() {

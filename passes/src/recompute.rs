@@ -5,7 +5,7 @@
 //! ([`crate::cost::stash`]: the same regions, `selective` the attention cores, `full` each
 //! repeated block).
 //!
-//! The copies carry [`crate::autodiff::GRAD_OF`] naming the op they copy, so they run in its
+//! The copies carry [`ir::train::grad_of`] naming the op they copy, so they run in its
 //! pipeline stage, on the axes it splits over, in the backward phase; their outputs are named
 //! `<name>__recompute`. The graph is renumbered so that the runtime's order (oldest ready
 //! node first) is the one written here.
@@ -126,7 +126,7 @@ fn copy_op(g: &mut Graph, n: NodeId, copy_of: &HashMap<NodeId, NodeId>) -> NodeI
         g.set_annotation(c, k.clone(), v.clone());
     }
     if !key.is_empty() {
-        g.set_annotation(c, crate::autodiff::GRAD_OF, key);
+        ir::train::set_grad_of(g, c, &key);
     }
     c
 }

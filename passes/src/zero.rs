@@ -1,7 +1,7 @@
 //! Gradients handed to their updates as soon as they are complete: the schedule ZeRO-2 and
 //! ZeRO-3 need (`ir::reshard::ZeroLayouts`). In the autodiff pass's graph the ops that hand
-//! each parameter's gradient to its update (the identity naming it `X__grad`, the sum of a
-//! tied weight's gradients) come after the whole backward pass, so each device holds every
+//! each parameter's gradient to its update (the identity that is its gradient output, the
+//! sum of a tied weight's gradients) come after the whole backward pass, so each device holds every
 //! whole gradient until then. Run early, each gradient is reduce-scattered into the shard its
 //! update runs on while the backward pass goes on (DeepSpeed's ZeRO-2 buckets), and the
 //! whole gradient dies there; the updates stay at the end, where the backward pass has freed

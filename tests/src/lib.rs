@@ -236,6 +236,7 @@ pub fn one_stage_program(graphs: Vec<ir::Graph>) -> codegen::Program {
             feeds: vec![],
             results: vec![],
             chunk_of: Default::default(),
+            phase_of: Default::default(),
             from_later: Default::default(),
         })
         .collect();

@@ -65,6 +65,8 @@ pub(crate) struct Local<'a> {
     pub chunk: usize,
     /// The chunk of every op emitted in a chunk after the first.
     pub chunk_of: HashMap<NodeId, usize>,
+    /// The step phase of every op emitted for a training graph's op.
+    pub phase_of: HashMap<NodeId, ir::reshard::Phase>,
     /// The receives of a tensor from a later stage.
     pub from_later: std::collections::HashSet<NodeId>,
 }
@@ -91,6 +93,7 @@ impl<'a> Local<'a> {
             phase: None,
             chunk: 0,
             chunk_of: HashMap::new(),
+            phase_of: HashMap::new(),
             from_later: Default::default(),
         }
     }
@@ -115,8 +118,11 @@ impl<'a> Local<'a> {
         if self.chunk > 0 {
             self.chunk_of.insert(id, self.chunk);
         }
-        if comm && let Some(p) = self.phase {
-            self.lg.set_annotation(id, ir::reshard::PHASE, p.name());
+        if let Some(p) = self.phase {
+            self.phase_of.insert(id, p);
+            if comm {
+                self.lg.set_annotation(id, ir::reshard::PHASE, p.name());
+            }
         }
         (0..outs.len()).map(|s| Value::new(id, s as u16)).collect()
     }

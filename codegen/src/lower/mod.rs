@@ -241,7 +241,7 @@ pub fn lower(g: &Graph, placement: &Placement) -> Result<Program, LowerError> {
     // A weight held in several stages (tied): its new value goes from the stage that updates
     // it to the others, which carry it too.
     let mut deliver: HashMap<Value, Vec<usize>> = HashMap::new();
-    for (next, state) in ir::reshard::carried_state(g) {
+    for (next, state) in ir::train::carried_state(g) {
         let Some(&own) = stage_of_value.get(&next) else { continue };
         for (r, _) in g.users(state) {
             let st = placement.stage_of.get(&r).copied().unwrap_or(0);
@@ -378,6 +378,7 @@ fn lower_device(
         feeds: l.feeds,
         results,
         chunk_of: l.chunk_of,
+        phase_of: l.phase_of,
         from_later: l.from_later,
     };
     Ok((program, l.fallbacks))
@@ -446,7 +447,7 @@ fn lower_stage(l: &mut Local<'_>, order: &[NodeId], results: &mut Vec<Result_>) 
         }
     }
     // Graph outputs computed in this stage, delivered reduced and cut only along the batch.
-    let carried = ir::reshard::carried_state(g);
+    let carried = ir::train::carried_state(g);
     for out in g.outputs() {
         let v = out.value;
         let in_stage = match g.node(v.node).op {
@@ -542,6 +543,7 @@ pub fn reshard_program(
             feeds: l.feeds,
             results,
             chunk_of: HashMap::new(),
+            phase_of: HashMap::new(),
             from_later: Default::default(),
         });
     }

@@ -19,6 +19,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use ir::eval::Array;
+use ir::reshard::Phase;
 use ir::{Graph, NodeId, Op, OpClass, Value};
 use serde::{Deserialize, Serialize};
 
@@ -642,28 +643,22 @@ fn assemble_outputs(
 /// the last step (by the initializer's global name).
 type DeviceOutcome = (Vec<Vec<Vec<(String, Array)>>>, DeviceReport, Vec<(String, Array)>);
 
-/// The training phase of each op of a device graph: `update` for optimizer ops, `backward`
-/// for ops downstream of a gradient (the loss's seed, a gradient op, a received gradient),
-/// `forward` for the rest.
-fn phases(g: &Graph, order: &[NodeId]) -> HashMap<NodeId, &'static str> {
-    let mut out = HashMap::new();
-    let mut grad: std::collections::HashSet<NodeId> = std::collections::HashSet::new();
-    for &n in order {
-        let node = g.node(n);
-        let seeded = matches!(node.op, Op::Initializer(_)) && g.value_name(Value::new(n, 0)).ends_with("__seed");
-        let is_grad = node.op.op_type().ends_with("Grad")
-            || node.outputs().iter().any(|o| o.name.contains("__d") || o.name.ends_with("__grad"));
-        let downstream = node.inputs().iter().flatten().any(|v| grad.contains(&v.node));
-        if node.op.is_update() {
-            out.insert(n, "update");
-        } else if seeded || is_grad || downstream {
-            grad.insert(n);
-            out.insert(n, "backward");
-        } else {
-            out.insert(n, "forward");
-        }
-    }
-    out
+/// The training phase of each op of a device program, as the lowering recorded it
+/// ([`crate::DeviceProgram::phase_of`]): `update` for optimizer ops, `backward` for the
+/// backward pass and gradient synchronisation, `forward` for the rest (a forward model's
+/// program is all `forward`).
+fn phases(d: &DeviceProgram) -> HashMap<NodeId, &'static str> {
+    let g = &d.graph;
+    g.node_ids()
+        .map(|n| {
+            let phase = match d.phase_of.get(&n) {
+                _ if g.node(n).op.is_update() => "update",
+                Some(Phase::Backward | Phase::Gradient) => "backward",
+                _ => "forward",
+            };
+            (n, phase)
+        })
+        .collect()
 }
 
 /// Live device storage, counted once per allocation.
@@ -761,7 +756,7 @@ fn drive<E: Executor>(
     let g = &d.graph;
     let steps = opts.steps.max(1);
     let order = g.topo_order().map_err(|_| err("the graph has a cycle".into()))?;
-    let phase = phases(g, &order);
+    let phase = phases(d);
     let mut port = hub::Port::new(hub, d.device);
     let mut report = DeviceReport { device: d.device, adapter: e.name(), ..Default::default() };
     let start = Instant::now();

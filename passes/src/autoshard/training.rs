@@ -5,7 +5,7 @@
 //! executes the step holds the same forward ops plus the backward, loss and update ops the
 //! autodiff pass wrote. [`derive`] keeps the plan's strategy on every forward op and runs
 //! the rest as the cost model priced the step:
-//! - the backward ops of a forward op (annotated [`crate::autodiff::GRAD_OF`]) on no mesh
+//! - the backward ops of a forward op (annotated [`ir::train::grad_of`]) on no mesh
 //!   axes but those that op splits over — replicated where it is replicated — the way that
 //!   takes the least time, compute and resharding of the forward layouts together (ties: the
 //!   least resharding): the dual of its strategy where that is cheapest (data parallelism's
@@ -212,7 +212,7 @@ fn derive_in(
         chosen: HashMap::new(),
         cands: HashMap::new(),
         held: HashMap::new(),
-        carried: ir::reshard::carried_state(g).into_iter().collect(),
+        carried: ir::train::carried_state(g).into_iter().collect(),
         materialized: HashMap::new(),
         backward: Default::default(),
     };
@@ -240,12 +240,7 @@ fn derive_in(
             None => super::problem::enumerate(cm, n),
         };
         // A backward op runs on the axes its forward op splits over.
-        let owner = node
-            .annotations
-            .iter()
-            .find(|(k, _)| k == crate::autodiff::GRAD_OF)
-            .and_then(|(_, f)| by_key.get(f.as_str()))
-            .and_then(|f| d.chosen.get(f));
+        let owner = ir::train::grad_of(g, n).and_then(|f| by_key.get(f)).and_then(|f| d.chosen.get(f));
         if fixed.is_none()
             && let Some(fs) = owner
         {
@@ -325,7 +320,7 @@ fn derive_in(
 /// The pipeline stage of every op of training graph `g` from the stages of the forward
 /// model's ops (`forward`, by first output name):
 /// - a forward op keeps its stage;
-/// - a backward op (annotated [`crate::autodiff::GRAD_OF`]) runs in its forward op's stage;
+/// - a backward op (annotated [`ir::train::grad_of`]) runs in its forward op's stage;
 /// - another op downstream of a gradient (a sum of gradients, an optimizer update) runs in
 ///   the earliest stage it reads from, where the gradient is headed; any other (the loss)
 ///   in the latest, where its inputs are complete;
@@ -343,7 +338,7 @@ pub fn stages(g: &Graph, forward: &HashMap<String, usize>) -> Result<HashMap<Nod
     let mut backward: HashSet<NodeId> = HashSet::new();
     for &n in &order {
         let node = g.node(n);
-        let grad_of = node.annotations.iter().find(|(k, _)| k == crate::autodiff::GRAD_OF).map(|(_, f)| f.clone());
+        let grad_of = ir::train::grad_of(g, n).map(str::to_string);
         let inputs: Vec<NodeId> = node
             .inputs()
             .iter()

@@ -1546,12 +1546,11 @@ impl<'a> CostModel<'a> {
 
         // Held for the whole step: parameters (trainable initializers), the optimizer's and
         // the normalizations' state, and the graph's inputs.
-        let trainable: FxHashSet<&str> =
-            g.outputs().iter().filter_map(|o| g.value_name(o.value).strip_suffix("__grad")).collect();
+        let trainable: FxHashSet<Value> = ir::train::gradient_outputs(g).into_iter().map(|(_, p)| p).collect();
         let (mut weights, mut state, mut inputs) = (0.0, 0.0, 0.0);
         for v in storage.keys().copied().filter(|&v| fixed(v)) {
             match g.node(v.node).op {
-                Op::Initializer(_) if trainable.contains(g.value_name(v)) => weights += local(v),
+                Op::Initializer(_) if trainable.contains(&v) => weights += local(v),
                 Op::Initializer(_) => state += local(v),
                 _ => inputs += local(v),
             }
@@ -1845,7 +1844,7 @@ impl<'a> CostModel<'a> {
         storage: &BTreeMap<Value, Sharding>,
         zero: &ir::reshard::ZeroLayouts,
     ) -> Vec<(Value, Sharding)> {
-        let carried = ir::reshard::carried_state(self.g);
+        let carried = ir::train::carried_state(self.g);
         let mut done: FxHashSet<Value> = FxHashSet::default();
         let outs = self.g.outputs().iter().map(|o| o.value);
         outs.filter(|&v| done.insert(v) && ir::reshard::held_once(self.g, v))

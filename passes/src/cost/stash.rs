@@ -88,7 +88,7 @@ pub fn saved_values(g: &Graph) -> Option<HashSet<Value>> {
 }
 
 /// In training graph `t` (ops in topological `order`): its backward ops — the gradient ops
-/// the autodiff pass annotates ([`crate::autodiff::GRAD_OF`]) and every op downstream of one
+/// the autodiff pass annotates ([`ir::train::grad_of`]) and every op downstream of one
 /// (sums of gradients, updates) — and the forward values they read (computed ones: no
 /// inputs, initializers or host-side shape values).
 pub fn backward_reads(t: &Graph, order: &[NodeId]) -> (HashSet<NodeId>, HashSet<Value>) {
@@ -96,7 +96,7 @@ pub fn backward_reads(t: &Graph, order: &[NodeId]) -> (HashSet<NodeId>, HashSet<
     let mut read = HashSet::new();
     for &n in order {
         let node = t.node(n);
-        let grad = node.annotations.iter().any(|(k, _)| k == crate::autodiff::GRAD_OF);
+        let grad = ir::train::grad_of(t, n).is_some();
         if !(grad || node.inputs().iter().flatten().any(|v| backward.contains(&v.node))) {
             continue;
         }
