@@ -37,9 +37,9 @@ struct Kernel {
 
 fn kernels() -> Vec<Kernel> {
     let mut v = Vec::new();
-    for n in [256usize, 512, 1024] {
+    for n in [256usize, 512, 1024, 2048] {
         v.push(Kernel {
-            name: "MatMul n×n·n×n",
+            name: ["MatMul 256³", "MatMul 512³", "MatMul 1024³", "MatMul 2048³"][n.trailing_zeros() as usize - 8],
             signature: format!("(float[{n},{n}] a, float[{n},{n}] b) => (y)"),
             body: "y = MatMul (a, b)",
             shapes: vec![vec![n, n], vec![n, n]],
@@ -132,7 +132,10 @@ fn kernels() -> Vec<Kernel> {
 }
 
 fn kernel_rates() {
-    println!("kernel rates (median of 5; wgpu = one simulated device, cpu = the reference kernels)");
+    println!(
+        "kernel rates (median of 5; wgpu = one simulated device, cpu = the CPU executor, ref = the reference \
+         evaluator it is checked against)"
+    );
     let mut gpu = GpuExecutor::new().ok();
     if let Some(g) = &gpu {
         println!("  adapter: {}", g.name());
@@ -144,11 +147,12 @@ fn kernel_rates() {
         let (m, node) = one_op(&k.signature, k.body).expect("kernel model");
         let inputs: Vec<Array> = k.shapes.iter().map(|s| filled(s)).collect();
         let tc = time_node(&mut cpu, &m.graph, node, &inputs, 5).expect("cpu run");
+        let tr = reference_time(&m.graph, node, &inputs);
         let tg = gpu.as_mut().map(|g| time_node(g, &m.graph, node, &inputs, 5).expect("gpu run"));
         let rate = |t: f64| k.work / t / 1e9;
         match tg {
             Some(tg) => println!(
-                "  {:<28} wgpu {:>9.3} ms {:>6.2} {}   cpu {:>9.3} ms {:>6.2} {}   wgpu/cpu {:.2}×",
+                "  {:<28} wgpu {:>9.3} ms {:>6.2} {}   cpu {:>9.3} ms {:>6.2} {}   ref {:>6.2} {}   wgpu/cpu {:.2}×",
                 k.name,
                 tg * 1e3,
                 rate(tg),
@@ -156,11 +160,35 @@ fn kernel_rates() {
                 tc * 1e3,
                 rate(tc),
                 k.unit,
+                rate(tr),
+                k.unit,
                 tc / tg
             ),
-            None => println!("  {:<28} cpu {:>9.3} ms {:>6.2} {}", k.name, tc * 1e3, rate(tc), k.unit),
+            None => println!(
+                "  {:<28} cpu {:>9.3} ms {:>6.2} {}   ref {:>6.2} {}",
+                k.name,
+                tc * 1e3,
+                rate(tc),
+                k.unit,
+                rate(tr),
+                k.unit
+            ),
         }
     }
+}
+
+/// The median of 5 runs of `node` by the reference evaluator (`ir::eval`), seconds.
+fn reference_time(g: &shardc::ir::Graph, node: shardc::ir::NodeId, inputs: &[Array]) -> f64 {
+    let refs: Vec<Option<&Array>> = inputs.iter().map(Some).collect();
+    let mut times: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            std::hint::black_box(shardc::ir::eval::eval_node(g, node, &refs, &[]).expect("reference run"));
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[2]
 }
 
 fn prediction_vs_measurement() {

@@ -36,7 +36,8 @@ pub struct RunArgs {
     #[arg(long, default_value = "auto")]
     pub pipeline: String,
     /// Executor: wgpu (default; falls back to cpu with a warning when no adapter opens) or
-    /// cpu (the reference kernels).
+    /// cpu (vectorised SGEMM for matrix products and convolutions, the reference kernels for
+    /// the rest).
     #[arg(long)]
     pub backend: Option<String>,
     /// Seed for weights whose external data is absent and for random inputs.
