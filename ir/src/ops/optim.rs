@@ -58,6 +58,15 @@ impl OpRules for op::SgdUpdate {
         let (pv, gv, bv) = (p.f32s()?, g.f32s()?, b.f32s()?);
         let (lr, mu, damp, wd) = (self.lr.unwrap_or(0.01), self.momentum(), self.dampening(), self.weight_decay());
         let nesterov = self.nesterov() != 0;
+        if mu == 0.0 {
+            // No momentum: the buffer passes through; one vectorisable pass over the rest.
+            let po: Vec<f32> = if wd == 0.0 {
+                pv.iter().zip(gv.iter()).map(|(&p, &g)| p + -lr * g).collect()
+            } else {
+                pv.iter().zip(gv.iter()).map(|(&p, &g)| p + -lr * (g + wd * p)).collect()
+            };
+            return Ok(vec![like(p, po), like(b, bv.to_vec())]);
+        }
         let mut po = Vec::with_capacity(pv.len());
         let mut bo = Vec::with_capacity(pv.len());
         for i in 0..pv.len() {
