@@ -12,13 +12,13 @@ impl<'a> CostModel<'a> {
 
     /// The fixed cost of one kernel on one device: the device's launch overhead, more on
     /// devices simulated on one host the more of them dispatch at once
-    /// ([`super::cluster::Device::launch_at`]).
+    /// ([`crate::cost::cluster::Device::launch_at`]).
     pub fn launch(&self) -> f64 {
         self.cluster.device.launch_at(self.busy())
     }
 
     /// How much slower a kernel of `parallel` independent invocations runs than one that
-    /// fills the device ([`super::cluster::Device::parallel_width`]; 1 when unknown).
+    /// fills the device ([`crate::cost::cluster::Device::parallel_width`]; 1 when unknown).
     pub fn underfill(&self, parallel: f64) -> f64 {
         let d = &self.cluster.device;
         if d.parallel_width <= 0.0 || parallel <= 0.0 {

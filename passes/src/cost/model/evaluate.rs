@@ -218,7 +218,7 @@ impl<'a> CostModel<'a> {
     }
 
     /// The activation bytes op `n` keeps for the backward pass on one device, with `local`
-    /// the bytes of a value there: the outputs the stash keeps ([`super::stash`]), or, for a
+    /// the bytes of a value there: the outputs the stash keeps ([`crate::cost::stash`]), or, for a
     /// model that cannot be differentiated, every output of an op that computes something.
     /// Raises `workspace` to the largest computed output.
     pub(super) fn kept_by(&self, n: NodeId, local: &dyn Fn(Value) -> f64, workspace: &mut f64) -> f64 {
