@@ -324,15 +324,49 @@ fn loss_grad_eval(cx: &EvalCx<'_>, r: Red<'_>, softmax: bool) -> Arrays {
     samples_fit(cls.len(), n * dd)?;
     let sc = dscale(dl, &wt, r)?;
     let xv = reader(x)?;
-    let lse = if softmax { log_sum_exp(&xv, n, c, dd) } else { Vec::new() };
-    // Element `at` of sample `s = i·dd + j` (class `k`): f · (softmax − one-hot), or −f · one-hot.
+    if softmax {
+        return Ok(vec![softmax_grad(&xv, x, (n, c, dd), &cls, &wt, &sc)]);
+    }
+    // Element `at` of sample `s = i·dd + j` (class `k`): −f · one-hot.
     Ok(vec![float_array(x.dtype, x.shape.clone(), |at| {
         let (i, k, j) = (at / (c * dd), (at / dd) % c, at % dd);
         let s = i * dd + j;
         let f = sc[s] * wt[s];
         let hot = if k == cls[s] && wt[s] != 0.0 { 1.0 } else { 0.0 };
-        if softmax { f * ((xv(at) - lse[s]).exp() - hot) } else { -f * hot }
+        -f * hot
     })])
+}
+
+/// A softmax loss's dScores: per sample `s` (class `k`), `f · (softmax − one-hot)` with
+/// `f = dloss_s · weight_s`; each exponential computed once (`e_k = exp(x_k − max)`, the
+/// softmax `e_k / Σe`).
+fn softmax_grad(
+    xv: &impl Fn(usize) -> f64,
+    x: &Array,
+    (n, c, dd): (usize, usize, usize),
+    cls: &[usize],
+    wt: &[f64],
+    sc: &[f64],
+) -> Array {
+    let mut out = vec![0f64; n * c * dd];
+    for i in 0..n {
+        for j in 0..dd {
+            let (s, at) = (i * dd + j, |k: usize| (i * c + k) * dd + j);
+            let m = (0..c).map(|k| xv(at(k))).fold(f64::NEG_INFINITY, f64::max);
+            let mut sum = 0.0;
+            for k in 0..c {
+                let e = (xv(at(k)) - m).exp();
+                out[at(k)] = e;
+                sum += e;
+            }
+            let f = sc[s] * wt[s];
+            for k in 0..c {
+                let hot = if k == cls[s] && wt[s] != 0.0 { 1.0 } else { 0.0 };
+                out[at(k)] = f * (out[at(k)] / sum - hot);
+            }
+        }
+    }
+    float_array(x.dtype, x.shape.clone(), |k| out[k])
 }
 
 fn loss_grad_infer(cx: &InferCx<'_>) -> Types {
