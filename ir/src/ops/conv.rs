@@ -417,7 +417,7 @@ pub fn window(
 }
 
 /// Expands spatial dims to 3 (leading 1s) so one loop nest serves 1-D, 2-D and 3-D.
-pub(crate) fn to3(v: &[usize], fill: usize) -> [usize; 3] {
+pub fn to3(v: &[usize], fill: usize) -> [usize; 3] {
     let mut o = [fill; 3];
     let off = 3 - v.len().min(3);
     for (i, &x) in v.iter().enumerate().take(3) {
@@ -742,12 +742,18 @@ fn conv_transpose_grad(c: &op::ConvTranspose, cx: &mut GradCx<'_>) -> std::resul
     bias_grad(cx, dy)
 }
 
-/// The geometry a gradient op carries: per spatial dim (kernel, stride, dilation, begin pad).
-struct Geo {
-    k: [usize; 3],
-    s: [usize; 3],
-    d: [usize; 3],
-    p: [usize; 3],
+/// The geometry a gradient op carries: per spatial dim (kernel, stride, dilation, begin pad),
+/// expanded to 3 dims ([`to3`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Geo {
+    /// Kernel sizes.
+    pub k: [usize; 3],
+    /// Strides.
+    pub s: [usize; 3],
+    /// Dilations.
+    pub d: [usize; 3],
+    /// Begin pads.
+    pub p: [usize; 3],
 }
 
 /// A convolution gradient tensor's map onto its iteration dims: its two leading dims (images
@@ -756,7 +762,8 @@ fn channels_first(lead: [Option<usize>; 2], rank: usize) -> Vec<Option<usize>> {
     lead.into_iter().chain(std::iter::repeat_n(None, rank.saturating_sub(2))).collect()
 }
 
-fn geo(
+/// A gradient op's [`Geo`] over `sp` spatial dims, from its attributes.
+pub fn geo(
     kernel: &Option<Vec<i64>>,
     strides: &Option<Vec<i64>>,
     dil: &Option<Vec<i64>>,
@@ -784,7 +791,7 @@ fn geo(
 
 /// Calls `f(out_spatial_index, in_spatial_index, kernel_index)` for every output position
 /// and kernel tap whose input lies inside the tensor.
-fn taps(g: &Geo, inp: [usize; 3], out: [usize; 3], mut f: impl FnMut(usize, usize, usize)) {
+pub fn taps(g: &Geo, inp: [usize; 3], out: [usize; 3], mut f: impl FnMut(usize, usize, usize)) {
     for z in 0..out[0] {
         for y in 0..out[1] {
             for x in 0..out[2] {

@@ -7,6 +7,7 @@
 
 use ir::eval::{Array, Data};
 use ir::op;
+use ir::ops::conv::{self, to3};
 
 use super::gemm::{Mat, mat, sgemm_acc};
 
@@ -16,59 +17,13 @@ struct Geo {
     inp: [usize; 3],
     /// Output spatial sizes.
     out: [usize; 3],
-    kernel: [usize; 3],
-    strides: [usize; 3],
-    dilations: [usize; 3],
-    pads: [usize; 3],
-}
-
-/// `v` (1 to 3 values) expanded to 3 with `fill` in front.
-fn to3(v: &[usize], fill: usize) -> Option<[usize; 3]> {
-    if v.is_empty() || v.len() > 3 {
-        return None;
-    }
-    let mut o = [fill; 3];
-    o[3 - v.len()..].copy_from_slice(v);
-    Some(o)
-}
-
-/// `v`'s first `n` values (`default` each when absent) as sizes; `None` when fewer or
-/// negative.
-fn sizes(v: Option<&[i64]>, n: usize, default: usize) -> Option<Vec<usize>> {
-    match v {
-        None => Some(vec![default; n]),
-        Some(v) if v.len() >= n && v[..n].iter().all(|&x| x >= 0) => Some(v[..n].iter().map(|&x| x as usize).collect()),
-        Some(_) => None,
-    }
+    /// Kernel, strides, dilations and begin pads, as the reference kernels read them.
+    win: conv::Geo,
 }
 
 impl Geo {
-    /// The geometry of a gradient op from its attributes and the spatial sizes of the
-    /// convolution's input and output.
-    fn of(
-        kernel: Option<&[i64]>,
-        strides: Option<&[i64]>,
-        dil: Option<&[i64]>,
-        pads: Option<&[i64]>,
-        inp: &[usize],
-        out: &[usize],
-    ) -> Option<Geo> {
-        let sp = inp.len();
-        if out.len() != sp {
-            return None;
-        }
-        Some(Geo {
-            inp: to3(inp, 1)?,
-            out: to3(out, 1)?,
-            kernel: to3(&sizes(Some(kernel?), sp, 1)?, 1)?,
-            strides: to3(&sizes(strides, sp, 1)?, 1)?,
-            dilations: to3(&sizes(dil, sp, 1)?, 1)?,
-            pads: to3(&sizes(pads, sp, 0)?, 0)?,
-        })
-    }
-
     fn kvol(&self) -> usize {
-        self.kernel.iter().product()
+        self.win.k.iter().product()
     }
 
     fn npos(&self) -> usize {
@@ -80,36 +35,30 @@ impl Geo {
     }
 
     /// Per kernel tap `k` and output position `o`, the input position it reads
-    /// (`u32::MAX` in the padding), at `k · npos + o`.
+    /// (`u32::MAX` in the padding), at `k · npos + o` ([`conv::taps`]).
     fn taps(&self) -> Vec<u32> {
-        let (g, npos) = (self, self.npos());
-        let mut t = vec![u32::MAX; g.kvol() * npos];
-        let [kd, kh, kw] = g.kernel;
-        let at = |o: usize, k: usize, d: usize| (o * g.strides[d] + k * g.dilations[d]) as isize - g.pads[d] as isize;
-        for a in 0..kd {
-            for b in 0..kh {
-                for c in 0..kw {
-                    let k = (a * kh + b) * kw + c;
-                    for z in 0..g.out[0] {
-                        let iz = at(z, a, 0);
-                        for y in 0..g.out[1] {
-                            let iy = at(y, b, 1);
-                            for x in 0..g.out[2] {
-                                let ix = at(x, c, 2);
-                                let inside =
-                                    [(iz, 0), (iy, 1), (ix, 2)].iter().all(|&(i, d)| i >= 0 && (i as usize) < g.inp[d]);
-                                if inside {
-                                    let i = (iz as usize * g.inp[1] + iy as usize) * g.inp[2] + ix as usize;
-                                    t[k * npos + (z * g.out[1] + y) * g.out[2] + x] = i as u32;
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-        }
+        let npos = self.npos();
+        let mut t = vec![u32::MAX; self.kvol() * npos];
+        conv::taps(&self.win, self.inp, self.out, |o, i, k| t[k * npos + o] = i as u32);
         t
     }
+}
+
+/// A gradient op's geometry ([`conv::geo`]) between the convolution's input and output
+/// spatial sizes; `None` where the attributes do not fit.
+fn gradient_geo(
+    kernel: &Option<Vec<i64>>,
+    strides: &Option<Vec<i64>>,
+    dil: &Option<Vec<i64>>,
+    pads: &Option<Vec<i64>>,
+    inp: &[usize],
+    out: &[usize],
+) -> Option<Geo> {
+    if out.len() != inp.len() {
+        return None;
+    }
+    let win = conv::geo(kernel, strides, dil, pads, inp.len()).ok()?;
+    Some(Geo { inp: to3(inp, 1), out: to3(out, 1), win })
 }
 
 /// Column-buffer elements a convolution fills at once: images are batched into one GEMM up to
@@ -228,12 +177,14 @@ fn conv_in(c: &op::Conv, x: &Array, w: &Array, b: Option<&Array>, cap: usize) ->
     )
     .ok()?;
     let geo = Geo {
-        inp: to3(&x.shape[2..], 1)?,
-        out: to3(&win.out, 1)?,
-        kernel: to3(&win.kernel, 1)?,
-        strides: to3(&win.strides, 1)?,
-        dilations: to3(&win.dilations, 1)?,
-        pads: to3(&win.pad_begin, 0)?,
+        inp: to3(&x.shape[2..], 1),
+        out: to3(&win.out, 1),
+        win: conv::Geo {
+            k: to3(&win.kernel, 1),
+            s: to3(&win.strides, 1),
+            d: to3(&win.dilations, 1),
+            p: to3(&win.pad_begin, 0),
+        },
     };
     let (cg, mg, kvol, npos, isz) = (ch / grp, m / grp, geo.kvol(), geo.npos(), geo.isize_());
     if w.shape[2..].iter().product::<usize>() != kvol {
@@ -276,14 +227,7 @@ fn grad_input_in(c: &op::ConvGradInput, dy: &Array, w: &Array, cap: usize) -> Op
     if xs.len() < 3 || xs.len() > 5 || dy.rank() != xs.len() || w.rank() != xs.len() || dy.dtype != w.dtype {
         return None;
     }
-    let geo = Geo::of(
-        c.kernel_shape.as_deref(),
-        c.strides.as_deref(),
-        c.dilations.as_deref(),
-        c.pads.as_deref(),
-        &xs[2..],
-        &dy.shape[2..],
-    )?;
+    let geo = gradient_geo(&c.kernel_shape, &c.strides, &c.dilations, &c.pads, &xs[2..], &dy.shape[2..])?;
     let (n, ch, m, grp) = (xs[0], xs[1], dy.shape[1], c.group().max(1) as usize);
     let (cg, kvol, npos, isz) = (ch / grp, geo.kvol(), geo.npos(), geo.isize_());
     if dy.shape[0] != n
@@ -325,14 +269,7 @@ fn grad_weight_in(c: &op::ConvGradWeight, x: &Array, dy: &Array, cap: usize) -> 
     if x.rank() < 3 || x.rank() > 5 || dy.rank() != x.rank() || x.dtype != dy.dtype || x.shape[0] != dy.shape[0] {
         return None;
     }
-    let geo = Geo::of(
-        c.kernel_shape.as_deref(),
-        c.strides.as_deref(),
-        c.dilations.as_deref(),
-        c.pads.as_deref(),
-        &x.shape[2..],
-        &dy.shape[2..],
-    )?;
+    let geo = gradient_geo(&c.kernel_shape, &c.strides, &c.dilations, &c.pads, &x.shape[2..], &dy.shape[2..])?;
     let (n, ch, m, grp) = (x.shape[0], x.shape[1], dy.shape[1], c.group().max(1) as usize);
     if ch % grp != 0 || m % grp != 0 {
         return None;
@@ -355,7 +292,7 @@ fn grad_weight_in(c: &op::ConvGradWeight, x: &Array, dy: &Array, cap: usize) -> 
         }
     }
     let mut shape = vec![m, cg];
-    shape.extend(geo.kernel[3 - (x.rank() - 2)..].iter());
+    shape.extend(geo.win.k[3 - (x.rank() - 2)..].iter());
     Some(Ok(Array::f32(shape, dw)))
 }
 
