@@ -11,7 +11,106 @@ use std::collections::HashMap;
 
 use crate::{Graph, NodeId, Op};
 
-/// The dotted module path of a node, from its name when the exporter wrote one
+/// The annotation naming the module(s) of the model a node was exported from, when the
+/// exporter said so in the node's metadata (torch's dynamo exporter: `pkg.torch.onnx.
+/// name_scopes` and `pkg.torch.onnx.class_hierarchy`) or a rewrite joined several nodes
+/// (a fused GEMM of `q_proj`, `k_proj` and `v_proj`): `path: class` entries (the class when
+/// known) separated by `, `, e.g. `model.layers.0.mlp.up_proj: torch.nn.modules.linear.Linear`.
+pub const MODULE: &str = "shardc_module";
+
+/// A module of the model as written: its dotted path and, when the exporter said, its class.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModuleRef {
+    /// `model.layers.0.self_attn.q_proj`.
+    pub path: String,
+    /// `torch.nn.modules.linear.Linear`, when known.
+    pub class: Option<String>,
+}
+
+impl ModuleRef {
+    /// The module is a `torch.nn.Linear` (known from its class).
+    pub fn is_torch_linear(&self) -> bool {
+        self.class.as_deref() == Some("torch.nn.modules.linear.Linear")
+    }
+}
+
+/// The [`MODULE`] annotation's value for torch's node metadata: the innermost module of
+/// `name_scopes` (a Python list literal whose last entry is the node's own name, e.g.
+/// `['', 'm', 'm.model', 'm.model.embed_tokens', 'embedding']`) with its class from
+/// `class_hierarchy` (the list of the same length). `None` at the root module.
+pub fn torch_module_annotation(name_scopes: &str, class_hierarchy: Option<&str>) -> Option<String> {
+    let scopes = python_str_list(name_scopes)?;
+    let path = scopes.len().checked_sub(2).map(|i| scopes[i].clone()).filter(|p| !p.is_empty())?;
+    let class =
+        class_hierarchy.and_then(python_str_list).filter(|c| c.len() == scopes.len()).map(|c| c[c.len() - 2].clone());
+    Some(format_modules(&[ModuleRef { path, class }]))
+}
+
+/// `['a', 'b.c']` → `["a", "b.c"]`; `None` when the text is not such a list.
+fn python_str_list(s: &str) -> Option<Vec<String>> {
+    let inner = s.trim().strip_prefix('[')?.strip_suffix(']')?.trim();
+    if inner.is_empty() {
+        return Some(Vec::new());
+    }
+    inner
+        .split(", ")
+        .map(|e| {
+            let e = e.trim();
+            e.strip_prefix('\'')
+                .and_then(|e| e.strip_suffix('\''))
+                .or_else(|| e.strip_prefix('"').and_then(|e| e.strip_suffix('"')))
+                .map(str::to_string)
+        })
+        .collect()
+}
+
+/// The [`MODULE`] annotation's text for `modules`.
+pub fn format_modules(modules: &[ModuleRef]) -> String {
+    let entries: Vec<String> = modules
+        .iter()
+        .map(|m| match &m.class {
+            Some(c) => format!("{}: {c}", m.path),
+            None => m.path.clone(),
+        })
+        .collect();
+    entries.join(", ")
+}
+
+/// The modules the [`MODULE`] annotation of node `n` names (empty without one).
+pub fn modules(g: &Graph, n: NodeId) -> Vec<ModuleRef> {
+    let Some((_, text)) = g.node(n).annotations.iter().find(|(k, _)| k == MODULE) else { return Vec::new() };
+    text.split(", ")
+        .filter(|e| !e.is_empty())
+        .map(|e| match e.split_once(": ") {
+            Some((p, c)) => ModuleRef { path: p.to_string(), class: Some(c.to_string()) },
+            None => ModuleRef { path: e.to_string(), class: None },
+        })
+        .collect()
+}
+
+/// The modules of node `n` as a rewrite that joins it with others should record them: its
+/// [`MODULE`] annotation's, else its own module path ([`own_module_path`]) without a class.
+pub fn modules_or_path(g: &Graph, n: NodeId) -> Vec<ModuleRef> {
+    let m = modules(g, n);
+    if !m.is_empty() {
+        return m;
+    }
+    own_module_path(g, n).map(|path| vec![ModuleRef { path, class: None }]).unwrap_or_default()
+}
+
+/// The longest common dotted prefix of `paths` (`a.b.c`, `a.b.d` → `a.b`).
+fn common_path(paths: &[&str]) -> String {
+    let Some(first) = paths.first() else { return String::new() };
+    let mut common: Vec<&str> = first.split('.').collect();
+    for p in &paths[1..] {
+        let n = common.iter().zip(p.split('.')).take_while(|(a, b)| *a == b).count();
+        common.truncate(n);
+    }
+    common.join(".")
+}
+
+/// The dotted module path of a node: from its [`MODULE`] annotation when it has one (the
+/// modules' common path when a rewrite joined several), else from its name when the exporter wrote one
 /// (`/layer1/layer1.0/conv1/Conv` → `layer1.0.conv1`), else from the first parameter it reads
 /// (`transformer.h.0.attn.c_attn.weight` → `transformer.h.0.attn.c_attn`). `None` when
 /// neither says.
@@ -24,6 +123,14 @@ pub fn own_module_path(g: &Graph, n: NodeId) -> Option<String> {
 /// again).
 fn own_path_among(g: &Graph, n: NodeId, among: &dyn Fn(NodeId) -> bool) -> Option<String> {
     let node = g.node(n);
+    let named = modules(g, n);
+    if !named.is_empty() {
+        let paths: Vec<&str> = named.iter().map(|m| m.path.as_str()).collect();
+        let p = common_path(&paths);
+        if !p.is_empty() {
+            return Some(p);
+        }
+    }
     if let Some(p) = node.label.as_deref().and_then(path_of_scoped_name) {
         return Some(p);
     }
@@ -119,6 +226,13 @@ fn path_of_scoped_name(name: &str) -> Option<String> {
     (!path.is_empty()).then_some(path)
 }
 
+/// The module whose parameter a value name is (`model.norm.weight` → `model.norm`); `None`
+/// for names without a dotted module path (`onnx::MatMul_193`, `val_12`: constants an
+/// exporter folded or named itself).
+pub fn parameter_module(name: &str) -> Option<String> {
+    path_of_parameter(name)
+}
+
 /// `transformer.h.0.attn.c_attn.weight` → `transformer.h.0.attn.c_attn`; a leading `m.` or
 /// `model.` wrapper the exporter added stays (it is what the user's module tree says).
 /// `None` for names without a dotted path (`onnx::Conv_193`, `W1`).
@@ -156,6 +270,21 @@ mod tests {
         assert_eq!(path_of_parameter("fc.bias").as_deref(), Some("fc"));
         assert_eq!(path_of_parameter("onnx::Conv_193"), None);
         assert_eq!(path_of_parameter("W1"), None);
+    }
+
+    #[test]
+    fn torch_metadata_names_the_innermost_module() {
+        let scopes = "['', 'm', 'm.model', 'm.model.layers.0.mlp', 'm.model.layers.0.mlp.up_proj', 'linear_5']";
+        let classes = "['__main__.Logits', 'a.LlamaForCausalLM', 'a.LlamaModel', 'a.LlamaMLP', 'torch.nn.modules.linear.Linear', 'aten.linear.default']";
+        assert_eq!(
+            torch_module_annotation(scopes, Some(classes)).as_deref(),
+            Some("m.model.layers.0.mlp.up_proj: torch.nn.modules.linear.Linear")
+        );
+        assert_eq!(torch_module_annotation(scopes, None).as_deref(), Some("m.model.layers.0.mlp.up_proj"));
+        assert_eq!(torch_module_annotation("['', 'add']", Some("['M', 'aten.add']")), None);
+        assert_eq!(torch_module_annotation("not a list", None), None);
+        assert_eq!(common_path(&["a.b.q", "a.b.k", "a.b.v"]), "a.b");
+        assert_eq!(common_path(&["a.b"]), "a.b");
     }
 
     #[test]

@@ -767,11 +767,9 @@ fn reports_group_ops_by_block_with_totals() {
     assert!((rows - col(lines[at])).abs() < 0.2, "{rows} vs {}", lines[at]);
 }
 
-/// `plan --export`: a data × tensor plan of GPT-2 small4 becomes Megatron-LM arguments, a
-/// DeepSpeed configuration and a torch tensor-parallel plan (the MLP's first GEMM
-/// column-parallel, its second row-parallel, the fused QKV GEMM column-parallel, by the module
-/// paths in the parameter names); a spatial plan of ResNet-18 has no such settings and the
-/// error names its Convs.
+/// `plan --export`: a data × tensor plan of GPT-2 small4 becomes Megatron-LM arguments and a
+/// DeepSpeed configuration, but no torch tensor-parallel plan (its Conv1D modules); a spatial
+/// plan of ResNet-18 has no such settings and the error names its Convs.
 #[test]
 fn plans_export_to_megatron_deepspeed_and_torch_when_they_fit() {
     let m = shared("hf_gpt2_small4.onnxtxt", batch(8));
@@ -795,15 +793,10 @@ fn plans_export_to_megatron_deepspeed_and_torch_when_they_fit() {
     assert_eq!(ds["train_batch_size"], 8);
     assert_eq!(ds["train_micro_batch_size_per_gpu"], 4);
     assert_eq!(ds["shardc"]["tensor_parallel_size"], 4);
-    let tp = autoshard::export::torch_tp_plan(&d).unwrap();
-    for (module, style) in [
-        ("h.0.attn.c_attn", "ColwiseParallel"),
-        ("h.0.mlp.c_fc", "ColwiseParallel"),
-        ("h.3.mlp.c_fc", "ColwiseParallel"),
-        ("h.3.mlp.c_proj", "RowwiseParallel"),
-    ] {
-        assert!(tp.lines().any(|l| l.contains(&format!("{module}\": {style}()"))), "no {module} {style} in {tp}");
-    }
+    // GPT-2's GEMMs are transformers' Conv1D (weights stored [in, out]), which torch's
+    // tensor-parallel styles do not shard: the export says so.
+    let e = autoshard::export::torch_tp_plan(&d).unwrap_err();
+    assert!(e.contains("h.0.mlp.c_fc") && e.contains("Conv1D"), "{e}");
     // Data parallelism alone: degrees, but no tensor plan.
     let r = shardc::exec::named_result(g, &cluster, 8, "data", &opts).unwrap();
     let plan = autoshard::Plan::new(g, &cluster, 8, &opts, Default::default(), &r);
@@ -816,6 +809,48 @@ fn plans_export_to_megatron_deepspeed_and_torch_when_they_fit() {
     let plan = autoshard::Plan::new(&m.graph, &cluster, 4, &opts, Default::default(), &r);
     let e = autoshard::export::degrees(&m.graph, &cluster, &opts, &plan).unwrap_err();
     assert!(e.contains("spatial") && e.contains("(Conv)"), "{e}");
+}
+
+/// The torch tensor-parallel plan of Megatron's layout on a Llama exported by torch's dynamo
+/// exporter: modules named from the nodes' metadata (the linear weights are anonymous folded
+/// transposes), q/k/v and gate/up column-parallel from replicated inputs to head-split
+/// outputs, o_proj and down_proj row-parallel back to replicated, the embedding by rows; with
+/// sequence parallelism the norms are `SequenceParallel` and the GEMMs' boundaries are split
+/// along the sequence. (scripts/torch-tp-launch.py runs these in torch: tests/launch.rs.)
+#[test]
+fn megatron_layouts_export_to_torch_with_their_boundaries() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/dynamo/llama_tiny.onnx");
+    let m = prepare(load_model(&path), Default::default());
+    let g = &m.graph;
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let plan_of = |strategy: &str, opts: &Options| {
+        let r = shardc::exec::named_result(g, &cluster, 2, strategy, opts).unwrap();
+        let plan = autoshard::Plan::new(g, &cluster, 2, opts, Default::default(), &r);
+        let d = autoshard::export::degrees(g, &cluster, opts, &plan).unwrap();
+        autoshard::export::torch_tp_plan(&d).unwrap_or_else(|e| panic!("{strategy}: {e}"))
+    };
+    let tp = plan_of("megatron", &Options::default());
+    for (module, style) in [
+        ("m.model.embed_tokens", "RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())"),
+        ("m.model.layers.0.self_attn.q_proj", "ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))"),
+        ("m.model.layers.1.self_attn.v_proj", "ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))"),
+        ("m.model.layers.0.self_attn.o_proj", "RowwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())"),
+        ("m.model.layers.1.mlp.up_proj", "ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))"),
+        ("m.model.layers.1.mlp.down_proj", "RowwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())"),
+    ] {
+        assert!(tp.contains(&format!("\"{module}\": {style},")), "no {module}: {style} in\n{tp}");
+    }
+    assert!(!tp.contains("SequenceParallel("), "{tp}");
+    let sp = Options { sequence_parallel: true, ..Options::default() };
+    let tp = plan_of("megatron", &sp);
+    for (module, style) in [
+        ("m.model.layers.0.input_layernorm", "SequenceParallel(sequence_dim=1)"),
+        ("m.model.norm", "SequenceParallel(sequence_dim=1)"),
+        ("m.model.layers.0.self_attn.q_proj", "ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1))"),
+        ("m.model.layers.0.mlp.down_proj", "RowwiseParallel(input_layouts=Shard(-1), output_layouts=Shard(1))"),
+    ] {
+        assert!(tp.contains(&format!("\"{module}\": {style},")), "no {module}: {style} in\n{tp}");
+    }
 }
 
 /// A plan that parallelises regions of the model differently is summarised region by region:

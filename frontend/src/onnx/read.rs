@@ -446,12 +446,15 @@ impl Reader {
         };
         let outputs = names(self, &n.output, "output");
         let inputs = names(self, &n.input, "input");
-        let attrs = n
+        let mut attrs: Vec<ast::Attr> = n
             .attribute
             .iter()
             .enumerate()
             .filter_map(|(i, a)| self.attr(a, &format!("{what}.attribute[{i}]")))
             .collect();
+        if let Some(module) = self.module_of(n, &what) {
+            attrs.push(module);
+        }
         let domain = n.domain.clone().unwrap_or_default();
         let op_span = self.loc(format!("{what}.op_type"));
         ast::Node {
@@ -464,6 +467,33 @@ impl Reader {
             inputs,
             span,
         }
+    }
+
+    /// The module the exporter says node `n` came from (torch's dynamo exporter writes it in
+    /// the node's metadata), as the annotation attribute the text syntax writes for it.
+    fn module_of(&mut self, n: &proto::NodeProto, what: &str) -> Option<ast::Attr> {
+        let prop = |key: &str| {
+            n.metadata_props.iter().find(|p| p.key.as_deref() == Some(key)).and_then(|p| p.value.as_deref())
+        };
+        if n.attribute.iter().any(|a| a.name.as_deref() == Some(ir::scope::MODULE)) {
+            return None;
+        }
+        let text = match prop(ir::scope::MODULE) {
+            Some(t) => t.to_string(),
+            None => ir::scope::torch_module_annotation(
+                prop("pkg.torch.onnx.name_scopes")?,
+                prop("pkg.torch.onnx.class_hierarchy"),
+            )?,
+        };
+        let path = format!("{what}.metadata_props");
+        let span = self.loc(path.clone());
+        let value = ast::AttrValue::Single(Single::Literal(self.lit(LiteralKind::Str(text), &path)));
+        Some(ast::Attr {
+            name: spanned(ir::scope::MODULE.to_string(), span),
+            kind: Some(spanned(AttrKind::String.name().to_string(), span)),
+            value,
+            span,
+        })
     }
 
     fn attr(&mut self, a: &proto::AttributeProto, path: &str) -> Option<ast::Attr> {

@@ -211,7 +211,15 @@ fn node(g: &Graph, n: ir::NodeId) -> proto::NodeProto {
         op_type: Some(node.op.op_type().to_string()),
         domain: (!domain.is_empty()).then(|| domain.to_string()),
         overload,
-        attribute: node_attributes(g, n).iter().map(attribute).collect(),
+        attribute: node_attributes(g, n).iter().filter(|a| a.name != ir::scope::MODULE).map(attribute).collect(),
+        // The module a node came from is metadata, as the exporters write it (an attribute
+        // the op does not define would fail other readers' checks).
+        metadata_props: node
+            .annotations
+            .iter()
+            .filter(|(k, _)| k == ir::scope::MODULE)
+            .map(|(k, v)| proto::StringStringEntryProto { key: Some(k.clone()), value: Some(v.clone()) })
+            .collect(),
         ..Default::default()
     }
 }

@@ -239,7 +239,13 @@ fn fuse_group(g: &mut Graph, parts: &[Sharer], weight_axis: usize) -> Result<(),
         inputs.push(bf);
     }
     let yname = g.fresh_name(&format!("{}_fused", out_names[0]));
+    let modules: Vec<Vec<ir::scope::ModuleRef>> = parts.iter().map(|p| ir::scope::modules_or_path(g, p.gemm)).collect();
     let fused = g.add_labeled_node(Some(label.clone()), first.op.clone(), inputs, vec![Output::named(yname)]);
+    // The fused GEMM computes what the parts' modules did: it names them all (an export
+    // speaks of the model's modules, a report of their common parent).
+    if modules.iter().all(|m| !m.is_empty()) {
+        g.set_annotation(fused, ir::scope::MODULE, ir::scope::format_modules(&modules.concat()));
+    }
     let mut y = Value::new(fused, 0);
     if let (Some(a), Some(bf)) = (parts[0].add, bf) {
         let name = g.fresh_name(&format!("{}_biased", out_names[0]));

@@ -8,10 +8,12 @@
 //! spatial dims, mixes kinds on one mesh axis, or splits ops no module names, has no such
 //! settings; the error says which ops keep it from the template.
 
+mod torch_tp;
+
 use std::collections::BTreeMap;
 
-use ir::shard::DimRole;
-use ir::{Graph, Op};
+use ir::Graph;
+pub use torch_tp::{Entry, Placement, Style, TorchTp, torch_tp};
 
 use super::Plan;
 use super::plan::role_kind;
@@ -42,21 +44,11 @@ pub struct Degrees {
     pub global_batch: Option<i64>,
     /// Per-device micro-batch size.
     pub micro_batch_size: Option<i64>,
-    /// Module path → `ColwiseParallel`, `RowwiseParallel` or `SequenceParallel`, for the ops
-    /// split on the tensor axes, in model order (empty without tensor parallelism).
-    pub tensor_plan: Vec<(String, &'static str)>,
-    /// Tensor-split ops whose module the export does not name.
-    pub unnamed: Vec<String>,
+    /// The torch tensor-parallel plan of the tensor axis, or why there is none.
+    pub torch: TorchTp,
     /// The model's attention runs fused (`Attention` ops: `fuse-attention`, or the model's
     /// own): the framework's fused attention kernel.
     pub flash_attention: bool,
-}
-
-fn is_norm(op: &Op) -> bool {
-    matches!(
-        op.op_type(),
-        "LayerNormalization" | "RMSNormalization" | "SimplifiedLayerNormalization" | "SkipLayerNormalization"
-    )
 }
 
 /// The plan's degrees, or why it has none: the axes whose ops split what the template cannot
@@ -118,39 +110,8 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
             blockers.join("\n  ")
         ));
     }
-    // The tensor plan: each op split on a tensor axis, by its module.
-    let paths = ir::scope::module_paths(g, cm.order());
-    let mut tensor_plan: Vec<(String, &'static str)> = Vec::new();
-    let mut unnamed = Vec::new();
-    let mut sequence_parallel = false;
-    for &n in cm.order() {
-        let Some(s) = asg.strategies.get(&n) else { continue };
-        let node = g.node(n);
-        for &a in &tensor_axes {
-            let Some(Some(i)) = s.get(a) else { continue };
-            let Some(d) = cm.space(n).dims.get(*i) else { continue };
-            let reads_param = node.inputs().iter().flatten().any(|v| ir::cost::is_param(g, *v));
-            let style = match (&d.role, node.op.op_type()) {
-                (DimRole::Vocab, "Gather") => Some("RowwiseParallel"),
-                (DimRole::OutFeature | DimRole::Vocab, _) if reads_param => Some("ColwiseParallel"),
-                (DimRole::InFeature, _) if reads_param => Some("RowwiseParallel"),
-                (DimRole::Other | DimRole::Batch, _) if is_norm(&node.op) => {
-                    sequence_parallel = true;
-                    Some("SequenceParallel")
-                }
-                _ => None,
-            };
-            let Some(style) = style else { continue };
-            match ir::scope::own_module_path(g, n).or_else(|| paths.get(&n).filter(|p| !p.is_empty()).cloned()) {
-                Some(p) => {
-                    if !tensor_plan.iter().any(|(q, _)| *q == p) {
-                        tensor_plan.push((p, style));
-                    }
-                }
-                None => unnamed.push(format!("{} ({})", g.op_name(n), node.op.op_type())),
-            }
-        }
-    }
+    let torch = torch_tp(g, &cm, &asg, &tensor_axes);
+    let sequence_parallel = torch.entries.iter().any(|e| e.style == Style::Sequence);
     let pipeline = plan.stages.len().max(1);
     let micro_batches = plan.micro_batches.max(1);
     let global_batch = plan.model.batch.or_else(|| crate::cost::pipeline::graph_batch(g));
@@ -168,8 +129,7 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
         micro_batch_size: global_batch
             .filter(|b| *b % (data * micro_batches) as i64 == 0)
             .map(|b| b / (data * micro_batches) as i64),
-        tensor_plan,
-        unnamed,
+        torch,
         flash_attention: cm.order().iter().any(|&n| matches!(g.node(n).op, ir::Op::Attention(_))),
     })
 }
@@ -273,18 +233,20 @@ fn zero_note(stage: u8) -> &'static str {
     }
 }
 
-/// A PyTorch tensor-parallel plan (`parallelize_module(model, tp_mesh, plan)`), module paths
-/// as the export named them.
+/// A PyTorch tensor-parallel plan (`parallelize_module(model, tp_mesh, plan)`) with the
+/// layouts at each module's boundary, module paths as the export named them, and the lines
+/// that apply it; or why torch cannot run the plan's layouts.
 pub fn torch_tp_plan(d: &Degrees) -> Result<String, String> {
     if d.tensor <= 1 {
         return Err("the plan has no tensor parallelism: nothing for torch.distributed.tensor.parallel to do (data parallelism is DDP/FSDP)".into());
     }
-    if !d.unnamed.is_empty() {
-        let shown: Vec<&str> = d.unnamed.iter().take(6).map(|s| s.as_str()).collect();
+    if !d.torch.blockers.is_empty() {
+        let shown: Vec<&str> = d.torch.blockers.iter().take(6).map(|s| s.as_str()).collect();
         return Err(format!(
-            "{} tensor-split ops have no module path in the export's names (node or parameter names), e.g. {}",
-            d.unnamed.len(),
-            shown.join(", ")
+            "torch.distributed.tensor.parallel cannot run this plan's layouts ({} reasons):\n  {}{}",
+            d.torch.blockers.len(),
+            shown.join("\n  "),
+            if d.torch.blockers.len() > shown.len() { "\n  …" } else { "" }
         ));
     }
     let mut t = String::from("# shardc plan as a torch.distributed.tensor.parallel plan\n");
@@ -292,11 +254,28 @@ pub fn torch_tp_plan(d: &Degrees) -> Result<String, String> {
         "# tensor {} (tp_mesh), data {}, pipeline {}; module paths as the export named them\n",
         d.tensor, d.data, d.pipeline
     ));
+    t.push_str("from torch.distributed.tensor import Replicate, Shard\n");
     t.push_str("from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module\n\n");
     t.push_str("plan = {\n");
-    for (path, style) in &d.tensor_plan {
-        t.push_str(&format!("    \"{path}\": {style}(),\n"));
+    for e in &d.torch.entries {
+        t.push_str(&format!("    \"{}\": {},\n", e.path, e.python()));
     }
-    t.push_str("}\n# parallelize_module(model, tp_mesh, plan)\n");
+    t.push_str("}\n\n");
+    t.push_str(&format!(
+        "# Apply to the module that was exported, on each of the {} ranks of its tensor-parallel group:\n",
+        d.tensor
+    ));
+    t.push_str("#   from torch.distributed.device_mesh import init_device_mesh\n");
+    t.push_str(&format!("#   tp_mesh = init_device_mesh(\"cuda\", ({},))\n", d.tensor));
+    t.push_str("#   parallelize_module(model, tp_mesh, plan)\n");
+    if d.torch.entries.iter().any(|e| e.style == Style::Sequence) {
+        t.push_str(
+            "# Sequence parallelism: the layers between the modules see their local part of the sequence, so the\n",
+        );
+        t.push_str("# model must take positions (rotary tables, masks) for the whole sequence from outside them, as\n");
+        t.push_str(
+            "# torchtitan's Llama does; transformers' models derive them from the local hidden state and fail.\n",
+        );
+    }
     Ok(t)
 }
