@@ -853,6 +853,74 @@ fn megatron_layouts_export_to_torch_with_their_boundaries() {
     }
 }
 
+/// `--export megatron` launches: the model's shape in Megatron-LM's own flags, read from the
+/// graph (a dynamo-exported Llama with grouped-query attention, a TorchScript-era GPT-2 with
+/// learned positions), every flag among the options Megatron-LM defines (a pinned list, with
+/// its source); DeepSpeed gets the tensor degree in `tensor_parallel.autotp_size`.
+#[test]
+fn megatron_exports_the_model_shape_in_its_own_flags() {
+    let pinned =
+        std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/megatron-options.txt"))
+            .unwrap();
+    let known: std::collections::HashSet<&str> = pinned.lines().filter(|l| l.starts_with("--")).collect();
+    let cluster = Cluster::preset("dgx-a100").unwrap();
+    let export = |m: &ir::Model, strategy: &str, devices: usize, opts: &Options| {
+        let r = shardc::exec::named_result(&m.graph, &cluster, devices, strategy, opts).unwrap();
+        let plan = autoshard::Plan::new(&m.graph, &cluster, devices, opts, Default::default(), &r);
+        autoshard::export::degrees(&m.graph, &cluster, opts, &plan).unwrap()
+    };
+    let half = Options { precision: passes::cost::Precision::Fp16, ..Options::default() };
+    let llama = prepare(
+        load_model(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/dynamo/llama_tiny.onnx")),
+        Default::default(),
+    );
+    let d = export(&llama, "megatron", 2, &half);
+    let args = autoshard::export::megatron_args(&d, 2);
+    for want in [
+        "--num-layers 2",
+        "--hidden-size 64",
+        "--num-attention-heads 4",
+        "--group-query-attention --num-query-groups 2",
+        "--ffn-hidden-size 128",
+        "--seq-length 16",
+        "--vocab-size 128",
+        "--normalization RMSNorm",
+        "--swiglu",
+        "--position-embedding-type rope",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--bf16",
+        "--tensor-model-parallel-size 2",
+    ] {
+        assert!(args.contains(want), "no `{want}` in {args}");
+    }
+    assert!(!args.contains("not read from the graph"), "{args}");
+    let ds: serde_json::Value = serde_json::from_str(&autoshard::export::deepspeed_config(&d, 2)).unwrap();
+    assert_eq!(ds["tensor_parallel"]["autotp_size"], 2, "{ds}");
+    assert_eq!(ds["bf16"]["enabled"], true, "{ds}");
+    let gpt2 = shared("hf_gpt2_small4.onnxtxt", batch(8));
+    let d = export(&gpt2, "hybrid:dp:2,tp:4", 8, &Options::default());
+    let gargs = autoshard::export::megatron_args(&d, 8);
+    for want in [
+        "--num-layers 4",
+        "--hidden-size 256",
+        "--ffn-hidden-size 1024",
+        "--max-position-embeddings 1024",
+        "--normalization LayerNorm",
+        "--position-embedding-type learned_absolute",
+    ] {
+        assert!(gargs.contains(want), "no `{want}` in {gargs}");
+    }
+    assert!(!gargs.contains("--swiglu") && !gargs.contains("--untie"), "{gargs}");
+    for text in [&args, &gargs] {
+        // The argument lines (the comments name torchrun's own flags).
+        let lines = text.lines().filter(|l| l.starts_with("  "));
+        for flag in lines.flat_map(str::split_whitespace).filter(|w| w.starts_with("--")) {
+            assert!(known.contains(flag), "{flag} is not a Megatron-LM option (tests/data/megatron-options.txt)");
+        }
+    }
+}
+
 /// A plan that parallelises regions of the model differently is summarised region by region:
 /// ResNet-18 data-parallel except layer4's convolutions split by filters reads
 /// `mixed: data 4 in conv1 … layer3.1; … tensor 4 in layer4.0 …`.

@@ -8,11 +8,13 @@
 //! spatial dims, mixes kinds on one mesh axis, or splits ops no module names, has no such
 //! settings; the error says which ops keep it from the template.
 
+mod shape;
 mod torch_tp;
 
 use std::collections::BTreeMap;
 
 use ir::Graph;
+pub use shape::{ModelShape, model_shape};
 pub use torch_tp::{Entry, Placement, Style, TorchTp, torch_tp};
 
 use super::Plan;
@@ -49,12 +51,20 @@ pub struct Degrees {
     /// The model's attention runs fused (`Attention` ops: `fuse-attention`, or the model's
     /// own): the framework's fused attention kernel.
     pub flash_attention: bool,
+    /// The model's shape as Megatron-LM names it.
+    pub shape: ModelShape,
+    /// Half-precision training (bf16/fp16 with fp32 master weights).
+    pub half: bool,
+    /// Layers (attention blocks) per pipeline stage, in stage order.
+    pub stage_layers: Vec<usize>,
+    /// Layers a pipeline cut falls inside of (their ops on two stages).
+    pub cut_layers: Vec<String>,
 }
 
 /// The plan's degrees, or why it has none: the axes whose ops split what the template cannot
 /// (spatial dims, other dims, kinds mixed on one axis), each with the ops that do it.
 pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Result<Degrees, String> {
-    let (asg, _) = plan.stage_assignment(g)?;
+    let (asg, stage_of) = plan.stage_assignment(g)?;
     let meshes = plan.stage_meshes()?;
     let mesh = meshes.first().ok_or("the plan has no mesh")?;
     let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
@@ -131,7 +141,85 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
             .map(|b| b / (data * micro_batches) as i64),
         torch,
         flash_attention: cm.order().iter().any(|&n| matches!(g.node(n).op, ir::Op::Attention(_))),
+        shape: model_shape(g),
+        half: opts.precision == crate::cost::Precision::Fp16,
+        stage_layers: stage_layers(g, cm.order(), &stage_of, pipeline),
+        cut_layers: cut_layers(g, cm.order(), &stage_of),
     })
+}
+
+/// Attention blocks per stage (`stages` entries).
+fn stage_layers(
+    g: &Graph,
+    order: &[ir::NodeId],
+    stage_of: &std::collections::HashMap<ir::NodeId, usize>,
+    stages: usize,
+) -> Vec<usize> {
+    let mut per = vec![0; stages];
+    for &n in order {
+        if matches!(g.node(n).op, ir::Op::Softmax(_) | ir::Op::Attention(_)) {
+            let s = stage_of.get(&n).copied().unwrap_or(0).min(stages - 1);
+            per[s] += 1;
+        }
+    }
+    per
+}
+
+/// The repeated blocks (`model.layers.7`) whose ops lie on more than one stage.
+fn cut_layers(g: &Graph, order: &[ir::NodeId], stage_of: &std::collections::HashMap<ir::NodeId, usize>) -> Vec<String> {
+    let paths = ir::scope::module_paths(g, order);
+    let mut stages: BTreeMap<String, std::collections::BTreeSet<usize>> = BTreeMap::new();
+    for &n in order {
+        let (Some(p), Some(&s)) = (paths.get(&n), stage_of.get(&n)) else { continue };
+        let b = ir::scope::block_of(p);
+        if b.split('.').any(|c| !c.is_empty() && c.bytes().all(|b| b.is_ascii_digit())) {
+            stages.entry(b).or_default().insert(s);
+        }
+    }
+    stages.into_iter().filter(|(_, s)| s.len() > 1).map(|(b, _)| b).collect()
+}
+
+/// Megatron-LM's model arguments for shape `s`, and the ones it could not read.
+fn megatron_model_args(s: &ModelShape, half: bool) -> (Vec<String>, Vec<&'static str>) {
+    let mut args = Vec::new();
+    let mut missing = Vec::new();
+    let mut num = |flag: &'static str, v: Option<String>| match v {
+        Some(v) => args.push(format!("{flag} {v}")),
+        None => missing.push(flag),
+    };
+    num("--num-layers", s.layers.map(|v| v.to_string()));
+    num("--hidden-size", s.hidden.map(|v| v.to_string()));
+    num("--num-attention-heads", s.heads.map(|v| v.to_string()));
+    num("--ffn-hidden-size", s.ffn.map(|v| v.to_string()));
+    num("--seq-length", s.seq.map(|v| v.to_string()));
+    num("--max-position-embeddings", s.learned_positions.or(s.seq).map(|v| v.to_string()));
+    num("--vocab-size", s.vocab.map(|v| v.to_string()));
+    num("--normalization", s.norm.map(str::to_string));
+    if let Some(kv) = s.kv_heads {
+        args.push(format!("--group-query-attention --num-query-groups {kv}"));
+    }
+    if s.swiglu {
+        args.push("--swiglu".into());
+    }
+    if s.rope {
+        args.push("--position-embedding-type rope".into());
+    } else if s.learned_positions.is_some() {
+        args.push("--position-embedding-type learned_absolute".into());
+    } else {
+        args.push("--position-embedding-type none".into());
+    }
+    if !s.linear_bias {
+        args.push("--disable-bias-linear".into());
+    } else if s.qkv_bias_only {
+        args.push("--disable-bias-linear --add-qkv-bias".into());
+    }
+    if !s.tied {
+        args.push("--untie-embeddings-and-output-weights".into());
+    }
+    if half {
+        args.push("--bf16".into());
+    }
+    (args, missing)
 }
 
 /// Megatron-LM's arguments for the plan (`torchrun … pretrain_gpt.py <these>`).
@@ -141,10 +229,32 @@ pub fn megatron_args(d: &Degrees, devices: usize) -> String {
         d.data, d.tensor, d.pipeline
     );
     t.push_str("# launch: torchrun --nproc_per_node <devices per node> --nnodes <nodes> pretrain_gpt.py \\\n");
-    let mut args = vec![
-        format!("--tensor-model-parallel-size {}", d.tensor),
-        format!("--pipeline-model-parallel-size {}", d.pipeline),
-    ];
+    let (mut args, missing) = megatron_model_args(&d.shape, d.half);
+    args.push(format!("--tensor-model-parallel-size {}", d.tensor));
+    args.push(format!("--pipeline-model-parallel-size {}", d.pipeline));
+    let mut notes = Vec::new();
+    if let [first, middle @ .., last] = &d.stage_layers[..]
+        && d.pipeline > 1
+        && !(first == last && middle.iter().all(|m| m == first))
+    {
+        if middle.windows(2).all(|w| w[0] == w[1]) {
+            args.push(format!("--decoder-first-pipeline-num-layers {first} --decoder-last-pipeline-num-layers {last}"));
+        } else {
+            notes.push(format!(
+                "# note: the plan's stages hold {:?} layers; Megatron-LM takes an even split with an uneven first and last stage only: the launched split is not the priced one",
+                d.stage_layers
+            ));
+        }
+    }
+    if !d.cut_layers.is_empty() {
+        notes.push(format!(
+            "# note: the plan cuts inside {} (ops of one layer on two stages); Megatron-LM cuts between layers: the launched run is not the priced one",
+            d.cut_layers.join(", ")
+        ));
+    }
+    if !missing.is_empty() {
+        notes.push(format!("# note: not read from the graph, add them: {}", missing.join(", ")));
+    }
     if let Some(m) = d.micro_batch_size {
         args.push(format!("--micro-batch-size {m}"));
     }
@@ -170,6 +280,13 @@ pub fn megatron_args(d: &Degrees, devices: usize) -> String {
     }
     t.push_str(&args.iter().map(|a| format!("  {a}")).collect::<Vec<_>>().join(" \\\n"));
     t.push('\n');
+    for n in notes {
+        t.push_str(&n);
+        t.push('\n');
+    }
+    if d.half {
+        t.push_str("# note: the plan was priced in half precision; --bf16 (or --fp16 with loss scaling)\n");
+    }
     if d.schedule.as_deref() == Some("gpipe") {
         t.push_str(
             "# note: the plan was priced with GPipe; Megatron-LM runs 1F1B (at most the same bubble, less memory)\n",
@@ -204,13 +321,19 @@ pub fn deepspeed_config(d: &Degrees, devices: usize) -> String {
             "pipeline_parallel_size": d.pipeline,
             "notes": [
                 zero_note(d.zero),
-                "tensor parallelism comes from Megatron-DeepSpeed (--tensor-model-parallel-size) or the torch-tp export",
+                "the tensor-parallel degree is tensor_parallel.autotp_size (DeepSpeed's automatic tensor parallelism, deepspeed.tp_model_init)",
                 "pipeline stages: deepspeed.pipe.PipelineModule(num_stages = pipeline_parallel_size)"
             ]
         }
     });
     if let Some(b) = d.global_batch {
         cfg["train_batch_size"] = serde_json::json!(b);
+    }
+    if d.tensor > 1 {
+        cfg["tensor_parallel"] = serde_json::json!({ "autotp_size": d.tensor });
+    }
+    if d.half {
+        cfg["bf16"] = serde_json::json!({ "enabled": true });
     }
     if d.schedule.as_deref().is_some_and(|s| s.starts_with("interleaved")) {
         cfg["shardc"]["notes"].as_array_mut().expect("notes").push(serde_json::json!(
