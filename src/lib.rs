@@ -26,6 +26,7 @@ pub use passes;
 pub mod calibrate;
 pub mod exec;
 pub mod footprint;
+pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod report;

@@ -25,8 +25,9 @@ fn torch_python() -> Option<String> {
 }
 
 /// Every printed torch plan runs; none computes other logits or gradients than the model
-/// (a wrong answer is worse than a refusal). Megatron's layout runs and matches on Llama and
-/// Qwen2 from both exporters; GPT-2's Conv1D modules are refused with that reason.
+/// (a wrong answer is worse than a refusal). Megatron's layout and `shardc plan`'s export run
+/// and match on Llama and Qwen2 from both exporters; GPT-2's Conv1D modules are refused with
+/// that reason.
 #[test]
 fn torch_tp_exports_run_in_torch_and_match_one_process() {
     let Some(python) = torch_python() else { return };
@@ -53,10 +54,13 @@ fn torch_tp_exports_run_in_torch_and_match_one_process() {
         assert_ne!(r["status"], "differs", "a printed plan computes something else: {r}");
         assert_ne!(r["status"], "export failed", "{r}");
     }
+    // `plan --export torch-tp`: the searched plan when torch can run it, else Megatron's layout.
     for model in ["llama", "qwen2"] {
         for exporter in ["dynamo", "torchscript"] {
-            let r = row(model, exporter, "megatron");
-            assert_eq!(r["status"], "equal", "{r}");
+            for command in ["megatron", "plan"] {
+                let r = row(model, exporter, command);
+                assert_eq!(r["status"], "equal", "{r}");
+            }
         }
     }
     for exporter in ["dynamo", "torchscript"] {
@@ -64,4 +68,51 @@ fn torch_tp_exports_run_in_torch_and_match_one_process() {
         assert!(r["status"] == "refused" && r["detail"].as_str().unwrap().contains("Conv1D"), "{r}");
     }
     let _ = std::fs::remove_dir_all(&work);
+}
+
+/// `--export deepspeed` is a configuration DeepSpeed's own `DeepSpeedConfig` accepts, with the
+/// plan's batch, accumulation, ZeRO stage, tensor degree (`autotp_size`) and bf16 read back.
+/// Needs deepspeed beside torch in `SHARDC_TORCH_PYTHON` (skipped with a note without it).
+#[test]
+fn deepspeed_exports_are_accepted_by_deepspeed() {
+    let Some(python) = torch_python() else { return };
+    if !Command::new(&python).args(["-c", "import deepspeed"]).output().is_ok_and(|o| o.status.success()) {
+        eprintln!("note: skipped: no deepspeed in SHARDC_TORCH_PYTHON (pip install deepspeed)");
+        return;
+    }
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/dynamo/qwen2_tiny.onnx");
+    let o = Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args(["cost", model, "--cluster", "dgx-a100", "--devices", "4", "--precision", "bf16"])
+        .args(["--strategy", "tp=2,dp=2,zero=1", "--export", "deepspeed"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let check = r#"
+import json, sys
+import deepspeed.comm
+from deepspeed.runtime.config import DeepSpeedConfig
+deepspeed.comm.get_rank = lambda *a, **k: 0  # rank 0 of the launch, without starting its communicator
+cfg = json.loads(sys.stdin.read())
+class Mpu:  # the launcher's data-parallel group, as the plan sizes it
+    def get_data_parallel_world_size(self):
+        return cfg["shardc"]["data_parallel_size"]
+c = DeepSpeedConfig(cfg, mpu=Mpu())
+print(json.dumps([c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps,
+                  c.zero_optimization_stage, c.tensor_parallel_config.autotp_size, c.bfloat16_config.enabled]))
+"#;
+    let mut child = Command::new(&python)
+        .args(["-c", check])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(&o.stdout).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let got: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or("")).unwrap();
+    // Batch 2 over data 2: micro-batch 1, no accumulation; ZeRO-1, tensor 2, bf16.
+    assert_eq!(got, serde_json::json!([2, 1, 1, 1, 2, true]), "{}", String::from_utf8_lossy(&o.stdout));
 }

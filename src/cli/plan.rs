@@ -229,11 +229,17 @@ pub fn run(args: &PlanArgs) -> CliResult {
         return write_output(&json, None, &args.model);
     }
     if let Some(kind) = args.export {
-        let d = autoshard::export::degrees(g, &cluster, &opts, &plan).map_err(CliError::msg)?;
+        let degrees = || autoshard::export::degrees(g, &cluster, &opts, &plan).map_err(CliError::msg);
         let text = match kind {
-            ExportKind::Megatron => autoshard::export::megatron_args(&d, devices),
-            ExportKind::Deepspeed => autoshard::export::deepspeed_config(&d, devices),
-            ExportKind::TorchTp => autoshard::export::torch_tp_plan(&d).map_err(CliError::msg)?,
+            ExportKind::Megatron => autoshard::export::megatron_args(&degrees()?, devices),
+            ExportKind::Deepspeed => autoshard::export::deepspeed_config(&degrees()?, devices),
+            ExportKind::TorchTp => {
+                // The model as written, for torch's fallback layout (no rewrites applied).
+                let mut plain = super::common::load_canonical(&args.model, &args.shapes)?;
+                args.model_args.freeze(&mut plain.model.graph)?;
+                shardc::launch::torch_tp(g, &plain.model.graph, &cluster, devices, &opts, &plan, &r)
+                    .map_err(CliError::msg)?
+            }
         };
         return write_output(&text, None, &args.model);
     }

@@ -401,6 +401,12 @@ fn not_torch_module(g: &Graph, n: NodeId, modules: &[ir::scope::ModuleRef], is_g
         return None;
     }
     let node = g.node(n);
+    if !matches!(node.op, Op::MatMul(_) | Op::Gemm(_)) {
+        return Some(format!(
+            "a {} op: torch's ColwiseParallel and RowwiseParallel shard nn.Linear and nn.Embedding only",
+            node.op.op_type()
+        ));
+    }
     let w = node.input(1)?;
     let untransposed = match &node.op {
         Op::MatMul(_) => true,
