@@ -229,18 +229,7 @@ pub fn run(args: &PlanArgs) -> CliResult {
         return write_output(&json, None, &args.model);
     }
     if let Some(kind) = args.export {
-        let degrees = || autoshard::export::degrees(g, &cluster, &opts, &plan).map_err(CliError::msg);
-        let text = match kind {
-            ExportKind::Megatron => autoshard::export::megatron_args(&degrees()?, devices),
-            ExportKind::Deepspeed => autoshard::export::deepspeed_config(&degrees()?, devices),
-            ExportKind::TorchTp => {
-                // The model as written, for torch's fallback layout (no rewrites applied).
-                let mut plain = super::common::load_canonical(&args.model, &args.shapes)?;
-                args.model_args.freeze(&mut plain.model.graph)?;
-                shardc::launch::torch_tp(g, &plain.model.graph, &cluster, devices, &opts, &plan, &r)
-                    .map_err(CliError::msg)?
-            }
-        };
+        let text = export(args, kind, g, &cluster, devices, &opts, &plan, &r)?;
         return write_output(&text, None, &args.model);
     }
     if args.emit == Some(PlanEmit::Text) {
@@ -366,6 +355,31 @@ fn summary(args: &PlanArgs, cluster: &str, devices: usize, plan: &Plan, r: &auto
     t.push_str(&strategy_histogram(plan));
     t.push_str(NOTATION);
     t
+}
+
+/// The plan as a framework's launch settings (`--export`).
+#[allow(clippy::too_many_arguments)]
+fn export(
+    args: &PlanArgs,
+    kind: ExportKind,
+    g: &ir::Graph,
+    cluster: &passes::cost::Cluster,
+    devices: usize,
+    opts: &passes::cost::Options,
+    plan: &Plan,
+    r: &autoshard::SearchResult,
+) -> CliResult<String> {
+    let degrees = || autoshard::export::degrees(g, cluster, opts, plan).map_err(CliError::msg);
+    Ok(match kind {
+        ExportKind::Megatron => autoshard::export::megatron_args(&degrees()?, devices),
+        ExportKind::Deepspeed => autoshard::export::deepspeed_config(&degrees()?, devices),
+        ExportKind::TorchTp => {
+            // The model as written, for torch's fallback layout (no rewrites applied).
+            let mut plain = load_canonical(&args.model, &args.shapes)?;
+            args.model_args.freeze(&mut plain.model.graph)?;
+            shardc::launch::torch_tp(g, &plain.model.graph, cluster, devices, opts, plan, r).map_err(CliError::msg)?
+        }
+    })
 }
 
 /// How the search went: its time (and what the safety net cut), each rewrite it priced, and

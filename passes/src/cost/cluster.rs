@@ -673,6 +673,13 @@ impl Cluster {
             ));
         }
         for (op, &k) in &self.device.kernel_factors {
+            // Keyed by the op type whose kernels they scale: a name no op has would silently
+            // price that op at 1.0.
+            if !ir::Op::known_op_types().iter().any(|(_, t)| t == op) {
+                return Err(format!(
+                    "`device.kernel_factors.{op}`: no op is called `{op}` (the factors are keyed by op type: Conv, MatMul, ConvGradInput, …)"
+                ));
+            }
             pos(&format!("device.kernel_factors.{op}"), k)?;
         }
         if self.nodes > 1 && self.inter.is_none() {
@@ -784,6 +791,13 @@ mod tests {
         c.device.kernel_factors.insert("ReduceSum".into(), 0.0);
         let e = Cluster::from_toml(&c.to_toml()).unwrap_err();
         assert!(e.contains("kernel_factors.ReduceSum"), "{e}");
+        // A misspelt op type is an error, not a factor no op reads.
+        let mut c = Cluster::preset("local-wgpu").unwrap();
+        c.device.kernel_factors.insert("Convv".into(), 1.2);
+        let e = Cluster::from_toml(&c.to_toml()).unwrap_err();
+        assert!(e.contains("no op is called `Convv`"), "{e}");
+        // Every factor the calibration writes names an op.
+        assert!(Cluster::from_toml(&Cluster::preset("local-wgpu").unwrap().to_toml()).is_ok());
         let mut c = Cluster::preset("local-wgpu").unwrap();
         c.device.serial_slowdown = 0.5;
         let e = Cluster::from_toml(&c.to_toml()).unwrap_err();
