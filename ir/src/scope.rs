@@ -27,13 +27,6 @@ pub struct ModuleRef {
     pub class: Option<String>,
 }
 
-impl ModuleRef {
-    /// The module is a `torch.nn.Linear` (known from its class).
-    pub fn is_torch_linear(&self) -> bool {
-        self.class.as_deref() == Some("torch.nn.modules.linear.Linear")
-    }
-}
-
 /// The [`MODULE`] annotation's value for torch's node metadata: the innermost module of
 /// `name_scopes` (a Python list literal whose last entry is the node's own name, e.g.
 /// `['', 'm', 'm.model', 'm.model.embed_tokens', 'embedding']`) with its class from
@@ -146,7 +139,7 @@ fn own_path_among(g: &Graph, n: NodeId, among: &dyn Fn(NodeId) -> bool) -> Optio
         if matches!(g.node(v.node).op, Op::Initializer(_) | Op::Input { default: Some(_) })
             && crate::cost::is_param(g, *v)
             && !shared()
-            && let Some(p) = path_of_parameter(g.value_name(*v))
+            && let Some(p) = parameter_module(g.value_name(*v))
         {
             return Some(p);
         }
@@ -226,17 +219,11 @@ fn path_of_scoped_name(name: &str) -> Option<String> {
     (!path.is_empty()).then_some(path)
 }
 
-/// The module whose parameter a value name is (`model.norm.weight` → `model.norm`); `None`
-/// for names without a dotted module path (`onnx::MatMul_193`, `val_12`: constants an
-/// exporter folded or named itself).
+/// The module whose parameter a value name is: `transformer.h.0.attn.c_attn.weight` →
+/// `transformer.h.0.attn.c_attn`; a leading `m.` or `model.` wrapper the exporter added stays
+/// (it is what the user's module tree says). `None` for names without a dotted path
+/// (`onnx::Conv_193`, `W1`, `val_12`: constants an exporter folded or named itself).
 pub fn parameter_module(name: &str) -> Option<String> {
-    path_of_parameter(name)
-}
-
-/// `transformer.h.0.attn.c_attn.weight` → `transformer.h.0.attn.c_attn`; a leading `m.` or
-/// `model.` wrapper the exporter added stays (it is what the user's module tree says).
-/// `None` for names without a dotted path (`onnx::Conv_193`, `W1`).
-fn path_of_parameter(name: &str) -> Option<String> {
     if name.contains("::") || !name.contains('.') {
         return None;
     }
@@ -264,12 +251,12 @@ mod tests {
     #[test]
     fn parameters_give_their_module() {
         assert_eq!(
-            path_of_parameter("m.transformer.h.0.attn.c_attn.weight").as_deref(),
+            parameter_module("m.transformer.h.0.attn.c_attn.weight").as_deref(),
             Some("m.transformer.h.0.attn.c_attn")
         );
-        assert_eq!(path_of_parameter("fc.bias").as_deref(), Some("fc"));
-        assert_eq!(path_of_parameter("onnx::Conv_193"), None);
-        assert_eq!(path_of_parameter("W1"), None);
+        assert_eq!(parameter_module("fc.bias").as_deref(), Some("fc"));
+        assert_eq!(parameter_module("onnx::Conv_193"), None);
+        assert_eq!(parameter_module("W1"), None);
     }
 
     #[test]

@@ -9,6 +9,7 @@
 
 use std::collections::BTreeSet;
 
+use ir::cost::is_param;
 use ir::{Graph, NodeId, Op, Value};
 
 /// A transformer's shape, each field when the graph says it.
@@ -46,10 +47,6 @@ pub struct ModelShape {
     pub tied: bool,
 }
 
-fn param(g: &Graph, v: Value) -> bool {
-    ir::cost::is_param(g, v)
-}
-
 fn dims(g: &Graph, v: Value) -> Option<Vec<i64>> {
     g.tensor_type(v).and_then(|t| t.static_dims())
 }
@@ -57,13 +54,13 @@ fn dims(g: &Graph, v: Value) -> Option<Vec<i64>> {
 /// A GEMM reading a parameter weight: `(node, [in, out], bias)`.
 fn gemm(g: &Graph, n: NodeId) -> Option<(i64, i64, bool)> {
     let node = g.node(n);
-    let w = node.input(1).filter(|w| param(g, *w))?;
+    let w = node.input(1).filter(|w| is_param(g, *w))?;
     let d = dims(g, w)?;
     let [a, b] = d[..] else { return None };
     match &node.op {
         Op::MatMul(_) => {
             let bias = g.users(Value::new(n, 0)).iter().any(|(u, _)| {
-                matches!(g.node(*u).op, Op::Add(_)) && g.node(*u).inputs().iter().flatten().any(|v| param(g, *v))
+                matches!(g.node(*u).op, Op::Add(_)) && g.node(*u).inputs().iter().flatten().any(|v| is_param(g, *v))
             });
             Some((a, b, bias))
         }
@@ -88,7 +85,7 @@ pub fn model_shape(g: &Graph) -> ModelShape {
         match &node.op {
             Op::Gather(_) => {
                 if let (Some(t), Some(ids)) = (node.input(0), node.input(1))
-                    && param(g, t)
+                    && is_param(g, t)
                     && let Some([rows, width]) = dims(g, t).as_deref().and_then(|d| <[i64; 2]>::try_from(d).ok())
                 {
                     let seq = dims(g, ids).and_then(|d| d.last().copied());

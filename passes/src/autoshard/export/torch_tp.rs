@@ -17,6 +17,7 @@ use ir::shard::{AxisShard, DimRole, strategy_shardings};
 use ir::{Graph, NodeId, Op, Value};
 
 use crate::cost::{Assignment, CostModel};
+use ir::cost::is_param;
 
 /// How torch shards a module.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -103,29 +104,32 @@ struct Layouts<'a> {
     cm: &'a CostModel<'a>,
     asg: &'a Assignment,
     axis: usize,
+    /// Each op's input and output layouts on the axis (ops without a strategy: none).
+    on_axis: HashMap<NodeId, (Vec<AxisShard>, Vec<AxisShard>)>,
 }
 
-impl Layouts<'_> {
+impl<'a> Layouts<'a> {
+    fn new(g: &'a Graph, cm: &'a CostModel<'a>, asg: &'a Assignment, axis: usize) -> Self {
+        let at = |s: &ir::shard::Sharding| s.get(axis).copied().unwrap_or(AxisShard::Replicate);
+        let on_axis = asg
+            .strategies
+            .iter()
+            .map(|(&n, s)| {
+                let (ins, outs) = strategy_shardings(cm.space(n), s);
+                let ins = ins.iter().map(|i| i.as_ref().map_or(AxisShard::Replicate, at)).collect();
+                (n, (ins, outs.iter().map(at).collect()))
+            })
+            .collect();
+        Layouts { g, cm, asg, axis, on_axis }
+    }
+
     /// What op `n` reads as input `i` and writes as output `j`, on the axis.
     fn reads(&self, n: NodeId, i: usize) -> AxisShard {
-        self.shardings(n)
-            .0
-            .get(i)
-            .cloned()
-            .flatten()
-            .and_then(|s| s.get(self.axis).copied())
-            .unwrap_or(AxisShard::Replicate)
+        self.on_axis.get(&n).and_then(|(ins, _)| ins.get(i).copied()).unwrap_or(AxisShard::Replicate)
     }
 
     fn writes(&self, n: NodeId, j: usize) -> AxisShard {
-        self.shardings(n).1.get(j).and_then(|s| s.get(self.axis).copied()).unwrap_or(AxisShard::Replicate)
-    }
-
-    fn shardings(&self, n: NodeId) -> (Vec<Option<ir::shard::Sharding>>, Vec<ir::shard::Sharding>) {
-        match self.asg.strategies.get(&n) {
-            Some(s) => strategy_shardings(self.cm.space(n), s),
-            None => (Vec::new(), Vec::new()),
-        }
+        self.on_axis.get(&n).and_then(|(_, outs)| outs.get(j).copied()).unwrap_or(AxisShard::Replicate)
     }
 
     /// The role of the iteration dim op `n` splits on the axis.
@@ -150,12 +154,18 @@ impl Layouts<'_> {
     }
 }
 
-fn is_param(g: &Graph, v: Value) -> bool {
-    ir::cost::is_param(g, v)
-}
-
 fn is_constant(g: &Graph, v: Value) -> bool {
     matches!(g.node(v.node).op, Op::Initializer(_) | Op::Input { default: Some(_) })
+}
+
+/// The layout torch's local tensor of `v` holds (values no op wrote: replicated).
+fn held_at(held: &HashMap<Value, AxisShard>, v: Value) -> AxisShard {
+    held.get(&v).copied().unwrap_or(AxisShard::Replicate)
+}
+
+/// The layouts in which the ops that `inside` does not admit read `v`.
+fn outside_reads(l: &Layouts, v: Value, inside: impl Fn(NodeId) -> bool) -> Vec<AxisShard> {
+    l.g.users(v).into_iter().filter(|(u, _)| !inside(*u)).map(|(u, i)| l.reads(u, i)).collect()
 }
 
 /// The torch plan of the plan's tensor axes (`axes`; torch's `tp_mesh` is one of them).
@@ -167,12 +177,17 @@ pub fn torch_tp(g: &Graph, cm: &CostModel, asg: &Assignment, axes: &[usize]) -> 
         }
         return out;
     };
-    let l = Layouts { g, cm, asg, axis };
+    let l = Layouts::new(g, cm, asg, axis);
     let order = cm.order();
-    let key = |n: NodeId| -> String {
-        let m = ir::scope::modules_or_path(g, n);
-        m.iter().map(|m| m.path.as_str()).collect::<Vec<_>>().join("+")
-    };
+    // Each op's module(s), once: ops of one module form its group.
+    let keys: HashMap<NodeId, String> = order
+        .iter()
+        .map(|&n| {
+            let m = ir::scope::modules_or_path(g, n);
+            (n, m.iter().map(|m| m.path.as_str()).collect::<Vec<_>>().join("+"))
+        })
+        .collect();
+    let key = |n: NodeId| keys.get(&n).map_or("", String::as_str);
     // The modules torch shards: those of ops that read a parameter split on the axis.
     let mut sharded: Vec<NodeId> = Vec::new();
     for &n in order {
@@ -186,7 +201,7 @@ pub fn torch_tp(g: &Graph, cm: &CostModel, asg: &Assignment, axes: &[usize]) -> 
             sharded.push(n);
         }
     }
-    let groups: HashSet<String> = sharded.iter().map(|&n| key(n)).filter(|k| !k.is_empty()).collect();
+    let groups: HashSet<&str> = sharded.iter().map(|&n| key(n)).filter(|k| !k.is_empty()).collect();
     for &n in &sharded {
         if key(n).is_empty() {
             out.blockers.push(format!(
@@ -196,38 +211,32 @@ pub fn torch_tp(g: &Graph, cm: &CostModel, asg: &Assignment, axes: &[usize]) -> 
             ));
         }
     }
-    let in_group = |n: NodeId| groups.contains(&key(n));
     // The layout torch's local tensors hold, value by value.
     let mut held: HashMap<Value, AxisShard> = HashMap::new();
-    let held_of = |held: &HashMap<Value, AxisShard>, v: Value| held.get(&v).copied().unwrap_or(AxisShard::Replicate);
-    let mut done: HashSet<String> = HashSet::new();
-    let mut sequence: Vec<(String, Placement)> = Vec::new();
+    let mut done: HashSet<&str> = HashSet::new();
+    let mut sequence: Vec<String> = Vec::new();
     for (at, &n) in order.iter().enumerate() {
         let k = key(n);
-        if in_group(n) {
-            if done.insert(k.clone()) {
+        if groups.contains(k) {
+            if done.insert(k) {
                 let members: Vec<NodeId> = order[at..].iter().copied().filter(|&m| key(m) == k).collect();
                 module_entries(&l, &members, &held, &mut out);
             }
             // What the module's consumers read is what torch converts its output to.
-            for (j, _) in g.node(n).outputs().iter().enumerate() {
+            for j in 0..g.node(n).outputs().len() {
                 let v = Value::new(n, j as u16);
-                let readers: Vec<AxisShard> = g
-                    .users(v)
-                    .into_iter()
-                    .filter(|(u, _)| !in_group(*u) || key(*u) != k)
-                    .map(|(u, i)| l.reads(u, i))
-                    .collect();
-                held.insert(v, readers.first().copied().unwrap_or(AxisShard::Replicate));
+                let read = outside_reads(&l, v, |u| key(u) == k).first().copied();
+                held.insert(v, read.unwrap_or(AxisShard::Replicate));
             }
             continue;
         }
-        between_modules(&l, n, &held, &mut out, &mut sequence, &held_of);
+        between_modules(&l, n, &held, &mut out, &mut sequence);
         for j in 0..g.node(n).outputs().len() {
             held.insert(Value::new(n, j as u16), l.writes(n, j));
         }
     }
-    for (path, p) in sequence {
+    let p = Placement::Shard(1);
+    for path in sequence {
         if !out.entries.iter().any(|e| e.path == path) {
             out.entries.push(Entry { path, style: Style::Sequence, input: p, output: p });
         }
@@ -245,13 +254,12 @@ fn between_modules(
     n: NodeId,
     held: &HashMap<Value, AxisShard>,
     out: &mut TorchTp,
-    sequence: &mut Vec<(String, Placement)>,
-    held_of: &dyn Fn(&HashMap<Value, AxisShard>, Value) -> AxisShard,
+    sequence: &mut Vec<String>,
 ) {
     let g = l.g;
     let name = || format!("{} ({})", g.op_name(n), g.node(n).op.op_type());
     let mut reads_param = false;
-    let mut seq_split = None;
+    let mut seq_split = false;
     for (i, v) in g.node(n).inputs().iter().enumerate() {
         let Some(v) = *v else { continue };
         let want = l.reads(n, i);
@@ -267,7 +275,7 @@ fn between_modules(
             reads_param |= is_param(g, v) && ir::scope::parameter_module(g.value_name(v)).is_some();
             continue;
         }
-        let have = held_of(held, v);
+        let have = held_at(held, v);
         if have != want {
             out.blockers.push(format!(
                 "{} reads {} as {want} but it is {have} there: a layout change between modules, which parallelize_module does not make",
@@ -276,24 +284,22 @@ fn between_modules(
             ));
         }
         // A hidden state `[batch, sequence, features]` split along the sequence.
-        if want == AxisShard::Split(1) && l.rank(v) == Some(3) {
-            seq_split = l.placement(v, want);
-        }
+        seq_split |= want == AxisShard::Split(1) && l.rank(v) == Some(3);
     }
     for j in 0..g.node(n).outputs().len() {
         if l.writes(n, j) == AxisShard::Partial {
             out.blockers.push(format!("{} leaves partial sums outside a module torch shards", name()));
         }
     }
-    if let (true, Some(p)) = (reads_param, seq_split) {
+    if reads_param && seq_split {
         match ir::scope::own_module_path(g, n) {
-            Some(path) if p == Placement::Shard(1) => {
-                if !sequence.iter().any(|(q, _)| *q == path) {
-                    sequence.push((path, p));
+            Some(path) => {
+                if !sequence.contains(&path) {
+                    sequence.push(path);
                 }
             }
-            _ => out.blockers.push(format!(
-                "{} reads a replicated parameter with its input split ({p}): its gradient needs a sum over the shards, which only SequenceParallel (sequence dim 1 of a named module) makes",
+            None => out.blockers.push(format!(
+                "{} reads a replicated parameter with its input split (Shard(1)): its gradient needs a sum over the shards, which only SequenceParallel (sequence dim 1 of a named module) makes",
                 name()
             )),
         }
@@ -355,7 +361,7 @@ fn module_entries(l: &Layouts, members: &[NodeId], held: &HashMap<Value, AxisSha
         out.blockers.push(format!("{name} reads its input as {want}, not as {} does", style.class()));
         return;
     }
-    let have = held.get(&x).copied().unwrap_or(AxisShard::Replicate);
+    let have = held_at(held, x);
     let Some(input) = l.placement(x, have) else {
         out.blockers.push(format!("{name} reads partial sums from outside the module"));
         return;
@@ -364,8 +370,7 @@ fn module_entries(l: &Layouts, members: &[NodeId], held: &HashMap<Value, AxisSha
     let last = *members.last().expect("a member");
     let v = Value::new(last, 0);
     let group: HashSet<NodeId> = members.iter().copied().collect();
-    let readers: Vec<AxisShard> =
-        g.users(v).into_iter().filter(|(u, _)| !group.contains(u)).map(|(u, i)| l.reads(u, i)).collect();
+    let readers = outside_reads(l, v, |u| group.contains(&u));
     let read = readers.first().copied().unwrap_or(AxisShard::Replicate);
     if readers.iter().any(|r| *r != read) {
         out.blockers.push(format!("{name}: the module's consumers read its output in different layouts"));
