@@ -137,8 +137,11 @@ fn kernel_rates() {
          evaluator it is checked against)"
     );
     let mut gpu = GpuExecutor::new().ok();
+    // The same adapter without subgroup operations (the kernels other adapters run), where
+    // the kernels use them: its rate beside the subgroup kernels' for the GEMMs.
+    let mut plain = gpu.as_ref().and_then(GpuExecutor::subgroup).and_then(|_| GpuExecutor::without_subgroups().ok());
     if let Some(g) = &gpu {
-        println!("  adapter: {}", g.name());
+        println!("  adapter: {} (subgroups of {:?})", g.name(), g.subgroup());
     } else {
         println!("  no wgpu adapter: CPU only");
     }
@@ -150,6 +153,10 @@ fn kernel_rates() {
         let tr = reference_time(&m.graph, node, &inputs);
         let tg = gpu.as_mut().map(|g| time_node(g, &m.graph, node, &inputs, 5).expect("gpu run"));
         let rate = |t: f64| k.work / t / 1e9;
+        if let Some(p) = plain.as_mut().filter(|_| k.name.starts_with("MatMul")) {
+            let tp = time_node(p, &m.graph, node, &inputs, 5).expect("gpu run");
+            println!("  {:<28} wgpu without subgroups {:>9.3} ms {:>6.2} {}", k.name, tp * 1e3, rate(tp), k.unit);
+        }
         match tg {
             Some(tg) => println!(
                 "  {:<28} wgpu {:>9.3} ms {:>6.2} {}   cpu {:>9.3} ms {:>6.2} {}   ref {:>6.2} {}   wgpu/cpu {:.2}×",

@@ -442,7 +442,8 @@ impl Shown<'_> {
         }
     }
 
-    /// Per device: adapter, wall, compute, communication and host ops; then the time per op
+    /// Per device: adapter, wall, compute, communication, host ops and kernel dispatches (of
+    /// the last step); then the time per op
     /// kind and per collective over all devices.
     fn device_table(&self) -> String {
         let report = self.report;
@@ -458,13 +459,14 @@ impl Shown<'_> {
                     secs(d.compute_s),
                     secs(d.communication_s),
                     d.host_ops.values().sum::<usize>().to_string(),
+                    d.dispatches.to_string(),
                 ]
             })
             .collect();
         let mut t = passes::table::table(
-            &["  device", "adapter", "wall", "compute", "communication", "host ops"],
+            &["  device", "adapter", "wall", "compute", "communication", "host ops", "dispatches"],
             &rows,
-            &[true, false, true, true, true, true],
+            &[true, false, true, true, true, true, true],
         );
         let mut by_op: HashMap<&str, f64> = HashMap::new();
         let mut by_comm: HashMap<&str, f64> = HashMap::new();

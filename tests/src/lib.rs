@@ -217,6 +217,7 @@ pub fn compile_cx<'a>(
             })
             .collect(),
         opset: g.opset,
+        subgroup: None,
     }
 }
 

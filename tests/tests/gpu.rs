@@ -233,7 +233,9 @@ fn training_batch_normalization_runs_on_the_device() {
     }
 }
 
-fn wgpu_matches_reference(what: &str, text: &str, shapes: &[(&str, Vec<usize>)], seed: u64, outputs: &[&str]) {
+/// Runs `text` on one wgpu device and compares `outputs` with the reference; returns the
+/// kernels the step dispatched (the CPU executor's run dispatches none).
+fn wgpu_matches_reference(what: &str, text: &str, shapes: &[(&str, Vec<usize>)], seed: u64, outputs: &[&str]) -> u64 {
     let mut m = frontend::parse(text).unwrap_or_else(|e| panic!("{what}: {e:?}\n{text}")).model;
     ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap_or_else(|e| panic!("{what}: {e:?}"));
     let g = &m.graph;
@@ -249,9 +251,12 @@ fn wgpu_matches_reference(what: &str, text: &str, shapes: &[(&str, Vec<usize>)],
     let r = codegen::run(&prog, &inputs, &RunOptions { backend: Backend::Wgpu, ..Default::default() })
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     assert!(r.devices[0].host_ops.is_empty(), "{what} ran on the host: {:?}", r.devices[0].host_ops);
+    let cpu = codegen::run(&prog, &inputs, &RunOptions { backend: Backend::Cpu, ..Default::default() }).unwrap();
+    assert_eq!(cpu.devices[0].dispatches, 0, "{what}: the CPU executor dispatches no kernels");
     for (k, name) in outputs.iter().enumerate() {
         compare(name, &r.outputs[k].1, &reference[k], 1e-4, 1e-5).unwrap_or_else(|e| panic!("{what} ({text}): {e}"));
     }
+    r.devices[0].dispatches
 }
 
 fn attr_group(attrs: &str) -> usize {
@@ -340,6 +345,58 @@ g (float[37,9001] a, float[9001,45] b, float[45,8500] wt, float[45] c, float[2,3
         ("t", vec![20, 11]),
     ];
     wgpu_matches_reference("long reductions", text, &shapes, 11, &["y", "z", "u", "v", "r"]);
+}
+
+/// GEMMs on the kernel for adapters with a fixed subgroup size (`gemm::gemm_sg_src`: lavapipe's
+/// 8-lane subgroups): rows that are no multiple of a subgroup or of a workgroup's 64, fewer
+/// columns than a subgroup's lanes cover and more than one workgroup's, a batch with a
+/// broadcast operand, a shared B folded into rows, `Gemm` with `alpha`, `beta` and a bias per
+/// column and per element — each equal to the reference — and beside them shapes the kernel
+/// does not take (a reduction and columns of no multiple of 4, a transposed operand), on the
+/// kernels without subgroups. On lavapipe the subgroup kernel is the one that runs.
+#[test]
+fn gemms_on_subgroups_match_the_reference() {
+    if !gpu_available() {
+        return;
+    }
+    let text = r#"<ir_version: 8, opset_import: ["" : 17]>
+g (float[5,8] a, float[8,4] b, float[70,12] c, float[12,36] d, float[2,3,20,16] e, float[2,1,16,12] f, float[3,7,16] h, float[16,8] w, float[67,20] x, float[20,44] y, float[44] bias, float[67,44] full, float[6,10] p, float[10,5] q, float[9,8] r, float[12,8] s) => (o1, o2, o3, o4, o5, o6, o7, o8) {
+  o1 = MatMul (a, b)
+  o2 = MatMul (c, d)
+  o3 = MatMul (e, f)
+  o4 = MatMul (h, w)
+  o5 = Gemm <alpha = 0.5, beta = 2.0> (x, y, bias)
+  o6 = Gemm <alpha = 1.5, beta = 0.25> (x, y, full)
+  o7 = MatMul (p, q)
+  o8 = Gemm <transB = 1> (r, s)
+}
+"#;
+    let shapes = [
+        ("a", vec![5, 8]),
+        ("b", vec![8, 4]),
+        ("c", vec![70, 12]),
+        ("d", vec![12, 36]),
+        ("e", vec![2, 3, 20, 16]),
+        ("f", vec![2, 1, 16, 12]),
+        ("h", vec![3, 7, 16]),
+        ("w", vec![16, 8]),
+        ("x", vec![67, 20]),
+        ("y", vec![20, 44]),
+        ("bias", vec![44]),
+        ("full", vec![67, 44]),
+        ("p", vec![6, 10]),
+        ("q", vec![10, 5]),
+        ("r", vec![9, 8]),
+        ("s", vec![12, 8]),
+    ];
+    let dispatches =
+        wgpu_matches_reference("subgroup GEMMs", text, &shapes, 13, &["o1", "o2", "o3", "o4", "o5", "o6", "o7", "o8"]);
+    assert!(dispatches >= 8, "one kernel per GEMM at least, each counted: {dispatches}");
+    use codegen::runtime::Executor as _;
+    let exec = codegen::runtime::gpu::GpuExecutor::new().unwrap();
+    if exec.name().contains("llvmpipe") {
+        assert_eq!(exec.subgroup(), Some(8), "{}: lavapipe's subgroups at 256 bits", exec.name());
+    }
 }
 
 #[test]

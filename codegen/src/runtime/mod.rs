@@ -158,6 +158,8 @@ pub struct DeviceReport {
     pub host_ops: BTreeMap<String, usize>,
     /// Wall time of every step, seconds.
     pub step_wall_s: Vec<f64>,
+    /// Kernel dispatches of the last step (0 on the CPU executor, which runs no kernels).
+    pub dispatches: u64,
     /// Compute time of the last step per training phase (`forward`, `backward`, `update`;
     /// only `forward` for an inference graph), seconds.
     pub by_phase: BTreeMap<String, f64>,
@@ -229,6 +231,10 @@ pub trait Executor {
     ) -> Result<(Vec<Self::Tensor>, bool), String>;
     /// Waits until queued work is done (for timing).
     fn sync(&mut self) {}
+    /// Kernel dispatches encoded since the device opened (0 where it runs no kernels).
+    fn dispatches(&self) -> u64 {
+        0
+    }
     /// The storage a tensor occupies: an identity shared by views of one allocation, and
     /// its bytes.
     fn storage(&self, t: &Self::Tensor) -> (usize, u64);
@@ -813,6 +819,7 @@ fn drive<E: Executor>(
             report.by_phase.clear();
         }
         step_start = Instant::now();
+        let dispatched = e.dispatches();
         let fetch_all = last && opts.outputs_at_end;
         let wanted = |r: &crate::program::Result_| fetch_all || opts.kept_at(step, &r.global);
         let mut outs_micro = Vec::with_capacity(feeds.len());
@@ -930,6 +937,7 @@ fn drive<E: Executor>(
         }
         e.sync();
         report.step_wall_s.push(step_start.elapsed().as_secs_f64());
+        report.dispatches = e.dispatches() - dispatched;
         if d.device == 0 {
             opts.on_step.call(step + 1, steps);
         }

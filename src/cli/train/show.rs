@@ -84,6 +84,7 @@ impl Shown<'_> {
                 "memory_allocated_bytes": d.memory_allocated_bytes,
                 "activation_peak_bytes": d.activation_peak_bytes,
                 "host_ops": d.host_ops,
+                "dispatches": d.dispatches,
             })).collect::<Vec<_>>(),
             "memory_predicted_bytes": predicted.map(|p| p.1),
             "host_memory": host_memory_json(promise),
@@ -156,6 +157,9 @@ impl Shown<'_> {
             t.push_str(&format!(", {:.1} samples/s measured", batch as f64 / step_s));
         }
         t.push('\n');
+        if let Some(n) = report.devices.iter().map(|d| d.dispatches).max().filter(|&n| n > 0) {
+            t.push_str(&format!("dispatches   {n} kernels in the last step (busiest device)\n"));
+        }
         t.push_str(&format!("memory       {:.1} MB allocated (peak, largest device)", memory as f64 / 1e6));
         if let Some((_, m)) = predicted {
             t.push_str(&format!("; {:.1} MB predicted on {}", m as f64 / 1e6, cluster.name));

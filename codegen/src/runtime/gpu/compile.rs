@@ -56,6 +56,9 @@ pub struct CompileCx<'a> {
     pub outs: Vec<Option<(Vec<usize>, DType)>>,
     /// The model's default-domain opset.
     pub opset: i64,
+    /// The target's fixed subgroup size when kernels may use subgroup operations (`None`:
+    /// kernels without them).
+    pub subgroup: Option<u32>,
 }
 
 impl<'a> CompileCx<'a> {
@@ -165,6 +168,10 @@ pub struct Compiled {
     pub temps: Vec<(Vec<usize>, DType)>,
     /// In order.
     pub steps: Vec<Step>,
+    /// The target's fixed subgroup size, from [`CompileCx::subgroup`] when the program is
+    /// made for a context ([`Compiled::like_out0`]): what shared kernels such as the GEMM
+    /// may use.
+    pub subgroup: Option<u32>,
 }
 
 impl Compiled {
@@ -179,7 +186,7 @@ impl Compiled {
     /// One new output of the shape and type the graph gives output 0.
     pub fn like_out0(cx: &CompileCx<'_>) -> Option<Compiled> {
         let (shape, dtype) = cx.out0()?.clone();
-        Some(Compiled::new(vec![(shape, dtype)]))
+        Some(Compiled { subgroup: cx.subgroup, ..Compiled::new(vec![(shape, dtype)]) })
     }
 
     /// Output 0 as a view of input 0 with output 0's shape.

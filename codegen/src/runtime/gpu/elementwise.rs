@@ -439,7 +439,7 @@ mod tests {
                             _ => vec![desc(sa), desc(sb)],
                         };
                         let out = if matches!(op, Op::IsNaN(_) | Op::IsInf(_)) { DType::Bool } else { dtype };
-                        let cx = CompileCx { ins, outs: vec![Some((vec![2, 3, 4], out))], opset: 18 };
+                        let cx = CompileCx { ins, outs: vec![Some((vec![2, 3, 4], out))], opset: 18, subgroup: None };
                         if let Ok(Some(c)) = compile(&op, &cx) {
                             for l in c.launches() {
                                 validate(&format!("{ty} {dtype:?}"), &l.src);

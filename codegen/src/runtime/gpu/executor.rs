@@ -113,10 +113,14 @@ pub struct GpuExecutor {
     /// Loop iterations an invocation may run before the adapter cuts it short
     /// ([`compile::LAVAPIPE_LOOP_LIMIT`] on llvmpipe; `None`: unbounded).
     loop_limit: Option<u64>,
+    /// The device's fixed subgroup size, when kernels may use subgroup operations.
+    subgroup: Option<u32>,
     pipelines: HashMap<String, (Arc<wgpu::ComputePipeline>, Arc<wgpu::BindGroupLayout>)>,
     encoder: Option<wgpu::CommandEncoder>,
     /// Dispatches encoded since the last submit.
     pending: usize,
+    /// Dispatches encoded since the device opened.
+    dispatched: u64,
     /// Freed storage buffers for reuse.
     pool: Arc<Mutex<Pool>>,
 }
@@ -170,6 +174,18 @@ pub fn limits() -> Result<crate::runtime::AdapterLimits, String> {
 
 /// Opens the first adapter of a fresh instance (Vulkan, or any backend wgpu was built with).
 pub fn open() -> Result<(wgpu::Device, wgpu::Queue, String), String> {
+    open_device(true).map(|(d, q, name, _)| (d, q, name))
+}
+
+/// The subgroup sizes kernels are generated for: a device whose subgroups always have this
+/// many invocations (CPU adapters' SIMD width: lavapipe's 8 at 256 bits, 4 at 128, 16 at
+/// 512). GPUs with wider or varying subgroups use the kernels written without them.
+const SUBGROUP_SIZES: [u32; 3] = [4, 8, 16];
+
+/// [`open`], with the fixed subgroup size kernels may rely on ([`SUBGROUP_SIZES`]; the
+/// device is opened with subgroup operations then) unless `subgroups` is false or
+/// `SHARDC_NO_SUBGROUPS` is set.
+fn open_device(subgroups: bool) -> Result<(wgpu::Device, wgpu::Queue, String, Option<u32>), String> {
     let adapter = first_adapter()?;
     let info = adapter.get_info();
     let mut limits = wgpu::Limits::default();
@@ -178,16 +194,23 @@ pub fn open() -> Result<(wgpu::Device, wgpu::Queue, String), String> {
     limits.max_storage_buffer_binding_size = have.max_storage_buffer_binding_size;
     limits.max_buffer_size = have.max_buffer_size;
     limits.max_compute_workgroup_storage_size = have.max_compute_workgroup_storage_size;
+    let subgroup = (subgroups
+        && adapter.features().contains(wgpu::Features::SUBGROUP)
+        && info.subgroup_min_size == info.subgroup_max_size
+        && SUBGROUP_SIZES.contains(&info.subgroup_min_size)
+        && std::env::var_os("SHARDC_NO_SUBGROUPS").is_none())
+    .then_some(info.subgroup_min_size);
+    let features = if subgroup.is_some() { wgpu::Features::SUBGROUP } else { wgpu::Features::empty() };
     let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
         label: Some("shardc device"),
-        required_features: wgpu::Features::empty(),
+        required_features: features,
         required_limits: limits,
         experimental_features: Default::default(),
         memory_hints: wgpu::MemoryHints::Performance,
         trace: Default::default(),
     }))
     .map_err(|e| format!("cannot open {}: {e}", info.name))?;
-    Ok((device, queue, format!("{} ({:?}, {})", info.name, info.backend, info.driver)))
+    Ok((device, queue, format!("{} ({:?}, {})", info.name, info.backend, info.driver), subgroup))
 }
 
 /// A kernel of the kind every program compiles (an element-wise map), for measuring what a
@@ -213,18 +236,35 @@ pub fn device_host_bytes() -> Result<Option<u64>, String> {
 impl GpuExecutor {
     /// Opens a device on a fresh instance.
     pub fn new() -> Result<GpuExecutor, String> {
-        let (device, queue, adapter) = open()?;
+        GpuExecutor::open(true)
+    }
+
+    /// A device whose kernels use no subgroup operations (what adapters without fixed
+    /// subgroups run), for comparing kernels on one adapter.
+    pub fn without_subgroups() -> Result<GpuExecutor, String> {
+        GpuExecutor::open(false)
+    }
+
+    fn open(subgroups: bool) -> Result<GpuExecutor, String> {
+        let (device, queue, adapter, subgroup) = open_device(subgroups)?;
         let loop_limit = adapter.contains("llvmpipe").then_some(compile::LAVAPIPE_LOOP_LIMIT);
         Ok(GpuExecutor {
             device,
             queue,
             adapter,
             loop_limit,
+            subgroup,
             pipelines: HashMap::new(),
             encoder: None,
             pending: 0,
+            dispatched: 0,
             pool: Default::default(),
         })
+    }
+
+    /// The device's fixed subgroup size, when kernels use subgroup operations on it.
+    pub fn subgroup(&self) -> Option<u32> {
+        self.subgroup
     }
 
     /// The storage bindings a kernel declares, in binding order: `true` where written.
@@ -353,6 +393,7 @@ impl GpuExecutor {
             pass.dispatch_workgroups(groups[0].max(1), groups[1].max(1), groups[2].max(1));
         }
         self.pending += 1;
+        self.dispatched += 1;
         if self.pending >= 64 {
             self.flush();
         }
@@ -474,7 +515,7 @@ impl GpuExecutor {
                 })
             })
             .collect();
-        let cx = CompileCx { ins, outs, opset: g.opset };
+        let cx = CompileCx { ins, outs, opset: g.opset, subgroup: self.subgroup };
         if cx.out0().is_none() && node.num_outputs() > 0 && !node.outputs()[0].name.is_empty() {
             return Ok(None);
         }
@@ -646,5 +687,9 @@ impl Executor for GpuExecutor {
     fn sync(&mut self) {
         self.flush();
         let _ = self.device.poll(wgpu::PollType::wait_indefinitely());
+    }
+
+    fn dispatches(&self) -> u64 {
+        self.dispatched
     }
 }

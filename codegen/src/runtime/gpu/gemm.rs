@@ -82,16 +82,29 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
     p.extend([g.bases.0 as u32, g.bases.1 as u32, g.bases.2 as u32, g.alpha.to_bits(), g.beta.to_bits()]);
     let nbatch: usize = g.batch.iter().product::<usize>().max(1);
     let groups = [g.n.div_ceil(32) as u32, g.m.div_ceil(32) as u32, nbatch as u32];
+    // Rows from the subgroup's lanes, vec4 columns per lane (see `gemm_sg_src`).
+    let sg = c.subgroup.filter(|_| subgroup_fits(g));
+    let sg_groups = |s: u32, z: usize| [(g.n / 4).div_ceil(s as usize) as u32, g.m.div_ceil(SG_ROWS) as u32, z as u32];
     if ir::ops::contraction::gemm_dispatches(nbatch, g.k) == 2 {
         // A long reduction in chunks, each workgroup layer one chunk's partial product, then
         // their sum (and C): see `gemm_rt_src`.
         let parts = g.k.div_ceil(SPLIT_K_LEN);
-        let len = g.k.div_ceil(parts);
+        // Whole vec4s per chunk on the subgroup kernel.
+        let len = if sg.is_some() { g.k.div_ceil(parts).next_multiple_of(4) } else { g.k.div_ceil(parts) };
+        let parts = g.k.div_ceil(len);
         p[9] = 0;
         p.push(len as u32);
         let t = c.temp(vec![parts, g.m, g.n], ir::DType::Float);
-        let groups = [groups[0], groups[1], parts as u32];
-        c.launch_loop(gemm_rt_src(false, true), vec![g.a, g.b, t], p, groups, (len + 4 + 16) as u64);
+        match sg {
+            Some(s) => {
+                let trips = (len / 4 + 4 * s as usize) as u64;
+                c.launch_loop(gemm_sg_src(s, false, true), vec![g.a, g.b, t], p, sg_groups(s, parts), trips);
+            }
+            None => {
+                let groups = [groups[0], groups[1], parts as u32];
+                c.launch_loop(gemm_rt_src(false, true), vec![g.a, g.b, t], p, groups, (len + 4 + 16) as u64);
+            }
+        }
         let mn = g.m * g.n;
         let sp = vec![
             mn as u32,
@@ -107,6 +120,15 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
             None => (split_k_sum_src(false), vec![t, out]),
         };
         c.launch_loop(src, bufs, sp, super::compile::groups(mn), parts as u64);
+        return Ok(());
+    }
+    if let Some(s) = sg {
+        let trips = (g.batch.len() + g.k / 4 + 4 * s as usize) as u64;
+        let (src, bufs) = match g.c {
+            Some(cb) => (gemm_sg_src(s, true, false), vec![g.a, g.b, cb, out]),
+            None => (gemm_sg_src(s, false, false), vec![g.a, g.b, out]),
+        };
+        c.launch_loop(src, bufs, p, sg_groups(s, nbatch), trips);
         return Ok(());
     }
     // The batch decode, the reduction, the 4×4 write-back.
@@ -403,10 +425,169 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     )
 }
 
+/// Rows of `Y` one workgroup of [`gemm_sg_src`] computes (its 64 invocations in subgroups).
+const SG_ROWS: usize = 64;
+
+/// Whether [`gemm_sg_src`] computes `g`: A read along the reduction and B along the columns
+/// in whole, aligned vec4s (reduction and columns multiples of 4, every row stride, batch
+/// stride and base offset too).
+fn subgroup_fits(g: &GemmSpec) -> bool {
+    let aligned = |v: usize| v.is_multiple_of(4);
+    g.a_st.1 == 1
+        && g.b_st.1 == 1
+        && aligned(g.k)
+        && aligned(g.n)
+        && aligned(g.a_st.0)
+        && aligned(g.b_st.0)
+        && aligned(g.bases.0)
+        && aligned(g.bases.1)
+        && g.a_bst.iter().chain(&g.b_bst).copied().all(aligned)
+}
+
+/// GEMM for devices with a fixed subgroup size `s` (CPU adapters, where memory loads cost
+/// per invocation and element while moving a value between the lanes of a subgroup is one
+/// register shuffle). Lane `l` of a subgroup loads row `row0 + l` of A four reduction steps
+/// at a time and one vec4 of B's row per step for its own four columns; each of the `s`
+/// rows' A values reaches every lane by `subgroupBroadcast`, so a lane accumulates an
+/// `s`×4 block of `Y` from five loads per step. A workgroup of 64 invocations covers
+/// [`SG_ROWS`] rows and `4s` columns. Parameters as [`gemm_src`].
+///
+/// `split`: workgroup layer `z` computes the partial product over reduction steps
+/// `[z·P[31], (z + 1)·P[31])` (`P[31]` a multiple of 4) into layer `z` of Y, as
+/// [`gemm_rt_src`]'s.
+pub fn gemm_sg_src(s: u32, with_c: bool, split: bool) -> String {
+    let k_range = if split {
+        "let kbeg = wid.z * (P[31] / 4u);\n    let kend = min(kbeg + P[31] / 4u, K4);"
+    } else {
+        "let kbeg = 0u;\n    let kend = K4;"
+    };
+    let c_binding = if with_c { "@group(0) @binding(2) var<storage, read> C: array<f32>;\n" } else { "" };
+    let (yb, pb) = if with_c { (3, 4) } else { (2, 3) };
+    let mut accs = String::new();
+    let mut body = String::new();
+    let mut store = String::new();
+    for r in 0..s {
+        accs += &format!("    var acc{r} = vec4<f32>(0.0);\n");
+        body += &format!(
+            "        let a{r} = subgroupBroadcast(a, {r}u);\n        \
+             acc{r} = acc{r} + a{r}.x * b0 + a{r}.y * b1 + a{r}.z * b2 + a{r}.w * b3;\n"
+        );
+        store += &format!("        put(row0 + {r}u, acc{r});\n");
+    }
+    let c_term = if with_c {
+        "for (var q = 0u; q < 4u; q = q + 1u) {
+            v[q] = v[q] + bitcast<f32>(P[30]) * C[P[28] + cb + row * P[7] + (col * 4u + q) * P[8]];
+        }"
+    } else {
+        ""
+    };
+    format!(
+        "@group(0) @binding(0) var<storage, read> A: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> B: array<vec4<f32>>;
+{c_binding}@group(0) @binding({yb}) var<storage, read_write> Y: array<vec4<f32>>;
+@group(0) @binding({pb}) var<storage, read> P: array<u32>;
+var<private> ybase: u32;
+var<private> cb: u32;
+var<private> col: u32;
+fn put(row: u32, acc: vec4<f32>) {{
+    if (row >= P[0] || col >= P[1] / 4u) {{ return; }}
+    var v = bitcast<f32>(P[29]) * acc;
+    {c_term}
+    Y[ybase + row * (P[1] / 4u) + col] = v;
+}}
+@compute @workgroup_size(64)
+fn main(@builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32,
+        @builtin(workgroup_id) wid: vec3<u32>) {{
+    let M = P[0];
+    let N4 = P[1] / 4u;
+    let K4 = P[2] / 4u;
+    var rem = wid.z;
+    var ab = 0u;
+    var bb = 0u;
+    cb = 0u;
+    let nb = P[9];
+    for (var t = 0u; t < nb; t = t + 1u) {{
+        let d = nb - 1u - t;
+        let dim = P[10u + d];
+        let c = rem % dim;
+        rem = rem / dim;
+        ab = ab + c * P[14u + d];
+        bb = bb + c * P[18u + d];
+        cb = cb + c * P[22u + d];
+    }}
+    let row0 = wid.y * {SG_ROWS}u + sg * {s}u;
+    col = wid.x * {s}u + lane;
+    ybase = wid.z * M * N4;
+    let ra = (P[26] + ab + min(row0 + lane, M - 1u) * P[3]) / 4u;
+    let brs = P[5] / 4u;
+    let cbase = (P[27] + bb) / 4u + min(col, N4 - 1u);
+{accs}    {k_range}
+    for (var k = kbeg; k < kend; k = k + 1u) {{
+        let a = A[ra + k];
+        let kb = cbase + k * 4u * brs;
+        let b0 = B[kb];
+        let b1 = B[kb + brs];
+        let b2 = B[kb + 2u * brs];
+        let b3 = B[kb + 3u * brs];
+{body}    }}
+{store}}}
+"
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::gpu::compile::Step;
     use crate::runtime::gpu::wgsl::validate;
+
+    fn spec(m: usize, n: usize, k: usize, a_st: (usize, usize)) -> GemmSpec {
+        GemmSpec {
+            a: Buf::In(0),
+            b: Buf::In(1),
+            c: None,
+            m,
+            n,
+            k,
+            a_st,
+            b_st: (n, 1),
+            c_st: (0, 0),
+            batch: vec![],
+            a_bst: vec![],
+            b_bst: vec![],
+            c_bst: vec![],
+            bases: (0, 0, 0),
+            alpha: 1.0,
+            beta: 0.0,
+        }
+    }
+
+    /// The kernel a GEMM compiles to: on subgroups where the operands are read in aligned
+    /// vec4s and the device has fixed subgroups, else the register-tiled one.
+    #[test]
+    fn the_subgroup_kernel_takes_aligned_gemms_on_devices_with_fixed_subgroups() {
+        let kernel = |subgroup: Option<u32>, g: &GemmSpec| {
+            let mut c = Compiled { subgroup, ..Compiled::new(vec![(vec![g.m, g.n], ir::DType::Float)]) };
+            gemm(&mut c, g, Buf::Out(0)).unwrap();
+            let [Step::Launch(l)] = &c.steps[..] else { panic!("{:?}", c.steps) };
+            (l.src.contains("subgroupBroadcast"), l.groups)
+        };
+        assert_eq!(kernel(Some(8), &spec(70, 36, 12, (12, 1))), (true, [2, 2, 1]));
+        assert_eq!(kernel(Some(4), &spec(70, 36, 12, (12, 1))), (true, [3, 2, 1]));
+        assert!(!kernel(None, &spec(70, 36, 12, (12, 1))).0);
+        assert!(!kernel(Some(8), &spec(70, 36, 10, (10, 1))).0, "reduction of no multiple of 4");
+        assert!(!kernel(Some(8), &spec(70, 34, 12, (12, 1))).0, "columns of no multiple of 4");
+        assert!(!kernel(Some(8), &spec(70, 36, 12, (1, 70))).0, "transposed A");
+        // A long reduction: its chunks on the subgroup kernel (whole vec4s each), then their sum.
+        let mut c = Compiled { subgroup: Some(8), ..Compiled::new(vec![(vec![66, 20], ir::DType::Float)]) };
+        gemm(&mut c, &spec(66, 20, 8300, (8300, 1)), Buf::Out(0)).unwrap();
+        let [Step::Launch(chunks), Step::Launch(_)] = &c.steps[..] else { panic!("{:?}", c.steps) };
+        assert!(chunks.src.contains("subgroupBroadcast"));
+        assert_eq!((chunks.groups, chunks.params[31]), ([1, 2, 5], 1660));
+        let mut offset = spec(70, 36, 12, (12, 1));
+        offset.bases.0 = 6;
+        assert!(!kernel(Some(8), &offset).0, "A from an unaligned offset");
+    }
 
     #[test]
     fn gemm_kernels_validate() {
@@ -415,6 +596,10 @@ mod tests {
             validate("gemm", &gemm_src(c));
             validate("gemm_rt", &gemm_rt_src(c, false));
             validate("split_k_sum", &split_k_sum_src(c));
+            for s in [4, 8, 16] {
+                validate("gemm_sg", &gemm_sg_src(s, c, false));
+                validate("gemm_sg_split", &gemm_sg_src(s, c, true));
+            }
         }
     }
 }

@@ -412,9 +412,12 @@ pub fn place(c: &mut Compiled, x: Buf, e: Elem, out: Buf, [count, block, out_blo
 pub(crate) fn validate(what: &str, src: &str) {
     let module = naga::front::wgsl::parse_str(src)
         .unwrap_or_else(|e| panic!("{what}: WGSL does not parse: {}\n{src}", e.emit_to_string(src)));
-    naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::default())
-        .validate(&module)
-        .unwrap_or_else(|e| panic!("{what}: WGSL does not validate: {}\n{src}", e.emit_to_string(src)));
+    naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::default() | naga::valid::Capabilities::SUBGROUP,
+    )
+    .validate(&module)
+    .unwrap_or_else(|e| panic!("{what}: WGSL does not validate: {}\n{src}", e.emit_to_string(src)));
 }
 
 #[cfg(test)]
