@@ -84,6 +84,7 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
     let groups = [g.n.div_ceil(32) as u32, g.m.div_ceil(32) as u32, nbatch as u32];
     // Rows from the subgroup's lanes, vec4 columns per lane (see `gemm_sg_src`).
     let sg = c.subgroup.filter(|_| subgroup_fits(g));
+    let bt = g.b_st.1 != 1;
     let sg_groups = |s: u32, z: usize| [(g.n / 4).div_ceil(s as usize) as u32, g.m.div_ceil(SG_ROWS) as u32, z as u32];
     if ir::ops::contraction::gemm_dispatches(nbatch, g.k) == 2 {
         // A long reduction in chunks, each workgroup layer one chunk's partial product, then
@@ -98,7 +99,7 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
         match sg {
             Some(s) => {
                 let trips = (len / 4 + 4 * s as usize) as u64;
-                c.launch_loop(gemm_sg_src(s, false, true), vec![g.a, g.b, t], p, sg_groups(s, parts), trips);
+                c.launch_loop(gemm_sg_src(s, false, true, bt), vec![g.a, g.b, t], p, sg_groups(s, parts), trips);
             }
             None => {
                 let groups = [groups[0], groups[1], parts as u32];
@@ -125,8 +126,8 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
     if let Some(s) = sg {
         let trips = (g.batch.len() + g.k / 4 + 4 * s as usize) as u64;
         let (src, bufs) = match g.c {
-            Some(cb) => (gemm_sg_src(s, true, false), vec![g.a, g.b, cb, out]),
-            None => (gemm_sg_src(s, false, false), vec![g.a, g.b, out]),
+            Some(cb) => (gemm_sg_src(s, true, false, bt), vec![g.a, g.b, cb, out]),
+            None => (gemm_sg_src(s, false, false, bt), vec![g.a, g.b, out]),
         };
         c.launch_loop(src, bufs, p, sg_groups(s, nbatch), trips);
         return Ok(());
@@ -429,16 +430,15 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
 const SG_ROWS: usize = 64;
 
 /// Whether [`gemm_sg_src`] computes `g`: A read along the reduction and B along the columns
-/// in whole, aligned vec4s (reduction and columns multiples of 4, every row stride, batch
-/// stride and base offset too).
+/// or (transposed) along the reduction, in whole, aligned vec4s (reduction and columns
+/// multiples of 4, every row stride, batch stride and base offset too).
 fn subgroup_fits(g: &GemmSpec) -> bool {
     let aligned = |v: usize| v.is_multiple_of(4);
     g.a_st.1 == 1
-        && g.b_st.1 == 1
+        && ((g.b_st.1 == 1 && aligned(g.b_st.0)) || (g.b_st.0 == 1 && aligned(g.b_st.1)))
         && aligned(g.k)
         && aligned(g.n)
         && aligned(g.a_st.0)
-        && aligned(g.b_st.0)
         && aligned(g.bases.0)
         && aligned(g.bases.1)
         && g.a_bst.iter().chain(&g.b_bst).copied().all(aligned)
@@ -454,8 +454,35 @@ fn subgroup_fits(g: &GemmSpec) -> bool {
 ///
 /// `split`: workgroup layer `z` computes the partial product over reduction steps
 /// `[z·P[31], (z + 1)·P[31])` (`P[31]` a multiple of 4) into layer `z` of Y, as
-/// [`gemm_rt_src`]'s.
-pub fn gemm_sg_src(s: u32, with_c: bool, split: bool) -> String {
+/// [`gemm_rt_src`]'s. `bt`: B is stored transposed (its columns along the reduction): a lane
+/// loads a vec4 of each of its four columns per step and transposes the 4×4 block.
+pub fn gemm_sg_src(s: u32, with_c: bool, split: bool, bt: bool) -> String {
+    let b_loads = if bt {
+        "let bcs = P[6] / 4u;
+    let cbase = (P[27] + bb) / 4u + min(col, N4 - 1u) * 4u * bcs;
+{accs}    {k_range}
+    for (var k = kbeg; k < kend; k = k + 1u) {
+        let a = A[ra + k];
+        let q0 = B[cbase + k];
+        let q1 = B[cbase + bcs + k];
+        let q2 = B[cbase + 2u * bcs + k];
+        let q3 = B[cbase + 3u * bcs + k];
+        let b0 = vec4<f32>(q0.x, q1.x, q2.x, q3.x);
+        let b1 = vec4<f32>(q0.y, q1.y, q2.y, q3.y);
+        let b2 = vec4<f32>(q0.z, q1.z, q2.z, q3.z);
+        let b3 = vec4<f32>(q0.w, q1.w, q2.w, q3.w);"
+    } else {
+        "let brs = P[5] / 4u;
+    let cbase = (P[27] + bb) / 4u + min(col, N4 - 1u);
+{accs}    {k_range}
+    for (var k = kbeg; k < kend; k = k + 1u) {
+        let a = A[ra + k];
+        let kb = cbase + k * 4u * brs;
+        let b0 = B[kb];
+        let b1 = B[kb + brs];
+        let b2 = B[kb + 2u * brs];
+        let b3 = B[kb + 3u * brs];"
+    };
     let k_range = if split {
         "let kbeg = wid.z * (P[31] / 4u);\n    let kend = min(kbeg + P[31] / 4u, K4);"
     } else {
@@ -481,6 +508,7 @@ pub fn gemm_sg_src(s: u32, with_c: bool, split: bool) -> String {
     } else {
         ""
     };
+    let b_loads = b_loads.replace("{accs}", &accs).replace("{k_range}", k_range);
     format!(
         "@group(0) @binding(0) var<storage, read> A: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> B: array<vec4<f32>>;
@@ -519,16 +547,7 @@ fn main(@builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u3
     col = wid.x * {s}u + lane;
     ybase = wid.z * M * N4;
     let ra = (P[26] + ab + min(row0 + lane, M - 1u) * P[3]) / 4u;
-    let brs = P[5] / 4u;
-    let cbase = (P[27] + bb) / 4u + min(col, N4 - 1u);
-{accs}    {k_range}
-    for (var k = kbeg; k < kend; k = k + 1u) {{
-        let a = A[ra + k];
-        let kb = cbase + k * 4u * brs;
-        let b0 = B[kb];
-        let b1 = B[kb + brs];
-        let b2 = B[kb + 2u * brs];
-        let b3 = B[kb + 3u * brs];
+    {b_loads}
 {body}    }}
 {store}}}
 "
@@ -578,6 +597,11 @@ mod tests {
         assert!(!kernel(Some(8), &spec(70, 36, 10, (10, 1))).0, "reduction of no multiple of 4");
         assert!(!kernel(Some(8), &spec(70, 34, 12, (12, 1))).0, "columns of no multiple of 4");
         assert!(!kernel(Some(8), &spec(70, 36, 12, (1, 70))).0, "transposed A");
+        let mut bt = spec(70, 36, 12, (12, 1));
+        bt.b_st = (1, 12);
+        assert!(kernel(Some(8), &bt).0, "transposed B");
+        bt.b_st = (1, 14);
+        assert!(!kernel(Some(8), &bt).0, "transposed B of unaligned columns");
         // A long reduction: its chunks on the subgroup kernel (whole vec4s each), then their sum.
         let mut c = Compiled { subgroup: Some(8), ..Compiled::new(vec![(vec![66, 20], ir::DType::Float)]) };
         gemm(&mut c, &spec(66, 20, 8300, (8300, 1)), Buf::Out(0)).unwrap();
@@ -597,8 +621,10 @@ mod tests {
             validate("gemm_rt", &gemm_rt_src(c, false));
             validate("split_k_sum", &split_k_sum_src(c));
             for s in [4, 8, 16] {
-                validate("gemm_sg", &gemm_sg_src(s, c, false));
-                validate("gemm_sg_split", &gemm_sg_src(s, c, true));
+                for bt in [false, true] {
+                    validate("gemm_sg", &gemm_sg_src(s, c, false, bt));
+                    validate("gemm_sg_split", &gemm_sg_src(s, c, true, bt));
+                }
             }
         }
     }
