@@ -254,6 +254,7 @@ pub fn measure<E: Executor>(make: impl Fn() -> Result<E, String> + Sync, effort:
         ring_contention: c(|k| k.ring_contention),
         host_cores: rounds[0].calibration.host_cores,
         launch_contention: c(|k| k.launch_contention),
+        host_use: c(|k| k.host_use),
         kernel_factors: Vec::new(),
         parallel_width: c(|k| k.parallel_width),
         serial_slowdown: c(|k| k.serial_slowdown),
@@ -422,6 +423,16 @@ fn measure_once<E: Executor>(
         samples.push(Sample { what: format!("the same from {k} devices at once"), median_s: t, reps: reps * 4 });
     }
     let (t_launch, launch_contention) = (l.alone, l.contention);
+    // The same GEMM on 2 and 4 devices at once: how much of the host one device keeps busy.
+    let (m, node) = one_op(&format!("(float[{n},{n}] a, float[{n},{n}] b) => (y)"), "y = MatMul (a, b)")?;
+    let mut together = Vec::new();
+    for k in [2usize, 4] {
+        let inputs = [filled(vec![n, n]), filled(vec![n, n])];
+        let t = median(on_devices(make, k, |_, mut d| time_node(&mut d, &m.graph, node, &inputs, reps))?);
+        samples.push(Sample { what: format!("MatMul {n}³ on {k} devices at once"), median_s: t, reps });
+        together.push((k, t));
+    }
+    let host_use = host_use(t_gemm, &together);
     // A memory-bound kernel: read two tensors, write one.
     let s = effort.stream_elems.max(1024);
     let (m, node) = one_op(&format!("(float[{s}] a, float[{s}] b) => (y)"), "y = Add (a, b)")?;
@@ -540,11 +551,22 @@ fn measure_once<E: Executor>(
         ring_contention,
         host_cores: cores,
         launch_contention,
+        host_use,
         kernel_factors: Vec::new(),
         parallel_width,
         serial_slowdown,
     };
     Ok(Measured { adapter: e.name(), calibration, samples })
+}
+
+/// The fraction of the host one device's kernels keep busy from a kernel's time alone and
+/// on `k` devices at once, `(k, seconds)`: each takes `max(1, k·u)` times as long as alone,
+/// `u` by least squares through the origin of the slowdowns (a slowdown under 1 read as 1),
+/// within `[1/8, 1]`.
+pub fn host_use(alone: f64, together: &[(usize, f64)]) -> f64 {
+    let xy: f64 = together.iter().map(|&(k, t)| k as f64 * (t / alone).max(1.0)).sum();
+    let xx: f64 = together.iter().map(|&(k, _)| (k * k) as f64).sum();
+    if xx > 0.0 && alone > 0.0 { (xy / xx).clamp(0.125, 1.0) } else { 1.0 }
 }
 
 /// The reduction overhead `o` of GEMMs timed at several reduction lengths, `(K, seconds)`:
@@ -578,7 +600,7 @@ pub fn cluster_toml(m: &Measured, devices: usize) -> (Cluster, String) {
     }
     let k = &m.calibration;
     t.push_str(&format!(
-        "# GEMM {:.2} GFLOP/s (+{:.1} of reduction length per tile; convolutions at {:.0}%, their gradients at {:.0}% of that), memory {:.2} GB/s (transposes of over {:.1} MB at {:.0}%), dispatch {:.1} µs (+{:.0}% per further device at once), copies {:.2} GB/s + {:.1} µs, ring steps {:.2} GB/s + {:.1} µs (+{:.0}% per busy device beyond the {} cores)\n\n",
+        "# GEMM {:.2} GFLOP/s (+{:.1} of reduction length per tile; convolutions at {:.0}%, their gradients at {:.0}% of that), memory {:.2} GB/s (transposes of over {:.1} MB at {:.0}%), dispatch {:.1} µs (+{:.0}% per further device at once), one device keeps {:.0}% of the host busy, copies {:.2} GB/s + {:.1} µs, ring steps {:.2} GB/s + {:.1} µs (+{:.0}% per busy device beyond the {} cores)\n\n",
         k.gemm_flops / 1e9,
         k.gemm_k_overhead,
         k.efficiency * 100.0,
@@ -588,6 +610,7 @@ pub fn cluster_toml(m: &Measured, devices: usize) -> (Cluster, String) {
         k.transpose_efficiency * 100.0,
         k.launch * 1e6,
         k.launch_contention * 100.0,
+        k.host_use * 100.0,
         k.copy_bandwidth / 1e9,
         k.copy_latency * 1e6,
         k.ring_bandwidth / 1e9,
@@ -970,7 +993,7 @@ pub fn add_kernel_factors(m: &mut Measured, backend: codegen::Backend, runs: usi
 
 #[cfg(test)]
 mod tests {
-    use super::k_overhead;
+    use super::{host_use, k_overhead};
 
     #[test]
     fn the_rings_bandwidth_comes_from_the_large_sizes_and_its_latency_from_the_small() {
@@ -1001,6 +1024,16 @@ mod tests {
         // Rounds: per size the median factor, a size one round lacks left out.
         let rounds = [vec![(1e6, 1.0), (2e6, 3.0)], vec![(1e6, 3.0), (2e6, 1.0)], vec![(1e6, 2.0)]];
         assert_eq!(super::median_points(rounds.iter()), vec![(1e6, 2.0)]);
+    }
+
+    #[test]
+    fn the_host_use_is_the_slowdown_per_device_at_once() {
+        // 2 devices at once as fast as one alone, 4 at twice its time: half the host each.
+        assert!((host_use(1.0, &[(2, 1.0), (4, 2.0)]) - 0.5).abs() < 0.06);
+        // Twice and four times as long: each device fills the host.
+        assert_eq!(host_use(1.0, &[(2, 2.0), (4, 4.0)]), 1.0);
+        assert_eq!(host_use(1.0, &[(2, 3.0), (4, 6.0)]), 1.0, "never more than the whole host");
+        assert!((host_use(1.0, &[(2, 0.5), (4, 0.5)]) - 0.3).abs() < 1e-9, "faster together is read as no slowdown");
     }
 
     #[test]

@@ -84,6 +84,7 @@ pub fn run(args: &CalibrateArgs) -> CliResult {
             "copy_latency_s": k.copy_latency,
             "copy_by_size": k.copy_by_size,
             "launch_contention": k.launch_contention,
+            "host_use": k.host_use,
             "ring_latency_s": k.ring_latency,
             "ring_bandwidth": k.ring_bandwidth,
             "ring_by_size": k.ring_by_size,

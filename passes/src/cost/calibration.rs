@@ -26,6 +26,7 @@ pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) 
             launch_overhead: c.launch,
             shared_host: true,
             launch_contention: c.launch_contention,
+            host_use: c.host_use,
             host_staged: true,
             ring_contention: c.ring_contention,
             host_cores: c.host_cores,
@@ -104,6 +105,8 @@ pub struct Calibration {
     pub host_cores: usize,
     /// The extra fraction of `launch` each further device dispatching at once adds.
     pub launch_contention: f64,
+    /// The fraction of the host one device's kernels keep busy ([`Device::host_use`]).
+    pub host_use: f64,
     /// Per op type, its kernels' measured time against their price
     /// ([`super::cluster::Device::kernel_factors`]).
     pub kernel_factors: Vec<(String, f64)>,
@@ -233,6 +236,8 @@ pub const CALIBRATED: Calibration = Calibration {
     ring_contention: RING_CONTENTION,
     host_cores: 2,
     launch_contention: LAUNCH_CONTENTION,
+    // Not measured in these runs: devices share the host in proportion to their count.
+    host_use: 1.0,
     kernel_factors: Vec::new(),
     parallel_width: PARALLEL_WIDTH,
     serial_slowdown: SERIAL_SLOWDOWN,

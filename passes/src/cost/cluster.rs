@@ -58,6 +58,13 @@ pub struct Device {
     /// Measured by `shardc calibrate` (empty dispatches from 1, 2 and 4 devices at once).
     #[serde(default)]
     pub launch_contention: f64,
+    /// On such a host, the fraction of it one device's kernels keep busy: `D` devices running
+    /// kernels at once each take `max(1, D · host_use)` times as long as one alone (1: one
+    /// device's kernels already fill every core; less where a device leaves cores idle between
+    /// and within its dispatches, which other devices then use). Measured by
+    /// `shardc calibrate` (a GEMM on 1, 2 and 4 devices at once).
+    #[serde(default = "default_one")]
+    pub host_use: f64,
     /// The devices have no path to each other but through the host: every collective and
     /// stage-to-stage send copies its operand to the host (`host` link), runs over the
     /// `intra`/`inter` links between host buffers, and copies the result back (the runtime's
@@ -154,10 +161,10 @@ fn default_one() -> f64 {
 
 impl Device {
     /// How many devices share one device's compute and memory bandwidth when `busy` of them
-    /// run kernels at once: `busy` on devices simulated on one host
-    /// ([`Device::shared_host`]), else 1.
+    /// run kernels at once: `busy · host_use` (at least 1) on devices simulated on one host
+    /// ([`Device::shared_host`], [`Device::host_use`]), else 1.
     pub fn host_share(&self, busy: usize) -> f64 {
-        if self.shared_host { busy.max(1) as f64 } else { 1.0 }
+        if self.shared_host { (busy.max(1) as f64 * self.host_use).max(1.0) } else { 1.0 }
     }
 
     /// How many shares of a host core each device's communication gets when `at_once`
@@ -173,7 +180,8 @@ impl Device {
     /// more on devices simulated on one host the more of them dispatch
     /// ([`Device::launch_contention`]).
     pub fn launch_at(&self, busy: usize) -> f64 {
-        self.launch_overhead * (1.0 + self.launch_contention.max(0.0) * (self.host_share(busy) - 1.0))
+        let others = if self.shared_host { busy.max(1) as f64 - 1.0 } else { 0.0 };
+        self.launch_overhead * (1.0 + self.launch_contention.max(0.0) * others)
     }
 
     /// The fraction of peak a GEMM (or convolution as a GEMM) with an `m × n` output and
@@ -376,6 +384,7 @@ fn a100() -> Device {
         launch_overhead: 5e-6,
         shared_host: false,
         launch_contention: 0.0,
+        host_use: 1.0,
         host_staged: false,
         ring_contention: 0.0,
         host_cores: 0,
@@ -442,6 +451,7 @@ fn dgx_h100(nodes: usize) -> Cluster {
             launch_overhead: 4e-6,
             shared_host: false,
             launch_contention: 0.0,
+            host_use: 1.0,
             host_staged: false,
             ring_contention: 0.0,
             host_cores: 0,
@@ -497,6 +507,7 @@ fn pcie_v100x8() -> Cluster {
             launch_overhead: 6e-6,
             shared_host: false,
             launch_contention: 0.0,
+            host_use: 1.0,
             host_staged: false,
             ring_contention: 0.0,
             host_cores: 0,
@@ -544,6 +555,7 @@ fn dgx1_v100() -> Cluster {
             launch_overhead: 6e-6,
             shared_host: false,
             launch_contention: 0.0,
+            host_use: 1.0,
             host_staged: false,
             ring_contention: 0.0,
             host_cores: 0,
@@ -662,6 +674,10 @@ impl Cluster {
         if self.device.launch_overhead < 0.0 || self.intra.latency < 0.0 || self.host.latency < 0.0 {
             return Err("latencies and overheads cannot be negative".into());
         }
+        let u = self.device.host_use;
+        if !(u > 0.0 && u <= 1.0) {
+            return Err(format!("`device.host_use` must be a fraction in (0, 1], got {u}"));
+        }
         let c = self.device.ring_contention;
         if !(c >= 0.0 && c.is_finite()) {
             return Err(format!("`device.ring_contention` must be a number of at least 0, got {c}"));
@@ -777,6 +793,20 @@ mod tests {
         assert!(c.mesh(128).is_err());
     }
 
+    /// Devices on one host share it by their count times the part one of them keeps busy,
+    /// never less than alone; launches contend by the count alone.
+    #[test]
+    fn devices_share_a_host_by_the_part_each_keeps_busy() {
+        let mut c = Cluster::preset("local-wgpu").unwrap();
+        assert_eq!((c.device.host_share(1), c.device.host_share(4)), (1.0, 4.0));
+        c.device.host_use = 0.5;
+        assert_eq!((c.device.host_share(1), c.device.host_share(2), c.device.host_share(4)), (1.0, 1.0, 2.0));
+        let l = c.device.launch_overhead * (1.0 + 3.0 * c.device.launch_contention);
+        assert!((c.device.launch_at(4) - l).abs() < 1e-15);
+        let back = Cluster::from_toml(&c.to_toml()).unwrap();
+        assert_eq!(back.device.host_use, 0.5);
+    }
+
     #[test]
     fn bad_files_say_what_is_wrong() {
         let mut c = Cluster::preset("dgx-a100").unwrap();
@@ -787,6 +817,10 @@ mod tests {
         c.device.ring_contention = -1.0;
         let e = Cluster::from_toml(&c.to_toml()).unwrap_err();
         assert!(e.contains("ring_contention"), "{e}");
+        let mut c = Cluster::preset("local-wgpu").unwrap();
+        c.device.host_use = 1.5;
+        let e = Cluster::from_toml(&c.to_toml()).unwrap_err();
+        assert!(e.contains("host_use"), "{e}");
         let mut c = Cluster::preset("local-wgpu").unwrap();
         c.device.kernel_factors.insert("ReduceSum".into(), 0.0);
         let e = Cluster::from_toml(&c.to_toml()).unwrap_err();

@@ -26,6 +26,7 @@ fn toy() -> Cluster {
             launch_overhead: 0.0,
             shared_host: false,
             launch_contention: 0.0,
+            host_use: 1.0,
             host_staged: false,
             ring_contention: 0.0,
             host_cores: 0,
