@@ -183,6 +183,24 @@ pub(super) struct Accumulation {
 }
 
 impl Accumulation {
+    /// [`Accumulation::new`], and carried state (`(name, init, next)`) no once-per-step op
+    /// computes (a pipeline stage's own step counter) crosses too: its last micro-batch's
+    /// value.
+    pub(super) fn for_step(
+        g: &Graph,
+        order: &[NodeId],
+        once: std::collections::HashSet<NodeId>,
+        carries: &[(String, Value, Value)],
+    ) -> Accumulation {
+        let mut a = Accumulation::new(g, order, once);
+        for (_, _, nv) in carries {
+            if !a.once.contains(&nv.node) && !a.boundary.contains(nv) {
+                a.boundary.push(*nv);
+            }
+        }
+        a
+    }
+
     pub(super) fn new(g: &Graph, order: &[NodeId], once: std::collections::HashSet<NodeId>) -> Accumulation {
         use std::collections::HashSet;
         let mut fed: HashSet<Value> = HashSet::new();

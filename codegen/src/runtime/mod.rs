@@ -778,17 +778,7 @@ fn drive<E: Executor>(
         cut.backward.iter().flat_map(|&n| g.node(n).inputs().iter().flatten().copied()).collect();
     // What the ops of another chunk than its own read: kept until the micro-batch ends.
     let shared = cross_chunk_reads(g, &order, &cut);
-    let acc = accumulates(p, opts).then(|| {
-        let mut a = Accumulation::new(g, &order, cut.once.clone());
-        // Carried state no once-per-step op computes (a pipeline stage's own step counter)
-        // crosses too: its last micro-batch's value.
-        for (_, _, nv) in &carries {
-            if !a.once.contains(&nv.node) && !a.boundary.contains(nv) {
-                a.boundary.push(*nv);
-            }
-        }
-        a
-    });
+    let acc = accumulates(p, opts).then(|| Accumulation::for_step(g, &order, cut.once.clone(), &carries));
     // (One micro-batch — a pipeline that does not cut the batch — updates it once a step.)
     if let Some(a) = &acc
         && p.micro_batches > 1

@@ -84,7 +84,7 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
     let groups = [g.n.div_ceil(32) as u32, g.m.div_ceil(32) as u32, nbatch as u32];
     // Rows from the subgroup's lanes, vec4 columns per lane (see `gemm_sg_src`).
     let sg = c.subgroup.filter(|_| subgroup_fits(g));
-    let bt = g.b_st.1 != 1;
+    let v = SgGemm { with_c: false, split: false, at: g.a_st.1 != 1, bt: g.b_st.1 != 1 };
     let sg_groups = |s: u32, z: usize| [(g.n / 4).div_ceil(s as usize) as u32, g.m.div_ceil(SG_ROWS) as u32, z as u32];
     if ir::ops::contraction::gemm_dispatches(nbatch, g.k) == 2 {
         // A long reduction in chunks, each workgroup layer one chunk's partial product, then
@@ -99,7 +99,13 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
         match sg {
             Some(s) => {
                 let trips = (len / 4 + 4 * s as usize) as u64;
-                c.launch_loop(gemm_sg_src(s, false, true, bt), vec![g.a, g.b, t], p, sg_groups(s, parts), trips);
+                c.launch_loop(
+                    gemm_sg_src(s, SgGemm { split: true, ..v }),
+                    vec![g.a, g.b, t],
+                    p,
+                    sg_groups(s, parts),
+                    trips,
+                );
             }
             None => {
                 let groups = [groups[0], groups[1], parts as u32];
@@ -126,8 +132,8 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
     if let Some(s) = sg {
         let trips = (g.batch.len() + g.k / 4 + 4 * s as usize) as u64;
         let (src, bufs) = match g.c {
-            Some(cb) => (gemm_sg_src(s, true, false, bt), vec![g.a, g.b, cb, out]),
-            None => (gemm_sg_src(s, false, false, bt), vec![g.a, g.b, out]),
+            Some(cb) => (gemm_sg_src(s, SgGemm { with_c: true, ..v }), vec![g.a, g.b, cb, out]),
+            None => (gemm_sg_src(s, v), vec![g.a, g.b, out]),
         };
         c.launch_loop(src, bufs, p, sg_groups(s, nbatch), trips);
         return Ok(());
@@ -426,19 +432,33 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     )
 }
 
+/// The variant of [`gemm_sg_src`]: with C, one chunk of a split reduction, A or B stored
+/// transposed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SgGemm {
+    /// `+ beta · C`.
+    pub with_c: bool,
+    /// Workgroup layer `z` computes chunk `z` of the reduction.
+    pub split: bool,
+    /// A's rows lie along the reduction's stride, its reduction along rows of stride 1.
+    pub at: bool,
+    /// B's columns lie along the reduction.
+    pub bt: bool,
+}
+
 /// Rows of `Y` one workgroup of [`gemm_sg_src`] computes (its 64 invocations in subgroups).
 const SG_ROWS: usize = 64;
 
-/// Whether [`gemm_sg_src`] computes `g`: A read along the reduction and B along the columns
-/// or (transposed) along the reduction, in whole, aligned vec4s (reduction and columns
-/// multiples of 4, every row stride, batch stride and base offset too).
+/// Whether [`gemm_sg_src`] computes `g`: A read along the reduction or (transposed, with rows
+/// a multiple of 4) along its rows, B along the columns or (transposed) along the reduction,
+/// in whole, aligned vec4s (reduction and columns multiples of 4, every stride between
+/// vec4s, batch stride and base offset too).
 fn subgroup_fits(g: &GemmSpec) -> bool {
     let aligned = |v: usize| v.is_multiple_of(4);
-    g.a_st.1 == 1
+    ((g.a_st.1 == 1 && aligned(g.a_st.0)) || (g.a_st.0 == 1 && aligned(g.a_st.1) && aligned(g.m)))
         && ((g.b_st.1 == 1 && aligned(g.b_st.0)) || (g.b_st.0 == 1 && aligned(g.b_st.1)))
         && aligned(g.k)
         && aligned(g.n)
-        && aligned(g.a_st.0)
         && aligned(g.bases.0)
         && aligned(g.bases.1)
         && g.a_bst.iter().chain(&g.b_bst).copied().all(aligned)
@@ -455,14 +475,18 @@ fn subgroup_fits(g: &GemmSpec) -> bool {
 /// `split`: workgroup layer `z` computes the partial product over reduction steps
 /// `[z·P[31], (z + 1)·P[31])` (`P[31]` a multiple of 4) into layer `z` of Y, as
 /// [`gemm_rt_src`]'s. `bt`: B is stored transposed (its columns along the reduction): a lane
-/// loads a vec4 of each of its four columns per step and transposes the 4×4 block.
-pub fn gemm_sg_src(s: u32, with_c: bool, split: bool, bt: bool) -> String {
+/// loads a vec4 of each of its four columns per step and transposes the 4×4 block. `at`: A
+/// is stored transposed (its rows along the reduction): the subgroup's `s` lanes load the
+/// four reduction steps' `s` rows as `s` vec4s, one each, and every lane assembles each
+/// row's four values from their broadcasts.
+pub fn gemm_sg_src(s: u32, v: SgGemm) -> String {
+    let SgGemm { with_c, split, at, bt } = v;
     let b_loads = if bt {
         "let bcs = P[6] / 4u;
     let cbase = (P[27] + bb) / 4u + min(col, N4 - 1u) * 4u * bcs;
 {accs}    {k_range}
     for (var k = kbeg; k < kend; k = k + 1u) {
-        let a = A[ra + k];
+        {a_load}
         let q0 = B[cbase + k];
         let q1 = B[cbase + bcs + k];
         let q2 = B[cbase + 2u * bcs + k];
@@ -476,7 +500,7 @@ pub fn gemm_sg_src(s: u32, with_c: bool, split: bool, bt: bool) -> String {
     let cbase = (P[27] + bb) / 4u + min(col, N4 - 1u);
 {accs}    {k_range}
     for (var k = kbeg; k < kend; k = k + 1u) {
-        let a = A[ra + k];
+        {a_load}
         let kb = cbase + k * 4u * brs;
         let b0 = B[kb];
         let b1 = B[kb + brs];
@@ -493,14 +517,40 @@ pub fn gemm_sg_src(s: u32, with_c: bool, split: bool, bt: bool) -> String {
     let mut accs = String::new();
     let mut body = String::new();
     let mut store = String::new();
+    // Transposed A: lane `l` holds reduction step `l / q` of rows `(l % q)·4 …` (q vec4s per
+    // step); row `r`'s step `j` is component `r % 4` of lane `j·q + r / 4`'s vec4.
+    let q = s / 4;
+    if at {
+        for l in 0..s {
+            body += &format!("        let v{l} = subgroupBroadcast(a, {l}u);\n");
+        }
+    }
     for r in 0..s {
         accs += &format!("    var acc{r} = vec4<f32>(0.0);\n");
-        body += &format!(
-            "        let a{r} = subgroupBroadcast(a, {r}u);\n        \
-             acc{r} = acc{r} + a{r}.x * b0 + a{r}.y * b1 + a{r}.z * b2 + a{r}.w * b3;\n"
-        );
+        if at {
+            let c = ["x", "y", "z", "w"][(r % 4) as usize];
+            let lane = |j: u32| j * q + r / 4;
+            body += &format!(
+                "        let a{r} = vec4<f32>(v{}.{c}, v{}.{c}, v{}.{c}, v{}.{c});\n",
+                lane(0),
+                lane(1),
+                lane(2),
+                lane(3)
+            );
+        } else {
+            body += &format!("        let a{r} = subgroupBroadcast(a, {r}u);\n");
+        }
+        body += &format!("        acc{r} = acc{r} + a{r}.x * b0 + a{r}.y * b1 + a{r}.z * b2 + a{r}.w * b3;\n");
         store += &format!("        put(row0 + {r}u, acc{r});\n");
     }
+    let (a_base, a_load) = if at {
+        (
+            format!("let acs = P[4] / 4u;\n    let ra = (P[26] + ab + min(row0 + (lane % {q}u) * 4u, M - 4u)) / 4u;"),
+            format!("let a = A[ra + (k * 4u + lane / {q}u) * acs];"),
+        )
+    } else {
+        ("let ra = (P[26] + ab + min(row0 + lane, M - 1u) * P[3]) / 4u;".to_string(), "let a = A[ra + k];".to_string())
+    };
     let c_term = if with_c {
         "for (var q = 0u; q < 4u; q = q + 1u) {
             v[q] = v[q] + bitcast<f32>(P[30]) * C[P[28] + cb + row * P[7] + (col * 4u + q) * P[8]];
@@ -508,7 +558,7 @@ pub fn gemm_sg_src(s: u32, with_c: bool, split: bool, bt: bool) -> String {
     } else {
         ""
     };
-    let b_loads = b_loads.replace("{accs}", &accs).replace("{k_range}", k_range);
+    let b_loads = b_loads.replace("{accs}", &accs).replace("{k_range}", k_range).replace("{a_load}", &a_load);
     format!(
         "@group(0) @binding(0) var<storage, read> A: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> B: array<vec4<f32>>;
@@ -546,7 +596,7 @@ fn main(@builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u3
     let row0 = wid.y * {SG_ROWS}u + sg * {s}u;
     col = wid.x * {s}u + lane;
     ybase = wid.z * M * N4;
-    let ra = (P[26] + ab + min(row0 + lane, M - 1u) * P[3]) / 4u;
+    {a_base}
     {b_loads}
 {body}    }}
 {store}}}
@@ -596,7 +646,8 @@ mod tests {
         assert!(!kernel(None, &spec(70, 36, 12, (12, 1))).0);
         assert!(!kernel(Some(8), &spec(70, 36, 10, (10, 1))).0, "reduction of no multiple of 4");
         assert!(!kernel(Some(8), &spec(70, 34, 12, (12, 1))).0, "columns of no multiple of 4");
-        assert!(!kernel(Some(8), &spec(70, 36, 12, (1, 70))).0, "transposed A");
+        assert!(kernel(Some(8), &spec(72, 36, 12, (1, 72))).0, "transposed A");
+        assert!(!kernel(Some(8), &spec(70, 36, 12, (1, 70))).0, "transposed A of no multiple of 4 rows");
         let mut bt = spec(70, 36, 12, (12, 1));
         bt.b_st = (1, 12);
         assert!(kernel(Some(8), &bt).0, "transposed B");
@@ -621,9 +672,10 @@ mod tests {
             validate("gemm_rt", &gemm_rt_src(c, false));
             validate("split_k_sum", &split_k_sum_src(c));
             for s in [4, 8, 16] {
-                for bt in [false, true] {
-                    validate("gemm_sg", &gemm_sg_src(s, c, false, bt));
-                    validate("gemm_sg_split", &gemm_sg_src(s, c, true, bt));
+                for (at, bt) in [(false, false), (true, false), (false, true), (true, true)] {
+                    for split in [false, true] {
+                        validate("gemm_sg", &gemm_sg_src(s, SgGemm { with_c: c, split, at, bt }));
+                    }
                 }
             }
         }
