@@ -84,6 +84,23 @@ fn kernels() -> Vec<Kernel> {
     );
     c.work = 2.0 * (8 * 64 * 256 * 64 * 9) as f64;
     v.push(c);
+    // Its two gradients, each as many FLOPs as the convolution.
+    v.push(Kernel {
+        name: "ConvGradInput of the same",
+        signature: "(float[8,64,16,16] dy, float[64,64,3,3] w) => (dx)".into(),
+        body: "dx = shardc.ConvGradInput <input_shape: ints = [8, 64, 16, 16], kernel_shape: ints = [3, 3], pads: ints = [1, 1, 1, 1]> (dy, w)",
+        shapes: vec![vec![8, 64, 16, 16], vec![64, 64, 3, 3]],
+        work: 2.0 * (8 * 64 * 256 * 64 * 9) as f64,
+        unit: "GFLOP/s",
+    });
+    v.push(Kernel {
+        name: "ConvGradWeight of the same",
+        signature: "(float[8,64,16,16] x, float[8,64,16,16] dy) => (dw)".into(),
+        body: "dw = shardc.ConvGradWeight <kernel_shape: ints = [3, 3], pads: ints = [1, 1, 1, 1]> (x, dy)",
+        shapes: vec![vec![8, 64, 16, 16], vec![8, 64, 16, 16]],
+        work: 2.0 * (8 * 64 * 256 * 64 * 9) as f64,
+        unit: "GFLOP/s",
+    });
     let mut c = conv(
         "Conv 7×7/2 8×3×64×64→64",
         [8, 3, 64, 64],
@@ -138,7 +155,8 @@ fn kernel_rates() {
     );
     let mut gpu = GpuExecutor::new().ok();
     // The same adapter without subgroup operations (the kernels other adapters run), where
-    // the kernels use them: its rate beside the subgroup kernels' for the GEMMs.
+    // the kernels use them: its rate beside the subgroup kernels' for the GEMMs and the
+    // convolutions (im2col and a GEMM).
     let mut plain = gpu.as_ref().and_then(GpuExecutor::subgroup).and_then(|_| GpuExecutor::without_subgroups().ok());
     if let Some(g) = &gpu {
         println!("  adapter: {} (subgroups of {:?})", g.name(), g.subgroup());
@@ -153,7 +171,7 @@ fn kernel_rates() {
         let tr = reference_time(&m.graph, node, &inputs);
         let tg = gpu.as_mut().map(|g| time_node(g, &m.graph, node, &inputs, 5).expect("gpu run"));
         let rate = |t: f64| k.work / t / 1e9;
-        if let Some(p) = plain.as_mut().filter(|_| k.name.starts_with("MatMul")) {
+        if let Some(p) = plain.as_mut().filter(|_| k.unit == "GFLOP/s") {
             let tp = time_node(p, &m.graph, node, &inputs, 5).expect("gpu run");
             println!("  {:<28} wgpu without subgroups {:>9.3} ms {:>6.2} {}", k.name, tp * 1e3, rate(tp), k.unit);
         }

@@ -351,8 +351,8 @@ g (float[37,9001] a, float[9001,45] b, float[45,8500] wt, float[45] c, float[2,3
 /// 8-lane subgroups): rows that are no multiple of a subgroup or of a workgroup's 64, fewer
 /// columns than a subgroup's lanes cover and more than one workgroup's, a batch with a
 /// broadcast operand, a shared B folded into rows, `Gemm` with `alpha`, `beta` and a bias per
-/// column and per element, a transposed B, a transposed A (of rows spanning two workgroups),
-/// both — each equal to the reference — and beside them shapes the kernel does not take (a
+/// column and per element, a transposed B (also of columns of no multiple of 4, with a bias),
+/// a transposed A (of rows spanning two workgroups), both — each equal to the reference — and beside them shapes the kernel does not take (a
 /// reduction and columns of no multiple of 4, a transposed A of no multiple of 4 rows), on the
 /// kernels without subgroups. On lavapipe the subgroup kernel is the one that runs.
 #[test]
@@ -361,7 +361,7 @@ fn gemms_on_subgroups_match_the_reference() {
         return;
     }
     let text = r#"<ir_version: 8, opset_import: ["" : 17]>
-g (float[5,8] a, float[8,4] b, float[70,12] c, float[12,36] d, float[2,3,20,16] e, float[2,1,16,12] f, float[3,7,16] h, float[16,8] w, float[67,20] x, float[20,44] y, float[44] bias, float[67,44] full, float[6,10] p, float[10,5] q, float[9,8] r, float[12,8] s, float[12,6] u, float[8,12] v, float[12,8] w2, float[12,20] x2, float[16,68] w3, float[12,16] x3) => (o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11) {
+g (float[5,8] a, float[8,4] b, float[70,12] c, float[12,36] d, float[2,3,20,16] e, float[2,1,16,12] f, float[3,7,16] h, float[16,8] w, float[67,20] x, float[20,44] y, float[44] bias, float[67,44] full, float[6,10] p, float[10,5] q, float[9,8] r, float[12,8] s, float[12,6] u, float[8,12] v, float[12,8] w2, float[12,20] x2, float[16,68] w3, float[12,16] x3, float[13,20] s2, float[13] b2) => (o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11, o12) {
   o1 = MatMul (a, b)
   o2 = MatMul (c, d)
   o3 = MatMul (e, f)
@@ -373,6 +373,7 @@ g (float[5,8] a, float[8,4] b, float[70,12] c, float[12,36] d, float[2,3,20,16] 
   o9 = Gemm <transA = 1, transB = 1> (u, v)
   o10 = Gemm <transA = 1> (w2, x2)
   o11 = Gemm <transA = 1, transB = 1, alpha = 0.75> (w3, x3)
+  o12 = Gemm <transB = 1, beta = 0.5> (x, s2, b2)
 }
 "#;
     let shapes = [
@@ -398,15 +399,17 @@ g (float[5,8] a, float[8,4] b, float[70,12] c, float[12,36] d, float[2,3,20,16] 
         ("x2", vec![12, 20]),
         ("w3", vec![16, 68]),
         ("x3", vec![12, 16]),
+        ("s2", vec![13, 20]),
+        ("b2", vec![13]),
     ];
     let dispatches = wgpu_matches_reference(
         "subgroup GEMMs",
         text,
         &shapes,
         13,
-        &["o1", "o2", "o3", "o4", "o5", "o6", "o7", "o8", "o9", "o10", "o11"],
+        &["o1", "o2", "o3", "o4", "o5", "o6", "o7", "o8", "o9", "o10", "o11", "o12"],
     );
-    assert!(dispatches >= 11, "one kernel per GEMM at least, each counted: {dispatches}");
+    assert!(dispatches >= 12, "one kernel per GEMM at least, each counted: {dispatches}");
     use codegen::runtime::Executor as _;
     let exec = codegen::runtime::gpu::GpuExecutor::new().unwrap();
     if exec.name().contains("llvmpipe") {

@@ -85,7 +85,8 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
     // Rows from the subgroup's lanes, vec4 columns per lane (see `gemm_sg_src`).
     let sg = c.subgroup.filter(|_| subgroup_fits(g));
     let v = SgGemm { with_c: false, split: false, at: g.a_st.1 != 1, bt: g.b_st.1 != 1 };
-    let sg_groups = |s: u32, z: usize| [(g.n / 4).div_ceil(s as usize) as u32, g.m.div_ceil(SG_ROWS) as u32, z as u32];
+    let sg_groups =
+        |s: u32, z: usize| [g.n.div_ceil(4).div_ceil(s as usize) as u32, g.m.div_ceil(SG_ROWS) as u32, z as u32];
     if ir::ops::contraction::gemm_dispatches(nbatch, g.k) == 2 {
         // A long reduction in chunks, each workgroup layer one chunk's partial product, then
         // their sum (and C): see `gemm_rt_src`.
@@ -450,15 +451,14 @@ pub struct SgGemm {
 const SG_ROWS: usize = 64;
 
 /// Whether [`gemm_sg_src`] computes `g`: A read along the reduction or (transposed, with rows
-/// a multiple of 4) along its rows, B along the columns or (transposed) along the reduction,
-/// in whole, aligned vec4s (reduction and columns multiples of 4, every stride between
-/// vec4s, batch stride and base offset too).
+/// a multiple of 4) along its rows, B along the columns (a multiple of 4 of them) or
+/// (transposed, any number) along the reduction, in whole, aligned vec4s (the reduction a
+/// multiple of 4, every stride between vec4s, batch stride and base offset too).
 fn subgroup_fits(g: &GemmSpec) -> bool {
     let aligned = |v: usize| v.is_multiple_of(4);
     ((g.a_st.1 == 1 && aligned(g.a_st.0)) || (g.a_st.0 == 1 && aligned(g.a_st.1) && aligned(g.m)))
-        && ((g.b_st.1 == 1 && aligned(g.b_st.0)) || (g.b_st.0 == 1 && aligned(g.b_st.1)))
+        && ((g.b_st.1 == 1 && aligned(g.b_st.0) && aligned(g.n)) || (g.b_st.0 == 1 && aligned(g.b_st.1)))
         && aligned(g.k)
-        && aligned(g.n)
         && aligned(g.bases.0)
         && aligned(g.bases.1)
         && g.a_bst.iter().chain(&g.b_bst).copied().all(aligned)
@@ -483,21 +483,25 @@ pub fn gemm_sg_src(s: u32, v: SgGemm) -> String {
     let SgGemm { with_c, split, at, bt } = v;
     let b_loads = if bt {
         "let bcs = P[6] / 4u;
-    let cbase = (P[27] + bb) / 4u + min(col, N4 - 1u) * 4u * bcs;
+    let bbase = (P[27] + bb) / 4u;
+    let c0 = bbase + min(col * 4u, P[1] - 1u) * bcs;
+    let c1 = bbase + min(col * 4u + 1u, P[1] - 1u) * bcs;
+    let c2 = bbase + min(col * 4u + 2u, P[1] - 1u) * bcs;
+    let c3 = bbase + min(col * 4u + 3u, P[1] - 1u) * bcs;
 {accs}    {k_range}
     for (var k = kbeg; k < kend; k = k + 1u) {
         {a_load}
-        let q0 = B[cbase + k];
-        let q1 = B[cbase + bcs + k];
-        let q2 = B[cbase + 2u * bcs + k];
-        let q3 = B[cbase + 3u * bcs + k];
+        let q0 = B[c0 + k];
+        let q1 = B[c1 + k];
+        let q2 = B[c2 + k];
+        let q3 = B[c3 + k];
         let b0 = vec4<f32>(q0.x, q1.x, q2.x, q3.x);
         let b1 = vec4<f32>(q0.y, q1.y, q2.y, q3.y);
         let b2 = vec4<f32>(q0.z, q1.z, q2.z, q3.z);
         let b3 = vec4<f32>(q0.w, q1.w, q2.w, q3.w);"
     } else {
         "let brs = P[5] / 4u;
-    let cbase = (P[27] + bb) / 4u + min(col, N4 - 1u);
+    let cbase = (P[27] + bb) / 4u + min(col, P[1] / 4u - 1u);
 {accs}    {k_range}
     for (var k = kbeg; k < kend; k = k + 1u) {
         {a_load}
@@ -551,33 +555,31 @@ pub fn gemm_sg_src(s: u32, v: SgGemm) -> String {
     } else {
         ("let ra = (P[26] + ab + min(row0 + lane, M - 1u) * P[3]) / 4u;".to_string(), "let a = A[ra + k];".to_string())
     };
-    let c_term = if with_c {
-        "for (var q = 0u; q < 4u; q = q + 1u) {
-            v[q] = v[q] + bitcast<f32>(P[30]) * C[P[28] + cb + row * P[7] + (col * 4u + q) * P[8]];
-        }"
-    } else {
-        ""
-    };
+    let c_term = if with_c { "v = v + bitcast<f32>(P[30]) * C[P[28] + cb + row * P[7] + c * P[8]];" } else { "" };
     let b_loads = b_loads.replace("{accs}", &accs).replace("{k_range}", k_range).replace("{a_load}", &a_load);
     format!(
         "@group(0) @binding(0) var<storage, read> A: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> B: array<vec4<f32>>;
-{c_binding}@group(0) @binding({yb}) var<storage, read_write> Y: array<vec4<f32>>;
+{c_binding}@group(0) @binding({yb}) var<storage, read_write> Y: array<f32>;
 @group(0) @binding({pb}) var<storage, read> P: array<u32>;
 var<private> ybase: u32;
 var<private> cb: u32;
 var<private> col: u32;
 fn put(row: u32, acc: vec4<f32>) {{
-    if (row >= P[0] || col >= P[1] / 4u) {{ return; }}
-    var v = bitcast<f32>(P[29]) * acc;
-    {c_term}
-    Y[ybase + row * (P[1] / 4u) + col] = v;
+    if (row >= P[0]) {{ return; }}
+    for (var q = 0u; q < 4u; q = q + 1u) {{
+        let c = col * 4u + q;
+        if (c >= P[1]) {{ return; }}
+        var v = bitcast<f32>(P[29]) * acc[q];
+        {c_term}
+        Y[ybase + row * P[1] + c] = v;
+    }}
 }}
 @compute @workgroup_size(64)
 fn main(@builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32,
         @builtin(workgroup_id) wid: vec3<u32>) {{
     let M = P[0];
-    let N4 = P[1] / 4u;
+
     let K4 = P[2] / 4u;
     var rem = wid.z;
     var ab = 0u;
@@ -595,7 +597,7 @@ fn main(@builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u3
     }}
     let row0 = wid.y * {SG_ROWS}u + sg * {s}u;
     col = wid.x * {s}u + lane;
-    ybase = wid.z * M * N4;
+    ybase = wid.z * M * P[1];
     {a_base}
     {b_loads}
 {body}    }}
@@ -651,6 +653,8 @@ mod tests {
         let mut bt = spec(70, 36, 12, (12, 1));
         bt.b_st = (1, 12);
         assert!(kernel(Some(8), &bt).0, "transposed B");
+        bt.n = 34;
+        assert!(kernel(Some(8), &bt).0, "transposed B of columns of no multiple of 4");
         bt.b_st = (1, 14);
         assert!(!kernel(Some(8), &bt).0, "transposed B of unaligned columns");
         // A long reduction: its chunks on the subgroup kernel (whole vec4s each), then their sum.
