@@ -352,9 +352,9 @@ g (float[37,9001] a, float[9001,45] b, float[45,8500] wt, float[45] c, float[2,3
 /// columns than a subgroup's lanes cover and more than one workgroup's, a batch with a
 /// broadcast operand, a shared B folded into rows, `Gemm` with `alpha`, `beta` and a bias per
 /// column and per element, a transposed B (also of columns of no multiple of 4, with a bias),
-/// a transposed A (of rows spanning two workgroups), both — each equal to the reference — and beside them shapes the kernel does not take (a
-/// reduction and columns of no multiple of 4, a transposed A of no multiple of 4 rows), on the
-/// kernels without subgroups. On lavapipe the subgroup kernel is the one that runs.
+/// a transposed A (of rows spanning two workgroups), both, and operands it reads element by
+/// element (a reduction and columns of no multiple of 4, a transposed A of no multiple of 4
+/// rows) — each equal to the reference. On lavapipe the subgroup kernel is the one that runs.
 #[test]
 fn gemms_on_subgroups_match_the_reference() {
     if !gpu_available() {

@@ -1,7 +1,9 @@
-//! GEMM: a register-tiled kernel (4×4 blocks per invocation, no workgroup memory — barriers
-//! are costly on CPU-backed drivers) for `MatMul` (batched, broadcast, 1-d operands
-//! promoted, a shared B folded into rows), `Gemm`, and the projections inside convolutions
-//! and recurrent layers. A tiled variant with workgroup memory is kept for devices where it
+//! GEMM for `MatMul` (batched, broadcast, 1-d operands promoted, a shared B folded into
+//! rows), `Gemm`, and the projections inside convolutions and recurrent layers. On adapters
+//! with a fixed subgroup size (CPU adapters such as lavapipe) one kernel on subgroups
+//! ([`gemm_sg_src`]: each lane's row of A reaches the others by broadcast); elsewhere a
+//! register-tiled kernel (4×4 blocks per invocation, no workgroup memory — barriers are costly
+//! on CPU-backed drivers). A tiled variant with workgroup memory is kept for devices where it
 //! is faster.
 
 use ir::op;
@@ -83,8 +85,13 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
     let nbatch: usize = g.batch.iter().product::<usize>().max(1);
     let groups = [g.n.div_ceil(32) as u32, g.m.div_ceil(32) as u32, nbatch as u32];
     // Rows from the subgroup's lanes, vec4 columns per lane (see `gemm_sg_src`).
-    let sg = c.subgroup.filter(|_| subgroup_fits(g));
-    let v = SgGemm { with_c: false, split: false, at: g.a_st.1 != 1, bt: g.b_st.1 != 1 };
+    // Aligned operands in vec4s, any others element by element.
+    let sg = c.subgroup;
+    let v = if subgroup_fits(g) {
+        SgGemm { at: g.a_st.1 != 1, bt: g.b_st.1 != 1, ..SgGemm::default() }
+    } else {
+        SgGemm { scalar: true, ..SgGemm::default() }
+    };
     let sg_groups =
         |s: u32, z: usize| [g.n.div_ceil(4).div_ceil(s as usize) as u32, g.m.div_ceil(SG_ROWS) as u32, z as u32];
     if ir::ops::contraction::gemm_dispatches(nbatch, g.k) == 2 {
@@ -131,7 +138,7 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
         return Ok(());
     }
     if let Some(s) = sg {
-        let trips = (g.batch.len() + g.k / 4 + 4 * s as usize) as u64;
+        let trips = (g.batch.len() + g.k.div_ceil(4) + 4 * s as usize) as u64;
         let (src, bufs) = match g.c {
             Some(cb) => (gemm_sg_src(s, SgGemm { with_c: true, ..v }), vec![g.a, g.b, cb, out]),
             None => (gemm_sg_src(s, v), vec![g.a, g.b, out]),
@@ -445,6 +452,9 @@ pub struct SgGemm {
     pub at: bool,
     /// B's columns lie along the reduction.
     pub bt: bool,
+    /// Both operands read element by element at any strides (`at`, `bt` unused), reduction
+    /// steps past `K` read as 0.
+    pub scalar: bool,
 }
 
 /// Rows of `Y` one workgroup of [`gemm_sg_src`] computes (its 64 invocations in subgroups).
@@ -480,8 +490,17 @@ fn subgroup_fits(g: &GemmSpec) -> bool {
 /// four reduction steps' `s` rows as `s` vec4s, one each, and every lane assembles each
 /// row's four values from their broadcasts.
 pub fn gemm_sg_src(s: u32, v: SgGemm) -> String {
-    let SgGemm { with_c, split, at, bt } = v;
-    let b_loads = if bt {
+    let SgGemm { with_c, split, at, bt, scalar } = v;
+    let b_loads = if scalar {
+        "{accs}    {k_range}
+    for (var k = kbeg; k < kend; k = k + 1u) {
+        let k0 = k * 4u;
+        let a = vec4<f32>(lda(ra, k0), lda(ra, k0 + 1u), lda(ra, k0 + 2u), lda(ra, k0 + 3u));
+        let b0 = vec4<f32>(ldb(k0, 0u), ldb(k0, 1u), ldb(k0, 2u), ldb(k0, 3u));
+        let b1 = vec4<f32>(ldb(k0 + 1u, 0u), ldb(k0 + 1u, 1u), ldb(k0 + 1u, 2u), ldb(k0 + 1u, 3u));
+        let b2 = vec4<f32>(ldb(k0 + 2u, 0u), ldb(k0 + 2u, 1u), ldb(k0 + 2u, 2u), ldb(k0 + 2u, 3u));
+        let b3 = vec4<f32>(ldb(k0 + 3u, 0u), ldb(k0 + 3u, 1u), ldb(k0 + 3u, 2u), ldb(k0 + 3u, 3u));"
+    } else if bt {
         "let bcs = P[6] / 4u;
     let bbase = (P[27] + bb) / 4u;
     let c0 = bbase + min(col * 4u, P[1] - 1u) * bcs;
@@ -547,7 +566,9 @@ pub fn gemm_sg_src(s: u32, v: SgGemm) -> String {
         body += &format!("        acc{r} = acc{r} + a{r}.x * b0 + a{r}.y * b1 + a{r}.z * b2 + a{r}.w * b3;\n");
         store += &format!("        put(row0 + {r}u, acc{r});\n");
     }
-    let (a_base, a_load) = if at {
+    let (a_base, a_load) = if scalar {
+        ("bbase = P[27] + bb;\n    let ra = P[26] + ab + min(row0 + lane, M - 1u) * P[3];".to_string(), String::new())
+    } else if at {
         (
             format!("let acs = P[4] / 4u;\n    let ra = (P[26] + ab + min(row0 + (lane % {q}u) * 4u, M - 4u)) / 4u;"),
             format!("let a = A[ra + (k * 4u + lane / {q}u) * acs];"),
@@ -557,15 +578,31 @@ pub fn gemm_sg_src(s: u32, v: SgGemm) -> String {
     };
     let c_term = if with_c { "v = v + bitcast<f32>(P[30]) * C[P[28] + cb + row * P[7] + c * P[8]];" } else { "" };
     let b_loads = b_loads.replace("{accs}", &accs).replace("{k_range}", k_range).replace("{a_load}", &a_load);
+    let (operand, loads) = if scalar {
+        (
+            "f32",
+            "var<private> bbase: u32;
+// A's element `kk` of the row at `base`, B's of row `kk` and column `col·4 + q`; 0 past K.
+fn lda(base: u32, kk: u32) -> f32 {
+    return select(0.0, A[base + min(kk, P[2] - 1u) * P[4]], kk < P[2]);
+}
+fn ldb(kk: u32, q: u32) -> f32 {
+    return select(0.0, B[bbase + min(kk, P[2] - 1u) * P[5] + min(col * 4u + q, P[1] - 1u) * P[6]], kk < P[2]);
+}
+",
+        )
+    } else {
+        ("vec4<f32>", "")
+    };
     format!(
-        "@group(0) @binding(0) var<storage, read> A: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read> B: array<vec4<f32>>;
+        "@group(0) @binding(0) var<storage, read> A: array<{operand}>;
+@group(0) @binding(1) var<storage, read> B: array<{operand}>;
 {c_binding}@group(0) @binding({yb}) var<storage, read_write> Y: array<f32>;
 @group(0) @binding({pb}) var<storage, read> P: array<u32>;
 var<private> ybase: u32;
 var<private> cb: u32;
 var<private> col: u32;
-fn put(row: u32, acc: vec4<f32>) {{
+{loads}fn put(row: u32, acc: vec4<f32>) {{
     if (row >= P[0]) {{ return; }}
     for (var q = 0u; q < 4u; q = q + 1u) {{
         let c = col * 4u + q;
@@ -580,7 +617,7 @@ fn main(@builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u3
         @builtin(workgroup_id) wid: vec3<u32>) {{
     let M = P[0];
 
-    let K4 = P[2] / 4u;
+    let K4 = (P[2] + 3u) / 4u;
     var rem = wid.z;
     var ab = 0u;
     var bb = 0u;
@@ -636,36 +673,37 @@ mod tests {
     /// The kernel a GEMM compiles to: on subgroups where the operands are read in aligned
     /// vec4s and the device has fixed subgroups, else the register-tiled one.
     #[test]
-    fn the_subgroup_kernel_takes_aligned_gemms_on_devices_with_fixed_subgroups() {
+    fn the_subgroup_kernel_takes_every_gemm_on_devices_with_fixed_subgroups() {
+        // (on subgroups, element by element, workgroups)
         let kernel = |subgroup: Option<u32>, g: &GemmSpec| {
             let mut c = Compiled { subgroup, ..Compiled::new(vec![(vec![g.m, g.n], ir::DType::Float)]) };
             gemm(&mut c, g, Buf::Out(0)).unwrap();
             let [Step::Launch(l)] = &c.steps[..] else { panic!("{:?}", c.steps) };
-            (l.src.contains("subgroupBroadcast"), l.groups)
+            (l.src.contains("subgroupBroadcast"), l.src.contains("fn lda"), l.groups)
         };
-        assert_eq!(kernel(Some(8), &spec(70, 36, 12, (12, 1))), (true, [2, 2, 1]));
-        assert_eq!(kernel(Some(4), &spec(70, 36, 12, (12, 1))), (true, [3, 2, 1]));
+        assert_eq!(kernel(Some(8), &spec(70, 36, 12, (12, 1))), (true, false, [2, 2, 1]));
+        assert_eq!(kernel(Some(4), &spec(70, 36, 12, (12, 1))), (true, false, [3, 2, 1]));
         assert!(!kernel(None, &spec(70, 36, 12, (12, 1))).0);
-        assert!(!kernel(Some(8), &spec(70, 36, 10, (10, 1))).0, "reduction of no multiple of 4");
-        assert!(!kernel(Some(8), &spec(70, 34, 12, (12, 1))).0, "columns of no multiple of 4");
-        assert!(kernel(Some(8), &spec(72, 36, 12, (1, 72))).0, "transposed A");
-        assert!(!kernel(Some(8), &spec(70, 36, 12, (1, 70))).0, "transposed A of no multiple of 4 rows");
+        assert!(kernel(Some(8), &spec(70, 36, 10, (10, 1))).1, "reduction of no multiple of 4");
+        assert!(kernel(Some(8), &spec(70, 34, 12, (12, 1))).1, "columns of no multiple of 4");
+        assert!(!kernel(Some(8), &spec(72, 36, 12, (1, 72))).1, "transposed A");
+        assert!(kernel(Some(8), &spec(70, 36, 12, (1, 70))).1, "transposed A of no multiple of 4 rows");
         let mut bt = spec(70, 36, 12, (12, 1));
         bt.b_st = (1, 12);
-        assert!(kernel(Some(8), &bt).0, "transposed B");
+        assert!(!kernel(Some(8), &bt).1, "transposed B");
         bt.n = 34;
-        assert!(kernel(Some(8), &bt).0, "transposed B of columns of no multiple of 4");
+        assert_eq!(kernel(Some(8), &bt), (true, false, [2, 2, 1]), "transposed B of columns of no multiple of 4");
         bt.b_st = (1, 14);
-        assert!(!kernel(Some(8), &bt).0, "transposed B of unaligned columns");
+        assert!(kernel(Some(8), &bt).1, "transposed B of unaligned columns");
+        let mut offset = spec(70, 36, 12, (12, 1));
+        offset.bases.0 = 6;
+        assert!(kernel(Some(8), &offset).1, "A from an unaligned offset");
         // A long reduction: its chunks on the subgroup kernel (whole vec4s each), then their sum.
         let mut c = Compiled { subgroup: Some(8), ..Compiled::new(vec![(vec![66, 20], ir::DType::Float)]) };
         gemm(&mut c, &spec(66, 20, 8300, (8300, 1)), Buf::Out(0)).unwrap();
         let [Step::Launch(chunks), Step::Launch(_)] = &c.steps[..] else { panic!("{:?}", c.steps) };
         assert!(chunks.src.contains("subgroupBroadcast"));
         assert_eq!((chunks.groups, chunks.params[31]), ([1, 2, 5], 1660));
-        let mut offset = spec(70, 36, 12, (12, 1));
-        offset.bases.0 = 6;
-        assert!(!kernel(Some(8), &offset).0, "A from an unaligned offset");
     }
 
     #[test]
@@ -676,9 +714,15 @@ mod tests {
             validate("gemm_rt", &gemm_rt_src(c, false));
             validate("split_k_sum", &split_k_sum_src(c));
             for s in [4, 8, 16] {
-                for (at, bt) in [(false, false), (true, false), (false, true), (true, true)] {
+                for (at, bt, scalar) in [
+                    (false, false, false),
+                    (true, false, false),
+                    (false, true, false),
+                    (true, true, false),
+                    (false, false, true),
+                ] {
                     for split in [false, true] {
-                        validate("gemm_sg", &gemm_sg_src(s, SgGemm { with_c: c, split, at, bt }));
+                        validate("gemm_sg", &gemm_sg_src(s, SgGemm { with_c: c, split, at, bt, scalar }));
                     }
                 }
             }
