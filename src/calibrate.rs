@@ -379,8 +379,9 @@ fn measure_once<E: Executor>(
     let reps = effort.reps.max(1);
     // GEMM.
     let n = effort.gemm_n.max(16);
-    let (m, node) = one_op(&format!("(float[{n},{n}] a, float[{n},{n}] b) => (y)"), "y = MatMul (a, b)")?;
-    let t_gemm = time_node(&mut e, &m.graph, node, &[filled(vec![n, n]), filled(vec![n, n])], reps)?;
+    let (gemm_m, gemm_node) = one_op(&format!("(float[{n},{n}] a, float[{n},{n}] b) => (y)"), "y = MatMul (a, b)")?;
+    let gemm_inputs = [filled(vec![n, n]), filled(vec![n, n])];
+    let t_gemm = time_node(&mut e, &gemm_m.graph, gemm_node, &gemm_inputs, reps)?;
     samples.push(Sample { what: format!("MatMul {n}×{n}·{n}×{n}"), median_s: t_gemm, reps });
     // The same output from short reductions: each tile's fixed work (loading, the epilogue)
     // stays while its loop over K shrinks, so the kernel's time is `a·(K + o)` with `o` the
@@ -424,11 +425,10 @@ fn measure_once<E: Executor>(
     }
     let (t_launch, launch_contention) = (l.alone, l.contention);
     // The same GEMM on 2 and 4 devices at once: how much of the host one device keeps busy.
-    let (m, node) = one_op(&format!("(float[{n},{n}] a, float[{n},{n}] b) => (y)"), "y = MatMul (a, b)")?;
     let mut together = Vec::new();
     for k in [2usize, 4] {
-        let inputs = [filled(vec![n, n]), filled(vec![n, n])];
-        let t = median(on_devices(make, k, |_, mut d| time_node(&mut d, &m.graph, node, &inputs, reps))?);
+        let t =
+            median(on_devices(make, k, |_, mut d| time_node(&mut d, &gemm_m.graph, gemm_node, &gemm_inputs, reps))?);
         samples.push(Sample { what: format!("MatMul {n}³ on {k} devices at once"), median_s: t, reps });
         together.push((k, t));
     }

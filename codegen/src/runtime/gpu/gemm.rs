@@ -84,10 +84,9 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
     p.extend([g.bases.0 as u32, g.bases.1 as u32, g.bases.2 as u32, g.alpha.to_bits(), g.beta.to_bits()]);
     let nbatch: usize = g.batch.iter().product::<usize>().max(1);
     let groups = [g.n.div_ceil(32) as u32, g.m.div_ceil(32) as u32, nbatch as u32];
-    // Rows from the subgroup's lanes, vec4 columns per lane (see `gemm_sg_src`).
-    // Aligned operands in vec4s, any others element by element.
+    // On subgroups (see `gemm_sg_src`): aligned operands in vec4s, any others element by element.
     let sg = c.subgroup;
-    let v = if subgroup_fits(g) {
+    let v = if vec4_fits(g) {
         SgGemm { at: g.a_st.1 != 1, bt: g.b_st.1 != 1, ..SgGemm::default() }
     } else {
         SgGemm { scalar: true, ..SgGemm::default() }
@@ -154,6 +153,23 @@ pub fn gemm(c: &mut Compiled, g: &GemmSpec, out: Buf) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// WGSL: the element offsets `ab`, `bb`, `cb` of batch entry `wid.z` into A, B and C, from
+/// the `P[9]` batch dims `P[10..14]` and the operands' batch strides `P[14..26]`.
+const BATCH_OFFSETS: &str = "var rem = wid.z;
+    var ab = 0u;
+    var bb = 0u;
+    var cb = 0u;
+    let nb = P[9];
+    for (var t = 0u; t < nb; t = t + 1u) {
+        let d = nb - 1u - t;
+        let dim = P[10u + d];
+        let c = rem % dim;
+        rem = rem / dim;
+        ab = ab + c * P[14u + d];
+        bb = bb + c * P[18u + d];
+        cb = cb + c * P[22u + d];
+    }";
 
 /// Where the reduction is split ([`ir::ops::contraction::SPLIT_K_FROM`], the rule the cost
 /// model prices too).
@@ -316,21 +332,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let K = P[2];
     let row = wid.y * 16u + lid.y;
     let col = wid.x * 16u + lid.x;
-    // Batch offsets.
-    var rem = wid.z;
-    var ab = 0u;
-    var bb = 0u;
-    var cb = 0u;
-    let nb = P[9];
-    for (var t = 0u; t < nb; t = t + 1u) {{
-        let d = nb - 1u - t;
-        let dim = P[10u + d];
-        let c = rem % dim;
-        rem = rem / dim;
-        ab = ab + c * P[14u + d];
-        bb = bb + c * P[18u + d];
-        cb = cb + c * P[22u + d];
-    }}
+    {BATCH_OFFSETS}
     var acc = 0.0;
     let tiles = (K + 15u) / 16u;
     for (var t = 0u; t < tiles; t = t + 1u) {{
@@ -383,20 +385,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let row0 = wid.y * 32u + lid.y * 4u;
     let col0 = wid.x * 32u + lid.x * 4u;
     if (row0 >= M || col0 >= N) {{ return; }}
-    var rem = wid.z;
-    var ab = 0u;
-    var bb = 0u;
-    var cb = 0u;
-    let nb = P[9];
-    for (var t = 0u; t < nb; t = t + 1u) {{
-        let d = nb - 1u - t;
-        let dim = P[10u + d];
-        let c = rem % dim;
-        rem = rem / dim;
-        ab = ab + c * P[14u + d];
-        bb = bb + c * P[18u + d];
-        cb = cb + c * P[22u + d];
-    }}
+    {BATCH_OFFSETS}
     let abase = P[26] + ab;
     let bbase = P[27] + bb;
     let ars = P[3]; let acs = P[4]; let brs = P[5]; let bcs = P[6];
@@ -460,11 +449,12 @@ pub struct SgGemm {
 /// Rows of `Y` one workgroup of [`gemm_sg_src`] computes (its 64 invocations in subgroups).
 const SG_ROWS: usize = 64;
 
-/// Whether [`gemm_sg_src`] computes `g`: A read along the reduction or (transposed, with rows
-/// a multiple of 4) along its rows, B along the columns (a multiple of 4 of them) or
-/// (transposed, any number) along the reduction, in whole, aligned vec4s (the reduction a
-/// multiple of 4, every stride between vec4s, batch stride and base offset too).
-fn subgroup_fits(g: &GemmSpec) -> bool {
+/// Whether [`gemm_sg_src`] reads `g`'s operands in whole, aligned vec4s (else element by
+/// element, [`SgGemm::scalar`]): A along the reduction or (transposed, with rows a multiple of
+/// 4) along its rows, B along the columns (a multiple of 4 of them) or (transposed, any
+/// number) along the reduction; the reduction a multiple of 4, every stride between vec4s,
+/// batch stride and base offset too.
+fn vec4_fits(g: &GemmSpec) -> bool {
     let aligned = |v: usize| v.is_multiple_of(4);
     ((g.a_st.1 == 1 && aligned(g.a_st.0)) || (g.a_st.0 == 1 && aligned(g.a_st.1) && aligned(g.m)))
         && ((g.b_st.1 == 1 && aligned(g.b_st.0) && aligned(g.n)) || (g.b_st.0 == 1 && aligned(g.b_st.1)))
@@ -564,7 +554,7 @@ pub fn gemm_sg_src(s: u32, v: SgGemm) -> String {
             body += &format!("        let a{r} = subgroupBroadcast(a, {r}u);\n");
         }
         body += &format!("        acc{r} = acc{r} + a{r}.x * b0 + a{r}.y * b1 + a{r}.z * b2 + a{r}.w * b3;\n");
-        store += &format!("        put(row0 + {r}u, acc{r});\n");
+        store += &format!("        put(row0 + {r}u, acc{r}, cb);\n");
     }
     let (a_base, a_load) = if scalar {
         ("bbase = P[27] + bb;\n    let ra = P[26] + ab + min(row0 + lane, M - 1u) * P[3];".to_string(), String::new())
@@ -600,9 +590,8 @@ fn ldb(kk: u32, q: u32) -> f32 {
 {c_binding}@group(0) @binding({yb}) var<storage, read_write> Y: array<f32>;
 @group(0) @binding({pb}) var<storage, read> P: array<u32>;
 var<private> ybase: u32;
-var<private> cb: u32;
 var<private> col: u32;
-{loads}fn put(row: u32, acc: vec4<f32>) {{
+{loads}fn put(row: u32, acc: vec4<f32>, cb: u32) {{
     if (row >= P[0]) {{ return; }}
     for (var q = 0u; q < 4u; q = q + 1u) {{
         let c = col * 4u + q;
@@ -616,22 +605,8 @@ var<private> col: u32;
 fn main(@builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32,
         @builtin(workgroup_id) wid: vec3<u32>) {{
     let M = P[0];
-
     let K4 = (P[2] + 3u) / 4u;
-    var rem = wid.z;
-    var ab = 0u;
-    var bb = 0u;
-    cb = 0u;
-    let nb = P[9];
-    for (var t = 0u; t < nb; t = t + 1u) {{
-        let d = nb - 1u - t;
-        let dim = P[10u + d];
-        let c = rem % dim;
-        rem = rem / dim;
-        ab = ab + c * P[14u + d];
-        bb = bb + c * P[18u + d];
-        cb = cb + c * P[22u + d];
-    }}
+    {BATCH_OFFSETS}
     let row0 = wid.y * {SG_ROWS}u + sg * {s}u;
     col = wid.x * {s}u + lane;
     ybase = wid.z * M * P[1];
@@ -670,8 +645,9 @@ mod tests {
         }
     }
 
-    /// The kernel a GEMM compiles to: on subgroups where the operands are read in aligned
-    /// vec4s and the device has fixed subgroups, else the register-tiled one.
+    /// The kernel a GEMM compiles to: on a device with fixed subgroups the subgroup kernel,
+    /// reading aligned operands in vec4s and any others element by element; else the
+    /// register-tiled one.
     #[test]
     fn the_subgroup_kernel_takes_every_gemm_on_devices_with_fixed_subgroups() {
         // (on subgroups, element by element, workgroups)
