@@ -118,6 +118,15 @@ impl Cut {
             }
     }
 
+    /// Whether ops `a` and `b` always run in the same part of the step (neither once per
+    /// step, the same model chunk, both forward or both backward).
+    pub fn same_part(&self, a: NodeId, b: NodeId) -> bool {
+        !self.once.contains(&a)
+            && !self.once.contains(&b)
+            && self.chunk(a) == self.chunk(b)
+            && self.backward.contains(&a) == self.backward.contains(&b)
+    }
+
     /// Whether `chunk`'s virtual stage recomputes its forward part before its backward part.
     pub fn recomputes(&self, chunk: usize) -> bool {
         self.recompute.get(chunk).copied().unwrap_or(false)

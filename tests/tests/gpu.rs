@@ -707,3 +707,100 @@ g (float[{}] x) => (float loss)
         assert_eq!(seen, [0, 1, 2], "{x:?} * {w:?}: the training graph's convolutions");
     }
 }
+
+/// A model of element-wise chains (a tanh GELU written out, a residual, a gated product, a
+/// comparison and a cast) behind a MatMul; `loss` its mean square.
+fn element_wise_chains() -> String {
+    let vals =
+        |n: usize, k: usize| (0..n).map(|i| format!("{:.3}", ((i * k) % 17) as f32 / 17.0 - 0.5)).collect::<Vec<_>>();
+    format!(
+        r#"<ir_version: 8, opset_import: ["" : 17]>
+g (float[8,16] x) => (float[8,16] z, float loss)
+   <float[16,16] w = {{{}}}, float[16] b = {{{}}}>
+{{
+   c1 = Constant <value_float: float = 0.044715> ()
+   c2 = Constant <value_float: float = 0.7978846> ()
+   one = Constant <value_float: float = 1.0> ()
+   half = Constant <value_float: float = 0.5> ()
+   zero = Constant <value_float: float = 0.0> ()
+   h = MatMul (x, w)
+   a = Add (h, b)
+   a2 = Mul (a, a)
+   a3 = Mul (a2, a)
+   t1 = Mul (a3, c1)
+   t2 = Add (a, t1)
+   t3 = Mul (t2, c2)
+   t4 = Tanh (t3)
+   t5 = Add (t4, one)
+   t6 = Mul (a, t5)
+   ge = Mul (t6, half)
+   r = Add (ge, x)
+   s = Sigmoid (r)
+   q = Mul (s, r)
+   m = Greater (q, zero)
+   mf = Cast <to: int = 1> (m)
+   z = Mul (q, mf)
+   sq = Mul (z, z)
+   loss = ReduceMean <keepdims: int = 0> (sq)
+}}"#,
+        vals(256, 7).join(", "),
+        vals(16, 5).join(", ")
+    )
+}
+
+/// Element-wise chains run as one kernel each: the forward values, and a training step's
+/// losses and parameters, are those of the ops run one by one, in fewer dispatches.
+#[test]
+fn element_wise_chains_run_fused_with_the_values_of_the_ops_one_by_one() {
+    if !gpu_available() {
+        return;
+    }
+    let mut m = frontend::parse(&element_wise_chains()).unwrap_or_else(|e| panic!("{e:?}")).model;
+    ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check).unwrap();
+    let x = ir::eval::random_tensor(ir::DType::Float, &[8, 16], "weight", 3, "x").unwrap();
+    let inputs: std::collections::HashMap<String, ir::eval::Array> = [("x".to_string(), x)].into();
+    let reference = ir::eval::run(&m.graph, &inputs, &Default::default()).unwrap();
+    let prog = codegen::lower(&m.graph, &Placement::single()).unwrap();
+    let run = |fusion: bool| {
+        codegen::run(&prog, &inputs, &RunOptions { backend: Backend::Wgpu, fusion, steps: 2, ..Default::default() })
+            .unwrap()
+    };
+    let (fused, alone) = (run(true), run(false));
+    for ((f, a), want) in fused.outputs.iter().zip(&alone.outputs).zip(&reference) {
+        compare("fused vs alone", &f.1, &a.1, 1e-6, 1e-7).unwrap();
+        compare("fused vs reference", &f.1, want, 1e-4, 1e-5).unwrap();
+    }
+    let (f, a) = (fused.devices[0].dispatches, alone.devices[0].dispatches);
+    // Forward only, nothing read twice after the MatMul's bias add but `a`, `q` and `r`.
+    assert!(f + 10 <= a, "{f} dispatches fused, {a} alone");
+    assert!(fused.devices[0].by_op.contains_key("Fused"), "{:?}", fused.devices[0].by_op);
+
+    // A training step: the backward part's chains fuse as well.
+    let opt = passes::autodiff::OptimizerSpec::sgd(0.1, 0.0);
+    let (mut t, info) =
+        shardc::train::training_model(&m, &passes::autodiff::LossSpec::Output("loss".into()), &opt).unwrap();
+    ir::infer::infer_shapes(&mut t.graph, ir::infer::Mode::Check).unwrap();
+    let inputs = shardc::train::seeded_inputs(&t.graph, &info, 4).unwrap();
+    let prog = codegen::lower(&t.graph, &Placement::single()).unwrap();
+    let train = |fusion: bool| {
+        let opts = RunOptions {
+            backend: Backend::Wgpu,
+            fusion,
+            steps: 3,
+            carry: info.state.iter().map(|(s, n)| (s.clone(), n.clone())).collect(),
+            every_step: vec![info.loss.clone()],
+            ..Default::default()
+        };
+        codegen::run(&prog, &inputs, &opts).unwrap()
+    };
+    let (fused, alone) = (train(true), train(false));
+    for (step, (f, a)) in fused.per_step.iter().zip(&alone.per_step).enumerate() {
+        let loss = |s: &Vec<(String, ir::eval::Array)>| s.iter().find(|(n, _)| *n == info.loss).unwrap().1.clone();
+        compare(&format!("loss of step {step}"), &loss(f), &loss(a), 1e-6, 1e-7).unwrap();
+    }
+    for ((name, f), (_, a)) in fused.outputs.iter().zip(&alone.outputs) {
+        compare(name, f, a, 1e-5, 1e-6).unwrap();
+    }
+    let (f, a) = (fused.devices[0].dispatches, alone.devices[0].dispatches);
+    assert!(f < a, "training: {f} dispatches fused, {a} alone");
+}

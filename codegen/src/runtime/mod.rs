@@ -29,8 +29,11 @@ use crate::program::{DeviceProgram, Program};
 use crate::schedule::Part;
 
 mod accumulate;
+pub mod fuse;
+mod live;
 mod summer;
 use accumulate::*;
+use live::Live;
 use summer::*;
 
 /// Opens a GPU adapter and names it; an error when none opens or this build has no `gpu`
@@ -229,6 +232,16 @@ pub trait Executor {
         inputs: &[Option<&Self::Tensor>],
         captures: &[Option<&Self::Tensor>],
     ) -> Result<(Vec<Self::Tensor>, bool), String>;
+    /// Whether op `n` may run inside a fused element-wise group ([`fuse`]) here.
+    fn fusible(&self, _g: &Graph, _n: NodeId) -> bool {
+        false
+    }
+    /// Runs a group of element-wise ops as one kernel on its outside values (in
+    /// [`fuse::Group::outside`]'s order): the root's output, or `None` where no single kernel
+    /// computes the group (its members then run one by one).
+    fn run_fused(&mut self, _g: &Graph, _grp: &fuse::Group, _outside: &[&Self::Tensor]) -> RunFused<Self::Tensor> {
+        Ok(None)
+    }
     /// Waits until queued work is done (for timing).
     fn sync(&mut self) {}
     /// Kernel dispatches encoded since the device opened (0 where it runs no kernels).
@@ -250,6 +263,9 @@ pub trait Executor {
         false
     }
 }
+
+/// What [`Executor::run_fused`] gives.
+pub type RunFused<T> = Result<Option<T>, String>;
 
 /// Options of a run.
 #[derive(Clone, Debug)]
@@ -281,6 +297,9 @@ pub struct RunOptions {
     /// Run one device of the program in this process, the others elsewhere (`None`: every
     /// device here, on threads, through a [`Hub`]).
     pub distributed: Option<Distributed>,
+    /// Chains of element-wise ops run as one kernel where the executor can ([`fuse`]); by
+    /// default unless `SHARDC_NO_FUSION` is set.
+    pub fusion: bool,
 }
 
 /// One process's part of a program spread over processes (one device each): its device and
@@ -344,6 +363,7 @@ impl Default for RunOptions {
             outputs_at_end: true,
             updates: None,
             on_step: StepHook::default(),
+            fusion: std::env::var_os("SHARDC_NO_FUSION").is_none(),
             distributed: None,
         }
     }
@@ -672,39 +692,6 @@ fn phases(d: &DeviceProgram) -> HashMap<NodeId, &'static str> {
         .collect()
 }
 
-/// Live device storage, counted once per allocation.
-struct Live {
-    by_storage: HashMap<usize, (u64, usize)>,
-    bytes: u64,
-    peak: u64,
-    /// What was live when the step's micro-batches began (`u64::MAX` outside them).
-    base: u64,
-    /// The most bytes above `base`.
-    act_peak: u64,
-}
-
-impl Live {
-    fn add(&mut self, (id, b): (usize, u64)) {
-        let e = self.by_storage.entry(id).or_insert((b, 0));
-        if e.1 == 0 {
-            self.bytes += b;
-        }
-        e.1 += 1;
-        self.peak = self.peak.max(self.bytes);
-        self.act_peak = self.act_peak.max(self.bytes.saturating_sub(self.base));
-    }
-
-    fn remove(&mut self, (id, _): (usize, u64)) {
-        if let Some(e) = self.by_storage.get_mut(&id) {
-            e.1 -= 1;
-            if e.1 == 0 {
-                self.bytes -= e.0;
-                self.by_storage.remove(&id);
-            }
-        }
-    }
-}
-
 /// After the forward part of a chunk that recomputes: frees its values (`chunk` says which
 /// are its) but what it received and what `kept` holds; the rest is computed again before
 /// its backward part.
@@ -790,7 +777,10 @@ fn drive<E: Executor>(
         )));
     }
     let keep = kept_values(g, d, &carries, acc.as_ref());
-    let last_use = g.last_uses(&order);
+    let mut last_use = g.last_uses(&order);
+    let held = |v: &Value| keep.contains(v) || shared.contains(v);
+    let fusion = fuse::Fusion::plan(g, &order, &|n| opts.fusion && e.fusible(g, n), &held, &|a, b| cut.same_part(a, b));
+    fusion.delay_last_uses(&order, &mut last_use);
     let movable = movable_results(g, d, &carries);
     // Parameters and constants are uploaded once.
     let mut live = Live { by_storage: HashMap::new(), bytes: 0, peak: 0, base: u64::MAX, act_peak: 0 };
@@ -844,8 +834,11 @@ fn drive<E: Executor>(
                     if !cut.runs_in(n, pass, c) {
                         continue;
                     }
-                    // A recomputed part sends and receives nothing again.
-                    if !(again && matches!(g.node(n).op, Op::Send(_) | Op::Recv(_))) {
+                    if let Some(grp) = fusion.root(n) {
+                        let produced = cx.fused(grp, &mut env, &fixed, inputs, k, &mut live).map_err(err)?;
+                        cx.store(produced, &mut env, &mut live);
+                    } else if !(fusion.deferred(n) || again && matches!(g.node(n).op, Op::Send(_) | Op::Recv(_))) {
+                        // (A recomputed part sends and receives nothing again.)
                         let produced = cx.node(n, &env, &fixed, inputs, k).map_err(err)?;
                         cx.store(produced, &mut env, &mut live);
                     }
@@ -860,7 +853,7 @@ fn drive<E: Executor>(
                             || (pass == Part::Forward
                                 && (backward_reads.contains(v) || (recomputes && crate::cut::stashed(g, *v))))
                     };
-                    for v in g.node(n).inputs().iter().flatten() {
+                    for v in &fusion.reads(g, n) {
                         if last_use.get(v) == Some(&i)
                             && !held(v)
                             && let Some(t) = env.remove(v)

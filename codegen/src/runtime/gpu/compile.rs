@@ -106,6 +106,22 @@ pub struct Launch {
     /// [`LAVAPIPE_LOOP_LIMIT`] iterations, silently) run an op on the host instead of a
     /// kernel that would be cut short.
     pub trips: u64,
+    /// The element-wise computation the kernel is, where it is one ([`super::wgsl::elementwise`]):
+    /// what a fused kernel composes ([`super::fused`]).
+    pub pointwise: Option<Box<Pointwise>>,
+}
+
+/// An element-wise launch: `out[i] = expr(a, b, c)` over `shape`, the operands broadcast.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Pointwise {
+    /// The operands, bound as `a`, `b`, `c` in order: buffer, shape, storage.
+    pub ins: Vec<(Buf, Vec<usize>, Elem)>,
+    /// Where the result goes, and its storage.
+    pub out: (Buf, Elem),
+    /// The output shape.
+    pub shape: Vec<usize>,
+    /// The expression.
+    pub expr: String,
 }
 
 /// The trip count of a launch whose kernel has loops but did not bound them.
@@ -206,12 +222,12 @@ impl Compiled {
     pub fn launch(&mut self, src: String, bufs: Vec<Buf>, params: Vec<u32>, groups: [u32; 3]) {
         let trips =
             if src.contains("for (") || src.contains("loop {") || src.contains("while (") { UNKNOWN_TRIPS } else { 0 };
-        self.steps.push(Step::Launch(Launch { src, bufs, params, groups, trips }));
+        self.steps.push(Step::Launch(Launch { src, bufs, params, groups, trips, pointwise: None }));
     }
 
     /// Adds a dispatch whose invocations run at most `trips` loop iterations in all.
     pub fn launch_loop(&mut self, src: String, bufs: Vec<Buf>, params: Vec<u32>, groups: [u32; 3], trips: u64) {
-        self.steps.push(Step::Launch(Launch { src, bufs, params, groups, trips }));
+        self.steps.push(Step::Launch(Launch { src, bufs, params, groups, trips, pointwise: None }));
     }
 
     /// The most loop iterations any invocation of any dispatch runs.

@@ -2,7 +2,8 @@
 //! programs ([`super::compile`]) are allocated and launched here.
 
 use super::Elem;
-use super::compile::{self, Buf, CompileCx, Step, TensorDesc};
+use super::compile::{self, Buf, CompileCx, Compiled, Step, TensorDesc};
+use super::fused;
 use ir::DType;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -10,7 +11,8 @@ use std::sync::{Arc, Mutex};
 use ir::eval::{Array, Data, eval_node};
 use ir::{Graph, NodeId};
 
-use crate::runtime::Executor;
+use crate::runtime::fuse::{Group, Source};
+use crate::runtime::{Executor, RunFused};
 
 /// A tensor on a device.
 #[derive(Clone, Debug)]
@@ -506,16 +508,7 @@ impl GpuExecutor {
                 })
             })
             .collect();
-        let outs = (0..node.num_outputs())
-            .map(|s| {
-                let v = ir::Value::new(n, s as u16);
-                let t = g.tensor_type(v)?.static_dims()?;
-                (!node.outputs()[s].name.is_empty()).then(|| {
-                    (t.into_iter().map(|d| d.max(0) as usize).collect(), g.tensor_type(v).expect("typed").dtype)
-                })
-            })
-            .collect();
-        let cx = CompileCx { ins, outs, opset: g.opset, subgroup: self.subgroup };
+        let cx = CompileCx { ins, outs: out_descs(g, n), opset: g.opset, subgroup: self.subgroup };
         if cx.out0().is_none() && node.num_outputs() > 0 && !node.outputs()[0].name.is_empty() {
             return Ok(None);
         }
@@ -587,6 +580,55 @@ impl GpuExecutor {
         let cap_refs: Vec<Option<&Array>> = caps.iter().map(Option::as_ref).collect();
         let outs = eval_node(g, n, &refs, &cap_refs).map_err(|e| e.to_string())?;
         outs.iter().map(|a| self.upload(a)).collect()
+    }
+}
+
+/// Per output slot of node `n`: its static shape and type (`None`: omitted or not static).
+fn out_descs(g: &Graph, n: NodeId) -> Vec<Option<(Vec<usize>, DType)>> {
+    let node = g.node(n);
+    (0..node.num_outputs())
+        .map(|s| {
+            let v = ir::Value::new(n, s as u16);
+            let t = g.tensor_type(v)?;
+            let dims = t.static_dims()?;
+            (!node.outputs()[s].name.is_empty())
+                .then(|| (dims.into_iter().map(|d| d.max(0) as usize).collect(), t.dtype))
+        })
+        .collect()
+}
+
+impl GpuExecutor {
+    /// The members of `grp` compiled as each would run alone on these outside values.
+    fn group_members(&self, g: &Graph, grp: &Group, outside: &[&GpuTensor]) -> Result<Option<Vec<Compiled>>, String> {
+        let mut programs: Vec<Compiled> = Vec::with_capacity(grp.nodes.len());
+        for (&n, sources) in grp.nodes.iter().zip(&grp.sources) {
+            let desc = |s: &Option<Source>| {
+                s.map(|s| match s {
+                    Source::Outside(o) => {
+                        let t = outside[o];
+                        TensorDesc { shape: t.shape.clone(), dtype: t.dtype, value: t.host.as_deref() }
+                    }
+                    Source::Member(m) => {
+                        let o = &programs[m].outputs[0];
+                        TensorDesc { shape: o.shape.clone(), dtype: o.dtype, value: None }
+                    }
+                })
+            };
+            let ins: Vec<Option<TensorDesc<'_>>> = sources.iter().map(desc).collect();
+            // A value the compiler reads on the host that is not there: the members run alone.
+            if compile::value_inputs(&g.node(n).op)
+                .iter()
+                .any(|&k| ins.get(k).is_some_and(|t| t.as_ref().is_some_and(|t| t.value.is_none())))
+            {
+                return Ok(None);
+            }
+            let cx = CompileCx { ins, outs: out_descs(g, n), opset: g.opset, subgroup: self.subgroup };
+            match compile::compile(&g.node(n).op, &cx)? {
+                Some(p) => programs.push(p),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(programs))
     }
 }
 
@@ -682,6 +724,28 @@ impl Executor for GpuExecutor {
             return Ok((outs, false));
         }
         Ok((self.host_fallback(g, n, inputs, captures)?, true))
+    }
+
+    fn fusible(&self, g: &Graph, n: NodeId) -> bool {
+        let node = g.node(n);
+        let op = &node.op;
+        matches!(op.class(), ir::OpClass::Unary | ir::OpClass::Binary | ir::OpClass::Variadic)
+            && !matches!(op, ir::Op::Identity(_) | ir::Op::Dropout(_))
+            && !compile::host_only(op.op_type())
+            && node.num_outputs() == 1
+            && node.inputs().len() <= 3
+            && g.tensor_type(ir::Value::new(n, 0))
+                .is_some_and(|t| t.dtype != DType::String && t.static_dims().is_some())
+    }
+
+    fn run_fused(&mut self, g: &Graph, grp: &Group, outside: &[&GpuTensor]) -> RunFused<GpuTensor> {
+        if outside.iter().any(|t| t.dtype == DType::String) {
+            return Ok(None);
+        }
+        let Some(members) = self.group_members(g, grp, outside)? else { return Ok(None) };
+        let Some(program) = fused::compile_group(&members, &grp.sources) else { return Ok(None) };
+        let ins: Vec<Option<&GpuTensor>> = outside.iter().map(|&t| Some(t)).collect();
+        Ok(self.execute(&program, &ins)?.into_iter().next())
     }
 
     fn sync(&mut self) {

@@ -17,25 +17,40 @@ impl Kernel for op::SgdUpdate {
             return Ok(None);
         }
         let mut c = Compiled::new(vec![(p.shape.clone(), p.dtype), (b.shape.clone(), b.dtype)]);
+        let momentum = self.momentum() != 0.0;
+        if !momentum {
+            // Without momentum the buffer passes through unchanged: no copy of it.
+            c.outputs[1].view_of = Some(2);
+        }
         let n = p.numel();
         if n > 0 {
-            let bufs = vec![Buf::In(0), Buf::In(1), Buf::In(2), Buf::In(3), Buf::Out(0), Buf::Out(1)];
+            let bufs = if momentum {
+                vec![Buf::In(0), Buf::In(1), Buf::In(2), Buf::In(3), Buf::Out(0), Buf::Out(1)]
+            } else {
+                vec![Buf::In(0), Buf::In(1), Buf::Out(0)]
+            };
             c.launch(sgd_src(self), bufs, vec![n as u32], groups(n));
         }
         Ok(Some(c))
     }
 }
 
-/// `P = [count]`; bindings P0, G, B, T (int step), P1, B1.
+/// `P = [count]`; bindings P0, G, B, T (int step), P1, B1 — without momentum only P0, G, P1
+/// (the buffer's next value is the buffer itself).
 pub fn sgd_src(o: &op::SgdUpdate) -> String {
-    let b: Vec<Binding<'_>> = vec![
-        ("Pa", Elem::F32, false),
-        ("G", Elem::F32, false),
-        ("B", Elem::F32, false),
-        ("T", Elem::I32, false),
-        ("Pn", Elem::F32, true),
-        ("Bn", Elem::F32, true),
-    ];
+    let momentum = o.momentum() != 0.0;
+    let b: Vec<Binding<'_>> = if momentum {
+        vec![
+            ("Pa", Elem::F32, false),
+            ("G", Elem::F32, false),
+            ("B", Elem::F32, false),
+            ("T", Elem::I32, false),
+            ("Pn", Elem::F32, true),
+            ("Bn", Elem::F32, true),
+        ]
+    } else {
+        vec![("Pa", Elem::F32, false), ("G", Elem::F32, false), ("Pn", Elem::F32, true)]
+    };
     let (lr, mu, damp, wd) = (
         f32_lit(f64::from(o.lr.unwrap_or(0.01))),
         f32_lit(f64::from(o.momentum())),
@@ -43,15 +58,15 @@ pub fn sgd_src(o: &op::SgdUpdate) -> String {
         f32_lit(f64::from(o.weight_decay())),
     );
     let nesterov = o.nesterov() != 0;
-    let momentum = o.momentum() != 0.0;
-    let mut body = format!("    var d = G[i];\n    let p = Pa[i];\n    d = d + {wd} * p;\n    var buf = B[i];\n");
+    let mut body = format!("    var d = G[i];\n    let p = Pa[i];\n    d = d + {wd} * p;\n");
     if momentum {
         body.push_str(&format!(
-            "    if (T[0] == 1) {{ buf = d; }} else {{ buf = {mu} * buf + (1.0 - {damp}) * d; }}\n"
+            "    var buf = B[i];\n    if (T[0] == 1) {{ buf = d; }} else {{ buf = {mu} * buf + (1.0 - {damp}) * d; }}\n"
         ));
         body.push_str(&if nesterov { format!("    d = d + {mu} * buf;\n") } else { "    d = buf;\n".to_string() });
+        body.push_str("    Bn[i] = buf;\n");
     }
-    body.push_str(&format!("    Pn[i] = p + -{lr} * d;\n    Bn[i] = buf;"));
+    body.push_str(&format!("    Pn[i] = p + -{lr} * d;"));
     source(&b, "", &body)
 }
 

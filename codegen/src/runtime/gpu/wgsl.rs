@@ -3,7 +3,7 @@
 //! kernels over broadcast inputs, and data movement through index tables.
 
 use super::Elem;
-use super::compile::{Buf, Compiled, WORKGROUP, groups};
+use super::compile::{Buf, Compiled, Pointwise, Step, WORKGROUP, groups};
 
 /// A binding of a kernel: name, element type, writable.
 pub type Binding<'a> = (&'a str, Elem, bool);
@@ -362,6 +362,14 @@ pub fn elementwise(c: &mut Compiled, ins: &[(Buf, &[usize], Elem)], out: (Buf, E
     let mut bufs: Vec<Buf> = ins.iter().map(|t| t.0).collect();
     bufs.push(out.0);
     c.launch(src, bufs, vec![count as u32], groups(count));
+    if let Some(Step::Launch(l)) = c.steps.last_mut() {
+        l.pointwise = Some(Box::new(Pointwise {
+            ins: ins.iter().map(|t| (t.0, t.1.to_vec(), t.2)).collect(),
+            out,
+            shape: shape.to_vec(),
+            expr: expr.to_string(),
+        }));
+    }
 }
 
 /// Adds a remap launch: `out[c] = x[Σ in(c_d)·stride_d]` over the output `oshape` (see
