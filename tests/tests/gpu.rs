@@ -771,8 +771,8 @@ fn element_wise_chains_run_fused_with_the_values_of_the_ops_one_by_one() {
         compare("fused vs reference", &f.1, want, 1e-4, 1e-5).unwrap();
     }
     let (f, a) = (fused.devices[0].dispatches, alone.devices[0].dispatches);
-    // Forward only, nothing read twice after the MatMul's bias add but `a`, `q` and `r`.
-    assert!(f + 10 <= a, "{f} dispatches fused, {a} alone");
+    // Forward only: everything after the MatMul is one group, less than half the kernels.
+    assert!(2 * f <= a, "{f} dispatches fused, {a} alone");
     assert!(fused.devices[0].by_op.contains_key("Fused"), "{:?}", fused.devices[0].by_op);
 
     // A training step: the backward part's chains fuse as well.
@@ -802,5 +802,6 @@ fn element_wise_chains_run_fused_with_the_values_of_the_ops_one_by_one() {
         compare(name, f, a, 1e-5, 1e-6).unwrap();
     }
     let (f, a) = (fused.devices[0].dispatches, alone.devices[0].dispatches);
-    assert!(f < a, "training: {f} dispatches fused, {a} alone");
+    // The forward values the backward part reads are written by the forward groups.
+    assert!(3 * f <= 2 * a, "training: {f} dispatches fused, {a} alone");
 }

@@ -1,15 +1,17 @@
 //! Element-wise fusion: groups of element-wise ops that run as one kernel on executors that
 //! can ([`Executor::fusible`]), so a chain such as a bias add, an activation and a residual
-//! add — or a gradient's product and its accumulation — reads its operands once and writes
-//! only its last value, in one dispatch.
+//! add — or a gradient's product and its accumulation — reads its operands once, keeps its
+//! intermediate values in registers and runs as one dispatch.
 //!
-//! A group is a tree of ops over one output shape: every member but the root has one output,
-//! read by one op only, a member of the same group, in the same part of the step (forward,
-//! backward, the same model chunk); nothing else wants that value (a result, a carried state,
-//! a value another chunk or the once-per-step ops read). The group runs when its root's turn
-//! comes; the values its other members read stay alive until then. Where the executor finds
-//! no single kernel for a group (an element type or attribute its kernels do not cover) the
-//! members run one by one, as without fusion: the values are the same either way.
+//! A group's members have one output each, all of one shape, and run in the same part of the
+//! step (forward or backward, one model chunk). The group runs when its last member's (its
+//! root's) turn comes; the values its other members read stay alive until then. A member's
+//! value leaves the group — the kernel writes it — when something outside the group reads it
+//! or the run keeps it (a result, a value the backward part or another chunk reads); every
+//! such reader comes after the root in the program's order, so it finds the value written.
+//! Where the executor has no single kernel for a group (an element type or attribute its
+//! kernels do not cover) the members run one by one, as without fusion: the values are the
+//! same either way.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
@@ -18,9 +20,9 @@ use ir::{Graph, NodeId, Value};
 
 use super::{Executor, Live, NodeRun};
 
-/// The most distinct values outside a group its members may read (a kernel binds them all,
-/// its output and its parameters; adapters guarantee 8 storage buffers per shader).
-pub const MAX_OUTSIDE: usize = 6;
+/// The most buffers a group's kernel binds for the values it reads and writes (adapters
+/// guarantee 8 storage buffers per shader; one holds its parameters).
+pub const MAX_BINDINGS: usize = 7;
 
 /// Where a member of a group reads an input from.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -34,13 +36,14 @@ pub enum Source {
 /// Element-wise ops run as one kernel.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Group {
-    /// The members in the order they ran unfused; the root (whose output leaves the group)
-    /// last.
+    /// The members in the order they ran unfused; the root last.
     pub nodes: Vec<NodeId>,
     /// The values the members read that no member computes, in first-read order.
     pub outside: Vec<Value>,
     /// Per member, per input slot: where it comes from (`None`: an omitted input).
     pub sources: Vec<Vec<Option<Source>>>,
+    /// The members whose values the kernel writes, in order; the root last.
+    pub outputs: Vec<usize>,
 }
 
 /// The groups of one device's program.
@@ -52,35 +55,40 @@ pub struct Fusion {
     inner: HashSet<NodeId>,
 }
 
+/// What [`Fusion::plan`] asks of a program.
+pub struct Rules<'a> {
+    /// Ops that may be members.
+    pub fusible: &'a dyn Fn(NodeId) -> bool,
+    /// Values the run keeps past their readers (written by a group's kernel).
+    pub held: &'a dyn Fn(&Value) -> bool,
+    /// Whether two ops always run in the same part of the step.
+    pub together: &'a dyn Fn(NodeId, NodeId) -> bool,
+}
+
 impl Fusion {
-    /// Groups the ops of `g` (`order`: topologically) for which `fusible` holds: an op joins
-    /// the group of the op reading its only output when nothing else reads it, `held` does
-    /// not keep it, `together` says the two run in the same part of the step and their
-    /// output shapes are equal; a group reads at most [`MAX_OUTSIDE`] outside values.
-    pub fn plan(
-        g: &Graph,
-        order: &[NodeId],
-        fusible: &dyn Fn(NodeId) -> bool,
-        held: &dyn Fn(&Value) -> bool,
-        together: &dyn Fn(NodeId, NodeId) -> bool,
-    ) -> Fusion {
+    /// Groups the ops of `g` (`order`: topologically) that `rules` allow: an op joins the
+    /// group of an op reading its output when both run in the same part of the step, their
+    /// output shapes are equal, every reader outside the group comes after that op, and the
+    /// group binds at most [`MAX_BINDINGS`] values.
+    pub fn plan(g: &Graph, order: &[NodeId], rules: &Rules<'_>) -> Fusion {
+        let at: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
         // Members of the group rooted at each fusible op, before it joins a later one.
         let mut members: HashMap<NodeId, Vec<NodeId>> = HashMap::new();
         let mut inner: HashSet<NodeId> = HashSet::new();
         for &n in order {
-            if !fusible(n) {
+            if !(rules.fusible)(n) {
                 continue;
             }
             let mut nodes: Vec<NodeId> = Vec::new();
             for v in g.node(n).inputs().iter().flatten() {
                 let u = v.node;
-                if nodes.contains(&u) || !members.contains_key(&u) || !joins(g, *v, n, held, together) {
+                if nodes.contains(&u) || !members.contains_key(&u) || !joins(g, u, n, rules) {
                     continue;
                 }
                 let mut candidate = nodes.clone();
                 candidate.extend(members[&u].iter().copied());
                 candidate.push(n);
-                if outside_of(g, &candidate).len() <= MAX_OUTSIDE {
+                if fits(g, &candidate, &at, rules.held) {
                     nodes.extend(members.remove(&u).expect("a group"));
                 }
             }
@@ -88,8 +96,11 @@ impl Fusion {
             nodes.push(n);
             members.insert(n, nodes);
         }
-        let groups: HashMap<NodeId, Group> =
-            members.into_iter().filter(|(_, m)| m.len() > 1).map(|(root, m)| (root, group(g, order, m))).collect();
+        let groups: HashMap<NodeId, Group> = members
+            .into_iter()
+            .filter(|(_, m)| m.len() > 1)
+            .map(|(root, m)| (root, group(g, &at, m, rules.held)))
+            .collect();
         let inner = inner.into_iter().filter(|n| !groups.contains_key(n)).collect();
         Fusion { groups, inner }
     }
@@ -133,25 +144,33 @@ impl Fusion {
     }
 }
 
-/// Whether `v`, an output of a fusible op, may stay inside the group of its reader `n`.
-fn joins(
-    g: &Graph,
-    v: Value,
-    n: NodeId,
-    held: &dyn Fn(&Value) -> bool,
-    together: &dyn Fn(NodeId, NodeId) -> bool,
-) -> bool {
-    let u = g.node(v.node);
-    let named = u.outputs().iter().filter(|o| !o.name.is_empty()).count();
-    named == 1
-        && !held(&v)
-        && g.users(v).iter().all(|&(m, slot)| m == n && slot != usize::MAX)
-        && together(v.node, n)
-        && static_dims(g, v).is_some_and(|d| Some(d) == static_dims(g, Value::new(n, 0)))
+/// Whether the fusible op `u` may join the group of its reader `n`.
+fn joins(g: &Graph, u: NodeId, n: NodeId, rules: &Rules<'_>) -> bool {
+    let node = g.node(u);
+    node.outputs().iter().filter(|o| !o.name.is_empty()).count() == 1
+        && !node.outputs()[0].name.is_empty()
+        && (rules.together)(u, n)
+        && static_dims(g, Value::new(u, 0)).is_some_and(|d| Some(d) == static_dims(g, Value::new(n, 0)))
 }
 
 fn static_dims(g: &Graph, v: Value) -> Option<Vec<i64>> {
     g.tensor_type(v).and_then(|t| t.static_dims())
+}
+
+/// Whether `nodes` (their root last) make a group: every reader of a member's value outside
+/// the group comes after the root, and the values read and written fit the bindings.
+fn fits(g: &Graph, nodes: &[NodeId], at: &HashMap<NodeId, usize>, held: &dyn Fn(&Value) -> bool) -> bool {
+    let root = at[nodes.last().expect("a root")];
+    let mut written = 1;
+    for &m in &nodes[..nodes.len() - 1] {
+        let readers = g.users(Value::new(m, 0));
+        let outside: Vec<NodeId> = readers.iter().map(|r| r.0).filter(|r| !nodes.contains(r)).collect();
+        if outside.iter().any(|r| at.get(r).is_none_or(|&p| p <= root)) {
+            return false;
+        }
+        written += usize::from(!outside.is_empty() || held(&Value::new(m, 0)));
+    }
+    outside_of(g, nodes).len() + written <= MAX_BINDINGS
 }
 
 /// The values `nodes` read that none of them computes, in first-read order.
@@ -167,9 +186,8 @@ fn outside_of(g: &Graph, nodes: &[NodeId]) -> Vec<Value> {
     out
 }
 
-/// The group of `members`, ordered as `order` runs them.
-fn group(g: &Graph, order: &[NodeId], mut nodes: Vec<NodeId>) -> Group {
-    let at: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+/// The group of `nodes`, ordered as the program runs them (`at`).
+fn group(g: &Graph, at: &HashMap<NodeId, usize>, mut nodes: Vec<NodeId>, held: &dyn Fn(&Value) -> bool) -> Group {
     nodes.sort_by_key(|n| at[n]);
     let outside = outside_of(g, &nodes);
     let sources = nodes
@@ -187,12 +205,19 @@ fn group(g: &Graph, order: &[NodeId], mut nodes: Vec<NodeId>) -> Group {
                 .collect()
         })
         .collect();
-    Group { nodes, outside, sources }
+    let last = nodes.len() - 1;
+    let outputs = (0..nodes.len())
+        .filter(|&j| {
+            let v = Value::new(nodes[j], 0);
+            j == last || held(&v) || g.users(v).iter().any(|r| !nodes.contains(&r.0))
+        })
+        .collect();
+    Group { nodes, outside, sources, outputs }
 }
 
 impl<E: Executor> NodeRun<'_, '_, E> {
-    /// Runs group `grp` of micro-batch `micro`: its root's output, computed by one kernel, or
-    /// by the members one by one where the executor has none for the group.
+    /// Runs group `grp` of micro-batch `micro`: the values it writes ([`Group::outputs`]),
+    /// computed by one kernel, or by the members one by one where the executor has none.
     pub(super) fn fused(
         &mut self,
         grp: &Group,
@@ -214,24 +239,27 @@ impl<E: Executor> NodeRun<'_, '_, E> {
             })
             .collect::<Result<_, _>>()?;
         let t0 = Instant::now();
-        if let Some(t) = self.e.run_fused(g, grp, &outside).map_err(|m| format!("{}: {m}", g.describe(root)))? {
+        let written = |j: &usize| Value::new(grp.nodes[*j], 0);
+        if let Some(ts) = self.e.run_fused(g, grp, &outside).map_err(|m| format!("{}: {m}", g.describe(root)))? {
             self.e.sync();
             let dt = t0.elapsed().as_secs_f64();
             *self.report.by_op.entry("Fused".to_string()).or_insert(0.0) += dt;
             let phase = self.phase.get(&root).copied().unwrap_or("forward");
             *self.report.by_phase.entry(phase.to_string()).or_insert(0.0) += dt;
-            return Ok(vec![(Value::new(root, 0), t)]);
+            return Ok(grp.outputs.iter().map(written).zip(ts).collect());
         }
         // No kernel for the group: its members one by one.
-        let (&root, members) = grp.nodes.split_last().expect("a member");
-        for &m in members {
+        for &m in &grp.nodes {
             let produced = self.node(m, env, fixed, inputs, micro)?;
             self.store(produced, env, live);
         }
-        let out = self.node(root, env, fixed, inputs, micro)?;
-        for &m in members {
-            if let Some(t) = env.remove(&Value::new(m, 0)) {
+        let mut out = Vec::new();
+        for j in 0..grp.nodes.len() {
+            if let Some(t) = env.remove(&Value::new(grp.nodes[j], 0)) {
                 live.remove(self.e.storage(&t));
+                if grp.outputs.contains(&j) {
+                    out.push((written(&j), t));
+                }
             }
         }
         Ok(out)
@@ -252,47 +280,56 @@ mod tests {
         |n| matches!(g.node(n).op.class(), ir::OpClass::Unary | ir::OpClass::Binary)
     }
 
+    fn names<'g>(g: &'g Graph, grp: &Group) -> Vec<&'g str> {
+        grp.nodes.iter().map(|&n| g.node(n).op.op_type()).collect()
+    }
+
     #[test]
-    fn a_chain_of_single_reader_values_is_one_group() {
+    fn a_chain_and_the_values_it_reads_twice_are_one_group() {
         let g = parse(
             "<ir_version: 8, opset_import: [\"\" : 18]>\nm (float[2,3] x, float[3] b, float[2,3] r) => (y) {\n  \
              t = Add (x, b)\n  s = Sigmoid (t)\n  u = Mul (t, s)\n  v = Add (u, r)\n  y = Relu (v)\n}",
         );
         let order = g.topo_order().expect("acyclic");
-        let f = Fusion::plan(&g, &order, &elementwise(&g), &|_| false, &|_, _| true);
-        // `t` has two readers: it stays a value of its own; the rest joins the Relu's group.
+        let rules = Rules { fusible: &elementwise(&g), held: &|_| false, together: &|_, _| true };
+        let f = Fusion::plan(&g, &order, &rules);
         let groups: Vec<&Group> = f.groups().collect();
         assert_eq!(groups.len(), 1, "{groups:?}");
-        let names: Vec<&str> = groups[0].nodes.iter().map(|&n| g.node(n).op.op_type()).collect();
-        assert_eq!(names, ["Sigmoid", "Mul", "Add", "Relu"]);
+        assert_eq!(names(&g, groups[0]), ["Add", "Sigmoid", "Mul", "Add", "Relu"]);
         let outside: Vec<&str> = groups[0].outside.iter().map(|&v| g.value_name(v)).collect();
-        assert_eq!(outside, ["t", "r"]);
-        assert_eq!(groups[0].sources[1], vec![Some(Source::Outside(0)), Some(Source::Member(0))]);
+        assert_eq!(outside, ["x", "b", "r"]);
+        // `t`, read by the Sigmoid and the Mul, stays in registers: only the root is written.
+        assert_eq!(groups[0].sources[2], vec![Some(Source::Member(0)), Some(Source::Member(1))]);
+        assert_eq!(groups[0].outputs, [4]);
         let add = groups[0].nodes[0];
         assert!(f.deferred(add) && f.reads(&g, add).is_empty());
-        let root = groups[0].nodes[3];
-        assert_eq!(f.reads(&g, root).len(), 2);
+        assert_eq!(f.reads(&g, groups[0].nodes[4]).len(), 3);
     }
 
     #[test]
-    fn held_values_broadcast_results_and_other_parts_end_a_group() {
+    fn kept_values_are_written_and_earlier_readers_broadcasts_and_other_parts_end_a_group() {
         let g = parse(
-            "<ir_version: 8, opset_import: [\"\" : 18]>\nm (float[2,3] x, float[2,1] c) => (y, z) {\n  \
-             a = Neg (c)\n  t = Add (x, a)\n  u = Exp (t)\n  y = Relu (u)\n  w = Abs (x)\n  z = Sigmoid (w)\n}",
+            "<ir_version: 8, opset_import: [\"\" : 18]>\nm (float[2,3] x, float[2,1] c) => (y, z, k) {\n  \
+             a = Neg (c)\n  t = Add (x, a)\n  u = Exp (t)\n  y = Relu (u)\n  w = Abs (x)\n  z = Sigmoid (w)\n  \
+             p = Exp (x)\n  s = ReduceSum (p)\n  q = Mul (p, p)\n  k = Add (q, s)\n}",
         );
         let order = g.topo_order().expect("acyclic");
         let name = |n: NodeId| g.node(n).op.op_type();
-        // `a` is [2,1] and read broadcast: not inside the Add's group; `u` is held.
+        let at = |v: &str| order.iter().position(|&n| n == g.lookup(v).expect("a value").node).expect("ordered");
+        assert!(at("s") < at("q"), "the test wants the ReduceSum between the Exp and the Mul");
+        // `a` is [2,1], read broadcast: not in the Add's group; `u` is kept: written.
         let held = |v: &Value| g.value_name(*v) == "u";
         let apart = |a: NodeId, b: NodeId| !(name(a) == "Abs" && name(b) == "Sigmoid");
-        let f = Fusion::plan(&g, &order, &elementwise(&g), &held, &apart);
-        let groups: Vec<Vec<&str>> = f.groups().map(|grp| grp.nodes.iter().map(|&n| name(n)).collect()).collect();
-        assert_eq!(groups, vec![vec!["Add", "Exp"]]);
+        let f = Fusion::plan(&g, &order, &Rules { fusible: &elementwise(&g), held: &held, together: &apart });
+        let mut groups: Vec<(Vec<&str>, Vec<usize>)> =
+            f.groups().map(|grp| (names(&g, grp), grp.outputs.clone())).collect();
+        groups.sort();
+        // `p` is read by the ReduceSum before the Mul runs: it stays out of the Mul's group.
+        assert_eq!(groups, vec![(vec!["Add", "Exp", "Relu"], vec![1, 2]), (vec!["Mul", "Add"], vec![1])]);
         let mut last = g.last_uses(&order);
         let before = last.clone();
         f.delay_last_uses(&order, &mut last);
-        let exp = order.iter().position(|&n| name(n) == "Exp").expect("Exp");
         let a = g.lookup("a").expect("a");
-        assert_eq!((before[&a], last[&a]), (order.iter().position(|&n| name(n) == "Add").expect("Add"), exp));
+        assert_eq!((before[&a], last[&a]), (at("t"), at("y")));
     }
 }

@@ -237,8 +237,8 @@ pub trait Executor {
         false
     }
     /// Runs a group of element-wise ops as one kernel on its outside values (in
-    /// [`fuse::Group::outside`]'s order): the root's output, or `None` where no single kernel
-    /// computes the group (its members then run one by one).
+    /// [`fuse::Group::outside`]'s order): the values of [`fuse::Group::outputs`], or `None`
+    /// where no single kernel computes the group (its members then run one by one).
     fn run_fused(&mut self, _g: &Graph, _grp: &fuse::Group, _outside: &[&Self::Tensor]) -> RunFused<Self::Tensor> {
         Ok(None)
     }
@@ -265,7 +265,7 @@ pub trait Executor {
 }
 
 /// What [`Executor::run_fused`] gives.
-pub type RunFused<T> = Result<Option<T>, String>;
+pub type RunFused<T> = Result<Option<Vec<T>>, String>;
 
 /// Options of a run.
 #[derive(Clone, Debug)]
@@ -779,7 +779,12 @@ fn drive<E: Executor>(
     let keep = kept_values(g, d, &carries, acc.as_ref());
     let mut last_use = g.last_uses(&order);
     let held = |v: &Value| keep.contains(v) || shared.contains(v);
-    let fusion = fuse::Fusion::plan(g, &order, &|n| opts.fusion && e.fusible(g, n), &held, &|a, b| cut.same_part(a, b));
+    let rules = fuse::Rules {
+        fusible: &|n| opts.fusion && e.fusible(g, n),
+        held: &held,
+        together: &|a, b| cut.same_part(a, b),
+    };
+    let fusion = fuse::Fusion::plan(g, &order, &rules);
     fusion.delay_last_uses(&order, &mut last_use);
     let movable = movable_results(g, d, &carries);
     // Parameters and constants are uploaded once.

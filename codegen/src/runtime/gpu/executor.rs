@@ -743,9 +743,9 @@ impl Executor for GpuExecutor {
             return Ok(None);
         }
         let Some(members) = self.group_members(g, grp, outside)? else { return Ok(None) };
-        let Some(program) = fused::compile_group(&members, &grp.sources) else { return Ok(None) };
+        let Some(program) = fused::compile_group(&members, &grp.sources, &grp.outputs) else { return Ok(None) };
         let ins: Vec<Option<&GpuTensor>> = outside.iter().map(|&t| Some(t)).collect();
-        Ok(self.execute(&program, &ins)?.into_iter().next())
+        Ok(Some(self.execute(&program, &ins)?))
     }
 
     fn sync(&mut self) {
