@@ -148,7 +148,9 @@ fn kernels() -> Vec<Kernel> {
     v
 }
 
-fn kernel_rates() {
+/// Prints the kernel rates; the wgpu executor's, by kernel name.
+fn kernel_rates() -> BTreeMap<&'static str, f64> {
+    let mut rates = BTreeMap::new();
     println!(
         "kernel rates (median of 5; wgpu = one simulated device, cpu = the CPU executor, ref = the reference \
          evaluator it is checked against)"
@@ -175,6 +177,9 @@ fn kernel_rates() {
             let tp = time_node(p, &m.graph, node, &inputs, 5).expect("gpu run");
             println!("  {:<28} wgpu without subgroups {:>9.3} ms {:>6.2} {}", k.name, tp * 1e3, rate(tp), k.unit);
         }
+        if let Some(tg) = tg {
+            rates.insert(k.name, rate(tg));
+        }
         match tg {
             Some(tg) => println!(
                 "  {:<28} wgpu {:>9.3} ms {:>6.2} {}   cpu {:>9.3} ms {:>6.2} {}   ref {:>6.2} {}   wgpu/cpu {:.2}×",
@@ -200,6 +205,7 @@ fn kernel_rates() {
             ),
         }
     }
+    rates
 }
 
 /// The median of 5 runs of `node` by the reference evaluator (`ir::eval`), seconds.
@@ -316,8 +322,41 @@ fn prediction_vs_measurement() {
     }
 }
 
+/// The wgpu executor beside torch eager on this CPU (one thread; `SHARDC_TORCH_PYTHON`):
+/// GEMM rates, and the training steps of ResNet-18 and GPT-2 small4 on one device with
+/// element-wise chains fused and run one by one, with the kernels each step dispatched.
+fn beside_torch(rates: &BTreeMap<&'static str, f64>) {
+    if GpuExecutor::new().is_err() {
+        return;
+    }
+    let torch = common::torch();
+    match &torch {
+        Ok(t) => println!("\nbeside torch {} eager, one thread", t["torch"].as_str().unwrap_or("?")),
+        Err(e) => println!("\nno torch column ({e}); set SHARDC_TORCH_PYTHON to a Python with torch"),
+    }
+    let col = |key: &str| torch.as_ref().ok().and_then(|t| t[key].as_f64());
+    let ratio = |x: Option<f64>, t: Option<f64>| match (x, t) {
+        (Some(x), Some(t)) => format!("{:.2}×", x / t),
+        _ => "-".into(),
+    };
+    let cell = |t: Option<f64>, digits: usize| t.map_or("-".into(), |t| format!("{t:.digits$}"));
+    println!("  GEMM (GFLOP/s)                      wgpu    torch  wgpu/torch");
+    for (name, key) in [("MatMul 512³", "gemm512_gflops"), ("MatMul 2048³", "gemm2048_gflops")] {
+        let w = rates.get(name).copied();
+        println!("  {name:<30} {:>9} {:>8} {:>11}", cell(w, 1), cell(col(key), 1), ratio(w, col(key)));
+    }
+    println!("  training step (s)            wgpu fused  dispatches  one by one  dispatches   torch  fused/torch");
+    for (name, path, shapes, key) in common::train_cases() {
+        let (f, fd) = common::train_step(&path, &shapes, Backend::Wgpu, true);
+        let (a, ad) = common::train_step(&path, &shapes, Backend::Wgpu, false);
+        let t = col(key);
+        println!("  {name:<26} {f:>12.3} {fd:>11} {a:>11.3} {ad:>11} {:>7} {:>12}", cell(t, 3), ratio(Some(f), t));
+    }
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; nothing to parse.
-    kernel_rates();
+    let rates = kernel_rates();
+    beside_torch(&rates);
     prediction_vs_measurement();
 }

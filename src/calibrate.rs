@@ -258,6 +258,7 @@ pub fn measure<E: Executor>(make: impl Fn() -> Result<E, String> + Sync, effort:
         kernel_factors: Vec::new(),
         parallel_width: c(|k| k.parallel_width),
         serial_slowdown: c(|k| k.serial_slowdown),
+        fused_elementwise: rounds[0].calibration.fused_elementwise,
     };
     let samples = rounds[0]
         .samples
@@ -555,6 +556,8 @@ fn measure_once<E: Executor>(
         kernel_factors: Vec::new(),
         parallel_width,
         serial_slowdown,
+        // As `run` and `train` run: fused unless SHARDC_NO_FUSION says otherwise.
+        fused_elementwise: e.fuses() && codegen::RunOptions::default().fusion,
     };
     Ok(Measured { adapter: e.name(), calibration, samples })
 }

@@ -157,12 +157,12 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
                 }
                 Op::Input { .. } | Op::Initializer(_) | Op::Constant(_) => Work::Compute(String::new(), vec![0.0]),
                 op if op.class() == OpClass::Comm => Work::Compute(String::new(), vec![0.0]),
-                op => {
+                _ => {
                     let at = |cm: &CostModel| {
                         let t = cm.op_time(n, &replicated);
                         if cm.is_training_graph() { t.fwd + t.bwd + t.halo + t.stats } else { t.fwd + t.comm_fwd }
                     };
-                    Work::Compute(op.op_type().to_string(), cms.iter().map(at).collect())
+                    Work::Compute(cms[0].kernel_kind(n), cms.iter().map(at).collect())
                 }
             }
         };

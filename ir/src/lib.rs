@@ -29,6 +29,7 @@ pub mod attr;
 pub mod cost;
 pub mod eval;
 pub mod export;
+pub mod fusion;
 pub mod graph;
 pub mod infer;
 pub mod inline;

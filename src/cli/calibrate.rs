@@ -92,6 +92,7 @@ pub fn run(args: &CalibrateArgs) -> CliResult {
             "host_cores": k.host_cores,
             "parallel_width": k.parallel_width,
             "serial_slowdown": k.serial_slowdown,
+            "fused_elementwise": k.fused_elementwise,
             "kernel_factors": k.kernel_factors.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
             "samples": measured.samples.iter().map(|s| serde_json::json!({"what": s.what, "median_s": s.median_s, "reps": s.reps})).collect::<Vec<_>>(),
         }))

@@ -1,50 +1,21 @@
-//! Element-wise fusion: groups of element-wise ops that run as one kernel on executors that
-//! can ([`Executor::fusible`]), so a chain such as a bias add, an activation and a residual
-//! add — or a gradient's product and its accumulation — reads its operands once, keeps its
-//! intermediate values in registers and runs as one dispatch.
-//!
-//! A group's members have one output each, all of one shape, and run in the same part of the
-//! step (forward or backward, one model chunk). The group runs when its last member's (its
-//! root's) turn comes; the values its other members read stay alive until then. A member's
-//! value leaves the group — the kernel writes it — when something outside the group reads it
-//! or the run keeps it (a result, a value the backward part or another chunk reads); every
-//! such reader comes after the root in the program's order, so it finds the value written.
-//! Where the executor has no single kernel for a group (an element type or attribute its
-//! kernels do not cover) the members run one by one, as without fusion: the values are the
-//! same either way.
+//! Element-wise fusion in the runtime: the groups of [`ir::fusion`] over a device's program
+//! run as one kernel on executors that can ([`Executor::fusible`]), so a chain such as a bias
+//! add, an activation and a residual add — or a gradient's product and its accumulation —
+//! reads its operands once, keeps its intermediate values in registers and runs as one
+//! dispatch. Parts of the step are the runtime's (forward or backward, one model chunk; not
+//! the once-per-step ops); held values are results, carried values and what another chunk
+//! reads. A group runs at its root's turn; the values its other members read stay alive until
+//! then. Where the executor has no single kernel for a group (an element type or attribute
+//! its kernels do not cover) the members run one by one, as without fusion: the values are
+//! the same either way.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
+pub use ir::fusion::{Group, MAX_BINDINGS, Rules, Source};
 use ir::{Graph, NodeId, Value};
 
 use super::{Executor, Live, NodeRun};
-
-/// The most buffers a group's kernel binds for the values it reads and writes (adapters
-/// guarantee 8 storage buffers per shader; one holds its parameters).
-pub const MAX_BINDINGS: usize = 7;
-
-/// Where a member of a group reads an input from.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Source {
-    /// The output of member `j` (earlier in [`Group::nodes`]).
-    Member(usize),
-    /// Value `k` of [`Group::outside`].
-    Outside(usize),
-}
-
-/// Element-wise ops run as one kernel.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Group {
-    /// The members in the order they ran unfused; the root last.
-    pub nodes: Vec<NodeId>,
-    /// The values the members read that no member computes, in first-read order.
-    pub outside: Vec<Value>,
-    /// Per member, per input slot: where it comes from (`None`: an omitted input).
-    pub sources: Vec<Vec<Option<Source>>>,
-    /// The members whose values the kernel writes, in order; the root last.
-    pub outputs: Vec<usize>,
-}
 
 /// The groups of one device's program.
 #[derive(Clone, Debug, Default)]
@@ -55,53 +26,14 @@ pub struct Fusion {
     inner: HashSet<NodeId>,
 }
 
-/// What [`Fusion::plan`] asks of a program.
-pub struct Rules<'a> {
-    /// Ops that may be members.
-    pub fusible: &'a dyn Fn(NodeId) -> bool,
-    /// Values the run keeps past their readers (written by a group's kernel).
-    pub held: &'a dyn Fn(&Value) -> bool,
-    /// Whether two ops always run in the same part of the step.
-    pub together: &'a dyn Fn(NodeId, NodeId) -> bool,
-}
-
 impl Fusion {
-    /// Groups the ops of `g` (`order`: topologically) that `rules` allow: an op joins the
-    /// group of an op reading its output when both run in the same part of the step, their
-    /// output shapes are equal, every reader outside the group comes after that op, and the
-    /// group binds at most [`MAX_BINDINGS`] values.
+    /// The groups of `g` ([`ir::fusion::groups`]) as the runtime runs them.
     pub fn plan(g: &Graph, order: &[NodeId], rules: &Rules<'_>) -> Fusion {
-        let at: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
-        // Members of the group rooted at each fusible op, before it joins a later one.
-        let mut members: HashMap<NodeId, Vec<NodeId>> = HashMap::new();
-        let mut inner: HashSet<NodeId> = HashSet::new();
-        for &n in order {
-            if !(rules.fusible)(n) {
-                continue;
-            }
-            let mut nodes: Vec<NodeId> = Vec::new();
-            for v in g.node(n).inputs().iter().flatten() {
-                let u = v.node;
-                if nodes.contains(&u) || !members.contains_key(&u) || !joins(g, u, n, rules) {
-                    continue;
-                }
-                let mut candidate = nodes.clone();
-                candidate.extend(members[&u].iter().copied());
-                candidate.push(n);
-                if fits(g, &candidate, &at, rules.held) {
-                    nodes.extend(members.remove(&u).expect("a group"));
-                }
-            }
-            inner.extend(nodes.iter().copied());
-            nodes.push(n);
-            members.insert(n, nodes);
-        }
-        let groups: HashMap<NodeId, Group> = members
+        let groups: HashMap<NodeId, Group> = ir::fusion::groups(g, order, rules)
             .into_iter()
-            .filter(|(_, m)| m.len() > 1)
-            .map(|(root, m)| (root, group(g, &at, m, rules.held)))
+            .map(|grp| (*grp.nodes.last().expect("a root"), grp))
             .collect();
-        let inner = inner.into_iter().filter(|n| !groups.contains_key(n)).collect();
+        let inner = groups.values().flat_map(|grp| grp.nodes[..grp.nodes.len() - 1].iter().copied()).collect();
         Fusion { groups, inner }
     }
 
@@ -142,77 +74,6 @@ impl Fusion {
             }
         }
     }
-}
-
-/// Whether the fusible op `u` may join the group of its reader `n`.
-fn joins(g: &Graph, u: NodeId, n: NodeId, rules: &Rules<'_>) -> bool {
-    let node = g.node(u);
-    node.outputs().iter().filter(|o| !o.name.is_empty()).count() == 1
-        && !node.outputs()[0].name.is_empty()
-        && (rules.together)(u, n)
-        && static_dims(g, Value::new(u, 0)).is_some_and(|d| Some(d) == static_dims(g, Value::new(n, 0)))
-}
-
-fn static_dims(g: &Graph, v: Value) -> Option<Vec<i64>> {
-    g.tensor_type(v).and_then(|t| t.static_dims())
-}
-
-/// Whether `nodes` (their root last) make a group: every reader of a member's value outside
-/// the group comes after the root, and the values read and written fit the bindings.
-fn fits(g: &Graph, nodes: &[NodeId], at: &HashMap<NodeId, usize>, held: &dyn Fn(&Value) -> bool) -> bool {
-    let root = at[nodes.last().expect("a root")];
-    let mut written = 1;
-    for &m in &nodes[..nodes.len() - 1] {
-        let readers = g.users(Value::new(m, 0));
-        let outside: Vec<NodeId> = readers.iter().map(|r| r.0).filter(|r| !nodes.contains(r)).collect();
-        if outside.iter().any(|r| at.get(r).is_none_or(|&p| p <= root)) {
-            return false;
-        }
-        written += usize::from(!outside.is_empty() || held(&Value::new(m, 0)));
-    }
-    outside_of(g, nodes).len() + written <= MAX_BINDINGS
-}
-
-/// The values `nodes` read that none of them computes, in first-read order.
-fn outside_of(g: &Graph, nodes: &[NodeId]) -> Vec<Value> {
-    let mut out: Vec<Value> = Vec::new();
-    for &m in nodes {
-        for v in g.node(m).inputs().iter().flatten() {
-            if !nodes.contains(&v.node) && !out.contains(v) {
-                out.push(*v);
-            }
-        }
-    }
-    out
-}
-
-/// The group of `nodes`, ordered as the program runs them (`at`).
-fn group(g: &Graph, at: &HashMap<NodeId, usize>, mut nodes: Vec<NodeId>, held: &dyn Fn(&Value) -> bool) -> Group {
-    nodes.sort_by_key(|n| at[n]);
-    let outside = outside_of(g, &nodes);
-    let sources = nodes
-        .iter()
-        .map(|&m| {
-            g.node(m)
-                .inputs()
-                .iter()
-                .map(|i| {
-                    i.map(|v| match nodes.iter().position(|&x| x == v.node) {
-                        Some(j) => Source::Member(j),
-                        None => Source::Outside(outside.iter().position(|&o| o == v).expect("outside")),
-                    })
-                })
-                .collect()
-        })
-        .collect();
-    let last = nodes.len() - 1;
-    let outputs = (0..nodes.len())
-        .filter(|&j| {
-            let v = Value::new(nodes[j], 0);
-            j == last || held(&v) || g.users(v).iter().any(|r| !nodes.contains(&r.0))
-        })
-        .collect();
-    Group { nodes, outside, sources, outputs }
 }
 
 impl<E: Executor> NodeRun<'_, '_, E> {

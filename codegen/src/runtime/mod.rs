@@ -232,7 +232,12 @@ pub trait Executor {
         inputs: &[Option<&Self::Tensor>],
         captures: &[Option<&Self::Tensor>],
     ) -> Result<(Vec<Self::Tensor>, bool), String>;
-    /// Whether op `n` may run inside a fused element-wise group ([`fuse`]) here.
+    /// Whether the executor runs element-wise fusion groups ([`fuse`]) as one kernel.
+    fn fuses(&self) -> bool {
+        false
+    }
+    /// Whether op `n` may run inside a fused element-wise group here (never where
+    /// [`Executor::fuses`] is false).
     fn fusible(&self, _g: &Graph, _n: NodeId) -> bool {
         false
     }

@@ -41,6 +41,7 @@ pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) 
             parallel_width: c.parallel_width,
             serial_slowdown: c.serial_slowdown,
             in_place_update: false,
+            fused_elementwise: c.fused_elementwise,
         },
         // Between the devices: the in-process transport's ring steps between host buffers.
         intra: Link {
@@ -114,6 +115,8 @@ pub struct Calibration {
     pub parallel_width: f64,
     /// A kernel's slowdown with one invocation.
     pub serial_slowdown: f64,
+    /// The executor runs element-wise chains as one kernel ([`Device::fused_elementwise`]).
+    pub fused_elementwise: bool,
 }
 
 /// The convolution gradients' rate against the convolution's, measured by `shardc calibrate`
@@ -241,4 +244,6 @@ pub const CALIBRATED: Calibration = Calibration {
     kernel_factors: Vec::new(),
     parallel_width: PARALLEL_WIDTH,
     serial_slowdown: SERIAL_SLOWDOWN,
+    // The wgpu runtime fuses element-wise chains (since 2026-12-06).
+    fused_elementwise: true,
 };

@@ -141,6 +141,11 @@ pub struct Device {
     /// stage's memory counts them.
     #[serde(default)]
     pub in_place_update: bool,
+    /// The executor runs element-wise ops that only each other read as one kernel
+    /// ([`ir::fusion`]; the wgpu runtime does): each such group of a training program is
+    /// priced as it runs — one launch, its intermediate values neither written nor read back.
+    #[serde(default)]
+    pub fused_elementwise: bool,
 }
 
 fn default_usable() -> f64 {
@@ -400,6 +405,7 @@ fn a100() -> Device {
         parallel_width: 0.0,
         serial_slowdown: 1.0,
         in_place_update: true,
+        fused_elementwise: false,
     }
 }
 
@@ -465,6 +471,7 @@ fn dgx_h100(nodes: usize) -> Cluster {
             parallel_width: 0.0,
             serial_slowdown: 1.0,
             in_place_update: true,
+            fused_elementwise: false,
         },
         // NVLink 4: 18 links, 900 GB/s bidirectional = 450 GB/s per direction, NVSwitch gen 3;
         // NCCL reaches ~360 GB/s bus bandwidth.
@@ -521,6 +528,7 @@ fn pcie_v100x8() -> Cluster {
             parallel_width: 0.0,
             serial_slowdown: 1.0,
             in_place_update: true,
+            fused_elementwise: false,
         },
         // GPU↔GPU over PCIe Gen3 x16 (15.75 GB/s theoretical, ~11 GB/s achieved); pairs of GPUs
         // share a PLX switch uplink to the CPU root complex, which rings across switches cross.
@@ -569,6 +577,7 @@ fn dgx1_v100() -> Cluster {
             parallel_width: 0.0,
             serial_slowdown: 1.0,
             in_place_update: true,
+            fused_elementwise: false,
         },
         // NVLink 2 hybrid cube-mesh: 6 links × 25 GB/s per GPU; NCCL rings reach ~130 GB/s bus
         // bandwidth over all 8 GPUs.

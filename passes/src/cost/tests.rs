@@ -41,6 +41,7 @@ fn toy() -> Cluster {
             parallel_width: 0.0,
             serial_slowdown: 1.0,
             in_place_update: false,
+            fused_elementwise: false,
         },
         intra: Link {
             bandwidth: 1e10,
@@ -604,4 +605,50 @@ fn values_computed_without_parameters_carry_no_gradient() {
     let bwd = &b.bytes_moved_per_device["backward"];
     assert!(close(bwd["all_reduce"], 2.0 * 7.0 / 8.0 * 16_384.0), "{bwd:?}");
     assert!(close(b.update_s, (4_194_304.0 + 4096.0) * 28.0 / 1e11));
+}
+
+#[test]
+fn fused_element_wise_groups_are_priced_as_one_launch_without_inner_traffic() {
+    let text = r#"<ir_version: 8, opset_import: ["" : 17]>
+g (float[64,1024] x) => (float loss)
+   <float[1024,4096] w = ["location": "w.bin", "offset": "0", "length": "16777216"]>
+{
+   h = MatMul (x, w)
+   s = Sigmoid (h)
+   t = Mul (s, h)
+   r = Relu (t)
+   loss = ReduceMean <keepdims: int = 0> (r)
+}"#;
+    let mut g = frontend::parse(text).unwrap_or_else(|d| panic!("{d:?}")).model.graph;
+    crate::autodiff::autodiff(
+        &mut g,
+        &crate::autodiff::LossSpec::Model,
+        &crate::autodiff::OptimizerSpec::sgd(0.1, 0.0),
+    )
+    .unwrap();
+    ir::infer::infer_shapes(&mut g, ir::infer::Mode::Check).unwrap();
+    let mut c = toy();
+    c.device.launch_overhead = 1e-5;
+    let mut fused = c.clone();
+    fused.device.fused_elementwise = true;
+    let (alone, together) = (
+        CostModel::new(&g, &c, c.mesh(1).unwrap(), opts()),
+        CostModel::new(&g, &fused, fused.mesh(1).unwrap(), opts()),
+    );
+    let node = |v: &str| g.lookup(v).unwrap().node;
+    let none = vec![None; alone.mesh.axes.len()];
+    let saved = |v: &str| alone.op_time(node(v), &none).fwd - together.op_time(node(v), &none).fwd;
+    // The forward group Sigmoid → Mul → Relu: `s` and `t` are written (the backward part
+    // reads them) but read by the Mul and the Relu from registers; the Sigmoid and the Mul
+    // launch nothing of their own. 64 × 4096 floats: 1 MiB.
+    let bytes = 64.0 * 4096.0 * 4.0;
+    assert!(close(saved("s"), 1e-5 + bytes / 1e11), "{}", saved("s"));
+    assert!(close(saved("t"), 1e-5 + bytes / 1e11), "{}", saved("t"));
+    assert_eq!(saved("r"), 0.0, "the root keeps its launch and writes its value");
+    // Nothing else changes: the MatMul's price is its own.
+    assert_eq!(saved("h"), 0.0);
+    // The whole step is cheaper by every group's savings, no more.
+    let grouped: f64 =
+        g.op_nodes().unwrap().iter().map(|&n| alone.op_time(n, &none).fwd - together.op_time(n, &none).fwd).sum();
+    assert!(grouped >= 2.0 * (1e-5 + bytes / 1e11), "{grouped}");
 }

@@ -726,16 +726,12 @@ impl Executor for GpuExecutor {
         Ok((self.host_fallback(g, n, inputs, captures)?, true))
     }
 
+    fn fuses(&self) -> bool {
+        true
+    }
+
     fn fusible(&self, g: &Graph, n: NodeId) -> bool {
-        let node = g.node(n);
-        let op = &node.op;
-        matches!(op.class(), ir::OpClass::Unary | ir::OpClass::Binary | ir::OpClass::Variadic)
-            && !matches!(op, ir::Op::Identity(_) | ir::Op::Dropout(_))
-            && !compile::host_only(op.op_type())
-            && node.num_outputs() == 1
-            && node.inputs().len() <= 3
-            && g.tensor_type(ir::Value::new(n, 0))
-                .is_some_and(|t| t.dtype != DType::String && t.static_dims().is_some())
+        ir::fusion::elementwise(g, n) && !compile::host_only(g.node(n).op.op_type())
     }
 
     fn run_fused(&mut self, g: &Graph, grp: &Group, outside: &[&GpuTensor]) -> RunFused<GpuTensor> {

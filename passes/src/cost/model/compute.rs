@@ -362,6 +362,28 @@ impl<'a> CostModel<'a> {
         steps
     }
 
+    /// The kind of kernel the runtime reports `n`'s time under: `Fused` for a member of a
+    /// fusion group on a device that fuses ([`CostModel::fusion_saving`]), else its op type.
+    pub fn kernel_kind(&self, n: NodeId) -> String {
+        if self.cluster.device.fused_elementwise && self.fused.contains_key(&n) {
+            "Fused".into()
+        } else {
+            self.g.node(n).op.op_type().into()
+        }
+    }
+
+    /// What running `n` inside its fusion group saves against running it alone, where the
+    /// device fuses ([`super::super::cluster::Device::fused_elementwise`]): the launch of a
+    /// member that is not the group's root, the write of a value the kernel keeps in
+    /// registers and every read of it by another member.
+    fn fusion_saving(&self, n: NodeId, s: &[Option<usize>]) -> f64 {
+        let Some(m) = self.fused.get(&n).filter(|_| self.cluster.device.fused_elementwise) else { return 0.0 };
+        let bytes = self.value_bytes(Value::new(n, 0)) / self.strategy_factor(n, s);
+        let passes = usize::from(!m.written) + m.reads;
+        let launch = if m.root { 0.0 } else { self.launch() };
+        launch + passes as f64 * bytes / self.mem_bandwidth()
+    }
+
     pub(super) fn op_eval(&self, n: NodeId, s: &[Option<usize>]) -> Rc<OpEval> {
         if let Some(e) = self.op_memo.borrow().get(&(n, s.to_vec())) {
             return e.clone();
@@ -369,6 +391,7 @@ impl<'a> CostModel<'a> {
         let (ins, outs) = strategy_shardings(&self.spaces[&n], s);
         let mode = split_mode(self.g, n, &self.spaces[&n], s, &self.mesh).ok();
         let (fwd, mut bwd) = self.compute_time(n, s, mode.as_ref(), &ins, &outs);
+        let fwd = (fwd - self.fusion_saving(n, s)).max(0.0);
         let mut comm = self.op_comm(n, s, mode.as_ref(), &ins);
         if self.phases.is_some() {
             // A training graph's op runs once: its own work and communication, in its phase.

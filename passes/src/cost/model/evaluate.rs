@@ -312,7 +312,7 @@ impl<'a> CostModel<'a> {
             if detail {
                 w.rows.push(OpRow {
                     name: row_name(node),
-                    op: node.op.op_type().to_string(),
+                    op: self.kernel_kind(n),
                     strategy: self.describe_strategy(n, &e.strategy),
                     compute_s: e.time.fwd,
                     communication_s: op_comm,

@@ -406,6 +406,9 @@ pub struct CostModel<'a> {
     stash: Option<Stash>,
     /// The values gradients flow into ([`ir::cost::grad_flow`]).
     grads: Arc<std::collections::HashSet<Value>>,
+    /// A training graph's element-wise fusion groups, by member (priced where the device
+    /// runs them fused: [`super::cluster::Device::fused_elementwise`]).
+    fused: Arc<HashMap<NodeId, Fused>>,
     op_memo: RefCell<FxHashMap<(NodeId, OpStrategy), Rc<OpEval>>>,
     reshard_memo: RefCell<FxHashMap<ReshardKey, Resharded>>,
     /// How many devices run kernels at once on a shared host (see [`CostModel::with_busy`]).
@@ -638,6 +641,39 @@ pub struct Analysis {
     phases: Arc<Option<HashMap<NodeId, Phase>>>,
     grads: Arc<std::collections::HashSet<Value>>,
     saved: Arc<Option<std::collections::HashSet<Value>>>,
+    fused: Arc<HashMap<NodeId, Fused>>,
+}
+
+/// A member of an element-wise fusion group of a training graph ([`ir::fusion::groups`]),
+/// for executors that run them as one kernel.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Fused {
+    /// The group's last member: its launch stays.
+    pub root: bool,
+    /// The kernel writes the member's value (something outside the group reads it).
+    pub written: bool,
+    /// Reads of the value by other members, which the kernel takes from registers.
+    pub reads: usize,
+}
+
+/// The fusion groups of a training graph (`phases`: its ops' phases; a group stays in one),
+/// by member.
+fn fusion_members(g: &Graph, order: &[NodeId], phases: &HashMap<NodeId, Phase>) -> HashMap<NodeId, Fused> {
+    let outputs: std::collections::HashSet<Value> = g.outputs().iter().map(|o| o.value).collect();
+    let rules = ir::fusion::Rules {
+        fusible: &|n| ir::fusion::elementwise(g, n),
+        held: &|v| outputs.contains(v),
+        together: &|a, b| phases.get(&a) == phases.get(&b),
+    };
+    let mut out = HashMap::new();
+    for grp in ir::fusion::groups(g, order, &rules) {
+        for (j, &n) in grp.nodes.iter().enumerate() {
+            let reads = grp.sources.iter().flatten().filter(|s| **s == Some(ir::fusion::Source::Member(j))).count();
+            let fused = Fused { root: j + 1 == grp.nodes.len(), written: grp.outputs.contains(&j), reads };
+            out.insert(n, fused);
+        }
+    }
+    out
 }
 
 impl Analysis {
@@ -656,6 +692,7 @@ impl Analysis {
         }
         let phases = ir::reshard::step_phases(g, &order);
         let saved = if phases.is_some() { None } else { super::stash::saved_values(g) };
+        let fused = phases.as_ref().map(|p| fusion_members(g, &order, p)).unwrap_or_default();
         Analysis {
             order: Arc::new(order),
             spaces: Arc::new(spaces),
@@ -664,6 +701,7 @@ impl Analysis {
             phases: Arc::new(phases),
             grads: Arc::new(grads),
             saved: Arc::new(saved),
+            fused: Arc::new(fused),
         }
     }
 }
@@ -691,6 +729,7 @@ impl<'a> CostModel<'a> {
             phases: a.phases.clone(),
             stash,
             grads: a.grads.clone(),
+            fused: a.fused.clone(),
             op_memo: RefCell::default(),
             reshard_memo: RefCell::default(),
             busy: None,
