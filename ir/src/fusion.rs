@@ -13,6 +13,10 @@ use std::collections::HashMap;
 
 use crate::{Graph, NodeId, OpClass, Value};
 
+/// The kernel family a group's time is reported and priced under (by the run reports, the
+/// cost model's op rows and its kernel factors).
+pub const FUSED: &str = "Fused";
+
 /// The most buffers a group's kernel binds for the values it reads and writes (adapters
 /// guarantee 8 storage buffers per shader; one holds its parameters).
 pub const MAX_BINDINGS: usize = 7;

@@ -119,119 +119,107 @@ pub struct Calibration {
     pub fused_elementwise: bool,
 }
 
-/// The convolution gradients' rate against the convolution's, measured by `shardc calibrate`
-/// on the development machine on 2026-11-26 (79% and 100% in two runs; a ratio of two kernels' rates on one machine, so
-/// it outlives that day's absolute speed).
-pub const CONV_GRAD_EFFICIENCY: f64 = 0.9;
+// The constants below come from two runs of `shardc calibrate --rounds 3` on the development
+// machine on 2026-12-06 (2 cores, Mesa 25.0.7's lavapipe from Debian 12's backports, as
+// `.ci/run` installs it; the runtime's subgroup GEMM and element-wise fusion), each constant
+// the mean of the two runs' medians; both runs' values are given where they differ by more
+// than a few percent. The previous constants (2026-11-26, Mesa 22.3, the GEMM kernel without
+// subgroups at 4.79 GFLOP/s) over-predicted the Mesa 25 runs 2–4×.
 
-/// The fraction of the memory bandwidth a transpose of the innermost dim reaches, measured by
-/// `shardc calibrate` on the development machine on 2026-11-26 (a 2048×2048 transpose: 81.5
-/// ms for 32 MB moved against an Add of the same size moving 48 MB in 28.9 ms: 0.24; against
-/// a Relu of the same tensor: 0.66, 0.83, 0.43, 0.26 of its rate at 256², 512², 1024² and
-/// 2048² floats, so up to 1 MB the strided side stays in cache).
-pub const TRANSPOSE_EFFICIENCY: f64 = 0.24;
+/// The convolution gradients' rate against the convolution's (0.746 and 0.760; a ratio of
+/// two kernels' rates on one machine, so it outlives that day's absolute speed).
+pub const CONV_GRAD_EFFICIENCY: f64 = 0.75;
 
-/// The extra fraction of a dispatch each further simulated device adds, measured by
-/// `shardc calibrate` on the development machine on 2026-11-26 (empty dispatches: 124 µs
-/// from one device, 153–162 µs each from two at once, 158–192 µs from four; a ratio of
-/// one machine's times, like [`CONV_GRAD_EFFICIENCY`]).
-pub const LAUNCH_CONTENTION: f64 = 0.16;
+/// The fraction of the memory bandwidth a transpose of the innermost dim reaches once its
+/// tensor is over [`CALIBRATED`]'s `transpose_cached_bytes` (0.89 and 0.84 against a Relu of
+/// the same 2048×2048 floats; both runs put the threshold at 16 MB).
+pub const TRANSPOSE_EFFICIENCY: f64 = 0.87;
 
-/// The in-process transport's ring (threads passing host buffers), measured by `shardc
-/// calibrate --rounds 3` on the development machine on 2026-11-26: all-reduces of 1 KB,
-/// 16 KB, 256 KB and 1 MB between two idle threads in 59 µs, 88 µs, 0.56 ms and 2.1 ms,
-/// fitted α 25.2 µs per ring step (and β 0.51 GB/s at those sizes).
-pub const RING_LATENCY: f64 = 25.2e-6;
-/// The ring's bandwidth at the sizes of a training step's large gradients, measured by
-/// `cargo bench --bench train`'s calibration (`shardc calibrate --rounds 3`'s) on the
-/// development machine on 2026-11-26: 0.22 GB/s fitted to all-reduces of 16 MB and 64 MB
-/// between two threads (by hand: 61.8 ms and 327 ms; 1 MB took 3.85 ms, 4 MB 12.4 ms) — tensors
-/// that stream through memory, not cache.
-pub const RING_BANDWIDTH: f64 = 0.22e9;
+/// The extra fraction of a dispatch each further simulated device adds (empty dispatches:
+/// 139 and 155 µs from one device; 0.40 and 0.53 from the times on 2 and 4 at once).
+pub const LAUNCH_CONTENTION: f64 = 0.46;
+
+/// The in-process transport's ring (threads passing host buffers): α per ring step fitted to
+/// all-reduces of 1 KB to 64 MB between two idle threads (9.2 and 9.9 µs).
+pub const RING_LATENCY: f64 = 9.6e-6;
+/// The ring's bandwidth over the same all-reduces (1.90 and 1.85 GB/s).
+pub const RING_BANDWIDTH: f64 = 1.87e9;
 /// The ring's bandwidth by the all-reduced tensor's size as multiples of [`RING_BANDWIDTH`]
-/// ([`super::cluster::BySize`]), measured by `shardc calibrate --rounds 3` on the development
-/// machine on 2026-11-27 (two runs, their mean): all-reduces between two threads of 256 KB,
-/// 1 MB, 4 MB, 16 MB and 64 MB at 0.37, 0.38, 0.59, 0.38 and 0.21 GB/s once the steps' α is
-/// taken off — up to a few MB the buffers stay in the caches.
+/// ([`super::cluster::BySize`]), 256 KB to 64 MB.
 pub const RING_BY_SIZE: &[(f64, f64)] =
-    &[(262144.0, 1.68), (1048576.0, 1.73), (4194304.0, 2.68), (16777216.0, 1.70), (67108864.0, 0.93)];
+    &[(262144.0, 1.17), (1048576.0, 1.22), (4194304.0, 1.29), (16777216.0, 1.23), (67108864.0, 0.99)];
 
 /// The device → host → device copies' bandwidth by size as multiples of [`CALIBRATED`]'s
-/// `copy_bandwidth` (the same runs as [`RING_BY_SIZE`]): round trips of 256 KB, 1 MB, 4 MB,
-/// 16 MB and 64 MB at 0.98, 1.14, 1.09, 0.51 and 0.28 GB/s of the tensor's bytes once the
-/// fixed cost is taken off.
+/// `copy_bandwidth`, 256 KB to 64 MB.
 pub const COPY_BY_SIZE: &[(f64, f64)] =
-    &[(262144.0, 1.74), (1048576.0, 2.04), (4194304.0, 1.95), (16777216.0, 0.90), (67108864.0, 0.49)];
+    &[(262144.0, 0.99), (1048576.0, 1.12), (4194304.0, 1.09), (16777216.0, 1.0), (67108864.0, 0.73)];
 
-/// The same run: two Relus (256K and 1024 floats) per step on 4 devices at once took 3.34
-/// ms, and 4.36 ms with an all-reduce of the small one's output through the host: with the
-/// copies taken off, each of its 6 ring steps took 3.58 times as long as between idle
-/// threads; the 2 devices beyond the machine's 2 cores add 2.58 times α each.
-pub const RING_CONTENTION: f64 = 2.58;
+/// Each device communicating beyond the host's cores adds this many times α to a ring step
+/// when the devices are busy (two Relus and an all-reduce per step on 2 and 4 devices: 20.5
+/// and 13.5 — the noisiest constant here).
+pub const RING_CONTENTION: f64 = 17.0;
 
-/// Invocations that fill the simulated device, measured by `shardc calibrate --rounds 3` on
-/// the development machine on 2026-11-26 (the run of [`KERNEL_FACTORS`]): reductions of 2M
-/// floats to 1, 4, 16, 64, 256 … 16384 outputs (one invocation per output looping over its
-/// run) took 23.7, 24.0, 24.8, 4.5 ms and then 2.3–2.5 ms; 64 is the least count within twice
-/// the flat time (another run's was 256: the knee lies between). Below it the time grows as
-/// the outputs shrink, up to [`SERIAL_SLOWDOWN`].
+/// Invocations that fill the simulated device: reductions of 2M floats to 1 … 16384 outputs
+/// (one invocation per output looping over its run) took 24 ms down to 16 outputs, 2.7 ms at
+/// 64 and 1.4–1.6 ms from 256 on (both runs): 64 is the least count within twice the flat
+/// time. Below it the time grows as the outputs shrink, up to [`SERIAL_SLOWDOWN`].
 pub const PARALLEL_WIDTH: f64 = 64.0;
-/// See [`PARALLEL_WIDTH`]: one output took 9.6 times as long as the flat time.
-pub const SERIAL_SLOWDOWN: f64 = 9.6;
+/// See [`PARALLEL_WIDTH`]: one output took 16.9 times as long as the flat time.
+pub const SERIAL_SLOWDOWN: f64 = 16.9;
 
-/// Per op type, the runtime's kernels in a training step against their roofline price,
-/// measured by `shardc calibrate --rounds 3` on the development machine on 2026-11-26 (with
-/// [`CALIBRATED`]'s GEMM rate and memory bandwidth from the same run). The pooling gradient's
-/// gather kernel rescans every window per tap; the reductions loop serially per output (a
-/// bias gradient has few outputs); the normalizations and softmax loop per row.
+/// Per kernel family (op type, or `Fused` for the fused element-wise groups), the runtime's
+/// kernels in calibrate's training steps against their roofline price under [`CALIBRATED`]'s
+/// GEMM rate and memory bandwidth. The pooling gradient's gather kernel rescans every window
+/// per tap; the reductions loop serially per output (a bias gradient has few outputs).
 pub const KERNEL_FACTORS: &[(&str, f64)] = &[
-    ("Add", 1.87),
-    ("Conv", 1.12),
-    ("ConvGradInput", 1.08),
-    ("ConvGradWeight", 1.22),
-    ("Div", 1.64),
-    ("ElementwiseGrad", 0.88),
-    ("Erf", 1.83),
-    ("LayerNormalization", 4.4),
-    ("MatMul", 0.96),
-    ("MaxPool", 1.71),
-    ("MaxPoolGrad", 15.69),
-    ("Mul", 1.45),
-    ("ReduceMean", 1.45),
-    ("ReduceSum", 5.38),
-    ("Relu", 1.55),
-    ("Softmax", 1.85),
-    ("SoftmaxGrad", 1.49),
-    ("Sub", 1.38),
-    ("Sum", 1.31),
-    ("Transpose", 2.26),
+    ("Add", 1.33),
+    ("Conv", 1.51),
+    ("ConvGradInput", 0.93),
+    ("ConvGradWeight", 1.66),
+    ("ElementwiseGrad", 0.69),
+    ("Expand", 2.72),
+    ("Fused", 0.71),
+    ("Gemm", 0.73),
+    ("GlobalAveragePool", 0.25),
+    ("LayerNormGrad", 0.86),
+    ("LayerNormalization", 0.76),
+    ("MatMul", 0.75),
+    ("MaxPool", 0.62),
+    ("MaxPoolGrad", 5.17),
+    ("Mul", 1.5),
+    ("ReduceMean", 0.21),
+    ("ReduceSum", 1.99),
+    ("Relu", 1.43),
+    ("SgdUpdate", 0.63),
+    ("Softmax", 0.43),
+    ("SoftmaxGrad", 0.25),
+    ("Sum", 1.07),
+    ("Transpose", 1.32),
 ];
 
-/// A GEMM tile's fixed work as extra reduction length, measured by `shardc calibrate` on the
-/// development machine on 2026-11-26 (MatMuls 512×K·K×512 for K = 16, 32, 64, 128, the line
-/// through their times: 8.1 and 8.2 in two runs; by hand 4.81 GFLOP/s at K = 512 and 3.21,
-/// 3.92, 4.39 at K = 16, 32, 64, each about `K/(K + 7.5)` of the peak); a ratio of one
-/// kernel's rates, like [`CONV_GRAD_EFFICIENCY`].
-pub const GEMM_K_OVERHEAD: f64 = 8.0;
+/// A GEMM tile's fixed work as extra reduction length: the line through MatMuls 512×K·K×512
+/// for K = 16, 32, 64, 128 (40.4 and 26.6); a ratio of one kernel's rates, like
+/// [`CONV_GRAD_EFFICIENCY`].
+pub const GEMM_K_OVERHEAD: f64 = 33.5;
 
-/// Values from calibration runs on the development machine (`shardc calibrate`, 2 cores,
-/// lavapipe). GEMM and memory from the run of [`KERNEL_FACTORS`] (MatMul 512³ 56.2 ms, 4M-float
-/// Add 14.0 ms), the convolution's rates and the dispatch from an earlier one (Conv 3×3
-/// 8×64×16×16 33.1 ms, 4-float Relu 0.100 ms); the copies from the run of [`RING_LATENCY`]
-/// (device → host → device round trips of 4100, 16K and 4M floats in 0.104, 0.145 and 29.9 ms:
-/// 0.56 GB/s and 75 µs past the bytes). The preset `local-wgpu` is these with
-/// [`KERNEL_FACTORS`].
+/// The two runs' GEMM rate (MatMul 512³ in 10.2 ms both times: 28.6 and 28.3 GFLOP/s with the
+/// reduction overhead taken off), the convolution's efficiency against it (0.669, 0.673), the
+/// memory bandwidth of a 4M-float Add (1.10 and 1.00 GB/s: 46 and 50 ms; the kernel factors
+/// above are relative to it), the dispatch, and the copies (device → host → device round
+/// trips: 0.62 GB/s and 48 µs past the bytes). The host's share one device keeps busy measured
+/// 1.0 in both runs. The preset `local-wgpu` is these with [`KERNEL_FACTORS`] and the by-size
+/// tables.
 pub const CALIBRATED: Calibration = Calibration {
-    gemm_flops: 4.79e9,
+    gemm_flops: 28.4e9,
     gemm_k_overhead: GEMM_K_OVERHEAD,
-    efficiency: 0.9,
+    efficiency: 0.67,
     conv_grad_efficiency: CONV_GRAD_EFFICIENCY,
     transpose_efficiency: TRANSPOSE_EFFICIENCY,
-    transpose_cached_bytes: 1.0e6,
-    mem_bandwidth: 3.62e9,
-    launch: 100e-6,
-    copy_bandwidth: 0.56e9,
-    copy_latency: 75e-6,
+    transpose_cached_bytes: 16.8e6,
+    mem_bandwidth: 1.05e9,
+    launch: 147e-6,
+    copy_bandwidth: 0.617e9,
+    copy_latency: 48e-6,
     copy_by_size: Vec::new(),
     ring_latency: RING_LATENCY,
     ring_bandwidth: RING_BANDWIDTH,
@@ -239,11 +227,9 @@ pub const CALIBRATED: Calibration = Calibration {
     ring_contention: RING_CONTENTION,
     host_cores: 2,
     launch_contention: LAUNCH_CONTENTION,
-    // Not measured in these runs: devices share the host in proportion to their count.
     host_use: 1.0,
     kernel_factors: Vec::new(),
     parallel_width: PARALLEL_WIDTH,
     serial_slowdown: SERIAL_SLOWDOWN,
-    // The wgpu runtime fuses element-wise chains (since 2026-12-06).
     fused_elementwise: true,
 };

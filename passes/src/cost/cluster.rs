@@ -121,7 +121,8 @@ pub struct Device {
     /// of the roofline than the model assumes (a reduction looping serially per output, a
     /// pooling gradient re-scanning every window). Measured by `shardc calibrate`, which
     /// trains two small models of its own and divides each op type's measured time by its
-    /// price; an op type not listed is priced at its roofline (factor 1).
+    /// price; an op type not listed is priced at its roofline (factor 1). `Fused` scales the
+    /// fused element-wise groups' kernels ([`Device::fused_elementwise`]).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub kernel_factors: std::collections::BTreeMap<String, f64>,
     /// Independent invocations a kernel needs to fill the device (0: not modelled): a kernel
@@ -698,9 +699,9 @@ impl Cluster {
             ));
         }
         for (op, &k) in &self.device.kernel_factors {
-            // Keyed by the op type whose kernels they scale: a name no op has would silently
-            // price that op at 1.0.
-            if !ir::Op::known_op_types().iter().any(|(_, t)| t == op) {
+            // Keyed by the op type whose kernels they scale (or the fused groups' kernels): a
+            // name no op has would silently price that op at 1.0.
+            if op != ir::fusion::FUSED && !ir::Op::known_op_types().iter().any(|(_, t)| t == op) {
                 return Err(format!(
                     "`device.kernel_factors.{op}`: no op is called `{op}` (the factors are keyed by op type: Conv, MatMul, ConvGradInput, …)"
                 ));

@@ -229,9 +229,10 @@ impl<'a> CostModel<'a> {
             return (fwd, bwd);
         }
         // What this device's kernels for the op take against their roofline (measured; the
-        // launches are priced on their own). A strided transpose has its own measured rate
+        // launches are priced on their own), by the kernel it runs in (a fused group's
+        // members: the fused kernels'). A strided transpose has its own measured rate
         // (`transpose_efficiency`) instead: the factor is measured on transposes that stream.
-        let kernel = if strided { 1.0 } else { d.kernel_factors.get(node.op.op_type()).copied().unwrap_or(1.0) };
+        let kernel = if strided { 1.0 } else { d.kernel_factors.get(&self.kernel_kind(n)).copied().unwrap_or(1.0) };
         // A kernel with fewer invocations than fill the device runs at that share of it.
         let fill = self.underfill(c.parallel / f);
         let fwd =
@@ -366,7 +367,7 @@ impl<'a> CostModel<'a> {
     /// fusion group on a device that fuses ([`CostModel::fusion_saving`]), else its op type.
     pub fn kernel_kind(&self, n: NodeId) -> String {
         if self.cluster.device.fused_elementwise && self.fused.contains_key(&n) {
-            "Fused".into()
+            ir::fusion::FUSED.into()
         } else {
             self.g.node(n).op.op_type().into()
         }
