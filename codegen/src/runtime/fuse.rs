@@ -37,6 +37,21 @@ impl Fusion {
         Fusion { groups, inner }
     }
 
+    /// The groups of a device's program `g` (`order`) that run fused on `e` (none unless
+    /// `on`): a group stays in one part of the step as `cut` runs it, and writes the values
+    /// the run keeps (`held`).
+    pub(super) fn of_device<E: Executor>(
+        e: &E,
+        g: &Graph,
+        order: &[NodeId],
+        cut: &crate::cut::Cut,
+        on: bool,
+        held: &dyn Fn(&Value) -> bool,
+    ) -> Fusion {
+        let rules = Rules { fusible: &|n| on && e.fusible(g, n), held, together: &|a, b| cut.same_part(a, b) };
+        Fusion::plan(g, order, &rules)
+    }
+
     /// The group rooted at `n`, if any.
     pub fn root(&self, n: NodeId) -> Option<&Group> {
         self.groups.get(&n)

@@ -784,12 +784,7 @@ fn drive<E: Executor>(
     let keep = kept_values(g, d, &carries, acc.as_ref());
     let mut last_use = g.last_uses(&order);
     let held = |v: &Value| keep.contains(v) || shared.contains(v);
-    let rules = fuse::Rules {
-        fusible: &|n| opts.fusion && e.fusible(g, n),
-        held: &held,
-        together: &|a, b| cut.same_part(a, b),
-    };
-    let fusion = fuse::Fusion::plan(g, &order, &rules);
+    let fusion = fuse::Fusion::of_device(&*e, g, &order, &cut, opts.fusion, &held);
     fusion.delay_last_uses(&order, &mut last_use);
     let movable = movable_results(g, d, &carries);
     // Parameters and constants are uploaded once.

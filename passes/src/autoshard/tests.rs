@@ -321,9 +321,8 @@ pw (float[4,64,32,32] x) => (float[4,64,32,32] y)
 /// `algebra::SEARCH_CHOICES` (and, where the two plans price one of the two convolutions
 /// cheaper rewritten, the graph rewritten there only), keeps the fastest, and its plan is a
 /// plan of the graph it leaves: priced again on that graph it costs what the search said. Off,
-/// it is the plain search. On 2 local-wgpu devices both convolutions as GEMMs are fastest
-/// (the input's transposes into the first GEMM carry no gradient: nothing before them is
-/// trained).
+/// it is the plain search. On 2 local-wgpu devices a convolution as a GEMM is faster (the
+/// runtime's GEMM outruns its convolution kernels).
 #[test]
 fn the_search_keeps_the_rewrite_whose_plan_is_faster() {
     for (cluster, devices) in [("dgx-a100", 8), ("local-wgpu", 2)] {
@@ -352,7 +351,7 @@ fn the_search_keeps_the_rewrite_whose_plan_is_faster() {
         let mut plain = graph(POINTWISE);
         let off = super::SearchOptions { rewrites: false, ..so };
         let local = cluster.name == "local-wgpu";
-        assert!(!local || (c.applied && !c.applied_at_cheaper), "{c:?}");
+        assert!(!local || c.applied, "{c:?}");
         let r = super::search_rewriting(&mut plain, &cluster, devices, &Options::default(), &off).unwrap();
         assert!(r.rewrites.is_empty());
         assert_eq!(r.breakdown.step_time_s, c.without_step_time_s);
