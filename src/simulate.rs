@@ -380,8 +380,10 @@ fn play(plans: &[Vec<Work>]) -> Result<Simulated, String> {
         for d in 0..n {
             match state[d] {
                 State::Computing { left, since } => {
+                    // (Work priced at nothing at this concurrency — a fused group's member —
+                    // ends at once.)
                     let t = price(d, pc[d] - 1, k);
-                    let left = left - dt / t;
+                    let left = if t > 0.0 { left - dt / t } else { 0.0 };
                     if left <= 1e-9 {
                         if let Work::Compute(what, _) = &plans[d][pc[d] - 1] {
                             *by_op[d].entry(what.clone()).or_default() += now - since;
@@ -426,6 +428,20 @@ mod tests {
         // then the 2 s kernel's remaining 1.5 s alone.
         let s = play(&[vec![compute("a", 0.5)], vec![compute("b", 2.0)]]).unwrap();
         assert_eq!(s.devices, vec![1.0, 2.5]);
+    }
+
+    #[test]
+    fn work_priced_at_nothing_at_some_concurrency_ends_at_once() {
+        // Device 0's second kernel costs nothing while both run (a fused group's member whose
+        // saving exceeds its price) and 1 s alone: it ends as it starts, beside device 1's
+        // kernel (2 s for `a`, `m` at once, 1 s for `b`; `c` has 2.5 s of its 4 left at 3 s).
+        let s = play(&[
+            vec![compute("a", 1.0), Work::Compute("m".into(), vec![1.0, 0.0]), compute("b", 0.5)],
+            vec![compute("c", 4.0)],
+        ])
+        .unwrap();
+        assert_eq!(s.devices, vec![3.0, 5.5]);
+        assert_eq!(s.by_op[0]["m"], 0.0);
     }
 
     #[test]
