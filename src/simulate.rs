@@ -380,11 +380,11 @@ fn play(plans: &[Vec<Work>]) -> Result<Simulated, String> {
         for d in 0..n {
             match state[d] {
                 State::Computing { left, since } => {
-                    // (Work priced at nothing at this concurrency — a fused group's member —
-                    // ends at once.)
+                    // Work priced at nothing at this concurrency (a fused group's member) ends
+                    // at once, and so does work whose rest is too short to move the clock.
                     let t = price(d, pc[d] - 1, k);
                     let left = if t > 0.0 { left - dt / t } else { 0.0 };
-                    if left <= 1e-9 {
+                    if left <= 1e-9 || now + left * t <= now {
                         if let Work::Compute(what, _) = &plans[d][pc[d] - 1] {
                             *by_op[d].entry(what.clone()).or_default() += now - since;
                         }
@@ -442,6 +442,10 @@ mod tests {
         .unwrap();
         assert_eq!(s.devices, vec![3.0, 5.5]);
         assert_eq!(s.by_op[0]["m"], 0.0);
+        // Work too short to move the clock after a long one ends too.
+        let s =
+            play(&[vec![compute("a", 1e6), Work::Compute("m".into(), vec![1e-12, 1e-12]), compute("b", 1.0)]]).unwrap();
+        assert_eq!(s.devices, vec![1e6 + 1.0]);
     }
 
     #[test]
