@@ -88,15 +88,17 @@ pub fn groups(g: &Graph, order: &[NodeId], rules: &Rules<'_>) -> Vec<Group> {
 }
 
 /// The element-wise ops a fused kernel can compute: unary, binary and variadic element-wise
-/// ops of at most three inputs (not views: `Identity`, `Dropout`) with one output of a static
-/// shape that is not a string.
+/// ops of at most three inputs (not views: `Identity`, `Dropout`; the variadic folds —
+/// `Sum`, `Max`, … — of at most two, one expression each) with one output of a static shape
+/// that is not a string.
 pub fn elementwise(g: &Graph, n: NodeId) -> bool {
     let node = g.node(n);
     let op = &node.op;
     matches!(op.class(), OpClass::Unary | OpClass::Binary | OpClass::Variadic)
         && !matches!(op, crate::Op::Identity(_) | crate::Op::Dropout(_))
         && node.num_outputs() == 1
-        && node.inputs().len() <= 3
+        && node.inputs().len()
+            <= if op.class() == OpClass::Variadic && !matches!(op, crate::Op::Where(_)) { 2 } else { 3 }
         && g.tensor_type(Value::new(n, 0)).is_some_and(|t| t.dtype != crate::DType::String && t.static_dims().is_some())
 }
 
