@@ -118,10 +118,7 @@ impl<E: Executor> NodeRun<'_, '_, E> {
         let written = |j: &usize| Value::new(grp.nodes[*j], 0);
         if let Some(ts) = self.e.run_fused(g, grp, &outside).map_err(|m| format!("{}: {m}", g.describe(root)))? {
             self.e.sync();
-            let dt = t0.elapsed().as_secs_f64();
-            *self.report.by_op.entry(ir::fusion::FUSED.to_string()).or_insert(0.0) += dt;
-            let phase = self.phase.get(&root).copied().unwrap_or("forward");
-            *self.report.by_phase.entry(phase.to_string()).or_insert(0.0) += dt;
+            self.timed(ir::fusion::FUSED, root, t0.elapsed().as_secs_f64());
             return Ok(grp.outputs.iter().map(written).zip(ts).collect());
         }
         // No kernel for the group: its members one by one.

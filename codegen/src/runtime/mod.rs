@@ -1081,13 +1081,9 @@ impl<E: Executor> NodeRun<'_, '_, E> {
                 let t0 = Instant::now();
                 let (outs, host) = e.run(g, n, &ins, &caps).map_err(|m| format!("{}: {m}", g.describe(n)))?;
                 e.sync();
-                let dt = t0.elapsed().as_secs_f64();
-                let report = &mut *self.report;
-                *report.by_op.entry(op.op_type().to_string()).or_insert(0.0) += dt;
-                *report.by_phase.entry(self.phase.get(&n).copied().unwrap_or("forward").to_string()).or_insert(0.0) +=
-                    dt;
+                self.timed(op.op_type(), n, t0.elapsed().as_secs_f64());
                 if host {
-                    *report.host_ops.entry(op.op_type().to_string()).or_insert(0) += 1;
+                    *self.report.host_ops.entry(op.op_type().to_string()).or_insert(0) += 1;
                 }
                 for (slot, t) in outs.into_iter().enumerate() {
                     if slot < node.num_outputs() && !node.outputs()[slot].name.is_empty() {
@@ -1097,6 +1093,13 @@ impl<E: Executor> NodeRun<'_, '_, E> {
             }
         }
         Ok(produced)
+    }
+
+    /// Counts `dt` seconds of kernels of `kind` for op `n` (its phase's time too).
+    fn timed(&mut self, kind: &str, n: NodeId, dt: f64) {
+        *self.report.by_op.entry(kind.to_string()).or_insert(0.0) += dt;
+        let phase = self.phase.get(&n).copied().unwrap_or("forward");
+        *self.report.by_phase.entry(phase.to_string()).or_insert(0.0) += dt;
     }
 
     /// Keeps an op's outputs, counting their storage.
