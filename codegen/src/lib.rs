@@ -6,6 +6,8 @@
 //!   `HaloExchange`, in the `shardc` domain), printable in the ONNX textual syntax.
 //! - [`check`](check::check) proves a program consistent before it runs: shapes, matching
 //!   collectives, paired sends, no deadlock.
+//! - [`verify`](verify::verify) proves that the devices' programs, composed by their
+//!   collectives and transfers, compute the graph they were lowered from.
 //! - [`runtime`] runs a program with one thread per simulated device, on the CPU reference
 //!   kernels or on WGSL compute shaders through wgpu (one instance per device), with
 //!   collectives through host staging buffers.
@@ -23,6 +25,7 @@ pub mod memory;
 pub mod program;
 pub mod runtime;
 pub mod schedule;
+pub mod verify;
 
 pub use check::{CheckError, check};
 pub use lower::{LowerError, lower};
@@ -31,3 +34,4 @@ pub use runtime::{
     AdapterLimits, Backend, Distributed, Hub, Key, RunOptions, RunReport, RuntimeError, StepHook, Transport, run,
 };
 pub use schedule::Schedule;
+pub use verify::{Proof, Refutation, RefutationKind, verify};

@@ -1,0 +1,227 @@
+//! `codegen::verify` proves the lowered training programs of named strategies, and refutes
+//! programs mutated the ways real frameworks have gone wrong, located at the op at fault.
+
+use shardc::codegen::{Program, RefutationKind, verify};
+use shardc::ir::eval::Array;
+use shardc::ir::op::Op;
+use shardc::ir::{Graph, NodeId, Value};
+use shardc::passes::autodiff::{LossSpec, OptimizerSpec};
+use shardc::passes::cost::{Cluster, Options};
+use shardc::train::training_model;
+
+/// A reduced synthetic GPT's training graph (MSE of its output, Adam).
+fn gpt_training() -> shardc::ir::Graph {
+    let gpt = shardc::synthetic::Gpt { layers: 2, hidden: 64, heads: 4, batch: 4, seq: 32, fused_gelu: true, vocab: 0 };
+    training_graph(&gpt.to_text())
+}
+
+fn training_graph(text: &str) -> shardc::ir::Graph {
+    let mut model = shardc::frontend::parse(text).expect("parses").model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Verify).add(shardc::passes::InferShapes::default());
+    pm.run(&mut model).expect("shapes");
+    let (tm, _) = training_model(&model, &LossSpec::Mse(None), &OptimizerSpec::adam(1e-3)).expect("training graph");
+    tm.graph
+}
+
+fn program(g: &shardc::ir::Graph, strategy: &str, devices: usize, opts: &Options) -> Program {
+    let cluster = Cluster::preset("local-wgpu").expect("preset");
+    let r =
+        shardc::exec::named_result(g, &cluster, devices, strategy, opts).unwrap_or_else(|e| panic!("{strategy}: {e}"));
+    shardc::exec::training_program(g, &r, devices, opts.zero).unwrap_or_else(|e| panic!("{strategy}: {e}"))
+}
+
+/// The plans `memory_saving_programs_move_what_they_price` lowers: tensor, data, sequence
+/// parallelism, ZeRO 1–3, recomputation.
+const PLANS: [(&str, usize, bool, u8); 9] = [
+    ("data", 4, false, 0),
+    ("megatron", 2, false, 0),
+    ("megatron", 4, false, 0),
+    ("megatron", 4, true, 0),
+    ("hybrid:dp:2,tp:2", 4, false, 0),
+    ("hybrid:dp:2,tp:2", 4, true, 1),
+    ("hybrid:dp:2,tp:2", 4, true, 2),
+    ("hybrid:dp:2,tp:2", 4, true, 3),
+    ("data", 4, false, 3),
+];
+
+fn plan_program(g: &shardc::ir::Graph, plan: (&str, usize, bool, u8)) -> (shardc::ir::Graph, Program) {
+    let (strategy, devices, sp, zero) = plan;
+    let mut g = g.clone();
+    if zero >= 2 {
+        shardc::passes::zero::early_gradients(&mut g).expect("reordered");
+    }
+    let opts = Options { sequence_parallel: sp, zero, ..Options::default() };
+    let p = program(&g, strategy, devices, &opts);
+    (g, p)
+}
+
+#[test]
+fn named_strategies_of_a_gpt_and_a_llama_verify() {
+    let llama = shardc::synthetic::Llama::reduced(2, 4, 32);
+    for (name, g) in [("gpt", gpt_training()), ("llama", training_graph(&llama.to_text()))] {
+        for recompute in [shardc::passes::cost::Recompute::None, shardc::passes::cost::Recompute::Full] {
+            let mut g = g.clone();
+            shardc::passes::recompute::recompute(&mut g, recompute).expect("recomputed");
+            for plan in PLANS {
+                let (g, p) = plan_program(&g, plan);
+                match verify(&g, &p) {
+                    Ok(proof) => eprintln!("{name} {plan:?} {}: {proof:?}", recompute.name()),
+                    Err(e) => panic!("{name} {plan:?} {}: {e}", recompute.name()),
+                }
+            }
+        }
+    }
+}
+
+/// A seeded lowering bug: the program of `plan` mutated by `mutate` on every device (given
+/// the device index and its graph).
+fn seeded(plan: (&str, usize, bool, u8), mutate: impl Fn(usize, &mut Graph)) -> (Graph, Program) {
+    let (g, mut p) = plan_program(&gpt_training(), plan);
+    for d in &mut p.devices {
+        mutate(d.device, &mut d.graph);
+    }
+    (g, p)
+}
+
+fn node_of(g: &Graph, name: &str) -> NodeId {
+    g.lookup(name).unwrap_or_else(|| panic!("no value `{name}`")).node
+}
+
+/// Inserts `op` on value `name` (its readers and results read the new value, named `name`).
+fn insert_after(g: &mut Graph, name: &str, op: Op, extra: &[Value]) {
+    let v = g.lookup(name).expect("value");
+    assert!(g.rename(v, format!("{name}__before")));
+    let mut ins = vec![v];
+    ins.extend_from_slice(extra);
+    let new = g.add_simple(op, &ins, name);
+    g.replace_all_uses(v, new);
+    g.set_input(new.node, 0, Some(v));
+}
+
+/// Sets the literal `name` to `f(value)`.
+fn set_literal(g: &mut Graph, name: &str, f: impl Fn(f64) -> f64) {
+    let n = node_of(g, name);
+    let Op::Initializer(t) = &g.node(n).op else { panic!("`{name}` is no literal") };
+    let a = Array::from_tensor(t).expect("data");
+    let vals: Vec<f64> = a.to_f64().expect("numbers").into_iter().map(f).collect();
+    let b = if a.dtype.is_int() {
+        Array::int(a.dtype, a.shape.clone(), vals.iter().map(|&x| x as i64).collect())
+    } else {
+        Array::float(a.dtype, a.shape.clone(), vals)
+    };
+    g.make_initializer(n, b.to_tensor());
+}
+
+fn scalar(g: &mut Graph, name: &str, x: f64) -> Value {
+    let t = Array::float(shardc::ir::DType::Float, vec![], vec![x]).to_tensor();
+    g.add_initializer(name, t)
+}
+
+/// The refutation of a seeded bug: the program is wrong, at an op of a device.
+fn refuted(what: &str, (g, p): (Graph, Program), expect: &str) {
+    shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{what}: the checker already rejects it: {e:?}"));
+    match verify(&g, &p) {
+        Ok(proof) => panic!("{what}: verified a wrong program: {proof:?}"),
+        Err(e) => {
+            eprintln!("{what}: {e}");
+            assert_eq!(e.kind, RefutationKind::Wrong, "{what}: {e}");
+            assert!(e.device.is_some() && e.op.is_some(), "{what}: not located to an op: {e}");
+            assert!(e.to_string().contains(expect), "{what}: {e}\nexpected it to name `{expect}`");
+        }
+    }
+}
+
+const DATA: (&str, usize, bool, u8) = ("data", 4, false, 0);
+const GRAD_AR: &str = "h0_qm__d214__ar";
+
+#[test]
+fn a_missing_all_reduce_of_a_partial_sum_is_caught() {
+    let p = seeded(DATA, |_, g| {
+        let n = node_of(g, GRAD_AR);
+        g.set_op(n, Op::Identity(Default::default()));
+    });
+    refuted("missing all-reduce", p, "AdamUpdate");
+}
+
+#[test]
+fn a_gradient_scaled_by_the_data_parallel_share_twice_or_never_is_caught() {
+    let twice = seeded(DATA, |_, g| {
+        let c = scalar(g, "extra_share", 0.25);
+        insert_after(g, GRAD_AR, Op::Mul(Default::default()), &[c]);
+    });
+    refuted("gradient scaled twice", twice, "Mul");
+    let never = seeded(DATA, |_, g| set_literal(g, "loss__share", |_| 1.0));
+    refuted("loss never scaled", never, "loss");
+}
+
+#[test]
+fn a_gradient_synchronised_twice_is_caught() {
+    let p = seeded(DATA, |_, g| {
+        let op = g.node(node_of(g, GRAD_AR)).op.clone();
+        insert_after(g, GRAD_AR, op, &[]);
+    });
+    refuted("all-reduced twice", p, "AllReduce");
+}
+
+#[test]
+fn a_bias_added_on_every_tensor_parallel_device_is_caught() {
+    let p = seeded(("megatron", 2, false, 0), |_, g| set_literal(g, "h0.bo__keep", |_| 1.0));
+    refuted("bias on every device", p, "counted twice");
+}
+
+#[test]
+fn an_update_on_the_wrong_shard_is_caught() {
+    // ZeRO-3: device 1 cuts the gradient block of device 2 for its update.
+    let p = seeded(("data", 4, false, 3), |d, g| {
+        if d == 1 {
+            set_literal(g, "h0.wq__grad__starts", |x| x + 16.0);
+        }
+    });
+    refuted("update on the wrong shard", p, "AdamUpdate");
+}
+
+#[test]
+fn a_zero_gather_of_the_wrong_parameter_is_caught() {
+    let p = seeded(("data", 4, false, 3), |_, g| {
+        let (n, wk) = (node_of(g, "h0.wq__ag"), g.lookup("h0.wk").expect("h0.wk"));
+        g.set_input(n, 0, Some(wk));
+    });
+    refuted("gather of the wrong parameter", p, "h0.wk");
+}
+
+#[test]
+fn a_reduce_scatter_on_the_wrong_axis_is_caught() {
+    let p = seeded(("hybrid:dp:2,tp:2", 4, true, 2), |_, g| {
+        let n = node_of(g, "h0_r1__rs");
+        let Op::ReduceScatter(mut rs) = g.node(n).op.clone() else { panic!("not a reduce-scatter") };
+        rs.axis = Some(2);
+        g.set_op(n, Op::ReduceScatter(rs));
+    });
+    refuted("reduce-scatter on the wrong axis", p, "LayerNormalization");
+}
+
+#[test]
+#[ignore]
+fn dump() {
+    let g = gpt_training();
+    let z: u8 = std::env::var("Z").map_or(0, |z| z.parse().unwrap());
+    let (_, p) = plan_program(&g, (&std::env::var("S").unwrap(), 4, z > 0, z));
+    for d in &p.devices[..2] {
+        let g = &d.graph;
+        let mut text = String::new();
+        for n in g.op_nodes().unwrap() {
+            let node = g.node(n);
+            let ins: Vec<String> =
+                node.inputs().iter().map(|v| v.map_or("-".into(), |v| g.value_name(v).to_string())).collect();
+            text += &format!(
+                "{} = {} {:?} ({})\n",
+                node.outputs().iter().map(|o| o.name.clone()).collect::<Vec<_>>().join(","),
+                node.op.op_type(),
+                node.op.attributes().iter().map(|a| format!("{}={:?}", a.name, a.value)).collect::<Vec<_>>(),
+                ins.join(", ")
+            );
+        }
+        std::fs::write(format!("/tmp/dev{}.txt", d.device), text).unwrap();
+    }
+}
