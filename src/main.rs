@@ -40,6 +40,9 @@ enum Command {
     /// Train a model: the training graph (forward, loss, backward, optimizer update) run for
     /// some steps with weights and optimizer state resident on the devices, checked.
     Train(cli::train::TrainArgs),
+    /// Prove that a training plan's per-device programs compute the training step (nothing
+    /// runs): takes `train`'s options; exit 1 when the proof fails, naming the device and op.
+    Verify(cli::train::VerifyArgs),
     /// Measure the simulated devices (GEMM, memory, dispatch, copies) and print a cluster file.
     Calibrate(cli::calibrate::CalibrateArgs),
     /// Compare strategies along batch, FLOP/s, memory bandwidth, link bandwidth or devices.
@@ -76,6 +79,7 @@ fn main() {
         Command::Lower(a) => cli::lower::run(a),
         Command::Run(a) => cli::run::run(a),
         Command::Train(a) => cli::train::run(a),
+        Command::Verify(a) => cli::train::verify(&a.train, a.program.as_deref()),
         Command::Calibrate(a) => cli::calibrate::run(a),
         Command::Cluster { cluster } => cli::cost::load_cluster(cluster).and_then(|c| {
             let text = format!("# {}\n# {}\n{}", c.describe(), c.source, c.to_toml());

@@ -136,15 +136,18 @@ fn kept_count(cx: &mut Cx<'_>, labels: TermId, labels_dtype: DType, ix: i64, flo
     reduce_term(cx, "ReduceSum", f, &(0..rank).collect::<Vec<_>>(), false)
 }
 
-/// SoftmaxCrossEntropyLoss and its gradient: a sum over the rows held (partial where some
+/// SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss and their gradients: a sum over the rows held (partial where some
 /// are elsewhere), a mean as that sum over the count of labels (all of them, or those not
 /// ignored).
 pub fn loss(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
     let node = cx.g.node(n);
     let grad = matches!(node.op, Op::SoftmaxCrossEntropyLossGrad(_));
+    let grad = grad || matches!(node.op, Op::NegativeLogLikelihoodLossGrad(_));
     let (reduction, ignore) = match &node.op {
         Op::SoftmaxCrossEntropyLoss(l) => (l.reduction.clone(), l.ignore_index),
         Op::SoftmaxCrossEntropyLossGrad(l) => (l.reduction.clone(), l.ignore_index),
+        Op::NegativeLogLikelihoodLoss(l) => (l.reduction.clone(), l.ignore_index),
+        Op::NegativeLogLikelihoodLossGrad(l) => (l.reduction.clone(), l.ignore_index),
         _ => return wrong("not a loss"),
     };
     let reduction = reduction.unwrap_or_else(|| "mean".into());
@@ -168,6 +171,8 @@ pub fn loss(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
     match &mut sum_op {
         Op::SoftmaxCrossEntropyLoss(l) => l.reduction = Some("sum".into()),
         Op::SoftmaxCrossEntropyLossGrad(l) => l.reduction = Some("sum".into()),
+        Op::NegativeLogLikelihoodLoss(l) => l.reduction = Some("sum".into()),
+        Op::NegativeLogLikelihoodLossGrad(l) => l.reduction = Some("sum".into()),
         _ => {}
     }
     let key = op_key(&sum_op);
@@ -239,4 +244,116 @@ pub fn gather_grad(cx: &mut Cx<'_>, n: NodeId, axis: i64, ins: &[Option<Fact>]) 
         f.shares.push(Share { site: t, space: is.clone(), held: vec![ix.region.clone()], max: false });
     }
     Ok(vec![Some(f)])
+}
+
+/// The normalization of batch normalization in training mode, as terms: x̂ and σ over the
+/// statistic dims `stat`.
+struct Normalized {
+    xhat: TermId,
+    sd: TermId,
+    mean: TermId,
+    var: TermId,
+}
+
+fn normalized(cx: &mut Cx<'_>, x: TermId, stat: &[usize], eps: f32, dtype: DType) -> Normalized {
+    let shape = cx.terms.shape(x).to_vec();
+    let count: i64 = stat.iter().map(|&d| shape[d]).product();
+    let inv = (1.0 / count as f64) as f32 as f64;
+    let s1 = reduce_term(cx, "ReduceSum", x, stat, true);
+    let mean = cx.terms.scaled(s1, inv);
+    let d = pointwise_term(cx, &Op::Sub(o::Sub::default()), &[x, mean]);
+    let d2 = pointwise_term(cx, &Op::Mul(o::Mul::default()), &[d, d]);
+    let s2 = reduce_term(cx, "ReduceSum", d2, stat, true);
+    let var = cx.terms.scaled(s2, inv);
+    let e = scalar_literal(cx, dtype, f64::from(eps));
+    let ve = pointwise_term(cx, &Op::Add(o::Add::default()), &[var, e]);
+    let sd = pointwise_term(cx, &Op::Sqrt(o::Sqrt::default()), &[ve]);
+    let xhat = pointwise_term(cx, &Op::Div(o::Div::default()), &[d, sd]);
+    Normalized { xhat, sd, mean, var }
+}
+
+/// A per-channel vector `[C]` as `[1, C, 1, ..]` (rank `r`), and back.
+fn view(cx: &mut Cx<'_>, t: TermId, shape: &[i64]) -> TermId {
+    cx.terms.op(".View|", 0, &[t], shape)
+}
+
+/// BatchNormalization and BatchNormGrad in training mode: statistics over every dim but the
+/// channels (held whole), per channel as the device holds them; the definition is the
+/// synchronized batch norm's, the statistics as sums times `1/n`. Inference mode is per
+/// channel with the given statistics.
+pub fn batch_norm(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
+    let node = cx.g.node(n);
+    let (training, eps, momentum, grad) = match &node.op {
+        Op::BatchNormalization(b) => (b.training_mode.unwrap_or(0) != 0, b.epsilon(), b.momentum(), false),
+        Op::BatchNormGrad(b) => (b.training_mode.unwrap_or(0) != 0, b.epsilon(), 0.0, true),
+        _ => return wrong("not a batch normalization"),
+    };
+    let facts: Vec<&Fact> = ins.iter().flatten().collect();
+    if facts.len() != 5 || facts.iter().any(|f| !f.is_exact()) {
+        return Err(Why::Uncovered("a batch normalization without its five exact inputs".into()));
+    }
+    let x = facts[0];
+    let shape = cx.terms.shape(x.term).to_vec();
+    let c = x.region[1];
+    for f in &facts[1..] {
+        let s = cx.terms.shape(f.term);
+        let ok = if s.len() == 1 { f.region[0] == c } else { f.region == x.region };
+        if !ok {
+            return wrong(format!("{} operands hold {:?} and {:?}", node.op.op_type(), x.region, f.region));
+        }
+    }
+    if !training {
+        return whole_or_rows(cx, n, ins, x);
+    }
+    let stat: Vec<usize> = (0..shape.len()).filter(|&d| d != 1).collect();
+    if stat.iter().any(|&d| x.region[d] != (0, shape[d])) {
+        return wrong(format!("{} over dims {stat:?}, held in part: {:?}", node.op.op_type(), x.region));
+    }
+    let dtype = cx.g.tensor_type(node.input(0).unwrap_or(Value::new(n, 0))).map_or(DType::Float, |t| t.dtype);
+    let nz = normalized(cx, x.term, &stat, eps, dtype);
+    let mut b = vec![1i64; shape.len()];
+    b[1] = shape[1];
+    let chan = vec![shape[1]];
+    let scale_b = view(cx, facts[1].term, &b);
+    let rows = |t: TermId| Some(Fact::exact(t, x.region.clone()));
+    let per_c = |t: TermId| Some(Fact::exact(t, vec![c]));
+    if grad {
+        let dy = facts[4].term;
+        let inv = (1.0 / stat.iter().map(|&d| shape[d]).product::<i64>() as f64) as f32 as f64;
+        let db = reduce_term(cx, "ReduceSum", dy, &stat, true);
+        let dyx = pointwise_term(cx, &Op::Mul(o::Mul::default()), &[dy, nz.xhat]);
+        let ds = reduce_term(cx, "ReduceSum", dyx, &stat, true);
+        let mdb = cx.terms.scaled(db, inv);
+        let mds = cx.terms.scaled(ds, inv);
+        let t = pointwise_term(cx, &Op::Mul(o::Mul::default()), &[nz.xhat, mds]);
+        let u = pointwise_term(cx, &Op::Sub(o::Sub::default()), &[dy, mdb]);
+        let v = pointwise_term(cx, &Op::Sub(o::Sub::default()), &[u, t]);
+        let k = pointwise_term(cx, &Op::Div(o::Div::default()), &[scale_b, nz.sd]);
+        let dx = pointwise_term(cx, &Op::Mul(o::Mul::default()), &[v, k]);
+        let (dscale, dbias) = (view(cx, ds, &chan), view(cx, db, &chan));
+        return Ok(vec![rows(dx), per_c(dscale), per_c(dbias)]);
+    }
+    let bias_b = view(cx, facts[2].term, &b);
+    let ys = pointwise_term(cx, &Op::Mul(o::Mul::default()), &[nz.xhat, scale_b]);
+    let y = pointwise_term(cx, &Op::Add(o::Add::default()), &[ys, bias_b]);
+    let mut out = vec![rows(y)];
+    for (k, batch) in [(3, nz.mean), (4, nz.var)] {
+        if out.len() >= node.num_outputs() {
+            break;
+        }
+        let kept = cx.terms.scaled(facts[k].term, f64::from(momentum));
+        let bc = view(cx, batch, &chan);
+        let taken = cx.terms.scaled(bc, f64::from((1.0 - f64::from(momentum)) as f32));
+        out.push(per_c(pointwise_term(cx, &Op::Add(o::Add::default()), &[kept, taken])));
+    }
+    Ok(out)
+}
+
+/// Inference-mode batch normalization: each output element from its channel's parameters.
+fn whole_or_rows(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>], x: &Fact) -> Out {
+    let key = op_key(&cx.g.node(n).op);
+    let terms: Vec<TermId> = ins.iter().flatten().map(|f| f.term).collect();
+    let shape = cx.terms.shape(x.term).to_vec();
+    let t = cx.terms.op(&key, 0, &terms, &shape);
+    Ok(vec![Some(Fact::exact(t, x.region.clone()))])
 }

@@ -23,6 +23,7 @@
 
 mod comm;
 mod composite;
+mod conv;
 mod rules;
 mod term;
 
@@ -217,7 +218,11 @@ fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Result<Vec<Option<
     match &cx.g.node(n).op {
         Op::LayerNormalization(ln) => composite::layer_norm(cx, n, ln, ins),
         Op::LayerNormGrad(lg) => composite::layer_norm_grad(cx, &cx.g.node(n).op, lg.axis, ins),
-        Op::SoftmaxCrossEntropyLoss(_) | Op::SoftmaxCrossEntropyLossGrad(_) => composite::loss(cx, n, ins),
+        Op::SoftmaxCrossEntropyLoss(_)
+        | Op::SoftmaxCrossEntropyLossGrad(_)
+        | Op::NegativeLogLikelihoodLoss(_)
+        | Op::NegativeLogLikelihoodLossGrad(_) => composite::loss(cx, n, ins),
+        Op::BatchNormalization(_) | Op::BatchNormGrad(_) => composite::batch_norm(cx, n, ins),
         Op::GatherGrad(gg) => composite::gather_grad(cx, n, gg.axis.unwrap_or(0), ins),
         _ => rules::apply(cx, n, ins),
     }

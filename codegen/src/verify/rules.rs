@@ -24,9 +24,9 @@ pub enum Why {
     Uncovered(String),
 }
 
-type Out = Result<Vec<Option<Fact>>, Why>;
+pub(super) type Out = Result<Vec<Option<Fact>>, Why>;
 
-fn wrong<T>(m: impl Into<String>) -> Result<T, Why> {
+pub(super) fn wrong<T>(m: impl Into<String>) -> Result<T, Why> {
     Err(Why::Wrong(m.into()))
 }
 
@@ -65,7 +65,7 @@ pub struct Cx<'a> {
 }
 
 impl Cx<'_> {
-    fn out_dims(&self, n: NodeId, slot: usize) -> Option<Vec<i64>> {
+    pub(super) fn out_dims(&self, n: NodeId, slot: usize) -> Option<Vec<i64>> {
         self.g.tensor_type(Value::new(n, slot as u16)).and_then(|t| t.static_dims())
     }
 
@@ -167,7 +167,14 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
         Op::Identity(_) => Ok(vec![ins.first().cloned().flatten()]),
         Op::MatMul(_) => matmul(cx, n, ins),
         Op::Gemm(gm) => gemm(cx, gm, ins),
-        Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_) | Op::ReduceMin(_) => reduce(cx, n, ins),
+        _ if op.class() == ir::OpClass::Reduce => reduce(cx, n, ins),
+        Op::Conv(_) | Op::ConvGradInput(_) | Op::ConvGradWeight(_) => super::conv::apply(cx, n, ins),
+        Op::MaxPool(_)
+        | Op::AveragePool(_)
+        | Op::GlobalAveragePool(_)
+        | Op::GlobalMaxPool(_)
+        | Op::MaxPoolGrad(_)
+        | Op::AveragePoolGrad(_) => super::conv::per_channel(cx, n, ins),
         Op::Transpose(t) => transpose(cx, op, t.perm.clone(), ins),
         Op::Reshape(_) | Op::Flatten(_) | Op::Squeeze(_) | Op::Unsqueeze(_) => view(cx, n, ins),
         Op::Softmax(s) => softmax(cx, n, s.axis, false, ins),
@@ -417,13 +424,17 @@ fn gemm(cx: &mut Cx<'_>, gm: &o::Gemm, ins: &[Option<Fact>]) -> Out {
 /// The axes a reduction node reduces (attribute or input), normalized; and keepdims.
 fn reduce_axes(cx: &Cx<'_>, n: NodeId, rank: usize) -> Option<(Vec<usize>, bool)> {
     let node = cx.g.node(n);
-    let (attr, keep, noop) = match &node.op {
-        Op::ReduceSum(r) => (r.axes.clone(), r.keepdims, r.noop_with_empty_axes),
-        Op::ReduceMean(r) => (r.axes.clone(), r.keepdims, r.noop_with_empty_axes),
-        Op::ReduceMax(r) => (r.axes.clone(), r.keepdims, r.noop_with_empty_axes),
-        Op::ReduceMin(r) => (r.axes.clone(), r.keepdims, r.noop_with_empty_axes),
-        _ => return None,
+    let attrs = node.op.attributes();
+    let int = |name: &str| {
+        attrs
+            .iter()
+            .find(|a| a.name == name)
+            .and_then(|a| if let ir::attr::AttrValue::Int(v) = a.value { Some(v) } else { None })
     };
+    let attr = attrs
+        .iter()
+        .find(|a| a.name == "axes")
+        .and_then(|a| if let ir::attr::AttrValue::Ints(v) = &a.value { Some(v.clone()) } else { None });
     let given = match attr {
         Some(a) => Some(a),
         None if node.input(1).is_some() => Some(cx.ints(node.input(1))?),
@@ -431,13 +442,13 @@ fn reduce_axes(cx: &Cx<'_>, n: NodeId, rank: usize) -> Option<(Vec<usize>, bool)
     };
     let axes: Vec<usize> = match given {
         Some(a) if !a.is_empty() => a.iter().map(|&x| if x < 0 { x + rank as i64 } else { x } as usize).collect(),
-        _ if noop.unwrap_or(0) != 0 => Vec::new(),
+        _ if int("noop_with_empty_axes").unwrap_or(0) != 0 => Vec::new(),
         _ => (0..rank).collect(),
     };
     let mut axes = axes;
     axes.sort_unstable();
     axes.dedup();
-    Some((axes, keep.unwrap_or(1) != 0))
+    Some((axes, int("keepdims").unwrap_or(1) != 0))
 }
 
 fn reduce(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
@@ -449,7 +460,7 @@ fn reduce(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
     };
     let kind = node.op.op_type().to_string();
     let max = matches!(node.op, Op::ReduceMax(_) | Op::ReduceMin(_));
-    if !x.is_exact() && max {
+    if !x.is_exact() && !matches!(node.op, Op::ReduceSum(_) | Op::ReduceMean(_)) {
         return wrong(format!("a partial sum reaches {kind}"));
     }
     let t = cx.reduce_term(&kind, x.term, &axes, keep);
@@ -464,8 +475,8 @@ fn reduce(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
     let mut shares = x.shares.clone();
     let mut term = t;
     if held != whole(&space) {
-        if matches!(node.op, Op::ReduceMin(_)) {
-            return Err(Why::Uncovered("ReduceMin over part of its axes".into()));
+        if !matches!(node.op, Op::ReduceSum(_) | Op::ReduceMean(_) | Op::ReduceMax(_)) {
+            return Err(Why::Uncovered(format!("{kind} over part of its axes")));
         }
         shares.push(Share { site: t, space: space.clone(), held: vec![held.clone()], max });
         if matches!(node.op, Op::ReduceMean(_)) {

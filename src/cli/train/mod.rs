@@ -23,6 +23,17 @@ use checks::*;
 use show::*;
 use truth::*;
 
+/// `shardc verify`: `train`'s options, and optionally the programs as written.
+#[derive(Args, Clone, Debug)]
+pub struct VerifyArgs {
+    #[command(flatten)]
+    pub train: TrainArgs,
+    /// Prove the device programs in this directory (`deviceK.onnxtxt`, as `train
+    /// --emit-program` writes them) instead of the ones the lowering makes now.
+    #[arg(long, value_name = "DIR")]
+    pub program: Option<PathBuf>,
+}
+
 #[derive(Args, Clone, Debug)]
 pub struct TrainArgs {
     /// The model (ONNX textual or binary).
@@ -134,6 +145,10 @@ pub struct TrainArgs {
     /// Absolute tolerance of the checks (default: the case's, else 1e-5).
     #[arg(long, value_parser = parse_nonneg, allow_negative_numbers = true)]
     pub atol: Option<f64>,
+    /// Before running, prove that the devices' programs compute the training step
+    /// (`codegen::verify`); a refuted or unproved program is an error.
+    #[arg(long)]
+    pub verify: bool,
     /// Also write each device's lowered training program (ONNX text) into this directory.
     #[arg(long = "emit-program", value_name = "DIR")]
     pub emit_program: Option<PathBuf>,
@@ -616,12 +631,12 @@ fn lower(
     gl: &ir::Graph,
     chosen: &Chosen,
     notes: &mut Vec<String>,
-) -> CliResult<(codegen::Program, usize)> {
+) -> CliResult<(codegen::Program, usize, Option<ir::Graph>)> {
     let Setup { loaded, loss, opt, cluster, opts, .. } = s;
     let (g, devices) = (&tm.graph, chosen.devices);
-    let (program, micro) = match &chosen.lowering {
+    let (program, micro, pipelined) = match &chosen.lowering {
         Lowering::Flat(r) => {
-            (exec::training_program(gl, r, devices, opts.zero).map_err(CliError::msg)?, args.micro_batches)
+            (exec::training_program(gl, r, devices, opts.zero).map_err(CliError::msg)?, args.micro_batches, None)
         }
         Lowering::Pipeline(pipe, fwd) => {
             // The stages' updates run on their parameters whole: a pipeline priced with ZeRO
@@ -652,7 +667,7 @@ fn lower(
                     fwd.strategies.len()
                 ));
             }
-            (p, m)
+            (p, m, Some(micro_tm.graph))
         }
     };
     let program = exec::as_micro_batches(program, g, micro).map_err(CliError::msg)?;
@@ -667,7 +682,7 @@ fn lower(
             write_output(&text, Some(&dir.join(format!("device{}.onnxtxt", d.device))), &args.model)?;
         }
     }
-    Ok((program, micro))
+    Ok((program, micro, pipelined))
 }
 
 /// The cost model's price of the training program. A pipeline's, and gradient accumulation
@@ -846,17 +861,27 @@ fn configured(args: &TrainArgs) -> CliResult<TrainArgs> {
     Ok(a)
 }
 
-pub fn run(args: &TrainArgs) -> CliResult {
-    let plan_doc = args.plan.as_deref().map(read_plan).transpose()?;
-    let (resolved, planned) = with_plan_memory(configured(args)?, plan_doc.as_ref())?;
-    let args = &resolved;
-    // Under mpirun each process runs one device; every process plans and lowers the same
-    // program (the search is deterministic; the programs are compared before running).
-    let mpi = args.transport.start()?;
-    guard_outputs(
-        &[("--save-state", args.save_state.as_ref()), ("--emit-program", args.emit_program.as_ref())],
-        &[Some(&args.model), args.data.as_deref(), args.plan.as_deref()],
-    )?;
+/// What `train` and `verify` share: the setup, the training graph, the chosen plan and the
+/// program it lowers to, with the graph it was lowered from.
+struct Prepared {
+    s: Setup,
+    tm: ir::Model,
+    info: passes::autodiff::TrainInfo,
+    micro_tm: Option<ir::Model>,
+    chosen: Chosen,
+    program: codegen::Program,
+    micro: usize,
+    /// The graph the program was lowered from (one micro-batch's training graph, recomputed
+    /// and reordered as run): what `--verify` proves the program computes.
+    lowered: ir::Graph,
+    notes: Vec<String>,
+}
+
+fn prepare_program(
+    args: &TrainArgs,
+    plan_doc: Option<passes::autoshard::Plan>,
+    planned: Option<String>,
+) -> CliResult<Prepared> {
     let mut s = prepare(args, plan_doc)?;
     let mut notes = std::mem::take(&mut s.notes);
     notes.extend(planned);
@@ -879,7 +904,75 @@ pub fn run(args: &TrainArgs) -> CliResult {
     let searched = s.searched.take();
     let chosen = training_plan(args, s.plan_doc.as_ref(), searched, &s.loaded.model.graph, gl, &s.cluster, &s.opts)?;
     notes.extend(chosen.notes.iter().cloned());
-    let (program, micro) = lower(args, &s, &tm, gl, &chosen, &mut notes)?;
+    let (program, micro, pipelined) = lower(args, &s, &tm, gl, &chosen, &mut notes)?;
+    let lowered = pipelined.unwrap_or_else(|| gl.clone());
+    Ok(Prepared { s, tm, info, micro_tm, chosen, program, micro, lowered, notes })
+}
+
+/// "verified: …" for a program the prover proves, else the refutation as an error.
+fn proved(g: &ir::Graph, program: &codegen::Program) -> CliResult<String> {
+    let t0 = std::time::Instant::now();
+    match codegen::verify(g, program) {
+        Ok(p) => Ok(format!(
+            "verified: {} values on {} devices compute the training step's {} results ({:.2} s)",
+            p.values,
+            p.devices,
+            p.results,
+            t0.elapsed().as_secs_f64()
+        )),
+        Err(e) => Err(CliError::msg(e.to_string())),
+    }
+}
+
+/// `shardc verify`: the training program `train` would run, proved (nothing runs). With
+/// `program`, each device's graph is read from `DIR/deviceK.onnxtxt` (as `--emit-program`
+/// writes them) instead, so a program edited by hand is proved as written.
+pub fn verify(args: &TrainArgs, program_dir: Option<&std::path::Path>) -> CliResult {
+    let plan_doc = args.plan.as_deref().map(read_plan).transpose()?;
+    let (resolved, planned) = with_plan_memory(configured(args)?, plan_doc.as_ref())?;
+    let Prepared { mut program, lowered, .. } = prepare_program(&resolved, plan_doc, planned)?;
+    if let Some(dir) = program_dir {
+        for d in &mut program.devices {
+            d.graph = read_device_program(&dir.join(format!("device{}.onnxtxt", d.device)))?;
+        }
+    }
+    let line = proved(&lowered, &program)?;
+    write_output(&format!("{line}\n"), None, &args.model)
+}
+
+fn read_device_program(path: &std::path::Path) -> CliResult<ir::Graph> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| CliError::msg(format!("cannot read `{}`: {e}", path.display())))?;
+    let parsed = frontend::parse(&text).map_err(|d| {
+        CliError::msg(format!(
+            "`{}`: {}",
+            path.display(),
+            shardc::Source::text(path.display().to_string(), text.clone()).render(&d)
+        ))
+    })?;
+    let mut m = parsed.model;
+    ir::infer::infer_shapes(&mut m.graph, ir::infer::Mode::Check)
+        .map_err(|e| CliError::msg(format!("`{}`: {e:?}", path.display())))?;
+    Ok(m.graph)
+}
+
+pub fn run(args: &TrainArgs) -> CliResult {
+    let plan_doc = args.plan.as_deref().map(read_plan).transpose()?;
+    let (resolved, planned) = with_plan_memory(configured(args)?, plan_doc.as_ref())?;
+    let args = &resolved;
+    // Under mpirun each process runs one device; every process plans and lowers the same
+    // program (the search is deterministic; the programs are compared before running).
+    let mpi = args.transport.start()?;
+    guard_outputs(
+        &[("--save-state", args.save_state.as_ref()), ("--emit-program", args.emit_program.as_ref())],
+        &[Some(&args.model), args.data.as_deref(), args.plan.as_deref()],
+    )?;
+    let Prepared { mut s, tm, info, micro_tm, chosen, program, micro, lowered, mut notes } =
+        prepare_program(args, plan_doc, planned)?;
+    let g = &tm.graph;
+    if args.verify {
+        notes.push(proved(&lowered, &program)?);
+    }
     let predicted = price(&program, &chosen, &s, &mut notes);
     let (be, warn) = backend(args.backend.as_deref())?;
     if let Some(w) = warn {
