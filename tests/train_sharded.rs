@@ -74,7 +74,18 @@ fn lowered(
     let p = shardc::exec::program_for_search(&c.graph, r, devices)
         .unwrap_or_else(|e| panic!("{} {what} ×{devices}: does not lower: {e}", c.name));
     shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{} {what} ×{devices}: inconsistent: {e:?}", c.name));
+    proved(&c.graph, &p, &format!("{} {what} ×{devices}", c.name));
     p
+}
+
+/// The prover proves `p` computes `g`, or says it has no rule for some op on its pieces;
+/// it never refutes a program the suite runs.
+fn proved(g: &shardc::ir::Graph, p: &shardc::codegen::Program, label: &str) {
+    match shardc::codegen::verify(g, p) {
+        Ok(_) => {}
+        Err(e) if e.kind == shardc::codegen::RefutationKind::Uncovered => eprintln!("{label}: {e}"),
+        Err(e) => panic!("{label}: the prover refutes the program: {e}"),
+    }
 }
 
 /// The searched plan of the forward model on `devices` devices of `local-wgpu` (no pipeline).
@@ -517,6 +528,7 @@ fn pipelined_training_equals_one_device() {
                     };
                     let p = shardc::exec::as_micro_batches(p, &c.graph, m).expect("micro-batches");
                     shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{} {label}: inconsistent: {e:?}", c.name));
+                    proved(&micro.graph, &p, &format!("{} {label}", c.name));
                     pipeline_sends_as_priced(&c, &r, &p, m, &label);
                     let first = &p.devices[p.stage_devices[0][0]];
                     let back = first.graph.op_nodes().unwrap().into_iter().any(|n| {
@@ -728,6 +740,7 @@ fn pipelined(
             let p = shardc::exec::as_micro_batches(p, &c.graph, micro).expect("micro-batches");
             shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{} {label}: inconsistent: {e:?}", c.name));
             assert!(p.fallbacks.is_empty(), "{} {label}: runs replicated: {:?}", c.name, p.fallbacks);
+            proved(&mg.graph, &p, &format!("{} {label}", c.name));
             pipeline_sends_as_priced(c, &r, &p, micro, &label);
             out.push((label, run_steps(&p, &c.info, &c.inputs, Backend::Cpu, STEPS)));
         }
@@ -1047,6 +1060,7 @@ fn memory_saving_programs_move_what_they_price() {
                 let p = shardc::exec::training_program(&c.graph, &r, 4, zero)
                     .unwrap_or_else(|e| panic!("{name} {what}: does not lower: {e}"));
                 shardc::codegen::check(&p).unwrap_or_else(|e| panic!("{name} {what}: inconsistent: {e:?}"));
+                proved(&c.graph, &p, &format!("{name} {what}"));
                 assert!(p.fallbacks.is_empty(), "{name} {what}: runs replicated: {:?}", p.fallbacks);
                 priced_as_lowered(&c, &r, &p, &what);
                 if zero == 3 {

@@ -201,27 +201,128 @@ fn a_reduce_scatter_on_the_wrong_axis_is_caught() {
     refuted("reduce-scatter on the wrong axis", p, "LayerNormalization");
 }
 
+fn golden(name: &str) -> std::path::PathBuf {
+    shardc_tests::repo_root().join("../shared/golden-train").join(format!("{name}.onnxtxt"))
+}
+
+/// A golden training case's training graph (its own loss, SGD).
+fn golden_training(name: &str) -> Graph {
+    let mut loaded = shardc::load_model(&golden(name)).expect("loads");
+    let case = shardc::train::TrainCase::load(&golden(name).with_extension("train.json")).expect("case");
+    shardc::train::freeze(&mut loaded.model.graph, &[], Some(&case.trainable)).expect("frozen");
+    let opt = OptimizerSpec::Sgd { lr: 0.05, momentum: 0.9, dampening: 0.0, nesterov: false, weight_decay: 0.0 };
+    training_model(&loaded.model, &LossSpec::Model, &opt).expect("training graph").0.graph
+}
+
 #[test]
-#[ignore]
-fn dump() {
-    let g = gpt_training();
-    let z: u8 = std::env::var("Z").map_or(0, |z| z.parse().unwrap());
-    let (_, p) = plan_program(&g, (&std::env::var("S").unwrap(), 4, z > 0, z));
-    for d in &p.devices[..2] {
-        let g = &d.graph;
-        let mut text = String::new();
-        for n in g.op_nodes().unwrap() {
-            let node = g.node(n);
-            let ins: Vec<String> =
-                node.inputs().iter().map(|v| v.map_or("-".into(), |v| g.value_name(v).to_string())).collect();
-            text += &format!(
-                "{} = {} {:?} ({})\n",
-                node.outputs().iter().map(|o| o.name.clone()).collect::<Vec<_>>().join(","),
-                node.op.op_type(),
-                node.op.attributes().iter().map(|a| format!("{}={:?}", a.name, a.value)).collect::<Vec<_>>(),
-                ins.join(", ")
-            );
+fn a_halo_one_row_short_is_caught() {
+    // Spatial split over four devices: device 1 takes one row fewer from device 2 and pads
+    // its window instead, as if that row were past the image's border.
+    let g = golden_training("cnn_small");
+    let mut p = program(&g, "spatial", 4, &Options::default());
+    verify(&g, &p).unwrap_or_else(|e| panic!("the unmutated program: {e}"));
+    let halo = |g: &Graph| {
+        g.op_nodes()
+            .unwrap()
+            .into_iter()
+            .find(|&n| matches!(g.node(n).op, Op::HaloExchange(_)))
+            .expect("a halo exchange")
+    };
+    for d in [1, 2] {
+        let lg = &mut p.devices[d].graph;
+        let n = halo(lg);
+        let Op::HaloExchange(mut h) = lg.node(n).op.clone() else { unreachable!() };
+        let mut w = h.widths.clone().expect("widths");
+        w[if d == 1 { 1 } else { 2 }] -= 1;
+        h.widths = Some(w);
+        lg.set_op(n, Op::HaloExchange(h));
+        if d == 1 {
+            let x = Value::new(n, 0);
+            let (conv, _) =
+                lg.users(x).into_iter().find(|(u, _)| matches!(lg.node(*u).op, Op::Conv(_))).expect("its conv");
+            let Op::Conv(mut c) = lg.node(conv).op.clone() else { unreachable!() };
+            let mut pads = c.pads.clone().expect("pads");
+            let k = pads.len() / 2;
+            pads[k] += 1;
+            c.pads = Some(pads);
+            lg.set_op(conv, Op::Conv(c));
         }
-        std::fs::write(format!("/tmp/dev{}.txt", d.device), text).unwrap();
+        shardc::ir::infer::infer_shapes(lg, shardc::ir::infer::Mode::Reset).expect("shapes");
     }
+    refuted("halo one row short", (g, p), "Conv");
+}
+
+fn shardc(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_shardc")).args(args).output().expect("runs")
+}
+
+#[test]
+fn verify_proves_a_training_plan_and_train_verify_runs_it() {
+    let m = golden("tiny_gpt_train");
+    let (m, case) = (m.to_str().unwrap(), m.with_extension("train.json"));
+    let case = case.to_str().unwrap();
+    let o = shardc(&["verify", m, "--data", case, "--strategy", "megatron", "--devices", "2", "-q"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.starts_with("verified: ") && out.contains("on 2 devices"), "{out}{o:?}");
+    let o = shardc(&[
+        "train",
+        m,
+        "--data",
+        case,
+        "--strategy",
+        "data",
+        "--devices",
+        "2",
+        "--steps",
+        "1",
+        "--verify",
+        "--backend",
+        "cpu",
+        "-q",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("verified: "), "{out}{o:?}");
+}
+
+#[test]
+fn a_pipeline_stage_receiving_the_wrong_activation_is_caught_in_programs_as_written() {
+    // The programs `train --emit-program` writes, with two receives of one shape on the last
+    // stage swapping their tags: each gets the other's tensor.
+    let m = golden("tiny_gpt_train");
+    let (m, case) = (m.to_str().unwrap(), m.with_extension("train.json"));
+    let case = case.to_str().unwrap();
+    let dir = std::env::temp_dir().join(format!("shardc-verify-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().unwrap();
+    let common = ["--data", case, "--pipeline", "2", "--devices", "2", "-q"];
+    let o = shardc(&[&["train", m, "--steps", "1", "--backend", "cpu", "--emit-program", d][..], &common[..]].concat());
+    assert!(o.status.success(), "{o:?}");
+    let ok = shardc(&[&["verify", m, "--program", d][..], &common[..]].concat());
+    assert!(ok.status.success(), "the programs as written: {ok:?}");
+    let path = dir.join("device1.onnxtxt");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let recvs: Vec<(usize, String, String)> = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| l.contains("shardc.Recv"))
+        .filter_map(|(i, l)| {
+            let shape = l.split("shape: ints = ").nth(1)?.split(']').next()?.to_string();
+            let tag = l.split("tag: int = ").nth(1)?.split(|c: char| !c.is_ascii_digit()).next()?.to_string();
+            Some((i, shape, tag))
+        })
+        .collect();
+    let (a, b) = recvs
+        .iter()
+        .enumerate()
+        .find_map(|(k, a)| recvs[k + 1..].iter().find(|b| b.1 == a.1 && b.2 != a.2).map(|b| (a.clone(), b.clone())))
+        .expect("two receives of one shape");
+    let mut lines: Vec<String> = text.lines().map(String::from).collect();
+    lines[a.0] = lines[a.0].replace(&format!("tag: int = {}", a.2), &format!("tag: int = {}", b.2));
+    lines[b.0] = lines[b.0].replace(&format!("tag: int = {}", b.2), &format!("tag: int = {}", a.2));
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    let bad = shardc(&[&["verify", m, "--program", d][..], &common[..]].concat());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(bad.status.code(), Some(1), "{err}");
+    assert!(err.contains("not verified: device 1: "), "{err}");
 }

@@ -110,3 +110,48 @@ pub fn all_to_all(terms: &Terms, facts: &[Fact], split: usize, concat: usize) ->
     }
     Ok(out)
 }
+
+/// A halo exchange along `axis`: member `i` (widths `[from_prev, from_next, to_prev,
+/// to_next]`) gets the last `from_prev` elements of member `i − 1`'s block before its own and
+/// the first `from_next` of member `i + 1`'s after it; what each sends is what its neighbour
+/// takes.
+pub fn halo(terms: &Terms, facts: &[Fact], axis: usize, widths: &[Vec<i64>]) -> Result<Vec<Fact>, String> {
+    let members = same_value(terms, facts, Some(axis))?;
+    let w = |i: usize, k: usize| widths.get(i).and_then(|x| x.get(k)).copied().unwrap_or(0);
+    let mut out = Vec::new();
+    for (i, f) in members.iter().enumerate() {
+        let (lo, hi) = f.region[axis];
+        let (from_prev, from_next) = (w(i, 0), w(i, 1));
+        if from_prev > 0 {
+            let Some(p) = i.checked_sub(1).map(|j| &members[j]) else {
+                return Err(format!("member {i} takes {from_prev} from before it, where there is no member"));
+            };
+            if p.region[axis].1 != lo || w(i - 1, 3) != from_prev || p.region[axis].1 - p.region[axis].0 < from_prev {
+                return Err(format!(
+                    "member {i} takes {from_prev} from member {} , which holds {:?} and sends {}",
+                    i - 1,
+                    p.region[axis],
+                    w(i - 1, 3)
+                ));
+            }
+        }
+        if from_next > 0 {
+            let Some(nx) = members.get(i + 1) else {
+                return Err(format!("member {i} takes {from_next} from after it, where there is no member"));
+            };
+            if nx.region[axis].0 != hi || w(i + 1, 2) != from_next || nx.region[axis].1 - nx.region[axis].0 < from_next
+            {
+                return Err(format!(
+                    "member {i} takes {from_next} from member {}, which holds {:?} and sends {}",
+                    i + 1,
+                    nx.region[axis],
+                    w(i + 1, 2)
+                ));
+            }
+        }
+        let mut g = f.clone();
+        g.region[axis] = (lo - from_prev, hi + from_next);
+        out.push(g);
+    }
+    Ok(out)
+}

@@ -297,8 +297,8 @@ pub fn batch_norm(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
     let c = x.region[1];
     for f in &facts[1..] {
         let s = cx.terms.shape(f.term);
-        let ok = if s.len() == 1 { f.region[0] == c } else { f.region == x.region };
-        if !ok {
+        let want = if s.len() == 1 { vec![c] } else { x.region.clone() };
+        if f.at(&want).is_none() {
             return wrong(format!("{} operands hold {:?} and {:?}", node.op.op_type(), x.region, f.region));
         }
     }

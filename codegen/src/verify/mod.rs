@@ -26,6 +26,7 @@ mod composite;
 mod conv;
 mod rules;
 mod term;
+mod vocab;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -124,6 +125,8 @@ struct Global {
     facts: HashMap<Value, Fact>,
     /// Parameters by name: their term and data (absent for external data).
     params: HashMap<String, (TermId, Option<Array>)>,
+    /// The graph's literal initializers by name (a device may hold a piece of one).
+    literals: HashMap<String, (TermId, Array)>,
 }
 
 /// Initializers larger than this are parameters by name, not literals by value.
@@ -134,6 +137,7 @@ impl Global {
         let state: HashSet<Value> = ir::train::carried_state(g).into_iter().map(|(_, s)| s).collect();
         let mut facts = HashMap::new();
         let mut params = HashMap::new();
+        let mut literals = HashMap::new();
         for v in sources(g) {
             let name = g.value_name(v).to_string();
             let shape = dims(g, v).ok_or_else(|| global_err(format!("input `{name}` has no static shape")))?;
@@ -143,7 +147,9 @@ impl Global {
                     let numel: i64 = shape.iter().product();
                     match data {
                         Some(a) if !state.contains(&v) && numel as usize <= LITERAL_MAX => {
-                            Cx { terms, g, global: true }.literal(&a)
+                            let t = Cx { terms, g, global: true }.literal(&a);
+                            literals.insert(name.clone(), (t, a));
+                            t
                         }
                         data => {
                             let t = terms.leaf(&name, &shape);
@@ -159,11 +165,14 @@ impl Global {
         let order = g.op_nodes().map_err(|_| global_err("the graph has a cycle".into()))?;
         for n in order {
             let ins = inputs_of(g, n, &facts).map_err(|m| global_err(m.to_string()))?;
-            let outs =
-                apply(&mut Cx { terms, g, global: true }, n, &ins).map_err(|w| from_why(w, None, g.describe(n)))?;
+            // A rule that refuses the graph's own op leaves the prover without a statement.
+            let outs = apply(&mut Cx { terms, g, global: true }, n, &ins).map_err(|w| {
+                let (Why::Wrong(m) | Why::Uncovered(m)) = w;
+                refute(RefutationKind::Uncovered, None, Some(g.describe(n)), format!("the graph itself: {m}"))
+            })?;
             record(&mut facts, n, outs);
         }
-        Ok(Global { facts, params })
+        Ok(Global { facts, params, literals })
     }
 }
 
@@ -215,6 +224,9 @@ fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Result<Vec<Option<
         let t = cx.literal(&a);
         return Ok(vec![Some(Fact::whole(cx.terms, t))]);
     }
+    if let Some(folded) = folded(cx, n, ins) {
+        return Ok(folded);
+    }
     match &cx.g.node(n).op {
         Op::LayerNormalization(ln) => composite::layer_norm(cx, n, ln, ins),
         Op::LayerNormGrad(lg) => composite::layer_norm_grad(cx, &cx.g.node(n).op, lg.axis, ins),
@@ -226,6 +238,42 @@ fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Result<Vec<Option<
         Op::GatherGrad(gg) => composite::gather_grad(cx, n, gg.axis.unwrap_or(0), ins),
         _ => rules::apply(cx, n, ins),
     }
+}
+
+/// An op on whole literals is the literal it evaluates to (both the graph and a device may
+/// have folded some constants before the other did).
+fn folded(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Option<Vec<Option<Fact>>> {
+    let node = cx.g.node(n);
+    // Not data movement (a slice of a literal is a piece of it) nor a scaling (a product with
+    // zero keeps the value as a sum's term held by no device; other scales fold in `rules`).
+    let moves = matches!(node.op.class(), OpClass::Shape | OpClass::Comm | OpClass::Source);
+    let scales = matches!(node.op, Op::Mul(_) | Op::Div(_));
+    if moves || scales || node.op.has_subgraphs() || ins.iter().all(Option::is_none) {
+        return None;
+    }
+    let mut arrays = Vec::with_capacity(ins.len());
+    for f in ins {
+        match f {
+            None => arrays.push(None),
+            Some(f) if f.is_exact() && f.region == whole(cx.terms.shape(f.term)) => {
+                arrays.push(Some(cx.terms.value(f.term)?.clone()));
+            }
+            Some(_) => return None,
+        }
+    }
+    let refs: Vec<Option<&Array>> = arrays.iter().map(Option::as_ref).collect();
+    let outs = ir::eval::eval_op(&node.op, &refs, node.num_outputs(), cx.g.opset).ok()?;
+    if outs.iter().any(|a| a.shape.iter().product::<usize>() > LITERAL_MAX) {
+        return None;
+    }
+    Some(
+        outs.iter()
+            .map(|a| {
+                let t = cx.literal(a);
+                Some(Fact::whole(cx.terms, t))
+            })
+            .collect(),
+    )
 }
 
 /// The mesh coordinates of rank `r` (row-major, outermost axis first).
@@ -348,6 +396,17 @@ impl<'a> Run<'a> {
         let data = (!tensor.is_external()).then(|| Array::from_tensor(tensor).ok()).flatten();
         let Some((t, gdata)) = param else {
             let a = data.ok_or_else(|| "external data that is no parameter's".to_string())?;
+            // A piece of one of the graph's literals (an operand the lowering cut), or a
+            // literal of its own.
+            let lit = base_names(name).into_iter().find_map(|b| self.global.literals.get(b));
+            if let Some((t, ga)) = lit.filter(|(_, ga)| ga.shape != a.shape) {
+                let gshape = terms.shape(*t).to_vec();
+                let found: Vec<Region> =
+                    candidate_boxes(&gshape, &local).into_iter().filter(|b| &crop(ga, &to_usize(b)) == &a).collect();
+                if let Some(first) = found.first() {
+                    return Ok(Fact { alts: found[1..].to_vec(), ..Fact::exact(*t, first.clone()) });
+                }
+            }
             let t = Cx { terms, g: lg, global: false }.literal(&a);
             return Ok(Fact::whole(terms, t));
         };
@@ -434,6 +493,7 @@ fn candidate_boxes(global: &[i64], local: &[i64]) -> Vec<Region> {
 }
 
 mod run;
+mod shape;
 
 /// The first value (by creation) in `t`'s cone that the graph never computes, with the device
 /// and op that computed it: where a wrong result went wrong.

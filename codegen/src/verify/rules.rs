@@ -89,7 +89,8 @@ impl Cx<'_> {
     /// The term of a literal.
     pub fn literal(&mut self, a: &Array) -> TermId {
         let shape: Vec<i64> = a.shape.iter().map(|&d| d as i64).collect();
-        self.terms.constant(const_key(a), &shape)
+        let small = a.shape.iter().product::<usize>() <= 4096;
+        self.terms.constant(const_key(a), &shape, small.then_some(a))
     }
 
     fn pointwise_term(&mut self, op: &Op, slot: u16, ins: &[TermId]) -> TermId {
@@ -180,11 +181,19 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
         Op::Softmax(s) => softmax(cx, n, s.axis, false, ins),
         Op::LogSoftmax(s) => softmax(cx, n, s.axis, true, ins),
         Op::Expand(_) => expand(cx, n, ins),
+        Op::Pad(_) | Op::Tile(_) | Op::Resize(_) => super::shape::apply(cx, n, ins),
         Op::SliceGrad(_) => slice_grad(cx, n, ins),
         Op::Split(sp) => split(cx, n, sp.axis.unwrap_or(0), ins),
         Op::RMSNormalization(r) => trailing_rows(cx, n, r.axis.unwrap_or(-1), ins),
         Op::SoftmaxGrad(s) => rowwise(cx, op, &s.axes.clone().unwrap_or_default(), ins),
-        Op::Gather(gt) => gather(cx, op, gt.axis.unwrap_or(0), ins),
+        Op::Gather(gt) => gather(cx, n, op, gt.axis.unwrap_or(0), ins),
+        Op::Where(_) => match ins {
+            [Some(c), Some(x), Some(z)] if x.is_exact() => match super::vocab::completed(cx, c, x, z) {
+                Some(f) => Ok(vec![Some(f)]),
+                None => pointwise_rule(cx, n, ins),
+            },
+            _ => pointwise_rule(cx, n, ins),
+        },
         Op::Slice(_) => slice(cx, n, ins),
         Op::Concat(c) => concat(cx, op, c.axis.unwrap_or(0), ins),
         Op::Mul(_) | Op::Div(_) if scalar_operand(cx, n, ins).is_some() => {
@@ -196,6 +205,18 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
                 let mut shares = f.shares.clone();
                 shares.push(Share { held: Vec::new(), ..held_whole(f.term) });
                 return Ok(vec![Some(Fact { shares, ..f })]);
+            }
+            // A scaled literal is the literal of the scaled values.
+            if f.is_exact()
+                && f.region == whole(cx.terms.shape(f.term))
+                && let Some(a) = cx.terms.value(f.term).cloned()
+                && let Ok(v) = a.to_f64()
+            {
+                let b = Array::float(a.dtype, a.shape.clone(), v.iter().map(|x| x * c).collect());
+                if !a.dtype.is_int() {
+                    let t = cx.literal(&b);
+                    return Ok(vec![Some(Fact::whole(cx.terms, t))]);
+                }
             }
             Ok(vec![Some(Fact { term: cx.terms.scaled(f.term, c), ..f })])
         }
@@ -525,11 +546,39 @@ fn view(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
             return Ok(vec![Some(Fact { term: t, region, shares: x.shares.clone(), alts: Vec::new() })]);
         }
     }
+    if let Some(f) = unsqueezed(cx, n, x) {
+        return Ok(vec![Some(f)]);
+    }
     wrong(format!(
         "a reshape of part {:?} of {} to {local:?} is no part of any reshape of it",
         x.region,
         cx.terms.describe(x.term)
     ))
+}
+
+/// Unsqueeze with literal axes of a value the graph never reshapes (a mask the lowering
+/// broadcasts): size-1 dims inserted, in the value's global shape as in its box.
+fn unsqueezed(cx: &mut Cx<'_>, n: NodeId, x: &Fact) -> Option<Fact> {
+    let node = cx.g.node(n);
+    let Op::Unsqueeze(u) = &node.op else { return None };
+    let axes = match &u.axes {
+        Some(a) => a.clone(),
+        None => cx.ints(node.input(1))?,
+    };
+    let rank = (x.region.len() + axes.len()) as i64;
+    let mut axes: Vec<usize> = axes.iter().map(|&a| (if a < 0 { a + rank } else { a }) as usize).collect();
+    axes.sort_unstable();
+    let mut shape = cx.terms.shape(x.term).to_vec();
+    let mut region = x.region.clone();
+    for &a in &axes {
+        if a > shape.len() {
+            return None;
+        }
+        shape.insert(a, 1);
+        region.insert(a, (0, 1));
+    }
+    let t = cx.terms.op(".View|", 0, &[x.term], &shape);
+    Some(Fact { term: t, region, shares: x.shares.clone(), alts: Vec::new() })
 }
 
 /// The box of `to` that box `r` of `from` becomes under a reshape, if it is one.
@@ -826,7 +875,7 @@ fn trailing_rows(cx: &mut Cx<'_>, n: NodeId, axis: i64, ins: &[Option<Fact>]) ->
 
 /// Gather along `axis` of a table held whole along it: the indices' box and the table's
 /// other dims.
-fn gather(cx: &mut Cx<'_>, op: &Op, axis: i64, ins: &[Option<Fact>]) -> Out {
+fn gather(cx: &mut Cx<'_>, n: NodeId, op: &Op, axis: i64, ins: &[Option<Fact>]) -> Out {
     let (d, i) = two(ins, "Gather")?;
     if !d.is_exact() || !i.is_exact() {
         return wrong("a partial sum reaches Gather");
@@ -835,6 +884,10 @@ fn gather(cx: &mut Cx<'_>, op: &Op, axis: i64, ins: &[Option<Fact>]) -> Out {
     let is = cx.terms.shape(i.term).to_vec();
     let a = (if axis < 0 { axis + ds.len() as i64 } else { axis }) as usize;
     if d.region[a] != (0, ds[a]) {
+        let dtype = cx.g.node(n).input(1).and_then(|v| cx.g.tensor_type(v)).map_or(DType::Int64, |t| t.dtype);
+        if let Some(f) = super::vocab::gather(cx, d, i, a, dtype) {
+            return Ok(vec![Some(f)]);
+        }
         return Err(Why::Uncovered(format!(
             "Gather from part {:?} of its table's dim {a} (a vocabulary-split embedding)",
             d.region[a]

@@ -171,10 +171,10 @@ impl Run<'_> {
     fn resolve(&mut self, terms: &mut Terms, op: &Op, members: Vec<(usize, NodeId, Fact)>) -> Result<(), Refutation> {
         let (d0, n0) = (members[0].0, members[0].1);
         let at = |m: &(usize, NodeId, Fact)| self.p.devices[m.0].graph.describe(m.1);
-        let key = super::rules::op_key(op);
+        let key = collective_key(op);
         for m in &members[1..] {
             let other = &self.p.devices[m.0].graph.node(m.1).op;
-            if super::rules::op_key(other) != key {
+            if collective_key(other) != key {
                 return Err(refute(
                     RefutationKind::Wrong,
                     Some(m.0),
@@ -195,6 +195,16 @@ impl Run<'_> {
             Op::ReduceScatter(a) => comm::reduce_scatter(terms, &facts, a.axis.unwrap_or(0) as usize),
             Op::AllToAll(a) => {
                 comm::all_to_all(terms, &facts, a.split_axis.unwrap_or(0) as usize, a.concat_axis.unwrap_or(0) as usize)
+            }
+            Op::HaloExchange(h) => {
+                let widths: Vec<Vec<i64>> = members
+                    .iter()
+                    .map(|m| match &self.p.devices[m.0].graph.node(m.1).op {
+                        Op::HaloExchange(x) => x.widths.clone().unwrap_or_default(),
+                        _ => Vec::new(),
+                    })
+                    .collect();
+                comm::halo(terms, &facts, h.axis.unwrap_or(0) as usize, &widths)
             }
             other => {
                 return Err(refute(
@@ -270,6 +280,17 @@ impl Run<'_> {
             _ => (i, None),
         };
         Err(refute(RefutationKind::Wrong, Some(device), op, message))
+    }
+}
+
+/// What the members of a collective must agree on: its op and attributes, but a halo
+/// exchange's widths (which differ at the borders).
+fn collective_key(op: &Op) -> String {
+    match op {
+        Op::HaloExchange(h) => {
+            super::rules::op_key(&Op::HaloExchange(ir::op::HaloExchange { widths: None, ..h.clone() }))
+        }
+        _ => super::rules::op_key(op),
     }
 }
 

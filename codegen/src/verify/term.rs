@@ -46,6 +46,8 @@ pub struct Terms {
     /// Per term, the op terms that read it (for the ops whose global shape a device cannot
     /// know: a reshape's target).
     users: HashMap<TermId, Vec<TermId>>,
+    /// The values of literals (those small enough to fold).
+    values: HashMap<TermId, ir::eval::Array>,
 }
 
 impl Terms {
@@ -70,9 +72,18 @@ impl Terms {
         self.intern(Node { head: Head::Leaf(name.to_string()), inputs: Vec::new(), shape: shape.to_vec() })
     }
 
-    /// A literal, identified by `data` (type, shape and values).
-    pub fn constant(&mut self, data: String, shape: &[i64]) -> TermId {
-        self.intern(Node { head: Head::Const(data), inputs: Vec::new(), shape: shape.to_vec() })
+    /// A literal, identified by `data` (type, shape and values), with its value.
+    pub fn constant(&mut self, data: String, shape: &[i64], value: Option<&ir::eval::Array>) -> TermId {
+        let t = self.intern(Node { head: Head::Const(data), inputs: Vec::new(), shape: shape.to_vec() });
+        if let Some(v) = value {
+            self.values.entry(t).or_insert_with(|| v.clone());
+        }
+        t
+    }
+
+    /// A literal's value, when it was given.
+    pub fn value(&self, t: TermId) -> Option<&ir::eval::Array> {
+        self.values.get(&t)
     }
 
     /// Output `slot` of op `key` on `inputs`, of `shape`.
