@@ -27,7 +27,22 @@ fn same_value(terms: &Terms, facts: &[Fact], axis: Option<usize>) -> Result<Vec<
                 first.region, f.region
             ));
         };
-        out.push(Fact { region: r.clone(), alts: Vec::new(), ..f.clone() });
+        let alts = if axis.is_some() { f.alts.iter().filter(|r| fits(r)).cloned().collect() } else { Vec::new() };
+        out.push(Fact { region: r.clone(), alts, ..f.clone() });
+    }
+    if let Some(a) = axis {
+        // A literal piece equal to several parts: the part that follows the one before.
+        for i in 1..out.len() {
+            let end = out[i - 1].region[a].1;
+            if out[i].region[a].0 != end
+                && let Some(r) = out[i].alts.iter().find(|r| r[a].0 == end).cloned()
+            {
+                out[i].region = r;
+            }
+        }
+        for f in &mut out {
+            f.alts.clear();
+        }
     }
     Ok(out)
 }

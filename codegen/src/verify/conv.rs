@@ -282,6 +282,10 @@ fn conv(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
         if ka != (0, sx[1]) || kb != (0, sw[1]) || w.region[0] != (0, sw[0]) {
             return Err(Why::Uncovered("a grouped Conv split along its channels".into()));
         }
+    } else if ka != kb && kb == (0, sw[1]) && sw[1] < sx[1] {
+        // The graph's convolution is grouped and the device holds some of its groups (its own
+        // `group` made local).
+        return Err(Why::Uncovered("a grouped Conv split along its groups".into()));
     } else if ka != kb {
         return wrong(format!("Conv operands hold different parts of the input channels: {ka:?} and {kb:?}"));
     }

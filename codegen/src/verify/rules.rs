@@ -78,14 +78,6 @@ impl Cx<'_> {
         Some(a.to_f64().ok()?.into_iter().map(|x| x as i64).collect())
     }
 
-    /// A literal scalar's value.
-    fn scalar(&self, v: Option<Value>) -> Option<f64> {
-        let a = self.constant(v)?;
-        let x = a.to_f64().ok()?;
-        (x.len() == 1 && matches!(a.dtype, DType::Float | DType::Double | DType::Float16 | DType::Bfloat16))
-            .then(|| x[0])
-    }
-
     /// The term of a literal.
     pub fn literal(&mut self, a: &Array) -> TermId {
         let shape: Vec<i64> = a.shape.iter().map(|&d| d as i64).collect();
@@ -238,8 +230,20 @@ fn scalar_operand(cx: &Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Option<(usize
     let div = matches!(node.op, Op::Div(_));
     let cands: &[usize] = if div { &[1] } else { &[1, 0] };
     for &j in cands {
-        let c = cx.scalar(node.input(j))?;
-        let other = ins.get(1 - j)?.as_ref()?;
+        let (Some(f), Some(other)) = (ins.get(j).and_then(Option::as_ref), ins.get(1 - j).and_then(Option::as_ref))
+        else {
+            continue;
+        };
+        // A whole literal of one element (not a one-element piece of a larger one).
+        let shape = cx.terms.shape(f.term);
+        if !f.is_exact() || f.region != whole(shape) || shape.iter().product::<i64>() != 1 {
+            continue;
+        }
+        let Some(a) = cx.terms.value(f.term) else { continue };
+        if a.dtype.is_int() || a.dtype == DType::Bool {
+            continue;
+        }
+        let Some(&c) = a.to_f64().ok().as_ref().and_then(|v| v.first()) else { continue };
         // The product keeps the other operand's shape.
         if cx.out_dims(n, 0).as_deref() == Some(&extents(&other.region)[..]) {
             return Some((j, c));
@@ -543,7 +547,8 @@ fn view(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
             && extents(&region) == local
         {
             let t = cx.terms.op(".View|", 0, &[x.term], &target);
-            return Ok(vec![Some(Fact { term: t, region, shares: x.shares.clone(), alts: Vec::new() })]);
+            let alts = x.alts.iter().filter_map(|r| view_region(&src, &target, r)).collect();
+            return Ok(vec![Some(Fact { term: t, region, shares: x.shares.clone(), alts })]);
         }
     }
     if let Some(f) = unsqueezed(cx, n, x) {
