@@ -128,6 +128,9 @@ pub struct DeviceProgram {
     pub graph: Graph,
     /// Its inputs.
     pub feeds: Vec<Feed>,
+    /// Its initializers cut from the graph's (parameters, optimizer state, literals): which
+    /// piece of which (`local`, `global`, `layout`), the statement `codegen::verify` starts from.
+    pub pieces: Vec<Feed>,
     /// Its pieces of the global outputs.
     pub results: Vec<Result_>,
     /// Under the interleaved schedule, per op of a later model chunk than the first: its

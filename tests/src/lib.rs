@@ -235,6 +235,7 @@ pub fn one_stage_program(graphs: Vec<ir::Graph>) -> codegen::Program {
             rank: k,
             graph,
             feeds: vec![],
+            pieces: vec![],
             results: vec![],
             chunk_of: Default::default(),
             phase_of: Default::default(),

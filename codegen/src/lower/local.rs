@@ -56,6 +56,8 @@ pub(crate) struct Local<'a> {
     /// Layout each value was produced (or first fed) in on this device's stage.
     pub produced: HashMap<Value, Sharding>,
     pub feeds: Vec<Feed>,
+    /// The initializers cut from the graph's ([`crate::DeviceProgram::pieces`]).
+    pub pieces: Vec<Feed>,
     names: HashMap<String, usize>,
     pub fallbacks: Vec<String>,
     /// The phase of the op being lowered (a training graph's), put on the communication
@@ -88,6 +90,7 @@ impl<'a> Local<'a> {
             have: HashMap::new(),
             produced: HashMap::new(),
             feeds: Vec::new(),
+            pieces: Vec::new(),
             names: HashMap::new(),
             fallbacks: Vec::new(),
             phase: None,
@@ -344,12 +347,16 @@ impl<'a> Local<'a> {
                         data: ir::TensorData::External(entries),
                     };
                     let local_name = self.fresh(&name);
+                    self.pieces.push(Feed { local: local_name.clone(), global: name.clone(), layout: need.clone() });
                     self.lg.add_initializer(local_name, tensor)
                 } else {
                     let a = Array::from_tensor(t)
                         .map_err(|e| self.err(Some(v.node), LowerErrorKind::Graph, format!("`{name}`: {e}")))?;
                     let p = piece(&a, need, self.mesh, &self.coords);
-                    self.init(&name, &p)
+                    let x = self.init(&name, &p);
+                    let local = self.lg.value_name(x).to_string();
+                    self.pieces.push(Feed { local, global: name.clone(), layout: need.clone() });
+                    x
                 }
             }
             Op::OuterRef => {

@@ -132,6 +132,10 @@ struct Global {
 /// Initializers larger than this are parameters by name, not literals by value.
 const LITERAL_MAX: usize = 4096;
 
+/// Pieces larger than this are taken as the program names them, their data not compared (a
+/// premise, as the feeds' layouts are).
+const COMPARE_MAX: usize = 1 << 20;
+
 impl Global {
     fn interpret(g: &Graph, terms: &mut Terms) -> Result<Global, Refutation> {
         let state: HashSet<Value> = ir::train::carried_state(g).into_iter().map(|(_, s)| s).collect();
@@ -363,6 +367,13 @@ impl<'a> Run<'a> {
                 let region = layout_region(&feed.layout, mesh, &c, terms.shape(gv.term));
                 self.facts[i].insert(v, Fact::exact(gv.term, region));
             }
+            for piece in &d.pieces {
+                let Some(v) = lg.lookup(&piece.local) else { continue };
+                let f = self
+                    .named_piece(terms, lg, v, piece, mesh, &c)
+                    .map_err(|m| refute(RefutationKind::Wrong, Some(i), Some(format!("`{}`", piece.local)), m))?;
+                self.facts[i].insert(v, f);
+            }
             for v in sources(lg) {
                 if self.facts[i].contains_key(&v) {
                     continue;
@@ -374,6 +385,40 @@ impl<'a> Run<'a> {
             }
         }
         Ok(())
+    }
+
+    /// An initializer the program names as a piece of one of the graph's: that piece, its
+    /// data (where both are present and small enough to compare) checked against it.
+    fn named_piece(
+        &self,
+        terms: &Terms,
+        lg: &Graph,
+        v: Value,
+        piece: &crate::program::Feed,
+        mesh: &ir::shard::Mesh,
+        c: &[usize],
+    ) -> Result<Fact, String> {
+        let (t, gdata) = match (self.global.params.get(&piece.global), self.global.literals.get(&piece.global)) {
+            (Some((t, d)), _) => (*t, d.as_ref()),
+            (None, Some((t, d))) => (*t, Some(d)),
+            _ => return Err(format!("names a piece of `{}`, which is no initializer of the graph", piece.global)),
+        };
+        let region = layout_region(&piece.layout, mesh, c, terms.shape(t));
+        let tensor = match &lg.node(v.node).op {
+            Op::Initializer(x) | Op::Input { default: Some(x) } => x,
+            _ => return Err("a piece that is no initializer".into()),
+        };
+        if tensor.dims != region.iter().map(|(a, b)| b - a).collect::<Vec<_>>() {
+            return Err(format!("holds {:?}, not the piece {region:?} of `{}` it names", tensor.dims, piece.global));
+        }
+        let small = tensor.dims.iter().product::<i64>() as usize <= COMPARE_MAX;
+        if let (Some(ga), true, false) = (gdata, small, tensor.is_external()) {
+            let a = Array::from_tensor(tensor).map_err(|e| e.to_string())?;
+            if crop(ga, &to_usize(&region)) != a {
+                return Err(format!("holds data that is not the piece {region:?} of `{}` it names", piece.global));
+            }
+        }
+        Ok(Fact::exact(t, region))
     }
 
     /// A device's initializer: a piece of the parameter it is named after (the piece whose
