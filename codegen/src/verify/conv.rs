@@ -184,7 +184,7 @@ fn parse_pads(key: &str, base: &str) -> Option<Vec<(i64, i64)>> {
         .filter(|x| !x.is_empty())
         .filter_map(|x| x.parse().ok())
         .collect();
-    (nums.len() % 2 == 0).then(|| nums.chunks(2).map(|c| (c[0], c[1])).collect())
+    nums.len().is_multiple_of(2).then(|| nums.chunks(2).map(|c| (c[0], c[1])).collect())
 }
 
 /// The local window's geometry: per spatial dim (pad before, pad after, stride, extent).
@@ -221,7 +221,7 @@ fn window_rows(
     // Past the last row, the window reads the op's own end padding (with `ceil_mode`, beyond
     // the pads): the same on a device that holds the last rows as on the graph.
     let _ = ge;
-    if end > b && b != h || pe > 0 && b != h {
+    if b != h && (end > b || pe > 0) {
         return Err(format!("its last window reads to row {end}, past the rows {a}..{b} it holds"));
     }
     let o0 = start / s;
@@ -231,14 +231,13 @@ fn window_rows(
     Ok((o0, o0 + n_l))
 }
 
+/// A windowed op of the graph a device's op may stand for (none: on the graph itself), and
+/// its padding.
+type Candidate = (Option<TermId>, Vec<(i64, i64)>);
+
 /// The graph's windowed ops of `base` reading `ins` (first the terms of this op on whole
 /// inputs): their terms, global padding and shapes.
-fn window_candidates(
-    cx: &Cx<'_>,
-    n: NodeId,
-    base: &str,
-    ins: &[TermId],
-) -> Result<Vec<(Option<TermId>, Vec<(i64, i64)>)>, Why> {
+fn window_candidates(cx: &Cx<'_>, n: NodeId, base: &str, ins: &[TermId]) -> Result<Vec<Candidate>, Why> {
     if cx.global {
         let w = local_window(cx, n)?;
         return Ok(vec![(None, w.iter().map(|x| (x.0, x.1)).collect())]);

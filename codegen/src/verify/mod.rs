@@ -250,7 +250,10 @@ fn folded(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Option<Vec<Option
     let node = cx.g.node(n);
     // Not data movement (a slice of a literal is a piece of it) nor a scaling (a product with
     // zero keeps the value as a sum's term held by no device; other scales fold in `rules`).
-    let moves = matches!(node.op.class(), OpClass::Shape | OpClass::Comm | OpClass::Source);
+    // (Shape arithmetic on integer literals folds: a pad computed from a shape.)
+    let ints = ins.iter().flatten().all(|f| cx.terms.value(f.term).is_some_and(|a| a.dtype.is_int()));
+    let moves =
+        matches!(node.op.class(), OpClass::Comm | OpClass::Source) || node.op.class() == OpClass::Shape && !ints;
     let scales = matches!(node.op, Op::Mul(_) | Op::Div(_));
     if moves || scales || node.op.has_subgraphs() || ins.iter().all(Option::is_none) {
         return None;
@@ -447,7 +450,7 @@ impl<'a> Run<'a> {
             if let Some((t, ga)) = lit.filter(|(_, ga)| ga.shape != a.shape) {
                 let gshape = terms.shape(*t).to_vec();
                 let found: Vec<Region> =
-                    candidate_boxes(&gshape, &local).into_iter().filter(|b| &crop(ga, &to_usize(b)) == &a).collect();
+                    candidate_boxes(&gshape, &local).into_iter().filter(|b| crop(ga, &to_usize(b)) == a).collect();
                 if let Some(first) = found.first() {
                     return Ok(Fact { alts: found[1..].to_vec(), ..Fact::exact(*t, first.clone()) });
                 }

@@ -7,12 +7,14 @@ use ir::op::Op;
 use super::rules::{Cx, Out, Why, op_key, wrong};
 use super::term::{Fact, Region, TermId};
 
-/// Per dim: the op changes it (from the literal operands it reads).
-fn changed(cx: &Cx<'_>, n: NodeId, rank: usize) -> Result<Vec<bool>, Why> {
+/// Per dim: the op changes it (from the literal operands it reads: their facts' values, or
+/// the graph's constants).
+fn changed(cx: &Cx<'_>, n: NodeId, rank: usize, ins: &[Option<Fact>]) -> Result<Vec<bool>, Why> {
     let node = cx.g.node(n);
     let ints = |k: usize| {
-        node.input(k)
-            .and_then(|v| ir::ops::constant_value(cx.g, v, 8))
+        let whole = ins.get(k).and_then(Option::as_ref).and_then(|f| cx.terms.value(f.term).cloned());
+        whole
+            .or_else(|| node.input(k).and_then(|v| ir::ops::constant_value(cx.g, v, 8)))
             .and_then(|a| a.to_f64().ok())
             .map(|x| x.into_iter().map(|v| v as i64).collect::<Vec<_>>())
     };
@@ -69,7 +71,9 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
     }
     let Some(local) = cx.out_dims(n, 0) else { return Err(Why::Uncovered("an output of unknown shape".into())) };
     let xs = cx.terms.shape(x.term).to_vec();
-    let changed = changed(cx, n, xs.len())?;
+    // Only a dim held in part needs to know whether the op changes it.
+    let all_whole = (0..xs.len()).all(|d| x.region[d] == (0, xs[d]));
+    let changed = if all_whole { vec![true; xs.len()] } else { changed(cx, n, xs.len(), ins)? };
     let mut shape = xs.clone();
     let mut region: Region = Vec::new();
     for d in 0..xs.len() {
