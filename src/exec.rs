@@ -112,6 +112,9 @@ fn external_values(t: &ir::Tensor, name: &str, role: &str, dir: &Path, seed: u64
 /// when a file it needs is not there. A slice reads the whole tensor and slices it; a
 /// concatenation reads each part.
 fn read_values(t: &ir::Tensor, dir: &Path) -> Result<Option<Array>, String> {
+    if t.fill()?.is_some() {
+        return Array::materialized(t).map(Some).map_err(|e| e.to_string());
+    }
     if let Some(c) = t.external_concat()? {
         let mut parts = Vec::with_capacity(c.parts.len());
         for (n, p) in &c.parts {
@@ -182,6 +185,13 @@ pub fn materialize(model: &mut Model, dir: &Path, seed: u64) -> Result<Weights, 
         }
         let v = Value::new(n, 0);
         let name = g.value_name(v).to_string();
+        // A fill (optimizer state of absent weights) is neither read nor drawn.
+        if t.fill().map_err(|e| format!("`{name}`: {e}"))?.is_some() {
+            let mut tensor = Array::materialized(t).map_err(|e| format!("`{name}`: {e}"))?.to_tensor();
+            tensor.name = t.name.clone();
+            g.set_op(n, Op::Initializer(tensor));
+            continue;
+        }
         let (a, read) = external_values(t, &name, ir::eval::weight_role(g, v), dir, seed)
             .map_err(|e| format!("external data of `{name}`: {e}"))?;
         if read {

@@ -90,6 +90,7 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
     };
     let accumulate = accumulates(p, trains);
     let mut plans: Vec<Vec<Work>> = Vec::with_capacity(p.devices.len());
+    let mut once = codegen::cut::once_per_device(p, accumulate);
     for d in &p.devices {
         let g = &d.graph;
         let order = g.topo_order().map_err(|_| format!("device {}: the graph has a cycle", d.device))?;
@@ -166,7 +167,7 @@ pub fn simulate(p: &Program, cluster: &Cluster, opts: &Options, trains: bool) ->
                 }
             }
         };
-        let cut = Cut::new(p, d.device, &order, accumulate);
+        let cut = Cut::new(p, d.device, &order, std::mem::take(&mut once[d.device]));
         // The values the once-per-step ops read from the micro-batches: summed on the device
         // after each micro-batch but the first (an element-wise Add: a dispatch, two reads and
         // a write), and the float ones scaled to their mean before the once-per-step ops (a

@@ -331,10 +331,11 @@ fn scheduled(p: &Program, per_device: &[Vec<(NodeId, Event)>]) -> Vec<Vec<(NodeI
         .iter()
         .any(|d| d.graph.op_nodes().unwrap_or_default().iter().any(|&n| d.graph.node(n).op.is_update()));
     let accumulate = crate::cut::accumulates(p, trains);
+    let mut once = crate::cut::once_per_device(p, accumulate);
     for (i, ev) in per_device.iter().enumerate() {
         let g = &p.devices[i].graph;
         let order = g.op_nodes().unwrap_or_default();
-        let cut = Cut::new(p, i, &order, accumulate);
+        let cut = Cut::new(p, i, &order, std::mem::take(&mut once[i]));
         let mut list = Vec::new();
         for &it in &cut.items {
             let (c, k) = (it.chunk, it.micro);

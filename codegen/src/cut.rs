@@ -56,6 +56,12 @@ pub fn once_ops(p: &Program) -> Vec<HashSet<NodeId>> {
     }
 }
 
+/// Per device of `p`, its ops run once per step: [`once_ops`] under gradient accumulation,
+/// none without. Computed once for all devices (it follows sends between them).
+pub fn once_per_device(p: &Program, accumulate: bool) -> Vec<HashSet<NodeId>> {
+    if accumulate { once_ops(p) } else { vec![HashSet::new(); p.devices.len()] }
+}
+
 /// One device's program cut for its schedule.
 #[derive(Clone, Debug)]
 pub struct Cut {
@@ -78,10 +84,10 @@ impl Cut {
     /// order); `accumulate`: gradients are accumulated over the micro-batches. The backward
     /// part is what is downstream of a receive from a later (virtual) stage, as the lowering
     /// marked them.
-    pub fn new(p: &Program, device: usize, order: &[NodeId], accumulate: bool) -> Cut {
+    /// `once`: the device's ops run once per step ([`once_per_device`]).
+    pub fn new(p: &Program, device: usize, order: &[NodeId], once: HashSet<NodeId>) -> Cut {
         let d = &p.devices[device];
         let g = &d.graph;
-        let once = if accumulate { once_ops(p).swap_remove(device) } else { HashSet::new() };
         let mut backward: HashSet<NodeId> = HashSet::new();
         for &n in order.iter().filter(|n| !once.contains(n)) {
             if d.from_later.contains(&n) || g.node(n).inputs().iter().flatten().any(|v| backward.contains(&v.node)) {

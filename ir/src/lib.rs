@@ -47,6 +47,6 @@ pub mod verify;
 pub use attr::{AttrKind, AttrValue, Attribute};
 pub use graph::{Cycle, Function, Graph, GraphOutput, Model, Node, NodeId, Output, Span, Value};
 pub use op::{Op, OpClass, Opaque};
-pub use tensor::{ExternalConcat, ExternalSlice, Tensor, TensorData};
+pub use tensor::{ExternalConcat, ExternalSlice, FILL, Tensor, TensorData};
 pub use types::{DType, Dim, TensorType, Type};
 pub use verify::{VerifyError, VerifyErrors, verify};

@@ -95,6 +95,9 @@ pub struct Tensor {
     pub data: TensorData,
 }
 
+/// The external-data entry of a tensor whose elements all have one value ([`Tensor::filled`]).
+pub const FILL: &str = "shardc_fill";
+
 /// External data that is elements `start..end` along `axis` of the external tensor `of` (of
 /// shape `full_dims`, whose file entries the slice keeps): what a rewrite that splits a weight
 /// writes when the weight's values are not loaded yet. The tensor's dims are the slice's, or
@@ -303,7 +306,23 @@ impl Tensor {
         Ok((None, t))
     }
 
-    /// True when the data lives in an external file.
+    /// A tensor of `dims` whose every element is `value`, stored as that value alone (the
+    /// external-data entry `shardc_fill`, [`FILL`]): optimizer state of a model whose weights
+    /// are not loaded takes no memory until a run materializes it.
+    pub fn filled(dtype: DType, dims: Vec<i64>, value: f64) -> Tensor {
+        Tensor { dtype, dims, name: None, data: TensorData::External(vec![(FILL.to_string(), value.to_string())]) }
+    }
+
+    /// For a tensor made by [`Tensor::filled`]: the value of every element. `Err` when the
+    /// entry is not a number.
+    pub fn fill(&self) -> Result<Option<f64>, String> {
+        let TensorData::External(entries) = &self.data else { return Ok(None) };
+        let Some((_, v)) = entries.iter().find(|(k, _)| k == FILL) else { return Ok(None) };
+        v.parse::<f64>().map(Some).map_err(|_| format!("`{FILL}` is `{v}`, not a number"))
+    }
+
+    /// True when the data lives in an external file (or is a fill, [`Tensor::filled`]): not
+    /// stored here.
     pub fn is_external(&self) -> bool {
         matches!(self.data, TensorData::External(_))
     }
@@ -569,6 +588,23 @@ mod tests {
         assert!(bad.external_concat().unwrap_err().contains("before the first"));
         let bad = ext(vec![4, 3], &[("shardc_concat_axis", "2")]);
         assert!(bad.external_concat().unwrap_err().contains("not an axis"));
+    }
+
+    // A fill holds one value for every element: printed as its entry, read back the same,
+    // nothing held here, its values made only when asked for.
+    #[test]
+    fn fills_hold_one_value() {
+        let t = Tensor::filled(DType::Float, vec![1024, 1024], 0.0);
+        assert_eq!((t.fill(), t.is_external(), t.host_bytes()), (Ok(Some(0.0)), true, 0));
+        let mut s = String::new();
+        write_tensor_data(&mut s, &t.data).unwrap();
+        assert_eq!(s, r#"["shardc_fill": "0"]"#);
+        assert!(crate::eval::Array::from_tensor(&t).is_err(), "analyses leave a fill alone");
+        let a = crate::eval::Array::materialized(&Tensor::filled(DType::Int64, vec![2, 3], 7.0)).unwrap();
+        assert_eq!(a, crate::eval::Array::i64(vec![2, 3], vec![7; 6]));
+        let bad = ext(vec![2], &[(FILL, "zero")]);
+        assert!(bad.fill().unwrap_err().contains("not a number"));
+        assert_eq!(ext(vec![2], &[("location", "w.bin")]).fill(), Ok(None));
     }
 
     fn f(x: f32) -> String {

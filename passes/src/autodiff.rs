@@ -303,8 +303,13 @@ pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<T
         let mut states = Vec::new();
         for suffix in opt.state() {
             let sname = format!("{name}__{suffix}");
-            let z = Array::zeros(t.dtype, dims.clone()).map_err(|e| err(e.to_string()))?;
-            let sv = g.add_initializer(sname.clone(), z.to_tensor());
+            // Of a parameter not loaded (external data), a fill: nothing held until run.
+            let z = if t.is_external() {
+                ir::Tensor::filled(t.dtype, t.dims.clone(), 0.0)
+            } else {
+                Array::zeros(t.dtype, dims.clone()).map_err(|e| err(e.to_string()))?.to_tensor()
+            };
+            let sv = g.add_initializer(sname.clone(), z);
             ins.push(Some(sv));
             outs.push(ir::train::next_name(&sname));
             states.push(sname);

@@ -105,3 +105,39 @@ fn external_data_is_read_at_its_offset_and_only_when_needed() {
     assert!(err.contains("`b`") && err.contains("length"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The optimizer state of weights that are not loaded is a fill (zeros, held as one value):
+/// a training graph of a model whose weights are absent holds no state data. Run, it is the
+/// zeros it stands for; written as ONNX, it is written out as its values.
+#[test]
+fn optimizer_state_of_absent_weights_is_a_fill() {
+    let text = "<ir_version: 8, opset_import: [\"\" : 17]>\n\
+         g (float[2,4] x) => (float[2,3] y)\n\
+         <float[4,3] w = [\"location\": \"absent.bin\"]>\n\
+         { y = MatMul (x, w) }";
+    let m = frontend::parse(text).unwrap().model;
+    let loss = passes::autodiff::LossSpec::Mean(None);
+    let opt = passes::autodiff::OptimizerSpec::adam(0.01);
+    let (tm, _) = shardc::train::training_model(&m, &loss, &opt).unwrap();
+    let g = &tm.graph;
+    let states: Vec<&ir::Tensor> = ["w__exp_avg", "w__exp_avg_sq"]
+        .iter()
+        .map(|n| g.initializer(g.lookup(n).unwrap_or_else(|| panic!("no `{n}`"))).unwrap())
+        .collect();
+    for t in &states {
+        assert_eq!((t.fill(), t.dims.clone(), t.host_bytes()), (Ok(Some(0.0)), vec![4, 3], 0));
+    }
+    // Made inline for a run: zeros (the weight itself drawn from the seed).
+    let mut run = tm.clone();
+    let w = shardc::exec::materialize(&mut run, std::path::Path::new("/nonexistent"), 0).unwrap();
+    assert_eq!((w.loaded, w.seeded), (0, 1), "the fills are made, the weight is drawn");
+    let g = &run.graph;
+    let state = g.initializer(g.lookup("w__exp_avg").unwrap()).unwrap();
+    assert_eq!(ir::eval::Array::from_tensor(state).unwrap().to_f32().unwrap(), vec![0.0; 12]);
+    // Written as ONNX: the values, not shardc's description.
+    let back = frontend::parse_binary(&frontend::onnx::to_bytes(&tm)).unwrap_or_else(|_| panic!("reads")).0.model;
+    let g = &back.graph;
+    let state = g.initializer(g.lookup("w__exp_avg_sq").unwrap()).unwrap();
+    assert!(!state.is_external());
+    assert_eq!(ir::eval::Array::from_tensor(state).unwrap().to_f32().unwrap(), vec![0.0; 12]);
+}

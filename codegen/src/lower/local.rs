@@ -333,7 +333,9 @@ impl<'a> Local<'a> {
                     // Shape only: the device's piece keeps a reference to the data it comes from.
                     let local = self.local_dims(v, need)?;
                     let mut entries = match &t.data {
-                        ir::TensorData::External(e) => e.iter().filter(|(k, _)| k == "location").cloned().collect(),
+                        ir::TensorData::External(e) => {
+                            e.iter().filter(|(k, _)| k == "location" || k == ir::FILL).cloned().collect()
+                        }
                         _ => Vec::new(),
                     };
                     entries.push((

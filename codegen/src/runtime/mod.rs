@@ -764,7 +764,8 @@ fn drive<E: Executor>(
     let mut report = DeviceReport { device: d.device, adapter: e.name(), ..Default::default() };
     let start = Instant::now();
     let carries = carried_state(g, d, opts).map_err(err)?;
-    let cut = Cut::new(p, d.device, &order, accumulates(p, opts));
+    let once = crate::cut::once_per_device(p, accumulates(p, opts)).swap_remove(d.device);
+    let cut = Cut::new(p, d.device, &order, once);
     // What the backward part reads: kept through the forward part.
     let backward_reads: std::collections::HashSet<Value> =
         cut.backward.iter().flat_map(|&n| g.node(n).inputs().iter().flatten().copied()).collect();

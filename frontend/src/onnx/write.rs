@@ -93,6 +93,12 @@ fn value_info(name: &str, ty: Option<&Type>) -> proto::ValueInfoProto {
 }
 
 fn tensor(t: &Tensor, name: Option<&str>) -> proto::TensorProto {
+    // A fill is shardc's own description; ONNX files hold its values.
+    if let Some(a) = t.fill().ok().flatten().and_then(|_| ir::eval::Array::materialized(t).ok()) {
+        let mut inline = a.to_tensor();
+        inline.name = t.name.clone();
+        return tensor(&inline, name);
+    }
     let mut p = proto::TensorProto {
         dims: t.dims.clone(),
         data_type: Some(t.dtype as i32),

@@ -193,6 +193,18 @@ impl Array {
         Ok(Array { dtype, data: make(numel(&shape)), shape })
     }
 
+    /// An array whose every element is `x` (a tensor stored as its fill,
+    /// [`Tensor::filled`]).
+    pub fn filled(dtype: DType, shape: Vec<usize>, x: f64) -> Result<Array, EvalError> {
+        let n = numel(&shape);
+        Ok(match dtype {
+            DType::Bool => Array::bool(shape, vec![x != 0.0; n]),
+            d if d.is_int() => Array::int(d, shape, vec![x as i64; n]),
+            d if d.is_float() => Array::float(d, shape, vec![x; n]),
+            d => return Err(EvalError::Unsupported(format!("a fill of element type {d}"))),
+        })
+    }
+
     /// A rank-0 int64.
     pub fn scalar_i64(v: i64) -> Array {
         Array::i64(vec![], vec![v])
@@ -206,6 +218,15 @@ impl Array {
     /// Rank.
     pub fn rank(&self) -> usize {
         self.shape.len()
+    }
+
+    /// Decodes a constant tensor, making a fill's values ([`Tensor::filled`]; analyses that
+    /// decode small constants with [`Array::from_tensor`] leave fills, as external data, alone).
+    pub fn materialized(t: &Tensor) -> Result<Array, EvalError> {
+        match t.fill().map_err(EvalError::Unsupported)? {
+            Some(x) => Array::filled(t.dtype, t.dims.iter().map(|&d| d.max(0) as usize).collect(), x),
+            None => Array::from_tensor(t),
+        }
     }
 
     /// Decodes a constant tensor.

@@ -256,7 +256,7 @@ fn run_env(
                 }
             }
             Op::Initializer(t) => {
-                if t.is_external() {
+                if t.is_external() && !matches!(t.fill(), Ok(Some(_))) {
                     let Some(seed) = opts.seed else {
                         return Err(at(EvalError::Unsupported(format!(
                             "initializer `{}` has external data that is not loaded; give a seed to draw random weights",
@@ -265,7 +265,7 @@ fn run_env(
                     };
                     vec![seeded_initializer(g, Value::new(n, 0), seed).map_err(at)?]
                 } else {
-                    vec![Array::from_tensor(t).map_err(at)?]
+                    vec![Array::materialized(t).map_err(at)?]
                 }
             }
             Op::OuterRef => {
