@@ -41,6 +41,8 @@ pub enum How {
 /// (cluster name, seconds) where the cost model prices it as one forward pass.
 pub struct Planned {
     pub program: Program,
+    /// The graph the program was lowered from where the search rewrote `g`; `None`: `g`.
+    pub rewritten: Option<Graph>,
     pub how: How,
     pub predicted: Option<(String, f64)>,
 }
@@ -60,7 +62,7 @@ pub fn plan(
                 .then(|| plan.breakdown.get("forward_s").and_then(|v| v.as_f64()))
                 .flatten()
                 .map(|f| (plan.cluster.clone(), f));
-            Ok(Planned { program, how: How::Plan { name, devices: plan.devices }, predicted })
+            Ok(Planned { program, rewritten: None, how: How::Plan { name, devices: plan.devices }, predicted })
         }
         Choice::Strategy(s) => {
             let r = exec::named_result(g, cluster, devices, s, opts)?;
@@ -68,6 +70,7 @@ pub fn plan(
             let predicted = Some((cluster.name.clone(), r.breakdown.forward_s));
             Ok(Planned {
                 program,
+                rewritten: None,
                 how: How::Strategy { name: s.into(), devices, cluster: cluster.name.clone() },
                 predicted,
             })
@@ -79,7 +82,7 @@ pub fn plan(
             let program = exec::program_for_search(&h, &r, devices)?;
             let predicted = r.pipeline.is_none().then(|| (cluster.name.clone(), r.breakdown.forward_s));
             let how = How::Search { result: Box::new(r), devices, cluster: cluster.name.clone() };
-            Ok(Planned { program, how, predicted })
+            Ok(Planned { program, rewritten: Some(h), how, predicted })
         }
     }
 }

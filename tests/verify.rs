@@ -16,9 +16,17 @@ fn gpt_training() -> shardc::ir::Graph {
 }
 
 fn training_graph(text: &str) -> shardc::ir::Graph {
+    training_graph_with(text, false)
+}
+
+/// With `fuse`, the attention as ONNX `Attention` ops (`passes::FuseAttention`).
+fn training_graph_with(text: &str, fuse: bool) -> shardc::ir::Graph {
     let mut model = shardc::frontend::parse(text).expect("parses").model;
     let mut pm = shardc::passes::PassManager::new();
     pm.add(shardc::passes::Verify).add(shardc::passes::InferShapes::default());
+    if fuse {
+        pm.add(shardc::passes::Canonicalize).add(shardc::passes::FuseAttention);
+    }
     pm.run(&mut model).expect("shapes");
     let (tm, _) = training_model(&model, &LossSpec::Mse(None), &OptimizerSpec::adam(1e-3)).expect("training graph");
     tm.graph
@@ -74,10 +82,33 @@ fn named_strategies_of_a_gpt_and_a_llama_verify() {
     }
 }
 
+/// Fused attention (`Attention` ops, grouped query heads in the Llama): split by batch, by
+/// heads (tensor parallelism) and under sequence parallelism, forward and backward.
+#[test]
+fn plans_with_fused_attention_verify() {
+    let gpt = shardc::synthetic::Gpt { layers: 2, hidden: 64, heads: 4, batch: 4, seq: 32, fused_gelu: true, vocab: 0 };
+    let llama = shardc::synthetic::Llama::reduced(2, 4, 32);
+    for (name, text) in [("gpt", gpt.to_text()), ("llama", llama.to_text())] {
+        let g = training_graph_with(&text, true);
+        let fused = g.op_nodes().unwrap().into_iter().filter(|&n| g.node(n).op.op_type() == "Attention").count();
+        assert!(fused >= 4, "{name}: {fused} Attention ops (forward and backward)");
+        for plan in PLANS {
+            let (g, p) = plan_program(&g, plan);
+            if let Err(e) = verify(&g, &p) {
+                panic!("{name} {plan:?}: {e}");
+            }
+        }
+    }
+}
+
 /// A seeded lowering bug: the program of `plan` mutated by `mutate` on every device (given
 /// the device index and its graph).
 fn seeded(plan: (&str, usize, bool, u8), mutate: impl Fn(usize, &mut Graph)) -> (Graph, Program) {
-    let (g, mut p) = plan_program(&gpt_training(), plan);
+    seeded_on(gpt_training(), plan, mutate)
+}
+
+fn seeded_on(g: Graph, plan: (&str, usize, bool, u8), mutate: impl Fn(usize, &mut Graph)) -> (Graph, Program) {
+    let (g, mut p) = plan_program(&g, plan);
     for d in &mut p.devices {
         mutate(d.device, &mut d.graph);
     }
@@ -201,6 +232,24 @@ fn a_reduce_scatter_on_the_wrong_axis_is_caught() {
     refuted("reduce-scatter on the wrong axis", p, "LayerNormalization");
 }
 
+/// Megatron's scale of attention scores computed from a tensor-parallel device's share of
+/// the hidden size instead of the head dim.
+#[test]
+fn an_attention_scaled_by_the_split_hidden_size_is_caught() {
+    let gpt = shardc::synthetic::Gpt { layers: 2, hidden: 64, heads: 4, batch: 4, seq: 32, fused_gelu: true, vocab: 0 };
+    let g = training_graph_with(&gpt.to_text(), true);
+    let p = seeded_on(g, ("megatron", 2, false, 0), |_, g| {
+        for n in g.op_nodes().unwrap() {
+            if let Op::Attention(a) = &g.node(n).op {
+                let mut a = a.clone();
+                a.scale = Some(1.0 / (32f32).sqrt());
+                g.set_op(n, Op::Attention(a));
+            }
+        }
+    });
+    refuted("attention scale of the split hidden size", p, "Attention");
+}
+
 fn golden(name: &str) -> std::path::PathBuf {
     shardc_tests::repo_root().join("../shared/golden-train").join(format!("{name}.onnxtxt"))
 }
@@ -282,6 +331,29 @@ fn verify_proves_a_training_plan_and_train_verify_runs_it() {
     ]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success() && out.contains("verified: "), "{out}{o:?}");
+}
+
+/// `run --verify` and `lower --verify` prove forward programs: a tensor-parallel run, and a
+/// pipeline with micro-batches (proved against one micro-batch of the model).
+#[test]
+fn run_and_lower_verify_forward_programs() {
+    let m = golden("tiny_gpt_train");
+    let m = m.to_str().unwrap();
+    let o = shardc(&["run", m, "--strategy", "megatron", "--devices", "2", "--verify", "--backend", "cpu", "-q"]);
+    let out = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success() && out.contains("verified: ") && out.contains("compute the model's"), "{out}");
+    let dir = std::env::temp_dir().join(format!("shardc-verify-lower-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = dir.join("p.json");
+    let plan = plan.to_str().unwrap();
+    let o = shardc(&["plan", m, "--cluster", "dgx-a100", "--devices", "2", "--pipeline", "2", "-o", plan, "-q"]);
+    assert!(o.status.success(), "{o:?}");
+    let progs = dir.join("progs");
+    let o = shardc(&["lower", plan, "--verify", "-o", progs.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(o.status.success() && err.contains("verified: ") && err.contains("one micro-batch (of "), "{err}");
 }
 
 #[test]

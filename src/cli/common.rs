@@ -569,6 +569,50 @@ pub fn check_program(program: &codegen::Program) -> CliResult {
     Ok(())
 }
 
+/// "verified: …" for a program the prover proves (`what` the graph's results are: "the
+/// training step's", "the model's"), else the refutation as an error.
+pub fn proved(g: &ir::Graph, program: &codegen::Program, what: &str) -> CliResult<String> {
+    let t0 = std::time::Instant::now();
+    match codegen::verify(g, program) {
+        Ok(p) => Ok(format!(
+            "verified: {} values on {} devices compute {what} {} results ({:.2} s)",
+            p.values,
+            p.devices,
+            p.results,
+            t0.elapsed().as_secs_f64()
+        )),
+        Err(e) => Err(CliError::msg(e.to_string())),
+    }
+}
+
+/// [`proved`] for a forward program of `g`: with micro-batches, each device's program runs one
+/// micro-batch, so it is proved against `g` re-batched to one micro-batch.
+pub fn proved_forward(g: &ir::Graph, program: &codegen::Program) -> CliResult<String> {
+    let m = program.micro_batches.max(1);
+    if m == 1 {
+        return proved(g, program, "the model's");
+    }
+    let batch = passes::cost::pipeline::graph_batch(g)
+        .ok_or_else(|| CliError::msg("--verify: the program has micro-batches but the model no batch dim"))?;
+    let mut micro = g.clone();
+    let spec = passes::rebatch::RebatchSpec { batch: Some(batch / m as i64), micro_batch: true, ..Default::default() };
+    passes::rebatch::rebatch(&mut micro, &spec)
+        .map_err(|e| CliError::msg(format!("--verify: one micro-batch: {e}")))?;
+    // Re-batching replaces the constants it rewrites (by `X.rebatched`); the lowering cuts
+    // the devices' pieces from the full batch's, so those stay in the graph (read by nothing:
+    // the proof fails where a device computes with one where the micro-batch needs another).
+    for &n in g.initializers() {
+        let v = ir::Value::new(n, 0);
+        let name = g.value_name(v);
+        if micro.lookup(name).is_none()
+            && let Some(t) = g.initializer(v)
+        {
+            micro.add_initializer(name, t.clone());
+        }
+    }
+    proved(&micro, program, &format!("one micro-batch (of {m}) of the model's"))
+}
+
 /// Reads a plan document (`shardc plan -o`).
 pub fn read_plan(path: &Path) -> CliResult<passes::autoshard::Plan> {
     note_input(path);

@@ -40,6 +40,10 @@ pub struct LowerArgs {
     /// Write here: a file for one device or JSON, a directory (one file per device) otherwise.
     #[arg(short = 'o', long = "output", value_name = "OUT")]
     pub output: Option<PathBuf>,
+    /// First prove that the programs compute the model (docs/verify.md); exit 1, writing
+    /// nothing, when the proof fails.
+    #[arg(long)]
+    pub verify: bool,
 }
 
 pub fn run(args: &LowerArgs) -> CliResult {
@@ -54,6 +58,9 @@ pub fn run(args: &LowerArgs) -> CliResult {
     let program = shardc::exec::program_for_plan(&loaded.model.graph, &plan)
         .map_err(|e| CliError::msg(format!("the plan does not lower: {e}")))?;
     check_program(&program)?;
+    if args.verify {
+        eprintln!("{}", proved_forward(&loaded.model.graph, &program)?);
+    }
     if let Some(k) = args.device
         && k >= program.devices.len()
     {

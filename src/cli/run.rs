@@ -59,6 +59,10 @@ pub struct RunArgs {
     /// Compare every output with the single-device CPU reference; exit 1 over tolerance.
     #[arg(long)]
     pub check: bool,
+    /// First prove that the devices' programs compute the model (docs/verify.md); exit 1,
+    /// running nothing, when the proof fails.
+    #[arg(long)]
+    pub verify: bool,
     /// Relative tolerance of `--check`.
     #[arg(long, default_value_t = 1e-4, value_parser = parse_nonneg, allow_negative_numbers = true)]
     pub rtol: f64,
@@ -258,6 +262,9 @@ pub fn run(args: &RunArgs) -> CliResult {
     let planned = plan_program(args, g, plan.as_ref(), &mut notes)?;
     let program = &planned.program;
     check_program(program)?;
+    if args.verify {
+        notes.push(proved_forward(planned.rewritten.as_ref().unwrap_or(g), program)?);
+    }
     for f in &program.fallbacks {
         notes.push(format!("runs replicated instead of as planned: {f}"));
     }

@@ -21,6 +21,7 @@
 //! value, or a result that is not the piece it claims, refutes the plan, located at the first
 //! op of that device that computed a value the graph never computes.
 
+mod attention;
 mod comm;
 mod composite;
 mod conv;

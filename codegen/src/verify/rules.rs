@@ -159,6 +159,7 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
     match op {
         Op::Identity(_) => Ok(vec![ins.first().cloned().flatten()]),
         Op::MatMul(_) => matmul(cx, n, ins),
+        Op::Attention(a) => super::attention::apply(cx, n, a, ins),
         Op::Gemm(gm) => gemm(cx, gm, ins),
         _ if op.class() == ir::OpClass::Reduce => reduce(cx, n, ins),
         Op::Conv(_) | Op::ConvGradInput(_) | Op::ConvGradWeight(_) => super::conv::apply(cx, n, ins),

@@ -536,7 +536,9 @@ struct Setup {
     notes: Vec<String>,
 }
 
-fn prepare(args: &TrainArgs, plan_doc: Option<passes::autoshard::Plan>) -> CliResult<Setup> {
+/// `materialize`: external data is read (or drawn from the seed) into the model, as running
+/// needs; without it, absent weights stay shapes (what proving needs).
+fn prepare(args: &TrainArgs, plan_doc: Option<passes::autoshard::Plan>, materialize: bool) -> CliResult<Setup> {
     let case = match &args.data {
         Some(p) => Some(TrainCase::load(p).map_err(CliError::msg)?),
         None => None,
@@ -611,9 +613,11 @@ fn prepare(args: &TrainArgs, plan_doc: Option<passes::autoshard::Plan>) -> CliRe
     if written.as_ref().is_some_and(|w| w.graph == loaded.model.graph) {
         written = None;
     }
-    let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
-    let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
-    notes.extend(seeded_weights(&weights, args.seed, args.require_weights, "")?);
+    if materialize {
+        let dir = args.model.parent().map(PathBuf::from).unwrap_or_default();
+        let weights = exec::materialize(&mut loaded.model, &dir, args.seed).map_err(CliError::msg)?;
+        notes.extend(seeded_weights(&weights, args.seed, args.require_weights, "")?);
+    }
     Ok(Setup { case, loaded, plan_doc, loss, opt, cluster, opts, written_dims, written, searched, notes })
 }
 
@@ -881,8 +885,9 @@ fn prepare_program(
     args: &TrainArgs,
     plan_doc: Option<passes::autoshard::Plan>,
     planned: Option<String>,
+    materialize: bool,
 ) -> CliResult<Prepared> {
-    let mut s = prepare(args, plan_doc)?;
+    let mut s = prepare(args, plan_doc, materialize)?;
     let mut notes = std::mem::take(&mut s.notes);
     notes.extend(planned);
     let (tm, info) = training_model(&s.loaded.model, &s.loss, &s.opt).map_err(CliError::msg)?;
@@ -909,34 +914,19 @@ fn prepare_program(
     Ok(Prepared { s, tm, info, micro_tm, chosen, program, micro, lowered, notes })
 }
 
-/// "verified: …" for a program the prover proves, else the refutation as an error.
-fn proved(g: &ir::Graph, program: &codegen::Program) -> CliResult<String> {
-    let t0 = std::time::Instant::now();
-    match codegen::verify(g, program) {
-        Ok(p) => Ok(format!(
-            "verified: {} values on {} devices compute the training step's {} results ({:.2} s)",
-            p.values,
-            p.devices,
-            p.results,
-            t0.elapsed().as_secs_f64()
-        )),
-        Err(e) => Err(CliError::msg(e.to_string())),
-    }
-}
-
 /// `shardc verify`: the training program `train` would run, proved (nothing runs). With
 /// `program`, each device's graph is read from `DIR/deviceK.onnxtxt` (as `--emit-program`
 /// writes them) instead, so a program edited by hand is proved as written.
 pub fn verify(args: &TrainArgs, program_dir: Option<&std::path::Path>) -> CliResult {
     let plan_doc = args.plan.as_deref().map(read_plan).transpose()?;
     let (resolved, planned) = with_plan_memory(configured(args)?, plan_doc.as_ref())?;
-    let Prepared { mut program, lowered, .. } = prepare_program(&resolved, plan_doc, planned)?;
+    let Prepared { mut program, lowered, .. } = prepare_program(&resolved, plan_doc, planned, false)?;
     if let Some(dir) = program_dir {
         for d in &mut program.devices {
             d.graph = read_device_program(&dir.join(format!("device{}.onnxtxt", d.device)))?;
         }
     }
-    let line = proved(&lowered, &program)?;
+    let line = proved(&lowered, &program, "the training step's")?;
     write_output(&format!("{line}\n"), None, &args.model)
 }
 
@@ -968,10 +958,10 @@ pub fn run(args: &TrainArgs) -> CliResult {
         &[Some(&args.model), args.data.as_deref(), args.plan.as_deref()],
     )?;
     let Prepared { mut s, tm, info, micro_tm, chosen, program, micro, lowered, mut notes } =
-        prepare_program(args, plan_doc, planned)?;
+        prepare_program(args, plan_doc, planned, true)?;
     let g = &tm.graph;
     if args.verify {
-        notes.push(proved(&lowered, &program)?);
+        notes.push(proved(&lowered, &program, "the training step's")?);
     }
     let predicted = price(&program, &chosen, &s, &mut notes);
     let (be, warn) = backend(args.backend.as_deref())?;
