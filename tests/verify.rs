@@ -333,6 +333,53 @@ fn verify_proves_a_training_plan_and_train_verify_runs_it() {
     assert!(o.status.success() && out.contains("verified: "), "{out}{o:?}");
 }
 
+/// A depthwise convolution split along its groups (each device runs its channels' filters
+/// with its own `group`), after a slice that takes everything with masked bounds (as jax2tf
+/// exports write it), split along the batch or the channels.
+#[test]
+fn grouped_convolutions_split_by_groups_and_masked_slices_verify() {
+    let w: Vec<String> = (0..72).map(|i| format!("{}", (i % 7) as f32 * 0.25 - 0.5)).collect();
+    let text = format!(
+        "<ir_version: 8, opset_import: [\"\" : 17]>\n\
+         g (float[4,8,6,6] x) => (float[4,8,6,6] y)\n\
+         <float[8,1,3,3] w = {{{}}}, int64[4] st = {{0,0,0,0}}, \
+          int64[4] en = {{9223372036854775807,9223372036854775807,9223372036854775807,9223372036854775807}}>\n\
+         {{ s = Slice (x, st, en)\n y = Conv <group: int = 8, pads: ints = [1, 1, 1, 1]> (s, w) }}",
+        w.join(",")
+    );
+    let mut model = shardc::frontend::parse(&text).expect("parses").model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Verify).add(shardc::passes::InferShapes::default());
+    pm.run(&mut model).expect("shapes");
+    let g = &model.graph;
+    let cluster = Cluster::preset("local-wgpu").expect("preset");
+    let conv = node_of(g, "y");
+    let mut split_groups = false;
+    for (strategy, groups) in [("data", false), ("tensor", true), ("hybrid:dp:2,tp:2", true)] {
+        let devices = if strategy.starts_with("hybrid") { 4 } else { 2 };
+        let mut r = shardc::exec::named_result(g, &cluster, devices, strategy, &Options::default()).expect(strategy);
+        if groups {
+            // The depthwise convolution's groups (iteration dim 1 of n, g, rows, columns) over
+            // the last mesh axis, as a searched plan may split them.
+            let axes = r.mesh.axes.len();
+            let st = r.assignment.strategies.entry(conv).or_insert_with(|| vec![None; axes]);
+            st[axes - 1] = Some(1);
+        }
+        let p = shardc::exec::program_for_search(g, &r, devices).expect(strategy);
+        split_groups |= p.devices.iter().any(|d| {
+            d.graph
+                .op_nodes()
+                .unwrap()
+                .into_iter()
+                .any(|n| matches!(&d.graph.node(n).op, Op::Conv(c) if c.group < Some(8)))
+        });
+        if let Err(e) = verify(g, &p) {
+            panic!("{strategy}: {e}");
+        }
+    }
+    assert!(split_groups, "no plan split the convolution's groups");
+}
+
 /// `run --verify` and `lower --verify` prove forward programs: a tensor-parallel run, and a
 /// pipeline with micro-batches (proved against one micro-batch of the model).
 #[test]

@@ -54,6 +54,10 @@ pub struct PlanArgs {
     /// memory each difference saves or costs, largest first (and a pipeline's reasons).
     #[arg(long)]
     pub explain: bool,
+    /// Lower the plan and prove its programs compute the model (docs/verify.md); exit 1,
+    /// writing nothing, when the proof fails.
+    #[arg(long)]
+    pub verify: bool,
     /// Print the plan as a framework's launch settings instead of a summary; an error naming
     /// the ops that keep it from the framework's template when it does not fit one.
     #[arg(long, value_enum)]
@@ -200,6 +204,10 @@ pub fn run(args: &PlanArgs) -> CliResult {
     let g = &loaded.model.graph;
     let info = model_info(args, g, &bytes);
     let plan = Plan::new(g, &cluster, devices, &opts, info, &r);
+    if args.verify {
+        let p = shardc::exec::program_for_plan(g, &plan).map_err(|e| CliError::msg(format!("--verify: {e}")))?;
+        eprintln!("{}", proved_forward(g, &p)?);
+    }
     super::ui::search_timings(&plan.timings);
     let json = serde_json::to_string_pretty(&plan).expect("plan serializes");
     if let Some(out) = &args.output {

@@ -275,19 +275,17 @@ fn conv(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
     }
     spatial_whole(cx, w, "Conv's weight")?;
     let (sx, sw) = (cx.terms.shape(x.term).to_vec(), cx.terms.shape(w.term).to_vec());
-    let g = group(&op);
     let (ka, kb) = (x.region[1], w.region[1]);
-    if g != 1 {
-        if ka != (0, sx[1]) || kb != (0, sw[1]) || w.region[0] != (0, sw[0]) {
-            return Err(Why::Uncovered("a grouped Conv split along its channels".into()));
-        }
-    } else if ka != kb && kb == (0, sw[1]) && sw[1] < sx[1] {
-        // The graph's convolution is grouped and the device holds some of its groups (its own
-        // `group` made local).
-        return Err(Why::Uncovered("a grouped Conv split along its groups".into()));
+    // The graph's group count, from the whole operands: input channels over a filter's.
+    let groups = if sw[1] > 0 && sx[1] % sw[1] == 0 { sx[1] / sw[1] } else { 1 };
+    let op = if groups > 1 {
+        held_groups(&op, groups, x, w, &sw)?
     } else if ka != kb {
         return wrong(format!("Conv operands hold different parts of the input channels: {ka:?} and {kb:?}"));
-    }
+    } else {
+        op
+    };
+    let g = groups;
     let Some(lout) = cx.out_dims(n, 0) else { return Err(Why::Uncovered("a Conv of unknown shape".into())) };
     let base = window_base(&op);
     let mut why = String::from("no convolution of the graph reads these operands");
@@ -325,6 +323,30 @@ fn conv(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
         return Ok(vec![Some(Fact { term: t, region, shares, alts: Vec::new() })]);
     }
     wrong(format!("Conv on rows {:?}: {why}", x.region))
+}
+
+/// A grouped convolution of `groups` groups on whole groups: the device holds the input
+/// channels of groups g0..g1 with their filters (every filter's channels whole), and runs the
+/// op with `group` g1 − g0. Returns the graph's op (its `group` the graph's).
+fn held_groups(op: &Op, groups: i64, x: &Fact, w: &Fact, sw: &[i64]) -> Result<Op, Why> {
+    let (ka, kb, cin) = (x.region[1], w.region[1], sw[1]);
+    let cout = sw[0] / groups;
+    let (g0, g1) = (ka.0 / cin, ka.1 / cin);
+    if kb != (0, cin) || ka.0 % cin != 0 || ka.1 % cin != 0 {
+        return wrong(format!("a grouped Conv on input channels {ka:?}, not whole groups of {cin}"));
+    }
+    if w.region[0] != (g0 * cout, g1 * cout) || group(op) != g1 - g0 {
+        return wrong(format!(
+            "a grouped Conv holding the input channels of groups {g0}..{g1} runs filters {:?} in {} groups",
+            w.region[0],
+            group(op)
+        ));
+    }
+    let mut op = op.clone();
+    if let Op::Conv(c) = &mut op {
+        c.group = Some(groups);
+    }
+    Ok(op)
 }
 
 /// MaxPool and AveragePool on pieces split along batch, channels and spatial rows.
