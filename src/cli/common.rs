@@ -575,10 +575,11 @@ pub fn proved(g: &ir::Graph, program: &codegen::Program, what: &str) -> CliResul
     let t0 = std::time::Instant::now();
     match codegen::verify(g, program) {
         Ok(p) => Ok(format!(
-            "verified: {} values on {} devices compute {what} {} results ({:.2} s)",
+            "verified: {} values on {} devices compute {what} {} result{} ({:.2} s)",
             p.values,
             p.devices,
             p.results,
+            if p.results == 1 { "" } else { "s" },
             t0.elapsed().as_secs_f64()
         )),
         Err(e) => Err(CliError::msg(e.to_string())),

@@ -262,7 +262,12 @@ pub fn add_shares(a: &[Share], b: &[Share]) -> Result<Vec<Share>, String> {
     for s in b {
         match out.iter().find(|x| x.site == s.site) {
             Some(x) if x.held == s.held && x.max == s.max => {}
-            Some(_) => return Err("adds two partial sums of one reduction holding different parts".into()),
+            Some(x) => {
+                return Err(format!(
+                    "adds two partial sums of one reduction holding different parts ({:?} and {:?} of {:?})",
+                    x.held, s.held, s.space
+                ));
+            }
             None => out.push(s.clone()),
         }
     }
