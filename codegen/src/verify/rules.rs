@@ -194,9 +194,14 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
             let f = ins[1 - j].clone().expect("an operand");
             let c = if matches!(op, Op::Div(_)) { 1.0 / c } else { c };
             if c == 0.0 {
-                // Zero times a value: the value as a site of a sum, held by none.
+                // Zero times a value: the value as a site of a sum, held by none; zero times a
+                // partial sum of one reduction: none of that reduction held (as the devices
+                // that keep theirs name it).
                 let mut shares = f.shares.clone();
-                shares.push(Share { held: Vec::new(), ..held_whole(f.term) });
+                match shares.as_mut_slice() {
+                    [one] => one.held.clear(),
+                    _ => shares.push(Share { held: Vec::new(), ..held_whole(f.term) }),
+                }
                 return Ok(vec![Some(Fact { shares, ..f })]);
             }
             // A scaled literal is the literal of the scaled values.

@@ -301,6 +301,47 @@ pub fn join_shares(members: &[&[Share]], max: bool) -> Result<Vec<Share>, String
             }
         }
     }
+    // A member without a site holds all of that reduction (its value completed it): the
+    // others must hold none of it (they add zero: a value kept once), else it is counted
+    // twice.
+    for s in &mut out {
+        let whole = members.iter().filter(|m| m.iter().all(|x| x.site != s.site)).count();
+        match whole {
+            0 => {}
+            1 if s.held.is_empty() => s.held = vec![s.space.iter().map(|&d| (0, d)).collect()],
+            _ => {
+                return Err(format!(
+                    "{whole} members hold a reduction whole and the others {:?} of it: counted twice",
+                    s.held
+                ));
+            }
+        }
+    }
     out.retain(|s| !s.complete());
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn share(held: Vec<Region>) -> Share {
+        Share { site: 7, space: vec![8, 7], held, max: false }
+    }
+
+    // A value kept once (a shared weight's gradient added by one device of a pair): the member
+    // that completed the reduction holds all of it, the other none, so the sum is complete;
+    // a member also holding a part of it, or two holding all, count it twice.
+    #[test]
+    fn a_member_that_completed_a_reduction_holds_all_of_it() {
+        let none = [share(Vec::new())];
+        assert_eq!(join_shares(&[&[], &none], false), Ok(Vec::new()));
+        let part = [share(vec![vec![(0, 4), (0, 7)]])];
+        assert!(join_shares(&[&[], &part], false).unwrap_err().contains("counted twice"));
+        assert!(join_shares(&[&[], &[], &none], false).unwrap_err().contains("counted twice"));
+        // Without a member holding it whole, the parts join as before.
+        let rest = [share(vec![vec![(4, 8), (0, 7)]])];
+        assert_eq!(join_shares(&[&part, &rest], false), Ok(Vec::new()));
+        assert_eq!(join_shares(&[&part, &none], false).map(|s| s.len()), Ok(1), "half of it is still missing");
+    }
 }
