@@ -186,19 +186,14 @@ pub fn materialize(model: &mut Model, dir: &Path, seed: u64) -> Result<Weights, 
         let v = Value::new(n, 0);
         let name = g.value_name(v).to_string();
         // A fill (optimizer state of absent weights) is neither read nor drawn.
-        if t.fill().map_err(|e| format!("`{name}`: {e}"))?.is_some() {
-            let mut tensor = Array::materialized(t).map_err(|e| format!("`{name}`: {e}"))?.to_tensor();
-            tensor.name = t.name.clone();
-            g.set_op(n, Op::Initializer(tensor));
-            continue;
-        }
-        let (a, read) = external_values(t, &name, ir::eval::weight_role(g, v), dir, seed)
-            .map_err(|e| format!("external data of `{name}`: {e}"))?;
-        if read {
-            w.loaded += 1;
+        let a = if t.fill().map_err(|e| format!("`{name}`: {e}"))?.is_some() {
+            Array::materialized(t).map_err(|e| format!("`{name}`: {e}"))?
         } else {
-            w.seeded += 1;
-        }
+            let (a, read) = external_values(t, &name, ir::eval::weight_role(g, v), dir, seed)
+                .map_err(|e| format!("external data of `{name}`: {e}"))?;
+            *if read { &mut w.loaded } else { &mut w.seeded } += 1;
+            a
+        };
         let mut tensor = a.to_tensor();
         tensor.name = t.name.clone();
         g.set_op(n, Op::Initializer(tensor));

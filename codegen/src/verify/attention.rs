@@ -10,7 +10,7 @@ use ir::NodeId;
 use ir::op::{self as o, Op};
 
 use super::rules::{Cx, Out, Why, op_key, whole_rule, wrong};
-use super::term::{Fact, Region};
+use super::term::{Fact, Region, TermId};
 
 /// The op's inputs (by slot) that a rule on parts covers: Q, K, V and the mask.
 const PARTS: [usize; 4] = [0, 1, 2, 3];
@@ -31,11 +31,31 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, a: &o::Attention, ins: &[Option<Fact>])
         return wrong("a partial sum reaches Attention, which is not linear");
     }
     let shapes: Vec<Vec<i64>> = facts.iter().map(|f| cx.terms.shape(f.term).to_vec()).collect();
+    let key = format!("{}|inputs={given:?}", op_key(&Op::Attention(a.clone())));
+    let terms: Vec<TermId> = facts.iter().map(|f| f.term).collect();
+    let outs = if shapes[..3].iter().all(|s| s.len() == 4) {
+        rank4(cx, a, &facts, &shapes)?
+    } else if shapes[..3].iter().all(|s| s.len() == 3) {
+        rank3(cx, a, &facts, &shapes)?
+    } else {
+        return whole_rule(cx, n, ins);
+    };
+    // The outputs the op has (a 3-D op's caches are 4-D rearrangements: not covered on parts).
+    Ok((0..node.num_outputs())
+        .map(|slot| {
+            let (shape, region) = outs.get(slot).filter(|(s, _)| !s.is_empty())?.clone();
+            Some(Fact::exact(cx.terms.op(&key, slot as u16, &terms, &shape), region))
+        })
+        .collect())
+}
+
+/// Per output slot (Y, present key, present value, the scores), its global shape and the box
+/// held; an empty shape where the slot is not covered.
+type Outputs = Vec<(Vec<i64>, Region)>;
+
+/// 4-D Attention (`[batch, heads, sequence, dim]`).
+fn rank4(cx: &Cx<'_>, a: &o::Attention, facts: &[&Fact], shapes: &[Vec<i64>]) -> Result<Outputs, Why> {
     let (q, k, v) = (facts[0], facts[1], facts[2]);
-    let rank = shapes[0].len();
-    if rank != 4 || shapes[1].len() != 4 || shapes[2].len() != 4 {
-        return rank3(cx, n, a, &facts, &shapes, ins);
-    }
     let (hq, hk) = (shapes[0][1], shapes[1][1]);
     if hk <= 0 || hq % hk != 0 {
         return Err(Why::Uncovered(format!("Attention: {hq} query heads do not group over {hk} key heads")));
@@ -68,37 +88,19 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, a: &o::Attention, ins: &[Option<Fact>])
     if let Some(m) = facts.get(3) {
         mask_fits(cx, m, &out_box)?;
     }
-    let key = format!("{}|inputs={given:?}", op_key(&Op::Attention(a.clone())));
-    let terms: Vec<_> = facts.iter().map(|f| f.term).collect();
     let (b, sq, dv) = (shapes[0][0], shapes[0][2], shapes[2][3]);
-    let outs: [(Vec<i64>, Region); 4] = [
+    Ok(vec![
         (vec![b, hq, sq, dv], vec![qb, qh, qs, (0, dv)]),
         (shapes[1].clone(), k.region.clone()),
         (shapes[2].clone(), v.region.clone()),
         (vec![b, hq, sq, total], out_box),
-    ];
-    Ok((0..node.num_outputs())
-        .map(|slot| {
-            let (shape, region) = outs.get(slot)?.clone();
-            Some(Fact::exact(cx.terms.op(&key, slot as u16, &terms, &shape), region))
-        })
-        .collect())
+    ])
 }
 
 /// 3-D Attention (`[batch, sequence, heads·dim]`): parts of the batch and, where masking does
 /// not depend on position, of the query sequence; the hidden dims whole (the heads are an
 /// attribute there, so a part of them would be another op).
-fn rank3(
-    cx: &mut Cx<'_>,
-    n: NodeId,
-    a: &o::Attention,
-    facts: &[&Fact],
-    shapes: &[Vec<i64>],
-    ins: &[Option<Fact>],
-) -> Out {
-    if shapes.iter().take(3).any(|s| s.len() != 3) {
-        return whole_rule(cx, n, ins);
-    }
+fn rank3(cx: &Cx<'_>, a: &o::Attention, facts: &[&Fact], shapes: &[Vec<i64>]) -> Result<Outputs, Why> {
     let q = facts[0];
     whole_dims(q, &shapes[0], &[2], "the queries' hidden dim")?;
     for (f, s, what) in [(facts[1], &shapes[1], "keys"), (facts[2], &shapes[2], "values")] {
@@ -107,7 +109,7 @@ fn rank3(
             return wrong(format!("Attention's {what} hold batch {:?}, the queries {:?}", f.region[0], q.region[0]));
         }
     }
-    positional(a, q.region[2 - 1], shapes[0][1])?;
+    positional(a, q.region[1], shapes[0][1])?;
     let (Some(hq), Some(_)) = (a.q_num_heads, a.kv_num_heads) else {
         return Err(Why::Uncovered("3-D Attention without its head counts".into()));
     };
@@ -116,23 +118,12 @@ fn rank3(
     if let Some(m) = facts.get(3) {
         mask_fits(cx, m, &out_box)?;
     }
-    let node = cx.g.node(n);
-    let given: Vec<usize> = (0..node.inputs().len()).filter(|&i| node.input(i).is_some()).collect();
-    let key = format!("{}|inputs={given:?}", op_key(&Op::Attention(a.clone())));
-    let terms: Vec<_> = facts.iter().map(|f| f.term).collect();
-    let outs: [(Vec<i64>, Region); 4] = [
+    Ok(vec![
         (vec![b, sq, dv], vec![q.region[0], q.region[1], (0, dv)]),
         (vec![], vec![]),
         (vec![], vec![]),
         (vec![b, hq, sq, total], out_box),
-    ];
-    Ok((0..node.num_outputs())
-        .map(|slot| {
-            // The caches a 3-D op returns are 4-D rearrangements: not covered on parts.
-            let (shape, region) = outs.get(slot).filter(|(s, _)| !s.is_empty())?.clone();
-            Some(Fact::exact(cx.terms.op(&key, slot as u16, &terms, &shape), region))
-        })
-        .collect())
+    ])
 }
 
 fn whole_dims(f: &Fact, shape: &[i64], dims: &[usize], what: &str) -> Result<(), Why> {

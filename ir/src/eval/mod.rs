@@ -256,7 +256,8 @@ fn run_env(
                 }
             }
             Op::Initializer(t) => {
-                if t.is_external() && !matches!(t.fill(), Ok(Some(_))) {
+                // A fill is made by `materialized` (a malformed one refused there).
+                if t.is_external() && t.fill() == Ok(None) {
                     let Some(seed) = opts.seed else {
                         return Err(at(EvalError::Unsupported(format!(
                             "initializer `{}` has external data that is not loaded; give a seed to draw random weights",
