@@ -445,3 +445,81 @@ fn a_pipeline_stage_receiving_the_wrong_activation_is_caught_in_programs_as_writ
     assert_eq!(bad.status.code(), Some(1), "{err}");
     assert!(err.contains("not verified: device 1: "), "{err}");
 }
+
+/// A slice for sequence parallelism cut at the previous device's block: device 1 keeps the
+/// first eighth of the sequence of a layer norm's gradient instead of the second.
+#[test]
+fn a_shard_offset_off_by_one_block_is_caught() {
+    let p = seeded(("megatron", 4, true, 0), |d, g| {
+        if d != 1 {
+            return;
+        }
+        let n = g
+            .op_nodes()
+            .unwrap()
+            .into_iter()
+            .find(|&n| {
+                let name = g.value_name(Value::new(n, 0));
+                matches!(g.node(n).op, Op::Slice(_)) && name.starts_with("h0_ln2__d") && name.ends_with("__slice")
+            })
+            .expect("the slice of a layer norm's gradient");
+        let starts = g.value_name(g.node(n).input(1).expect("starts")).to_string();
+        let ends = g.value_name(g.node(n).input(2).expect("ends")).to_string();
+        let block = 8.0;
+        set_literal(g, &starts, |x| x - block);
+        set_literal(g, &ends, |x| x - block);
+    });
+    refuted("shard offset off by one block", p, "Sum");
+}
+
+/// A tied weight (the embedding table read again, transposed, by the output layer): the
+/// embedding's share of its gradient all-reduced on its own, then again with the output
+/// layer's share.
+#[test]
+fn a_tied_weights_gradient_synchronised_twice_is_caught() {
+    let g = golden_training("embedding_lm");
+    let mut p = program(&g, "data", 2, &Options::default());
+    verify(&g, &p).unwrap_or_else(|e| panic!("the unmutated program: {e}"));
+    for d in &mut p.devices {
+        let lg = &mut d.graph;
+        let grad = lg.lookup("emb.weight__grad").expect("the tied weight's gradient");
+        let ar = lg.node(grad.node).input(0).expect("its all-reduce");
+        let Op::AllReduce(_) = lg.node(ar.node).op else { panic!("not an all-reduce") };
+        let sum = lg.node(ar.node).input(0).expect("the sum of both uses' shares");
+        assert_eq!(lg.node(sum.node).op.op_type(), "Sum");
+        let emb_share = lg.node(sum.node).input(1).expect("the embedding's share");
+        let op = lg.node(ar.node).op.clone();
+        let name = lg.value_name(emb_share).to_string();
+        insert_after(lg, &name, op, &[]);
+    }
+    refuted("tied weight synchronised twice", (g, p), "AllReduce");
+}
+
+/// Every golden training case under every named strategy that applies to it, on 2 and 4
+/// devices: the lowered training program verifies (a strategy that does not apply says why).
+#[test]
+fn every_named_strategy_of_every_golden_training_case_verifies() {
+    let dir = shardc_tests::repo_root().join("../shared/golden-train");
+    let mut cases: Vec<String> = std::fs::read_dir(&dir)
+        .expect("golden-train")
+        .filter_map(|e| e.ok()?.file_name().to_str()?.strip_suffix(".train.json").map(String::from))
+        .collect();
+    cases.sort();
+    assert!(cases.len() >= 8, "{cases:?}");
+    let cluster = Cluster::preset("local-wgpu").expect("preset");
+    let strategies = ["data", "model", "megatron", "owt", "spatial", "hybrid:dp:2,tp:2", "spatial-hybrid:2x2"];
+    let mut proved = 0;
+    for case in &cases {
+        let g = golden_training(case);
+        for s in strategies {
+            for devices in [2, 4].into_iter().filter(|&n| n == 4 || !s.contains(':')) {
+                let Ok(r) = shardc::exec::named_result(&g, &cluster, devices, s, &Options::default()) else { continue };
+                let p = shardc::exec::training_program(&g, &r, devices, 0)
+                    .unwrap_or_else(|e| panic!("{case} {s} on {devices}: {e}"));
+                verify(&g, &p).unwrap_or_else(|e| panic!("{case} {s} on {devices}: {e}"));
+                proved += 1;
+            }
+        }
+    }
+    assert!(proved >= 50, "only {proved} plans applied");
+}
