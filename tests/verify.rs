@@ -523,3 +523,22 @@ fn every_named_strategy_of_every_golden_training_case_verifies() {
     }
     assert!(proved >= 50, "only {proved} plans applied");
 }
+
+/// A batch normalization with running statistics (inference mode) whose scale and bias
+/// train, as ONNX-zoo exports freeze them: split along the batch, its scale's and bias's
+/// gradients are partial sums the program all-reduces.
+#[test]
+fn an_inference_mode_batch_normalization_trained_on_a_split_batch_verifies() {
+    let text = "<ir_version: 8, opset_import: [\"\" : 17]>\n\
+         g (float[4,3,4,4] x) => (float[4,3,4,4] y)\n\
+         <float[3] s = {1.0, 0.5, 2.0}, float[3] b = {0.1, 0.2, 0.3}, float[3] m = {0.0, 0.1, -0.1}, \
+          float[3] v = {1.0, 2.0, 0.5}>\n\
+         { y = BatchNormalization <epsilon: float = 0.00001> (x, s, b, m, v) }";
+    let g = training_graph(text);
+    let grads = g.op_nodes().unwrap().into_iter().filter(|&n| g.node(n).op.op_type() == "BatchNormGrad").count();
+    assert_eq!(grads, 1, "one BatchNormGrad");
+    for devices in [2, 4] {
+        let p = program(&g, "data", devices, &Options::default());
+        verify(&g, &p).unwrap_or_else(|e| panic!("data on {devices}: {e}"));
+    }
+}

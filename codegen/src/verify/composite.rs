@@ -303,7 +303,7 @@ pub fn batch_norm(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
         }
     }
     if !training {
-        return whole_or_rows(cx, n, ins, x);
+        return if grad { inference_grad(cx, n, &facts) } else { whole_or_rows(cx, n, ins, x) };
     }
     let stat: Vec<usize> = (0..shape.len()).filter(|&d| d != 1).collect();
     if stat.iter().any(|&d| x.region[d] != (0, shape[d])) {
@@ -350,6 +350,33 @@ pub fn batch_norm(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
 }
 
 /// Inference-mode batch normalization: each output element from its channel's parameters.
+/// BatchNormGrad with the running statistics (inference mode, a frozen normalization whose
+/// scale and bias train): dX row by row; dScale and dBias per channel, summed over the other
+/// dims, partial where the device holds some of them.
+fn inference_grad(cx: &mut Cx<'_>, n: NodeId, facts: &[&Fact]) -> Out {
+    let (x, dy) = (facts[0], facts[4]);
+    if dy.region != x.region {
+        return wrong(format!("BatchNormGrad's X holds {:?}, dY {:?}", x.region, dy.region));
+    }
+    let key = op_key(&cx.g.node(n).op);
+    let ins_t: Vec<TermId> = facts.iter().map(|f| f.term).collect();
+    let shape = cx.terms.shape(x.term).to_vec();
+    let dx = cx.terms.op(&key, 0, &ins_t, &shape);
+    let mut out = vec![Some(Fact::exact(dx, x.region.clone()))];
+    let stat: Vec<usize> = (0..shape.len()).filter(|&d| d != 1).collect();
+    let space: Vec<i64> = stat.iter().map(|&d| shape[d]).collect();
+    let held: Region = stat.iter().map(|&d| x.region[d]).collect();
+    for slot in 1..cx.g.node(n).num_outputs().min(3) as u16 {
+        let t = cx.terms.op(&key, slot, &ins_t, &[shape[1]]);
+        let mut f = Fact::exact(t, vec![x.region[1]]);
+        if held != whole(&space) {
+            f.shares.push(Share { site: t, space: space.clone(), held: vec![held.clone()], max: false });
+        }
+        out.push(Some(f));
+    }
+    Ok(out)
+}
+
 fn whole_or_rows(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>], x: &Fact) -> Out {
     let key = op_key(&cx.g.node(n).op);
     let terms: Vec<TermId> = ins.iter().flatten().map(|f| f.term).collect();
