@@ -542,3 +542,35 @@ fn an_inference_mode_batch_normalization_trained_on_a_split_batch_verifies() {
         verify(&g, &p).unwrap_or_else(|e| panic!("data on {devices}: {e}"));
     }
 }
+/// A data-parallel device's cross-entropy gradient as the mean over its own rows instead of
+/// the sum over them divided by the whole batch's count (every device's gradient times the
+/// data-parallel degree): with and without ignored labels.
+#[test]
+fn a_loss_averaged_over_a_devices_rows_only_is_caught() {
+    let local_mean = |_: usize, g: &mut Graph| {
+        let n = node_of(g, "loss__d1__sum");
+        let Op::SoftmaxCrossEntropyLossGrad(mut l) = g.node(n).op.clone() else { panic!("not the loss gradient") };
+        l.reduction = Some("mean".into());
+        g.set_op(n, Op::SoftmaxCrossEntropyLossGrad(l));
+        let div = node_of(g, "loss__d1");
+        g.set_op(div, Op::Identity(Default::default()));
+        g.set_inputs(div, vec![Some(Value::new(n, 0))]);
+    };
+    let g = golden_training("mlp_xent");
+    let (g, p) = seeded_on(g, ("data", 2, false, 0), local_mean);
+    refuted("local mean over labels not ignored", (g, p), "a mean over the labels not ignored, on part of them");
+    let text = "<ir_version: 8, opset_import: [\"\" : 17]>\n\
+         g (float[4,8] x, int64[4] labels) => (float loss)\n\
+         <float[8,5] w = {0.1,-0.2,0.3,0.0,0.5,-0.1,0.2,0.4,0.3,-0.3,0.1,0.2,0.0,0.1,-0.4,0.2,0.5,0.1,-0.2,0.3, \
+          0.1,0.0,0.2,-0.1,0.4,0.3,-0.2,0.1,0.2,0.0,0.1,0.1,-0.3,0.2,0.4,0.0,0.2,-0.1,0.1,0.3}>\n\
+         { s = MatMul (x, w)\n loss = SoftmaxCrossEntropyLoss <reduction: string = \"mean\"> (s, labels) }";
+    let mut model = shardc::frontend::parse(text).expect("parses").model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Verify).add(shardc::passes::InferShapes::default());
+    pm.run(&mut model).expect("shapes");
+    let g = training_model(&model, &LossSpec::Model, &OptimizerSpec::adam(1e-3)).expect("training graph").0.graph;
+    let p = program(&g, "data", 2, &Options::default());
+    verify(&g, &p).unwrap_or_else(|e| panic!("the unmutated program: {e}"));
+    let (g, p) = seeded_on(g, ("data", 2, false, 0), local_mean);
+    refuted("local mean over all labels", (g, p), "SoftmaxCrossEntropyLossGrad");
+}

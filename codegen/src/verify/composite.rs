@@ -11,7 +11,7 @@ use ir::op::{self as o, Op};
 use ir::{DType, NodeId, Value};
 
 use super::rules::{Cx, Why, op_key, out_dims_of, pointwise_term, reduce_term, whole_rule};
-use super::term::{Fact, Region, Share, TermId, whole};
+use super::term::{Fact, Region, Share, TermId, extents, whole};
 
 type Out = Result<Vec<Option<Fact>>, Why>;
 
@@ -187,9 +187,18 @@ pub fn loss(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
     let out_shape = if grad { ss.clone() } else { Vec::new() };
     let t_sum = cx.terms.op(&key, 0, &ins_t, &out_shape);
     let mut term = t_sum;
+    let part = labels.region != whole(&ls);
     if reduction == "mean" {
         term = match ignore {
-            None => cx.terms.scaled(t_sum, 1.0 / ls.iter().product::<i64>() as f64),
+            // The op divides by the count of the labels it holds: on a part, a mean of the
+            // part, the whole's mean times (all / held), as ReduceMean.
+            None => cx.terms.scaled(t_sum, 1.0 / extents(&labels.region).iter().product::<i64>() as f64),
+            Some(_) if part => {
+                return wrong(
+                    "a mean over the labels not ignored, on part of them: its count is the part's, \
+                     no share of the whole's (a mean of means)",
+                );
+            }
             Some(ix) => {
                 let ld = node.input(off + 1).and_then(|v| cx.g.tensor_type(v)).map_or(DType::Int64, |t| t.dtype);
                 let fd = cx.g.tensor_type(Value::new(n, 0)).map_or(DType::Float, |t| t.dtype);
@@ -203,7 +212,7 @@ pub fn loss(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
         out.push(Some(Fact::exact(term, scores.region.clone())));
     } else {
         let mut f = Fact::exact(term, Vec::new());
-        if labels.region != whole(&ls) {
+        if part {
             f.shares.push(Share { site: t_sum, space: ls.clone(), held: vec![labels.region.clone()], max: false });
         }
         out.push(Some(f));
