@@ -377,9 +377,11 @@ pub fn run_steps_with(
     on_step: codegen::StepHook,
     distributed: Option<codegen::Distributed>,
 ) -> Result<TrainRun, String> {
+    let micro_weights = micro_weights(program, info, inputs)?;
     let run_opts = codegen::RunOptions {
         on_step,
         distributed,
+        micro_weights,
         backend,
         steps: steps + 1,
         carry: info.state.iter().map(|(s, n)| (s.clone(), n.clone())).collect(),
@@ -406,6 +408,35 @@ pub fn run_steps_with(
         info.trainable.iter().filter_map(|p| state.remove(p).map(|a| (p.clone(), a))).collect();
     let state: BTreeMap<String, Array> = state.into_iter().filter(|(n, _)| info.state.contains_key(n)).collect();
     Ok(TrainRun { losses, gradients, parameters, state, report })
+}
+
+/// Under gradient accumulation, each micro-batch's weight in the step's mean, where the loss
+/// is a mean over labels the micro-batches count differently (ignored labels, class weights;
+/// [`passes::counted`]): its count over the batch's. `None` where they weigh the same. A loss
+/// that adds such a mean to other terms cannot be weighed so: refused when the counts differ.
+pub fn micro_weights(
+    program: &codegen::Program,
+    info: &TrainInfo,
+    inputs: &HashMap<String, Array>,
+) -> Result<Option<Vec<f64>>, String> {
+    let m = program.micro_batches.max(1);
+    let Some(counted) = info.counted.as_ref().filter(|_| m > 1) else { return Ok(None) };
+    let axis = program.inputs.iter().find(|gi| gi.name == counted.input).and_then(|gi| gi.batch_axis);
+    let (Some(axis), Some(labels)) = (axis, inputs.get(&counted.input)) else { return Ok(None) };
+    let counts = counted.counts(labels, axis, m)?;
+    let total: f64 = counts.iter().sum();
+    if total == 0.0 || counts.iter().all(|&c| c == counts[0]) {
+        return Ok(None);
+    }
+    if !counted.alone {
+        return Err(format!(
+            "the {m} micro-batches count {counts:?} of the labels in `{}` (not ignored, or by class \
+             weight), and the loss `{}` adds its mean over them to other terms: accumulating the \
+             micro-batches would not compute the whole batch's step; run one micro-batch",
+            counted.input, info.loss
+        ));
+    }
+    Ok(Some(counts.into_iter().map(|c| c / total).collect()))
 }
 
 /// The same steps on the reference trainer (CPU, one device, float64 evaluation of the

@@ -460,6 +460,86 @@ fn micro_batch_accumulation_equals_the_whole_batch_step() {
     assert!(refused >= 1, "no model with per-micro-batch state was refused");
 }
 
+/// A loss averaged over the labels that are not ignored, with the ignored ones crowded into
+/// the first micro-batches (the first has one label kept): each micro-batch's mean divides by
+/// its own count, and the accumulation weighs the micro-batches by their counts, so the step
+/// still equals the whole batch's on one device. A loss that adds such a mean to another term
+/// cannot be weighed so and is refused.
+#[test]
+fn accumulation_weighs_micro_batches_by_the_labels_they_count() {
+    let mut ran = 0;
+    for path in golden_train_cases() {
+        let (mut c, _, loaded, opt) = with_single(&path);
+        let Some(counted) = c.info.counted.clone().filter(|k| k.ignore_index.is_some()) else { continue };
+        let Some(labels) = c.inputs.get_mut(&counted.input) else { continue };
+        let ix = counted.ignore_index.unwrap_or(-100);
+        let n = labels.shape.iter().product::<usize>();
+        let vals: Vec<i64> = labels
+            .to_f64()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| if i > 0 && i < n / 2 { ix } else { x as i64 })
+            .collect();
+        *labels = Array::int(labels.dtype, labels.shape.clone(), vals);
+        let single = run(&c, &program(&c, "data", 1).expect("one device"));
+        for m in [2, 4] {
+            let Ok(micro) = shardc::train::micro_training_model(&loaded, &LossSpec::Model, &opt, m) else { continue };
+            let mc = Case {
+                graph: micro.graph,
+                inputs: HashMap::new(),
+                forward: c.forward.clone(),
+                name: c.name.clone(),
+                info: c.info.clone(),
+            };
+            for (s, devices) in [("data", 1), ("data", 2), ("megatron", 2)] {
+                let Some(p) = program(&mc, s, devices) else { continue };
+                let p = shardc::exec::as_micro_batches(p, &c.graph, m).expect("micro-batches");
+                let got = run_steps(&p, &c.info, &c.inputs, Backend::Cpu, STEPS)
+                    .unwrap_or_else(|e| panic!("{} {s} ×{devices}, {m} micro: {e}", c.name));
+                let (r, at) = compare(&got, &single, (1e-4, 1e-5));
+                assert!(r <= 1.0, "{} {s} ×{devices}, {m} micro-batches: {r:.2}× the tolerance at {at}", c.name);
+                ran += 1;
+            }
+        }
+    }
+    assert!(ran >= 12, "only {ran} accumulated runs with ignored labels");
+    // Cross-entropy over labels that may be ignored, plus a penalty on the scores.
+    let text = "<ir_version: 8, opset_import: [\"\" : 17]>\n\
+         g (float[4,3] x, int64[4] y) => (float loss)\n\
+         <float[3,5] w = {0.1,-0.2,0.3,0.0,0.5,-0.1,0.2,0.4,0.3,-0.3,0.1,0.2,0.0,0.1,-0.4}, float k = {0.1}>\n\
+         { s = MatMul (x, w)\n ce = SoftmaxCrossEntropyLoss <ignore_index: int = -100> (s, y)\n \
+           sq = Mul (s, s)\n pen = ReduceMean <keepdims: int = 0> (sq)\n kp = Mul (pen, k)\n loss = Add (ce, kp) }";
+    let model = shardc::frontend::parse(text).expect("parses").model;
+    let sgd = OptimizerSpec::Sgd { lr: 0.1, momentum: 0.0, dampening: 0.0, nesterov: false, weight_decay: 0.0 };
+    let (tm, info) = training_model(&model, &LossSpec::Model, &sgd).expect("training graph");
+    let counted = info.counted.clone().expect("a mean over counted labels");
+    assert!(!counted.alone, "the loss adds a penalty to the mean: {counted:?}");
+    let micro = shardc::train::micro_training_model(&model, &LossSpec::Model, &sgd, 2).expect("micro-batches");
+    let mc = Case {
+        name: "penalty".into(),
+        forward: model.graph.clone(),
+        graph: micro.graph,
+        info: info.clone(),
+        inputs: HashMap::new(),
+    };
+    let p = shardc::exec::as_micro_batches(program(&mc, "data", 1).expect("program"), &tm.graph, 2).expect("micro");
+    let x = Array::float(shardc::ir::DType::Float, vec![4, 3], (0..12).map(|i| i as f64 * 0.1).collect());
+    let inputs: HashMap<String, Array> = [
+        ("x".to_string(), x.clone()),
+        ("y".to_string(), Array::int(shardc::ir::DType::Int64, vec![4], vec![1, -100, 2, 3])),
+    ]
+    .into();
+    let e = run_steps(&p, &info, &inputs, Backend::Cpu, 1).map(|_| ()).expect_err("uneven counts with a penalty");
+    assert!(e.contains("would not compute the whole batch's step"), "{e}");
+    let even: HashMap<String, Array> = [
+        ("x".to_string(), x),
+        ("y".to_string(), Array::int(shardc::ir::DType::Int64, vec![4], vec![1, -100, 2, -100])),
+    ]
+    .into();
+    run_steps(&p, &info, &even, Backend::Cpu, 1).expect("even counts accumulate as they are");
+}
+
 /// Pipelines train with a real backward pass: the forward model's pipelined plan (the
 /// search's, with 2 and 4 stages on 2 and 4 devices, and 2 stages of 2 devices each) runs
 /// every backward op in its forward op's stage, the gradient flowing back stage by stage,

@@ -189,6 +189,9 @@ pub struct TrainInfo {
     pub state: BTreeMap<String, String>,
     /// Inputs added for the loss's labels or target.
     pub labels: Vec<String>,
+    /// Where the loss is a mean over a count of labels (ignored labels, class weights): what
+    /// it counts ([`crate::counted`]); gradient accumulation weighs micro-batches by it.
+    pub counted: Option<crate::counted::CountedLabels>,
 }
 
 impl TrainInfo {
@@ -203,6 +206,7 @@ impl TrainInfo {
         for (next, s) in ir::train::carried_state(g) {
             info.state.insert(g.value_name(s).to_string(), g.value_name(next).to_string());
         }
+        info.counted = crate::counted::CountedLabels::of(g, g.outputs().first()?.value);
         (!info.state.is_empty()).then_some(info)
     }
 }
@@ -280,7 +284,8 @@ pub fn autodiff(g: &mut Graph, loss: &LossSpec, opt: &OptimizerSpec) -> Result<T
     let mut labels = Vec::new();
     let (loss_v, candidates, grads) = gradients(g, loss, &mut labels)?;
     // Trainable: the candidates that received a gradient.
-    let mut info = TrainInfo { loss: g.value_name(loss_v).to_string(), labels, ..Default::default() };
+    let counted = crate::counted::CountedLabels::of(g, loss_v);
+    let mut info = TrainInfo { loss: g.value_name(loss_v).to_string(), labels, counted, ..Default::default() };
     let mut outputs = vec![GraphOutput { value: loss_v, ty: g.value_type(loss_v).cloned() }];
     let step = g.add_initializer(STEP, Array::i64(vec![], vec![0]).to_tensor());
     let one = g.add_initializer(format!("{STEP}__one"), Array::i64(vec![], vec![1]).to_tensor());

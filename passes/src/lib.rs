@@ -14,6 +14,7 @@ pub mod autodiff;
 pub mod autoshard;
 pub mod canonicalize;
 pub mod cost;
+pub mod counted;
 pub mod infer_shapes;
 pub mod manager;
 pub mod rebatch;

@@ -9,11 +9,13 @@ pub(super) struct Accumulated<T> {
     pub(super) boundary: HashMap<Value, T>,
     pub(super) per_micro: Vec<(String, Vec<Array>)>,
     pub(super) sums: Summer<T>,
+    /// Per micro-batch, its weight in the step's mean ([`RunOptions::micro_weights`]).
+    pub(super) weights: Option<Vec<f64>>,
 }
 
 impl<T> Default for Accumulated<T> {
     fn default() -> Self {
-        Accumulated { boundary: HashMap::new(), per_micro: Vec::new(), sums: Summer::default() }
+        Accumulated { boundary: HashMap::new(), per_micro: Vec::new(), sums: Summer::default(), weights: None }
     }
 }
 
@@ -24,8 +26,10 @@ impl<T: Clone> Accumulated<T> {
         self.per_micro.clear();
     }
 
-    /// A finished micro-batch's boundary values added to the sums (or kept, for the others),
-    /// and the results wanted per micro-batch downloaded.
+    /// Micro-batch `k`'s boundary values added to the sums (or kept, for the others), and the
+    /// results wanted per micro-batch downloaded. With weights, an averaged value is scaled
+    /// by its micro-batch's weight times their number before it is added (the step divides
+    /// the sum by their number).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn take_micro<E: Executor<Tensor = T>>(
         &mut self,
@@ -36,10 +40,24 @@ impl<T: Clone> Accumulated<T> {
         live: &mut Live,
         d: &DeviceProgram,
         wanted: &dyn Fn(&crate::program::Result_) -> bool,
+        k: usize,
     ) -> Result<(), String> {
         let g = cx.g;
+        let scale = self.weights.as_ref().map_or(1.0, |w| w.get(k).copied().unwrap_or(0.0) * w.len() as f64);
         for &v in &a.boundary {
             let t = env.get(&v).ok_or_else(|| format!("`{}` was not computed", g.value_name(v)))?;
+            if scale == 0.0 && a.averaged.contains(&v) {
+                // A micro-batch that counts nothing (every label ignored: its mean is 0/0)
+                // adds nothing.
+                continue;
+            }
+            let scaled;
+            let t = if scale != 1.0 && a.averaged.contains(&v) {
+                scaled = self.sums.scale(cx.e, g, v, t, scale)?;
+                &scaled
+            } else {
+                t
+            };
             let t = match self.boundary.remove(&v) {
                 Some(mut sum) if a.averaged.contains(&v) => {
                     if cx.e.add_in_place(&mut sum, t) {
@@ -115,7 +133,8 @@ impl<T: Clone> Accumulated<T> {
         for r in d.results.iter().filter(|r| wanted(r)) {
             if let Some((_, xs)) = self.per_micro.iter().find(|s| s.0 == r.local) {
                 let fed = g.lookup(&r.local).is_some_and(|v| a.fed.contains(&v));
-                outs.push((r.local.clone(), if fed { mean(xs)? } else { xs[xs.len() - 1].clone() }));
+                let x = if fed { mean(xs, self.weights.as_deref())? } else { xs[xs.len() - 1].clone() };
+                outs.push((r.local.clone(), x));
             } else {
                 let t = result(g, &r.local, &env, fixed)?;
                 outs.push((r.local.clone(), cx.e.download(t)?));
@@ -132,23 +151,28 @@ impl<T: Clone> Accumulated<T> {
     }
 }
 
-/// The element-wise mean of equally shaped float arrays (a result over the micro-batches).
-pub(super) fn mean(xs: &[Array]) -> Result<Array, String> {
+/// The element-wise mean of equally shaped float arrays (a result over the micro-batches),
+/// weighted by `weights` (one per array, summing to 1) where given.
+pub(super) fn mean(xs: &[Array], weights: Option<&[f64]>) -> Result<Array, String> {
     let first = xs.first().ok_or("no micro-batches")?;
     if !first.dtype.is_float() {
         return Err(format!("cannot average {:?} results over micro-batches", first.dtype));
     }
     let mut sum = vec![0.0; first.shape.iter().product::<usize>()];
-    for x in xs {
+    let m = xs.len() as f64;
+    for (k, x) in xs.iter().enumerate() {
         if x.shape != first.shape {
             return Err(format!("micro-batch results of shapes {:?} and {:?}", first.shape, x.shape));
         }
+        let w = weights.map_or(1.0 / m, |w| w.get(k).copied().unwrap_or(0.0));
+        if w == 0.0 {
+            continue;
+        }
         for (s, v) in sum.iter_mut().zip(x.to_f64().map_err(|e| e.to_string())?) {
-            *s += v;
+            *s += w * v;
         }
     }
-    let m = xs.len() as f64;
-    Ok(Array::float(first.dtype, first.shape.clone(), sum.into_iter().map(|s| s / m).collect()))
+    Ok(Array::float(first.dtype, first.shape.clone(), sum))
 }
 
 /// Whether a run accumulates gradients ([`crate::cut::accumulates`]; it trains when it

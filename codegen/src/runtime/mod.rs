@@ -305,6 +305,11 @@ pub struct RunOptions {
     /// Chains of element-wise ops run as one kernel where the executor can ([`fuse`]); by
     /// default unless `SHARDC_NO_FUSION` is set.
     pub fusion: bool,
+    /// Under gradient accumulation, per micro-batch its weight in the step's mean (summing to
+    /// 1): a loss averaged over the labels each micro-batch counts (ignored labels, class
+    /// weights) is the whole batch's when each micro-batch's mean weighs by its count
+    /// (`passes::counted`). `None`: every micro-batch weighs the same.
+    pub micro_weights: Option<Vec<f64>>,
 }
 
 /// One process's part of a program spread over processes (one device each): its device and
@@ -370,6 +375,7 @@ impl Default for RunOptions {
             on_step: StepHook::default(),
             fusion: std::env::var_os("SHARDC_NO_FUSION").is_none(),
             distributed: None,
+            micro_weights: None,
         }
     }
 }
@@ -746,7 +752,9 @@ fn cross_chunk_reads(g: &ir::Graph, order: &[ir::NodeId], cut: &Cut) -> std::col
 /// micro-batches, summed on the device; values that do not (the step counter) are the last
 /// micro-batch's. The step's float scalar results (the loss) are the mean over the
 /// micro-batches. The mean is the full batch's gradient when the loss is a mean over the
-/// samples and every micro-batch counts the same number of them.
+/// samples and every micro-batch counts the same number of them; where they count different
+/// numbers of labels (ignored labels, class weights) the mean weighs each by its count
+/// ([`RunOptions::micro_weights`]), and a micro-batch that counts none adds nothing.
 fn drive<E: Executor>(
     e: &mut E,
     d: &DeviceProgram,
@@ -791,7 +799,7 @@ fn drive<E: Executor>(
     // Parameters and constants are uploaded once.
     let mut live = Live { by_storage: HashMap::new(), bytes: 0, peak: 0, base: u64::MAX, act_peak: 0 };
     let mut fixed = upload_fixed(e, g, &order, &mut live).map_err(err)?;
-    let mut accd = Accumulated::default();
+    let mut accd = Accumulated { weights: opts.micro_weights.clone(), ..Default::default() };
     let setup_s = start.elapsed().as_secs_f64();
     let mut outs_steps = Vec::with_capacity(steps);
     let mut step_start = Instant::now();
@@ -899,7 +907,7 @@ fn drive<E: Executor>(
                         next_state.push((*iv, t));
                     }
                 }
-                Some(a) => accd.take_micro(&mut cx, a, &env, &fixed, &mut live, d, &wanted).map_err(err)?,
+                Some(a) => accd.take_micro(&mut cx, a, &env, &fixed, &mut live, d, &wanted, k).map_err(err)?,
             }
             outs_micro.push(outs);
             for (_, t) in env.drain() {
