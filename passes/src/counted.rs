@@ -101,3 +101,40 @@ fn reshaped_from(g: &Graph, mut v: Value) -> Value {
     }
     v
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn labels(shape: Vec<usize>, v: Vec<i64>) -> Array {
+        Array::int(ir::DType::Int64, shape, v)
+    }
+
+    #[test]
+    fn counts_per_block_skip_ignored_labels_and_weigh_classes() {
+        let c = CountedLabels { input: "y".into(), ignore_index: Some(-1), class_weights: None, alone: true };
+        // [4, 2] split along dim 0 into 2 blocks of 2 rows, and along dim 1 into 2 columns.
+        let y = labels(vec![4, 2], vec![0, -1, -1, -1, 1, 1, 2, -1]);
+        assert_eq!(c.counts(&y, 0, 2).unwrap(), vec![1.0, 3.0]);
+        assert_eq!(c.counts(&y, 1, 2).unwrap(), vec![3.0, 1.0]);
+        assert_eq!(c.counts(&y, 0, 4).unwrap(), vec![1.0, 0.0, 2.0, 1.0]);
+        let w = CountedLabels { class_weights: Some(vec![0.5, 2.0, 1.0]), ..c.clone() };
+        assert_eq!(w.counts(&y, 0, 2).unwrap(), vec![0.5, 5.0]);
+        assert!(c.counts(&y, 0, 3).is_err(), "4 rows do not split into 3");
+        let bad = labels(vec![2], vec![7, 0]);
+        assert!(w.counts(&bad, 0, 2).is_err(), "label 7 has no class weight");
+    }
+
+    #[test]
+    fn a_mean_over_labels_not_ignored_is_found_through_reshapes() {
+        let text = "<ir_version: 8, opset_import: [\"\" : 17]>\n\
+             g (float[2,3,4] s, int64[2,3] y) => (float loss)\n\
+             <int64[1] flat = {-1}, int64[2] rows = {-1, 4}>\n\
+             { r = Reshape (s, rows)\n t = Reshape (y, flat)\n \
+               l = SoftmaxCrossEntropyLoss <ignore_index: int = -100> (r, t)\n loss = Identity (l) }";
+        let g = frontend::parse(text).expect("parses").model.graph;
+        let loss = g.outputs()[0].value;
+        let c = CountedLabels::of(&g, loss).expect("counted");
+        assert_eq!((c.input.as_str(), c.ignore_index, c.alone), ("y", Some(-100), true));
+    }
+}
