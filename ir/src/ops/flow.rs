@@ -403,6 +403,19 @@ pub struct Flow {
 /// the graph inputs that share the first input's dim 0; it is followed through every op's
 /// flow rule (merged dims such as `batch × sequence` carry it too). Shapes must be inferred.
 pub fn batch_dims(g: &Graph) -> HashMap<Value, Vec<bool>> {
+    dims_following(g, 0)
+}
+
+/// Per value (with a static shape), per dim: does it carry the sequence — dim 1 of the graph
+/// inputs that share the first input of rank ≥ 2's extent there (tokens `[batch, seq]`,
+/// embeddings `[batch, seq, hidden]`), followed as [`batch_dims`] follows the batch.
+pub fn sequence_dims(g: &Graph) -> HashMap<Value, Vec<bool>> {
+    dims_following(g, 1)
+}
+
+/// Per value, per dim: does it carry dim `axis` of the graph inputs that share the first
+/// (of rank > `axis`) input's extent there.
+fn dims_following(g: &Graph, axis: usize) -> HashMap<Value, Vec<bool>> {
     let mut old: HashMap<Value, Vec<i64>> = HashMap::new();
     for n in g.node_ids() {
         for s in 0..g.node(n).num_outputs() {
@@ -417,7 +430,7 @@ pub fn batch_dims(g: &Graph) -> HashMap<Value, Vec<bool>> {
         .into_iter()
         .filter(|v| matches!(g.node(v.node).op, crate::op::Op::Input { default: None }))
         .collect();
-    let Some(b) = inputs.iter().find_map(|v| old.get(v).and_then(|d| d.first().copied())) else {
+    let Some(b) = inputs.iter().find_map(|v| old.get(v).and_then(|d| d.get(axis).copied())) else {
         return old.into_iter().map(|(v, d)| (v, vec![false; d.len()])).collect();
     };
     let syms = [(b, 2 * b.max(1))];
@@ -426,11 +439,11 @@ pub fn batch_dims(g: &Graph) -> HashMap<Value, Vec<bool>> {
     let mut seeds: HashMap<Value, Vec<Mono>> = HashMap::new();
     for &v in &inputs {
         if let Some(d) = old.get(&v)
-            && d.first() == Some(&b)
+            && d.get(axis) == Some(&b)
             && !super::recurrent::feeds_recurrent_state(g, v)
         {
             let mut m: Vec<Mono> = d.iter().map(|&x| Mono::constant(x)).collect();
-            m[0] = Mono::sym(0);
+            m[axis] = Mono::sym(0);
             seeds.insert(v, m);
         }
     }
