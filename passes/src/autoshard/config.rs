@@ -11,9 +11,9 @@
 //! data-parallel replica (no gradient accumulation); `sp` off; `recompute` none; `zero` 0;
 //! `schedule` 1f1b; `flash` off (attention as the model writes it). The
 //! product of the degrees must be the devices used. A configuration resolves to a named
-//! strategy ([`Named`]: `data`, `megatron`, `hybrid:dp:D,tp:T`, `pipeline:S:M[:interleaved:V][:tp:T]`) and the
-//! cost-model options it sets; what the cost model cannot price yet (`cp`, `ep`) is refused
-//! with the reason. `pp` with `tp` is a pipeline of Megatron (or data × Megatron) stages;
+//! strategy ([`Named`]: `data`, `megatron`, `hybrid:dp:D,tp:T`, `pipeline:S:M[:interleaved:V][:tp:T]`,
+//! `context` for `cp` alone) and the cost-model options it sets; what the cost model cannot
+//! price yet (`ep`, `cp` with other degrees) is refused with the reason. `pp` with `tp` is a pipeline of Megatron (or data × Megatron) stages;
 //! `vp` > 1 the interleaved schedule.
 
 use super::named::Named;
@@ -177,13 +177,14 @@ impl Config {
     /// (pipelines: micro-batches = batch / (dp × mbs)), and the options it sets on `opts`.
     pub fn resolve(&self, devices: usize, batch: Option<i64>, opts: &Options) -> Result<(Named, Options), String> {
         let dp = self.data_degree(devices)?;
-        for (k, d) in [("cp", self.cp), ("ep", self.ep)] {
-            if d > 1 {
-                return Err(format!(
-                    "{k}={d}: the cost model does not price {} yet",
-                    if k == "cp" { "context parallelism" } else { "expert parallelism" }
-                ));
-            }
+        if self.ep > 1 {
+            return Err(format!("ep={}: the cost model does not price expert parallelism yet", self.ep));
+        }
+        if self.cp > 1 && (dp, self.tp, self.pp) != (1, 1, 1) {
+            return Err(format!(
+                "cp={}: context parallelism (Ulysses) runs alone for now: give dp=1, tp=1, pp=1 (got dp={dp}, tp={}, pp={})",
+                self.cp, self.tp, self.pp
+            ));
         }
         let schedule = self.schedule()?;
         if self.sp && self.tp == 1 {
@@ -208,6 +209,7 @@ impl Config {
             o.accumulation = b / (dp * mbs);
         }
         let named = match (self.pp, self.tp, dp) {
+            _ if self.cp > 1 => Named::Context,
             (1, 1, _) => Named::Data,
             (1, t, 1) if t > 1 => Named::Megatron,
             (1, tp, dp) => Named::Hybrid { dp, tp },

@@ -17,6 +17,7 @@
 
 pub mod budget;
 pub mod config;
+pub mod context;
 pub mod explain;
 pub mod export;
 pub mod extract;

@@ -19,6 +19,9 @@
 //!   second (Dryden et al.'s sample × spatial).
 //! - `owt`: convolutions data parallel, fully connected layers model parallel (Krizhevsky's
 //!   "one weird trick").
+//! - `context` (alias `ulysses`): DeepSpeed-Ulysses context parallelism over all devices —
+//!   every op splits the sequence, attention its heads, all-to-alls between
+//!   ([`super::context`]).
 //! - `pipeline:S:M[:gpipe|:1f1b]`: S balanced stages, M micro-batches (see `pipeline`).
 
 use ir::shard::{AxisShard, DimKind, DimRole, LinkLevel, Mesh, MeshAxis, strategy_shardings, strategy_valid};
@@ -49,6 +52,8 @@ pub enum Named {
     SpatialHybrid(usize, usize),
     /// Data-parallel convolutions, model-parallel fully connected layers.
     Owt,
+    /// Ulysses context parallelism: the sequence split, attention by heads.
+    Context,
     /// Pipeline: stages of equal device groups, each sharded data-parallel, or Megatron-style
     /// over `tensor` of its devices (the rest data-parallel).
     Pipeline {
@@ -77,6 +82,7 @@ impl Named {
             ["model"] => Named::Model,
             ["spatial"] => Named::Spatial,
             ["owt"] => Named::Owt,
+            ["context"] | ["ulysses"] => Named::Context,
             ["megatron"] | ["tensor"] => Named::Megatron,
             ["spatial-hybrid", ds] => {
                 let (d, sp) = ds
@@ -115,7 +121,7 @@ impl Named {
             ["pipeline", st, m, rest @ ..] => Named::parse_pipeline(s, st, m, rest)?,
             _ => {
                 return Err(format!(
-                    "unknown strategy `{s}`; strategies are data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, pipeline:S:M[:gpipe|:1f1b|:interleaved:V][:tp:T]; or a configuration such as tp=8,pp=8,vp=3"
+                    "unknown strategy `{s}`; strategies are data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context (ulysses), pipeline:S:M[:gpipe|:1f1b|:interleaved:V][:tp:T]; or a configuration such as tp=8,pp=8,vp=3"
                 ));
             }
         })
@@ -175,6 +181,7 @@ impl Named {
             Named::Hybrid { dp, tp } => format!("hybrid:dp:{dp},tp:{tp}"),
             Named::SpatialHybrid(d, s) => format!("spatial-hybrid:{d}x{s}"),
             Named::Owt => "owt".into(),
+            Named::Context => "context".into(),
             Named::Pipeline { stages, micro, schedule, tensor: 1 } => {
                 format!("pipeline:{stages}:{micro}:{}", schedule.name())
             }
@@ -334,6 +341,7 @@ fn applies(cm: &CostModel<'_>, named: &Named) -> Result<(), String> {
         Named::Spatial => "spatial",
         Named::SpatialHybrid(..) => "spatial-hybrid",
         Named::Owt => "owt",
+        Named::Context => "context",
         Named::Pipeline { .. } => return Err("pipeline strategies are priced by the pipeline model".into()),
     };
     if matches!(named, Named::Hybrid { .. } | Named::SpatialHybrid(..)) && cm.mesh.axes.len() < 2 {
@@ -373,8 +381,30 @@ fn applies(cm: &CostModel<'_>, named: &Named) -> Result<(), String> {
         Named::Owt if !weighted.iter().any(|&n| is_fc(n)) || !weighted.iter().any(|&n| !is_fc(n)) => {
             Err("owt: needs both convolutions (data parallel) and fully connected layers (model parallel)".into())
         }
+        Named::Context => context_applies(cm),
         _ => Ok(()),
     }
+}
+
+/// Context parallelism needs a sequence the devices divide and attention ops whose heads they
+/// divide (fused `Attention`, 4-D: `passes::FuseAttention` makes them from exported
+/// attention).
+fn context_applies(cm: &CostModel<'_>) -> Result<(), String> {
+    let ways = cm.mesh.devices() as i64;
+    let seq = super::context::sequence_len(cm).ok_or("context: the model has no input with a sequence dim")?;
+    if seq % ways != 0 {
+        return Err(format!("context: the sequence ({seq}) does not divide over {ways} devices"));
+    }
+    let attention: Vec<NodeId> = cm.order().iter().copied().filter(|&n| super::context::is_attention(cm, n)).collect();
+    if attention.is_empty() {
+        return Err("context: no fused attention with heads to split (run canonicalize and fuse-attention)".into());
+    }
+    let axes: Vec<usize> = (0..cm.mesh.axes.len()).collect();
+    let flags = ir::ops::flow::sequence_dims(cm.g);
+    if let Some(&n) = attention.iter().find(|&&n| super::context::ulysses(cm, n, &flags, &axes).is_none()) {
+        return Err(format!("context: {} does not split its heads over {ways} devices", cm.g.describe(n)));
+    }
+    Ok(())
 }
 
 /// Megatron's split of op `n` over `axes`: embeddings by vocabulary rows; a weighted GEMM
@@ -417,6 +447,7 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
     let is_fc = |n: NodeId| matches!(cm.g.node(n).op, Op::Gemm(_) | Op::MatMul(_));
     let windowed =
         |n: NodeId| matches!(cm.g.node(n).op, Op::Conv(_) | Op::MaxPool(_) | Op::AveragePool(_) | Op::LpPool(_));
+    let sequence = if *named == Named::Context { ir::ops::flow::sequence_dims(cm.g) } else { Default::default() };
     for &n in &order {
         let pick = |role: DimRole, axes: &[usize]| dim_with(cm, n, role).and_then(|i| split_over_axes(cm, n, i, axes));
         let s: Option<Vec<Option<usize>>> = match named {
@@ -433,6 +464,7 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
                 }
             }
             Named::Spatial => windowed(n).then(|| spatial_split(cm, n, &all_axes)).flatten(),
+            Named::Context => super::context::ulysses(cm, n, &sequence, &all_axes),
             // Batch over axis 0, Megatron over axis 1, the rest following the input.
             Named::Hybrid { .. } => Some(data_then_megatron(cm, &asg, n, &[0], 1)),
             Named::SpatialHybrid(..) => {

@@ -64,6 +64,18 @@ pub fn role_kind(r: &ir::shard::DimRole) -> &'static str {
     }
 }
 
+/// The kind of parallelism splitting iteration dim `i` of op `n` is: its role's
+/// ([`role_kind`]), but `context` for a weighted layer's rows that are not the batch (the
+/// sequence: context parallelism splits the tokens of one sequence).
+pub fn split_kind(cm: &CostModel<'_>, n: NodeId, i: usize) -> &'static str {
+    let row = |d: &ir::shard::IterDim| d.role == ir::shard::DimRole::Other && d.kind == ir::shard::DimKind::Parallel;
+    match cm.space(n).dims.get(i) {
+        Some(d) if row(d) && crate::autoshard::named::is_weighted(cm, n) => "context",
+        Some(d) => role_kind(&d.role),
+        None => "other",
+    }
+}
+
 /// `kind`, or for a split of a dim without a role of its own (`other`) the kind of its axis in
 /// the whole plan (`whole`), when that axis has one kind: the element-wise ops between two
 /// tensor-parallel GEMMs are tensor parallel too.
@@ -89,10 +101,9 @@ pub(super) fn axis_uses_of(cm: &CostModel<'_>, asg: &Assignment, ops: &[NodeId])
         let flops = cm.node_cost(n).total_flops();
         total += flops;
         let Some(s) = asg.strategies.get(&n) else { continue };
-        let sp = cm.space(n);
         for (a, d) in s.iter().enumerate() {
             let Some(i) = d else { continue };
-            let kind = sp.dims.get(*i).map_or("other", |d| role_kind(&d.role));
+            let kind = split_kind(cm, n, *i);
             if let Some(m) = per.get_mut(a) {
                 *m.entry(kind.to_string()).or_insert(0.0) += flops;
             }
@@ -105,9 +116,14 @@ pub(super) fn axis_uses_of(cm: &CostModel<'_>, asg: &Assignment, ops: &[NodeId])
             let split: f64 = m.values().sum();
             let shares: BTreeMap<String, f64> = m.into_iter().map(|(k, v)| (k, v / total.max(1e-300))).collect();
             let top = shares.iter().max_by(|a, b| a.1.total_cmp(b.1));
+            // (Under context parallelism the attention between the layers splits heads, a
+            // dim without a role: the role-less share does not make the axis mixed.)
+            let context = shares.get("context").copied().unwrap_or(0.0);
+            let roleless = shares.get("other").copied().unwrap_or(0.0);
             let kind = match top {
                 _ if ax.size <= 1 || split <= 0.0 => "unused".to_string(),
                 Some((k, v)) if *v * total >= 0.8 * split => k.clone(),
+                _ if context > 0.0 && (context + roleless) * total >= 0.999 * split => "context".to_string(),
                 _ => "mixed".to_string(),
             };
             AxisUse { axis: ax.name.clone(), size: ax.size, kind, shares }
@@ -128,7 +144,7 @@ pub fn op_kinds(cm: &CostModel<'_>, asg: &Assignment, axes: &[AxisUse]) -> Vec<S
             if let Some(s) = asg.strategies.get(&n) {
                 for (a, d) in s.iter().enumerate() {
                     let Some(i) = d else { continue };
-                    let own = cm.space(n).dims.get(*i).map_or("other", |d| role_kind(&d.role));
+                    let own = split_kind(cm, n, *i);
                     let kind = inherit_kind(own, axes.get(a));
                     let size = cm.mesh.axes.get(a).map_or(1, |x| x.size);
                     match by.iter_mut().find(|(k, _)| *k == kind) {
