@@ -132,3 +132,16 @@ fn cost_prices_and_names_context_parallelism() {
     assert!(out.contains("parallelism  context 4"), "{out}");
     assert!(out.contains("all_to_all"), "{out}");
 }
+
+/// A long sequence's rotary positions (a `Range` of 131,072, too large to fold) have a known
+/// shape, so a Llama at that length is planned, not refused for unknown shapes.
+#[test]
+fn a_long_sequence_has_known_shapes() {
+    let mut m = shardc::frontend::parse(&Llama::reduced(1, 1, 131_072).to_text()).expect("parses").model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Verify).add(shardc::passes::InferShapes::default()).add(shardc::passes::RequireStatic);
+    pm.run(&mut m).unwrap_or_else(|e| panic!("{e}"));
+    let g = &m.graph;
+    let pos = g.lookup("rope_pos").expect("the rotary positions");
+    assert_eq!(g.tensor_type(pos).and_then(|t| t.static_dims()), Some(vec![131_072]));
+}

@@ -937,8 +937,17 @@ impl OpRules for op::Range {
     }
 
     fn infer(&self, cx: &InferCx<'_>) -> Types {
-        // The length is a function of the three values (folding computes it when known).
-        cx.needs_values(&[0, 1, 2]);
+        // The length is a function of the three values: max(⌈(limit − start) / delta⌉, 0),
+        // known from constant bounds however long the range (folding stops at large values).
+        if cx.needs_values(&[0, 1, 2]) {
+            let at = |i: usize| cx.konst(i).and_then(|a| a.to_f64().ok()).and_then(|v| v.first().copied());
+            if let (Some(start), Some(limit), Some(delta)) = (at(0), at(1), at(2))
+                && delta != 0.0
+            {
+                let n = ((limit - start) / delta).ceil().max(0.0) as i64;
+                return cx.one(Some(vec![Dim::Fixed(n)]));
+            }
+        }
         cx.one(Some(vec![Dim::Unknown]))
     }
 
