@@ -117,13 +117,14 @@ pub(super) fn axis_uses_of(cm: &CostModel<'_>, asg: &Assignment, ops: &[NodeId])
             let shares: BTreeMap<String, f64> = m.into_iter().map(|(k, v)| (k, v / total.max(1e-300))).collect();
             let top = shares.iter().max_by(|a, b| a.1.total_cmp(b.1));
             // (Under context parallelism the attention between the layers splits heads, a
-            // dim without a role: the role-less share does not make the axis mixed.)
+            // dim without a role — at long sequences most of the FLOPs: an axis whose weighted
+            // layers split their sequence rows and whose other splits have no role is context.)
             let context = shares.get("context").copied().unwrap_or(0.0);
             let roleless = shares.get("other").copied().unwrap_or(0.0);
             let kind = match top {
                 _ if ax.size <= 1 || split <= 0.0 => "unused".to_string(),
-                Some((k, v)) if *v * total >= 0.8 * split => k.clone(),
                 _ if context > 0.0 && (context + roleless) * total >= 0.999 * split => "context".to_string(),
+                Some((k, v)) if *v * total >= 0.8 * split => k.clone(),
                 _ => "mixed".to_string(),
             };
             AxisUse { axis: ax.name.clone(), size: ax.size, kind, shares }
