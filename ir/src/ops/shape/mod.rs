@@ -1004,35 +1004,13 @@ impl OpRules for op::SliceGrad {
     }
 
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        // Every dim the slice does not cut splits (dY and the gradient alike there); without
-        // literal axes every dim may be cut.
-        let dy = cx.in_dims(0);
-        let r = dy.len() as i64;
-        let cut: Vec<i64> = match cx.g.node(cx.n).input(3) {
-            Some(_) => match cx.const_ints(3) {
-                Some(a) => a.iter().map(|&x| if x < 0 { x + r } else { x }).collect(),
-                None => return Some(IterSpace::whole(cx)),
-            },
-            None => (0..r).collect(),
+        // The batch (dim 0) splits when the slice does not cut it.
+        let r = cx.in_dims(0).len() as i64;
+        let cuts_batch = match cx.g.node(cx.n).input(3) {
+            Some(_) => cx.const_ints(3).is_none_or(|a| a.iter().any(|&x| x == 0 || x + r == 0)),
+            None => true,
         };
-        let out = cx.out_dims(0);
-        let kept: Vec<usize> =
-            (0..dy.len()).filter(|&t| !cut.contains(&(t as i64)) && out.get(t) == Some(&dy[t]) && dy[t] > 1).collect();
-        if kept.is_empty() || out.len() != dy.len() {
-            return Some(IterSpace::whole(cx));
-        }
-        let map: Vec<Option<usize>> = (0..dy.len()).map(|t| kept.iter().position(|&k| k == t)).collect();
-        let node = cx.g.node(cx.n);
-        Some(IterSpace {
-            dims: kept.iter().map(|&t| par(format!("d{t}"), dy[t])).collect(),
-            inputs: node
-                .inputs()
-                .iter()
-                .enumerate()
-                .map(|(j, v)| v.map(|v| if j == 0 { map.clone() } else { vec![None; cx.rank(v)] }))
-                .collect(),
-            outputs: vec![map],
-        })
+        if cuts_batch { Some(IterSpace::whole(cx)) } else { Some(IterSpace::batch(cx, &[0], &[0])) }
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
