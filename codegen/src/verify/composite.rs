@@ -358,7 +358,6 @@ pub fn batch_norm(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
     Ok(out)
 }
 
-/// Inference-mode batch normalization: each output element from its channel's parameters.
 /// BatchNormGrad with the running statistics (inference mode, a frozen normalization whose
 /// scale and bias train): dX row by row; dScale and dBias per channel, summed over the other
 /// dims, partial where the device holds some of them.
@@ -386,6 +385,7 @@ fn inference_grad(cx: &mut Cx<'_>, n: NodeId, facts: &[&Fact]) -> Out {
     Ok(out)
 }
 
+/// Inference-mode batch normalization: each output element from its channel's parameters.
 fn whole_or_rows(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>], x: &Fact) -> Out {
     let key = op_key(&cx.g.node(n).op);
     let terms: Vec<TermId> = ins.iter().flatten().map(|f| f.term).collect();

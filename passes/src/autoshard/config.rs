@@ -11,10 +11,11 @@
 //! data-parallel replica (no gradient accumulation); `sp` off; `recompute` none; `zero` 0;
 //! `schedule` 1f1b; `flash` off (attention as the model writes it). The
 //! product of the degrees must be the devices used. A configuration resolves to a named
-//! strategy ([`Named`]: `data`, `megatron`, `hybrid:dp:D,tp:T`, `pipeline:S:M[:interleaved:V][:tp:T]`,
-//! `context` for `cp` alone) and the cost-model options it sets; what the cost model cannot
-//! price yet (`ep`, `cp` with other degrees) is refused with the reason. `pp` with `tp` is a pipeline of Megatron (or data × Megatron) stages;
-//! `vp` > 1 the interleaved schedule.
+//! strategy ([`Named`]: `data`, `megatron`, `hybrid:dp:D,tp:T`,
+//! `pipeline:S:M[:interleaved:V][:tp:T]`, `context` for `cp` alone) and the cost-model
+//! options it sets; what the cost model cannot price yet (`ep`, `cp` with other degrees) is
+//! refused with the reason. `pp` with `tp` is a pipeline of Megatron (or data × Megatron)
+//! stages; `vp` > 1 the interleaved schedule.
 
 use super::named::Named;
 use crate::cost::{Options, Recompute, Schedule};

@@ -17,12 +17,13 @@ use ir::{NodeId, Op, Value};
 
 use crate::cost::CostModel;
 
-/// The sequence length: dim 1 of the first graph input of rank ≥ 2.
-pub fn sequence_len(cm: &CostModel<'_>) -> Option<i64> {
+/// The sequence length: the extent of the first graph input's sequence dim (`seq`:
+/// [`ir::ops::flow::sequence_dims`]).
+pub fn sequence_len(cm: &CostModel<'_>, seq: &SequenceDims) -> Option<i64> {
     let g = cm.g;
     g.input_values().into_iter().filter(|v| matches!(g.node(v.node).op, Op::Input { default: None })).find_map(|v| {
-        let dims = g.tensor_type(v)?.static_dims()?;
-        (dims.len() >= 2 && dims[1] > 1).then_some(dims[1])
+        let t = seq.get(&v)?.iter().position(|&f| f)?;
+        g.tensor_type(v)?.static_dims()?.get(t).copied()
     })
 }
 

@@ -324,7 +324,8 @@ fn batch_size(cm: &CostModel<'_>) -> Option<i64> {
 }
 
 /// Why a named strategy does not apply to the graph on the cost model's mesh, if it does not.
-fn applies(cm: &CostModel<'_>, named: &Named) -> Result<(), String> {
+/// (`sequence`: the graph's sequence dims, for `context`.)
+fn applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context::SequenceDims) -> Result<(), String> {
     let order = cm.order();
     let has_batch = order.iter().any(|&n| dim_with(cm, n, DimRole::Batch).is_some());
     let has_spatial = order.iter().any(|&n| {
@@ -381,7 +382,7 @@ fn applies(cm: &CostModel<'_>, named: &Named) -> Result<(), String> {
         Named::Owt if !weighted.iter().any(|&n| is_fc(n)) || !weighted.iter().any(|&n| !is_fc(n)) => {
             Err("owt: needs both convolutions (data parallel) and fully connected layers (model parallel)".into())
         }
-        Named::Context => context_applies(cm),
+        Named::Context => context_applies(cm, sequence),
         _ => Ok(()),
     }
 }
@@ -389,9 +390,10 @@ fn applies(cm: &CostModel<'_>, named: &Named) -> Result<(), String> {
 /// Context parallelism needs a sequence the devices divide and attention ops whose heads they
 /// divide (fused `Attention`, 4-D: `passes::FuseAttention` makes them from exported
 /// attention).
-fn context_applies(cm: &CostModel<'_>) -> Result<(), String> {
+fn context_applies(cm: &CostModel<'_>, sequence: &super::context::SequenceDims) -> Result<(), String> {
     let ways = cm.mesh.devices() as i64;
-    let seq = super::context::sequence_len(cm).ok_or("context: the model has no input with a sequence dim")?;
+    let seq =
+        super::context::sequence_len(cm, sequence).ok_or("context: the model has no input with a sequence dim")?;
     if seq % ways != 0 {
         return Err(format!("context: the sequence ({seq}) does not divide over {ways} devices"));
     }
@@ -400,8 +402,7 @@ fn context_applies(cm: &CostModel<'_>) -> Result<(), String> {
         return Err("context: no fused attention with heads to split (run canonicalize and fuse-attention)".into());
     }
     let axes: Vec<usize> = (0..cm.mesh.axes.len()).collect();
-    let flags = ir::ops::flow::sequence_dims(cm.g);
-    if let Some(&n) = attention.iter().find(|&&n| super::context::ulysses(cm, n, &flags, &axes).is_none()) {
+    if let Some(&n) = attention.iter().find(|&&n| super::context::ulysses(cm, n, sequence, &axes).is_none()) {
         return Err(format!("context: {} does not split its heads over {ways} devices", cm.g.describe(n)));
     }
     Ok(())
@@ -439,7 +440,9 @@ fn megatron(cm: &CostModel<'_>, asg: &Assignment, n: NodeId, axes: &[usize]) -> 
 
 /// Builds the assignment of a named (non-pipeline) strategy, or says why it does not apply.
 pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
-    applies(cm, named)?;
+    // (The sequence dims, a flow over the whole graph, once: `context` checks and splits by them.)
+    let sequence = if *named == Named::Context { ir::ops::flow::sequence_dims(cm.g) } else { Default::default() };
+    applies(cm, named, &sequence)?;
     let k = cm.mesh.axes.len();
     let all_axes: Vec<usize> = (0..k).collect();
     let mut asg = Assignment::default();
@@ -447,7 +450,6 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
     let is_fc = |n: NodeId| matches!(cm.g.node(n).op, Op::Gemm(_) | Op::MatMul(_));
     let windowed =
         |n: NodeId| matches!(cm.g.node(n).op, Op::Conv(_) | Op::MaxPool(_) | Op::AveragePool(_) | Op::LpPool(_));
-    let sequence = if *named == Named::Context { ir::ops::flow::sequence_dims(cm.g) } else { Default::default() };
     for &n in &order {
         let pick = |role: DimRole, axes: &[usize]| dim_with(cm, n, role).and_then(|i| split_over_axes(cm, n, i, axes));
         let s: Option<Vec<Option<usize>>> = match named {
