@@ -176,3 +176,43 @@ fn fused_attention_trains_on_wgpu_like_the_unfused_model() {
         }
     }
 }
+
+/// The synthetic Llama's causal mask (`Trilu(upper, k = 1)` of ones times −10⁴) becomes the
+/// fused op's `is_causal` (folded to a constant at this size, or as written at a length
+/// folding stops at): no `s × s` value is left in the graph, and the outputs are the
+/// original's (the first test). A mask that adds too little to zero a weight (−1), or keeps
+/// the diagonal (`k = 0`), stays a tensor input.
+#[test]
+fn a_causal_mask_becomes_is_causal() {
+    let square = |g: &ir::Graph| {
+        g.node_ids().flat_map(|n| (0..g.node(n).num_outputs()).map(move |s| ir::Value::new(n, s as u16))).any(|v| {
+            let d = g.tensor_type(v).and_then(|t| t.static_dims()).unwrap_or_default();
+            d.len() >= 2 && d[d.len() - 1] == 12 && d[d.len() - 2] == 12
+        })
+    };
+    let text = Llama::reduced(2, 2, 12).to_text();
+    let causal = |g: &ir::Graph| {
+        let attention = g.op_nodes().unwrap().into_iter().filter(|&n| g.node(n).op.op_type() == "Attention");
+        attention
+            .map(|n| match &g.node(n).op {
+                ir::Op::Attention(a) => (a.is_causal == Some(1), g.node(n).input(3).is_some()),
+                _ => unreachable!(),
+            })
+            .collect::<Vec<_>>()
+    };
+    let (f, _) = fused(&drawn(&text));
+    assert_eq!(causal(&f.graph), vec![(true, false); 2]);
+    assert!(!square(&f.graph), "a 12 × 12 value is left");
+    for (from, to) in [("mask_fill = {-10000}", "mask_fill = {-1}"), ("mask_diagonal = {1}", "mask_diagonal = {0}")] {
+        assert!(text.contains(from));
+        let model = drawn(&text.replace(from, to));
+        let (f, _) = fused(&model);
+        assert_eq!(causal(&f.graph), vec![(false, true); 2], "{to}");
+        let first = model.graph.value_name(model.graph.input_values()[0]).to_string();
+        let inputs = float_inputs(&model.graph, &first, 7);
+        let opts = ir::eval::RunOptions { seed: Some(5) };
+        let want = ir::eval::run(&model.graph, &inputs, &opts).unwrap();
+        let got = ir::eval::run(&f.graph, &inputs, &opts).unwrap();
+        compare(to, &got[0], &want[0], 1e-4, 1e-5).unwrap();
+    }
+}

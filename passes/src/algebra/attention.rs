@@ -7,7 +7,9 @@
 //! - optionally the exporters' guard of fully masked rows, `P = Where(IsNaN(P₀), 0, P₀)` (the
 //!   op's rows with no attendable key are zeros, as the guard makes them);
 //! - `P₀ = Softmax(S, last axis)`;
-//! - optionally `S = Add(S₁, M)`, the mask `M` broadcasting to the scores' shape;
+//! - optionally `S = Add(S₁, M)`, the mask `M` broadcasting to the scores' shape — the op's
+//!   `is_causal` instead where `M` is the causal mask, `Trilu(upper, k = 1)` of a tensor of
+//!   one constant `c ≤ −10⁴` (or of ones times `c`), so that no `s × s` mask is made;
 //! - optionally `S₁ = Mul(S₂, c)` or `Div(S₂, c)`, `c` a constant scalar;
 //! - `S₂ = MatMul(A, B)`, both of rank 4 with the same leading dims, where `A` and `B` may be
 //!   `Mul`s by constant scalars (PyTorch's decomposed `scaled_dot_product_attention` scales
@@ -62,17 +64,77 @@ fn dims(g: &Graph, v: Value) -> Option<Vec<i64>> {
 
 /// The value of `v` when it is a constant float scalar (one element).
 fn scalar(g: &Graph, v: Value) -> Option<f64> {
-    let t = match &g.node(v.node).op {
-        Op::Initializer(t) => Some(t.clone()),
-        Op::Constant(c) => {
-            ir::eval::eval_op(&Op::Constant(c.clone()), &[], 1, g.opset).ok().map(|mut a| a.remove(0).to_tensor())
-        }
-        _ => None,
-    }?;
-    if !t.dtype.is_float() || t.numel() != 1 {
+    g.tensor_type(v).is_some_and(|t| t.dtype.is_float()).then(|| constant(g, v)).flatten()
+}
+
+/// The value of `v` when it is a constant of one element, of any number type.
+fn constant(g: &Graph, v: Value) -> Option<f64> {
+    if g.tensor_type(v).and_then(|t| t.numel()) != Some(1) {
         return None;
     }
-    Array::from_tensor(&t).ok()?.to_f64().ok()?.first().copied()
+    constant_values(g, v)?.first().copied()
+}
+
+/// The most a causal mask's masked entries may add to a score for the op's `is_causal` to
+/// stand in for it: a masked weight is then `exp(≤ −10⁴ + (its score − the row's largest))`,
+/// below the smallest `f32` (`e^−104`) unless the scores span nearly 10⁴ — zero, as
+/// `is_causal` makes it. (Exporters write −10⁴, `finfo.min` or −∞.)
+const CAUSAL_FILL: f64 = -1e4;
+
+/// The elements of `v` when it is a constant (an initializer or `Constant` with its data).
+fn constant_values(g: &Graph, v: Value) -> Option<Vec<f64>> {
+    let t = match &g.node(v.node).op {
+        Op::Initializer(t) => t.clone(),
+        Op::Constant(c) => ir::eval::eval_op(&Op::Constant(c.clone()), &[], 1, g.opset).ok()?.remove(0).to_tensor(),
+        _ => return None,
+    };
+    Array::from_tensor(&t).ok()?.to_f64().ok()
+}
+
+/// The value of a tensor every element of which is the same constant: `Expand(c, shape)` or
+/// `ConstantOfShape(value = c)`.
+fn uniform(g: &Graph, v: Value) -> Option<f64> {
+    let node = g.node(v.node);
+    match &node.op {
+        Op::Expand(_) => constant(g, node.input(0)?),
+        Op::ConstantOfShape(c) => {
+            let t = c.value.clone()?;
+            (t.numel() == 1).then(|| Array::from_tensor(&t).ok()?.to_f64().ok()?.first().copied()).flatten()
+        }
+        _ => constant(g, v),
+    }
+}
+
+/// Whether mask `m` of the scores `[b, h, s, s]` is the causal one: `c` above the diagonal, 0
+/// on and below it, `c ≤` [`CAUSAL_FILL`] — `Trilu(upper, k = 1)` of a tensor of `c`s, or of
+/// ones multiplied by `c`, its last two dims `s × s` (leading dims broadcasting).
+fn is_causal_mask(g: &Graph, m: Value, sd: &[i64]) -> bool {
+    let md = dims(g, m).unwrap_or_default();
+    if md.len() < 2 || sd[2] != sd[3] || md[md.len() - 2..] != sd[2..] {
+        return false;
+    }
+    let upper_of = |t: Value| -> Option<f64> {
+        let node = g.node(t.node);
+        let Op::Trilu(tr) = &node.op else { return None };
+        let k = constant(g, node.input(1)?)?;
+        (tr.upper.unwrap_or(1) == 1 && k == 1.0).then(|| uniform(g, node.input(0)?)).flatten()
+    };
+    if let Some(values) = constant_values(g, m) {
+        // (Folded already: small sequences.)
+        let n = sd[2] as usize;
+        return values.chunks(n * n).all(|square| {
+            square.iter().enumerate().all(|(at, &x)| if at % n > at / n { x <= CAUSAL_FILL } else { x == 0.0 })
+        });
+    }
+    let node = g.node(m.node);
+    let fill = match (&node.op, node.input(0), node.input(1)) {
+        (Op::Mul(_), Some(a), Some(b)) => match (upper_of(a), scalar(g, b), upper_of(b), scalar(g, a)) {
+            (Some(1.0), Some(c), _, _) | (_, _, Some(1.0), Some(c)) => Some(c),
+            _ => None,
+        },
+        _ => upper_of(m),
+    };
+    fill.is_some_and(|c| c <= CAUSAL_FILL)
 }
 
 /// `x · c` or `x / c` with `c` a constant scalar, read only by `reader`: `(x, factor)`.
@@ -236,13 +298,20 @@ fn fuse(g: &mut Graph, f: Found) {
     let (k, dropped) = key(g, f.kt, &label);
     let out = Value::new(f.context, 0);
     let (name, ty) = (g.value_name(out).to_string(), g.node(f.context).outputs()[0].ty.clone());
-    let attention = op::Attention { scale: Some(f.scale as f32), ..Default::default() };
+    let sd = dims(g, f.q).map(|q| {
+        let kt = dims(g, f.kt).unwrap_or_default();
+        vec![q[0], q[1], q[2], kt.get(3).copied().unwrap_or(-1)]
+    });
+    // A causal mask given as a tensor is the op's `is_causal`: no `s × s` mask is made.
+    let causal = f.mask.zip(sd).is_some_and(|(m, sd)| is_causal_mask(g, m, &sd));
+    let mask = if causal { None } else { f.mask };
+    let attention = op::Attention { scale: Some(f.scale as f32), is_causal: causal.then_some(1), ..Default::default() };
     let mut output = Output::named(g.fresh_name(&format!("{name}_fused")));
     output.ty = ty;
     let n = g.add_labeled_node(
         Some(label),
         Op::Attention(attention),
-        vec![Some(f.q), Some(k), Some(f.v), f.mask],
+        vec![Some(f.q), Some(k), Some(f.v), mask],
         vec![output],
     );
     let y = Value::new(n, 0);
