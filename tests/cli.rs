@@ -2173,7 +2173,7 @@ fn cost_prices_and_exports_a_configuration() {
     let o = shardc(&["cost", &model("tv_alexnet.onnxtxt"), "--cluster", "dgx-a100", "--strategy", "dp=8,flash"]);
     assert!(!o.status.success() && stderr(&o).contains("no attention"), "{}", stderr(&o));
     // Degrees that do not multiply to the devices, and fields the cost model does not price.
-    for (bad, want) in [("tp=2,dp=4", "8 devices"), ("cp=2", "context parallelism"), ("zero=5", "0, 1, 2 or 3")] {
+    for (bad, want) in [("tp=2,dp=4", "8 devices"), ("cp=2", "fuse-attention"), ("zero=5", "0, 1, 2 or 3")] {
         let o = shardc(&["cost", m, "--cluster", "dgx-a100", "--devices", "4", "--strategy", bad]);
         assert!(!o.status.success() && stderr(&o).contains(want), "{bad}: {}", stderr(&o));
     }

@@ -13,7 +13,12 @@ use shardc::synthetic::Llama;
 /// A reduced Llama (fused attention, weights drawn) of one sequence of `seq` tokens, and its
 /// training graph (MSE of its output, Adam).
 fn llama(seq: usize) -> (shardc::ir::Graph, TrainInfo) {
-    let mut m = shardc::frontend::parse(&Llama::reduced(2, 1, seq).to_text()).expect("parses").model;
+    llama_batch(1, seq)
+}
+
+/// [`llama`] of `batch` sequences.
+fn llama_batch(batch: usize, seq: usize) -> (shardc::ir::Graph, TrainInfo) {
+    let mut m = shardc::frontend::parse(&Llama::reduced(2, batch, seq).to_text()).expect("parses").model;
     shardc::exec::materialize(&mut m, std::path::Path::new("/nonexistent"), 3).expect("weights drawn");
     let mut pm = shardc::passes::PassManager::new();
     pm.add(shardc::passes::Verify)
@@ -115,7 +120,8 @@ fn context_parallelism_says_where_it_does_not_apply() {
     assert!(e.contains("fuse-attention"), "{e}");
 }
 
-/// `shardc cost` prices `cp=4` with its all-to-alls and says it is context parallelism.
+/// `shardc cost` prices `cp=4` (and `dp=2,cp=2`) with its all-to-alls, says it is context
+/// parallelism, and exports it where the framework has the setting.
 #[test]
 fn cost_prices_and_names_context_parallelism() {
     let dir = std::env::temp_dir().join(format!("shardc-context-{}", std::process::id()));
@@ -128,10 +134,37 @@ fn cost_prices_and_names_context_parallelism() {
     assert!(o.status.success(), "{o:?}");
     let o = shardc(&["cost", fused.to_str().unwrap(), "--cluster", "dgx-a100", "--devices", "4", "--strategy", "cp=4"]);
     let out = String::from_utf8_lossy(&o.stdout).to_string();
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(o.status.success(), "{o:?}");
     assert!(out.contains("parallelism  context 4"), "{out}");
     assert!(out.contains("all_to_all"), "{out}");
+    // Data × context, and its launch settings: Megatron-LM's a2a context parallelism,
+    // DeepSpeed's Ulysses group size; torch's tensor-parallel plan has none and says so.
+    let cost = |extra: &[&str]| {
+        let args = [
+            "cost",
+            fused.to_str().unwrap(),
+            "--cluster",
+            "dgx-a100",
+            "--devices",
+            "4",
+            "--strategy",
+            "dp=2,cp=2",
+            "--batch",
+            "2",
+        ];
+        shardc(&[&args[..], extra].concat())
+    };
+    let o = cost(&[]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("parallelism  data 2 × context 2"), "{o:?}");
+    let o = cost(&["--export", "megatron"]);
+    let megatron = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success() && megatron.contains("--context-parallel-size 2 --cp-comm-type a2a"), "{o:?}");
+    assert!(megatron.contains("data 2 × tensor 1 × pipeline 1 × context 2 = 4 devices"), "{megatron}");
+    let o = cost(&["--export", "deepspeed"]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("\"sequence_parallel_size\": 2"), "{o:?}");
+    let o = cost(&["--export", "torch-tp"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("context parallel"), "{o:?}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A long sequence's rotary positions (a `Range` of 131,072, too large to fold) have a known
@@ -145,4 +178,79 @@ fn a_long_sequence_has_known_shapes() {
     let g = &m.graph;
     let pos = g.lookup("rope_pos").expect("the rotary positions");
     assert_eq!(g.tensor_type(pos).and_then(|t| t.static_dims()), Some(vec![131_072]));
+}
+
+/// Data × context (`dp=2,cp=2`, `context:dp:2`): the batch over the first axis, Ulysses over
+/// the second — all-to-alls within each pair of devices that share samples, the weights'
+/// gradients all-reduced over all four — proved, and trained as one device trains.
+#[test]
+fn data_times_context_trains_like_one_device() {
+    let (g, info) = llama_batch(2, 32);
+    let p = program(&g, "context:dp:2", 4);
+    let kinds = collectives(&p);
+    assert!(kinds.get("AllToAll").copied().unwrap_or(0) >= 8 * 2, "{kinds:?}");
+    assert!(p.fallbacks.is_empty(), "{:?}", p.fallbacks);
+    // Device 1 (sample 0, heads 2–3 of 4) runs its attention on one sample and half the heads.
+    let lg = &p.devices[1].graph;
+    let attention = lg.op_nodes().unwrap().into_iter().find(|&n| matches!(lg.node(n).op, Op::Attention(_))).unwrap();
+    let q = lg.tensor_type(lg.node(attention).input(0).unwrap()).and_then(|t| t.static_dims()).unwrap();
+    assert_eq!(q, vec![1, 2, 32, 16], "the query of device 1's attention");
+    verify(&g, &p).unwrap_or_else(|e| panic!("not proved: {e}"));
+    let inputs = shardc::train::seeded_inputs(&g, &info, 7).expect("inputs");
+    let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, 3).expect("one device");
+    let four = shardc::train::run_steps(&p, &info, &inputs, Backend::Cpu, 3).expect("dp 2 × cp 2");
+    let tol = (1e-4, 1e-5);
+    for (what, a, b) in
+        [("gradients", &four.gradients, &one.gradients), ("parameters", &four.parameters, &one.parameters)]
+    {
+        let (r, at) = shardc::train::worst(a, b, tol);
+        assert!(r <= 1.0, "{what}: {r:.2}× the tolerance at {at}");
+    }
+    let config = shardc::passes::autoshard::config::Config::parse("dp=2,cp=2").unwrap();
+    let (n, _) = config.resolve(4, Some(2), &Options::default()).unwrap();
+    assert_eq!(n.name(), "context:dp:2");
+    let e =
+        shardc::passes::autoshard::config::Config::parse("tp=2,cp=2").unwrap().resolve(4, Some(2), &Options::default());
+    assert!(e.unwrap_err().contains("tp=1, pp=1"));
+}
+
+/// Llama-3-8B at 131,072 tokens, 8 sequences, on 64 H100s (8 nodes) in bf16: the search
+/// finds data 8 × context 8 (Ulysses inside each node) with full recomputation, within
+/// memory; the causal mask is the attention's `is_causal` (no 131,072² mask is made); the
+/// hand configuration that fits without context parallelism (tensor 8 with sequence
+/// parallelism, full recomputation, ZeRO-3) is slower, and without recomputation neither fits.
+#[test]
+fn a_long_context_llama_3_8b_plans_with_context_parallelism() {
+    use shardc::passes::autoshard::{self, config::Config};
+    use shardc::passes::cost::Precision;
+    let mut m = shardc::frontend::parse(&Llama::llama3_8b(8, 131_072).to_text()).expect("parses").model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Verify)
+        .add(shardc::passes::InferShapes::default())
+        .add(shardc::passes::Canonicalize)
+        .add(shardc::passes::FuseAttention);
+    pm.run(&mut m).unwrap_or_else(|e| panic!("{e}"));
+    let g = &m.graph;
+    let causal = g.op_nodes().unwrap().into_iter().filter_map(|n| match &g.node(n).op {
+        Op::Attention(a) => Some(a.is_causal == Some(1) && g.node(n).input(3).is_none()),
+        _ => None,
+    });
+    assert_eq!(causal.collect::<Vec<_>>(), vec![true; 32]);
+    let cluster = Cluster::preset("h100-cluster-8").expect("preset");
+    let opts = Options { precision: Precision::Fp16, ..Options::default() };
+    let r = autoshard::search(g, &cluster, 64, &opts, &Default::default()).unwrap_or_else(|e| panic!("{e}"));
+    let plan = r.same_as.clone().unwrap_or_default();
+    assert!(r.breakdown.feasible, "{plan}: {:?}", r.breakdown.memory);
+    assert!(plan.starts_with("dp=8,cp=8,") && plan.contains("recompute=full"), "{plan}");
+    let axes: Vec<&str> = r.mesh.axes.iter().map(|a| a.name.as_str()).collect();
+    assert_eq!(axes, ["data", "context"]);
+    let priced = |config: &str| {
+        let (named, o) = Config::parse(config).and_then(|c| c.resolve(64, Some(8), &opts)).unwrap();
+        autoshard::named::price(g, &cluster, 64, &named, &o).unwrap_or_else(|e| panic!("{config}: {e}")).breakdown
+    };
+    let tensor = priced("dp=8,tp=8,sp,recompute=full,zero=3");
+    assert!(tensor.feasible && tensor.step_time_s > r.breakdown.step_time_s, "{}", tensor.step_time_s);
+    for config in ["dp=8,cp=8,zero=3", "dp=8,tp=8,sp,zero=3"] {
+        assert!(!priced(config).feasible, "{config} fits");
+    }
 }

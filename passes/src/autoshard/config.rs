@@ -12,10 +12,10 @@
 //! `schedule` 1f1b; `flash` off (attention as the model writes it). The
 //! product of the degrees must be the devices used. A configuration resolves to a named
 //! strategy ([`Named`]: `data`, `megatron`, `hybrid:dp:D,tp:T`,
-//! `pipeline:S:M[:interleaved:V][:tp:T]`, `context` for `cp` alone) and the cost-model
-//! options it sets; what the cost model cannot price yet (`ep`, `cp` with other degrees) is
-//! refused with the reason. `pp` with `tp` is a pipeline of Megatron (or data × Megatron)
-//! stages; `vp` > 1 the interleaved schedule.
+//! `pipeline:S:M[:interleaved:V][:tp:T]`, `context[:dp:D]` for `cp` with or without `dp`)
+//! and the cost-model options it sets; what the cost model cannot price yet (`ep`, `cp` with
+//! `tp` or `pp`) is refused with the reason. `pp` with `tp` is a pipeline of Megatron (or
+//! data × Megatron) stages; `vp` > 1 the interleaved schedule.
 
 use super::named::Named;
 use crate::cost::{Options, Recompute, Schedule};
@@ -181,9 +181,9 @@ impl Config {
         if self.ep > 1 {
             return Err(format!("ep={}: the cost model does not price expert parallelism yet", self.ep));
         }
-        if self.cp > 1 && (dp, self.tp, self.pp) != (1, 1, 1) {
+        if self.cp > 1 && (self.tp, self.pp) != (1, 1) {
             return Err(format!(
-                "cp={}: context parallelism (Ulysses) runs alone for now: give dp=1, tp=1, pp=1 (got dp={dp}, tp={}, pp={})",
+                "cp={}: context parallelism (Ulysses) runs beside data parallelism only for now: give tp=1, pp=1 (got tp={}, pp={})",
                 self.cp, self.tp, self.pp
             ));
         }
@@ -210,7 +210,7 @@ impl Config {
             o.accumulation = b / (dp * mbs);
         }
         let named = match (self.pp, self.tp, dp) {
-            _ if self.cp > 1 => Named::Context,
+            _ if self.cp > 1 => Named::Context { dp },
             (1, 1, _) => Named::Data,
             (1, t, 1) if t > 1 => Named::Megatron,
             (1, tp, dp) => Named::Hybrid { dp, tp },

@@ -1,6 +1,7 @@
 //! The configuration grid: the 3-D configurations people train transformer stacks with —
-//! tensor (Megatron) × data × pipeline stages, the micro-batch size, interleaving, and, where
-//! the search may save memory, recomputation, sequence parallelism and ZeRO — each priced as
+//! tensor (Megatron) × data × pipeline stages or data × context, the micro-batch size,
+//! interleaving, and, where the search may save memory, recomputation, sequence parallelism
+//! and ZeRO — each priced as
 //! `shardc cost` prices a hand configuration ([`super::pipeline::price_configuration_in`] for
 //! pipelines, the named strategies otherwise). The fastest that fits is a candidate beside the
 //! e-graph's plans. On a model of repeated blocks it finds in seconds the plans the per-op
@@ -8,7 +9,8 @@
 //! walks, so the search's plan is never slower than one of them in the same model.
 //!
 //! The walk: tensor degrees that divide a node (largest first), then pipeline stage counts
-//! (fewest first, at most the model's blocks), then micro-batch sizes; for each, the memory
+//! (fewest first, at most the model's blocks), then micro-batch sizes — and on a model with
+//! fused attention, data × context (Ulysses) points after them; for each, the memory
 //! rungs in about the order of their cost (as given; ZeRO-1; selective recomputation; with
 //! ZeRO-1; full recomputation; with ZeRO-1; with ZeRO-3 — with tensor parallelism, each with
 //! sequence parallelism) until one fits and on while the step falls (a pipeline whose stages
@@ -55,6 +57,8 @@ struct Point {
     tensor: usize,
     stages: usize,
     data: usize,
+    /// Context-parallel ways (Ulysses, beside data parallelism only: `tensor` and `stages` 1).
+    context: usize,
     /// Micro-batch size per data-parallel replica (`None`: the replica's whole batch).
     mbs: Option<usize>,
 }
@@ -79,14 +83,15 @@ fn divisors(n: usize) -> Vec<usize> {
 /// The points of the grid on `devices` devices for a batch of `batch`, in walking order:
 /// `stages` limits the pipeline stage counts (`None`: any), never more than the model's
 /// `blocks`. Without `accumulate`, a configuration without stages runs the replica's whole
-/// batch (the lowering runs no gradient accumulation of its own).
+/// batch (the lowering runs no gradient accumulation of its own). With `context`, data ×
+/// context points follow (each power-of-two context degree).
 fn points(
     cluster: &Cluster,
     devices: usize,
     batch: usize,
     stages: Option<&[usize]>,
     blocks: usize,
-    accumulate: bool,
+    (accumulate, context): (bool, bool),
 ) -> Vec<Point> {
     let mut tensors: Vec<usize> =
         divisors(devices).into_iter().filter(|t| *t <= cluster.devices_per_node && t.is_power_of_two()).collect();
@@ -102,27 +107,48 @@ fn points(
             if !batch.is_multiple_of(data) {
                 continue;
             }
-            let replica = batch / data;
-            // Pipelines take micro-batches of 1 or 2 (more fills fewer slots and holds more).
-            let mut sizes: Vec<Option<usize>> = [1, 2, 4]
-                .into_iter()
-                .filter(|m| {
-                    replica.is_multiple_of(*m) && (pp > 1 && *m <= 2 && replica / m >= pp || pp == 1 && accumulate)
-                })
-                .map(Some)
-                .collect();
-            if pp == 1 {
-                sizes.insert(0, None);
+            let p = Point { tensor, stages: pp, data, context: 1, mbs: None };
+            out.extend(micro_sizes(p, batch, accumulate));
+        }
+    }
+    if context && stages.is_none_or(|s| s.contains(&1)) {
+        for cp in divisors(devices).into_iter().filter(|c| *c > 1 && c.is_power_of_two()) {
+            let data = devices / cp;
+            if batch.is_multiple_of(data) {
+                out.extend(micro_sizes(
+                    Point { tensor: 1, stages: 1, data, context: cp, mbs: None },
+                    batch,
+                    accumulate,
+                ));
             }
-            out.extend(sizes.into_iter().map(|mbs| Point { tensor, stages: pp, data, mbs }));
         }
     }
     out
 }
 
+/// Point `p` with each micro-batch size it may take: a pipeline micro-batches of 1 or 2 (more
+/// fills fewer slots and holds more); without stages, the replica's whole batch and, with
+/// `accumulate`, 1, 2 and 4.
+fn micro_sizes(p: Point, batch: usize, accumulate: bool) -> impl Iterator<Item = Point> {
+    let replica = batch / p.data;
+    let pp = p.stages;
+    let mut sizes: Vec<Option<usize>> = [1, 2, 4]
+        .into_iter()
+        .filter(|m| replica.is_multiple_of(*m) && (pp > 1 && *m <= 2 && replica / m >= pp || pp == 1 && accumulate))
+        .map(Some)
+        .collect();
+    if pp == 1 {
+        sizes.insert(0, None);
+    }
+    sizes.into_iter().map(move |mbs| Point { mbs, ..p })
+}
+
 /// The configuration string of a point on a rung.
 fn describe(p: Point, schedule: Schedule, o: &Options) -> String {
     let mut f = vec![format!("dp={}", p.data), format!("tp={}", p.tensor)];
+    if p.context > 1 {
+        f[1] = format!("cp={}", p.context);
+    }
     if p.stages > 1 {
         f.push(format!("pp={}", p.stages));
         if schedule.chunks() > 1 {
@@ -163,14 +189,16 @@ pub fn search_grid(
     let capacity = cluster.device.mem_capacity * cluster.device.mem_usable;
     let mut best: Option<GridPlan> = None;
     let mut priced = 0usize;
-    let mut refused: BTreeSet<usize> = BTreeSet::new(); // tensor degrees Megatron does not take
+    // (tensor, context) degrees that do not apply (Megatron's, Ulysses')
+    let mut refused: BTreeSet<(usize, usize)> = BTreeSet::new();
+    let attention = g.op_nodes().is_ok_and(|o| o.iter().any(|&n| g.node(n).op.op_type().starts_with("Attention")));
     let rungs: Vec<Options> = if rungs {
         RUNGS.iter().map(|&(recompute, zero)| Options { recompute, zero, ..opts.clone() }).collect()
     } else {
         vec![opts.clone()]
     };
-    for p in points(cluster, devices, batch as usize, stages, blocks, rungs.len() > 1) {
-        if refused.contains(&p.tensor) {
+    for p in points(cluster, devices, batch as usize, stages, blocks, (rungs.len() > 1, attention)) {
+        if refused.contains(&(p.tensor, p.context)) {
             continue;
         }
         if net.expired("configurations") {
@@ -181,20 +209,22 @@ pub fn search_grid(
         let saving = rungs.len() > 1;
         // No rung after the first is faster than `bound` (see `rung_bound`).
         let mut bound: Option<f64> = None;
-        for o in rungs.iter().filter(|o| o.zero == 0 || p.data > 1) {
+        // (ZeRO shards over the devices a gradient is all-reduced over: data and context.)
+        let sharders = p.data * p.context;
+        for o in rungs.iter().filter(|o| o.zero == 0 || sharders > 1) {
             if bound.is_some_and(|lb| best.as_ref().is_some_and(|b| lb >= b.breakdown.step_time_s)) {
                 break;
             }
             let o = &Options { sequence_parallel: p.tensor > 1 && (saving || o.sequence_parallel), ..o.clone() };
             // A rung whose model state alone overflows a device fits under no split.
-            if model_state_floor(o, elems, (p.tensor * p.stages) as f64, p.data as f64) > capacity {
+            if model_state_floor(o, elems, (p.tensor * p.stages) as f64, sharders as f64) > capacity {
                 continue;
             }
             let at = (p, Schedule::OneFOneB, o, first && saving);
             let mut cand = match price_point(&mut graphs, (g, &whole), cluster, devices, at) {
                 Priced::NotApplicable => {
-                    if first && p.tensor > 1 && p.stages == 1 {
-                        refused.insert(p.tensor);
+                    if first && (p.tensor > 1 || p.context > 1) && p.stages == 1 {
+                        refused.insert((p.tensor, p.context));
                     }
                     break;
                 }
@@ -326,7 +356,11 @@ fn plan_point(
             time_s: 0.0,
         });
     }
-    let named = Named::stage_strategy(p.tensor, devices).map_err(|_| false)?;
+    let named = if p.context > 1 {
+        Named::Context { dp: p.data }
+    } else {
+        Named::stage_strategy(p.tensor, devices).map_err(|_| false)?
+    };
     let mut o = o.clone();
     o.accumulation = p.mbs.map_or(1, |m| batch / (p.data * m));
     let mesh = named.mesh(cluster, devices).map_err(|_| false)?;

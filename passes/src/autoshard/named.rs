@@ -52,8 +52,13 @@ pub enum Named {
     SpatialHybrid(usize, usize),
     /// Data-parallel convolutions, model-parallel fully connected layers.
     Owt,
-    /// Ulysses context parallelism: the sequence split, attention by heads.
-    Context,
+    /// Ulysses context parallelism: the sequence split, attention by heads — over every
+    /// device (`dp` 1), or over the last axis of a `dp × cp` mesh whose other axes split the
+    /// batch (`dp` 0: whatever mesh the cost model has, as a seed of the search).
+    Context {
+        /// Data-parallel ways.
+        dp: usize,
+    },
     /// Pipeline: stages of equal device groups, each sharded data-parallel, or Megatron-style
     /// over `tensor` of its devices (the rest data-parallel).
     Pipeline {
@@ -82,7 +87,11 @@ impl Named {
             ["model"] => Named::Model,
             ["spatial"] => Named::Spatial,
             ["owt"] => Named::Owt,
-            ["context"] | ["ulysses"] => Named::Context,
+            ["context"] | ["ulysses"] => Named::Context { dp: 1 },
+            ["context" | "ulysses", "dp", d] => match d.parse::<usize>() {
+                Ok(dp) if dp >= 1 => Named::Context { dp },
+                _ => return Err(format!("`{s}`: write context:dp:D (data × context), D at least 1")),
+            },
             ["megatron"] | ["tensor"] => Named::Megatron,
             ["spatial-hybrid", ds] => {
                 let (d, sp) = ds
@@ -121,7 +130,7 @@ impl Named {
             ["pipeline", st, m, rest @ ..] => Named::parse_pipeline(s, st, m, rest)?,
             _ => {
                 return Err(format!(
-                    "unknown strategy `{s}`; strategies are data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context (ulysses), pipeline:S:M[:gpipe|:1f1b|:interleaved:V][:tp:T]; or a configuration such as tp=8,pp=8,vp=3"
+                    "unknown strategy `{s}`; strategies are data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context (ulysses), context:dp:D, pipeline:S:M[:gpipe|:1f1b|:interleaved:V][:tp:T]; or a configuration such as tp=8,pp=8,vp=3"
                 ));
             }
         })
@@ -181,7 +190,8 @@ impl Named {
             Named::Hybrid { dp, tp } => format!("hybrid:dp:{dp},tp:{tp}"),
             Named::SpatialHybrid(d, s) => format!("spatial-hybrid:{d}x{s}"),
             Named::Owt => "owt".into(),
-            Named::Context => "context".into(),
+            Named::Context { dp: 0 | 1 } => "context".into(),
+            Named::Context { dp } => format!("context:dp:{dp}"),
             Named::Pipeline { stages, micro, schedule, tensor: 1 } => {
                 format!("pipeline:{stages}:{micro}:{}", schedule.name())
             }
@@ -217,6 +227,12 @@ impl Named {
         match self {
             Named::SpatialHybrid(d, s) => two((*d, *s), format!("spatial-hybrid:{d}x{s}"), ("samples", "space")),
             Named::Hybrid { dp, tp } => two((*dp, *tp), format!("hybrid:dp:{dp},tp:{tp}"), ("data", "tensor")),
+            Named::Context { dp } if *dp > 1 => {
+                if !devices.is_multiple_of(*dp) {
+                    return Err(format!("context:dp:{dp}: {dp} data-parallel ways do not divide {devices} devices"));
+                }
+                two((*dp, devices / dp), format!("context:dp:{dp}"), ("data", "context"))
+            }
             _ => cluster.mesh(devices),
         }
     }
@@ -342,19 +358,22 @@ fn applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context::Sequenc
         Named::Spatial => "spatial",
         Named::SpatialHybrid(..) => "spatial-hybrid",
         Named::Owt => "owt",
-        Named::Context => "context",
+        Named::Context { .. } => "context",
         Named::Pipeline { .. } => return Err("pipeline strategies are priced by the pipeline model".into()),
     };
     if matches!(named, Named::Hybrid { .. } | Named::SpatialHybrid(..)) && cm.mesh.axes.len() < 2 {
         return Err(format!("{name}: needs a mesh of two axes"));
     }
-    if matches!(named, Named::Data | Named::Hybrid { .. } | Named::SpatialHybrid(..)) {
+    let (data_axes, _) = context_axes(cm, named);
+    let batch_split = matches!(named, Named::Data | Named::Hybrid { .. } | Named::SpatialHybrid(..));
+    if batch_split || !data_axes.is_empty() {
         if !has_batch {
             return Err(format!("{name}: no op has a dim that carries the batch"));
         }
         // Data parallelism over the batch axis's devices needs a batch they divide.
         let ways = match named {
             Named::Data => cm.mesh.devices(),
+            Named::Context { .. } => data_axes.iter().map(|&a| cm.mesh.axes[a].size).product(),
             _ => cm.mesh.axes[0].size,
         };
         if let Some(b) = batch_size(cm)
@@ -382,16 +401,30 @@ fn applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context::Sequenc
         Named::Owt if !weighted.iter().any(|&n| is_fc(n)) || !weighted.iter().any(|&n| !is_fc(n)) => {
             Err("owt: needs both convolutions (data parallel) and fully connected layers (model parallel)".into())
         }
-        Named::Context => context_applies(cm, sequence),
+        Named::Context { .. } => context_applies(cm, named, sequence),
         _ => Ok(()),
     }
 }
 
-/// Context parallelism needs a sequence the devices divide and attention ops whose heads they
-/// divide (fused `Attention`, 4-D: `passes::FuseAttention` makes them from exported
-/// attention).
-fn context_applies(cm: &CostModel<'_>, sequence: &super::context::SequenceDims) -> Result<(), String> {
-    let ways = cm.mesh.devices() as i64;
+/// The mesh axes a context-parallel strategy splits the batch over and those it splits the
+/// sequence over: none and all for `context` over every device (or a mesh of one axis), the
+/// leading ones and the last on a `dp × cp` mesh; none and none for other strategies.
+fn context_axes(cm: &CostModel<'_>, named: &Named) -> (Vec<usize>, Vec<usize>) {
+    let k = cm.mesh.axes.len();
+    match named {
+        Named::Context { dp: 1 } => (Vec::new(), (0..k).collect()),
+        Named::Context { .. } if k < 2 => (Vec::new(), (0..k).collect()),
+        Named::Context { .. } => ((0..k - 1).collect(), vec![k - 1]),
+        _ => (Vec::new(), Vec::new()),
+    }
+}
+
+/// Context parallelism needs a sequence the context axes' devices divide and attention ops
+/// whose heads they divide (fused `Attention`, 4-D: `passes::FuseAttention` makes them from
+/// exported attention).
+fn context_applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context::SequenceDims) -> Result<(), String> {
+    let (_, axes) = context_axes(cm, named);
+    let ways = axes.iter().map(|&a| cm.mesh.axes[a].size).product::<usize>() as i64;
     let seq =
         super::context::sequence_len(cm, sequence).ok_or("context: the model has no input with a sequence dim")?;
     if seq % ways != 0 {
@@ -401,7 +434,6 @@ fn context_applies(cm: &CostModel<'_>, sequence: &super::context::SequenceDims) 
     if attention.is_empty() {
         return Err("context: no fused attention with heads to split (run canonicalize and fuse-attention)".into());
     }
-    let axes: Vec<usize> = (0..cm.mesh.axes.len()).collect();
     if let Some(&n) = attention.iter().find(|&&n| super::context::ulysses(cm, n, sequence, &axes).is_none()) {
         return Err(format!("context: {} does not split its heads over {ways} devices", cm.g.describe(n)));
     }
@@ -441,7 +473,9 @@ fn megatron(cm: &CostModel<'_>, asg: &Assignment, n: NodeId, axes: &[usize]) -> 
 /// Builds the assignment of a named (non-pipeline) strategy, or says why it does not apply.
 pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
     // (The sequence dims, a flow over the whole graph, once: `context` checks and splits by them.)
-    let sequence = if *named == Named::Context { ir::ops::flow::sequence_dims(cm.g) } else { Default::default() };
+    let is_context = matches!(named, Named::Context { .. });
+    let sequence = if is_context { ir::ops::flow::sequence_dims(cm.g) } else { Default::default() };
+    let (data_axes, context_axes) = context_axes(cm, named);
     applies(cm, named, &sequence)?;
     let k = cm.mesh.axes.len();
     let all_axes: Vec<usize> = (0..k).collect();
@@ -466,7 +500,7 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
                 }
             }
             Named::Spatial => windowed(n).then(|| spatial_split(cm, n, &all_axes)).flatten(),
-            Named::Context => super::context::ulysses(cm, n, &sequence, &all_axes),
+            Named::Context { .. } => data_then_context(cm, n, &sequence, &data_axes, &context_axes),
             // Batch over axis 0, Megatron over axis 1, the rest following the input.
             Named::Hybrid { .. } => Some(data_then_megatron(cm, &asg, n, &[0], 1)),
             Named::SpatialHybrid(..) => {
@@ -573,6 +607,28 @@ pub fn hybrid_over(cm: &CostModel<'_>, tp: usize) -> Result<Assignment, String> 
         asg.strategies.insert(n, s);
     }
     Ok(asg)
+}
+
+/// Op `n`'s strategy under data parallel over the axes `dp` and Ulysses over `cp`
+/// ([`super::context::ulysses`]): the batch over `dp` where that is valid beside the op's
+/// sequence (or heads) split; `None` where neither applies (the op follows its input).
+fn data_then_context(
+    cm: &CostModel<'_>,
+    n: NodeId,
+    sequence: &super::context::SequenceDims,
+    dp: &[usize],
+    cp: &[usize],
+) -> Option<Vec<Option<usize>>> {
+    let s = super::context::ulysses(cm, n, sequence, cp);
+    let Some(b) = dim_with(cm, n, DimRole::Batch).filter(|_| !dp.is_empty()) else { return s };
+    let mut t = s.clone().unwrap_or_else(|| vec![None; cm.mesh.axes.len()]);
+    if cp.iter().any(|&a| t[a] == Some(b)) {
+        return s;
+    }
+    for &a in dp {
+        t[a] = Some(b);
+    }
+    if strategy_valid(cm.space(n), &t, &cm.mesh, cm.g, n) { Some(t) } else { s }
 }
 
 /// Op `n`'s strategy under data parallel over the axes `dp` and Megatron over axis `tp`,

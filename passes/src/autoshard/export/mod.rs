@@ -4,7 +4,8 @@
 //! `RowwiseParallel` / `SequenceParallel`).
 //!
 //! Those frameworks know data, tensor (Megatron's column/row GEMM splits, with sequence
-//! parallelism for the norms between them) and pipeline parallelism. A plan that splits
+//! parallelism for the norms between them) and pipeline parallelism, and Megatron-LM and
+//! DeepSpeed context parallelism as Ulysses runs it (`--cp-comm-type a2a`). A plan that splits
 //! spatial dims, mixes kinds on one mesh axis, or splits ops no module names, has no such
 //! settings; the error says which ops keep it from the template.
 
@@ -18,7 +19,7 @@ pub use shape::{ModelShape, model_shape};
 pub use torch_tp::{Entry, Placement, Style, TorchTp, torch_tp};
 
 use super::Plan;
-use super::plan::role_kind;
+use super::plan::{role_kind, split_kind};
 use crate::cost::{Cluster, CostModel, Options};
 
 /// The degrees of a plan that fits the frameworks' template.
@@ -28,6 +29,8 @@ pub struct Degrees {
     pub data: usize,
     /// Tensor-parallel degree.
     pub tensor: usize,
+    /// Context-parallel degree (Ulysses: the sequence split, attention by heads).
+    pub context: usize,
     /// Pipeline stages.
     pub pipeline: usize,
     /// Micro-batches per step.
@@ -69,7 +72,7 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
     let mesh = meshes.first().ok_or("the plan has no mesh")?;
     let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
     let axes = &plan.summary.axes;
-    let (mut data, mut tensor) = (1, 1);
+    let (mut data, mut tensor, mut context) = (1, 1, 1);
     let mut blockers = Vec::new();
     let mut tensor_axes = Vec::new();
     for (a, u) in axes.iter().enumerate() {
@@ -79,6 +82,7 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
                 tensor *= u.size;
                 tensor_axes.push(a);
             }
+            "context" => context *= u.size,
             "unused" => {}
             kind => {
                 // Which ops split what on this axis, grouped by kind.
@@ -86,7 +90,7 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
                 for &n in cm.order() {
                     let Some(Some(i)) = asg.strategies.get(&n).and_then(|s| s.get(a)) else { continue };
                     let Some(d) = cm.space(n).dims.get(*i) else { continue };
-                    let k = role_kind(&d.role);
+                    let k = if role_kind(&d.role) == "other" { split_kind(&cm, n, *i) } else { role_kind(&d.role) };
                     if kind == "mixed" || k == kind {
                         by.entry(k).or_default().push(format!("{} ({})", g.op_name(n), g.node(n).op.op_type()));
                     }
@@ -128,6 +132,7 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
     Ok(Degrees {
         data,
         tensor,
+        context,
         pipeline,
         micro_batches,
         schedule: plan.schedule.clone(),
@@ -224,14 +229,19 @@ fn megatron_model_args(s: &ModelShape, half: bool) -> (Vec<String>, Vec<&'static
 
 /// Megatron-LM's arguments for the plan (`torchrun … pretrain_gpt.py <these>`).
 pub fn megatron_args(d: &Degrees, devices: usize) -> String {
+    let context = if d.context > 1 { format!(" × context {}", d.context) } else { String::new() };
     let mut t = format!(
-        "# shardc plan as Megatron-LM arguments: data {} × tensor {} × pipeline {} = {devices} devices\n",
+        "# shardc plan as Megatron-LM arguments: data {} × tensor {} × pipeline {}{context} = {devices} devices\n",
         d.data, d.tensor, d.pipeline
     );
     t.push_str("# launch: torchrun --nproc_per_node <devices per node> --nnodes <nodes> pretrain_gpt.py \\\n");
     let (mut args, missing) = megatron_model_args(&d.shape, d.half);
     args.push(format!("--tensor-model-parallel-size {}", d.tensor));
     args.push(format!("--pipeline-model-parallel-size {}", d.pipeline));
+    if d.context > 1 {
+        // Ulysses: all-to-all between sequence and head shards.
+        args.push(format!("--context-parallel-size {} --cp-comm-type a2a", d.context));
+    }
     let mut notes = Vec::new();
     if let [first, middle @ .., last] = &d.stage_layers[..]
         && d.pipeline > 1
@@ -319,6 +329,7 @@ pub fn deepspeed_config(d: &Degrees, devices: usize) -> String {
             "data_parallel_size": d.data,
             "tensor_parallel_size": d.tensor,
             "pipeline_parallel_size": d.pipeline,
+            "sequence_parallel_size": d.context,
             "notes": [
                 zero_note(d.zero),
                 "the tensor-parallel degree is tensor_parallel.autotp_size (DeepSpeed's automatic tensor parallelism, deepspeed.tp_model_init)",
@@ -338,6 +349,11 @@ pub fn deepspeed_config(d: &Degrees, devices: usize) -> String {
     if d.schedule.as_deref().is_some_and(|s| s.starts_with("interleaved")) {
         cfg["shardc"]["notes"].as_array_mut().expect("notes").push(serde_json::json!(
             "the plan was priced with the interleaved 1F1B schedule; DeepSpeed's pipeline engine runs 1F1B (a larger bubble)"
+        ));
+    }
+    if d.context > 1 {
+        cfg["shardc"]["notes"].as_array_mut().expect("notes").push(serde_json::json!(
+            "context parallelism is DeepSpeed-Ulysses: wrap each attention in deepspeed.sequence.layer.DistributedAttention over sequence-parallel groups of sequence_parallel_size ranks (Megatron-DeepSpeed: --ds-sequence-parallel-size); the data-parallel groups are the rest"
         ));
     }
     if d.recompute || d.granularity != crate::cost::Recompute::None {
@@ -360,6 +376,12 @@ fn zero_note(stage: u8) -> &'static str {
 /// layouts at each module's boundary, module paths as the export named them, and the lines
 /// that apply it; or why torch cannot run the plan's layouts.
 pub fn torch_tp_plan(d: &Degrees) -> Result<String, String> {
+    if d.context > 1 {
+        return Err(format!(
+            "the plan is context parallel (Ulysses, {} ways): torch.distributed.tensor.parallel has no all-to-all between sequence and head shards (torch's context_parallel runs ring attention); use the Megatron-LM or DeepSpeed export",
+            d.context
+        ));
+    }
     if d.tensor <= 1 {
         return Err("the plan has no tensor parallelism: nothing for torch.distributed.tensor.parallel to do (data parallelism is DDP/FSDP)".into());
     }
