@@ -120,18 +120,28 @@ fn context_parallelism_says_where_it_does_not_apply() {
     assert!(e.contains("fuse-attention"), "{e}");
 }
 
+fn shardc(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_shardc")).args(args).output().unwrap()
+}
+
+/// A directory of its own (`tag`) holding a reduced Llama of 2 sequences of 96 tokens with its
+/// attention fused, as `shardc parse` writes it; the directory and the model.
+fn cli_model(tag: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("shardc-context-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (model, fused) = (dir.join("llama.onnxtxt"), dir.join("fused.onnxtxt"));
+    std::fs::write(&model, Llama::reduced(2, 2, 96).to_text()).unwrap();
+    let passes = "infer-shapes,canonicalize,fuse-attention";
+    let o = shardc(&["parse", model.to_str().unwrap(), "--passes", passes, "-o", fused.to_str().unwrap()]);
+    assert!(o.status.success(), "{o:?}");
+    (dir, fused)
+}
+
 /// `shardc cost` prices `cp=4` (and `dp=2,cp=2`) with its all-to-alls, says it is context
 /// parallelism, and exports it where the framework has the setting.
 #[test]
 fn cost_prices_and_names_context_parallelism() {
-    let dir = std::env::temp_dir().join(format!("shardc-context-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (model, fused) = (dir.join("llama.onnxtxt"), dir.join("fused.onnxtxt"));
-    std::fs::write(&model, Llama::reduced(2, 1, 96).to_text()).unwrap();
-    let shardc = |args: &[&str]| std::process::Command::new(env!("CARGO_BIN_EXE_shardc")).args(args).output().unwrap();
-    let passes = "infer-shapes,canonicalize,fuse-attention";
-    let o = shardc(&["parse", model.to_str().unwrap(), "--passes", passes, "-o", fused.to_str().unwrap()]);
-    assert!(o.status.success(), "{o:?}");
+    let (dir, fused) = cli_model("cost");
     let o = shardc(&["cost", fused.to_str().unwrap(), "--cluster", "dgx-a100", "--devices", "4", "--strategy", "cp=4"]);
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(o.status.success(), "{o:?}");
@@ -252,5 +262,21 @@ fn a_long_context_llama_3_8b_plans_with_context_parallelism() {
     assert!(tensor.feasible && tensor.step_time_s > r.breakdown.step_time_s, "{}", tensor.step_time_s);
     for config in ["dp=8,cp=8,zero=3", "dp=8,tp=8,sp,zero=3"] {
         assert!(!priced(config).feasible, "{config} fits");
+    }
+}
+
+/// `shardc train --strategy dp=2,cp=2 --check` runs data × context on 4 devices and checks
+/// losses, gradients and parameters against one device.
+#[test]
+fn train_runs_data_times_context_and_checks_it() {
+    let (dir, fused) = cli_model("train");
+    let args = ["train", fused.to_str().unwrap(), "--loss", "mse", "--devices", "4", "--strategy", "dp=2,cp=2"];
+    let o = shardc(&[&args[..], &["--steps", "2", "--check", "--backend", "cpu"]].concat());
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(o.status.success(), "{o:?}");
+    assert!(out.contains("parallelism  data 2 × context 2"), "{out}");
+    for what in ["losses", "gradients", "parameters"] {
+        assert!(out.lines().any(|l| l.contains(&format!("check        {what}")) && l.contains(" ok ")), "{what}: {out}");
     }
 }
