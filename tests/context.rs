@@ -277,6 +277,9 @@ fn train_runs_data_times_context_and_checks_it() {
     assert!(o.status.success(), "{o:?}");
     assert!(out.contains("parallelism  data 2 × context 2"), "{out}");
     for what in ["losses", "gradients", "parameters"] {
-        assert!(out.lines().any(|l| l.contains(&format!("check        {what}")) && l.contains(" ok ")), "{what}: {out}");
+        assert!(
+            out.lines().any(|l| l.contains(&format!("check        {what}")) && l.contains(" ok ")),
+            "{what}: {out}"
+        );
     }
 }
