@@ -310,12 +310,12 @@ impl ZeroLayouts {
         carried: &[(crate::Value, crate::Value)],
         v: crate::Value,
         from: &[AxisShard],
-        batch: &[bool],
+        cuts: &[bool],
         held: impl Fn(crate::Value) -> Option<Sharding>,
     ) -> Sharding {
         match self.gradients.get(&v) {
             Some(l) => l.clone(),
-            None => delivered_layout(g, carried, v, from, batch, held),
+            None => delivered_layout(g, carried, v, from, cuts, held),
         }
     }
 
@@ -337,13 +337,13 @@ impl ZeroLayouts {
 /// layout its state is held in (`held`, when the state is read at all); a gradient output
 /// ([`is_gradient_output`]) as it is (its pieces, partial sums included, are assembled on
 /// the host when they are asked for: a training step moves no bytes for them); any other
-/// output per [`output_layout`].
+/// output per [`output_layout`] (`cuts`: its [`output_cuts`]).
 pub fn delivered_layout(
     g: &crate::Graph,
     carried: &[(crate::Value, crate::Value)],
     v: crate::Value,
     from: &[AxisShard],
-    batch: &[bool],
+    cuts: &[bool],
     held: impl Fn(crate::Value) -> Option<Sharding>,
 ) -> Sharding {
     if is_gradient_output(g, v) {
@@ -354,7 +354,7 @@ pub fn delivered_layout(
         .find(|(n, _)| *n == v)
         .and_then(|&(_, s)| held(s))
         .map(|l| held_layout(&l))
-        .unwrap_or_else(|| output_layout(from, batch))
+        .unwrap_or_else(|| output_layout(from, cuts))
 }
 
 /// Work state of [`reshard`].
@@ -618,13 +618,34 @@ pub fn halo(
     Ok(h)
 }
 
+/// The dims of each graph output its delivered layout keeps cuts of ([`output_layout`]):
+/// those carrying the batch (`batch`: [`crate::ops::flow::batch_dims`]) or the sequence
+/// ([`crate::ops::flow::sequence_dims`]) — what a loss over samples and tokens reads where it
+/// is, and what the host assembles from the pieces (a long sequence's logits are not
+/// gathered onto every device of a context-parallel group).
+pub fn output_cuts(
+    g: &crate::Graph,
+    batch: &std::collections::HashMap<crate::Value, Vec<bool>>,
+) -> std::collections::HashMap<crate::Value, Vec<bool>> {
+    let sequence = crate::ops::flow::sequence_dims(g);
+    let mut cuts = std::collections::HashMap::new();
+    for v in g.outputs().iter().map(|o| o.value) {
+        let (b, s) = (batch.get(&v), sequence.get(&v));
+        let Some(n) = b.or(s).map(Vec::len) else { continue };
+        let flag = |f: Option<&Vec<bool>>, d: usize| f.and_then(|f| f.get(d)).copied().unwrap_or(false);
+        cuts.insert(v, (0..n).map(|d| flag(b, d) || flag(s, d)).collect());
+    }
+    cuts
+}
+
 /// The layout a graph output is delivered in from `layout`: pending sums reduced, and only
-/// cuts of the batch dims (`batch[d]`) kept — what a loss or the host reads.
-pub fn output_layout(layout: &[AxisShard], batch: &[bool]) -> Sharding {
+/// cuts of the dims `cuts` marks kept ([`output_cuts`]: the batch's and the sequence's) —
+/// what a loss or the host reads.
+pub fn output_layout(layout: &[AxisShard], cuts: &[bool]) -> Sharding {
     layout
         .iter()
         .map(|s| match s {
-            AxisShard::Split(d) if batch.get(*d as usize).copied().unwrap_or(false) => *s,
+            AxisShard::Split(d) if cuts.get(*d as usize).copied().unwrap_or(false) => *s,
             _ => AxisShard::Replicate,
         })
         .collect()

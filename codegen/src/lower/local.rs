@@ -26,6 +26,9 @@ pub(crate) struct Shared<'a> {
     pub value_tag: HashMap<Value, i64>,
     /// Per value: which dims carry the batch (divided into micro-batches).
     pub batch: HashMap<Value, Vec<bool>>,
+    /// Per graph output, the dims its delivered layout keeps cuts of
+    /// ([`ir::reshard::output_cuts`]).
+    pub cuts: HashMap<Value, Vec<bool>>,
     /// Ops computed from constants alone, which every stage computes for itself.
     pub everywhere: std::collections::HashSet<NodeId>,
     /// Carried state's next values delivered to other stages than their own, which hold the

@@ -237,6 +237,7 @@ pub fn lower(g: &Graph, placement: &Placement) -> Result<Program, LowerError> {
     }
     let (stage_of_value, value_tag, everywhere) = stages(g, &order, placement)?;
     let batch = ir::ops::flow::batch_dims(g);
+    let cuts = ir::reshard::output_cuts(g, &batch);
     let m = placement.micro_batches.max(1);
     // A weight held in several stages (tied): its new value goes from the stage that updates
     // it to the others, which carry it too.
@@ -257,7 +258,8 @@ pub fn lower(g: &Graph, placement: &Placement) -> Result<Program, LowerError> {
         let s = placement.strategies.get(&u)?;
         strategy_shardings(&iter_space(g, u), s).0.get(j).cloned().flatten()
     });
-    let sh = Shared { g, placement, stage_of_value, value_tag, batch, everywhere, deliver, phases, shard_sends, zero };
+    let sh =
+        Shared { g, placement, stage_of_value, value_tag, batch, cuts, everywhere, deliver, phases, shard_sends, zero };
     let total = placement.device_count();
     let mut programs: Vec<Option<DeviceProgram>> = vec![None; total];
     let mut fallbacks: Vec<String> = Vec::new();
@@ -447,7 +449,8 @@ fn lower_stage(l: &mut Local<'_>, order: &[NodeId], results: &mut Vec<Result_>) 
             }
         }
     }
-    // Graph outputs computed in this stage, delivered reduced and cut only along the batch.
+    // Graph outputs computed in this stage, delivered reduced and cut only along the batch
+    // and the sequence.
     let carried = ir::train::carried_state(g);
     for out in g.outputs() {
         let v = out.value;
@@ -463,8 +466,8 @@ fn lower_stage(l: &mut Local<'_>, order: &[NodeId], results: &mut Vec<Result_>) 
             continue;
         }
         let produced = l.produced.get(&v).cloned().unwrap_or_else(|| vec![AxisShard::Replicate; stage.mesh.axes.len()]);
-        let batch = sh.batch.get(&v).map_or(&[][..], Vec::as_slice);
-        let layout = sh.zero.delivered(g, &carried, v, &produced, batch, |s| l.produced.get(&s).cloned());
+        let cuts = sh.cuts.get(&v).map_or(&[][..], Vec::as_slice);
+        let layout = sh.zero.delivered(g, &carried, v, &produced, cuts, |s| l.produced.get(&s).cloned());
         l.phase = phase_of(v.node);
         let x = l.get(v, &layout)?;
         l.lg.add_output(x, None);
@@ -505,6 +508,7 @@ pub fn reshard_program(
         stage_of_value: HashMap::new(),
         value_tag: HashMap::new(),
         batch: HashMap::new(),
+        cuts: HashMap::new(),
         everywhere: Default::default(),
         deliver: HashMap::new(),
         phases: None,

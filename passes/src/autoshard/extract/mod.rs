@@ -290,8 +290,10 @@ impl Proxy {
                     let vi = &p.values[v.ix()];
                     if outputs.contains(&vi.value) {
                         let from = &p.layouts[op.makes[c][slot].ix()];
-                        let to =
-                            ir::reshard::output_layout(from, cm.batch().get(&vi.value).map_or(&[][..], Vec::as_slice));
+                        let to = ir::reshard::output_layout(
+                            from,
+                            cm.output_cuts().get(&vi.value).map_or(&[][..], Vec::as_slice),
+                        );
                         tm += crate::cost::collective::total(&cm.reshard(vi.value, from, &to, 1.0))
                             + cm.reshard_local(vi.value, from, &to);
                     }

@@ -26,8 +26,8 @@ impl<'a> CostModel<'a> {
         zero: &ir::reshard::ZeroLayouts,
         carried: &[(Value, Value)],
     ) -> Sharding {
-        let batch = self.batch.get(&v).map_or(&[][..], Vec::as_slice);
-        zero.delivered(self.g, carried, v, from, batch, |s| storage.get(&s).cloned())
+        let cuts = self.cuts.get(&v).map_or(&[][..], Vec::as_slice);
+        zero.delivered(self.g, carried, v, from, cuts, |s| storage.get(&s).cloned())
     }
 
     /// The copies a training step holds beside its ops' outputs, as the lowering makes them:

@@ -137,8 +137,9 @@ impl<'a> CostModel<'a> {
                 });
             }
         }
-        // Graph outputs end reduced and cut only along their batch dims (what a loss or the
-        // host reads); the collectives that make them so are part of the forward pass.
+        // Graph outputs end reduced and cut only along their batch and sequence dims (what a
+        // loss or the host reads); the collectives that make them so are part of the forward
+        // pass.
         let deliveries = self.deliveries(&have, &storage, &ir::reshard::ZeroLayouts::default());
         let out_comm: f64 = self.output_comm(&mut w, &edges, &have, &deliveries).iter().sum();
         fwd_total += out_comm;

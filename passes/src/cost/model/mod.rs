@@ -397,6 +397,9 @@ pub struct CostModel<'a> {
     spaces: Arc<HashMap<NodeId, IterSpace>>,
     costs: Arc<HashMap<NodeId, OpCost>>,
     batch: Arc<BatchDims>,
+    /// Per graph output, the dims its delivered layout keeps cuts of
+    /// ([`ir::reshard::output_cuts`]).
+    cuts: Arc<BatchDims>,
     /// A training graph's op phases ([`ir::reshard::step_phases`]): the graph is priced as
     /// it runs, each op once in its phase, with no backward pass or update added.
     phases: Arc<Option<HashMap<NodeId, Phase>>>,
@@ -638,6 +641,7 @@ pub struct Analysis {
     spaces: Arc<HashMap<NodeId, IterSpace>>,
     costs: Arc<HashMap<NodeId, OpCost>>,
     batch: Arc<BatchDims>,
+    cuts: Arc<BatchDims>,
     phases: Arc<Option<HashMap<NodeId, Phase>>>,
     grads: Arc<std::collections::HashSet<Value>>,
     saved: Arc<Option<std::collections::HashSet<Value>>>,
@@ -681,6 +685,7 @@ impl Analysis {
     pub fn of(g: &Graph) -> Analysis {
         let order = g.op_nodes().unwrap_or_default();
         let batch = batch_dims(g);
+        let cuts = ir::reshard::output_cuts(g, &batch);
         let mut spaces = HashMap::new();
         let mut costs = HashMap::new();
         let grads = ir::cost::grad_flow(g, &order);
@@ -698,6 +703,7 @@ impl Analysis {
             spaces: Arc::new(spaces),
             costs: Arc::new(costs),
             batch: Arc::new(batch),
+            cuts: Arc::new(cuts),
             phases: Arc::new(phases),
             grads: Arc::new(grads),
             saved: Arc::new(saved),
@@ -726,6 +732,7 @@ impl<'a> CostModel<'a> {
             spaces: a.spaces.clone(),
             costs: a.costs.clone(),
             batch: a.batch.clone(),
+            cuts: a.cuts.clone(),
             phases: a.phases.clone(),
             stash,
             grads: a.grads.clone(),
@@ -780,6 +787,12 @@ impl<'a> CostModel<'a> {
     /// The batch analysis.
     pub fn batch(&self) -> &BatchDims {
         &self.batch
+    }
+
+    /// Per graph output, the dims its delivered layout keeps cuts of
+    /// ([`ir::reshard::output_cuts`]).
+    pub fn output_cuts(&self) -> &BatchDims {
+        &self.cuts
     }
 
     /// Whether the graph is a training step (priced as it runs: each op once, in its
