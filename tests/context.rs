@@ -254,6 +254,9 @@ fn a_long_context_llama_3_8b_plans_with_context_parallelism() {
     assert!(plan.contains(",cp=") && !plan.contains("tp="), "{plan}");
     let axes: Vec<&str> = r.mesh.axes.iter().map(|a| a.name.as_str()).collect();
     assert_eq!(axes, ["data", "context"]);
+    // The plan says what fits without it (`plan --explain` prints this).
+    let reason = r.context_reason.clone().expect("a context plan says what fits without it");
+    assert!(reason.contains("tp=8") && reason.contains("× this plan's"), "{reason}");
     let priced = |config: &str| {
         let (named, o) = Config::parse(config).and_then(|c| c.resolve(64, Some(8), &opts)).unwrap();
         autoshard::named::price(g, &cluster, 64, &named, &o).unwrap_or_else(|e| panic!("{config}: {e}")).breakdown

@@ -476,6 +476,9 @@ fn explanation(
             t.push_str(&format!("  {} pipeline configurations priced\n", pc.tried.len()));
         }
     }
+    if let Some(c) = &r.context_reason {
+        t.push_str(&format!("  context parallelism: {c}\n"));
+    }
     match explained {
         None => t.push_str(&format!(
             "  no data-parallel plan to compare with: {}\n",

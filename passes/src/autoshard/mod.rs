@@ -271,6 +271,9 @@ pub struct SearchResult {
     /// The rungs of the memory ladder searched, the caller's options first (empty when the
     /// first plan fit).
     pub ladder: Vec<LadderRung>,
+    /// Where the plan is the configuration grid's context-parallel one: what fits without
+    /// context parallelism ([`grid::GridPlan::context_reason`]).
+    pub context_reason: Option<String>,
 }
 
 /// One rung of the memory ladder: its best plan's step time and memory.
@@ -577,6 +580,7 @@ impl SearchResult {
             rewrites: Vec::new(),
             options: None,
             ladder: Vec::new(),
+            context_reason: None,
         }
     }
 
@@ -598,6 +602,7 @@ fn adopt_grid(r: &mut SearchResult, gp: grid::GridPlan, opts: &Options) {
     r.assignment = gp.assignment;
     r.breakdown = gp.breakdown;
     r.same_as = Some(gp.config);
+    r.context_reason = gp.context_reason;
     let changed = gp.options.memory_fields() != opts.memory_fields() || gp.options.accumulation != opts.accumulation;
     r.options = changed.then_some(gp.options);
     r.pipeline = gp.pipeline.map(|mut p| {
@@ -966,6 +971,7 @@ pub(crate) fn search_intra_with(
             rewrites: Vec::new(),
             options: None,
             ladder: Vec::new(),
+            context_reason: None,
             folded: None,
         });
     }
