@@ -216,3 +216,35 @@ fn a_causal_mask_becomes_is_causal() {
         compare(to, &got[0], &want[0], 1e-4, 1e-5).unwrap();
     }
 }
+
+/// A causal attention's work is the scores its mask keeps, `(s + 1)/2s` of a full one's (the
+/// same attention with its mask as a tensor counts all of them); on an H100 the fused kernel
+/// runs at its published rate (cuDNN's, `attention_efficiency`), not the GEMMs'.
+#[test]
+fn causal_attention_prices_the_scores_it_keeps_at_the_kernels_rate() {
+    let s = 512;
+    let text = Llama::reduced(1, 2, s).to_text();
+    let attention = |text: &str| {
+        let (f, _) = fused(&drawn(text));
+        let n = f.graph.op_nodes().unwrap().into_iter().find(|&n| f.graph.node(n).op.op_type() == "Attention").unwrap();
+        (f, n)
+    };
+    let (causal, nc) = attention(&text);
+    let (masked, nm) = attention(&text.replace("mask_fill = {-10000}", "mask_fill = {-1}"));
+    let flops = |m: &ir::Model, n| {
+        let cluster = passes::cost::Cluster::preset("dgx-h100").unwrap();
+        let mesh = ir::shard::Mesh::line(1, ir::shard::LinkLevel::Intra);
+        let opts = passes::cost::Options { precision: passes::cost::Precision::Fp16, ..Default::default() };
+        let cm = passes::cost::CostModel::new(&m.graph, &cluster, mesh, opts);
+        let t = cm.op_time(n, &[None]);
+        (cm.node_cost(n).fwd_flops, t.fwd, t.bwd)
+    };
+    let ((fc, tc, bc), (fm, tm, _)) = (flops(&causal, nc), flops(&masked, nm));
+    let want = (s + 1) as f64 / (2 * s) as f64;
+    assert!((fc / fm - want).abs() < 1e-9, "causal/full FLOPs {} vs {want}", fc / fm);
+    // Large enough to run at the kernel's rate (launches aside), forward and backward.
+    let (peak, [fwd_eff, bwd_eff]) = (989e12, [595.0 / 989.0, 516.0 / 989.0]);
+    assert!(tc > fc / (peak * fwd_eff) && tc < 1.05 * fc / (peak * fwd_eff) + 1e-5, "{tc} s for {fc} FLOPs");
+    assert!(bc > 2.5 * fc / (peak * bwd_eff), "{bc} s backward");
+    assert!(tm > tc, "the full attention takes longer");
+}

@@ -96,9 +96,12 @@ impl OpRules for op::Attention {
         Some(attention_space(self, cx))
     }
 
-    /// QKᵀ and PV: 2·b·h·q·kv·(d + dv), and the softmax over the scores. The backward
-    /// recomputes the scores and probabilities (the op keeps none of them) and runs four
-    /// products of the forward's size: 2.5 times the forward's work.
+    /// QKᵀ and PV: 2·b·h·q·kv·(d + dv), and the softmax over the scores — of the scores a
+    /// causal mask keeps only (a query row attends to the keys up to its own position, after
+    /// the cache: `q·past + q(q+1)/2` of `q·kv`; flash kernels skip the blocks above the
+    /// diagonal, as the runtime's kernel skips the keys). The backward recomputes the scores
+    /// and probabilities (the op keeps none of them) and runs four products of the forward's
+    /// size: 2.5 times the forward's work.
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
         let q = cx.in_dims(0);
         let y = cx.out_dims(0);
@@ -107,7 +110,15 @@ impl OpRules for op::Attention {
         let rows = if q.len() == 4 { q[0] * q[1] * q[2] } else { q[0] * q[1] * self.q_num_heads.unwrap_or(1) };
         let d = *q.last()? / if q.len() == 3 { self.q_num_heads.unwrap_or(1).max(1) } else { 1 };
         let dv = *y.last()? / if q.len() == 3 { self.q_num_heads.unwrap_or(1).max(1) } else { 1 };
-        let fwd = 2.0 * (rows * total) as f64 * (d + dv) as f64 + 5.0 * (rows * total) as f64;
+        let sq = if q.len() == 4 { q[2] } else { q[1] };
+        let kept = if self.is_causal.unwrap_or(0) != 0 && sq > 0 && total >= sq {
+            let past = (total - sq) as f64;
+            let sq = sq as f64;
+            (sq * past + sq * (sq + 1.0) / 2.0) / (sq * total as f64)
+        } else {
+            1.0
+        };
+        let fwd = kept * (2.0 * (rows * total) as f64 * (d + dv) as f64 + 5.0 * (rows * total) as f64);
         Some(Work { fwd_flops: fwd, backward: super::Backward::Times(2.5), launches: 1.0, parallel: None })
     }
 

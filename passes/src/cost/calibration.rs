@@ -35,6 +35,7 @@ pub fn local_cluster(c: &Calibration, name: &str, source: &str, devices: usize) 
             gemm_k_overhead: c.gemm_k_overhead,
             sms: 0,
             conv_grad_efficiency: c.conv_grad_efficiency,
+            attention_efficiency: [0.0; 2],
             transpose_efficiency: c.transpose_efficiency,
             transpose_cached_bytes: c.transpose_cached_bytes,
             kernel_factors: c.kernel_factors.iter().cloned().collect(),

@@ -106,6 +106,12 @@ pub struct Device {
     /// runtime's own kernels.
     #[serde(default = "default_one")]
     pub conv_grad_efficiency: f64,
+    /// Fraction of peak a fused attention kernel (`Attention`: flash attention) reaches in
+    /// the forward and in the backward pass, with a causal mask's skipped half not counted as
+    /// work; 0: the GEMM `efficiency`. From published kernel benchmarks where the presets
+    /// have them.
+    #[serde(default)]
+    pub attention_efficiency: [f64; 2],
     /// Fraction of `mem_bandwidth` a transpose that moves the innermost dim reaches once its
     /// tensor outgrows `transpose_cached_bytes` (its reads or its writes are strided): 1 where
     /// such copies stream like any other, measured by `shardc calibrate` for the runtime's own
@@ -400,6 +406,7 @@ fn a100() -> Device {
         gemm_k_overhead: 32.0,
         sms: 108,
         conv_grad_efficiency: 1.0,
+        attention_efficiency: [0.0; 2],
         transpose_efficiency: 1.0,
         transpose_cached_bytes: 0.0,
         kernel_factors: Default::default(),
@@ -466,6 +473,10 @@ fn dgx_h100(nodes: usize) -> Cluster {
             gemm_k_overhead: 32.0,
             sms: 132,
             conv_grad_efficiency: 1.0,
+            // cuDNN's fused attention (what Transformer Engine runs on Hopper), head dim 128
+            // at 16k tokens, bf16: forward 595 and backward 516 TFLOP/s of 989 (Shah et al.
+            // 2024, FlashAttention-3, Figs. 5–6; FlashAttention-2 reaches 370 and 322).
+            attention_efficiency: [595.0 / 989.0, 516.0 / 989.0],
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,
             kernel_factors: Default::default(),
@@ -523,6 +534,7 @@ fn pcie_v100x8() -> Cluster {
             gemm_k_overhead: 32.0,
             sms: 80,
             conv_grad_efficiency: 1.0,
+            attention_efficiency: [0.0; 2],
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,
             kernel_factors: Default::default(),
@@ -572,6 +584,7 @@ fn dgx1_v100() -> Cluster {
             gemm_k_overhead: 32.0,
             sms: 80,
             conv_grad_efficiency: 1.0,
+            attention_efficiency: [0.0; 2],
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,
             kernel_factors: Default::default(),

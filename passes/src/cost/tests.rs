@@ -35,6 +35,7 @@ fn toy() -> Cluster {
             gemm_k_overhead: 0.0,
             sms: 0,
             conv_grad_efficiency: 1.0,
+            attention_efficiency: [0.0; 2],
             transpose_efficiency: 1.0,
             transpose_cached_bytes: 0.0,
             kernel_factors: Default::default(),

@@ -210,8 +210,11 @@ impl<'a> CostModel<'a> {
         };
         // A convolution's gradients run kernels of their own, at their own rate.
         let grad_rate = if matches!(node.op, Op::Conv(_)) { d.conv_grad_efficiency } else { 1.0 };
+        let or_gemm = |e: f64| if e > 0.0 { e } else { eff };
         let (fwd_eff, bwd_eff) = match &node.op {
             Op::ConvGradInput(_) | Op::ConvGradWeight(_) => (eff * d.conv_grad_efficiency, eff),
+            // A fused attention kernel at its own published rate.
+            Op::Attention(_) => (or_gemm(d.attention_efficiency[0]), or_gemm(d.attention_efficiency[1])),
             _ => (eff, eff * grad_rate),
         };
         let bwd_flops = (c.bwd_data_flops + c.bwd_weight_flops) / f;
