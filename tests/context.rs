@@ -220,8 +220,8 @@ fn data_times_context_trains_like_one_device() {
     let (n, _) = config.resolve(4, Some(2), &Options::default()).unwrap();
     assert_eq!(n.name(), "context:dp:2");
     let e =
-        shardc::passes::autoshard::config::Config::parse("tp=2,cp=2").unwrap().resolve(4, Some(2), &Options::default());
-    assert!(e.unwrap_err().contains("tp=1, pp=1"));
+        shardc::passes::autoshard::config::Config::parse("pp=2,cp=2").unwrap().resolve(4, Some(2), &Options::default());
+    assert!(e.unwrap_err().contains("pp=1"));
 }
 
 /// Llama-3-8B at 131,072 tokens, 8 sequences, on 64 H100s (8 nodes) in bf16: the search
@@ -315,4 +315,39 @@ fn a_context_parallel_output_stays_on_its_sequence_shards() {
     let _ = std::fs::remove_dir_all(&dir);
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(o.status.success() && out.lines().any(|l| l.trim_start().starts_with('y') && l.contains(" ok")), "{o:?}");
+}
+
+/// Context × tensor (`tp=2,cp=2`, `context:tp:2`), and data × context × tensor on 8 devices:
+/// Megatron over the tensor axis, Ulysses over the context axis, each attention's heads over
+/// both — proved, and trained as one device trains.
+#[test]
+fn context_times_tensor_trains_like_one_device() {
+    let (g, info) = llama_batch(2, 32);
+    let inputs = shardc::train::seeded_inputs(&g, &info, 11).expect("inputs");
+    let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, 2).expect("one device");
+    for (strategy, devices) in [("context:tp:2", 4), ("context:dp:2,tp:2", 8)] {
+        let p = program(&g, strategy, devices);
+        let kinds = collectives(&p);
+        // At least the forward attentions' all-to-alls (q, k, v in and the output back).
+        assert!(kinds.get("AllToAll").copied().unwrap_or(0) >= 2 * 4, "{strategy}: {kinds:?}");
+        assert!(p.fallbacks.is_empty(), "{strategy}: {:?}", p.fallbacks);
+        // Each attention runs on one of the 4 query heads (2 tensor × 2 context).
+        let lg = &p.devices[1].graph;
+        let attention =
+            lg.op_nodes().unwrap().into_iter().find(|&n| matches!(lg.node(n).op, Op::Attention(_))).unwrap();
+        let q = lg.tensor_type(lg.node(attention).input(0).unwrap()).and_then(|t| t.static_dims()).unwrap();
+        assert_eq!(q[1], 1, "{strategy}: device 1's attention query {q:?}");
+        verify(&g, &p).unwrap_or_else(|e| panic!("{strategy}: not proved: {e}"));
+        let got = shardc::train::run_steps(&p, &info, &inputs, Backend::Cpu, 2).expect(strategy);
+        for (what, a, b) in
+            [("gradients", &got.gradients, &one.gradients), ("parameters", &got.parameters, &one.parameters)]
+        {
+            let (r, at) = shardc::train::worst(a, b, (1e-4, 1e-5));
+            assert!(r <= 1.0, "{strategy} {what}: {r:.2}× the tolerance at {at}");
+        }
+    }
+    let config = shardc::passes::autoshard::config::Config::parse("dp=2,tp=2,cp=2").unwrap();
+    let (n, _) = config.resolve(8, Some(2), &Options::default()).unwrap();
+    assert_eq!(n.name(), "context:dp:2,tp:2");
+    assert_eq!(shardc::passes::autoshard::Named::parse("context:dp:2,tp:2").unwrap(), n);
 }

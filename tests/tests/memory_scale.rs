@@ -137,9 +137,10 @@ fn configurations_check_their_degrees_and_say_what_is_not_priced() {
     let resolve = |s: &str, d: usize| Config::parse(s).and_then(|c| c.resolve(d, Some(8), &opts).map(|(n, _)| n));
     assert!(resolve("tp=4,dp=4", 8).unwrap_err().contains("16 devices"));
     assert!(resolve("tp=3", 8).unwrap_err().contains("does not divide"));
-    assert_eq!(resolve("cp=2", 8).unwrap(), autoshard::named::Named::Context { dp: 4 });
-    assert!(resolve("cp=2,tp=2", 8).unwrap_err().contains("context parallelism"));
-    assert_eq!(resolve("cp=8", 8).unwrap(), autoshard::named::Named::Context { dp: 1 });
+    assert_eq!(resolve("cp=2", 8).unwrap(), autoshard::named::Named::Context { dp: 4, tp: 1 });
+    assert_eq!(resolve("cp=2,tp=2", 8).unwrap(), autoshard::named::Named::Context { dp: 2, tp: 2 });
+    assert!(resolve("cp=2,pp=2", 8).unwrap_err().contains("context parallelism"));
+    assert_eq!(resolve("cp=8", 8).unwrap(), autoshard::named::Named::Context { dp: 1, tp: 1 });
     assert!(resolve("ep=2", 8).unwrap_err().contains("expert parallelism"));
     assert!(resolve("vp=2", 8).unwrap_err().contains("give pp > 1"));
     assert!(resolve("pp=2,vp=2,schedule=gpipe", 8).unwrap_err().contains("interleaved schedule"));

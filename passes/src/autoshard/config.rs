@@ -12,9 +12,9 @@
 //! `schedule` 1f1b; `flash` off (attention as the model writes it). The
 //! product of the degrees must be the devices used. A configuration resolves to a named
 //! strategy ([`Named`]: `data`, `megatron`, `hybrid:dp:D,tp:T`,
-//! `pipeline:S:M[:interleaved:V][:tp:T]`, `context[:dp:D]` for `cp` with or without `dp`)
-//! and the cost-model options it sets; what the cost model cannot price yet (`ep`, `cp` with
-//! `tp` or `pp`) is refused with the reason. `pp` with `tp` is a pipeline of Megatron (or
+//! `pipeline:S:M[:interleaved:V][:tp:T]`, `context[:dp:D,tp:T]` for `cp` with or without `dp`
+//! and `tp`) and the cost-model options it sets; what the cost model cannot price yet (`ep`,
+//! `cp` with `pp`) is refused with the reason. `pp` with `tp` is a pipeline of Megatron (or
 //! data × Megatron) stages; `vp` > 1 the interleaved schedule.
 
 use super::named::Named;
@@ -181,10 +181,10 @@ impl Config {
         if self.ep > 1 {
             return Err(format!("ep={}: the cost model does not price expert parallelism yet", self.ep));
         }
-        if self.cp > 1 && (self.tp, self.pp) != (1, 1) {
+        if self.cp > 1 && self.pp != 1 {
             return Err(format!(
-                "cp={}: context parallelism (Ulysses) runs beside data parallelism only for now: give tp=1, pp=1 (got tp={}, pp={})",
-                self.cp, self.tp, self.pp
+                "cp={}: context parallelism (Ulysses) runs beside data and tensor parallelism, not yet in pipeline stages: give pp=1 (got pp={})",
+                self.cp, self.pp
             ));
         }
         let schedule = self.schedule()?;
@@ -210,7 +210,7 @@ impl Config {
             o.accumulation = b / (dp * mbs);
         }
         let named = match (self.pp, self.tp, dp) {
-            _ if self.cp > 1 => Named::Context { dp },
+            _ if self.cp > 1 => Named::Context { dp, tp: self.tp },
             (1, 1, _) => Named::Data,
             (1, t, 1) if t > 1 => Named::Megatron,
             (1, tp, dp) => Named::Hybrid { dp, tp },

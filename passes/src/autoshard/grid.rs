@@ -10,7 +10,7 @@
 //!
 //! The walk: tensor degrees that divide a node (largest first), then pipeline stage counts
 //! (fewest first, at most the model's blocks), then micro-batch sizes — and on a model with
-//! fused attention, data × context (Ulysses) points after them; for each, the memory
+//! fused attention, data × context (Ulysses) × tensor points after them; for each, the memory
 //! rungs in about the order of their cost (as given; ZeRO-1; selective recomputation; with
 //! ZeRO-1; full recomputation; with ZeRO-1; with ZeRO-3 — with tensor parallelism, each with
 //! sequence parallelism) until one fits and on while the step falls (a pipeline whose stages
@@ -87,7 +87,7 @@ fn divisors(n: usize) -> Vec<usize> {
 /// `stages` limits the pipeline stage counts (`None`: any), never more than the model's
 /// `blocks`. Without `accumulate`, a configuration without stages runs the replica's whole
 /// batch (the lowering runs no gradient accumulation of its own). With `context`, data ×
-/// context points follow (each power-of-two context degree).
+/// context × tensor points follow (each power-of-two context degree, each tensor degree).
 fn points(
     cluster: &Cluster,
     devices: usize,
@@ -116,13 +116,12 @@ fn points(
     }
     if context && stages.is_none_or(|s| s.contains(&1)) {
         for cp in divisors(devices).into_iter().filter(|c| *c > 1 && c.is_power_of_two()) {
-            let data = devices / cp;
-            if batch.is_multiple_of(data) {
-                out.extend(micro_sizes(
-                    Point { tensor: 1, stages: 1, data, context: cp, mbs: None },
-                    batch,
-                    accumulate,
-                ));
+            for &tensor in tensors.iter().filter(|&&t| (devices / cp).is_multiple_of(t)) {
+                let data = devices / (cp * tensor);
+                if batch.is_multiple_of(data) {
+                    let p = Point { tensor, stages: 1, data, context: cp, mbs: None };
+                    out.extend(micro_sizes(p, batch, accumulate));
+                }
             }
         }
     }
@@ -148,9 +147,12 @@ fn micro_sizes(p: Point, batch: usize, accumulate: bool) -> impl Iterator<Item =
 
 /// The configuration string of a point on a rung.
 fn describe(p: Point, schedule: Schedule, o: &Options) -> String {
-    let mut f = vec![format!("dp={}", p.data), format!("tp={}", p.tensor)];
+    let mut f = vec![format!("dp={}", p.data)];
+    if p.tensor > 1 || p.context == 1 {
+        f.push(format!("tp={}", p.tensor));
+    }
     if p.context > 1 {
-        f[1] = format!("cp={}", p.context);
+        f.push(format!("cp={}", p.context));
     }
     if p.stages > 1 {
         f.push(format!("pp={}", p.stages));
@@ -376,7 +378,7 @@ fn plan_point(
         });
     }
     let named = if p.context > 1 {
-        Named::Context { dp: p.data }
+        Named::Context { dp: p.data, tp: p.tensor }
     } else {
         Named::stage_strategy(p.tensor, devices).map_err(|_| false)?
     };

@@ -53,11 +53,14 @@ pub enum Named {
     /// Data-parallel convolutions, model-parallel fully connected layers.
     Owt,
     /// Ulysses context parallelism: the sequence split, attention by heads — over every
-    /// device (`dp` 1), or over the last axis of a `dp × cp` mesh whose other axes split the
-    /// batch (`dp` 0: whatever mesh the cost model has, as a seed of the search).
+    /// device (`dp` and `tp` 1), or over the context axis of a `dp × cp × tp` mesh whose data
+    /// axis splits the batch and whose tensor axis runs Megatron (attention heads split over
+    /// both the context and the tensor axis).
     Context {
         /// Data-parallel ways.
         dp: usize,
+        /// Tensor-parallel ways.
+        tp: usize,
     },
     /// Pipeline: stages of equal device groups, each sharded data-parallel, or Megatron-style
     /// over `tensor` of its devices (the rest data-parallel).
@@ -87,11 +90,8 @@ impl Named {
             ["model"] => Named::Model,
             ["spatial"] => Named::Spatial,
             ["owt"] => Named::Owt,
-            ["context"] | ["ulysses"] => Named::Context { dp: 1 },
-            ["context" | "ulysses", "dp", d] => match d.parse::<usize>() {
-                Ok(dp) if dp >= 1 => Named::Context { dp },
-                _ => return Err(format!("`{s}`: write context:dp:D (data × context), D at least 1")),
-            },
+            ["context"] | ["ulysses"] => Named::Context { dp: 1, tp: 1 },
+            ["context" | "ulysses", ..] => Named::parse_context(s)?,
             ["megatron"] | ["tensor"] => Named::Megatron,
             ["spatial-hybrid", ds] => {
                 let (d, sp) = ds
@@ -130,10 +130,27 @@ impl Named {
             ["pipeline", st, m, rest @ ..] => Named::parse_pipeline(s, st, m, rest)?,
             _ => {
                 return Err(format!(
-                    "unknown strategy `{s}`; strategies are data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context (ulysses), context:dp:D, pipeline:S:M[:gpipe|:1f1b|:interleaved:V][:tp:T]; or a configuration such as tp=8,pp=8,vp=3"
+                    "unknown strategy `{s}`; strategies are data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context (ulysses), context:dp:D,tp:T, pipeline:S:M[:gpipe|:1f1b|:interleaved:V][:tp:T]; or a configuration such as tp=8,pp=8,vp=3"
                 ));
             }
         })
+    }
+
+    /// `context:dp:D,tp:T` (either part may be left out: 1).
+    fn parse_context(s: &str) -> Result<Named, String> {
+        let usage = || format!("`{s}`: write context:dp:D,tp:T (data × context × tensor; either part may be left out)");
+        let rest = s.split_once(':').map_or("", |(_, r)| r);
+        let (mut dp, mut tp) = (1, 1);
+        for part in rest.split(',') {
+            let (k, v) = part.split_once(':').ok_or_else(usage)?;
+            let n = v.trim().parse::<usize>().ok().filter(|n| *n >= 1).ok_or_else(usage)?;
+            match k.trim() {
+                "dp" => dp = n,
+                "tp" => tp = n,
+                _ => return Err(usage()),
+            }
+        }
+        Ok(Named::Context { dp, tp })
     }
 
     /// `pipeline:S:M[:gpipe|:1f1b|:interleaved:V][:tp:T]` after its first word (`s` whole, for
@@ -190,8 +207,14 @@ impl Named {
             Named::Hybrid { dp, tp } => format!("hybrid:dp:{dp},tp:{tp}"),
             Named::SpatialHybrid(d, s) => format!("spatial-hybrid:{d}x{s}"),
             Named::Owt => "owt".into(),
-            Named::Context { dp: 0 | 1 } => "context".into(),
-            Named::Context { dp } => format!("context:dp:{dp}"),
+            Named::Context { dp, tp } => {
+                let parts: Vec<String> = [("dp", *dp), ("tp", *tp)]
+                    .iter()
+                    .filter(|(_, n)| *n > 1)
+                    .map(|(k, n)| format!("{k}:{n}"))
+                    .collect();
+                if parts.is_empty() { "context".into() } else { format!("context:{}", parts.join(",")) }
+            }
             Named::Pipeline { stages, micro, schedule, tensor: 1 } => {
                 format!("pipeline:{stages}:{micro}:{}", schedule.name())
             }
@@ -227,15 +250,38 @@ impl Named {
         match self {
             Named::SpatialHybrid(d, s) => two((*d, *s), format!("spatial-hybrid:{d}x{s}"), ("samples", "space")),
             Named::Hybrid { dp, tp } => two((*dp, *tp), format!("hybrid:dp:{dp},tp:{tp}"), ("data", "tensor")),
-            Named::Context { dp } if *dp > 1 => {
-                if !devices.is_multiple_of(*dp) {
-                    return Err(format!("context:dp:{dp}: {dp} data-parallel ways do not divide {devices} devices"));
-                }
-                two((*dp, devices / dp), format!("context:dp:{dp}"), ("data", "context"))
-            }
+            Named::Context { dp, tp } if dp * tp > 1 => context_mesh(cluster, devices, (*dp, *tp), &self.name()),
             _ => cluster.mesh(devices),
         }
     }
+}
+
+/// The `data × context × tensor` mesh of `devices` devices (`dp`, `tp` ways; a data or tensor
+/// axis of one device left out): the tensor axis innermost, inside a node; the context axis
+/// inside a node with it where they fit.
+fn context_mesh(cluster: &Cluster, devices: usize, (dp, tp): (usize, usize), what: &str) -> Result<Mesh, String> {
+    if !devices.is_multiple_of(dp * tp) || devices / (dp * tp) < 2 {
+        return Err(format!(
+            "{what}: dp × tp = {} leaves no context-parallel group of 2 or more of {devices} devices",
+            dp * tp
+        ));
+    }
+    cluster.mesh(devices)?;
+    let cp = devices / (dp * tp);
+    let dpn = cluster.devices_per_node;
+    let level = |within: usize| {
+        if within <= dpn && dpn.is_multiple_of(within) { LinkLevel::Intra } else { LinkLevel::Inter }
+    };
+    let axis = |name: &str, size: usize, level: LinkLevel| MeshAxis { name: name.into(), size, level };
+    let mut axes = Vec::new();
+    if dp > 1 {
+        axes.push(axis("data", dp, level(devices)));
+    }
+    axes.push(axis("context", cp, level(cp * tp)));
+    if tp > 1 {
+        axes.push(axis("tensor", tp, level(tp)));
+    }
+    Ok(Mesh { axes })
 }
 
 /// True for ops whose weight input is a parameter: the layers that model parallelism splits.
@@ -364,7 +410,7 @@ fn applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context::Sequenc
     if matches!(named, Named::Hybrid { .. } | Named::SpatialHybrid(..)) && cm.mesh.axes.len() < 2 {
         return Err(format!("{name}: needs a mesh of two axes"));
     }
-    let (data_axes, _) = context_axes(cm, named);
+    let (data_axes, _, tensor_axes) = context_axes(cm, named);
     let batch_split = matches!(named, Named::Data | Named::Hybrid { .. } | Named::SpatialHybrid(..));
     if batch_split || !data_axes.is_empty() {
         if !has_batch {
@@ -395,6 +441,9 @@ fn applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context::Sequenc
         Named::Model | Named::Megatron | Named::Hybrid { .. } if weighted.is_empty() => {
             Err(format!("{name}: the model has no layer with weights to split"))
         }
+        Named::Context { .. } if !tensor_axes.is_empty() && weighted.is_empty() => {
+            Err(format!("{name}: the model has no layer with weights to split"))
+        }
         Named::Spatial | Named::SpatialHybrid(..) if !has_spatial => {
             Err(format!("{name}: the model has no convolution or pooling with spatial dims to split"))
         }
@@ -406,24 +455,24 @@ fn applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context::Sequenc
     }
 }
 
-/// The mesh axes a context-parallel strategy splits the batch over and those it splits the
-/// sequence over: none and all for `context` over every device (or a mesh of one axis), the
-/// leading ones and the last on a `dp × cp` mesh; none and none for other strategies.
-fn context_axes(cm: &CostModel<'_>, named: &Named) -> (Vec<usize>, Vec<usize>) {
+/// The mesh axes a context-parallel strategy splits the batch over, the sequence over, and
+/// runs Megatron over: all context for `context` over every device, else on
+/// [`context_mesh`]'s axes the first data (with `dp` > 1), the last tensor (with `tp` > 1)
+/// and the rest context; none for other strategies.
+fn context_axes(cm: &CostModel<'_>, named: &Named) -> (Vec<usize>, Vec<usize>, Vec<usize>) {
     let k = cm.mesh.axes.len();
-    match named {
-        Named::Context { dp: 1 } => (Vec::new(), (0..k).collect()),
-        Named::Context { .. } if k < 2 => (Vec::new(), (0..k).collect()),
-        Named::Context { .. } => ((0..k - 1).collect(), vec![k - 1]),
-        _ => (Vec::new(), Vec::new()),
-    }
+    let Named::Context { dp, tp } = *named else { return (Vec::new(), Vec::new(), Vec::new()) };
+    let data: Vec<usize> = if dp > 1 && k > 1 { vec![0] } else { Vec::new() };
+    let tensor: Vec<usize> = if tp > 1 && k > data.len() + 1 { vec![k - 1] } else { Vec::new() };
+    let context = (data.len()..k - tensor.len()).collect();
+    (data, context, tensor)
 }
 
 /// Context parallelism needs a sequence the context axes' devices divide and attention ops
 /// whose heads they divide (fused `Attention`, 4-D: `passes::FuseAttention` makes them from
 /// exported attention).
 fn context_applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context::SequenceDims) -> Result<(), String> {
-    let (_, axes) = context_axes(cm, named);
+    let (_, axes, tensor) = context_axes(cm, named);
     let ways = axes.iter().map(|&a| cm.mesh.axes[a].size).product::<usize>() as i64;
     let seq =
         super::context::sequence_len(cm, sequence).ok_or("context: the model has no input with a sequence dim")?;
@@ -434,7 +483,10 @@ fn context_applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context:
     if attention.is_empty() {
         return Err("context: no fused attention with heads to split (run canonicalize and fuse-attention)".into());
     }
-    if let Some(&n) = attention.iter().find(|&&n| super::context::ulysses(cm, n, sequence, &axes).is_none()) {
+    // (With tensor parallelism the heads split over both axes.)
+    let both: Vec<usize> = axes.iter().chain(&tensor).copied().collect();
+    if let Some(&n) = attention.iter().find(|&&n| super::context::ulysses(cm, n, sequence, &both).is_none()) {
+        let ways: usize = both.iter().map(|&a| cm.mesh.axes[a].size).product();
         return Err(format!("context: {} does not split its heads over {ways} devices", cm.g.describe(n)));
     }
     Ok(())
@@ -475,7 +527,7 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
     // (The sequence dims, a flow over the whole graph, once: `context` checks and splits by them.)
     let is_context = matches!(named, Named::Context { .. });
     let sequence = if is_context { ir::ops::flow::sequence_dims(cm.g) } else { Default::default() };
-    let (data_axes, context_axes) = context_axes(cm, named);
+    let axes = context_axes(cm, named);
     applies(cm, named, &sequence)?;
     let k = cm.mesh.axes.len();
     let all_axes: Vec<usize> = (0..k).collect();
@@ -500,7 +552,7 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
                 }
             }
             Named::Spatial => windowed(n).then(|| spatial_split(cm, n, &all_axes)).flatten(),
-            Named::Context { .. } => data_then_context(cm, n, &sequence, &data_axes, &context_axes),
+            Named::Context { .. } => context_split(cm, &asg, n, &sequence, &axes),
             // Batch over axis 0, Megatron over axis 1, the rest following the input.
             Named::Hybrid { .. } => Some(data_then_megatron(cm, &asg, n, &[0], 1)),
             Named::SpatialHybrid(..) => {
@@ -607,6 +659,31 @@ pub fn hybrid_over(cm: &CostModel<'_>, tp: usize) -> Result<Assignment, String> 
         asg.strategies.insert(n, s);
     }
     Ok(asg)
+}
+
+/// Op `n`'s strategy under data × context × tensor parallelism over `axes`
+/// ([`context_axes`]): without a tensor axis [`data_then_context`]; with one, data and
+/// Megatron ([`data_then_megatron`]), then Ulysses' split on the context axes where that is
+/// valid beside them (attention: its heads over the context and the tensor axes).
+fn context_split(
+    cm: &CostModel<'_>,
+    asg: &Assignment,
+    n: NodeId,
+    sequence: &super::context::SequenceDims,
+    (dp, cp, tp): &(Vec<usize>, Vec<usize>, Vec<usize>),
+) -> Option<Vec<Option<usize>>> {
+    let Some(&t) = tp.first() else { return data_then_context(cm, n, sequence, dp, cp) };
+    let mut s = data_then_megatron(cm, asg, n, dp, t);
+    if let Some(u) = super::context::ulysses(cm, n, sequence, cp) {
+        let mut m = s.clone();
+        for &a in cp {
+            m[a] = u[a];
+        }
+        if strategy_valid(cm.space(n), &m, &cm.mesh, cm.g, n) {
+            s = m;
+        }
+    }
+    Some(s)
 }
 
 /// Op `n`'s strategy under data parallel over the axes `dp` and Ulysses over `cp`
