@@ -619,10 +619,14 @@ pub fn halo(
 }
 
 /// The dims of each graph output its delivered layout keeps cuts of ([`output_layout`]):
-/// those carrying the batch (`batch`: [`crate::ops::flow::batch_dims`]) or the sequence
-/// ([`crate::ops::flow::sequence_dims`]) — what a loss over samples and tokens reads where it
-/// is, and what the host assembles from the pieces (a long sequence's logits are not
-/// gathered onto every device of a context-parallel group).
+/// every dim of an output per sample or per token — one with a dim carrying the batch
+/// (`batch`: [`crate::ops::flow::batch_dims`]) or the sequence
+/// ([`crate::ops::flow::sequence_dims`]) — none of any other (state, a scalar). A loss over
+/// samples and tokens reads its predictions where they are, as Megatron's vocab-parallel
+/// cross-entropy reads logits cut along the vocabulary (its per-token max and sum
+/// all-reductions, B·S values each, are not priced), and the host assembles the pieces: a
+/// long sequence's logits are not gathered onto every device of a context-parallel group,
+/// nor a vocabulary-parallel head's onto every device of its tensor group.
 pub fn output_cuts(
     g: &crate::Graph,
     batch: &std::collections::HashMap<crate::Value, Vec<bool>>,
@@ -633,14 +637,15 @@ pub fn output_cuts(
         let (b, s) = (batch.get(&v), sequence.get(&v));
         let Some(n) = b.or(s).map(Vec::len) else { continue };
         let flag = |f: Option<&Vec<bool>>, d: usize| f.and_then(|f| f.get(d)).copied().unwrap_or(false);
-        cuts.insert(v, (0..n).map(|d| flag(b, d) || flag(s, d)).collect());
+        let per_token = (0..n).any(|d| flag(b, d) || flag(s, d));
+        cuts.insert(v, vec![per_token; n]);
     }
     cuts
 }
 
 /// The layout a graph output is delivered in from `layout`: pending sums reduced, and only
-/// cuts of the dims `cuts` marks kept ([`output_cuts`]: the batch's and the sequence's) —
-/// what a loss or the host reads.
+/// cuts of the dims `cuts` marks kept ([`output_cuts`]: every dim of a per-sample or
+/// per-token output) — what a loss or the host reads.
 pub fn output_layout(layout: &[AxisShard], cuts: &[bool]) -> Sharding {
     layout
         .iter()

@@ -1003,14 +1003,28 @@ impl OpRules for op::SliceGrad {
         cx.one(Some(shape.iter().map(|&d| Dim::Fixed(d)).collect()))
     }
 
+    /// Every dim the slice did not cut splits as an element-wise op's (dy's dim `i` is the
+    /// output's dim `i`: a RoPE half's gradient stays split along the batch, the heads and
+    /// the sequence); the sliced dims stay whole. Axes not known as constants: whole.
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
-        // The batch (dim 0) splits when the slice does not cut it.
-        let r = cx.in_dims(0).len() as i64;
-        let cuts_batch = match cx.g.node(cx.n).input(3) {
-            Some(_) => cx.const_ints(3).is_none_or(|a| a.iter().any(|&x| x == 0 || x + r == 0)),
-            None => true,
+        let r = cx.in_dims(0).len();
+        let sliced: Vec<usize> = match cx.g.node(cx.n).input(3) {
+            Some(_) => match cx.const_ints(3) {
+                Some(a) => a.iter().map(|&x| if x < 0 { x + r as i64 } else { x } as usize).collect(),
+                None => return Some(IterSpace::whole(cx)),
+            },
+            None => (0..cx.const_ints(1).map_or(r, |s| s.len())).collect(),
         };
-        if cuts_batch { Some(IterSpace::whole(cx)) } else { Some(IterSpace::batch(cx, &[0], &[0])) }
+        let mut sp = passthrough_space(cx);
+        for a in sliced.into_iter().filter(|&a| a < r) {
+            sp.dims[a].kind = DimKind::Fixed;
+            for m in sp.inputs.iter_mut().flatten().chain(sp.outputs.iter_mut()) {
+                if m.len() == r {
+                    m[a] = None;
+                }
+            }
+        }
+        Some(sp)
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
