@@ -53,7 +53,7 @@ pub enum Named {
     /// Data-parallel convolutions, model-parallel fully connected layers.
     Owt,
     /// Ulysses context parallelism: the sequence split, attention by heads — over every
-    /// device (`dp` and `tp` 1), or over the context axis of a `dp × cp × tp` mesh whose data
+    /// device (`dp` and `tp` 1), or over the context axis of a `dp × tp × cp` mesh whose data
     /// axis splits the batch and whose tensor axis runs Megatron (attention heads split over
     /// both the context and the tensor axis).
     Context {
@@ -256,9 +256,13 @@ impl Named {
     }
 }
 
-/// The `data × context × tensor` mesh of `devices` devices (`dp`, `tp` ways; a data or tensor
-/// axis of one device left out): the tensor axis innermost, inside a node; the context axis
-/// inside a node with it where they fit.
+/// The `data × tensor × context` mesh of `devices` devices (`dp`, `tp` ways; a data or tensor
+/// axis of one device left out). The tensor axis comes before the context axis so an
+/// attention's heads split tensor-major: each tensor rank's heads (what its column-parallel
+/// projections made) spread over its context group, and Ulysses' exchange is one all-to-all
+/// within that group (with the context axis first the heads would regroup across the tensor
+/// axis too: gathered). Devices are numbered along the mesh, the context axis innermost:
+/// inside a node where the context group fits, the tensor axis inside it where both fit.
 fn context_mesh(cluster: &Cluster, devices: usize, (dp, tp): (usize, usize), what: &str) -> Result<Mesh, String> {
     if !devices.is_multiple_of(dp * tp) || devices / (dp * tp) < 2 {
         return Err(format!(
@@ -277,10 +281,10 @@ fn context_mesh(cluster: &Cluster, devices: usize, (dp, tp): (usize, usize), wha
     if dp > 1 {
         axes.push(axis("data", dp, level(devices)));
     }
-    axes.push(axis("context", cp, level(cp * tp)));
     if tp > 1 {
-        axes.push(axis("tensor", tp, level(tp)));
+        axes.push(axis("tensor", tp, level(cp * tp)));
     }
+    axes.push(axis("context", cp, level(cp)));
     Ok(Mesh { axes })
 }
 
@@ -457,14 +461,14 @@ fn applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context::Sequenc
 
 /// The mesh axes a context-parallel strategy splits the batch over, the sequence over, and
 /// runs Megatron over: all context for `context` over every device, else on
-/// [`context_mesh`]'s axes the first data (with `dp` > 1), the last tensor (with `tp` > 1)
+/// [`context_mesh`]'s axes the first data (with `dp` > 1), the next tensor (with `tp` > 1)
 /// and the rest context; none for other strategies.
 fn context_axes(cm: &CostModel<'_>, named: &Named) -> (Vec<usize>, Vec<usize>, Vec<usize>) {
     let k = cm.mesh.axes.len();
     let Named::Context { dp, tp } = *named else { return (Vec::new(), Vec::new(), Vec::new()) };
     let data: Vec<usize> = if dp > 1 && k > 1 { vec![0] } else { Vec::new() };
-    let tensor: Vec<usize> = if tp > 1 && k > data.len() + 1 { vec![k - 1] } else { Vec::new() };
-    let context = (data.len()..k - tensor.len()).collect();
+    let tensor: Vec<usize> = if tp > 1 && k > data.len() + 1 { vec![data.len()] } else { Vec::new() };
+    let context = (data.len() + tensor.len()..k).collect();
     (data, context, tensor)
 }
 
