@@ -66,9 +66,8 @@ fn ulysses_splits_the_sequence_and_attention_by_heads_and_trains_like_one_device
     assert!(kinds.keys().all(|k| ["AllToAll", "AllReduce", "AllGather"].contains(&k.as_str())), "{kinds:?}");
     // (Gathered per layer: the value gradient of grouped-query attention, summed back over
     // each key/value head's query heads — the flow of the sequence does not see through the
-    // attention's probabilities — and the four gradients of the rotary embedding's slices,
-    // which split only along the batch.)
-    assert!(kinds.get("AllGather").copied().unwrap_or(0) <= 5 * layers, "{kinds:?}");
+    // attention's probabilities. The rotary embedding's slice gradients stay split.)
+    assert!(kinds.get("AllGather").copied().unwrap_or(0) <= layers, "{kinds:?}");
     assert!(kinds["AllReduce"] <= weights + 1, "{kinds:?} for {weights} weights");
     assert!(p.fallbacks.is_empty(), "{:?}", p.fallbacks);
     // Each device's attention runs on 1 of the 4 query heads.
@@ -351,4 +350,28 @@ fn context_times_tensor_trains_like_one_device() {
     let (n, _) = config.resolve(8, Some(2), &Options::default()).unwrap();
     assert_eq!(n.name(), "context:dp:2,tp:2");
     assert_eq!(shardc::passes::autoshard::Named::parse("context:dp:2,tp:2").unwrap(), n);
+}
+
+/// A reduced Llama at a long sequence — 512 tokens, 4,096 with `SHARDC_FULL_TRAIN=1` (about
+/// 2 minutes a strategy here) — trains 5 steps on 4 devices under context 4 and context 2 ×
+/// tensor 2 as one device trains it.
+#[test]
+fn a_long_sequence_trains_under_context_parallelism_like_one_device() {
+    let seq = if std::env::var_os("SHARDC_FULL_TRAIN").is_some() { 4096 } else { 512 };
+    let (g, info) = llama_batch(1, seq);
+    let inputs = shardc::train::seeded_inputs(&g, &info, 13).expect("inputs");
+    let steps = 5;
+    let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, steps).expect("one");
+    for strategy in ["context", "context:tp:2"] {
+        let p = program(&g, strategy, 4);
+        assert!(p.fallbacks.is_empty(), "{strategy}: {:?}", p.fallbacks);
+        verify(&g, &p).unwrap_or_else(|e| panic!("{strategy}: not proved: {e}"));
+        let got = shardc::train::run_steps(&p, &info, &inputs, Backend::Cpu, steps).expect(strategy);
+        for (what, a, b) in
+            [("gradients", &got.gradients, &one.gradients), ("parameters", &got.parameters, &one.parameters)]
+        {
+            let (r, at) = shardc::train::worst(a, b, (1e-4, 1e-5));
+            assert!(r <= 1.0, "{strategy} at {seq} tokens, {what}: {r:.2}× the tolerance at {at}");
+        }
+    }
 }

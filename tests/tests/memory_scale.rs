@@ -140,6 +140,7 @@ fn configurations_check_their_degrees_and_say_what_is_not_priced() {
     assert_eq!(resolve("cp=2", 8).unwrap(), autoshard::named::Named::Context { dp: 4, tp: 1 });
     assert_eq!(resolve("cp=2,tp=2", 8).unwrap(), autoshard::named::Named::Context { dp: 2, tp: 2 });
     assert!(resolve("cp=2,pp=2", 8).unwrap_err().contains("context parallelism"));
+    assert!(resolve("cp=2,tp=2,sp", 8).unwrap_err().contains("leave out sp"));
     assert_eq!(resolve("cp=8", 8).unwrap(), autoshard::named::Named::Context { dp: 1, tp: 1 });
     assert!(resolve("ep=2", 8).unwrap_err().contains("expert parallelism"));
     assert!(resolve("vp=2", 8).unwrap_err().contains("give pp > 1"));

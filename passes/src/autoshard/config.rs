@@ -191,6 +191,15 @@ impl Config {
         if self.sp && self.tp == 1 {
             return Err("sp: sequence parallelism splits the tensor-parallel axis; give tp > 1".into());
         }
+        if self.sp && self.cp > 1 {
+            // Megatron splits a context rank's sequence chunk over its tensor ranks
+            // (context-major) and Ulysses splits a tensor rank's heads over its context ranks
+            // (tensor-major); a layout here splits a dim over several mesh axes in one order.
+            return Err(format!(
+                "sp with cp={}: sequence parallelism would split the sequence context-major while Ulysses splits the heads tensor-major, and a layout splits a dim over several axes in the mesh's one order; leave out sp (the context axis already splits every activation by the sequence)",
+                self.cp
+            ));
+        }
         if self.tp_overlap && self.tp == 1 {
             return Err("tp_overlap: overlaps the tensor-parallel collectives; give tp > 1".into());
         }

@@ -222,7 +222,9 @@ pub fn search_grid(
             if bound.is_some_and(|lb| best.as_ref().is_some_and(|b| lb >= b.breakdown.step_time_s)) {
                 break;
             }
-            let o = &Options { sequence_parallel: p.tensor > 1 && (saving || o.sequence_parallel), ..o.clone() };
+            // (Not beside context parallelism: `config::Config::resolve` says why.)
+            let sp = p.tensor > 1 && p.context == 1 && (saving || o.sequence_parallel);
+            let o = &Options { sequence_parallel: sp, ..o.clone() };
             // A rung whose model state alone overflows a device fits under no split.
             if model_state_floor(o, elems, (p.tensor * p.stages) as f64, sharders as f64) > capacity {
                 continue;
