@@ -375,3 +375,32 @@ fn a_long_sequence_trains_under_context_parallelism_like_one_device() {
         }
     }
 }
+
+/// Tensor-parallel configurations at a long sequence export to Megatron-LM: the attention
+/// between the tensor-parallel GEMMs (heads split, a dim without a role of its own; most of
+/// the tensor axis' FLOPs at 131,072 tokens) rides along the tensor axis — alone and beside
+/// context parallelism.
+#[test]
+fn long_sequence_tensor_parallel_configurations_export() {
+    let dir = std::env::temp_dir().join(format!("shardc-context-export-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (model, fused) = (dir.join("llama8b.onnxtxt"), dir.join("fused.onnxtxt"));
+    std::fs::write(&model, Llama::llama3_8b(8, 131_072).to_text()).unwrap();
+    let passes = "infer-shapes,canonicalize,fuse-attention";
+    let o = shardc(&["parse", model.to_str().unwrap(), "--passes", passes, "-o", fused.to_str().unwrap()]);
+    assert!(o.status.success(), "{o:?}");
+    let cases = [
+        ("dp=8,tp=8,recompute=full,sp,zero=1", &["--tensor-model-parallel-size 8", "--sequence-parallel"][..]),
+        ("dp=2,tp=4,cp=8,mbs=1,zero=1", &["--tensor-model-parallel-size 4", "--context-parallel-size 8"][..]),
+    ];
+    for (config, want) in cases {
+        let args = ["cost", fused.to_str().unwrap(), "--cluster", "h100-cluster-8", "--devices", "64"];
+        let o = shardc(&[&args[..], &["--precision", "bf16", "--strategy", config, "--export", "megatron"]].concat());
+        let out = String::from_utf8_lossy(&o.stdout).to_string();
+        assert!(o.status.success(), "{config}: {}", String::from_utf8_lossy(&o.stderr));
+        for w in want {
+            assert!(out.contains(w), "{config}: no `{w}` in\n{out}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

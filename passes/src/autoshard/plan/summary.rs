@@ -121,9 +121,14 @@ pub(super) fn axis_uses_of(cm: &CostModel<'_>, asg: &Assignment, ops: &[NodeId])
             // layers split their sequence rows and whose other splits have no role is context.)
             let context = shares.get("context").copied().unwrap_or(0.0);
             let roleless = shares.get("other").copied().unwrap_or(0.0);
+            // (Splits without a role ride along the axis' one role: under tensor parallelism
+            // at a long sequence the attention between the GEMMs, heads split, can be most of
+            // the axis' FLOPs.)
+            let role = shares.iter().filter(|(k, _)| k.as_str() != "other").max_by(|a, b| a.1.total_cmp(b.1));
             let kind = match top {
                 _ if ax.size <= 1 || split <= 0.0 => "unused".to_string(),
                 _ if context > 0.0 && (context + roleless) * total >= 0.999 * split => "context".to_string(),
+                _ if role.is_some_and(|(_, v)| (v + roleless) * total >= 0.8 * split) => role.unwrap().0.clone(),
                 Some((k, v)) if *v * total >= 0.8 * split => k.clone(),
                 _ => "mixed".to_string(),
             };
