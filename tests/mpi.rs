@@ -1,7 +1,7 @@
 //! The MPI transport: `mpirun -np 4 shardc train … --transport mpi` trains exactly as the
 //! in-process `threads` transport does (losses, step-1 gradients and final parameters equal
 //! bit for bit, since the collectives run the same ring algorithms in the same order) for
-//! data, tensor, spatial, hybrid and pipeline plans, equal to one device under `--check`; a
+//! data, tensor, spatial, hybrid, context and pipeline plans, equal to one device under `--check`; a
 //! job started with the wrong number of processes and a killed rank end with a clear message
 //! and a non-zero exit. Built only with `--features mpi`; `.ci/run` installs Open MPI and
 //! sets SHARDC_REQUIRE_MPI=1, without which a machine with no `mpirun` skips.
@@ -52,16 +52,21 @@ fn tmp(tag: &str) -> PathBuf {
 fn same_under_both(case: &str, plan: &[&str], dir: &Path) {
     let model = format!("tests/data/golden-train/{case}.onnxtxt");
     let data = format!("tests/data/golden-train/{case}.train.json");
-    let common = [&model[..], "--data", &data, "--backend", "cpu", "--steps", "5", "--devices", "4", "--json"];
+    same_under_both_with(case, &[&model[..], "--data", &data], plan, dir);
+}
+
+/// [`same_under_both`] for the model and data arguments `model` (`case` names the files).
+fn same_under_both_with(case: &str, model: &[&str], plan: &[&str], dir: &Path) {
+    let common = [model, &["--backend", "cpu", "--steps", "5", "--devices", "4", "--json"][..]].concat();
     let tag = plan.join("_").replace([':', ','], "-");
     let threads = dir.join(format!("{case}-{tag}-threads.json"));
-    let o = shardc().arg("train").args(common).args(plan).arg("--save-state").arg(&threads).output().unwrap();
+    let o = shardc().arg("train").args(&common).args(plan).arg("--save-state").arg(&threads).output().unwrap();
     assert!(o.status.success(), "{case} {plan:?} threads: {}", text(&o));
     let viampi = dir.join(format!("{case}-{tag}-mpi.json"));
     let o = mpirun(4)
         .arg(env!("CARGO_BIN_EXE_shardc"))
         .arg("train")
-        .args(common)
+        .args(&common)
         .args(plan)
         .args(["--transport", "mpi", "--check", "--save-state"])
         .arg(&viampi)
@@ -94,6 +99,27 @@ fn mpi_training_equals_the_threads_transport_for_every_plan_kind() {
         ("mlp_xent", &["--pipeline", "2"][..]),
     ] {
         same_under_both(case, plan, &dir);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Context parallelism's all-to-alls over MPI: a reduced Llama (attention fused) under
+/// data × context and context × tensor on 4 ranks trains bit for bit as the threads
+/// transport does, and equal to one device.
+#[test]
+fn mpi_context_parallel_training_equals_the_threads_transport() {
+    if !mpirun_available() {
+        return;
+    }
+    let dir = tmp("context");
+    let (model, fused) = (dir.join("llama.onnxtxt"), dir.join("llama-fused.onnxtxt"));
+    std::fs::write(&model, shardc::synthetic::Llama::reduced(2, 2, 32).to_text()).unwrap();
+    let passes = "infer-shapes,canonicalize,fuse-attention";
+    let o = shardc().arg("parse").arg(&model).args(["--passes", passes, "-o"]).arg(&fused).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let args = [fused.to_str().unwrap(), "--loss", "mse"];
+    for plan in ["context:dp:2", "context:tp:2"] {
+        same_under_both_with("llama", &args, &["--strategy", plan], &dir);
     }
     std::fs::remove_dir_all(&dir).ok();
 }
