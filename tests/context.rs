@@ -404,3 +404,33 @@ fn long_sequence_tensor_parallel_configurations_export() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// One truth for the all-to-alls: a forward context plan prices, per kind of collective, the
+/// bytes its lowered program moves — under context, data × context, context × tensor and
+/// data × context × tensor.
+#[test]
+fn context_plans_move_the_bytes_their_programs_move() {
+    let mut m = shardc::frontend::parse(&Llama::reduced(2, 2, 32).to_text()).expect("parses").model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Verify)
+        .add(shardc::passes::InferShapes::default())
+        .add(shardc::passes::Canonicalize)
+        .add(shardc::passes::FuseAttention);
+    pm.run(&mut m).expect("fused");
+    let (g, cluster, opts) = (&m.graph, Cluster::preset("local-wgpu").expect("preset"), Options::default());
+    for (strategy, devices) in [("context", 4), ("context:dp:2", 4), ("context:tp:2", 4), ("context:dp:2,tp:2", 8)] {
+        let r = shardc::exec::named_result(g, &cluster, devices, strategy, &opts).unwrap();
+        let plan = shardc::passes::autoshard::Plan::new(g, &cluster, devices, &opts, Default::default(), &r);
+        let p = shardc::exec::program_for_search(g, &r, devices).unwrap();
+        assert!(p.fallbacks.is_empty(), "{strategy}: {:?}", p.fallbacks);
+        let (priced, lowered) = (plan.bytes_moved_per_device.get("forward"), p.bytes_moved_per_device());
+        let (priced, lowered) =
+            (priced.cloned().unwrap_or_default(), lowered.get("forward").cloned().unwrap_or_default());
+        assert!(priced.get("all_to_all").is_some_and(|&b| b > 0.0), "{strategy}: {priced:?}");
+        let kinds: std::collections::BTreeSet<&String> = priced.keys().chain(lowered.keys()).collect();
+        for kind in kinds {
+            let (a, b) = (priced.get(kind).copied().unwrap_or(0.0), lowered.get(kind).copied().unwrap_or(0.0));
+            assert!((a - b).abs() <= 1e-9 * a.max(b) + 1e-3, "{strategy} {kind}: plan {a:.0} B, program {b:.0} B");
+        }
+    }
+}
