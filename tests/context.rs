@@ -434,3 +434,25 @@ fn context_plans_move_the_bytes_their_programs_move() {
         }
     }
 }
+
+/// Llama-3-70B at 131,072 tokens, 16 sequences, on 256 H100s fits only with context
+/// parallelism, and the plan says so: no configuration the grid priced without it fits.
+#[test]
+fn a_long_context_llama_3_70b_fits_only_with_context_parallelism() {
+    use shardc::passes::autoshard;
+    use shardc::passes::cost::Precision;
+    let mut m = shardc::frontend::parse(&Llama::llama3_70b(16, 131_072).to_text()).expect("parses").model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Verify)
+        .add(shardc::passes::InferShapes::default())
+        .add(shardc::passes::Canonicalize)
+        .add(shardc::passes::FuseAttention);
+    pm.run(&mut m).unwrap_or_else(|e| panic!("{e}"));
+    let cluster = Cluster::preset("h100-cluster-32").expect("preset");
+    let opts = Options { precision: Precision::Fp16, ..Options::default() };
+    let r = autoshard::search(&m.graph, &cluster, 256, &opts, &Default::default()).unwrap_or_else(|e| panic!("{e}"));
+    let plan = r.same_as.clone().unwrap_or_default();
+    assert!(r.breakdown.feasible && plan.contains(",cp="), "{plan}: {:?}", r.breakdown.memory);
+    let reason = r.context_reason.clone().expect("a context plan says what fits without it");
+    assert!(reason.starts_with("no configuration without it"), "{reason}");
+}
