@@ -10,6 +10,19 @@ use shardc::passes::autodiff::{LossSpec, OptimizerSpec, TrainInfo};
 use shardc::passes::cost::{Cluster, Options};
 use shardc::synthetic::Llama;
 
+/// `text` parsed and prepared as `shardc parse --passes infer-shapes,canonicalize,fuse-attention`
+/// prepares it (verified, shapes inferred, canonicalized, attention fused).
+fn fused(text: &str) -> shardc::ir::Model {
+    let mut m = shardc::frontend::parse(text).expect("parses").model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Verify)
+        .add(shardc::passes::InferShapes::default())
+        .add(shardc::passes::Canonicalize)
+        .add(shardc::passes::FuseAttention);
+    pm.run(&mut m).unwrap_or_else(|e| panic!("{e}"));
+    m
+}
+
 /// A reduced Llama (fused attention, weights drawn) of one sequence of `seq` tokens, and its
 /// training graph (MSE of its output, Adam).
 fn llama(seq: usize) -> (shardc::ir::Graph, TrainInfo) {
@@ -18,14 +31,8 @@ fn llama(seq: usize) -> (shardc::ir::Graph, TrainInfo) {
 
 /// [`llama`] of `batch` sequences.
 fn llama_batch(batch: usize, seq: usize) -> (shardc::ir::Graph, TrainInfo) {
-    let mut m = shardc::frontend::parse(&Llama::reduced(2, batch, seq).to_text()).expect("parses").model;
+    let mut m = fused(&Llama::reduced(2, batch, seq).to_text());
     shardc::exec::materialize(&mut m, std::path::Path::new("/nonexistent"), 3).expect("weights drawn");
-    let mut pm = shardc::passes::PassManager::new();
-    pm.add(shardc::passes::Verify)
-        .add(shardc::passes::InferShapes::default())
-        .add(shardc::passes::Canonicalize)
-        .add(shardc::passes::FuseAttention);
-    pm.run(&mut m).expect("fused");
     let (tm, info) =
         shardc::train::training_model(&m, &LossSpec::Mse(None), &OptimizerSpec::adam(1e-3)).expect("training graph");
     (tm.graph, info)
@@ -36,6 +43,23 @@ fn program(g: &shardc::ir::Graph, strategy: &str, devices: usize) -> Program {
     let opts = Options::default();
     let r = shardc::exec::named_result(g, &cluster, devices, strategy, &opts).unwrap_or_else(|e| panic!("{e}"));
     shardc::exec::training_program(g, &r, devices, 0).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The query dims of the first attention of `device`'s program.
+fn attention_query(p: &Program, device: usize) -> Vec<i64> {
+    let lg = &p.devices[device].graph;
+    let attention = lg.op_nodes().unwrap().into_iter().find(|&n| matches!(lg.node(n).op, Op::Attention(_))).unwrap();
+    lg.tensor_type(lg.node(attention).input(0).unwrap()).and_then(|t| t.static_dims()).unwrap()
+}
+
+/// Trained gradients and parameters `got` within (1e-4, 1e-5) of one device's, `one`.
+fn assert_trains_like(got: &shardc::train::TrainRun, one: &shardc::train::TrainRun, label: &str) {
+    for (what, a, b) in
+        [("gradients", &got.gradients, &one.gradients), ("parameters", &got.parameters, &one.parameters)]
+    {
+        let (r, at) = shardc::train::worst(a, b, (1e-4, 1e-5));
+        assert!(r <= 1.0, "{label} {what}: {r:.2}× the tolerance at {at}");
+    }
 }
 
 /// Per kind, the collectives device 0 runs.
@@ -71,21 +95,12 @@ fn ulysses_splits_the_sequence_and_attention_by_heads_and_trains_like_one_device
     assert!(kinds["AllReduce"] <= weights + 1, "{kinds:?} for {weights} weights");
     assert!(p.fallbacks.is_empty(), "{:?}", p.fallbacks);
     // Each device's attention runs on 1 of the 4 query heads.
-    let lg = &p.devices[1].graph;
-    let attention = lg.op_nodes().unwrap().into_iter().find(|&n| matches!(lg.node(n).op, Op::Attention(_))).unwrap();
-    let q = lg.tensor_type(lg.node(attention).input(0).unwrap()).and_then(|t| t.static_dims()).unwrap();
-    assert_eq!(q, vec![1, 1, 96, 16], "the query of device 1's attention");
+    assert_eq!(attention_query(&p, 1), vec![1, 1, 96, 16], "the query of device 1's attention");
     verify(&g, &p).unwrap_or_else(|e| panic!("not proved: {e}"));
     let inputs = shardc::train::seeded_inputs(&g, &info, 5).expect("inputs");
     let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, 3).expect("one device");
     let four = shardc::train::run_steps(&p, &info, &inputs, Backend::Cpu, 3).expect("context 4");
-    let tol = (1e-4, 1e-5);
-    for (what, a, b) in
-        [("gradients", &four.gradients, &one.gradients), ("parameters", &four.parameters, &one.parameters)]
-    {
-        let (r, at) = shardc::train::worst(a, b, tol);
-        assert!(r <= 1.0, "{what}: {r:.2}× the tolerance at {at}");
-    }
+    assert_trains_like(&four, &one, "context 4");
     for (a, b) in four.losses.iter().zip(&one.losses) {
         assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "loss {a} vs {b}");
     }
@@ -126,10 +141,15 @@ fn shardc(args: &[&str]) -> std::process::Output {
 /// A directory of its own (`tag`) holding a reduced Llama of 2 sequences of 96 tokens with its
 /// attention fused, as `shardc parse` writes it; the directory and the model.
 fn cli_model(tag: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    cli_model_of(tag, &Llama::reduced(2, 2, 96).to_text())
+}
+
+/// [`cli_model`] of the model `text`.
+fn cli_model_of(tag: &str, text: &str) -> (std::path::PathBuf, std::path::PathBuf) {
     let dir = std::env::temp_dir().join(format!("shardc-context-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (model, fused) = (dir.join("llama.onnxtxt"), dir.join("fused.onnxtxt"));
-    std::fs::write(&model, Llama::reduced(2, 2, 96).to_text()).unwrap();
+    std::fs::write(&model, text).unwrap();
     let passes = "infer-shapes,canonicalize,fuse-attention";
     let o = shardc(&["parse", model.to_str().unwrap(), "--passes", passes, "-o", fused.to_str().unwrap()]);
     assert!(o.status.success(), "{o:?}");
@@ -200,21 +220,12 @@ fn data_times_context_trains_like_one_device() {
     assert!(kinds.get("AllToAll").copied().unwrap_or(0) >= 8 * 2, "{kinds:?}");
     assert!(p.fallbacks.is_empty(), "{:?}", p.fallbacks);
     // Device 1 (sample 0, heads 2–3 of 4) runs its attention on one sample and half the heads.
-    let lg = &p.devices[1].graph;
-    let attention = lg.op_nodes().unwrap().into_iter().find(|&n| matches!(lg.node(n).op, Op::Attention(_))).unwrap();
-    let q = lg.tensor_type(lg.node(attention).input(0).unwrap()).and_then(|t| t.static_dims()).unwrap();
-    assert_eq!(q, vec![1, 2, 32, 16], "the query of device 1's attention");
+    assert_eq!(attention_query(&p, 1), vec![1, 2, 32, 16], "the query of device 1's attention");
     verify(&g, &p).unwrap_or_else(|e| panic!("not proved: {e}"));
     let inputs = shardc::train::seeded_inputs(&g, &info, 7).expect("inputs");
     let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, 3).expect("one device");
     let four = shardc::train::run_steps(&p, &info, &inputs, Backend::Cpu, 3).expect("dp 2 × cp 2");
-    let tol = (1e-4, 1e-5);
-    for (what, a, b) in
-        [("gradients", &four.gradients, &one.gradients), ("parameters", &four.parameters, &one.parameters)]
-    {
-        let (r, at) = shardc::train::worst(a, b, tol);
-        assert!(r <= 1.0, "{what}: {r:.2}× the tolerance at {at}");
-    }
+    assert_trains_like(&four, &one, "dp 2 × cp 2");
     let config = shardc::passes::autoshard::config::Config::parse("dp=2,cp=2").unwrap();
     let (n, _) = config.resolve(4, Some(2), &Options::default()).unwrap();
     assert_eq!(n.name(), "context:dp:2");
@@ -232,13 +243,7 @@ fn data_times_context_trains_like_one_device() {
 fn a_long_context_llama_3_8b_plans_with_context_parallelism() {
     use shardc::passes::autoshard::{self, config::Config};
     use shardc::passes::cost::Precision;
-    let mut m = shardc::frontend::parse(&Llama::llama3_8b(8, 131_072).to_text()).expect("parses").model;
-    let mut pm = shardc::passes::PassManager::new();
-    pm.add(shardc::passes::Verify)
-        .add(shardc::passes::InferShapes::default())
-        .add(shardc::passes::Canonicalize)
-        .add(shardc::passes::FuseAttention);
-    pm.run(&mut m).unwrap_or_else(|e| panic!("{e}"));
+    let m = fused(&Llama::llama3_8b(8, 131_072).to_text());
     let g = &m.graph;
     let causal = g.op_nodes().unwrap().into_iter().filter_map(|n| match &g.node(n).op {
         Op::Attention(a) => Some(a.is_causal == Some(1) && g.node(n).input(3).is_none()),
@@ -292,13 +297,7 @@ fn train_runs_data_times_context_and_checks_it() {
 /// equal to one device's.
 #[test]
 fn a_context_parallel_output_stays_on_its_sequence_shards() {
-    let mut m = shardc::frontend::parse(&Llama::reduced(2, 2, 32).to_text()).expect("parses").model;
-    let mut pm = shardc::passes::PassManager::new();
-    pm.add(shardc::passes::Verify)
-        .add(shardc::passes::InferShapes::default())
-        .add(shardc::passes::Canonicalize)
-        .add(shardc::passes::FuseAttention);
-    pm.run(&mut m).expect("fused");
+    let m = fused(&Llama::reduced(2, 2, 32).to_text());
     let cluster = Cluster::preset("local-wgpu").expect("preset");
     let r = shardc::exec::named_result(&m.graph, &cluster, 4, "context:dp:2", &Options::default()).unwrap();
     let p = shardc::exec::program_for_search(&m.graph, &r, 4).unwrap();
@@ -332,19 +331,11 @@ fn context_times_tensor_trains_like_one_device() {
         assert!(kinds.get("AllToAll").copied().unwrap_or(0) >= 2 * 8, "{strategy}: {kinds:?}");
         assert!(p.fallbacks.is_empty(), "{strategy}: {:?}", p.fallbacks);
         // Each attention runs on one of the 4 query heads (2 tensor × 2 context).
-        let lg = &p.devices[1].graph;
-        let attention =
-            lg.op_nodes().unwrap().into_iter().find(|&n| matches!(lg.node(n).op, Op::Attention(_))).unwrap();
-        let q = lg.tensor_type(lg.node(attention).input(0).unwrap()).and_then(|t| t.static_dims()).unwrap();
+        let q = attention_query(&p, 1);
         assert_eq!(q[1], 1, "{strategy}: device 1's attention query {q:?}");
         verify(&g, &p).unwrap_or_else(|e| panic!("{strategy}: not proved: {e}"));
         let got = shardc::train::run_steps(&p, &info, &inputs, Backend::Cpu, 2).expect(strategy);
-        for (what, a, b) in
-            [("gradients", &got.gradients, &one.gradients), ("parameters", &got.parameters, &one.parameters)]
-        {
-            let (r, at) = shardc::train::worst(a, b, (1e-4, 1e-5));
-            assert!(r <= 1.0, "{strategy} {what}: {r:.2}× the tolerance at {at}");
-        }
+        assert_trains_like(&got, &one, strategy);
     }
     let config = shardc::passes::autoshard::config::Config::parse("dp=2,tp=2,cp=2").unwrap();
     let (n, _) = config.resolve(8, Some(2), &Options::default()).unwrap();
@@ -367,12 +358,7 @@ fn a_long_sequence_trains_under_context_parallelism_like_one_device() {
         assert!(p.fallbacks.is_empty(), "{strategy}: {:?}", p.fallbacks);
         verify(&g, &p).unwrap_or_else(|e| panic!("{strategy}: not proved: {e}"));
         let got = shardc::train::run_steps(&p, &info, &inputs, Backend::Cpu, steps).expect(strategy);
-        for (what, a, b) in
-            [("gradients", &got.gradients, &one.gradients), ("parameters", &got.parameters, &one.parameters)]
-        {
-            let (r, at) = shardc::train::worst(a, b, (1e-4, 1e-5));
-            assert!(r <= 1.0, "{strategy} at {seq} tokens, {what}: {r:.2}× the tolerance at {at}");
-        }
+        assert_trains_like(&got, &one, &format!("{strategy} at {seq} tokens"));
     }
 }
 
@@ -382,13 +368,7 @@ fn a_long_sequence_trains_under_context_parallelism_like_one_device() {
 /// context parallelism.
 #[test]
 fn long_sequence_tensor_parallel_configurations_export() {
-    let dir = std::env::temp_dir().join(format!("shardc-context-export-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (model, fused) = (dir.join("llama8b.onnxtxt"), dir.join("fused.onnxtxt"));
-    std::fs::write(&model, Llama::llama3_8b(8, 131_072).to_text()).unwrap();
-    let passes = "infer-shapes,canonicalize,fuse-attention";
-    let o = shardc(&["parse", model.to_str().unwrap(), "--passes", passes, "-o", fused.to_str().unwrap()]);
-    assert!(o.status.success(), "{o:?}");
+    let (dir, fused) = cli_model_of("export", &Llama::llama3_8b(8, 131_072).to_text());
     let cases = [
         ("dp=8,tp=8,recompute=full,sp,zero=1", &["--tensor-model-parallel-size 8", "--sequence-parallel"][..]),
         ("dp=2,tp=4,cp=8,mbs=1,zero=1", &["--tensor-model-parallel-size 4", "--context-parallel-size 8"][..]),
@@ -410,13 +390,7 @@ fn long_sequence_tensor_parallel_configurations_export() {
 /// data × context × tensor.
 #[test]
 fn context_plans_move_the_bytes_their_programs_move() {
-    let mut m = shardc::frontend::parse(&Llama::reduced(2, 2, 32).to_text()).expect("parses").model;
-    let mut pm = shardc::passes::PassManager::new();
-    pm.add(shardc::passes::Verify)
-        .add(shardc::passes::InferShapes::default())
-        .add(shardc::passes::Canonicalize)
-        .add(shardc::passes::FuseAttention);
-    pm.run(&mut m).expect("fused");
+    let m = fused(&Llama::reduced(2, 2, 32).to_text());
     let (g, cluster, opts) = (&m.graph, Cluster::preset("local-wgpu").expect("preset"), Options::default());
     for (strategy, devices) in [("context", 4), ("context:dp:2", 4), ("context:tp:2", 4), ("context:dp:2,tp:2", 8)] {
         let r = shardc::exec::named_result(g, &cluster, devices, strategy, &opts).unwrap();
@@ -441,13 +415,7 @@ fn context_plans_move_the_bytes_their_programs_move() {
 fn a_long_context_llama_3_70b_fits_only_with_context_parallelism() {
     use shardc::passes::autoshard;
     use shardc::passes::cost::Precision;
-    let mut m = shardc::frontend::parse(&Llama::llama3_70b(16, 131_072).to_text()).expect("parses").model;
-    let mut pm = shardc::passes::PassManager::new();
-    pm.add(shardc::passes::Verify)
-        .add(shardc::passes::InferShapes::default())
-        .add(shardc::passes::Canonicalize)
-        .add(shardc::passes::FuseAttention);
-    pm.run(&mut m).unwrap_or_else(|e| panic!("{e}"));
+    let m = fused(&Llama::llama3_70b(16, 131_072).to_text());
     let cluster = Cluster::preset("h100-cluster-32").expect("preset");
     let opts = Options { precision: Precision::Fp16, ..Options::default() };
     let r = autoshard::search(&m.graph, &cluster, 256, &opts, &Default::default()).unwrap_or_else(|e| panic!("{e}"));
