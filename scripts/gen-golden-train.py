@@ -223,6 +223,37 @@ class RopeLlama(nn.Module):
         return F.cross_entropy(logits.reshape(b * t, -1), labels.reshape(-1))
 
 
+class MixtralMoe(nn.Module):
+    """Mixtral's sparse mixture of experts, transformers' own `MixtralSparseMoeBlock` with its
+    `batched_mm` experts (the static-shape form its ONNX export uses): Embedding(32, 16), RMSNorm,
+    a router Linear(16->8) + Softmax + top-2 renormalised, 8 SiLU-gated experts (16->24->16,
+    gate and up fused in one [8, 48, 16] weight, down [8, 16, 24]) gathered by the chosen
+    experts' ids and weighted by their router probabilities, residual; RMSNorm, LM head;
+    cross-entropy over the tokens."""
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        cfg = MixtralConfig(hidden_size=d, intermediate_size=24, num_local_experts=8, num_experts_per_tok=2,
+                            experts_implementation="batched_mm")
+        self.emb = nn.Embedding(vocab, d)
+        self.n1, self.n2 = RMSNorm(d), RMSNorm(d)
+        self.moe = MixtralSparseMoeBlock(cfg)
+        with torch.no_grad():
+            for p in self.moe.parameters():
+                p.copy_(0.3 * torch.randn_like(p))
+        self.lm = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        b, t = ids.shape
+        x = self.emb(ids)
+        x = x + self.moe(self.n1(x))
+        logits = self.lm(self.n2(x))
+        return F.cross_entropy(logits.reshape(b * t, -1), labels.reshape(-1))
+
+
 class TinyVit(nn.Module):
     """ViT: Conv 4x4 stride 4 patch embedding (3->16) of an 8x8 image (4 patches), a class token
     concatenated in front, learned position embeddings added; one pre-norm TransformerEncoderLayer
@@ -366,6 +397,13 @@ def cases():
         {"ids": torch.randint(0, 32, (2, 6), generator=g), "labels": torch.randint(0, 32, (2, 6), generator=g)},
         (0.1, 0.01),
         "LLaMA-style decoder layer: Embedding(32,16), RMSNorm, Q (4 heads) and K/V (2 heads repeated: grouped-query) without biases, rotary embeddings from cos/sin buffers, additive causal mask buffer (-inf), Softmax, output projection, residual; RMSNorm, SiLU-gated MLP 16->32->16, residual; RMSNorm, LM head; cross-entropy over tokens. The buffers cos, sin and mask are float initializers that are not trainable. ids, labels [2,6]",
+    )
+    yield (
+        "mixtral_moe",
+        MixtralMoe,
+        {"ids": torch.randint(0, 32, (2, 6), generator=g), "labels": torch.randint(0, 32, (2, 6), generator=g)},
+        (0.1, 0.01),
+        "Mixtral sparse mixture of experts (transformers' MixtralSparseMoeBlock, batched_mm experts): Embedding(32,16), RMSNorm, router Linear(16->8) + Softmax + top-2 renormalised, 8 SiLU-gated experts 16->24->16 (gate_up [8,48,16] and down [8,16,24] gathered by the chosen experts' ids), weighted by the router's probabilities and summed, residual; RMSNorm, LM head; cross-entropy over tokens. ids, labels [2,6]",
     )
     yield (
         "tiny_vit",

@@ -920,8 +920,10 @@ pub fn prepare_with_values(m: &mut Model, inputs: &HashMap<String, Array>) -> Re
             break;
         }
     }
+    // As a model loaded at given shapes is prepared (`run`, `plan`): canonicalized, and the
+    // algebra pass's rewrites (split fused GEMMs, fused experts) made.
     let mut pm = passes::PassManager::new();
-    pm.add(passes::InferShapes::default()).add(passes::Canonicalize);
+    pm.add(passes::InferShapes::default()).add(passes::Canonicalize).add(passes::Algebra);
     pm.run(m).map_err(flat)?;
     Ok(bound)
 }

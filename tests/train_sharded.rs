@@ -421,6 +421,9 @@ fn micro_batch_accumulation_equals_the_whole_batch_step() {
                     refused += 1;
                     continue;
                 }
+                // (An export that wrote its token count as a constant — transformers' mixture
+                // of experts reshapes to the traced batch — cannot take another batch.)
+                Err(e) if e.contains("re-export the model with dynamic axes") => continue,
                 Err(e) => {
                     assert!(e.contains("does not divide"), "{} ×{m} micro-batches: {e}", c.name);
                     continue;

@@ -531,6 +531,10 @@ define_ops! {
     Attention = "Attention", Other { is_causal: int = 0, kv_num_heads: int, left_window_size: int = -1, q_num_heads: int, qk_matmul_output_mode: int = 0, right_window_size: int = -1, scale: float, softcap: float = 0.0, softmax_precision: int };
     /// Rotary position embedding of each head's features.
     RotaryEmbedding = "RotaryEmbedding", Other { interleaved: int = 0, num_heads: int, rotary_embedding_dim: int = 0 };
+    /// The experts of a sparse mixture of experts: X [T, H], ids [T, k], w [T, k],
+    /// W1 [E, 2I, H], W2 [E, H, I] → Y [T, H], each token through the SiLU-gated MLPs of the
+    /// experts it was routed to, weighted and summed (ir/src/ops/experts.rs).
+    MoE = "MoE" in "shardc", Other { activation: string = "silu" };
 
     // ---- quantized arithmetic ----
     /// `saturate(round(x / scale) + zero_point)`.
@@ -751,6 +755,9 @@ define_ops! {
     SoftmaxCrossEntropyLossGrad = "SoftmaxCrossEntropyLossGrad" in "shardc", Other { ignore_index: int, reduction: string = "mean" };
     /// The gradient of NegativeLogLikelihoodLoss: dLoss, input, target[, weights] → dInput.
     NegativeLogLikelihoodLossGrad = "NegativeLogLikelihoodLossGrad" in "shardc", Other { ignore_index: int, reduction: string = "mean" };
+    /// The gradient of MoE: dY, X, ids, w, W1, W2 → dX, dw, dW1, dW2 (the products
+    /// recomputed).
+    MoEGrad = "MoEGrad" in "shardc", Other { activation: string = "silu" };
     /// The gradient of Gather with respect to its data: indices, dY → dData of `shape`,
     /// rows that several indices pick summed.
     GatherGrad = "GatherGrad" in "shardc", Shape { axis: int = 0, shape: ints };

@@ -199,6 +199,8 @@ pub enum DimRole {
     InFeature,
     /// The rows of an embedding table.
     Vocab,
+    /// The experts of a mixture of experts.
+    Expert,
     /// Anything else.
     Other,
 }

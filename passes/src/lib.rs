@@ -25,6 +25,7 @@ pub mod verify;
 pub mod zero;
 
 pub use algebra::attention::FuseAttention;
+pub use algebra::experts::FuseExperts;
 pub use algebra::{Algebra, ConvAsMatMul, FuseGemms};
 pub use autodiff::Autodiff;
 pub use canonicalize::Canonicalize;
@@ -52,6 +53,7 @@ pub const PASS_NAMES: &[&str] = &[
     "conv-as-matmul",
     "fuse-gemms",
     "fuse-attention",
+    "fuse-experts",
     "require-static",
     "rebatch",
     "autodiff",
@@ -68,6 +70,7 @@ pub fn create(name: &str, opts: &PassOptions) -> Option<Box<dyn Pass>> {
         "conv-as-matmul" => Box::new(ConvAsMatMul),
         "fuse-gemms" => Box::new(FuseGemms),
         "fuse-attention" => Box::new(FuseAttention),
+        "fuse-experts" => Box::new(FuseExperts),
         "require-static" => Box::new(RequireStatic),
         "autodiff" => Box::new(opts.autodiff.clone()),
         _ => return None,

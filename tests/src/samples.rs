@@ -553,6 +553,20 @@ pub fn samples() -> Vec<Sample> {
             "   dx = shardc.NegativeLogLikelihoodLossGrad (dl, x, lab)",
         ),
         s(
+            "MoE",
+            "float[3,4] x, float[3,2] w, float[4,6,4] w1, float[4,4,3] w2",
+            "y",
+            "int64[3,2] ids = {0, 2, 3, 1, 2, 0}",
+            "   y = shardc.MoE (x, ids, w, w1, w2)",
+        ),
+        s(
+            "MoEGrad",
+            "float[3,4] dy, float[3,4] x, float[3,2] w, float[4,6,4] w1, float[4,4,3] w2",
+            "dx, dw, dw1, dw2",
+            "int64[3,2] ids = {0, 2, 3, 1, 2, 0}",
+            "   dx, dw, dw1, dw2 = shardc.MoEGrad (dy, x, ids, w, w1, w2)",
+        ),
+        s(
             "GatherGrad",
             "float[2,3,4] dy",
             "dt",

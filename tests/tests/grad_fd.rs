@@ -30,6 +30,7 @@ const NO_RULE: &[(&str, &str)] = &[
     ("ConvGradWeight", "a gradient op: training needs no second derivatives"),
     ("ElementwiseGrad", "a gradient op: training needs no second derivatives"),
     ("GatherGrad", "a gradient op: training needs no second derivatives"),
+    ("MoEGrad", "a gradient op: training needs no second derivatives"),
     ("LayerNormGrad", "a gradient op: training needs no second derivatives"),
     ("MaxPoolGrad", "a gradient op: training needs no second derivatives"),
     ("NegativeLogLikelihoodLossGrad", "a gradient op: training needs no second derivatives"),

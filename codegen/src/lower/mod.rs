@@ -22,6 +22,7 @@
 //! dims that carry the batch ([`ir::ops::flow::batch_dims`]) are divided by `m`.
 
 mod direct;
+mod experts;
 mod halo;
 mod local;
 mod stats;
@@ -145,6 +146,10 @@ fn lower_op(l: &mut Local<'_>, n: NodeId) -> Result<(), LowerError> {
         }
         SplitMode::LayerNorm { axis } => vec![stats::layer_norm(l, n, &sp, &s, &local_in, axis, &out_names[0])?],
         SplitMode::VocabGather => vec![vocab::emit(l, n, &sp, &s, &local_in, &out_names[0])?],
+        SplitMode::Experts { ids, weight } => {
+            let local_in = experts::shift_ids(l, n, &sp, &s, local_in, ids, weight)?;
+            direct::emit(l, n, &sp, &s, local_in, &out_names)?
+        }
         SplitMode::Loss { ignore_index } => stats::mean_loss(l, n, &s, local_in, ignore_index, &out_names)?,
         SplitMode::BatchNorm { stat, grad } => stats::batch_norm(l, n, &s, &local_in, &stat, grad, &out_names)?,
     };

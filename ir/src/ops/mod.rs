@@ -15,6 +15,7 @@
 //! | module | ops |
 //! |---|---|
 //! | [`attention`] | `Attention`, `RotaryEmbedding` |
+//! | [`experts`] | `MoE`, `MoEGrad` (the `shardc` domain: a mixture of experts' expert MLPs) |
 //! | [`elementwise`] | unary and binary maths, comparisons, logic, `Where`, `Cast`, `Clip`, `Dropout`, variadic `Max`/`Min`/`Sum`/`Mean` |
 //! | [`contraction`] | `MatMul`, `Gemm`, `Einsum` |
 //! | [`conv`] | `Conv`, `ConvTranspose` and the window geometry shared with pooling |
@@ -39,6 +40,7 @@ pub mod contraction;
 pub mod control;
 pub mod conv;
 pub mod elementwise;
+pub mod experts;
 pub mod flow;
 pub mod grad;
 pub mod image;
@@ -447,6 +449,9 @@ pub enum Sharded {
     Loss,
     /// A split vocabulary: each device gathers the rows it holds, results are partial sums.
     VocabGather,
+    /// Split experts: each device reads the experts' ids shifted by its first expert (the
+    /// pairs routed elsewhere fall out of its range and add nothing), results are partial sums.
+    Experts,
     /// Runs whole on every device (control flow, communication).
     Whole,
 }

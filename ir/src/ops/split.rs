@@ -51,6 +51,14 @@ pub enum SplitMode {
     },
     /// An embedding split by rows: each device gathers the rows it holds, as partial sums.
     VocabGather,
+    /// A mixture of experts split by experts: the ids (input `ids`) shifted by the device's
+    /// first expert, read from the layout of input `weight` (experts in its dim 0).
+    Experts {
+        /// The ids' input slot.
+        ids: usize,
+        /// An expert weight's input slot.
+        weight: usize,
+    },
     /// Training-mode batch normalization over split statistic dims: the per-channel sum and
     /// sum of squares are all-reduced (forward); the gradient recomputes them and all-reduces
     /// the two sums of `dy` and `dy·x̂` too.
@@ -295,6 +303,12 @@ pub fn split_mode(g: &Graph, n: NodeId, sp: &IterSpace, s: &[Option<usize>], mes
     }
     if sharded == Sharded::VocabGather && split.iter().any(|&i| sp.dims[i].role == DimRole::Vocab) {
         return Ok(SplitMode::VocabGather);
+    }
+    if sharded == Sharded::Experts && split.iter().any(|&i| sp.dims[i].role == DimRole::Expert) {
+        return Ok(match node.op {
+            Op::MoEGrad(_) => SplitMode::Experts { ids: 2, weight: 4 },
+            _ => SplitMode::Experts { ids: 1, weight: 3 },
+        });
     }
     if let Some(j) = shape_input(node)
         && node.input(j).is_some_and(|v| !matches!(g.node(v.node).op, Op::Initializer(_) | Op::Constant(_)))

@@ -11,6 +11,8 @@
 //! - [`transpose_before_gemm`]: `Transpose(Reshape(Gemm(Reshape(X, [R, K]), W), [r.., N]), π) =
 //!   Reshape(Gemm(Reshape(Transpose(X, π ⊕ id), [R, K]), W), [π(r).., N])` (rows permuted first).
 //! - [`compose_transposes`]: `Transpose(Transpose(x, p), q) = Transpose(x, p∘q)`.
+//! - [`experts::fuse_experts`]: `Σⱼ w[t, j] · W2[ids[t, j]]·silu-gate(W1[ids[t, j]]·X[t])`, written
+//!   with the experts' weights gathered per routed pair, `= MoE(X, ids, w, W1, W2)`.
 //!
 //! **Un-fusing.** Exporters fuse the query, key and value projections of attention into one GEMM (GPT-2's
 //! `c_attn`: 768 → 2304 columns, then `Split` into three 768-column tensors). A column split
@@ -35,6 +37,7 @@ use ir::{Graph, NodeId, Op, Output, Tensor, TensorData, Value};
 use crate::manager::{Changed, Located, Pass, PassCx, PassError};
 
 pub mod attention;
+pub mod experts;
 mod fuse_gemms;
 mod origin;
 
@@ -888,7 +891,8 @@ impl Pass for Algebra {
         let untransposed = transpose_into_gemm(g).map_err(fail)?;
         let moved = transpose_before_gemm(g).map_err(fail)?;
         let composed = compose_transposes(g).map_err(fail)?;
-        if fused + folded + untransposed + moved + composed == 0 {
+        let experts = experts::fuse_experts(g).map_err(fail)?;
+        if fused + folded + untransposed + moved + composed + experts == 0 {
             return Ok(Changed::No);
         }
         cx.stats.add("fused GEMMs split", fused);
@@ -897,6 +901,7 @@ impl Pass for Algebra {
         cx.stats.add("transposed weights read by a GEMM", untransposed);
         cx.stats.add("transposes moved before a GEMM's rows", moved);
         cx.stats.add("transposes of transposes composed", composed);
+        cx.stats.add("mixtures of experts fused", experts);
         ir::infer::infer_shapes(g, ir::infer::Mode::Check).map_err(|errs| PassError::shapes(self.name(), errs))?;
         Ok(Changed::Yes)
     }

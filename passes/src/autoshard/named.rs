@@ -22,6 +22,11 @@
 //! - `context` (alias `ulysses`): DeepSpeed-Ulysses context parallelism over all devices —
 //!   every op splits the sequence, attention its heads, all-to-alls between
 //!   ([`super::context`]).
+//! - `expert` (alias `ep`): expert parallelism over all devices — each mixture of experts
+//!   (`MoE`: `passes::FuseExperts` makes them from exported ones) splits its experts over the
+//!   devices, every other op is data parallel: the tokens are all-gathered before a mixture
+//!   and its partial outputs reduce-scattered back to the batch after it (Megatron-core's
+//!   all-gather token dispatcher), the experts' weights never replicated.
 //! - `pipeline:S:M[:gpipe|:1f1b]`: S balanced stages, M micro-batches (see `pipeline`).
 
 use ir::shard::{AxisShard, DimKind, DimRole, LinkLevel, Mesh, MeshAxis, strategy_shardings, strategy_valid};
@@ -62,6 +67,8 @@ pub enum Named {
         /// Tensor-parallel ways.
         tp: usize,
     },
+    /// Expert parallelism: mixtures of experts split by experts, the rest data parallel.
+    Expert,
     /// Pipeline: stages of equal device groups, each sharded data-parallel, or Megatron-style
     /// over `tensor` of its devices (the rest data-parallel).
     Pipeline {
@@ -93,6 +100,7 @@ impl Named {
             ["context"] | ["ulysses"] => Named::Context { dp: 1, tp: 1 },
             ["context" | "ulysses", ..] => Named::parse_context(s)?,
             ["megatron"] | ["tensor"] => Named::Megatron,
+            ["expert"] | ["ep"] => Named::Expert,
             ["spatial-hybrid", ds] => {
                 let (d, sp) = ds
                     .split_once(['x', 'X'])
@@ -207,6 +215,7 @@ impl Named {
             Named::Hybrid { dp, tp } => format!("hybrid:dp:{dp},tp:{tp}"),
             Named::SpatialHybrid(d, s) => format!("spatial-hybrid:{d}x{s}"),
             Named::Owt => "owt".into(),
+            Named::Expert => "expert".into(),
             Named::Context { dp, tp } => {
                 let parts: Vec<String> = [("dp", *dp), ("tp", *tp)]
                     .iter()
@@ -409,20 +418,21 @@ fn applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context::Sequenc
         Named::SpatialHybrid(..) => "spatial-hybrid",
         Named::Owt => "owt",
         Named::Context { .. } => "context",
+        Named::Expert => "expert",
         Named::Pipeline { .. } => return Err("pipeline strategies are priced by the pipeline model".into()),
     };
     if matches!(named, Named::Hybrid { .. } | Named::SpatialHybrid(..)) && cm.mesh.axes.len() < 2 {
         return Err(format!("{name}: needs a mesh of two axes"));
     }
     let (data_axes, _, tensor_axes) = context_axes(cm, named);
-    let batch_split = matches!(named, Named::Data | Named::Hybrid { .. } | Named::SpatialHybrid(..));
+    let batch_split = matches!(named, Named::Data | Named::Expert | Named::Hybrid { .. } | Named::SpatialHybrid(..));
     if batch_split || !data_axes.is_empty() {
         if !has_batch {
             return Err(format!("{name}: no op has a dim that carries the batch"));
         }
         // Data parallelism over the batch axis's devices needs a batch they divide.
         let ways = match named {
-            Named::Data => cm.mesh.devices(),
+            Named::Data | Named::Expert => cm.mesh.devices(),
             Named::Context { .. } => data_axes.iter().map(|&a| cm.mesh.axes[a].size).product(),
             _ => cm.mesh.axes[0].size,
         };
@@ -455,6 +465,7 @@ fn applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context::Sequenc
             Err("owt: needs both convolutions (data parallel) and fully connected layers (model parallel)".into())
         }
         Named::Context { .. } => context_applies(cm, named, sequence),
+        Named::Expert => expert_applies(cm),
         _ => Ok(()),
     }
 }
@@ -492,6 +503,24 @@ fn context_applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context:
     if let Some(&n) = attention.iter().find(|&&n| super::context::ulysses(cm, n, sequence, &both).is_none()) {
         let ways: usize = both.iter().map(|&a| cm.mesh.axes[a].size).product();
         return Err(format!("context: {} does not split its heads over {ways} devices", cm.g.describe(n)));
+    }
+    Ok(())
+}
+
+/// Expert parallelism needs mixtures of experts whose experts the devices divide.
+fn expert_applies(cm: &CostModel<'_>) -> Result<(), String> {
+    let ways = cm.mesh.devices();
+    let experts: Vec<(NodeId, i64)> = cm
+        .order()
+        .iter()
+        .filter(|&&n| matches!(cm.g.node(n).op, Op::MoE(_)))
+        .filter_map(|&n| Some((n, cm.space(n).dims.iter().find(|d| d.role == DimRole::Expert)?.size)))
+        .collect();
+    if experts.is_empty() {
+        return Err("expert: the model has no mixture of experts (`fuse-experts` recognizes transformers' static-shape experts; docs/memory.md)".into());
+    }
+    if let Some((n, e)) = experts.iter().find(|(_, e)| *e % ways as i64 != 0) {
+        return Err(format!("expert: {} has {e} experts, which {ways} devices do not divide", cm.g.describe(*n)));
     }
     Ok(())
 }
@@ -557,6 +586,7 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
             }
             Named::Spatial => windowed(n).then(|| spatial_split(cm, n, &all_axes)).flatten(),
             Named::Context { .. } => context_split(cm, &asg, n, &sequence, &axes),
+            Named::Expert => pick(DimRole::Expert, &all_axes).or_else(|| pick(DimRole::Batch, &all_axes)),
             // Batch over axis 0, Megatron over axis 1, the rest following the input.
             Named::Hybrid { .. } => Some(data_then_megatron(cm, &asg, n, &[0], 1)),
             Named::SpatialHybrid(..) => {

@@ -303,7 +303,34 @@ impl OpRules for op::TopK {
         Ok(vec![cx.with(cx.dtype(), Some(out.clone())), Some(TensorType::new(DType::Int64, out))])
     }
 
-    no_work_whole!();
+    /// Each slice along the other dims picks its own `k` (a router's top experts per token):
+    /// those dims split freely; the axis is whole.
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        let out = cx.out_dims(0);
+        let Ok(a) = norm_axis(self.axis(), out.len()) else { return Some(IterSpace::whole(cx)) };
+        let dims: Vec<IterDim> = out
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                if i == a {
+                    IterDim { name: "k".into(), size: n, kind: DimKind::Fixed, role: DimRole::Other }
+                } else {
+                    par(format!("d{i}"), n)
+                }
+            })
+            .collect();
+        let x: Vec<Option<usize>> = (0..out.len()).map(|i| (i != a).then_some(i)).collect();
+        let all: Vec<Option<usize>> = (0..out.len()).map(Some).collect();
+        let mut inputs = vec![Some(x)];
+        if let Some(k) = cx.input(1) {
+            inputs.push(Some(vec![None; cx.rank(k)]));
+        }
+        Some(IterSpace { dims, inputs, outputs: vec![all.clone(), all] })
+    }
+
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(cx.in_numel(0))
+    }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         let k = match cx.opt(1) {

@@ -313,7 +313,10 @@ impl<'a> CostModel<'a> {
                     out.extend(std::iter::repeat_n((Phase::Backward, step), b));
                 }
             }
-            SplitMode::Direct | SplitMode::VocabGather | SplitMode::Loss { ignore_index: None } => {}
+            SplitMode::Direct
+            | SplitMode::VocabGather
+            | SplitMode::Experts { .. }
+            | SplitMode::Loss { ignore_index: None } => {}
         }
         out
     }

@@ -1,0 +1,248 @@
+//! Mixtures of experts as transformers exports them (tests/data/moe: Mixtral from a small
+//! config, 8 experts, top-2, exported by torch's dynamo and TorchScript exporters;
+//! scripts/gen-moe.py): fused into `MoE` ops, equal to torch forward, and trained under
+//! expert parallelism (`--strategy expert`) equal to one device, the plan pricing the bytes
+//! its program moves.
+
+use std::path::{Path, PathBuf};
+
+use shardc::ir::{Graph, Op};
+use shardc::passes::cost::{Cluster, Options};
+
+const EXPORTS: [&str; 2] = ["mixtral_tiny_dynamo", "mixtral_tiny_ts"];
+
+fn data(name: &str, ext: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/data/moe/{name}.{ext}"))
+}
+
+fn shardc(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_shardc")).args(args).output().unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).to_string()
+}
+
+/// The export `name` as `plan` prepares it: verified, shapes inferred, canonicalized, the
+/// algebra pass (which fuses the experts) run.
+fn prepared(name: &str) -> shardc::ir::Model {
+    let bytes = std::fs::read(data(name, "onnx")).unwrap();
+    let mut m = shardc::frontend::parse_binary(&bytes).map_err(|e| format!("{:?}", e.0)).unwrap().0.model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Verify)
+        .add(shardc::passes::InferShapes::default())
+        .add(shardc::passes::Canonicalize)
+        .add(shardc::passes::Algebra);
+    pm.run(&mut m).unwrap_or_else(|e| panic!("{name}: {e}"));
+    m
+}
+
+fn count(g: &Graph, pick: impl Fn(&Op) -> bool) -> usize {
+    g.op_nodes().unwrap().into_iter().filter(|&n| pick(&g.node(n).op)).count()
+}
+
+/// Both exports' two mixtures become two `MoE` ops; no expert weight is gathered per token
+/// any more (the exports gathered `[T·k, 2I, H]` and `[T·k, H, I]` per layer).
+#[test]
+fn exported_mixtures_fuse_into_moe_ops() {
+    for name in EXPORTS {
+        let m = prepared(name);
+        let g = &m.graph;
+        assert_eq!(count(g, |o| matches!(o, Op::MoE(_))), 2, "{name}");
+        let gathers_3d = g
+            .op_nodes()
+            .unwrap()
+            .into_iter()
+            .filter(|&n| matches!(g.node(n).op, Op::Gather(_) | Op::GatherND(_)))
+            .filter(|&n| g.tensor_type(g.node(n).input(0).unwrap()).and_then(|t| t.rank()) == Some(3))
+            .count();
+        assert_eq!(gathers_3d, 0, "{name}: expert weights still gathered");
+    }
+}
+
+/// A graph whose weighted sum is not a gated mixture keeps its ops: the pass fuses only what
+/// it proves is the pattern (here the down projection's gather reads other ids than the gate's).
+#[test]
+fn a_mixture_routed_by_other_ids_is_left_alone() {
+    let src = include_str!("filetests/lower/moe_expert_2.onnxtxt");
+    // The unfused form of that mixture, with the second gather reading a shifted copy of the ids.
+    let unfused = src.replace("y = shardc.MoE (x, ids, w, w1, w2)", UNFUSED_BODY);
+    let mut parsed = shardc::frontend::parse(&unfused).expect("parses").model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::InferShapes::default()).add(shardc::passes::Canonicalize).add(shardc::passes::Algebra);
+    pm.run(&mut parsed).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(count(&parsed.graph, |o| matches!(o, Op::MoE(_))), 1, "the faithful copy fuses");
+    let shifted = unfused.replace("g2 = Gather <axis: int = 0> (w2, flat)", "g2 = Gather <axis: int = 0> (w2, other)");
+    let mut parsed = shardc::frontend::parse(&shifted).expect("parses").model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::InferShapes::default()).add(shardc::passes::Canonicalize).add(shardc::passes::Algebra);
+    pm.run(&mut parsed).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(count(&parsed.graph, |o| matches!(o, Op::MoE(_))), 0, "routed by other ids: not a mixture");
+}
+
+/// transformers' `batched_mm` experts written out (what both exporters trace), for the tokens
+/// `x [4, 8]`, ids and weights `[4, 2]`, `w1 [4, 6, 8]`, `w2 [4, 8, 3]`.
+const UNFUSED_BODY: &str = "one = Constant <value: tensor = int64[1] {1}> ()
+   minus = Constant <value: tensor = int64[1] {-1}> ()
+   rows = Constant <value: tensor = int64[2] {8, 8}> ()
+   tkh = Constant <value: tensor = int64[3] {4, 2, 8}> ()
+   reps = Constant <value: tensor = int64[3] {1, 2, 1}> ()
+   last = Constant <value: tensor = int64[1] {-1}> ()
+   xu = Unsqueeze (x, one)
+   xt = Tile (xu, reps)
+   xr = Reshape (xt, rows)
+   flat = Reshape (ids, minus)
+   other = Sub (flat, one)
+   g1 = Gather <axis: int = 0> (w1, flat)
+   xc = Unsqueeze (xr, last)
+   h3 = MatMul (g1, xc)
+   h = Squeeze (h3, last)
+   gate, up = Split <axis: int = 1, num_outputs: int = 2> (h)
+   sg = Sigmoid (gate)
+   silu = Mul (gate, sg)
+   a = Mul (silu, up)
+   g2 = Gather <axis: int = 0> (w2, flat)
+   ac = Unsqueeze (a, last)
+   o3 = MatMul (g2, ac)
+   o = Squeeze (o3, last)
+   wf = Reshape (w, minus)
+   wc = Unsqueeze (wf, last)
+   pw = Mul (o, wc)
+   z = Reshape (pw, tkh)
+   y = ReduceSum <keepdims: int = 0> (z, one)";
+
+/// Forward on one device and under expert parallelism on 8 equals torch's logits.
+#[test]
+fn exported_mixtures_run_like_torch() {
+    let dir = std::env::temp_dir().join(format!("shardc-moe-run-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in EXPORTS {
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(data(name, "io.json")).unwrap()).unwrap();
+        let ins = dir.join(format!("{name}.in.json"));
+        std::fs::write(&ins, serde_json::json!({"inputs": doc["inputs"]}).to_string()).unwrap();
+        let want: Vec<f64> =
+            doc["outputs"]["logits"]["data"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+        for (devices, strategy) in [("1", "data"), ("8", "expert")] {
+            let out = dir.join(format!("{name}.{devices}.out.json"));
+            let o = shardc(&[
+                "run",
+                data(name, "onnx").to_str().unwrap(),
+                "--inputs",
+                ins.to_str().unwrap(),
+                "--backend",
+                "cpu",
+                "--devices",
+                devices,
+                "--strategy",
+                strategy,
+                "--check",
+                "--save-outputs",
+                out.to_str().unwrap(),
+            ]);
+            assert!(o.status.success(), "{name} {strategy}: {}", text(&o.stderr));
+            let got: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+            let got = got.get("outputs").unwrap_or(&got)["logits"].clone();
+            let got: Vec<f64> =
+                got.get("data").unwrap_or(&got).as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+            assert_eq!(got.len(), want.len(), "{name}");
+            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs() / (1e-4 + 1e-4 * b.abs())).fold(0.0, f64::max);
+            assert!(worst <= 1.0, "{name} {strategy}: {worst:.2}× torch's tolerance");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Five training steps under expert parallelism on 8 devices equal one device's (the check's
+/// reference is the model as written, experts unfused), with each device holding an eighth of
+/// the experts: less memory than data parallelism's replicas.
+#[test]
+fn expert_parallel_training_equals_one_device() {
+    for name in EXPORTS {
+        let model = data(name, "onnx");
+        let mut peak = Vec::new();
+        for strategy in ["data", "expert"] {
+            let o = shardc(&[
+                "train",
+                model.to_str().unwrap(),
+                "--loss",
+                "softmax-cross-entropy",
+                "--devices",
+                "8",
+                "--strategy",
+                strategy,
+                "--steps",
+                "5",
+                "--backend",
+                "cpu",
+                "--check",
+            ]);
+            let out = text(&o.stdout);
+            assert!(o.status.success(), "{name} {strategy}: {}{out}", text(&o.stderr));
+            for what in ["losses", "gradients", "parameters", "state"] {
+                assert!(
+                    out.lines().any(|l| l.starts_with("check") && l.contains(what) && l.contains(" ok ")),
+                    "{name} {strategy}: {what} not checked ok\n{out}"
+                );
+            }
+            let mem = out.lines().find(|l| l.starts_with("memory")).unwrap_or_default().to_string();
+            let mb: f64 = mem.split_whitespace().nth(1).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN);
+            peak.push(mb);
+        }
+        assert!(peak[1] < 0.5 * peak[0], "{name}: expert {} MB against data {} MB", peak[1], peak[0]);
+    }
+}
+
+/// One truth for the expert plan's collectives: the plan prices, per kind, the bytes its
+/// lowered forward program moves (the tokens, ids and weights all-gathered, the partial
+/// outputs reduced).
+#[test]
+fn expert_plans_move_the_bytes_their_programs_move() {
+    let m = prepared("mixtral_tiny_dynamo");
+    let (g, cluster, opts) = (&m.graph, Cluster::preset("local-wgpu").expect("preset"), Options::default());
+    for devices in [2, 4, 8] {
+        let r = shardc::exec::named_result(g, &cluster, devices, "expert", &opts).unwrap();
+        let plan = shardc::passes::autoshard::Plan::new(g, &cluster, devices, &opts, Default::default(), &r);
+        let p = shardc::exec::program_for_search(g, &r, devices).unwrap();
+        assert!(p.fallbacks.is_empty(), "{devices}: {:?}", p.fallbacks);
+        let (priced, lowered) = (plan.bytes_moved_per_device.get("forward"), p.bytes_moved_per_device());
+        let (priced, lowered) =
+            (priced.cloned().unwrap_or_default(), lowered.get("forward").cloned().unwrap_or_default());
+        assert!(priced.get("all_gather").is_some_and(|&b| b > 0.0), "{devices}: {priced:?}");
+        let kinds: std::collections::BTreeSet<&String> = priced.keys().chain(lowered.keys()).collect();
+        for kind in kinds {
+            let (a, b) = (priced.get(kind).copied().unwrap_or(0.0), lowered.get(kind).copied().unwrap_or(0.0));
+            assert!((a - b).abs() <= 1e-9 * a.max(b) + 1e-3, "{devices} {kind}: plan {a:.0} B, program {b:.0} B");
+        }
+    }
+}
+
+/// `expert` needs mixtures whose experts the devices divide, and a batch they divide, and says so.
+#[test]
+fn expert_parallelism_says_where_it_does_not_apply() {
+    let cluster = Cluster::preset("dgx-a100").expect("preset");
+    let opts = Options::default();
+    let m = prepared("mixtral_tiny_dynamo");
+    let e = shardc::exec::named_result(&m.graph, &cluster, 3, "expert", &opts).map(|_| ()).unwrap_err();
+    assert!(e.contains("batch (8) does not divide"), "{e}");
+    // Four experts, eight tokens, eight devices.
+    let src = include_str!("filetests/lower/moe_expert_2.onnxtxt")
+        .replace("float[4,8] x", "float[8,8] x")
+        .replace("float[4,8] y", "float[8,8] y");
+    let mut four = shardc::frontend::parse(&src).expect("parses").model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Verify).add(shardc::passes::InferShapes::default());
+    pm.run(&mut four).unwrap_or_else(|e| panic!("{e}"));
+    let e = shardc::exec::named_result(&four.graph, &cluster, 8, "expert", &opts).map(|_| ()).unwrap_err();
+    assert!(e.contains("has 4 experts, which 8 devices do not divide"), "{e}");
+    shardc::exec::named_result(&four.graph, &cluster, 4, "expert", &opts).expect("4 devices");
+    let dense = {
+        let mut m = shardc::frontend::parse(&shardc::synthetic::Llama::reduced(2, 8, 8).to_text()).unwrap().model;
+        let mut pm = shardc::passes::PassManager::new();
+        pm.add(shardc::passes::Verify).add(shardc::passes::InferShapes::default());
+        pm.run(&mut m).unwrap();
+        m.graph
+    };
+    let e = shardc::exec::named_result(&dense, &cluster, 8, "expert", &opts).map(|_| ()).unwrap_err();
+    assert!(e.contains("no mixture of experts"), "{e}");
+}
