@@ -7,13 +7,16 @@
 //! shardc plan llama70b.onnxtxt --cluster a100-cluster-8 --precision bf16
 //! ```
 //!
-//! Arguments: `8b`, `70b` or `405b` then batch and sequence (defaults 8 and 4096); or
-//! `custom LAYERS HIDDEN HEADS KV_HEADS FFN VOCAB BATCH SEQ` (VOCAB 0: no output head).
+//! Arguments: `8b`, `70b`, `405b`, `mixtral-8x7b` or `mixtral-8x22b` then batch and sequence
+//! (defaults 8 and 4096); or `custom LAYERS HIDDEN HEADS KV_HEADS FFN VOCAB BATCH SEQ
+//! [EXPERTS TOP_K]` (VOCAB 0: no output head; EXPERTS 0 or absent: a dense MLP).
 
 use shardc::synthetic::Llama;
 
 fn fail(msg: &str) -> ! {
-    eprintln!("error: {msg}; usage: synthetic_llama 8b|70b|405b [BATCH SEQ] | custom L H HEADS KV FFN VOCAB BATCH SEQ");
+    eprintln!(
+        "error: {msg}; usage: synthetic_llama 8b|70b|405b|mixtral-8x7b|mixtral-8x22b [BATCH SEQ] | custom L H HEADS KV FFN VOCAB BATCH SEQ [EXPERTS TOP_K]"
+    );
     std::process::exit(2)
 }
 
@@ -26,9 +29,11 @@ fn main() {
         Some("8b") | None => Llama::llama3_8b(num(1, 8), num(2, 4096)),
         Some("70b") => Llama::llama3_70b(num(1, 8), num(2, 4096)),
         Some("405b") => Llama::llama3_405b(num(1, 8), num(2, 4096)),
+        Some("mixtral-8x7b") => Llama::mixtral_8x7b(num(1, 8), num(2, 4096)),
+        Some("mixtral-8x22b") => Llama::mixtral_8x22b(num(1, 8), num(2, 4096)),
         Some("custom") => {
-            if args.len() != 9 {
-                fail("custom takes 8 numbers");
+            if args.len() != 9 && args.len() != 11 {
+                fail("custom takes 8 numbers, or 10 with EXPERTS TOP_K");
             }
             Llama {
                 layers: num(1, 0),
@@ -39,12 +44,17 @@ fn main() {
                 vocab: num(6, 0),
                 batch: num(7, 0),
                 seq: num(8, 0),
+                experts: num(9, 0),
+                top_k: num(10, 0),
             }
         }
         Some(o) => fail(&format!("unknown size `{o}`")),
     };
     if m.heads == 0 || m.hidden % m.heads != 0 || m.kv_heads == 0 || m.heads % m.kv_heads != 0 {
         fail("heads must divide hidden and key/value heads must divide heads");
+    }
+    if m.experts > 0 && (m.top_k == 0 || m.top_k > m.experts) {
+        fail("TOP_K must be between 1 and EXPERTS");
     }
     print!("{}", m.to_text());
 }

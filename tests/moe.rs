@@ -246,3 +246,85 @@ fn expert_parallelism_says_where_it_does_not_apply() {
     let e = shardc::exec::named_result(&dense, &cluster, 8, "expert", &opts).map(|_| ()).unwrap_err();
     assert!(e.contains("no mixture of experts"), "{e}");
 }
+
+/// The training graph of export `name` (softmax cross-entropy of its logits, Adam).
+fn training(name: &str) -> Graph {
+    let m = prepared(name);
+    let (tm, _) = shardc::train::training_model(
+        &m,
+        &shardc::passes::autodiff::LossSpec::SoftmaxCrossEntropy(None),
+        &shardc::passes::autodiff::OptimizerSpec::adam(1e-3),
+    )
+    .expect("training graph");
+    tm.graph
+}
+
+fn training_program(g: &Graph, strategy: &str, devices: usize) -> shardc::codegen::Program {
+    let cluster = Cluster::preset("local-wgpu").expect("preset");
+    let r = shardc::exec::named_result(g, &cluster, devices, strategy, &Options::default()).unwrap();
+    shardc::exec::training_program(g, &r, devices, 0).unwrap()
+}
+
+/// The prover covers expert parallelism: the expert plans' training programs verify, and one
+/// whose devices read their experts' ids shifted by the wrong first expert is refuted at the
+/// mixture of the first device that reads them so.
+#[test]
+fn expert_plans_verify_and_a_wrong_expert_offset_is_refuted() {
+    for name in EXPORTS {
+        let g = training(name);
+        for (strategy, devices) in [("expert", 8), ("expert:ep:4", 8), ("expert", 2), ("data", 4)] {
+            let p = training_program(&g, strategy, devices);
+            shardc::codegen::verify(&g, &p).unwrap_or_else(|e| panic!("{name} {strategy} ×{devices}: {e}"));
+        }
+    }
+    let g = training("mixtral_tiny_dynamo");
+    let mut p = training_program(&g, "expert", 8);
+    let mut seeded = 0;
+    for d in &mut p.devices {
+        let firsts: Vec<shardc::ir::Value> = d
+            .graph
+            .node_ids()
+            .filter(|&n| matches!(d.graph.node(n).op, Op::Initializer(_)))
+            .map(|n| shardc::ir::Value::new(n, 0))
+            .filter(|&v| d.graph.value_name(v).ends_with("__first_expert"))
+            .collect();
+        for v in firsts {
+            let Op::Initializer(t) = &d.graph.node(v.node).op else { unreachable!() };
+            let first = shardc::ir::eval::Array::from_tensor(t).unwrap().to_i64().unwrap()[0];
+            let wrong = shardc::ir::eval::Array::i64(vec![], vec![(first + 1) % 8]);
+            d.graph.make_initializer(v.node, wrong.to_tensor());
+            seeded += 1;
+        }
+    }
+    assert!(seeded >= 8, "{seeded} offsets");
+    let e = shardc::codegen::verify(&g, &p).expect_err("a wrong offset verified");
+    assert_eq!(e.kind, shardc::codegen::RefutationKind::Wrong, "{e}");
+    assert!(e.to_string().contains("reads ids that are not the graph's shifted"), "{e}");
+}
+
+/// Mixtral-8×7B (the synthetic generator's, as transformers exports its experts) on 64 H100s
+/// at 64 sequences of 4,096 tokens in bf16: the experts fuse, and the search plans expert
+/// parallelism (the grid's `ep` points), faster than the data-parallel replicas that cannot
+/// hold the model.
+#[test]
+fn mixtral_8x7b_on_64_h100_plans_expert_parallelism() {
+    use shardc::passes::autoshard;
+    use shardc::passes::cost::Precision;
+    let text = shardc::synthetic::Llama::mixtral_8x7b(64, 4096).to_text();
+    let mut m = shardc::frontend::parse(&text).expect("parses").model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::Verify)
+        .add(shardc::passes::InferShapes::default())
+        .add(shardc::passes::Canonicalize)
+        .add(shardc::passes::Algebra)
+        .add(shardc::passes::FuseAttention);
+    pm.run(&mut m).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(count(&m.graph, |o| matches!(o, Op::MoE(_))), 32);
+    let cluster = Cluster::preset("h100-cluster-8").expect("preset");
+    let opts = Options { precision: Precision::Fp16, ..Options::default() };
+    let r = autoshard::search(&m.graph, &cluster, 64, &opts, &Default::default()).unwrap_or_else(|e| panic!("{e}"));
+    let plan = r.same_as.clone().unwrap_or_default();
+    assert!(r.breakdown.feasible && plan.contains("ep="), "{plan}: {:?}", r.breakdown.memory);
+    let data = shardc::exec::named_result(&m.graph, &cluster, 64, "data", &opts).unwrap();
+    assert!(!data.breakdown.feasible, "data parallel fits: {:?}", data.breakdown.memory);
+}

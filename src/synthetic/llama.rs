@@ -2,7 +2,10 @@
 //! grouped-query attention with rotary position embeddings (`q·cos + rotate_half(q)·sin`, the
 //! tables computed in the graph from the positions, as the model computes them; the
 //! key/value heads repeated by `Unsqueeze`/`Expand`/`Reshape`), a causal mask, and a SwiGLU
-//! MLP (`down(silu(gate(x)) · up(x))`); optionally the final norm and the output head.
+//! MLP (`down(silu(gate(x)) · up(x))`), or a sparse mixture of such MLPs (Mixtral: a router
+//! GEMM, softmax and top-k renormalised, the experts' weights gathered per routed token as
+//! transformers' `batched_mm` experts export them; `fuse-experts` makes them one `MoE` op);
+//! optionally the final norm and the output head.
 
 use std::fmt::Write;
 
@@ -47,34 +50,106 @@ pub struct Llama {
     pub batch: usize,
     /// Sequence length.
     pub seq: usize,
+    /// Experts per mixture (0: a dense MLP).
+    pub experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
 }
 
 impl Llama {
     /// Llama-3-8B's shape (32 × 4096, 32 heads, 8 key/value heads, MLP 14336, vocabulary
     /// 128256) at a batch and sequence.
     pub fn llama3_8b(batch: usize, seq: usize) -> Llama {
-        Llama { layers: 32, hidden: 4096, heads: 32, kv_heads: 8, ffn: 14336, vocab: 128256, batch, seq }
+        Llama {
+            layers: 32,
+            hidden: 4096,
+            heads: 32,
+            kv_heads: 8,
+            ffn: 14336,
+            vocab: 128256,
+            batch,
+            seq,
+            experts: 0,
+            top_k: 0,
+        }
     }
 
     /// Llama-3-70B's shape (80 × 8192, 64 heads, 8 key/value heads, MLP 28672).
     pub fn llama3_70b(batch: usize, seq: usize) -> Llama {
-        Llama { layers: 80, hidden: 8192, heads: 64, kv_heads: 8, ffn: 28672, vocab: 128256, batch, seq }
+        Llama {
+            layers: 80,
+            hidden: 8192,
+            heads: 64,
+            kv_heads: 8,
+            ffn: 28672,
+            vocab: 128256,
+            batch,
+            seq,
+            experts: 0,
+            top_k: 0,
+        }
     }
 
     /// Llama-3-405B's shape (126 × 16384, 128 heads, 8 key/value heads, MLP 53248).
     pub fn llama3_405b(batch: usize, seq: usize) -> Llama {
-        Llama { layers: 126, hidden: 16384, heads: 128, kv_heads: 8, ffn: 53248, vocab: 128256, batch, seq }
+        Llama {
+            layers: 126,
+            hidden: 16384,
+            heads: 128,
+            kv_heads: 8,
+            ffn: 53248,
+            vocab: 128256,
+            batch,
+            seq,
+            experts: 0,
+            top_k: 0,
+        }
+    }
+
+    /// Mixtral-8×7B's shape (32 × 4096, 32 heads, 8 key/value heads, 8 experts of MLP 14336,
+    /// top-2, vocabulary 32000).
+    pub fn mixtral_8x7b(batch: usize, seq: usize) -> Llama {
+        Llama {
+            layers: 32,
+            hidden: 4096,
+            heads: 32,
+            kv_heads: 8,
+            ffn: 14336,
+            vocab: 32000,
+            batch,
+            seq,
+            experts: 8,
+            top_k: 2,
+        }
+    }
+
+    /// Mixtral-8×22B's shape (56 × 6144, 48 heads, 8 key/value heads, 8 experts of MLP
+    /// 16384, top-2, vocabulary 32768).
+    pub fn mixtral_8x22b(batch: usize, seq: usize) -> Llama {
+        Llama {
+            layers: 56,
+            hidden: 6144,
+            heads: 48,
+            kv_heads: 8,
+            ffn: 16384,
+            vocab: 32768,
+            batch,
+            seq,
+            experts: 8,
+            top_k: 2,
+        }
     }
 
     /// A Llama small enough to train on the CPU in tests: width 64, 4 query heads over 2
     /// key/value heads, MLP 128, no output head.
     pub fn reduced(layers: usize, batch: usize, seq: usize) -> Llama {
-        Llama { layers, hidden: 64, heads: 4, kv_heads: 2, ffn: 128, vocab: 0, batch, seq }
+        Llama { layers, hidden: 64, heads: 4, kv_heads: 2, ffn: 128, vocab: 0, batch, seq, experts: 0, top_k: 0 }
     }
 
     /// The model text.
     pub fn to_text(&self) -> String {
-        let Llama { layers, hidden: h, heads: nh, kv_heads: kv, ffn, vocab, batch: b, seq: s } = *self;
+        let Llama { layers, hidden: h, heads: nh, kv_heads: kv, ffn, vocab, batch: b, seq: s, experts, top_k } = *self;
+        assert!(experts == 0 || (top_k > 0 && top_k <= experts), "top-k must be within the experts");
         assert!(nh > 0 && h % nh == 0, "heads must divide hidden");
         assert!(kv > 0 && nh % kv == 0, "key/value heads must divide heads");
         let hd = h / nh;
@@ -97,6 +172,11 @@ impl Llama {
             format!("float rope_dim = {{{hd}}}, float rope_theta = {{{ROPE_THETA}}}, int64[1] rope_col = {{1}}"),
             "int64[1] rope_row = {0}".into(),
         ];
+        if experts > 0 {
+            let t = b * s;
+            inits.push(format!("int64[2] moe_tokens = {{{t},{h}}}, int64[1] moe_k = {{{top_k}}}, int64[3] moe_tkh = {{{t},{top_k},{h}}}"));
+            inits.push(format!("int64[2] moe_rows = {{{},{h}}}, int64[1] moe_flat = {{-1}}, int64[1] moe_one = {{1}}, int64[1] moe_last = {{-1}}", t * top_k));
+        }
         for l in 0..layers {
             for (name, dims) in [
                 ("input_norm", vec![h]),
@@ -105,10 +185,19 @@ impl Llama {
                 ("wv", vec![h, kv * hd]),
                 ("wo", vec![h, h]),
                 ("post_norm", vec![h]),
-                ("w_gate", vec![h, ffn]),
-                ("w_up", vec![h, ffn]),
-                ("w_down", vec![ffn, h]),
             ] {
+                inits.push(ext("float", &dims, &format!("layers.{l}.{name}")));
+            }
+            let mlp: Vec<(&str, Vec<usize>)> = if experts > 0 {
+                vec![
+                    ("router", vec![h, experts]),
+                    ("experts_gate_up", vec![experts, 2 * ffn, h]),
+                    ("experts_down", vec![experts, h, ffn]),
+                ]
+            } else {
+                vec![("w_gate", vec![h, ffn]), ("w_up", vec![h, ffn]), ("w_down", vec![ffn, h])]
+            };
+            for (name, dims) in mlp {
                 inits.push(ext("float", &dims, &format!("layers.{l}.{name}")));
             }
         }
@@ -127,7 +216,7 @@ impl Llama {
         t.push_str(ROPE_TABLES);
         let mut x = "x".to_string();
         for l in 0..layers {
-            block(&mut t, l, &x);
+            block(&mut t, l, &x, experts > 0);
             x = format!("l{l}_r2");
         }
         if vocab > 0 {
@@ -140,8 +229,9 @@ impl Llama {
     }
 }
 
-/// One decoder block `l` reading `x`, its output `l{l}_r2`.
-fn block(t: &mut String, l: usize, x: &str) {
+/// One decoder block `l` reading `x`, its output `l{l}_r2`; its MLP a mixture of experts
+/// when `moe`.
+fn block(t: &mut String, l: usize, x: &str, moe: bool) {
     let p = format!("l{l}");
     let w = |n: &str| format!("\"layers.{l}.{n}\"");
     let mut line = |s: String| {
@@ -183,11 +273,51 @@ fn block(t: &mut String, l: usize, x: &str) {
     line(format!("[\"{p}/o_proj\"] {p}_o = MatMul ({p}_ctxr, {})", w("wo")));
     line(format!("[\"{p}/residual1\"] {p}_r1 = Add ({x}, {p}_o)"));
     line(format!("[\"{p}/post_norm\"] {p}_n2 = RMSNormalization <axis: int = -1> ({p}_r1, {})", w("post_norm")));
+    if moe {
+        experts(&mut line, &p, &w);
+        return;
+    }
     line(format!("[\"{p}/gate_proj\"] {p}_g = MatMul ({p}_n2, {})", w("w_gate")));
     line(format!("[\"{p}/gate_sigmoid\"] {p}_gs = Sigmoid ({p}_g)"));
     line(format!("[\"{p}/gate_silu\"] {p}_ga = Mul ({p}_g, {p}_gs)"));
     line(format!("[\"{p}/up_proj\"] {p}_u = MatMul ({p}_n2, {})", w("w_up")));
     line(format!("[\"{p}/gate_up\"] {p}_gu = Mul ({p}_ga, {p}_u)"));
     line(format!("[\"{p}/down_proj\"] {p}_d = MatMul ({p}_gu, {})", w("w_down")));
+    line(format!("[\"{p}/residual2\"] {p}_r2 = Add ({p}_r1, {p}_d)"));
+}
+
+/// Block `p`'s mixture of experts on `{p}_n2` (`[b, s, h]`), its output `{p}_r2`: the router
+/// (GEMM, softmax, top-k, renormalised), then transformers' `batched_mm` experts as exported —
+/// each token repeated `k` times, the gate-and-up and down weights gathered per routed pair,
+/// batched products, SiLU gate, weighted sum over the `k`.
+fn experts(line: &mut impl FnMut(String), p: &str, w: &dyn Fn(&str) -> String) {
+    line(format!("[\"{p}/moe/tokens\"] {p}_mx = Reshape ({p}_n2, moe_tokens)"));
+    line(format!("[\"{p}/moe/router\"] {p}_ml = MatMul ({p}_mx, {})", w("router")));
+    line(format!("[\"{p}/moe/probs\"] {p}_mp = Softmax <axis: int = -1> ({p}_ml)"));
+    line(format!("[\"{p}/moe/top_k\"] {p}_mv, {p}_mi = TopK <axis: int = -1> ({p}_mp, moe_k)"));
+    line(format!("[\"{p}/moe/top_sum\"] {p}_ms = ReduceSum <keepdims: int = 1> ({p}_mv, moe_last)"));
+    line(format!("[\"{p}/moe/weights\"] {p}_mw = Div ({p}_mv, {p}_ms)"));
+    line(format!("[\"{p}/moe/repeat_unsq\"] {p}_mxu = Unsqueeze ({p}_mx, moe_one)"));
+    line(format!("[\"{p}/moe/repeat\"] {p}_mxe = Expand ({p}_mxu, moe_tkh)"));
+    line(format!("[\"{p}/moe/repeat_flat\"] {p}_mxr = Reshape ({p}_mxe, moe_rows)"));
+    line(format!("[\"{p}/moe/ids\"] {p}_mif = Reshape ({p}_mi, moe_flat)"));
+    line(format!("[\"{p}/moe/gather_gate_up\"] {p}_mg1 = Gather <axis: int = 0> ({}, {p}_mif)", w("experts_gate_up")));
+    line(format!("[\"{p}/moe/col\"] {p}_mxc = Unsqueeze ({p}_mxr, moe_last)"));
+    line(format!("[\"{p}/moe/gate_up\"] {p}_mh3 = MatMul ({p}_mg1, {p}_mxc)"));
+    line(format!("[\"{p}/moe/gate_up_sq\"] {p}_mh = Squeeze ({p}_mh3, moe_last)"));
+    line(format!("[\"{p}/moe/chunk\"] {p}_mga, {p}_mup = Split <axis: int = 1, num_outputs: int = 2> ({p}_mh)"));
+    line(format!("[\"{p}/moe/sigmoid\"] {p}_msg = Sigmoid ({p}_mga)"));
+    line(format!("[\"{p}/moe/silu\"] {p}_msi = Mul ({p}_mga, {p}_msg)"));
+    line(format!("[\"{p}/moe/gated\"] {p}_ma = Mul ({p}_msi, {p}_mup)"));
+    line(format!("[\"{p}/moe/gather_down\"] {p}_mg2 = Gather <axis: int = 0> ({}, {p}_mif)", w("experts_down")));
+    line(format!("[\"{p}/moe/acol\"] {p}_mac = Unsqueeze ({p}_ma, moe_last)"));
+    line(format!("[\"{p}/moe/down\"] {p}_mo3 = MatMul ({p}_mg2, {p}_mac)"));
+    line(format!("[\"{p}/moe/down_sq\"] {p}_mo = Squeeze ({p}_mo3, moe_last)"));
+    line(format!("[\"{p}/moe/wflat\"] {p}_mwf = Reshape ({p}_mw, moe_flat)"));
+    line(format!("[\"{p}/moe/wcol\"] {p}_mwc = Unsqueeze ({p}_mwf, moe_last)"));
+    line(format!("[\"{p}/moe/weighted\"] {p}_mpw = Mul ({p}_mo, {p}_mwc)"));
+    line(format!("[\"{p}/moe/pairs\"] {p}_mz = Reshape ({p}_mpw, moe_tkh)"));
+    line(format!("[\"{p}/moe/sum\"] {p}_my = ReduceSum <keepdims: int = 0> ({p}_mz, moe_one)"));
+    line(format!("[\"{p}/moe/back\"] {p}_d = Reshape ({p}_my, model_shape)"));
     line(format!("[\"{p}/residual2\"] {p}_r2 = Add ({p}_r1, {p}_d)"));
 }

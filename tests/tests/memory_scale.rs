@@ -142,7 +142,10 @@ fn configurations_check_their_degrees_and_say_what_is_not_priced() {
     assert!(resolve("cp=2,pp=2", 8).unwrap_err().contains("context parallelism"));
     assert!(resolve("cp=2,tp=2,sp", 8).unwrap_err().contains("leave out sp"));
     assert_eq!(resolve("cp=8", 8).unwrap(), autoshard::named::Named::Context { dp: 1, tp: 1 });
-    assert!(resolve("ep=2", 8).unwrap_err().contains("expert parallelism"));
+    assert_eq!(resolve("ep=2", 8).unwrap(), autoshard::Named::Expert { ep: 2 });
+    assert_eq!(resolve("dp=8,ep=8", 8).unwrap(), autoshard::Named::Expert { ep: 8 });
+    assert!(resolve("ep=3", 8).unwrap_err().contains("carved from the 8 data-parallel ranks"));
+    assert!(resolve("ep=2,tp=2", 8).unwrap_err().contains("beside data parallelism only"));
     assert!(resolve("vp=2", 8).unwrap_err().contains("give pp > 1"));
     assert!(resolve("pp=2,vp=2,schedule=gpipe", 8).unwrap_err().contains("interleaved schedule"));
     // Batch 8 over dp = 2 in micro-batches of 2: 2 micro-batches, not a multiple of 4 stages.

@@ -25,6 +25,7 @@ mod attention;
 mod comm;
 mod composite;
 mod conv;
+mod experts;
 mod rules;
 mod term;
 mod vocab;

@@ -180,6 +180,9 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
         Op::RMSNormalization(r) => trailing_rows(cx, n, r.axis.unwrap_or(-1), ins),
         Op::SoftmaxGrad(s) => rowwise(cx, op, &s.axes.clone().unwrap_or_default(), ins),
         Op::Gather(gt) => gather(cx, n, op, gt.axis.unwrap_or(0), ins),
+        Op::TopK(t) => super::experts::topk(cx, n, t.axis.unwrap_or(-1), ins),
+        Op::MoE(_) => super::experts::apply(cx, n, false, ins),
+        Op::MoEGrad(_) => super::experts::apply(cx, n, true, ins),
         Op::Where(_) => match ins {
             [Some(c), Some(x), Some(z)] if x.is_exact() => match super::vocab::completed(cx, c, x, z) {
                 Some(f) => Ok(vec![Some(f)]),

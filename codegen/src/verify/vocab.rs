@@ -15,13 +15,13 @@ use ir::op::{self as o, Op};
 use super::rules::{Cx, pointwise_term};
 use super::term::{Fact, Head, Share, TermId};
 
-fn int(cx: &mut Cx<'_>, dtype: DType, x: i64) -> TermId {
+pub(super) fn int(cx: &mut Cx<'_>, dtype: DType, x: i64) -> TermId {
     cx.literal(&Array::int(dtype, vec![], vec![x]))
 }
 
 /// `op` on `ins`: the literal it evaluates to where every input is a literal (as the
 /// prover folds them), else its term.
-fn build(cx: &mut Cx<'_>, op: Op, ins: &[TermId]) -> TermId {
+pub(super) fn build(cx: &mut Cx<'_>, op: Op, ins: &[TermId]) -> TermId {
     let arrays: Option<Vec<Array>> = ins.iter().map(|&t| cx.terms.value(t).cloned()).collect();
     if let Some(arrays) = arrays {
         let refs: Vec<Option<&Array>> = arrays.iter().map(Some).collect();

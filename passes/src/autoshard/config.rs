@@ -13,9 +13,12 @@
 //! product of the degrees must be the devices used. A configuration resolves to a named
 //! strategy ([`Named`]: `data`, `megatron`, `hybrid:dp:D,tp:T`,
 //! `pipeline:S:M[:interleaved:V][:tp:T]`, `context[:dp:D,tp:T]` for `cp` with or without `dp`
-//! and `tp`) and the cost-model options it sets; what the cost model cannot price yet (`ep`,
-//! `cp` with `pp`) is refused with the reason. `pp` with `tp` is a pipeline of Megatron (or
-//! data × Megatron) stages; `vp` > 1 the interleaved schedule.
+//! and `tp`, `expert:ep:E` for `ep`) and the cost-model options it sets; what the cost model
+//! cannot price yet (`ep` with `tp`, `pp` or `cp`; `cp` with `pp`) is refused with the reason.
+//! `pp` with `tp` is a pipeline of Megatron (or data × Megatron) stages; `vp` > 1 the
+//! interleaved schedule. As in Megatron-LM, `ep` takes no devices of its own: the
+//! expert-parallel groups are carved from the data-parallel ranks (`ep` divides `dp`), each
+//! mixture of experts splitting its experts over a group and the groups data parallel.
 
 use super::named::Named;
 use crate::cost::{Options, Recompute, Schedule};
@@ -155,20 +158,25 @@ impl Config {
     /// The data-parallel degree on `devices` devices, checking that the degrees multiply to
     /// them.
     pub fn data_degree(&self, devices: usize) -> Result<usize, String> {
-        let others = self.tp * self.pp * self.cp * self.ep;
+        let others = self.tp * self.pp * self.cp;
         let dp = match self.dp {
             Some(d) => d,
             None if devices.is_multiple_of(others) => devices / others,
-            None => return Err(format!("tp × pp × cp × ep = {others} does not divide the {devices} devices")),
+            None => return Err(format!("tp × pp × cp = {others} does not divide the {devices} devices")),
         };
         if dp * others != devices {
             return Err(format!(
-                "dp × tp × pp × cp × ep = {dp} × {} × {} × {} × {} = {} devices, but {devices} are used (--devices)",
+                "dp × tp × pp × cp = {dp} × {} × {} × {} = {} devices, but {devices} are used (--devices)",
                 self.tp,
                 self.pp,
                 self.cp,
-                self.ep,
                 dp * others
+            ));
+        }
+        if !dp.is_multiple_of(self.ep) {
+            return Err(format!(
+                "ep={}: the expert-parallel groups are carved from the {dp} data-parallel ranks, which {} does not divide",
+                self.ep, self.ep
             ));
         }
         Ok(dp)
@@ -178,8 +186,11 @@ impl Config {
     /// (pipelines: micro-batches = batch / (dp × mbs)), and the options it sets on `opts`.
     pub fn resolve(&self, devices: usize, batch: Option<i64>, opts: &Options) -> Result<(Named, Options), String> {
         let dp = self.data_degree(devices)?;
-        if self.ep > 1 {
-            return Err(format!("ep={}: the cost model does not price expert parallelism yet", self.ep));
+        if self.ep > 1 && (self.tp > 1 || self.pp > 1 || self.cp > 1) {
+            return Err(format!(
+                "ep={}: expert parallelism runs beside data parallelism only for now (tp, pp and cp 1; got tp={}, pp={}, cp={})",
+                self.ep, self.tp, self.pp, self.cp
+            ));
         }
         if self.cp > 1 && self.pp != 1 {
             return Err(format!(
@@ -219,6 +230,7 @@ impl Config {
             o.accumulation = b / (dp * mbs);
         }
         let named = match (self.pp, self.tp, dp) {
+            _ if self.ep > 1 => Named::Expert { ep: self.ep },
             _ if self.cp > 1 => Named::Context { dp, tp: self.tp },
             (1, 1, _) => Named::Data,
             (1, t, 1) if t > 1 => Named::Megatron,

@@ -62,6 +62,8 @@ struct Point {
     data: usize,
     /// Context-parallel ways (Ulysses, beside data parallelism only: `tensor` and `stages` 1).
     context: usize,
+    /// Expert-parallel ways, within the data-parallel ranks (`tensor`, `stages` and `context` 1).
+    expert: usize,
     /// Micro-batch size per data-parallel replica (`None`: the replica's whole batch).
     mbs: Option<usize>,
 }
@@ -87,14 +89,16 @@ fn divisors(n: usize) -> Vec<usize> {
 /// `stages` limits the pipeline stage counts (`None`: any), never more than the model's
 /// `blocks`. Without `accumulate`, a configuration without stages runs the replica's whole
 /// batch (the lowering runs no gradient accumulation of its own). With `context`, data ×
-/// context × tensor points follow (each power-of-two context degree, each tensor degree).
+/// context × tensor points follow (each power-of-two context degree, each tensor degree); with
+/// `experts` (the fewest experts of a mixture), data × expert points (each expert degree above
+/// 1 that divides the experts and the devices).
 fn points(
     cluster: &Cluster,
     devices: usize,
     batch: usize,
     stages: Option<&[usize]>,
     blocks: usize,
-    (accumulate, context): (bool, bool),
+    (accumulate, context, experts): (bool, bool, usize),
 ) -> Vec<Point> {
     let mut tensors: Vec<usize> =
         divisors(devices).into_iter().filter(|t| *t <= cluster.devices_per_node && t.is_power_of_two()).collect();
@@ -110,7 +114,7 @@ fn points(
             if !batch.is_multiple_of(data) {
                 continue;
             }
-            let p = Point { tensor, stages: pp, data, context: 1, mbs: None };
+            let p = Point { tensor, stages: pp, data, context: 1, expert: 1, mbs: None };
             out.extend(micro_sizes(p, batch, accumulate));
         }
     }
@@ -119,10 +123,16 @@ fn points(
             for &tensor in tensors.iter().filter(|&&t| (devices / cp).is_multiple_of(t)) {
                 let data = devices / (cp * tensor);
                 if batch.is_multiple_of(data) {
-                    let p = Point { tensor, stages: 1, data, context: cp, mbs: None };
+                    let p = Point { tensor, stages: 1, data, context: cp, expert: 1, mbs: None };
                     out.extend(micro_sizes(p, batch, accumulate));
                 }
             }
+        }
+    }
+    if experts > 0 && stages.is_none_or(|s| s.contains(&1)) && batch.is_multiple_of(devices) {
+        for ep in divisors(devices).into_iter().filter(|e| *e > 1 && experts.is_multiple_of(*e)) {
+            let p = Point { tensor: 1, stages: 1, data: devices, context: 1, expert: ep, mbs: None };
+            out.extend(micro_sizes(p, batch, accumulate));
         }
     }
     out
@@ -153,6 +163,9 @@ fn describe(p: Point, schedule: Schedule, o: &Options) -> String {
     }
     if p.context > 1 {
         f.push(format!("cp={}", p.context));
+    }
+    if p.expert > 1 {
+        f.push(format!("ep={}", p.expert));
     }
     if p.stages > 1 {
         f.push(format!("pp={}", p.stages));
@@ -199,12 +212,13 @@ pub fn search_grid(
     // (tensor, context) degrees that do not apply (Megatron's, Ulysses')
     let mut refused: BTreeSet<(usize, usize)> = BTreeSet::new();
     let attention = g.op_nodes().is_ok_and(|o| o.iter().any(|&n| g.node(n).op.op_type().starts_with("Attention")));
+    let experts = fewest_experts(g);
     let rungs: Vec<Options> = if rungs {
         RUNGS.iter().map(|&(recompute, zero)| Options { recompute, zero, ..opts.clone() }).collect()
     } else {
         vec![opts.clone()]
     };
-    for p in points(cluster, devices, batch as usize, stages, blocks, (rungs.len() > 1, attention)) {
+    for p in points(cluster, devices, batch as usize, stages, blocks, (rungs.len() > 1, attention, experts)) {
         if refused.contains(&(p.tensor, p.context)) {
             continue;
         }
@@ -225,8 +239,9 @@ pub fn search_grid(
             // (Not beside context parallelism: `config::Config::resolve` says why.)
             let sp = p.tensor > 1 && p.context == 1 && (saving || o.sequence_parallel);
             let o = &Options { sequence_parallel: sp, ..o.clone() };
-            // A rung whose model state alone overflows a device fits under no split.
-            if model_state_floor(o, elems, (p.tensor * p.stages) as f64, sharders as f64) > capacity {
+            // A rung whose model state alone overflows a device fits under no split (expert
+            // parallelism splits the experts' state further: priced instead).
+            if p.expert == 1 && model_state_floor(o, elems, (p.tensor * p.stages) as f64, sharders as f64) > capacity {
                 continue;
             }
             let at = (p, Schedule::OneFOneB, o, first && saving);
@@ -306,6 +321,16 @@ pub fn search_grid(
     })
 }
 
+/// The fewest experts any mixture of experts of `g` has (0: none).
+fn fewest_experts(g: &Graph) -> usize {
+    let Ok(ops) = g.op_nodes() else { return 0 };
+    ops.iter()
+        .filter(|&&n| matches!(g.node(n).op, ir::Op::MoE(_)))
+        .filter_map(|&n| g.tensor_type(g.node(n).input(3)?)?.static_dims()?.first().copied())
+        .min()
+        .map_or(0, |e| e.max(0) as usize)
+}
+
 /// What pricing a point gave.
 enum Priced {
     /// The configuration does not apply to the model or the cluster.
@@ -379,7 +404,9 @@ fn plan_point(
             context_reason: None,
         });
     }
-    let named = if p.context > 1 {
+    let named = if p.expert > 1 {
+        Named::Expert { ep: p.expert }
+    } else if p.context > 1 {
         Named::Context { dp: p.data, tp: p.tensor }
     } else {
         Named::stage_strategy(p.tensor, devices).map_err(|_| false)?

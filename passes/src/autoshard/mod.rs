@@ -353,7 +353,7 @@ const SEEDS: &[(&str, Named)] = &[
     ("megatron", Named::Megatron),
     ("hybrid", Named::Hybrid { dp: 0, tp: 0 }),
     ("owt", Named::Owt),
-    ("expert", Named::Expert),
+    ("expert", Named::Expert { ep: 0 }),
     ("spatial", Named::Spatial),
     ("spatial-hybrid", Named::SpatialHybrid(0, 0)),
 ];
@@ -376,6 +376,13 @@ fn seed_plans(cm: &CostModel<'_>) -> Vec<(String, Assignment, bool)> {
             && seeds.iter().all(|(_, b, _)| *b != a)
         {
             seeds.push((format!("hybrid, tensor over {}", cm.mesh.axes[tp].name), a, false));
+        }
+    }
+    for ep in 0..cm.mesh.axes.len() {
+        if let Ok(a) = crate::autoshard::named::expert_over(cm, ep)
+            && seeds.iter().all(|(_, b, _)| *b != a)
+        {
+            seeds.push((format!("expert over {}", cm.mesh.axes[ep].name), a, false));
         }
     }
     seeds

@@ -26,7 +26,11 @@
 //!   (`MoE`: `passes::FuseExperts` makes them from exported ones) splits its experts over the
 //!   devices, every other op is data parallel: the tokens are all-gathered before a mixture
 //!   and its partial outputs reduce-scattered back to the batch after it (Megatron-core's
-//!   all-gather token dispatcher), the experts' weights never replicated.
+//!   all-gather token dispatcher), the experts' weights never replicated. `expert:ep:E`: on a
+//!   `data × expert` mesh (`E` innermost), expert parallelism inside each group of `E`
+//!   devices and the groups data parallel (Megatron's expert-parallel groups carved from the
+//!   data-parallel ones): the mixtures split their tokens over the data axis and their
+//!   experts over the expert axis, every other op its batch over both.
 //! - `pipeline:S:M[:gpipe|:1f1b]`: S balanced stages, M micro-batches (see `pipeline`).
 
 use ir::shard::{AxisShard, DimKind, DimRole, LinkLevel, Mesh, MeshAxis, strategy_shardings, strategy_valid};
@@ -67,8 +71,12 @@ pub enum Named {
         /// Tensor-parallel ways.
         tp: usize,
     },
-    /// Expert parallelism: mixtures of experts split by experts, the rest data parallel.
-    Expert,
+    /// Expert parallelism: mixtures of experts split by experts (over `ep` devices, 0: all of
+    /// them), the rest data parallel.
+    Expert {
+        /// Expert-parallel ways (0: every device).
+        ep: usize,
+    },
     /// Pipeline: stages of equal device groups, each sharded data-parallel, or Megatron-style
     /// over `tensor` of its devices (the rest data-parallel).
     Pipeline {
@@ -100,7 +108,11 @@ impl Named {
             ["context"] | ["ulysses"] => Named::Context { dp: 1, tp: 1 },
             ["context" | "ulysses", ..] => Named::parse_context(s)?,
             ["megatron"] | ["tensor"] => Named::Megatron,
-            ["expert"] | ["ep"] => Named::Expert,
+            ["expert"] | ["ep"] => Named::Expert { ep: 0 },
+            ["expert" | "ep", "ep", e] => match e.parse::<usize>() {
+                Ok(ep) if ep >= 1 => Named::Expert { ep },
+                _ => return Err(format!("`{s}`: write expert:ep:E with E the expert-parallel ways, e.g. expert:ep:8")),
+            },
             ["spatial-hybrid", ds] => {
                 let (d, sp) = ds
                     .split_once(['x', 'X'])
@@ -215,7 +227,8 @@ impl Named {
             Named::Hybrid { dp, tp } => format!("hybrid:dp:{dp},tp:{tp}"),
             Named::SpatialHybrid(d, s) => format!("spatial-hybrid:{d}x{s}"),
             Named::Owt => "owt".into(),
-            Named::Expert => "expert".into(),
+            Named::Expert { ep: 0 } => "expert".into(),
+            Named::Expert { ep } => format!("expert:ep:{ep}"),
             Named::Context { dp, tp } => {
                 let parts: Vec<String> = [("dp", *dp), ("tp", *tp)]
                     .iter()
@@ -260,6 +273,12 @@ impl Named {
             Named::SpatialHybrid(d, s) => two((*d, *s), format!("spatial-hybrid:{d}x{s}"), ("samples", "space")),
             Named::Hybrid { dp, tp } => two((*dp, *tp), format!("hybrid:dp:{dp},tp:{tp}"), ("data", "tensor")),
             Named::Context { dp, tp } if dp * tp > 1 => context_mesh(cluster, devices, (*dp, *tp), &self.name()),
+            Named::Expert { ep } if *ep > 0 && *ep < devices => {
+                if !devices.is_multiple_of(*ep) {
+                    return Err(format!("{}: {ep} does not divide {devices} devices", self.name()));
+                }
+                two((devices / ep, *ep), self.name(), ("data", "expert"))
+            }
             _ => cluster.mesh(devices),
         }
     }
@@ -418,21 +437,22 @@ fn applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context::Sequenc
         Named::SpatialHybrid(..) => "spatial-hybrid",
         Named::Owt => "owt",
         Named::Context { .. } => "context",
-        Named::Expert => "expert",
+        Named::Expert { .. } => "expert",
         Named::Pipeline { .. } => return Err("pipeline strategies are priced by the pipeline model".into()),
     };
     if matches!(named, Named::Hybrid { .. } | Named::SpatialHybrid(..)) && cm.mesh.axes.len() < 2 {
         return Err(format!("{name}: needs a mesh of two axes"));
     }
     let (data_axes, _, tensor_axes) = context_axes(cm, named);
-    let batch_split = matches!(named, Named::Data | Named::Expert | Named::Hybrid { .. } | Named::SpatialHybrid(..));
+    let batch_split =
+        matches!(named, Named::Data | Named::Expert { .. } | Named::Hybrid { .. } | Named::SpatialHybrid(..));
     if batch_split || !data_axes.is_empty() {
         if !has_batch {
             return Err(format!("{name}: no op has a dim that carries the batch"));
         }
         // Data parallelism over the batch axis's devices needs a batch they divide.
         let ways = match named {
-            Named::Data | Named::Expert => cm.mesh.devices(),
+            Named::Data | Named::Expert { .. } => cm.mesh.devices(),
             Named::Context { .. } => data_axes.iter().map(|&a| cm.mesh.axes[a].size).product(),
             _ => cm.mesh.axes[0].size,
         };
@@ -465,7 +485,7 @@ fn applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context::Sequenc
             Err("owt: needs both convolutions (data parallel) and fully connected layers (model parallel)".into())
         }
         Named::Context { .. } => context_applies(cm, named, sequence),
-        Named::Expert => expert_applies(cm),
+        Named::Expert { .. } => expert_applies(cm, &expert_axes(cm, named)?),
         _ => Ok(()),
     }
 }
@@ -507,9 +527,23 @@ fn context_applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context:
     Ok(())
 }
 
-/// Expert parallelism needs mixtures of experts whose experts the devices divide.
-fn expert_applies(cm: &CostModel<'_>) -> Result<(), String> {
-    let ways = cm.mesh.devices();
+/// The mesh axes an expert-parallel strategy splits the experts over: all of them for
+/// `expert`, the innermost (the mesh's `expert` axis) for `expert:ep:E` with `E` fewer than the
+/// devices.
+fn expert_axes(cm: &CostModel<'_>, named: &Named) -> Result<Vec<usize>, String> {
+    let k = cm.mesh.axes.len();
+    match *named {
+        Named::Expert { ep } if ep > 0 && ep < cm.mesh.devices() => match cm.mesh.axes.last() {
+            Some(a) if k > 1 && a.size == ep => Ok(vec![k - 1]),
+            _ => Err(format!("expert:ep:{ep}: the mesh has no expert axis of {ep} devices")),
+        },
+        _ => Ok((0..k).collect()),
+    }
+}
+
+/// Expert parallelism needs mixtures of experts whose experts the expert axes divide.
+fn expert_applies(cm: &CostModel<'_>, axes: &[usize]) -> Result<(), String> {
+    let ways: usize = axes.iter().map(|&a| cm.mesh.axes[a].size).product();
     let experts: Vec<(NodeId, i64)> = cm
         .order()
         .iter()
@@ -523,6 +557,39 @@ fn expert_applies(cm: &CostModel<'_>) -> Result<(), String> {
         return Err(format!("expert: {} has {e} experts, which {ways} devices do not divide", cm.g.describe(*n)));
     }
     Ok(())
+}
+
+/// Op `n` under expert parallelism over `experts` (axes) among `all`: a mixture (or its
+/// gradient) splits its experts over `experts` and its tokens over the rest; any other op its
+/// batch over all the axes.
+fn expert_split(cm: &CostModel<'_>, n: NodeId, experts: &[usize], all: &[usize]) -> Option<Vec<Option<usize>>> {
+    if let Some(e) = dim_with(cm, n, DimRole::Expert) {
+        let sp = cm.space(n);
+        let t = sp.dims.iter().position(|d| d.name == "t");
+        let s: Vec<Option<usize>> =
+            (0..cm.mesh.axes.len()).map(|a| if experts.contains(&a) { Some(e) } else { t }).collect();
+        if strategy_valid(sp, &s, &cm.mesh, cm.g, n) {
+            return Some(s);
+        }
+    }
+    dim_with(cm, n, DimRole::Batch).and_then(|i| split_over_axes(cm, n, i, all))
+}
+
+/// The expert-parallel plan over mesh axis `axis` (its devices the expert-parallel group, the
+/// other axes data parallel), a seed of the search.
+pub fn expert_over(cm: &CostModel<'_>, axis: usize) -> Result<Assignment, String> {
+    let k = cm.mesh.axes.len();
+    if axis >= k {
+        return Err(format!("no mesh axis {axis}"));
+    }
+    expert_applies(cm, &[axis])?;
+    let all: Vec<usize> = (0..k).collect();
+    let mut asg = Assignment::default();
+    for &n in cm.order() {
+        let s = expert_split(cm, n, &[axis], &all).unwrap_or_else(|| follow(cm, &asg, n));
+        asg.strategies.insert(n, s);
+    }
+    Ok(asg)
 }
 
 /// Megatron's split of op `n` over `axes`: embeddings by vocabulary rows; a weighted GEMM
@@ -586,7 +653,7 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
             }
             Named::Spatial => windowed(n).then(|| spatial_split(cm, n, &all_axes)).flatten(),
             Named::Context { .. } => context_split(cm, &asg, n, &sequence, &axes),
-            Named::Expert => pick(DimRole::Expert, &all_axes).or_else(|| pick(DimRole::Batch, &all_axes)),
+            Named::Expert { .. } => expert_split(cm, n, &expert_axes(cm, named)?, &all_axes),
             // Batch over axis 0, Megatron over axis 1, the rest following the input.
             Named::Hybrid { .. } => Some(data_then_megatron(cm, &asg, n, &[0], 1)),
             Named::SpatialHybrid(..) => {

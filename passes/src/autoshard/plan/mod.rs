@@ -786,7 +786,8 @@ fn layouts(
 /// Why the plan pipelines: memory (nothing else fits) or speed.
 pub fn pipeline_reason(r: &SearchResult, p: &super::pipeline::PipelinePlan) -> String {
     let intra = r.meshes.iter().filter(|m| m.feasible).map(|m| m.step_time_s).fold(f64::INFINITY, f64::min);
-    let smallest = r.meshes.iter().map(|m| m.memory_per_device_bytes).min().unwrap_or(0);
+    // (A mesh the search did not price has no memory: not a plan that needs none.)
+    let smallest = r.meshes.iter().map(|m| m.memory_per_device_bytes).filter(|&b| b > 0).min();
     let gib = |x: f64| x / 1073741824.0;
     let whole = p.whole_batch.as_ref().map_or(String::new(), |why| format!("; one whole batch at a time: {why}"));
     let why = if p.requested {
@@ -797,9 +798,12 @@ pub fn pipeline_reason(r: &SearchResult, p: &super::pipeline::PipelinePlan) -> S
             intra * 1e3
         )
     } else if !intra.is_finite() {
+        let without = match smallest {
+            Some(b) => format!("the smallest plan needs {:.2} GiB per device", gib(b as f64)),
+            None => "no plan was priced that fits".into(),
+        };
         format!(
-            "memory: without pipelining the smallest plan needs {:.2} GiB per device, {:.2} GiB usable; {} stages with {} micro-batches ({}{}) need {:.2} GiB",
-            gib(smallest as f64),
+            "memory: without pipelining {without}, {:.2} GiB usable; {} stages with {} micro-batches ({}{}) need {:.2} GiB",
             gib(p.breakdown.memory_capacity_bytes as f64),
             p.stages.len(),
             p.micro_batches,
