@@ -254,6 +254,31 @@ class MixtralMoe(nn.Module):
         return F.cross_entropy(logits.reshape(b * t, -1), labels.reshape(-1))
 
 
+class MixtralAuxLoss(nn.Module):
+    """transformers' whole `MixtralForCausalLM` from a small config (1 layer, hidden 16, 2 heads
+    over 1 key/value head, 4 SiLU-gated experts of 24, top-2, vocabulary 32, `batched_mm`
+    experts), its loss as the model computes it with labels: the shifted cross-entropy plus
+    0.02 × the router's load-balancing auxiliary loss (`output_router_logits`)."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        cfg = MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                            num_local_experts=4, num_experts_per_tok=2, attn_implementation="eager",
+                            experts_implementation="batched_mm", output_router_logits=True,
+                            router_aux_loss_coef=0.02)
+        self.m = MixtralForCausalLM(cfg)
+        with torch.no_grad():
+            for p in self.m.parameters():
+                if p.dim() > 1:
+                    p.copy_(0.3 * torch.randn_like(p))
+
+    def forward(self, ids, labels):
+        return self.m(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, use_cache=False).loss
+
+
 class TinyVit(nn.Module):
     """ViT: Conv 4x4 stride 4 patch embedding (3->16) of an 8x8 image (4 patches), a class token
     concatenated in front, learned position embeddings added; one pre-norm TransformerEncoderLayer
@@ -404,6 +429,13 @@ def cases():
         {"ids": torch.randint(0, 32, (2, 6), generator=g), "labels": torch.randint(0, 32, (2, 6), generator=g)},
         (0.1, 0.01),
         "Mixtral sparse mixture of experts (transformers' MixtralSparseMoeBlock, batched_mm experts): Embedding(32,16), RMSNorm, router Linear(16->8) + Softmax + top-2 renormalised, 8 SiLU-gated experts 16->24->16 (gate_up [8,48,16] and down [8,16,24] gathered by the chosen experts' ids), weighted by the router's probabilities and summed, residual; RMSNorm, LM head; cross-entropy over tokens. ids, labels [2,6]",
+    )
+    yield (
+        "mixtral_aux_loss",
+        MixtralAuxLoss,
+        {"ids": torch.randint(0, 32, (2, 6), generator=g), "labels": torch.randint(0, 32, (2, 6), generator=g)},
+        (0.1, 0.01),
+        "transformers' MixtralForCausalLM (1 layer, hidden 16, 2 heads over 1 KV head, 4 SiLU-gated experts of 24, top-2, vocabulary 32, batched_mm experts) with labels: the shifted cross-entropy plus 0.02 x the router's load-balancing auxiliary loss (output_router_logits). ids, labels [2,6]",
     )
     yield (
         "tiny_vit",

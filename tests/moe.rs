@@ -328,3 +328,50 @@ fn mixtral_8x7b_on_64_h100_plans_expert_parallelism() {
     let data = shardc::exec::named_result(&m.graph, &cluster, 64, "data", &opts).unwrap();
     assert!(!data.breakdown.feasible, "data parallel fits: {:?}", data.breakdown.memory);
 }
+
+/// A hand configuration with expert parallelism prices and exports: Megatron-LM's MoE
+/// arguments (experts, top-k, the expert-parallel size within the data-parallel ranks, the
+/// all-gather dispatcher the plan was priced with), DeepSpeed's expert-parallel size, and a
+/// refusal from torch's tensor-parallel plan, which has no expert style.
+#[test]
+fn expert_configurations_export_to_megatron_and_deepspeed() {
+    let dir = std::env::temp_dir().join(format!("shardc-moe-export-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("mixtral.onnxtxt");
+    std::fs::write(&model, shardc::synthetic::Llama::mixtral_8x7b(64, 4096).to_text()).unwrap();
+    let cost = |export: &str| {
+        shardc(&[
+            "cost",
+            model.to_str().unwrap(),
+            "--cluster",
+            "h100-cluster-8",
+            "--devices",
+            "64",
+            "--precision",
+            "bf16",
+            "--strategy",
+            "dp=64,ep=8,zero=1",
+            "--export",
+            export,
+        ])
+    };
+    let o = cost("megatron");
+    let out = text(&o.stdout);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    for want in [
+        "--num-layers 32",
+        "--num-query-groups 8",
+        "--ffn-hidden-size 14336",
+        "--num-experts 8 --moe-router-topk 2",
+        "--expert-model-parallel-size 8 --moe-token-dispatcher-type allgather",
+        "--tensor-model-parallel-size 1",
+        "--use-distributed-optimizer",
+    ] {
+        assert!(out.contains(want), "no `{want}` in\n{out}");
+    }
+    let o = cost("deepspeed");
+    assert!(o.status.success() && text(&o.stdout).contains("\"expert_parallel_size\": 8"), "{}", text(&o.stdout));
+    let o = cost("torch-tp");
+    assert!(!o.status.success() && text(&o.stderr).contains("expert parallel"), "{}", text(&o.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -31,6 +31,9 @@ pub struct Degrees {
     pub tensor: usize,
     /// Context-parallel degree (Ulysses: the sequence split, attention by heads).
     pub context: usize,
+    /// Expert-parallel degree: the mixtures' experts split over groups of this many of the
+    /// data-parallel ranks (Megatron's convention: within `data`).
+    pub expert: usize,
     /// Pipeline stages.
     pub pipeline: usize,
     /// Micro-batches per step.
@@ -72,7 +75,7 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
     let mesh = meshes.first().ok_or("the plan has no mesh")?;
     let cm = CostModel::new(g, cluster, mesh.clone(), opts.clone());
     let axes = &plan.summary.axes;
-    let (mut data, mut tensor, mut context) = (1, 1, 1);
+    let (mut data, mut tensor, mut context, mut expert) = (1, 1, 1, 1);
     let mut blockers = Vec::new();
     let mut tensor_axes = Vec::new();
     for (a, u) in axes.iter().enumerate() {
@@ -83,6 +86,12 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
                 tensor_axes.push(a);
             }
             "context" => context *= u.size,
+            // The mixtures split their experts over the axis, every other op its batch: an
+            // expert-parallel group of data-parallel ranks.
+            "expert" if u.shares.keys().all(|k| matches!(k.as_str(), "expert" | "data" | "other")) => {
+                data *= u.size;
+                expert *= u.size;
+            }
             "unused" => {}
             kind => {
                 // Which ops split what on this axis, grouped by kind.
@@ -133,6 +142,7 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
         data,
         tensor,
         context,
+        expert,
         pipeline,
         micro_batches,
         schedule: plan.schedule.clone(),
@@ -162,7 +172,8 @@ fn stage_layers(
 ) -> Vec<usize> {
     let mut per = vec![0; stages];
     for &n in order {
-        if matches!(g.node(n).op, ir::Op::Softmax(_) | ir::Op::Attention(_)) {
+        let router = || g.users(ir::Value::new(n, 0)).iter().any(|(u, _)| matches!(g.node(*u).op, ir::Op::TopK(_)));
+        if matches!(g.node(n).op, ir::Op::Softmax(_) | ir::Op::Attention(_)) && !router() {
             let s = stage_of.get(&n).copied().unwrap_or(0).min(stages - 1);
             per[s] += 1;
         }
@@ -229,7 +240,10 @@ fn megatron_model_args(s: &ModelShape, half: bool) -> (Vec<String>, Vec<&'static
 
 /// Megatron-LM's arguments for the plan (`torchrun … pretrain_gpt.py <these>`).
 pub fn megatron_args(d: &Degrees, devices: usize) -> String {
-    let context = if d.context > 1 { format!(" × context {}", d.context) } else { String::new() };
+    let mut context = if d.context > 1 { format!(" × context {}", d.context) } else { String::new() };
+    if d.expert > 1 {
+        context.push_str(&format!(" (expert {} within data)", d.expert));
+    }
     let mut t = format!(
         "# shardc plan as Megatron-LM arguments: data {} × tensor {} × pipeline {}{context} = {devices} devices\n",
         d.data, d.tensor, d.pipeline
@@ -243,6 +257,14 @@ pub fn megatron_args(d: &Degrees, devices: usize) -> String {
         args.push(format!("--context-parallel-size {} --cp-comm-type a2a", d.context));
     }
     let mut notes = Vec::new();
+    if let (Some(e), Some(k)) = (d.shape.experts, d.shape.top_k) {
+        args.push(format!("--num-experts {e} --moe-router-topk {k} --moe-grouped-gemm"));
+        if d.expert > 1 {
+            // The dispatcher the plan was priced and lowered with.
+            args.push(format!("--expert-model-parallel-size {} --moe-token-dispatcher-type allgather", d.expert));
+        }
+        notes.push("# note: the router's load balancing is the model's: add --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff <its coefficient> when it trains with one".into());
+    }
     if let [first, middle @ .., last] = &d.stage_layers[..]
         && d.pipeline > 1
         && !(first == last && middle.iter().all(|m| m == first))
@@ -330,6 +352,7 @@ pub fn deepspeed_config(d: &Degrees, devices: usize) -> String {
             "tensor_parallel_size": d.tensor,
             "pipeline_parallel_size": d.pipeline,
             "sequence_parallel_size": d.context,
+            "expert_parallel_size": d.expert,
             "notes": [
                 zero_note(d.zero),
                 "the tensor-parallel degree is tensor_parallel.autotp_size (DeepSpeed's automatic tensor parallelism, deepspeed.tp_model_init)",
@@ -356,6 +379,13 @@ pub fn deepspeed_config(d: &Degrees, devices: usize) -> String {
             "context parallelism is DeepSpeed-Ulysses: wrap each attention in deepspeed.sequence.layer.DistributedAttention over sequence-parallel groups of sequence_parallel_size ranks (Megatron-DeepSpeed: --ds-sequence-parallel-size); the data-parallel groups are the rest"
         ));
     }
+    if d.expert > 1 {
+        cfg["shardc"]["notes"].as_array_mut().expect("notes").push(serde_json::json!(format!(
+            "expert parallelism: each mixture of experts as deepspeed.moe.layer.MoE(num_experts = {}, ep_size = expert_parallel_size, k = {}), its expert-parallel groups carved from the data-parallel ranks",
+            d.shape.experts.unwrap_or(0),
+            d.shape.top_k.unwrap_or(0)
+        )));
+    }
     if d.recompute || d.granularity != crate::cost::Recompute::None {
         cfg["activation_checkpointing"] =
             serde_json::json!({ "partition_activations": false, "contiguous_memory_optimization": false });
@@ -376,6 +406,12 @@ fn zero_note(stage: u8) -> &'static str {
 /// layouts at each module's boundary, module paths as the export named them, and the lines
 /// that apply it; or why torch cannot run the plan's layouts.
 pub fn torch_tp_plan(d: &Degrees) -> Result<String, String> {
+    if d.expert > 1 {
+        return Err(format!(
+            "the plan is expert parallel ({} ways): torch.distributed.tensor.parallel has no expert-parallel style (torchtitan runs it with its own MoE modules); use the Megatron-LM or DeepSpeed export",
+            d.expert
+        ));
+    }
     if d.context > 1 {
         return Err(format!(
             "the plan is context parallel (Ulysses, {} ways): torch.distributed.tensor.parallel has no all-to-all between sequence and head shards (torch's context_parallel runs ring attention); use the Megatron-LM or DeepSpeed export",

@@ -45,6 +45,10 @@ pub struct ModelShape {
     pub qkv_bias_only: bool,
     /// The output projection reads the token embedding's table.
     pub tied: bool,
+    /// Experts per mixture of experts (`MoE` ops), when the MLPs are mixtures.
+    pub experts: Option<i64>,
+    /// Experts each token is routed to.
+    pub top_k: Option<i64>,
 }
 
 fn dims(g: &Graph, v: Value) -> Option<Vec<i64>> {
@@ -92,7 +96,18 @@ pub fn model_shape(g: &Graph) -> ModelShape {
                     tables.push((t, rows, width, seq));
                 }
             }
-            Op::Softmax(_) | Op::Attention(_) => attention.push(n),
+            // (A mixture's router normalises its `[tokens, experts]` logits: not attention.)
+            Op::Softmax(_) if !g.users(Value::new(n, 0)).iter().any(|(u, _)| matches!(g.node(*u).op, Op::TopK(_))) => {
+                attention.push(n)
+            }
+            Op::Attention(_) => attention.push(n),
+            Op::MoE(_) => {
+                // X, ids [T, k], w, W1 [E, 2I, H], W2 [E, H, I].
+                let d = |i: usize| node.input(i).and_then(|v| dims(g, v)).unwrap_or_default();
+                s.experts = d(3).first().copied();
+                s.top_k = d(1).get(1).copied();
+                s.ffn = d(4).get(2).copied();
+            }
             _ => {
                 if let Some((i, o, b)) = gemm(g, n) {
                     gemms.push((n, i, o, b));
@@ -130,10 +145,14 @@ pub fn model_shape(g: &Graph) -> ModelShape {
         let d = h / heads.max(1);
         // Down projection: [F, H]. The narrowest GEMM out of the hidden state other than the
         // MLP's is k_proj/v_proj (KV·d); a fused QKV is H + 2·KV·d wide.
-        s.ffn = gemms.iter().filter(|g| g.2 == h && g.1 != h).map(|g| g.1).max();
+        if s.experts.is_none() {
+            s.ffn = gemms.iter().filter(|g| g.2 == h && g.1 != h).map(|g| g.1).max();
+        }
         let widths: Vec<i64> = gemms
             .iter()
             .filter(|g| g.1 == h && Some(g.2) != s.ffn && g.2 != 2 * s.ffn.unwrap_or(0) && g.2 != s.vocab.unwrap_or(0))
+            // (Nor a mixture's router, `[H, experts]`.)
+            .filter(|g| Some(g.2) != s.experts)
             .map(|g| g.2)
             .collect();
         let kv = match widths.iter().min() {
@@ -165,7 +184,8 @@ pub fn model_shape(g: &Graph) -> ModelShape {
     } else {
         None
     };
-    s.swiglu = ops.contains("Sigmoid") && !ops.contains("Gelu") || ops.contains("Swish");
+    // (A mixture's experts are SiLU-gated: the `MoE` op.)
+    s.swiglu = ops.contains("Sigmoid") && !ops.contains("Gelu") || ops.contains("Swish") || ops.contains("MoE");
     s.gelu = ops.contains("Gelu") || ops.contains("Erf") || ops.contains("Tanh") && !s.swiglu;
     s
 }
