@@ -52,6 +52,9 @@ pub struct GridPlan {
     /// For a context-parallel plan, what fits without context parallelism: the fastest such
     /// configuration the grid priced and its step, or that none fits.
     pub context_reason: Option<String>,
+    /// The fastest configuration without pipeline stages that fits, of those the grid priced,
+    /// and its step seconds (why a pipeline was chosen: speed, not memory).
+    pub flat: Option<(String, f64)>,
 }
 
 /// One point of the grid.
@@ -208,6 +211,8 @@ pub fn search_grid(
     let mut best: Option<GridPlan> = None;
     // The fastest that fits without context parallelism: (configuration, step seconds).
     let mut plain: Option<(String, f64)> = None;
+    // The fastest that fits without pipeline stages.
+    let mut flat: Option<(String, f64)> = None;
     let mut priced = 0usize;
     // (tensor, context) degrees that do not apply (Megatron's, Ulysses')
     let mut refused: BTreeSet<(usize, usize)> = BTreeSet::new();
@@ -295,6 +300,9 @@ pub fn search_grid(
             if p.context == 1 && plain.as_ref().is_none_or(|(_, s)| step < *s) {
                 plain = Some((cand.config.clone(), step));
             }
+            if p.stages == 1 && flat.as_ref().is_none_or(|(_, s)| step < *s) {
+                flat = Some((cand.config.clone(), step));
+            }
             if best.as_ref().is_none_or(|b| step < b.breakdown.step_time_s) {
                 best = Some(cand);
             }
@@ -308,6 +316,7 @@ pub fn search_grid(
         }
         b.priced = priced;
         b.time_s = start.elapsed().as_secs_f64();
+        b.flat = flat;
         if b.config.contains(",cp=") {
             b.context_reason = Some(match plain {
                 Some((c, s)) => format!(
@@ -402,6 +411,7 @@ fn plan_point(
             priced: 0,
             time_s: 0.0,
             context_reason: None,
+            flat: None,
         });
     }
     let named = if p.expert > 1 {
@@ -426,5 +436,6 @@ fn plan_point(
         priced: 0,
         time_s: 0.0,
         context_reason: None,
+        flat: None,
     })
 }

@@ -274,6 +274,10 @@ pub struct SearchResult {
     /// Where the plan is the configuration grid's context-parallel one: what fits without
     /// context parallelism ([`grid::GridPlan::context_reason`]).
     pub context_reason: Option<String>,
+    /// Where the plan is the configuration grid's: the fastest configuration without pipeline
+    /// stages that fits, of those the grid priced, and its step seconds
+    /// ([`grid::GridPlan::flat`]).
+    pub grid_flat: Option<(String, f64)>,
 }
 
 /// One rung of the memory ladder: its best plan's step time and memory.
@@ -589,6 +593,7 @@ impl SearchResult {
             options: None,
             ladder: Vec::new(),
             context_reason: None,
+            grid_flat: None,
         }
     }
 
@@ -611,6 +616,7 @@ fn adopt_grid(r: &mut SearchResult, gp: grid::GridPlan, opts: &Options) {
     r.breakdown = gp.breakdown;
     r.same_as = Some(gp.config);
     r.context_reason = gp.context_reason;
+    r.grid_flat = gp.flat;
     let changed = gp.options.memory_fields() != opts.memory_fields() || gp.options.accumulation != opts.accumulation;
     r.options = changed.then_some(gp.options);
     r.pipeline = gp.pipeline.map(|mut p| {
@@ -980,6 +986,7 @@ pub(crate) fn search_intra_with(
             options: None,
             ladder: Vec::new(),
             context_reason: None,
+            grid_flat: None,
             folded: None,
         });
     }

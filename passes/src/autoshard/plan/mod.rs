@@ -785,7 +785,9 @@ fn layouts(
 
 /// Why the plan pipelines: memory (nothing else fits) or speed.
 pub fn pipeline_reason(r: &SearchResult, p: &super::pipeline::PipelinePlan) -> String {
-    let intra = r.meshes.iter().filter(|m| m.feasible).map(|m| m.step_time_s).fold(f64::INFINITY, f64::min);
+    // The fastest plan without stages that fits: the per-op search's meshes' or the grid's.
+    let grid = r.grid_flat.as_ref().map_or(f64::INFINITY, |(_, s)| *s);
+    let intra = r.meshes.iter().filter(|m| m.feasible).map(|m| m.step_time_s).fold(grid, f64::min);
     // (A mesh the search did not price has no memory: not a plan that needs none.)
     let smallest = r.meshes.iter().map(|m| m.memory_per_device_bytes).filter(|&b| b > 0).min();
     let gib = |x: f64| x / 1073741824.0;
