@@ -358,6 +358,14 @@ fn expert_configurations_export_to_megatron_and_deepspeed() {
     let o = cost("megatron");
     let out = text(&o.stdout);
     assert!(o.status.success(), "{}", text(&o.stderr));
+    let pinned =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/megatron-options.txt")).unwrap();
+    let known: std::collections::HashSet<&str> = pinned.lines().filter(|l| l.starts_with("--")).collect();
+    for flag in
+        out.lines().filter(|l| l.starts_with("  ")).flat_map(str::split_whitespace).filter(|w| w.starts_with("--"))
+    {
+        assert!(known.contains(flag), "{flag} is not a Megatron-LM option (tests/data/megatron-options.txt)");
+    }
     for want in [
         "--num-layers 32",
         "--num-query-groups 8",

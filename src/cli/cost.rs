@@ -91,7 +91,7 @@ pub struct CostArgs {
     /// A preset (dgx-a100, dgx-h100, dgx1-v100, pcie-v100x8, a100-cluster-N, h100-cluster-N, local-wgpu) or a TOML file.
     #[arg(long)]
     pub cluster: String,
-    /// data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context (ulysses), context:dp:D,tp:T, pipeline:S:M[:gpipe|:1f1b]; or a
+    /// data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context (ulysses), context:dp:D,tp:T, expert (ep), expert:ep:E, pipeline:S:M[:gpipe|:1f1b]; or a
     /// configuration of key=value fields: dp, tp, pp, vp, cp, ep, mbs, sp, recompute=none|selective|full,
     /// zero=0|1|2|3, schedule=gpipe|1f1b|interleaved, flash (attention fused before pricing),
     /// tp_overlap (tensor-parallel collectives overlapped with their GEMMs, Megatron-LM's

@@ -41,7 +41,8 @@ pub struct ParseArgs {
     #[arg(short = 'o', long = "output", value_name = "OUT")]
     pub output: Option<PathBuf>,
     /// Passes to run after verification, comma-separated (verify, infer-shapes, canonicalize,
-    /// algebra, conv-as-matmul, fuse-gemms, fuse-attention, require-static, rebatch, autodiff).
+    /// algebra, conv-as-matmul, fuse-gemms, fuse-attention, fuse-experts, require-static, rebatch,
+    /// autodiff).
     #[arg(long, value_delimiter = ',', value_name = "a,b,c")]
     pub passes: Vec<String>,
     /// Print the model to stderr after these passes (comma-separated, or `all`).

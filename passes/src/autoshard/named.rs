@@ -551,7 +551,7 @@ fn expert_applies(cm: &CostModel<'_>, axes: &[usize]) -> Result<(), String> {
         .filter_map(|&n| Some((n, cm.space(n).dims.iter().find(|d| d.role == DimRole::Expert)?.size)))
         .collect();
     if experts.is_empty() {
-        return Err("expert: the model has no mixture of experts (`fuse-experts` recognizes transformers' static-shape experts; docs/memory.md)".into());
+        return Err("expert: the model has no mixture of experts (`fuse-experts` recognizes transformers' static-shape experts; docs/user-guide.md)".into());
     }
     if let Some((n, e)) = experts.iter().find(|(_, e)| *e % ways as i64 != 0) {
         return Err(format!("expert: {} has {e} experts, which {ways} devices do not divide", cm.g.describe(*n)));
