@@ -383,3 +383,26 @@ fn expert_configurations_export_to_megatron_and_deepspeed() {
     assert!(!o.status.success() && text(&o.stderr).contains("expert parallel"), "{}", text(&o.stderr));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// On wgpu devices the mixtures run on their own kernels (not on the host) and training under
+/// `ep=4` equals one device's.
+#[test]
+fn expert_parallel_training_runs_on_wgpu_kernels() {
+    if !shardc_tests::gpu_available() {
+        return;
+    }
+    let model = data("mixtral_tiny_dynamo", "onnx");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args(["train", model.to_str().unwrap(), "--loss", "softmax-cross-entropy", "--devices", "4"])
+        .args(["--strategy", "ep=4", "--steps", "3", "--backend", "wgpu", "--check"])
+        .env("XDG_RUNTIME_DIR", std::env::temp_dir())
+        .output()
+        .unwrap();
+    let out = text(&o.stdout);
+    assert!(o.status.success(), "{}{out}", text(&o.stderr));
+    for what in ["losses", "gradients", "parameters", "state"] {
+        assert!(out.lines().any(|l| l.starts_with("check") && l.contains(what) && l.contains(" ok ")), "{what}\n{out}");
+    }
+    let host = out.lines().find(|l| l.starts_with("host ops")).unwrap_or_default();
+    assert!(!host.contains("MoE"), "the mixtures ran on the host: {host}");
+}

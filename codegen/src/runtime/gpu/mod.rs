@@ -17,6 +17,7 @@ pub mod attention;
 pub mod compile;
 pub mod conv;
 pub mod elementwise;
+pub mod experts;
 pub mod fused;
 pub mod gemm;
 pub mod loss;
