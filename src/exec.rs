@@ -374,7 +374,7 @@ pub fn named_result(
     Ok(given_result(&cm, asg, Some(strategy.to_string())))
 }
 
-/// A pipeline strategy (`pipeline:S:M[:interleaved:V][:tp:T]`, or a configuration with `pp`)
+/// A pipeline strategy (`pipeline:S:M[:interleaved:V][:tp:T][:ep:E]`, or a configuration with `pp`)
 /// priced on `devices` devices of `cluster` as the search prices its pipelines, as a search
 /// result: what `cost --export` hands to a framework.
 pub fn pipeline_result(
@@ -385,11 +385,11 @@ pub fn pipeline_result(
     opts: &passes::cost::Options,
 ) -> Result<SearchResult, String> {
     use passes::autoshard::Named;
-    let Named::Pipeline { stages, micro, schedule, tensor } = *named else {
+    let Named::Pipeline { stages, micro, schedule, tensor, expert } = *named else {
         return Err(format!("`{}` is not a pipeline", named.name()));
     };
-    let p =
-        passes::autoshard::pipeline::price_configuration(g, cluster, devices, stages, micro, schedule, tensor, opts)?;
+    let shape = (stages, micro, schedule, tensor, expert);
+    let p = passes::autoshard::pipeline::price_configuration(g, cluster, devices, shape, opts)?;
     let mesh = p.stages.first().ok_or("a pipeline without stages")?.sub_mesh.clone();
     let mut r = SearchResult::unsearched(mesh, p.assignment(), p.breakdown.clone(), Some(named.name()));
     r.pipeline = Some(p);

@@ -406,3 +406,52 @@ fn expert_parallel_training_runs_on_wgpu_kernels() {
     let host = out.lines().find(|l| l.starts_with("host ops")).unwrap_or_default();
     assert!(!host.contains("MoE"), "the mixtures ran on the host: {host}");
 }
+
+/// Pipelines of expert-parallel stages (`pipeline:S:M:…:ep:E`, `pp=2,ep=2`): trained equal to
+/// one device (both exports), proved, and summarised as expert parallelism.
+#[test]
+fn pipelines_of_expert_parallel_stages_train_like_one_device() {
+    for name in EXPORTS {
+        let model = data(name, "onnx");
+        for strategy in ["pipeline:2:4:1f1b:ep:2", "pp=2,ep=2"] {
+            let o = shardc(&[
+                "train",
+                model.to_str().unwrap(),
+                "--loss",
+                "softmax-cross-entropy",
+                "--devices",
+                "4",
+                "--strategy",
+                strategy,
+                "--steps",
+                "3",
+                "--backend",
+                "cpu",
+                "--check",
+            ]);
+            let out = text(&o.stdout);
+            assert!(o.status.success(), "{name} {strategy}: {}{out}", text(&o.stderr));
+            for what in ["losses", "gradients", "parameters", "state"] {
+                assert!(
+                    out.lines().any(|l| l.starts_with("check") && l.contains(what) && l.contains(" ok ")),
+                    "{name} {strategy}: {what}\n{out}"
+                );
+            }
+            assert!(
+                out.contains("pipeline 2 × 4 micro-batches") && out.contains("expert 2"),
+                "{name} {strategy}\n{out}"
+            );
+        }
+    }
+    let o = shardc(&[
+        "verify",
+        data("mixtral_tiny_dynamo", "onnx").to_str().unwrap(),
+        "--loss",
+        "softmax-cross-entropy",
+        "--devices",
+        "4",
+        "--strategy",
+        "pipeline:2:4:1f1b:ep:2",
+    ]);
+    assert!(o.status.success() && text(&o.stdout).contains("verified"), "{}{}", text(&o.stdout), text(&o.stderr));
+}

@@ -145,7 +145,11 @@ fn configurations_check_their_degrees_and_say_what_is_not_priced() {
     assert_eq!(resolve("ep=2", 8).unwrap(), autoshard::Named::Expert { ep: 2 });
     assert_eq!(resolve("dp=8,ep=8", 8).unwrap(), autoshard::Named::Expert { ep: 8 });
     assert!(resolve("ep=3", 8).unwrap_err().contains("carved from the 8 data-parallel ranks"));
-    assert!(resolve("ep=2,tp=2", 8).unwrap_err().contains("beside data parallelism only"));
+    assert!(resolve("ep=2,tp=2", 8).unwrap_err().contains("beside data and pipeline parallelism only"));
+    assert_eq!(
+        resolve("ep=2,pp=2,mbs=1", 8).unwrap(),
+        autoshard::Named::Pipeline { stages: 2, micro: 2, schedule: cost::Schedule::OneFOneB, tensor: 1, expert: 2 }
+    );
     assert!(resolve("vp=2", 8).unwrap_err().contains("give pp > 1"));
     assert!(resolve("pp=2,vp=2,schedule=gpipe", 8).unwrap_err().contains("interleaved schedule"));
     // Batch 8 over dp = 2 in micro-batches of 2: 2 micro-batches, not a multiple of 4 stages.
@@ -161,7 +165,8 @@ fn configurations_check_their_degrees_and_say_what_is_not_priced() {
     assert_eq!(resolve("tp=8", 8).unwrap(), autoshard::Named::Megatron);
     assert_eq!(resolve("tp=2", 8).unwrap(), autoshard::Named::Hybrid { dp: 4, tp: 2 });
     assert_eq!(resolve("dp=8", 8).unwrap(), autoshard::Named::Data);
-    let pipeline = |stages, micro, schedule, tensor| autoshard::Named::Pipeline { stages, micro, schedule, tensor };
+    let pipeline =
+        |stages, micro, schedule, tensor| autoshard::Named::Pipeline { stages, micro, schedule, tensor, expert: 1 };
     assert_eq!(resolve("pp=2,mbs=1", 8).unwrap(), pipeline(2, 2, cost::Schedule::OneFOneB, 1));
     assert_eq!(resolve("pp=2,tp=2", 8).unwrap(), pipeline(2, 4, cost::Schedule::OneFOneB, 2));
     assert_eq!(resolve("pp=2,tp=4,vp=3", 8).unwrap(), pipeline(2, 8, cost::Schedule::Interleaved(3), 4));

@@ -94,7 +94,7 @@ fn divisors(n: usize) -> Vec<usize> {
 /// batch (the lowering runs no gradient accumulation of its own). With `context`, data ×
 /// context × tensor points follow (each power-of-two context degree, each tensor degree); with
 /// `experts` (the fewest experts of a mixture), data × expert points (each expert degree above
-/// 1 that divides the experts and the devices).
+/// 1 that divides the experts and the devices), and pipelines of data × expert stages.
 fn points(
     cluster: &Cluster,
     devices: usize,
@@ -119,6 +119,13 @@ fn points(
             }
             let p = Point { tensor, stages: pp, data, context: 1, expert: 1, mbs: None };
             out.extend(micro_sizes(p, batch, accumulate));
+            // Pipelines of data × expert stages (expert parallelism within each stage's
+            // data-parallel devices).
+            if tensor == 1 && pp > 1 && experts > 0 {
+                for ep in divisors(data).into_iter().filter(|e| *e > 1 && experts.is_multiple_of(*e)) {
+                    out.extend(micro_sizes(Point { expert: ep, ..p }, batch, accumulate));
+                }
+            }
         }
     }
     if context && stages.is_none_or(|s| s.contains(&1)) {
@@ -399,7 +406,7 @@ fn plan_point(
     let batch = graphs.batch() as usize;
     if p.stages > 1 {
         let micro = batch / (p.data * p.mbs.unwrap_or(1));
-        let shape = (p.stages, micro, schedule, p.tensor);
+        let shape = (p.stages, micro, schedule, p.tensor, p.expert);
         let pipe = price_configuration_in(graphs, cluster, devices, shape, o, unbounded).map_err(|e| e == UNFIT)?;
         return Ok(GridPlan {
             config: describe(p, schedule, o),
@@ -414,12 +421,12 @@ fn plan_point(
             flat: None,
         });
     }
-    let named = if p.expert > 1 {
+    let named = if p.expert > 1 && p.stages == 1 {
         Named::Expert { ep: p.expert }
     } else if p.context > 1 {
         Named::Context { dp: p.data, tp: p.tensor }
     } else {
-        Named::stage_strategy(p.tensor, devices).map_err(|_| false)?
+        Named::stage_strategy(p.tensor, 1, devices).map_err(|_| false)?
     };
     let mut o = o.clone();
     o.accumulation = p.mbs.map_or(1, |m| batch / (p.data * m));

@@ -88,6 +88,10 @@ pub enum Named {
         schedule: Schedule,
         /// Tensor-parallel degree inside a stage (1: data-parallel stages).
         tensor: usize,
+        /// Expert-parallel degree inside a stage (1: none; `tensor` 1): the stage's mixtures
+        /// of experts split their experts over groups of this many of its data-parallel
+        /// devices.
+        expert: usize,
     },
 }
 
@@ -181,6 +185,13 @@ impl Named {
         if stages == 0 || micro == 0 {
             return Err(format!("`{s}`: stages and micro-batches must be at least 1"));
         }
+        let (rest, expert) = match rest {
+            [head @ .., "ep", e] => match e.parse::<usize>() {
+                Ok(e) if e >= 1 => (head, e),
+                _ => return Err(format!("`{s}`: ep:E takes an expert-parallel degree of at least 1")),
+            },
+            _ => (rest, 1),
+        };
         let (rest, tensor) = match rest {
             [head @ .., "tp", t] => match t.parse::<usize>() {
                 Ok(t) if t >= 1 => (head, t),
@@ -197,18 +208,29 @@ impl Named {
             },
             _ => {
                 return Err(format!(
-                    "`{s}`: write pipeline:S:M[:gpipe|:1f1b|:interleaved:V][:tp:T], e.g. pipeline:8:64:interleaved:3:tp:8"
+                    "`{s}`: write pipeline:S:M[:gpipe|:1f1b|:interleaved:V][:tp:T][:ep:E], e.g. pipeline:8:64:interleaved:3:tp:8"
                 ));
             }
         };
-        Ok(Named::Pipeline { stages, micro, schedule, tensor })
+        Ok(Named::Pipeline { stages, micro, schedule, tensor, expert })
     }
 
     /// The strategy inside each stage of a pipeline of `per_stage` devices: data parallel,
-    /// Megatron, or data × Megatron.
-    pub fn stage_strategy(tensor: usize, per_stage: usize) -> Result<Named, String> {
+    /// Megatron, data × Megatron, or (`expert` > 1) data × expert.
+    pub fn stage_strategy(tensor: usize, expert: usize, per_stage: usize) -> Result<Named, String> {
         if tensor == 0 || !per_stage.is_multiple_of(tensor) {
             return Err(format!("tensor parallelism over {tensor} does not divide a stage's {per_stage} devices"));
+        }
+        if expert > 1 {
+            if tensor > 1 {
+                return Err(format!(
+                    "expert parallelism ({expert}) beside tensor parallelism ({tensor}) in a stage is not priced yet"
+                ));
+            }
+            if expert == 0 || !per_stage.is_multiple_of(expert) {
+                return Err(format!("expert parallelism over {expert} does not divide a stage's {per_stage} devices"));
+            }
+            return Ok(Named::Expert { ep: expert });
         }
         Ok(match (tensor, per_stage / tensor) {
             (1, _) => Named::Data,
@@ -237,11 +259,15 @@ impl Named {
                     .collect();
                 if parts.is_empty() { "context".into() } else { format!("context:{}", parts.join(",")) }
             }
-            Named::Pipeline { stages, micro, schedule, tensor: 1 } => {
-                format!("pipeline:{stages}:{micro}:{}", schedule.name())
-            }
-            Named::Pipeline { stages, micro, schedule, tensor } => {
-                format!("pipeline:{stages}:{micro}:{}:tp:{tensor}", schedule.name())
+            Named::Pipeline { stages, micro, schedule, tensor, expert } => {
+                let mut s = format!("pipeline:{stages}:{micro}:{}", schedule.name());
+                if *tensor > 1 {
+                    s.push_str(&format!(":tp:{tensor}"));
+                }
+                if *expert > 1 {
+                    s.push_str(&format!(":ep:{expert}"));
+                }
+                s
             }
         }
     }
@@ -910,9 +936,10 @@ pub struct Priced {
 /// Prices a named strategy on `devices` devices of `cluster`. Errors say why the strategy does
 /// not apply.
 pub fn price(g: &Graph, cluster: &Cluster, devices: usize, named: &Named, opts: &Options) -> Result<Priced, String> {
-    if let Named::Pipeline { stages, micro, schedule, tensor } = named {
+    if let Named::Pipeline { stages, micro, schedule, tensor, expert } = named {
         // Priced as the search prices the pipelines it makes: one function for both.
-        let p = super::pipeline::price_configuration(g, cluster, devices, *stages, *micro, *schedule, *tensor, opts)?;
+        let shape = (*stages, *micro, *schedule, *tensor, *expert);
+        let p = super::pipeline::price_configuration(g, cluster, devices, shape, opts)?;
         let first = p.stages.first().ok_or("a pipeline without stages")?;
         return Ok(Priced {
             mesh: first.sub_mesh.clone(),

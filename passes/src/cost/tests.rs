@@ -408,7 +408,7 @@ fn the_interleaved_schedule_shrinks_the_bubble_and_keeps_more_in_flight() {
     assert_eq!(Named::parse("pipeline:4:12:interleaved:3:tp:2").unwrap().name(), "pipeline:4:12:interleaved:3:tp:2");
     assert_eq!(
         Named::parse("pipeline:4:12:interleaved:3:tp:2").unwrap(),
-        Named::Pipeline { stages: 4, micro: 12, schedule: i3, tensor: 2 }
+        Named::Pipeline { stages: 4, micro: 12, schedule: i3, tensor: 2, expert: 1 }
     );
     assert_eq!(Named::parse("pipeline:4:12").unwrap().name(), "pipeline:4:12:1f1b");
     assert!(Named::parse("pipeline:4:12:interleaved:1").unwrap_err().contains("V ≥ 2"));

@@ -331,38 +331,37 @@ pub(super) fn blocker(g: &Graph, t: &Table, cuts: &[(usize, usize)], times: &[f6
 /// balanced over the stages as the search balances them; recomputation is what `opts` says
 /// (no stage recomputes on its own). A configuration that does not fit is priced on the
 /// time-balanced cut and marked so, with what its fullest stage needs.
-#[allow(clippy::too_many_arguments)]
+/// `shape` is (stages, micro-batches, schedule, tensor, expert) — expert parallelism (`expert`
+/// > 1, `tensor` 1) over groups of each stage's data-parallel devices.
 pub fn price_configuration(
     g: &Graph,
     cluster: &Cluster,
     devices: usize,
-    stages: usize,
-    micro: usize,
-    schedule: Schedule,
-    tensor: usize,
+    shape: (usize, usize, Schedule, usize, usize),
     opts: &Options,
 ) -> Result<PipelinePlan, String> {
     let batch = graph_batch(g).ok_or("pipeline: the model has no input with a batch dim")?;
-    let shape = (stages, micro, schedule, tensor);
     price_configuration_in(&mut MicroGraphs::new(g, batch), cluster, devices, shape, opts, true)
 }
 
 /// The stage table of a configuration: each op priced on a stage of `per_stage` devices
-/// (tensor `tensor` within) at micro-batch size `mb`, made once per [`MicroGraphs`].
+/// (tensor `tensor`, or expert `expert`, within) at micro-batch size `mb`, made once per
+/// [`MicroGraphs`].
+#[allow(clippy::too_many_arguments)]
 pub(super) fn stage_table(
     graphs: &mut MicroGraphs<'_>,
     cluster: &Cluster,
     devices: usize,
-    tensor: usize,
+    (tensor, expert): (usize, usize),
     per_stage: usize,
     mb: i64,
     opts: &Options,
 ) -> Result<Arc<StageTable>, String> {
-    let key: StageKey = (tensor, per_stage, mb, format!("{opts:?}"), devices);
+    let key: StageKey = (tensor * 1_000_003 + expert, per_stage, mb, format!("{opts:?}"), devices);
     if let Some(t) = graphs.stage_tables.get(&key) {
         return Ok(t.clone());
     }
-    let inner = crate::autoshard::Named::stage_strategy(tensor, per_stage)?;
+    let inner = crate::autoshard::Named::stage_strategy(tensor, expert, per_stage)?;
     let mesh = inner.mesh(cluster, per_stage)?;
     let (gm, analysis) = graphs.analyzed(mb).ok_or_else(|| {
         let why = graphs.refused.as_ref().map_or(String::new(), |(_, e)| format!(": {e}"));
@@ -392,7 +391,8 @@ pub(super) fn stage_table(
 pub(in crate::autoshard) const UNFIT: &str = "pipeline: no split into stages fits in device memory";
 
 /// [`price_configuration`] with the micro-batch graphs of `graphs` (re-batched once per
-/// size over many configurations); `shape` is (stages, micro-batches, schedule, tensor).
+/// size over many configurations); `shape` is (stages, micro-batches, schedule, tensor,
+/// expert).
 /// With `report_unfit`, a configuration no split of which fits is priced at the split that
 /// needs least (infeasible); without, it is the error [`UNFIT`] (the grid walks on without
 /// the second partition).
@@ -400,11 +400,11 @@ pub(in crate::autoshard) fn price_configuration_in(
     graphs: &mut MicroGraphs<'_>,
     cluster: &Cluster,
     devices: usize,
-    shape: (usize, usize, Schedule, usize),
+    shape: (usize, usize, Schedule, usize, usize),
     opts: &Options,
     report_unfit: bool,
 ) -> Result<PipelinePlan, String> {
-    let (stages, micro, schedule, tensor) = shape;
+    let (stages, micro, schedule, tensor, expert) = shape;
     let (g, batch) = (graphs.g, graphs.batch);
     if stages == 0 || !devices.is_multiple_of(stages) {
         return Err(format!("pipeline: {stages} stages do not divide {devices} devices"));
@@ -419,7 +419,7 @@ pub(in crate::autoshard) fn price_configuration_in(
     }
     let per_stage = devices / stages;
     let mb = batch / micro as i64;
-    let st = stage_table(graphs, cluster, devices, tensor, per_stage, mb, opts)?;
+    let st = stage_table(graphs, cluster, devices, (tensor, expert), per_stage, mb, opts)?;
     let chunks = stages * schedule.chunks();
     let (gm, tables) = (&st.gm, &st.tables);
     let table = &tables[&(per_stage, mb)];

@@ -126,8 +126,13 @@ pub(super) fn axis_uses_of(cm: &CostModel<'_>, asg: &Assignment, ops: &[NodeId])
             // at a long sequence the attention between the GEMMs, heads split, can be most of
             // the axis' FLOPs.)
             let role = shares.iter().filter(|(k, _)| k.as_str() != "other").max_by(|a, b| a.1.total_cmp(b.1));
+            // (Expert parallelism is carved from the data-parallel ranks: an axis over which the
+            // mixtures split their experts and every other op its batch is an expert axis.)
+            let expert = shares.get("expert").is_some_and(|&v| v > 0.0)
+                && shares.keys().all(|k| matches!(k.as_str(), "expert" | "data" | "other"));
             let kind = match top {
                 _ if ax.size <= 1 || split <= 0.0 => "unused".to_string(),
+                _ if expert => "expert".to_string(),
                 _ if context > 0.0 && (context + roleless) * total >= 0.999 * split => "context".to_string(),
                 _ if role.is_some_and(|(_, v)| (v + roleless) * total >= 0.8 * split) => role.unwrap().0.clone(),
                 Some((k, v)) if *v * total >= 0.8 * split => k.clone(),
