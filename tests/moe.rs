@@ -61,7 +61,8 @@ fn exported_mixtures_fuse_into_moe_ops() {
 }
 
 /// A graph whose weighted sum is not a gated mixture keeps its ops: the pass fuses only what
-/// it proves is the pattern (here the down projection's gather reads other ids than the gate's).
+/// it proves is the pattern (here the down projection's gather reads other ids than the gate's),
+/// and warns where expert weights are still gathered per routed token.
 #[test]
 fn a_mixture_routed_by_other_ids_is_left_alone() {
     let src = include_str!("filetests/lower/moe_expert_2.onnxtxt");
@@ -76,8 +77,11 @@ fn a_mixture_routed_by_other_ids_is_left_alone() {
     let mut parsed = shardc::frontend::parse(&shifted).expect("parses").model;
     let mut pm = shardc::passes::PassManager::new();
     pm.add(shardc::passes::InferShapes::default()).add(shardc::passes::Canonicalize).add(shardc::passes::Algebra);
-    pm.run(&mut parsed).unwrap_or_else(|e| panic!("{e}"));
+    let report = pm.run(&mut parsed).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(count(&parsed.graph, |o| matches!(o, Op::MoE(_))), 0, "routed by other ids: not a mixture");
+    // And it says so, at the gather of the gate-and-up weights.
+    let said: Vec<String> = report.warnings.iter().map(|w| w.msg.clone()).collect();
+    assert!(said.iter().any(|w| w.contains("g1") && w.contains("was not fused into one MoE op")), "{said:?}");
 }
 
 /// transformers' `batched_mm` experts written out (what both exporters trace), for the tokens

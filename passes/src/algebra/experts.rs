@@ -357,6 +357,46 @@ pub fn fuse_experts(g: &mut Graph) -> Result<u64, Located> {
     Ok(done)
 }
 
+/// The gathers left in `g` that gather expert weights per routed token: a `Gather` (axis 0)
+/// or `GatherND` of a float tensor of rank 3 whose indices come, through reshapes, from a
+/// `TopK`'s indices — a mixture of experts [`fuse_experts`] did not recognise.
+pub fn unfused(g: &Graph) -> Vec<NodeId> {
+    let Ok(order) = g.topo_order() else { return Vec::new() };
+    order
+        .into_iter()
+        .filter(|&n| {
+            let wk = &mut Walk { g, nodes: Vec::new() };
+            let Some((w, ids)) = wk.gather(Value::new(n, 0)) else { return false };
+            if dims(g, w).is_none_or(|d| d.len() != 3) || !is_float(g, w) {
+                return false;
+            }
+            let mut v = ids;
+            loop {
+                match &g.node(v.node).op {
+                    Op::TopK(_) => return v.slot == 1,
+                    Op::Reshape(_) | Op::Flatten(_) | Op::Squeeze(_) | Op::Unsqueeze(_) | Op::Cast(_) => {
+                        let Some(i) = g.node(v.node).input(0) else { return false };
+                        v = i;
+                    }
+                    _ => return false,
+                }
+            }
+        })
+        .collect()
+}
+
+/// The warning for an unfused mixture at gather `n`.
+pub fn unfused_warning(g: &Graph, n: NodeId) -> Located {
+    Located::at(
+        g,
+        n,
+        format!(
+            "{} gathers expert weights per routed token and was not fused into one MoE op: `fuse-experts` recognizes transformers' batched_mm experts with a SiLU-gated MLP (the gate-and-up product, SiLU of its first half times its second, the down product, weighted by the router and summed over the k experts); as written every routed token materialises its experts' weight matrices, and expert parallelism does not apply",
+            g.describe(n)
+        ),
+    )
+}
+
 /// The `fuse-experts` pass: [`fuse_experts`] on every mixture of experts.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FuseExperts;
@@ -367,6 +407,10 @@ impl Pass for FuseExperts {
     }
 
     fn run(&mut self, g: &mut Graph, cx: &mut PassCx<'_>) -> Result<Changed, PassError> {
-        super::run_rewrite(g, cx, self.name(), "mixtures of experts fused", fuse_experts)
+        let changed = super::run_rewrite(g, cx, self.name(), "mixtures of experts fused", fuse_experts)?;
+        for n in unfused(g) {
+            cx.warnings.push(unfused_warning(g, n));
+        }
+        Ok(changed)
     }
 }

@@ -892,6 +892,9 @@ impl Pass for Algebra {
         let moved = transpose_before_gemm(g).map_err(fail)?;
         let composed = compose_transposes(g).map_err(fail)?;
         let experts = experts::fuse_experts(g).map_err(fail)?;
+        for n in experts::unfused(g) {
+            cx.warnings.push(experts::unfused_warning(g, n));
+        }
         if fused + folded + untransposed + moved + composed + experts == 0 {
             return Ok(Changed::No);
         }
