@@ -23,6 +23,28 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).to_string()
 }
 
+/// Trains `model` (softmax cross-entropy of its logits) for `steps` steps under `strategy` on
+/// `devices` devices of `backend` with `--check`, asserts every check passed, and returns the
+/// report.
+fn train_checked(model: &Path, strategy: &str, devices: &str, backend: &str, steps: &str) -> String {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args(["train", model.to_str().unwrap(), "--loss", "softmax-cross-entropy", "--devices", devices])
+        .args(["--strategy", strategy, "--steps", steps, "--backend", backend, "--check"])
+        .env("XDG_RUNTIME_DIR", std::env::temp_dir())
+        .output()
+        .unwrap();
+    let out = text(&o.stdout);
+    let label = format!("{} {strategy} ×{devices} on {backend}", model.display());
+    assert!(o.status.success(), "{label}: {}{out}", text(&o.stderr));
+    for what in ["losses", "gradients", "parameters", "state"] {
+        assert!(
+            out.lines().any(|l| l.starts_with("check") && l.contains(what) && l.contains(" ok ")),
+            "{label}: {what} not checked ok\n{out}"
+        );
+    }
+    out
+}
+
 /// The export `name` as `plan` prepares it: verified, shapes inferred, canonicalized, the
 /// algebra pass (which fuses the experts) run.
 fn prepared(name: &str) -> shardc::ir::Model {
@@ -35,6 +57,15 @@ fn prepared(name: &str) -> shardc::ir::Model {
         .add(shardc::passes::Algebra);
     pm.run(&mut m).unwrap_or_else(|e| panic!("{name}: {e}"));
     m
+}
+
+/// Model text after `infer-shapes,canonicalize,algebra`, and the warnings the passes gave.
+fn algebra_of(text: &str) -> (shardc::ir::Model, Vec<String>) {
+    let mut m = shardc::frontend::parse(text).expect("parses").model;
+    let mut pm = shardc::passes::PassManager::new();
+    pm.add(shardc::passes::InferShapes::default()).add(shardc::passes::Canonicalize).add(shardc::passes::Algebra);
+    let report = pm.run(&mut m).unwrap_or_else(|e| panic!("{e}"));
+    (m, report.warnings.iter().map(|w| w.msg.clone()).collect())
 }
 
 fn count(g: &Graph, pick: impl Fn(&Op) -> bool) -> usize {
@@ -68,19 +99,12 @@ fn a_mixture_routed_by_other_ids_is_left_alone() {
     let src = include_str!("filetests/lower/moe_expert_2.onnxtxt");
     // The unfused form of that mixture, with the second gather reading a shifted copy of the ids.
     let unfused = src.replace("y = shardc.MoE (x, ids, w, w1, w2)", UNFUSED_BODY);
-    let mut parsed = shardc::frontend::parse(&unfused).expect("parses").model;
-    let mut pm = shardc::passes::PassManager::new();
-    pm.add(shardc::passes::InferShapes::default()).add(shardc::passes::Canonicalize).add(shardc::passes::Algebra);
-    pm.run(&mut parsed).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(count(&parsed.graph, |o| matches!(o, Op::MoE(_))), 1, "the faithful copy fuses");
+    let (fused, _) = algebra_of(&unfused);
+    assert_eq!(count(&fused.graph, |o| matches!(o, Op::MoE(_))), 1, "the faithful copy fuses");
     let shifted = unfused.replace("g2 = Gather <axis: int = 0> (w2, flat)", "g2 = Gather <axis: int = 0> (w2, other)");
-    let mut parsed = shardc::frontend::parse(&shifted).expect("parses").model;
-    let mut pm = shardc::passes::PassManager::new();
-    pm.add(shardc::passes::InferShapes::default()).add(shardc::passes::Canonicalize).add(shardc::passes::Algebra);
-    let report = pm.run(&mut parsed).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(count(&parsed.graph, |o| matches!(o, Op::MoE(_))), 0, "routed by other ids: not a mixture");
+    let (left, said) = algebra_of(&shifted);
+    assert_eq!(count(&left.graph, |o| matches!(o, Op::MoE(_))), 0, "routed by other ids: not a mixture");
     // And it says so, at the gather of the gate-and-up weights.
-    let said: Vec<String> = report.warnings.iter().map(|w| w.msg.clone()).collect();
     assert!(said.iter().any(|w| w.contains("g1") && w.contains("was not fused into one MoE op")), "{said:?}");
 }
 
@@ -166,29 +190,7 @@ fn expert_parallel_training_equals_one_device() {
         let model = data(name, "onnx");
         let mut peak = Vec::new();
         for strategy in ["data", "expert"] {
-            let o = shardc(&[
-                "train",
-                model.to_str().unwrap(),
-                "--loss",
-                "softmax-cross-entropy",
-                "--devices",
-                "8",
-                "--strategy",
-                strategy,
-                "--steps",
-                "5",
-                "--backend",
-                "cpu",
-                "--check",
-            ]);
-            let out = text(&o.stdout);
-            assert!(o.status.success(), "{name} {strategy}: {}{out}", text(&o.stderr));
-            for what in ["losses", "gradients", "parameters", "state"] {
-                assert!(
-                    out.lines().any(|l| l.starts_with("check") && l.contains(what) && l.contains(" ok ")),
-                    "{name} {strategy}: {what} not checked ok\n{out}"
-                );
-            }
+            let out = train_checked(&model, strategy, "8", "cpu", "5");
             let mem = out.lines().find(|l| l.starts_with("memory")).unwrap_or_default().to_string();
             let mb: f64 = mem.split_whitespace().nth(1).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN);
             peak.push(mb);
@@ -395,18 +397,7 @@ fn expert_parallel_training_runs_on_wgpu_kernels() {
     if !shardc_tests::gpu_available() {
         return;
     }
-    let model = data("mixtral_tiny_dynamo", "onnx");
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
-        .args(["train", model.to_str().unwrap(), "--loss", "softmax-cross-entropy", "--devices", "4"])
-        .args(["--strategy", "ep=4", "--steps", "3", "--backend", "wgpu", "--check"])
-        .env("XDG_RUNTIME_DIR", std::env::temp_dir())
-        .output()
-        .unwrap();
-    let out = text(&o.stdout);
-    assert!(o.status.success(), "{}{out}", text(&o.stderr));
-    for what in ["losses", "gradients", "parameters", "state"] {
-        assert!(out.lines().any(|l| l.starts_with("check") && l.contains(what) && l.contains(" ok ")), "{what}\n{out}");
-    }
+    let out = train_checked(&data("mixtral_tiny_dynamo", "onnx"), "ep=4", "4", "wgpu", "3");
     let host = out.lines().find(|l| l.starts_with("host ops")).unwrap_or_default();
     assert!(!host.contains("MoE"), "the mixtures ran on the host: {host}");
 }
@@ -418,29 +409,7 @@ fn pipelines_of_expert_parallel_stages_train_like_one_device() {
     for name in EXPORTS {
         let model = data(name, "onnx");
         for strategy in ["pipeline:2:4:1f1b:ep:2", "pp=2,ep=2"] {
-            let o = shardc(&[
-                "train",
-                model.to_str().unwrap(),
-                "--loss",
-                "softmax-cross-entropy",
-                "--devices",
-                "4",
-                "--strategy",
-                strategy,
-                "--steps",
-                "3",
-                "--backend",
-                "cpu",
-                "--check",
-            ]);
-            let out = text(&o.stdout);
-            assert!(o.status.success(), "{name} {strategy}: {}{out}", text(&o.stderr));
-            for what in ["losses", "gradients", "parameters", "state"] {
-                assert!(
-                    out.lines().any(|l| l.starts_with("check") && l.contains(what) && l.contains(" ok ")),
-                    "{name} {strategy}: {what}\n{out}"
-                );
-            }
+            let out = train_checked(&model, strategy, "4", "cpu", "3");
             assert!(
                 out.contains("pipeline 2 × 4 micro-batches") && out.contains("expert 2"),
                 "{name} {strategy}\n{out}"
