@@ -278,7 +278,9 @@ fn training_program(g: &Graph, strategy: &str, devices: usize) -> shardc::codege
 fn expert_plans_verify_and_a_wrong_expert_offset_is_refuted() {
     for name in EXPORTS {
         let g = training(name);
-        for (strategy, devices) in [("expert", 8), ("expert:ep:4", 8), ("expert", 2), ("data", 4)] {
+        for (strategy, devices) in
+            [("expert", 8), ("expert:ep:4", 8), ("expert:ep:2:tp:2", 8), ("expert", 2), ("data", 4)]
+        {
             let p = training_program(&g, strategy, devices);
             shardc::codegen::verify(&g, &p).unwrap_or_else(|e| panic!("{name} {strategy} ×{devices}: {e}"));
         }
@@ -388,6 +390,16 @@ fn expert_configurations_export_to_megatron_and_deepspeed() {
     let o = cost("torch-tp");
     assert!(!o.status.success() && text(&o.stderr).contains("expert parallel"), "{}", text(&o.stderr));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Expert parallelism beside Megatron (`tp=2,ep=2` on 8 devices: data 2 × expert 2 × tensor
+/// 2, the mixtures' tokens split over the tensor axis) trains equal to one device.
+#[test]
+fn expert_and_tensor_parallelism_train_like_one_device() {
+    for name in EXPORTS {
+        let out = train_checked(&data(name, "onnx"), "tp=2,ep=2", "8", "cpu", "3");
+        assert!(out.contains("data 2 × expert 2 × tensor 2"), "{name}\n{out}");
+    }
 }
 
 /// On wgpu devices the mixtures run on their own kernels (not on the host) and training under

@@ -142,10 +142,12 @@ fn configurations_check_their_degrees_and_say_what_is_not_priced() {
     assert!(resolve("cp=2,pp=2", 8).unwrap_err().contains("context parallelism"));
     assert!(resolve("cp=2,tp=2,sp", 8).unwrap_err().contains("leave out sp"));
     assert_eq!(resolve("cp=8", 8).unwrap(), autoshard::named::Named::Context { dp: 1, tp: 1 });
-    assert_eq!(resolve("ep=2", 8).unwrap(), autoshard::Named::Expert { ep: 2 });
-    assert_eq!(resolve("dp=8,ep=8", 8).unwrap(), autoshard::Named::Expert { ep: 8 });
+    assert_eq!(resolve("ep=2", 8).unwrap(), autoshard::Named::Expert { ep: 2, tp: 1 });
+    assert_eq!(resolve("dp=8,ep=8", 8).unwrap(), autoshard::Named::Expert { ep: 8, tp: 1 });
+    assert_eq!(resolve("tp=2,ep=2", 8).unwrap(), autoshard::Named::Expert { ep: 2, tp: 2 });
     assert!(resolve("ep=3", 8).unwrap_err().contains("carved from the 8 data-parallel ranks"));
-    assert!(resolve("ep=2,tp=2", 8).unwrap_err().contains("beside data and pipeline parallelism only"));
+    assert!(resolve("ep=2,tp=2,pp=2", 8).unwrap_err().contains("not tp with pp"));
+    assert!(resolve("ep=2,cp=2", 8).unwrap_err().contains("cp 1"));
     assert_eq!(
         resolve("ep=2,pp=2,mbs=1", 8).unwrap(),
         autoshard::Named::Pipeline { stages: 2, micro: 2, schedule: cost::Schedule::OneFOneB, tensor: 1, expert: 2 }

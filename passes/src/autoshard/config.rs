@@ -14,7 +14,7 @@
 //! strategy ([`Named`]: `data`, `megatron`, `hybrid:dp:D,tp:T`,
 //! `pipeline:S:M[:interleaved:V][:tp:T]`, `context[:dp:D,tp:T]` for `cp` with or without `dp`
 //! and `tp`, `expert:ep:E` for `ep`) and the cost-model options it sets; what the cost model
-//! cannot price yet (`ep` with `tp` or `cp`; `cp` with `pp`) is refused with the reason.
+//! cannot price yet (`ep` with `cp`, or with `tp` and `pp` together; `cp` with `pp`) is refused with the reason.
 //! `pp` with `tp` is a pipeline of Megatron (or data × Megatron) stages; `vp` > 1 the
 //! interleaved schedule. As in Megatron-LM, `ep` takes no devices of its own: the
 //! expert-parallel groups are carved from the data-parallel ranks (`ep` divides `dp`), each
@@ -186,10 +186,10 @@ impl Config {
     /// (pipelines: micro-batches = batch / (dp × mbs)), and the options it sets on `opts`.
     pub fn resolve(&self, devices: usize, batch: Option<i64>, opts: &Options) -> Result<(Named, Options), String> {
         let dp = self.data_degree(devices)?;
-        if self.ep > 1 && (self.tp > 1 || self.cp > 1) {
+        if self.ep > 1 && (self.cp > 1 || self.tp > 1 && self.pp > 1) {
             return Err(format!(
-                "ep={}: expert parallelism runs beside data and pipeline parallelism only for now (tp and cp 1; got tp={}, cp={})",
-                self.ep, self.tp, self.cp
+                "ep={}: expert parallelism runs beside data, tensor (without pipeline stages) and pipeline parallelism only for now (cp 1, and not tp with pp; got tp={}, pp={}, cp={})",
+                self.ep, self.tp, self.pp, self.cp
             ));
         }
         if self.cp > 1 && self.pp != 1 {
@@ -230,7 +230,7 @@ impl Config {
             o.accumulation = b / (dp * mbs);
         }
         let named = match (self.pp, self.tp, dp) {
-            (1, _, _) if self.ep > 1 => Named::Expert { ep: self.ep },
+            (1, tp, _) if self.ep > 1 => Named::Expert { ep: self.ep, tp },
             _ if self.cp > 1 => Named::Context { dp, tp: self.tp },
             (1, 1, _) => Named::Data,
             (1, t, 1) if t > 1 => Named::Megatron,

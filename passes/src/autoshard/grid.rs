@@ -139,10 +139,17 @@ fn points(
             }
         }
     }
-    if experts > 0 && stages.is_none_or(|s| s.contains(&1)) && batch.is_multiple_of(devices) {
-        for ep in divisors(devices).into_iter().filter(|e| *e > 1 && experts.is_multiple_of(*e)) {
-            let p = Point { tensor: 1, stages: 1, data: devices, context: 1, expert: ep, mbs: None };
-            out.extend(micro_sizes(p, batch, accumulate));
+    if experts > 0 && stages.is_none_or(|s| s.contains(&1)) {
+        // Data × expert (× tensor) points: the expert-parallel groups within the data ranks.
+        for &tensor in tensors.iter().rev() {
+            let data = devices / tensor;
+            if !batch.is_multiple_of(data) {
+                continue;
+            }
+            for ep in divisors(data).into_iter().filter(|e| *e > 1 && experts.is_multiple_of(*e)) {
+                let p = Point { tensor, stages: 1, data, context: 1, expert: ep, mbs: None };
+                out.extend(micro_sizes(p, batch, accumulate));
+            }
         }
     }
     out
@@ -422,7 +429,7 @@ fn plan_point(
         });
     }
     let named = if p.expert > 1 && p.stages == 1 {
-        Named::Expert { ep: p.expert }
+        Named::Expert { ep: p.expert, tp: p.tensor }
     } else if p.context > 1 {
         Named::Context { dp: p.data, tp: p.tensor }
     } else {

@@ -357,7 +357,7 @@ const SEEDS: &[(&str, Named)] = &[
     ("megatron", Named::Megatron),
     ("hybrid", Named::Hybrid { dp: 0, tp: 0 }),
     ("owt", Named::Owt),
-    ("expert", Named::Expert { ep: 0 }),
+    ("expert", Named::Expert { ep: 0, tp: 1 }),
     ("spatial", Named::Spatial),
     ("spatial-hybrid", Named::SpatialHybrid(0, 0)),
 ];

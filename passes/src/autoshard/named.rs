@@ -30,7 +30,9 @@
 //!   `data × expert` mesh (`E` innermost), expert parallelism inside each group of `E`
 //!   devices and the groups data parallel (Megatron's expert-parallel groups carved from the
 //!   data-parallel ones): the mixtures split their tokens over the data axis and their
-//!   experts over the expert axis, every other op its batch over both.
+//!   experts over the expert axis, every other op its batch over both. `expert:ep:E:tp:T`:
+//!   on a `data × expert × tensor` mesh, Megatron over the tensor axis (data parallel over
+//!   the others) and the mixtures' tokens split over the tensor axis too.
 //! - `pipeline:S:M[:gpipe|:1f1b]`: S balanced stages, M micro-batches (see `pipeline`).
 
 use ir::shard::{AxisShard, DimKind, DimRole, LinkLevel, Mesh, MeshAxis, strategy_shardings, strategy_valid};
@@ -76,6 +78,9 @@ pub enum Named {
     Expert {
         /// Expert-parallel ways (0: every device).
         ep: usize,
+        /// Tensor-parallel ways (Megatron over the innermost axis; the mixtures split their
+        /// tokens over it), 1 for none.
+        tp: usize,
     },
     /// Pipeline: stages of equal device groups, each sharded data-parallel, or Megatron-style
     /// over `tensor` of its devices (the rest data-parallel).
@@ -112,11 +117,23 @@ impl Named {
             ["context"] | ["ulysses"] => Named::Context { dp: 1, tp: 1 },
             ["context" | "ulysses", ..] => Named::parse_context(s)?,
             ["megatron"] | ["tensor"] => Named::Megatron,
-            ["expert"] | ["ep"] => Named::Expert { ep: 0 },
-            ["expert" | "ep", "ep", e] => match e.parse::<usize>() {
-                Ok(ep) if ep >= 1 => Named::Expert { ep },
-                _ => return Err(format!("`{s}`: write expert:ep:E with E the expert-parallel ways, e.g. expert:ep:8")),
-            },
+            ["expert"] | ["ep"] => Named::Expert { ep: 0, tp: 1 },
+            ["expert" | "ep", "ep", e, rest @ ..] => {
+                let ep = e.parse::<usize>().ok().filter(|&x| x >= 1);
+                let tp = match rest {
+                    [] => Some(1),
+                    ["tp", t] => t.parse::<usize>().ok().filter(|&x| x >= 1),
+                    _ => None,
+                };
+                match (ep, tp) {
+                    (Some(ep), Some(tp)) => Named::Expert { ep, tp },
+                    _ => {
+                        return Err(format!(
+                            "`{s}`: write expert:ep:E[:tp:T] with E the expert-parallel ways, e.g. expert:ep:8 or expert:ep:8:tp:2"
+                        ));
+                    }
+                }
+            }
             ["spatial-hybrid", ds] => {
                 let (d, sp) = ds
                     .split_once(['x', 'X'])
@@ -230,7 +247,7 @@ impl Named {
             if expert == 0 || !per_stage.is_multiple_of(expert) {
                 return Err(format!("expert parallelism over {expert} does not divide a stage's {per_stage} devices"));
             }
-            return Ok(Named::Expert { ep: expert });
+            return Ok(Named::Expert { ep: expert, tp: 1 });
         }
         Ok(match (tensor, per_stage / tensor) {
             (1, _) => Named::Data,
@@ -249,8 +266,9 @@ impl Named {
             Named::Hybrid { dp, tp } => format!("hybrid:dp:{dp},tp:{tp}"),
             Named::SpatialHybrid(d, s) => format!("spatial-hybrid:{d}x{s}"),
             Named::Owt => "owt".into(),
-            Named::Expert { ep: 0 } => "expert".into(),
-            Named::Expert { ep } => format!("expert:ep:{ep}"),
+            Named::Expert { ep: 0, .. } => "expert".into(),
+            Named::Expert { ep, tp: 1 } => format!("expert:ep:{ep}"),
+            Named::Expert { ep, tp } => format!("expert:ep:{ep}:tp:{tp}"),
             Named::Context { dp, tp } => {
                 let parts: Vec<String> = [("dp", *dp), ("tp", *tp)]
                     .iter()
@@ -299,7 +317,8 @@ impl Named {
             Named::SpatialHybrid(d, s) => two((*d, *s), format!("spatial-hybrid:{d}x{s}"), ("samples", "space")),
             Named::Hybrid { dp, tp } => two((*dp, *tp), format!("hybrid:dp:{dp},tp:{tp}"), ("data", "tensor")),
             Named::Context { dp, tp } if dp * tp > 1 => context_mesh(cluster, devices, (*dp, *tp), &self.name()),
-            Named::Expert { ep } if *ep > 0 && *ep < devices => {
+            Named::Expert { ep, tp } if *tp > 1 => expert_mesh(cluster, devices, (*ep, *tp), &self.name()),
+            Named::Expert { ep, .. } if *ep > 0 && *ep < devices => {
                 if !devices.is_multiple_of(*ep) {
                     return Err(format!("{}: {ep} does not divide {devices} devices", self.name()));
                 }
@@ -339,6 +358,31 @@ fn context_mesh(cluster: &Cluster, devices: usize, (dp, tp): (usize, usize), wha
         axes.push(axis("tensor", tp, level(cp * tp)));
     }
     axes.push(axis("context", cp, level(cp)));
+    Ok(Mesh { axes })
+}
+
+/// The `data × expert × tensor` mesh of `devices` devices (`ep`, `tp` ways; a data axis of one
+/// device left out): the tensor axis innermost, inside a node where it fits, the expert axis
+/// next.
+fn expert_mesh(cluster: &Cluster, devices: usize, (ep, tp): (usize, usize), what: &str) -> Result<Mesh, String> {
+    if ep == 0 || !devices.is_multiple_of(ep * tp) {
+        return Err(format!("{what}: ep × tp = {} does not divide {devices} devices", ep * tp));
+    }
+    cluster.mesh(devices)?;
+    let dpn = cluster.devices_per_node;
+    let level = |within: usize| {
+        if within <= dpn && dpn.is_multiple_of(within) { LinkLevel::Intra } else { LinkLevel::Inter }
+    };
+    let axis = |name: &str, size: usize, level: LinkLevel| MeshAxis { name: name.into(), size, level };
+    let mut axes = Vec::new();
+    let dp = devices / (ep * tp);
+    if dp > 1 {
+        axes.push(axis("data", dp, level(devices)));
+    }
+    if ep > 1 {
+        axes.push(axis("expert", ep, level(ep * tp)));
+    }
+    axes.push(axis("tensor", tp, level(tp)));
     Ok(Mesh { axes })
 }
 
@@ -478,7 +522,8 @@ fn applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context::Sequenc
         }
         // Data parallelism over the batch axis's devices needs a batch they divide.
         let ways = match named {
-            Named::Data | Named::Expert { .. } => cm.mesh.devices(),
+            Named::Data | Named::Expert { tp: 1, .. } => cm.mesh.devices(),
+            Named::Expert { tp, .. } => cm.mesh.devices() / tp,
             Named::Context { .. } => data_axes.iter().map(|&a| cm.mesh.axes[a].size).product(),
             _ => cm.mesh.axes[0].size,
         };
@@ -554,16 +599,25 @@ fn context_applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context:
 }
 
 /// The mesh axes an expert-parallel strategy splits the experts over: all of them for
-/// `expert`, the innermost (the mesh's `expert` axis) for `expert:ep:E` with `E` fewer than the
-/// devices.
+/// `expert`, the mesh's `expert` axis for `expert:ep:E[:tp:T]` with `E` fewer than the devices.
 fn expert_axes(cm: &CostModel<'_>, named: &Named) -> Result<Vec<usize>, String> {
     let k = cm.mesh.axes.len();
     match *named {
-        Named::Expert { ep } if ep > 0 && ep < cm.mesh.devices() => match cm.mesh.axes.last() {
-            Some(a) if k > 1 && a.size == ep => Ok(vec![k - 1]),
-            _ => Err(format!("expert:ep:{ep}: the mesh has no expert axis of {ep} devices")),
-        },
+        Named::Expert { ep, tp } if ep > 0 && ep * tp < cm.mesh.devices() || tp > 1 => {
+            match cm.mesh.axes.iter().position(|a| a.name == "expert") {
+                Some(a) if cm.mesh.axes[a].size == ep => Ok(vec![a]),
+                _ => Err(format!("{}: the mesh has no expert axis of {ep} devices", named.name())),
+            }
+        }
         _ => Ok((0..k).collect()),
+    }
+}
+
+/// The tensor axis of `expert:ep:E:tp:T` (the mesh's `tensor` axis), if any.
+fn expert_tensor_axis(cm: &CostModel<'_>, named: &Named) -> Option<usize> {
+    match *named {
+        Named::Expert { tp, .. } if tp > 1 => cm.mesh.axes.iter().position(|a| a.name == "tensor"),
+        _ => None,
     }
 }
 
@@ -679,7 +733,15 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
             }
             Named::Spatial => windowed(n).then(|| spatial_split(cm, n, &all_axes)).flatten(),
             Named::Context { .. } => context_split(cm, &asg, n, &sequence, &axes),
-            Named::Expert { .. } => expert_split(cm, n, &expert_axes(cm, named)?, &all_axes),
+            Named::Expert { .. } => match expert_tensor_axis(cm, named) {
+                Some(t) => expert_split(cm, n, &expert_axes(cm, named)?, &all_axes)
+                    .filter(|_| dim_with(cm, n, DimRole::Expert).is_some())
+                    .or_else(|| {
+                        let dp: Vec<usize> = (0..k).filter(|&a| a != t).collect();
+                        Some(data_then_megatron(cm, &asg, n, &dp, t))
+                    }),
+                None => expert_split(cm, n, &expert_axes(cm, named)?, &all_axes),
+            },
             // Batch over axis 0, Megatron over axis 1, the rest following the input.
             Named::Hybrid { .. } => Some(data_then_megatron(cm, &asg, n, &[0], 1)),
             Named::SpatialHybrid(..) => {

@@ -70,7 +70,12 @@ pub fn role_kind(r: &ir::shard::DimRole) -> &'static str {
 /// sequence: context parallelism splits the tokens of one sequence).
 pub fn split_kind(cm: &CostModel<'_>, n: NodeId, i: usize) -> &'static str {
     let row = |d: &ir::shard::IterDim| d.role == ir::shard::DimRole::Other && d.kind == ir::shard::DimKind::Parallel;
-    match cm.space(n).dims.get(i) {
+    let sp = cm.space(n);
+    // A mixture's tokens split over an axis ride along that axis' kind (data parallel beside
+    // the experts' split, or the tensor axis' sequence split): not a kind of their own.
+    let mixture = sp.dims.iter().any(|d| d.role == ir::shard::DimRole::Expert);
+    match sp.dims.get(i) {
+        Some(d) if mixture && d.role != ir::shard::DimRole::Expert => "other",
         Some(d) if row(d) && crate::autoshard::named::is_weighted(cm, n) => "context",
         Some(d) => role_kind(&d.role),
         None => "other",
