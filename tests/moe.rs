@@ -333,6 +333,14 @@ fn mixtral_8x7b_on_64_h100_plans_expert_parallelism() {
     let r = autoshard::search(&m.graph, &cluster, 64, &opts, &Default::default()).unwrap_or_else(|e| panic!("{e}"));
     let plan = r.same_as.clone().unwrap_or_default();
     assert!(r.breakdown.feasible && plan.contains("ep="), "{plan}: {:?}", r.breakdown.memory);
+    // The mixtures' backward kernels hold five f32 values of the expert width per routed pair
+    // they read: every pair of the tokens gathered over the expert axis (one sequence of 4,096
+    // tokens a device, `ep` of them gathered, top-2), priced as workspace (`ep=8`: 17.5 GiB).
+    let ep: f64 = plan.split(',').find_map(|f| f.strip_prefix("ep=")).and_then(|e| e.parse().ok()).unwrap();
+    assert!(!plan.contains("pp=") && !plan.contains("tp=2"), "{plan}: the check below assumes one sequence a device");
+    let scratch = ep * 4096.0 * 2.0 * 14336.0 * 5.0 * 4.0;
+    let w = r.breakdown.memory.workspace;
+    assert!((w - scratch).abs() <= 0.05 * scratch, "workspace {w:.3e} B, the kernels' scratch {scratch:.3e} B");
     let data = shardc::exec::named_result(&m.graph, &cluster, 64, "data", &opts).unwrap();
     assert!(!data.breakdown.feasible, "data parallel fits: {:?}", data.breakdown.memory);
 }

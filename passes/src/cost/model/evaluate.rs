@@ -119,6 +119,8 @@ impl<'a> CostModel<'a> {
             comm_total += op_comm;
             bwd_items.push((n, bwd_compute + bwd_comm + t.comm_bwd() + again_comm + relaunch));
             let kept = self.kept_by(n, &micro_local, &mut w.workspace);
+            // (A mixture's step includes its backward, whose kernels hold the most.)
+            w.workspace = w.workspace.max(self.scratch(n, &e.strategy, true, k));
             activations += kept;
             if detail {
                 w.rows.push(OpRow {
@@ -242,6 +244,26 @@ impl<'a> CostModel<'a> {
         kept
     }
 
+    /// The transient storage op `n`'s kernels allocate beyond its outputs under `strategy`,
+    /// bytes on one device for a micro-batch of `1/k` of the batch: a mixture of experts' per
+    /// routed pair it reads (every gathered pair, those routed to other devices' experts too),
+    /// as the WGSL kernels hold it in f32 — the gate and up halves (`MoE`); those, the down
+    /// gradient and the gate-and-up gradient (`MoEGrad`, or `MoE` with `backward`).
+    pub(super) fn scratch(&self, n: NodeId, strategy: &[Option<usize>], backward: bool, k: f64) -> f64 {
+        let node = self.g.node(n);
+        let (slot, w2, per_pair) = match node.op {
+            Op::MoE(_) => (1, node.input(4), if backward { 5.0 } else { 2.0 }),
+            Op::MoEGrad(_) => (2, node.input(5), 5.0),
+            _ => return 0.0,
+        };
+        let (Some(ids), Some(w2)) = (node.input(slot), w2) else { return 0.0 };
+        let (ins, _) = ir::shard::strategy_shardings(self.space(n), strategy);
+        let parts = ins.get(slot).cloned().flatten().map_or(1.0, |l| split_factor(&l, &self.mesh));
+        let (_, eb) = self.value_shape(ids);
+        let inner = self.value_shape(w2).0.get(2).copied().unwrap_or(0) as f64;
+        self.value_bytes(ids) / parts / k.max(1.0) / eb.max(1.0) * inner * per_pair * 4.0
+    }
+
     /// Prices a training graph as it runs: each op once, in its phase
     /// ([`ir::reshard::step_phases`]); the collectives its layouts need, tagged with the phase
     /// of the op that reads them (what the lowering emits, tagged the same); no backward pass
@@ -295,7 +317,7 @@ impl<'a> CostModel<'a> {
                     made += local(v);
                 }
             }
-            w.workspace = w.workspace.max(made);
+            w.workspace = w.workspace.max(made + self.scratch(n, &e.strategy, false, 1.0));
             live += made;
             peak = peak.max(live);
             for v in &copies.frees[pos] {
