@@ -13,7 +13,8 @@
 //!   the two halves of `Hh [T·k, 2I]` along its last axis (`Split`, or two `Slice`s);
 //! - `Hh = Squeeze(MatMul(gather(W1), Unsqueeze(X', -1)), -1)`, `W1 [E, 2I, H]`;
 //! - `gather(W)` = `Gather(W, ids', axis 0)` or `GatherND(W, Unsqueeze(ids', -1))`, both
-//!   gathers by the same ids `[T, k]` (integers) through reshapes;
+//!   gathers by the same ids `[T, k]` through reshapes — a `TopK`'s indices (through casts),
+//!   so never negative;
 //! - `X' [T·k, H]` each token repeated `k` times: a reshape of `Tile(Unsqueeze(X, 1), [1, k, 1])`
 //!   or `Expand(Unsqueeze(X, 1), [T, k, H])`, `X [T, H]`.
 //!
@@ -246,11 +247,30 @@ fn find(g: &Graph, n: NodeId) -> Option<Found> {
     if wk.reshaped_from(ids2, &[t, k])? != ids || !g.tensor_type(ids).is_some_and(|ty| ty.dtype.is_int()) {
         return None;
     }
+    // The ids a router's top-k chose (never negative: `Gather` would wrap a negative id to
+    // the last experts, where `MoE` reads it as no expert).
+    if !top_k_indices(g, ids) {
+        return None;
+    }
     let x = repeated(&mut wk, xr, t, k, h)?;
     let mut nodes = wk.nodes;
     nodes.sort();
     nodes.dedup();
     closed(g, &nodes, n).then_some(Found { nodes, sum: n, x, ids, w, w1, w2 })
+}
+
+/// Whether `v` is a `TopK`'s indices (output 1), directly or through casts.
+fn top_k_indices(g: &Graph, mut v: Value) -> bool {
+    loop {
+        match &g.node(v.node).op {
+            Op::TopK(_) => return v.slot == 1,
+            Op::Cast(_) => match g.node(v.node).input(0) {
+                Some(i) => v = i,
+                None => return false,
+            },
+            _ => return false,
+        }
+    }
 }
 
 /// `X [T, H]` whose rows `xr [T·k, H]` repeats `k` times each.
