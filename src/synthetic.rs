@@ -223,49 +223,25 @@ mod tests {
 
     #[test]
     fn synthetic_models_parse_verify_and_infer() {
+        let llama = Llama {
+            layers: 2,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            ffn: 96,
+            vocab: 50,
+            batch: 2,
+            seq: 8,
+            experts: 0,
+            top_k: 0,
+        };
         for text in [
             Gpt { layers: 2, hidden: 64, heads: 4, batch: 2, seq: 8, fused_gelu: false, vocab: 0 }.to_text(),
             Gpt { layers: 2, hidden: 64, heads: 4, batch: 2, seq: 8, fused_gelu: true, vocab: 0 }.to_text(),
             Gpt { layers: 2, hidden: 64, heads: 4, batch: 2, seq: 8, fused_gelu: true, vocab: 50 }.to_text(),
-            Llama {
-                layers: 2,
-                hidden: 64,
-                heads: 4,
-                kv_heads: 2,
-                ffn: 96,
-                vocab: 50,
-                batch: 2,
-                seq: 8,
-                experts: 0,
-                top_k: 0,
-            }
-            .to_text(),
-            Llama {
-                layers: 2,
-                hidden: 64,
-                heads: 4,
-                kv_heads: 4,
-                ffn: 96,
-                vocab: 0,
-                batch: 2,
-                seq: 8,
-                experts: 0,
-                top_k: 0,
-            }
-            .to_text(),
-            Llama {
-                layers: 2,
-                hidden: 64,
-                heads: 4,
-                kv_heads: 2,
-                ffn: 96,
-                vocab: 50,
-                batch: 2,
-                seq: 8,
-                experts: 4,
-                top_k: 2,
-            }
-            .to_text(),
+            llama.to_text(),
+            Llama { kv_heads: 4, vocab: 0, ..llama }.to_text(),
+            Llama { experts: 4, top_k: 2, ..llama }.to_text(),
             chain(100),
             chain(7),
         ] {

@@ -98,23 +98,15 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, grad: bool, ins: &[Option<Fact>]) -> Ou
     }
     let key = op_key(&cx.g.node(n).op);
     let at = x0 + 3;
-    let cands = graph_ids(cx, &key, w1.term, at);
-    let mut ids_g = None;
-    for c in cands {
-        if held.0 == 0 && ids.term == c {
-            ids_g = Some(c);
-            break;
-        }
-        for dt in [DType::Int64, DType::Int32] {
-            let s = int(cx, dt, held.0);
-            if build(cx, Op::Sub(o::Sub::default()), &[c, s]) == ids.term {
-                ids_g = Some(c);
-            }
-        }
-        if ids_g.is_some() {
-            break;
-        }
-    }
+    // The graph's ids, as a device holding experts from `held.0` reads them shifted.
+    let shifted = |cx: &mut Cx<'_>, c: TermId| {
+        (held.0 == 0 && ids.term == c)
+            || [DType::Int64, DType::Int32].into_iter().any(|dt| {
+                let s = int(cx, dt, held.0);
+                build(cx, Op::Sub(o::Sub::default()), &[c, s]) == ids.term
+            })
+    };
+    let ids_g = graph_ids(cx, &key, w1.term, at).into_iter().find(|&c| shifted(cx, c));
     let Some(ids_g) = ids_g else {
         return wrong(format!(
             "a mixture holding experts {held:?} reads ids that are not the graph's shifted by {}",
@@ -133,7 +125,8 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, grad: bool, ins: &[Option<Fact>]) -> Ou
             let w = local[1];
             (vec![t_all, w], vec![rows, (0, w)])
         } else {
-            let full = cx.terms.shape(terms[x0 + 2 + slot - 1]).to_vec();
+            // (dW1, dW2: the shapes of W1, W2.)
+            let full = cx.terms.shape(terms[x0 + slot + 1]).to_vec();
             let mut r = whole(&full);
             r[0] = held;
             (full, r)

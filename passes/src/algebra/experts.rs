@@ -25,11 +25,8 @@
 use ir::eval::Array;
 use ir::{Graph, NodeId, Op, Output, Value, op};
 
+use super::static_dims as dims;
 use crate::manager::{Changed, Located, Pass, PassCx, PassError};
-
-fn dims(g: &Graph, v: Value) -> Option<Vec<i64>> {
-    g.tensor_type(v).and_then(|t| t.static_dims())
-}
 
 fn is_float(g: &Graph, v: Value) -> bool {
     g.tensor_type(v).is_some_and(|t| t.dtype.is_float())
@@ -225,12 +222,11 @@ fn find(g: &Graph, n: NodeId) -> Option<Found> {
     let mut wk = Walk { g, nodes: vec![n] };
     let p = wk.reshaped_from(z, &[rows, h])?;
     // P = O · w'.
-    let mut weights = None;
     let ((w2, ids2, a), wcol) = wk.product(p, |wk, o| wk.routed_product(o, rows))?;
-    if dims(g, wcol)? == [rows, 1] {
-        weights = wk.reshaped_from(wcol, &[t, k]);
+    if dims(g, wcol)? != [rows, 1] {
+        return None;
     }
-    let w = weights.filter(|&w| is_float(g, w))?;
+    let w = wk.reshaped_from(wcol, &[t, k]).filter(|&w| is_float(g, w))?;
     let w2d = dims(g, w2)?;
     let (e, i) = (w2d[0], w2d[2]);
     if w2d[1] != h {
@@ -249,7 +245,7 @@ fn find(g: &Graph, n: NodeId) -> Option<Found> {
     }
     // The ids a router's top-k chose (never negative: `Gather` would wrap a negative id to
     // the last experts, where `MoE` reads it as no expert).
-    if !top_k_indices(g, ids) {
+    if !top_k_indices(g, ids, |o| matches!(o, Op::Cast(_))) {
         return None;
     }
     let x = repeated(&mut wk, xr, t, k, h)?;
@@ -259,12 +255,13 @@ fn find(g: &Graph, n: NodeId) -> Option<Found> {
     closed(g, &nodes, n).then_some(Found { nodes, sum: n, x, ids, w, w1, w2 })
 }
 
-/// Whether `v` is a `TopK`'s indices (output 1), directly or through casts.
-fn top_k_indices(g: &Graph, mut v: Value) -> bool {
+/// Whether `v` is a `TopK`'s indices (output 1), directly or through ops `through` accepts.
+fn top_k_indices(g: &Graph, mut v: Value, through: fn(&Op) -> bool) -> bool {
     loop {
-        match &g.node(v.node).op {
+        let node = g.node(v.node);
+        match &node.op {
             Op::TopK(_) => return v.slot == 1,
-            Op::Cast(_) => match g.node(v.node).input(0) {
+            op if through(op) => match node.input(0) {
                 Some(i) => v = i,
                 None => return false,
             },
@@ -321,16 +318,9 @@ fn fold_shapes(g: &mut Graph, nodes: &[NodeId]) {
         .filter(|r| nodes.binary_search(r).is_err())
         .collect();
     for r in readers {
-        if !g.contains(r) {
-            continue;
+        if let Some(t) = static_shape(g, r) {
+            g.make_initializer(r, t);
         }
-        let Some(t) = static_shape(g, r) else { continue };
-        let v = Value::new(r, 0);
-        let name = g.value_name(v).to_string();
-        let c = g.add_initializer(g.fresh_name(&name), t);
-        g.replace_all_uses(v, c);
-        g.remove_node(r);
-        g.rename(c, name);
     }
 }
 
@@ -354,11 +344,8 @@ fn fuse(g: &mut Graph, f: Found) {
     let y = Value::new(n, 0);
     g.replace_all_uses(out, y);
     fold_shapes(g, &f.nodes);
-    let mut order = g.topo_order().unwrap_or_default();
-    order.retain(|m| f.nodes.contains(m));
-    for &m in order.iter().rev() {
-        g.remove_node(m);
-    }
+    // (The rest of the pattern, read by nothing now, goes with the dead code.)
+    g.remove_node(f.sum);
     g.rename(y, name);
 }
 
@@ -390,17 +377,9 @@ pub fn unfused(g: &Graph) -> Vec<NodeId> {
             if dims(g, w).is_none_or(|d| d.len() != 3) || !is_float(g, w) {
                 return false;
             }
-            let mut v = ids;
-            loop {
-                match &g.node(v.node).op {
-                    Op::TopK(_) => return v.slot == 1,
-                    Op::Reshape(_) | Op::Flatten(_) | Op::Squeeze(_) | Op::Unsqueeze(_) | Op::Cast(_) => {
-                        let Some(i) = g.node(v.node).input(0) else { return false };
-                        v = i;
-                    }
-                    _ => return false,
-                }
-            }
+            top_k_indices(g, ids, |o| {
+                matches!(o, Op::Reshape(_) | Op::Flatten(_) | Op::Squeeze(_) | Op::Unsqueeze(_) | Op::Cast(_))
+            })
         })
         .collect()
 }

@@ -103,7 +103,7 @@ fn unread(g: &Graph, v: Value) -> bool {
     g.users(v).is_empty() && !g.is_output(v)
 }
 
-fn static_dims(g: &Graph, v: Value) -> Option<Vec<i64>> {
+pub(crate) fn static_dims(g: &Graph, v: Value) -> Option<Vec<i64>> {
     g.tensor_type(v).and_then(|t| t.static_dims())
 }
 

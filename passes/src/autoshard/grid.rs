@@ -121,8 +121,8 @@ fn points(
             out.extend(micro_sizes(p, batch, accumulate));
             // Pipelines of data × expert stages (expert parallelism within each stage's
             // data-parallel devices).
-            if tensor == 1 && pp > 1 && experts > 0 {
-                for ep in divisors(data).into_iter().filter(|e| *e > 1 && experts.is_multiple_of(*e)) {
+            if tensor == 1 && pp > 1 {
+                for ep in expert_degrees(data, experts) {
                     out.extend(micro_sizes(Point { expert: ep, ..p }, batch, accumulate));
                 }
             }
@@ -139,20 +139,26 @@ fn points(
             }
         }
     }
-    if experts > 0 && stages.is_none_or(|s| s.contains(&1)) {
+    if stages.is_none_or(|s| s.contains(&1)) {
         // Data × expert (× tensor) points: the expert-parallel groups within the data ranks.
         for &tensor in tensors.iter().rev() {
             let data = devices / tensor;
             if !batch.is_multiple_of(data) {
                 continue;
             }
-            for ep in divisors(data).into_iter().filter(|e| *e > 1 && experts.is_multiple_of(*e)) {
+            for ep in expert_degrees(data, experts) {
                 let p = Point { tensor, stages: 1, data, context: 1, expert: ep, mbs: None };
                 out.extend(micro_sizes(p, batch, accumulate));
             }
         }
     }
     out
+}
+
+/// The expert-parallel degrees of `data` data-parallel devices for mixtures of `experts`
+/// experts (0: no mixture, none): each divisor above 1 of both.
+fn expert_degrees(data: usize, experts: usize) -> impl Iterator<Item = usize> {
+    divisors(data).into_iter().filter(move |e| *e > 1 && experts > 0 && experts.is_multiple_of(*e))
 }
 
 /// Point `p` with each micro-batch size it may take: a pipeline micro-batches of 1 or 2 (more

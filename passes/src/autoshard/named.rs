@@ -345,20 +345,25 @@ fn context_mesh(cluster: &Cluster, devices: usize, (dp, tp): (usize, usize), wha
     }
     cluster.mesh(devices)?;
     let cp = devices / (dp * tp);
+    Ok(nested_mesh(cluster, &[("data", dp), ("tensor", tp), ("context", cp)]))
+}
+
+/// A mesh of `axes` (name and size, outermost first; devices are numbered along it): an axis
+/// is inside a node where it and the axes inside it fit one, else between nodes. Axes of one
+/// device are left out, but the innermost.
+fn nested_mesh(cluster: &Cluster, axes: &[(&str, usize)]) -> Mesh {
     let dpn = cluster.devices_per_node;
     let level = |within: usize| {
         if within <= dpn && dpn.is_multiple_of(within) { LinkLevel::Intra } else { LinkLevel::Inter }
     };
-    let axis = |name: &str, size: usize, level: LinkLevel| MeshAxis { name: name.into(), size, level };
-    let mut axes = Vec::new();
-    if dp > 1 {
-        axes.push(axis("data", dp, level(devices)));
+    let mut out = Vec::new();
+    for (i, &(name, size)) in axes.iter().enumerate() {
+        if size > 1 || i + 1 == axes.len() {
+            let within: usize = axes[i..].iter().map(|a| a.1).product();
+            out.push(MeshAxis { name: name.into(), size, level: level(within) });
+        }
     }
-    if tp > 1 {
-        axes.push(axis("tensor", tp, level(cp * tp)));
-    }
-    axes.push(axis("context", cp, level(cp)));
-    Ok(Mesh { axes })
+    Mesh { axes: out }
 }
 
 /// The `data × expert × tensor` mesh of `devices` devices (`ep`, `tp` ways; a data axis of one
@@ -369,21 +374,7 @@ fn expert_mesh(cluster: &Cluster, devices: usize, (ep, tp): (usize, usize), what
         return Err(format!("{what}: ep × tp = {} does not divide {devices} devices", ep * tp));
     }
     cluster.mesh(devices)?;
-    let dpn = cluster.devices_per_node;
-    let level = |within: usize| {
-        if within <= dpn && dpn.is_multiple_of(within) { LinkLevel::Intra } else { LinkLevel::Inter }
-    };
-    let axis = |name: &str, size: usize, level: LinkLevel| MeshAxis { name: name.into(), size, level };
-    let mut axes = Vec::new();
-    let dp = devices / (ep * tp);
-    if dp > 1 {
-        axes.push(axis("data", dp, level(devices)));
-    }
-    if ep > 1 {
-        axes.push(axis("expert", ep, level(ep * tp)));
-    }
-    axes.push(axis("tensor", tp, level(tp)));
-    Ok(Mesh { axes })
+    Ok(nested_mesh(cluster, &[("data", devices / (ep * tp)), ("expert", ep), ("tensor", tp)]))
 }
 
 /// True for ops whose weight input is a parameter: the layers that model parallelism splits.
@@ -639,20 +630,36 @@ fn expert_applies(cm: &CostModel<'_>, axes: &[usize]) -> Result<(), String> {
     Ok(())
 }
 
-/// Op `n` under expert parallelism over `experts` (axes) among `all`: a mixture (or its
-/// gradient) splits its experts over `experts` and its tokens over the rest; any other op its
-/// batch over all the axes.
-fn expert_split(cm: &CostModel<'_>, n: NodeId, experts: &[usize], all: &[usize]) -> Option<Vec<Option<usize>>> {
+/// Op `n` under expert parallelism over `experts` (axes): a mixture (or its gradient) splits
+/// its experts over `experts` and its tokens over the other axes; any other op its batch over
+/// all the axes or, with a `tensor` axis, its batch over the others and Megatron over it.
+fn expert_split(
+    cm: &CostModel<'_>,
+    asg: &Assignment,
+    n: NodeId,
+    experts: &[usize],
+    tensor: Option<usize>,
+) -> Option<Vec<Option<usize>>> {
+    let k = cm.mesh.axes.len();
+    let all: Vec<usize> = (0..k).collect();
+    let batch = || dim_with(cm, n, DimRole::Batch).and_then(|i| split_over_axes(cm, n, i, &all));
+    let megatron = |t: usize| {
+        let dp: Vec<usize> = (0..k).filter(|&a| a != t).collect();
+        data_then_megatron(cm, asg, n, &dp, t)
+    };
     if let Some(e) = dim_with(cm, n, DimRole::Expert) {
         let sp = cm.space(n);
         let t = sp.dims.iter().position(|d| d.name == "t");
-        let s: Vec<Option<usize>> =
-            (0..cm.mesh.axes.len()).map(|a| if experts.contains(&a) { Some(e) } else { t }).collect();
+        let s: Vec<Option<usize>> = (0..k).map(|a| if experts.contains(&a) { Some(e) } else { t }).collect();
         if strategy_valid(sp, &s, &cm.mesh, cm.g, n) {
             return Some(s);
         }
+        return batch().or_else(|| tensor.map(megatron));
     }
-    dim_with(cm, n, DimRole::Batch).and_then(|i| split_over_axes(cm, n, i, all))
+    match tensor {
+        Some(t) => Some(megatron(t)),
+        None => batch(),
+    }
 }
 
 /// The expert-parallel plan over mesh axis `axis` (its devices the expert-parallel group, the
@@ -663,10 +670,9 @@ pub fn expert_over(cm: &CostModel<'_>, axis: usize) -> Result<Assignment, String
         return Err(format!("no mesh axis {axis}"));
     }
     expert_applies(cm, &[axis])?;
-    let all: Vec<usize> = (0..k).collect();
     let mut asg = Assignment::default();
     for &n in cm.order() {
-        let s = expert_split(cm, n, &[axis], &all).unwrap_or_else(|| follow(cm, &asg, n));
+        let s = expert_split(cm, &asg, n, &[axis], None).unwrap_or_else(|| follow(cm, &asg, n));
         asg.strategies.insert(n, s);
     }
     Ok(asg)
@@ -709,6 +715,9 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
     let sequence = if is_context { ir::ops::flow::sequence_dims(cm.g) } else { Default::default() };
     let axes = context_axes(cm, named);
     applies(cm, named, &sequence)?;
+    // (An expert-parallel strategy's expert and tensor axes.)
+    let experts_on = if matches!(named, Named::Expert { .. }) { expert_axes(cm, named)? } else { Vec::new() };
+    let expert_tensor = expert_tensor_axis(cm, named);
     let k = cm.mesh.axes.len();
     let all_axes: Vec<usize> = (0..k).collect();
     let mut asg = Assignment::default();
@@ -733,15 +742,7 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
             }
             Named::Spatial => windowed(n).then(|| spatial_split(cm, n, &all_axes)).flatten(),
             Named::Context { .. } => context_split(cm, &asg, n, &sequence, &axes),
-            Named::Expert { .. } => match expert_tensor_axis(cm, named) {
-                Some(t) => expert_split(cm, n, &expert_axes(cm, named)?, &all_axes)
-                    .filter(|_| dim_with(cm, n, DimRole::Expert).is_some())
-                    .or_else(|| {
-                        let dp: Vec<usize> = (0..k).filter(|&a| a != t).collect();
-                        Some(data_then_megatron(cm, &asg, n, &dp, t))
-                    }),
-                None => expert_split(cm, n, &expert_axes(cm, named)?, &all_axes),
-            },
+            Named::Expert { .. } => expert_split(cm, &asg, n, &experts_on, expert_tensor),
             // Batch over axis 0, Megatron over axis 1, the rest following the input.
             Named::Hybrid { .. } => Some(data_then_megatron(cm, &asg, n, &[0], 1)),
             Named::SpatialHybrid(..) => {

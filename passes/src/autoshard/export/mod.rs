@@ -172,8 +172,7 @@ fn stage_layers(
 ) -> Vec<usize> {
     let mut per = vec![0; stages];
     for &n in order {
-        let router = || g.users(ir::Value::new(n, 0)).iter().any(|(u, _)| matches!(g.node(*u).op, ir::Op::TopK(_)));
-        if matches!(g.node(n).op, ir::Op::Softmax(_) | ir::Op::Attention(_)) && !router() {
+        if shape::attention_layer(g, n) {
             let s = stage_of.get(&n).copied().unwrap_or(0).min(stages - 1);
             per[s] += 1;
         }

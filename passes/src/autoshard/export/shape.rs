@@ -55,6 +55,16 @@ fn dims(g: &Graph, v: Value) -> Option<Vec<i64>> {
     g.tensor_type(v).and_then(|t| t.static_dims())
 }
 
+/// Whether op `n` is a layer's attention: a fused `Attention`, or a `Softmax` that is not a
+/// mixture's router (which normalises its `[tokens, experts]` logits for a `TopK`).
+pub fn attention_layer(g: &Graph, n: NodeId) -> bool {
+    match g.node(n).op {
+        Op::Attention(_) => true,
+        Op::Softmax(_) => !g.users(Value::new(n, 0)).iter().any(|(u, _)| matches!(g.node(*u).op, Op::TopK(_))),
+        _ => false,
+    }
+}
+
 /// A GEMM reading a parameter weight: `(node, [in, out], bias)`.
 fn gemm(g: &Graph, n: NodeId) -> Option<(i64, i64, bool)> {
     let node = g.node(n);
@@ -96,11 +106,7 @@ pub fn model_shape(g: &Graph) -> ModelShape {
                     tables.push((t, rows, width, seq));
                 }
             }
-            // (A mixture's router normalises its `[tokens, experts]` logits: not attention.)
-            Op::Softmax(_) if !g.users(Value::new(n, 0)).iter().any(|(u, _)| matches!(g.node(*u).op, Op::TopK(_))) => {
-                attention.push(n)
-            }
-            Op::Attention(_) => attention.push(n),
+            _ if attention_layer(g, n) => attention.push(n),
             Op::MoE(_) => {
                 // X, ids [T, k], w, W1 [E, 2I, H], W2 [E, H, I].
                 let d = |i: usize| node.input(i).and_then(|v| dims(g, v)).unwrap_or_default();

@@ -209,9 +209,9 @@ pub(super) struct MicroGraphs<'g> {
     stage_tables: HashMap<StageKey, Arc<StageTable>>,
 }
 
-/// What a configuration's stage table depends on: tensor degree, devices per stage,
+/// What a configuration's stage table depends on: tensor and expert degrees, devices per stage,
 /// micro-batch size, the cost-model options (as printed: every field) and the devices busy.
-type StageKey = (usize, usize, i64, String, usize);
+type StageKey = (usize, usize, usize, i64, String, usize);
 
 /// A configuration's stage on its mesh at one micro-batch size: the per-op table (keyed as
 /// [`price_cuts`] reads it) and the micro-batch graph it prices.

@@ -357,7 +357,7 @@ pub(super) fn stage_table(
     mb: i64,
     opts: &Options,
 ) -> Result<Arc<StageTable>, String> {
-    let key: StageKey = (tensor * 1_000_003 + expert, per_stage, mb, format!("{opts:?}"), devices);
+    let key: StageKey = (tensor, expert, per_stage, mb, format!("{opts:?}"), devices);
     if let Some(t) = graphs.stage_tables.get(&key) {
         return Ok(t.clone());
     }
