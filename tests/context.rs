@@ -2,6 +2,8 @@
 //! sequence split over the devices, attention by heads, all-to-alls between — lowered, proved
 //! and trained equal to one device.
 
+mod common;
+
 use std::collections::BTreeMap;
 
 use shardc::codegen::{Backend, Program, verify};
@@ -396,16 +398,7 @@ fn context_plans_move_the_bytes_their_programs_move() {
         let r = shardc::exec::named_result(g, &cluster, devices, strategy, &opts).unwrap();
         let plan = shardc::passes::autoshard::Plan::new(g, &cluster, devices, &opts, Default::default(), &r);
         let p = shardc::exec::program_for_search(g, &r, devices).unwrap();
-        assert!(p.fallbacks.is_empty(), "{strategy}: {:?}", p.fallbacks);
-        let (priced, lowered) = (plan.bytes_moved_per_device.get("forward"), p.bytes_moved_per_device());
-        let (priced, lowered) =
-            (priced.cloned().unwrap_or_default(), lowered.get("forward").cloned().unwrap_or_default());
-        assert!(priced.get("all_to_all").is_some_and(|&b| b > 0.0), "{strategy}: {priced:?}");
-        let kinds: std::collections::BTreeSet<&String> = priced.keys().chain(lowered.keys()).collect();
-        for kind in kinds {
-            let (a, b) = (priced.get(kind).copied().unwrap_or(0.0), lowered.get(kind).copied().unwrap_or(0.0));
-            assert!((a - b).abs() <= 1e-9 * a.max(b) + 1e-3, "{strategy} {kind}: plan {a:.0} B, program {b:.0} B");
-        }
+        common::assert_forward_bytes_as_lowered(&plan, &p, "all_to_all", strategy);
     }
 }
 

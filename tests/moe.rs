@@ -4,6 +4,8 @@
 //! expert parallelism (`--strategy expert`) equal to one device, the plan pricing the bytes
 //! its program moves.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use shardc::ir::{Graph, Op};
@@ -210,16 +212,7 @@ fn expert_plans_move_the_bytes_their_programs_move() {
         let r = shardc::exec::named_result(g, &cluster, devices, "expert", &opts).unwrap();
         let plan = shardc::passes::autoshard::Plan::new(g, &cluster, devices, &opts, Default::default(), &r);
         let p = shardc::exec::program_for_search(g, &r, devices).unwrap();
-        assert!(p.fallbacks.is_empty(), "{devices}: {:?}", p.fallbacks);
-        let (priced, lowered) = (plan.bytes_moved_per_device.get("forward"), p.bytes_moved_per_device());
-        let (priced, lowered) =
-            (priced.cloned().unwrap_or_default(), lowered.get("forward").cloned().unwrap_or_default());
-        assert!(priced.get("all_gather").is_some_and(|&b| b > 0.0), "{devices}: {priced:?}");
-        let kinds: std::collections::BTreeSet<&String> = priced.keys().chain(lowered.keys()).collect();
-        for kind in kinds {
-            let (a, b) = (priced.get(kind).copied().unwrap_or(0.0), lowered.get(kind).copied().unwrap_or(0.0));
-            assert!((a - b).abs() <= 1e-9 * a.max(b) + 1e-3, "{devices} {kind}: plan {a:.0} B, program {b:.0} B");
-        }
+        common::assert_forward_bytes_as_lowered(&plan, &p, "all_gather", &format!("expert ×{devices}"));
     }
 }
 
