@@ -347,7 +347,7 @@ fn context_times_tensor_trains_like_one_device() {
 
 /// A reduced Llama at a long sequence — 512 tokens, 4,096 with `SHARDC_FULL_TRAIN=1` (about
 /// 2 minutes a strategy here) — trains 5 steps on 4 devices under context 4 and context 2 ×
-/// tensor 2 as one device trains it.
+/// tensor 2, each as Ulysses and as ring attention, as one device trains it.
 #[test]
 fn a_long_sequence_trains_under_context_parallelism_like_one_device() {
     let seq = if std::env::var_os("SHARDC_FULL_TRAIN").is_some() { 4096 } else { 512 };
@@ -355,7 +355,7 @@ fn a_long_sequence_trains_under_context_parallelism_like_one_device() {
     let inputs = shardc::train::seeded_inputs(&g, &info, 13).expect("inputs");
     let steps = 5;
     let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, steps).expect("one");
-    for strategy in ["context", "context:tp:2"] {
+    for strategy in ["context", "context:tp:2", "context:ring", "context:ring:tp:2"] {
         let p = program(&g, strategy, 4);
         assert!(p.fallbacks.is_empty(), "{strategy}: {:?}", p.fallbacks);
         verify(&g, &p).unwrap_or_else(|e| panic!("{strategy}: not proved: {e}"));
@@ -416,4 +416,96 @@ fn a_long_context_llama_3_70b_fits_only_with_context_parallelism() {
     assert!(r.breakdown.feasible && plan.contains(",cp="), "{plan}: {:?}", r.breakdown.memory);
     let reason = r.context_reason.clone().expect("a context plan says what fits without it");
     assert!(reason.starts_with("no configuration without it"), "{reason}");
+}
+
+/// Ring attention (`context:ring`, `cp=4,cp_comm=p2p`): every op, attention included, holds a
+/// quarter of the sequence; each attention passes its keys and values around the four devices
+/// (three passes forward; in the backward three for the log-sum-exp, three more beside the
+/// four passes of their gradients) and merges the blocks it sees — under the causal mask
+/// device `d` computes `d + 1` of them. Proved, and trained as one device trains.
+#[test]
+fn ring_attention_passes_keys_and_values_around_and_trains_like_one_device() {
+    let (g, info) = llama(96);
+    let p = program(&g, "context:ring", 4);
+    assert!(p.fallbacks.is_empty(), "{:?}", p.fallbacks);
+    let kinds = collectives(&p);
+    let layers = 2;
+    // Keys and values: 3 passes forward, 3 + 3 backward; their gradients: 4 passes.
+    assert_eq!(kinds.get("Send").copied(), Some(layers * (2 * 3 + 2 * 3 + 2 * 3 + 2 * 4)), "{kinds:?}");
+    assert_eq!(kinds.get("Send"), kinds.get("Recv"), "{kinds:?}");
+    assert!(!kinds.contains_key("AllToAll"), "no Ulysses exchange: {kinds:?}");
+    // Each device's attention queries are its quarter of the sequence, all heads.
+    let blocks = |d: usize| {
+        let lg = &p.devices[d].graph;
+        lg.op_nodes().unwrap().into_iter().filter(|&n| matches!(lg.node(n).op, Op::AttentionBlock(_))).count()
+    };
+    // Forward and the backward's log-sum-exp ring: device d sees blocks 0..=d.
+    assert_eq!((0..4).map(blocks).collect::<Vec<_>>(), [1, 2, 3, 4].map(|b| 2 * layers * b), "blocks per device");
+    verify(&g, &p).unwrap_or_else(|e| panic!("not proved: {e}"));
+    let inputs = shardc::train::seeded_inputs(&g, &info, 5).expect("inputs");
+    let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, 3).expect("one device");
+    let four = shardc::train::run_steps(&p, &info, &inputs, Backend::Cpu, 3).expect("ring 4");
+    assert_trains_like(&four, &one, "ring 4");
+    let config = shardc::passes::autoshard::config::Config::parse("cp=4,cp_comm=p2p").unwrap();
+    let (n, _) = config.resolve(4, Some(1), &Options::default()).unwrap();
+    assert_eq!(n.name(), "context:ring");
+}
+
+/// Ring attention beside data and tensor parallelism: `context:ring:dp:2` (the ring within
+/// each pair of devices that share samples) and `context:ring:tp:2` (heads over the tensor
+/// axis, the sequence around the context axis) — proved, and trained as one device trains.
+#[test]
+fn ring_attention_beside_data_and_tensor_parallelism_trains_like_one_device() {
+    let (g, info) = llama_batch(2, 32);
+    let inputs = shardc::train::seeded_inputs(&g, &info, 11).expect("inputs");
+    let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, 2).expect("one device");
+    for strategy in ["context:ring:dp:2", "context:ring:tp:2"] {
+        let p = program(&g, strategy, 4);
+        assert!(p.fallbacks.is_empty(), "{strategy}: {:?}", p.fallbacks);
+        assert!(collectives(&p).contains_key("Send"), "{strategy}: {:?}", collectives(&p));
+        verify(&g, &p).unwrap_or_else(|e| panic!("{strategy}: not proved: {e}"));
+        let got = shardc::train::run_steps(&p, &info, &inputs, Backend::Cpu, 2).expect(strategy);
+        assert_trains_like(&got, &one, strategy);
+        assert_eq!(shardc::passes::autoshard::Named::parse(strategy).unwrap().name(), strategy);
+    }
+}
+
+/// The `AttentionBlock` ops of `device`'s program, in order (the forward's first).
+fn ring_blocks(p: &Program, device: usize) -> Vec<shardc::ir::NodeId> {
+    let lg = &p.devices[device].graph;
+    lg.op_nodes().unwrap().into_iter().filter(|&n| matches!(lg.node(n).op, Op::AttentionBlock(_))).collect()
+}
+
+/// Seeded ring-attention bugs the prover refutes, naming the op: a block whose key offset
+/// does not place its keys (device 2's causal mask off by one block), and one block merged
+/// twice in place of another (device 3 merging its own keys again, the offset matching).
+#[test]
+fn seeded_ring_attention_bugs_are_refuted() {
+    use shardc::codegen::RefutationKind;
+    let (g, _) = llama(32);
+    let p = program(&g, "context:ring", 4);
+    let offset_by = |op: &Op, k: Option<i64>| match op {
+        Op::AttentionBlock(a) => Op::AttentionBlock(shardc::ir::op::AttentionBlock { k_offset: k, ..a.clone() }),
+        other => panic!("not a block: {other:?}"),
+    };
+    let mut shifted = p.clone();
+    let n = ring_blocks(&shifted, 2)[1];
+    let lg = &mut shifted.devices[2].graph;
+    let Op::AttentionBlock(a) = &lg.node(n).op else { unreachable!() };
+    let op = offset_by(&lg.node(n).op, Some(a.k_offset.unwrap_or(0) + 8));
+    lg.set_op(n, op);
+    let mut twice = p.clone();
+    let (own, next) = (ring_blocks(&twice, 3)[0], ring_blocks(&twice, 3)[1]);
+    let lg = &mut twice.devices[3].graph;
+    let (k, v) = (lg.node(own).input(1), lg.node(own).input(2));
+    lg.set_input(next, 1, k);
+    lg.set_input(next, 2, v);
+    let Op::AttentionBlock(a) = &lg.node(own).op else { unreachable!() };
+    let op = offset_by(&lg.node(next).op, a.k_offset);
+    lg.set_op(next, op);
+    for (what, bad, expect) in [("shifted", shifted, "offsets"), ("twice", twice, "twice")] {
+        let e = verify(&g, &bad).map(|_| ()).expect_err(what);
+        assert_eq!(e.kind, RefutationKind::Wrong, "{what}: {e}");
+        assert!(e.device.is_some() && e.op.is_some() && e.to_string().contains(expect), "{what}: {e}");
+    }
 }

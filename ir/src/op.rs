@@ -535,6 +535,11 @@ define_ops! {
     /// W1 [E, 2I, H], W2 [E, H, I] → Y [T, H], each token through the SiLU-gated MLPs of the
     /// experts it was routed to, weighted and summed (ir/src/ops/experts.rs).
     MoE = "MoE" in "shardc", Other { activation: string = "silu" };
+    /// Attention of Q over one block of keys merged into a running output (ring attention's
+    /// step): Q, K, V[, Y, LSE] → Y', LSE' — the softmax over the union of the keys seen so
+    /// far, kept stable by each row's log-sum-exp. `q_offset` and `k_offset` place the
+    /// queries and keys in the sequence for the causal mask (ir/src/ops/flash.rs).
+    AttentionBlock = "AttentionBlock" in "shardc", Other { is_causal: int = 0, k_offset: int = 0, q_offset: int = 0, scale: float };
 
     // ---- quantized arithmetic ----
     /// `saturate(round(x / scale) + zero_point)`.
@@ -758,6 +763,12 @@ define_ops! {
     /// The gradient of MoE: dY, X, ids, w, W1, W2 → dX, dw, dW1, dW2 (the products
     /// recomputed).
     MoEGrad = "MoEGrad" in "shardc", Other { activation: string = "silu" };
+    /// The gradient of a plain 4-D Attention (no mask, cache, window or soft cap) as flash
+    /// attention computes it: Q, K, V, dY, Y[, LSE] → dQ, dK, dV, the probabilities
+    /// recomputed from each query row's log-sum-exp (`LSE [b, hq, sq]`: given, or computed
+    /// here), no `s × s` tensor kept. `q_offset` and `k_offset` place the queries and keys in
+    /// the sequence for the causal mask (ring attention's blocks: ir/src/ops/flash.rs).
+    AttentionGrad = "AttentionGrad" in "shardc", Other { is_causal: int = 0, k_offset: int = 0, q_offset: int = 0, scale: float };
     /// The gradient of Gather with respect to its data: indices, dY → dData of `shape`,
     /// rows that several indices pick summed.
     GatherGrad = "GatherGrad" in "shardc", Shape { axis: int = 0, shape: ints };

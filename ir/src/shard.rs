@@ -201,6 +201,9 @@ pub enum DimRole {
     Vocab,
     /// The experts of a mixture of experts.
     Expert,
+    /// The sequence of an attention's queries, keys and values at once: a split runs as ring
+    /// attention (the keys and values passed around the devices).
+    Sequence,
     /// Anything else.
     Other,
 }

@@ -567,6 +567,27 @@ pub fn samples() -> Vec<Sample> {
             "   dx, dw, dw1, dw2 = shardc.MoEGrad (dy, x, ids, w, w1, w2)",
         ),
         s(
+            "AttentionBlock",
+            "float[1,2,3,4] q, float[1,1,3,4] k, float[1,1,3,4] v, float[1,2,3,4] y0, float[1,2,3] l0",
+            "y, lse",
+            "",
+            "   y, lse = shardc.AttentionBlock <is_causal: int = 1, q_offset: int = 3, k_offset: int = 2> (q, k, v, y0, l0)",
+        ),
+        s(
+            "AttentionGrad",
+            "float[1,2,3,4] q, float[1,1,3,4] k, float[1,1,3,4] v, float[1,2,3,4] dy, float[1,2,3,4] y",
+            "dq, dk, dv",
+            "",
+            "   dq, dk, dv = shardc.AttentionGrad <is_causal: int = 1> (q, k, v, dy, y)",
+        ),
+        s(
+            "AttentionGrad",
+            "float[1,2,3,4] q, float[1,1,3,4] k, float[1,1,3,4] v, float[1,2,3,4] dy, float[1,2,3,4] y, float[1,2,3] lse",
+            "dq, dk, dv",
+            "",
+            "   dq, dk, dv = shardc.AttentionGrad <q_offset: int = 3, k_offset: int = 0> (q, k, v, dy, y, lse)",
+        ),
+        s(
             "GatherGrad",
             "float[2,3,4] dy",
             "dt",

@@ -31,6 +31,8 @@ const NO_RULE: &[(&str, &str)] = &[
     ("ElementwiseGrad", "a gradient op: training needs no second derivatives"),
     ("GatherGrad", "a gradient op: training needs no second derivatives"),
     ("MoEGrad", "a gradient op: training needs no second derivatives"),
+    ("AttentionGrad", "a gradient op: training needs no second derivatives"),
+    ("AttentionBlock", "ring attention's step: inserted by the lowering, after autodiff"),
     ("LayerNormGrad", "a gradient op: training needs no second derivatives"),
     ("MaxPoolGrad", "a gradient op: training needs no second derivatives"),
     ("NegativeLogLikelihoodLossGrad", "a gradient op: training needs no second derivatives"),

@@ -137,11 +137,17 @@ fn configurations_check_their_degrees_and_say_what_is_not_priced() {
     let resolve = |s: &str, d: usize| Config::parse(s).and_then(|c| c.resolve(d, Some(8), &opts).map(|(n, _)| n));
     assert!(resolve("tp=4,dp=4", 8).unwrap_err().contains("16 devices"));
     assert!(resolve("tp=3", 8).unwrap_err().contains("does not divide"));
-    assert_eq!(resolve("cp=2", 8).unwrap(), autoshard::named::Named::Context { dp: 4, tp: 1 });
-    assert_eq!(resolve("cp=2,tp=2", 8).unwrap(), autoshard::named::Named::Context { dp: 2, tp: 2 });
+    assert_eq!(resolve("cp=2", 8).unwrap(), autoshard::named::Named::Context { dp: 4, tp: 1, ring: false });
+    assert_eq!(resolve("cp=2,tp=2", 8).unwrap(), autoshard::named::Named::Context { dp: 2, tp: 2, ring: false });
+    assert_eq!(
+        resolve("cp=2,cp_comm=p2p", 8).unwrap(),
+        autoshard::named::Named::Context { dp: 4, tp: 1, ring: true }
+    );
+    assert!(resolve("cp_comm=p2p", 8).unwrap_err().contains("give cp > 1"));
+    assert!(resolve("cp=2,cp_comm=x", 8).unwrap_err().contains("p2p (ring attention) or a2a"));
     assert!(resolve("cp=2,pp=2", 8).unwrap_err().contains("context parallelism"));
     assert!(resolve("cp=2,tp=2,sp", 8).unwrap_err().contains("leave out sp"));
-    assert_eq!(resolve("cp=8", 8).unwrap(), autoshard::named::Named::Context { dp: 1, tp: 1 });
+    assert_eq!(resolve("cp=8", 8).unwrap(), autoshard::named::Named::Context { dp: 1, tp: 1, ring: false });
     assert_eq!(resolve("ep=2", 8).unwrap(), autoshard::Named::Expert { ep: 2, tp: 1 });
     assert_eq!(resolve("dp=8,ep=8", 8).unwrap(), autoshard::Named::Expert { ep: 8, tp: 1 });
     assert_eq!(resolve("tp=2,ep=2", 8).unwrap(), autoshard::Named::Expert { ep: 2, tp: 2 });

@@ -247,8 +247,8 @@ fn split_mean_losses_count_the_samples_not_ignored() {
 }
 
 /// A model of attention ops: grouped-query 4-D attention with an additive mask (splits by
-/// batch, heads and query rows), causal 4-D attention (batch and heads), 3-D attention with
-/// packed heads (batch and rows).
+/// batch, heads and query rows), causal 4-D attention (batch, heads, and the sequence as ring
+/// attention), 3-D attention with packed heads (batch and rows).
 const ATTENTION: &str = "<
    ir_version: 8,
    opset_import: [\"\" : 23]
@@ -286,7 +286,7 @@ fn attention_splits_by_batch_heads_and_query_rows_and_matches_the_reference() {
     // Each op's splittable dims, by name.
     let names: Vec<Vec<String>> =
         nodes.iter().map(|&n| iter_space(g, n).dims.iter().map(|d| d.name.clone()).collect()).collect();
-    assert_eq!(names, [vec!["b", "h", "q"], vec!["b", "h"], vec!["b", "q"]]);
+    assert_eq!(names, [vec!["b", "h", "q"], vec!["b", "h", "s"], vec!["b", "q"]]);
     let mut ran = 0;
     for sizes in [vec![2], vec![2, 2]] {
         let mesh = grid(&sizes);

@@ -25,6 +25,7 @@ mod direct;
 mod experts;
 mod halo;
 mod local;
+mod ring;
 mod stats;
 mod vocab;
 
@@ -152,6 +153,7 @@ fn lower_op(l: &mut Local<'_>, n: NodeId) -> Result<(), LowerError> {
         }
         SplitMode::Loss { ignore_index } => stats::mean_loss(l, n, &s, local_in, ignore_index, &out_names)?,
         SplitMode::BatchNorm { stat, grad } => stats::batch_norm(l, n, &s, &local_in, &stat, grad, &out_names)?,
+        SplitMode::Ring { axis } => ring::emit(l, n, &sp, &s, axis, &local_in, &out_names)?,
     };
     if !local_caps.is_empty()
         && let Some(id) = outs_local.first().map(|v| v.node)

@@ -26,6 +26,7 @@ mod comm;
 mod composite;
 mod conv;
 mod experts;
+mod flash;
 mod rules;
 mod term;
 mod vocab;

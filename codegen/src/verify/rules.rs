@@ -160,6 +160,9 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
         Op::Identity(_) => Ok(vec![ins.first().cloned().flatten()]),
         Op::MatMul(_) => matmul(cx, n, ins),
         Op::Attention(a) => super::attention::apply(cx, n, a, ins),
+        Op::AttentionBlock(a) => super::flash::block(cx, a, ins),
+        Op::AttentionGrad(a) => super::flash::grad(cx, n, a, ins),
+        Op::Add(_) if disjoint_sum(ins).is_some() => Ok(vec![disjoint_sum(ins)]),
         Op::Gemm(gm) => gemm(cx, gm, ins),
         _ if op.class() == ir::OpClass::Reduce => reduce(cx, n, ins),
         Op::Conv(_) | Op::ConvGradInput(_) | Op::ConvGradWeight(_) => super::conv::apply(cx, n, ins),
@@ -309,6 +312,33 @@ fn pointwise_rule(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
         out.push(Some(Fact { term: t, region: region.clone(), shares: shares.clone(), alts: Vec::new() }));
     }
     Ok(out)
+}
+
+/// `a + b` of two partial sums of one value over disjoint parts of one reduction (each held
+/// the same way on any other): the sum over both parts — the value itself when they complete
+/// it (ring attention's gradients, summed block by block).
+fn disjoint_sum(ins: &[Option<Fact>]) -> Option<Fact> {
+    let [Some(a), Some(b)] = ins else { return None };
+    if a.term != b.term || a.region != b.region || a.shares.len() != b.shares.len() || a.is_exact() {
+        return None;
+    }
+    let mut shares = a.shares.clone();
+    let mut joined = false;
+    for (x, y) in shares.iter_mut().zip(&b.shares) {
+        if x.site != y.site || x.space != y.space || x.max || y.max {
+            return None;
+        }
+        if x.held == y.held {
+            continue;
+        }
+        if joined || x.held.iter().any(|h| y.held.iter().any(|k| super::term::overlap(h, k))) {
+            return None;
+        }
+        x.held.extend(y.held.iter().cloned());
+        joined = true;
+    }
+    shares.retain(|s| !s.complete());
+    joined.then(|| Fact { term: a.term, region: a.region.clone(), shares, alts: Vec::new() })
 }
 
 /// Any op on whole, exact inputs computes its whole output.

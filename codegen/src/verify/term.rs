@@ -194,7 +194,7 @@ fn volume(r: &Region) -> i64 {
     r.iter().map(|(a, b)| b - a).product()
 }
 
-fn overlap(a: &Region, b: &Region) -> bool {
+pub(super) fn overlap(a: &Region, b: &Region) -> bool {
     a.iter().zip(b).all(|(x, y)| x.0 < y.1 && y.0 < x.1)
 }
 

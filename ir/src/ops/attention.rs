@@ -8,7 +8,7 @@
 use super::flow::flow_positional;
 use super::grad::GradCx;
 use super::shape::no_work_whole;
-use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
+use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
 use crate::Value;
 use crate::eval::{Array, EvalError};
 use crate::op::{self, Op};
@@ -119,11 +119,18 @@ impl OpRules for op::Attention {
             1.0
         };
         let fwd = kept * (2.0 * (rows * total) as f64 * (d + dv) as f64 + 5.0 * (rows * total) as f64);
-        Some(Work { fwd_flops: fwd, backward: super::Backward::Times(2.5), launches: 1.0, parallel: None })
+        // A plain attention's gradient is one `AttentionGrad`: `QKᵀ` for the log-sum-exp and
+        // again for the probabilities, then `dY·Vᵀ`, `Pᵀ·dY`, `dS·K`, `dSᵀ·Q` (ir/src/ops/flash.rs).
+        let times = if flash_grad(self, cx.g.node(cx.n), q.len()) { 3.0 } else { 2.5 };
+        Some(Work { fwd_flops: fwd, backward: super::Backward::Times(times), launches: 1.0, parallel: None })
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
         attention(self, cx)
+    }
+
+    fn sharded(&self) -> Sharded {
+        Sharded::Ring
     }
 
     /// In heads (`[b, h, s, d]`), with `P` the probabilities (the op itself recomputes them:
@@ -143,8 +150,9 @@ impl OpRules for op::Attention {
 /// The op splits by batch and by head (every device attends with its own query heads over
 /// their own key/value heads: the groups of grouped-query attention stay whole when the split
 /// divides the key/value heads) and, with no causal mask, window or cache, by query rows
-/// (each device's rows against all keys). Heads split only in the 4-D form: the 3-D form's
-/// head counts are attributes the pieces would have to change.
+/// (each device's rows against all keys); a plain causal self-attention by its sequence —
+/// queries, keys and values at once — as ring attention (`Sharded::Ring`). Heads split only
+/// in the 4-D form: the 3-D form's head counts are attributes the pieces would have to change.
 fn attention_space(a: &op::Attention, cx: &NodeCx<'_>) -> IterSpace {
     use crate::shard::{DimKind, DimRole, IterDim};
     let (q, k) = (cx.in_dims(0), cx.in_dims(1));
@@ -168,6 +176,12 @@ fn attention_space(a: &op::Attention, cx: &NodeCx<'_>) -> IterSpace {
     let seq_axis = if rank == 4 { 2 } else { 1 };
     let rows = rows_split.then(|| {
         dims.push(par("q", q[seq_axis]));
+        dims.len() - 1
+    });
+    // A plain causal self-attention's sequence — queries, keys and values at once — splits
+    // as ring attention.
+    let ring = (!rows_split && a.is_causal.unwrap_or(0) != 0 && flash_grad(a, node, rank) && q[2] == k[2]).then(|| {
+        dims.push(IterDim { name: "s".into(), size: q[2], kind: DimKind::Parallel, role: DimRole::Sequence });
         dims.len() - 1
     });
     // [b, h, s, e] or [b, s, h·e]: batch, heads (4-D), and the sequence when it follows `seq`.
@@ -198,7 +212,8 @@ fn attention_space(a: &op::Attention, cx: &NodeCx<'_>) -> IterSpace {
     let inputs = (0..node.inputs().len())
         .map(|j| {
             node.input(j).map(|v| match j {
-                0 => map(cx.rank(v), rows),
+                0 => map(cx.rank(v), rows.or(ring)),
+                1 | 2 => map(cx.rank(v), ring),
                 3 => mask.clone().unwrap_or_default(),
                 6 => vec![Some(0)],
                 _ => map(cx.rank(v), None),
@@ -209,7 +224,8 @@ fn attention_space(a: &op::Attention, cx: &NodeCx<'_>) -> IterSpace {
         .map(|s| {
             let r = cx.rank(cx.output(s));
             match s {
-                0 => map(r, rows),
+                0 => map(r, rows.or(ring)),
+                1 | 2 => map(r, ring),
                 // The scores: [b, h, q rows, keys].
                 3 => (0..r).map(|t| [Some(0), heads, rows, None].get(t).copied().flatten()).collect(),
                 _ => map(r, None),
@@ -219,10 +235,45 @@ fn attention_space(a: &op::Attention, cx: &NodeCx<'_>) -> IterSpace {
     IterSpace { dims, inputs, outputs }
 }
 
+/// Whether attention `a` at `node` (of rank `rank`) is plain — 4-D, no mask, cache, window,
+/// soft cap or score output — so its gradient is one `AttentionGrad` and its sequence can
+/// split as ring attention.
+fn flash_grad(a: &op::Attention, node: &crate::graph::Node, rank: usize) -> bool {
+    rank == 4
+        && (3..7).all(|j| node.input(j).is_none())
+        && node.outputs().get(3).is_none_or(|o| o.name.is_empty())
+        && a.softcap.is_none_or(|c| c == 0.0)
+        && a.left_window_size.is_none_or(|w| w < 0)
+        && a.right_window_size.is_none_or(|w| w < 0)
+}
+
+/// A plain attention's gradient (`flash_grad`): `AttentionGrad(Q, K, V, dY, Y)`, the present
+/// keys' and values' gradients (the inputs themselves) added.
+fn attention_flash_grad(a: &op::Attention, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
+    let ins = [Some(cx.x(0)?), Some(cx.x(1)?), Some(cx.x(2)?), Some(cx.dy_or_zeros(0)?), Some(cx.y(0))];
+    let op = op::AttentionGrad { is_causal: a.is_causal, scale: a.scale, ..Default::default() };
+    let d = cx.add(Op::AttentionGrad(op), &ins, 3)?;
+    for i in 0..3 {
+        if !cx.want(i) {
+            continue;
+        }
+        let g = match cx.dy(i).filter(|_| i > 0) {
+            Some(present) => cx.add2(d[i], present)?,
+            None => d[i],
+        };
+        cx.set(i, g);
+    }
+    Ok(())
+}
+
 fn attention_grad(a: &op::Attention, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
     let wants: Vec<usize> = [0, 1, 2, 4, 5].into_iter().filter(|&i| cx.want(i) && cx.x_opt(i).is_some()).collect();
     if wants.is_empty() || (0..4).all(|s| cx.dy(s).is_none()) {
         return Ok(());
+    }
+    let rank = cx.dims(cx.x(0)?)?.len();
+    if flash_grad(a, cx.g.node(cx.n), rank) && cx.dy(3).is_none() {
+        return attention_flash_grad(a, cx);
     }
     let (q, k, v) = (cx.x(0)?, cx.x(1)?, cx.x(2)?);
     let (qd, kd, vd) = (cx.dims(q)?, cx.dims(k)?, cx.dims(v)?);

@@ -15,6 +15,7 @@
 //! | module | ops |
 //! |---|---|
 //! | [`attention`] | `Attention`, `RotaryEmbedding` |
+//! | [`flash`] | `AttentionBlock`, `AttentionGrad` (the `shardc` domain: attention block by block, as flash and ring attention compute it) |
 //! | [`experts`] | `MoE`, `MoEGrad` (the `shardc` domain: a mixture of experts' expert MLPs) |
 //! | [`elementwise`] | unary and binary maths, comparisons, logic, `Where`, `Cast`, `Clip`, `Dropout`, variadic `Max`/`Min`/`Sum`/`Mean` |
 //! | [`contraction`] | `MatMul`, `Gemm`, `Einsum` |
@@ -41,6 +42,7 @@ pub mod control;
 pub mod conv;
 pub mod elementwise;
 pub mod experts;
+pub mod flash;
 pub mod flow;
 pub mod grad;
 pub mod image;
@@ -452,6 +454,10 @@ pub enum Sharded {
     /// Split experts: each device reads the experts' ids shifted by its first expert (the
     /// pairs routed elsewhere fall out of its range and add nothing), results are partial sums.
     Experts,
+    /// A split sequence of queries, keys and values at once (role `Sequence`) runs as ring
+    /// attention: each device's queries meet every device's keys and values, passed around
+    /// the ring block by block (attention and its gradient).
+    Ring,
     /// Runs whole on every device (control flow, communication).
     Whole,
 }

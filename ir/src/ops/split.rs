@@ -59,6 +59,16 @@ pub enum SplitMode {
         /// An expert weight's input slot.
         weight: usize,
     },
+    /// Attention or its gradient with its sequence (role `Sequence`) split over mesh axis
+    /// `axis`: ring attention. The keys and values pass around the axis's devices block by
+    /// block (`AttentionBlock` merges each into the running output); the gradient first
+    /// rings the keys and values for each row's log-sum-exp, then again with the keys' and
+    /// values' gradients travelling beside them (`AttentionGrad` per block), back to their
+    /// owner.
+    Ring {
+        /// The mesh axis of the ring.
+        axis: usize,
+    },
     /// Training-mode batch normalization over split statistic dims: the per-channel sum and
     /// sum of squares are all-reduced (forward); the gradient recomputes them and all-reduces
     /// the two sums of `dy` and `dy·x̂` too.
@@ -309,6 +319,16 @@ pub fn split_mode(g: &Graph, n: NodeId, sp: &IterSpace, s: &[Option<usize>], mes
             Op::MoEGrad(_) => SplitMode::Experts { ids: 2, weight: 4 },
             _ => SplitMode::Experts { ids: 1, weight: 3 },
         });
+    }
+    if sharded == Sharded::Ring
+        && let Some(seq) = sp.dims.iter().position(|d| d.role == DimRole::Sequence)
+        && split.contains(&seq)
+    {
+        let axes: Vec<usize> = (0..s.len()).filter(|&a| s[a] == Some(seq) && mesh.axes[a].size > 1).collect();
+        return match axes[..] {
+            [axis] => Ok(SplitMode::Ring { axis }),
+            _ => Err("ring attention runs over one mesh axis".into()),
+        };
     }
     if let Some(j) = shape_input(node)
         && node.input(j).is_some_and(|v| !matches!(g.node(v.node).op, Op::Initializer(_) | Op::Constant(_)))

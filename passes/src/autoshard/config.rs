@@ -1,6 +1,7 @@
 //! Hand configurations in the fields frameworks name them by: `--strategy
 //! tp=8,dp=8,zero=3,recompute=full,sp` — the degrees of data (`dp`), tensor (`tp`), pipeline
-//! (`pp`, with `vp` virtual stages), context (`cp`) and expert (`ep`) parallelism, the
+//! (`pp`, with `vp` virtual stages), context (`cp`; `cp_comm=p2p` for ring attention, `a2a`
+//! for Ulysses, the default) and expert (`ep`) parallelism, the
 //! micro-batch size (`mbs`), sequence parallelism (`sp`), activation recomputation
 //! (`recompute=none|selective|full`), the ZeRO stage (`zero=0|1|2|3`), the pipeline
 //! schedule (`schedule=gpipe|1f1b|interleaved`) and flash attention (`flash`: the model's
@@ -12,7 +13,7 @@
 //! `schedule` 1f1b; `flash` off (attention as the model writes it). The
 //! product of the degrees must be the devices used. A configuration resolves to a named
 //! strategy ([`Named`]: `data`, `megatron`, `hybrid:dp:D,tp:T`,
-//! `pipeline:S:M[:interleaved:V][:tp:T]`, `context[:dp:D,tp:T]` for `cp` with or without `dp`
+//! `pipeline:S:M[:interleaved:V][:tp:T]`, `context[:ring][:dp:D,tp:T]` for `cp` with or without `dp`
 //! and `tp`, `expert:ep:E` for `ep`) and the cost-model options it sets; what the cost model
 //! cannot price yet (`ep` with `cp`, or with `tp` and `pp` together; `cp` with `pp`) is refused with the reason.
 //! `pp` with `tp` is a pipeline of Megatron (or data × Megatron) stages; `vp` > 1 the
@@ -53,6 +54,9 @@ pub struct Config {
     /// Flash attention: the model's attentions fused into one op each (`fuse-attention`)
     /// before pricing, as frameworks that call a fused attention kernel run them.
     pub flash: bool,
+    /// Context parallelism as ring attention (`cp_comm=p2p`, Megatron-LM's
+    /// `--cp-comm-type p2p`) rather than Ulysses' all-to-alls (`cp_comm=a2a`, the default).
+    pub ring: bool,
     /// Tensor-parallel communication overlapped with the GEMMs
     /// ([`super::Options::tp_comm_overlap`], Megatron-LM's `--tp-comm-overlap`).
     pub tp_overlap: bool,
@@ -104,6 +108,13 @@ impl Config {
                     }
                 }
                 "recompute" => c.recompute = Recompute::parse(v()?)?,
+                "cp_comm" => {
+                    c.ring = match v()? {
+                        "p2p" | "ring" => true,
+                        "a2a" | "ulysses" => false,
+                        o => return Err(format!("`cp_comm={o}`: context parallelism communicates by p2p (ring attention) or a2a (Ulysses)")),
+                    }
+                }
                 "zero" => {
                     c.zero = match v()? {
                         "0" => 0,
@@ -124,7 +135,7 @@ impl Config {
                 }
                 other => {
                     return Err(format!(
-                        "unknown field `{other}`; a configuration has dp, tp, pp, vp, cp, ep, mbs, sp, recompute, zero, schedule, flash, tp_overlap"
+                        "unknown field `{other}`; a configuration has dp, tp, pp, vp, cp, cp_comm, ep, mbs, sp, recompute, zero, schedule, flash, tp_overlap"
                     ));
                 }
             }
@@ -211,6 +222,9 @@ impl Config {
                 self.cp
             ));
         }
+        if self.ring && self.cp == 1 {
+            return Err("cp_comm: says how context parallelism communicates; give cp > 1".into());
+        }
         if self.tp_overlap && self.tp == 1 {
             return Err("tp_overlap: overlaps the tensor-parallel collectives; give tp > 1".into());
         }
@@ -231,7 +245,7 @@ impl Config {
         }
         let named = match (self.pp, self.tp, dp) {
             (1, tp, _) if self.ep > 1 => Named::Expert { ep: self.ep, tp },
-            _ if self.cp > 1 => Named::Context { dp, tp: self.tp },
+            _ if self.cp > 1 => Named::Context { dp, tp: self.tp, ring: self.ring },
             (1, 1, _) => Named::Data,
             (1, t, 1) if t > 1 => Named::Megatron,
             (1, tp, dp) => Named::Hybrid { dp, tp },

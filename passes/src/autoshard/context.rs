@@ -2,7 +2,9 @@
 //! devices, but attention, which splits its heads — the layout algebra then moves the query,
 //! key and value from sequence shards to head shards by an all-to-all before each attention
 //! (and its gradient) and its output back after, and the weights' gradients, partial sums
-//! over the sequence, are all-reduced as under data parallelism.
+//! over the sequence, are all-reduced as under data parallelism. Or as ring attention
+//! ([`context`] with `ring`): attention keeps the sequence split too, and its keys and values
+//! pass around the devices (`SplitMode::Ring`, codegen/src/lower/ring.rs).
 //!
 //! The sequence is the second dim of the model's first input of rank two or more (tokens
 //! `[batch, seq]`, embeddings `[batch, seq, hidden]`), followed through the graph as the
@@ -43,8 +45,30 @@ pub type SequenceDims = HashMap<Value, Vec<bool>>;
 /// sequence dim (`seq`: [`ir::ops::flow::sequence_dims`]); `None` where neither splits
 /// validly (the op follows its input).
 pub fn ulysses(cm: &CostModel<'_>, n: NodeId, seq: &SequenceDims, axes: &[usize]) -> Option<Vec<Option<usize>>> {
+    context(cm, n, seq, axes, false)
+}
+
+/// The sequence dim of an attention (or its gradient) that splits as ring attention (role
+/// [`ir::shard::DimRole::Sequence`]: a plain causal self-attention, ir/src/ops/attention.rs).
+pub fn ring_dim(cm: &CostModel<'_>, n: NodeId) -> Option<usize> {
+    cm.space(n).dims.iter().position(|d| d.role == ir::shard::DimRole::Sequence)
+}
+
+/// Context parallelism's strategy for op `n` over mesh `axes`: [`ulysses`], or with `ring`
+/// ring attention's — an attention that can splits its sequence ([`ring_dim`]; one that
+/// cannot, its heads), every other op as under Ulysses.
+pub fn context(
+    cm: &CostModel<'_>,
+    n: NodeId,
+    seq: &SequenceDims,
+    axes: &[usize],
+    ring: bool,
+) -> Option<Vec<Option<usize>>> {
     let sp = cm.space(n);
-    let dim = if is_attention(cm, n) {
+    let ringed = (ring && cm.g.node(n).op.op_type().starts_with("Attention")).then(|| ring_dim(cm, n)).flatten();
+    let dim = if let Some(d) = ringed {
+        Some(d)
+    } else if is_attention(cm, n) {
         heads_dim(cm, n)
     } else {
         pairwise_heads(cm, n, seq).or_else(|| sequence_dim(cm, n, seq))

@@ -63,8 +63,10 @@ struct Point {
     tensor: usize,
     stages: usize,
     data: usize,
-    /// Context-parallel ways (Ulysses, beside data parallelism only: `tensor` and `stages` 1).
+    /// Context-parallel ways (beside data and tensor parallelism; `stages` 1).
     context: usize,
+    /// Context parallelism as ring attention (else Ulysses).
+    ring: bool,
     /// Expert-parallel ways, within the data-parallel ranks (`tensor`, `stages` and `context` 1).
     expert: usize,
     /// Micro-batch size per data-parallel replica (`None`: the replica's whole batch).
@@ -92,7 +94,8 @@ fn divisors(n: usize) -> Vec<usize> {
 /// `stages` limits the pipeline stage counts (`None`: any), never more than the model's
 /// `blocks`. Without `accumulate`, a configuration without stages runs the replica's whole
 /// batch (the lowering runs no gradient accumulation of its own). With `context`, data ×
-/// context × tensor points follow (each power-of-two context degree, each tensor degree); with
+/// context × tensor points follow (each power-of-two context degree, each tensor degree; with
+/// `ring` each as Ulysses and as ring attention); with
 /// `experts` (the fewest experts of a mixture), data × expert points (each expert degree above
 /// 1 that divides the experts and the devices), and pipelines of data × expert stages.
 fn points(
@@ -101,7 +104,7 @@ fn points(
     batch: usize,
     stages: Option<&[usize]>,
     blocks: usize,
-    (accumulate, context, experts): (bool, bool, usize),
+    (accumulate, context, ring, experts): (bool, bool, bool, usize),
 ) -> Vec<Point> {
     let mut tensors: Vec<usize> =
         divisors(devices).into_iter().filter(|t| *t <= cluster.devices_per_node && t.is_power_of_two()).collect();
@@ -117,7 +120,7 @@ fn points(
             if !batch.is_multiple_of(data) {
                 continue;
             }
-            let p = Point { tensor, stages: pp, data, context: 1, expert: 1, mbs: None };
+            let p = Point { tensor, stages: pp, data, context: 1, ring: false, expert: 1, mbs: None };
             out.extend(micro_sizes(p, batch, accumulate));
             // Pipelines of data × expert stages (expert parallelism within each stage's
             // data-parallel devices).
@@ -133,8 +136,11 @@ fn points(
             for &tensor in tensors.iter().filter(|&&t| (devices / cp).is_multiple_of(t)) {
                 let data = devices / (cp * tensor);
                 if batch.is_multiple_of(data) {
-                    let p = Point { tensor, stages: 1, data, context: cp, expert: 1, mbs: None };
+                    let p = Point { tensor, stages: 1, data, context: cp, ring: false, expert: 1, mbs: None };
                     out.extend(micro_sizes(p, batch, accumulate));
+                    if ring {
+                        out.extend(micro_sizes(Point { ring: true, ..p }, batch, accumulate));
+                    }
                 }
             }
         }
@@ -147,7 +153,7 @@ fn points(
                 continue;
             }
             for ep in expert_degrees(data, experts) {
-                let p = Point { tensor, stages: 1, data, context: 1, expert: ep, mbs: None };
+                let p = Point { tensor, stages: 1, data, context: 1, ring: false, expert: ep, mbs: None };
                 out.extend(micro_sizes(p, batch, accumulate));
             }
         }
@@ -186,6 +192,9 @@ fn describe(p: Point, schedule: Schedule, o: &Options) -> String {
     }
     if p.context > 1 {
         f.push(format!("cp={}", p.context));
+        if p.ring {
+            f.push("cp_comm=p2p".into());
+        }
     }
     if p.expert > 1 {
         f.push(format!("ep={}", p.expert));
@@ -235,16 +244,24 @@ pub fn search_grid(
     let mut flat: Option<(String, f64)> = None;
     let mut priced = 0usize;
     // (tensor, context) degrees that do not apply (Megatron's, Ulysses')
-    let mut refused: BTreeSet<(usize, usize)> = BTreeSet::new();
+    let mut refused: BTreeSet<(usize, usize, bool)> = BTreeSet::new();
     let attention = g.op_nodes().is_ok_and(|o| o.iter().any(|&n| g.node(n).op.op_type().starts_with("Attention")));
+    // (Ring attention where an attention splits its sequence so.)
+    let ring = attention
+        && g.op_nodes().is_ok_and(|o| {
+            o.iter().any(|&n| {
+                matches!(g.node(n).op, ir::Op::Attention(_))
+                    && ir::shard::iter_space(g, n).dims.iter().any(|d| d.role == ir::shard::DimRole::Sequence)
+            })
+        });
     let experts = fewest_experts(g);
     let rungs: Vec<Options> = if rungs {
         RUNGS.iter().map(|&(recompute, zero)| Options { recompute, zero, ..opts.clone() }).collect()
     } else {
         vec![opts.clone()]
     };
-    for p in points(cluster, devices, batch as usize, stages, blocks, (rungs.len() > 1, attention, experts)) {
-        if refused.contains(&(p.tensor, p.context)) {
+    for p in points(cluster, devices, batch as usize, stages, blocks, (rungs.len() > 1, attention, ring, experts)) {
+        if refused.contains(&(p.tensor, p.context, p.ring)) {
             continue;
         }
         if net.expired("configurations") {
@@ -273,7 +290,7 @@ pub fn search_grid(
             let mut cand = match price_point(&mut graphs, (g, &whole), cluster, devices, at) {
                 Priced::NotApplicable => {
                     if first && (p.tensor > 1 || p.context > 1) && p.stages == 1 {
-                        refused.insert((p.tensor, p.context));
+                        refused.insert((p.tensor, p.context, p.ring));
                     }
                     break;
                 }
@@ -437,7 +454,7 @@ fn plan_point(
     let named = if p.expert > 1 && p.stages == 1 {
         Named::Expert { ep: p.expert, tp: p.tensor }
     } else if p.context > 1 {
-        Named::Context { dp: p.data, tp: p.tensor }
+        Named::Context { dp: p.data, tp: p.tensor, ring: p.ring }
     } else {
         Named::stage_strategy(p.tensor, 1, devices).map_err(|_| false)?
     };

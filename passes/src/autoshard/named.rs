@@ -72,6 +72,9 @@ pub enum Named {
         dp: usize,
         /// Tensor-parallel ways.
         tp: usize,
+        /// Ring attention instead: attention splits its sequence, the keys and values passed
+        /// around the context devices (`SplitMode::Ring`).
+        ring: bool,
     },
     /// Expert parallelism: mixtures of experts split by experts (over `ep` devices, 0: all of
     /// them), the rest data parallel.
@@ -114,7 +117,8 @@ impl Named {
             ["model"] => Named::Model,
             ["spatial"] => Named::Spatial,
             ["owt"] => Named::Owt,
-            ["context"] | ["ulysses"] => Named::Context { dp: 1, tp: 1 },
+            ["context"] | ["ulysses"] => Named::Context { dp: 1, tp: 1, ring: false },
+            ["ring"] => Named::Context { dp: 1, tp: 1, ring: true },
             ["context" | "ulysses", ..] => Named::parse_context(s)?,
             ["megatron"] | ["tensor"] => Named::Megatron,
             ["expert"] | ["ep"] => Named::Expert { ep: 0, tp: 1 },
@@ -177,12 +181,18 @@ impl Named {
         })
     }
 
-    /// `context:dp:D,tp:T` (either part may be left out: 1).
+    /// `context[:ring][:dp:D,tp:T]` (either degree may be left out: 1).
     fn parse_context(s: &str) -> Result<Named, String> {
-        let usage = || format!("`{s}`: write context:dp:D,tp:T (data × context × tensor; either part may be left out)");
-        let rest = s.split_once(':').map_or("", |(_, r)| r);
+        let usage = || {
+            format!("`{s}`: write context[:ring][:dp:D,tp:T] (data × context × tensor; either degree may be left out)")
+        };
+        let mut rest = s.split_once(':').map_or("", |(_, r)| r);
+        let ring = rest == "ring" || rest.starts_with("ring:");
+        if ring {
+            rest = rest.strip_prefix("ring").unwrap_or(rest).trim_start_matches(':');
+        }
         let (mut dp, mut tp) = (1, 1);
-        for part in rest.split(',') {
+        for part in rest.split(',').filter(|p| !p.is_empty()) {
             let (k, v) = part.split_once(':').ok_or_else(usage)?;
             let n = v.trim().parse::<usize>().ok().filter(|n| *n >= 1).ok_or_else(usage)?;
             match k.trim() {
@@ -191,7 +201,7 @@ impl Named {
                 _ => return Err(usage()),
             }
         }
-        Ok(Named::Context { dp, tp })
+        Ok(Named::Context { dp, tp, ring })
     }
 
     /// `pipeline:S:M[:gpipe|:1f1b|:interleaved:V][:tp:T]` after its first word (`s` whole, for
@@ -269,13 +279,14 @@ impl Named {
             Named::Expert { ep: 0, .. } => "expert".into(),
             Named::Expert { ep, tp: 1 } => format!("expert:ep:{ep}"),
             Named::Expert { ep, tp } => format!("expert:ep:{ep}:tp:{tp}"),
-            Named::Context { dp, tp } => {
+            Named::Context { dp, tp, ring } => {
                 let parts: Vec<String> = [("dp", *dp), ("tp", *tp)]
                     .iter()
                     .filter(|(_, n)| *n > 1)
                     .map(|(k, n)| format!("{k}:{n}"))
                     .collect();
-                if parts.is_empty() { "context".into() } else { format!("context:{}", parts.join(",")) }
+                let head = if *ring { "context:ring" } else { "context" };
+                if parts.is_empty() { head.into() } else { format!("{head}:{}", parts.join(",")) }
             }
             Named::Pipeline { stages, micro, schedule, tensor, expert } => {
                 let mut s = format!("pipeline:{stages}:{micro}:{}", schedule.name());
@@ -316,7 +327,7 @@ impl Named {
         match self {
             Named::SpatialHybrid(d, s) => two((*d, *s), format!("spatial-hybrid:{d}x{s}"), ("samples", "space")),
             Named::Hybrid { dp, tp } => two((*dp, *tp), format!("hybrid:dp:{dp},tp:{tp}"), ("data", "tensor")),
-            Named::Context { dp, tp } if dp * tp > 1 => context_mesh(cluster, devices, (*dp, *tp), &self.name()),
+            Named::Context { dp, tp, .. } if dp * tp > 1 => context_mesh(cluster, devices, (*dp, *tp), &self.name()),
             Named::Expert { ep, tp } if *tp > 1 => expert_mesh(cluster, devices, (*ep, *tp), &self.name()),
             Named::Expert { ep, .. } if *ep > 0 && *ep < devices => {
                 if !devices.is_multiple_of(*ep) {
@@ -558,7 +569,7 @@ fn applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context::Sequenc
 /// and the rest context; none for other strategies.
 fn context_axes(cm: &CostModel<'_>, named: &Named) -> (Vec<usize>, Vec<usize>, Vec<usize>) {
     let k = cm.mesh.axes.len();
-    let Named::Context { dp, tp } = *named else { return (Vec::new(), Vec::new(), Vec::new()) };
+    let Named::Context { dp, tp, .. } = *named else { return (Vec::new(), Vec::new(), Vec::new()) };
     let data: Vec<usize> = if dp > 1 && k > 1 { vec![0] } else { Vec::new() };
     let tensor: Vec<usize> = if tp > 1 && k > data.len() + 1 { vec![data.len()] } else { Vec::new() };
     let context = (data.len() + tensor.len()..k).collect();
@@ -582,7 +593,16 @@ fn context_applies(cm: &CostModel<'_>, named: &Named, sequence: &super::context:
     }
     // (With tensor parallelism the heads split over both axes.)
     let both: Vec<usize> = axes.iter().chain(&tensor).copied().collect();
-    if let Some(&n) = attention.iter().find(|&&n| super::context::ulysses(cm, n, sequence, &both).is_none()) {
+    if let Named::Context { ring: true, .. } = named
+        && let Some(&n) = attention.iter().find(|&&n| super::context::ring_dim(cm, n).is_none())
+    {
+        return Err(format!(
+            "context:ring: {} is not a plain causal self-attention (4-D, no mask, cache, window or soft cap), which ring attention needs",
+            cm.g.describe(n)
+        ));
+    }
+    let ring = matches!(named, Named::Context { ring: true, .. });
+    if let Some(&n) = attention.iter().find(|&&n| !ring && super::context::ulysses(cm, n, sequence, &both).is_none()) {
         let ways: usize = both.iter().map(|&a| cm.mesh.axes[a].size).product();
         return Err(format!("context: {} does not split its heads over {ways} devices", cm.g.describe(n)));
     }
@@ -741,7 +761,7 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
                 }
             }
             Named::Spatial => windowed(n).then(|| spatial_split(cm, n, &all_axes)).flatten(),
-            Named::Context { .. } => context_split(cm, &asg, n, &sequence, &axes),
+            Named::Context { ring, .. } => context_split(cm, &asg, n, &sequence, &axes, *ring),
             Named::Expert { .. } => expert_split(cm, &asg, n, &experts_on, expert_tensor),
             // Batch over axis 0, Megatron over axis 1, the rest following the input.
             Named::Hybrid { .. } => Some(data_then_megatron(cm, &asg, n, &[0], 1)),
@@ -861,10 +881,11 @@ fn context_split(
     n: NodeId,
     sequence: &super::context::SequenceDims,
     (dp, cp, tp): &(Vec<usize>, Vec<usize>, Vec<usize>),
+    ring: bool,
 ) -> Option<Vec<Option<usize>>> {
-    let Some(&t) = tp.first() else { return data_then_context(cm, n, sequence, dp, cp) };
+    let Some(&t) = tp.first() else { return data_then_context(cm, n, sequence, dp, cp, ring) };
     let mut s = data_then_megatron(cm, asg, n, dp, t);
-    if let Some(u) = super::context::ulysses(cm, n, sequence, cp) {
+    if let Some(u) = super::context::context(cm, n, sequence, cp, ring) {
         let mut m = s.clone();
         for &a in cp {
             m[a] = u[a];
@@ -885,8 +906,9 @@ fn data_then_context(
     sequence: &super::context::SequenceDims,
     dp: &[usize],
     cp: &[usize],
+    ring: bool,
 ) -> Option<Vec<Option<usize>>> {
-    let s = super::context::ulysses(cm, n, sequence, cp);
+    let s = super::context::context(cm, n, sequence, cp, ring);
     let Some(b) = dim_with(cm, n, DimRole::Batch).filter(|_| !dp.is_empty()) else { return s };
     let mut t = s.clone().unwrap_or_else(|| vec![None; cm.mesh.axes.len()]);
     if cp.iter().any(|&a| t[a] == Some(b)) {

@@ -18,6 +18,7 @@ pub mod compile;
 pub mod conv;
 pub mod elementwise;
 pub mod experts;
+pub mod flash;
 pub mod fused;
 pub mod gemm;
 pub mod loss;

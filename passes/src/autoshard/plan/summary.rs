@@ -54,13 +54,15 @@ pub struct Region {
 }
 
 /// The kind of parallelism splitting a dim of this role is: `data` (batch), `spatial`,
-/// `tensor` (a weight's feature or vocabulary dim), `expert` (a mixture's experts) or `other`.
+/// `tensor` (a weight's feature or vocabulary dim), `expert` (a mixture's experts), `context`
+/// (an attention's sequence, as ring attention) or `other`.
 pub fn role_kind(r: &ir::shard::DimRole) -> &'static str {
     match r {
         ir::shard::DimRole::Batch => "data",
         ir::shard::DimRole::Spatial => "spatial",
         ir::shard::DimRole::OutFeature | ir::shard::DimRole::InFeature | ir::shard::DimRole::Vocab => "tensor",
         ir::shard::DimRole::Expert => "expert",
+        ir::shard::DimRole::Sequence => "context",
         ir::shard::DimRole::Other => "other",
     }
 }

@@ -263,7 +263,19 @@ impl<'a> CostModel<'a> {
                     + bwd_split * self.launch()
             }
         };
-        (fwd, bwd)
+        match mode {
+            // Ring attention: the busiest device's share, and the gradient's recomputed blocks.
+            Some(SplitMode::Ring { axis }) => {
+                let imbalance = ring::ring_imbalance(&node.op, self.mesh.axes[*axis].size);
+                let (d, dv) = self.head_sizes(n);
+                let again = ring::ring_grad_factor(d, dv);
+                match node.op {
+                    Op::AttentionGrad(_) => (fwd * imbalance * again, bwd),
+                    _ => (fwd * imbalance, bwd * imbalance * again),
+                }
+            }
+            _ => (fwd, bwd),
+        }
     }
 
     /// The halo exchanges and statistics all-reduces `n` runs under `strategy`, forward then
@@ -313,6 +325,7 @@ impl<'a> CostModel<'a> {
                     out.extend(std::iter::repeat_n((Phase::Backward, step), b));
                 }
             }
+            SplitMode::Ring { axis } => out.extend(self.ring_steps(n, *axis, self.strategy_factor(n, strategy), ins)),
             SplitMode::Direct
             | SplitMode::VocabGather
             | SplitMode::Experts { .. }

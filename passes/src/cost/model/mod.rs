@@ -33,6 +33,7 @@ use std::sync::Arc;
 
 mod compute;
 mod edges;
+mod ring;
 mod evaluate;
 mod sync;
 

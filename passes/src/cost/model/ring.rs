@@ -1,0 +1,106 @@
+//! Ring attention's price (`SplitMode::Ring`): the point-to-point passes of the keys and
+//! values (and in the backward of their gradients) around the ring that the lowering emits
+//! (codegen/src/lower/ring.rs), each overlapped with the block of attention computed
+//! meanwhile; and the causal imbalance — device `d` of `c` computes the `d` blocks before its
+//! own and half of its own, so the last one runs `c − ½` blocks where an even split would
+//! run `c / 2`.
+
+use super::*;
+
+/// The passes of one ring: how many rotate the keys and values, how many their gradients.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct RingPasses {
+    /// Passes of the keys and values.
+    pub kv: usize,
+    /// Passes of the keys' and values' gradients.
+    pub grads: usize,
+}
+
+/// The passes op `op` runs over a ring of `c` devices: the forward rotates the keys and
+/// values `c − 1` times; the gradient rotates them once for each row's log-sum-exp, again
+/// beside the gradients, which pass `c` times (the last pass brings each block's gradient
+/// home). `(forward, backward)`: a forward attention's backward is its gradient's.
+pub fn ring_passes(op: &Op, c: usize) -> (RingPasses, RingPasses) {
+    let c1 = c.saturating_sub(1);
+    let grad = RingPasses { kv: 2 * c1, grads: c };
+    match op {
+        Op::AttentionGrad(_) => (grad, RingPasses { kv: 0, grads: 0 }),
+        _ => (RingPasses { kv: c1, grads: 0 }, grad),
+    }
+}
+
+/// The factor by which the busiest device's share of a ring attention exceeds an even
+/// split's: `(2c − 1) / c` when causal (device `c − 1` runs `c − ½` of the `c²/2` blocks'
+/// worth), 1 otherwise.
+pub fn ring_imbalance(op: &Op, c: usize) -> f64 {
+    let causal = match op {
+        Op::Attention(a) => a.is_causal.unwrap_or(0) != 0,
+        Op::AttentionGrad(a) => a.is_causal.unwrap_or(0) != 0,
+        _ => false,
+    };
+    if causal && c > 0 { (2 * c - 1) as f64 / c as f64 } else { 1.0 }
+}
+
+/// The extra work of a ring gradient over one `AttentionGrad` (which computes each row's
+/// log-sum-exp with one pass of `QKᵀ`): the ring recomputes the forward blocks for it, `PV`
+/// too — `(4·QK + 3·PV) / (4·QK + 2·PV)` for head sizes `d`, `dv`.
+pub fn ring_grad_factor(d: f64, dv: f64) -> f64 {
+    if d + dv <= 0.0 { 1.0 } else { (8.0 * d + 6.0 * dv) / (8.0 * d + 4.0 * dv) }
+}
+
+impl CostModel<'_> {
+    /// The head sizes `(d, dv)` of attention `n` (4-D: the last dims of Q and V).
+    pub(super) fn head_sizes(&self, n: NodeId) -> (f64, f64) {
+        let node = self.g.node(n);
+        let last = |j: usize| node.input(j).map_or(0.0, |v| self.value_shape(v).0.last().copied().unwrap_or(0) as f64);
+        (last(0), last(2))
+    }
+
+    /// The ring's point-to-point steps, forward then backward, for op `n` over mesh axis
+    /// `axis` with its inputs laid out as `ins`: each pass sends the local keys and values
+    /// (or their gradients, as large) to the next device on the axis; its time is what the
+    /// block of attention computed meanwhile does not hide.
+    /// `f`: the devices the op's work divides over.
+    pub(super) fn ring_steps(&self, n: NodeId, axis: usize, f: f64, ins: &[Option<Sharding>]) -> Vec<(Phase, Step)> {
+        let node = self.g.node(n);
+        let c = self.mesh.axes[axis].size;
+        let local = |j: usize| -> f64 {
+            let (Some(v), Some(Some(layout))) = (node.input(j), ins.get(j)) else { return 0.0 };
+            let (dims, eb) = self.value_shape(v);
+            ir::reshard::local_dims(&dims, layout, &self.mesh).iter().map(|&e| e as f64).product::<f64>() * eb
+        };
+        let moved = local(1) + local(2);
+        if c < 2 || moved <= 0.0 {
+            return Vec::new();
+        }
+        let (alpha, beta) = alpha_beta(self.cluster, self.mesh.axes[axis].level, 2, self.busy(), moved);
+        let transfer = p2p(moved, alpha, beta);
+        // One full block of keys: the even split's share of the op, twice that under a
+        // causal mask (the even share averages half-masked blocks).
+        let cost = &self.costs[&n];
+        let block = cost.fwd_flops / f.max(1.0) * if ring_imbalance(&node.op, c) > 1.0 { 2.0 } else { 1.0 };
+        let eff = match self.cluster.device.attention_efficiency {
+            [f, _] if f > 0.0 => f,
+            _ => self.cluster.device.efficiency,
+        };
+        let hidden = |work: f64| self.roofline_at(work, 0.0, eff);
+        let step = |exposed: f64| Step {
+            kind: CommKind::P2p,
+            axes: vec![axis],
+            group: c,
+            bytes: moved,
+            moved,
+            moved_by_device: None,
+            latency: alpha,
+            time: exposed.max(alpha),
+        };
+        let (fwd, bwd) = ring_passes(&node.op, c);
+        let mut out = Vec::new();
+        for (phase, passes, per_block) in [(Phase::Forward, fwd, block), (Phase::Backward, bwd, 2.5 * block)] {
+            let per_block = if matches!(node.op, Op::AttentionGrad(_)) { block } else { per_block };
+            let exposed = (transfer - hidden(per_block)).max(0.0);
+            out.extend(std::iter::repeat_n((phase, step(exposed)), passes.kv + passes.grads));
+        }
+        out
+    }
+}
