@@ -159,7 +159,8 @@ fn cli_model_of(tag: &str, text: &str) -> (std::path::PathBuf, std::path::PathBu
 }
 
 /// `shardc cost` prices `cp=4` (and `dp=2,cp=2`) with its all-to-alls, says it is context
-/// parallelism, and exports it where the framework has the setting.
+/// parallelism, and exports it where the framework has the setting; `cp=4,cp_comm=p2p` with
+/// ring attention's passes.
 #[test]
 fn cost_prices_and_names_context_parallelism() {
     let (dir, fused) = cli_model("cost");
@@ -195,6 +196,22 @@ fn cost_prices_and_names_context_parallelism() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("\"sequence_parallel_size\": 2"), "{o:?}");
     let o = cost(&["--export", "torch-tp"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("context parallel"), "{o:?}");
+    // Ring attention: its passes priced as point-to-point, Megatron-LM's p2p context
+    // parallelism; DeepSpeed's is Ulysses, and its configuration says so.
+    let ring = |extra: &[&str]| {
+        let args = ["cost", fused.to_str().unwrap(), "--cluster", "dgx-a100", "--devices", "4"];
+        shardc(&[&args[..], &["--strategy", "cp=4,cp_comm=p2p"], extra].concat())
+    };
+    let o = ring(&[]);
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success() && out.contains("parallelism  context 4") && out.contains("p2p"), "{o:?}");
+    assert!(!out.contains("all_to_all"), "{out}");
+    let o = ring(&["--export", "megatron"]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("--context-parallel-size 4 --cp-comm-type p2p"), "{o:?}");
+    let o = ring(&["--export", "deepspeed"]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("priced with ring attention"), "{o:?}");
+    let o = ring(&["--export", "torch-tp"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("ring attention"), "{o:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -389,16 +406,25 @@ fn long_sequence_tensor_parallel_configurations_export() {
 
 /// One truth for the all-to-alls: a forward context plan prices, per kind of collective, the
 /// bytes its lowered program moves — under context, data × context, context × tensor and
-/// data × context × tensor.
+/// data × context × tensor; ring attention's passes of keys and values likewise.
 #[test]
 fn context_plans_move_the_bytes_their_programs_move() {
     let m = fused(&Llama::reduced(2, 2, 32).to_text());
     let (g, cluster, opts) = (&m.graph, Cluster::preset("local-wgpu").expect("preset"), Options::default());
-    for (strategy, devices) in [("context", 4), ("context:dp:2", 4), ("context:tp:2", 4), ("context:dp:2,tp:2", 8)] {
+    let plans = [
+        ("context", 4, "all_to_all"),
+        ("context:dp:2", 4, "all_to_all"),
+        ("context:tp:2", 4, "all_to_all"),
+        ("context:dp:2,tp:2", 8, "all_to_all"),
+        ("context:ring", 4, "p2p"),
+        ("context:ring:dp:2", 4, "p2p"),
+        ("context:ring:tp:2", 4, "p2p"),
+    ];
+    for (strategy, devices, kind) in plans {
         let r = shardc::exec::named_result(g, &cluster, devices, strategy, &opts).unwrap();
         let plan = shardc::passes::autoshard::Plan::new(g, &cluster, devices, &opts, Default::default(), &r);
         let p = shardc::exec::program_for_search(g, &r, devices).unwrap();
-        common::assert_forward_bytes_as_lowered(&plan, &p, "all_to_all", strategy);
+        common::assert_forward_bytes_as_lowered(&plan, &p, kind, strategy);
     }
 }
 
@@ -507,5 +533,30 @@ fn seeded_ring_attention_bugs_are_refuted() {
         let e = verify(&g, &bad).map(|_| ()).expect_err(what);
         assert_eq!(e.kind, RefutationKind::Wrong, "{what}: {e}");
         assert!(e.device.is_some() && e.op.is_some() && e.to_string().contains(expect), "{what}: {e}");
+    }
+}
+
+/// Ring attention trains on wgpu, a device per simulated accelerator: the blocks and their
+/// gradients on their own kernels (none on the host), equal to one device on the CPU
+/// executor (f32 kernels against the reference: 1e-3 relative).
+#[test]
+fn ring_attention_trains_on_wgpu_like_one_device() {
+    if !shardc_tests::gpu_available() {
+        return;
+    }
+    let (g, info) = llama(32);
+    let p = program(&g, "context:ring", 4);
+    let inputs = shardc::train::seeded_inputs(&g, &info, 5).expect("inputs");
+    let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, 2).expect("one device");
+    let got = shardc::train::run_steps(&p, &info, &inputs, Backend::Wgpu, 2).expect("ring 4 on wgpu");
+    for d in &got.report.devices {
+        let host = &d.host_ops;
+        assert!(!host.contains_key("AttentionBlock") && !host.contains_key("AttentionGrad"), "on the host: {host:?}");
+    }
+    for (what, a, b) in
+        [("gradients", &got.gradients, &one.gradients), ("parameters", &got.parameters, &one.parameters)]
+    {
+        let (r, at) = shardc::train::worst(a, b, (1e-3, 1e-5));
+        assert!(r <= 1.0, "ring on wgpu {what}: {r:.2}× the tolerance at {at}");
     }
 }

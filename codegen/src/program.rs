@@ -204,6 +204,11 @@ impl DeviceProgram {
                     *out.entry("halo".into()).or_insert(0.0) += slab * rows as f64;
                     continue;
                 }
+                // Point to point: a pipeline's transfers, ring attention's passes.
+                Op::Send(_) => {
+                    *out.entry("p2p".into()).or_insert(0.0) += bytes(node.input(0));
+                    continue;
+                }
                 _ => continue,
             };
             *out.entry(kind.name().into()).or_insert(0.0) += moved;

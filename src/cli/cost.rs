@@ -91,8 +91,8 @@ pub struct CostArgs {
     /// A preset (dgx-a100, dgx-h100, dgx1-v100, pcie-v100x8, a100-cluster-N, h100-cluster-N, local-wgpu) or a TOML file.
     #[arg(long)]
     pub cluster: String,
-    /// data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context (ulysses), context:dp:D,tp:T, expert (ep), expert:ep:E, pipeline:S:M[:gpipe|:1f1b]; or a
-    /// configuration of key=value fields: dp, tp, pp, vp, cp, ep, mbs, sp, recompute=none|selective|full,
+    /// data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context (ulysses), context:dp:D,tp:T, context:ring[:dp:D,tp:T] (ring), expert (ep), expert:ep:E, pipeline:S:M[:gpipe|:1f1b]; or a
+    /// configuration of key=value fields: dp, tp, pp, vp, cp, cp_comm=a2a|p2p (Ulysses or ring attention), ep, mbs, sp, recompute=none|selective|full,
     /// zero=0|1|2|3, schedule=gpipe|1f1b|interleaved, flash (attention fused before pricing),
     /// tp_overlap (tensor-parallel collectives overlapped with their GEMMs, Megatron-LM's
     /// --tp-comm-overlap) (e.g. tp=8,dp=8,zero=3,recompute=full,sp).

@@ -23,7 +23,7 @@ pub struct RunArgs {
     /// Run this plan (from `shardc plan -o`).
     #[arg(long, value_name = "PLAN.json", conflicts_with = "strategy")]
     pub plan: Option<PathBuf>,
-    /// Run a named strategy (data, model, megatron, spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context, context:dp:D,tp:T, expert, expert:ep:E) instead of a searched plan.
+    /// Run a named strategy (data, model, megatron, spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context, context:dp:D,tp:T, context:ring[:dp:D,tp:T], expert, expert:ep:E) instead of a searched plan.
     #[arg(long)]
     pub strategy: Option<String>,
     /// The cluster to plan for (default: local-wgpu, the simulated devices themselves).

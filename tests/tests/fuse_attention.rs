@@ -164,6 +164,7 @@ fn fused_attention_trains_on_wgpu_like_the_unfused_model() {
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         let host = &run.report.devices[0].host_ops;
         assert!(!host.contains_key("Attention"), "{name}: attention ran on the host: {host:?}");
+        assert!(!host.contains_key("AttentionGrad"), "{name}: its gradient ran on the host: {host:?}");
         assert_eq!(run.losses.len(), l0.len(), "{name}");
         for (a, b) in run.losses.iter().zip(&l0) {
             assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{name}: loss {a} vs {b}");

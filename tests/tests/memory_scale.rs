@@ -139,10 +139,7 @@ fn configurations_check_their_degrees_and_say_what_is_not_priced() {
     assert!(resolve("tp=3", 8).unwrap_err().contains("does not divide"));
     assert_eq!(resolve("cp=2", 8).unwrap(), autoshard::named::Named::Context { dp: 4, tp: 1, ring: false });
     assert_eq!(resolve("cp=2,tp=2", 8).unwrap(), autoshard::named::Named::Context { dp: 2, tp: 2, ring: false });
-    assert_eq!(
-        resolve("cp=2,cp_comm=p2p", 8).unwrap(),
-        autoshard::named::Named::Context { dp: 4, tp: 1, ring: true }
-    );
+    assert_eq!(resolve("cp=2,cp_comm=p2p", 8).unwrap(), autoshard::named::Named::Context { dp: 4, tp: 1, ring: true });
     assert!(resolve("cp_comm=p2p", 8).unwrap_err().contains("give cp > 1"));
     assert!(resolve("cp=2,cp_comm=x", 8).unwrap_err().contains("p2p (ring attention) or a2a"));
     assert!(resolve("cp=2,pp=2", 8).unwrap_err().contains("context parallelism"));

@@ -72,13 +72,17 @@ struct Piece {
 fn pass(l: &mut Local<'_>, ring: &Ring, x: Value, piece: &Piece, tag: i64, base: &str) -> Value {
     l.emit(Op::Send(o::Send { peer: Some(ring.next), tag: Some(tag) }), vec![Some(x)], &[]);
     let name = l.fresh(base);
-    let recv = o::Recv { dtype: Some(piece.dtype), peer: Some(ring.prev), shape: Some(piece.shape.clone()), tag: Some(tag) };
+    let recv =
+        o::Recv { dtype: Some(piece.dtype), peer: Some(ring.prev), shape: Some(piece.shape.clone()), tag: Some(tag) };
     l.emit(Op::Recv(recv), vec![], &[name])[0]
 }
 
 /// The local piece of input `j` of `n` under strategy `s`.
 fn piece(l: &Local<'_>, n: NodeId, sp: &IterSpace, s: &[Option<usize>], j: usize) -> Result<Piece, LowerError> {
-    let v = l.g.node(n).input(j).ok_or_else(|| l.err(Some(n), LowerErrorKind::Graph, "attention without keys or values"))?;
+    let v =
+        l.g.node(n)
+            .input(j)
+            .ok_or_else(|| l.err(Some(n), LowerErrorKind::Graph, "attention without keys or values"))?;
     let (layouts, _) = strategy_shardings(sp, s);
     let layout = layouts.get(j).cloned().flatten().unwrap_or_default();
     let shape = l.local_dims(v, &layout)?.iter().map(|&d| d as i64).collect();

@@ -82,15 +82,7 @@ fn pieces(cx: &Cx<'_>, ins: &[Option<Fact>], what: &str) -> Result<Pieces, Why> 
     if qh.0 != kh.0 * g || qh.1 - qh.0 != (kh.1 - kh.0) * g {
         return wrong(format!("{what}'s query heads {qh:?} are not those of key/value heads {kh:?}"));
     }
-    Ok(Pieces {
-        shapes,
-        terms: [q.term, k.term, v.term],
-        rq: q.region[2],
-        rk: k.region[2],
-        b: q.region[0],
-        qh,
-        kh,
-    })
+    Ok(Pieces { shapes, terms: [q.term, k.term, v.term], rq: q.region[2], rk: k.region[2], b: q.region[0], qh, kh })
 }
 
 /// The key rows query rows `rq` may see of `total`: all, or under a causal mask those before

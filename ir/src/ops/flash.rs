@@ -56,11 +56,12 @@ impl Shape {
             return Err(format!("blockwise attention needs 4-D Q, K, V; got {q:?}, {k:?}, {v:?}"));
         }
         let u = |x: i64| usize::try_from(x).map_err(|_| format!("unknown dim in {q:?}, {k:?}, {v:?}"));
-        let s = Shape { b: u(q[0])?, hq: u(q[1])?, hk: u(k[1])?, sq: u(q[2])?, sk: u(k[2])?, d: u(q[3])?, dv: u(v[3])? };
+        let s =
+            Shape { b: u(q[0])?, hq: u(q[1])?, hk: u(k[1])?, sq: u(q[2])?, sk: u(k[2])?, d: u(q[3])?, dv: u(v[3])? };
         if k[0] != q[0] || v[0] != q[0] || v[1] != k[1] || v[2] != k[2] || k[3] != q[3] {
             return Err(format!("blockwise attention: Q {q:?}, K {k:?} and V {v:?} do not match"));
         }
-        if s.hk == 0 || s.hq % s.hk != 0 {
+        if s.hk == 0 || !s.hq.is_multiple_of(s.hk) {
             return Err(format!("blockwise attention: {} query heads do not group over {} key heads", s.hq, s.hk));
         }
         Ok(s)
@@ -228,7 +229,8 @@ fn shape_of(cx: &NodeCx<'_>) -> Option<Shape> {
 fn space(cx: &NodeCx<'_>, lse: usize, sequence: bool, outputs: Vec<Vec<Option<usize>>>) -> Option<IterSpace> {
     let s = shape_of(cx)?;
     let sequence = sequence && s.sq == s.sk;
-    let par = |name: &str, size: usize, role| IterDim { name: name.into(), size: size as i64, kind: DimKind::Parallel, role };
+    let par =
+        |name: &str, size: usize, role| IterDim { name: name.into(), size: size as i64, kind: DimKind::Parallel, role };
     let mut dims = vec![par("b", s.b, DimRole::Other), par("h", s.hk, DimRole::Other)];
     let seq = sequence.then(|| {
         dims.push(par("s", s.sq, DimRole::Sequence));
@@ -237,7 +239,9 @@ fn space(cx: &NodeCx<'_>, lse: usize, sequence: bool, outputs: Vec<Vec<Option<us
     let t4 = Some(vec![Some(0), Some(1), seq, None]);
     let node = cx.g.node(cx.n);
     let ins = (0..node.inputs().len())
-        .map(|j| node.input(j).map(|_| if j == lse { vec![Some(0), Some(1), seq] } else { t4.clone().unwrap_or_default() }))
+        .map(|j| {
+            node.input(j).map(|_| if j == lse { vec![Some(0), Some(1), seq] } else { t4.clone().unwrap_or_default() })
+        })
         .collect();
     Some(IterSpace { dims, inputs: ins, outputs })
 }

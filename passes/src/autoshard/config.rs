@@ -112,7 +112,11 @@ impl Config {
                     c.ring = match v()? {
                         "p2p" | "ring" => true,
                         "a2a" | "ulysses" => false,
-                        o => return Err(format!("`cp_comm={o}`: context parallelism communicates by p2p (ring attention) or a2a (Ulysses)")),
+                        o => {
+                            return Err(format!(
+                                "`cp_comm={o}`: context parallelism communicates by p2p (ring attention) or a2a (Ulysses)"
+                            ));
+                        }
                     }
                 }
                 "zero" => {

@@ -21,7 +21,8 @@
 //!   "one weird trick").
 //! - `context` (alias `ulysses`): DeepSpeed-Ulysses context parallelism over all devices —
 //!   every op splits the sequence, attention its heads, all-to-alls between
-//!   ([`super::context`]).
+//!   ([`super::context`]). `context:ring` (alias `ring`; `cp_comm=p2p`): ring attention —
+//!   attention keeps the sequence split and passes its keys and values around the devices.
 //! - `expert` (alias `ep`): expert parallelism over all devices — each mixture of experts
 //!   (`MoE`: `passes::FuseExperts` makes them from exported ones) splits its experts over the
 //!   devices, every other op is data parallel: the tokens are all-gathered before a mixture
@@ -175,7 +176,7 @@ impl Named {
             ["pipeline", st, m, rest @ ..] => Named::parse_pipeline(s, st, m, rest)?,
             _ => {
                 return Err(format!(
-                    "unknown strategy `{s}`; strategies are data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context (ulysses), context:dp:D,tp:T, pipeline:S:M[:gpipe|:1f1b|:interleaved:V][:tp:T]; or a configuration such as tp=8,pp=8,vp=3"
+                    "unknown strategy `{s}`; strategies are data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context (ulysses), context:dp:D,tp:T, context:ring[:dp:D,tp:T] (ring), pipeline:S:M[:gpipe|:1f1b|:interleaved:V][:tp:T]; or a configuration such as tp=8,pp=8,vp=3"
                 ));
             }
         })

@@ -13,7 +13,13 @@ use super::wgsl::{Binding, source};
 
 /// `P = [count, hq, sq, sk, d, dv, group, causal, scale, q_offset, k_offset, hk]`, from
 /// 4-D f32 `Q`, `K`, `V`.
-fn params(cx: &CompileCx<'_>, count: Count, causal: Option<i64>, offsets: [Option<i64>; 2], scale: Option<f32>) -> Option<Vec<u32>> {
+fn params(
+    cx: &CompileCx<'_>,
+    count: Count,
+    causal: Option<i64>,
+    offsets: [Option<i64>; 2],
+    scale: Option<f32>,
+) -> Option<Vec<u32>> {
     let (q, k, v) = (cx.input(0)?, cx.input(1)?, cx.input(2)?);
     let f32s = [q, k, v].iter().all(|t| t.elem() == Elem::F32 && t.shape.len() == 4);
     if !f32s || k.shape[0] != q.shape[0] || v.shape[..3] != k.shape[..3] || k.shape[3] != q.shape[3] {
@@ -21,7 +27,7 @@ fn params(cx: &CompileCx<'_>, count: Count, causal: Option<i64>, offsets: [Optio
     }
     let (b, hq, sq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
     let (hk, sk, dv) = (k.shape[1], k.shape[2], v.shape[3]);
-    if hk == 0 || hq % hk != 0 {
+    if hk == 0 || !hq.is_multiple_of(hk) {
         return None;
     }
     let count = match count {

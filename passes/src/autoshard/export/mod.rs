@@ -5,7 +5,8 @@
 //!
 //! Those frameworks know data, tensor (Megatron's column/row GEMM splits, with sequence
 //! parallelism for the norms between them) and pipeline parallelism, and Megatron-LM and
-//! DeepSpeed context parallelism as Ulysses runs it (`--cp-comm-type a2a`). A plan that splits
+//! DeepSpeed context parallelism as Ulysses runs it (`--cp-comm-type a2a`; Megatron-LM's ring
+//! attention, `--cp-comm-type p2p`, for a plan whose attention splits its sequence). A plan that splits
 //! spatial dims, mixes kinds on one mesh axis, or splits ops no module names, has no such
 //! settings; the error says which ops keep it from the template.
 
@@ -29,8 +30,11 @@ pub struct Degrees {
     pub data: usize,
     /// Tensor-parallel degree.
     pub tensor: usize,
-    /// Context-parallel degree (Ulysses: the sequence split, attention by heads).
+    /// Context-parallel degree (the sequence split; attention by heads, or as ring attention).
     pub context: usize,
+    /// Context parallelism as ring attention (some attention splits its sequence:
+    /// `SplitMode::Ring`) rather than Ulysses.
+    pub ring: bool,
     /// Expert-parallel degree: the mixtures' experts split over groups of this many of the
     /// data-parallel ranks (Megatron's convention: within `data`).
     pub expert: usize,
@@ -133,6 +137,10 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
             blockers.join("\n  ")
         ));
     }
+    let ring = asg.strategies.iter().any(|(&n, s)| {
+        let dims = &cm.space(n).dims;
+        s.iter().flatten().any(|&i| dims.get(i).is_some_and(|d| d.role == ir::shard::DimRole::Sequence))
+    });
     let torch = torch_tp(g, &cm, &asg, &tensor_axes);
     let sequence_parallel = torch.entries.iter().any(|e| e.style == Style::Sequence);
     let pipeline = plan.stages.len().max(1);
@@ -142,6 +150,7 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
         data,
         tensor,
         context,
+        ring,
         expert,
         pipeline,
         micro_batches,
@@ -252,8 +261,10 @@ pub fn megatron_args(d: &Degrees, devices: usize) -> String {
     args.push(format!("--tensor-model-parallel-size {}", d.tensor));
     args.push(format!("--pipeline-model-parallel-size {}", d.pipeline));
     if d.context > 1 {
-        // Ulysses: all-to-all between sequence and head shards.
-        args.push(format!("--context-parallel-size {} --cp-comm-type a2a", d.context));
+        // Ring attention: keys and values passed point to point; Ulysses: all-to-all between
+        // sequence and head shards.
+        let comm = if d.ring { "p2p" } else { "a2a" };
+        args.push(format!("--context-parallel-size {} --cp-comm-type {comm}", d.context));
     }
     let mut notes = Vec::new();
     if let (Some(e), Some(k)) = (d.shape.experts, d.shape.top_k) {
@@ -377,6 +388,11 @@ pub fn deepspeed_config(d: &Degrees, devices: usize) -> String {
         cfg["shardc"]["notes"].as_array_mut().expect("notes").push(serde_json::json!(
             "context parallelism is DeepSpeed-Ulysses: wrap each attention in deepspeed.sequence.layer.DistributedAttention over sequence-parallel groups of sequence_parallel_size ranks (Megatron-DeepSpeed: --ds-sequence-parallel-size); the data-parallel groups are the rest"
         ));
+        if d.ring {
+            cfg["shardc"]["notes"].as_array_mut().expect("notes").push(serde_json::json!(
+                "the plan was priced with ring attention (keys and values passed point to point); DeepSpeed's sequence parallelism runs Ulysses' all-to-alls instead (another price: the Megatron-LM export runs ring attention, --cp-comm-type p2p)"
+            ));
+        }
     }
     if d.expert > 1 {
         cfg["shardc"]["notes"].as_array_mut().expect("notes").push(serde_json::json!(format!(
@@ -413,7 +429,8 @@ pub fn torch_tp_plan(d: &Degrees) -> Result<String, String> {
     }
     if d.context > 1 {
         return Err(format!(
-            "the plan is context parallel (Ulysses, {} ways): torch.distributed.tensor.parallel has no all-to-all between sequence and head shards (torch's context_parallel runs ring attention); use the Megatron-LM or DeepSpeed export",
+            "the plan is context parallel ({}, {} ways): torch.distributed.tensor.parallel splits no sequence of attention (torch.distributed.tensor.experimental.context_parallel runs ring attention beside it, not part of this export); use the Megatron-LM or DeepSpeed export",
+            if d.ring { "ring attention" } else { "Ulysses" },
             d.context
         ));
     }

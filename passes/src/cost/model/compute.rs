@@ -214,7 +214,11 @@ impl<'a> CostModel<'a> {
         let (fwd_eff, bwd_eff) = match &node.op {
             Op::ConvGradInput(_) | Op::ConvGradWeight(_) => (eff * d.conv_grad_efficiency, eff),
             // A fused attention kernel at its own published rate.
-            Op::Attention(_) => (or_gemm(d.attention_efficiency[0]), or_gemm(d.attention_efficiency[1])),
+            Op::Attention(_) | Op::AttentionBlock(_) => {
+                (or_gemm(d.attention_efficiency[0]), or_gemm(d.attention_efficiency[1]))
+            }
+            // Flash attention's backward kernel, at the published backward rate.
+            Op::AttentionGrad(_) => (or_gemm(d.attention_efficiency[1]), or_gemm(d.attention_efficiency[1])),
             _ => (eff, eff * grad_rate),
         };
         let bwd_flops = (c.bwd_data_flops + c.bwd_weight_flops) / f;

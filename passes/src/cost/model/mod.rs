@@ -33,8 +33,8 @@ use std::sync::Arc;
 
 mod compute;
 mod edges;
-mod ring;
 mod evaluate;
+mod ring;
 mod sync;
 
 /// Arithmetic precision of training.
