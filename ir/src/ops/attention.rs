@@ -119,10 +119,10 @@ impl OpRules for op::Attention {
             1.0
         };
         let fwd = kept * (2.0 * (rows * total) as f64 * (d + dv) as f64 + 5.0 * (rows * total) as f64);
-        // A plain attention's gradient is one `AttentionGrad`: `QKᵀ` for the log-sum-exp and
-        // again for the probabilities, then `dY·Vᵀ`, `Pᵀ·dY`, `dS·K`, `dSᵀ·Q` (ir/src/ops/flash.rs).
-        let times = if flash_grad(self, cx.g.node(cx.n), q.len()) { 3.0 } else { 2.5 };
-        Some(Work { fwd_flops: fwd, backward: super::Backward::Times(times), launches: 1.0, parallel: None })
+        // (Flash attention's backward as frameworks run it, the log-sum-exp kept from the
+        // forward. shardc's own `AttentionGrad` computes it again — ONNX's op does not
+        // output it — and the training graph prices that op as it runs: 3 times.)
+        Some(Work { fwd_flops: fwd, backward: super::Backward::Times(2.5), launches: 1.0, parallel: None })
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {

@@ -272,7 +272,7 @@ impl<'a> CostModel<'a> {
             Some(SplitMode::Ring { axis }) => {
                 let imbalance = ring::ring_imbalance(&node.op, self.mesh.axes[*axis].size);
                 let (d, dv) = self.head_sizes(n);
-                let again = ring::ring_grad_factor(d, dv);
+                let again = ring::ring_grad_factor(&node.op, d, dv);
                 match node.op {
                     Op::AttentionGrad(_) => (fwd * imbalance * again, bwd),
                     _ => (fwd * imbalance, bwd * imbalance * again),

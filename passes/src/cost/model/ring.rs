@@ -41,11 +41,17 @@ pub fn ring_imbalance(op: &Op, c: usize) -> f64 {
     if causal && c > 0 { (2 * c - 1) as f64 / c as f64 } else { 1.0 }
 }
 
-/// The extra work of a ring gradient over one `AttentionGrad` (which computes each row's
-/// log-sum-exp with one pass of `QKᵀ`): the ring recomputes the forward blocks for it, `PV`
-/// too — `(4·QK + 3·PV) / (4·QK + 2·PV)` for head sizes `d`, `dv`.
-pub fn ring_grad_factor(d: f64, dv: f64) -> f64 {
-    if d + dv <= 0.0 { 1.0 } else { (8.0 * d + 6.0 * dv) / (8.0 * d + 4.0 * dv) }
+/// The extra work of a ring gradient: the ring recomputes the forward blocks for each row's
+/// log-sum-exp (`QKᵀ` and `PV`) before the gradient's blocks (`QKᵀ` again, `dY·Vᵀ`, `Pᵀ·dY`,
+/// `dS·K`, `dSᵀ·Q`) — `4·QK + 3·PV` — against what the op is priced at alone: a forward
+/// attention's backward as flash attention runs it (`3·QK + 2·PV`), an `AttentionGrad`
+/// computing the log-sum-exp itself (`4·QK + 2·PV`). Head sizes `d`, `dv`.
+pub fn ring_grad_factor(op: &Op, d: f64, dv: f64) -> f64 {
+    let alone = match op {
+        Op::AttentionGrad(_) => 8.0 * d + 4.0 * dv,
+        _ => 6.0 * d + 4.0 * dv,
+    };
+    if alone <= 0.0 { 1.0 } else { (8.0 * d + 6.0 * dv) / alone }
 }
 
 impl CostModel<'_> {
