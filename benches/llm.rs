@@ -17,7 +17,9 @@
 //! batch 280; 1T TP8 × PP64 on 512 at batch 512. torchtitan (Liang et al. 2024, H100, bf16,
 //! sequence 8192): Llama 3.1 8B FSDP on 8 (local batch 2, selective) and on 128 (local batch
 //! 2); 70B FSDP 32 × TP 8 on 256 (local batch 16, full recomputation); 405B FSDP 8 × TP 8 ×
-//! PP 8 interleaved on 512 (global batch 256, full recomputation); torchtitan's attention is
+//! PP 8 interleaved on 512 (global batch 256, full recomputation); 8B at sequence 131,072 on 8
+//! as FSDP 2 × context 4 with ring attention (global batch 2, full recomputation; torchtitan's
+//! long-context run); torchtitan's attention is
 //! PyTorch's fused scaled-dot-product kernel (`flash`: priced on the graph with its
 //! attentions fused), Korthikanti et al.'s is not.
 
@@ -93,6 +95,13 @@ const CASES: &[Case] = &[
         cluster: "h100-cluster-32",
         devices: 256,
         hand: "dp=32,tp=8,zero=3,mbs=16,recompute=full,sp,flash",
+    },
+    Case {
+        name: "llama3-8b-131k-8",
+        model: || Llama::llama3_8b(2, 131_072).to_text(),
+        cluster: "dgx-h100",
+        devices: 8,
+        hand: "dp=2,cp=4,cp_comm=p2p,recompute=full,zero=3,flash",
     },
     Case {
         name: "llama3-405b-512",

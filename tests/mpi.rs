@@ -104,8 +104,9 @@ fn mpi_training_equals_the_threads_transport_for_every_plan_kind() {
 }
 
 /// Context parallelism's all-to-alls over MPI: a reduced Llama (attention fused) under
-/// data × context and context × tensor on 4 ranks trains bit for bit as the threads
-/// transport does, and equal to one device.
+/// data × context and context × tensor on 4 ranks — and ring attention's point-to-point
+/// passes under data × ring — trains bit for bit as the threads transport does, and equal to
+/// one device.
 #[test]
 fn mpi_context_parallel_training_equals_the_threads_transport() {
     if !mpirun_available() {
@@ -118,7 +119,7 @@ fn mpi_context_parallel_training_equals_the_threads_transport() {
     let o = shardc().arg("parse").arg(&model).args(["--passes", passes, "-o"]).arg(&fused).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let args = [fused.to_str().unwrap(), "--loss", "mse"];
-    for plan in ["context:dp:2", "context:tp:2"] {
+    for plan in ["context:dp:2", "context:tp:2", "context:ring:dp:2"] {
         same_under_both_with("llama", &args, &["--strategy", plan], &dir);
     }
     std::fs::remove_dir_all(&dir).ok();

@@ -82,16 +82,18 @@ fn named_strategies_of_a_gpt_and_a_llama_verify() {
     }
 }
 
-/// Fused attention (`Attention` ops, grouped query heads in the Llama): split by batch, by
-/// heads (tensor parallelism) and under sequence parallelism, forward and backward.
+/// Fused attention (`Attention` ops and their `AttentionGrad`, grouped query heads in the
+/// Llama): split by batch, by heads (tensor parallelism) and under sequence parallelism,
+/// forward and backward.
 #[test]
 fn plans_with_fused_attention_verify() {
     let gpt = shardc::synthetic::Gpt { layers: 2, hidden: 64, heads: 4, batch: 4, seq: 32, fused_gelu: true, vocab: 0 };
     let llama = shardc::synthetic::Llama::reduced(2, 4, 32);
     for (name, text) in [("gpt", gpt.to_text()), ("llama", llama.to_text())] {
         let g = training_graph_with(&text, true);
-        let fused = g.op_nodes().unwrap().into_iter().filter(|&n| g.node(n).op.op_type() == "Attention").count();
-        assert!(fused >= 4, "{name}: {fused} Attention ops (forward and backward)");
+        let count = |t: &str| g.op_nodes().unwrap().into_iter().filter(|&n| g.node(n).op.op_type() == t).count();
+        let (fwd, bwd) = (count("Attention"), count("AttentionGrad"));
+        assert!(fwd >= 2 && bwd >= 2, "{name}: {fwd} Attention and {bwd} AttentionGrad ops");
         for plan in PLANS {
             let (g, p) = plan_program(&g, plan);
             if let Err(e) = verify(&g, &p) {
