@@ -56,6 +56,11 @@ impl Ring {
         !self.causal || src <= self.d
     }
 
+    /// The mask attributes of the block of `src`'s keys: causal, the offsets, the scale.
+    fn mask(&self, src: usize) -> (Option<i64>, Option<i64>, Option<i64>, Option<f32>) {
+        (Some(i64::from(self.causal)), Some(self.start as i64), Some((src * self.n) as i64), self.scale)
+    }
+
     fn tag(&self, pass: usize, r: usize, what: usize) -> i64 {
         TAG_BASE + ((self.node.index() as i64 * 4 + pass as i64) * 4096 + r as i64) * 4 + what as i64
     }
@@ -75,6 +80,23 @@ fn pass(l: &mut Local<'_>, ring: &Ring, x: Value, piece: &Piece, tag: i64, base:
     let recv =
         o::Recv { dtype: Some(piece.dtype), peer: Some(ring.prev), shape: Some(piece.shape.clone()), tag: Some(tag) };
     l.emit(Op::Recv(recv), vec![], &[name])[0]
+}
+
+/// Step `r` of ring `pass_no`: the keys and values held, `kv`, passed on and the next
+/// received (none after the last step).
+fn rotate(
+    l: &mut Local<'_>,
+    ring: &Ring,
+    (k, v): (Value, Value),
+    pass_no: usize,
+    r: usize,
+    base: &str,
+) -> Option<(Value, Value)> {
+    (r + 1 < ring.c).then(|| {
+        let kn = pass(l, ring, k, &ring.k, ring.tag(pass_no, r, 0), &format!("{base}__ring_k"));
+        let vn = pass(l, ring, v, &ring.v, ring.tag(pass_no, r, 1), &format!("{base}__ring_v"));
+        (kn, vn)
+    })
 }
 
 /// The local piece of input `j` of `n` under strategy `s`.
@@ -132,19 +154,10 @@ fn forward_ring(
     let mut acc: Option<(Value, Value)> = None;
     for r in 0..ring.c {
         let src = ring.src(r);
-        let mut next = None;
-        if r + 1 < ring.c {
-            let kn = pass(l, ring, kc, &ring.k, ring.tag(pass_no, r, 0), &format!("{base}__ring_k"));
-            let vn = pass(l, ring, vc, &ring.v, ring.tag(pass_no, r, 1), &format!("{base}__ring_v"));
-            next = Some((kn, vn));
-        }
+        let next = rotate(l, ring, (kc, vc), pass_no, r, base);
         if ring.sees(src) {
-            let op = o::AttentionBlock {
-                is_causal: Some(i64::from(ring.causal)),
-                q_offset: Some(ring.start as i64),
-                k_offset: Some((src * ring.n) as i64),
-                scale: ring.scale,
-            };
+            let (is_causal, q_offset, k_offset, scale) = ring.mask(src);
+            let op = o::AttentionBlock { is_causal, q_offset, k_offset, scale };
             let mut ins = vec![Some(q), Some(kc), Some(vc)];
             if let Some((y, lse)) = acc {
                 ins.extend([Some(y), Some(lse)]);
@@ -191,19 +204,10 @@ pub(super) fn emit(
     let mut sums: Option<(Value, Value)> = None;
     for r in 0..ring.c {
         let src = ring.src(r);
-        let mut next = None;
-        if r + 1 < ring.c {
-            let kn = pass(l, &ring, kc, &ring.k, ring.tag(2, r, 0), &format!("{base}__ring_k"));
-            let vn = pass(l, &ring, vc, &ring.v, ring.tag(2, r, 1), &format!("{base}__ring_v"));
-            next = Some((kn, vn));
-        }
+        let next = rotate(l, &ring, (kc, vc), 2, r, &base);
         if ring.sees(src) {
-            let op = o::AttentionGrad {
-                is_causal: Some(i64::from(ring.causal)),
-                q_offset: Some(ring.start as i64),
-                k_offset: Some((src * ring.n) as i64),
-                scale: ring.scale,
-            };
+            let (is_causal, q_offset, k_offset, scale) = ring.mask(src);
+            let op = o::AttentionGrad { is_causal, q_offset, k_offset, scale };
             let names = ["dq", "dk", "dv"].map(|w| l.fresh(&format!("{base}__block_{w}")));
             let ins = [q, kc, vc, dy, y, lse].map(Some).to_vec();
             let g = l.emit(Op::AttentionGrad(op), ins, &names);

@@ -85,6 +85,19 @@ fn pieces(cx: &Cx<'_>, ins: &[Option<Fact>], what: &str) -> Result<Pieces, Why> 
     Ok(Pieces { shapes, terms: [q.term, k.term, v.term], rq: q.region[2], rk: k.region[2], b: q.region[0], qh, kh })
 }
 
+impl Pieces {
+    /// The op's mask offsets place its query rows and key rows where they are.
+    fn placed(&self, what: &str, q_offset: Option<i64>, k_offset: Option<i64>) -> Result<(), Why> {
+        if q_offset.unwrap_or(0) != self.rq.0 || k_offset.unwrap_or(0) != self.rk.0 {
+            return wrong(format!(
+                "{what}'s offsets ({q_offset:?}, {k_offset:?}) do not place its queries {:?} and keys {:?}",
+                self.rq, self.rk
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The key rows query rows `rq` may see of `total`: all, or under a causal mask those before
 /// the rows' end.
 fn visible_keys(causal: bool, rq: (i64, i64), total: i64) -> (i64, i64) {
@@ -137,12 +150,7 @@ fn covered(cx: &Cx<'_>, t: TermId, base: &str, terms: &[TermId; 3]) -> Option<Ve
 /// `AttentionBlock` on pieces.
 pub fn block(cx: &mut Cx<'_>, op: &o::AttentionBlock, ins: &[Option<Fact>]) -> Out {
     let p = pieces(cx, ins, "AttentionBlock")?;
-    if op.q_offset.unwrap_or(0) != p.rq.0 || op.k_offset.unwrap_or(0) != p.rk.0 {
-        return wrong(format!(
-            "AttentionBlock's offsets ({:?}, {:?}) do not place its queries {:?} and keys {:?}",
-            op.q_offset, op.k_offset, p.rq, p.rk
-        ));
-    }
+    p.placed("AttentionBlock", op.q_offset, op.k_offset)?;
     let causal = op.is_causal.unwrap_or(0) != 0;
     let total = p.shapes[1][2];
     let base = attention_key(causal, op.scale);
@@ -189,12 +197,7 @@ fn lse_term(cx: &mut Cx<'_>, base: &str, terms: &[TermId; 3], shape: &[i64]) -> 
 /// `AttentionGrad` on pieces.
 pub fn grad(cx: &mut Cx<'_>, n: NodeId, op: &o::AttentionGrad, ins: &[Option<Fact>]) -> Out {
     let p = pieces(cx, ins, "AttentionGrad")?;
-    if op.q_offset.unwrap_or(0) != p.rq.0 || op.k_offset.unwrap_or(0) != p.rk.0 {
-        return wrong(format!(
-            "AttentionGrad's offsets ({:?}, {:?}) do not place its queries {:?} and keys {:?}",
-            op.q_offset, op.k_offset, p.rq, p.rk
-        ));
-    }
+    p.placed("AttentionGrad", op.q_offset, op.k_offset)?;
     let causal = op.is_causal.unwrap_or(0) != 0;
     let (sq, sk) = (p.shapes[0][2], p.shapes[1][2]);
     let rows: Region = vec![p.b, p.qh, p.rq];
