@@ -248,13 +248,14 @@ impl<'a> CostModel<'a> {
     /// bytes on one device for a micro-batch of `1/k` of the batch: a mixture of experts' per
     /// routed pair it reads (every gathered pair, those routed to other devices' experts too),
     /// as the WGSL kernels hold it in f32 — the gate and up halves (`MoE`); those, the down
-    /// gradient and the gate-and-up gradient (`MoEGrad`, or `MoE` with `backward`).
+    /// gradient and the gate-and-up gradient (`MoEGrad`, or `MoE` with `backward`); ring
+    /// attention's blocks in flight ([`CostModel::ring_scratch`]).
     pub(super) fn scratch(&self, n: NodeId, strategy: &[Option<usize>], backward: bool, k: f64) -> f64 {
         let node = self.g.node(n);
         let (slot, w2, per_pair) = match node.op {
             Op::MoE(_) => (1, node.input(4), if backward { 5.0 } else { 2.0 }),
             Op::MoEGrad(_) => (2, node.input(5), 5.0),
-            _ => return 0.0,
+            _ => return self.ring_scratch(n, strategy, backward, k),
         };
         let (Some(ids), Some(w2)) = (node.input(slot), w2) else { return 0.0 };
         let (ins, _) = ir::shard::strategy_shardings(self.space(n), strategy);

@@ -110,3 +110,32 @@ impl CostModel<'_> {
         out
     }
 }
+
+impl CostModel<'_> {
+    /// The buffers ring attention holds beyond the op's outputs under `strategy` (0 unless it
+    /// splits the sequence), bytes on one device for a micro-batch of `1/k` of the batch: the
+    /// keys and values received while the held ones are in use (forward); those and the
+    /// running sums of their gradients, sent on as they are received, and the query rows'
+    /// gradient summed over the blocks (`backward`, or the gradient op itself).
+    pub(super) fn ring_scratch(&self, n: NodeId, strategy: &[Option<usize>], backward: bool, k: f64) -> f64 {
+        let node = self.g.node(n);
+        if !matches!(node.op, Op::Attention(_) | Op::AttentionGrad(_)) {
+            return 0.0;
+        }
+        let sp = self.space(n);
+        let ringed = strategy.iter().enumerate().any(|(a, d)| {
+            d.is_some_and(|i| sp.dims.get(i).is_some_and(|x| x.role == ir::shard::DimRole::Sequence))
+                && self.mesh.axes.get(a).is_some_and(|x| x.size > 1)
+        });
+        if !ringed {
+            return 0.0;
+        }
+        let (ins, _) = ir::shard::strategy_shardings(sp, strategy);
+        let local = |j: usize| -> f64 {
+            let (Some(v), Some(Some(l))) = (node.input(j), ins.get(j)) else { return 0.0 };
+            self.value_bytes(v) / split_factor(l, &self.mesh) / k.max(1.0)
+        };
+        let kv = local(1) + local(2);
+        if backward || matches!(node.op, Op::AttentionGrad(_)) { 4.0 * kv + local(0) } else { 2.0 * kv }
+    }
+}
