@@ -560,3 +560,26 @@ fn ring_attention_trains_on_wgpu_like_one_device() {
         assert!(r <= 1.0, "ring on wgpu {what}: {r:.2}× the tolerance at {at}");
     }
 }
+
+/// Ring attention needs no head count the devices divide: the reduced Llama's 4 query heads
+/// (2 key/value heads) keep Ulysses to 4 devices, while the ring splits its sequence over 8 —
+/// proved, and trained as one device trains.
+#[test]
+fn ring_attention_splits_the_sequence_over_more_devices_than_heads() {
+    let (g, info) = llama(96);
+    let cluster = Cluster::preset("local-wgpu").expect("preset");
+    let e = shardc::exec::named_result(&g, &cluster, 8, "context", &Options::default()).map(|_| ()).unwrap_err();
+    assert!(e.contains("heads"), "{e}");
+    let p = program(&g, "context:ring", 8);
+    assert!(p.fallbacks.is_empty(), "{:?}", p.fallbacks);
+    let lg = &p.devices[7].graph;
+    let block = ring_blocks(&p, 7)[0];
+    let q = lg.tensor_type(lg.node(block).input(0).unwrap()).and_then(|t| t.static_dims()).unwrap();
+    assert_eq!(q, vec![1, 4, 12, 16], "device 7's queries: all heads, 12 of 96 positions");
+    assert_eq!(ring_blocks(&p, 7).len(), 2 * 2 * 8, "device 7 sees all 8 blocks, forward and backward, 2 layers");
+    verify(&g, &p).unwrap_or_else(|e| panic!("not proved: {e}"));
+    let inputs = shardc::train::seeded_inputs(&g, &info, 3).expect("inputs");
+    let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, 2).expect("one device");
+    let eight = shardc::train::run_steps(&p, &info, &inputs, Backend::Cpu, 2).expect("ring 8");
+    assert_trains_like(&eight, &one, "ring 8");
+}
