@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use shardc::codegen::{Backend, Program, verify};
 use shardc::ir::Op;
@@ -56,12 +56,27 @@ fn attention_query(p: &Program, device: usize) -> Vec<i64> {
 
 /// Trained gradients and parameters `got` within (1e-4, 1e-5) of one device's, `one`.
 fn assert_trains_like(got: &shardc::train::TrainRun, one: &shardc::train::TrainRun, label: &str) {
+    assert_trains_within(got, one, label, (1e-4, 1e-5));
+}
+
+/// [`assert_trains_like`] within `tol` (relative, absolute).
+fn assert_trains_within(got: &shardc::train::TrainRun, one: &shardc::train::TrainRun, label: &str, tol: (f64, f64)) {
     for (what, a, b) in
         [("gradients", &got.gradients, &one.gradients), ("parameters", &got.parameters, &one.parameters)]
     {
-        let (r, at) = shardc::train::worst(a, b, (1e-4, 1e-5));
+        let (r, at) = shardc::train::worst(a, b, tol);
         assert!(r <= 1.0, "{label} {what}: {r:.2}× the tolerance at {at}");
     }
+}
+
+/// `steps` training steps of `g` on one device, on the CPU executor.
+fn one_device(
+    g: &shardc::ir::Graph,
+    info: &TrainInfo,
+    inputs: &HashMap<String, shardc::ir::eval::Array>,
+    steps: usize,
+) -> shardc::train::TrainRun {
+    shardc::train::run_steps(&program(g, "data", 1), info, inputs, Backend::Cpu, steps).expect("one device")
 }
 
 /// Per kind, the collectives device 0 runs.
@@ -100,7 +115,7 @@ fn ulysses_splits_the_sequence_and_attention_by_heads_and_trains_like_one_device
     assert_eq!(attention_query(&p, 1), vec![1, 1, 96, 16], "the query of device 1's attention");
     verify(&g, &p).unwrap_or_else(|e| panic!("not proved: {e}"));
     let inputs = shardc::train::seeded_inputs(&g, &info, 5).expect("inputs");
-    let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, 3).expect("one device");
+    let one = one_device(&g, &info, &inputs, 3);
     let four = shardc::train::run_steps(&p, &info, &inputs, Backend::Cpu, 3).expect("context 4");
     assert_trains_like(&four, &one, "context 4");
     for (a, b) in four.losses.iter().zip(&one.losses) {
@@ -242,7 +257,7 @@ fn data_times_context_trains_like_one_device() {
     assert_eq!(attention_query(&p, 1), vec![1, 2, 32, 16], "the query of device 1's attention");
     verify(&g, &p).unwrap_or_else(|e| panic!("not proved: {e}"));
     let inputs = shardc::train::seeded_inputs(&g, &info, 7).expect("inputs");
-    let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, 3).expect("one device");
+    let one = one_device(&g, &info, &inputs, 3);
     let four = shardc::train::run_steps(&p, &info, &inputs, Backend::Cpu, 3).expect("dp 2 × cp 2");
     assert_trains_like(&four, &one, "dp 2 × cp 2");
     let config = shardc::passes::autoshard::config::Config::parse("dp=2,cp=2").unwrap();
@@ -341,7 +356,7 @@ fn a_context_parallel_output_stays_on_its_sequence_shards() {
 fn context_times_tensor_trains_like_one_device() {
     let (g, info) = llama_batch(2, 32);
     let inputs = shardc::train::seeded_inputs(&g, &info, 11).expect("inputs");
-    let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, 2).expect("one device");
+    let one = one_device(&g, &info, &inputs, 2);
     for (strategy, devices) in [("context:tp:2", 4), ("context:dp:2,tp:2", 8)] {
         let p = program(&g, strategy, devices);
         let kinds = collectives(&p);
@@ -371,7 +386,7 @@ fn a_long_sequence_trains_under_context_parallelism_like_one_device() {
     let (g, info) = llama_batch(1, seq);
     let inputs = shardc::train::seeded_inputs(&g, &info, 13).expect("inputs");
     let steps = 5;
-    let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, steps).expect("one");
+    let one = one_device(&g, &info, &inputs, steps);
     for strategy in ["context", "context:tp:2", "context:ring", "context:ring:tp:2"] {
         let p = program(&g, strategy, 4);
         assert!(p.fallbacks.is_empty(), "{strategy}: {:?}", p.fallbacks);
@@ -461,15 +476,12 @@ fn ring_attention_passes_keys_and_values_around_and_trains_like_one_device() {
     assert_eq!(kinds.get("Send"), kinds.get("Recv"), "{kinds:?}");
     assert!(!kinds.contains_key("AllToAll"), "no Ulysses exchange: {kinds:?}");
     // Each device's attention queries are its quarter of the sequence, all heads.
-    let blocks = |d: usize| {
-        let lg = &p.devices[d].graph;
-        lg.op_nodes().unwrap().into_iter().filter(|&n| matches!(lg.node(n).op, Op::AttentionBlock(_))).count()
-    };
+    let blocks = |d: usize| ring_blocks(&p, d).len();
     // Forward and the backward's log-sum-exp ring: device d sees blocks 0..=d.
     assert_eq!((0..4).map(blocks).collect::<Vec<_>>(), [1, 2, 3, 4].map(|b| 2 * layers * b), "blocks per device");
     verify(&g, &p).unwrap_or_else(|e| panic!("not proved: {e}"));
     let inputs = shardc::train::seeded_inputs(&g, &info, 5).expect("inputs");
-    let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, 3).expect("one device");
+    let one = one_device(&g, &info, &inputs, 3);
     let four = shardc::train::run_steps(&p, &info, &inputs, Backend::Cpu, 3).expect("ring 4");
     assert_trains_like(&four, &one, "ring 4");
     let config = shardc::passes::autoshard::config::Config::parse("cp=4,cp_comm=p2p").unwrap();
@@ -484,7 +496,7 @@ fn ring_attention_passes_keys_and_values_around_and_trains_like_one_device() {
 fn ring_attention_beside_data_and_tensor_parallelism_trains_like_one_device() {
     let (g, info) = llama_batch(2, 32);
     let inputs = shardc::train::seeded_inputs(&g, &info, 11).expect("inputs");
-    let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, 2).expect("one device");
+    let one = one_device(&g, &info, &inputs, 2);
     for strategy in ["context:ring:dp:2", "context:ring:tp:2"] {
         let p = program(&g, strategy, 4);
         assert!(p.fallbacks.is_empty(), "{strategy}: {:?}", p.fallbacks);
@@ -547,18 +559,13 @@ fn ring_attention_trains_on_wgpu_like_one_device() {
     let (g, info) = llama(32);
     let p = program(&g, "context:ring", 4);
     let inputs = shardc::train::seeded_inputs(&g, &info, 5).expect("inputs");
-    let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, 2).expect("one device");
+    let one = one_device(&g, &info, &inputs, 2);
     let got = shardc::train::run_steps(&p, &info, &inputs, Backend::Wgpu, 2).expect("ring 4 on wgpu");
     for d in &got.report.devices {
         let host = &d.host_ops;
         assert!(!host.contains_key("AttentionBlock") && !host.contains_key("AttentionGrad"), "on the host: {host:?}");
     }
-    for (what, a, b) in
-        [("gradients", &got.gradients, &one.gradients), ("parameters", &got.parameters, &one.parameters)]
-    {
-        let (r, at) = shardc::train::worst(a, b, (1e-3, 1e-5));
-        assert!(r <= 1.0, "ring on wgpu {what}: {r:.2}× the tolerance at {at}");
-    }
+    assert_trains_within(&got, &one, "ring on wgpu", (1e-3, 1e-5));
 }
 
 /// Ring attention needs no head count the devices divide: the reduced Llama's 4 query heads
@@ -579,7 +586,7 @@ fn ring_attention_splits_the_sequence_over_more_devices_than_heads() {
     assert_eq!(ring_blocks(&p, 7).len(), 2 * 2 * 8, "device 7 sees all 8 blocks, forward and backward, 2 layers");
     verify(&g, &p).unwrap_or_else(|e| panic!("not proved: {e}"));
     let inputs = shardc::train::seeded_inputs(&g, &info, 3).expect("inputs");
-    let one = shardc::train::run_steps(&program(&g, "data", 1), &info, &inputs, Backend::Cpu, 2).expect("one device");
+    let one = one_device(&g, &info, &inputs, 2);
     let eight = shardc::train::run_steps(&p, &info, &inputs, Backend::Cpu, 2).expect("ring 8");
     assert_trains_like(&eight, &one, "ring 8");
 }

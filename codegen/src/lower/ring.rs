@@ -67,7 +67,6 @@ impl Ring {
 }
 
 /// A tensor that travels the ring: its local shape and element type.
-#[derive(Clone)]
 struct Piece {
     shape: Vec<i64>,
     dtype: i64,
@@ -114,11 +113,8 @@ fn piece(l: &Local<'_>, n: NodeId, sp: &IterSpace, s: &[Option<usize>], j: usize
 fn place(l: &Local<'_>, n: NodeId, sp: &IterSpace, s: &[Option<usize>], axis: usize) -> Result<Ring, LowerError> {
     let g = l.g;
     let node = g.node(n);
-    let (causal, scale) = match &node.op {
-        Op::Attention(a) => (a.is_causal, a.scale),
-        Op::AttentionGrad(a) => (a.is_causal, a.scale),
-        _ => return Err(l.err(Some(n), LowerErrorKind::Graph, "ring attention of an op that is not attention")),
-    };
+    let (causal, scale) = ir::ops::flash::ring_mask(&node.op)
+        .ok_or_else(|| l.err(Some(n), LowerErrorKind::Graph, "ring attention of an op that is not attention"))?;
     let q = node.input(0).ok_or_else(|| l.err(Some(n), LowerErrorKind::Graph, "attention without queries"))?;
     let seq = *l.micro_dims(q)?.get(2).ok_or_else(|| l.err(Some(n), LowerErrorKind::Graph, "attention not 4-D"))?;
     let (layouts, _) = strategy_shardings(sp, s);
@@ -133,7 +129,7 @@ fn place(l: &Local<'_>, n: NodeId, sp: &IterSpace, s: &[Option<usize>], axis: us
         prev: group[(d + c - 1) % c],
         n: end - start,
         start,
-        causal: causal.unwrap_or(0) != 0,
+        causal,
         scale,
         node: n,
         k: piece(l, n, sp, s, 1)?,

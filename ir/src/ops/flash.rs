@@ -209,6 +209,18 @@ pub fn grad(
     (dq, dk, dvv)
 }
 
+/// Whether attention op `op` (`Attention` or `AttentionGrad`, the ops whose sequence splits as
+/// ring attention) is causal, and its scale; `None` for other ops.
+pub fn ring_mask(op: &crate::op::Op) -> Option<(bool, Option<f32>)> {
+    use crate::op::Op;
+    let (causal, scale) = match op {
+        Op::Attention(a) => (a.is_causal, a.scale),
+        Op::AttentionGrad(a) => (a.is_causal, a.scale),
+        _ => return None,
+    };
+    Some((causal.unwrap_or(0) != 0, scale))
+}
+
 /// The operands `0..n` as `f64`, and the shape.
 fn operands(cx: &EvalCx<'_>, n: usize) -> Result<(Shape, Vec<Vec<f64>>)> {
     let (q, k, v) = (cx.req(0)?, cx.req(1)?, cx.req(2)?);

@@ -33,11 +33,7 @@ pub fn ring_passes(op: &Op, c: usize) -> (RingPasses, RingPasses) {
 /// split's: `(2c − 1) / c` when causal (device `c − 1` runs `c − ½` of the `c²/2` blocks'
 /// worth), 1 otherwise.
 pub fn ring_imbalance(op: &Op, c: usize) -> f64 {
-    let causal = match op {
-        Op::Attention(a) => a.is_causal.unwrap_or(0) != 0,
-        Op::AttentionGrad(a) => a.is_causal.unwrap_or(0) != 0,
-        _ => false,
-    };
+    let causal = ir::ops::flash::ring_mask(op).is_some_and(|(causal, _)| causal);
     if causal && c > 0 { (2 * c - 1) as f64 / c as f64 } else { 1.0 }
 }
 
@@ -70,12 +66,7 @@ impl CostModel<'_> {
     pub(super) fn ring_steps(&self, n: NodeId, axis: usize, f: f64, ins: &[Option<Sharding>]) -> Vec<(Phase, Step)> {
         let node = self.g.node(n);
         let c = self.mesh.axes[axis].size;
-        let local = |j: usize| -> f64 {
-            let (Some(v), Some(Some(layout))) = (node.input(j), ins.get(j)) else { return 0.0 };
-            let (dims, eb) = self.value_shape(v);
-            ir::reshard::local_dims(&dims, layout, &self.mesh).iter().map(|&e| e as f64).product::<f64>() * eb
-        };
-        let moved = local(1) + local(2);
+        let moved = self.local_input(n, ins, 1) + self.local_input(n, ins, 2);
         if c < 2 || moved <= 0.0 {
             return Vec::new();
         }
@@ -103,39 +94,36 @@ impl CostModel<'_> {
         let (fwd, bwd) = ring_passes(&node.op, c);
         let mut out = Vec::new();
         for (phase, passes, per_block) in [(Phase::Forward, fwd, block), (Phase::Backward, bwd, 2.5 * block)] {
-            let per_block = if matches!(node.op, Op::AttentionGrad(_)) { block } else { per_block };
             let exposed = (transfer - hidden(per_block)).max(0.0);
             out.extend(std::iter::repeat_n((phase, step(exposed)), passes.kv + passes.grads));
         }
         out
     }
-}
 
-impl CostModel<'_> {
+    /// The bytes of input `j` of op `n` on one device with its inputs laid out as `ins`.
+    fn local_input(&self, n: NodeId, ins: &[Option<Sharding>], j: usize) -> f64 {
+        match (self.g.node(n).input(j), ins.get(j)) {
+            (Some(v), Some(Some(layout))) => self.value_bytes(v) / split_factor(layout, &self.mesh),
+            _ => 0.0,
+        }
+    }
+
     /// The buffers ring attention holds beyond the op's outputs under `strategy` (0 unless it
     /// splits the sequence), bytes on one device for a micro-batch of `1/k` of the batch: the
     /// keys and values received while the held ones are in use (forward); those and the
     /// running sums of their gradients, sent on as they are received, and the query rows'
     /// gradient summed over the blocks (`backward`, or the gradient op itself).
     pub(super) fn ring_scratch(&self, n: NodeId, strategy: &[Option<usize>], backward: bool, k: f64) -> f64 {
-        let node = self.g.node(n);
-        if !matches!(node.op, Op::Attention(_) | Op::AttentionGrad(_)) {
-            return 0.0;
-        }
+        let op = &self.g.node(n).op;
         let sp = self.space(n);
-        let ringed = strategy.iter().enumerate().any(|(a, d)| {
-            d.is_some_and(|i| sp.dims.get(i).is_some_and(|x| x.role == ir::shard::DimRole::Sequence))
-                && self.mesh.axes.get(a).is_some_and(|x| x.size > 1)
-        });
-        if !ringed {
+        if ir::ops::flash::ring_mask(op).is_none()
+            || !matches!(split_mode(self.g, n, sp, strategy, &self.mesh), Ok(SplitMode::Ring { .. }))
+        {
             return 0.0;
         }
         let (ins, _) = ir::shard::strategy_shardings(sp, strategy);
-        let local = |j: usize| -> f64 {
-            let (Some(v), Some(Some(l))) = (node.input(j), ins.get(j)) else { return 0.0 };
-            self.value_bytes(v) / split_factor(l, &self.mesh) / k.max(1.0)
-        };
+        let local = |j: usize| self.local_input(n, &ins, j) / k.max(1.0);
         let kv = local(1) + local(2);
-        if backward || matches!(node.op, Op::AttentionGrad(_)) { 4.0 * kv + local(0) } else { 2.0 * kv }
+        if backward || matches!(op, Op::AttentionGrad(_)) { 4.0 * kv + local(0) } else { 2.0 * kv }
     }
 }
