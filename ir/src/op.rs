@@ -533,8 +533,15 @@ define_ops! {
     RotaryEmbedding = "RotaryEmbedding", Other { interleaved: int = 0, num_heads: int, rotary_embedding_dim: int = 0 };
     /// The experts of a sparse mixture of experts: X [T, H], ids [T, k], w [T, k],
     /// W1 [E, 2I, H], W2 [E, H, I] → Y [T, H], each token through the SiLU-gated MLPs of the
-    /// experts it was routed to, weighted and summed (ir/src/ops/experts.rs).
-    MoE = "MoE" in "shardc", Other { activation: string = "silu" };
+    /// experts it was routed to, weighted and summed (ir/src/ops/experts.rs). A
+    /// `capacity_factor` asks for the all-to-all token dispatcher when the experts split
+    /// (0: buffers for every pair that can be routed to a device, dropless).
+    MoE = "MoE" in "shardc", Other { activation: string = "silu", capacity_factor: float };
+    /// The all-to-all dispatcher's routing: ids [T, k] → the row of each routed pair in a
+    /// buffer of `parts` blocks of `capacity` rows (block `d` for the pairs of experts
+    /// `d·experts ..`), in order of the pairs, and each row's expert within its block (−1: an
+    /// empty row). A block that overflows is an error: no pair is dropped (ir/src/ops/experts.rs).
+    MoERoute = "MoERoute" in "shardc", Other { capacity: int, experts: int, parts: int };
     /// Attention of Q over one block of keys merged into a running output (ring attention's
     /// step): Q, K, V[, Y, LSE] → Y', LSE' — the softmax over the union of the keys seen so
     /// far, kept stable by each row's log-sum-exp. `q_offset` and `k_offset` place the
@@ -762,7 +769,7 @@ define_ops! {
     NegativeLogLikelihoodLossGrad = "NegativeLogLikelihoodLossGrad" in "shardc", Other { ignore_index: int, reduction: string = "mean" };
     /// The gradient of MoE: dY, X, ids, w, W1, W2 → dX, dw, dW1, dW2 (the products
     /// recomputed).
-    MoEGrad = "MoEGrad" in "shardc", Other { activation: string = "silu" };
+    MoEGrad = "MoEGrad" in "shardc", Other { activation: string = "silu", capacity_factor: float };
     /// The gradient of a plain 4-D Attention (no mask, cache, window or soft cap) as flash
     /// attention computes it: Q, K, V, dY, Y[, LSE] → dQ, dK, dV, the probabilities
     /// recomputed from each query row's log-sum-exp (`LSE [b, hq, sq]`: given, or computed

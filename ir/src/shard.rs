@@ -204,6 +204,12 @@ pub enum DimRole {
     /// The sequence of an attention's queries, keys and values at once: a split runs as ring
     /// attention (the keys and values passed around the devices).
     Sequence,
+    /// A mixture of experts' tokens and experts at once: a split divides both — each device
+    /// holds its tokens and its experts — and runs as the all-to-all token dispatcher (the
+    /// tokens sent to the devices holding their experts and their outputs sent back). Every
+    /// tensor of the op that follows another iteration dim follows this one too
+    /// ([`follows`]).
+    Dispatch,
     /// Anything else.
     Other,
 }
@@ -384,6 +390,15 @@ pub fn reshape_map(input: &[i64], output: &[i64]) -> Vec<Option<usize>> {
     m
 }
 
+/// Whether a tensor dim that follows iteration dim `m` is split by a split of iteration dim
+/// `i`: `m` is `i`, or `i` is a [`DimRole::Dispatch`] dim, which splits every tensor dim that
+/// follows another iteration dim of its op.
+pub fn follows(space: &IterSpace, m: Option<usize>, i: usize) -> bool {
+    m == Some(i)
+        || space.dims.get(i).is_some_and(|d| d.role == DimRole::Dispatch)
+            && m.is_some_and(|j| space.dims.get(j).is_some_and(|d| d.role != DimRole::Dispatch))
+}
+
 /// The shardings an op strategy needs on each input (per mesh axis) and produces on each
 /// output. `None` for an omitted input.
 pub fn strategy_shardings(space: &IterSpace, strategy: &[Option<usize>]) -> (Vec<Option<Sharding>>, Vec<Sharding>) {
@@ -392,7 +407,7 @@ pub fn strategy_shardings(space: &IterSpace, strategy: &[Option<usize>]) -> (Vec
             .iter()
             .map(|s| match s {
                 None => AxisShard::Replicate,
-                Some(i) => match map.iter().position(|m| *m == Some(*i)) {
+                Some(i) => match map.iter().position(|m| follows(space, *m, *i)) {
                     Some(t) => AxisShard::Split(t as u8),
                     None => on_missing,
                 },
@@ -422,7 +437,7 @@ pub fn strategy_shardings(space: &IterSpace, strategy: &[Option<usize>]) -> (Vec
                 .iter()
                 .map(|s| match s {
                     None => AxisShard::Replicate,
-                    Some(i) => match m.iter().position(|x| *x == Some(*i)) {
+                    Some(i) => match m.iter().position(|x| follows(space, *x, *i)) {
                         Some(t) => AxisShard::Split(t as u8),
                         None if matches!(space.dims[*i].kind, DimKind::Reduction | DimKind::Linear) => {
                             AxisShard::Partial

@@ -36,6 +36,32 @@ fn tokens(size: i64, kind: DimKind) -> IterDim {
     IterDim { name: "t".into(), size, kind, role: DimRole::Other }
 }
 
+/// The all-to-all dispatcher's dim, when the op asks for it (a `capacity_factor`): tokens and
+/// experts at once ([`DimRole::Dispatch`]); its size divides both, so a split of it divides
+/// both evenly.
+fn dispatch(factor: Option<f32>, t: i64, e: i64) -> Option<IterDim> {
+    fn gcd(a: i64, b: i64) -> i64 {
+        if b == 0 { a } else { gcd(b, a % b) }
+    }
+    factor.map(|_| IterDim { name: "x".into(), size: gcd(t, e), kind: DimKind::Parallel, role: DimRole::Dispatch })
+}
+
+/// The rows per device of the all-to-all dispatcher's buffers: each of `parts` devices holds
+/// `experts / parts` experts and `tokens` tokens routing `k` pairs each. Dropless (`factor`
+/// 0): every pair that can reach one device — `tokens · min(k, experts / parts)` (a token's
+/// `k` experts are distinct); else `factor` times an even share, `⌈factor · tokens · k /
+/// parts⌉`, at most that. The lowering sizes its buffers and the cost model its all-to-alls
+/// by this one function.
+pub fn dispatch_capacity(tokens: usize, k: usize, experts: usize, parts: usize, factor: f32) -> usize {
+    let per = experts / parts.max(1);
+    let dropless = tokens * k.min(per);
+    if factor <= 0.0 {
+        return dropless;
+    }
+    let share = (f64::from(factor) * (tokens * k) as f64 / parts.max(1) as f64).ceil() as usize;
+    share.clamp(1, dropless.max(1))
+}
+
 /// The sizes `(T, k, H, E, I)` of an `MoE` (or `MoEGrad`, from `x` on) whose token, id and
 /// weight operands are at `x`, `x + 1`, `x + 2` and expert weights at `x + 3`, `x + 4`.
 fn sizes(d: &dyn Fn(usize) -> Vec<i64>, x: usize) -> Option<(i64, i64, i64, i64, i64)> {
@@ -166,7 +192,10 @@ impl OpRules for op::MoE {
     fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
         let (t, _, _, e, _) = sizes(&|j| cx.in_dims(j), 0)?;
         Some(IterSpace {
-            dims: vec![tokens(t, DimKind::Parallel), experts(e)],
+            dims: [tokens(t, DimKind::Parallel), experts(e)]
+                .into_iter()
+                .chain(dispatch(self.capacity_factor, t, e))
+                .collect(),
             inputs: vec![
                 Some(vec![Some(0), None]),
                 Some(vec![Some(0), None]),
@@ -220,7 +249,8 @@ impl OpRules for op::MoE {
             let Some(dy) = cx.dy(0) else { return Ok(()) };
             let ins: Vec<Option<Value>> =
                 std::iter::once(Some(dy)).chain((0..5).map(|i| cx.x(i).ok())).collect::<Vec<_>>();
-            let op = Op::MoEGrad(op::MoEGrad { activation: self.activation.clone() });
+            let op =
+                Op::MoEGrad(op::MoEGrad { activation: self.activation.clone(), capacity_factor: self.capacity_factor });
             let d = cx.add(op, &ins, 4)?;
             for (i, slot) in [(0, 0), (2, 1), (3, 2), (4, 3)] {
                 if cx.want(i) {
@@ -263,7 +293,10 @@ impl OpRules for op::MoEGrad {
         let tok = Some(vec![Some(0), None]);
         let exp = Some(vec![Some(1), None, None]);
         Some(IterSpace {
-            dims: vec![tokens(t, DimKind::Reduction), experts(e)],
+            dims: [tokens(t, DimKind::Reduction), experts(e)]
+                .into_iter()
+                .chain(dispatch(self.capacity_factor, t, e))
+                .collect(),
             inputs: vec![tok.clone(), tok.clone(), tok.clone(), tok, exp.clone(), exp],
             outputs: vec![
                 vec![Some(0), None],
@@ -345,4 +378,117 @@ impl OpRules for op::MoEGrad {
         cx.set(3, w2);
         Some(())
     }
+}
+
+impl OpRules for op::MoERoute {
+    fn arity(&self) -> Arity {
+        Arity::new(1, 1, 2, 2)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let (c, p) = (self.capacity.unwrap_or(0), self.parts.unwrap_or(0));
+        if c < 1 || p < 1 || self.experts.unwrap_or(0) < 1 {
+            return Err("MoERoute needs capacity, experts and parts of at least 1".into());
+        }
+        let Some(ids) = cx.dims(0) else { return Ok(vec![None, None]) };
+        if ids.len() != 2 {
+            return Err(format!("MoERoute needs ids [T, k]; got rank {}", ids.len()));
+        }
+        let i64t = |d: Vec<Dim>| Some(crate::types::TensorType::new(crate::types::DType::Int64, d));
+        Ok(vec![i64t(ids.clone()), i64t(vec![Dim::Fixed(p * c)])])
+    }
+
+    /// Pairs in order, each to the next free row of its expert's block.
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let a = cx.req(0)?;
+        let ids = a.to_i64()?;
+        let (c, per, p) = (self.capacity.unwrap_or(0), self.experts.unwrap_or(0), self.parts.unwrap_or(0));
+        let (c, per, p) = (c.max(0) as usize, per.max(1) as usize, p.max(0) as usize);
+        let mut used = vec![0usize; p];
+        let mut local = vec![-1i64; p * c];
+        let mut pos = Vec::with_capacity(ids.len());
+        for &e in &ids {
+            let d = usize::try_from(e).ok().map(|e| e / per).filter(|&d| d < p).ok_or_else(|| {
+                EvalError::Invalid(format!("MoERoute: expert {e} is outside the {} experts", per * p))
+            })?;
+            if used[d] == c {
+                return Err(EvalError::Invalid(format!(
+                    "MoERoute: more than {c} routed pairs for the experts of device {d} (the all-to-all dispatcher's capacity; raise the capacity factor, or 0 for dropless buffers)"
+                )));
+            }
+            let row = d * c + used[d];
+            local[row] = (e as usize % per) as i64;
+            pos.push(row as i64);
+            used[d] += 1;
+        }
+        Ok(vec![Array::i64(a.shape.clone(), pos), Array::i64(vec![p * c], local)])
+    }
+}
+
+/// The all-to-all dispatcher's mode for a mixture (or its gradient) `n` whose dispatch dim
+/// `x` strategy `s` splits: over one mesh axis, the experts not split otherwise, the tokens
+/// dividing evenly over every axis that splits them.
+pub(crate) fn dispatch_mode(
+    g: &crate::graph::Graph,
+    n: crate::graph::NodeId,
+    sp: &IterSpace,
+    s: &[Option<usize>],
+    mesh: &crate::shard::Mesh,
+    x: usize,
+) -> std::result::Result<super::split::SplitMode, String> {
+    let node = g.node(n);
+    let (ids_slot, factor) = match &node.op {
+        Op::MoE(m) => (1, m.capacity_factor),
+        Op::MoEGrad(m) => (2, m.capacity_factor),
+        _ => return Err("not a mixture of experts".into()),
+    };
+    let size = |a: usize| mesh.axes.get(a).map_or(1, |m| m.size);
+    let on = |i: usize| -> Vec<usize> { (0..s.len()).filter(|&a| s[a] == Some(i) && size(a) > 1).collect() };
+    let axis = match on(x)[..] {
+        [a] => a,
+        _ => return Err("the all-to-all dispatcher runs over one mesh axis".into()),
+    };
+    let dim = |role: DimRole| sp.dims.iter().position(|d| d.role == role);
+    if dim(DimRole::Expert).is_some_and(|e| !on(e).is_empty()) {
+        return Err("the all-to-all dispatcher places the experts itself; they split no further".into());
+    }
+    let ids = node.input(ids_slot).and_then(|v| g.tensor_type(v)).and_then(|t| t.static_dims());
+    let (Some(ids), Some(e)) = (ids, dim(DimRole::Expert).map(|e| sp.dims[e].size)) else {
+        return Err("a mixture of experts of unknown sizes".into());
+    };
+    let (t, k) = match ids[..] {
+        [t, k] if t > 0 && k > 0 => (t as usize, k as usize),
+        _ => return Err("a mixture of experts whose ids are not [T, k]".into()),
+    };
+    let token_ways: usize =
+        sp.dims.iter().position(|d| d.name == "t").map_or(vec![], on).iter().chain(&[axis]).map(|&a| size(a)).product();
+    let p = size(axis);
+    if !t.is_multiple_of(token_ways) || !(e as usize).is_multiple_of(p) {
+        return Err(format!(
+            "{t} tokens and {e} experts do not divide over the dispatcher's {token_ways} and {p} devices"
+        ));
+    }
+    let capacity = dispatch_capacity(t / token_ways, k, e as usize, p, factor.unwrap_or(0.0));
+    Ok(super::split::SplitMode::Dispatch { axis, capacity })
+}
+
+/// Asks every mixture of experts in `g` (and its gradient) for the all-to-all token
+/// dispatcher with buffers of `factor` times an even share of the pairs (0: dropless); the
+/// count of mixtures. A negative or non-finite factor is refused.
+pub fn set_capacity(g: &mut crate::graph::Graph, factor: f32) -> std::result::Result<usize, String> {
+    if !factor.is_finite() || factor < 0.0 {
+        return Err(format!("capacity factor {factor}: give a number ≥ 0 (0: dropless buffers)"));
+    }
+    let ids: Vec<_> = g.node_ids().collect();
+    let mut count = 0;
+    for n in ids {
+        let op = match &g.node(n).op {
+            Op::MoE(m) => Op::MoE(op::MoE { capacity_factor: Some(factor), ..m.clone() }),
+            Op::MoEGrad(m) => Op::MoEGrad(op::MoEGrad { capacity_factor: Some(factor), ..m.clone() }),
+            _ => continue,
+        };
+        count += usize::from(matches!(op, Op::MoE(_)));
+        g.set_op(n, op);
+    }
+    Ok(count)
 }

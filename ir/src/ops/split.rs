@@ -59,6 +59,17 @@ pub enum SplitMode {
         /// An expert weight's input slot.
         weight: usize,
     },
+    /// A mixture of experts (or its gradient) with its tokens and experts at once (role
+    /// `Dispatch`) split over mesh axis `axis`: the all-to-all token dispatcher. Each device
+    /// routes its tokens' pairs into buffers of `capacity` rows per device of the axis
+    /// (`MoERoute`), sends each device its rows by one all-to-all, runs its experts on the
+    /// rows it receives and sends the outputs back by another; codegen/src/lower/experts.rs.
+    Dispatch {
+        /// The mesh axis of the all-to-alls.
+        axis: usize,
+        /// Buffer rows per device of the axis ([`super::experts::dispatch_capacity`]).
+        capacity: usize,
+    },
     /// Attention or its gradient with its sequence (role `Sequence`) split over mesh axis
     /// `axis`: ring attention. The keys and values pass around the axis's devices block by
     /// block (`AttentionBlock` merges each into the running output); the gradient first
@@ -313,6 +324,12 @@ pub fn split_mode(g: &Graph, n: NodeId, sp: &IterSpace, s: &[Option<usize>], mes
     }
     if sharded == Sharded::VocabGather && split.iter().any(|&i| sp.dims[i].role == DimRole::Vocab) {
         return Ok(SplitMode::VocabGather);
+    }
+    if sharded == Sharded::Experts
+        && let Some(x) = sp.dims.iter().position(|d| d.role == DimRole::Dispatch)
+        && split.contains(&x)
+    {
+        return super::experts::dispatch_mode(g, n, sp, s, mesh, x);
     }
     if sharded == Sharded::Experts && split.iter().any(|&i| sp.dims[i].role == DimRole::Expert) {
         return Ok(match node.op {

@@ -57,6 +57,14 @@ pub struct Config {
     /// Context parallelism as ring attention (`cp_comm=p2p`, Megatron-LM's
     /// `--cp-comm-type p2p`) rather than Ulysses' all-to-alls (`cp_comm=a2a`, the default).
     pub ring: bool,
+    /// Expert parallelism's tokens dispatched by all-to-all (`ep_comm=a2a`, Megatron-core's
+    /// `alltoall` token dispatcher) rather than all-gathered (`ep_comm=allgather`, the
+    /// default).
+    pub ep_a2a: bool,
+    /// The all-to-all dispatcher's capacity factor in thousandths (`capacity=1.25`; `None`
+    /// or 0: dropless buffers). A pair beyond a device's buffer is an error when the step
+    /// runs, never dropped.
+    pub capacity_milli: Option<u32>,
     /// Tensor-parallel communication overlapped with the GEMMs
     /// ([`super::Options::tp_comm_overlap`], Megatron-LM's `--tp-comm-overlap`).
     pub tp_overlap: bool,
@@ -119,6 +127,24 @@ impl Config {
                         }
                     }
                 }
+                "ep_comm" => {
+                    c.ep_a2a = match v()? {
+                        "a2a" | "alltoall" => true,
+                        "allgather" => false,
+                        o => {
+                            return Err(format!(
+                                "`ep_comm={o}`: expert parallelism dispatches tokens by a2a (all-to-all) or allgather"
+                            ));
+                        }
+                    }
+                }
+                "capacity" => {
+                    let f = v()?;
+                    c.capacity_milli = match f.parse::<f64>() {
+                        Ok(x) if x.is_finite() && x >= 0.0 => Some((x * 1000.0).round() as u32),
+                        _ => return Err(format!("`capacity={f}`: the capacity factor is a number ≥ 0 (0: dropless)")),
+                    };
+                }
                 "zero" => {
                     c.zero = match v()? {
                         "0" => 0,
@@ -139,7 +165,7 @@ impl Config {
                 }
                 other => {
                     return Err(format!(
-                        "unknown field `{other}`; a configuration has dp, tp, pp, vp, cp, cp_comm, ep, mbs, sp, recompute, zero, schedule, flash, tp_overlap"
+                        "unknown field `{other}`; a configuration has dp, tp, pp, vp, cp, cp_comm, ep, ep_comm, capacity, mbs, sp, recompute, zero, schedule, flash, tp_overlap"
                     ));
                 }
             }
@@ -154,7 +180,17 @@ impl Config {
         if self.flash && crate::algebra::apply_named(g, "fuse-attention")? == 0 {
             return Err("flash: the model has no attention `fuse-attention` recognizes (docs/memory.md)".into());
         }
+        if let Some(f) = self.capacity_factor()
+            && ir::ops::experts::set_capacity(g, f)? == 0
+        {
+            return Err("ep_comm=a2a: the model has no mixture of experts (`fuse-experts`; docs/user-guide.md)".into());
+        }
         Ok(())
+    }
+
+    /// The all-to-all dispatcher's capacity factor when `ep_comm=a2a` (0: dropless).
+    pub fn capacity_factor(&self) -> Option<f32> {
+        self.ep_a2a.then(|| self.capacity_milli.unwrap_or(0) as f32 / 1000.0)
     }
 
     /// The pipeline schedule: `vp` > 1 is the interleaved one (`schedule` may say so or be
@@ -225,6 +261,12 @@ impl Config {
                 "sp with cp={}: sequence parallelism would split the sequence context-major while Ulysses splits the heads tensor-major, and a layout splits a dim over several axes in the mesh's one order; leave out sp (the context axis already splits every activation by the sequence)",
                 self.cp
             ));
+        }
+        if self.ep_a2a && self.ep == 1 {
+            return Err("ep_comm: says how expert parallelism dispatches tokens; give ep > 1".into());
+        }
+        if self.capacity_milli.is_some() && !self.ep_a2a {
+            return Err("capacity: sizes the all-to-all dispatcher's buffers; give ep_comm=a2a".into());
         }
         if self.ring && self.cp == 1 {
             return Err("cp_comm: says how context parallelism communicates; give cp > 1".into());

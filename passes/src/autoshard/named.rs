@@ -671,6 +671,14 @@ fn expert_split(
     if let Some(e) = dim_with(cm, n, DimRole::Expert) {
         let sp = cm.space(n);
         let t = sp.dims.iter().position(|d| d.name == "t");
+        // A mixture that asks for the all-to-all dispatcher (a capacity factor) gets it over
+        // the expert axis, its tokens split over that axis too.
+        if let (Some(x), [axis]) = (dim_with(cm, n, DimRole::Dispatch), experts) {
+            let s: Vec<Option<usize>> = (0..k).map(|a| if a == *axis { Some(x) } else { t }).collect();
+            if strategy_valid(sp, &s, &cm.mesh, cm.g, n) {
+                return Some(s);
+            }
+        }
         let s: Vec<Option<usize>> = (0..k).map(|a| if experts.contains(&a) { Some(e) } else { t }).collect();
         if strategy_valid(sp, &s, &cm.mesh, cm.g, n) {
             return Some(s);

@@ -120,6 +120,13 @@ pub struct TrainArgs {
     /// micro-batches.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,
+    /// Expert parallelism's tokens dispatched by all-to-all: each device routes its tokens'
+    /// pairs into buffers of this factor times an even share per device of the expert axis
+    /// (0: buffers every routing fits — dropless). A step that routes more pairs to a device
+    /// than its buffer holds stops with an error; no pair is dropped. Without it, tokens are
+    /// all-gathered over the expert axis.
+    #[arg(long = "moe-capacity", value_name = "FACTOR")]
+    pub moe_capacity: Option<f32>,
     #[command(flatten)]
     pub transport: super::transport::TransportArgs,
     /// The cluster the prediction is for.
@@ -602,6 +609,13 @@ fn prepare(args: &TrainArgs, plan_doc: Option<passes::autoshard::Plan>, material
     let mut pm = passes::PassManager::new();
     pm.add(passes::Algebra);
     pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
+    if let Some(f) = args.moe_capacity {
+        let found = ir::ops::experts::set_capacity(&mut loaded.model.graph, f)
+            .map_err(|e| CliError::msg(format!("--moe-capacity: {e}")))?;
+        if found == 0 {
+            return Err(CliError::msg("--moe-capacity: the model has no mixture of experts (docs/user-guide.md)"));
+        }
+    }
     let mut searched = None;
     if let Some(p) = &plan_doc {
         apply_plan_rewrites(&mut loaded.model.graph, p)?;
@@ -862,6 +876,9 @@ fn configured(args: &TrainArgs) -> CliResult<TrainArgs> {
     a.recompute = opts.recompute.name().to_string();
     a.sequence_parallel = opts.sequence_parallel;
     a.zero = opts.zero;
+    if let Some(f) = c.capacity_factor() {
+        a.moe_capacity = Some(f);
+    }
     Ok(a)
 }
 

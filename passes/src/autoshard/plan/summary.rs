@@ -61,7 +61,7 @@ pub fn role_kind(r: &ir::shard::DimRole) -> &'static str {
         ir::shard::DimRole::Batch => "data",
         ir::shard::DimRole::Spatial => "spatial",
         ir::shard::DimRole::OutFeature | ir::shard::DimRole::InFeature | ir::shard::DimRole::Vocab => "tensor",
-        ir::shard::DimRole::Expert => "expert",
+        ir::shard::DimRole::Expert | ir::shard::DimRole::Dispatch => "expert",
         ir::shard::DimRole::Sequence => "context",
         ir::shard::DimRole::Other => "other",
     }

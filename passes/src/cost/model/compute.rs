@@ -330,6 +330,7 @@ impl<'a> CostModel<'a> {
                 }
             }
             SplitMode::Ring { axis } => out.extend(self.ring_steps(n, *axis, self.strategy_factor(n, strategy), ins)),
+            SplitMode::Dispatch { axis, capacity } => out.extend(self.dispatch_steps(n, *axis, *capacity, &layout)),
             SplitMode::Direct
             | SplitMode::VocabGather
             | SplitMode::Experts { .. }

@@ -32,6 +32,7 @@ use super::stash::{Recompute, Stash};
 use std::sync::Arc;
 
 mod compute;
+mod dispatch;
 mod edges;
 mod evaluate;
 mod ring;
