@@ -216,6 +216,45 @@ fn expert_plans_move_the_bytes_their_programs_move() {
     }
 }
 
+/// The same for the all-to-all dispatcher: the plan prices the all-to-alls its programs run —
+/// the forward program's four per mixture, and every phase of the training program (the
+/// gradient's six) — at buffers of the capacity the mode states.
+#[test]
+fn all_to_all_dispatch_moves_the_bytes_its_programs_move() {
+    let (cluster, opts) = (Cluster::preset("local-wgpu").expect("preset"), Options::default());
+    for factor in [0.0, 2.0] {
+        let mut m = prepared("mixtral_tiny_dynamo");
+        assert_eq!(shardc::ir::ops::experts::set_capacity(&mut m.graph, factor), Ok(2));
+        let g = &m.graph;
+        for devices in [2, 4, 8] {
+            let label = format!("a2a capacity {factor} ×{devices}");
+            let r = shardc::exec::named_result(g, &cluster, devices, "expert", &opts).unwrap();
+            let plan = shardc::passes::autoshard::Plan::new(g, &cluster, devices, &opts, Default::default(), &r);
+            let p = shardc::exec::program_for_search(g, &r, devices).unwrap();
+            let ops = |name: &str| p.devices[0].graph.node_ids().filter(|&n| p.devices[0].graph.node(n).op.op_type() == name).count();
+            assert_eq!((ops("MoERoute"), ops("AllToAll")), (2, 8), "{label}");
+            common::assert_forward_bytes_as_lowered(&plan, &p, "all_to_all", &label);
+        }
+        let mut tm = m.clone();
+        let (t, _) = shardc::train::training_model(
+            &tm,
+            &shardc::passes::autodiff::LossSpec::SoftmaxCrossEntropy(None),
+            &shardc::passes::autodiff::OptimizerSpec::adam(1e-3),
+        )
+        .expect("training graph");
+        tm = t;
+        let r = shardc::exec::named_result(&tm.graph, &cluster, 8, "expert", &opts).unwrap();
+        let plan = shardc::passes::autoshard::Plan::new(&tm.graph, &cluster, 8, &opts, Default::default(), &r);
+        let p = shardc::exec::training_program(&tm.graph, &r, 8, 0).unwrap();
+        let (priced, lowered) = (&plan.bytes_moved_per_device, p.bytes_moved_per_device());
+        for phase in ["forward", "backward"] {
+            let a = priced.get(phase).and_then(|k| k.get("all_to_all")).copied().unwrap_or(0.0);
+            let b = lowered.get(phase).and_then(|k| k.get("all_to_all")).copied().unwrap_or(0.0);
+            assert!(a > 0.0 && (a - b).abs() <= 1e-9 * a.max(b), "training {phase} all_to_all: plan {a} B, program {b} B");
+        }
+    }
+}
+
 /// `expert` needs mixtures whose experts the devices divide, and a batch they divide, and says so.
 #[test]
 fn expert_parallelism_says_where_it_does_not_apply() {
@@ -401,6 +440,45 @@ fn expert_and_tensor_parallelism_train_like_one_device() {
         let out = train_checked(&data(name, "onnx"), "tp=2,ep=2", "8", "cpu", "3");
         assert!(out.contains("data 2 × expert 2 × tensor 2"), "{name}\n{out}");
     }
+}
+
+/// The all-to-all token dispatcher trains equal to one device: dropless buffers over all 8
+/// devices, a capacity factor on a `data × expert` mesh (both exports), and on wgpu kernels;
+/// the plan is summarised as expert parallelism.
+#[test]
+fn all_to_all_dispatch_trains_like_one_device() {
+    for name in EXPORTS {
+        let model = data(name, "onnx");
+        let out = train_checked(&model, "ep=8,ep_comm=a2a", "8", "cpu", "5");
+        assert!(out.contains("parallelism  expert 8"), "{name}\n{out}");
+        let out = train_checked(&model, "ep=4,ep_comm=a2a,capacity=2", "8", "cpu", "3");
+        assert!(out.contains("data 2 × expert 4"), "{name}\n{out}");
+    }
+    if shardc_tests::gpu_available() {
+        train_checked(&data("mixtral_tiny_dynamo", "onnx"), "ep=4,ep_comm=a2a", "4", "wgpu", "3");
+    }
+}
+
+/// A step that routes more pairs to a device than the dispatcher's capacity holds stops with
+/// an error naming the capacity, rather than dropping pairs; the fields say what they need.
+#[test]
+fn all_to_all_dispatch_refuses_an_overflow() {
+    let model = data("mixtral_tiny_dynamo", "onnx");
+    let m = model.to_str().unwrap();
+    let base = ["train", m, "--loss", "softmax-cross-entropy", "--devices", "8", "--steps", "2", "--strategy"];
+    let run = |strategy: &str| {
+        let args: Vec<&str> = base.iter().copied().chain([strategy]).collect();
+        shardc(&args)
+    };
+    let o = run("ep=8,ep_comm=a2a,capacity=0.5");
+    let err = text(&o.stderr);
+    assert!(!o.status.success() && err.contains("routed pairs") && err.contains("capacity"), "{err}");
+    let o = run("ep=8,capacity=2");
+    assert!(!o.status.success() && text(&o.stderr).contains("give ep_comm=a2a"), "{}", text(&o.stderr));
+    let o = run("dp=8,ep_comm=a2a");
+    assert!(!o.status.success() && text(&o.stderr).contains("give ep > 1"), "{}", text(&o.stderr));
+    let o = run("ep=8,ep_comm=a2a,capacity=-1");
+    assert!(!o.status.success() && text(&o.stderr).contains("capacity factor"), "{}", text(&o.stderr));
 }
 
 /// On wgpu devices the mixtures run on their own kernels (not on the host) and training under

@@ -77,7 +77,7 @@ pub fn split_kind(cm: &CostModel<'_>, n: NodeId, i: usize) -> &'static str {
     // the experts' split, or the tensor axis' sequence split): not a kind of their own.
     let mixture = sp.dims.iter().any(|d| d.role == ir::shard::DimRole::Expert);
     match sp.dims.get(i) {
-        Some(d) if mixture && d.role != ir::shard::DimRole::Expert => "other",
+        Some(d) if mixture && !matches!(d.role, ir::shard::DimRole::Expert | ir::shard::DimRole::Dispatch) => "other",
         Some(d) if row(d) && crate::autoshard::named::is_weighted(cm, n) => "context",
         Some(d) => role_kind(&d.role),
         None => "other",
