@@ -231,7 +231,9 @@ fn all_to_all_dispatch_moves_the_bytes_its_programs_move() {
             let r = shardc::exec::named_result(g, &cluster, devices, "expert", &opts).unwrap();
             let plan = shardc::passes::autoshard::Plan::new(g, &cluster, devices, &opts, Default::default(), &r);
             let p = shardc::exec::program_for_search(g, &r, devices).unwrap();
-            let ops = |name: &str| p.devices[0].graph.node_ids().filter(|&n| p.devices[0].graph.node(n).op.op_type() == name).count();
+            let ops = |name: &str| {
+                p.devices[0].graph.node_ids().filter(|&n| p.devices[0].graph.node(n).op.op_type() == name).count()
+            };
             assert_eq!((ops("MoERoute"), ops("AllToAll")), (2, 8), "{label}");
             common::assert_forward_bytes_as_lowered(&plan, &p, "all_to_all", &label);
         }
@@ -250,7 +252,10 @@ fn all_to_all_dispatch_moves_the_bytes_its_programs_move() {
         for phase in ["forward", "backward"] {
             let a = priced.get(phase).and_then(|k| k.get("all_to_all")).copied().unwrap_or(0.0);
             let b = lowered.get(phase).and_then(|k| k.get("all_to_all")).copied().unwrap_or(0.0);
-            assert!(a > 0.0 && (a - b).abs() <= 1e-9 * a.max(b), "training {phase} all_to_all: plan {a} B, program {b} B");
+            assert!(
+                a > 0.0 && (a - b).abs() <= 1e-9 * a.max(b),
+                "training {phase} all_to_all: plan {a} B, program {b} B"
+            );
         }
     }
 }
@@ -387,7 +392,7 @@ fn expert_configurations_export_to_megatron_and_deepspeed() {
     std::fs::create_dir_all(&dir).unwrap();
     let model = dir.join("mixtral.onnxtxt");
     std::fs::write(&model, shardc::synthetic::Llama::mixtral_8x7b(64, 4096).to_text()).unwrap();
-    let cost = |export: &str| {
+    let cost_of = |strategy: &str, export: &str| {
         shardc(&[
             "cost",
             model.to_str().unwrap(),
@@ -398,11 +403,12 @@ fn expert_configurations_export_to_megatron_and_deepspeed() {
             "--precision",
             "bf16",
             "--strategy",
-            "dp=64,ep=8,zero=1",
+            strategy,
             "--export",
             export,
         ])
     };
+    let cost = |export: &str| cost_of("dp=64,ep=8,zero=1", export);
     let o = cost("megatron");
     let out = text(&o.stdout);
     assert!(o.status.success(), "{}", text(&o.stderr));
@@ -429,6 +435,21 @@ fn expert_configurations_export_to_megatron_and_deepspeed() {
     assert!(o.status.success() && text(&o.stdout).contains("\"expert_parallel_size\": 8"), "{}", text(&o.stdout));
     let o = cost("torch-tp");
     assert!(!o.status.success() && text(&o.stderr).contains("expert parallel"), "{}", text(&o.stderr));
+    // The all-to-all dispatcher exports as Megatron-core's, with its capacity factor.
+    let a2a = "dp=64,ep=8,zero=1,ep_comm=a2a,capacity=1.25";
+    let o = cost_of(a2a, "megatron");
+    let out = text(&o.stdout);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    for flag in
+        out.lines().filter(|l| l.starts_with("  ")).flat_map(str::split_whitespace).filter(|w| w.starts_with("--"))
+    {
+        assert!(known.contains(flag), "{flag} is not a Megatron-LM option (tests/data/megatron-options.txt)");
+    }
+    for want in ["--moe-token-dispatcher-type alltoall", "--moe-expert-capacity-factor 1.25", "drops the pairs"] {
+        assert!(out.contains(want), "no `{want}` in\n{out}");
+    }
+    let o = cost_of(a2a, "deepspeed");
+    assert!(o.status.success() && text(&o.stdout).contains("capacity_factor = 1.25"), "{}", text(&o.stdout));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

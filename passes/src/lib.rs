@@ -25,7 +25,7 @@ pub mod verify;
 pub mod zero;
 
 pub use algebra::attention::FuseAttention;
-pub use algebra::experts::FuseExperts;
+pub use algebra::experts::{FuseExperts, MoeCapacity};
 pub use algebra::{Algebra, ConvAsMatMul, FuseGemms};
 pub use autodiff::Autodiff;
 pub use canonicalize::Canonicalize;

@@ -92,7 +92,7 @@ pub struct CostArgs {
     #[arg(long)]
     pub cluster: String,
     /// data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context (ulysses), context:dp:D,tp:T, context:ring[:dp:D,tp:T] (ring), expert (ep), expert:ep:E, pipeline:S:M[:gpipe|:1f1b]; or a
-    /// configuration of key=value fields: dp, tp, pp, vp, cp, cp_comm=a2a|p2p (Ulysses or ring attention), ep, mbs, sp, recompute=none|selective|full,
+    /// configuration of key=value fields: dp, tp, pp, vp, cp, cp_comm=a2a|p2p (Ulysses or ring attention), ep, ep_comm=allgather|a2a (tokens all-gathered or dispatched by all-to-all), capacity=F (the all-to-all buffers; 0: dropless), mbs, sp, recompute=none|selective|full,
     /// zero=0|1|2|3, schedule=gpipe|1f1b|interleaved, flash (attention fused before pricing),
     /// tp_overlap (tensor-parallel collectives overlapped with their GEMMs, Megatron-LM's
     /// --tp-comm-overlap) (e.g. tp=8,dp=8,zero=3,recompute=full,sp).

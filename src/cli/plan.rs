@@ -88,6 +88,12 @@ pub struct PlanArgs {
     /// `train --plan` can run
     #[arg(long = "no-memory-saving")]
     pub no_memory_saving: bool,
+    /// Expert parallelism dispatches each mixture of experts' tokens by all-to-all, with
+    /// buffers of this factor times an even share of the routed pairs per device (0:
+    /// dropless); a run that overflows them stops with an error. Without it, the tokens are
+    /// all-gathered over the expert axis.
+    #[arg(long = "moe-capacity", value_name = "FACTOR")]
+    pub moe_capacity: Option<f32>,
     /// Draw the step (a pipeline's schedule, stages × time) as an SVG timeline.
     #[arg(long, value_name = "FILE")]
     pub svg: Option<PathBuf>,
@@ -187,6 +193,9 @@ pub fn run(args: &PlanArgs) -> CliResult {
     pm.add(passes::InferShapes::default());
     pm.add(passes::Canonicalize);
     pm.add(passes::Algebra);
+    if let Some(f) = args.moe_capacity {
+        pm.add(passes::MoeCapacity(f));
+    }
     pm.add(passes::RequireStatic);
     pm.add(Autoshard { cluster: cluster.clone(), devices, options: opts.clone(), search, result: result.clone() });
     let report = pm.run(&mut loaded.model);

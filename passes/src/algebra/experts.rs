@@ -413,3 +413,23 @@ impl Pass for FuseExperts {
         Ok(changed)
     }
 }
+
+/// Asks every mixture of experts for the all-to-all token dispatcher with buffers of
+/// `factor` times an even share of the routed pairs (0: dropless;
+/// [`ir::ops::experts::set_capacity`]); an error when the model has none. Run after
+/// `fuse-experts`.
+pub struct MoeCapacity(pub f32);
+
+impl Pass for MoeCapacity {
+    fn name(&self) -> &'static str {
+        "moe-capacity"
+    }
+
+    fn run(&mut self, g: &mut Graph, _cx: &mut PassCx<'_>) -> Result<Changed, PassError> {
+        let err = |m: String| PassError::new(self.name(), Located::global(m));
+        match ir::ops::experts::set_capacity(g, self.0).map_err(err)? {
+            0 => Err(err("the model has no mixture of experts (`fuse-experts`; docs/user-guide.md)".into())),
+            _ => Ok(Changed::Yes),
+        }
+    }
+}

@@ -38,6 +38,9 @@ pub struct Degrees {
     /// Expert-parallel degree: the mixtures' experts split over groups of this many of the
     /// data-parallel ranks (Megatron's convention: within `data`).
     pub expert: usize,
+    /// The mixtures' tokens dispatched by all-to-all (`SplitMode::Dispatch`), with this
+    /// capacity factor (0: dropless buffers); `None`: all-gathered.
+    pub dispatch: Option<f32>,
     /// Pipeline stages.
     pub pipeline: usize,
     /// Micro-batches per step.
@@ -141,6 +144,17 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
         let dims = &cm.space(n).dims;
         s.iter().flatten().any(|&i| dims.get(i).is_some_and(|d| d.role == ir::shard::DimRole::Sequence))
     });
+    // The all-to-all dispatcher: a mixture whose dispatch dim (tokens and experts at once)
+    // some strategy splits.
+    let dispatch = asg.strategies.iter().find_map(|(&n, s)| {
+        let dims = &cm.space(n).dims;
+        let split = s.iter().flatten().any(|&i| dims.get(i).is_some_and(|d| d.role == ir::shard::DimRole::Dispatch));
+        match &g.node(n).op {
+            ir::Op::MoE(m) if split => Some(m.capacity_factor.unwrap_or(0.0)),
+            ir::Op::MoEGrad(m) if split => Some(m.capacity_factor.unwrap_or(0.0)),
+            _ => None,
+        }
+    });
     let torch = torch_tp(g, &cm, &asg, &tensor_axes);
     let sequence_parallel = torch.entries.iter().any(|e| e.style == Style::Sequence);
     let pipeline = plan.stages.len().max(1);
@@ -152,6 +166,7 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
         context,
         ring,
         expert,
+        dispatch,
         pipeline,
         micro_batches,
         schedule: plan.schedule.clone(),
@@ -271,7 +286,13 @@ pub fn megatron_args(d: &Degrees, devices: usize) -> String {
         args.push(format!("--num-experts {e} --moe-router-topk {k} --moe-grouped-gemm"));
         if d.expert > 1 {
             // The dispatcher the plan was priced and lowered with.
-            args.push(format!("--expert-model-parallel-size {} --moe-token-dispatcher-type allgather", d.expert));
+            let kind = if d.dispatch.is_some() { "alltoall" } else { "allgather" };
+            args.push(format!("--expert-model-parallel-size {} --moe-token-dispatcher-type {kind}", d.expert));
+            if let Some(f) = d.dispatch.filter(|&f| f > 0.0) {
+                // Buffers padded to the capacity, as the plan's programs hold them.
+                args.push(format!("--moe-expert-capacity-factor {f} --moe-pad-expert-input-to-capacity"));
+                notes.push(format!("# note: the plan's all-to-all buffers hold {f} times an even share of the routed pairs; Megatron-LM drops the pairs beyond it where shardc's run stops with an error (the model trains dropless either way while no expert overflows)"));
+            }
         }
         notes.push("# note: the router's load balancing is the model's: add --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff <its coefficient> when it trains with one".into());
     }
@@ -396,9 +417,14 @@ pub fn deepspeed_config(d: &Degrees, devices: usize) -> String {
     }
     if d.expert > 1 {
         cfg["shardc"]["notes"].as_array_mut().expect("notes").push(serde_json::json!(format!(
-            "expert parallelism: each mixture of experts as deepspeed.moe.layer.MoE(num_experts = {}, ep_size = expert_parallel_size, k = {}), its expert-parallel groups carved from the data-parallel ranks",
+            "expert parallelism: each mixture of experts as deepspeed.moe.layer.MoE(num_experts = {}, ep_size = expert_parallel_size, k = {}{}), its expert-parallel groups carved from the data-parallel ranks",
             d.shape.experts.unwrap_or(0),
-            d.shape.top_k.unwrap_or(0)
+            d.shape.top_k.unwrap_or(0),
+            match d.dispatch {
+                // DeepSpeed's MoE dispatches by all-to-all; its capacity drops overflowing tokens.
+                Some(f) if f > 0.0 => format!(", capacity_factor = {f}, drop_tokens = True: the plan's all-to-all buffers; shardc's run stops where DeepSpeed drops"),
+                _ => ", drop_tokens = False: dropless, as the plan".to_string(),
+            }
         )));
     }
     if d.recompute || d.granularity != crate::cost::Recompute::None {
