@@ -542,6 +542,13 @@ define_ops! {
     /// `d·experts ..`), in order of the pairs, and each row's expert within its block (−1: an
     /// empty row). A block that overflows is an error: no pair is dropped (ir/src/ops/experts.rs).
     MoERoute = "MoERoute" in "shardc", Other { capacity: int, experts: int, parts: int };
+    /// The all-to-all dispatcher's send buffer: X [T, w] (`per_pair` 0: each token's row to
+    /// the rows of its pairs) or [T, k] (`per_pair` 1: each pair's value to its row), pos
+    /// [T, k] → B [rows, w] (w = 1 per pair), the rows no pair takes zero.
+    MoEDispatch = "MoEDispatch" in "shardc", Other { per_pair: int = 0, rows: int };
+    /// The dispatcher's combine: B [R, w], pos [T, k] → per token the sum of its pairs' rows
+    /// [T, w] (`per_pair` 0), or each pair's value [T, k] (`per_pair` 1, w = 1).
+    MoECombine = "MoECombine" in "shardc", Other { per_pair: int = 0 };
     /// Attention of Q over one block of keys merged into a running output (ring attention's
     /// step): Q, K, V[, Y, LSE] → Y', LSE' — the softmax over the union of the keys seen so
     /// far, kept stable by each row's log-sum-exp. `q_offset` and `k_offset` place the

@@ -52,61 +52,35 @@ struct Dispatch {
     pos: Value,
     /// The group of the axis, in coordinate order.
     group: Vec<i64>,
-    /// Tokens, pairs per token, rows of the buffer (`parts · capacity`).
-    t: usize,
-    k: usize,
+    /// Rows of the buffer (`parts · capacity`).
     rows: usize,
     base: String,
 }
 
 impl Dispatch {
-    /// `x [T, w]` (one row per token) or, `per_pair`, `[T, k]` (one value per pair, `w` = 1)
-    /// written into the send buffer's rows of its pairs and sent by one all-to-all: the
-    /// `[rows, w]` rows this device receives, block `d` from device `d`.
-    fn send(&self, l: &mut Local<'_>, x: Value, w: usize, per_pair: bool, what: &str) -> Value {
+    /// `x [T, w]` (one row per token) or, `per_pair`, `[T, k]` (one value per pair) written
+    /// into the send buffer's rows of its pairs (`MoEDispatch`) and sent by one all-to-all:
+    /// the rows this device receives, block `d` from device `d`.
+    fn send(&self, l: &mut Local<'_>, x: Value, per_pair: bool, what: &str) -> Value {
         let base = format!("{}__{what}", self.base);
-        let (t, k) = (self.t as i64, self.k as i64);
-        let pairs = if per_pair {
-            reshape(l, x, &[t, k, 1], &base)
-        } else {
-            let one = reshape(l, x, &[t, 1, w as i64], &base);
-            let to = l.const_i64(&format!("{base}__pairs_shape"), &[t, k, w as i64]);
-            l.op1(Op::Expand(o::Expand::default()), &[one, to], &format!("{base}__pairs"))
-        };
-        let shape = Some(vec![self.rows as i64, w as i64]);
-        let buf =
-            l.op1(Op::GatherGrad(o::GatherGrad { axis: Some(0), shape }), &[self.pos, pairs], &format!("{base}__rows"));
+        let op = o::MoEDispatch { per_pair: Some(i64::from(per_pair)), rows: Some(self.rows as i64) };
+        let buf = l.op1(Op::MoEDispatch(op), &[x, self.pos], &format!("{base}__rows"));
         self.exchange(l, buf, &base)
     }
 
-    /// Rows sent back to their owners by one all-to-all.
+    /// Rows sent to (or back from) the devices of the axis by one all-to-all.
     fn exchange(&self, l: &mut Local<'_>, x: Value, base: &str) -> Value {
         let op = o::AllToAll { concat_axis: Some(0), group: Some(self.group.clone()), split_axis: Some(0) };
         l.op1(Op::AllToAll(op), &[x], &format!("{base}__a2a"))
     }
 
-    /// The rows `r [rows, w]` came back: per token the sum over its pairs' rows
-    /// (`per_pair`: each pair's row, `[T, k]` for `w` = 1).
-    fn combine(&self, l: &mut Local<'_>, r: Value, w: usize, per_pair: bool, out: &str) -> Value {
+    /// The rows `r` sent back, then per token the sum of its pairs' rows (`per_pair`: each
+    /// pair's value, `[T, k]`) (`MoECombine`), named `out`.
+    fn combine(&self, l: &mut Local<'_>, r: Value, per_pair: bool, out: &str) -> Value {
         let back = self.exchange(l, r, &format!("{out}__back"));
-        let got = l.op1(Op::Gather(o::Gather { axis: Some(0) }), &[back, self.pos], &format!("{out}__pairs"));
-        let (t, k) = (self.t as i64, self.k as i64);
-        if per_pair {
-            return reshape_named(l, got, &[t, k], out);
-        }
-        let sum = super::stats::reduce(l, true, got, &[1], &format!("{out}__sum"));
-        reshape_named(l, sum, &[t, w as i64], out)
+        let op = o::MoECombine { per_pair: Some(i64::from(per_pair)) };
+        l.op_named(Op::MoECombine(op), &[back, self.pos], out)
     }
-}
-
-fn reshape(l: &mut Local<'_>, x: Value, shape: &[i64], base: &str) -> Value {
-    let s = l.const_i64(&format!("{base}__shape"), shape);
-    l.op1(Op::Reshape(o::Reshape::default()), &[x, s], &format!("{base}__r"))
-}
-
-fn reshape_named(l: &mut Local<'_>, x: Value, shape: &[i64], name: &str) -> Value {
-    let s = l.const_i64(&format!("{name}__shape"), shape);
-    l.op_named(Op::Reshape(o::Reshape::default()), &[x, s], name)
 }
 
 /// A mixture (`MoE`) or its gradient (`MoEGrad`) under the all-to-all dispatcher over mesh
@@ -114,7 +88,6 @@ fn reshape_named(l: &mut Local<'_>, x: Value, shape: &[i64], name: &str) -> Valu
 pub(super) fn dispatch(
     l: &mut Local<'_>,
     n: NodeId,
-    (sp, s): (&IterSpace, &[Option<usize>]),
     axis: usize,
     capacity: usize,
     ins: &[Option<Value>],
@@ -128,48 +101,34 @@ pub(super) fn dispatch(
     let input = |j: usize| ins.get(j).copied().flatten();
     let (x, ids, w, w1, w2) = (input(at), input(at + 1), input(at + 2), input(at + 3), input(at + 4));
     let (Some(x), Some(ids), Some(w), Some(w1), Some(w2)) = (x, ids, w, w1, w2) else { return Err(missing) };
-    let (Some(x_v), Some(ids_v), Some(w1_v)) = (node.input(at), node.input(at + 1), node.input(at + 3)) else {
-        return Err(missing);
-    };
-    let (tk, experts, h) = (l.micro_dims(ids_v)?, l.micro_dims(w1_v)?[0], l.micro_dims(x_v)?[1]);
+    let Some(w1_v) = node.input(at + 3) else { return Err(missing) };
+    let experts = l.micro_dims(w1_v)?[0];
     let parts = l.mesh.axes[axis].size;
-    let group = l.group(&[axis]);
-    let (layouts, _) = strategy_shardings(sp, s);
-    let x_layout =
-        layouts.get(at).cloned().flatten().ok_or_else(|| l.err(Some(n), LowerErrorKind::Graph, "no tokens"))?;
-    let local_t = l.local_dims(x_v, &x_layout)?[0];
     let base = g.value_name(Value::new(n, 0)).to_string();
     let route = o::MoERoute {
         capacity: Some(capacity as i64),
         experts: Some((experts / parts) as i64),
         parts: Some(parts as i64),
     };
-    let names = [l.fresh(&format!("{base}__pos")), l.fresh(&format!("{base}__expert_rows"))];
+    let names = [l.fresh(&format!("{base}__pos")), l.fresh(&format!("{base}__expert_of_row"))];
     let routed = l.emit(Op::MoERoute(route), vec![Some(ids)], &names);
-    let d = Dispatch { pos: routed[0], group, t: local_t, k: tk[1], rows: parts * capacity, base: base.clone() };
-    let xr = d.send(l, x, h, false, "x");
-    let wr = d.send(l, w, 1, true, "w");
-    let local_ids = reshape(l, routed[1], &[d.rows as i64, 1], &format!("{base}__ids"));
-    let er = d.exchange(l, local_ids, &format!("{base}__ids"));
-    let activation = match &node.op {
-        Op::MoE(m) => m.activation.clone(),
-        Op::MoEGrad(m) => m.activation.clone(),
-        _ => None,
-    };
+    let d = Dispatch { pos: routed[0], group: l.group(&[axis]), rows: parts * capacity, base: base.clone() };
+    let xr = d.send(l, x, false, "x");
+    let wr = d.send(l, w, true, "w");
+    let er = d.exchange(l, routed[1], &format!("{base}__ids"));
+    // The op itself on the rows received: one pair a row, the experts this device holds.
     if !grad {
-        let op = Op::MoE(o::MoE { activation, capacity_factor: None });
-        let r = l.op1(op, &[xr, er, wr, w1, w2], &format!("{base}__expert_rows_out"));
-        return Ok(vec![d.combine(l, r, h, false, &outs[0])]);
+        let r = l.op1(node.op.clone(), &[xr, er, wr, w1, w2], &format!("{base}__expert_rows_out"));
+        return Ok(vec![d.combine(l, r, false, &outs[0])]);
     }
     let Some(dy) = input(0) else { return Err(missing) };
-    let dyr = d.send(l, dy, h, false, "dy");
+    let dyr = d.send(l, dy, false, "dy");
     let names: Vec<String> =
         ["dx_rows", "dw_rows", "dw1", "dw2"].iter().map(|s| l.fresh(&format!("{base}__{s}"))).collect();
-    let op = Op::MoEGrad(o::MoEGrad { activation, capacity_factor: None });
-    let r = l.emit(op, vec![Some(dyr), Some(xr), Some(er), Some(wr), Some(w1), Some(w2)], &names);
-    let dx = d.combine(l, r[0], h, false, &outs[0]);
-    let dw = d.combine(l, r[1], 1, true, &outs[1]);
-    // The experts' weight gradients are this device's experts' whole gradients.
+    let r = l.emit(node.op.clone(), vec![Some(dyr), Some(xr), Some(er), Some(wr), Some(w1), Some(w2)], &names);
+    let dx = d.combine(l, r[0], false, &outs[0]);
+    let dw = d.combine(l, r[1], true, &outs[1]);
+    // The experts' weight gradients are this device's experts' (over the tokens of its group).
     let dw1 = l.op_named(Op::Identity(o::Identity::default()), &[r[2]], &outs[2]);
     let dw2 = l.op_named(Op::Identity(o::Identity::default()), &[r[3]], &outs[3]);
     Ok(vec![dx, dw, dw1, dw2])

@@ -154,9 +154,7 @@ fn lower_op(l: &mut Local<'_>, n: NodeId) -> Result<(), LowerError> {
         SplitMode::Loss { ignore_index } => stats::mean_loss(l, n, &s, local_in, ignore_index, &out_names)?,
         SplitMode::BatchNorm { stat, grad } => stats::batch_norm(l, n, &s, &local_in, &stat, grad, &out_names)?,
         SplitMode::Ring { axis } => ring::emit(l, n, &sp, &s, axis, &local_in, &out_names)?,
-        SplitMode::Dispatch { axis, capacity } => {
-            experts::dispatch(l, n, (&sp, &s), axis, capacity, &local_in, &out_names)?
-        }
+        SplitMode::Dispatch { axis, capacity } => experts::dispatch(l, n, axis, capacity, &local_in, &out_names)?,
     };
     if !local_caps.is_empty()
         && let Some(id) = outs_local.first().map(|v| v.node)

@@ -10,7 +10,7 @@ use super::{LowerError, LowerErrorKind};
 
 /// A keepdims reduction of `x` over `axes`, with the axes as an input (opset ≥ 13 for
 /// ReduceSum, ≥ 18 otherwise) or an attribute.
-pub(super) fn reduce(l: &mut Local<'_>, sum: bool, x: Value, axes: &[usize], base: &str) -> Value {
+fn reduce(l: &mut Local<'_>, sum: bool, x: Value, axes: &[usize], base: &str) -> Value {
     let ax: Vec<i64> = axes.iter().map(|&a| a as i64).collect();
     let as_input = if sum { l.g.opset >= 13 } else { l.g.opset >= 18 };
     let keep = Some(1);

@@ -395,7 +395,17 @@ impl OpRules for op::MoERoute {
             return Err(format!("MoERoute needs ids [T, k]; got rank {}", ids.len()));
         }
         let i64t = |d: Vec<Dim>| Some(crate::types::TensorType::new(crate::types::DType::Int64, d));
-        Ok(vec![i64t(ids.clone()), i64t(vec![Dim::Fixed(p * c)])])
+        Ok(vec![i64t(ids.clone()), i64t(vec![Dim::Fixed(p * c), Dim::Fixed(1)])])
+    }
+
+    /// Whole: a pair's row depends on the pairs before it.
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    /// A count per pair.
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        Work::flops(cx.in_dims(0).iter().product::<i64>() as f64)
     }
 
     /// Pairs in order, each to the next free row of its expert's block.
@@ -421,7 +431,7 @@ impl OpRules for op::MoERoute {
             pos.push(row as i64);
             used[d] += 1;
         }
-        Ok(vec![Array::i64(a.shape.clone(), pos), Array::i64(vec![p * c], local)])
+        Ok(vec![Array::i64(a.shape.clone(), pos), Array::i64(vec![p * c, 1], local)])
     }
 }
 
@@ -491,4 +501,111 @@ pub fn set_capacity(g: &mut crate::graph::Graph, factor: f32) -> std::result::Re
         g.set_op(n, op);
     }
     Ok(count)
+}
+
+/// The rows `pos [T, k]` names, checked against `rows` (−1 would be no row; MoERoute gives
+/// none).
+fn positions(cx: &EvalCx<'_>, j: usize, rows: usize, what: &str) -> Result<(Vec<usize>, usize, usize)> {
+    let a = cx.req(j)?;
+    let [t, k] = a.shape[..] else {
+        return Err(EvalError::Invalid(format!("{what}: positions of shape {:?}, not [T, k]", a.shape)));
+    };
+    let pos = a.to_i64()?;
+    let pos: Vec<usize> = pos
+        .iter()
+        .map(|&r| usize::try_from(r).ok().filter(|&r| r < rows))
+        .collect::<Option<_>>()
+        .ok_or_else(|| EvalError::Invalid(format!("{what}: a position outside the {rows} rows")))?;
+    Ok((pos, t, k))
+}
+
+impl OpRules for op::MoEDispatch {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    /// Whole: the lowering places it on one device's pieces.
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    /// One move (and add) per pair and element of a row.
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        let (x, pos) = (cx.in_dims(0), cx.in_dims(1));
+        Work::flops((pos.iter().product::<i64>() * x.get(1).copied().unwrap_or(1)) as f64)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let rows = self.rows.unwrap_or(0);
+        if rows < 1 {
+            return Err("MoEDispatch needs rows of at least 1".into());
+        }
+        let Some(x) = cx.dims(0) else { return Ok(vec![None]) };
+        let w = if self.per_pair.unwrap_or(0) != 0 { Dim::Fixed(1) } else { x.get(1).cloned().unwrap_or(Dim::Unknown) };
+        Ok(vec![cx.dtype().map(|dt| crate::types::TensorType::new(dt, vec![Dim::Fixed(rows), w]))])
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let rows = self.rows.unwrap_or(0).max(0) as usize;
+        let x = cx.req(0)?;
+        let (pos, t, k) = positions(cx, 1, rows, "MoEDispatch")?;
+        let per_pair = self.per_pair.unwrap_or(0) != 0;
+        let w = if per_pair { 1 } else { x.shape.get(1).copied().unwrap_or(0) };
+        let xv = x.to_f64()?;
+        if xv.len() != t * if per_pair { k } else { w } {
+            return Err(EvalError::Invalid(format!("MoEDispatch: X {:?} for positions [{t}, {k}]", x.shape)));
+        }
+        let mut b = vec![0.0; rows * w];
+        for (i, &r) in pos.iter().enumerate() {
+            let src = if per_pair { &xv[i..i + 1] } else { &xv[(i / k) * w..(i / k + 1) * w] };
+            b[r * w..(r + 1) * w].copy_from_slice(src);
+        }
+        Ok(vec![Array::float(x.dtype, vec![rows, w], b)])
+    }
+}
+
+impl OpRules for op::MoECombine {
+    fn arity(&self) -> Arity {
+        Arity::fixed(2)
+    }
+
+    /// Whole: the lowering places it on one device's pieces.
+    fn space(&self, cx: &NodeCx<'_>) -> Option<IterSpace> {
+        Some(IterSpace::whole(cx))
+    }
+
+    /// One move (and add) per pair and element of a row.
+    fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
+        let (x, pos) = (cx.in_dims(0), cx.in_dims(1));
+        Work::flops((pos.iter().product::<i64>() * x.get(1).copied().unwrap_or(1)) as f64)
+    }
+
+    fn infer(&self, cx: &InferCx<'_>) -> Types {
+        let (Some(b), Some(pos)) = (cx.dims(0), cx.dims(1)) else { return Ok(vec![None]) };
+        let (Some(t), Some(k)) = (pos.first(), pos.get(1)) else {
+            return Err("MoECombine needs positions [T, k]".into());
+        };
+        let w = if self.per_pair.unwrap_or(0) != 0 { k.clone() } else { b.get(1).cloned().unwrap_or(Dim::Unknown) };
+        Ok(vec![cx.dtype().map(|dt| crate::types::TensorType::new(dt, vec![t.clone(), w]))])
+    }
+
+    fn eval(&self, cx: &EvalCx<'_>) -> Arrays {
+        let b = cx.req(0)?;
+        let [rows, w] = b.shape[..] else {
+            return Err(EvalError::Invalid(format!("MoECombine: rows of shape {:?}, not [R, w]", b.shape)));
+        };
+        let (pos, t, k) = positions(cx, 1, rows, "MoECombine")?;
+        let bv = b.to_f64()?;
+        if self.per_pair.unwrap_or(0) != 0 {
+            let y: Vec<f64> = pos.iter().map(|&r| bv[r * w]).collect();
+            return Ok(vec![Array::float(b.dtype, vec![t, k], y)]);
+        }
+        let mut y = vec![0.0; t * w];
+        for (i, &r) in pos.iter().enumerate() {
+            for (yc, bc) in y[(i / k) * w..(i / k + 1) * w].iter_mut().zip(&bv[r * w..(r + 1) * w]) {
+                *yc += bc;
+            }
+        }
+        Ok(vec![Array::float(b.dtype, vec![t, w], y)])
+    }
 }
