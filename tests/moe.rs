@@ -347,6 +347,61 @@ fn expert_plans_verify_and_a_wrong_expert_offset_is_refuted() {
     assert!(e.to_string().contains("reads ids that are not the graph's shifted"), "{e}");
 }
 
+/// The prover covers the all-to-all dispatcher: its training programs (`ep=8` over all the
+/// devices, dropless; `ep=4` beside a data axis, at a capacity) verify, and seeded bugs are
+/// refuted — one device routing for another split of the experts, every all-to-all's group
+/// in reverse order, one device's combine reading its pairs' own rows unsent.
+#[test]
+fn dispatched_plans_verify_and_seeded_bugs_are_refuted() {
+    let dispatched = |factor: f32, devices: usize, strategy: &str| {
+        let mut g = training("mixtral_tiny_dynamo");
+        shardc::ir::ops::experts::set_capacity(&mut g, factor).unwrap();
+        let p = training_program(&g, strategy, devices);
+        (g, p)
+    };
+    for (factor, strategy) in [(0.0, "expert"), (2.0, "expert:ep:4")] {
+        let (g, p) = dispatched(factor, 8, strategy);
+        let routes =
+            p.devices[0].graph.node_ids().filter(|&n| matches!(p.devices[0].graph.node(n).op, Op::MoERoute(_)));
+        assert_eq!(routes.count(), 4, "{strategy}: two mixtures, each routed forward and backward");
+        shardc::codegen::verify(&g, &p).unwrap_or_else(|e| panic!("{strategy} capacity {factor}: {e}"));
+    }
+    type Seed = fn(&mut shardc::codegen::Program);
+    let seeds: [(&str, &str, Seed); 3] = [
+        ("a device routing for another split of the experts", "member 3 routed 2 experts a device", |p| {
+            let g = &mut p.devices[3].graph;
+            let n = g.node_ids().find(|&n| matches!(g.node(n).op, Op::MoERoute(_))).unwrap();
+            let Op::MoERoute(r) = g.node(n).op.clone() else { unreachable!() };
+            g.set_op(n, Op::MoERoute(shardc::ir::op::MoERoute { experts: Some(2), parts: Some(4), ..r }));
+        }),
+        ("all-to-alls in reverse group order", "routed rows (48, 56) after", |p| {
+            for d in &mut p.devices {
+                let g = &mut d.graph;
+                for n in g.node_ids().collect::<Vec<_>>() {
+                    if let Op::AllToAll(a) = g.node(n).op.clone() {
+                        let group = a.group.clone().map(|v| v.into_iter().rev().collect());
+                        g.set_op(n, Op::AllToAll(shardc::ir::op::AllToAll { group, ..a }));
+                    }
+                }
+            }
+        }),
+        ("a combine of rows never sent", "not the dispatcher's experts' outputs: not a stack", |p| {
+            let g = &mut p.devices[5].graph;
+            let n = g.node_ids().find(|&n| matches!(g.node(n).op, Op::MoECombine(_))).unwrap();
+            let back = g.node(n).input(0).unwrap();
+            let sent = g.node(back.node).input(0).unwrap();
+            g.set_input(n, 0, Some(sent));
+        }),
+    ];
+    for (what, says, seed) in seeds {
+        let (g, mut p) = dispatched(0.0, 8, "expert");
+        seed(&mut p);
+        let e = shardc::codegen::verify(&g, &p).expect_err(what);
+        assert_eq!(e.kind, shardc::codegen::RefutationKind::Wrong, "{what}: {e}");
+        assert!(e.to_string().contains(says), "{what}: {e}");
+    }
+}
+
 /// Mixtral-8×7B (the synthetic generator's, as transformers exports its experts) on 64 H100s
 /// at 64 sequences of 4,096 tokens in bf16: the experts fuse, and the search plans expert
 /// parallelism (the grid's `ep` points), faster than the data-parallel replicas that cannot

@@ -125,6 +125,22 @@ fn mpi_context_parallel_training_equals_the_threads_transport() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Expert parallelism over MPI: the all-gather dispatcher and the all-to-all one (its
+/// integer expert ids travel too) on 4 ranks train bit for bit as the threads transport does,
+/// and equal to one device.
+#[test]
+fn mpi_expert_parallel_training_equals_the_threads_transport() {
+    if !mpirun_available() {
+        return;
+    }
+    let dir = tmp("expert");
+    let args = ["tests/data/moe/mixtral_tiny_dynamo.onnx", "--loss", "softmax-cross-entropy"];
+    for plan in ["ep=4", "ep=4,ep_comm=a2a,capacity=2"] {
+        same_under_both_with("mixtral", &args, &["--strategy", plan], &dir);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// The `shardc` processes whose parent is `parent` (from /proc: `pid (comm) state ppid …`).
 fn shardc_children(parent: u32) -> Vec<u32> {
     let mut out = Vec::new();

@@ -63,6 +63,10 @@ fn graph_ids(cx: &Cx<'_>, key: &str, w1: TermId, at: usize) -> Vec<TermId> {
 
 /// `MoE` (`grad` false: X, ids, w, W1, W2) or `MoEGrad` (dY first) on a device's pieces.
 pub fn apply(cx: &mut Cx<'_>, n: NodeId, grad: bool, ins: &[Option<Fact>]) -> Out {
+    // On the all-to-all dispatcher's rows received.
+    if let Some(out) = super::dispatch::experts(cx, n, grad, ins) {
+        return out;
+    }
     let facts: Vec<&Fact> = ins.iter().flatten().collect();
     if facts.len() != ins.len() {
         return wrong("a mixture of experts without its operands");

@@ -25,6 +25,7 @@ mod attention;
 mod comm;
 mod composite;
 mod conv;
+mod dispatch;
 mod experts;
 mod flash;
 mod rules;

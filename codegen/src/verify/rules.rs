@@ -184,6 +184,9 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
         Op::SoftmaxGrad(s) => rowwise(cx, op, &s.axes.clone().unwrap_or_default(), ins),
         Op::Gather(gt) => gather(cx, n, op, gt.axis.unwrap_or(0), ins),
         Op::TopK(t) => super::experts::topk(cx, n, t.axis.unwrap_or(-1), ins),
+        Op::MoERoute(_) => super::dispatch::route(cx, n, ins),
+        Op::MoEDispatch(_) => super::dispatch::scatter(cx, n, ins),
+        Op::MoECombine(_) => super::dispatch::combine(cx, n, ins),
         Op::MoE(_) => super::experts::apply(cx, n, false, ins),
         Op::MoEGrad(_) => super::experts::apply(cx, n, true, ins),
         Op::Where(_) => match ins {

@@ -67,7 +67,7 @@ impl Run<'_> {
                 .map_err(|w| self.located(terms, d, &ins, w, here()))?
         };
         for f in outs.iter().flatten() {
-            if f.term as usize >= self.known {
+            if f.term as usize >= self.known && !super::dispatch::is_own(terms, f.term) {
                 self.novel.entry(f.term).or_insert_with(|| (d, here()));
             }
         }
@@ -194,7 +194,11 @@ impl Run<'_> {
             }
             Op::ReduceScatter(a) => comm::reduce_scatter(terms, &facts, a.axis.unwrap_or(0) as usize),
             Op::AllToAll(a) => {
-                comm::all_to_all(terms, &facts, a.split_axis.unwrap_or(0) as usize, a.concat_axis.unwrap_or(0) as usize)
+                let (split, concat) = (a.split_axis.unwrap_or(0) as usize, a.concat_axis.unwrap_or(0) as usize);
+                match super::dispatch::stack(terms, &facts, split, concat) {
+                    Some(out) => Ok(out),
+                    None => comm::all_to_all(terms, &facts, split, concat),
+                }
             }
             Op::HaloExchange(h) => {
                 let widths: Vec<Vec<i64>> = members
