@@ -149,7 +149,12 @@ fn configurations_check_their_degrees_and_say_what_is_not_priced() {
     assert_eq!(resolve("dp=8,ep=8", 8).unwrap(), autoshard::Named::Expert { ep: 8, tp: 1 });
     assert_eq!(resolve("tp=2,ep=2", 8).unwrap(), autoshard::Named::Expert { ep: 2, tp: 2 });
     assert!(resolve("ep=3", 8).unwrap_err().contains("carved from the 8 data-parallel ranks"));
-    assert!(resolve("ep=2,tp=2,pp=2", 8).unwrap_err().contains("not tp with pp"));
+    assert_eq!(
+        resolve("ep=2,tp=2,pp=2,mbs=1", 8).unwrap(),
+        autoshard::Named::Pipeline { stages: 2, micro: 4, schedule: cost::Schedule::OneFOneB, tensor: 2, expert: 2 }
+    );
+    assert!(resolve("ep=4,tp=2,pp=2", 8).unwrap_err().contains("carved from the 2 data-parallel ranks"));
+    assert!(resolve("ep=2,ep_comm=a2a,capacity=x", 8).unwrap_err().contains("capacity factor"));
     assert!(resolve("ep=2,cp=2", 8).unwrap_err().contains("cp 1"));
     assert_eq!(
         resolve("ep=2,pp=2,mbs=1", 8).unwrap(),

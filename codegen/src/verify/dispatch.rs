@@ -12,7 +12,7 @@
 //! - The mixture (or its gradient) on stacks, with the experts `j·experts ..` of the graph's
 //!   weights, is a term of its own (`experts`), but for the gradient's weight gradients.
 //! - `MoECombine` of the stacked outputs by the routing of rows `a..b`: when the routings of
-//!   the stacks' members are those of consecutive rows of one ids tensor, the members of every
+//!   the stacks' members are those of disjoint rows of one ids tensor, the members of every
 //!   stack are built from those routings in order, and device `j` of the stacks ran the
 //!   experts `j·experts ..` of the graph's weights, every pair of those rows went to the device
 //!   holding its expert (the routing is exactly `id / experts`: ir/src/ops/experts.rs) and came
@@ -172,9 +172,9 @@ fn sent(terms: &Terms, t: TermId, per_pair: bool) -> Option<(usize, Vec<TermId>,
     Some((j, pos, value?))
 }
 
-/// The routings `pos` route consecutive rows of one ids tensor with one set of parameters,
-/// one device each: the first routing and the rows they cover; else which member differs.
-fn tiled(terms: &Terms, pos: &[TermId]) -> Result<(Route, (i64, i64)), String> {
+/// The routings `pos` route disjoint rows of one ids tensor with one set of parameters, one
+/// device each: the first routing and the rows each covers; else which member differs.
+fn tiled(terms: &Terms, pos: &[TermId]) -> Result<(Route, Vec<(i64, i64)>), String> {
     let routes: Vec<Route> = pos
         .iter()
         .enumerate()
@@ -188,19 +188,17 @@ fn tiled(terms: &Terms, pos: &[TermId]) -> Result<(Route, (i64, i64)), String> {
                 r.per, r.parts, r.capacity, first.per, first.parts, first.capacity
             ));
         }
-        if i > 0 && routes[i - 1].rows.1 != r.rows.0 {
+        if let Some(j) = routes[..i].iter().position(|q| q.rows.0 < r.rows.1 && r.rows.0 < q.rows.1) {
             return Err(format!(
-                "member {i} routed rows {:?} after member {}'s {:?}",
-                r.rows,
-                i - 1,
-                routes[i - 1].rows
+                "member {i} routed rows {:?}, which member {j} routed too ({:?})",
+                r.rows, routes[j].rows
             ));
         }
     }
     if routes.len() as i64 != first.parts {
         return Err(format!("{} members for a routing over {} devices", routes.len(), first.parts));
     }
-    Ok((first.clone(), (first.rows.0, routes[routes.len() - 1].rows.1)))
+    Ok((first, routes.iter().map(|r| r.rows).collect()))
 }
 
 /// Whether `t` is one of the dispatcher's own terms (no graph value, by design).
@@ -209,8 +207,8 @@ pub fn is_own(terms: &Terms, t: TermId) -> bool {
 }
 
 /// What a mixture on stacks ran on: the graph's operands `[dY,] X, I, w`, the part `j`, the
-/// routing and the rows the stacks' routings cover.
-type Stacked = (Vec<TermId>, usize, Route, (i64, i64));
+/// routing and the rows each member's routing covers.
+type Stacked = (Vec<TermId>, usize, Route, Vec<(i64, i64)>);
 
 /// The graph's inputs of a mixture (or its gradient) run on stacks: `[dY,] X, I, w` from the
 /// stacks of `xs` (`dy` first for the gradient), checked to be built from one tiling of
@@ -219,7 +217,7 @@ fn stacked_inputs(terms: &Terms, facts: &[&Fact], grad: bool) -> Result<Stacked,
     let x0 = usize::from(grad);
     let bad = || "a mixture on rows received that are not the dispatcher's stacks of one routing".to_string();
     let (j, pos, x) = sent(terms, facts[x0].term, false).ok_or_else(bad)?;
-    let (route, span) = tiled(terms, &pos).map_err(|why| format!("{}: {why}", bad()))?;
+    let (route, spans) = tiled(terms, &pos).map_err(|why| format!("{}: {why}", bad()))?;
     let (jw, pos_w, w) = sent(terms, facts[x0 + 2].term, true).ok_or_else(bad)?;
     let (je, experts) = stack_of(terms, facts[x0 + 1].term).ok_or_else(bad)?;
     let experts_ok = experts.len() == pos.len()
@@ -238,7 +236,7 @@ fn stacked_inputs(terms: &Terms, facts: &[&Fact], grad: bool) -> Result<Stacked,
         }
         global.insert(0, dy);
     }
-    Ok((global, j, route, span))
+    Ok((global, j, route, spans))
 }
 
 /// A mixture (or its gradient) on the dispatcher's stacks; `None` when its tokens are not a
@@ -255,7 +253,7 @@ fn on_stacks(cx: &mut Cx<'_>, n: NodeId, grad: bool, facts: &[&Fact]) -> Out {
     if facts.len() != x0 + 5 {
         return wrong("a mixture without its operands");
     }
-    let (global, j, route, span) = stacked_inputs(cx.terms, facts, grad).map_err(super::rules::Why::Wrong)?;
+    let (global, j, route, spans) = stacked_inputs(cx.terms, facts, grad).map_err(super::rules::Why::Wrong)?;
     let (w1, w2) = (facts[x0 + 3], facts[x0 + 4]);
     let held = (j as i64 * route.per, (j as i64 + 1) * route.per);
     let experts = cx.terms.shape(w1.term)[0];
@@ -289,10 +287,13 @@ fn on_stacks(cx: &mut Cx<'_>, n: NodeId, grad: bool, facts: &[&Fact]) -> Out {
             let mut region = whole(&full);
             region[0] = held;
             let tokens = cx.terms.shape(route.ids)[0];
-            let shares = if span == (0, tokens) {
+            let covered: i64 = spans.iter().map(|(a, b)| b - a).sum();
+            let shares = if covered == tokens {
                 Vec::new()
             } else {
-                vec![Share { site: t, space: vec![tokens], held: vec![vec![span]], max: false }]
+                let mut held: Vec<_> = spans.iter().map(|&r| vec![r]).collect();
+                held.sort();
+                vec![Share { site: t, space: vec![tokens], held, max: false }]
             };
             out.push(Some(Fact { term: t, region, shares, alts: Vec::new() }));
             continue;

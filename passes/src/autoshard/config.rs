@@ -15,7 +15,7 @@
 //! strategy ([`Named`]: `data`, `megatron`, `hybrid:dp:D,tp:T`,
 //! `pipeline:S:M[:interleaved:V][:tp:T]`, `context[:ring][:dp:D,tp:T]` for `cp` with or without `dp`
 //! and `tp`, `expert:ep:E` for `ep`) and the cost-model options it sets; what the cost model
-//! cannot price yet (`ep` with `cp`, or with `tp` and `pp` together; `cp` with `pp`) is refused with the reason.
+//! cannot price yet (`ep` with `cp`; `cp` with `pp`) is refused with the reason.
 //! `pp` with `tp` is a pipeline of Megatron (or data × Megatron) stages; `vp` > 1 the
 //! interleaved schedule. As in Megatron-LM, `ep` takes no devices of its own: the
 //! expert-parallel groups are carved from the data-parallel ranks (`ep` divides `dp`), each
@@ -237,10 +237,10 @@ impl Config {
     /// (pipelines: micro-batches = batch / (dp × mbs)), and the options it sets on `opts`.
     pub fn resolve(&self, devices: usize, batch: Option<i64>, opts: &Options) -> Result<(Named, Options), String> {
         let dp = self.data_degree(devices)?;
-        if self.ep > 1 && (self.cp > 1 || self.tp > 1 && self.pp > 1) {
+        if self.ep > 1 && self.cp > 1 {
             return Err(format!(
-                "ep={}: expert parallelism runs beside data, tensor (without pipeline stages) and pipeline parallelism only for now (cp 1, and not tp with pp; got tp={}, pp={}, cp={})",
-                self.ep, self.tp, self.pp, self.cp
+                "ep={}: expert parallelism runs beside data, tensor and pipeline parallelism only for now (cp 1; got cp={})",
+                self.ep, self.cp
             ));
         }
         if self.cp > 1 && self.pp != 1 {

@@ -250,15 +250,12 @@ impl Named {
             return Err(format!("tensor parallelism over {tensor} does not divide a stage's {per_stage} devices"));
         }
         if expert > 1 {
-            if tensor > 1 {
+            if !per_stage.is_multiple_of(expert * tensor) {
                 return Err(format!(
-                    "expert parallelism ({expert}) beside tensor parallelism ({tensor}) in a stage is not priced yet"
+                    "expert parallelism over {expert} beside tensor parallelism over {tensor} does not divide a stage's {per_stage} devices"
                 ));
             }
-            if expert == 0 || !per_stage.is_multiple_of(expert) {
-                return Err(format!("expert parallelism over {expert} does not divide a stage's {per_stage} devices"));
-            }
-            return Ok(Named::Expert { ep: expert, tp: 1 });
+            return Ok(Named::Expert { ep: expert, tp: tensor });
         }
         Ok(match (tensor, per_stage / tensor) {
             (1, _) => Named::Data,
