@@ -519,6 +519,12 @@ fn positions(cx: &EvalCx<'_>, j: usize, rows: usize, what: &str) -> Result<(Vec<
     Ok((pos, t, k))
 }
 
+/// The dispatcher's moves: one per routed pair (positions `[T, k]`, input 1) and element of a
+/// row of `width`.
+fn row_moves(cx: &NodeCx<'_>, width: i64) -> Option<Work> {
+    Work::flops((cx.in_dims(1).iter().product::<i64>() * width) as f64)
+}
+
 impl OpRules for op::MoEDispatch {
     fn arity(&self) -> Arity {
         Arity::fixed(2)
@@ -529,10 +535,8 @@ impl OpRules for op::MoEDispatch {
         Some(IterSpace::whole(cx))
     }
 
-    /// One move (and add) per pair and element of a row.
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        let (x, pos) = (cx.in_dims(0), cx.in_dims(1));
-        Work::flops((pos.iter().product::<i64>() * x.get(1).copied().unwrap_or(1)) as f64)
+        row_moves(cx, if self.per_pair.unwrap_or(0) != 0 { 1 } else { cx.in_dims(0).get(1).copied().unwrap_or(1) })
     }
 
     fn infer(&self, cx: &InferCx<'_>) -> Types {
@@ -574,10 +578,8 @@ impl OpRules for op::MoECombine {
         Some(IterSpace::whole(cx))
     }
 
-    /// One move (and add) per pair and element of a row.
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        let (x, pos) = (cx.in_dims(0), cx.in_dims(1));
-        Work::flops((pos.iter().product::<i64>() * x.get(1).copied().unwrap_or(1)) as f64)
+        row_moves(cx, cx.in_dims(0).get(1).copied().unwrap_or(1))
     }
 
     fn infer(&self, cx: &InferCx<'_>) -> Types {
