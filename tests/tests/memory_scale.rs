@@ -131,6 +131,18 @@ fn zero_stages_shard_model_state_as_the_zero_paper_counts() {
     }
 }
 
+/// A pipeline's stage reports its model state by kind as a flat plan does: per parameter of
+/// the stage 2 bytes of weight, 2 of gradient and 2 more for the accumulator over its
+/// micro-batches, 12 of optimizer state (GPT-2 small's blocks, 2 stages, mixed precision, Adam).
+#[test]
+fn pipeline_stages_report_weights_gradients_and_optimizer_state() {
+    let g = gpt(12, 768, 12, 8, 128);
+    let m = priced(&g, 2, "pp=2,mbs=1").memory;
+    assert!(m.weights > 0.0 && m.gradients > 0.0 && m.optimizer > 0.0, "{m:?}");
+    close(m.gradients, 2.0 * m.weights, 1e-9, "gradients and their accumulator");
+    close(m.optimizer, 6.0 * m.weights, 1e-9, "optimizer state");
+}
+
 #[test]
 fn configurations_check_their_degrees_and_say_what_is_not_priced() {
     let opts = Options::default();

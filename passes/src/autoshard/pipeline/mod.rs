@@ -171,6 +171,8 @@ struct Table {
     param: Vec<f64>,
     /// Gradient bytes per device of the parameters each op reads first.
     grad: Vec<f64>,
+    /// Their weights' bytes per device.
+    weight: Vec<f64>,
     sync: Vec<f64>,
     update: Vec<f64>,
     /// Bytes per device crossing the cut before op `j` (`j` in `0..=n`), each tensor whole

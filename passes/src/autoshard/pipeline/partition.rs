@@ -16,6 +16,8 @@ pub struct Units {
     /// Their gradients' bytes, prefix sums: with several micro-batches the runtime keeps an
     /// accumulator of this size beside the micro-batch's own gradients.
     pub grad: Vec<f64>,
+    /// Their weights' bytes, prefix sums.
+    pub weight: Vec<f64>,
     /// Bytes per device crossing the cut before unit `j` (`j` in `0..=units`).
     pub cross: Vec<f64>,
     /// Workspace per device.
@@ -39,6 +41,7 @@ impl Units {
             act: pre(&t.act),
             param: pre(&t.param),
             grad: pre(&t.grad),
+            weight: pre(&t.weight),
             cross: bounds.iter().map(|&b| t.crossing_bytes(pieces)[b]).collect(),
             workspace: t.workspace,
         }
@@ -54,7 +57,16 @@ impl Units {
             out
         };
         let grad = pre(&vec![0.0; fwd.len()]);
-        Units { fwd: pre(fwd), bwd: pre(bwd), act: pre(act), param: pre(param), grad, cross: cross.to_vec(), workspace }
+        Units {
+            fwd: pre(fwd),
+            bwd: pre(bwd),
+            act: pre(act),
+            param: pre(param),
+            weight: pre(param),
+            grad,
+            cross: cross.to_vec(),
+            workspace,
+        }
     }
 
     /// What the parameters of units `a..b` hold per device with `micro` micro-batches: weights,
@@ -361,6 +373,7 @@ pub(super) fn table_on(cm: &CostModel<'_>, reference: &HashMap<String, OpStrateg
         act: b.ops.iter().map(|r| r.memory_bytes).collect(),
         param: b.ops.iter().map(|r| r.param_memory_bytes).collect(),
         grad: b.ops.iter().map(|r| r.grad_memory_bytes).collect(),
+        weight: b.ops.iter().map(|r| r.weight_memory_bytes).collect(),
         sync: b.ops.iter().map(|r| r.grad_sync_s).collect(),
         update: b.ops.iter().map(|r| r.update_s).collect(),
         cross,

@@ -141,10 +141,14 @@ pub(super) fn price_cuts(
         let (param, grad) = (units.param[b] - units.param[a], units.grad[b] - units.grad[a]);
         let update = if cluster.device.in_place_update { 0.0 } else { param - grad * if m > 1 { 2.0 } else { 1.0 } };
         let act = (act + summing[st]).max(update);
+        // The parameters' bytes by kind: weights (and the shared weights' copies), gradients
+        // (with their accumulator over micro-batches), the optimizer state the rest.
+        let weights = units.weight[b] - units.weight[a];
+        let gradients = grad + params - param;
         let mem = Memory {
-            weights: params + shared[st],
-            gradients: 0.0,
-            optimizer: 0.0,
+            weights: weights + shared[st],
+            gradients,
+            optimizer: (params - weights - gradients).max(0.0),
             activations: act,
             workspace: t.workspace,
         };

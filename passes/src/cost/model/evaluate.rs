@@ -134,6 +134,7 @@ impl<'a> CostModel<'a> {
                     backward_s: bwd_compute + bwd_comm + t.comm_bwd(),
                     param_memory_bytes: 0.0,
                     grad_memory_bytes: 0.0,
+                    weight_memory_bytes: 0.0,
                     grad_sync_s: 0.0,
                     update_s: 0.0,
                 });
@@ -350,6 +351,7 @@ impl<'a> CostModel<'a> {
                     backward_s: if phase == Phase::Backward { e.time.fwd + op_comm } else { 0.0 },
                     param_memory_bytes: 0.0,
                     grad_memory_bytes: 0.0,
+                    weight_memory_bytes: 0.0,
                     grad_sync_s: if phase == Phase::Gradient { op_comm } else { 0.0 },
                     update_s: if phase == Phase::Gradient { e.time.fwd } else { 0.0 },
                 });

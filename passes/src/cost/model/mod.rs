@@ -268,6 +268,9 @@ pub struct OpRow {
     /// Bytes per device of those parameters' gradients: what a pipeline's accumulator over
     /// micro-batches holds beside the gradients of the micro-batch being computed.
     pub grad_memory_bytes: f64,
+    /// Bytes per device of those parameters' weights (the rest of `param_memory_bytes` is
+    /// their gradients and optimizer state).
+    pub weight_memory_bytes: f64,
     /// Synchronisation of the gradients of the parameters whose last reader (in backward, the
     /// first to finish) it is, before bucketing, seconds.
     pub grad_sync_s: f64,

@@ -101,6 +101,7 @@ impl<'a> CostModel<'a> {
                 w.rows[first].param_memory_bytes +=
                     local / at(3) + local / at(2) + elems * self.optimizer_bytes_per_elem();
                 w.rows[first].grad_memory_bytes += local / at(2);
+                w.rows[first].weight_memory_bytes += local / at(3);
                 w.rows[first].update_s += elems * self.update_bytes_per_elem() / self.mem_bandwidth();
             }
         }
