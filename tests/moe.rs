@@ -575,6 +575,41 @@ fn all_to_all_dispatch_refuses_an_overflow() {
     assert!(!o.status.success() && text(&o.stderr).contains("capacity factor"), "{}", text(&o.stderr));
 }
 
+/// `plan --moe-capacity` records the capacity factor in the plan, and `train --plan` asks the
+/// mixtures for it again before applying the plan (whose strategies may split the dispatch
+/// dim), then trains like one device.
+#[test]
+fn plans_carry_the_dispatchers_capacity() {
+    let model = data("mixtral_tiny_dynamo", "onnx");
+    let m = model.to_str().unwrap();
+    let dir = std::env::temp_dir().join(format!("shardc-moe-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan = dir.join("plan.json");
+    let o = shardc(&[
+        "plan",
+        m,
+        "--cluster",
+        "local-wgpu",
+        "--devices",
+        "8",
+        "--moe-capacity",
+        "2",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    assert_eq!(doc["moe_capacity"], 2.0);
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args(["train", m, "--plan", plan.to_str().unwrap(), "--loss", "softmax-cross-entropy", "--steps", "2"])
+        .args(["--backend", "cpu", "--check"])
+        .output()
+        .unwrap();
+    let out = text(&o.stdout);
+    assert!(o.status.success() && out.lines().filter(|l| l.contains(" ok ")).count() == 4, "{out}{}", text(&o.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// On wgpu devices the mixtures run on their own kernels (not on the host) and training under
 /// `ep=4` equals one device's.
 #[test]

@@ -632,6 +632,9 @@ pub fn apply_plan_rewrites(g: &mut ir::Graph, plan: &passes::autoshard::Plan) ->
         }
         .map_err(|e| CliError::msg(format!("the plan's rewrite `{}` does not apply: {e}", c.rule)))?;
     }
+    if let Some(f) = plan.moe_capacity {
+        ir::ops::experts::set_capacity(g, f).map_err(|e| CliError::msg(format!("the plan's capacity factor: {e}")))?;
+    }
     Ok(())
 }
 

@@ -482,6 +482,16 @@ pub(crate) fn dispatch_mode(
     Ok(super::split::SplitMode::Dispatch { axis, capacity })
 }
 
+/// The capacity factor the mixtures of experts of `g` ask the all-to-all dispatcher for, if
+/// any does.
+pub fn capacity_of(g: &crate::graph::Graph) -> Option<f32> {
+    g.node_ids().find_map(|n| match &g.node(n).op {
+        Op::MoE(m) => m.capacity_factor,
+        Op::MoEGrad(m) => m.capacity_factor,
+        _ => None,
+    })
+}
+
 /// Asks every mixture of experts in `g` (and its gradient) for the all-to-all token
 /// dispatcher with buffers of `factor` times an even share of the pairs (0: dropless); the
 /// count of mixtures. A negative or non-finite factor is refused.

@@ -320,6 +320,11 @@ pub struct Plan {
     /// (`lower`, `run` and `train` make them again before applying the plan).
     #[serde(default)]
     pub rewrites: Vec<super::RewriteChoice>,
+    /// The capacity factor of the mixtures' all-to-all token dispatcher (`plan
+    /// --moe-capacity`; 0: dropless), null when they all-gather their tokens; `lower`, `run`
+    /// and `train` ask the mixtures for it again before applying the plan.
+    #[serde(default)]
+    pub moe_capacity: Option<f32>,
 }
 
 fn level_name(l: LinkLevel) -> &'static str {
@@ -458,6 +463,7 @@ impl Plan {
             timings: PlanTimings::of(r),
             summary,
             rewrites: r.rewrites.clone(),
+            moe_capacity: ir::ops::experts::capacity_of(g),
         }
     }
 
