@@ -72,10 +72,12 @@ impl CostModel<'_> {
         }
         let (alpha, beta) = alpha_beta(self.cluster, self.mesh.axes[axis].level, 2, self.busy(), moved);
         let transfer = p2p(moved, alpha, beta);
-        // One full block of keys: the even split's share of the op, twice that under a
-        // causal mask (the even share averages half-masked blocks).
+        // One full block of keys: a `c`-th of the even split's share of the op (each device
+        // computes `c` blocks), twice that under a causal mask (the even share averages
+        // half-masked blocks).
         let cost = &self.costs[&n];
-        let block = cost.fwd_flops / f.max(1.0) * if ring_imbalance(&node.op, c) > 1.0 { 2.0 } else { 1.0 };
+        let causal = if ring_imbalance(&node.op, c) > 1.0 { 2.0 } else { 1.0 };
+        let block = cost.fwd_flops / f.max(1.0) / c as f64 * causal;
         let eff = match self.cluster.device.attention_efficiency {
             [f, _] if f > 0.0 => f,
             _ => self.cluster.device.efficiency,
