@@ -462,8 +462,8 @@ fn a_long_context_llama_3_70b_fits_only_with_context_parallelism() {
 /// Ring attention (`context:ring`, `cp=4,cp_comm=p2p`): every op, attention included, holds a
 /// quarter of the sequence; each attention passes its keys and values around the four devices
 /// (three passes forward; in the backward three for the log-sum-exp, three more beside the
-/// four passes of their gradients) and merges the blocks it sees — under the causal mask
-/// device `d` computes `d + 1` of them. Proved, and trained as one device trains.
+/// four passes of their gradients) and merges the blocks it sees — zig-zag, so that under the
+/// causal mask every device computes the same blocks. Proved, and trained as one device trains.
 #[test]
 fn ring_attention_passes_keys_and_values_around_and_trains_like_one_device() {
     let (g, info) = llama(96);
@@ -471,14 +471,21 @@ fn ring_attention_passes_keys_and_values_around_and_trains_like_one_device() {
     assert!(p.fallbacks.is_empty(), "{:?}", p.fallbacks);
     let kinds = collectives(&p);
     let layers = 2;
-    // Keys and values: 3 passes forward, 3 + 3 backward; their gradients: 4 passes.
-    assert_eq!(kinds.get("Send").copied(), Some(layers * (2 * 3 + 2 * 3 + 2 * 3 + 2 * 4)), "{kinds:?}");
+    // Zig-zag: each device runs the ring on two chunks of keys and values. Keys and values:
+    // 3 passes forward, 3 + 3 backward; their gradients: 4 passes — two chunks each; device 0
+    // moves one of its chunks of Q, K, V (forward) and of Q, K, V, dY, Y (gradient) into the
+    // ring's order, and one of Y's (forward) and of dQ, dK, dV's (gradient) back.
+    let (moved_in, moved_out) = shardc::ir::ops::flash::zigzag_sends(0, 4);
+    let passes = 2 * (2 * 3 + 2 * 3 + 2 * 3 + 2 * 4);
+    let moves = 8 * moved_in + 4 * moved_out;
+    assert_eq!(kinds.get("Send").copied(), Some(layers * (passes + moves)), "{kinds:?}");
     assert_eq!(kinds.get("Send"), kinds.get("Recv"), "{kinds:?}");
     assert!(!kinds.contains_key("AllToAll"), "no Ulysses exchange: {kinds:?}");
-    // Each device's attention queries are its quarter of the sequence, all heads.
+    // Forward and the backward's log-sum-exp ring: every device computes the same blocks —
+    // its own three (two halves on the diagonal), then two of each other device's — where
+    // a plain ring's device d computes d + 1.
     let blocks = |d: usize| ring_blocks(&p, d).len();
-    // Forward and the backward's log-sum-exp ring: device d sees blocks 0..=d.
-    assert_eq!((0..4).map(blocks).collect::<Vec<_>>(), [1, 2, 3, 4].map(|b| 2 * layers * b), "blocks per device");
+    assert_eq!((0..4).map(blocks).collect::<Vec<_>>(), [2 * layers * (3 + 2 * 3); 4], "blocks per device");
     verify(&g, &p).unwrap_or_else(|e| panic!("not proved: {e}"));
     let inputs = shardc::train::seeded_inputs(&g, &info, 5).expect("inputs");
     let one = one_device(&g, &info, &inputs, 3);
@@ -533,7 +540,11 @@ fn seeded_ring_attention_bugs_are_refuted() {
     let op = offset_by(&lg.node(n).op, Some(a.k_offset.unwrap_or(0) + 8));
     lg.set_op(n, op);
     let mut twice = p.clone();
-    let (own, next) = (ring_blocks(&twice, 3)[0], ring_blocks(&twice, 3)[1]);
+    // Device 3's first block and the next one merged into the same query chunk's output.
+    let blocks = ring_blocks(&twice, 3);
+    let own = blocks[0];
+    let query = |n| twice.devices[3].graph.node(n).input(0);
+    let next = *blocks[1..].iter().find(|&&n| query(n) == query(own)).expect("a second block of the chunk");
     let lg = &mut twice.devices[3].graph;
     let (k, v) = (lg.node(own).input(1), lg.node(own).input(2));
     lg.set_input(next, 1, k);
@@ -582,8 +593,8 @@ fn ring_attention_splits_the_sequence_over_more_devices_than_heads() {
     let lg = &p.devices[7].graph;
     let block = ring_blocks(&p, 7)[0];
     let q = lg.tensor_type(lg.node(block).input(0).unwrap()).and_then(|t| t.static_dims()).unwrap();
-    assert_eq!(q, vec![1, 4, 12, 16], "device 7's queries: all heads, 12 of 96 positions");
-    assert_eq!(ring_blocks(&p, 7).len(), 2 * 2 * 8, "device 7 sees all 8 blocks, forward and backward, 2 layers");
+    assert_eq!(q, vec![1, 4, 6, 16], "device 7's queries: all heads, a zig-zag chunk of 6 of 96 positions");
+    assert_eq!(ring_blocks(&p, 7).len(), 2 * 2 * (3 + 2 * 7), "device 7's blocks, forward and backward, 2 layers");
     verify(&g, &p).unwrap_or_else(|e| panic!("not proved: {e}"));
     let inputs = shardc::train::seeded_inputs(&g, &info, 3).expect("inputs");
     let one = one_device(&g, &info, &inputs, 2);

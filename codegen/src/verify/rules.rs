@@ -1036,6 +1036,16 @@ fn concat(cx: &mut Cx<'_>, op: &Op, axis: i64, ins: &[Option<Fact>]) -> Out {
     let Some(first) = facts.first() else { return wrong("Concat of nothing") };
     let r = first.region.len();
     let a = (if axis < 0 { axis + r as i64 } else { axis }) as usize;
+    // Pieces of one value adjacent in order along the axis: the piece they make together.
+    let same = facts.iter().all(|f| f.term == first.term && f.is_exact());
+    let adjacent = facts
+        .windows(2)
+        .all(|w| w[0].region[a].1 == w[1].region[a].0 && (0..r).all(|d| d == a || w[0].region[d] == w[1].region[d]));
+    if facts.len() > 1 && same && adjacent {
+        let mut region = first.region.clone();
+        region[a].1 = facts[facts.len() - 1].region[a].1;
+        return Ok(vec![Some(Fact::exact(first.term, region))]);
+    }
     let mut shape = cx.terms.shape(first.term).to_vec();
     shape[a] = 0;
     for f in &facts {

@@ -221,6 +221,33 @@ pub fn ring_mask(op: &crate::op::Op) -> Option<(bool, Option<f32>)> {
     Some((causal.unwrap_or(0) != 0, scale))
 }
 
+/// Zig-zag load balancing of a causal ring of `c` devices holding `rows` positions each: the
+/// sequence is cut into `2c` chunks of `rows / 2` and device `d` runs the ring on chunks `d`
+/// and `2c − 1 − d` (an early and a late one), so every device computes the same share of
+/// the causal blocks. Used where the ring is causal and the rows halve; the lowering
+/// (codegen/src/lower/ring.rs) and the cost model read this one decision.
+pub fn zigzag(causal: bool, rows: usize, c: usize) -> bool {
+    causal && c > 1 && rows >= 2 && rows.is_multiple_of(2)
+}
+
+/// The device of the zig-zag ring of `c` devices that computes on chunk `g` of the `2c`.
+pub fn zigzag_owner(g: usize, c: usize) -> usize {
+    if g < c { g } else { 2 * c - 1 - g }
+}
+
+/// The chunks of the `2c` device `d` of a zig-zag ring computes on.
+pub fn zigzag_chunks(d: usize, c: usize) -> [usize; 2] {
+    [d, 2 * c - 1 - d]
+}
+
+/// How many of its two chunks device `d` of a zig-zag ring of `c` sends to another device
+/// going in (from its rows `2d`, `2d + 1` to the ring's chunks) and coming back out.
+pub fn zigzag_sends(d: usize, c: usize) -> (usize, usize) {
+    let into = [2 * d, 2 * d + 1].iter().filter(|&&g| zigzag_owner(g, c) != d).count();
+    let out = zigzag_chunks(d, c).iter().filter(|&&g| g / 2 != d).count();
+    (into, out)
+}
+
 /// The operands `0..n` as `f64`, and the shape.
 fn operands(cx: &EvalCx<'_>, n: usize) -> Result<(Shape, Vec<Vec<f64>>)> {
     let (q, k, v) = (cx.req(0)?, cx.req(1)?, cx.req(2)?);

@@ -270,7 +270,7 @@ impl<'a> CostModel<'a> {
         match mode {
             // Ring attention: the busiest device's share, and the gradient's recomputed blocks.
             Some(SplitMode::Ring { axis }) => {
-                let imbalance = ring::ring_imbalance(&node.op, self.mesh.axes[*axis].size);
+                let imbalance = ring::ring_imbalance(&node.op, self.mesh.axes[*axis].size, self.ring_zigzag(n, *axis));
                 let (d, dv) = self.head_sizes(n);
                 let again = ring::ring_grad_factor(&node.op, d, dv);
                 match node.op {

@@ -1,9 +1,10 @@
 //! Ring attention's price (`SplitMode::Ring`): the point-to-point passes of the keys and
 //! values (and in the backward of their gradients) around the ring that the lowering emits
 //! (codegen/src/lower/ring.rs), each overlapped with the block of attention computed
-//! meanwhile; and the causal imbalance — device `d` of `c` computes the `d` blocks before its
-//! own and half of its own, so the last one runs `c − ½` blocks where an even split would
-//! run `c / 2`.
+//! meanwhile; the zig-zag's moves into the ring's chunks and back, exposed; and, for a causal
+//! ring that cannot run zig-zag, the imbalance — device `d` of `c` computes the `d` blocks
+//! before its own and half of its own, so the last one runs `c − ½` blocks where an even split
+//! would run `c / 2`.
 
 use super::*;
 
@@ -30,11 +31,11 @@ pub fn ring_passes(op: &Op, c: usize) -> (RingPasses, RingPasses) {
 }
 
 /// The factor by which the busiest device's share of a ring attention exceeds an even
-/// split's: `(2c − 1) / c` when causal (device `c − 1` runs `c − ½` of the `c²/2` blocks'
-/// worth), 1 otherwise.
-pub fn ring_imbalance(op: &Op, c: usize) -> f64 {
+/// split's: `(2c − 1) / c` when causal without zig-zag load balancing (device `c − 1` runs
+/// `c − ½` of the `c²/2` blocks' worth), 1 otherwise (every device the same share).
+pub fn ring_imbalance(op: &Op, c: usize, zigzag: bool) -> f64 {
     let causal = ir::ops::flash::ring_mask(op).is_some_and(|(causal, _)| causal);
-    if causal && c > 0 { (2 * c - 1) as f64 / c as f64 } else { 1.0 }
+    if causal && !zigzag && c > 0 { (2 * c - 1) as f64 / c as f64 } else { 1.0 }
 }
 
 /// The extra work of a ring gradient: the ring recomputes the forward blocks for each row's
@@ -51,6 +52,16 @@ pub fn ring_grad_factor(op: &Op, d: f64, dv: f64) -> f64 {
 }
 
 impl CostModel<'_> {
+    /// Whether ring attention `n` over mesh axis `axis` runs zig-zag
+    /// ([`ir::ops::flash::zigzag`]: causal, each device's rows halving).
+    pub(super) fn ring_zigzag(&self, n: NodeId, axis: usize) -> bool {
+        let node = self.g.node(n);
+        let c = self.mesh.axes[axis].size;
+        let causal = ir::ops::flash::ring_mask(&node.op).is_some_and(|(causal, _)| causal);
+        let seq = node.input(0).and_then(|q| self.value_shape(q).0.get(2).copied()).unwrap_or(0).max(0) as usize;
+        ir::ops::flash::zigzag(causal, seq / c.max(1), c)
+    }
+
     /// The head sizes `(d, dv)` of attention `n` (4-D: the last dims of Q and V).
     pub(super) fn head_sizes(&self, n: NodeId) -> (f64, f64) {
         let node = self.g.node(n);
@@ -76,7 +87,8 @@ impl CostModel<'_> {
         // computes `c` blocks), twice that under a causal mask (the even share averages
         // half-masked blocks).
         let cost = &self.costs[&n];
-        let causal = if ring_imbalance(&node.op, c) > 1.0 { 2.0 } else { 1.0 };
+        let zigzag = self.ring_zigzag(n, axis);
+        let causal = if ring_imbalance(&node.op, c, zigzag) > 1.0 { 2.0 } else { 1.0 };
         let block = cost.fwd_flops / f.max(1.0) / c as f64 * causal;
         let eff = match self.cluster.device.attention_efficiency {
             [f, _] if f > 0.0 => f,
@@ -99,7 +111,52 @@ impl CostModel<'_> {
             let exposed = (transfer - hidden(per_block)).max(0.0);
             out.extend(std::iter::repeat_n((phase, step(exposed)), passes.kv + passes.grads));
         }
+        if zigzag {
+            out.extend(self.zigzag_moves(n, axis, ins));
+        }
         out
+    }
+
+    /// The zig-zag's moves of op `n`'s tensors into the ring's chunks and of its results
+    /// back (codegen/src/lower/ring.rs), forward then backward, as the busiest device sends
+    /// them: exposed, nothing computed meanwhile.
+    fn zigzag_moves(&self, n: NodeId, axis: usize, ins: &[Option<Sharding>]) -> Vec<(Phase, Step)> {
+        let c = self.mesh.axes[axis].size;
+        let (q, k, v) = (self.local_input(n, ins, 0), self.local_input(n, ins, 1), self.local_input(n, ins, 2));
+        let (d, dv) = self.head_sizes(n);
+        let y = if d > 0.0 { q * dv / d } else { q };
+        // (tensors moved in, results moved out) of the forward and of the gradient.
+        let forward = (q + k + v, y);
+        let gradient = (q + k + v + 2.0 * y, q + k + v);
+        let phases = match self.g.node(n).op {
+            Op::AttentionGrad(_) => vec![(Phase::Forward, gradient)],
+            _ => vec![(Phase::Forward, forward), (Phase::Backward, gradient)],
+        };
+        let level = self.mesh.axes[axis].level;
+        phases
+            .into_iter()
+            .map(|(phase, (into, out))| {
+                let moved = (0..c)
+                    .map(|dev| {
+                        let (i, o) = ir::ops::flash::zigzag_sends(dev, c);
+                        (i as f64 * into + o as f64 * out) / 2.0
+                    })
+                    .fold(0.0, f64::max);
+                let (alpha, beta) = alpha_beta(self.cluster, level, 2, self.busy(), moved);
+                let time = p2p(moved, alpha, beta);
+                let step = Step {
+                    kind: CommKind::P2p,
+                    axes: vec![axis],
+                    group: c,
+                    bytes: moved,
+                    moved,
+                    moved_by_device: None,
+                    latency: alpha,
+                    time,
+                };
+                (phase, step)
+            })
+            .collect()
     }
 
     /// The bytes of input `j` of op `n` on one device with its inputs laid out as `ins`.
