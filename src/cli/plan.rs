@@ -146,6 +146,22 @@ fn model_info(args: &PlanArgs, g: &ir::Graph, bytes: &[u8]) -> ModelInfo {
     }
 }
 
+/// The passes `plan` runs before the search: verify, rebatch (when asked), shape inference,
+/// canonicalization, the algebra, the dispatcher's capacity (when asked), static shapes.
+fn prepare_passes(args: &PlanArgs, spec: passes::RebatchSpec) -> passes::PassManager {
+    let mut pm = passes::PassManager::new().with_dump_after(args.dump_after.clone());
+    pm.add(passes::Verify);
+    if !spec.is_empty() {
+        pm.add(passes::Rebatch { spec });
+    }
+    pm.add(passes::InferShapes::default()).add(passes::Canonicalize).add(passes::Algebra);
+    if let Some(f) = args.moe_capacity {
+        pm.add(passes::MoeCapacity(f));
+    }
+    pm.add(passes::RequireStatic);
+    pm
+}
+
 pub fn run(args: &PlanArgs) -> CliResult {
     for d in &args.dump_after {
         if d != "all" && !PLAN_PASSES.contains(&d.as_str()) {
@@ -185,18 +201,7 @@ pub fn run(args: &PlanArgs) -> CliResult {
     let (progress, bar) = super::ui::search_progress(args.time_limit);
     search.progress = progress;
     let result = Rc::new(RefCell::new(None));
-    let mut pm = passes::PassManager::new().with_dump_after(args.dump_after.clone());
-    pm.add(passes::Verify);
-    if !spec.is_empty() {
-        pm.add(passes::Rebatch { spec });
-    }
-    pm.add(passes::InferShapes::default());
-    pm.add(passes::Canonicalize);
-    pm.add(passes::Algebra);
-    if let Some(f) = args.moe_capacity {
-        pm.add(passes::MoeCapacity(f));
-    }
-    pm.add(passes::RequireStatic);
+    let mut pm = prepare_passes(args, spec);
     pm.add(Autoshard { cluster: cluster.clone(), devices, options: opts.clone(), search, result: result.clone() });
     let report = pm.run(&mut loaded.model);
     super::ui::finish(bar);

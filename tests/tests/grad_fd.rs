@@ -33,7 +33,6 @@ const NO_RULE: &[(&str, &str)] = &[
     ("MoEGrad", "a gradient op: training needs no second derivatives"),
     ("AttentionGrad", "a gradient op: training needs no second derivatives"),
     ("AttentionBlock", "ring attention's step: inserted by the lowering, after autodiff"),
-    ("MoERoute", "the all-to-all dispatcher's routing: integer positions, inserted by the lowering"),
     ("MoEDispatch", "the all-to-all dispatcher's send buffer: inserted by the lowering, after autodiff"),
     ("MoECombine", "the all-to-all dispatcher's combine: inserted by the lowering, after autodiff"),
     ("LayerNormGrad", "a gradient op: training needs no second derivatives"),
