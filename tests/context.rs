@@ -522,8 +522,9 @@ fn ring_blocks(p: &Program, device: usize) -> Vec<shardc::ir::NodeId> {
 }
 
 /// Seeded ring-attention bugs the prover refutes, naming the op: a block whose key offset
-/// does not place its keys (device 2's causal mask off by one block), and one block merged
-/// twice in place of another (device 3 merging its own keys again, the offset matching).
+/// does not place its keys (device 2's causal mask off by one block), one block merged
+/// twice in place of another (device 3 merging its own keys again, the offset matching), and
+/// a zig-zag chunk sent to a device that does not run the ring on it.
 #[test]
 fn seeded_ring_attention_bugs_are_refuted() {
     use shardc::codegen::RefutationKind;
@@ -552,7 +553,24 @@ fn seeded_ring_attention_bugs_are_refuted() {
     let Op::AttentionBlock(a) = &lg.node(own).op else { unreachable!() };
     let op = offset_by(&lg.node(next).op, a.k_offset);
     lg.set_op(next, op);
-    for (what, bad, expect) in [("shifted", shifted, "offsets"), ("twice", twice, "twice")] {
+    // Zig-zag: device 1 sends one of its chunks to a device that does not run the ring on it.
+    let mut astray = p.clone();
+    let lg = &mut astray.devices[1].graph;
+    let chunk_send = lg
+        .op_nodes()
+        .unwrap()
+        .into_iter()
+        .find(|&n| {
+            matches!(lg.node(n).op, Op::Send(_))
+                && lg.node(n).input(0).is_some_and(|x| matches!(lg.node(x.node).op, Op::Slice(_)))
+        })
+        .expect("a zig-zag move");
+    let Op::Send(s) = lg.node(chunk_send).op.clone() else { unreachable!() };
+    let peer = (s.peer.unwrap() + 1) % 4;
+    let peer = if peer == 1 { 2 } else { peer };
+    lg.set_op(chunk_send, Op::Send(shardc::ir::op::Send { peer: Some(peer), ..s }));
+    for (what, bad, expect) in [("shifted", shifted, "offsets"), ("twice", twice, "twice"), ("astray", astray, "waits")]
+    {
         let e = verify(&g, &bad).map(|_| ()).expect_err(what);
         assert_eq!(e.kind, RefutationKind::Wrong, "{what}: {e}");
         assert!(e.device.is_some() && e.op.is_some() && e.to_string().contains(expect), "{what}: {e}");
