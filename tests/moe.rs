@@ -435,6 +435,25 @@ fn mixtral_8x7b_on_64_h100_plans_expert_parallelism() {
     assert!((w - scratch).abs() <= 0.05 * scratch, "workspace {w:.3e} B, the kernels' scratch {scratch:.3e} B");
     let data = shardc::exec::named_result(&m.graph, &cluster, 64, "data", &opts).unwrap();
     assert!(!data.breakdown.feasible, "data parallel fits: {:?}", data.breakdown.memory);
+    // Mixtures that allow the all-to-all dispatcher: the search prices both dispatchers at
+    // each expert point and keeps the faster — all-gather against dropless buffers (as large
+    // as the gather, more operations), all-to-all at a capacity of 1.25.
+    for (factor, a2a) in [(0.0, false), (1.25, true)] {
+        let mut g = m.graph.clone();
+        shardc::ir::ops::experts::set_capacity(&mut g, factor).unwrap();
+        let d = autoshard::search(&g, &cluster, 64, &opts, &Default::default()).unwrap_or_else(|e| panic!("{e}"));
+        let config = d.same_as.clone().unwrap_or_default();
+        assert_eq!(config.contains("ep_comm=a2a"), a2a, "capacity {factor}: {config}");
+        let faster = d.breakdown.step_time_s < r.breakdown.step_time_s;
+        assert_eq!(
+            faster, a2a,
+            "capacity {factor}: {} s against {} s",
+            d.breakdown.step_time_s, r.breakdown.step_time_s
+        );
+        if a2a {
+            assert!(config.ends_with("capacity=1.25"), "{config}");
+        }
+    }
 }
 
 /// A hand configuration with expert parallelism prices and exports: Megatron-LM's MoE

@@ -88,9 +88,10 @@ pub struct PlanArgs {
     /// `train --plan` can run
     #[arg(long = "no-memory-saving")]
     pub no_memory_saving: bool,
-    /// Expert parallelism dispatches each mixture of experts' tokens by all-to-all, with
+    /// Let expert parallelism dispatch each mixture of experts' tokens by all-to-all, with
     /// buffers of this factor times an even share of the routed pairs per device (0:
-    /// dropless); a run that overflows them stops with an error. Without it, the tokens are
+    /// dropless; a run that overflows them stops with an error): the search prices it beside
+    /// the all-gather dispatcher and keeps the faster. Without it, the tokens are
     /// all-gathered over the expert axis.
     #[arg(long = "moe-capacity", value_name = "FACTOR")]
     pub moe_capacity: Option<f32>,

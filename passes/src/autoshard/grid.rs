@@ -463,9 +463,29 @@ fn plan_point(
     let mesh = named.mesh(cluster, devices).map_err(|_| false)?;
     let cm = CostModel::with_analysis(g, whole, cluster, mesh.clone(), o.clone());
     let assignment = crate::autoshard::named::assign(&cm, &named).map_err(|_| false)?;
+    let breakdown = cm.price(&assignment);
+    let mut config = describe(p, schedule, &o);
+    // Mixtures that allow the all-to-all dispatcher: the all-gather one priced too, the
+    // faster kept (a fit first).
+    let dispatch = matches!(named, Named::Expert { .. }) && crate::autoshard::named::has_dispatch(&cm);
+    let (assignment, breakdown) = if dispatch {
+        let gathered = crate::autoshard::named::assign_with(&cm, &named, false).map_err(|_| false)?;
+        let other = cm.price(&gathered);
+        if (other.feasible, -other.step_time_s) > (breakdown.feasible, -breakdown.step_time_s) {
+            (gathered, other)
+        } else {
+            config.push_str(",ep_comm=a2a");
+            if let Some(f) = ir::ops::experts::capacity_of(g).filter(|&f| f > 0.0) {
+                config.push_str(&format!(",capacity={f}"));
+            }
+            (assignment, breakdown)
+        }
+    } else {
+        (assignment, breakdown)
+    };
     Ok(GridPlan {
-        config: describe(p, schedule, &o),
-        breakdown: cm.price(&assignment),
+        config,
+        breakdown,
         mesh,
         assignment,
         pipeline: None,

@@ -655,7 +655,7 @@ fn expert_split(
     cm: &CostModel<'_>,
     asg: &Assignment,
     n: NodeId,
-    experts: &[usize],
+    (experts, dispatch): (&[usize], bool),
     tensor: Option<usize>,
 ) -> Option<Vec<Option<usize>>> {
     let k = cm.mesh.axes.len();
@@ -670,7 +670,7 @@ fn expert_split(
         let t = sp.dims.iter().position(|d| d.name == "t");
         // A mixture that asks for the all-to-all dispatcher (a capacity factor) gets it over
         // the expert axis, its tokens split over that axis too.
-        if let (Some(x), [axis]) = (dim_with(cm, n, DimRole::Dispatch), experts) {
+        if let (true, Some(x), [axis]) = (dispatch, dim_with(cm, n, DimRole::Dispatch), experts) {
             let s: Vec<Option<usize>> = (0..k).map(|a| if a == *axis { Some(x) } else { t }).collect();
             if strategy_valid(sp, &s, &cm.mesh, cm.g, n) {
                 return Some(s);
@@ -698,7 +698,7 @@ pub fn expert_over(cm: &CostModel<'_>, axis: usize) -> Result<Assignment, String
     expert_applies(cm, &[axis])?;
     let mut asg = Assignment::default();
     for &n in cm.order() {
-        let s = expert_split(cm, &asg, n, &[axis], None).unwrap_or_else(|| follow(cm, &asg, n));
+        let s = expert_split(cm, &asg, n, (&[axis], true), None).unwrap_or_else(|| follow(cm, &asg, n));
         asg.strategies.insert(n, s);
     }
     Ok(asg)
@@ -736,6 +736,17 @@ fn megatron(cm: &CostModel<'_>, asg: &Assignment, n: NodeId, axes: &[usize]) -> 
 
 /// Builds the assignment of a named (non-pipeline) strategy, or says why it does not apply.
 pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
+    assign_with(cm, named, true)
+}
+
+/// Whether some mixture of experts in the model asks for the all-to-all dispatcher.
+pub fn has_dispatch(cm: &CostModel<'_>) -> bool {
+    cm.order().iter().any(|&n| dim_with(cm, n, DimRole::Dispatch).is_some())
+}
+
+/// [`assign`], with `dispatch` false: an expert-parallel strategy's mixtures all-gather their
+/// tokens even where they ask for the all-to-all dispatcher (the search prices both).
+pub fn assign_with(cm: &CostModel<'_>, named: &Named, dispatch: bool) -> Result<Assignment, String> {
     // (The sequence dims, a flow over the whole graph, once: `context` checks and splits by them.)
     let is_context = matches!(named, Named::Context { .. });
     let sequence = if is_context { ir::ops::flow::sequence_dims(cm.g) } else { Default::default() };
@@ -768,7 +779,7 @@ pub fn assign(cm: &CostModel<'_>, named: &Named) -> Result<Assignment, String> {
             }
             Named::Spatial => windowed(n).then(|| spatial_split(cm, n, &all_axes)).flatten(),
             Named::Context { ring, .. } => context_split(cm, &asg, n, &sequence, &axes, *ring),
-            Named::Expert { .. } => expert_split(cm, &asg, n, &experts_on, expert_tensor),
+            Named::Expert { .. } => expert_split(cm, &asg, n, (&experts_on, dispatch), expert_tensor),
             // Batch over axis 0, Megatron over axis 1, the rest following the input.
             Named::Hybrid { .. } => Some(data_then_megatron(cm, &asg, n, &[0], 1)),
             Named::SpatialHybrid(..) => {
