@@ -11,7 +11,7 @@
 //! pair per row, the empty rows' id −1 adding nothing) and sends the outputs back by another;
 //! each token sums its pairs' rows. The gradient routes the same way, `dY` beside the tokens,
 //! and returns the rows' `dX` and `dw`; the experts' weight gradients stay where the experts
-//! are. The cost model prices these all-to-alls (passes/src/cost/model/compute.rs).
+//! are. The cost model prices these all-to-alls (passes/src/cost/model/dispatch.rs).
 
 use ir::op::{self as o, Op};
 use ir::shard::{IterSpace, strategy_shardings};

@@ -324,6 +324,9 @@ pub(super) fn emit(
     let base = l.g.value_name(Value::new(n, 0)).to_string();
     let pq = piece(l, n, sp, s, 0)?;
     let full = |p: &Piece| p.with_rows(ring.n);
+    // The output's (and dY's) piece: the queries' rows, the values' head dim.
+    let mut py = pq.clone();
+    py.shape[3] = ring.v.shape[3];
     let (qs, ks, vs) = (
         chunked(l, &ring, q, &pq, 0, &base),
         chunked(l, &ring, k, &full(&ring.k), 1, &base),
@@ -332,8 +335,6 @@ pub(super) fn emit(
     if !matches!(l.g.node(n).op, Op::AttentionGrad(_)) {
         let out = forward_ring(l, &ring, &qs, (ks, vs), 0, &base)?;
         let ys: Vec<Value> = out.iter().map(|o| o.0).collect();
-        let mut py = pq.clone();
-        py.shape[3] = ring.v.shape[3];
         let y = unchunked(l, &ring, &ys, &py, 0, &out_names[0]);
         // The present keys and values (no cache): the inputs.
         let mut outs = vec![y, k, v];
@@ -341,8 +342,6 @@ pub(super) fn emit(
         return Ok(outs);
     }
     let (Some(dy), Some(y)) = (x(3), x(4)) else { return Err(missing(l)) };
-    let mut py = pq.clone();
-    py.shape[3] = ring.v.shape[3];
     let (dys, ys) = (chunked(l, &ring, dy, &py, 3, &base), chunked(l, &ring, y, &py, 4, &base));
     let lses: Vec<Value> =
         forward_ring(l, &ring, &qs, (ks.clone(), vs.clone()), 1, &base)?.into_iter().map(|o| o.1).collect();

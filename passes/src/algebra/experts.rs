@@ -428,7 +428,10 @@ impl Pass for MoeCapacity {
     fn run(&mut self, g: &mut Graph, _cx: &mut PassCx<'_>) -> Result<Changed, PassError> {
         let err = |m: String| PassError::new(self.name(), Located::global(m));
         match ir::ops::experts::set_capacity(g, self.0).map_err(err)? {
-            0 => Err(err("the model has no mixture of experts (`fuse-experts`; docs/user-guide.md)".into())),
+            0 => Err(err(
+                "a capacity factor for the all-to-all dispatcher, but the model has no mixture of experts (`fuse-experts`; docs/user-guide.md)"
+                    .into(),
+            )),
             _ => Ok(Changed::Yes),
         }
     }

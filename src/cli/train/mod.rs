@@ -608,14 +608,10 @@ fn prepare(args: &TrainArgs, plan_doc: Option<passes::autoshard::Plan>, material
     passes::canonicalize::bypass_identities(&mut loaded.model.graph);
     let mut pm = passes::PassManager::new();
     pm.add(passes::Algebra);
-    pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
     if let Some(f) = args.moe_capacity {
-        let found = ir::ops::experts::set_capacity(&mut loaded.model.graph, f)
-            .map_err(|e| CliError::msg(format!("--moe-capacity: {e}")))?;
-        if found == 0 {
-            return Err(CliError::msg("--moe-capacity: the model has no mixture of experts (docs/user-guide.md)"));
-        }
+        pm.add(passes::MoeCapacity(f));
     }
+    pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
     let mut searched = None;
     if let Some(p) = &plan_doc {
         apply_plan_rewrites(&mut loaded.model.graph, p)?;

@@ -28,10 +28,7 @@ impl CostModel<'_> {
         layout: &Sharding,
     ) -> Vec<(Phase, Step)> {
         let node = self.g.node(n);
-        let Some(x) = node.input(0) else { return Vec::new() };
-        let (dims, eb) = self.value_shape(x);
-        let hidden = dims.last().copied().unwrap_or(0).max(0) as usize;
-        let rows = (self.mesh.axes[axis].size * capacity) as f64;
+        let Some((hidden, eb, rows)) = self.dispatch_buffer(n, axis, capacity) else { return Vec::new() };
         let steps = |grad: bool| -> Vec<Step> {
             dispatch_transfers(grad, hidden)
                 .into_iter()
@@ -55,21 +52,21 @@ impl CostModel<'_> {
         out
     }
 
-    /// The dispatcher's buffers on one device for a micro-batch of `1/k` of the batch: the
-    /// rows sent and received of each all-to-all of the op (and, `backward`, of its
-    /// gradient's), 0 unless `strategy` dispatches.
-    pub(super) fn dispatch_scratch(&self, n: NodeId, strategy: &[Option<usize>], backward: bool, k: f64) -> f64 {
-        let Ok(SplitMode::Dispatch { axis, capacity }) = split_mode(self.g, n, self.space(n), strategy, &self.mesh)
-        else {
-            return 0.0;
-        };
-        let node = self.g.node(n);
-        let Some(x) = node.input(0) else { return 0.0 };
-        let (dims, eb) = self.value_shape(x);
+    /// Op `n`'s row width (elements) and element bytes, and the rows of its buffer over mesh
+    /// axis `axis` at `capacity` rows per device.
+    fn dispatch_buffer(&self, n: NodeId, axis: usize, capacity: usize) -> Option<(usize, f64, f64)> {
+        let (dims, eb) = self.value_shape(self.g.node(n).input(0)?);
         let hidden = dims.last().copied().unwrap_or(0).max(0) as usize;
-        let rows = (self.mesh.axes[axis].size * capacity) as f64 / k.max(1.0);
-        let grad = matches!(node.op, Op::MoEGrad(_)) || backward;
+        Some((hidden, eb, (self.mesh.axes[axis].size * capacity) as f64))
+    }
+
+    /// The dispatcher's buffers on one device for a micro-batch of `1/k` of the batch, op `n`
+    /// dispatching over mesh axis `axis` at `capacity` rows per device: the rows sent and
+    /// received of each all-to-all of the op (and, `backward`, of its gradient's).
+    pub(super) fn dispatch_scratch(&self, n: NodeId, (axis, capacity): (usize, usize), backward: bool, k: f64) -> f64 {
+        let Some((hidden, eb, rows)) = self.dispatch_buffer(n, axis, capacity) else { return 0.0 };
+        let grad = matches!(self.g.node(n).op, Op::MoEGrad(_)) || backward;
         let elems: usize = dispatch_transfers(grad, hidden).iter().map(|(w, _)| w).sum();
-        2.0 * rows * elems as f64 * eb
+        2.0 * rows / k.max(1.0) * elems as f64 * eb
     }
 }

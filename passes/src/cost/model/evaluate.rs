@@ -263,12 +263,16 @@ impl<'a> CostModel<'a> {
         let parts = ins.get(slot).cloned().flatten().map_or(1.0, |l| split_factor(&l, &self.mesh));
         let (_, eb) = self.value_shape(ids);
         let inner = self.value_shape(w2).0.get(2).copied().unwrap_or(0) as f64;
-        // Under the all-to-all dispatcher the experts run on the buffer's rows received.
-        let pairs = match split_mode(self.g, n, self.space(n), strategy, &self.mesh) {
-            Ok(SplitMode::Dispatch { axis, capacity }) => (self.mesh.axes[axis].size * capacity) as f64 / k.max(1.0),
-            _ => self.value_bytes(ids) / parts / k.max(1.0) / eb.max(1.0),
+        // Under the all-to-all dispatcher the experts run on the buffer's rows received, and
+        // the buffers are held beside them.
+        let (pairs, buffers) = match split_mode(self.g, n, self.space(n), strategy, &self.mesh) {
+            Ok(SplitMode::Dispatch { axis, capacity }) => (
+                (self.mesh.axes[axis].size * capacity) as f64 / k.max(1.0),
+                self.dispatch_scratch(n, (axis, capacity), backward, k),
+            ),
+            _ => (self.value_bytes(ids) / parts / k.max(1.0) / eb.max(1.0), 0.0),
         };
-        pairs * inner * per_pair * 4.0 + self.dispatch_scratch(n, strategy, backward, k)
+        pairs * inner * per_pair * 4.0 + buffers
     }
 
     /// Prices a training graph as it runs: each op once, in its phase

@@ -51,6 +51,12 @@ pub fn ring_grad_factor(op: &Op, d: f64, dv: f64) -> f64 {
     if alone <= 0.0 { 1.0 } else { (8.0 * d + 6.0 * dv) / alone }
 }
 
+/// A point-to-point step over mesh axis `axis` (a ring of `c` devices) moving `moved` bytes
+/// a device, taking `time` of which `latency` is the link's.
+fn p2p_step(axis: usize, c: usize, moved: f64, latency: f64, time: f64) -> Step {
+    Step { kind: CommKind::P2p, axes: vec![axis], group: c, bytes: moved, moved, moved_by_device: None, latency, time }
+}
+
 impl CostModel<'_> {
     /// Whether ring attention `n` over mesh axis `axis` runs zig-zag
     /// ([`ir::ops::flash::zigzag`]: causal, each device's rows halving).
@@ -95,16 +101,7 @@ impl CostModel<'_> {
             _ => self.cluster.device.efficiency,
         };
         let hidden = |work: f64| self.roofline_at(work, 0.0, eff);
-        let step = |exposed: f64| Step {
-            kind: CommKind::P2p,
-            axes: vec![axis],
-            group: c,
-            bytes: moved,
-            moved,
-            moved_by_device: None,
-            latency: alpha,
-            time: exposed.max(alpha),
-        };
+        let step = |exposed: f64| p2p_step(axis, c, moved, alpha, exposed.max(alpha));
         let (fwd, bwd) = ring_passes(&node.op, c);
         let mut out = Vec::new();
         for (phase, passes, per_block) in [(Phase::Forward, fwd, block), (Phase::Backward, bwd, 2.5 * block)] {
@@ -143,18 +140,7 @@ impl CostModel<'_> {
                     })
                     .fold(0.0, f64::max);
                 let (alpha, beta) = alpha_beta(self.cluster, level, 2, self.busy(), moved);
-                let time = p2p(moved, alpha, beta);
-                let step = Step {
-                    kind: CommKind::P2p,
-                    axes: vec![axis],
-                    group: c,
-                    bytes: moved,
-                    moved,
-                    moved_by_device: None,
-                    latency: alpha,
-                    time,
-                };
-                (phase, step)
+                (phase, p2p_step(axis, c, moved, alpha, p2p(moved, alpha, beta)))
             })
             .collect()
     }
