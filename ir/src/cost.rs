@@ -10,13 +10,12 @@ use std::collections::HashSet;
 
 use serde::Serialize;
 
+use crate::graph::op::Op;
 use crate::graph::{Graph, NodeId, Value};
-use crate::op::Op;
 use crate::ops::Backward;
 use crate::types::{DType, TensorType};
 
-/// FLOPs counted for one exp/tanh/erf/sigmoid-like element.
-pub const TRANSCENDENTAL_FLOPS: f64 = 8.0;
+pub use crate::ops::TRANSCENDENTAL_FLOPS;
 
 /// Work of one op for one training step.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Serialize)]

@@ -2,9 +2,9 @@
 
 use serde_json::{Value as Json, json};
 
-use crate::attr::AttrValue;
+use crate::graph::attr::AttrValue;
+use crate::graph::op::Op;
 use crate::graph::{Graph, Model, Value};
-use crate::op::Op;
 use crate::tensor::{Tensor, TensorData};
 use crate::types::Type;
 

@@ -10,11 +10,13 @@
 
 use std::collections::HashMap;
 
-use crate::attr::AttrValue;
 use crate::eval::{self, Array};
+use crate::graph::attr::AttrValue;
+use crate::graph::op::Op;
 use crate::graph::{Graph, NodeId, Span, Value};
-use crate::op::Op;
 use crate::types::{DType, Dim, TensorType, Type};
+
+pub use crate::ops::{infer_op, infer_op_asking};
 
 /// A shape inference failure.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -802,34 +804,6 @@ fn symbolic_value(
         }
         _ => None,
     }
-}
-
-/// The type rule of each op: output types from input types and known input values (see
-/// [`crate::ops::OpRules::infer`]).
-pub fn infer_op(
-    op: &Op,
-    ins: &[Option<&TensorType>],
-    consts: &[Option<&Array>],
-    syms: &[Option<&Vec<Dim>>],
-    n_out: usize,
-    opset: i64,
-) -> Result<Vec<Option<TensorType>>, String> {
-    infer_op_asking(op, ins, consts, syms, n_out, opset).0
-}
-
-/// [`infer_op`], and the input slots whose constant values it asked for and did not have
-/// (bit `i` for slot `i`).
-pub fn infer_op_asking(
-    op: &Op,
-    ins: &[Option<&TensorType>],
-    consts: &[Option<&Array>],
-    syms: &[Option<&Vec<Dim>>],
-    n_out: usize,
-    opset: i64,
-) -> (Result<Vec<Option<TensorType>>, String>, u64) {
-    let cx = crate::ops::InferCx { ins, consts, syms, n_out, opset, missing: std::cell::Cell::new(0) };
-    let r = op.rules().infer(&cx);
-    (r, cx.missing.get())
 }
 
 /// True when any attribute of the op holds a subgraph.

@@ -10,9 +10,9 @@
 
 use std::collections::HashMap;
 
-use crate::attr::{AttrValue, Attribute};
+use crate::graph::attr::{AttrValue, Attribute};
+use crate::graph::op::{Op, Opaque};
 use crate::graph::{Function, Graph, Model, NodeId, Output, Value};
-use crate::op::{Op, Opaque};
 
 /// How many nodes inlining may make (a chain of functions each calling the next twice
 /// doubles the graph per level).
@@ -221,7 +221,7 @@ fn inline_call(g: &mut Graph, call: NodeId, f: &Function) -> Result<(), String> 
             result
         } else {
             let id = g.add_node(
-                Op::Identity(crate::op::Identity::default()),
+                Op::Identity(crate::graph::op::Identity::default()),
                 vec![Some(result)],
                 vec![Output { name: out.name.clone(), ty: None }],
             );

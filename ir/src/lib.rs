@@ -25,15 +25,16 @@
 #![allow(clippy::needless_range_loop)]
 #![warn(missing_docs)]
 
-pub mod attr;
+pub mod array;
 pub mod cost;
+pub mod dims;
 pub mod eval;
 pub mod export;
 pub mod fusion;
 pub mod graph;
 pub mod infer;
 pub mod inline;
-pub mod op;
+pub mod layout;
 pub mod ops;
 pub mod print;
 pub mod reshard;
@@ -43,6 +44,8 @@ pub mod tensor;
 pub mod train;
 pub mod types;
 pub mod verify;
+
+pub use graph::{attr, op};
 
 pub use attr::{AttrKind, AttrValue, Attribute};
 pub use graph::{Cycle, Function, Graph, GraphOutput, Model, Node, NodeId, Output, Span, Value};

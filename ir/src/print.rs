@@ -8,9 +8,9 @@
 use std::collections::HashSet;
 use std::fmt::Write;
 
-use crate::attr::{AttrValue, Attribute};
+use crate::graph::attr::{AttrValue, Attribute};
+use crate::graph::op::Op;
 use crate::graph::{Function, Graph, Model, NodeId, Value};
-use crate::op::Op;
 use crate::tensor::{Tensor, TensorData, write_f32, write_tensor_data};
 use crate::types::{Type, write_id, write_quoted};
 

@@ -27,6 +27,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::shard::{AxisShard, LinkLevel, Mesh, Sharding};
 
+pub use crate::layout::{Halo, halo};
+
 /// What a step does.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -552,76 +554,10 @@ pub fn reshard(
     cx.steps
 }
 
-/// What one device exchanges for one spatially split dim of a windowed op (rows along the
-/// dim), and how its window is then adjusted.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct Halo {
-    /// Rows received from the previous member.
-    pub from_prev: usize,
-    /// Rows received from the next member.
-    pub from_next: usize,
-    /// Rows sent to the previous member.
-    pub to_prev: usize,
-    /// Rows sent to the next member.
-    pub to_next: usize,
-    /// Rows of its own block it does not need, at the start.
-    pub trim_start: usize,
-    /// Rows of its own block it does not need, at the end.
-    pub trim_end: usize,
-    /// Padding its window needs before (the tensor's border).
-    pub pad_before: usize,
-    /// Padding its window needs after.
-    pub pad_after: usize,
-}
-
-/// The halo of member `c` of `p` for a windowed op over a dim of input extent `input` and
-/// output extent `output` (both split evenly `p` ways), with `stride`, effective kernel
-/// extent `span` (`(k − 1)·dilation + 1`) and leading padding `pad_begin`. An error when
-/// the split is uneven or a halo would reach past a neighbour's block.
-pub fn halo(
-    input: usize,
-    output: usize,
-    p: usize,
-    c: usize,
-    stride: usize,
-    span: usize,
-    pad_begin: usize,
-) -> Result<Halo, String> {
-    if p == 0 || !output.is_multiple_of(p) || !input.is_multiple_of(p) {
-        return Err("uneven spatial split".into());
-    }
-    let (ol, b) = (output / p, input / p);
-    let pb = pad_begin as i64;
-    // Input rows member `c`'s outputs read, clipped to the tensor.
-    let geom = |c: usize| -> (i64, i64, i64, i64) {
-        let need_start = (c * ol * stride) as i64 - pb;
-        let need_end = ((c * ol + ol - 1) * stride + span) as i64 - pb;
-        (need_start, need_end, need_start.max(0), need_end.min(input as i64))
-    };
-    let (need_start, need_end, ns, ne) = geom(c);
-    let (bs, be) = ((c * b) as i64, (c * b + b) as i64);
-    let to_prev = if c > 0 { (geom(c - 1).3 - ((c - 1) * b + b) as i64).max(0) as usize } else { 0 };
-    let to_next = if c + 1 < p { (((c + 1) * b) as i64 - geom(c + 1).2).max(0) as usize } else { 0 };
-    let h = Halo {
-        from_prev: (bs - ns).max(0) as usize,
-        from_next: (ne - be).max(0) as usize,
-        to_prev,
-        to_next,
-        trim_start: (ns - bs).max(0) as usize,
-        trim_end: (be - ne).max(0) as usize,
-        pad_before: (ns - need_start) as usize,
-        pad_after: (need_end - ne) as usize,
-    };
-    if [h.from_prev, h.from_next, h.to_prev, h.to_next].iter().any(|&w| w > b) {
-        return Err(format!("halo wider than a neighbour's block ({b})"));
-    }
-    Ok(h)
-}
-
 /// The dims of each graph output its delivered layout keeps cuts of ([`output_layout`]):
 /// every dim of an output per sample or per token — one with a dim carrying the batch
-/// (`batch`: [`crate::ops::flow::batch_dims`]) or the sequence
-/// ([`crate::ops::flow::sequence_dims`]) — none of any other (state, a scalar). A loss over
+/// (`batch`: [`crate::dims::batch_dims`]) or the sequence
+/// ([`crate::dims::sequence_dims`]) — none of any other (state, a scalar). A loss over
 /// samples and tokens reads its predictions where they are, as Megatron's vocab-parallel
 /// cross-entropy reads logits cut along the vocabulary (its per-token max and sum
 /// all-reductions, B·S values each, are not priced), and the host assembles the pieces: a
@@ -631,7 +567,7 @@ pub fn output_cuts(
     g: &crate::Graph,
     batch: &std::collections::HashMap<crate::Value, Vec<bool>>,
 ) -> std::collections::HashMap<crate::Value, Vec<bool>> {
-    let sequence = crate::ops::flow::sequence_dims(g);
+    let sequence = crate::dims::sequence_dims(g);
     let mut cuts = std::collections::HashMap::new();
     for v in g.outputs().iter().map(|o| o.value) {
         let (b, s) = (batch.get(&v), sequence.get(&v));

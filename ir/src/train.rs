@@ -13,8 +13,8 @@
 //! - a backward op names the forward op it differentiates by its first output's name
 //!   ([`grad_of`], [`set_grad_of`]).
 
+use crate::graph::op::Op;
 use crate::graph::{Graph, NodeId, Value};
-use crate::op::Op;
 
 const GRADIENT: &str = "__grad";
 const NEXT: &str = "__next";
@@ -88,7 +88,7 @@ pub fn set_grad_of(g: &mut Graph, n: NodeId, forward: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::op;
+    use crate::graph::op;
 
     #[test]
     fn roles_are_read_back_as_written() {

@@ -8,9 +8,9 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use crate::attr::AttrValue;
+use crate::graph::attr::AttrValue;
+use crate::graph::op::Op;
 use crate::graph::{Graph, NodeId};
-use crate::op::Op;
 use crate::ops::TypeRule;
 use crate::types::{DType, Type};
 

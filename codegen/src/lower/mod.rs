@@ -19,7 +19,7 @@
 //!   ([`ir::reshard::output_layout`]), as the plan prices them.
 //!
 //! Micro-batches: with `m` micro-batches every device's program computes one micro-batch;
-//! dims that carry the batch ([`ir::ops::flow::batch_dims`]) are divided by `m`.
+//! dims that carry the batch ([`ir::dims::batch_dims`]) are divided by `m`.
 
 mod direct;
 mod experts;
@@ -244,7 +244,7 @@ pub fn lower(g: &Graph, placement: &Placement) -> Result<Program, LowerError> {
         return Err(LowerError { device: None, node: l.0, kind: LowerErrorKind::Graph, message: l.1 });
     }
     let (stage_of_value, value_tag, everywhere) = stages(g, &order, placement)?;
-    let batch = ir::ops::flow::batch_dims(g);
+    let batch = ir::dims::batch_dims(g);
     let cuts = ir::reshard::output_cuts(g, &batch);
     let m = placement.micro_batches.max(1);
     // A weight held in several stages (tied): its new value goes from the stage that updates

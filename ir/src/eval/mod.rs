@@ -4,84 +4,24 @@
 //! constant folder that shape inference and canonicalization use. It favours clarity over
 //! speed: tensors in tests are small.
 
-mod array;
-mod walk;
-
 use std::collections::HashMap;
 
+pub use crate::array::{Array, Data, EvalError, Walk, f32_to_f16, numel, round_to, strides, wrap_int};
 pub use crate::ops::contraction::matmul;
 pub use crate::ops::conv::{Window, conv_transpose_geometry, window};
 pub use crate::ops::elementwise::{cast, where_};
+pub use crate::ops::eval_op;
 pub use crate::ops::resize::resize_sizes;
 pub use crate::ops::shape::{reshape_target, slice_axis, slice_params, transpose};
 pub use crate::ops::util::{broadcast_index, broadcast_shapes};
-pub use array::{Array, Data, f32_to_f16, numel, round_to, strides, wrap_int};
-pub use walk::Walk;
 
-use crate::attr::AttrValue;
+use crate::graph::attr::AttrValue;
+use crate::graph::op::Op;
 use crate::graph::{Graph, NodeId, Value};
-use crate::op::Op;
-use crate::types::{DType, TensorType};
-
-/// Why evaluation failed.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-pub enum EvalError {
-    /// The op, attribute or element type is not implemented by the reference evaluator.
-    #[error("not supported: {0}")]
-    Unsupported(String),
-    /// The inputs break the op's rules.
-    #[error("{0}")]
-    Invalid(String),
-    /// A failure inside a node.
-    #[error("{node}: {source}")]
-    AtNode {
-        /// The node, described.
-        node: String,
-        /// What went wrong.
-        source: Box<EvalError>,
-    },
-    /// A graph input was not supplied.
-    #[error("no value given for graph input `{0}`")]
-    MissingInput(String),
-}
+use crate::types::DType;
 
 /// Result of evaluation.
 pub type Result<T> = std::result::Result<T, EvalError>;
-
-impl From<String> for EvalError {
-    /// A rule broken by the inputs (a shape that does not broadcast, an axis out of range).
-    fn from(msg: String) -> EvalError {
-        EvalError::Invalid(msg)
-    }
-}
-
-/// Evaluates one op on its inputs (see [`crate::ops::OpRules::eval`]). 16-bit float outputs
-/// are rounded to their type's precision, as a runtime holding them in 16 bits does: the rules
-/// compute in f32.
-pub fn eval_op(op: &Op, inputs: &[Option<&Array>], n_out: usize, opset: i64) -> Result<Vec<Array>> {
-    // The operands first meet the op's shape rule (constant folding evaluates before
-    // inference has checked anything, and the kernels trust the shapes).
-    let types: Vec<Option<TensorType>> = inputs
-        .iter()
-        .map(|a| a.map(|a| TensorType::fixed(a.dtype, &a.shape.iter().map(|&d| d as i64).collect::<Vec<_>>())))
-        .collect();
-    let trefs: Vec<Option<&TensorType>> = types.iter().map(Option::as_ref).collect();
-    let no_syms: Vec<Option<&Vec<crate::types::Dim>>> = vec![None; inputs.len()];
-    if let Err(e) = crate::infer::infer_op(op, &trefs, inputs, &no_syms, n_out, opset) {
-        return Err(EvalError::Invalid(format!("{}: {e}", op.op_type())));
-    }
-    let mut outs = op.rules().eval(&crate::ops::EvalCx { inputs, n_out, opset, name: op.op_type() })?;
-    for a in &mut outs {
-        if matches!(a.dtype, DType::Float16 | DType::Bfloat16)
-            && let Data::F32(v) = &mut a.data
-        {
-            for x in v.iter_mut() {
-                *x = round_to(a.dtype, *x);
-            }
-        }
-    }
-    Ok(outs)
-}
 
 /// A small deterministic generator (SplitMix64) for seeded weights and inputs.
 #[derive(Clone, Debug)]
@@ -464,7 +404,7 @@ fn control(
 /// a direction says so), carrying the state values; scan outputs are stacked along their
 /// axes.
 fn scan(
-    sc: &crate::op::Scan,
+    sc: &crate::graph::op::Scan,
     ins: &[&Array],
     opts: &RunOptions,
     outer: &dyn Fn(&str) -> Option<Array>,
@@ -543,7 +483,7 @@ fn subgraph_reads(g: &Graph, v: Value) -> bool {
 pub fn fold_node(g: &Graph, n: NodeId, inputs: &[Option<&Array>]) -> Option<Vec<Array>> {
     let node = g.node(n);
     if matches!(node.op, Op::If(_) | Op::Loop(_) | Op::Scan(_) | Op::Opaque(_))
-        || node.op.class() == crate::op::OpClass::Comm
+        || node.op.class() == crate::graph::op::OpClass::Comm
     {
         return None;
     }

@@ -10,9 +10,9 @@ use super::grad::GradCx;
 use super::shape::no_work_whole;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
 use crate::Value;
-use crate::eval::{Array, EvalError};
-use crate::op::{self, Op};
-use crate::shard::IterSpace;
+use crate::array::{Array, EvalError};
+use crate::graph::op::{self, Op};
+use crate::layout::IterSpace;
 use crate::types::{DType, Dim, TensorType};
 
 type Result<T> = std::result::Result<T, EvalError>;
@@ -154,7 +154,7 @@ impl OpRules for op::Attention {
 /// queries, keys and values at once — as ring attention (`Sharded::Ring`). Heads split only
 /// in the 4-D form: the 3-D form's head counts are attributes the pieces would have to change.
 fn attention_space(a: &op::Attention, cx: &NodeCx<'_>) -> IterSpace {
-    use crate::shard::{DimKind, DimRole, IterDim};
+    use crate::layout::{DimKind, DimRole, IterDim};
     let (q, k) = (cx.in_dims(0), cx.in_dims(1));
     let rank = q.len();
     if !(rank == 3 || rank == 4) || k.len() != rank || q.iter().chain(&k).any(|&d| d <= 0) {

@@ -7,9 +7,9 @@
 use super::shape::no_work_whole;
 use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
-use crate::eval::EvalError;
-use crate::op;
-use crate::shard::IterSpace;
+use crate::array::EvalError;
+use crate::graph::op;
+use crate::layout::IterSpace;
 use crate::types::{DType, Dim, TensorType};
 
 /// The devices of a collective's group.

@@ -11,10 +11,11 @@ use super::flow::flow_positional;
 use super::grad::GradCx;
 use super::util::{bcast_shapes, broadcast_index, broadcast_shapes, broadcast_walk, join};
 use super::{Arity, Arrays, Backward, EvalCx, FlowCx, InferCx, MANY, NodeCx, OpRules, TypeRule, Types, Work};
-use crate::eval::{Array, Data, EvalError, numel, strides, transpose};
+use crate::array::{Array, Data, EvalError, numel, strides};
 use crate::graph::Value;
-use crate::op::{self, Op};
-use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par};
+use crate::graph::op::{self, Op};
+use crate::layout::{DimKind, DimRole, IterDim, IterSpace, par};
+use crate::ops::shape::transpose;
 use crate::types::Dim;
 
 type Result<T> = std::result::Result<T, EvalError>;
@@ -671,7 +672,7 @@ fn matmul_grad(cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
     if cx.want(0) {
         let b2 = cx.reshape(b, &b2d)?;
         let bt = cx.transpose(b2, &swap_last(b2d.len()))?;
-        let da = cx.add1(crate::op::Op::MatMul(op::MatMul::default()), &[dy2, bt])?;
+        let da = cx.add1(crate::graph::op::Op::MatMul(op::MatMul::default()), &[dy2, bt])?;
         let da = cx.sum_to(da, &a2d)?;
         let da = cx.reshape(da, &ad)?;
         cx.set(0, da);
@@ -679,7 +680,7 @@ fn matmul_grad(cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
     if cx.want(1) {
         let a2 = cx.reshape(a, &a2d)?;
         let at = cx.transpose(a2, &swap_last(a2d.len()))?;
-        let db = cx.add1(crate::op::Op::MatMul(op::MatMul::default()), &[at, dy2])?;
+        let db = cx.add1(crate::graph::op::Op::MatMul(op::MatMul::default()), &[at, dy2])?;
         let db = cx.sum_to(db, &b2d)?;
         let db = cx.reshape(db, &bd)?;
         cx.set(1, db);
@@ -719,7 +720,7 @@ fn shared_weight_matmul_grad(
 /// Gemm `Y = α·A'B' + β·C`: the gradients as Gemms with the transposes arranged so no
 /// transpose op is needed.
 fn gemm_grad(gm: &op::Gemm, cx: &mut GradCx<'_>) -> std::result::Result<(), String> {
-    use crate::op::Op;
+    use crate::graph::op::Op;
     let Some(dy) = cx.dy(0) else { return Ok(()) };
     let (a, b) = (cx.x(0)?, cx.x(1)?);
     let (ta, tb, alpha) = (gm.trans_a(), gm.trans_b(), gm.alpha());

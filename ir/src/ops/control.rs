@@ -6,8 +6,8 @@
 
 use super::shape::no_work_whole;
 use super::{Arity, InferCx, MANY, NodeCx, OpRules, Sharded, Types, Work};
-use crate::op;
-use crate::shard::IterSpace;
+use crate::graph::op;
+use crate::layout::IterSpace;
 
 macro_rules! control {
     ($($name:ident: $arity:expr;)*) => {$(

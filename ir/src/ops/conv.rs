@@ -9,10 +9,10 @@
 use super::grad::GradCx;
 use super::util::join;
 use super::{Arity, Arrays, Backward, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, Sharded, TypeRule, Types, Work};
-use crate::eval::{Array, EvalError};
+use crate::array::{Array, EvalError};
 use crate::graph::Value;
-use crate::op::{self, Op};
-use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par};
+use crate::graph::op::{self, Op};
+use crate::layout::{DimKind, DimRole, IterDim, IterSpace, par};
 use crate::types::Dim;
 
 type Result<T> = std::result::Result<T, EvalError>;

@@ -18,10 +18,10 @@
 
 use super::grad::GradCx;
 use super::{Arity, Arrays, Backward, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
-use crate::eval::{Array, EvalError};
+use crate::array::{Array, EvalError};
 use crate::graph::Value;
-use crate::op::{self, Op};
-use crate::shard::{DimKind, DimRole, IterDim, IterSpace};
+use crate::graph::op::{self, Op};
+use crate::layout::{DimKind, DimRole, IterDim, IterSpace};
 use crate::types::Dim;
 
 type Result<T> = std::result::Result<T, EvalError>;
@@ -443,7 +443,7 @@ pub(crate) fn dispatch_mode(
     n: crate::graph::NodeId,
     sp: &IterSpace,
     s: &[Option<usize>],
-    mesh: &crate::shard::Mesh,
+    mesh: &crate::layout::Mesh,
     x: usize,
 ) -> std::result::Result<super::split::SplitMode, String> {
     let node = g.node(n);

@@ -23,9 +23,9 @@
 
 use super::flow::flow_positional;
 use super::{Arity, Arrays, Backward, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
-use crate::eval::{Array, EvalError};
-use crate::op;
-use crate::shard::{DimKind, DimRole, IterDim, IterSpace};
+use crate::array::{Array, EvalError};
+use crate::graph::op;
+use crate::layout::{DimKind, DimRole, IterDim, IterSpace};
 use crate::types::TensorType;
 
 type Result<T> = std::result::Result<T, EvalError>;
@@ -211,8 +211,8 @@ pub fn grad(
 
 /// Whether attention op `op` (`Attention` or `AttentionGrad`, the ops whose sequence splits as
 /// ring attention) is causal, and its scale; `None` for other ops.
-pub fn ring_mask(op: &crate::op::Op) -> Option<(bool, Option<f32>)> {
-    use crate::op::Op;
+pub fn ring_mask(op: &crate::graph::op::Op) -> Option<(bool, Option<f32>)> {
+    use crate::graph::op::Op;
     let (causal, scale) = match op {
         Op::Attention(a) => (a.is_causal, a.scale),
         Op::AttentionGrad(a) => (a.is_causal, a.scale),

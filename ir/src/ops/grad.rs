@@ -7,9 +7,9 @@
 //! inputs from opset 13, as attributes before) and hands it over with `set(i, dx)`.
 //! Gradients of broadcast operands are summed back to their shape with [`GradCx::sum_to`].
 
-use crate::eval::Array;
+use crate::array::Array;
+use crate::graph::op::{self, Op};
 use crate::graph::{Graph, NodeId, Output, Value};
-use crate::op::{self, Op};
 use crate::types::{DType, Dim, TensorType, Type};
 
 /// The gradient rule's view of one forward node.
@@ -330,7 +330,7 @@ pub fn infer_node(g: &mut Graph, n: NodeId) -> R<()> {
     let const_refs: Vec<Option<&Array>> = consts.iter().map(Option::as_ref).collect();
     let syms: Vec<Option<&Vec<Dim>>> = vec![None; types.len()];
     let n_out = node.num_outputs();
-    let out = crate::infer::infer_op(&node.op, &types, &const_refs, &syms, n_out, g.opset)
+    let out = super::infer_op(&node.op, &types, &const_refs, &syms, n_out, g.opset)
         .map_err(|e| format!("{}: {e}", g.describe(n)))?;
     for (s, t) in out.into_iter().enumerate().take(n_out) {
         if let Some(t) = t {

@@ -5,10 +5,10 @@ use super::flow::flow_positional;
 use super::grad::GradCx;
 use super::shape::no_work_whole;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
-use crate::eval::{Array, EvalError, strides};
+use crate::array::{Array, EvalError, strides};
 use crate::graph::Value;
-use crate::op::{self, Op};
-use crate::shard::IterSpace;
+use crate::graph::op::{self, Op};
+use crate::layout::IterSpace;
 use crate::types::Dim;
 
 impl OpRules for op::GridSample {

@@ -10,9 +10,9 @@
 use super::flow::flow_positional;
 use super::grad::GradCx;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
-use crate::eval::{Array, Data, EvalError};
-use crate::op::{self, Op};
-use crate::shard::IterSpace;
+use crate::array::{Array, Data, EvalError};
+use crate::graph::op::{self, Op};
+use crate::layout::IterSpace;
 use crate::types::{DType, Dim, TensorType};
 
 type Result<T> = std::result::Result<T, EvalError>;

@@ -35,6 +35,7 @@
 //! | [`control`] | `If`, `Loop`, `Scan` |
 //! | [`comm`] | the `shardc` communication ops that lowering inserts |
 
+pub mod apply;
 pub mod attention;
 pub mod comm;
 pub mod contraction;
@@ -58,14 +59,15 @@ pub mod resize;
 pub mod shape;
 pub mod signal;
 pub mod softmax;
+pub mod space;
 pub mod split;
 pub mod string;
 pub mod util;
 
-use crate::eval::{Array, EvalError};
+use crate::array::{Array, EvalError};
+use crate::graph::op::Op;
 use crate::graph::{Graph, NodeId, Value};
-use crate::op::Op;
-use crate::shard::IterSpace;
+use crate::layout::IterSpace;
 use crate::types::{DType, Dim, TensorType};
 
 /// `v`'s value when it is constant: an initializer, or an op (no subgraphs or captures) of
@@ -104,11 +106,16 @@ pub fn constant_value(g: &Graph, v: Value, depth: usize) -> Option<Array> {
         });
     }
     let refs: Vec<Option<&Array>> = ins.iter().map(Option::as_ref).collect();
-    crate::eval::eval_op(&node.op, &refs, node.num_outputs(), g.opset).ok()?.into_iter().nth(v.slot as usize)
+    crate::ops::eval_op(&node.op, &refs, node.num_outputs(), g.opset).ok()?.into_iter().nth(v.slot as usize)
 }
 
+pub use apply::{eval_op, infer_op, infer_op_asking};
 pub use flow::{FlowCx, Mono};
 pub use util::{bcast_shapes, broadcast_index, broadcast_shapes, norm_axis};
+
+/// FLOPs counted for one exp/tanh/erf/sigmoid-like element (the work rules' unit; see
+/// [`crate::cost`]).
+pub const TRANSCENDENTAL_FLOPS: f64 = 8.0;
 
 /// Any number of inputs or outputs.
 pub const MANY: usize = usize::MAX;
@@ -527,6 +534,25 @@ pub trait OpRules {
     }
 }
 
+/// `impl Op { fn rules }`: the one dispatch over every op, written beside the rules it picks
+/// (the op enum itself knows nothing of them).
+macro_rules! dispatch_rules {
+    ($($name:ident),*) => {
+        impl Op {
+            /// The op's rules: arity, shape inference, iteration space, work, evaluation,
+            /// dim flow (see [`crate::ops`]). The one dispatch over every op.
+            pub fn rules(&self) -> &dyn OpRules {
+                match self {
+                    Op::Input { .. } | Op::Initializer(_) | Op::OuterRef => &SourceRules,
+                    $( Op::$name(x) => x, )*
+                    Op::Opaque(o) => o,
+                }
+            }
+        }
+    };
+}
+crate::graph::op::with_all_ops!(dispatch_rules);
+
 /// Graph inputs, initializers and outer-scope captures: values, not computations.
 pub struct SourceRules;
 
@@ -544,7 +570,7 @@ impl OpRules for SourceRules {
     }
 }
 
-impl OpRules for crate::op::Opaque {
+impl OpRules for crate::graph::op::Opaque {
     fn arity(&self) -> Arity {
         Arity::new(0, MANY, 0, MANY)
     }

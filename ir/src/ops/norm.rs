@@ -9,10 +9,11 @@ use super::flow::flow_positional;
 use super::grad::GradCx;
 use super::util::{broadcast_index, broadcast_shapes, broadcast_walk, norm_axes, norm_axis};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, Sharded, Types, Work};
-use crate::eval::{Array, EvalError, strides};
+use crate::array::{Array, EvalError, strides};
 use crate::graph::Value;
-use crate::op::{self, Op};
-use crate::shard::{DimKind, DimRole, IterSpace, pointwise};
+use crate::graph::op::{self, Op};
+use crate::layout::{DimKind, DimRole, IterSpace};
+use crate::ops::space::pointwise;
 use crate::types::{DType, Dim, TensorType};
 
 type Result<T> = std::result::Result<T, EvalError>;
@@ -273,7 +274,7 @@ impl OpRules for op::LRN {
     }
 
     fn work(&self, cx: &NodeCx<'_>) -> Option<Work> {
-        Work::flops(cx.in_numel(0) * (2.0 * self.size.unwrap_or(1) as f64 + crate::cost::TRANSCENDENTAL_FLOPS))
+        Work::flops(cx.in_numel(0) * (2.0 * self.size.unwrap_or(1) as f64 + crate::ops::TRANSCENDENTAL_FLOPS))
     }
 
     fn eval(&self, cx: &EvalCx<'_>) -> Arrays {

@@ -4,9 +4,10 @@
 //! step in float64.
 
 use super::{Arity, Arrays, EvalCx, InferCx, NodeCx, OpRules, Types, Work};
-use crate::eval::{Array, EvalError};
-use crate::op;
-use crate::shard::{IterSpace, pointwise};
+use crate::array::{Array, EvalError};
+use crate::graph::op;
+use crate::layout::IterSpace;
+use crate::ops::space::pointwise;
 
 type Result<T> = std::result::Result<T, EvalError>;
 

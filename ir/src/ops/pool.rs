@@ -9,9 +9,9 @@ use super::flow::flow_positional;
 use super::grad::GradCx;
 use super::util::join;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
-use crate::eval::{Array, Data, EvalError};
-use crate::op::{self, Op};
-use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par};
+use crate::array::{Array, Data, EvalError};
+use crate::graph::op::{self, Op};
+use crate::layout::{DimKind, DimRole, IterDim, IterSpace, par};
 use crate::types::{DType, Dim, TensorType};
 
 type Result<T> = std::result::Result<T, EvalError>;
@@ -681,8 +681,8 @@ impl OpRules for op::MaxUnpool {
         if shape.len() != inferred.len() || shape.iter().zip(&inferred).any(|(a, b)| a < b) {
             return Err(EvalError::Invalid(format!("MaxUnpool output_shape {shape:?} is smaller than {inferred:?}")));
         }
-        let st = crate::eval::strides(&inferred);
-        let ost = crate::eval::strides(&shape);
+        let st = crate::array::strides(&inferred);
+        let ost = crate::array::strides(&shape);
         let mut out = vec![0.0; shape.iter().product()];
         let yv = y.to_f64()?;
         for (i, v) in yv.iter().enumerate() {

@@ -13,9 +13,10 @@ use super::flow::flow_positional;
 use super::shape::no_work_whole;
 use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
-use crate::eval::{Array, EvalError, matmul};
-use crate::op;
-use crate::shard::IterSpace;
+use crate::array::{Array, EvalError};
+use crate::graph::op;
+use crate::layout::IterSpace;
+use crate::ops::contraction::matmul;
 use crate::types::{DType, TensorType};
 
 type Result<T> = std::result::Result<T, EvalError>;
@@ -43,7 +44,7 @@ fn spread(v: &Array, shape: &[usize], axis: i64, block: i64) -> Result<Vec<f64>>
         return Ok(vec![vals.first().copied().unwrap_or(0.0); n]);
     }
     let ax = norm_axis(axis, shape.len())?;
-    let st = crate::eval::strides(shape);
+    let st = crate::array::strides(shape);
     if block <= 0 {
         if vals.len() != shape[ax] {
             return Err(EvalError::Invalid(format!("{} scales for axis {ax} of {:?}", vals.len(), shape)));
@@ -51,7 +52,7 @@ fn spread(v: &Array, shape: &[usize], axis: i64, block: i64) -> Result<Vec<f64>>
         return Ok((0..n).map(|i| vals[(i / st[ax]) % shape[ax]]).collect());
     }
     // Blocked: the scale has the input's shape with axis `ax` divided into blocks.
-    let vst = crate::eval::strides(&v.shape);
+    let vst = crate::array::strides(&v.shape);
     if v.rank() != shape.len() {
         return Err(EvalError::Invalid(format!("blocked scale {:?} for {:?}", v.shape, shape)));
     }
@@ -200,7 +201,7 @@ fn shifted(x: &Array, zero: Option<&Array>, axis: usize) -> Result<Array> {
         if zs.len() == 1 {
             v.iter_mut().for_each(|a| *a -= zs[0]);
         } else if x.rank() > axis {
-            let st = crate::eval::strides(&x.shape);
+            let st = crate::array::strides(&x.shape);
             for (i, a) in v.iter_mut().enumerate() {
                 *a -= zs[(i / st[axis]) % x.shape[axis].max(1) % zs.len()];
             }

@@ -7,11 +7,12 @@
 use super::grad::GradCx;
 use super::util::join;
 use super::{Arity, Arrays, Backward, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, Types, Work};
-use crate::cost::TRANSCENDENTAL_FLOPS;
-use crate::eval::{Array, EvalError, transpose};
+use crate::array::{Array, EvalError};
 use crate::graph::Value;
-use crate::op::{self, Op};
-use crate::shard::{DimKind, DimRole, IterDim, IterSpace};
+use crate::graph::op::{self, Op};
+use crate::layout::{DimKind, DimRole, IterDim, IterSpace};
+use crate::ops::TRANSCENDENTAL_FLOPS;
+use crate::ops::shape::transpose;
 use crate::types::Dim;
 
 type Result<T> = std::result::Result<T, EvalError>;

@@ -8,9 +8,9 @@
 use super::grad::GradCx;
 use super::util::{norm_axes, norm_axis};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, Mono, NodeCx, OpRules, Types, Work};
-use crate::eval::{Array, Data, EvalError, numel, strides};
-use crate::op;
-use crate::shard::{DimKind, DimRole, IterDim, IterSpace};
+use crate::array::{Array, Data, EvalError, numel, strides};
+use crate::graph::op;
+use crate::layout::{DimKind, DimRole, IterDim, IterSpace};
 use crate::types::{DType, Dim, TensorType};
 
 type Result<T> = std::result::Result<T, EvalError>;
@@ -398,7 +398,7 @@ fn reduce_grad(
     keep: bool,
     noop: bool,
 ) -> std::result::Result<(), String> {
-    use crate::op::Op;
+    use crate::graph::op::Op;
     let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
     let x = cx.x(0)?;
     let xd = cx.dims(x)?;

@@ -8,9 +8,10 @@ use super::grad::GradCx;
 use super::shape::{no_work_whole, passthrough_space};
 use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
-use crate::eval::{Array, Data, EvalError, transpose};
-use crate::op;
-use crate::shard::IterSpace;
+use crate::array::{Array, Data, EvalError};
+use crate::graph::op;
+use crate::layout::IterSpace;
+use crate::ops::shape::transpose;
 use crate::types::DType;
 use crate::types::Dim;
 

@@ -9,9 +9,9 @@ use super::grad::GradCx;
 use super::shape::no_work_whole;
 use super::util::{inverse_perm, norm_axis};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
-use crate::eval::{Array, EvalError, strides};
-use crate::op::{self, Op};
-use crate::shard::IterSpace;
+use crate::array::{Array, EvalError, strides};
+use crate::graph::op::{self, Op};
+use crate::layout::IterSpace;
 use crate::types::{DType, Dim, TensorType};
 
 type Result<T> = std::result::Result<T, EvalError>;

@@ -7,10 +7,11 @@
 use super::grad::GradCx;
 use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
-use crate::cost::TRANSCENDENTAL_FLOPS;
-use crate::eval::{Array, EvalError};
-use crate::op::{self, Op};
-use crate::shard::{IterSpace, pointwise};
+use crate::array::{Array, EvalError};
+use crate::graph::op::{self, Op};
+use crate::layout::IterSpace;
+use crate::ops::TRANSCENDENTAL_FLOPS;
+use crate::ops::space::pointwise;
 
 /// What the op computes from a row.
 #[derive(Copy, Clone, PartialEq, Eq)]

@@ -5,10 +5,10 @@
 //! the [`SplitMode`], or why the split cannot be expressed (the search then never proposes
 //! it: [`crate::shard::strategy_valid`] rejects it).
 
+use crate::graph::op::Op;
 use crate::graph::{Graph, Node, NodeId};
-use crate::op::Op;
-use crate::reshard::Halo;
-use crate::shard::{DimKind, DimRole, IterSpace, Mesh};
+use crate::layout::Halo;
+use crate::layout::{DimKind, DimRole, IterSpace, Mesh};
 use crate::types::TensorType;
 
 use super::Sharded;
@@ -260,7 +260,7 @@ fn spatial_splits(
         let span = (w.kernel[k] - 1) * w.dilations[k] + 1;
         let p = mesh.axes[a].size;
         let halos = (0..p)
-            .map(|c| crate::reshard::halo(spatial[k], w.out[k], p, c, w.strides[k], span, w.pad_begin[k]))
+            .map(|c| crate::layout::halo(spatial[k], w.out[k], p, c, w.strides[k], span, w.pad_begin[k]))
             .collect::<Result<Vec<_>, _>>()?;
         out.push(SpatialSplit { tensor_dim: t, axis: a, spatial: k, halos });
     }

@@ -5,9 +5,9 @@ use super::flow::flow_positional;
 use super::shape::no_work_whole;
 use super::util::{bcast_shapes, broadcast_index, broadcast_shapes};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Types, Work};
-use crate::eval::{Array, Data, EvalError};
-use crate::op;
-use crate::shard::IterSpace;
+use crate::array::{Array, Data, EvalError};
+use crate::graph::op;
+use crate::layout::IterSpace;
 use crate::types::{DType, Dim, TensorType};
 
 type Result<T> = std::result::Result<T, EvalError>;

@@ -1,7 +1,7 @@
 //! Helpers every op family uses: one axis normaliser, one broadcasting rule (for dims and
 //! for concrete shapes), and dims printing.
 
-use crate::eval::strides;
+use crate::array::strides;
 use crate::types::Dim;
 
 /// Normalises a possibly negative axis of a tensor of rank `rank`: `-rank <= a < rank`
@@ -56,14 +56,14 @@ pub fn broadcast_index(out: &[usize], inp: &[usize]) -> Vec<usize> {
 }
 
 /// [`broadcast_index`] made as it is read: the flat offset in `inp` of each element of `out`.
-pub fn broadcast_walk(out: &[usize], inp: &[usize]) -> crate::eval::Walk {
+pub fn broadcast_walk(out: &[usize], inp: &[usize]) -> crate::array::Walk {
     let off = out.len() - inp.len();
     let istr = strides(inp);
     let mut steps = vec![0usize; out.len()];
     for (i, &d) in inp.iter().enumerate() {
         steps[i + off] = if d == 1 { 0 } else { istr[i] };
     }
-    crate::eval::Walk::new(out.to_vec(), steps, 0)
+    crate::array::Walk::new(out.to_vec(), steps, 0)
 }
 
 /// Numpy broadcast of one dim pair, symbolic dims included.

@@ -8,7 +8,7 @@
 //!
 //! The sequence is the second dim of the model's first input of rank two or more (tokens
 //! `[batch, seq]`, embeddings `[batch, seq, hidden]`), followed through the graph as the
-//! batch is ([`ir::ops::flow::sequence_dims`]); an op's sequence dim is the iteration dim its
+//! batch is ([`ir::dims::sequence_dims`]); an op's sequence dim is the iteration dim its
 //! tensors' sequence-carrying dims follow (an output's, else an input's: a weight's gradient
 //! sums over it).
 
@@ -20,7 +20,7 @@ use ir::{NodeId, Op, Value};
 use crate::cost::CostModel;
 
 /// The sequence length: the extent of the first graph input's sequence dim (`seq`:
-/// [`ir::ops::flow::sequence_dims`]).
+/// [`ir::dims::sequence_dims`]).
 pub fn sequence_len(cm: &CostModel<'_>, seq: &SequenceDims) -> Option<i64> {
     let g = cm.g;
     g.input_values().into_iter().filter(|v| matches!(g.node(v.node).op, Op::Input { default: None })).find_map(|v| {
@@ -42,7 +42,7 @@ fn heads_dim(cm: &CostModel<'_>, n: NodeId) -> Option<usize> {
 pub type SequenceDims = HashMap<Value, Vec<bool>>;
 
 /// Ulysses' strategy for op `n` over mesh `axes`: an attention's heads, any other op's
-/// sequence dim (`seq`: [`ir::ops::flow::sequence_dims`]); `None` where neither splits
+/// sequence dim (`seq`: [`ir::dims::sequence_dims`]); `None` where neither splits
 /// validly (the op follows its input).
 pub fn ulysses(cm: &CostModel<'_>, n: NodeId, seq: &SequenceDims, axes: &[usize]) -> Option<Vec<Option<usize>>> {
     context(cm, n, seq, axes, false)

@@ -749,7 +749,7 @@ pub fn has_dispatch(cm: &CostModel<'_>) -> bool {
 pub fn assign_with(cm: &CostModel<'_>, named: &Named, dispatch: bool) -> Result<Assignment, String> {
     // (The sequence dims, a flow over the whole graph, once: `context` checks and splits by them.)
     let is_context = matches!(named, Named::Context { .. });
-    let sequence = if is_context { ir::ops::flow::sequence_dims(cm.g) } else { Default::default() };
+    let sequence = if is_context { ir::dims::sequence_dims(cm.g) } else { Default::default() };
     let axes = context_axes(cm, named);
     applies(cm, named, &sequence)?;
     // (An expert-parallel strategy's expert and tensor axes.)

@@ -1,5 +1,5 @@
 //! Which dims of which values carry the batch: the IR's flow analysis
-//! ([`ir::ops::flow::batch_dims`]), shared with the lowering's micro-batching.
+//! ([`ir::dims::batch_dims`]), shared with the lowering's micro-batching.
 
 use std::collections::HashMap;
 
@@ -8,4 +8,4 @@ use ir::Value;
 /// Per value (with a static shape), per dim: does it carry the batch?
 pub type BatchDims = HashMap<Value, Vec<bool>>;
 
-pub use ir::ops::flow::batch_dims;
+pub use ir::dims::batch_dims;

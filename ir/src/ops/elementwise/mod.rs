@@ -9,11 +9,12 @@
 use super::grad::GradCx;
 use super::util::{bcast_all, bcast_shapes, broadcast_shapes, broadcast_walk};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, MANY, NodeCx, OpRules, TypeRule, Types, Work};
-use crate::cost::TRANSCENDENTAL_FLOPS;
-use crate::eval::{Array, Data, EvalError, round_to, wrap_int};
-use crate::op;
-use crate::op::Op;
-use crate::shard::{IterSpace, linear, pointwise};
+use crate::array::{Array, Data, EvalError, round_to, wrap_int};
+use crate::graph::op;
+use crate::graph::op::Op;
+use crate::layout::{IterSpace, linear};
+use crate::ops::TRANSCENDENTAL_FLOPS;
+use crate::ops::space::pointwise;
 use crate::types::{DType, TensorType};
 
 mod eval;
@@ -489,10 +490,10 @@ fn derivative_attrs(op: &Op) -> op::ElementwiseGrad {
     let mut g = op::ElementwiseGrad { op: Some(op.op_type().to_string()), ..Default::default() };
     for a in op.attributes() {
         match (a.name.as_str(), &a.value) {
-            ("alpha" | "lambd", crate::attr::AttrValue::Float(v)) => g.alpha = Some(*v),
-            ("beta" | "bias", crate::attr::AttrValue::Float(v)) => g.beta = Some(*v),
-            ("gamma", crate::attr::AttrValue::Float(v)) => g.gamma = Some(*v),
-            ("approximate", crate::attr::AttrValue::String(v)) => g.approximate = Some(v.clone()),
+            ("alpha" | "lambd", crate::graph::attr::AttrValue::Float(v)) => g.alpha = Some(*v),
+            ("beta" | "bias", crate::graph::attr::AttrValue::Float(v)) => g.beta = Some(*v),
+            ("gamma", crate::graph::attr::AttrValue::Float(v)) => g.gamma = Some(*v),
+            ("approximate", crate::graph::attr::AttrValue::String(v)) => g.approximate = Some(v.clone()),
             _ => {}
         }
     }

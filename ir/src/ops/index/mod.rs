@@ -11,10 +11,12 @@ use super::grad::GradCx;
 use super::shape::no_work_whole;
 use super::util::norm_axis;
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, NodeCx, OpRules, Sharded, Types, Work};
-use crate::eval::{Array, Data, EvalError, cast, numel, strides};
+use crate::array::{Array, Data, EvalError, numel, strides};
 use crate::graph::Value;
-use crate::op::{self, Op};
-use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par, pointwise};
+use crate::graph::op::{self, Op};
+use crate::layout::{DimKind, DimRole, IterDim, IterSpace, par};
+use crate::ops::elementwise::cast;
+use crate::ops::space::pointwise;
 use crate::types::{DType, Dim, TensorType};
 
 mod eval;

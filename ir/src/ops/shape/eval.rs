@@ -6,7 +6,7 @@ use super::*;
 pub fn transpose(x: &Array, perm: &[usize]) -> Array {
     let shape: Vec<usize> = perm.iter().map(|&p| x.shape[p]).collect();
     let istr = strides(&x.shape);
-    x.gather(shape.clone(), crate::eval::Walk::new(shape, perm.iter().map(|&p| istr[p]).collect(), 0))
+    x.gather(shape.clone(), crate::array::Walk::new(shape, perm.iter().map(|&p| istr[p]).collect(), 0))
 }
 
 /// Target shape of a Reshape (0 copies, -1 infers).

@@ -2,17 +2,20 @@
 //! `Concat`, `Split`, `Slice`, `Pad`, `Expand`, `Tile`, and the ops that make values from
 //! shapes or nothing: `Shape`, `Size`, `Constant`, `ConstantOfShape`, `Range`, `EyeLike`.
 //!
-//! Reshapes map input dims onto output dims group by group ([`crate::shard::reshape_map`]);
+//! Reshapes map input dims onto output dims group by group ([`crate::layout::reshape_map`]);
 //! ops that leave some dims alone split along those; the rest run whole.
 
 use super::flow::{factor_reshape, flow_positional};
 use super::grad::GradCx;
 use super::util::{bcast_shapes, broadcast_walk, inverse_perm, join, norm_axes, norm_axis, prod, prod_dim, prod_div};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, MANY, Mono, NodeCx, OpRules, TypeRule, Types, Work};
-use crate::eval::{Array, Data, EvalError, broadcast_shapes, cast, numel, strides};
+use crate::array::{Array, Data, EvalError, numel, strides};
 use crate::graph::Value;
-use crate::op::{self, Op};
-use crate::shard::{DimKind, DimRole, IterDim, IterSpace, par, pointwise, reshape_map};
+use crate::graph::op::{self, Op};
+use crate::layout::{DimKind, DimRole, IterDim, IterSpace, par, reshape_map};
+use crate::ops::elementwise::cast;
+use crate::ops::space::pointwise;
+use crate::ops::util::broadcast_shapes;
 use crate::types::{DType, Dim, TensorType};
 
 mod eval;

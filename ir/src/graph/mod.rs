@@ -1,5 +1,11 @@
 //! The graph: SSA values produced by nodes, petgraph inside.
 //!
+//! With [`op`] (the closed op enum and its typed attributes) and [`attr`] (attribute values)
+//! this is the IR's core layer: one recursive data type — a graph holds nodes whose ops and
+//! attributes hold graphs — that depends only on [`crate::tensor`] and [`crate::types`]. The
+//! ops' rules ([`crate::ops`]) and the engines (evaluation, inference, layouts, costs) sit
+//! above it.
+//!
 //! Invariants kept by every method here (and checked by [`crate::verify`]):
 //! - each node's ordered inputs are mirrored by one petgraph edge per present input, from the
 //!   producer to the consumer, carrying the slots; a subgraph capture is an edge with
@@ -10,6 +16,9 @@
 //!
 //! Callers never see petgraph: nodes are named by [`NodeId`], values by [`Value`].
 
+pub mod attr;
+pub mod op;
+
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::fmt;
@@ -19,7 +28,7 @@ use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::EdgeRef;
 use serde::{Deserialize, Serialize};
 
-use crate::op::Op;
+use crate::graph::op::Op;
 use crate::tensor::Tensor;
 use crate::types::{TensorType, Type};
 
@@ -887,7 +896,7 @@ pub struct Function {
     /// Names of the attribute parameters.
     pub attr_params: Vec<String>,
     /// Attribute parameters written with a default (the ONNX printer does not print these).
-    pub attr_defaults: Vec<crate::attr::Attribute>,
+    pub attr_defaults: Vec<crate::graph::attr::Attribute>,
     /// The body; its name is the function's name.
     pub body: Graph,
 }
@@ -945,7 +954,7 @@ impl Model {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::op;
+    use crate::graph::op;
     use crate::types::DType;
 
     #[test]

@@ -11,8 +11,8 @@
 
 use serde::Serialize;
 
-use crate::attr::{AttrField, AttrKind, AttrValue, Attribute};
 use crate::graph::Graph;
+use crate::graph::attr::{AttrField, AttrKind, AttrValue, Attribute};
 use crate::tensor::Tensor;
 
 /// Broad families of operators, for passes that treat a family alike.
@@ -247,16 +247,6 @@ macro_rules! define_ops {
             pub fn known_op_types() -> &'static [(&'static str, &'static str)] {
                 &[$( (domain_of!($($domain)?), $onnx), )*]
             }
-
-            /// The op's rules: arity, shape inference, iteration space, work, evaluation,
-            /// dim flow (see [`crate::ops`]). The one dispatch over every op.
-            pub fn rules(&self) -> &dyn crate::ops::OpRules {
-                match self {
-                    Op::Input { .. } | Op::Initializer(_) | Op::OuterRef => &crate::ops::SourceRules,
-                    $( Op::$name(x) => x, )*
-                    Op::Opaque(o) => o,
-                }
-            }
         }
 
         /// Calls `$m!(Name, ...)` with the variant name of every op of [`Op`] (sources and
@@ -268,6 +258,15 @@ macro_rules! define_ops {
                 $d m!($($name),*);
             };
         }
+
+        /// [`for_all_ops`] for this crate's own modules (an exported macro made by a macro
+        /// cannot be named by path inside its crate).
+        macro_rules! with_all_ops {
+            ($d m:ident) => {
+                $d m!($($name),*);
+            };
+        }
+        pub(crate) use with_all_ops;
     };
 }
 

@@ -1,6 +1,6 @@
 //! Attribute values as written in the text syntax.
 //!
-//! Known ops turn their attributes into typed fields (see [`crate::op`]); this module holds
+//! Known ops turn their attributes into typed fields (see [`crate::graph::op`]); this module holds
 //! the untyped form that the frontend produces, that opaque ops keep, and that the printer
 //! writes.
 

@@ -6,7 +6,38 @@
 use crate::tensor::{Tensor, TensorData, bf16_to_f32, f16_to_f32};
 use crate::types::DType;
 
-use super::EvalError;
+mod walk;
+
+pub use walk::Walk;
+
+/// Why evaluation failed.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum EvalError {
+    /// The op, attribute or element type is not implemented by the reference evaluator.
+    #[error("not supported: {0}")]
+    Unsupported(String),
+    /// The inputs break the op's rules.
+    #[error("{0}")]
+    Invalid(String),
+    /// A failure inside a node.
+    #[error("{node}: {source}")]
+    AtNode {
+        /// The node, described.
+        node: String,
+        /// What went wrong.
+        source: Box<EvalError>,
+    },
+    /// A graph input was not supplied.
+    #[error("no value given for graph input `{0}`")]
+    MissingInput(String),
+}
+
+impl From<String> for EvalError {
+    /// A rule broken by the inputs (a shape that does not broadcast, an axis out of range).
+    fn from(msg: String) -> EvalError {
+        EvalError::Invalid(msg)
+    }
+}
 
 /// Element storage.
 #[derive(Clone, Debug, PartialEq)]
@@ -385,7 +416,7 @@ impl Array {
         Ok(())
     }
 
-    /// [`Array::gather_flat`] from offsets made as they are read (a [`super::Walk`]).
+    /// [`Array::gather_flat`] from offsets made as they are read (a [`Walk`]).
     pub fn gather(&self, shape: Vec<usize>, idx: impl ExactSizeIterator<Item = usize>) -> Array {
         let data = match &self.data {
             Data::F32(v) => Data::F32(idx.map(|i| v[i]).collect()),
@@ -403,7 +434,7 @@ impl Array {
             self.shape.iter().enumerate().map(|(d, &n)| if d == axis { (start, end) } else { (0, n) }).collect();
         let mut shape = self.shape.clone();
         shape[axis] = end - start;
-        self.gather(shape, super::Walk::boxed(&self.shape, &ranges))
+        self.gather(shape, Walk::boxed(&self.shape, &ranges))
     }
 
     /// Joins arrays of one dtype and rank along `axis` (their other dims equal).
