@@ -10,7 +10,7 @@ use codegen::runtime::Executor;
 use codegen::runtime::gpu::compile;
 use ir::eval::Array;
 use ir::ops::NodeCx;
-use ir::{Graph, NodeId, Op, Value};
+use ir::{Graph, NodeId, Op, OpClass, Value};
 use shardc_tests::samples::{Sample, samples};
 use shardc_tests::*;
 
@@ -88,6 +88,22 @@ fn every_op_has_every_facet() {
             }
             if rules.work(&cx).is_none() {
                 problems.push(format!("{}: no work rule", s.op));
+            }
+            // Matrix products run on the matrix units (the cost model prices them at the
+            // precision's tensor-core peak); element-wise, reduction and data-movement ops
+            // do not. A determinant is an LU factorization, not a matrix product.
+            let matrix = matches!(node.op.class(), OpClass::Contraction | OpClass::Recurrent) && s.op != "Det";
+            let vector = matches!(
+                node.op.class(),
+                OpClass::Unary | OpClass::Binary | OpClass::Variadic | OpClass::Reduce | OpClass::Shape | OpClass::Comm
+            );
+            if (matrix && !rules.matrix_units()) || (vector && rules.matrix_units()) {
+                problems.push(format!(
+                    "{}: matrix_units() is {} for a {:?} op",
+                    s.op,
+                    rules.matrix_units(),
+                    node.op.class()
+                ));
             }
             // The evaluator: the whole sample runs.
             let r = ir::eval::run(g, &inputs(g, 1), &Default::default());

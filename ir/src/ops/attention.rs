@@ -35,6 +35,10 @@ fn dim_add(a: &Dim, b: &Dim) -> Dim {
 }
 
 impl OpRules for op::Attention {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     flow_positional!(0);
 
     fn arity(&self) -> Arity {

@@ -33,6 +33,10 @@ fn in_feature(name: &str, size: i64) -> IterDim {
 }
 
 impl OpRules for op::MatMul {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }
@@ -125,6 +129,10 @@ impl OpRules for op::MatMul {
 }
 
 impl OpRules for op::Gemm {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(2, 3, 1, 1)
     }
@@ -208,6 +216,10 @@ impl OpRules for op::Gemm {
 }
 
 impl OpRules for op::Einsum {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         Some(einsum_grad(self.equation.as_deref().unwrap_or(""), cx))
     }

@@ -117,6 +117,10 @@ fn conv_window(c: &op::Conv, x: &[i64], w: &[i64]) -> Option<Window> {
 }
 
 impl OpRules for op::Conv {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         Some(conv_grad(self, cx))
     }
@@ -237,6 +241,10 @@ impl OpRules for op::Conv {
 }
 
 impl OpRules for op::ConvTranspose {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         Some(conv_transpose_grad(self, cx))
     }
@@ -876,6 +884,10 @@ pub fn launches_of(x: &[i64], w: &[i64], y: &[i64], group: i64) -> Option<[f64; 
 }
 
 impl OpRules for op::ConvGradInput {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }
@@ -944,6 +956,10 @@ impl OpRules for op::ConvGradInput {
 }
 
 impl OpRules for op::ConvGradWeight {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }

@@ -173,6 +173,10 @@ impl Operands {
 }
 
 impl OpRules for op::MoE {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(5)
     }
@@ -270,6 +274,10 @@ impl OpRules for op::MoE {
 }
 
 impl OpRules for op::MoEGrad {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(6, 6, 4, 4)
     }

@@ -286,6 +286,10 @@ fn space(cx: &NodeCx<'_>, lse: usize, sequence: bool, outputs: Vec<Vec<Option<us
 }
 
 impl OpRules for op::AttentionBlock {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     flow_positional!(0);
 
     fn arity(&self) -> Arity {
@@ -340,6 +344,10 @@ impl OpRules for op::AttentionBlock {
 }
 
 impl OpRules for op::AttentionGrad {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(5, 6, 3, 3)
     }

@@ -516,6 +516,16 @@ pub trait OpRules {
         true
     }
 
+    /// Whether the op's kernel is made of matrix products that run on the device's matrix
+    /// units (tensor cores) in the training precision: contractions, convolutions and their
+    /// gradients, attention, experts, recurrent cells. The other kernels (element-wise,
+    /// normalization, reductions, data movement) run on the regular cores and compute in
+    /// float32 whatever the storage precision, as PyTorch's half and bfloat16 kernels do
+    /// (their `opmath` type is float); the cost model prices them at the float32 peak.
+    fn matrix_units(&self) -> bool {
+        false
+    }
+
     /// The op type of the one kernel the gradient rule writes for the input's gradient, where
     /// it writes one of its own (`MaxPool` → `MaxPoolGrad`): a forward model's backward pass
     /// is priced at that kernel's measured rate (the device's `kernel_factors`), as the

@@ -217,6 +217,10 @@ fn matmul_work(cx: &NodeCx<'_>) -> Option<Work> {
 }
 
 impl OpRules for op::MatMulInteger {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     flow_positional!(0);
 
     fn arity(&self) -> Arity {
@@ -247,6 +251,10 @@ impl OpRules for op::MatMulInteger {
 }
 
 impl OpRules for op::QLinearMatMul {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     flow_positional!(0);
 
     fn arity(&self) -> Arity {
@@ -359,6 +367,10 @@ fn conv_work(cx: &NodeCx<'_>, w: usize) -> Option<Work> {
 }
 
 impl OpRules for op::ConvInteger {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     flow_positional!(0);
 
     fn arity(&self) -> Arity {
@@ -387,6 +399,10 @@ impl OpRules for op::ConvInteger {
 }
 
 impl OpRules for op::QLinearConv {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     flow_positional!(0);
 
     fn arity(&self) -> Arity {

@@ -143,6 +143,10 @@ macro_rules! recurrent {
                 Arity::new(3, $max_in, 0, $max_out)
             }
 
+            fn matrix_units(&self) -> bool {
+                true
+            }
+
             fn infer(&self, cx: &InferCx<'_>) -> Types {
                 recurrent_infer(cx, self.hidden_size, self.direction() == "bidirectional", self.layout())
             }
@@ -1026,6 +1030,10 @@ fn recurrent_grad(o: &op::RecurrentGrad, cx: &EvalCx<'_>) -> Result<Vec<Array>> 
 }
 
 impl OpRules for op::RecurrentGrad {
+    fn matrix_units(&self) -> bool {
+        true
+    }
+
     fn arity(&self) -> Arity {
         Arity::new(3, 11, 7, 7)
     }

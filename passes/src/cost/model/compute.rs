@@ -37,9 +37,14 @@ impl<'a> CostModel<'a> {
         self.roofline_at(flops, bytes, self.cluster.device.efficiency)
     }
 
-    /// Roofline time at efficiency `eff`.
+    /// Roofline time at efficiency `eff` of the matrix units' peak.
     pub(super) fn roofline_at(&self, flops: f64, bytes: f64, eff: f64) -> f64 {
-        (flops / (self.peak() * eff.max(1e-6))).max(bytes / self.mem_bandwidth())
+        self.roofline_with(self.peak(), flops, bytes, eff)
+    }
+
+    /// Roofline time at efficiency `eff` of `peak` FLOP/s.
+    fn roofline_with(&self, peak: f64, flops: f64, bytes: f64, eff: f64) -> f64 {
+        (flops / (peak * eff.max(1e-6))).max(bytes / self.mem_bandwidth())
     }
 
     /// The local GEMM problem (`m × n` output, reduction `k`) of a contraction or
@@ -164,6 +169,7 @@ impl<'a> CostModel<'a> {
         }
         let c = &self.costs[&n];
         let f = self.strategy_factor(n, strategy);
+        let peak = self.op_peak(n);
         let pf = self.precision_factor();
         // Local bytes: activations divide by the op's split, weights by their own split.
         let mut param_local = 0.0;
@@ -229,7 +235,7 @@ impl<'a> CostModel<'a> {
         if let Some((e, grad)) = expansion {
             let x = node.input(SplitMode::main_input(node)).map_or(0.0, |v| self.value_bytes(v) / f);
             let run = |flops: f64, e: ir::ops::split::Expansion, eff: f64| {
-                self.roofline_at(flops, e.passes as f64 * x, eff) + self.launch() * e.launches as f64
+                self.roofline_with(peak, flops, e.passes as f64 * x, eff) + self.launch() * e.launches as f64
             };
             let fwd = run(c.fwd_flops / f, e, fwd_eff);
             let bwd = grad.map_or(0.0, |ge| if bwd_flops > 0.0 { run(bwd_flops, ge, bwd_eff) } else { 0.0 });
@@ -242,8 +248,9 @@ impl<'a> CostModel<'a> {
         let kernel = if strided { 1.0 } else { d.kernel_factors.get(&self.kernel_kind(n)).copied().unwrap_or(1.0) };
         // A kernel with fewer invocations than fill the device runs at that share of it.
         let fill = self.underfill(c.parallel / f);
-        let fwd =
-            self.roofline_at(c.fwd_flops / f, bytes, fwd_eff) * kernel * fill + launch + fwd_split * self.launch();
+        let fwd = self.roofline_with(peak, c.fwd_flops / f, bytes, fwd_eff) * kernel * fill
+            + launch
+            + fwd_split * self.launch();
         let bwd = match shape {
             _ if bwd_flops <= 0.0 => 0.0,
             // The two gradient GEMMs, each reading and writing about what the op does (a
@@ -253,16 +260,16 @@ impl<'a> CostModel<'a> {
             // Each at its gradient kernel's measured rate, as the training program prices it.
             Some((m, nn, k, _)) if matches!(node.op, Op::Conv(_)) => {
                 let factor = |k: &str| d.kernel_factors.get(k).copied().unwrap_or(1.0);
-                self.roofline_at(c.bwd_data_flops / f, bytes, d.gemm_efficiency(m, k, nn) * grad_rate)
+                self.roofline_with(peak, c.bwd_data_flops / f, bytes, d.gemm_efficiency(m, k, nn) * grad_rate)
                     * factor("ConvGradInput")
-                    + self.roofline_at(c.bwd_weight_flops / f, bytes, d.gemm_efficiency(k, nn, m) * grad_rate)
+                    + self.roofline_with(peak, c.bwd_weight_flops / f, bytes, d.gemm_efficiency(k, nn, m) * grad_rate)
                         * factor("ConvGradWeight")
                     + conv_launches.map_or(2.0 * launch, |l| (l[1] + l[2]) * self.launch())
             }
             _ => {
                 // An op whose gradient is a kernel of its own runs at that kernel's rate.
                 let grad_kernel = node.op.rules().grad_kernel().and_then(|k| d.kernel_factors.get(k)).copied();
-                self.roofline_at(bwd_flops, 2.0 * bytes, bwd_eff) * grad_kernel.unwrap_or(1.0)
+                self.roofline_with(peak, bwd_flops, 2.0 * bytes, bwd_eff) * grad_kernel.unwrap_or(1.0)
                     + 2.0 * launch
                     + bwd_split * self.launch()
             }

@@ -823,8 +823,20 @@ impl<'a> CostModel<'a> {
         if t.dtype.is_float() { b * self.precision_factor() } else { b }
     }
 
+    /// Peak FLOP/s of one device's matrix units in the training precision.
     fn peak(&self) -> f64 {
         self.cluster.device.peak_flops.at(self.opts.precision) / self.host_share()
+    }
+
+    /// Peak FLOP/s of op `n`'s kernel: the matrix units' in the training precision for an op
+    /// made of matrix products, the float32 peak of the regular cores for the rest
+    /// ([`ir::ops::OpRules::matrix_units`]).
+    pub(super) fn op_peak(&self, n: NodeId) -> f64 {
+        if self.g.node(n).op.rules().matrix_units() {
+            self.peak()
+        } else {
+            self.cluster.device.peak_flops.fp32 / self.host_share()
+        }
     }
 
     /// Usable memory per device, bytes.
