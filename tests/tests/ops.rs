@@ -97,6 +97,10 @@ fn every_op_has_every_facet() {
                 node.op.class(),
                 OpClass::Unary | OpClass::Binary | OpClass::Variadic | OpClass::Reduce | OpClass::Shape | OpClass::Comm
             );
+            // An element-wise derivative has its WGSL twin and the other way round.
+            if rules.derivative(0.5, 0.5).is_some() != compile::derivative(&node.op).is_some() {
+                problems.push(format!("{}: a derivative on one of the CPU and wgpu sides only", s.op));
+            }
             if (matrix && !rules.matrix_units()) || (vector && rules.matrix_units()) {
                 problems.push(format!(
                     "{}: matrix_units() is {} for a {:?} op",
@@ -180,6 +184,61 @@ fn run_on<E: Executor>(e: &mut E, g: &Graph, feeds: &HashMap<String, Array>) -> 
         }
     }
     out
+}
+
+/// Every element-wise derivative's WGSL kernel (`ElementwiseGrad` of each op that has one)
+/// matches the reference's, each op with its attributes at their defaults and, where it has
+/// some, at other values.
+#[test]
+fn every_elementwise_derivative_kernel_matches_the_reference() {
+    if !gpu_available() {
+        return;
+    }
+    let mut gpu = codegen::runtime::gpu::GpuExecutor::new().unwrap();
+    let mut ran = Vec::new();
+    let mut failures = Vec::new();
+    for &(domain, op) in Op::known_op_types() {
+        let rules_op = Op::from_parts(domain, op, Vec::new()).unwrap();
+        if rules_op.rules().derivative(0.5, 0.5).is_none() {
+            continue;
+        }
+        for attrs in ["", "<alpha: float = 0.3, beta: float = 0.25, gamma: float = 1.5>"] {
+            if !attrs.is_empty()
+                && Op::known_attributes(domain, op).is_none_or(|a| !a.iter().any(|n| ["alpha", "lambd"].contains(n)))
+            {
+                continue;
+            }
+            // Acosh is defined from 1 up; the other inputs are drawn in [0.1, 0.9].
+            let x = if op == "Acosh" { "   x1 = Add (x, one)\n" } else { "   x1 = Identity (x)\n" };
+            let fwd = match op {
+                "Shrink" if !attrs.is_empty() => format!("{op} <lambd: float = 0.3, bias: float = 0.25>"),
+                _ if !attrs.is_empty() => {
+                    format!("{op} {}", attrs.replace("beta: float = 0.25, ", "").replace(", gamma: float = 1.5", ""))
+                }
+                _ => op.to_string(),
+            };
+            let grad_attrs = if attrs.is_empty() {
+                String::new()
+            } else {
+                attrs.trim_start_matches('<').trim_end_matches('>').to_string() + ", "
+            };
+            let text = format!(
+                "<ir_version: 8, opset_import: [\"\" : 24, \"shardc\" : 1]>\nd (float[2,3] x, float[2,3] dy) => (float[2,3] dx) <float one = {{1.0}}> {{\n{x}   y = {fwd} (x1)\n   dx = shardc.ElementwiseGrad <{grad_attrs}op: string = \"{op}\"> (x1, y, dy)\n}}"
+            );
+            let m = parse(&Sample { op: "ElementwiseGrad", text });
+            let feeds = inputs(&m.graph, 3);
+            let want = ir::eval::run(&m.graph, &feeds, &Default::default()).unwrap_or_else(|e| panic!("{op}: {e}"));
+            let got = run_on(&mut gpu, &m.graph, &feeds);
+            let rtol = LOOSE.iter().find(|(t, _)| *t == op).map_or(1e-4, |l| l.1);
+            if let Err(e) = compare(&format!("the derivative of {op} {attrs}"), &got["dx"], &want[0], rtol, 1e-5) {
+                failures.push(e);
+            }
+            ran.push(op);
+        }
+    }
+    eprintln!("ran {}", ran.len());
+    assert!(ran.len() >= 30, "only {} derivatives ran: {ran:?}", ran.len());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// Every sample whose ops have kernels runs on one wgpu device and matches the reference.

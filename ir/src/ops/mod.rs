@@ -516,6 +516,12 @@ pub trait OpRules {
         true
     }
 
+    /// An element-wise op's derivative `y'(x)` at input `x` with output `y` (the gradient
+    /// rule's `ElementwiseGrad` evaluates it); `None` (the default) for other ops.
+    fn derivative(&self, _x: f64, _y: f64) -> Option<f64> {
+        None
+    }
+
     /// Whether the op's kernel is made of matrix products that run on the device's matrix
     /// units (tensor cores) in the training precision: contractions, convolutions and their
     /// gradients, attention, experts, recurrent cells. The other kernels (element-wise,

@@ -268,6 +268,12 @@ pub trait Kernel {
     fn value_inputs(&self) -> &'static [usize] {
         &[]
     }
+
+    /// An element-wise op's derivative times dY as a WGSL expression over `a` (X), `b` (Y)
+    /// and `c` (dY), for `ElementwiseGrad`'s kernel; `None` (the default) for other ops.
+    fn derivative(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Ops that always run on the host, and why. Everything else has a kernel for float inputs.
@@ -457,6 +463,14 @@ macro_rules! dispatch {
             match op {
                 $( Op::$name(x) => Kernel::compile(x, cx), )*
                 Op::Input { .. } | Op::Initializer(_) | Op::OuterRef | Op::Opaque(_) => Ok(None),
+            }
+        }
+
+        /// `op`'s derivative expression (see [`Kernel::derivative`]).
+        pub fn derivative(op: &Op) -> Option<String> {
+            match op {
+                $( Op::$name(x) => Kernel::derivative(x), )*
+                Op::Input { .. } | Op::Initializer(_) | Op::OuterRef | Op::Opaque(_) => None,
             }
         }
 

@@ -20,9 +20,11 @@ fn unary(cx: &CompileCx<'_>, x: &TensorDesc<'_>, expr: Option<String>, out_elem:
     Ok(Some(c))
 }
 
-/// Unary ops: `Name: |self, a, float?| expression of a` (`None`: no kernel for that storage).
+/// Unary ops: `Name: |self, a, float?| expression of a` (`None`: no kernel for that storage),
+/// and for an op with a gradient `d |self| its derivative times dY` over `a` (X), `b` (Y) and
+/// `c` (dY).
 macro_rules! unary_kernels {
-    ($($name:ident $(-> $out:ident)?: |$s:ident, $a:ident, $f:ident| $expr:expr;)*) => {$(
+    ($($name:ident $(-> $out:ident)?: |$s:ident, $a:ident, $f:ident| $expr:expr $(, d |$ds:ident| $d:expr)?;)*) => {$(
         impl Kernel for op::$name {
             #[allow(unused_variables)]
             fn compile(&self, cx: &CompileCx<'_>) -> CompileResult {
@@ -35,6 +37,13 @@ macro_rules! unary_kernels {
                 let expr: Option<String> = $expr;
                 unary(cx, x, expr, out)
             }
+
+            $(
+                fn derivative(&self) -> Option<String> {
+                    let $ds = self;
+                    $d
+                }
+            )?
         }
     )*};
 }
@@ -45,54 +54,97 @@ fn float(f: bool, e: String) -> Option<String> {
 }
 
 unary_kernels! {
-    Relu: |_s, a, f| Some(if f { format!("select(0.0, {a}, {a} > 0.0 || isnan_({a}))") } else { format!("max({a}, 0)") });
-    Abs: |_s, a, f| Some(format!("abs({a})"));
-    Neg: |_s, a, f| Some(format!("-{a}"));
+    Relu: |_s, a, f| Some(if f { format!("select(0.0, {a}, {a} > 0.0 || isnan_({a}))") } else { format!("max({a}, 0)") }),
+        d |_s| Some("select(0.0, c, a > 0.0)".into());
+    Abs: |_s, a, f| Some(format!("abs({a})")),
+        d |_s| Some("c * sign(a)".into());
+    Neg: |_s, a, f| Some(format!("-{a}")),
+        d |_s| Some("-c".into());
     Sign: |_s, a, f| Some(if f { format!("select(sign({a}), {a}, isnan_({a}))") } else { format!("sign({a})") });
-    Sigmoid: |_s, a, f| float(f, format!("sigmoid_({a})"));
-    Tanh: |_s, a, f| float(f, format!("tanh_({a})"));
-    Exp: |_s, a, f| float(f, format!("exp({a})"));
-    Log: |_s, a, f| float(f, format!("log({a})"));
-    Sqrt: |_s, a, f| float(f, format!("sqrt({a})"));
-    Reciprocal: |_s, a, f| float(f, format!("1.0 / {a}"));
+    Sigmoid: |_s, a, f| float(f, format!("sigmoid_({a})")),
+        d |_s| Some("c * b * (1.0 - b)".into());
+    Tanh: |_s, a, f| float(f, format!("tanh_({a})")),
+        d |_s| Some("c * (1.0 - b * b)".into());
+    Exp: |_s, a, f| float(f, format!("exp({a})")),
+        d |_s| Some("c * b".into());
+    Log: |_s, a, f| float(f, format!("log({a})")),
+        d |_s| Some("c / a".into());
+    Sqrt: |_s, a, f| float(f, format!("sqrt({a})")),
+        d |_s| Some("c * 0.5 / b".into());
+    Reciprocal: |_s, a, f| float(f, format!("1.0 / {a}")),
+        d |_s| Some("-c * b * b".into());
     Floor: |_s, a, f| float(f, format!("floor({a})"));
     Ceil: |_s, a, f| float(f, format!("ceil({a})"));
     Round: |_s, a, f| float(f, format!("round_even_({a})"));
-    Sin: |_s, a, f| float(f, format!("sin({a})"));
-    Cos: |_s, a, f| float(f, format!("cos({a})"));
-    Tan: |_s, a, f| float(f, format!("tan({a})"));
-    Asin: |_s, a, f| float(f, format!("asin({a})"));
-    Acos: |_s, a, f| float(f, format!("acos({a})"));
-    Atan: |_s, a, f| float(f, format!("atan({a})"));
-    Sinh: |_s, a, f| float(f, format!("sinh({a})"));
-    Cosh: |_s, a, f| float(f, format!("cosh({a})"));
-    Asinh: |_s, a, f| float(f, format!("asinh({a})"));
-    Acosh: |_s, a, f| float(f, format!("acosh({a})"));
-    Atanh: |_s, a, f| float(f, format!("atanh({a})"));
-    Erf: |_s, a, f| float(f, format!("erf_({a})"));
-    Softplus: |_s, a, f| float(f, format!("softplus_({a})"));
-    Softsign: |_s, a, f| float(f, format!("{a} / (1.0 + abs({a}))"));
-    Elu: |s, a, f| float(f, format!("select({} * (exp({a}) - 1.0), {a}, {a} >= 0.0)", f32_lit(f64::from(s.alpha()))));
+    Sin: |_s, a, f| float(f, format!("sin({a})")),
+        d |_s| Some("c * cos(a)".into());
+    Cos: |_s, a, f| float(f, format!("cos({a})")),
+        d |_s| Some("-c * sin(a)".into());
+    Tan: |_s, a, f| float(f, format!("tan({a})")),
+        d |_s| Some("c * (1.0 + b * b)".into());
+    Asin: |_s, a, f| float(f, format!("asin({a})")),
+        d |_s| Some("c / sqrt(1.0 - a * a)".into());
+    Acos: |_s, a, f| float(f, format!("acos({a})")),
+        d |_s| Some("-c / sqrt(1.0 - a * a)".into());
+    Atan: |_s, a, f| float(f, format!("atan({a})")),
+        d |_s| Some("c / (1.0 + a * a)".into());
+    Sinh: |_s, a, f| float(f, format!("sinh({a})")),
+        d |_s| Some("c * cosh(a)".into());
+    Cosh: |_s, a, f| float(f, format!("cosh({a})")),
+        d |_s| Some("c * sinh(a)".into());
+    Asinh: |_s, a, f| float(f, format!("asinh({a})")),
+        d |_s| Some("c / sqrt(a * a + 1.0)".into());
+    Acosh: |_s, a, f| float(f, format!("acosh({a})")),
+        d |_s| Some("c / sqrt(a * a - 1.0)".into());
+    Atanh: |_s, a, f| float(f, format!("atanh({a})")),
+        d |_s| Some("c / (1.0 - a * a)".into());
+    Erf: |_s, a, f| float(f, format!("erf_({a})")),
+        d |_s| Some("c * 1.1283791670955126 * exp(-a * a)".into());
+    Softplus: |_s, a, f| float(f, format!("softplus_({a})")),
+        d |_s| Some("c * sigmoid_(a)".into());
+    Softsign: |_s, a, f| float(f, format!("{a} / (1.0 + abs({a}))")),
+        d |_s| Some("c / ((1.0 + abs(a)) * (1.0 + abs(a)))".into());
+    Elu: |s, a, f| float(f, format!("select({} * (exp({a}) - 1.0), {a}, {a} >= 0.0)", f32_lit(f64::from(s.alpha())))),
+        d |s| Some(format!("select(c * (b + {}), c, a > 0.0)", f32_lit(f64::from(s.alpha()))));
     Celu: |s, a, f| {
         let al = f32_lit(f64::from(s.alpha()));
         float(f, format!("max(0.0, {a}) + min(0.0, {al} * (exp({a} / {al}) - 1.0))"))
-    };
+    },
+        d |s| Some(format!("select(c * exp(a / {}), c, a > 0.0)", f32_lit(f64::from(s.alpha()))));
     Selu: |s, a, f| {
         let (al, ga) = (f32_lit(f64::from(s.alpha())), f32_lit(f64::from(s.gamma())));
         float(f, format!("{ga} * select({al} * (exp({a}) - 1.0), {a}, {a} > 0.0)"))
-    };
-    LeakyRelu: |s, a, f| float(f, format!("select({} * {a}, {a}, {a} >= 0.0)", f32_lit(f64::from(s.alpha()))));
-    ThresholdedRelu: |s, a, f| float(f, format!("select(0.0, {a}, {a} > {})", f32_lit(f64::from(s.alpha()))));
+    },
+        d |s| Some({
+            let ga = f32_lit(f64::from(s.gamma()));
+            format!("select(c * {ga} * {} * exp(a), c * {ga}, a > 0.0)", f32_lit(f64::from(s.alpha())))
+        });
+    LeakyRelu: |s, a, f| float(f, format!("select({} * {a}, {a}, {a} >= 0.0)", f32_lit(f64::from(s.alpha())))),
+        d |s| Some(format!("select({} * c, c, a > 0.0)", f32_lit(f64::from(s.alpha()))));
+    ThresholdedRelu: |s, a, f| float(f, format!("select(0.0, {a}, {a} > {})", f32_lit(f64::from(s.alpha())))),
+        d |s| Some(format!("select(0.0, c, a > {})", f32_lit(f64::from(s.alpha()))));
     HardSigmoid: |s, a, f| {
         float(f, format!("fclamp_({} * {a} + {}, 0.0, 1.0)", f32_lit(f64::from(s.alpha())), f32_lit(f64::from(s.beta()))))
-    };
-    HardSwish: |_s, a, f| float(f, format!("{a} * clamp({a} / 6.0 + 0.5, 0.0, 1.0)"));
-    Mish: |_s, a, f| float(f, format!("{a} * tanh_(softplus_({a}))"));
-    Swish: |s, a, f| float(f, format!("{a} * sigmoid_({} * {a})", f32_lit(f64::from(s.alpha()))));
+    },
+        d |s| Some({
+            let v = format!("({} * a + {})", f32_lit(f64::from(s.alpha())), f32_lit(f64::from(s.beta())));
+            format!("select(0.0, c * {}, {v} > 0.0 && {v} < 1.0)", f32_lit(f64::from(s.alpha())))
+        });
+    HardSwish: |_s, a, f| float(f, format!("{a} * clamp({a} / 6.0 + 0.5, 0.0, 1.0)")),
+        d |_s| Some("select(select(c * (a / 3.0 + 0.5), c, a > 3.0), 0.0, a < -3.0)".into());
+    Mish: |_s, a, f| float(f, format!("{a} * tanh_(softplus_({a}))")),
+        d |_s| Some("c * (tanh_(softplus_(a)) + a * (1.0 - tanh_(softplus_(a)) * tanh_(softplus_(a))) * sigmoid_(a))".into());
+    Swish: |s, a, f| float(f, format!("{a} * sigmoid_({} * {a})", f32_lit(f64::from(s.alpha())))),
+        d |s| {
+            let al = f32_lit(f64::from(s.alpha()));
+            let sg = format!("sigmoid_({al} * a)");
+            Some(format!("c * ({sg} + {al} * a * {sg} * (1.0 - {sg}))"))
+        };
     Shrink: |s, a, f| {
         let (b, l) = (f32_lit(f64::from(s.bias())), f32_lit(f64::from(s.lambd())));
         float(f, format!("select(select(0.0, {a} - {b}, {a} > {l}), {a} + {b}, {a} < -{l})"))
-    };
+    },
+        d |s| Some(format!("select(0.0, c, abs(a) > {})", f32_lit(f64::from(s.lambd()))));
     Gelu: |s, a, f| float(
         f,
         if s.approximate() == "tanh" {
@@ -100,7 +152,14 @@ unary_kernels! {
         } else {
             format!("0.5 * {a} * (1.0 + erf_({a} * 0.7071067811865476))")
         },
-    );
+    ),
+        d |s| Some({
+            if s.approximate() == "tanh" {
+                "c * (0.5 * (1.0 + tanh_(0.7978845608028654 * (a + 0.044715 * a * a * a))) + 0.5 * a * (1.0 - tanh_(0.7978845608028654 * (a + 0.044715 * a * a * a)) * tanh_(0.7978845608028654 * (a + 0.044715 * a * a * a))) * 0.7978845608028654 * (1.0 + 0.134145 * a * a))".into()
+            } else {
+                "c * (0.5 * (1.0 + erf_(a * 0.7071067811865476)) + a * exp(-0.5 * a * a) * 0.3989422804014327)".into()
+            }
+        });
     IsNaN -> I32: |_s, a, f| float(f, format!("select(0, 1, isnan_({a}))"));
     IsInf -> I32: |s, a, f| {
         let (pos, neg) = (s.detect_positive() != 0, s.detect_negative() != 0);
@@ -329,65 +388,11 @@ impl Kernel for op::Where {
     }
 }
 
-/// The derivative of an element-wise op times dY over the bindings `a` (X), `b` (Y) and `c`
-/// (dY), as [`ir::ops::elementwise::derivative`] computes it; `None` for an op without one.
+/// The derivative of the element-wise op whose gradient `g` computes, times dY, over the
+/// bindings `a` (X), `b` (Y) and `c` (dY): that op's own kernel's ([`Kernel::derivative`]),
+/// as its rule ([`ir::ops::OpRules::derivative`]) computes it; `None` for an op without one.
 pub fn derivative_expr(g: &op::ElementwiseGrad) -> Option<String> {
-    let al = |d: f32| f32_lit(f64::from(g.alpha.unwrap_or(d)));
-    let be = |d: f32| f32_lit(f64::from(g.beta.unwrap_or(d)));
-    Some(match g.op.as_deref()? {
-        "Relu" => "select(0.0, c, a > 0.0)".into(),
-        "LeakyRelu" => format!("select({} * c, c, a > 0.0)", al(0.01)),
-        "Elu" => format!("select(c * (b + {}), c, a > 0.0)", al(1.0)),
-        "Celu" => format!("select(c * exp(a / {}), c, a > 0.0)", al(1.0)),
-        "Selu" => {
-            let ga = f32_lit(f64::from(g.gamma.unwrap_or(1.050_701)));
-            format!("select(c * {ga} * {} * exp(a), c * {ga}, a > 0.0)", al(1.673_263_2))
-        }
-        "ThresholdedRelu" => format!("select(0.0, c, a > {})", al(1.0)),
-        "Shrink" => format!("select(0.0, c, abs(a) > {})", al(0.5)),
-        "Sigmoid" => "c * b * (1.0 - b)".into(),
-        "HardSigmoid" => {
-            let v = format!("({} * a + {})", al(0.2), be(0.5));
-            format!("select(0.0, c * {}, {v} > 0.0 && {v} < 1.0)", al(0.2))
-        }
-        "HardSwish" => "select(select(c * (a / 3.0 + 0.5), c, a > 3.0), 0.0, a < -3.0)".into(),
-        "Tanh" => "c * (1.0 - b * b)".into(),
-        "Exp" => "c * b".into(),
-        "Log" => "c / a".into(),
-        "Sqrt" => "c * 0.5 / b".into(),
-        "Reciprocal" => "-c * b * b".into(),
-        "Neg" => "-c".into(),
-        "Abs" => "c * sign(a)".into(),
-        "Erf" => "c * 1.1283791670955126 * exp(-a * a)".into(),
-        "Softplus" => "c * sigmoid_(a)".into(),
-        "Softsign" => "c / ((1.0 + abs(a)) * (1.0 + abs(a)))".into(),
-        "Sin" => "c * cos(a)".into(),
-        "Cos" => "-c * sin(a)".into(),
-        "Tan" => "c * (1.0 + b * b)".into(),
-        "Sinh" => "c * cosh(a)".into(),
-        "Cosh" => "c * sinh(a)".into(),
-        "Asin" => "c / sqrt(1.0 - a * a)".into(),
-        "Acos" => "-c / sqrt(1.0 - a * a)".into(),
-        "Atan" => "c / (1.0 + a * a)".into(),
-        "Asinh" => "c / sqrt(a * a + 1.0)".into(),
-        "Acosh" => "c / sqrt(a * a - 1.0)".into(),
-        "Atanh" => "c / (1.0 - a * a)".into(),
-        "Swish" => {
-            let s = format!("sigmoid_({} * a)", al(1.0));
-            format!("c * ({s} + {} * a * {s} * (1.0 - {s}))", al(1.0))
-        }
-        "Mish" => {
-            "c * (tanh_(softplus_(a)) + a * (1.0 - tanh_(softplus_(a)) * tanh_(softplus_(a))) * sigmoid_(a))".into()
-        }
-        "Gelu" => {
-            if g.approximate.as_deref() == Some("tanh") {
-                "c * (0.5 * (1.0 + tanh_(0.7978845608028654 * (a + 0.044715 * a * a * a))) + 0.5 * a * (1.0 - tanh_(0.7978845608028654 * (a + 0.044715 * a * a * a)) * tanh_(0.7978845608028654 * (a + 0.044715 * a * a * a))) * 0.7978845608028654 * (1.0 + 0.134145 * a * a))".into()
-            } else {
-                "c * (0.5 * (1.0 + erf_(a * 0.7071067811865476)) + a * exp(-0.5 * a * a) * 0.3989422804014327)".into()
-            }
-        }
-        _ => return None,
-    })
+    super::compile::derivative(&g.forward()?)
 }
 
 impl Kernel for op::ElementwiseGrad {

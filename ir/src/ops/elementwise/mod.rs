@@ -10,6 +10,7 @@ use super::grad::GradCx;
 use super::util::{bcast_all, bcast_shapes, broadcast_shapes, broadcast_walk};
 use super::{Arity, Arrays, EvalCx, FlowCx, InferCx, MANY, NodeCx, OpRules, TypeRule, Types, Work};
 use crate::array::{Array, Data, EvalError, round_to, wrap_int};
+use crate::graph::attr::AttrValue;
 use crate::graph::op;
 use crate::graph::op::Op;
 use crate::layout::{IterSpace, linear};
@@ -79,9 +80,11 @@ fn with_sum_dim(cx: &NodeCx<'_>, mut sp: IterSpace) -> IterSpace {
 }
 
 /// Unary ops on floats (and, where an `int` rule is given, integers): one line each,
-/// `Name[flops per element] int |i| rule, |self, v| rule`.
+/// `Name[flops per element] int |i| rule, |self, v| rule, d |self, x, y| derivative` (the
+/// derivative `y'(x)` given the output `y`; none for an op without a gradient).
 macro_rules! unary {
-    ($($name:ident [$flops:expr] $(int |$i:ident| $int:expr,)? |$s:ident, $v:ident| $body:expr;)*) => {$(
+    ($($name:ident [$flops:expr] $(int |$i:ident| $int:expr,)? |$s:ident, $v:ident| $body:expr
+        $(, d |$ds:ident, $x:ident, $y:ident| $d:expr)?;)*) => {$(
         impl OpRules for op::$name {
             fn arity(&self) -> Arity {
                 Arity::fixed(1)
@@ -104,59 +107,111 @@ macro_rules! unary {
                 Ok(vec![map_float(x, cx.name, |$v| $body)?])
             }
 
+            $(
+                #[allow(unused_variables)]
+                fn derivative(&self, $x: f64, $y: f64) -> Option<f64> {
+                    let $ds = self;
+                    Some($d)
+                }
+            )?
+
             pointwise_rules!();
         }
     )*};
 }
 
 unary! {
-    Abs[1.0] int |a| a.wrapping_abs(), |_s, v| v.abs();
-    Neg[1.0] int |a| a.wrapping_neg(), |_s, v| -v;
+    Abs[1.0] int |a| a.wrapping_abs(), |_s, v| v.abs(),
+        d |_s, x, y| x.signum() * f64::from(u8::from(x != 0.0));
+    Neg[1.0] int |a| a.wrapping_neg(), |_s, v| -v,
+        d |_s, x, y| -1.0;
     Sign[1.0] int |a| a.signum(), |_s, v| if v > 0.0 { 1.0 } else if v < 0.0 { -1.0 } else { v * 0.0 };
-    Relu[1.0] int |a| a.max(0), |_s, v| if v > 0.0 || v.is_nan() { v } else { 0.0 };
-    Acos[1.0] |_s, v| v.acos();
-    Acosh[1.0] |_s, v| v.acosh();
-    Asin[1.0] |_s, v| v.asin();
-    Asinh[1.0] |_s, v| v.asinh();
-    Atan[1.0] |_s, v| v.atan();
-    Atanh[1.0] |_s, v| v.atanh();
+    Relu[1.0] int |a| a.max(0), |_s, v| if v > 0.0 || v.is_nan() { v } else { 0.0 },
+        d |_s, x, y| f64::from(u8::from(x > 0.0));
+    Acos[1.0] |_s, v| v.acos(),
+        d |_s, x, y| -1.0 / (1.0 - x * x).sqrt();
+    Acosh[1.0] |_s, v| v.acosh(),
+        d |_s, x, y| 1.0 / (x * x - 1.0).sqrt();
+    Asin[1.0] |_s, v| v.asin(),
+        d |_s, x, y| 1.0 / (1.0 - x * x).sqrt();
+    Asinh[1.0] |_s, v| v.asinh(),
+        d |_s, x, y| 1.0 / (x * x + 1.0).sqrt();
+    Atan[1.0] |_s, v| v.atan(),
+        d |_s, x, y| 1.0 / (1.0 + x * x);
+    Atanh[1.0] |_s, v| v.atanh(),
+        d |_s, x, y| 1.0 / (1.0 - x * x);
     Ceil[1.0] |_s, v| v.ceil();
     Floor[1.0] |_s, v| v.floor();
     Round[1.0] |_s, v| round_half_even(v);
-    Cos[T] |_s, v| v.cos();
-    Cosh[1.0] |_s, v| v.cosh();
-    Sin[T] |_s, v| v.sin();
-    Sinh[1.0] |_s, v| v.sinh();
-    Tan[T] |_s, v| v.tan();
-    Tanh[T] |_s, v| v.tanh();
-    Exp[T] |_s, v| v.exp();
-    Log[T] |_s, v| v.ln();
-    Sqrt[T] |_s, v| v.sqrt();
-    Reciprocal[1.0] |_s, v| 1.0 / v;
-    Sigmoid[T] |_s, v| 1.0 / (1.0 + (-v).exp());
-    Softplus[T] |_s, v| v.exp().ln_1p();
-    Softsign[1.0] |_s, v| v / (1.0 + v.abs());
-    Erf[T] |_s, v| erf64(v);
-    Mish[T] |_s, v| v * v.exp().ln_1p().tanh();
-    Swish[T] |s, v| v / (1.0 + (-f64::from(s.alpha()) * v).exp());
-    HardSwish[1.0] |_s, v| v * (v / 6.0 + 0.5).clamp(0.0, 1.0);
-    HardSigmoid[1.0] |s, v| (f64::from(s.alpha()) * v + f64::from(s.beta())).clamp(0.0, 1.0);
-    LeakyRelu[1.0] |s, v| if v >= 0.0 { v } else { f64::from(s.alpha()) * v };
-    Elu[T] |s, v| if v >= 0.0 { v } else { f64::from(s.alpha()) * (v.exp() - 1.0) };
+    Cos[T] |_s, v| v.cos(),
+        d |_s, x, y| -x.sin();
+    Cosh[1.0] |_s, v| v.cosh(),
+        d |_s, x, y| x.sinh();
+    Sin[T] |_s, v| v.sin(),
+        d |_s, x, y| x.cos();
+    Sinh[1.0] |_s, v| v.sinh(),
+        d |_s, x, y| x.cosh();
+    Tan[T] |_s, v| v.tan(),
+        d |_s, x, y| 1.0 + y * y;
+    Tanh[T] |_s, v| v.tanh(),
+        d |_s, x, y| 1.0 - y * y;
+    Exp[T] |_s, v| v.exp(),
+        d |_s, x, y| y;
+    Log[T] |_s, v| v.ln(),
+        d |_s, x, y| 1.0 / x;
+    Sqrt[T] |_s, v| v.sqrt(),
+        d |_s, x, y| 0.5 / y;
+    Reciprocal[1.0] |_s, v| 1.0 / v,
+        d |_s, x, y| -y * y;
+    Sigmoid[T] |_s, v| 1.0 / (1.0 + (-v).exp()),
+        d |_s, x, y| y * (1.0 - y);
+    Softplus[T] |_s, v| v.exp().ln_1p(),
+        d |_s, x, y| sigmoid(x);
+    Softsign[1.0] |_s, v| v / (1.0 + v.abs()),
+        d |_s, x, y| 1.0 / ((1.0 + x.abs()) * (1.0 + x.abs()));
+    Erf[T] |_s, v| erf64(v),
+        d |_s, x, y| 2.0 / std::f64::consts::PI.sqrt() * (-x * x).exp();
+    Mish[T] |_s, v| v * v.exp().ln_1p().tanh(),
+        d |_s, x, y| {
+            let t = x.exp().ln_1p().tanh();
+            t + x * (1.0 - t * t) * sigmoid(x)
+        };
+    Swish[T] |s, v| v / (1.0 + (-f64::from(s.alpha()) * v).exp()),
+        d |s, x, y| {
+            // d/dx x·σ(αx) = σ(αx) + αx·σ(αx)(1 − σ(αx)).
+            let (a, sg) = (f64::from(s.alpha()), sigmoid(f64::from(s.alpha()) * x));
+            sg + a * x * sg * (1.0 - sg)
+        };
+    HardSwish[1.0] |_s, v| v * (v / 6.0 + 0.5).clamp(0.0, 1.0),
+        d |_s, x, y| if x < -3.0 { 0.0 } else if x > 3.0 { 1.0 } else { x / 3.0 + 0.5 };
+    HardSigmoid[1.0] |s, v| (f64::from(s.alpha()) * v + f64::from(s.beta())).clamp(0.0, 1.0),
+        d |s, x, y| {
+            let v = f64::from(s.alpha()) * x + f64::from(s.beta());
+            if v > 0.0 && v < 1.0 { f64::from(s.alpha()) } else { 0.0 }
+        };
+    LeakyRelu[1.0] |s, v| if v >= 0.0 { v } else { f64::from(s.alpha()) * v },
+        d |s, x, y| if x > 0.0 { 1.0 } else { f64::from(s.alpha()) };
+    Elu[T] |s, v| if v >= 0.0 { v } else { f64::from(s.alpha()) * (v.exp() - 1.0) },
+        d |s, x, y| if x > 0.0 { 1.0 } else { y + f64::from(s.alpha()) };
     Celu[T] |s, v| {
         let al = f64::from(s.alpha());
         v.max(0.0) + (al * ((v / al).exp() - 1.0)).min(0.0)
-    };
+    },
+        d |s, x, y| if x > 0.0 { 1.0 } else { (x / f64::from(s.alpha())).exp() };
     Selu[T] |s, v| {
         let (al, ga) = (f64::from(s.alpha()), f64::from(s.gamma()));
         if v > 0.0 { ga * v } else { ga * (al * v.exp() - al) }
-    };
-    ThresholdedRelu[1.0] |s, v| if v > f64::from(s.alpha()) { v } else { 0.0 };
+    },
+        d |s, x, y| if x > 0.0 { f64::from(s.gamma()) } else { f64::from(s.gamma()) * f64::from(s.alpha()) * x.exp() };
+    ThresholdedRelu[1.0] |s, v| if v > f64::from(s.alpha()) { v } else { 0.0 },
+        d |s, x, y| f64::from(u8::from(x > f64::from(s.alpha())));
     Shrink[1.0] |s, v| {
         let (b, l) = (f64::from(s.bias()), f64::from(s.lambd()));
         if v < -l { v + b } else if v > l { v - b } else { 0.0 }
-    };
-    Gelu[T] |s, v| if s.approximate() == "tanh" { gelu_tanh(v) } else { 0.5 * v * (1.0 + erf64(v / std::f64::consts::SQRT_2)) };
+    },
+        d |s, x, y| f64::from(u8::from(x.abs() > f64::from(s.lambd())));
+    Gelu[T] |s, v| if s.approximate() == "tanh" { gelu_tanh(v) } else { 0.5 * v * (1.0 + erf64(v / std::f64::consts::SQRT_2)) },
+        d |s, x, y| gelu_derivative(s.approximate() == "tanh", x);
 }
 
 /// Unary ops whose output is bool or whose input is not float: `Name[flops] (output dtype
@@ -490,109 +545,58 @@ fn derivative_attrs(op: &Op) -> op::ElementwiseGrad {
     let mut g = op::ElementwiseGrad { op: Some(op.op_type().to_string()), ..Default::default() };
     for a in op.attributes() {
         match (a.name.as_str(), &a.value) {
-            ("alpha" | "lambd", crate::graph::attr::AttrValue::Float(v)) => g.alpha = Some(*v),
-            ("beta" | "bias", crate::graph::attr::AttrValue::Float(v)) => g.beta = Some(*v),
-            ("gamma", crate::graph::attr::AttrValue::Float(v)) => g.gamma = Some(*v),
-            ("approximate", crate::graph::attr::AttrValue::String(v)) => g.approximate = Some(v.clone()),
+            ("alpha" | "lambd", AttrValue::Float(v)) => g.alpha = Some(*v),
+            ("beta" | "bias", AttrValue::Float(v)) => g.beta = Some(*v),
+            ("gamma", AttrValue::Float(v)) => g.gamma = Some(*v),
+            ("approximate", AttrValue::String(v)) => g.approximate = Some(v.clone()),
             _ => {}
         }
     }
     g
 }
 
-/// `op'(x)` for an element-wise op with output `y` (both in f64); `None` when the op has
-/// no derivative here. The ONNX attribute defaults apply where `g` leaves one unset.
+/// `op'(x)` for the element-wise op whose gradient `g` computes, with output `y` (both in
+/// f64): that op's own rule ([`OpRules::derivative`]); `None` when it has none.
 pub fn derivative(g: &op::ElementwiseGrad, x: f64, y: f64) -> Option<f64> {
-    let name = g.op.as_deref().unwrap_or("");
-    let alpha = |d: f32| f64::from(g.alpha.unwrap_or(d));
-    let sig = |v: f64| 1.0 / (1.0 + (-v).exp());
-    let sqrt_2_pi = (2.0 / std::f64::consts::PI).sqrt();
-    Some(match name {
-        "Relu" => f64::from(u8::from(x > 0.0)),
-        "LeakyRelu" => {
-            if x > 0.0 {
-                1.0
-            } else {
-                alpha(0.01)
+    g.forward()?.rules().derivative(x, y)
+}
+
+fn sigmoid(v: f64) -> f64 {
+    1.0 / (1.0 + (-v).exp())
+}
+
+/// GELU's derivative, exact (erf) or of the tanh approximation.
+fn gelu_derivative(tanh: bool, x: f64) -> f64 {
+    if tanh {
+        let sqrt_2_pi = (2.0 / std::f64::consts::PI).sqrt();
+        let u = sqrt_2_pi * (x + 0.044_715 * x * x * x);
+        let t = u.tanh();
+        0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * sqrt_2_pi * (1.0 + 3.0 * 0.044_715 * x * x)
+    } else {
+        0.5 * (1.0 + erf64(x / std::f64::consts::SQRT_2))
+            + x * (-x * x / 2.0).exp() / (2.0 * std::f64::consts::PI).sqrt()
+    }
+}
+
+impl op::ElementwiseGrad {
+    /// The forward op whose derivative this computes, with its attributes (`alpha` is
+    /// Shrink's `lambd`, `beta` its `bias`); `None` for an op shardc does not model.
+    pub fn forward(&self) -> Option<Op> {
+        let name = self.op.as_deref()?;
+        let known = Op::known_attributes("", name)?;
+        let (alpha, beta) = if name == "Shrink" { ("lambd", "bias") } else { ("alpha", "beta") };
+        let mut attrs = Vec::new();
+        let mut put = |n: &str, v: Option<AttrValue>| {
+            if let Some(v) = v.filter(|_| known.contains(&n)) {
+                attrs.push(crate::graph::attr::Attribute { name: n.to_string(), value: v });
             }
-        }
-        "Elu" => {
-            if x > 0.0 {
-                1.0
-            } else {
-                y + alpha(1.0)
-            }
-        }
-        "Celu" => {
-            if x > 0.0 {
-                1.0
-            } else {
-                (x / alpha(1.0)).exp()
-            }
-        }
-        "Selu" => {
-            let (a, ga) = (alpha(1.673_263_2), f64::from(g.gamma.unwrap_or(1.050_701)));
-            if x > 0.0 { ga } else { ga * a * x.exp() }
-        }
-        "ThresholdedRelu" => f64::from(u8::from(x > alpha(1.0))),
-        "Shrink" => f64::from(u8::from(x.abs() > alpha(0.5))),
-        "Sigmoid" => y * (1.0 - y),
-        "HardSigmoid" => {
-            let v = alpha(0.2) * x + f64::from(g.beta.unwrap_or(0.5));
-            if v > 0.0 && v < 1.0 { alpha(0.2) } else { 0.0 }
-        }
-        "HardSwish" => {
-            if x < -3.0 {
-                0.0
-            } else if x > 3.0 {
-                1.0
-            } else {
-                x / 3.0 + 0.5
-            }
-        }
-        "Tanh" => 1.0 - y * y,
-        "Exp" => y,
-        "Log" => 1.0 / x,
-        "Sqrt" => 0.5 / y,
-        "Reciprocal" => -y * y,
-        "Neg" => -1.0,
-        "Abs" => x.signum() * f64::from(u8::from(x != 0.0)),
-        "Erf" => 2.0 / std::f64::consts::PI.sqrt() * (-x * x).exp(),
-        "Softplus" => sig(x),
-        "Softsign" => 1.0 / ((1.0 + x.abs()) * (1.0 + x.abs())),
-        "Sin" => x.cos(),
-        "Cos" => -x.sin(),
-        "Tan" => 1.0 + y * y,
-        "Sinh" => x.cosh(),
-        "Cosh" => x.sinh(),
-        "Asin" => 1.0 / (1.0 - x * x).sqrt(),
-        "Acos" => -1.0 / (1.0 - x * x).sqrt(),
-        "Atan" => 1.0 / (1.0 + x * x),
-        "Asinh" => 1.0 / (x * x + 1.0).sqrt(),
-        "Acosh" => 1.0 / (x * x - 1.0).sqrt(),
-        "Atanh" => 1.0 / (1.0 - x * x),
-        "Swish" => {
-            // d/dx x·σ(αx) = σ(αx) + αx·σ(αx)(1 − σ(αx)).
-            let sg = sig(alpha(1.0) * x);
-            sg + alpha(1.0) * x * sg * (1.0 - sg)
-        }
-        "Mish" => {
-            let sp = x.exp().ln_1p();
-            let t = sp.tanh();
-            t + x * (1.0 - t * t) * sig(x)
-        }
-        "Gelu" => {
-            if g.approximate.as_deref() == Some("tanh") {
-                let u = sqrt_2_pi * (x + 0.044_715 * x * x * x);
-                let t = u.tanh();
-                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * sqrt_2_pi * (1.0 + 3.0 * 0.044_715 * x * x)
-            } else {
-                0.5 * (1.0 + erf64(x / std::f64::consts::SQRT_2))
-                    + x * (-x * x / 2.0).exp() / (2.0 * std::f64::consts::PI).sqrt()
-            }
-        }
-        _ => return None,
-    })
+        };
+        put(alpha, self.alpha.map(AttrValue::Float));
+        put(beta, self.beta.map(AttrValue::Float));
+        put("gamma", self.gamma.map(AttrValue::Float));
+        put("approximate", self.approximate.clone().map(AttrValue::String));
+        Op::from_parts("", name, attrs).ok().filter(|o| !matches!(o, Op::Opaque(_)))
+    }
 }
 
 /// Ops whose derivative is zero almost everywhere: no gradient flows through them.
@@ -641,8 +645,8 @@ fn pointwise_grad(cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>
         })(),
         _ if FLAT.contains(&name.as_str()) => Ok(()),
         _ => {
+            op.rules().derivative(0.5, 0.5)?;
             let g = derivative_attrs(&op);
-            derivative(&g, 0.5, 0.5)?;
             (|| {
                 let (Some(dy), true) = (cx.dy(0), cx.want(0)) else { return Ok(()) };
                 let (x, y) = (cx.x(0)?, cx.y(0));
@@ -874,12 +878,12 @@ impl OpRules for op::ElementwiseGrad {
         if xv.len() != dv.len() || yv.len() != dv.len() {
             return Err(EvalError::Invalid("ElementwiseGrad: operand sizes differ".into()));
         }
+        let unsupported = || EvalError::Unsupported(format!("the derivative of {}", self.op.as_deref().unwrap_or("?")));
+        let forward = self.forward().ok_or_else(unsupported)?;
+        let rules = forward.rules();
         let mut out = Vec::with_capacity(dv.len());
         for i in 0..dv.len() {
-            let d = derivative(self, xv[i], yv[i]).ok_or_else(|| {
-                EvalError::Unsupported(format!("the derivative of {}", self.op.as_deref().unwrap_or("?")))
-            })?;
-            out.push(dv[i] * d);
+            out.push(dv[i] * rules.derivative(xv[i], yv[i]).ok_or_else(unsupported)?);
         }
         Ok(vec![Array::float(dy.dtype, dy.shape.clone(), out)])
     }
