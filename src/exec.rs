@@ -239,12 +239,7 @@ fn stage_placements(
 /// graph and cuts it into the plan's micro-batches itself.
 pub fn program_for_plan(g: &Graph, plan: &Plan) -> Result<Program, String> {
     let (asg, stage_of) = plan.stage_assignment(g)?;
-    let schedule = match plan.schedule.as_deref() {
-        None => codegen::Schedule::default(),
-        Some(s) => codegen::Schedule::parse(s).ok_or_else(|| {
-            format!("the plan's schedule `{s}` is not one the lowering runs (gpipe, 1f1b, interleaved:V)")
-        })?,
-    };
+    let schedule = plan.schedule.unwrap_or_default();
     let stages = plan.stage_meshes()?.into_iter().zip(&plan.stages).map(|(m, s)| (m, s.devices.clone())).collect();
     let recompute: Vec<bool> = plan.stages.iter().map(|s| s.recompute).collect();
     let (stages, recompute) = stage_placements(stages, &recompute, schedule);
@@ -744,10 +739,7 @@ impl TrainPipeline {
             return Ok(None);
         }
         let meshes = plan.stage_meshes()?;
-        let schedule = match plan.schedule.as_deref() {
-            None => codegen::Schedule::default(),
-            Some(s) => codegen::Schedule::parse(s).ok_or_else(|| format!("unknown pipeline schedule `{s}`"))?,
-        };
+        let schedule = plan.schedule.unwrap_or_default();
         Ok(Some(TrainPipeline {
             stages: meshes.into_iter().zip(&plan.stages).map(|(m, s)| (m, s.devices.clone(), s.recompute)).collect(),
             stage_of: plan

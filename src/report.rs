@@ -154,7 +154,7 @@ fn draw_timeline(plan: &Plan) -> DrawResult<String> {
             "{} stages × {} micro-batches ({}), {} per step before synchronisation; white = bubble",
             plan.stages.len(),
             plan.micro_batches,
-            plan.schedule.as_deref().unwrap_or("-"),
+            plan.schedule.map_or("-".into(), |s| s.name()),
             secs(span)
         );
     } else {

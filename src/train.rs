@@ -195,7 +195,7 @@ pub fn freeze(g: &mut ir::Graph, patterns: &[String], trainable: Option<&[String
 /// `--freeze`), so the step that runs is the step it priced. Returns their names.
 pub fn freeze_as_planned(g: &mut ir::Graph, plan: &passes::autoshard::Plan) -> Vec<String> {
     let mut names = Vec::new();
-    for t in plan.tensors.iter().filter(|t| t.kind == "constant") {
+    for t in plan.tensors.iter().filter(|t| t.kind == passes::autoshard::plan::TensorKind::Constant) {
         if let Some(v) = g.lookup(&t.name)
             && ir::cost::is_param(g, v)
         {

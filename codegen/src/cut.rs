@@ -7,6 +7,7 @@ use std::collections::{HashMap, HashSet};
 use ir::{Graph, NodeId, Op, Value};
 
 use crate::program::Program;
+use crate::schedule::Order;
 use crate::schedule::{Item, Part};
 
 /// Whether a run accumulates gradients over micro-batches: a training step (`trains`: state

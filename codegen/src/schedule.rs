@@ -27,59 +27,20 @@
 //! keeps only what it received from the earlier stage and its inputs; before the backward
 //! part it runs the forward part again (its collectives included, its sends and receives not).
 
-use serde::Serialize;
+pub use ir::schedule::Schedule;
 
-/// The order of forward and backward parts over the micro-batches.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub enum Schedule {
-    /// All forwards, then all backwards.
-    GPipe,
-    /// One forward, one backward in the steady state.
-    #[default]
-    OneFOneB,
-    /// Megatron's interleaved 1F1B over this many model chunks per device (at least 2).
-    Interleaved(usize),
-}
-
-impl Serialize for Schedule {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.name())
-    }
-}
-
-impl Schedule {
-    /// `gpipe`, `1f1b` or `interleaved:V` (V ≥ 2 chunks per device).
-    pub fn parse(s: &str) -> Option<Schedule> {
-        match s {
-            "gpipe" => Some(Schedule::GPipe),
-            "1f1b" => Some(Schedule::OneFOneB),
-            _ => {
-                let v: usize = s.strip_prefix("interleaved:")?.parse().ok()?;
-                (v >= 2).then_some(Schedule::Interleaved(v))
-            }
-        }
-    }
-
-    /// The schedule's name, as [`Schedule::parse`] reads it.
-    pub fn name(self) -> String {
-        match self {
-            Schedule::GPipe => "gpipe".into(),
-            Schedule::OneFOneB => "1f1b".into(),
-            Schedule::Interleaved(v) => format!("interleaved:{v}"),
-        }
-    }
-
-    /// Model chunks per device: 1 but for the interleaved schedule.
-    pub fn chunks(self) -> usize {
-        match self {
-            Schedule::Interleaved(v) => v.max(1),
-            _ => 1,
-        }
-    }
-
+/// The order of a schedule's parts for one stage (the runtime's, the checker's and the
+/// simulator's).
+pub trait Order {
     /// The parts stage `stage` of `stages` runs, in order, over `m` micro-batches; `split`:
     /// the stage's program has a backward part.
-    pub fn items(self, stage: usize, stages: usize, m: usize, split: bool) -> Vec<Item> {
+    fn items(self, stage: usize, stages: usize, m: usize, split: bool) -> Vec<Item>;
+}
+
+impl Order for Schedule {
+    /// The parts stage `stage` of `stages` runs, in order, over `m` micro-batches; `split`:
+    /// the stage's program has a backward part.
+    fn items(self, stage: usize, stages: usize, m: usize, split: bool) -> Vec<Item> {
         let item = |part, chunk, micro| Item { part, chunk, micro };
         if let Schedule::Interleaved(v) = self {
             return interleaved(stage, stages, m, v, split);

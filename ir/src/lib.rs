@@ -38,6 +38,7 @@ pub mod layout;
 pub mod ops;
 pub mod print;
 pub mod reshard;
+pub mod schedule;
 pub mod scope;
 pub mod shard;
 pub mod tensor;

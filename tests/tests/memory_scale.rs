@@ -264,7 +264,7 @@ fn an_interleaved_plan_document_lowers_to_the_program_of_its_search_result() {
     let plan = passes::autoshard::Plan::new(&g, &c, 8, &opts, info, &r);
     let text = serde_json::to_string(&plan).unwrap();
     let plan = passes::autoshard::Plan::from_json(&text).unwrap();
-    assert_eq!(plan.schedule.as_deref(), Some("interleaved:2"));
+    assert_eq!(plan.schedule, Some(passes::cost::Schedule::Interleaved(2)));
     assert_eq!(plan.chunks(), 2);
     for s in 0..2 {
         let chunks: std::collections::BTreeSet<usize> =

@@ -88,9 +88,10 @@ fn compare(name: &str, g: &ir::Graph, cluster: &str, devices: usize, r: &autosha
     // Every collective entry carries its group and bytes moved, consistent with its kind.
     for col in &plan.collectives {
         let p = col.group_size as f64;
-        let want = match col.kind.as_str() {
-            "all_reduce" => 2.0 * (p - 1.0) / p * col.bytes,
-            "halo" | "p2p" => col.bytes,
+        use passes::cost::collective::CommKind;
+        let want = match col.kind {
+            CommKind::AllReduce => 2.0 * (p - 1.0) / p * col.bytes,
+            CommKind::Halo | CommKind::P2p => col.bytes,
             _ => (p - 1.0) / p * col.bytes,
         };
         if col.group_size == 0 || !close(col.bytes_moved, want) {

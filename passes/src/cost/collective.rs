@@ -27,7 +27,7 @@ use ir::shard::{AxisShard, LinkLevel, Mesh};
 use super::cluster::{Cluster, Link, Topology};
 
 /// Kinds of communication, for breakdowns.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CommKind {
     /// All-reduce.

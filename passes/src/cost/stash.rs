@@ -24,7 +24,7 @@ use ir::{Graph, NodeId, Op, OpClass, Value};
 use serde::Serialize;
 
 /// Activation recomputation granularity, ordered by the memory it saves.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Recompute {
     /// Keep everything the backward pass reads.

@@ -800,22 +800,22 @@ fn with_plan_memory(
     plan: Option<&passes::autoshard::Plan>,
 ) -> CliResult<(TrainArgs, Option<String>)> {
     let Some(o) = plan.map(|p| &p.options) else { return Ok((args, None)) };
-    let recompute = o.get("recompute").and_then(|v| v.as_str()).unwrap_or("none");
-    let memory = |what: &str, recompute: &str, sequence_parallel: bool, zero: u8| {
-        let recompute = passes::cost::Recompute::parse(recompute).map_err(|e| CliError::msg(format!("{what}: {e}")))?;
-        CliResult::Ok(
-            passes::cost::Options { recompute, sequence_parallel, zero, ..Default::default() }.memory_fields(),
-        )
-    };
-    let sp = o.get("sequence_parallel").and_then(|v| v.as_bool()).unwrap_or(false);
-    let zero = o.get("zero").and_then(|v| v.as_u64()).unwrap_or(0).min(3) as u8;
-    let planned = memory("the plan's options.recompute", recompute, sp, zero)?;
-    let given = memory("--recompute", &args.recompute, args.sequence_parallel, args.zero)?;
+    let planned = o.memory_fields();
+    let recompute =
+        passes::cost::Recompute::parse(&args.recompute).map_err(|e| CliError::msg(format!("--recompute: {e}")))?;
+    let given = passes::cost::Options {
+        recompute,
+        sequence_parallel: args.sequence_parallel,
+        zero: args.zero,
+        ..Default::default()
+    }
+    .memory_fields();
     if planned == given {
         return Ok((args, None));
     }
     if given == "none" {
-        (args.recompute, args.sequence_parallel, args.zero) = (recompute.to_string(), sp, zero);
+        (args.recompute, args.sequence_parallel, args.zero) =
+            (o.recompute.name().to_string(), o.sequence_parallel, o.zero.min(3));
         return Ok((args, Some(format!("memory options of the plan: {planned}"))));
     }
     let note = format!("the plan was priced with the memory options {planned}; running with {given} as given");

@@ -45,8 +45,8 @@ pub struct Degrees {
     pub pipeline: usize,
     /// Micro-batches per step.
     pub micro_batches: usize,
-    /// GPipe or 1F1B (`None` without a pipeline).
-    pub schedule: Option<String>,
+    /// The pipeline schedule (`None` without a pipeline).
+    pub schedule: Option<crate::cost::Schedule>,
     /// Some stage recomputes its activations in backward.
     pub recompute: bool,
     /// Recomputation outside pipeline stages (the cost model's option).
@@ -169,7 +169,7 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
         dispatch,
         pipeline,
         micro_batches,
-        schedule: plan.schedule.clone(),
+        schedule: plan.schedule,
         recompute: plan.stages.iter().any(|s| s.recompute),
         granularity: opts.recompute,
         zero: opts.zero,
@@ -338,7 +338,7 @@ pub fn megatron_args(d: &Degrees, devices: usize) -> String {
     if d.zero >= 1 {
         args.push("--use-distributed-optimizer".into());
     }
-    if let Some(v) = d.schedule.as_deref().and_then(|s| s.strip_prefix("interleaved:")) {
+    if let Some(crate::cost::Schedule::Interleaved(v)) = d.schedule {
         args.push(format!("--num-virtual-stages-per-pipeline-rank {v}"));
     }
     t.push_str(&args.iter().map(|a| format!("  {a}")).collect::<Vec<_>>().join(" \\\n"));
@@ -350,7 +350,7 @@ pub fn megatron_args(d: &Degrees, devices: usize) -> String {
     if d.half {
         t.push_str("# note: the plan was priced in half precision; --bf16 (or --fp16 with loss scaling)\n");
     }
-    if d.schedule.as_deref() == Some("gpipe") {
+    if d.schedule == Some(crate::cost::Schedule::GPipe) {
         t.push_str(
             "# note: the plan was priced with GPipe; Megatron-LM runs 1F1B (at most the same bubble, less memory)\n",
         );
@@ -400,7 +400,7 @@ pub fn deepspeed_config(d: &Degrees, devices: usize) -> String {
     if d.half {
         cfg["bf16"] = serde_json::json!({ "enabled": true });
     }
-    if d.schedule.as_deref().is_some_and(|s| s.starts_with("interleaved")) {
+    if matches!(d.schedule, Some(crate::cost::Schedule::Interleaved(_))) {
         cfg["shardc"]["notes"].as_array_mut().expect("notes").push(serde_json::json!(
             "the plan was priced with the interleaved 1F1B schedule; DeepSpeed's pipeline engine runs 1F1B (a larger bubble)"
         ));

@@ -10,6 +10,7 @@ use ir::{Graph, NodeId, Op, Value};
 use serde::{Deserialize, Serialize};
 
 use super::{MeshSearch, SearchResult};
+use crate::cost::collective::CommKind;
 use crate::cost::model::is_host;
 use crate::cost::{Assignment, Breakdown, Cluster, CostModel, Options};
 
@@ -48,7 +49,7 @@ pub struct PlanAxis {
     /// Devices along it.
     pub size: usize,
     /// `intra` (inside a node) or `inter` (across nodes).
-    pub level: String,
+    pub level: LinkLevel,
 }
 
 /// One op's strategy.
@@ -130,8 +131,8 @@ pub struct PlanPipeline {
 pub struct PlanTensor {
     /// Its name.
     pub name: String,
-    /// `input`, `parameter`, `constant` or `activation`.
-    pub kind: String,
+    /// What it is.
+    pub kind: TensorKind,
     /// Its shape.
     pub shape: Vec<i64>,
     /// The layout it is produced (or stored) in.
@@ -140,13 +141,27 @@ pub struct PlanTensor {
     pub local_shape: Vec<i64>,
 }
 
+/// What a tensor of the plan is.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TensorKind {
+    /// A graph input.
+    Input,
+    /// A trained weight.
+    Parameter,
+    /// A weight held constant (not trained).
+    Constant,
+    /// A value an op computes.
+    Activation,
+}
+
 /// One communication the plan inserts.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PlanCollective {
-    /// `forward`, `backward` or `gradient`.
-    pub phase: String,
-    /// `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `halo` …
-    pub kind: String,
+    /// The part of the step it runs in.
+    pub phase: ir::reshard::Phase,
+    /// What it is.
+    pub kind: CommKind,
     /// The tensor moved.
     pub tensor: String,
     /// The op it is for, if any.
@@ -264,7 +279,7 @@ pub struct Plan {
     /// The device mesh.
     pub mesh: Vec<PlanAxis>,
     /// Cost-model options.
-    pub options: serde_json::Value,
+    pub options: Options,
     /// Predicted step time of this plan, seconds.
     pub step_time_s: f64,
     /// The same model as pure data parallelism on the cluster's natural mesh, seconds; null
@@ -301,8 +316,8 @@ pub struct Plan {
     pub stages: Vec<PlanStage>,
     /// Micro-batches per step (1 without pipelining).
     pub micro_batches: usize,
-    /// Pipeline schedule (`1f1b`, `gpipe`), or null.
-    pub schedule: Option<String>,
+    /// Pipeline schedule (`1f1b`, `gpipe`, `interleaved:V`), or null.
+    pub schedule: Option<crate::cost::Schedule>,
     /// How the pipeline was chosen, when the plan pipelines (null otherwise).
     pub pipeline: Option<PlanPipeline>,
     /// The resharding algebra's machine-dependent choices the plan was priced with (the
@@ -353,10 +368,7 @@ impl Plan {
         let b = &r.breakdown;
         let dp = r.data_parallel.as_ref().filter(|d| d.feasible).map(|d| d.step_time_s);
         let axes = |m: &Mesh| -> Vec<PlanAxis> {
-            m.axes
-                .iter()
-                .map(|a| PlanAxis { name: a.name.clone(), size: a.size, level: level_name(a.level).into() })
-                .collect()
+            m.axes.iter().map(|a| PlanAxis { name: a.name.clone(), size: a.size, level: a.level }).collect()
         };
         // The mesh of each op: its stage's.
         let mut stage_of: HashMap<NodeId, usize> = HashMap::new();
@@ -433,7 +445,7 @@ impl Plan {
             cluster: cluster.name.clone(),
             devices,
             mesh: axes(&r.mesh),
-            options: serde_json::to_value(opts).expect("options serialize"),
+            options: opts.clone(),
             step_time_s: b.step_time_s,
             data_parallel_step_time_s: dp,
             speedup_over_data_parallel: dp.filter(|_| b.feasible).map(|d| d / b.step_time_s),
@@ -456,7 +468,7 @@ impl Plan {
                 memory_ladder: r.ladder.clone(),
             },
             micro_batches: r.pipeline.as_ref().map_or(1, |p| p.micro_batches),
-            schedule: r.pipeline.as_ref().map(|p| p.schedule.name().to_string()),
+            schedule: r.pipeline.as_ref().map(|p| p.schedule),
             stages,
             pipeline,
             policy: r.breakdown.policy,
@@ -541,7 +553,7 @@ impl Plan {
                 "op `{}` is in model chunk {}; the schedule ({}) has {}",
                 op.name,
                 op.chunk,
-                self.schedule.as_deref().unwrap_or("none"),
+                self.schedule.map_or("none".into(), |s| s.name()),
                 self.chunks()
             ));
         }
@@ -556,8 +568,7 @@ impl Plan {
 
     /// Model chunks per device: `V` under the interleaved schedule (`interleaved:V`), else 1.
     pub fn chunks(&self) -> usize {
-        let v = self.schedule.as_deref().and_then(|s| s.strip_prefix("interleaved:")).and_then(|v| v.parse().ok());
-        v.unwrap_or(1).max(1)
+        self.schedule.map_or(1, |s| s.chunks())
     }
 
     /// The plan's strategies as an assignment of `g`'s ops, matching ops by their first
@@ -689,18 +700,7 @@ pub fn differences_message(diffs: &[String]) -> String {
 }
 
 fn mesh_of(axes: &[PlanAxis]) -> Result<Mesh, String> {
-    let axes = axes
-        .iter()
-        .map(|a| {
-            let level = match a.level.as_str() {
-                "intra" => LinkLevel::Intra,
-                "inter" => LinkLevel::Inter,
-                l => return Err(format!("mesh axis `{}`: unknown level `{l}`", a.name)),
-            };
-            Ok(MeshAxis { name: a.name.clone(), size: a.size, level })
-        })
-        .collect::<Result<Vec<_>, String>>()?;
-    Ok(Mesh { axes })
+    Ok(Mesh { axes: axes.iter().map(|a| MeshAxis { name: a.name.clone(), size: a.size, level: a.level }).collect() })
 }
 
 fn check_strategy(g: &Graph, n: NodeId, split: &[Option<usize>], mesh: &Mesh) -> Result<(), String> {
@@ -736,12 +736,12 @@ fn layouts(
     let mut tensors: Vec<PlanTensor> = Vec::new();
     let mut seen: std::collections::HashSet<Value> = std::collections::HashSet::new();
     let shape = |v: Value| g.tensor_type(v).and_then(|t| t.static_dims()).unwrap_or_default();
-    let mut tensor = |v: Value, kind: &str, l: &Sharding, mesh: &Mesh, tensors: &mut Vec<PlanTensor>| {
+    let mut tensor = |v: Value, kind: TensorKind, l: &Sharding, mesh: &Mesh, tensors: &mut Vec<PlanTensor>| {
         if seen.insert(v) && !g.value_name(v).is_empty() {
             let s = shape(v);
             tensors.push(PlanTensor {
                 name: value_name(g, v),
-                kind: kind.into(),
+                kind,
                 local_shape: ir::shard::local_dims(&s, l, mesh),
                 shape: s,
                 layout: sharding_to_string(l),
@@ -758,15 +758,15 @@ fn layouts(
         for (j, v) in node.inputs().iter().enumerate() {
             let (Some(v), Some(Some(l))) = (v, ins.get(j)) else { continue };
             let kind = match &g.node(v.node).op {
-                Op::Input { default: None } => "input",
-                Op::Input { .. } | Op::Initializer(_) if ir::cost::is_param(g, *v) => "parameter",
-                Op::Input { .. } | Op::Initializer(_) | Op::OuterRef => "constant",
+                Op::Input { default: None } => TensorKind::Input,
+                Op::Input { .. } | Op::Initializer(_) if ir::cost::is_param(g, *v) => TensorKind::Parameter,
+                Op::Input { .. } | Op::Initializer(_) | Op::OuterRef => TensorKind::Constant,
                 _ => continue,
             };
             tensor(*v, kind, l, &cm.mesh, &mut tensors);
         }
         for (slot, l) in outs.iter().enumerate() {
-            let kind = if is_host(&node.op) { "constant" } else { "activation" };
+            let kind = if is_host(&node.op) { TensorKind::Constant } else { TensorKind::Activation };
             tensor(Value::new(n, slot as u16), kind, l, &cm.mesh, &mut tensors);
         }
         let row = b.ops.get(i);
@@ -845,8 +845,8 @@ fn collectives(g: &Graph, meshes: &[Mesh], stage_of: &HashMap<NodeId, usize>, b:
         let mesh = &meshes[e.op.and_then(|o| stage_of.get(&o).copied()).unwrap_or(0).min(meshes.len() - 1)];
         for st in e.steps.iter().filter(|s| s.kind.communicates()) {
             out.push(PlanCollective {
-                phase: e.phase.name().into(),
-                kind: st.kind.name().into(),
+                phase: e.phase,
+                kind: st.kind,
                 tensor: value_name(g, e.value),
                 op: e.op.filter(|o| g.contains(*o)).map(|n| g.op_name(n)),
                 from: sharding_to_string(&e.from),

@@ -84,7 +84,7 @@ pub fn stage_report(plan: &Plan) -> String {
         "pipeline: {} stages, {} micro-batches, {}\n",
         plan.stages.len(),
         plan.micro_batches,
-        plan.schedule.as_deref().unwrap_or("-")
+        plan.schedule.map_or("-".into(), |s| s.name())
     ));
     t.push_str(&format!(
         "{:>5} {:>9} {:<28} {:>6} {:>11} {:>11} {:>11} {:>10} {:>9}   {}\n",
@@ -151,7 +151,7 @@ pub fn timeline(plan: &Plan) -> (Vec<TimelineBlock>, f64) {
     let order: Vec<Vec<(bool, usize)>> = (0..s)
         .map(|st| {
             let mut ops = Vec::new();
-            if plan.schedule.as_deref() == Some("gpipe") || s == 1 {
+            if plan.schedule == Some(crate::cost::Schedule::GPipe) || s == 1 {
                 ops.extend((0..m).map(|i| (false, i)));
                 ops.extend((0..m).rev().map(|i| (true, i)));
             } else {

@@ -17,7 +17,7 @@ use std::rc::Rc;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use ir::cost::{OpCost, node_cost};
 use ir::ops::split::{SplitMode, split_mode};
@@ -39,7 +39,7 @@ mod ring;
 mod sync;
 
 /// Arithmetic precision of training.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     /// float32 everywhere.
@@ -63,7 +63,7 @@ impl Precision {
 }
 
 /// The optimizer, for update time and state memory.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Optimizer {
     /// SGD with momentum: one fp32 state per parameter.
@@ -73,7 +73,7 @@ pub enum Optimizer {
 }
 
 /// How input batches reach the devices (ScaleDNN).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum InputPath {
     /// Each device's slice goes straight from host memory over its own link.
@@ -82,8 +82,9 @@ pub enum InputPath {
     Staged,
 }
 
-/// Modelling options.
-#[derive(Clone, Debug, Serialize)]
+/// Modelling options (a plan document's `options`: a field it leaves out has its default).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Options {
     /// Arithmetic precision.
     pub precision: Precision,
