@@ -6,7 +6,7 @@ use shardc::codegen::Backend;
 use shardc::ir::{Graph, Op};
 use shardc::passes::autodiff::{LossSpec, OptimizerSpec};
 use shardc::passes::{self, Changed, Pass, PassCx, PassError, PassManager, cost::Cluster};
-use shardc::session::{self, Choice};
+use shardc::session::{self, Choice, train};
 
 /// A pass of the compiler's own, run between shardc's: counts the matrix products.
 struct CountMatMuls;
@@ -44,13 +44,15 @@ fn main() -> Result<(), String> {
         println!("{}: max abs error {:.1e}, {}", c.output, c.max_abs_error, if c.ok { "ok" } else { "FAILED" });
     }
 
-    // Training: the training graph planned the same way, three SGD steps on two devices.
+    // Training: the training graph planned data-parallel on two devices, three SGD steps.
     let sgd = OptimizerSpec::Sgd { lr: 0.1, momentum: 0.0, dampening: 0.0, nesterov: false, weight_decay: 0.0 };
     let loss = LossSpec::parse("softmax-cross-entropy")?;
     let (tm, info) = shardc::train::training_model(&model, &loss, &sgd)?;
-    let planned = session::plan(&tm.graph, Choice::Strategy("data"), &cluster, 2, &opts)?;
+    let c = train::TrainChoice { devices: Some(2), strategy: Some("data"), micro_batches: 1, plan: None };
+    let plan = train::plan(&c, None, g, &tm.graph, &cluster, &opts)?;
+    let lowered = train::lower(&c, &model, (&loss, &sgd), (&cluster, &opts), &tm, &tm.graph, &plan, &mut vec![])?;
     let inputs = shardc::train::seeded_inputs(&tm.graph, &info, 0)?;
-    let trained = shardc::train::run_steps(&planned.program, &info, &inputs, Backend::Cpu, 3)?;
+    let trained = shardc::train::run_steps(&lowered.0, &info, &inputs, Backend::Cpu, 3)?;
     println!("losses {:?}", trained.losses);
     if checks.iter().all(|c| c.ok) && trained.losses.last() < trained.losses.first() {
         Ok(())

@@ -11,6 +11,7 @@ use ir::eval::Array;
 use passes::autodiff::{LossSpec, OptimizerSpec};
 use shardc::exec;
 use shardc::footprint::Reference;
+use shardc::session::train::{self as driver, Lowering, TrainChoice, TrainPlan as Chosen};
 use shardc::train::{TrainCase, close, training_model, within};
 
 use super::common::*;
@@ -178,6 +179,16 @@ fn backend(name: Option<&str>) -> CliResult<(Backend, Option<String>)> {
     }
 }
 
+/// What `args` ask of the training plan (`plan`: the plan document `--plan` names, read).
+fn choice<'a>(args: &'a TrainArgs, plan: Option<&'a passes::autoshard::Plan>) -> TrainChoice<'a> {
+    TrainChoice {
+        devices: args.devices,
+        strategy: args.strategy.as_deref(),
+        plan: args.plan.as_ref().zip(plan).map(|(p, d)| (d, p.display().to_string())),
+        micro_batches: args.micro_batches,
+    }
+}
+
 /// The optimizer from the flags, or from the case.
 fn optimizer(args: &TrainArgs, case: Option<&TrainCase>) -> CliResult<OptimizerSpec> {
     let explicit = args.lr.is_some() || args.momentum.is_some() || args.weight_decay.is_some();
@@ -214,53 +225,6 @@ fn optimizer(args: &TrainArgs, case: Option<&TrainCase>) -> CliResult<OptimizerS
     })
 }
 
-/// The plan a training run lowers.
-struct Chosen {
-    /// Strategies of the training graph's ops (what is lowered), or a pipelined plan of the
-    /// forward model whose stages the training graph's ops are then given.
-    lowering: Lowering,
-    devices: usize,
-    /// The cost model's step time and peak memory per device: the training program's price
-    /// for a flat plan, the pipelined plan's for a pipeline (its step then replaced by the
-    /// lowered program's, [`shardc::simulate`]).
-    predicted: Option<(f64, u64)>,
-    desc: String,
-    notes: Vec<String>,
-    /// The plan in ML engineers' terms (degrees of parallelism, throughput at the predicted
-    /// step), from the forward model's strategies.
-    summary: Option<passes::autoshard::plan::PlanSummary>,
-}
-
-/// The summary of the forward strategies `asg` on `mesh` at step time `step`.
-#[allow(clippy::too_many_arguments)]
-fn summary_of(
-    forward: &ir::Graph,
-    cluster: &passes::cost::Cluster,
-    opts: &passes::cost::Options,
-    devices: usize,
-    asg: &passes::cost::Assignment,
-    mesh: &ir::shard::Mesh,
-    step: Option<f64>,
-    pipeline: Option<(usize, usize, String)>,
-) -> Option<passes::autoshard::plan::PlanSummary> {
-    let cm = passes::cost::CostModel::new(forward, cluster, mesh.clone(), opts.clone());
-    Some(passes::autoshard::plan::PlanSummary::new(&cm, asg, cluster, opts, devices, step?, pipeline))
-}
-
-fn step_and_memory(b: &passes::cost::Breakdown) -> (f64, u64) {
-    (b.step_time_s, b.memory_per_device_bytes.iter().copied().max().unwrap_or(0))
-}
-
-/// The named strategy `train` runs: `--strategy` unless `auto`, and `data` for one device
-/// without a plan; `None` when it searches or follows a plan.
-fn named_strategy(args: &TrainArgs) -> Option<&str> {
-    match (&args.strategy, &args.plan, args.devices.unwrap_or(1)) {
-        (Some(s), _, _) if s != "auto" => Some(s.as_str()),
-        (None, None, 1) => Some("data"),
-        _ => None,
-    }
-}
-
 /// The search `train` runs without a plan: `plan`'s (after the `algebra` pass, the search
 /// choosing the rewrites it prices faster), on `loaded`, which it leaves rewritten as chosen.
 /// Returns the result and a note per rewrite made.
@@ -289,198 +253,6 @@ fn search_model(
     let r = r.map_err(CliError::msg)?;
     let notes = r.rewrites.iter().filter(|c| c.applied).map(super::plan::rewrite_note).collect();
     Ok((r, notes))
-}
-
-/// The plan: a named strategy (`--strategy`, or one device), a plan document (`--plan`), or
-/// the search's on the forward model; for the last two the training graph's backward and
-/// update ops follow the forward plan ([`exec::training_result`]).
-fn training_plan(
-    args: &TrainArgs,
-    plan_doc: Option<&passes::autoshard::Plan>,
-    searched: Option<passes::autoshard::SearchResult>,
-    forward: &ir::Graph,
-    train: &ir::Graph,
-    cluster: &passes::cost::Cluster,
-    opts: &passes::cost::Options,
-) -> CliResult<Chosen> {
-    if let Some(s) = named_strategy(args) {
-        // A pipeline (`pipeline:S:M…`, `pp=…`) priced as the search prices its pipelines,
-        // then trained as a searched one is.
-        if let Ok(named @ passes::autoshard::Named::Pipeline { .. }) = passes::autoshard::Named::parse(s) {
-            let devices = args.devices.unwrap_or(1);
-            let r = exec::pipeline_result(forward, cluster, devices, &named, opts).map_err(CliError::msg)?;
-            if let ForwardPlan::Pipelined(c) = from_search(args, Some(r), forward, cluster, opts)? {
-                return Ok(Chosen { desc: s.to_string(), ..*c });
-            }
-        }
-        return named_plan(args, s, forward, train, cluster, opts);
-    }
-    let mut notes = Vec::new();
-    let chosen = match (&args.plan, plan_doc) {
-        (Some(path), Some(plan)) => from_plan_file(args, path, plan, forward, cluster, opts, &mut notes)?,
-        // No plan given (`plan_doc` is read from `args.plan`): the search made in `run`.
-        _ => from_search(args, searched, forward, cluster, opts)?,
-    };
-    let (fwd, mesh, devices, predicted, desc) = match chosen {
-        ForwardPlan::Pipelined(c) => return Ok(Chosen { notes, ..*c }),
-        ForwardPlan::Flat(fwd, mesh, devices, predicted, desc) => (fwd, mesh, devices, predicted, desc),
-    };
-    let (result, kept) = exec::training_result(train, forward, &fwd, &mesh, cluster, opts).map_err(CliError::msg)?;
-    // The prediction is the derived training program's price (what runs); the forward
-    // plan's own estimate of the step is said beside it.
-    let program = step_and_memory(&result.breakdown);
-    notes.push(format!(
-        "the plan prices the step at {} ({:.1} MB per device) from the forward model; the training program derived from it at {} ({:.1} MB)",
-        secs(predicted.0),
-        predicted.1 as f64 / 1e6,
-        secs(program.0),
-        program.1 as f64 / 1e6
-    ));
-    let predicted = program;
-    if kept < fwd.strategies.len() {
-        notes.push(format!(
-            "{kept} of the plan's {} forward ops keep their strategy; the others are chosen like the backward ops",
-            fwd.strategies.len()
-        ));
-    }
-    let summary = summary_of(forward, cluster, opts, devices, &fwd, &mesh, Some(predicted.0), None);
-    Ok(Chosen { lowering: Lowering::Flat(Box::new(result)), devices, predicted: Some(predicted), desc, notes, summary })
-}
-
-/// A named strategy on the training graph, priced as the training program runs.
-fn named_plan(
-    args: &TrainArgs,
-    s: &str,
-    forward: &ir::Graph,
-    train: &ir::Graph,
-    cluster: &passes::cost::Cluster,
-    opts: &passes::cost::Options,
-) -> CliResult<Chosen> {
-    let devices = args.devices.unwrap_or(1);
-    let result = exec::named_result(train, cluster, devices, s, opts).map_err(CliError::msg)?;
-    // The training program priced as it runs (each op of the step once, in its phase).
-    let predicted = Some(step_and_memory(&result.breakdown));
-    let summary = exec::named_result(forward, cluster, devices, s, opts).ok().and_then(|f| {
-        summary_of(forward, cluster, opts, devices, &f.assignment, &f.mesh, predicted.map(|p| p.0), None)
-    });
-    Ok(Chosen {
-        lowering: Lowering::Flat(Box::new(result)),
-        devices,
-        predicted,
-        desc: s.to_string(),
-        notes: Vec::new(),
-        summary,
-    })
-}
-
-/// The forward plan a training program follows: pipelined (the choice made: stages and
-/// strategies), or flat — its strategies on a mesh, the devices, its own price of the step
-/// and its description — for the training graph's ops to be derived from.
-enum ForwardPlan {
-    Pipelined(Box<Chosen>),
-    Flat(passes::cost::Assignment, ir::shard::Mesh, usize, (f64, u64), String),
-}
-
-/// The forward plan of a plan file, checked against the model (and its pipeline priced again).
-fn from_plan_file(
-    args: &TrainArgs,
-    path: &std::path::Path,
-    plan: &passes::autoshard::Plan,
-    forward: &ir::Graph,
-    cluster: &passes::cost::Cluster,
-    opts: &passes::cost::Options,
-    notes: &mut Vec<String>,
-) -> CliResult<ForwardPlan> {
-    if let Some(d) = args.devices
-        && d != plan.devices
-    {
-        return Err(CliError::msg(format!(
-            "--devices {d}: `{}` is a plan for {} devices",
-            path.display(),
-            plan.devices
-        )));
-    }
-    notes.extend(check_plan_model(plan, path, &args.model, args.force)?);
-    let diffs = plan.differences(forward, true);
-    if !diffs.is_empty() {
-        return Err(CliError::msg(format!(
-            "`{}`: {}",
-            path.display(),
-            passes::autoshard::plan::differences_message(&diffs)
-        )));
-    }
-    let pipe = exec::TrainPipeline::of_plan(plan).map_err(CliError::msg)?;
-    let mesh = plan.stage_meshes().map_err(CliError::msg)?.remove(0);
-    // One validation for run, lower and train: every op has a strategy its stage's
-    // mesh can hold.
-    let (fwd, _) =
-        plan.stage_assignment_uncanonical(forward).map_err(|e| CliError::msg(format!("`{}`: {e}", path.display())))?;
-    if let Some(pipe) = pipe {
-        let desc = format!(
-            "plan {} ({} stages × {} micro-batches, {})",
-            path.display(),
-            pipe.stages.len(),
-            pipe.micro_batches,
-            pipe.schedule.name()
-        );
-        // Priced again (time and memory) rather than read from the file.
-        let predicted = match pipe.price(forward, &fwd, cluster, opts) {
-            Ok(p) => Some(step_and_memory(&p.breakdown)),
-            Err(e) => {
-                notes.push(format!("the plan's pipeline could not be priced again ({e}): no prediction"));
-                None
-            }
-        };
-        let shape = (pipe.stages.len(), pipe.micro_batches, pipe.schedule.name().to_string());
-        let step = predicted.map(|p| p.0);
-        let summary = summary_of(forward, cluster, opts, plan.devices, &fwd, &mesh, step, Some(shape));
-        return Ok(ForwardPlan::Pipelined(Box::new(Chosen {
-            lowering: Lowering::Pipeline(pipe, fwd),
-            devices: plan.devices,
-            predicted,
-            desc,
-            notes: Vec::new(),
-            summary,
-        })));
-    }
-    let cm = passes::cost::CostModel::new(forward, cluster, mesh.clone(), opts.clone());
-    let predicted = step_and_memory(&cm.evaluate(&fwd));
-    Ok(ForwardPlan::Flat(fwd, mesh, plan.devices, predicted, format!("plan {}", path.display())))
-}
-
-/// The forward plan of the search `run` made.
-fn from_search(
-    args: &TrainArgs,
-    searched: Option<passes::autoshard::SearchResult>,
-    forward: &ir::Graph,
-    cluster: &passes::cost::Cluster,
-    opts: &passes::cost::Options,
-) -> CliResult<ForwardPlan> {
-    let devices = args.devices.unwrap_or(1);
-    let r = searched.ok_or_else(|| CliError::msg("no plan, strategy or search"))?;
-    if let Some(pipe) = exec::TrainPipeline::of_search(forward, &r).map_err(CliError::msg)? {
-        let desc = format!(
-            "searched plan ({} stages × {} micro-batches, {})",
-            pipe.stages.len(),
-            pipe.micro_batches,
-            pipe.schedule.name()
-        );
-        let predicted = r.pipeline.as_ref().map(|p| step_and_memory(&p.breakdown));
-        let shape = (pipe.stages.len(), pipe.micro_batches, pipe.schedule.name().to_string());
-        let summary =
-            summary_of(forward, cluster, opts, devices, &r.assignment, &r.mesh, predicted.map(|p| p.0), Some(shape));
-        return Ok(ForwardPlan::Pipelined(Box::new(Chosen {
-            lowering: Lowering::Pipeline(pipe, r.assignment),
-            devices,
-            predicted,
-            desc,
-            notes: Vec::new(),
-            summary,
-        })));
-    }
-    let what = r.same_as.clone().map_or("per-layer strategies".into(), |s| format!("the `{s}` plan"));
-    let desc = format!("searched plan ({what}, mesh {})", passes::autoshard::mesh_string(&r.mesh));
-    Ok(ForwardPlan::Flat(r.assignment, r.mesh, devices, step_and_memory(&r.breakdown), desc))
 }
 
 /// With `-v`: compute time per op kind of the last step, measured (the mean over the devices)
@@ -515,13 +287,6 @@ fn op_kind_table(
         "compute per op kind (last step, mean per device) against the cost model on {cluster}\n{}",
         passes::table::table(&["  op", "measured", "predicted", "ratio"], &cells, &[false, true, true, true])
     )
-}
-
-enum Lowering {
-    /// One stage: the training graph's strategies.
-    Flat(Box<passes::autoshard::SearchResult>),
-    /// Pipelined: the forward plan's stages and strategies.
-    Pipeline(exec::TrainPipeline, passes::cost::Assignment),
 }
 
 /// What `run` sets up before the training graph: the case, the model (the `algebra` pass run,
@@ -615,7 +380,7 @@ fn prepare(args: &TrainArgs, plan_doc: Option<passes::autoshard::Plan>, material
     let mut searched = None;
     if let Some(p) = &plan_doc {
         apply_plan_rewrites(&mut loaded.model.graph, p)?;
-    } else if named_strategy(args).is_none() {
+    } else if driver::named_strategy(&choice(args, None)).is_none() {
         let (r, said) = search_model(args, &mut loaded, &cluster, &opts)?;
         notes.extend(said);
         searched = Some(r);
@@ -633,88 +398,6 @@ fn prepare(args: &TrainArgs, plan_doc: Option<passes::autoshard::Plan>, material
 
 fn model_dir(args: &TrainArgs) -> PathBuf {
     args.model.parent().map(PathBuf::from).unwrap_or_default()
-}
-
-/// The training program `chosen` lowers to (one micro-batch's training graph `gl` for a flat
-/// plan with gradient accumulation, each stage's for a pipeline), and its micro-batch count;
-/// `--emit-program` writes its devices' graphs.
-fn lower(
-    args: &TrainArgs,
-    s: &Setup,
-    tm: &ir::Model,
-    gl: &ir::Graph,
-    chosen: &Chosen,
-    notes: &mut Vec<String>,
-) -> CliResult<(codegen::Program, usize, Option<ir::Graph>)> {
-    let Setup { loaded, loss, opt, cluster, opts, .. } = s;
-    let (g, devices) = (&tm.graph, chosen.devices);
-    let (program, micro, pipelined) = match &chosen.lowering {
-        Lowering::Flat(r) => {
-            (exec::training_program(gl, r, devices, opts.zero).map_err(CliError::msg)?, args.micro_batches, None)
-        }
-        Lowering::Pipeline(pipe, fwd) => {
-            // The stages' updates run on their parameters whole: a pipeline priced with ZeRO
-            // would run without it.
-            if opts.zero >= 1 {
-                return Err(CliError::msg(format!(
-                    "ZeRO-{}: `train` runs ZeRO on plans without pipelines; `cost` and `plan` price it with pipelines",
-                    opts.zero
-                )));
-            }
-            let m = pipe.micro_batches;
-            if args.micro_batches != 1 && args.micro_batches != m {
-                return Err(CliError::msg(format!(
-                    "--micro-batches {}: the pipelined plan runs {m} micro-batches",
-                    args.micro_batches
-                )));
-            }
-            let micro_tm = match m {
-                1 => tm.clone(),
-                m => shardc::train::micro_training_model(&loaded.model, loss, opt, m).map_err(CliError::msg)?,
-            };
-            let (p, kept) =
-                exec::training_pipeline_program(&micro_tm.graph, &loaded.model.graph, fwd, pipe, cluster, opts)
-                    .map_err(CliError::msg)?;
-            if kept < fwd.strategies.len() {
-                notes.push(format!(
-                    "{kept} of the plan's {} forward ops keep their strategy; the others are chosen like the backward ops",
-                    fwd.strategies.len()
-                ));
-            }
-            (p, m, Some(micro_tm.graph))
-        }
-    };
-    let program = exec::as_micro_batches(program, g, micro).map_err(CliError::msg)?;
-    check_program(&program)?;
-    for f in &program.fallbacks {
-        notes.push(format!("runs replicated instead of as planned: {f}"));
-    }
-    if let Some(dir) = &args.emit_program {
-        std::fs::create_dir_all(dir).map_err(|e| CliError::msg(format!("cannot create `{}`: {e}", dir.display())))?;
-        for d in &program.devices {
-            let text = ir::print::model_to_string(&d.to_model());
-            write_output(&text, Some(&dir.join(format!("device{}.onnxtxt", d.device))), &args.model)?;
-        }
-    }
-    Ok((program, micro, pipelined))
-}
-
-/// The cost model's price of the training program. A pipeline's, and gradient accumulation
-/// over micro-batches, are its devices' lowered programs played through the runtime's
-/// schedule, steps back to back as the runtime runs them (the plan's closed form prices the
-/// forward model's stages).
-fn price(program: &codegen::Program, chosen: &Chosen, s: &Setup, notes: &mut Vec<String>) -> Option<(f64, u64)> {
-    let (cluster, opts) = (&s.cluster, &s.opts);
-    let mut predicted = chosen.predicted;
-    if program.stage_devices.len() > 1 || program.micro_batches > 1 {
-        match shardc::simulate::simulate(program, cluster, opts, true) {
-            Ok(s) => predicted = predicted.map(|(_, memory)| (s.period_s, memory)),
-            Err(e) => {
-                notes.push(format!("the program's step could not be priced op by op ({e}); predicted: the plan's"))
-            }
-        }
-    }
-    predicted
 }
 
 /// Inputs: the case's, or drawn from the seed (class labels within the classes).
@@ -778,19 +461,6 @@ fn save_state(args: &TrainArgs, out: &PathBuf, t: &Trained) -> CliResult {
     Ok(())
 }
 
-/// `g` with `--recompute`'s regions recomputed in its backward pass
-/// ([`passes::recompute`]), `None` when there is nothing to recompute.
-fn recomputed(g: &ir::Graph, mode: &str, notes: &mut Vec<String>) -> CliResult<Option<ir::Graph>> {
-    let mode = passes::cost::Recompute::parse(mode).map_err(|e| CliError::msg(format!("--recompute: {e}")))?;
-    let mut r = g.clone();
-    let copied = passes::recompute::recompute(&mut r, mode).map_err(|e| CliError::msg(format!("--recompute: {e}")))?;
-    if copied == 0 {
-        return Ok(None);
-    }
-    notes.push(format!("recomputation ({}): {copied} forward ops run again in the backward pass", mode.name()));
-    Ok(Some(r))
-}
-
 /// `args` with the memory options plan document `plan` was priced with (its `options`:
 /// recomputation, sequence parallelism, ZeRO stage) where the command line leaves them at
 /// their defaults, so the program runs what the plan priced; and a note saying so, or saying
@@ -820,28 +490,6 @@ fn with_plan_memory(
     }
     let note = format!("the plan was priced with the memory options {planned}; running with {given} as given");
     Ok((args, Some(note)))
-}
-
-/// `g` with each gradient handed to its update as soon as it is complete ([`passes::zero`]),
-/// which ZeRO-2 and ZeRO-3 need; `None` below stage 2. Refused with micro-batches: the
-/// accumulated gradient is whole until the last micro-batch.
-fn early_gradients(g: &ir::Graph, args: &TrainArgs, notes: &mut Vec<String>) -> CliResult<Option<ir::Graph>> {
-    if args.zero < 2 {
-        return Ok(None);
-    }
-    if args.micro_batches > 1 {
-        return Err(CliError::msg(format!(
-            "--zero {}: stages 2 and 3 run without micro-batches (each update runs when its gradient is complete); `cost` and `plan` price them with accumulation",
-            args.zero
-        )));
-    }
-    let mut r = g.clone();
-    let moved = passes::zero::early_gradients(&mut r).map_err(|e| CliError::msg(format!("--zero: {e}")))?;
-    notes.push(format!(
-        "ZeRO-{}: {moved} gradients reduce-scattered into their updates' shards as soon as they are complete",
-        args.zero
-    ));
-    Ok(Some(r))
 }
 
 /// `args` with a configuration `--strategy` (`tp=2,dp=2,sp,recompute=full,zero=1`) turned
@@ -876,6 +524,17 @@ fn configured(args: &TrainArgs) -> CliResult<TrainArgs> {
         a.moe_capacity = Some(f);
     }
     Ok(a)
+}
+
+/// `--emit-program`: each device's lowered training program into the directory.
+fn emit_program(args: &TrainArgs, program: &codegen::Program) -> CliResult {
+    let Some(dir) = &args.emit_program else { return Ok(()) };
+    std::fs::create_dir_all(dir).map_err(|e| CliError::msg(format!("cannot create `{}`: {e}", dir.display())))?;
+    for d in &program.devices {
+        let text = ir::print::model_to_string(&d.to_model());
+        write_output(&text, Some(&dir.join(format!("device{}.onnxtxt", d.device))), &args.model)?;
+    }
+    Ok(())
 }
 
 /// What `train` and `verify` share: the setup, the training graph, the chosen plan and the
@@ -914,15 +573,27 @@ fn prepare_program(
     let gl = micro_tm.as_ref().map_or(g, |t| &t.graph);
     // Recomputation rewrites the graph the program runs; the references keep the graph as
     // differentiated.
-    let recomputed = recomputed(gl, &args.recompute, &mut notes)?;
+    let mode =
+        passes::cost::Recompute::parse(&args.recompute).map_err(|e| CliError::msg(format!("--recompute: {e}")))?;
+    let recomputed =
+        driver::recomputed(gl, mode, &mut notes).map_err(|e| CliError::msg(format!("--recompute: {e}")))?;
     let gl = recomputed.as_ref().unwrap_or(gl);
-    let early = early_gradients(gl, args, &mut notes)?;
+    let early = driver::early_gradients(gl, args.zero, args.micro_batches, &mut notes)
+        .map_err(|e| CliError::msg(format!("--zero {}: {e}", args.zero)))?;
     let gl = early.as_ref().unwrap_or(gl);
     // The program: the training graph lowered for the strategy.
     let searched = s.searched.take();
-    let chosen = training_plan(args, s.plan_doc.as_ref(), searched, &s.loaded.model.graph, gl, &s.cluster, &s.opts)?;
+    if let (Some(path), Some(plan)) = (&args.plan, &s.plan_doc) {
+        notes.extend(check_plan_model(plan, path, &args.model, args.force)?);
+    }
+    let c = choice(args, s.plan_doc.as_ref());
+    let chosen = driver::plan(&c, searched, &s.loaded.model.graph, gl, &s.cluster, &s.opts).map_err(CliError::msg)?;
     notes.extend(chosen.notes.iter().cloned());
-    let (program, micro, pipelined) = lower(args, &s, &tm, gl, &chosen, &mut notes)?;
+    let (program, micro, pipelined) =
+        driver::lower(&c, &s.loaded.model, (&s.loss, &s.opt), (&s.cluster, &s.opts), &tm, gl, &chosen, &mut notes)
+            .map_err(CliError::msg)?;
+    check_program(&program)?;
+    emit_program(args, &program)?;
     let lowered = pipelined.unwrap_or_else(|| gl.clone());
     Ok(Prepared { s, tm, info, micro_tm, chosen, program, micro, lowered, notes })
 }
@@ -976,7 +647,7 @@ pub fn run(args: &TrainArgs) -> CliResult {
     if args.verify {
         notes.push(proved(&lowered, &program, "the training step's")?);
     }
-    let predicted = price(&program, &chosen, &s, &mut notes);
+    let predicted = driver::price(&program, &chosen, (&s.cluster, &s.opts), &mut notes);
     let (be, warn) = backend(args.backend.as_deref())?;
     if let Some(w) = warn {
         notes.push(format!("warning: {w}"));

@@ -17,6 +17,8 @@ use passes::cost::{Cluster, Options};
 
 use crate::exec;
 
+pub mod train;
+
 /// How the devices' program is chosen.
 pub enum Choice<'a> {
     /// A plan document already checked against the graph (`name` says where it came from).
