@@ -528,6 +528,36 @@ fn run_json_and_plans_from_files() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `run --strategy` takes a configuration too: sequence parallelism runs (its reduce-scatters
+/// and all-gathers instead of all-reduces) and matches one device; what a forward run cannot
+/// do is refused.
+#[test]
+fn run_takes_a_configuration() {
+    let gpt = golden("tiny_gpt.onnxtxt");
+    let run =
+        |s: &str| shardc(&["run", &gpt, "--devices", "4", "--strategy", s, "--backend", "cpu", "--check", "--json"]);
+    let kinds = |o: &Output| -> Vec<String> {
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert!(v["check"].as_array().unwrap().iter().all(|c| c["ok"].as_bool() == Some(true)), "{}", v["check"]);
+        let mut k: Vec<String> = v["devices"][0]["by_collective"].as_object().unwrap().keys().cloned().collect();
+        k.sort();
+        k
+    };
+    let plain = run("tp=2,dp=2");
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    let sp = run("tp=2,dp=2,sp,zero=1");
+    assert!(sp.status.success(), "{}", stderr(&sp));
+    assert_eq!(kinds(&plain), vec!["AllReduce"]);
+    assert_eq!(kinds(&sp), vec!["AllGather", "ReduceScatter"]);
+    for (s, says) in
+        [("tp=2,dp=2,zero=3", "zero=3"), ("tp=2,dp=2,recompute=full", "recompute"), ("tp=2,dp=2,flash", "flash")]
+    {
+        let o = run(s);
+        assert_eq!(o.status.code(), Some(1), "{s}");
+        assert!(stderr(&o).contains(says), "{s}: {}", stderr(&o));
+    }
+}
+
 #[test]
 fn run_errors_exit_1_and_never_overwrite_inputs() {
     let dir = tmpdir("runerr");

@@ -23,7 +23,7 @@ pub struct RunArgs {
     /// Run this plan (from `shardc plan -o`).
     #[arg(long, value_name = "PLAN.json", conflicts_with = "strategy")]
     pub plan: Option<PathBuf>,
-    /// Run a named strategy (data, model, megatron, spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context, context:dp:D,tp:T, context:ring[:dp:D,tp:T], expert, expert:ep:E) instead of a searched plan.
+    /// Run a named strategy (data, model, megatron, spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context, context:dp:D,tp:T, context:ring[:dp:D,tp:T], expert, expert:ep:E) instead of a searched plan; or a configuration of key=value fields (tp=2,dp=2,sp; docs/memory.md) — recompute, zero=3, flash and mbs are training's or pricing's and refused here.
     #[arg(long)]
     pub strategy: Option<String>,
     /// The cluster to plan for (default: local-wgpu, the simulated devices themselves).
@@ -162,16 +162,42 @@ fn plan_program(
     plan: Option<&passes::autoshard::Plan>,
     notes: &mut Vec<String>,
 ) -> CliResult<Planned> {
-    let opts = args.model_args.options()?;
+    let mut opts = args.model_args.options()?;
+    // A configuration (`tp=2,dp=2,sp,zero=3`) runs as the named strategy it is, with its options.
+    let configured = match args.strategy.as_deref().filter(|s| autoshard::config::is_config(s)) {
+        Some(s) => {
+            let err = |e: String| CliError::msg(format!("--strategy `{s}`: {e}"));
+            let c = autoshard::config::Config::parse(s).map_err(err)?;
+            let batch = passes::cost::pipeline::graph_batch(g);
+            let r = shardc::session::configured(&c, args.devices, batch, &opts).map_err(err)?;
+            if r.capacity.is_some() {
+                return Err(
+                    err("capacity: `run` dispatches no tokens by all-to-all yet; `train` and `cost` do".into()),
+                );
+            }
+            opts = r.options;
+            match opts.zero {
+                0 => {}
+                1 | 2 => notes.push(format!(
+                    "zero={}: shards the optimizer state and gradients, which a forward run does not have",
+                    opts.zero
+                )),
+                z => return Err(err(format!("zero={z}: `run` holds the parameters whole; `train` runs ZeRO-3"))),
+            }
+            opts.zero = 0;
+            Some(r.strategy)
+        }
+        None => None,
+    };
     if opts.recompute != passes::cost::Recompute::None {
         return Err(CliError::msg(
-            "--recompute: `run` executes the forward pass, which recomputes nothing; recomputation is priced by `cost` and `plan`",
+            "recompute: `run` executes the forward pass, which recomputes nothing; recomputation is priced by `cost` and `plan` and run by `train`",
         ));
     }
     let cluster = load_cluster(&args.cluster)?;
     let (choice, bar) = match (&args.plan, plan, &args.strategy) {
         (Some(path), Some(plan), _) => (Choice::Plan { plan, name: path.display().to_string() }, None),
-        (_, _, Some(s)) => (Choice::Strategy(s), None),
+        (_, _, Some(s)) => (Choice::Strategy(configured.as_deref().unwrap_or(s)), None),
         _ => {
             let pipeline = PipelineMode::parse(&args.pipeline).map_err(CliError::msg)?;
             let (progress, bar) = super::ui::search_progress(60.0);

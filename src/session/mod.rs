@@ -128,3 +128,36 @@ pub fn check(
         Err(why) => Ok((rows, Some(why))),
     }
 }
+
+/// A configuration (`tp=2,dp=2,sp,zero=1`: [`passes::autoshard::config`]) as what runs: the
+/// named strategy it is, the cost-model options it sets, and its mixtures' capacity factor
+/// (`ep_comm=a2a,capacity=F`).
+#[derive(Clone, Debug)]
+pub struct Configured {
+    /// The named strategy (`hybrid:dp:2,tp:2`, `pipeline:2:8:1f1b:tp:2`, …).
+    pub strategy: String,
+    /// `opts` with the configuration's recomputation, sequence parallelism and ZeRO stage.
+    pub options: Options,
+    /// The all-to-all dispatcher's capacity factor, where it names one.
+    pub capacity: Option<f32>,
+}
+
+/// `c` on `devices` devices (`batch`: the model's, which sizes a pipeline's micro-batches),
+/// its options set on `opts`. Refused: `mbs` (a run takes its micro-batches from
+/// `--micro-batches`) and `flash` (a run executes attention as the model writes it; `cost` and
+/// `plan` price it fused).
+pub fn configured(
+    c: &autoshard::config::Config,
+    devices: usize,
+    batch: Option<i64>,
+    opts: &Options,
+) -> Result<Configured, String> {
+    if c.mbs.is_some() {
+        return Err("mbs: a run accumulates gradients with --micro-batches".into());
+    }
+    if c.flash {
+        return Err("flash: a run executes attention as the model writes it; `cost` and `plan` price it fused".into());
+    }
+    let (named, options) = c.resolve(devices, batch, opts)?;
+    Ok(Configured { strategy: named.name(), options, capacity: c.capacity_factor() })
+}

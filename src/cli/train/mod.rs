@@ -499,14 +499,6 @@ fn configured(args: &TrainArgs) -> CliResult<TrainArgs> {
     let Some(s) = args.strategy.as_deref().filter(|s| passes::autoshard::config::is_config(s)) else { return Ok(a) };
     let err = |e: String| CliError::msg(format!("--strategy `{s}`: {e}"));
     let c = passes::autoshard::config::Config::parse(s).map_err(err)?;
-    if c.mbs.is_some() {
-        return Err(err("mbs: `train` accumulates gradients with --micro-batches".into()));
-    }
-    if c.flash {
-        return Err(err(
-            "flash: `train` runs attention as the model writes it; `cost` and `plan` price it fused".into()
-        ));
-    }
     let devices = args.devices.unwrap_or(1);
     // A pipeline's micro-batches follow from the batch: `--batch`, else the model's.
     let batch = match args.shapes.batch {
@@ -515,12 +507,12 @@ fn configured(args: &TrainArgs) -> CliResult<TrainArgs> {
         }
         b => b,
     };
-    let (named, opts) = c.resolve(devices, batch, &passes::cost::Options::default()).map_err(err)?;
-    a.strategy = Some(named.name());
-    a.recompute = opts.recompute.name().to_string();
-    a.sequence_parallel = opts.sequence_parallel;
-    a.zero = opts.zero;
-    if let Some(f) = c.capacity_factor() {
+    let r = shardc::session::configured(&c, devices, batch, &passes::cost::Options::default()).map_err(err)?;
+    a.strategy = Some(r.strategy);
+    a.recompute = r.options.recompute.name().to_string();
+    a.sequence_parallel = r.options.sequence_parallel;
+    a.zero = r.options.zero;
+    if let Some(f) = r.capacity {
         a.moe_capacity = Some(f);
     }
     Ok(a)
