@@ -166,6 +166,52 @@ fn cost_json_keys_and_strategy_errors() {
     assert!(stderr(&o).contains("unknown cluster"), "{}", stderr(&o));
 }
 
+/// `sweep --strategies` takes configurations set off by `;` beside comma-separated names, each
+/// priced as `cost --strategy` prices it.
+#[test]
+fn sweep_compares_configurations_as_cost_prices_them() {
+    let gpt = golden("tiny_gpt.onnxtxt");
+    let o = shardc(&[
+        "sweep",
+        &gpt,
+        "--cluster",
+        "dgx-a100",
+        "--axis",
+        "devices",
+        "--values",
+        "4",
+        "--strategies",
+        "data,megatron;tp=2,dp=2,sp;tp=2,dp=2,recompute=full",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let names: Vec<&str> = v["strategies"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
+    assert_eq!(names, ["data", "megatron", "tp=2,dp=2,sp", "tp=2,dp=2,recompute=full"]);
+    let swept = v.to_string();
+    for config in ["tp=2,dp=2,sp", "tp=2,dp=2,recompute=full"] {
+        let c = shardc(&["cost", &gpt, "--cluster", "dgx-a100", "--devices", "4", "--strategy", config, "--json"]);
+        assert!(c.status.success(), "{}", stderr(&c));
+        let cv: serde_json::Value = serde_json::from_slice(&c.stdout).unwrap();
+        let step = cv["step_time_s"].as_f64().unwrap();
+        assert!(swept.contains(&format!("{step}")), "{config}: cost says {step}, the sweep {swept}");
+    }
+    let bad = shardc(&[
+        "sweep",
+        &gpt,
+        "--cluster",
+        "dgx-a100",
+        "--axis",
+        "devices",
+        "--values",
+        "4",
+        "--strategies",
+        "tp=2,dq=2",
+    ]);
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(stderr(&bad).contains("dq"), "{}", stderr(&bad));
+}
+
 #[test]
 fn sweep_table_svg_and_cluster_files() {
     let dir = std::env::temp_dir().join(format!("shardc-sweep-{}", std::process::id()));

@@ -20,7 +20,7 @@ pub enum Axis {
     Devices,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Clone, Debug)]
 pub struct SweepArgs {
     /// The model (ONNX textual syntax).
     pub model: PathBuf,
@@ -34,8 +34,9 @@ pub struct SweepArgs {
     /// cluster's value (`0.5x,1x,2x`) for flops, membw and linkbw.
     #[arg(long, value_delimiter = ',', required = true)]
     pub values: Vec<String>,
-    /// Strategies to compare, comma-separated.
-    #[arg(long, value_delimiter = ',', required = true)]
+    /// Strategies to compare: names, comma-separated (`data,megatron`), and configurations of
+    /// key=value fields (docs/memory.md), each set off by `;` (`data;tp=2,dp=4,sp;tp=8,zero=1`).
+    #[arg(long, required = true)]
     pub strategies: Vec<String>,
     /// Devices (for axes other than `devices`; default: all of the cluster).
     #[arg(long, value_parser = parse_devices, allow_negative_numbers = true)]
@@ -255,21 +256,57 @@ impl Swept {
     }
 }
 
+/// The strategies `--strategies` lists: split at `;`, and a piece without `=` (names only)
+/// also at `,`.
+fn strategy_list(given: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    for piece in given.iter().flat_map(|g| g.split(';')).map(str::trim).filter(|p| !p.is_empty()) {
+        if piece.contains('=') {
+            out.push(piece.to_string());
+        } else {
+            out.extend(piece.split(',').map(str::trim).filter(|n| !n.is_empty()).map(String::from));
+        }
+    }
+    out
+}
+
+/// A strategy of the sweep priced at one point as `cost --strategy` prices it
+/// ([`super::cost::strategy_and_options`]: a configuration resolved on `devices`, the graph
+/// rewritten as it asks).
+fn price_at(
+    graph: &ir::Graph,
+    cluster: &passes::cost::Cluster,
+    devices: usize,
+    s: &str,
+    opts: &passes::cost::Options,
+) -> Result<passes::autoshard::named::Priced, String> {
+    let mut g = graph.clone();
+    let (named, o) = super::cost::strategy_and_options(s, devices, &mut g, opts.clone())
+        .map_err(|e| e.message.trim().trim_start_matches("error: ").to_string())?;
+    autoshard::named::price(&g, cluster, devices, &named, &o)
+}
+
 pub fn run(args: &SweepArgs) -> CliResult {
+    let args = &SweepArgs { strategies: strategy_list(&args.strategies), ..args.clone() };
     guard_outputs(&[("--svg", args.svg.as_ref()), ("--html", args.html.as_ref())], &[Some(&args.model)])?;
     let mut loaded = load_canonical(&args.model, &args.shapes)?;
     args.model_args.freeze(&mut loaded.model.graph)?;
     let base = load_cluster(&args.cluster)?;
     let opts = args.model_args.options()?;
-    let named: Vec<Named> =
-        args.strategies.iter().map(|s| Named::parse(s).map_err(CliError::msg)).collect::<CliResult<_>>()?;
+    for s in &args.strategies {
+        if autoshard::config::is_config(s) {
+            autoshard::config::Config::parse(s).map_err(|e| CliError::msg(format!("--strategies `{s}`: {e}")))?;
+        } else {
+            Named::parse(s).map_err(CliError::msg)?;
+        }
+    }
     let mut xs = Vec::new();
     let mut rows: Vec<Vec<Cell>> = Vec::new();
     for vs in &args.values {
         let (x, cluster, devices, graph) = point(args, &base, &loaded, vs)?;
         let mut row = Vec::new();
-        for (s, nm) in args.strategies.iter().zip(&named) {
-            row.push(match autoshard::named::price(&graph, &cluster, devices, nm, &opts) {
+        for s in &args.strategies {
+            row.push(match price_at(&graph, &cluster, devices, s, &opts) {
                 Ok(p) if p.breakdown.feasible => Cell::Time(p.breakdown.step_time_s),
                 Ok(p) => Cell::Infeasible(p.breakdown.step_time_s),
                 Err(e) => Cell::NotApplicable(format!("{s}: {e}")),
