@@ -5,7 +5,7 @@ forms of Korthikanti et al. 2022. Usage: scripts/memory-tables.py [SHARDC] (defa
 target/release/shardc; the synthetic models come from the release examples)."""
 import json, subprocess, sys, os
 
-SHARDC = sys.argv[1] if len(sys.argv) > 1 else "target/release/shardc"
+SHARDC = next((a for a in sys.argv[1:] if not a.startswith("--")), "target/release/shardc")
 TMP = os.environ.get("TMPDIR", "/tmp")
 
 def cost(model, strategy, devices, extra=()):
@@ -32,20 +32,23 @@ def zero_table():
         ("ResNet-50 (export)", "../shared/models/tv_resnet50.onnxtxt", ["--batch", "256"]),
     ]
     n = 8
-    print(f"| model | Ψ | stage | shardc GiB | DeepSpeed estimator GiB | shardc/DeepSpeed |")
-    print("|---|---|---|---|---|---|")
+    print("| model | Ψ | stage | shardc GiB | shardc `fp32_grads` GiB | DeepSpeed estimator GiB | shardc/DeepSpeed | `fp32_grads`/DeepSpeed |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, path, extra in models:
         base = cost(path, "dp=8,zero=0", n, extra)
         psi = base["memory_breakdown"]["parameters"] / 2
         for stage in (1, 2, 3):
-            d = cost(path, f"dp=8,zero={stage}", n, extra)
-            m = d["memory_breakdown"]
-            state = m["parameters"] + m["gradients"] + m["optimizer_state"]
-            if stage == 3:
-                state += m["other"] - base["memory_breakdown"]["other"]  # the gathered buffer
-            largest = (m["other"] - base["memory_breakdown"]["other"]) / 4 if stage == 3 else 0
+            states = []
+            for grads in ("", ",fp32_grads"):
+                d = cost(path, f"dp=8,zero={stage}{grads}", n, extra)
+                m = d["memory_breakdown"]
+                state = m["parameters"] + m["gradients"] + m["optimizer_state"]
+                gathered = m["other"] - base["memory_breakdown"]["other"] if stage == 3 else 0
+                states.append(state + gathered)  # stage 3: the gathered buffer
+            largest = gathered / 4
             ds = 4 * psi + 16 * psi / n if stage < 3 else 18 * psi / n + 4 * largest
-            print(f"| {name} | {psi/1e6:.1f} M | {stage} | {state/2**30:.3f} | {ds/2**30:.3f} | {state/ds:.3f} |")
+            a, b = states
+            print(f"| {name} | {psi/1e6:.1f} M | {stage} | {a/2**30:.3f} | {b/2**30:.3f} | {ds/2**30:.3f} | {a/ds:.3f} | {b/ds:.3f} |")
 
 def activation_table():
     # Megatron GPT layer: the 22B model's width (Korthikanti et al.'s Table 3 row), 4 layers.
@@ -66,5 +69,6 @@ def activation_table():
 
 if __name__ == "__main__":
     zero_table()
-    print()
-    activation_table()
+    if "--zero-only" not in sys.argv:
+        print()
+        activation_table()

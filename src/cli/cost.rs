@@ -26,6 +26,11 @@ pub struct ModelArgs {
     /// `hybrid`): normalizations and residual adds split along the sequence.
     #[arg(long = "sequence-parallel")]
     pub sequence_parallel: bool,
+    /// In mixed precision, an fp32 copy of each gradient beside the optimizer state, sharded
+    /// with it under ZeRO, as DeepSpeed's mixed-precision optimizers keep (configuration field
+    /// `fp32_grads`).
+    #[arg(long = "fp32-grads")]
+    pub fp32_grads: bool,
     /// Do not overlap gradient synchronisation with the backward pass.
     #[arg(long = "no-overlap")]
     pub no_overlap: bool,
@@ -79,6 +84,7 @@ impl ModelArgs {
             grad_compression: self.grad_compression,
             recompute,
             sequence_parallel: self.sequence_parallel,
+            fp32_grads: self.fp32_grads,
             ..Options::default()
         })
     }
@@ -95,7 +101,8 @@ pub struct CostArgs {
     /// configuration of key=value fields: dp, tp, pp, vp, cp, cp_comm=a2a|p2p (Ulysses or ring attention), ep, ep_comm=allgather|a2a (tokens all-gathered or dispatched by all-to-all), capacity=F (the all-to-all buffers; 0: dropless), mbs, sp, recompute=none|selective|full,
     /// zero=0|1|2|3, schedule=gpipe|1f1b|interleaved, flash (attention fused before pricing),
     /// tp_overlap (tensor-parallel collectives overlapped with their GEMMs, Megatron-LM's
-    /// --tp-comm-overlap) (e.g. tp=8,dp=8,zero=3,recompute=full,sp).
+    /// --tp-comm-overlap), fp32_grads (an fp32 copy of each gradient, as DeepSpeed keeps) (e.g.
+    /// tp=8,dp=8,zero=3,recompute=full,sp).
     #[arg(long)]
     pub strategy: String,
     /// Devices to use (default: all of the cluster).

@@ -131,6 +131,41 @@ fn zero_stages_shard_model_state_as_the_zero_paper_counts() {
     }
 }
 
+/// With `fp32_grads` (DeepSpeed's mixed-precision optimizers), the model state is
+/// DeepSpeed's estimators' count: ZeRO-1 `4Ψ + 16Ψ/N` (half-precision weights and gradients
+/// whole, the optimizer state and an fp32 gradient copy sharded), ZeRO-3 `18Ψ/N` (the
+/// gradients reduced straight into the copy's shard); ZeRO-2 keeps `2Ψ + 16Ψ/N` — the
+/// estimator's `4Ψ + 16Ψ/N` counts the half-precision gradients whole, which its bucketed
+/// reduce-scatter frees as it goes.
+#[test]
+fn fp32_gradient_copies_give_deepspeeds_model_state() {
+    let g = gpt(12, 768, 12, 8, 128);
+    let psi: f64 = g
+        .initializers()
+        .iter()
+        .map(|&n| ir::Value::new(n, 0))
+        .filter(|&v| ir::cost::is_param(&g, v))
+        .map(|v| g.tensor_type(v).and_then(|t| t.numel()).unwrap() as f64)
+        .sum();
+    let n = 8.0;
+    for (stage, want) in
+        [(0, 20.0 * psi), (1, 4.0 * psi + 16.0 * psi / n), (2, 2.0 * psi + 16.0 * psi / n), (3, 18.0 * psi / n)]
+    {
+        let m = priced(&g, 8, &format!("dp=8,zero={stage},fp32_grads")).memory;
+        close(m.weights + m.gradients + m.optimizer, want, 1e-9, &format!("zero={stage},fp32_grads model state"));
+        let plain = priced(&g, 8, &format!("dp=8,zero={stage}")).memory;
+        assert_eq!((m.optimizer, m.activations), (plain.optimizer, plain.activations), "zero={stage}");
+    }
+    // In float32 the gradients are float32 already: nothing more.
+    let fp32 = |config: &str| {
+        let c = Cluster::preset("a100-cluster-8").unwrap();
+        let (named, opts) =
+            Config::parse(config).unwrap().resolve(8, cost::pipeline::graph_batch(&g), &Options::default()).unwrap();
+        autoshard::named::price(&g, &c, 8, &named, &opts).unwrap().breakdown.memory.gradients
+    };
+    assert_eq!(fp32("dp=8,zero=1,fp32_grads"), fp32("dp=8,zero=1"));
+}
+
 /// A pipeline's stage reports its model state by kind as a flat plan does: per parameter of
 /// the stage 2 bytes of weight, 2 of gradient and 2 more for the accumulator over its
 /// micro-batches, 12 of optimizer state (GPT-2 small's blocks, 2 stages, mixed precision, Adam).
@@ -320,12 +355,18 @@ fn the_model_state_floor_never_exceeds_the_priced_model_state() {
     let g = gpt(8, 512, 8, 16, 128);
     let elems = cost::model::parameter_elements(&g, &cost::model::Analysis::of(&g));
     let state = |b: &Breakdown| b.memory.weights + b.memory.gradients + b.memory.optimizer;
-    for zero in 0..=3u8 {
-        let o = Options { precision: Precision::Fp16, zero, ..Options::default() };
-        let b = priced(&g, 8, &format!("dp=8,zero={zero}"));
-        close(cost::model::model_state_floor(&o, elems, 1.0, 8.0), state(&b), 1e-9, &format!("dp=8,zero={zero}"));
+    for (zero, fp32_grads) in (0..=3u8).flat_map(|z| [(z, false), (z, true)]) {
+        let o = Options { precision: Precision::Fp16, zero, fp32_grads, ..Options::default() };
+        let grads = if fp32_grads { ",fp32_grads" } else { "" };
+        let b = priced(&g, 8, &format!("dp=8,zero={zero}{grads}"));
+        close(
+            cost::model::model_state_floor(&o, elems, 1.0, 8.0),
+            state(&b),
+            1e-9,
+            &format!("dp=8,zero={zero}{grads}"),
+        );
         for (config, tp, pp, dp) in [("tp=4,dp=2", 4, 1, 2), ("tp=2,pp=2,dp=2", 2, 2, 2), ("pp=4,dp=2", 1, 4, 2)] {
-            let config = format!("{config},zero={zero}");
+            let config = format!("{config},zero={zero}{grads}");
             let floor = cost::model::model_state_floor(&o, elems, (tp * pp) as f64, dp as f64);
             let b = priced(&g, 8, &config);
             assert!(floor <= state(&b) * (1.0 + 1e-9), "{config}: floor {floor} above the priced {}", state(&b));

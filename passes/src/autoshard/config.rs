@@ -68,12 +68,15 @@ pub struct Config {
     /// Tensor-parallel communication overlapped with the GEMMs
     /// ([`super::Options::tp_comm_overlap`], Megatron-LM's `--tp-comm-overlap`).
     pub tp_overlap: bool,
+    /// An fp32 copy of each gradient beside the optimizer state (`fp32_grads`,
+    /// [`super::Options::fp32_grads`], DeepSpeed's mixed-precision optimizers).
+    pub fp32_grads: bool,
 }
 
 /// True when `s` is written as a configuration (`key=value` fields or the `sp` and `flash` flags) rather
 /// than a strategy name.
 pub fn is_config(s: &str) -> bool {
-    s.contains('=') || s.split(',').any(|f| matches!(f.trim(), "sp" | "flash" | "tp_overlap"))
+    s.contains('=') || s.split(',').any(|f| matches!(f.trim(), "sp" | "flash" | "tp_overlap" | "fp32_grads"))
 }
 
 fn count(key: &str, v: &str) -> Result<usize, String> {
@@ -103,7 +106,7 @@ impl Config {
                 "cp" => c.cp = count(key, v()?)?,
                 "ep" => c.ep = count(key, v()?)?,
                 "mbs" => c.mbs = Some(count(key, v()?)?),
-                "sp" | "flash" | "tp_overlap" => {
+                "sp" | "flash" | "tp_overlap" | "fp32_grads" => {
                     let on = match value {
                         None | Some("1" | "true" | "on") => true,
                         Some("0" | "false" | "off") => false,
@@ -112,6 +115,7 @@ impl Config {
                     match key {
                         "sp" => c.sp = on,
                         "flash" => c.flash = on,
+                        "fp32_grads" => c.fp32_grads = on,
                         _ => c.tp_overlap = on,
                     }
                 }
@@ -165,7 +169,7 @@ impl Config {
                 }
                 other => {
                     return Err(format!(
-                        "unknown field `{other}`; a configuration has dp, tp, pp, vp, cp, cp_comm, ep, ep_comm, capacity, mbs, sp, recompute, zero, schedule, flash, tp_overlap"
+                        "unknown field `{other}`; a configuration has dp, tp, pp, vp, cp, cp_comm, ep, ep_comm, capacity, mbs, sp, recompute, zero, schedule, flash, tp_overlap, fp32_grads"
                     ));
                 }
             }
@@ -279,6 +283,7 @@ impl Config {
         o.sequence_parallel = self.sp;
         o.zero = self.zero;
         o.tp_comm_overlap = self.tp_overlap;
+        o.fp32_grads |= self.fp32_grads;
         let batch = batch.map(|b| b as usize);
         if self.pp == 1
             && let Some(mbs) = self.mbs

@@ -25,7 +25,7 @@ use std::time::Instant;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use crate::cost::model::{InputPath, Optimizer, Precision};
+use crate::cost::model::{InputPath, Precision};
 use crate::cost::{Breakdown, CostModel};
 use ir::shard::AxisShard;
 
@@ -137,7 +137,6 @@ struct Consts {
 fn consts(cm: &CostModel<'_>, grad_weight: f64) -> Consts {
     let o = &cm.opts;
     let pf = if o.precision == Precision::Fp16 { 0.5 } else { 1.0 };
-    let fp16 = o.precision == Precision::Fp16;
     let p = cm.mesh.devices();
     let host = &cm.cluster.host;
     let input_per_byte = if o.preload {
@@ -154,14 +153,8 @@ fn consts(cm: &CostModel<'_>, grad_weight: f64) -> Consts {
     };
     Consts {
         grad_weight,
-        opt_bytes_per_elem: match o.optimizer {
-            Optimizer::Sgd => 4.0,
-            Optimizer::Adam => 8.0,
-        } + if fp16 { 4.0 } else { 0.0 },
-        update_bytes_per_elem: match o.optimizer {
-            Optimizer::Sgd => 20.0,
-            Optimizer::Adam => 28.0,
-        } + if fp16 { 8.0 } else { 0.0 },
+        opt_bytes_per_elem: crate::cost::model::sharded_bytes_per_elem(o),
+        update_bytes_per_elem: crate::cost::model::update_bytes_per_elem(o),
         elem_bytes: 4.0 * pf,
         input_per_byte,
     }

@@ -125,6 +125,11 @@ pub struct Options {
     /// `overlap_slowdown` times slower beside it. Off for shardc's own runtime, which runs
     /// its collectives between kernels.
     pub tp_comm_overlap: bool,
+    /// In mixed precision, an fp32 copy of each gradient held beside the optimizer state and
+    /// sharded with it (DeepSpeed's mixed-precision optimizers: its estimators count
+    /// `4Ψ + 16Ψ/N` for ZeRO-1/2 and `18Ψ/N` for ZeRO-3); under ZeRO-2 and 3 the gradients are
+    /// reduced straight into it and no half-precision shard is kept.
+    pub fp32_grads: bool,
 }
 
 impl Options {
@@ -162,6 +167,7 @@ impl Default for Options {
             zero: 0,
             accumulation: 1,
             tp_comm_overlap: false,
+            fp32_grads: false,
         }
     }
 }
@@ -503,11 +509,39 @@ fn precision_factor(o: &Options) -> f64 {
 
 /// Optimizer state per parameter element under `o` (with fp32 master weights in mixed
 /// precision).
-fn optimizer_bytes_per_elem(o: &Options) -> f64 {
+pub fn optimizer_bytes_per_elem(o: &Options) -> f64 {
     (match o.optimizer {
         Optimizer::Sgd => 4.0,
         Optimizer::Adam => 8.0,
     }) + if o.precision == Precision::Fp16 { 4.0 } else { 0.0 }
+}
+
+/// Whether `o` holds an fp32 copy of each gradient ([`Options::fp32_grads`], mixed precision).
+fn grad_copy(o: &Options) -> bool {
+    o.fp32_grads && o.precision == Precision::Fp16
+}
+
+/// The half-precision gradient bytes per byte of parameter under `o` at ZeRO stage ≥ 2: none
+/// when the gradients are reduced straight into their fp32 copy's shard.
+fn half_grads_kept(o: &Options) -> f64 {
+    if grad_copy(o) && o.zero >= 2 { 0.0 } else { 1.0 }
+}
+
+/// Bytes per trained parameter element sharded like the optimizer state (ZeRO-1): the
+/// optimizer's and, with [`Options::fp32_grads`], the gradient's fp32 copy.
+pub fn sharded_bytes_per_elem(o: &Options) -> f64 {
+    optimizer_bytes_per_elem(o) + if grad_copy(o) { 4.0 } else { 0.0 }
+}
+
+/// Memory traffic of the update per parameter element under `o`: the parameter, its gradient
+/// and the optimizer state read and written (the fp32 master weights in mixed precision; the
+/// gradient's fp32 copy written by its reduction and read instead of the half one).
+pub fn update_bytes_per_elem(o: &Options) -> f64 {
+    (match o.optimizer {
+        Optimizer::Sgd => 20.0,
+        Optimizer::Adam => 28.0,
+    }) + if o.precision == Precision::Fp16 { 8.0 } else { 0.0 }
+        + if grad_copy(o) { 6.0 } else { 0.0 }
 }
 
 /// The parameter elements of `g` (its analysis `a`): all of them, and those a gradient
@@ -536,7 +570,7 @@ pub fn parameter_elements(g: &Graph, a: &Analysis) -> (f64, f64) {
 pub fn model_state_floor(o: &Options, (all, trained): (f64, f64), ways: f64, data: f64) -> f64 {
     let at = |stage: u8| if o.zero >= stage { data.max(1.0) } else { 1.0 };
     let w = 4.0 * precision_factor(o);
-    (all * w / at(3) + trained * (w / at(2) + optimizer_bytes_per_elem(o) / at(1))) / ways.max(1.0)
+    (all * w / at(3) + trained * (w * half_grads_kept(o) / at(2) + sharded_bytes_per_elem(o) / at(1))) / ways.max(1.0)
 }
 
 /// The copies of values in other layouts a training step holds ([`CostModel::copies`]): bytes

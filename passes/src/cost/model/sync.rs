@@ -60,10 +60,7 @@ impl<'a> CostModel<'a> {
 
     /// Memory traffic of the update per parameter element.
     pub(super) fn update_bytes_per_elem(&self) -> f64 {
-        (match self.opts.optimizer {
-            Optimizer::Sgd => 20.0,
-            Optimizer::Adam => 28.0,
-        }) + if self.opts.precision == Precision::Fp16 { 8.0 } else { 0.0 }
+        update_bytes_per_elem(&self.opts)
     }
 
     /// The parameters each device stores, and their rows' memory and update time.
@@ -92,15 +89,17 @@ impl<'a> CostModel<'a> {
             if zero >= 3 && n > 1.0 {
                 p.gathered = p.gathered.max(2.0 * local);
             }
-            p.trained_bytes += local / at(2);
+            let half = local / at(2) * half_grads_kept(&self.opts);
+            let copy = elems * (sharded_bytes_per_elem(&self.opts) - self.optimizer_bytes_per_elem());
+            p.trained_bytes += half + copy;
             p.elems += elems;
             p.count += 1;
             if w.detail
                 && let Some(&first) = edges.param_first_use.get(v)
             {
                 w.rows[first].param_memory_bytes +=
-                    local / at(3) + local / at(2) + elems * self.optimizer_bytes_per_elem();
-                w.rows[first].grad_memory_bytes += local / at(2);
+                    local / at(3) + half + copy + elems * self.optimizer_bytes_per_elem();
+                w.rows[first].grad_memory_bytes += half + copy;
                 w.rows[first].weight_memory_bytes += local / at(3);
                 w.rows[first].update_s += elems * self.update_bytes_per_elem() / self.mem_bandwidth();
             }
