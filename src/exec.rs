@@ -201,24 +201,6 @@ pub fn materialize(model: &mut Model, dir: &Path, seed: u64) -> Result<Weights, 
     Ok(w)
 }
 
-/// The runtime's schedule for a priced one.
-fn lowered_schedule(s: passes::cost::Schedule) -> codegen::Schedule {
-    match s {
-        passes::cost::Schedule::GPipe => codegen::Schedule::GPipe,
-        passes::cost::Schedule::OneFOneB => codegen::Schedule::OneFOneB,
-        passes::cost::Schedule::Interleaved(v) => codegen::Schedule::Interleaved(v),
-    }
-}
-
-/// The priced schedule of the runtime's.
-fn priced_schedule(s: codegen::Schedule) -> passes::cost::Schedule {
-    match s {
-        codegen::Schedule::GPipe => passes::cost::Schedule::GPipe,
-        codegen::Schedule::OneFOneB => passes::cost::Schedule::OneFOneB,
-        codegen::Schedule::Interleaved(v) => passes::cost::Schedule::Interleaved(v),
-    }
-}
-
 /// The virtual stages of a pipeline's stages (`(mesh, devices)` each) under `schedule`, and
 /// whether each recomputes (its stage's `recompute`).
 fn stage_placements(
@@ -284,7 +266,7 @@ fn lower_result(g: &Graph, r: &SearchResult, devices: usize, zero: u8) -> Result
         None => vec![(0..devices).collect()],
     };
     let schedule = match &r.pipeline {
-        Some(p) => lowered_schedule(p.schedule),
+        Some(p) => p.schedule,
         None => codegen::Schedule::default(),
     };
     let stage_of = passes::autoshard::interleave::virtual_stages(g, &stage_of, meshes.len(), schedule.chunks())?;
@@ -780,7 +762,7 @@ impl TrainPipeline {
             .zip(&ops)
             .map(|((mesh, devices, _), ops)| GivenStage { ops, mesh, offset: devices.first().copied().unwrap_or(0) })
             .collect();
-        price_stages(forward, cluster, opts, &stages, &strategies, self.micro_batches, priced_schedule(self.schedule))
+        price_stages(forward, cluster, opts, &stages, &strategies, self.micro_batches, self.schedule)
     }
 
     /// The pipeline of a search result on `g` (`None` when it does not pipeline; an error
@@ -788,7 +770,7 @@ impl TrainPipeline {
     pub fn of_search(g: &Graph, r: &SearchResult) -> Result<Option<TrainPipeline>, String> {
         let Some(p) = r.pipeline.as_ref() else { return Ok(None) };
         let name = |n: NodeId| g.node(n).outputs().first().map(|o| o.name.clone()).unwrap_or_default();
-        let schedule = lowered_schedule(p.schedule);
+        let schedule = p.schedule;
         let (_, stage_of) = passes::autoshard::plan::stage_meshes(r);
         let stage_of = passes::autoshard::interleave::virtual_stages(g, &stage_of, p.stages.len(), schedule.chunks())?;
         Ok(Some(TrainPipeline {
