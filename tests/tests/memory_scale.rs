@@ -27,6 +27,16 @@ fn priced(g: &ir::Graph, devices: usize, config: &str) -> Breakdown {
     autoshard::named::price(g, &c, devices, &named, &opts).unwrap_or_else(|e| panic!("{config}: {e}")).breakdown
 }
 
+/// Ψ: the elements of `g`'s trained parameters.
+fn parameters(g: &ir::Graph) -> f64 {
+    g.initializers()
+        .iter()
+        .map(|&n| ir::Value::new(n, 0))
+        .filter(|&v| ir::cost::is_param(g, v))
+        .map(|v| g.tensor_type(v).and_then(|t| t.numel()).unwrap() as f64)
+        .sum()
+}
+
 fn close(got: f64, want: f64, tol: f64, what: &str) {
     assert!(
         (got / want - 1.0).abs() <= tol,
@@ -98,13 +108,7 @@ fn zero_stages_shard_model_state_as_the_zero_paper_counts() {
     // GPT-2 small's blocks, 8-way data parallel, mixed precision with Adam: per parameter
     // 2 bytes of weight, 2 of gradient, 12 of optimizer state (fp32 master, two moments).
     let g = gpt(12, 768, 12, 8, 128);
-    let psi: f64 = g
-        .initializers()
-        .iter()
-        .map(|&n| ir::Value::new(n, 0))
-        .filter(|&v| ir::cost::is_param(&g, v))
-        .map(|v| g.tensor_type(v).and_then(|t| t.numel()).unwrap() as f64)
-        .sum();
+    let psi = parameters(&g);
     let n = 8.0;
     let largest: f64 = 768.0 * 3072.0;
     let zero0 = priced(&g, 8, "dp=8");
@@ -140,13 +144,7 @@ fn zero_stages_shard_model_state_as_the_zero_paper_counts() {
 #[test]
 fn fp32_gradient_copies_give_deepspeeds_model_state() {
     let g = gpt(12, 768, 12, 8, 128);
-    let psi: f64 = g
-        .initializers()
-        .iter()
-        .map(|&n| ir::Value::new(n, 0))
-        .filter(|&v| ir::cost::is_param(&g, v))
-        .map(|v| g.tensor_type(v).and_then(|t| t.numel()).unwrap() as f64)
-        .sum();
+    let psi = parameters(&g);
     let n = 8.0;
     for (stage, want) in
         [(0, 20.0 * psi), (1, 4.0 * psi + 16.0 * psi / n), (2, 2.0 * psi + 16.0 * psi / n), (3, 18.0 * psi / n)]
