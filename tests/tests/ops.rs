@@ -97,6 +97,16 @@ fn every_op_has_every_facet() {
                 node.op.class(),
                 OpClass::Unary | OpClass::Binary | OpClass::Variadic | OpClass::Reduce | OpClass::Shape | OpClass::Comm
             );
+            // A GEMM shape only for ops on the matrix units.
+            let dims = |v: Option<Value>| -> Option<Vec<f64>> {
+                Some(g.tensor_type(v?)?.static_dims()?.iter().map(|&d| d as f64).collect())
+            };
+            if let (Some(x), Some(y)) = (dims(node.input(0)), dims(Some(Value::new(n, 0))))
+                && rules.gemm(&x, dims(node.input(1)).as_deref(), &y).is_some()
+                && !rules.matrix_units()
+            {
+                problems.push(format!("{}: a GEMM shape but not on the matrix units", s.op));
+            }
             // An element-wise derivative has its WGSL twin and the other way round.
             if rules.derivative(0.5, 0.5).is_some() != compile::derivative(&node.op).is_some() {
                 problems.push(format!("{}: a derivative on one of the CPU and wgpu sides only", s.op));

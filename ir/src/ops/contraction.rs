@@ -32,9 +32,26 @@ fn in_feature(name: &str, size: i64) -> IterDim {
     IterDim { name: name.into(), size, kind: DimKind::Reduction, role: DimRole::InFeature }
 }
 
+/// Whether a MatMul's B (local dims `b`) has no batch of its own, so that A's batch folds
+/// into the rows of one GEMM product.
+pub fn shared_b(b: &[f64]) -> bool {
+    b.len() <= 2 || b[..b.len() - 2].iter().all(|&d| d == 1.0)
+}
+
 impl OpRules for op::MatMul {
     fn matrix_units(&self) -> bool {
         true
+    }
+
+    fn gemm(&self, x: &[f64], w: Option<&[f64]>, y: &[f64]) -> Option<(f64, f64, f64)> {
+        let (m, n) = match y {
+            [.., m, n] => (*m, *n),
+            _ => (1.0, y.last().copied().unwrap_or(1.0)),
+        };
+        // A B without batch dims of its own is shared: the kernel folds A's batch into the
+        // rows of one GEMM (`[64, 1, 512]·[512, 1536]` is 64 rows, not 64 GEMMs of one).
+        let m = if w.is_some_and(shared_b) && y.len() >= 2 { y[..y.len() - 1].iter().product() } else { m };
+        Some((m, n, x.last().copied().unwrap_or(1.0)))
     }
 
     fn arity(&self) -> Arity {
@@ -131,6 +148,11 @@ impl OpRules for op::MatMul {
 impl OpRules for op::Gemm {
     fn matrix_units(&self) -> bool {
         true
+    }
+
+    fn gemm(&self, x: &[f64], _w: Option<&[f64]>, y: &[f64]) -> Option<(f64, f64, f64)> {
+        let k = if self.trans_a() != 0 { x.first() } else { x.get(1) };
+        Some((y.first().copied().unwrap_or(1.0), y.get(1).copied().unwrap_or(1.0), k.copied().unwrap_or(1.0)))
     }
 
     fn arity(&self) -> Arity {

@@ -121,6 +121,13 @@ impl OpRules for op::Conv {
         true
     }
 
+    /// Per group: the images' output positions by the filters, over a filter's inputs.
+    fn gemm(&self, _x: &[f64], w: Option<&[f64]>, y: &[f64]) -> Option<(f64, f64, f64)> {
+        let w = w?;
+        let m = y.first().copied().unwrap_or(1.0) * y.iter().skip(2).product::<f64>();
+        Some((m, w.first().copied().unwrap_or(1.0), w.iter().skip(1).product()))
+    }
+
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
         Some(conv_grad(self, cx))
     }
@@ -243,6 +250,16 @@ impl OpRules for op::Conv {
 impl OpRules for op::ConvTranspose {
     fn matrix_units(&self) -> bool {
         true
+    }
+
+    fn gemm(&self, _x: &[f64], w: Option<&[f64]>, y: &[f64]) -> Option<(f64, f64, f64)> {
+        let w = w?;
+        let m = y.first().copied().unwrap_or(1.0) * y.iter().skip(2).product::<f64>();
+        Some((
+            m,
+            w.get(1).copied().unwrap_or(1.0),
+            w.first().copied().unwrap_or(1.0) * w.iter().skip(2).product::<f64>(),
+        ))
     }
 
     fn grad(&self, cx: &mut GradCx<'_>) -> Option<std::result::Result<(), String>> {
@@ -888,6 +905,13 @@ impl OpRules for op::ConvGradInput {
         true
     }
 
+    /// The runtime's columns of dX, Wᵀ·dY (per group), over the filters.
+    fn gemm(&self, dy: &[f64], w: Option<&[f64]>, _y: &[f64]) -> Option<(f64, f64, f64)> {
+        let w = w?;
+        let positions = dy.first().copied().unwrap_or(1.0) * dy.iter().skip(2).product::<f64>();
+        Some((w.iter().skip(1).product(), positions, w.first().copied().unwrap_or(1.0)))
+    }
+
     fn arity(&self) -> Arity {
         Arity::fixed(2)
     }
@@ -958,6 +982,13 @@ impl OpRules for op::ConvGradInput {
 impl OpRules for op::ConvGradWeight {
     fn matrix_units(&self) -> bool {
         true
+    }
+
+    /// The runtime's dW\[M, C·k\] (per group) over the images and output positions of dY.
+    fn gemm(&self, _x: &[f64], dy: Option<&[f64]>, y: &[f64]) -> Option<(f64, f64, f64)> {
+        let dy = dy?;
+        let positions = dy.first().copied().unwrap_or(1.0) * dy.iter().skip(2).product::<f64>();
+        Some((y.first().copied().unwrap_or(1.0), y.iter().skip(1).product(), positions))
     }
 
     fn arity(&self) -> Arity {

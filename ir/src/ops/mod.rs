@@ -522,6 +522,14 @@ pub trait OpRules {
         None
     }
 
+    /// The GEMM the op's kernel runs on one device's pieces — `x` and `w` the local dims of
+    /// inputs 0 and 1, `y` of output 0 — as `(m, n, k)`: an `m × n` output over a reduction
+    /// of `k`, for the device's shape-dependent GEMM rate; `None` (the default) for an op
+    /// that runs no GEMM.
+    fn gemm(&self, _x: &[f64], _w: Option<&[f64]>, _y: &[f64]) -> Option<(f64, f64, f64)> {
+        None
+    }
+
     /// Whether the op's kernel is made of matrix products that run on the device's matrix
     /// units (tensor cores) in the training precision: contractions, convolutions and their
     /// gradients, attention, experts, recurrent cells. The other kernels (element-wise,

@@ -68,7 +68,8 @@ impl<'a> CostModel<'a> {
         Some((m, nn, k, batch))
     }
 
-    /// The `(m, n, k)` of [`CostModel::gemm_shape`].
+    /// The `(m, n, k)` of [`CostModel::gemm_shape`]: the op's own rule
+    /// ([`ir::ops::OpRules::gemm`]) on its local pieces.
     pub(super) fn gemm_extents(
         &self,
         n: NodeId,
@@ -80,47 +81,10 @@ impl<'a> CostModel<'a> {
         let local = |v: Value, l: Option<&Sharding>| -> Option<Vec<f64>> {
             Some(self.local_static_dims(v, l)?.into_iter().map(|x| x as f64).collect())
         };
-        let a = local(node.input(0)?, ins.first().and_then(Option::as_ref))?;
+        let x = local(node.input(0)?, ins.first().and_then(Option::as_ref))?;
+        let w = node.input(1).and_then(|v| local(v, ins.get(1).and_then(Option::as_ref)));
         let y = local(Value::new(n, 0), outs.first())?;
-        let last2 = |d: &[f64]| (d.len().checked_sub(2).map_or(1.0, |i| d[i]), d.last().copied().unwrap_or(1.0));
-        match &node.op {
-            Op::MatMul(_) => {
-                let (m, nn) = if y.len() >= 2 { last2(&y) } else { (1.0, y.last().copied().unwrap_or(1.0)) };
-                // A B without batch dims of its own is shared: the runtime folds A's batch into
-                // the rows of one GEMM (`[64, 1, 512]·[512, 1536]` is 64 rows, not 64 GEMMs of one).
-                let m = if self.one_product(n, ins) && y.len() >= 2 { y[..y.len() - 1].iter().product() } else { m };
-                Some((m, nn, a.last().copied().unwrap_or(1.0)))
-            }
-            Op::Gemm(gm) => {
-                let k = if gm.trans_a() != 0 { a.first().copied() } else { a.get(1).copied() };
-                Some((y.first().copied().unwrap_or(1.0), y.get(1).copied().unwrap_or(1.0), k.unwrap_or(1.0)))
-            }
-            Op::Conv(_) | Op::ConvTranspose(_) => {
-                let w = local(node.input(1)?, ins.get(1).and_then(Option::as_ref))?;
-                let m = y.first().copied().unwrap_or(1.0) * y.iter().skip(2).product::<f64>();
-                let (nn, k) = match &node.op {
-                    Op::Conv(_) => (w.first().copied().unwrap_or(1.0), w.iter().skip(1).product::<f64>()),
-                    _ => (
-                        w.get(1).copied().unwrap_or(1.0),
-                        w.first().copied().unwrap_or(1.0) * w.iter().skip(2).product::<f64>(),
-                    ),
-                };
-                Some((m, nn, k))
-            }
-            // The runtime's gradient GEMMs (per group): dW[M, C·k] over the images and output
-            // positions of dY; the columns of dX, Wᵀ·dY, over M.
-            Op::ConvGradWeight(_) => {
-                let dy = local(node.input(1)?, ins.get(1).and_then(Option::as_ref))?;
-                let positions = dy.first().copied().unwrap_or(1.0) * dy.iter().skip(2).product::<f64>();
-                Some((y.first().copied().unwrap_or(1.0), y.iter().skip(1).product::<f64>(), positions))
-            }
-            Op::ConvGradInput(_) => {
-                let w = local(node.input(1)?, ins.get(1).and_then(Option::as_ref))?;
-                let positions = a.first().copied().unwrap_or(1.0) * a.iter().skip(2).product::<f64>();
-                Some((w.iter().skip(1).product::<f64>(), positions, w.first().copied().unwrap_or(1.0)))
-            }
-            _ => None,
-        }
+        node.op.rules().gemm(&x, w.as_deref(), &y)
     }
 
     /// Whether a MatMul or Gemm runs as one GEMM product on the device: a Gemm always; a
@@ -132,7 +96,7 @@ impl<'a> CostModel<'a> {
             Op::MatMul(_) => node
                 .input(1)
                 .and_then(|b| self.local_static_dims(b, ins.get(1).and_then(Option::as_ref)))
-                .is_some_and(|b| b.len() <= 2 || b[..b.len() - 2].iter().all(|&d| d == 1)),
+                .is_some_and(|b| ir::ops::contraction::shared_b(&b.iter().map(|&d| d as f64).collect::<Vec<_>>())),
             _ => false,
         }
     }
