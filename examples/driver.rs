@@ -23,7 +23,7 @@ impl Pass for CountMatMuls {
     }
 }
 
-fn main() -> Result<(), String> {
+fn main() -> Result<(), Box<dyn std::error::Error>> {
     let bundled = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/golden/tiny_mlp.onnxtxt");
     let path = std::env::args().nth(1).unwrap_or_else(|| bundled.into());
     let mut model = shardc::load_model(path.as_ref()).map_err(|e| e.render())?.model;

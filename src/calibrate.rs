@@ -936,7 +936,7 @@ pub fn measure_kernel_factors(
         crate::exec::materialize(&mut m, std::path::Path::new("."), 0)?;
         let (tm, info) = crate::train::training_model(&m, &loss, &opt)?;
         let r = crate::exec::named_result(&tm.graph, &cluster, 1, "data", &opts)?;
-        let prog = crate::exec::program_for_search(&tm.graph, &r, 1)?;
+        let prog = crate::exec::program_for_search(&tm.graph, &r, 1).map_err(|e| e.to_string())?;
         let inputs = crate::train::seeded_inputs(&tm.graph, &info, 0)?;
         let roof = crate::exec::named_result(&tm.graph, &rooflines, 1, "data", &opts)?;
         for row in &r.breakdown.ops {

@@ -219,10 +219,17 @@ fn stage_placements(
 /// shapes inferred, weights inline): the one crossing from a plan to a program. The plan's
 /// ops are matched to `g`'s by [`Plan::stage_assignment`]; codegen lowers the full-batch
 /// graph and cuts it into the plan's micro-batches itself.
-pub fn program_for_plan(g: &Graph, plan: &Plan) -> Result<Program, String> {
-    let (asg, stage_of) = plan.stage_assignment(g)?;
+pub fn program_for_plan(g: &Graph, plan: &Plan) -> crate::error::Result<Program> {
+    use crate::error::Error;
+    let (asg, stage_of) = plan.stage_assignment(g).map_err(Error::Plan)?;
     let schedule = plan.schedule.unwrap_or_default();
-    let stages = plan.stage_meshes()?.into_iter().zip(&plan.stages).map(|(m, s)| (m, s.devices.clone())).collect();
+    let stages = plan
+        .stage_meshes()
+        .map_err(Error::Plan)?
+        .into_iter()
+        .zip(&plan.stages)
+        .map(|(m, s)| (m, s.devices.clone()))
+        .collect();
     let recompute: Vec<bool> = plan.stages.iter().map(|s| s.recompute).collect();
     let (stages, recompute) = stage_placements(stages, &recompute, schedule);
     let placement = Placement {
@@ -235,19 +242,19 @@ pub fn program_for_plan(g: &Graph, plan: &Plan) -> Result<Program, String> {
         recompute,
         zero: 0,
     };
-    codegen::lower(g, &placement).map_err(|e| e.to_string())
+    Ok(codegen::lower(g, &placement)?)
 }
 
 /// The program of a search result for `g` (the graph the search ran on: its strategies are
 /// keyed by `g`'s nodes).
-pub fn program_for_search(g: &Graph, r: &SearchResult, devices: usize) -> Result<Program, String> {
+pub fn program_for_search(g: &Graph, r: &SearchResult, devices: usize) -> crate::error::Result<Program> {
     if let Some(o) = &r.options
         && (o.recompute != passes::cost::Recompute::None || o.zero > 0)
     {
-        return Err(format!(
+        return Err(crate::error::Error::Plan(format!(
             "the plan fits only with {}, which the cost model prices but the lowering does not emit yet",
             o.memory_fields()
-        ));
+        )));
     }
     lower_result(g, r, devices, 0)
 }
@@ -255,11 +262,11 @@ pub fn program_for_search(g: &Graph, r: &SearchResult, devices: usize) -> Result
 /// The program of a search result for training graph `g` (its recomputation, if any, written
 /// into the graph by [`passes::recompute`]) under ZeRO stage `zero`
 /// ([`codegen::Placement::zero`]).
-pub fn training_program(g: &Graph, r: &SearchResult, devices: usize, zero: u8) -> Result<Program, String> {
+pub fn training_program(g: &Graph, r: &SearchResult, devices: usize, zero: u8) -> crate::error::Result<Program> {
     lower_result(g, r, devices, zero)
 }
 
-fn lower_result(g: &Graph, r: &SearchResult, devices: usize, zero: u8) -> Result<Program, String> {
+fn lower_result(g: &Graph, r: &SearchResult, devices: usize, zero: u8) -> crate::error::Result<Program> {
     let (meshes, stage_of) = passes::autoshard::plan::stage_meshes(r);
     let device_lists: Vec<Vec<usize>> = match &r.pipeline {
         Some(p) => p.stages.iter().map(|s| s.devices.clone()).collect(),
@@ -269,7 +276,8 @@ fn lower_result(g: &Graph, r: &SearchResult, devices: usize, zero: u8) -> Result
         Some(p) => p.schedule,
         None => codegen::Schedule::default(),
     };
-    let stage_of = passes::autoshard::interleave::virtual_stages(g, &stage_of, meshes.len(), schedule.chunks())?;
+    let stage_of = passes::autoshard::interleave::virtual_stages(g, &stage_of, meshes.len(), schedule.chunks())
+        .map_err(crate::error::Error::Plan)?;
     let recompute: Vec<bool> =
         r.pipeline.as_ref().map_or(Vec::new(), |p| p.stages.iter().map(|s| s.recompute).collect());
     let (stages, recompute) = stage_placements(meshes.into_iter().zip(device_lists).collect(), &recompute, schedule);
@@ -283,7 +291,7 @@ fn lower_result(g: &Graph, r: &SearchResult, devices: usize, zero: u8) -> Result
         recompute,
         zero,
     };
-    codegen::lower(g, &placement).map_err(|e| e.to_string())
+    Ok(codegen::lower(g, &placement)?)
 }
 
 /// Runs `p`, lowered for one micro-batch of `full` (the same graph re-batched to 1/m of its

@@ -24,6 +24,7 @@ pub use ir;
 pub use passes;
 
 pub mod calibrate;
+pub mod error;
 pub mod exec;
 pub mod footprint;
 pub mod launch;

@@ -169,7 +169,7 @@ fn plan_program(
             let err = |e: String| CliError::msg(format!("--strategy `{s}`: {e}"));
             let c = autoshard::config::Config::parse(s).map_err(err)?;
             let batch = passes::cost::pipeline::graph_batch(g);
-            let r = shardc::session::configured(&c, args.devices, batch, &opts).map_err(err)?;
+            let r = shardc::session::configured(&c, args.devices, batch, &opts).map_err(|e| err(e.to_string()))?;
             if r.capacity.is_some() {
                 return Err(
                     err("capacity: `run` dispatches no tokens by all-to-all yet; `train` and `cost` do".into()),

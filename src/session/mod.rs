@@ -56,10 +56,14 @@ pub fn plan(
     cluster: &Cluster,
     devices: usize,
     opts: &Options,
-) -> Result<Planned, String> {
+) -> crate::error::Result<Planned> {
+    use crate::error::Error;
     match choice {
         Choice::Plan { plan, name } => {
-            let program = exec::program_for_plan(g, plan).map_err(|e| format!("the plan does not lower: {e}"))?;
+            let program = exec::program_for_plan(g, plan).map_err(|e| match e {
+                Error::Plan(m) => Error::Plan(format!("the plan does not lower: {m}")),
+                e => e,
+            })?;
             let predicted = (plan.stages.len() <= 1)
                 .then(|| plan.breakdown.get("forward_s").and_then(|v| v.as_f64()))
                 .flatten()
@@ -67,7 +71,7 @@ pub fn plan(
             Ok(Planned { program, rewritten: None, how: How::Plan { name, devices: plan.devices }, predicted })
         }
         Choice::Strategy(s) => {
-            let r = exec::named_result(g, cluster, devices, s, opts)?;
+            let r = exec::named_result(g, cluster, devices, s, opts).map_err(Error::Plan)?;
             let program = exec::program_for_search(g, &r, devices)?;
             let predicted = Some((cluster.name.clone(), r.breakdown.forward_s));
             Ok(Planned {
@@ -80,7 +84,7 @@ pub fn plan(
         Choice::Search(so) => {
             // The program runs the graph as the search rewrote it; checks compare with `g`.
             let mut h = g.clone();
-            let r = autoshard::search_rewriting(&mut h, cluster, devices, opts, &so)?;
+            let r = autoshard::search_rewriting(&mut h, cluster, devices, opts, &so).map_err(Error::Search)?;
             let program = exec::program_for_search(&h, &r, devices)?;
             let predicted = r.pipeline.is_none().then(|| (cluster.name.clone(), r.breakdown.forward_s));
             let how = How::Search { result: Box::new(r), devices, cluster: cluster.name.clone() };
@@ -151,13 +155,16 @@ pub fn configured(
     devices: usize,
     batch: Option<i64>,
     opts: &Options,
-) -> Result<Configured, String> {
+) -> crate::error::Result<Configured> {
+    use crate::error::Error;
     if c.mbs.is_some() {
-        return Err("mbs: a run accumulates gradients with --micro-batches".into());
+        return Err(Error::Plan("mbs: a run accumulates gradients with --micro-batches".into()));
     }
     if c.flash {
-        return Err("flash: a run executes attention as the model writes it; `cost` and `plan` price it fused".into());
+        return Err(Error::Plan(
+            "flash: a run executes attention as the model writes it; `cost` and `plan` price it fused".into(),
+        ));
     }
-    let (named, options) = c.resolve(devices, batch, opts)?;
+    let (named, options) = c.resolve(devices, batch, opts).map_err(Error::Plan)?;
     Ok(Configured { strategy: named.name(), options, capacity: c.capacity_factor() })
 }

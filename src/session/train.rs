@@ -12,6 +12,7 @@ use ir::Graph;
 use passes::autodiff::{LossSpec, OptimizerSpec};
 use passes::cost::{Cluster, Options};
 
+use crate::error::Error;
 use crate::exec;
 use crate::report::secs;
 
@@ -72,10 +73,25 @@ pub fn named_strategy<'a>(c: &TrainChoice<'a>) -> Option<&'a str> {
     }
 }
 
+/// The plan a training run lowers: a named strategy priced on the training graph `train`, a
+/// plan document of the forward model, or the search's result `searched` on it; for the last
+/// two the training graph's backward and update ops follow the forward plan
+/// ([`exec::training_result`]).
+pub fn plan(
+    c: &TrainChoice<'_>,
+    searched: Option<passes::autoshard::SearchResult>,
+    forward: &Graph,
+    train: &Graph,
+    cluster: &Cluster,
+    opts: &Options,
+) -> crate::error::Result<TrainPlan> {
+    plan_inner(c, searched, forward, train, cluster, opts).map_err(Error::Plan)
+}
+
 /// The plan: a named strategy (`--strategy`, or one device), a plan document (`--plan`), or
 /// the search's on the forward model; for the last two the training graph's backward and
 /// update ops follow the forward plan ([`exec::training_result`]).
-pub fn plan(
+fn plan_inner(
     c: &TrainChoice<'_>,
     searched: Option<passes::autoshard::SearchResult>,
     forward: &Graph,
@@ -286,7 +302,7 @@ pub fn lower(
     gl: &Graph,
     chosen: &TrainPlan,
     notes: &mut Vec<String>,
-) -> Result<(codegen::Program, usize, Option<Graph>), String> {
+) -> crate::error::Result<(codegen::Program, usize, Option<Graph>)> {
     let (g, devices) = (&tm.graph, chosen.devices);
     let (program, micro, pipelined) = match &chosen.lowering {
         Lowering::Flat(r) => (exec::training_program(gl, r, devices, opts.zero)?, c.micro_batches, None),
@@ -294,20 +310,24 @@ pub fn lower(
             // The stages' updates run on their parameters whole: a pipeline priced with ZeRO
             // would run without it.
             if opts.zero >= 1 {
-                return Err(format!(
+                return Err(Error::Plan(format!(
                     "ZeRO-{}: `train` runs ZeRO on plans without pipelines; `cost` and `plan` price it with pipelines",
                     opts.zero
-                ));
+                )));
             }
             let m = pipe.micro_batches;
             if c.micro_batches != 1 && c.micro_batches != m {
-                return Err(format!("--micro-batches {}: the pipelined plan runs {m} micro-batches", c.micro_batches));
+                return Err(Error::Plan(format!(
+                    "--micro-batches {}: the pipelined plan runs {m} micro-batches",
+                    c.micro_batches
+                )));
             }
             let micro_tm = match m {
                 1 => tm.clone(),
-                m => crate::train::micro_training_model(model, loss, opt, m)?,
+                m => crate::train::micro_training_model(model, loss, opt, m).map_err(Error::Training)?,
             };
-            let (p, kept) = exec::training_pipeline_program(&micro_tm.graph, &model.graph, fwd, pipe, cluster, opts)?;
+            let (p, kept) = exec::training_pipeline_program(&micro_tm.graph, &model.graph, fwd, pipe, cluster, opts)
+                .map_err(Error::Plan)?;
             if kept < fwd.strategies.len() {
                 notes.push(format!(
                     "{kept} of the plan's {} forward ops keep their strategy; the others are chosen like the backward ops",
@@ -317,7 +337,7 @@ pub fn lower(
             (p, m, Some(micro_tm.graph))
         }
     };
-    let program = exec::as_micro_batches(program, g, micro)?;
+    let program = exec::as_micro_batches(program, g, micro).map_err(Error::Plan)?;
     for f in &program.fallbacks {
         notes.push(format!("runs replicated instead of as planned: {f}"));
     }
@@ -348,9 +368,13 @@ pub fn price(
 
 /// `g` with `mode`'s regions recomputed in its backward pass ([`passes::recompute`]), `None`
 /// when there is nothing to recompute. The references keep the graph as differentiated.
-pub fn recomputed(g: &Graph, mode: passes::cost::Recompute, notes: &mut Vec<String>) -> Result<Option<Graph>, String> {
+pub fn recomputed(
+    g: &Graph,
+    mode: passes::cost::Recompute,
+    notes: &mut Vec<String>,
+) -> crate::error::Result<Option<Graph>> {
     let mut r = g.clone();
-    let copied = passes::recompute::recompute(&mut r, mode)?;
+    let copied = passes::recompute::recompute(&mut r, mode).map_err(Error::Training)?;
     if copied == 0 {
         return Ok(None);
     }
@@ -366,15 +390,15 @@ pub fn early_gradients(
     zero: u8,
     micro_batches: usize,
     notes: &mut Vec<String>,
-) -> Result<Option<Graph>, String> {
+) -> crate::error::Result<Option<Graph>> {
     if zero < 2 {
         return Ok(None);
     }
     if micro_batches > 1 {
-        return Err("stages 2 and 3 run without micro-batches (each update runs when its gradient is complete); `cost` and `plan` price them with accumulation".into());
+        return Err(Error::Training("stages 2 and 3 run without micro-batches (each update runs when its gradient is complete); `cost` and `plan` price them with accumulation".into()));
     }
     let mut r = g.clone();
-    let moved = passes::zero::early_gradients(&mut r)?;
+    let moved = passes::zero::early_gradients(&mut r).map_err(Error::Training)?;
     notes.push(format!(
         "ZeRO-{zero}: {moved} gradients reduce-scattered into their updates' shards as soon as they are complete"
     ));

@@ -177,12 +177,14 @@ fn run_kind(h: &Header, text: &str) -> Result<Outcome, String> {
                 };
                 let r = passes::autoshard::search(g, &cluster, devices, &Options::default(), &so)
                     .map_err(|e| e.to_string())?;
-                let p = shardc::exec::program_for_search(g, &r, devices)?;
+                let p = shardc::exec::program_for_search(g, &r, devices).map_err(|e| e.to_string())?;
                 return Ok(Ok(program_listing(&p)?));
             }
             let r = shardc::exec::named_result(g, &cluster, devices, h.get("strategy")?, &Options::default())?;
             if h.kind == "lower" {
-                return Ok(Ok(program_listing(&shardc::exec::program_for_search(g, &r, devices)?)?));
+                return Ok(Ok(program_listing(
+                    &shardc::exec::program_for_search(g, &r, devices).map_err(|e| e.to_string())?,
+                )?));
             }
             let cm = CostModel::new(g, &cluster, r.mesh.clone(), Options::default());
             let axes: Vec<String> = r.mesh.axes.iter().map(|a| format!("{}={}", a.name, a.size)).collect();

@@ -507,7 +507,8 @@ fn configured(args: &TrainArgs) -> CliResult<TrainArgs> {
         }
         b => b,
     };
-    let r = shardc::session::configured(&c, devices, batch, &passes::cost::Options::default()).map_err(err)?;
+    let r = shardc::session::configured(&c, devices, batch, &passes::cost::Options::default())
+        .map_err(|e| err(e.to_string()))?;
     a.strategy = Some(r.strategy);
     a.recompute = r.options.recompute.name().to_string();
     a.sequence_parallel = r.options.sequence_parallel;
