@@ -898,6 +898,12 @@ fn megatron_exports_the_model_shape_in_its_own_flags() {
     let ds: serde_json::Value = serde_json::from_str(&autoshard::export::deepspeed_config(&d, 2)).unwrap();
     assert_eq!(ds["tensor_parallel"]["autotp_size"], 2, "{ds}");
     assert_eq!(ds["bf16"]["enabled"], true, "{ds}");
+    assert!(!args.contains("--accumulate-allreduce-grads-in-fp32") && ds.get("data_types").is_none(), "{args}");
+    // The fp32 gradient copy priced (`fp32_grads`) is asked of the frameworks.
+    let d = export(&llama, "megatron", 2, &Options { fp32_grads: true, ..half.clone() });
+    assert!(autoshard::export::megatron_args(&d, 2).contains("--accumulate-allreduce-grads-in-fp32"));
+    let ds: serde_json::Value = serde_json::from_str(&autoshard::export::deepspeed_config(&d, 2)).unwrap();
+    assert_eq!(ds["data_types"]["grad_accum_dtype"], "fp32", "{ds}");
     let gpt2 = shared("hf_gpt2_small4.onnxtxt", batch(8));
     let d = export(&gpt2, "hybrid:dp:2,tp:4", 8, &Options::default());
     let gargs = autoshard::export::megatron_args(&d, 8);

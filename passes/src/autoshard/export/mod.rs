@@ -68,6 +68,9 @@ pub struct Degrees {
     pub shape: ModelShape,
     /// Half-precision training (bf16/fp16 with fp32 master weights).
     pub half: bool,
+    /// In half precision, the gradients accumulated and reduced in fp32
+    /// ([`crate::cost::Options::fp32_grads`]).
+    pub fp32_grads: bool,
     /// Layers (attention blocks) per pipeline stage, in stage order.
     pub stage_layers: Vec<usize>,
     /// Layers a pipeline cut falls inside of (their ops on two stages).
@@ -182,6 +185,7 @@ pub fn degrees(g: &Graph, cluster: &Cluster, opts: &Options, plan: &Plan) -> Res
         flash_attention: cm.order().iter().any(|&n| matches!(g.node(n).op, ir::Op::Attention(_))),
         shape: model_shape(g),
         half: opts.precision == crate::cost::Precision::Fp16,
+        fp32_grads: opts.precision == crate::cost::Precision::Fp16 && opts.fp32_grads,
         stage_layers: stage_layers(g, cm.order(), &stage_of, pipeline),
         cut_layers: cut_layers(g, cm.order(), &stage_of),
     })
@@ -273,6 +277,9 @@ pub fn megatron_args(d: &Degrees, devices: usize) -> String {
     );
     t.push_str("# launch: torchrun --nproc_per_node <devices per node> --nnodes <nodes> pretrain_gpt.py \\\n");
     let (mut args, missing) = megatron_model_args(&d.shape, d.half);
+    if d.fp32_grads {
+        args.push("--accumulate-allreduce-grads-in-fp32".into());
+    }
     args.push(format!("--tensor-model-parallel-size {}", d.tensor));
     args.push(format!("--pipeline-model-parallel-size {}", d.pipeline));
     if d.context > 1 {
@@ -399,6 +406,9 @@ pub fn deepspeed_config(d: &Degrees, devices: usize) -> String {
     }
     if d.half {
         cfg["bf16"] = serde_json::json!({ "enabled": true });
+    }
+    if d.fp32_grads {
+        cfg["data_types"] = serde_json::json!({ "grad_accum_dtype": "fp32" });
     }
     if matches!(d.schedule, Some(crate::cost::Schedule::Interleaved(_))) {
         cfg["shardc"]["notes"].as_array_mut().expect("notes").push(serde_json::json!(
