@@ -593,6 +593,12 @@ fn run_takes_a_configuration() {
     assert!(plain.status.success(), "{}", stderr(&plain));
     let sp = run("tp=2,dp=2,sp,zero=1");
     assert!(sp.status.success(), "{}", stderr(&sp));
+    let v: serde_json::Value = serde_json::from_slice(&sp.stdout).unwrap();
+    assert!(
+        v["plan"].as_str().unwrap().contains("strategy `tp=2,dp=2,sp,zero=1` as `hybrid:dp:2,tp:2`"),
+        "{}",
+        v["plan"]
+    );
     assert_eq!(kinds(&plain), vec!["AllReduce"]);
     assert_eq!(kinds(&sp), vec!["AllGather", "ReduceScatter"]);
     for (s, says) in

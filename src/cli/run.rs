@@ -214,7 +214,11 @@ fn plan_program(
     };
     let planned = session::plan(g, choice, &cluster, args.devices, &opts);
     super::ui::finish(bar);
-    let planned = planned.map_err(CliError::msg)?;
+    let mut planned = planned.map_err(CliError::msg)?;
+    // A configuration is reported as given, with the named strategy it ran as.
+    if let (Some(named), Some(given), How::Strategy { name, .. }) = (&configured, &args.strategy, &mut planned.how) {
+        *name = format!("{given}` as `{named}");
+    }
     if let How::Search { result: r, .. } = &planned.how {
         notes.extend(r.rewrites.iter().filter(|c| c.applied).map(super::plan::rewrite_note));
         if let Some(pp) = &r.pipeline {
