@@ -135,10 +135,14 @@ pub fn strategy_and_options(s: &str, devices: usize, g: &mut ir::Graph, opts: Op
     if !autoshard::config::is_config(s) {
         return Ok((Named::parse(s).map_err(CliError::msg)?, opts));
     }
-    let err = |e: String| CliError::msg(format!("--strategy `{s}`: {e}"));
-    let c = autoshard::config::Config::parse(s).map_err(err)?;
-    c.rewrite(g).map_err(err)?;
-    c.resolve(devices, cost::pipeline::graph_batch(g), &opts).map_err(err)
+    configuration(s, devices, g, opts).map_err(|e| CliError::msg(format!("--strategy `{s}`: {e}")))
+}
+
+/// Configuration `s` resolved on `devices` ([`strategy_and_options`] without the flag's name).
+pub fn configuration(s: &str, devices: usize, g: &mut ir::Graph, opts: Options) -> Result<(Named, Options), String> {
+    let c = autoshard::config::Config::parse(s)?;
+    c.rewrite(g)?;
+    c.resolve(devices, cost::pipeline::graph_batch(g), &opts)
 }
 
 /// The launch settings of `named` (with `opts`' recomputation, sequence parallelism and ZeRO)

@@ -280,9 +280,12 @@ fn price_at(
     s: &str,
     opts: &passes::cost::Options,
 ) -> Result<passes::autoshard::named::Priced, String> {
+    if !autoshard::config::is_config(s) {
+        return autoshard::named::price(graph, cluster, devices, &Named::parse(s)?, opts);
+    }
+    // The configuration may rewrite the graph (`flash`): a copy of it.
     let mut g = graph.clone();
-    let (named, o) = super::cost::strategy_and_options(s, devices, &mut g, opts.clone())
-        .map_err(|e| e.message.trim().trim_start_matches("error: ").to_string())?;
+    let (named, o) = super::cost::configuration(s, devices, &mut g, opts.clone())?;
     autoshard::named::price(&g, cluster, devices, &named, &o)
 }
 

@@ -88,9 +88,7 @@ pub fn plan(
     plan_inner(c, searched, forward, train, cluster, opts).map_err(Error::Plan)
 }
 
-/// The plan: a named strategy (`--strategy`, or one device), a plan document (`--plan`), or
-/// the search's on the forward model; for the last two the training graph's backward and
-/// update ops follow the forward plan ([`exec::training_result`]).
+/// [`plan`], its failures as messages.
 fn plan_inner(
     c: &TrainChoice<'_>,
     searched: Option<passes::autoshard::SearchResult>,

@@ -34,8 +34,8 @@ fn in_feature(name: &str, size: i64) -> IterDim {
 
 /// Whether a MatMul's B (local dims `b`) has no batch of its own, so that A's batch folds
 /// into the rows of one GEMM product.
-pub fn shared_b(b: &[f64]) -> bool {
-    b.len() <= 2 || b[..b.len() - 2].iter().all(|&d| d == 1.0)
+pub fn shared_b<T: Copy + PartialEq + From<u8>>(b: &[T]) -> bool {
+    b.len() <= 2 || b[..b.len() - 2].iter().all(|&d| d == T::from(1))
 }
 
 impl OpRules for op::MatMul {
@@ -50,7 +50,7 @@ impl OpRules for op::MatMul {
         };
         // A B without batch dims of its own is shared: the kernel folds A's batch into the
         // rows of one GEMM (`[64, 1, 512]·[512, 1536]` is 64 rows, not 64 GEMMs of one).
-        let m = if w.is_some_and(shared_b) && y.len() >= 2 { y[..y.len() - 1].iter().product() } else { m };
+        let m = if w.is_some_and(shared_b::<f64>) && y.len() >= 2 { y[..y.len() - 1].iter().product() } else { m };
         Some((m, n, x.last().copied().unwrap_or(1.0)))
     }
 

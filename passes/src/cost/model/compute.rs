@@ -96,7 +96,7 @@ impl<'a> CostModel<'a> {
             Op::MatMul(_) => node
                 .input(1)
                 .and_then(|b| self.local_static_dims(b, ins.get(1).and_then(Option::as_ref)))
-                .is_some_and(|b| ir::ops::contraction::shared_b(&b.iter().map(|&d| d as f64).collect::<Vec<_>>())),
+                .is_some_and(|b| ir::ops::contraction::shared_b(&b)),
             _ => false,
         }
     }

@@ -527,10 +527,16 @@ fn half_grads_kept(o: &Options) -> f64 {
     if grad_copy(o) && o.zero >= 2 { 0.0 } else { 1.0 }
 }
 
+/// Bytes per trained parameter element of the gradient's fp32 copy
+/// ([`Options::fp32_grads`]), sharded like the optimizer state.
+fn grad_copy_bytes_per_elem(o: &Options) -> f64 {
+    if grad_copy(o) { 4.0 } else { 0.0 }
+}
+
 /// Bytes per trained parameter element sharded like the optimizer state (ZeRO-1): the
-/// optimizer's and, with [`Options::fp32_grads`], the gradient's fp32 copy.
+/// optimizer's and the gradient's fp32 copy.
 pub fn sharded_bytes_per_elem(o: &Options) -> f64 {
-    optimizer_bytes_per_elem(o) + if grad_copy(o) { 4.0 } else { 0.0 }
+    optimizer_bytes_per_elem(o) + grad_copy_bytes_per_elem(o)
 }
 
 /// Memory traffic of the update per parameter element under `o`: the parameter, its gradient

@@ -90,7 +90,7 @@ impl<'a> CostModel<'a> {
                 p.gathered = p.gathered.max(2.0 * local);
             }
             let half = local / at(2) * half_grads_kept(&self.opts);
-            let copy = elems * (sharded_bytes_per_elem(&self.opts) - self.optimizer_bytes_per_elem());
+            let copy = elems * grad_copy_bytes_per_elem(&self.opts);
             p.trained_bytes += half + copy;
             p.elems += elems;
             p.count += 1;
