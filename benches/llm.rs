@@ -15,8 +15,8 @@
 //! selective recomputation with sequence parallelism, micro-batch 1): 22B TP8 on 8 at batch 4;
 //! 175B TP8 × PP8 interleaved 3 on 64 at batch 64; 530B TP8 × PP35 interleaved 3 on 280 at
 //! batch 280; 1T TP8 × PP64 on 512 at batch 512. torchtitan (Liang et al. 2024, H100, bf16,
-//! sequence 8192): Llama 3.1 8B FSDP on 8 (local batch 2, selective) and on 128 (local batch
-//! 2); 70B FSDP 32 × TP 8 on 256 (local batch 16, full recomputation); 405B FSDP 8 × TP 8 ×
+//! sequence 8192): Llama 3.1 8B FSDP on 8 (local batch 2, selective recomputation by its `op`
+//! policy: `recompute=op`) and on 128 (local batch 2, the same); 70B FSDP 32 × TP 8 on 256 (local batch 16, full recomputation); 405B FSDP 8 × TP 8 ×
 //! PP 8 interleaved on 512 (global batch 256, full recomputation); 8B at sequence 131,072 on 8
 //! as FSDP 2 × context 4 with ring attention (global batch 2, full recomputation; torchtitan's
 //! long-context run); Megatron-core's Mixtral 8×7B (its MoE README: 64 H100, TP1 × PP4 × EP8,
@@ -82,14 +82,14 @@ const CASES: &[Case] = &[
         model: || Llama::llama3_8b(16, 8192).to_text(),
         cluster: "dgx-h100",
         devices: 8,
-        hand: "dp=8,zero=3,mbs=2,recompute=selective,flash",
+        hand: "dp=8,zero=3,mbs=2,recompute=op,flash",
     },
     Case {
         name: "llama3-8b-128",
         model: || Llama::llama3_8b(256, 8192).to_text(),
         cluster: "h100-cluster-16",
         devices: 128,
-        hand: "dp=128,zero=3,mbs=2,recompute=selective,flash",
+        hand: "dp=128,zero=3,mbs=2,recompute=op,flash",
     },
     Case {
         name: "llama3-70b-256",

@@ -2223,6 +2223,12 @@ fn cost_prices_and_exports_a_configuration() {
     let o = shardc(&[&base[..], &["--export", "deepspeed"]].concat());
     let ds: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(ds["zero_optimization"]["stage"], 1);
+    // torchtitan's op-level policy, which Megatron-LM has not: its layers recomputed whole,
+    // said.
+    let op = ["cost", m, "--cluster", "dgx-a100", "--devices", "4", "--strategy", "tp=2,dp=2,recompute=op"];
+    let o = shardc(&[&op[..], &["--export", "megatron"]].concat());
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(text.contains("--recompute-granularity full") && text.contains("op-level policy"), "{text}");
     // A pipeline of tensor-parallel stages, interleaved: priced, reported and exported.
     let pipe = ["cost", m, "--cluster", "dgx-a100", "--devices", "4", "--precision", "bf16", "--strategy"];
     let o = shardc(&[&pipe[..], &["tp=2,pp=2,vp=2,mbs=1", "--json"]].concat());

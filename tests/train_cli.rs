@@ -686,7 +686,7 @@ fn recomputation_and_sequence_parallelism_train_like_one_device_and_lower_the_pe
         let mut without_sp = Vec::new();
         for (devices, sp) in [("1", false), ("4", false), ("4", true)] {
             let mut peaks = Vec::new();
-            for recompute in ["none", "selective", "full"] {
+            for recompute in ["none", "selective", "op", "full"] {
                 let mut args = vec![model, "--backend", "cpu", "--steps", "2", "--devices", devices];
                 args.extend(["--strategy", "megatron", "--loss", "mse", "--recompute", recompute, "--check"]);
                 if sp {
@@ -699,7 +699,8 @@ fn recomputation_and_sequence_parallelism_train_like_one_device_and_lower_the_pe
                 assert!((0.8..=1.2).contains(&ratio), "{what}: measured {measured} B, predicted {predicted} B");
                 peaks.push(measured);
             }
-            assert!(peaks[1] < peaks[0] && peaks[2] < peaks[1], "{name} on {devices}: peaks {peaks:?}");
+            // none, selective, op, full: each keeps less than the one before.
+            assert!(peaks.windows(2).all(|w| w[1] < w[0]), "{name} on {devices}: peaks {peaks:?}");
             // Sequence parallelism splits what the tensor-parallel regions left whole.
             if sp {
                 assert!(peaks.iter().zip(&without_sp).all(|(a, b)| a < b), "{name}: {peaks:?} vs {without_sp:?}");

@@ -1127,7 +1127,7 @@ fn memory_saving_programs_move_what_they_price() {
         ("data", false, 3),
     ];
     for (name, text) in [("gpt", gpt.to_text()), ("llama", llama.to_text())] {
-        for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        for recompute in [Recompute::None, Recompute::Selective, Recompute::Op, Recompute::Full] {
             let mut c = synthetic_case(name, &text, recompute);
             let plain = c.graph.clone();
             for (strategy, sp, zero) in plans {

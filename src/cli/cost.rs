@@ -18,8 +18,9 @@ pub struct ModelArgs {
     /// Optimizer: sgd (momentum) or adam.
     #[arg(long, default_value = "adam")]
     pub optimizer: String,
-    /// Activation recomputation: none, selective (the attention core) or full (each
-    /// repeated block keeps only its input).
+    /// Activation recomputation: none, selective (the attention core), op (torchtitan's
+    /// op-level policy: each block keeps its input and every other linear layer's output) or
+    /// full (each repeated block keeps only its input).
     #[arg(long, default_value = "none")]
     pub recompute: String,
     /// Megatron's sequence parallelism in the tensor-parallel strategies (`megatron`,
@@ -98,7 +99,7 @@ pub struct CostArgs {
     #[arg(long)]
     pub cluster: String,
     /// data, model, megatron (tensor), spatial, hybrid:dp:D,tp:T, spatial-hybrid:DxS, owt, context (ulysses), context:dp:D,tp:T, context:ring[:dp:D,tp:T] (ring), expert (ep), expert:ep:E, pipeline:S:M[:gpipe|:1f1b]; or a
-    /// configuration of key=value fields: dp, tp, pp, vp, cp, cp_comm=a2a|p2p (Ulysses or ring attention), ep, ep_comm=allgather|a2a (tokens all-gathered or dispatched by all-to-all), capacity=F (the all-to-all buffers; 0: dropless), mbs, sp, recompute=none|selective|full,
+    /// configuration of key=value fields: dp, tp, pp, vp, cp, cp_comm=a2a|p2p (Ulysses or ring attention), ep, ep_comm=allgather|a2a (tokens all-gathered or dispatched by all-to-all), capacity=F (the all-to-all buffers; 0: dropless), mbs, sp, recompute=none|selective|op|full,
     /// zero=0|1|2|3, schedule=gpipe|1f1b|interleaved, flash (attention fused before pricing),
     /// tp_overlap (tensor-parallel collectives overlapped with their GEMMs, Megatron-LM's
     /// --tp-comm-overlap), fp32_grads (an fp32 copy of each gradient, as DeepSpeed keeps) (e.g.

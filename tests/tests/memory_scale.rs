@@ -74,6 +74,11 @@ fn activations_match_the_closed_forms_of_korthikanti_et_al() {
                 ("selective", lf * selective_layer - first + 2.0 * scores / tf),
                 // One layer's whole stash again while its backward runs.
                 ("full", lf * full_layer - first + none_layer),
+                // torchtitan's op-level policy keeps the layer's input and the outputs of its
+                // first and third of six linear products (Q's, V's and the first MLP GEMM's,
+                // before their biases: 12sbh/t); as under `full`, one layer's stash is made
+                // again while its backward runs.
+                ("op", lf * (full_layer + 12.0 * sbh / tf) - first + none_layer),
             ];
             for (recompute, want) in cases {
                 let config = format!("tp={t},recompute={recompute}{}", if sp { ",sp" } else { "" });
@@ -92,6 +97,9 @@ fn recomputation_costs_compute_and_sequence_parallelism_trades_all_reduce_for_tw
     let full = priced(&g, 4, "tp=4,recompute=full");
     // Full recomputation runs the forward again (its communication too); selective only the
     // attention core, a small part of it.
+    // torchtitan's op-level policy recomputes the core and half the linear layers.
+    let op = priced(&g, 4, "tp=4,recompute=op");
+    assert!(full.backward_s > op.backward_s && op.backward_s > selective.backward_s);
     assert!(full.backward_s > selective.backward_s && selective.backward_s > none.backward_s);
     let again = full.backward_s - none.backward_s;
     assert!(again > 0.8 * none.forward_s && again < 1.2 * none.forward_s, "{again} vs forward {}", none.forward_s);

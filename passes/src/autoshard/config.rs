@@ -3,7 +3,7 @@
 //! (`pp`, with `vp` virtual stages), context (`cp`; `cp_comm=p2p` for ring attention, `a2a`
 //! for Ulysses, the default) and expert (`ep`) parallelism, the
 //! micro-batch size (`mbs`), sequence parallelism (`sp`), activation recomputation
-//! (`recompute=none|selective|full`), the ZeRO stage (`zero=0|1|2|3`), the pipeline
+//! (`recompute=none|selective|op|full`), the ZeRO stage (`zero=0|1|2|3`), the pipeline
 //! schedule (`schedule=gpipe|1f1b|interleaved`) and flash attention (`flash`: the model's
 //! attentions fused into one op each before pricing, [`crate::algebra::attention`]).
 //!

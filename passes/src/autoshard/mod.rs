@@ -680,12 +680,19 @@ pub fn search(
 /// The options that save memory, in the order the search tries them when no plan fits,
 /// each keeping what the caller asked for and the rungs before it: selective recomputation
 /// with sequence parallelism (the attention core's `s × s` tensors; a few percent of compute),
-/// full recomputation (each block keeps only its input; a third more compute), then ZeRO-1
+/// torchtitan's op-level policy (each block keeps its input and every other linear layer's
+/// output), full recomputation (each block keeps only its input; a third more compute), then ZeRO-1
 /// (the optimizer state sharded over the data-parallel devices) and ZeRO-3 (the parameters
 /// and gradients too, gathered before each use).
 pub fn memory_ladder(opts: &Options) -> Vec<Options> {
     use crate::cost::Recompute;
-    let rungs = [(Recompute::Selective, 0u8), (Recompute::Full, 0), (Recompute::Full, 1), (Recompute::Full, 3)];
+    let rungs = [
+        (Recompute::Selective, 0u8),
+        (Recompute::Op, 0),
+        (Recompute::Full, 0),
+        (Recompute::Full, 1),
+        (Recompute::Full, 3),
+    ];
     let mut out: Vec<Options> = Vec::new();
     for (recompute, zero) in rungs {
         let o = Options {

@@ -11,6 +11,12 @@
 //!   activations (`Q·Kᵀ`) through the ops that follow it on activations and constants alone
 //!   (scale, mask, softmax, dropout) up to the next such product (`·V`), which reads the
 //!   recomputed probabilities; the `s × s` tensors are not kept (Korthikanti et al. 2022, §5).
+//! - `op` is torchtitan's op-level selective policy (`selective_ac_option = "op"`): each
+//!   repeated block keeps its inputs and the outputs of every other linear-layer product
+//!   (torch's `mm`: a contraction of one activation with weights; the first, third, … of the
+//!   block) and of its other matrix-unit ops but products of two activations (fused attention,
+//!   experts); everything else in the block (norms, rotations, activation functions,
+//!   `Q·Kᵀ` and softmax when attention is not fused) runs again inside the backward pass.
 //! - `full` keeps only each repeated block's inputs (the exporter's module blocks,
 //!   [`ir::scope::block_of`]: `transformer.h.7`, `layer.3`) and runs the block's forward
 //!   again, one block at a time, inside the backward pass.
@@ -32,18 +38,22 @@ pub enum Recompute {
     None,
     /// Recompute the attention core (scores, softmax, dropout).
     Selective,
+    /// torchtitan's op-level policy: keep each block's input and every other linear layer's
+    /// output (and fused attention's); recompute the rest of the block.
+    Op,
     /// Keep only each block's inputs; recompute the block.
     Full,
 }
 
 impl Recompute {
-    /// Parses `none`, `selective`, `full`.
+    /// Parses `none`, `selective`, `op`, `full`.
     pub fn parse(s: &str) -> Result<Recompute, String> {
         Ok(match s {
             "none" | "off" => Recompute::None,
             "selective" => Recompute::Selective,
+            "op" => Recompute::Op,
             "full" => Recompute::Full,
-            _ => return Err(format!("unknown recomputation `{s}`: write none, selective or full")),
+            _ => return Err(format!("unknown recomputation `{s}`: write none, selective, op or full")),
         })
     }
 
@@ -52,6 +62,7 @@ impl Recompute {
         match self {
             Recompute::None => "none",
             Recompute::Selective => "selective",
+            Recompute::Op => "op",
             Recompute::Full => "full",
         }
     }
@@ -142,7 +153,14 @@ impl Stash {
         };
         let mut checkpoints: HashSet<Value> = HashSet::new();
         for ops in groups {
-            let inside: HashSet<NodeId> = ops.iter().copied().filter(|n| act.contains(n)).collect();
+            let mut inside: HashSet<NodeId> = ops.iter().copied().filter(|n| act.contains(n)).collect();
+            if mode == Recompute::Op {
+                // The policy's outputs are kept whether the backward reads them or not (torch
+                // stores each as it is made); recomputation reads them as it reads the input.
+                let keep = op_policy(g, &ops, &act);
+                inside.retain(|n| !keep.contains(n));
+                checkpoints.extend(keep.iter().map(|&n| storage_root(g, Value::new(n, 0))));
+            }
             let mut again: Vec<Value> = saved.iter().copied().filter(|v| inside.contains(&v.node)).collect();
             if again.is_empty() {
                 continue;
@@ -198,6 +216,32 @@ fn activations(g: &Graph, order: &[NodeId]) -> HashSet<NodeId> {
         }
     }
     act
+}
+
+/// torchtitan's op-level policy over one block's `ops` (in order): the ops whose outputs it
+/// keeps — every other linear-layer product (a contraction of one activation with weights,
+/// torch's `mm`; the first, third, … in the block) and every other op on the matrix units but
+/// products of two activations (`Q·Kᵀ`, `·V`: torch's `bmm`, recomputed).
+fn op_policy(g: &Graph, ops: &[NodeId], act: &HashSet<NodeId>) -> HashSet<NodeId> {
+    let mut linear = 0usize;
+    let mut keep = HashSet::new();
+    for &n in ops {
+        let node = g.node(n);
+        if !act.contains(&n) || !node.op.rules().matrix_units() {
+            continue;
+        }
+        if node.op.class() == OpClass::Contraction {
+            if node.inputs().iter().flatten().filter(|v| act.contains(&v.node)).count() >= 2 {
+                continue;
+            }
+            linear += 1;
+            if linear.is_multiple_of(2) {
+                continue;
+            }
+        }
+        keep.insert(n);
+    }
+    keep
 }
 
 /// The attention cores of `g`: each from a product of two activations (`Q·Kᵀ`) through the

@@ -103,8 +103,10 @@ pub struct TrainArgs {
     /// a time and the optimizer steps once on the mean gradient (gradient accumulation).
     #[arg(long, default_value_t = 1, value_parser = parse_count, allow_negative_numbers = true)]
     pub micro_batches: usize,
-    /// Activation recomputation: none, selective (the attention cores) or full (each repeated
-    /// block keeps only its input); the backward pass runs those forward ops again.
+    /// Activation recomputation: none, selective (the attention cores), op (torchtitan's
+    /// op-level policy: each block keeps its input and every other linear layer's output) or
+    /// full (each repeated block keeps only its input); the backward pass runs those forward
+    /// ops again.
     #[arg(long, default_value = "none")]
     pub recompute: String,
     /// Megatron's sequence parallelism in the tensor-parallel strategies (`megatron`,

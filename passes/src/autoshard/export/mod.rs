@@ -337,7 +337,12 @@ pub fn megatron_args(d: &Degrees, devices: usize) -> String {
     match d.granularity {
         crate::cost::Recompute::Selective if !d.recompute => args.push("--recompute-granularity selective".into()),
         crate::cost::Recompute::None if !d.recompute => {}
-        _ => args.push("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".into()),
+        g => {
+            if g == crate::cost::Recompute::Op && !d.recompute {
+                notes.push("# note: the plan recomputes by torchtitan's op-level policy, which Megatron-LM has not: the layers are recomputed whole (less memory, more compute than priced)".into());
+            }
+            args.push("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".into());
+        }
     }
     if d.flash_attention {
         args.push("--attention-backend flash".into());
