@@ -47,12 +47,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Training: the training graph planned data-parallel on two devices, three SGD steps.
     let sgd = OptimizerSpec::Sgd { lr: 0.1, momentum: 0.0, dampening: 0.0, nesterov: false, weight_decay: 0.0 };
     let loss = LossSpec::parse("softmax-cross-entropy")?;
-    let (tm, info) = shardc::train::training_model(&model, &loss, &sgd)?;
     let c = train::TrainChoice { devices: Some(2), strategy: Some("data"), micro_batches: 1, plan: None };
-    let plan = train::plan(&c, None, g, &tm.graph, &cluster, &opts)?;
-    let lowered = train::lower(&c, &model, (&loss, &sgd), (&cluster, &opts), &tm, &tm.graph, &plan, &mut vec![])?;
-    let inputs = shardc::train::seeded_inputs(&tm.graph, &info, 0)?;
-    let trained = shardc::train::run_steps(&lowered.0, &info, &inputs, Backend::Cpu, 3)?;
+    let t = train::compile(&model, &c, None, (&loss, &sgd), (&cluster, &opts))?;
+    let inputs = shardc::train::seeded_inputs(&t.tm.graph, &t.info, 0)?;
+    let trained = shardc::train::run_steps(&t.program, &t.info, &inputs, Backend::Cpu, 3)?;
     println!("losses {:?}", trained.losses);
     if checks.iter().all(|c| c.ok) && trained.losses.last() < trained.losses.first() {
         Ok(())

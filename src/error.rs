@@ -15,6 +15,9 @@ pub enum Error {
     /// known.
     #[error(transparent)]
     Lower(#[from] codegen::LowerError),
+    /// A pass failed on the model (its errors located in it).
+    #[error(transparent)]
+    Pass(#[from] passes::PassError),
     /// The training graph could not be made as asked (autodiff, micro-batches, recomputation,
     /// ZeRO's early gradients).
     #[error("{0}")]

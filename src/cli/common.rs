@@ -623,19 +623,9 @@ pub fn read_plan(path: &Path) -> CliResult<passes::autoshard::Plan> {
 }
 
 /// Makes on `g` the algebraic rewrites `plan` was searched with and applied
-/// ([`passes::autoshard::Plan::rewrites`]), so the plan's ops are `g`'s.
+/// ([`shardc::session::train::apply_plan_rewrites`]).
 pub fn apply_plan_rewrites(g: &mut ir::Graph, plan: &passes::autoshard::Plan) -> CliResult<()> {
-    for c in plan.rewrites.iter().filter(|c| c.applied) {
-        match (&c.cheaper_at, c.applied_at_cheaper) {
-            (Some(at), true) => passes::algebra::apply_named_at(g, &c.rule, at),
-            _ => passes::algebra::apply_named(g, &c.rule),
-        }
-        .map_err(|e| CliError::msg(format!("the plan's rewrite `{}` does not apply: {e}", c.rule)))?;
-    }
-    if let Some(f) = plan.moe_capacity {
-        ir::ops::experts::set_capacity(g, f).map_err(|e| CliError::msg(format!("the plan's capacity factor: {e}")))?;
-    }
-    Ok(())
+    shardc::session::train::apply_plan_rewrites(g, plan).map_err(CliError::msg)
 }
 
 /// Checks that the plan at `plan_path` was made for `model` (their sha256 agree). When it

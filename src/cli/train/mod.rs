@@ -227,21 +227,21 @@ fn optimizer(args: &TrainArgs, case: Option<&TrainCase>) -> CliResult<OptimizerS
     })
 }
 
-/// The search `train` runs without a plan: `plan`'s (after the `algebra` pass, the search
-/// choosing the rewrites it prices faster), on `loaded`, which it leaves rewritten as chosen.
-/// Returns the result and a note per rewrite made.
-fn search_model(
+/// The search `train` runs without a plan: `plan`'s, the plan trained as found (no
+/// memory-saving options the lowering does not emit), with a progress bar.
+/// Without `searches`, the defaults and no bar.
+fn search_options(
     args: &TrainArgs,
-    loaded: &mut shardc::Loaded,
-    cluster: &passes::cost::Cluster,
-    opts: &passes::cost::Options,
-) -> CliResult<(passes::autoshard::SearchResult, Vec<String>)> {
+    searches: bool,
+) -> CliResult<(passes::autoshard::SearchOptions, Option<indicatif::ProgressBar>)> {
+    if !searches {
+        return Ok((Default::default(), None));
+    }
     let pipeline = match &args.pipeline {
         Some(p) => passes::autoshard::PipelineMode::parse(p).map_err(CliError::msg)?,
         None => passes::autoshard::PipelineMode::Off,
     };
     let (progress, bar) = super::ui::search_progress(args.time_limit);
-    // The plan is trained as found: no memory-saving options the lowering does not emit.
     let so = passes::autoshard::SearchOptions {
         pipeline,
         time_limit: std::time::Duration::from_secs_f64(args.time_limit),
@@ -249,12 +249,15 @@ fn search_model(
         memory_ladder: false,
         ..Default::default()
     };
-    let devices = args.devices.unwrap_or(1);
-    let r = passes::autoshard::search_rewriting(&mut loaded.model.graph, cluster, devices, opts, &so);
-    super::ui::finish(bar);
-    let r = r.map_err(CliError::msg)?;
-    let notes = r.rewrites.iter().filter(|c| c.applied).map(super::plan::rewrite_note).collect();
-    Ok((r, notes))
+    Ok((so, bar))
+}
+
+/// A driver error as the CLI prints it (a pass's located in the model's source).
+fn driver_error(e: shardc::error::Error, source: &shardc::Source) -> CliError {
+    match e {
+        shardc::error::Error::Pass(p) => pass_error(&p, source),
+        e => CliError::msg(e),
+    }
 }
 
 /// With `-v`: compute time per op kind of the last step, measured (the mean over the devices)
@@ -320,18 +323,9 @@ fn prepare(args: &TrainArgs, plan_doc: Option<passes::autoshard::Plan>, material
     // Not canonicalized: folding would rename or transform parameters, and the trained
     // tensors must stay the model's own.
     let mut loaded = load_computable(&args.model, &args.shapes)?;
-    let mut frozen =
-        shardc::train::freeze(&mut loaded.model.graph, &args.freeze, case.as_ref().map(|c| &c.trainable[..]))
-            .map_err(CliError::msg)?;
-    // What the plan priced as a constant (`plan --freeze`) is not trained.
-    if let Some(p) = &plan_doc {
-        frozen.extend(shardc::train::freeze_as_planned(&mut loaded.model.graph, p));
-    }
-    let frozen = (!frozen.is_empty()).then(|| {
-        let shown: Vec<&str> = frozen.iter().take(8).map(String::as_str).collect();
-        let more = if frozen.len() > 8 { format!(" and {} more", frozen.len() - 8) } else { String::new() };
-        format!("constant, not trained: {}{more}", shown.join(", "))
-    });
+    let trainable = case.as_ref().map(|c| &c.trainable[..]);
+    let frozen = driver::freeze(&mut loaded.model.graph, &args.freeze, trainable, plan_doc.as_ref())
+        .map_err(|e| driver_error(e, &loaded.source))?;
     let loss = match (&args.loss, &args.loss_output) {
         (Some(l), _) => LossSpec::parse(l).map_err(|e| CliError::msg(format!("--loss: {e}")))?,
         (None, Some(o)) => LossSpec::Output(o.clone()),
@@ -365,27 +359,15 @@ fn prepare(args: &TrainArgs, plan_doc: Option<passes::autoshard::Plan>, material
         .collect();
     let mut written = args.check.then(|| loaded.model.clone());
     let mut notes: Vec<String> = frozen.into_iter().collect();
-    // The model after the `algebra` pass (fused GEMMs that are split un-fused, reshape
-    // detours folded), as `plan` and `cost` price it. A plan is a plan of that model and the
-    // rewrites its search applied; without one, the search is `plan`'s and makes the same
-    // rewrites. The program trains that model's parameters (a split weight's parts, a
-    // joined weight); they are reported under the model's names.
-    // Identities bypassed as `plan` canonicalizes them: a plan names the op computing a
-    // graph output by the output's name.
-    passes::canonicalize::bypass_identities(&mut loaded.model.graph);
-    let mut pm = passes::PassManager::new();
-    pm.add(passes::Algebra);
-    if let Some(f) = args.moe_capacity {
-        pm.add(passes::MoeCapacity(f));
-    }
-    pm.run(&mut loaded.model).map_err(|e| pass_error(&e, &loaded.source))?;
-    let mut searched = None;
-    if let Some(p) = &plan_doc {
-        apply_plan_rewrites(&mut loaded.model.graph, p)?;
-    } else if driver::named_strategy(&choice(args, None)).is_none() {
-        let (r, said) = search_model(args, &mut loaded, &cluster, &opts)?;
-        notes.extend(said);
-        searched = Some(r);
+    // The model as `plan` and `cost` price it, rewritten as the plan or the search chose; the
+    // trained tensors are reported under the model's names.
+    let c = choice(args, plan_doc.as_ref());
+    let (so, bar) = search_options(args, c.plan.is_none() && driver::named_strategy(&c).is_none())?;
+    let searched = driver::rewrite(&mut loaded.model, &c, args.moe_capacity, so, (&cluster, &opts));
+    super::ui::finish(bar);
+    let searched = searched.map_err(|e| driver_error(e, &loaded.source))?;
+    if let Some(r) = &searched {
+        notes.extend(r.rewrites.iter().filter(|c| c.applied).map(super::plan::rewrite_note));
     }
     if written.as_ref().is_some_and(|w| w.graph == loaded.model.graph) {
         written = None;
@@ -557,39 +539,16 @@ fn prepare_program(
     let mut s = prepare(args, plan_doc, materialize)?;
     let mut notes = std::mem::take(&mut s.notes);
     notes.extend(planned);
-    let (tm, info) = training_model(&s.loaded.model, &s.loss, &s.opt).map_err(CliError::msg)?;
-    let g = &tm.graph;
-    // With micro-batches, the program is the training graph of one micro-batch (the model
-    // re-batched to 1/M of its batch), run M times per step before the update.
-    let micro_tm = match args.micro_batches {
-        1 => None,
-        m => Some(shardc::train::micro_training_model(&s.loaded.model, &s.loss, &s.opt, m).map_err(CliError::msg)?),
-    };
-    let gl = micro_tm.as_ref().map_or(g, |t| &t.graph);
-    // Recomputation rewrites the graph the program runs; the references keep the graph as
-    // differentiated.
-    let mode =
-        passes::cost::Recompute::parse(&args.recompute).map_err(|e| CliError::msg(format!("--recompute: {e}")))?;
-    let recomputed =
-        driver::recomputed(gl, mode, &mut notes).map_err(|e| CliError::msg(format!("--recompute: {e}")))?;
-    let gl = recomputed.as_ref().unwrap_or(gl);
-    let early = driver::early_gradients(gl, args.zero, args.micro_batches, &mut notes)
-        .map_err(|e| CliError::msg(format!("--zero {}: {e}", args.zero)))?;
-    let gl = early.as_ref().unwrap_or(gl);
-    // The program: the training graph lowered for the strategy.
-    let searched = s.searched.take();
     if let (Some(path), Some(plan)) = (&args.plan, &s.plan_doc) {
         notes.extend(check_plan_model(plan, path, &args.model, args.force)?);
     }
     let c = choice(args, s.plan_doc.as_ref());
-    let chosen = driver::plan(&c, searched, &s.loaded.model.graph, gl, &s.cluster, &s.opts).map_err(CliError::msg)?;
-    notes.extend(chosen.notes.iter().cloned());
-    let (program, micro, pipelined) =
-        driver::lower(&c, &s.loaded.model, (&s.loss, &s.opt), (&s.cluster, &s.opts), &tm, gl, &chosen, &mut notes)
-            .map_err(CliError::msg)?;
+    let compiled = driver::compile(&s.loaded.model, &c, s.searched.take(), (&s.loss, &s.opt), (&s.cluster, &s.opts))
+        .map_err(|e| driver_error(e, &s.loaded.source))?;
+    let driver::Compiled { tm, info, micro_tm, chosen, program, micro, lowered, notes: said } = compiled;
+    notes.extend(said);
     check_program(&program)?;
     emit_program(args, &program)?;
-    let lowered = pipelined.unwrap_or_else(|| gl.clone());
     Ok(Prepared { s, tm, info, micro_tm, chosen, program, micro, lowered, notes })
 }
 

@@ -6,7 +6,9 @@
 //! of the forward model or the search's result, the backward and update ops following the
 //! forward plan) → the devices' program ([`lower`]: gradient accumulation's micro-batches and
 //! a pipeline's stages cut in) → its price ([`price`]) → training steps
-//! ([`crate::train::run_steps`]).
+//! ([`crate::train::run_steps`]). Before them, [`freeze`] and [`rewrite`] make the model ready
+//! (constants, the `algebra` pass, a plan's rewrites or the search); [`compile`] runs the
+//! stages from the training graph to the program in one call.
 
 use ir::Graph;
 use passes::autodiff::{LossSpec, OptimizerSpec};
@@ -15,6 +17,9 @@ use passes::cost::{Cluster, Options};
 use crate::error::Error;
 use crate::exec;
 use crate::report::secs;
+
+mod compile;
+pub use compile::{Compiled, apply_plan_rewrites, compile, freeze, rewrite};
 
 /// What a training run asks of the plan, beside the model: the devices, a named strategy, a
 /// plan document, the micro-batches of gradient accumulation.
@@ -372,7 +377,8 @@ pub fn recomputed(
     notes: &mut Vec<String>,
 ) -> crate::error::Result<Option<Graph>> {
     let mut r = g.clone();
-    let copied = passes::recompute::recompute(&mut r, mode).map_err(Error::Training)?;
+    let copied = passes::recompute::recompute(&mut r, mode)
+        .map_err(|e| Error::Training(format!("recomputation ({}): {e}", mode.name())))?;
     if copied == 0 {
         return Ok(None);
     }
@@ -393,10 +399,12 @@ pub fn early_gradients(
         return Ok(None);
     }
     if micro_batches > 1 {
-        return Err(Error::Training("stages 2 and 3 run without micro-batches (each update runs when its gradient is complete); `cost` and `plan` price them with accumulation".into()));
+        return Err(Error::Training(format!(
+            "ZeRO-{zero}: stages 2 and 3 run without micro-batches (each update runs when its gradient is complete); `cost` and `plan` price them with accumulation"
+        )));
     }
     let mut r = g.clone();
-    let moved = passes::zero::early_gradients(&mut r).map_err(Error::Training)?;
+    let moved = passes::zero::early_gradients(&mut r).map_err(|e| Error::Training(format!("ZeRO-{zero}: {e}")))?;
     notes.push(format!(
         "ZeRO-{zero}: {moved} gradients reduce-scattered into their updates' shards as soon as they are complete"
     ));
