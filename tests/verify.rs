@@ -576,3 +576,78 @@ fn a_loss_averaged_over_a_devices_rows_only_is_caught() {
     let (g, p) = seeded_on(g, ("data", 2, false, 0), local_mean);
     refuted("local mean over all labels", (g, p), "SoftmaxCrossEntropyLossGrad");
 }
+
+/// A transposed convolution and an instance normalization (PyTorch's `GroupNorm` and
+/// `InstanceNorm2d` export as it) on parts: split by images (data) and by channels
+/// (megatron: the transposed convolution's output channels, the normalization's channels with
+/// their scale and bias), the training programs verify; an instance normalization with another
+/// epsilon on the devices is caught.
+#[test]
+fn transposed_convolutions_and_instance_norms_on_parts_verify() {
+    let w: Vec<String> = (0..144).map(|i| format!("{:.2}", f64::from(i % 7 - 3) * 0.25)).collect();
+    let text = format!(
+        "<ir_version: 8, opset_import: [\"\" : 17]>\n\
+         g (float[4,4,3,3] x) => (float[4,4,5,5] y)\n\
+         <float[4,4,3,3] w = {{{}}}, float[4] b = {{0.1, 0.2, 0.3, 0.4}}, float[4] s = {{1.0, 0.5, 2.0, 1.5}}, \
+          float[4] t = {{0.0, 0.1, -0.1, 0.2}}>\n\
+         {{ d = ConvTranspose (x, w, b)\n  y = InstanceNormalization <epsilon: float = 0.00001> (d, s, t) }}",
+        w.join(", ")
+    );
+    let g = training_graph(&text);
+    for (strategy, devices) in [("data", 2), ("data", 4), ("megatron", 2), ("megatron", 4)] {
+        let p = program(&g, strategy, devices, &Options::default());
+        verify(&g, &p).unwrap_or_else(|e| panic!("{strategy} on {devices}: {e}"));
+    }
+    let epsilon = |_: usize, d: &mut Graph| {
+        let n = node_of(d, "y");
+        let Op::InstanceNormalization(mut i) = d.node(n).op.clone() else { panic!("not the normalization") };
+        i.epsilon = Some(1e-3);
+        d.set_op(n, Op::InstanceNormalization(i));
+    };
+    refuted("an instance normalization with another epsilon", seeded_on(g, DATA, epsilon), "InstanceNormalization");
+}
+
+/// A recurrent layer's weights, input and states as text: `W [1, gates·H, I]`, `R [1,
+/// gates·H, H]`, `B [1, 2·gates·H]`.
+fn recurrent_text(op: &str, gates: usize, layout: i64) -> String {
+    let (h, i) = (2usize, 3usize);
+    let vals = |n: usize| (0..n).map(|k| format!("{:.2}", ((k % 5) as f64 - 2.0) * 0.2)).collect::<Vec<_>>().join(", ");
+    // The batch first in the graph's input, as a language model's tokens are; with the
+    // sequence first in the layer (layout 0), transposed to it.
+    let y = if layout == 0 { "float[5,1,4,2] y" } else { "float[4,5,1,2] y" };
+    let xt = if layout == 0 { "xt = Transpose <perm: ints = [1, 0, 2]> (x)\n  " } else { "" };
+    let input = if layout == 0 { "xt" } else { "x" };
+    format!(
+        "<ir_version: 8, opset_import: [\"\" : 17]>\n\
+         g (float[4,5,3] x) => ({y})\n\
+         <float[1,{gh},{i}] w = {{{}}}, float[1,{gh},{h}] r = {{{}}}, float[1,{bh}] b = {{{}}}>\n\
+         {{ {xt}y = {op} <hidden_size: int = {h}, layout: int = {layout}> ({input}, w, r, b) }}",
+        vals(gates * h * i),
+        vals(gates * h * h),
+        vals(2 * gates * h),
+        gh = gates * h,
+        bh = 2 * gates * h,
+    )
+}
+
+/// Recurrent layers split by sequences (data parallel): an LSTM with the batch in dim 1 and
+/// a GRU with it in dim 0 verify on 2 and 4 devices, each device's layer run on its own
+/// sequences; an LSTM the devices run in the reverse direction is caught.
+#[test]
+fn recurrent_layers_split_by_sequences_verify() {
+    for (op, gates, layout) in [("LSTM", 4, 0), ("GRU", 3, 1)] {
+        let g = training_graph(&recurrent_text(op, gates, layout));
+        for devices in [2, 4] {
+            let p = program(&g, "data", devices, &Options::default());
+            verify(&g, &p).unwrap_or_else(|e| panic!("{op} data on {devices}: {e}"));
+        }
+    }
+    let g = training_graph(&recurrent_text("LSTM", 4, 0));
+    let reversed = |_: usize, d: &mut Graph| {
+        let n = node_of(d, "y");
+        let Op::LSTM(mut l) = d.node(n).op.clone() else { panic!("not the LSTM") };
+        l.direction = Some("reverse".into());
+        d.set_op(n, Op::LSTM(l));
+    };
+    refuted("an LSTM run backwards on the devices", seeded_on(g, DATA, reversed), "LSTM");
+}

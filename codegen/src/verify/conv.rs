@@ -23,6 +23,7 @@ fn group(op: &Op) -> i64 {
         Op::Conv(c) => c.group.unwrap_or(1),
         Op::ConvGradInput(c) => c.group.unwrap_or(1),
         Op::ConvGradWeight(c) => c.group.unwrap_or(1),
+        Op::ConvTranspose(c) => c.group.unwrap_or(1),
         _ => 1,
     }
 }
@@ -50,7 +51,7 @@ fn partial(t: TermId, k: i64, held: (i64, i64), bias_global: bool, bias_here: bo
     if s.complete() { Vec::new() } else { vec![s] }
 }
 
-/// Conv, ConvGradInput and ConvGradWeight.
+/// Conv, ConvTranspose, ConvGradInput and ConvGradWeight.
 pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
     let op = cx.g.node(n).op.clone();
     if let Op::Conv(_) = op {
@@ -70,8 +71,11 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
     let (d0, d1, ka, kb, shape) = match op {
         // X [N, C, ..], W [M, C/g, ..] → [N, M, ..]; sums over C.
         Op::Conv(_) => (a.region[0], b.region[0], a.region[1], b.region[1], [sa[0], sb[0]]),
-        // dY [N, M, ..], W [M, C/g, ..] → dX [N, C, ..]; sums over M.
-        Op::ConvGradInput(_) => (a.region[0], b.region[1], a.region[1], b.region[0], [sa[0], sb[1] * g]),
+        // dY [N, M, ..], W [M, C/g, ..] → dX [N, C, ..]; sums over M. ConvTranspose is the
+        // same product: X [N, C, ..], W [C, M/g, ..] → Y [N, M, ..], summed over C.
+        Op::ConvGradInput(_) | Op::ConvTranspose(_) => {
+            (a.region[0], b.region[1], a.region[1], b.region[0], [sa[0], sb[1] * g])
+        }
         // X [N, C, ..], dY [N, M, ..] → dW [M, C/g, ..]; sums over N.
         _ => (b.region[1], a.region[1], a.region[0], b.region[0], [sb[1], sa[1] / g]),
     };
@@ -80,14 +84,14 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
         // Grouped: the channels of every operand held whole (a device may hold some images).
         let whole_ch = |f: &Fact, s: &[i64], dims: &[usize]| dims.iter().all(|&d| f.region[d] == (0, s[d]));
         let ok = match op {
-            Op::ConvGradInput(_) => whole_ch(a, &sa, &[1]) && whole_ch(b, &sb, &[0, 1]),
+            Op::ConvGradInput(_) | Op::ConvTranspose(_) => whole_ch(a, &sa, &[1]) && whole_ch(b, &sb, &[0, 1]),
             _ => whole_ch(a, &sa, &[1]) && whole_ch(b, &sb, &[1]),
         };
         if !ok {
             return Err(Why::Uncovered(format!("a grouped {} split along its channels", op.op_type())));
         }
         d1 = (0, shape[1]);
-        if matches!(op, Op::ConvGradInput(_)) {
+        if matches!(op, Op::ConvGradInput(_) | Op::ConvTranspose(_)) {
             (ka, kb) = ((0, 1), (0, 1));
         }
     }
@@ -158,6 +162,37 @@ pub fn per_channel(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
         out.push(Some(Fact::exact(t, region)));
     }
     Ok(out)
+}
+
+/// InstanceNormalization: each image's channel normalized over its spatial dims. On a part
+/// whole along them, the part of the op on the whole input, its scale and bias (per channel)
+/// held at the part's channels.
+pub fn instance_norm(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
+    let op = cx.g.node(n).op.clone();
+    let x = input(ins, 0)?;
+    if ins.iter().flatten().any(|f| !f.is_exact()) {
+        return wrong("a partial sum reaches InstanceNormalization");
+    }
+    let shape = cx.terms.shape(x.term).to_vec();
+    if shape.len() < 3 {
+        return Err(Why::Uncovered(format!("InstanceNormalization of rank {}", shape.len())));
+    }
+    if (2..shape.len()).any(|d| x.region[d] != (0, shape[d])) {
+        return wrong(format!("InstanceNormalization over the spatial dims, held in part: {:?}", x.region));
+    }
+    let mut terms = vec![x.term];
+    for (k, what) in [(1, "scale"), (2, "bias")] {
+        let f = input(ins, k)?;
+        if f.region != vec![x.region[1]] {
+            return wrong(format!(
+                "InstanceNormalization's {what} holds {:?}, X the channels {:?}",
+                f.region, x.region[1]
+            ));
+        }
+        terms.push(f.term);
+    }
+    let t = cx.terms.op(&op_key(&op), 0, &terms, &shape);
+    Ok(vec![Some(Fact::exact(t, x.region.clone()))])
 }
 
 /// The op without its padding (which a device's piece makes its own): the part of a

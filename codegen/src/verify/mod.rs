@@ -28,6 +28,7 @@ mod conv;
 mod dispatch;
 mod experts;
 mod flash;
+mod recurrent;
 mod rules;
 mod term;
 mod vocab;

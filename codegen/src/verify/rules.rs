@@ -165,7 +165,11 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
         Op::Add(_) if disjoint_sum(ins).is_some() => Ok(vec![disjoint_sum(ins)]),
         Op::Gemm(gm) => gemm(cx, gm, ins),
         _ if op.class() == ir::OpClass::Reduce => reduce(cx, n, ins),
-        Op::Conv(_) | Op::ConvGradInput(_) | Op::ConvGradWeight(_) => super::conv::apply(cx, n, ins),
+        Op::Conv(_) | Op::ConvTranspose(_) | Op::ConvGradInput(_) | Op::ConvGradWeight(_) => {
+            super::conv::apply(cx, n, ins)
+        }
+        Op::InstanceNormalization(_) => super::conv::instance_norm(cx, n, ins),
+        Op::LSTM(_) | Op::GRU(_) | Op::RNN(_) => super::recurrent::apply(cx, n, ins),
         Op::MaxPool(_)
         | Op::AveragePool(_)
         | Op::GlobalAveragePool(_)

@@ -14,7 +14,7 @@ fn changed(cx: &Cx<'_>, n: NodeId, rank: usize, ins: &[Option<Fact>]) -> Result<
     let ints = |k: usize| {
         let whole = ins.get(k).and_then(Option::as_ref).and_then(|f| cx.terms.value(f.term).cloned());
         whole
-            .or_else(|| node.input(k).and_then(|v| ir::ops::constant_value(cx.g, v, 8)))
+            .or_else(|| node.input(k).and_then(|v| ir::ops::constant_value(cx.g, v, 16)))
             .and_then(|a| a.to_f64().ok())
             .map(|x| x.into_iter().map(|v| v as i64).collect::<Vec<_>>())
     };
