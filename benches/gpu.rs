@@ -3,7 +3,8 @@
 //! preset, from `shardc calibrate`) against measured forward steps of real models under
 //! several strategies, with the mean absolute percentage error.
 //!
-//! Run with `cargo bench --bench gpu` (`XDG_RUNTIME_DIR` set, a Vulkan driver installed).
+//! Run with `cargo bench --bench gpu` (`XDG_RUNTIME_DIR` set, a Vulkan driver installed);
+//! `SHARDC_BENCH_ONLY=Conv` measures the kernels whose name contains `Conv`, alone.
 //! Each figure is the median of several runs in this one process.
 
 mod common;
@@ -166,7 +167,7 @@ fn kernel_rates() -> BTreeMap<&'static str, f64> {
         println!("  no wgpu adapter: CPU only");
     }
     let mut cpu = CpuExecutor::new();
-    for k in kernels() {
+    for k in kernels().into_iter().filter(|k| only().is_none_or(|o| k.name.contains(o.as_str()))) {
         let (m, node) = one_op(&k.signature, k.body).expect("kernel model");
         let inputs: Vec<Array> = k.shapes.iter().map(|s| filled(s)).collect();
         let tc = time_node(&mut cpu, &m.graph, node, &inputs, 5).expect("cpu run");
@@ -354,9 +355,18 @@ fn beside_torch(rates: &BTreeMap<&'static str, f64>) {
     }
 }
 
+/// `SHARDC_BENCH_ONLY=TEXT`: the kernels whose name contains it, alone (no torch column, no
+/// forward-step comparison).
+fn only() -> Option<String> {
+    std::env::var("SHARDC_BENCH_ONLY").ok().filter(|s| !s.is_empty())
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; nothing to parse.
     let rates = kernel_rates();
+    if only().is_some() {
+        return;
+    }
     beside_torch(&rates);
     prediction_vs_measurement();
 }
