@@ -472,7 +472,10 @@ fn gemm(cx: &mut Cx<'_>, gm: &o::Gemm, ins: &[Option<Fact>]) -> Out {
             let cs = cx.terms.shape(c.term).to_vec();
             let creg = broadcast_region(cx.terms, &[c], &shape)
                 .map_err(|_| Why::Wrong(format!("Gemm's bias holds {:?}", c.region)))?;
-            if cs.len() == 2 && creg != region || (cs.len() == 1 && cs[0] != 1 && c.region[0] != region[1]) {
+            // Each dim the bias has at full size holds the product's part; a broadcast one (a
+            // `[M, 1]` or `[1]` bias) holds its single row, which `broadcast_region` checks.
+            let off = shape.len().saturating_sub(cs.len());
+            if (0..cs.len()).any(|j| cs[j] == shape[off + j] && creg[off + j] != region[off + j]) {
                 return wrong(format!("Gemm's bias holds {:?}, the product {region:?}", c.region));
             }
             (cx.terms.op(&key, 0, &[a.term, b.term, c.term], &shape), true, true)
@@ -975,7 +978,7 @@ fn slice(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
     };
     let steps = node.input(4).map(|v| cx.ints(Some(v)));
     if steps.as_ref().is_some_and(|s| s.as_ref().is_none_or(|s| s.iter().any(|&k| k != 1))) {
-        return whole_rule(cx, n, ins);
+        return stepped_slice(cx, n, ins, &axes);
     }
     // Bounds that take all of the value, and all of the piece held (a begin and end masked
     // as exporters write them): the identity, on the graph and on the device.
@@ -1001,6 +1004,30 @@ fn slice(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
         abs[a] = (lo + s, lo + e.max(s));
     }
     Ok(vec![Some(cut(cx, x, &axes, abs))])
+}
+
+/// Slice with steps other than 1 along `axes`, which the piece holds whole: the op on the
+/// whole value (as [`whole_rule`] writes it), its other dims' parts passing through. Along a
+/// sliced axis held in part, the rule of a whole op.
+fn stepped_slice(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>], axes: &[usize]) -> Out {
+    let Some(x) = ins.first().and_then(Option::as_ref) else { return wrong("Slice without input") };
+    let shape = cx.terms.shape(x.term).to_vec();
+    let local = cx.out_dims(n, 0);
+    let held_whole = axes.iter().all(|&a| a < shape.len() && x.region[a] == (0, shape[a]));
+    let (Some(local), true) = (local, held_whole && ins.iter().flatten().all(Fact::is_exact)) else {
+        return whole_rule(cx, n, ins);
+    };
+    let mut terms = vec![x.term];
+    for f in ins.iter().skip(1).flatten() {
+        let Some(w) = f.at(&whole(cx.terms.shape(f.term))) else { return whole_rule(cx, n, ins) };
+        terms.push(w.term);
+    }
+    let (mut global, mut region) = (local.clone(), whole(&local));
+    for d in (0..shape.len()).filter(|d| !axes.contains(d)) {
+        (global[d], region[d]) = (shape[d], x.region[d]);
+    }
+    let t = cx.terms.op(&op_key(&cx.g.node(n).op), 0, &terms, &global);
+    Ok(vec![Some(Fact::exact(t, region))])
 }
 
 /// The part `abs` (along `axes`, in `x`'s term coordinates) of `x`: the graph's `Slice`
