@@ -294,6 +294,33 @@ fn lower_result(g: &Graph, r: &SearchResult, devices: usize, zero: u8) -> crate:
     Ok(codegen::lower(g, &placement)?)
 }
 
+/// The graph a forward program `p` of `g` computes, what the prover compares it with: `g`,
+/// or with micro-batches one micro-batch of it (`g` re-batched to 1/m of its batch, keeping
+/// the full batch's constants the re-batching rewrote: the lowering cuts the devices' pieces
+/// from those, and the proof fails where a device computes with one where the micro-batch
+/// needs another).
+pub fn proof_graph(g: &Graph, p: &Program) -> Result<Graph, String> {
+    let m = p.micro_batches.max(1);
+    if m == 1 {
+        return Ok(g.clone());
+    }
+    let batch =
+        passes::cost::pipeline::graph_batch(g).ok_or("the program has micro-batches but the model no batch dim")?;
+    let mut micro = g.clone();
+    let spec = passes::rebatch::RebatchSpec { batch: Some(batch / m as i64), micro_batch: true, ..Default::default() };
+    passes::rebatch::rebatch(&mut micro, &spec).map_err(|e| format!("one micro-batch: {e}"))?;
+    for &n in g.initializers() {
+        let v = ir::Value::new(n, 0);
+        let name = g.value_name(v);
+        if micro.lookup(name).is_none()
+            && let Some(t) = g.initializer(v)
+        {
+            micro.add_initializer(name, t.clone());
+        }
+    }
+    Ok(micro)
+}
+
 /// Runs `p`, lowered for one micro-batch of `full` (the same graph re-batched to 1/m of its
 /// batch), as `m` micro-batches of `full`'s batch: an input one of whose dims (its batch:
 /// dim 0, or dim 1 of a recurrent state) is `m` times the program's is cut into

@@ -590,28 +590,11 @@ pub fn proved(g: &ir::Graph, program: &codegen::Program, what: &str) -> CliResul
 /// micro-batch, so it is proved against `g` re-batched to one micro-batch.
 pub fn proved_forward(g: &ir::Graph, program: &codegen::Program) -> CliResult<String> {
     let m = program.micro_batches.max(1);
-    if m == 1 {
-        return proved(g, program, "the model's");
+    let micro = shardc::exec::proof_graph(g, program).map_err(|e| CliError::msg(format!("--verify: {e}")))?;
+    match m {
+        1 => proved(&micro, program, "the model's"),
+        m => proved(&micro, program, &format!("one micro-batch (of {m}) of the model's")),
     }
-    let batch = passes::cost::pipeline::graph_batch(g)
-        .ok_or_else(|| CliError::msg("--verify: the program has micro-batches but the model no batch dim"))?;
-    let mut micro = g.clone();
-    let spec = passes::rebatch::RebatchSpec { batch: Some(batch / m as i64), micro_batch: true, ..Default::default() };
-    passes::rebatch::rebatch(&mut micro, &spec)
-        .map_err(|e| CliError::msg(format!("--verify: one micro-batch: {e}")))?;
-    // Re-batching replaces the constants it rewrites (by `X.rebatched`); the lowering cuts
-    // the devices' pieces from the full batch's, so those stay in the graph (read by nothing:
-    // the proof fails where a device computes with one where the micro-batch needs another).
-    for &n in g.initializers() {
-        let v = ir::Value::new(n, 0);
-        let name = g.value_name(v);
-        if micro.lookup(name).is_none()
-            && let Some(t) = g.initializer(v)
-        {
-            micro.add_initializer(name, t.clone());
-        }
-    }
-    proved(&micro, program, &format!("one micro-batch (of {m}) of the model's"))
 }
 
 /// Reads a plan document (`shardc plan -o`).

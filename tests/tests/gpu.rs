@@ -84,6 +84,7 @@ fn sharded_plans_run_on_wgpu_devices_and_match_the_reference() {
             };
             let prog = codegen::lower(g, &pl).unwrap_or_else(|e| panic!("{name} {strategy}: {e}"));
             codegen::check(&prog).unwrap_or_else(|e| panic!("{name} {strategy}: {e:?}"));
+            codegen::verify(g, &prog).unwrap_or_else(|e| panic!("{name} {strategy} on {devices}: not proved: {e}"));
             let r = codegen::run(&prog, &io.inputs, &RunOptions { backend: Backend::Wgpu, ..Default::default() })
                 .unwrap_or_else(|e| panic!("{name} {strategy} on {devices}: {e}"));
             for ((out, got), want) in r.outputs.iter().zip(&reference) {
@@ -292,6 +293,8 @@ fn pipelined_plans_run_on_wgpu_devices_and_match_the_reference() {
             assert!(r.pipeline.is_some(), "{name}: no pipeline on {devices}");
             let prog = shardc::exec::program_for_search(g, &r, devices).unwrap();
             codegen::check(&prog).unwrap_or_else(|e| panic!("{name}: {e:?}"));
+            let proof = shardc::exec::proof_graph(g, &prog).unwrap_or_else(|e| panic!("{name}: {e}"));
+            codegen::verify(&proof, &prog).unwrap_or_else(|e| panic!("{name} pipelined on {devices}: not proved: {e}"));
             let out = codegen::run(&prog, &io.inputs, &RunOptions { backend: Backend::Wgpu, ..Default::default() })
                 .unwrap_or_else(|e| panic!("{name} on {devices}: {e}"));
             for ((o, got), want) in out.outputs.iter().zip(&reference) {

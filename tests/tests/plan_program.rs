@@ -65,6 +65,11 @@ fn compare(name: &str, g: &ir::Graph, cluster: &str, devices: usize, r: &autosha
     let plan = autoshard::Plan::new(g, &c, devices, &Options::default(), Default::default(), r);
     let prog = shardc::exec::program_for_search(g, r, devices).unwrap_or_else(|e| panic!("{name} on {cluster}: {e}"));
     let mut bad = Vec::new();
+    // The program computes the model (docs/verify.md); a pipeline's, one micro-batch of it.
+    let proof = shardc::exec::proof_graph(g, &prog).unwrap_or_else(|e| panic!("{name} on {cluster}: {e}"));
+    if let Err(e) = codegen::verify(&proof, &prog) {
+        bad.push(format!("{name} on {cluster}: not proved ({:?}): {e}", e.kind));
+    }
     if !prog.fallbacks.is_empty() {
         bad.push(format!("{name} on {cluster}: ops fell back to replicated: {:?}", prog.fallbacks));
     }

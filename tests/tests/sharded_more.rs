@@ -37,7 +37,8 @@ fn search(g: &ir::Graph, devices: usize, pipeline: PipelineMode) -> autoshard::S
     autoshard::search(g, &c, devices, &Options::default(), &so).unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// Lowers, checks and runs `r` on the CPU executor; every output within `rtol` of `reference`.
+/// Lowers, checks, proves and runs `r` on the CPU executor; every output within `rtol` of
+/// `reference`.
 fn run_and_compare(
     what: &str,
     g: &ir::Graph,
@@ -48,6 +49,11 @@ fn run_and_compare(
 ) -> codegen::Program {
     let prog = shardc::exec::program_for_search(g, r, devices).unwrap_or_else(|e| panic!("{what}: {e}"));
     codegen::check(&prog).unwrap_or_else(|e| panic!("{what}: {e:?}"));
+    // Proved before it runs (docs/verify.md): a pipeline's programs against one micro-batch.
+    let proof = shardc::exec::proof_graph(g, &prog).unwrap_or_else(|e| panic!("{what}: {e}"));
+    if let Err(e) = codegen::verify(&proof, &prog) {
+        panic!("{what}: not proved ({:?}): {e}", e.kind);
+    }
     let out = codegen::run(&prog, inputs, &RunOptions { backend: Backend::Cpu, ..Default::default() })
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     assert_eq!(out.outputs.len(), reference.len(), "{what}");
