@@ -294,21 +294,30 @@ fn lower_result(g: &Graph, r: &SearchResult, devices: usize, zero: u8) -> crate:
     Ok(codegen::lower(g, &placement)?)
 }
 
+/// One of `m` micro-batches of `g`: `g` re-batched to 1/m of its batch, wherever each input
+/// carries it ([`passes::rebatch`]; a recurrent layer's sequence is never cut: re-batching
+/// refuses a batch that reaches it).
+pub fn one_micro_batch(g: &Graph, m: usize) -> Result<Graph, String> {
+    let batch = passes::cost::pipeline::graph_batch(g).ok_or("the model has no input with a batch dim")?;
+    if m == 0 || batch % m as i64 != 0 {
+        return Err(format!("the batch ({batch}) does not divide into {m} micro-batches"));
+    }
+    let mut micro = g.clone();
+    let spec = passes::rebatch::RebatchSpec { batch: Some(batch / m as i64), micro_batch: true, ..Default::default() };
+    passes::rebatch::rebatch(&mut micro, &spec).map_err(|e| e.to_string())?;
+    Ok(micro)
+}
+
 /// The graph a forward program `p` of `g` computes, what the prover compares it with: `g`,
-/// or with micro-batches one micro-batch of it (`g` re-batched to 1/m of its batch, keeping
-/// the full batch's constants the re-batching rewrote: the lowering cuts the devices' pieces
-/// from those, and the proof fails where a device computes with one where the micro-batch
-/// needs another).
+/// or with micro-batches [`one_micro_batch`] of it, keeping the full batch's constants the
+/// re-batching rewrote (the lowering cuts the devices' pieces from those, and the proof fails
+/// where a device computes with one where the micro-batch needs another).
 pub fn proof_graph(g: &Graph, p: &Program) -> Result<Graph, String> {
     let m = p.micro_batches.max(1);
     if m == 1 {
         return Ok(g.clone());
     }
-    let batch =
-        passes::cost::pipeline::graph_batch(g).ok_or("the program has micro-batches but the model no batch dim")?;
-    let mut micro = g.clone();
-    let spec = passes::rebatch::RebatchSpec { batch: Some(batch / m as i64), micro_batch: true, ..Default::default() };
-    passes::rebatch::rebatch(&mut micro, &spec).map_err(|e| format!("one micro-batch: {e}"))?;
+    let mut micro = one_micro_batch(g, m).map_err(|e| format!("one micro-batch (of {m}): {e}"))?;
     for &n in g.initializers() {
         let v = ir::Value::new(n, 0);
         let name = g.value_name(v);

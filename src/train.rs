@@ -136,16 +136,8 @@ pub fn micro_training_model(
     opt: &OptimizerSpec,
     m: usize,
 ) -> Result<ir::Model, String> {
-    let batch = passes::cost::pipeline::graph_batch(&model.graph)
-        .ok_or("--micro-batches: the model has no input with a batch dim")?;
-    if m == 0 || batch % m as i64 != 0 {
-        return Err(format!("--micro-batches {m}: the batch ({batch}) does not divide into {m} micro-batches"));
-    }
     let mut micro = model.clone();
-    let spec = passes::rebatch::RebatchSpec { batch: Some(batch / m as i64), micro_batch: true, ..Default::default() };
-    passes::rebatch::rebatch(&mut micro.graph, &spec).map_err(|e| format!("--micro-batches {m}: {e}"))?;
-    // (A recurrent layer's sequence is never cut: rebatching refuses a batch that reaches
-    // it.)
+    micro.graph = crate::exec::one_micro_batch(&model.graph, m).map_err(|e| format!("--micro-batches {m}: {e}"))?;
     Ok(training_model(&micro, loss, opt)?.0)
 }
 

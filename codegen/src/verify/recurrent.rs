@@ -10,11 +10,10 @@ use ir::op::Op;
 use super::rules::{Cx, Out, Why, op_key, wrong};
 use super::term::{Fact, Region, TermId, whole};
 
-/// The batch dim of each operand slot (X, W, R, B, sequence_lens, initial_h, initial_c, P):
-/// `None` for the weights, held whole.
-fn batch_dims(layout: i64) -> Vec<Option<usize>> {
-    let (x, state) = if layout == 0 { (1, 1) } else { (0, 0) };
-    vec![Some(x), None, None, None, Some(0), Some(state), Some(state), None]
+/// The batch dims of a layer of `layout`: the input's and the states' (and the outputs' Y_h,
+/// Y_c), and `Y`'s.
+fn batch_dims(layout: i64) -> (usize, usize, usize) {
+    if layout == 0 { (1, 1, 2) } else { (0, 0, 0) }
 }
 
 pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
@@ -28,10 +27,13 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
     if ins.iter().flatten().any(|f| !f.is_exact()) {
         return wrong(format!("a partial sum reaches {}", op.op_type()));
     }
-    let dims = batch_dims(layout);
+    let (xb, state, yb) = batch_dims(layout);
+    // Per operand slot (X, W, R, B, sequence_lens, initial_h, initial_c, P), its batch dim;
+    // the weights are held whole.
+    let dims = [Some(xb), None, None, None, Some(0), Some(state), Some(state), None];
     let Some(x) = ins.first().and_then(Option::as_ref) else { return wrong("no input") };
-    let total = cx.terms.shape(x.term)[dims[0].unwrap_or(0)];
-    let held = x.region[dims[0].unwrap_or(0)];
+    let total = cx.terms.shape(x.term)[xb];
+    let held = x.region[xb];
     let mut terms: Vec<TermId> = Vec::new();
     let mut present = String::new();
     for (k, f) in ins.iter().enumerate() {
@@ -64,13 +66,9 @@ pub fn apply(cx: &mut Cx<'_>, n: NodeId, ins: &[Option<Fact>]) -> Out {
             continue;
         };
         // Y [seq, dirs, batch, H] (layout 1: [batch, seq, dirs, H]); Y_h, Y_c as the states.
-        let d = if slot == 0 { Some(if layout == 0 { 2 } else { 0 }) } else { dims[5] };
-        let mut shape = local.clone();
-        let mut region = whole(&local);
-        if let Some(d) = d {
-            shape[d] = total;
-            region[d] = held;
-        }
+        let d = if slot == 0 { yb } else { state };
+        let (mut shape, mut region) = (local.clone(), whole(&local));
+        (shape[d], region[d]) = (total, held);
         let t = cx.terms.op(&key, slot as u16, &terms, &shape);
         out.push(Some(Fact::exact(t, region)));
     }

@@ -12,9 +12,10 @@
 //! (fewest first, at most the model's blocks), then micro-batch sizes — and on a model with
 //! fused attention, data × context (Ulysses) × tensor points after them; for each, the memory
 //! rungs in about the order of their cost (as given; ZeRO-1; selective recomputation; with
-//! ZeRO-1; torchtitan's op-level recomputation; with ZeRO-1; full recomputation; with ZeRO-1; with ZeRO-3 — with tensor parallelism, each with
-//! sequence parallelism) until one fits and on while the step falls (a pipeline whose stages
-//! hold more activations balances worse: saving memory can save time), a pipeline that fits
+//! ZeRO-1; torchtitan's op-level recomputation; with ZeRO-1; full recomputation; with ZeRO-1;
+//! with ZeRO-3 — with tensor parallelism, each with sequence parallelism) until one fits and
+//! on while the step falls (a pipeline whose stages hold more activations balances worse:
+//! saving memory can save time), a pipeline that fits
 //! priced again interleaved over 2 and 3 chunks on the same rung. A rung whose parameters,
 //! gradients and optimizer state alone overflow a device at the point's degrees is passed
 //! over unpriced (`model_state_floor`).
